@@ -1,0 +1,1 @@
+"""Request handling: sampling and the generation loop."""

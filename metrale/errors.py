@@ -1,0 +1,84 @@
+"""The exceptions Metrale raises.
+
+Every error the engine raises on purpose is a :class:`MetraleError`. The subclasses that describe
+bad input also derive from the matching built-in (``ValueError``, ``TypeError``, ``LookupError``)
+so that generic ``except`` clauses keep working.
+"""
+
+from __future__ import annotations
+
+
+class MetraleError(Exception):
+    """Base class of every error raised by Metrale."""
+
+
+class ConfigError(MetraleError, ValueError):
+    """An engine option or ``METRALE_*`` environment variable has a bad value."""
+
+
+class PluginError(MetraleError):
+    """A plugin could not be imported, registered or validated.
+
+    The message names the plugin and the distribution that provides it.
+    """
+
+    def __init__(self, message: str, *, plugin: str | None = None, distribution: str | None = None):
+        super().__init__(message)
+        self.plugin = plugin
+        self.distribution = distribution
+
+
+class ContractVersionError(PluginError):
+    """A plugin targets a forward-contract version this engine does not implement."""
+
+
+class UnsupportedModelError(MetraleError, LookupError):
+    """No installed family serves the checkpoint's ``architectures`` / ``model_type``."""
+
+
+class CheckpointError(MetraleError):
+    """A checkpoint folder is unreadable, incomplete or has a tensor of the wrong shape."""
+
+
+class BackendUnavailableError(MetraleError, RuntimeError):
+    """The requested device backend cannot run on this machine (for example no CUDA device)."""
+
+
+class InvalidRequestError(MetraleError, ValueError):
+    """A prompt or sampling option is invalid. The message contains the offending value."""
+
+
+class EmptyPromptError(InvalidRequestError):
+    """A prompt has no tokens."""
+
+
+class TokenOutOfRangeError(InvalidRequestError):
+    """A prompt holds a token id outside ``[0, vocab_size)``."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """A prompt (plus the tokens to generate) does not fit the model's context."""
+
+
+class UnknownOptionError(InvalidRequestError, TypeError):
+    """An option name is not recognised (a misspelt keyword, for example)."""
+
+
+class TokenizerMissingError(InvalidRequestError):
+    """A text prompt was given but the checkpoint has no ``tokenizer.json``."""
+
+
+class CacheError(MetraleError, RuntimeError):
+    """The KV / state cache was used against its rules (double free, foreign slot, ...)."""
+
+
+class OutOfCacheBlocksError(CacheError):
+    """The paged KV cache has no free block left for a sequence."""
+
+
+class KernelArgumentError(MetraleError, ValueError):
+    """A kernel launcher got an array of the wrong dtype, shape or memory layout."""
+
+
+class NonFiniteStateError(MetraleError, FloatingPointError):
+    """A recurrent state holds NaN or infinity between prefill chunks."""

@@ -1,0 +1,422 @@
+"""The public API for model-family plugins.
+
+A family plugin provides
+
+* a :class:`FamilySpec` naming the ``architectures`` / ``model_type`` values it serves;
+* a model class derived from :class:`FamilyModel` that implements :meth:`FamilyModel.cache_spec`
+  and :meth:`FamilyModel.forward_batch` -- the base class derives every method of the forward
+  contract (prefill, chunks, decode, batches, mixed steps, score) from those two;
+* a plugin object, usually a :class:`FamilyPlugin` subclass, whose hook implementations route the
+  contract to its model class.
+
+The built-in families are written exactly this way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from metrale.batch import ForwardBatch, Segment
+from metrale.errors import CacheError, OutOfCacheBlocksError, UnsupportedModelError
+from metrale.hookspecs import hookimpl
+from metrale.sequence import MixedForwardResult, PrefillSlice, SequenceState
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pluggy
+
+    from metrale.backend import Backend
+    from metrale.cache.spec import CacheSpec
+    from metrale.cache.store import ModelCache
+    from metrale.checkpoint import Checkpoint
+    from metrale.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """A model family: its name and the ``config.json`` values it serves.
+
+    The engine dispatches on ``model_type`` and checks ``architectures``.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    description: str = ""
+
+
+class FamilyModel:
+    """Base class of a family's model object.
+
+    Subclasses implement :meth:`cache_spec` and :meth:`forward_batch`; everything else of the
+    forward contract is derived here. ``self.cache`` is bound by the engine before the first
+    forward call.
+    """
+
+    def __init__(self, backend: "Backend", *, vocab_size: int, max_model_len: int) -> None:
+        self.backend = backend
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.cache: ModelCache | None = None
+        self._row_buffer: Any = None
+
+    # -------------------------------------------------------------- what a family implements
+
+    def cache_spec(self) -> "CacheSpec":
+        """Per-layer cache needs of this model."""
+        raise NotImplementedError
+
+    def forward_batch(self, batch: ForwardBatch) -> Any:
+        """Run the rows of ``batch``, writing their KV/state into ``self.cache``.
+
+        Returns float32 logits ``[len(batch.logits_rows), vocab]`` of the listed rows, in order.
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------------------------- optional contract queries
+
+    def is_mla(self) -> bool:
+        return False
+
+    def hc_mult(self) -> int:
+        return 0
+
+    def kv_block_size(self) -> int | None:
+        return None
+
+    def prefill_tail_split(self, tokens: Sequence[int]) -> int | None:
+        return None
+
+    def normalize_ssm_states(self, seq: SequenceState, stream: Any) -> None:
+        return None
+
+    # --------------------------------------------------------------------------- machinery
+
+    def bind_cache(self, cache: "ModelCache") -> None:
+        self.cache = cache
+
+    def _require_cache(self) -> "ModelCache":
+        if self.cache is None:
+            raise CacheError(f"{type(self).__name__} has no cache bound; call bind_cache() first")
+        return self.cache
+
+    def _check_segments(self, segments: list[Segment]) -> None:
+        seen: set[int] = set()
+        for segment in segments:
+            seq = segment.seq
+            if seq.seq_id in seen:
+                raise CacheError(f"sequence {seq.seq_id} appears twice in one forward call")
+            seen.add(seq.seq_id)
+            if segment.start != seq.seq_len:
+                raise CacheError(
+                    f"sequence {seq.seq_id} has {seq.seq_len} cached tokens but the call starts "
+                    f"at position {segment.start}"
+                )
+            if segment.end > self.max_model_len:
+                raise CacheError(
+                    f"sequence {seq.seq_id} would reach {segment.end} tokens, past the model's "
+                    f"context of {self.max_model_len}"
+                )
+
+    def blocks_needed(self, segments: list[Segment]) -> int:
+        cache = self._require_cache()
+        return sum(cache.blocks_needed(s.seq, s.end) for s in segments) if cache.spec.uses_blocks else 0
+
+    def run_segments(self, segments: list[Segment]) -> Any:
+        """Reserve cache for ``segments`` (all or nothing), run them, advance each ``seq_len``."""
+        cache = self._require_cache()
+        self._check_segments(segments)
+        needed = self.blocks_needed(segments)
+        if needed > cache.num_free_blocks:
+            raise OutOfCacheBlocksError(
+                f"the call needs {needed} KV blocks, only {cache.num_free_blocks} are free"
+            )
+        for segment in segments:
+            cache.reserve(segment.seq, segment.end)
+        batch = ForwardBatch.build(segments, cache.block_size)
+        logits = self.forward_batch(batch)
+        for segment in segments:
+            segment.seq.seq_len = segment.end
+        return logits
+
+    # -------------------------------------------------------------------- forward contract
+
+    def prefill(self, tokens: Sequence[int], seq: SequenceState, stream: Any) -> Any:
+        start = seq.seq_len
+        if start >= len(tokens):
+            raise CacheError(f"sequence {seq.seq_id} already caches all {len(tokens)} prompt tokens")
+        return self.run_segments([Segment(seq, tokens[start:], start, "last")])
+
+    def prefill_chunk(
+        self,
+        tokens: Sequence[int],
+        seq: SequenceState,
+        chunk_start: int,
+        chunk_len: int,
+        is_last_chunk: bool,
+        stream: Any,
+    ) -> Any:
+        chunk = tokens[chunk_start : chunk_start + chunk_len]
+        if chunk_len < 1 or len(chunk) != chunk_len:
+            raise CacheError(
+                f"chunk [{chunk_start}, {chunk_start + chunk_len}) does not fit a prompt of {len(tokens)} tokens"
+            )
+        logits = self.run_segments([Segment(seq, chunk, chunk_start, "last" if is_last_chunk else "none")])
+        return logits if is_last_chunk else None
+
+    def prefill_twophase(self, tokens: Sequence[int], seq: SequenceState, chunk_size: int, stream: Any) -> Any:
+        if chunk_size < 1:
+            raise CacheError(f"chunk_size must be >= 1, got {chunk_size}")
+        start = seq.seq_len
+        logits = None
+        while start < len(tokens):
+            length = min(chunk_size, len(tokens) - start)
+            last = start + length == len(tokens)
+            logits = self.prefill_chunk(tokens, seq, start, length, last, stream)
+            if not last:
+                self.normalize_ssm_states(seq, stream)
+            start += length
+        if logits is None:
+            raise CacheError(f"sequence {seq.seq_id} already caches all {len(tokens)} prompt tokens")
+        return logits
+
+    def decode(self, token: int, seq: SequenceState, stream: Any) -> Any:
+        return self.decode_batch([token], [seq], stream)
+
+    def decode_batch(self, tokens: Sequence[int], seqs: Sequence[SequenceState], stream: Any) -> Any:
+        if len(tokens) != len(seqs) or not seqs:
+            raise CacheError(f"decode_batch got {len(tokens)} tokens for {len(seqs)} sequences")
+        return self.run_segments([Segment(s, [t], s.seq_len, "last") for t, s in zip(tokens, seqs)])
+
+    def mixed_forward(
+        self,
+        decode_tokens: Sequence[int],
+        decode_seqs: Sequence[SequenceState],
+        prefill_tokens: Sequence[int],
+        prefill_seq: SequenceState,
+        chunk_start: int,
+        chunk_len: int,
+        is_last: bool,
+        stream: Any,
+    ) -> MixedForwardResult:
+        if len(decode_tokens) != len(decode_seqs):
+            raise CacheError(f"mixed_forward got {len(decode_tokens)} decode tokens for {len(decode_seqs)} sequences")
+        chunk = prefill_tokens[chunk_start : chunk_start + chunk_len]
+        if chunk_len < 1 or len(chunk) != chunk_len:
+            raise CacheError(f"chunk [{chunk_start}, {chunk_start + chunk_len}) does not fit the prompt")
+        segments = [Segment(s, [t], s.seq_len, "last") for t, s in zip(decode_tokens, decode_seqs)]
+        segments.append(Segment(prefill_seq, chunk, chunk_start, "last" if is_last else "none"))
+        logits = self.run_segments(segments)
+        count = len(decode_seqs)
+        return MixedForwardResult(
+            decode_logits=logits[:count],
+            prefill_logits=logits[count : count + 1] if is_last else None,
+        )
+
+    def batch_admissible(self, slices: Sequence[PrefillSlice]) -> bool:
+        """Whether ``slices`` can run as one batch: distinct sequences, contiguous chunks, and
+        room in the cache for all of them. Decided before any sequence is touched."""
+        segments = [Segment(s.seq, s.tokens[s.chunk_start : s.chunk_start + s.chunk_len], s.chunk_start) for s in slices]
+        if len({s.seq.seq_id for s in slices}) != len(slices):
+            return False
+        if any(len(seg.token_ids) != sl.chunk_len or sl.chunk_len < 1 for seg, sl in zip(segments, slices)):
+            return False
+        if any(seg.start != seg.seq.seq_len or seg.end > self.max_model_len for seg in segments):
+            return False
+        return self.blocks_needed(segments) <= self._require_cache().num_free_blocks
+
+    def prefill_batch_chunk(self, slices: Sequence[PrefillSlice], stream: Any) -> list[Any]:
+        slices = list(slices)
+        if not slices:
+            return []
+        if not self.batch_admissible(slices):
+            return [
+                self.prefill_chunk(s.tokens, s.seq, s.chunk_start, s.chunk_len, s.is_last_chunk, stream)
+                for s in slices
+            ]
+        segments = [
+            Segment(s.seq, s.tokens[s.chunk_start : s.chunk_start + s.chunk_len], s.chunk_start,
+                    "last" if s.is_last_chunk else "none")
+            for s in slices
+        ]
+        logits = self.run_segments(segments)
+        results: list[Any] = []
+        row = 0
+        for s in slices:
+            if s.is_last_chunk:
+                results.append(logits[row : row + 1])
+                row += 1
+            else:
+                results.append(None)
+        return results
+
+    def prefill_batch_chunk_rows(self, slices: Sequence[PrefillSlice], stream: Any, row_base: int) -> list[Any]:
+        results = self.prefill_batch_chunk(slices, stream)
+        rows_needed = row_base + len(results)
+        if self._row_buffer is None or self._row_buffer.shape[0] < rows_needed:
+            self._row_buffer = self.backend.zeros((max(rows_needed, 1), self.vocab_size), np.float32)
+        out: list[Any] = []
+        for index, logits in enumerate(results):
+            if logits is None:
+                out.append(None)
+                continue
+            row = row_base + index
+            self._row_buffer[row] = logits[0]
+            out.append(self._row_buffer[row : row + 1])
+        return out
+
+    def score(self, tokens: Sequence[int], seq: SequenceState, stream: Any) -> Any:
+        start = seq.seq_len
+        if start >= len(tokens):
+            raise CacheError(f"sequence {seq.seq_id} already caches all {len(tokens)} tokens")
+        return self.run_segments([Segment(seq, tokens[start:], start, "all")])
+
+
+class FamilyPlugin:
+    """Hook implementations routing the contract to one :class:`FamilyModel` subclass.
+
+    Subclass it, set ``family``, ``model_class`` and ``METRALE_CONTRACT_VERSION``, implement
+    :meth:`load_model`, and register an instance (entry point group ``metrale``).
+    """
+
+    family: FamilySpec
+    model_class: type = FamilyModel
+
+    def load_model(self, checkpoint: "Checkpoint", backend: "Backend", config: "EngineConfig") -> FamilyModel:
+        raise NotImplementedError
+
+    def _dispatch(self, model: Any, method_name: str, **arguments: Any) -> Any:
+        """Forward to ``model.<method_name>`` when this plugin owns ``model``; else None."""
+        if not isinstance(model, self.model_class):
+            return None
+        return getattr(model, method_name)(**arguments)
+
+    @hookimpl
+    def metrale_families(self) -> list[FamilySpec]:
+        return [self.family]
+
+    @hookimpl
+    def metrale_load_model(self, family: FamilySpec, checkpoint: Any, backend: Any, config: Any) -> Any:
+        if family.name != self.family.name:
+            return None
+        return self.load_model(checkpoint, backend, config)
+
+    @hookimpl
+    def metrale_cache_spec(self, model: Any) -> Any:
+        return model.cache_spec() if isinstance(model, self.model_class) else None
+
+    @hookimpl
+    def metrale_prefill(self, model, tokens, seq, stream):
+        return self._dispatch(model, "prefill", tokens=tokens, seq=seq, stream=stream)
+
+    @hookimpl
+    def metrale_prefill_chunk(self, model, tokens, seq, chunk_start, chunk_len, is_last_chunk, stream):
+        return self._dispatch(
+            model, "prefill_chunk", tokens=tokens, seq=seq, chunk_start=chunk_start, chunk_len=chunk_len,
+            is_last_chunk=is_last_chunk, stream=stream,
+        )
+
+    @hookimpl
+    def metrale_prefill_twophase(self, model, tokens, seq, chunk_size, stream):
+        return self._dispatch(model, "prefill_twophase", tokens=tokens, seq=seq, chunk_size=chunk_size, stream=stream)
+
+    @hookimpl
+    def metrale_decode(self, model, token, seq, stream):
+        return self._dispatch(model, "decode", token=token, seq=seq, stream=stream)
+
+    @hookimpl
+    def metrale_decode_batch(self, model, tokens, seqs, stream):
+        return self._dispatch(model, "decode_batch", tokens=tokens, seqs=seqs, stream=stream)
+
+    @hookimpl
+    def metrale_mixed_forward(
+        self, model, decode_tokens, decode_seqs, prefill_tokens, prefill_seq, chunk_start, chunk_len, is_last, stream
+    ):
+        return self._dispatch(
+            model, "mixed_forward", decode_tokens=decode_tokens, decode_seqs=decode_seqs, prefill_tokens=prefill_tokens,
+            prefill_seq=prefill_seq, chunk_start=chunk_start, chunk_len=chunk_len, is_last=is_last, stream=stream,
+        )
+
+    @hookimpl
+    def metrale_prefill_batch_chunk(self, model, slices, stream):
+        return self._dispatch(model, "prefill_batch_chunk", slices=slices, stream=stream)
+
+    @hookimpl
+    def metrale_prefill_batch_chunk_rows(self, model, slices, stream, row_base):
+        return self._dispatch(model, "prefill_batch_chunk_rows", slices=slices, stream=stream, row_base=row_base)
+
+    @hookimpl
+    def metrale_score(self, model, tokens, seq, stream):
+        return self._dispatch(model, "score", tokens=tokens, seq=seq, stream=stream)
+
+    @hookimpl
+    def metrale_normalize_ssm_states(self, model, seq, stream):
+        return self._dispatch(model, "normalize_ssm_states", seq=seq, stream=stream)
+
+    @hookimpl
+    def metrale_hc_mult(self, model):
+        return self._dispatch(model, "hc_mult")
+
+    @hookimpl
+    def metrale_is_mla(self, model):
+        return self._dispatch(model, "is_mla")
+
+    @hookimpl
+    def metrale_kv_block_size(self, model):
+        return self._dispatch(model, "kv_block_size")
+
+    @hookimpl
+    def metrale_prefill_tail_split(self, model, tokens):
+        return self._dispatch(model, "prefill_tail_split", tokens=tokens)
+
+
+# ------------------------------------------------------------------------------ resolution
+
+
+def installed_families(plugin_manager: "pluggy.PluginManager") -> list[tuple[FamilySpec, str]]:
+    """Every family declared by a registered plugin, with that plugin's name."""
+    found: list[tuple[FamilySpec, str]] = []
+    for impl in plugin_manager.hook.metrale_families.get_hookimpls():
+        for spec in impl.function() or []:
+            found.append((spec, impl.plugin_name))
+    return found
+
+
+def resolve_family(plugin_manager: "pluggy.PluginManager", config: dict[str, Any]) -> FamilySpec:
+    """The family serving a checkpoint whose ``config.json`` is ``config``.
+
+    Dispatches on ``model_type`` (falling back to ``architectures``) and checks that the
+    checkpoint's ``architectures`` are ones the family serves.
+    """
+    families = installed_families(plugin_manager)
+    model_type = config.get("model_type")
+    architectures = list(config.get("architectures") or [])
+    by_type = [(spec, plugin) for spec, plugin in families if model_type in spec.model_types]
+    if len(by_type) > 1:
+        from metrale.errors import PluginError
+
+        owners = ", ".join(f"{spec.name} (plugin {plugin})" for spec, plugin in by_type)
+        raise PluginError(
+            f"several families serve model_type {model_type!r}: {owners}; block all but one with "
+            "METRALE_BLOCKED_PLUGINS"
+        )
+    if by_type:
+        spec = by_type[0][0]
+        if architectures and not set(architectures) & set(spec.architectures):
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} belongs to family {spec.name!r}, which serves "
+                f"{list(spec.architectures)}, not {architectures}"
+            )
+        return spec
+    by_arch = [spec for spec, _ in families if set(architectures) & set(spec.architectures)]
+    if by_arch:
+        return by_arch[0]
+    known = sorted({a for spec, _ in families for a in spec.architectures})
+    plugins = sorted({plugin for _, plugin in families})
+    raise UnsupportedModelError(
+        f"no installed family serves architectures={architectures} model_type={model_type!r}. "
+        f"Known architectures: {', '.join(known) or 'none'}. Installed family plugins: "
+        f"{', '.join(plugins) or 'none'}"
+    )

@@ -1,0 +1,148 @@
+"""RoPE parameters read from ``config.json`` (both transformers 4.x and 5.x styles).
+
+:func:`rope_parameters` normalises the config, :meth:`RopeParameters.inverse_frequencies`
+computes ``inv_freq`` exactly as transformers does (float32), including the ``linear``,
+``llama3`` and ``yarn`` scalings. Length-dependent variants (``dynamic``, ``longrope``) are
+refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from metrale.errors import CheckpointError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeParameters:
+    """Normalised RoPE settings of one model.
+
+    ``rotary_dim`` dims of each head rotate (the rest pass through); ``scaling`` holds the raw
+    scaling fields (factor, ...) of the non-default types.
+    """
+
+    rope_type: str
+    theta: float
+    rotary_dim: int
+    scaling: Mapping[str, Any]
+    max_position_embeddings: int | None = None
+
+    def inverse_frequencies(self) -> np.ndarray:
+        """``inv_freq`` ``[rotary_dim / 2]`` float32, scaled as ``rope_type`` says."""
+        d = self.rotary_dim
+        exponents = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+        base = (np.float32(self.theta) ** exponents).astype(np.float32)
+        inv_freq = (np.float32(1.0) / base).astype(np.float32)
+        if self.rope_type == "linear":
+            return (inv_freq / np.float32(self.scaling["factor"])).astype(np.float32)
+        if self.rope_type == "llama3":
+            return _llama3(inv_freq, self.scaling)
+        if self.rope_type == "yarn":
+            return _yarn(base, d, self.theta, self._yarn_factor(), self.scaling)
+        return inv_freq
+
+    def attention_factor(self) -> float:
+        """Multiplier of cos and sin (1 except for YaRN)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        given = self.scaling.get("attention_factor")
+        if given is not None:
+            return float(given)
+        factor = self._yarn_factor()
+        mscale = self.scaling.get("mscale")
+        mscale_all_dim = self.scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        return yarn_mscale(factor)
+
+    def _yarn_factor(self) -> float:
+        factor = self.scaling.get("factor")
+        if factor is None:
+            original = self.scaling.get("original_max_position_embeddings")
+            if not original or not self.max_position_embeddings:
+                raise CheckpointError("yarn RoPE needs 'factor' or both max position fields")
+            factor = self.max_position_embeddings / original
+        return float(factor)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """``m(s, mu)`` of YaRN: 1 when ``s <= 1``, else ``0.1 * mu * ln(s) + 1``."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _llama3(inv_freq: np.ndarray, scaling: Mapping[str, Any]) -> np.ndarray:
+    factor = np.float32(scaling["factor"])
+    low = np.float32(scaling["low_freq_factor"])
+    high = np.float32(scaling["high_freq_factor"])
+    original = np.float32(scaling["original_max_position_embeddings"])
+    low_wavelen = original / low
+    high_wavelen = original / high
+    wavelen = np.float32(2 * math.pi) / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq).astype(np.float32)
+    smooth = ((original / wavelen - low) / (high - low)).astype(np.float32)
+    smoothed = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn(base: np.ndarray, d: int, theta: float, factor: float, scaling: Mapping[str, Any]) -> np.ndarray:
+    original = scaling.get("original_max_position_embeddings")
+    if not original:
+        raise CheckpointError("yarn RoPE needs 'original_max_position_embeddings'")
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+    truncate = scaling.get("truncate", True)
+
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = correction_dim(beta_fast)
+    high = correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation_weight = (1 - ramp).astype(np.float32)
+    extrapolation = (np.float32(1.0) / base).astype(np.float32)
+    interpolation = (np.float32(1.0) / (np.float32(factor) * base)).astype(np.float32)
+    return (interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight).astype(np.float32)
+
+
+def rope_parameters(
+    config: Mapping[str, Any], head_dim: int, *, default_partial_factor: float = 1.0
+) -> RopeParameters:
+    """Normalise the RoPE fields of ``config`` (FAMILIES.md §0.3 rule)."""
+    rp = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = rp.get("rope_theta") or config.get("rope_theta") or 10000.0
+    rope_type = rp.get("rope_type") or rp.get("type") or "default"
+    partial = rp.get("partial_rotary_factor") or config.get("partial_rotary_factor") or default_partial_factor
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(
+            f"RoPE type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise CheckpointError(f"rotary dimension {rotary_dim} (head_dim {head_dim} x {partial}) must be even and >= 2")
+    if rope_type in ("linear", "llama3") and "factor" not in rp:
+        raise CheckpointError(f"{rope_type} RoPE scaling needs a 'factor'")
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in rp:
+                raise CheckpointError(f"llama3 RoPE scaling needs {key!r}")
+    return RopeParameters(
+        rope_type=rope_type,
+        theta=float(theta),
+        rotary_dim=rotary_dim,
+        scaling=dict(rp),
+        max_position_embeddings=config.get("max_position_embeddings"),
+    )

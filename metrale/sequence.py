@@ -1,0 +1,95 @@
+"""The per-sequence state and the argument / result types of the forward contract."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+_sequence_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """Everything the engine keeps for one sequence between forward calls.
+
+    ``tokens`` holds the prompt followed by every generated token. ``seq_len`` counts the tokens
+    whose KV (or recurrent state) is already in the cache; a forward call that consumes ``n`` new
+    tokens advances it by ``n``. ``block_table[i]`` is the cache block that holds positions
+    ``[i * block_size, (i + 1) * block_size)``.
+    """
+
+    tokens: list[int]
+    prompt_len: int
+    seq_id: int = field(default_factory=lambda: next(_sequence_ids))
+    seq_len: int = 0
+    block_table: list[int] = field(default_factory=list)
+    #: LoRA adapter overlay slot, None when the base model serves this sequence.
+    adapter_slot: int | None = None
+    #: Recurrent-state slot (GDN conv + delta-rule state), None for families without one.
+    state_slot: int | None = None
+    #: Speculative-decoding drafter fields: proposed tokens not yet verified, the capture
+    #: generation that claims the shared hidden-capture slot, and hidden rows accepted by a
+    #: verify but not yet folded into the recurrent state (flushed by the flush stage).
+    draft_tokens: list[int] = field(default_factory=list)
+    capture_generation: int | None = None
+    pending_flush: Any = None
+
+    @classmethod
+    def from_prompt(cls, prompt: list[int], **kwargs: Any) -> "SequenceState":
+        return cls(tokens=list(prompt), prompt_len=len(prompt), **kwargs)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass
+class PrefillSlice:
+    """One sequence's chunk in a batched prefill: ``tokens[chunk_start:chunk_start+chunk_len]``
+    of the full prompt ``tokens`` runs; ``is_last_chunk`` asks for logits."""
+
+    tokens: list[int]
+    seq: SequenceState
+    chunk_start: int
+    chunk_len: int
+    is_last_chunk: bool
+
+
+@dataclass
+class MixedForwardResult:
+    """Result of ``mixed_forward``: ``decode_logits`` is ``[n_decode, vocab]`` (row i for
+    ``decode_seqs[i]``); ``prefill_logits`` is ``[1, vocab]`` when the chunk was the last, else
+    None. Their rows never overlap."""
+
+    decode_logits: Any
+    prefill_logits: Any | None
+
+
+#: Adapter route stamped when the sequences of one step use different adapters (or the step
+#: is mixed): per-adapter token overlays are skipped for the whole step.
+MIXED_ADAPTERS = "mixed-adapters"
+
+#: The forward methods after which the drafter may run (when their chunk is the last).
+PREFILL_LIKE_METHODS = frozenset({"prefill", "prefill_chunk", "prefill_twophase", "mixed_forward"})
+
+
+@dataclass
+class ForwardStep:
+    """What the stage hooks see of one forward call.
+
+    ``method`` is the contract method's name, ``seqs`` every sequence the call touches (decode
+    rows first, then prefill), ``is_last_chunk`` whether a prefill-like call finishes its prompt,
+    ``stream`` the engine stream (None on the CPU). Stamp plugins record routing in ``stamps``.
+    """
+
+    method: str
+    seqs: list[SequenceState]
+    stream: Any = None
+    is_last_chunk: bool = False
+    stamps: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def runs_drafter(self) -> bool:
+        """True when a successful call of this step must be followed by the drafter stage."""
+        return self.method in PREFILL_LIKE_METHODS and self.is_last_chunk

@@ -1,0 +1,142 @@
+"""Reusable decoder layers: GQA attention over the paged cache, and the SwiGLU MLP.
+
+These are public: any family may build its model from them. Weights are held in fused form
+(one ``qkv`` matrix, one ``gate_up`` matrix) so each block runs one matrix product per input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from metrale.batch import ForwardBatch
+from metrale.checkpoint import Checkpoint
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """Heads and sizes of one attention block; ``rotary`` is the RoPE ``inv_freq`` table."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    inv_freq: np.ndarray
+    attention_factor: float = 1.0
+    sliding_window: int | None = None
+    norm_eps: float = 1e-6
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+@dataclass
+class AttentionWeights:
+    """``qkv [(n_h + 2 n_kv) d, H]``, ``o [H, n_h d]``; optional biases and per-head q/k norms."""
+
+    qkv: Any
+    o: Any
+    qkv_bias: Any = None
+    o_bias: Any = None
+    q_norm: Any = None
+    k_norm: Any = None
+
+
+@dataclass
+class MlpWeights:
+    """``gate_up [2 I, H]`` (gate rows first), ``down [H, I]``; optional biases."""
+
+    gate_up: Any
+    down: Any
+    gate_up_bias: Any = None
+    down_bias: Any = None
+
+
+def load_attention_weights(
+    checkpoint: Checkpoint,
+    backend: Any,
+    prefix: str,
+    geometry: AttentionGeometry,
+    *,
+    qkv_bias: bool = False,
+    o_bias: bool = False,
+    qk_norm: bool = False,
+) -> AttentionWeights:
+    """Read ``{prefix}.{q,k,v,o}_proj`` (and biases / ``q_norm`` / ``k_norm``) and fuse q, k, v."""
+    g = geometry
+    q_rows, kv_rows = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+    parts = [
+        checkpoint.tensor(f"{prefix}.q_proj.weight", (q_rows, g.hidden_size)),
+        checkpoint.tensor(f"{prefix}.k_proj.weight", (kv_rows, g.hidden_size)),
+        checkpoint.tensor(f"{prefix}.v_proj.weight", (kv_rows, g.hidden_size)),
+    ]
+    weights = AttentionWeights(
+        qkv=backend.asarray(np.concatenate(parts)),
+        o=backend.asarray(checkpoint.tensor(f"{prefix}.o_proj.weight", (g.hidden_size, q_rows))),
+    )
+    if qkv_bias:
+        biases = [
+            checkpoint.tensor(f"{prefix}.q_proj.bias", (q_rows,)),
+            checkpoint.tensor(f"{prefix}.k_proj.bias", (kv_rows,)),
+            checkpoint.tensor(f"{prefix}.v_proj.bias", (kv_rows,)),
+        ]
+        weights.qkv_bias = backend.asarray(np.concatenate(biases))
+    if o_bias:
+        weights.o_bias = backend.asarray(checkpoint.tensor(f"{prefix}.o_proj.bias", (g.hidden_size,)))
+    if qk_norm:
+        weights.q_norm = backend.asarray(checkpoint.tensor(f"{prefix}.q_norm.weight", (g.head_dim,)))
+        weights.k_norm = backend.asarray(checkpoint.tensor(f"{prefix}.k_norm.weight", (g.head_dim,)))
+    return weights
+
+
+def load_mlp_weights(
+    checkpoint: Checkpoint, backend: Any, prefix: str, hidden_size: int, intermediate_size: int, *, bias: bool = False
+) -> MlpWeights:
+    """Read ``{prefix}.{gate,up,down}_proj`` and fuse gate and up."""
+    gate = checkpoint.tensor(f"{prefix}.gate_proj.weight", (intermediate_size, hidden_size))
+    up = checkpoint.tensor(f"{prefix}.up_proj.weight", (intermediate_size, hidden_size))
+    weights = MlpWeights(
+        gate_up=backend.asarray(np.concatenate([gate, up])),
+        down=backend.asarray(checkpoint.tensor(f"{prefix}.down_proj.weight", (hidden_size, intermediate_size))),
+    )
+    if bias:
+        gate_b = checkpoint.tensor(f"{prefix}.gate_proj.bias", (intermediate_size,))
+        up_b = checkpoint.tensor(f"{prefix}.up_proj.bias", (intermediate_size,))
+        weights.gate_up_bias = backend.asarray(np.concatenate([gate_b, up_b]))
+        weights.down_bias = backend.asarray(checkpoint.tensor(f"{prefix}.down_proj.bias", (hidden_size,)))
+    return weights
+
+
+def attention_block(
+    backend: Any, geometry: AttentionGeometry, weights: AttentionWeights, cache_layer: Any, h: Any, batch: ForwardBatch
+) -> Any:
+    """Causal GQA self-attention of ``h [N, H]``; writes the rows' K/V into ``cache_layer``."""
+    ops, g = backend.ops, geometry
+    rows = h.shape[0]
+    qkv = ops.linear(h, weights.qkv, weights.qkv_bias)
+    q_width, kv_width = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+    q = qkv[:, :q_width].reshape(rows, g.num_heads, g.head_dim)
+    k = qkv[:, q_width : q_width + kv_width].reshape(rows, g.num_kv_heads, g.head_dim)
+    v = qkv[:, q_width + kv_width :].reshape(rows, g.num_kv_heads, g.head_dim)
+    if weights.q_norm is not None:
+        q = ops.rmsnorm(q, weights.q_norm, g.norm_eps)
+        k = ops.rmsnorm(k, weights.k_norm, g.norm_eps)
+    q = ops.rope(q, batch.positions, g.inv_freq, g.attention_factor)
+    k = ops.rope(k, batch.positions, g.inv_freq, g.attention_factor)
+    ops.paged_kv_write(cache_layer.k, cache_layer.v, batch.slot_mapping, k, v)
+    out = ops.paged_attention(
+        q, cache_layer.k, cache_layer.v, batch.block_tables, batch.seq_index, batch.positions, g.scale,
+        g.sliding_window,
+    )
+    return ops.linear(out.reshape(rows, q_width), weights.o, weights.o_bias)
+
+
+def swiglu_mlp(backend: Any, weights: MlpWeights, h: Any) -> Any:
+    """``down(silu(gate(h)) * up(h))`` for ``h [N, H]``."""
+    ops = backend.ops
+    gate_up = ops.linear(h, weights.gate_up, weights.gate_up_bias)
+    width = gate_up.shape[1] // 2
+    return ops.linear(ops.silu_and_mul(gate_up[:, :width], gate_up[:, width:]), weights.down, weights.down_bias)

@@ -1,0 +1,43 @@
+"""Built-in stage plugins: flush, stamp, drafter, and the graph-capture error hook.
+
+* flush: nothing is pending until speculative decoding lands, so it does nothing;
+* stamp: records the adapter route of the step (one adapter slot for the whole batch, None for
+  the base model, or ``MIXED_ADAPTERS``);
+* drafter: no drafter model is loaded, so it does nothing;
+* end_graph_capture: asks the model's backend to end an open capture (a no-op on the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from metrale.hookspecs import CONTRACT_VERSION, hookimpl
+from metrale.sequence import MIXED_ADAPTERS, ForwardStep
+
+METRALE_CONTRACT_VERSION = CONTRACT_VERSION
+
+
+@hookimpl
+def metrale_flush(model: Any, step: ForwardStep) -> None:
+    return None
+
+
+@hookimpl
+def metrale_stamp(model: Any, step: ForwardStep) -> None:
+    slots = {seq.adapter_slot for seq in step.seqs}
+    if step.method == "mixed_forward" or len(slots) > 1:
+        step.stamps["adapter_route"] = MIXED_ADAPTERS
+    else:
+        step.stamps["adapter_route"] = next(iter(slots), None)
+
+
+@hookimpl
+def metrale_drafter(model: Any, step: ForwardStep, result: Any) -> None:
+    return None
+
+
+@hookimpl
+def metrale_end_graph_capture(model: Any, step: ForwardStep, error: BaseException) -> None:
+    backend = getattr(model, "backend", None)
+    if backend is not None:
+        backend.end_graph_capture(step.stream)
