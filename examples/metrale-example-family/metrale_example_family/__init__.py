@@ -1,0 +1,1 @@
+"""An example Metrale model family: the parallel-residual decoder."""

@@ -1,0 +1,120 @@
+"""The ``metrale`` command.
+
+``metrale generate [--model M] PROMPT...`` generates a continuation of each prompt (the embedded
+default model when ``--model`` is not given); ``metrale plugins`` lists the installed plugins and
+the architectures each family serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from metrale._version import __version__
+from metrale.errors import MetraleError
+from metrale.models import DEFAULT_MODEL
+
+
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate a continuation of each prompt",
+        description="Generate a continuation of each PROMPT and print prompt and continuation.",
+    )
+    parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="text to continue")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL,
+        help=f"checkpoint folder or embedded model name (default: {DEFAULT_MODEL})",
+    )
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run (default: auto)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 for greedy (default: 0.7)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default: 0)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus probability mass (default: 0.95)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of every request (default: 0)")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at TEXT (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.set_defaults(handler=_generate)
+
+
+def _add_plugins(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plugins",
+        help="list installed plugins and the architectures they serve",
+        description="List every registered plugin, its distribution, and the families it serves.",
+    )
+    parser.set_defaults(handler=_plugins)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="metrale",
+        description="Metrale: LLM inference with pluggable model families.",
+    )
+    parser.add_argument("--version", action="version", version=f"metrale {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    _add_generate(subparsers)
+    _add_plugins(subparsers)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from metrale.api import LLM
+    from metrale.params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, device=args.device, show_progress=not args.no_progress)
+    outputs = llm.generate(args.prompts, params, use_tqdm=not args.no_progress)
+    for index, output in enumerate(outputs):
+        if index:
+            print()
+        print(f"{output.prompt}{output.text}")
+    return 0
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from metrale.family import installed_families
+    from metrale.plugin_manager import get_plugin_manager
+
+    manager = get_plugin_manager()
+    families: dict[str, list] = {}
+    for spec, plugin_name in installed_families(manager):
+        families.setdefault(plugin_name, []).append(spec)
+    for name, plugin in sorted(manager.list_name_plugin(), key=lambda item: item[0]):
+        distribution = manager.distributions.get(name, "unknown")
+        hooks = sorted(caller.name for caller in manager.get_hookcallers(plugin) or [])
+        print(f"{name}  (distribution {distribution})")
+        for spec in families.get(name, []):
+            print(f"  family {spec.name}: {', '.join(spec.architectures)}")
+            print(f"    model_type: {', '.join(spec.model_types)}")
+        if name not in families:
+            print(f"  hooks: {', '.join(hooks)}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except MetraleError as error:
+        print(f"metrale: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("metrale: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

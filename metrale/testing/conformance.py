@@ -1,0 +1,194 @@
+"""The conformance suite every model family runs against itself.
+
+Usage, in a plugin's test module::
+
+    from metrale.testing import FamilyConformance
+
+    class TestMyFamily(FamilyConformance):
+        @pytest.fixture(scope="class")
+        @classmethod
+        def conformance_checkpoint(cls, tmp_path_factory):
+            return build_my_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+        def reference_logits(self, checkpoint, token_ids):
+            return my_reference_forward(checkpoint, token_ids)   # [len, vocab] float
+
+The suite loads the checkpoint on the CPU backend. ``prompt_lengths``, ``chunk_sizes`` and
+``tolerance`` (max-abs error over logits, relative to the reference's max-abs logit) may be
+overridden as class attributes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pytest
+
+from metrale.sequence import PrefillSlice, SequenceState
+
+
+def max_relative_error(actual: Any, expected: Any) -> float:
+    """``max|actual - expected| / max|expected|`` (the parity measure of the test suite)."""
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    if actual.shape != expected.shape:
+        raise AssertionError(f"shape {actual.shape} differs from the reference's {expected.shape}")
+    scale = max(float(np.abs(expected).max()), 1e-30)
+    return float(np.abs(actual - expected).max()) / scale
+
+
+def assert_close(actual: Any, expected: Any, tolerance: float, what: str) -> None:
+    error = max_relative_error(actual, expected)
+    worst = float(np.abs(np.asarray(actual, np.float64) - np.asarray(expected, np.float64)).max())
+    assert error <= tolerance, f"{what}: relative error {error:.3g} > {tolerance:.3g} (max abs {worst:.3g})"
+
+
+class FamilyConformance:
+    """Checks a model family against the forward contract and a reference.
+
+    Subclasses provide the fixture ``conformance_checkpoint`` (a checkpoint folder) and the
+    method :meth:`reference_logits`.
+    """
+
+    prompt_lengths: Sequence[int] = (1, 7, 40)
+    chunk_sizes: Sequence[int] = (1, 5, 16)
+    tolerance: float = 1e-4
+    #: Internal consistency (two paths of the same engine) is held to a tighter bound.
+    self_tolerance: float = 1e-5
+    seed: int = 1234
+
+    # ------------------------------------------------------------------------ to provide
+
+    def reference_logits(self, checkpoint: Path, token_ids: list[int]) -> np.ndarray:
+        """Logits ``[len(token_ids), vocab]`` of an independent implementation."""
+        raise NotImplementedError("a conformance test class must implement reference_logits()")
+
+    # --------------------------------------------------------------------------- fixtures
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def conformance_llm(cls, conformance_checkpoint: Path) -> Any:
+        from metrale.api import LLM
+
+        return LLM(conformance_checkpoint, device="cpu", show_progress=False)
+
+    def token_ids(self, llm: Any, length: int, salt: int = 0) -> list[int]:
+        generator = np.random.default_rng([self.seed, length, salt])
+        return generator.integers(0, llm.vocab_size, size=length).tolist()
+
+    # ------------------------------------------------------------------------------ checks
+
+    def test_cache_spec_is_valid(self, conformance_llm: Any) -> None:
+        spec = conformance_llm.forward.cache_spec()
+        spec.validate()
+        assert spec.layers, "the cache spec lists no layer"
+
+    def test_checkpoint_mapping_covers_every_tensor(self, conformance_checkpoint: Path) -> None:
+        from metrale.checkpoint import Checkpoint
+        from metrale.config import EngineConfig
+        from metrale.backend import CpuBackend
+        from metrale.family import resolve_family
+        from metrale.plugin_manager import get_plugin_manager
+
+        manager = get_plugin_manager()
+        checkpoint = Checkpoint(conformance_checkpoint)
+        family = resolve_family(manager, checkpoint.config)
+        model = manager.hook.metrale_load_model(
+            family=family, checkpoint=checkpoint, backend=CpuBackend(), config=EngineConfig(device="cpu")
+        )
+        assert model is not None, f"no plugin loaded family {family.name!r}"
+        assert checkpoint.unconsumed() == [], f"tensors the family never read: {checkpoint.unconsumed()}"
+
+    def test_logits_match_reference(self, conformance_llm: Any, conformance_checkpoint: Path) -> None:
+        for length in self.prompt_lengths:
+            ids = self.token_ids(conformance_llm, length)
+            expected = self.reference_logits(conformance_checkpoint, ids)
+            assert_close(conformance_llm.score(ids), expected, self.tolerance, f"score() of {length} tokens")
+
+    def test_prefill_then_decode_matches_score(self, conformance_llm: Any) -> None:
+        llm = conformance_llm
+        length = max(self.prompt_lengths)
+        ids = self.token_ids(llm, length, salt=1)
+        scored = llm.score(ids)
+        prompt = max(1, length // 4)
+        seq = SequenceState.from_prompt(ids[:prompt])
+        try:
+            rows = [llm.backend.to_numpy(llm.forward.prefill(ids[:prompt], seq))[0]]
+            for token in ids[prompt:]:
+                rows.append(llm.backend.to_numpy(llm.forward.decode(token, seq))[0])
+        finally:
+            llm.cache.release(seq)
+        assert_close(np.stack(rows), scored[prompt - 1 :], self.self_tolerance, "prefill + decode vs score")
+
+    def test_chunked_prefill_matches_whole_prefill(self, conformance_llm: Any) -> None:
+        llm = conformance_llm
+        if llm.forward.is_mla():
+            pytest.skip("the contract prefills an MLA prompt as one chunk")
+        for chunk in self.chunk_sizes:
+            self._check_chunked_prefill(llm, chunk)
+
+    def _check_chunked_prefill(self, llm: Any, chunk: int) -> None:
+        ids = self.token_ids(llm, max(self.prompt_lengths), salt=2)
+        whole_seq, chunk_seq = SequenceState.from_prompt(ids), SequenceState.from_prompt(ids)
+        try:
+            whole = llm.backend.to_numpy(llm.forward.prefill(ids, whole_seq))
+            logits = None
+            for start in range(0, len(ids), chunk):
+                length = min(chunk, len(ids) - start)
+                last = start + length == len(ids)
+                logits = llm.forward.prefill_chunk(ids, chunk_seq, start, length, last)
+                assert (logits is None) != last, "prefill_chunk must return logits on the last chunk only"
+                if not last:
+                    llm.forward.normalize_ssm_states(chunk_seq)
+            assert_close(llm.backend.to_numpy(logits), whole, self.self_tolerance, f"chunks of {chunk}")
+            # Both caches must continue identically.
+            token = int(np.argmax(whole[0]))
+            after_whole = llm.backend.to_numpy(llm.forward.decode(token, whole_seq))
+            after_chunks = llm.backend.to_numpy(llm.forward.decode(token, chunk_seq))
+            assert_close(after_chunks, after_whole, self.self_tolerance, f"decode after chunks of {chunk}")
+        finally:
+            llm.cache.release(whole_seq)
+            llm.cache.release(chunk_seq)
+
+    def test_batched_steps_match_single_steps(self, conformance_llm: Any) -> None:
+        llm = conformance_llm
+        prompts = [self.token_ids(llm, n, salt=3) for n in (3, 17, 9)]
+        singles, batched = [], []
+        seqs = [SequenceState.from_prompt(p) for p in prompts]
+        alone = [SequenceState.from_prompt(p) for p in prompts]
+        try:
+            for prompt, seq in zip(prompts, alone):
+                singles.append(llm.backend.to_numpy(llm.forward.prefill(prompt, seq))[0])
+            slices = [PrefillSlice(p, s, 0, len(p), True) for p, s in zip(prompts, seqs)]
+            for logits in llm.forward.prefill_batch_chunk(slices):
+                batched.append(llm.backend.to_numpy(logits)[0])
+            assert_close(np.stack(batched), np.stack(singles), self.self_tolerance, "prefill_batch_chunk")
+            tokens = [int(np.argmax(row)) for row in singles]
+            one_by_one = np.stack([llm.backend.to_numpy(llm.forward.decode(t, s))[0] for t, s in zip(tokens, alone)])
+            together = llm.backend.to_numpy(llm.forward.decode_batch(tokens, seqs))
+            assert_close(together, one_by_one, self.self_tolerance, "decode_batch vs decode")
+        finally:
+            for seq in seqs + alone:
+                llm.cache.release(seq)
+
+    def test_mixed_forward_matches_separate_steps(self, conformance_llm: Any) -> None:
+        llm = conformance_llm
+        if llm.forward.is_mla():
+            pytest.skip("MLA families prefill as one chunk")
+        decode_prompt = self.token_ids(llm, 6, salt=4)
+        prefill_prompt = self.token_ids(llm, 11, salt=5)
+        mixed_decode, solo_decode = SequenceState.from_prompt(decode_prompt), SequenceState.from_prompt(decode_prompt)
+        mixed_prefill, solo_prefill = SequenceState.from_prompt(prefill_prompt), SequenceState.from_prompt(prefill_prompt)
+        try:
+            token = int(np.argmax(llm.backend.to_numpy(llm.forward.prefill(decode_prompt, mixed_decode))[0]))
+            llm.forward.prefill(decode_prompt, solo_decode)
+            result = llm.forward.mixed_forward([token], [mixed_decode], prefill_prompt, mixed_prefill, 0, 11, True)
+            expected_decode = llm.backend.to_numpy(llm.forward.decode(token, solo_decode))
+            expected_prefill = llm.backend.to_numpy(llm.forward.prefill(prefill_prompt, solo_prefill))
+            assert_close(llm.backend.to_numpy(result.decode_logits), expected_decode, self.self_tolerance, "mixed decode rows")
+            assert_close(llm.backend.to_numpy(result.prefill_logits), expected_prefill, self.self_tolerance, "mixed prefill row")
+        finally:
+            for seq in (mixed_decode, solo_decode, mixed_prefill, solo_prefill):
+                llm.cache.release(seq)

@@ -1,0 +1,88 @@
+"""Hugging Face transformers as the reference of a conformance test (needs torch + transformers).
+
+* :func:`build_hf_checkpoint` saves a tiny random-weight model with ``save_pretrained``, weights
+  perturbed so that no norm is an identity and no bias is zero (FAMILIES.md §7);
+* :func:`hf_reference_logits` runs transformers in float32 and returns every position's logits.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+
+def perturb_weights(model: Any, seed: int, *, zero_centred_norms: bool = False) -> None:
+    """Replace every parameter with seeded noise: norms ``1 + 0.2 N`` (``0.2 N`` when
+    zero-centred), everything else ``0.15 N``."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float32)
+            if name.endswith("norm.weight") or "layernorm" in name or name.endswith("norm"):
+                value = 0.2 * noise + (0.0 if zero_centred_norms else 1.0)
+            else:
+                value = 0.15 * noise
+            parameter.copy_(value.to(parameter.dtype))
+
+
+def build_hf_checkpoint(
+    model_class: Any,
+    config: Any,
+    path: str | Path,
+    *,
+    seed: int = 0,
+    dtype: Any = None,
+    zero_centred_norms: bool = False,
+    max_shard_size: str | None = None,
+) -> Path:
+    """Instantiate ``model_class(config)``, perturb its weights, ``save_pretrained`` to ``path``."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    perturb_weights(model, seed, zero_centred_norms=zero_centred_norms)
+    if dtype is not None:
+        model = model.to(dtype)
+    path = Path(path)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+@lru_cache(maxsize=8)
+def _load(path: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_reference_logits(path: str | Path, token_ids: Sequence[int]) -> np.ndarray:
+    """transformers' float32 logits ``[len, vocab]`` for ``token_ids``."""
+    import torch
+
+    model = _load(str(path))
+    with torch.no_grad():
+        logits = model(torch.tensor([list(token_ids)], dtype=torch.long)).logits[0]
+    return logits.float().numpy()
+
+
+def hf_greedy(path: str | Path, token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """transformers' ``generate(do_sample=False)`` continuation, never stopping early."""
+    import torch
+
+    model = _load(str(path))
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([list(token_ids)], dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(token_ids) :].tolist()

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random-weight Hugging Face checkpoints of the dense family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+BASE = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    max_position_embeddings=256,
+)
+
+
+def dense_configs():
+    """(name, model class, config) of the four dense variants FAMILIES.md §7 lists."""
+    from transformers import (
+        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+        Qwen3Config, Qwen3ForCausalLM,
+    )
+
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    return {
+        "llama": (LlamaForCausalLM, LlamaConfig(**BASE, num_key_value_heads=2, rms_norm_eps=1e-5, rope_parameters=llama3)),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config(**BASE, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=True)),
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config(**BASE, num_key_value_heads=2, head_dim=32)),
+        "mistral": (MistralForCausalLM, MistralConfig(**BASE, num_key_value_heads=1, sliding_window=4)),
+    }
+
+
+@pytest.fixture(scope="session")
+def dense_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One float32 checkpoint folder per dense variant."""
+    from metrale.testing.hf import build_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("dense")
+    return {
+        name: build_hf_checkpoint(cls, config, root / name, seed=index)
+        for index, (name, (cls, config)) in enumerate(dense_configs().items())
+    }
+
+
+@pytest.fixture(params=["llama", "qwen2", "qwen3", "mistral"])
+def dense_checkpoint(request, dense_checkpoints) -> Path:
+    return dense_checkpoints[request.param]
