@@ -52,7 +52,9 @@ class LLM:
 
     ``model`` is a checkpoint folder (``config.json``, ``*.safetensors``, optionally
     ``tokenizer.json``) or the name of an embedded checkpoint such as ``"tiny-dense"``.
-    ``device`` is ``"auto"`` (the GPU when one is usable, else the CPU), ``"cpu"`` or ``"cuda"``.
+    ``device`` is ``"auto"``, ``"cpu"`` or ``"cuda"``; this build has the CPU backend only, so
+    ``"auto"`` runs on the CPU and ``"cuda"`` raises
+    :class:`~metrale.errors.BackendUnavailableError`.
     Further keyword options: ``max_model_len``, ``max_num_seqs``, ``seed``, ``block_size``,
     ``num_blocks``, ``memory_bytes``, ``num_state_slots`` (see :class:`~metrale.config.EngineConfig`
     and :class:`~metrale.config.CacheConfig`); ``plugin_manager`` to use a prepared plugin manager;
@@ -98,7 +100,8 @@ class LLM:
             block_size,
             cache_config.memory_bytes,
             np.dtype(self.backend.cache_dtype).itemsize,
-            self.config.max_num_seqs * self.max_model_len,
+            self.config.max_num_seqs,
+            self.max_model_len,
         )
         return ModelCache(
             spec, self.backend, block_size=block_size, num_blocks=num_blocks,

@@ -62,22 +62,43 @@ class TensorInfo:
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse the header of one ``.safetensors`` file."""
+    """Parse and check the header of one ``.safetensors`` file."""
+
+    def broken(reason: str) -> CheckpointError:
+        return CheckpointError(f"{path} is not a valid safetensors file: {reason}")
+
     try:
+        size = path.stat().st_size
         with open(path, "rb") as handle:
-            (header_len,) = struct.unpack("<Q", handle.read(8))
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise broken(f"it has {size} bytes, fewer than the 8-byte header length")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > size - 8:
+                raise broken(f"its header claims {header_len} bytes but the file has {size}")
             header = json.loads(handle.read(header_len))
-    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from error
+    except OSError as error:
+        raise CheckpointError(f"{path} cannot be read: {error}") from error
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise broken(f"its header is not JSON ({error})") from error
+    if not isinstance(header, dict):
+        raise broken(f"its header is a {type(header).__name__}, not a JSON object")
     data_start = 8 + header_len
     infos = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        if entry["dtype"] not in _STORED_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
-        begin, end = entry["data_offsets"]
-        infos[name] = TensorInfo(path, entry["dtype"], tuple(entry["shape"]), data_start + begin, data_start + end)
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            shape = tuple(int(n) for n in shape)
+            begin, end = int(begin), int(end)
+        except (KeyError, TypeError, ValueError):
+            raise broken(f"tensor {name!r} has a malformed entry {entry!r}") from None
+        if dtype not in _STORED_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+        if not 0 <= begin <= end or data_start + end > size:
+            raise broken(f"tensor {name!r} lies at bytes [{begin}, {end}) past the end of the data")
+        infos[name] = TensorInfo(path, dtype, shape, data_start + begin, data_start + end)
     return infos
 
 

@@ -91,7 +91,8 @@ def _plugins(args: argparse.Namespace) -> int:
     families: dict[str, list] = {}
     for spec, plugin_name in installed_families(manager):
         families.setdefault(plugin_name, []).append(spec)
-    for name, plugin in sorted(manager.list_name_plugin(), key=lambda item: item[0]):
+    registered = [(name, plugin) for name, plugin in manager.list_name_plugin() if plugin is not None]
+    for name, plugin in sorted(registered, key=lambda item: item[0]):
         distribution = manager.distributions.get(name, "unknown")
         hooks = sorted(caller.name for caller in manager.get_hookcallers(plugin) or [])
         print(f"{name}  (distribution {distribution})")
@@ -100,6 +101,9 @@ def _plugins(args: argparse.Namespace) -> int:
             print(f"    model_type: {', '.join(spec.model_types)}")
         if name not in families:
             print(f"  hooks: {', '.join(hooks)}")
+    blocked = sorted(name for name, plugin in manager.list_name_plugin() if plugin is None)
+    if blocked:
+        print(f"blocked: {', '.join(blocked)}")
     return 0
 
 

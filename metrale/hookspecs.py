@@ -64,7 +64,7 @@ def metrale_load_model(
 
     Called once by :class:`metrale.LLM` (and by the conformance kit) after the checkpoint was
     resolved to ``family``. The plugin that owns ``family`` (``family.name``) reads its tensors
-    from ``checkpoint``, places them with ``backend`` and returns its model object; every other
+    from ``checkpoint`` and places them with ``backend``. Returns its model object; every other
     plugin returns None. Missing or mis-shaped tensors raise
     :class:`~metrale.errors.CheckpointError`.
     """
@@ -88,8 +88,8 @@ def metrale_prefill(model: Any, tokens: list[int], seq: "SequenceState", stream:
     """Run the whole prompt ``tokens`` of ``seq`` through the model.
 
     Called by :meth:`metrale.model.ModelForward.prefill` in the dispatch stage, on the prefill
-    path. Writes the prompt's KV (or state) into the cache, advances ``seq.seq_len`` to
-    ``len(tokens)`` and returns the last position's logits, ``[1, vocab]`` float32.
+    path. Writes the prompt's KV (or state) into the cache and advances ``seq.seq_len`` to
+    ``len(tokens)``. Returns the last position's logits, ``[1, vocab]`` float32.
     """
 
 
@@ -182,8 +182,8 @@ def metrale_prefill_batch_chunk_rows(
     """Like :func:`metrale_prefill_batch_chunk`, for a caller that owns a logits buffer.
 
     Called by :meth:`~metrale.model.ModelForward.prefill_batch_chunk_rows`. A finishing slice
-    ``i`` has its logits at row ``row_base + i`` of the step's logits buffer; the returned list
-    holds, per slice, that row (``[1, vocab]``) or None.
+    ``i`` has its logits at row ``row_base + i`` of the step's logits buffer. Returns a list
+    holding, per slice, that row (``[1, vocab]``) or None.
     """
 
 
@@ -193,7 +193,7 @@ def metrale_score(model: Any, tokens: list[int], seq: "SequenceState", stream: A
 
     An extension of the forward contract used by :meth:`metrale.LLM.score` and by the
     conformance kit. Called by :meth:`~metrale.model.ModelForward.score` in the dispatch stage.
-    Fills the cache like :func:`metrale_prefill` and returns ``[len(tokens), vocab]`` float32.
+    Fills the cache like :func:`metrale_prefill`. Returns ``[len(tokens), vocab]`` float32.
     """
 
 
@@ -213,9 +213,10 @@ def metrale_normalize_ssm_states(model: Any, seq: "SequenceState", stream: Any) 
 
 @hookspec(firstresult=True)
 def metrale_hc_mult(model: Any) -> int:
-    """Number of hyper-connection residual streams of ``model``; 0 (the default) means none.
+    """Number of hyper-connection residual streams of ``model``.
 
-    Called by the engine when it sizes activation buffers.
+    Called by the engine when it sizes activation buffers. Returns an int; 0 (the default when
+    no family answers) means none.
     """
 
 
@@ -223,8 +224,8 @@ def metrale_hc_mult(model: Any) -> int:
 def metrale_is_mla(model: Any) -> bool:
     """Whether a chunked prefill of ``model`` must run as a single chunk.
 
-    Called by the scheduler before it plans prefill chunks. True for MLA families; the default,
-    when no family answers, is False.
+    Called by the scheduler before it plans prefill chunks. Returns True for MLA families; the
+    default, when no family answers, is False.
     """
 
 
@@ -232,8 +233,8 @@ def metrale_is_mla(model: Any) -> bool:
 def metrale_kv_block_size(model: Any) -> int:
     """Tokens per paged-KV block that ``model`` wants.
 
-    Called once when the cache is built. None (no family answers) means the engine's configured
-    block size (16 by default).
+    Called once when the cache is built. Returns an int; None (no family answers) means the
+    engine's configured block size (16 by default).
     """
 
 

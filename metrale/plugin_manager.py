@@ -26,7 +26,7 @@ from metrale.errors import ContractVersionError, PluginError
 
 ENTRY_POINT_GROUP = "metrale"
 
-#: Built-in plugins: (plugin name, module path, attribute holding the plugin object).
+#: The built-in plugins, each as (plugin name, module path, attribute holding the plugin object).
 BUILTIN_PLUGINS: tuple[tuple[str, str, str], ...] = (
     ("dense", "metrale.plugins.dense.plugin", "plugin"),
     ("stages", "metrale.plugins.stages", ""),
@@ -64,7 +64,8 @@ def check_contract_version(plugin: Any, name: str, distribution: str) -> None:
         theirs = parse_contract_version(stated)
     except ValueError:
         raise ContractVersionError(
-            f"{where} states METRALE_CONTRACT_VERSION={stated!r}, which is not 'major.minor'",
+            f"{where} states METRALE_CONTRACT_VERSION={stated!r}, which is not 'major.minor'; "
+            f"this engine implements contract {hookspecs.CONTRACT_VERSION}",
             plugin=name,
             distribution=distribution,
         ) from None

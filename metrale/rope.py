@@ -133,6 +133,14 @@ def rope_parameters(
     rotary_dim = int(head_dim * partial)
     if rotary_dim < 2 or rotary_dim % 2:
         raise CheckpointError(f"rotary dimension {rotary_dim} (head_dim {head_dim} x {partial}) must be even and >= 2")
+    scaling = dict(rp)
+    if rope_type in ("llama3", "yarn"):
+        # transformers: a top-level original_max_position_embeddings wins; else the model's own.
+        if config.get("original_max_position_embeddings"):
+            scaling["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        elif not scaling.get("original_max_position_embeddings") and config.get("max_position_embeddings"):
+            scaling["original_max_position_embeddings"] = config["max_position_embeddings"]
+    rp = scaling
     if rope_type in ("linear", "llama3") and "factor" not in rp:
         raise CheckpointError(f"{rope_type} RoPE scaling needs a 'factor'")
     if rope_type == "llama3":
@@ -143,6 +151,6 @@ def rope_parameters(
         rope_type=rope_type,
         theta=float(theta),
         rotary_dim=rotary_dim,
-        scaling=dict(rp),
+        scaling=rp,
         max_position_embeddings=config.get("max_position_embeddings"),
     )

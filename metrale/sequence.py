@@ -28,11 +28,12 @@ class SequenceState:
     adapter_slot: int | None = None
     #: Recurrent-state slot (GDN conv + delta-rule state), None for families without one.
     state_slot: int | None = None
-    #: Speculative-decoding drafter fields: proposed tokens not yet verified, the capture
-    #: generation that claims the shared hidden-capture slot, and hidden rows accepted by a
-    #: verify but not yet folded into the recurrent state (flushed by the flush stage).
+    #: Tokens a speculative drafter proposed that are not yet verified.
     draft_tokens: list[int] = field(default_factory=list)
+    #: Generation counter that claims the shared hidden-capture slot on the first chunk.
     capture_generation: int | None = None
+    #: Rows accepted by a verify but not yet folded into the recurrent state (the flush stage
+    #: folds them).
     pending_flush: Any = None
 
     @classmethod

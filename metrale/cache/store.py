@@ -91,12 +91,14 @@ class StateSlotPool:
 
 
 def plan_num_blocks(
-    spec: CacheSpec, block_size: int, memory_bytes: int, itemsize: int, max_tokens_in_flight: int
+    spec: CacheSpec, block_size: int, memory_bytes: int, itemsize: int, max_num_seqs: int, max_model_len: int
 ) -> int:
-    """Blocks that fit ``memory_bytes``, capped at what ``max_tokens_in_flight`` tokens can use."""
+    """Usable blocks: as many as ``memory_bytes`` holds (the dummy block included), capped at what
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens can use (each rounds up to whole blocks).
+    Never fewer than one."""
     bytes_per_block = max(1, spec.values_per_token() * block_size * itemsize)
-    fit = memory_bytes // bytes_per_block
-    needed = math.ceil(max_tokens_in_flight / block_size) + 1
+    fit = memory_bytes // bytes_per_block - 1
+    needed = max_num_seqs * math.ceil(max_model_len / block_size)
     return int(max(1, min(fit, needed)))
 
 
@@ -147,11 +149,13 @@ class ModelCache:
     def reserve(self, seq: SequenceState, num_tokens: int) -> None:
         """Make ``seq``'s block table cover positions ``[0, num_tokens)`` (all or nothing);
         give it a state slot if the model has recurrent layers and it has none."""
-        if self.spec.uses_blocks:
-            missing = self.blocks_needed(seq, num_tokens)
-            if missing:
-                seq.block_table.extend(self.allocator.allocate(missing))
-        if self.state_slots is not None and seq.state_slot is None:
+        missing = self.blocks_needed(seq, num_tokens) if self.spec.uses_blocks else 0
+        needs_slot = self.state_slots is not None and seq.state_slot is None
+        if needs_slot and self.state_slots.num_free == 0:
+            raise CacheError(f"all {self.state_slots.num_slots} recurrent-state slots are in use")
+        if missing:
+            seq.block_table.extend(self.allocator.allocate(missing))
+        if needs_slot:
             self.state_slots.allocate(seq)
 
     def release(self, seq: SequenceState) -> None:

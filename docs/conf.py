@@ -1,0 +1,38 @@
+"""Sphinx configuration of the Metrale documentation.
+
+Build with ``sphinx-build -W --keep-going -b html docs docs/_build/html`` from the repository
+root; metrale must be importable (``python3 -m pip install -e .``).
+"""
+
+from metrale._version import __version__
+
+project = "Metrale"
+author = "The Metrale authors"
+copyright = "The Metrale authors"
+version = __version__
+release = __version__
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.viewcode",
+]
+
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
+
+# -- autodoc -------------------------------------------------------------------------------------
+
+autodoc_typehints = "description"
+autodoc_member_order = "bysource"
+autoclass_content = "class"
+
+# -- napoleon ------------------------------------------------------------------------------------
+
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+# -- HTML ----------------------------------------------------------------------------------------
+
+html_theme = "furo"
+html_title = f"Metrale {release}"
+html_static_path: list[str] = []

@@ -1,0 +1,66 @@
+"""The ``metrale`` command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from metrale.cli import main
+
+
+def test_generate_with_the_embedded_default(capsys):
+    assert main(["generate", "--max-tokens", "8", "--temperature", "0", "--no-progress", "Return the"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Return the") and len(out.strip()) > len("Return the")
+
+
+def test_generate_several_prompts_is_deterministic(capsys):
+    args = ["generate", "--max-tokens", "6", "--seed", "3", "--no-progress", "Open the", "Return a"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+    assert first.startswith("Open the") and "\n\nReturn a" in first
+
+
+def test_generate_with_a_checkpoint_folder(capsys, tmp_path):
+    import shutil
+
+    from metrale.models import embedded_model_path
+
+    folder = tmp_path / "my-model"
+    shutil.copytree(embedded_model_path("tiny-dense"), folder)
+    args = ["generate", "--model", str(folder), "--max-tokens", "5", "--temperature", "0", "--no-progress", "Open the"]
+    assert main(args) == 0
+    from_folder = capsys.readouterr().out
+    assert main(["generate", "--max-tokens", "5", "--temperature", "0", "--no-progress", "Open the"]) == 0
+    assert capsys.readouterr().out == from_folder
+
+
+def test_errors_are_reported_without_a_traceback(capsys):
+    assert main(["generate", "--model", "/no/such/folder", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "metrale: error:" in err and "/no/such/folder" in err and "Traceback" not in err
+    assert main(["generate", "--max-tokens", "0", "--no-progress", "hello"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+
+
+def test_plugins_lists_families_and_architectures(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "dense" in out and "LlamaForCausalLM" in out and "Qwen3ForCausalLM" in out and "stages" in out
+
+
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["plugins", "--help"]])
+def test_help_everywhere(args, capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(args)
+    assert raised.value.code == 0
+    assert "usage: metrale" in capsys.readouterr().out
+
+
+def test_console_script_is_installed():
+    result = subprocess.run([sys.executable, "-m", "metrale.cli", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("metrale ")
