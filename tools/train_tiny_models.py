@@ -103,7 +103,7 @@ def model_config(name: str, vocab_size: int, eos: int):
         )
     if name == "tiny-mla":
         return DeepseekV3Config(
-            **common, intermediate_size=320, moe_intermediate_size=64, num_hidden_layers=3,
+            **common, experts_implementation="eager", intermediate_size=320, moe_intermediate_size=64, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32,
             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
             n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
@@ -112,7 +112,7 @@ def model_config(name: str, vocab_size: int, eos: int):
         )
     if name == "tiny-gdn":
         return Qwen3NextConfig(
-            **common, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            **common, experts_implementation="eager", intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
             linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=48, shared_expert_intermediate_size=48, norm_topk_prob=True,
@@ -174,6 +174,7 @@ def train(name: str, args, tokenizer, train_stream, held_out_stream, corpus: dic
     generator = torch.Generator().manual_seed(args.seed)
     warmup = max(1, args.steps // 20)
     curve, evals = [], []
+    best = None
     started = time.time()
     for step in range(1, args.steps + 1):
         lr = args.lr * min(1.0, step / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
@@ -192,12 +193,16 @@ def train(name: str, args, tokenizer, train_stream, held_out_stream, corpus: dic
             evals.append((step, round(evaluate(model, held_out_stream, args.seq_len, device), 4)))
             print(f"{name} step {step}/{args.steps} loss {curve[-1]:.4f} held-out {evals[-1][1]:.4f} "
                   f"({time.time() - started:.0f} s)", flush=True)
+            if best is None or evals[-1][1] < best[1]:
+                best = (step, evals[-1][1], {k: v.detach().clone() for k, v in model.state_dict().items()})
+    # Keep the weights of the evaluation with the lowest held-out loss (early stopping).
+    model.load_state_dict(best[2])
     model = model.to(torch.bfloat16)
     held_out_bf16 = evaluate(model, held_out_stream, args.seq_len, device)
     unigram = unigram_cross_entropy(train_stream, held_out_stream, tokenizer.get_vocab_size())
     return {
         "model": model, "params": params, "curve": curve, "evals": evals, "held_out_ce": held_out_bf16,
-        "unigram_ce": unigram, "seconds": time.time() - started,
+        "unigram_ce": unigram, "seconds": time.time() - started, "best_step": best[0],
     }
 
 
@@ -214,16 +219,29 @@ text that reads like Python's documentation; it knows nothing else.
 | parameters | {params:,} ({size_mb:.2f} MB of bf16 weights) |
 | layers | {layers} |
 | tokenizer | byte-level BPE, {vocab} tokens, trained on the same corpus |
-| training | {steps} steps of {batch} x {seq_len} tokens, AdamW, lr {lr}, seed {seed}, float32 |
+| training | {steps} steps of {batch} x {seq_len} tokens, AdamW, lr {lr}, seed {seed}, float32, on {device}; weights of step {best_step} (lowest held-out loss of the evaluations every {eval_every} steps) |
 | corpus | docstrings and `pydoc` reference topics of the Python {python} standard library (PSF License Agreement), {train_docs} documents, {train_tokens:,} tokens; SHA-256 `{digest}` |
 | held-out split | {held_docs} documents ({held_tokens:,} tokens) from files that hash into a held-out bucket |
+| software | torch {torch_version}, transformers {transformers_version}, tokenizers {tokenizers_version} |
 | held-out perplexity (bf16 weights) | **{ppl:.2f}** |
 | unigram baseline perplexity (add-one smoothed, same tokens) | {unigram:.2f} |
 
 Reproduce: `python tools/train_tiny_models.py --models {name} --steps {steps} --batch {batch}
---seq-len {seq_len} --lr {lr} --vocab-size {vocab} --seed {seed} --corpus-file CORPUS.json --device DEVICE`
+--seq-len {seq_len} --lr {lr} --vocab-size {vocab} --eval-every {eval_every} --seed {seed} --corpus-file CORPUS.json --device DEVICE`
 (the loss curve is in `training.json`).
 """
+
+
+def software_versions() -> dict:
+    import tokenizers
+    import torch
+    import transformers
+
+    return {
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "tokenizers_version": tokenizers.__version__,
+    }
 
 
 def export(name: str, result: dict, args, tokenizer, corpus: dict, digest: str, streams) -> Path:
@@ -241,13 +259,15 @@ def export(name: str, result: dict, args, tokenizer, corpus: dict, digest: str, 
     (out / "README.md").write_text(CARD.format(
         name=name, architecture=config.architectures[0], family=family, params=result["params"], size_mb=size_mb,
         layers=config.num_hidden_layers, vocab=tokenizer.get_vocab_size(), steps=args.steps, batch=args.batch,
+        device=args.device, best_step=result["best_step"], eval_every=args.eval_every,
         seq_len=args.seq_len, lr=args.lr, seed=args.seed, python=corpus["python"], train_docs=len(corpus["train"]),
         train_tokens=streams[0].numel(), digest=digest, held_docs=len(corpus["held_out"]),
         held_tokens=streams[1].numel(), ppl=math.exp(result["held_out_ce"]), unigram=math.exp(result["unigram_ce"]),
+        **software_versions(),
     ))
     (out / "training.json").write_text(json.dumps({
-        "seed": args.seed, "steps": args.steps, "corpus_sha256": digest, "loss_curve": result["curve"],
-        "held_out_evals": result["evals"], "held_out_perplexity": math.exp(result["held_out_ce"]),
+        **software_versions(), "device": args.device, "seed": args.seed, "steps": args.steps, "corpus_sha256": digest, "loss_curve": result["curve"],
+        "held_out_evals": result["evals"], "best_step": result["best_step"], "held_out_perplexity": math.exp(result["held_out_ce"]),
         "unigram_perplexity": math.exp(result["unigram_ce"]),
     }, indent=None))
     return out
@@ -266,6 +286,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-docs", type=int, default=None, help="train on the first N documents only (for tests)")
     args = parser.parse_args()
 
     import torch
@@ -273,6 +294,8 @@ def main() -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     corpus = load_corpus(args.corpus_file)
+    if args.max_docs is not None:
+        corpus = {**corpus, "train": corpus["train"][: args.max_docs], "held_out": corpus["held_out"][: max(1, args.max_docs // 10)]}
     digest = corpus_digest(corpus)
     tokenizer = train_tokenizer(corpus["train"], args.vocab_size)
     streams = (token_stream(tokenizer, corpus["train"]), token_stream(tokenizer, corpus["held_out"]))
