@@ -77,9 +77,11 @@ def hf_greedy(path: str | Path, token_ids: Sequence[int], max_new_tokens: int) -
     import torch
 
     model = _load(str(path))
+    ids = torch.tensor([list(token_ids)], dtype=torch.long)
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([list(token_ids)], dtype=torch.long),
+            ids,
+            attention_mask=torch.ones_like(ids),  # never infer padding from a token id
             max_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=None,
