@@ -70,3 +70,156 @@ def paged_attention_reference(
         weights /= weights.sum(axis=-1, keepdims=True)
         out[rows] = (weights @ values).transpose(1, 0, 2)
     return out
+
+
+# ------------------------------------------------------------------------------ CUDA kernels
+
+import math  # noqa: E402
+
+from numba import cuda, float32  # noqa: E402
+
+from metrale.errors import KernelArgumentError  # noqa: E402
+from metrale.kernels._device import (  # noqa: E402
+    SIMULATED,
+    bf16_to_float, block_max, block_sum, check_array, device_view, float_to_bf16, numba_stream,
+)
+
+ATTENTION_THREADS = 16 if SIMULATED else 128
+SPLIT_SIZE = 4 if SIMULATED else 512  # keys per split; tiny under the simulator so splits are exercised
+MAX_ATTENTION_HEAD_DIM = 256
+NEGATIVE_INFINITY = -math.inf
+
+
+@cuda.jit(cache=True)
+def paged_attention_split_kernel(
+    q, k_cache, v_cache, block_tables, seq_index, positions, scale, sliding_window, out_acc, out_max, out_sum
+):
+    # Grid: (N rows, n_heads, splits); block ATTENTION_THREADS threads. Block (row, head, split)
+    # covers keys [split * SPLIT_SIZE, +SPLIT_SIZE) of its sequence, clipped to the row's causal
+    # (and sliding-window) range, and writes an unnormalised partial: out_max [N, nh, splits]
+    # (the running max), out_sum (sum of exp), out_acc [N, nh, splits, dv] (exp-weighted V).
+    # q [N, nh, d] f32; caches [blocks, block_size, nkv, d] bf16 bits; block_tables [S, max_blocks].
+    row = cuda.blockIdx.x
+    head = cuda.blockIdx.y
+    split = cuda.blockIdx.z
+    tid = cuda.threadIdx.x
+    head_dim = q.shape[2]
+    value_dim = v_cache.shape[3]
+    kv_head = head // (q.shape[1] // k_cache.shape[2])
+    block_size = k_cache.shape[1]
+    position = positions[row]
+    seq = seq_index[row]
+    lo = split * SPLIT_SIZE
+    hi = min(lo + SPLIT_SIZE, position + 1)
+    if sliding_window > 0:
+        lo = max(lo, position - sliding_window + 1)
+    if lo >= hi:
+        for i in range(tid, value_dim, ATTENTION_THREADS):
+            out_acc[row, head, split, i] = 0.0
+        if tid == 0:
+            out_max[row, head, split] = NEGATIVE_INFINITY
+            out_sum[row, head, split] = 0.0
+        return
+    query = cuda.shared.array(MAX_ATTENTION_HEAD_DIM, float32)
+    scores = cuda.shared.array(SPLIT_SIZE, float32)
+    partial = cuda.shared.array(ATTENTION_THREADS, float32)
+    for i in range(tid, head_dim, ATTENTION_THREADS):
+        query[i] = q[row, head, i]
+    cuda.syncthreads()
+    local_max = float32(NEGATIVE_INFINITY)
+    for key in range(lo + tid, hi, ATTENTION_THREADS):
+        block = block_tables[seq, key // block_size]
+        offset = key % block_size
+        dot = float32(0.0)
+        for i in range(head_dim):
+            dot += query[i] * bf16_to_float(k_cache[block, offset, kv_head, i])
+        dot *= scale
+        scores[key - lo] = dot
+        local_max = max(local_max, dot)
+    best = block_max(partial, tid, local_max, ATTENTION_THREADS)
+    local_sum = float32(0.0)
+    for key in range(lo + tid, hi, ATTENTION_THREADS):
+        weight = math.exp(scores[key - lo] - best)
+        scores[key - lo] = weight
+        local_sum += weight
+    total = block_sum(partial, tid, local_sum, ATTENTION_THREADS)
+    for i in range(tid, value_dim, ATTENTION_THREADS):
+        acc = float32(0.0)
+        for key in range(lo, hi):
+            block = block_tables[seq, key // block_size]
+            acc += scores[key - lo] * bf16_to_float(v_cache[block, key % block_size, kv_head, i])
+        out_acc[row, head, split, i] = acc
+    if tid == 0:
+        out_max[row, head, split] = best
+        out_sum[row, head, split] = total
+
+
+@cuda.jit(cache=True)
+def attention_combine_kernel(out_acc, out_max, out_sum, out):
+    # Grid: (N rows, n_heads); threads over dv. Merges the split partials by log-sum-exp and
+    # writes bf16 bits to out [N, n_heads * dv].
+    row = cuda.blockIdx.x
+    head = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    splits = out_max.shape[2]
+    value_dim = out_acc.shape[3]
+    best = float32(NEGATIVE_INFINITY)
+    for s in range(splits):
+        best = max(best, out_max[row, head, s])
+    denominator = float32(0.0)
+    for s in range(splits):
+        if out_sum[row, head, s] > 0.0:
+            denominator += math.exp(out_max[row, head, s] - best) * out_sum[row, head, s]
+    for i in range(tid, value_dim, ATTENTION_THREADS):
+        numerator = float32(0.0)
+        for s in range(splits):
+            if out_sum[row, head, s] > 0.0:
+                numerator += math.exp(out_max[row, head, s] - best) * out_acc[row, head, s, i]
+        value = numerator / denominator if denominator > 0.0 else float32(0.0)
+        out[row, head * value_dim + i] = float_to_bf16(value)
+
+
+def attention_splits(max_context: int) -> int:
+    """Key splits the attention grid needs for contexts of up to ``max_context`` tokens."""
+    return max(1, -(-int(max_context) // SPLIT_SIZE))
+
+
+def paged_attention(
+    q: object, k_cache: object, v_cache: object, block_tables: object, seq_index: object, positions: object,
+    scale: float, sliding_window: int | None, max_context: int, workspace: tuple, out: object,
+    stream: object = None,
+) -> object:
+    """CUDA launcher of :func:`paged_attention_reference` writing bf16 ``out [N, nh * dv]``.
+
+    ``max_context`` bounds every row's position + 1 (it fixes the number of key splits, so a
+    captured graph stays valid for any shorter context); ``workspace`` is ``(acc, max, sum)``
+    of shapes ``[N, nh, splits, dv]``, ``[N, nh, splits]``, ``[N, nh, splits]`` float32.
+    """
+    op = "paged_attention"
+    check_array(op, "q", q, np.float32, ndim=3)
+    rows, heads, head_dim = q.shape
+    check_array(op, "k_cache", k_cache, np.uint16, (None, None, None, head_dim))
+    kv_heads, value_dim = k_cache.shape[2], v_cache.shape[3]
+    check_array(op, "v_cache", v_cache, np.uint16, (k_cache.shape[0], k_cache.shape[1], kv_heads, None))
+    if heads % kv_heads or head_dim > MAX_ATTENTION_HEAD_DIM or value_dim > MAX_ATTENTION_HEAD_DIM:
+        raise KernelArgumentError(f"{op}: q {list(q.shape)} with caches {list(k_cache.shape)} is unsupported")
+    check_array(op, "block_tables", block_tables, np.int32, ndim=2)
+    check_array(op, "seq_index", seq_index, np.int32, (rows,))
+    check_array(op, "positions", positions, np.int32, (rows,))
+    splits = attention_splits(max_context)
+    acc, best, total = workspace
+    check_array(op, "workspace acc", acc, np.float32, (rows, heads, splits, value_dim))
+    check_array(op, "workspace max", best, np.float32, (rows, heads, splits))
+    check_array(op, "workspace sum", total, np.float32, (rows, heads, splits))
+    check_array(op, "out", out, np.uint16, (rows, heads * value_dim))
+    if rows:
+        launch = numba_stream(stream)
+        paged_attention_split_kernel[(rows, heads, splits), ATTENTION_THREADS, launch](
+            device_view(q), device_view(k_cache), device_view(v_cache), device_view(block_tables),
+            device_view(seq_index), device_view(positions), np.float32(scale), np.int32(sliding_window or 0),
+            device_view(acc), device_view(best), device_view(total),
+        )
+        attention_combine_kernel[(rows, heads), ATTENTION_THREADS, launch](
+            device_view(acc), device_view(best), device_view(total), device_view(out)
+        )
+    return out

@@ -25,3 +25,58 @@ def rmsnorm_residual_reference(
     """
     summed = np.asarray(x, dtype=np.float32) if residual is None else (x + residual).astype(np.float32)
     return rmsnorm_reference(summed, weight, eps, weight_offset), summed
+
+
+# ------------------------------------------------------------------------------ CUDA kernel
+
+import math  # noqa: E402
+
+from numba import cuda, float32  # noqa: E402
+
+from metrale.kernels._device import (  # noqa: E402
+    SIMULATED,
+    bf16_to_float, block_sum, check_array, device_view, float_to_bf16, numba_stream,
+)
+
+NORM_THREADS = 16 if SIMULATED else 128
+
+
+@cuda.jit(cache=True)
+def rmsnorm_residual_kernel(x, residual, weight, eps, weight_offset, add_residual, out):
+    # Grid: N rows, one block of NORM_THREADS per row; threads stride over H.
+    # x [N, H] f32; residual [N, H] f32, updated in place to x + residual (or x when
+    # add_residual == 0); weight [H] bf16 bits; out [N, H] bf16 bits = rms(sum) * (offset + w).
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    hidden = x.shape[1]
+    partial = cuda.shared.array(NORM_THREADS, float32)
+    acc = float32(0.0)
+    for i in range(tid, hidden, NORM_THREADS):
+        value = x[row, i]
+        if add_residual:
+            value += residual[row, i]
+        residual[row, i] = value
+        acc += value * value
+    total = block_sum(partial, tid, acc, NORM_THREADS)
+    inv = float32(1.0) / math.sqrt(total / float32(hidden) + eps)
+    for i in range(tid, hidden, NORM_THREADS):
+        scale = weight_offset + bf16_to_float(weight[i])
+        out[row, i] = float_to_bf16(residual[row, i] * inv * scale)
+
+
+def rmsnorm_residual(
+    x: object, residual: object, weight: object, eps: float, weight_offset: float, add_residual: bool,
+    out: object, stream: object = None,
+) -> object:
+    """``residual <- x (+ residual)``; ``out <- bf16(rmsnorm(residual) * (offset + weight))``."""
+    check_array("rmsnorm_residual", "x", x, np.float32, ndim=2)
+    rows, hidden = x.shape
+    check_array("rmsnorm_residual", "residual", residual, np.float32, (rows, hidden))
+    check_array("rmsnorm_residual", "weight", weight, np.uint16, (hidden,))
+    check_array("rmsnorm_residual", "out", out, np.uint16, (rows, hidden))
+    if rows:
+        rmsnorm_residual_kernel[rows, NORM_THREADS, numba_stream(stream)](
+            device_view(x), device_view(residual), device_view(weight), np.float32(eps),
+            np.float32(weight_offset), np.int32(bool(add_residual)), device_view(out),
+        )
+    return out

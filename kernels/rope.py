@@ -39,3 +39,146 @@ def rope_reference(
         out[..., :half] = first * cos - second * sin
         out[..., half:rotary] = second * cos + first * sin
     return out
+
+
+def qkv_rope_cache_reference(
+    qkv: np.ndarray,
+    positions: np.ndarray,
+    slot_mapping: np.ndarray,
+    inv_freq: np.ndarray,
+    attention_factor: float,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    q_norm: np.ndarray | None = None,
+    k_norm: np.ndarray | None = None,
+    eps: float = 1e-6,
+    norm_offset: float = 0.0,
+    interleaved: bool = False,
+) -> np.ndarray:
+    """Split ``qkv [N, (nh + 2 nkv) d]`` into heads, apply the optional per-head q/k norm and
+    RoPE, store K and V at ``slot_mapping`` in the paged cache; returns ``q [N, nh, d]``."""
+    from metrale.kernels.attention import paged_kv_write_reference
+    from metrale.kernels.rmsnorm import rmsnorm_reference
+
+    rows = qkv.shape[0]
+    q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_width].reshape(rows, num_heads, head_dim)
+    k = qkv[:, q_width : q_width + kv_width].reshape(rows, num_kv_heads, head_dim)
+    v = qkv[:, q_width + kv_width :].reshape(rows, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q = rmsnorm_reference(q, q_norm, eps, norm_offset)
+        k = rmsnorm_reference(k, k_norm, eps, norm_offset)
+    q = rope_reference(q, positions, inv_freq, attention_factor, interleaved)
+    k = rope_reference(k, positions, inv_freq, attention_factor, interleaved)
+    paged_kv_write_reference(k_cache, v_cache, slot_mapping, k, v)
+    return q
+
+
+# ------------------------------------------------------------------------------ CUDA kernel
+
+import math  # noqa: E402
+
+from numba import cuda, float32  # noqa: E402
+
+from metrale.errors import KernelArgumentError  # noqa: E402
+from metrale.kernels._device import (  # noqa: E402
+    SIMULATED,
+    bf16_to_float, block_sum, check_array, device_view, float_to_bf16, numba_stream,
+)
+
+ROPE_THREADS = 4 if SIMULATED else 128
+MAX_HEAD_DIM = 256
+
+
+@cuda.jit(cache=True)
+def qkv_rope_cache_kernel(
+    qkv, positions, slot_mapping, inv_freq, attention_factor, q_norm, k_norm, eps, norm_offset,
+    has_qk_norm, interleaved, num_heads, num_kv_heads, q_out, k_cache, v_cache,
+):
+    # Grid: (N rows, num_heads + num_kv_heads); block ROPE_THREADS threads over one head's dims.
+    # Heads < num_heads are queries (to q_out [N, nh, d] f32); the rest are KV heads: K is normed,
+    # rotated and stored, V stored, both as bf16 bits at slot_mapping[row] of the paged cache.
+    row = cuda.blockIdx.x
+    head = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    head_dim = q_out.shape[2]
+    vec = cuda.shared.array(MAX_HEAD_DIM, float32)
+    partial = cuda.shared.array(ROPE_THREADS, float32)
+    is_query = head < num_heads
+    source = head * head_dim
+    for i in range(tid, head_dim, ROPE_THREADS):
+        vec[i] = qkv[row, source + i]
+    cuda.syncthreads()
+    if has_qk_norm:
+        acc = float32(0.0)
+        for i in range(tid, head_dim, ROPE_THREADS):
+            acc += vec[i] * vec[i]
+        total = block_sum(partial, tid, acc, ROPE_THREADS)
+        inv = float32(1.0) / math.sqrt(total / float32(head_dim) + eps)
+        for i in range(tid, head_dim, ROPE_THREADS):
+            weight = bf16_to_float(q_norm[i]) if is_query else bf16_to_float(k_norm[i])
+            vec[i] = vec[i] * inv * (norm_offset + weight)
+        cuda.syncthreads()
+    half = inv_freq.shape[0]
+    position = float32(positions[row])
+    for i in range(tid, half, ROPE_THREADS):
+        angle = position * inv_freq[i]
+        cos = math.cos(angle) * attention_factor
+        sin = math.sin(angle) * attention_factor
+        first = 2 * i if interleaved else i
+        second = 2 * i + 1 if interleaved else i + half
+        a = vec[first]
+        b = vec[second]
+        vec[first] = a * cos - b * sin
+        vec[second] = b * cos + a * sin
+    cuda.syncthreads()
+    if is_query:
+        for i in range(tid, head_dim, ROPE_THREADS):
+            q_out[row, head, i] = vec[i]
+        return
+    kv_head = head - num_heads
+    slot = slot_mapping[row]
+    block_size = k_cache.shape[1]
+    block = slot // block_size
+    offset = slot % block_size
+    value_source = (num_heads + num_kv_heads + kv_head) * head_dim
+    for i in range(tid, head_dim, ROPE_THREADS):
+        k_cache[block, offset, kv_head, i] = float_to_bf16(vec[i])
+        v_cache[block, offset, kv_head, i] = float_to_bf16(qkv[row, value_source + i])
+
+
+def qkv_rope_cache(
+    qkv: object, positions: object, slot_mapping: object, inv_freq: object, attention_factor: float,
+    num_heads: int, num_kv_heads: int, head_dim: int, k_cache: object, v_cache: object, q_out: object,
+    q_norm: object = None, k_norm: object = None, eps: float = 1e-6, norm_offset: float = 0.0,
+    interleaved: bool = False, stream: object = None,
+) -> object:
+    """CUDA launcher of :func:`qkv_rope_cache_reference` (bf16 cache, float32 ``q_out``)."""
+    op = "qkv_rope_cache"
+    rows = qkv.shape[0]
+    check_array(op, "qkv", qkv, np.float32, (rows, (num_heads + 2 * num_kv_heads) * head_dim))
+    check_array(op, "positions", positions, np.int32, (rows,))
+    check_array(op, "slot_mapping", slot_mapping, np.int32, (rows,))
+    check_array(op, "inv_freq", inv_freq, np.float32, ndim=1)
+    if 2 * inv_freq.shape[0] > head_dim or head_dim > MAX_HEAD_DIM:
+        raise KernelArgumentError(f"{op}: rotary dims {2 * inv_freq.shape[0]} / head_dim {head_dim} unsupported")
+    check_array(op, "k_cache", k_cache, np.uint16, (None, None, num_kv_heads, head_dim))
+    check_array(op, "v_cache", v_cache, np.uint16, tuple(k_cache.shape))
+    check_array(op, "q_out", q_out, np.float32, (rows, num_heads, head_dim))
+    has_norm = q_norm is not None
+    if has_norm:
+        check_array(op, "q_norm", q_norm, np.uint16, (head_dim,))
+        check_array(op, "k_norm", k_norm, np.uint16, (head_dim,))
+    else:
+        q_norm = k_norm = v_cache.reshape(-1)[:head_dim]  # never read; keeps one kernel specialisation
+    if rows:
+        qkv_rope_cache_kernel[(rows, num_heads + num_kv_heads), ROPE_THREADS, numba_stream(stream)](
+            device_view(qkv), device_view(positions), device_view(slot_mapping), device_view(inv_freq),
+            np.float32(attention_factor), device_view(q_norm), device_view(k_norm), np.float32(eps),
+            np.float32(norm_offset), np.int32(has_norm), np.int32(bool(interleaved)), np.int32(num_heads),
+            np.int32(num_kv_heads), device_view(q_out), device_view(k_cache), device_view(v_cache),
+        )
+    return q_out

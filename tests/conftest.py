@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config):
+    """Kernels run under numba's CUDA simulator unless the run selects GPU tests (-m gpu)."""
+    if "gpu" in (config.getoption("markexpr") or "").replace("not gpu", ""):
+        return
+    if "numba" in sys.modules and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        raise pytest.UsageError("numba was imported before the CUDA simulator could be enabled")
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
 BASE = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

@@ -1,0 +1,136 @@
+"""Shared pieces of the ``numba.cuda`` kernels: bf16 bit conversions, launch helpers, checks.
+
+bf16 values live in ``uint16`` arrays (CuPy has no bf16 dtype). Kernels widen them to float32 by
+shifting the bits into the top half of a 32-bit word, and narrow float32 to bf16 with
+round-to-nearest-even. The bit casts use libdevice on a GPU and NumPy under the CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``), so every kernel also runs, slowly, without a GPU.
+
+Nothing here touches CUDA at import: numba compiles a kernel on its first launch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import config, cuda
+
+from metrale.errors import KernelArgumentError
+
+SIMULATED = bool(config.ENABLE_CUDASIM)
+
+if SIMULATED:
+
+    @cuda.jit(device=True)
+    def bits_to_float(bits):
+        return np.array([bits], dtype=np.uint32).view(np.float32)[0]
+
+    @cuda.jit(device=True)
+    def float_to_bits(value):
+        return np.array([value], dtype=np.float32).view(np.uint32)[0]
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def bits_to_float(bits):
+        return libdevice.int_as_float(np.int32(bits))
+
+    @cuda.jit(device=True)
+    def float_to_bits(value):
+        return np.uint32(libdevice.float_as_int(value))
+
+
+@cuda.jit(device=True)
+def bf16_to_float(half_bits):
+    """uint16 bf16 bits -> float32."""
+    return bits_to_float(np.uint32(half_bits) << np.uint32(16))
+
+
+@cuda.jit(device=True)
+def float_to_bf16(value):
+    """float32 -> uint16 bf16 bits, round to nearest even (NaN stays NaN)."""
+    bits = float_to_bits(value)
+    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16(0x7FC0)
+    rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return np.uint16((bits + rounding) >> np.uint32(16))
+
+
+# ---------------------------------------------------------------------------------- launching
+
+
+def numba_stream(stream: Any) -> Any:
+    """The numba view of a CuPy stream (or 0, the default stream, when None)."""
+    if stream is None or SIMULATED:
+        return 0
+    ptr = stream if isinstance(stream, int) else stream.ptr
+    return cuda.external_stream(ptr) if ptr else 0
+
+
+def device_view(array: Any) -> Any:
+    """A numba device-array view of a CuPy array, without synchronising any stream.
+
+    NumPy arrays (the simulator's inputs) pass through unchanged.
+    """
+    if isinstance(array, np.ndarray):
+        return array
+    return cuda.from_cuda_array_interface(array.__cuda_array_interface__, owner=array, sync=False)
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+def check_array(op: str, name: str, array: Any, dtype: Any, shape: tuple | None = None, ndim: int | None = None) -> None:
+    """Raise :class:`KernelArgumentError` unless ``array`` has the dtype, shape and C layout given.
+
+    ``None`` entries of ``shape`` accept any extent.
+    """
+    found_dtype = np.dtype(getattr(array, "dtype", None) or np.float64)
+    if found_dtype != np.dtype(dtype):
+        raise KernelArgumentError(f"{op}: {name} has dtype {found_dtype}, expected {np.dtype(dtype)}")
+    found = tuple(array.shape)
+    if ndim is not None and len(found) != ndim:
+        raise KernelArgumentError(f"{op}: {name} has shape {list(found)}, expected {ndim} dimensions")
+    if shape is not None:
+        if len(found) != len(shape) or any(e is not None and e != f for e, f in zip(shape, found)):
+            expected = ["*" if e is None else e for e in shape]
+            raise KernelArgumentError(f"{op}: {name} has shape {list(found)}, expected {expected}")
+    flags = getattr(array, "flags", None)
+    if flags is not None and not flags["C_CONTIGUOUS"]:
+        raise KernelArgumentError(f"{op}: {name} (shape {list(found)}) is not C-contiguous")
+
+
+# --------------------------------------------------------------------------- block reductions
+
+
+@cuda.jit(device=True)
+def block_sum(partial, tid, value, threads):
+    """Sum of ``value`` over the block's ``threads`` threads (``partial`` is shared scratch)."""
+    partial[tid] = value
+    cuda.syncthreads()
+    stride = threads // 2
+    while stride > 0:
+        if tid < stride:
+            partial[tid] += partial[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+    total = partial[0]
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit(device=True)
+def block_max(partial, tid, value, threads):
+    """Maximum of ``value`` over the block's ``threads`` threads."""
+    partial[tid] = value
+    cuda.syncthreads()
+    stride = threads // 2
+    while stride > 0:
+        if tid < stride and partial[tid + stride] > partial[tid]:
+            partial[tid] = partial[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+    best = partial[0]
+    cuda.syncthreads()
+    return best

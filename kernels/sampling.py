@@ -1,0 +1,256 @@
+"""Token sampling on the device: greedy, temperature, top-k, top-p, seeded per request.
+
+Semantics (shared by the reference and the kernel), per row with logits ``l``:
+
+* temperature 0: the first index of the maximum;
+* otherwise ``s = l / T``; top-k keeps ``s >= `` the k-th largest value (ties kept); weights are
+  ``exp(s - max)`` over kept tokens; top-p then keeps ``s >= t`` for the largest threshold ``t``
+  whose kept mass reaches ``p`` of the total;
+* the token is the first index, in vocabulary order, whose running kept mass exceeds
+  ``u * total`` for a uniform ``u`` in [0, 1).
+
+``u`` comes from :func:`request_uniform` (a SplitMix64 hash of the request's seed and step), so a
+seed fixes the tokens on the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_MASK = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    z = x
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def request_uniform(seed: int, step: int) -> float:
+    """The uniform draw in [0, 1) of a request's ``step`` (24 random bits)."""
+    mixed = _splitmix64(((seed & _MASK) * 0x100000001B3 ^ (step & _MASK)) & _MASK)
+    return (mixed >> 40) / float(1 << 24)
+
+
+def sample_reference(
+    logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, uniforms: np.ndarray
+) -> np.ndarray:
+    """Tokens ``[R]`` int32 for ``logits [R, V]`` float32, per-row parameters and uniforms."""
+    tokens = np.empty(logits.shape[0], dtype=np.int32)
+    for row in range(logits.shape[0]):
+        l = np.asarray(logits[row], dtype=np.float32)
+        if temperature[row] == 0:
+            tokens[row] = int(np.argmax(l))
+            continue
+        s = (l / np.float32(temperature[row])).astype(np.float32)
+        keep = np.ones(s.shape, dtype=bool)
+        k = int(top_k[row])
+        if 0 < k < s.shape[0]:
+            keep &= s >= np.partition(s, -k)[-k]
+        weights = np.where(keep, np.exp((s - s.max()).astype(np.float64)), 0.0)
+        total = weights.sum()
+        if top_p[row] < 1.0:
+            order = np.argsort(-s[keep], kind="stable")
+            values = s[keep][order]
+            mass = np.cumsum(weights[keep][order])
+            cut = min(int(np.searchsorted(mass, top_p[row] * total)), len(values) - 1)
+            keep &= s >= values[cut]
+            weights = np.where(keep, weights, 0.0)
+            total = weights.sum()
+        cumulative = np.cumsum(weights)
+        index = int(np.searchsorted(cumulative, uniforms[row] * total, side="right"))
+        kept = np.nonzero(keep)[0]
+        tokens[row] = min(max(index, kept[0]), kept[-1])
+    return tokens
+
+
+# ------------------------------------------------------------------------------ CUDA kernel
+
+import math  # noqa: E402
+
+from numba import cuda, float32, int32, int64, uint64  # noqa: E402
+
+from metrale.kernels._device import (  # noqa: E402
+    SIMULATED,
+    block_max,
+    block_sum,
+    check_array,
+    device_view,
+    float_to_bits,
+    numba_stream,
+)
+
+SAMPLE_THREADS = 16 if SIMULATED else 256
+
+
+@cuda.jit(device=True)
+def _order_key(value):
+    # float32 -> int64 whose order matches the float order.
+    bits = int64(float_to_bits(value))
+    if bits >= 2147483648:
+        return -(bits - 2147483648) - 1
+    return bits
+
+
+@cuda.jit(device=True)
+def _uniform(seed, step):
+    x = (uint64(seed) * uint64(0x100000001B3)) ^ uint64(step)
+    x = x + uint64(0x9E3779B97F4A7C15)
+    z = (x ^ (x >> uint64(30))) * uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> uint64(27))) * uint64(0x94D049BB133111EB)
+    z = z ^ (z >> uint64(31))
+    return float32(z >> uint64(40)) / float32(16777216.0)
+
+
+@cuda.jit(cache=True)
+def sample_kernel(logits, temperature, top_k, top_p, seeds, steps, uniforms, out_tokens):
+    # Grid: one block of SAMPLE_THREADS per row. Thresholds are found by bisection over the
+    # order keys of the float32 values (exact: one reduction pass per bit); the token by a block
+    # scan of per-thread chunk masses in vocabulary order. uniforms[row] < 0 draws u from
+    # (seeds[row], steps[row]).
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    vocab = logits.shape[1]
+    partial = cuda.shared.array(SAMPLE_THREADS, float32)
+    chunk_mass = cuda.shared.array(SAMPLE_THREADS, float32)
+    found = cuda.shared.array(2, int64)
+    temp = temperature[row]
+    # Greedy: block argmax, smallest index on ties.
+    local_best = float32(-math.inf)
+    local_index = int64(vocab)
+    for i in range(tid, vocab, SAMPLE_THREADS):
+        value = logits[row, i]
+        if value > local_best:
+            local_best = value
+            local_index = i
+    best = block_max(partial, tid, local_best, SAMPLE_THREADS)
+    if temp == 0.0:
+        if tid == 0:
+            found[0] = vocab
+        cuda.syncthreads()
+        if local_best == best:
+            cuda.atomic.min(found, 0, local_index)
+        cuda.syncthreads()
+        if tid == 0:
+            out_tokens[row] = int32(found[0])
+        return
+    inv_temp = float32(1.0) / temp
+    scaled_max = best * inv_temp
+    # Top-k threshold: the largest key t with count(key >= t) >= k.
+    lo = int64(-2147483649)
+    k = top_k[row]
+    if 0 < k < vocab:
+        lo = int64(-2147483648)
+        hi = int64(2147483648)
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            count = float32(0.0)
+            for i in range(tid, vocab, SAMPLE_THREADS):
+                if _order_key(logits[row, i] * inv_temp) >= mid:
+                    count += float32(1.0)
+            if block_sum(partial, tid, count, SAMPLE_THREADS) >= float32(k):
+                lo = mid
+            else:
+                hi = mid
+    k_key = lo
+    # Total kept mass.
+    mass = float32(0.0)
+    for i in range(tid, vocab, SAMPLE_THREADS):
+        s = logits[row, i] * inv_temp
+        if _order_key(s) >= k_key:
+            mass += math.exp(s - scaled_max)
+    total = block_sum(partial, tid, mass, SAMPLE_THREADS)
+    threshold = k_key
+    p = top_p[row]
+    if p < 1.0:
+        lo = int64(-2147483648)
+        hi = int64(2147483648)
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            above = float32(0.0)
+            for i in range(tid, vocab, SAMPLE_THREADS):
+                s = logits[row, i] * inv_temp
+                key = _order_key(s)
+                if key >= mid and key >= k_key:
+                    above += math.exp(s - scaled_max)
+            if block_sum(partial, tid, above, SAMPLE_THREADS) >= p * total:
+                lo = mid
+            else:
+                hi = mid
+        threshold = max(lo, k_key)
+        kept = float32(0.0)
+        for i in range(tid, vocab, SAMPLE_THREADS):
+            s = logits[row, i] * inv_temp
+            if _order_key(s) >= threshold:
+                kept += math.exp(s - scaled_max)
+        total = block_sum(partial, tid, kept, SAMPLE_THREADS)
+    u = uniforms[row]
+    if u < 0.0:
+        u = _uniform(seeds[row], steps[row])
+    target = u * total
+    # Each thread owns a contiguous chunk; thread 0 finds the chunk holding the target.
+    chunk = (vocab + SAMPLE_THREADS - 1) // SAMPLE_THREADS
+    start = tid * chunk
+    stop = min(start + chunk, vocab)
+    own = float32(0.0)
+    for i in range(start, stop):
+        s = logits[row, i] * inv_temp
+        if _order_key(s) >= threshold:
+            own += math.exp(s - scaled_max)
+    chunk_mass[tid] = own
+    cuda.syncthreads()
+    if tid == 0:
+        running = float32(0.0)
+        owner = int64(-1)
+        last_nonempty = int64(0)
+        for t in range(SAMPLE_THREADS):
+            if chunk_mass[t] > 0.0:
+                last_nonempty = t
+                if owner < 0 and running + chunk_mass[t] > target:
+                    owner = t
+                    break
+                running += chunk_mass[t]
+        if owner < 0:
+            owner = last_nonempty
+            running -= chunk_mass[owner]
+        found[0] = owner
+        partial[0] = running
+    cuda.syncthreads()
+    if tid == found[0]:
+        running = partial[0]
+        choice = int64(-1)
+        last_kept = int64(-1)
+        for i in range(start, stop):
+            s = logits[row, i] * inv_temp
+            if _order_key(s) >= threshold:
+                last_kept = i
+                running += math.exp(s - scaled_max)
+                if running > target:
+                    choice = i
+                    break
+        out_tokens[row] = int32(choice if choice >= 0 else last_kept)
+
+
+def sample(
+    logits: object, temperature: object, top_k: object, top_p: object, seeds: object, steps: object,
+    uniforms: object, out_tokens: object, stream: object = None,
+) -> object:
+    """CUDA launcher: one token per row of ``logits [R, V]`` into ``out_tokens [R]`` int32."""
+    op = "sample"
+    check_array(op, "logits", logits, np.float32, ndim=2)
+    rows = logits.shape[0]
+    check_array(op, "temperature", temperature, np.float32, (rows,))
+    check_array(op, "top_k", top_k, np.int32, (rows,))
+    check_array(op, "top_p", top_p, np.float32, (rows,))
+    check_array(op, "seeds", seeds, np.int64, (rows,))
+    check_array(op, "steps", steps, np.int64, (rows,))
+    check_array(op, "uniforms", uniforms, np.float32, (rows,))
+    check_array(op, "out_tokens", out_tokens, np.int32, (rows,))
+    if rows:
+        sample_kernel[rows, SAMPLE_THREADS, numba_stream(stream)](
+            device_view(logits), device_view(temperature), device_view(top_k), device_view(top_p),
+            device_view(seeds), device_view(steps), device_view(uniforms), device_view(out_tokens),
+        )
+    return out_tokens

@@ -1,0 +1,222 @@
+"""Every CUDA kernel against its NumPy reference, under numba's CUDA simulator (tiny shapes).
+
+The suite's conftest enables the simulator (``NUMBA_ENABLE_CUDASIM=1``) before numba is imported,
+so these run on any machine. Shapes are deliberately not multiples of the block sizes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from metrale.checkpoint import bf16_to_float32, float32_to_bf16
+from metrale.errors import KernelArgumentError
+from metrale.kernels import activation, attention, embedding, rmsnorm, rope
+from metrale.kernels._device import bf16_to_float, float_to_bf16
+from numba import cuda
+
+pytestmark = [
+    pytest.mark.skipif(
+        not __import__("metrale.kernels._device", fromlist=["SIMULATED"]).SIMULATED,
+        reason="the real-GPU variants of these tests carry the gpu marker",
+    ),
+    # The simulator runs the 64-bit hash on NumPy scalars, which warn when they wrap.
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+]
+
+
+def rounded(values):
+    """float32 values as the GPU path stores them (bf16)."""
+    return bf16_to_float32(float32_to_bf16(np.asarray(values, dtype=np.float32)))
+
+
+def rel_error(actual, expected):
+    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+@cuda.jit
+def round_trip(values, bits, widened):
+    i = cuda.grid(1)
+    if i < values.shape[0]:
+        bits[i] = float_to_bf16(values[i])
+        widened[i] = bf16_to_float(bits[i])
+
+
+def test_bf16_conversions_match_the_host_helpers():
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.standard_normal(40).astype(np.float32) * 10.0 ** rng.integers(-8, 8, 40),
+                             np.array([0.0, -0.0, 1.0, 3.3895e38, -1e-40], np.float32)]).astype(np.float32)
+    bits = np.zeros(values.shape, np.uint16)
+    widened = np.zeros(values.shape, np.float32)
+    round_trip[2, 32](values, bits, widened)
+    np.testing.assert_array_equal(bits, float32_to_bf16(values))
+    np.testing.assert_array_equal(widened, bf16_to_float32(bits))
+
+
+def test_embedding_gathers_rows():
+    rng = np.random.default_rng(1)
+    weight = float32_to_bf16(rng.standard_normal((11, 37)).astype(np.float32))
+    ids = np.array([3, 0, 10, 3], np.int32)
+    out = np.full((4, 37), np.nan, np.float32)
+    embedding.embedding(weight, ids, out)
+    np.testing.assert_array_equal(out, embedding.embedding_reference(bf16_to_float32(weight), ids))
+
+
+@pytest.mark.parametrize("add_residual, offset", [(True, 0.0), (False, 1.0)])
+def test_rmsnorm_residual(add_residual, offset):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 45)).astype(np.float32)
+    residual = rng.standard_normal((3, 45)).astype(np.float32)
+    weight = float32_to_bf16((offset == 0) + 0.2 * rng.standard_normal(45).astype(np.float32))
+    expected_normed, expected_sum = rmsnorm.rmsnorm_residual_reference(
+        x, residual if add_residual else None, bf16_to_float32(weight), 1e-5, offset
+    )
+    out = np.zeros((3, 45), np.uint16)
+    rmsnorm.rmsnorm_residual(x, residual, weight, 1e-5, offset, add_residual, out)
+    np.testing.assert_allclose(residual, expected_sum, rtol=1e-6)
+    assert rel_error(bf16_to_float32(out), expected_normed) <= 8e-3
+
+
+def test_silu_and_mul_and_cast():
+    rng = np.random.default_rng(3)
+    gate_up = (3 * rng.standard_normal((3, 2 * 70))).astype(np.float32)
+    out = np.zeros((3, 70), np.uint16)
+    activation.silu_and_mul(gate_up, out)
+    expected = activation.silu_and_mul_reference(gate_up[:, :70], gate_up[:, 70:])
+    assert rel_error(bf16_to_float32(out), expected) <= 8e-3
+    cast = np.zeros((3, 70), np.uint16)
+    activation.to_bf16(expected, cast)
+    np.testing.assert_array_equal(cast, float32_to_bf16(expected))
+
+
+def random_cache(rng, blocks, block_size, kv_heads, head_dim):
+    return float32_to_bf16(rng.standard_normal((blocks, block_size, kv_heads, head_dim)).astype(np.float32))
+
+
+@pytest.mark.parametrize("qk_norm, interleaved, rotary", [(False, False, 12), (True, False, 12), (True, True, 6)])
+def test_qkv_rope_cache(qk_norm, interleaved, rotary):
+    rng = np.random.default_rng(4)
+    rows, heads, kv_heads, head_dim, block_size = 5, 4, 2, 12, 4
+    qkv = rng.standard_normal((rows, (heads + 2 * kv_heads) * head_dim)).astype(np.float32)
+    positions = np.array([0, 1, 7, 30, 2], np.int32)
+    slots = np.array([4, 5, 11, 2, 13], np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, rotary, 2) / rotary)).astype(np.float32)
+    q_norm = float32_to_bf16(1 + 0.2 * rng.standard_normal(head_dim).astype(np.float32)) if qk_norm else None
+    k_norm = float32_to_bf16(1 + 0.2 * rng.standard_normal(head_dim).astype(np.float32)) if qk_norm else None
+    k_cache, v_cache = random_cache(rng, 5, block_size, kv_heads, head_dim), random_cache(rng, 5, block_size, kv_heads, head_dim)
+    k_ref, v_ref = bf16_to_float32(k_cache), bf16_to_float32(v_cache)
+    expected_q = rope.qkv_rope_cache_reference(
+        qkv, positions, slots, inv_freq, 1.1, heads, kv_heads, head_dim, k_ref, v_ref,
+        None if q_norm is None else bf16_to_float32(q_norm), None if k_norm is None else bf16_to_float32(k_norm),
+        1e-6, 0.0, interleaved,
+    )
+    q_out = np.full((rows, heads, head_dim), np.nan, np.float32)
+    rope.qkv_rope_cache(qkv, positions, slots, inv_freq, 1.1, heads, kv_heads, head_dim, k_cache, v_cache, q_out,
+                        q_norm, k_norm, 1e-6, 0.0, interleaved)
+    assert rel_error(q_out, expected_q) <= 1e-5
+    assert rel_error(bf16_to_float32(k_cache), k_ref) <= 8e-3
+    assert rel_error(bf16_to_float32(v_cache), v_ref) <= 8e-3
+    untouched = np.setdiff1d(np.arange(5 * block_size), slots)
+    np.testing.assert_array_equal(
+        bf16_to_float32(k_cache).reshape(-1, kv_heads, head_dim)[untouched], k_ref.reshape(-1, kv_heads, head_dim)[untouched]
+    )
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_paged_attention_decode_and_prefill_rows(window):
+    # Under the simulator SPLIT_SIZE is tiny, so these rows span several key splits.
+    rng = np.random.default_rng(5)
+    heads, kv_heads, head_dim, block_size = 4, 2, 8, 4
+    k_cache = random_cache(rng, 9, block_size, kv_heads, head_dim)
+    v_cache = random_cache(rng, 9, block_size, kv_heads, head_dim)
+    block_tables = np.array([[3, 1, 7, 0], [2, 5, 0, 0]], np.int32)
+    # Rows: a prefill chunk of sequence 0 at positions 5..7, and one decode row of sequence 1.
+    seq_index = np.array([0, 0, 0, 1], np.int32)
+    positions = np.array([5, 6, 7, 6], np.int32)
+    q = rng.standard_normal((4, heads, head_dim)).astype(np.float32)
+    expected = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), block_tables.astype(np.int64), seq_index, positions,
+        head_dim**-0.5, window,
+    ).reshape(4, heads * head_dim)
+    splits = attention.attention_splits(9)
+    workspace = (np.zeros((4, heads, splits, head_dim), np.float32), np.zeros((4, heads, splits), np.float32),
+                 np.zeros((4, heads, splits), np.float32))
+    out = np.zeros((4, heads * head_dim), np.uint16)
+    attention.paged_attention(q, k_cache, v_cache, block_tables, seq_index, positions, head_dim**-0.5, window, 9,
+                              workspace, out)
+    assert rel_error(bf16_to_float32(out), expected) <= 8e-3
+
+
+def test_attention_combine_merges_splits():
+    rng = np.random.default_rng(6)
+    rows, heads, splits, dv = 2, 3, 3, 5
+    scores = [rng.standard_normal(n) for n in (4, 2, 0)]
+    values = [rng.standard_normal((n, dv)) for n in (4, 2, 0)]
+    acc = np.zeros((rows, heads, splits, dv), np.float32)
+    best = np.full((rows, heads, splits), -np.inf, np.float32)
+    total = np.zeros((rows, heads, splits), np.float32)
+    for s, (sc, va) in enumerate(zip(scores, values)):
+        if len(sc):
+            m = sc.max()
+            best[:, :, s], total[:, :, s] = m, np.exp(sc - m).sum()
+            acc[:, :, s] = np.exp(sc - m) @ va
+    all_scores, all_values = np.concatenate(scores), np.concatenate(values)
+    weights = np.exp(all_scores - all_scores.max())
+    expected = (weights @ all_values) / weights.sum()
+    out = np.zeros((rows, heads * dv), np.uint16)
+    attention.attention_combine_kernel[(rows, heads), attention.ATTENTION_THREADS](acc, best, total, out)
+    assert rel_error(bf16_to_float32(out).reshape(rows, heads, dv), np.broadcast_to(expected, (rows, heads, dv))) <= 8e-3
+
+
+def test_launchers_name_bad_shapes():
+    with pytest.raises(KernelArgumentError, match=r"out has shape \[2, 5\], expected \[2, 4\]"):
+        rmsnorm.rmsnorm_residual(np.zeros((2, 4), np.float32), np.zeros((2, 4), np.float32),
+                                 np.zeros(4, np.uint16), 1e-6, 0.0, True, np.zeros((2, 5), np.uint16))
+    with pytest.raises(KernelArgumentError, match="ids has dtype int64, expected int32"):
+        embedding.embedding(np.zeros((4, 3), np.uint16), np.zeros(2, np.int64), np.zeros((2, 3), np.float32))
+    with pytest.raises(KernelArgumentError, match="not C-contiguous"):
+        activation.to_bf16(np.zeros((4, 6), np.float32)[:, ::2], np.zeros((4, 3), np.uint16))
+
+
+def test_request_uniform_matches_the_kernel_hash():
+    from metrale.kernels import sampling
+
+    logits = np.zeros((4, 7), np.float32) + np.arange(7, dtype=np.float32)  # distinct, equal-ish weights
+    seeds = np.array([0, 1, 2**40 + 5, 123456789], np.int64)
+    steps = np.array([0, 3, 17, 2**33], np.int64)
+    out = np.zeros(4, np.int32)
+    ones = np.ones(4, np.float32)
+    sampling.sample(logits, ones, np.zeros(4, np.int32), ones, seeds, steps, np.full(4, -1, np.float32), out)
+    uniforms = np.array([sampling.request_uniform(int(s), int(t)) for s, t in zip(seeds, steps)], np.float32)
+    expected = sampling.sample_reference(logits, ones, np.zeros(4, np.int32), ones, uniforms)
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_sampling_picks_the_token_whose_interval_holds_u():
+    """u at the middle of token j's CDF interval (read off the reference) must give token j."""
+    from metrale.kernels import sampling
+
+    rng = np.random.default_rng(8)
+    vocab = 37
+    cases = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (0.9, 9, 0.8), (2.0, 1, 1.0)]
+    logits = (2 * rng.standard_normal((len(cases), vocab))).astype(np.float32)
+    temperature = np.array([c[0] for c in cases], np.float32)
+    top_k = np.array([c[1] for c in cases], np.int32)
+    top_p = np.array([c[2] for c in cases], np.float32)
+    grid = (np.arange(400, dtype=np.float32) + 0.5) / 400
+    uniforms = np.zeros(len(cases), np.float32)
+    for row in range(len(cases)):
+        one = slice(row, row + 1)
+        picks = np.array([sampling.sample_reference(logits[one], temperature[one], top_k[one], top_p[one],
+                                                    np.array([u], np.float32))[0] for u in grid])
+        token = picks[rng.integers(len(picks))]
+        inside = np.nonzero(picks == token)[0]  # the grid points of token's interval (contiguous)
+        uniforms[row] = grid[(inside[0] + inside[-1]) // 2]
+    expected = sampling.sample_reference(logits, temperature, top_k, top_p, uniforms)
+    out = np.full(len(cases), -1, np.int32)
+    zeros = np.zeros(len(cases), np.int64)
+    sampling.sample(logits, temperature, top_k, top_p, zeros, zeros, uniforms, out)
+    np.testing.assert_array_equal(out, expected)
+    assert out[0] == np.argmax(logits[0])
+    assert logits[2, out[2]] / np.float32(0.7) >= np.sort(logits[2] / np.float32(0.7))[-5]
+    assert logits[5, out[5]] == logits[5].max()  # top_k = 1
