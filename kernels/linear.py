@@ -11,3 +11,72 @@ def linear_reference(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None 
     if bias is not None:
         y = y + bias
     return y.astype(np.float32, copy=False)
+
+
+# ------------------------------------------------------------------------------ cuBLAS GEMM
+
+from metrale.kernels._device import check_array  # noqa: E402
+
+# cuBLAS / CUDA enum values (cublas_api.h, library_types.h).
+CUBLAS_OP_N = 0
+CUBLAS_OP_T = 1
+CUDA_R_32F = 0
+CUDA_R_16BF = 14
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_GEMM_DEFAULT = -1
+WORKSPACE_BYTES = 32 * 1024 * 1024
+
+
+class CublasGemm:
+    """``y = x W^T`` through ``cublasGemmEx`` (nvmath bindings): bf16 inputs, fp32 accumulate.
+
+    The handle is bound to one stream and given a fixed workspace at construction, so every
+    call can be recorded into a CUDA graph (CuPy's own cuBLAS wrapper refuses stream capture).
+    """
+
+    def __init__(self, stream: object) -> None:
+        import cupy
+        from nvmath.bindings import cublas
+
+        self._cublas = cublas
+        self.handle = cublas.create()
+        self.workspace = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
+        cublas.set_stream(self.handle, stream.ptr)
+        cublas.set_workspace(self.handle, self.workspace.data.ptr, WORKSPACE_BYTES)
+        # Host scalars: read at call (and capture) time with the default host pointer mode.
+        self._one = np.ones(1, dtype=np.float32)
+        self._zero = np.zeros(1, dtype=np.float32)
+
+    def __call__(self, x: object, weight: object, out: object) -> object:
+        """``x [N, K]`` bf16 bits, ``weight [M, K]`` bf16 bits -> ``out [N, M]`` fp32 or bf16."""
+        op = "linear"
+        check_array(op, "x", x, np.uint16, ndim=2)
+        rows, inner = x.shape
+        check_array(op, "weight", weight, np.uint16, (None, inner))
+        width = weight.shape[0]
+        if out.dtype == np.float32:
+            out_type = CUDA_R_32F
+        elif out.dtype == np.uint16:
+            out_type = CUDA_R_16BF
+        else:
+            from metrale.errors import KernelArgumentError
+
+            raise KernelArgumentError(f"{op}: out has dtype {out.dtype}, expected float32 or uint16 (bf16)")
+        check_array(op, "out", out, out.dtype, (rows, width))
+        if rows == 0:
+            return out
+        # Row-major y [N, M] is column-major y^T [M, N] = W (x^T): A = W as column-major [K, M]
+        # transposed, B = x as column-major [K, N].
+        self._cublas.gemm_ex(
+            self.handle, CUBLAS_OP_T, CUBLAS_OP_N, width, rows, inner,
+            self._one.ctypes.data, weight.data.ptr, CUDA_R_16BF, inner,
+            x.data.ptr, CUDA_R_16BF, inner,
+            self._zero.ctypes.data, out.data.ptr, out_type, width,
+            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
+        )
+        return out
+
+    def close(self) -> None:
+        if self.handle:
+            self._cublas.destroy(self.handle)
+            self.handle = 0

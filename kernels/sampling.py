@@ -61,8 +61,8 @@ def sample_reference(
             total = weights.sum()
         cumulative = np.cumsum(weights)
         index = int(np.searchsorted(cumulative, uniforms[row] * total, side="right"))
-        kept = np.nonzero(keep)[0]
-        tokens[row] = min(max(index, kept[0]), kept[-1])
+        drawable = np.nonzero(weights > 0)[0]
+        tokens[row] = min(max(index, drawable[0]), drawable[-1])
     return tokens
 
 
@@ -225,8 +225,10 @@ def sample_kernel(logits, temperature, top_k, top_p, seeds, steps, uniforms, out
         for i in range(start, stop):
             s = logits[row, i] * inv_temp
             if _order_key(s) >= threshold:
-                last_kept = i
-                running += math.exp(s - scaled_max)
+                weight = math.exp(s - scaled_max)
+                if weight > 0.0:
+                    last_kept = i
+                running += weight
                 if running > target:
                     choice = i
                     break

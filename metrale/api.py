@@ -52,10 +52,10 @@ class LLM:
 
     ``model`` is a checkpoint folder (``config.json``, ``*.safetensors``, optionally
     ``tokenizer.json``) or the name of an embedded checkpoint such as ``"tiny-dense"``.
-    ``device`` is ``"auto"``, ``"cpu"`` or ``"cuda"``; this build has the CPU backend only, so
-    ``"auto"`` runs on the CPU and ``"cuda"`` raises
-    :class:`~metrale.errors.BackendUnavailableError`.
-    Further keyword options: ``max_model_len``, ``max_num_seqs``, ``seed``, ``block_size``,
+    ``device`` is ``"auto"`` (the GPU when a CUDA device and the ``gpu`` extra are usable, else
+    the CPU), ``"cpu"`` or ``"cuda"`` (:class:`~metrale.errors.BackendUnavailableError` when no
+    GPU can be used).
+    Further keyword options: ``max_model_len``, ``max_num_seqs``, ``seed``, ``cuda_graphs``, ``block_size``,
     ``num_blocks``, ``memory_bytes``, ``num_state_slots`` (see :class:`~metrale.config.EngineConfig`
     and :class:`~metrale.config.CacheConfig`); ``plugin_manager`` to use a prepared plugin manager;
     ``show_progress`` to turn progress bars off. Unknown options raise
@@ -77,7 +77,7 @@ class LLM:
         self.plugin_manager = plugin_manager or get_plugin_manager(environment=environment)
         self.checkpoint = Checkpoint(resolve_model_path(model))
         self.family = resolve_family(self.plugin_manager, self.checkpoint.config)
-        self.backend = get_backend(self.config.device)
+        self.backend = get_backend(self.config.device, cuda_graphs=self.config.cuda_graphs)
         with self.checkpoint.progress(f"loading {self.checkpoint.path.name}", self.show_progress):
             self.model = self.plugin_manager.hook.metrale_load_model(
                 family=self.family, checkpoint=self.checkpoint, backend=self.backend, config=self.config
@@ -224,6 +224,20 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [outputs[r.request_id] for r in requests]
+
+    def capture_graphs(self, batch_sizes: Sequence[int] | None = None) -> None:
+        """Record the CUDA graphs of decode steps ahead of time (a no-op on the CPU).
+
+        ``batch_sizes`` defaults to every rung (1, 2, 4, ... 128); otherwise each size is rounded
+        up to its rung. Without this, a rung's graph is recorded the first time it is used.
+        """
+        runner = self.backend.graph_runner(self.model)
+        if runner is None:
+            return
+        from metrale.engine.cuda_graphs import DECODE_RUNGS
+
+        runner.capture(tuple(batch_sizes) if batch_sizes else DECODE_RUNGS)
+        self.backend.synchronize()
 
     def score(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits for every position of ``token_ids``: ``[len, vocab]`` float32.

@@ -2,17 +2,30 @@
 
 * ``cpu`` -- NumPy float32 reference ops (the reference of every kernel module in
   :mod:`metrale.kernels`). What CI and the parity tests run.
-* ``cuda`` -- CuPy arrays, ``numba.cuda`` kernels and cuBLAS. Nothing CUDA-related is imported
-  before a CUDA backend is asked for.
+* ``cuda`` -- CuPy arrays, ``numba.cuda`` kernels and cuBLAS (:mod:`metrale.cuda_backend`).
+  Nothing CUDA-related is imported before a CUDA backend is asked for.
 
-Family code calls ``backend.ops.<op>`` and ``backend.xp`` (the array module) only, so the same
-model code runs on both.
+Family code calls ``backend.ops.<op>``, ``backend.load_weight`` / ``backend.constant`` and
+``backend.xp`` (the array module) only, so the same model code runs on both. The ops are:
+
+``embedding(weight, ids)`` -> ``[N, H]`` float32;
+``rmsnorm_residual(x, residual, weight, eps, offset=0.0)`` -> ``(normed, x + residual)``;
+``rmsnorm(x, weight, eps, offset=0.0)`` -> normed;
+``linear(x, weight, bias=None)`` -> ``[N, out]`` float32;
+``qkv_rope_cache(qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads,
+num_kv_heads, head_dim, k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6, norm_offset=0.0,
+interleaved=False)`` -> ``q [N, nh, d]``;
+``paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)`` -> ``[N, nh * dv]``;
+``silu_and_mul(gate_up)`` -> ``[N, I]``.
+"Normed" outputs and attention outputs are the inputs of matrix products: float32 on the CPU,
+bf16 bits (``uint16``) on the GPU.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -20,7 +33,7 @@ from metrale.errors import BackendUnavailableError, ConfigError
 
 
 class Backend:
-    """Base class: array placement and the op table."""
+    """Base class: array placement, the op table, sampling."""
 
     name = "abstract"
     #: NumPy-compatible array module (numpy or cupy).
@@ -29,8 +42,13 @@ class Backend:
     cache_dtype: Any = np.float32
     ops: SimpleNamespace
 
-    def asarray(self, host: np.ndarray) -> Any:
-        """Place a host float array (a weight) on this backend in its compute dtype."""
+    def load_weight(self, checkpoint: Any, *parts: tuple[str, Sequence[int]]) -> Any:
+        """Read tensors ``(name, shape)`` from ``checkpoint``, concatenated along the first axis,
+        as a weight in this backend's format (float32 on the CPU, bf16 bits on the GPU)."""
+        raise NotImplementedError
+
+    def constant(self, host: np.ndarray) -> Any:
+        """A float32 array (biases, RoPE frequencies) on this backend."""
         raise NotImplementedError
 
     def zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
@@ -39,6 +57,20 @@ class Backend:
     def to_numpy(self, array: Any) -> np.ndarray:
         """Copy an array of this backend to the host as float32."""
         raise NotImplementedError
+
+    def prepare_batch(self, batch: Any) -> Any:
+        """The batch with its row metadata on this backend's device."""
+        return batch
+
+    def graph_runner(self, model: Any) -> Any:
+        """The CUDA-graph runner of ``model``'s decode steps, or None (no graphs)."""
+        return None
+
+    def sample_tokens(self, logits: Any, params: Sequence[Any], seeds: Sequence[int], steps: Sequence[int]) -> list[int]:
+        """One token per row of ``logits`` (see :mod:`metrale.kernels.sampling`)."""
+        from metrale.engine.sampler import sample_rows
+
+        return sample_rows(self.to_numpy(logits), params, seeds, steps)
 
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op on the CPU)."""
@@ -57,18 +89,31 @@ class CpuBackend(Backend):
     def __init__(self) -> None:
         from metrale.kernels import activation, attention, embedding, linear, rmsnorm, rope
 
+        def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window):
+            out = attention.paged_attention_reference(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_index, batch.positions, scale, sliding_window
+            )
+            return out.reshape(out.shape[0], -1)
+
+        def silu_and_mul(gate_up):
+            width = gate_up.shape[1] // 2
+            return activation.silu_and_mul_reference(gate_up[:, :width], gate_up[:, width:])
+
         self.ops = SimpleNamespace(
             embedding=embedding.embedding_reference,
             rmsnorm=rmsnorm.rmsnorm_reference,
             rmsnorm_residual=rmsnorm.rmsnorm_residual_reference,
             linear=linear.linear_reference,
-            silu_and_mul=activation.silu_and_mul_reference,
-            rope=rope.rope_reference,
-            paged_kv_write=attention.paged_kv_write_reference,
-            paged_attention=attention.paged_attention_reference,
+            silu_and_mul=silu_and_mul,
+            qkv_rope_cache=rope.qkv_rope_cache_reference,
+            paged_attention=paged_attention,
         )
 
-    def asarray(self, host: np.ndarray) -> np.ndarray:
+    def load_weight(self, checkpoint: Any, *parts: tuple[str, Sequence[int]]) -> np.ndarray:
+        arrays = [checkpoint.tensor(name, shape) for name, shape in parts]
+        return np.ascontiguousarray(arrays[0] if len(arrays) == 1 else np.concatenate(arrays), dtype=np.float32)
+
+    def constant(self, host: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(host, dtype=np.float32)
 
     def to_numpy(self, array: Any) -> np.ndarray:
@@ -78,21 +123,41 @@ class CpuBackend(Backend):
 def cuda_device_present() -> bool:
     """Whether a CUDA device can be used (initialises the CUDA driver; never at import)."""
     try:
-        from numba import cuda
+        from numba import config, cuda
 
-        return bool(cuda.is_available())
+        return not config.ENABLE_CUDASIM and bool(cuda.is_available())
     except Exception:
         return False
 
 
-def get_backend(device: str) -> Backend:
-    """The backend for ``device`` (``"auto"``, ``"cpu"`` or ``"cuda"``)."""
+def get_backend(device: str, **options: Any) -> Backend:
+    """The backend for ``device`` (``"auto"``, ``"cpu"`` or ``"cuda"``).
+
+    ``"auto"`` picks CUDA when a device and CuPy are usable, else the CPU.
+    """
     if device == "cpu":
         return CpuBackend()
+    if device not in ("auto", "cuda"):
+        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    reason = None
+    if not cuda_device_present():
+        reason = "no CUDA device is available"
+    else:
+        try:
+            import cupy  # noqa: F401
+            import nvmath.bindings.cublas  # noqa: F401
+        except ImportError as error:
+            reason = f"the gpu extra is not installed ({error}); pip install 'metrale[gpu]'"
+    if reason is None:
+        from metrale.cuda_backend import CudaBackend
+
+        return CudaBackend(**options)
     if device == "auto":
         return CpuBackend()
-    if device == "cuda":
-        present = cuda_device_present()
-        reason = "this build has no CUDA backend yet" if present else "no CUDA device is available"
-        raise BackendUnavailableError(f"device='cuda' cannot be used: {reason}; use device='cpu'")
-    raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    raise BackendUnavailableError(f"device='cuda' cannot be used: {reason}; use device='cpu'")
+
+
+def with_device_arrays(batch: Any, convert: Any) -> Any:
+    """A copy of ``batch`` whose row-metadata arrays went through ``convert`` (int32)."""
+    fields = ("token_ids", "positions", "seq_index", "slot_mapping", "block_tables", "logits_rows")
+    return replace(batch, **{name: convert(np.ascontiguousarray(getattr(batch, name), dtype=np.int32)) for name in fields})

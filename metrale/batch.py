@@ -41,6 +41,7 @@ class ForwardBatch:
     ``token_ids``, ``positions``, ``seq_index``, ``slot_mapping``: ``[N]`` int64;
     ``block_tables``: ``[S, max_blocks]`` int64 (padded with the dummy block 0);
     ``row_starts``: ``[S + 1]``; ``logits_rows``: rows whose logits are returned, in order.
+    ``max_context`` bounds every row's ``position + 1`` (it sizes the attention's key splits).
     """
 
     segments: list[Segment]
@@ -51,6 +52,7 @@ class ForwardBatch:
     block_tables: np.ndarray
     row_starts: np.ndarray
     logits_rows: np.ndarray
+    max_context: int = 0
     extras: dict = field(default_factory=dict)
 
     @property
@@ -88,13 +90,15 @@ class ForwardBatch:
             elif segment.logits == "all":
                 logits_rows.extend(range(base, base + count))
             row_starts.append(base + count)
+        positions_all = np.concatenate(positions)
         return cls(
             segments=segments,
             token_ids=np.concatenate(token_ids),
-            positions=np.concatenate(positions),
+            positions=positions_all,
             seq_index=np.concatenate(seq_index),
             slot_mapping=np.concatenate(slots),
             block_tables=block_tables,
             row_starts=np.asarray(row_starts, dtype=np.int64),
             logits_rows=np.asarray(logits_rows, dtype=np.int64),
+            max_context=int(positions_all.max()) + 1,
         )

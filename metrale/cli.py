@@ -48,6 +48,52 @@ def _add_plugins(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_plugins)
 
 
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="measure decode and prefill throughput on the GPU beside Hugging Face transformers",
+        description="Build random-weight bf16 checkpoints of Llama shapes, then time Metrale and "
+        "transformers on them: decode tok/s, GB/s and the fraction of the bandwidth floor, prefill "
+        "tok/s, load and graph-capture time. Needs a CUDA device, torch and transformers.",
+    )
+    parser.add_argument("--shapes", default="llama-1b,llama-8b", help="comma-separated (default: llama-1b,llama-8b)")
+    parser.add_argument("--batch-sizes", default="1,32", help="decode batch sizes (default: 1,32)")
+    parser.add_argument("--context", type=int, default=512, help="cached tokens per sequence before decoding (default: 512)")
+    parser.add_argument("--decode-steps", type=int, default=64, help="timed decode steps (default: 64)")
+    parser.add_argument("--prefill-lengths", default="512,2048", help="prompt lengths timed for prefill (default: 512,2048)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--hf-compile", action="store_true", help="also time transformers with a static cache and torch.compile")
+    parser.add_argument("--workdir", default="/tmp/metrale-bench", help="where checkpoints are written")
+    parser.add_argument("--output", default="bench.json", help="JSON result file (default: bench.json)")
+    parser.set_defaults(handler=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from metrale.bench import SHAPES, BenchOptions, run, table
+    from metrale.errors import ConfigError
+
+    shapes = tuple(s for s in args.shapes.split(",") if s)
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        raise ConfigError(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
+    try:
+        batch_sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+        prefill_lengths = tuple(int(n) for n in args.prefill_lengths.split(",") if n)
+    except ValueError as error:
+        raise ConfigError(f"--batch-sizes and --prefill-lengths take comma-separated ints: {error}") from None
+    options = BenchOptions(
+        shapes=shapes, batch_sizes=batch_sizes, context=args.context, decode_steps=args.decode_steps,
+        prefill_lengths=prefill_lengths, hf=not args.no_hf, hf_compile=args.hf_compile,
+        workdir=Path(args.workdir), output=Path(args.output),
+    )
+    results = run(options)
+    print(table(results))
+    print(f"results: {options.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="metrale",
@@ -58,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers.required = True
     _add_generate(subparsers)
     _add_plugins(subparsers)
+    _add_bench(subparsers)
     return parser
 
 

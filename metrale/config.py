@@ -93,13 +93,15 @@ class EngineConfig:
     """Everything the engine needs to know besides the checkpoint.
 
     ``device`` is ``"auto"``, ``"cpu"`` or ``"cuda"``; ``max_model_len`` caps the context (None:
-    the checkpoint's ``max_position_embeddings``); ``seed`` seeds requests that give no seed.
+    the checkpoint's ``max_position_embeddings``); ``seed`` seeds requests that give no seed;
+    ``cuda_graphs`` replays decode steps from CUDA graphs on the GPU.
     """
 
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 16
     seed: int = 0
+    cuda_graphs: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 

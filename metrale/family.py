@@ -136,7 +136,11 @@ class FamilyModel:
         for segment in segments:
             cache.reserve(segment.seq, segment.end)
         batch = ForwardBatch.build(segments, cache.block_size)
-        logits = self.forward_batch(batch)
+        runner = self.backend.graph_runner(self)
+        if runner is not None and runner.accepts(batch):
+            logits = runner.run(batch)
+        else:
+            logits = self.forward_batch(self.backend.prepare_batch(batch))
         for segment in segments:
             segment.seq.seq_len = segment.end
         return logits

@@ -10,9 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-
-from metrale.engine.sampler import request_generator, sample_token
+from metrale.engine.sampler import request_seed
 from metrale.params import RequestOutput, SamplingParams
 from metrale.sequence import SequenceState
 
@@ -25,7 +23,7 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: np.random.Generator
+    seed: int
     seq: SequenceState = field(init=False)
     text: str | None = None
     finish_reason: str | None = None
@@ -88,7 +86,7 @@ def run_group(forward: Any, cache: Any, backend: Any, requests: list[Request], s
         running: list[Request] = []
         for request in requests:
             logits = forward.prefill(request.prompt_token_ids, request.seq)
-            _append(request, backend.to_numpy(logits)[0], stopper)
+            _append([request], logits, backend, stopper)
             if request.finish_reason is None:
                 running.append(request)
             else:
@@ -96,10 +94,10 @@ def run_group(forward: Any, cache: Any, backend: Any, requests: list[Request], s
                 on_finish(request)
         while running:
             tokens = [r.seq.tokens[-1] for r in running]
-            logits = backend.to_numpy(forward.decode_batch(tokens, [r.seq for r in running]))
+            logits = forward.decode_batch(tokens, [r.seq for r in running])
+            _append(running, logits, backend, stopper)
             still: list[Request] = []
-            for row, request in enumerate(running):
-                _append(request, logits[row], stopper)
+            for request in running:
                 if request.finish_reason is None:
                     still.append(request)
                 else:
@@ -112,10 +110,14 @@ def run_group(forward: Any, cache: Any, backend: Any, requests: list[Request], s
                 cache.release(request.seq)
 
 
-def _append(request: Request, logits: np.ndarray, stopper: StopChecker) -> None:
-    token = sample_token(logits, request.params, request.generator)
-    request.seq.tokens.append(token)
-    stopper.update(request, token)
+def _append(requests: list[Request], logits: Any, backend: Any, stopper: StopChecker) -> None:
+    """Sample one token per request from the rows of ``logits`` (on the backend's device)."""
+    tokens = backend.sample_tokens(
+        logits, [r.params for r in requests], [r.seed for r in requests], [len(r.generated) for r in requests]
+    )
+    for request, token in zip(requests, tokens):
+        request.seq.tokens.append(int(token))
+        stopper.update(request, int(token))
 
 
 def make_request(index: int, prompt: str | None, token_ids: list[int], params: SamplingParams, engine_seed: int) -> Request:
@@ -124,5 +126,5 @@ def make_request(index: int, prompt: str | None, token_ids: list[int], params: S
         prompt=prompt,
         prompt_token_ids=token_ids,
         params=params,
-        generator=request_generator(params.seed, engine_seed, index),
+        seed=request_seed(params.seed, engine_seed, index),
     )

@@ -1,39 +1,48 @@
-"""Token sampling on the host: greedy, temperature, top-k, top-p, seeded per request."""
+"""Token sampling on the host, with the semantics of the device kernel.
+
+Both backends sample the same way (:mod:`metrale.kernels.sampling`): a request's ``seed`` and
+the index of the token being drawn (``step``) fix the uniform draw, so a seed gives the same
+tokens on the CPU and on the GPU wherever the two backends' logits agree.
+"""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 
 from metrale.params import SamplingParams
 
+# metrale.kernels.sampling holds the kernel beside the reference (it imports numba), so it is
+# imported on first use: ``import metrale`` stays free of numba.
 
-def request_generator(seed: int | None, engine_seed: int, request_index: int) -> np.random.Generator:
-    """The random stream of one request: its own seed, or the engine seed and its index."""
+
+def request_seed(seed: int | None, engine_seed: int, request_index: int) -> int:
+    """The seed of one request: its own, or one derived from the engine seed and its index."""
+    from metrale.kernels.sampling import _splitmix64
+
     if seed is not None:
-        return np.random.default_rng(seed)
-    return np.random.default_rng([engine_seed, request_index])
+        return int(seed)
+    return _splitmix64((int(engine_seed) << 32) ^ int(request_index)) >> 1
 
 
-def sample_token(logits: np.ndarray, params: SamplingParams, generator: np.random.Generator) -> int:
-    """Pick the next token from ``logits [vocab]`` (float32)."""
-    logits = np.asarray(logits, dtype=np.float64).reshape(-1)
-    if params.temperature == 0.0:
-        return int(np.argmax(logits))
-    scaled = logits / params.temperature
-    if 0 < params.top_k < scaled.shape[0]:
-        kth = np.partition(scaled, -params.top_k)[-params.top_k]
-        scaled = np.where(scaled >= kth, scaled, -np.inf)
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        keep = int(np.searchsorted(cumulative, params.top_p)) + 1
-        mask = np.zeros_like(probs, dtype=bool)
-        mask[order[:keep]] = True
-        probs = np.where(mask, probs, 0.0)
-        probs /= probs.sum()
-    cumulative = np.cumsum(probs)
-    choice = int(np.searchsorted(cumulative, generator.random() * cumulative[-1], side="right"))
-    return min(choice, probs.shape[0] - 1)
+def parameter_arrays(params: Sequence[SamplingParams]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(temperature, top_k, top_p)`` arrays of the rows (top_k -1 is stored as 0: off)."""
+    temperature = np.array([p.temperature for p in params], dtype=np.float32)
+    top_k = np.array([max(p.top_k, 0) for p in params], dtype=np.int32)
+    top_p = np.array([p.top_p for p in params], dtype=np.float32)
+    return temperature, top_k, top_p
+
+
+def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]) -> list[int]:
+    """One token per row of ``logits [R, vocab]``."""
+    from metrale.kernels.sampling import request_uniform, sample_reference
+
+    temperature, top_k, top_p = parameter_arrays(params)
+    uniforms = np.array([request_uniform(s, t) for s, t in zip(seeds, steps)], dtype=np.float32)
+    return sample_reference(np.asarray(logits, dtype=np.float32).reshape(len(params), -1), temperature, top_k, top_p, uniforms).tolist()
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, seed: int, step: int) -> int:
+    """The token drawn from ``logits [vocab]`` by a request with ``seed`` at ``step``."""
+    return sample_rows(np.asarray(logits).reshape(1, -1), [params], [seed], [step])[0]

@@ -68,14 +68,14 @@ def load_attention_weights(
     """Read ``{prefix}.{q,k,v,o}_proj`` (and biases / ``q_norm`` / ``k_norm``) and fuse q, k, v."""
     g = geometry
     q_rows, kv_rows = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
-    parts = [
-        checkpoint.tensor(f"{prefix}.q_proj.weight", (q_rows, g.hidden_size)),
-        checkpoint.tensor(f"{prefix}.k_proj.weight", (kv_rows, g.hidden_size)),
-        checkpoint.tensor(f"{prefix}.v_proj.weight", (kv_rows, g.hidden_size)),
-    ]
     weights = AttentionWeights(
-        qkv=backend.asarray(np.concatenate(parts)),
-        o=backend.asarray(checkpoint.tensor(f"{prefix}.o_proj.weight", (g.hidden_size, q_rows))),
+        qkv=backend.load_weight(
+            checkpoint,
+            (f"{prefix}.q_proj.weight", (q_rows, g.hidden_size)),
+            (f"{prefix}.k_proj.weight", (kv_rows, g.hidden_size)),
+            (f"{prefix}.v_proj.weight", (kv_rows, g.hidden_size)),
+        ),
+        o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (g.hidden_size, q_rows))),
     )
     if qkv_bias:
         biases = [
@@ -83,12 +83,12 @@ def load_attention_weights(
             checkpoint.tensor(f"{prefix}.k_proj.bias", (kv_rows,)),
             checkpoint.tensor(f"{prefix}.v_proj.bias", (kv_rows,)),
         ]
-        weights.qkv_bias = backend.asarray(np.concatenate(biases))
+        weights.qkv_bias = backend.constant(np.concatenate(biases))
     if o_bias:
-        weights.o_bias = backend.asarray(checkpoint.tensor(f"{prefix}.o_proj.bias", (g.hidden_size,)))
+        weights.o_bias = backend.constant(checkpoint.tensor(f"{prefix}.o_proj.bias", (g.hidden_size,)))
     if qk_norm:
-        weights.q_norm = backend.asarray(checkpoint.tensor(f"{prefix}.q_norm.weight", (g.head_dim,)))
-        weights.k_norm = backend.asarray(checkpoint.tensor(f"{prefix}.k_norm.weight", (g.head_dim,)))
+        weights.q_norm = backend.load_weight(checkpoint, (f"{prefix}.q_norm.weight", (g.head_dim,)))
+        weights.k_norm = backend.load_weight(checkpoint, (f"{prefix}.k_norm.weight", (g.head_dim,)))
     return weights
 
 
@@ -96,47 +96,41 @@ def load_mlp_weights(
     checkpoint: Checkpoint, backend: Any, prefix: str, hidden_size: int, intermediate_size: int, *, bias: bool = False
 ) -> MlpWeights:
     """Read ``{prefix}.{gate,up,down}_proj`` and fuse gate and up."""
-    gate = checkpoint.tensor(f"{prefix}.gate_proj.weight", (intermediate_size, hidden_size))
-    up = checkpoint.tensor(f"{prefix}.up_proj.weight", (intermediate_size, hidden_size))
     weights = MlpWeights(
-        gate_up=backend.asarray(np.concatenate([gate, up])),
-        down=backend.asarray(checkpoint.tensor(f"{prefix}.down_proj.weight", (hidden_size, intermediate_size))),
+        gate_up=backend.load_weight(
+            checkpoint,
+            (f"{prefix}.gate_proj.weight", (intermediate_size, hidden_size)),
+            (f"{prefix}.up_proj.weight", (intermediate_size, hidden_size)),
+        ),
+        down=backend.load_weight(checkpoint, (f"{prefix}.down_proj.weight", (hidden_size, intermediate_size))),
     )
     if bias:
         gate_b = checkpoint.tensor(f"{prefix}.gate_proj.bias", (intermediate_size,))
         up_b = checkpoint.tensor(f"{prefix}.up_proj.bias", (intermediate_size,))
-        weights.gate_up_bias = backend.asarray(np.concatenate([gate_b, up_b]))
-        weights.down_bias = backend.asarray(checkpoint.tensor(f"{prefix}.down_proj.bias", (hidden_size,)))
+        weights.gate_up_bias = backend.constant(np.concatenate([gate_b, up_b]))
+        weights.down_bias = backend.constant(checkpoint.tensor(f"{prefix}.down_proj.bias", (hidden_size,)))
     return weights
 
 
 def attention_block(
     backend: Any, geometry: AttentionGeometry, weights: AttentionWeights, cache_layer: Any, h: Any, batch: ForwardBatch
 ) -> Any:
-    """Causal GQA self-attention of ``h [N, H]``; writes the rows' K/V into ``cache_layer``."""
+    """Causal GQA self-attention of ``h [N, H]``; writes the rows' K/V into ``cache_layer``.
+
+    ``geometry.inv_freq`` must be a backend array (``backend.constant``).
+    """
     ops, g = backend.ops, geometry
-    rows = h.shape[0]
     qkv = ops.linear(h, weights.qkv, weights.qkv_bias)
-    q_width, kv_width = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
-    q = qkv[:, :q_width].reshape(rows, g.num_heads, g.head_dim)
-    k = qkv[:, q_width : q_width + kv_width].reshape(rows, g.num_kv_heads, g.head_dim)
-    v = qkv[:, q_width + kv_width :].reshape(rows, g.num_kv_heads, g.head_dim)
-    if weights.q_norm is not None:
-        q = ops.rmsnorm(q, weights.q_norm, g.norm_eps)
-        k = ops.rmsnorm(k, weights.k_norm, g.norm_eps)
-    q = ops.rope(q, batch.positions, g.inv_freq, g.attention_factor)
-    k = ops.rope(k, batch.positions, g.inv_freq, g.attention_factor)
-    ops.paged_kv_write(cache_layer.k, cache_layer.v, batch.slot_mapping, k, v)
-    out = ops.paged_attention(
-        q, cache_layer.k, cache_layer.v, batch.block_tables, batch.seq_index, batch.positions, g.scale,
-        g.sliding_window,
+    q = ops.qkv_rope_cache(
+        qkv, batch.positions, batch.slot_mapping, g.inv_freq, g.attention_factor, g.num_heads, g.num_kv_heads,
+        g.head_dim, cache_layer.k, cache_layer.v, weights.q_norm, weights.k_norm, g.norm_eps,
     )
-    return ops.linear(out.reshape(rows, q_width), weights.o, weights.o_bias)
+    out = ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, g.scale, g.sliding_window)
+    return ops.linear(out, weights.o, weights.o_bias)
 
 
 def swiglu_mlp(backend: Any, weights: MlpWeights, h: Any) -> Any:
     """``down(silu(gate(h)) * up(h))`` for ``h [N, H]``."""
     ops = backend.ops
     gate_up = ops.linear(h, weights.gate_up, weights.gate_up_bias)
-    width = gate_up.shape[1] // 2
-    return ops.linear(ops.silu_and_mul(gate_up[:, :width], gate_up[:, width:]), weights.down, weights.down_bias)
+    return ops.linear(ops.silu_and_mul(gate_up), weights.down, weights.down_bias)

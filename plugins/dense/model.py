@@ -45,35 +45,35 @@ class DenseModel(FamilyModel):
             num_heads=c.num_heads,
             num_kv_heads=c.num_kv_heads,
             head_dim=c.head_dim,
-            inv_freq=c.rope.inverse_frequencies(),
+            inv_freq=backend.constant(c.rope.inverse_frequencies()),
             attention_factor=c.rope.attention_factor(),
             norm_eps=c.rms_norm_eps,
         )
         vector = (c.hidden_size,)
-        self.embed = backend.asarray(checkpoint.tensor("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
+        self.embed = backend.load_weight(checkpoint, ("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
         self.layers = []
         for index in range(c.num_layers):
             prefix = f"model.layers.{index}"
             geometry = replace(base, sliding_window=c.layer_windows[index])
             self.layers.append(
                 DenseLayer(
-                    input_norm=backend.asarray(checkpoint.tensor(f"{prefix}.input_layernorm.weight", vector)),
+                    input_norm=backend.load_weight(checkpoint, (f"{prefix}.input_layernorm.weight", vector)),
                     attention=load_attention_weights(
                         checkpoint, backend, f"{prefix}.self_attn", geometry,
                         qkv_bias=c.qkv_bias, o_bias=c.o_bias, qk_norm=c.qk_norm,
                     ),
-                    post_norm=backend.asarray(checkpoint.tensor(f"{prefix}.post_attention_layernorm.weight", vector)),
+                    post_norm=backend.load_weight(checkpoint, (f"{prefix}.post_attention_layernorm.weight", vector)),
                     mlp=load_mlp_weights(
                         checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size, bias=c.mlp_bias
                     ),
                     geometry=geometry,
                 )
             )
-        self.norm = backend.asarray(checkpoint.tensor("model.norm.weight", vector))
+        self.norm = backend.load_weight(checkpoint, ("model.norm.weight", vector))
         if c.tie_word_embeddings and not checkpoint.has("lm_head.weight"):
             self.lm_head = self.embed
         else:
-            self.lm_head = backend.asarray(checkpoint.tensor("lm_head.weight", (c.vocab_size, c.hidden_size)))
+            self.lm_head = backend.load_weight(checkpoint, ("lm_head.weight", (c.vocab_size, c.hidden_size)))
         checkpoint.skip([n for n in checkpoint.names() if n.endswith(IGNORED_TENSOR_SUFFIXES)])
 
     def cache_spec(self) -> CacheSpec:
@@ -91,5 +91,6 @@ class DenseModel(FamilyModel):
             x = attention_block(self.backend, layer.geometry, layer.attention, cache_layer, h, batch)
             h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps)
             x = swiglu_mlp(self.backend, layer.mlp, h)
-        h, _ = ops.rmsnorm_residual(x, residual, self.norm, eps)
-        return ops.linear(h[batch.logits_rows], self.lm_head)
+        rows = batch.logits_rows
+        h, _ = ops.rmsnorm_residual(x[rows], residual[rows], self.norm, eps)
+        return ops.linear(h, self.lm_head)

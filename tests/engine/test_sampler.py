@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metrale.engine.sampler import request_generator, sample_token
+from metrale.engine.sampler import request_seed, sample_token
 from metrale.params import SamplingParams
 
 
@@ -28,8 +28,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 
 def _draw(logits: np.ndarray, params: SamplingParams, n: int, seed: int) -> list[int]:
-    generator = np.random.default_rng(seed)
-    return [sample_token(logits, params, generator) for _ in range(n)]
+    return [sample_token(logits, params, seed, step) for step in range(n)]
 
 
 def _nucleus(probs: np.ndarray, top_p: float) -> set[int]:
@@ -79,9 +78,9 @@ def test_same_seed_same_tokens():
     logits = _logits(2, vocab=40, scale=0.5)
     params = SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=1234)
     # A request seed fixes the stream whatever the engine seed and the request's index.
-    gen_a, gen_b = request_generator(1234, 7, 0), request_generator(1234, 99, 5)
-    run_a = [sample_token(logits, params, gen_a) for _ in range(200)]
-    run_b = [sample_token(logits, params, gen_b) for _ in range(200)]
+    seed_a, seed_b = request_seed(1234, 7, 0), request_seed(1234, 99, 5)
+    run_a = [sample_token(logits, params, seed_a, step) for step in range(200)]
+    run_b = [sample_token(logits, params, seed_b, step) for step in range(200)]
     assert run_a == run_b
     assert len(set(run_a)) > 5  # the runs are random, not trivially constant
 
@@ -91,8 +90,8 @@ def test_different_seeds_eventually_differ():
     params = SamplingParams(temperature=1.0)
     runs = {}
     for seed in (1, 2, 3):
-        generator = request_generator(seed, 0, 0)
-        runs[seed] = [sample_token(logits, params, generator) for _ in range(100)]
+        request = request_seed(seed, 0, 0)
+        runs[seed] = [sample_token(logits, params, request, step) for step in range(100)]
     assert runs[1] != runs[2] and runs[2] != runs[3] and runs[1] != runs[3]
 
 
@@ -101,8 +100,8 @@ def test_unseeded_requests_follow_the_engine_seed_and_their_index():
     params = SamplingParams(temperature=1.0)
 
     def run(engine_seed, index):
-        generator = request_generator(None, engine_seed, index)
-        return [sample_token(logits, params, generator) for _ in range(100)]
+        request = request_seed(None, engine_seed, index)
+        return [sample_token(logits, params, request, step) for step in range(100)]
 
     assert run(0, 0) == run(0, 0)
     assert run(0, 0) != run(0, 1)
@@ -230,9 +229,8 @@ def test_sampled_token_is_finite_and_allowed(case):
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     allowed = _allowed(logits, temperature, top_k, top_p)
     assert allowed
-    generator = np.random.default_rng(seed)
-    for _ in range(5):
-        token = sample_token(logits, params, generator)
+    for step in range(5):
+        token = sample_token(logits, params, seed, step)
         assert 0 <= token < len(logits)
         assert np.isfinite(logits[token]), f"token {token} has logit {logits[token]}"
         assert token in allowed, f"token {token} not in the allowed set {sorted(allowed)}"

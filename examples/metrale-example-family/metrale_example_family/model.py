@@ -52,19 +52,20 @@ class ParallelBlockModel(FamilyModel):
         rope = rope_parameters(config, head_dim)
         self.geometry = AttentionGeometry(
             hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-            inv_freq=rope.inverse_frequencies(), attention_factor=rope.attention_factor(), norm_eps=self.eps,
+            inv_freq=backend.constant(rope.inverse_frequencies()), attention_factor=rope.attention_factor(),
+            norm_eps=self.eps,
         )
-        self.embed = backend.asarray(checkpoint.tensor("model.embed_tokens.weight", (vocab, hidden)))
+        self.embed = backend.load_weight(checkpoint, ("model.embed_tokens.weight", (vocab, hidden)))
         self.layers = [
             ParallelLayer(
-                norm=backend.asarray(checkpoint.tensor(f"model.layers.{i}.layernorm.weight", (hidden,))),
+                norm=backend.load_weight(checkpoint, (f"model.layers.{i}.layernorm.weight", (hidden,))),
                 attention=load_attention_weights(checkpoint, backend, f"model.layers.{i}.self_attn", self.geometry),
                 mlp=load_mlp_weights(checkpoint, backend, f"model.layers.{i}.mlp", hidden, intermediate),
             )
             for i in range(layers)
         ]
-        self.norm = backend.asarray(checkpoint.tensor("model.norm.weight", (hidden,)))
-        self.lm_head = backend.asarray(checkpoint.tensor("lm_head.weight", (vocab, hidden)))
+        self.norm = backend.load_weight(checkpoint, ("model.norm.weight", (hidden,)))
+        self.lm_head = backend.load_weight(checkpoint, ("lm_head.weight", (vocab, hidden)))
 
     def cache_spec(self) -> CacheSpec:
         g = self.geometry

@@ -1,0 +1,271 @@
+"""``metrale bench``: decode and prefill throughput on the GPU, beside Hugging Face transformers.
+
+For each model shape the benchmark builds a bf16 checkpoint with random weights (no download),
+loads it into Metrale (timing load and graph capture), times batched decode steps with CUDA
+events (median step time) and whole-prompt prefills, and runs the same measurements on
+transformers in the same process. Decode is memory-bound: the floor of one step is the bytes it
+must read (every weight once, plus the KV cache) over the device-to-device copy bandwidth
+measured at the start of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-1b": dict(  # Llama-3.2-1B
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+    "llama-8b": dict(  # Llama-3.1-8B
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+}
+
+
+@dataclass
+class BenchOptions:
+    shapes: tuple[str, ...] = ("llama-1b", "llama-8b")
+    batch_sizes: tuple[int, ...] = (1, 32)
+    context: int = 512  # tokens already cached when the timed decode steps start
+    decode_steps: int = 64
+    prefill_lengths: tuple[int, ...] = (512, 2048)
+    hf: bool = True
+    hf_compile: bool = False
+    hf_decode_tokens: int = 32
+    workdir: Path = Path("/tmp/metrale-bench")
+    output: Path | None = None
+
+
+def _progress(total: int, description: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=description, leave=False)
+
+
+def _cuda_time(function: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+    """Median seconds of ``function`` measured with CUDA events (after ``warmup`` calls)."""
+    import cupy
+
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        function()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1000.0)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written), 4 GiB buffers."""
+    import cupy
+
+    source = cupy.ones(1 << 31, dtype=cupy.uint16)
+    target = cupy.empty_like(source)
+    seconds = _cuda_time(lambda: target.__setitem__(slice(None), source), repeats=10)
+    return 2 * source.nbytes / seconds
+
+
+def build_checkpoint(shape: str, folder: Path) -> Path:
+    """Save a random-weight bf16 Llama checkpoint of ``shape`` (built on the GPU)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (folder / "config.json").exists():
+        return folder
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=131072, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    del model
+    torch.cuda.empty_cache()
+    return folder
+
+
+def weight_bytes(shape: str) -> int:
+    s = SHAPES[shape]
+    h, i, layers, v = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
+    q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+    embeddings = v * h * (1 if s["tie_word_embeddings"] else 2)
+    return 2 * (layers * per_layer + embeddings + h)
+
+
+def kv_bytes_per_token(shape: str) -> int:
+    s = SHAPES[shape]
+    return 2 * 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * s["head_dim"]
+
+
+def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: float) -> dict[str, Any]:
+    import numpy as np
+
+    from metrale.api import LLM
+    from metrale.sequence import SequenceState
+
+    result: dict[str, Any] = {}
+    max_batch = max(options.batch_sizes)
+    max_len = max(options.context + options.decode_steps + 16, max(options.prefill_lengths) + 16)
+    started = time.perf_counter()
+    llm = LLM(folder, device="cuda", max_model_len=max_len, max_num_seqs=max_batch + 1, show_progress=True)
+    llm.backend.synchronize()
+    result["load_s"] = time.perf_counter() - started
+    started = time.perf_counter()
+    llm.capture_graphs(options.batch_sizes)
+    result["capture_s"] = time.perf_counter() - started
+    rng = np.random.default_rng(0)
+    vocab = llm.vocab_size
+    for batch in options.batch_sizes:
+        seqs = [SequenceState.from_prompt(rng.integers(0, vocab, options.context).tolist()) for _ in range(batch)]
+        for seq in seqs:
+            llm.forward.prefill(seq.tokens, seq)
+        tokens = [int(t) for t in rng.integers(0, vocab, batch)]
+        steps = options.decode_steps
+
+        def step() -> None:
+            logits = llm.forward.decode_batch(tokens, seqs)
+            logits.argmax(axis=1)  # the device greedy pick generation does after every step
+
+        seconds = _cuda_time(step, repeats=steps)
+        context = options.context + steps // 2
+        bytes_read = weight_bytes(shape) + batch * context * kv_bytes_per_token(shape)
+        floor = bytes_read / bandwidth
+        result[f"decode_b{batch}"] = {
+            "step_ms": seconds * 1e3,
+            "tok_s": batch / seconds,
+            "achieved_GBps": bytes_read / seconds / 1e9,
+            "floor_ms": floor * 1e3,
+            "fraction_of_floor": floor / seconds,
+        }
+        for seq in seqs:
+            llm.cache.release(seq)
+    for length in options.prefill_lengths:
+        prompt = rng.integers(0, vocab, length).tolist()
+
+        def prefill() -> None:
+            seq = SequenceState.from_prompt(prompt)
+            llm.forward.prefill(prompt, seq)
+            llm.cache.release(seq)
+
+        seconds = _cuda_time(prefill, repeats=5, warmup=1)
+        result[f"prefill_{length}"] = {"ms": seconds * 1e3, "tok_s": length / seconds}
+    del llm
+    return result
+
+
+def bench_hf(folder: Path, options: BenchOptions, compile_model: bool) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    result: dict[str, Any] = {}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
+    if compile_model:
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+
+    def generate(batch: int, new_tokens: int) -> float:
+        ids = torch.randint(0, vocab, (batch, options.context), generator=generator).cuda()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    for batch in options.batch_sizes:
+        generate(batch, 2)
+        first = generate(batch, 1)
+        total = generate(batch, 1 + options.hf_decode_tokens)
+        seconds = (total - first) / options.hf_decode_tokens
+        result[f"decode_b{batch}"] = {"step_ms": seconds * 1e3, "tok_s": batch / seconds}
+    for length in options.prefill_lengths:
+        ids = torch.randint(0, vocab, (1, length), generator=generator).cuda()
+        with torch.no_grad():
+            model(ids)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(3):
+                model(ids)
+            torch.cuda.synchronize()
+        seconds = (time.perf_counter() - started) / 3
+        result[f"prefill_{length}"] = {"ms": seconds * 1e3, "tok_s": length / seconds}
+    del model
+    torch.cuda.empty_cache()
+    return result
+
+
+def run(options: BenchOptions) -> dict[str, Any]:
+    import cupy
+
+    device = cupy.cuda.runtime.getDeviceProperties(0)
+    results: dict[str, Any] = {"device": device["name"].decode(), "options": {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(options).items()}}
+    results["copy_bandwidth_TBps"] = copy_bandwidth() / 1e12
+    bandwidth = results["copy_bandwidth_TBps"] * 1e12
+    options.workdir.mkdir(parents=True, exist_ok=True)
+    for shape in options.shapes:
+        entry: dict[str, Any] = {"weight_GB": weight_bytes(shape) / 1e9}
+        results[shape] = entry
+        try:
+            started = time.perf_counter()
+            folder = build_checkpoint(shape, options.workdir / shape)
+            entry["build_s"] = time.perf_counter() - started
+            entry["metrale"] = bench_metrale(shape, folder, options, bandwidth)
+        except Exception as error:  # report and go on with the other measurements
+            entry["metrale_error"] = f"{type(error).__name__}: {error}"
+        if options.hf:
+            for label, compiled in (("hf_eager", False), ("hf_compiled", True)):
+                if compiled and not options.hf_compile:
+                    continue
+                try:
+                    entry[label] = bench_hf(options.workdir / shape, options, compiled)
+                except Exception as error:
+                    entry[f"{label}_error"] = f"{type(error).__name__}: {error}"
+        if options.output is not None:
+            options.output.write_text(json.dumps(results, indent=2))
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    """The result as a plain-text table."""
+    lines = [f"device: {results['device']}   copy bandwidth: {results['copy_bandwidth_TBps']:.2f} TB/s"]
+    header = f"{'shape':10} {'engine':12} {'metric':14} {'value':>12} {'GB/s':>8} {'floor %':>8}"
+    lines += [header, "-" * len(header)]
+    for shape in results["options"]["shapes"]:
+        entry = results.get(shape, {})
+        for engine in ("metrale", "hf_eager", "hf_compiled"):
+            data = entry.get(engine)
+            if data is None:
+                if f"{engine}_error" in entry:
+                    lines.append(f"{shape:10} {engine:12} error: {entry[f'{engine}_error'][:60]}")
+                continue
+            for key, value in data.items():
+                if not isinstance(value, dict):
+                    lines.append(f"{shape:10} {engine:12} {key:14} {value:12.2f}")
+                    continue
+                rate = value.get("tok_s")
+                gbps = value.get("achieved_GBps")
+                fraction = value.get("fraction_of_floor")
+                lines.append(
+                    f"{shape:10} {engine:12} {key + ' tok/s':14} {rate:12.1f} "
+                    f"{'' if gbps is None else f'{gbps:8.0f}'} {'' if fraction is None else f'{100 * fraction:8.1f}'}"
+                )
+    return "\n".join(lines)

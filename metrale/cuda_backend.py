@@ -1,0 +1,173 @@
+"""The CUDA backend: CuPy arrays on one device, ``numba.cuda`` kernels, cuBLAS GEMMs.
+
+Weights and the KV cache hold bf16 bits in ``uint16`` arrays; the residual stream and the GEMM
+outputs are float32; the inputs of every GEMM are bf16. All work is queued on one engine stream,
+which is CuPy's current stream on this thread and the stream every numba kernel and the cuBLAS
+handle use. Decode steps are replayed from CUDA graphs (:mod:`metrale.engine.cuda_graphs`).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Sequence
+
+import numpy as np
+
+from metrale.backend import Backend, with_device_arrays
+from metrale.checkpoint import float32_to_bf16
+
+
+class CudaBackend(Backend):
+    """CuPy + numba.cuda + cuBLAS on device ``device_id``."""
+
+    name = "cuda"
+    cache_dtype = np.uint16
+
+    def __init__(self, device_id: int = 0, cuda_graphs: bool = True) -> None:
+        import cupy
+
+        from metrale.kernels import activation, attention, embedding, rmsnorm, rope
+        from metrale.kernels.linear import CublasGemm
+        from metrale.kernels.sampling import sample
+
+        self.xp = cupy
+        self.device = cupy.cuda.Device(device_id)
+        self.device.use()
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.stream.use()
+        self.gemm = CublasGemm(self.stream)
+        #: Private pool of the memory captured graphs use, so eager work never reuses it.
+        self.graph_pool = cupy.cuda.MemoryPool()
+        self.cuda_graphs = cuda_graphs
+        self._runners: dict[int, Any] = {}
+        self._sample = sample
+        cp, stream = cupy, self.stream
+        f32, bf16 = np.float32, np.uint16
+
+        def embed(weight, ids):
+            out = cp.empty((ids.shape[0], weight.shape[1]), dtype=f32)
+            return embedding.embedding(weight, ids, out, stream)
+
+        def rmsnorm_residual(x, residual, weight, eps, offset=0.0):
+            x = cp.ascontiguousarray(x)
+            add = residual is not None
+            residual = cp.ascontiguousarray(residual) if add else cp.empty_like(x)
+            out = cp.empty(x.shape, dtype=bf16)
+            rmsnorm.rmsnorm_residual(x, residual, weight, eps, offset, add, out, stream)
+            return out, residual
+
+        def rmsnorm_only(x, weight, eps, offset=0.0):
+            return rmsnorm_residual(x, None, weight, eps, offset)[0]
+
+        def to_bf16(x):
+            x = cp.ascontiguousarray(x)
+            return activation.to_bf16(x, cp.empty(x.shape, dtype=bf16), stream)
+
+        def linear(x, weight, bias=None):
+            x = to_bf16(x) if x.dtype == f32 else cp.ascontiguousarray(x)
+            out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
+            self.gemm(x, weight, out)
+            if bias is not None:
+                out += bias
+            return out
+
+        def qkv_rope_cache(qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads,
+                           head_dim, k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6, norm_offset=0.0,
+                           interleaved=False):
+            q = cp.empty((qkv.shape[0], num_heads, head_dim), dtype=f32)
+            return rope.qkv_rope_cache(
+                qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim,
+                k_cache, v_cache, q, q_norm, k_norm, eps, norm_offset, interleaved, stream,
+            )
+
+        def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window):
+            rows, heads = q.shape[0], q.shape[1]
+            value_dim = v_cache.shape[3]
+            splits = attention.attention_splits(batch.max_context)
+            workspace = (
+                cp.empty((rows, heads, splits, value_dim), dtype=f32),
+                cp.empty((rows, heads, splits), dtype=f32),
+                cp.empty((rows, heads, splits), dtype=f32),
+            )
+            out = cp.empty((rows, heads * value_dim), dtype=bf16)
+            return attention.paged_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_index, batch.positions, scale, sliding_window,
+                batch.max_context, workspace, out, stream,
+            )
+
+        def silu_and_mul(gate_up):
+            out = cp.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=bf16)
+            return activation.silu_and_mul(gate_up, out, stream)
+
+        self.ops = SimpleNamespace(
+            embedding=embed,
+            rmsnorm=rmsnorm_only,
+            rmsnorm_residual=rmsnorm_residual,
+            linear=linear,
+            silu_and_mul=silu_and_mul,
+            qkv_rope_cache=qkv_rope_cache,
+            paged_attention=paged_attention,
+            to_bf16=to_bf16,
+        )
+
+    # ------------------------------------------------------------------------------ arrays
+
+    def load_weight(self, checkpoint: Any, *parts: tuple[str, Sequence[int]]) -> Any:
+        arrays = []
+        for name, shape in parts:
+            if checkpoint.info(name).dtype == "BF16":
+                arrays.append(checkpoint.raw(name, shape))
+            else:
+                arrays.append(float32_to_bf16(checkpoint.tensor(name, shape)))
+        host = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        return self.xp.asarray(np.ascontiguousarray(host, dtype=np.uint16))
+
+    def constant(self, host: np.ndarray) -> Any:
+        return self.xp.asarray(np.ascontiguousarray(host, dtype=np.float32))
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        host = self.xp.asnumpy(array, stream=self.stream)
+        self.stream.synchronize()
+        return np.asarray(host, dtype=np.float32)
+
+    def prepare_batch(self, batch: Any) -> Any:
+        return with_device_arrays(batch, self.xp.asarray)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    # ------------------------------------------------------------------------------ graphs
+
+    def graph_runner(self, model: Any) -> Any:
+        if not self.cuda_graphs:
+            return None
+        runner = self._runners.get(id(model))
+        if runner is None:
+            from metrale.engine.cuda_graphs import CudaGraphRunner
+
+            runner = self._runners[id(model)] = CudaGraphRunner(model, self)
+        return runner
+
+    def end_graph_capture(self, stream: Any) -> None:
+        """End and discard the capture open on the engine stream, if any."""
+        if self.stream.is_capturing():
+            self.stream.end_capture()
+
+    # ---------------------------------------------------------------------------- sampling
+
+    def sample_tokens(self, logits: Any, params: Sequence[Any], seeds: Sequence[int], steps: Sequence[int]) -> list[int]:
+        from metrale.engine.sampler import parameter_arrays
+
+        cp = self.xp
+        temperature, top_k, top_p = parameter_arrays(params)
+        rows = len(params)
+        logits = cp.ascontiguousarray(logits.reshape(rows, -1), dtype=np.float32)
+        out = cp.empty(rows, dtype=np.int32)
+        self._sample(
+            logits, cp.asarray(temperature), cp.asarray(top_k), cp.asarray(top_p),
+            cp.asarray(np.asarray(seeds, dtype=np.uint64).view(np.int64)), cp.asarray(np.asarray(steps, dtype=np.int64)),
+            cp.full(rows, -1.0, dtype=np.float32), out, self.stream,
+        )
+        tokens = self.xp.asnumpy(out, stream=self.stream)
+        self.stream.synchronize()
+        return tokens.tolist()

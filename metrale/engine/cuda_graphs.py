@@ -1,0 +1,137 @@
+"""CUDA-graph decode: one captured graph per padded batch size, replayed every step.
+
+A decode step of ``n`` sequences is padded to the next rung (1, 2, 4, 8, 16, 24, 32, 48, 64, 96,
+128). Each rung owns static device buffers for the step's row metadata (token ids, positions,
+cache slots, block tables); the host packs one step's metadata into a pinned buffer and copies
+it in with one transfer, then replays the rung's graph. Padding rows decode token 0 at position
+0 into the reserved dummy block, so they never touch a real sequence.
+
+The first step of a rung runs eagerly (its result is returned) and then records the graph; the
+memory the graph uses comes from the backend's private pool. An error while recording ends and
+discards the capture before it propagates; the next call records again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from metrale.batch import ForwardBatch
+
+DECODE_RUNGS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
+# Field order of the packed int32 metadata: five [B] vectors, then the [B, max_blocks] table.
+_VECTORS = ("token_ids", "positions", "slot_mapping", "seq_index", "logits_rows")
+
+
+@dataclass
+class Rung:
+    """Static buffers and the captured graph of one padded batch size."""
+
+    size: int
+    host: Any  # pinned int32 [5 B + B * max_blocks]
+    device: Any  # device int32, same layout
+    batch: ForwardBatch
+    graph: Any = None
+    output: Any = None
+
+
+class CudaGraphRunner:
+    """Replays ``model.forward_batch`` for decode-only batches from captured graphs."""
+
+    def __init__(self, model: Any, backend: Any) -> None:
+        self.model = model
+        self.backend = backend
+        self.block_size = model.cache.block_size
+        self.max_blocks = math.ceil(model.max_model_len / self.block_size)
+        self.rungs: dict[int, Rung] = {}
+
+    def accepts(self, batch: ForwardBatch) -> bool:
+        """Decode-only batches (one new token and its logits per sequence) that fit a rung."""
+        count = len(batch.segments)
+        return 0 < count <= DECODE_RUNGS[-1] and batch.num_rows == count and len(batch.logits_rows) == count
+
+    def rung_size(self, rows: int) -> int:
+        return next(size for size in DECODE_RUNGS if size >= rows)
+
+    def _rung(self, size: int) -> Rung:
+        rung = self.rungs.get(size)
+        if rung is not None:
+            return rung
+        import cupy
+        import cupyx
+
+        length = len(_VECTORS) * size + size * self.max_blocks
+        host = cupyx.empty_pinned((length,), dtype=np.int32)
+        host[:] = 0
+        with cupy.cuda.using_allocator(self.backend.graph_pool.malloc):
+            device = cupy.zeros(length, dtype=np.int32)
+        views = {name: device[i * size : (i + 1) * size] for i, name in enumerate(_VECTORS)}
+        table = device[len(_VECTORS) * size :].reshape(size, self.max_blocks)
+        batch = ForwardBatch(
+            segments=[], token_ids=views["token_ids"], positions=views["positions"], seq_index=views["seq_index"],
+            slot_mapping=views["slot_mapping"], block_tables=table, row_starts=np.arange(size + 1),
+            logits_rows=views["logits_rows"], max_context=self.model.max_model_len,
+        )
+        rung = self.rungs[size] = Rung(size, host, device, batch)
+        return rung
+
+    def _fill(self, rung: Rung, batch: ForwardBatch | None) -> None:
+        """Pack ``batch`` (or only padding rows) into the rung's pinned buffer and upload it."""
+        size, host = rung.size, rung.host
+        host[:] = 0
+        arange = np.arange(size, dtype=np.int32)
+        host[3 * size : 4 * size] = arange  # seq_index: each row its own table row
+        host[4 * size : 5 * size] = arange  # logits_rows: every row
+        if batch is not None:
+            rows = batch.num_rows
+            host[0:rows] = batch.token_ids
+            host[size : size + rows] = batch.positions
+            host[2 * size : 2 * size + rows] = batch.slot_mapping
+            table = host[5 * size :].reshape(size, self.max_blocks)
+            width = batch.block_tables.shape[1]
+            table[:rows, :width] = batch.block_tables
+        rung.device.set(host, stream=self.backend.stream)
+
+    def run(self, batch: ForwardBatch) -> Any:
+        """Logits ``[n, vocab]`` of a decode-only batch (a fresh array, not the graph's buffer)."""
+        rung = self._rung(self.rung_size(batch.num_rows))
+        self._fill(rung, batch)
+        if rung.graph is None:
+            logits = self._capture(rung)
+        else:
+            rung.graph.launch(stream=self.backend.stream)
+            logits = rung.output
+        return logits[: batch.num_rows].copy()
+
+    def capture(self, sizes: tuple[int, ...] = DECODE_RUNGS) -> None:
+        """Record the graphs of ``sizes`` ahead of time, on padding rows only."""
+        for size in sizes:
+            rung = self._rung(self.rung_size(size))
+            if rung.graph is None:
+                self._fill(rung, None)
+                self._capture(rung)
+
+    def _capture(self, rung: Rung) -> Any:
+        import cupy
+
+        stream = self.backend.stream
+        with cupy.cuda.using_allocator(self.backend.graph_pool.malloc):
+            # This eager run computes the step (and compiles what is not compiled yet); the
+            # capture below only records the same launches.
+            eager = self.model.forward_batch(rung.batch)
+            stream.synchronize()
+            # Relaxed mode: the pool may still cudaMalloc while recording (never inside the graph).
+            stream.begin_capture(getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", 2))
+            try:
+                output = self.model.forward_batch(rung.batch)
+            except BaseException:
+                if stream.is_capturing():
+                    stream.end_capture()
+                raise
+            rung.graph = stream.end_capture()
+            rung.output = output
+        return eager

@@ -1,0 +1,163 @@
+"""Every kernel against its NumPy reference on a real GPU, at real sizes (``-m gpu``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from metrale.checkpoint import bf16_to_float32, float32_to_bf16
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def cupy_module():
+    global cp
+    import cupy
+
+    cp = cupy
+    return cupy
+
+
+def rel_error(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+def bf16(rng, shape, scale=1.0):
+    return float32_to_bf16((scale * rng.standard_normal(shape)).astype(np.float32))
+
+
+def test_embedding_lm_head_sized():
+    from metrale.kernels import embedding
+
+    rng = np.random.default_rng(0)
+    weight = bf16(rng, (128256, 2048))
+    ids = rng.integers(0, 128256, 77).astype(np.int32)
+    out = cp.full((77, 2048), np.nan, dtype=np.float32)
+    embedding.embedding(cp.asarray(weight), cp.asarray(ids), out)
+    np.testing.assert_array_equal(cp.asnumpy(out), bf16_to_float32(weight)[ids])
+
+
+def test_rmsnorm_residual():
+    from metrale.kernels import rmsnorm
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((37, 4096)).astype(np.float32)
+    residual = rng.standard_normal((37, 4096)).astype(np.float32)
+    weight = float32_to_bf16((1 + 0.2 * rng.standard_normal(4096)).astype(np.float32))
+    normed, summed = rmsnorm.rmsnorm_residual_reference(x, residual, bf16_to_float32(weight), 1e-5)
+    res, out = cp.asarray(residual), cp.zeros((37, 4096), dtype=np.uint16)
+    rmsnorm.rmsnorm_residual(cp.asarray(x), res, cp.asarray(weight), 1e-5, 0.0, True, out)
+    assert rel_error(cp.asnumpy(res), summed) <= 1e-6
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), normed) <= 8e-3
+
+
+def test_silu_and_mul():
+    from metrale.kernels import activation
+
+    rng = np.random.default_rng(2)
+    gate_up = (2 * rng.standard_normal((19, 2 * 14336))).astype(np.float32)
+    out = cp.zeros((19, 14336), dtype=np.uint16)
+    activation.silu_and_mul(cp.asarray(gate_up), out)
+    expected = activation.silu_and_mul_reference(gate_up[:, :14336], gate_up[:, 14336:])
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 8e-3
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qkv_rope_cache(qk_norm):
+    from metrale.kernels import rope
+
+    rng = np.random.default_rng(3)
+    rows, heads, kv_heads, head_dim, blocks, block_size = 64, 32, 8, 128, 300, 16
+    qkv = rng.standard_normal((rows, (heads + 2 * kv_heads) * head_dim)).astype(np.float32)
+    positions = rng.integers(0, 4000, rows).astype(np.int32)
+    slots = rng.choice(blocks * block_size, rows, replace=False).astype(np.int32)
+    inv_freq = (1.0 / 500000 ** (np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
+    q_norm = float32_to_bf16((1 + 0.2 * rng.standard_normal(head_dim)).astype(np.float32)) if qk_norm else None
+    k_norm = float32_to_bf16((1 + 0.2 * rng.standard_normal(head_dim)).astype(np.float32)) if qk_norm else None
+    k_cache, v_cache = bf16(rng, (blocks, block_size, kv_heads, head_dim)), bf16(rng, (blocks, block_size, kv_heads, head_dim))
+    k_ref, v_ref = bf16_to_float32(k_cache), bf16_to_float32(v_cache)
+    expected = rope.qkv_rope_cache_reference(
+        qkv, positions, slots, inv_freq, 1.0, heads, kv_heads, head_dim, k_ref, v_ref,
+        None if q_norm is None else bf16_to_float32(q_norm), None if k_norm is None else bf16_to_float32(k_norm),
+    )
+    k_dev, v_dev = cp.asarray(k_cache), cp.asarray(v_cache)
+    q = cp.zeros((rows, heads, head_dim), dtype=np.float32)
+    rope.qkv_rope_cache(cp.asarray(qkv), cp.asarray(positions), cp.asarray(slots), cp.asarray(inv_freq), 1.0, heads,
+                        kv_heads, head_dim, k_dev, v_dev, q, None if q_norm is None else cp.asarray(q_norm),
+                        None if k_norm is None else cp.asarray(k_norm))
+    assert rel_error(cp.asnumpy(q), expected) <= 1e-4
+    assert rel_error(bf16_to_float32(cp.asnumpy(k_dev)), k_ref) <= 8e-3
+    assert rel_error(bf16_to_float32(cp.asnumpy(v_dev)), v_ref) <= 8e-3
+
+
+@pytest.mark.parametrize("window", [None, 700])
+def test_paged_attention_long_contexts(window):
+    from metrale.kernels import attention
+
+    rng = np.random.default_rng(4)
+    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    lengths = [5000, 1, 613, 2049]
+    blocks_per = [-(-n // block_size) for n in lengths]
+    ids = rng.permutation(np.arange(1, sum(blocks_per) + 1))
+    tables = np.zeros((len(lengths), max(blocks_per)), np.int32)
+    start = 0
+    for s, n in enumerate(blocks_per):
+        tables[s, :n] = ids[start : start + n]
+        start += n
+    k_cache = bf16(rng, (sum(blocks_per) + 1, block_size, kv_heads, head_dim))
+    v_cache = bf16(rng, (sum(blocks_per) + 1, block_size, kv_heads, head_dim))
+    # Decode rows at each sequence's last position, plus prefill rows of sequence 3.
+    seq_index = np.array([0, 1, 2, 3, 3, 3], np.int32)
+    positions = np.array([4999, 0, 612, 2046, 2047, 2048], np.int32)
+    q = rng.standard_normal((6, heads, head_dim)).astype(np.float32)
+    expected = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, head_dim**-0.5, window
+    ).reshape(6, -1)
+    max_context = 8192  # more splits than any row needs, as in a captured graph
+    splits = attention.attention_splits(max_context)
+    workspace = (cp.zeros((6, heads, splits, head_dim), dtype=np.float32), cp.zeros((6, heads, splits), dtype=np.float32),
+                 cp.zeros((6, heads, splits), dtype=np.float32))
+    out = cp.zeros((6, heads * head_dim), dtype=np.uint16)
+    attention.paged_attention(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables),
+                              cp.asarray(seq_index), cp.asarray(positions), head_dim**-0.5, window, max_context,
+                              workspace, out)
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 1e-2
+
+
+def test_cublas_linear():
+    from metrale.kernels.linear import CublasGemm
+
+    rng = np.random.default_rng(5)
+    stream = cp.cuda.Stream(non_blocking=True)
+    gemm = CublasGemm(stream)
+    for rows in (1, 7, 300):
+        x, w = bf16(rng, (rows, 4096)), bf16(rng, (1000, 4096), 0.02)
+        out = cp.zeros((rows, 1000), dtype=np.float32)
+        with stream:
+            gemm(cp.asarray(x), cp.asarray(w), out)
+        stream.synchronize()
+        expected = bf16_to_float32(x).astype(np.float64) @ bf16_to_float32(w).astype(np.float64).T
+        assert rel_error(cp.asnumpy(out), expected) <= 1e-3, rows
+    gemm.close()
+
+
+def test_sampling_frequencies_and_greedy():
+    from metrale.kernels import sampling
+
+    logits = np.array([1.2, -0.4, 0.3, 2.0, -1.5] + [-30.0] * 995, np.float32)
+    rows = 40000
+    batch = cp.asarray(np.tile(logits, (rows, 1)))
+    out = cp.zeros(rows, dtype=np.int32)
+    ones = cp.ones(rows, dtype=np.float32)
+    sampling.sample(batch, ones, cp.zeros(rows, dtype=np.int32), ones, cp.arange(rows, dtype=np.int64),
+                    cp.zeros(rows, dtype=np.int64), cp.full(rows, -1.0, dtype=np.float32), out)
+    frequencies = np.bincount(cp.asnumpy(out), minlength=1000)[:5] / rows
+    expected = np.exp(logits[:5] - logits.max()) / np.exp(logits - logits.max()).sum()
+    assert np.abs(frequencies - expected).max() <= 0.01, (frequencies, expected)
+    greedy = cp.zeros(rows, dtype=np.int32)
+    sampling.sample(batch, cp.zeros(rows, dtype=np.float32), cp.zeros(rows, dtype=np.int32), ones,
+                    cp.zeros(rows, dtype=np.int64), cp.zeros(rows, dtype=np.int64), cp.full(rows, -1.0, dtype=np.float32),
+                    greedy)
+    assert set(cp.asnumpy(greedy).tolist()) == {3}

@@ -1,0 +1,115 @@
+"""The cuda backend against the cpu backend, graph replay against eager runs (``-m gpu``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from metrale import LLM, SamplingParams
+from metrale.sequence import SequenceState
+from metrale.testing import max_relative_error
+
+pytestmark = pytest.mark.gpu
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+BF16_TOLERANCE = 2e-2
+
+
+def load(path, device, **options):
+    return LLM(path, device=device, show_progress=False, **options)
+
+
+def check_against_cpu(path, ids, what):
+    cpu = load(path, "cpu").score(ids)
+    gpu = load(path, "cuda").score(ids)
+    error = max_relative_error(gpu, cpu)
+    agreement = float((gpu.argmax(-1) == cpu.argmax(-1)).mean())
+    print(f"{what}: relative error {error:.3g}, top-1 agreement {agreement:.4f} over {len(ids)} positions")
+    assert error <= BF16_TOLERANCE, f"{what}: relative error {error:.3g}"
+    assert agreement >= 0.99, f"{what}: top-1 agreement {agreement:.4f}"
+
+
+def test_random_checkpoints_match_the_cpu_backend(dense_checkpoint):
+    ids = np.random.default_rng(0).integers(0, 128, 256).tolist()
+    check_against_cpu(dense_checkpoint, ids, dense_checkpoint.name)
+
+
+def test_tiny_dense_matches_the_cpu_backend():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import tiny_corpus
+    finally:
+        sys.path.remove(str(TOOLS))
+    llm = load("tiny-dense", "cpu")
+    _, held_out = tiny_corpus.extract()
+    ids: list[int] = []
+    for text in held_out:
+        ids += llm.encode(text)
+        if len(ids) >= 256:
+            break
+    check_against_cpu(llm.checkpoint.path, ids[:256], "tiny-dense")
+
+
+def test_graph_replay_gives_the_eager_tokens(dense_checkpoints):
+    path = dense_checkpoints["llama"]
+    prompts = [np.random.default_rng(n).integers(0, 128, n).tolist() for n in (3, 11, 30)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    graphs = load(path, "cuda").generate(prompts, params)
+    eager = load(path, "cuda", cuda_graphs=False).generate(prompts, params)
+    assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
+
+
+def test_decode_batch_equals_single_decodes(dense_checkpoints):
+    llm = load(dense_checkpoints["qwen3"], "cuda")
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5], [4] * 20]
+    together = [SequenceState.from_prompt(p) for p in prompts]
+    alone = [SequenceState.from_prompt(p) for p in prompts]
+    for prompt, a, b in zip(prompts, together, alone):
+        llm.forward.prefill(prompt, a)
+        llm.forward.prefill(prompt, b)
+    for step in range(20):
+        tokens = [(7 * step + i) % 128 for i in range(3)]
+        batched = llm.backend.to_numpy(llm.forward.decode_batch(tokens, together))
+        singles = np.stack([llm.backend.to_numpy(llm.forward.decode(t, s))[0] for t, s in zip(tokens, alone)])
+        assert max_relative_error(batched, singles) <= BF16_TOLERANCE
+        assert (batched.argmax(-1) == singles.argmax(-1)).all()
+
+
+def test_error_during_capture_is_discarded_and_the_next_call_runs(dense_checkpoints):
+    path = dense_checkpoints["mistral"]
+    llm = load(path, "cuda")
+    reference = load(path, "cuda", cuda_graphs=False)
+    seqs = {id(m): SequenceState.from_prompt([5, 6, 7]) for m in (llm, reference)}
+    for m in (llm, reference):
+        m.forward.prefill([5, 6, 7], seqs[id(m)])
+    original = llm.backend.ops.silu_and_mul
+
+    def failing(gate_up):
+        if llm.backend.stream.is_capturing():
+            raise RuntimeError("injected failure while capturing")
+        return original(gate_up)
+
+    llm.backend.ops.silu_and_mul = failing
+    with pytest.raises(RuntimeError, match="injected failure while capturing"):
+        llm.forward.decode_batch([9], [seqs[id(llm)]])
+    assert not llm.backend.stream.is_capturing()
+    llm.backend.ops.silu_and_mul = original
+    got = llm.backend.to_numpy(llm.forward.decode_batch([9], [seqs[id(llm)]]))
+    expected = reference.backend.to_numpy(reference.forward.decode_batch([9], [seqs[id(reference)]]))
+    assert max_relative_error(got, expected) <= BF16_TOLERANCE
+    # The graph recorded on the retry replays correctly too.
+    got = llm.backend.to_numpy(llm.forward.decode_batch([4], [seqs[id(llm)]]))
+    expected = reference.backend.to_numpy(reference.forward.decode_batch([4], [seqs[id(reference)]]))
+    assert max_relative_error(got, expected) <= BF16_TOLERANCE
+
+
+def test_seeded_sampling_repeats_on_the_device():
+    llm = load("tiny-dense", "cuda")
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=17)
+    first = llm.generate(["Return the", "Open a"], params)
+    second = llm.generate(["Return the", "Open a"], params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert all(o.text for o in first)
