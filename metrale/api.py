@@ -79,14 +79,16 @@ class LLM:
         self.family = resolve_family(self.plugin_manager, self.checkpoint.config)
         self.backend = get_backend(self.config.device, cuda_graphs=self.config.cuda_graphs)
         with self.checkpoint.progress(f"loading {self.checkpoint.path.name}", self.show_progress):
-            self.model = self.plugin_manager.hook.metrale_load_model(
-                family=self.family, checkpoint=self.checkpoint, backend=self.backend, config=self.config
-            )
+            with self.backend.activate():
+                self.model = self.plugin_manager.hook.metrale_load_model(
+                    family=self.family, checkpoint=self.checkpoint, backend=self.backend, config=self.config
+                )
         if self.model is None:
             raise CheckpointError(f"no plugin built a model for family {self.family.name!r}")
         self.forward = ModelForward(self.model, self.plugin_manager, environment)
         self.cache = self._build_cache()
         self.model.bind_cache(self.cache)
+        self.backend.synchronize()
         self.tokenizer = self.checkpoint.tokenizer()
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self._requests_started = 0
@@ -98,7 +100,7 @@ class LLM:
         num_blocks = cache_config.num_blocks or plan_num_blocks(
             spec,
             block_size,
-            cache_config.memory_bytes,
+            cache_config.memory_bytes or self.backend.default_cache_bytes(),
             np.dtype(self.backend.cache_dtype).itemsize,
             self.config.max_num_seqs,
             self.max_model_len,
@@ -236,7 +238,8 @@ class LLM:
             return
         from metrale.engine.cuda_graphs import DECODE_RUNGS
 
-        runner.capture(tuple(batch_sizes) if batch_sizes else DECODE_RUNGS)
+        with self.backend.activate():
+            runner.capture(tuple(batch_sizes) if batch_sizes else DECODE_RUNGS)
         self.backend.synchronize()
 
     def score(self, token_ids: Sequence[int]) -> np.ndarray:

@@ -23,6 +23,7 @@ bf16 bits (``uint16``) on the GPU.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Sequence
@@ -74,6 +75,14 @@ class Backend:
 
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op on the CPU)."""
+
+    def activate(self) -> Any:
+        """A context manager under which array work runs on this backend's stream."""
+        return contextlib.nullcontext()
+
+    def default_cache_bytes(self) -> int:
+        """Cache memory to plan with when the engine config gives none."""
+        return 512 * 1024 * 1024
 
     def end_graph_capture(self, stream: Any) -> None:
         """End and discard an open CUDA-graph capture on ``stream`` (a no-op on the CPU)."""

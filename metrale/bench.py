@@ -54,18 +54,20 @@ def _progress(total: int, description: str):
     return tqdm(total=total, desc=description, leave=False)
 
 
-def _cuda_time(function: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
-    """Median seconds of ``function`` measured with CUDA events (after ``warmup`` calls)."""
+def _cuda_time(function: Callable[[], Any], repeats: int, warmup: int = 2, stream: Any = None) -> float:
+    """Median seconds of ``function`` measured with CUDA events on ``stream`` (after ``warmup``
+    calls); ``stream`` None is CuPy's current stream."""
     import cupy
 
+    stream = stream or cupy.cuda.get_current_stream()
     for _ in range(warmup):
         function()
     times = []
     for _ in range(repeats):
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
+        start.record(stream)
         function()
-        stop.record()
+        stop.record(stream)
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop) / 1000.0)
     return statistics.median(times)
@@ -139,9 +141,10 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
 
         def step() -> None:
             logits = llm.forward.decode_batch(tokens, seqs)
-            logits.argmax(axis=1)  # the device greedy pick generation does after every step
+            with llm.backend.activate():
+                logits.argmax(axis=1)  # the device greedy pick generation does after every step
 
-        seconds = _cuda_time(step, repeats=steps)
+        seconds = _cuda_time(step, repeats=steps, stream=llm.backend.stream)
         context = options.context + steps // 2
         bytes_read = weight_bytes(shape) + batch * context * kv_bytes_per_token(shape)
         floor = bytes_read / bandwidth
@@ -162,7 +165,7 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
             llm.forward.prefill(prompt, seq)
             llm.cache.release(seq)
 
-        seconds = _cuda_time(prefill, repeats=5, warmup=1)
+        seconds = _cuda_time(prefill, repeats=5, warmup=1, stream=llm.backend.stream)
         result[f"prefill_{length}"] = {"ms": seconds * 1e3, "tok_s": length / seconds}
     del llm
     return result

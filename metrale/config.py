@@ -69,12 +69,14 @@ class CacheConfig:
     """Sizing of the paged KV cache and of the recurrent-state slot pool.
 
     ``num_blocks`` counts usable blocks; one extra dummy block (id 0) is always reserved for
-    padding rows. When ``num_blocks`` is None it is derived from ``memory_bytes``.
+    padding rows. When ``num_blocks`` is None it is derived from ``memory_bytes``, capped at what
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens can use; ``memory_bytes`` None means
+    512 MiB on the CPU and 80% of the free device memory on the GPU.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
-    memory_bytes: int = 512 * 1024 * 1024
+    memory_bytes: int | None = None
     num_state_slots: int = 8
 
     def __post_init__(self) -> None:
@@ -82,7 +84,7 @@ class CacheConfig:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.memory_bytes < 1:
+        if self.memory_bytes is not None and self.memory_bytes < 1:
             raise ConfigError(f"memory_bytes must be >= 1, got {self.memory_bytes}")
         if self.num_state_slots < 1:
             raise ConfigError(f"num_state_slots must be >= 1, got {self.num_state_slots}")

@@ -33,8 +33,9 @@ class CudaBackend(Backend):
         self.xp = cupy
         self.device = cupy.cuda.Device(device_id)
         self.device.use()
+        # Every CuPy call of the engine runs under ``activate()``; the stream is never made
+        # current globally, so two backends (two models) in one process do not share it.
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.stream.use()
         self.gemm = CublasGemm(self.stream)
         #: Private pool of the memory captured graphs use, so eager work never reuses it.
         self.graph_pool = cupy.cuda.MemoryPool()
@@ -120,13 +121,20 @@ class CudaBackend(Backend):
             else:
                 arrays.append(float32_to_bf16(checkpoint.tensor(name, shape)))
         host = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-        return self.xp.asarray(np.ascontiguousarray(host, dtype=np.uint16))
+        with self.stream:
+            return self.xp.asarray(np.ascontiguousarray(host, dtype=np.uint16))
 
     def constant(self, host: np.ndarray) -> Any:
-        return self.xp.asarray(np.ascontiguousarray(host, dtype=np.float32))
+        with self.stream:
+            return self.xp.asarray(np.ascontiguousarray(host, dtype=np.float32))
+
+    def zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        with self.stream:
+            return self.xp.zeros(shape, dtype=dtype)
 
     def to_numpy(self, array: Any) -> np.ndarray:
-        host = self.xp.asnumpy(array, stream=self.stream)
+        with self.stream:
+            host = self.xp.asnumpy(array, stream=self.stream)
         self.stream.synchronize()
         return np.asarray(host, dtype=np.float32)
 
@@ -135,6 +143,13 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+    def activate(self) -> Any:
+        return self.stream
+
+    def default_cache_bytes(self) -> int:
+        free, _ = self.xp.cuda.runtime.memGetInfo()
+        return int(0.8 * free)
 
     # ------------------------------------------------------------------------------ graphs
 
@@ -161,13 +176,14 @@ class CudaBackend(Backend):
         cp = self.xp
         temperature, top_k, top_p = parameter_arrays(params)
         rows = len(params)
-        logits = cp.ascontiguousarray(logits.reshape(rows, -1), dtype=np.float32)
-        out = cp.empty(rows, dtype=np.int32)
-        self._sample(
-            logits, cp.asarray(temperature), cp.asarray(top_k), cp.asarray(top_p),
-            cp.asarray(np.asarray(seeds, dtype=np.uint64).view(np.int64)), cp.asarray(np.asarray(steps, dtype=np.int64)),
-            cp.full(rows, -1.0, dtype=np.float32), out, self.stream,
-        )
-        tokens = self.xp.asnumpy(out, stream=self.stream)
+        with self.stream:
+            logits = cp.ascontiguousarray(logits.reshape(rows, -1), dtype=np.float32)
+            out = cp.empty(rows, dtype=np.int32)
+            self._sample(
+                logits, cp.asarray(temperature), cp.asarray(top_k), cp.asarray(top_p),
+                cp.asarray(np.asarray(seeds, dtype=np.uint64).view(np.int64)),
+                cp.asarray(np.asarray(steps, dtype=np.int64)), cp.full(rows, -1.0, dtype=np.float32), out, self.stream,
+            )
+            tokens = self.xp.asnumpy(out, stream=self.stream)
         self.stream.synchronize()
         return tokens.tolist()

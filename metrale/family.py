@@ -137,10 +137,11 @@ class FamilyModel:
             cache.reserve(segment.seq, segment.end)
         batch = ForwardBatch.build(segments, cache.block_size)
         runner = self.backend.graph_runner(self)
-        if runner is not None and runner.accepts(batch):
-            logits = runner.run(batch)
-        else:
-            logits = self.forward_batch(self.backend.prepare_batch(batch))
+        with self.backend.activate():
+            if runner is not None and runner.accepts(batch):
+                logits = runner.run(batch)
+            else:
+                logits = self.forward_batch(self.backend.prepare_batch(batch))
         for segment in segments:
             segment.seq.seq_len = segment.end
         return logits

@@ -32,9 +32,26 @@ def check_against_cpu(path, ids, what):
     assert agreement >= 0.99, f"{what}: top-1 agreement {agreement:.4f}"
 
 
-def test_random_checkpoints_match_the_cpu_backend(dense_checkpoint):
+@pytest.fixture(scope="module")
+def bf16_checkpoints(tmp_path_factory):
+    """The conftest's dense variants saved in bf16, as real checkpoints are: both backends then
+    read the same weights and differ only in activation precision."""
+    import torch
+
+    from conftest import dense_configs
+    from metrale.testing.hf import build_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("bf16")
+    return {
+        name: build_hf_checkpoint(cls, config, root / name, seed=index, dtype=torch.bfloat16)
+        for index, (name, (cls, config)) in enumerate(dense_configs().items())
+    }
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral"])
+def test_random_checkpoints_match_the_cpu_backend(bf16_checkpoints, name):
     ids = np.random.default_rng(0).integers(0, 128, 256).tolist()
-    check_against_cpu(dense_checkpoint, ids, dense_checkpoint.name)
+    check_against_cpu(bf16_checkpoints[name], ids, name)
 
 
 def test_tiny_dense_matches_the_cpu_backend():
