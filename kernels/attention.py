@@ -85,8 +85,11 @@ from metrale.kernels._device import (  # noqa: E402
 )
 
 ATTENTION_THREADS = 16 if SIMULATED else 128
-SPLIT_SIZE = 4 if SIMULATED else 512  # keys per split; tiny under the simulator so splits are exercised
+SPLIT_SIZE = 8 if SIMULATED else 512  # keys per split; tiny under the simulator so splits are exercised
+KEY_TILE = 4 if SIMULATED else 32  # keys staged in shared memory at a time
+DOT_PARTS = ATTENTION_THREADS // KEY_TILE  # threads that share one key's dot product
 MAX_ATTENTION_HEAD_DIM = 256
+TILE_STRIDE = MAX_ATTENTION_HEAD_DIM + 1  # padded row: the dot products read columns bank-free
 NEGATIVE_INFINITY = -math.inf
 
 
@@ -98,6 +101,9 @@ def paged_attention_split_kernel(
     # covers keys [split * SPLIT_SIZE, +SPLIT_SIZE) of its sequence, clipped to the row's causal
     # (and sliding-window) range, and writes an unnormalised partial: out_max [N, nh, splits]
     # (the running max), out_sum (sum of exp), out_acc [N, nh, splits, dv] (exp-weighted V).
+    # Keys are staged KEY_TILE at a time in shared memory with coalesced loads: for scores,
+    # DOT_PARTS threads share each key's dot product; for values, thread t accumulates dims
+    # t, t + threads, ... over the staged keys.
     # q [N, nh, d] f32; caches [blocks, block_size, nkv, d] bf16 bits; block_tables [S, max_blocks].
     row = cuda.blockIdx.x
     head = cuda.blockIdx.y
@@ -109,8 +115,9 @@ def paged_attention_split_kernel(
     block_size = k_cache.shape[1]
     position = positions[row]
     seq = seq_index[row]
-    lo = split * SPLIT_SIZE
-    hi = min(lo + SPLIT_SIZE, position + 1)
+    first = split * SPLIT_SIZE
+    lo = first
+    hi = min(first + SPLIT_SIZE, position + 1)
     if sliding_window > 0:
         lo = max(lo, position - sliding_window + 1)
     if lo >= hi:
@@ -123,32 +130,67 @@ def paged_attention_split_kernel(
     query = cuda.shared.array(MAX_ATTENTION_HEAD_DIM, float32)
     scores = cuda.shared.array(SPLIT_SIZE, float32)
     partial = cuda.shared.array(ATTENTION_THREADS, float32)
+    tile = cuda.shared.array(KEY_TILE * TILE_STRIDE, float32)
     for i in range(tid, head_dim, ATTENTION_THREADS):
-        query[i] = q[row, head, i]
+        query[i] = q[row, head, i] * scale
     cuda.syncthreads()
+    # Scores.
+    key_in_tile = tid // DOT_PARTS
+    part = tid % DOT_PARTS
+    for start in range(lo, hi, KEY_TILE):
+        count = min(KEY_TILE, hi - start)
+        for e in range(tid, count * head_dim, ATTENTION_THREADS):
+            key = start + e // head_dim
+            block = block_tables[seq, key // block_size]
+            tile[(e // head_dim) * TILE_STRIDE + e % head_dim] = bf16_to_float(
+                k_cache[block, key % block_size, kv_head, e % head_dim]
+            )
+        cuda.syncthreads()
+        dot = float32(0.0)
+        if key_in_tile < count:
+            for i in range(part, head_dim, DOT_PARTS):
+                dot += query[i] * tile[key_in_tile * TILE_STRIDE + i]
+        partial[tid] = dot
+        cuda.syncthreads()
+        if part == 0 and key_in_tile < count:
+            total_dot = float32(0.0)
+            for p in range(DOT_PARTS):
+                total_dot += partial[tid + p]
+            scores[start - first + key_in_tile] = total_dot
+        cuda.syncthreads()
     local_max = float32(NEGATIVE_INFINITY)
     for key in range(lo + tid, hi, ATTENTION_THREADS):
-        block = block_tables[seq, key // block_size]
-        offset = key % block_size
-        dot = float32(0.0)
-        for i in range(head_dim):
-            dot += query[i] * bf16_to_float(k_cache[block, offset, kv_head, i])
-        dot *= scale
-        scores[key - lo] = dot
-        local_max = max(local_max, dot)
+        local_max = max(local_max, scores[key - first])
     best = block_max(partial, tid, local_max, ATTENTION_THREADS)
     local_sum = float32(0.0)
     for key in range(lo + tid, hi, ATTENTION_THREADS):
-        weight = math.exp(scores[key - lo] - best)
-        scores[key - lo] = weight
+        weight = math.exp(scores[key - first] - best)
+        scores[key - first] = weight
         local_sum += weight
     total = block_sum(partial, tid, local_sum, ATTENTION_THREADS)
-    for i in range(tid, value_dim, ATTENTION_THREADS):
-        acc = float32(0.0)
-        for key in range(lo, hi):
+    # Values: registers hold dims tid, tid + threads (value_dim <= 2 * threads).
+    acc0 = float32(0.0)
+    acc1 = float32(0.0)
+    for start in range(lo, hi, KEY_TILE):
+        count = min(KEY_TILE, hi - start)
+        for e in range(tid, count * value_dim, ATTENTION_THREADS):
+            key = start + e // value_dim
             block = block_tables[seq, key // block_size]
-            acc += scores[key - lo] * bf16_to_float(v_cache[block, key % block_size, kv_head, i])
-        out_acc[row, head, split, i] = acc
+            tile[(e // value_dim) * TILE_STRIDE + e % value_dim] = bf16_to_float(
+                v_cache[block, key % block_size, kv_head, e % value_dim]
+            )
+        cuda.syncthreads()
+        for k in range(count):
+            weight = scores[start - first + k]
+            if tid < value_dim:
+                acc0 += weight * tile[k * TILE_STRIDE + tid]
+            if tid + ATTENTION_THREADS < value_dim:
+                acc1 += weight * tile[k * TILE_STRIDE + tid + ATTENTION_THREADS]
+        cuda.syncthreads()
+    if tid < value_dim:
+        out_acc[row, head, split, tid] = acc0
+    if tid + ATTENTION_THREADS < value_dim:
+        out_acc[row, head, split, tid + ATTENTION_THREADS] = acc1
     if tid == 0:
         out_max[row, head, split] = best
         out_sum[row, head, split] = total
@@ -201,7 +243,11 @@ def paged_attention(
     check_array(op, "k_cache", k_cache, np.uint16, (None, None, None, head_dim))
     kv_heads, value_dim = k_cache.shape[2], v_cache.shape[3]
     check_array(op, "v_cache", v_cache, np.uint16, (k_cache.shape[0], k_cache.shape[1], kv_heads, None))
-    if heads % kv_heads or head_dim > MAX_ATTENTION_HEAD_DIM or value_dim > MAX_ATTENTION_HEAD_DIM:
+    if (
+        heads % kv_heads
+        or head_dim > MAX_ATTENTION_HEAD_DIM
+        or value_dim > min(MAX_ATTENTION_HEAD_DIM, 2 * ATTENTION_THREADS)
+    ):
         raise KernelArgumentError(f"{op}: q {list(q.shape)} with caches {list(k_cache.shape)} is unsupported")
     check_array(op, "block_tables", block_tables, np.int32, ndim=2)
     check_array(op, "seq_index", seq_index, np.int32, (rows,))

@@ -22,13 +22,26 @@ def load(path, device, **options):
     return LLM(path, device=device, show_progress=False, **options)
 
 
-def check_against_cpu(path, ids, what):
+def check_against_cpu(path, ids, what, decided_only=False):
+    """bf16 tolerance on the logits and >= 99% teacher-forced top-1 agreement.
+
+    With ``decided_only`` the agreement counts positions whose top-2 margin (on the CPU) exceeds
+    twice the largest logit error seen: random-weight models have many near-ties that bf16
+    rounding flips, and those say nothing about the engine. At least half the positions must
+    count.
+    """
     cpu = load(path, "cpu").score(ids)
     gpu = load(path, "cuda").score(ids)
     error = max_relative_error(gpu, cpu)
-    agreement = float((gpu.argmax(-1) == cpu.argmax(-1)).mean())
-    print(f"{what}: relative error {error:.3g}, top-1 agreement {agreement:.4f} over {len(ids)} positions")
+    same = gpu.argmax(-1) == cpu.argmax(-1)
+    top2 = np.sort(cpu, axis=-1)[:, -2:]
+    decided = (top2[:, 1] - top2[:, 0]) > 2 * np.abs(gpu - cpu).max()
+    counted = decided if decided_only else np.ones_like(decided)
+    agreement = float(same[counted].mean())
+    print(f"{what}: relative error {error:.3g}, top-1 agreement {float(same.mean()):.4f} over all {len(ids)} "
+          f"positions, {agreement:.4f} over the {int(counted.sum())} counted")
     assert error <= BF16_TOLERANCE, f"{what}: relative error {error:.3g}"
+    assert counted.mean() >= 0.5, f"{what}: only {int(counted.sum())} positions are decided"
     assert agreement >= 0.99, f"{what}: top-1 agreement {agreement:.4f}"
 
 
@@ -51,7 +64,7 @@ def bf16_checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral"])
 def test_random_checkpoints_match_the_cpu_backend(bf16_checkpoints, name):
     ids = np.random.default_rng(0).integers(0, 128, 256).tolist()
-    check_against_cpu(bf16_checkpoints[name], ids, name)
+    check_against_cpu(bf16_checkpoints[name], ids, name, decided_only=True)
 
 
 def test_tiny_dense_matches_the_cpu_backend():
