@@ -37,6 +37,7 @@ class Rung:
     batch: ForwardBatch
     graph: Any = None
     output: Any = None
+    uploaded: Any = None  # event recorded after the last host-to-device copy of ``host``
 
 
 class CudaGraphRunner:
@@ -82,6 +83,8 @@ class CudaGraphRunner:
     def _fill(self, rung: Rung, batch: ForwardBatch | None) -> None:
         """Pack ``batch`` (or only padding rows) into the rung's pinned buffer and upload it."""
         size, host = rung.size, rung.host
+        if rung.uploaded is not None:
+            rung.uploaded.synchronize()  # the previous step's copy has read the pinned buffer
         host[:] = 0
         arange = np.arange(size, dtype=np.int32)
         host[3 * size : 4 * size] = arange  # seq_index: each row its own table row
@@ -95,6 +98,7 @@ class CudaGraphRunner:
             width = batch.block_tables.shape[1]
             table[:rows, :width] = batch.block_tables
         rung.device.set(host, stream=self.backend.stream)
+        rung.uploaded = self.backend.stream.record()
 
     def run(self, batch: ForwardBatch) -> Any:
         """Logits ``[n, vocab]`` of a decode-only batch (a fresh array, not the graph's buffer)."""
