@@ -90,6 +90,7 @@ KEY_TILE = 4 if SIMULATED else 32  # keys staged in shared memory at a time
 DOT_PARTS = ATTENTION_THREADS // KEY_TILE  # threads that share one key's dot product
 MAX_ATTENTION_HEAD_DIM = 256
 TILE_STRIDE = MAX_ATTENTION_HEAD_DIM + 1  # padded row: the dot products read columns bank-free
+TILE_ELEMENTS = KEY_TILE * TILE_STRIDE  # one name: numba needs a constant shared-array size
 NEGATIVE_INFINITY = -math.inf
 
 
@@ -130,7 +131,7 @@ def paged_attention_split_kernel(
     query = cuda.shared.array(MAX_ATTENTION_HEAD_DIM, float32)
     scores = cuda.shared.array(SPLIT_SIZE, float32)
     partial = cuda.shared.array(ATTENTION_THREADS, float32)
-    tile = cuda.shared.array(KEY_TILE * TILE_STRIDE, float32)
+    tile = cuda.shared.array(TILE_ELEMENTS, float32)
     for i in range(tid, head_dim, ATTENTION_THREADS):
         query[i] = q[row, head, i] * scale
     cuda.syncthreads()
