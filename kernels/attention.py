@@ -79,13 +79,15 @@ import math  # noqa: E402
 from numba import cuda, float32  # noqa: E402
 
 from metrale.errors import KernelArgumentError  # noqa: E402
+from metrale.kernels import attention_grouped  # noqa: E402
 from metrale.kernels._device import (  # noqa: E402
     SIMULATED,
     bf16_to_float, block_max, block_sum, check_array, device_view, float_to_bf16, numba_stream,
 )
 
 ATTENTION_THREADS = 16 if SIMULATED else 128
-SPLIT_SIZE = 8 if SIMULATED else 64  # keys per split: small, so short contexts still fill the GPU
+# Keys per split (small, so short contexts still fill the GPU); both kernels share the layout.
+SPLIT_SIZE = attention_grouped.SPLIT_SIZE
 KEY_TILE = 4 if SIMULATED else 32  # keys staged in shared memory at a time
 DOT_PARTS = ATTENTION_THREADS // KEY_TILE  # threads that share one key's dot product
 MAX_ATTENTION_HEAD_DIM = 256
@@ -261,11 +263,21 @@ def paged_attention(
     check_array(op, "out", out, np.uint16, (rows, heads * value_dim))
     if rows:
         launch = numba_stream(stream)
-        paged_attention_split_kernel[(rows, heads, splits), ATTENTION_THREADS, launch](
-            device_view(q), device_view(k_cache), device_view(v_cache), device_view(block_tables),
-            device_view(seq_index), device_view(positions), np.float32(scale), np.int32(sliding_window or 0),
-            device_view(acc), device_view(best), device_view(total),
-        )
+        window = np.int32(sliding_window or 0)
+        if attention_grouped.supports(heads, kv_heads, head_dim, value_dim):
+            grouped = attention_grouped.paged_attention_grouped_kernel
+            grouped[(rows, kv_heads, splits), attention_grouped.GROUPED_THREADS, launch](
+                device_view(q), device_view(attention_grouped.as_words(k_cache)),
+                device_view(attention_grouped.as_words(v_cache)), device_view(block_tables),
+                device_view(seq_index), device_view(positions), np.float32(scale), window,
+                device_view(acc), device_view(best), device_view(total),
+            )
+        else:
+            paged_attention_split_kernel[(rows, heads, splits), ATTENTION_THREADS, launch](
+                device_view(q), device_view(k_cache), device_view(v_cache), device_view(block_tables),
+                device_view(seq_index), device_view(positions), np.float32(scale), window,
+                device_view(acc), device_view(best), device_view(total),
+            )
         attention_combine_kernel[(rows, heads), ATTENTION_THREADS, launch](
             device_view(acc), device_view(best), device_view(total), device_view(out)
         )

@@ -114,6 +114,39 @@ def kv_bytes_per_token(shape: str) -> int:
     return 2 * 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * s["head_dim"]
 
 
+_START_PROBE = """
+import time
+started = time.perf_counter()
+import sys
+from metrale import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cuda", max_model_len=1024, max_num_seqs=2, show_progress=False)
+loaded = time.perf_counter()
+llm.capture_graphs([1])
+llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+print(loaded - started, time.perf_counter() - started)
+"""
+
+
+def start_times(folder: Path, cache_dir: Path) -> dict[str, float]:
+    """Seconds from process start to a model ready to decode (load, kernel compilation, graph
+    capture, a first generation), with an empty numba cache and again with the cache it left."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_dir)}
+    result: dict[str, float] = {}
+    for label in ("cold", "cached"):
+        out = subprocess.run([sys.executable, "-c", _START_PROBE, str(folder)], env=env, capture_output=True,
+                             text=True, check=True)
+        load, ready = (float(v) for v in out.stdout.split()[-2:])
+        result[f"{label}_start_s"] = ready
+        result[f"{label}_load_s"] = load
+    return result
+
+
 def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: float) -> dict[str, Any]:
     import numpy as np
 
@@ -232,6 +265,8 @@ def run(options: BenchOptions) -> dict[str, Any]:
             folder = build_checkpoint(shape, options.workdir / shape)
             entry["build_s"] = time.perf_counter() - started
             entry["metrale"] = bench_metrale(shape, folder, options, bandwidth)
+            if shape == options.shapes[0]:
+                entry["metrale"].update(start_times(folder, options.workdir / "numba-cache"))
         except Exception as error:  # report and go on with the other measurements
             entry["metrale_error"] = f"{type(error).__name__}: {error}"
         if options.hf:

@@ -92,9 +92,13 @@ def test_qkv_rope_cache(qk_norm):
     assert rel_error(bf16_to_float32(cp.asnumpy(v_dev)), v_ref) <= 8e-3
 
 
+@pytest.mark.parametrize("kernel", ["grouped", "per-head"])
 @pytest.mark.parametrize("window", [None, 700])
-def test_paged_attention_long_contexts(window):
-    from metrale.kernels import attention
+def test_paged_attention_long_contexts(window, kernel, monkeypatch):
+    from metrale.kernels import attention, attention_grouped
+
+    if kernel == "per-head":
+        monkeypatch.setattr(attention_grouped, "supports", lambda *args: False)
 
     rng = np.random.default_rng(4)
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16

@@ -122,11 +122,18 @@ def test_qkv_rope_cache(qk_norm, interleaved, rotary):
     )
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_paged_attention_decode_and_prefill_rows(window):
+@pytest.mark.parametrize("kernel", ["grouped", "per-head"])
+@pytest.mark.parametrize("window, kv_heads", [(None, 2), (3, 2), (None, 1), (5, 4)])
+def test_paged_attention_decode_and_prefill_rows(window, kv_heads, kernel, monkeypatch):
     # Under the simulator SPLIT_SIZE is tiny, so these rows span several key splits.
+    from metrale.kernels import attention_grouped
+
+    if kernel == "per-head":
+        monkeypatch.setattr(attention_grouped, "supports", lambda *args: False)
+    else:
+        assert attention_grouped.supports(4, kv_heads, 8, 8)
     rng = np.random.default_rng(5)
-    heads, kv_heads, head_dim, block_size = 4, 2, 8, 4
+    heads, head_dim, block_size = 4, 8, 4
     k_cache = random_cache(rng, 9, block_size, kv_heads, head_dim)
     v_cache = random_cache(rng, 9, block_size, kv_heads, head_dim)
     block_tables = np.array([[3, 1, 7, 0], [2, 5, 0, 0]], np.int32)
