@@ -38,7 +38,7 @@ from metrale.kernels._device import (  # noqa: E402
     bf16_to_float, block_sum, check_array, device_view, float_to_bf16, numba_stream,
 )
 
-NORM_THREADS = 16 if SIMULATED else 128
+NORM_THREADS = 16 if SIMULATED else 512
 
 
 @cuda.jit(cache=True)

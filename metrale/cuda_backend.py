@@ -26,7 +26,9 @@ class CudaBackend(Backend):
     def __init__(self, device_id: int = 0, cuda_graphs: bool = True) -> None:
         import cupy
 
-        from metrale.kernels import activation, attention, embedding, rmsnorm, rope
+        from metrale.kernels import (
+            activation, attention, attention_grouped, attention_prefill, embedding, rmsnorm, rope,
+        )
         from metrale.kernels.linear import CublasGemm
         from metrale.kernels.sampling import sample
 
@@ -83,14 +85,21 @@ class CudaBackend(Backend):
 
         def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window):
             rows, heads = q.shape[0], q.shape[1]
-            value_dim = v_cache.shape[3]
+            kv_heads, value_dim = k_cache.shape[2], v_cache.shape[3]
+            out = cp.empty((rows, heads * value_dim), dtype=bf16)
+            decode_only = rows == len(batch.row_starts) - 1
+            if not decode_only and attention_prefill.supports(heads, kv_heads, q.shape[2], value_dim):
+                tiles = attention_prefill.query_tiles(batch.row_starts, attention_prefill.rows_per_tile(heads, kv_heads))
+                return attention_prefill.paged_attention_prefill(
+                    q, attention_grouped.as_words(k_cache), attention_grouped.as_words(v_cache), batch.block_tables,
+                    batch.seq_index, batch.positions, cp.asarray(tiles), scale, sliding_window, out, stream,
+                )
             splits = attention.attention_splits(batch.max_context)
             workspace = (
                 cp.empty((rows, heads, splits, value_dim), dtype=f32),
                 cp.empty((rows, heads, splits), dtype=f32),
                 cp.empty((rows, heads, splits), dtype=f32),
             )
-            out = cp.empty((rows, heads * value_dim), dtype=bf16)
             return attention.paged_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_index, batch.positions, scale, sliding_window,
                 batch.max_context, workspace, out, stream,

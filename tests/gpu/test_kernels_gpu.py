@@ -165,3 +165,33 @@ def test_sampling_frequencies_and_greedy():
                     cp.zeros(rows, dtype=np.int64), cp.zeros(rows, dtype=np.int64), cp.full(rows, -1.0, dtype=np.float32),
                     greedy)
     assert set(cp.asnumpy(greedy).tolist()) == {3}
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_prefill_attention_query_tiles(window):
+    from metrale.kernels import attention, attention_grouped, attention_prefill
+
+    rng = np.random.default_rng(6)
+    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    # A whole 700-token prompt, and a 333-token chunk over a 400-token cached prefix.
+    lengths = [700, 733]
+    blocks_per = [-(-n // block_size) for n in lengths]
+    ids = rng.permutation(np.arange(1, sum(blocks_per) + 1))
+    tables = np.zeros((2, max(blocks_per)), np.int32)
+    tables[0, : blocks_per[0]] = ids[: blocks_per[0]]
+    tables[1, : blocks_per[1]] = ids[blocks_per[0] :]
+    k_cache = bf16(rng, (sum(blocks_per) + 1, block_size, kv_heads, head_dim))
+    v_cache = bf16(rng, (sum(blocks_per) + 1, block_size, kv_heads, head_dim))
+    seq_index = np.array([0] * 700 + [1] * 333, np.int32)
+    positions = np.array(list(range(700)) + list(range(400, 733)), np.int32)
+    q = rng.standard_normal((1033, heads, head_dim)).astype(np.float32)
+    expected = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, head_dim**-0.5, window
+    ).reshape(1033, -1)
+    tiles = attention_prefill.query_tiles(np.array([0, 700, 1033]), attention_prefill.rows_per_tile(heads, kv_heads))
+    out = cp.zeros((1033, heads * head_dim), dtype=np.uint16)
+    attention_prefill.paged_attention_prefill(
+        cp.asarray(q), attention_grouped.as_words(cp.asarray(k_cache)), attention_grouped.as_words(cp.asarray(v_cache)),
+        cp.asarray(tables), cp.asarray(seq_index), cp.asarray(positions), cp.asarray(tiles), head_dim**-0.5, window, out,
+    )
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 1e-2

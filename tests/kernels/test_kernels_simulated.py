@@ -227,3 +227,32 @@ def test_sampling_picks_the_token_whose_interval_holds_u():
     assert out[0] == np.argmax(logits[0])
     assert logits[2, out[2]] / np.float32(0.7) >= np.sort(logits[2] / np.float32(0.7))[-5]
     assert logits[5, out[5]] == logits[5].max()  # top_k = 1
+
+
+@pytest.mark.parametrize("window, kv_heads", [(None, 2), (3, 2), (None, 1), (6, 4)])
+def test_prefill_attention_query_tiles(window, kv_heads):
+    """Two prompts' chunks (one starting mid-sequence over a cached prefix) and a decode row."""
+    from metrale.kernels import attention_grouped, attention_prefill
+
+    rng = np.random.default_rng(9)
+    heads, head_dim, block_size = 4, 8, 4
+    k_cache = random_cache(rng, 12, block_size, kv_heads, head_dim)
+    v_cache = random_cache(rng, 12, block_size, kv_heads, head_dim)
+    block_tables = np.array([[3, 1, 7, 9, 0], [2, 5, 11, 0, 0], [4, 6, 0, 0, 0]], np.int32)
+    # Segment 0: positions 0..9 (a whole prompt); segment 1: positions 6..10 (a later chunk);
+    # segment 2: one decode row at position 5.
+    seq_index = np.array([0] * 10 + [1] * 5 + [2], np.int32)
+    positions = np.array(list(range(10)) + list(range(6, 11)) + [5], np.int32)
+    row_starts = np.array([0, 10, 15, 16])
+    q = rng.standard_normal((16, heads, head_dim)).astype(np.float32)
+    expected = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), block_tables, seq_index, positions, head_dim**-0.5,
+        window,
+    ).reshape(16, -1)
+    tiles = attention_prefill.query_tiles(row_starts, attention_prefill.rows_per_tile(heads, kv_heads))
+    out = np.zeros((16, heads * head_dim), np.uint16)
+    attention_prefill.paged_attention_prefill(
+        q, attention_grouped.as_words(k_cache), attention_grouped.as_words(v_cache), block_tables, seq_index,
+        positions, tiles, head_dim**-0.5, window, out,
+    )
+    assert rel_error(bf16_to_float32(out), expected) <= 8e-3
