@@ -44,6 +44,7 @@ class BenchOptions:
     hf: bool = True
     hf_compile: bool = False
     hf_decode_tokens: int = 32
+    start_times: bool = True
     workdir: Path = Path("/tmp/metrale-bench")
     output: Path | None = None
 
@@ -265,7 +266,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
             folder = build_checkpoint(shape, options.workdir / shape)
             entry["build_s"] = time.perf_counter() - started
             entry["metrale"] = bench_metrale(shape, folder, options, bandwidth)
-            if shape == options.shapes[0]:
+            if shape == options.shapes[0] and options.start_times:
                 entry["metrale"].update(start_times(folder, options.workdir / "numba-cache"))
         except Exception as error:  # report and go on with the other measurements
             entry["metrale_error"] = f"{type(error).__name__}: {error}"

@@ -63,6 +63,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prefill-lengths", default="512,2048", help="prompt lengths timed for prefill (default: 512,2048)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--hf-compile", action="store_true", help="also time transformers with a static cache and torch.compile")
+    parser.add_argument("--no-start-times", action="store_true", help="skip the cold and cached start-time probes")
     parser.add_argument("--workdir", default="/tmp/metrale-bench", help="where checkpoints are written")
     parser.add_argument("--output", default="bench.json", help="JSON result file (default: bench.json)")
     parser.set_defaults(handler=_bench)
@@ -86,6 +87,7 @@ def _bench(args: argparse.Namespace) -> int:
     options = BenchOptions(
         shapes=shapes, batch_sizes=batch_sizes, context=args.context, decode_steps=args.decode_steps,
         prefill_lengths=prefill_lengths, hf=not args.no_hf, hf_compile=args.hf_compile,
+        start_times=not args.no_start_times,
         workdir=Path(args.workdir), output=Path(args.output),
     )
     results = run(options)
