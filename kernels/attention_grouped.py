@@ -26,6 +26,7 @@ TILE_STRIDE = MAX_HEAD_DIM + 1
 TILE_ELEMENTS = KEY_TILE * TILE_STRIDE
 QUERY_ELEMENTS = MAX_GROUP * MAX_HEAD_DIM
 SCORE_ELEMENTS = MAX_GROUP * SPLIT_SIZE
+STATS_ELEMENTS = 2 * MAX_GROUP  # (max, sum) per query head
 LOADS_IN_FLIGHT = 4
 ACCUMULATORS = 4  # (group, dim) outputs per thread: G * dv <= ACCUMULATORS * threads
 NEGATIVE_INFINITY = -math.inf
@@ -102,7 +103,7 @@ def paged_attention_grouped_kernel(
     scores = cuda.shared.array(SCORE_ELEMENTS, float32)
     tile = cuda.shared.array(TILE_ELEMENTS, float32)
     block_ids = cuda.shared.array(KEY_TILE, int32)
-    stats = cuda.shared.array(2 * MAX_GROUP, float32)
+    stats = cuda.shared.array(STATS_ELEMENTS, float32)
     for e in range(tid, group * head_dim, GROUPED_THREADS):
         query[e] = q[row, kv_head * group + e // head_dim, e % head_dim] * scale
     # Scores of every (query head, key) pair of the split.

@@ -1,0 +1,68 @@
+"""Compile every CUDA kernel to PTX for compute capability 9.0, without a GPU.
+
+Type errors and unsupported constructs in a numba kernel only show when it compiles; the CUDA
+simulator runs kernels as Python and never compiles them. This script compiles each kernel with
+the argument types the launchers pass, using the CUDA toolkit's NVVM (no device, no driver).
+
+    python tools/compile_kernels.py          # prints one line per kernel, exits 1 on a failure
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from types import SimpleNamespace
+
+os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+
+from numba import cuda, types  # noqa: E402
+from numba.cuda import dispatcher  # noqa: E402
+
+# Device functions ask the current device for its compute capability; answer for an H200.
+dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=(9, 0))
+
+f32, i32, i64, u16, u32 = types.float32, types.int32, types.int64, types.uint16, types.uint32
+
+
+def c(dtype, ndim):
+    return types.Array(dtype, ndim, "C")
+
+
+def kernels():
+    from metrale.kernels import activation, attention, attention_grouped, attention_prefill, embedding, rmsnorm, rope, sampling
+
+    return {
+        "embedding": (embedding.embedding_kernel, (c(u16, 2), c(i32, 1), c(f32, 2))),
+        "rmsnorm_residual": (rmsnorm.rmsnorm_residual_kernel, (c(f32, 2), c(f32, 2), c(u16, 1), f32, f32, i32, c(u16, 2))),
+        "silu_and_mul": (activation.silu_and_mul_kernel, (c(f32, 2), c(u16, 2))),
+        "to_bf16": (activation.to_bf16_kernel, (c(f32, 1), c(u16, 1))),
+        "qkv_rope_cache": (rope.qkv_rope_cache_kernel, (
+            c(f32, 2), c(i32, 1), c(i32, 1), c(f32, 1), f32, c(u16, 1), c(u16, 1), f32, f32, i32, i32, i32, i32,
+            c(f32, 3), c(u16, 4), c(u16, 4))),
+        "paged_attention_split": (attention.paged_attention_split_kernel, (
+            c(f32, 3), c(u16, 4), c(u16, 4), c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4), c(f32, 3), c(f32, 3))),
+        "attention_combine": (attention.attention_combine_kernel, (c(f32, 4), c(f32, 3), c(f32, 3), c(u16, 2))),
+        "paged_attention_grouped": (attention_grouped.paged_attention_grouped_kernel, (
+            c(f32, 3), c(u32, 4), c(u32, 4), c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4), c(f32, 3), c(f32, 3))),
+        "paged_attention_prefill": (attention_prefill.paged_attention_prefill_kernel, (
+            c(f32, 3), c(u32, 4), c(u32, 4), c(i32, 2), c(i32, 1), c(i32, 1), c(i32, 2), f32, i32, c(u16, 2))),
+        "sample": (sampling.sample_kernel, (
+            c(f32, 2), c(f32, 1), c(i32, 1), c(f32, 1), c(i64, 1), c(i64, 1), c(f32, 1), c(i32, 1))),
+    }
+
+
+def main() -> int:
+    failures = 0
+    for name, (kernel, signature) in kernels().items():
+        try:
+            ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
+            print(f"ok      {name} ({len(ptx)} bytes of PTX)")
+        except Exception:
+            failures += 1
+            print(f"FAILED  {name}\n{traceback.format_exc(limit=3)}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
