@@ -16,7 +16,9 @@ Family code calls ``backend.ops.<op>``, ``backend.load_weight`` / ``backend.cons
 num_kv_heads, head_dim, k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6, norm_offset=0.0,
 interleaved=False)`` -> ``q [N, nh, d]``;
 ``paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)`` -> ``[N, nh * dv]``;
-``silu_and_mul(gate_up)`` -> ``[N, I]``.
+``silu_and_mul(gate_up)`` -> ``[N, I]``;
+``linear_silu(x, weight, bias=None)`` -> ``silu_and_mul(linear(x, weight, bias))`` (one kernel
+on the GPU for small batches).
 "Normed" outputs and attention outputs are the inputs of matrix products: float32 on the CPU,
 bf16 bits (``uint16``) on the GPU.
 """
@@ -108,12 +110,16 @@ class CpuBackend(Backend):
             width = gate_up.shape[1] // 2
             return activation.silu_and_mul_reference(gate_up[:, :width], gate_up[:, width:])
 
+        def linear_silu(x, weight, bias=None):
+            return silu_and_mul(linear.linear_reference(x, weight, bias))
+
         self.ops = SimpleNamespace(
             embedding=embedding.embedding_reference,
             rmsnorm=rmsnorm.rmsnorm_reference,
             rmsnorm_residual=rmsnorm.rmsnorm_residual_reference,
             linear=linear.linear_reference,
             silu_and_mul=silu_and_mul,
+            linear_silu=linear_silu,
             qkv_rope_cache=rope.qkv_rope_cache_reference,
             paged_attention=paged_attention,
         )

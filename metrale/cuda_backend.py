@@ -27,7 +27,7 @@ class CudaBackend(Backend):
         import cupy
 
         from metrale.kernels import (
-            activation, attention, attention_grouped, attention_prefill, embedding, rmsnorm, rope,
+            activation, attention, attention_grouped, attention_prefill, embedding, gemv, rmsnorm, rope,
         )
         from metrale.kernels.linear import CublasGemm
         from metrale.kernels.sampling import sample
@@ -43,6 +43,8 @@ class CudaBackend(Backend):
         self.graph_pool = cupy.cuda.MemoryPool()
         self.cuda_graphs = cuda_graphs
         self._runners: dict[int, Any] = {}
+        #: Batches of up to this many rows use the numba GEMV kernels instead of cuBLAS (0: never).
+        self.gemv_rows = gemv.MAX_GEMV_ROWS
         self._sample = sample
         cp, stream = cupy, self.stream
         f32, bf16 = np.float32, np.uint16
@@ -66,13 +68,25 @@ class CudaBackend(Backend):
             x = cp.ascontiguousarray(x)
             return activation.to_bf16(x, cp.empty(x.shape, dtype=bf16), stream)
 
+        def uses_gemv(x):
+            return x.shape[0] <= self.gemv_rows and gemv.supports(x.shape[0], x.shape[1])
+
         def linear(x, weight, bias=None):
             x = to_bf16(x) if x.dtype == f32 else cp.ascontiguousarray(x)
             out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
-            self.gemm(x, weight, out)
+            if uses_gemv(x):
+                gemv.gemv(x, weight, out, stream)
+            else:
+                self.gemm(x, weight, out)
             if bias is not None:
                 out += bias
             return out
+
+        def linear_silu(x, weight, bias=None):
+            x = to_bf16(x) if x.dtype == f32 else cp.ascontiguousarray(x)
+            if bias is None and uses_gemv(x):
+                return gemv.gemv_silu(x, weight, cp.empty((x.shape[0], weight.shape[0] // 2), dtype=bf16), stream)
+            return silu_and_mul(linear(x, weight, bias))
 
         def qkv_rope_cache(qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads,
                            head_dim, k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6, norm_offset=0.0,
@@ -114,6 +128,7 @@ class CudaBackend(Backend):
             rmsnorm=rmsnorm_only,
             rmsnorm_residual=rmsnorm_residual,
             linear=linear,
+            linear_silu=linear_silu,
             silu_and_mul=silu_and_mul,
             qkv_rope_cache=qkv_rope_cache,
             paged_attention=paged_attention,

@@ -22,7 +22,7 @@ from numba.cuda import dispatcher  # noqa: E402
 # Device functions ask the current device for its compute capability; answer for an H200.
 dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=(9, 0))
 
-f32, i32, i64, u16, u32 = types.float32, types.int32, types.int64, types.uint16, types.uint32
+f32, i32, i64, u16, u32, u64 = types.float32, types.int32, types.int64, types.uint16, types.uint32, types.uint64
 
 
 def c(dtype, ndim):
@@ -30,7 +30,9 @@ def c(dtype, ndim):
 
 
 def kernels():
-    from metrale.kernels import activation, attention, attention_grouped, attention_prefill, embedding, rmsnorm, rope, sampling
+    from metrale.kernels import (
+        activation, attention, attention_grouped, attention_prefill, embedding, gemv, rmsnorm, rope, sampling,
+    )
 
     return {
         "embedding": (embedding.embedding_kernel, (c(u16, 2), c(i32, 1), c(f32, 2))),
@@ -47,6 +49,8 @@ def kernels():
             c(f32, 3), c(u32, 4), c(u32, 4), c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4), c(f32, 3), c(f32, 3))),
         "paged_attention_prefill": (attention_prefill.paged_attention_prefill_kernel, (
             c(f32, 3), c(u32, 4), c(u32, 4), c(i32, 2), c(i32, 1), c(i32, 1), c(i32, 2), f32, i32, c(u16, 2))),
+        "gemv": (gemv.gemv_kernel, (c(u64, 2), c(u64, 2), c(f32, 2))),
+        "gemv_silu": (gemv.gemv_silu_kernel, (c(u64, 2), c(u64, 2), c(u16, 2))),
         "sample": (sampling.sample_kernel, (
             c(f32, 2), c(f32, 1), c(i32, 1), c(f32, 1), c(i64, 1), c(i64, 1), c(f32, 1), c(i32, 1))),
     }

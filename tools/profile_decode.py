@@ -1,10 +1,12 @@
-"""Where a decode step's time goes: host overhead, graph replay, and each op run eagerly.
+"""Where a decode step's time goes: host overhead, graph replay, and each op's GPU time.
 
     python tools/profile_decode.py [--shape llama-1b] [--batch 1] [--context 512]
 
-Needs a CUDA device (and what ``metrale bench`` needs). Prints a table: the whole step through
+Needs a CUDA device (and what ``metrale bench`` needs). Prints the whole step through
 ``ModelForward.decode_batch`` (host clock, synchronised), the bare graph replay (CUDA events),
-and the eager per-op times (CUDA events around every op of one forward, summed by op).
+and a table of every op of one decode forward: each call is recorded into its own CUDA graph
+``REPEATS`` times and replayed, so the figure is the op's GPU time without launch overhead.
+Ops are grouped by name and argument shapes; GEMMs also show the GB/s of their weight reads.
 """
 
 from __future__ import annotations
@@ -16,6 +18,34 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+
+REPEATS = 20
+OPS = ("embedding", "rmsnorm_residual", "linear", "linear_silu", "qkv_rope_cache", "paged_attention", "silu_and_mul")
+
+
+def graph_time_us(backend, call) -> float:
+    """GPU microseconds of ``call()``, from a graph of REPEATS back-to-back calls."""
+    import cupy
+
+    stream = backend.stream
+    with cupy.cuda.using_allocator(backend.graph_pool.malloc), backend.activate():
+        call()
+        stream.synchronize()
+        stream.begin_capture(getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", 2))
+        for _ in range(REPEATS):
+            call()
+        graph = stream.end_capture()
+    for _ in range(3):
+        graph.launch(stream=stream)
+    times = []
+    for _ in range(10):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        graph.launch(stream=stream)
+        stop.record(stream)
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / REPEATS)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -34,7 +64,8 @@ def main() -> None:
 
     folder = build_checkpoint(args.shape, Path(args.workdir) / args.shape)
     llm = LLM(folder, device="cuda", max_model_len=args.context + 256, max_num_seqs=args.batch + 1, show_progress=False)
-    stream = llm.backend.stream
+    backend = llm.backend
+    stream = backend.stream
     rng = np.random.default_rng(0)
     seqs = [SequenceState.from_prompt(rng.integers(0, llm.vocab_size, args.context).tolist()) for _ in range(args.batch)]
     for seq in seqs:
@@ -42,15 +73,15 @@ def main() -> None:
     tokens = [1] * args.batch
     for _ in range(3):
         llm.forward.decode_batch(tokens, seqs)
-    llm.backend.synchronize()
+    backend.synchronize()
 
     steps = []
     for _ in range(30):
         started = time.perf_counter()
         llm.forward.decode_batch(tokens, seqs)
-        llm.backend.synchronize()
+        backend.synchronize()
         steps.append(time.perf_counter() - started)
-    runner = llm.backend.graph_runner(llm.model)
+    runner = backend.graph_runner(llm.model)
     rung = runner.rungs[runner.rung_size(args.batch)]
     replays = []
     for _ in range(30):
@@ -61,33 +92,74 @@ def main() -> None:
         stop.synchronize()
         replays.append(cupy.cuda.get_elapsed_time(start, stop))
 
-    totals: dict[str, list[float]] = defaultdict(list)
-    ops = llm.backend.ops
+    # Record every op call of one eager decode forward, then time each in its own graph.
+    ops = backend.ops
+    originals = {name: getattr(ops, name) for name in OPS}
+    calls = []
 
-    def timed(name, function):
+    def recording(name, function):
         def wrapper(*a, **k):
-            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            out = function(*a, **k)
-            stop.record(stream)
-            stop.synchronize()
-            totals[name].append(cupy.cuda.get_elapsed_time(start, stop))
-            return out
+            calls.append((name, function, a, k))
+            return function(*a, **k)
 
         return wrapper
 
-    for name in ("embedding", "rmsnorm_residual", "linear", "qkv_rope_cache", "paged_attention", "silu_and_mul"):
-        setattr(ops, name, timed(name, getattr(ops, name)))
-    llm.backend.cuda_graphs = False
-    llm.backend._runners.clear()
-    for _ in range(2):
-        totals.clear()
-        llm.forward.decode_batch(tokens, seqs)
+    for name, function in originals.items():
+        setattr(ops, name, recording(name, function))
+    backend.cuda_graphs = False
+    backend._runners.clear()
+    llm.forward.decode_batch(tokens, seqs)
+    backend.synchronize()
+    for name, function in originals.items():
+        setattr(ops, name, function)
+
+    groups: dict[str, list[float]] = defaultdict(list)
+    weight_bytes: dict[str, int] = {}
+    for name, function, a, k in calls:
+        shapes = "x".join(str(s) for s in a[0].shape)
+        label = name
+        if name in ("linear", "linear_silu"):
+            label = f"{name} {shapes} @ {a[1].shape[0]}x{a[1].shape[1]}"
+            weight_bytes[label] = a[1].nbytes
+        elif name == "paged_attention":
+            label = f"paged_attention q {shapes}"
+        else:
+            label = f"{name} {shapes}"
+        groups[label].append(graph_time_us(backend, lambda: function(*a, **k)))
+
+    total = sum(sum(values) for values in groups.values())
     print(f"shape {args.shape} batch {args.batch} context {args.context}")
-    print(f"whole step (host clock): {1e3 * statistics.median(steps):8.3f} ms")
-    print(f"graph replay (events):   {statistics.median(replays):8.3f} ms")
-    for name, values in sorted(totals.items(), key=lambda item: -sum(item[1])):
-        print(f"eager {name:18} {sum(values):8.3f} ms over {len(values):3d} calls ({statistics.median(values) * 1e3:7.1f} us median)")
+    print(f"whole step (host clock):   {1e3 * statistics.median(steps):8.3f} ms")
+    print(f"graph replay (events):     {statistics.median(replays):8.3f} ms")
+    print(f"sum of op times:           {total / 1e3:8.3f} ms over {len(calls)} op calls")
+    print(f"{'op':58} {'calls':>5} {'us/call':>9} {'total us':>9} {'GB/s':>7}")
+    for label, values in sorted(groups.items(), key=lambda item: -sum(item[1])):
+        per_call = statistics.median(values)
+        rate = f"{weight_bytes[label] / per_call / 1e3:7.0f}" if label in weight_bytes else ""
+        print(f"{label:58} {len(values):5d} {per_call:9.1f} {sum(values):9.1f} {rate}")
+    compare_gemms(backend, {(c[2][0].shape[0], c[2][1].shape) for c in calls if c[0] in ("linear", "linear_silu")})
+
+
+def compare_gemms(backend, shapes) -> None:
+    """cuBLAS against the numba GEMV kernels on each weight shape of the step."""
+    import cupy
+
+    from metrale.kernels import gemv
+
+    print(f"{'weight':>14} {'rows':>4} {'cuBLAS us':>10} {'GB/s':>6} {'gemv us':>8} {'GB/s':>6} {'gemv+silu us':>13}")
+    for rows, (width, inner) in sorted(shapes, key=lambda item: item[1]):
+        weight = cupy.zeros((width, inner), dtype=np.uint16)
+        x = cupy.zeros((rows, inner), dtype=np.uint16)
+        out = cupy.empty((rows, width), dtype=np.float32)
+        fused = cupy.empty((rows, width // 2), dtype=np.uint16)
+        cublas = graph_time_us(backend, lambda: backend.gemm(x, weight, out))
+        line = f"{width:>7}x{inner:<6} {rows:4d} {cublas:10.1f} {weight.nbytes / cublas / 1e3:6.0f}"
+        if gemv.supports(rows, inner):
+            plain = graph_time_us(backend, lambda: gemv.gemv(x, weight, out, backend.stream))
+            silu = graph_time_us(backend, lambda: gemv.gemv_silu(x, weight, fused, backend.stream))
+            line += f" {plain:8.1f} {weight.nbytes / plain / 1e3:6.0f} {silu:13.1f}"
+        print(line)
+        del weight
 
 
 if __name__ == "__main__":

@@ -132,5 +132,4 @@ def attention_block(
 def swiglu_mlp(backend: Any, weights: MlpWeights, h: Any) -> Any:
     """``down(silu(gate(h)) * up(h))`` for ``h [N, H]``."""
     ops = backend.ops
-    gate_up = ops.linear(h, weights.gate_up, weights.gate_up_bias)
-    return ops.linear(ops.silu_and_mul(gate_up), weights.down, weights.down_bias)
+    return ops.linear(ops.linear_silu(h, weights.gate_up, weights.gate_up_bias), weights.down, weights.down_bias)

@@ -115,18 +115,18 @@ def test_error_during_capture_is_discarded_and_the_next_call_runs(dense_checkpoi
     seqs = {id(m): SequenceState.from_prompt([5, 6, 7]) for m in (llm, reference)}
     for m in (llm, reference):
         m.forward.prefill([5, 6, 7], seqs[id(m)])
-    original = llm.backend.ops.silu_and_mul
+    original = llm.backend.ops.paged_attention
 
-    def failing(gate_up):
+    def failing(*args):
         if llm.backend.stream.is_capturing():
             raise RuntimeError("injected failure while capturing")
-        return original(gate_up)
+        return original(*args)
 
-    llm.backend.ops.silu_and_mul = failing
+    llm.backend.ops.paged_attention = failing
     with pytest.raises(RuntimeError, match="injected failure while capturing"):
         llm.forward.decode_batch([9], [seqs[id(llm)]])
     assert not llm.backend.stream.is_capturing()
-    llm.backend.ops.silu_and_mul = original
+    llm.backend.ops.paged_attention = original
     got = llm.backend.to_numpy(llm.forward.decode_batch([9], [seqs[id(llm)]]))
     expected = reference.backend.to_numpy(reference.forward.decode_batch([9], [seqs[id(reference)]]))
     assert max_relative_error(got, expected) <= BF16_TOLERANCE
