@@ -102,35 +102,77 @@ def check_array(op: str, name: str, array: Any, dtype: Any, shape: tuple | None 
 
 
 # --------------------------------------------------------------------------- block reductions
+#
+# Every thread of the block must call these (they synchronise it); ``partial`` is shared
+# scratch of at least ``threads`` floats. On the GPU each warp reduces with shuffles and the warp
+# results go through shared memory (two barriers); the simulator, which has no shuffles, runs a
+# shared-memory tree.
 
+WARP_SIZE = 32
+FULL_MASK = 0xFFFFFFFF
 
-@cuda.jit(device=True)
-def block_sum(partial, tid, value, threads):
-    """Sum of ``value`` over the block's ``threads`` threads (``partial`` is shared scratch)."""
-    partial[tid] = value
-    cuda.syncthreads()
-    stride = threads // 2
-    while stride > 0:
-        if tid < stride:
-            partial[tid] += partial[tid + stride]
+if SIMULATED:
+
+    @cuda.jit(device=True)
+    def block_sum(partial, tid, value, threads):
+        """Sum of ``value`` over the block's ``threads`` threads."""
+        partial[tid] = value
         cuda.syncthreads()
-        stride //= 2
-    total = partial[0]
-    cuda.syncthreads()
-    return total
-
-
-@cuda.jit(device=True)
-def block_max(partial, tid, value, threads):
-    """Maximum of ``value`` over the block's ``threads`` threads."""
-    partial[tid] = value
-    cuda.syncthreads()
-    stride = threads // 2
-    while stride > 0:
-        if tid < stride and partial[tid + stride] > partial[tid]:
-            partial[tid] = partial[tid + stride]
+        stride = threads // 2
+        while stride > 0:
+            if tid < stride:
+                partial[tid] += partial[tid + stride]
+            cuda.syncthreads()
+            stride //= 2
+        total = partial[0]
         cuda.syncthreads()
-        stride //= 2
-    best = partial[0]
-    cuda.syncthreads()
-    return best
+        return total
+
+    @cuda.jit(device=True)
+    def block_max(partial, tid, value, threads):
+        """Maximum of ``value`` over the block's ``threads`` threads."""
+        partial[tid] = value
+        cuda.syncthreads()
+        stride = threads // 2
+        while stride > 0:
+            if tid < stride and partial[tid + stride] > partial[tid]:
+                partial[tid] = partial[tid + stride]
+            cuda.syncthreads()
+            stride //= 2
+        best = partial[0]
+        cuda.syncthreads()
+        return best
+
+else:
+
+    @cuda.jit(device=True)
+    def block_sum(partial, tid, value, threads):
+        """Sum of ``value`` over the block's ``threads`` threads (a multiple of 32)."""
+        offset = WARP_SIZE // 2
+        while offset > 0:
+            value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
+            offset //= 2
+        if tid % WARP_SIZE == 0:
+            partial[tid // WARP_SIZE] = value
+        cuda.syncthreads()
+        total = partial[0]
+        for w in range(1, threads // WARP_SIZE):
+            total += partial[w]
+        cuda.syncthreads()
+        return total
+
+    @cuda.jit(device=True)
+    def block_max(partial, tid, value, threads):
+        """Maximum of ``value`` over the block's ``threads`` threads (a multiple of 32)."""
+        offset = WARP_SIZE // 2
+        while offset > 0:
+            value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, offset))
+            offset //= 2
+        if tid % WARP_SIZE == 0:
+            partial[tid // WARP_SIZE] = value
+        cuda.syncthreads()
+        best = partial[0]
+        for w in range(1, threads // WARP_SIZE):
+            best = max(best, partial[w])
+        cuda.syncthreads()
+        return best

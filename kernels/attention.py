@@ -86,8 +86,8 @@ from metrale.kernels._device import (  # noqa: E402
 )
 
 ATTENTION_THREADS = 16 if SIMULATED else 128
-# Keys per split (small, so short contexts still fill the GPU); both kernels share the layout.
-SPLIT_SIZE = attention_grouped.SPLIT_SIZE
+# Keys per split of the per-head kernel (small, so short contexts still fill the GPU).
+SPLIT_SIZE = 8 if SIMULATED else 64
 KEY_TILE = 4 if SIMULATED else 32  # keys staged in shared memory at a time
 DOT_PARTS = ATTENTION_THREADS // KEY_TILE  # threads that share one key's dot product
 MAX_ATTENTION_HEAD_DIM = 256
@@ -225,8 +225,15 @@ def attention_combine_kernel(out_acc, out_max, out_sum, out):
 
 
 def attention_splits(max_context: int) -> int:
-    """Key splits the attention grid needs for contexts of up to ``max_context`` tokens."""
+    """Key splits the per-head kernel needs for contexts of up to ``max_context`` tokens."""
     return max(1, -(-int(max_context) // SPLIT_SIZE))
+
+
+def split_count(rows: int, heads: int, kv_heads: int, head_dim: int, value_dim: int, max_context: int) -> int:
+    """Key splits of :func:`paged_attention` for this geometry: the workspace's third extent."""
+    if attention_grouped.supports(heads, kv_heads, head_dim, value_dim):
+        return attention_grouped.split_count(rows, heads, kv_heads, max_context)
+    return attention_splits(max_context)
 
 
 def paged_attention(
@@ -236,9 +243,10 @@ def paged_attention(
 ) -> object:
     """CUDA launcher of :func:`paged_attention_reference` writing bf16 ``out [N, nh * dv]``.
 
-    ``max_context`` bounds every row's position + 1 (it fixes the number of key splits, so a
-    captured graph stays valid for any shorter context); ``workspace`` is ``(acc, max, sum)``
-    of shapes ``[N, nh, splits, dv]``, ``[N, nh, splits]``, ``[N, nh, splits]`` float32.
+    ``max_context`` bounds every row's position + 1 (with the batch geometry it fixes the number
+    of key splits, :func:`split_count`, so a captured graph stays valid for any shorter context);
+    ``workspace`` is ``(acc, max, sum)`` of shapes ``[N, nh, splits, dv]``, ``[N, nh, splits]``,
+    ``[N, nh, splits]`` float32.
     """
     op = "paged_attention"
     check_array(op, "q", q, np.float32, ndim=3)
@@ -255,30 +263,33 @@ def paged_attention(
     check_array(op, "block_tables", block_tables, np.int32, ndim=2)
     check_array(op, "seq_index", seq_index, np.int32, (rows,))
     check_array(op, "positions", positions, np.int32, (rows,))
-    splits = attention_splits(max_context)
+    splits = split_count(rows, heads, kv_heads, head_dim, value_dim, max_context)
     acc, best, total = workspace
     check_array(op, "workspace acc", acc, np.float32, (rows, heads, splits, value_dim))
     check_array(op, "workspace max", best, np.float32, (rows, heads, splits))
     check_array(op, "workspace sum", total, np.float32, (rows, heads, splits))
     check_array(op, "out", out, np.uint16, (rows, heads * value_dim))
-    if rows:
-        launch = numba_stream(stream)
-        window = np.int32(sliding_window or 0)
-        if attention_grouped.supports(heads, kv_heads, head_dim, value_dim):
-            grouped = attention_grouped.paged_attention_grouped_kernel
-            grouped[(rows, kv_heads, splits), attention_grouped.GROUPED_THREADS, launch](
-                device_view(q), device_view(attention_grouped.as_words(k_cache)),
-                device_view(attention_grouped.as_words(v_cache)), device_view(block_tables),
-                device_view(seq_index), device_view(positions), np.float32(scale), window,
-                device_view(acc), device_view(best), device_view(total),
-            )
-        else:
-            paged_attention_split_kernel[(rows, heads, splits), ATTENTION_THREADS, launch](
-                device_view(q), device_view(k_cache), device_view(v_cache), device_view(block_tables),
-                device_view(seq_index), device_view(positions), np.float32(scale), window,
-                device_view(acc), device_view(best), device_view(total),
-            )
-        attention_combine_kernel[(rows, heads), ATTENTION_THREADS, launch](
-            device_view(acc), device_view(best), device_view(total), device_view(out)
+    if not rows:
+        return out
+    launch = numba_stream(stream)
+    window = np.int32(sliding_window or 0)
+    if attention_grouped.supports(heads, kv_heads, head_dim, value_dim):
+        grid = (rows, kv_heads * attention_grouped.head_blocks(heads, kv_heads), splits)
+        attention_grouped.paged_attention_grouped_kernel[grid, attention_grouped.DECODE_THREADS, launch](
+            device_view(q), device_view(attention_grouped.as_wide_words(k_cache)),
+            device_view(attention_grouped.as_wide_words(v_cache)), device_view(block_tables),
+            device_view(seq_index), device_view(positions), np.float32(scale), window,
+            device_view(acc), device_view(best), device_view(total), device_view(out),
         )
+        if splits == 1:
+            return out
+    else:
+        paged_attention_split_kernel[(rows, heads, splits), ATTENTION_THREADS, launch](
+            device_view(q), device_view(k_cache), device_view(v_cache), device_view(block_tables),
+            device_view(seq_index), device_view(positions), np.float32(scale), window,
+            device_view(acc), device_view(best), device_view(total),
+        )
+    attention_combine_kernel[(rows, heads), ATTENTION_THREADS, launch](
+        device_view(acc), device_view(best), device_view(total), device_view(out)
+    )
     return out

@@ -1,11 +1,19 @@
-"""Paged attention for query heads that share a KV head, one block per (row, KV head, split).
+"""Paged decode attention for the query heads of one KV head, one block per (row, heads, split).
 
-The NumPy reference is :func:`metrale.kernels.attention.paged_attention_reference`; this kernel
-writes the same split partials as :func:`~metrale.kernels.attention.paged_attention_split_kernel`
-(the combine kernel merges them), but a block serves all ``G = n_heads / n_kv_heads`` query heads
-of its KV head, so each cached key and value is read once per block instead of once per query
-head. Keys are staged ``KEY_TILE`` at a time in shared memory, read from the cache as 32-bit
-words (two bf16 values), ``LOADS_IN_FLIGHT`` words per thread issued before any is used.
+The NumPy reference is :func:`metrale.kernels.attention.paged_attention_reference`. A block
+serves up to ``HEADS_PER_BLOCK`` query heads of one KV head, so each cached key and value is read
+once for all of them. The block's threads form lane groups of ``L = head_dim / 4`` lanes; a lane
+holds four dims of a key (one 64-bit word of bf16 values), so a lane group reads one cached row
+per load instruction, coalesced. Each lane group takes ``KEYS_IN_FLIGHT`` consecutive keys at a
+time, issues all their K and V loads before using any, reduces each score across its lanes with
+warp shuffles and keeps an online softmax (running max, sum and weighted values) in registers.
+The lane groups of a block merge through shared memory at the end.
+
+The keys of a row are divided evenly between the ``splits`` blocks of the grid's last axis, and
+the split sizes are computed on the device from the row's position, so a captured graph serves
+any context length. With one split the block writes the bf16 output directly; with more, it
+writes unnormalised partials that :func:`~metrale.kernels.attention.attention_combine_kernel`
+merges.
 """
 
 from __future__ import annotations
@@ -13,159 +21,195 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, uint32, uint64
 
-from metrale.kernels._device import SIMULATED, bf16_to_float, bits_to_float
+from metrale.kernels._device import SIMULATED, bits_to_float, float_to_bf16
 
-GROUPED_THREADS = 16 if SIMULATED else 128
-KEY_TILE = 4 if SIMULATED else 32
-SPLIT_SIZE = 8 if SIMULATED else 64  # keys per split; the same as the per-head kernel's
-MAX_GROUP = 8
-MAX_HEAD_DIM = 256
-TILE_STRIDE = MAX_HEAD_DIM + 1
-TILE_ELEMENTS = KEY_TILE * TILE_STRIDE
-QUERY_ELEMENTS = MAX_GROUP * MAX_HEAD_DIM
-SCORE_ELEMENTS = MAX_GROUP * SPLIT_SIZE
-STATS_ELEMENTS = 2 * MAX_GROUP  # (max, sum) per query head
-LOADS_IN_FLIGHT = 4
-ACCUMULATORS = 4  # (group, dim) outputs per thread: G * dv <= ACCUMULATORS * threads
+DECODE_THREADS = 16 if SIMULATED else 128
+HEADS_PER_BLOCK = 4
+KEYS_IN_FLIGHT = 2 if SIMULATED else 4
+MAX_LANES = DECODE_THREADS if SIMULATED else 32  # lanes of one key; a lane group stays in a warp
+MAX_SPLITS = 32
+TARGET_BLOCKS = 64 if SIMULATED else 512  # enough blocks to keep every SM of the GPU busy
+MIN_SPLIT_KEYS = 2 if SIMULATED else 32
+MERGE_ELEMENTS = HEADS_PER_BLOCK * 4 * DECODE_THREADS  # [heads, lane groups, head_dim] floats
+STAT_ELEMENTS = HEADS_PER_BLOCK * DECODE_THREADS  # [heads, lane groups]
+REGISTERS = HEADS_PER_BLOCK * 4
+SCORES = KEYS_IN_FLIGHT * HEADS_PER_BLOCK
 NEGATIVE_INFINITY = -math.inf
+FULL_MASK = 0xFFFFFFFF
 
 
 def supports(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:
-    """Whether the grouped kernel handles this geometry (else the per-head kernel runs)."""
-    group = heads // kv_heads
-    return (
-        group <= MAX_GROUP
-        and head_dim % 2 == 0
-        and value_dim % 2 == 0
-        and head_dim <= MAX_HEAD_DIM
-        and value_dim <= MAX_HEAD_DIM
-        and group * value_dim <= ACCUMULATORS * GROUPED_THREADS
-    )
+    """Whether this kernel handles the geometry (else the per-head kernel runs)."""
+    if heads % kv_heads or head_dim != value_dim or head_dim % 4:
+        return False
+    lanes = head_dim // 4
+    return lanes <= MAX_LANES and lanes & (lanes - 1) == 0
+
+
+def head_blocks(heads: int, kv_heads: int) -> int:
+    """Blocks per KV head: its query heads in chunks of ``HEADS_PER_BLOCK``."""
+    return -(-(heads // kv_heads) // HEADS_PER_BLOCK)
+
+
+def split_count(rows: int, heads: int, kv_heads: int, max_context: int) -> int:
+    """Key splits per row: enough blocks to fill the GPU, each split at least MIN_SPLIT_KEYS keys
+    of the longest context ``max_context``."""
+    blocks = max(1, rows * kv_heads * head_blocks(heads, kv_heads))
+    wanted = -(-TARGET_BLOCKS // blocks)
+    return max(1, min(wanted, MAX_SPLITS, -(-int(max_context) // MIN_SPLIT_KEYS)))
+
+
+if SIMULATED:
+
+    @cuda.jit(device=True)
+    def lanes_sum(scratch, tid, lanes, value):
+        # Sum over the lane group (the simulator has no shuffles; every thread calls this).
+        scratch[tid] = value
+        cuda.syncthreads()
+        first = tid - tid % lanes
+        total = float32(0.0)
+        for i in range(lanes):
+            total += scratch[first + i]
+        cuda.syncthreads()
+        return total
+
+else:
+
+    @cuda.jit(device=True)
+    def lanes_sum(scratch, tid, lanes, value):
+        # Butterfly sum over the lane group (lanes a power of two, <= 32): every lane gets it.
+        offset = lanes // 2
+        while offset > 0:
+            value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
+            offset //= 2
+        return value
 
 
 @cuda.jit(device=True)
-def stage_tile(cache_words, block_ids, start, count, kv_head, width, tile, tid):
-    # Widen keys [start, start + count) of one KV head into tile[key * TILE_STRIDE + dim]
-    # (float32). cache_words [blocks, block_size, nkv, width / 2] holds two bf16 per uint32.
-    block_size = cache_words.shape[1]
-    words_per_key = width // 2
-    total = count * words_per_key
-    loaded = cuda.local.array(LOADS_IN_FLIGHT, uint32)
-    for base in range(tid, total, GROUPED_THREADS * LOADS_IN_FLIGHT):
-        for u in range(LOADS_IN_FLIGHT):
-            e = base + u * GROUPED_THREADS
-            if e < total:
-                key = e // words_per_key
-                loaded[u] = cache_words[block_ids[key], (start + key) % block_size, kv_head, e % words_per_key]
-        for u in range(LOADS_IN_FLIGHT):
-            e = base + u * GROUPED_THREADS
-            if e < total:
-                key = e // words_per_key
-                column = 2 * (e % words_per_key)
-                word = loaded[u]
-                tile[key * TILE_STRIDE + column] = bf16_to_float(word & uint32(0xFFFF))
-                tile[key * TILE_STRIDE + column + 1] = bits_to_float(word & uint32(0xFFFF0000))
+def widen(word, c):
+    # Value c (0..3) of a 64-bit word of four bf16 values, low half first.
+    half = uint32(word >> uint64(32)) if c >= 2 else uint32(word & uint64(0xFFFFFFFF))
+    return bits_to_float(half << uint32(16)) if c % 2 == 0 else bits_to_float(half & uint32(0xFFFF0000))
 
 
 @cuda.jit(cache=True)
 def paged_attention_grouped_kernel(
-    q, k_words, v_words, block_tables, seq_index, positions, scale, sliding_window, out_acc, out_max, out_sum
+    q, k_words, v_words, block_tables, seq_index, positions, scale, sliding_window, out_acc, out_max, out_sum, out
 ):
-    # Grid: (N rows, n_kv_heads, splits); block GROUPED_THREADS threads. Writes, for the G query
-    # heads of its KV head, the split partials the combine kernel merges (see the per-head
-    # kernel). q [N, nh, d] f32; k_words / v_words: the bf16 caches viewed as uint32
-    # [blocks, block_size, nkv, d / 2]; block_tables [S, max_blocks] int32.
+    # Grid: (N rows, n_kv_heads * head_blocks, splits); block DECODE_THREADS threads.
+    # q [N, nh, d] f32; k_words / v_words: the bf16 caches viewed as uint64 [blocks, block_size,
+    # nkv, d / 4]; block_tables [S, max_blocks] int32. splits == 1: out [N, nh * d] bf16 bits.
+    # Else out_acc [N, nh, splits, d] (exp-weighted V), out_max / out_sum [N, nh, splits].
     row = cuda.blockIdx.x
-    kv_head = cuda.blockIdx.y
     split = cuda.blockIdx.z
+    splits = cuda.gridDim.z
     tid = cuda.threadIdx.x
-    head_dim = q.shape[2]
-    value_dim = 2 * v_words.shape[3]
-    group = q.shape[1] // k_words.shape[2]
+    kv_heads = k_words.shape[2]
+    words = k_words.shape[3]  # = lanes per key
+    head_dim = 4 * words
+    group = q.shape[1] // kv_heads
+    chunks = (group + HEADS_PER_BLOCK - 1) // HEADS_PER_BLOCK
+    kv_head = cuda.blockIdx.y // chunks
+    first_head = kv_head * group + (cuda.blockIdx.y % chunks) * HEADS_PER_BLOCK
+    heads_here = min(HEADS_PER_BLOCK, kv_head * group + group - first_head)
+    lane = tid % words
+    lane_group = tid // words
+    lane_groups = DECODE_THREADS // words
     block_size = k_words.shape[1]
-    position = positions[row]
     seq = seq_index[row]
-    first = split * SPLIT_SIZE
-    lo = first
-    hi = min(first + SPLIT_SIZE, position + 1)
+    position = positions[row]
+    start = 0
     if sliding_window > 0:
-        lo = max(lo, position - sliding_window + 1)
-    if lo >= hi:
-        for e in range(tid, group * value_dim, GROUPED_THREADS):
-            out_acc[row, kv_head * group + e // value_dim, split, e % value_dim] = 0.0
-        if tid < group:
-            out_max[row, kv_head * group + tid, split] = NEGATIVE_INFINITY
-            out_sum[row, kv_head * group + tid, split] = 0.0
-        return
-    query = cuda.shared.array(QUERY_ELEMENTS, float32)
-    scores = cuda.shared.array(SCORE_ELEMENTS, float32)
-    tile = cuda.shared.array(TILE_ELEMENTS, float32)
-    block_ids = cuda.shared.array(KEY_TILE, int32)
-    stats = cuda.shared.array(STATS_ELEMENTS, float32)
-    for e in range(tid, group * head_dim, GROUPED_THREADS):
-        query[e] = q[row, kv_head * group + e // head_dim, e % head_dim] * scale
-    # Scores of every (query head, key) pair of the split.
-    for start in range(lo, hi, KEY_TILE):
-        count = min(KEY_TILE, hi - start)
-        if tid < count:
-            block_ids[tid] = block_tables[seq, (start + tid) // block_size]
-        cuda.syncthreads()
-        stage_tile(k_words, block_ids, start, count, kv_head, head_dim, tile, tid)
-        cuda.syncthreads()
-        for pair in range(tid, group * KEY_TILE, GROUPED_THREADS):
-            g = pair // KEY_TILE
-            k = pair % KEY_TILE
-            if k < count:
-                dot = float32(0.0)
-                for i in range(head_dim):
-                    dot += query[g * head_dim + i] * tile[k * TILE_STRIDE + i]
-                scores[g * SPLIT_SIZE + start - first + k] = dot
-        cuda.syncthreads()
-    # Softmax statistics, one thread per query head (a split holds at most SPLIT_SIZE keys).
-    if tid < group:
-        best = float32(NEGATIVE_INFINITY)
-        for key in range(lo, hi):
-            best = max(best, scores[tid * SPLIT_SIZE + key - first])
-        total = float32(0.0)
-        for key in range(lo, hi):
-            weight = math.exp(scores[tid * SPLIT_SIZE + key - first] - best)
-            scores[tid * SPLIT_SIZE + key - first] = weight
-            total += weight
-        stats[2 * tid] = best
-        stats[2 * tid + 1] = total
+        start = max(0, position - sliding_window + 1)
+    per_split = (position + 1 - start + splits - 1) // splits
+    lo = start + split * per_split
+    hi = min(position + 1, lo + per_split)
+
+    scratch = cuda.shared.array(DECODE_THREADS, float32)
+    merge = cuda.shared.array(MERGE_ELEMENTS, float32)
+    stat_max = cuda.shared.array(STAT_ELEMENTS, float32)
+    stat_sum = cuda.shared.array(STAT_ELEMENTS, float32)
+    query = cuda.local.array(REGISTERS, float32)
+    acc = cuda.local.array(REGISTERS, float32)
+    running_max = cuda.local.array(HEADS_PER_BLOCK, float32)
+    running_sum = cuda.local.array(HEADS_PER_BLOCK, float32)
+    k_loaded = cuda.local.array(KEYS_IN_FLIGHT, uint64)
+    v_loaded = cuda.local.array(KEYS_IN_FLIGHT, uint64)
+    scores = cuda.local.array(SCORES, float32)
+    for g in range(HEADS_PER_BLOCK):
+        running_max[g] = NEGATIVE_INFINITY
+        running_sum[g] = 0.0
+        for c in range(4):
+            acc[g * 4 + c] = 0.0
+            query[g * 4 + c] = q[row, first_head + g, 4 * lane + c] * scale if g < heads_here else float32(0.0)
+
+    # Uniform loop over the block (the simulator's lane sums synchronise every thread).
+    for base in range(lo, hi, lane_groups * KEYS_IN_FLIGHT):
+        first_key = base + lane_group * KEYS_IN_FLIGHT
+        for u in range(KEYS_IN_FLIGHT):
+            key = first_key + u
+            if key < hi:
+                block = block_tables[seq, key // block_size]
+                k_loaded[u] = k_words[block, key % block_size, kv_head, lane]
+                v_loaded[u] = v_words[block, key % block_size, kv_head, lane]
+        for u in range(KEYS_IN_FLIGHT):
+            for g in range(HEADS_PER_BLOCK):
+                partial = float32(0.0)
+                if first_key + u < hi:
+                    for c in range(4):
+                        partial += query[g * 4 + c] * widen(k_loaded[u], c)
+                total = lanes_sum(scratch, tid, words, partial)
+                scores[u * HEADS_PER_BLOCK + g] = total if first_key + u < hi else NEGATIVE_INFINITY
+        for g in range(HEADS_PER_BLOCK):
+            chunk_max = running_max[g]
+            for u in range(KEYS_IN_FLIGHT):
+                chunk_max = max(chunk_max, scores[u * HEADS_PER_BLOCK + g])
+            if chunk_max > NEGATIVE_INFINITY:
+                correction = math.exp(running_max[g] - chunk_max)
+                running_sum[g] *= correction
+                for c in range(4):
+                    acc[g * 4 + c] *= correction
+                for u in range(KEYS_IN_FLIGHT):
+                    if first_key + u < hi:
+                        weight = math.exp(scores[u * HEADS_PER_BLOCK + g] - chunk_max)
+                        running_sum[g] += weight
+                        for c in range(4):
+                            acc[g * 4 + c] += weight * widen(v_loaded[u], c)
+                running_max[g] = chunk_max
+
+    # Merge the lane groups: stats per (head, lane group), weighted values per (head, group, dim).
+    for g in range(HEADS_PER_BLOCK):
+        if lane == 0:
+            stat_max[g * lane_groups + lane_group] = running_max[g]
+            stat_sum[g * lane_groups + lane_group] = running_sum[g]
+        for c in range(4):
+            merge[(g * lane_groups + lane_group) * head_dim + 4 * lane + c] = acc[g * 4 + c]
     cuda.syncthreads()
-    # Weighted values: thread t owns outputs t, t + threads, ... of the [G, dv] block.
-    acc = cuda.local.array(ACCUMULATORS, float32)
-    for j in range(ACCUMULATORS):
-        acc[j] = 0.0
-    for start in range(lo, hi, KEY_TILE):
-        count = min(KEY_TILE, hi - start)
-        if tid < count:
-            block_ids[tid] = block_tables[seq, (start + tid) // block_size]
-        cuda.syncthreads()
-        stage_tile(v_words, block_ids, start, count, kv_head, value_dim, tile, tid)
-        cuda.syncthreads()
-        for j in range(ACCUMULATORS):
-            e = tid + j * GROUPED_THREADS
-            if e < group * value_dim:
-                g = e // value_dim
-                dim = e % value_dim
-                total_j = acc[j]
-                for k in range(count):
-                    total_j += scores[g * SPLIT_SIZE + start - first + k] * tile[k * TILE_STRIDE + dim]
-                acc[j] = total_j
-        cuda.syncthreads()
-    for j in range(ACCUMULATORS):
-        e = tid + j * GROUPED_THREADS
-        if e < group * value_dim:
-            out_acc[row, kv_head * group + e // value_dim, split, e % value_dim] = acc[j]
-    if tid < group:
-        out_max[row, kv_head * group + tid, split] = stats[2 * tid]
-        out_sum[row, kv_head * group + tid, split] = stats[2 * tid + 1]
+    for e in range(tid, heads_here * head_dim, DECODE_THREADS):
+        g = e // head_dim
+        dim = e % head_dim
+        best = float32(NEGATIVE_INFINITY)
+        for j in range(lane_groups):
+            best = max(best, stat_max[g * lane_groups + j])
+        total = float32(0.0)
+        weighted = float32(0.0)
+        if best > NEGATIVE_INFINITY:
+            for j in range(lane_groups):
+                factor = math.exp(stat_max[g * lane_groups + j] - best)
+                total += factor * stat_sum[g * lane_groups + j]
+                weighted += factor * merge[(g * lane_groups + j) * head_dim + dim]
+        head = first_head + g
+        if splits == 1:
+            out[row, head * head_dim + dim] = float_to_bf16(weighted / total if total > 0.0 else float32(0.0))
+        else:
+            out_acc[row, head, split, dim] = weighted
+            if dim == 0:
+                out_max[row, head, split] = best
+                out_sum[row, head, split] = total
 
 
-def as_words(cache: object) -> object:
-    """The bf16 cache ``[blocks, block_size, nkv, d]`` viewed as uint32 ``[..., d / 2]``."""
-    return cache.view(np.uint32)
+def as_wide_words(cache: object) -> object:
+    """The bf16 cache ``[blocks, block_size, nkv, d]`` viewed as uint64 ``[..., d / 4]``."""
+    return cache.view(np.uint64)

@@ -13,18 +13,54 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint32
 
-from metrale.kernels._device import SIMULATED, check_array, device_view, float_to_bf16, numba_stream
-from metrale.kernels.attention_grouped import GROUPED_THREADS, KEY_TILE, TILE_ELEMENTS, TILE_STRIDE, stage_tile
+from metrale.kernels._device import (
+    SIMULATED, bf16_to_float, bits_to_float, check_array, device_view, float_to_bf16, numba_stream,
+)
 
-PREFILL_THREADS = GROUPED_THREADS  # stage_tile strides by this count
+PREFILL_THREADS = 16 if SIMULATED else 128
+KEY_TILE = 4 if SIMULATED else 32
+MAX_TILE_HEAD_DIM = 256
+TILE_STRIDE = MAX_TILE_HEAD_DIM + 1  # padded row: column reads are bank-conflict free
+TILE_ELEMENTS = KEY_TILE * TILE_STRIDE
+LOADS_IN_FLIGHT = 4
 QUERY_VECTORS = 8 if SIMULATED else 32
 MAX_PREFILL_HEAD_DIM = 128
 QUERY_ELEMENTS = QUERY_VECTORS * MAX_PREFILL_HEAD_DIM
 SCORE_ELEMENTS = QUERY_VECTORS * KEY_TILE
 ACCUMULATORS = QUERY_VECTORS * MAX_PREFILL_HEAD_DIM // PREFILL_THREADS
 NEGATIVE_INFINITY = -math.inf
+
+
+@cuda.jit(device=True)
+def stage_tile(cache_words, block_ids, start, count, kv_head, width, tile, tid):
+    # Widen keys [start, start + count) of one KV head into tile[key * TILE_STRIDE + dim]
+    # (float32). cache_words [blocks, block_size, nkv, width / 2] holds two bf16 per uint32;
+    # each thread issues LOADS_IN_FLIGHT loads before using any.
+    block_size = cache_words.shape[1]
+    words_per_key = width // 2
+    total = count * words_per_key
+    loaded = cuda.local.array(LOADS_IN_FLIGHT, uint32)
+    for base in range(tid, total, PREFILL_THREADS * LOADS_IN_FLIGHT):
+        for u in range(LOADS_IN_FLIGHT):
+            e = base + u * PREFILL_THREADS
+            if e < total:
+                key = e // words_per_key
+                loaded[u] = cache_words[block_ids[key], (start + key) % block_size, kv_head, e % words_per_key]
+        for u in range(LOADS_IN_FLIGHT):
+            e = base + u * PREFILL_THREADS
+            if e < total:
+                key = e // words_per_key
+                column = 2 * (e % words_per_key)
+                word = loaded[u]
+                tile[key * TILE_STRIDE + column] = bf16_to_float(word & uint32(0xFFFF))
+                tile[key * TILE_STRIDE + column + 1] = bits_to_float(word & uint32(0xFFFF0000))
+
+
+def as_words(cache: object) -> object:
+    """The bf16 cache ``[blocks, block_size, nkv, d]`` viewed as uint32 ``[..., d / 2]``."""
+    return cache.view(np.uint32)
 
 
 def supports(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:
@@ -167,7 +203,7 @@ def paged_attention_prefill(
 ) -> object:
     """Launch :func:`paged_attention_prefill_kernel`; ``tiles`` from :func:`query_tiles` (int32).
 
-    The caches come as uint32 word views (``attention_grouped.as_words``).
+    The caches come as uint32 word views (``as_words``).
     """
     op = "paged_attention_prefill"
     check_array(op, "q", q, np.float32, ndim=3)

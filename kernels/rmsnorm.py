@@ -39,6 +39,7 @@ from metrale.kernels._device import (  # noqa: E402
 )
 
 NORM_THREADS = 16 if SIMULATED else 512
+KEPT_PER_THREAD = 2 if SIMULATED else 16  # hidden sizes up to 8,192 never re-read the residual
 
 
 @cuda.jit(cache=True)
@@ -46,12 +47,23 @@ def rmsnorm_residual_kernel(x, residual, weight, eps, weight_offset, add_residua
     # Grid: N rows, one block of NORM_THREADS per row; threads stride over H.
     # x [N, H] f32; residual [N, H] f32, updated in place to x + residual (or x when
     # add_residual == 0); weight [H] bf16 bits; out [N, H] bf16 bits = rms(sum) * (offset + w).
+    # The first KEPT_PER_THREAD values of each thread stay in registers between the two passes.
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     hidden = x.shape[1]
     partial = cuda.shared.array(NORM_THREADS, float32)
+    kept = cuda.local.array(KEPT_PER_THREAD, float32)
     acc = float32(0.0)
-    for i in range(tid, hidden, NORM_THREADS):
+    for j in range(KEPT_PER_THREAD):
+        i = tid + j * NORM_THREADS
+        if i < hidden:
+            value = x[row, i]
+            if add_residual:
+                value += residual[row, i]
+            residual[row, i] = value
+            kept[j] = value
+            acc += value * value
+    for i in range(tid + KEPT_PER_THREAD * NORM_THREADS, hidden, NORM_THREADS):
         value = x[row, i]
         if add_residual:
             value += residual[row, i]
@@ -59,9 +71,12 @@ def rmsnorm_residual_kernel(x, residual, weight, eps, weight_offset, add_residua
         acc += value * value
     total = block_sum(partial, tid, acc, NORM_THREADS)
     inv = float32(1.0) / math.sqrt(total / float32(hidden) + eps)
-    for i in range(tid, hidden, NORM_THREADS):
-        scale = weight_offset + bf16_to_float(weight[i])
-        out[row, i] = float_to_bf16(residual[row, i] * inv * scale)
+    for j in range(KEPT_PER_THREAD):
+        i = tid + j * NORM_THREADS
+        if i < hidden:
+            out[row, i] = float_to_bf16(kept[j] * inv * (weight_offset + bf16_to_float(weight[i])))
+    for i in range(tid + KEPT_PER_THREAD * NORM_THREADS, hidden, NORM_THREADS):
+        out[row, i] = float_to_bf16(residual[row, i] * inv * (weight_offset + bf16_to_float(weight[i])))
 
 
 def rmsnorm_residual(

@@ -44,7 +44,8 @@ class CudaBackend(Backend):
         self.cuda_graphs = cuda_graphs
         self._runners: dict[int, Any] = {}
         #: Batches of up to this many rows use the numba GEMV kernels instead of cuBLAS (0: never).
-        self.gemv_rows = gemv.MAX_GEMV_ROWS
+        #: cuBLAS measured about twice as fast on the H200 (docs/benchmarks), so never by default.
+        self.gemv_rows = 0
         self._sample = sample
         cp, stream = cupy, self.stream
         f32, bf16 = np.float32, np.uint16
@@ -105,10 +106,10 @@ class CudaBackend(Backend):
             if not decode_only and attention_prefill.supports(heads, kv_heads, q.shape[2], value_dim):
                 tiles = attention_prefill.query_tiles(batch.row_starts, attention_prefill.rows_per_tile(heads, kv_heads))
                 return attention_prefill.paged_attention_prefill(
-                    q, attention_grouped.as_words(k_cache), attention_grouped.as_words(v_cache), batch.block_tables,
+                    q, attention_prefill.as_words(k_cache), attention_prefill.as_words(v_cache), batch.block_tables,
                     batch.seq_index, batch.positions, cp.asarray(tiles), scale, sliding_window, out, stream,
                 )
-            splits = attention.attention_splits(batch.max_context)
+            splits = attention.split_count(rows, heads, kv_heads, q.shape[2], value_dim, batch.max_context)
             workspace = (
                 cp.empty((rows, heads, splits, value_dim), dtype=f32),
                 cp.empty((rows, heads, splits), dtype=f32),

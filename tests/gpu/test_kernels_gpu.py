@@ -92,13 +92,15 @@ def test_qkv_rope_cache(qk_norm):
     assert rel_error(bf16_to_float32(cp.asnumpy(v_dev)), v_ref) <= 8e-3
 
 
-@pytest.mark.parametrize("kernel", ["grouped", "per-head"])
+@pytest.mark.parametrize("kernel", ["grouped", "grouped one split", "per-head"])
 @pytest.mark.parametrize("window", [None, 700])
 def test_paged_attention_long_contexts(window, kernel, monkeypatch):
     from metrale.kernels import attention, attention_grouped
 
     if kernel == "per-head":
         monkeypatch.setattr(attention_grouped, "supports", lambda *args: False)
+    if kernel == "grouped one split":
+        monkeypatch.setattr(attention_grouped, "MIN_SPLIT_KEYS", 8192)
 
     rng = np.random.default_rng(4)
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
@@ -120,7 +122,7 @@ def test_paged_attention_long_contexts(window, kernel, monkeypatch):
         q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, head_dim**-0.5, window
     ).reshape(6, -1)
     max_context = 8192  # more splits than any row needs, as in a captured graph
-    splits = attention.attention_splits(max_context)
+    splits = attention.split_count(6, heads, kv_heads, head_dim, head_dim, max_context)
     workspace = (cp.zeros((6, heads, splits, head_dim), dtype=np.float32), cp.zeros((6, heads, splits), dtype=np.float32),
                  cp.zeros((6, heads, splits), dtype=np.float32))
     out = cp.zeros((6, heads * head_dim), dtype=np.uint16)
@@ -185,7 +187,7 @@ def test_sampling_frequencies_and_greedy():
 
 @pytest.mark.parametrize("window", [None, 300])
 def test_prefill_attention_query_tiles(window):
-    from metrale.kernels import attention, attention_grouped, attention_prefill
+    from metrale.kernels import attention, attention_prefill
 
     rng = np.random.default_rng(6)
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
@@ -207,7 +209,7 @@ def test_prefill_attention_query_tiles(window):
     tiles = attention_prefill.query_tiles(np.array([0, 700, 1033]), attention_prefill.rows_per_tile(heads, kv_heads))
     out = cp.zeros((1033, heads * head_dim), dtype=np.uint16)
     attention_prefill.paged_attention_prefill(
-        cp.asarray(q), attention_grouped.as_words(cp.asarray(k_cache)), attention_grouped.as_words(cp.asarray(v_cache)),
+        cp.asarray(q), attention_prefill.as_words(cp.asarray(k_cache)), attention_prefill.as_words(cp.asarray(v_cache)),
         cp.asarray(tables), cp.asarray(seq_index), cp.asarray(positions), cp.asarray(tiles), head_dim**-0.5, window, out,
     )
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 1e-2

@@ -122,18 +122,20 @@ def test_qkv_rope_cache(qk_norm, interleaved, rotary):
     )
 
 
-@pytest.mark.parametrize("kernel", ["grouped", "per-head"])
-@pytest.mark.parametrize("window, kv_heads", [(None, 2), (3, 2), (None, 1), (5, 4)])
-def test_paged_attention_decode_and_prefill_rows(window, kv_heads, kernel, monkeypatch):
+@pytest.mark.parametrize("kernel", ["grouped", "grouped one split", "per-head"])
+@pytest.mark.parametrize("window, kv_heads, heads", [(None, 2, 4), (3, 2, 4), (None, 1, 4), (5, 4, 4), (None, 1, 6)])
+def test_paged_attention_decode_and_prefill_rows(window, kv_heads, heads, kernel, monkeypatch):
     # Under the simulator SPLIT_SIZE is tiny, so these rows span several key splits.
     from metrale.kernels import attention_grouped
 
     if kernel == "per-head":
         monkeypatch.setattr(attention_grouped, "supports", lambda *args: False)
     else:
-        assert attention_grouped.supports(4, kv_heads, 8, 8)
+        assert attention_grouped.supports(heads, kv_heads, 8, 8)
+    if kernel == "grouped one split":
+        monkeypatch.setattr(attention_grouped, "MIN_SPLIT_KEYS", 9)
     rng = np.random.default_rng(5)
-    heads, head_dim, block_size = 4, 8, 4
+    head_dim, block_size = 8, 4
     k_cache = random_cache(rng, 9, block_size, kv_heads, head_dim)
     v_cache = random_cache(rng, 9, block_size, kv_heads, head_dim)
     block_tables = np.array([[3, 1, 7, 0], [2, 5, 0, 0]], np.int32)
@@ -145,7 +147,8 @@ def test_paged_attention_decode_and_prefill_rows(window, kv_heads, kernel, monke
         q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), block_tables.astype(np.int64), seq_index, positions,
         head_dim**-0.5, window,
     ).reshape(4, heads * head_dim)
-    splits = attention.attention_splits(9)
+    splits = attention.split_count(4, heads, kv_heads, head_dim, head_dim, 9)
+    assert (splits == 1) == (kernel == "grouped one split")
     workspace = (np.zeros((4, heads, splits, head_dim), np.float32), np.zeros((4, heads, splits), np.float32),
                  np.zeros((4, heads, splits), np.float32))
     out = np.zeros((4, heads * head_dim), np.uint16)
@@ -232,7 +235,7 @@ def test_sampling_picks_the_token_whose_interval_holds_u():
 @pytest.mark.parametrize("window, kv_heads", [(None, 2), (3, 2), (None, 1), (6, 4)])
 def test_prefill_attention_query_tiles(window, kv_heads):
     """Two prompts' chunks (one starting mid-sequence over a cached prefix) and a decode row."""
-    from metrale.kernels import attention_grouped, attention_prefill
+    from metrale.kernels import attention_prefill
 
     rng = np.random.default_rng(9)
     heads, head_dim, block_size = 4, 8, 4
@@ -252,7 +255,7 @@ def test_prefill_attention_query_tiles(window, kv_heads):
     tiles = attention_prefill.query_tiles(row_starts, attention_prefill.rows_per_tile(heads, kv_heads))
     out = np.zeros((16, heads * head_dim), np.uint16)
     attention_prefill.paged_attention_prefill(
-        q, attention_grouped.as_words(k_cache), attention_grouped.as_words(v_cache), block_tables, seq_index,
+        q, attention_prefill.as_words(k_cache), attention_prefill.as_words(v_cache), block_tables, seq_index,
         positions, tiles, head_dim**-0.5, window, out,
     )
     assert rel_error(bf16_to_float32(out), expected) <= 8e-3
