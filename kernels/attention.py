@@ -281,8 +281,11 @@ def paged_attention(
             device_view(seq_index), device_view(positions), np.float32(scale), window,
             device_view(acc), device_view(best), device_view(total), device_view(out),
         )
-        if splits == 1:
-            return out
+        if splits > 1:
+            attention_grouped.grouped_combine_kernel[(rows, heads), attention_grouped.COMBINE_THREADS, launch](
+                device_view(acc), device_view(best), device_view(total), device_view(out)
+            )
+        return out
     else:
         paged_attention_split_kernel[(rows, heads, splits), ATTENTION_THREADS, launch](
             device_view(q), device_view(k_cache), device_view(v_cache), device_view(block_tables),

@@ -21,17 +21,18 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, int64, uint32, uint64
 
-from metrale.kernels._device import SIMULATED, bits_to_float, float_to_bf16
+from metrale.kernels._device import SIMULATED, bits_to_float, block_max, block_sum, float_to_bf16
 
 DECODE_THREADS = 16 if SIMULATED else 128
 HEADS_PER_BLOCK = 4
-KEYS_IN_FLIGHT = 2 if SIMULATED else 4
+KEYS_IN_FLIGHT = 2 if SIMULATED else 8
 MAX_LANES = DECODE_THREADS if SIMULATED else 32  # lanes of one key; a lane group stays in a warp
-MAX_SPLITS = 32
+MAX_SPLITS = 8 if SIMULATED else 32  # at most COMBINE_THREADS
 TARGET_BLOCKS = 64 if SIMULATED else 512  # enough blocks to keep every SM of the GPU busy
-MIN_SPLIT_KEYS = 2 if SIMULATED else 32
+MIN_SPLIT_KEYS = 2 if SIMULATED else 64
+COMBINE_THREADS = 16 if SIMULATED else 128
 MERGE_ELEMENTS = HEADS_PER_BLOCK * 4 * DECODE_THREADS  # [heads, lane groups, head_dim] floats
 STAT_ELEMENTS = HEADS_PER_BLOCK * DECODE_THREADS  # [heads, lane groups]
 REGISTERS = HEADS_PER_BLOCK * 4
@@ -80,10 +81,11 @@ else:
     @cuda.jit(device=True)
     def lanes_sum(scratch, tid, lanes, value):
         # Butterfly sum over the lane group (lanes a power of two, <= 32): every lane gets it.
-        offset = lanes // 2
-        while offset > 0:
-            value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
-            offset //= 2
+        # A constant trip count, so the caller's loops unroll and keep their arrays in registers.
+        for step in range(5):
+            offset = 16 >> step
+            if offset < lanes:
+                value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
         return value
 
 
@@ -137,6 +139,7 @@ def paged_attention_grouped_kernel(
     running_sum = cuda.local.array(HEADS_PER_BLOCK, float32)
     k_loaded = cuda.local.array(KEYS_IN_FLIGHT, uint64)
     v_loaded = cuda.local.array(KEYS_IN_FLIGHT, uint64)
+    block_ids = cuda.local.array(KEYS_IN_FLIGHT, int64)
     scores = cuda.local.array(SCORES, float32)
     for g in range(HEADS_PER_BLOCK):
         running_max[g] = NEGATIVE_INFINITY
@@ -145,15 +148,22 @@ def paged_attention_grouped_kernel(
             acc[g * 4 + c] = 0.0
             query[g * 4 + c] = q[row, first_head + g, 4 * lane + c] * scale if g < heads_here else float32(0.0)
 
-    # Uniform loop over the block (the simulator's lane sums synchronise every thread).
-    for base in range(lo, hi, lane_groups * KEYS_IN_FLIGHT):
+    # Uniform loop over the block (the simulator's lane sums synchronise every thread). Loads are
+    # unconditional (keys past the end are clamped to the last one and masked later), so all of
+    # them are in flight together; the block ids of the next step are fetched before this step's
+    # arithmetic.
+    step = lane_groups * KEYS_IN_FLIGHT
+    last_key = max(hi - 1, 0)
+    for u in range(KEYS_IN_FLIGHT):
+        block_ids[u] = block_tables[seq, min(lo + lane_group * KEYS_IN_FLIGHT + u, last_key) // block_size]
+    for base in range(lo, hi, step):
         first_key = base + lane_group * KEYS_IN_FLIGHT
         for u in range(KEYS_IN_FLIGHT):
-            key = first_key + u
-            if key < hi:
-                block = block_tables[seq, key // block_size]
-                k_loaded[u] = k_words[block, key % block_size, kv_head, lane]
-                v_loaded[u] = v_words[block, key % block_size, kv_head, lane]
+            offset = min(first_key + u, last_key) % block_size
+            k_loaded[u] = k_words[block_ids[u], offset, kv_head, lane]
+            v_loaded[u] = v_words[block_ids[u], offset, kv_head, lane]
+        for u in range(KEYS_IN_FLIGHT):
+            block_ids[u] = block_tables[seq, min(first_key + step + u, last_key) // block_size]
         for u in range(KEYS_IN_FLIGHT):
             for g in range(HEADS_PER_BLOCK):
                 partial = float32(0.0)
@@ -208,6 +218,38 @@ def paged_attention_grouped_kernel(
             if dim == 0:
                 out_max[row, head, split] = best
                 out_sum[row, head, split] = total
+
+
+@cuda.jit(cache=True)
+def grouped_combine_kernel(out_acc, out_max, out_sum, out):
+    # Grid: (N rows, n_heads); COMBINE_THREADS threads. Merges the splits (<= MAX_SPLITS) of the
+    # grouped kernel by log-sum-exp into bf16 out [N, nh * dv]. Split weights go to shared
+    # memory first; each output dim then reads all splits with independent loads.
+    row = cuda.blockIdx.x
+    head = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    splits = out_max.shape[2]
+    value_dim = out_acc.shape[3]
+    partial = cuda.shared.array(COMBINE_THREADS, float32)
+    weights = cuda.shared.array(MAX_SPLITS, float32)
+    split_max = float32(NEGATIVE_INFINITY)
+    split_sum = float32(0.0)
+    if tid < splits:
+        split_sum = out_sum[row, head, tid]
+        if split_sum > 0.0:
+            split_max = out_max[row, head, tid]
+    best = block_max(partial, tid, split_max, COMBINE_THREADS)
+    weight = float32(0.0)
+    if split_sum > 0.0:
+        weight = math.exp(split_max - best)
+    if tid < MAX_SPLITS:
+        weights[tid] = weight
+    total = block_sum(partial, tid, weight * split_sum, COMBINE_THREADS)
+    for dim in range(tid, value_dim, COMBINE_THREADS):
+        numerator = float32(0.0)
+        for s in range(MAX_SPLITS):
+            numerator += weights[s] * out_acc[row, head, min(s, splits - 1), dim]
+        out[row, head * value_dim + dim] = float_to_bf16(numerator / total if total > 0.0 else float32(0.0))
 
 
 def as_wide_words(cache: object) -> object:
