@@ -10,6 +10,7 @@ Nothing here touches CUDA at import: numba compiles a kernel on its first launch
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,11 @@ SIMULATED = bool(config.ENABLE_CUDASIM)
 if SIMULATED:
 
     @cuda.jit(device=True)
+    def fast_exp(value):
+        """``exp`` (on the GPU: the hardware approximation)."""
+        return math.exp(value)
+
+    @cuda.jit(device=True)
     def bits_to_float(bits):
         return np.array([bits], dtype=np.uint32).view(np.float32)[0]
 
@@ -31,6 +37,11 @@ if SIMULATED:
 
 else:
     from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def fast_exp(value):
+        """``exp`` through the hardware ``ex2.approx`` (a few ulp; exp(-inf) = 0)."""
+        return libdevice.fast_expf(value)
 
     @cuda.jit(device=True)
     def bits_to_float(bits):

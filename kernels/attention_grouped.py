@@ -23,15 +23,17 @@ import math
 import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
-from metrale.kernels._device import SIMULATED, bits_to_float, block_max, block_sum, float_to_bf16
+from metrale.kernels._device import SIMULATED, bits_to_float, block_max, block_sum, fast_exp, float_to_bf16
 
 DECODE_THREADS = 16 if SIMULATED else 128
 HEADS_PER_BLOCK = 4
 KEYS_IN_FLIGHT = 2 if SIMULATED else 8
 MAX_LANES = DECODE_THREADS if SIMULATED else 32  # lanes of one key; a lane group stays in a warp
 MAX_SPLITS = 8 if SIMULATED else 32  # at most COMBINE_THREADS
-TARGET_BLOCKS = 64 if SIMULATED else 512  # enough blocks to keep every SM of the GPU busy
-MIN_SPLIT_KEYS = 2 if SIMULATED else 64
+# Splits per row: up to TARGET_BLOCKS blocks in the grid (measured best on the H200 for batch
+# 1 and 32 with tools/attention_sweep.py), at least MIN_SPLIT_KEYS keys of max_context each.
+TARGET_BLOCKS = 64 if SIMULATED else 1024
+MIN_SPLIT_KEYS = 2 if SIMULATED else 32
 COMBINE_THREADS = 16 if SIMULATED else 128
 MERGE_ELEMENTS = HEADS_PER_BLOCK * 4 * DECODE_THREADS  # [heads, lane groups, head_dim] floats
 STAT_ELEMENTS = HEADS_PER_BLOCK * DECODE_THREADS  # [heads, lane groups]
@@ -177,13 +179,13 @@ def paged_attention_grouped_kernel(
             for u in range(KEYS_IN_FLIGHT):
                 chunk_max = max(chunk_max, scores[u * HEADS_PER_BLOCK + g])
             if chunk_max > NEGATIVE_INFINITY:
-                correction = math.exp(running_max[g] - chunk_max)
+                correction = fast_exp(running_max[g] - chunk_max)
                 running_sum[g] *= correction
                 for c in range(4):
                     acc[g * 4 + c] *= correction
                 for u in range(KEYS_IN_FLIGHT):
                     if first_key + u < hi:
-                        weight = math.exp(scores[u * HEADS_PER_BLOCK + g] - chunk_max)
+                        weight = fast_exp(scores[u * HEADS_PER_BLOCK + g] - chunk_max)
                         running_sum[g] += weight
                         for c in range(4):
                             acc[g * 4 + c] += weight * widen(v_loaded[u], c)
