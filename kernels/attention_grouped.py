@@ -25,20 +25,21 @@ from numba import cuda, float32, int64, uint32, uint64
 
 from metrale.kernels._device import SIMULATED, bits_to_float, block_max, block_sum, fast_exp, float_to_bf16
 
-DECODE_THREADS = 16 if SIMULATED else 128
+DECODE_THREADS = 8 if SIMULATED else 128
 HEADS_PER_BLOCK = 4
-KEYS_IN_FLIGHT = 2 if SIMULATED else 8
+KEYS_IN_FLIGHT = 8  # with HEADS_PER_BLOCK: 32 (key, head) pairs a step, one per lane of a warp
 MAX_LANES = DECODE_THREADS if SIMULATED else 32  # lanes of one key; a lane group stays in a warp
 MAX_SPLITS = 8 if SIMULATED else 32  # at most COMBINE_THREADS
 # Splits per row: up to TARGET_BLOCKS blocks in the grid (measured best on the H200 for batch
 # 1 and 32 with tools/attention_sweep.py), at least MIN_SPLIT_KEYS keys of max_context each.
 TARGET_BLOCKS = 64 if SIMULATED else 1024
-MIN_SPLIT_KEYS = 2 if SIMULATED else 32
+MIN_SPLIT_KEYS = 4 if SIMULATED else 32
 COMBINE_THREADS = 16 if SIMULATED else 128
 MERGE_ELEMENTS = HEADS_PER_BLOCK * 4 * DECODE_THREADS  # [heads, lane groups, head_dim] floats
 STAT_ELEMENTS = HEADS_PER_BLOCK * DECODE_THREADS  # [heads, lane groups]
 REGISTERS = HEADS_PER_BLOCK * 4
-SCORES = KEYS_IN_FLIGHT * HEADS_PER_BLOCK
+VALUES = KEYS_IN_FLIGHT * HEADS_PER_BLOCK  # (key, head) pairs of one step: 32
+MAX_OWN = 4  # pairs one lane holds after the reduce-scatter: 32 / lanes, lanes >= 8
 NEGATIVE_INFINITY = -math.inf
 FULL_MASK = 0xFFFFFFFF
 
@@ -48,7 +49,7 @@ def supports(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:
     if heads % kv_heads or head_dim != value_dim or head_dim % 4:
         return False
     lanes = head_dim // 4
-    return lanes <= MAX_LANES and lanes & (lanes - 1) == 0
+    return 8 <= lanes <= MAX_LANES and lanes & (lanes - 1) == 0
 
 
 def head_blocks(heads: int, kv_heads: int) -> int:
@@ -67,28 +68,53 @@ def split_count(rows: int, heads: int, kv_heads: int, max_context: int) -> int:
 if SIMULATED:
 
     @cuda.jit(device=True)
-    def lanes_sum(scratch, tid, lanes, value):
-        # Sum over the lane group (the simulator has no shuffles; every thread calls this).
+    def lane_xor(scratch, tid, lane, value, offset):
+        # The value of lane ``lane ^ offset`` of the lane group (every thread calls this: the
+        # simulator has no shuffles, so values go through shared memory).
         scratch[tid] = value
         cuda.syncthreads()
-        first = tid - tid % lanes
-        total = float32(0.0)
-        for i in range(lanes):
-            total += scratch[first + i]
+        other = scratch[tid - lane + (lane ^ offset)]
         cuda.syncthreads()
-        return total
+        return other
+
+    @cuda.jit(device=True)
+    def lane_read(scratch, tid, lane, value, source):
+        # The value of lane ``source`` of the lane group.
+        scratch[tid] = value
+        cuda.syncthreads()
+        other = scratch[tid - lane + source]
+        cuda.syncthreads()
+        return other
 
 else:
 
     @cuda.jit(device=True)
-    def lanes_sum(scratch, tid, lanes, value):
-        # Butterfly sum over the lane group (lanes a power of two, <= 32): every lane gets it.
-        # A constant trip count, so the caller's loops unroll and keep their arrays in registers.
-        for step in range(5):
-            offset = 16 >> step
-            if offset < lanes:
-                value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
-        return value
+    def lane_xor(scratch, tid, lane, value, offset):
+        # The value of lane ``lane ^ offset`` of the lane group (a warp shuffle).
+        return cuda.shfl_xor_sync(FULL_MASK, value, offset)
+
+    @cuda.jit(device=True)
+    def lane_read(scratch, tid, lane, value, source):
+        # The value of lane ``source`` of the lane group (lane groups are aligned inside a warp).
+        return cuda.shfl_sync(FULL_MASK, value, tid % 32 - lane + source)
+
+
+@cuda.jit(device=True)
+def reversed_bits(index):
+    # ``index`` (0..31) with its five bits in reverse order.
+    return ((index & 1) << 4) | ((index & 2) << 2) | (index & 4) | ((index & 8) >> 2) | ((index & 16) >> 4)
+
+
+@cuda.jit(device=True)
+def pick(values, i):
+    # values[i] for i in 0..3 without a dynamic index (which would move the array to memory).
+    if i == 0:
+        return values[0]
+    if i == 1:
+        return values[1]
+    if i == 2:
+        return values[2]
+    return values[3]
 
 
 @cuda.jit(device=True)
@@ -139,21 +165,31 @@ def paged_attention_grouped_kernel(
     acc = cuda.local.array(REGISTERS, float32)
     running_max = cuda.local.array(HEADS_PER_BLOCK, float32)
     running_sum = cuda.local.array(HEADS_PER_BLOCK, float32)
+    chunk_max = cuda.local.array(HEADS_PER_BLOCK, float32)
+    correction = cuda.local.array(HEADS_PER_BLOCK, float32)
     k_loaded = cuda.local.array(KEYS_IN_FLIGHT, uint64)
     v_loaded = cuda.local.array(KEYS_IN_FLIGHT, uint64)
     block_ids = cuda.local.array(KEYS_IN_FLIGHT, int64)
-    scores = cuda.local.array(SCORES, float32)
+    values = cuda.local.array(VALUES, float32)
+    own = cuda.local.array(MAX_OWN, float32)
     for g in range(HEADS_PER_BLOCK):
         running_max[g] = NEGATIVE_INFINITY
         running_sum[g] = 0.0
         for c in range(4):
             acc[g * 4 + c] = 0.0
             query[g * 4 + c] = q[row, first_head + g, 4 * lane + c] * scale if g < heads_here else float32(0.0)
+    # After the reduce-scatter below, lane l of a group of L = 2^steps lanes holds the sums of
+    # the (key u, head g) pairs u * 4 + g = reversed_bits(l) + i for i < 32 / L.
+    steps = 0
+    while (1 << steps) < words:
+        steps += 1
+    owned = VALUES >> steps
+    first_owned = reversed_bits(lane)
 
-    # Uniform loop over the block (the simulator's lane sums synchronise every thread). Loads are
-    # unconditional (keys past the end are clamped to the last one and masked later), so all of
-    # them are in flight together; the block ids of the next step are fetched before this step's
-    # arithmetic.
+    # Uniform loop over the block (the simulator's lane exchanges synchronise every thread).
+    # Loads are unconditional (keys past the end are clamped to the last one and masked later),
+    # so all of them are in flight together; the block ids of the next step are fetched before
+    # this step's arithmetic.
     step = lane_groups * KEYS_IN_FLIGHT
     last_key = max(hi - 1, 0)
     for u in range(KEYS_IN_FLIGHT):
@@ -166,30 +202,65 @@ def paged_attention_grouped_kernel(
             v_loaded[u] = v_words[block_ids[u], offset, kv_head, lane]
         for u in range(KEYS_IN_FLIGHT):
             block_ids[u] = block_tables[seq, min(first_key + step + u, last_key) // block_size]
+        # This lane's share of every (key, head) dot product.
         for u in range(KEYS_IN_FLIGHT):
             for g in range(HEADS_PER_BLOCK):
                 partial = float32(0.0)
-                if first_key + u < hi:
-                    for c in range(4):
-                        partial += query[g * 4 + c] * widen(k_loaded[u], c)
-                total = lanes_sum(scratch, tid, words, partial)
-                scores[u * HEADS_PER_BLOCK + g] = total if first_key + u < hi else NEGATIVE_INFINITY
-        for g in range(HEADS_PER_BLOCK):
-            chunk_max = running_max[g]
-            for u in range(KEYS_IN_FLIGHT):
-                chunk_max = max(chunk_max, scores[u * HEADS_PER_BLOCK + g])
-            if chunk_max > NEGATIVE_INFINITY:
-                correction = fast_exp(running_max[g] - chunk_max)
-                running_sum[g] *= correction
                 for c in range(4):
-                    acc[g * 4 + c] *= correction
-                for u in range(KEYS_IN_FLIGHT):
-                    if first_key + u < hi:
-                        weight = fast_exp(scores[u * HEADS_PER_BLOCK + g] - chunk_max)
-                        running_sum[g] += weight
-                        for c in range(4):
-                            acc[g * 4 + c] += weight * widen(v_loaded[u], c)
-                running_max[g] = chunk_max
+                    partial += query[g * 4 + c] * widen(k_loaded[u], c)
+                values[u * HEADS_PER_BLOCK + g] = partial
+        # Reduce-scatter over the lane group: each exchange halves the values a lane holds.
+        for k in range(5):
+            if k < steps:
+                upper = (lane >> k) & 1
+                half = (VALUES // 2) >> k
+                for i in range(half):
+                    send = values[i] if upper else values[i + half]
+                    keep = values[i + half] if upper else values[i]
+                    values[i] = keep + lane_xor(scratch, tid, lane, send, 1 << k)
+        # Own scores, their maximum over the keys (lanes that differ in bits 0..2 share a head).
+        for i in range(MAX_OWN):
+            score = float32(NEGATIVE_INFINITY)
+            if i < owned:
+                pair = first_owned + i
+                if first_key + pair // HEADS_PER_BLOCK < hi and pair % HEADS_PER_BLOCK < heads_here:
+                    score = values[i]
+            own[i] = score
+        for i in range(MAX_OWN):
+            if i < owned:
+                best = own[i]
+                for k in range(3):
+                    best = max(best, lane_xor(scratch, tid, lane, best, 1 << k))
+                values[i] = best
+        for g in range(HEADS_PER_BLOCK):
+            chunk_max[g] = lane_read(scratch, tid, lane, pick(values, g % owned), reversed_bits(g) & (words - 1))
+            new_max = max(running_max[g], chunk_max[g])
+            correction[g] = fast_exp(running_max[g] - new_max) if new_max > NEGATIVE_INFINITY else float32(1.0)
+            chunk_max[g] = new_max
+        # Own weights, then every pair's weight in every lane.
+        for i in range(MAX_OWN):
+            if i < owned:
+                score = own[i]
+                own[i] = fast_exp(score - pick(chunk_max, (first_owned + i) % HEADS_PER_BLOCK)) if score > NEGATIVE_INFINITY else float32(0.0)
+        for j in range(VALUES):
+            values[j] = lane_read(scratch, tid, lane, pick(own, j % owned), reversed_bits(j) & (words - 1))
+        for g in range(HEADS_PER_BLOCK):
+            running_sum[g] *= correction[g]
+            for c in range(4):
+                acc[g * 4 + c] *= correction[g]
+            running_max[g] = chunk_max[g]
+        for u in range(KEYS_IN_FLIGHT):
+            v0 = widen(v_loaded[u], 0)
+            v1 = widen(v_loaded[u], 1)
+            v2 = widen(v_loaded[u], 2)
+            v3 = widen(v_loaded[u], 3)
+            for g in range(HEADS_PER_BLOCK):
+                weight = values[u * HEADS_PER_BLOCK + g]
+                running_sum[g] += weight
+                acc[g * 4] += weight * v0
+                acc[g * 4 + 1] += weight * v1
+                acc[g * 4 + 2] += weight * v2
+                acc[g * 4 + 3] += weight * v3
 
     # Merge the lane groups: stats per (head, lane group), weighted values per (head, group, dim).
     for g in range(HEADS_PER_BLOCK):

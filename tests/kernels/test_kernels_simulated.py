@@ -128,14 +128,15 @@ def test_paged_attention_decode_and_prefill_rows(window, kv_heads, heads, kernel
     # Under the simulator SPLIT_SIZE is tiny, so these rows span several key splits.
     from metrale.kernels import attention_grouped
 
+    # The grouped kernel needs at least 8 lanes (32 dims) per key.
+    head_dim, block_size = (8 if kernel == "per-head" else 32), 4
     if kernel == "per-head":
         monkeypatch.setattr(attention_grouped, "supports", lambda *args: False)
     else:
-        assert attention_grouped.supports(heads, kv_heads, 8, 8)
+        assert attention_grouped.supports(heads, kv_heads, head_dim, head_dim)
     if kernel == "grouped one split":
         monkeypatch.setattr(attention_grouped, "MIN_SPLIT_KEYS", 9)
     rng = np.random.default_rng(5)
-    head_dim, block_size = 8, 4
     k_cache = random_cache(rng, 9, block_size, kv_heads, head_dim)
     v_cache = random_cache(rng, 9, block_size, kv_heads, head_dim)
     block_tables = np.array([[3, 1, 7, 0], [2, 5, 0, 0]], np.int32)
