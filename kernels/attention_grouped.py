@@ -4,16 +4,18 @@ The NumPy reference is :func:`metrale.kernels.attention.paged_attention_referenc
 serves up to ``HEADS_PER_BLOCK`` query heads of one KV head, so each cached key and value is read
 once for all of them. The block's threads form lane groups of ``L = head_dim / 4`` lanes; a lane
 holds four dims of a key (one 64-bit word of bf16 values), so a lane group reads one cached row
-per load instruction, coalesced. Each lane group takes ``KEYS_IN_FLIGHT`` consecutive keys at a
-time, issues all their K and V loads before using any, reduces each score across its lanes with
-warp shuffles and keeps an online softmax (running max, sum and weighted values) in registers.
-The lane groups of a block merge through shared memory at the end.
+per load instruction, coalesced (``L`` is 8, 16 or 32: head dims 32, 64 and 128). Each lane
+group takes ``KEYS_IN_FLIGHT`` consecutive keys at a time and issues all their K and V loads
+before using any. The 32 (key, head) partial dot products of a step are reduce-scattered across
+the lane group with shuffles, so each lane finishes ``32 / L`` of them and computes their
+exponentials once; the weights are then gathered into every lane for the weighted sum of the
+values. The online softmax (running max, sum and weighted values) stays in registers, and the
+lane groups of a block merge through shared memory at the end.
 
 The keys of a row are divided evenly between the ``splits`` blocks of the grid's last axis, and
 the split sizes are computed on the device from the row's position, so a captured graph serves
 any context length. With one split the block writes the bf16 output directly; with more, it
-writes unnormalised partials that :func:`~metrale.kernels.attention.attention_combine_kernel`
-merges.
+writes unnormalised partials that :func:`grouped_combine_kernel` merges.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""Which part of the grouped decode-attention key loop costs the time (diagnostic, GPU only).
+"""Which part of a decode-attention key loop costs the time (diagnostic, GPU only).
 
     python tools/attention_probe.py
 
-Builds stripped variants of the loop of
-:func:`metrale.kernels.attention_grouped.paged_attention_grouped_kernel` (same grid, same loads)
-and times each like ``profile_decode.py``: ``loads`` (block ids and K/V words only), ``dots`` (plus
-the q.k products), ``sums`` (plus the lane shuffles), ``full`` (the real kernel).
+Builds stripped variants of a key loop with the grid and loads of
+:func:`metrale.kernels.attention_grouped.paged_attention_grouped_kernel` and times each like
+``profile_decode.py``: ``loads`` (block ids and K/V words only), ``dots`` (plus the q.k products),
+``sums`` (plus a butterfly shuffle sum per (key, head) pair, as the kernel did before its
+reduce-scatter), and ``full`` (the kernel as it is).
 """
 
 from __future__ import annotations
