@@ -64,41 +64,43 @@ class ForwardBatch:
         """Lay out ``segments`` (whose sequences already hold enough cache blocks)."""
         if not segments:
             raise CacheError("a forward batch needs at least one segment")
-        token_ids, positions, seq_index, slots, logits_rows = [], [], [], [], []
-        row_starts = [0]
-        max_blocks = max(max(len(s.seq.block_table) for s in segments), 1)
-        block_tables = np.zeros((len(segments), max_blocks), dtype=np.int64)
-        for index, segment in enumerate(segments):
-            count = len(segment.token_ids)
-            if count == 0:
-                raise CacheError(f"segment {index} of sequence {segment.seq.seq_id} has no tokens")
-            table = np.asarray(segment.seq.block_table, dtype=np.int64)
+        count = len(segments)
+        lengths = np.fromiter((len(s.token_ids) for s in segments), dtype=np.int64, count=count)
+        if not lengths.all():
+            index = int(np.argmin(lengths))
+            raise CacheError(f"segment {index} of sequence {segments[index].seq.seq_id} has no tokens")
+        tables = [s.seq.block_table for s in segments]
+        max_blocks = max(max(len(table) for table in tables), 1)
+        block_tables = np.zeros((count, max_blocks), dtype=np.int64)
+        for index, (segment, table) in enumerate(zip(segments, tables)):
             if segment.end > len(table) * block_size:
                 raise CacheError(
                     f"sequence {segment.seq.seq_id} holds {len(table)} blocks, "
                     f"too few for position {segment.end - 1}"
                 )
             block_tables[index, : len(table)] = table
-            pos = np.arange(segment.start, segment.end, dtype=np.int64)
-            base = row_starts[-1]
-            token_ids.append(np.asarray(segment.token_ids, dtype=np.int64))
-            positions.append(pos)
-            seq_index.append(np.full(count, index, dtype=np.int64))
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        rows = int(lengths.sum())
+        row_starts = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(lengths, out=row_starts[1:])
+        starts = np.fromiter((s.start for s in segments), dtype=np.int64, count=count)
+        seq_index = np.repeat(np.arange(count, dtype=np.int64), lengths)
+        positions = np.arange(rows, dtype=np.int64) + np.repeat(starts - row_starts[:-1], lengths)
+        token_ids = np.fromiter((token for s in segments for token in s.token_ids), dtype=np.int64, count=rows)
+        slot_mapping = block_tables[seq_index, positions // block_size] * block_size + positions % block_size
+        logits_rows: list[int] = []
+        for index, segment in enumerate(segments):
             if segment.logits == "last":
-                logits_rows.append(base + count - 1)
+                logits_rows.append(int(row_starts[index + 1]) - 1)
             elif segment.logits == "all":
-                logits_rows.extend(range(base, base + count))
-            row_starts.append(base + count)
-        positions_all = np.concatenate(positions)
+                logits_rows.extend(range(int(row_starts[index]), int(row_starts[index + 1])))
         return cls(
             segments=segments,
-            token_ids=np.concatenate(token_ids),
-            positions=positions_all,
-            seq_index=np.concatenate(seq_index),
-            slot_mapping=np.concatenate(slots),
+            token_ids=token_ids,
+            positions=positions,
+            seq_index=seq_index,
+            slot_mapping=slot_mapping,
             block_tables=block_tables,
-            row_starts=np.asarray(row_starts, dtype=np.int64),
+            row_starts=row_starts,
             logits_rows=np.asarray(logits_rows, dtype=np.int64),
-            max_context=int(positions_all.max()) + 1,
+            max_context=int(positions.max()) + 1,
         )

@@ -10,6 +10,7 @@ storage (:class:`~metrale.cache.store.ModelCache`) from it. Three kinds of layer
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Union
 
@@ -95,11 +96,11 @@ class CacheSpec:
                 raise ConfigError(f"CacheSpec.layers[{index}] is not a layer cache spec: {layer!r}")
             layer.validate()
 
-    @property
+    @functools.cached_property
     def uses_blocks(self) -> bool:
         return any(isinstance(layer, (PagedKVSpec, PagedLatentSpec)) for layer in self.layers)
 
-    @property
+    @functools.cached_property
     def uses_state_slots(self) -> bool:
         return any(isinstance(layer, RecurrentStateSpec) for layer in self.layers)
 
