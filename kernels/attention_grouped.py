@@ -34,7 +34,7 @@ MAX_LANES = DECODE_THREADS if SIMULATED else 32  # lanes of one key; a lane grou
 MAX_SPLITS = 8 if SIMULATED else 32  # at most COMBINE_THREADS
 # Splits per row: up to TARGET_BLOCKS blocks in the grid (measured best on the H200 for batch
 # 1 and 32 with tools/attention_sweep.py), at least MIN_SPLIT_KEYS keys of max_context each.
-TARGET_BLOCKS = 64 if SIMULATED else 1024
+TARGET_BLOCKS = 64 if SIMULATED else 256
 MIN_SPLIT_KEYS = 4 if SIMULATED else 32
 COMBINE_THREADS = 16 if SIMULATED else 128
 MERGE_ELEMENTS = HEADS_PER_BLOCK * 4 * DECODE_THREADS  # [heads, lane groups, head_dim] floats

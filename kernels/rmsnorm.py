@@ -39,7 +39,7 @@ from metrale.kernels._device import (  # noqa: E402
 )
 
 NORM_THREADS = 16 if SIMULATED else 512
-KEPT_PER_THREAD = 2 if SIMULATED else 16  # hidden sizes up to 8,192 never re-read the residual
+KEPT_PER_THREAD = 2 if SIMULATED else 8  # hidden sizes up to 4,096 never re-read the residual
 
 
 @cuda.jit(cache=True)
@@ -54,15 +54,19 @@ def rmsnorm_residual_kernel(x, residual, weight, eps, weight_offset, add_residua
     partial = cuda.shared.array(NORM_THREADS, float32)
     kept = cuda.local.array(KEPT_PER_THREAD, float32)
     acc = float32(0.0)
+    # Unconditional loads (indices past the row clamped to its last element, their values
+    # dropped), so every thread's loads are in flight together instead of one after another.
+    for j in range(KEPT_PER_THREAD):
+        i = min(tid + j * NORM_THREADS, hidden - 1)
+        value = x[row, i]
+        if add_residual:
+            value += residual[row, i]
+        kept[j] = value
     for j in range(KEPT_PER_THREAD):
         i = tid + j * NORM_THREADS
         if i < hidden:
-            value = x[row, i]
-            if add_residual:
-                value += residual[row, i]
-            residual[row, i] = value
-            kept[j] = value
-            acc += value * value
+            residual[row, i] = kept[j]
+            acc += kept[j] * kept[j]
     for i in range(tid + KEPT_PER_THREAD * NORM_THREADS, hidden, NORM_THREADS):
         value = x[row, i]
         if add_residual:
