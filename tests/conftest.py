@@ -16,6 +16,9 @@ def pytest_configure(config):
     if "numba" in sys.modules and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         raise pytest.UsageError("numba was imported before the CUDA simulator could be enabled")
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    # The simulator's block manager polls its threads while holding the GIL; a short switch
+    # interval lets the simulated threads reach their barriers sooner.
+    sys.setswitchinterval(5e-5)
 
 BASE = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
