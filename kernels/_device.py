@@ -120,6 +120,10 @@ def check_array(op: str, name: str, array: Any, dtype: Any, shape: tuple | None 
 # shared-memory tree.
 
 WARP_SIZE = 32
+
+# Device functions whose local-array arguments must stay in registers: inlined into the caller,
+# so their loops index the caller's arrays with constants once unrolled.
+inline_device = cuda.jit(device=True) if SIMULATED else cuda.jit(device=True, forceinline=True)
 FULL_MASK = 0xFFFFFFFF
 
 if SIMULATED:

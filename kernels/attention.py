@@ -276,8 +276,9 @@ def paged_attention(
     if attention_grouped.supports(heads, kv_heads, head_dim, value_dim):
         grid = (rows, kv_heads * attention_grouped.head_blocks(heads, kv_heads), splits)
         attention_grouped.paged_attention_grouped_kernel[grid, attention_grouped.DECODE_THREADS, launch](
-            device_view(q), device_view(attention_grouped.as_wide_words(k_cache)),
-            device_view(attention_grouped.as_wide_words(v_cache)), device_view(block_tables),
+            device_view(q), device_view(attention_grouped.as_rows(k_cache)),
+            device_view(attention_grouped.as_rows(v_cache)), np.int32(k_cache.shape[1]), np.int32(kv_heads),
+            device_view(block_tables),
             device_view(seq_index), device_view(positions), np.float32(scale), window,
             device_view(acc), device_view(best), device_view(total), device_view(out),
         )

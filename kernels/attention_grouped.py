@@ -2,20 +2,24 @@
 
 The NumPy reference is :func:`metrale.kernels.attention.paged_attention_reference`. A block
 serves up to ``HEADS_PER_BLOCK`` query heads of one KV head, so each cached key and value is read
-once for all of them. The block's threads form lane groups of ``L = head_dim / 4`` lanes; a lane
-holds four dims of a key (one 64-bit word of bf16 values), so a lane group reads one cached row
-per load instruction, coalesced (``L`` is 8, 16 or 32: head dims 32, 64 and 128). Each lane
-group takes ``KEYS_IN_FLIGHT`` consecutive keys at a time and issues all their K and V loads
-before using any. The 32 (key, head) partial dot products of a step are reduce-scattered across
-the lane group with shuffles, so each lane finishes ``32 / L`` of them and computes their
-exponentials once; the weights are then gathered into every lane for the weighted sum of the
-values. The online softmax (running max, sum and weighted values) stays in registers, and the
-lane groups of a block merge through shared memory at the end.
+once for all of them. The block's warps walk the keys of its split in tiles of ``WARP`` keys, one
+tile per warp at a time:
 
-The keys of a row are divided evenly between the ``splits`` blocks of the grid's last axis, and
-the split sizes are computed on the device from the row's position, so a captured graph serves
-any context length. With one split the block writes the bf16 output directly; with more, it
-writes unnormalised partials that :func:`grouped_combine_kernel` merges.
+* **scores**: lane ``j`` reads the whole cached key ``j`` of the tile (``head_dim / 4`` 64-bit
+  loads, all in flight together) and computes its dot product with every query head of the block
+  (the scaled queries sit in shared memory, read as broadcasts), so no lane exchanges a partial
+  sum;
+* **softmax**: one warp maximum per head, then each lane turns its own scores into weights
+  (online softmax: running maximum, lane-partial sums) and stores them in shared memory;
+* **values**: lane ``l`` owns four dims (word ``l % (head_dim / 4)``) and reads them for the keys
+  ``l // (head_dim / 4) + i * WARP / (head_dim / 4)`` of the tile, coalesced, weighting them
+  with the stored weights of every head.
+
+The warps of a block then merge through shared memory. The keys of a row are divided evenly
+between the ``splits`` blocks of the grid's last axis, and the split sizes are computed on the
+device from the row's position, so a captured graph serves any context length. With one split
+the block writes the bf16 output directly; with more, it writes unnormalised partials that
+:func:`grouped_combine_kernel` merges.
 """
 
 from __future__ import annotations
@@ -23,25 +27,34 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, int64, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
-from metrale.kernels._device import SIMULATED, bits_to_float, block_max, block_sum, fast_exp, float_to_bf16
+from metrale.kernels._device import (
+    SIMULATED, bits_to_float, block_max, block_sum, fast_exp, float_to_bf16, inline_device,
+)
 
-DECODE_THREADS = 8 if SIMULATED else 128
+WARP = 8 if SIMULATED else 32  # keys of a tile: one per lane
+DECODE_WARPS = 2 if SIMULATED else 4  # warps of a block (the launcher's choice)
+MAX_DECODE_WARPS = 2 if SIMULATED else 8  # the most a launch may ask for (shared-memory sizes)
+DECODE_THREADS = WARP * DECODE_WARPS
 HEADS_PER_BLOCK = 4
-KEYS_IN_FLIGHT = 8  # with HEADS_PER_BLOCK: 32 (key, head) pairs a step, one per lane of a warp
-MAX_LANES = DECODE_THREADS if SIMULATED else 32  # lanes of one key; a lane group stays in a warp
+MAX_WORDS = WARP  # 64-bit words of one key: head_dim / 4 <= WARP
+# A lane's words of a key or of its values are held in two arrays of HALF_WORDS, each walked by
+# its own loop: loops of 16 unroll fully (constant indices keep the arrays in registers), 32 do not.
+HALF_WORDS = MAX_WORDS // 2
+MAX_HEAD_DIM = 4 * MAX_WORDS
 MAX_SPLITS = 8 if SIMULATED else 32  # at most COMBINE_THREADS
-# Splits per row: up to TARGET_BLOCKS blocks in the grid (measured best on the H200 for batch
-# 1 and 32 with tools/attention_sweep.py), at least MIN_SPLIT_KEYS keys of max_context each.
+# Splits per row: up to TARGET_BLOCKS blocks in the grid, at least MIN_SPLIT_KEYS keys of
+# max_context each (tuned on the H200 with tools/attention_sweep.py).
 TARGET_BLOCKS = 64 if SIMULATED else 256
 MIN_SPLIT_KEYS = 4 if SIMULATED else 32
 COMBINE_THREADS = 16 if SIMULATED else 128
-MERGE_ELEMENTS = HEADS_PER_BLOCK * 4 * DECODE_THREADS  # [heads, lane groups, head_dim] floats
-STAT_ELEMENTS = HEADS_PER_BLOCK * DECODE_THREADS  # [heads, lane groups]
-REGISTERS = HEADS_PER_BLOCK * 4
-VALUES = KEYS_IN_FLIGHT * HEADS_PER_BLOCK  # (key, head) pairs of one step: 32
-MAX_OWN = 4  # pairs one lane holds after the reduce-scatter: 32 / lanes, lanes >= 8
+QUERY_ELEMENTS = HEADS_PER_BLOCK * MAX_HEAD_DIM  # [heads, dims] scaled queries
+WEIGHT_ELEMENTS = MAX_DECODE_WARPS * HEADS_PER_BLOCK * WARP  # [warps, heads, tile keys]
+MERGE_ELEMENTS = MAX_DECODE_WARPS * HEADS_PER_BLOCK * MAX_HEAD_DIM  # [warps, heads, dims]
+STAT_ELEMENTS = MAX_DECODE_WARPS * HEADS_PER_BLOCK  # [warps, heads]
+SCRATCH_ELEMENTS = WARP * MAX_DECODE_WARPS
+ACCUMULATORS = HEADS_PER_BLOCK * 4  # [heads, four dims]
 NEGATIVE_INFINITY = -math.inf
 FULL_MASK = 0xFFFFFFFF
 
@@ -50,8 +63,8 @@ def supports(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:
     """Whether this kernel handles the geometry (else the per-head kernel runs)."""
     if heads % kv_heads or head_dim != value_dim or head_dim % 4:
         return False
-    lanes = head_dim // 4
-    return 8 <= lanes <= MAX_LANES and lanes & (lanes - 1) == 0
+    words = head_dim // 4
+    return 2 <= words <= MAX_WORDS and words & (words - 1) == 0
 
 
 def head_blocks(heads: int, kv_heads: int) -> int:
@@ -68,55 +81,89 @@ def split_count(rows: int, heads: int, kv_heads: int, max_context: int) -> int:
 
 
 if SIMULATED:
+    # The simulator has no shuffles: lane values go through shared memory, and every exchange
+    # synchronises the block (all its threads call these the same number of times).
 
     @cuda.jit(device=True)
-    def lane_xor(scratch, tid, lane, value, offset):
-        # The value of lane ``lane ^ offset`` of the lane group (every thread calls this: the
-        # simulator has no shuffles, so values go through shared memory).
+    def share_lane_value(scratch, tid, value):
+        # Publish ``value`` for lane_value (on the GPU lane_value shuffles instead).
         scratch[tid] = value
         cuda.syncthreads()
-        other = scratch[tid - lane + (lane ^ offset)]
-        cuda.syncthreads()
-        return other
 
     @cuda.jit(device=True)
-    def lane_read(scratch, tid, lane, value, source):
-        # The value of lane ``source`` of the lane group.
+    def lane_value(scratch, tid, lane, value, source):
+        # The shared uint64 ``value`` of lane ``source`` of the warp.
+        return scratch[tid - lane + source]
+
+    @cuda.jit(device=True)
+    def warp_max(scratch, tid, lane, value):
+        # Maximum of ``value`` over the warp.
         scratch[tid] = value
         cuda.syncthreads()
-        other = scratch[tid - lane + source]
+        best = value
+        for other in range(WARP):
+            best = max(best, scratch[tid - lane + other])
         cuda.syncthreads()
-        return other
+        return best
+
+    @cuda.jit(device=True)
+    def warp_sum(scratch, tid, lane, value):
+        # Sum of ``value`` over the warp.
+        scratch[tid] = value
+        cuda.syncthreads()
+        total = float32(0.0)
+        for other in range(WARP):
+            total += scratch[tid - lane + other]
+        cuda.syncthreads()
+        return total
+
+    @cuda.jit(device=True)
+    def subgroup_sum(scratch, tid, lane, value, words):
+        # Sum of ``value`` over the lanes of the warp with the same ``lane % words``.
+        scratch[tid] = value
+        cuda.syncthreads()
+        total = float32(0.0)
+        for other in range(lane % words, WARP, words):
+            total += scratch[tid - lane + other]
+        cuda.syncthreads()
+        return total
+
+    @cuda.jit(device=True)
+    def warp_sync():
+        cuda.syncthreads()
 
 else:
 
     @cuda.jit(device=True)
-    def lane_xor(scratch, tid, lane, value, offset):
-        # The value of lane ``lane ^ offset`` of the lane group (a warp shuffle).
-        return cuda.shfl_xor_sync(FULL_MASK, value, offset)
+    def share_lane_value(scratch, tid, value):
+        pass
 
     @cuda.jit(device=True)
-    def lane_read(scratch, tid, lane, value, source):
-        # The value of lane ``source`` of the lane group (lane groups are aligned inside a warp).
-        return cuda.shfl_sync(FULL_MASK, value, tid % 32 - lane + source)
+    def lane_value(scratch, tid, lane, value, source):
+        return uint64(cuda.shfl_sync(FULL_MASK, int64(value), int32(source)))
 
+    @cuda.jit(device=True)
+    def warp_max(scratch, tid, lane, value):
+        for k in range(5):
+            value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, 1 << k))
+        return value
 
-@cuda.jit(device=True)
-def reversed_bits(index):
-    # ``index`` (0..31) with its five bits in reverse order.
-    return ((index & 1) << 4) | ((index & 2) << 2) | (index & 4) | ((index & 8) >> 2) | ((index & 16) >> 4)
+    @cuda.jit(device=True)
+    def warp_sum(scratch, tid, lane, value):
+        for k in range(5):
+            value += cuda.shfl_xor_sync(FULL_MASK, value, 1 << k)
+        return value
 
+    @cuda.jit(device=True)
+    def subgroup_sum(scratch, tid, lane, value, words):
+        for k in range(5):
+            if (words << k) < WARP:
+                value += cuda.shfl_xor_sync(FULL_MASK, value, words << k)
+        return value
 
-@cuda.jit(device=True)
-def pick(values, i):
-    # values[i] for i in 0..3 without a dynamic index (which would move the array to memory).
-    if i == 0:
-        return values[0]
-    if i == 1:
-        return values[1]
-    if i == 2:
-        return values[2]
-    return values[3]
+    @cuda.jit(device=True)
+    def warp_sync():
+        cuda.syncwarp(FULL_MASK)
 
 
 @cuda.jit(device=True)
@@ -126,30 +173,84 @@ def widen(word, c):
     return bits_to_float(half << uint32(16)) if c % 2 == 0 else bits_to_float(half & uint32(0xFFFF0000))
 
 
+@inline_device
+def load_key_words(key_words, k_rows, cache_row, first, words):
+    # Words first .. first + HALF_WORDS of one cached key, all loads issued together.
+    for w in range(HALF_WORDS):
+        if first + w < words:
+            key_words[w] = k_rows[cache_row, uint32(first + w)]
+
+
+@inline_device
+def add_scores(scores, query, key_words, first, words):
+    # scores[g] += q_g . key over the dims of words first .. first + HALF_WORDS. Indices here and
+    # in the other loops are unsigned: numba wraps negative signed indices around, at a cost of
+    # several instructions and registers per access.
+    for w in range(HALF_WORDS):
+        if first + w < words:
+            k0 = widen(key_words[w], 0)
+            k1 = widen(key_words[w], 1)
+            k2 = widen(key_words[w], 2)
+            k3 = widen(key_words[w], 3)
+            for g in range(HEADS_PER_BLOCK):
+                at = uint32(g * MAX_HEAD_DIM + 4 * (first + w))
+                scores[g] += query[at] * k0 + query[at + 1] * k1 + query[at + 2] * k2 + query[at + 3] * k3
+
+
+@inline_device
+def load_value_words(value_words, v_rows, row_scratch, tid, lane, cache_row, column, subgroup, key_stride, first, words):
+    # Word ``column`` of the values of keys subgroup + i * key_stride, i = first ..
+    # first + HALF_WORDS, of the tile; the cache row of key j comes from lane j (shared first).
+    for i in range(HALF_WORDS):
+        if first + i < words:
+            j = subgroup + uint32(first + i) * key_stride
+            value_words[i] = v_rows[lane_value(row_scratch, tid, lane, cache_row, j), column]
+
+
+@inline_device
+def add_values(acc, weights, weight_base, value_words, subgroup, key_stride, first, words):
+    # acc[g, c] += weight(g, key) * value(key, c) over the keys of load_value_words.
+    for i in range(HALF_WORDS):
+        if first + i < words:
+            j = subgroup + uint32(first + i) * key_stride
+            v0 = widen(value_words[i], 0)
+            v1 = widen(value_words[i], 1)
+            v2 = widen(value_words[i], 2)
+            v3 = widen(value_words[i], 3)
+            for g in range(HEADS_PER_BLOCK):
+                weight = weights[weight_base + g * WARP + j]
+                acc[g * 4] += weight * v0
+                acc[g * 4 + 1] += weight * v1
+                acc[g * 4 + 2] += weight * v2
+                acc[g * 4 + 3] += weight * v3
+
+
 @cuda.jit(cache=True)
 def paged_attention_grouped_kernel(
-    q, k_words, v_words, block_tables, seq_index, positions, scale, sliding_window, out_acc, out_max, out_sum, out
+    q, k_rows, v_rows, block_size, kv_heads, block_tables, seq_index, positions, scale, sliding_window, out_acc,
+    out_max, out_sum, out,
 ):
-    # Grid: (N rows, n_kv_heads * head_blocks, splits); block DECODE_THREADS threads.
-    # q [N, nh, d] f32; k_words / v_words: the bf16 caches viewed as uint64 [blocks, block_size,
-    # nkv, d / 4]; block_tables [S, max_blocks] int32. splits == 1: out [N, nh * d] bf16 bits.
-    # Else out_acc [N, nh, splits, d] (exp-weighted V), out_max / out_sum [N, nh, splits].
+    # Grid: (N rows, n_kv_heads * head_blocks, splits); block WARP * warps threads (warps <=
+    # MAX_DECODE_WARPS). q [N, nh, d] f32; k_rows / v_rows: the bf16 caches [blocks, block_size,
+    # kv_heads, d] viewed as uint64 rows [blocks * block_size * kv_heads, d / 4] (as_rows);
+    # block_tables [S, max_blocks] int32. splits == 1: out
+    # [N, nh * d] bf16 bits. Else out_acc [N, nh, splits, d] (exp-weighted V), out_max / out_sum
+    # [N, nh, splits].
     row = cuda.blockIdx.x
     split = cuda.blockIdx.z
     splits = cuda.gridDim.z
     tid = cuda.threadIdx.x
-    kv_heads = k_words.shape[2]
-    words = k_words.shape[3]  # = lanes per key
+    threads = cuda.blockDim.x
+    warps = threads // WARP
+    warp = tid // WARP
+    lane = tid % WARP
+    words = k_rows.shape[1]
     head_dim = 4 * words
     group = q.shape[1] // kv_heads
     chunks = (group + HEADS_PER_BLOCK - 1) // HEADS_PER_BLOCK
     kv_head = cuda.blockIdx.y // chunks
     first_head = kv_head * group + (cuda.blockIdx.y % chunks) * HEADS_PER_BLOCK
     heads_here = min(HEADS_PER_BLOCK, kv_head * group + group - first_head)
-    lane = tid % words
-    lane_group = tid // words
-    lane_groups = DECODE_THREADS // words
-    block_size = k_words.shape[1]
     seq = seq_index[row]
     position = positions[row]
     start = 0
@@ -158,133 +259,103 @@ def paged_attention_grouped_kernel(
     per_split = (position + 1 - start + splits - 1) // splits
     lo = start + split * per_split
     hi = min(position + 1, lo + per_split)
+    # Value layout: lane owns word ``column`` of keys ``subgroup + i * key_stride`` of a tile.
+    column = uint32(lane % words)
+    subgroup = uint32(lane // words)
+    key_stride = uint32(WARP // words)
 
-    scratch = cuda.shared.array(DECODE_THREADS, float32)
+    query = cuda.shared.array(QUERY_ELEMENTS, float32)
+    weights = cuda.shared.array(WEIGHT_ELEMENTS, float32)
+    scratch = cuda.shared.array(SCRATCH_ELEMENTS, float32)
+    row_scratch = cuda.shared.array(SCRATCH_ELEMENTS, uint64)
     merge = cuda.shared.array(MERGE_ELEMENTS, float32)
     stat_max = cuda.shared.array(STAT_ELEMENTS, float32)
     stat_sum = cuda.shared.array(STAT_ELEMENTS, float32)
-    query = cuda.local.array(REGISTERS, float32)
-    acc = cuda.local.array(REGISTERS, float32)
+    acc = cuda.local.array(ACCUMULATORS, float32)
     running_max = cuda.local.array(HEADS_PER_BLOCK, float32)
     running_sum = cuda.local.array(HEADS_PER_BLOCK, float32)
-    chunk_max = cuda.local.array(HEADS_PER_BLOCK, float32)
-    correction = cuda.local.array(HEADS_PER_BLOCK, float32)
-    k_loaded = cuda.local.array(KEYS_IN_FLIGHT, uint64)
-    v_loaded = cuda.local.array(KEYS_IN_FLIGHT, uint64)
-    block_ids = cuda.local.array(KEYS_IN_FLIGHT, int64)
-    values = cuda.local.array(VALUES, float32)
-    own = cuda.local.array(MAX_OWN, float32)
+    scores = cuda.local.array(HEADS_PER_BLOCK, float32)
+    key_low = cuda.local.array(HALF_WORDS, uint64)
+    key_high = cuda.local.array(HALF_WORDS, uint64)
+    value_low = cuda.local.array(HALF_WORDS, uint64)
+    value_high = cuda.local.array(HALF_WORDS, uint64)
+    # (head, dim) pairs e < QUERY_ELEMENTS: divisions by a constant, unsigned (no wraparound).
+    for e in range(uint32(tid), QUERY_ELEMENTS, uint32(threads)):
+        g = e // MAX_HEAD_DIM
+        dim = e % MAX_HEAD_DIM
+        if dim < head_dim:
+            query[e] = q[row, first_head + g, dim] * scale if g < heads_here else float32(0.0)
     for g in range(HEADS_PER_BLOCK):
         running_max[g] = NEGATIVE_INFINITY
         running_sum[g] = 0.0
         for c in range(4):
             acc[g * 4 + c] = 0.0
-            query[g * 4 + c] = q[row, first_head + g, 4 * lane + c] * scale if g < heads_here else float32(0.0)
-    # After the reduce-scatter below, lane l of a group of L = 2^steps lanes holds the sums of
-    # the (key u, head g) pairs u * 4 + g = reversed_bits(l) + i for i < 32 / L.
-    steps = 0
-    while (1 << steps) < words:
-        steps += 1
-    owned = VALUES >> steps
-    first_owned = reversed_bits(lane)
+    cuda.syncthreads()
 
     # Uniform loop over the block (the simulator's lane exchanges synchronise every thread).
-    # Loads are unconditional (keys past the end are clamped to the last one and masked later),
-    # so all of them are in flight together; the block ids of the next step are fetched before
-    # this step's arithmetic.
-    step = lane_groups * KEYS_IN_FLIGHT
+    # Loads are unconditional: keys past the end are clamped to the last one and masked later.
     last_key = max(hi - 1, 0)
-    for u in range(KEYS_IN_FLIGHT):
-        block_ids[u] = block_tables[seq, min(lo + lane_group * KEYS_IN_FLIGHT + u, last_key) // block_size]
-    for base in range(lo, hi, step):
-        first_key = base + lane_group * KEYS_IN_FLIGHT
-        for u in range(KEYS_IN_FLIGHT):
-            offset = min(first_key + u, last_key) % block_size
-            k_loaded[u] = k_words[block_ids[u], offset, kv_head, lane]
-            v_loaded[u] = v_words[block_ids[u], offset, kv_head, lane]
-        for u in range(KEYS_IN_FLIGHT):
-            block_ids[u] = block_tables[seq, min(first_key + step + u, last_key) // block_size]
-        # This lane's share of every (key, head) dot product.
-        for u in range(KEYS_IN_FLIGHT):
-            for g in range(HEADS_PER_BLOCK):
-                partial = float32(0.0)
-                for c in range(4):
-                    partial += query[g * 4 + c] * widen(k_loaded[u], c)
-                values[u * HEADS_PER_BLOCK + g] = partial
-        # Reduce-scatter over the lane group: each exchange halves the values a lane holds.
-        for k in range(5):
-            if k < steps:
-                upper = (lane >> k) & 1
-                half = (VALUES // 2) >> k
-                for i in range(half):
-                    send = values[i] if upper else values[i + half]
-                    keep = values[i + half] if upper else values[i]
-                    values[i] = keep + lane_xor(scratch, tid, lane, send, 1 << k)
-        # Own scores, their maximum over the keys (lanes that differ in bits 0..2 share a head).
-        for i in range(MAX_OWN):
-            score = float32(NEGATIVE_INFINITY)
-            if i < owned:
-                pair = first_owned + i
-                if first_key + pair // HEADS_PER_BLOCK < hi and pair % HEADS_PER_BLOCK < heads_here:
-                    score = values[i]
-            own[i] = score
-        for i in range(MAX_OWN):
-            if i < owned:
-                best = own[i]
-                for k in range(3):
-                    best = max(best, lane_xor(scratch, tid, lane, best, 1 << k))
-                values[i] = best
+    weight_base = uint32(warp * HEADS_PER_BLOCK * WARP)
+    for base in range(lo, hi, warps * WARP):
+        tile = base + warp * WARP
+        key = min(tile + lane, last_key)
+        key_block = uint32(key) // uint32(block_size)
+        cache_row = uint64((int64(block_tables[seq, key_block]) * block_size + (uint32(key) - key_block * uint32(block_size))) * kv_heads + kv_head)
+        share_lane_value(row_scratch, tid, cache_row)
+        load_key_words(key_low, k_rows, cache_row, 0, words)
+        load_key_words(key_high, k_rows, cache_row, HALF_WORDS, words)
         for g in range(HEADS_PER_BLOCK):
-            chunk_max[g] = lane_read(scratch, tid, lane, pick(values, g % owned), reversed_bits(g) & (words - 1))
-            new_max = max(running_max[g], chunk_max[g])
-            correction[g] = fast_exp(running_max[g] - new_max) if new_max > NEGATIVE_INFINITY else float32(1.0)
-            chunk_max[g] = new_max
-        # Own weights, then every pair's weight in every lane.
-        for i in range(MAX_OWN):
-            if i < owned:
-                score = own[i]
-                own[i] = fast_exp(score - pick(chunk_max, (first_owned + i) % HEADS_PER_BLOCK)) if score > NEGATIVE_INFINITY else float32(0.0)
-        for j in range(VALUES):
-            values[j] = lane_read(scratch, tid, lane, pick(own, j % owned), reversed_bits(j) & (words - 1))
+            scores[g] = 0.0
+        add_scores(scores, query, key_low, 0, words)
+        add_scores(scores, query, key_high, HALF_WORDS, words)
+        visible = tile + lane < hi
         for g in range(HEADS_PER_BLOCK):
-            running_sum[g] *= correction[g]
+            score = scores[g] if visible and g < heads_here else float32(NEGATIVE_INFINITY)
+            new_max = max(running_max[g], warp_max(scratch, tid, lane, score))
+            weight = float32(0.0)
+            correction = float32(1.0)
+            if new_max > NEGATIVE_INFINITY:
+                correction = fast_exp(running_max[g] - new_max)
+                weight = fast_exp(score - new_max)
+            running_max[g] = new_max
+            running_sum[g] = running_sum[g] * correction + weight
             for c in range(4):
-                acc[g * 4 + c] *= correction[g]
-            running_max[g] = chunk_max[g]
-        for u in range(KEYS_IN_FLIGHT):
-            v0 = widen(v_loaded[u], 0)
-            v1 = widen(v_loaded[u], 1)
-            v2 = widen(v_loaded[u], 2)
-            v3 = widen(v_loaded[u], 3)
-            for g in range(HEADS_PER_BLOCK):
-                weight = values[u * HEADS_PER_BLOCK + g]
-                running_sum[g] += weight
-                acc[g * 4] += weight * v0
-                acc[g * 4 + 1] += weight * v1
-                acc[g * 4 + 2] += weight * v2
-                acc[g * 4 + 3] += weight * v3
+                acc[g * 4 + c] *= correction
+            weights[weight_base + g * WARP + lane] = weight
+        warp_sync()
+        load_value_words(value_low, v_rows, row_scratch, tid, lane, cache_row, column, subgroup, key_stride, 0, words)
+        load_value_words(value_high, v_rows, row_scratch, tid, lane, cache_row, column, subgroup, key_stride,
+                         HALF_WORDS, words)
+        add_values(acc, weights, weight_base, value_low, subgroup, key_stride, 0, words)
+        add_values(acc, weights, weight_base, value_high, subgroup, key_stride, HALF_WORDS, words)
+        warp_sync()
 
-    # Merge the lane groups: stats per (head, lane group), weighted values per (head, group, dim).
+    # Per warp: sums over lanes, weighted values over the key subgroups; then merge the warps.
     for g in range(HEADS_PER_BLOCK):
-        if lane == 0:
-            stat_max[g * lane_groups + lane_group] = running_max[g]
-            stat_sum[g * lane_groups + lane_group] = running_sum[g]
+        total = warp_sum(scratch, tid, lane, running_sum[g])
         for c in range(4):
-            merge[(g * lane_groups + lane_group) * head_dim + 4 * lane + c] = acc[g * 4 + c]
+            value = subgroup_sum(scratch, tid, lane, acc[g * 4 + c], words) if key_stride > 1 else acc[g * 4 + c]
+            if subgroup == 0:
+                merge[(warp * HEADS_PER_BLOCK + g) * MAX_HEAD_DIM + 4 * column + c] = value
+        if lane == 0:
+            stat_max[warp * HEADS_PER_BLOCK + g] = running_max[g]
+            stat_sum[warp * HEADS_PER_BLOCK + g] = total
     cuda.syncthreads()
-    for e in range(tid, heads_here * head_dim, DECODE_THREADS):
-        g = e // head_dim
-        dim = e % head_dim
+    for e in range(uint32(tid), QUERY_ELEMENTS, uint32(threads)):
+        g = e // MAX_HEAD_DIM
+        dim = e % MAX_HEAD_DIM
+        if g >= heads_here or dim >= head_dim:
+            continue
         best = float32(NEGATIVE_INFINITY)
-        for j in range(lane_groups):
-            best = max(best, stat_max[g * lane_groups + j])
+        for j in range(uint32(warps)):
+            best = max(best, stat_max[j * HEADS_PER_BLOCK + g])
         total = float32(0.0)
         weighted = float32(0.0)
         if best > NEGATIVE_INFINITY:
-            for j in range(lane_groups):
-                factor = math.exp(stat_max[g * lane_groups + j] - best)
-                total += factor * stat_sum[g * lane_groups + j]
-                weighted += factor * merge[(g * lane_groups + j) * head_dim + dim]
+            for j in range(uint32(warps)):
+                factor = fast_exp(stat_max[j * HEADS_PER_BLOCK + g] - best)
+                total += factor * stat_sum[j * HEADS_PER_BLOCK + g]
+                weighted += factor * merge[(j * HEADS_PER_BLOCK + g) * MAX_HEAD_DIM + dim]
         head = first_head + g
         if splits == 1:
             out[row, head * head_dim + dim] = float_to_bf16(weighted / total if total > 0.0 else float32(0.0))
@@ -327,6 +398,7 @@ def grouped_combine_kernel(out_acc, out_max, out_sum, out):
         out[row, head * value_dim + dim] = float_to_bf16(numerator / total if total > 0.0 else float32(0.0))
 
 
-def as_wide_words(cache: object) -> object:
-    """The bf16 cache ``[blocks, block_size, nkv, d]`` viewed as uint64 ``[..., d / 4]``."""
-    return cache.view(np.uint64)
+def as_rows(cache: object) -> object:
+    """The bf16 cache ``[blocks, block_size, nkv, d]`` viewed as uint64 rows ``[blocks * block_size
+    * nkv, d / 4]``: one row per cached (token, KV head)."""
+    return cache.view(np.uint64).reshape(-1, cache.shape[3] // 4)

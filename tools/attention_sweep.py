@@ -1,9 +1,11 @@
-"""GPU time of the decode attention kernels over batch sizes and split counts.
+"""GPU time of the decode attention kernels over batch sizes, contexts, warps and split counts.
 
-    python tools/attention_sweep.py [--head-dim 128] [--context 512]
+    python tools/attention_sweep.py [--head-dim 128] [--contexts 512,2048] [--warps 2,4,8]
 
-Prints, for each batch size and split count, the grouped kernel alone, the combine kernel alone
-and an empty kernel (the per-node cost of a graph), each timed as in ``profile_decode.py``.
+Prints, for each batch size, context, split count and warps per block, the grouped kernel alone,
+the combine kernel alone (one per split count) and an empty kernel (the per-node cost of a
+graph), each timed as in ``profile_decode.py``; ``<- split_count`` marks the split count the
+launcher picks.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--contexts", default="512,2048", help="cached tokens per row (comma-separated)")
+    parser.add_argument("--warps", default="2,4,8", help="warps per block (comma-separated)")
+    parser.add_argument("--splits", default="1,2,4,8,16")
     args = parser.parse_args()
 
     import cupy as cp
@@ -39,43 +43,49 @@ def main() -> None:
     d, heads, kv = args.head_dim, args.heads, args.kv_heads
     dummy = cp.zeros(1, dtype=np.float32)
     print(f"empty kernel: {graph_time_us(backend, lambda: empty_kernel[1, 32, launch](device_view(dummy))):.2f} us")
-    for rows in (1, 32):
-        blocks_per_seq = -(-args.context // 16)
+    kernel = attention_grouped.paged_attention_grouped_kernel
+    for rows, context in [(r, int(c)) for r in (1, 32) for c in args.contexts.split(",")]:
+        blocks_per_seq = -(-context // 16)
         cache_shape = (rows * blocks_per_seq + 1, 16, kv, d)
         k = cp.asarray(np.random.default_rng(0).integers(0, 2**15, cache_shape).astype(np.uint16) & 0x3FFF)
         v = k.copy()
         tables = cp.arange(1, rows * blocks_per_seq + 1, dtype=np.int32).reshape(rows, blocks_per_seq)
         seq_index = cp.arange(rows, dtype=np.int32)
-        positions = cp.full(rows, args.context - 1, dtype=np.int32)
+        positions = cp.full(rows, context - 1, dtype=np.int32)
         q = cp.asarray(np.random.default_rng(1).standard_normal((rows, heads, d)).astype(np.float32))
         out = cp.zeros((rows, heads * d), dtype=np.uint16)
-        kv_bytes = 2 * rows * args.context * kv * d * 2
-        for splits in (1, 2, 4, 8, 16, 32):
+        kv_bytes = 2 * rows * context * kv * d * 2
+        chosen = attention_grouped.split_count(rows, heads, kv, context)
+        for splits in [int(s) for s in args.splits.split(",")]:
             acc = cp.zeros((rows, heads, splits, d), dtype=np.float32)
             best = cp.zeros((rows, heads, splits), dtype=np.float32)
             total = cp.zeros((rows, heads, splits), dtype=np.float32)
             grid = (rows, kv * attention_grouped.head_blocks(heads, kv), splits)
-
-            def grouped():
-                attention_grouped.paged_attention_grouped_kernel[grid, attention_grouped.DECODE_THREADS, launch](
-                    device_view(q), device_view(k.view(np.uint64)), device_view(v.view(np.uint64)),
-                    device_view(tables), device_view(seq_index), device_view(positions), np.float32(d**-0.5),
-                    np.int32(0), device_view(acc), device_view(best), device_view(total), device_view(out),
-                )
 
             def combine():
                 attention_grouped.grouped_combine_kernel[(rows, heads), attention_grouped.COMBINE_THREADS, launch](
                     device_view(acc), device_view(best), device_view(total), device_view(out)
                 )
 
-            g = graph_time_us(backend, grouped)
             c = graph_time_us(backend, combine) if splits > 1 else 0.0
-            if rows == 1 and splits == 1:
-                kernel = attention_grouped.paged_attention_grouped_kernel
-                print("grouped kernel registers", kernel.get_regs_per_thread(), "local bytes",
-                      kernel.get_local_mem_per_thread(), "shared bytes", kernel.get_shared_mem_per_block())
-            print(f"rows {rows:3d} splits {splits:3d}: grouped {g:8.2f} us ({kv_bytes / g / 1e3:6.0f} GB/s)  combine {c:6.2f} us")
+            cells = []
+            for warps in [int(w) for w in args.warps.split(",")]:
 
+                def grouped():
+                    kernel[grid, attention_grouped.WARP * warps, launch](
+                        device_view(q), device_view(attention_grouped.as_rows(k)), device_view(attention_grouped.as_rows(v)),
+                        np.int32(16), np.int32(kv),
+                        device_view(tables), device_view(seq_index), device_view(positions), np.float32(d**-0.5),
+                        np.int32(0), device_view(acc), device_view(best), device_view(total), device_view(out),
+                    )
+
+                g = graph_time_us(backend, grouped)
+                cells.append(f"{warps:2d} warps {g:7.2f} us ({kv_bytes / g / 1e3:5.0f} GB/s)")
+            mark = "  <- split_count" if splits == chosen else ""
+            print(f"rows {rows:3d} context {context:5d} splits {splits:3d}: " + "  ".join(cells)
+                  + f"  combine {c:6.2f} us{mark}")
+    print("grouped kernel registers", kernel.get_regs_per_thread(), "local bytes", kernel.get_local_mem_per_thread(),
+          "shared bytes", kernel.get_shared_mem_per_block())
 
 if __name__ == "__main__":
     main()

@@ -94,7 +94,9 @@ def test_qkv_rope_cache(qk_norm):
 
 @pytest.mark.parametrize("kernel", ["grouped", "grouped one split", "per-head"])
 @pytest.mark.parametrize("window", [None, 700])
-def test_paged_attention_long_contexts(window, kernel, monkeypatch):
+# Llama's geometry, and a group of 7 heads (two head chunks) with 64 dims (two keys per value load).
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (14, 2, 64)])
+def test_paged_attention_long_contexts(window, kernel, heads, kv_heads, head_dim, monkeypatch):
     from metrale.kernels import attention, attention_grouped
 
     if kernel == "per-head":
@@ -103,7 +105,7 @@ def test_paged_attention_long_contexts(window, kernel, monkeypatch):
         monkeypatch.setattr(attention_grouped, "MIN_SPLIT_KEYS", 8192)
 
     rng = np.random.default_rng(4)
-    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    block_size = 16
     lengths = [5000, 1, 613, 2049]
     blocks_per = [-(-n // block_size) for n in lengths]
     ids = rng.permutation(np.arange(1, sum(blocks_per) + 1))

@@ -128,19 +128,19 @@ GEOMETRIES = [(None, 2, 4), (3, 2, 4), (None, 1, 4), (5, 4, 4), (None, 1, 6)]  #
 
 
 # The grouped kernel exchanges values between lanes through shared memory under the simulator,
-# which is slow there: it runs on the geometries that exercise its head chunks and windows.
+# which is slow there: it runs on the geometries that exercise its head chunks and windows, with
+# 32 dims (both halves of a key's words) and 16 dims (two keys per value load).
 @pytest.mark.parametrize(
-    "kernel, window, kv_heads, heads",
-    [("per-head", *g) for g in GEOMETRIES]
-    + [("grouped", *g) for g in (GEOMETRIES[1], GEOMETRIES[3], GEOMETRIES[4])]
-    + [("grouped one split", *GEOMETRIES[0])],
+    "kernel, head_dim, window, kv_heads, heads",
+    [("per-head", 8, *g) for g in GEOMETRIES]
+    + [("grouped", 32, *GEOMETRIES[1]), ("grouped", 16, *GEOMETRIES[3]), ("grouped", 16, *GEOMETRIES[4])]
+    + [("grouped one split", 32, *GEOMETRIES[0])],
 )
-def test_paged_attention_decode_and_prefill_rows(window, kv_heads, heads, kernel, monkeypatch):
+def test_paged_attention_decode_and_prefill_rows(window, kv_heads, heads, kernel, head_dim, monkeypatch):
     # Under the simulator SPLIT_SIZE is tiny, so these rows span several key splits.
     from metrale.kernels import attention_grouped
 
-    # The grouped kernel needs at least 8 lanes (32 dims) per key.
-    head_dim, block_size = (8 if kernel == "per-head" else 32), 4
+    block_size = 4
     if kernel == "per-head":
         monkeypatch.setattr(attention_grouped, "supports", lambda *args: False)
     else:
@@ -165,6 +165,33 @@ def test_paged_attention_decode_and_prefill_rows(window, kv_heads, heads, kernel
                  np.zeros((4, heads, splits), np.float32))
     out = np.zeros((4, heads * head_dim), np.uint16)
     attention.paged_attention(q, k_cache, v_cache, block_tables, seq_index, positions, head_dim**-0.5, window, 9,
+                              workspace, out)
+    assert rel_error(bf16_to_float32(out), expected) <= 8e-3
+
+
+@pytest.mark.parametrize("window", [None, 21])
+def test_grouped_attention_walks_several_tiles(window, monkeypatch):
+    # One split per row, so each warp of a block walks several tiles of keys and the online
+    # softmax rescales between them; the rows end mid-tile and mid-block.
+    from metrale.kernels import attention_grouped
+
+    monkeypatch.setattr(attention_grouped, "MIN_SPLIT_KEYS", 1000)
+    rng = np.random.default_rng(8)
+    heads, kv_heads, head_dim, block_size = 3, 1, 16, 4
+    k_cache = random_cache(rng, 24, block_size, kv_heads, head_dim)
+    v_cache = random_cache(rng, 24, block_size, kv_heads, head_dim)
+    block_tables = rng.permutation(np.arange(1, 24, dtype=np.int32))[:22].reshape(2, 11)
+    seq_index = np.array([0, 1], np.int32)
+    positions = np.array([40, 29], np.int32)
+    q = 3 * rng.standard_normal((2, heads, head_dim)).astype(np.float32)
+    expected = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), block_tables.astype(np.int64), seq_index, positions,
+        head_dim**-0.5, window,
+    ).reshape(2, heads * head_dim)
+    assert attention.split_count(2, heads, kv_heads, head_dim, head_dim, 44) == 1
+    workspace = tuple(np.zeros(shape, np.float32) for shape in ((2, heads, 1, head_dim), (2, heads, 1), (2, heads, 1)))
+    out = np.zeros((2, heads * head_dim), np.uint16)
+    attention.paged_attention(q, k_cache, v_cache, block_tables, seq_index, positions, head_dim**-0.5, window, 44,
                               workspace, out)
     assert rel_error(bf16_to_float32(out), expected) <= 8e-3
 
