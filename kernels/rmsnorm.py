@@ -53,6 +53,7 @@ def rmsnorm_residual_kernel(x, residual, weight, eps, weight_offset, add_residua
     hidden = x.shape[1]
     partial = cuda.shared.array(NORM_THREADS, float32)
     kept = cuda.local.array(KEPT_PER_THREAD, float32)
+    scales = cuda.local.array(KEPT_PER_THREAD, float32)
     acc = float32(0.0)
     # Unconditional loads (indices past the row clamped to its last element, their values
     # dropped), so every thread's loads are in flight together instead of one after another.
@@ -62,6 +63,8 @@ def rmsnorm_residual_kernel(x, residual, weight, eps, weight_offset, add_residua
         if add_residual:
             value += residual[row, i]
         kept[j] = value
+        # The weights too, before the reduction, so their loads overlap the row's.
+        scales[j] = weight_offset + bf16_to_float(weight[i])
     for j in range(KEPT_PER_THREAD):
         i = tid + j * NORM_THREADS
         if i < hidden:
@@ -78,7 +81,7 @@ def rmsnorm_residual_kernel(x, residual, weight, eps, weight_offset, add_residua
     for j in range(KEPT_PER_THREAD):
         i = tid + j * NORM_THREADS
         if i < hidden:
-            out[row, i] = float_to_bf16(kept[j] * inv * (weight_offset + bf16_to_float(weight[i])))
+            out[row, i] = float_to_bf16(kept[j] * inv * scales[j])
     for i in range(tid + KEPT_PER_THREAD * NORM_THREADS, hidden, NORM_THREADS):
         out[row, i] = float_to_bf16(residual[row, i] * inv * (weight_offset + bf16_to_float(weight[i])))
 
