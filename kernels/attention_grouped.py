@@ -30,7 +30,7 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from metrale.kernels._device import (
-    SIMULATED, bits_to_float, block_max, block_sum, fast_exp, float_to_bf16, inline_device,
+    SIMULATED, bits_to_float, block_max, block_sum, fast_exp, float_to_bf16, float_to_bits, inline_device,
 )
 
 WARP = 8 if SIMULATED else 32  # keys of a tile: one per lane
@@ -49,8 +49,13 @@ MAX_SPLITS = 8 if SIMULATED else 32  # at most COMBINE_THREADS
 TARGET_BLOCKS = 64 if SIMULATED else 256
 MIN_SPLIT_KEYS = 4 if SIMULATED else 32
 COMBINE_THREADS = 16 if SIMULATED else 128
-QUERY_ELEMENTS = HEADS_PER_BLOCK * MAX_HEAD_DIM  # [heads, dims] scaled queries
-WEIGHT_ELEMENTS = MAX_DECODE_WARPS * HEADS_PER_BLOCK * WARP  # [warps, heads, tile keys]
+QUERY_ELEMENTS = HEADS_PER_BLOCK * MAX_HEAD_DIM  # [heads, dims]: the output values of a block
+# Scaled queries [heads, dims / 2] as uint64, two float32 bit patterns each: one shared load
+# brings two dims.
+QUERY_PAIRS = QUERY_ELEMENTS // 2
+PAIRS_PER_HEAD = MAX_HEAD_DIM // 2
+# Softmax weights [warps, tile keys, heads / 2] as uint64 float pairs: two shared loads a key.
+WEIGHT_PAIRS = MAX_DECODE_WARPS * WARP * HEADS_PER_BLOCK // 2
 MERGE_ELEMENTS = MAX_DECODE_WARPS * HEADS_PER_BLOCK * MAX_HEAD_DIM  # [warps, heads, dims]
 STAT_ELEMENTS = MAX_DECODE_WARPS * HEADS_PER_BLOCK  # [warps, heads]
 SCRATCH_ELEMENTS = WARP * MAX_DECODE_WARPS
@@ -173,6 +178,12 @@ def widen(word, c):
     return bits_to_float(half << uint32(16)) if c % 2 == 0 else bits_to_float(half & uint32(0xFFFF0000))
 
 
+@cuda.jit(device=True)
+def pair_value(pair, c):
+    # Float c (0 or 1) of a uint64 holding two float32 bit patterns, low half first.
+    return bits_to_float(uint32(pair >> uint64(32)) if c else uint32(pair & uint64(0xFFFFFFFF)))
+
+
 @inline_device
 def load_key_words(key_words, k_rows, cache_row, first, words):
     # Words first .. first + HALF_WORDS of one cached key, all loads issued together.
@@ -193,8 +204,13 @@ def add_scores(scores, query, key_words, first, words):
             k2 = widen(key_words[w], 2)
             k3 = widen(key_words[w], 3)
             for g in range(HEADS_PER_BLOCK):
-                at = uint32(g * MAX_HEAD_DIM + 4 * (first + w))
-                scores[g] += query[at] * k0 + query[at + 1] * k1 + query[at + 2] * k2 + query[at + 3] * k3
+                at = uint32(g * PAIRS_PER_HEAD + 2 * (first + w))
+                low = query[at]
+                high = query[at + 1]
+                scores[g] += (
+                    pair_value(low, 0) * k0 + pair_value(low, 1) * k1 + pair_value(high, 0) * k2
+                    + pair_value(high, 1) * k3
+                )
 
 
 @inline_device
@@ -217,12 +233,21 @@ def add_values(acc, weights, weight_base, value_words, subgroup, key_stride, fir
             v1 = widen(value_words[i], 1)
             v2 = widen(value_words[i], 2)
             v3 = widen(value_words[i], 3)
+            pair_base = weight_base + j * (HEADS_PER_BLOCK // 2)
             for g in range(HEADS_PER_BLOCK):
-                weight = weights[weight_base + g * WARP + j]
+                weight = pair_value(weights[pair_base + g // 2], g % 2)
                 acc[g * 4] += weight * v0
                 acc[g * 4 + 1] += weight * v1
                 acc[g * 4 + 2] += weight * v2
                 acc[g * 4 + 3] += weight * v3
+
+
+@inline_device
+def cache_row_of(block_tables, seq, key, block_size, kv_heads, kv_head):
+    # Row of (token ``key`` of sequence ``seq``, ``kv_head``) in the cache viewed by as_rows.
+    key_block = uint32(key) // uint32(block_size)
+    offset = uint32(key) - key_block * uint32(block_size)
+    return uint64((int64(block_tables[seq, key_block]) * block_size + offset) * kv_heads + kv_head)
 
 
 @cuda.jit(cache=True)
@@ -264,8 +289,9 @@ def paged_attention_grouped_kernel(
     subgroup = uint32(lane // words)
     key_stride = uint32(WARP // words)
 
-    query = cuda.shared.array(QUERY_ELEMENTS, float32)
-    weights = cuda.shared.array(WEIGHT_ELEMENTS, float32)
+    query = cuda.shared.array(QUERY_PAIRS, uint64)
+    weights = cuda.shared.array(WEIGHT_PAIRS, uint64)
+    lane_weights = cuda.local.array(HEADS_PER_BLOCK, float32)
     scratch = cuda.shared.array(SCRATCH_ELEMENTS, float32)
     row_scratch = cuda.shared.array(SCRATCH_ELEMENTS, uint64)
     merge = cuda.shared.array(MERGE_ELEMENTS, float32)
@@ -279,12 +305,19 @@ def paged_attention_grouped_kernel(
     key_high = cuda.local.array(HALF_WORDS, uint64)
     value_low = cuda.local.array(HALF_WORDS, uint64)
     value_high = cuda.local.array(HALF_WORDS, uint64)
-    # (head, dim) pairs e < QUERY_ELEMENTS: divisions by a constant, unsigned (no wraparound).
-    for e in range(uint32(tid), QUERY_ELEMENTS, uint32(threads)):
-        g = e // MAX_HEAD_DIM
-        dim = e % MAX_HEAD_DIM
+    # Each tile's block-table lookup is issued one tile ahead (the first one before the queries
+    # are staged), so a tile waits on one memory round trip, not two.
+    last_key = max(hi - 1, 0)
+    round_keys = warps * WARP
+    next_row = cache_row_of(block_tables, seq, min(lo + warp * WARP + lane, last_key), block_size, kv_heads, kv_head)
+    # (head, dim pair) e < QUERY_PAIRS: divisions by a constant, unsigned (no wraparound).
+    for e in range(uint32(tid), QUERY_PAIRS, uint32(threads)):
+        g = e // PAIRS_PER_HEAD
+        dim = 2 * (e % PAIRS_PER_HEAD)
         if dim < head_dim:
-            query[e] = q[row, first_head + g, dim] * scale if g < heads_here else float32(0.0)
+            first_value = q[row, first_head + g, dim] * scale if g < heads_here else float32(0.0)
+            second_value = q[row, first_head + g, dim + 1] * scale if g < heads_here else float32(0.0)
+            query[e] = (uint64(float_to_bits(second_value)) << uint64(32)) | uint64(float_to_bits(first_value))
     for g in range(HEADS_PER_BLOCK):
         running_max[g] = NEGATIVE_INFINITY
         running_sum[g] = 0.0
@@ -294,13 +327,11 @@ def paged_attention_grouped_kernel(
 
     # Uniform loop over the block (the simulator's lane exchanges synchronise every thread).
     # Loads are unconditional: keys past the end are clamped to the last one and masked later.
-    last_key = max(hi - 1, 0)
-    weight_base = uint32(warp * HEADS_PER_BLOCK * WARP)
-    for base in range(lo, hi, warps * WARP):
+    weight_base = uint32(warp * WARP * (HEADS_PER_BLOCK // 2))
+    for base in range(lo, hi, round_keys):
         tile = base + warp * WARP
-        key = min(tile + lane, last_key)
-        key_block = uint32(key) // uint32(block_size)
-        cache_row = uint64((int64(block_tables[seq, key_block]) * block_size + (uint32(key) - key_block * uint32(block_size))) * kv_heads + kv_head)
+        cache_row = next_row
+        next_row = cache_row_of(block_tables, seq, min(tile + round_keys + lane, last_key), block_size, kv_heads, kv_head)
         share_lane_value(row_scratch, tid, cache_row)
         load_key_words(key_low, k_rows, cache_row, 0, words)
         load_key_words(key_high, k_rows, cache_row, HALF_WORDS, words)
@@ -321,7 +352,11 @@ def paged_attention_grouped_kernel(
             running_sum[g] = running_sum[g] * correction + weight
             for c in range(4):
                 acc[g * 4 + c] *= correction
-            weights[weight_base + g * WARP + lane] = weight
+            lane_weights[g] = weight
+        for h in range(HEADS_PER_BLOCK // 2):
+            weights[weight_base + lane * (HEADS_PER_BLOCK // 2) + h] = (
+                (uint64(float_to_bits(lane_weights[2 * h + 1])) << uint64(32)) | uint64(float_to_bits(lane_weights[2 * h]))
+            )
         warp_sync()
         load_value_words(value_low, v_rows, row_scratch, tid, lane, cache_row, column, subgroup, key_stride, 0, words)
         load_value_words(value_high, v_rows, row_scratch, tid, lane, cache_row, column, subgroup, key_stride,
