@@ -2,14 +2,15 @@
 
 The NumPy reference is :func:`metrale.kernels.attention.paged_attention_reference`. A block
 serves up to ``HEADS_PER_BLOCK`` query heads of one KV head, so each cached key and value is read
-once for all of them. The block's warps walk the keys of its split in tiles of ``WARP`` keys, one
-tile per warp at a time:
+once for all of them. The block's warps walk the keys of its split in tiles of ``WARP /
+LANES_PER_KEY`` keys, one tile per warp at a time:
 
-* **scores**: lane ``j`` reads the whole cached key ``j`` of the tile (``head_dim / 4`` 64-bit
-  loads, all in flight together) and computes its dot product with every query head of the block
-  (the scaled queries sit in shared memory, read as broadcasts), so no lane exchanges a partial
-  sum;
-* **softmax**: one warp maximum per head, then each lane turns its own scores into weights
+* **scores**: the ``LANES_PER_KEY`` lanes of key ``j`` of the tile read its 64-bit words
+  interleaved (lane part ``p`` reads words ``p, p + LANES_PER_KEY, ...``; together they read
+  each 32-byte sector whole, all loads in flight together), compute partial dot products with
+  every query head of the block (the scaled queries sit in shared memory, read as broadcasts) and
+  sum them with shuffles;
+* **softmax**: one warp maximum per head, then each lane turns its key's scores into weights
   (online softmax: running maximum, lane-partial sums) and stores them in shared memory;
 * **values**: lane ``l`` owns four dims (word ``l % (head_dim / 4)``) and reads them for the keys
   ``l // (head_dim / 4) + i * WARP / (head_dim / 4)`` of the tile, coalesced, weighting them
@@ -33,20 +34,22 @@ from metrale.kernels._device import (
     SIMULATED, bits_to_float, block_max, block_sum, fast_exp, float_to_bf16, float_to_bits, inline_device,
 )
 
-WARP = 8 if SIMULATED else 32  # keys of a tile: one per lane
+WARP = 8 if SIMULATED else 32
+LANES_PER_KEY = 2 if SIMULATED else 4  # lanes sharing one key's dot products
+KEYS_PER_TILE = WARP // LANES_PER_KEY
 DECODE_WARPS = 2 if SIMULATED else 4  # warps of a block (the launcher's choice)
 MAX_DECODE_WARPS = 2 if SIMULATED else 8  # the most a launch may ask for (shared-memory sizes)
 DECODE_THREADS = WARP * DECODE_WARPS
 HEADS_PER_BLOCK = 4
-MAX_WORDS = WARP  # 64-bit words of one key: head_dim / 4 <= WARP
-# A lane's words of a key or of its values are held in two arrays of HALF_WORDS, each walked by
-# its own loop: loops of 16 unroll fully (constant indices keep the arrays in registers), 32 do not.
-HALF_WORDS = MAX_WORDS // 2
+MAX_WORDS = WARP  # 64-bit words of one key: LANES_PER_KEY <= head_dim / 4 <= WARP
+# Words of a key one lane reads, and values it reads per tile (loops this long unroll fully, so
+# their arrays stay in registers).
+PART_WORDS = MAX_WORDS // LANES_PER_KEY
 MAX_HEAD_DIM = 4 * MAX_WORDS
 MAX_SPLITS = 8 if SIMULATED else 32  # at most COMBINE_THREADS
 # Splits per row: up to TARGET_BLOCKS blocks in the grid, at least MIN_SPLIT_KEYS keys of
 # max_context each (tuned on the H200 with tools/attention_sweep.py).
-TARGET_BLOCKS = 64 if SIMULATED else 256
+TARGET_BLOCKS = 64 if SIMULATED else 1024
 MIN_SPLIT_KEYS = 4 if SIMULATED else 32
 COMBINE_THREADS = 16 if SIMULATED else 128
 QUERY_ELEMENTS = HEADS_PER_BLOCK * MAX_HEAD_DIM  # [heads, dims]: the output values of a block
@@ -55,7 +58,7 @@ QUERY_ELEMENTS = HEADS_PER_BLOCK * MAX_HEAD_DIM  # [heads, dims]: the output val
 QUERY_PAIRS = QUERY_ELEMENTS // 2
 PAIRS_PER_HEAD = MAX_HEAD_DIM // 2
 # Softmax weights [warps, tile keys, heads / 2] as uint64 float pairs: two shared loads a key.
-WEIGHT_PAIRS = MAX_DECODE_WARPS * WARP * HEADS_PER_BLOCK // 2
+WEIGHT_PAIRS = MAX_DECODE_WARPS * KEYS_PER_TILE * HEADS_PER_BLOCK // 2
 MERGE_ELEMENTS = MAX_DECODE_WARPS * HEADS_PER_BLOCK * MAX_HEAD_DIM  # [warps, heads, dims]
 STAT_ELEMENTS = MAX_DECODE_WARPS * HEADS_PER_BLOCK  # [warps, heads]
 SCRATCH_ELEMENTS = WARP * MAX_DECODE_WARPS
@@ -69,7 +72,7 @@ def supports(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:
     if heads % kv_heads or head_dim != value_dim or head_dim % 4:
         return False
     words = head_dim // 4
-    return 2 <= words <= MAX_WORDS and words & (words - 1) == 0
+    return LANES_PER_KEY <= words <= MAX_WORDS and words & (words - 1) == 0
 
 
 def head_blocks(heads: int, kv_heads: int) -> int:
@@ -112,6 +115,17 @@ if SIMULATED:
         return best
 
     @cuda.jit(device=True)
+    def key_sum(scratch, tid, lane, value):
+        # Sum of ``value`` over the LANES_PER_KEY lanes of one key.
+        scratch[tid] = value
+        cuda.syncthreads()
+        total = float32(0.0)
+        for other in range(LANES_PER_KEY):
+            total += scratch[tid - lane % LANES_PER_KEY + other]
+        cuda.syncthreads()
+        return total
+
+    @cuda.jit(device=True)
     def warp_sum(scratch, tid, lane, value):
         # Sum of ``value`` over the warp.
         scratch[tid] = value
@@ -149,8 +163,17 @@ else:
 
     @cuda.jit(device=True)
     def warp_max(scratch, tid, lane, value):
+        # (Of a value the lanes of each key share: the rounds within a key are skipped.)
         for k in range(5):
-            value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, 1 << k))
+            if (1 << k) >= LANES_PER_KEY:
+                value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, 1 << k))
+        return value
+
+    @cuda.jit(device=True)
+    def key_sum(scratch, tid, lane, value):
+        for k in range(5):
+            if (1 << k) < LANES_PER_KEY:
+                value += cuda.shfl_xor_sync(FULL_MASK, value, 1 << k)
         return value
 
     @cuda.jit(device=True)
@@ -185,26 +208,27 @@ def pair_value(pair, c):
 
 
 @inline_device
-def load_key_words(key_words, k_rows, cache_row, first, words):
-    # Words first .. first + HALF_WORDS of one cached key, all loads issued together.
-    for w in range(HALF_WORDS):
-        if first + w < words:
-            key_words[w] = k_rows[cache_row, uint32(first + w)]
+def load_key_words(key_words, k_rows, cache_row, part, words):
+    # Words part, part + LANES_PER_KEY, ... of one cached key, all loads issued together.
+    for t in range(PART_WORDS):
+        if t * LANES_PER_KEY < words:
+            key_words[t] = k_rows[cache_row, part + uint32(t * LANES_PER_KEY)]
 
 
 @inline_device
-def add_scores(scores, query, key_words, first, words):
-    # scores[g] += q_g . key over the dims of words first .. first + HALF_WORDS. Indices here and
-    # in the other loops are unsigned: numba wraps negative signed indices around, at a cost of
-    # several instructions and registers per access.
-    for w in range(HALF_WORDS):
-        if first + w < words:
-            k0 = widen(key_words[w], 0)
-            k1 = widen(key_words[w], 1)
-            k2 = widen(key_words[w], 2)
-            k3 = widen(key_words[w], 3)
+def add_scores(scores, query, key_words, part, words):
+    # scores[g] += q_g . key over the dims of this lane's words. Indices here and in the other
+    # loops are unsigned: numba wraps negative signed indices around, at a cost of several
+    # instructions and registers per access.
+    for t in range(PART_WORDS):
+        if t * LANES_PER_KEY < words:
+            k0 = widen(key_words[t], 0)
+            k1 = widen(key_words[t], 1)
+            k2 = widen(key_words[t], 2)
+            k3 = widen(key_words[t], 3)
+            word = part + uint32(t * LANES_PER_KEY)
             for g in range(HEADS_PER_BLOCK):
-                at = uint32(g * PAIRS_PER_HEAD + 2 * (first + w))
+                at = uint32(g * PAIRS_PER_HEAD) + 2 * word
                 low = query[at]
                 high = query[at + 1]
                 scores[g] += (
@@ -214,21 +238,21 @@ def add_scores(scores, query, key_words, first, words):
 
 
 @inline_device
-def load_value_words(value_words, v_rows, row_scratch, tid, lane, cache_row, column, subgroup, key_stride, first, words):
-    # Word ``column`` of the values of keys subgroup + i * key_stride, i = first ..
-    # first + HALF_WORDS, of the tile; the cache row of key j comes from lane j (shared first).
-    for i in range(HALF_WORDS):
-        if first + i < words:
-            j = subgroup + uint32(first + i) * key_stride
-            value_words[i] = v_rows[lane_value(row_scratch, tid, lane, cache_row, j), column]
+def load_value_words(value_words, v_rows, row_scratch, tid, lane, cache_row, column, subgroup, key_stride, words):
+    # Word ``column`` of the values of keys subgroup + i * key_stride of the tile; the cache row
+    # of key j comes from its first lane (shared first).
+    for i in range(PART_WORDS):
+        if i * LANES_PER_KEY < words:
+            j = subgroup + uint32(i) * key_stride
+            value_words[i] = v_rows[lane_value(row_scratch, tid, lane, cache_row, j * LANES_PER_KEY), column]
 
 
 @inline_device
-def add_values(acc, weights, weight_base, value_words, subgroup, key_stride, first, words):
+def add_values(acc, weights, weight_base, value_words, subgroup, key_stride, words):
     # acc[g, c] += weight(g, key) * value(key, c) over the keys of load_value_words.
-    for i in range(HALF_WORDS):
-        if first + i < words:
-            j = subgroup + uint32(first + i) * key_stride
+    for i in range(PART_WORDS):
+        if i * LANES_PER_KEY < words:
+            j = subgroup + uint32(i) * key_stride
             v0 = widen(value_words[i], 0)
             v1 = widen(value_words[i], 1)
             v2 = widen(value_words[i], 2)
@@ -284,7 +308,10 @@ def paged_attention_grouped_kernel(
     per_split = (position + 1 - start + splits - 1) // splits
     lo = start + split * per_split
     hi = min(position + 1, lo + per_split)
-    # Value layout: lane owns word ``column`` of keys ``subgroup + i * key_stride`` of a tile.
+    # Score layout: lane reads part ``part`` of the tile's key ``key_slot``. Value layout: lane
+    # owns word ``column`` of the tile's keys ``subgroup + i * key_stride``.
+    key_slot = lane // LANES_PER_KEY
+    part = uint32(lane % LANES_PER_KEY)
     column = uint32(lane % words)
     subgroup = uint32(lane // words)
     key_stride = uint32(WARP // words)
@@ -301,15 +328,15 @@ def paged_attention_grouped_kernel(
     running_max = cuda.local.array(HEADS_PER_BLOCK, float32)
     running_sum = cuda.local.array(HEADS_PER_BLOCK, float32)
     scores = cuda.local.array(HEADS_PER_BLOCK, float32)
-    key_low = cuda.local.array(HALF_WORDS, uint64)
-    key_high = cuda.local.array(HALF_WORDS, uint64)
-    value_low = cuda.local.array(HALF_WORDS, uint64)
-    value_high = cuda.local.array(HALF_WORDS, uint64)
+    key_words = cuda.local.array(PART_WORDS, uint64)
+    value_words = cuda.local.array(PART_WORDS, uint64)
     # Each tile's block-table lookup is issued one tile ahead (the first one before the queries
     # are staged), so a tile waits on one memory round trip, not two.
     last_key = max(hi - 1, 0)
-    round_keys = warps * WARP
-    next_row = cache_row_of(block_tables, seq, min(lo + warp * WARP + lane, last_key), block_size, kv_heads, kv_head)
+    round_keys = warps * KEYS_PER_TILE
+    next_row = cache_row_of(
+        block_tables, seq, min(lo + warp * KEYS_PER_TILE + key_slot, last_key), block_size, kv_heads, kv_head
+    )
     # (head, dim pair) e < QUERY_PAIRS: divisions by a constant, unsigned (no wraparound).
     for e in range(uint32(tid), QUERY_PAIRS, uint32(threads)):
         g = e // PAIRS_PER_HEAD
@@ -327,19 +354,21 @@ def paged_attention_grouped_kernel(
 
     # Uniform loop over the block (the simulator's lane exchanges synchronise every thread).
     # Loads are unconditional: keys past the end are clamped to the last one and masked later.
-    weight_base = uint32(warp * WARP * (HEADS_PER_BLOCK // 2))
+    weight_base = uint32(warp * KEYS_PER_TILE * (HEADS_PER_BLOCK // 2))
     for base in range(lo, hi, round_keys):
-        tile = base + warp * WARP
+        tile = base + warp * KEYS_PER_TILE
         cache_row = next_row
-        next_row = cache_row_of(block_tables, seq, min(tile + round_keys + lane, last_key), block_size, kv_heads, kv_head)
+        next_row = cache_row_of(
+            block_tables, seq, min(tile + round_keys + key_slot, last_key), block_size, kv_heads, kv_head
+        )
         share_lane_value(row_scratch, tid, cache_row)
-        load_key_words(key_low, k_rows, cache_row, 0, words)
-        load_key_words(key_high, k_rows, cache_row, HALF_WORDS, words)
+        load_key_words(key_words, k_rows, cache_row, part, words)
         for g in range(HEADS_PER_BLOCK):
             scores[g] = 0.0
-        add_scores(scores, query, key_low, 0, words)
-        add_scores(scores, query, key_high, HALF_WORDS, words)
-        visible = tile + lane < hi
+        add_scores(scores, query, key_words, part, words)
+        for g in range(HEADS_PER_BLOCK):
+            scores[g] = key_sum(scratch, tid, lane, scores[g])
+        visible = tile + key_slot < hi
         for g in range(HEADS_PER_BLOCK):
             score = scores[g] if visible and g < heads_here else float32(NEGATIVE_INFINITY)
             new_max = max(running_max[g], warp_max(scratch, tid, lane, score))
@@ -349,20 +378,20 @@ def paged_attention_grouped_kernel(
                 correction = fast_exp(running_max[g] - new_max)
                 weight = fast_exp(score - new_max)
             running_max[g] = new_max
-            running_sum[g] = running_sum[g] * correction + weight
+            # (The key's other lanes hold the same weight: one of them counts it.)
+            running_sum[g] = running_sum[g] * correction + (weight if part == 0 else float32(0.0))
             for c in range(4):
                 acc[g * 4 + c] *= correction
             lane_weights[g] = weight
-        for h in range(HEADS_PER_BLOCK // 2):
-            weights[weight_base + lane * (HEADS_PER_BLOCK // 2) + h] = (
-                (uint64(float_to_bits(lane_weights[2 * h + 1])) << uint64(32)) | uint64(float_to_bits(lane_weights[2 * h]))
-            )
+        if part == 0:
+            for h in range(HEADS_PER_BLOCK // 2):
+                weights[weight_base + key_slot * (HEADS_PER_BLOCK // 2) + h] = (
+                    (uint64(float_to_bits(lane_weights[2 * h + 1])) << uint64(32))
+                    | uint64(float_to_bits(lane_weights[2 * h]))
+                )
         warp_sync()
-        load_value_words(value_low, v_rows, row_scratch, tid, lane, cache_row, column, subgroup, key_stride, 0, words)
-        load_value_words(value_high, v_rows, row_scratch, tid, lane, cache_row, column, subgroup, key_stride,
-                         HALF_WORDS, words)
-        add_values(acc, weights, weight_base, value_low, subgroup, key_stride, 0, words)
-        add_values(acc, weights, weight_base, value_high, subgroup, key_stride, HALF_WORDS, words)
+        load_value_words(value_words, v_rows, row_scratch, tid, lane, cache_row, column, subgroup, key_stride, words)
+        add_values(acc, weights, weight_base, value_words, subgroup, key_stride, words)
         warp_sync()
 
     # Per warp: sums over lanes, weighted values over the key subgroups; then merge the warps.
