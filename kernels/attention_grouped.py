@@ -115,37 +115,30 @@ if SIMULATED:
         return best
 
     @cuda.jit(device=True)
-    def key_sum(scratch, tid, lane, value):
-        # Sum of ``value`` over the LANES_PER_KEY lanes of one key.
+    def lanes_sum(scratch, tid, lane, value, first, count, stride):
+        # Sum of ``value`` over lanes first, first + stride, ... (count of them) of the warp.
         scratch[tid] = value
         cuda.syncthreads()
         total = float32(0.0)
-        for other in range(LANES_PER_KEY):
-            total += scratch[tid - lane % LANES_PER_KEY + other]
+        for i in range(count):
+            total += scratch[tid - lane + first + i * stride]
         cuda.syncthreads()
         return total
+
+    @cuda.jit(device=True)
+    def key_sum(scratch, tid, lane, value):
+        # Sum of ``value`` over the LANES_PER_KEY lanes of one key.
+        return lanes_sum(scratch, tid, lane, value, lane - lane % LANES_PER_KEY, LANES_PER_KEY, 1)
 
     @cuda.jit(device=True)
     def warp_sum(scratch, tid, lane, value):
         # Sum of ``value`` over the warp.
-        scratch[tid] = value
-        cuda.syncthreads()
-        total = float32(0.0)
-        for other in range(WARP):
-            total += scratch[tid - lane + other]
-        cuda.syncthreads()
-        return total
+        return lanes_sum(scratch, tid, lane, value, 0, WARP, 1)
 
     @cuda.jit(device=True)
     def subgroup_sum(scratch, tid, lane, value, words):
         # Sum of ``value`` over the lanes of the warp with the same ``lane % words``.
-        scratch[tid] = value
-        cuda.syncthreads()
-        total = float32(0.0)
-        for other in range(lane % words, WARP, words):
-            total += scratch[tid - lane + other]
-        cuda.syncthreads()
-        return total
+        return lanes_sum(scratch, tid, lane, value, lane % words, WARP // words, words)
 
     @cuda.jit(device=True)
     def warp_sync():
