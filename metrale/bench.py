@@ -212,8 +212,12 @@ def bench_hf(folder: Path, options: BenchOptions, compile_model: bool) -> dict[s
     result: dict[str, Any] = {}
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
     if compile_model:
+        from transformers import CompileConfig
+
+        # With a static cache, generate compiles the decoding forward itself (its CUDA-graph mode);
+        # wrapping forward in torch.compile as well would compile it twice.
         model.generation_config.cache_implementation = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
 
@@ -228,12 +232,15 @@ def bench_hf(folder: Path, options: BenchOptions, compile_model: bool) -> dict[s
         return time.perf_counter() - started
 
     for batch in options.batch_sizes:
-        generate(batch, 2)
+        # Warm up at the longest length timed: a static cache is sized by it, and a larger one
+        # (a new cache shape) would recompile inside a timed call.
+        generate(batch, 1 + options.hf_decode_tokens)
         first = generate(batch, 1)
         total = generate(batch, 1 + options.hf_decode_tokens)
         seconds = (total - first) / options.hf_decode_tokens
         result[f"decode_b{batch}"] = {"step_ms": seconds * 1e3, "tok_s": batch / seconds}
-    for length in options.prefill_lengths:
+    # Prefill is timed for eager only: generate compiles just the one-token decoding forward.
+    for length in options.prefill_lengths if not compile_model else ():
         ids = torch.randint(0, vocab, (1, length), generator=generator).cuda()
         with torch.no_grad():
             model(ids)
