@@ -265,28 +265,43 @@ def run(options: BenchOptions) -> dict[str, Any]:
     results["copy_bandwidth_TBps"] = copy_bandwidth() / 1e12
     bandwidth = results["copy_bandwidth_TBps"] * 1e12
     options.workdir.mkdir(parents=True, exist_ok=True)
-    for shape in options.shapes:
-        entry: dict[str, Any] = {"weight_GB": weight_bytes(shape) / 1e9}
-        results[shape] = entry
-        try:
-            started = time.perf_counter()
-            folder = build_checkpoint(shape, options.workdir / shape)
-            entry["build_s"] = time.perf_counter() - started
-            entry["metrale"] = bench_metrale(shape, folder, options, bandwidth)
-            if shape == options.shapes[0] and options.start_times:
-                entry["metrale"].update(start_times(folder, options.workdir / "numba-cache"))
-        except Exception as error:  # report and go on with the other measurements
-            entry["metrale_error"] = f"{type(error).__name__}: {error}"
-        if options.hf:
-            for label, compiled in (("hf_eager", False), ("hf_compiled", True)):
-                if compiled and not options.hf_compile:
-                    continue
+    hf_runs = [(label, compiled) for label, compiled in (("hf_eager", False), ("hf_compiled", True))
+               if options.hf and (options.hf_compile or not compiled)]
+    stages = len(options.shapes) * (2 + len(hf_runs)) + (1 if options.start_times and options.shapes else 0)
+    with _progress(stages, "bench") as bar:
+        for shape in options.shapes:
+            entry: dict[str, Any] = {"weight_GB": weight_bytes(shape) / 1e9}
+            results[shape] = entry
+            metrale_stages = 2 + (1 if shape == options.shapes[0] and options.start_times else 0)
+            done = 0
+            try:
+                bar.set_description(f"{shape}: writing the checkpoint")
+                started = time.perf_counter()
+                folder = build_checkpoint(shape, options.workdir / shape)
+                entry["build_s"] = time.perf_counter() - started
+                bar.update()
+                done += 1
+                bar.set_description(f"{shape}: Metrale")
+                entry["metrale"] = bench_metrale(shape, folder, options, bandwidth)
+                bar.update()
+                done += 1
+                if metrale_stages == 3:
+                    bar.set_description(f"{shape}: start times")
+                    entry["metrale"].update(start_times(folder, options.workdir / "numba-cache"))
+                    bar.update()
+                    done += 1
+            except Exception as error:  # report and go on with the other measurements
+                entry["metrale_error"] = f"{type(error).__name__}: {error}"
+                bar.update(metrale_stages - done)  # the skipped stages, so the bar still ends full
+            for label, compiled in hf_runs:
+                bar.set_description(f"{shape}: transformers {'compiled' if compiled else 'eager'}")
                 try:
                     entry[label] = bench_hf(options.workdir / shape, options, compiled)
                 except Exception as error:
                     entry[f"{label}_error"] = f"{type(error).__name__}: {error}"
-        if options.output is not None:
-            options.output.write_text(json.dumps(results, indent=2))
+                bar.update()
+            if options.output is not None:
+                options.output.write_text(json.dumps(results, indent=2))
     return results
 
 

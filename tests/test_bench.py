@@ -1,0 +1,99 @@
+"""``metrale bench``'s orchestration, with the GPU measurements replaced by stand-ins."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+
+from metrale import bench
+
+
+class RecordingBar:
+    """Stands in for the tqdm bar: records every stage description and the count reached."""
+
+    def __init__(self, total: int, description: str) -> None:
+        self.total, self.n, self.descriptions = total, 0, []
+
+    def __enter__(self) -> "RecordingBar":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def set_description(self, text: str) -> None:
+        self.descriptions.append(text)
+
+    def update(self, count: int = 1) -> None:
+        self.n += count
+
+
+@pytest.fixture
+def stand_ins(monkeypatch, tmp_path):
+    """Every GPU-side measurement replaced; the 8B shape's Metrale run and the compiled
+    transformers run fail, as a missing device feature would make them."""
+    fake_cupy = types.ModuleType("cupy")
+    fake_cupy.cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceProperties=lambda index: {"name": b"Test GPU"})
+    )
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4.0e12)
+    monkeypatch.setattr(bench, "build_checkpoint", lambda shape, folder: folder)
+    calls = []
+
+    def metrale(shape, folder, options, bandwidth):
+        calls.append(("metrale", shape))
+        if shape == "llama-8b":
+            raise RuntimeError("out of memory")
+        return {"decode_b1": {"tok_s": 100.0, "achieved_GBps": 250.0, "fraction_of_floor": 0.1}}
+
+    def hf(folder, options, compiled):
+        calls.append(("hf", folder.name, compiled))
+        if compiled:
+            raise RuntimeError("torch.compile failed")
+        return {"decode_b1": {"tok_s": 10.0}}
+
+    monkeypatch.setattr(bench, "bench_metrale", metrale)
+    monkeypatch.setattr(bench, "bench_hf", hf)
+    monkeypatch.setattr(bench, "start_times", lambda folder, cache: {"cold_start_s": 9.0})
+    bars = []
+    monkeypatch.setattr(bench, "_progress", lambda total, text: bars.append(RecordingBar(total, text)) or bars[-1])
+    return tmp_path, calls, bars
+
+
+def test_every_stage_runs_and_failures_are_reported(stand_ins):
+    tmp_path, calls, bars = stand_ins
+    output = tmp_path / "bench.json"
+    options = bench.BenchOptions(hf_compile=True, workdir=tmp_path / "work", output=output)
+    results = bench.run(options)
+
+    assert calls == [
+        ("metrale", "llama-1b"), ("hf", "llama-1b", False), ("hf", "llama-1b", True),
+        ("metrale", "llama-8b"), ("hf", "llama-8b", False), ("hf", "llama-8b", True),
+    ]
+    one, eight = results["llama-1b"], results["llama-8b"]
+    assert one["metrale"]["cold_start_s"] == 9.0  # start times only for the first shape
+    assert "cold_start_s" not in eight.get("metrale", {})
+    assert eight["metrale_error"] == "RuntimeError: out of memory"
+    assert one["hf_compiled_error"] == "RuntimeError: torch.compile failed"
+    assert json.loads(output.read_text())["llama-8b"]["hf_eager"] == {"decode_b1": {"tok_s": 10.0}}
+    # Two shapes x (checkpoint, Metrale, eager, compiled) + the start times; the failed shape's
+    # skipped stages are still counted, so the bar ends full.
+    (bar,) = bars
+    assert bar.total == 9 and bar.n == 9
+    assert "llama-8b: transformers compiled" in bar.descriptions
+    # The table renders what was measured and names what failed.
+    rows = bench.table(results).splitlines()
+    assert any(row.split()[:3] == ["llama-1b", "metrale", "decode_b1"] and "100.0" in row for row in rows)
+    assert any(row.split()[:2] == ["llama-8b", "metrale"] and "out of memory" in row for row in rows)
+
+
+def test_without_transformers_only_metrale_runs(stand_ins):
+    tmp_path, calls, bars = stand_ins
+    options = bench.BenchOptions(shapes=("llama-1b",), hf=False, start_times=False, workdir=tmp_path / "work")
+    results = bench.run(options)
+    assert calls == [("metrale", "llama-1b")]
+    assert set(results["llama-1b"]) == {"weight_GB", "build_s", "metrale"}
+    assert bars[0].total == bars[0].n == 2
