@@ -1,0 +1,101 @@
+"""Host time of one numba kernel launch, taken apart (diagnostic, GPU only).
+
+    python tools/launch_overhead.py [--launches 2000]
+
+Launches the RMSNorm kernel on one 2048-wide row (so the GPU work is negligible and the host is
+the bottleneck) in several ways and prints the host microseconds per launch of each: the full
+launcher (argument checks, CuPy-to-numba views, stream wrapper, dispatch), the kernel call
+without the checks, with the stream wrapper made once, with the device views made once, and the
+compiled overload's ``launch`` called directly; then the parts alone (one ``device_view``, one
+``numba_stream``, one ``check_array``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+
+def per_call_us(function, launches: int, synchronize) -> float:
+    """Host microseconds per call of ``function`` over ``launches`` calls (after a warm-up)."""
+    for _ in range(20):
+        function()
+    synchronize()
+    started = time.perf_counter()
+    for _ in range(launches):
+        function()
+    elapsed = time.perf_counter() - started
+    synchronize()
+    return elapsed / launches * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--launches", type=int, default=2000)
+    args = parser.parse_args()
+
+    import cupy as cp
+
+    from metrale.cuda_backend import CudaBackend
+    from metrale.kernels import rmsnorm
+    from metrale.kernels._device import check_array, device_view, numba_stream
+
+    backend = CudaBackend()
+    stream = backend.stream
+    hidden = 2048
+    x = cp.asarray(np.random.default_rng(0).standard_normal((1, hidden)).astype(np.float32))
+    residual = cp.zeros_like(x)
+    weight = cp.full(hidden, 0x3F80, dtype=np.uint16)  # bf16 1.0
+    out = cp.zeros((1, hidden), dtype=np.uint16)
+    kernel = rmsnorm.rmsnorm_residual_kernel
+    grid, block = 1, rmsnorm.NORM_THREADS
+    scalars = (np.float32(1e-6), np.float32(0.0), np.int32(1))
+
+    def full_launcher():
+        rmsnorm.rmsnorm_residual(x, residual, weight, 1e-6, 0.0, True, out, stream)
+
+    def without_checks():
+        kernel[grid, block, numba_stream(stream)](
+            device_view(x), device_view(residual), device_view(weight), *scalars, device_view(out)
+        )
+
+    numba_side = numba_stream(stream)
+
+    def stream_made_once():
+        kernel[grid, block, numba_side](
+            device_view(x), device_view(residual), device_view(weight), *scalars, device_view(out)
+        )
+
+    views = (device_view(x), device_view(residual), device_view(weight))
+    out_view = device_view(out)
+
+    def views_made_once():
+        kernel[grid, block, numba_side](*views, *scalars, out_view)
+
+    full_launcher()
+    overload = next(iter(kernel.overloads.values()))
+    arguments = (*views, *scalars, out_view)
+
+    def overload_launch():
+        overload.launch(arguments, (grid, 1, 1), (block, 1, 1), numba_side, 0)
+
+    synchronize = stream.synchronize
+    with backend.activate():
+        rows = [
+            ("full launcher (checks, views, stream, dispatch)", full_launcher),
+            ("kernel call without the checks", without_checks),
+            ("... with the stream wrapper made once", stream_made_once),
+            ("... and the device views made once", views_made_once),
+            ("compiled overload's launch, views made once", overload_launch),
+            ("one device_view alone", lambda: device_view(x)),
+            ("one numba_stream alone", lambda: numba_stream(stream)),
+            ("one check_array alone", lambda: check_array("op", "x", x, np.float32, (1, hidden))),
+        ]
+        for label, function in rows:
+            print(f"{label:52s} {per_call_us(function, args.launches, synchronize):8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
