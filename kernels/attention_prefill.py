@@ -38,24 +38,27 @@ def stage_tile(cache_words, block_ids, start, count, kv_head, width, tile, tid):
     # Widen keys [start, start + count) of one KV head into tile[key * TILE_STRIDE + dim]
     # (float32). cache_words [blocks, block_size, nkv, width / 2] holds two bf16 per uint32;
     # each thread issues LOADS_IN_FLIGHT loads before using any.
-    block_size = cache_words.shape[1]
-    words_per_key = width // 2
-    total = count * words_per_key
+    # Index arithmetic in unsigned 32 bits: numba wraps negative signed indices around (several
+    # instructions per access) and divides 64-bit integers slowly.
+    block_size = uint32(cache_words.shape[1])
+    words_per_key = uint32(width // 2)
+    total = uint32(count) * words_per_key
+    first = uint32(start)
     loaded = cuda.local.array(LOADS_IN_FLIGHT, uint32)
-    for base in range(tid, total, PREFILL_THREADS * LOADS_IN_FLIGHT):
+    for base in range(uint32(tid), total, uint32(PREFILL_THREADS * LOADS_IN_FLIGHT)):
         for u in range(LOADS_IN_FLIGHT):
-            e = base + u * PREFILL_THREADS
+            e = uint32(base + uint32(u * PREFILL_THREADS))
             if e < total:
                 key = e // words_per_key
-                loaded[u] = cache_words[block_ids[key], (start + key) % block_size, kv_head, e % words_per_key]
+                loaded[u] = cache_words[block_ids[key], (first + key) % block_size, kv_head, e - key * words_per_key]
         for u in range(LOADS_IN_FLIGHT):
-            e = base + u * PREFILL_THREADS
+            e = uint32(base + uint32(u * PREFILL_THREADS))
             if e < total:
                 key = e // words_per_key
-                column = 2 * (e % words_per_key)
+                at = key * uint32(TILE_STRIDE) + uint32(2) * (e - key * words_per_key)
                 word = loaded[u]
-                tile[key * TILE_STRIDE + column] = bf16_to_float(word & uint32(0xFFFF))
-                tile[key * TILE_STRIDE + column + 1] = bits_to_float(word & uint32(0xFFFF0000))
+                tile[at] = bf16_to_float(word & uint32(0xFFFF))
+                tile[at + uint32(1)] = bits_to_float(word & uint32(0xFFFF0000))
 
 
 def as_words(cache: object) -> object:
@@ -123,9 +126,19 @@ def paged_attention_prefill_kernel(
     if tid < QUERY_VECTORS:
         running_max[tid] = NEGATIVE_INFINITY
         running_sum[tid] = 0.0
+        rescale[tid] = 1.0
+    # Accumulator j holds output element e = tid + j * PREFILL_THREADS of the block: vector
+    # e // dv, dim e % dv. Its offsets into scores and tile are computed once (vectors past the
+    # block's are clamped: their sums are never written). The loops over j unroll, so acc and
+    # the offsets stay in registers.
     acc = cuda.local.array(ACCUMULATORS, float32)
+    score_at = cuda.local.array(ACCUMULATORS, uint32)
+    dim_of = cuda.local.array(ACCUMULATORS, uint32)
     for j in range(ACCUMULATORS):
         acc[j] = 0.0
+        e = tid + j * PREFILL_THREADS
+        score_at[j] = uint32(min(e // value_dim, QUERY_VECTORS - 1) * KEY_TILE)
+        dim_of[j] = uint32(e % value_dim)
     lo = 0
     if sliding_window > 0:
         lo = max(0, first_position - sliding_window + 1)
@@ -140,7 +153,9 @@ def paged_attention_prefill_kernel(
         for pair in range(tid, QUERY_VECTORS * KEY_TILE, PREFILL_THREADS):
             v = pair // KEY_TILE
             k = pair % KEY_TILE
-            value = float32(NEGATIVE_INFINITY)
+            # (Vectors past the block's get weight 0, so the accumulators that read them stay
+            # finite.)
+            value = float32(NEGATIVE_INFINITY) if v < vectors else float32(0.0)
             if v < vectors and k < count:
                 position = positions[first_row + v // group]
                 key = start + k
@@ -148,9 +163,14 @@ def paged_attention_prefill_kernel(
                 if sliding_window > 0 and key <= position - sliding_window:
                     visible = False
                 if visible:
+                    # Unsigned indices in the dot product (no wraparound code per access).
                     value = float32(0.0)
-                    for i in range(head_dim):
-                        value += query[v * head_dim + i] * tile[k * TILE_STRIDE + i]
+                    query_at = uint32(v * head_dim)
+                    tile_at = uint32(k * TILE_STRIDE)
+                    for _ in range(head_dim):
+                        value += query[query_at] * tile[tile_at]
+                        query_at += uint32(1)
+                        tile_at += uint32(1)
             scores[pair] = value
         cuda.syncthreads()
         if tid < vectors:
@@ -177,14 +197,12 @@ def paged_attention_prefill_kernel(
         stage_tile(v_words, block_ids, start, count, kv_head, value_dim, tile, tid)
         cuda.syncthreads()
         for j in range(ACCUMULATORS):
-            e = tid + j * PREFILL_THREADS
-            if e < vectors * value_dim:
-                v = e // value_dim
-                dim = e % value_dim
-                total_j = acc[j] * rescale[v]
-                for k in range(count):
-                    total_j += scores[v * KEY_TILE + k] * tile[k * TILE_STRIDE + dim]
-                acc[j] = total_j
+            acc[j] *= rescale[score_at[j] // uint32(KEY_TILE)]
+        tile_row = uint32(0)
+        for k in range(count):
+            for j in range(ACCUMULATORS):
+                acc[j] += scores[score_at[j] + uint32(k)] * tile[tile_row + dim_of[j]]
+            tile_row += uint32(TILE_STRIDE)
         cuda.syncthreads()
     for j in range(ACCUMULATORS):
         e = tid + j * PREFILL_THREADS
