@@ -4,10 +4,11 @@
 
 Launches the RMSNorm kernel on one 2048-wide row (so the GPU work is negligible and the host is
 the bottleneck) in several ways and prints the host microseconds per launch of each: the full
-launcher (argument checks, CuPy-to-numba views, stream wrapper, dispatch), the kernel call
-without the checks, with the stream wrapper made once, with the device views made once, and the
-compiled overload's ``launch`` called directly; then the parts alone (one ``device_view``, one
-``numba_stream``, one ``check_array``).
+launcher as the engine runs it (argument checks, then the stream wrapper and device views that
+:mod:`metrale.kernels._device` keeps and reuses, then dispatch); the kernel call with a fresh
+stream wrapper and fresh views each time; with only the stream wrapper made once; with both
+made once; and the compiled overload's ``launch`` called directly. Then the parts alone (one
+fresh view, one reused view, one fresh stream wrapper, one ``check_array``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def main() -> None:
 
     from metrale.cuda_backend import CudaBackend
     from metrale.kernels import rmsnorm
-    from metrale.kernels._device import check_array, device_view, numba_stream
+    from numba import cuda
+
+    from metrale.kernels._device import check_array, device_view, new_device_view, numba_stream
 
     backend = CudaBackend()
     stream = backend.stream
@@ -56,16 +59,16 @@ def main() -> None:
     def full_launcher():
         rmsnorm.rmsnorm_residual(x, residual, weight, 1e-6, 0.0, True, out, stream)
 
-    def without_checks():
-        kernel[grid, block, numba_stream(stream)](
-            device_view(x), device_view(residual), device_view(weight), *scalars, device_view(out)
+    def fresh_wrappers():
+        kernel[grid, block, cuda.external_stream(stream.ptr)](
+            new_device_view(x), new_device_view(residual), new_device_view(weight), *scalars, new_device_view(out)
         )
 
     numba_side = numba_stream(stream)
 
     def stream_made_once():
         kernel[grid, block, numba_side](
-            device_view(x), device_view(residual), device_view(weight), *scalars, device_view(out)
+            new_device_view(x), new_device_view(residual), new_device_view(weight), *scalars, new_device_view(out)
         )
 
     views = (device_view(x), device_view(residual), device_view(weight))
@@ -84,13 +87,14 @@ def main() -> None:
     synchronize = stream.synchronize
     with backend.activate():
         rows = [
-            ("full launcher (checks, views, stream, dispatch)", full_launcher),
-            ("kernel call without the checks", without_checks),
+            ("full launcher (checks, reused views and stream)", full_launcher),
+            ("kernel call, fresh views and stream wrapper", fresh_wrappers),
             ("... with the stream wrapper made once", stream_made_once),
             ("... and the device views made once", views_made_once),
             ("compiled overload's launch, views made once", overload_launch),
-            ("one device_view alone", lambda: device_view(x)),
-            ("one numba_stream alone", lambda: numba_stream(stream)),
+            ("one fresh device view alone", lambda: new_device_view(x)),
+            ("one reused device view alone", lambda: device_view(x)),
+            ("one fresh stream wrapper alone", lambda: cuda.external_stream(stream.ptr)),
             ("one check_array alone", lambda: check_array("op", "x", x, np.float32, (1, hidden))),
         ]
         for label, function in rows:

@@ -53,6 +53,25 @@ def test_rmsnorm_residual():
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), normed) <= 8e-3
 
 
+def test_reused_device_views_follow_address_shape_and_dtype():
+    from metrale.kernels import activation
+    from metrale.kernels._device import device_view
+
+    base = cp.arange(64, dtype=np.float32)
+    assert device_view(base) is device_view(base)
+    assert device_view(base[8:]) is not device_view(base)  # another address
+    assert device_view(base.reshape(8, 8)) is not device_view(base)  # another shape
+    assert device_view(base.view(np.int32)) is not device_view(base)  # another dtype
+    # Memory freed and handed to a new array of the same geometry: its reused view reads the
+    # new array's contents (a view is only an address), so launches see the right data.
+    for round_ in range(3):
+        values = cp.full((4, 256), float(round_ + 1), dtype=np.float32)
+        out = cp.zeros((4, 256), dtype=np.uint16)
+        activation.to_bf16(values, out)
+        np.testing.assert_array_equal(cp.asnumpy(out), float32_to_bf16(np.full((4, 256), round_ + 1.0, np.float32)))
+        del values, out
+
+
 def test_silu_and_mul():
     from metrale.kernels import activation
 
