@@ -152,6 +152,7 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
     import numpy as np
 
     from metrale.api import LLM
+    from metrale.params import SamplingParams
     from metrale.sequence import SequenceState
 
     result: dict[str, Any] = {}
@@ -173,10 +174,14 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
         tokens = [int(t) for t in rng.integers(0, vocab, batch)]
         steps = options.decode_steps
 
+        greedy = [SamplingParams(temperature=0.0)] * batch
+        seeds = list(range(batch))
+
         def step() -> None:
+            # What the generation loop does every step: the forward, then the device sampler
+            # (greedy here) and the tokens read back.
             logits = llm.forward.decode_batch(tokens, seqs)
-            with llm.backend.activate():
-                logits.argmax(axis=1)  # the device greedy pick generation does after every step
+            llm.backend.sample_tokens(logits, greedy, seeds, [0] * batch)
 
         seconds = _cuda_time(step, repeats=steps, stream=llm.backend.stream)
         context = options.context + steps // 2

@@ -8,6 +8,8 @@ handle use. Decode steps are replayed from CUDA graphs (:mod:`metrale.engine.cud
 
 from __future__ import annotations
 
+import ctypes
+
 from types import SimpleNamespace
 from typing import Any, Sequence
 
@@ -47,6 +49,7 @@ class CudaBackend(Backend):
         #: cuBLAS measured about twice as fast on the H200 (docs/benchmarks), so never by default.
         self.gemv_rows = 0
         self._sample = sample
+        self._sampling: dict[int, Any] = {}
         cp, stream = cupy, self.stream
         f32, bf16 = np.float32, np.uint16
 
@@ -199,16 +202,61 @@ class CudaBackend(Backend):
         from metrale.engine.sampler import parameter_arrays
 
         cp = self.xp
-        temperature, top_k, top_p = parameter_arrays(params)
         rows = len(params)
+        buffers = self._sampling_buffers(rows)
+        temperature, top_k, top_p = parameter_arrays(params)
+        host = buffers.host
+        host.seeds[:] = np.asarray(seeds, dtype=np.uint64).view(np.int64)
+        host.steps[:] = steps
+        host.temperature[:] = temperature
+        host.top_k[:] = top_k
+        host.top_p[:] = top_p
+        host.uniforms[:] = -1.0  # draw from (seed, step)
         with self.stream:
             logits = cp.ascontiguousarray(logits.reshape(rows, -1), dtype=np.float32)
-            out = cp.empty(rows, dtype=np.int32)
-            self._sample(
-                logits, cp.asarray(temperature), cp.asarray(top_k), cp.asarray(top_p),
-                cp.asarray(np.asarray(seeds, dtype=np.uint64).view(np.int64)),
-                cp.asarray(np.asarray(steps, dtype=np.int64)), cp.full(rows, -1.0, dtype=np.float32), out, self.stream,
+            # One upload of every row's parameters, one download of the tokens.
+            buffers.device.data.copy_from_host_async(
+                host.packed.ctypes.data_as(ctypes.c_void_p), host.packed.nbytes, self.stream
             )
-            tokens = self.xp.asnumpy(out, stream=self.stream)
+            device = buffers.views
+            self._sample(
+                logits, device.temperature, device.top_k, device.top_p, device.seeds, device.steps,
+                device.uniforms, device.tokens, self.stream,
+            )
+            device.tokens.data.copy_to_host_async(
+                host.tokens.ctypes.data_as(ctypes.c_void_p), host.tokens.nbytes, self.stream
+            )
         self.stream.synchronize()
-        return tokens.tolist()
+        return host.tokens.tolist()
+
+    def _sampling_buffers(self, rows: int) -> Any:
+        """Pinned host and device buffers of ``rows`` rows of sampling parameters, kept per row
+        count (each call synchronises before it returns, so reuse is safe)."""
+        buffers = self._sampling.get(rows)
+        if buffers is not None:
+            return buffers
+        import cupyx
+
+        # Packed per row: seed and step (int64), temperature, top_k, top_p, uniform (32-bit).
+        packed = cupyx.empty_pinned((rows * 32,), dtype=np.uint8)
+        tokens = cupyx.empty_pinned((rows,), dtype=np.int32)
+        with self.stream:
+            device = self.xp.empty(rows * 32, dtype=np.uint8)
+            out = self.xp.empty(rows, dtype=np.int32)
+
+        def fields(array: Any) -> dict[str, Any]:
+            return {
+                "seeds": array[: 8 * rows].view(np.int64),
+                "steps": array[8 * rows : 16 * rows].view(np.int64),
+                "temperature": array[16 * rows : 20 * rows].view(np.float32),
+                "top_k": array[20 * rows : 24 * rows].view(np.int32),
+                "top_p": array[24 * rows : 28 * rows].view(np.float32),
+                "uniforms": array[28 * rows : 32 * rows].view(np.float32),
+            }
+
+        buffers = self._sampling[rows] = SimpleNamespace(
+            host=SimpleNamespace(packed=packed, tokens=tokens, **fields(packed)),
+            device=device,
+            views=SimpleNamespace(tokens=out, **fields(device)),
+        )
+        return buffers

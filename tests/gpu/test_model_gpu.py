@@ -143,3 +143,28 @@ def test_seeded_sampling_repeats_on_the_device():
     second = llm.generate(["Return the", "Open a"], params)
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
     assert all(o.text for o in first)
+
+
+def test_backend_sampler_matches_the_host_sampler_for_every_row_count():
+    from metrale.cuda_backend import CudaBackend
+    from metrale.engine.sampler import sample_rows
+
+    import cupy
+
+    backend = CudaBackend()
+    rng = np.random.default_rng(5)
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=20),
+        SamplingParams(temperature=1.1, top_p=0.7),
+        SamplingParams(temperature=0.6, top_k=50, top_p=0.9),
+    ]
+    # Row counts repeat, so the kept buffers are reused with new contents.
+    for rows in (1, 3, 1, 7, 3):
+        logits = (3 * rng.standard_normal((rows, 1000))).astype(np.float32)
+        params = [kinds[(rows + i) % len(kinds)] for i in range(rows)]
+        seeds = rng.integers(0, 2**63, rows).tolist()
+        steps = rng.integers(0, 500, rows).tolist()
+        with backend.activate():
+            device_logits = cupy.asarray(logits)
+        assert backend.sample_tokens(device_logits, params, seeds, steps) == sample_rows(logits, params, seeds, steps)
