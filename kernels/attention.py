@@ -79,7 +79,7 @@ import math  # noqa: E402
 from numba import cuda, float32  # noqa: E402
 
 from metrale.errors import KernelArgumentError  # noqa: E402
-from metrale.kernels import attention_grouped  # noqa: E402
+from metrale.kernels import attention_grouped, attention_staged  # noqa: E402
 from metrale.kernels._device import (  # noqa: E402
     SIMULATED,
     bf16_to_float, block_max, block_sum, check_array, device_view, float_to_bf16, numba_stream,
@@ -229,6 +229,25 @@ def attention_splits(max_context: int) -> int:
     return max(1, -(-int(max_context) // SPLIT_SIZE))
 
 
+#: The kernel serving the geometries of :mod:`attention_grouped` (same grid and outputs):
+#: ``"staged"`` (:mod:`attention_staged`, chunks staged in shared memory), ``"grouped"``, or
+#: ``"auto"``: staged while a block's share of the keys is short (at most
+#: STAGED_MAX_BLOCK_ELEMENTS keys times head dims), where its overlapped loads win; grouped for
+#: longer shares, where its fewer instructions per key win (tools/attention_sweep.py on the H200).
+GROUPED_DECODE = "auto"
+STAGED_MAX_BLOCK_ELEMENTS = 8192
+
+
+def grouped_decode_kernel(heads: int, kv_heads: int, head_dim: int, splits: int, max_context: int) -> str:
+    """``"staged"`` or ``"grouped"``: the kernel :func:`paged_attention` runs for this geometry."""
+    if GROUPED_DECODE != "auto":
+        return GROUPED_DECODE if attention_staged.supports(heads, kv_heads, head_dim, head_dim) else "grouped"
+    if not attention_staged.supports(heads, kv_heads, head_dim, head_dim):
+        return "grouped"
+    keys_per_block = -(-int(max_context) // splits)
+    return "staged" if keys_per_block * head_dim <= STAGED_MAX_BLOCK_ELEMENTS else "grouped"
+
+
 def split_count(rows: int, heads: int, kv_heads: int, head_dim: int, value_dim: int, max_context: int) -> int:
     """Key splits of :func:`paged_attention` for this geometry: the workspace's third extent."""
     if attention_grouped.supports(heads, kv_heads, head_dim, value_dim):
@@ -275,7 +294,11 @@ def paged_attention(
     window = np.int32(sliding_window or 0)
     if attention_grouped.supports(heads, kv_heads, head_dim, value_dim):
         grid = (rows, kv_heads * attention_grouped.head_blocks(heads, kv_heads), splits)
-        attention_grouped.paged_attention_grouped_kernel[grid, attention_grouped.DECODE_THREADS, launch](
+        if grouped_decode_kernel(heads, kv_heads, head_dim, splits, max_context) == "staged":
+            kernel, threads = attention_staged.paged_attention_staged_kernel, attention_staged.STAGED_THREADS
+        else:
+            kernel, threads = attention_grouped.paged_attention_grouped_kernel, attention_grouped.DECODE_THREADS
+        kernel[grid, threads, launch](
             device_view(q), device_view(attention_grouped.as_rows(k_cache)),
             device_view(attention_grouped.as_rows(v_cache)), np.int32(k_cache.shape[1]), np.int32(kv_heads),
             device_view(block_tables),

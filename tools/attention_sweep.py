@@ -3,7 +3,7 @@
     python tools/attention_sweep.py [--head-dim 128] [--contexts 512,2048] [--warps 2,4,8]
 
 Prints, for each batch size, context, split count and warps per block, the grouped kernel alone,
-the combine kernel alone (one per split count) and an empty kernel (the per-node cost of a
+the staged kernel (:mod:`metrale.kernels.attention_staged`, four warps) alone, the combine kernel alone (one per split count) and an empty kernel (the per-node cost of a
 graph), each timed as in ``profile_decode.py``; ``<- split_count`` marks the split count the
 launcher picks.
 """
@@ -20,6 +20,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--rows", default="1,32", help="batch sizes (comma-separated)")
     parser.add_argument("--contexts", default="512,2048", help="cached tokens per row (comma-separated)")
     parser.add_argument("--warps", default="2,4,8", help="warps per block (comma-separated)")
     parser.add_argument("--splits", default="1,2,4,8,16")
@@ -29,7 +30,7 @@ def main() -> None:
     from numba import cuda
 
     from metrale.cuda_backend import CudaBackend
-    from metrale.kernels import attention, attention_grouped
+    from metrale.kernels import attention, attention_grouped, attention_staged
     from metrale.kernels._device import device_view, numba_stream
     from profile_decode import graph_time_us
 
@@ -44,7 +45,8 @@ def main() -> None:
     dummy = cp.zeros(1, dtype=np.float32)
     print(f"empty kernel: {graph_time_us(backend, lambda: empty_kernel[1, 32, launch](device_view(dummy))):.2f} us")
     kernel = attention_grouped.paged_attention_grouped_kernel
-    for rows, context in [(r, int(c)) for r in (1, 32) for c in args.contexts.split(",")]:
+    staged_kernel = attention_staged.paged_attention_staged_kernel
+    for rows, context in [(r, int(c)) for r in map(int, args.rows.split(",")) for c in args.contexts.split(",")]:
         blocks_per_seq = -(-context // 16)
         cache_shape = (rows * blocks_per_seq + 1, 16, kv, d)
         k = cp.asarray(np.random.default_rng(0).integers(0, 2**15, cache_shape).astype(np.uint16) & 0x3FFF)
@@ -81,11 +83,23 @@ def main() -> None:
 
                 g = graph_time_us(backend, grouped)
                 cells.append(f"{warps:2d} warps {g:7.2f} us ({kv_bytes / g / 1e3:5.0f} GB/s)")
+
+            def staged():
+                staged_kernel[grid, attention_staged.STAGED_THREADS, launch](
+                    device_view(q), device_view(attention_grouped.as_rows(k)), device_view(attention_grouped.as_rows(v)),
+                    np.int32(16), np.int32(kv),
+                    device_view(tables), device_view(seq_index), device_view(positions), np.float32(d**-0.5),
+                    np.int32(0), device_view(acc), device_view(best), device_view(total), device_view(out),
+                )
+
+            s = graph_time_us(backend, staged)
+            cells.append(f"staged {s:7.2f} us ({kv_bytes / s / 1e3:5.0f} GB/s)")
             mark = "  <- split_count" if splits == chosen else ""
             print(f"rows {rows:3d} context {context:5d} splits {splits:3d}: " + "  ".join(cells)
                   + f"  combine {c:6.2f} us{mark}")
-    print("grouped kernel registers", kernel.get_regs_per_thread(), "local bytes", kernel.get_local_mem_per_thread(),
-          "shared bytes", kernel.get_shared_mem_per_block())
+    for name, compiled in (("grouped", kernel), ("staged", staged_kernel)):
+        print(f"{name} kernel registers", compiled.get_regs_per_thread(), "local bytes",
+              compiled.get_local_mem_per_thread(), "shared bytes", compiled.get_shared_mem_per_block())
 
 if __name__ == "__main__":
     main()

@@ -31,7 +31,8 @@ def c(dtype, ndim):
 
 def kernels():
     from metrale.kernels import (
-        activation, attention, attention_grouped, attention_prefill, embedding, gemv, rmsnorm, rope, sampling,
+        activation, attention, attention_grouped, attention_prefill, attention_staged, embedding, gemv, rmsnorm, rope,
+        sampling,
     )
 
     return {
@@ -46,6 +47,9 @@ def kernels():
             c(f32, 3), c(u16, 4), c(u16, 4), c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4), c(f32, 3), c(f32, 3))),
         "attention_combine": (attention.attention_combine_kernel, (c(f32, 4), c(f32, 3), c(f32, 3), c(u16, 2))),
         "paged_attention_grouped": (attention_grouped.paged_attention_grouped_kernel, (
+            c(f32, 3), c(u64, 2), c(u64, 2), i32, i32, c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4),
+            c(f32, 3), c(f32, 3), c(u16, 2))),
+        "paged_attention_staged": (attention_staged.paged_attention_staged_kernel, (
             c(f32, 3), c(u64, 2), c(u64, 2), i32, i32, c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4),
             c(f32, 3), c(f32, 3), c(u16, 2))),
         "grouped_combine": (attention_grouped.grouped_combine_kernel, (c(f32, 4), c(f32, 3), c(f32, 3), c(u16, 2))),

@@ -111,7 +111,9 @@ def test_qkv_rope_cache(qk_norm):
     assert rel_error(bf16_to_float32(cp.asnumpy(v_dev)), v_ref) <= 8e-3
 
 
-@pytest.mark.parametrize("kernel", ["grouped", "grouped one split", "per-head"])
+@pytest.mark.parametrize(
+    "kernel", ["grouped", "grouped one split", "staged", "staged one split", "per-head"]
+)
 @pytest.mark.parametrize("window", [None, 700])
 # Llama's geometry, and a group of 7 heads (two head chunks) with 64 dims (two keys per value load).
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (14, 2, 64)])
@@ -120,7 +122,9 @@ def test_paged_attention_long_contexts(window, kernel, heads, kv_heads, head_dim
 
     if kernel == "per-head":
         monkeypatch.setattr(attention_grouped, "supports", lambda *args: False)
-    if kernel == "grouped one split":
+    else:
+        monkeypatch.setattr(attention, "GROUPED_DECODE", kernel.split()[0])
+    if kernel.endswith("one split"):
         monkeypatch.setattr(attention_grouped, "MIN_SPLIT_KEYS", 8192)
 
     rng = np.random.default_rng(4)

@@ -127,14 +127,17 @@ def test_qkv_rope_cache(qk_norm, interleaved, rotary):
 GEOMETRIES = [(None, 2, 4), (3, 2, 4), (None, 1, 4), (5, 4, 4), (None, 1, 6)]  # (window, kv_heads, heads)
 
 
-# The grouped kernel exchanges values between lanes through shared memory under the simulator,
-# which is slow there: it runs on the geometries that exercise its head chunks and windows, with
-# 32 dims (both halves of a key's words) and 16 dims (two keys per value load).
+# The grouped and staged kernels exchange values between lanes through shared memory under the
+# simulator, which is slow there: they run on the geometries that exercise their head chunks and
+# windows, with 32 dims (both halves of a key's words; one lane per value word) and 16 dims (two
+# keys per value load). Heads 6 over one KV head fill one block of four heads and half another.
 @pytest.mark.parametrize(
     "kernel, head_dim, window, kv_heads, heads",
     [("per-head", 8, *g) for g in GEOMETRIES]
-    + [("grouped", 32, *GEOMETRIES[1]), ("grouped", 16, *GEOMETRIES[3]), ("grouped", 16, *GEOMETRIES[4])]
-    + [("grouped one split", 32, *GEOMETRIES[0])],
+    + [(k, 32, *GEOMETRIES[1]) for k in ("grouped", "staged")]
+    + [(k, 16, *GEOMETRIES[3]) for k in ("grouped", "staged")]
+    + [(k, 16, *GEOMETRIES[4]) for k in ("grouped", "staged")]
+    + [(f"{k} one split", 32, *GEOMETRIES[0]) for k in ("grouped", "staged")],
 )
 def test_paged_attention_decode_and_prefill_rows(window, kv_heads, heads, kernel, head_dim, monkeypatch):
     # Under the simulator SPLIT_SIZE is tiny, so these rows span several key splits.
@@ -145,7 +148,8 @@ def test_paged_attention_decode_and_prefill_rows(window, kv_heads, heads, kernel
         monkeypatch.setattr(attention_grouped, "supports", lambda *args: False)
     else:
         assert attention_grouped.supports(heads, kv_heads, head_dim, head_dim)
-    if kernel == "grouped one split":
+        monkeypatch.setattr(attention, "GROUPED_DECODE", kernel.split()[0])
+    if kernel.endswith("one split"):
         monkeypatch.setattr(attention_grouped, "MIN_SPLIT_KEYS", 9)
     rng = np.random.default_rng(5)
     k_cache = random_cache(rng, 9, block_size, kv_heads, head_dim)
@@ -160,7 +164,7 @@ def test_paged_attention_decode_and_prefill_rows(window, kv_heads, heads, kernel
         head_dim**-0.5, window,
     ).reshape(4, heads * head_dim)
     splits = attention.split_count(4, heads, kv_heads, head_dim, head_dim, 9)
-    assert (splits == 1) == (kernel == "grouped one split")
+    assert (splits == 1) == kernel.endswith("one split")
     workspace = (np.zeros((4, heads, splits, head_dim), np.float32), np.zeros((4, heads, splits), np.float32),
                  np.zeros((4, heads, splits), np.float32))
     out = np.zeros((4, heads * head_dim), np.uint16)
@@ -169,12 +173,32 @@ def test_paged_attention_decode_and_prefill_rows(window, kv_heads, heads, kernel
     assert rel_error(bf16_to_float32(out), expected) <= 8e-3
 
 
+def test_decode_kernel_choice_follows_each_block_share_of_keys(monkeypatch):
+    from metrale.kernels import attention_staged
+
+    # (The GPU's head dims: under the simulator a warp has 8 lanes and serves at most 32 dims.)
+    monkeypatch.setattr(attention_staged, "supports", lambda *args: True)
+    monkeypatch.setattr(attention, "GROUPED_DECODE", "auto")
+    monkeypatch.setattr(attention, "STAGED_MAX_BLOCK_ELEMENTS", 8192)
+    # 128 keys of 64 dims a block: staged; of 128 dims, or 256 keys of 64: grouped.
+    assert attention.grouped_decode_kernel(32, 8, 64, 4, 512) == "staged"
+    assert attention.grouped_decode_kernel(32, 8, 128, 4, 512) == "grouped"
+    assert attention.grouped_decode_kernel(32, 8, 64, 8, 2048) == "grouped"
+    assert attention.grouped_decode_kernel(32, 8, 128, 16, 1000) == "staged"
+    monkeypatch.setattr(attention, "GROUPED_DECODE", "grouped")
+    assert attention.grouped_decode_kernel(32, 8, 64, 32, 512) == "grouped"
+    monkeypatch.setattr(attention, "GROUPED_DECODE", "staged")
+    assert attention.grouped_decode_kernel(32, 8, 128, 1, 100000) == "staged"
+
+
+@pytest.mark.parametrize("kernel", ["grouped", "staged"])
 @pytest.mark.parametrize("window", [None, 21])
-def test_grouped_attention_walks_several_tiles(window, monkeypatch):
-    # One split per row, so each warp of a block walks several tiles of keys and the online
-    # softmax rescales between them; the rows end mid-tile and mid-block.
+def test_grouped_attention_walks_several_tiles(window, kernel, monkeypatch):
+    # One split per row, so each warp of a block walks several tiles (chunks) of keys and the
+    # online softmax rescales between them; the rows end mid-tile and mid-block.
     from metrale.kernels import attention_grouped
 
+    monkeypatch.setattr(attention, "GROUPED_DECODE", kernel)
     monkeypatch.setattr(attention_grouped, "MIN_SPLIT_KEYS", 1000)
     rng = np.random.default_rng(8)
     heads, kv_heads, head_dim, block_size = 3, 1, 16, 4
