@@ -49,7 +49,7 @@ class CudaBackend(Backend):
         #: cuBLAS measured about twice as fast on the H200 (docs/benchmarks), so never by default.
         self.gemv_rows = 0
         self._sample = sample
-        self._sampling: dict[int, Any] = {}
+        self._sampling: dict[tuple[int, int], Any] = {}
         cp, stream = cupy, self.stream
         f32, bf16 = np.float32, np.uint16
 
@@ -203,7 +203,11 @@ class CudaBackend(Backend):
 
         cp = self.xp
         rows = len(params)
-        buffers = self._sampling_buffers(rows)
+        with self.stream:
+            logits = logits.reshape(rows, -1)
+            if logits.dtype != np.float32 or not logits.flags.c_contiguous:
+                logits = cp.ascontiguousarray(logits, dtype=np.float32)
+        buffers = self._sampling_buffers(rows, logits.shape[1])
         temperature, top_k, top_p = parameter_arrays(params)
         host = buffers.host
         host.seeds[:] = np.asarray(seeds, dtype=np.uint64).view(np.int64)
@@ -213,26 +217,48 @@ class CudaBackend(Backend):
         host.top_p[:] = top_p
         host.uniforms[:] = -1.0  # draw from (seed, step)
         with self.stream:
-            logits = cp.ascontiguousarray(logits.reshape(rows, -1), dtype=np.float32)
-            # One upload of every row's parameters, one download of the tokens.
+            # One upload of every row's parameters, the logits into the sampler's own buffer,
+            # the kernel (replayed from a graph after its first run: a numba launch costs far
+            # more host time), one download of the tokens.
             buffers.device.data.copy_from_host_async(
                 host.packed.ctypes.data_as(ctypes.c_void_p), host.packed.nbytes, self.stream
             )
-            device = buffers.views
-            self._sample(
-                logits, device.temperature, device.top_k, device.top_p, device.seeds, device.steps,
-                device.uniforms, device.tokens, self.stream,
-            )
-            device.tokens.data.copy_to_host_async(
-                host.tokens.ctypes.data_as(ctypes.c_void_p), host.tokens.nbytes, self.stream
-            )
+            buffers.logits.data.copy_from_device_async(logits.data, logits.nbytes, self.stream)
+            if buffers.graph:
+                buffers.graph.launch(stream=self.stream)
+            else:
+                self._run_sampler(buffers)
+                if self.cuda_graphs and buffers.graph is None:
+                    buffers.graph = self._record_sampler(buffers)
+            tokens = buffers.views.tokens
+            tokens.data.copy_to_host_async(host.tokens.ctypes.data_as(ctypes.c_void_p), host.tokens.nbytes, self.stream)
         self.stream.synchronize()
         return host.tokens.tolist()
 
-    def _sampling_buffers(self, rows: int) -> Any:
-        """Pinned host and device buffers of ``rows`` rows of sampling parameters, kept per row
-        count (each call synchronises before it returns, so reuse is safe)."""
-        buffers = self._sampling.get(rows)
+    def _run_sampler(self, buffers: Any) -> None:
+        device = buffers.views
+        self._sample(
+            buffers.logits, device.temperature, device.top_k, device.top_p, device.seeds, device.steps,
+            device.uniforms, device.tokens, self.stream,
+        )
+
+    def _record_sampler(self, buffers: Any) -> Any:
+        """A graph of the sampler kernel on ``buffers``, or False when recording fails (the
+        sampler then stays eager for this shape; the capture is ended and discarded)."""
+        self.stream.begin_capture(getattr(self.xp.cuda.runtime, "streamCaptureModeRelaxed", 2))
+        try:
+            self._run_sampler(buffers)
+            return self.stream.end_capture()
+        except Exception:
+            if self.stream.is_capturing():
+                self.stream.end_capture()
+            return False
+
+    def _sampling_buffers(self, rows: int, vocab: int) -> Any:
+        """Pinned host and device buffers of ``rows`` rows of sampling parameters, logits and
+        tokens, with the sampler's graph; kept per shape (each call synchronises before it
+        returns, so reuse is safe)."""
+        buffers = self._sampling.get((rows, vocab))
         if buffers is not None:
             return buffers
         import cupyx
@@ -240,9 +266,10 @@ class CudaBackend(Backend):
         # Packed per row: seed and step (int64), temperature, top_k, top_p, uniform (32-bit).
         packed = cupyx.empty_pinned((rows * 32,), dtype=np.uint8)
         tokens = cupyx.empty_pinned((rows,), dtype=np.int32)
-        with self.stream:
+        with self.stream, self.xp.cuda.using_allocator(self.graph_pool.malloc):
             device = self.xp.empty(rows * 32, dtype=np.uint8)
             out = self.xp.empty(rows, dtype=np.int32)
+            logits = self.xp.empty((rows, vocab), dtype=np.float32)
 
         def fields(array: Any) -> dict[str, Any]:
             return {
@@ -254,9 +281,11 @@ class CudaBackend(Backend):
                 "uniforms": array[28 * rows : 32 * rows].view(np.float32),
             }
 
-        buffers = self._sampling[rows] = SimpleNamespace(
+        buffers = self._sampling[(rows, vocab)] = SimpleNamespace(
             host=SimpleNamespace(packed=packed, tokens=tokens, **fields(packed)),
             device=device,
+            logits=logits,
             views=SimpleNamespace(tokens=out, **fields(device)),
+            graph=None,
         )
         return buffers
