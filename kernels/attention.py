@@ -255,25 +255,17 @@ def split_count(rows: int, heads: int, kv_heads: int, head_dim: int, value_dim: 
     return attention_splits(max_context)
 
 
-def arrival_slots(rows: int, heads: int, kv_heads: int) -> int:
-    """Entries of the ``arrivals`` vector :func:`paged_attention` needs to merge splits in-kernel."""
-    return rows * kv_heads * attention_grouped.head_blocks(heads, kv_heads)
-
-
 def paged_attention(
     q: object, k_cache: object, v_cache: object, block_tables: object, seq_index: object, positions: object,
     scale: float, sliding_window: int | None, max_context: int, workspace: tuple, out: object,
-    stream: object = None, arrivals: object = None,
+    stream: object = None,
 ) -> object:
     """CUDA launcher of :func:`paged_attention_reference` writing bf16 ``out [N, nh * dv]``.
 
     ``max_context`` bounds every row's position + 1 (with the batch geometry it fixes the number
     of key splits, :func:`split_count`, so a captured graph stays valid for any shorter context);
     ``workspace`` is ``(acc, max, sum)`` of shapes ``[N, nh, splits, dv]``, ``[N, nh, splits]``,
-    ``[N, nh, splits]`` float32. ``arrivals``, an all-zero int32 vector, lets the staged kernel
-    merge its key splits itself (its last block per row and head chunk does, and leaves the
-    vector zero again) when it holds at least :func:`arrival_slots` entries; without it, or
-    smaller, a combine kernel merges them.
+    ``[N, nh, splits]`` float32.
     """
     op = "paged_attention"
     check_array(op, "q", q, np.float32, ndim=3)
@@ -302,28 +294,18 @@ def paged_attention(
     window = np.int32(sliding_window or 0)
     if attention_grouped.supports(heads, kv_heads, head_dim, value_dim):
         grid = (rows, kv_heads * attention_grouped.head_blocks(heads, kv_heads), splits)
-        arguments = (
+        if grouped_decode_kernel(heads, kv_heads, head_dim, splits, max_context) == "staged":
+            kernel, threads = attention_staged.paged_attention_staged_kernel, attention_staged.STAGED_THREADS
+        else:
+            kernel, threads = attention_grouped.paged_attention_grouped_kernel, attention_grouped.DECODE_THREADS
+        kernel[grid, threads, launch](
             device_view(q), device_view(attention_grouped.as_rows(k_cache)),
             device_view(attention_grouped.as_rows(v_cache)), np.int32(k_cache.shape[1]), np.int32(kv_heads),
             device_view(block_tables),
             device_view(seq_index), device_view(positions), np.float32(scale), window,
             device_view(acc), device_view(best), device_view(total), device_view(out),
         )
-        merged = False
-        if grouped_decode_kernel(heads, kv_heads, head_dim, splits, max_context) == "staged":
-            slots = rows * grid[1]
-            merged = splits > 1 and arrivals is not None and arrivals.shape[0] >= slots
-            if merged:
-                check_array(op, "arrivals", arrivals, np.int32, ndim=1)
-                counts = arrivals[:slots].reshape(rows, grid[1])
-            else:
-                counts = positions[:0].reshape(0, 0)  # (no in-kernel merge)
-            attention_staged.paged_attention_staged_kernel[grid, attention_staged.STAGED_THREADS, launch](
-                *arguments, device_view(counts)
-            )
-        else:
-            attention_grouped.paged_attention_grouped_kernel[grid, attention_grouped.DECODE_THREADS, launch](*arguments)
-        if splits > 1 and not merged:
+        if splits > 1:
             attention_grouped.grouped_combine_kernel[(rows, heads), attention_grouped.COMBINE_THREADS, launch](
                 device_view(acc), device_view(best), device_view(total), device_view(out)
             )

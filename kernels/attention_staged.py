@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32, int32, int64, uint32, uint64
+from numba import cuda, float32, int64, uint32, uint64
 
 from metrale.kernels._device import SIMULATED, fast_exp, float_to_bf16, float_to_bits, inline_device
 from metrale.kernels.attention_grouped import (
@@ -93,15 +93,12 @@ def store_chunk(stage_k, stage_v, keys_shared, values_shared, buffer, first_key,
 @cuda.jit(cache=True)
 def paged_attention_staged_kernel(
     q, k_rows, v_rows, block_size, kv_heads, block_tables, seq_index, positions, scale, sliding_window, out_acc,
-    out_max, out_sum, out, arrivals,
+    out_max, out_sum, out,
 ):
     # Grid: (N rows, n_kv_heads * head_blocks, splits); STAGED_THREADS threads. Arguments as in
     # attention_grouped.paged_attention_grouped_kernel: q [N, nh, d] f32; k_rows / v_rows the
     # bf16 caches viewed as uint64 rows [blocks * block_size * kv_heads, d / 4]; splits == 1: out
     # [N, nh * d] bf16 bits, else out_acc [N, nh, splits, d], out_max / out_sum [N, nh, splits].
-    # arrivals: int32 [N, gridDim.y], all zero, or [0, 0]. With it, the last split block of each
-    # (row, head chunk) to finish merges the splits into out itself and sets its count back to
-    # zero (no combine kernel); without it the blocks leave the partials to the combine kernel.
     row = cuda.blockIdx.x
     split = cuda.blockIdx.z
     splits = cuda.gridDim.z
@@ -140,11 +137,6 @@ def paged_attention_staged_kernel(
     query = cuda.shared.array(QUERY_PAIRS, uint64)
     weights = cuda.shared.array(STAGED_THREADS, float32)
     scratch = cuda.shared.array(SCRATCH_ELEMENTS, float32)
-    # (All shared arrays are declared here, before any barrier: the simulator creates each on
-    # the first thread to reach it, and threads leaving a barrier together would race.)
-    last = cuda.shared.array(1, int32)  # whether this block merges the splits
-    merge_weights = cuda.shared.array(STAGED_THREADS, float32)  # [heads, splits]
-    merge_totals = cuda.shared.array(STAGED_WARPS, float32)
     stage_k = cuda.local.array(STAGE_WORDS, uint64)
     stage_v = cuda.local.array(STAGE_WORDS, uint64)
 
@@ -258,46 +250,3 @@ def paged_attention_staged_kernel(
             if lane == 0:
                 out_max[row, head, split] = running_max
                 out_sum[row, head, split] = total
-    if splits == 1 or arrivals.shape[0] == 0:
-        return
-
-    # Merge by the last block to arrive: its partials' stores are made visible first, then one
-    # thread takes a ticket.
-    cuda.threadfence()
-    cuda.syncthreads()
-    if tid == 0:
-        ticket = cuda.atomic.add(arrivals, (row, cuda.blockIdx.y), 1)
-        last[0] = 1 if ticket == splits - 1 else 0
-    cuda.syncthreads()
-    if last[0] == 0:
-        return
-    cuda.threadfence()
-    if tid == 0:
-        arrivals[row, cuda.blockIdx.y] = 0  # zero again for the next launch (or graph replay)
-    # Warp g, lane s: head g's split s, weighted by exp(max_s - max) (empty splits weigh 0).
-    split_max = float32(NEGATIVE_INFINITY)
-    split_sum = float32(0.0)
-    if head_valid and lane < splits:
-        split_sum = out_sum[row, head, lane]
-        if split_sum > 0.0:
-            split_max = out_max[row, head, lane]
-    best = warp_max(scratch, tid, lane, split_max)
-    weight = float32(0.0)
-    if split_sum > 0.0:
-        weight = fast_exp(split_max - best)
-    merge_weights[tid] = weight
-    merged_total = warp_sum(scratch, tid, lane, weight * split_sum)
-    if lane == 0:
-        merge_totals[warp] = merged_total
-    cuda.syncthreads()
-    first_head = kv_head * group + (cuda.blockIdx.y % chunks_per_kv) * STAGED_WARPS
-    heads_here = min(STAGED_WARPS, kv_head * group + group - first_head)
-    for e in range(tid, uint32(heads_here) * head_dim, uint32(STAGED_THREADS)):
-        g = uint32(e) // head_dim
-        dim = uint32(e) % head_dim
-        numerator = float32(0.0)
-        for s in range(splits):
-            numerator += merge_weights[g * uint32(WARP) + uint32(s)] * out_acc[row, first_head + g, s, dim]
-        denominator = merge_totals[g]
-        value = numerator / denominator if denominator > 0.0 else float32(0.0)
-        out[row, int64(first_head + g) * head_dim + dim] = float_to_bf16(value)

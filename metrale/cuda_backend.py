@@ -50,7 +50,6 @@ class CudaBackend(Backend):
         self.gemv_rows = 0
         self._sample = sample
         self._sampling: dict[tuple[int, int], Any] = {}
-        self._arrivals: list[Any] = []
         cp, stream = cupy, self.stream
         f32, bf16 = np.float32, np.uint16
 
@@ -121,16 +120,8 @@ class CudaBackend(Backend):
             )
             return attention.paged_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_index, batch.positions, scale, sliding_window,
-                batch.max_context, workspace, out, stream, arrivals(attention.arrival_slots(rows, heads, kv_heads)),
+                batch.max_context, workspace, out, stream,
             )
-
-        def arrivals(slots):
-            # The zeroed counters the staged attention kernel merges its splits with. Kept (and
-            # never freed: captured graphs hold their address); each launch leaves them zero.
-            if not self._arrivals or self._arrivals[-1].shape[0] < slots:
-                with cp.cuda.using_allocator(self.graph_pool.malloc):
-                    self._arrivals.append(cp.zeros(max(slots, 1 << 14), dtype=np.int32))
-            return self._arrivals[-1]
 
         def silu_and_mul(gate_up):
             out = cp.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=bf16)

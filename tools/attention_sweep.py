@@ -3,8 +3,7 @@
     python tools/attention_sweep.py [--head-dim 128] [--contexts 512,2048] [--warps 2,4,8]
 
 Prints, for each batch size, context, split count and warps per block, the grouped kernel alone,
-the staged kernel (:mod:`metrale.kernels.attention_staged`, four warps) alone and merging its
-splits itself, the combine kernel alone (one per split count) and an empty kernel (the per-node cost of a
+the staged kernel (:mod:`metrale.kernels.attention_staged`, four warps) alone, the combine kernel alone (one per split count) and an empty kernel (the per-node cost of a
 graph), each timed as in ``profile_decode.py``; ``<- split_count`` marks the split count the
 launcher picks.
 """
@@ -58,8 +57,6 @@ def main() -> None:
         q = cp.asarray(np.random.default_rng(1).standard_normal((rows, heads, d)).astype(np.float32))
         out = cp.zeros((rows, heads * d), dtype=np.uint16)
         kv_bytes = 2 * rows * context * kv * d * 2
-        no_merge = cp.zeros((0, 0), dtype=np.int32)
-        arrivals = cp.zeros(rows * kv * attention_grouped.head_blocks(heads, kv), dtype=np.int32)
         chosen = attention_grouped.split_count(rows, heads, kv, context)
         for splits in [int(s) for s in args.splits.split(",")]:
             acc = cp.zeros((rows, heads, splits, d), dtype=np.float32)
@@ -87,20 +84,16 @@ def main() -> None:
                 g = graph_time_us(backend, grouped)
                 cells.append(f"{warps:2d} warps {g:7.2f} us ({kv_bytes / g / 1e3:5.0f} GB/s)")
 
-            def staged(counts):
+            def staged():
                 staged_kernel[grid, attention_staged.STAGED_THREADS, launch](
                     device_view(q), device_view(attention_grouped.as_rows(k)), device_view(attention_grouped.as_rows(v)),
                     np.int32(16), np.int32(kv),
                     device_view(tables), device_view(seq_index), device_view(positions), np.float32(d**-0.5),
                     np.int32(0), device_view(acc), device_view(best), device_view(total), device_view(out),
-                    device_view(counts),
                 )
 
-            s = graph_time_us(backend, lambda: staged(no_merge))
+            s = graph_time_us(backend, staged)
             cells.append(f"staged {s:7.2f} us ({kv_bytes / s / 1e3:5.0f} GB/s)")
-            if splits > 1:
-                merging = graph_time_us(backend, lambda: staged(arrivals[: grid[0] * grid[1]].reshape(grid[0], grid[1])))
-                cells.append(f"staged merging {merging:7.2f} us")
             mark = "  <- split_count" if splits == chosen else ""
             print(f"rows {rows:3d} context {context:5d} splits {splits:3d}: " + "  ".join(cells)
                   + f"  combine {c:6.2f} us{mark}")

@@ -51,7 +51,7 @@ def kernels():
             c(f32, 3), c(f32, 3), c(u16, 2))),
         "paged_attention_staged": (attention_staged.paged_attention_staged_kernel, (
             c(f32, 3), c(u64, 2), c(u64, 2), i32, i32, c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4),
-            c(f32, 3), c(f32, 3), c(u16, 2), c(i32, 2))),
+            c(f32, 3), c(f32, 3), c(u16, 2))),
         "grouped_combine": (attention_grouped.grouped_combine_kernel, (c(f32, 4), c(f32, 3), c(f32, 3), c(u16, 2))),
         "paged_attention_prefill": (attention_prefill.paged_attention_prefill_kernel, (
             c(f32, 3), c(u32, 4), c(u32, 4), c(i32, 2), c(i32, 1), c(i32, 1), c(i32, 2), f32, i32, c(u16, 2))),

@@ -136,8 +136,7 @@ GEOMETRIES = [(None, 2, 4), (3, 2, 4), (None, 1, 4), (5, 4, 4), (None, 1, 6)]  #
     [("per-head", 8, *g) for g in GEOMETRIES]
     + [(k, 32, *GEOMETRIES[1]) for k in ("grouped", "staged")]
     + [(k, 16, *GEOMETRIES[3]) for k in ("grouped", "staged")]
-    + [(k, 16, *GEOMETRIES[4]) for k in ("grouped", "staged", "staged merging")]
-    + [("staged merging", 32, *GEOMETRIES[1])]
+    + [(k, 16, *GEOMETRIES[4]) for k in ("grouped", "staged")]
     + [(f"{k} one split", 32, *GEOMETRIES[0]) for k in ("grouped", "staged")],
 )
 def test_paged_attention_decode_and_prefill_rows(window, kv_heads, heads, kernel, head_dim, monkeypatch):
@@ -169,14 +168,9 @@ def test_paged_attention_decode_and_prefill_rows(window, kv_heads, heads, kernel
     workspace = (np.zeros((4, heads, splits, head_dim), np.float32), np.zeros((4, heads, splits), np.float32),
                  np.zeros((4, heads, splits), np.float32))
     out = np.zeros((4, heads * head_dim), np.uint16)
-    # "merging": the kernel's last block per row and head chunk merges the splits (and leaves the
-    # arrival counts zero); a shorter vector than it needs falls back to the combine kernel.
-    arrivals = np.zeros(attention.arrival_slots(4, heads, kv_heads), np.int32) if "merging" in kernel else None
     attention.paged_attention(q, k_cache, v_cache, block_tables, seq_index, positions, head_dim**-0.5, window, 9,
-                              workspace, out, arrivals=arrivals)
+                              workspace, out)
     assert rel_error(bf16_to_float32(out), expected) <= 8e-3
-    if arrivals is not None:
-        assert not arrivals.any()
 
 
 def test_decode_kernel_choice_follows_each_block_share_of_keys(monkeypatch):
