@@ -64,6 +64,13 @@ class ForwardBatch:
         """Lay out ``segments`` (whose sequences already hold enough cache blocks)."""
         if not segments:
             raise CacheError("a forward batch needs at least one segment")
+        if all(len(s.token_ids) == 1 and s.logits == "last" for s in segments):
+            return cls._build_decode(segments, block_size)
+        return cls._build_rows(segments, block_size)
+
+    @classmethod
+    def _build_rows(cls, segments: list[Segment], block_size: int) -> "ForwardBatch":
+        """:meth:`build` for any segments."""
         count = len(segments)
         lengths = np.fromiter((len(s.token_ids) for s in segments), dtype=np.int64, count=count)
         if not lengths.all():
@@ -103,4 +110,33 @@ class ForwardBatch:
             row_starts=row_starts,
             logits_rows=np.asarray(logits_rows, dtype=np.int64),
             max_context=int(positions.max()) + 1,
+        )
+
+    @classmethod
+    def _build_decode(cls, segments: list[Segment], block_size: int) -> "ForwardBatch":
+        """:meth:`build` for one new token per segment with its logits (a decode step): the same
+        batch, laid out with plain lists (per-row NumPy calls cost more than they save here)."""
+        count = len(segments)
+        tables = [s.seq.block_table for s in segments]
+        starts = [s.start for s in segments]
+        width = max(max(len(table) for table in tables), 1)
+        for segment, table, start in zip(segments, tables, starts):
+            if start >= len(table) * block_size:
+                raise CacheError(
+                    f"sequence {segment.seq.seq_id} holds {len(table)} blocks, too few for position {start}"
+                )
+        rows = np.arange(count, dtype=np.int64)
+        return cls(
+            segments=segments,
+            token_ids=np.array([s.token_ids[0] for s in segments], dtype=np.int64),
+            positions=np.array(starts, dtype=np.int64),
+            seq_index=rows,
+            slot_mapping=np.array(
+                [table[start // block_size] * block_size + start % block_size for table, start in zip(tables, starts)],
+                dtype=np.int64,
+            ),
+            block_tables=np.array([table + [0] * (width - len(table)) for table in tables], dtype=np.int64),
+            row_starts=np.arange(count + 1, dtype=np.int64),
+            logits_rows=rows.copy(),
+            max_context=max(starts) + 1,
         )

@@ -44,3 +44,24 @@ def test_bad_segments_are_refused():
         ForwardBatch.build([Segment(sequence([1], 0), [], 0)], 4)
     with pytest.raises(CacheError, match="too few for position 4"):
         ForwardBatch.build([Segment(sequence([1], 0), [1, 2, 3, 4, 5], 0)], 4)
+
+
+def test_decode_batches_take_a_shortcut_with_the_same_layout():
+    rng = np.random.default_rng(3)
+    block_size = 4
+    for _ in range(20):
+        count = int(rng.integers(1, 9))
+        segments = []
+        for _ in range(count):
+            blocks = int(rng.integers(1, 6))
+            position = int(rng.integers(0, blocks * block_size))
+            table = rng.choice(np.arange(1, 50), blocks, replace=False).tolist()
+            segments.append(Segment(sequence(table, position), [int(rng.integers(0, 1000))], position, "last"))
+        fast = ForwardBatch.build(segments, block_size)
+        general = ForwardBatch._build_rows(segments, block_size)
+        for name in ("token_ids", "positions", "seq_index", "slot_mapping", "block_tables", "row_starts", "logits_rows"):
+            assert getattr(fast, name).tolist() == getattr(general, name).tolist(), name
+            assert getattr(fast, name).dtype == getattr(general, name).dtype, name
+        assert fast.max_context == general.max_context
+    with pytest.raises(CacheError, match="too few for position 4"):
+        ForwardBatch.build([Segment(sequence([1], 4), [7], 4)], 4)

@@ -144,7 +144,7 @@ class ModelCache:
 
     def blocks_needed(self, seq: SequenceState, num_tokens: int) -> int:
         """Blocks ``seq`` still lacks to hold positions ``[0, num_tokens)``."""
-        return max(0, math.ceil(num_tokens / self.block_size) - len(seq.block_table))
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
     def reserve(self, seq: SequenceState, num_tokens: int) -> None:
         """Make ``seq``'s block table cover positions ``[0, num_tokens)`` (all or nothing);
