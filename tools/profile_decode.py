@@ -3,7 +3,8 @@
     python tools/profile_decode.py [--shape llama-1b] [--batch 1] [--context 512]
 
 Needs a CUDA device (and what ``metrale bench`` needs). Prints the whole step through
-``ModelForward.decode_batch`` (host clock, synchronised), the bare graph replay (CUDA events),
+``ModelForward.decode_batch`` (host clock, synchronised), the same followed by the device sampler
+and its tokens read back (the step ``metrale bench`` times), the bare graph replay (CUDA events),
 and a table of every op of one decode forward: each call is recorded into its own CUDA graph
 ``REPEATS`` times and replayed, so the figure is the op's GPU time without launch overhead.
 Ops are grouped by name and argument shapes; GEMMs also show the GB/s of their weight reads.
@@ -60,6 +61,7 @@ def main() -> None:
 
     from metrale.api import LLM
     from metrale.bench import build_checkpoint
+    from metrale.params import SamplingParams
     from metrale.sequence import SequenceState
 
     folder = build_checkpoint(args.shape, Path(args.workdir) / args.shape)
@@ -81,6 +83,14 @@ def main() -> None:
         llm.forward.decode_batch(tokens, seqs)
         backend.synchronize()
         steps.append(time.perf_counter() - started)
+    # The step as the generation loop runs it: the forward, then the device sampler and the
+    # tokens read back (what ``metrale bench`` times).
+    greedy, seeds = [SamplingParams(temperature=0.0)] * args.batch, list(range(args.batch))
+    sampled_steps = []
+    for _ in range(30):
+        started = time.perf_counter()
+        backend.sample_tokens(llm.forward.decode_batch(tokens, seqs), greedy, seeds, [0] * args.batch)
+        sampled_steps.append(time.perf_counter() - started)
     runner = backend.graph_runner(llm.model)
     rung = runner.rungs[runner.rung_size(args.batch)]
     replays = []
@@ -130,6 +140,7 @@ def main() -> None:
     total = sum(sum(values) for values in groups.values())
     print(f"shape {args.shape} batch {args.batch} context {args.context}")
     print(f"whole step (host clock):   {1e3 * statistics.median(steps):8.3f} ms")
+    print(f"... with sampling:         {1e3 * statistics.median(sampled_steps):8.3f} ms")
     print(f"graph replay (events):     {statistics.median(replays):8.3f} ms")
     print(f"sum of op times:           {total / 1e3:8.3f} ms over {len(calls)} op calls")
     print(f"{'op':58} {'calls':>5} {'us/call':>9} {'total us':>9} {'GB/s':>7}")
