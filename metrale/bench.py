@@ -334,4 +334,18 @@ def table(results: dict[str, Any]) -> str:
                     f"{shape:10} {engine:12} {key + ' tok/s':14} {rate:12.1f} "
                     f"{'' if gbps is None else f'{gbps:8.0f}'} {'' if fraction is None else f'{100 * fraction:8.1f}'}"
                 )
+        lines += [f"{shape:10} {label:12} {key:14} {ratio:11.1f}x" for label, key, ratio in speedups(entry)]
     return "\n".join(lines)
+
+
+def speedups(entry: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """``(vs engine, metric, Metrale tok/s over theirs)`` for every metric both measured."""
+    ours = entry.get("metrale") or {}
+    rows = []
+    for engine in ("hf_eager", "hf_compiled"):
+        theirs = entry.get(engine) or {}
+        for key, value in ours.items():
+            other = theirs.get(key)
+            if isinstance(value, dict) and isinstance(other, dict) and value.get("tok_s") and other.get("tok_s"):
+                rows.append((f"vs {engine}", key, value["tok_s"] / other["tok_s"]))
+    return rows

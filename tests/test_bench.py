@@ -88,6 +88,10 @@ def test_every_stage_runs_and_failures_are_reported(stand_ins):
     rows = bench.table(results).splitlines()
     assert any(row.split()[:3] == ["llama-1b", "metrale", "decode_b1"] and "100.0" in row for row in rows)
     assert any(row.split()[:2] == ["llama-8b", "metrale"] and "out of memory" in row for row in rows)
+    # Metrale against transformers, per metric both measured (100 against 10 tok/s).
+    assert [row.split() for row in rows if "vs" in row.split()] == [
+        ["llama-1b", "vs", "hf_eager", "decode_b1", "10.0x"]
+    ]
 
 
 def test_without_transformers_only_metrale_runs(stand_ins):
