@@ -72,9 +72,9 @@ def float_to_bf16(value):
 
 
 # Numba's launch path costs a host round trip per wrapper it builds: a stream wrapper and a
-# device-array view of each argument took about 7 and 15 microseconds on the GPU machine's host,
-# and a launch with fresh ones about 240 microseconds against 42 with reused ones
-# (tools/launch_overhead.py). Both are plain descriptors (a stream handle; a pointer, shape,
+# device-array view of each argument took 7-12 and 15-25 microseconds on the GPU machine's host,
+# and a launch with fresh ones 240-434 microseconds against 42-69 with reused ones
+# (tools/launch_overhead.py, two runs). Both are plain descriptors (a stream handle; a pointer, shape,
 # strides and dtype that own no memory), so they are kept and reused by value.
 VIEW_CACHE_SIZE = 4096
 _stream_views: dict[int, Any] = {}

@@ -135,7 +135,7 @@ class ForwardBatch:
                 [table[start // block_size] * block_size + start % block_size for table, start in zip(tables, starts)],
                 dtype=np.int64,
             ),
-            block_tables=np.array([table + [0] * (width - len(table)) for table in tables], dtype=np.int64),
+            block_tables=np.array([[*table, *[0] * (width - len(table))] for table in tables], dtype=np.int64),
             row_starts=np.arange(count + 1, dtype=np.int64),
             logits_rows=rows.copy(),
             max_context=max(starts) + 1,

@@ -9,7 +9,6 @@ handle use. Decode steps are replayed from CUDA graphs (:mod:`metrale.engine.cud
 from __future__ import annotations
 
 import ctypes
-
 from types import SimpleNamespace
 from typing import Any, Sequence
 

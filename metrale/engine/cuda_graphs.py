@@ -14,7 +14,6 @@ discards the capture before it propagates; the next call records again.
 from __future__ import annotations
 
 import ctypes
-
 import math
 from dataclasses import dataclass
 from typing import Any
