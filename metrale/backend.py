@@ -145,6 +145,18 @@ def cuda_device_present() -> bool:
         return False
 
 
+def cuda_unavailable_reason() -> str | None:
+    """Why the CUDA backend cannot run here (no device, or the gpu extra missing), or None."""
+    if not cuda_device_present():
+        return "no CUDA device is available"
+    try:
+        import cupy  # noqa: F401
+        import nvmath.bindings.cublas  # noqa: F401
+    except ImportError as error:
+        return f"the gpu extra is not installed ({error}); pip install 'metrale[gpu]'"
+    return None
+
+
 def get_backend(device: str, **options: Any) -> Backend:
     """The backend for ``device`` (``"auto"``, ``"cpu"`` or ``"cuda"``).
 
@@ -154,15 +166,7 @@ def get_backend(device: str, **options: Any) -> Backend:
         return CpuBackend()
     if device not in ("auto", "cuda"):
         raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    reason = None
-    if not cuda_device_present():
-        reason = "no CUDA device is available"
-    else:
-        try:
-            import cupy  # noqa: F401
-            import nvmath.bindings.cublas  # noqa: F401
-        except ImportError as error:
-            reason = f"the gpu extra is not installed ({error}); pip install 'metrale[gpu]'"
+    reason = cuda_unavailable_reason()
     if reason is None:
         from metrale.cuda_backend import CudaBackend
 

@@ -72,8 +72,9 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from metrale import backend
     from metrale.bench import SHAPES, BenchOptions, run, table
-    from metrale.errors import ConfigError
+    from metrale.errors import BackendUnavailableError, ConfigError
 
     shapes = tuple(s for s in args.shapes.split(",") if s)
     unknown = [s for s in shapes if s not in SHAPES]
@@ -84,6 +85,15 @@ def _bench(args: argparse.Namespace) -> int:
         prefill_lengths = tuple(int(n) for n in args.prefill_lengths.split(",") if n)
     except ValueError as error:
         raise ConfigError(f"--batch-sizes and --prefill-lengths take comma-separated ints: {error}") from None
+    counts = {"--batch-sizes": min(batch_sizes, default=0), "--context": args.context, "--decode-steps": args.decode_steps}
+    if prefill_lengths:
+        counts["--prefill-lengths"] = min(prefill_lengths)
+    for option, value in counts.items():
+        if value < 1:
+            raise ConfigError(f"{option} takes positive numbers, got {value}")
+    reason = backend.cuda_unavailable_reason()
+    if reason is not None:
+        raise BackendUnavailableError(f"metrale bench needs a CUDA device: {reason}")
     options = BenchOptions(
         shapes=shapes, batch_sizes=batch_sizes, context=args.context, decode_steps=args.decode_steps,
         prefill_lengths=prefill_lengths, hf=not args.no_hf, hf_compile=args.hf_compile,

@@ -64,3 +64,25 @@ def test_help_everywhere(args, capsys):
 def test_console_script_is_installed():
     result = subprocess.run([sys.executable, "-m", "metrale.cli", "--version"], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.startswith("metrale ")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch-sizes", "0,32"], "--batch-sizes takes positive numbers, got 0"),
+        (["--context", "-5"], "--context takes positive numbers, got -5"),
+        (["--prefill-lengths", "512,x"], "comma-separated ints"),
+        (["--shapes", "llama-2b"], "unknown shapes ['llama-2b']"),
+    ],
+)
+def test_bench_refuses_bad_options_before_touching_a_device(args, message, capsys):
+    assert main(["bench", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_without_a_cuda_device_says_so(monkeypatch, capsys):
+    from metrale import backend
+
+    monkeypatch.setattr(backend, "cuda_unavailable_reason", lambda: "no CUDA device is available")
+    assert main(["bench", "--shapes", "llama-1b"]) == 2
+    assert "metrale bench needs a CUDA device: no CUDA device is available" in capsys.readouterr().err
