@@ -128,13 +128,21 @@ class FamilyModel:
         """Reserve cache for ``segments`` (all or nothing), run them, advance each ``seq_len``."""
         cache = self._require_cache()
         self._check_segments(segments)
-        needed = self.blocks_needed(segments)
+        ends = [segment.end for segment in segments]
+        missing = (
+            [cache.blocks_needed(segment.seq, end) for segment, end in zip(segments, ends)]
+            if cache.spec.uses_blocks else [0] * len(segments)
+        )
+        needed = sum(missing)
         if needed > cache.num_free_blocks:
             raise OutOfCacheBlocksError(
                 f"the call needs {needed} KV blocks, only {cache.num_free_blocks} are free"
             )
-        for segment in segments:
-            cache.reserve(segment.seq, segment.end)
+        for segment, end, blocks in zip(segments, ends, missing):
+            # (Nothing to reserve for a sequence whose blocks already cover the call and that
+            # needs no recurrent-state slot: most sequences of a decode step.)
+            if blocks or cache.state_slots is not None:
+                cache.reserve(segment.seq, end)
         batch = ForwardBatch.build(segments, cache.block_size)
         runner = self.backend.graph_runner(self)
         with self.backend.activate():
@@ -142,8 +150,8 @@ class FamilyModel:
                 logits = runner.run(batch)
             else:
                 logits = self.forward_batch(self.backend.prepare_batch(batch))
-        for segment in segments:
-            segment.seq.seq_len = segment.end
+        for segment, end in zip(segments, ends):
+            segment.seq.seq_len = end
         return logits
 
     # -------------------------------------------------------------------- forward contract
