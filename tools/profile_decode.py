@@ -4,7 +4,8 @@
 
 Needs a CUDA device (and what ``metrale bench`` needs). Prints the whole step through
 ``ModelForward.decode_batch`` (host clock, synchronised), the same followed by the device sampler
-and its tokens read back (the step ``metrale bench`` times), the bare graph replay (CUDA events),
+and its tokens read back (greedy, as ``metrale bench`` times it; top-p; top-k with top-p), the
+bare graph replay (CUDA events),
 and a table of every op of one decode forward: each call is recorded into its own CUDA graph
 ``REPEATS`` times and replayed, so the figure is the op's GPU time without launch overhead.
 Ops are grouped by name and argument shapes; GEMMs also show the GB/s of their weight reads.
@@ -85,12 +86,19 @@ def main() -> None:
         steps.append(time.perf_counter() - started)
     # The step as the generation loop runs it: the forward, then the device sampler and the
     # tokens read back (what ``metrale bench`` times).
-    greedy, seeds = [SamplingParams(temperature=0.0)] * args.batch, list(range(args.batch))
-    sampled_steps = []
-    for _ in range(30):
-        started = time.perf_counter()
-        backend.sample_tokens(llm.forward.decode_batch(tokens, seqs), greedy, seeds, [0] * args.batch)
-        sampled_steps.append(time.perf_counter() - started)
+    seeds = list(range(args.batch))
+    sampled_steps: dict[str, list[float]] = {}
+    for label, params in (
+        ("greedy", SamplingParams(temperature=0.0)),
+        ("top-p", SamplingParams(temperature=0.7, top_p=0.95)),  # the generate command's defaults
+        ("top-k + top-p", SamplingParams(temperature=0.7, top_k=50, top_p=0.95)),
+    ):
+        sampled_steps[label] = []
+        for _ in range(20):
+            started = time.perf_counter()
+            backend.sample_tokens(llm.forward.decode_batch(tokens, seqs), [params] * args.batch, seeds,
+                                  [0] * args.batch)
+            sampled_steps[label].append(time.perf_counter() - started)
     runner = backend.graph_runner(llm.model)
     rung = runner.rungs[runner.rung_size(args.batch)]
     replays = []
@@ -140,7 +148,8 @@ def main() -> None:
     total = sum(sum(values) for values in groups.values())
     print(f"shape {args.shape} batch {args.batch} context {args.context}")
     print(f"whole step (host clock):   {1e3 * statistics.median(steps):8.3f} ms")
-    print(f"... with sampling:         {1e3 * statistics.median(sampled_steps):8.3f} ms")
+    for label, times in sampled_steps.items():
+        print(f"... sampling {label + ':':17}{1e3 * statistics.median(times):8.3f} ms")
     print(f"graph replay (events):     {statistics.median(replays):8.3f} ms")
     print(f"sum of op times:           {total / 1e3:8.3f} ms over {len(calls)} op calls")
     print(f"{'op':58} {'calls':>5} {'us/call':>9} {'total us':>9} {'GB/s':>7}")
