@@ -295,9 +295,9 @@ def paged_attention(
     if attention_grouped.supports(heads, kv_heads, head_dim, value_dim):
         grid = (rows, kv_heads * attention_grouped.head_blocks(heads, kv_heads), splits)
         if grouped_decode_kernel(heads, kv_heads, head_dim, splits, max_context) == "staged":
-            kernel, threads = attention_staged.paged_attention_staged_kernel, attention_staged.STAGED_THREADS
+            kernel, threads = attention_staged.staged_kernel(head_dim // 4), attention_staged.STAGED_THREADS
         else:
-            kernel, threads = attention_grouped.paged_attention_grouped_kernel, attention_grouped.DECODE_THREADS
+            kernel, threads = attention_grouped.grouped_kernel(head_dim // 4), attention_grouped.DECODE_THREADS
         kernel[grid, threads, launch](
             device_view(q), device_view(attention_grouped.as_rows(k_cache)),
             device_view(attention_grouped.as_rows(v_cache)), np.int32(k_cache.shape[1]), np.int32(kv_heads),

@@ -267,160 +267,176 @@ def cache_row_of(block_tables, seq, key, block_size, kv_heads, kv_head):
     return uint64((int64(block_tables[seq, key_block]) * block_size + offset) * kv_heads + kv_head)
 
 
-@cuda.jit(cache=True)
-def paged_attention_grouped_kernel(
-    q, k_rows, v_rows, block_size, kv_heads, block_tables, seq_index, positions, scale, sliding_window, out_acc,
-    out_max, out_sum, out,
-):
-    # Grid: (N rows, n_kv_heads * head_blocks, splits); block WARP * warps threads (warps <=
-    # MAX_DECODE_WARPS). q [N, nh, d] f32; k_rows / v_rows: the bf16 caches [blocks, block_size,
-    # kv_heads, d] viewed as uint64 rows [blocks * block_size * kv_heads, d / 4] (as_rows);
-    # block_tables [S, max_blocks] int32. splits == 1: out
-    # [N, nh * d] bf16 bits. Else out_acc [N, nh, splits, d] (exp-weighted V), out_max / out_sum
-    # [N, nh, splits].
-    row = cuda.blockIdx.x
-    split = cuda.blockIdx.z
-    splits = cuda.gridDim.z
-    tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
-    warps = threads // WARP
-    warp = tid // WARP
-    lane = tid % WARP
-    words = k_rows.shape[1]
-    head_dim = 4 * words
-    group = q.shape[1] // kv_heads
-    chunks = (group + HEADS_PER_BLOCK - 1) // HEADS_PER_BLOCK
-    kv_head = cuda.blockIdx.y // chunks
-    first_head = kv_head * group + (cuda.blockIdx.y % chunks) * HEADS_PER_BLOCK
-    heads_here = min(HEADS_PER_BLOCK, kv_head * group + group - first_head)
-    seq = seq_index[row]
-    position = positions[row]
-    start = 0
-    if sliding_window > 0:
-        start = max(0, position - sliding_window + 1)
-    per_split = (position + 1 - start + splits - 1) // splits
-    lo = start + split * per_split
-    hi = min(position + 1, lo + per_split)
-    # Score layout: lane reads part ``part`` of the tile's key ``key_slot``. Value layout: lane
-    # owns word ``column`` of the tile's keys ``subgroup + i * key_stride``.
-    key_slot = lane // LANES_PER_KEY
-    part = uint32(lane % LANES_PER_KEY)
-    column = uint32(lane % words)
-    subgroup = uint32(lane // words)
-    key_stride = uint32(WARP // words)
+def _make_grouped_kernel(word_count: int):
+    # The kernel for keys of ``word_count`` 64-bit words: a compile-time constant, so every loop
+    # over a key's words unrolls without guards and the compiler schedules its loads together.
+    @cuda.jit(cache=True)
+    def paged_attention_grouped_kernel(
+        q, k_rows, v_rows, block_size, kv_heads, block_tables, seq_index, positions, scale, sliding_window, out_acc,
+        out_max, out_sum, out,
+    ):
+        # Grid: (N rows, n_kv_heads * head_blocks, splits); block WARP * warps threads (warps <=
+        # MAX_DECODE_WARPS). q [N, nh, d] f32; k_rows / v_rows: the bf16 caches [blocks, block_size,
+        # kv_heads, d] viewed as uint64 rows [blocks * block_size * kv_heads, d / 4] (as_rows);
+        # block_tables [S, max_blocks] int32. splits == 1: out
+        # [N, nh * d] bf16 bits. Else out_acc [N, nh, splits, d] (exp-weighted V), out_max / out_sum
+        # [N, nh, splits].
+        row = cuda.blockIdx.x
+        split = cuda.blockIdx.z
+        splits = cuda.gridDim.z
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        warps = threads // WARP
+        warp = tid // WARP
+        lane = tid % WARP
+        words = uint32(word_count)  # (k_rows.shape[1], checked by the launcher)
+        head_dim = 4 * words
+        group = q.shape[1] // kv_heads
+        chunks = (group + HEADS_PER_BLOCK - 1) // HEADS_PER_BLOCK
+        kv_head = cuda.blockIdx.y // chunks
+        first_head = kv_head * group + (cuda.blockIdx.y % chunks) * HEADS_PER_BLOCK
+        heads_here = min(HEADS_PER_BLOCK, kv_head * group + group - first_head)
+        seq = seq_index[row]
+        position = positions[row]
+        start = 0
+        if sliding_window > 0:
+            start = max(0, position - sliding_window + 1)
+        per_split = (position + 1 - start + splits - 1) // splits
+        lo = start + split * per_split
+        hi = min(position + 1, lo + per_split)
+        # Score layout: lane reads part ``part`` of the tile's key ``key_slot``. Value layout: lane
+        # owns word ``column`` of the tile's keys ``subgroup + i * key_stride``.
+        key_slot = lane // LANES_PER_KEY
+        part = uint32(lane % LANES_PER_KEY)
+        column = uint32(lane % words)
+        subgroup = uint32(lane // words)
+        key_stride = uint32(WARP // words)
 
-    query = cuda.shared.array(QUERY_PAIRS, uint64)
-    weights = cuda.shared.array(WEIGHT_PAIRS, uint64)
-    lane_weights = cuda.local.array(HEADS_PER_BLOCK, float32)
-    scratch = cuda.shared.array(SCRATCH_ELEMENTS, float32)
-    row_scratch = cuda.shared.array(SCRATCH_ELEMENTS, uint64)
-    merge = cuda.shared.array(MERGE_ELEMENTS, float32)
-    stat_max = cuda.shared.array(STAT_ELEMENTS, float32)
-    stat_sum = cuda.shared.array(STAT_ELEMENTS, float32)
-    acc = cuda.local.array(ACCUMULATORS, float32)
-    running_max = cuda.local.array(HEADS_PER_BLOCK, float32)
-    running_sum = cuda.local.array(HEADS_PER_BLOCK, float32)
-    scores = cuda.local.array(HEADS_PER_BLOCK, float32)
-    key_words = cuda.local.array(PART_WORDS, uint64)
-    value_words = cuda.local.array(PART_WORDS, uint64)
-    # Each tile's block-table lookup is issued one tile ahead (the first one before the queries
-    # are staged), so a tile waits on one memory round trip, not two.
-    last_key = max(hi - 1, 0)
-    round_keys = warps * KEYS_PER_TILE
-    next_row = cache_row_of(
-        block_tables, seq, min(lo + warp * KEYS_PER_TILE + key_slot, last_key), block_size, kv_heads, kv_head
-    )
-    # (head, dim pair) e < QUERY_PAIRS: divisions by a constant, unsigned (no wraparound).
-    for e in range(uint32(tid), QUERY_PAIRS, uint32(threads)):
-        g = e // PAIRS_PER_HEAD
-        dim = 2 * (e % PAIRS_PER_HEAD)
-        if dim < head_dim:
-            first_value = q[row, first_head + g, dim] * scale if g < heads_here else float32(0.0)
-            second_value = q[row, first_head + g, dim + 1] * scale if g < heads_here else float32(0.0)
-            query[e] = (uint64(float_to_bits(second_value)) << uint64(32)) | uint64(float_to_bits(first_value))
-    for g in range(HEADS_PER_BLOCK):
-        running_max[g] = NEGATIVE_INFINITY
-        running_sum[g] = 0.0
-        for c in range(4):
-            acc[g * 4 + c] = 0.0
-    cuda.syncthreads()
-
-    # Uniform loop over the block (the simulator's lane exchanges synchronise every thread).
-    # Loads are unconditional: keys past the end are clamped to the last one and masked later.
-    weight_base = uint32(warp * KEYS_PER_TILE * (HEADS_PER_BLOCK // 2))
-    for base in range(lo, hi, round_keys):
-        tile = base + warp * KEYS_PER_TILE
-        cache_row = next_row
+        query = cuda.shared.array(QUERY_PAIRS, uint64)
+        weights = cuda.shared.array(WEIGHT_PAIRS, uint64)
+        lane_weights = cuda.local.array(HEADS_PER_BLOCK, float32)
+        scratch = cuda.shared.array(SCRATCH_ELEMENTS, float32)
+        row_scratch = cuda.shared.array(SCRATCH_ELEMENTS, uint64)
+        merge = cuda.shared.array(MERGE_ELEMENTS, float32)
+        stat_max = cuda.shared.array(STAT_ELEMENTS, float32)
+        stat_sum = cuda.shared.array(STAT_ELEMENTS, float32)
+        acc = cuda.local.array(ACCUMULATORS, float32)
+        running_max = cuda.local.array(HEADS_PER_BLOCK, float32)
+        running_sum = cuda.local.array(HEADS_PER_BLOCK, float32)
+        scores = cuda.local.array(HEADS_PER_BLOCK, float32)
+        key_words = cuda.local.array(PART_WORDS, uint64)
+        value_words = cuda.local.array(PART_WORDS, uint64)
+        # Each tile's block-table lookup is issued one tile ahead (the first one before the queries
+        # are staged), so a tile waits on one memory round trip, not two.
+        last_key = max(hi - 1, 0)
+        round_keys = warps * KEYS_PER_TILE
         next_row = cache_row_of(
-            block_tables, seq, min(tile + round_keys + key_slot, last_key), block_size, kv_heads, kv_head
+            block_tables, seq, min(lo + warp * KEYS_PER_TILE + key_slot, last_key), block_size, kv_heads, kv_head
         )
-        share_lane_value(row_scratch, tid, cache_row)
-        load_key_words(key_words, k_rows, cache_row, part, words)
+        # (head, dim pair) e < QUERY_PAIRS: divisions by a constant, unsigned (no wraparound).
+        for e in range(uint32(tid), QUERY_PAIRS, uint32(threads)):
+            g = e // PAIRS_PER_HEAD
+            dim = 2 * (e % PAIRS_PER_HEAD)
+            if dim < head_dim:
+                first_value = q[row, first_head + g, dim] * scale if g < heads_here else float32(0.0)
+                second_value = q[row, first_head + g, dim + 1] * scale if g < heads_here else float32(0.0)
+                query[e] = (uint64(float_to_bits(second_value)) << uint64(32)) | uint64(float_to_bits(first_value))
         for g in range(HEADS_PER_BLOCK):
-            scores[g] = 0.0
-        add_scores(scores, query, key_words, part, words)
-        for g in range(HEADS_PER_BLOCK):
-            scores[g] = key_sum(scratch, tid, lane, scores[g])
-        visible = tile + key_slot < hi
-        for g in range(HEADS_PER_BLOCK):
-            score = scores[g] if visible and g < heads_here else float32(NEGATIVE_INFINITY)
-            new_max = max(running_max[g], warp_max(scratch, tid, lane, score))
-            weight = float32(0.0)
-            correction = float32(1.0)
-            if new_max > NEGATIVE_INFINITY:
-                correction = fast_exp(running_max[g] - new_max)
-                weight = fast_exp(score - new_max)
-            running_max[g] = new_max
-            # (The key's other lanes hold the same weight: one of them counts it.)
-            running_sum[g] = running_sum[g] * correction + (weight if part == 0 else float32(0.0))
+            running_max[g] = NEGATIVE_INFINITY
+            running_sum[g] = 0.0
             for c in range(4):
-                acc[g * 4 + c] *= correction
-            lane_weights[g] = weight
-        if part == 0:
-            for h in range(HEADS_PER_BLOCK // 2):
-                weights[weight_base + key_slot * (HEADS_PER_BLOCK // 2) + h] = (
-                    (uint64(float_to_bits(lane_weights[2 * h + 1])) << uint64(32))
-                    | uint64(float_to_bits(lane_weights[2 * h]))
-                )
-        warp_sync()
-        load_value_words(value_words, v_rows, row_scratch, tid, lane, cache_row, column, subgroup, key_stride, words)
-        add_values(acc, weights, weight_base, value_words, subgroup, key_stride, words)
-        warp_sync()
+                acc[g * 4 + c] = 0.0
+        cuda.syncthreads()
 
-    # Per warp: sums over lanes, weighted values over the key subgroups; then merge the warps.
-    for g in range(HEADS_PER_BLOCK):
-        total = warp_sum(scratch, tid, lane, running_sum[g])
-        for c in range(4):
-            value = subgroup_sum(scratch, tid, lane, acc[g * 4 + c], words) if key_stride > 1 else acc[g * 4 + c]
-            if subgroup == 0:
-                merge[(warp * HEADS_PER_BLOCK + g) * MAX_HEAD_DIM + 4 * column + c] = value
-        if lane == 0:
-            stat_max[warp * HEADS_PER_BLOCK + g] = running_max[g]
-            stat_sum[warp * HEADS_PER_BLOCK + g] = total
-    cuda.syncthreads()
-    for e in range(uint32(tid), QUERY_ELEMENTS, uint32(threads)):
-        g = e // MAX_HEAD_DIM
-        dim = e % MAX_HEAD_DIM
-        if g >= heads_here or dim >= head_dim:
-            continue
-        best = float32(NEGATIVE_INFINITY)
-        for j in range(uint32(warps)):
-            best = max(best, stat_max[j * HEADS_PER_BLOCK + g])
-        total = float32(0.0)
-        weighted = float32(0.0)
-        if best > NEGATIVE_INFINITY:
+        # Uniform loop over the block (the simulator's lane exchanges synchronise every thread).
+        # Loads are unconditional: keys past the end are clamped to the last one and masked later.
+        weight_base = uint32(warp * KEYS_PER_TILE * (HEADS_PER_BLOCK // 2))
+        for base in range(lo, hi, round_keys):
+            tile = base + warp * KEYS_PER_TILE
+            cache_row = next_row
+            next_row = cache_row_of(
+                block_tables, seq, min(tile + round_keys + key_slot, last_key), block_size, kv_heads, kv_head
+            )
+            share_lane_value(row_scratch, tid, cache_row)
+            load_key_words(key_words, k_rows, cache_row, part, words)
+            for g in range(HEADS_PER_BLOCK):
+                scores[g] = 0.0
+            add_scores(scores, query, key_words, part, words)
+            for g in range(HEADS_PER_BLOCK):
+                scores[g] = key_sum(scratch, tid, lane, scores[g])
+            visible = tile + key_slot < hi
+            for g in range(HEADS_PER_BLOCK):
+                score = scores[g] if visible and g < heads_here else float32(NEGATIVE_INFINITY)
+                new_max = max(running_max[g], warp_max(scratch, tid, lane, score))
+                weight = float32(0.0)
+                correction = float32(1.0)
+                if new_max > NEGATIVE_INFINITY:
+                    correction = fast_exp(running_max[g] - new_max)
+                    weight = fast_exp(score - new_max)
+                running_max[g] = new_max
+                # (The key's other lanes hold the same weight: one of them counts it.)
+                running_sum[g] = running_sum[g] * correction + (weight if part == 0 else float32(0.0))
+                for c in range(4):
+                    acc[g * 4 + c] *= correction
+                lane_weights[g] = weight
+            if part == 0:
+                for h in range(HEADS_PER_BLOCK // 2):
+                    weights[weight_base + key_slot * (HEADS_PER_BLOCK // 2) + h] = (
+                        (uint64(float_to_bits(lane_weights[2 * h + 1])) << uint64(32))
+                        | uint64(float_to_bits(lane_weights[2 * h]))
+                    )
+            warp_sync()
+            load_value_words(value_words, v_rows, row_scratch, tid, lane, cache_row, column, subgroup, key_stride, words)
+            add_values(acc, weights, weight_base, value_words, subgroup, key_stride, words)
+            warp_sync()
+
+        # Per warp: sums over lanes, weighted values over the key subgroups; then merge the warps.
+        for g in range(HEADS_PER_BLOCK):
+            total = warp_sum(scratch, tid, lane, running_sum[g])
+            for c in range(4):
+                value = subgroup_sum(scratch, tid, lane, acc[g * 4 + c], words) if key_stride > 1 else acc[g * 4 + c]
+                if subgroup == 0:
+                    merge[(warp * HEADS_PER_BLOCK + g) * MAX_HEAD_DIM + 4 * column + c] = value
+            if lane == 0:
+                stat_max[warp * HEADS_PER_BLOCK + g] = running_max[g]
+                stat_sum[warp * HEADS_PER_BLOCK + g] = total
+        cuda.syncthreads()
+        for e in range(uint32(tid), QUERY_ELEMENTS, uint32(threads)):
+            g = e // MAX_HEAD_DIM
+            dim = e % MAX_HEAD_DIM
+            if g >= heads_here or dim >= head_dim:
+                continue
+            best = float32(NEGATIVE_INFINITY)
             for j in range(uint32(warps)):
-                factor = fast_exp(stat_max[j * HEADS_PER_BLOCK + g] - best)
-                total += factor * stat_sum[j * HEADS_PER_BLOCK + g]
-                weighted += factor * merge[(j * HEADS_PER_BLOCK + g) * MAX_HEAD_DIM + dim]
-        head = first_head + g
-        if splits == 1:
-            out[row, head * head_dim + dim] = float_to_bf16(weighted / total if total > 0.0 else float32(0.0))
-        else:
-            out_acc[row, head, split, dim] = weighted
-            if dim == 0:
-                out_max[row, head, split] = best
-                out_sum[row, head, split] = total
+                best = max(best, stat_max[j * HEADS_PER_BLOCK + g])
+            total = float32(0.0)
+            weighted = float32(0.0)
+            if best > NEGATIVE_INFINITY:
+                for j in range(uint32(warps)):
+                    factor = fast_exp(stat_max[j * HEADS_PER_BLOCK + g] - best)
+                    total += factor * stat_sum[j * HEADS_PER_BLOCK + g]
+                    weighted += factor * merge[(j * HEADS_PER_BLOCK + g) * MAX_HEAD_DIM + dim]
+            head = first_head + g
+            if splits == 1:
+                out[row, head * head_dim + dim] = float_to_bf16(weighted / total if total > 0.0 else float32(0.0))
+            else:
+                out_acc[row, head, split, dim] = weighted
+                if dim == 0:
+                    out_max[row, head, split] = best
+                    out_sum[row, head, split] = total
+
+    return paged_attention_grouped_kernel
+
+
+_GROUPED_KERNELS: dict[int, object] = {}
+
+
+def grouped_kernel(words: int):
+    """The grouped decode kernel compiled for keys of ``words`` 64-bit words (head dim / 4)."""
+    kernel = _GROUPED_KERNELS.get(words)
+    if kernel is None:
+        kernel = _GROUPED_KERNELS[words] = _make_grouped_kernel(words)
+    return kernel
 
 
 @cuda.jit(cache=True)

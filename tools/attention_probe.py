@@ -2,7 +2,7 @@
 
     python tools/attention_probe.py [--rows 1] [--context 512] [--splits 16]
 
-Compiles variants of :func:`metrale.kernels.attention_grouped.paged_attention_grouped_kernel`
+Compiles variants of the kernel of :func:`metrale.kernels.attention_grouped.grouped_kernel`
 cut short at successive points of its source and times each as ``profile_decode.py`` does:
 ``arguments`` (returns at once), ``setup`` (queries staged in shared memory), ``tiles`` (the key
 loop, its result written without the merge of the warps) and ``full`` (the kernel as it is).
@@ -32,12 +32,14 @@ def variant(cut: str, keep: str):
 
     from metrale.kernels import attention_grouped
 
-    source = textwrap.dedent(inspect.getsource(attention_grouped.paged_attention_grouped_kernel.py_func))
+    kernel = attention_grouped.grouped_kernel(32)  # 128 dims
+    source = textwrap.dedent(inspect.getsource(kernel.py_func))
     source = source.split("\n", 1)[1]  # drop the decorator
     at = source.index(cut) + (len(cut) if cut.endswith("\n") else 0)
     source = source[:at] + keep + "    return\n" + source[at:]
     namespace = dict(vars(attention_grouped))
     namespace["uint16"] = np.uint16
+    namespace["word_count"] = 32
     exec(compile(source, "<probe>", "exec"), namespace)
     return cuda.jit(namespace["paged_attention_grouped_kernel"])
 
@@ -72,7 +74,7 @@ def main() -> None:
     total = cp.zeros((rows, heads, splits), dtype=np.float32)
     grid = (rows, kv * attention_grouped.head_blocks(heads, kv), splits)
     variants = [(name, variant(cut, keep)) for name, cut, keep in CUTS]
-    variants.append(("full", attention_grouped.paged_attention_grouped_kernel))
+    variants.append(("full", attention_grouped.grouped_kernel(d // 4)))
     for name, kernel in variants:
 
         def call(kernel=kernel):

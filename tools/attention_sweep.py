@@ -44,8 +44,8 @@ def main() -> None:
     d, heads, kv = args.head_dim, args.heads, args.kv_heads
     dummy = cp.zeros(1, dtype=np.float32)
     print(f"empty kernel: {graph_time_us(backend, lambda: empty_kernel[1, 32, launch](device_view(dummy))):.2f} us")
-    kernel = attention_grouped.paged_attention_grouped_kernel
-    staged_kernel = attention_staged.paged_attention_staged_kernel
+    kernel = attention_grouped.grouped_kernel(d // 4)
+    staged_kernel = attention_staged.staged_kernel(d // 4)
     for rows, context in [(r, int(c)) for r in map(int, args.rows.split(",")) for c in args.contexts.split(",")]:
         blocks_per_seq = -(-context // 16)
         cache_shape = (rows * blocks_per_seq + 1, 16, kv, d)

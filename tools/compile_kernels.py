@@ -35,6 +35,9 @@ def kernels():
         sampling,
     )
 
+    attention_arguments = (
+        c(f32, 3), c(u64, 2), c(u64, 2), i32, i32, c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4),
+        c(f32, 3), c(f32, 3), c(u16, 2))
     return {
         "embedding": (embedding.embedding_kernel, (c(u16, 2), c(i32, 1), c(f32, 2))),
         "rmsnorm_residual": (rmsnorm.rmsnorm_residual_kernel, (c(f32, 2), c(f32, 2), c(u16, 1), f32, f32, i32, c(u16, 2))),
@@ -46,12 +49,10 @@ def kernels():
         "paged_attention_split": (attention.paged_attention_split_kernel, (
             c(f32, 3), c(u16, 4), c(u16, 4), c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4), c(f32, 3), c(f32, 3))),
         "attention_combine": (attention.attention_combine_kernel, (c(f32, 4), c(f32, 3), c(f32, 3), c(u16, 2))),
-        "paged_attention_grouped": (attention_grouped.paged_attention_grouped_kernel, (
-            c(f32, 3), c(u64, 2), c(u64, 2), i32, i32, c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4),
-            c(f32, 3), c(f32, 3), c(u16, 2))),
-        "paged_attention_staged": (attention_staged.paged_attention_staged_kernel, (
-            c(f32, 3), c(u64, 2), c(u64, 2), i32, i32, c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4),
-            c(f32, 3), c(f32, 3), c(u16, 2))),
+        "paged_attention_grouped_d64": (attention_grouped.grouped_kernel(16), attention_arguments),
+        "paged_attention_staged_d64": (attention_staged.staged_kernel(16), attention_arguments),
+        "paged_attention_staged_d128": (attention_staged.staged_kernel(32), attention_arguments),
+        "paged_attention_grouped_d128": (attention_grouped.grouped_kernel(32), attention_arguments),
         "grouped_combine": (attention_grouped.grouped_combine_kernel, (c(f32, 4), c(f32, 3), c(f32, 3), c(u16, 2))),
         "paged_attention_prefill": (attention_prefill.paged_attention_prefill_kernel, (
             c(f32, 3), c(u32, 4), c(u32, 4), c(i32, 2), c(i32, 1), c(i32, 1), c(i32, 2), f32, i32, c(u16, 2))),
