@@ -117,14 +117,33 @@ def sample_kernel(logits, temperature, top_k, top_p, seeds, steps, uniforms, out
     chunk_mass = cuda.shared.array(SAMPLE_THREADS, float32)
     found = cuda.shared.array(2, int64)
     temp = temperature[row]
-    # Greedy: block argmax, smallest index on ties.
+    # Greedy: block argmax, smallest index on ties. Each thread reads its values four at a time
+    # (loads past the row clamped to its last value and ignored), so four loads are in flight
+    # instead of one per dependent compare; within a thread indices still rise, so the first of
+    # equal values is kept.
     local_best = float32(-math.inf)
     local_index = int64(vocab)
-    for i in range(tid, vocab, SAMPLE_THREADS):
-        value = logits[row, i]
-        if value > local_best:
-            local_best = value
-            local_index = i
+    last = vocab - 1
+    for base in range(tid, vocab, 4 * SAMPLE_THREADS):
+        i1 = base + SAMPLE_THREADS
+        i2 = base + 2 * SAMPLE_THREADS
+        i3 = base + 3 * SAMPLE_THREADS
+        v0 = logits[row, base]
+        v1 = logits[row, min(i1, last)]
+        v2 = logits[row, min(i2, last)]
+        v3 = logits[row, min(i3, last)]
+        if v0 > local_best:
+            local_best = v0
+            local_index = base
+        if i1 < vocab and v1 > local_best:
+            local_best = v1
+            local_index = i1
+        if i2 < vocab and v2 > local_best:
+            local_best = v2
+            local_index = i2
+        if i3 < vocab and v3 > local_best:
+            local_best = v3
+            local_index = i3
     best = block_max(partial, tid, local_best, SAMPLE_THREADS)
     if temp == 0.0:
         if tid == 0:

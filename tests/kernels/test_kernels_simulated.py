@@ -265,6 +265,21 @@ def test_request_uniform_matches_the_kernel_hash():
     np.testing.assert_array_equal(out, expected)
 
 
+def test_greedy_sampling_takes_the_first_of_equal_maxima():
+    from metrale.kernels import sampling
+
+    rng = np.random.default_rng(12)
+    vocab = 150  # not a multiple of the loads a thread issues per round
+    logits = rng.standard_normal((5, vocab)).astype(np.float32)
+    for row, places in enumerate([[3, 77], [149], [0, 64, 128], [40, 41, 149], [17]]):
+        logits[row, places] = 9.0  # ties: the smallest index wins, as np.argmax picks it
+    zeros = np.zeros(5, np.float32)
+    out = np.full(5, -1, np.int32)
+    sampling.sample(logits, zeros, np.zeros(5, np.int32), np.ones(5, np.float32), np.zeros(5, np.int64),
+                    np.zeros(5, np.int64), np.full(5, -1.0, np.float32), out)
+    assert out.tolist() == np.argmax(logits, axis=1).tolist() == [3, 149, 0, 40, 17]
+
+
 def test_sampling_picks_the_token_whose_interval_holds_u():
     """u at the middle of token j's CDF interval (read off the reference) must give token j."""
     from metrale.kernels import sampling
