@@ -235,7 +235,7 @@ def attention_splits(max_context: int) -> int:
 #: STAGED_MAX_BLOCK_ELEMENTS keys times head dims), where its overlapped loads win; grouped for
 #: longer shares, where its fewer instructions per key win (tools/attention_sweep.py on the H200).
 GROUPED_DECODE = "auto"
-STAGED_MAX_BLOCK_ELEMENTS = 8192
+STAGED_MAX_BLOCK_ELEMENTS = 4096
 
 
 def grouped_decode_kernel(heads: int, kv_heads: int, head_dim: int, splits: int, max_context: int) -> str:

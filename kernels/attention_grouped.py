@@ -49,7 +49,7 @@ MAX_HEAD_DIM = 4 * MAX_WORDS
 MAX_SPLITS = 8 if SIMULATED else 32  # at most COMBINE_THREADS
 # Splits per row: up to TARGET_BLOCKS blocks in the grid, at least MIN_SPLIT_KEYS keys of
 # max_context each (tuned on the H200 with tools/attention_sweep.py).
-TARGET_BLOCKS = 64 if SIMULATED else 1024
+TARGET_BLOCKS = 64 if SIMULATED else 512
 MIN_SPLIT_KEYS = 4 if SIMULATED else 32
 COMBINE_THREADS = 16 if SIMULATED else 128
 QUERY_ELEMENTS = HEADS_PER_BLOCK * MAX_HEAD_DIM  # [heads, dims]: the output values of a block

@@ -82,7 +82,9 @@ from metrale.kernels._device import (  # noqa: E402
     numba_stream,
 )
 
-SAMPLE_THREADS = 16 if SIMULATED else 256
+SAMPLE_THREADS = 16 if SIMULATED else 512
+RADIX_BITS = 4
+RADIX_BUCKETS = 1 << RADIX_BITS
 
 
 @cuda.jit(device=True)
@@ -104,10 +106,70 @@ def _uniform(seed, step):
     return float32(z >> uint64(40)) / float32(16777216.0)
 
 
+
+@cuda.jit(device=True)
+def _radix_add(hist, s, valid, lo, shift, scaled_max, by_mass):
+    # Adds one scaled value to the bucket of the bracket [lo, lo + RADIX_BUCKETS << shift) it falls in.
+    if valid:
+        offset = _order_key(s) - lo
+        if offset >= 0:
+            bucket = offset >> shift
+            if bucket < RADIX_BUCKETS:
+                if by_mass:
+                    hist[bucket] += math.exp(s - scaled_max)
+                else:
+                    hist[bucket] += float32(1.0)
+
+
+@cuda.jit(device=True)
+def _threshold_key(logits, row, inv_temp, scaled_max, start, target, by_mass, partial, hist, tid):
+    # The largest order key t >= start whose measure -- count, or mass exp(s - max) -- over the
+    # scaled values with key >= t reaches target (the measure over keys >= start must reach it).
+    # Radix search: a pass splits the bracket [lo, lo + 2^32 >> 4 * pass) into RADIX_BUCKETS
+    # buckets and keeps the highest bucket whose measure, plus all above it, reaches the target;
+    # eight passes of 4 bits pin the key exactly. Only values inside the bracket are weighed
+    # (the measure above it is carried), and each thread reads four values at a time.
+    vocab = logits.shape[1]
+    last = vocab - 1
+    lo = int64(start)
+    above = float32(0.0)
+    shift = int64(32 - RADIX_BITS)
+    while shift >= 0:
+        for j in range(RADIX_BUCKETS):
+            hist[j] = float32(0.0)
+        for base in range(tid, vocab, 4 * SAMPLE_THREADS):
+            i1 = base + SAMPLE_THREADS
+            i2 = base + 2 * SAMPLE_THREADS
+            i3 = base + 3 * SAMPLE_THREADS
+            v0 = logits[row, base] * inv_temp
+            v1 = logits[row, min(i1, last)] * inv_temp
+            v2 = logits[row, min(i2, last)] * inv_temp
+            v3 = logits[row, min(i3, last)] * inv_temp
+            _radix_add(hist, v0, True, lo, shift, scaled_max, by_mass)
+            _radix_add(hist, v1, i1 < vocab, lo, shift, scaled_max, by_mass)
+            _radix_add(hist, v2, i2 < vocab, lo, shift, scaled_max, by_mass)
+            _radix_add(hist, v3, i3 < vocab, lo, shift, scaled_max, by_mass)
+        # Every thread takes part in every block_sum; bucket 0 is the fallback (its cumulative
+        # measure reached the target in the previous pass, up to rounding).
+        running = above
+        chosen = int64(-1)
+        for j in range(RADIX_BUCKETS - 1, -1, -1):
+            bucket_total = block_sum(partial, tid, hist[j], SAMPLE_THREADS)
+            if chosen < 0:
+                if running + bucket_total >= target or j == 0:
+                    chosen = j
+                else:
+                    running += bucket_total
+        lo += chosen << shift
+        above = running
+        shift -= RADIX_BITS
+    return lo
+
+
 @cuda.jit(cache=True)
 def sample_kernel(logits, temperature, top_k, top_p, seeds, steps, uniforms, out_tokens):
-    # Grid: one block of SAMPLE_THREADS per row. Thresholds are found by bisection over the
-    # order keys of the float32 values (exact: one reduction pass per bit); the token by a block
+    # Grid: one block of SAMPLE_THREADS per row. Thresholds are found by a radix search over the
+    # order keys of the float32 values (exact: eight passes of 4 bits); the token by a block
     # scan of per-thread chunk masses in vocabulary order. uniforms[row] < 0 draws u from
     # (seeds[row], steps[row]).
     row = cuda.blockIdx.x
@@ -157,23 +219,12 @@ def sample_kernel(logits, temperature, top_k, top_p, seeds, steps, uniforms, out
         return
     inv_temp = float32(1.0) / temp
     scaled_max = best * inv_temp
+    hist = cuda.local.array(RADIX_BUCKETS, float32)
     # Top-k threshold: the largest key t with count(key >= t) >= k.
-    lo = int64(-2147483649)
+    k_key = int64(-2147483648)
     k = top_k[row]
     if 0 < k < vocab:
-        lo = int64(-2147483648)
-        hi = int64(2147483648)
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            count = float32(0.0)
-            for i in range(tid, vocab, SAMPLE_THREADS):
-                if _order_key(logits[row, i] * inv_temp) >= mid:
-                    count += float32(1.0)
-            if block_sum(partial, tid, count, SAMPLE_THREADS) >= float32(k):
-                lo = mid
-            else:
-                hi = mid
-    k_key = lo
+        k_key = _threshold_key(logits, row, inv_temp, scaled_max, k_key, float32(k), False, partial, hist, tid)
     # Total kept mass.
     mass = float32(0.0)
     for i in range(tid, vocab, SAMPLE_THREADS):
@@ -184,21 +235,7 @@ def sample_kernel(logits, temperature, top_k, top_p, seeds, steps, uniforms, out
     threshold = k_key
     p = top_p[row]
     if p < 1.0:
-        lo = int64(-2147483648)
-        hi = int64(2147483648)
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            above = float32(0.0)
-            for i in range(tid, vocab, SAMPLE_THREADS):
-                s = logits[row, i] * inv_temp
-                key = _order_key(s)
-                if key >= mid and key >= k_key:
-                    above += math.exp(s - scaled_max)
-            if block_sum(partial, tid, above, SAMPLE_THREADS) >= p * total:
-                lo = mid
-            else:
-                hi = mid
-        threshold = max(lo, k_key)
+        threshold = _threshold_key(logits, row, inv_temp, scaled_max, k_key, p * total, True, partial, hist, tid)
         kept = float32(0.0)
         for i in range(tid, vocab, SAMPLE_THREADS):
             s = logits[row, i] * inv_temp

@@ -210,6 +210,27 @@ def test_sampling_frequencies_and_greedy():
     assert set(cp.asnumpy(greedy).tolist()) == {3}
 
 
+def test_sampling_thresholds_at_full_vocabulary():
+    """Top-k, top-p and both over a 128,256-token vocabulary against the reference."""
+    from metrale.kernels import sampling
+
+    rng = np.random.default_rng(31)
+    vocab = 128256
+    cases = [(1.0, 50, 1.0), (0.7, 0, 0.9), (1.0, 40, 0.8), (1.2, 0, 0.5), (1.0, 1000, 0.97), (0.0, 0, 1.0)]
+    logits = (3 * rng.standard_normal((len(cases), vocab))).astype(np.float32)
+    temperature = np.array([c[0] for c in cases], np.float32)
+    top_k = np.array([c[1] for c in cases], np.int32)
+    top_p = np.array([c[2] for c in cases], np.float32)
+    for u in (0.13, 0.5, 0.77, 0.999):
+        uniforms = np.full(len(cases), u, np.float32)
+        out = cp.full(len(cases), -1, dtype=np.int32)
+        zeros = cp.zeros(len(cases), dtype=np.int64)
+        sampling.sample(cp.asarray(logits), cp.asarray(temperature), cp.asarray(top_k), cp.asarray(top_p), zeros,
+                        zeros, cp.asarray(uniforms), out)
+        expected = sampling.sample_reference(logits, temperature, top_k, top_p, uniforms)
+        np.testing.assert_array_equal(cp.asnumpy(out), expected)
+
+
 @pytest.mark.parametrize("window", [None, 300])
 def test_prefill_attention_query_tiles(window):
     from metrale.kernels import attention, attention_prefill

@@ -310,6 +310,51 @@ def test_sampling_picks_the_token_whose_interval_holds_u():
     assert logits[5, out[5]] == logits[5].max()  # top_k = 1
 
 
+def temperature_of(cases):
+    return np.array([c[0] for c in cases], np.float32)
+
+
+def test_sampling_thresholds_with_ties_match_the_reference():
+    """Top-k and top-p thresholds from the radix search: logits on a coarse grid (many ties, at
+    the thresholds too), negative and positive values, a vocabulary that is no multiple of the
+    values a thread reads per round; u at the middle of a kept token's interval."""
+    from metrale.kernels import sampling
+
+    rng = np.random.default_rng(21)
+    vocab = 203
+    cases = [(1.0, 3, 1.0), (0.8, 17, 1.0), (1.0, 0, 0.3), (1.5, 0, 0.95), (1.0, 40, 0.5), (0.6, 2, 0.9),
+             (1.0, 202, 0.99), (2.5, 0, 0.05)]
+    logits = (np.round(rng.standard_normal((len(cases), vocab)) * 2) / 2 - 1.0).astype(np.float32)
+    # Rows at temperature 1 get a cluster of 40 values one ulp apart on top (top-k and top-p cut
+    # inside it, so every bit of the threshold key matters), some of them repeated.
+    cluster = np.float32(2.0) + np.arange(40, dtype=np.float32) * np.spacing(np.float32(2.0))
+    cluster[::7] = cluster[1::7][: len(cluster[::7])]
+    for row in np.nonzero(temperature_of(cases) == 1.0)[0]:
+        logits[row, rng.permutation(vocab)[:40]] = cluster
+    temperature = np.array([c[0] for c in cases], np.float32)
+    top_k = np.array([c[1] for c in cases], np.int32)
+    top_p = np.array([c[2] for c in cases], np.float32)
+    grid = (np.arange(300, dtype=np.float32) + 0.5) / 300
+    uniforms = np.zeros(len(cases), np.float32)
+    for row in range(len(cases)):
+        one = slice(row, row + 1)
+        picks = np.array([sampling.sample_reference(logits[one], temperature[one], top_k[one], top_p[one],
+                                                    np.array([u], np.float32))[0] for u in grid])
+        token = picks[rng.integers(len(picks))]
+        inside = np.nonzero(picks == token)[0]
+        uniforms[row] = grid[(inside[0] + inside[-1]) // 2]
+    expected = sampling.sample_reference(logits, temperature, top_k, top_p, uniforms)
+    out = np.full(len(cases), -1, np.int32)
+    zeros = np.zeros(len(cases), np.int64)
+    sampling.sample(logits, temperature, top_k, top_p, zeros, zeros, uniforms, out)
+    np.testing.assert_array_equal(out, expected)
+    # The kept sets themselves: with u just below 1 the draw lands on the last kept token.
+    last = np.full(len(cases), np.float32(1.0) - np.float32(2.0**-24), np.float32)
+    out_last = np.full(len(cases), -1, np.int32)
+    sampling.sample(logits, temperature, top_k, top_p, zeros, zeros, last, out_last)
+    np.testing.assert_array_equal(out_last, sampling.sample_reference(logits, temperature, top_k, top_p, last))
+
+
 @pytest.mark.parametrize("window, kv_heads", [(None, 2), (3, 2), (None, 1), (6, 4)])
 def test_prefill_attention_query_tiles(window, kv_heads):
     """Two prompts' chunks (one starting mid-sequence over a cached prefix) and a decode row."""
