@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
+from typing import Callable
 
 from metrale.errors import CacheError, OutOfCacheBlocksError
 
@@ -13,9 +14,13 @@ DUMMY_BLOCK = 0
 class BlockAllocator:
     """Hands out block ids ``1..num_blocks`` (id 0 is the dummy block).
 
-    A block is free when its reference count is 0. :meth:`allocate` returns blocks with count 1;
-    sharing a block (prefix cache) increments it; :meth:`free` decrements and returns a block to
-    the free list when it reaches 0. Freeing a free block raises :class:`CacheError`.
+    A block is in use while its reference count is above 0. :meth:`allocate` returns blocks with
+    count 1; sharing a block (prefix cache) increments it; :meth:`free` decrements it. A block
+    reaching 0 goes back to the free list -- unless it is *retained* (the prefix cache holds its
+    contents): then it is kept, evictable, in least-recently-freed order. :meth:`allocate` takes
+    free blocks first and evicts retained ones (oldest first, telling ``on_evict``) when it runs
+    short; :meth:`share` on an evictable block takes it back into use. Freeing a block that is
+    not in use raises :class:`CacheError`.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -25,32 +30,61 @@ class BlockAllocator:
         self._ref_counts = [0] * (num_blocks + 1)
         # Popped from the end: hand out low ids first, which keeps tests readable.
         self._free = list(range(num_blocks, 0, -1))
+        self._retained: set[int] = set()
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        #: Called with a retained block's id when it is evicted for reuse.
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks :meth:`allocate` can hand out: free ones plus evictable retained ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
 
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 
     def allocate(self, count: int) -> list[int]:
-        """Take ``count`` free blocks, all or nothing."""
-        if count > len(self._free):
+        """Take ``count`` blocks, all or nothing (evicting retained ones if the free list is short)."""
+        if count > self.num_free:
             raise OutOfCacheBlocksError(
-                f"need {count} free KV blocks, only {len(self._free)} of {self.num_blocks} are free"
+                f"need {count} free KV blocks, only {self.num_free} of {self.num_blocks} are free"
             )
-        blocks = [self._free.pop() for _ in range(count)]
-        for block in blocks:
+        blocks = []
+        for _ in range(count):
+            if self._free:
+                block = self._free.pop()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                self._retained.discard(block)
+                if self.on_evict is not None:
+                    self.on_evict(block)
             self._ref_counts[block] = 1
+            blocks.append(block)
         return blocks
 
     def share(self, block: int) -> None:
-        """Add a reference to an allocated block."""
+        """Add a reference to a block in use, or take an evictable retained block back into use."""
+        if block in self._evictable:
+            del self._evictable[block]
+            self._ref_counts[block] = 1
+            return
         self._check(block)
         self._ref_counts[block] += 1
 
+    def retain(self, block: int) -> None:
+        """Keep ``block`` (in use) when its last reference goes, until it is evicted."""
+        self._check(block)
+        self._retained.add(block)
+
+    def is_retained(self, block: int) -> bool:
+        return block in self._retained
+
     def free(self, blocks: list[int]) -> None:
-        """Drop one reference from each block; blocks reaching 0 become free."""
+        """Drop one reference from each block; blocks reaching 0 become free (or evictable)."""
         for block, count in Counter(blocks).items():
             self._check(block)
             if count > self._ref_counts[block]:
@@ -58,7 +92,10 @@ class BlockAllocator:
         for block in blocks:
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free.append(block)
+                if block in self._retained:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
 
     def _check(self, block: int) -> None:
         if not 1 <= block <= self.num_blocks:
