@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Iterator, Sequence, Union
 
 import numpy as np
 
@@ -12,7 +12,8 @@ from metrale.backend import get_backend
 from metrale.cache.store import ModelCache, plan_num_blocks
 from metrale.checkpoint import Checkpoint
 from metrale.config import EngineConfig, read_environment
-from metrale.engine.generation import StopChecker, make_request, run_group
+from metrale.engine.engine import Engine
+from metrale.engine.generation import Request, StopChecker, make_request
 from metrale.errors import (
     CheckpointError,
     EmptyPromptError,
@@ -55,7 +56,8 @@ class LLM:
     ``device`` is ``"auto"`` (the GPU when a CUDA device and the ``gpu`` extra are usable, else
     the CPU), ``"cpu"`` or ``"cuda"`` (:class:`~metrale.errors.BackendUnavailableError` when no
     GPU can be used).
-    Further keyword options: ``max_model_len``, ``max_num_seqs``, ``seed``, ``cuda_graphs``, ``block_size``,
+    Further keyword options: ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``enable_prefix_caching``, ``seed``, ``cuda_graphs``, ``block_size``,
     ``num_blocks``, ``memory_bytes``, ``num_state_slots`` (see :class:`~metrale.config.EngineConfig`
     and :class:`~metrale.config.CacheConfig`); ``plugin_manager`` to use a prepared plugin manager;
     ``show_progress`` to turn progress bars off. Unknown options raise
@@ -92,6 +94,15 @@ class LLM:
         self.tokenizer = self.checkpoint.tokenizer()
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self._requests_started = 0
+        decode_text = self.decode if self.tokenizer is not None else None
+        self.stopper = StopChecker(self.eos_token_ids, self.max_model_len, decode_text)
+        #: The continuous-batching engine behind :meth:`generate` and :meth:`generate_stream`.
+        self.engine = Engine(
+            self.forward, self.cache, self.backend, self.stopper,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        )
 
     def _build_cache(self) -> ModelCache:
         spec = self.forward.cache_spec()
@@ -169,19 +180,10 @@ class LLM:
 
     # ------------------------------------------------------------------------- generation
 
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """Generate for one prompt or a list of prompts (strings or token-id lists).
-
-        ``sampling_params`` is one :class:`SamplingParams` for all prompts or one per prompt.
-        Every prompt is validated before any runs. Returns one
-        :class:`~metrale.params.RequestOutput` per prompt, in order.
-        """
+    def _requests(
+        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[Request]:
+        """Validated requests for ``prompts``; nothing runs before every prompt passed."""
         prompt_list = self._split_prompts(prompts)
         if not prompt_list:
             raise EmptyPromptError("generate() got no prompts")
@@ -202,30 +204,87 @@ class LLM:
             text, ids = self._prompt_ids(prompt)
             self._validate_ids(ids, f"prompt {index}")
             requests.append(make_request(self._requests_started + index, text, ids, params, self.config.seed))
+        if self.engine.has_unfinished():
+            raise InvalidRequestError(
+                "another generation is still running on this LLM (an unfinished generate_stream); "
+                "finish or close it first"
+            )
         self._requests_started += len(requests)
-
+        # (Built per call: the end-of-sequence ids and the tokenizer may be changed in between.)
         decode_text = self.decode if self.tokenizer is not None else None
-        stopper = StopChecker(self.eos_token_ids, self.max_model_len, decode_text)
-        outputs: dict[str, RequestOutput] = {}
+        self.stopper = self.engine.stopper = StopChecker(self.eos_token_ids, self.max_model_len, decode_text)
+        return requests
+
+    def _run_engine(self, requests: list[Request]) -> Iterator[list[Request]]:
+        """Add ``requests`` and step the engine until all are finished, yielding each step's
+        changed requests. Leaving early (an error, or a closed stream) drops the unfinished ones
+        and releases their cache."""
+        for request in requests:
+            self.engine.add_request(request)
+        try:
+            while self.engine.has_unfinished():
+                yield self.engine.step()
+        finally:
+            self.engine.abort_all()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list of prompts (strings or token-id lists).
+
+        ``sampling_params`` is one :class:`SamplingParams` for all prompts or one per prompt.
+        Every prompt is validated before any runs. All prompts go to the engine at once, which
+        batches them continuously (up to ``max_num_seqs`` at a time, prompts in chunks under
+        ``max_num_batched_tokens``). Returns one :class:`~metrale.params.RequestOutput` per
+        prompt, in order; a request that cannot run at all (it needs more cache than there is)
+        finishes with ``finish_reason == "error"`` and the others go on.
+        """
+        requests = self._requests(prompts, sampling_params)
         bar = None
         if use_tqdm and self.show_progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(requests), desc="generating", unit="req", leave=False)
-
-        def finish(request: Any) -> None:
-            outputs[request.request_id] = stopper.output(request)
-            if bar is not None:
-                bar.update(1)
-
         try:
-            group = self.config.max_num_seqs
-            for start in range(0, len(requests), group):
-                run_group(self.forward, self.cache, self.backend, requests[start : start + group], stopper, finish)
+            for changed in self._run_engine(requests):
+                if bar is not None:
+                    done = sum(1 for r in changed if r.finish_reason is not None)
+                    if done:
+                        bar.update(done)
         finally:
             if bar is not None:
                 bar.close()
-        return [outputs[r.request_id] for r in requests]
+        outputs = [self.stopper.output(r) for r in requests]
+        for output in outputs:
+            if output.error is not None:
+                logger.warning("request %s failed: %s", output.request_id, output.error)
+        return outputs
+
+    def generate_stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Like :meth:`generate`, but yields a :class:`~metrale.params.RequestOutput` each time a
+        request gets new tokens (``finished`` False, ``finish_reason`` None) and once more when
+        it finishes (``finished`` True); ``token_ids`` and ``text`` hold everything generated so
+        far. Every prompt is validated by this call, before the first output. Closing the iterator
+        early drops the unfinished requests and releases their cache.
+        """
+        requests = self._requests(prompts, sampling_params)
+        return self._stream(requests)
+
+    def _stream(self, requests: list[Request]) -> Iterator[RequestOutput]:
+        for changed in self._run_engine(requests):
+            for request in changed:
+                finished = request.finish_reason is not None
+                if finished or len(request.generated) > request.streamed:
+                    request.streamed = len(request.generated)
+                    yield self.stopper.output(request, finished=finished)
 
     def capture_graphs(self, batch_sizes: Sequence[int] | None = None) -> None:
         """Record the CUDA graphs of decode steps ahead of time (a no-op on the CPU).

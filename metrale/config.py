@@ -95,13 +95,18 @@ class EngineConfig:
     """Everything the engine needs to know besides the checkpoint.
 
     ``device`` is ``"auto"``, ``"cpu"`` or ``"cuda"``; ``max_model_len`` caps the context (None:
-    the checkpoint's ``max_position_embeddings``); ``seed`` seeds requests that give no seed;
-    ``cuda_graphs`` replays decode steps from CUDA graphs on the GPU.
+    the checkpoint's ``max_position_embeddings``); ``max_num_seqs`` caps the requests running at
+    once; ``max_num_batched_tokens`` is the token budget of one engine step for prefill chunks
+    (decode rows always run; at least the KV block size); ``enable_prefix_caching`` shares the
+    KV blocks of equal prompt prefixes between requests; ``seed`` seeds requests that give no
+    seed; ``cuda_graphs`` replays decode steps from CUDA graphs on the GPU.
     """
 
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
     seed: int = 0
     cuda_graphs: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -114,6 +119,11 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if isinstance(self.max_num_batched_tokens, bool) or not isinstance(self.max_num_batched_tokens, int) \
+                or self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be an int >= 1, got {self.max_num_batched_tokens!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], env: EnvironmentConfig) -> "EngineConfig":

@@ -77,12 +77,16 @@ class SamplingParams:
 
 @dataclass
 class RequestOutput:
-    """The result of one request.
+    """The result of one request (or, from :meth:`metrale.LLM.generate_stream`, its state so far).
 
     ``token_ids`` are the generated tokens (a stop token included), ``text`` their decoded text
-    (cut before a stop string; None without a tokenizer), ``finish_reason`` is ``"stop"`` (an
-    end-of-sequence token, a stop token or a stop string) or ``"length"`` (``max_tokens`` or the
-    model's context reached), ``stop_reason`` the stop string or token id that ended it.
+    (cut before a stop string; None without a tokenizer). ``finish_reason`` is ``"stop"`` (an
+    end-of-sequence token, a stop token or a stop string), ``"length"`` (``max_tokens`` or the
+    model's context reached) or ``"error"`` (the request could not run: ``error`` says why; the
+    other requests go on), and None while the request is unfinished (``finished`` False).
+    ``stop_reason`` is the stop string or token id that ended it. ``cached_tokens`` counts the
+    prompt tokens the prefix cache supplied when the request was first admitted;
+    ``num_preemptions`` how often it was preempted (its cache freed and recomputed later).
     """
 
     request_id: str
@@ -90,9 +94,12 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str
+    finish_reason: str | None
     stop_reason: str | int | None = None
     cached_tokens: int = 0
+    error: str | None = None
+    finished: bool = True
+    num_preemptions: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

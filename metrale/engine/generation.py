@@ -1,8 +1,4 @@
-"""The generation loop: prefill each request, then decode the running ones together.
-
-Requests run in groups of at most ``max_num_seqs``: every member is prefilled, then one
-``decode_batch`` per step advances all members that are still running. Cache blocks of a finished
-request are returned at once.
+"""Requests and their stopping rules: what the engine (:mod:`metrale.engine.engine`) generates for.
 """
 
 from __future__ import annotations
@@ -28,6 +24,21 @@ class Request:
     text: str | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    #: Order of arrival in the engine (the scheduler's FCFS key and preemption order).
+    arrival: int = 0
+    #: True once the request's tokens so far are computed and it decodes one token a step.
+    prefilled: bool = False
+    #: Prompt tokens the prefix cache supplied at the first admission (None before it).
+    cached_tokens: int | None = None
+    #: Prefix-cache digests of the request's full blocks (grown as tokens are added).
+    block_digests: list[bytes] = field(default_factory=list)
+    #: Full blocks already published to the prefix cache (since the last release).
+    published_blocks: int = 0
+    num_preemptions: int = 0
+    #: Why the request failed (it then finishes with ``finish_reason == "error"``).
+    error: str | None = None
+    #: Generated tokens already handed out by a streaming call.
+    streamed: int = 0
 
     def __post_init__(self) -> None:
         self.seq = SequenceState.from_prompt(self.prompt_token_ids)
@@ -67,57 +78,21 @@ class StopChecker:
                 request.finish_reason = "length"
 
     @staticmethod
-    def output(request: Request) -> RequestOutput:
+    def output(request: Request, finished: bool = True) -> RequestOutput:
+        """The request's output so far (``finished``: its final output)."""
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=list(request.prompt_token_ids),
             token_ids=list(request.generated),
             text=request.text,
-            finish_reason=request.finish_reason or "length",
+            finish_reason=(request.finish_reason or "length") if finished else None,
             stop_reason=request.stop_reason,
+            cached_tokens=request.cached_tokens or 0,
+            error=request.error,
+            finished=finished,
+            num_preemptions=request.num_preemptions,
         )
-
-
-def run_group(forward: Any, cache: Any, backend: Any, requests: list[Request], stopper: StopChecker,
-              on_finish: Callable[[Request], None]) -> None:
-    """Generate every request of ``requests`` to completion; their cache is always released."""
-    try:
-        running: list[Request] = []
-        for request in requests:
-            logits = forward.prefill(request.prompt_token_ids, request.seq)
-            _append([request], logits, backend, stopper)
-            if request.finish_reason is None:
-                running.append(request)
-            else:
-                cache.release(request.seq)
-                on_finish(request)
-        while running:
-            tokens = [r.seq.tokens[-1] for r in running]
-            logits = forward.decode_batch(tokens, [r.seq for r in running])
-            _append(running, logits, backend, stopper)
-            still: list[Request] = []
-            for request in running:
-                if request.finish_reason is None:
-                    still.append(request)
-                else:
-                    cache.release(request.seq)
-                    on_finish(request)
-            running = still
-    finally:
-        for request in requests:
-            if request.seq.block_table or request.seq.state_slot is not None:
-                cache.release(request.seq)
-
-
-def _append(requests: list[Request], logits: Any, backend: Any, stopper: StopChecker) -> None:
-    """Sample one token per request from the rows of ``logits`` (on the backend's device)."""
-    tokens = backend.sample_tokens(
-        logits, [r.params for r in requests], [r.seed for r in requests], [len(r.generated) for r in requests]
-    )
-    for request, token in zip(requests, tokens):
-        request.seq.tokens.append(int(token))
-        stopper.update(request, int(token))
 
 
 def make_request(index: int, prompt: str | None, token_ids: list[int], params: SamplingParams, engine_seed: int) -> Request:

@@ -1,0 +1,172 @@
+"""The engine step loop: continuous batching over the forward contract.
+
+Requests enter a waiting queue (:meth:`Engine.add_request`). Each :meth:`Engine.step` asks the
+:class:`~metrale.engine.scheduler.Scheduler` for a plan and makes exactly one forward call
+through the :class:`~metrale.model.ModelForward` facade:
+
+* decode rows only: ``decode_batch``;
+* one prefill chunk: ``prefill_chunk``; several: ``prefill_batch_chunk``;
+* decode rows and one prefill chunk: ``mixed_forward``.
+
+After a chunk that does not finish its prompt, ``normalize_ssm_states`` checks the sequence's
+recurrent state. Every row that returned logits samples one token on the backend (seeded per
+request and per generated-token index, so a request's tokens do not depend on its batch
+companions), the stop rules run, and finished requests give their cache back. With the prefix
+cache on, every full block a step computed is published, so later prompts with the same prefix
+reuse it.
+
+A forward call that raises fails every request of that step (their cache is released; nothing
+is retried, so no prefix reference or KV write is applied twice) and the error propagates; the
+engine stays usable for the other requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from metrale.cache.prefix import PrefixCache
+from metrale.engine.generation import Request, StopChecker
+from metrale.engine.scheduler import Scheduler, StepPlan
+from metrale.errors import ConfigError
+from metrale.sequence import PrefillSlice
+
+
+class Engine:
+    """Continuous batching over one model and its cache (see the module docstring)."""
+
+    def __init__(
+        self,
+        forward: Any,
+        cache: Any,
+        backend: Any,
+        stopper: StopChecker,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        if max_num_batched_tokens < cache.block_size:
+            raise ConfigError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least the KV block size "
+                f"({cache.block_size}): a chunk that does not finish its prompt ends on a block boundary"
+            )
+        self.forward = forward
+        self.cache = cache
+        self.backend = backend
+        self.stopper = stopper
+        # Recurrent state is not in the blocks: such models need state snapshots to resume from a
+        # shared prefix, so they run without the prefix cache.
+        self.prefix_cache = (
+            PrefixCache(cache.allocator, cache.block_size)
+            if enable_prefix_caching and cache.spec.uses_blocks and cache.state_slots is None
+            else None
+        )
+        self.scheduler = Scheduler(
+            cache,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            one_chunk_prefill=forward.is_mla(),
+            prefix_cache=self.prefix_cache,
+            on_release=self._publish,
+        )
+        self._arrivals = itertools.count()
+        #: Forward calls made, by contract method (for tests and statistics).
+        self.calls: dict[str, int] = {}
+
+    # ------------------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        request.arrival = next(self._arrivals)
+        self.scheduler.add(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def abort_all(self) -> list[Request]:
+        """Drop every unfinished request and release its cache; returns them."""
+        dropped = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for request in dropped:
+            self.scheduler.remove(request)
+        return dropped
+
+    # ---------------------------------------------------------------------------------- step
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that got a token or finished in it."""
+        plan = self.scheduler.schedule()
+        changed: list[Request] = []
+        for request in plan.failed:
+            request.finish_reason = "error"
+            changed.append(request)
+        if plan.empty:
+            return changed
+        members = [*plan.decode, *(chunk.request for chunk in plan.prefill)]
+        try:
+            sampled = self._run(plan)
+        except BaseException as error:
+            for request in members:
+                self.scheduler.remove(request)
+                request.error = f"the forward step failed: {error!r}"
+                request.finish_reason = "error"
+            raise
+        for chunk in plan.prefill:
+            if not chunk.is_last:
+                self.forward.normalize_ssm_states(chunk.request.seq)
+        for requests, logits in sampled:
+            tokens = self.backend.sample_tokens(
+                logits, [r.params for r in requests], [r.seed for r in requests], [len(r.generated) for r in requests]
+            )
+            for request, token in zip(requests, tokens):
+                request.seq.tokens.append(int(token))
+                request.prefilled = True
+                self.stopper.update(request, int(token))
+                changed.append(request)
+        for request in members:
+            self._publish(request)
+            if request.finish_reason is not None:
+                self.scheduler.remove(request)
+        return changed
+
+    def _run(self, plan: StepPlan) -> list[tuple[list[Any], Any]]:
+        """Make the step's one forward call; returns (requests, logits rows) to sample."""
+        forward = self.forward
+        decode, prefill = plan.decode, plan.prefill
+        if decode:
+            tokens = [r.seq.tokens[-1] for r in decode]
+            seqs = [r.seq for r in decode]
+            if not prefill:
+                self._count("decode_batch")
+                return [(decode, forward.decode_batch(tokens, seqs))]
+            (chunk,) = prefill
+            seq = chunk.request.seq
+            self._count("mixed_forward")
+            result = forward.mixed_forward(tokens, seqs, seq.tokens, seq, chunk.start, chunk.length, chunk.is_last)
+            out = [(decode, result.decode_logits)]
+            if chunk.is_last:
+                out.append(([chunk.request], result.prefill_logits))
+            return out
+        if len(prefill) == 1:
+            (chunk,) = prefill
+            seq = chunk.request.seq
+            self._count("prefill_chunk")
+            logits = forward.prefill_chunk(seq.tokens, seq, chunk.start, chunk.length, chunk.is_last)
+            return [([chunk.request], logits)] if chunk.is_last else []
+        slices = [PrefillSlice(c.request.seq.tokens, c.request.seq, c.start, c.length, c.is_last) for c in prefill]
+        self._count("prefill_batch_chunk")
+        results = forward.prefill_batch_chunk(slices)
+        return [([c.request], logits) for c, logits in zip(prefill, results) if c.is_last]
+
+    def _count(self, method: str) -> None:
+        self.calls[method] = self.calls.get(method, 0) + 1
+
+    def _publish(self, request: Request) -> None:
+        """Register the request's newly computed full blocks in the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        seq = request.seq
+        full = min(seq.seq_len // self.cache.block_size, len(seq.block_table))
+        if full > request.published_blocks:
+            self.prefix_cache.publish(seq.tokens, seq.block_table, seq.seq_len, request.block_digests,
+                                      seq.adapter_slot, first=request.published_blocks)
+            request.published_blocks = full

@@ -1,0 +1,266 @@
+"""The scheduler: which requests run in the next engine step, and how.
+
+Each step it takes, in this order:
+
+1. **decode rows** -- every running request whose prompt is done advances by one token. When
+   the cache lacks blocks for them, the newest running request is preempted (its blocks are
+   freed; it goes back to the front of the waiting queue and is recomputed later) until they
+   fit. A request alone in the cache that still does not fit fails.
+2. **prefill chunks** under the token budget (``max_num_batched_tokens`` minus the decode rows):
+   first the running requests whose prompt is partly computed, then waiting requests in arrival
+   order while fewer than ``max_num_seqs`` run. A chunk that does not finish its prompt ends on
+   a KV-block boundary. With decode rows in the step at most one chunk joins them (a mixed
+   step); without, several chunks form a batched prefill.
+
+A family whose ``is_mla()`` is true gets its prompt in one chunk, alone in its step (no
+chunked, batched or mixed prefill): such steps alternate with decode steps.
+
+Admitting a waiting request looks its prompt up in the prefix cache once; the blocks found are
+kept by the request (and the lookup's result replayed) if its chunk has to wait. A request whose
+tokens need more blocks than the whole cache has fails at admission.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from metrale.cache.prefix import PrefixCache
+from metrale.engine.generation import Request
+
+
+@dataclass
+class PrefillChunk:
+    """``request``'s tokens ``[start, start + length)``; ``is_last`` finishes its prompt."""
+
+    request: Request
+    start: int
+    length: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.start + self.length == len(self.request.seq.tokens)
+
+
+@dataclass
+class StepPlan:
+    """What one engine step runs: decode rows and prefill chunks (rows first, then chunks)."""
+
+    decode: list[Request] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    #: Requests that failed while being scheduled (each with ``error`` set).
+    failed: list[Request] = field(default_factory=list)
+    #: Requests preempted to make room (already back in the waiting queue).
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(chunk.length for chunk in self.prefill)
+
+
+class Scheduler:
+    """Waiting and running requests over one model cache (see the module docstring)."""
+
+    def __init__(
+        self,
+        cache: Any,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        one_chunk_prefill: bool = False,
+        prefix_cache: PrefixCache | None = None,
+        on_release: Callable[[Request], None] | None = None,
+    ) -> None:
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.one_chunk_prefill = one_chunk_prefill
+        self.prefix_cache = prefix_cache
+        self.on_release = on_release
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._last_was_prefill = False
+
+    # ------------------------------------------------------------------------------ queue
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Take a finished or failed request out of the queues and release its cache."""
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.release(request)
+
+    def release(self, request: Request) -> None:
+        seq = request.seq
+        if seq.block_table or seq.state_slot is not None:
+            if self.on_release is not None:
+                self.on_release(request)
+            self.cache.release(seq)
+        request.prefilled = False
+        request.published_blocks = 0
+
+    def _blocks_for(self, request: Request, num_tokens: int) -> int:
+        return self.cache.blocks_needed(request.seq, num_tokens) if self.cache.spec.uses_blocks else 0
+
+    def _preempt_newest(self, plan: StepPlan, keep: Request | None = None) -> Request | None:
+        """Preempt the newest running request (other than ``keep``); None if there is none."""
+        for victim in sorted(self.running, key=lambda r: r.arrival, reverse=True):
+            if victim is keep:
+                continue
+            self.running.remove(victim)
+            self.release(victim)
+            victim.num_preemptions += 1
+            self.waiting.insert(0, victim)
+            self.waiting.sort(key=lambda r: r.arrival)
+            plan.preempted.append(victim)
+            return victim
+        return None
+
+    def _fail(self, plan: StepPlan, request: Request, message: str) -> None:
+        request.error = message
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.release(request)
+        plan.failed.append(request)
+
+    # --------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        for _ in range(len(self.running) + len(self.waiting) + 2):
+            self._build(plan)
+            if not plan.empty or not self.has_work:
+                break
+            # Nothing can run: free the prefix blocks waiting requests hold, then make room
+            # for the oldest running request (or fail it when it is alone).
+            if self._drop_waiting_holds():
+                continue
+            if not self.running:
+                break
+            oldest = min(self.running, key=lambda r: r.arrival)
+            if self._preempt_newest(plan, keep=oldest) is None:
+                self._fail(plan, oldest, self._too_long_message(oldest, len(oldest.seq.tokens)))
+        self._last_was_prefill = bool(plan.prefill)
+        return plan
+
+    def _build(self, plan: StepPlan) -> None:
+        plan.decode, plan.prefill = [], []
+        self._schedule_decode(plan)
+        if self.one_chunk_prefill:
+            rows = plan.decode
+            if not rows or not self._last_was_prefill:
+                plan.decode = []
+                self._schedule_prefill(plan, budget=None, max_chunks=1)
+                if not plan.prefill:
+                    plan.decode = rows
+        else:
+            budget = self.max_num_batched_tokens - len(plan.decode)
+            self._schedule_prefill(plan, budget=budget, max_chunks=1 if plan.decode else None)
+
+    def _drop_waiting_holds(self) -> bool:
+        """Release the prefix blocks held by waiting requests; whether there were any."""
+        holders = [r for r in self.waiting if r.seq.block_table]
+        for request in holders:
+            self.release(request)
+        return bool(holders)
+
+    def _schedule_decode(self, plan: StepPlan) -> None:
+        while True:
+            rows = [r for r in self.running if r.prefilled]
+            needed = sum(self._blocks_for(r, r.seq.seq_len + 1) for r in rows)
+            if needed <= self.cache.num_free_blocks:
+                plan.decode = sorted(rows, key=lambda r: r.arrival)
+                return
+            if self._drop_waiting_holds():
+                continue
+            if len(self.running) == 1:
+                request = self.running[0]
+                self._fail(plan, request, self._too_long_message(request, len(request.seq.tokens)))
+                continue
+            self._preempt_newest(plan)
+
+    def _too_long_message(self, request: Request, num_tokens: int) -> str:
+        needed = -(-num_tokens // self.block_size)
+        return (
+            f"request {request.request_id} needs {needed} KV blocks for {num_tokens} tokens, more than the "
+            f"cache can give it ({self.cache.num_blocks} blocks in all; raise num_blocks or memory_bytes, "
+            f"or lower max_tokens)"
+        )
+
+    def _schedule_prefill(self, plan: StepPlan, budget: int | None, max_chunks: int | None) -> None:
+        reserved = sum(self._blocks_for(r, r.seq.seq_len + 1) for r in plan.decode)
+        # Partly prefilled running requests first, then waiting ones in arrival order.
+        candidates = sorted((r for r in self.running if not r.prefilled), key=lambda r: r.arrival)
+        for request in candidates + list(self.waiting):
+            if max_chunks is not None and len(plan.prefill) >= max_chunks:
+                return
+            if budget is not None and budget <= 0:
+                return
+            admitting = request in self.waiting
+            if admitting:
+                if len(self.running) >= self.max_num_seqs:
+                    return
+                total_blocks = -(-len(request.seq.tokens) // self.block_size)
+                if self.cache.spec.uses_blocks and total_blocks > self.cache.num_blocks:
+                    self._fail(plan, request, self._too_long_message(request, len(request.seq.tokens)))
+                    continue
+                if not request.seq.block_table and self.prefix_cache is not None:
+                    first = request.cached_tokens is None
+                    self._lookup(request)
+                    if self.cache.num_free_blocks < reserved:
+                        # The hits revived evictable blocks this step's other rows count on.
+                        self.release(request)
+                        if first:
+                            request.cached_tokens = None
+                        return
+            free = self.cache.num_free_blocks - reserved
+            chunk = self._chunk(request, budget, free)
+            if chunk is None:
+                return  # in order: no later request overtakes this one
+            if admitting:
+                self.waiting.remove(request)
+                self.running.append(request)
+            plan.prefill.append(chunk)
+            reserved += self._blocks_for(request, chunk.start + chunk.length)
+            if budget is not None:
+                budget -= chunk.length
+
+    def _lookup(self, request: Request) -> None:
+        seq = request.seq
+        blocks = self.prefix_cache.lookup(seq.tokens, request.block_digests, seq.adapter_slot)
+        seq.block_table = list(blocks)
+        seq.seq_len = len(blocks) * self.block_size
+        if request.cached_tokens is None:
+            request.cached_tokens = seq.seq_len
+
+    def _chunk(self, request: Request, budget: int | None, free_blocks: int) -> PrefillChunk | None:
+        """The largest chunk of ``request``'s remaining tokens within the budget and the free
+        blocks (block-aligned unless it finishes the prompt), or None."""
+        seq = request.seq
+        start, total = seq.seq_len, len(seq.tokens)
+        end = total if budget is None else min(total, start + budget)
+        have = len(seq.block_table) if self.cache.spec.uses_blocks else 0
+        if self.cache.spec.uses_blocks:
+            end = min(end, (have + max(0, free_blocks)) * self.block_size)
+        if end < total:
+            if self.one_chunk_prefill:
+                return None
+            end = end // self.block_size * self.block_size
+        if end <= start:
+            return None
+        return PrefillChunk(request, start, end - start)
