@@ -192,3 +192,29 @@ class FamilyConformance:
         finally:
             for seq in (mixed_decode, solo_decode, mixed_prefill, solo_prefill):
                 llm.cache.release(seq)
+
+    def test_engine_matches_solo_runs(self, conformance_checkpoint: Path) -> None:
+        """The engine -- continuous batching with chunked, batched and mixed prefill, prefix-cache
+        hits and preemption in a small cache -- gives every request the greedy tokens it gets
+        when it runs alone, and frees every block afterwards."""
+        from metrale.api import LLM
+        from metrale.params import SamplingParams
+
+        solo = LLM(conformance_checkpoint, device="cpu", show_progress=False, max_num_seqs=1,
+                   enable_prefix_caching=False)
+        shared = self.token_ids(solo, 9, salt=6)
+        prompts = [self.token_ids(solo, n, salt=7 + i) for i, n in enumerate((5, 23, 2, 14))]
+        prompts += [shared + self.token_ids(solo, n, salt=20 + n) for n in (3, 8)]
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        expected = [solo.generate([p], params)[0].token_ids for p in prompts]
+        block_size = solo.forward.kv_block_size() or 4
+        longest = -(-(max(len(p) for p in prompts) + params.max_tokens) // block_size)
+        llm = LLM(conformance_checkpoint, device="cpu", show_progress=False, max_num_seqs=3, block_size=block_size,
+                  num_blocks=longest + 3, max_num_batched_tokens=max(block_size, 8))
+        outputs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outputs] == expected, "engine steps changed a request's greedy tokens"
+        again = llm.generate(prompts[-1:], params)[0]
+        assert again.token_ids == expected[-1], "a prefix-cache hit changed the greedy tokens"
+        allocator = llm.cache.allocator
+        assert allocator.num_free == allocator.num_blocks, "blocks leaked"
+        assert all(allocator.ref_count(b) == 0 for b in range(1, allocator.num_blocks + 1)), "blocks still referenced"
