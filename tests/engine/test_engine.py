@@ -230,3 +230,26 @@ def test_random_arrivals_match_solo_runs_and_leak_nothing(checkpoint, solo_llm, 
     event(f"failed: {any(r.error for r in requests)}")
     event(f"mixed steps: {'mixed_forward' in engine.calls}")
     assert_all_blocks_free(llm)
+
+
+def test_one_chunk_prefill_runs_each_prompt_whole_and_alone(checkpoint, solo_llm, monkeypatch):
+    """What an ``is_mla()`` family gets: no chunked, batched or mixed prefill."""
+    llm = LLM(checkpoint, device="cpu", show_progress=False, max_num_seqs=3, block_size=4,
+              max_num_batched_tokens=8, enable_prefix_caching=False)
+    engine = llm.engine
+    assert not engine.scheduler.one_chunk_prefill
+    monkeypatch.setattr(engine.scheduler, "one_chunk_prefill", True)
+    seen = []
+    original = llm.forward.prefill_chunk
+
+    def recording(tokens, seq, start, length, is_last, stream=None):
+        seen.append((start, length, len(tokens), is_last))
+        return original(tokens, seq, start, length, is_last, stream)
+
+    monkeypatch.setattr(llm.forward, "prefill_chunk", recording)
+    prompts = prompts_of([19, 4, 11, 25], seed=15)
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == solo(solo_llm, prompts, GREEDY)
+    assert set(engine.calls) == {"prefill_chunk", "decode_batch"}
+    assert all(start == 0 and length == total and last for start, length, total, last in seen)
+    assert len(seen) == len(prompts)
