@@ -64,6 +64,12 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--hf-compile", action="store_true", help="also time transformers with a static cache and torch.compile")
     parser.add_argument("--no-start-times", action="store_true", help="skip the cold and cached start-time probes")
+    parser.add_argument("--throughput", action="store_true",
+                        help="run the offline throughput benchmark instead: many requests through continuous "
+                        "batching on a Qwen3-0.6B shape, beside transformers' continuous batching")
+    parser.add_argument("--num-requests", type=int, default=256, help="requests of --throughput (default: 256)")
+    parser.add_argument("--max-num-seqs", type=int, default=128,
+                        help="requests running at once in --throughput (default: 128)")
     parser.add_argument("--workdir", default="/tmp/metrale-bench", help="where checkpoints are written")
     parser.add_argument("--output", default="bench.json", help="JSON result file (default: bench.json)")
     parser.set_defaults(handler=_bench)
@@ -91,9 +97,22 @@ def _bench(args: argparse.Namespace) -> int:
     for option, value in counts.items():
         if value < 1:
             raise ConfigError(f"{option} takes positive numbers, got {value}")
+    for option, value in (("--num-requests", args.num_requests), ("--max-num-seqs", args.max_num_seqs)):
+        if value < 1:
+            raise ConfigError(f"{option} takes positive numbers, got {value}")
     reason = backend.cuda_unavailable_reason()
     if reason is not None:
         raise BackendUnavailableError(f"metrale bench needs a CUDA device: {reason}")
+    if args.throughput:
+        from metrale import bench_throughput
+
+        throughput_options = bench_throughput.ThroughputOptions(
+            num_requests=args.num_requests, max_num_seqs=args.max_num_seqs, hf=not args.no_hf,
+            workdir=Path(args.workdir), output=Path(args.output),
+        )
+        print(bench_throughput.table(bench_throughput.run(throughput_options)))
+        print(f"results: {throughput_options.output}")
+        return 0
     options = BenchOptions(
         shapes=shapes, batch_sizes=batch_sizes, context=args.context, decode_steps=args.decode_steps,
         prefill_lengths=prefill_lengths, hf=not args.no_hf, hf_compile=args.hf_compile,

@@ -73,6 +73,8 @@ def test_console_script_is_installed():
         (["--context", "-5"], "--context takes positive numbers, got -5"),
         (["--prefill-lengths", "512,x"], "comma-separated ints"),
         (["--shapes", "llama-2b"], "unknown shapes ['llama-2b']"),
+        (["--throughput", "--num-requests", "0"], "--num-requests takes positive numbers, got 0"),
+        (["--throughput", "--max-num-seqs", "-1"], "--max-num-seqs takes positive numbers, got -1"),
     ],
 )
 def test_bench_refuses_bad_options_before_touching_a_device(args, message, capsys):

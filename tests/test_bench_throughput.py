@@ -1,0 +1,50 @@
+"""``metrale bench --throughput``: its workload and orchestration, measurements replaced."""
+
+from __future__ import annotations
+
+import json
+
+from metrale import bench_throughput
+from metrale.bench_throughput import ThroughputOptions
+
+
+def test_workload_is_seeded_and_in_range():
+    options = ThroughputOptions(num_requests=64, min_len=100, max_len=1024)
+    prompts, lengths = bench_throughput.workload(options, vocab_size=500)
+    again, lengths_again = bench_throughput.workload(options, vocab_size=500)
+    assert prompts == again and lengths == lengths_again
+    assert len(prompts) == len(lengths) == 64
+    assert all(100 <= len(p) <= 1024 for p in prompts) and all(100 <= n <= 1024 for n in lengths)
+    assert all(0 <= t < 500 for p in prompts for t in p)
+    assert len({len(p) for p in prompts}) > 32  # drawn, not constant
+
+
+def test_run_reports_both_engines_and_a_failing_baseline(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench_throughput, "build_qwen3_checkpoint", lambda folder: folder)
+    seen = {}
+
+    def metrale(folder, options, prompts, lengths):
+        seen["metrale"] = (len(prompts), sum(lengths))
+        return bench_throughput._rates(prompts, sum(lengths), 10.0)
+
+    def hf(folder, options, prompts, lengths):
+        seen["hf"] = (len(prompts), sum(lengths))
+        return bench_throughput._rates(prompts, sum(lengths), 40.0)
+
+    monkeypatch.setattr(bench_throughput, "bench_metrale", metrale)
+    monkeypatch.setattr(bench_throughput, "bench_hf", hf)
+    output = tmp_path / "out.json"
+    options = ThroughputOptions(num_requests=8, workdir=tmp_path, output=output)
+    results = bench_throughput.run(options)
+    assert seen["metrale"] == seen["hf"] and seen["metrale"][0] == 8  # the same workload for both
+    assert json.loads(output.read_text())["metrale"]["output_tokens"] == seen["metrale"][1]
+    text = bench_throughput.table(results)
+    assert "4.0x" in text and "hf_continuous_batching" in text
+
+    def broken(*args):
+        raise RuntimeError("no paged attention")
+
+    monkeypatch.setattr(bench_throughput, "bench_hf", broken)
+    results = bench_throughput.run(options)
+    assert results["hf_continuous_batching_error"] == "RuntimeError: no paged attention"
+    assert "error: RuntimeError: no paged attention" in bench_throughput.table(results)
