@@ -11,6 +11,7 @@ Nothing here touches CUDA at import: numba compiles a kernel on its first launch
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,10 @@ from numba import config, cuda
 from metrale.errors import KernelArgumentError
 
 SIMULATED = bool(config.ENABLE_CUDASIM)
+
+# Small grids are by design here (a batch-1 step launches a few blocks per kernel); numba's
+# low-occupancy warning on every such launch says nothing a user can act on.
+warnings.filterwarnings("ignore", message=r".*will likely result in GPU under-utilization")
 
 if SIMULATED:
 

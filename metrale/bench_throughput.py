@@ -89,7 +89,7 @@ def bench_metrale(folder: Path, options: ThroughputOptions, prompts: list[list[i
     # Warm-up: compile every kernel path (prefill, mixed, batched) before the timed run.
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
-    calls_before = dict(llm.engine.calls)
+    calls_before, seconds_before = dict(llm.engine.calls), dict(llm.engine.seconds)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - started
@@ -99,6 +99,7 @@ def bench_metrale(folder: Path, options: ThroughputOptions, prompts: list[list[i
         load_s=load_s, capture_s=capture_s, failed=len(errors),
         preemptions=sum(o.num_preemptions for o in outputs),
         steps={k: v - calls_before.get(k, 0) for k, v in llm.engine.calls.items()},
+        step_seconds={k: v - seconds_before.get(k, 0.0) for k, v in llm.engine.seconds.items()},
     )
     del llm
     return result

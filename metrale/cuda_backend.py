@@ -100,17 +100,9 @@ class CudaBackend(Backend):
                 k_cache, v_cache, q, q_norm, k_norm, eps, norm_offset, interleaved, stream,
             )
 
-        def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window):
-            rows, heads = q.shape[0], q.shape[1]
-            kv_heads, value_dim = k_cache.shape[2], v_cache.shape[3]
-            out = cp.empty((rows, heads * value_dim), dtype=bf16)
-            decode_only = rows == len(batch.row_starts) - 1
-            if not decode_only and attention_prefill.supports(heads, kv_heads, q.shape[2], value_dim):
-                tiles = attention_prefill.query_tiles(batch.row_starts, attention_prefill.rows_per_tile(heads, kv_heads))
-                return attention_prefill.paged_attention_prefill(
-                    q, attention_prefill.as_words(k_cache), attention_prefill.as_words(v_cache), batch.block_tables,
-                    batch.seq_index, batch.positions, cp.asarray(tiles), scale, sliding_window, out, stream,
-                )
+        def decode_attention(q, k_cache, v_cache, batch, rows, scale, sliding_window, out):
+            # The first ``rows`` rows, one per segment, through the split-K decode kernel.
+            heads, kv_heads, value_dim = q.shape[1], k_cache.shape[2], v_cache.shape[3]
             splits = attention.split_count(rows, heads, kv_heads, q.shape[2], value_dim, batch.max_context)
             workspace = (
                 cp.empty((rows, heads, splits, value_dim), dtype=f32),
@@ -118,9 +110,29 @@ class CudaBackend(Backend):
                 cp.empty((rows, heads, splits), dtype=f32),
             )
             return attention.paged_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.seq_index, batch.positions, scale, sliding_window,
-                batch.max_context, workspace, out, stream,
+                q[:rows], k_cache, v_cache, batch.block_tables, batch.seq_index[:rows], batch.positions[:rows],
+                scale, sliding_window, batch.max_context, workspace, out[:rows], stream,
             )
+
+        def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window):
+            rows, heads = q.shape[0], q.shape[1]
+            kv_heads, value_dim = k_cache.shape[2], v_cache.shape[3]
+            out = cp.empty((rows, heads * value_dim), dtype=bf16)
+            starts = batch.row_starts
+            # Leading one-row segments (the decode rows of a mixed step) go to the decode kernel;
+            # the prefill kernel serves the rest.
+            lengths = np.diff(starts)
+            single = int(np.argmax(lengths != 1)) if (lengths != 1).any() else len(lengths)
+            if single < len(lengths) and attention_prefill.supports(heads, kv_heads, q.shape[2], value_dim):
+                if single:
+                    decode_attention(q, k_cache, v_cache, batch, single, scale, sliding_window, out)
+                tiles = attention_prefill.query_tiles(starts[single:], attention_prefill.rows_per_tile(heads, kv_heads))
+                attention_prefill.paged_attention_prefill(
+                    q, attention_prefill.as_words(k_cache), attention_prefill.as_words(v_cache), batch.block_tables,
+                    batch.seq_index, batch.positions, cp.asarray(tiles), scale, sliding_window, out, stream,
+                )
+                return out
+            return decode_attention(q, k_cache, v_cache, batch, rows, scale, sliding_window, out)
 
         def silu_and_mul(gate_up):
             out = cp.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=bf16)

@@ -23,6 +23,7 @@ engine stays usable for the other requests.
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 from metrale.cache.prefix import PrefixCache
@@ -71,8 +72,10 @@ class Engine:
             on_release=self._publish,
         )
         self._arrivals = itertools.count()
-        #: Forward calls made, by contract method (for tests and statistics).
+        #: Forward calls made, by contract method, and the wall seconds of those steps (forward,
+        #: sampling and the tokens read back), for tests and statistics.
         self.calls: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------ requests
 
@@ -102,8 +105,9 @@ class Engine:
         if plan.empty:
             return changed
         members = [*plan.decode, *(chunk.request for chunk in plan.prefill)]
+        started = time.perf_counter()
         try:
-            sampled = self._run(plan)
+            sampled, method = self._run(plan)
         except BaseException as error:
             for request in members:
                 self.scheduler.remove(request)
@@ -122,43 +126,39 @@ class Engine:
                 request.prefilled = True
                 self.stopper.update(request, int(token))
                 changed.append(request)
+        self.calls[method] = self.calls.get(method, 0) + 1
+        self.seconds[method] = self.seconds.get(method, 0.0) + time.perf_counter() - started
         for request in members:
             self._publish(request)
             if request.finish_reason is not None:
                 self.scheduler.remove(request)
         return changed
 
-    def _run(self, plan: StepPlan) -> list[tuple[list[Any], Any]]:
-        """Make the step's one forward call; returns (requests, logits rows) to sample."""
+    def _run(self, plan: StepPlan) -> tuple[list[tuple[list[Any], Any]], str]:
+        """Make the step's one forward call; returns (requests, logits rows) to sample, and the
+        contract method called."""
         forward = self.forward
         decode, prefill = plan.decode, plan.prefill
         if decode:
             tokens = [r.seq.tokens[-1] for r in decode]
             seqs = [r.seq for r in decode]
             if not prefill:
-                self._count("decode_batch")
-                return [(decode, forward.decode_batch(tokens, seqs))]
+                return [(decode, forward.decode_batch(tokens, seqs))], "decode_batch"
             (chunk,) = prefill
             seq = chunk.request.seq
-            self._count("mixed_forward")
             result = forward.mixed_forward(tokens, seqs, seq.tokens, seq, chunk.start, chunk.length, chunk.is_last)
             out = [(decode, result.decode_logits)]
             if chunk.is_last:
                 out.append(([chunk.request], result.prefill_logits))
-            return out
+            return out, "mixed_forward"
         if len(prefill) == 1:
             (chunk,) = prefill
             seq = chunk.request.seq
-            self._count("prefill_chunk")
             logits = forward.prefill_chunk(seq.tokens, seq, chunk.start, chunk.length, chunk.is_last)
-            return [([chunk.request], logits)] if chunk.is_last else []
+            return ([([chunk.request], logits)] if chunk.is_last else []), "prefill_chunk"
         slices = [PrefillSlice(c.request.seq.tokens, c.request.seq, c.start, c.length, c.is_last) for c in prefill]
-        self._count("prefill_batch_chunk")
         results = forward.prefill_batch_chunk(slices)
-        return [([c.request], logits) for c, logits in zip(prefill, results) if c.is_last]
-
-    def _count(self, method: str) -> None:
-        self.calls[method] = self.calls.get(method, 0) + 1
+        return [([c.request], logits) for c, logits in zip(prefill, results) if c.is_last], "prefill_batch_chunk"
 
     def _publish(self, request: Request) -> None:
         """Register the request's newly computed full blocks in the prefix cache."""
