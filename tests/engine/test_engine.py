@@ -253,3 +253,30 @@ def test_one_chunk_prefill_runs_each_prompt_whole_and_alone(checkpoint, solo_llm
     assert set(engine.calls) == {"prefill_chunk", "decode_batch"}
     assert all(start == 0 and length == total and last for start, length, total, last in seen)
     assert len(seen) == len(prompts)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 7])
+def test_two_phase_prefill_continues_like_the_engine(checkpoint, solo_llm, chunk_size):
+    """A prompt prefilled in two phases (``prefill_twophase``), then decoded greedily by hand,
+    gives the engine's tokens."""
+    from metrale.sequence import SequenceState
+
+    prompt = prompts_of([15], seed=16)[0]
+    llm = LLM(checkpoint, device="cpu", show_progress=False, block_size=4)
+    seq = SequenceState.from_prompt(prompt)
+    try:
+        logits = llm.forward.prefill_twophase(prompt, seq, chunk_size)
+        tokens = [int(np.argmax(logits[0]))]
+        while len(tokens) < GREEDY.max_tokens:
+            tokens.append(int(np.argmax(llm.forward.decode(tokens[-1], seq)[0])))
+    finally:
+        llm.cache.release(seq)
+    assert tokens == solo(solo_llm, [prompt], GREEDY)[0]
+
+
+def test_the_recurrent_state_is_checked_after_every_unfinished_chunk(checkpoint, monkeypatch):
+    llm = LLM(checkpoint, device="cpu", show_progress=False, block_size=4, max_num_batched_tokens=8)
+    checked = []
+    monkeypatch.setattr(llm.forward, "normalize_ssm_states", lambda seq, stream=None: checked.append(seq.seq_len))
+    llm.generate(prompts_of([21], seed=17), GREEDY)
+    assert checked == [8, 16]  # after the chunks ending at 8 and 16; not after the last one
