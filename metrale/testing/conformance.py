@@ -193,6 +193,34 @@ class FamilyConformance:
             for seq in (mixed_decode, solo_decode, mixed_prefill, solo_prefill):
                 llm.cache.release(seq)
 
+    def test_batched_prefill_rows_and_ineligible_batches(self, conformance_llm: Any) -> None:
+        """``prefill_batch_chunk_rows`` returns each finishing slice's logits (None for the
+        others), equal to its own prefill; a batch that is not admissible (two chunks of one
+        sequence) runs slice by slice and still gives the whole prompt's logits."""
+        llm = conformance_llm
+        if llm.forward.is_mla():
+            pytest.skip("MLA families prefill as one chunk")
+        prompts = [self.token_ids(llm, n, salt=30 + n) for n in (4, 9, 6)]
+        alone = [SequenceState.from_prompt(p) for p in prompts]
+        seqs = [SequenceState.from_prompt(p) for p in prompts]
+        whole, split = SequenceState.from_prompt(prompts[1]), SequenceState.from_prompt(prompts[1])
+        try:
+            expected = [llm.backend.to_numpy(llm.forward.prefill(p, s)) for p, s in zip(prompts, alone)]
+            slices = [PrefillSlice(prompts[0], seqs[0], 0, 4, True), PrefillSlice(prompts[1], seqs[1], 0, 8, False),
+                      PrefillSlice(prompts[2], seqs[2], 0, 6, True)]
+            results = llm.forward.prefill_batch_chunk_rows(slices, None, 2)
+            assert results[1] is None, "a slice that does not finish its prompt returned logits"
+            assert_close(llm.backend.to_numpy(results[0]), expected[0], self.self_tolerance, "rows: slice 0")
+            assert_close(llm.backend.to_numpy(results[2]), expected[2], self.self_tolerance, "rows: slice 2")
+            reference = llm.backend.to_numpy(llm.forward.prefill(prompts[1], whole))
+            twice = [PrefillSlice(prompts[1], split, 0, 5, False), PrefillSlice(prompts[1], split, 5, 4, True)]
+            outcome = llm.forward.prefill_batch_chunk(twice)
+            assert outcome[0] is None and split.seq_len == len(prompts[1])
+            assert_close(llm.backend.to_numpy(outcome[1]), reference, self.self_tolerance, "ineligible batch")
+        finally:
+            for seq in alone + seqs + [whole, split]:
+                llm.cache.release(seq)
+
     def test_engine_matches_solo_runs(self, conformance_checkpoint: Path) -> None:
         """The engine -- continuous batching with chunked, batched and mixed prefill, prefix-cache
         hits and preemption in a small cache -- gives every request the greedy tokens it gets

@@ -51,7 +51,19 @@ def test_chunk_sizes_and_batching_match_solo_runs(checkpoint, solo_llm, budget):
     prompts = prompts_of([3, 17, 9, 30, 1, 12], seed=budget)
     llm = LLM(checkpoint, device="cpu", show_progress=False, max_num_seqs=4, block_size=4,
               max_num_batched_tokens=budget, enable_prefix_caching=False)
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+    unfinished_ends = []
+
+    def checked():
+        plan = schedule()
+        assert plan.num_tokens <= max(budget, len(plan.decode))  # decode rows always run
+        unfinished_ends.extend(c.start + c.length for c in plan.prefill if not c.is_last)
+        return plan
+
+    scheduler.schedule = checked
     together = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert all(end % 4 == 0 for end in unfinished_ends)  # non-last chunks end on block boundaries
     assert together == solo(solo_llm, prompts, GREEDY)
     assert_all_blocks_free(llm)
     if budget < 30:  # the 30-token prompt needed several chunks
