@@ -164,8 +164,10 @@ class Scheduler:
         if self.one_chunk_prefill:
             rows = plan.decode
             if not rows or not self._last_was_prefill:
+                # The rows keep their blocks reserved: they run if no prompt can.
+                reserved = sum(self._blocks_for(r, r.seq.seq_len + 1) for r in rows)
                 plan.decode = []
-                self._schedule_prefill(plan, budget=None, max_chunks=1)
+                self._schedule_prefill(plan, budget=None, max_chunks=1, reserved=reserved)
                 if not plan.prefill:
                     plan.decode = rows
         else:
@@ -202,8 +204,10 @@ class Scheduler:
             f"or lower max_tokens)"
         )
 
-    def _schedule_prefill(self, plan: StepPlan, budget: int | None, max_chunks: int | None) -> None:
-        reserved = sum(self._blocks_for(r, r.seq.seq_len + 1) for r in plan.decode)
+    def _schedule_prefill(self, plan: StepPlan, budget: int | None, max_chunks: int | None,
+                          reserved: int | None = None) -> None:
+        if reserved is None:
+            reserved = sum(self._blocks_for(r, r.seq.seq_len + 1) for r in plan.decode)
         # Partly prefilled running requests first, then waiting ones in arrival order.
         candidates = sorted((r for r in self.running if not r.prefilled), key=lambda r: r.arrival)
         for request in candidates + list(self.waiting):

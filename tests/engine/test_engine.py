@@ -220,6 +220,8 @@ def test_random_arrivals_match_solo_runs_and_leak_nothing(checkpoint, solo_llm, 
               max_num_batched_tokens=data.draw(st.sampled_from([4, 8, 12, 32]), label="budget"),
               enable_prefix_caching=data.draw(st.booleans(), label="prefix_cache"))
     engine = llm.engine
+    # What an is_mla() family gets: whole prompts, alone in their steps.
+    engine.scheduler.one_chunk_prefill = data.draw(st.booleans(), label="one_chunk_prefill")
     requests = [make_request(i, None, p, q, 0) for i, (p, q) in enumerate(zip(prompts, params))]
     step = 0
     pending = list(zip(arrivals, requests))
