@@ -193,7 +193,7 @@ class CudaBackend(Backend):
     # ------------------------------------------------------------------------------ graphs
 
     def graph_runner(self, model: Any) -> Any:
-        if not self.cuda_graphs:
+        if not self.cuda_graphs or not getattr(model, "graph_capturable", True):
             return None
         runner = self._runners.get(id(model))
         if runner is None:

@@ -55,6 +55,10 @@ class FamilyModel:
     forward call.
     """
 
+    #: Whether decode steps may be recorded into CUDA graphs and replayed. A model whose forward
+    #: synchronises with the host (data-dependent shapes, host loops) sets it False.
+    graph_capturable: bool = True
+
     def __init__(self, backend: "Backend", *, vocab_size: int, max_model_len: int) -> None:
         self.backend = backend
         self.vocab_size = vocab_size

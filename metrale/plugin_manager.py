@@ -29,6 +29,7 @@ ENTRY_POINT_GROUP = "metrale"
 #: The built-in plugins, each as (plugin name, module path, attribute holding the plugin object).
 BUILTIN_PLUGINS: tuple[tuple[str, str, str], ...] = (
     ("dense", "metrale.plugins.dense.plugin", "plugin"),
+    ("mla", "metrale.plugins.mla.plugin", "plugin"),
     ("stages", "metrale.plugins.stages", ""),
 )
 

@@ -1,0 +1,1 @@
+"""The MLA family: DeepSeek-V2 and DeepSeek-V3 (multi-head latent attention, MoE)."""

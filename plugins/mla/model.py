@@ -1,0 +1,340 @@
+"""The MLA decoder (FAMILIES.md §2): multi-head latent attention and DeepSeek MoE layers.
+
+Per token and layer the paged latent cache holds the normalised latent ``c [r]`` followed by the
+RoPE key ``k_pe [d_r]``. Prompt rows attend in the expanded form (keys and values re-expanded
+from the cached latents through ``kv_b_proj``); decode rows in the absorbed form (queries
+projected into the latent space, attention over the latents, values through the value half of
+``kv_b_proj``). Both are the same function (FAMILIES.md §2.3); the tests check it.
+
+The attention and the routing run on the backend's array module (``backend.xp``), so the model
+runs on every backend; it is not captured into CUDA graphs (``graph_capturable``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from metrale.batch import ForwardBatch
+from metrale.cache.spec import CacheSpec, PagedLatentSpec
+from metrale.checkpoint import Checkpoint
+from metrale.family import FamilyModel
+from metrale.plugins.dense.layers import MlpWeights, load_mlp_weights, swiglu_mlp
+from metrale.plugins.mla.config import MlaConfig
+
+#: transformers normalises the query and latent bottlenecks with this eps, whatever the config says.
+LATENT_NORM_EPS = 1e-6
+
+IGNORED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def as_float32(backend: Any, x: Any) -> Any:
+    """``x`` as float32: bf16 bits (the GPU's normed activations) widened, float32 kept."""
+    xp = backend.xp
+    if x.dtype == np.uint16:
+        return (x.astype(xp.uint32) << 16).view(xp.float32)
+    return x.astype(xp.float32, copy=False)
+
+
+def to_cache_values(backend: Any, x: Any) -> Any:
+    """Float32 ``x`` in the cache's dtype (bf16 bits rounded to nearest even on the GPU)."""
+    xp = backend.xp
+    if np.dtype(backend.cache_dtype) == np.float32:
+        return x.astype(xp.float32, copy=False)
+    bits = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
+    return ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(xp.uint16)
+
+
+def rotate(backend: Any, x: Any, positions: Any, inv_freq: Any, attention_factor: float, interleaved: bool) -> Any:
+    """RoPE of ``x [N, ..., d_r]`` (float32) at ``positions [N]``: adjacent pairs (2i, 2i+1) when
+    ``interleaved``, else half-split pairs (i, i + d_r/2). Angles are float32 products, as in
+    transformers."""
+    xp = backend.xp
+    angles = xp.asarray(positions, dtype=xp.float32)[:, None] * inv_freq[None, :]
+    cos = (xp.cos(angles) * np.float32(attention_factor)).astype(xp.float32)
+    sin = (xp.sin(angles) * np.float32(attention_factor)).astype(xp.float32)
+    shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (cos.shape[1],)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    if interleaved:
+        even, odd = x[..., 0::2], x[..., 1::2]
+        out = xp.empty_like(x)
+        out[..., 0::2] = even * cos - odd * sin
+        out[..., 1::2] = odd * cos + even * sin
+        return out
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
+    return xp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+@dataclass
+class MlaAttentionWeights:
+    """One layer's attention. ``q`` (no q LoRA) or ``q_a`` + ``q_a_norm`` + ``q_b``; ``kv_a``
+    ``[r + d_r, H]``; ``kv_b`` ``[n_h (d_n + d_v), r]`` for the expanded form and its float32
+    halves ``w_uk [n_h, d_n, r]`` and ``w_uv [n_h, d_v, r]`` for the absorbed form."""
+
+    kv_a: Any
+    kv_a_norm: Any
+    kv_b: Any
+    w_uk: Any
+    w_uv: Any
+    o: Any
+    q: Any = None
+    q_a: Any = None
+    q_a_norm: Any = None
+    q_b: Any = None
+    q_a_bias: Any = None
+    kv_a_bias: Any = None
+    o_bias: Any = None
+
+
+@dataclass
+class MoeWeights:
+    """Router ``gate [E, H]`` (float32, as transformers keeps it), V3's ``bias [E]``, the routed
+    experts and the shared expert (None without one)."""
+
+    gate: Any
+    bias: Any
+    experts: list[MlpWeights]
+    shared: MlpWeights | None
+
+
+@dataclass
+class MlaLayer:
+    input_norm: Any
+    attention: MlaAttentionWeights
+    post_norm: Any
+    mlp: MlpWeights | None = None
+    moe: MoeWeights | None = None
+
+
+class MlaModel(FamilyModel):
+    """A loaded DeepSeek-V2 / V3 model."""
+
+    graph_capturable = False
+
+    def __init__(self, config: MlaConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
+        super().__init__(backend, vocab_size=config.vocab_size, max_model_len=max_model_len)
+        self.config = c = config
+        self.inv_freq = backend.constant(c.rope.inverse_frequencies())
+        self.attention_factor = c.rope.attention_factor()
+        self.scale = c.softmax_scale
+        vector = (c.hidden_size,)
+        self.embed = backend.load_weight(checkpoint, ("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
+        self.layers = []
+        for index in range(c.num_layers):
+            prefix = f"model.layers.{index}"
+            layer = MlaLayer(
+                input_norm=backend.load_weight(checkpoint, (f"{prefix}.input_layernorm.weight", vector)),
+                attention=self._load_attention(checkpoint, f"{prefix}.self_attn"),
+                post_norm=backend.load_weight(checkpoint, (f"{prefix}.post_attention_layernorm.weight", vector)),
+            )
+            if c.is_moe_layer(index):
+                layer.moe = self._load_moe(checkpoint, f"{prefix}.mlp")
+            else:
+                layer.mlp = load_mlp_weights(checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)
+            self.layers.append(layer)
+        self.norm = backend.load_weight(checkpoint, ("model.norm.weight", vector))
+        if c.tie_word_embeddings and not checkpoint.has("lm_head.weight"):
+            self.lm_head = self.embed
+        else:
+            self.lm_head = backend.load_weight(checkpoint, ("lm_head.weight", (c.vocab_size, c.hidden_size)))
+        # Multi-token-prediction modules (model.layers.{L + k}.*): kept for speculative decoding.
+        mtp_prefixes = tuple(f"model.layers.{c.num_layers + k}." for k in range(max(c.num_mtp_layers, 0)))
+        self.mtp_weights = {
+            name: backend.constant(checkpoint.tensor(name))
+            for name in checkpoint.names() if mtp_prefixes and name.startswith(mtp_prefixes)
+        }
+        checkpoint.skip([n for n in checkpoint.names() if n.endswith(IGNORED_TENSOR_SUFFIXES)])
+
+    # ------------------------------------------------------------------------------ loading
+
+    def _load_attention(self, checkpoint: Checkpoint, prefix: str) -> MlaAttentionWeights:
+        c, backend = self.config, self.backend
+        heads, r, d_n, d_r, d_v, hidden = (c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
+                                           c.v_head_dim, c.hidden_size)
+        kv_b_shape = (heads * (d_n + d_v), r)
+        kv_b_host = checkpoint.tensor(f"{prefix}.kv_b_proj.weight", kv_b_shape).reshape(heads, d_n + d_v, r)
+        weights = MlaAttentionWeights(
+            kv_a=backend.load_weight(checkpoint, (f"{prefix}.kv_a_proj_with_mqa.weight", (r + d_r, hidden))),
+            kv_a_norm=backend.load_weight(checkpoint, (f"{prefix}.kv_a_layernorm.weight", (r,))),
+            kv_b=backend.load_weight(checkpoint, (f"{prefix}.kv_b_proj.weight", kv_b_shape)),
+            w_uk=backend.constant(self._widened(kv_b_host[:, :d_n, :])),
+            w_uv=backend.constant(self._widened(kv_b_host[:, d_n:, :])),
+            o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (hidden, heads * d_v))),
+        )
+        q_rows = heads * (d_n + d_r)
+        if c.q_lora_rank is None:
+            weights.q = backend.load_weight(checkpoint, (f"{prefix}.q_proj.weight", (q_rows, hidden)))
+        else:
+            rank = c.q_lora_rank
+            weights.q_a = backend.load_weight(checkpoint, (f"{prefix}.q_a_proj.weight", (rank, hidden)))
+            weights.q_a_norm = backend.load_weight(checkpoint, (f"{prefix}.q_a_layernorm.weight", (rank,)))
+            weights.q_b = backend.load_weight(checkpoint, (f"{prefix}.q_b_proj.weight", (q_rows, rank)))
+        if c.attention_bias:
+            if c.q_lora_rank is not None:
+                weights.q_a_bias = backend.constant(checkpoint.tensor(f"{prefix}.q_a_proj.bias", (c.q_lora_rank,)))
+            weights.kv_a_bias = backend.constant(checkpoint.tensor(f"{prefix}.kv_a_proj_with_mqa.bias", (r + d_r,)))
+            weights.o_bias = backend.constant(checkpoint.tensor(f"{prefix}.o_proj.bias", (hidden,)))
+        return weights
+
+    def _widened(self, host: np.ndarray) -> np.ndarray:
+        """``host`` rounded as the backend stores weights (bf16 on the GPU), as float32: the
+        absorbed form then uses exactly the weights the expanded form multiplies by."""
+        if np.dtype(self.backend.cache_dtype) == np.float32:
+            return np.ascontiguousarray(host, dtype=np.float32)
+        bits = np.ascontiguousarray(host, dtype=np.float32).view(np.uint32)
+        rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16) << 16
+        return rounded.astype(np.uint32).view(np.float32)
+
+    def _load_moe(self, checkpoint: Checkpoint, prefix: str) -> MoeWeights:
+        c, backend = self.config, self.backend
+        experts, hidden, width = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
+        bias_name = f"{prefix}.gate.e_score_correction_bias"
+        return MoeWeights(
+            gate=backend.constant(checkpoint.tensor(f"{prefix}.gate.weight", (experts, hidden))),
+            bias=backend.constant(checkpoint.tensor(bias_name, (experts,))) if c.is_v3 else None,
+            experts=[
+                load_mlp_weights(checkpoint, backend, f"{prefix}.experts.{e}", hidden, width) for e in range(experts)
+            ],
+            shared=load_mlp_weights(checkpoint, backend, f"{prefix}.shared_experts", hidden,
+                                    width * c.n_shared_experts) if c.n_shared_experts else None,
+        )
+
+    # ------------------------------------------------------------------------------ contract
+
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(tuple(PagedLatentSpec(self.config.latent_width) for _ in range(self.config.num_layers)))
+
+    def is_mla(self) -> bool:
+        return True
+
+    def forward_batch(self, batch: ForwardBatch) -> Any:
+        ops, eps = self.backend.ops, self.config.rms_norm_eps
+        x = ops.embedding(self.embed, batch.token_ids)
+        residual = None
+        for layer, cache_layer in zip(self.layers, self.cache.layers):
+            h, residual = ops.rmsnorm_residual(x, residual, layer.input_norm, eps)
+            x = self._attention(layer.attention, cache_layer, h, batch)
+            h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps)
+            x = swiglu_mlp(self.backend, layer.mlp, h) if layer.moe is None else self._moe(layer.moe, h)
+        rows = batch.logits_rows
+        h, _ = ops.rmsnorm_residual(x[rows], residual[rows], self.norm, eps)
+        return ops.linear(h, self.lm_head)
+
+    # ----------------------------------------------------------------------------- attention
+
+    def _attention(self, w: MlaAttentionWeights, cache_layer: Any, h: Any, batch: ForwardBatch) -> Any:
+        backend, ops, c, xp = self.backend, self.backend.ops, self.config, self.backend.xp
+        heads, r, d_n, d_r = c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim
+        rows = h.shape[0]
+        if w.q is not None:
+            q = ops.linear(h, w.q)
+        else:
+            q = ops.linear(ops.rmsnorm(ops.linear(h, w.q_a, w.q_a_bias), w.q_a_norm, LATENT_NORM_EPS), w.q_b)
+        q = q.reshape(rows, heads, d_n + d_r)
+        kv_a = ops.linear(h, w.kv_a, w.kv_a_bias)
+        latent = as_float32(backend, ops.rmsnorm(xp.ascontiguousarray(kv_a[:, :r]), w.kv_a_norm, LATENT_NORM_EPS))
+        positions = xp.asarray(batch.positions)
+        k_pe = rotate(backend, kv_a[:, r:], positions, self.inv_freq, self.attention_factor, c.interleaved_rope)
+        q_pe = rotate(backend, q[:, :, d_n:], positions, self.inv_freq, self.attention_factor, c.interleaved_rope)
+        # Write the rows' latents and rope keys into the paged cache.
+        slots = xp.asarray(batch.slot_mapping).astype(xp.int64)
+        block_size = cache_layer.latent.shape[1]
+        cache_layer.latent[slots // block_size, slots % block_size] = to_cache_values(
+            backend, xp.concatenate([latent, k_pe], axis=1)
+        )
+        out = xp.empty((rows, heads, c.v_head_dim), dtype=xp.float32)
+        starts = batch.row_starts
+        for index, segment in enumerate(batch.segments):
+            first, last = int(starts[index]), int(starts[index + 1])
+            keys = self._cached(cache_layer, segment.seq.block_table, segment.end)
+            causal = np.arange(segment.start, segment.end)
+            q_nope = q[first:last, :, :d_n]
+            if last - first == 1:
+                out[first:last] = self._absorbed(w, q_nope, q_pe[first:last], keys)
+            else:
+                out[first:last] = self._expanded(w, q_nope, q_pe[first:last], keys, causal)
+        return ops.linear(out.reshape(rows, heads * c.v_head_dim), w.o, w.o_bias)
+
+    def _cached(self, cache_layer: Any, block_table: list[int], end: int) -> Any:
+        """Float32 ``[end, r + d_r]``: the cached latents and rope keys of positions ``[0, end)``."""
+        latent = cache_layer.latent
+        blocks = block_table[: -(-end // latent.shape[1])]
+        values = latent[self.backend.xp.asarray(blocks)].reshape(-1, latent.shape[2])[:end]
+        return as_float32(self.backend, values)
+
+    def _expanded(self, w: MlaAttentionWeights, q_nope: Any, q_pe: Any, keys: Any, positions: np.ndarray) -> Any:
+        """``[T, n_h, d_v]``: keys and values re-expanded from the latents (prompt rows)."""
+        c, xp = self.config, self.backend.xp
+        r, d_n = c.kv_lora_rank, c.qk_nope_head_dim
+        expanded = self.backend.ops.linear(xp.ascontiguousarray(keys[:, :r]), w.kv_b)
+        expanded = as_float32(self.backend, expanded).reshape(keys.shape[0], c.num_heads, d_n + c.v_head_dim)
+        k_nope, values = expanded[:, :, :d_n], expanded[:, :, d_n:]
+        scores = xp.einsum("thd,shd->hts", q_nope, k_nope) + xp.einsum("thd,sd->hts", q_pe, keys[:, r:])
+        return xp.einsum("hts,shd->thd", self._softmax(scores, positions), values)
+
+    def _absorbed(self, w: MlaAttentionWeights, q_nope: Any, q_pe: Any, keys: Any) -> Any:
+        """``[T, n_h, d_v]``: attention over the latents themselves (decode rows)."""
+        xp, r = self.backend.xp, self.config.kv_lora_rank
+        latents = keys[:, :r]
+        q_latent = xp.einsum("thd,hdr->thr", q_nope, w.w_uk)
+        scores = xp.einsum("thr,sr->hts", q_latent, latents) + xp.einsum("thd,sd->hts", q_pe, keys[:, r:])
+        positions = np.array([keys.shape[0] - 1] * q_nope.shape[0])
+        mixed = xp.einsum("hts,sr->thr", self._softmax(scores, positions), latents)
+        return xp.einsum("thr,hvr->thv", mixed, w.w_uv)
+
+    def _softmax(self, scores: Any, positions: np.ndarray) -> Any:
+        """Causal softmax of ``scores [n_h, T, S]`` (row t sees keys up to ``positions[t]``)."""
+        xp = self.backend.xp
+        scores = scores * np.float32(self.scale)
+        hidden = xp.asarray(np.arange(scores.shape[2])[None, :] > positions[:, None])
+        scores = xp.where(hidden[None], np.float32(-np.inf), scores)
+        scores = scores - scores.max(axis=2, keepdims=True)
+        weights = xp.exp(scores)
+        return (weights / weights.sum(axis=2, keepdims=True)).astype(xp.float32)
+
+    # ----------------------------------------------------------------------------------- MoE
+
+    def route(self, moe: MoeWeights, h: Any) -> tuple[Any, Any]:
+        """Top-k experts ``[N, k]`` and their weights ``[N, k]`` (float32) for ``h`` (FAMILIES.md §2.4)."""
+        c, xp = self.config, self.backend.xp
+        logits = as_float32(self.backend, h) @ moe.gate.T
+        tokens, experts, k = logits.shape[0], c.n_routed_experts, c.num_experts_per_tok
+        per_group = experts // c.n_group
+        if c.is_v3:
+            scores = 1.0 / (1.0 + xp.exp(-logits))
+            choice = scores + moe.bias[None, :]
+            grouped = choice.reshape(tokens, c.n_group, per_group)
+            group_score = -xp.sort(-grouped, axis=2)[:, :, : min(2, per_group)].sum(axis=2)
+        else:
+            shifted = xp.exp(logits - logits.max(axis=1, keepdims=True))
+            scores = shifted / shifted.sum(axis=1, keepdims=True)
+            choice = scores
+            group_score = scores.reshape(tokens, c.n_group, per_group).max(axis=2)
+        if c.topk_method in ("group_limited_greedy", "noaux_tc") and c.topk_group < c.n_group:
+            kept = xp.argsort(-group_score, axis=1, kind="stable")[:, : c.topk_group]
+            mask = xp.zeros((tokens, c.n_group), dtype=bool)
+            mask[xp.arange(tokens)[:, None], kept] = True
+            allowed = xp.repeat(mask, per_group, axis=1)
+            choice = xp.where(allowed, choice, -xp.inf if c.is_v3 else 0.0)
+        chosen = xp.argsort(-choice, axis=1, kind="stable")[:, :k]
+        weights = xp.take_along_axis(scores, chosen, axis=1)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(axis=1, keepdims=True) + 1e-20)
+        return chosen, (weights * c.routed_scaling_factor).astype(xp.float32)
+
+    def _moe(self, moe: MoeWeights, h: Any) -> Any:
+        xp = self.backend.xp
+        chosen, weights = self.route(moe, h)
+        out = xp.zeros((h.shape[0], self.config.hidden_size), dtype=xp.float32)
+        chosen_host = self.backend.to_numpy(chosen).astype(np.int64)
+        for expert in np.unique(chosen_host):
+            token_rows, slots = np.nonzero(chosen_host == expert)
+            token_index = xp.asarray(token_rows)
+            y = swiglu_mlp(self.backend, moe.experts[int(expert)], h[token_index])
+            out[token_index] += weights[token_index, xp.asarray(slots)][:, None] * y
+        if moe.shared is not None:
+            out += swiglu_mlp(self.backend, moe.shared, h)
+        return out
