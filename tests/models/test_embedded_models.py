@@ -103,47 +103,55 @@ def test_model_card_reports_perplexity_below_the_unigram_baseline(name):
     assert math.isclose(training["held_out_perplexity"], perplexity, rel_tol=1e-3)
 
 
-@pytest.fixture(scope="module")
-def tiny_dense():
-    return LLM("tiny-dense", device="cpu", show_progress=False)
+#: The embedded models whose families are built in: each must pass the same checks.
+SERVED = ["tiny-dense", "tiny-mla"]
 
 
-def test_tiny_dense_logits_match_transformers(tiny_dense, held_out_tokens):
+@pytest.fixture(scope="module", params=SERVED)
+def tiny(request):
+    return request.param, LLM(request.param, device="cpu", show_progress=False)
+
+
+def test_logits_match_transformers(tiny, held_out_tokens):
     import torch
 
+    name, llm = tiny
     ids = held_out_tokens[:200]
     with torch.no_grad():
-        expected = hf_model("tiny-dense")(torch.tensor([ids])).logits[0].numpy()
-    error = max_relative_error(tiny_dense.score(ids), expected)
-    assert error <= 1e-3, f"relative error {error:.3g}"
+        expected = hf_model(name)(torch.tensor([ids])).logits[0].numpy()
+    error = max_relative_error(llm.score(ids), expected)
+    assert error <= 1e-3, f"{name}: relative error {error:.3g}"
 
 
-def test_tiny_dense_greedy_output_matches_transformers(tiny_dense):
+def test_greedy_output_matches_transformers(tiny):
     from metrale.testing.hf import hf_greedy
 
-    prompt = tiny_dense.encode("Return the")
-    ours = tiny_dense.generate(prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
-    assert ours.token_ids == hf_greedy(embedded_model_path("tiny-dense"), prompt, 32)
+    name, llm = tiny
+    prompt = llm.encode("Return the")
+    ours = llm.generate(prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
+    assert ours.token_ids == hf_greedy(embedded_model_path(name), prompt, 32)
 
 
-def test_tiny_dense_held_out_perplexity_matches_transformers(tiny_dense, held_out_tokens):
+def test_held_out_perplexity_matches_transformers(tiny, held_out_tokens):
     import torch
 
-    model = hf_model("tiny-dense")
+    name, llm = tiny
+    model = hf_model(name)
 
     def hf_logits(window):
         with torch.no_grad():
             return model(torch.tensor([window])).logits[0].numpy()
 
-    ours = math.exp(windowed_cross_entropy(tiny_dense.score, held_out_tokens))
+    ours = math.exp(windowed_cross_entropy(llm.score, held_out_tokens))
     theirs = math.exp(windowed_cross_entropy(hf_logits, held_out_tokens))
-    assert abs(ours - theirs) / theirs <= 0.01, f"perplexity {ours:.3f} vs transformers {theirs:.3f}"
-    card = json.loads((embedded_model_path("tiny-dense") / "training.json").read_text())
+    assert abs(ours - theirs) / theirs <= 0.01, f"{name}: perplexity {ours:.3f} vs transformers {theirs:.3f}"
+    card = json.loads((embedded_model_path(name) / "training.json").read_text())
     assert ours < card["unigram_perplexity"] / 5
 
 
-def test_default_generation_reads_like_the_corpus(tiny_dense):
-    text = tiny_dense.generate("Return the", SamplingParams(max_tokens=24, temperature=0.0))[0].text
+def test_default_generation_reads_like_the_corpus(tiny):
+    name, llm = tiny
+    text = llm.generate("Return the", SamplingParams(max_tokens=24, temperature=0.0))[0].text
     words = re.findall(r"[A-Za-z]+", text)
     common = {"the", "a", "of", "to", "is", "and", "in", "or", "if", "object", "file", "value", "return", "string"}
-    assert len(words) >= 3 and any(w.lower() in common for w in words), text
+    assert len(words) >= 3 and any(w.lower() in common for w in words), f"{name}: {text!r}"
