@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_model_gpu import TOOLS, check_against_cpu, load
+from test_model_gpu import TOOLS, load
 
 from metrale import SamplingParams
 
@@ -25,10 +25,53 @@ def bf16_mla_checkpoints(tmp_path_factory):
             for index, (name, (cls, config)) in enumerate(mla_configs().items())}
 
 
+def scored_with_routes(path, device, ids):
+    """Teacher-forced logits and, per MoE layer, each position's chosen experts (sorted)."""
+    llm = load(path, device)
+    routes = []
+    route = llm.model.route
+
+    def recording(moe, h):
+        chosen, weights = route(moe, h)
+        routes.append(np.sort(llm.backend.to_numpy(chosen).astype(np.int64), axis=1))
+        return chosen, weights
+
+    llm.model.route = recording
+    return llm.score(ids), routes
+
+
+def check_against_cpu_where_routing_agrees(path, ids, what):
+    """bf16 tolerance and >= 99% top-1 agreement on the positions whose experts agree.
+
+    Routing is discontinuous (FAMILIES.md §0.5): where bf16 rounding flips an expert choice the
+    position's output legitimately differs, so those positions (at most 5 %) are left out;
+    everywhere else the error must be bf16 rounding: at most 2e-2 (relative to the largest
+    logit) at 99 % of those positions and 5e-2 at any, since the random DeepSeek-V3 shape
+    sharpens attention (its YaRN mscale multiplies the softmax scale by 1.67) and so bf16 noise.
+    Agreement counts those positions whose top-2 margin on the cpu exceeds 2e-2 of the largest
+    logit (at least half of them): random weights leave many near-ties that bf16 flips."""
+    cpu, cpu_routes = scored_with_routes(path, "cpu", ids)
+    gpu, gpu_routes = scored_with_routes(path, "cuda", ids)
+    same_route = np.all([(a == b).all(axis=1) for a, b in zip(cpu_routes, gpu_routes)], axis=0)
+    scale = np.abs(cpu).max()
+    rows = np.abs(gpu - cpu).max(axis=1) / scale
+    error = float(rows[same_route].max())
+    typical = float(np.percentile(rows[same_route], 99))
+    top2 = np.sort(cpu, axis=-1)[:, -2:]
+    counted = same_route & ((top2[:, 1] - top2[:, 0]) > 2e-2 * scale)
+    agreement = float((gpu.argmax(-1) == cpu.argmax(-1))[counted].mean())
+    print(f"{what}: {int((~same_route).sum())} of {len(ids)} positions routed differently; relative error "
+          f"{typical:.3g} (99th percentile) / {error:.3g} (max) where routing agrees ({rows.max():.3g} overall); "
+          f"top-1 agreement {agreement:.4f} over {int(counted.sum())} positions")
+    assert same_route.mean() >= 0.95, f"{what}: routing differs at {int((~same_route).sum())} positions"
+    assert typical <= 2e-2 and error <= 5e-2, f"{what}: relative error {typical:.3g} / {error:.3g}"
+    assert counted.sum() >= 0.5 * len(ids) and agreement >= 0.99, f"{what}: top-1 agreement {agreement:.4f}"
+
+
 @pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
 def test_random_checkpoints_match_the_cpu_backend(bf16_mla_checkpoints, name):
     ids = np.random.default_rng(1).integers(0, 128, 256).tolist()
-    check_against_cpu(bf16_mla_checkpoints[name], ids, name, decided_only=True)
+    check_against_cpu_where_routing_agrees(bf16_mla_checkpoints[name], ids, name)
 
 
 def test_tiny_mla_matches_the_cpu_backend():
@@ -44,7 +87,7 @@ def test_tiny_mla_matches_the_cpu_backend():
         ids += llm.encode(text)
         if len(ids) >= 256:
             break
-    check_against_cpu(llm.checkpoint.path, ids[:256], "tiny-mla")
+    check_against_cpu_where_routing_agrees(llm.checkpoint.path, ids[:256], "tiny-mla")
 
 
 def test_decode_on_the_gpu_continues_like_the_cpu(bf16_mla_checkpoints):
