@@ -31,8 +31,8 @@ def c(dtype, ndim):
 
 def kernels():
     from metrale.kernels import (
-        activation, attention, attention_grouped, attention_prefill, attention_staged, embedding, gemv, rmsnorm, rope,
-        sampling,
+        activation, attention, attention_grouped, attention_latent, attention_prefill, attention_staged, embedding,
+        gemv, rmsnorm, rope, sampling,
     )
 
     attention_arguments = (
@@ -53,6 +53,8 @@ def kernels():
         "paged_attention_staged_d64": (attention_staged.staged_kernel(16), attention_arguments),
         "paged_attention_staged_d128": (attention_staged.staged_kernel(32), attention_arguments),
         "paged_attention_grouped_d128": (attention_grouped.grouped_kernel(32), attention_arguments),
+        "latent_attention": (attention_latent.latent_attention_kernel, (
+            c(f32, 3), c(u32, 3), c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4), c(f32, 3), c(f32, 3))),
         "grouped_combine": (attention_grouped.grouped_combine_kernel, (c(f32, 4), c(f32, 3), c(f32, 3), c(u16, 2))),
         "paged_attention_prefill": (attention_prefill.paged_attention_prefill_kernel, (
             c(f32, 3), c(u32, 4), c(u32, 4), c(i32, 2), c(i32, 1), c(i32, 1), c(i32, 2), f32, i32, c(u16, 2))),

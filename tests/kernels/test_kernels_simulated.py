@@ -406,3 +406,32 @@ def test_gemv_rejects_batches_it_does_not_serve():
         gemv.gemv(x, np.zeros((3, 8), np.uint16), np.zeros((x.shape[0], 3), np.float32))
     with pytest.raises(KernelArgumentError, match="even"):
         gemv.gemv_silu(x[:1], np.zeros((3, 8), np.uint16), np.zeros((1, 1), np.uint16))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_latent_attention_matches_the_reference(splits):
+    """Absorbed MLA decode attention: three rows of two sequences (one block table each, blocks
+    shuffled), five heads (the last block half full), a latent of 40 values with 32 value dims."""
+    from metrale.kernels import attention_grouped, attention_latent
+
+    rng = np.random.default_rng(31)
+    heads, width, value_dim, block_size = 5, 40, 32, 4
+    latent_bits = float32_to_bf16(rng.standard_normal((9, block_size, width)).astype(np.float32))
+    latent = bf16_to_float32(latent_bits)
+    tables = np.array([[3, 7, 1, 5], [2, 8, 6, 4]], np.int32)
+    seq_index = np.array([0, 1, 1], np.int32)
+    positions = np.array([13, 2, 9], np.int32)  # contexts of 14, 3 and 10 keys
+    q = rng.standard_normal((3, heads, width)).astype(np.float32)
+    scale = 0.3
+    expected = attention_latent.latent_attention_reference(q, latent, tables, seq_index, positions, value_dim, scale)
+    out_acc = np.zeros((3, heads, splits, value_dim), np.float32)
+    out_max = np.zeros((3, heads, splits), np.float32)
+    out_sum = np.zeros((3, heads, splits), np.float32)
+    head_blocks = -(-heads // attention_latent.LATENT_WARPS)
+    attention_latent.latent_attention_kernel[(3, head_blocks, splits), attention_latent.LATENT_THREADS](
+        q, latent_bits.view(np.uint32), tables, seq_index, positions, np.float32(scale), np.int32(value_dim // 2),
+        out_acc, out_max, out_sum,
+    )
+    out = np.zeros((3, heads * value_dim), np.uint16)
+    attention_grouped.grouped_combine_kernel[(3, heads), attention_grouped.COMBINE_THREADS](out_acc, out_max, out_sum, out)
+    assert rel_error(bf16_to_float32(out).reshape(3, heads, value_dim), expected) <= 8e-3
