@@ -435,3 +435,42 @@ def test_latent_attention_matches_the_reference(splits):
     out = np.zeros((3, heads * value_dim), np.uint16)
     attention_grouped.grouped_combine_kernel[(3, heads), attention_grouped.COMBINE_THREADS](out_acc, out_max, out_sum, out)
     assert rel_error(bf16_to_float32(out).reshape(3, heads, value_dim), expected) <= 8e-3
+
+
+@pytest.mark.parametrize("method, n_group, topk_group, renormalise", [
+    ("greedy", 1, 1, False), ("group_limited_greedy", 4, 2, False), ("noaux_tc", 4, 2, True), ("noaux_tc", 8, 3, False),
+])
+def test_moe_routing_matches_the_reference(method, n_group, topk_group, renormalise):
+    from metrale.kernels import moe
+
+    rng = np.random.default_rng(41)
+    tokens, experts, top_k = 5, 16, 3
+    logits = (2 * rng.standard_normal((tokens, experts))).astype(np.float32)
+    bias = (0.3 * rng.standard_normal(experts)).astype(np.float32)
+    want_experts, want_weights = moe.route_reference(logits, bias, method, n_group, topk_group, top_k, renormalise, 2.5)
+    got_experts = np.zeros((tokens, top_k), np.int32)
+    got_weights = np.zeros((tokens, top_k), np.float32)
+    moe.route(logits, bias, method, n_group, topk_group, top_k, renormalise, 2.5, got_experts, got_weights)
+    np.testing.assert_array_equal(got_experts, want_experts)
+    np.testing.assert_allclose(got_weights, want_weights, rtol=1e-5, atol=1e-6)
+    if method != "greedy":  # the group limit really removed experts
+        unlimited, _ = moe.route_reference(logits, bias, method, n_group, n_group, top_k, renormalise, 2.5)
+        assert (unlimited != want_experts).any()
+
+
+def test_moe_experts_match_the_reference():
+    from metrale.kernels import moe
+
+    rng = np.random.default_rng(42)
+    tokens, hidden, inter, count, top_k = 3, 12, 8, 5, 2
+    x = float32_to_bf16(rng.standard_normal((tokens, hidden)).astype(np.float32))
+    gate_up = float32_to_bf16((0.5 * rng.standard_normal((count * 2 * inter, hidden))).astype(np.float32))
+    down = float32_to_bf16((0.5 * rng.standard_normal((count * hidden, inter))).astype(np.float32))
+    expert_ids = np.array([[4, 0], [2, 4], [1, 3]], np.int32)
+    weights = rng.random((tokens, top_k)).astype(np.float32)
+    expected = moe.experts_reference(bf16_to_float32(x), expert_ids, weights, bf16_to_float32(gate_up),
+                                     bf16_to_float32(down))
+    act = np.zeros((tokens * top_k, inter), np.uint16)
+    out = np.zeros((tokens, hidden), np.float32)
+    moe.experts(x, expert_ids, weights, gate_up, down, act, out)
+    assert rel_error(out, expected) <= 1e-2
