@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from metrale.kernels._device import SIMULATED, bits_to_float, check_array, device_view, float_to_bf16, numba_stream
 from metrale.kernels.gemv import dot_words
@@ -246,6 +246,47 @@ def moe_down_kernel(act_words, down_words, experts, weights, out):
                                                  expert * hidden + column, lane)
     if lane == 0:
         out[token, column] = total
+
+
+@cuda.jit(cache=True)
+def router_logits_kernel(x_words, gate, out):
+    # Grid: (N tokens, ceil(E / MOE_WARPS)); a warp per (token, expert). x_words [N, H / 4] u64
+    # (bf16 activations); gate [E, H] f32 (transformers keeps the router in float32); out [N, E] f32.
+    token = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    lane = tid % WARP
+    expert = cuda.blockIdx.y * MOE_WARPS + tid // WARP
+    if expert >= gate.shape[0]:
+        return
+    acc = float32(0.0)
+    for index in range(lane, x_words.shape[1], WARP):
+        word = x_words[token, index]
+        low = uint32(word & uint64(0xFFFFFFFF))
+        high = uint32(word >> uint64(32))
+        column = 4 * index
+        acc += (bits_to_float(low << uint32(16)) * gate[expert, column]
+                + bits_to_float(low & uint32(0xFFFF0000)) * gate[expert, column + 1]
+                + bits_to_float(high << uint32(16)) * gate[expert, column + 2]
+                + bits_to_float(high & uint32(0xFFFF0000)) * gate[expert, column + 3])
+    acc = _lane_sum(acc)
+    if lane == 0:
+        out[token, expert] = acc
+
+
+def router_logits(x: object, gate: object, out: object, stream: object = None) -> object:
+    """Launch :func:`router_logits_kernel`: float32 ``out [N, E]`` for bf16 ``x [N, H]``."""
+    op = "router_logits"
+    check_array(op, "x", x, np.uint16, ndim=2)
+    tokens, hidden = x.shape
+    check_array(op, "gate", gate, np.float32, (None, hidden))
+    check_array(op, "out", out, np.float32, (tokens, gate.shape[0]))
+    if hidden % 4:
+        raise ValueError(f"hidden size {hidden} must be a multiple of 4")
+    if tokens:
+        router_logits_kernel[(tokens, -(-gate.shape[0] // MOE_WARPS)), MOE_WARPS * WARP, numba_stream(stream)](
+            device_view(x.view(np.uint64)), device_view(gate), device_view(out),
+        )
+    return out
 
 
 def route(logits: object, bias: object, method: str, n_group: int, topk_group: int, top_k: int, renormalise: bool,

@@ -18,7 +18,15 @@ interleaved=False)`` -> ``q [N, nh, d]``;
 ``paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)`` -> ``[N, nh * dv]``;
 ``silu_and_mul(gate_up)`` -> ``[N, I]``;
 ``linear_silu(x, weight, bias=None)`` -> ``silu_and_mul(linear(x, weight, bias))`` (one kernel
-on the GPU for small batches).
+on the GPU for small batches);
+``latent_attention(q, latent, batch, value_dim, scale)`` -> ``[N, nh * value_dim]``: MLA's absorbed
+decode attention of one-row segments over the paged latent cache (:mod:`metrale.kernels.attention_latent`);
+``head_linear(x, weight)`` -> ``[N, nh, out]`` float32: ``weight[h] @ x[n, h]`` per head, ``weight``
+stacked ``[nh * out, in]`` (:mod:`metrale.kernels.head_linear`);
+``moe_route(x, gate, bias, method, n_group, topk_group, top_k, renormalise, scaling)`` -> (experts
+``[N, k]`` int32, weights ``[N, k]`` float32) from float32 router logits ``x @ gate^T``;
+``moe_experts(x, experts, weights, gate_up, down)`` -> ``[N, H]`` float32: the chosen experts'
+SwiGLU from stacked expert weights (:mod:`metrale.kernels.moe`).
 "Normed" outputs and attention outputs are the inputs of matrix products: float32 on the CPU,
 bf16 bits (``uint16``) on the GPU.
 """
@@ -52,6 +60,11 @@ class Backend:
 
     def constant(self, host: np.ndarray) -> Any:
         """A float32 array (biases, RoPE frequencies) on this backend."""
+        raise NotImplementedError
+
+    def weight(self, host: np.ndarray) -> Any:
+        """A matrix computed on the host, as a weight in this backend's format (float32 on the
+        CPU, bf16 bits on the GPU)."""
         raise NotImplementedError
 
     def zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
@@ -98,7 +111,7 @@ class CpuBackend(Backend):
     cache_dtype = np.float32
 
     def __init__(self) -> None:
-        from metrale.kernels import activation, attention, embedding, linear, rmsnorm, rope
+        from metrale.kernels import activation, attention, attention_latent, embedding, head_linear, linear, moe, rmsnorm, rope
 
         def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window):
             out = attention.paged_attention_reference(
@@ -113,6 +126,16 @@ class CpuBackend(Backend):
         def linear_silu(x, weight, bias=None):
             return silu_and_mul(linear.linear_reference(x, weight, bias))
 
+        def latent_attention(q, latent, batch, value_dim, scale):
+            out = attention_latent.latent_attention_reference(
+                q, latent, batch.block_tables, batch.seq_index, batch.positions, value_dim, scale
+            )
+            return out.reshape(out.shape[0], -1)
+
+        def moe_route(x, gate, bias, method, n_group, topk_group, top_k, renormalise, scaling):
+            logits = np.asarray(x, dtype=np.float32) @ gate.T
+            return moe.route_reference(logits, bias, method, n_group, topk_group, top_k, renormalise, scaling)
+
         self.ops = SimpleNamespace(
             embedding=embedding.embedding_reference,
             rmsnorm=rmsnorm.rmsnorm_reference,
@@ -122,6 +145,10 @@ class CpuBackend(Backend):
             linear_silu=linear_silu,
             qkv_rope_cache=rope.qkv_rope_cache_reference,
             paged_attention=paged_attention,
+            latent_attention=latent_attention,
+            head_linear=head_linear.head_linear_reference,
+            moe_route=moe_route,
+            moe_experts=moe.experts_reference,
         )
 
     def load_weight(self, checkpoint: Any, *parts: tuple[str, Sequence[int]]) -> np.ndarray:
@@ -129,6 +156,9 @@ class CpuBackend(Backend):
         return np.ascontiguousarray(arrays[0] if len(arrays) == 1 else np.concatenate(arrays), dtype=np.float32)
 
     def constant(self, host: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(host, dtype=np.float32)
+
+    def weight(self, host: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(host, dtype=np.float32)
 
     def to_numpy(self, array: Any) -> np.ndarray:

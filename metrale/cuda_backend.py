@@ -28,7 +28,8 @@ class CudaBackend(Backend):
         import cupy
 
         from metrale.kernels import (
-            activation, attention, attention_grouped, attention_prefill, embedding, gemv, rmsnorm, rope,
+            activation, attention, attention_grouped, attention_latent, attention_prefill, embedding, gemv, head_linear,
+            moe, rmsnorm, rope,
         )
         from metrale.kernels.linear import CublasGemm
         from metrale.kernels.sampling import sample
@@ -138,6 +139,35 @@ class CudaBackend(Backend):
             out = cp.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=bf16)
             return activation.silu_and_mul(gate_up, out, stream)
 
+        def as_bf16(x):
+            return to_bf16(x) if x.dtype == f32 else cp.ascontiguousarray(x)
+
+        def latent_attention(q, latent, batch, value_dim, scale):
+            out = cp.empty((q.shape[0], q.shape[1] * value_dim), dtype=bf16)
+            return attention_latent.latent_attention(
+                cp.ascontiguousarray(q, dtype=f32), latent, batch.block_tables, batch.seq_index, batch.positions,
+                value_dim, scale, batch.max_context, out, stream,
+            )
+
+        def head_linear_op(x, weight):
+            rows, heads = x.shape[0], x.shape[1]
+            out = cp.empty((rows, heads, weight.shape[0] // heads), dtype=f32)
+            return head_linear.head_linear(as_bf16(x), weight, out, stream)
+
+        def moe_route(x, gate, bias, method, n_group, topk_group, top_k, renormalise, scaling):
+            x = as_bf16(x)
+            logits = moe.router_logits(x, gate, cp.empty((x.shape[0], gate.shape[0]), dtype=f32), stream)
+            chosen = cp.empty((x.shape[0], top_k), dtype=np.int32)
+            weights = cp.empty((x.shape[0], top_k), dtype=f32)
+            return moe.route(logits, bias, method, n_group, topk_group, top_k, renormalise, scaling, chosen, weights,
+                             stream)
+
+        def moe_experts(x, chosen, weights, gate_up, down):
+            x = as_bf16(x)
+            act = cp.empty((x.shape[0] * chosen.shape[1], down.shape[1]), dtype=bf16)
+            out = cp.empty((x.shape[0], x.shape[1]), dtype=f32)
+            return moe.experts(x, chosen, weights, gate_up, down, act, out, stream)
+
         self.ops = SimpleNamespace(
             embedding=embed,
             rmsnorm=rmsnorm_only,
@@ -148,6 +178,10 @@ class CudaBackend(Backend):
             qkv_rope_cache=qkv_rope_cache,
             paged_attention=paged_attention,
             to_bf16=to_bf16,
+            latent_attention=latent_attention,
+            head_linear=head_linear_op,
+            moe_route=moe_route,
+            moe_experts=moe_experts,
         )
 
     # ------------------------------------------------------------------------------ arrays
@@ -166,6 +200,10 @@ class CudaBackend(Backend):
     def constant(self, host: np.ndarray) -> Any:
         with self.stream:
             return self.xp.asarray(np.ascontiguousarray(host, dtype=np.float32))
+
+    def weight(self, host: np.ndarray) -> Any:
+        with self.stream:
+            return self.xp.asarray(np.ascontiguousarray(float32_to_bf16(np.asarray(host, dtype=np.float32))))
 
     def zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
         with self.stream:

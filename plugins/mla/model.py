@@ -6,8 +6,11 @@ from the cached latents through ``kv_b_proj``); decode rows in the absorbed form
 projected into the latent space, attention over the latents, values through the value half of
 ``kv_b_proj``). Both are the same function (FAMILIES.md §2.3); the tests check it.
 
-The attention and the routing run on the backend's array module (``backend.xp``), so the model
-runs on every backend; it is not captured into CUDA graphs (``graph_capturable``).
+Decode batches run on backend ops that need no host synchronisation: the per-head projections
+(``head_linear``), the latent attention, the router and the chosen experts (``moe_route``,
+``moe_experts``). Prompts run the expanded form per sequence and their experts as grouped matrix
+products, which synchronise with the host. The model is not captured into CUDA graphs yet
+(``graph_capturable``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from metrale.plugins.mla.config import MlaConfig
 LATENT_NORM_EPS = 1e-6
 
 IGNORED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)
+
+#: Batches of up to this many tokens run their experts pair by pair on the device (decode); larger
+#: ones group the tokens of each expert into one matrix product.
+MAX_DECODE_MOE_TOKENS = 64
 
 
 def as_float32(backend: Any, x: Any) -> Any:
@@ -71,13 +78,14 @@ def rotate(backend: Any, x: Any, positions: Any, inv_freq: Any, attention_factor
 @dataclass
 class MlaAttentionWeights:
     """One layer's attention. ``q`` (no q LoRA) or ``q_a`` + ``q_a_norm`` + ``q_b``; ``kv_a``
-    ``[r + d_r, H]``; ``kv_b`` ``[n_h (d_n + d_v), r]`` for the expanded form and its float32
-    halves ``w_uk [n_h, d_n, r]`` and ``w_uv [n_h, d_v, r]`` for the absorbed form."""
+    ``[r + d_r, H]``; ``kv_b`` ``[n_h (d_n + d_v), r]`` for the expanded form and, for the
+    absorbed form, its key half transposed per head ``w_uk_t [n_h r, d_n]`` and its value half
+    ``w_uv [n_h d_v, r]`` (weights for ``head_linear``)."""
 
     kv_a: Any
     kv_a_norm: Any
     kv_b: Any
-    w_uk: Any
+    w_uk_t: Any
     w_uv: Any
     o: Any
     q: Any = None
@@ -92,10 +100,13 @@ class MlaAttentionWeights:
 @dataclass
 class MoeWeights:
     """Router ``gate [E, H]`` (float32, as transformers keeps it), V3's ``bias [E]``, the routed
-    experts and the shared expert (None without one)."""
+    experts stacked (``gate_up [E 2I, H]``, ``down [E H, I]``) and as per-expert views, and the
+    shared expert (None without one)."""
 
     gate: Any
     bias: Any
+    gate_up: Any
+    down: Any
     experts: list[MlpWeights]
     shared: MlpWeights | None
 
@@ -113,6 +124,8 @@ class MlaModel(FamilyModel):
     """A loaded DeepSeek-V2 / V3 model."""
 
     graph_capturable = False
+    #: Decode rows take the absorbed form (False: the expanded form, as prompt rows; for tests).
+    absorbed_decode = True
 
     def __init__(self, config: MlaConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
         super().__init__(backend, vocab_size=config.vocab_size, max_model_len=max_model_len)
@@ -160,8 +173,8 @@ class MlaModel(FamilyModel):
             kv_a=backend.load_weight(checkpoint, (f"{prefix}.kv_a_proj_with_mqa.weight", (r + d_r, hidden))),
             kv_a_norm=backend.load_weight(checkpoint, (f"{prefix}.kv_a_layernorm.weight", (r,))),
             kv_b=backend.load_weight(checkpoint, (f"{prefix}.kv_b_proj.weight", kv_b_shape)),
-            w_uk=backend.constant(self._widened(kv_b_host[:, :d_n, :])),
-            w_uv=backend.constant(self._widened(kv_b_host[:, d_n:, :])),
+            w_uk_t=backend.weight(kv_b_host[:, :d_n, :].transpose(0, 2, 1).reshape(heads * r, d_n)),
+            w_uv=backend.weight(kv_b_host[:, d_n:, :].reshape(heads * d_v, r)),
             o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (hidden, heads * d_v))),
         )
         q_rows = heads * (d_n + d_r)
@@ -179,24 +192,26 @@ class MlaModel(FamilyModel):
             weights.o_bias = backend.constant(checkpoint.tensor(f"{prefix}.o_proj.bias", (hidden,)))
         return weights
 
-    def _widened(self, host: np.ndarray) -> np.ndarray:
-        """``host`` rounded as the backend stores weights (bf16 on the GPU), as float32: the
-        absorbed form then uses exactly the weights the expanded form multiplies by."""
-        if np.dtype(self.backend.cache_dtype) == np.float32:
-            return np.ascontiguousarray(host, dtype=np.float32)
-        bits = np.ascontiguousarray(host, dtype=np.float32).view(np.uint32)
-        rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16) << 16
-        return rounded.astype(np.uint32).view(np.float32)
-
     def _load_moe(self, checkpoint: Checkpoint, prefix: str) -> MoeWeights:
         c, backend = self.config, self.backend
         experts, hidden, width = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
         bias_name = f"{prefix}.gate.e_score_correction_bias"
+        gate_up = backend.load_weight(checkpoint, *[
+            part for e in range(experts) for part in (
+                (f"{prefix}.experts.{e}.gate_proj.weight", (width, hidden)),
+                (f"{prefix}.experts.{e}.up_proj.weight", (width, hidden)))
+        ])
+        down = backend.load_weight(checkpoint, *[
+            (f"{prefix}.experts.{e}.down_proj.weight", (hidden, width)) for e in range(experts)
+        ])
         return MoeWeights(
             gate=backend.constant(checkpoint.tensor(f"{prefix}.gate.weight", (experts, hidden))),
             bias=backend.constant(checkpoint.tensor(bias_name, (experts,))) if c.is_v3 else None,
+            gate_up=gate_up,
+            down=down,
             experts=[
-                load_mlp_weights(checkpoint, backend, f"{prefix}.experts.{e}", hidden, width) for e in range(experts)
+                MlpWeights(gate_up=gate_up[2 * width * e : 2 * width * (e + 1)], down=down[hidden * e : hidden * (e + 1)])
+                for e in range(experts)
             ],
             shared=load_mlp_weights(checkpoint, backend, f"{prefix}.shared_experts", hidden,
                                     width * c.n_shared_experts) if c.n_shared_experts else None,
@@ -245,18 +260,27 @@ class MlaModel(FamilyModel):
         cache_layer.latent[slots // block_size, slots % block_size] = to_cache_values(
             backend, xp.concatenate([latent, k_pe], axis=1)
         )
+        if self.absorbed_decode and rows == len(batch.row_starts) - 1:
+            return self._absorbed(w, cache_layer, q, q_pe, batch)
         out = xp.empty((rows, heads, c.v_head_dim), dtype=xp.float32)
         starts = batch.row_starts
         for index, segment in enumerate(batch.segments):
             first, last = int(starts[index]), int(starts[index + 1])
             keys = self._cached(cache_layer, segment.seq.block_table, segment.end)
             causal = np.arange(segment.start, segment.end)
-            q_nope = q[first:last, :, :d_n]
-            if last - first == 1:
-                out[first:last] = self._absorbed(w, q_nope, q_pe[first:last], keys)
-            else:
-                out[first:last] = self._expanded(w, q_nope, q_pe[first:last], keys, causal)
+            out[first:last] = self._expanded(w, q[first:last, :, :d_n], q_pe[first:last], keys, causal)
         return ops.linear(out.reshape(rows, heads * c.v_head_dim), w.o, w.o_bias)
+
+    def _absorbed(self, w: MlaAttentionWeights, cache_layer: Any, q: Any, q_pe: Any, batch: ForwardBatch) -> Any:
+        """Decode rows (one per sequence): the queries projected into the latent space, attention
+        over the cached latents, the value half of ``kv_b_proj`` after, then ``o_proj``."""
+        ops, c, xp = self.backend.ops, self.config, self.backend.xp
+        rows, heads, r = q.shape[0], c.num_heads, c.kv_lora_rank
+        q_latent = ops.head_linear(xp.ascontiguousarray(q[:, :, : c.qk_nope_head_dim]), w.w_uk_t)
+        queries = xp.concatenate([q_latent, q_pe.astype(xp.float32)], axis=2)
+        mixed = ops.latent_attention(queries, cache_layer.latent, batch, r, self.scale)
+        values = ops.head_linear(mixed.reshape(rows, heads, r), w.w_uv)
+        return ops.linear(values.reshape(rows, heads * c.v_head_dim), w.o, w.o_bias)
 
     def _cached(self, cache_layer: Any, block_table: list[int], end: int) -> Any:
         """Float32 ``[end, r + d_r]``: the cached latents and rope keys of positions ``[0, end)``."""
@@ -275,16 +299,6 @@ class MlaModel(FamilyModel):
         scores = xp.einsum("thd,shd->hts", q_nope, k_nope) + xp.einsum("thd,sd->hts", q_pe, keys[:, r:])
         return xp.einsum("hts,shd->thd", self._softmax(scores, positions), values)
 
-    def _absorbed(self, w: MlaAttentionWeights, q_nope: Any, q_pe: Any, keys: Any) -> Any:
-        """``[T, n_h, d_v]``: attention over the latents themselves (decode rows)."""
-        xp, r = self.backend.xp, self.config.kv_lora_rank
-        latents = keys[:, :r]
-        q_latent = xp.einsum("thd,hdr->thr", q_nope, w.w_uk)
-        scores = xp.einsum("thr,sr->hts", q_latent, latents) + xp.einsum("thd,sd->hts", q_pe, keys[:, r:])
-        positions = np.array([keys.shape[0] - 1] * q_nope.shape[0])
-        mixed = xp.einsum("hts,sr->thr", self._softmax(scores, positions), latents)
-        return xp.einsum("thr,hvr->thv", mixed, w.w_uv)
-
     def _softmax(self, scores: Any, positions: np.ndarray) -> Any:
         """Causal softmax of ``scores [n_h, T, S]`` (row t sees keys up to ``positions[t]``)."""
         xp = self.backend.xp
@@ -299,42 +313,26 @@ class MlaModel(FamilyModel):
 
     def route(self, moe: MoeWeights, h: Any) -> tuple[Any, Any]:
         """Top-k experts ``[N, k]`` and their weights ``[N, k]`` (float32) for ``h`` (FAMILIES.md §2.4)."""
-        c, xp = self.config, self.backend.xp
-        logits = as_float32(self.backend, h) @ moe.gate.T
-        tokens, experts, k = logits.shape[0], c.n_routed_experts, c.num_experts_per_tok
-        per_group = experts // c.n_group
-        if c.is_v3:
-            scores = 1.0 / (1.0 + xp.exp(-logits))
-            choice = scores + moe.bias[None, :]
-            grouped = choice.reshape(tokens, c.n_group, per_group)
-            group_score = -xp.sort(-grouped, axis=2)[:, :, : min(2, per_group)].sum(axis=2)
-        else:
-            shifted = xp.exp(logits - logits.max(axis=1, keepdims=True))
-            scores = shifted / shifted.sum(axis=1, keepdims=True)
-            choice = scores
-            group_score = scores.reshape(tokens, c.n_group, per_group).max(axis=2)
-        if c.topk_method in ("group_limited_greedy", "noaux_tc") and c.topk_group < c.n_group:
-            kept = xp.argsort(-group_score, axis=1, kind="stable")[:, : c.topk_group]
-            mask = xp.zeros((tokens, c.n_group), dtype=bool)
-            mask[xp.arange(tokens)[:, None], kept] = True
-            allowed = xp.repeat(mask, per_group, axis=1)
-            choice = xp.where(allowed, choice, -xp.inf if c.is_v3 else 0.0)
-        chosen = xp.argsort(-choice, axis=1, kind="stable")[:, :k]
-        weights = xp.take_along_axis(scores, chosen, axis=1)
-        if c.norm_topk_prob:
-            weights = weights / (weights.sum(axis=1, keepdims=True) + 1e-20)
-        return chosen, (weights * c.routed_scaling_factor).astype(xp.float32)
+        c = self.config
+        return self.backend.ops.moe_route(
+            h, moe.gate, moe.bias, c.topk_method, c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
 
     def _moe(self, moe: MoeWeights, h: Any) -> Any:
         xp = self.backend.xp
         chosen, weights = self.route(moe, h)
-        out = xp.zeros((h.shape[0], self.config.hidden_size), dtype=xp.float32)
-        chosen_host = self.backend.to_numpy(chosen).astype(np.int64)
-        for expert in np.unique(chosen_host):
-            token_rows, slots = np.nonzero(chosen_host == expert)
-            token_index = xp.asarray(token_rows)
-            y = swiglu_mlp(self.backend, moe.experts[int(expert)], h[token_index])
-            out[token_index] += weights[token_index, xp.asarray(slots)][:, None] * y
+        if h.shape[0] <= MAX_DECODE_MOE_TOKENS:
+            out = self.backend.ops.moe_experts(h, chosen, weights, moe.gate_up, moe.down)
+        else:
+            # Many tokens: each chosen expert runs once over its tokens (grouped on the host).
+            out = xp.zeros((h.shape[0], self.config.hidden_size), dtype=xp.float32)
+            chosen_host = self.backend.to_numpy(chosen).astype(np.int64)
+            for expert in np.unique(chosen_host):
+                token_rows, slots = np.nonzero(chosen_host == expert)
+                token_index = xp.asarray(token_rows)
+                y = swiglu_mlp(self.backend, moe.experts[int(expert)], h[token_index])
+                out[token_index] += weights[token_index, xp.asarray(slots)][:, None] * y
         if moe.shared is not None:
-            out += swiglu_mlp(self.backend, moe.shared, h)
+            out = out + swiglu_mlp(self.backend, moe.shared, h)
         return out

@@ -458,6 +458,17 @@ def test_moe_routing_matches_the_reference(method, n_group, topk_group, renormal
         assert (unlimited != want_experts).any()
 
 
+def test_router_logits_are_float32_products():
+    from metrale.kernels import moe
+
+    rng = np.random.default_rng(44)
+    x = float32_to_bf16(rng.standard_normal((3, 12)).astype(np.float32))
+    gate = rng.standard_normal((5, 12)).astype(np.float32)
+    out = np.zeros((3, 5), np.float32)
+    moe.router_logits(x, gate, out)
+    np.testing.assert_allclose(out, bf16_to_float32(x) @ gate.T, rtol=1e-5, atol=1e-5)
+
+
 def test_moe_experts_match_the_reference():
     from metrale.kernels import moe
 
@@ -474,3 +485,16 @@ def test_moe_experts_match_the_reference():
     out = np.zeros((tokens, hidden), np.float32)
     moe.experts(x, expert_ids, weights, gate_up, down, act, out)
     assert rel_error(out, expected) <= 1e-2
+
+
+def test_head_linear_matches_the_reference():
+    from metrale.kernels import head_linear
+
+    rng = np.random.default_rng(43)
+    rows, heads, width_in, width_out = 2, 3, 8, 5
+    x = float32_to_bf16(rng.standard_normal((rows, heads, width_in)).astype(np.float32))
+    weight = float32_to_bf16(rng.standard_normal((heads * width_out, width_in)).astype(np.float32))
+    expected = head_linear.head_linear_reference(bf16_to_float32(x), bf16_to_float32(weight))
+    out = np.zeros((rows, heads, width_out), np.float32)
+    head_linear.head_linear(x, weight, out)
+    assert rel_error(out, expected) <= 1e-5

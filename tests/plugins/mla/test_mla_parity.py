@@ -53,24 +53,23 @@ def test_greedy_generation_matches_transformers(mla_checkpoints, name):
     assert ours == hf_greedy(path, prompt, 12)
 
 
-def test_absorbed_and_expanded_forms_agree(mla_checkpoints):
-    """The same decode row through both attention forms (the model picks absorbed for it)."""
-    llm = LLM(mla_checkpoints["deepseek_v3"], device="cpu", show_progress=False)
-    model = llm.model
-    prompt = np.random.default_rng(6).integers(0, 128, 17).tolist()
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_absorbed_and_expanded_forms_agree(mla_checkpoints, name):
+    """The same decode steps through both attention forms (the model picks absorbed for them)."""
+    llm = LLM(mla_checkpoints[name], device="cpu", show_progress=False)
+    prompts = [np.random.default_rng(6 + n).integers(0, 128, n).tolist() for n in (17, 5)]
     results = []
-    for form in ("absorbed", "expanded"):
-        seq = SequenceState.from_prompt(prompt)
-        original = model._absorbed
-        if form == "expanded":
-            model._absorbed = lambda w, q_nope, q_pe, keys: model._expanded(
-                w, q_nope, q_pe, keys, np.array([keys.shape[0] - 1]))
+    for absorbed in (True, False):
+        llm.model.absorbed_decode = absorbed
+        seqs = [SequenceState.from_prompt(p) for p in prompts]
         try:
-            llm.forward.prefill(prompt, seq)
-            results.append(llm.forward.decode(7, seq))
+            for prompt, seq in zip(prompts, seqs):
+                llm.forward.prefill(prompt, seq)
+            results.append(np.concatenate([llm.forward.decode_batch([7, 9], seqs), llm.forward.decode_batch([3, 1], seqs)]))
         finally:
-            model._absorbed = original
-            llm.cache.release(seq)
+            llm.model.absorbed_decode = True
+            for seq in seqs:
+                llm.cache.release(seq)
     assert max_relative_error(results[0], results[1]) <= 1e-5
 
 
@@ -80,3 +79,17 @@ def test_the_latent_cache_holds_r_plus_rope_dims(mla_checkpoints):
     assert [layer.width for layer in spec.layers] == [32 + 8] * 3
     assert llm.forward.is_mla()
     assert llm.cache.layers[0].latent.shape[1:] == (llm.cache.block_size, 40)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_both_expert_paths_match_transformers(mla_checkpoints, monkeypatch, name):
+    """Experts pair by pair (decode sizes) and grouped per expert (prompt sizes) give the same logits."""
+    from metrale.plugins.mla import model as mla_model
+
+    path = mla_checkpoints[name]
+    ids = np.random.default_rng(8).integers(0, 128, 30).tolist()
+    expected = hf_reference_logits(path, ids)
+    llm = LLM(path, device="cpu", show_progress=False)
+    for threshold in (0, 1000):
+        monkeypatch.setattr(mla_model, "MAX_DECODE_MOE_TOKENS", threshold)
+        assert max_relative_error(llm.score(ids), expected) <= 1e-4, f"threshold {threshold}"
