@@ -33,6 +33,21 @@ SHAPES: dict[str, dict[str, Any]] = {
     ),
 }
 
+#: MLA shapes (built as DeepseekV2ForCausalLM checkpoints).
+MLA_SHAPES: dict[str, dict[str, Any]] = {
+    "deepseek-v2-lite": dict(  # DeepSeek-V2-Lite: 15.7 B parameters, 2.4 B activated per token
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, moe_intermediate_size=1408, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+        first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        tie_word_embeddings=False, max_position_embeddings=163840,
+        rope_scaling={"type": "yarn", "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+                      "rope_theta": 10000.0},
+    ),
+}
+SHAPES.update(MLA_SHAPES)
+
 
 @dataclass
 class BenchOptions:
@@ -85,33 +100,69 @@ def copy_bandwidth() -> float:
 
 
 def build_checkpoint(shape: str, folder: Path) -> Path:
-    """Save a random-weight bf16 Llama checkpoint of ``shape`` (built on the GPU)."""
+    """Save a random-weight bf16 checkpoint of ``shape`` (Llama, or DeepSeek-V2 for the MLA
+    shapes; built on the GPU)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     if (folder / "config.json").exists():
         return folder
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=131072, rms_norm_eps=1e-5)
+    if shape in MLA_SHAPES:
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        config, model_class = DeepseekV2Config(**SHAPES[shape], rms_norm_eps=1e-6), DeepseekV2ForCausalLM
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(**SHAPES[shape], max_position_embeddings=131072, rms_norm_eps=1e-5)
+        model_class = LlamaForCausalLM
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = model_class(config).to(torch.bfloat16)
     model.save_pretrained(folder)
     del model
     torch.cuda.empty_cache()
     return folder
 
 
-def weight_bytes(shape: str) -> int:
+def expected_experts(experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts a step of ``batch`` tokens reads, each token choosing ``top_k`` of
+    ``experts`` uniformly: ``E (1 - (1 - k/E)^B)``."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** batch)
+
+
+def weight_bytes(shape: str, batch: int | None = None) -> int:
+    """bf16 bytes of the weights a decode step of ``batch`` tokens reads (None: every weight).
+
+    For the MLA shapes only the routed experts the step's tokens choose count, in expectation
+    (:func:`expected_experts`); attention, dense layers, shared experts, routers and the
+    embedding rows are always read."""
     s = SHAPES[shape]
-    h, i, layers, v = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
-    q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+    h, layers, v = s["hidden_size"], s["num_hidden_layers"], s["vocab_size"]
     embeddings = v * h * (1 if s["tie_word_embeddings"] else 2)
-    return 2 * (layers * per_layer + embeddings + h)
+    if shape not in MLA_SHAPES:
+        i = s["intermediate_size"]
+        q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        return 2 * (layers * per_layer + embeddings + h)
+    heads, r, d_n, d_r, d_v = (s["num_attention_heads"], s["kv_lora_rank"], s["qk_nope_head_dim"],
+                               s["qk_rope_head_dim"], s["v_head_dim"])
+    q_in = s["q_lora_rank"] or h
+    q = (h * s["q_lora_rank"] + s["q_lora_rank"] if s["q_lora_rank"] else 0) + q_in * heads * (d_n + d_r)
+    attention = q + h * (r + d_r) + r + r * heads * (d_n + d_v) + heads * d_v * h
+    dense = s["first_k_dense_replace"]
+    experts, top_k, width = s["n_routed_experts"], s["num_experts_per_tok"], s["moe_intermediate_size"]
+    read = experts if batch is None else expected_experts(experts, top_k, batch)
+    # The router is float32: its H x E values weigh as twice as many bf16 ones.
+    moe_layer = 3 * h * width * (s["n_shared_experts"] + read) + 2 * h * experts
+    total = layers * (attention + 2 * h) + dense * 3 * h * s["intermediate_size"] + (layers - dense) * moe_layer \
+        + embeddings + h
+    return int(2 * total)
 
 
 def kv_bytes_per_token(shape: str) -> int:
     s = SHAPES[shape]
+    if shape in MLA_SHAPES:
+        return 2 * s["num_hidden_layers"] * (s["kv_lora_rank"] + s["qk_rope_head_dim"])
     return 2 * 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * s["head_dim"]
 
 
@@ -185,7 +236,7 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
 
         seconds = _cuda_time(step, repeats=steps, stream=llm.backend.stream)
         context = options.context + steps // 2
-        bytes_read = weight_bytes(shape) + batch * context * kv_bytes_per_token(shape)
+        bytes_read = weight_bytes(shape, batch) + batch * context * kv_bytes_per_token(shape)
         floor = bytes_read / bandwidth
         result[f"decode_b{batch}"] = {
             "step_ms": seconds * 1e3,

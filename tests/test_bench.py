@@ -101,3 +101,32 @@ def test_without_transformers_only_metrale_runs(stand_ins):
     assert calls == [("metrale", "llama-1b")]
     assert set(results["llama-1b"]) == {"weight_GB", "build_s", "metrale"}
     assert bars[0].total == bars[0].n == 2
+
+
+def test_weight_accounting_matches_the_models_parameters():
+    """Every bf16 weight, counted against transformers' own parameter count (meta device)."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    for shape, config_class, model_class in (("llama-1b", LlamaConfig, LlamaForCausalLM),
+                                             ("deepseek-v2-lite", DeepseekV2Config, DeepseekV2ForCausalLM)):
+        with torch.device("meta"):
+            model = model_class(config_class(**bench.SHAPES[shape]))
+        params = sum(p.numel() for p in model.parameters())
+        s = bench.SHAPES[shape]
+        # The MoE routers are read as float32: twice their bf16 size.
+        routers = s["hidden_size"] * s["n_routed_experts"] * (s["num_hidden_layers"] - s["first_k_dense_replace"]) \
+            if shape in bench.MLA_SHAPES else 0
+        assert bench.weight_bytes(shape) == 2 * (params + routers), shape
+
+
+def test_a_decode_step_reads_only_the_chosen_experts():
+    assert bench.expected_experts(64, 6, 1) == pytest.approx(6.0)
+    assert bench.expected_experts(64, 6, 32) == pytest.approx(64 * (1 - (58 / 64) ** 32))
+    one, many, every = (bench.weight_bytes("deepseek-v2-lite", b) for b in (1, 32, None))
+    assert one < many < every
+    s = bench.SHAPES["deepseek-v2-lite"]
+    per_expert = 2 * 3 * s["hidden_size"] * s["moe_intermediate_size"]
+    moe_layers = s["num_hidden_layers"] - s["first_k_dense_replace"]
+    assert every - one == pytest.approx(per_expert * moe_layers * (64 - 6))
+    assert bench.weight_bytes("llama-1b", 1) == bench.weight_bytes("llama-1b")
