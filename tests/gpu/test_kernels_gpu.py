@@ -259,3 +259,73 @@ def test_prefill_attention_query_tiles(window):
         cp.asarray(tables), cp.asarray(seq_index), cp.asarray(positions), cp.asarray(tiles), head_dim**-0.5, window, out,
     )
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 1e-2
+
+
+def test_latent_attention_at_deepseek_sizes():
+    from metrale.kernels import attention_latent
+
+    rng = np.random.default_rng(51)
+    heads, width, value_dim, block_size = 16, 576, 512, 16
+    lengths = [700, 1, 130]
+    blocks_per = [-(-n // block_size) for n in lengths]
+    ids = rng.permutation(np.arange(1, sum(blocks_per) + 1))
+    tables = np.zeros((3, max(blocks_per)), np.int32)
+    offset = 0
+    for row, count in enumerate(blocks_per):
+        tables[row, :count] = ids[offset : offset + count]
+        offset += count
+    latent = bf16(rng, (sum(blocks_per) + 1, block_size, width))
+    q = rng.standard_normal((3, heads, width)).astype(np.float32)
+    positions = np.array([n - 1 for n in lengths], np.int32)
+    seq_index = np.arange(3, dtype=np.int32)
+    scale = 0.1
+    expected = attention_latent.latent_attention_reference(q, bf16_to_float32(latent), tables, seq_index, positions,
+                                                           value_dim, scale)
+    out = cp.zeros((3, heads * value_dim), dtype=np.uint16)
+    attention_latent.latent_attention(cp.asarray(q), cp.asarray(latent), cp.asarray(tables), cp.asarray(seq_index),
+                                      cp.asarray(positions), value_dim, scale, 700, out)
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)).reshape(3, heads, value_dim), expected) <= 1e-2
+
+
+@pytest.mark.parametrize("method, experts, top_k, n_group, topk_group", [
+    ("greedy", 64, 6, 1, 1), ("noaux_tc", 256, 8, 8, 4),
+])
+def test_moe_routing_and_experts_at_deepseek_sizes(method, experts, top_k, n_group, topk_group):
+    from metrale.kernels import moe
+
+    rng = np.random.default_rng(52)
+    tokens, hidden, inter = 5, 2048, 256
+    x = bf16(rng, (tokens, hidden))
+    gate = (0.05 * rng.standard_normal((experts, hidden))).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(experts)).astype(np.float32)
+    logits = cp.empty((tokens, experts), dtype=np.float32)
+    moe.router_logits(cp.asarray(x), cp.asarray(gate), logits)
+    np.testing.assert_allclose(cp.asnumpy(logits), bf16_to_float32(x) @ gate.T, rtol=1e-4, atol=1e-4)
+    chosen = cp.empty((tokens, top_k), dtype=np.int32)
+    weights = cp.empty((tokens, top_k), dtype=np.float32)
+    moe.route(logits, cp.asarray(bias), method, n_group, topk_group, top_k, method == "noaux_tc", 2.5, chosen, weights)
+    want_chosen, want_weights = moe.route_reference(cp.asnumpy(logits), bias, method, n_group, topk_group, top_k,
+                                                    method == "noaux_tc", 2.5)
+    np.testing.assert_array_equal(cp.asnumpy(chosen), want_chosen)
+    np.testing.assert_allclose(cp.asnumpy(weights), want_weights, rtol=1e-5, atol=1e-6)
+    used = int(want_chosen.max()) + 1
+    gate_up = bf16(rng, (used * 2 * inter, hidden), scale=0.05)
+    down = bf16(rng, (used * hidden, inter), scale=0.05)
+    out = cp.empty((tokens, hidden), dtype=np.float32)
+    act = cp.empty((tokens * top_k, inter), dtype=np.uint16)
+    moe.experts(cp.asarray(x), chosen, weights, cp.asarray(gate_up), cp.asarray(down), act, out)
+    expected = moe.experts_reference(bf16_to_float32(x), want_chosen, want_weights, bf16_to_float32(gate_up),
+                                     bf16_to_float32(down))
+    assert rel_error(cp.asnumpy(out), expected) <= 2e-2
+
+
+def test_head_linear_at_deepseek_sizes():
+    from metrale.kernels import head_linear
+
+    rng = np.random.default_rng(53)
+    x = bf16(rng, (4, 16, 128))
+    weight = bf16(rng, (16 * 512, 128), scale=0.1)
+    out = cp.empty((4, 16, 512), dtype=np.float32)
+    head_linear.head_linear(cp.asarray(x), cp.asarray(weight), out)
+    expected = head_linear.head_linear_reference(bf16_to_float32(x), bf16_to_float32(weight))
+    assert rel_error(cp.asnumpy(out), expected) <= 1e-4

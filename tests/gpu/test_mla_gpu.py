@@ -105,3 +105,17 @@ def test_decode_on_the_gpu_continues_like_the_cpu(bf16_mla_checkpoints):
             top2 = np.sort(logits)[-2:]
             assert (top2[1] - top2[0]) / np.abs(logits).max() < 2e-2, f"parted at {index} without a near-tie"
             break
+
+
+def test_graph_replayed_decode_gives_the_eager_tokens(bf16_mla_checkpoints):
+    """The decode path of the MLA family records into CUDA graphs (no host synchronisation)."""
+    path = bf16_mla_checkpoints["deepseek_v3"]
+    prompts = [np.random.default_rng(n).integers(0, 128, n).tolist() for n in (3, 11, 30)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    eager = load(path, "cuda").generate(prompts, params)
+    llm = load(path, "cuda")
+    llm.model.graph_capturable = True
+    assert llm.backend.graph_runner(llm.model) is not None
+    graphs = llm.generate(prompts, params)
+    assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
+    assert llm.backend.graph_runner(llm.model).rungs, "no decode graph was recorded"

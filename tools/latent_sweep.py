@@ -1,0 +1,58 @@
+"""GPU time and bandwidth of MLA's absorbed decode attention, by batch, context and heads.
+
+    python tools/latent_sweep.py [--rows 1,32] [--contexts 512,2048,8192] [--heads 16,128]
+
+For each case, builds a paged latent cache of 576-value rows (DeepSeek-V2 / V3: 512 latent + 64
+RoPE dims, bf16) with one sequence per row, times :func:`metrale.kernels.attention_latent.
+latent_attention` (the kernel and the split merge, replayed from a graph as in
+``profile_decode.py``) and prints microseconds and the GB/s of the latent rows it must read
+(rows x context x 1152 bytes). Needs a CUDA device; run from ``tools/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,32", help="decode rows (comma-separated)")
+    parser.add_argument("--contexts", default="512,2048,8192", help="cached tokens per row (comma-separated)")
+    parser.add_argument("--heads", default="16,128", help="query heads (comma-separated)")
+    args = parser.parse_args()
+
+    import cupy as cp
+
+    from metrale.cuda_backend import CudaBackend
+    from metrale.kernels import attention_latent
+    from profile_decode import graph_time_us
+
+    backend = CudaBackend()
+    width, value_dim, block_size = 576, 512, 16
+    rng = np.random.default_rng(0)
+    for heads in (int(h) for h in args.heads.split(",")):
+        for rows in (int(r) for r in args.rows.split(",")):
+            for context in (int(c) for c in args.contexts.split(",")):
+                blocks = -(-context // block_size)
+                latent = cp.asarray(rng.integers(0, 2**14, (rows * blocks + 1, block_size, width)).astype(np.uint16))
+                tables = cp.asarray((1 + np.arange(rows * blocks, dtype=np.int32)).reshape(rows, blocks))
+                seq_index = cp.arange(rows, dtype=cp.int32)
+                positions = cp.full(rows, context - 1, dtype=cp.int32)
+                q = cp.asarray(rng.standard_normal((rows, heads, width)).astype(np.float32))
+                out = cp.empty((rows, heads * value_dim), dtype=cp.uint16)
+
+                def call():
+                    attention_latent.latent_attention(q, latent, tables, seq_index, positions, value_dim, 0.1,
+                                                      context, out, backend.stream)
+
+                micros = graph_time_us(backend, call)
+                gigabytes = rows * context * width * 2 / 1e9
+                splits = attention_latent.split_count(rows, heads, context)
+                print(f"heads {heads:4d} rows {rows:3d} context {context:6d} splits {splits:3d}: "
+                      f"{micros:9.1f} us {gigabytes / micros * 1e6:8.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
