@@ -93,3 +93,38 @@ def test_both_expert_paths_match_transformers(mla_checkpoints, monkeypatch, name
     for threshold in (0, 1000):
         monkeypatch.setattr(mla_model, "MAX_DECODE_MOE_TOKENS", threshold)
         assert max_relative_error(llm.score(ids), expected) <= 1e-4, f"threshold {threshold}"
+
+
+def test_multi_token_prediction_weights_are_kept(mla_checkpoints, tmp_path):
+    """A checkpoint with an MTP module (model.layers.{L}.*) loads, keeps those weights, and
+    scores as without them; one without them (the tiny checkpoints) loads too."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    source = mla_checkpoints["deepseek_v3"]
+    folder = tmp_path / "with-mtp"
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    config["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "model.safetensors")
+    rng = np.random.default_rng(9)
+    extra = {
+        f"model.layers.{layers}.enorm.weight": rng.standard_normal(hidden).astype(np.float32),
+        f"model.layers.{layers}.hnorm.weight": rng.standard_normal(hidden).astype(np.float32),
+        f"model.layers.{layers}.eh_proj.weight": rng.standard_normal((hidden, 2 * hidden)).astype(np.float32),
+    }
+    save_file({**{k: np.ascontiguousarray(v) for k, v in tensors.items()}, **extra}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    with_mtp = LLM(folder, device="cpu", show_progress=False)
+    assert sorted(with_mtp.model.mtp_weights) == sorted(extra)
+    assert with_mtp.checkpoint.unconsumed() == []
+    np.testing.assert_allclose(with_mtp.model.mtp_weights[f"model.layers.{layers}.eh_proj.weight"],
+                               extra[f"model.layers.{layers}.eh_proj.weight"])
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = LLM(source, device="cpu", show_progress=False)
+    assert plain.model.mtp_weights == {}
+    np.testing.assert_allclose(with_mtp.score(ids), plain.score(ids), rtol=1e-6, atol=1e-6)
