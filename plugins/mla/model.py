@@ -26,15 +26,13 @@ from metrale.checkpoint import Checkpoint
 from metrale.family import FamilyModel
 from metrale.plugins.dense.layers import MlpWeights, load_mlp_weights, swiglu_mlp
 from metrale.plugins.mla.config import MlaConfig
+from metrale.plugins.moe_layers import StackedExperts, load_stacked_experts, routed_experts
 
 #: transformers normalises the query and latent bottlenecks with this eps, whatever the config says.
 LATENT_NORM_EPS = 1e-6
 
 IGNORED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)
 
-#: Batches of up to this many tokens run their experts pair by pair on the device (decode); larger
-#: ones group the tokens of each expert into one matrix product.
-MAX_DECODE_MOE_TOKENS = 64
 
 
 def as_float32(backend: Any, x: Any) -> Any:
@@ -100,14 +98,11 @@ class MlaAttentionWeights:
 @dataclass
 class MoeWeights:
     """Router ``gate [E, H]`` (float32, as transformers keeps it), V3's ``bias [E]``, the routed
-    experts stacked (``gate_up [E 2I, H]``, ``down [E H, I]``) and as per-expert views, and the
-    shared expert (None without one)."""
+    experts and the shared expert (None without one)."""
 
     gate: Any
     bias: Any
-    gate_up: Any
-    down: Any
-    experts: list[MlpWeights]
+    experts: StackedExperts
     shared: MlpWeights | None
 
 
@@ -196,23 +191,10 @@ class MlaModel(FamilyModel):
         c, backend = self.config, self.backend
         experts, hidden, width = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
         bias_name = f"{prefix}.gate.e_score_correction_bias"
-        gate_up = backend.load_weight(checkpoint, *[
-            part for e in range(experts) for part in (
-                (f"{prefix}.experts.{e}.gate_proj.weight", (width, hidden)),
-                (f"{prefix}.experts.{e}.up_proj.weight", (width, hidden)))
-        ])
-        down = backend.load_weight(checkpoint, *[
-            (f"{prefix}.experts.{e}.down_proj.weight", (hidden, width)) for e in range(experts)
-        ])
         return MoeWeights(
             gate=backend.constant(checkpoint.tensor(f"{prefix}.gate.weight", (experts, hidden))),
             bias=backend.constant(checkpoint.tensor(bias_name, (experts,))) if c.is_v3 else None,
-            gate_up=gate_up,
-            down=down,
-            experts=[
-                MlpWeights(gate_up=gate_up[2 * width * e : 2 * width * (e + 1)], down=down[hidden * e : hidden * (e + 1)])
-                for e in range(experts)
-            ],
+            experts=load_stacked_experts(checkpoint, backend, f"{prefix}.experts", experts, hidden, width),
             shared=load_mlp_weights(checkpoint, backend, f"{prefix}.shared_experts", hidden,
                                     width * c.n_shared_experts) if c.n_shared_experts else None,
         )
@@ -320,19 +302,8 @@ class MlaModel(FamilyModel):
         )
 
     def _moe(self, moe: MoeWeights, h: Any) -> Any:
-        xp = self.backend.xp
         chosen, weights = self.route(moe, h)
-        if h.shape[0] <= MAX_DECODE_MOE_TOKENS:
-            out = self.backend.ops.moe_experts(h, chosen, weights, moe.gate_up, moe.down)
-        else:
-            # Many tokens: each chosen expert runs once over its tokens (grouped on the host).
-            out = xp.zeros((h.shape[0], self.config.hidden_size), dtype=xp.float32)
-            chosen_host = self.backend.to_numpy(chosen).astype(np.int64)
-            for expert in np.unique(chosen_host):
-                token_rows, slots = np.nonzero(chosen_host == expert)
-                token_index = xp.asarray(token_rows)
-                y = swiglu_mlp(self.backend, moe.experts[int(expert)], h[token_index])
-                out[token_index] += weights[token_index, xp.asarray(slots)][:, None] * y
+        out = routed_experts(self.backend, moe.experts, h, chosen, weights)
         if moe.shared is not None:
             out = out + swiglu_mlp(self.backend, moe.shared, h)
         return out

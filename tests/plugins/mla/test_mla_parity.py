@@ -84,14 +84,14 @@ def test_the_latent_cache_holds_r_plus_rope_dims(mla_checkpoints):
 @pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
 def test_both_expert_paths_match_transformers(mla_checkpoints, monkeypatch, name):
     """Experts pair by pair (decode sizes) and grouped per expert (prompt sizes) give the same logits."""
-    from metrale.plugins.mla import model as mla_model
+    from metrale.plugins import moe_layers
 
     path = mla_checkpoints[name]
     ids = np.random.default_rng(8).integers(0, 128, 30).tolist()
     expected = hf_reference_logits(path, ids)
     llm = LLM(path, device="cpu", show_progress=False)
     for threshold in (0, 1000):
-        monkeypatch.setattr(mla_model, "MAX_DECODE_MOE_TOKENS", threshold)
+        monkeypatch.setattr(moe_layers, "MAX_PAIRWISE_TOKENS", threshold)
         assert max_relative_error(llm.score(ids), expected) <= 1e-4, f"threshold {threshold}"
 
 
