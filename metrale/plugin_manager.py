@@ -30,6 +30,7 @@ ENTRY_POINT_GROUP = "metrale"
 BUILTIN_PLUGINS: tuple[tuple[str, str, str], ...] = (
     ("dense", "metrale.plugins.dense.plugin", "plugin"),
     ("mla", "metrale.plugins.mla.plugin", "plugin"),
+    ("gdn", "metrale.plugins.gdn.plugin", "plugin"),
     ("stages", "metrale.plugins.stages", ""),
 )
 

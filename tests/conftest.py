@@ -145,3 +145,26 @@ def mla_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("mla")
     return {name: build_mla_checkpoint(cls, config, root / name, seed=20 + index)
             for index, (name, (cls, config)) in enumerate(mla_configs().items())}
+
+
+def gdn_config():
+    """(model class, config) of the tiny Qwen3-Next test: two GDN and two gated-attention layers
+    (interval 2), MoE everywhere but a dense layer 2 (FAMILIES.md §7)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    return Qwen3NextForCausalLM, Qwen3NextConfig(
+        **{**BASE, "num_hidden_layers": 4}, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
+        linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+        full_attention_interval=2, mlp_only_layers=[2])
+
+
+@pytest.fixture(scope="session")
+def gdn_checkpoint(tmp_path_factory):
+    """A tiny perturbed Qwen3-Next checkpoint folder (zero-centred norms around 0)."""
+    from metrale.testing.hf import build_hf_checkpoint
+
+    cls, config = gdn_config()
+    return build_hf_checkpoint(cls, config, tmp_path_factory.mktemp("gdn") / "qwen3_next", seed=30,
+                               zero_centred_norms=True)
+

@@ -104,7 +104,7 @@ def test_model_card_reports_perplexity_below_the_unigram_baseline(name):
 
 
 #: The embedded models whose families are built in: each must pass the same checks.
-SERVED = ["tiny-dense", "tiny-mla"]
+SERVED = ["tiny-dense", "tiny-mla", "tiny-gdn"]
 
 
 @pytest.fixture(scope="module", params=SERVED)

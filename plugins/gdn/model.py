@@ -1,0 +1,315 @@
+"""The Qwen3-Next hybrid decoder (FAMILIES.md §3): gated attention and Gated DeltaNet layers.
+
+Full-attention layers keep K and V in paged blocks; Gated DeltaNet layers keep, per sequence, a
+conv state (the last ``K - 1`` conv inputs, ``[C, K - 1]``) and a float32 recurrent state
+``[H_v, d_k, d_v]`` in the sequence's state slot. Prompts run the chunked form of the gated
+delta rule (chunks of ``CHUNK`` tokens, the state carried across chunks and calls); single
+tokens the recurrent form. Every norm of the decoder is zero-centred (``1 + w``) except the gated
+output norm of the GDN layers.
+
+The GDN mixer runs on the backend's array module (``backend.xp``), per sequence; the model is not
+captured into CUDA graphs (``graph_capturable``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from metrale.batch import ForwardBatch
+from metrale.cache.spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
+from metrale.checkpoint import Checkpoint
+from metrale.errors import NonFiniteStateError
+from metrale.family import FamilyModel
+from metrale.plugins.dense.layers import MlpWeights, load_mlp_weights, swiglu_mlp
+from metrale.plugins.gdn.config import GdnConfig
+from metrale.plugins.mla.model import as_float32, to_cache_values
+from metrale.plugins.moe_layers import StackedExperts, load_stacked_experts, routed_experts
+from metrale.sequence import SequenceState
+
+#: Tokens per chunk of the chunked gated delta rule.
+CHUNK = 64
+#: transformers' fixed eps of the q / k L2 normalisation.
+L2_NORM_EPS = 1e-6
+IGNORED_TENSOR_PREFIXES = ("mtp.",)  # multi-token prediction: transformers has none for Qwen3-Next
+
+
+@dataclass
+class GatedAttentionWeights:
+    """``q [n_h 2d, H]`` (per head: query rows, then gate rows), ``kv [2 n_kv d, H]``, ``o``,
+    zero-centred ``q_norm`` / ``k_norm [d]``."""
+
+    q: Any
+    kv: Any
+    o: Any
+    q_norm: Any
+    k_norm: Any
+
+
+@dataclass
+class DeltaNetWeights:
+    """``qkvz [2 H_k d_k + 2 H_v d_v, H]`` and ``ba [2 H_v, H]`` (grouped by key head), the conv
+    weight ``[C, K]``, ``A_log`` and ``dt_bias [H_v]``, the gated norm ``[d_v]``, ``out``."""
+
+    qkvz: Any
+    ba: Any
+    conv: Any
+    a_log: Any
+    dt_bias: Any
+    norm: Any
+    out: Any
+
+
+@dataclass
+class SparseMoeWeights:
+    """Softmax router ``gate [E, H]``, routed experts, the shared expert and its gate ``[1, H]``."""
+
+    gate: Any
+    experts: StackedExperts
+    shared: MlpWeights
+    shared_gate: Any
+
+
+@dataclass
+class GdnLayer:
+    input_norm: Any
+    post_norm: Any
+    attention: GatedAttentionWeights | None = None
+    delta: DeltaNetWeights | None = None
+    mlp: MlpWeights | None = None
+    moe: SparseMoeWeights | None = None
+
+
+def l2_normalised(xp: Any, x: Any) -> Any:
+    return x / xp.sqrt((x * x).sum(axis=-1, keepdims=True) + np.float32(L2_NORM_EPS))
+
+
+def delta_rule_recurrent(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any) -> tuple[Any, Any]:
+    """Outputs ``[T, H, d_v]`` and the final state, one token at a time (FAMILIES.md §3.4 step 7).
+    ``q, k [T, H, d_k]``, ``v [T, H, d_v]``, ``g, beta [T, H]``, ``state [H, d_k, d_v]`` float32."""
+    out = xp.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=xp.float32)
+    for t in range(q.shape[0]):
+        state = state * xp.exp(g[t])[:, None, None]
+        predicted = xp.einsum("hkv,hk->hv", state, k[t])
+        state = state + xp.einsum("hk,hv->hkv", k[t], beta[t][:, None] * (v[t] - predicted))
+        out[t] = xp.einsum("hkv,hk->hv", state, q[t])
+    return out, state
+
+
+def delta_rule_chunked(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any) -> tuple[Any, Any]:
+    """The same function in chunks of ``CHUNK`` tokens (FAMILIES.md §3.4, chunked form)."""
+    out = xp.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=xp.float32)
+    for start in range(0, q.shape[0], CHUNK):
+        stop = min(start + CHUNK, q.shape[0])
+        # [H, n, ...] per head.
+        qc, kc, vc = (x[start:stop].transpose(1, 0, 2) for x in (q, k, v))
+        gc, bc = g[start:stop].T, beta[start:stop].T
+        n = stop - start
+        gamma = xp.cumsum(gc, axis=1)  # [H, n]
+        lower = xp.asarray(np.tril(np.ones((n, n), dtype=bool)))
+        decay = xp.where(lower[None], xp.exp(xp.where(lower[None], gamma[:, :, None] - gamma[:, None, :], 0.0)), 0.0)
+        strict = lower & ~xp.asarray(np.eye(n, dtype=bool))
+        a = xp.where(strict[None], bc[:, :, None] * xp.einsum("hik,hjk->hij", kc, kc) * decay, 0.0)
+        identity = xp.broadcast_to(xp.eye(n, dtype=xp.float32), a.shape)
+        transform = xp.linalg.inv(identity + a)
+        u = transform @ (bc[:, :, None] * vc)
+        w = transform @ (bc[:, :, None] * xp.exp(gamma)[:, :, None] * kc)
+        corrected = u - w @ state
+        scores = xp.where(lower[None], xp.einsum("hik,hjk->hij", qc, kc) * decay, 0.0)
+        out[start:stop] = ((xp.exp(gamma)[:, :, None] * qc) @ state + scores @ corrected).transpose(1, 0, 2)
+        tail = xp.exp(gamma[:, -1:] - gamma)[:, :, None] * kc
+        state = xp.exp(gamma[:, -1])[:, None, None] * state + tail.transpose(0, 2, 1) @ corrected
+    return out, state
+
+
+class GdnModel(FamilyModel):
+    """A loaded Qwen3-Next model."""
+
+    graph_capturable = False
+
+    def __init__(self, config: GdnConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
+        super().__init__(backend, vocab_size=config.vocab_size, max_model_len=max_model_len)
+        self.config = c = config
+        self.inv_freq = backend.constant(c.rope.inverse_frequencies())
+        vector = (c.hidden_size,)
+        self.embed = backend.load_weight(checkpoint, ("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
+        self.layers = []
+        for index in range(c.num_layers):
+            prefix = f"model.layers.{index}"
+            layer = GdnLayer(
+                input_norm=backend.load_weight(checkpoint, (f"{prefix}.input_layernorm.weight", vector)),
+                post_norm=backend.load_weight(checkpoint, (f"{prefix}.post_attention_layernorm.weight", vector)),
+            )
+            if c.layer_types[index] == "full_attention":
+                layer.attention = self._load_attention(checkpoint, f"{prefix}.self_attn")
+            else:
+                layer.delta = self._load_delta(checkpoint, f"{prefix}.linear_attn")
+            if c.moe_layers[index]:
+                layer.moe = self._load_moe(checkpoint, f"{prefix}.mlp")
+            else:
+                layer.mlp = load_mlp_weights(checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)
+            self.layers.append(layer)
+        self.norm = backend.load_weight(checkpoint, ("model.norm.weight", vector))
+        if c.tie_word_embeddings and not checkpoint.has("lm_head.weight"):
+            self.lm_head = self.embed
+        else:
+            self.lm_head = backend.load_weight(checkpoint, ("lm_head.weight", (c.vocab_size, c.hidden_size)))
+        checkpoint.skip([n for n in checkpoint.names() if n.startswith(IGNORED_TENSOR_PREFIXES)])
+
+    # ------------------------------------------------------------------------------ loading
+
+    def _load_attention(self, checkpoint: Checkpoint, prefix: str) -> GatedAttentionWeights:
+        c, backend = self.config, self.backend
+        d, hidden = c.head_dim, c.hidden_size
+        return GatedAttentionWeights(
+            q=backend.load_weight(checkpoint, (f"{prefix}.q_proj.weight", (c.num_heads * 2 * d, hidden))),
+            kv=backend.load_weight(checkpoint, (f"{prefix}.k_proj.weight", (c.num_kv_heads * d, hidden)),
+                                   (f"{prefix}.v_proj.weight", (c.num_kv_heads * d, hidden))),
+            o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (hidden, c.num_heads * d))),
+            q_norm=backend.load_weight(checkpoint, (f"{prefix}.q_norm.weight", (d,))),
+            k_norm=backend.load_weight(checkpoint, (f"{prefix}.k_norm.weight", (d,))),
+        )
+
+    def _load_delta(self, checkpoint: Checkpoint, prefix: str) -> DeltaNetWeights:
+        c, backend = self.config, self.backend
+        hidden, hk, hv, dk, dv = (c.hidden_size, c.linear_key_heads, c.linear_value_heads, c.linear_key_dim,
+                                  c.linear_value_dim)
+        return DeltaNetWeights(
+            qkvz=backend.load_weight(checkpoint, (f"{prefix}.in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, hidden))),
+            ba=backend.load_weight(checkpoint, (f"{prefix}.in_proj_ba.weight", (2 * hv, hidden))),
+            conv=backend.constant(checkpoint.tensor(f"{prefix}.conv1d.weight", (c.conv_channels, 1, c.conv_kernel))
+                                  .reshape(c.conv_channels, c.conv_kernel)),
+            a_log=backend.constant(checkpoint.tensor(f"{prefix}.A_log", (hv,))),
+            dt_bias=backend.constant(checkpoint.tensor(f"{prefix}.dt_bias", (hv,))),
+            norm=backend.constant(checkpoint.tensor(f"{prefix}.norm.weight", (dv,))),
+            out=backend.load_weight(checkpoint, (f"{prefix}.out_proj.weight", (hidden, hv * dv))),
+        )
+
+    def _load_moe(self, checkpoint: Checkpoint, prefix: str) -> SparseMoeWeights:
+        c, backend = self.config, self.backend
+        hidden = c.hidden_size
+        return SparseMoeWeights(
+            gate=backend.constant(checkpoint.tensor(f"{prefix}.gate.weight", (c.num_experts, hidden))),
+            experts=load_stacked_experts(checkpoint, backend, f"{prefix}.experts", c.num_experts, hidden,
+                                         c.moe_intermediate_size),
+            shared=load_mlp_weights(checkpoint, backend, f"{prefix}.shared_expert", hidden,
+                                    c.shared_expert_intermediate_size),
+            shared_gate=backend.constant(checkpoint.tensor(f"{prefix}.shared_expert_gate.weight", (1, hidden))),
+        )
+
+    # ------------------------------------------------------------------------------ contract
+
+    def cache_spec(self) -> CacheSpec:
+        c = self.config
+        state = RecurrentStateSpec((c.conv_channels, c.conv_kernel - 1),
+                                   (c.linear_value_heads, c.linear_key_dim, c.linear_value_dim))
+        return CacheSpec(tuple(
+            PagedKVSpec(c.num_kv_heads, c.head_dim) if kind == "full_attention" else state for kind in c.layer_types
+        ))
+
+    def normalize_ssm_states(self, seq: SequenceState, stream: Any) -> None:
+        """Raise :class:`~metrale.errors.NonFiniteStateError` if the sequence's recurrent or conv
+        state holds NaN or infinity (never rescales)."""
+        slot = seq.state_slot
+        if slot is None:
+            return
+        xp = self.backend.xp
+        for index, layer in enumerate(self._require_cache().layers):
+            if hasattr(layer, "state"):
+                finite = bool(xp.isfinite(layer.state[slot]).all()) and bool(
+                    xp.isfinite(as_float32(self.backend, layer.conv[slot])).all())
+                if not finite:
+                    raise NonFiniteStateError(
+                        f"sequence {seq.seq_id}: the recurrent state of layer {index} holds NaN or infinity"
+                    )
+
+    def forward_batch(self, batch: ForwardBatch) -> Any:
+        ops, eps = self.backend.ops, self.config.rms_norm_eps
+        x = ops.embedding(self.embed, batch.token_ids)
+        residual = None
+        for layer, cache_layer in zip(self.layers, self.cache.layers):
+            h, residual = ops.rmsnorm_residual(x, residual, layer.input_norm, eps, 1.0)
+            if layer.attention is not None:
+                x = self._attention(layer.attention, cache_layer, h, batch)
+            else:
+                x = self._delta(layer.delta, cache_layer, h, batch)
+            h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps, 1.0)
+            x = swiglu_mlp(self.backend, layer.mlp, h) if layer.moe is None else self._moe(layer.moe, h)
+        rows = batch.logits_rows
+        h, _ = ops.rmsnorm_residual(x[rows], residual[rows], self.norm, eps, 1.0)
+        return ops.linear(h, self.lm_head)
+
+    # -------------------------------------------------------------------------------- mixers
+
+    def _attention(self, w: GatedAttentionWeights, cache_layer: Any, h: Any, batch: ForwardBatch) -> Any:
+        ops, c, xp = self.backend.ops, self.config, self.backend.xp
+        rows, heads, d = h.shape[0], c.num_heads, c.head_dim
+        projected = ops.linear(h, w.q).reshape(rows, heads, 2 * d)
+        query = xp.ascontiguousarray(projected[:, :, :d]).reshape(rows, heads * d)
+        gate = projected[:, :, d:].reshape(rows, heads * d)
+        qkv = xp.concatenate([query, ops.linear(h, w.kv)], axis=1)
+        q = ops.qkv_rope_cache(
+            qkv, batch.positions, batch.slot_mapping, self.inv_freq, 1.0, heads, c.num_kv_heads, d,
+            cache_layer.k, cache_layer.v, w.q_norm, w.k_norm, c.rms_norm_eps, 1.0,
+        )
+        out = as_float32(self.backend, ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, d**-0.5, None))
+        return ops.linear(out / (1.0 + xp.exp(-gate)), w.o)
+
+    def _delta(self, w: DeltaNetWeights, cache_layer: Any, h: Any, batch: ForwardBatch) -> Any:
+        ops, c, xp = self.backend.ops, self.config, self.backend.xp
+        rows = h.shape[0]
+        hk, hv, dk, dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
+        ratio = hv // hk
+        # Un-group the projections (grouped by key head in the checkpoint, FAMILIES.md §3.4 step 2).
+        grouped = ops.linear(h, w.qkvz).reshape(rows, hk, 2 * dk + 2 * ratio * dv)
+        q = grouped[:, :, :dk].reshape(rows, hk * dk)
+        k = grouped[:, :, dk : 2 * dk].reshape(rows, hk * dk)
+        v = grouped[:, :, 2 * dk : 2 * dk + ratio * dv].reshape(rows, hv * dv)
+        z = grouped[:, :, 2 * dk + ratio * dv :].reshape(rows, hv, dv)
+        ba = ops.linear(h, w.ba).reshape(rows, hk, 2 * ratio)
+        b, a = ba[:, :, :ratio].reshape(rows, hv), ba[:, :, ratio:].reshape(rows, hv)
+        inputs = xp.concatenate([q, k, v], axis=1)  # [N, C]: the conv input
+        beta = 1.0 / (1.0 + xp.exp(-b))
+        softplus = xp.logaddexp(0.0, a + w.dt_bias)
+        g = (-xp.exp(w.a_log) * softplus).astype(xp.float32)
+        out = xp.empty((rows, hv, dv), dtype=xp.float32)
+        starts = batch.row_starts
+        for index, segment in enumerate(batch.segments):
+            first, last = int(starts[index]), int(starts[index + 1])
+            slot = segment.seq.state_slot
+            conv_in = self._conv(w, cache_layer, slot, inputs[first:last])
+            qs = l2_normalised(xp, conv_in[:, : hk * dk].reshape(-1, hk, dk)) * np.float32(dk**-0.5)
+            ks = l2_normalised(xp, conv_in[:, hk * dk : 2 * hk * dk].reshape(-1, hk, dk))
+            vs = conv_in[:, 2 * hk * dk :].reshape(-1, hv, dv)
+            qs, ks = xp.repeat(qs, ratio, axis=1), xp.repeat(ks, ratio, axis=1)
+            rule = delta_rule_recurrent if last - first == 1 else delta_rule_chunked
+            out[first:last], cache_layer.state[slot] = rule(
+                xp, qs, ks, vs, g[first:last], beta[first:last], cache_layer.state[slot].astype(xp.float32)
+            )
+        # Gated norm per value head (plain weight), then out_proj.
+        normed = out / xp.sqrt((out * out).mean(axis=-1, keepdims=True) + np.float32(c.rms_norm_eps))
+        gated = normed * w.norm * (z / (1.0 + xp.exp(-z)))
+        return ops.linear(gated.reshape(rows, hv * dv).astype(xp.float32), w.out)
+
+    def _conv(self, w: DeltaNetWeights, cache_layer: Any, slot: int, inputs: Any) -> Any:
+        """Causal depthwise conv + SiLU of ``inputs [T, C]`` after the slot's last ``K - 1``
+        inputs; the slot keeps the new last ``K - 1``."""
+        xp, width = self.backend.xp, self.config.conv_kernel
+        history = as_float32(self.backend, cache_layer.conv[slot]).T  # [K - 1, C]
+        window = xp.concatenate([history, inputs.astype(xp.float32)], axis=0)
+        count = inputs.shape[0]
+        mixed = sum(window[j : j + count] * w.conv[:, j] for j in range(width))
+        tail = window[-(width - 1):].T
+        cache_layer.conv[slot] = to_cache_values(self.backend, tail)
+        return mixed / (1.0 + xp.exp(-mixed))
+
+    def _moe(self, moe: SparseMoeWeights, h: Any) -> Any:
+        c, xp = self.config, self.backend.xp
+        chosen, weights = self.backend.ops.moe_route(h, moe.gate, None, "greedy", 1, 1, c.num_experts_per_tok,
+                                                     c.norm_topk_prob, 1.0)
+        out = routed_experts(self.backend, moe.experts, h, chosen, weights)
+        shared_gate = as_float32(self.backend, h) @ moe.shared_gate.T  # [N, 1]
+        return out + swiglu_mlp(self.backend, moe.shared, h) / (1.0 + xp.exp(-shared_gate))
+
