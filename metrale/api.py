@@ -58,7 +58,8 @@ class LLM:
     GPU can be used).
     Further keyword options: ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
     ``enable_prefix_caching``, ``seed``, ``cuda_graphs``, ``block_size``,
-    ``num_blocks``, ``memory_bytes``, ``num_state_slots`` (see :class:`~metrale.config.EngineConfig`
+    ``num_blocks``, ``memory_bytes``, ``num_state_slots``, ``num_state_snapshots`` (see
+    :class:`~metrale.config.EngineConfig`
     and :class:`~metrale.config.CacheConfig`); ``plugin_manager`` to use a prepared plugin manager;
     ``show_progress`` to turn progress bars off. Unknown options raise
     :class:`~metrale.errors.UnknownOptionError`.
@@ -103,6 +104,7 @@ class LLM:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_prefix_caching=self.config.enable_prefix_caching,
         )
+        self.model.prefix_caching = self.engine.prefix_cache is not None
 
     def _build_cache(self) -> ModelCache:
         spec = self.forward.cache_spec()
@@ -119,6 +121,7 @@ class LLM:
         return ModelCache(
             spec, self.backend, block_size=block_size, num_blocks=num_blocks,
             num_state_slots=max(cache_config.num_state_slots, self.config.max_num_seqs),
+            num_state_snapshots=cache_config.num_state_snapshots if self.config.enable_prefix_caching else 0,
         )
 
     # ------------------------------------------------------------------------- properties

@@ -70,7 +70,9 @@ class CacheConfig:
 
     ``num_blocks`` counts usable blocks; one extra dummy block (id 0) is always reserved for
     padding rows. When ``num_blocks`` is None it is derived from ``memory_bytes``, capped at what
-    ``max_num_seqs`` sequences of ``max_model_len`` tokens can use; ``memory_bytes`` None means
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens can use; ``num_state_snapshots`` is how
+    many recurrent-state snapshots a model with recurrent layers keeps for prefix-cache hits;
+    ``memory_bytes`` None means
     512 MiB on the CPU and 80% of the free device memory on the GPU.
     """
 
@@ -78,6 +80,7 @@ class CacheConfig:
     num_blocks: int | None = None
     memory_bytes: int | None = None
     num_state_slots: int = 8
+    num_state_snapshots: int = 16
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -88,6 +91,8 @@ class CacheConfig:
             raise ConfigError(f"memory_bytes must be >= 1, got {self.memory_bytes}")
         if self.num_state_slots < 1:
             raise ConfigError(f"num_state_slots must be >= 1, got {self.num_state_slots}")
+        if self.num_state_snapshots < 0:
+            raise ConfigError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
 
 
 @dataclass(frozen=True)

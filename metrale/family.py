@@ -58,6 +58,8 @@ class FamilyModel:
     #: Whether decode steps may be recorded into CUDA graphs and replayed. A model whose forward
     #: synchronises with the host (data-dependent shapes, host loops) sets it False.
     graph_capturable: bool = True
+    #: Set by the engine: whether its prefix cache is on (``prefill_tail_split`` depends on it).
+    prefix_caching: bool = False
 
     def __init__(self, backend: "Backend", *, vocab_size: int, max_model_len: int) -> None:
         self.backend = backend

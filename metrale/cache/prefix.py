@@ -13,12 +13,18 @@ allocator evicts them (dropping their digest here) only when it runs out of free
 A lookup takes references, so it is not idempotent: the engine looks up once per admission and,
 when the admitted chunk has to wait, keeps the blocks and replays that first result rather than
 looking up again.
+
+**Models with recurrent state.** Cached blocks alone cannot resume such a model: the recurrent
+state at the prefix's end is needed too. A registered block may carry a state snapshot (a row of
+:class:`~metrale.cache.store.StateSnapshots`) taken when a sequence's computation stood exactly at
+the block's end; :meth:`PrefixCache.lookup_with_state` resumes only at the deepest matched block
+that has one, and never from a state it did not snapshot.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -28,12 +34,17 @@ from metrale.cache.blocks import BlockAllocator
 class PrefixCache:
     """Digest -> block map over a :class:`BlockAllocator` (see the module docstring)."""
 
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(self, allocator: BlockAllocator, block_size: int, snapshots: Any = None) -> None:
         self.allocator = allocator
         self.block_size = block_size
+        self.snapshots = snapshots
         self._block_of: dict[bytes, int] = {}
         self._digest_of: dict[int, bytes] = {}
+        self._snapshot_of: dict[bytes, int] = {}
+        self._digest_of_snapshot: dict[int, bytes] = {}
         allocator.on_evict = self._evicted
+        if snapshots is not None:
+            snapshots.on_drop = self._snapshot_dropped
         #: Blocks asked for and blocks found by :meth:`lookup`, over the cache's lifetime.
         self.queried_blocks = 0
         self.hit_blocks = 0
@@ -45,6 +56,15 @@ class PrefixCache:
         digest = self._digest_of.pop(block, None)
         if digest is not None:
             del self._block_of[digest]
+            row = self._snapshot_of.pop(digest, None)
+            if row is not None:
+                del self._digest_of_snapshot[row]
+                self.snapshots.release(row)
+
+    def _snapshot_dropped(self, row: int) -> None:
+        digest = self._digest_of_snapshot.pop(row, None)
+        if digest is not None:
+            del self._snapshot_of[digest]
 
     @staticmethod
     def root(salt: object = None) -> bytes:
@@ -78,6 +98,34 @@ class PrefixCache:
         self.queried_blocks += count
         self.hit_blocks += len(blocks)
         return blocks
+
+    def lookup_with_state(self, tokens: Sequence[int], digests: list[bytes], salt: object = None) -> tuple[list[int], int | None]:
+        """Like :meth:`lookup`, but only up to the deepest matched block that carries a state
+        snapshot: (those blocks, the snapshot's row), or ``([], None)``."""
+        count = (len(tokens) - 1) // self.block_size
+        self.chain(tokens, count, digests, salt)
+        depth, row = 0, None
+        for index, digest in enumerate(digests[:count]):
+            if digest not in self._block_of:
+                break
+            if digest in self._snapshot_of:
+                depth, row = index + 1, self._snapshot_of[digest]
+        blocks = [self._block_of[digest] for digest in digests[:depth]]
+        for block in blocks:
+            self.allocator.share(block)
+        self.queried_blocks += count
+        self.hit_blocks += len(blocks)
+        return blocks, row
+
+    def attach_snapshot(self, digest: bytes, row: int) -> bool:
+        """Let the registered block ``digest`` carry snapshot ``row`` (its state at the block's
+        end); False (and the row released) when the block is not registered or has one."""
+        if digest not in self._block_of or digest in self._snapshot_of:
+            self.snapshots.release(row)
+            return False
+        self._snapshot_of[digest] = row
+        self._digest_of_snapshot[row] = digest
+        return True
 
     def publish(self, tokens: Sequence[int], block_table: Sequence[int], num_computed: int,
                 digests: list[bytes], salt: object = None, first: int = 0) -> None:

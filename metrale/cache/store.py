@@ -90,6 +90,52 @@ class StateSlotPool:
         seq.state_slot = None
 
 
+class StateSnapshots:
+    """Copies of recurrent states taken at block-aligned depths, for prefix-cache hits on models
+    with recurrent layers. They live in rows ``num_slots + 1 ..`` of the state layers' arrays,
+    after the slots; :meth:`take` copies a slot's conv and recurrent states into a free row (the
+    oldest snapshot is dropped when none is free, telling ``on_drop``), :meth:`restore` copies a
+    row back into a slot."""
+
+    def __init__(self, first_row: int, count: int, layers: list[RecurrentStateLayer]) -> None:
+        self.count = count
+        self._layers = layers
+        self._free = list(range(first_row + count - 1, first_row - 1, -1))
+        self._taken: list[int] = []  # oldest first
+        #: Called with a row when its snapshot is dropped to make room.
+        self.on_drop: Any = None
+
+    @property
+    def num_taken(self) -> int:
+        return len(self._taken)
+
+    def take(self, slot: int) -> int | None:
+        """Snapshot ``slot`` into a row (None when no snapshots are kept)."""
+        if not self.count:
+            return None
+        if not self._free:
+            oldest = self._taken.pop(0)
+            if self.on_drop is not None:
+                self.on_drop(oldest)
+            self._free.append(oldest)
+        row = self._free.pop()
+        for layer in self._layers:
+            layer.conv[row] = layer.conv[slot]
+            layer.state[row] = layer.state[slot]
+        self._taken.append(row)
+        return row
+
+    def restore(self, row: int, slot: int) -> None:
+        for layer in self._layers:
+            layer.conv[slot] = layer.conv[row]
+            layer.state[slot] = layer.state[row]
+
+    def release(self, row: int) -> None:
+        if row in self._taken:
+            self._taken.remove(row)
+            self._free.append(row)
+
+
 def plan_num_blocks(
     spec: CacheSpec, block_size: int, memory_bytes: int, itemsize: int, max_num_seqs: int, max_model_len: int
 ) -> int:
@@ -113,6 +159,7 @@ class ModelCache:
         block_size: int,
         num_blocks: int,
         num_state_slots: int,
+        num_state_snapshots: int = 0,
     ) -> None:
         spec.validate()
         self.spec = spec
@@ -133,12 +180,16 @@ class ModelCache:
                 latent = backend.zeros((num_blocks + 1, block_size, layer.width), dtype)
                 self.layers.append(PagedLatentLayer(layer, latent))
             else:
-                conv = backend.zeros((num_state_slots + 1, *layer.conv_shape), dtype)
-                state = backend.zeros((num_state_slots + 1, *layer.state_shape), np.float32)
+                rows = num_state_slots + 1 + num_state_snapshots
+                conv = backend.zeros((rows, *layer.conv_shape), dtype)
+                state = backend.zeros((rows, *layer.state_shape), np.float32)
                 state_layer = RecurrentStateLayer(layer, conv, state)
                 self.layers.append(state_layer)
                 state_layers.append(state_layer)
         self.state_slots = StateSlotPool(num_state_slots, state_layers) if state_layers else None
+        self.snapshots = (
+            StateSnapshots(num_state_slots + 1, num_state_snapshots, state_layers) if state_layers else None
+        )
 
     # ----------------------------------------------------------------------------- blocks
 

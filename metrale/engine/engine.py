@@ -13,7 +13,8 @@ recurrent state. Every row that returned logits samples one token on the backend
 request and per generated-token index, so a request's tokens do not depend on its batch
 companions), the stop rules run, and finished requests give their cache back. With the prefix
 cache on, every full block a step computed is published, so later prompts with the same prefix
-reuse it.
+reuse it; for a model with recurrent state, the state after each unfinished prompt chunk is kept
+as a snapshot on the block the chunk completed, the only places a later prompt resumes from.
 
 A forward call that raises fails every request of that step (their cache is released; nothing
 is retried, so no prefix reference or KV write is applied twice) and the error propagates; the
@@ -56,13 +57,14 @@ class Engine:
         self.cache = cache
         self.backend = backend
         self.stopper = stopper
-        # Recurrent state is not in the blocks: such models need state snapshots to resume from a
-        # shared prefix, so they run without the prefix cache.
+        # Recurrent state is not in the blocks: such models resume a shared prefix only from a
+        # state snapshot, so they use the prefix cache only when snapshots are kept.
+        self.snapshots = cache.snapshots if cache.state_slots is not None else None
+        usable = cache.spec.uses_blocks and (self.snapshots is None or self.snapshots.count > 0)
         self.prefix_cache = (
-            PrefixCache(cache.allocator, cache.block_size)
-            if enable_prefix_caching and cache.spec.uses_blocks and cache.state_slots is None
-            else None
+            PrefixCache(cache.allocator, cache.block_size, self.snapshots) if enable_prefix_caching and usable else None
         )
+        stateful_cache = self.prefix_cache is not None and self.snapshots is not None
         self.scheduler = Scheduler(
             cache,
             max_num_seqs=max_num_seqs,
@@ -70,6 +72,7 @@ class Engine:
             one_chunk_prefill=forward.is_mla(),
             prefix_cache=self.prefix_cache,
             on_release=self._publish,
+            tail_split=forward.prefill_tail_split if stateful_cache else None,
         )
         self._arrivals = itertools.count()
         #: Forward calls made, by contract method, and the wall seconds of those steps (forward,
@@ -117,6 +120,7 @@ class Engine:
         for chunk in plan.prefill:
             if not chunk.is_last:
                 self.forward.normalize_ssm_states(chunk.request.seq)
+                self._snapshot(chunk.request)
         for requests, logits in sampled:
             tokens = self.backend.sample_tokens(
                 logits, [r.params for r in requests], [r.seed for r in requests], [len(r.generated) for r in requests]
@@ -159,6 +163,19 @@ class Engine:
         slices = [PrefillSlice(c.request.seq.tokens, c.request.seq, c.start, c.length, c.is_last) for c in prefill]
         results = forward.prefill_batch_chunk(slices)
         return [([c.request], logits) for c, logits in zip(prefill, results) if c.is_last], "prefill_batch_chunk"
+
+    def _snapshot(self, request: Request) -> None:
+        """After a chunk that ends on a block boundary: keep the sequence's recurrent state there,
+        on the block it completes, for later prefix hits."""
+        if self.prefix_cache is None or self.snapshots is None or request.seq.state_slot is None:
+            return
+        seq = request.seq
+        if seq.seq_len % self.cache.block_size or not seq.seq_len:
+            return
+        self._publish(request)
+        row = self.snapshots.take(seq.state_slot)
+        if row is not None:
+            self.prefix_cache.attach_snapshot(request.block_digests[seq.seq_len // self.cache.block_size - 1], row)
 
     def _publish(self, request: Request) -> None:
         """Register the request's newly computed full blocks in the prefix cache."""

@@ -74,6 +74,7 @@ class Scheduler:
         one_chunk_prefill: bool = False,
         prefix_cache: PrefixCache | None = None,
         on_release: Callable[[Request], None] | None = None,
+        tail_split: Callable[[list[int]], int | None] | None = None,
     ) -> None:
         self.cache = cache
         self.block_size = cache.block_size
@@ -82,6 +83,9 @@ class Scheduler:
         self.one_chunk_prefill = one_chunk_prefill
         self.prefix_cache = prefix_cache
         self.on_release = on_release
+        #: Where a prompt's chunks must break so a state snapshot lands near its tail (models
+        #: with recurrent state and the prefix cache on).
+        self.tail_split = tail_split
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._last_was_prefill = False
@@ -223,6 +227,9 @@ class Scheduler:
                 if self.cache.spec.uses_blocks and total_blocks > self.cache.num_blocks:
                     self._fail(plan, request, self._too_long_message(request, len(request.seq.tokens)))
                     continue
+                slots = self.cache.state_slots
+                if slots is not None and request.seq.state_slot is None and slots.num_free == 0:
+                    return  # every recurrent-state slot is taken (the stuck handler frees holds)
                 if not request.seq.block_table and self.prefix_cache is not None:
                     first = request.cached_tokens is None
                     self._lookup(request)
@@ -246,7 +253,14 @@ class Scheduler:
 
     def _lookup(self, request: Request) -> None:
         seq = request.seq
-        blocks = self.prefix_cache.lookup(seq.tokens, request.block_digests, seq.adapter_slot)
+        if self.prefix_cache.snapshots is not None:
+            # Resume only where a state snapshot was taken; the slot gets that state.
+            blocks, row = self.prefix_cache.lookup_with_state(seq.tokens, request.block_digests, seq.adapter_slot)
+            if blocks:
+                self.cache.state_slots.allocate(seq)
+                self.cache.snapshots.restore(row, seq.state_slot)
+        else:
+            blocks = self.prefix_cache.lookup(seq.tokens, request.block_digests, seq.adapter_slot)
         seq.block_table = list(blocks)
         seq.seq_len = len(blocks) * self.block_size
         if request.cached_tokens is None:
@@ -261,6 +275,10 @@ class Scheduler:
         have = len(seq.block_table) if self.cache.spec.uses_blocks else 0
         if self.cache.spec.uses_blocks:
             end = min(end, (have + max(0, free_blocks)) * self.block_size)
+        if self.tail_split is not None:
+            split = self.tail_split(seq.tokens)
+            if split is not None and start < split < end:
+                end = split
         if end < total:
             if self.one_chunk_prefill:
                 return None

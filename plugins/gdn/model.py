@@ -209,6 +209,21 @@ class GdnModel(FamilyModel):
             PagedKVSpec(c.num_kv_heads, c.head_dim) if kind == "full_attention" else state for kind in c.layer_types
         ))
 
+    #: Tokens at least left after the tail split (``prefill_tail_split``).
+    min_tail = 256
+
+    def prefill_tail_split(self, tokens: Any) -> int | None:
+        """Where to split a prompt so a state snapshot lands near its tail (prefix cache on):
+        with block size ``bs`` and ``tb`` the last multiple of ``bs`` strictly below the length,
+        ``min(tb - bs, floor((len - min_tail) / bs) * bs)``, or None when that is not positive
+        (and always None with the prefix cache off)."""
+        if not self.prefix_caching or self.cache is None:
+            return None
+        size, length = self.cache.block_size, len(tokens)
+        below = (length - 1) // size * size
+        split = min(below - size, (length - self.min_tail) // size * size)
+        return split if split > 0 else None
+
     def normalize_ssm_states(self, seq: SequenceState, stream: Any) -> None:
         """Raise :class:`~metrale.errors.NonFiniteStateError` if the sequence's recurrent or conv
         state holds NaN or infinity (never rescales)."""

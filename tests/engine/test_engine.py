@@ -202,10 +202,12 @@ def test_budget_below_the_block_size_is_a_config_error(checkpoint):
         LLM(checkpoint, device="cpu", show_progress=False, block_size=16, max_num_batched_tokens=8)
 
 
-@settings(max_examples=int(os.environ.get("METRALE_HYPOTHESIS_EXAMPLES", "12")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_random_arrivals_match_solo_runs_and_leak_nothing(checkpoint, solo_llm, data):
-    """Random arrivals, lengths, shared prefixes and a small block pool."""
+EXAMPLES = int(os.environ.get("METRALE_HYPOTHESIS_EXAMPLES", "12"))
+
+
+def run_random_case(checkpoint, solo_llm, data, **options):
+    """Random arrivals, lengths, shared prefixes, budgets and a small block pool: every request
+    equals its solo run (or fails exactly when it cannot fit the whole cache) and nothing leaks."""
     count = data.draw(st.integers(2, 6), label="requests")
     shared = prompts_of([data.draw(st.integers(0, 12), label="shared")], seed=data.draw(st.integers(0, 99)))[0]
     lengths = data.draw(st.lists(st.integers(1, 14), min_size=count, max_size=count), label="lengths")
@@ -218,7 +220,7 @@ def test_random_arrivals_match_solo_runs_and_leak_nothing(checkpoint, solo_llm, 
               num_blocks=data.draw(st.integers(6, 16), label="num_blocks"),
               max_num_seqs=data.draw(st.integers(1, 4), label="max_num_seqs"),
               max_num_batched_tokens=data.draw(st.sampled_from([4, 8, 12, 32]), label="budget"),
-              enable_prefix_caching=data.draw(st.booleans(), label="prefix_cache"))
+              enable_prefix_caching=data.draw(st.booleans(), label="prefix_cache"), **options)
     engine = llm.engine
     # What an is_mla() family gets: whole prompts, alone in their steps.
     engine.scheduler.one_chunk_prefill = data.draw(st.booleans(), label="one_chunk_prefill")
@@ -244,6 +246,28 @@ def test_random_arrivals_match_solo_runs_and_leak_nothing(checkpoint, solo_llm, 
     event(f"failed: {any(r.error for r in requests)}")
     event(f"mixed steps: {'mixed_forward' in engine.calls}")
     assert_all_blocks_free(llm)
+    if llm.cache.state_slots is not None:
+        assert llm.cache.state_slots.num_free == llm.cache.state_slots.num_slots
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_arrivals_match_solo_runs_and_leak_nothing(checkpoint, solo_llm, data):
+    run_random_case(checkpoint, solo_llm, data)
+
+
+@pytest.fixture(scope="module")
+def solo_gdn(gdn_checkpoint):
+    return LLM(gdn_checkpoint, device="cpu", show_progress=False, max_num_seqs=1, enable_prefix_caching=False,
+               max_num_batched_tokens=4096, block_size=4)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_arrivals_on_a_hybrid_model(gdn_checkpoint, solo_gdn, data):
+    """The same on Qwen3-Next: recurrent-state slots, state snapshots (few, so they are dropped
+    too) and prefix hits that resume from them."""
+    run_random_case(gdn_checkpoint, solo_gdn, data, num_state_snapshots=data.draw(st.integers(0, 3), label="snapshots"))
 
 
 def test_one_chunk_prefill_runs_each_prompt_whole_and_alone(checkpoint, solo_llm, monkeypatch):

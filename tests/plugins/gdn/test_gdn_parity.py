@@ -64,3 +64,39 @@ def test_a_non_finite_state_is_reported_between_chunks(gdn_checkpoint):
             llm.forward.normalize_ssm_states(seq)
     finally:
         llm.cache.release(seq)
+
+
+def test_tail_split_follows_the_formula(gdn_checkpoint):
+    llm = LLM(gdn_checkpoint, device="cpu", show_progress=False, block_size=16)
+    split = llm.forward.prefill_tail_split
+    assert llm.model.prefix_caching
+    assert split([0] * 32772) == 32512  # tb = 32768; min(32752, floor(32516 / 16) * 16)
+    assert split([0] * 300) == 32  # min(288 - 16, floor(44 / 16) * 16)
+    assert split([0] * 256) is None and split([0] * 100) is None  # not positive
+    off = LLM(gdn_checkpoint, device="cpu", show_progress=False, block_size=16, enable_prefix_caching=False)
+    assert not off.model.prefix_caching and off.forward.prefill_tail_split([0] * 32772) is None
+
+
+def test_prefix_hits_resume_only_from_snapshots(gdn_checkpoint):
+    """Snapshots are taken where chunks end (and at the tail split); a hit resumes at the deepest
+    matched block with one, never beyond, and changes no output."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    rng = np.random.default_rng(12)
+    base = rng.integers(1, 128, 30).tolist()
+    plain = LLM(gdn_checkpoint, device="cpu", show_progress=False, block_size=4, enable_prefix_caching=False)
+    llm = LLM(gdn_checkpoint, device="cpu", show_progress=False, block_size=4, max_num_batched_tokens=8)
+    llm.model.min_tail = 8  # the 30-token prompt splits at 20
+    first = llm.generate([base], params)[0]
+    assert first.cached_tokens == 0 and first.token_ids == plain.generate([base], params)[0].token_ids
+    # Its chunks were [0, 8), [8, 16), [16, 20) (the tail split), [20, 28), [28, 30): snapshots at
+    # 8, 16, 20 and 28; the block [28, 32) was completed by decode steps, without one.
+    assert llm.engine.snapshots.num_taken == 4
+    branch = base[:20] + rng.integers(1, 128, 10).tolist()
+    continued = base + first.token_ids + [7, 8, 9]  # matches 8 full blocks (32 tokens)
+    for prompt, cached in ((branch, 20), (continued, 28)):
+        output = llm.generate([prompt], params)[0]
+        assert output.cached_tokens == cached
+        assert output.token_ids == plain.generate([prompt], params)[0].token_ids
+    allocator = llm.cache.allocator
+    assert allocator.num_free == allocator.num_blocks
+    assert llm.cache.state_slots.num_free == llm.cache.state_slots.num_slots
