@@ -26,7 +26,10 @@ stacked ``[nh * out, in]`` (:mod:`metrale.kernels.head_linear`);
 ``moe_route(x, gate, bias, method, n_group, topk_group, top_k, renormalise, scaling)`` -> (experts
 ``[N, k]`` int32, weights ``[N, k]`` float32) from float32 router logits ``x @ gate^T``;
 ``moe_experts(x, experts, weights, gate_up, down)`` -> ``[N, H]`` float32: the chosen experts'
-SwiGLU from stacked expert weights (:mod:`metrale.kernels.moe`).
+SwiGLU from stacked expert weights (:mod:`metrale.kernels.moe`);
+``gdn_conv_update(inputs, weight, conv_state, slots)`` -> ``[N, C]`` and
+``gdn_recurrent_step(q, k, v, g, beta, state, slots)`` -> ``[N, H, d_v]``: one token per row of
+a Gated DeltaNet layer, the rows' slot states updated in place (:mod:`metrale.kernels.gated_delta`).
 "Normed" outputs and attention outputs are the inputs of matrix products: float32 on the CPU,
 bf16 bits (``uint16``) on the GPU.
 """
@@ -111,7 +114,9 @@ class CpuBackend(Backend):
     cache_dtype = np.float32
 
     def __init__(self) -> None:
-        from metrale.kernels import activation, attention, attention_latent, embedding, head_linear, linear, moe, rmsnorm, rope
+        from metrale.kernels import (
+            activation, attention, attention_latent, embedding, gated_delta, head_linear, linear, moe, rmsnorm, rope,
+        )
 
         def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window):
             out = attention.paged_attention_reference(
@@ -149,6 +154,8 @@ class CpuBackend(Backend):
             head_linear=head_linear.head_linear_reference,
             moe_route=moe_route,
             moe_experts=moe.experts_reference,
+            gdn_conv_update=gated_delta.conv_update_reference,
+            gdn_recurrent_step=gated_delta.recurrent_step_reference,
         )
 
     def load_weight(self, checkpoint: Any, *parts: tuple[str, Sequence[int]]) -> np.ndarray:

@@ -28,8 +28,8 @@ class CudaBackend(Backend):
         import cupy
 
         from metrale.kernels import (
-            activation, attention, attention_grouped, attention_latent, attention_prefill, embedding, gemv, head_linear,
-            moe, rmsnorm, rope,
+            activation, attention, attention_grouped, attention_latent, attention_prefill, embedding, gated_delta, gemv,
+            head_linear, moe, rmsnorm, rope,
         )
         from metrale.kernels.linear import CublasGemm
         from metrale.kernels.sampling import sample
@@ -162,6 +162,16 @@ class CudaBackend(Backend):
             return moe.route(logits, bias, method, n_group, topk_group, top_k, renormalise, scaling, chosen, weights,
                              stream)
 
+        def gdn_conv_update(inputs, weight, conv_state, slots):
+            out = cp.empty(inputs.shape, dtype=f32)
+            return gated_delta.conv_update(cp.ascontiguousarray(inputs, dtype=f32), weight, conv_state, slots, out,
+                                           stream)
+
+        def gdn_recurrent_step(q, k, v, g, beta, state, slots):
+            out = cp.empty(v.shape, dtype=f32)
+            contiguous = [cp.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta)]
+            return gated_delta.recurrent_step(*contiguous, state, slots, out, stream)
+
         def moe_experts(x, chosen, weights, gate_up, down):
             x = as_bf16(x)
             act = cp.empty((x.shape[0] * chosen.shape[1], down.shape[1]), dtype=bf16)
@@ -182,6 +192,8 @@ class CudaBackend(Backend):
             head_linear=head_linear_op,
             moe_route=moe_route,
             moe_experts=moe_experts,
+            gdn_conv_update=gdn_conv_update,
+            gdn_recurrent_step=gdn_recurrent_step,
         )
 
     # ------------------------------------------------------------------------------ arrays

@@ -32,7 +32,7 @@ def c(dtype, ndim):
 def kernels():
     from metrale.kernels import (
         activation, attention, attention_grouped, attention_latent, attention_prefill, attention_staged, embedding,
-        gemv, head_linear, moe, rmsnorm, rope, sampling,
+        gated_delta, gemv, head_linear, moe, rmsnorm, rope, sampling,
     )
 
     attention_arguments = (
@@ -58,6 +58,9 @@ def kernels():
         "grouped_combine": (attention_grouped.grouped_combine_kernel, (c(f32, 4), c(f32, 3), c(f32, 3), c(u16, 2))),
         "paged_attention_prefill": (attention_prefill.paged_attention_prefill_kernel, (
             c(f32, 3), c(u32, 4), c(u32, 4), c(i32, 2), c(i32, 1), c(i32, 1), c(i32, 2), f32, i32, c(u16, 2))),
+        "gdn_conv_update": (gated_delta.conv_update_kernel, (c(f32, 2), c(f32, 2), c(f32, 3), c(i32, 1), c(f32, 2))),
+        "gdn_recurrent_step": (gated_delta.recurrent_step_kernel, (
+            c(f32, 3), c(f32, 3), c(f32, 3), c(f32, 2), c(f32, 2), c(f32, 4), c(i32, 1), c(f32, 3))),
         "head_linear": (head_linear.head_linear_kernel, (c(u64, 2), c(u64, 2), c(f32, 3))),
         "moe_route": (moe.route_kernel, (
             c(f32, 2), c(f32, 1), i32, i32, i32, i32, types.boolean, f32, c(i32, 2), c(f32, 2))),

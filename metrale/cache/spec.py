@@ -63,8 +63,8 @@ class PagedLatentSpec:
 
 @dataclass(frozen=True)
 class RecurrentStateSpec:
-    """Per sequence, of fixed size: a conv state ``conv_shape`` in the model dtype and a
-    recurrent state ``state_shape`` in float32 (GDN: ``[C, K-1]`` and ``[H_v, d_k, d_v]``)."""
+    """Per sequence, of fixed size: a conv state ``conv_shape`` and a recurrent state
+    ``state_shape``, both float32 (GDN: ``[C, K-1]`` and ``[H_v, d_k, d_v]``)."""
 
     conv_shape: tuple[int, ...]
     state_shape: tuple[int, ...]

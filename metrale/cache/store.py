@@ -4,7 +4,7 @@ Layouts (``nb`` = usable blocks + 1 dummy, ``bs`` = block size, ``ns`` = state s
 
 * paged K/V layer:      ``k``, ``v``: ``[nb, bs, num_kv_heads, head_dim]``
 * paged latent layer:   ``latent``: ``[nb, bs, width]``
-* recurrent-state layer: ``conv``: ``[ns, *conv_shape]``, ``state``: ``[ns, *state_shape]`` (fp32)
+* recurrent-state layer: ``conv``: ``[ns, *conv_shape]``, ``state``: ``[ns, *state_shape]`` (both fp32)
 
 Buffers are allocated once and never move (captured CUDA graphs read them by address).
 """
@@ -181,7 +181,7 @@ class ModelCache:
                 self.layers.append(PagedLatentLayer(layer, latent))
             else:
                 rows = num_state_slots + 1 + num_state_snapshots
-                conv = backend.zeros((rows, *layer.conv_shape), dtype)
+                conv = backend.zeros((rows, *layer.conv_shape), np.float32)
                 state = backend.zeros((rows, *layer.state_shape), np.float32)
                 state_layer = RecurrentStateLayer(layer, conv, state)
                 self.layers.append(state_layer)

@@ -25,7 +25,7 @@ from metrale.errors import NonFiniteStateError
 from metrale.family import FamilyModel
 from metrale.plugins.dense.layers import MlpWeights, load_mlp_weights, swiglu_mlp
 from metrale.plugins.gdn.config import GdnConfig
-from metrale.plugins.mla.model import as_float32, to_cache_values
+from metrale.plugins.mla.model import as_float32
 from metrale.plugins.moe_layers import StackedExperts, load_stacked_experts, routed_experts
 from metrale.sequence import SequenceState
 
@@ -233,8 +233,7 @@ class GdnModel(FamilyModel):
         xp = self.backend.xp
         for index, layer in enumerate(self._require_cache().layers):
             if hasattr(layer, "state"):
-                finite = bool(xp.isfinite(layer.state[slot]).all()) and bool(
-                    xp.isfinite(as_float32(self.backend, layer.conv[slot])).all())
+                finite = bool(xp.isfinite(layer.state[slot]).all()) and bool(xp.isfinite(layer.conv[slot]).all())
                 if not finite:
                     raise NonFiniteStateError(
                         f"sequence {seq.seq_id}: the recurrent state of layer {index} holds NaN or infinity"
@@ -286,44 +285,74 @@ class GdnModel(FamilyModel):
         ba = ops.linear(h, w.ba).reshape(rows, hk, 2 * ratio)
         b, a = ba[:, :, :ratio].reshape(rows, hv), ba[:, :, ratio:].reshape(rows, hv)
         inputs = xp.concatenate([q, k, v], axis=1)  # [N, C]: the conv input
-        beta = 1.0 / (1.0 + xp.exp(-b))
+        beta = (1.0 / (1.0 + xp.exp(-b))).astype(xp.float32)
         softplus = xp.logaddexp(0.0, a + w.dt_bias)
         g = (-xp.exp(w.a_log) * softplus).astype(xp.float32)
-        out = xp.empty((rows, hv, dv), dtype=xp.float32)
-        starts = batch.row_starts
-        for index, segment in enumerate(batch.segments):
-            first, last = int(starts[index]), int(starts[index + 1])
-            slot = segment.seq.state_slot
-            conv_in = self._conv(w, cache_layer, slot, inputs[first:last])
-            qs = l2_normalised(xp, conv_in[:, : hk * dk].reshape(-1, hk, dk)) * np.float32(dk**-0.5)
-            ks = l2_normalised(xp, conv_in[:, hk * dk : 2 * hk * dk].reshape(-1, hk, dk))
-            vs = conv_in[:, 2 * hk * dk :].reshape(-1, hv, dv)
-            qs, ks = xp.repeat(qs, ratio, axis=1), xp.repeat(ks, ratio, axis=1)
-            rule = delta_rule_recurrent if last - first == 1 else delta_rule_chunked
-            out[first:last], cache_layer.state[slot] = rule(
-                xp, qs, ks, vs, g[first:last], beta[first:last], cache_layer.state[slot].astype(xp.float32)
-            )
+        if rows == len(batch.row_starts) - 1:
+            out = self._delta_decode(w, cache_layer, inputs, g, beta, batch)
+        else:
+            out = self._delta_prompts(w, cache_layer, inputs, g, beta, batch)
         # Gated norm per value head (plain weight), then out_proj.
         normed = out / xp.sqrt((out * out).mean(axis=-1, keepdims=True) + np.float32(c.rms_norm_eps))
         gated = normed * w.norm * (z / (1.0 + xp.exp(-z)))
         return ops.linear(gated.reshape(rows, hv * dv).astype(xp.float32), w.out)
 
+    def _split_heads(self, mixed: Any) -> tuple[Any, Any, Any]:
+        """Conv outputs ``[T, C]`` -> L2-normalised (q scaled) q, k expanded to the value heads, v."""
+        c, xp = self.config, self.backend.xp
+        hk, hv, dk, dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
+        q = l2_normalised(xp, mixed[:, : hk * dk].reshape(-1, hk, dk)) * np.float32(dk**-0.5)
+        k = l2_normalised(xp, mixed[:, hk * dk : 2 * hk * dk].reshape(-1, hk, dk))
+        v = mixed[:, 2 * hk * dk :].reshape(-1, hv, dv)
+        return xp.repeat(q, hv // hk, axis=1), xp.repeat(k, hv // hk, axis=1), v
+
+    def _delta_decode(self, w: DeltaNetWeights, cache_layer: Any, inputs: Any, g: Any, beta: Any,
+                      batch: ForwardBatch) -> Any:
+        """One token per sequence: the conv update and one recurrence step, in the slots, on ops."""
+        ops, xp = self.backend.ops, self.backend.xp
+        slots = xp.asarray(np.array([segment.seq.state_slot for segment in batch.segments], dtype=np.int32))
+        mixed = ops.gdn_conv_update(inputs, w.conv, cache_layer.conv, slots)
+        q, k, v = self._split_heads(mixed)
+        return ops.gdn_recurrent_step(q, k, v, g, beta, cache_layer.state, slots)
+
+    def _delta_prompts(self, w: DeltaNetWeights, cache_layer: Any, inputs: Any, g: Any, beta: Any,
+                       batch: ForwardBatch) -> Any:
+        """Each sequence's new tokens through the conv and the chunked rule (or one step)."""
+        xp, c = self.backend.xp, self.config
+        out = xp.empty((inputs.shape[0], c.linear_value_heads, c.linear_value_dim), dtype=xp.float32)
+        starts = batch.row_starts
+        for index, segment in enumerate(batch.segments):
+            first, last = int(starts[index]), int(starts[index + 1])
+            slot = segment.seq.state_slot
+            qs, ks, vs = self._split_heads(self._conv(w, cache_layer, slot, inputs[first:last]))
+            rule = delta_rule_recurrent if last - first == 1 else delta_rule_chunked
+            out[first:last], cache_layer.state[slot] = rule(
+                xp, qs, ks, vs, g[first:last], beta[first:last], cache_layer.state[slot].astype(xp.float32)
+            )
+        return out
+
     def _conv(self, w: DeltaNetWeights, cache_layer: Any, slot: int, inputs: Any) -> Any:
         """Causal depthwise conv + SiLU of ``inputs [T, C]`` after the slot's last ``K - 1``
         inputs; the slot keeps the new last ``K - 1``."""
         xp, width = self.backend.xp, self.config.conv_kernel
-        history = as_float32(self.backend, cache_layer.conv[slot]).T  # [K - 1, C]
+        history = cache_layer.conv[slot].T  # [K - 1, C]
         window = xp.concatenate([history, inputs.astype(xp.float32)], axis=0)
         count = inputs.shape[0]
         mixed = sum(window[j : j + count] * w.conv[:, j] for j in range(width))
         tail = window[-(width - 1):].T
-        cache_layer.conv[slot] = to_cache_values(self.backend, tail)
+        cache_layer.conv[slot] = tail
         return mixed / (1.0 + xp.exp(-mixed))
 
+    def route(self, moe: SparseMoeWeights, h: Any) -> tuple[Any, Any]:
+        """Top-k experts ``[N, k]`` and weights: softmax over the router logits, renormalised as
+        ``norm_topk_prob`` says, no scaling or group limit (FAMILIES.md §3.5)."""
+        c = self.config
+        return self.backend.ops.moe_route(h, moe.gate, None, "greedy", 1, 1, c.num_experts_per_tok,
+                                          c.norm_topk_prob, 1.0)
+
     def _moe(self, moe: SparseMoeWeights, h: Any) -> Any:
-        c, xp = self.config, self.backend.xp
-        chosen, weights = self.backend.ops.moe_route(h, moe.gate, None, "greedy", 1, 1, c.num_experts_per_tok,
-                                                     c.norm_topk_prob, 1.0)
+        xp = self.backend.xp
+        chosen, weights = self.route(moe, h)
         out = routed_experts(self.backend, moe.experts, h, chosen, weights)
         shared_gate = as_float32(self.backend, h) @ moe.shared_gate.T  # [N, 1]
         return out + swiglu_mlp(self.backend, moe.shared, h) / (1.0 + xp.exp(-shared_gate))

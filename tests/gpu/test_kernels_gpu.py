@@ -329,3 +329,35 @@ def test_head_linear_at_deepseek_sizes():
     head_linear.head_linear(cp.asarray(x), cp.asarray(weight), out)
     expected = head_linear.head_linear_reference(bf16_to_float32(x), bf16_to_float32(weight))
     assert rel_error(cp.asnumpy(out), expected) <= 1e-4
+
+
+def test_gated_delta_decode_kernels_at_qwen3_next_sizes():
+    from metrale.kernels import gated_delta
+
+    rng = np.random.default_rng(54)
+    rows, heads, dk, dv, width = 4, 32, 128, 128, 4
+    channels = 2 * 16 * dk + heads * dv
+    slots = np.array([3, 1, 0, 2], np.int32)
+    inputs = rng.standard_normal((rows, channels)).astype(np.float32)
+    weight = rng.standard_normal((channels, width)).astype(np.float32)
+    conv_state = rng.standard_normal((4, channels, width - 1)).astype(np.float32)
+    want_conv = conv_state.copy()
+    expected = gated_delta.conv_update_reference(inputs, weight, want_conv, slots)
+    device_conv = cp.asarray(conv_state)
+    out = cp.empty((rows, channels), dtype=np.float32)
+    gated_delta.conv_update(cp.asarray(inputs), cp.asarray(weight), device_conv, cp.asarray(slots), out)
+    assert rel_error(cp.asnumpy(out), expected) <= 1e-5 and rel_error(cp.asnumpy(device_conv), want_conv) <= 1e-6
+    k = rng.standard_normal((rows, heads, dk)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q = (rng.standard_normal((rows, heads, dk)) / np.sqrt(dk)).astype(np.float32)
+    v = rng.standard_normal((rows, heads, dv)).astype(np.float32)
+    g = -rng.uniform(0, 1, (rows, heads)).astype(np.float32)
+    beta = rng.uniform(0, 1, (rows, heads)).astype(np.float32)
+    state = rng.standard_normal((4, heads, dk, dv)).astype(np.float32)
+    want_state = state.copy()
+    expected = gated_delta.recurrent_step_reference(q, k, v, g, beta, want_state, slots)
+    device_state = cp.asarray(state)
+    out = cp.empty((rows, heads, dv), dtype=np.float32)
+    gated_delta.recurrent_step(*(cp.asarray(a) for a in (q, k, v, g, beta)), device_state, cp.asarray(slots), out)
+    assert rel_error(cp.asnumpy(out), expected) <= 1e-4
+    assert rel_error(cp.asnumpy(device_state), want_state) <= 1e-4

@@ -498,3 +498,36 @@ def test_head_linear_matches_the_reference():
     out = np.zeros((rows, heads, width_out), np.float32)
     head_linear.head_linear(x, weight, out)
     assert rel_error(out, expected) <= 1e-5
+
+
+def test_gated_delta_decode_kernels_match_the_references():
+    """Conv update and one gated-delta step for three rows (two slots, one the dummy slot 0),
+    states updated in place."""
+    from metrale.kernels import gated_delta
+
+    rng = np.random.default_rng(61)
+    rows, channels, width, heads, dk, dv = 3, 20, 4, 2, 6, 5
+    slots = np.array([2, 0, 1], np.int32)
+    inputs = rng.standard_normal((rows, channels)).astype(np.float32)
+    weight = rng.standard_normal((channels, width)).astype(np.float32)
+    conv_state = rng.standard_normal((3, channels, width - 1)).astype(np.float32)
+    want_conv_state = conv_state.copy()
+    expected = gated_delta.conv_update_reference(inputs, weight, want_conv_state, slots)
+    out = np.zeros((rows, channels), np.float32)
+    gated_delta.conv_update(inputs, weight, conv_state, slots, out)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(conv_state, want_conv_state)
+
+    k = rng.standard_normal((rows, heads, dk)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q = rng.standard_normal((rows, heads, dk)).astype(np.float32)
+    v = rng.standard_normal((rows, heads, dv)).astype(np.float32)
+    g = -rng.uniform(0, 1, (rows, heads)).astype(np.float32)
+    beta = rng.uniform(0, 1, (rows, heads)).astype(np.float32)
+    state = rng.standard_normal((3, heads, dk, dv)).astype(np.float32)
+    want_state = state.copy()
+    expected = gated_delta.recurrent_step_reference(q, k, v, g, beta, want_state, slots)
+    out = np.zeros((rows, heads, dv), np.float32)
+    gated_delta.recurrent_step(q, k, v, g, beta, state, slots, out)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(state, want_state, rtol=1e-5, atol=1e-5)
