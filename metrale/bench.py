@@ -48,6 +48,19 @@ MLA_SHAPES: dict[str, dict[str, Any]] = {
 }
 SHAPES.update(MLA_SHAPES)
 
+#: Qwen3-Next-like shapes (Qwen3NextForCausalLM checkpoints): the 80B model's kinds of layers and
+#: widths, with fewer layers and experts so that it fits one GPU.
+GDN_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-next-small": dict(  # 12 layers (9 Gated DeltaNet, 3 gated attention), 128 experts: 5.9 B parameters
+        vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=12, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, num_experts=128,
+        num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        full_attention_interval=4, tie_word_embeddings=False, max_position_embeddings=262144,
+    ),
+}
+SHAPES.update(GDN_SHAPES)
+
 
 @dataclass
 class BenchOptions:
@@ -110,6 +123,10 @@ def build_checkpoint(shape: str, folder: Path) -> Path:
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
         config, model_class = DeepseekV2Config(**SHAPES[shape], rms_norm_eps=1e-6), DeepseekV2ForCausalLM
+    elif shape in GDN_SHAPES:
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        config, model_class = Qwen3NextConfig(**SHAPES[shape], rms_norm_eps=1e-6), Qwen3NextForCausalLM
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -139,6 +156,8 @@ def weight_bytes(shape: str, batch: int | None = None) -> int:
     s = SHAPES[shape]
     h, layers, v = s["hidden_size"], s["num_hidden_layers"], s["vocab_size"]
     embeddings = v * h * (1 if s["tie_word_embeddings"] else 2)
+    if shape in GDN_SHAPES:
+        return _gdn_weight_bytes(s, batch)
     if shape not in MLA_SHAPES:
         i = s["intermediate_size"]
         q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
@@ -159,10 +178,48 @@ def weight_bytes(shape: str, batch: int | None = None) -> int:
     return int(2 * total)
 
 
+def _gdn_layers(s: dict[str, Any]) -> list[bool]:
+    """Per layer: True for a Gated DeltaNet layer, False for gated attention."""
+    interval = s["full_attention_interval"]
+    return [(i + 1) % interval != 0 for i in range(s["num_hidden_layers"])]
+
+
+def _gdn_weight_bytes(s: dict[str, Any], batch: int | None) -> int:
+    # bf16 values count 2 bytes; the float32 ones (routers, shared-expert gates, conv weights,
+    # A_log, dt_bias, gated norms) 4.
+    h, v = s["hidden_size"], s["vocab_size"]
+    hk, hv, dk, dv, width = (s["linear_num_key_heads"], s["linear_num_value_heads"], s["linear_key_head_dim"],
+                             s["linear_value_head_dim"], s["linear_conv_kernel_dim"])
+    heads, kv_heads, d = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
+    experts, top_k = s["num_experts"], s["num_experts_per_tok"]
+    read = experts if batch is None else expected_experts(experts, top_k, batch)
+    channels = 2 * hk * dk + hv * dv
+    delta = 2 * h * (2 * hk * dk + 2 * hv * dv + 2 * hv + hv * dv) + 4 * (channels * width + 2 * hv + dv)
+    attention = 2 * (h * heads * 2 * d + 2 * h * kv_heads * d + heads * d * h + 2 * d)
+    moe = 2 * 3 * h * s["moe_intermediate_size"] * read + 2 * 3 * h * s["shared_expert_intermediate_size"] \
+        + 4 * h * (experts + 1)
+    per_layer = [(delta if gdn else attention) + moe + 2 * 2 * h for gdn in _gdn_layers(s)]
+    return int(sum(per_layer) + 2 * v * h * (1 if s["tie_word_embeddings"] else 2) + 2 * h)
+
+
+def state_bytes_per_sequence(shape: str) -> int:
+    """Bytes of recurrent state a decode step reads and writes per sequence (0 without GDN layers)."""
+    s = SHAPES[shape]
+    if shape not in GDN_SHAPES:
+        return 0
+    channels = 2 * s["linear_num_key_heads"] * s["linear_key_head_dim"] + s["linear_num_value_heads"] * s["linear_value_head_dim"]
+    per_layer = 4 * (s["linear_num_value_heads"] * s["linear_key_head_dim"] * s["linear_value_head_dim"]
+                     + channels * (s["linear_conv_kernel_dim"] - 1))
+    return 2 * per_layer * sum(_gdn_layers(s))
+
+
 def kv_bytes_per_token(shape: str) -> int:
     s = SHAPES[shape]
     if shape in MLA_SHAPES:
         return 2 * s["num_hidden_layers"] * (s["kv_lora_rank"] + s["qk_rope_head_dim"])
+    if shape in GDN_SHAPES:
+        attention_layers = s["num_hidden_layers"] - sum(_gdn_layers(s))
+        return 2 * 2 * attention_layers * s["num_key_value_heads"] * s["head_dim"]
     return 2 * 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * s["head_dim"]
 
 
@@ -236,7 +293,8 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
 
         seconds = _cuda_time(step, repeats=steps, stream=llm.backend.stream)
         context = options.context + steps // 2
-        bytes_read = weight_bytes(shape, batch) + batch * context * kv_bytes_per_token(shape)
+        bytes_read = (weight_bytes(shape, batch) + batch * context * kv_bytes_per_token(shape)
+                      + batch * state_bytes_per_sequence(shape))
         floor = bytes_read / bandwidth
         result[f"decode_b{batch}"] = {
             "step_ms": seconds * 1e3,

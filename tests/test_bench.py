@@ -120,6 +120,28 @@ def test_weight_accounting_matches_the_models_parameters():
         assert bench.weight_bytes(shape) == 2 * (params + routers), shape
 
 
+def test_hybrid_weight_and_state_accounting():
+    """Qwen3-Next-like shape: bf16 weights at 2 bytes and the float32 ones at 4, against
+    transformers' parameters (meta device); state read and written per sequence."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    s = bench.SHAPES["qwen3-next-small"]
+    with torch.device("meta"):
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(**s))
+    float32_names = ("mlp.gate.weight", "shared_expert_gate.weight", "conv1d.weight", "A_log", "dt_bias",
+                     "linear_attn.norm.weight")
+    params = sum(p.numel() for p in model.parameters())
+    float32 = sum(p.numel() for n, p in model.named_parameters() if n.endswith(float32_names))
+    assert bench.weight_bytes("qwen3-next-small") == 2 * params + 2 * float32
+    assert bench.weight_bytes("qwen3-next-small", 1) < bench.weight_bytes("qwen3-next-small", 32)
+    gdn_layers = 9
+    state = 4 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3)
+    assert bench.state_bytes_per_sequence("qwen3-next-small") == 2 * gdn_layers * state
+    assert bench.kv_bytes_per_token("qwen3-next-small") == 2 * 2 * 3 * 2 * 256
+    assert bench.state_bytes_per_sequence("llama-1b") == 0
+
+
 def test_a_decode_step_reads_only_the_chosen_experts():
     assert bench.expected_experts(64, 6, 1) == pytest.approx(6.0)
     assert bench.expected_experts(64, 6, 32) == pytest.approx(64 * (1 - (58 / 64) ** 32))
