@@ -42,6 +42,8 @@ class ForwardBatch:
     ``block_tables``: ``[S, max_blocks]`` int64 (padded with the dummy block 0);
     ``row_starts``: ``[S + 1]``; ``logits_rows``: rows whose logits are returned, in order.
     ``max_context`` bounds every row's ``position + 1`` (it sizes the attention's key splits).
+    ``state_slots``: ``[S]`` int64, each segment's recurrent-state slot (0, the dummy slot, for
+    sequences without one and for padding).
     """
 
     segments: list[Segment]
@@ -53,6 +55,7 @@ class ForwardBatch:
     row_starts: np.ndarray
     logits_rows: np.ndarray
     max_context: int = 0
+    state_slots: np.ndarray | None = None
     extras: dict = field(default_factory=dict)
 
     @property
@@ -110,6 +113,7 @@ class ForwardBatch:
             row_starts=row_starts,
             logits_rows=np.asarray(logits_rows, dtype=np.int64),
             max_context=int(positions.max()) + 1,
+            state_slots=_state_slots(segments),
         )
 
     @classmethod
@@ -139,4 +143,9 @@ class ForwardBatch:
             row_starts=np.arange(count + 1, dtype=np.int64),
             logits_rows=rows.copy(),
             max_context=max(starts) + 1,
+            state_slots=_state_slots(segments),
         )
+
+
+def _state_slots(segments: list[Segment]) -> np.ndarray:
+    return np.array([s.seq.state_slot or 0 for s in segments], dtype=np.int64)

@@ -65,3 +65,12 @@ def test_decode_batches_take_a_shortcut_with_the_same_layout():
         assert fast.max_context == general.max_context
     with pytest.raises(CacheError, match="too few for position 4"):
         ForwardBatch.build([Segment(sequence([1], 4), [7], 4)], 4)
+
+
+def test_batches_name_each_segments_state_slot():
+    """Decode and prompt layouts alike; a sequence without a slot gets the dummy slot 0."""
+    a = SequenceState.from_prompt([1, 2, 3], block_table=[4], state_slot=2)
+    b = SequenceState.from_prompt([5, 6], block_table=[7])
+    decode = ForwardBatch.build([Segment(a, [9], 0), Segment(b, [8], 0)], block_size=4)
+    prompts = ForwardBatch.build([Segment(a, [1, 2, 3], 0, "none"), Segment(b, [5, 6], 0)], block_size=4)
+    assert decode.state_slots.tolist() == prompts.state_slots.tolist() == [2, 0]

@@ -24,8 +24,8 @@ from metrale.batch import ForwardBatch
 
 DECODE_RUNGS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
-# Field order of the packed int32 metadata: five [B] vectors, then the [B, max_blocks] table.
-_VECTORS = ("token_ids", "positions", "slot_mapping", "seq_index", "logits_rows")
+# Field order of the packed int32 metadata: six [B] vectors, then the [B, max_blocks] table.
+_VECTORS = ("token_ids", "positions", "slot_mapping", "seq_index", "logits_rows", "state_slots")
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Rung:
     """Static buffers and the captured graph of one padded batch size."""
 
     size: int
-    host: Any  # pinned int32 [5 B + B * max_blocks]
+    host: Any  # pinned int32 [6 B + B * max_blocks]
     device: Any  # device int32, same layout
     batch: ForwardBatch
     graph: Any = None
@@ -76,7 +76,7 @@ class CudaGraphRunner:
         batch = ForwardBatch(
             segments=[], token_ids=views["token_ids"], positions=views["positions"], seq_index=views["seq_index"],
             slot_mapping=views["slot_mapping"], block_tables=table, row_starts=np.arange(size + 1),
-            logits_rows=views["logits_rows"], max_context=self.model.max_model_len,
+            logits_rows=views["logits_rows"], max_context=self.model.max_model_len, state_slots=views["state_slots"],
         )
         rung = self.rungs[size] = Rung(size, host, device, batch)
         return rung
@@ -97,7 +97,9 @@ class CudaGraphRunner:
             host[0:rows] = batch.token_ids
             host[size : size + rows] = batch.positions
             host[2 * size : 2 * size + rows] = batch.slot_mapping
-            table = host[5 * size :].reshape(size, self.max_blocks)
+            if batch.state_slots is not None:
+                host[5 * size : 5 * size + rows] = batch.state_slots  # padding rows: the dummy slot 0
+            table = host[6 * size :].reshape(size, self.max_blocks)
             width = batch.block_tables.shape[1]
             table[:rows, :width] = batch.block_tables
         # (A raw copy: CuPy's ``set`` costs several times more host time.)

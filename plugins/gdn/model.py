@@ -7,8 +7,10 @@ delta rule (chunks of ``CHUNK`` tokens, the state carried across chunks and call
 tokens the recurrent form. Every norm of the decoder is zero-centred (``1 + w``) except the gated
 output norm of the GDN layers.
 
-The GDN mixer runs on the backend's array module (``backend.xp``), per sequence; the model is not
-captured into CUDA graphs (``graph_capturable``).
+Decode rows run on backend ops (the conv update and one recurrence step per row, in place in the
+slots the batch names, the dummy slot for padding rows); prompts run per sequence on the
+backend's array module (``backend.xp``). The model is not captured into CUDA graphs yet
+(``graph_capturable``).
 """
 
 from __future__ import annotations
@@ -310,7 +312,7 @@ class GdnModel(FamilyModel):
                       batch: ForwardBatch) -> Any:
         """One token per sequence: the conv update and one recurrence step, in the slots, on ops."""
         ops, xp = self.backend.ops, self.backend.xp
-        slots = xp.asarray(np.array([segment.seq.state_slot for segment in batch.segments], dtype=np.int32))
+        slots = xp.asarray(batch.state_slots)  # one row per sequence; padding rows: the dummy slot
         mixed = ops.gdn_conv_update(inputs, w.conv, cache_layer.conv, slots)
         q, k, v = self._split_heads(mixed)
         return ops.gdn_recurrent_step(q, k, v, g, beta, cache_layer.state, slots)
@@ -354,6 +356,7 @@ class GdnModel(FamilyModel):
         xp = self.backend.xp
         chosen, weights = self.route(moe, h)
         out = routed_experts(self.backend, moe.experts, h, chosen, weights)
-        shared_gate = as_float32(self.backend, h) @ moe.shared_gate.T  # [N, 1]
+        # (A reduction rather than a matrix product: CuPy's cuBLAS calls cannot be graph-captured.)
+        shared_gate = (as_float32(self.backend, h) * moe.shared_gate[0]).sum(axis=1, keepdims=True)  # [N, 1]
         return out + swiglu_mlp(self.backend, moe.shared, h) / (1.0 + xp.exp(-shared_gate))
 

@@ -61,3 +61,15 @@ def test_chunked_prefill_and_decode_on_the_gpu(bf16_gdn_checkpoint):
             top2 = np.sort(logits)[-2:]
             assert (top2[1] - top2[0]) / np.abs(logits).max() < 2e-2, f"parted at {index} without a near-tie"
             break
+
+
+def test_graph_replayed_decode_gives_the_eager_tokens(bf16_gdn_checkpoint):
+    """The decode path of the GDN family records into CUDA graphs (slots from the batch)."""
+    prompts = [np.random.default_rng(n).integers(0, 128, n).tolist() for n in (3, 11, 30)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    eager = load(bf16_gdn_checkpoint, "cuda").generate(prompts, params)
+    llm = load(bf16_gdn_checkpoint, "cuda")
+    llm.model.graph_capturable = True
+    graphs = llm.generate(prompts, params)
+    assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
+    assert llm.backend.graph_runner(llm.model).rungs, "no decode graph was recorded"
