@@ -110,18 +110,22 @@ class LLM:
         spec = self.forward.cache_spec()
         cache_config = self.config.cache
         block_size = self.forward.kv_block_size() or cache_config.block_size
+        num_state_slots = max(cache_config.num_state_slots, self.config.max_num_seqs)
+        num_state_snapshots = cache_config.num_state_snapshots if self.config.enable_prefix_caching else 0
+        # The recurrent-state rows (slots, the dummy slot, snapshots) come out of the same budget.
+        state_bytes = (num_state_slots + 1 + num_state_snapshots) * spec.state_bytes_per_slot()
+        memory = cache_config.memory_bytes or self.backend.default_cache_bytes()
         num_blocks = cache_config.num_blocks or plan_num_blocks(
             spec,
             block_size,
-            cache_config.memory_bytes or self.backend.default_cache_bytes(),
+            max(1, memory - state_bytes),
             np.dtype(self.backend.cache_dtype).itemsize,
             self.config.max_num_seqs,
             self.max_model_len,
         )
         return ModelCache(
             spec, self.backend, block_size=block_size, num_blocks=num_blocks,
-            num_state_slots=max(cache_config.num_state_slots, self.config.max_num_seqs),
-            num_state_snapshots=cache_config.num_state_snapshots if self.config.enable_prefix_caching else 0,
+            num_state_slots=num_state_slots, num_state_snapshots=num_state_snapshots,
         )
 
     # ------------------------------------------------------------------------- properties

@@ -11,6 +11,7 @@ storage (:class:`~metrale.cache.store.ModelCache`) from it. Three kinds of layer
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Union
 
@@ -106,3 +107,10 @@ class CacheSpec:
 
     def values_per_token(self) -> int:
         return sum(layer.values_per_token for layer in self.layers)
+
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of one recurrent-state slot over all layers (float32 conv and recurrent states)."""
+        return sum(
+            4 * (math.prod(layer.conv_shape) + math.prod(layer.state_shape))
+            for layer in self.layers if isinstance(layer, RecurrentStateSpec)
+        )

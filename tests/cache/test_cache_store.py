@@ -511,3 +511,19 @@ def test_llm_cache_holds_max_num_seqs_sequences_of_max_model_len(dense_checkpoin
     assert llm.cache.num_blocks >= 8 * per_sequence, (
         f"{llm.cache.num_blocks} blocks for 8 sequences needing {per_sequence} blocks each"
     )
+
+
+def test_state_slots_come_out_of_the_cache_budget(gdn_checkpoint):
+    """The recurrent-state rows (slots, dummy, snapshots) are paid from memory_bytes before blocks."""
+    from metrale import LLM
+
+    spec_llm = LLM(gdn_checkpoint, device="cpu", show_progress=False, num_blocks=4)
+    spec = spec_llm.forward.cache_spec()
+    per_slot = spec.state_bytes_per_slot()
+    assert per_slot == 4 * 2 * ((2 * 2 * 8 + 4 * 16) * 3 + 4 * 8 * 16)  # two GDN layers of the tiny model
+    budget = 200_000
+    rows = 16 + 1 + 16  # max(num_state_slots, max_num_seqs) = 16, the dummy slot, 16 snapshots
+    llm = LLM(gdn_checkpoint, device="cpu", show_progress=False, memory_bytes=budget + rows * per_slot,
+              max_num_seqs=16, block_size=4)
+    bytes_per_block = spec.values_per_token() * 4 * 4
+    assert llm.cache.num_blocks == budget // bytes_per_block - 1
