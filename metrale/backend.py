@@ -29,7 +29,10 @@ stacked ``[nh * out, in]`` (:mod:`metrale.kernels.head_linear`);
 SwiGLU from stacked expert weights (:mod:`metrale.kernels.moe`);
 ``gdn_conv_update(inputs, weight, conv_state, slots)`` -> ``[N, C]`` and
 ``gdn_recurrent_step(q, k, v, g, beta, state, slots)`` -> ``[N, H, d_v]``: one token per row of
-a Gated DeltaNet layer, the rows' slot states updated in place (:mod:`metrale.kernels.gated_delta`).
+a Gated DeltaNet layer, the rows' slot states updated in place (:mod:`metrale.kernels.gated_delta`);
+``gated_rmsnorm(x, z, weight, eps)`` -> ``rms(x; weight) * silu(z)`` over the last axis and
+``sigmoid_gate(x, gate)`` -> ``x * sigmoid(gate)``, both inputs of matrix products
+(:mod:`metrale.kernels.gated`).
 "Normed" outputs and attention outputs are the inputs of matrix products: float32 on the CPU,
 bf16 bits (``uint16``) on the GPU.
 """
@@ -115,7 +118,8 @@ class CpuBackend(Backend):
 
     def __init__(self) -> None:
         from metrale.kernels import (
-            activation, attention, attention_latent, embedding, gated_delta, head_linear, linear, moe, rmsnorm, rope,
+            activation, attention, attention_latent, embedding, gated, gated_delta, head_linear, linear, moe, rmsnorm,
+            rope,
         )
 
         def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window):
@@ -156,6 +160,8 @@ class CpuBackend(Backend):
             moe_experts=moe.experts_reference,
             gdn_conv_update=gated_delta.conv_update_reference,
             gdn_recurrent_step=gated_delta.recurrent_step_reference,
+            gated_rmsnorm=gated.gated_rmsnorm_reference,
+            sigmoid_gate=gated.sigmoid_gate_reference,
         )
 
     def load_weight(self, checkpoint: Any, *parts: tuple[str, Sequence[int]]) -> np.ndarray:

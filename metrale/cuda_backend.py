@@ -28,8 +28,8 @@ class CudaBackend(Backend):
         import cupy
 
         from metrale.kernels import (
-            activation, attention, attention_grouped, attention_latent, attention_prefill, embedding, gated_delta, gemv,
-            head_linear, moe, rmsnorm, rope,
+            activation, attention, attention_grouped, attention_latent, attention_prefill, embedding, gated, gated_delta,
+            gemv, head_linear, moe, rmsnorm, rope,
         )
         from metrale.kernels.linear import CublasGemm
         from metrale.kernels.sampling import sample
@@ -172,6 +172,17 @@ class CudaBackend(Backend):
             contiguous = [cp.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta)]
             return gated_delta.recurrent_step(*contiguous, state, slots, out, stream)
 
+        def gated_rmsnorm(x, z, weight, eps):
+            width = x.shape[-1]
+            flat_x = cp.ascontiguousarray(x, dtype=f32).reshape(-1, width)
+            out = cp.empty(flat_x.shape, dtype=bf16)
+            gated.gated_rmsnorm(flat_x, cp.ascontiguousarray(z, dtype=f32).reshape(-1, width), weight, eps, out, stream)
+            return out.reshape(x.shape)
+
+        def sigmoid_gate(x, gate):
+            out = cp.empty(x.shape, dtype=bf16)
+            return gated.sigmoid_gate(as_bf16(x), cp.ascontiguousarray(gate, dtype=f32), out, stream)
+
         def moe_experts(x, chosen, weights, gate_up, down):
             x = as_bf16(x)
             act = cp.empty((x.shape[0] * chosen.shape[1], down.shape[1]), dtype=bf16)
@@ -194,6 +205,8 @@ class CudaBackend(Backend):
             moe_experts=moe_experts,
             gdn_conv_update=gdn_conv_update,
             gdn_recurrent_step=gdn_recurrent_step,
+            gated_rmsnorm=gated_rmsnorm,
+            sigmoid_gate=sigmoid_gate,
         )
 
     # ------------------------------------------------------------------------------ arrays

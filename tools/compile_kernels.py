@@ -32,7 +32,7 @@ def c(dtype, ndim):
 def kernels():
     from metrale.kernels import (
         activation, attention, attention_grouped, attention_latent, attention_prefill, attention_staged, embedding,
-        gated_delta, gemv, head_linear, moe, rmsnorm, rope, sampling,
+        gated, gated_delta, gemv, head_linear, moe, rmsnorm, rope, sampling,
     )
 
     attention_arguments = (
@@ -58,6 +58,8 @@ def kernels():
         "grouped_combine": (attention_grouped.grouped_combine_kernel, (c(f32, 4), c(f32, 3), c(f32, 3), c(u16, 2))),
         "paged_attention_prefill": (attention_prefill.paged_attention_prefill_kernel, (
             c(f32, 3), c(u32, 4), c(u32, 4), c(i32, 2), c(i32, 1), c(i32, 1), c(i32, 2), f32, i32, c(u16, 2))),
+        "gated_rmsnorm": (gated.gated_rmsnorm_kernel, (c(f32, 2), c(f32, 2), c(f32, 1), f32, c(u16, 2))),
+        "sigmoid_gate": (gated.sigmoid_gate_kernel, (c(u16, 1), c(f32, 1), c(u16, 1))),
         "gdn_conv_update": (gated_delta.conv_update_kernel, (c(f32, 2), c(f32, 2), c(f32, 3), c(i32, 1), c(f32, 2))),
         "gdn_recurrent_step": (gated_delta.recurrent_step_kernel, (
             c(f32, 3), c(f32, 3), c(f32, 3), c(f32, 2), c(f32, 2), c(f32, 4), c(i32, 1), c(f32, 3))),

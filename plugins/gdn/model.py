@@ -270,8 +270,8 @@ class GdnModel(FamilyModel):
             qkv, batch.positions, batch.slot_mapping, self.inv_freq, 1.0, heads, c.num_kv_heads, d,
             cache_layer.k, cache_layer.v, w.q_norm, w.k_norm, c.rms_norm_eps, 1.0,
         )
-        out = as_float32(self.backend, ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, d**-0.5, None))
-        return ops.linear(out / (1.0 + xp.exp(-gate)), w.o)
+        out = ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, d**-0.5, None)
+        return ops.linear(ops.sigmoid_gate(out, gate), w.o)
 
     def _delta(self, w: DeltaNetWeights, cache_layer: Any, h: Any, batch: ForwardBatch) -> Any:
         ops, c, xp = self.backend.ops, self.config, self.backend.xp
@@ -295,9 +295,8 @@ class GdnModel(FamilyModel):
         else:
             out = self._delta_prompts(w, cache_layer, inputs, g, beta, batch)
         # Gated norm per value head (plain weight), then out_proj.
-        normed = out / xp.sqrt((out * out).mean(axis=-1, keepdims=True) + np.float32(c.rms_norm_eps))
-        gated = normed * w.norm * (z / (1.0 + xp.exp(-z)))
-        return ops.linear(gated.reshape(rows, hv * dv).astype(xp.float32), w.out)
+        gated = ops.gated_rmsnorm(out, z, w.norm, c.rms_norm_eps)
+        return ops.linear(gated.reshape(rows, hv * dv), w.out)
 
     def _split_heads(self, mixed: Any) -> tuple[Any, Any, Any]:
         """Conv outputs ``[T, C]`` -> L2-normalised (q scaled) q, k expanded to the value heads, v."""

@@ -531,3 +531,21 @@ def test_gated_delta_decode_kernels_match_the_references():
     gated_delta.recurrent_step(q, k, v, g, beta, state, slots, out)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(state, want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen3_next_gates_match_the_references():
+    from metrale.kernels import gated
+
+    rng = np.random.default_rng(62)
+    x = rng.standard_normal((6, 20)).astype(np.float32)
+    z = rng.standard_normal((6, 20)).astype(np.float32)
+    weight = rng.standard_normal(20).astype(np.float32)
+    out = np.zeros((6, 20), np.uint16)
+    gated.gated_rmsnorm(x, z, weight, 1e-6, out)
+    assert rel_error(bf16_to_float32(out), gated.gated_rmsnorm_reference(x, z, weight, 1e-6)) <= 8e-3
+    attention = float32_to_bf16(rng.standard_normal((3, 50)).astype(np.float32))
+    gate = rng.standard_normal((3, 50)).astype(np.float32)
+    gated_out = np.zeros((3, 50), np.uint16)
+    gated.sigmoid_gate(attention, gate, gated_out)
+    expected = gated.sigmoid_gate_reference(bf16_to_float32(attention), gate)
+    assert rel_error(bf16_to_float32(gated_out), expected) <= 8e-3
