@@ -1,6 +1,6 @@
 """The ``metrale`` command.
 
-``metrale generate [--model M] PROMPT...`` generates a continuation of each prompt (the embedded
+``metrale generate [--model M] [--stream] PROMPT...`` generates a continuation of each prompt (the embedded
 default model when ``--model`` is not given); ``metrale plugins`` lists the installed plugins and
 the architectures each family serves.
 """
@@ -12,7 +12,7 @@ import sys
 from typing import Sequence
 
 from metrale._version import __version__
-from metrale.errors import MetraleError
+from metrale.errors import ConfigError, MetraleError
 from metrale.models import DEFAULT_MODEL
 
 
@@ -35,6 +35,8 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed of every request (default: 0)")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at TEXT (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    parser.add_argument("--stream", action="store_true",
+                        help="print the continuation of a single PROMPT as it is generated")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.set_defaults(handler=_generate)
 
@@ -154,13 +156,38 @@ def _generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
+    if args.stream and len(args.prompts) != 1:
+        raise ConfigError(f"--stream prints one continuation; got {len(args.prompts)} prompts")
     llm = LLM(args.model, device=args.device, show_progress=not args.no_progress)
+    if args.stream:
+        _stream(llm, args.prompts[0], params)
+        return 0
     outputs = llm.generate(args.prompts, params, use_tqdm=not args.no_progress)
     for index, output in enumerate(outputs):
         if index:
             print()
         print(f"{output.prompt}{output.text}")
     return 0
+
+
+def _stream(llm: object, prompt: str, params: object) -> None:
+    """Print ``prompt``, then its continuation as it comes. Text that may still turn into a stop
+    string, or ends in an incomplete character, is held back until it is settled."""
+    print(prompt, end="", flush=True)
+    printed = 0
+    for output in llm.generate_stream([prompt], params):
+        text = output.text or ""
+        end = len(text)
+        if not output.finished:
+            while end and text[end - 1] == "\ufffd":
+                end -= 1
+            held = max((k for stop in params.stop for k in range(1, len(stop)) if text[:end].endswith(stop[:k])),
+                       default=0)
+            end -= held
+        if end > printed:
+            print(text[printed:end], end="", flush=True)
+            printed = end
+    print()
 
 
 def _plugins(args: argparse.Namespace) -> int:

@@ -25,6 +25,21 @@ def test_generate_several_prompts_is_deterministic(capsys):
     assert first.startswith("Open the") and "\n\nReturn a" in first
 
 
+@pytest.mark.parametrize("extra", [[], ["--stop", " the", "--stop", "."], ["--temperature", "0.9", "--seed", "3"]])
+def test_streamed_output_equals_the_whole_output(capsys, extra):
+    """The streamed continuation ends up exactly the text generate prints, stop strings included."""
+    command = ["generate", "--max-tokens", "24", "--temperature", "0", "--no-progress", *extra, "Return the"]
+    assert main(command) == 0
+    whole = capsys.readouterr().out
+    assert main([*command[:-1], "--stream", command[-1]]) == 0
+    assert capsys.readouterr().out == whole
+
+
+def test_stream_takes_one_prompt(capsys):
+    assert main(["generate", "--stream", "--no-progress", "one", "two"]) == 2
+    assert "--stream prints one continuation; got 2 prompts" in capsys.readouterr().err
+
+
 def test_generate_with_a_checkpoint_folder(capsys, tmp_path):
     import shutil
 
