@@ -1,8 +1,8 @@
 """The ``metrale`` command.
 
-``metrale generate [--model M] [--stream] PROMPT...`` generates a continuation of each prompt (the embedded
-default model when ``--model`` is not given); ``metrale plugins`` lists the installed plugins and
-the architectures each family serves.
+``metrale generate [--model M] [--stream] PROMPT...`` generates a continuation of each prompt
+(the embedded default model when ``--model`` is not given); ``metrale plugins`` lists the
+installed plugins and the architectures each family serves.
 """
 
 from __future__ import annotations
