@@ -39,6 +39,8 @@ class Request:
     error: str | None = None
     #: Generated tokens already handed out by a streaming call.
     streamed: int = 0
+    #: Generated tokens ``text`` reflects (it is decoded only when needed).
+    text_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.seq = SequenceState.from_prompt(self.prompt_token_ids)
@@ -58,8 +60,10 @@ class StopChecker:
 
     def update(self, request: Request, token: int) -> None:
         params = request.params
-        if self.decode_text is not None:
-            request.text = self.decode_text(request.generated)
+        if self.decode_text is not None and params.stop:
+            # Stop strings are looked for in the text after every token; otherwise the text is
+            # decoded only when an output is made (decoding it every token costs O(n^2)).
+            self._decode(request)
         if token in params.stop_token_ids:
             request.finish_reason, request.stop_reason = "stop", token
         elif token in self.eos_token_ids and not params.ignore_eos:
@@ -77,9 +81,14 @@ class StopChecker:
             if full or out_of_context:
                 request.finish_reason = "length"
 
-    @staticmethod
-    def output(request: Request, finished: bool = True) -> RequestOutput:
+    def _decode(self, request: Request) -> None:
+        request.text = self.decode_text(request.generated)
+        request.text_tokens = len(request.generated)
+
+    def output(self, request: Request, finished: bool = True) -> RequestOutput:
         """The request's output so far (``finished``: its final output)."""
+        if self.decode_text is not None and request.text_tokens != len(request.generated):
+            self._decode(request)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
