@@ -100,3 +100,24 @@ def test_prefix_hits_resume_only_from_snapshots(gdn_checkpoint):
     allocator = llm.cache.allocator
     assert allocator.num_free == allocator.num_blocks
     assert llm.cache.state_slots.num_free == llm.cache.state_slots.num_slots
+
+
+def test_slots_are_released_after_a_failed_step(gdn_checkpoint, monkeypatch):
+    """A forward error fails the step's requests and gives their slots back, exactly once."""
+    llm = LLM(gdn_checkpoint, device="cpu", show_progress=False, block_size=4)
+    original = llm.model.forward_batch
+    calls = []
+
+    def failing(batch):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return original(batch)
+
+    monkeypatch.setattr(llm.model, "forward_batch", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0))
+    slots = llm.cache.state_slots
+    assert slots.num_free == slots.num_slots and not llm.engine.has_unfinished()
+    monkeypatch.setattr(llm.model, "forward_batch", original)
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))[0].finish_reason == "length"
