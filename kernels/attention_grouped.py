@@ -441,9 +441,10 @@ def grouped_kernel(words: int):
 
 @cuda.jit(cache=True)
 def grouped_combine_kernel(out_acc, out_max, out_sum, out):
-    # Grid: (N rows, n_heads); COMBINE_THREADS threads. Merges the splits (<= MAX_SPLITS) of the
-    # grouped kernel by log-sum-exp into bf16 out [N, nh * dv]. Split weights go to shared
-    # memory first; each output dim then reads all splits with independent loads.
+    # Grid: (N rows, n_heads[, dim blocks]); COMBINE_THREADS threads. Merges the splits
+    # (<= MAX_SPLITS) of the grouped kernel by log-sum-exp into bf16 out [N, nh * dv]. Split
+    # weights go to shared memory first; each output dim then reads all splits with independent
+    # loads. Wide values (MLA's latent rows) spread their dims over the grid's third axis.
     row = cuda.blockIdx.x
     head = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -464,7 +465,7 @@ def grouped_combine_kernel(out_acc, out_max, out_sum, out):
     if tid < MAX_SPLITS:
         weights[tid] = weight
     total = block_sum(partial, tid, weight * split_sum, COMBINE_THREADS)
-    for dim in range(tid, value_dim, COMBINE_THREADS):
+    for dim in range(cuda.blockIdx.z * COMBINE_THREADS + tid, value_dim, COMBINE_THREADS * cuda.gridDim.z):
         numerator = float32(0.0)
         for s in range(MAX_SPLITS):
             numerator += weights[s] * out_acc[row, head, min(s, splits - 1), dim]

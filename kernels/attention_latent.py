@@ -8,14 +8,21 @@ come already projected into the latent space, ``q = [q_latent (r) | q_pe (d_r)]`
 -- multi-query attention with one key/value row per token shared by every head. The result per
 head is ``sum_j softmax_j * c_j`` ``[r]``; the value half of ``kv_b_proj`` is applied after.
 
-Kernel: grid ``(rows, head blocks, splits)``; a block of ``LATENT_WARPS`` warps serves that many
-heads, one warp per head, over its split of the row's keys. The keys go through shared memory in
-chunks of ``CHUNK_KEYS`` cache rows (bf16 pairs as 32-bit words; every thread loads its share,
-coalesced), so one row read from memory serves all the block's heads. Lane ``l`` of a warp holds
-the query words ``l, l + WARP, ...`` and the value words likewise; a key's score is the warp sum
-of the lanes' partial dot products, followed by an online softmax. Each block writes unnormalised
-partials; :func:`metrale.kernels.attention_grouped.grouped_combine_kernel` merges the splits into
-bf16 ``[rows, heads * r]``.
+Kernel: grid ``(rows, head groups of HEADS, splits)``, ``THREADS`` threads a block; each block
+serves ``HEADS`` heads over its split of the row's keys, ``CHUNK`` keys at a time:
+
+1. the chunk's latent rows are gathered into registers (every load issued before any is used, so
+   their latencies overlap), then stored to shared memory: one read from memory serves all the
+   block's heads;
+2. scores: each thread tile holds 2 heads x 2 keys and a ``1 / SUBLANES`` share of the row's
+   words (the queries, pre-scaled float pairs, sit in shared memory); the tile's lanes then sum
+   their partial dot products;
+3. an online softmax per head over the chunk (running max, running sum, the correction that
+   rescales the accumulators);
+4. values: thread ``t`` owns value word ``t`` (two latent dims) for all the block's heads.
+
+Each block writes unnormalised partials; :func:`metrale.kernels.attention_grouped.
+grouped_combine_kernel` merges the splits into bf16 ``[rows, heads * r]``.
 """
 
 from __future__ import annotations
@@ -23,23 +30,34 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, uint32
+from numba import cuda, float32, uint32, uint64
 
-from metrale.kernels._device import SIMULATED, bits_to_float, check_array, device_view, numba_stream
-from metrale.kernels.attention_grouped import COMBINE_THREADS, MAX_SPLITS, grouped_combine_kernel, warp_sum
+from metrale.kernels._device import SIMULATED, bits_to_float, check_array, device_view, fast_exp, float_to_bits, numba_stream
+from metrale.kernels.attention_grouped import (
+    COMBINE_THREADS, FULL_MASK, MAX_SPLITS, grouped_combine_kernel, subgroup_sum,
+)
 
 WARP = 8 if SIMULATED else 32
-LATENT_WARPS = 2 if SIMULATED else 8  # heads per block
-LATENT_THREADS = WARP * LATENT_WARPS
-CHUNK_KEYS = 4 if SIMULATED else 16
+WARPS = 8
+THREADS = WARP * WARPS
+TILES_PER_WARP = 4  # score tiles of 2 heads x 2 keys a warp holds
+SUBLANES = WARP // TILES_PER_WARP  # lanes sharing one tile, each summing every SUBLANES-th word
+HEADS = 8  # heads a block serves
+CHUNK = 16  # keys a block stages at a time
+# The tiles cover HEADS x CHUNK: (HEADS / 2) head pairs x (CHUNK / 2) key pairs = WARPS x TILES_PER_WARP.
+assert (HEADS // 2) * (CHUNK // 2) == WARPS * TILES_PER_WARP
 #: Widest latent row (r + d_r) in 32-bit words: 576 values, DeepSeek-V2 / V3's 512 + 64.
 MAX_ROW_WORDS = 288
-LANE_WORDS = MAX_ROW_WORDS // WARP  # query (and value) words a lane holds at most
-LANE_FLOATS = 2 * LANE_WORDS
-SCRATCH = LATENT_THREADS
+#: Shared row stride in words, 4 more than a multiple of 32: the key rows a warp's four tiles read
+#: (2k apart) fall in distinct banks.
+ROW_STRIDE = MAX_ROW_WORDS + 4
+LOADS_PER_KEY = -(-MAX_ROW_WORDS // THREADS)  # words of one row a thread gathers
+STAGED_WORDS = CHUNK * LOADS_PER_KEY
+STAGED_QUERY = 2 * HEADS * LOADS_PER_KEY
+ACCUMULATORS = 2 * HEADS  # [heads, two dims]
 NEGATIVE_INFINITY = -math.inf
-#: Keys per split at least, and the blocks the grid aims at (as the grouped decode kernel).
-MIN_SPLIT_KEYS = 4 if SIMULATED else 64
+#: Keys per split at least, and the blocks the grid aims at.
+MIN_SPLIT_KEYS = CHUNK
 TARGET_BLOCKS = 64 if SIMULATED else 512
 
 
@@ -63,9 +81,13 @@ def latent_attention_reference(
     return out
 
 
+def head_groups(heads: int) -> int:
+    return -(-heads // HEADS)
+
+
 def split_count(rows: int, heads: int, max_context: int) -> int:
     """Key splits per row: enough blocks to fill the GPU, at least MIN_SPLIT_KEYS keys each."""
-    blocks = max(1, rows * -(-heads // LATENT_WARPS))
+    blocks = max(1, rows * head_groups(heads))
     wanted = -(-TARGET_BLOCKS // blocks)
     return max(1, min(wanted, MAX_SPLITS, -(-int(max_context) // MIN_SPLIT_KEYS)))
 
@@ -80,6 +102,69 @@ def high_half(word):
     return bits_to_float(word & uint32(0xFFFF0000))
 
 
+@cuda.jit(device=True)
+def pack_pair(low, high):
+    return uint64(float_to_bits(low)) | (uint64(float_to_bits(high)) << uint64(32))
+
+
+@cuda.jit(device=True)
+def pair_low(pair):
+    return bits_to_float(uint32(pair & uint64(0xFFFFFFFF)))
+
+
+@cuda.jit(device=True)
+def pair_high(pair):
+    return bits_to_float(uint32(pair >> uint64(32)))
+
+
+if SIMULATED:
+
+    @cuda.jit(device=True)
+    def chunk_softmax(scores, weights, stats, tid, lane):
+        # One thread per head, serially over the chunk's keys (the simulator has no shuffles).
+        if tid < HEADS:
+            best = float32(NEGATIVE_INFINITY)
+            for k in range(CHUNK):
+                best = max(best, scores[tid, k])
+            old = stats[0, tid]
+            new = max(old, best)
+            total = float32(0.0)
+            for k in range(CHUNK):
+                weight = fast_exp(scores[tid, k] - new)
+                weights[k, tid] = weight
+                total += weight
+            correction = fast_exp(old - new)
+            stats[2, tid] = correction
+            stats[1, tid] = stats[1, tid] * correction + total
+            stats[0, tid] = new
+
+else:
+
+    @cuda.jit(device=True)
+    def chunk_softmax(scores, weights, stats, tid, lane):
+        # Thread (head, key) for the first HEADS * CHUNK threads: a head's CHUNK keys are CHUNK
+        # consecutive lanes of one warp, reduced by shuffles within them.
+        if tid < HEADS * CHUNK:
+            head = tid // CHUNK
+            key = tid % CHUNK
+            score = scores[head, key]
+            best = score
+            for k in range(4):
+                best = max(best, cuda.shfl_xor_sync(FULL_MASK, best, 1 << k))
+            old = stats[0, head]
+            new = max(old, best)
+            weight = fast_exp(score - new)
+            weights[key, head] = weight
+            total = weight
+            for k in range(4):
+                total += cuda.shfl_xor_sync(FULL_MASK, total, 1 << k)
+            if key == 0:
+                correction = fast_exp(old - new)
+                stats[2, head] = correction
+                stats[1, head] = stats[1, head] * correction + total
+                stats[0, head] = new
+
+
 @cuda.jit(cache=True)
 def latent_attention_kernel(q, latent_words, block_tables, seq_index, positions, scale, value_words,
                             out_acc, out_max, out_sum):
@@ -87,7 +172,7 @@ def latent_attention_kernel(q, latent_words, block_tables, seq_index, positions,
     # block_tables [S, max_blocks] int32; seq_index, positions [N] int32; value_words = r / 2.
     # out_acc [N, nh, splits, r] f32 (exp-weighted latents), out_max / out_sum [N, nh, splits].
     row = cuda.blockIdx.x
-    head_block = cuda.blockIdx.y
+    head_base = cuda.blockIdx.y * HEADS
     split = cuda.blockIdx.z
     splits = cuda.gridDim.z
     tid = cuda.threadIdx.x
@@ -96,72 +181,135 @@ def latent_attention_kernel(q, latent_words, block_tables, seq_index, positions,
     heads = q.shape[1]
     row_words = latent_words.shape[2]
     block_size = latent_words.shape[1]
-    head = head_block * LATENT_WARPS + warp
-    active = head < heads
-    chunk = cuda.shared.array((CHUNK_KEYS, MAX_ROW_WORDS), uint32)
-    scratch = cuda.shared.array(SCRATCH, float32)
-    query = cuda.local.array(LANE_FLOATS, float32)
-    acc = cuda.local.array(LANE_FLOATS, float32)
-    for i in range(LANE_WORDS):
-        word = lane + i * WARP
-        query[2 * i] = float32(0.0)
-        query[2 * i + 1] = float32(0.0)
-        acc[2 * i] = float32(0.0)
-        acc[2 * i + 1] = float32(0.0)
-        if active and word < row_words:
-            query[2 * i] = q[row, head, 2 * word] * scale
-            query[2 * i + 1] = q[row, head, 2 * word + 1] * scale
+    keys = cuda.shared.array((CHUNK, ROW_STRIDE), uint32)
+    query = cuda.shared.array((HEADS, MAX_ROW_WORDS), uint64)  # scaled float pairs
+    scores = cuda.shared.array((HEADS, CHUNK), float32)
+    weights = cuda.shared.array((CHUNK, HEADS), float32)
+    stats = cuda.shared.array((3, HEADS), float32)  # running max, running sum, last correction
+    scratch = cuda.shared.array(THREADS, float32)
+    staged = cuda.local.array(STAGED_WORDS, uint32)
+    staged_query = cuda.local.array(STAGED_QUERY, float32)
+    acc = cuda.local.array(ACCUMULATORS, float32)
+
+    # The queries: all loads first, then the shared stores.
+    for h in range(HEADS):
+        for i in range(LOADS_PER_KEY):
+            word = tid + i * THREADS
+            low = float32(0.0)
+            high = float32(0.0)
+            if head_base + h < heads and word < row_words:
+                low = q[row, head_base + h, 2 * word]
+                high = q[row, head_base + h, 2 * word + 1]
+            staged_query[2 * (h * LOADS_PER_KEY + i)] = low
+            staged_query[2 * (h * LOADS_PER_KEY + i) + 1] = high
+    for h in range(HEADS):
+        for i in range(LOADS_PER_KEY):
+            word = tid + i * THREADS
+            if word < row_words:
+                query[h, word] = pack_pair(staged_query[2 * (h * LOADS_PER_KEY + i)] * scale,
+                                           staged_query[2 * (h * LOADS_PER_KEY + i) + 1] * scale)
+    if tid < HEADS:
+        stats[0, tid] = float32(NEGATIVE_INFINITY)
+        stats[1, tid] = float32(0.0)
+        stats[2, tid] = float32(0.0)
+    for i in range(2 * HEADS):
+        acc[i] = float32(0.0)
+
     seq = seq_index[row]
     context = positions[row] + 1
     per_split = (context + splits - 1) // splits
     lo = split * per_split
     hi = min(context, lo + per_split)
-    running_max = float32(NEGATIVE_INFINITY)
-    total = float32(0.0)
+    tile = lane % TILES_PER_WARP
+    sub = lane // TILES_PER_WARP
+    h0 = 2 * (warp // 2)
+    k0 = 2 * ((warp % 2) * TILES_PER_WARP + tile)
     start = lo
     while start < hi:
-        count = min(CHUNK_KEYS, hi - start)
-        cuda.syncthreads()
-        for e in range(tid, count * row_words, LATENT_THREADS):
-            key = start + e // row_words
-            block = block_tables[seq, key // block_size]
-            chunk[e // row_words, e % row_words] = latent_words[block, key % block_size, e % row_words]
-        cuda.syncthreads()
-        for k in range(count):
-            partial = float32(0.0)
-            for i in range(LANE_WORDS):
-                word = lane + i * WARP
+        count = min(CHUNK, hi - start)
+        # Gather the chunk's rows: block-table entries, then every row load, then the stores.
+        table_index = start // block_size
+        offset = start - table_index * block_size
+        for k in range(CHUNK):
+            block = 0
+            if k < count:
+                block = block_tables[seq, table_index]
+            for i in range(LOADS_PER_KEY):
+                word = tid + i * THREADS
+                staged[k * LOADS_PER_KEY + i] = uint32(0)
+                if k < count and word < row_words:
+                    staged[k * LOADS_PER_KEY + i] = latent_words[block, offset, word]
+            offset += 1
+            if offset == block_size:
+                offset = 0
+                table_index += 1
+        cuda.syncthreads()  # the previous chunk's readers are done
+        for k in range(CHUNK):
+            for i in range(LOADS_PER_KEY):
+                word = tid + i * THREADS
                 if word < row_words:
-                    bits = chunk[k, word]
-                    partial += query[2 * i] * low_half(bits) + query[2 * i + 1] * high_half(bits)
-            score = warp_sum(scratch, tid, lane, partial)
-            if score > running_max:
-                correction = math.exp(running_max - score) if running_max > NEGATIVE_INFINITY else float32(0.0)
-                running_max = score
-                total = total * correction + float32(1.0)
-                weight = float32(1.0)
-                for i in range(LANE_WORDS):
-                    acc[2 * i] *= correction
-                    acc[2 * i + 1] *= correction
-            else:
-                weight = math.exp(score - running_max)
-                total += weight
-            for i in range(LANE_WORDS):
-                word = lane + i * WARP
-                if word < value_words:
-                    bits = chunk[k, word]
-                    acc[2 * i] += weight * low_half(bits)
-                    acc[2 * i + 1] += weight * high_half(bits)
+                    keys[k, word] = staged[k * LOADS_PER_KEY + i]
+        cuda.syncthreads()
+
+        s00 = float32(0.0)
+        s01 = float32(0.0)
+        s10 = float32(0.0)
+        s11 = float32(0.0)
+        word = sub
+        while word < row_words:
+            key_a = keys[k0, word]
+            key_b = keys[k0 + 1, word]
+            a_low = low_half(key_a)
+            a_high = high_half(key_a)
+            b_low = low_half(key_b)
+            b_high = high_half(key_b)
+            query_0 = query[h0, word]
+            query_1 = query[h0 + 1, word]
+            q0_low = pair_low(query_0)
+            q0_high = pair_high(query_0)
+            q1_low = pair_low(query_1)
+            q1_high = pair_high(query_1)
+            s00 += q0_low * a_low + q0_high * a_high
+            s01 += q0_low * b_low + q0_high * b_high
+            s10 += q1_low * a_low + q1_high * a_high
+            s11 += q1_low * b_low + q1_high * b_high
+            word += SUBLANES
+        s00 = subgroup_sum(scratch, tid, lane, s00, TILES_PER_WARP)
+        s01 = subgroup_sum(scratch, tid, lane, s01, TILES_PER_WARP)
+        s10 = subgroup_sum(scratch, tid, lane, s10, TILES_PER_WARP)
+        s11 = subgroup_sum(scratch, tid, lane, s11, TILES_PER_WARP)
+        if sub == 0:
+            scores[h0, k0] = s00 if k0 < count else float32(NEGATIVE_INFINITY)
+            scores[h0, k0 + 1] = s01 if k0 + 1 < count else float32(NEGATIVE_INFINITY)
+            scores[h0 + 1, k0] = s10 if k0 < count else float32(NEGATIVE_INFINITY)
+            scores[h0 + 1, k0 + 1] = s11 if k0 + 1 < count else float32(NEGATIVE_INFINITY)
+        cuda.syncthreads()
+        chunk_softmax(scores, weights, stats, tid, lane)
+        cuda.syncthreads()
+
+        if tid < value_words:
+            for h in range(HEADS):
+                correction = stats[2, h]
+                acc[2 * h] *= correction
+                acc[2 * h + 1] *= correction
+            for k in range(count):
+                bits = keys[k, tid]
+                low = low_half(bits)
+                high = high_half(bits)
+                for h in range(HEADS):
+                    weight = weights[k, h]
+                    acc[2 * h] += weight * low
+                    acc[2 * h + 1] += weight * high
         start += count
-    if active:
-        for i in range(LANE_WORDS):
-            word = lane + i * WARP
-            if word < value_words:
-                out_acc[row, head, split, 2 * word] = acc[2 * i]
-                out_acc[row, head, split, 2 * word + 1] = acc[2 * i + 1]
-        if lane == 0:
-            out_max[row, head, split] = running_max
-            out_sum[row, head, split] = total
+
+    if tid < value_words:
+        for h in range(HEADS):
+            if head_base + h < heads:
+                out_acc[row, head_base + h, split, 2 * tid] = acc[2 * h]
+                out_acc[row, head_base + h, split, 2 * tid + 1] = acc[2 * h + 1]
+    if tid < HEADS and head_base + tid < heads:
+        out_max[row, head_base + tid, split] = stats[0, tid]
+        out_sum[row, head_base + tid, split] = stats[1, tid]
 
 
 def latent_attention(
@@ -177,9 +325,10 @@ def latent_attention(
     rows, heads, width = q.shape
     check_array(op, "latent", latent, np.uint16, (None, None, width))
     check_array(op, "out", out, np.uint16, (rows, heads * value_dim))
-    if width % 2 or value_dim % 2 or width // 2 > MAX_ROW_WORDS or value_dim > width:
+    if (width % 2 or value_dim % 2 or width // 2 > MAX_ROW_WORDS or value_dim > width
+            or value_dim > 2 * THREADS):
         raise ValueError(f"latent width {width} / value dim {value_dim} must be even, value dim <= width, "
-                         f"width <= {2 * MAX_ROW_WORDS}")
+                         f"width <= {2 * MAX_ROW_WORDS}, value dim <= {2 * THREADS}")
     if not rows:
         return out
     import cupy
@@ -190,12 +339,12 @@ def latent_attention(
     out_sum = cupy.empty((rows, heads, splits), dtype=np.float32)
     words = latent.view(np.uint32)
     launch_stream = numba_stream(stream)
-    latent_attention_kernel[(rows, -(-heads // LATENT_WARPS), splits), LATENT_THREADS, launch_stream](
+    latent_attention_kernel[(rows, head_groups(heads), splits), THREADS, launch_stream](
         device_view(q), device_view(words), device_view(block_tables), device_view(seq_index),
         device_view(positions), np.float32(scale), np.int32(value_dim // 2), device_view(out_acc),
         device_view(out_max), device_view(out_sum),
     )
-    grouped_combine_kernel[(rows, heads), COMBINE_THREADS, launch_stream](
+    grouped_combine_kernel[(rows, heads, -(-value_dim // COMBINE_THREADS)), COMBINE_THREADS, launch_stream](
         device_view(out_acc), device_view(out_max), device_view(out_sum), device_view(out),
     )
     return out

@@ -411,29 +411,32 @@ def test_gemv_rejects_batches_it_does_not_serve():
 @pytest.mark.parametrize("splits", [1, 3])
 def test_latent_attention_matches_the_reference(splits):
     """Absorbed MLA decode attention: three rows of two sequences (one block table each, blocks
-    shuffled), five heads (the last block half full), a latent of 40 values with 32 value dims."""
+    shuffled), ten heads (two head groups, the second partly empty), a latent of 40 values with 32
+    value dims, and contexts that span several key chunks and end inside one."""
     from metrale.kernels import attention_grouped, attention_latent
 
     rng = np.random.default_rng(31)
-    heads, width, value_dim, block_size = 5, 40, 32, 4
-    latent_bits = float32_to_bf16(rng.standard_normal((9, block_size, width)).astype(np.float32))
+    heads, width, value_dim, block_size = 10, 40, 32, 4
+    latent_bits = float32_to_bf16(rng.standard_normal((21, block_size, width)).astype(np.float32))
     latent = bf16_to_float32(latent_bits)
-    tables = np.array([[3, 7, 1, 5], [2, 8, 6, 4]], np.int32)
+    tables = (1 + rng.permutation(20)).astype(np.int32).reshape(2, 10)
     seq_index = np.array([0, 1, 1], np.int32)
-    positions = np.array([13, 2, 9], np.int32)  # contexts of 14, 3 and 10 keys
+    positions = np.array([2 * attention_latent.CHUNK + 5, 2, attention_latent.CHUNK + 3], np.int32)
     q = rng.standard_normal((3, heads, width)).astype(np.float32)
     scale = 0.3
     expected = attention_latent.latent_attention_reference(q, latent, tables, seq_index, positions, value_dim, scale)
     out_acc = np.zeros((3, heads, splits, value_dim), np.float32)
     out_max = np.zeros((3, heads, splits), np.float32)
     out_sum = np.zeros((3, heads, splits), np.float32)
-    head_blocks = -(-heads // attention_latent.LATENT_WARPS)
-    attention_latent.latent_attention_kernel[(3, head_blocks, splits), attention_latent.LATENT_THREADS](
+    groups = attention_latent.head_groups(heads)
+    attention_latent.latent_attention_kernel[(3, groups, splits), attention_latent.THREADS](
         q, latent_bits.view(np.uint32), tables, seq_index, positions, np.float32(scale), np.int32(value_dim // 2),
         out_acc, out_max, out_sum,
     )
     out = np.zeros((3, heads * value_dim), np.uint16)
-    attention_grouped.grouped_combine_kernel[(3, heads), attention_grouped.COMBINE_THREADS](out_acc, out_max, out_sum, out)
+    dim_blocks = -(-value_dim // attention_grouped.COMBINE_THREADS)  # wide values spread over the grid
+    attention_grouped.grouped_combine_kernel[(3, heads, dim_blocks), attention_grouped.COMBINE_THREADS](
+        out_acc, out_max, out_sum, out)
     assert rel_error(bf16_to_float32(out).reshape(3, heads, value_dim), expected) <= 8e-3
 
 
@@ -531,6 +534,32 @@ def test_gated_delta_decode_kernels_match_the_references():
     gated_delta.recurrent_step(q, k, v, g, beta, state, slots, out)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(state, want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_gated_delta_prompt_kernel_matches_the_chunked_rule():
+    """Three prompt segments (9, 1 and 6 tokens: several staged chunks, a one-token segment) from
+    three slots with non-zero states; value dims spanning two column blocks (the second partly
+    empty) and key dims that are not a multiple of the parts."""
+    from metrale.kernels import gated_delta
+
+    rng = np.random.default_rng(63)
+    heads, dk, dv = 2, 10, gated_delta.PROMPT_COLUMNS + 3
+    starts = np.array([0, 9, 10, 16], np.int32)
+    slots = np.array([3, 1, 2], np.int32)
+    tokens = int(starts[-1])
+    k = rng.standard_normal((tokens, heads, dk)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q = (rng.standard_normal((tokens, heads, dk)) / np.sqrt(dk)).astype(np.float32)
+    v = rng.standard_normal((tokens, heads, dv)).astype(np.float32)
+    g = -rng.uniform(0, 1, (tokens, heads)).astype(np.float32)
+    beta = rng.uniform(0, 1, (tokens, heads)).astype(np.float32)
+    state = rng.standard_normal((4, heads, dk, dv)).astype(np.float32)
+    want_state = state.copy()
+    expected = gated_delta.prompt_rule_reference(q, k, v, g, beta, want_state, slots, starts)
+    out = np.zeros((tokens, heads, dv), np.float32)
+    gated_delta.prompt_rule(q, k, v, g, beta, state, slots, starts, out)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(state, want_state, rtol=1e-4, atol=1e-4)
 
 
 def test_qwen3_next_gates_match_the_references():
