@@ -29,7 +29,9 @@ stacked ``[nh * out, in]`` (:mod:`metrale.kernels.head_linear`);
 SwiGLU from stacked expert weights (:mod:`metrale.kernels.moe`);
 ``gdn_conv_update(inputs, weight, conv_state, slots)`` -> ``[N, C]`` and
 ``gdn_recurrent_step(q, k, v, g, beta, state, slots)`` -> ``[N, H, d_v]``: one token per row of
-a Gated DeltaNet layer, the rows' slot states updated in place (:mod:`metrale.kernels.gated_delta`);
+a Gated DeltaNet layer, the rows' slot states updated in place, and ``gdn_prompt_rule(q, k, v, g,
+beta, state, slots, starts)`` -> ``[T, H, d_v]``: the gated delta rule over each segment's rows
+``starts[s]:starts[s + 1]`` from slot ``slots[s]`` (:mod:`metrale.kernels.gated_delta`);
 ``gated_rmsnorm(x, z, weight, eps)`` -> ``rms(x; weight) * silu(z)`` over the last axis and
 ``sigmoid_gate(x, gate)`` -> ``x * sigmoid(gate)``, both inputs of matrix products
 (:mod:`metrale.kernels.gated`).
@@ -160,6 +162,7 @@ class CpuBackend(Backend):
             moe_experts=moe.experts_reference,
             gdn_conv_update=gated_delta.conv_update_reference,
             gdn_recurrent_step=gated_delta.recurrent_step_reference,
+            gdn_prompt_rule=gated_delta.prompt_rule_reference,
             gated_rmsnorm=gated.gated_rmsnorm_reference,
             sigmoid_gate=gated.sigmoid_gate_reference,
         )

@@ -172,6 +172,12 @@ class CudaBackend(Backend):
             contiguous = [cp.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta)]
             return gated_delta.recurrent_step(*contiguous, state, slots, out, stream)
 
+        def gdn_prompt_rule(q, k, v, g, beta, state, slots, starts):
+            out = cp.empty(v.shape, dtype=f32)
+            contiguous = [cp.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta)]
+            return gated_delta.prompt_rule(*contiguous, state, cp.asarray(slots, dtype=np.int32),
+                                           cp.asarray(starts, dtype=np.int32), out, stream)
+
         def gated_rmsnorm(x, z, weight, eps):
             width = x.shape[-1]
             flat_x = cp.ascontiguousarray(x, dtype=f32).reshape(-1, width)
@@ -205,6 +211,7 @@ class CudaBackend(Backend):
             moe_experts=moe_experts,
             gdn_conv_update=gdn_conv_update,
             gdn_recurrent_step=gdn_recurrent_step,
+            gdn_prompt_rule=gdn_prompt_rule,
             gated_rmsnorm=gated_rmsnorm,
             sigmoid_gate=sigmoid_gate,
         )

@@ -63,6 +63,8 @@ def kernels():
         "gdn_conv_update": (gated_delta.conv_update_kernel, (c(f32, 2), c(f32, 2), c(f32, 3), c(i32, 1), c(f32, 2))),
         "gdn_recurrent_step": (gated_delta.recurrent_step_kernel, (
             c(f32, 3), c(f32, 3), c(f32, 3), c(f32, 2), c(f32, 2), c(f32, 4), c(i32, 1), c(f32, 3))),
+        "gdn_prompt_rule": (gated_delta.prompt_rule_kernel, (
+            c(f32, 3), c(f32, 3), c(f32, 3), c(f32, 2), c(f32, 2), c(f32, 4), c(i32, 1), c(i32, 1), c(f32, 3))),
         "head_linear": (head_linear.head_linear_kernel, (c(u64, 2), c(u64, 2), c(f32, 3))),
         "moe_route": (moe.route_kernel, (
             c(f32, 2), c(f32, 1), i32, i32, i32, i32, types.boolean, f32, c(i32, 2), c(f32, 2))),

@@ -2,15 +2,16 @@
 
 Full-attention layers keep K and V in paged blocks; Gated DeltaNet layers keep, per sequence, a
 conv state (the last ``K - 1`` conv inputs, ``[C, K - 1]``) and a float32 recurrent state
-``[H_v, d_k, d_v]`` in the sequence's state slot. Prompts run the chunked form of the gated
-delta rule (chunks of ``CHUNK`` tokens, the state carried across chunks and calls); single
-tokens the recurrent form. Every norm of the decoder is zero-centred (``1 + w``) except the gated
-output norm of the GDN layers.
+``[H_v, d_k, d_v]`` in the sequence's state slot; the state carries across chunks and calls.
+Every norm of the decoder is zero-centred (``1 + w``) except the gated output norm of the GDN
+layers.
 
 Decode rows run on backend ops (the conv update and one recurrence step per row, in place in the
-slots the batch names, the dummy slot for padding rows); prompts run per sequence on the
-backend's array module (``backend.xp``). The model is not captured into CUDA graphs yet
-(``graph_capturable``).
+slots the batch names, the dummy slot for padding rows). Prompt tokens run their conv per
+sequence on the backend's array module (``backend.xp``), then the gated delta rule of every
+sequence in one op, ``gdn_prompt_rule`` (on the CPU the chunked form, chunks of
+:data:`metrale.kernels.gated_delta.CHUNK` tokens; on the GPU a kernel that keeps the state in
+registers). Decode steps are captured into CUDA graphs like the dense family's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from metrale.plugins.moe_layers import StackedExperts, load_stacked_experts, rou
 from metrale.sequence import SequenceState
 
 #: Tokens per chunk of the chunked gated delta rule.
-CHUNK = 64
 #: transformers' fixed eps of the q / k L2 normalisation.
 L2_NORM_EPS = 1e-6
 IGNORED_TENSOR_PREFIXES = ("mtp.",)  # multi-token prediction: transformers has none for Qwen3-Next
@@ -88,48 +88,9 @@ def l2_normalised(xp: Any, x: Any) -> Any:
     return x / xp.sqrt((x * x).sum(axis=-1, keepdims=True) + np.float32(L2_NORM_EPS))
 
 
-def delta_rule_recurrent(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any) -> tuple[Any, Any]:
-    """Outputs ``[T, H, d_v]`` and the final state, one token at a time (FAMILIES.md §3.4 step 7).
-    ``q, k [T, H, d_k]``, ``v [T, H, d_v]``, ``g, beta [T, H]``, ``state [H, d_k, d_v]`` float32."""
-    out = xp.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=xp.float32)
-    for t in range(q.shape[0]):
-        state = state * xp.exp(g[t])[:, None, None]
-        predicted = xp.einsum("hkv,hk->hv", state, k[t])
-        state = state + xp.einsum("hk,hv->hkv", k[t], beta[t][:, None] * (v[t] - predicted))
-        out[t] = xp.einsum("hkv,hk->hv", state, q[t])
-    return out, state
-
-
-def delta_rule_chunked(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any) -> tuple[Any, Any]:
-    """The same function in chunks of ``CHUNK`` tokens (FAMILIES.md §3.4, chunked form)."""
-    out = xp.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=xp.float32)
-    for start in range(0, q.shape[0], CHUNK):
-        stop = min(start + CHUNK, q.shape[0])
-        # [H, n, ...] per head.
-        qc, kc, vc = (x[start:stop].transpose(1, 0, 2) for x in (q, k, v))
-        gc, bc = g[start:stop].T, beta[start:stop].T
-        n = stop - start
-        gamma = xp.cumsum(gc, axis=1)  # [H, n]
-        lower = xp.asarray(np.tril(np.ones((n, n), dtype=bool)))
-        decay = xp.where(lower[None], xp.exp(xp.where(lower[None], gamma[:, :, None] - gamma[:, None, :], 0.0)), 0.0)
-        strict = lower & ~xp.asarray(np.eye(n, dtype=bool))
-        a = xp.where(strict[None], bc[:, :, None] * xp.einsum("hik,hjk->hij", kc, kc) * decay, 0.0)
-        identity = xp.broadcast_to(xp.eye(n, dtype=xp.float32), a.shape)
-        transform = xp.linalg.inv(identity + a)
-        u = transform @ (bc[:, :, None] * vc)
-        w = transform @ (bc[:, :, None] * xp.exp(gamma)[:, :, None] * kc)
-        corrected = u - w @ state
-        scores = xp.where(lower[None], xp.einsum("hik,hjk->hij", qc, kc) * decay, 0.0)
-        out[start:stop] = ((xp.exp(gamma)[:, :, None] * qc) @ state + scores @ corrected).transpose(1, 0, 2)
-        tail = xp.exp(gamma[:, -1:] - gamma)[:, :, None] * kc
-        state = xp.exp(gamma[:, -1])[:, None, None] * state + tail.transpose(0, 2, 1) @ corrected
-    return out, state
-
-
 class GdnModel(FamilyModel):
     """A loaded Qwen3-Next model."""
 
-    graph_capturable = False
 
     def __init__(self, config: GdnConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
         super().__init__(backend, vocab_size=config.vocab_size, max_model_len=max_model_len)
@@ -317,20 +278,21 @@ class GdnModel(FamilyModel):
         return ops.gdn_recurrent_step(q, k, v, g, beta, cache_layer.state, slots)
 
     def _delta_prompts(self, w: DeltaNetWeights, cache_layer: Any, inputs: Any, g: Any, beta: Any,
-                       batch: ForwardBatch) -> Any:
-        """Each sequence's new tokens through the conv and the chunked rule (or one step)."""
-        xp, c = self.backend.xp, self.config
-        out = xp.empty((inputs.shape[0], c.linear_value_heads, c.linear_value_dim), dtype=xp.float32)
-        starts = batch.row_starts
+                        batch: ForwardBatch) -> Any:
+        """Each sequence's new tokens through the conv, then every sequence through the gated delta
+        rule in one op (the chunked form on the CPU)."""
+        xp = self.backend.xp
+        starts = [int(start) for start in batch.row_starts]
+        mixed = xp.empty(inputs.shape, dtype=xp.float32)
+        slots = []
         for index, segment in enumerate(batch.segments):
-            first, last = int(starts[index]), int(starts[index + 1])
             slot = segment.seq.state_slot
-            qs, ks, vs = self._split_heads(self._conv(w, cache_layer, slot, inputs[first:last]))
-            rule = delta_rule_recurrent if last - first == 1 else delta_rule_chunked
-            out[first:last], cache_layer.state[slot] = rule(
-                xp, qs, ks, vs, g[first:last], beta[first:last], cache_layer.state[slot].astype(xp.float32)
-            )
-        return out
+            mixed[starts[index] : starts[index + 1]] = self._conv(w, cache_layer, slot,
+                                                                  inputs[starts[index] : starts[index + 1]])
+            slots.append(slot)
+        q, k, v = self._split_heads(mixed)
+        return self.backend.ops.gdn_prompt_rule(q, k, v, g, beta, cache_layer.state, xp.asarray(np.array(slots, np.int32)),
+                                                xp.asarray(np.array(starts, np.int32)))
 
     def _conv(self, w: DeltaNetWeights, cache_layer: Any, slot: int, inputs: Any) -> Any:
         """Causal depthwise conv + SiLU of ``inputs [T, C]`` after the slot's last ``K - 1``

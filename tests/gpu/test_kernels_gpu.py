@@ -361,3 +361,29 @@ def test_gated_delta_decode_kernels_at_qwen3_next_sizes():
     gated_delta.recurrent_step(*(cp.asarray(a) for a in (q, k, v, g, beta)), device_state, cp.asarray(slots), out)
     assert rel_error(cp.asnumpy(out), expected) <= 1e-4
     assert rel_error(cp.asnumpy(device_state), want_state) <= 1e-4
+
+
+def test_gated_delta_prompt_kernel_at_qwen3_next_sizes():
+    """Two prompts (300 and 77 tokens) from non-zero states, 32 heads of 128 x 128."""
+    from metrale.kernels import gated_delta
+
+    rng = np.random.default_rng(55)
+    heads, dk, dv = 32, 128, 128
+    starts = np.array([0, 300, 377], np.int32)
+    slots = np.array([2, 1], np.int32)
+    tokens = int(starts[-1])
+    k = rng.standard_normal((tokens, heads, dk)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q = (rng.standard_normal((tokens, heads, dk)) / np.sqrt(dk)).astype(np.float32)
+    v = rng.standard_normal((tokens, heads, dv)).astype(np.float32)
+    g = -rng.uniform(0, 0.5, (tokens, heads)).astype(np.float32)
+    beta = rng.uniform(0, 1, (tokens, heads)).astype(np.float32)
+    state = (0.1 * rng.standard_normal((3, heads, dk, dv))).astype(np.float32)
+    want_state = state.copy()
+    expected = gated_delta.prompt_rule_reference(q, k, v, g, beta, want_state, slots, starts)
+    device_state = cp.asarray(state)
+    out = cp.empty((tokens, heads, dv), dtype=np.float32)
+    gated_delta.prompt_rule(*(cp.asarray(a) for a in (q, k, v, g, beta)), device_state, cp.asarray(slots),
+                            cp.asarray(starts), out)
+    assert rel_error(cp.asnumpy(out), expected) <= 1e-4
+    assert rel_error(cp.asnumpy(device_state), want_state) <= 1e-4

@@ -8,7 +8,7 @@ import pytest
 
 from metrale import LLM, SamplingParams
 from metrale.errors import NonFiniteStateError
-from metrale.plugins.gdn.model import CHUNK, delta_rule_chunked, delta_rule_recurrent
+from metrale.kernels.gated_delta import CHUNK, delta_rule_chunked, delta_rule_recurrent
 from metrale.sequence import SequenceState
 from metrale.testing.hf import hf_greedy
 
