@@ -9,8 +9,8 @@ projected into the latent space, attention over the latents, values through the 
 Decode batches run on backend ops that need no host synchronisation: the per-head projections
 (``head_linear``), the latent attention, the router and the chosen experts (``moe_route``,
 ``moe_experts``). Prompts run the expanded form per sequence and their experts as grouped matrix
-products, which synchronise with the host. The model is not captured into CUDA graphs yet
-(``graph_capturable``).
+products, which synchronise with the host. Decode steps are
+captured into CUDA graphs like the dense family's.
 """
 
 from __future__ import annotations
@@ -118,7 +118,6 @@ class MlaLayer:
 class MlaModel(FamilyModel):
     """A loaded DeepSeek-V2 / V3 model."""
 
-    graph_capturable = False
     #: Decode rows take the absorbed form (False: the expanded form, as prompt rows; for tests).
     absorbed_decode = True
 

@@ -27,8 +27,11 @@ def bf16_gdn_checkpoint(tmp_path_factory):
 
 
 def test_random_checkpoint_matches_the_cpu_backend(bf16_gdn_checkpoint):
+    """Calibrated against transformers' own bf16 run: on this random checkpoint bf16 alone moves
+    transformers' logits by about 0.1 of the largest at the 99th percentile (the recurrent state
+    carries every rounding forward), beyond the fixed bound the other families meet."""
     ids = np.random.default_rng(3).integers(0, 128, 256).tolist()
-    check_against_cpu_where_routing_agrees(bf16_gdn_checkpoint, ids, "qwen3_next")
+    check_against_cpu_where_routing_agrees(bf16_gdn_checkpoint, ids, "qwen3_next", calibrate=True)
 
 
 def test_tiny_gdn_matches_the_cpu_backend():
@@ -67,9 +70,8 @@ def test_graph_replayed_decode_gives_the_eager_tokens(bf16_gdn_checkpoint):
     """The decode path of the GDN family records into CUDA graphs (slots from the batch)."""
     prompts = [np.random.default_rng(n).integers(0, 128, n).tolist() for n in (3, 11, 30)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    eager = load(bf16_gdn_checkpoint, "cuda").generate(prompts, params)
+    eager = load(bf16_gdn_checkpoint, "cuda", cuda_graphs=False).generate(prompts, params)
     llm = load(bf16_gdn_checkpoint, "cuda")
-    llm.model.graph_capturable = True
     graphs = llm.generate(prompts, params)
     assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
     assert llm.backend.graph_runner(llm.model).rungs, "no decode graph was recorded"

@@ -40,7 +40,21 @@ def scored_with_routes(path, device, ids):
     return llm.score(ids), routes
 
 
-def check_against_cpu_where_routing_agrees(path, ids, what):
+def transformers_bf16_rows(path, ids, cpu):
+    """Per position, the largest logit error of transformers' own bf16 run on the GPU against the
+    float32 logits ``cpu``, relative to their largest magnitude: what bf16 costs the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+    del model
+    torch.cuda.empty_cache()
+    return np.abs(logits - cpu).max(axis=1) / np.abs(cpu).max()
+
+
+def check_against_cpu_where_routing_agrees(path, ids, what, calibrate=False):
     """bf16 tolerance and >= 99% top-1 agreement on the positions whose experts agree.
 
     Routing is discontinuous (FAMILIES.md §0.5): where bf16 rounding flips an expert choice the
@@ -48,6 +62,9 @@ def check_against_cpu_where_routing_agrees(path, ids, what):
     everywhere else the error must be bf16 rounding: at most 2e-2 (relative to the largest
     logit) at 99 % of those positions and 5e-2 at any, since the random DeepSeek-V3 shape
     sharpens attention (its YaRN mscale multiplies the softmax scale by 1.67) and so bf16 noise.
+    With ``calibrate`` the bound is instead what bf16 costs transformers on the same checkpoint:
+    the median and the 99th percentile of the error over all positions may exceed those of
+    transformers' own bf16 run by at most 25 %.
     Agreement counts those positions whose top-2 margin on the cpu exceeds 2e-2 of the largest
     logit (at least half of them): random weights leave many near-ties that bf16 flips."""
     cpu, cpu_routes = scored_with_routes(path, "cpu", ids)
@@ -64,7 +81,15 @@ def check_against_cpu_where_routing_agrees(path, ids, what):
           f"{typical:.3g} (99th percentile) / {error:.3g} (max) where routing agrees ({rows.max():.3g} overall); "
           f"top-1 agreement {agreement:.4f} over {int(counted.sum())} positions")
     assert same_route.mean() >= 0.95, f"{what}: routing differs at {int((~same_route).sum())} positions"
-    assert typical <= 2e-2 and error <= 5e-2, f"{what}: relative error {typical:.3g} / {error:.3g}"
+    if calibrate:
+        reference = transformers_bf16_rows(path, ids, cpu)
+        ours = [float(np.percentile(rows, p)) for p in (50, 99)]
+        theirs = [float(np.percentile(reference, p)) for p in (50, 99)]
+        print(f"{what}: error over all positions, median / 99th percentile: {ours[0]:.3g} / {ours[1]:.3g}; "
+              f"transformers bf16: {theirs[0]:.3g} / {theirs[1]:.3g}")
+        assert ours[0] <= 1.25 * theirs[0] and ours[1] <= 1.25 * theirs[1], f"{what}: {ours} against {theirs}"
+    else:
+        assert typical <= 2e-2 and error <= 5e-2, f"{what}: relative error {typical:.3g} / {error:.3g}"
     assert counted.sum() >= 0.5 * len(ids) and agreement >= 0.99, f"{what}: top-1 agreement {agreement:.4f}"
 
 
@@ -112,9 +137,8 @@ def test_graph_replayed_decode_gives_the_eager_tokens(bf16_mla_checkpoints):
     path = bf16_mla_checkpoints["deepseek_v3"]
     prompts = [np.random.default_rng(n).integers(0, 128, n).tolist() for n in (3, 11, 30)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    eager = load(path, "cuda").generate(prompts, params)
+    eager = load(path, "cuda", cuda_graphs=False).generate(prompts, params)
     llm = load(path, "cuda")
-    llm.model.graph_capturable = True
     assert llm.backend.graph_runner(llm.model) is not None
     graphs = llm.generate(prompts, params)
     assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
