@@ -23,6 +23,10 @@ serves ``HEADS`` heads over its split of the row's keys, ``CHUNK`` keys at a tim
 
 Each block writes unnormalised partials; :func:`metrale.kernels.attention_grouped.
 grouped_combine_kernel` merges the splits into bf16 ``[rows, heads * r]``.
+
+:func:`latent_cache_write_kernel` fills the cache: per row it normalises the latent (RMSNorm with
+the latent norm's weight), rotates the RoPE key, and stores both as one bf16 row at the row's
+cache slot.
 """
 
 from __future__ import annotations
@@ -32,7 +36,13 @@ import math
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
-from metrale.kernels._device import SIMULATED, bits_to_float, check_array, device_view, fast_exp, float_to_bits, numba_stream
+from metrale.errors import KernelArgumentError
+from metrale.kernels._device import (
+    SIMULATED, bf16_to_float, bits_to_float, block_sum, check_array, device_view, fast_exp,
+    float_to_bf16, float_to_bits, numba_stream,
+)
+from metrale.kernels.rmsnorm import rmsnorm_reference
+from metrale.kernels.rope import rope_reference
 from metrale.kernels.attention_grouped import (
     COMBINE_THREADS, FULL_MASK, MAX_SPLITS, grouped_combine_kernel, subgroup_sum,
 )
@@ -59,6 +69,81 @@ NEGATIVE_INFINITY = -math.inf
 #: Keys per split at least, and the blocks the grid aims at.
 MIN_SPLIT_KEYS = CHUNK
 TARGET_BLOCKS = 64 if SIMULATED else 512
+WRITE_THREADS = 32 if SIMULATED else 256
+
+
+def latent_cache_write_reference(
+    kv_a: np.ndarray, norm_weight: np.ndarray, eps: float, positions: np.ndarray, inv_freq: np.ndarray,
+    attention_factor: float, interleaved: bool, slot_mapping: np.ndarray, latent: np.ndarray,
+) -> None:
+    """Store ``[rmsnorm(kv_a[:, :r]) | rope(kv_a[:, r:])]`` at each row's slot of the float32 latent
+    cache ``[blocks, block_size, r + d_r]``; ``kv_a [N, r + d_r]``, ``d_r = 2 len(inv_freq)``."""
+    rank = kv_a.shape[1] - 2 * inv_freq.shape[0]
+    normed = rmsnorm_reference(kv_a[:, :rank], norm_weight, eps)
+    rotated = rope_reference(kv_a[:, None, rank:], positions, inv_freq, attention_factor, interleaved)[:, 0]
+    slots = np.asarray(slot_mapping, dtype=np.int64)
+    block_size = latent.shape[1]
+    latent[slots // block_size, slots % block_size] = np.concatenate([normed, rotated], axis=1)
+
+
+@cuda.jit(cache=True)
+def latent_cache_write_kernel(kv_a, norm_weight, eps, positions, inv_freq, attention_factor, interleaved,
+                              slot_mapping, latent):
+    # Grid: N rows; WRITE_THREADS threads. kv_a [N, r + d_r] f32; norm_weight [r] bf16 bits;
+    # positions, slot_mapping [N] i32; inv_freq [d_r / 2] f32; latent [blocks, block_size,
+    # r + d_r] bf16 bits. Adjacent pairs (2i, 2i + 1) when interleaved, else (i, i + d_r / 2).
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    half = inv_freq.shape[0]
+    rank = kv_a.shape[1] - 2 * half
+    partial = cuda.shared.array(WRITE_THREADS, float32)
+    acc = float32(0.0)
+    for i in range(tid, rank, WRITE_THREADS):
+        value = kv_a[row, i]
+        acc += value * value
+    total = block_sum(partial, tid, acc, WRITE_THREADS)
+    inv = float32(1.0) / math.sqrt(total / float32(rank) + eps)
+    slot = slot_mapping[row]
+    block_size = latent.shape[1]
+    block = slot // block_size
+    offset = slot % block_size
+    for i in range(tid, rank, WRITE_THREADS):
+        latent[block, offset, i] = float_to_bf16(kv_a[row, i] * inv * bf16_to_float(norm_weight[i]))
+    position = float32(positions[row])
+    for i in range(tid, half, WRITE_THREADS):
+        angle = position * inv_freq[i]
+        cos = math.cos(angle) * attention_factor
+        sin = math.sin(angle) * attention_factor
+        first = rank + (2 * i if interleaved else i)
+        second = rank + (2 * i + 1 if interleaved else i + half)
+        a = kv_a[row, first]
+        b = kv_a[row, second]
+        latent[block, offset, first] = float_to_bf16(a * cos - b * sin)
+        latent[block, offset, second] = float_to_bf16(b * cos + a * sin)
+
+
+def latent_cache_write(
+    kv_a: object, norm_weight: object, eps: float, positions: object, inv_freq: object, attention_factor: float,
+    interleaved: bool, slot_mapping: object, latent: object, stream: object = None,
+) -> None:
+    """CUDA launcher of :func:`latent_cache_write_reference` (bf16 cache and norm weight)."""
+    op = "latent_cache_write"
+    check_array(op, "kv_a", kv_a, np.float32, ndim=2)
+    rows, width = kv_a.shape
+    check_array(op, "inv_freq", inv_freq, np.float32, ndim=1)
+    rank = width - 2 * inv_freq.shape[0]
+    if rank <= 0:
+        raise KernelArgumentError(f"{op}: {2 * inv_freq.shape[0]} rotary dims leave no latent in rows of {width}")
+    check_array(op, "norm_weight", norm_weight, np.uint16, (rank,))
+    check_array(op, "positions", positions, np.int32, (rows,))
+    check_array(op, "slot_mapping", slot_mapping, np.int32, (rows,))
+    check_array(op, "latent", latent, np.uint16, (None, None, width))
+    if rows:
+        latent_cache_write_kernel[rows, WRITE_THREADS, numba_stream(stream)](
+            device_view(kv_a), device_view(norm_weight), np.float32(eps), device_view(positions),
+            device_view(inv_freq), np.float32(attention_factor), np.int32(bool(interleaved)),
+            device_view(slot_mapping), device_view(latent),
+        )
 
 
 def latent_attention_reference(

@@ -21,6 +21,9 @@ interleaved=False)`` -> ``q [N, nh, d]``;
 on the GPU for small batches);
 ``latent_attention(q, latent, batch, value_dim, scale)`` -> ``[N, nh * value_dim]``: MLA's absorbed
 decode attention of one-row segments over the paged latent cache (:mod:`metrale.kernels.attention_latent`);
+``latent_cache_write(kv_a, norm_weight, eps, positions, inv_freq, attention_factor, interleaved,
+slot_mapping, latent)``: MLA's cache write, ``[rmsnorm(kv_a[:, :r]) | rope(kv_a[:, r:])]`` at each
+row's slot;
 ``head_linear(x, weight)`` -> ``[N, nh, out]`` float32: ``weight[h] @ x[n, h]`` per head, ``weight``
 stacked ``[nh * out, in]`` (:mod:`metrale.kernels.head_linear`);
 ``moe_route(x, gate, bias, method, n_group, topk_group, top_k, renormalise, scaling)`` -> (experts
@@ -157,6 +160,7 @@ class CpuBackend(Backend):
             qkv_rope_cache=rope.qkv_rope_cache_reference,
             paged_attention=paged_attention,
             latent_attention=latent_attention,
+            latent_cache_write=attention_latent.latent_cache_write_reference,
             head_linear=head_linear.head_linear_reference,
             moe_route=moe_route,
             moe_experts=moe.experts_reference,

@@ -172,6 +172,13 @@ class CudaBackend(Backend):
             contiguous = [cp.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta)]
             return gated_delta.recurrent_step(*contiguous, state, slots, out, stream)
 
+        def latent_cache_write(kv_a, norm_weight, eps, positions, inv_freq, attention_factor, interleaved,
+                               slot_mapping, latent):
+            attention_latent.latent_cache_write(
+                cp.ascontiguousarray(kv_a, dtype=f32), norm_weight, eps, positions, inv_freq, attention_factor,
+                interleaved, slot_mapping, latent, stream,
+            )
+
         def gdn_prompt_rule(q, k, v, g, beta, state, slots, starts):
             out = cp.empty(v.shape, dtype=f32)
             contiguous = [cp.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta)]
@@ -212,6 +219,7 @@ class CudaBackend(Backend):
             gdn_conv_update=gdn_conv_update,
             gdn_recurrent_step=gdn_recurrent_step,
             gdn_prompt_rule=gdn_prompt_rule,
+            latent_cache_write=latent_cache_write,
             gated_rmsnorm=gated_rmsnorm,
             sigmoid_gate=sigmoid_gate,
         )

@@ -45,15 +45,26 @@ def load_stacked_experts(
 
 
 def routed_experts(backend: Any, experts: StackedExperts, h: Any, chosen: Any, weights: Any) -> Any:
-    """``[N, H]`` float32: ``sum_s weights[n, s] * Expert_{chosen[n, s]}(h[n])``."""
+    """``[N, H]`` float32: ``sum_s weights[n, s] * Expert_{chosen[n, s]}(h[n])``.
+
+    Larger batches sort their (token, expert) pairs by expert once: one read of the choices to the
+    host, one gather of the rows, one matrix product chain per chosen expert over its contiguous
+    rows, then each token's ``k`` weighted results gathered back and summed."""
     xp = backend.xp
     if h.shape[0] <= MAX_PAIRWISE_TOKENS:
         return backend.ops.moe_experts(h, chosen, weights, experts.gate_up, experts.down)
-    out = xp.zeros((h.shape[0], experts.down.shape[0] // len(experts.experts)), dtype=xp.float32)
-    chosen_host = backend.to_numpy(chosen).astype(np.int64)
-    for expert in np.unique(chosen_host):
-        token_rows, slots = np.nonzero(chosen_host == expert)
-        token_index = xp.asarray(token_rows)
-        y = swiglu_mlp(backend, experts.experts[int(expert)], h[token_index])
-        out[token_index] += weights[token_index, xp.asarray(slots)][:, None] * y
-    return out
+    tokens, top_k = chosen.shape
+    flat = backend.to_numpy(chosen).astype(np.int64).reshape(-1)
+    order = np.argsort(flat, kind="stable")  # pair indices n * k + s, grouped by expert
+    counts = np.bincount(flat, minlength=len(experts.experts))
+    gathered = h[xp.asarray(order // top_k)]
+    hidden = experts.down.shape[0] // len(experts.experts)
+    results = xp.empty((tokens * top_k, hidden), dtype=xp.float32)
+    start = 0
+    for expert in np.flatnonzero(counts):
+        stop = start + int(counts[expert])
+        results[start:stop] = swiglu_mlp(backend, experts.experts[int(expert)], gathered[start:stop])
+        start = stop
+    results *= xp.asarray(weights, dtype=xp.float32).reshape(-1)[xp.asarray(order)][:, None]
+    unsorted = results[xp.asarray(np.argsort(order))]  # back to pair order n * k + s
+    return unsorted.reshape(tokens, top_k, hidden).sum(axis=1)

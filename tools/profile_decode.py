@@ -23,7 +23,7 @@ import numpy as np
 
 REPEATS = 20
 OPS = ("embedding", "rmsnorm_residual", "rmsnorm", "linear", "linear_silu", "qkv_rope_cache", "paged_attention",
-       "silu_and_mul", "latent_attention", "head_linear", "moe_route", "moe_experts", "gdn_conv_update",
+       "silu_and_mul", "latent_attention", "latent_cache_write", "head_linear", "moe_route", "moe_experts", "gdn_conv_update",
        "gdn_recurrent_step", "gdn_prompt_rule", "gated_rmsnorm", "sigmoid_gate")
 
 

@@ -43,15 +43,6 @@ def as_float32(backend: Any, x: Any) -> Any:
     return x.astype(xp.float32, copy=False)
 
 
-def to_cache_values(backend: Any, x: Any) -> Any:
-    """Float32 ``x`` in the cache's dtype (bf16 bits rounded to nearest even on the GPU)."""
-    xp = backend.xp
-    if np.dtype(backend.cache_dtype) == np.float32:
-        return x.astype(xp.float32, copy=False)
-    bits = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
-    return ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(xp.uint16)
-
-
 def rotate(backend: Any, x: Any, positions: Any, inv_freq: Any, attention_factor: float, interleaved: bool) -> Any:
     """RoPE of ``x [N, ..., d_r]`` (float32) at ``positions [N]``: adjacent pairs (2i, 2i+1) when
     ``interleaved``, else half-split pairs (i, i + d_r/2). Angles are float32 products, as in
@@ -230,17 +221,12 @@ class MlaModel(FamilyModel):
         else:
             q = ops.linear(ops.rmsnorm(ops.linear(h, w.q_a, w.q_a_bias), w.q_a_norm, LATENT_NORM_EPS), w.q_b)
         q = q.reshape(rows, heads, d_n + d_r)
-        kv_a = ops.linear(h, w.kv_a, w.kv_a_bias)
-        latent = as_float32(backend, ops.rmsnorm(xp.ascontiguousarray(kv_a[:, :r]), w.kv_a_norm, LATENT_NORM_EPS))
+        # The rows' normalised latents and rotated rope keys go into the paged cache.
+        ops.latent_cache_write(ops.linear(h, w.kv_a, w.kv_a_bias), w.kv_a_norm, LATENT_NORM_EPS, batch.positions,
+                               self.inv_freq, self.attention_factor, c.interleaved_rope, batch.slot_mapping,
+                               cache_layer.latent)
         positions = xp.asarray(batch.positions)
-        k_pe = rotate(backend, kv_a[:, r:], positions, self.inv_freq, self.attention_factor, c.interleaved_rope)
         q_pe = rotate(backend, q[:, :, d_n:], positions, self.inv_freq, self.attention_factor, c.interleaved_rope)
-        # Write the rows' latents and rope keys into the paged cache.
-        slots = xp.asarray(batch.slot_mapping).astype(xp.int64)
-        block_size = cache_layer.latent.shape[1]
-        cache_layer.latent[slots // block_size, slots % block_size] = to_cache_values(
-            backend, xp.concatenate([latent, k_pe], axis=1)
-        )
         if self.absorbed_decode and rows == len(batch.row_starts) - 1:
             return self._absorbed(w, cache_layer, q, q_pe, batch)
         out = xp.empty((rows, heads, c.v_head_dim), dtype=xp.float32)

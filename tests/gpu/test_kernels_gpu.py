@@ -261,6 +261,27 @@ def test_prefill_attention_query_tiles(window):
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 1e-2
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_latent_cache_write_at_deepseek_sizes(interleaved):
+    """40 rows of 512 latent + 64 rope dims into a 64-block cache at scattered slots."""
+    from metrale.kernels import attention_latent
+
+    rng = np.random.default_rng(33)
+    rank, rope_dims, rows, block_size = 512, 64, 40, 16
+    kv_a = rng.standard_normal((rows, rank + rope_dims)).astype(np.float32)
+    weight = float32_to_bf16(rng.uniform(0.5, 1.5, rank).astype(np.float32))
+    positions = rng.integers(0, 4000, rows).astype(np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, rope_dims, 2) / rope_dims)).astype(np.float32)
+    slots = rng.permutation(64 * block_size)[:rows].astype(np.int32)
+    expected = np.zeros((64, block_size, rank + rope_dims), np.float32)
+    attention_latent.latent_cache_write_reference(kv_a, bf16_to_float32(weight), 1e-6, positions, inv_freq, 1.2,
+                                                  interleaved, slots, expected)
+    latent = cp.zeros((64, block_size, rank + rope_dims), dtype=cp.uint16)
+    attention_latent.latent_cache_write(cp.asarray(kv_a), cp.asarray(weight), 1e-6, cp.asarray(positions),
+                                        cp.asarray(inv_freq), 1.2, interleaved, cp.asarray(slots), latent)
+    assert rel_error(bf16_to_float32(cp.asnumpy(latent)), expected) <= 8e-3
+
+
 def test_latent_attention_at_deepseek_sizes():
     from metrale.kernels import attention_latent
 

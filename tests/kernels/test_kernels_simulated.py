@@ -440,6 +440,31 @@ def test_latent_attention_matches_the_reference(splits):
     assert rel_error(bf16_to_float32(out).reshape(3, heads, value_dim), expected) <= 8e-3
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_latent_cache_write_matches_the_reference(interleaved):
+    """Three rows into a paged latent cache (block size 4) at scattered slots: the normalised
+    latent and the rotated rope key, both RoPE pairings, a YaRN-like attention factor."""
+    from metrale.kernels import attention_latent
+
+    rng = np.random.default_rng(32)
+    rank, rope_dims = 12, 8
+    kv_a = rng.standard_normal((3, rank + rope_dims)).astype(np.float32)
+    weight_bits = float32_to_bf16(rng.uniform(0.5, 1.5, rank).astype(np.float32))
+    positions = np.array([0, 7, 130], np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, rope_dims, 2) / rope_dims)).astype(np.float32)
+    slots = np.array([9, 2, 17], np.int32)
+    expected = np.zeros((6, 4, rank + rope_dims), np.float32)
+    attention_latent.latent_cache_write_reference(kv_a, bf16_to_float32(weight_bits), 1e-6, positions, inv_freq,
+                                                  1.3, interleaved, slots, expected)
+    latent = np.zeros((6, 4, rank + rope_dims), np.uint16)
+    attention_latent.latent_cache_write_kernel[3, attention_latent.WRITE_THREADS](
+        kv_a, weight_bits, np.float32(1e-6), positions, inv_freq, np.float32(1.3), np.int32(interleaved), slots, latent)
+    assert rel_error(bf16_to_float32(latent), expected) <= 8e-3
+    written = np.zeros((6, 4), bool)
+    written[slots // 4, slots % 4] = True
+    assert not latent[~written].any()
+
+
 @pytest.mark.parametrize("method, n_group, topk_group, renormalise", [
     ("greedy", 1, 1, False), ("group_limited_greedy", 4, 2, False), ("noaux_tc", 4, 2, True), ("noaux_tc", 8, 3, False),
 ])
