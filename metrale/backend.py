@@ -45,6 +45,7 @@ bf16 bits (``uint16``) on the GPU.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Sequence
@@ -52,6 +53,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from metrale.errors import BackendUnavailableError, ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 class Backend:
@@ -210,7 +213,8 @@ def cuda_unavailable_reason() -> str | None:
 def get_backend(device: str, **options: Any) -> Backend:
     """The backend for ``device`` (``"auto"``, ``"cpu"`` or ``"cuda"``).
 
-    ``"auto"`` picks CUDA when a device and CuPy are usable, else the CPU.
+    ``"auto"`` picks CUDA when a device and the gpu extra are usable, else the CPU (and logs once, as a
+    warning, why).
     """
     if device == "cpu":
         return CpuBackend()
@@ -222,8 +226,20 @@ def get_backend(device: str, **options: Any) -> Backend:
 
         return CudaBackend(**options)
     if device == "auto":
+        _log_cpu_fallback(reason)
         return CpuBackend()
     raise BackendUnavailableError(f"device='cuda' cannot be used: {reason}; use device='cpu'")
+
+
+_cpu_fallback_logged = False
+
+
+def _log_cpu_fallback(reason: str) -> None:
+    """Say once per process why ``device="auto"`` runs on the CPU."""
+    global _cpu_fallback_logged
+    if not _cpu_fallback_logged:
+        _cpu_fallback_logged = True
+        logger.warning("device='auto' runs on the CPU: %s", reason)
 
 
 def with_device_arrays(batch: Any, convert: Any) -> Any:
