@@ -82,3 +82,21 @@ class KernelArgumentError(MetraleError, ValueError):
 
 class NonFiniteStateError(MetraleError, FloatingPointError):
     """A recurrent state holds NaN or infinity between prefill chunks."""
+
+
+class SchedulerStuckError(CacheError):
+    """The scheduler can neither run nor admit any request (the message lists the free blocks
+    and slots); raised instead of stepping forever."""
+
+
+class EngineBusyError(MetraleError, RuntimeError):
+    """A generation (or :meth:`~metrale.LLM.score`) was started while another one is running on
+    the same :class:`~metrale.LLM`: one runs at a time."""
+
+
+class EngineClosedError(MetraleError, RuntimeError):
+    """The :class:`~metrale.LLM` was closed; it cannot generate any more."""
+
+
+class NonFiniteWeightError(CheckpointError):
+    """A checkpoint tensor holds NaN or infinity (the message names it)."""

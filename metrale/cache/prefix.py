@@ -52,19 +52,25 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._block_of)
 
-    def _evicted(self, block: int) -> None:
-        digest = self._digest_of.pop(block, None)
-        if digest is not None:
-            del self._block_of[digest]
-            row = self._snapshot_of.pop(digest, None)
-            if row is not None:
-                del self._digest_of_snapshot[row]
-                self.snapshots.release(row)
+    def _evicted(self, blocks: list[int]) -> None:
+        blocks = [b for b in blocks if b in self._digest_of]
+        digests = [self._digest_of[b] for b in blocks]
+        snapshotted = [d for d in digests if d in self._snapshot_of]
+        rows = [self._snapshot_of[d] for d in snapshotted]
+        digest_of, block_of, snapshot_of, digest_of_snapshot = (
+            self._digest_of, self._block_of, self._snapshot_of, self._digest_of_snapshot
+        )
+        # Commit: the maps forget the blocks in one line (a line is what an interrupt can land
+        # between; the pops are built-in calls); the snapshot rows go back last (an interrupt
+        # there leaves them taken and unclaimed, and the oldest taken rows are recycled first).
+        _ = [*map(digest_of.pop, blocks), *map(block_of.pop, digests), *map(snapshot_of.pop, snapshotted), *map(digest_of_snapshot.pop, rows)]
+        if rows:
+            self.snapshots.release_rows(rows)
 
     def _snapshot_dropped(self, row: int) -> None:
-        digest = self._digest_of_snapshot.pop(row, None)
-        if digest is not None:
-            del self._snapshot_of[digest]
+        digest = self._digest_of_snapshot.get(row)
+        # Commit.
+        _ = self._digest_of_snapshot.pop(row, None), self._snapshot_of.pop(digest, None)
 
     @staticmethod
     def root(salt: object = None) -> bytes:
@@ -82,9 +88,11 @@ class PrefixCache:
             digests.append(parent)
         return digests
 
-    def lookup(self, tokens: Sequence[int], digests: list[bytes], salt: object = None) -> list[int]:
+    def lookup(self, tokens: Sequence[int], digests: list[bytes], salt: object = None,
+               into: list[int] | None = None) -> list[int]:
         """Registered blocks matching the longest block-aligned prefix of ``tokens[:-1]`` (the last
-        token is always computed, so the call returns logits); takes a reference on each."""
+        token is always computed, so the call returns logits); takes a reference on each and
+        appends them to ``into`` (the sequence's block table) in the same statement."""
         count = (len(tokens) - 1) // self.block_size
         self.chain(tokens, count, digests, salt)
         blocks: list[int] = []
@@ -93,13 +101,11 @@ class PrefixCache:
             if block is None:
                 break
             blocks.append(block)
-        for block in blocks:
-            self.allocator.share(block)
-        self.queried_blocks += count
-        self.hit_blocks += len(blocks)
+        self._take(blocks, count, into)
         return blocks
 
-    def lookup_with_state(self, tokens: Sequence[int], digests: list[bytes], salt: object = None) -> tuple[list[int], int | None]:
+    def lookup_with_state(self, tokens: Sequence[int], digests: list[bytes], salt: object = None,
+                          into: list[int] | None = None) -> tuple[list[int], int | None]:
         """Like :meth:`lookup`, but only up to the deepest matched block that carries a state
         snapshot: (those blocks, the snapshot's row), or ``([], None)``."""
         count = (len(tokens) - 1) // self.block_size
@@ -111,11 +117,13 @@ class PrefixCache:
             if digest in self._snapshot_of:
                 depth, row = index + 1, self._snapshot_of[digest]
         blocks = [self._block_of[digest] for digest in digests[:depth]]
-        for block in blocks:
-            self.allocator.share(block)
-        self.queried_blocks += count
-        self.hit_blocks += len(blocks)
+        self._take(blocks, count, into)
         return blocks, row
+
+    def _take(self, blocks: list[int], queried: int, into: list[int] | None) -> None:
+        queried, hits = self.queried_blocks + queried, self.hit_blocks + len(blocks)
+        # Commit: the references (recorded in ``into``) and the statistics in one statement.
+        self.queried_blocks, self.hit_blocks, _ = queried, hits, self.allocator.share_all(blocks, into)
 
     def attach_snapshot(self, digest: bytes, row: int) -> bool:
         """Let the registered block ``digest`` carry snapshot ``row`` (its state at the block's
@@ -123,8 +131,8 @@ class PrefixCache:
         if digest not in self._block_of or digest in self._snapshot_of:
             self.snapshots.release(row)
             return False
-        self._snapshot_of[digest] = row
-        self._digest_of_snapshot[row] = digest
+        # Commit.
+        self._snapshot_of[digest], self._digest_of_snapshot[row] = row, digest
         return True
 
     def publish(self, tokens: Sequence[int], block_table: Sequence[int], num_computed: int,
@@ -140,9 +148,34 @@ class PrefixCache:
             digest, block = digests[index], block_table[index]
             if digest in self._block_of or block in self._digest_of:
                 continue
-            self._block_of[digest] = block
-            self._digest_of[block] = digest
-            self.allocator.retain(block)
+            # Commit (per block: each registered block is retained in the same statement).
+            self._block_of[digest], self._digest_of[block], _ = block, digest, self.allocator.retain(block)
 
     def is_registered(self, block: int) -> bool:
         return block in self._digest_of
+
+    def registered_blocks(self) -> set[int]:
+        return set(self._digest_of)
+
+    def snapshot_rows(self) -> list[int]:
+        """The snapshot rows blocks carry."""
+        return list(self._digest_of_snapshot)
+
+    def check(self) -> list[str]:
+        """Violations of the invariants: the digest and block maps mirror each other, as do the
+        snapshot maps, and every snapshot belongs to a registered block."""
+        problems = []
+        if {b: d for d, b in self._block_of.items()} != self._digest_of:
+            problems.append("the digest -> block and block -> digest maps disagree")
+        if {r: d for d, r in self._snapshot_of.items()} != self._digest_of_snapshot:
+            problems.append("the digest -> snapshot and snapshot -> digest maps disagree")
+        if not set(self._snapshot_of) <= set(self._block_of):
+            problems.append("a snapshot belongs to an unregistered block")
+        return problems
+
+    def repair(self) -> None:
+        """Keep only the entries on which both directions of each map agree."""
+        blocks = {d: b for d, b in self._block_of.items() if self._digest_of.get(b) == d}
+        snapshots = {d: r for d, r in self._snapshot_of.items() if d in blocks and self._digest_of_snapshot.get(r) == d}
+        self._block_of, self._digest_of = blocks, {b: d for d, b in blocks.items()}
+        self._snapshot_of, self._digest_of_snapshot = snapshots, {r: d for d, r in snapshots.items()}

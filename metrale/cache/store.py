@@ -12,6 +12,7 @@ Buffers are allocated once and never move (captured CUDA graphs read them by add
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from metrale.cache.blocks import DUMMY_BLOCK, BlockAllocator
 from metrale.cache.spec import CacheSpec, PagedKVSpec, PagedLatentSpec, RecurrentStateSpec
-from metrale.errors import CacheError
+from metrale.errors import CacheError, ConfigError
 from metrale.sequence import SequenceState
 
 #: Slot id reserved for padding rows of a batch.
@@ -50,7 +51,8 @@ class StateSlotPool:
     """Owner-tracked recurrent-state slots ``1..num_slots`` (0 is the dummy slot).
 
     A slot is zeroed (every state layer) when it is allocated, owned by exactly one sequence,
-    and released exactly once.
+    and released exactly once. Like the block allocator, each mutation commits in one statement:
+    an interrupt finds a slot either owned (and recorded on its sequence) or free.
     """
 
     def __init__(self, num_slots: int, layers: list[RecurrentStateLayer]) -> None:
@@ -71,12 +73,12 @@ class StateSlotPool:
             raise CacheError(f"sequence {seq.seq_id} already owns state slot {seq.state_slot}")
         if not self._free:
             raise CacheError(f"all {self.num_slots} recurrent-state slots are in use")
-        slot = self._free.pop()
+        slot = self._free[-1]
         for layer in self._layers:
             layer.conv[slot] = 0
             layer.state[slot] = 0
-        self._owner[slot] = seq.seq_id
-        seq.state_slot = slot
+        # Commit.
+        self._free[-1:], self._owner[slot], seq.state_slot = [], seq.seq_id, slot
         return slot
 
     def release(self, seq: SequenceState) -> None:
@@ -85,25 +87,51 @@ class StateSlotPool:
             raise CacheError(f"sequence {seq.seq_id} owns no state slot")
         if self._owner.get(slot) != seq.seq_id:
             raise CacheError(f"state slot {slot} is not owned by sequence {seq.seq_id}")
-        del self._owner[slot]
-        self._free.append(slot)
-        seq.state_slot = None
+        # Commit.
+        self._free[len(self._free):], seq.state_slot, _ = [slot], None, self._owner.pop(slot)
+
+    def check(self) -> list[str]:
+        """Violations of the pool's invariants: every slot is exactly one of owned or free."""
+        problems = []
+        free = set(self._free)
+        if len(free) != len(self._free):
+            problems.append("the free list holds a slot twice")
+        for slot in range(1, self.num_slots + 1):
+            if (slot in free) == (slot in self._owner):
+                problems.append(f"slot {slot}: free {slot in free}, owner {self._owner.get(slot)}")
+        if 0 in free or 0 in self._owner:
+            problems.append("the dummy slot is handed out")
+        return problems
+
+    def reset(self) -> None:
+        """Free every slot. For an engine with no live sequence, after an interrupted step."""
+        self._owner, self._free = {}, list(range(self.num_slots, 0, -1))
 
 
 class StateSnapshots:
     """Copies of recurrent states taken at block-aligned depths, for prefix-cache hits on models
     with recurrent layers. They live in rows ``num_slots + 1 ..`` of the state layers' arrays,
     after the slots; :meth:`take` copies a slot's conv and recurrent states into a free row (the
-    oldest snapshot is dropped when none is free, telling ``on_drop``), :meth:`restore` copies a
-    row back into a slot."""
+    oldest snapshot is dropped when none is free, telling ``on_drop`` first), :meth:`restore`
+    copies a row back into a slot."""
 
     def __init__(self, first_row: int, count: int, layers: list[RecurrentStateLayer]) -> None:
         self.count = count
+        self.first_row = first_row
         self._layers = layers
         self._free = list(range(first_row + count - 1, first_row - 1, -1))
         self._taken: list[int] = []  # oldest first
-        #: Called with a row when its snapshot is dropped to make room.
-        self.on_drop: Any = None
+        self._on_drop: Any = None
+
+    @property
+    def on_drop(self) -> Any:
+        """Called with a row before its snapshot is dropped to make room (held weakly when it
+        is a bound method, so its owner forms no reference cycle with the snapshots)."""
+        return self._on_drop() if isinstance(self._on_drop, weakref.WeakMethod) else self._on_drop
+
+    @on_drop.setter
+    def on_drop(self, callback: Any) -> None:
+        self._on_drop = weakref.WeakMethod(callback) if hasattr(callback, "__self__") else callback
 
     @property
     def num_taken(self) -> int:
@@ -114,16 +142,26 @@ class StateSnapshots:
         if not self.count:
             return None
         if not self._free:
-            oldest = self._taken.pop(0)
-            if self.on_drop is not None:
-                self.on_drop(oldest)
-            self._free.append(oldest)
-        row = self._free.pop()
+            oldest = self._taken[0]
+            callback = self.on_drop
+            if callback is not None:
+                callback(oldest)
+            # Commit.
+            self._taken[:1], self._free[len(self._free):] = [], [oldest]
+        row = self._free[-1]
         for layer in self._layers:
             layer.conv[row] = layer.conv[slot]
             layer.state[row] = layer.state[slot]
-        self._taken.append(row)
+        # Commit.
+        self._free[-1:], self._taken[len(self._taken):] = [], [row]
         return row
+
+    def release_rows(self, rows: list[int]) -> None:
+        """:meth:`release` each of ``rows`` at once (rows not taken are ignored)."""
+        rows = [row for row in dict.fromkeys(rows) if row in self._taken]
+        taken = [row for row in self._taken if row not in rows]
+        # Commit.
+        self._taken, self._free[len(self._free):] = taken, rows
 
     def restore(self, row: int, slot: int) -> None:
         for layer in self._layers:
@@ -132,8 +170,26 @@ class StateSnapshots:
 
     def release(self, row: int) -> None:
         if row in self._taken:
-            self._taken.remove(row)
-            self._free.append(row)
+            index = self._taken.index(row)
+            # Commit.
+            self._taken[index : index + 1], self._free[len(self._free):] = [], [row]
+
+    def check(self) -> list[str]:
+        """Violations of the invariants: every row is exactly one of taken or free."""
+        rows = set(range(self.first_row, self.first_row + self.count))
+        taken, free = set(self._taken), set(self._free)
+        problems = []
+        if len(taken) != len(self._taken) or len(free) != len(self._free):
+            problems.append("a snapshot row is listed twice")
+        if taken & free or taken | free != rows:
+            problems.append(f"snapshot rows: taken {sorted(taken)}, free {sorted(free)}, expected {sorted(rows)}")
+        return problems
+
+    def reset(self, kept: list[int]) -> None:
+        """Keep the snapshots in rows ``kept`` (oldest first), free every other row."""
+        kept = [row for row in kept if self.first_row <= row < self.first_row + self.count]
+        free = [row for row in range(self.first_row + self.count - 1, self.first_row - 1, -1) if row not in kept]
+        self._taken, self._free = kept, free
 
 
 def plan_num_blocks(
@@ -146,6 +202,57 @@ def plan_num_blocks(
     fit = memory_bytes // bytes_per_block - 1
     needed = max_num_seqs * math.ceil(max_model_len / block_size)
     return int(max(1, min(fit, needed)))
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """How big a model's cache is: usable blocks, state slots and snapshots, and its bytes."""
+
+    num_blocks: int
+    num_state_slots: int
+    num_state_snapshots: int
+    num_bytes: int
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def plan_cache(
+    spec: CacheSpec,
+    *,
+    block_size: int,
+    itemsize: int,
+    num_blocks: int | None,
+    memory_bytes: int,
+    available_bytes: int | None,
+    num_state_slots: int,
+    num_state_snapshots: int,
+    max_num_seqs: int,
+    max_model_len: int,
+) -> CachePlan:
+    """The cache's size, checked before anything is allocated.
+
+    ``num_blocks`` None derives the block count from ``memory_bytes`` (minus the recurrent-state
+    rows: the slots, the dummy slot and the snapshots) with :func:`plan_num_blocks`. Raises
+    :class:`~metrale.errors.ConfigError` when the whole cache would need more than
+    ``available_bytes`` (the memory the backend can still give; None: unknown).
+    """
+    state_bytes = (num_state_slots + 1 + num_state_snapshots) * spec.state_bytes_per_slot()
+    if num_blocks is None:
+        num_blocks = plan_num_blocks(
+            spec, block_size, max(1, memory_bytes - state_bytes), itemsize, max_num_seqs, max_model_len
+        )
+    block_bytes = (num_blocks + 1) * spec.values_per_token() * block_size * itemsize
+    total = block_bytes + state_bytes
+    if available_bytes is not None and total > available_bytes:
+        raise ConfigError(
+            f"the cache needs {_gib(total)} ({num_blocks} blocks of {block_size} tokens: {_gib(block_bytes)}; "
+            f"{num_state_slots} state slots and {num_state_snapshots} snapshots: {_gib(state_bytes)}), more than "
+            f"the {_gib(available_bytes)} of memory available; lower num_blocks, memory_bytes, max_num_seqs, "
+            "num_state_slots or num_state_snapshots"
+        )
+    return CachePlan(num_blocks, num_state_slots, num_state_snapshots, total)
 
 
 class ModelCache:
@@ -205,18 +312,31 @@ class ModelCache:
         if needs_slot and self.state_slots.num_free == 0:
             raise CacheError(f"all {self.state_slots.num_slots} recurrent-state slots are in use")
         if missing:
-            seq.block_table.extend(self.allocator.allocate(missing))
+            self.allocator.allocate(missing, into=seq.block_table)
         if needs_slot:
             self.state_slots.allocate(seq)
 
     def release(self, seq: SequenceState) -> None:
         """Return every block and the state slot of ``seq``; resets it to an empty cache."""
         if seq.block_table:
-            blocks, seq.block_table = seq.block_table, []
-            self.allocator.free(blocks)
+            # Commit (the table empties in the statement that frees its blocks).
+            seq.block_table, seq.seq_len, _ = [], 0, self.allocator.free(seq.block_table)
         if self.state_slots is not None and seq.state_slot is not None:
             self.state_slots.release(seq)
         seq.seq_len = 0
+
+    def check(self) -> list[str]:
+        """Violations of the invariants of the allocator, the slot pool and the snapshots."""
+        problems = list(self.allocator.check())
+        if self.state_slots is not None:
+            problems += self.state_slots.check()
+            problems += self.snapshots.check()
+        return problems
+
+    def holdings(self) -> tuple[int, int]:
+        """(blocks in use, state slots in use)."""
+        slots = self.state_slots.num_slots - self.state_slots.num_free if self.state_slots is not None else 0
+        return self.allocator.num_in_use, slots
 
     def slot_mapping(self, seq: SequenceState, start: int, end: int) -> np.ndarray:
         """Flat cache slots (``block * block_size + offset``) of positions ``[start, end)``."""

@@ -18,20 +18,23 @@ as a snapshot on the block the chunk completed, the only places a later prompt r
 
 A forward call that raises fails every request of that step (their cache is released; nothing
 is retried, so no prefix reference or KV write is applied twice) and the error propagates; the
-engine stays usable for the other requests.
+engine stays usable for the other requests. A row whose logits are not finite finishes its
+request with ``finish_reason == "error"``; the other rows go on. Whatever exception escapes a
+step, :meth:`Engine.recover` leaves the engine idle and consistent.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from metrale.cache.prefix import PrefixCache
 from metrale.engine.generation import Request, StopChecker
 from metrale.engine.scheduler import Scheduler, StepPlan
-from metrale.errors import ConfigError
-from metrale.sequence import PrefillSlice
+from metrale.errors import CacheError, ConfigError
+from metrale.sequence import PrefillSlice, SequenceState
 
 
 class Engine:
@@ -71,7 +74,8 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             one_chunk_prefill=forward.is_mla(),
             prefix_cache=self.prefix_cache,
-            on_release=self._publish,
+            # Not a bound method of the engine: the scheduler must not refer back to it.
+            on_release=functools.partial(publish_blocks, self.prefix_cache) if self.prefix_cache is not None else None,
             tail_split=forward.prefill_tail_split if stateful_cache else None,
         )
         self._arrivals = itertools.count()
@@ -79,6 +83,8 @@ class Engine:
         #: sampling and the tokens read back), for tests and statistics.
         self.calls: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
+        #: What :meth:`recover` found inconsistent and rebuilt (for tests and diagnostics).
+        self.repairs: list[str] = []
 
     # ------------------------------------------------------------------------------ requests
 
@@ -95,6 +101,57 @@ class Engine:
         for request in dropped:
             self.scheduler.remove(request)
         return dropped
+
+    def check(self) -> list[str]:
+        """Violations of the bookkeeping invariants (cache, prefix cache, scheduler); empty when
+        the engine is consistent."""
+        problems = self.cache.check() + self.scheduler.check()
+        if self.prefix_cache is not None:
+            problems += self.prefix_cache.check()
+        return problems
+
+    def recover(self, requests: Sequence[Request] = (), seqs: Sequence[SequenceState] = ()) -> list[str]:
+        """Make the engine idle and consistent after an exception escaped a step or a forward
+        call -- a ``KeyboardInterrupt`` included, wherever it landed.
+
+        Drops ``requests`` and every queued request, releasing their cache (and that of
+        ``seqs``). An idle engine holds no block and no state slot, and only the prefix cache
+        keeps blocks and snapshots; if the bookkeeping disagrees, it is rebuilt from that: the
+        prefix cache keeps its consistent entries, every other block and slot becomes free.
+        Returns what had to be repaired (also appended to :attr:`repairs`); with every mutation
+        committed in one statement this stays empty."""
+        pending = [*self.scheduler.running, *self.scheduler.waiting, *requests]
+        problems: list[str] = []
+        for request in {id(r): r for r in pending}.values():
+            try:
+                self.scheduler.remove(request)
+            except CacheError as error:
+                problems.append(f"releasing request {request.request_id}: {error}")
+        for seq in seqs:
+            try:
+                self.cache.release(seq)
+            except CacheError as error:
+                problems.append(f"releasing sequence {seq.seq_id}: {error}")
+        problems += self.check()
+        blocks, slots = self.cache.holdings()
+        if blocks or slots:
+            problems.append(f"{blocks} blocks and {slots} state slots still held with no request running")
+        if problems:
+            self._rebuild([request.seq for request in pending] + list(seqs))
+        self.repairs.extend(problems)
+        return problems
+
+    def _rebuild(self, seqs: list[SequenceState]) -> None:
+        prefix = self.prefix_cache
+        if prefix is not None:
+            prefix.repair()
+        self.scheduler.running, self.scheduler.waiting = [], []
+        for seq in seqs:
+            seq.block_table, seq.state_slot, seq.seq_len = [], None, 0
+        self.cache.allocator.reset(prefix.registered_blocks() if prefix is not None else set())
+        if self.cache.state_slots is not None:
+            self.cache.state_slots.reset()
+            self.cache.snapshots.reset(prefix.snapshot_rows() if prefix is not None else [])
 
     # ---------------------------------------------------------------------------------- step
 
@@ -126,6 +183,14 @@ class Engine:
                 logits, [r.params for r in requests], [r.seed for r in requests], [len(r.generated) for r in requests]
             )
             for request, token in zip(requests, tokens):
+                if token < 0:
+                    request.error = (
+                        f"the logits of request {request.request_id} are not finite (NaN or infinity) at generated "
+                        f"token {len(request.generated)}: there is nothing to sample from"
+                    )
+                    request.finish_reason = "error"
+                    changed.append(request)
+                    continue
                 request.seq.tokens.append(int(token))
                 request.prefilled = True
                 self.stopper.update(request, int(token))
@@ -179,11 +244,15 @@ class Engine:
 
     def _publish(self, request: Request) -> None:
         """Register the request's newly computed full blocks in the prefix cache."""
-        if self.prefix_cache is None:
-            return
-        seq = request.seq
-        full = min(seq.seq_len // self.cache.block_size, len(seq.block_table))
-        if full > request.published_blocks:
-            self.prefix_cache.publish(seq.tokens, seq.block_table, seq.seq_len, request.block_digests,
-                                      seq.adapter_slot, first=request.published_blocks)
-            request.published_blocks = full
+        if self.prefix_cache is not None:
+            publish_blocks(self.prefix_cache, request)
+
+
+def publish_blocks(prefix_cache: PrefixCache, request: Request) -> None:
+    """Register ``request``'s computed full blocks not published yet in ``prefix_cache``."""
+    seq = request.seq
+    full = min(seq.seq_len // prefix_cache.block_size, len(seq.block_table))
+    if full > request.published_blocks:
+        prefix_cache.publish(seq.tokens, seq.block_table, seq.seq_len, request.block_digests,
+                             seq.adapter_slot, first=request.published_blocks)
+        request.published_blocks = full

@@ -15,6 +15,12 @@ Each step it takes, in this order:
 A family whose ``is_mla()`` is true gets its prompt in one chunk, alone in its step (no
 chunked, batched or mixed prefill): such steps alternate with decode steps.
 
+A step in which nothing can run and nothing fails raises :class:`~metrale.errors.SchedulerStuckError`
+(it would otherwise repeat forever).
+
+Every queue change commits in one statement, after the request's cache is released: a request
+that holds cache is always in a queue, whatever exception interrupts the scheduler.
+
 Admitting a waiting request looks its prompt up in the prefix cache once; the blocks found are
 kept by the request (and the lookup's result replayed) if its chunk has to wait. A request whose
 tokens need more blocks than the whole cache has fails at admission.
@@ -27,6 +33,7 @@ from typing import Any, Callable
 
 from metrale.cache.prefix import PrefixCache
 from metrale.engine.generation import Request
+from metrale.errors import SchedulerStuckError
 
 
 @dataclass
@@ -101,20 +108,34 @@ class Scheduler:
 
     def remove(self, request: Request) -> None:
         """Take a finished or failed request out of the queues and release its cache."""
-        if request in self.running:
-            self.running.remove(request)
-        if request in self.waiting:
-            self.waiting.remove(request)
-        self.release(request)
+        running = [r for r in self.running if r is not request]
+        waiting = [r for r in self.waiting if r is not request]
+        # Commit: the request leaves the queues once its cache is released (a request holding
+        # cache is always in a queue).
+        self.running, self.waiting, _ = running, waiting, self.release(request)
 
     def release(self, request: Request) -> None:
         seq = request.seq
         if seq.block_table or seq.state_slot is not None:
             if self.on_release is not None:
                 self.on_release(request)
-            self.cache.release(seq)
-        request.prefilled = False
-        request.published_blocks = 0
+            # Commit: the flags reset with the release.
+            request.prefilled, request.published_blocks, _ = False, 0, self.cache.release(seq)
+        else:
+            request.prefilled, request.published_blocks = False, 0
+
+    def check(self) -> list[str]:
+        """Violations of the scheduler's invariants: the queues are disjoint, hold no request
+        twice, and at most ``max_num_seqs`` requests run."""
+        problems = []
+        running, waiting = {id(r) for r in self.running}, {id(r) for r in self.waiting}
+        if len(running) != len(self.running) or len(waiting) != len(self.waiting):
+            problems.append("a request is queued twice")
+        if running & waiting:
+            problems.append("a request is both running and waiting")
+        if len(self.running) > self.max_num_seqs:
+            problems.append(f"{len(self.running)} requests run, more than max_num_seqs={self.max_num_seqs}")
+        return problems
 
     def _blocks_for(self, request: Request, num_tokens: int) -> int:
         return self.cache.blocks_needed(request.seq, num_tokens) if self.cache.spec.uses_blocks else 0
@@ -124,22 +145,18 @@ class Scheduler:
         for victim in sorted(self.running, key=lambda r: r.arrival, reverse=True):
             if victim is keep:
                 continue
-            self.running.remove(victim)
-            self.release(victim)
-            victim.num_preemptions += 1
-            self.waiting.insert(0, victim)
-            self.waiting.sort(key=lambda r: r.arrival)
+            running = [r for r in self.running if r is not victim]
+            waiting = sorted([*self.waiting, victim], key=lambda r: r.arrival)
+            preemptions = victim.num_preemptions + 1
+            # Commit: back to the waiting queue (in arrival order) once its cache is released.
+            self.running, self.waiting, victim.num_preemptions, _ = running, waiting, preemptions, self.release(victim)
             plan.preempted.append(victim)
             return victim
         return None
 
     def _fail(self, plan: StepPlan, request: Request, message: str) -> None:
         request.error = message
-        if request in self.running:
-            self.running.remove(request)
-        if request in self.waiting:
-            self.waiting.remove(request)
-        self.release(request)
+        self.remove(request)
         plan.failed.append(request)
 
     # --------------------------------------------------------------------------- schedule
@@ -159,8 +176,19 @@ class Scheduler:
             oldest = min(self.running, key=lambda r: r.arrival)
             if self._preempt_newest(plan, keep=oldest) is None:
                 self._fail(plan, oldest, self._too_long_message(oldest, len(oldest.seq.tokens)))
+        if plan.empty and not plan.failed and self.has_work:
+            raise SchedulerStuckError(self._stuck_message())
         self._last_was_prefill = bool(plan.prefill)
         return plan
+
+    def _stuck_message(self) -> str:
+        slots = self.cache.state_slots
+        slot_text = f", {slots.num_free} of {slots.num_slots} state slots free" if slots is not None else ""
+        return (
+            f"the scheduler can neither run nor admit a request: {len(self.running)} running, "
+            f"{len(self.waiting)} waiting, {self.cache.num_free_blocks} of {self.cache.num_blocks} KV blocks "
+            f"free{slot_text}"
+        )
 
     def _build(self, plan: StepPlan) -> None:
         plan.decode, plan.prefill = [], []
@@ -244,8 +272,8 @@ class Scheduler:
             if chunk is None:
                 return  # in order: no later request overtakes this one
             if admitting:
-                self.waiting.remove(request)
-                self.running.append(request)
+                # Commit: from waiting to running in one statement.
+                self.running[len(self.running):], _ = [request], self.waiting.remove(request)
             plan.prefill.append(chunk)
             reserved += self._blocks_for(request, chunk.start + chunk.length)
             if budget is not None:
@@ -253,15 +281,17 @@ class Scheduler:
 
     def _lookup(self, request: Request) -> None:
         seq = request.seq
+        # The lookups record the blocks they take in the sequence's table as they take them.
         if self.prefix_cache.snapshots is not None:
             # Resume only where a state snapshot was taken; the slot gets that state.
-            blocks, row = self.prefix_cache.lookup_with_state(seq.tokens, request.block_digests, seq.adapter_slot)
+            blocks, row = self.prefix_cache.lookup_with_state(
+                seq.tokens, request.block_digests, seq.adapter_slot, into=seq.block_table
+            )
             if blocks:
                 self.cache.state_slots.allocate(seq)
                 self.cache.snapshots.restore(row, seq.state_slot)
         else:
-            blocks = self.prefix_cache.lookup(seq.tokens, request.block_digests, seq.adapter_slot)
-        seq.block_table = list(blocks)
+            blocks = self.prefix_cache.lookup(seq.tokens, request.block_digests, seq.adapter_slot, into=seq.block_table)
         seq.seq_len = len(blocks) * self.block_size
         if request.cached_tokens is None:
             request.cached_tokens = seq.seq_len
