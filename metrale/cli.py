@@ -3,6 +3,9 @@
 ``metrale generate [--model M] [--stream] PROMPT...`` generates a continuation of each prompt
 (the embedded default model when ``--model`` is not given); ``metrale plugins`` lists the
 installed plugins and the architectures each family serves.
+
+Exit status: 0 on success; 1 when a request failed (its error is printed); 2 for bad input or
+options (one line on stderr: ``metrale: error: ...``, no traceback); 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -158,36 +161,35 @@ def _generate(args: argparse.Namespace) -> int:
     )
     if args.stream and len(args.prompts) != 1:
         raise ConfigError(f"--stream prints one continuation; got {len(args.prompts)} prompts")
-    llm = LLM(args.model, device=args.device, show_progress=not args.no_progress)
-    if args.stream:
-        _stream(llm, args.prompts[0], params)
-        return 0
-    outputs = llm.generate(args.prompts, params, use_tqdm=not args.no_progress)
-    for index, output in enumerate(outputs):
-        if index:
-            print()
-        print(f"{output.prompt}{output.text}")
-    return 0
+    with LLM(args.model, device=args.device, show_progress=not args.no_progress) as llm:
+        if args.stream:
+            outputs = [_stream(llm, args.prompts[0], params)]
+        else:
+            outputs = llm.generate(args.prompts, params, use_tqdm=not args.no_progress)
+            for index, output in enumerate(outputs):
+                if index:
+                    print()
+                print(f"{output.prompt}{output.text}")
+    failed = [output for output in outputs if output.finish_reason == "error"]
+    for output in failed:
+        print(f"metrale: error: prompt {output.request_id} failed: {output.error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
-def _stream(llm: object, prompt: str, params: object) -> None:
-    """Print ``prompt``, then its continuation as it comes. Text that may still turn into a stop
-    string, or ends in an incomplete character, is held back until it is settled."""
+def _stream(llm: object, prompt: str, params: object) -> object:
+    """Print ``prompt``, then its continuation as it comes; returns the final output. The
+    engine holds back text that may still become a stop string or is an incomplete character,
+    so each output's text extends the one before."""
     print(prompt, end="", flush=True)
     printed = 0
+    final = None
     for output in llm.generate_stream([prompt], params):
         text = output.text or ""
-        end = len(text)
-        if not output.finished:
-            while end and text[end - 1] == "\ufffd":
-                end -= 1
-            held = max((k for stop in params.stop for k in range(1, len(stop)) if text[:end].endswith(stop[:k])),
-                       default=0)
-            end -= held
-        if end > printed:
-            print(text[printed:end], end="", flush=True)
-            printed = end
+        print(text[printed:], end="", flush=True)
+        printed = len(text)
+        final = output
     print()
+    return final
 
 
 def _plugins(args: argparse.Namespace) -> int:

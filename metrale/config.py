@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import Mapping
+from typing import Callable, Mapping
 
 from metrale.errors import ConfigError, UnknownOptionError
+from metrale.validation import check_bool, check_int, check_optional_int, check_seed
 
 #: Environment variables the engine reads, with a one-line description each. The docs page
 #: ``environment`` documents every entry; a test keeps the two in step.
@@ -73,7 +74,8 @@ class CacheConfig:
     ``max_num_seqs`` sequences of ``max_model_len`` tokens can use; ``num_state_snapshots`` is how
     many recurrent-state snapshots a model with recurrent layers keeps for prefix-cache hits;
     ``memory_bytes`` None means
-    512 MiB on the CPU and 80% of the free device memory on the GPU.
+    512 MiB on the CPU and 80% of the free device memory on the GPU. ``block_size`` is at most
+    1024. The whole cache is checked against the memory available before it is allocated.
     """
 
     block_size: int = 16
@@ -83,16 +85,23 @@ class CacheConfig:
     num_state_snapshots: int = 16
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.memory_bytes is not None and self.memory_bytes < 1:
-            raise ConfigError(f"memory_bytes must be >= 1, got {self.memory_bytes}")
-        if self.num_state_slots < 1:
-            raise ConfigError(f"num_state_slots must be >= 1, got {self.num_state_slots}")
-        if self.num_state_snapshots < 0:
-            raise ConfigError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
+        _checked(self, {
+            "block_size": lambda v: check_int("block_size", v, minimum=1, maximum=MAX_BLOCK_SIZE, error=ConfigError),
+            "num_blocks": lambda v: check_optional_int("num_blocks", v, minimum=1, error=ConfigError),
+            "memory_bytes": lambda v: check_optional_int("memory_bytes", v, minimum=1, error=ConfigError),
+            "num_state_slots": lambda v: check_int("num_state_slots", v, minimum=1, error=ConfigError),
+            "num_state_snapshots": lambda v: check_int("num_state_snapshots", v, minimum=0, error=ConfigError),
+        })
+
+
+#: The largest KV block: a block's tokens are handled together by the attention kernels.
+MAX_BLOCK_SIZE = 1024
+
+
+def _checked(config: object, checks: Mapping[str, Callable[[object], object]]) -> None:
+    """Replace each field of a frozen ``config`` by its checked, canonical value."""
+    for name, check in checks.items():
+        object.__setattr__(config, name, check(getattr(config, name)))
 
 
 @dataclass(frozen=True)
@@ -103,8 +112,10 @@ class EngineConfig:
     the checkpoint's ``max_position_embeddings``); ``max_num_seqs`` caps the requests running at
     once; ``max_num_batched_tokens`` is the token budget of one engine step for prefill chunks
     (decode rows always run; at least the KV block size); ``enable_prefix_caching`` shares the
-    KV blocks of equal prompt prefixes between requests; ``seed`` seeds requests that give no
-    seed; ``cuda_graphs`` replays decode steps from CUDA graphs on the GPU.
+    KV blocks of equal prompt prefixes between requests; ``seed`` (an int in ``[0, 2**64)``)
+    seeds requests that give no seed; ``cuda_graphs`` replays decode steps from CUDA graphs on
+    the GPU. Every value is type-checked: ints only ints, ``enable_prefix_caching`` and
+    ``cuda_graphs`` only True or False (:class:`~metrale.errors.ConfigError` otherwise).
     """
 
     device: str = "auto"
@@ -118,17 +129,16 @@ class EngineConfig:
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 
     def __post_init__(self) -> None:
-        if self.device not in ("auto", "cpu", "cuda"):
+        if not isinstance(self.device, str) or self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if isinstance(self.max_num_batched_tokens, bool) or not isinstance(self.max_num_batched_tokens, int) \
-                or self.max_num_batched_tokens < 1:
-            raise ConfigError(f"max_num_batched_tokens must be an int >= 1, got {self.max_num_batched_tokens!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        _checked(self, {
+            "max_model_len": lambda v: check_optional_int("max_model_len", v, minimum=1, error=ConfigError),
+            "max_num_seqs": lambda v: check_int("max_num_seqs", v, minimum=1, error=ConfigError),
+            "max_num_batched_tokens": lambda v: check_int("max_num_batched_tokens", v, minimum=1, error=ConfigError),
+            "enable_prefix_caching": lambda v: check_bool("enable_prefix_caching", v, error=ConfigError),
+            "seed": lambda v: check_seed("seed", v, error=ConfigError),
+            "cuda_graphs": lambda v: check_bool("cuda_graphs", v, error=ConfigError),
+        })
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], env: EnvironmentConfig) -> "EngineConfig":

@@ -2,26 +2,76 @@
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, Callable
 
 from metrale.errors import InvalidRequestError, UnknownOptionError
+from metrale.validation import check_bool, check_float, check_int, check_seed
+
+
+#: Temperatures below this are treated as greedy (0): dividing logits by a smaller value
+#: overflows float32 and leaves no distribution to sample.
+MIN_TEMPERATURE = 1e-5
+
+
+def _check_stop(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    elif value is None:
+        value = ()
+    elif not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(f"stop must be a string or a list of strings, got {value!r}")
+    if any(not isinstance(s, str) or not s for s in value):
+        raise InvalidRequestError(f"stop must hold non-empty strings, got {list(value)!r}")
+    for text in value:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise InvalidRequestError(f"stop string {text!r} is not valid Unicode: {error.reason}") from None
+    return tuple(value)
+
+
+def _check_stop_token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(f"stop_token_ids must be a list of ints, got {value!r}")
+    return tuple(check_int("stop_token_ids[]", t, minimum=0) for t in value)
+
+
+#: One check per field: it returns the canonical value or raises InvalidRequestError.
+_FIELD_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "max_tokens": lambda v: check_int("max_tokens", v, minimum=1),
+    "temperature": lambda v: check_float("temperature", v, minimum=0.0),
+    "top_k": lambda v: check_int("top_k", v, minimum=-1),
+    "top_p": lambda v: check_float("top_p", v, minimum=0.0, minimum_exclusive=True, maximum=1.0),
+    "seed": lambda v: None if v is None else check_seed("seed", v),
+    "stop": _check_stop,
+    "stop_token_ids": _check_stop_token_ids,
+    "ignore_eos": lambda v: check_bool("ignore_eos", v),
+}
 
 
 @dataclass(init=False)
 class SamplingParams:
     """How to generate for one request.
 
-    * ``max_tokens`` -- tokens to generate at most (>= 1);
-    * ``temperature`` -- 0 means greedy; otherwise logits are divided by it;
-    * ``top_k`` -- keep the k most likely tokens (0 or -1: all);
-    * ``top_p`` -- keep the smallest set of tokens whose probability reaches p (1.0: all);
-    * ``seed`` -- seeds this request's random stream: the same seed gives the same tokens;
-    * ``stop`` -- strings that end generation (the text is cut before them);
-    * ``stop_token_ids`` -- token ids that end generation (kept in ``token_ids``);
-    * ``ignore_eos`` -- keep going past the checkpoint's end-of-sequence tokens.
+    * ``max_tokens`` -- tokens to generate at most (an int >= 1);
+    * ``temperature`` -- 0 means greedy; otherwise logits are divided by it (a finite number
+      >= 0; below :data:`MIN_TEMPERATURE`, 1e-5, sampling is greedy);
+    * ``top_k`` -- keep the k most likely tokens (0 or -1: all; above the vocabulary size: all);
+    * ``top_p`` -- keep the smallest set of tokens whose probability reaches p (in (0, 1]; 1: all);
+    * ``seed`` -- seeds this request's random stream: the same seed gives the same tokens (an int
+      in ``[0, 2**64)``, or None to derive one from the engine's seed);
+    * ``stop`` -- strings that end generation (the text is cut before them); a string or a list
+      of non-empty strings, kept as a tuple;
+    * ``stop_token_ids`` -- token ids that end generation (kept in ``token_ids``); a tuple of
+      ints >= 0;
+    * ``ignore_eos`` -- keep going past the checkpoint's end-of-sequence tokens (True or False).
 
-    Unknown keywords raise :class:`~metrale.errors.UnknownOptionError`; bad values raise
+    Every value is checked when it is set -- at construction and on every later assignment --
+    so a ``SamplingParams`` never holds a bad value: unknown keywords raise
+    :class:`~metrale.errors.UnknownOptionError`, bad values (a wrong type included)
     :class:`~metrale.errors.InvalidRequestError`.
     """
 
@@ -30,8 +80,8 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
     def __init__(self, **options: Any) -> None:
@@ -41,38 +91,26 @@ class SamplingParams:
                 raise UnknownOptionError(
                     f"unknown sampling option {name!r}; known options: {', '.join(known)}"
                 )
-        for name, spec in known.items():
-            if name in options:
-                value = options[name]
-            elif spec.default_factory is not MISSING:
-                value = spec.default_factory()
-            else:
-                value = spec.default
-            setattr(self, name, value)
-        self._validate()
+        # All values are checked before any is set.
+        values = {
+            name: _FIELD_CHECKS[name](options[name] if name in options else spec.default)
+            for name, spec in known.items()
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
-    def _validate(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
-        self.temperature = float(self.temperature)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be an int >= -1 (0 or -1 disable it), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        self.top_p = float(self.top_p)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidRequestError(f"seed must be a non-negative int or None, got {self.seed!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError(f"stop must hold non-empty strings, got {self.stop!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must hold non-negative ints, got {self.stop_token_ids!r}")
-        self.ignore_eos = bool(self.ignore_eos)
+    def __setattr__(self, name: str, value: Any) -> None:
+        check = _FIELD_CHECKS.get(name)
+        if check is None:
+            raise UnknownOptionError(
+                f"unknown sampling option {name!r}; known options: {', '.join(_FIELD_CHECKS)}"
+            )
+        object.__setattr__(self, name, check(value))
+
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are picked by argmax (temperature below :data:`MIN_TEMPERATURE`)."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 @dataclass

@@ -26,10 +26,12 @@ def request_seed(seed: int | None, engine_seed: int, request_index: int) -> int:
     return _splitmix64((int(engine_seed) << 32) ^ int(request_index)) >> 1
 
 
-def parameter_arrays(params: Sequence[SamplingParams]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(temperature, top_k, top_p)`` arrays of the rows (top_k -1 is stored as 0: off)."""
-    temperature = np.array([p.temperature for p in params], dtype=np.float32)
-    top_k = np.array([max(p.top_k, 0) for p in params], dtype=np.int32)
+def parameter_arrays(params: Sequence[SamplingParams], vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(temperature, top_k, top_p)`` arrays of the rows: a temperature below
+    :data:`~metrale.params.MIN_TEMPERATURE` is stored as 0 (greedy), top_k -1 as 0 (off) and a
+    top_k above the vocabulary as the vocabulary size (all tokens)."""
+    temperature = np.array([0.0 if p.greedy else p.temperature for p in params], dtype=np.float32)
+    top_k = np.array([min(max(p.top_k, 0), vocab_size) for p in params], dtype=np.int32)
     top_p = np.array([p.top_p for p in params], dtype=np.float32)
     return temperature, top_k, top_p
 
@@ -38,9 +40,10 @@ def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], seeds: Seq
     """One token per row of ``logits [R, vocab]``."""
     from metrale.kernels.sampling import request_uniform, sample_reference
 
-    temperature, top_k, top_p = parameter_arrays(params)
+    logits = np.asarray(logits, dtype=np.float32).reshape(len(params), -1)
+    temperature, top_k, top_p = parameter_arrays(params, logits.shape[1])
     uniforms = np.array([request_uniform(s, t) for s, t in zip(seeds, steps)], dtype=np.float32)
-    return sample_reference(np.asarray(logits, dtype=np.float32).reshape(len(params), -1), temperature, top_k, top_p, uniforms).tolist()
+    return sample_reference(logits, temperature, top_k, top_p, uniforms).tolist()
 
 
 def sample_token(logits: np.ndarray, params: SamplingParams, seed: int, step: int) -> int:

@@ -1,0 +1,107 @@
+"""What :meth:`metrale.LLM.generate` accepts as prompts, parsed into text or token ids.
+
+A prompt is a ``str``, a list (or tuple, or 1-D integer NumPy array) of token ids, or a dict as
+vLLM takes them: ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}``. ``generate`` takes
+one prompt or a list of prompts. Anything else -- ``None``, ``bytes``, a number, a dict with
+other keys, a token id that is not an int -- raises :class:`~metrale.errors.InvalidRequestError`
+naming the offending value, before any prompt runs.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence, Union
+
+import numpy as np
+
+from metrale.errors import EmptyPromptError, InvalidRequestError
+
+#: One prompt, in any accepted form.
+Prompt = Union[str, Sequence[int], Mapping[str, Any]]
+
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+@dataclass(frozen=True)
+class ParsedPrompt:
+    """A prompt as text (to be tokenized) or as token ids (``text`` then None)."""
+
+    text: str | None
+    token_ids: list[int] | None
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{text[:80]}..." if len(text) > 80 else text
+
+
+def _token_ids(value: Any, label: str) -> list[int]:
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or not np.issubdtype(value.dtype, np.integer):
+            raise InvalidRequestError(f"{label}: token ids must be a 1-D integer array, got {value.dtype} {value.shape}")
+        return [int(t) for t in value]
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(f"{label}: token ids must be a list of ints, got {_describe(value)}")
+    bad = [t for t in value if not _is_token(t)]
+    if bad:
+        raise InvalidRequestError(f"{label}: token ids must be ints, got {_describe(bad[0])} ({type(bad[0]).__name__})")
+    return [int(t) for t in value]
+
+
+def check_text(text: str, label: str) -> str:
+    """``text`` if it is a non-empty string that encodes as UTF-8 (no lone surrogates)."""
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"{label} must be a string, got {_describe(text)} ({type(text).__name__})")
+    if not text:
+        raise EmptyPromptError(f"{label} is the empty string ''")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidRequestError(
+            f"{label} is not valid Unicode: {error.reason} at index {error.start} ({text[error.start]!r})"
+        ) from None
+    return text
+
+
+def parse_prompt(prompt: Any, label: str) -> ParsedPrompt:
+    """One prompt in any accepted form (see the module docstring)."""
+    if isinstance(prompt, str):
+        return ParsedPrompt(check_text(prompt, label), None)
+    if isinstance(prompt, Mapping):
+        keys = [k for k in _PROMPT_KEYS if k in prompt]
+        unknown = [k for k in prompt if k not in _PROMPT_KEYS]
+        if unknown or len(keys) != 1:
+            raise InvalidRequestError(
+                f"{label}: a prompt dict holds exactly one of 'prompt' (text) or 'prompt_token_ids', got keys "
+                f"{sorted(map(str, prompt))}"
+            )
+        if keys[0] == "prompt":
+            return ParsedPrompt(check_text(prompt["prompt"], f"{label}['prompt']"), None)
+        return ParsedPrompt(None, _token_ids(prompt["prompt_token_ids"], f"{label}['prompt_token_ids']"))
+    if isinstance(prompt, (list, tuple, np.ndarray)):
+        return ParsedPrompt(None, _token_ids(prompt, label))
+    raise InvalidRequestError(
+        f"{label} must be a string, a list of token ids or a prompt dict, got {_describe(prompt)} "
+        f"({type(prompt).__name__})"
+    )
+
+
+def split_prompts(prompts: Any) -> list[Any]:
+    """``prompts`` as a list of single prompts: one prompt (a string, a dict, a list of ints)
+    becomes a list of one."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, np.ndarray):
+        return [prompts] if prompts.ndim == 1 else list(prompts)
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(_is_token(p) for p in prompts):
+            return [prompts]
+        return list(prompts)
+    raise InvalidRequestError(
+        f"prompts must be a prompt or a list of prompts, got {_describe(prompts)} ({type(prompts).__name__})"
+    )
