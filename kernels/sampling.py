@@ -7,7 +7,9 @@ Semantics (shared by the reference and the kernel), per row with logits ``l``:
   ``exp(s - max)`` over kept tokens; top-p then keeps ``s >= t`` for the largest threshold ``t``
   whose kept mass reaches ``p`` of the total;
 * the token is the first index, in vocabulary order, whose running kept mass exceeds
-  ``u * total`` for a uniform ``u`` in [0, 1).
+  ``u * total`` for a uniform ``u`` in [0, 1);
+* a row with no distribution to draw from -- a NaN or +inf logit, or every logit -inf -- gets
+  the token -1 (the engine finishes that request with an error).
 
 ``u`` comes from :func:`request_uniform` (a SplitMix64 hash of the request's seed and step), so a
 seed fixes the tokens on the device.
@@ -41,6 +43,9 @@ def sample_reference(
     tokens = np.empty(logits.shape[0], dtype=np.int32)
     for row in range(logits.shape[0]):
         l = np.asarray(logits[row], dtype=np.float32)
+        if not (l < np.inf).all() or not (l > -np.inf).any():
+            tokens[row] = -1
+            continue
         if temperature[row] == 0:
             tokens[row] = int(np.argmax(l))
             continue
@@ -186,6 +191,8 @@ def sample_kernel(logits, temperature, top_k, top_p, seeds, steps, uniforms, out
     local_best = float32(-math.inf)
     local_index = int64(vocab)
     last = vocab - 1
+    # Whether this thread saw a NaN or +inf (clamped loads re-read a valid value: harmless).
+    broken = False
     for base in range(tid, vocab, 4 * SAMPLE_THREADS):
         i1 = base + SAMPLE_THREADS
         i2 = base + 2 * SAMPLE_THREADS
@@ -194,6 +201,8 @@ def sample_kernel(logits, temperature, top_k, top_p, seeds, steps, uniforms, out
         v1 = logits[row, min(i1, last)]
         v2 = logits[row, min(i2, last)]
         v3 = logits[row, min(i3, last)]
+        if not (v0 < math.inf and v1 < math.inf and v2 < math.inf and v3 < math.inf):
+            broken = True
         if v0 > local_best:
             local_best = v0
             local_index = base
@@ -206,7 +215,14 @@ def sample_kernel(logits, temperature, top_k, top_p, seeds, steps, uniforms, out
         if i3 < vocab and v3 > local_best:
             local_best = v3
             local_index = i3
+    if broken:
+        local_best = float32(math.inf)
+    # +inf here means some thread saw a NaN or +inf; -inf that every logit is -inf.
     best = block_max(partial, tid, local_best, SAMPLE_THREADS)
+    if not (best < math.inf and best > -math.inf):
+        if tid == 0:
+            out_tokens[row] = int32(-1)
+        return
     if temp == 0.0:
         if tid == 0:
             found[0] = vocab

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import copy
 import logging
+import threading
 from pathlib import Path
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from metrale.backend import get_backend
-from metrale.cache.store import ModelCache, plan_num_blocks
+from metrale.cache.store import ModelCache, plan_cache
 from metrale.checkpoint import Checkpoint
 from metrale.config import EngineConfig, read_environment
 from metrale.engine.engine import Engine
 from metrale.engine.generation import Request, StopChecker, make_request
 from metrale.errors import (
     CheckpointError,
+    ConfigError,
     EmptyPromptError,
+    EngineBusyError,
+    EngineClosedError,
     InvalidRequestError,
     PromptTooLongError,
     TokenizerMissingError,
@@ -27,25 +32,36 @@ from metrale.model import ModelForward
 from metrale.models import embedded_model_path, embedded_models
 from metrale.params import RequestOutput, SamplingParams
 from metrale.plugin_manager import get_plugin_manager
+from metrale.prompts import Prompt, check_text, parse_prompt, split_prompts
 from metrale.sequence import SequenceState
+from metrale.streams import RequestStream
+from metrale.validation import check_bool
 
 logger = logging.getLogger(__name__)
-
-Prompt = Union[str, Sequence[int]]
 
 
 def resolve_model_path(model: str | Path) -> Path:
     """A checkpoint folder: an existing path, or the name of an embedded checkpoint."""
+    if not isinstance(model, (str, Path)):
+        raise CheckpointError(f"model must be a checkpoint folder or an embedded model name, got {model!r}")
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     embedded = embedded_model_path(str(model))
     if embedded is not None:
         return embedded
-    raise CheckpointError(
-        f"model {str(model)!r} is neither a checkpoint folder nor an embedded model "
-        f"(embedded: {', '.join(embedded_models()) or 'none'})"
-    )
+    reason = "is a file, not a checkpoint folder" if path.exists() else "is neither a checkpoint folder nor an embedded model"
+    raise CheckpointError(f"model {str(model)!r} {reason} (embedded: {', '.join(embedded_models()) or 'none'})")
+
+
+def _bos_token_id(checkpoint: Checkpoint) -> int | None:
+    """The beginning-of-sequence id of ``generation_config.json`` or ``config.json`` (None when
+    neither names an int)."""
+    for source in (checkpoint.generation_config, checkpoint.config):
+        value = source.get("bos_token_id")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 class LLM:
@@ -62,7 +78,15 @@ class LLM:
     :class:`~metrale.config.EngineConfig`
     and :class:`~metrale.config.CacheConfig`); ``plugin_manager`` to use a prepared plugin manager;
     ``show_progress`` to turn progress bars off. Unknown options raise
-    :class:`~metrale.errors.UnknownOptionError`.
+    :class:`~metrale.errors.UnknownOptionError`, bad values :class:`~metrale.errors.ConfigError`.
+
+    One generation runs at a time: :meth:`generate`, :meth:`generate_stream` (from its call
+    until the stream is exhausted or closed) and :meth:`score` take the engine, and a second
+    call meanwhile -- from the same thread or another -- raises
+    :class:`~metrale.errors.EngineBusyError` without disturbing the first. Whatever exception
+    ends a call (a ``KeyboardInterrupt`` included), its requests are dropped and the engine is
+    left idle and consistent. ``with LLM(...) as llm:`` or :meth:`close` frees the cache, the
+    weights and (on a GPU) the device memory at once.
     """
 
     def __init__(
@@ -76,7 +100,9 @@ class LLM:
     ) -> None:
         environment = read_environment()
         self.config = EngineConfig.from_options({"device": device, **options}, environment)
-        self.show_progress = show_progress and not environment.no_progress
+        self.show_progress = check_bool("show_progress", show_progress) and not environment.no_progress
+        self._lock = threading.Lock()
+        self._closed = False
         self.plugin_manager = plugin_manager or get_plugin_manager(environment=environment)
         self.checkpoint = Checkpoint(resolve_model_path(model))
         self.family = resolve_family(self.plugin_manager, self.checkpoint.config)
@@ -88,18 +114,19 @@ class LLM:
                 )
         if self.model is None:
             raise CheckpointError(f"no plugin built a model for family {self.family.name!r}")
+        self.vocab_size = int(self.model.vocab_size)
+        self.max_model_len = int(self.model.max_model_len)
         self.forward = ModelForward(self.model, self.plugin_manager, environment)
         self.cache = self._build_cache()
         self.model.bind_cache(self.cache)
         self.backend.synchronize()
         self.tokenizer = self.checkpoint.tokenizer()
         self.eos_token_ids = self.checkpoint.eos_token_ids()
+        self.bos_token_id = _bos_token_id(self.checkpoint)
         self._requests_started = 0
-        decode_text = self.decode if self.tokenizer is not None else None
-        self.stopper = StopChecker(self.eos_token_ids, self.max_model_len, decode_text)
         #: The continuous-batching engine behind :meth:`generate` and :meth:`generate_stream`.
         self.engine = Engine(
-            self.forward, self.cache, self.backend, self.stopper,
+            self.forward, self.cache, self.backend, StopChecker(self.eos_token_ids, self.max_model_len),
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_prefix_caching=self.config.enable_prefix_caching,
@@ -110,80 +137,115 @@ class LLM:
         spec = self.forward.cache_spec()
         cache_config = self.config.cache
         block_size = self.forward.kv_block_size() or cache_config.block_size
-        num_state_slots = max(cache_config.num_state_slots, self.config.max_num_seqs)
-        num_state_snapshots = cache_config.num_state_snapshots if self.config.enable_prefix_caching else 0
-        # The recurrent-state rows (slots, the dummy slot, snapshots) come out of the same budget.
-        state_bytes = (num_state_slots + 1 + num_state_snapshots) * spec.state_bytes_per_slot()
-        memory = cache_config.memory_bytes or self.backend.default_cache_bytes()
-        num_blocks = cache_config.num_blocks or plan_num_blocks(
+        plan = plan_cache(
             spec,
-            block_size,
-            max(1, memory - state_bytes),
-            np.dtype(self.backend.cache_dtype).itemsize,
-            self.config.max_num_seqs,
-            self.max_model_len,
+            block_size=block_size,
+            itemsize=np.dtype(self.backend.cache_dtype).itemsize,
+            num_blocks=cache_config.num_blocks,
+            memory_bytes=cache_config.memory_bytes or self.backend.default_cache_bytes(),
+            available_bytes=self.backend.available_memory_bytes(),
+            num_state_slots=max(cache_config.num_state_slots, self.config.max_num_seqs),
+            num_state_snapshots=cache_config.num_state_snapshots if self.config.enable_prefix_caching else 0,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
-        return ModelCache(
-            spec, self.backend, block_size=block_size, num_blocks=num_blocks,
-            num_state_slots=num_state_slots, num_state_snapshots=num_state_snapshots,
-        )
+        try:
+            return ModelCache(
+                spec, self.backend, block_size=block_size, num_blocks=plan.num_blocks,
+                num_state_slots=plan.num_state_slots, num_state_snapshots=plan.num_state_snapshots,
+            )
+        except MemoryError as error:  # CuPy's OutOfMemoryError is one too
+            raise ConfigError(
+                f"the cache of {plan.num_bytes / 2**30:.2f} GiB ({plan.num_blocks} blocks) could not be allocated: "
+                f"{error}; lower num_blocks or memory_bytes"
+            ) from None
 
-    # ------------------------------------------------------------------------- properties
+    # ------------------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        """Free the cache, the weights, the CUDA graphs and (on a GPU) the device memory they
+        held, at once. Later calls raise :class:`~metrale.errors.EngineClosedError`; closing
+        twice does nothing. Raises :class:`~metrale.errors.EngineBusyError` while a generation
+        (an open :meth:`generate_stream`) runs."""
+        if self._closed:
+            return
+        self._take("close()")
+        try:
+            backend = self.backend
+            self._closed = True
+            self.engine = self.forward = self.cache = self.model = None
+            backend.close()
+        finally:
+            self._lock.release()
 
     @property
-    def vocab_size(self) -> int:
-        return int(self.model.vocab_size)
+    def closed(self) -> bool:
+        return self._closed
 
-    @property
-    def max_model_len(self) -> int:
-        return int(self.model.max_model_len)
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"device={self.backend.name!r}"
+        return f"LLM({str(self.checkpoint.path)!r}, {state})"
+
+    def _take(self, what: str) -> None:
+        """Take the engine for ``what``, or raise (closed, or another call holds it)."""
+        if self._closed:
+            raise EngineClosedError(f"{what} on a closed LLM")
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusyError(
+                f"{what} was called while another generation runs on this LLM; one runs at a time "
+                "(finish or close the running generate_stream first, or use another LLM)"
+            )
+        if self._closed:  # closed by the holder we waited behind
+            self._lock.release()
+            raise EngineClosedError(f"{what} on a closed LLM")
+
+    def _recover(self, requests: Sequence[Request] = (), seqs: Sequence[SequenceState] = ()) -> None:
+        problems = self.engine.recover(requests, seqs)
+        if problems:
+            logger.warning("the engine's bookkeeping was rebuilt after an interrupted step: %s", "; ".join(problems))
 
     # ----------------------------------------------------------------------------- tokens
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (with the tokenizer's special tokens, such as BOS)."""
+        """Token ids of ``text`` (with the tokenizer's special tokens, such as BOS; a text that
+        already starts with the BOS token does not get a second one)."""
+        text = check_text(text, "the text to encode")
         if self.tokenizer is None:
             raise TokenizerMissingError(f"{self.checkpoint.path} has no tokenizer.json; pass token ids instead of {text!r}")
-        return list(self.tokenizer.encode(text).ids)
+        ids = list(self.tokenizer.encode(text).ids)
+        bos = self.bos_token_id
+        if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+            bos_text = self.tokenizer.id_to_token(bos)
+            if bos_text and text.startswith(bos_text):
+                ids = ids[1:]
+        return ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` (special tokens skipped)."""
+        ids = parse_prompt(list(token_ids) if isinstance(token_ids, tuple) else token_ids, "token_ids").token_ids
+        if ids is None:
+            raise InvalidRequestError(f"decode() takes a list of token ids, got {token_ids!r}")
         if self.tokenizer is None:
             raise TokenizerMissingError(f"{self.checkpoint.path} has no tokenizer.json")
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise EmptyPromptError("the prompt is the empty string ''")
-            return prompt, self.encode(prompt)
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {prompt!r}") from None
-        if any(isinstance(t, bool) or isinstance(t, float) for t in prompt):
-            raise InvalidRequestError(f"token ids must be ints, got {list(prompt)!r}")
-        return None, ids
-
-    def _validate_ids(self, ids: list[int], label: str) -> None:
+    def _prompt_ids(self, prompt: Any, label: str) -> tuple[str | None, list[int]]:
+        parsed = parse_prompt(prompt, label)
+        ids = self.encode(parsed.text) if parsed.text is not None else parsed.token_ids
         if not ids:
             raise EmptyPromptError(f"{label} has no tokens")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise TokenOutOfRangeError(f"{label} holds token id {bad[0]}, outside [0, {self.vocab_size})")
         if len(ids) > self.max_model_len:
-            raise PromptTooLongError(
-                f"{label} has {len(ids)} tokens, more than the model's context of {self.max_model_len}"
-            )
-
-    @staticmethod
-    def _split_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str):
-            return [prompts]
-        prompts = list(prompts)
-        if prompts and all(isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in prompts):
-            return [prompts]
-        return prompts
+            raise PromptTooLongError(f"{label} has {len(ids)} tokens, more than the model's context of {self.max_model_len}")
+        return parsed.text, ids
 
     # ------------------------------------------------------------------------- generation
 
@@ -191,48 +253,45 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
     ) -> list[Request]:
         """Validated requests for ``prompts``; nothing runs before every prompt passed."""
-        prompt_list = self._split_prompts(prompts)
+        prompt_list = split_prompts(prompts)
         if not prompt_list:
             raise EmptyPromptError("generate() got no prompts")
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
-                raise InvalidRequestError(
-                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
-                )
+                raise InvalidRequestError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
+        else:
+            raise InvalidRequestError(f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r}")
+        # Each request keeps its own copy: later edits of the caller's object do not reach it.
+        copies: dict[int, SamplingParams] = {}
         requests = []
         for index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             if not isinstance(params, SamplingParams):
                 raise InvalidRequestError(f"sampling params must be SamplingParams, got {params!r}")
-            text, ids = self._prompt_ids(prompt)
-            self._validate_ids(ids, f"prompt {index}")
-            requests.append(make_request(self._requests_started + index, text, ids, params, self.config.seed))
-        if self.engine.has_unfinished():
-            raise InvalidRequestError(
-                "another generation is still running on this LLM (an unfinished generate_stream); "
-                "finish or close it first"
-            )
+            text, ids = self._prompt_ids(prompt, f"prompt {index}")
+            own = copies.setdefault(id(params), copy.copy(params))
+            requests.append(make_request(self._requests_started + index, text, ids, own, self.config.seed, self.tokenizer))
         self._requests_started += len(requests)
-        # (Built per call: the end-of-sequence ids and the tokenizer may be changed in between.)
-        decode_text = self.decode if self.tokenizer is not None else None
-        self.stopper = self.engine.stopper = StopChecker(self.eos_token_ids, self.max_model_len, decode_text)
+        # (Built per call: ``eos_token_ids`` may be changed between calls.)
+        self.engine.stopper = StopChecker(self.eos_token_ids, self.max_model_len)
         return requests
 
     def _run_engine(self, requests: list[Request]) -> Iterator[list[Request]]:
         """Add ``requests`` and step the engine until all are finished, yielding each step's
-        changed requests. Leaving early (an error, or a closed stream) drops the unfinished ones
-        and releases their cache."""
-        for request in requests:
-            self.engine.add_request(request)
+        changed requests. Leaving early -- any exception, or a closed stream -- drops the
+        unfinished ones and leaves the engine idle and consistent."""
         try:
+            for request in requests:
+                self.engine.add_request(request)
             while self.engine.has_unfinished():
                 yield self.engine.step()
-        finally:
-            self.engine.abort_all()
+        except BaseException:
+            self._recover(requests)
+            raise
 
     def generate(
         self,
@@ -241,31 +300,37 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list of prompts (strings or token-id lists).
+        """Generate for one prompt or a list of prompts (see :mod:`metrale.prompts`: strings,
+        token-id lists, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` dicts).
 
         ``sampling_params`` is one :class:`SamplingParams` for all prompts or one per prompt.
         Every prompt is validated before any runs. All prompts go to the engine at once, which
         batches them continuously (up to ``max_num_seqs`` at a time, prompts in chunks under
         ``max_num_batched_tokens``). Returns one :class:`~metrale.params.RequestOutput` per
-        prompt, in order; a request that cannot run at all (it needs more cache than there is)
-        finishes with ``finish_reason == "error"`` and the others go on.
+        prompt, in order; a request that cannot run at all (it needs more cache than there is),
+        or whose logits are not finite, finishes with ``finish_reason == "error"`` and the others
+        go on.
         """
-        requests = self._requests(prompts, sampling_params)
-        bar = None
-        if use_tqdm and self.show_progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(requests), desc="generating", unit="req", leave=False)
+        self._take("generate()")
         try:
-            for changed in self._run_engine(requests):
+            requests = self._requests(prompts, sampling_params)
+            bar = None
+            if check_bool("use_tqdm", use_tqdm) and self.show_progress:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(requests), desc="generating", unit="req", leave=False)
+            try:
+                for changed in self._run_engine(requests):
+                    if bar is not None:
+                        done = sum(1 for r in changed if r.finish_reason is not None)
+                        if done:
+                            bar.update(done)
+            finally:
                 if bar is not None:
-                    done = sum(1 for r in changed if r.finish_reason is not None)
-                    if done:
-                        bar.update(done)
+                    bar.close()
+            outputs = [StopChecker.output(r) for r in requests]
         finally:
-            if bar is not None:
-                bar.close()
-        outputs = [self.stopper.output(r) for r in requests]
+            self._lock.release()
         for output in outputs:
             if output.error is not None:
                 logger.warning("request %s failed: %s", output.request_id, output.error)
@@ -275,15 +340,26 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> Iterator[RequestOutput]:
-        """Like :meth:`generate`, but yields a :class:`~metrale.params.RequestOutput` each time a
-        request gets new tokens (``finished`` False, ``finish_reason`` None) and once more when
-        it finishes (``finished`` True); ``token_ids`` and ``text`` hold everything generated so
-        far. Every prompt is validated by this call, before the first output. Closing the iterator
-        early drops the unfinished requests and releases their cache.
+    ) -> RequestStream:
+        """Like :meth:`generate`, but returns a :class:`~metrale.streams.RequestStream` that
+        yields a :class:`~metrale.params.RequestOutput` each time a request gets new tokens
+        (``finished`` False, ``finish_reason`` None) and once more when it finishes (``finished``
+        True). ``token_ids`` and ``text`` hold everything generated so far; the text only ever
+        grows (text that may still become a stop string, or an incomplete character, is held
+        back until it is settled) and ends up equal to :meth:`generate`'s.
+
+        Every prompt is validated, and the engine taken, by this call: a second generation
+        raises :class:`~metrale.errors.EngineBusyError` until the stream is exhausted or closed
+        (``stream.close()``, ``with llm.generate_stream(...) as stream:``, or dropping it).
+        Closing it early drops the unfinished requests and releases their cache.
         """
-        requests = self._requests(prompts, sampling_params)
-        return self._stream(requests)
+        self._take("generate_stream()")
+        try:
+            requests = self._requests(prompts, sampling_params)
+        except BaseException:
+            self._lock.release()
+            raise
+        return RequestStream(self._stream(requests), self._lock.release)
 
     def _stream(self, requests: list[Request]) -> Iterator[RequestOutput]:
         for changed in self._run_engine(requests):
@@ -291,7 +367,7 @@ class LLM:
                 finished = request.finish_reason is not None
                 if finished or len(request.generated) > request.streamed:
                     request.streamed = len(request.generated)
-                    yield self.stopper.output(request, finished=finished)
+                    yield StopChecker.output(request, finished=finished)
 
     def capture_graphs(self, batch_sizes: Sequence[int] | None = None) -> None:
         """Record the CUDA graphs of decode steps ahead of time (a no-op on the CPU).
@@ -299,25 +375,36 @@ class LLM:
         ``batch_sizes`` defaults to every rung (1, 2, 4, ... 128); otherwise each size is rounded
         up to its rung. Without this, a rung's graph is recorded the first time it is used.
         """
-        runner = self.backend.graph_runner(self.model)
-        if runner is None:
-            return
-        from metrale.engine.cuda_graphs import DECODE_RUNGS
+        self._take("capture_graphs()")
+        try:
+            runner = self.backend.graph_runner(self.model)
+            if runner is None:
+                return
+            from metrale.engine.cuda_graphs import DECODE_RUNGS
 
-        with self.backend.activate():
-            runner.capture(tuple(batch_sizes) if batch_sizes else DECODE_RUNGS)
-        self.backend.synchronize()
+            with self.backend.activate():
+                runner.capture(tuple(batch_sizes) if batch_sizes else DECODE_RUNGS)
+            self.backend.synchronize()
+        finally:
+            self._lock.release()
 
     def score(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits for every position of ``token_ids``: ``[len, vocab]`` float32.
 
         Row ``i`` holds the logits that predict token ``i + 1``.
         """
-        _, ids = self._prompt_ids(token_ids)
-        self._validate_ids(ids, "the scored sequence")
-        seq = SequenceState.from_prompt(ids)
+        self._take("score()")
         try:
-            logits = self.forward.score(ids, seq)
-            return self.backend.to_numpy(logits).copy()
+            if isinstance(token_ids, (str, dict)):
+                raise InvalidRequestError(f"score() takes a list of token ids, got {token_ids!r}")
+            _, ids = self._prompt_ids(token_ids, "the scored sequence")
+            seq = SequenceState.from_prompt(ids)
+            try:
+                logits = self.backend.to_numpy(self.forward.score(ids, seq)).copy()
+                self.cache.release(seq)
+            except BaseException:
+                self._recover(seqs=[seq])
+                raise
+            return logits
         finally:
-            self.cache.release(seq)
+            self._lock.release()

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Sequence
@@ -115,6 +116,30 @@ class Backend:
 
     def end_graph_capture(self, stream: Any) -> None:
         """End and discard an open CUDA-graph capture on ``stream`` (a no-op on the CPU)."""
+
+    def available_memory_bytes(self) -> int | None:
+        """Memory the cache may still take (None when unknown): on the CPU the memory the
+        operating system reports available, on the GPU the free device memory."""
+        return host_available_memory()
+
+    def close(self) -> None:
+        """Drop what the backend holds for its models (graphs, buffers) and give pooled memory
+        back (on the GPU, to the device)."""
+
+
+def host_available_memory() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes, else the free physical pages, else None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 class CpuBackend(Backend):

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from metrale.errors import CheckpointError
+from metrale.errors import CheckpointError, NonFiniteWeightError
 
 # safetensors dtype tag -> NumPy dtype of the stored bytes (bf16 is read as raw uint16).
 _STORED_DTYPES = {
@@ -48,6 +48,18 @@ def float32_to_bf16(values: np.ndarray) -> np.ndarray:
     if nan.any():
         rounded[nan] = np.uint16(0x7FC0)
     return rounded
+
+
+def check_finite(values: np.ndarray, label: str) -> None:
+    """Raise :class:`~metrale.errors.NonFiniteWeightError` when ``values`` hold NaN or infinity."""
+    finite = np.isfinite(values)
+    if not finite.all():
+        bad = int(finite.size - np.count_nonzero(finite))
+        first = np.unravel_index(int(np.argmin(finite)), values.shape)
+        raise NonFiniteWeightError(
+            f"{label} holds {bad} NaN or infinite values (the first at index {tuple(int(i) for i in first)}); "
+            "the checkpoint is corrupt"
+        )
 
 
 @dataclass(frozen=True)
@@ -169,7 +181,9 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the checkpoint") from None
 
     def raw(self, name: str, shape: Sequence[int] | None = None) -> np.ndarray:
-        """The stored array (bf16 as ``uint16``), checked against ``shape`` when given."""
+        """The stored array (bf16 as ``uint16``), checked against ``shape`` when given. Its values
+        are not checked: a caller that uses them unconverted checks them (the CUDA backend does,
+        on the device, after the upload)."""
         info = self.info(name)
         if shape is not None and tuple(shape) != info.shape:
             raise CheckpointError(
@@ -189,12 +203,13 @@ class Checkpoint:
         return array
 
     def tensor(self, name: str, shape: Sequence[int] | None = None) -> np.ndarray:
-        """The tensor as a float32 array, checked against ``shape`` when given."""
+        """The tensor as a float32 array, checked against ``shape`` when given, and refused
+        (:class:`~metrale.errors.NonFiniteWeightError`) when it holds NaN or infinity."""
         info = self.info(name)
         array = self.raw(name, shape)
-        if info.dtype == "BF16":
-            return bf16_to_float32(array)
-        return np.array(array, dtype=np.float32)
+        values = bf16_to_float32(array) if info.dtype == "BF16" else np.array(array, dtype=np.float32)
+        check_finite(values, f"{self.path}: tensor {name!r}")
+        return values
 
     def skip(self, names: Sequence[str]) -> None:
         """Record tensors a family deliberately does not use (kept out of the coverage report)."""

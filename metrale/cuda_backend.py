@@ -44,12 +44,12 @@ class CudaBackend(Backend):
         #: Private pool of the memory captured graphs use, so eager work never reuses it.
         self.graph_pool = cupy.cuda.MemoryPool()
         self.cuda_graphs = cuda_graphs
-        self._runners: dict[int, Any] = {}
         #: Batches of up to this many rows use the numba GEMV kernels instead of cuBLAS (0: never).
         #: cuBLAS measured about twice as fast on the H200 (docs/benchmarks), so never by default.
         self.gemv_rows = 0
         self._sample = sample
         self._sampling: dict[tuple[int, int], Any] = {}
+        self._count_nonfinite_bf16: Any = None
         cp, stream = cupy, self.stream
         f32, bf16 = np.float32, np.uint16
 
@@ -227,15 +227,37 @@ class CudaBackend(Backend):
     # ------------------------------------------------------------------------------ arrays
 
     def load_weight(self, checkpoint: Any, *parts: tuple[str, Sequence[int]]) -> Any:
-        arrays = []
+        arrays, raw_names = [], []
         for name, shape in parts:
             if checkpoint.info(name).dtype == "BF16":
                 arrays.append(checkpoint.raw(name, shape))
+                raw_names.append(name)
             else:
-                arrays.append(float32_to_bf16(checkpoint.tensor(name, shape)))
+                arrays.append(float32_to_bf16(checkpoint.tensor(name, shape)))  # checked on the host
         host = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
         with self.stream:
-            return self.xp.asarray(np.ascontiguousarray(host, dtype=np.uint16))
+            weight = self.xp.asarray(np.ascontiguousarray(host, dtype=np.uint16))
+        if raw_names:
+            self._check_bf16_finite(weight, checkpoint, raw_names)
+        return weight
+
+    def _check_bf16_finite(self, weight: Any, checkpoint: Any, names: list[str]) -> None:
+        """Refuse a bf16 weight holding NaN or infinity (all exponent bits set), counted on the
+        device after the upload: one reduction and one read of the count per weight."""
+        if self._count_nonfinite_bf16 is None:
+            self._count_nonfinite_bf16 = self.xp.ReductionKernel(
+                "uint16 x", "int64 count", "(x & 0x7F80) == 0x7F80 ? 1 : 0", "a + b", "count = a", "0",
+                "count_nonfinite_bf16",
+            )
+        with self.stream:
+            bad = int(self._count_nonfinite_bf16(weight))
+        if bad:
+            from metrale.errors import NonFiniteWeightError
+
+            raise NonFiniteWeightError(
+                f"{checkpoint.path}: {bad} NaN or infinite values in {' / '.join(repr(n) for n in names)}; "
+                "the checkpoint is corrupt"
+            )
 
     def constant(self, host: np.ndarray) -> Any:
         with self.stream:
@@ -273,12 +295,28 @@ class CudaBackend(Backend):
     def graph_runner(self, model: Any) -> Any:
         if not self.cuda_graphs or not getattr(model, "graph_capturable", True):
             return None
-        runner = self._runners.get(id(model))
-        if runner is None:
+        # Kept on the model (which owns its graphs), so dropping the model frees them.
+        runner = getattr(model, "_cuda_graph_runner", None)
+        if runner is None or runner.backend is not self:
             from metrale.engine.cuda_graphs import CudaGraphRunner
 
-            runner = self._runners[id(model)] = CudaGraphRunner(model, self)
+            runner = model._cuda_graph_runner = CudaGraphRunner(model, self)
         return runner
+
+    def close(self) -> None:
+        """Drop the sampler's buffers and graphs and give every unused block of the memory pools
+        back to the device (call once the models and caches of this backend are dropped)."""
+        self.stream.synchronize()
+        self._sampling.clear()
+        self.graph_pool.free_all_blocks()
+        self.xp.get_default_memory_pool().free_all_blocks()
+        self.xp.get_default_pinned_memory_pool().free_all_blocks()
+
+    def available_memory_bytes(self) -> int | None:
+        free, _ = self.xp.cuda.runtime.memGetInfo()
+        # Blocks CuPy's pool holds but does not use can be handed out again.
+        pool = self.xp.get_default_memory_pool()
+        return int(free + pool.free_bytes())
 
     def end_graph_capture(self, stream: Any) -> None:
         """End and discard the capture open on the engine stream, if any."""
@@ -297,7 +335,7 @@ class CudaBackend(Backend):
             if logits.dtype != np.float32 or not logits.flags.c_contiguous:
                 logits = cp.ascontiguousarray(logits, dtype=np.float32)
         buffers = self._sampling_buffers(rows, logits.shape[1])
-        temperature, top_k, top_p = parameter_arrays(params)
+        temperature, top_k, top_p = parameter_arrays(params, logits.shape[1])
         host = buffers.host
         host.seeds[:] = np.asarray(seeds, dtype=np.uint64).view(np.int64)
         host.steps[:] = steps

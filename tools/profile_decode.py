@@ -128,7 +128,7 @@ def main() -> None:
     for name, function in originals.items():
         setattr(ops, name, recording(name, function))
     backend.cuda_graphs = False
-    backend._runners.clear()
+    llm.model._cuda_graph_runner = None
     llm.forward.decode_batch(tokens, seqs)
     backend.synchronize()
     for name, function in originals.items():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,11 +46,16 @@ class CudaGraphRunner:
     """Replays ``model.forward_batch`` for decode-only batches from captured graphs."""
 
     def __init__(self, model: Any, backend: Any) -> None:
-        self.model = model
+        # The model owns its runner; the runner refers back to it weakly (no reference cycle).
+        self._model = weakref.ref(model)
         self.backend = backend
         self.block_size = model.cache.block_size
         self.max_blocks = math.ceil(model.max_model_len / self.block_size)
         self.rungs: dict[int, Rung] = {}
+
+    @property
+    def model(self) -> Any:
+        return self._model()
 
     def accepts(self, batch: ForwardBatch) -> bool:
         """Decode-only batches (one new token and its logits per sequence) that fit a rung."""

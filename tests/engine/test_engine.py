@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from metrale import LLM, SamplingParams
-from metrale.errors import ConfigError
+from metrale.errors import ConfigError, EngineBusyError
 from metrale.engine.generation import make_request
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -189,7 +189,7 @@ def test_closing_a_stream_early_frees_its_requests(checkpoint):
     llm = LLM(checkpoint, device="cpu", show_progress=False, block_size=4)
     stream = llm.generate_stream(prompts_of([5, 9], seed=14), GREEDY)
     next(stream)
-    with pytest.raises(Exception, match="still running"):
+    with pytest.raises(EngineBusyError, match="another generation runs"):
         llm.generate([1, 2, 3], GREEDY)
     stream.close()
     assert not llm.engine.has_unfinished()
