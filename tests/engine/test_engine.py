@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from metrale import LLM, SamplingParams
-from metrale.errors import ConfigError, EngineBusyError
+from metrale.errors import ConfigError, EngineBusyError, SchedulerStuckError
 from metrale.engine.generation import make_request
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -318,3 +318,24 @@ def test_the_recurrent_state_is_checked_after_every_unfinished_chunk(checkpoint,
     monkeypatch.setattr(llm.forward, "normalize_ssm_states", lambda seq, stream=None: checked.append(seq.seq_len))
     llm.generate(prompts_of([21], seed=17), GREEDY)
     assert checked == [8, 16]  # after the chunks ending at 8 and 16; not after the last one
+
+
+@pytest.mark.parametrize("leak", ["blocks", "state slots"])
+def test_a_stuck_scheduler_raises_instead_of_spinning(gdn_checkpoint, leak):
+    """With every block (or state slot) taken outside any request -- a leak -- nothing can run:
+    the step raises SchedulerStuckError instead of looping, and the recovery rebuilds the
+    bookkeeping so the next call runs."""
+    from metrale.sequence import SequenceState
+
+    llm = LLM(gdn_checkpoint, device="cpu", show_progress=False, block_size=4)
+    reference = llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
+    if leak == "blocks":
+        llm.cache.allocator.allocate(llm.cache.allocator.num_free)
+    else:
+        while llm.cache.state_slots.num_free:
+            llm.cache.state_slots.allocate(SequenceState.from_prompt([1]))
+    with pytest.raises(SchedulerStuckError, match="neither run nor admit"):
+        llm.generate([[1, 2, 3]], GREEDY)
+    assert llm.engine.repairs, "the leak was not noticed"
+    assert llm.cache.holdings() == (0, 0)
+    assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids == reference

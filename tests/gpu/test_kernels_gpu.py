@@ -231,6 +231,31 @@ def test_sampling_thresholds_at_full_vocabulary():
         np.testing.assert_array_equal(cp.asnumpy(out), expected)
 
 
+def test_sampling_marks_rows_without_a_distribution_at_full_vocabulary():
+    """NaN or +inf anywhere in a 128,256-token row, or every logit -inf: token -1, greedy or
+    sampled; the rows around them are drawn as the reference draws them."""
+    from metrale.kernels import sampling
+
+    rng = np.random.default_rng(32)
+    vocab = 128256
+    logits = (3 * rng.standard_normal((6, vocab))).astype(np.float32)
+    logits[1, 100_000] = np.nan
+    logits[2, vocab - 1] = np.inf
+    logits[3, :] = -np.inf
+    logits[4, :1000] = -np.inf
+    temperature = np.array([0.0, 0.0, 0.8, 0.8, 0.8, 0.0], np.float32)
+    top_k = np.array([0, 0, 50, 0, 40, 0], np.int32)
+    top_p = np.array([1.0, 1.0, 0.9, 1.0, 0.9, 1.0], np.float32)
+    uniforms = np.full(6, 0.4, np.float32)
+    expected = sampling.sample_reference(logits, temperature, top_k, top_p, uniforms)
+    assert expected.tolist()[1:4] == [-1, -1, -1]
+    out = cp.full(6, 7, dtype=np.int32)
+    zeros = cp.zeros(6, dtype=np.int64)
+    sampling.sample(cp.asarray(logits), cp.asarray(temperature), cp.asarray(top_k), cp.asarray(top_p), zeros, zeros,
+                    cp.asarray(uniforms), out)
+    np.testing.assert_array_equal(cp.asnumpy(out), expected)
+
+
 @pytest.mark.parametrize("window", [None, 300])
 def test_prefill_attention_query_tiles(window):
     from metrale.kernels import attention, attention_prefill

@@ -170,3 +170,32 @@ def test_backend_sampler_matches_the_host_sampler_for_every_row_count():
             device_logits = cupy.asarray(logits)
         assert backend.sample_tokens(device_logits, params, seeds, steps) == sample_rows(logits, params, seeds, steps)
     assert all(buffers.graph for buffers in backend._sampling.values())
+
+
+def test_a_nan_in_a_bf16_weight_is_found_on_the_device(tmp_path):
+    import shutil
+
+    from metrale.errors import NonFiniteWeightError
+    from metrale.models import embedded_model_path
+    from test_nonfinite import poison
+
+    folder = tmp_path / "model"
+    shutil.copytree(embedded_model_path("tiny-dense"), folder)
+    poison(folder, "model.layers.1.self_attn.o_proj.weight", 0x7FC0)
+    with pytest.raises(NonFiniteWeightError, match="o_proj"):
+        load(folder, "cuda")
+
+
+def test_close_gives_the_device_memory_back():
+    import cupy
+
+    def used():
+        free, total = cupy.cuda.runtime.memGetInfo()
+        return total - free
+
+    before = used()
+    llm = load("tiny-dense", "cuda", num_blocks=100_000)  # 16 KiB a block: 1.6 GB
+    llm.generate("Return the", SamplingParams(max_tokens=4))
+    assert used() - before > 1 << 30
+    llm.close()
+    assert used() - before < 256 << 20

@@ -280,6 +280,31 @@ def test_greedy_sampling_takes_the_first_of_equal_maxima():
     assert out.tolist() == np.argmax(logits, axis=1).tolist() == [3, 149, 0, 40, 17]
 
 
+def test_sampling_gives_minus_one_for_rows_without_a_distribution():
+    """NaN or +inf anywhere in a row, or every logit -inf: token -1 (greedy and sampled), and the
+    other rows are unaffected."""
+    from metrale.kernels import sampling
+
+    rng = np.random.default_rng(11)
+    logits = rng.normal(size=(8, 37)).astype(np.float32)
+    logits[1, 30] = np.nan
+    logits[2, 0] = np.inf
+    logits[3, :] = -np.inf
+    logits[5, 36] = np.nan  # the last element: a clamped load in the kernel
+    logits[6, :5] = -np.inf  # some -inf values are fine
+    temperature = np.array([0.0, 0.0, 0.8, 0.0, 0.8, 0.8, 0.0, 0.8], np.float32)
+    top_k = np.array([0, 0, 5, 0, 3, 0, 0, 0], np.int32)
+    top_p = np.array([1.0, 1.0, 1.0, 0.9, 0.8, 1.0, 1.0, 0.7], np.float32)
+    uniforms = rng.random(8).astype(np.float32)
+    expected = sampling.sample_reference(logits, temperature, top_k, top_p, uniforms)
+    assert expected.tolist()[1:4] == [-1, -1, -1] and expected[5] == -1
+    assert (expected[[0, 4, 6, 7]] >= 0).all() and expected[6] >= 5
+    out = np.zeros(8, np.int32)
+    zeros = np.zeros(8, np.int64)
+    sampling.sample(logits, temperature, top_k, top_p, zeros, zeros, uniforms, out)
+    np.testing.assert_array_equal(out, expected)
+
+
 def test_sampling_picks_the_token_whose_interval_holds_u():
     """u at the middle of token j's CDF interval (read off the reference) must give token j."""
     from metrale.kernels import sampling
