@@ -78,9 +78,10 @@ def test_the_sampler_marks_rows_without_a_distribution(row, temperature):
 
 
 def test_non_finite_logits_fail_one_request_and_the_others_go_on(dense_checkpoints):
-    llm = LLM(dense_checkpoints["llama"], device="cpu", show_progress=False)
     prompts = [[1, 2, 3, 4], [9, 8, 7], [5, 5, 5, 5, 5]]
-    reference = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    reference_llm = LLM(dense_checkpoints["llama"], device="cpu", show_progress=False, block_size=4)
+    reference = [o.token_ids for o in reference_llm.generate(prompts, GREEDY)]
+    llm = LLM(dense_checkpoints["llama"], device="cpu", show_progress=False, block_size=4)
     victim = prompts[1]
     forward = llm.model.forward_batch
     calls = {"decode": 0}
@@ -89,7 +90,8 @@ def test_non_finite_logits_fail_one_request_and_the_others_go_on(dense_checkpoin
         logits = forward(batch)
         rows = [s for s in batch.segments if s.logits != "none"]
         for index, segment in enumerate(rows):
-            if segment.seq.tokens[: len(victim)] == victim and segment.seq.num_generated == 2:
+            # At one generated token the victim's forward completes its first 4-token block.
+            if segment.seq.tokens[: len(victim)] == victim and segment.seq.num_generated == 1:
                 calls["decode"] += 1
                 logits[index, 17] = np.nan
         return logits
@@ -99,9 +101,13 @@ def test_non_finite_logits_fail_one_request_and_the_others_go_on(dense_checkpoin
     assert calls["decode"] == 1
     failed = outputs[1]
     assert failed.finish_reason == "error" and "not finite" in failed.error
-    assert failed.token_ids == reference[1][:2]
+    assert failed.token_ids == reference[1][:1]
     assert [outputs[0].token_ids, outputs[2].token_ids] == [reference[0], reference[2]]
     assert llm.cache.holdings() == (0, 0)
+    # The block completed by the failing step was not published: a prompt sharing it recomputes it.
+    hits = llm.engine.prefix_cache.hit_blocks
+    llm.generate([victim + reference[1][:1] + [1, 1, 1]], SamplingParams(max_tokens=1, temperature=0.0))
+    assert llm.engine.prefix_cache.hit_blocks == hits
     del llm.model.forward_batch
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference
 

@@ -249,7 +249,10 @@ class Engine:
 
 
 def publish_blocks(prefix_cache: PrefixCache, request: Request) -> None:
-    """Register ``request``'s computed full blocks not published yet in ``prefix_cache``."""
+    """Register ``request``'s computed full blocks not published yet in ``prefix_cache`` -- unless
+    the request failed (its cache may hold what made its logits non-finite)."""
+    if request.error is not None:
+        return
     seq = request.seq
     full = min(seq.seq_len // prefix_cache.block_size, len(seq.block_table))
     if full > request.published_blocks:
