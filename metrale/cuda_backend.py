@@ -242,11 +242,13 @@ class CudaBackend(Backend):
         return weight
 
     def _check_bf16_finite(self, weight: Any, checkpoint: Any, names: list[str]) -> None:
-        """Refuse a bf16 weight holding NaN or infinity (all exponent bits set), counted on the
-        device after the upload: one reduction and one read of the count per weight."""
+        """Refuse a bf16 weight holding NaN or infinity (all exponent bits set: ``bits & 0x7F80 ==
+        0x7F80``), counted on the device after the upload: one reduction and one read of the count
+        per weight."""
         if self._count_nonfinite_bf16 is None:
             self._count_nonfinite_bf16 = self.xp.ReductionKernel(
-                "uint16 x", "int64 count", "(x & 0x7F80) == 0x7F80 ? 1 : 0", "a + b", "count = a", "0",
+                # (CuPy renames parameters inside the expression text: no hex literals here.)
+                "uint16 bits", "int64 count", "(bits & 32640) == 32640 ? 1 : 0", "a + b", "count = a", "0",
                 "count_nonfinite_bf16",
             )
         with self.stream:
