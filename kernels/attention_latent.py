@@ -1,4 +1,4 @@
-"""Absorbed MLA decode attention over the paged latent cache (FAMILIES.md §2.3, the absorbed form).
+"""Absorbed MLA decode attention over the paged latent cache (docs/families.rst, "Expanded and absorbed forms").
 
 Each cached token holds one latent row ``[c (r) | k_pe (d_r)]`` (bf16). A decode row's query heads
 come already projected into the latent space, ``q = [q_latent (r) | q_pe (d_r)]`` float32, so

@@ -1,4 +1,4 @@
-"""The output gates of Qwen3-Next (FAMILIES.md §3.3 and §3.4).
+"""The output gates of Qwen3-Next (docs/families.rst, "Gated attention" and "Gated DeltaNet layer").
 
 * :func:`gated_rmsnorm_kernel` -- the Gated DeltaNet output norm, per value head:
   ``rms(x; w, eps) * silu(z)`` (a plain weight, not zero-centred);

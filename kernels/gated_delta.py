@@ -1,4 +1,4 @@
-"""Gated DeltaNet decode steps on the device (FAMILIES.md §3.4 and §3.6), state in place in the slot pool.
+"""Gated DeltaNet decode steps on the device (docs/families.rst, "Gated DeltaNet layer" and "Per-sequence cache state"), state in place in the slot pool.
 
 * :func:`conv_update_kernel` -- the causal depthwise conv of one new token per row: its window is
   the slot's last ``K - 1`` inputs and the new one; the output goes through SiLU and the slot
@@ -38,7 +38,7 @@ GDN_THREADS = 16 if SIMULATED else 128
 MAX_KEY_DIM = 256
 CONV_THREADS = 16 if SIMULATED else 256
 MAX_CONV_KERNEL = 8
-#: Tokens per chunk of the chunked form (FAMILIES.md §3.4).
+#: Tokens per chunk of the chunked form (docs/families.rst, "Chunked form").
 CHUNK = 64
 
 WARP = 8 if SIMULATED else 32
@@ -54,7 +54,7 @@ STAGED_KEYS = PROMPT_TOKENS * KEY_LOADS
 
 
 def delta_rule_recurrent(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any) -> tuple[Any, Any]:
-    """Outputs ``[T, H, d_v]`` and the final state, one token at a time (FAMILIES.md §3.4 step 7).
+    """Outputs ``[T, H, d_v]`` and the final state, one token at a time (docs/families.rst, "Gated DeltaNet layer", step 7).
     ``q, k [T, H, d_k]``, ``v [T, H, d_v]``, ``g, beta [T, H]``, ``state [H, d_k, d_v]`` float32."""
     out = xp.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=xp.float32)
     for t in range(q.shape[0]):
@@ -66,7 +66,7 @@ def delta_rule_recurrent(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, sta
 
 
 def delta_rule_chunked(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any) -> tuple[Any, Any]:
-    """The same function in chunks of ``CHUNK`` tokens (FAMILIES.md §3.4, chunked form)."""
+    """The same function in chunks of ``CHUNK`` tokens (docs/families.rst, "Chunked form")."""
     out = xp.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=xp.float32)
     for start in range(0, q.shape[0], CHUNK):
         stop = min(start + CHUNK, q.shape[0])

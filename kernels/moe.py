@@ -1,4 +1,4 @@
-"""DeepSeek MoE on the device without host synchronisation (FAMILIES.md §2.4).
+"""DeepSeek MoE on the device without host synchronisation (docs/families.rst, "DeepSeek MoE routing").
 
 * **routing** -- :func:`route_reference` / :func:`route_kernel`: per token, from the float32
   router logits, the top-k experts and their weights: softmax scores with greedy or

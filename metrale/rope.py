@@ -121,7 +121,7 @@ def _yarn(base: np.ndarray, d: int, theta: float, factor: float, scaling: Mappin
 def rope_parameters(
     config: Mapping[str, Any], head_dim: int, *, default_partial_factor: float = 1.0
 ) -> RopeParameters:
-    """Normalise the RoPE fields of ``config`` (FAMILIES.md §0.3 rule)."""
+    """Normalise the RoPE fields of ``config`` (the rule of :ref:`families-rope-config`)."""
     rp = config.get("rope_parameters") or config.get("rope_scaling") or {}
     theta = rp.get("rope_theta") or config.get("rope_theta") or 10000.0
     rope_type = rp.get("rope_type") or rp.get("type") or "default"

@@ -62,7 +62,7 @@ BASE = dict(
 
 
 def dense_configs():
-    """(name, model class, config) of the four dense variants FAMILIES.md §7 lists."""
+    """(name, model class, config) of the four dense variants docs/families.rst lists ("Checking against transformers")."""
     from transformers import (
         LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
         Qwen3Config, Qwen3ForCausalLM,
@@ -149,7 +149,7 @@ def mla_checkpoints(tmp_path_factory):
 
 def gdn_config():
     """(model class, config) of the tiny Qwen3-Next test: two GDN and two gated-attention layers
-    (interval 2), MoE everywhere but a dense layer 2 (FAMILIES.md §7)."""
+    (interval 2), MoE everywhere but a dense layer 2 (docs/families.rst, "Checking against transformers")."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     return Qwen3NextForCausalLM, Qwen3NextConfig(

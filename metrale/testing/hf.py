@@ -1,7 +1,7 @@
 """Hugging Face transformers as the reference of a conformance test (needs torch + transformers).
 
 * :func:`build_hf_checkpoint` saves a tiny random-weight model with ``save_pretrained``, weights
-  perturbed so that no norm is an identity and no bias is zero (FAMILIES.md §7);
+  perturbed so that no norm is an identity and no bias is zero (:ref:`families-testing`);
 * :func:`hf_reference_logits` runs transformers in float32 and returns every position's logits.
 """
 

@@ -1,4 +1,4 @@
-"""The dense family's view of ``config.json`` (FAMILIES.md §1.1)."""
+"""The dense family's view of ``config.json`` (docs/families.rst, "Dense config fields")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The dense decoder (FAMILIES.md §1.3): pre-norm attention + SwiGLU layers."""
+"""The dense decoder (docs/families.rst, "Dense layer forward"): pre-norm attention + SwiGLU layers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The GDN family's view of ``config.json`` (FAMILIES.md §3.1)."""
+"""The GDN family's view of ``config.json`` (:ref:`families-gdn-config`)."""
 
 from __future__ import annotations
 

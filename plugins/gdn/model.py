@@ -1,4 +1,4 @@
-"""The Qwen3-Next hybrid decoder (FAMILIES.md §3): gated attention and Gated DeltaNet layers.
+"""The Qwen3-Next hybrid decoder (:ref:`families-gdn`): gated attention and Gated DeltaNet layers.
 
 Full-attention layers keep K and V in paged blocks; Gated DeltaNet layers keep, per sequence, a
 conv state (the last ``K - 1`` conv inputs, ``[C, K - 1]``) and a float32 recurrent state
@@ -239,7 +239,7 @@ class GdnModel(FamilyModel):
         rows = h.shape[0]
         hk, hv, dk, dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
         ratio = hv // hk
-        # Un-group the projections (grouped by key head in the checkpoint, FAMILIES.md §3.4 step 2).
+        # Un-group the projections (grouped by key head in the checkpoint, docs/families.rst, "Gated DeltaNet layer", step 2).
         grouped = ops.linear(h, w.qkvz).reshape(rows, hk, 2 * dk + 2 * ratio * dv)
         q = grouped[:, :, :dk].reshape(rows, hk * dk)
         k = grouped[:, :, dk : 2 * dk].reshape(rows, hk * dk)
@@ -308,7 +308,7 @@ class GdnModel(FamilyModel):
 
     def route(self, moe: SparseMoeWeights, h: Any) -> tuple[Any, Any]:
         """Top-k experts ``[N, k]`` and weights: softmax over the router logits, renormalised as
-        ``norm_topk_prob`` says, no scaling or group limit (FAMILIES.md §3.5)."""
+        ``norm_topk_prob`` says, no scaling or group limit (:ref:`families-gdn-moe`)."""
         c = self.config
         return self.backend.ops.moe_route(h, moe.gate, None, "greedy", 1, 1, c.num_experts_per_tok,
                                           c.norm_topk_prob, 1.0)

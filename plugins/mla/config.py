@@ -1,4 +1,4 @@
-"""The MLA family's view of ``config.json`` (FAMILIES.md §2.1)."""
+"""The MLA family's view of ``config.json`` (:ref:`families-mla-config`)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class MlaConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """(d_n + d_r)^-1/2, times m(factor, mscale_all_dim)^2 for scaled RoPE (FAMILIES.md §2.3)."""
+        """(d_n + d_r)^-1/2, times m(factor, mscale_all_dim)^2 for scaled RoPE (:ref:`families-mla-scale`)."""
         scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
         mscale_all_dim = self.rope.scaling.get("mscale_all_dim") if self.rope.rope_type != "default" else None
         if mscale_all_dim:

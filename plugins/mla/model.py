@@ -1,10 +1,10 @@
-"""The MLA decoder (FAMILIES.md §2): multi-head latent attention and DeepSeek MoE layers.
+"""The MLA decoder (:ref:`families-mla`): multi-head latent attention and DeepSeek MoE layers.
 
 Per token and layer the paged latent cache holds the normalised latent ``c [r]`` followed by the
 RoPE key ``k_pe [d_r]``. Prompt rows attend in the expanded form (keys and values re-expanded
 from the cached latents through ``kv_b_proj``); decode rows in the absorbed form (queries
 projected into the latent space, attention over the latents, values through the value half of
-``kv_b_proj``). Both are the same function (FAMILIES.md §2.3); the tests check it.
+``kv_b_proj``). Both are the same function (:ref:`families-mla-absorbed`); the tests check it.
 
 Decode batches run on backend ops that need no host synchronisation: the per-head projections
 (``head_linear``), the latent attention, the router and the chosen experts (``moe_route``,
@@ -279,7 +279,7 @@ class MlaModel(FamilyModel):
     # ----------------------------------------------------------------------------------- MoE
 
     def route(self, moe: MoeWeights, h: Any) -> tuple[Any, Any]:
-        """Top-k experts ``[N, k]`` and their weights ``[N, k]`` (float32) for ``h`` (FAMILIES.md §2.4)."""
+        """Top-k experts ``[N, k]`` and their weights ``[N, k]`` (float32) for ``h`` (:ref:`families-mla-moe`)."""
         c = self.config
         return self.backend.ops.moe_route(
             h, moe.gate, moe.bias, c.topk_method, c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob,

@@ -57,7 +57,7 @@ def transformers_bf16_rows(path, ids, cpu):
 def check_against_cpu_where_routing_agrees(path, ids, what, calibrate=False):
     """bf16 tolerance and >= 99% top-1 agreement on the positions whose experts agree.
 
-    Routing is discontinuous (FAMILIES.md §0.5): where bf16 rounding flips an expert choice the
+    Routing is discontinuous (docs/families.rst, "Routed experts"): where bf16 rounding flips an expert choice the
     position's output legitimately differs, so those positions (at most 5 %) are left out;
     everywhere else the error must be bf16 rounding: at most 2e-2 (relative to the largest
     logit) at 99 % of those positions and 5e-2 at any, since the random DeepSeek-V3 shape
