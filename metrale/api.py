@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+import pluggy
 
 from metrale.backend import get_backend
 from metrale.cache.store import ModelCache, plan_cache
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 def resolve_model_path(model: str | Path) -> Path:
     """A checkpoint folder: an existing path, or the name of an embedded checkpoint."""
-    if not isinstance(model, (str, Path)):
+    if not isinstance(model, (str, Path)) or not str(model):
         raise CheckpointError(f"model must be a checkpoint folder or an embedded model name, got {model!r}")
     path = Path(model).expanduser()
     if path.is_dir():
@@ -103,6 +104,8 @@ class LLM:
         self.show_progress = check_bool("show_progress", show_progress) and not environment.no_progress
         self._lock = threading.Lock()
         self._closed = False
+        if plugin_manager is not None and not isinstance(plugin_manager, pluggy.PluginManager):
+            raise ConfigError(f"plugin_manager must be a pluggy PluginManager (get_plugin_manager()), got {plugin_manager!r}")
         self.plugin_manager = plugin_manager or get_plugin_manager(environment=environment)
         self.checkpoint = Checkpoint(resolve_model_path(model))
         self.family = resolve_family(self.plugin_manager, self.checkpoint.config)
@@ -228,9 +231,12 @@ class LLM:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` (special tokens skipped)."""
-        ids = parse_prompt(list(token_ids) if isinstance(token_ids, tuple) else token_ids, "token_ids").token_ids
-        if ids is None:
+        if not isinstance(token_ids, (list, tuple, np.ndarray)):
             raise InvalidRequestError(f"decode() takes a list of token ids, got {token_ids!r}")
+        ids = parse_prompt(token_ids, "token_ids").token_ids
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise TokenOutOfRangeError(f"token_ids holds token id {bad[0]}, outside [0, {self.vocab_size})")
         if self.tokenizer is None:
             raise TokenizerMissingError(f"{self.checkpoint.path} has no tokenizer.json")
         return self.tokenizer.decode(ids, skip_special_tokens=True)

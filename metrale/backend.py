@@ -45,6 +45,7 @@ bf16 bits (``uint16``) on the GPU.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from dataclasses import replace
@@ -241,6 +242,27 @@ def get_backend(device: str, **options: Any) -> Backend:
     ``"auto"`` picks CUDA when a device and the gpu extra are usable, else the CPU (and logs once, as a
     warning, why).
     """
+    backend = _new_backend(device, **options)
+    _collect_import_garbage()
+    return backend
+
+
+_import_garbage_collected = False
+
+
+def _collect_import_garbage() -> None:
+    """Once per process, after the first backend: collect the reference cycles that importing
+    ``numba.cuda`` can leave. Where no CUDA driver loads, numba keeps the load errors in a list
+    local to its probing frame, whose tracebacks lead back through every calling frame -- the
+    ``LLM`` under construction included -- so the first ``LLM`` would outlive its last reference
+    until the garbage collector ran."""
+    global _import_garbage_collected
+    if not _import_garbage_collected:
+        _import_garbage_collected = True
+        gc.collect()
+
+
+def _new_backend(device: str, **options: Any) -> Backend:
     if device == "cpu":
         return CpuBackend()
     if device not in ("auto", "cuda"):

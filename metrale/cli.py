@@ -11,6 +11,7 @@ options (one line on stderr: ``metrale: error: ...``, no traceback); 130 when in
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -180,10 +181,11 @@ def _stream(llm: object, prompt: str, params: object) -> object:
     """Print ``prompt``, then its continuation as it comes; returns the final output. The
     engine holds back text that may still become a stop string or is an incomplete character,
     so each output's text extends the one before."""
+    stream = llm.generate_stream([prompt], params)  # checks the prompt before anything is printed
     print(prompt, end="", flush=True)
     printed = 0
     final = None
-    for output in llm.generate_stream([prompt], params):
+    for output in stream:
         text = output.text or ""
         print(text[printed:], end="", flush=True)
         printed = len(text)
@@ -227,6 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("metrale: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (``metrale generate ... | head``): stop quietly; later writes at
+        # exit go nowhere instead of raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

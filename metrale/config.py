@@ -87,15 +87,21 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _checked(self, {
             "block_size": lambda v: check_int("block_size", v, minimum=1, maximum=MAX_BLOCK_SIZE, error=ConfigError),
-            "num_blocks": lambda v: check_optional_int("num_blocks", v, minimum=1, error=ConfigError),
-            "memory_bytes": lambda v: check_optional_int("memory_bytes", v, minimum=1, error=ConfigError),
-            "num_state_slots": lambda v: check_int("num_state_slots", v, minimum=1, error=ConfigError),
-            "num_state_snapshots": lambda v: check_int("num_state_snapshots", v, minimum=0, error=ConfigError),
+            "num_blocks": lambda v: check_optional_int("num_blocks", v, minimum=1, maximum=MAX_COUNT, error=ConfigError),
+            "memory_bytes": lambda v: check_optional_int("memory_bytes", v, minimum=1, maximum=MAX_BYTES, error=ConfigError),
+            "num_state_slots": lambda v: check_int("num_state_slots", v, minimum=1, maximum=MAX_COUNT, error=ConfigError),
+            "num_state_snapshots": lambda v: check_int(
+                "num_state_snapshots", v, minimum=0, maximum=MAX_COUNT, error=ConfigError
+            ),
         })
 
 
 #: The largest KV block: a block's tokens are handled together by the attention kernels.
 MAX_BLOCK_SIZE = 1024
+#: Bounds of the counts (blocks, slots, sequences, tokens) and byte sizes an option may give:
+#: far above any machine, low enough that sizes computed from them stay exact.
+MAX_COUNT = 1 << 40
+MAX_BYTES = 1 << 60
 
 
 def _checked(config: object, checks: Mapping[str, Callable[[object], object]]) -> None:
@@ -132,9 +138,11 @@ class EngineConfig:
         if not isinstance(self.device, str) or self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         _checked(self, {
-            "max_model_len": lambda v: check_optional_int("max_model_len", v, minimum=1, error=ConfigError),
-            "max_num_seqs": lambda v: check_int("max_num_seqs", v, minimum=1, error=ConfigError),
-            "max_num_batched_tokens": lambda v: check_int("max_num_batched_tokens", v, minimum=1, error=ConfigError),
+            "max_model_len": lambda v: check_optional_int("max_model_len", v, minimum=1, maximum=MAX_COUNT, error=ConfigError),
+            "max_num_seqs": lambda v: check_int("max_num_seqs", v, minimum=1, maximum=MAX_COUNT, error=ConfigError),
+            "max_num_batched_tokens": lambda v: check_int(
+                "max_num_batched_tokens", v, minimum=1, maximum=MAX_COUNT, error=ConfigError
+            ),
             "enable_prefix_caching": lambda v: check_bool("enable_prefix_caching", v, error=ConfigError),
             "seed": lambda v: check_seed("seed", v, error=ConfigError),
             "cuda_graphs": lambda v: check_bool("cuda_graphs", v, error=ConfigError),

@@ -97,6 +97,8 @@ def split_prompts(prompts: Any) -> list[Any]:
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if isinstance(prompts, np.ndarray):
+        if prompts.ndim not in (1, 2):
+            raise InvalidRequestError(f"prompts as an array must be 1-D (one prompt) or 2-D, got shape {prompts.shape}")
         return [prompts] if prompts.ndim == 1 else list(prompts)
     if isinstance(prompts, (list, tuple)):
         if prompts and all(_is_token(p) for p in prompts):

@@ -60,7 +60,10 @@ def check_float(
     """``value`` as a finite ``float`` within the bounds (``minimum_exclusive``: ``> minimum``)."""
     if _is_bool(value) or not isinstance(value, numbers.Real):
         raise error(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
     if not math.isfinite(number):
         raise error(f"{name} must be finite, got {value!r}")
     if minimum is not None and (number <= minimum if minimum_exclusive else number < minimum):

@@ -4,6 +4,9 @@ close() and ``with``, and no reference cycle (dropping an LLM frees it at once).
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 import weakref
 
@@ -182,3 +185,20 @@ def test_close_is_refused_while_a_stream_is_open(llm):
     stream.close()
     llm.close()
     assert llm.closed
+
+
+def test_the_first_llm_of_a_process_is_freed_without_the_garbage_collector():
+    """Where no CUDA driver loads, importing numba.cuda leaves reference cycles that reach the
+    frames of whoever imported it -- the first LLM's constructor; they are collected at once."""
+    probe = (
+        "import gc, weakref\n"
+        "gc.disable()\n"
+        "from metrale import LLM\n"
+        "llm = LLM('tiny-dense', show_progress=False)\n"
+        "alive = weakref.ref(llm)\n"
+        "del llm\n"
+        "print('freed' if alive() is None else 'alive')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}  # the real numba.cuda
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
+    assert result.stdout.strip().splitlines()[-1] == "freed"

@@ -32,7 +32,7 @@ def assert_still_serving(llm):
 @pytest.mark.parametrize("field, value", [
     ("max_tokens", 0), ("max_tokens", 1.0), ("max_tokens", True), ("max_tokens", "16"), ("max_tokens", None),
     ("temperature", -1), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", "0.7"),
-    ("temperature", True), ("temperature", None),
+    ("temperature", True), ("temperature", None), ("temperature", 10**400), ("top_p", -(10**400)),
     ("top_k", -2), ("top_k", 1.5), ("top_k", True), ("top_k", "5"),
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")), ("top_p", None),
     ("seed", -1), ("seed", 2**64), ("seed", 2**70), ("seed", "x"), ("seed", 1.5), ("seed", True),
@@ -96,7 +96,8 @@ def test_seeds_at_the_edges_of_their_range(tiny):
     dict(enable_prefix_caching="yes"), dict(cuda_graphs="false"), dict(block_size=0), dict(block_size=4096),
     dict(block_size=True), dict(num_blocks=0), dict(num_blocks=1.5), dict(memory_bytes=-5),
     dict(num_state_slots=0), dict(num_state_snapshots=-1), dict(max_model_len=0), dict(max_model_len="64"),
-    dict(device=None), dict(device="gpu"), dict(device=0),
+    dict(device=None), dict(device="gpu"), dict(device=0), dict(num_blocks=10**400), dict(max_num_seqs=10**400),
+    dict(num_state_slots=2**41), dict(memory_bytes=2**61), dict(max_model_len=10**20),
 ])
 def test_engine_options_are_type_checked_before_loading(options):
     started = time.perf_counter()
@@ -107,9 +108,11 @@ def test_engine_options_are_type_checked_before_loading(options):
     assert time.perf_counter() - started < 2
 
 
-def test_show_progress_takes_a_bool():
+def test_show_progress_and_plugin_manager_are_checked():
     with pytest.raises(InvalidRequestError, match="show_progress"):
         LLM("tiny-dense", device="cpu", show_progress="no")
+    with pytest.raises(ConfigError, match="plugin_manager"):
+        LLM("tiny-dense", device="cpu", plugin_manager="x")
 
 
 @pytest.mark.parametrize("options, message", [
@@ -130,8 +133,9 @@ def test_a_model_path_that_is_a_file_or_not_a_path(tmp_path):
     file.write_bytes(b"x")
     with pytest.raises(MetraleError, match="is a file"):
         LLM(file, device="cpu")
-    with pytest.raises(MetraleError, match="checkpoint folder"):
-        LLM(None, device="cpu")
+    for model in (None, ""):
+        with pytest.raises(MetraleError, match="checkpoint folder"):
+            LLM(model, device="cpu")
 
 
 # ------------------------------------------------------------------------------------ prompts
@@ -152,6 +156,7 @@ def test_a_model_path_that_is_a_file_or_not_a_path(tmp_path):
     ([[1, "2"]], InvalidRequestError, "str"),
     ([[1, [2]]], InvalidRequestError, "list"),
     (np.array([[1.5, 2.0]]), InvalidRequestError, "float"),
+    (np.array(5), InvalidRequestError, "shape"),
     ("bad \ud800 text", InvalidRequestError, "not valid Unicode"),
     ({"prompt": "a", "prompt_token_ids": [1]}, InvalidRequestError, "exactly one"),
     ({"text": "a"}, InvalidRequestError, "exactly one"),
@@ -187,6 +192,7 @@ def test_a_prompt_starting_with_bos_gets_no_second_one(tiny):
 @pytest.mark.parametrize("call", [
     lambda llm: llm.encode(None), lambda llm: llm.encode(b"x"), lambda llm: llm.encode("\udcff"),
     lambda llm: llm.decode(None), lambda llm: llm.decode("abc"), lambda llm: llm.decode([1.5]),
+    lambda llm: llm.decode([-1]), lambda llm: llm.decode([2**70]), lambda llm: llm.decode([llm.vocab_size]),
     lambda llm: llm.score("text"), lambda llm: llm.score(None), lambda llm: llm.score([]),
     lambda llm: llm.score([1, 10**9]), lambda llm: llm.generate(["a"], "params"),
     lambda llm: llm.generate(["a"], [GREEDY, GREEDY]), lambda llm: llm.generate(["a"], [None]),
@@ -219,3 +225,25 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, fragment, capsys):
 def test_cli_refuses_a_prompt_that_is_not_text(capsys):
     assert main(["generate", "--no-progress", "--device", "cpu", "bad \udcff byte"]) == 2
     assert "not valid Unicode" in capsys.readouterr().err
+
+
+def test_cli_stream_checks_the_prompt_before_printing_it(capsys):
+    assert main(["generate", "--no-progress", "--device", "cpu", "--stream", "bad \udcff byte"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "not valid Unicode" in captured.err
+
+
+def test_cli_stops_quietly_when_its_reader_goes_away(tmp_path):
+    """``metrale generate ... | head -c0``: no traceback when stdout closes."""
+    import os
+    import subprocess
+    import sys
+
+    reader, writer = os.pipe()
+    os.close(reader)
+    result = subprocess.run(
+        [sys.executable, "-m", "metrale.cli", "generate", "--no-progress", "--device", "cpu", "--max-tokens", "4", "Return the"],
+        stdout=writer, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )
+    os.close(writer)
+    assert "Traceback" not in result.stderr and result.returncode == 1
