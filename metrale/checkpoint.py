@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+import safetensors
 
 from metrale.errors import CheckpointError
 
@@ -61,8 +63,24 @@ class TensorInfo:
     end: int
 
 
+#: The largest header the safetensors library accepts (its MAX_HEADER_SIZE); checked before the
+#: header is read, so a corrupt length cannot make the reader allocate gigabytes.
+MAX_HEADER_BYTES = 100_000_000
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and check the header of one ``.safetensors`` file."""
+    """Parse and check the header of one ``.safetensors`` file, reading no tensor data.
+
+    The engine's own checks name the tensor and the field: each entry has a supported dtype, a
+    shape of non-negative ints and ``data_offsets`` whose length is the dtype's size times the
+    number of elements, inside the file. Then the safetensors library validates the whole layout
+    as it would before loading (tensors contiguous, in order, no two aliasing the same bytes, no
+    hole, the file fully covered); its refusal becomes a :class:`CheckpointError` too.
+    """
 
     def broken(reason: str) -> CheckpointError:
         return CheckpointError(f"{path} is not a valid safetensors file: {reason}")
@@ -74,6 +92,8 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             if len(prefix) < 8:
                 raise broken(f"it has {size} bytes, fewer than the 8-byte header length")
             (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_BYTES:
+                raise broken(f"its header length {header_len} exceeds the {MAX_HEADER_BYTES} bytes safetensors allows")
             if header_len > size - 8:
                 raise broken(f"its header claims {header_len} bytes but the file has {size}")
             header = json.loads(handle.read(header_len))
@@ -88,17 +108,32 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            shape = tuple(int(n) for n in shape)
-            begin, end = int(begin), int(end)
-        except (KeyError, TypeError, ValueError):
-            raise broken(f"tensor {name!r} has a malformed entry {entry!r}") from None
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise broken(f"tensor {name!r} has a malformed entry {entry!r}")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+            raise broken(f"tensor {name!r} has shape {shape!r}; expected a list of non-negative ints")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(n) for n in offsets):
+            raise broken(f"tensor {name!r} has data_offsets {offsets!r}; expected [begin, end], non-negative ints")
         if dtype not in _STORED_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
-        if not 0 <= begin <= end or data_start + end > size:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+        begin, end = offsets
+        if not begin <= end or data_start + end > size:
             raise broken(f"tensor {name!r} lies at bytes [{begin}, {end}) past the end of the data")
-        infos[name] = TensorInfo(path, dtype, shape, data_start + begin, data_start + end)
+        expected = math.prod(shape) * np.dtype(_STORED_DTYPES[dtype]).itemsize
+        if end - begin != expected:
+            raise broken(
+                f"tensor {name!r} of dtype {dtype} and shape {shape} needs {expected} bytes, "
+                f"but its data_offsets [{begin}, {end}) hold {end - begin}"
+            )
+        infos[name] = TensorInfo(path, dtype, tuple(shape), data_start + begin, data_start + end)
+    try:
+        with safetensors.safe_open(str(path), framework="numpy"):
+            pass
+    except safetensors.SafetensorError as error:
+        raise broken(str(error)) from None
+    except OSError as error:
+        raise CheckpointError(f"{path} cannot be read: {error}") from error
     return infos
 
 
