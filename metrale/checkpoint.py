@@ -19,6 +19,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import safetensors
 
+from metrale.config_fields import ConfigFields
 from metrale.errors import CheckpointError
 
 # safetensors dtype tag -> NumPy dtype of the stored bytes (bf16 is read as raw uint16).
@@ -140,8 +141,9 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
 class Checkpoint:
     """An opened checkpoint folder.
 
-    ``config`` is the parsed ``config.json``; :meth:`tensor` reads one tensor, converted to
-    float32 and checked against an expected shape.
+    ``config`` is the parsed ``config.json`` and ``fields`` its typed reader
+    (:class:`~metrale.config_fields.ConfigFields`, naming the file in its errors); :meth:`tensor`
+    reads one tensor, converted to float32 and checked against an expected shape.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -150,6 +152,11 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint folder {str(self.path)!r} does not exist")
         self.config = self._read_json("config.json", required=True)
         self.generation_config = self._read_json("generation_config.json", required=False) or {}
+        # The fields every family and the family lookup read, checked once here.
+        self.fields = ConfigFields(self.config, str(self.path / "config.json"))
+        self._model_type = self.fields.text("model_type", None)
+        self._architectures = self.fields.texts("architectures", [])
+        self._eos_token_ids = self._read_eos_token_ids()
         self._tensors = self._index_tensors()
         self._maps: dict[Path, np.memmap] = {}
         self._consumed: set[str] = set()
@@ -158,22 +165,32 @@ class Checkpoint:
     # ----------------------------------------------------------------------------- reading
 
     def _read_json(self, name: str, *, required: bool) -> dict[str, Any] | None:
+        """The JSON object in ``name``; anything but an object (a list, a number) is refused."""
         file = self.path / name
         if not file.exists():
             if required:
                 raise CheckpointError(f"{self.path} has no {name}")
             return None
         try:
-            return json.loads(file.read_text())
-        except (OSError, json.JSONDecodeError) as error:
+            value = json.loads(file.read_text())
+        except (OSError, ValueError, RecursionError) as error:  # ValueError: bad JSON or UTF-8
             raise CheckpointError(f"{file} is not valid JSON: {error}") from error
+        ConfigFields(value, str(file))  # raises unless it is a JSON object
+        return value
 
     def _index_tensors(self) -> dict[str, TensorInfo]:
-        index = self._read_json("model.safetensors.index.json", required=False)
+        index_name = "model.safetensors.index.json"
+        index = self._read_json(index_name, required=False)
+        weight_map: dict[str, str] = {}
         if index is not None:
-            files = sorted(set(index.get("weight_map", {}).values()))
+            section = ConfigFields(index, str(self.path / index_name)).section("weight_map")
+            weight_map = dict(section.values) if section is not None else {}
+            for tensor, shard in weight_map.items():
+                if not isinstance(shard, str):
+                    raise section.error(f"weight_map[{tensor!r}] is {shard!r}; expected a shard file name")
+            files = sorted(set(weight_map.values()))
             if not files:
-                raise CheckpointError(f"{self.path}/model.safetensors.index.json has an empty weight_map")
+                raise CheckpointError(f"{self.path}/{index_name} has an empty weight_map")
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
             if not files:
@@ -181,13 +198,17 @@ class Checkpoint:
         tensors: dict[str, TensorInfo] = {}
         for name in files:
             file = self.path / name
-            if not file.exists():
+            if not file.is_file():
                 raise CheckpointError(f"{self.path}: shard {name} listed in the index is missing")
-            tensors.update(read_safetensors_header(file))
-        if index is not None:
-            missing = set(index["weight_map"]) - set(tensors)
-            if missing:
-                raise CheckpointError(f"{self.path}: the index lists tensors no shard holds: {sorted(missing)[:5]}")
+            for tensor, info in read_safetensors_header(file).items():
+                if tensor in tensors:
+                    raise CheckpointError(
+                        f"{self.path}: tensor {tensor!r} is stored twice, in {tensors[tensor].file.name} and {name}"
+                    )
+                tensors[tensor] = info
+        missing = set(weight_map) - set(tensors)
+        if missing:
+            raise CheckpointError(f"{self.path}: the index lists tensors no shard holds: {sorted(missing)[:5]}")
         return tensors
 
     def names(self) -> list[str]:
@@ -258,20 +279,28 @@ class Checkpoint:
 
     @property
     def model_type(self) -> str | None:
-        return self.config.get("model_type")
+        return self._model_type
 
     @property
     def architectures(self) -> list[str]:
-        return list(self.config.get("architectures") or [])
+        return list(self._architectures)
+
+    def _read_eos_token_ids(self) -> list[int]:
+        """``eos_token_id`` of ``generation_config.json``, else of ``config.json``: an id or a list
+        of ids. Both files' values are checked, even the one that is not used."""
+        found = []
+        for name, values in (("generation_config.json", self.generation_config), ("config.json", self.config)):
+            fields = ConfigFields(values, str(self.path / name))
+            value = values.get("eos_token_id")
+            if isinstance(value, list):
+                found.append(fields.integers("eos_token_id"))
+            elif value is not None:
+                found.append([fields.integer("eos_token_id")])
+        return found[0] if found else []
 
     def eos_token_ids(self) -> list[int]:
         """End-of-sequence ids from ``generation_config.json`` (falling back to ``config.json``)."""
-        for source in (self.generation_config, self.config):
-            value = source.get("eos_token_id")
-            if value is None:
-                continue
-            return [int(v) for v in (value if isinstance(value, list) else [value])]
-        return []
+        return list(self._eos_token_ids)
 
     def tokenizer(self) -> Any:
         """The ``tokenizers.Tokenizer`` of ``tokenizer.json``, or None when the folder has none."""

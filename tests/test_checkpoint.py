@@ -527,3 +527,59 @@ def test_tensor_aliasing_another_tensors_bytes_is_refused(tmp_path):
     _write_safetensors(file, header, bytes(body))
     with pytest.raises(CheckpointError, match=r"model\.safetensors is not a valid safetensors file: .*invalid offset"):
         _llm(folder)
+
+
+# ================================================================== metadata that is not what it says
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "model.safetensors.index.json"])
+@pytest.mark.parametrize("text, kind", [("[]", "an array"), ('"llama"', "a string"), ("3", "a number"),
+                                        ("null", "null"), ("[{\"model_type\": \"llama\"}]", "an array")])
+def test_json_file_that_is_not_an_object_is_refused(tmp_path, name, text, kind):
+    folder = _tiny_dense_copy(tmp_path)
+    (folder / name).write_text(text)
+    with pytest.raises(CheckpointError, match=re.escape(f"{folder / name} holds {kind}")):
+        Checkpoint(folder)
+
+
+@pytest.mark.parametrize(
+    "weight_map, message",
+    [
+        ([], r"weight_map is \[\]; expected a JSON object"),
+        ({"model.norm.weight": 3}, r"weight_map\['model\.norm\.weight'\] is 3; expected a shard file name"),
+    ],
+)
+def test_index_with_a_malformed_weight_map_is_refused(tmp_path, weight_map, message):
+    folder = _tiny_dense_copy(tmp_path)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: " + message):
+        Checkpoint(folder)
+
+
+def test_tensor_stored_in_two_shards_is_refused(tmp_path):
+    folder = _tiny_dense_copy(tmp_path)
+    save_file({"model.norm.weight": np.ones(128, np.float32)}, str(folder / "extra.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' is stored twice, in extra\.safetensors and "
+                                              r"model\.safetensors"):
+        Checkpoint(folder)
+
+
+@pytest.mark.parametrize(
+    "file, value, said",
+    [
+        ("generation_config.json", "x", 'eos_token_id is "x"'),
+        ("generation_config.json", [1, "x"], 'eos_token_id[1] is "x"'),
+        ("generation_config.json", True, "eos_token_id is true"),
+        ("generation_config.json", -1, "eos_token_id is -1"),
+        ("generation_config.json", 1.5, "eos_token_id is 1.5"),
+        ("generation_config.json", {"id": 1}, 'eos_token_id is {"id": 1}'),
+        ("config.json", "x", 'eos_token_id is "x"'),  # checked even where generation_config.json wins
+    ],
+)
+def test_eos_token_id_that_is_not_a_token_id_is_refused(tmp_path, file, value, said):
+    folder = _tiny_dense_copy(tmp_path)
+    data = json.loads((folder / file).read_text())
+    data["eos_token_id"] = value
+    (folder / file).write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=re.escape(f"{folder / file}: {said}; expected")):
+        Checkpoint(folder).eos_token_ids()
