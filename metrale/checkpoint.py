@@ -4,6 +4,12 @@ A checkpoint folder holds ``config.json``, the weights as one ``model.safetensor
 listed by ``model.safetensors.index.json``, and optionally ``tokenizer.json`` and
 ``generation_config.json``. Tensors are read lazily through memory maps; the reader records which
 tensors a family consumed so that the conformance kit can show the mapping covers every tensor.
+
+Opening a folder reads only metadata, and refuses a bad one with a
+:class:`~metrale.errors.CheckpointError`: JSON files that are not objects, safetensors headers
+the safetensors library would refuse, metadata fields of the wrong type. Families then check
+``config.json`` against the tensors' shapes (:meth:`Checkpoint.expect_shape`,
+:meth:`Checkpoint.expect_count`) before allocating anything sized by it.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,6 +230,70 @@ class Checkpoint:
             return self._tensors[name]
         except KeyError:
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the checkpoint") from None
+
+    # ------------------------------------------------------------ config against the tensors
+
+    def layer_indices(self, prefix: str = "model.layers.") -> list[int]:
+        """The sorted indices ``i`` for which some tensor is named ``{prefix}{i}.…``.
+
+        ``layer_indices()`` lists the decoder layers present; ``layer_indices(
+        "model.layers.1.mlp.experts.")`` the routed experts of layer 1. Only names are read.
+        """
+        pattern = re.compile(re.escape(prefix) + r"(0|[1-9][0-9]*)\.")
+        return sorted({int(match.group(1)) for name in self._tensors if (match := pattern.match(name))})
+
+    def expect_count(self, count: int, prefix: str, *, because: str, extra_ok: bool = False) -> None:
+        """Raise :class:`CheckpointError` unless ``{prefix}{i}.…`` tensors exist for exactly the
+        indices ``0 .. count - 1`` (``extra_ok``: and possibly more at ``count`` and above, as
+        DeepSeek's multi-token-prediction layers).
+
+        ``because`` is the config field the count comes from (``"num_hidden_layers=4"``). Call it
+        before building anything per layer or per expert, so a count of 10**9 in ``config.json``
+        costs nothing: nothing of that size is created here either.
+        """
+        present = self.layer_indices(prefix)
+        below = sum(1 for i in present if i < count)  # distinct, so == count means all of 0..count-1
+        if below == count and (extra_ok or len(present) == count):
+            return
+        if not present:
+            found = "none"
+        elif present == list(range(len(present))):
+            found = f"i = 0..{len(present) - 1} ({len(present)})"
+        else:
+            shown = ", ".join(str(i) for i in present[:8]) + (", ..." if len(present) > 8 else "")
+            found = f"i in [{shown}] ({len(present)})"
+        raise CheckpointError(
+            f"{self.path}: config.json says {because}, but the checkpoint has {prefix}{{i}}.* tensors for {found}"
+        )
+
+    def expect_tensor(self, name: str, present: bool = True, *, because: str) -> None:
+        """Raise :class:`CheckpointError` unless tensor ``name`` is present (``present=False``:
+        absent), as the config fields in ``because`` imply; for instance a layer's MoE router,
+        which a layer the config calls dense must not have."""
+        if self.has(name) != present:
+            implies, found = ("a tensor", "has none") if present else ("no tensor", "has one")
+            raise CheckpointError(f"{self.path}: config.json's {because} implies {implies} {name!r}, but the "
+                                  f"checkpoint {found}")
+
+    def expect_shape(self, name: str, shape: Sequence[int], *, because: str) -> None:
+        """Raise :class:`CheckpointError` unless tensor ``name`` exists with ``shape``.
+
+        Reads the safetensors header only, never the data: families call it on a few
+        representative tensors (the embedding, the first layer's projections) before allocating
+        anything sized by ``config.json``, so a config whose sizes disagree with the weights is
+        refused at once. ``because`` names the config fields the shape follows from, e.g.
+        ``checkpoint.expect_shape(f"{p}.q_proj.weight", (heads * head_dim, hidden),
+        because=f"num_attention_heads={heads} head_dim={head_dim} hidden_size={hidden}")``.
+        """
+        if not self.has(name):
+            raise CheckpointError(f"{self.path}: config.json's {because} implies a tensor {name!r} of shape "
+                                  f"{list(shape)}, but the checkpoint has none")
+        actual = self.info(name).shape
+        if tuple(actual) != tuple(shape):
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has shape {list(actual)}, but config.json's {because} "
+                f"implies {list(shape)}"
+            )
 
     def raw(self, name: str, shape: Sequence[int] | None = None) -> np.ndarray:
         """The stored array (bf16 as ``uint16``), checked against ``shape`` when given."""

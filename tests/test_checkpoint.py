@@ -583,3 +583,29 @@ def test_eos_token_id_that_is_not_a_token_id_is_refused(tmp_path, file, value, s
     (folder / file).write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match=re.escape(f"{folder / file}: {said}; expected")):
         Checkpoint(folder).eos_token_ids()
+
+
+# ================================================================ config against the tensors: helpers
+
+
+def test_layer_indices_and_the_expect_helpers_read_names_and_headers_only():
+    checkpoint = Checkpoint(metrale.models.embedded_model_path("tiny-mla"))
+    assert checkpoint.layer_indices() == [0, 1, 2]
+    assert checkpoint.layer_indices("model.layers.1.mlp.experts.") == list(range(8))
+    assert checkpoint.layer_indices("model.layers.0.mlp.experts.") == []
+    checkpoint.expect_count(3, "model.layers.", because="num_hidden_layers=3")
+    checkpoint.expect_count(2, "model.layers.", because="num_hidden_layers=2", extra_ok=True)
+    for count, extra_ok in ((2, False), (4, True), (10**12, False)):
+        with pytest.raises(CheckpointError, match=rf"num_hidden_layers={count}, but .* for i = 0\.\.2 \(3\)"):
+            checkpoint.expect_count(count, "model.layers.", because=f"num_hidden_layers={count}", extra_ok=extra_ok)
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    checkpoint.expect_shape(name, (48, 128), because="kv_lora_rank=32 qk_rope_head_dim=16 hidden_size=128")
+    with pytest.raises(CheckpointError, match=re.escape(f"{name}' has shape [48, 128], but config.json's "
+                                                        "kv_lora_rank=64 implies [80, 128]")):
+        checkpoint.expect_shape(name, (80, 128), because="kv_lora_rank=64")
+    with pytest.raises(CheckpointError, match=r"q_lora_rank=null implies a tensor 'x\.weight' of shape \[4\]"):
+        checkpoint.expect_shape("x.weight", (4,), because="q_lora_rank=null")
+    checkpoint.expect_tensor("model.layers.1.mlp.gate.weight", because="first_k_dense_replace=1")
+    with pytest.raises(CheckpointError, match=r"first_k_dense_replace=2 implies no tensor 'model\.layers\.1\.mlp"):
+        checkpoint.expect_tensor("model.layers.1.mlp.gate.weight", False, because="first_k_dense_replace=2")
+    assert checkpoint.unconsumed() == checkpoint.names()  # no tensor was read
