@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from metrale.config_fields import ConfigFields
 from metrale.errors import CheckpointError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -118,39 +119,83 @@ def _yarn(base: np.ndarray, d: int, theta: float, factor: float, scaling: Mappin
     return (interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight).astype(np.float32)
 
 
+#: The numeric fields of a RoPE scaling section and their bounds (ConfigFields.number options),
+#: checked whenever present, whatever the RoPE type: an unused field of the wrong type is still a
+#: broken file.
+_SCALING_NUMBERS = {
+    "factor": dict(positive=True),
+    "low_freq_factor": dict(positive=True),
+    "high_freq_factor": dict(positive=True),
+    "attention_factor": dict(positive=True),
+    "mscale": dict(minimum=0.0),
+    "mscale_all_dim": dict(minimum=0.0),
+    "beta_fast": dict(minimum=0.0),
+    "beta_slow": dict(minimum=0.0),
+}
+
+
 def rope_parameters(
-    config: Mapping[str, Any], head_dim: int, *, default_partial_factor: float = 1.0
+    config: Mapping[str, Any], head_dim: int, *, default_partial_factor: float = 1.0, source: str = "config.json"
 ) -> RopeParameters:
-    """Normalise the RoPE fields of ``config`` (the rule of :ref:`families-rope-config`)."""
-    rp = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    theta = rp.get("rope_theta") or config.get("rope_theta") or 10000.0
-    rope_type = rp.get("rope_type") or rp.get("type") or "default"
-    partial = rp.get("partial_rotary_factor") or config.get("partial_rotary_factor") or default_partial_factor
+    """Normalise the RoPE fields of ``config`` (the rule of :ref:`families-rope-config`).
+
+    Every field is type-checked (:class:`~metrale.config_fields.ConfigFields`): a
+    ``rope_parameters`` / ``rope_scaling`` that is not an object, a factor that is not a finite
+    positive number, ... raise :class:`~metrale.errors.CheckpointError` naming ``source``, the
+    field and its value.
+    """
+    fields = ConfigFields(config, source)
+    section = fields.section("rope_parameters")
+    legacy = fields.section("rope_scaling")
+    if section is None or not section.values:
+        section = legacy if legacy is not None else ConfigFields({}, source, "rope_parameters.")
+    # Both places are read (and so checked) before one wins.
+    thetas = [where.number("rope_theta", None, positive=True) for where in (section, fields)]
+    theta = thetas[0] or thetas[1] or 10000.0
+    if theta <= 1:
+        # inv_freq = theta^(-2i/d) needs theta > 1 (YaRN divides by log(theta)).
+        raise fields.error(f"rope_theta is {theta}; expected a number > 1")
+    types = [section.text("rope_type", None), section.text("type", None)]
+    rope_type = types[0] or types[1] or "default"
+    partials = [where.number("partial_rotary_factor", None, positive=True, maximum=1.0) for where in (section, fields)]
+    partial = partials[0] or partials[1] or default_partial_factor
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise CheckpointError(
+        raise fields.error(
             f"RoPE type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     rotary_dim = int(head_dim * partial)
     if rotary_dim < 2 or rotary_dim % 2:
-        raise CheckpointError(f"rotary dimension {rotary_dim} (head_dim {head_dim} x {partial}) must be even and >= 2")
-    scaling = dict(rp)
+        raise fields.error(
+            f"rotary dimension {rotary_dim} (head_dim {head_dim} x partial_rotary_factor {partial}) must be even "
+            "and >= 2"
+        )
+    scaling = dict(section.values)
+    for name, options in _SCALING_NUMBERS.items():
+        if section.has(name):
+            scaling[name] = section.number(name, **options)
+    if section.has("truncate"):
+        scaling["truncate"] = section.flag("truncate")
+    original = section.size("original_max_position_embeddings", None)
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
+    max_positions = fields.size("max_position_embeddings", None)
+    top_original = fields.size("original_max_position_embeddings", None)
     if rope_type in ("llama3", "yarn"):
         # transformers: a top-level original_max_position_embeddings wins; else the model's own.
-        if config.get("original_max_position_embeddings"):
-            scaling["original_max_position_embeddings"] = config["original_max_position_embeddings"]
-        elif not scaling.get("original_max_position_embeddings") and config.get("max_position_embeddings"):
-            scaling["original_max_position_embeddings"] = config["max_position_embeddings"]
-    rp = scaling
-    if rope_type in ("linear", "llama3") and "factor" not in rp:
-        raise CheckpointError(f"{rope_type} RoPE scaling needs a 'factor'")
+        if top_original:
+            scaling["original_max_position_embeddings"] = top_original
+        elif not scaling.get("original_max_position_embeddings") and max_positions:
+            scaling["original_max_position_embeddings"] = max_positions
+    if rope_type in ("linear", "llama3") and scaling.get("factor") is None:
+        raise fields.error(f"{rope_type} RoPE scaling needs a 'factor'")
     if rope_type == "llama3":
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            if key not in rp:
-                raise CheckpointError(f"llama3 RoPE scaling needs {key!r}")
+            if scaling.get(key) is None:
+                raise fields.error(f"llama3 RoPE scaling needs {key!r}")
     return RopeParameters(
         rope_type=rope_type,
-        theta=float(theta),
+        theta=theta,
         rotary_dim=rotary_dim,
-        scaling=rp,
-        max_position_embeddings=config.get("max_position_embeddings"),
+        scaling=scaling,
+        max_position_embeddings=max_positions,
     )

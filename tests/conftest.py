@@ -168,3 +168,73 @@ def gdn_checkpoint(tmp_path_factory):
     return build_hf_checkpoint(cls, config, tmp_path_factory.mktemp("gdn") / "qwen3_next", seed=30,
                                zero_centred_norms=True)
 
+
+
+# ============================================================ corrupt copies of the embedded models
+
+
+@pytest.fixture(scope="session")
+def warm_plugin_manager():
+    """A plugin manager shared by the bad-checkpoint tests, after one good load has imported every
+    module a load needs (so that their imports do not count in a load's memory peak)."""
+    import metrale
+    from metrale.plugin_manager import get_plugin_manager
+
+    manager = get_plugin_manager()
+    for name in ("tiny-dense", "tiny-mla", "tiny-gdn"):
+        metrale.LLM(name, device="cpu", show_progress=False, plugin_manager=manager)
+    return manager
+
+
+def edited_copy(model: str, folder: Path, edit=None) -> Path:
+    """A copy of the embedded checkpoint ``model`` in ``folder``, its config.json passed through
+    ``edit`` (which changes the dict in place, or returns the new JSON value)."""
+    import json
+    import shutil
+
+    from metrale.models import embedded_model_path
+
+    shutil.copytree(embedded_model_path(model), folder)
+    if edit is not None:
+        config = json.loads((folder / "config.json").read_text())
+        edited = edit(config)
+        (folder / "config.json").write_text(json.dumps(config if edited is None else edited))
+    return folder
+
+
+def set_fields(**fields):
+    """An ``edit`` for :func:`edited_copy`: set top-level fields (None writes ``null``); ``__`` in
+    a name reaches into a section (``rope_parameters__factor``)."""
+
+    def edit(config):
+        for name, value in fields.items():
+            *sections, last = name.split("__")
+            target = config
+            for section in sections:
+                target = target.setdefault(section, {})
+            target[last] = value
+
+    return edit
+
+
+def load_refused(path: Path, match: str, manager, *, peak_mb: float = 64, seconds: float = 5.0):
+    """Load ``path`` on the CPU and expect a :class:`CheckpointError` matching ``match``, raised
+    before more than ``peak_mb`` MB were allocated (tracemalloc) and within ``seconds``."""
+    import time
+    import tracemalloc
+
+    import metrale
+    from metrale.errors import CheckpointError
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(CheckpointError, match=match) as info:
+            metrale.LLM(path, device="cpu", show_progress=False, plugin_manager=manager)
+    finally:
+        elapsed = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < peak_mb * 2**20, f"{peak / 2**20:.0f} MB allocated before the refusal: {info.value}"
+    assert elapsed < seconds, f"the refusal took {elapsed:.1f} s: {info.value}"
+    return info.value

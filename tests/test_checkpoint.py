@@ -433,3 +433,179 @@ def test_fixture_generation_config_eos(llama):
     written = json.loads((llama / "generation_config.json").read_text())["eos_token_id"]
     expected = written if isinstance(written, list) else [written]
     assert Checkpoint(llama).eos_token_ids() == expected
+
+
+# ========================================================================== safetensors layouts
+
+def _tiny_dense_copy(tmp_path: Path) -> Path:
+    from metrale.models import embedded_model_path
+
+    return Path(shutil.copytree(embedded_model_path("tiny-dense"), tmp_path / "ckpt"))
+
+
+F32_2x2 = {"dtype": "F32", "shape": [2, 2]}
+
+
+def _write_safetensors(path: Path, header: dict | bytes, body: bytes, header_len: int | None = None) -> None:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if header_len is None else header_len) + raw + body)
+
+
+def test_a_valid_hand_written_safetensors_file_loads(tmp_path):
+    """The control of the layouts below: two tensors back to back."""
+    folder = _tiny_dense_copy(tmp_path)
+    body = np.zeros(4, np.float32).tobytes() + np.arange(4, dtype=np.float32).tobytes()
+    header = {"__metadata__": {"format": "np"}, "a": {**F32_2x2, "data_offsets": [0, 16]},
+              "b": {**F32_2x2, "data_offsets": [16, 32]}}
+    _write_safetensors(folder / "model.safetensors", header, body)
+    checkpoint = Checkpoint(folder)
+    assert checkpoint.names() == ["a", "b"]
+    assert checkpoint.tensor("b", (2, 2)).tolist() == [[0, 1], [2, 3]]
+
+
+# (entries besides a = F32 [2, 2] at [0, 16), body length, what the message says)
+LAYOUTS = {
+    "aliased": ({"b": {**F32_2x2, "data_offsets": [0, 16]}}, 16, r"invalid offset"),
+    "overlapping": ({"b": {**F32_2x2, "data_offsets": [8, 24]}}, 24, r"invalid offset"),
+    "hole": ({"b": {**F32_2x2, "data_offsets": [24, 40]}}, 40, r"invalid offset"),
+    "trailing-bytes": ({"b": {**F32_2x2, "data_offsets": [16, 32]}}, 40, r"not fully covered"),
+    "past-the-end": ({"b": {**F32_2x2, "data_offsets": [16, 48]}}, 32, r"'b' lies at bytes \[16, 48\) past the end"),
+    "reversed": ({"b": {**F32_2x2, "data_offsets": [32, 16]}}, 32, r"'b' lies at bytes \[32, 16\)"),
+    "size-mismatch": ({"b": {**F32_2x2, "data_offsets": [16, 28]}}, 28,
+                      r"'b' of dtype F32 and shape \[2, 2\] needs 16 bytes, but its data_offsets \[16, 28\) hold 12"),
+    "negative-dim": ({"b": {"dtype": "F32", "shape": [-1, 4], "data_offsets": [16, 32]}}, 32, r"'b' has shape \[-1, 4\]"),
+    "float-dim": ({"b": {"dtype": "F32", "shape": [2.0, 2], "data_offsets": [16, 32]}}, 32, r"'b' has shape \[2\.0, 2\]"),
+    "bool-dim": ({"b": {"dtype": "F32", "shape": [True, 4], "data_offsets": [16, 32]}}, 32, r"'b' has shape \[True, 4\]"),
+    "string-shape": ({"b": {"dtype": "F32", "shape": "2x2", "data_offsets": [16, 32]}}, 32, r"'b' has shape '2x2'"),
+    "three-offsets": ({"b": {**F32_2x2, "data_offsets": [16, 24, 32]}}, 32, r"'b' has data_offsets \[16, 24, 32\]"),
+    "float-offset": ({"b": {**F32_2x2, "data_offsets": [16, 32.0]}}, 32, r"'b' has data_offsets \[16, 32\.0\]"),
+    "fp8-dtype": ({"b": {"dtype": "F8_E4M3", "shape": [2, 2], "data_offsets": [16, 20]}}, 20,
+                  r"'b' has unsupported dtype 'F8_E4M3'"),
+    "unknown-dtype": ({"b": {"dtype": "X32", "shape": [2, 2], "data_offsets": [16, 32]}}, 32,
+                      r"'b' has unsupported dtype 'X32'"),
+    "non-string-metadata": ({"__metadata__": {"format": 1}, "b": {**F32_2x2, "data_offsets": [16, 32]}}, 32,
+                            r"invalid JSON in header"),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_safetensors_layout_the_safetensors_library_refuses_is_refused(tmp_path, layout):
+    entries, body_len, message = LAYOUTS[layout]
+    folder = _tiny_dense_copy(tmp_path)
+    _write_safetensors(folder / "model.safetensors", {"a": {**F32_2x2, "data_offsets": [0, 16]}, **entries},
+                       bytes(body_len))
+    with pytest.raises(CheckpointError, match=re.escape(str(folder / "model.safetensors")) + ".*" + message):
+        Checkpoint(folder)
+
+
+def test_safetensors_header_length_over_the_librarys_cap_is_refused_unread(tmp_path):
+    folder = _tiny_dense_copy(tmp_path)
+    _write_safetensors(folder / "model.safetensors", b"{}", b"", header_len=200_000_000)
+    with pytest.raises(CheckpointError, match=r"header length 200000000 exceeds the 100000000 bytes"):
+        Checkpoint(folder)
+
+
+def test_tensor_aliasing_another_tensors_bytes_is_refused(tmp_path):
+    """tiny-dense with layer 0's up_proj pointing at gate_proj's bytes (its own bytes cut out, so
+    the file has no hole): without the layout check it loads, and computes something else."""
+    folder = _tiny_dense_copy(tmp_path)
+    file = folder / "model.safetensors"
+    data = file.read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + header_len])
+    victim, source = "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_proj.weight"
+    body, offset = bytearray(), 0
+    for name, entry in sorted(((n, e) for n, e in header.items() if n != "__metadata__"),
+                              key=lambda item: item[1]["data_offsets"][0]):
+        if name == victim:
+            continue
+        begin, end = entry["data_offsets"]
+        body += data[8 + header_len + begin : 8 + header_len + end]
+        entry["data_offsets"] = [offset, offset + end - begin]
+        offset += end - begin
+    header[victim]["data_offsets"] = header[source]["data_offsets"]
+    _write_safetensors(file, header, bytes(body))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a valid safetensors file: .*invalid offset"):
+        _llm(folder)
+
+
+# ================================================================== metadata that is not what it says
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "model.safetensors.index.json"])
+@pytest.mark.parametrize("text, kind", [("[]", "an array"), ('"llama"', "a string"), ("3", "a number"),
+                                        ("null", "null"), ("[{\"model_type\": \"llama\"}]", "an array")])
+def test_json_file_that_is_not_an_object_is_refused(tmp_path, name, text, kind):
+    folder = _tiny_dense_copy(tmp_path)
+    (folder / name).write_text(text)
+    with pytest.raises(CheckpointError, match=re.escape(f"{folder / name} holds {kind}")):
+        Checkpoint(folder)
+
+
+@pytest.mark.parametrize(
+    "weight_map, message",
+    [
+        ([], r"weight_map is \[\]; expected a JSON object"),
+        ({"model.norm.weight": 3}, r"weight_map\['model\.norm\.weight'\] is 3; expected a shard file name"),
+    ],
+)
+def test_index_with_a_malformed_weight_map_is_refused(tmp_path, weight_map, message):
+    folder = _tiny_dense_copy(tmp_path)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: " + message):
+        Checkpoint(folder)
+
+
+def test_tensor_stored_in_two_shards_is_refused(tmp_path):
+    folder = _tiny_dense_copy(tmp_path)
+    save_file({"model.norm.weight": np.ones(128, np.float32)}, str(folder / "extra.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' is stored twice, in extra\.safetensors and "
+                                              r"model\.safetensors"):
+        Checkpoint(folder)
+
+
+@pytest.mark.parametrize(
+    "file, value, said",
+    [
+        ("generation_config.json", "x", 'eos_token_id is "x"'),
+        ("generation_config.json", [1, "x"], 'eos_token_id[1] is "x"'),
+        ("generation_config.json", True, "eos_token_id is true"),
+        ("generation_config.json", -1, "eos_token_id is -1"),
+        ("generation_config.json", 1.5, "eos_token_id is 1.5"),
+        ("generation_config.json", {"id": 1}, 'eos_token_id is {"id": 1}'),
+        ("config.json", "x", 'eos_token_id is "x"'),  # checked even where generation_config.json wins
+    ],
+)
+def test_eos_token_id_that_is_not_a_token_id_is_refused(tmp_path, file, value, said):
+    folder = _tiny_dense_copy(tmp_path)
+    data = json.loads((folder / file).read_text())
+    data["eos_token_id"] = value
+    (folder / file).write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=re.escape(f"{folder / file}: {said}; expected")):
+        Checkpoint(folder).eos_token_ids()
+
+
+# ================================================================ config against the tensors: helpers
+
+
+def test_layer_indices_and_the_expect_helpers_read_names_and_headers_only():
+    checkpoint = Checkpoint(metrale.models.embedded_model_path("tiny-mla"))
+    assert checkpoint.layer_indices() == [0, 1, 2]
+    assert checkpoint.layer_indices("model.layers.1.mlp.experts.") == list(range(8))
+    assert checkpoint.layer_indices("model.layers.0.mlp.experts.") == []
+    checkpoint.expect_count(3, "model.layers.", because="num_hidden_layers=3")
+    checkpoint.expect_count(2, "model.layers.", because="num_hidden_layers=2", extra_ok=True)
+    for count, extra_ok in ((2, False), (4, True), (10**12, False)):
+        with pytest.raises(CheckpointError, match=rf"num_hidden_layers={count}, but .* for i = 0\.\.2 \(3\)"):
+            checkpoint.expect_count(count, "model.layers.", because=f"num_hidden_layers={count}", extra_ok=extra_ok)
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    checkpoint.expect_shape(name, (48, 128), because="kv_lora_rank=32 qk_rope_head_dim=16 hidden_size=128")
+    with pytest.raises(CheckpointError, match=re.escape(f"{name}' has shape [48, 128], but config.json's "
+                                                        "kv_lora_rank=64 implies [80, 128]")):
+        checkpoint.expect_shape(name, (80, 128), because="kv_lora_rank=64")
+    with pytest.raises(CheckpointError, match=r"q_lora_rank=null implies a tensor 'x\.weight' of shape \[4\]"):
+        checkpoint.expect_shape("x.weight", (4,), because="q_lora_rank=null")
+    checkpoint.expect_tensor("model.layers.1.mlp.gate.weight", because="first_k_dense_replace=1")
+    with pytest.raises(CheckpointError, match=r"first_k_dense_replace=2 implies no tensor 'model\.layers\.1\.mlp"):
+        checkpoint.expect_tensor("model.layers.1.mlp.gate.weight", False, because="first_k_dense_replace=2")
+    assert checkpoint.unconsumed() == checkpoint.names()  # no tensor was read

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import numpy as np
 import pytest
@@ -275,6 +276,35 @@ def test_yarn_without_a_factor_or_the_lengths_to_derive_it_is_refused():
 def test_odd_or_too_small_rotary_dimension_is_refused(head_dim, config):
     with pytest.raises(CheckpointError, match="rotary dimension"):
         rope_parameters(config, head_dim)
+
+
+@pytest.mark.parametrize(
+    "config, said",
+    [
+        ({"rope_parameters": "yarn"}, 'rope_parameters is "yarn"; expected a JSON object'),
+        ({"rope_scaling": [{"type": "linear"}]}, "rope_scaling is [{"),
+        ({"rope_scaling": {"type": "linear", "factor": "4"}}, 'rope_scaling.factor is "4"; expected a number'),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 0}}, "rope_parameters.factor is 0; expected a number > 0"),
+        ({"rope_parameters": {"rope_type": ["yarn"]}}, 'rope_parameters.rope_type is ["yarn"]; expected a string'),
+        ({"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": "4096"}},
+         'rope_parameters.original_max_position_embeddings is "4096"; expected an int'),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": "32"}},
+         'rope_parameters.beta_fast is "32"; expected a number'),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": -1}},
+         "rope_parameters.mscale is -1; expected a number >= 0.0"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "attention_factor": "1"}},
+         'rope_parameters.attention_factor is "1"; expected a number'),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": None, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}}, "llama3 RoPE scaling needs 'low_freq_factor'"),
+        ({"rope_theta": "10000"}, 'rope_theta is "10000"; expected a number'),
+        ({"rope_theta": 0.5}, "rope_theta is 0.5; expected a number > 1"),
+        ({"partial_rotary_factor": 1.5}, "partial_rotary_factor is 1.5; expected a number <= 1.0"),
+        ({"max_position_embeddings": "4096"}, 'max_position_embeddings is "4096"; expected an int'),
+    ],
+)
+def test_rope_fields_of_the_wrong_type_are_refused_naming_file_and_field(config, said):
+    with pytest.raises(CheckpointError, match="^" + re.escape(f"/ckpt/config.json: {said}")):
+        rope_parameters(config, 64, source="/ckpt/config.json")
 
 
 # ============================================================================ kernels/rope.py

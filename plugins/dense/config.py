@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Mapping
 
+from metrale.checkpoint import Checkpoint
+from metrale.config_fields import ConfigFields
 from metrale.errors import CheckpointError
+from metrale.plugins.dense.layers import expect_mlp_shapes
 from metrale.rope import RopeParameters, rope_parameters
 
 # transformers' config-class defaults for fields a config.json may omit.
@@ -14,11 +18,16 @@ _DEFAULT_HEAD_DIM = {"qwen3": 128}
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
 
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
 class DenseConfig:
-    """Geometry and options of a dense checkpoint, with per-model-type defaults applied."""
+    """Geometry and options of a dense checkpoint, with per-model-type defaults applied.
+
+    Nothing here is sized by ``num_layers`` until :meth:`check_tensors` has compared it with the
+    checkpoint: ``layer_windows`` is computed on first use.
+    """
 
     model_type: str
     vocab_size: int
@@ -33,65 +42,108 @@ class DenseConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    layer_windows: tuple[int | None, ...]
     tie_word_embeddings: bool
     max_position_embeddings: int
     rope: RopeParameters
+    #: Sliding window of the windowed layers (None: every layer attends fully), and which layers
+    #: are windowed: ``window_layer_types`` when given, else those from ``max_window_layers`` on.
+    sliding_window: int | None = None
+    window_layer_types: tuple[str, ...] | None = None
+    max_window_layers: int = 0
+
+    @cached_property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Sliding window per layer (None = full attention)."""
+        window, layers = self.sliding_window, self.num_layers
+        if window is None:
+            return (None,) * layers
+        if self.window_layer_types is not None:
+            return tuple(window if kind == "sliding_attention" else None for kind in self.window_layer_types)
+        return tuple(window if i >= self.max_window_layers else None for i in range(layers))
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> "DenseConfig":
-        model_type = config.get("model_type", "llama")
-        missing = [name for name in REQUIRED_FIELDS if config.get(name) is None]
+    def from_dict(cls, config: Mapping[str, Any], source: str = "config.json") -> "DenseConfig":
+        """Read ``config`` (``source`` names it in errors); every field is type- and range-checked."""
+        fields = ConfigFields(config, source)
+        model_type = fields.text("model_type", "llama")
+        missing = [name for name in REQUIRED_FIELDS if not fields.has(name)]
         if missing:
-            raise CheckpointError(f"config.json lacks {', '.join(missing)}")
-        hidden = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = config.get("num_key_value_heads") or _DEFAULT_KV_HEADS.get(model_type, heads)
-        head_dim = config.get("head_dim") or _DEFAULT_HEAD_DIM.get(model_type) or hidden // heads
+            raise CheckpointError(f"{source} lacks {', '.join(missing)}")
+        hidden = fields.size("hidden_size")
+        heads = fields.size("num_attention_heads")
+        kv_heads = fields.size("num_key_value_heads", None) or _DEFAULT_KV_HEADS.get(model_type, heads)
+        head_dim = fields.size("head_dim", None) or _DEFAULT_HEAD_DIM.get(model_type) or hidden // heads
+        if head_dim < 1:
+            raise fields.error(f"head_dim is not given and hidden_size={hidden} // num_attention_heads={heads} is 0")
         if heads % kv_heads:
-            raise CheckpointError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        layers = int(config["num_hidden_layers"])
-        attention_bias = bool(config.get("attention_bias", False))
+            raise fields.error(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        layers = fields.size("num_hidden_layers")
+        attention_bias = fields.flag("attention_bias", False)
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
         elif model_type == "mistral":
             qkv_bias = o_bias = False
         else:
             qkv_bias = o_bias = attention_bias
+        mlp_bias = fields.flag("mlp_bias", False)
         return cls(
             model_type=model_type,
-            vocab_size=int(config["vocab_size"]),
+            vocab_size=fields.size("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
+            intermediate_size=fields.size("intermediate_size"),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(kv_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=fields.number("rms_norm_eps", 1e-6, positive=True),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            mlp_bias=bool(config.get("mlp_bias", False)) if model_type == "llama" else False,
+            mlp_bias=mlp_bias if model_type == "llama" else False,
             qk_norm=model_type == "qwen3",
-            layer_windows=_layer_windows(config, model_type, layers),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(
-                config.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS.get(model_type, 2048)
+            tie_word_embeddings=fields.flag("tie_word_embeddings", False),
+            max_position_embeddings=(
+                fields.size("max_position_embeddings", None) or _DEFAULT_MAX_POSITIONS.get(model_type, 2048)
             ),
-            rope=rope_parameters(config, int(head_dim)),
+            rope=rope_parameters(config, head_dim, source=source),
+            **_window_fields(fields, model_type, layers),
         )
 
+    def check_tensors(self, checkpoint: Checkpoint) -> None:
+        """Raise :class:`~metrale.errors.CheckpointError` unless the checkpoint's layer count and
+        the shapes of the embedding, the first layer and the LM head are the ones this config
+        implies. Reads headers only; call it before allocating anything sized by the config."""
+        c, hidden = self, self.hidden_size
+        checkpoint.expect_count(c.num_layers, "model.layers.", because=f"num_hidden_layers={c.num_layers}")
+        vocab = f"vocab_size={c.vocab_size} hidden_size={hidden}"
+        checkpoint.expect_shape("model.embed_tokens.weight", (c.vocab_size, hidden), because=vocab)
+        if not c.tie_word_embeddings:
+            checkpoint.expect_tensor("lm_head.weight", because="tie_word_embeddings=false")
+        if checkpoint.has("lm_head.weight"):
+            checkpoint.expect_shape("lm_head.weight", (c.vocab_size, hidden), because=vocab)
+        attn = "model.layers.0.self_attn"
+        q = f"num_attention_heads={c.num_heads} head_dim={c.head_dim} hidden_size={hidden}"
+        kv = f"num_key_value_heads={c.num_kv_heads} head_dim={c.head_dim} hidden_size={hidden}"
+        checkpoint.expect_shape(f"{attn}.q_proj.weight", (c.num_heads * c.head_dim, hidden), because=q)
+        checkpoint.expect_shape(f"{attn}.k_proj.weight", (c.num_kv_heads * c.head_dim, hidden), because=kv)
+        checkpoint.expect_shape(f"{attn}.v_proj.weight", (c.num_kv_heads * c.head_dim, hidden), because=kv)
+        checkpoint.expect_shape(f"{attn}.o_proj.weight", (hidden, c.num_heads * c.head_dim), because=q)
+        expect_mlp_shapes(checkpoint, "model.layers.0.mlp", hidden, c.intermediate_size,
+                          because=f"intermediate_size={c.intermediate_size} hidden_size={hidden}")
 
-def _layer_windows(config: Mapping[str, Any], model_type: str, layers: int) -> tuple[int | None, ...]:
-    """Sliding window per layer (None = full attention)."""
-    window = config.get("sliding_window")
+
+def _window_fields(fields: ConfigFields, model_type: str, layers: int) -> dict[str, Any]:
+    """The sliding-window fields of :class:`DenseConfig` (Mistral: every layer; Qwen2/3: the
+    layers ``layer_types`` or ``max_window_layers`` choose, when ``use_sliding_window``)."""
+    window = fields.integer("sliding_window", None) or None
+    use_sliding_window = fields.flag("use_sliding_window", False)
+    layer_types = fields.texts("layer_types", None, choices=LAYER_TYPES)
+    max_window_layers = fields.integer("max_window_layers", 28)
     if model_type == "mistral":
-        return (int(window) if window else None,) * layers
-    if model_type not in ("qwen2", "qwen3") or not window or not config.get("use_sliding_window", False):
-        return (None,) * layers
-    layer_types = config.get("layer_types")
-    if layer_types:
+        return {"sliding_window": window}
+    if model_type not in ("qwen2", "qwen3") or window is None or not use_sliding_window:
+        return {}
+    if layer_types is not None:
         if len(layer_types) != layers:
-            raise CheckpointError(f"layer_types has {len(layer_types)} entries for {layers} layers")
-        return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
-    first = int(config.get("max_window_layers", 28))
-    return tuple(int(window) if i >= first else None for i in range(layers))
+            raise fields.error(f"layer_types has {len(layer_types)} entries for num_hidden_layers={layers}")
+        return {"sliding_window": window, "window_layer_types": tuple(layer_types)}
+    return {"sliding_window": window, "max_window_layers": max_window_layers}

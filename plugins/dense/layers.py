@@ -112,6 +112,15 @@ def load_mlp_weights(
     return weights
 
 
+def expect_mlp_shapes(checkpoint: Checkpoint, prefix: str, hidden_size: int, intermediate_size: int, *,
+                      because: str) -> None:
+    """Check (headers only) that ``{prefix}.{gate,up,down}_proj`` have the shapes
+    :func:`load_mlp_weights` will ask for; ``because`` names the config fields they follow from."""
+    checkpoint.expect_shape(f"{prefix}.gate_proj.weight", (intermediate_size, hidden_size), because=because)
+    checkpoint.expect_shape(f"{prefix}.up_proj.weight", (intermediate_size, hidden_size), because=because)
+    checkpoint.expect_shape(f"{prefix}.down_proj.weight", (hidden_size, intermediate_size), because=because)
+
+
 def attention_block(
     backend: Any, geometry: AttentionGeometry, weights: AttentionWeights, cache_layer: Any, h: Any, batch: ForwardBatch
 ) -> Any:

@@ -37,6 +37,8 @@ class DenseModel(FamilyModel):
     """A loaded Llama / Mistral / Qwen2 / Qwen3 model."""
 
     def __init__(self, config: DenseConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
+        # Before anything sized by the config (RoPE table, per-layer lists, weights) is built.
+        config.check_tensors(checkpoint)
         super().__init__(backend, vocab_size=config.vocab_size, max_model_len=max_model_len)
         self.config = config
         c = config

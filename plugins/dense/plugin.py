@@ -27,7 +27,7 @@ class DensePlugin(FamilyPlugin):
     model_class = DenseModel
 
     def load_model(self, checkpoint: Any, backend: Any, config: Any) -> DenseModel:
-        dense = DenseConfig.from_dict(checkpoint.config)
+        dense = DenseConfig.from_dict(checkpoint.config, source=checkpoint.fields.source)
         max_model_len = config.max_model_len or dense.max_position_embeddings
         if max_model_len > dense.max_position_embeddings:
             raise ConfigError(

@@ -93,9 +93,12 @@ class GdnModel(FamilyModel):
 
 
     def __init__(self, config: GdnConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
+        # Before anything sized by the config (RoPE table, per-layer lists, weights) is built.
+        config.check_tensors(checkpoint)
         super().__init__(backend, vocab_size=config.vocab_size, max_model_len=max_model_len)
         self.config = c = config
-        self.inv_freq = backend.constant(c.rope.inverse_frequencies())
+        # Only attention layers rotate; without one, head_dim is not checked against any tensor.
+        self.inv_freq = backend.constant(c.rope.inverse_frequencies()) if "full_attention" in c.layer_types else None
         vector = (c.hidden_size,)
         self.embed = backend.load_weight(checkpoint, ("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
         self.layers = []

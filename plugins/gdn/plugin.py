@@ -27,7 +27,7 @@ class GdnPlugin(FamilyPlugin):
     model_class = GdnModel
 
     def load_model(self, checkpoint: Any, backend: Any, config: Any) -> GdnModel:
-        gdn = GdnConfig.from_dict(checkpoint.config)
+        gdn = GdnConfig.from_dict(checkpoint.config, source=checkpoint.fields.source)
         max_model_len = config.max_model_len or gdn.max_position_embeddings
         if max_model_len > gdn.max_position_embeddings:
             raise ConfigError(

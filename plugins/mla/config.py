@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+from metrale.checkpoint import Checkpoint
+from metrale.config_fields import ConfigFields
 from metrale.errors import CheckpointError
+from metrale.plugins.dense.layers import expect_mlp_shapes
 from metrale.rope import RopeParameters, rope_parameters, yarn_mscale
 
 REQUIRED_FIELDS = (
@@ -81,59 +84,129 @@ class MlaConfig:
         return self.n_routed_experts > 0 and index >= self.first_k_dense_replace
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> "MlaConfig":
-        model_type = config.get("model_type", "deepseek_v3")
+    def from_dict(cls, config: Mapping[str, Any], source: str = "config.json") -> "MlaConfig":
+        """Read ``config`` (``source`` names it in errors); every field is type- and range-checked."""
+        fields = ConfigFields(config, source)
+        model_type = fields.text("model_type", "deepseek_v3")
         if model_type not in _DEFAULTS:
-            raise CheckpointError(f"the MLA family serves deepseek_v2 and deepseek_v3, not {model_type!r}")
-        missing = [name for name in REQUIRED_FIELDS if config.get(name) is None]
+            raise fields.error(f"the MLA family serves deepseek_v2 and deepseek_v3, not model_type {model_type!r}")
+        missing = [name for name in REQUIRED_FIELDS if not fields.has(name)]
         if missing:
-            raise CheckpointError(f"config.json lacks {', '.join(missing)}")
+            raise CheckpointError(f"{source} lacks {', '.join(missing)}")
         defaults = _DEFAULTS[model_type]
 
-        def field(name: str) -> Any:
-            return config[name] if name in config else defaults[name]
+        def pick(name: str, read: Callable[..., Any], **options: Any) -> Any:
+            """The field as config.json gives it (null stays None), else transformers' default."""
+            return read(name, None, **options) if name in config else defaults[name]
 
-        experts = int(field("n_routed_experts") or 0)
-        top_k = field("num_experts_per_tok")
-        if experts and not top_k:
-            raise CheckpointError("num_experts_per_tok is needed with n_routed_experts")
-        n_group = int(field("n_group") or 1)
-        topk_group = int(field("topk_group") or 1)
-        if experts and experts % n_group:
-            raise CheckpointError(f"n_routed_experts={experts} is not a multiple of n_group={n_group}")
-        method = "noaux_tc" if model_type == "deepseek_v3" else str(field("topk_method"))
+        experts = pick("n_routed_experts", fields.integer) or 0
+        top_k = pick("num_experts_per_tok", fields.integer) or 0
+        n_group = pick("n_group", fields.integer) or 1
+        topk_group = pick("topk_group", fields.integer) or 1
+        moe_width = pick("moe_intermediate_size", fields.integer) or 0
+        if experts:
+            if not 1 <= top_k <= experts:
+                raise fields.error(f"num_experts_per_tok={top_k} must be in [1, n_routed_experts={experts}]")
+            if experts % n_group:
+                raise fields.error(f"n_routed_experts={experts} is not a multiple of n_group={n_group}")
+            if topk_group > n_group:
+                raise fields.error(f"topk_group={topk_group} exceeds n_group={n_group}")
+            if moe_width < 1:
+                raise fields.error("moe_intermediate_size must be a positive int when n_routed_experts > 0")
+        method = "noaux_tc" if model_type == "deepseek_v3" else pick("topk_method", fields.text)
         if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
-            raise CheckpointError(f"topk_method {method!r} is not supported (greedy, group_limited_greedy)")
-        rope_dim = int(config["qk_rope_head_dim"])
-        q_lora = field("q_lora_rank")
+            raise fields.error(f"topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+        rope_dim = fields.size("qk_rope_head_dim")
         return cls(
             model_type=model_type,
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
-            num_heads=int(config["num_attention_heads"]),
-            q_lora_rank=int(q_lora) if q_lora else None,
-            kv_lora_rank=int(config["kv_lora_rank"]),
-            qk_nope_head_dim=int(config["qk_nope_head_dim"]),
+            vocab_size=fields.size("vocab_size"),
+            hidden_size=fields.size("hidden_size"),
+            intermediate_size=fields.size("intermediate_size"),
+            num_layers=fields.size("num_hidden_layers"),
+            num_heads=fields.size("num_attention_heads"),
+            q_lora_rank=pick("q_lora_rank", fields.integer) or None,
+            kv_lora_rank=fields.size("kv_lora_rank"),
+            qk_nope_head_dim=fields.size("qk_nope_head_dim"),
             qk_rope_head_dim=rope_dim,
-            v_head_dim=int(config["v_head_dim"]),
-            moe_intermediate_size=int(field("moe_intermediate_size")),
+            v_head_dim=fields.size("v_head_dim"),
+            moe_intermediate_size=moe_width,
             n_routed_experts=experts,
-            num_experts_per_tok=int(top_k or 0),
-            n_shared_experts=int(field("n_shared_experts") or 0),
-            first_k_dense_replace=int(field("first_k_dense_replace") or 0),
+            num_experts_per_tok=top_k,
+            n_shared_experts=pick("n_shared_experts", fields.integer) or 0,
+            first_k_dense_replace=pick("first_k_dense_replace", fields.integer) or 0,
             n_group=n_group,
             topk_group=topk_group,
             topk_method=method,
             # transformers' V2 never renormalises the top-k weights, whatever the config says.
-            norm_topk_prob=bool(config.get("norm_topk_prob", True)) if model_type == "deepseek_v3" else False,
-            routed_scaling_factor=float(field("routed_scaling_factor")),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            attention_bias=bool(config.get("attention_bias", False)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(field("max_position_embeddings")),
-            rope=rope_parameters(config, rope_dim),
-            interleaved_rope=model_type == "deepseek_v2" or bool(config.get("rope_interleave", True)),
-            num_mtp_layers=int(config.get("num_nextn_predict_layers") or 0),
+            norm_topk_prob=fields.flag("norm_topk_prob", True) if model_type == "deepseek_v3" else False,
+            routed_scaling_factor=pick("routed_scaling_factor", fields.number, positive=True) or 1.0,
+            rms_norm_eps=fields.number("rms_norm_eps", 1e-6, positive=True),
+            attention_bias=fields.flag("attention_bias", False),
+            tie_word_embeddings=fields.flag("tie_word_embeddings", False),
+            max_position_embeddings=(pick("max_position_embeddings", fields.size)
+                                     or defaults["max_position_embeddings"]),
+            rope=rope_parameters(config, rope_dim, source=source),
+            interleaved_rope=model_type == "deepseek_v2" or fields.flag("rope_interleave", True),
+            num_mtp_layers=fields.integer("num_nextn_predict_layers", 0),
         )
+
+    def check_tensors(self, checkpoint: Checkpoint) -> None:
+        """Raise :class:`~metrale.errors.CheckpointError` unless the checkpoint's layers (MTP
+        layers at ``num_hidden_layers`` and above allowed), the embedding, the first layer's
+        attention, the first dense and first MoE layer's MLP and expert count are the ones this
+        config implies. Reads headers only; call it before allocating anything sized by the config."""
+        c, hidden = self, self.hidden_size
+        heads, r, d_n, d_r, d_v = c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        checkpoint.expect_count(c.num_layers, "model.layers.", because=f"num_hidden_layers={c.num_layers}",
+                                extra_ok=True)
+        # Layers past num_hidden_layers must be multi-token-prediction modules (which have eh_proj).
+        for index in checkpoint.layer_indices("model.layers."):
+            if index >= c.num_layers and (index >= c.num_layers + c.num_mtp_layers
+                                          or not checkpoint.has(f"model.layers.{index}.eh_proj.weight")):
+                raise CheckpointError(
+                    f"{checkpoint.path}: config.json's num_hidden_layers={c.num_layers} num_nextn_predict_layers="
+                    f"{c.num_mtp_layers} leave model.layers.{index} neither a decoder layer nor a "
+                    "multi-token-prediction layer (those have an eh_proj.weight)"
+                )
+        moe = f"n_routed_experts={c.n_routed_experts} first_k_dense_replace={c.first_k_dense_replace}"
+        for index in range(c.num_layers):
+            checkpoint.expect_tensor(f"model.layers.{index}.mlp.gate.weight", c.is_moe_layer(index), because=moe)
+        vocab = f"vocab_size={c.vocab_size} hidden_size={hidden}"
+        checkpoint.expect_shape("model.embed_tokens.weight", (c.vocab_size, hidden), because=vocab)
+        if not c.tie_word_embeddings:
+            checkpoint.expect_tensor("lm_head.weight", because="tie_word_embeddings=false")
+        if checkpoint.has("lm_head.weight"):
+            checkpoint.expect_shape("lm_head.weight", (c.vocab_size, hidden), because=vocab)
+        attn = "model.layers.0.self_attn"
+        latent = f"kv_lora_rank={r} qk_rope_head_dim={d_r} hidden_size={hidden}"
+        checkpoint.expect_shape(f"{attn}.kv_a_proj_with_mqa.weight", (r + d_r, hidden), because=latent)
+        checkpoint.expect_shape(f"{attn}.kv_b_proj.weight", (heads * (d_n + d_v), r),
+                                because=f"num_attention_heads={heads} qk_nope_head_dim={d_n} v_head_dim={d_v} "
+                                        f"kv_lora_rank={r}")
+        checkpoint.expect_shape(f"{attn}.o_proj.weight", (hidden, heads * d_v),
+                                because=f"num_attention_heads={heads} v_head_dim={d_v} hidden_size={hidden}")
+        query = f"num_attention_heads={heads} qk_nope_head_dim={d_n} qk_rope_head_dim={d_r}"
+        if c.q_lora_rank is None:
+            checkpoint.expect_shape(f"{attn}.q_proj.weight", (heads * (d_n + d_r), hidden),
+                                    because=f"{query} hidden_size={hidden} q_lora_rank=null")
+        else:
+            rank = c.q_lora_rank
+            checkpoint.expect_shape(f"{attn}.q_a_proj.weight", (rank, hidden),
+                                    because=f"q_lora_rank={rank} hidden_size={hidden}")
+            checkpoint.expect_shape(f"{attn}.q_b_proj.weight", (heads * (d_n + d_r), rank),
+                                    because=f"{query} q_lora_rank={rank}")
+        if c.n_routed_experts == 0 or c.first_k_dense_replace > 0:
+            expect_mlp_shapes(checkpoint, "model.layers.0.mlp", hidden, c.intermediate_size,
+                              because=f"intermediate_size={c.intermediate_size} hidden_size={hidden}")
+        if c.n_routed_experts and c.first_k_dense_replace < c.num_layers:
+            mlp = f"model.layers.{c.first_k_dense_replace}.mlp"
+            experts, width = c.n_routed_experts, c.moe_intermediate_size
+            checkpoint.expect_count(experts, f"{mlp}.experts.", because=f"n_routed_experts={experts}")
+            checkpoint.expect_shape(f"{mlp}.gate.weight", (experts, hidden),
+                                    because=f"n_routed_experts={experts} hidden_size={hidden}")
+            expect_mlp_shapes(checkpoint, f"{mlp}.experts.0", hidden, width,
+                              because=f"moe_intermediate_size={width} hidden_size={hidden}")
+            if c.n_shared_experts:
+                expect_mlp_shapes(checkpoint, f"{mlp}.shared_experts", hidden, width * c.n_shared_experts,
+                                  because=f"n_shared_experts={c.n_shared_experts} moe_intermediate_size={width} "
+                                          f"hidden_size={hidden}")

@@ -113,6 +113,8 @@ class MlaModel(FamilyModel):
     absorbed_decode = True
 
     def __init__(self, config: MlaConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
+        # Before anything sized by the config (RoPE table, per-layer lists, weights) is built.
+        config.check_tensors(checkpoint)
         super().__init__(backend, vocab_size=config.vocab_size, max_model_len=max_model_len)
         self.config = c = config
         self.inv_freq = backend.constant(c.rope.inverse_frequencies())
@@ -139,7 +141,10 @@ class MlaModel(FamilyModel):
         else:
             self.lm_head = backend.load_weight(checkpoint, ("lm_head.weight", (c.vocab_size, c.hidden_size)))
         # Multi-token-prediction modules (model.layers.{L + k}.*): kept for speculative decoding.
-        mtp_prefixes = tuple(f"model.layers.{c.num_layers + k}." for k in range(max(c.num_mtp_layers, 0)))
+        # (The prefixes come from the layers present, not from num_nextn_predict_layers, which
+        # checkpoints that dropped these weights still declare.)
+        mtp_prefixes = tuple(f"model.layers.{i}." for i in checkpoint.layer_indices("model.layers.")
+                             if c.num_layers <= i < c.num_layers + c.num_mtp_layers)
         self.mtp_weights = {
             name: backend.constant(checkpoint.tensor(name))
             for name in checkpoint.names() if mtp_prefixes and name.startswith(mtp_prefixes)

@@ -27,7 +27,7 @@ class MlaPlugin(FamilyPlugin):
     model_class = MlaModel
 
     def load_model(self, checkpoint: Any, backend: Any, config: Any) -> MlaModel:
-        mla = MlaConfig.from_dict(checkpoint.config)
+        mla = MlaConfig.from_dict(checkpoint.config, source=checkpoint.fields.source)
         max_model_len = config.max_model_len or mla.max_position_embeddings
         if max_model_len > mla.max_position_embeddings:
             raise ConfigError(
