@@ -205,7 +205,8 @@ class Checkpoint:
             section = ConfigFields(index, str(self.path / index_name)).section("weight_map")
             weight_map = dict(section.values) if section is not None else {}
             for tensor, shard in weight_map.items():
-                if not isinstance(shard, str):
+                # A plain file name: shards are read from the checkpoint folder and nowhere else.
+                if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
                     raise section.error(f"weight_map[{tensor!r}] is {shard!r}; expected a shard file name")
             files = sorted(set(weight_map.values()))
             if not files:
@@ -218,7 +219,9 @@ class Checkpoint:
         for name in files:
             file = self.path / name
             if not file.is_file():
-                raise CheckpointError(f"{self.path}: shard {name} listed in the index is missing")
+                what = "is not a regular file" if file.exists() else "is missing"
+                listed = " listed in the index" if index is not None else ""
+                raise CheckpointError(f"{self.path}: shard {name}{listed} {what}")
             for tensor, info in read_safetensors_header(file).items():
                 if tensor in tensors:
                     raise CheckpointError(

@@ -7,6 +7,7 @@ tensor values. Broken checkpoints are made by editing a good one with safetensor
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import struct
@@ -547,6 +548,9 @@ def test_json_file_that_is_not_an_object_is_refused(tmp_path, name, text, kind):
     [
         ([], r"weight_map is \[\]; expected a JSON object"),
         ({"model.norm.weight": 3}, r"weight_map\['model\.norm\.weight'\] is 3; expected a shard file name"),
+        ({"model.norm.weight": "../model.safetensors"},
+         r"weight_map\['model\.norm\.weight'\] is '\.\./model\.safetensors'; expected a shard file name"),
+        ({"model.norm.weight": "/etc/passwd"}, r"weight_map\['model\.norm\.weight'\] is '/etc/passwd'; expected a shard file name"),
     ],
 )
 def test_index_with_a_malformed_weight_map_is_refused(tmp_path, weight_map, message):
@@ -609,3 +613,12 @@ def test_layer_indices_and_the_expect_helpers_read_names_and_headers_only():
     with pytest.raises(CheckpointError, match=r"first_k_dense_replace=2 implies no tensor 'model\.layers\.1\.mlp"):
         checkpoint.expect_tensor("model.layers.1.mlp.gate.weight", False, because="first_k_dense_replace=2")
     assert checkpoint.unconsumed() == checkpoint.names()  # no tensor was read
+
+
+def test_a_shard_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path):
+    """A FIFO named like a shard would block a reader forever."""
+    folder = _tiny_dense_copy(tmp_path)
+    (folder / "model.safetensors").unlink()
+    os.mkfifo(folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match="model.safetensors is not a regular file"):
+        Checkpoint(folder)

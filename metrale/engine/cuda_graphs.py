@@ -50,7 +50,8 @@ class CudaGraphRunner:
         self._model = weakref.ref(model)
         self.backend = backend
         self.block_size = model.cache.block_size
-        self.max_blocks = math.ceil(model.max_model_len / self.block_size)
+        # A sequence holds at most every block of the cache, however long max_model_len is.
+        self.max_blocks = min(math.ceil(model.max_model_len / self.block_size), model.cache.num_blocks)
         self.rungs: dict[int, Rung] = {}
 
     @property
