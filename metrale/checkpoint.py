@@ -290,6 +290,16 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: config.json's {because} implies {implies} {name!r}, but the "
                                   f"checkpoint {found}")
 
+    def expect_embeddings(self, vocab_size: int, hidden_size: int, tie_word_embeddings: bool) -> None:
+        """:meth:`expect_shape` for ``model.embed_tokens.weight`` ``[vocab_size, hidden_size]``
+        and, when present (and it must be unless ``tie_word_embeddings``), ``lm_head.weight``."""
+        vocab = f"vocab_size={vocab_size} hidden_size={hidden_size}"
+        self.expect_shape("model.embed_tokens.weight", (vocab_size, hidden_size), because=vocab)
+        if not tie_word_embeddings:
+            self.expect_tensor("lm_head.weight", because="tie_word_embeddings=false")
+        if self.has("lm_head.weight"):
+            self.expect_shape("lm_head.weight", (vocab_size, hidden_size), because=vocab)
+
     def expect_shape(self, name: str, shape: Sequence[int], *, because: str) -> None:
         """Raise :class:`CheckpointError` unless tensor ``name`` exists with ``shape``.
 

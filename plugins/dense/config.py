@@ -114,12 +114,7 @@ class DenseConfig:
         implies. Reads headers only; call it before allocating anything sized by the config."""
         c, hidden = self, self.hidden_size
         checkpoint.expect_count(c.num_layers, "model.layers.", because=f"num_hidden_layers={c.num_layers}")
-        vocab = f"vocab_size={c.vocab_size} hidden_size={hidden}"
-        checkpoint.expect_shape("model.embed_tokens.weight", (c.vocab_size, hidden), because=vocab)
-        if not c.tie_word_embeddings:
-            checkpoint.expect_tensor("lm_head.weight", because="tie_word_embeddings=false")
-        if checkpoint.has("lm_head.weight"):
-            checkpoint.expect_shape("lm_head.weight", (c.vocab_size, hidden), because=vocab)
+        checkpoint.expect_embeddings(c.vocab_size, hidden, c.tie_word_embeddings)
         attn = "model.layers.0.self_attn"
         q = f"num_attention_heads={c.num_heads} head_dim={c.head_dim} hidden_size={hidden}"
         kv = f"num_key_value_heads={c.num_kv_heads} head_dim={c.head_dim} hidden_size={hidden}"

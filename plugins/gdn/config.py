@@ -141,12 +141,7 @@ class GdnConfig:
         it before allocating anything sized by the config."""
         c, hidden = self, self.hidden_size
         checkpoint.expect_count(c.num_layers, "model.layers.", because=f"num_hidden_layers={c.num_layers}")
-        vocab = f"vocab_size={c.vocab_size} hidden_size={hidden}"
-        checkpoint.expect_shape("model.embed_tokens.weight", (c.vocab_size, hidden), because=vocab)
-        if not c.tie_word_embeddings:
-            checkpoint.expect_tensor("lm_head.weight", because="tie_word_embeddings=false")
-        if checkpoint.has("lm_head.weight"):
-            checkpoint.expect_shape("lm_head.weight", (c.vocab_size, hidden), because=vocab)
+        checkpoint.expect_embeddings(c.vocab_size, hidden, c.tie_word_embeddings)
         # The layer count is checked: the per-layer tuples are now small.
         moe = f"num_experts={c.num_experts} decoder_sparse_step={c.decoder_sparse_step} mlp_only_layers"
         for index, (kind, sparse) in enumerate(zip(c.layer_types, c.moe_layers)):

@@ -171,12 +171,7 @@ class MlaConfig:
         moe = f"n_routed_experts={c.n_routed_experts} first_k_dense_replace={c.first_k_dense_replace}"
         for index in range(c.num_layers):
             checkpoint.expect_tensor(f"model.layers.{index}.mlp.gate.weight", c.is_moe_layer(index), because=moe)
-        vocab = f"vocab_size={c.vocab_size} hidden_size={hidden}"
-        checkpoint.expect_shape("model.embed_tokens.weight", (c.vocab_size, hidden), because=vocab)
-        if not c.tie_word_embeddings:
-            checkpoint.expect_tensor("lm_head.weight", because="tie_word_embeddings=false")
-        if checkpoint.has("lm_head.weight"):
-            checkpoint.expect_shape("lm_head.weight", (c.vocab_size, hidden), because=vocab)
+        checkpoint.expect_embeddings(c.vocab_size, hidden, c.tie_word_embeddings)
         attn = "model.layers.0.self_attn"
         latent = f"kv_lora_rank={r} qk_rope_head_dim={d_r} hidden_size={hidden}"
         checkpoint.expect_shape(f"{attn}.kv_a_proj_with_mqa.weight", (r + d_r, hidden), because=latent)
