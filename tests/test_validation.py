@@ -247,3 +247,15 @@ def test_cli_stops_quietly_when_its_reader_goes_away(tmp_path):
     )
     os.close(writer)
     assert "Traceback" not in result.stderr and result.returncode == 1
+
+
+def test_auto_says_once_why_it_runs_on_the_cpu(monkeypatch, caplog):
+    from metrale import backend
+
+    monkeypatch.setattr(backend, "_cpu_fallback_logged", False)
+    monkeypatch.setattr(backend, "cuda_unavailable_reason", lambda: "no CUDA device is available")
+    with caplog.at_level("WARNING", logger="metrale.backend"):
+        assert backend.get_backend("auto").name == "cpu"
+        assert backend.get_backend("auto").name == "cpu"
+    said = [r.getMessage() for r in caplog.records if "runs on the CPU" in r.getMessage()]
+    assert said == ["device='auto' runs on the CPU: no CUDA device is available"]
