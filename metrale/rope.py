@@ -139,7 +139,9 @@ def rope_parameters(
 ) -> RopeParameters:
     """Normalise the RoPE fields of ``config`` (the rule of :ref:`families-rope-config`).
 
-    Every field is type-checked (:class:`~metrale.config_fields.ConfigFields`): a
+    The legacy GPT-NeoX names ``rotary_emb_base`` (theta) and ``rotary_pct`` (the partial
+    rotary factor) are read too, after the current ones. Every field is type-checked
+    (:class:`~metrale.config_fields.ConfigFields`): a
     ``rope_parameters`` / ``rope_scaling`` that is not an object, a factor that is not a finite
     positive number, ... raise :class:`~metrale.errors.CheckpointError` naming ``source``, the
     field and its value.
@@ -150,15 +152,18 @@ def rope_parameters(
     if section is None or not section.values:
         section = legacy if legacy is not None else ConfigFields({}, source, "rope_parameters.")
     # Both places are read (and so checked) before one wins.
+    # GPT-NeoX-style configs (Pythia, ...) name them ``rotary_emb_base`` and ``rotary_pct``.
     thetas = [where.number("rope_theta", None, positive=True) for where in (section, fields)]
-    theta = thetas[0] or thetas[1] or 10000.0
+    thetas.append(fields.number("rotary_emb_base", None, positive=True))
+    theta = thetas[0] or thetas[1] or thetas[2] or 10000.0
     if theta <= 1:
         # inv_freq = theta^(-2i/d) needs theta > 1 (YaRN divides by log(theta)).
         raise fields.error(f"rope_theta is {theta}; expected a number > 1")
     types = [section.text("rope_type", None), section.text("type", None)]
     rope_type = types[0] or types[1] or "default"
     partials = [where.number("partial_rotary_factor", None, positive=True, maximum=1.0) for where in (section, fields)]
-    partial = partials[0] or partials[1] or default_partial_factor
+    partials.append(fields.number("rotary_pct", None, positive=True, maximum=1.0))
+    partial = partials[0] or partials[1] or partials[2] or default_partial_factor
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise fields.error(
             f"RoPE type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"

@@ -370,3 +370,21 @@ def test_rope_reference_preserves_pair_norms():
     before = x[..., :12] ** 2 + x[..., 12:24] ** 2
     after = out[..., :12] ** 2 + out[..., 12:24] ** 2
     assert np.abs(before - after).max() <= 1e-5 * before.max(), f"max abs error {np.abs(before - after).max():.3g}"
+
+
+@pytest.mark.parametrize("legacy", [
+    {"rotary_emb_base": 10000, "rotary_pct": 0.25},  # Pythia
+    {"rotary_emb_base": 500000, "rotary_pct": 0.5},
+])
+def test_legacy_gpt_neox_rope_keys_mean_what_transformers_makes_of_them(legacy):
+    """A Pythia-style config.json as transformers' GPT-NeoX config reads it: its legacy keys end
+    up in ``rope_parameters``, which the engine must compute alike from the raw file."""
+    from transformers import GPTNeoXConfig
+    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
+
+    head_dim = 64
+    hf = GPTNeoXConfig(hidden_size=head_dim * 4, num_attention_heads=4, **legacy)
+    expected, _ = GPTNeoXRotaryEmbedding.compute_default_rope_parameters(hf)
+    ours = rope_parameters(legacy, head_dim)
+    assert ours.rotary_dim == int(head_dim * legacy["rotary_pct"])
+    np.testing.assert_allclose(ours.inverse_frequencies(), expected.numpy(), rtol=RTOL)

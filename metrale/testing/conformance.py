@@ -45,6 +45,19 @@ def assert_close(actual: Any, expected: Any, tolerance: float, what: str) -> Non
     assert error <= tolerance, f"{what}: relative error {error:.3g} > {tolerance:.3g} (max abs {worst:.3g})"
 
 
+def assert_varied_greedy(continuations: Sequence[Sequence[int]], vocab_size: int) -> None:
+    """Fail when greedy continuations are degenerate -- one token repeated, or a handful for all
+    prompts -- since checks that compare them then test little (the checkpoint's random weights
+    need more noise, or a norm is an identity)."""
+    tokens = [t for continuation in continuations for t in continuation]
+    distinct = len(set(tokens))
+    needed = min(len(tokens) // 4, vocab_size // 4, 8)
+    assert distinct >= needed, (
+        f"greedy output is degenerate: {distinct} distinct tokens in {len(tokens)} ({sorted(set(tokens))[:8]}); "
+        "the checkpoint's weights leave too little for the greedy checks to compare"
+    )
+
+
 class FamilyConformance:
     """Checks a model family against the forward contract and a reference.
 
@@ -235,6 +248,7 @@ class FamilyConformance:
         prompts += [shared + self.token_ids(solo, n, salt=20 + n) for n in (3, 8)]
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         expected = [solo.generate([p], params)[0].token_ids for p in prompts]
+        assert_varied_greedy(expected, solo.vocab_size)
         block_size = solo.forward.kv_block_size() or 4
         longest = -(-(max(len(p) for p in prompts) + params.max_tokens) // block_size)
         llm = LLM(conformance_checkpoint, device="cpu", show_progress=False, max_num_seqs=3, block_size=block_size,

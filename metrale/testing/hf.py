@@ -2,11 +2,16 @@
 
 * :func:`build_hf_checkpoint` saves a tiny random-weight model with ``save_pretrained``, weights
   perturbed so that no norm is an identity and no bias is zero (:ref:`families-testing`);
-* :func:`hf_reference_logits` runs transformers in float32 and returns every position's logits.
+* :func:`hf_reference_logits` runs transformers in float32 and returns every position's logits;
+  :func:`hf_greedy` its greedy continuation.
+
+Loaded transformers models are cached (a few at a time) by the *contents* of the checkpoint's
+files, not by its path: a checkpoint rewritten in place is loaded again.
 """
 
 from __future__ import annotations
 
+import hashlib
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
@@ -15,15 +20,17 @@ import numpy as np
 
 
 def perturb_weights(model: Any, seed: int, *, zero_centred_norms: bool = False) -> None:
-    """Replace every parameter with seeded noise: norms ``1 + 0.2 N`` (``0.2 N`` when
-    zero-centred), everything else ``0.15 N``."""
+    """Replace every parameter with seeded noise: norm weights ``1 + 0.2 N`` (``0.2 N`` when
+    zero-centred), everything else -- biases, norm biases included -- ``0.15 N``."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float32)
-            if name.endswith("norm.weight") or "layernorm" in name or name.endswith("norm"):
+            if name.endswith(".bias"):
+                value = 0.15 * noise  # biases stay biases, a LayerNorm's included
+            elif name.endswith("norm.weight") or "layernorm" in name or name.endswith("norm"):
                 value = 0.2 * noise + (0.0 if zero_centred_norms else 1.0)
             else:
                 value = 0.15 * noise
@@ -54,8 +61,32 @@ def build_hf_checkpoint(
     return path
 
 
-@lru_cache(maxsize=8)
+def checkpoint_digest(path: str | Path) -> str:
+    """A digest of the contents of every file in the checkpoint folder ``path``. Files are hashed
+    once per (size, modification time): a file rewritten in place is hashed again."""
+    folder = Path(path)
+    digest = hashlib.blake2b(digest_size=16)
+    for file in sorted(p for p in folder.iterdir() if p.is_file()):
+        stat = file.stat()
+        digest.update(file.name.encode() + b"\0" + _file_digest(str(file), stat.st_size, stat.st_mtime_ns))
+    return digest.hexdigest()
+
+
+@lru_cache(maxsize=256)
+def _file_digest(file: str, size: int, mtime_ns: int) -> bytes:
+    digest = hashlib.blake2b(digest_size=16)
+    with open(file, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.digest()
+
+
 def _load(path: str) -> Any:
+    return _load_by_content(str(Path(path).resolve()), checkpoint_digest(path))
+
+
+@lru_cache(maxsize=8)
+def _load_by_content(path: str, digest: str) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
