@@ -82,7 +82,13 @@ from metrale.errors import KernelArgumentError  # noqa: E402
 from metrale.kernels import attention_grouped, attention_staged  # noqa: E402
 from metrale.kernels._device import (  # noqa: E402
     SIMULATED,
-    bf16_to_float, block_max, block_sum, check_array, device_view, float_to_bf16, numba_stream,
+    bf16_to_float,
+    block_max,
+    block_sum,
+    check_array,
+    device_view,
+    float_to_bf16,
+    numba_stream,
 )
 
 ATTENTION_THREADS = 16 if SIMULATED else 128

@@ -31,7 +31,14 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from metrale.kernels._device import (
-    SIMULATED, bits_to_float, block_max, block_sum, fast_exp, float_to_bf16, float_to_bits, inline_device,
+    SIMULATED,
+    bits_to_float,
+    block_max,
+    block_sum,
+    fast_exp,
+    float_to_bf16,
+    float_to_bits,
+    inline_device,
 )
 
 WARP = 8 if SIMULATED else 32

@@ -38,14 +38,26 @@ from numba import cuda, float32, uint32, uint64
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import (
-    SIMULATED, bf16_to_float, bits_to_float, block_sum, check_array, device_view, fast_exp,
-    float_to_bf16, float_to_bits, numba_stream,
+    SIMULATED,
+    bf16_to_float,
+    bits_to_float,
+    block_sum,
+    check_array,
+    device_view,
+    fast_exp,
+    float_to_bf16,
+    float_to_bits,
+    numba_stream,
+)
+from metrale.kernels.attention_grouped import (
+    COMBINE_THREADS,
+    FULL_MASK,
+    MAX_SPLITS,
+    grouped_combine_kernel,
+    subgroup_sum,
 )
 from metrale.kernels.rmsnorm import rmsnorm_reference
 from metrale.kernels.rope import rope_reference
-from metrale.kernels.attention_grouped import (
-    COMBINE_THREADS, FULL_MASK, MAX_SPLITS, grouped_combine_kernel, subgroup_sum,
-)
 
 WARP = 8 if SIMULATED else 32
 WARPS = 8

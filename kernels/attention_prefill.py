@@ -16,7 +16,13 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from metrale.kernels._device import (
-    SIMULATED, bf16_to_float, bits_to_float, check_array, device_view, float_to_bf16, numba_stream,
+    SIMULATED,
+    bf16_to_float,
+    bits_to_float,
+    check_array,
+    device_view,
+    float_to_bf16,
+    numba_stream,
 )
 
 PREFILL_THREADS = 16 if SIMULATED else 128

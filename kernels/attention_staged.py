@@ -32,7 +32,12 @@ from numba import cuda, float32, int64, uint32, uint64
 
 from metrale.kernels._device import SIMULATED, fast_exp, float_to_bf16, float_to_bits, inline_device
 from metrale.kernels.attention_grouped import (
-    FULL_MASK, cache_row_of, pair_value, subgroup_sum, warp_sum, widen,
+    FULL_MASK,
+    cache_row_of,
+    pair_value,
+    subgroup_sum,
+    warp_sum,
+    widen,
 )
 from metrale.kernels.attention_grouped import warp_max as _simulated_warp_max
 

@@ -15,7 +15,13 @@ import numpy as np
 from numba import cuda, float32
 
 from metrale.kernels._device import (
-    SIMULATED, bf16_to_float, block_sum, check_array, device_view, float_to_bf16, numba_stream,
+    SIMULATED,
+    bf16_to_float,
+    block_sum,
+    check_array,
+    device_view,
+    float_to_bf16,
+    numba_stream,
 )
 
 GATED_NORM_THREADS = 16 if SIMULATED else 128

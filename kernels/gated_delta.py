@@ -1,4 +1,5 @@
-"""Gated DeltaNet decode steps on the device (docs/families.rst, "Gated DeltaNet layer" and "Per-sequence cache state"), state in place in the slot pool.
+"""Gated DeltaNet decode steps on the device, state in place in the slot pool (docs/families.rst,
+"Gated DeltaNet layer" and "Per-sequence cache state").
 
 * :func:`conv_update_kernel` -- the causal depthwise conv of one new token per row: its window is
   the slot's last ``K - 1`` inputs and the new one; the output goes through SiLU and the slot

@@ -137,5 +137,6 @@ def gemv_silu(x: object, weight: object, out: object, stream: object = None) -> 
         raise KernelArgumentError(f"gemv_silu: weight has {weight.shape[0]} rows, expected an even count")
     check_array("gemv_silu", "out", out, np.uint16, (x.shape[0], weight.shape[0] // 2))
     blocks = -(-out.shape[1] // GEMV_WARPS)
-    gemv_silu_kernel[blocks, GEMV_WARPS * WARP, numba_stream(stream)](device_view(x_words), device_view(w_words), device_view(out))
+    launch = gemv_silu_kernel[blocks, GEMV_WARPS * WARP, numba_stream(stream)]
+    launch(device_view(x_words), device_view(w_words), device_view(out))
     return out

@@ -35,7 +35,12 @@ from numba import cuda, float32  # noqa: E402
 
 from metrale.kernels._device import (  # noqa: E402
     SIMULATED,
-    bf16_to_float, block_sum, check_array, device_view, float_to_bf16, numba_stream,
+    bf16_to_float,
+    block_sum,
+    check_array,
+    device_view,
+    float_to_bf16,
+    numba_stream,
 )
 
 NORM_THREADS = 16 if SIMULATED else 512

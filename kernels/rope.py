@@ -86,7 +86,12 @@ from numba import cuda, float32  # noqa: E402
 from metrale.errors import KernelArgumentError  # noqa: E402
 from metrale.kernels._device import (  # noqa: E402
     SIMULATED,
-    bf16_to_float, block_sum, check_array, device_view, float_to_bf16, numba_stream,
+    bf16_to_float,
+    block_sum,
+    check_array,
+    device_view,
+    float_to_bf16,
+    numba_stream,
 )
 
 ROPE_THREADS = 4 if SIMULATED else 128

@@ -42,14 +42,14 @@ def sample_reference(
     """Tokens ``[R]`` int32 for ``logits [R, V]`` float32, per-row parameters and uniforms."""
     tokens = np.empty(logits.shape[0], dtype=np.int32)
     for row in range(logits.shape[0]):
-        l = np.asarray(logits[row], dtype=np.float32)
-        if not (l < np.inf).all() or not (l > -np.inf).any():
+        row_logits = np.asarray(logits[row], dtype=np.float32)
+        if not (row_logits < np.inf).all() or not (row_logits > -np.inf).any():
             tokens[row] = -1
             continue
         if temperature[row] == 0:
-            tokens[row] = int(np.argmax(l))
+            tokens[row] = int(np.argmax(row_logits))
             continue
-        s = (l / np.float32(temperature[row])).astype(np.float32)
+        s = (row_logits / np.float32(temperature[row])).astype(np.float32)
         keep = np.ones(s.shape, dtype=bool)
         k = int(top_k[row])
         if 0 < k < s.shape[0]:

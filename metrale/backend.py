@@ -152,7 +152,16 @@ class CpuBackend(Backend):
 
     def __init__(self) -> None:
         from metrale.kernels import (
-            activation, attention, attention_latent, embedding, gated, gated_delta, head_linear, linear, moe, rmsnorm,
+            activation,
+            attention,
+            attention_latent,
+            embedding,
+            gated,
+            gated_delta,
+            head_linear,
+            linear,
+            moe,
+            rmsnorm,
             rope,
         )
 

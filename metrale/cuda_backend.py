@@ -28,8 +28,18 @@ class CudaBackend(Backend):
         import cupy
 
         from metrale.kernels import (
-            activation, attention, attention_grouped, attention_latent, attention_prefill, embedding, gated, gated_delta,
-            gemv, head_linear, moe, rmsnorm, rope,
+            activation,
+            attention,
+            attention_latent,
+            attention_prefill,
+            embedding,
+            gated,
+            gated_delta,
+            gemv,
+            head_linear,
+            moe,
+            rmsnorm,
+            rope,
         )
         from metrale.kernels.linear import CublasGemm
         from metrale.kernels.sampling import sample

@@ -8,7 +8,6 @@ from typing import Any, Callable
 from metrale.errors import InvalidRequestError, UnknownOptionError
 from metrale.validation import check_bool, check_float, check_int, check_seed
 
-
 #: Temperatures below this are treated as greedy (0): dividing logits by a smaller value
 #: overflows float32 and leaves no distribution to sample.
 MIN_TEMPERATURE = 1e-5

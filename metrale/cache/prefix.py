@@ -63,7 +63,7 @@ class PrefixCache:
         # Commit: the maps forget the blocks in one line (a line is what an interrupt can land
         # between; the pops are built-in calls); the snapshot rows go back last (an interrupt
         # there leaves them taken and unclaimed, and the oldest taken rows are recycled first).
-        _ = [*map(digest_of.pop, blocks), *map(block_of.pop, digests), *map(snapshot_of.pop, snapshotted), *map(digest_of_snapshot.pop, rows)]
+        _ = [*map(digest_of.pop, blocks), *map(block_of.pop, digests), *map(snapshot_of.pop, snapshotted), *map(digest_of_snapshot.pop, rows)]  # noqa: E501 (one line: the commit)
         if rows:
             self.snapshots.release_rows(rows)
 

@@ -99,9 +99,9 @@ class FamilyConformance:
         assert spec.layers, "the cache spec lists no layer"
 
     def test_checkpoint_mapping_covers_every_tensor(self, conformance_checkpoint: Path) -> None:
+        from metrale.backend import CpuBackend
         from metrale.checkpoint import Checkpoint
         from metrale.config import EngineConfig
-        from metrale.backend import CpuBackend
         from metrale.family import resolve_family
         from metrale.plugin_manager import get_plugin_manager
 

@@ -219,7 +219,7 @@ class MlaModel(FamilyModel):
 
     def _attention(self, w: MlaAttentionWeights, cache_layer: Any, h: Any, batch: ForwardBatch) -> Any:
         backend, ops, c, xp = self.backend, self.backend.ops, self.config, self.backend.xp
-        heads, r, d_n, d_r = c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim
+        heads, d_n, d_r = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
         rows = h.shape[0]
         if w.q is not None:
             q = ops.linear(h, w.q)
