@@ -29,8 +29,9 @@ from metrale.errors import (
     TokenOutOfRangeError,
 )
 from metrale.family import resolve_family
-from metrale.model import ModelForward
+from metrale.forward import ModelForward
 from metrale.models import embedded_model_path, embedded_models
+from metrale.ops import build_op_registry
 from metrale.params import RequestOutput, SamplingParams
 from metrale.plugin_manager import get_plugin_manager
 from metrale.prompts import Prompt, check_text, parse_prompt, split_prompts
@@ -110,6 +111,8 @@ class LLM:
         self.checkpoint = Checkpoint(resolve_model_path(model))
         self.family = resolve_family(self.plugin_manager, self.checkpoint.config)
         self.backend = get_backend(self.config.device, cuda_graphs=self.config.cuda_graphs)
+        # The built-in ops plus every plugin's (metrale_register_ops), bound to this backend.
+        self.backend.use_ops(build_op_registry(self.plugin_manager))
         with self.checkpoint.progress(f"loading {self.checkpoint.path.name}", self.show_progress):
             with self.backend.activate():
                 self.model = self.plugin_manager.hook.metrale_load_model(
@@ -383,13 +386,13 @@ class LLM:
         """
         self._take("capture_graphs()")
         try:
-            runner = self.backend.graph_runner(self.model)
-            if runner is None:
+            graphs = getattr(getattr(self.model, "runner", None), "graphs", None)
+            if graphs is None:
                 return
-            from metrale.engine.cuda_graphs import DECODE_RUNGS
+            from metrale.runner.graphs import DECODE_RUNGS
 
             with self.backend.activate():
-                runner.capture(tuple(batch_sizes) if batch_sizes else DECODE_RUNGS)
+                graphs.capture(tuple(batch_sizes) if batch_sizes else DECODE_RUNGS)
             self.backend.synchronize()
         finally:
             self._lock.release()

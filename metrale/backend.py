@@ -6,40 +6,9 @@
   Nothing CUDA-related is imported before a CUDA backend is asked for.
 
 Family code calls ``backend.ops.<op>``, ``backend.load_weight`` / ``backend.constant`` and
-``backend.xp`` (the array module) only, so the same model code runs on both. The ops are:
-
-``embedding(weight, ids)`` -> ``[N, H]`` float32;
-``rmsnorm_residual(x, residual, weight, eps, offset=0.0)`` -> ``(normed, x + residual)``;
-``rmsnorm(x, weight, eps, offset=0.0)`` -> normed;
-``linear(x, weight, bias=None)`` -> ``[N, out]`` float32;
-``qkv_rope_cache(qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads,
-num_kv_heads, head_dim, k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6, norm_offset=0.0,
-interleaved=False)`` -> ``q [N, nh, d]``;
-``paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)`` -> ``[N, nh * dv]``;
-``silu_and_mul(gate_up)`` -> ``[N, I]``;
-``linear_silu(x, weight, bias=None)`` -> ``silu_and_mul(linear(x, weight, bias))`` (one kernel
-on the GPU for small batches);
-``latent_attention(q, latent, batch, value_dim, scale)`` -> ``[N, nh * value_dim]``: MLA's absorbed
-decode attention of one-row segments over the paged latent cache (:mod:`metrale.kernels.attention_latent`);
-``latent_cache_write(kv_a, norm_weight, eps, positions, inv_freq, attention_factor, interleaved,
-slot_mapping, latent)``: MLA's cache write, ``[rmsnorm(kv_a[:, :r]) | rope(kv_a[:, r:])]`` at each
-row's slot;
-``head_linear(x, weight)`` -> ``[N, nh, out]`` float32: ``weight[h] @ x[n, h]`` per head, ``weight``
-stacked ``[nh * out, in]`` (:mod:`metrale.kernels.head_linear`);
-``moe_route(x, gate, bias, method, n_group, topk_group, top_k, renormalise, scaling)`` -> (experts
-``[N, k]`` int32, weights ``[N, k]`` float32) from float32 router logits ``x @ gate^T``;
-``moe_experts(x, experts, weights, gate_up, down)`` -> ``[N, H]`` float32: the chosen experts'
-SwiGLU from stacked expert weights (:mod:`metrale.kernels.moe`);
-``gdn_conv_update(inputs, weight, conv_state, slots)`` -> ``[N, C]`` and
-``gdn_recurrent_step(q, k, v, g, beta, state, slots)`` -> ``[N, H, d_v]``: one token per row of
-a Gated DeltaNet layer, the rows' slot states updated in place, and ``gdn_prompt_rule(q, k, v, g,
-beta, state, slots, starts)`` -> ``[T, H, d_v]``: the gated delta rule over each segment's rows
-``starts[s]:starts[s + 1]`` from slot ``slots[s]`` (:mod:`metrale.kernels.gated_delta`);
-``gated_rmsnorm(x, z, weight, eps)`` -> ``rms(x; weight) * silu(z)`` over the last axis and
-``sigmoid_gate(x, gate)`` -> ``x * sigmoid(gate)``, both inputs of matrix products
-(:mod:`metrale.kernels.gated`).
-"Normed" outputs and attention outputs are the inputs of matrix products: float32 on the CPU,
-bf16 bits (``uint16``) on the GPU.
+``backend.xp`` (the array module) only, so the same model code runs on both. The ops are declared
+in :mod:`metrale.ops` (each with its NumPy reference, which the CPU backend runs); the op
+reference of the documentation lists them with their shapes and dtypes on each backend.
 """
 
 from __future__ import annotations
@@ -49,7 +18,6 @@ import gc
 import logging
 import os
 from dataclasses import replace
-from types import SimpleNamespace
 from typing import Any, Sequence
 
 import numpy as np
@@ -60,14 +28,15 @@ logger = logging.getLogger(__name__)
 
 
 class Backend:
-    """Base class: array placement, the op table, sampling."""
+    """Base class: array placement and the op table."""
 
     name = "abstract"
     #: NumPy-compatible array module (numpy or cupy).
     xp: Any = np
     #: dtype of cached K/V and latent values.
     cache_dtype: Any = np.float32
-    ops: SimpleNamespace
+    #: The op table: every declared op bound to this backend's kernels.
+    ops: Any
 
     def load_weight(self, checkpoint: Any, *parts: tuple[str, Sequence[int]]) -> Any:
         """Read tensors ``(name, shape)`` from ``checkpoint``, concatenated along the first axis,
@@ -94,15 +63,10 @@ class Backend:
         """The batch with its row metadata on this backend's device."""
         return batch
 
-    def graph_runner(self, model: Any) -> Any:
-        """The CUDA-graph runner of ``model``'s decode steps, or None (no graphs)."""
-        return None
-
-    def sample_tokens(self, logits: Any, params: Sequence[Any], seeds: Sequence[int], steps: Sequence[int]) -> list[int]:
-        """One token per row of ``logits`` (see :mod:`metrale.kernels.sampling`)."""
-        from metrale.engine.sampler import sample_rows
-
-        return sample_rows(self.to_numpy(logits), params, seeds, steps)
+    def use_ops(self, registry: Any) -> None:
+        """Bind the ops of ``registry`` (:func:`metrale.ops.build_op_registry`: the built-in ops
+        plus every plugin's) to this backend."""
+        self.ops = registry.table(self)
 
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op on the CPU)."""
@@ -151,63 +115,9 @@ class CpuBackend(Backend):
     cache_dtype = np.float32
 
     def __init__(self) -> None:
-        from metrale.kernels import (
-            activation,
-            attention,
-            attention_latent,
-            embedding,
-            gated,
-            gated_delta,
-            head_linear,
-            linear,
-            moe,
-            rmsnorm,
-            rope,
-        )
+        from metrale.ops.builtin import builtin_registry
 
-        def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window):
-            out = attention.paged_attention_reference(
-                q, k_cache, v_cache, batch.block_tables, batch.seq_index, batch.positions, scale, sliding_window
-            )
-            return out.reshape(out.shape[0], -1)
-
-        def silu_and_mul(gate_up):
-            width = gate_up.shape[1] // 2
-            return activation.silu_and_mul_reference(gate_up[:, :width], gate_up[:, width:])
-
-        def linear_silu(x, weight, bias=None):
-            return silu_and_mul(linear.linear_reference(x, weight, bias))
-
-        def latent_attention(q, latent, batch, value_dim, scale):
-            out = attention_latent.latent_attention_reference(
-                q, latent, batch.block_tables, batch.seq_index, batch.positions, value_dim, scale
-            )
-            return out.reshape(out.shape[0], -1)
-
-        def moe_route(x, gate, bias, method, n_group, topk_group, top_k, renormalise, scaling):
-            logits = np.asarray(x, dtype=np.float32) @ gate.T
-            return moe.route_reference(logits, bias, method, n_group, topk_group, top_k, renormalise, scaling)
-
-        self.ops = SimpleNamespace(
-            embedding=embedding.embedding_reference,
-            rmsnorm=rmsnorm.rmsnorm_reference,
-            rmsnorm_residual=rmsnorm.rmsnorm_residual_reference,
-            linear=linear.linear_reference,
-            silu_and_mul=silu_and_mul,
-            linear_silu=linear_silu,
-            qkv_rope_cache=rope.qkv_rope_cache_reference,
-            paged_attention=paged_attention,
-            latent_attention=latent_attention,
-            latent_cache_write=attention_latent.latent_cache_write_reference,
-            head_linear=head_linear.head_linear_reference,
-            moe_route=moe_route,
-            moe_experts=moe.experts_reference,
-            gdn_conv_update=gated_delta.conv_update_reference,
-            gdn_recurrent_step=gated_delta.recurrent_step_reference,
-            gdn_prompt_rule=gated_delta.prompt_rule_reference,
-            gated_rmsnorm=gated.gated_rmsnorm_reference,
-            sigmoid_gate=gated.sigmoid_gate_reference,
-        )
+        self.ops = builtin_registry().table(self)
 
     def load_weight(self, checkpoint: Any, *parts: tuple[str, Sequence[int]]) -> np.ndarray:
         arrays = [checkpoint.tensor(name, shape) for name, shape in parts]

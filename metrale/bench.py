@@ -288,7 +288,7 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
             # What the generation loop does every step: the forward, then the device sampler
             # (greedy here) and the tokens read back.
             logits = llm.forward.decode_batch(tokens, seqs)
-            llm.backend.sample_tokens(logits, greedy, seeds, [0] * batch)
+            llm.engine.sampler.sample(logits, greedy, seeds, [0] * batch)
 
         seconds = _cuda_time(step, repeats=steps, stream=llm.backend.stream)
         context = options.context + steps // 2

@@ -48,8 +48,9 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 def _add_plugins(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plugins",
-        help="list installed plugins and the architectures they serve",
-        description="List every registered plugin, its distribution, and the families it serves.",
+        help="list installed plugins, the architectures they serve and the kernel of every op",
+        description="List every registered plugin, its distribution and the families it serves, then every op "
+        "with what serves it on the CPU and on the GPU (a plugin's kernels first, each under its condition).",
     )
     parser.set_defaults(handler=_plugins)
 
@@ -215,7 +216,21 @@ def _plugins(args: argparse.Namespace) -> int:
     blocked = sorted(name for name, plugin in manager.list_name_plugin() if plugin is None)
     if blocked:
         print(f"blocked: {', '.join(blocked)}")
+    _print_ops(manager)
     return 0
+
+
+def _print_ops(manager: object) -> None:
+    """Every op, and what serves it on each backend, in the order tried."""
+    from metrale.ops import build_op_registry
+
+    registry = build_op_registry(manager)  # type: ignore[arg-type]
+    print("ops:")
+    for op in registry:
+        origin = "" if op.origin == "metrale" else f"  (declared by {op.origin})"
+        print(f"  {op.name}{origin}")
+        for backend in ("cpu", "cuda"):
+            print(f"    {backend}: {'; then '.join(registry.serving(op.name, backend))}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

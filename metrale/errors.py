@@ -100,3 +100,21 @@ class EngineClosedError(MetraleError, RuntimeError):
 
 class NonFiniteWeightError(CheckpointError):
     """A checkpoint tensor holds NaN or infinity (the message names it)."""
+
+
+class OpRegistrationError(PluginError):
+    """An op or kernel declaration is invalid: a name declared twice, a kernel for an op nobody
+    declared, a reference whose parameters differ from the declaration."""
+
+
+class UnknownOpError(MetraleError, AttributeError):
+    """A backend was asked for an op nobody declared, or no kernel of an op applies to a call."""
+
+
+class KernelMismatchError(MetraleError, AssertionError):
+    """A kernel's results differ from its op's reference beyond the op's tolerance."""
+
+
+class GraphCaptureError(MetraleError, RuntimeError):
+    """Work that cannot be recorded into a CUDA graph (it synchronises with the host) was asked
+    for while a graph was being recorded."""

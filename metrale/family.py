@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from metrale.batch import ForwardBatch, Segment
-from metrale.errors import CacheError, OutOfCacheBlocksError, UnsupportedModelError
+from metrale.errors import CacheError, UnsupportedModelError
 from metrale.hookspecs import hookimpl
 from metrale.sequence import MixedForwardResult, PrefillSlice, SequenceState
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from metrale.cache.store import ModelCache
     from metrale.checkpoint import Checkpoint
     from metrale.config import EngineConfig
+    from metrale.runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class FamilyModel:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.cache: ModelCache | None = None
+        self.runner: ModelRunner | None = None
         self._row_buffer: Any = None
 
     # -------------------------------------------------------------- what a family implements
@@ -101,69 +103,32 @@ class FamilyModel:
     # --------------------------------------------------------------------------- machinery
 
     def bind_cache(self, cache: "ModelCache") -> None:
+        """Bind the engine's cache; the model's :class:`~metrale.runner.ModelRunner` runs every
+        forward call against it from then on."""
+        from metrale.runner import ModelRunner
+
         self.cache = cache
+        self.runner = ModelRunner(self, cache)
 
     def _require_cache(self) -> "ModelCache":
         if self.cache is None:
             raise CacheError(f"{type(self).__name__} has no cache bound; call bind_cache() first")
         return self.cache
 
-    def _check_segments(self, segments: list[Segment]) -> None:
-        seen: set[int] = set()
-        for segment in segments:
-            seq = segment.seq
-            if seq.seq_id in seen:
-                raise CacheError(f"sequence {seq.seq_id} appears twice in one forward call")
-            seen.add(seq.seq_id)
-            if segment.start != seq.seq_len:
-                raise CacheError(
-                    f"sequence {seq.seq_id} has {seq.seq_len} cached tokens but the call starts "
-                    f"at position {segment.start}"
-                )
-            if segment.end > self.max_model_len:
-                raise CacheError(
-                    f"sequence {seq.seq_id} would reach {segment.end} tokens, past the model's "
-                    f"context of {self.max_model_len}"
-                )
-
-    def blocks_needed(self, segments: list[Segment]) -> int:
-        cache = self._require_cache()
-        return sum(cache.blocks_needed(s.seq, s.end) for s in segments) if cache.spec.uses_blocks else 0
+    def _require_runner(self) -> "ModelRunner":
+        if self.runner is None:
+            raise CacheError(f"{type(self).__name__} has no cache bound; call bind_cache() first")
+        return self.runner
 
     def run_segments(self, segments: list[Segment]) -> Any:
-        """Reserve cache for ``segments`` (all or nothing), run them, advance each ``seq_len``."""
-        cache = self._require_cache()
-        self._check_segments(segments)
-        ends = [segment.end for segment in segments]
-        missing = (
-            [cache.blocks_needed(segment.seq, end) for segment, end in zip(segments, ends)]
-            if cache.spec.uses_blocks else [0] * len(segments)
-        )
-        needed = sum(missing)
-        if needed > cache.num_free_blocks:
-            raise OutOfCacheBlocksError(
-                f"the call needs {needed} KV blocks, only {cache.num_free_blocks} are free"
-            )
-        for segment, end, blocks in zip(segments, ends, missing):
-            # (Nothing to reserve for a sequence whose blocks already cover the call and that
-            # needs no recurrent-state slot: most sequences of a decode step.)
-            if blocks or cache.state_slots is not None:
-                cache.reserve(segment.seq, end)
-        batch = ForwardBatch.build(segments, cache.block_size)
-        runner = self.backend.graph_runner(self)
-        with self.backend.activate():
-            if runner is not None and runner.accepts(batch):
-                logits = runner.run(batch)
-            else:
-                logits = self.forward_batch(self.backend.prepare_batch(batch))
-        for segment, end in zip(segments, ends):
-            segment.seq.seq_len = end
-        return logits
+        """Reserve cache for ``segments`` (all or nothing), run them, advance each sequence's
+        cached length (:meth:`metrale.runner.ModelRunner.run`)."""
+        return self._require_runner().run(segments)
 
     # -------------------------------------------------------------------- forward contract
 
     def prefill(self, tokens: Sequence[int], seq: SequenceState, stream: Any) -> Any:
-        start = seq.seq_len
+        start = seq.num_cached
         if start >= len(tokens):
             raise CacheError(f"sequence {seq.seq_id} already caches all {len(tokens)} prompt tokens")
         return self.run_segments([Segment(seq, tokens[start:], start, "last")])
@@ -188,7 +153,7 @@ class FamilyModel:
     def prefill_twophase(self, tokens: Sequence[int], seq: SequenceState, chunk_size: int, stream: Any) -> Any:
         if chunk_size < 1:
             raise CacheError(f"chunk_size must be >= 1, got {chunk_size}")
-        start = seq.seq_len
+        start = seq.num_cached
         logits = None
         while start < len(tokens):
             length = min(chunk_size, len(tokens) - start)
@@ -207,7 +172,7 @@ class FamilyModel:
     def decode_batch(self, tokens: Sequence[int], seqs: Sequence[SequenceState], stream: Any) -> Any:
         if len(tokens) != len(seqs) or not seqs:
             raise CacheError(f"decode_batch got {len(tokens)} tokens for {len(seqs)} sequences")
-        return self.run_segments([Segment(s, [t], s.seq_len, "last") for t, s in zip(tokens, seqs)])
+        return self.run_segments([Segment(s, [t], s.num_cached, "last") for t, s in zip(tokens, seqs)])
 
     def mixed_forward(
         self,
@@ -225,7 +190,7 @@ class FamilyModel:
         chunk = prefill_tokens[chunk_start : chunk_start + chunk_len]
         if chunk_len < 1 or len(chunk) != chunk_len:
             raise CacheError(f"chunk [{chunk_start}, {chunk_start + chunk_len}) does not fit the prompt")
-        segments = [Segment(s, [t], s.seq_len, "last") for t, s in zip(decode_tokens, decode_seqs)]
+        segments = [Segment(s, [t], s.num_cached, "last") for t, s in zip(decode_tokens, decode_seqs)]
         segments.append(Segment(prefill_seq, chunk, chunk_start, "last" if is_last else "none"))
         logits = self.run_segments(segments)
         count = len(decode_seqs)
@@ -242,9 +207,9 @@ class FamilyModel:
             return False
         if any(len(seg.token_ids) != sl.chunk_len or sl.chunk_len < 1 for seg, sl in zip(segments, slices)):
             return False
-        if any(seg.start != seg.seq.seq_len or seg.end > self.max_model_len for seg in segments):
+        if any(seg.start != seg.seq.num_cached or seg.end > self.max_model_len for seg in segments):
             return False
-        return self.blocks_needed(segments) <= self._require_cache().num_free_blocks
+        return self._require_runner().blocks_needed(segments) <= self._require_runner().cache.num_free_blocks
 
     def prefill_batch_chunk(self, slices: Sequence[PrefillSlice], stream: Any) -> list[Any]:
         slices = list(slices)
@@ -287,7 +252,7 @@ class FamilyModel:
         return out
 
     def score(self, tokens: Sequence[int], seq: SequenceState, stream: Any) -> Any:
-        start = seq.seq_len
+        start = seq.num_cached
         if start >= len(tokens):
             raise CacheError(f"sequence {seq.seq_id} already caches all {len(tokens)} tokens")
         return self.run_segments([Segment(seq, tokens[start:], start, "all")])
@@ -306,11 +271,9 @@ class FamilyPlugin:
     def load_model(self, checkpoint: "Checkpoint", backend: "Backend", config: "EngineConfig") -> FamilyModel:
         raise NotImplementedError
 
-    def _dispatch(self, model: Any, method_name: str, **arguments: Any) -> Any:
-        """Forward to ``model.<method_name>`` when this plugin owns ``model``; else None."""
-        if not isinstance(model, self.model_class):
-            return None
-        return getattr(model, method_name)(**arguments)
+    def _owns(self, model: Any) -> bool:
+        """Whether ``model`` is this plugin's (every other family's hooks answer None for it)."""
+        return isinstance(model, self.model_class)
 
     @hookimpl
     def metrale_families(self) -> list[FamilySpec]:
@@ -324,71 +287,71 @@ class FamilyPlugin:
 
     @hookimpl
     def metrale_cache_spec(self, model: Any) -> Any:
-        return model.cache_spec() if isinstance(model, self.model_class) else None
+        return model.cache_spec() if self._owns(model) else None
 
     @hookimpl
     def metrale_prefill(self, model, tokens, seq, stream):
-        return self._dispatch(model, "prefill", tokens=tokens, seq=seq, stream=stream)
+        return model.prefill(tokens=tokens, seq=seq, stream=stream) if self._owns(model) else None
 
     @hookimpl
     def metrale_prefill_chunk(self, model, tokens, seq, chunk_start, chunk_len, is_last_chunk, stream):
-        return self._dispatch(
-            model, "prefill_chunk", tokens=tokens, seq=seq, chunk_start=chunk_start, chunk_len=chunk_len,
-            is_last_chunk=is_last_chunk, stream=stream,
-        )
+        if not self._owns(model):
+            return None
+        return model.prefill_chunk(tokens, seq, chunk_start, chunk_len, is_last_chunk, stream)
 
     @hookimpl
     def metrale_prefill_twophase(self, model, tokens, seq, chunk_size, stream):
-        return self._dispatch(model, "prefill_twophase", tokens=tokens, seq=seq, chunk_size=chunk_size, stream=stream)
+        return model.prefill_twophase(tokens, seq, chunk_size, stream) if self._owns(model) else None
 
     @hookimpl
     def metrale_decode(self, model, token, seq, stream):
-        return self._dispatch(model, "decode", token=token, seq=seq, stream=stream)
+        return model.decode(token=token, seq=seq, stream=stream) if self._owns(model) else None
 
     @hookimpl
     def metrale_decode_batch(self, model, tokens, seqs, stream):
-        return self._dispatch(model, "decode_batch", tokens=tokens, seqs=seqs, stream=stream)
+        return model.decode_batch(tokens=tokens, seqs=seqs, stream=stream) if self._owns(model) else None
 
     @hookimpl
     def metrale_mixed_forward(
         self, model, decode_tokens, decode_seqs, prefill_tokens, prefill_seq, chunk_start, chunk_len, is_last, stream
     ):
-        return self._dispatch(
-            model, "mixed_forward", decode_tokens=decode_tokens, decode_seqs=decode_seqs, prefill_tokens=prefill_tokens,
-            prefill_seq=prefill_seq, chunk_start=chunk_start, chunk_len=chunk_len, is_last=is_last, stream=stream,
+        if not self._owns(model):
+            return None
+        return model.mixed_forward(
+            decode_tokens, decode_seqs, prefill_tokens, prefill_seq, chunk_start, chunk_len, is_last, stream
         )
 
     @hookimpl
     def metrale_prefill_batch_chunk(self, model, slices, stream):
-        return self._dispatch(model, "prefill_batch_chunk", slices=slices, stream=stream)
+        return model.prefill_batch_chunk(slices=slices, stream=stream) if self._owns(model) else None
 
     @hookimpl
     def metrale_prefill_batch_chunk_rows(self, model, slices, stream, row_base):
-        return self._dispatch(model, "prefill_batch_chunk_rows", slices=slices, stream=stream, row_base=row_base)
+        return model.prefill_batch_chunk_rows(slices, stream, row_base) if self._owns(model) else None
 
     @hookimpl
     def metrale_score(self, model, tokens, seq, stream):
-        return self._dispatch(model, "score", tokens=tokens, seq=seq, stream=stream)
+        return model.score(tokens=tokens, seq=seq, stream=stream) if self._owns(model) else None
 
     @hookimpl
     def metrale_normalize_ssm_states(self, model, seq, stream):
-        return self._dispatch(model, "normalize_ssm_states", seq=seq, stream=stream)
+        return model.normalize_ssm_states(seq=seq, stream=stream) if self._owns(model) else None
 
     @hookimpl
     def metrale_hc_mult(self, model):
-        return self._dispatch(model, "hc_mult")
+        return model.hc_mult() if self._owns(model) else None
 
     @hookimpl
     def metrale_is_mla(self, model):
-        return self._dispatch(model, "is_mla")
+        return model.is_mla() if self._owns(model) else None
 
     @hookimpl
     def metrale_kv_block_size(self, model):
-        return self._dispatch(model, "kv_block_size")
+        return model.kv_block_size() if self._owns(model) else None
 
     @hookimpl
     def metrale_prefill_tail_split(self, model, tokens):
-        return self._dispatch(model, "prefill_tail_split", tokens=tokens)
+        return model.prefill_tail_split(tokens=tokens) if self._owns(model) else None
 
 
 # ------------------------------------------------------------------------------ resolution

@@ -6,7 +6,9 @@ version they target in an attribute ``METRALE_CONTRACT_VERSION`` (a ``"major.min
 the plugin manager refuses a plugin whose major version differs from :data:`CONTRACT_VERSION`
 or whose minor version is newer.
 
-The hooks fall into four groups:
+Version 1.1 added ``metrale_register_ops``; every 1.0 plugin works unchanged.
+
+The hooks fall into five groups:
 
 * **family registration** -- which checkpoints a family serves, how it builds a model, what cache
   it needs;
@@ -14,6 +16,7 @@ The hooks fall into four groups:
   owns ``model`` answers, every other family returns None);
 * **stages** -- flush, stamp and drafter, which run around every forward call, plus the
   error hook that ends an open CUDA-graph capture;
+* **ops** -- ops and kernels a plugin adds to the op layer (``metrale_register_ops``);
 * **queries** -- small questions the scheduler asks a model (``is_mla``, ``kv_block_size``...).
 
 This module imports nothing heavy: reading it must not import NumPy, CuPy or numba.
@@ -31,10 +34,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from metrale.checkpoint import Checkpoint
     from metrale.config import EngineConfig
     from metrale.family import FamilySpec
+    from metrale.ops import PluginOps
     from metrale.sequence import ForwardStep, MixedForwardResult, PrefillSlice, SequenceState
 
 #: Version of the forward contract these specs describe, as ``"major.minor"``.
-CONTRACT_VERSION = "1.0"
+CONTRACT_VERSION = "1.1"
 
 PROJECT_NAME = "metrale"
 
@@ -87,8 +91,8 @@ def metrale_cache_spec(model: Any) -> "CacheSpec":
 def metrale_prefill(model: Any, tokens: list[int], seq: "SequenceState", stream: Any) -> Any:
     """Run the whole prompt ``tokens`` of ``seq`` through the model.
 
-    Called by :meth:`metrale.model.ModelForward.prefill` in the dispatch stage, on the prefill
-    path. Writes the prompt's KV (or state) into the cache and advances ``seq.seq_len`` to
+    Called by :meth:`metrale.forward.ModelForward.prefill` in the dispatch stage, on the prefill
+    path. Writes the prompt's KV (or state) into the cache and advances ``seq.num_cached`` to
     ``len(tokens)``. Returns the last position's logits, ``[1, vocab]`` float32.
     """
 
@@ -105,9 +109,9 @@ def metrale_prefill_chunk(
 ) -> Any:
     """Run one chunk ``tokens[chunk_start:chunk_start+chunk_len]`` of a prompt.
 
-    Called by :meth:`~metrale.model.ModelForward.prefill_chunk` in the dispatch stage, on the
+    Called by :meth:`~metrale.forward.ModelForward.prefill_chunk` in the dispatch stage, on the
     chunked-prefill path. ``tokens`` is the full prompt; the chunk attends to every cached
-    position before it. Advances ``seq.seq_len`` to ``chunk_start + chunk_len``. Returns the
+    position before it. Advances ``seq.num_cached`` to ``chunk_start + chunk_len``. Returns the
     chunk's last-position logits ``[1, vocab]`` when ``is_last_chunk``, else None.
     """
 
@@ -118,7 +122,7 @@ def metrale_prefill_twophase(
 ) -> Any:
     """Prefill the whole prompt, internally split into chunks of at most ``chunk_size``.
 
-    Called by :meth:`~metrale.model.ModelForward.prefill_twophase` in the dispatch stage.
+    Called by :meth:`~metrale.forward.ModelForward.prefill_twophase` in the dispatch stage.
     Returns the last-position logits ``[1, vocab]``, equal to :func:`metrale_prefill`'s.
     """
 
@@ -127,9 +131,9 @@ def metrale_prefill_twophase(
 def metrale_decode(model: Any, token: int, seq: "SequenceState", stream: Any) -> Any:
     """Append one token to ``seq`` and compute the next-token logits.
 
-    Called by :meth:`~metrale.model.ModelForward.decode` in the dispatch stage, on the
-    single-sequence decode path. ``token`` sits at position ``seq.seq_len``; afterwards
-    ``seq.seq_len`` is one larger. Returns ``[1, vocab]`` float32 logits.
+    Called by :meth:`~metrale.forward.ModelForward.decode` in the dispatch stage, on the
+    single-sequence decode path. ``token`` sits at position ``seq.num_cached``; afterwards
+    ``seq.num_cached`` is one larger. Returns ``[1, vocab]`` float32 logits.
     """
 
 
@@ -137,7 +141,7 @@ def metrale_decode(model: Any, token: int, seq: "SequenceState", stream: Any) ->
 def metrale_decode_batch(model: Any, tokens: list[int], seqs: "list[SequenceState]", stream: Any) -> Any:
     """Decode one token for each of several sequences in one step.
 
-    Called by :meth:`~metrale.model.ModelForward.decode_batch` in the dispatch stage, on the
+    Called by :meth:`~metrale.forward.ModelForward.decode_batch` in the dispatch stage, on the
     batched decode path (replayed from a CUDA graph on the GPU). ``tokens[i]`` belongs to
     ``seqs[i]``. Returns ``[n, vocab]`` logits, row i for ``seqs[i]``.
     """
@@ -157,7 +161,7 @@ def metrale_mixed_forward(
 ) -> "MixedForwardResult":
     """Run decode rows and one prefill chunk in a single step.
 
-    Called by :meth:`~metrale.model.ModelForward.mixed_forward` in the dispatch stage, on the
+    Called by :meth:`~metrale.forward.ModelForward.mixed_forward` in the dispatch stage, on the
     mixed path of the scheduler. ``prefill_tokens`` is the full prompt of ``prefill_seq``. Returns
     a :class:`~metrale.sequence.MixedForwardResult` whose decode rows come first and are never
     overwritten by the prefill's logits (present only when ``is_last``).
@@ -168,7 +172,7 @@ def metrale_mixed_forward(
 def metrale_prefill_batch_chunk(model: Any, slices: "list[PrefillSlice]", stream: Any) -> "list[Any]":
     """Prefill one chunk of each of several sequences.
 
-    Called by :meth:`~metrale.model.ModelForward.prefill_batch_chunk` in the dispatch stage, on
+    Called by :meth:`~metrale.forward.ModelForward.prefill_batch_chunk` in the dispatch stage, on
     the batched-prefill path. Admission (same geometry, capacity) is decided before any sequence
     is touched; an ineligible batch runs slice by slice. Returns one entry per slice: ``[1,
     vocab]`` logits for a slice whose chunk is the last, None otherwise.
@@ -181,7 +185,7 @@ def metrale_prefill_batch_chunk_rows(
 ) -> "list[Any]":
     """Like :func:`metrale_prefill_batch_chunk`, for a caller that owns a logits buffer.
 
-    Called by :meth:`~metrale.model.ModelForward.prefill_batch_chunk_rows`. A finishing slice
+    Called by :meth:`~metrale.forward.ModelForward.prefill_batch_chunk_rows`. A finishing slice
     ``i`` has its logits at row ``row_base + i`` of the step's logits buffer. Returns a list
     holding, per slice, that row (``[1, vocab]``) or None.
     """
@@ -192,7 +196,7 @@ def metrale_score(model: Any, tokens: list[int], seq: "SequenceState", stream: A
     """Teacher-forced forward: logits for every position of ``tokens``.
 
     An extension of the forward contract used by :meth:`metrale.LLM.score` and by the
-    conformance kit. Called by :meth:`~metrale.model.ModelForward.score` in the dispatch stage.
+    conformance kit. Called by :meth:`~metrale.forward.ModelForward.score` in the dispatch stage.
     Fills the cache like :func:`metrale_prefill`. Returns ``[len(tokens), vocab]`` float32.
     """
 
@@ -201,7 +205,7 @@ def metrale_score(model: Any, tokens: list[int], seq: "SequenceState", stream: A
 def metrale_normalize_ssm_states(model: Any, seq: "SequenceState", stream: Any) -> None:
     """Check (never rescale) ``seq``'s recurrent state between prefill chunks.
 
-    Called by the scheduler through :meth:`~metrale.model.ModelForward.normalize_ssm_states`
+    Called by the scheduler through :meth:`~metrale.forward.ModelForward.normalize_ssm_states`
     between two chunks of one prompt. Families with a recurrent state raise
     :class:`~metrale.errors.NonFiniteStateError` on NaN or infinity; others do not implement it.
     Returns None.
@@ -254,7 +258,7 @@ def metrale_prefill_tail_split(model: Any, tokens: list[int]) -> int:
 def metrale_flush(model: Any, step: "ForwardStep") -> None:
     """Fold pending per-sequence state into the real state before anything reads it.
 
-    Called by :class:`~metrale.model.ModelForward` first, before every forward call, for every
+    Called by :class:`~metrale.forward.ModelForward` first, before every forward call, for every
     plugin. ``step.seqs`` lists the sequences of the call. For example a speculative verify may
     leave rows accepted but not yet folded into a recurrent state. Returns None.
     """
@@ -264,7 +268,7 @@ def metrale_flush(model: Any, step: "ForwardStep") -> None:
 def metrale_stamp(model: Any, step: "ForwardStep") -> None:
     """Record per-step routing that deep layer code reads.
 
-    Called by :class:`~metrale.model.ModelForward` after the flush stage and before dispatch,
+    Called by :class:`~metrale.forward.ModelForward` after the flush stage and before dispatch,
     for every plugin. Plugins write into ``step.stamps`` (for example the adapter route: one
     adapter slot, or :data:`~metrale.sequence.MIXED_ADAPTERS` when the batch's sequences
     disagree or the step is mixed). A plugin may raise to refuse the step; the dispatch then
@@ -276,7 +280,7 @@ def metrale_stamp(model: Any, step: "ForwardStep") -> None:
 def metrale_drafter(model: Any, step: "ForwardStep", result: Any) -> None:
     """Run the eager speculative drafter after a successful prefill.
 
-    Called by :class:`~metrale.model.ModelForward` last, only after a prefill-like call
+    Called by :class:`~metrale.forward.ModelForward` last, only after a prefill-like call
     (``prefill``, ``prefill_twophase``, or ``prefill_chunk`` / ``mixed_forward`` whose chunk is
     the last) returned successfully; never after ``prefill_batch_chunk*``, ``score`` or a
     decode, and never when ``METRALE_NO_MTP_EAGER_DRAFTER`` is set. ``result``
@@ -289,8 +293,26 @@ def metrale_drafter(model: Any, step: "ForwardStep", result: Any) -> None:
 def metrale_end_graph_capture(model: Any, step: "ForwardStep", error: BaseException) -> None:
     """End and discard an open CUDA-graph capture after a failed batched forward.
 
-    Called by :class:`~metrale.model.ModelForward` when the dispatch of ``decode_batch`` or
+    Called by :class:`~metrale.forward.ModelForward` when the dispatch of ``decode_batch`` or
     ``mixed_forward`` raises, before the error propagates, so that the next call can run
     eagerly. The built-in backend plugin ends the capture on the step's stream (a no-op on the
     CPU). Returns None.
+    """
+
+
+# ---------------------------------------------------------------------------------------- ops
+
+
+@hookspec
+def metrale_register_ops(registry: "PluginOps") -> None:
+    """Add ops, and kernels for ops, to the op layer (contract 1.1).
+
+    Called once per plugin whenever an op registry is built (:func:`metrale.ops.build_op_registry`:
+    by :class:`metrale.LLM` before the model loads, and by the conformance kit), after the
+    built-in ops are declared and in plugin registration order. ``registry.declare(Op(...))``
+    declares a new op with its NumPy reference (which the CPU backend runs; on the GPU the
+    reference runs on the host unless a CUDA kernel is registered); ``registry.add_kernel(
+    Kernel(...))`` adds a kernel for a declared op -- built-in or not -- on one backend,
+    optionally only under a condition, tried before the built-in kernels. Family code then calls
+    the op as ``backend.ops.<name>``. Returns None.
     """

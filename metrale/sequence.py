@@ -13,16 +13,17 @@ _sequence_ids = itertools.count()
 class SequenceState:
     """Everything the engine keeps for one sequence between forward calls.
 
-    ``tokens`` holds the prompt followed by every generated token. ``seq_len`` counts the tokens
-    whose KV (or recurrent state) is already in the cache; a forward call that consumes ``n`` new
-    tokens advances it by ``n``. ``block_table[i]`` is the cache block that holds positions
+    ``tokens`` holds the prompt followed by every generated token. ``num_cached`` counts the
+    tokens whose KV (or recurrent state) is already in the cache; a forward call that consumes
+    ``n`` new tokens advances it by ``n``. ``seq_len`` is the same count under the forward
+    contract's name. ``block_table[i]`` is the cache block that holds positions
     ``[i * block_size, (i + 1) * block_size)``.
     """
 
     tokens: list[int]
     prompt_len: int
     seq_id: int = field(default_factory=lambda: next(_sequence_ids))
-    seq_len: int = 0
+    num_cached: int = 0
     block_table: list[int] = field(default_factory=list)
     #: LoRA adapter overlay slot, None when the base model serves this sequence.
     adapter_slot: int | None = None
@@ -39,6 +40,15 @@ class SequenceState:
     @classmethod
     def from_prompt(cls, prompt: list[int], **kwargs: Any) -> "SequenceState":
         return cls(tokens=list(prompt), prompt_len=len(prompt), **kwargs)
+
+    @property
+    def seq_len(self) -> int:
+        """The forward contract's name of :attr:`num_cached` (tokens already in the cache)."""
+        return self.num_cached
+
+    @seq_len.setter
+    def seq_len(self, value: int) -> None:
+        self.num_cached = value
 
     @property
     def num_generated(self) -> int:

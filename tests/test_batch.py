@@ -10,10 +10,10 @@ from metrale.errors import CacheError
 from metrale.sequence import SequenceState
 
 
-def sequence(table, seq_len):
+def sequence(table, num_cached):
     seq = SequenceState.from_prompt(list(range(100)))
     seq.block_table = list(table)
-    seq.seq_len = seq_len
+    seq.num_cached = num_cached
     return seq
 
 

@@ -16,14 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import dense_configs
 from safetensors.numpy import load_file, save_file
 
 import metrale
 from metrale.checkpoint import Checkpoint, bf16_to_float32, float32_to_bf16
 from metrale.errors import CheckpointError
 from metrale.testing.hf import build_hf_checkpoint, hf_reference_logits
-
-from conftest import dense_configs
 
 TOLERANCE = 1e-4
 

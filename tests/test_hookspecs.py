@@ -8,7 +8,7 @@ import pytest
 
 from metrale import hookspecs
 from metrale.family import FamilyPlugin
-from metrale.model import ModelForward
+from metrale.forward import ModelForward
 
 SPECS = {name: obj for name, obj in vars(hookspecs).items() if name.startswith("metrale_") and callable(obj)}
 
@@ -45,7 +45,7 @@ def test_stage_and_registration_specs_exist():
 
 def test_family_plugin_helper_implements_every_dispatch_and_query_hook():
     implemented = {name for name in dir(FamilyPlugin) if name.startswith("metrale_")}
-    stage_hooks = {"metrale_flush", "metrale_stamp", "metrale_drafter", "metrale_end_graph_capture"}
+    stage_hooks = {"metrale_flush", "metrale_stamp", "metrale_drafter", "metrale_end_graph_capture", "metrale_register_ops"}
     assert implemented == set(SPECS) - stage_hooks
 
 

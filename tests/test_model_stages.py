@@ -6,11 +6,10 @@ import logging
 
 import pytest
 
-from metrale import hookimpl
+from metrale import hookimpl, hookspecs
 from metrale.config import EnvironmentConfig, read_environment
-from metrale.model import ModelForward
+from metrale.forward import ModelForward
 from metrale.plugin_manager import MetralePluginManager
-from metrale import hookspecs
 from metrale.sequence import MIXED_ADAPTERS, ForwardStep, MixedForwardResult, PrefillSlice, SequenceState
 
 
@@ -172,7 +171,7 @@ def test_environment_variable_turns_the_drafter_off(method):
 def test_failing_drafter_never_fails_the_call(caplog):
     events = []
     forward, _ = make_forward(events, drafter_error=RuntimeError("drafter broke"))
-    with caplog.at_level(logging.WARNING, logger="metrale.model"):
+    with caplog.at_level(logging.WARNING, logger="metrale.forward"):
         assert forward.prefill([1, 2, 3], seq(3)) == "logits"
     assert events == ["flush", "stamp", "dispatch:prefill", "drafter"]
     assert "drafter failed" in caplog.text

@@ -113,9 +113,9 @@ def test_non_finite_logits_fail_one_request_and_the_others_go_on(dense_checkpoin
 
 
 def test_the_cli_exits_non_zero_when_a_request_fails(monkeypatch, capsys):
-    from metrale.backend import CpuBackend
+    from metrale.runner.sampling import TokenSampler
 
-    monkeypatch.setattr(CpuBackend, "sample_tokens", lambda self, logits, params, seeds, steps: [-1] * len(params))
+    monkeypatch.setattr(TokenSampler, "sample", lambda self, logits, params, seeds, steps: [-1] * len(params))
     assert main(["generate", "--no-progress", "--device", "cpu", "Return the"]) == 1
     err = capsys.readouterr().err
     assert "prompt 0 failed" in err and "not finite" in err

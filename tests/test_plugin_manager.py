@@ -7,11 +7,11 @@ import types
 import pytest
 
 from metrale import hookimpl
+from metrale import plugin_manager as pm_module
 from metrale.config import read_environment
 from metrale.errors import ContractVersionError, PluginError, UnsupportedModelError
 from metrale.family import FamilyPlugin, FamilySpec, installed_families, resolve_family
 from metrale.hookspecs import CONTRACT_VERSION
-from metrale import plugin_manager as pm_module
 from metrale.plugin_manager import get_plugin_manager
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}

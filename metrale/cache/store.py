@@ -320,10 +320,10 @@ class ModelCache:
         """Return every block and the state slot of ``seq``; resets it to an empty cache."""
         if seq.block_table:
             # Commit (the table empties in the statement that frees its blocks).
-            seq.block_table, seq.seq_len, _ = [], 0, self.allocator.free(seq.block_table)
+            seq.block_table, seq.num_cached, _ = [], 0, self.allocator.free(seq.block_table)
         if self.state_slots is not None and seq.state_slot is not None:
             self.state_slots.release(seq)
-        seq.seq_len = 0
+        seq.num_cached = 0
 
     def check(self) -> list[str]:
         """Violations of the invariants of the allocator, the slot pool and the snapshots."""

@@ -2,14 +2,14 @@
 
 Requests enter a waiting queue (:meth:`Engine.add_request`). Each :meth:`Engine.step` asks the
 :class:`~metrale.engine.scheduler.Scheduler` for a plan and makes exactly one forward call
-through the :class:`~metrale.model.ModelForward` facade:
+through the :class:`~metrale.forward.ModelForward` facade:
 
 * decode rows only: ``decode_batch``;
 * one prefill chunk: ``prefill_chunk``; several: ``prefill_batch_chunk``;
 * decode rows and one prefill chunk: ``mixed_forward``.
 
 After a chunk that does not finish its prompt, ``normalize_ssm_states`` checks the sequence's
-recurrent state. Every row that returned logits samples one token on the backend (seeded per
+recurrent state. Every row that returned logits samples one token (:mod:`metrale.runner.sampling`; seeded per
 request and per generated-token index, so a request's tokens do not depend on its batch
 companions), the stop rules run, and finished requests give their cache back. With the prefix
 cache on, every full block a step computed is published, so later prompts with the same prefix
@@ -34,6 +34,7 @@ from metrale.cache.prefix import PrefixCache
 from metrale.engine.generation import Request, StopChecker
 from metrale.engine.scheduler import Scheduler, StepPlan
 from metrale.errors import CacheError, ConfigError
+from metrale.runner.sampling import new_sampler
 from metrale.sequence import PrefillSlice, SequenceState
 
 
@@ -59,6 +60,7 @@ class Engine:
         self.forward = forward
         self.cache = cache
         self.backend = backend
+        self.sampler = new_sampler(backend)
         self.stopper = stopper
         # Recurrent state is not in the blocks: such models resume a shared prefix only from a
         # state snapshot, so they use the prefix cache only when snapshots are kept.
@@ -147,7 +149,7 @@ class Engine:
             prefix.repair()
         self.scheduler.running, self.scheduler.waiting = [], []
         for seq in seqs:
-            seq.block_table, seq.state_slot, seq.seq_len = [], None, 0
+            seq.block_table, seq.state_slot, seq.num_cached = [], None, 0
         self.cache.allocator.reset(prefix.registered_blocks() if prefix is not None else set())
         if self.cache.state_slots is not None:
             self.cache.state_slots.reset()
@@ -179,7 +181,7 @@ class Engine:
                 self.forward.normalize_ssm_states(chunk.request.seq)
                 self._snapshot(chunk.request)
         for requests, logits in sampled:
-            tokens = self.backend.sample_tokens(
+            tokens = self.sampler.sample(
                 logits, [r.params for r in requests], [r.seed for r in requests], [len(r.generated) for r in requests]
             )
             for request, token in zip(requests, tokens):
@@ -235,12 +237,12 @@ class Engine:
         if self.prefix_cache is None or self.snapshots is None or request.seq.state_slot is None:
             return
         seq = request.seq
-        if seq.seq_len % self.cache.block_size or not seq.seq_len:
+        if seq.num_cached % self.cache.block_size or not seq.num_cached:
             return
         self._publish(request)
         row = self.snapshots.take(seq.state_slot)
         if row is not None:
-            self.prefix_cache.attach_snapshot(request.block_digests[seq.seq_len // self.cache.block_size - 1], row)
+            self.prefix_cache.attach_snapshot(request.block_digests[seq.num_cached // self.cache.block_size - 1], row)
 
     def _publish(self, request: Request) -> None:
         """Register the request's newly computed full blocks in the prefix cache."""
@@ -254,8 +256,8 @@ def publish_blocks(prefix_cache: PrefixCache, request: Request) -> None:
     if request.error is not None:
         return
     seq = request.seq
-    full = min(seq.seq_len // prefix_cache.block_size, len(seq.block_table))
+    full = min(seq.num_cached // prefix_cache.block_size, len(seq.block_table))
     if full > request.published_blocks:
-        prefix_cache.publish(seq.tokens, seq.block_table, seq.seq_len, request.block_digests,
+        prefix_cache.publish(seq.tokens, seq.block_table, seq.num_cached, request.block_digests,
                              seq.adapter_slot, first=request.published_blocks)
         request.published_blocks = full

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from metrale.engine.sampler import request_seed
 from metrale.params import RequestOutput, SamplingParams
+from metrale.runner.sampling import request_seed
 from metrale.sequence import SequenceState
 
 #: Prompt tokens given to the incremental decoder as context for the first generated token.
@@ -127,8 +127,8 @@ class StopChecker:
             self._find_stop(request, params.stop)
         if request.finish_reason is None:
             full = len(request.generated) >= params.max_tokens
-            # The next decode would place the newest token at position seq_len.
-            out_of_context = request.seq.seq_len + 1 > self.max_model_len
+            # The next decode would place the newest token at position num_cached.
+            out_of_context = request.seq.num_cached + 1 > self.max_model_len
             if full or out_of_context:
                 request.finish_reason = "length"
 

@@ -197,7 +197,7 @@ class Scheduler:
             rows = plan.decode
             if not rows or not self._last_was_prefill:
                 # The rows keep their blocks reserved: they run if no prompt can.
-                reserved = sum(self._blocks_for(r, r.seq.seq_len + 1) for r in rows)
+                reserved = sum(self._blocks_for(r, r.seq.num_cached + 1) for r in rows)
                 plan.decode = []
                 self._schedule_prefill(plan, budget=None, max_chunks=1, reserved=reserved)
                 if not plan.prefill:
@@ -216,7 +216,7 @@ class Scheduler:
     def _schedule_decode(self, plan: StepPlan) -> None:
         while True:
             rows = [r for r in self.running if r.prefilled]
-            needed = sum(self._blocks_for(r, r.seq.seq_len + 1) for r in rows)
+            needed = sum(self._blocks_for(r, r.seq.num_cached + 1) for r in rows)
             if needed <= self.cache.num_free_blocks:
                 plan.decode = sorted(rows, key=lambda r: r.arrival)
                 return
@@ -239,7 +239,7 @@ class Scheduler:
     def _schedule_prefill(self, plan: StepPlan, budget: int | None, max_chunks: int | None,
                           reserved: int | None = None) -> None:
         if reserved is None:
-            reserved = sum(self._blocks_for(r, r.seq.seq_len + 1) for r in plan.decode)
+            reserved = sum(self._blocks_for(r, r.seq.num_cached + 1) for r in plan.decode)
         # Partly prefilled running requests first, then waiting ones in arrival order.
         candidates = sorted((r for r in self.running if not r.prefilled), key=lambda r: r.arrival)
         for request in candidates + list(self.waiting):
@@ -292,15 +292,15 @@ class Scheduler:
                 self.cache.snapshots.restore(row, seq.state_slot)
         else:
             blocks = self.prefix_cache.lookup(seq.tokens, request.block_digests, seq.adapter_slot, into=seq.block_table)
-        seq.seq_len = len(blocks) * self.block_size
+        seq.num_cached = len(blocks) * self.block_size
         if request.cached_tokens is None:
-            request.cached_tokens = seq.seq_len
+            request.cached_tokens = seq.num_cached
 
     def _chunk(self, request: Request, budget: int | None, free_blocks: int) -> PrefillChunk | None:
         """The largest chunk of ``request``'s remaining tokens within the budget and the free
         blocks (block-aligned unless it finishes the prompt), or None."""
         seq = request.seq
-        start, total = seq.seq_len, len(seq.tokens)
+        start, total = seq.num_cached, len(seq.tokens)
         end = total if budget is None else min(total, start + budget)
         have = len(seq.block_table) if self.cache.spec.uses_blocks else 0
         if self.cache.spec.uses_blocks:

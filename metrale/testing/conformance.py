@@ -114,6 +114,19 @@ class FamilyConformance:
         assert model is not None, f"no plugin loaded family {family.name!r}"
         assert checkpoint.unconsumed() == [], f"tensors the family never read: {checkpoint.unconsumed()}"
 
+    def test_plugin_kernels_match_their_references(self) -> None:
+        """Every kernel a plugin registers (``metrale_register_ops``) agrees with its op's
+        reference on the op's examples: on the CPU, and on the GPU where one is usable."""
+        from metrale.backend import CpuBackend, cuda_unavailable_reason, get_backend
+        from metrale.ops import build_op_registry
+        from metrale.ops.check import assert_kernels_match
+        from metrale.plugin_manager import get_plugin_manager
+
+        registry = build_op_registry(get_plugin_manager())
+        assert_kernels_match(registry, CpuBackend())
+        if cuda_unavailable_reason() is None:
+            assert_kernels_match(registry, get_backend("cuda"))
+
     def test_logits_match_reference(self, conformance_llm: Any, conformance_checkpoint: Path) -> None:
         for length in self.prompt_lengths:
             ids = self.token_ids(conformance_llm, length)
@@ -228,7 +241,7 @@ class FamilyConformance:
             reference = llm.backend.to_numpy(llm.forward.prefill(prompts[1], whole))
             twice = [PrefillSlice(prompts[1], split, 0, 5, False), PrefillSlice(prompts[1], split, 5, 4, True)]
             outcome = llm.forward.prefill_batch_chunk(twice)
-            assert outcome[0] is None and split.seq_len == len(prompts[1])
+            assert outcome[0] is None and split.num_cached == len(prompts[1])
             assert_close(llm.backend.to_numpy(outcome[1]), reference, self.self_tolerance, "ineligible batch")
         finally:
             for seq in alone + seqs + [whole, split]:

@@ -416,10 +416,10 @@ def test_release_returns_blocks_and_resets_the_sequence():
     cache = _state_cache(num_state_slots=2)
     seq = _seq()
     cache.reserve(seq, 13)
-    seq.seq_len = 13
+    seq.num_cached = 13
     assert len(seq.block_table) == 4 and cache.num_free_blocks == 4
     cache.release(seq)
-    assert seq.block_table == [] and seq.seq_len == 0 and seq.state_slot is None
+    assert seq.block_table == [] and seq.num_cached == 0 and seq.state_slot is None
     assert cache.num_free_blocks == 8 and cache.state_slots.num_free == 2
     cache.release(seq)  # an emptied sequence has nothing left to return
     assert cache.num_free_blocks == 8

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from metrale import LLM, SamplingParams
-from metrale.errors import ConfigError, EngineBusyError, SchedulerStuckError
 from metrale.engine.generation import make_request
+from metrale.errors import ConfigError, EngineBusyError, SchedulerStuckError
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -315,7 +315,7 @@ def test_two_phase_prefill_continues_like_the_engine(checkpoint, solo_llm, chunk
 def test_the_recurrent_state_is_checked_after_every_unfinished_chunk(checkpoint, monkeypatch):
     llm = LLM(checkpoint, device="cpu", show_progress=False, block_size=4, max_num_batched_tokens=8)
     checked = []
-    monkeypatch.setattr(llm.forward, "normalize_ssm_states", lambda seq, stream=None: checked.append(seq.seq_len))
+    monkeypatch.setattr(llm.forward, "normalize_ssm_states", lambda seq, stream=None: checked.append(seq.num_cached))
     llm.generate(prompts_of([21], seed=17), GREEDY)
     assert checked == [8, 16]  # after the chunks ending at 8 and 16; not after the last one
 

@@ -19,17 +19,18 @@ from metrale.cache import blocks, prefix, store
 from metrale.engine import engine, scheduler
 from metrale.family import FamilyModel
 from metrale.plugin_manager import get_plugin_manager
+from metrale.runner import ModelRunner
 
 pytestmark = pytest.mark.slow
 
 #: The bookkeeping: every function of the allocator, slot pool, snapshots, prefix cache, model
-#: cache, scheduler and engine step, and the family's cache reservation. The recovery itself
+#: cache, scheduler and engine step, and the model runner's cache reservation. The recovery itself
 #: runs only after an exception, so it is never a target.
 BOOKKEEPING = functions_of(
     blocks.BlockAllocator, store.StateSlotPool, store.StateSnapshots, store.ModelCache, prefix.PrefixCache,
     scheduler.Scheduler, engine.Engine, engine,
     exclude=("recover", "_rebuild", "check", "reset", "repair"),
-) | {FamilyModel.run_segments.__code__}
+) | {FamilyModel.run_segments.__code__, ModelRunner.run.__code__}
 
 SHARED = [5, 6, 7, 8, 9, 10, 11, 12]
 #: Two prompts share two blocks, the fourth repeats the first (a prefix-cache hit once the first

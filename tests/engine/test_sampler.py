@@ -1,4 +1,4 @@
-"""metrale/engine/sampler.py: greedy, temperature, top-k, top-p and seeding.
+"""metrale/runner/sampling.py: greedy, temperature, top-k, top-p and seeding.
 
 The allowed sets and the target distributions are computed here with NumPy, independently of
 the sampler's own masking code.
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metrale.engine.sampler import request_seed, sample_token
 from metrale.params import SamplingParams
+from metrale.runner.sampling import request_seed, sample_token
 
 
 def _logits(seed: int, vocab: int = 50, scale: float = 2.0) -> np.ndarray:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.backend import CpuBackend
 from metrale.engine import generation
+from metrale.runner.sampling import TokenSampler
 
 TEXT = " Hello 你好, the wörld ends here. More text after the end, and 🙂 at last."
 
@@ -26,7 +26,7 @@ def llm():
 def scripted(llm, monkeypatch):
     """Make the model 'generate' TEXT, token by token; returns the scripted token ids."""
     script = llm.tokenizer.encode(TEXT, add_special_tokens=False).ids
-    monkeypatch.setattr(CpuBackend, "sample_tokens", lambda self, logits, params, seeds, steps: [script[s] for s in steps])
+    monkeypatch.setattr(TokenSampler, "sample", lambda self, logits, params, seeds, steps: [script[s] for s in steps])
     return script
 
 

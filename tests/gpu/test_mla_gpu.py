@@ -17,7 +17,6 @@ pytestmark = pytest.mark.gpu
 def bf16_mla_checkpoints(tmp_path_factory):
     """The tiny DeepSeek-V2 / V3 checkpoints saved in bf16: both backends read the same weights."""
     import torch
-
     from conftest import build_mla_checkpoint, mla_configs
 
     root = tmp_path_factory.mktemp("bf16-mla")
@@ -139,7 +138,7 @@ def test_graph_replayed_decode_gives_the_eager_tokens(bf16_mla_checkpoints):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     eager = load(path, "cuda", cuda_graphs=False).generate(prompts, params)
     llm = load(path, "cuda")
-    assert llm.backend.graph_runner(llm.model) is not None
+    assert llm.model.runner.graphs is not None
     graphs = llm.generate(prompts, params)
     assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
-    assert llm.backend.graph_runner(llm.model).rungs, "no decode graph was recorded"
+    assert llm.model.runner.graphs.rungs, "no decode graph was recorded"

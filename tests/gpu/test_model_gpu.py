@@ -50,8 +50,8 @@ def bf16_checkpoints(tmp_path_factory):
     """The conftest's dense variants saved in bf16, as real checkpoints are: both backends then
     read the same weights and differ only in activation precision."""
     import torch
-
     from conftest import dense_configs
+
     from metrale.testing.hf import build_hf_checkpoint
 
     root = tmp_path_factory.mktemp("bf16")
@@ -146,12 +146,13 @@ def test_seeded_sampling_repeats_on_the_device():
 
 
 def test_backend_sampler_matches_the_host_sampler_for_every_row_count():
-    from metrale.cuda_backend import CudaBackend
-    from metrale.engine.sampler import sample_rows
-
     import cupy
 
+    from metrale.cuda_backend import CudaBackend
+    from metrale.runner.sampling import CudaSampler, sample_rows
+
     backend = CudaBackend()
+    sampler = CudaSampler(backend)
     rng = np.random.default_rng(5)
     kinds = [
         SamplingParams(temperature=0.0),
@@ -168,16 +169,17 @@ def test_backend_sampler_matches_the_host_sampler_for_every_row_count():
         steps = rng.integers(0, 500, rows).tolist()
         with backend.activate():
             device_logits = cupy.asarray(logits)
-        assert backend.sample_tokens(device_logits, params, seeds, steps) == sample_rows(logits, params, seeds, steps)
-    assert all(buffers.graph for buffers in backend._sampling.values())
+        assert sampler.sample(device_logits, params, seeds, steps) == sample_rows(logits, params, seeds, steps)
+    assert all(buffers.graph for buffers in sampler._buffers.values())
 
 
 def test_a_nan_in_a_bf16_weight_is_found_on_the_device(tmp_path):
     import shutil
 
+    from test_nonfinite import poison
+
     from metrale.errors import NonFiniteWeightError
     from metrale.models import embedded_model_path
-    from test_nonfinite import poison
 
     folder = tmp_path / "model"
     shutil.copytree(embedded_model_path("tiny-dense"), folder)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import cuda
 
 from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.errors import KernelArgumentError
 from metrale.kernels import activation, attention, embedding, gemv, linear, rmsnorm, rope
 from metrale.kernels._device import bf16_to_float, float_to_bf16
-from numba import cuda
 
 pytestmark = [
     pytest.mark.skipif(

@@ -7,13 +7,12 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import BASE
 
 from metrale import LLM, SamplingParams
 from metrale.sequence import SequenceState
 from metrale.testing import max_relative_error
 from metrale.testing.hf import build_hf_checkpoint, hf_greedy, hf_reference_logits
-
-from conftest import BASE
 
 TOLERANCE = 1e-4
 

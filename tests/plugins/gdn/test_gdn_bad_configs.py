@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import re
 
-import metrale
 import pytest
-
 from conftest import edited_copy, load_refused, set_fields
+
+import metrale
 
 HUGE = 10**9
 

@@ -8,12 +8,15 @@ it in with one transfer, then replays the rung's graph. Padding rows decode toke
 
 The first step of a rung runs eagerly (its result is returned) and then records the graph; the
 memory the graph uses comes from the backend's private pool. An error while recording ends and
-discards the capture before it propagates; the next call records again.
+discards the capture before it propagates; the next call records again. A model that runs an op
+which cannot be captured (an op served by the host fallback of its reference) stops using graphs:
+its decode steps run eagerly from then on, and a warning says which op.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import weakref
 from dataclasses import dataclass
@@ -22,6 +25,9 @@ from typing import Any
 import numpy as np
 
 from metrale.batch import ForwardBatch
+from metrale.errors import GraphCaptureError
+
+logger = logging.getLogger(__name__)
 
 DECODE_RUNGS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -53,6 +59,8 @@ class CudaGraphRunner:
         # A sequence holds at most every block of the cache, however long max_model_len is.
         self.max_blocks = min(math.ceil(model.max_model_len / self.block_size), model.cache.num_blocks)
         self.rungs: dict[int, Rung] = {}
+        #: Why graphs are off for this model (an op that cannot be captured), or None.
+        self.disabled: str | None = None
 
     @property
     def model(self) -> Any:
@@ -61,7 +69,8 @@ class CudaGraphRunner:
     def accepts(self, batch: ForwardBatch) -> bool:
         """Decode-only batches (one new token and its logits per sequence) that fit a rung."""
         count = len(batch.segments)
-        return 0 < count <= DECODE_RUNGS[-1] and batch.num_rows == count and len(batch.logits_rows) == count
+        fits = 0 < count <= DECODE_RUNGS[-1] and batch.num_rows == count and len(batch.logits_rows) == count
+        return self.disabled is None and fits
 
     def rung_size(self, rows: int) -> int:
         return next(size for size in DECODE_RUNGS if size >= rows)
@@ -154,6 +163,12 @@ class CudaGraphRunner:
             stream.begin_capture(getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", 2))
             try:
                 output = self.model.forward_batch(rung.batch)
+            except GraphCaptureError as error:
+                if stream.is_capturing():
+                    stream.end_capture()
+                self.disabled = str(error)
+                logger.warning("decode steps of %s run without CUDA graphs: %s", type(self.model).__name__, error)
+                return eager
             except BaseException:
                 if stream.is_capturing():
                     stream.end_capture()

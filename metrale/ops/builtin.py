@@ -1,0 +1,312 @@
+"""The built-in op set: each op declared once, with its NumPy reference (the CPU implementation)
+and the CUDA kernel module that serves it on the GPU (:class:`metrale.ops.cuda.CudaKernels`).
+
+Kernel modules are imported when an op first runs on the CPU (its reference) or when the CUDA
+backend is built, never by importing this module: ``import metrale`` stays free of numba.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from metrale.ops.registry import Kernel, Op, OpRegistry
+from metrale.ops.registry import Operand as P
+
+# ---------------------------------------------------------------------------- references
+
+
+def _kernels(module: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"metrale.kernels.{module}")
+
+
+def embedding(weight, ids):
+    return _kernels("embedding").embedding_reference(weight, ids)
+
+
+def rmsnorm(x, weight, eps, offset=0.0):
+    return _kernels("rmsnorm").rmsnorm_reference(x, weight, eps, offset)
+
+
+def rmsnorm_residual(x, residual, weight, eps, offset=0.0):
+    return _kernels("rmsnorm").rmsnorm_residual_reference(x, residual, weight, eps, offset)
+
+
+def linear(x, weight, bias=None):
+    return _kernels("linear").linear_reference(x, weight, bias)
+
+
+def silu_and_mul(gate_up):
+    width = gate_up.shape[1] // 2
+    return _kernels("activation").silu_and_mul_reference(gate_up[:, :width], gate_up[:, width:])
+
+
+def linear_silu(x, weight, bias=None):
+    return silu_and_mul(linear(x, weight, bias))
+
+
+def to_bf16(x):
+    # On the CPU a matrix-product input stays float32.
+    return np.array(x, dtype=np.float32)
+
+
+def to_float32(x):
+    x = np.asarray(x)
+    if x.dtype == np.uint16:
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return np.array(x, dtype=np.float32)
+
+
+def qkv_rope_cache(qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim,
+                   k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6, norm_offset=0.0, interleaved=False):
+    return _kernels("rope").qkv_rope_cache_reference(
+        qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
+        q_norm, k_norm, eps, norm_offset, interleaved,
+    )
+
+
+def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window):
+    out = _kernels("attention").paged_attention_reference(
+        q, k_cache, v_cache, batch.block_tables, batch.seq_index, batch.positions, scale, sliding_window
+    )
+    return out.reshape(out.shape[0], -1)
+
+
+def latent_attention(q, latent, batch, value_dim, scale):
+    out = _kernels("attention_latent").latent_attention_reference(
+        q, latent, batch.block_tables, batch.seq_index, batch.positions, value_dim, scale
+    )
+    return out.reshape(out.shape[0], -1)
+
+
+def latent_cache_write(kv_a, norm_weight, eps, positions, inv_freq, attention_factor, interleaved, slot_mapping, latent):
+    _kernels("attention_latent").latent_cache_write_reference(
+        kv_a, norm_weight, eps, positions, inv_freq, attention_factor, interleaved, slot_mapping, latent
+    )
+
+
+def head_linear(x, weight):
+    return _kernels("head_linear").head_linear_reference(x, weight)
+
+
+def moe_route(x, gate, bias, method, n_group, topk_group, top_k, renormalise, scaling):
+    logits = to_float32(x) @ np.asarray(gate, dtype=np.float32).T
+    return _kernels("moe").route_reference(logits, bias, method, n_group, topk_group, top_k, renormalise, scaling)
+
+
+def moe_experts(x, experts, weights, gate_up, down):
+    return _kernels("moe").experts_reference(x, experts, weights, gate_up, down)
+
+
+def gdn_conv_update(inputs, weight, conv_state, slots):
+    return _kernels("gated_delta").conv_update_reference(inputs, weight, conv_state, slots)
+
+
+def gdn_recurrent_step(q, k, v, g, beta, state, slots):
+    return _kernels("gated_delta").recurrent_step_reference(q, k, v, g, beta, state, slots)
+
+
+def gdn_prompt_rule(q, k, v, g, beta, state, slots, starts):
+    return _kernels("gated_delta").prompt_rule_reference(q, k, v, g, beta, state, slots, starts)
+
+
+def gated_rmsnorm(x, z, weight, eps):
+    return _kernels("gated").gated_rmsnorm_reference(x, z, weight, eps)
+
+
+def sigmoid_gate(x, gate):
+    return _kernels("gated").sigmoid_gate_reference(x, gate)
+
+
+# ------------------------------------------------------------------------------ examples
+
+
+def _rows(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _norm_examples(rng: np.random.Generator, residual: bool) -> list[dict[str, Any]]:
+    cases = []
+    for rows, hidden, offset in ((1, 64, 0.0), (5, 96, 1.0), (3, 200, 0.0)):
+        case = {"x": _rows(rng, rows, hidden), "weight": _rows(rng, hidden, scale=0.5) + 1.0, "eps": 1e-6, "offset": offset}
+        if residual:
+            case = {"x": case["x"], "residual": _rows(rng, rows, hidden), **{k: case[k] for k in ("weight", "eps", "offset")}}
+        cases.append(case)
+    if residual:
+        cases.append({"x": _rows(rng, 2, 64), "residual": None, "weight": _rows(rng, 64) + 1.0, "eps": 1e-5, "offset": 0.0})
+    return cases
+
+
+def _linear_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [
+        {"x": _rows(rng, rows, width), "weight": _rows(rng, out, width, scale=0.1), "bias": bias}
+        for rows, width, out, bias in ((1, 64, 48, None), (7, 128, 32, _rows(rng, 32)))
+    ]
+
+
+def _silu_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [{"gate_up": _rows(rng, rows, 2 * width)} for rows, width in ((1, 64), (4, 96))]
+
+
+def _linear_silu_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [{"x": _rows(rng, rows, 64), "weight": _rows(rng, 96, 64, scale=0.1), "bias": None} for rows in (1, 6)]
+
+
+def _embedding_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [{"weight": _rows(rng, 50, 64), "ids": rng.integers(0, 50, size=rows).astype(np.int32)} for rows in (1, 9)]
+
+
+def _sigmoid_gate_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [{"x": _rows(rng, rows, 64), "gate": _rows(rng, rows, 64)} for rows in (1, 5)]
+
+
+def _gated_rmsnorm_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [{"x": _rows(rng, 4, 3, 64), "z": _rows(rng, 4, 3, 64), "weight": _rows(rng, 64) + 1.0, "eps": 1e-6}]
+
+
+def _head_linear_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [{"x": _rows(rng, rows, 4, 64), "weight": _rows(rng, 4 * 32, 64, scale=0.1)} for rows in (1, 3)]
+
+
+# --------------------------------------------------------------------------- declarations
+
+X = P("x", "[N, H]", "activation")
+NORMED = P("normed", "[N, H]", "matmul_input", "the normed rows, an input of a matrix product")
+
+
+def _declarations() -> list[tuple[Op, str]]:
+    """Every built-in op with the kernel module serving it on the GPU."""
+    return [
+        (Op("embedding", "Rows of an embedding table.",
+            (P("weight", "[V, H]", "weight"), P("ids", "[N]", "index")),
+            (P("rows", "[N, H]", "activation"),), embedding, examples=_embedding_examples, cuda_tolerance=1e-2),
+         "embedding"),
+        (Op("rmsnorm", "RMSNorm over the last axis: ``x / sqrt(mean(x^2) + eps) * (offset + weight)``.",
+            (X, P("weight", "[H]", "weight"), P("eps", kind="scalar"),
+             P("offset", kind="scalar", doc="1.0 for zero-centred norms (Qwen3-Next), else 0.0")),
+            (NORMED,), rmsnorm, examples=functools.partial(_norm_examples, residual=False)),
+         "rmsnorm"),
+        (Op("rmsnorm_residual", "The residual add fused with RMSNorm: ``s = x + residual``; returns "
+            "``(rmsnorm(s), s)``. With ``residual`` None the sum is ``x`` (the first layer).",
+            (X, P("residual", "[N, H]", "activation", optional=True), P("weight", "[H]", "weight"),
+             P("eps", kind="scalar"), P("offset", kind="scalar")),
+            (NORMED, P("summed", "[N, H]", "activation", "the new residual stream")),
+            rmsnorm_residual, examples=functools.partial(_norm_examples, residual=True)),
+         "rmsnorm"),
+        (Op("linear", "``x @ weight.T + bias`` (cuBLAS on the GPU).",
+            (P("x", "[N, in]", "matmul_input"), P("weight", "[out, in]", "weight"),
+             P("bias", "[out]", "constant", optional=True)),
+            (P("y", "[N, out]", "activation"),), linear, examples=_linear_examples),
+         "linear"),
+        (Op("silu_and_mul", "SwiGLU's activation: ``silu(gate) * up`` of ``gate_up = [gate | up]``.",
+            (P("gate_up", "[N, 2 I]", "activation"),), (P("act", "[N, I]", "matmul_input"),),
+            silu_and_mul, examples=_silu_examples),
+         "activation"),
+        (Op("linear_silu", "``silu_and_mul(linear(x, weight, bias))``, one kernel for small batches where enabled.",
+            (P("x", "[N, in]", "matmul_input"), P("weight", "[2 I, in]", "weight"),
+             P("bias", "[2 I]", "constant", optional=True)),
+            (P("act", "[N, I]", "matmul_input"),), linear_silu, examples=_linear_silu_examples),
+         "gemv"),
+        (Op("to_bf16", "``x`` as a matrix-product input: bf16 bits on the GPU, a float32 copy on the CPU.",
+            (X,), (P("y", "[N, H]", "matmul_input"),), to_bf16),
+         "activation"),
+        (Op("to_float32", "``x`` as float32: bf16 bits widened, float32 copied.",
+            (P("x", "[...]", "matmul_input"),), (P("y", "[...]", "activation"),), to_float32),
+         "activation"),
+        (Op("qkv_rope_cache", "Split ``qkv`` into heads, apply the optional per-head q/k RMSNorm and RoPE (half-split "
+            "pairs, or adjacent pairs when ``interleaved``), write K and V at ``slot_mapping`` into the paged cache; "
+            "returns the rotated queries.",
+            (P("qkv", "[N, (nh + 2 nkv) d]", "activation"), P("positions", "[N]", "index"),
+             P("slot_mapping", "[N]", "index"), P("inv_freq", "[d / 2]", "constant"), P("attention_factor", kind="scalar"),
+             P("num_heads", kind="scalar"), P("num_kv_heads", kind="scalar"), P("head_dim", kind="scalar"),
+             P("k_cache", "[blocks, block, nkv, d]", "cache"), P("v_cache", "[blocks, block, nkv, d]", "cache"),
+             P("q_norm", "[d]", "weight", optional=True), P("k_norm", "[d]", "weight", optional=True),
+             P("eps", kind="scalar"), P("norm_offset", kind="scalar"), P("interleaved", kind="option")),
+            (P("q", "[N, nh, d]", "activation"),), qkv_rope_cache),
+         "rope"),
+        (Op("paged_attention", "Causal GQA attention of each row over its sequence's paged K/V (optionally a sliding "
+            "window); decode rows and prompt rows in one call.",
+            (P("q", "[N, nh, d]", "activation"), P("k_cache", "[blocks, block, nkv, d]", "cache"),
+             P("v_cache", "[blocks, block, nkv, dv]", "cache"), P("batch", kind="batch"), P("scale", kind="scalar"),
+             P("sliding_window", kind="scalar", optional=True)),
+            (P("out", "[N, nh * dv]", "matmul_input"),), paged_attention),
+         "attention"),
+        (Op("latent_attention", "MLA's absorbed decode attention of one-row segments over the paged latent cache.",
+            (P("q", "[N, nh, r + d_r]", "activation"), P("latent", "[blocks, block, r + d_r]", "cache"),
+             P("batch", kind="batch"), P("value_dim", kind="scalar"), P("scale", kind="scalar")),
+            (P("out", "[N, nh * value_dim]", "matmul_input"),), latent_attention),
+         "attention_latent"),
+        (Op("latent_cache_write", "MLA's cache write: ``[rmsnorm(kv_a[:, :r]) | rope(kv_a[:, r:])]`` at each row's slot.",
+            (P("kv_a", "[N, r + d_r]", "activation"), P("norm_weight", "[r]", "weight"), P("eps", kind="scalar"),
+             P("positions", "[N]", "index"), P("inv_freq", "[d_r / 2]", "constant"), P("attention_factor", kind="scalar"),
+             P("interleaved", kind="option"), P("slot_mapping", "[N]", "index"),
+             P("latent", "[blocks, block, r + d_r]", "cache")),
+            (), latent_cache_write),
+         "attention_latent"),
+        (Op("head_linear", "A matrix product per head: ``weight[h] @ x[n, h]``, ``weight`` stacked ``[nh * out, in]``.",
+            (P("x", "[N, nh, in]", "matmul_input"), P("weight", "[nh * out, in]", "weight")),
+            (P("y", "[N, nh, out]", "activation"),), head_linear, examples=_head_linear_examples),
+         "head_linear"),
+        (Op("moe_route", "Router logits ``x @ gate.T`` (float32) and the chosen experts with their weights: softmax "
+            "(``greedy``, ``group_limited_greedy``) or sigmoid with a correction bias (``noaux_tc``).",
+            (P("x", "[N, H]", "matmul_input"), P("gate", "[E, H]", "constant"), P("bias", "[E]", "constant", optional=True),
+             P("method", kind="option"), P("n_group", kind="scalar"), P("topk_group", kind="scalar"),
+             P("top_k", kind="scalar"), P("renormalise", kind="option"), P("scaling", kind="scalar")),
+            (P("experts", "[N, k]", "index"), P("weights", "[N, k]", "activation")), moe_route),
+         "moe"),
+        (Op("moe_experts", "The chosen experts' SwiGLU from stacked expert weights, weighted and summed.",
+            (P("x", "[N, H]", "matmul_input"), P("experts", "[N, k]", "index"), P("weights", "[N, k]", "activation"),
+             P("gate_up", "[E, 2 I, H]", "weight"), P("down", "[E, H, I]", "weight")),
+            (P("y", "[N, H]", "activation"),), moe_experts),
+         "moe"),
+        (Op("gdn_conv_update", "One token per row through a Gated DeltaNet layer's causal depthwise conv + SiLU; the "
+            "rows' conv states (at ``slots``) updated in place.",
+            (P("inputs", "[N, C]", "activation"), P("weight", "[C, K]", "constant"),
+             P("conv_state", "[slots, C, K - 1]", "cache"), P("slots", "[N]", "index")),
+            (P("mixed", "[N, C]", "activation"),), gdn_conv_update),
+         "gated_delta"),
+        (Op("gdn_recurrent_step", "One token per row of the gated delta rule; the rows' states updated in place.",
+            (P("q", "[N, H, d_k]", "activation"), P("k", "[N, H, d_k]", "activation"), P("v", "[N, H, d_v]", "activation"),
+             P("g", "[N, H]", "activation"), P("beta", "[N, H]", "activation"),
+             P("state", "[slots, H, d_k, d_v]", "cache"), P("slots", "[N]", "index")),
+            (P("out", "[N, H, d_v]", "activation"),), gdn_recurrent_step),
+         "gated_delta"),
+        (Op("gdn_prompt_rule", "The gated delta rule over each segment's rows ``starts[s]:starts[s + 1]`` from slot "
+            "``slots[s]`` (the chunked form on the CPU).",
+            (P("q", "[T, H, d_k]", "activation"), P("k", "[T, H, d_k]", "activation"), P("v", "[T, H, d_v]", "activation"),
+             P("g", "[T, H]", "activation"), P("beta", "[T, H]", "activation"),
+             P("state", "[slots, H, d_k, d_v]", "cache"), P("slots", "[S]", "index"), P("starts", "[S + 1]", "index")),
+            (P("out", "[T, H, d_v]", "activation"),), gdn_prompt_rule, graph_safe=False),
+         "gated_delta"),
+        (Op("gated_rmsnorm", "``rmsnorm(x; weight) * silu(z)`` over the last axis.",
+            (P("x", "[..., d]", "activation"), P("z", "[..., d]", "activation"), P("weight", "[d]", "constant"),
+             P("eps", kind="scalar")),
+            (P("y", "[..., d]", "matmul_input"),), gated_rmsnorm, examples=_gated_rmsnorm_examples),
+         "gated"),
+        (Op("sigmoid_gate", "``x * sigmoid(gate)``.",
+            (P("x", "[N, W]", "matmul_input"), P("gate", "[N, W]", "activation")),
+            (P("y", "[N, W]", "matmul_input"),), sigmoid_gate, examples=_sigmoid_gate_examples),
+         "gated"),
+    ]
+
+
+@functools.lru_cache(maxsize=1)
+def builtin_registry() -> OpRegistry:
+    """The built-in ops and their CUDA kernels (shared; :func:`~metrale.ops.build_op_registry`
+    copies it before plugins add to it)."""
+    registry = OpRegistry()
+    for op, module in _declarations():
+        registry.declare(op)
+        registry.add_kernel(Kernel(op.name, "cuda", f"metrale.kernels.{module}", build=_cuda_method(op.name)))
+    return registry
+
+
+def _cuda_method(name: str) -> Any:
+    def build(backend: Any) -> Any:
+        return getattr(backend.kernels, name)
+
+    return build

@@ -1,0 +1,211 @@
+"""The CUDA implementations of the built-in ops: one method per op, each allocating its outputs
+on the engine's memory pool and launching the kernel of :mod:`metrale.kernels` on the engine
+stream (cuBLAS for matrix products).
+
+Imported only by the CUDA backend (it imports CuPy and numba).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+from metrale.kernels import (
+    activation,
+    attention,
+    attention_latent,
+    attention_prefill,
+    embedding,
+    gated,
+    gated_delta,
+    gemv,
+    moe,
+    rmsnorm,
+    rope,
+)
+from metrale.kernels import head_linear as head_linear_kernels
+from metrale.kernels.linear import CublasGemm
+
+f32, bf16 = np.float32, np.uint16
+
+
+class CudaKernels:
+    """The built-in ops on one CUDA backend (its stream and cuBLAS handle)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.gemm = CublasGemm(stream)
+        #: Batches of up to this many rows use the numba GEMV kernels instead of cuBLAS (0: never).
+        #: cuBLAS measured about twice as fast on the H200 (docs/benchmarks), so never by default.
+        self.gemv_rows = 0
+
+    # ------------------------------------------------------------------------- conversions
+
+    def to_bf16(self, x: Any) -> Any:
+        x = cp.ascontiguousarray(x)
+        return activation.to_bf16(x, cp.empty(x.shape, dtype=bf16), self.stream)
+
+    def as_bf16(self, x: Any) -> Any:
+        """``x`` as bf16 bits: float32 narrowed, bf16 bits kept (made contiguous)."""
+        return self.to_bf16(x) if x.dtype == f32 else cp.ascontiguousarray(x)
+
+    def to_float32(self, x: Any) -> Any:
+        if x.dtype == bf16:
+            return (x.astype(cp.uint32) << 16).view(cp.float32)
+        return cp.array(x, dtype=f32)
+
+    # ------------------------------------------------------------------------------- dense
+
+    def embedding(self, weight: Any, ids: Any) -> Any:
+        out = cp.empty((ids.shape[0], weight.shape[1]), dtype=f32)
+        return embedding.embedding(weight, ids, out, self.stream)
+
+    def rmsnorm_residual(self, x: Any, residual: Any, weight: Any, eps: float, offset: float = 0.0) -> Any:
+        x = cp.ascontiguousarray(x)
+        add = residual is not None
+        residual = cp.ascontiguousarray(residual) if add else cp.empty_like(x)
+        out = cp.empty(x.shape, dtype=bf16)
+        rmsnorm.rmsnorm_residual(x, residual, weight, eps, offset, add, out, self.stream)
+        return out, residual
+
+    def rmsnorm(self, x: Any, weight: Any, eps: float, offset: float = 0.0) -> Any:
+        return self.rmsnorm_residual(x, None, weight, eps, offset)[0]
+
+    def _uses_gemv(self, x: Any) -> bool:
+        return x.shape[0] <= self.gemv_rows and gemv.supports(x.shape[0], x.shape[1])
+
+    def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        x = self.as_bf16(x)
+        out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
+        if self._uses_gemv(x):
+            gemv.gemv(x, weight, out, self.stream)
+        else:
+            self.gemm(x, weight, out)
+        if bias is not None:
+            out += bias
+        return out
+
+    def linear_silu(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        x = self.as_bf16(x)
+        if bias is None and self._uses_gemv(x):
+            out = cp.empty((x.shape[0], weight.shape[0] // 2), dtype=bf16)
+            return gemv.gemv_silu(x, weight, out, self.stream)
+        return self.silu_and_mul(self.linear(x, weight, bias))
+
+    def silu_and_mul(self, gate_up: Any) -> Any:
+        out = cp.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=bf16)
+        return activation.silu_and_mul(gate_up, out, self.stream)
+
+    def qkv_rope_cache(self, qkv: Any, positions: Any, slot_mapping: Any, inv_freq: Any, attention_factor: float,
+                       num_heads: int, num_kv_heads: int, head_dim: int, k_cache: Any, v_cache: Any, q_norm: Any = None,
+                       k_norm: Any = None, eps: float = 1e-6, norm_offset: float = 0.0, interleaved: bool = False) -> Any:
+        q = cp.empty((qkv.shape[0], num_heads, head_dim), dtype=f32)
+        return rope.qkv_rope_cache(
+            qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim,
+            k_cache, v_cache, q, q_norm, k_norm, eps, norm_offset, interleaved, self.stream,
+        )
+
+    def _decode_attention(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, rows: int, scale: float,
+                          sliding_window: int | None, out: Any) -> Any:
+        # The first ``rows`` rows, one per segment, through the split-K decode kernel.
+        heads, kv_heads, value_dim = q.shape[1], k_cache.shape[2], v_cache.shape[3]
+        splits = attention.split_count(rows, heads, kv_heads, q.shape[2], value_dim, batch.max_context)
+        workspace = (
+            cp.empty((rows, heads, splits, value_dim), dtype=f32),
+            cp.empty((rows, heads, splits), dtype=f32),
+            cp.empty((rows, heads, splits), dtype=f32),
+        )
+        return attention.paged_attention(
+            q[:rows], k_cache, v_cache, batch.block_tables, batch.seq_index[:rows], batch.positions[:rows],
+            scale, sliding_window, batch.max_context, workspace, out[:rows], self.stream,
+        )
+
+    def paged_attention(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
+                        sliding_window: int | None) -> Any:
+        rows, heads = q.shape[0], q.shape[1]
+        kv_heads, value_dim = k_cache.shape[2], v_cache.shape[3]
+        out = cp.empty((rows, heads * value_dim), dtype=bf16)
+        starts = batch.row_starts
+        # Leading one-row segments (the decode rows of a mixed step) go to the decode kernel;
+        # the prefill kernel serves the rest.
+        lengths = np.diff(starts)
+        single = int(np.argmax(lengths != 1)) if (lengths != 1).any() else len(lengths)
+        if single < len(lengths) and attention_prefill.supports(heads, kv_heads, q.shape[2], value_dim):
+            if single:
+                self._decode_attention(q, k_cache, v_cache, batch, single, scale, sliding_window, out)
+            tiles = attention_prefill.query_tiles(starts[single:], attention_prefill.rows_per_tile(heads, kv_heads))
+            attention_prefill.paged_attention_prefill(
+                q, attention_prefill.as_words(k_cache), attention_prefill.as_words(v_cache), batch.block_tables,
+                batch.seq_index, batch.positions, cp.asarray(tiles), scale, sliding_window, out, self.stream,
+            )
+            return out
+        return self._decode_attention(q, k_cache, v_cache, batch, rows, scale, sliding_window, out)
+
+    # --------------------------------------------------------------------------------- MLA
+
+    def latent_attention(self, q: Any, latent: Any, batch: Any, value_dim: int, scale: float) -> Any:
+        out = cp.empty((q.shape[0], q.shape[1] * value_dim), dtype=bf16)
+        return attention_latent.latent_attention(
+            cp.ascontiguousarray(q, dtype=f32), latent, batch.block_tables, batch.seq_index, batch.positions,
+            value_dim, scale, batch.max_context, out, self.stream,
+        )
+
+    def latent_cache_write(self, kv_a: Any, norm_weight: Any, eps: float, positions: Any, inv_freq: Any,
+                           attention_factor: float, interleaved: bool, slot_mapping: Any, latent: Any) -> None:
+        attention_latent.latent_cache_write(
+            cp.ascontiguousarray(kv_a, dtype=f32), norm_weight, eps, positions, inv_freq, attention_factor,
+            interleaved, slot_mapping, latent, self.stream,
+        )
+
+    def head_linear(self, x: Any, weight: Any) -> Any:
+        rows, heads = x.shape[0], x.shape[1]
+        out = cp.empty((rows, heads, weight.shape[0] // heads), dtype=f32)
+        return head_linear_kernels.head_linear(self.as_bf16(x), weight, out, self.stream)
+
+    # --------------------------------------------------------------------------------- MoE
+
+    def moe_route(self, x: Any, gate: Any, bias: Any, method: str, n_group: int, topk_group: int, top_k: int,
+                  renormalise: bool, scaling: float) -> Any:
+        x = self.as_bf16(x)
+        logits = moe.router_logits(x, gate, cp.empty((x.shape[0], gate.shape[0]), dtype=f32), self.stream)
+        chosen = cp.empty((x.shape[0], top_k), dtype=np.int32)
+        weights = cp.empty((x.shape[0], top_k), dtype=f32)
+        return moe.route(logits, bias, method, n_group, topk_group, top_k, renormalise, scaling, chosen, weights,
+                         self.stream)
+
+    def moe_experts(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
+        x = self.as_bf16(x)
+        act = cp.empty((x.shape[0] * experts.shape[1], down.shape[1]), dtype=bf16)
+        out = cp.empty((x.shape[0], x.shape[1]), dtype=f32)
+        return moe.experts(x, experts, weights, gate_up, down, act, out, self.stream)
+
+    # --------------------------------------------------------------------------------- GDN
+
+    def gdn_conv_update(self, inputs: Any, weight: Any, conv_state: Any, slots: Any) -> Any:
+        out = cp.empty(inputs.shape, dtype=f32)
+        return gated_delta.conv_update(cp.ascontiguousarray(inputs, dtype=f32), weight, conv_state, slots, out,
+                                       self.stream)
+
+    def gdn_recurrent_step(self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, slots: Any) -> Any:
+        out = cp.empty(v.shape, dtype=f32)
+        contiguous = [cp.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta)]
+        return gated_delta.recurrent_step(*contiguous, state, slots, out, self.stream)
+
+    def gdn_prompt_rule(self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, slots: Any, starts: Any) -> Any:
+        out = cp.empty(v.shape, dtype=f32)
+        contiguous = [cp.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta)]
+        return gated_delta.prompt_rule(*contiguous, state, cp.asarray(slots, dtype=np.int32),
+                                       cp.asarray(starts, dtype=np.int32), out, self.stream)
+
+    def gated_rmsnorm(self, x: Any, z: Any, weight: Any, eps: float) -> Any:
+        width = x.shape[-1]
+        flat_x = cp.ascontiguousarray(x, dtype=f32).reshape(-1, width)
+        out = cp.empty(flat_x.shape, dtype=bf16)
+        gated.gated_rmsnorm(flat_x, cp.ascontiguousarray(z, dtype=f32).reshape(-1, width), weight, eps, out, self.stream)
+        return out.reshape(x.shape)
+
+    def sigmoid_gate(self, x: Any, gate: Any) -> Any:
+        out = cp.empty(x.shape, dtype=bf16)
+        return gated.sigmoid_gate(self.as_bf16(x), cp.ascontiguousarray(gate, dtype=f32), out, self.stream)

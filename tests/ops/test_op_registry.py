@@ -1,0 +1,185 @@
+"""The op layer: declarations, kernels under conditions, plugin ops and kernels, the kernel check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from metrale import LLM, SamplingParams
+from metrale.backend import CpuBackend
+from metrale.errors import KernelMismatchError, OpRegistrationError, UnknownOpError
+from metrale.hookspecs import hookimpl
+from metrale.ops import Kernel, Op, Operand, build_op_registry
+from metrale.ops.builtin import builtin_registry
+from metrale.ops.check import assert_kernels_match, check_plugin_kernels
+from metrale.plugin_manager import get_plugin_manager
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+class KernelPlugin:
+    """A plugin adding ``kernels`` (and ``ops``) through metrale_register_ops."""
+
+    METRALE_CONTRACT_VERSION = "1.1"
+
+    def __init__(self, kernels=(), ops=()):
+        self.kernels, self.ops = list(kernels), list(ops)
+
+    @hookimpl
+    def metrale_register_ops(self, registry):
+        for op in self.ops:
+            registry.declare(op)
+        for kernel in self.kernels:
+            registry.add_kernel(kernel)
+
+
+def manager_with(plugin, name="kernel_plugin"):
+    manager = get_plugin_manager(entry_points=False)
+    manager.register(plugin, name=name)
+    return manager
+
+
+def counting_rmsnorm(calls, shift=0.0):
+    reference = builtin_registry().ops["rmsnorm"].reference
+
+    def rmsnorm(x, weight, eps, offset=0.0):
+        calls.append(x.shape)
+        return reference(x, weight, eps, offset) + np.float32(shift)
+
+    return rmsnorm
+
+
+def test_every_builtin_op_has_a_reference_and_a_cuda_kernel():
+    import ast
+    import inspect
+
+    import metrale.ops
+
+    registry = builtin_registry()
+    for op in registry:
+        assert callable(op.reference)
+        assert [k.name for k in registry.kernels_for(op.name, "cuda")], f"{op.name} has no CUDA kernel"
+    # (metrale.ops.cuda imports CuPy: read its methods from the source.)
+    source = (inspect.getfile(metrale.ops).rsplit("/", 1)[0]) + "/cuda.py"
+    tree = ast.parse(open(source).read())
+    (kernels,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "CudaKernels"]
+    methods = {node.name for node in kernels.body if isinstance(node, ast.FunctionDef)}
+    assert set(registry.ops) <= methods, f"ops without a CudaKernels method: {set(registry.ops) - methods}"
+
+
+def test_the_cpu_table_runs_the_references():
+    backend = CpuBackend()
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    weight = np.ones(8, dtype=np.float32)
+    expected = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(backend.ops.rmsnorm(x, weight, 1e-6), expected, rtol=1e-6)
+    with pytest.raises(UnknownOpError, match="no op 'layer_magic'.*metrale_register_ops"):
+        backend.ops.layer_magic(x)
+    assert not hasattr(backend.ops, "layer_magic")
+
+
+def test_a_plugin_kernel_overrides_a_builtin_op_and_the_engine_uses_it():
+    reference = LLM("tiny-dense", device="cpu", show_progress=False).generate(["Return the"], GREEDY)[0].token_ids
+    calls = []
+    kernel = Kernel("rmsnorm", "cpu", "test.rmsnorm", build=lambda backend: counting_rmsnorm(calls))
+    # The dense family runs the residual variant in its layers and plain rmsnorm only where a
+    # model has no residual yet, so override both through one plugin.
+    residual_calls = []
+    residual_reference = builtin_registry().ops["rmsnorm_residual"].reference
+
+    def residual(x, residual, weight, eps, offset=0.0):
+        residual_calls.append(x.shape)
+        return residual_reference(x, residual, weight, eps, offset)
+
+    residual_kernel = Kernel("rmsnorm_residual", "cpu", "test.rmsnorm_residual", build=lambda backend: residual)
+    llm = LLM("tiny-dense", device="cpu", show_progress=False,
+              plugin_manager=manager_with(KernelPlugin([kernel, residual_kernel])))
+    assert llm.generate(["Return the"], GREEDY)[0].token_ids == reference
+    assert residual_calls, "the engine never called the plugin's kernel"
+    registry = build_op_registry(manager_with(KernelPlugin([kernel])))
+    assert registry.serving("rmsnorm", "cpu")[0] == "test.rmsnorm [kernel_plugin]"
+    assert registry.serving("rmsnorm", "cpu")[1:] == []
+
+
+def test_a_kernel_with_a_condition_serves_only_the_calls_it_applies_to():
+    calls = []
+    kernel = Kernel("rmsnorm", "cpu", "test.wide", build=lambda backend: counting_rmsnorm(calls),
+                    when=lambda x, *args, **kwargs: x.shape[1] >= 16, condition="H >= 16")
+    backend = CpuBackend()
+    backend.use_ops(build_op_registry(manager_with(KernelPlugin([kernel]))))
+    rng = np.random.default_rng(1)
+    backend.ops.rmsnorm(rng.standard_normal((2, 8)).astype(np.float32), np.ones(8, np.float32), 1e-6)
+    assert calls == []
+    backend.ops.rmsnorm(rng.standard_normal((2, 16)).astype(np.float32), np.ones(16, np.float32), 1e-6)
+    assert calls == [(2, 16)]
+    serving = build_op_registry(manager_with(KernelPlugin([kernel]))).serving("rmsnorm", "cpu")
+    assert serving == ["test.wide [kernel_plugin] when H >= 16", "reference [metrale]"]
+
+
+def test_the_kernel_check_passes_a_right_kernel_and_catches_a_wrong_one():
+    good = Kernel("rmsnorm", "cpu", "test.good", build=lambda backend: counting_rmsnorm([]))
+    assert check_plugin_kernels(build_op_registry(manager_with(KernelPlugin([good]))), CpuBackend()) == []
+    wrong = Kernel("rmsnorm", "cpu", "test.shifted", build=lambda backend: counting_rmsnorm([], shift=1e-2))
+    registry = build_op_registry(manager_with(KernelPlugin([wrong])))
+    with pytest.raises(KernelMismatchError, match=r"test\.shifted.*rmsnorm example 0 result 0: relative error"):
+        assert_kernels_match(registry, CpuBackend())
+
+
+def test_the_conformance_kit_fails_on_a_wrong_kernel(monkeypatch):
+    from metrale import plugin_manager
+    from metrale.testing.conformance import FamilyConformance
+
+    wrong = Kernel("rmsnorm", "cpu", "test.shifted", build=lambda backend: counting_rmsnorm([], shift=1e-2))
+    monkeypatch.setattr(plugin_manager, "get_plugin_manager", lambda: manager_with(KernelPlugin([wrong])))
+    with pytest.raises(KernelMismatchError, match="test.shifted"):
+        FamilyConformance().test_plugin_kernels_match_their_references()
+    monkeypatch.setattr(plugin_manager, "get_plugin_manager", lambda: manager_with(KernelPlugin()))
+    FamilyConformance().test_plugin_kernels_match_their_references()
+
+
+def scaled_sum(x, y, scale):
+    return (np.asarray(x, np.float32) + np.asarray(y, np.float32)) * np.float32(scale)
+
+
+SCALED_SUM = Op(
+    "scaled_sum", "``(x + y) * scale``.",
+    (Operand("x", "[N, H]"), Operand("y", "[N, H]"), Operand("scale", kind="scalar")),
+    (Operand("out", "[N, H]"),), scaled_sum,
+    examples=lambda rng: [{"x": rng.standard_normal((2, 4)).astype(np.float32),
+                           "y": rng.standard_normal((2, 4)).astype(np.float32), "scale": 0.5}],
+)
+
+
+def test_a_plugin_declares_a_new_op():
+    backend = CpuBackend()
+    backend.use_ops(build_op_registry(manager_with(KernelPlugin(ops=[SCALED_SUM]))))
+    x, y = np.ones((2, 4), np.float32), np.full((2, 4), 3.0, np.float32)
+    np.testing.assert_array_equal(backend.ops.scaled_sum(x, y, 0.5), np.full((2, 4), 2.0))
+    registry = build_op_registry(manager_with(KernelPlugin(ops=[SCALED_SUM])))
+    assert registry.ops["scaled_sum"].origin == "kernel_plugin"
+    assert registry.serving("scaled_sum", "cuda") == ["host fallback of the reference [kernel_plugin]"]
+
+
+def test_bad_declarations_are_refused_with_the_plugin_named():
+    with pytest.raises(OpRegistrationError, match="declared twice"):
+        build_op_registry(manager_with(KernelPlugin(ops=[SCALED_SUM, SCALED_SUM])))
+    with pytest.raises(OpRegistrationError, match="op 'no_such_op', which is not declared"):
+        build_op_registry(manager_with(KernelPlugin([Kernel("no_such_op", "cpu", "k", build=lambda b: None)])))
+    with pytest.raises(OpRegistrationError, match="the reference takes"):
+        Op("bad", "", (Operand("a"),), (), lambda b: b)
+    with pytest.raises(OpRegistrationError, match="must say its condition"):
+        Kernel("rmsnorm", "cpu", "k", build=lambda b: None, when=lambda *a: True)
+    with pytest.raises(OpRegistrationError, match="backend must be"):
+        Kernel("rmsnorm", "tpu", "k", build=lambda b: None)
+
+
+def test_a_failing_registration_names_the_plugin():
+    class Broken:
+        METRALE_CONTRACT_VERSION = "1.1"
+
+        @hookimpl
+        def metrale_register_ops(self, registry):
+            raise RuntimeError("boom")
+
+    with pytest.raises(OpRegistrationError, match="plugin 'broken': metrale_register_ops failed.*boom"):
+        build_op_registry(manager_with(Broken(), name="broken"))
