@@ -26,7 +26,8 @@ grouped_combine_kernel` merges the splits into bf16 ``[rows, heads * r]``.
 
 :func:`latent_cache_write_kernel` fills the cache: per row it normalises the latent (RMSNorm with
 the latent norm's weight), rotates the RoPE key, and stores both as one bf16 row at the row's
-cache slot.
+cache slot. :func:`latent_query_kernel` assembles the decode queries the same way: each head's
+latent query ``q_latent (r)`` followed by its rotated RoPE part ``q_pe (d_r)``, float32.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ NEGATIVE_INFINITY = -math.inf
 MIN_SPLIT_KEYS = CHUNK
 TARGET_BLOCKS = 64 if SIMULATED else 512
 WRITE_THREADS = 32 if SIMULATED else 256
+QUERY_THREADS = 16 if SIMULATED else 128
 
 
 def latent_cache_write_reference(
@@ -156,6 +158,67 @@ def latent_cache_write(
             device_view(inv_freq), np.float32(attention_factor), np.int32(bool(interleaved)),
             device_view(slot_mapping), device_view(latent),
         )
+
+
+def latent_query_reference(
+    q_latent: np.ndarray, q: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, attention_factor: float,
+    interleaved: bool,
+) -> np.ndarray:
+    """``[N, heads, r + d_r]`` float32: ``[q_latent | rope(q[:, :, -d_r:])]`` for ``q_latent [N, heads,
+    r]`` and the query projection ``q [N, heads, d_n + d_r]``, ``d_r = 2 len(inv_freq)``; adjacent
+    pairs when ``interleaved``, else half-split."""
+    rotary = 2 * inv_freq.shape[0]
+    rotated = rope_reference(q[:, :, q.shape[2] - rotary :], positions, inv_freq, attention_factor, interleaved)
+    return np.concatenate([np.asarray(q_latent, dtype=np.float32), rotated], axis=2)
+
+
+@cuda.jit(cache=True)
+def latent_query_kernel(q_latent, q, positions, inv_freq, attention_factor, interleaved, out):
+    # Grid: (N rows, heads); QUERY_THREADS threads. q_latent [N, nh, r] f32; q [N, nh, d_n + d_r]
+    # f32 (its last d_r dims rotate); positions [N] i32; inv_freq [d_r / 2] f32; out [N, nh,
+    # r + d_r] f32. Adjacent pairs (2i, 2i + 1) when interleaved, else (i, i + d_r / 2).
+    row = cuda.blockIdx.x
+    head = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    rank = q_latent.shape[2]
+    half = inv_freq.shape[0]
+    rope_base = q.shape[2] - 2 * half
+    for i in range(tid, rank, QUERY_THREADS):
+        out[row, head, i] = q_latent[row, head, i]
+    position = float32(positions[row])
+    for i in range(tid, half, QUERY_THREADS):
+        angle = position * inv_freq[i]
+        cos = math.cos(angle) * attention_factor
+        sin = math.sin(angle) * attention_factor
+        first = 2 * i if interleaved else i
+        second = 2 * i + 1 if interleaved else i + half
+        a = q[row, head, rope_base + first]
+        b = q[row, head, rope_base + second]
+        out[row, head, rank + first] = a * cos - b * sin
+        out[row, head, rank + second] = b * cos + a * sin
+
+
+def latent_query(
+    q_latent: object, q: object, positions: object, inv_freq: object, attention_factor: float, interleaved: bool,
+    out: object, stream: object = None,
+) -> object:
+    """CUDA launcher of :func:`latent_query_reference` (all float32; ``positions`` int32)."""
+    op = "latent_query"
+    check_array(op, "q_latent", q_latent, np.float32, ndim=3)
+    rows, heads, rank = q_latent.shape
+    check_array(op, "q", q, np.float32, (rows, heads, None))
+    check_array(op, "inv_freq", inv_freq, np.float32, ndim=1)
+    rotary = 2 * inv_freq.shape[0]
+    if rotary > q.shape[2]:
+        raise KernelArgumentError(f"{op}: {rotary} rotary dims exceed the query heads' {q.shape[2]}")
+    check_array(op, "positions", positions, np.int32, (rows,))
+    check_array(op, "out", out, np.float32, (rows, heads, rank + rotary))
+    if rows and heads:
+        latent_query_kernel[(rows, heads), QUERY_THREADS, numba_stream(stream)](
+            device_view(q_latent), device_view(q), device_view(positions), device_view(inv_freq),
+            np.float32(attention_factor), np.int32(bool(interleaved)), device_view(out),
+        )
+    return out
 
 
 def latent_attention_reference(

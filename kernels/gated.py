@@ -2,9 +2,12 @@
 
 * :func:`gated_rmsnorm_kernel` -- the Gated DeltaNet output norm, per value head:
   ``rms(x; w, eps) * silu(z)`` (a plain weight, not zero-centred);
-* :func:`sigmoid_gate_kernel` -- the gated attention's ``o * sigmoid(gate)``.
+* :func:`sigmoid_gate_kernel` -- the gated attention's ``o * sigmoid(gate)``;
+* :func:`gated_add_kernel` -- the MoE's ``routed + shared * sigmoid(gate)``, the shared expert's
+  output added through its scalar gate per row.
 
-Both write bf16 bits: their outputs feed a matrix product.
+The first two write bf16 bits: their outputs feed a matrix product. The third writes float32 (the
+layer's output, added to the residual).
 """
 
 from __future__ import annotations
@@ -42,6 +45,13 @@ def sigmoid_gate_reference(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
     return (np.asarray(x, dtype=np.float32) / (np.float32(1.0) + np.exp(-gate))).astype(np.float32)
 
 
+def gated_add_reference(x: np.ndarray, y: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    """``x + y * sigmoid(gate)`` float32 for ``x, y [N, H]`` and ``gate [N, 1]`` (computed as
+    ``y / (1 + exp(-gate))``)."""
+    gate = np.asarray(gate, dtype=np.float32)
+    return (np.asarray(x, dtype=np.float32) + np.asarray(y, dtype=np.float32) / (1.0 + np.exp(-gate))).astype(np.float32)
+
+
 @cuda.jit(cache=True)
 def gated_rmsnorm_kernel(x, z, weight, eps, out):
     # Grid: one block of GATED_NORM_THREADS per (row, head) vector. x, z [V, d] f32; weight [d]
@@ -69,6 +79,16 @@ def sigmoid_gate_kernel(x, gate, out):
         out[index] = float_to_bf16(bf16_to_float(x[index]) / (float32(1.0) + math.exp(-gate[index])))
 
 
+@cuda.jit(cache=True)
+def gated_add_kernel(x, y, gate, out):
+    # Grid: (N rows, ceil(H / GATE_THREADS)). x, y [N, H] f32; gate [N, 1] f32; out [N, H] f32
+    # (may be x itself).
+    row = cuda.blockIdx.x
+    column = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if column < out.shape[1]:
+        out[row, column] = x[row, column] + y[row, column] / (float32(1.0) + math.exp(-gate[row, 0]))
+
+
 def gated_rmsnorm(x: object, z: object, weight: object, eps: float, out: object, stream: object = None) -> object:
     """Launch :func:`gated_rmsnorm_kernel` on ``x, z [V, d]`` float32 into bf16 ``out [V, d]``."""
     op = "gated_rmsnorm"
@@ -93,5 +113,21 @@ def sigmoid_gate(x: object, gate: object, out: object, stream: object = None) ->
     if count:
         sigmoid_gate_kernel[-(-count // GATE_THREADS), GATE_THREADS, numba_stream(stream)](
             device_view(x.reshape(count)), device_view(gate.reshape(count)), device_view(out.reshape(count)),
+        )
+    return out
+
+
+def gated_add(x: object, y: object, gate: object, out: object, stream: object = None) -> object:
+    """Launch :func:`gated_add_kernel`: float32 ``out = x + y * sigmoid(gate)`` for ``x, y, out [N, H]``
+    and ``gate [N, 1]``."""
+    op = "gated_add"
+    check_array(op, "x", x, np.float32, ndim=2)
+    rows, width = x.shape
+    check_array(op, "y", y, np.float32, (rows, width))
+    check_array(op, "gate", gate, np.float32, (rows, 1))
+    check_array(op, "out", out, np.float32, (rows, width))
+    if rows and width:
+        gated_add_kernel[(rows, -(-width // GATE_THREADS)), GATE_THREADS, numba_stream(stream)](
+            device_view(x), device_view(y), device_view(gate), device_view(out),
         )
     return out

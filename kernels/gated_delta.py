@@ -22,6 +22,19 @@
 Rows name their slot in ``slots [N]``; padding rows use the reserved dummy slot 0. The NumPy
 references are :func:`conv_update_reference`, :func:`recurrent_step_reference` and
 :func:`prompt_rule_reference`.
+
+The layer's glue around the conv and the rule (steps 2, 3, 5 and 6 of "Gated DeltaNet layer"),
+each with its reference:
+
+* :func:`ungroup_kernel` (:func:`ungroup_reference`) -- the ``in_proj_qkvz`` rows, grouped by key
+  head, into the conv input ``[q | k | v]`` and the output gate ``z``;
+* :func:`gates_kernel` (:func:`gates_reference`) -- the ``in_proj_ba`` rows into the decay
+  ``g`` and the rate ``beta`` per value head;
+* :func:`conv_prompts_kernel` and :func:`conv_prompt_states_kernel`
+  (:func:`conv_prompts_reference`) -- the causal conv and SiLU of every prompt segment of a
+  batch from its slot's history, then the slots' new histories;
+* :func:`split_heads_kernel` (:func:`split_heads_reference`) -- the conv outputs into
+  L2-normalised ``q`` (scaled by ``d_k^-1/2``) and ``k``, repeated to the value heads, and ``v``.
 """
 
 from __future__ import annotations
@@ -32,7 +45,8 @@ from typing import Any
 import numpy as np
 from numba import cuda, float32
 
-from metrale.kernels._device import SIMULATED, check_array, device_view, fast_exp, numba_stream
+from metrale.errors import KernelArgumentError
+from metrale.kernels._device import SIMULATED, block_sum, check_array, device_view, fast_exp, numba_stream
 from metrale.kernels.attention_grouped import subgroup_sum
 
 GDN_THREADS = 16 if SIMULATED else 128
@@ -52,6 +66,11 @@ PROMPT_KEYS = MAX_KEY_DIM // PROMPT_PARTS  # state elements a thread holds at mo
 PROMPT_TOKENS = 4 if SIMULATED else 16  # tokens staged at a time
 KEY_LOADS = -(-MAX_KEY_DIM // PROMPT_THREADS)  # words of one token's q (or k) a thread stages
 STAGED_KEYS = PROMPT_TOKENS * KEY_LOADS
+#: The fixed eps of the q / k L2 normalisation (transformers').
+L2_NORM_EPS = 1e-6
+GLUE_THREADS = 32 if SIMULATED else 256  # element-wise glue kernels
+SPLIT_THREADS = 16 if SIMULATED else 128  # threads over one key head's dims (a multiple of 32 on the GPU)
+CONV_ROWS = 3 if SIMULATED else 32  # prompt rows a conv thread walks
 
 
 def delta_rule_recurrent(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any) -> tuple[Any, Any]:
@@ -130,6 +149,70 @@ def recurrent_step_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.
         out[n] = np.einsum("hkv,hk->hv", s, q[n])
         state[slot] = s
     return out
+
+
+def ungroup_reference(qkvz: np.ndarray, key_heads: int, value_heads: int, key_dim: int,
+                      value_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``in_proj_qkvz`` output ``[N, H_k (2 d_k + 2 G d_v)]`` (``G = H_v / H_k``), laid out
+    per key head as ``[q (d_k) | k (d_k) | v (G d_v) | z (G d_v)]``, un-grouped: the conv input
+    ``[N, 2 H_k d_k + H_v d_v]`` (every head's q, then k, then v) and ``z [N, H_v, d_v]``."""
+    rows, ratio = qkvz.shape[0], value_heads // key_heads
+    grouped = np.asarray(qkvz, dtype=np.float32).reshape(rows, key_heads, 2 * key_dim + 2 * ratio * value_dim)
+    q = grouped[:, :, :key_dim].reshape(rows, key_heads * key_dim)
+    k = grouped[:, :, key_dim : 2 * key_dim].reshape(rows, key_heads * key_dim)
+    v = grouped[:, :, 2 * key_dim : 2 * key_dim + ratio * value_dim].reshape(rows, value_heads * value_dim)
+    z = grouped[:, :, 2 * key_dim + ratio * value_dim :].reshape(rows, value_heads, value_dim)
+    return np.concatenate([q, k, v], axis=1), np.ascontiguousarray(z)
+
+
+def gates_reference(ba: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray, key_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(g, beta)``, both ``[N, H_v]`` float32, from the ``in_proj_ba`` output ``[N, H_k 2G]``
+    laid out per key head as ``[b (G) | a (G)]``: ``beta = sigmoid(b)``, ``g = -exp(A_log)
+    softplus(a + dt_bias)``; ``a_log, dt_bias [H_v]`` float32."""
+    rows, value_heads = ba.shape[0], a_log.shape[0]
+    ratio = value_heads // key_heads
+    grouped = np.asarray(ba, dtype=np.float32).reshape(rows, key_heads, 2 * ratio)
+    b, a = grouped[:, :, :ratio].reshape(rows, value_heads), grouped[:, :, ratio:].reshape(rows, value_heads)
+    beta = (1.0 / (1.0 + np.exp(-b))).astype(np.float32)
+    softplus = np.logaddexp(0.0, a + dt_bias)
+    g = (-np.exp(a_log) * softplus).astype(np.float32)
+    return g, beta
+
+
+def l2_normalised_reference(x: np.ndarray) -> np.ndarray:
+    """``x / sqrt(sum(x^2) + eps)`` over the last axis, the fixed :data:`L2_NORM_EPS`."""
+    return x / np.sqrt((x * x).sum(axis=-1, keepdims=True) + np.float32(L2_NORM_EPS))
+
+
+def split_heads_reference(mixed: np.ndarray, key_heads: int, value_heads: int, key_dim: int,
+                          value_dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Conv outputs ``[T, 2 H_k d_k + H_v d_v]`` -> ``q, k [T, H_v, d_k]``, ``v [T, H_v, d_v]``
+    (float32, contiguous): q and k L2-normalised per key head (q then scaled by ``d_k^-1/2``) and
+    repeated to the value heads (value head ``j`` takes key head ``j // G``)."""
+    mixed = np.asarray(mixed, dtype=np.float32)
+    ratio = value_heads // key_heads
+    q = l2_normalised_reference(mixed[:, : key_heads * key_dim].reshape(-1, key_heads, key_dim)) * np.float32(key_dim**-0.5)
+    k = l2_normalised_reference(mixed[:, key_heads * key_dim : 2 * key_heads * key_dim].reshape(-1, key_heads, key_dim))
+    v = mixed[:, 2 * key_heads * key_dim :].reshape(-1, value_heads, value_dim)
+    return np.repeat(q, ratio, axis=1), np.repeat(k, ratio, axis=1), np.ascontiguousarray(v)
+
+
+def conv_prompts_reference(inputs: np.ndarray, weight: np.ndarray, conv_state: np.ndarray, slots: np.ndarray,
+                           starts: np.ndarray) -> np.ndarray:
+    """``[T, C]``: segment ``s`` (rows ``starts[s]:starts[s + 1]`` of ``inputs [T, C]``) through the
+    causal depthwise conv (``weight [C, K]``) after its slot's history ``conv_state[slots[s]]
+    [C, K - 1]``, then SiLU; the slot keeps the segment's last ``K - 1`` inputs (with the older
+    history in front when the segment is shorter). Rows outside every segment are zero."""
+    mixed = np.zeros(inputs.shape, dtype=np.float32)
+    taps = weight.shape[1]
+    for index, slot in enumerate(slots):
+        first, last = int(starts[index]), int(starts[index + 1])
+        count = last - first
+        window = np.concatenate([conv_state[slot].T, inputs[first:last].astype(np.float32)], axis=0)  # [K - 1 + n, C]
+        out = sum(window[j : j + count] * weight[:, j] for j in range(taps))
+        conv_state[slot] = window[window.shape[0] - (taps - 1) :].T
+        mixed[first:last] = out / (1.0 + np.exp(-out))
+    return mixed
 
 
 @cuda.jit(cache=True)
@@ -275,6 +358,180 @@ def prompt_rule_kernel(q, k, v, g, beta, state, slots, starts, out):
             state[slot, head, i, column] = held[j]
 
 
+@cuda.jit(cache=True)
+def ungroup_kernel(qkvz, key_dim, group_values, inputs_out, z_out):
+    # Grid: (N rows, ceil(W / GLUE_THREADS)) over the grouped row of W = H_k (2 dk + 2 G dv).
+    # qkvz [N, W] f32; group_values = G dv; inputs_out [N, 2 H_k dk + H_v dv] f32 (q, k, v);
+    # z_out [N, H_v dv] f32.
+    row = cuda.blockIdx.x
+    column = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if column >= qkvz.shape[1]:
+        return
+    group_width = 2 * key_dim + 2 * group_values
+    key_heads = qkvz.shape[1] // group_width
+    head = column // group_width
+    offset = column - head * group_width
+    value = qkvz[row, column]
+    if offset < key_dim:
+        inputs_out[row, head * key_dim + offset] = value
+    elif offset < 2 * key_dim:
+        inputs_out[row, (key_heads + head) * key_dim + offset - key_dim] = value
+    elif offset < 2 * key_dim + group_values:
+        inputs_out[row, 2 * key_heads * key_dim + head * group_values + offset - 2 * key_dim] = value
+    else:
+        z_out[row, head * group_values + offset - 2 * key_dim - group_values] = value
+
+
+@cuda.jit(cache=True)
+def gates_kernel(ba, a_log, dt_bias, ratio, g_out, beta_out):
+    # Grid: ceil(N H_v / GLUE_THREADS) over (row, value head). ba [N, H_k 2G] f32 (per key head
+    # [b (G) | a (G)]); a_log, dt_bias [H_v] f32; ratio = G; g_out, beta_out [N, H_v] f32.
+    index = cuda.grid(1)
+    value_heads = g_out.shape[1]
+    if index >= g_out.shape[0] * value_heads:
+        return
+    row = index // value_heads
+    head = index - row * value_heads
+    group = head // ratio
+    b = ba[row, group * ratio + head]  # 2G group + (head - G group)
+    a = ba[row, group * ratio + ratio + head]
+    beta_out[row, head] = float32(1.0) / (float32(1.0) + math.exp(-b))
+    x = a + dt_bias[head]
+    # softplus as NumPy's logaddexp(0, x), without overflow for large x.
+    if x > float32(0.0):
+        softplus = x + math.log1p(math.exp(-x))
+    else:
+        softplus = math.log1p(math.exp(x))
+    g_out[row, head] = -math.exp(a_log[head]) * softplus
+
+
+@cuda.jit(cache=True)
+def split_heads_kernel(mixed, scale, eps, q_out, k_out, v_out):
+    # Grid: (T rows, H_k key heads); SPLIT_THREADS threads over the head's dims. mixed [T, 2 H_k
+    # dk + H_v dv] f32; q_out, k_out [T, H_v, dk] f32 (key head h fills value heads hG .. hG + G
+    # - 1); v_out [T, H_v dv] f32.
+    row = cuda.blockIdx.x
+    head = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    key_heads = cuda.gridDim.y
+    key_dim = q_out.shape[2]
+    ratio = q_out.shape[1] // key_heads
+    partial = cuda.shared.array(SPLIT_THREADS, float32)
+    q_base = head * key_dim
+    k_base = (key_heads + head) * key_dim
+    q_squares = float32(0.0)
+    k_squares = float32(0.0)
+    for i in range(tid, key_dim, SPLIT_THREADS):
+        q_value = mixed[row, q_base + i]
+        k_value = mixed[row, k_base + i]
+        q_squares += q_value * q_value
+        k_squares += k_value * k_value
+    q_norm = math.sqrt(block_sum(partial, tid, q_squares, SPLIT_THREADS) + eps)
+    k_norm = math.sqrt(block_sum(partial, tid, k_squares, SPLIT_THREADS) + eps)
+    for i in range(tid, key_dim, SPLIT_THREADS):
+        q_value = mixed[row, q_base + i] / q_norm * scale
+        k_value = mixed[row, k_base + i] / k_norm
+        for r in range(ratio):
+            q_out[row, head * ratio + r, i] = q_value
+            k_out[row, head * ratio + r, i] = k_value
+    group_values = v_out.shape[1] // key_heads
+    v_base = 2 * key_heads * key_dim + head * group_values
+    for i in range(tid, group_values, SPLIT_THREADS):
+        v_out[row, head * group_values + i] = mixed[row, v_base + i]
+
+
+@cuda.jit(cache=True)
+def conv_prompts_kernel(inputs, weight, conv_state, slots, starts, out):
+    # Grid: (ceil(T / CONV_ROWS), ceil(C / CONV_THREADS)). A thread walks one channel over
+    # CONV_ROWS consecutive rows, which may span several segments: each segment's first rows
+    # take their window from the slot's history. inputs [T, C] f32; weight [C, K] f32;
+    # conv_state [slots, C, K - 1] f32 (only read here); slots [S] i32; starts [S + 1] i32 (row
+    # offsets, non-decreasing); out [T, C] f32.
+    # The window and the taps are right-aligned in MAX_CONV_KERNEL entries (window[last] is the
+    # current row, window[last - d] the input d rows before), so that every index is a constant
+    # once the loops are unrolled and both stay in registers.
+    channel = cuda.blockIdx.y * CONV_THREADS + cuda.threadIdx.x
+    if channel >= inputs.shape[1]:
+        return
+    segments = slots.shape[0]
+    row = cuda.blockIdx.x * CONV_ROWS
+    stop = row + CONV_ROWS
+    if stop > starts[segments]:
+        stop = starts[segments]
+    if row < starts[0]:
+        row = starts[0]
+    taps = weight.shape[1]
+    unused = MAX_CONV_KERNEL - taps  # leading entries outside the window
+    last = MAX_CONV_KERNEL - 1
+    taps_weight = cuda.local.array(MAX_CONV_KERNEL, float32)
+    window = cuda.local.array(MAX_CONV_KERNEL, float32)
+    for m in range(MAX_CONV_KERNEL):
+        taps_weight[m] = float32(0.0)
+        window[m] = float32(0.0)
+        if m >= unused:
+            taps_weight[m] = weight[channel, m - unused]
+    # The segment holding the first row: the last one starting at or before it.
+    low = 0
+    high = segments - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        if starts[middle] <= row:
+            low = middle
+        else:
+            high = middle - 1
+    segment = low
+    while row < stop:
+        while starts[segment + 1] <= row:
+            segment += 1
+        first = starts[segment]
+        slot = slots[segment]
+        segment_stop = starts[segment + 1]
+        if segment_stop > stop:
+            segment_stop = stop
+        # The K - 1 inputs before this row: from the segment, else from the slot's history.
+        for m in range(MAX_CONV_KERNEL - 1):
+            if m >= unused:
+                position = row - (last - m)
+                if position >= first:
+                    window[m] = inputs[position, channel]
+                else:
+                    window[m] = conv_state[slot, channel, taps - 1 + position - first]
+        while row < segment_stop:
+            window[last] = inputs[row, channel]
+            mixed = float32(0.0)
+            for m in range(MAX_CONV_KERNEL):
+                if m >= unused:
+                    mixed += window[m] * taps_weight[m]
+            out[row, channel] = mixed / (float32(1.0) + math.exp(-mixed))
+            for m in range(MAX_CONV_KERNEL - 1):
+                window[m] = window[m + 1]
+            row += 1
+
+
+@cuda.jit(cache=True)
+def conv_prompt_states_kernel(inputs, conv_state, slots, starts):
+    # Grid: (S segments, ceil(C / CONV_THREADS)). The slot of segment s keeps the last K - 1
+    # values of [its history | the segment's inputs]; runs after conv_prompts_kernel, which reads
+    # the old histories. inputs [T, C] f32; conv_state [slots, C, K - 1] f32 (in place).
+    segment = cuda.blockIdx.x
+    channel = cuda.blockIdx.y * CONV_THREADS + cuda.threadIdx.x
+    if channel >= inputs.shape[1]:
+        return
+    slot = slots[segment]
+    first = starts[segment]
+    count = starts[segment + 1] - first
+    history = conv_state.shape[2]
+    kept = cuda.local.array(MAX_CONV_KERNEL, float32)
+    for j in range(history):
+        index = count + j  # into [history (K - 1) | inputs (count)]
+        if index < history:
+            kept[j] = conv_state[slot, channel, index]
+        else:
+            kept[j] = inputs[first + index - history, channel]
+    for j in range(history):
+        conv_state[slot, channel, j] = kept[j]
+
+
 def conv_update(inputs: object, weight: object, conv_state: object, slots: object, out: object,
                 stream: object = None) -> object:
     """Launch :func:`conv_update_kernel` (``conv_state`` float32, updated in place)."""
@@ -341,3 +598,103 @@ def prompt_rule(q: object, k: object, v: object, g: object, beta: object, state:
             device_view(slots), device_view(starts), device_view(out),
         )
     return out
+
+
+def ungroup(qkvz: object, key_heads: int, value_heads: int, key_dim: int, value_dim: int, inputs_out: object,
+            z_out: object, stream: object = None) -> tuple[object, object]:
+    """Launch :func:`ungroup_kernel`: ``inputs_out [N, 2 H_k d_k + H_v d_v]`` and ``z_out [N, H_v,
+    d_v]`` from ``qkvz [N, H_k (2 d_k + 2 G d_v)]``, all float32."""
+    op = "gdn_ungroup"
+    ratio = check_ratio(op, key_heads, value_heads)
+    check_array(op, "qkvz", qkvz, np.float32, (None, key_heads * (2 * key_dim + 2 * ratio * value_dim)))
+    rows = qkvz.shape[0]
+    check_array(op, "inputs_out", inputs_out, np.float32, (rows, 2 * key_heads * key_dim + value_heads * value_dim))
+    check_array(op, "z_out", z_out, np.float32, (rows, value_heads, value_dim))
+    if rows and qkvz.shape[1]:
+        grid = (rows, -(-qkvz.shape[1] // GLUE_THREADS))
+        ungroup_kernel[grid, GLUE_THREADS, numba_stream(stream)](
+            device_view(qkvz), np.int32(key_dim), np.int32(ratio * value_dim), device_view(inputs_out),
+            device_view(z_out.reshape(rows, value_heads * value_dim)),
+        )
+    return inputs_out, z_out
+
+
+def gates(ba: object, a_log: object, dt_bias: object, key_heads: int, g_out: object, beta_out: object,
+          stream: object = None) -> tuple[object, object]:
+    """Launch :func:`gates_kernel`: ``g_out, beta_out [N, H_v]`` from ``ba [N, 2 H_v]`` (grouped by
+    key head) and ``a_log, dt_bias [H_v]``, all float32."""
+    op = "gdn_gates"
+    check_array(op, "a_log", a_log, np.float32, ndim=1)
+    value_heads = a_log.shape[0]
+    ratio = check_ratio(op, key_heads, value_heads)
+    check_array(op, "dt_bias", dt_bias, np.float32, (value_heads,))
+    check_array(op, "ba", ba, np.float32, (None, 2 * value_heads))
+    rows = ba.shape[0]
+    check_array(op, "g_out", g_out, np.float32, (rows, value_heads))
+    check_array(op, "beta_out", beta_out, np.float32, (rows, value_heads))
+    count = rows * value_heads
+    if count:
+        gates_kernel[-(-count // GLUE_THREADS), GLUE_THREADS, numba_stream(stream)](
+            device_view(ba), device_view(a_log), device_view(dt_bias), np.int32(ratio), device_view(g_out),
+            device_view(beta_out),
+        )
+    return g_out, beta_out
+
+
+def split_heads(mixed: object, key_heads: int, value_heads: int, key_dim: int, value_dim: int, q_out: object,
+                k_out: object, v_out: object, stream: object = None) -> tuple[object, object, object]:
+    """Launch :func:`split_heads_kernel`: ``q_out, k_out [T, H_v, d_k]`` and ``v_out [T, H_v, d_v]``
+    from the conv outputs ``mixed [T, 2 H_k d_k + H_v d_v]``, all float32."""
+    op = "gdn_split_heads"
+    check_ratio(op, key_heads, value_heads)
+    check_array(op, "mixed", mixed, np.float32, (None, 2 * key_heads * key_dim + value_heads * value_dim))
+    rows = mixed.shape[0]
+    check_array(op, "q_out", q_out, np.float32, (rows, value_heads, key_dim))
+    check_array(op, "k_out", k_out, np.float32, (rows, value_heads, key_dim))
+    check_array(op, "v_out", v_out, np.float32, (rows, value_heads, value_dim))
+    if rows and key_heads:
+        split_heads_kernel[(rows, key_heads), SPLIT_THREADS, numba_stream(stream)](
+            device_view(mixed), np.float32(key_dim**-0.5), np.float32(L2_NORM_EPS), device_view(q_out),
+            device_view(k_out), device_view(v_out.reshape(rows, value_heads * value_dim)),
+        )
+    return q_out, k_out, v_out
+
+
+def conv_prompts(inputs: object, weight: object, conv_state: object, slots: object, starts: object, out: object,
+                 stream: object = None) -> object:
+    """Launch :func:`conv_prompts_kernel`, then :func:`conv_prompt_states_kernel` on the same stream:
+    every segment (``starts [S + 1]`` row offsets, distinct state ``slots [S]``) of ``inputs [T, C]``
+    through the conv and SiLU into ``out [T, C]``, its slot of ``conv_state`` float32 updated in
+    place."""
+    op = "gdn_conv_prompts"
+    check_array(op, "inputs", inputs, np.float32, ndim=2)
+    rows, channels = inputs.shape
+    check_array(op, "weight", weight, np.float32, (channels, None))
+    taps = weight.shape[1]
+    if not 1 <= taps <= MAX_CONV_KERNEL:
+        raise KernelArgumentError(f"{op}: conv kernels of 1 to {MAX_CONV_KERNEL} taps are supported, got {taps}")
+    check_array(op, "conv_state", conv_state, np.float32, (None, channels, taps - 1))
+    check_array(op, "slots", slots, np.int32, ndim=1)
+    segments = slots.shape[0]
+    check_array(op, "starts", starts, np.int32, (segments + 1,))
+    check_array(op, "out", out, np.float32, (rows, channels))
+    if segments and channels:
+        launch_stream = numba_stream(stream)
+        channel_blocks = -(-channels // CONV_THREADS)
+        if rows:
+            conv_prompts_kernel[(-(-rows // CONV_ROWS), channel_blocks), CONV_THREADS, launch_stream](
+                device_view(inputs), device_view(weight), device_view(conv_state), device_view(slots),
+                device_view(starts), device_view(out),
+            )
+        if taps > 1:
+            conv_prompt_states_kernel[(segments, channel_blocks), CONV_THREADS, launch_stream](
+                device_view(inputs), device_view(conv_state), device_view(slots), device_view(starts),
+            )
+    return out
+
+
+def check_ratio(op: str, key_heads: int, value_heads: int) -> int:
+    """``H_v / H_k``, or :class:`KernelArgumentError` unless the key heads divide the value heads."""
+    if key_heads <= 0 or value_heads % key_heads:
+        raise KernelArgumentError(f"{op}: {value_heads} value heads are not a multiple of {key_heads} key heads")
+    return value_heads // key_heads

@@ -67,6 +67,15 @@ def kernels():
             c(f32, 3), c(f32, 3), c(f32, 3), c(f32, 2), c(f32, 2), c(f32, 4), c(i32, 1), c(f32, 3))),
         "gdn_prompt_rule": (gated_delta.prompt_rule_kernel, (
             c(f32, 3), c(f32, 3), c(f32, 3), c(f32, 2), c(f32, 2), c(f32, 4), c(i32, 1), c(i32, 1), c(f32, 3))),
+        "gdn_ungroup": (gated_delta.ungroup_kernel, (c(f32, 2), i32, i32, c(f32, 2), c(f32, 2))),
+        "gdn_gates": (gated_delta.gates_kernel, (c(f32, 2), c(f32, 1), c(f32, 1), i32, c(f32, 2), c(f32, 2))),
+        "gdn_split_heads": (gated_delta.split_heads_kernel, (c(f32, 2), f32, f32, c(f32, 3), c(f32, 3), c(f32, 2))),
+        "gdn_conv_prompts": (gated_delta.conv_prompts_kernel, (
+            c(f32, 2), c(f32, 2), c(f32, 3), c(i32, 1), c(i32, 1), c(f32, 2))),
+        "gdn_conv_prompt_states": (gated_delta.conv_prompt_states_kernel, (c(f32, 2), c(f32, 3), c(i32, 1), c(i32, 1))),
+        "gated_add": (gated.gated_add_kernel, (c(f32, 2), c(f32, 2), c(f32, 2), c(f32, 2))),
+        "latent_query": (attention_latent.latent_query_kernel, (
+            c(f32, 3), c(f32, 3), c(i32, 1), c(f32, 1), f32, i32, c(f32, 3))),
         "head_linear": (head_linear.head_linear_kernel, (c(u64, 2), c(u64, 2), c(f32, 3))),
         "moe_route": (moe.route_kernel, (
             c(f32, 2), c(f32, 1), i32, i32, i32, i32, types.boolean, f32, c(i32, 2), c(f32, 2))),
