@@ -14,13 +14,14 @@ The built-in families are written exactly this way.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from metrale.batch import ForwardBatch, Segment
-from metrale.errors import CacheError, UnsupportedModelError
+from metrale.errors import CacheError, ConfigError, UnsupportedModelError
 from metrale.hookspecs import hookimpl
 from metrale.sequence import MixedForwardResult, PrefillSlice, SequenceState
 
@@ -33,6 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from metrale.checkpoint import Checkpoint
     from metrale.config import EngineConfig
     from metrale.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -261,15 +264,35 @@ class FamilyModel:
 class FamilyPlugin:
     """Hook implementations routing the contract to one :class:`FamilyModel` subclass.
 
-    Subclass it, set ``family``, ``model_class`` and ``METRALE_CONTRACT_VERSION``, implement
-    :meth:`load_model`, and register an instance (entry point group ``metrale``).
+    Subclass it, set ``family``, ``model_class`` and ``METRALE_CONTRACT_VERSION``, and register
+    an instance (entry point group ``metrale``). Either implement :meth:`load_model`, or set
+    ``config_class`` and let the default build the model.
     """
 
     family: FamilySpec
     model_class: type = FamilyModel
+    #: The family's config reader: ``config_class.from_dict(config_json, source=...)`` returns an
+    #: object with ``max_position_embeddings``; ``model_class(family_config, checkpoint, backend,
+    #: max_model_len)`` then builds the model. Used by the default :meth:`load_model`.
+    config_class: Any = None
 
     def load_model(self, checkpoint: "Checkpoint", backend: "Backend", config: "EngineConfig") -> FamilyModel:
-        raise NotImplementedError
+        """Read the family's config, settle the context length (the engine's ``max_model_len``,
+        at most the checkpoint's ``max_position_embeddings``), build the model and warn about
+        tensors it did not read."""
+        if self.config_class is None:
+            raise NotImplementedError(f"{type(self).__name__} sets no config_class: implement load_model()")
+        family_config = self.config_class.from_dict(checkpoint.config, source=checkpoint.fields.source)
+        limit = family_config.max_position_embeddings
+        max_model_len = config.max_model_len or limit
+        if max_model_len > limit:
+            raise ConfigError(f"max_model_len={max_model_len} exceeds the checkpoint's max_position_embeddings={limit}")
+        model = self.model_class(family_config, checkpoint, backend, max_model_len)
+        unused = checkpoint.unconsumed()
+        if unused:
+            logger.warning("%s: %d tensors are not used by the %s family: %s", checkpoint.path, len(unused),
+                           self.family.name, unused[:8])
+        return model
 
     def _owns(self, model: Any) -> bool:
         """Whether ``model`` is this plugin's (every other family's hooks answer None for it)."""

@@ -122,6 +122,31 @@ def sigmoid_gate(x, gate):
     return _kernels("gated").sigmoid_gate_reference(x, gate)
 
 
+def gdn_ungroup(qkvz, key_heads, value_heads, key_dim, value_dim):
+    return _kernels("gated_delta").ungroup_reference(qkvz, key_heads, value_heads, key_dim, value_dim)
+
+
+def gdn_gates(ba, a_log, dt_bias, key_heads):
+    return _kernels("gated_delta").gates_reference(ba, a_log, dt_bias, key_heads)
+
+
+def gdn_split_heads(mixed, key_heads, value_heads, key_dim, value_dim):
+    return _kernels("gated_delta").split_heads_reference(mixed, key_heads, value_heads, key_dim, value_dim)
+
+
+def gdn_conv_prompts(inputs, weight, conv_state, slots, starts):
+    return _kernels("gated_delta").conv_prompts_reference(inputs, weight, conv_state, slots, starts)
+
+
+def gated_add(x, y, gate):
+    return _kernels("gated").gated_add_reference(x, y, gate)
+
+
+def latent_query(q_latent, q, positions, inv_freq, attention_factor, interleaved):
+    return _kernels("attention_latent").latent_query_reference(q_latent, q, positions, inv_freq, attention_factor,
+                                                                interleaved)
+
+
 # ------------------------------------------------------------------------------ examples
 
 
@@ -166,6 +191,35 @@ def _sigmoid_gate_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
 
 def _gated_rmsnorm_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
     return [{"x": _rows(rng, 4, 3, 64), "z": _rows(rng, 4, 3, 64), "weight": _rows(rng, 64) + 1.0, "eps": 1e-6}]
+
+
+def _gdn_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [{"key_heads": hk, "value_heads": hv, "key_dim": 8, "value_dim": 12} for hk, hv in ((2, 2), (2, 4))]
+
+
+def _gdn_ungroup_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [{"qkvz": _rows(rng, 3, g["key_heads"] * (2 * g["key_dim"]) + 2 * g["value_heads"] * g["value_dim"]), **g}
+            for g in _gdn_examples(rng)]
+
+
+def _gdn_split_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [{"mixed": _rows(rng, 5, 2 * g["key_heads"] * g["key_dim"] + g["value_heads"] * g["value_dim"]), **g}
+            for g in _gdn_examples(rng)]
+
+
+def _gdn_gates_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [{"ba": _rows(rng, 3, 2 * hv), "a_log": _rows(rng, hv, scale=0.3), "dt_bias": _rows(rng, hv), "key_heads": hk}
+            for hk, hv in ((2, 2), (2, 6))]
+
+
+def _gated_add_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [{"x": _rows(rng, rows, 48), "y": _rows(rng, rows, 48), "gate": _rows(rng, rows, 1)} for rows in (1, 4)]
+
+
+def _latent_query_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [{"q_latent": _rows(rng, 3, 2, 16), "q": _rows(rng, 3, 2, 24), "positions": np.array([0, 5, 17], np.int32),
+             "inv_freq": (1.0 / 10000 ** (np.arange(0, 8, 2) / 8)).astype(np.float32), "attention_factor": 1.2,
+             "interleaved": interleaved} for interleaved in (False, True)]
 
 
 def _head_linear_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
@@ -287,6 +341,44 @@ def _declarations() -> list[tuple[Op, str]]:
              P("eps", kind="scalar")),
             (P("y", "[..., d]", "matmul_input"),), gated_rmsnorm, examples=_gated_rmsnorm_examples),
          "gated"),
+        (Op("gdn_ungroup", "A Gated DeltaNet layer's ``in_proj_qkvz`` output, grouped per key head as "
+            "``[q | k | v | z]``, as the conv input ``[all q | all k | all v]`` and the output gate ``z``.",
+            (P("qkvz", "[N, hk (2 dk + 2 r dv)]", "activation"), P("key_heads", kind="scalar"),
+             P("value_heads", kind="scalar"), P("key_dim", kind="scalar"), P("value_dim", kind="scalar")),
+            (P("inputs", "[N, 2 hk dk + hv dv]", "activation"), P("z", "[N, hv, dv]", "activation")),
+            gdn_ungroup, examples=_gdn_ungroup_examples, cuda_tolerance=1e-6),
+         "gated_delta"),
+        (Op("gdn_gates", "A Gated DeltaNet layer's gates from ``in_proj_ba`` (grouped per key head as ``[b | a]``): "
+            "``beta = sigmoid(b)``, ``g = -exp(a_log) * softplus(a + dt_bias)``.",
+            (P("ba", "[N, 2 hv]", "activation"), P("a_log", "[hv]", "constant"), P("dt_bias", "[hv]", "constant"),
+             P("key_heads", kind="scalar")),
+            (P("g", "[N, hv]", "activation"), P("beta", "[N, hv]", "activation")),
+            gdn_gates, examples=_gdn_gates_examples, cuda_tolerance=1e-5),
+         "gated_delta"),
+        (Op("gdn_split_heads", "Conv outputs split into heads: q and k L2-normalised (q scaled by ``dk ** -0.5``) "
+            "and repeated to the value heads, v.",
+            (P("mixed", "[T, 2 hk dk + hv dv]", "activation"), P("key_heads", kind="scalar"),
+             P("value_heads", kind="scalar"), P("key_dim", kind="scalar"), P("value_dim", kind="scalar")),
+            (P("q", "[T, hv, dk]", "activation"), P("k", "[T, hv, dk]", "activation"), P("v", "[T, hv, dv]", "activation")),
+            gdn_split_heads, examples=_gdn_split_examples, cuda_tolerance=1e-5),
+         "gated_delta"),
+        (Op("gdn_conv_prompts", "Each segment's rows ``starts[s]:starts[s + 1]`` through the causal depthwise conv + "
+            "SiLU after slot ``slots[s]``'s conv state, which keeps the segment's last ``K - 1`` inputs.",
+            (P("inputs", "[T, C]", "activation"), P("weight", "[C, K]", "constant"),
+             P("conv_state", "[slots, C, K - 1]", "cache"), P("slots", "[S]", "index"), P("starts", "[S + 1]", "index")),
+            (P("mixed", "[T, C]", "activation"),), gdn_conv_prompts),
+         "gated_delta"),
+        (Op("gated_add", "``x + y * sigmoid(gate)``, one gate per row (the shared expert's gate).",
+            (P("x", "[N, H]", "activation"), P("y", "[N, H]", "activation"), P("gate", "[N, 1]", "activation")),
+            (P("out", "[N, H]", "activation"),), gated_add, examples=_gated_add_examples, cuda_tolerance=1e-5),
+         "gated"),
+        (Op("latent_query", "MLA's absorbed decode query: ``[q_latent | rope(q[..., -d_r:])]``.",
+            (P("q_latent", "[N, nh, r]", "activation"), P("q", "[N, nh, d_n + d_r]", "activation"),
+             P("positions", "[N]", "index"), P("inv_freq", "[d_r / 2]", "constant"), P("attention_factor", kind="scalar"),
+             P("interleaved", kind="option")),
+            (P("out", "[N, nh, r + d_r]", "activation"),), latent_query, examples=_latent_query_examples,
+            cuda_tolerance=1e-5),
+         "attention_latent"),
         (Op("sigmoid_gate", "``x * sigmoid(gate)``.",
             (P("x", "[N, W]", "matmul_input"), P("gate", "[N, W]", "activation")),
             (P("y", "[N, W]", "matmul_input"),), sigmoid_gate, examples=_sigmoid_gate_examples),

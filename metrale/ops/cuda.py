@@ -199,6 +199,47 @@ class CudaKernels:
         return gated_delta.prompt_rule(*contiguous, state, cp.asarray(slots, dtype=np.int32),
                                        cp.asarray(starts, dtype=np.int32), out, self.stream)
 
+    def gdn_ungroup(self, qkvz: Any, key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> Any:
+        rows = qkvz.shape[0]
+        inputs = cp.empty((rows, 2 * key_heads * key_dim + value_heads * value_dim), dtype=f32)
+        z = cp.empty((rows, value_heads, value_dim), dtype=f32)
+        gated_delta.ungroup(cp.ascontiguousarray(qkvz, dtype=f32), key_heads, value_heads, key_dim, value_dim, inputs, z,
+                            self.stream)
+        return inputs, z
+
+    def gdn_gates(self, ba: Any, a_log: Any, dt_bias: Any, key_heads: int) -> Any:
+        rows, value_heads = ba.shape[0], dt_bias.shape[0]
+        g, beta = cp.empty((rows, value_heads), dtype=f32), cp.empty((rows, value_heads), dtype=f32)
+        gated_delta.gates(cp.ascontiguousarray(ba, dtype=f32), a_log, dt_bias, key_heads, g, beta, self.stream)
+        return g, beta
+
+    def gdn_split_heads(self, mixed: Any, key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> Any:
+        rows = mixed.shape[0]
+        q = cp.empty((rows, value_heads, key_dim), dtype=f32)
+        k = cp.empty((rows, value_heads, key_dim), dtype=f32)
+        v = cp.empty((rows, value_heads, value_dim), dtype=f32)
+        gated_delta.split_heads(cp.ascontiguousarray(mixed, dtype=f32), key_heads, value_heads, key_dim, value_dim,
+                                q, k, v, self.stream)
+        return q, k, v
+
+    def gdn_conv_prompts(self, inputs: Any, weight: Any, conv_state: Any, slots: Any, starts: Any) -> Any:
+        out = cp.empty(inputs.shape, dtype=f32)
+        return gated_delta.conv_prompts(cp.ascontiguousarray(inputs, dtype=f32), weight, conv_state,
+                                        cp.asarray(slots, dtype=np.int32), cp.asarray(starts, dtype=np.int32), out,
+                                        self.stream)
+
+    def gated_add(self, x: Any, y: Any, gate: Any) -> Any:
+        out = cp.empty(x.shape, dtype=f32)
+        return gated.gated_add(cp.ascontiguousarray(x, dtype=f32), cp.ascontiguousarray(y, dtype=f32),
+                               cp.ascontiguousarray(gate, dtype=f32), out, self.stream)
+
+    def latent_query(self, q_latent: Any, q: Any, positions: Any, inv_freq: Any, attention_factor: float,
+                     interleaved: bool) -> Any:
+        rows, heads, rank = q_latent.shape
+        out = cp.empty((rows, heads, rank + 2 * inv_freq.shape[0]), dtype=f32)
+        return attention_latent.latent_query(cp.ascontiguousarray(q_latent, dtype=f32), cp.ascontiguousarray(q, dtype=f32),
+                                             positions, inv_freq, attention_factor, interleaved, out, self.stream)
+
     def gated_rmsnorm(self, x: Any, z: Any, weight: Any, eps: float) -> Any:
         width = x.shape[-1]
         flat_x = cp.ascontiguousarray(x, dtype=f32).reshape(-1, width)

@@ -1,144 +1,21 @@
-"""Reusable decoder layers: GQA attention over the paged cache, and the SwiGLU MLP.
+"""The dense family's layers, which are the public building blocks of :mod:`metrale.layers`
+(kept importable from here for plugins written against this module)."""
 
-These are public: any family may build its model from them. Weights are held in fused form
-(one ``qkv`` matrix, one ``gate_up`` matrix) so each block runs one matrix product per input.
-"""
+from metrale.layers.attention import (
+    AttentionGeometry,
+    AttentionWeights,
+    attention_block,
+    load_attention_weights,
+)
+from metrale.layers.mlp import MlpWeights, expect_mlp_shapes, load_mlp_weights, swiglu_mlp
 
-from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-
-from metrale.batch import ForwardBatch
-from metrale.checkpoint import Checkpoint
-
-
-@dataclass(frozen=True)
-class AttentionGeometry:
-    """Heads and sizes of one attention block; ``rotary`` is the RoPE ``inv_freq`` table."""
-
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    inv_freq: np.ndarray
-    attention_factor: float = 1.0
-    sliding_window: int | None = None
-    norm_eps: float = 1e-6
-
-    @property
-    def scale(self) -> float:
-        return self.head_dim**-0.5
-
-
-@dataclass
-class AttentionWeights:
-    """``qkv [(n_h + 2 n_kv) d, H]``, ``o [H, n_h d]``; optional biases and per-head q/k norms."""
-
-    qkv: Any
-    o: Any
-    qkv_bias: Any = None
-    o_bias: Any = None
-    q_norm: Any = None
-    k_norm: Any = None
-
-
-@dataclass
-class MlpWeights:
-    """``gate_up [2 I, H]`` (gate rows first), ``down [H, I]``; optional biases."""
-
-    gate_up: Any
-    down: Any
-    gate_up_bias: Any = None
-    down_bias: Any = None
-
-
-def load_attention_weights(
-    checkpoint: Checkpoint,
-    backend: Any,
-    prefix: str,
-    geometry: AttentionGeometry,
-    *,
-    qkv_bias: bool = False,
-    o_bias: bool = False,
-    qk_norm: bool = False,
-) -> AttentionWeights:
-    """Read ``{prefix}.{q,k,v,o}_proj`` (and biases / ``q_norm`` / ``k_norm``) and fuse q, k, v."""
-    g = geometry
-    q_rows, kv_rows = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
-    weights = AttentionWeights(
-        qkv=backend.load_weight(
-            checkpoint,
-            (f"{prefix}.q_proj.weight", (q_rows, g.hidden_size)),
-            (f"{prefix}.k_proj.weight", (kv_rows, g.hidden_size)),
-            (f"{prefix}.v_proj.weight", (kv_rows, g.hidden_size)),
-        ),
-        o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (g.hidden_size, q_rows))),
-    )
-    if qkv_bias:
-        biases = [
-            checkpoint.tensor(f"{prefix}.q_proj.bias", (q_rows,)),
-            checkpoint.tensor(f"{prefix}.k_proj.bias", (kv_rows,)),
-            checkpoint.tensor(f"{prefix}.v_proj.bias", (kv_rows,)),
-        ]
-        weights.qkv_bias = backend.constant(np.concatenate(biases))
-    if o_bias:
-        weights.o_bias = backend.constant(checkpoint.tensor(f"{prefix}.o_proj.bias", (g.hidden_size,)))
-    if qk_norm:
-        weights.q_norm = backend.load_weight(checkpoint, (f"{prefix}.q_norm.weight", (g.head_dim,)))
-        weights.k_norm = backend.load_weight(checkpoint, (f"{prefix}.k_norm.weight", (g.head_dim,)))
-    return weights
-
-
-def load_mlp_weights(
-    checkpoint: Checkpoint, backend: Any, prefix: str, hidden_size: int, intermediate_size: int, *, bias: bool = False
-) -> MlpWeights:
-    """Read ``{prefix}.{gate,up,down}_proj`` and fuse gate and up."""
-    weights = MlpWeights(
-        gate_up=backend.load_weight(
-            checkpoint,
-            (f"{prefix}.gate_proj.weight", (intermediate_size, hidden_size)),
-            (f"{prefix}.up_proj.weight", (intermediate_size, hidden_size)),
-        ),
-        down=backend.load_weight(checkpoint, (f"{prefix}.down_proj.weight", (hidden_size, intermediate_size))),
-    )
-    if bias:
-        gate_b = checkpoint.tensor(f"{prefix}.gate_proj.bias", (intermediate_size,))
-        up_b = checkpoint.tensor(f"{prefix}.up_proj.bias", (intermediate_size,))
-        weights.gate_up_bias = backend.constant(np.concatenate([gate_b, up_b]))
-        weights.down_bias = backend.constant(checkpoint.tensor(f"{prefix}.down_proj.bias", (hidden_size,)))
-    return weights
-
-
-def expect_mlp_shapes(checkpoint: Checkpoint, prefix: str, hidden_size: int, intermediate_size: int, *,
-                      because: str) -> None:
-    """Check (headers only) that ``{prefix}.{gate,up,down}_proj`` have the shapes
-    :func:`load_mlp_weights` will ask for; ``because`` names the config fields they follow from."""
-    checkpoint.expect_shape(f"{prefix}.gate_proj.weight", (intermediate_size, hidden_size), because=because)
-    checkpoint.expect_shape(f"{prefix}.up_proj.weight", (intermediate_size, hidden_size), because=because)
-    checkpoint.expect_shape(f"{prefix}.down_proj.weight", (hidden_size, intermediate_size), because=because)
-
-
-def attention_block(
-    backend: Any, geometry: AttentionGeometry, weights: AttentionWeights, cache_layer: Any, h: Any, batch: ForwardBatch
-) -> Any:
-    """Causal GQA self-attention of ``h [N, H]``; writes the rows' K/V into ``cache_layer``.
-
-    ``geometry.inv_freq`` must be a backend array (``backend.constant``).
-    """
-    ops, g = backend.ops, geometry
-    qkv = ops.linear(h, weights.qkv, weights.qkv_bias)
-    q = ops.qkv_rope_cache(
-        qkv, batch.positions, batch.slot_mapping, g.inv_freq, g.attention_factor, g.num_heads, g.num_kv_heads,
-        g.head_dim, cache_layer.k, cache_layer.v, weights.q_norm, weights.k_norm, g.norm_eps,
-    )
-    out = ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, g.scale, g.sliding_window)
-    return ops.linear(out, weights.o, weights.o_bias)
-
-
-def swiglu_mlp(backend: Any, weights: MlpWeights, h: Any) -> Any:
-    """``down(silu(gate(h)) * up(h))`` for ``h [N, H]``."""
-    ops = backend.ops
-    return ops.linear(ops.linear_silu(h, weights.gate_up, weights.gate_up_bias), weights.down, weights.down_bias)
+__all__ = [
+    "AttentionGeometry",
+    "AttentionWeights",
+    "MlpWeights",
+    "attention_block",
+    "expect_mlp_shapes",
+    "load_attention_weights",
+    "load_mlp_weights",
+    "swiglu_mlp",
+]

@@ -6,10 +6,10 @@ conv state (the last ``K - 1`` conv inputs, ``[C, K - 1]``) and a float32 recurr
 Every norm of the decoder is zero-centred (``1 + w``) except the gated output norm of the GDN
 layers.
 
-Decode rows run on backend ops (the conv update and one recurrence step per row, in place in the
-slots the batch names, the dummy slot for padding rows). Prompt tokens run their conv per
-sequence on the backend's array module (``backend.xp``), then the gated delta rule of every
-sequence in one op, ``gdn_prompt_rule`` (on the CPU the chunked form, chunks of
+Everything runs on backend ops. Decode rows take the conv update and one recurrence step per row,
+in place in the slots the batch names (the dummy slot for padding rows). Prompt tokens of every
+sequence take the conv in one op (``gdn_conv_prompts``), then the gated delta rule in one op,
+``gdn_prompt_rule`` (on the CPU the chunked form, chunks of
 :data:`metrale.kernels.gated_delta.CHUNK` tokens; on the GPU a kernel that keeps the state in
 registers). Decode steps are captured into CUDA graphs like the dense family's.
 """
@@ -26,25 +26,23 @@ from metrale.cache.spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
 from metrale.checkpoint import Checkpoint
 from metrale.errors import NonFiniteStateError
 from metrale.family import FamilyModel
-from metrale.plugins.dense.layers import MlpWeights, load_mlp_weights, swiglu_mlp
+from metrale.layers.experts import StackedExperts, load_stacked_experts, routed_experts
+from metrale.layers.loading import DecoderEnds
+from metrale.layers.mlp import MlpWeights, load_mlp_weights, swiglu_mlp
 from metrale.plugins.gdn.config import GdnConfig
-from metrale.plugins.mla.model import as_float32
-from metrale.plugins.moe_layers import StackedExperts, load_stacked_experts, routed_experts
 from metrale.sequence import SequenceState
 
-#: Tokens per chunk of the chunked gated delta rule.
-#: transformers' fixed eps of the q / k L2 normalisation.
-L2_NORM_EPS = 1e-6
 IGNORED_TENSOR_PREFIXES = ("mtp.",)  # multi-token prediction: transformers has none for Qwen3-Next
 
 
 @dataclass
 class GatedAttentionWeights:
-    """``q [n_h 2d, H]`` (per head: query rows, then gate rows), ``kv [2 n_kv d, H]``, ``o``,
-    zero-centred ``q_norm`` / ``k_norm [d]``."""
+    """``qkv [(n_h + 2 n_kv) d, H]`` (the query rows of ``q_proj``, then ``k_proj`` and
+    ``v_proj``), ``gate [n_h d, H]`` (the gate rows of ``q_proj``, which interleaves query and
+    gate rows per head), ``o``, zero-centred ``q_norm`` / ``k_norm [d]``."""
 
-    q: Any
-    kv: Any
+    qkv: Any
+    gate: Any
     o: Any
     q_norm: Any
     k_norm: Any
@@ -66,7 +64,8 @@ class DeltaNetWeights:
 
 @dataclass
 class SparseMoeWeights:
-    """Softmax router ``gate [E, H]``, routed experts, the shared expert and its gate ``[1, H]``."""
+    """Softmax router ``gate [E, H]``, routed experts, the shared expert and its gate ``[1, H]``
+    (a weight of a matrix product)."""
 
     gate: Any
     experts: StackedExperts
@@ -84,13 +83,8 @@ class GdnLayer:
     moe: SparseMoeWeights | None = None
 
 
-def l2_normalised(xp: Any, x: Any) -> Any:
-    return x / xp.sqrt((x * x).sum(axis=-1, keepdims=True) + np.float32(L2_NORM_EPS))
-
-
 class GdnModel(FamilyModel):
     """A loaded Qwen3-Next model."""
-
 
     def __init__(self, config: GdnConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
         # Before anything sized by the config (RoPE table, per-layer lists, weights) is built.
@@ -100,7 +94,8 @@ class GdnModel(FamilyModel):
         # Only attention layers rotate; without one, head_dim is not checked against any tensor.
         self.inv_freq = backend.constant(c.rope.inverse_frequencies()) if "full_attention" in c.layer_types else None
         vector = (c.hidden_size,)
-        self.embed = backend.load_weight(checkpoint, ("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
+        self.ends = DecoderEnds.load(checkpoint, backend, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                                     tie_word_embeddings=c.tie_word_embeddings)
         self.layers = []
         for index in range(c.num_layers):
             prefix = f"model.layers.{index}"
@@ -117,11 +112,6 @@ class GdnModel(FamilyModel):
             else:
                 layer.mlp = load_mlp_weights(checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)
             self.layers.append(layer)
-        self.norm = backend.load_weight(checkpoint, ("model.norm.weight", vector))
-        if c.tie_word_embeddings and not checkpoint.has("lm_head.weight"):
-            self.lm_head = self.embed
-        else:
-            self.lm_head = backend.load_weight(checkpoint, ("lm_head.weight", (c.vocab_size, c.hidden_size)))
         checkpoint.skip([n for n in checkpoint.names() if n.startswith(IGNORED_TENSOR_PREFIXES)])
 
     # ------------------------------------------------------------------------------ loading
@@ -129,10 +119,15 @@ class GdnModel(FamilyModel):
     def _load_attention(self, checkpoint: Checkpoint, prefix: str) -> GatedAttentionWeights:
         c, backend = self.config, self.backend
         d, hidden = c.head_dim, c.hidden_size
+        # Per head, q_proj holds d query rows then d gate rows: regroup them (on the host, once)
+        # so that one product gives [q | k | v] for qkv_rope_cache and another the gates.
+        q_and_gate = checkpoint.tensor(f"{prefix}.q_proj.weight", (c.num_heads * 2 * d, hidden))
+        q_and_gate = q_and_gate.reshape(c.num_heads, 2, d, hidden)
+        k = checkpoint.tensor(f"{prefix}.k_proj.weight", (c.num_kv_heads * d, hidden))
+        v = checkpoint.tensor(f"{prefix}.v_proj.weight", (c.num_kv_heads * d, hidden))
         return GatedAttentionWeights(
-            q=backend.load_weight(checkpoint, (f"{prefix}.q_proj.weight", (c.num_heads * 2 * d, hidden))),
-            kv=backend.load_weight(checkpoint, (f"{prefix}.k_proj.weight", (c.num_kv_heads * d, hidden)),
-                                   (f"{prefix}.v_proj.weight", (c.num_kv_heads * d, hidden))),
+            qkv=backend.weight(np.concatenate([q_and_gate[:, 0].reshape(-1, hidden), k, v])),
+            gate=backend.weight(q_and_gate[:, 1].reshape(-1, hidden)),
             o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (hidden, c.num_heads * d))),
             q_norm=backend.load_weight(checkpoint, (f"{prefix}.q_norm.weight", (d,))),
             k_norm=backend.load_weight(checkpoint, (f"{prefix}.k_norm.weight", (d,))),
@@ -162,7 +157,7 @@ class GdnModel(FamilyModel):
                                          c.moe_intermediate_size),
             shared=load_mlp_weights(checkpoint, backend, f"{prefix}.shared_expert", hidden,
                                     c.shared_expert_intermediate_size),
-            shared_gate=backend.constant(checkpoint.tensor(f"{prefix}.shared_expert_gate.weight", (1, hidden))),
+            shared_gate=backend.load_weight(checkpoint, (f"{prefix}.shared_expert_gate.weight", (1, hidden))),
         )
 
     # ------------------------------------------------------------------------------ contract
@@ -207,8 +202,7 @@ class GdnModel(FamilyModel):
 
     def forward_batch(self, batch: ForwardBatch) -> Any:
         ops, eps = self.backend.ops, self.config.rms_norm_eps
-        x = ops.embedding(self.embed, batch.token_ids)
-        residual = None
+        x, residual = self.ends.embed_tokens(self.backend, batch), None
         for layer, cache_layer in zip(self.layers, self.cache.layers):
             h, residual = ops.rmsnorm_residual(x, residual, layer.input_norm, eps, 1.0)
             if layer.attention is not None:
@@ -217,97 +211,42 @@ class GdnModel(FamilyModel):
                 x = self._delta(layer.delta, cache_layer, h, batch)
             h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps, 1.0)
             x = swiglu_mlp(self.backend, layer.mlp, h) if layer.moe is None else self._moe(layer.moe, h)
-        rows = batch.logits_rows
-        h, _ = ops.rmsnorm_residual(x[rows], residual[rows], self.norm, eps, 1.0)
-        return ops.linear(h, self.lm_head)
+        return self.ends.logits(self.backend, x, residual, batch, eps, 1.0)
 
     # -------------------------------------------------------------------------------- mixers
 
     def _attention(self, w: GatedAttentionWeights, cache_layer: Any, h: Any, batch: ForwardBatch) -> Any:
-        ops, c, xp = self.backend.ops, self.config, self.backend.xp
-        rows, heads, d = h.shape[0], c.num_heads, c.head_dim
-        projected = ops.linear(h, w.q).reshape(rows, heads, 2 * d)
-        query = xp.ascontiguousarray(projected[:, :, :d]).reshape(rows, heads * d)
-        gate = projected[:, :, d:].reshape(rows, heads * d)
-        qkv = xp.concatenate([query, ops.linear(h, w.kv)], axis=1)
+        ops, c = self.backend.ops, self.config
+        heads, d = c.num_heads, c.head_dim
         q = ops.qkv_rope_cache(
-            qkv, batch.positions, batch.slot_mapping, self.inv_freq, 1.0, heads, c.num_kv_heads, d,
+            ops.linear(h, w.qkv), batch.positions, batch.slot_mapping, self.inv_freq, 1.0, heads, c.num_kv_heads, d,
             cache_layer.k, cache_layer.v, w.q_norm, w.k_norm, c.rms_norm_eps, 1.0,
         )
         out = ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, d**-0.5, None)
-        return ops.linear(ops.sigmoid_gate(out, gate), w.o)
+        return ops.linear(ops.sigmoid_gate(out, ops.linear(h, w.gate)), w.o)
 
     def _delta(self, w: DeltaNetWeights, cache_layer: Any, h: Any, batch: ForwardBatch) -> Any:
-        ops, c, xp = self.backend.ops, self.config, self.backend.xp
+        ops, c = self.backend.ops, self.config
         rows = h.shape[0]
         hk, hv, dk, dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
-        ratio = hv // hk
-        # Un-group the projections (grouped by key head in the checkpoint, docs/families.rst, "Gated DeltaNet layer", step 2).
-        grouped = ops.linear(h, w.qkvz).reshape(rows, hk, 2 * dk + 2 * ratio * dv)
-        q = grouped[:, :, :dk].reshape(rows, hk * dk)
-        k = grouped[:, :, dk : 2 * dk].reshape(rows, hk * dk)
-        v = grouped[:, :, 2 * dk : 2 * dk + ratio * dv].reshape(rows, hv * dv)
-        z = grouped[:, :, 2 * dk + ratio * dv :].reshape(rows, hv, dv)
-        ba = ops.linear(h, w.ba).reshape(rows, hk, 2 * ratio)
-        b, a = ba[:, :, :ratio].reshape(rows, hv), ba[:, :, ratio:].reshape(rows, hv)
-        inputs = xp.concatenate([q, k, v], axis=1)  # [N, C]: the conv input
-        beta = (1.0 / (1.0 + xp.exp(-b))).astype(xp.float32)
-        softplus = xp.logaddexp(0.0, a + w.dt_bias)
-        g = (-xp.exp(w.a_log) * softplus).astype(xp.float32)
+        # The projections are grouped by key head in the checkpoint (docs/families.rst, "Gated
+        # DeltaNet layer", step 2): the ops regroup them into the conv input, z and the gates.
+        inputs, z = ops.gdn_ungroup(ops.linear(h, w.qkvz), hk, hv, dk, dv)
+        g, beta = ops.gdn_gates(ops.linear(h, w.ba), w.a_log, w.dt_bias, hk)
         if rows == len(batch.row_starts) - 1:
-            out = self._delta_decode(w, cache_layer, inputs, g, beta, batch)
+            # One token per sequence: the conv update and one recurrence step, in the slots.
+            mixed = ops.gdn_conv_update(inputs, w.conv, cache_layer.conv, batch.state_slots)
+            q, k, v = ops.gdn_split_heads(mixed, hk, hv, dk, dv)
+            out = ops.gdn_recurrent_step(q, k, v, g, beta, cache_layer.state, batch.state_slots)
         else:
-            out = self._delta_prompts(w, cache_layer, inputs, g, beta, batch)
+            slots = np.array([segment.seq.state_slot for segment in batch.segments], dtype=np.int32)
+            starts = np.asarray(batch.row_starts, dtype=np.int32)
+            mixed = ops.gdn_conv_prompts(inputs, w.conv, cache_layer.conv, slots, starts)
+            q, k, v = ops.gdn_split_heads(mixed, hk, hv, dk, dv)
+            out = ops.gdn_prompt_rule(q, k, v, g, beta, cache_layer.state, slots, starts)
         # Gated norm per value head (plain weight), then out_proj.
         gated = ops.gated_rmsnorm(out, z, w.norm, c.rms_norm_eps)
         return ops.linear(gated.reshape(rows, hv * dv), w.out)
-
-    def _split_heads(self, mixed: Any) -> tuple[Any, Any, Any]:
-        """Conv outputs ``[T, C]`` -> L2-normalised (q scaled) q, k expanded to the value heads, v."""
-        c, xp = self.config, self.backend.xp
-        hk, hv, dk, dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
-        q = l2_normalised(xp, mixed[:, : hk * dk].reshape(-1, hk, dk)) * np.float32(dk**-0.5)
-        k = l2_normalised(xp, mixed[:, hk * dk : 2 * hk * dk].reshape(-1, hk, dk))
-        v = mixed[:, 2 * hk * dk :].reshape(-1, hv, dv)
-        return xp.repeat(q, hv // hk, axis=1), xp.repeat(k, hv // hk, axis=1), v
-
-    def _delta_decode(self, w: DeltaNetWeights, cache_layer: Any, inputs: Any, g: Any, beta: Any,
-                      batch: ForwardBatch) -> Any:
-        """One token per sequence: the conv update and one recurrence step, in the slots, on ops."""
-        ops, xp = self.backend.ops, self.backend.xp
-        slots = xp.asarray(batch.state_slots)  # one row per sequence; padding rows: the dummy slot
-        mixed = ops.gdn_conv_update(inputs, w.conv, cache_layer.conv, slots)
-        q, k, v = self._split_heads(mixed)
-        return ops.gdn_recurrent_step(q, k, v, g, beta, cache_layer.state, slots)
-
-    def _delta_prompts(self, w: DeltaNetWeights, cache_layer: Any, inputs: Any, g: Any, beta: Any,
-                        batch: ForwardBatch) -> Any:
-        """Each sequence's new tokens through the conv, then every sequence through the gated delta
-        rule in one op (the chunked form on the CPU)."""
-        xp = self.backend.xp
-        starts = [int(start) for start in batch.row_starts]
-        mixed = xp.empty(inputs.shape, dtype=xp.float32)
-        slots = []
-        for index, segment in enumerate(batch.segments):
-            slot = segment.seq.state_slot
-            mixed[starts[index] : starts[index + 1]] = self._conv(w, cache_layer, slot,
-                                                                  inputs[starts[index] : starts[index + 1]])
-            slots.append(slot)
-        q, k, v = self._split_heads(mixed)
-        return self.backend.ops.gdn_prompt_rule(q, k, v, g, beta, cache_layer.state, xp.asarray(np.array(slots, np.int32)),
-                                                xp.asarray(np.array(starts, np.int32)))
-
-    def _conv(self, w: DeltaNetWeights, cache_layer: Any, slot: int, inputs: Any) -> Any:
-        """Causal depthwise conv + SiLU of ``inputs [T, C]`` after the slot's last ``K - 1``
-        inputs; the slot keeps the new last ``K - 1``."""
-        xp, width = self.backend.xp, self.config.conv_kernel
-        history = cache_layer.conv[slot].T  # [K - 1, C]
-        window = xp.concatenate([history, inputs.astype(xp.float32)], axis=0)
-        count = inputs.shape[0]
-        mixed = sum(window[j : j + count] * w.conv[:, j] for j in range(width))
-        tail = window[-(width - 1):].T
-        cache_layer.conv[slot] = tail
-        return mixed / (1.0 + xp.exp(-mixed))
 
     def route(self, moe: SparseMoeWeights, h: Any) -> tuple[Any, Any]:
         """Top-k experts ``[N, k]`` and weights: softmax over the router logits, renormalised as
@@ -317,10 +256,9 @@ class GdnModel(FamilyModel):
                                           c.norm_topk_prob, 1.0)
 
     def _moe(self, moe: SparseMoeWeights, h: Any) -> Any:
-        xp = self.backend.xp
+        ops = self.backend.ops
         chosen, weights = self.route(moe, h)
         out = routed_experts(self.backend, moe.experts, h, chosen, weights)
-        # (A reduction rather than a matrix product: CuPy's cuBLAS calls cannot be graph-captured.)
-        shared_gate = (as_float32(self.backend, h) * moe.shared_gate[0]).sum(axis=1, keepdims=True)  # [N, 1]
-        return out + swiglu_mlp(self.backend, moe.shared, h) / (1.0 + xp.exp(-shared_gate))
+        # routed + shared expert * sigmoid(h . shared_gate), one gate per row.
+        return ops.gated_add(out, swiglu_mlp(self.backend, moe.shared, h), ops.linear(h, moe.shared_gate))
 

@@ -24,44 +24,16 @@ from metrale.batch import ForwardBatch
 from metrale.cache.spec import CacheSpec, PagedLatentSpec
 from metrale.checkpoint import Checkpoint
 from metrale.family import FamilyModel
-from metrale.plugins.dense.layers import MlpWeights, load_mlp_weights, swiglu_mlp
+from metrale.layers.experts import StackedExperts, load_stacked_experts, routed_experts
+from metrale.layers.loading import DecoderEnds
+from metrale.layers.mlp import MlpWeights, load_mlp_weights, swiglu_mlp
 from metrale.plugins.mla.config import MlaConfig
-from metrale.plugins.moe_layers import StackedExperts, load_stacked_experts, routed_experts
 
 #: transformers normalises the query and latent bottlenecks with this eps, whatever the config says.
 LATENT_NORM_EPS = 1e-6
 
 IGNORED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)
 
-
-
-def as_float32(backend: Any, x: Any) -> Any:
-    """``x`` as float32: bf16 bits (the GPU's normed activations) widened, float32 kept."""
-    xp = backend.xp
-    if x.dtype == np.uint16:
-        return (x.astype(xp.uint32) << 16).view(xp.float32)
-    return x.astype(xp.float32, copy=False)
-
-
-def rotate(backend: Any, x: Any, positions: Any, inv_freq: Any, attention_factor: float, interleaved: bool) -> Any:
-    """RoPE of ``x [N, ..., d_r]`` (float32) at ``positions [N]``: adjacent pairs (2i, 2i+1) when
-    ``interleaved``, else half-split pairs (i, i + d_r/2). Angles are float32 products, as in
-    transformers."""
-    xp = backend.xp
-    angles = xp.asarray(positions, dtype=xp.float32)[:, None] * inv_freq[None, :]
-    cos = (xp.cos(angles) * np.float32(attention_factor)).astype(xp.float32)
-    sin = (xp.sin(angles) * np.float32(attention_factor)).astype(xp.float32)
-    shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (cos.shape[1],)
-    cos, sin = cos.reshape(shape), sin.reshape(shape)
-    if interleaved:
-        even, odd = x[..., 0::2], x[..., 1::2]
-        out = xp.empty_like(x)
-        out[..., 0::2] = even * cos - odd * sin
-        out[..., 1::2] = odd * cos + even * sin
-        return out
-    half = x.shape[-1] // 2
-    first, second = x[..., :half], x[..., half:]
-    return xp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
 
 
 @dataclass
@@ -121,7 +93,8 @@ class MlaModel(FamilyModel):
         self.attention_factor = c.rope.attention_factor()
         self.scale = c.softmax_scale
         vector = (c.hidden_size,)
-        self.embed = backend.load_weight(checkpoint, ("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
+        self.ends = DecoderEnds.load(checkpoint, backend, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                                     tie_word_embeddings=c.tie_word_embeddings)
         self.layers = []
         for index in range(c.num_layers):
             prefix = f"model.layers.{index}"
@@ -135,11 +108,6 @@ class MlaModel(FamilyModel):
             else:
                 layer.mlp = load_mlp_weights(checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)
             self.layers.append(layer)
-        self.norm = backend.load_weight(checkpoint, ("model.norm.weight", vector))
-        if c.tie_word_embeddings and not checkpoint.has("lm_head.weight"):
-            self.lm_head = self.embed
-        else:
-            self.lm_head = backend.load_weight(checkpoint, ("lm_head.weight", (c.vocab_size, c.hidden_size)))
         # Multi-token-prediction modules (model.layers.{L + k}.*): kept for speculative decoding.
         # (The prefixes come from the layers present, not from num_nextn_predict_layers, which
         # checkpoints that dropped these weights still declare.)
@@ -204,21 +172,18 @@ class MlaModel(FamilyModel):
 
     def forward_batch(self, batch: ForwardBatch) -> Any:
         ops, eps = self.backend.ops, self.config.rms_norm_eps
-        x = ops.embedding(self.embed, batch.token_ids)
-        residual = None
+        x, residual = self.ends.embed_tokens(self.backend, batch), None
         for layer, cache_layer in zip(self.layers, self.cache.layers):
             h, residual = ops.rmsnorm_residual(x, residual, layer.input_norm, eps)
             x = self._attention(layer.attention, cache_layer, h, batch)
             h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps)
             x = swiglu_mlp(self.backend, layer.mlp, h) if layer.moe is None else self._moe(layer.moe, h)
-        rows = batch.logits_rows
-        h, _ = ops.rmsnorm_residual(x[rows], residual[rows], self.norm, eps)
-        return ops.linear(h, self.lm_head)
+        return self.ends.logits(self.backend, x, residual, batch, eps)
 
     # ----------------------------------------------------------------------------- attention
 
     def _attention(self, w: MlaAttentionWeights, cache_layer: Any, h: Any, batch: ForwardBatch) -> Any:
-        backend, ops, c, xp = self.backend, self.backend.ops, self.config, self.backend.xp
+        ops, c, xp = self.backend.ops, self.config, self.backend.xp
         heads, d_n, d_r = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
         rows = h.shape[0]
         if w.q is not None:
@@ -230,26 +195,28 @@ class MlaModel(FamilyModel):
         ops.latent_cache_write(ops.linear(h, w.kv_a, w.kv_a_bias), w.kv_a_norm, LATENT_NORM_EPS, batch.positions,
                                self.inv_freq, self.attention_factor, c.interleaved_rope, batch.slot_mapping,
                                cache_layer.latent)
-        positions = xp.asarray(batch.positions)
-        q_pe = rotate(backend, q[:, :, d_n:], positions, self.inv_freq, self.attention_factor, c.interleaved_rope)
         if self.absorbed_decode and rows == len(batch.row_starts) - 1:
-            return self._absorbed(w, cache_layer, q, q_pe, batch)
+            return self._absorbed(w, cache_layer, q, batch)
+        # Prompt rows: q with its last d_r dims rotated (the query op with q's own nope part).
+        rotated = ops.latent_query(q[:, :, :d_n], q, batch.positions, self.inv_freq, self.attention_factor,
+                                   c.interleaved_rope)
         out = xp.empty((rows, heads, c.v_head_dim), dtype=xp.float32)
         starts = batch.row_starts
         for index, segment in enumerate(batch.segments):
             first, last = int(starts[index]), int(starts[index + 1])
             keys = self._cached(cache_layer, segment.seq.block_table, segment.end)
             causal = np.arange(segment.start, segment.end)
-            out[first:last] = self._expanded(w, q[first:last, :, :d_n], q_pe[first:last], keys, causal)
+            out[first:last] = self._expanded(w, rotated[first:last, :, :d_n], rotated[first:last, :, d_n:], keys, causal)
         return ops.linear(out.reshape(rows, heads * c.v_head_dim), w.o, w.o_bias)
 
-    def _absorbed(self, w: MlaAttentionWeights, cache_layer: Any, q: Any, q_pe: Any, batch: ForwardBatch) -> Any:
-        """Decode rows (one per sequence): the queries projected into the latent space, attention
-        over the cached latents, the value half of ``kv_b_proj`` after, then ``o_proj``."""
-        ops, c, xp = self.backend.ops, self.config, self.backend.xp
+    def _absorbed(self, w: MlaAttentionWeights, cache_layer: Any, q: Any, batch: ForwardBatch) -> Any:
+        """Decode rows (one per sequence): the queries projected into the latent space and joined
+        with their rotated rope part, attention over the cached latents, the value half of
+        ``kv_b_proj`` after, then ``o_proj``."""
+        ops, c = self.backend.ops, self.config
         rows, heads, r = q.shape[0], c.num_heads, c.kv_lora_rank
-        q_latent = ops.head_linear(xp.ascontiguousarray(q[:, :, : c.qk_nope_head_dim]), w.w_uk_t)
-        queries = xp.concatenate([q_latent, q_pe.astype(xp.float32)], axis=2)
+        q_latent = ops.head_linear(q[:, :, : c.qk_nope_head_dim], w.w_uk_t)
+        queries = ops.latent_query(q_latent, q, batch.positions, self.inv_freq, self.attention_factor, c.interleaved_rope)
         mixed = ops.latent_attention(queries, cache_layer.latent, batch, r, self.scale)
         values = ops.head_linear(mixed.reshape(rows, heads, r), w.w_uv)
         return ops.linear(values.reshape(rows, heads * c.v_head_dim), w.o, w.o_bias)
@@ -259,14 +226,14 @@ class MlaModel(FamilyModel):
         latent = cache_layer.latent
         blocks = block_table[: -(-end // latent.shape[1])]
         values = latent[self.backend.xp.asarray(blocks)].reshape(-1, latent.shape[2])[:end]
-        return as_float32(self.backend, values)
+        return self.backend.ops.to_float32(values)
 
     def _expanded(self, w: MlaAttentionWeights, q_nope: Any, q_pe: Any, keys: Any, positions: np.ndarray) -> Any:
         """``[T, n_h, d_v]``: keys and values re-expanded from the latents (prompt rows)."""
         c, xp = self.config, self.backend.xp
         r, d_n = c.kv_lora_rank, c.qk_nope_head_dim
         expanded = self.backend.ops.linear(xp.ascontiguousarray(keys[:, :r]), w.kv_b)
-        expanded = as_float32(self.backend, expanded).reshape(keys.shape[0], c.num_heads, d_n + c.v_head_dim)
+        expanded = self.backend.ops.to_float32(expanded).reshape(keys.shape[0], c.num_heads, d_n + c.v_head_dim)
         k_nope, values = expanded[:, :, :d_n], expanded[:, :, d_n:]
         scores = xp.einsum("thd,shd->hts", q_nope, k_nope) + xp.einsum("thd,sd->hts", q_pe, keys[:, r:])
         return xp.einsum("hts,shd->thd", self._softmax(scores, positions), values)

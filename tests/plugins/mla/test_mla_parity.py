@@ -84,7 +84,7 @@ def test_the_latent_cache_holds_r_plus_rope_dims(mla_checkpoints):
 @pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
 def test_both_expert_paths_match_transformers(mla_checkpoints, monkeypatch, name):
     """Experts pair by pair (decode sizes) and grouped per expert (prompt sizes) give the same logits."""
-    from metrale.plugins import moe_layers
+    from metrale.layers import experts as moe_layers
 
     path = mla_checkpoints[name]
     ids = np.random.default_rng(8).integers(0, 128, 30).tolist()

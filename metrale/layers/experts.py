@@ -1,6 +1,6 @@
-"""Reusable routed-expert layers: stacked expert weights and the routed SwiGLU experts.
+"""Routed experts: stacked expert weights and the routed SwiGLU experts.
 
-Public, like :mod:`metrale.plugins.dense.layers`: any MoE family may build on it. Routing itself
+A public building block: any MoE family may build on it. Routing itself
 differs between families (``backend.ops.moe_route`` covers softmax and sigmoid scoring).
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from metrale.checkpoint import Checkpoint
-from metrale.plugins.dense.layers import MlpWeights, swiglu_mlp
+from metrale.layers.mlp import MlpWeights, swiglu_mlp
 
 #: Batches of up to this many tokens run their experts pair by pair on the device (decode); larger
 #: ones group the tokens of each expert into one matrix product.

@@ -1,0 +1,45 @@
+"""The two ends of a decoder: the token embedding, and the final norm with the LM head.
+
+Shared by every built-in family; public like the other blocks of :mod:`metrale.layers`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from metrale.batch import ForwardBatch
+from metrale.checkpoint import Checkpoint
+
+
+@dataclass
+class DecoderEnds:
+    """``embed [V, H]``, the final RMSNorm weight ``norm [H]`` and ``lm_head [V, H]`` (the
+    embedding itself when the config ties them and the checkpoint has no ``lm_head.weight``)."""
+
+    embed: Any
+    norm: Any
+    lm_head: Any
+
+    @classmethod
+    def load(cls, checkpoint: Checkpoint, backend: Any, *, vocab_size: int, hidden_size: int,
+             tie_word_embeddings: bool) -> "DecoderEnds":
+        """Read ``model.embed_tokens.weight``, ``model.norm.weight`` and ``lm_head.weight``."""
+        embed = backend.load_weight(checkpoint, ("model.embed_tokens.weight", (vocab_size, hidden_size)))
+        norm = backend.load_weight(checkpoint, ("model.norm.weight", (hidden_size,)))
+        if tie_word_embeddings and not checkpoint.has("lm_head.weight"):
+            lm_head = embed
+        else:
+            lm_head = backend.load_weight(checkpoint, ("lm_head.weight", (vocab_size, hidden_size)))
+        return cls(embed, norm, lm_head)
+
+    def embed_tokens(self, backend: Any, batch: ForwardBatch) -> Any:
+        """``[N, H]`` float32: the embedding rows of the batch's tokens."""
+        return backend.ops.embedding(self.embed, batch.token_ids)
+
+    def logits(self, backend: Any, x: Any, residual: Any, batch: ForwardBatch, eps: float, offset: float = 0.0) -> Any:
+        """Float32 logits ``[len(batch.logits_rows), V]``: the last residual add, the final norm
+        and the LM head, on the rows that asked for logits only."""
+        rows = batch.logits_rows
+        h, _ = backend.ops.rmsnorm_residual(x[rows], residual[rows], self.norm, eps, offset)
+        return backend.ops.linear(h, self.lm_head)

@@ -1,0 +1,58 @@
+"""The SwiGLU MLP: its weights, loading, shape checks and forward.
+
+A public building block: any family may build its model from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from metrale.checkpoint import Checkpoint
+
+
+@dataclass
+class MlpWeights:
+    """``gate_up [2 I, H]`` (gate rows first), ``down [H, I]``; optional biases."""
+
+    gate_up: Any
+    down: Any
+    gate_up_bias: Any = None
+    down_bias: Any = None
+
+
+def load_mlp_weights(
+    checkpoint: Checkpoint, backend: Any, prefix: str, hidden_size: int, intermediate_size: int, *, bias: bool = False
+) -> MlpWeights:
+    """Read ``{prefix}.{gate,up,down}_proj`` and fuse gate and up."""
+    weights = MlpWeights(
+        gate_up=backend.load_weight(
+            checkpoint,
+            (f"{prefix}.gate_proj.weight", (intermediate_size, hidden_size)),
+            (f"{prefix}.up_proj.weight", (intermediate_size, hidden_size)),
+        ),
+        down=backend.load_weight(checkpoint, (f"{prefix}.down_proj.weight", (hidden_size, intermediate_size))),
+    )
+    if bias:
+        gate_b = checkpoint.tensor(f"{prefix}.gate_proj.bias", (intermediate_size,))
+        up_b = checkpoint.tensor(f"{prefix}.up_proj.bias", (intermediate_size,))
+        weights.gate_up_bias = backend.constant(np.concatenate([gate_b, up_b]))
+        weights.down_bias = backend.constant(checkpoint.tensor(f"{prefix}.down_proj.bias", (hidden_size,)))
+    return weights
+
+
+def expect_mlp_shapes(checkpoint: Checkpoint, prefix: str, hidden_size: int, intermediate_size: int, *,
+                      because: str) -> None:
+    """Check (headers only) that ``{prefix}.{gate,up,down}_proj`` have the shapes
+    :func:`load_mlp_weights` will ask for; ``because`` names the config fields they follow from."""
+    checkpoint.expect_shape(f"{prefix}.gate_proj.weight", (intermediate_size, hidden_size), because=because)
+    checkpoint.expect_shape(f"{prefix}.up_proj.weight", (intermediate_size, hidden_size), because=because)
+    checkpoint.expect_shape(f"{prefix}.down_proj.weight", (hidden_size, intermediate_size), because=because)
+
+
+def swiglu_mlp(backend: Any, weights: MlpWeights, h: Any) -> Any:
+    """``down(silu(gate(h)) * up(h))`` for ``h [N, H]``."""
+    ops = backend.ops
+    return ops.linear(ops.linear_silu(h, weights.gate_up, weights.gate_up_bias), weights.down, weights.down_bias)
