@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from metrale.errors import KernelArgumentError
+
 
 def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray, attention_factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Angles ``fp32(p) * inv_freq`` in float32 (as transformers), scaled cos and sin ``[T, d_r/2]``."""
@@ -41,6 +43,27 @@ def rope_reference(
     return out
 
 
+def checked_rotary_dim(op: str, rotary_dim: int | None, inv_freq: object, head_dim: int) -> int:
+    """The number of rotated dims of each head: ``rotary_dim``, or ``2 * len(inv_freq)`` when None.
+
+    Raises :class:`KernelArgumentError` unless it is even, between 2 and ``head_dim``, and twice the
+    length of ``inv_freq`` (one frequency per rotated pair).
+    """
+    pairs = int(inv_freq.shape[0])
+    if rotary_dim is None:
+        rotary_dim = 2 * pairs
+    elif isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, np.integer)):
+        raise KernelArgumentError(f"{op}: rotary_dim is {rotary_dim!r}, expected an int")
+    rotary_dim = int(rotary_dim)
+    if rotary_dim % 2 or not 2 <= rotary_dim <= head_dim:
+        raise KernelArgumentError(f"{op}: rotary_dim {rotary_dim} must be even and between 2 and head_dim {head_dim}")
+    if rotary_dim != 2 * pairs:
+        raise KernelArgumentError(
+            f"{op}: rotary_dim {rotary_dim} needs inv_freq of {rotary_dim // 2} entries, got {pairs}"
+        )
+    return rotary_dim
+
+
 def qkv_rope_cache_reference(
     qkv: np.ndarray,
     positions: np.ndarray,
@@ -57,12 +80,20 @@ def qkv_rope_cache_reference(
     eps: float = 1e-6,
     norm_offset: float = 0.0,
     interleaved: bool = False,
+    *,
+    rotary_dim: int | None = None,
 ) -> np.ndarray:
     """Split ``qkv [N, (nh + 2 nkv) d]`` into heads, apply the optional per-head q/k norm and
-    RoPE, store K and V at ``slot_mapping`` in the paged cache; returns ``q [N, nh, d]``."""
+    RoPE, store K and V at ``slot_mapping`` in the paged cache; returns ``q [N, nh, d]``.
+
+    The norm covers the whole head; RoPE rotates its first ``rotary_dim`` dims only (partial
+    rotary: GPT-NeoX's ``rotary_pct``, ``partial_rotary_factor``), the rest pass through.
+    ``inv_freq`` holds ``rotary_dim / 2`` frequencies; ``rotary_dim`` None means ``2 * len(inv_freq)``.
+    """
     from metrale.kernels.attention import paged_kv_write_reference
     from metrale.kernels.rmsnorm import rmsnorm_reference
 
+    checked_rotary_dim("qkv_rope_cache", rotary_dim, inv_freq, head_dim)
     rows = qkv.shape[0]
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
     q = qkv[:, :q_width].reshape(rows, num_heads, head_dim)
@@ -83,7 +114,6 @@ import math  # noqa: E402
 
 from numba import cuda, float32  # noqa: E402
 
-from metrale.errors import KernelArgumentError  # noqa: E402
 from metrale.kernels._device import (  # noqa: E402
     SIMULATED,
     bf16_to_float,
@@ -106,6 +136,8 @@ def qkv_rope_cache_kernel(
     # Grid: (N rows, num_heads + num_kv_heads); block ROPE_THREADS threads over one head's dims.
     # Heads < num_heads are queries (to q_out [N, nh, d] f32); the rest are KV heads: K is normed,
     # rotated and stored, V stored, both as bf16 bits at slot_mapping[row] of the paged cache.
+    # The norm covers all d dims; RoPE the first 2 * len(inv_freq) (partial rotary when < d): pairs
+    # (i, i + len(inv_freq)), or (2i, 2i + 1) when interleaved; the dims past them pass through.
     row = cuda.blockIdx.x
     head = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -159,17 +191,21 @@ def qkv_rope_cache(
     qkv: object, positions: object, slot_mapping: object, inv_freq: object, attention_factor: float,
     num_heads: int, num_kv_heads: int, head_dim: int, k_cache: object, v_cache: object, q_out: object,
     q_norm: object = None, k_norm: object = None, eps: float = 1e-6, norm_offset: float = 0.0,
-    interleaved: bool = False, stream: object = None,
+    interleaved: bool = False, stream: object = None, *, rotary_dim: int | None = None,
 ) -> object:
-    """CUDA launcher of :func:`qkv_rope_cache_reference` (bf16 cache, float32 ``q_out``)."""
+    """CUDA launcher of :func:`qkv_rope_cache_reference` (bf16 cache, float32 ``q_out``).
+
+    ``rotary_dim`` (None: ``2 * len(inv_freq)``) must be twice the length of ``inv_freq``.
+    """
     op = "qkv_rope_cache"
     rows = qkv.shape[0]
     check_array(op, "qkv", qkv, np.float32, (rows, (num_heads + 2 * num_kv_heads) * head_dim))
     check_array(op, "positions", positions, np.int32, (rows,))
     check_array(op, "slot_mapping", slot_mapping, np.int32, (rows,))
     check_array(op, "inv_freq", inv_freq, np.float32, ndim=1)
-    if 2 * inv_freq.shape[0] > head_dim or head_dim > MAX_HEAD_DIM:
-        raise KernelArgumentError(f"{op}: rotary dims {2 * inv_freq.shape[0]} / head_dim {head_dim} unsupported")
+    if head_dim > MAX_HEAD_DIM:
+        raise KernelArgumentError(f"{op}: head_dim {head_dim} is over the kernel's {MAX_HEAD_DIM}")
+    checked_rotary_dim(op, rotary_dim, inv_freq, head_dim)
     check_array(op, "k_cache", k_cache, np.uint16, (None, None, num_kv_heads, head_dim))
     check_array(op, "v_cache", v_cache, np.uint16, tuple(k_cache.shape))
     check_array(op, "q_out", q_out, np.float32, (rows, num_heads, head_dim))

@@ -32,7 +32,7 @@ def c(dtype, ndim):
 def kernels():
     from metrale.kernels import (
         activation, attention, attention_grouped, attention_latent, attention_prefill, attention_staged, embedding,
-        gated, gated_delta, gemv, head_linear, moe, rmsnorm, rope, sampling,
+        gated, gated_delta, gemv, head_linear, layernorm, moe, rmsnorm, rope, sampling,
     )
 
     attention_arguments = (
@@ -41,7 +41,11 @@ def kernels():
     return {
         "embedding": (embedding.embedding_kernel, (c(u16, 2), c(i32, 1), c(f32, 2))),
         "rmsnorm_residual": (rmsnorm.rmsnorm_residual_kernel, (c(f32, 2), c(f32, 2), c(u16, 1), f32, f32, i32, c(u16, 2))),
+        "layernorm_residual": (layernorm.layernorm_residual_kernel, (
+            c(f32, 2), c(f32, 2), c(u16, 1), c(f32, 1), i32, f32, i32, c(u16, 2))),
         "silu_and_mul": (activation.silu_and_mul_kernel, (c(f32, 2), c(u16, 2))),
+        "gelu": (activation.gelu_kernel, (c(f32, 2), i32, c(u16, 2))),
+        "gelu_and_mul": (activation.gelu_and_mul_kernel, (c(f32, 2), i32, c(u16, 2))),
         "to_bf16": (activation.to_bf16_kernel, (c(f32, 1), c(u16, 1))),
         "qkv_rope_cache": (rope.qkv_rope_cache_kernel, (
             c(f32, 2), c(i32, 1), c(i32, 1), c(f32, 1), f32, c(u16, 1), c(u16, 1), f32, f32, i32, i32, i32, i32,
