@@ -62,11 +62,29 @@ def to_float32(x):
 
 
 def qkv_rope_cache(qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim,
-                   k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6, norm_offset=0.0, interleaved=False):
+                   k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6, norm_offset=0.0, interleaved=False,
+                   rotary_dim=None):
     return _kernels("rope").qkv_rope_cache_reference(
         qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
-        q_norm, k_norm, eps, norm_offset, interleaved,
+        q_norm, k_norm, eps, norm_offset, interleaved, rotary_dim=rotary_dim,
     )
+
+
+def layernorm(x, weight, bias, eps):
+    return _kernels("layernorm").layernorm_reference(x, weight, bias, eps)
+
+
+def layernorm_residual(x, residual, weight, bias, eps):
+    return _kernels("layernorm").layernorm_residual_reference(x, residual, weight, bias, eps)
+
+
+def gelu(x, approximate="none"):
+    return _kernels("activation").gelu_reference(x, approximate)
+
+
+def gelu_and_mul(gate_up, approximate="none"):
+    width = gate_up.shape[1] // 2
+    return _kernels("activation").gelu_and_mul_reference(gate_up[:, :width], gate_up[:, width:], approximate)
 
 
 def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window):
@@ -166,6 +184,24 @@ def _norm_examples(rng: np.random.Generator, residual: bool) -> list[dict[str, A
     return cases
 
 
+def _layernorm_examples(rng: np.random.Generator, residual: bool) -> list[dict[str, Any]]:
+    cases = []
+    for rows, hidden, with_bias in ((1, 64, True), (5, 96, False), (3, 200, True)):
+        x = _rows(rng, rows, hidden) + np.float32(0.5)
+        case = {"x": x, "weight": _rows(rng, hidden, scale=0.5) + 1.0, "bias": _rows(rng, hidden) if with_bias else None,
+                "eps": 1e-5}
+        if residual:
+            case = {"x": x, "residual": _rows(rng, rows, hidden), **{k: case[k] for k in ("weight", "bias", "eps")}}
+        cases.append(case)
+    return cases
+
+
+def _gelu_examples(rng: np.random.Generator, gated: bool) -> list[dict[str, Any]]:
+    key = "gate_up" if gated else "x"
+    return [{key: _rows(rng, rows, 2 * width if gated else width, scale=2.0), "approximate": approximate}
+            for rows, width, approximate in ((1, 64, "none"), (4, 96, "tanh"), (3, 40, "none"))]
+
+
 def _linear_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
     return [
         {"x": _rows(rng, rows, width), "weight": _rows(rng, out, width, scale=0.1), "bias": bias}
@@ -251,6 +287,26 @@ def _declarations() -> list[tuple[Op, str]]:
             (NORMED, P("summed", "[N, H]", "activation", "the new residual stream")),
             rmsnorm_residual, examples=functools.partial(_norm_examples, residual=True)),
          "rmsnorm"),
+        (Op("layernorm", "LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * weight + bias`` (biased "
+            "variance, as ``torch.nn.LayerNorm``).",
+            (X, P("weight", "[H]", "weight"), P("bias", "[H]", "constant", optional=True), P("eps", kind="scalar")),
+            (NORMED,), layernorm, examples=functools.partial(_layernorm_examples, residual=False)),
+         "layernorm"),
+        (Op("layernorm_residual", "The residual add fused with LayerNorm: ``s = x + residual``; returns "
+            "``(layernorm(s), s)``. With ``residual`` None the sum is ``x``.",
+            (X, P("residual", "[N, H]", "activation", optional=True), P("weight", "[H]", "weight"),
+             P("bias", "[H]", "constant", optional=True), P("eps", kind="scalar")),
+            (NORMED, P("summed", "[N, H]", "activation", "the new residual stream")),
+            layernorm_residual, examples=functools.partial(_layernorm_examples, residual=True)),
+         "layernorm"),
+        (Op("gelu", "GELU: the erf form (``approximate='none'``) or the tanh form (``'tanh'``), as torch.",
+            (X, P("approximate", kind="option", doc="'none' or 'tanh'")),
+            (P("act", "[N, H]", "matmul_input"),), gelu, examples=functools.partial(_gelu_examples, gated=False)),
+         "activation"),
+        (Op("gelu_and_mul", "GeGLU's activation: ``gelu(gate) * up`` of ``gate_up = [gate | up]``.",
+            (P("gate_up", "[N, 2 I]", "activation"), P("approximate", kind="option", doc="'none' or 'tanh'")),
+            (P("act", "[N, I]", "matmul_input"),), gelu_and_mul, examples=functools.partial(_gelu_examples, gated=True)),
+         "activation"),
         (Op("linear", "``x @ weight.T + bias`` (cuBLAS on the GPU).",
             (P("x", "[N, in]", "matmul_input"), P("weight", "[out, in]", "weight"),
              P("bias", "[out]", "constant", optional=True)),
@@ -279,7 +335,10 @@ def _declarations() -> list[tuple[Op, str]]:
              P("num_heads", kind="scalar"), P("num_kv_heads", kind="scalar"), P("head_dim", kind="scalar"),
              P("k_cache", "[blocks, block, nkv, d]", "cache"), P("v_cache", "[blocks, block, nkv, d]", "cache"),
              P("q_norm", "[d]", "weight", optional=True), P("k_norm", "[d]", "weight", optional=True),
-             P("eps", kind="scalar"), P("norm_offset", kind="scalar"), P("interleaved", kind="option")),
+             P("eps", kind="scalar"), P("norm_offset", kind="scalar"), P("interleaved", kind="option"),
+             P("rotary_dim", kind="scalar", optional=True,
+               doc="dims of each head RoPE rotates (partial rotary); the rest pass through. None: all of "
+               "``2 * len(inv_freq)``")),
             (P("q", "[N, nh, d]", "activation"),), qkv_rope_cache),
          "rope"),
         (Op("paged_attention", "Causal GQA attention of each row over its sequence's paged K/V (optionally a sliding "

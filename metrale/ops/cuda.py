@@ -21,6 +21,7 @@ from metrale.kernels import (
     gated,
     gated_delta,
     gemv,
+    layernorm,
     moe,
     rmsnorm,
     rope,
@@ -29,6 +30,15 @@ from metrale.kernels import head_linear as head_linear_kernels
 from metrale.kernels.linear import CublasGemm
 
 f32, bf16 = np.float32, np.uint16
+
+
+def _tanh_form(approximate: str) -> bool:
+    """GELU's ``approximate`` argument as the kernels' flag ('none': erf, 'tanh': tanh)."""
+    if approximate not in ("none", "tanh"):
+        from metrale.errors import KernelArgumentError
+
+        raise KernelArgumentError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return approximate == "tanh"
 
 
 class CudaKernels:
@@ -73,6 +83,26 @@ class CudaKernels:
     def rmsnorm(self, x: Any, weight: Any, eps: float, offset: float = 0.0) -> Any:
         return self.rmsnorm_residual(x, None, weight, eps, offset)[0]
 
+    def layernorm_residual(self, x: Any, residual: Any, weight: Any, bias: Any, eps: float) -> Any:
+        x = cp.ascontiguousarray(x, dtype=f32)
+        add = residual is not None
+        residual = cp.ascontiguousarray(residual, dtype=f32) if add else cp.empty_like(x)
+        out = cp.empty(x.shape, dtype=bf16)
+        layernorm.layernorm_residual(x, residual, weight, bias, eps, add, out, self.stream)
+        return out, residual
+
+    def layernorm(self, x: Any, weight: Any, bias: Any, eps: float) -> Any:
+        return self.layernorm_residual(x, None, weight, bias, eps)[0]
+
+    def gelu(self, x: Any, approximate: str = "none") -> Any:
+        x = cp.ascontiguousarray(x, dtype=f32)
+        return activation.gelu(x, _tanh_form(approximate), cp.empty(x.shape, dtype=bf16), self.stream)
+
+    def gelu_and_mul(self, gate_up: Any, approximate: str = "none") -> Any:
+        gate_up = cp.ascontiguousarray(gate_up, dtype=f32)
+        out = cp.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=bf16)
+        return activation.gelu_and_mul(gate_up, _tanh_form(approximate), out, self.stream)
+
     def _uses_gemv(self, x: Any) -> bool:
         return x.shape[0] <= self.gemv_rows and gemv.supports(x.shape[0], x.shape[1])
 
@@ -100,11 +130,12 @@ class CudaKernels:
 
     def qkv_rope_cache(self, qkv: Any, positions: Any, slot_mapping: Any, inv_freq: Any, attention_factor: float,
                        num_heads: int, num_kv_heads: int, head_dim: int, k_cache: Any, v_cache: Any, q_norm: Any = None,
-                       k_norm: Any = None, eps: float = 1e-6, norm_offset: float = 0.0, interleaved: bool = False) -> Any:
+                       k_norm: Any = None, eps: float = 1e-6, norm_offset: float = 0.0, interleaved: bool = False,
+                       rotary_dim: int | None = None) -> Any:
         q = cp.empty((qkv.shape[0], num_heads, head_dim), dtype=f32)
         return rope.qkv_rope_cache(
             qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim,
-            k_cache, v_cache, q, q_norm, k_norm, eps, norm_offset, interleaved, self.stream,
+            k_cache, v_cache, q, q_norm, k_norm, eps, norm_offset, interleaved, self.stream, rotary_dim=rotary_dim,
         )
 
     def _decode_attention(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, rows: int, scale: float,
