@@ -3,7 +3,9 @@
 * :func:`build_hf_checkpoint` saves a tiny random-weight model with ``save_pretrained``, weights
   perturbed so that no norm is an identity and no bias is zero (:ref:`families-testing`);
 * :func:`hf_reference_logits` runs transformers in float32 and returns every position's logits;
-  :func:`hf_greedy` its greedy continuation.
+  :func:`hf_greedy` its greedy continuation;
+* :class:`TransformersConformance` is the whole conformance kit against transformers, for a
+  model class and a config.
 
 Loaded transformers models are cached (a few at a time) by the *contents* of the checkpoint's
 files, not by its path: a checkpoint rewritten in place is loaded again.
@@ -17,6 +19,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import pytest
+
+from metrale.testing.conformance import FamilyConformance
 
 
 def perturb_weights(model: Any, seed: int, *, zero_centred_norms: bool = False) -> None:
@@ -119,3 +124,41 @@ def hf_greedy(path: str | Path, token_ids: Sequence[int], max_new_tokens: int) -
             pad_token_id=0,
         )
     return out[0, len(token_ids) :].tolist()
+
+
+
+class TransformersConformance(FamilyConformance):
+    """The conformance kit with transformers as the reference, ready made.
+
+    Set ``hf_model_class`` (a transformers ``...ForCausalLM`` class) and ``hf_config`` (its
+    config, or a callable returning one), and every check of
+    :class:`~metrale.testing.FamilyConformance` runs against a tiny random-weight checkpoint of
+    that model, built with ``save_pretrained`` (weights perturbed by :func:`perturb_weights`)::
+
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+        from metrale.testing.hf import TransformersConformance
+
+        class TestGptNeox(TransformersConformance):
+            hf_model_class = GPTNeoXForCausalLM
+            hf_config = staticmethod(lambda: GPTNeoXConfig(hidden_size=64, ...))
+
+    ``zero_centred_norms`` perturbs norm weights around 0 instead of 1 (families whose norms
+    compute ``1 + w``); ``checkpoint_seed`` seeds the weights.
+    """
+
+    hf_model_class: Any = None
+    hf_config: Any = None
+    zero_centred_norms: bool = False
+    checkpoint_seed: int = 0
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def conformance_checkpoint(cls, tmp_path_factory: Any) -> Path:
+        if cls.hf_model_class is None or cls.hf_config is None:
+            raise TypeError(f"{cls.__name__} must set hf_model_class and hf_config")
+        config = cls.hf_config() if callable(cls.hf_config) else cls.hf_config
+        return build_hf_checkpoint(cls.hf_model_class, config, tmp_path_factory.mktemp("transformers"),
+                                   seed=cls.checkpoint_seed, zero_centred_norms=cls.zero_centred_norms)
+
+    def reference_logits(self, checkpoint: Path, token_ids: list[int]) -> np.ndarray:
+        return hf_reference_logits(checkpoint, token_ids)
