@@ -18,7 +18,7 @@ import math  # noqa: E402
 from numba import cuda, float32  # noqa: E402
 
 from metrale.errors import KernelArgumentError  # noqa: E402
-from metrale.kernels._device import SIMULATED, check_array, device_view, float_to_bf16, numba_stream  # noqa: E402
+from metrale.kernels._device import SIMULATED, DeviceArray, check_array, device_view, float_to_bf16, numba_stream  # noqa: E402
 
 ELEMENTWISE_THREADS = 32 if SIMULATED else 256
 
@@ -43,7 +43,7 @@ def to_bf16_kernel(source, out):
         out[index] = float_to_bf16(source[index])
 
 
-def silu_and_mul(gate_up: object, out: object, stream: object = None) -> object:
+def silu_and_mul(gate_up: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """``out <- bf16(silu(gate) * up)`` for ``gate_up [N, 2I]`` float32."""
     check_array("silu_and_mul", "gate_up", gate_up, np.float32, ndim=2)
     rows, double = gate_up.shape
@@ -56,7 +56,7 @@ def silu_and_mul(gate_up: object, out: object, stream: object = None) -> object:
     return out
 
 
-def to_bf16(source: object, out: object, stream: object = None) -> object:
+def to_bf16(source: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """Round float32 ``source`` to bf16 bits in ``out`` (same shape)."""
     check_array("to_bf16", "source", source, np.float32)
     check_array("to_bf16", "out", out, np.uint16, tuple(source.shape))

@@ -39,6 +39,7 @@ from numba import cuda, float32, uint32, uint64
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import (
     SIMULATED,
+    DeviceArray,
     bf16_to_float,
     bits_to_float,
     block_sum,
@@ -135,8 +136,8 @@ def latent_cache_write_kernel(kv_a, norm_weight, eps, positions, inv_freq, atten
 
 
 def latent_cache_write(
-    kv_a: object, norm_weight: object, eps: float, positions: object, inv_freq: object, attention_factor: float,
-    interleaved: bool, slot_mapping: object, latent: object, stream: object = None,
+    kv_a: DeviceArray, norm_weight: DeviceArray, eps: float, positions: DeviceArray, inv_freq: DeviceArray,
+    attention_factor: float, interleaved: bool, slot_mapping: DeviceArray, latent: DeviceArray, stream: object = None,
 ) -> None:
     """CUDA launcher of :func:`latent_cache_write_reference` (bf16 cache and norm weight)."""
     op = "latent_cache_write"
@@ -410,9 +411,9 @@ def latent_attention_kernel(q, latent_words, block_tables, seq_index, positions,
 
 
 def latent_attention(
-    q: object, latent: object, block_tables: object, seq_index: object, positions: object, value_dim: int,
-    scale: float, max_context: int, out: object, stream: object = None,
-) -> object:
+    q: DeviceArray, latent: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray, positions: DeviceArray,
+    value_dim: int, scale: float, max_context: int, out: DeviceArray, stream: object = None,
+) -> DeviceArray:
     """Launch :func:`latent_attention_kernel` and the split merge: bf16 bits ``out [N, heads * r]``.
 
     ``latent`` is the bf16 cache ``[blocks, block_size, width]`` (uint16); ``value_dim`` = r.

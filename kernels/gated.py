@@ -16,6 +16,7 @@ from numba import cuda, float32
 
 from metrale.kernels._device import (
     SIMULATED,
+    DeviceArray,
     bf16_to_float,
     block_sum,
     check_array,
@@ -69,7 +70,9 @@ def sigmoid_gate_kernel(x, gate, out):
         out[index] = float_to_bf16(bf16_to_float(x[index]) / (float32(1.0) + math.exp(-gate[index])))
 
 
-def gated_rmsnorm(x: object, z: object, weight: object, eps: float, out: object, stream: object = None) -> object:
+def gated_rmsnorm(
+    x: DeviceArray, z: DeviceArray, weight: DeviceArray, eps: float, out: DeviceArray, stream: object = None,
+) -> DeviceArray:
     """Launch :func:`gated_rmsnorm_kernel` on ``x, z [V, d]`` float32 into bf16 ``out [V, d]``."""
     op = "gated_rmsnorm"
     check_array(op, "x", x, np.float32, ndim=2)
@@ -83,7 +86,7 @@ def gated_rmsnorm(x: object, z: object, weight: object, eps: float, out: object,
     return out
 
 
-def sigmoid_gate(x: object, gate: object, out: object, stream: object = None) -> object:
+def sigmoid_gate(x: DeviceArray, gate: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """Launch :func:`sigmoid_gate_kernel`: bf16 ``out = x * sigmoid(gate)`` (same shapes)."""
     op = "sigmoid_gate"
     check_array(op, "x", x, np.uint16)

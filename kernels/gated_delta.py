@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from numba import cuda, float32
 
-from metrale.kernels._device import SIMULATED, check_array, device_view, fast_exp, numba_stream
+from metrale.kernels._device import SIMULATED, DeviceArray, check_array, device_view, fast_exp, numba_stream
 from metrale.kernels.attention_grouped import subgroup_sum
 
 GDN_THREADS = 16 if SIMULATED else 128
@@ -275,8 +275,8 @@ def prompt_rule_kernel(q, k, v, g, beta, state, slots, starts, out):
             state[slot, head, i, column] = held[j]
 
 
-def conv_update(inputs: object, weight: object, conv_state: object, slots: object, out: object,
-                stream: object = None) -> object:
+def conv_update(inputs: DeviceArray, weight: DeviceArray, conv_state: DeviceArray, slots: DeviceArray, out: DeviceArray,
+                stream: object = None) -> DeviceArray:
     """Launch :func:`conv_update_kernel` (``conv_state`` float32, updated in place)."""
     op = "gdn_conv_update"
     check_array(op, "inputs", inputs, np.float32, ndim=2)
@@ -294,8 +294,8 @@ def conv_update(inputs: object, weight: object, conv_state: object, slots: objec
     return out
 
 
-def recurrent_step(q: object, k: object, v: object, g: object, beta: object, state: object, slots: object,
-                   out: object, stream: object = None) -> object:
+def recurrent_step(q: DeviceArray, k: DeviceArray, v: DeviceArray, g: DeviceArray, beta: DeviceArray, state: DeviceArray,
+                   slots: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """Launch :func:`recurrent_step_kernel` (``state`` float32, updated in place)."""
     op = "gdn_recurrent_step"
     check_array(op, "q", q, np.float32, ndim=3)
@@ -317,8 +317,8 @@ def recurrent_step(q: object, k: object, v: object, g: object, beta: object, sta
     return out
 
 
-def prompt_rule(q: object, k: object, v: object, g: object, beta: object, state: object, slots: object,
-                starts: object, out: object, stream: object = None) -> object:
+def prompt_rule(q: DeviceArray, k: DeviceArray, v: DeviceArray, g: DeviceArray, beta: DeviceArray, state: DeviceArray,
+                slots: DeviceArray, starts: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """Launch :func:`prompt_rule_kernel`: every segment's tokens (``starts [S + 1]`` row offsets,
     state ``slots [S]``) through the gated delta rule, ``state`` float32 updated in place."""
     op = "gdn_prompt_rule"
