@@ -19,7 +19,14 @@ from numba import config, cuda
 
 from metrale.errors import KernelArgumentError
 
-SIMULATED = bool(config.ENABLE_CUDASIM)
+# numba.config sets its options at import from the environment, so they have no static declaration.
+SIMULATED = bool(config.ENABLE_CUDASIM)  # type: ignore[attr-defined]
+
+# An array the launchers read or write: a CuPy array on the GPU, a NumPy array under the
+# simulator (and a numba device array where a caller already holds one). Neither library types
+# all three, and CuPy is an optional dependency, so the launchers' signatures name this alias
+# and leave the checks to ``check_array``.
+DeviceArray = Any
 
 # Small grids are by design here (a batch-1 step launches a few blocks per kernel); numba's
 # low-occupancy warning on every such launch says nothing a user can act on.
@@ -156,7 +163,9 @@ WARP_SIZE = 32
 
 # Device functions whose local-array arguments must stay in registers: inlined into the caller,
 # so their loops index the caller's arrays with constants once unrolled.
-inline_device = cuda.jit(device=True) if SIMULATED else cuda.jit(device=True, forceinline=True)
+# (numba.cuda picks its implementation at import; a type checker sees the simulator's ``jit``,
+# which has no ``forceinline``.)
+inline_device = cuda.jit(device=True) if SIMULATED else cuda.jit(device=True, forceinline=True)  # type: ignore[call-arg]
 FULL_MASK = 0xFFFFFFFF
 
 if SIMULATED:

@@ -51,7 +51,7 @@ def gelu_and_mul_reference(gate: np.ndarray, up: np.ndarray, approximate: str = 
 
 from numba import cuda, float32  # noqa: E402
 
-from metrale.kernels._device import SIMULATED, check_array, device_view, float_to_bf16, numba_stream  # noqa: E402
+from metrale.kernels._device import SIMULATED, DeviceArray, check_array, device_view, float_to_bf16, numba_stream  # noqa: E402
 
 ELEMENTWISE_THREADS = 32 if SIMULATED else 256
 
@@ -109,7 +109,7 @@ def to_bf16_kernel(source, out):
         out[index] = float_to_bf16(source[index])
 
 
-def silu_and_mul(gate_up: object, out: object, stream: object = None) -> object:
+def silu_and_mul(gate_up: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """``out <- bf16(silu(gate) * up)`` for ``gate_up [N, 2I]`` float32."""
     check_array("silu_and_mul", "gate_up", gate_up, np.float32, ndim=2)
     rows, double = gate_up.shape
@@ -122,7 +122,7 @@ def silu_and_mul(gate_up: object, out: object, stream: object = None) -> object:
     return out
 
 
-def gelu(x: object, approximate_tanh: bool, out: object, stream: object = None) -> object:
+def gelu(x: DeviceArray, approximate_tanh: bool, out: DeviceArray, stream: object = None) -> DeviceArray:
     """``out <- bf16(gelu(x))`` for ``x [N, W]`` float32 (tanh approximation when ``approximate_tanh``)."""
     check_array("gelu", "x", x, np.float32, ndim=2)
     rows, width = x.shape
@@ -135,7 +135,7 @@ def gelu(x: object, approximate_tanh: bool, out: object, stream: object = None) 
     return out
 
 
-def gelu_and_mul(gate_up: object, approximate_tanh: bool, out: object, stream: object = None) -> object:
+def gelu_and_mul(gate_up: DeviceArray, approximate_tanh: bool, out: DeviceArray, stream: object = None) -> DeviceArray:
     """``out <- bf16(gelu(gate) * up)`` for ``gate_up [N, 2I]`` float32 (gate first, then up)."""
     check_array("gelu_and_mul", "gate_up", gate_up, np.float32, ndim=2)
     rows, double = gate_up.shape
@@ -150,7 +150,7 @@ def gelu_and_mul(gate_up: object, approximate_tanh: bool, out: object, stream: o
     return out
 
 
-def to_bf16(source: object, out: object, stream: object = None) -> object:
+def to_bf16(source: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """Round float32 ``source`` to bf16 bits in ``out`` (same shape)."""
     check_array("to_bf16", "source", source, np.float32)
     check_array("to_bf16", "out", out, np.uint16, tuple(source.shape))

@@ -82,6 +82,7 @@ from metrale.errors import KernelArgumentError  # noqa: E402
 from metrale.kernels import attention_grouped, attention_staged  # noqa: E402
 from metrale.kernels._device import (  # noqa: E402
     SIMULATED,
+    DeviceArray,
     bf16_to_float,
     block_max,
     block_sum,
@@ -262,10 +263,10 @@ def split_count(rows: int, heads: int, kv_heads: int, head_dim: int, value_dim: 
 
 
 def paged_attention(
-    q: object, k_cache: object, v_cache: object, block_tables: object, seq_index: object, positions: object,
-    scale: float, sliding_window: int | None, max_context: int, workspace: tuple, out: object,
-    stream: object = None,
-) -> object:
+    q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
+    positions: DeviceArray, scale: float, sliding_window: int | None, max_context: int, workspace: tuple,
+    out: DeviceArray, stream: object = None,
+) -> DeviceArray:
     """CUDA launcher of :func:`paged_attention_reference` writing bf16 ``out [N, nh * dv]``.
 
     ``max_context`` bounds every row's position + 1 (with the batch geometry it fixes the number

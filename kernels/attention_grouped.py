@@ -32,6 +32,7 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from metrale.kernels._device import (
     SIMULATED,
+    DeviceArray,
     bits_to_float,
     block_max,
     block_sum,
@@ -479,7 +480,7 @@ def grouped_combine_kernel(out_acc, out_max, out_sum, out):
         out[row, head * value_dim + dim] = float_to_bf16(numerator / total if total > 0.0 else float32(0.0))
 
 
-def as_rows(cache: object) -> object:
+def as_rows(cache: DeviceArray) -> DeviceArray:
     """The bf16 cache ``[blocks, block_size, nkv, d]`` viewed as uint64 rows ``[blocks * block_size
     * nkv, d / 4]``: one row per cached (token, KV head)."""
     return cache.view(np.uint64).reshape(-1, cache.shape[3] // 4)

@@ -40,6 +40,7 @@ from numba import cuda, float32, uint32, uint64
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import (
     SIMULATED,
+    DeviceArray,
     bf16_to_float,
     bits_to_float,
     block_sum,
@@ -137,8 +138,8 @@ def latent_cache_write_kernel(kv_a, norm_weight, eps, positions, inv_freq, atten
 
 
 def latent_cache_write(
-    kv_a: object, norm_weight: object, eps: float, positions: object, inv_freq: object, attention_factor: float,
-    interleaved: bool, slot_mapping: object, latent: object, stream: object = None,
+    kv_a: DeviceArray, norm_weight: DeviceArray, eps: float, positions: DeviceArray, inv_freq: DeviceArray,
+    attention_factor: float, interleaved: bool, slot_mapping: DeviceArray, latent: DeviceArray, stream: object = None,
 ) -> None:
     """CUDA launcher of :func:`latent_cache_write_reference` (bf16 cache and norm weight)."""
     op = "latent_cache_write"
@@ -199,9 +200,9 @@ def latent_query_kernel(q_latent, q, positions, inv_freq, attention_factor, inte
 
 
 def latent_query(
-    q_latent: object, q: object, positions: object, inv_freq: object, attention_factor: float, interleaved: bool,
-    out: object, stream: object = None,
-) -> object:
+    q_latent: DeviceArray, q: DeviceArray, positions: DeviceArray, inv_freq: DeviceArray, attention_factor: float,
+    interleaved: bool, out: DeviceArray, stream: object = None,
+) -> DeviceArray:
     """CUDA launcher of :func:`latent_query_reference` (all float32; ``positions`` int32)."""
     op = "latent_query"
     check_array(op, "q_latent", q_latent, np.float32, ndim=3)
@@ -473,9 +474,9 @@ def latent_attention_kernel(q, latent_words, block_tables, seq_index, positions,
 
 
 def latent_attention(
-    q: object, latent: object, block_tables: object, seq_index: object, positions: object, value_dim: int,
-    scale: float, max_context: int, out: object, stream: object = None,
-) -> object:
+    q: DeviceArray, latent: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray, positions: DeviceArray,
+    value_dim: int, scale: float, max_context: int, out: DeviceArray, stream: object = None,
+) -> DeviceArray:
     """Launch :func:`latent_attention_kernel` and the split merge: bf16 bits ``out [N, heads * r]``.
 
     ``latent`` is the bf16 cache ``[blocks, block_size, width]`` (uint16); ``value_dim`` = r.

@@ -17,6 +17,7 @@ from numba import cuda, float32, int32, uint32
 
 from metrale.kernels._device import (
     SIMULATED,
+    DeviceArray,
     bf16_to_float,
     bits_to_float,
     check_array,
@@ -67,7 +68,7 @@ def stage_tile(cache_words, block_ids, start, count, kv_head, width, tile, tid):
                 tile[at + uint32(1)] = bits_to_float(word & uint32(0xFFFF0000))
 
 
-def as_words(cache: object) -> object:
+def as_words(cache: DeviceArray) -> DeviceArray:
     """The bf16 cache ``[blocks, block_size, nkv, d]`` viewed as uint32 ``[..., d / 2]``."""
     return cache.view(np.uint32)
 
@@ -222,9 +223,10 @@ def paged_attention_prefill_kernel(
 
 
 def paged_attention_prefill(
-    q: object, k_words: object, v_words: object, block_tables: object, seq_index: object, positions: object,
-    tiles: object, scale: float, sliding_window: int | None, out: object, stream: object = None,
-) -> object:
+    q: DeviceArray, k_words: DeviceArray, v_words: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
+    positions: DeviceArray, tiles: DeviceArray, scale: float, sliding_window: int | None, out: DeviceArray,
+    stream: object = None,
+) -> DeviceArray:
     """Launch :func:`paged_attention_prefill_kernel`; ``tiles`` from :func:`query_tiles` (int32).
 
     The caches come as uint32 word views (``as_words``).

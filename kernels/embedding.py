@@ -14,7 +14,7 @@ def embedding_reference(weight: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 from numba import cuda  # noqa: E402
 
-from metrale.kernels._device import SIMULATED, bf16_to_float, check_array, device_view, numba_stream  # noqa: E402
+from metrale.kernels._device import SIMULATED, DeviceArray, bf16_to_float, check_array, device_view, numba_stream  # noqa: E402
 
 EMBEDDING_THREADS = 16 if SIMULATED else 128
 
@@ -29,7 +29,7 @@ def embedding_kernel(weight, ids, out):
         out[row, column] = bf16_to_float(weight[ids[row], column])
 
 
-def embedding(weight: object, ids: object, out: object, stream: object = None) -> object:
+def embedding(weight: DeviceArray, ids: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """Gather rows of a bf16 ``weight [V, H]`` into float32 ``out [N, H]``."""
     check_array("embedding", "weight", weight, np.uint16, ndim=2)
     rows, hidden = ids.shape[0], weight.shape[1]

@@ -19,6 +19,7 @@ from numba import cuda, float32
 
 from metrale.kernels._device import (
     SIMULATED,
+    DeviceArray,
     bf16_to_float,
     block_sum,
     check_array,
@@ -89,7 +90,9 @@ def gated_add_kernel(x, y, gate, out):
         out[row, column] = x[row, column] + y[row, column] / (float32(1.0) + math.exp(-gate[row, 0]))
 
 
-def gated_rmsnorm(x: object, z: object, weight: object, eps: float, out: object, stream: object = None) -> object:
+def gated_rmsnorm(
+    x: DeviceArray, z: DeviceArray, weight: DeviceArray, eps: float, out: DeviceArray, stream: object = None,
+) -> DeviceArray:
     """Launch :func:`gated_rmsnorm_kernel` on ``x, z [V, d]`` float32 into bf16 ``out [V, d]``."""
     op = "gated_rmsnorm"
     check_array(op, "x", x, np.float32, ndim=2)
@@ -103,7 +106,7 @@ def gated_rmsnorm(x: object, z: object, weight: object, eps: float, out: object,
     return out
 
 
-def sigmoid_gate(x: object, gate: object, out: object, stream: object = None) -> object:
+def sigmoid_gate(x: DeviceArray, gate: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """Launch :func:`sigmoid_gate_kernel`: bf16 ``out = x * sigmoid(gate)`` (same shapes)."""
     op = "sigmoid_gate"
     check_array(op, "x", x, np.uint16)
@@ -117,7 +120,7 @@ def sigmoid_gate(x: object, gate: object, out: object, stream: object = None) ->
     return out
 
 
-def gated_add(x: object, y: object, gate: object, out: object, stream: object = None) -> object:
+def gated_add(x: DeviceArray, y: DeviceArray, gate: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """Launch :func:`gated_add_kernel`: float32 ``out = x + y * sigmoid(gate)`` for ``x, y, out [N, H]``
     and ``gate [N, 1]``."""
     op = "gated_add"

@@ -46,7 +46,7 @@ import numpy as np
 from numba import cuda, float32
 
 from metrale.errors import KernelArgumentError
-from metrale.kernels._device import SIMULATED, block_sum, check_array, device_view, fast_exp, numba_stream
+from metrale.kernels._device import SIMULATED, DeviceArray, block_sum, check_array, device_view, fast_exp, numba_stream
 from metrale.kernels.attention_grouped import subgroup_sum
 
 GDN_THREADS = 16 if SIMULATED else 128
@@ -532,8 +532,8 @@ def conv_prompt_states_kernel(inputs, conv_state, slots, starts):
         conv_state[slot, channel, j] = kept[j]
 
 
-def conv_update(inputs: object, weight: object, conv_state: object, slots: object, out: object,
-                stream: object = None) -> object:
+def conv_update(inputs: DeviceArray, weight: DeviceArray, conv_state: DeviceArray, slots: DeviceArray, out: DeviceArray,
+                stream: object = None) -> DeviceArray:
     """Launch :func:`conv_update_kernel` (``conv_state`` float32, updated in place)."""
     op = "gdn_conv_update"
     check_array(op, "inputs", inputs, np.float32, ndim=2)
@@ -551,8 +551,8 @@ def conv_update(inputs: object, weight: object, conv_state: object, slots: objec
     return out
 
 
-def recurrent_step(q: object, k: object, v: object, g: object, beta: object, state: object, slots: object,
-                   out: object, stream: object = None) -> object:
+def recurrent_step(q: DeviceArray, k: DeviceArray, v: DeviceArray, g: DeviceArray, beta: DeviceArray, state: DeviceArray,
+                   slots: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """Launch :func:`recurrent_step_kernel` (``state`` float32, updated in place)."""
     op = "gdn_recurrent_step"
     check_array(op, "q", q, np.float32, ndim=3)
@@ -574,8 +574,8 @@ def recurrent_step(q: object, k: object, v: object, g: object, beta: object, sta
     return out
 
 
-def prompt_rule(q: object, k: object, v: object, g: object, beta: object, state: object, slots: object,
-                starts: object, out: object, stream: object = None) -> object:
+def prompt_rule(q: DeviceArray, k: DeviceArray, v: DeviceArray, g: DeviceArray, beta: DeviceArray, state: DeviceArray,
+                slots: DeviceArray, starts: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """Launch :func:`prompt_rule_kernel`: every segment's tokens (``starts [S + 1]`` row offsets,
     state ``slots [S]``) through the gated delta rule, ``state`` float32 updated in place."""
     op = "gdn_prompt_rule"
@@ -600,7 +600,7 @@ def prompt_rule(q: object, k: object, v: object, g: object, beta: object, state:
     return out
 
 
-def ungroup(qkvz: object, key_heads: int, value_heads: int, key_dim: int, value_dim: int, inputs_out: object,
+def ungroup(qkvz: DeviceArray, key_heads: int, value_heads: int, key_dim: int, value_dim: int, inputs_out: DeviceArray,
             z_out: object, stream: object = None) -> tuple[object, object]:
     """Launch :func:`ungroup_kernel`: ``inputs_out [N, 2 H_k d_k + H_v d_v]`` and ``z_out [N, H_v,
     d_v]`` from ``qkvz [N, H_k (2 d_k + 2 G d_v)]``, all float32."""
@@ -619,7 +619,7 @@ def ungroup(qkvz: object, key_heads: int, value_heads: int, key_dim: int, value_
     return inputs_out, z_out
 
 
-def gates(ba: object, a_log: object, dt_bias: object, key_heads: int, g_out: object, beta_out: object,
+def gates(ba: DeviceArray, a_log: DeviceArray, dt_bias: DeviceArray, key_heads: int, g_out: DeviceArray, beta_out: DeviceArray,
           stream: object = None) -> tuple[object, object]:
     """Launch :func:`gates_kernel`: ``g_out, beta_out [N, H_v]`` from ``ba [N, 2 H_v]`` (grouped by
     key head) and ``a_log, dt_bias [H_v]``, all float32."""
@@ -641,7 +641,7 @@ def gates(ba: object, a_log: object, dt_bias: object, key_heads: int, g_out: obj
     return g_out, beta_out
 
 
-def split_heads(mixed: object, key_heads: int, value_heads: int, key_dim: int, value_dim: int, q_out: object,
+def split_heads(mixed: DeviceArray, key_heads: int, value_heads: int, key_dim: int, value_dim: int, q_out: DeviceArray,
                 k_out: object, v_out: object, stream: object = None) -> tuple[object, object, object]:
     """Launch :func:`split_heads_kernel`: ``q_out, k_out [T, H_v, d_k]`` and ``v_out [T, H_v, d_v]``
     from the conv outputs ``mixed [T, 2 H_k d_k + H_v d_v]``, all float32."""
@@ -660,8 +660,8 @@ def split_heads(mixed: object, key_heads: int, value_heads: int, key_dim: int, v
     return q_out, k_out, v_out
 
 
-def conv_prompts(inputs: object, weight: object, conv_state: object, slots: object, starts: object, out: object,
-                 stream: object = None) -> object:
+def conv_prompts(inputs: DeviceArray, weight: DeviceArray, conv_state: DeviceArray, slots: DeviceArray,
+                 starts: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """Launch :func:`conv_prompts_kernel`, then :func:`conv_prompt_states_kernel` on the same stream:
     every segment (``starts [S + 1]`` row offsets, distinct state ``slots [S]``) of ``inputs [T, C]``
     through the conv and SiLU into ``out [T, C]``, its slot of ``conv_state`` float32 updated in

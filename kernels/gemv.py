@@ -15,7 +15,7 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from metrale.errors import KernelArgumentError
-from metrale.kernels._device import SIMULATED, bits_to_float, check_array, device_view, float_to_bf16, numba_stream
+from metrale.kernels._device import SIMULATED, DeviceArray, bits_to_float, check_array, device_view, float_to_bf16, numba_stream
 
 GEMV_WARPS = 2 if SIMULATED else 8  # warps per block, one output column each
 GEMV_UNROLL = 2 if SIMULATED else 8  # 64-bit weight words in flight per lane
@@ -112,7 +112,7 @@ def supports(rows: int, inner: int) -> bool:
     return 0 < rows <= MAX_GEMV_ROWS and inner % 4 == 0
 
 
-def _words(op: str, x: object, weight: object) -> tuple[object, object]:
+def _words(op: str, x: DeviceArray, weight: DeviceArray) -> tuple[DeviceArray, DeviceArray]:
     check_array(op, "x", x, np.uint16, ndim=2)
     rows, inner = x.shape
     check_array(op, "weight", weight, np.uint16, (None, inner))
@@ -121,7 +121,7 @@ def _words(op: str, x: object, weight: object) -> tuple[object, object]:
     return x.view(np.uint64), weight.view(np.uint64)
 
 
-def gemv(x: object, weight: object, out: object, stream: object = None) -> object:
+def gemv(x: DeviceArray, weight: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """``out [N, M] <- x [N, K] @ weight [M, K]^T`` (bf16 bits in, float32 out), N <= MAX_GEMV_ROWS."""
     x_words, w_words = _words("gemv", x, weight)
     check_array("gemv", "out", out, np.float32, (x.shape[0], weight.shape[0]))
@@ -130,7 +130,7 @@ def gemv(x: object, weight: object, out: object, stream: object = None) -> objec
     return out
 
 
-def gemv_silu(x: object, weight: object, out: object, stream: object = None) -> object:
+def gemv_silu(x: DeviceArray, weight: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """``out [N, I] <- bf16(silu(x W_gate^T) * (x W_up^T))`` for ``weight = [W_gate; W_up] [2I, K]``."""
     x_words, w_words = _words("gemv_silu", x, weight)
     if weight.shape[0] % 2:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from metrale.kernels._device import SIMULATED, check_array, device_view, numba_stream
+from metrale.kernels._device import SIMULATED, DeviceArray, check_array, device_view, numba_stream
 from metrale.kernels.gemv import dot_words
 
 HEAD_WARPS = 2 if SIMULATED else 8  # output values per block
@@ -51,7 +51,7 @@ def head_linear_kernel(x_words, w_words, out):
         out[row, head, column] = acc
 
 
-def head_linear(x: object, weight: object, out: object, stream: object = None) -> object:
+def head_linear(x: DeviceArray, weight: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """Launch :func:`head_linear_kernel`: bf16 ``x [N, heads, in]`` and ``weight [heads * out, in]``."""
     op = "head_linear"
     check_array(op, "x", x, np.uint16, ndim=3)

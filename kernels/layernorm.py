@@ -41,6 +41,7 @@ from numba import cuda, float32  # noqa: E402
 
 from metrale.kernels._device import (  # noqa: E402
     SIMULATED,
+    DeviceArray,
     bf16_to_float,
     block_sum,
     check_array,
@@ -115,9 +116,9 @@ def layernorm_residual_kernel(x, residual, weight, bias, has_bias, eps, add_resi
 
 
 def layernorm_residual(
-    x: object, residual: object, weight: object, bias: object, eps: float, add_residual: bool, out: object,
-    stream: object = None,
-) -> object:
+    x: DeviceArray, residual: DeviceArray, weight: DeviceArray, bias: DeviceArray | None, eps: float, add_residual: bool,
+    out: DeviceArray, stream: object = None,
+) -> DeviceArray:
     """``residual <- x (+ residual)``; ``out <- bf16(layernorm(residual) * weight (+ bias))``.
 
     ``x``, ``residual`` ``[N, H]`` float32; ``weight`` ``[H]`` bf16 bits; ``bias`` ``[H]`` float32

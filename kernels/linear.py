@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    import cupy
 
 
 def linear_reference(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
@@ -15,7 +20,7 @@ def linear_reference(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None 
 
 # ------------------------------------------------------------------------------ cuBLAS GEMM
 
-from metrale.kernels._device import check_array  # noqa: E402
+from metrale.kernels._device import DeviceArray, check_array  # noqa: E402
 
 # cuBLAS / CUDA enum values (cublas_api.h, library_types.h).
 CUBLAS_OP_N = 0
@@ -34,7 +39,7 @@ class CublasGemm:
     call can be recorded into a CUDA graph (CuPy's own cuBLAS wrapper refuses stream capture).
     """
 
-    def __init__(self, stream: object) -> None:
+    def __init__(self, stream: cupy.cuda.Stream) -> None:
         import cupy
         from nvmath.bindings import cublas
 
@@ -47,7 +52,7 @@ class CublasGemm:
         self._one = np.ones(1, dtype=np.float32)
         self._zero = np.zeros(1, dtype=np.float32)
 
-    def __call__(self, x: object, weight: object, out: object) -> object:
+    def __call__(self, x: DeviceArray, weight: DeviceArray, out: DeviceArray) -> DeviceArray:
         """``x [N, K]`` bf16 bits, ``weight [M, K]`` bf16 bits -> ``out [N, M]`` fp32 or bf16."""
         op = "linear"
         check_array(op, "x", x, np.uint16, ndim=2)

@@ -21,7 +21,8 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from metrale.kernels._device import SIMULATED, bits_to_float, check_array, device_view, float_to_bf16, numba_stream
+from metrale.errors import KernelArgumentError
+from metrale.kernels._device import SIMULATED, DeviceArray, bits_to_float, check_array, device_view, float_to_bf16, numba_stream
 from metrale.kernels.gemv import dot_words
 
 #: Routing methods: DeepSeek-V2's two, and DeepSeek-V3's (sigmoid scores with a bias).
@@ -44,6 +45,8 @@ def route_reference(
     tokens, experts = logits.shape
     per_group = experts // n_group
     if method == "noaux_tc":
+        if bias is None:
+            raise KernelArgumentError("route_reference: method 'noaux_tc' needs the correction bias")
         scores = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
         choice = scores + bias[None, :]
         grouped = choice.reshape(tokens, n_group, per_group)
@@ -273,7 +276,7 @@ def router_logits_kernel(x_words, gate, out):
         out[token, expert] = acc
 
 
-def router_logits(x: object, gate: object, out: object, stream: object = None) -> object:
+def router_logits(x: DeviceArray, gate: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """Launch :func:`router_logits_kernel`: float32 ``out [N, E]`` for bf16 ``x [N, H]``."""
     op = "router_logits"
     check_array(op, "x", x, np.uint16, ndim=2)
@@ -289,8 +292,9 @@ def router_logits(x: object, gate: object, out: object, stream: object = None) -
     return out
 
 
-def route(logits: object, bias: object, method: str, n_group: int, topk_group: int, top_k: int, renormalise: bool,
-          scaling: float, out_experts: object, out_weights: object, stream: object = None) -> tuple[object, object]:
+def route(logits: DeviceArray, bias: DeviceArray | None, method: str, n_group: int, topk_group: int, top_k: int,
+          renormalise: bool, scaling: float, out_experts: DeviceArray, out_weights: DeviceArray,
+          stream: object = None) -> tuple[DeviceArray, DeviceArray]:
     """Launch :func:`route_kernel` (``bias`` may be None unless ``method`` is ``"noaux_tc"``)."""
     op = "moe_route"
     check_array(op, "logits", logits, np.float32, ndim=2)
@@ -311,8 +315,8 @@ def route(logits: object, bias: object, method: str, n_group: int, topk_group: i
     return out_experts, out_weights
 
 
-def experts(x: object, expert_ids: object, weights: object, gate_up: object, down: object, act: object, out: object,
-            stream: object = None) -> object:
+def experts(x: DeviceArray, expert_ids: DeviceArray, weights: DeviceArray, gate_up: DeviceArray, down: DeviceArray,
+            act: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """Launch the two expert kernels: ``out [N, H]`` float32 from bf16 ``x [N, H]`` (``act``:
     ``[N * k, I]`` bf16 scratch)."""
     op = "moe_experts"

@@ -35,6 +35,7 @@ from numba import cuda, float32  # noqa: E402
 
 from metrale.kernels._device import (  # noqa: E402
     SIMULATED,
+    DeviceArray,
     bf16_to_float,
     block_sum,
     check_array,
@@ -92,9 +93,9 @@ def rmsnorm_residual_kernel(x, residual, weight, eps, weight_offset, add_residua
 
 
 def rmsnorm_residual(
-    x: object, residual: object, weight: object, eps: float, weight_offset: float, add_residual: bool,
-    out: object, stream: object = None,
-) -> object:
+    x: DeviceArray, residual: DeviceArray, weight: DeviceArray, eps: float, weight_offset: float, add_residual: bool,
+    out: DeviceArray, stream: object = None,
+) -> DeviceArray:
     """``residual <- x (+ residual)``; ``out <- bf16(rmsnorm(residual) * (offset + weight))``."""
     check_array("rmsnorm_residual", "x", x, np.float32, ndim=2)
     rows, hidden = x.shape

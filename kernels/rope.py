@@ -43,7 +43,7 @@ def rope_reference(
     return out
 
 
-def checked_rotary_dim(op: str, rotary_dim: int | None, inv_freq: object, head_dim: int) -> int:
+def checked_rotary_dim(op: str, rotary_dim: int | None, inv_freq: DeviceArray, head_dim: int) -> int:
     """The number of rotated dims of each head: ``rotary_dim``, or ``2 * len(inv_freq)`` when None.
 
     Raises :class:`KernelArgumentError` unless it is even, between 2 and ``head_dim``, and twice the
@@ -101,6 +101,7 @@ def qkv_rope_cache_reference(
     v = qkv[:, q_width + kv_width :].reshape(rows, num_kv_heads, head_dim)
     if q_norm is not None:
         q = rmsnorm_reference(q, q_norm, eps, norm_offset)
+    if k_norm is not None:
         k = rmsnorm_reference(k, k_norm, eps, norm_offset)
     q = rope_reference(q, positions, inv_freq, attention_factor, interleaved)
     k = rope_reference(k, positions, inv_freq, attention_factor, interleaved)
@@ -116,6 +117,7 @@ from numba import cuda, float32  # noqa: E402
 
 from metrale.kernels._device import (  # noqa: E402
     SIMULATED,
+    DeviceArray,
     bf16_to_float,
     block_sum,
     check_array,
@@ -188,11 +190,11 @@ def qkv_rope_cache_kernel(
 
 
 def qkv_rope_cache(
-    qkv: object, positions: object, slot_mapping: object, inv_freq: object, attention_factor: float,
-    num_heads: int, num_kv_heads: int, head_dim: int, k_cache: object, v_cache: object, q_out: object,
-    q_norm: object = None, k_norm: object = None, eps: float = 1e-6, norm_offset: float = 0.0,
+    qkv: DeviceArray, positions: DeviceArray, slot_mapping: DeviceArray, inv_freq: DeviceArray, attention_factor: float,
+    num_heads: int, num_kv_heads: int, head_dim: int, k_cache: DeviceArray, v_cache: DeviceArray, q_out: DeviceArray,
+    q_norm: DeviceArray = None, k_norm: DeviceArray = None, eps: float = 1e-6, norm_offset: float = 0.0,
     interleaved: bool = False, stream: object = None, *, rotary_dim: int | None = None,
-) -> object:
+) -> DeviceArray:
     """CUDA launcher of :func:`qkv_rope_cache_reference` (bf16 cache, float32 ``q_out``).
 
     ``rotary_dim`` (None: ``2 * len(inv_freq)``) must be twice the length of ``inv_freq``.

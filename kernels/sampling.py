@@ -79,6 +79,7 @@ from numba import cuda, float32, int32, int64, uint64  # noqa: E402
 
 from metrale.kernels._device import (  # noqa: E402
     SIMULATED,
+    DeviceArray,
     block_max,
     block_sum,
     check_array,
@@ -308,9 +309,9 @@ def sample_kernel(logits, temperature, top_k, top_p, seeds, steps, uniforms, out
 
 
 def sample(
-    logits: object, temperature: object, top_k: object, top_p: object, seeds: object, steps: object,
-    uniforms: object, out_tokens: object, stream: object = None,
-) -> object:
+    logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, top_p: DeviceArray, seeds: DeviceArray, steps: DeviceArray,
+    uniforms: DeviceArray, out_tokens: DeviceArray, stream: object = None,
+) -> DeviceArray:
     """CUDA launcher: one token per row of ``logits [R, V]`` into ``out_tokens [R]`` int32."""
     op = "sample"
     check_array(op, "logits", logits, np.float32, ndim=2)

@@ -6,7 +6,7 @@ import copy
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Generator, Iterator, Sequence
 
 import numpy as np
 import pluggy
@@ -34,7 +34,7 @@ from metrale.models import embedded_model_path, embedded_models
 from metrale.ops import build_op_registry
 from metrale.params import RequestOutput, SamplingParams
 from metrale.plugin_manager import get_plugin_manager
-from metrale.prompts import Prompt, check_text, parse_prompt, split_prompts
+from metrale.prompts import Prompt, check_text, parse_prompt, parse_token_ids, split_prompts
 from metrale.sequence import SequenceState
 from metrale.streams import RequestStream
 from metrale.validation import check_bool
@@ -179,7 +179,8 @@ class LLM:
         try:
             backend = self.backend
             self._closed = True
-            self.engine = self.forward = self.cache = self.model = None
+            del self.engine, self.forward, self.cache
+            self.model = None
             backend.close()
         finally:
             self._lock.release()
@@ -236,7 +237,7 @@ class LLM:
         """Text of ``token_ids`` (special tokens skipped)."""
         if not isinstance(token_ids, (list, tuple, np.ndarray)):
             raise InvalidRequestError(f"decode() takes a list of token ids, got {token_ids!r}")
-        ids = parse_prompt(token_ids, "token_ids").token_ids
+        ids = parse_token_ids(token_ids, "token_ids")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise TokenOutOfRangeError(f"token_ids holds token id {bad[0]}, outside [0, {self.vocab_size})")
@@ -370,7 +371,7 @@ class LLM:
             raise
         return RequestStream(self._stream(requests), self._lock.release)
 
-    def _stream(self, requests: list[Request]) -> Iterator[RequestOutput]:
+    def _stream(self, requests: list[Request]) -> Generator[RequestOutput, None, None]:
         for changed in self._run_engine(requests):
             for request in changed:
                 finished = request.finish_reason is not None

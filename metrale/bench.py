@@ -259,6 +259,7 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
     import numpy as np
 
     from metrale.api import LLM
+    from metrale.cuda_backend import CudaBackend
     from metrale.params import SamplingParams
     from metrale.sequence import SequenceState
 
@@ -267,7 +268,9 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
     max_len = max(options.context + options.decode_steps + 16, max(options.prefill_lengths) + 16)
     started = time.perf_counter()
     llm = LLM(folder, device="cuda", max_model_len=max_len, max_num_seqs=max_batch + 1, show_progress=True)
-    llm.backend.synchronize()
+    backend = llm.backend
+    assert isinstance(backend, CudaBackend)  # device="cuda" gives the CUDA backend or raises
+    backend.synchronize()
     result["load_s"] = time.perf_counter() - started
     started = time.perf_counter()
     llm.capture_graphs(options.batch_sizes)
@@ -290,7 +293,7 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
             logits = llm.forward.decode_batch(tokens, seqs)
             llm.engine.sampler.sample(logits, greedy, seeds, [0] * batch)
 
-        seconds = _cuda_time(step, repeats=steps, stream=llm.backend.stream)
+        seconds = _cuda_time(step, repeats=steps, stream=backend.stream)
         context = options.context + steps // 2
         bytes_read = (weight_bytes(shape, batch) + batch * context * kv_bytes_per_token(shape)
                       + batch * state_bytes_per_sequence(shape))
@@ -312,9 +315,9 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
             llm.forward.prefill(prompt, seq)
             llm.cache.release(seq)
 
-        seconds = _cuda_time(prefill, repeats=5, warmup=1, stream=llm.backend.stream)
+        seconds = _cuda_time(prefill, repeats=5, warmup=1, stream=backend.stream)
         result[f"prefill_{length}"] = {"ms": seconds * 1e3, "tok_s": length / seconds}
-    llm = None  # (the timed closures share the variable: clearing it frees the model)
+    llm.close()  # frees the device memory before the next benchmark runs
     return result
 
 

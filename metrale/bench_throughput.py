@@ -64,7 +64,7 @@ def workload(options: ThroughputOptions, vocab_size: int) -> tuple[list[list[int
     return prompts, [int(n) for n in output_lengths]
 
 
-def _rates(prompts: list[list[int]], generated: int, seconds: float) -> dict[str, float]:
+def _rates(prompts: list[list[int]], generated: int, seconds: float) -> dict[str, Any]:
     prompt_tokens = sum(len(p) for p in prompts)
     return {
         "seconds": seconds,

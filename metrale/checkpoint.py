@@ -21,7 +21,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Literal, Sequence, overload
 
 import numpy as np
 import safetensors
@@ -183,6 +183,12 @@ class Checkpoint:
 
     # ----------------------------------------------------------------------------- reading
 
+    @overload
+    def _read_json(self, name: str, *, required: Literal[True]) -> dict[str, Any]: ...
+
+    @overload
+    def _read_json(self, name: str, *, required: bool) -> dict[str, Any] | None: ...
+
     def _read_json(self, name: str, *, required: bool) -> dict[str, Any] | None:
         """The JSON object in ``name``; anything but an object (a list, a number) is refused."""
         file = self.path / name
@@ -202,8 +208,9 @@ class Checkpoint:
         index = self._read_json(index_name, required=False)
         weight_map: dict[str, str] = {}
         if index is not None:
-            section = ConfigFields(index, str(self.path / index_name)).section("weight_map")
-            weight_map = dict(section.values) if section is not None else {}
+            index_fields = ConfigFields(index, str(self.path / index_name))
+            section = index_fields.section("weight_map") or ConfigFields({}, index_fields.source, "weight_map.")
+            weight_map = dict(section.values)
             for tensor, shard in weight_map.items():
                 # A plain file name: shards are read from the checkpoint folder and nowhere else.
                 if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from metrale.errors import ConfigError, UnknownOptionError
 from metrale.validation import check_bool, check_int, check_optional_int, check_seed
@@ -153,8 +153,9 @@ class EngineConfig:
         """Build a config from flat keyword options (those :class:`metrale.LLM` accepts)."""
         engine_names = {f.name for f in fields(cls)} - {"cache", "environment"}
         cache_names = {f.name for f in fields(CacheConfig)}
-        engine_kwargs: dict[str, object] = {}
-        cache_kwargs: dict[str, object] = {}
+        # Values as the caller gave them: the configs' ``__post_init__`` checks their types.
+        engine_kwargs: dict[str, Any] = {}
+        cache_kwargs: dict[str, Any] = {}
         for name, value in options.items():
             if name in engine_names:
                 engine_kwargs[name] = value

@@ -40,7 +40,8 @@ def _describe(value: Any) -> str:
     return f"{text[:80]}..." if len(text) > 80 else text
 
 
-def _token_ids(value: Any, label: str) -> list[int]:
+def parse_token_ids(value: Any, label: str) -> list[int]:
+    """Token ids given as a list or tuple of ints or a 1-D integer array, as a list of ints."""
     if isinstance(value, np.ndarray):
         if value.ndim != 1 or not np.issubdtype(value.dtype, np.integer):
             raise InvalidRequestError(f"{label}: token ids must be a 1-D integer array, got {value.dtype} {value.shape}")
@@ -82,9 +83,9 @@ def parse_prompt(prompt: Any, label: str) -> ParsedPrompt:
             )
         if keys[0] == "prompt":
             return ParsedPrompt(check_text(prompt["prompt"], f"{label}['prompt']"), None)
-        return ParsedPrompt(None, _token_ids(prompt["prompt_token_ids"], f"{label}['prompt_token_ids']"))
+        return ParsedPrompt(None, parse_token_ids(prompt["prompt_token_ids"], f"{label}['prompt_token_ids']"))
     if isinstance(prompt, (list, tuple, np.ndarray)):
-        return ParsedPrompt(None, _token_ids(prompt, label))
+        return ParsedPrompt(None, parse_token_ids(prompt, label))
     raise InvalidRequestError(
         f"{label} must be a string, a list of token ids or a prompt dict, got {_describe(prompt)} "
         f"({type(prompt).__name__})"

@@ -122,7 +122,7 @@ def _yarn(base: np.ndarray, d: int, theta: float, factor: float, scaling: Mappin
 #: The numeric fields of a RoPE scaling section and their bounds (ConfigFields.number options),
 #: checked whenever present, whatever the RoPE type: an unused field of the wrong type is still a
 #: broken file.
-_SCALING_NUMBERS = {
+_SCALING_NUMBERS: dict[str, dict[str, Any]] = {
     "factor": dict(positive=True),
     "low_freq_factor": dict(positive=True),
     "high_freq_factor": dict(positive=True),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 from metrale.params import RequestOutput
 
@@ -17,8 +17,8 @@ class RequestStream(Iterator[RequestOutput]):
     ``KeyboardInterrupt`` included) ends it the same way.
     """
 
-    def __init__(self, outputs: Iterator[RequestOutput], release: Callable[[], None]) -> None:
-        self._outputs: Iterator[RequestOutput] | None = outputs
+    def __init__(self, outputs: Generator[RequestOutput, None, None], release: Callable[[], None]) -> None:
+        self._outputs: Generator[RequestOutput, None, None] | None = outputs
         self._release: Callable[[], None] | None = release
 
     def __iter__(self) -> "RequestStream":
@@ -42,7 +42,7 @@ class RequestStream(Iterator[RequestOutput]):
         """Drop the unfinished requests, free their cache and give the engine back."""
         outputs, release = self._outputs, self._release
         self._outputs, self._release = None, None
-        if release is None:
+        if outputs is None or release is None:
             return
         try:
             outputs.close()

@@ -3,9 +3,10 @@
     python tools/attention_probe.py [--rows 1] [--context 512] [--splits 16]
 
 Compiles variants of the kernel of :func:`metrale.kernels.attention_grouped.grouped_kernel`
-cut short at successive points of its source and times each as ``profile_decode.py`` does:
-``arguments`` (returns at once), ``setup`` (queries staged in shared memory), ``tiles`` (the key
-loop, its result written without the merge of the warps) and ``full`` (the kernel as it is).
+cut short at successive points of its source and times each, replayed from a CUDA graph
+(``timing.graph_time``): ``arguments`` (returns at once), ``setup`` (queries staged in shared
+memory), ``tiles`` (the key loop, its result written without the merge of the warps) and
+``full`` (the kernel as it is).
 """
 
 from __future__ import annotations
@@ -53,11 +54,11 @@ def main() -> None:
     args = parser.parse_args()
 
     import cupy as cp
+    from timing import graph_time
 
     from metrale.cuda_backend import CudaBackend
     from metrale.kernels import attention_grouped
     from metrale.kernels._device import device_view, numba_stream
-    from profile_decode import graph_time_us
 
     backend = CudaBackend()
     launch = numba_stream(backend.stream)
@@ -85,7 +86,7 @@ def main() -> None:
                 device_view(best), device_view(total), device_view(out),
             )
 
-        us = graph_time_us(backend, call)
+        us = graph_time(backend, call).median_us
         regs = list(kernel.get_regs_per_thread().values())
         local = list(kernel.get_local_mem_per_thread().values())
         print(f"{name:10s} {us:8.2f} us   registers {regs}  local bytes {local}")

@@ -3,8 +3,9 @@
     python tools/attention_sweep.py [--head-dim 128] [--contexts 512,2048] [--warps 2,4,8]
 
 Prints, for each batch size, context, split count and warps per block, the grouped kernel alone,
-the staged kernel (:mod:`metrale.kernels.attention_staged`, four warps) alone, the combine kernel alone (one per split count) and an empty kernel (the per-node cost of a
-graph), each timed as in ``profile_decode.py``; ``<- split_count`` marks the split count the
+the staged kernel (:mod:`metrale.kernels.attention_staged`, four warps) alone, the combine
+kernel alone (one per split count) and an empty kernel (the per-node cost of a graph), each
+replayed from a CUDA graph (``timing.graph_time``); ``<- split_count`` marks the split count the
 launcher picks.
 """
 
@@ -28,11 +29,11 @@ def main() -> None:
 
     import cupy as cp
     from numba import cuda
+    from timing import graph_time
 
     from metrale.cuda_backend import CudaBackend
-    from metrale.kernels import attention, attention_grouped, attention_staged
+    from metrale.kernels import attention_grouped, attention_staged
     from metrale.kernels._device import device_view, numba_stream
-    from profile_decode import graph_time_us
 
     @cuda.jit
     def empty_kernel(x):
@@ -43,7 +44,7 @@ def main() -> None:
     launch = numba_stream(stream)
     d, heads, kv = args.head_dim, args.heads, args.kv_heads
     dummy = cp.zeros(1, dtype=np.float32)
-    print(f"empty kernel: {graph_time_us(backend, lambda: empty_kernel[1, 32, launch](device_view(dummy))):.2f} us")
+    print(f"empty kernel: {graph_time(backend, lambda: empty_kernel[1, 32, launch](device_view(dummy))).median_us:.2f} us")
     kernel = attention_grouped.grouped_kernel(d // 4)
     staged_kernel = attention_staged.staged_kernel(d // 4)
     for rows, context in [(r, int(c)) for r in map(int, args.rows.split(",")) for c in args.contexts.split(",")]:
@@ -69,7 +70,7 @@ def main() -> None:
                     device_view(acc), device_view(best), device_view(total), device_view(out)
                 )
 
-            c = graph_time_us(backend, combine) if splits > 1 else 0.0
+            c = graph_time(backend, combine).median_us if splits > 1 else 0.0
             cells = []
             for warps in [int(w) for w in args.warps.split(",")]:
 
@@ -81,7 +82,7 @@ def main() -> None:
                         np.int32(0), device_view(acc), device_view(best), device_view(total), device_view(out),
                     )
 
-                g = graph_time_us(backend, grouped)
+                g = graph_time(backend, grouped).median_us
                 cells.append(f"{warps:2d} warps {g:7.2f} us ({kv_bytes / g / 1e3:5.0f} GB/s)")
 
             def staged():
@@ -92,7 +93,7 @@ def main() -> None:
                     np.int32(0), device_view(acc), device_view(best), device_view(total), device_view(out),
                 )
 
-            s = graph_time_us(backend, staged)
+            s = graph_time(backend, staged).median_us
             cells.append(f"staged {s:7.2f} us ({kv_bytes / s / 1e3:5.0f} GB/s)")
             mark = "  <- split_count" if splits == chosen else ""
             print(f"rows {rows:3d} context {context:5d} splits {splits:3d}: " + "  ".join(cells)

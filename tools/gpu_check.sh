@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Runs the GPU test suite and the benchmark on a CUDA machine whose Python already has CuPy,
 # numba-cuda, torch and transformers. Wheels in .whl/ (numpy < 2.5 for numba-cuda, and
-# nvmath-python) are installed into /tmp/site first when present.
+# nvmath-python) are installed into /tmp/site first when present. Runs in the repository root
+# whatever the caller's directory (OUTDIR is taken relative to the caller's).
 #   tools/gpu_check.sh [OUTDIR] [bench arguments...]
 set -uo pipefail
 out=${1:-/tmp/metrale-gpu}; shift || true
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 1
+cd "$(dirname "$0")/.." || exit 1
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

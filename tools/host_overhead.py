@@ -10,9 +10,9 @@ graph-replay bookkeeping on top). Prints microseconds per step for each batch si
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
+from timing import host_time
 
 
 def main() -> None:
@@ -38,12 +38,11 @@ def main() -> None:
             llm.forward.prefill(seq.tokens, seq)
         llm.model.forward_batch = no_model
         tokens = [1] * size
-        for _ in range(5):
+
+        def step() -> None:
             llm.forward.decode_batch(tokens, seqs)
-        started = time.perf_counter()
-        for _ in range(args.steps):
-            llm.forward.decode_batch(tokens, seqs)
-        elapsed = (time.perf_counter() - started) / args.steps
+
+        elapsed = host_time(step, warmup=5, repeats=1, calls=args.steps).median
         print(f"batch {size:3d}: {elapsed * 1e6:7.1f} us per decode step")
         del llm.model.forward_batch
         for seq in seqs:

@@ -4,9 +4,9 @@
 
 For each case, builds a paged latent cache of 576-value rows (DeepSeek-V2 / V3: 512 latent + 64
 RoPE dims, bf16) with one sequence per row, times :func:`metrale.kernels.attention_latent.
-latent_attention` (the kernel and the split merge, replayed from a graph as in
-``profile_decode.py``) and prints microseconds and the GB/s of the latent rows it must read
-(rows x context x 1152 bytes). Needs a CUDA device; run from ``tools/``.
+latent_attention` (the kernel and the split merge, replayed from a CUDA graph by
+``timing.graph_time``) and prints microseconds and the GB/s of the latent rows it must read
+(rows x context x 1152 bytes). Needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import cupy as cp
+    from timing import graph_time
 
     from metrale.cuda_backend import CudaBackend
     from metrale.kernels import attention_latent
-    from profile_decode import graph_time_us
 
     backend = CudaBackend()
     width, value_dim, block_size = 576, 512, 16
@@ -47,7 +47,7 @@ def main() -> None:
                     attention_latent.latent_attention(q, latent, tables, seq_index, positions, value_dim, 0.1,
                                                       context, out, backend.stream)
 
-                micros = graph_time_us(backend, call)
+                micros = graph_time(backend, call).median_us
                 gigabytes = rows * context * width * 2 / 1e9
                 splits = attention_latent.split_count(rows, heads, context)
                 print(f"heads {heads:4d} rows {rows:3d} context {context:6d} splits {splits:3d}: "

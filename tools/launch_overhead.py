@@ -14,22 +14,15 @@ fresh view, one reused view, one fresh stream wrapper, one ``check_array``).
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
+from timing import host_time
 
 
 def per_call_us(function, launches: int, synchronize) -> float:
-    """Host microseconds per call of ``function`` over ``launches`` calls (after a warm-up)."""
-    for _ in range(20):
-        function()
-    synchronize()
-    started = time.perf_counter()
-    for _ in range(launches):
-        function()
-    elapsed = time.perf_counter() - started
-    synchronize()
-    return elapsed / launches * 1e6
+    """Host microseconds per call of ``function`` over ``launches`` calls (after a warm-up); the
+    stream is synchronised before and after, outside the clock, so only the launches count."""
+    return host_time(function, warmup=20, repeats=1, calls=launches, synchronize=synchronize).median_us
 
 
 def main() -> None:
@@ -38,11 +31,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import cupy as cp
+    from numba import cuda
 
     from metrale.cuda_backend import CudaBackend
     from metrale.kernels import rmsnorm
-    from numba import cuda
-
     from metrale.kernels._device import check_array, device_view, new_device_view, numba_stream
 
     backend = CudaBackend()

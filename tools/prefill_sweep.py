@@ -4,9 +4,9 @@
 
 For each geometry (query heads x KV heads x head dim) and prompt length, builds one sequence's
 paged cache and queries with random values, times :func:`metrale.kernels.attention_prefill.
-paged_attention_prefill` over the whole prompt (timed as in ``profile_decode.py``: replayed from
-a graph, so launch overhead is left out) and prints microseconds and the achieved TFLOP/s of its
-causal products (2 x 2 x heads x head dim per visible query-key pair). Needs a CUDA device.
+paged_attention_prefill` over the whole prompt (replayed from a CUDA graph by
+``timing.graph_time``, so launch overhead is left out) and prints microseconds and the achieved
+TFLOP/s of its causal products (2 x 2 x heads x head dim per visible query-key pair). Needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import cupy as cp
+    from timing import graph_time
 
     from metrale.cuda_backend import CudaBackend
     from metrale.kernels import attention_prefill
-    from profile_decode import graph_time_us
 
     backend = CudaBackend()
     block_size = 16
@@ -52,7 +52,7 @@ def main() -> None:
                     positions, tiles, head_dim**-0.5, None, out, backend.stream,
                 )
 
-            microseconds = graph_time_us(backend, prefill)
+            microseconds = graph_time(backend, prefill).median_us
             flops = 4.0 * heads * head_dim * length * (length + 1) / 2
             print(f"heads {heads:3d} kv {kv_heads:2d} dim {head_dim:3d} prompt {length:5d}: "
                   f"{microseconds:9.1f} us  {flops / microseconds / 1e6:6.2f} TFLOP/s")

@@ -15,41 +15,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from timing import Timing, cuda_event_time, graph_time, host_time
 
 REPEATS = 20
 OPS = ("embedding", "rmsnorm_residual", "rmsnorm", "linear", "linear_silu", "qkv_rope_cache", "paged_attention",
        "silu_and_mul", "latent_attention", "latent_cache_write", "head_linear", "moe_route", "moe_experts", "gdn_conv_update",
        "gdn_recurrent_step", "gdn_prompt_rule", "gated_rmsnorm", "sigmoid_gate")
-
-
-def graph_time_us(backend, call) -> float:
-    """GPU microseconds of ``call()``, from a graph of REPEATS back-to-back calls."""
-    import cupy
-
-    stream = backend.stream
-    with cupy.cuda.using_allocator(backend.graph_pool.malloc), backend.activate():
-        call()
-        stream.synchronize()
-        stream.begin_capture(getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", 2))
-        for _ in range(REPEATS):
-            call()
-        graph = stream.end_capture()
-    for _ in range(3):
-        graph.launch(stream=stream)
-    times = []
-    for _ in range(10):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        graph.launch(stream=stream)
-        stop.record(stream)
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / REPEATS)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -59,8 +34,6 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--workdir", default="/tmp/metrale-bench")
     args = parser.parse_args()
-
-    import cupy
 
     from metrale.api import LLM
     from metrale.bench import build_checkpoint
@@ -76,41 +49,32 @@ def main() -> None:
     for seq in seqs:
         llm.forward.prefill(seq.tokens, seq)
     tokens = [1] * args.batch
-    for _ in range(3):
-        llm.forward.decode_batch(tokens, seqs)
-    backend.synchronize()
 
-    steps = []
-    for _ in range(30):
-        started = time.perf_counter()
+    def step() -> None:
         llm.forward.decode_batch(tokens, seqs)
         backend.synchronize()
-        steps.append(time.perf_counter() - started)
+
+    step_time = host_time(step, warmup=3, repeats=30)
     # The step as the generation loop runs it: the forward, then the device sampler and the
     # tokens read back (what ``metrale bench`` times).
     seeds = list(range(args.batch))
-    sampled_steps: dict[str, list[float]] = {}
+    sampled_steps: dict[str, Timing] = {}
     for label, params in (
         ("greedy", SamplingParams(temperature=0.0)),
         ("top-p", SamplingParams(temperature=0.7, top_p=0.95)),  # the generate command's defaults
         ("top-k + top-p", SamplingParams(temperature=0.7, top_k=50, top_p=0.95)),
     ):
-        sampled_steps[label] = []
-        for _ in range(20):
-            started = time.perf_counter()
+
+        def sampled_step() -> None:
             backend.sample_tokens(llm.forward.decode_batch(tokens, seqs), [params] * args.batch, seeds,
                                   [0] * args.batch)
-            sampled_steps[label].append(time.perf_counter() - started)
+
+        sampled_steps[label] = host_time(sampled_step, warmup=0, repeats=20)
     runner = backend.graph_runner(llm.model)
-    replays = []
-    for _ in range(30 if runner is not None else 0):  # (models not captured into graphs: none)
+    replay = None  # (models not captured into graphs: none)
+    if runner is not None:
         rung = runner.rungs[runner.rung_size(args.batch)]
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        rung.graph.launch(stream=stream)
-        stop.record(stream)
-        stop.synchronize()
-        replays.append(cupy.cuda.get_elapsed_time(start, stop))
+        replay = cuda_event_time(lambda: rung.graph.launch(stream=stream), stream, warmup=0, repeats=30)
 
     # Record every op call of one eager decode forward, then time each in its own graph.
     ops = backend.ops
@@ -146,15 +110,15 @@ def main() -> None:
             label = f"paged_attention q {shapes}"
         else:
             label = f"{name} {shapes}"
-        groups[label].append(graph_time_us(backend, lambda: function(*a, **k)))
+        groups[label].append(graph_time(backend, lambda: function(*a, **k), calls_per_graph=REPEATS).median_us)
 
     total = sum(sum(values) for values in groups.values())
     print(f"shape {args.shape} batch {args.batch} context {args.context}")
-    print(f"whole step (host clock):   {1e3 * statistics.median(steps):8.3f} ms")
-    for label, times in sampled_steps.items():
-        print(f"... sampling {label + ':':17}{1e3 * statistics.median(times):8.3f} ms")
-    if replays:
-        print(f"graph replay (events):     {statistics.median(replays):8.3f} ms")
+    print(f"whole step (host clock):   {1e3 * step_time.median:8.3f} ms")
+    for label, timing in sampled_steps.items():
+        print(f"... sampling {label + ':':17}{1e3 * timing.median:8.3f} ms")
+    if replay is not None:
+        print(f"graph replay (events):     {1e3 * replay.median:8.3f} ms")
     print(f"sum of op times:           {total / 1e3:8.3f} ms over {len(calls)} op calls")
     print(f"{'op':58} {'calls':>5} {'us/call':>9} {'total us':>9} {'GB/s':>7}")
     for label, values in sorted(groups.items(), key=lambda item: -sum(item[1])):
@@ -176,14 +140,15 @@ def compare_gemms(backend, shapes) -> None:
         x = cupy.zeros((rows, inner), dtype=np.uint16)
         out = cupy.empty((rows, width), dtype=np.float32)
         fused = cupy.empty((rows, width // 2), dtype=np.uint16)
-        cublas = graph_time_us(backend, lambda: backend.gemm(x, weight, out))
+        cublas = graph_time(backend, lambda: backend.gemm(x, weight, out), calls_per_graph=REPEATS).median_us
         line = f"{width:>7}x{inner:<6} {rows:4d} {cublas:10.1f} {weight.nbytes / cublas / 1e3:6.0f}"
         if gemv.supports(rows, inner):
-            plain = graph_time_us(backend, lambda: gemv.gemv(x, weight, out, backend.stream))
-            silu = graph_time_us(backend, lambda: gemv.gemv_silu(x, weight, fused, backend.stream))
+            plain = graph_time(backend, lambda: gemv.gemv(x, weight, out, backend.stream), calls_per_graph=REPEATS).median_us
+            silu = graph_time(backend, lambda: gemv.gemv_silu(x, weight, fused, backend.stream),
+                              calls_per_graph=REPEATS).median_us
             line += f" {plain:8.1f} {weight.nbytes / plain / 1e3:6.0f} {silu:13.1f}"
         print(line)
-        del weight
+        weight = None  # (the timed closures share the variable) frees the buffer before the next one
 
 
 if __name__ == "__main__":

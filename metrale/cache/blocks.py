@@ -20,6 +20,9 @@ import numpy as np
 
 from metrale.errors import CacheError, OutOfCacheBlocksError
 
+#: Called with the ids of retained blocks about to be evicted for reuse (see ``on_evict``).
+EvictCallback = Callable[[list[int]], None]
+
 #: Block id reserved for padding rows; never handed out, never freed.
 DUMMY_BLOCK = 0
 
@@ -45,17 +48,17 @@ class BlockAllocator:
         self._free = list(range(num_blocks, 0, -1))
         self._retained: set[int] = set()
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._on_evict: Callable[[list[int]], None] | None = None
+        self._on_evict: EvictCallback | weakref.WeakMethod[EvictCallback] | None = None
 
     @property
-    def on_evict(self) -> Callable[[list[int]], None] | None:
+    def on_evict(self) -> EvictCallback | None:
         """Called with the ids of retained blocks about to be evicted for reuse. Held weakly
         when it is a bound method, so an owner that registers itself forms no reference cycle."""
         return self._on_evict() if isinstance(self._on_evict, weakref.WeakMethod) else self._on_evict
 
     @on_evict.setter
-    def on_evict(self, callback: Callable[[list[int]], None] | None) -> None:
-        self._on_evict = weakref.WeakMethod(callback) if hasattr(callback, "__self__") else callback
+    def on_evict(self, callback: EvictCallback | None) -> None:
+        self._on_evict = weakref.WeakMethod(callback) if callback is not None and hasattr(callback, "__self__") else callback
 
     @property
     def num_free(self) -> int:
@@ -143,9 +146,9 @@ class BlockAllocator:
         released = [b for b, count in counts.items() if count == self._ref_counts[b]]
         kept = [b for b in released if b in self._retained]
         unkept = [b for b in released if b not in self._retained]
-        counts, free_list, evictable = self._ref_counts, self._free, self._evictable
+        ref_counts, free_list, evictable = self._ref_counts, self._free, self._evictable
         # Commit.
-        _ = np.subtract.at(counts, blocks, 1), free_list.extend(unkept), evictable.update(dict.fromkeys(kept))
+        _ = np.subtract.at(ref_counts, blocks, 1), free_list.extend(unkept), evictable.update(dict.fromkeys(kept))
 
     def _check(self, block: int) -> None:
         if not 1 <= block <= self.num_blocks:

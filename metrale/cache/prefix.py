@@ -70,7 +70,7 @@ class PrefixCache:
     def _snapshot_dropped(self, row: int) -> None:
         digest = self._digest_of_snapshot.get(row)
         # Commit.
-        _ = self._digest_of_snapshot.pop(row, None), self._snapshot_of.pop(digest, None)
+        _ = self._digest_of_snapshot.pop(row, None), None if digest is None else self._snapshot_of.pop(digest, None)
 
     @staticmethod
     def root(salt: object = None) -> bytes:

@@ -308,13 +308,13 @@ class ModelCache:
         """Make ``seq``'s block table cover positions ``[0, num_tokens)`` (all or nothing);
         give it a state slot if the model has recurrent layers and it has none."""
         missing = self.blocks_needed(seq, num_tokens) if self.spec.uses_blocks else 0
-        needs_slot = self.state_slots is not None and seq.state_slot is None
-        if needs_slot and self.state_slots.num_free == 0:
-            raise CacheError(f"all {self.state_slots.num_slots} recurrent-state slots are in use")
+        slot_pool = self.state_slots if seq.state_slot is None else None  # the pool to take a slot from
+        if slot_pool is not None and slot_pool.num_free == 0:
+            raise CacheError(f"all {slot_pool.num_slots} recurrent-state slots are in use")
         if missing:
             self.allocator.allocate(missing, into=seq.block_table)
-        if needs_slot:
-            self.state_slots.allocate(seq)
+        if slot_pool is not None:
+            slot_pool.allocate(seq)
 
     def release(self, seq: SequenceState) -> None:
         """Return every block and the state slot of ``seq``; resets it to an empty cache."""
@@ -330,6 +330,7 @@ class ModelCache:
         problems = list(self.allocator.check())
         if self.state_slots is not None:
             problems += self.state_slots.check()
+        if self.snapshots is not None:
             problems += self.snapshots.check()
         return problems
 

@@ -124,7 +124,7 @@ class StopChecker:
         elif token in self.eos_token_ids and not params.ignore_eos:
             request.finish_reason, request.stop_reason = "stop", token
         if request.finish_reason is None and params.stop and request.detokenizer is not None:
-            self._find_stop(request, params.stop)
+            self._find_stop(request, request.detokenizer, params.stop)
         if request.finish_reason is None:
             full = len(request.generated) >= params.max_tokens
             # The next decode would place the newest token at position num_cached.
@@ -133,8 +133,7 @@ class StopChecker:
                 request.finish_reason = "length"
 
     @staticmethod
-    def _find_stop(request: Request, stops: tuple[str, ...]) -> None:
-        detokenizer = request.detokenizer
+    def _find_stop(request: Request, detokenizer: IncrementalText, stops: tuple[str, ...]) -> None:
         before = detokenizer.advance(request.generated)
         text = detokenizer.text
         # A stop string not found before ends at or after the new text's first character.

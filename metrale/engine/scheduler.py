@@ -260,7 +260,7 @@ class Scheduler:
                     return  # every recurrent-state slot is taken (the stuck handler frees holds)
                 if not request.seq.block_table and self.prefix_cache is not None:
                     first = request.cached_tokens is None
-                    self._lookup(request)
+                    self._lookup(request, self.prefix_cache)
                     if self.cache.num_free_blocks < reserved:
                         # The hits revived evictable blocks this step's other rows count on.
                         self.release(request)
@@ -279,19 +279,19 @@ class Scheduler:
             if budget is not None:
                 budget -= chunk.length
 
-    def _lookup(self, request: Request) -> None:
+    def _lookup(self, request: Request, prefix_cache: PrefixCache) -> None:
         seq = request.seq
         # The lookups record the blocks they take in the sequence's table as they take them.
-        if self.prefix_cache.snapshots is not None:
+        if prefix_cache.snapshots is not None:
             # Resume only where a state snapshot was taken; the slot gets that state.
-            blocks, row = self.prefix_cache.lookup_with_state(
+            blocks, row = prefix_cache.lookup_with_state(
                 seq.tokens, request.block_digests, seq.adapter_slot, into=seq.block_table
             )
             if blocks:
                 self.cache.state_slots.allocate(seq)
                 self.cache.snapshots.restore(row, seq.state_slot)
         else:
-            blocks = self.prefix_cache.lookup(seq.tokens, request.block_digests, seq.adapter_slot, into=seq.block_table)
+            blocks = prefix_cache.lookup(seq.tokens, request.block_digests, seq.adapter_slot, into=seq.block_table)
         seq.num_cached = len(blocks) * self.block_size
         if request.cached_tokens is None:
             request.cached_tokens = seq.num_cached

@@ -17,7 +17,7 @@ REQUIRED_FIELDS = (
 )
 
 # transformers' config-class defaults for fields a config.json may omit.
-_DEFAULTS = {
+_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v2": dict(q_lora_rank=1536, moe_intermediate_size=1407, n_routed_experts=64, num_experts_per_tok=None,
                         n_shared_experts=2, first_k_dense_replace=0, n_group=None, topk_group=None,
                         topk_method="greedy", routed_scaling_factor=1.0, max_position_embeddings=2048),
