@@ -601,7 +601,7 @@ def prompt_rule(q: DeviceArray, k: DeviceArray, v: DeviceArray, g: DeviceArray, 
 
 
 def ungroup(qkvz: DeviceArray, key_heads: int, value_heads: int, key_dim: int, value_dim: int, inputs_out: DeviceArray,
-            z_out: object, stream: object = None) -> tuple[object, object]:
+            z_out: DeviceArray, stream: object = None) -> tuple[DeviceArray, DeviceArray]:
     """Launch :func:`ungroup_kernel`: ``inputs_out [N, 2 H_k d_k + H_v d_v]`` and ``z_out [N, H_v,
     d_v]`` from ``qkvz [N, H_k (2 d_k + 2 G d_v)]``, all float32."""
     op = "gdn_ungroup"
@@ -620,7 +620,7 @@ def ungroup(qkvz: DeviceArray, key_heads: int, value_heads: int, key_dim: int, v
 
 
 def gates(ba: DeviceArray, a_log: DeviceArray, dt_bias: DeviceArray, key_heads: int, g_out: DeviceArray, beta_out: DeviceArray,
-          stream: object = None) -> tuple[object, object]:
+          stream: object = None) -> tuple[DeviceArray, DeviceArray]:
     """Launch :func:`gates_kernel`: ``g_out, beta_out [N, H_v]`` from ``ba [N, 2 H_v]`` (grouped by
     key head) and ``a_log, dt_bias [H_v]``, all float32."""
     op = "gdn_gates"
@@ -642,7 +642,7 @@ def gates(ba: DeviceArray, a_log: DeviceArray, dt_bias: DeviceArray, key_heads: 
 
 
 def split_heads(mixed: DeviceArray, key_heads: int, value_heads: int, key_dim: int, value_dim: int, q_out: DeviceArray,
-                k_out: object, v_out: object, stream: object = None) -> tuple[object, object, object]:
+                k_out: DeviceArray, v_out: DeviceArray, stream: object = None) -> tuple[DeviceArray, DeviceArray, DeviceArray]:
     """Launch :func:`split_heads_kernel`: ``q_out, k_out [T, H_v, d_k]`` and ``v_out [T, H_v, d_v]``
     from the conv outputs ``mixed [T, 2 H_k d_k + H_v d_v]``, all float32."""
     op = "gdn_split_heads"

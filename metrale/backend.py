@@ -138,7 +138,7 @@ def cuda_device_present() -> bool:
     try:
         from numba import config, cuda
 
-        return not config.ENABLE_CUDASIM and bool(cuda.is_available())
+        return not getattr(config, "ENABLE_CUDASIM", False) and bool(cuda.is_available())
     except Exception:
         return False
 

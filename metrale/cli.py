@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from metrale._version import __version__
 from metrale.errors import ConfigError, MetraleError
@@ -165,7 +165,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--stream prints one continuation; got {len(args.prompts)} prompts")
     with LLM(args.model, device=args.device, show_progress=not args.no_progress) as llm:
         if args.stream:
-            outputs = [_stream(llm, args.prompts[0], params)]
+            outputs: list[Any] = [_stream(llm, args.prompts[0], params)]
         else:
             outputs = llm.generate(args.prompts, params, use_tqdm=not args.no_progress)
             for index, output in enumerate(outputs):
@@ -178,7 +178,7 @@ def _generate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _stream(llm: object, prompt: str, params: object) -> object:
+def _stream(llm: Any, prompt: str, params: Any) -> Any:
     """Print ``prompt``, then its continuation as it comes; returns the final output. The
     engine holds back text that may still become a stop string or is an incomplete character,
     so each output's text extends the one before."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 import numpy as np
 
@@ -384,7 +384,8 @@ def installed_families(plugin_manager: "pluggy.PluginManager") -> list[tuple[Fam
     """Every family declared by a registered plugin, with that plugin's name."""
     found: list[tuple[FamilySpec, str]] = []
     for impl in plugin_manager.hook.metrale_families.get_hookimpls():
-        for spec in impl.function() or []:
+        specs = cast("list[FamilySpec]", impl.function() or [])
+        for spec in specs:
             found.append((spec, impl.plugin_name))
     return found
 

@@ -66,11 +66,11 @@ def main() -> None:
     ):
 
         def sampled_step() -> None:
-            backend.sample_tokens(llm.forward.decode_batch(tokens, seqs), [params] * args.batch, seeds,
-                                  [0] * args.batch)
+            llm.engine.sampler.sample(llm.forward.decode_batch(tokens, seqs), [params] * args.batch, seeds,
+                                      [0] * args.batch)
 
         sampled_steps[label] = host_time(sampled_step, warmup=0, repeats=20)
-    runner = backend.graph_runner(llm.model)
+    runner = llm.model.runner.graphs
     replay = None  # (models not captured into graphs: none)
     if runner is not None:
         rung = runner.rungs[runner.rung_size(args.batch)]
@@ -91,8 +91,7 @@ def main() -> None:
     originals = {name: function for name, function in originals.items() if function is not None}
     for name, function in originals.items():
         setattr(ops, name, recording(name, function))
-    backend.cuda_graphs = False
-    llm.model._cuda_graph_runner = None
+    llm.model.runner.graphs = None  # eager from here on
     llm.forward.decode_batch(tokens, seqs)
     backend.synchronize()
     for name, function in originals.items():
@@ -140,7 +139,7 @@ def compare_gemms(backend, shapes) -> None:
         x = cupy.zeros((rows, inner), dtype=np.uint16)
         out = cupy.empty((rows, width), dtype=np.float32)
         fused = cupy.empty((rows, width // 2), dtype=np.uint16)
-        cublas = graph_time(backend, lambda: backend.gemm(x, weight, out), calls_per_graph=REPEATS).median_us
+        cublas = graph_time(backend, lambda: backend.kernels.gemm(x, weight, out), calls_per_graph=REPEATS).median_us
         line = f"{width:>7}x{inner:<6} {rows:4d} {cublas:10.1f} {weight.nbytes / cublas / 1e3:6.0f}"
         if gemv.supports(rows, inner):
             plain = graph_time(backend, lambda: gemv.gemv(x, weight, out, backend.stream), calls_per_graph=REPEATS).median_us

@@ -2,7 +2,7 @@
 forward, and computes only through ``backend.ops``.
 
 * :mod:`metrale.layers.attention` -- grouped-query attention over the paged KV cache;
-* :mod:`metrale.layers.mlp` -- the SwiGLU and GELU MLPs;
+* :mod:`metrale.layers.mlp` -- the SwiGLU MLP;
 * :mod:`metrale.layers.experts` -- stacked routed experts;
 * :mod:`metrale.layers.loading` -- embeddings, final norm and LM head, shared by every family.
 """

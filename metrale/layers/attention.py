@@ -17,7 +17,8 @@ from metrale.checkpoint import Checkpoint
 
 @dataclass(frozen=True)
 class AttentionGeometry:
-    """Heads and sizes of one attention block; ``rotary`` is the RoPE ``inv_freq`` table."""
+    """Heads and sizes of one attention block. ``inv_freq`` is the RoPE table; ``rotary_dim``
+    the dims of each head it rotates (partial rotary), None for ``2 * len(inv_freq)``."""
 
     hidden_size: int
     num_heads: int
@@ -27,6 +28,7 @@ class AttentionGeometry:
     attention_factor: float = 1.0
     sliding_window: int | None = None
     norm_eps: float = 1e-6
+    rotary_dim: int | None = None
 
     @property
     def scale(self) -> float:
@@ -91,9 +93,10 @@ def attention_block(
     """
     ops, g = backend.ops, geometry
     qkv = ops.linear(h, weights.qkv, weights.qkv_bias)
+    partial = {} if g.rotary_dim is None else {"rotary_dim": g.rotary_dim}
     q = ops.qkv_rope_cache(
         qkv, batch.positions, batch.slot_mapping, g.inv_freq, g.attention_factor, g.num_heads, g.num_kv_heads,
-        g.head_dim, cache_layer.k, cache_layer.v, weights.q_norm, weights.k_norm, g.norm_eps,
+        g.head_dim, cache_layer.k, cache_layer.v, weights.q_norm, weights.k_norm, g.norm_eps, **partial,
     )
     out = ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, g.scale, g.sliding_window)
     return ops.linear(out, weights.o, weights.o_bias)

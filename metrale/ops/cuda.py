@@ -221,13 +221,13 @@ class CudaKernels:
 
     def gdn_recurrent_step(self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, slots: Any) -> Any:
         out = cp.empty(v.shape, dtype=f32)
-        contiguous = [cp.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta)]
-        return gated_delta.recurrent_step(*contiguous, state, slots, out, self.stream)
+        q, k, v, g, beta = (cp.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta))
+        return gated_delta.recurrent_step(q, k, v, g, beta, state, slots, out, self.stream)
 
     def gdn_prompt_rule(self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, slots: Any, starts: Any) -> Any:
         out = cp.empty(v.shape, dtype=f32)
-        contiguous = [cp.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta)]
-        return gated_delta.prompt_rule(*contiguous, state, cp.asarray(slots, dtype=np.int32),
+        q, k, v, g, beta = (cp.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta))
+        return gated_delta.prompt_rule(q, k, v, g, beta, state, cp.asarray(slots, dtype=np.int32),
                                        cp.asarray(starts, dtype=np.int32), out, self.stream)
 
     def gdn_ungroup(self, qkvz: Any, key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> Any:

@@ -241,7 +241,7 @@ class OpTable:
 
     def _bind(self, op: Op, backend: Any) -> Callable[..., Any]:
         kernels = self._registry.kernels_for(op.name, backend.name)
-        built = [(kernel, kernel.build(backend)) for kernel in kernels]
+        built: list[tuple[Kernel | None, Callable[..., Any]]] = [(kernel, kernel.build(backend)) for kernel in kernels]
         if not any(kernel.when is None for kernel in kernels):
             fallback = op.reference if backend.name == "cpu" else host_fallback(op, backend)
             if backend.name != "cpu":

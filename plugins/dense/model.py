@@ -84,6 +84,6 @@ class DenseModel(FamilyModel):
     def forward_batch(self, batch: ForwardBatch) -> Any:
         eps = self.config.rms_norm_eps
         x, residual = self.ends.embed_tokens(self.backend, batch), None
-        for layer, cache_layer in zip(self.layers, self.cache.layers):
+        for layer, cache_layer in zip(self.layers, self._require_cache().layers):
             x, residual = layer.forward(self.backend, x, residual, cache_layer, batch, eps)
         return self.ends.logits(self.backend, x, residual, batch, eps)

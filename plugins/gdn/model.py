@@ -75,12 +75,12 @@ class SparseMoeWeights:
 
 @dataclass
 class GdnLayer:
+    """A gated attention or a Gated DeltaNet mixer, then a dense MLP or the sparse MoE."""
+
     input_norm: Any
     post_norm: Any
-    attention: GatedAttentionWeights | None = None
-    delta: DeltaNetWeights | None = None
-    mlp: MlpWeights | None = None
-    moe: SparseMoeWeights | None = None
+    mixer: GatedAttentionWeights | DeltaNetWeights
+    feed_forward: MlpWeights | SparseMoeWeights
 
 
 class GdnModel(FamilyModel):
@@ -99,19 +99,20 @@ class GdnModel(FamilyModel):
         self.layers = []
         for index in range(c.num_layers):
             prefix = f"model.layers.{index}"
-            layer = GdnLayer(
+            mixer: GatedAttentionWeights | DeltaNetWeights = (
+                self._load_attention(checkpoint, f"{prefix}.self_attn") if c.layer_types[index] == "full_attention"
+                else self._load_delta(checkpoint, f"{prefix}.linear_attn")
+            )
+            feed_forward: MlpWeights | SparseMoeWeights = (
+                self._load_moe(checkpoint, f"{prefix}.mlp") if c.moe_layers[index]
+                else load_mlp_weights(checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)
+            )
+            self.layers.append(GdnLayer(
                 input_norm=backend.load_weight(checkpoint, (f"{prefix}.input_layernorm.weight", vector)),
                 post_norm=backend.load_weight(checkpoint, (f"{prefix}.post_attention_layernorm.weight", vector)),
-            )
-            if c.layer_types[index] == "full_attention":
-                layer.attention = self._load_attention(checkpoint, f"{prefix}.self_attn")
-            else:
-                layer.delta = self._load_delta(checkpoint, f"{prefix}.linear_attn")
-            if c.moe_layers[index]:
-                layer.moe = self._load_moe(checkpoint, f"{prefix}.mlp")
-            else:
-                layer.mlp = load_mlp_weights(checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)
-            self.layers.append(layer)
+                mixer=mixer,
+                feed_forward=feed_forward,
+            ))
         checkpoint.skip([n for n in checkpoint.names() if n.startswith(IGNORED_TENSOR_PREFIXES)])
 
     # ------------------------------------------------------------------------------ loading
@@ -203,14 +204,15 @@ class GdnModel(FamilyModel):
     def forward_batch(self, batch: ForwardBatch) -> Any:
         ops, eps = self.backend.ops, self.config.rms_norm_eps
         x, residual = self.ends.embed_tokens(self.backend, batch), None
-        for layer, cache_layer in zip(self.layers, self.cache.layers):
+        for layer, cache_layer in zip(self.layers, self._require_cache().layers):
             h, residual = ops.rmsnorm_residual(x, residual, layer.input_norm, eps, 1.0)
-            if layer.attention is not None:
-                x = self._attention(layer.attention, cache_layer, h, batch)
+            mixer, ffn = layer.mixer, layer.feed_forward
+            if isinstance(mixer, GatedAttentionWeights):
+                x = self._attention(mixer, cache_layer, h, batch)
             else:
-                x = self._delta(layer.delta, cache_layer, h, batch)
+                x = self._delta(mixer, cache_layer, h, batch)
             h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps, 1.0)
-            x = swiglu_mlp(self.backend, layer.mlp, h) if layer.moe is None else self._moe(layer.moe, h)
+            x = self._moe(ffn, h) if isinstance(ffn, SparseMoeWeights) else swiglu_mlp(self.backend, ffn, h)
         return self.ends.logits(self.backend, x, residual, batch, eps, 1.0)
 
     # -------------------------------------------------------------------------------- mixers

@@ -71,11 +71,12 @@ class MoeWeights:
 
 @dataclass
 class MlaLayer:
+    """Latent attention, then a dense MLP or the MoE (``feed_forward``)."""
+
     input_norm: Any
     attention: MlaAttentionWeights
     post_norm: Any
-    mlp: MlpWeights | None = None
-    moe: MoeWeights | None = None
+    feed_forward: MlpWeights | MoeWeights
 
 
 class MlaModel(FamilyModel):
@@ -98,16 +99,16 @@ class MlaModel(FamilyModel):
         self.layers = []
         for index in range(c.num_layers):
             prefix = f"model.layers.{index}"
-            layer = MlaLayer(
+            feed_forward: MlpWeights | MoeWeights = (
+                self._load_moe(checkpoint, f"{prefix}.mlp") if c.is_moe_layer(index)
+                else load_mlp_weights(checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)
+            )
+            self.layers.append(MlaLayer(
                 input_norm=backend.load_weight(checkpoint, (f"{prefix}.input_layernorm.weight", vector)),
                 attention=self._load_attention(checkpoint, f"{prefix}.self_attn"),
                 post_norm=backend.load_weight(checkpoint, (f"{prefix}.post_attention_layernorm.weight", vector)),
-            )
-            if c.is_moe_layer(index):
-                layer.moe = self._load_moe(checkpoint, f"{prefix}.mlp")
-            else:
-                layer.mlp = load_mlp_weights(checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)
-            self.layers.append(layer)
+                feed_forward=feed_forward,
+            ))
         # Multi-token-prediction modules (model.layers.{L + k}.*): kept for speculative decoding.
         # (The prefixes come from the layers present, not from num_nextn_predict_layers, which
         # checkpoints that dropped these weights still declare.)
@@ -173,11 +174,12 @@ class MlaModel(FamilyModel):
     def forward_batch(self, batch: ForwardBatch) -> Any:
         ops, eps = self.backend.ops, self.config.rms_norm_eps
         x, residual = self.ends.embed_tokens(self.backend, batch), None
-        for layer, cache_layer in zip(self.layers, self.cache.layers):
+        for layer, cache_layer in zip(self.layers, self._require_cache().layers):
             h, residual = ops.rmsnorm_residual(x, residual, layer.input_norm, eps)
             x = self._attention(layer.attention, cache_layer, h, batch)
             h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps)
-            x = swiglu_mlp(self.backend, layer.mlp, h) if layer.moe is None else self._moe(layer.moe, h)
+            ffn = layer.feed_forward
+            x = self._moe(ffn, h) if isinstance(ffn, MoeWeights) else swiglu_mlp(self.backend, ffn, h)
         return self.ends.logits(self.backend, x, residual, batch, eps)
 
     # ----------------------------------------------------------------------------- attention
