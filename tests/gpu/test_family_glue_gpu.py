@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kernel_helpers import rel_error  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, TAPS = 16, 32, 128, 128, 4
@@ -21,11 +23,6 @@ def cupy_module():
 
     cp = cupy
     return cupy
-
-
-def rel_error(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
 
 
 def test_ungroup_at_qwen3_next_sizes():

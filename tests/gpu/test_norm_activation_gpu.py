@@ -8,6 +8,8 @@ import pytest
 
 from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 
+from kernel_helpers import bf16, rel_error  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 
@@ -18,15 +20,6 @@ def cupy_module():
 
     cp = cupy
     return cupy
-
-
-def rel_error(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
-
-
-def bf16(rng, shape, scale=1.0):
-    return float32_to_bf16((scale * rng.standard_normal(shape)).astype(np.float32))
 
 
 # 2560 (Phi-2) leaves some of the values each thread keeps in registers unused; 4096 fills them all;
