@@ -58,8 +58,8 @@ from metrale.kernels.attention_grouped import (
     grouped_combine_kernel,
     subgroup_sum,
 )
+from metrale.kernels.qkv_rope import rope_reference
 from metrale.kernels.rmsnorm import rmsnorm_reference
-from metrale.kernels.rope import rope_reference
 
 WARP = 8 if SIMULATED else 32
 WARPS = 8

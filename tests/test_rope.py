@@ -1,4 +1,4 @@
-"""metrale/rope.py against transformers' own RoPE initialisers, and kernels/rope.py against NumPy.
+"""metrale/rope.py against transformers' own RoPE initialisers, and kernels/qkv_rope.py against NumPy.
 
 The reference of ``inverse_frequencies`` / ``attention_factor`` is transformers'
 ``ROPE_INIT_FUNCTIONS`` (and a rotary-embedding class's ``compute_default_rope_parameters`` for the
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from metrale.errors import CheckpointError
-from metrale.kernels.rope import rope_reference
+from metrale.kernels.qkv_rope import rope_reference
 from metrale.rope import RopeParameters, rope_parameters
 
 RTOL = 1e-6  # inv_freq spans decades: compare element-wise, relative (float32 is ~6e-8)
@@ -307,7 +307,7 @@ def test_rope_fields_of_the_wrong_type_are_refused_naming_file_and_field(config,
         rope_parameters(config, 64, source="/ckpt/config.json")
 
 
-# ============================================================================ kernels/rope.py
+# ============================================================================ kernels/qkv_rope.py
 
 
 def _numpy_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, factor: float, interleaved: bool):

@@ -32,7 +32,7 @@ def c(dtype, ndim):
 def kernels():
     from metrale.kernels import (
         activation, attention, attention_grouped, attention_latent, attention_prefill, attention_staged, embedding,
-        gated, gated_delta, gemv, head_linear, layernorm, moe, rmsnorm, rope, sampling,
+        gated, gated_delta, gemv, head_linear, layernorm, moe, qkv_rope, rmsnorm, sampling,
     )
 
     attention_arguments = (
@@ -47,7 +47,7 @@ def kernels():
         "gelu": (activation.gelu_kernel, (c(f32, 2), i32, c(u16, 2))),
         "gelu_and_mul": (activation.gelu_and_mul_kernel, (c(f32, 2), i32, c(u16, 2))),
         "to_bf16": (activation.to_bf16_kernel, (c(f32, 1), c(u16, 1))),
-        "qkv_rope_cache": (rope.qkv_rope_cache_kernel, (
+        "qkv_rope_cache": (qkv_rope.qkv_rope_cache_kernel, (
             c(f32, 2), c(i32, 1), c(i32, 1), c(f32, 1), f32, c(u16, 1), c(u16, 1), f32, f32, i32, i32, i32, i32,
             c(f32, 3), c(u16, 4), c(u16, 4))),
         "paged_attention_split": (attention.paged_attention_split_kernel, (

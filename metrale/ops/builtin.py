@@ -64,7 +64,7 @@ def to_float32(x):
 def qkv_rope_cache(qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim,
                    k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6, norm_offset=0.0, interleaved=False,
                    rotary_dim=None):
-    return _kernels("rope").qkv_rope_cache_reference(
+    return _kernels("qkv_rope").qkv_rope_cache_reference(
         qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
         q_norm, k_norm, eps, norm_offset, interleaved, rotary_dim=rotary_dim,
     )
@@ -340,7 +340,7 @@ def _declarations() -> list[tuple[Op, str]]:
                doc="dims of each head RoPE rotates (partial rotary); the rest pass through. None: all of "
                "``2 * len(inv_freq)``")),
             (P("q", "[N, nh, d]", "activation"),), qkv_rope_cache),
-         "rope"),
+         "qkv_rope"),
         (Op("paged_attention", "Causal GQA attention of each row over its sequence's paged K/V (optionally a sliding "
             "window); decode rows and prompt rows in one call.",
             (P("q", "[N, nh, d]", "activation"), P("k_cache", "[blocks, block, nkv, d]", "cache"),

@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping
 from metrale.checkpoint import Checkpoint
 from metrale.config_fields import ConfigFields
 from metrale.errors import CheckpointError
-from metrale.plugins.dense.layers import expect_mlp_shapes
+from metrale.layers.mlp import expect_mlp_shapes
 from metrale.rope import RopeParameters, rope_parameters, yarn_mscale
 
 REQUIRED_FIELDS = (

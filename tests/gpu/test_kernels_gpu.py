@@ -78,7 +78,7 @@ def test_silu_and_mul():
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_qkv_rope_cache(qk_norm):
-    from metrale.kernels import rope
+    from metrale.kernels import qkv_rope as rope
 
     rng = np.random.default_rng(3)
     rows, heads, kv_heads, head_dim, blocks, block_size = 64, 32, 8, 128, 300, 16

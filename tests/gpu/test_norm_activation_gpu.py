@@ -86,7 +86,7 @@ PARTIAL_ROTARY_GEOMETRIES = [(32, 32, 80, 32, None), (16, 16, 128, 32, None), (1
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, rotary_dim, norm_offset", PARTIAL_ROTARY_GEOMETRIES)
 def test_qkv_rope_cache_partial_rotary(heads, kv_heads, head_dim, rotary_dim, norm_offset, interleaved):
-    from metrale.kernels import rope
+    from metrale.kernels import qkv_rope as rope
 
     rng = np.random.default_rng([head_dim, rotary_dim, interleaved])
     rows, blocks, block_size = 64, 100, 16

@@ -12,7 +12,8 @@ from numba import cuda
 
 from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.errors import KernelArgumentError
-from metrale.kernels import activation, attention, embedding, gemv, linear, rmsnorm, rope
+from metrale.kernels import activation, attention, embedding, gemv, linear, rmsnorm
+from metrale.kernels import qkv_rope as rope
 from metrale.kernels._device import bf16_to_float, float_to_bf16
 
 pytestmark = [

@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from metrale.kernels import activation, layernorm, rope
+from metrale.kernels import activation, layernorm
+from metrale.kernels import qkv_rope as rope
 
 torch = pytest.importorskip("torch")
 
