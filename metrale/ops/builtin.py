@@ -269,7 +269,8 @@ NORMED = P("normed", "[N, H]", "matmul_input", "the normed rows, an input of a m
 
 
 def _declarations() -> list[tuple[Op, str]]:
-    """Every built-in op with the kernel module serving it on the GPU."""
+    """Every built-in op with what serves it on the GPU (a module of :mod:`metrale.kernels`, or
+    the words shown when it is not one)."""
     return [
         (Op("embedding", "Rows of an embedding table.",
             (P("weight", "[V, H]", "weight"), P("ids", "[N]", "index")),
@@ -311,7 +312,7 @@ def _declarations() -> list[tuple[Op, str]]:
             (P("x", "[N, in]", "matmul_input"), P("weight", "[out, in]", "weight"),
              P("bias", "[out]", "constant", optional=True)),
             (P("y", "[N, out]", "activation"),), linear, examples=_linear_examples),
-         "linear"),
+         "cuBLAS GEMM (metrale.kernels.linear)"),
         (Op("silu_and_mul", "SwiGLU's activation: ``silu(gate) * up`` of ``gate_up = [gate | up]``.",
             (P("gate_up", "[N, 2 I]", "activation"),), (P("act", "[N, I]", "matmul_input"),),
             silu_and_mul, examples=_silu_examples),
@@ -326,7 +327,7 @@ def _declarations() -> list[tuple[Op, str]]:
          "activation"),
         (Op("to_float32", "``x`` as float32: bf16 bits widened, float32 copied.",
             (P("x", "[...]", "matmul_input"),), (P("y", "[...]", "activation"),), to_float32),
-         "activation"),
+         "CuPy widening copy"),
         (Op("qkv_rope_cache", "Split ``qkv`` into heads, apply the optional per-head q/k RMSNorm and RoPE (half-split "
             "pairs, or adjacent pairs when ``interleaved``), write K and V at ``slot_mapping`` into the paged cache; "
             "returns the rotated queries.",
@@ -452,7 +453,8 @@ def builtin_registry() -> OpRegistry:
     registry = OpRegistry()
     for op, module in _declarations():
         registry.declare(op)
-        registry.add_kernel(Kernel(op.name, "cuda", f"metrale.kernels.{module}", build=_cuda_method(op.name)))
+        name = module if " " in module else f"metrale.kernels.{module}"
+        registry.add_kernel(Kernel(op.name, "cuda", name, build=_cuda_method(op.name)))
     return registry
 
 
