@@ -47,9 +47,6 @@ class CudaKernels:
     def __init__(self, stream: Any) -> None:
         self.stream = stream
         self.gemm = CublasGemm(stream)
-        #: Batches of up to this many rows use the numba GEMV kernels instead of cuBLAS (0: never).
-        #: cuBLAS measured about twice as fast on the H200 (docs/benchmarks), so never by default.
-        self.gemv_rows = 0
 
     # ------------------------------------------------------------------------- conversions
 
@@ -103,26 +100,31 @@ class CudaKernels:
         out = cp.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=bf16)
         return activation.gelu_and_mul(gate_up, _tanh_form(approximate), out, self.stream)
 
-    def _uses_gemv(self, x: Any) -> bool:
-        return x.shape[0] <= self.gemv_rows and gemv.supports(x.shape[0], x.shape[1])
-
     def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         x = self.as_bf16(x)
         out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
-        if self._uses_gemv(x):
-            gemv.gemv(x, weight, out, self.stream)
-        else:
-            self.gemm(x, weight, out)
+        self.gemm(x, weight, out)
         if bias is not None:
             out += bias
         return out
 
     def linear_silu(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        x = self.as_bf16(x)
-        if bias is None and self._uses_gemv(x):
-            out = cp.empty((x.shape[0], weight.shape[0] // 2), dtype=bf16)
-            return gemv.gemv_silu(x, weight, out, self.stream)
         return self.silu_and_mul(self.linear(x, weight, bias))
+
+    # The numba GEMV kernels: not bound by default (cuBLAS measured about twice as fast on the
+    # H200, docs/benchmarks); :func:`metrale.ops.builtin.gemv_kernels` offers them to a registry.
+
+    def linear_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        x = self.as_bf16(x)
+        out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
+        gemv.gemv(x, weight, out, self.stream)
+        if bias is not None:
+            out += bias
+        return out
+
+    def linear_silu_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        out = cp.empty((x.shape[0], weight.shape[0] // 2), dtype=bf16)
+        return gemv.gemv_silu(self.as_bf16(x), weight, out, self.stream)
 
     def silu_and_mul(self, gate_up: Any) -> Any:
         out = cp.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=bf16)

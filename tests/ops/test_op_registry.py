@@ -183,3 +183,15 @@ def test_a_failing_registration_names_the_plugin():
 
     with pytest.raises(OpRegistrationError, match="plugin 'broken': metrale_register_ops failed.*boom"):
         build_op_registry(manager_with(Broken(), name="broken"))
+
+
+def test_the_gemv_kernels_are_offered_not_bound():
+    from metrale.ops.builtin import gemv_kernels
+
+    assert builtin_registry().serving("linear", "cuda") == ["cuBLAS GEMM (metrale.kernels.linear) [metrale]"]
+    registry = builtin_registry().copy()
+    for kernel in gemv_kernels(max_rows=4):
+        registry.from_plugin("tuning").add_kernel(kernel)
+    assert registry.serving("linear", "cuda") == [
+        "metrale.kernels.gemv [tuning] when N <= 4, in % 4 == 0", "cuBLAS GEMM (metrale.kernels.linear) [metrale]",
+    ]
