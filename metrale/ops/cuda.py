@@ -16,6 +16,7 @@ from metrale.kernels import (
     activation,
     attention,
     attention_latent,
+    attention_mma,
     attention_prefill,
     embedding,
     gated,
@@ -165,6 +166,16 @@ class CudaKernels:
         # the prefill kernel serves the rest.
         lengths = np.diff(starts)
         single = int(np.argmax(lengths != 1)) if (lengths != 1).any() else len(lengths)
+        if single < len(lengths) and attention_mma.supports(heads, kv_heads, q.shape[2], value_dim):
+            # Prompt rows on tensor cores.
+            if single:
+                self._decode_attention(q, k_cache, v_cache, batch, single, scale, sliding_window, out)
+            tiles = attention_mma.query_tiles(starts[single:])
+            attention_mma.prefill_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_index, batch.positions, cp.asarray(tiles), scale,
+                sliding_window, out, self.stream,
+            )
+            return out
         if single < len(lengths) and attention_prefill.supports(heads, kv_heads, q.shape[2], value_dim):
             if single:
                 self._decode_attention(q, k_cache, v_cache, batch, single, scale, sliding_window, out)

@@ -1,0 +1,74 @@
+"""The tensor-core prefill attention against the NumPy reference: GQA, head sizes 64 and 128,
+block sizes 16 and 32, prompt chunks after a cached prefix, several sequences, sliding windows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from metrale.checkpoint import bf16_to_float32
+from metrale.kernels import attention, attention_mma
+
+from kernel_helpers import bf16, rel_error  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def attention_case(rng, heads, kv_heads, head_dim, block_size, chunks):
+    """Sequences whose prompt rows are ``chunks[i] = (cached, new)``: ``new`` rows at positions
+    ``cached .. cached + new - 1``, over a cache of shuffled blocks."""
+    blocks_per_seq = [-(-(cached + new) // block_size) for cached, new in chunks]
+    total_blocks = sum(blocks_per_seq) + 3
+    order = rng.permutation(np.arange(1, total_blocks))
+    tables = np.zeros((len(chunks), max(blocks_per_seq)), np.int32)
+    used = 0
+    for s, count in enumerate(blocks_per_seq):
+        tables[s, :count] = order[used : used + count]
+        used += count
+    seq_index = np.concatenate([np.full(new, s, np.int32) for s, (_, new) in enumerate(chunks)])
+    positions = np.concatenate([np.arange(cached, cached + new, dtype=np.int32) for cached, new in chunks])
+    starts = np.concatenate([[0], np.cumsum([new for _, new in chunks])]).astype(np.int32)
+    q = rng.standard_normal((len(positions), heads, head_dim)).astype(np.float32)
+    k_cache = bf16(rng, (total_blocks, block_size, kv_heads, head_dim))
+    v_cache = bf16(rng, (total_blocks, block_size, kv_heads, head_dim))
+    return q, k_cache, v_cache, tables, seq_index, positions, starts
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (32, 8, 64), (16, 16, 128), (14, 2, 64)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window", [None, 100])
+def test_prefill_attention_matches_the_reference(heads, kv_heads, head_dim, block_size, window):
+    import cupy as cp
+
+    rng = np.random.default_rng(heads + head_dim + block_size)
+    chunks = [(0, 200), (77, 64), (300, 1), (5, 129)]
+    q, k_cache, v_cache, tables, seq_index, positions, starts = attention_case(
+        rng, heads, kv_heads, head_dim, block_size, chunks
+    )
+    scale = head_dim**-0.5
+    expected = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, scale, window
+    ).reshape(len(positions), -1)
+    out = cp.zeros((len(positions), heads * head_dim), dtype=np.uint16)
+    attention_mma.prefill_attention(
+        cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables), cp.asarray(seq_index),
+        cp.asarray(positions), cp.asarray(attention_mma.query_tiles(starts)), scale, window, out,
+    )
+    # bf16 queries and probabilities on top of the bf16 output.
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 2e-2
+
+
+def test_prefill_attention_of_a_long_prompt_over_a_long_prefix():
+    import cupy as cp
+
+    rng = np.random.default_rng(9)
+    q, k_cache, v_cache, tables, seq_index, positions, starts = attention_case(rng, 32, 8, 128, 16, [(4000, 512)])
+    expected = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, 128**-0.5
+    ).reshape(len(positions), -1)
+    out = cp.zeros((len(positions), 32 * 128), dtype=np.uint16)
+    attention_mma.prefill_attention(
+        cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables), cp.asarray(seq_index),
+        cp.asarray(positions), cp.asarray(attention_mma.query_tiles(starts)), 128**-0.5, None, out,
+    )
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 2e-2
