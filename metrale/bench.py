@@ -68,6 +68,8 @@ class BenchOptions:
     context: int = 512  # tokens already cached when the timed decode steps start
     decode_steps: int = 64
     prefill_lengths: tuple[int, ...] = (512, 2048)
+    #: ``(cached, new)``: also time a chunk of ``new`` prompt tokens after ``cached`` ones (None: not).
+    prefix_chunk: tuple[int, int] | None = None
     hf: bool = True
     hf_compile: bool = False
     hf_decode_tokens: int = 32
@@ -201,6 +203,33 @@ def _gdn_weight_bytes(s: dict[str, Any], batch: int | None) -> int:
     return int(sum(per_layer) + 2 * v * h * (1 if s["tie_word_embeddings"] else 2) + 2 * h)
 
 
+def prefill_flops(shape: str, length: int, cached: int = 0) -> float:
+    """Floating-point operations of a prefill of ``length`` prompt tokens after ``cached`` ones:
+    two per multiply-add of every weight a token uses (the routed experts it chooses, not the
+    embedding table; the LM head for the last token only), plus the attention products over the
+    visible (row, key) pairs (causal) and, for Gated DeltaNet layers, the state update per token."""
+    s = SHAPES[shape]
+    h, v = s["hidden_size"], s["vocab_size"]
+    embedding_bytes = 2 * v * h * (1 if s["tie_word_embeddings"] else 2)
+    if shape in MLA_SHAPES or shape in GDN_SHAPES:
+        per_token = (weight_bytes(shape, 1) - embedding_bytes) / 2  # bf16 values of one token's weights
+    else:
+        per_token = (weight_bytes(shape) - embedding_bytes) / 2
+    pairs = length * cached + length * (length + 1) / 2
+    layers = s["num_hidden_layers"]
+    if shape in MLA_SHAPES:
+        attention = 2 * s["num_attention_heads"] * (s["qk_nope_head_dim"] + s["qk_rope_head_dim"] + s["v_head_dim"]) * layers
+        recurrent = 0.0
+    elif shape in GDN_SHAPES:
+        gdn = sum(_gdn_layers(s))
+        attention = 4 * s["num_attention_heads"] * s["head_dim"] * (layers - gdn)
+        recurrent = 4 * s["linear_num_value_heads"] * s["linear_key_head_dim"] * s["linear_value_head_dim"] * gdn * length
+    else:
+        attention = 4 * s["num_attention_heads"] * s["head_dim"] * layers
+        recurrent = 0.0
+    return 2 * per_token * length + 2 * v * h + attention * pairs + recurrent
+
+
 def state_bytes_per_sequence(shape: str) -> int:
     """Bytes of recurrent state a decode step reads and writes per sequence (0 without GDN layers)."""
     s = SHAPES[shape]
@@ -265,7 +294,9 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
 
     result: dict[str, Any] = {}
     max_batch = max(options.batch_sizes)
-    max_len = max(options.context + options.decode_steps + 16, max(options.prefill_lengths) + 16)
+    chunk_end = sum(options.prefix_chunk) if options.prefix_chunk else 0
+    max_len = max(options.context + options.decode_steps + 16, max(options.prefill_lengths, default=0) + 16,
+                  chunk_end + 16)
     started = time.perf_counter()
     llm = LLM(folder, device="cuda", max_model_len=max_len, max_num_seqs=max_batch + 1, show_progress=True)
     backend = llm.backend
@@ -316,7 +347,29 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
             llm.cache.release(seq)
 
         seconds = _cuda_time(prefill, repeats=5, warmup=1, stream=backend.stream)
-        result[f"prefill_{length}"] = {"ms": seconds * 1e3, "tok_s": length / seconds}
+        result[f"prefill_{length}"] = {"ms": seconds * 1e3, "tok_s": length / seconds,
+                                       "TFLOPs": prefill_flops(shape, length) / seconds / 1e12}
+    if options.prefix_chunk:
+        cached, new = options.prefix_chunk
+        prompt = rng.integers(0, vocab, cached + new).tolist()
+
+        def chunk_after_prefix() -> None:
+            # The prefix is prefilled outside the timed chunk: one sequence per sample.
+            seq = SequenceState.from_prompt(prompt)
+            llm.forward.prefill_chunk(prompt, seq, 0, cached, False)
+            backend.synchronize()
+            started = time.perf_counter()
+            llm.forward.prefill_chunk(prompt, seq, cached, new, True)
+            backend.synchronize()
+            chunk_seconds.append(time.perf_counter() - started)
+            llm.cache.release(seq)
+
+        chunk_seconds: list[float] = []
+        for _ in range(4):
+            chunk_after_prefix()
+        seconds = statistics.median(chunk_seconds[1:])
+        result[f"prefill_{new}_after_{cached}"] = {"ms": seconds * 1e3, "tok_s": new / seconds,
+                                                   "TFLOPs": prefill_flops(shape, new, cached) / seconds / 1e12}
     llm.close()  # frees the device memory before the next benchmark runs
     return result
 
@@ -424,7 +477,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
 def table(results: dict[str, Any]) -> str:
     """The result as a plain-text table."""
     lines = [f"device: {results['device']}   copy bandwidth: {results['copy_bandwidth_TBps']:.2f} TB/s"]
-    header = f"{'shape':10} {'engine':12} {'metric':14} {'value':>12} {'GB/s':>8} {'floor %':>8}"
+    header = f"{'shape':10} {'engine':12} {'metric':14} {'value':>12} {'GB/s':>8} {'floor %':>8} {'TFLOP/s':>8}"
     lines += [header, "-" * len(header)]
     for shape in results["options"]["shapes"]:
         entry = results.get(shape, {})
@@ -441,10 +494,13 @@ def table(results: dict[str, Any]) -> str:
                 rate = value.get("tok_s")
                 gbps = value.get("achieved_GBps")
                 fraction = value.get("fraction_of_floor")
-                lines.append(
-                    f"{shape:10} {engine:12} {key + ' tok/s':14} {rate:12.1f} "
-                    f"{'' if gbps is None else f'{gbps:8.0f}'} {'' if fraction is None else f'{100 * fraction:8.1f}'}"
-                )
+                tflops = value.get("TFLOPs")
+                columns = [
+                    " " * 8 if gbps is None else f"{gbps:8.0f}",
+                    " " * 8 if fraction is None else f"{100 * fraction:8.1f}",
+                    " " * 8 if tflops is None else f"{tflops:8.1f}",
+                ]
+                lines.append(f"{shape:10} {engine:12} {key + ' tok/s':14} {rate:12.1f} {' '.join(columns)}".rstrip())
         lines += [f"{shape:10} {label:12} {key:14} {ratio:11.1f}x" for label, key, ratio in speedups(entry)]
     return "\n".join(lines)
 

@@ -101,6 +101,7 @@ def bench_metrale(folder: Path, options: ThroughputOptions, prompts: list[list[i
         steps={k: v - calls_before.get(k, 0) for k, v in llm.engine.calls.items()},
         step_seconds={k: v - seconds_before.get(k, 0.0) for k, v in llm.engine.seconds.items()},
     )
+    result["step_shares"] = step_shares(result["steps"], result["step_seconds"], seconds)
     del llm
     return result
 
@@ -159,6 +160,19 @@ def run(options: ThroughputOptions) -> dict[str, Any]:
     return results
 
 
+def step_shares(steps: dict[str, int], step_seconds: dict[str, float], seconds: float) -> dict[str, dict[str, float]]:
+    """Per kind of step (contract method): how many ran, their share of the run's wall time and
+    the milliseconds each took on average. The time outside steps (scheduling the next step,
+    detokenizing, stop checks) is the share ``"between steps"``."""
+    shares = {
+        kind: {"steps": steps.get(kind, 0), "share": spent / seconds, "ms_per_step": 1e3 * spent / max(steps.get(kind, 0), 1)}
+        for kind, spent in sorted(step_seconds.items()) if steps.get(kind, 0)
+    }
+    shares["between steps"] = {"steps": 0, "share": max(0.0, 1.0 - sum(v["share"] for v in shares.values())),
+                               "ms_per_step": 0.0}
+    return shares
+
+
 def table(results: dict[str, Any]) -> str:
     """The result as a plain-text table."""
     o = results["options"]
@@ -176,4 +190,9 @@ def table(results: dict[str, Any]) -> str:
     ours, theirs = results.get("metrale"), results.get("hf_continuous_batching")
     if ours and theirs:
         lines.append(f"{'Metrale / transformers':24} {ours['output_tok_s'] / theirs['output_tok_s']:12.1f}x")
+    if ours and ours.get("step_shares"):
+        lines += ["", f"{'Metrale step kind':24} {'steps':>8} {'time share':>11} {'ms per step':>12}"]
+        for kind, share in ours["step_shares"].items():
+            per_step = f"{share['ms_per_step']:12.2f}" if share["steps"] else ""
+            lines.append(f"{kind:24} {share['steps'] or '':>8} {100 * share['share']:10.1f}% {per_step}".rstrip())
     return "\n".join(lines)

@@ -70,6 +70,11 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--context", type=int, default=512, help="cached tokens per sequence before decoding (default: 512)")
     parser.add_argument("--decode-steps", type=int, default=64, help="timed decode steps (default: 64)")
     parser.add_argument("--prefill-lengths", default="512,2048", help="prompt lengths timed for prefill (default: 512,2048)")
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="time prefill at 512, 1024, 2048, 4096 and 8192 tokens and a 512-token chunk after 8192 "
+                        "cached ones (overrides --prefill-lengths and --prefix-chunk)")
+    parser.add_argument("--prefix-chunk", default="", metavar="CACHED,NEW",
+                        help="also time a chunk of NEW prompt tokens after CACHED ones, e.g. 8192,512")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--hf-compile", action="store_true", help="also time transformers with a static cache and torch.compile")
     parser.add_argument("--no-start-times", action="store_true", help="skip the cold and cached start-time probes")
@@ -100,6 +105,17 @@ def _bench(args: argparse.Namespace) -> int:
         prefill_lengths = tuple(int(n) for n in args.prefill_lengths.split(",") if n)
     except ValueError as error:
         raise ConfigError(f"--batch-sizes and --prefill-lengths take comma-separated ints: {error}") from None
+    prefix_chunk = None
+    if args.prefill_sweep:
+        prefill_lengths, prefix_chunk = (512, 1024, 2048, 4096, 8192), (8192, 512)
+    elif args.prefix_chunk:
+        try:
+            cached, new = (int(n) for n in args.prefix_chunk.split(","))
+        except ValueError:
+            raise ConfigError(f"--prefix-chunk takes CACHED,NEW (two ints), got {args.prefix_chunk!r}") from None
+        if cached < 1 or new < 1:
+            raise ConfigError(f"--prefix-chunk takes positive numbers, got {args.prefix_chunk!r}")
+        prefix_chunk = (cached, new)
     counts = {"--batch-sizes": min(batch_sizes, default=0), "--context": args.context, "--decode-steps": args.decode_steps}
     if prefill_lengths:
         counts["--prefill-lengths"] = min(prefill_lengths)
@@ -124,7 +140,7 @@ def _bench(args: argparse.Namespace) -> int:
         return 0
     options = BenchOptions(
         shapes=shapes, batch_sizes=batch_sizes, context=args.context, decode_steps=args.decode_steps,
-        prefill_lengths=prefill_lengths, hf=not args.no_hf, hf_compile=args.hf_compile,
+        prefill_lengths=prefill_lengths, prefix_chunk=prefix_chunk, hf=not args.no_hf, hf_compile=args.hf_compile,
         start_times=not args.no_start_times,
         workdir=Path(args.workdir), output=Path(args.output),
     )

@@ -152,3 +152,31 @@ def test_a_decode_step_reads_only_the_chosen_experts():
     moe_layers = s["num_hidden_layers"] - s["first_k_dense_replace"]
     assert every - one == pytest.approx(per_expert * moe_layers * (64 - 6))
     assert bench.weight_bytes("llama-1b", 1) == bench.weight_bytes("llama-1b")
+
+
+def test_prefill_flops_match_torchs_flop_counter(monkeypatch):
+    """The matrix products of a small Llama-like shape counted by torch's FlopCounterMode (logits of
+    the last token only), and the attention products: torch counts every (row, key) pair of the
+    eager attention's batched products, the benchmark the causal ones."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    monkeypatch.setitem(bench.SHAPES, "tiny-llama", shape)
+    model = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="eager")).eval()
+    length = 40
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.zeros((1, length), dtype=torch.long), logits_to_keep=1)
+    counts = counter.get_flop_counts()["Global"]
+    attention_all_pairs = sum(v for k, v in counts.items() if "bmm" in str(k))
+    products = counter.get_total_flops() - attention_all_pairs
+    per_pair = 4 * shape["num_attention_heads"] * shape["head_dim"] * shape["num_hidden_layers"]
+    assert attention_all_pairs == per_pair * length * length
+    ours = bench.prefill_flops("tiny-llama", length)
+    causal = per_pair * length * (length + 1) / 2
+    norms = 2 * (2 * shape["num_hidden_layers"] + 1) * shape["hidden_size"] * length  # norm weights, not counted by torch
+    assert ours == pytest.approx(products + causal + norms, rel=1e-9)
+    # A chunk after a cached prefix sees every cached key.
+    assert bench.prefill_flops("tiny-llama", 8, 100) - bench.prefill_flops("tiny-llama", 8) == per_pair * 8 * 100

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from metrale import bench_throughput
 from metrale.bench_throughput import ThroughputOptions
 
@@ -48,3 +50,16 @@ def test_run_reports_both_engines_and_a_failing_baseline(monkeypatch, tmp_path):
     results = bench_throughput.run(options)
     assert results["hf_continuous_batching_error"] == "RuntimeError: no paged attention"
     assert "error: RuntimeError: no paged attention" in bench_throughput.table(results)
+
+
+def test_step_shares_split_the_run_by_step_kind():
+    shares = bench_throughput.step_shares({"decode_batch": 100, "mixed_forward": 10, "prefill_chunk": 0},
+                                          {"decode_batch": 5.0, "mixed_forward": 3.0, "prefill_chunk": 0.0}, 10.0)
+    assert shares["decode_batch"] == {"steps": 100, "share": 0.5, "ms_per_step": 50.0}
+    assert shares["mixed_forward"] == {"steps": 10, "share": 0.3, "ms_per_step": 300.0}
+    assert "prefill_chunk" not in shares
+    assert shares["between steps"]["share"] == pytest.approx(0.2)
+    results = {"model": "m", "options": {"num_requests": 1, "min_len": 1, "max_len": 2},
+               "metrale": {**bench_throughput._rates([[1]], 110, 10.0), "step_shares": shares}}
+    text = bench_throughput.table(results)
+    assert "decode_batch" in text and "50.0%" in text and "between steps" in text and "20.0%" in text

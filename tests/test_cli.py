@@ -90,6 +90,8 @@ def test_console_script_is_installed():
         (["--shapes", "llama-2b"], "unknown shapes ['llama-2b']"),
         (["--throughput", "--num-requests", "0"], "--num-requests takes positive numbers, got 0"),
         (["--throughput", "--max-num-seqs", "-1"], "--max-num-seqs takes positive numbers, got -1"),
+        (["--prefix-chunk", "8192"], "--prefix-chunk takes CACHED,NEW (two ints), got '8192'"),
+        (["--prefix-chunk", "0,512"], "--prefix-chunk takes positive numbers, got '0,512'"),
     ],
 )
 def test_bench_refuses_bad_options_before_touching_a_device(args, message, capsys):

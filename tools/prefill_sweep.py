@@ -1,12 +1,11 @@
-"""GPU time of the prefill attention kernel alone, by prompt length and head geometry.
+"""Prefill attention on the GPU: the tensor-core kernel (``metrale.kernels.attention_mma``)
+against the CUDA-core kernel (``metrale.kernels.attention_prefill``) on the same prompt rows.
 
-    python tools/prefill_sweep.py [--lengths 512,2048] [--geometries 32x8x64,32x8x128]
+Prints, per geometry and prompt, the microseconds of each (CUDA events) and the tensor-core
+kernel's achieved TFLOP/s (4 * d flops per visible (row, key) pair and head). Run from the
+repository root::
 
-For each geometry (query heads x KV heads x head dim) and prompt length, builds one sequence's
-paged cache and queries with random values, times :func:`metrale.kernels.attention_prefill.
-paged_attention_prefill` over the whole prompt (replayed from a CUDA graph by
-``timing.graph_time``, so launch overhead is left out) and prints microseconds and the achieved
-TFLOP/s of its causal products (2 x 2 x heads x head dim per visible query-key pair). Needs a CUDA device.
+    python3 tools/prefill_sweep.py [--lengths 512,2048,8192] [--prefix 0] [--geometries 32x8x64,32x8x128]
 """
 
 from __future__ import annotations
@@ -14,48 +13,49 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+from timing import cuda_event_time
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", default="512,2048", help="prompt lengths (comma-separated)")
+    parser.add_argument("--lengths", default="512,2048,8192", help="prompt lengths (rows)")
+    parser.add_argument("--prefix", type=int, default=0, help="cached tokens before the prompt")
     parser.add_argument("--geometries", default="32x8x64,32x8x128", help="heads x kv heads x head dim, comma-separated")
     args = parser.parse_args()
 
     import cupy as cp
-    from timing import graph_time
 
-    from metrale.cuda_backend import CudaBackend
-    from metrale.kernels import attention_prefill
+    from metrale.kernels import attention_mma, attention_prefill
 
-    backend = CudaBackend()
-    block_size = 16
+    stream = cp.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(0)
-    for geometry in args.geometries.split(","):
-        heads, kv_heads, head_dim = (int(part) for part in geometry.split("x"))
-        for length in (int(value) for value in args.lengths.split(",")):
-            blocks = -(-length // block_size)
-            shape = (blocks + 1, block_size, kv_heads, head_dim)
-            k_cache = cp.asarray(rng.integers(0, 2**14, shape).astype(np.uint16))
-            v_cache = cp.asarray(rng.integers(0, 2**14, shape).astype(np.uint16))
-            tables = cp.arange(1, blocks + 1, dtype=np.int32).reshape(1, blocks)
-            seq_index = cp.zeros(length, dtype=np.int32)
-            positions = cp.arange(length, dtype=np.int32)
-            q = cp.asarray(rng.standard_normal((length, heads, head_dim)).astype(np.float32))
-            tiles = cp.asarray(attention_prefill.query_tiles(
-                np.array([0, length]), attention_prefill.rows_per_tile(heads, kv_heads)))
-            out = cp.zeros((length, heads * head_dim), dtype=np.uint16)
-
-            def prefill():
-                attention_prefill.paged_attention_prefill(
-                    q, attention_prefill.as_words(k_cache), attention_prefill.as_words(v_cache), tables, seq_index,
-                    positions, tiles, head_dim**-0.5, None, out, backend.stream,
-                )
-
-            microseconds = graph_time(backend, prefill).median_us
-            flops = 4.0 * heads * head_dim * length * (length + 1) / 2
-            print(f"heads {heads:3d} kv {kv_heads:2d} dim {head_dim:3d} prompt {length:5d}: "
-                  f"{microseconds:9.1f} us  {flops / microseconds / 1e6:6.2f} TFLOP/s")
+    print(f"{'heads':>9} {'d':>4} {'rows':>6} {'prefix':>6} {'mma us':>9} {'TFLOP/s':>8} {'cuda-core us':>13} {'speedup':>8}")
+    geometries = [tuple(int(part) for part in geometry.split("x")) for geometry in args.geometries.split(",")]
+    for heads, kv_heads, head_dim in geometries:
+        for rows in (int(n) for n in args.lengths.split(",")):
+            block_size, context = 16, args.prefix + rows
+            blocks = -(-context // block_size) + 1
+            table = cp.asarray(np.arange(1, blocks, dtype=np.int32)[None, :])
+            q = cp.asarray(rng.standard_normal((rows, heads, head_dim)).astype(np.float32))
+            k_cache = cp.asarray(rng.integers(0x3C00, 0x3F80, (blocks, block_size, kv_heads, head_dim)).astype(np.uint16))
+            v_cache = cp.asarray(rng.integers(0x3C00, 0x3F80, (blocks, block_size, kv_heads, head_dim)).astype(np.uint16))
+            seq_index = cp.zeros(rows, dtype=np.int32)
+            positions = cp.arange(args.prefix, context, dtype=np.int32)
+            starts = np.array([0, rows], np.int32)
+            out = cp.empty((rows, heads * head_dim), dtype=np.uint16)
+            scale = head_dim**-0.5
+            mma_tiles = cp.asarray(attention_mma.query_tiles(starts))
+            core_tiles = cp.asarray(attention_prefill.query_tiles(starts, attention_prefill.rows_per_tile(heads, kv_heads)))
+            with stream:
+                mma = cuda_event_time(lambda: attention_mma.prefill_attention(
+                    q, k_cache, v_cache, table, seq_index, positions, mma_tiles, scale, None, out, stream), stream)
+                core = cuda_event_time(lambda: attention_prefill.paged_attention_prefill(
+                    q, attention_prefill.as_words(k_cache), attention_prefill.as_words(v_cache), table, seq_index,
+                    positions, core_tiles, scale, None, out, stream), stream, repeats=3, warmup=1)
+            pairs = rows * args.prefix + rows * (rows + 1) / 2
+            tflops = 4 * head_dim * heads * pairs / mma.median / 1e12
+            print(f"{heads:>4}/{kv_heads:<4} {head_dim:4d} {rows:6d} {args.prefix:6d} {mma.median_us:9.1f} {tflops:8.1f} "
+                  f"{core.median_us:13.1f} {core.median / mma.median:7.1f}x")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""tools/plot_bench.py: figures from bench JSON files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "plot_bench.py"
+
+
+@pytest.fixture(scope="module")
+def plot_bench():
+    spec = importlib.util.spec_from_file_location("metrale_tools_plot_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = {
+    "device": "Test GPU",
+    "options": {"shapes": ["llama-1b", "llama-8b"]},
+    "llama-1b": {
+        "metrale": {"decode_b1": {"tok_s": 700.0}, "prefill_2048": {"tok_s": 139000.0}, "prefill_512": {"tok_s": 43000.0},
+                    "prefill_512_after_8192": {"tok_s": 20000.0}, "load_s": 1.0},
+        "hf_eager": {"prefill_512": {"tok_s": 44000.0}, "prefill_2048": {"tok_s": 157000.0}},
+    },
+    "llama-8b": {"metrale_error": "RuntimeError: out of memory"},
+}
+
+
+def test_prefill_series_keep_whole_prompts_only_and_sort_by_length(plot_bench):
+    series = plot_bench.prefill_series(BENCH, "llama-1b")
+    assert series == {"metrale": [(512, 43000.0), (2048, 139000.0)], "hf_eager": [(512, 44000.0), (2048, 157000.0)]}
+    assert plot_bench.prefill_series(BENCH, "llama-8b") == {}
+
+
+def test_the_script_writes_one_figure_per_measured_shape_and_the_throughput_bars(plot_bench, tmp_path):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(BENCH))
+    throughput = tmp_path / "throughput.json"
+    throughput.write_text(json.dumps({"model": "qwen3-0.6b", "options": {"num_requests": 256},
+                                      "metrale": {"output_tok_s": 6200.0},
+                                      "hf_continuous_batching": {"output_tok_s": 650.0}}))
+    written = plot_bench.main(["--bench", str(bench), "--throughput", str(throughput), "--out", str(tmp_path / "images")])
+    assert [p.name for p in written] == ["prefill-llama-1b.png", "throughput.png"]
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_the_script_needs_an_input(plot_bench, capsys):
+    with pytest.raises(SystemExit):
+        plot_bench.main(["--out", "/tmp/unused"])
+    assert "give --bench and/or --throughput" in capsys.readouterr().err
