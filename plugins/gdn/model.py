@@ -36,23 +36,58 @@ IGNORED_TENSOR_PREFIXES = ("mtp.",)  # multi-token prediction: transformers has 
 
 
 @dataclass
-class GatedAttentionWeights:
-    """``qkv [(n_h + 2 n_kv) d, H]`` (the query rows of ``q_proj``, then ``k_proj`` and
-    ``v_proj``), ``gate [n_h d, H]`` (the gate rows of ``q_proj``, which interleaves query and
-    gate rows per head), ``o``, zero-centred ``q_norm`` / ``k_norm [d]``."""
+class GatedAttention:
+    """A gated full-attention layer: its weights, their loading and its forward.
 
+    ``qkv [(n_h + 2 n_kv) d, H]`` (the query rows of ``q_proj``, then ``k_proj`` and ``v_proj``),
+    ``gate [n_h d, H]`` (the gate rows of ``q_proj``, which interleaves query and gate rows per
+    head), ``o``, zero-centred ``q_norm`` / ``k_norm [d]``."""
+
+    config: GdnConfig
     qkv: Any
     gate: Any
     o: Any
     q_norm: Any
     k_norm: Any
 
+    @classmethod
+    def load(cls, checkpoint: Checkpoint, backend: Any, prefix: str, config: GdnConfig) -> "GatedAttention":
+        c = config
+        d, hidden = c.head_dim, c.hidden_size
+        # Per head, q_proj holds d query rows then d gate rows: regroup them (on the host, once)
+        # so that one product gives [q | k | v] for qkv_rope_cache and another the gates.
+        q_and_gate = checkpoint.tensor(f"{prefix}.q_proj.weight", (c.num_heads * 2 * d, hidden))
+        q_and_gate = q_and_gate.reshape(c.num_heads, 2, d, hidden)
+        k = checkpoint.tensor(f"{prefix}.k_proj.weight", (c.num_kv_heads * d, hidden))
+        v = checkpoint.tensor(f"{prefix}.v_proj.weight", (c.num_kv_heads * d, hidden))
+        return cls(
+            config=c,
+            qkv=backend.weight(np.concatenate([q_and_gate[:, 0].reshape(-1, hidden), k, v])),
+            gate=backend.weight(q_and_gate[:, 1].reshape(-1, hidden)),
+            o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (hidden, c.num_heads * d))),
+            q_norm=backend.load_weight(checkpoint, (f"{prefix}.q_norm.weight", (d,))),
+            k_norm=backend.load_weight(checkpoint, (f"{prefix}.k_norm.weight", (d,))),
+        )
+
+    def forward(self, backend: Any, inv_freq: Any, cache_layer: Any, h: Any, batch: ForwardBatch) -> Any:
+        ops, c = backend.ops, self.config
+        heads, d = c.num_heads, c.head_dim
+        q = ops.qkv_rope_cache(
+            ops.linear(h, self.qkv), batch.positions, batch.slot_mapping, inv_freq, 1.0, heads, c.num_kv_heads, d,
+            cache_layer.k, cache_layer.v, self.q_norm, self.k_norm, c.rms_norm_eps, 1.0,
+        )
+        out = ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, d**-0.5, None)
+        return ops.linear(ops.sigmoid_gate(out, ops.linear(h, self.gate)), self.o)
+
 
 @dataclass
-class DeltaNetWeights:
-    """``qkvz [2 H_k d_k + 2 H_v d_v, H]`` and ``ba [2 H_v, H]`` (grouped by key head), the conv
+class GatedDeltaNet:
+    """A Gated DeltaNet layer: its weights, their loading and its forward.
+
+    ``qkvz [2 H_k d_k + 2 H_v d_v, H]`` and ``ba [2 H_v, H]`` (grouped by key head), the conv
     weight ``[C, K]``, ``A_log`` and ``dt_bias [H_v]``, the gated norm ``[d_v]``, ``out``."""
 
+    config: GdnConfig
     qkvz: Any
     ba: Any
     conv: Any
@@ -61,16 +96,85 @@ class DeltaNetWeights:
     norm: Any
     out: Any
 
+    @classmethod
+    def load(cls, checkpoint: Checkpoint, backend: Any, prefix: str, config: GdnConfig) -> "GatedDeltaNet":
+        c = config
+        hidden, hk, hv, dk, dv = (c.hidden_size, c.linear_key_heads, c.linear_value_heads, c.linear_key_dim,
+                                  c.linear_value_dim)
+        return cls(
+            config=c,
+            qkvz=backend.load_weight(checkpoint, (f"{prefix}.in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, hidden))),
+            ba=backend.load_weight(checkpoint, (f"{prefix}.in_proj_ba.weight", (2 * hv, hidden))),
+            conv=backend.constant(checkpoint.tensor(f"{prefix}.conv1d.weight", (c.conv_channels, 1, c.conv_kernel))
+                                  .reshape(c.conv_channels, c.conv_kernel)),
+            a_log=backend.constant(checkpoint.tensor(f"{prefix}.A_log", (hv,))),
+            dt_bias=backend.constant(checkpoint.tensor(f"{prefix}.dt_bias", (hv,))),
+            norm=backend.constant(checkpoint.tensor(f"{prefix}.norm.weight", (dv,))),
+            out=backend.load_weight(checkpoint, (f"{prefix}.out_proj.weight", (hidden, hv * dv))),
+        )
+
+    def forward(self, backend: Any, cache_layer: Any, h: Any, batch: ForwardBatch) -> Any:
+        """``[N, H]``; the rows' conv and recurrent states (in their slots) move on."""
+        ops, c = backend.ops, self.config
+        rows = h.shape[0]
+        hk, hv, dk, dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
+        # The projections are grouped by key head in the checkpoint (docs/families.rst, "Gated
+        # DeltaNet layer", step 2): the ops regroup them into the conv input, z and the gates.
+        inputs, z = ops.gdn_ungroup(ops.linear(h, self.qkvz), hk, hv, dk, dv)
+        g, beta = ops.gdn_gates(ops.linear(h, self.ba), self.a_log, self.dt_bias, hk)
+        if rows == len(batch.row_starts) - 1:
+            # One token per sequence: the conv update and one recurrence step, in the slots.
+            mixed = ops.gdn_conv_update(inputs, self.conv, cache_layer.conv, batch.state_slots)
+            q, k, v = ops.gdn_split_heads(mixed, hk, hv, dk, dv)
+            out = ops.gdn_recurrent_step(q, k, v, g, beta, cache_layer.state, batch.state_slots)
+        else:
+            slots = np.array([segment.seq.state_slot for segment in batch.segments], dtype=np.int32)
+            starts = np.asarray(batch.row_starts, dtype=np.int32)
+            mixed = ops.gdn_conv_prompts(inputs, self.conv, cache_layer.conv, slots, starts)
+            q, k, v = ops.gdn_split_heads(mixed, hk, hv, dk, dv)
+            out = ops.gdn_prompt_rule(q, k, v, g, beta, cache_layer.state, slots, starts)
+        # Gated norm per value head (plain weight), then out_proj.
+        gated = ops.gated_rmsnorm(out, z, self.norm, c.rms_norm_eps)
+        return ops.linear(gated.reshape(rows, hv * dv), self.out)
+
 
 @dataclass
-class SparseMoeWeights:
-    """Softmax router ``gate [E, H]``, routed experts, the shared expert and its gate ``[1, H]``
-    (a weight of a matrix product)."""
+class SparseMoe:
+    """Qwen3-Next's MoE: softmax router ``gate [E, H]``, routed experts, the shared expert and its
+    gate ``[1, H]`` (a weight of a matrix product)."""
 
+    config: GdnConfig
     gate: Any
     experts: StackedExperts
     shared: MlpWeights
     shared_gate: Any
+
+    @classmethod
+    def load(cls, checkpoint: Checkpoint, backend: Any, prefix: str, config: GdnConfig) -> "SparseMoe":
+        c = config
+        hidden = c.hidden_size
+        return cls(
+            config=c,
+            gate=backend.constant(checkpoint.tensor(f"{prefix}.gate.weight", (c.num_experts, hidden))),
+            experts=load_stacked_experts(checkpoint, backend, f"{prefix}.experts", c.num_experts, hidden,
+                                         c.moe_intermediate_size),
+            shared=load_mlp_weights(checkpoint, backend, f"{prefix}.shared_expert", hidden,
+                                    c.shared_expert_intermediate_size),
+            shared_gate=backend.load_weight(checkpoint, (f"{prefix}.shared_expert_gate.weight", (1, hidden))),
+        )
+
+    def route(self, backend: Any, h: Any) -> tuple[Any, Any]:
+        """Top-k experts ``[N, k]`` and weights: softmax over the router logits, renormalised as
+        ``norm_topk_prob`` says, no scaling or group limit (:ref:`families-gdn-moe`)."""
+        c = self.config
+        return backend.ops.moe_route(h, self.gate, None, "greedy", 1, 1, c.num_experts_per_tok, c.norm_topk_prob, 1.0)
+
+    def forward(self, backend: Any, h: Any, chosen: Any, weights: Any) -> Any:
+        """The chosen experts' weighted outputs plus the shared expert's, through its gate."""
+        ops = backend.ops
+        out = routed_experts(backend, self.experts, h, chosen, weights)
+        # routed + shared expert * sigmoid(h . shared_gate), one gate per row.
+        return ops.gated_add(out, swiglu_mlp(backend, self.shared, h), ops.linear(h, self.shared_gate))
 
 
 @dataclass
@@ -79,8 +183,8 @@ class GdnLayer:
 
     input_norm: Any
     post_norm: Any
-    mixer: GatedAttentionWeights | DeltaNetWeights
-    feed_forward: MlpWeights | SparseMoeWeights
+    mixer: GatedAttention | GatedDeltaNet
+    feed_forward: MlpWeights | SparseMoe
 
 
 class GdnModel(FamilyModel):
@@ -99,12 +203,13 @@ class GdnModel(FamilyModel):
         self.layers = []
         for index in range(c.num_layers):
             prefix = f"model.layers.{index}"
-            mixer: GatedAttentionWeights | DeltaNetWeights = (
-                self._load_attention(checkpoint, f"{prefix}.self_attn") if c.layer_types[index] == "full_attention"
-                else self._load_delta(checkpoint, f"{prefix}.linear_attn")
+            mixer: GatedAttention | GatedDeltaNet = (
+                GatedAttention.load(checkpoint, backend, f"{prefix}.self_attn", c)
+                if c.layer_types[index] == "full_attention"
+                else GatedDeltaNet.load(checkpoint, backend, f"{prefix}.linear_attn", c)
             )
-            feed_forward: MlpWeights | SparseMoeWeights = (
-                self._load_moe(checkpoint, f"{prefix}.mlp") if c.moe_layers[index]
+            feed_forward: MlpWeights | SparseMoe = (
+                SparseMoe.load(checkpoint, backend, f"{prefix}.mlp", c) if c.moe_layers[index]
                 else load_mlp_weights(checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)
             )
             self.layers.append(GdnLayer(
@@ -114,52 +219,6 @@ class GdnModel(FamilyModel):
                 feed_forward=feed_forward,
             ))
         checkpoint.skip([n for n in checkpoint.names() if n.startswith(IGNORED_TENSOR_PREFIXES)])
-
-    # ------------------------------------------------------------------------------ loading
-
-    def _load_attention(self, checkpoint: Checkpoint, prefix: str) -> GatedAttentionWeights:
-        c, backend = self.config, self.backend
-        d, hidden = c.head_dim, c.hidden_size
-        # Per head, q_proj holds d query rows then d gate rows: regroup them (on the host, once)
-        # so that one product gives [q | k | v] for qkv_rope_cache and another the gates.
-        q_and_gate = checkpoint.tensor(f"{prefix}.q_proj.weight", (c.num_heads * 2 * d, hidden))
-        q_and_gate = q_and_gate.reshape(c.num_heads, 2, d, hidden)
-        k = checkpoint.tensor(f"{prefix}.k_proj.weight", (c.num_kv_heads * d, hidden))
-        v = checkpoint.tensor(f"{prefix}.v_proj.weight", (c.num_kv_heads * d, hidden))
-        return GatedAttentionWeights(
-            qkv=backend.weight(np.concatenate([q_and_gate[:, 0].reshape(-1, hidden), k, v])),
-            gate=backend.weight(q_and_gate[:, 1].reshape(-1, hidden)),
-            o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (hidden, c.num_heads * d))),
-            q_norm=backend.load_weight(checkpoint, (f"{prefix}.q_norm.weight", (d,))),
-            k_norm=backend.load_weight(checkpoint, (f"{prefix}.k_norm.weight", (d,))),
-        )
-
-    def _load_delta(self, checkpoint: Checkpoint, prefix: str) -> DeltaNetWeights:
-        c, backend = self.config, self.backend
-        hidden, hk, hv, dk, dv = (c.hidden_size, c.linear_key_heads, c.linear_value_heads, c.linear_key_dim,
-                                  c.linear_value_dim)
-        return DeltaNetWeights(
-            qkvz=backend.load_weight(checkpoint, (f"{prefix}.in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, hidden))),
-            ba=backend.load_weight(checkpoint, (f"{prefix}.in_proj_ba.weight", (2 * hv, hidden))),
-            conv=backend.constant(checkpoint.tensor(f"{prefix}.conv1d.weight", (c.conv_channels, 1, c.conv_kernel))
-                                  .reshape(c.conv_channels, c.conv_kernel)),
-            a_log=backend.constant(checkpoint.tensor(f"{prefix}.A_log", (hv,))),
-            dt_bias=backend.constant(checkpoint.tensor(f"{prefix}.dt_bias", (hv,))),
-            norm=backend.constant(checkpoint.tensor(f"{prefix}.norm.weight", (dv,))),
-            out=backend.load_weight(checkpoint, (f"{prefix}.out_proj.weight", (hidden, hv * dv))),
-        )
-
-    def _load_moe(self, checkpoint: Checkpoint, prefix: str) -> SparseMoeWeights:
-        c, backend = self.config, self.backend
-        hidden = c.hidden_size
-        return SparseMoeWeights(
-            gate=backend.constant(checkpoint.tensor(f"{prefix}.gate.weight", (c.num_experts, hidden))),
-            experts=load_stacked_experts(checkpoint, backend, f"{prefix}.experts", c.num_experts, hidden,
-                                         c.moe_intermediate_size),
-            shared=load_mlp_weights(checkpoint, backend, f"{prefix}.shared_expert", hidden,
-                                    c.shared_expert_intermediate_size),
-            shared_gate=backend.load_weight(checkpoint, (f"{prefix}.shared_expert_gate.weight", (1, hidden))),
-        )
 
     # ------------------------------------------------------------------------------ contract
 
@@ -207,60 +266,17 @@ class GdnModel(FamilyModel):
         for layer, cache_layer in zip(self.layers, self._require_cache().layers):
             h, residual = ops.rmsnorm_residual(x, residual, layer.input_norm, eps, 1.0)
             mixer, ffn = layer.mixer, layer.feed_forward
-            if isinstance(mixer, GatedAttentionWeights):
-                x = self._attention(mixer, cache_layer, h, batch)
+            if isinstance(mixer, GatedAttention):
+                x = mixer.forward(self.backend, self.inv_freq, cache_layer, h, batch)
             else:
-                x = self._delta(mixer, cache_layer, h, batch)
+                x = mixer.forward(self.backend, cache_layer, h, batch)
             h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps, 1.0)
-            x = self._moe(ffn, h) if isinstance(ffn, SparseMoeWeights) else swiglu_mlp(self.backend, ffn, h)
+            if isinstance(ffn, SparseMoe):
+                x = ffn.forward(self.backend, h, *self.route(ffn, h))
+            else:
+                x = swiglu_mlp(self.backend, ffn, h)
         return self.ends.logits(self.backend, x, residual, batch, eps, 1.0)
 
-    # -------------------------------------------------------------------------------- mixers
-
-    def _attention(self, w: GatedAttentionWeights, cache_layer: Any, h: Any, batch: ForwardBatch) -> Any:
-        ops, c = self.backend.ops, self.config
-        heads, d = c.num_heads, c.head_dim
-        q = ops.qkv_rope_cache(
-            ops.linear(h, w.qkv), batch.positions, batch.slot_mapping, self.inv_freq, 1.0, heads, c.num_kv_heads, d,
-            cache_layer.k, cache_layer.v, w.q_norm, w.k_norm, c.rms_norm_eps, 1.0,
-        )
-        out = ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, d**-0.5, None)
-        return ops.linear(ops.sigmoid_gate(out, ops.linear(h, w.gate)), w.o)
-
-    def _delta(self, w: DeltaNetWeights, cache_layer: Any, h: Any, batch: ForwardBatch) -> Any:
-        ops, c = self.backend.ops, self.config
-        rows = h.shape[0]
-        hk, hv, dk, dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
-        # The projections are grouped by key head in the checkpoint (docs/families.rst, "Gated
-        # DeltaNet layer", step 2): the ops regroup them into the conv input, z and the gates.
-        inputs, z = ops.gdn_ungroup(ops.linear(h, w.qkvz), hk, hv, dk, dv)
-        g, beta = ops.gdn_gates(ops.linear(h, w.ba), w.a_log, w.dt_bias, hk)
-        if rows == len(batch.row_starts) - 1:
-            # One token per sequence: the conv update and one recurrence step, in the slots.
-            mixed = ops.gdn_conv_update(inputs, w.conv, cache_layer.conv, batch.state_slots)
-            q, k, v = ops.gdn_split_heads(mixed, hk, hv, dk, dv)
-            out = ops.gdn_recurrent_step(q, k, v, g, beta, cache_layer.state, batch.state_slots)
-        else:
-            slots = np.array([segment.seq.state_slot for segment in batch.segments], dtype=np.int32)
-            starts = np.asarray(batch.row_starts, dtype=np.int32)
-            mixed = ops.gdn_conv_prompts(inputs, w.conv, cache_layer.conv, slots, starts)
-            q, k, v = ops.gdn_split_heads(mixed, hk, hv, dk, dv)
-            out = ops.gdn_prompt_rule(q, k, v, g, beta, cache_layer.state, slots, starts)
-        # Gated norm per value head (plain weight), then out_proj.
-        gated = ops.gated_rmsnorm(out, z, w.norm, c.rms_norm_eps)
-        return ops.linear(gated.reshape(rows, hv * dv), w.out)
-
-    def route(self, moe: SparseMoeWeights, h: Any) -> tuple[Any, Any]:
-        """Top-k experts ``[N, k]`` and weights: softmax over the router logits, renormalised as
-        ``norm_topk_prob`` says, no scaling or group limit (:ref:`families-gdn-moe`)."""
-        c = self.config
-        return self.backend.ops.moe_route(h, moe.gate, None, "greedy", 1, 1, c.num_experts_per_tok,
-                                          c.norm_topk_prob, 1.0)
-
-    def _moe(self, moe: SparseMoeWeights, h: Any) -> Any:
-        ops = self.backend.ops
-        chosen, weights = self.route(moe, h)
-        out = routed_experts(self.backend, moe.experts, h, chosen, weights)
-        # routed + shared expert * sigmoid(h . shared_gate), one gate per row.
-        return ops.gated_add(out, swiglu_mlp(self.backend, moe.shared, h), ops.linear(h, moe.shared_gate))
-
+    def route(self, moe: SparseMoe, h: Any) -> tuple[Any, Any]:
+        """The experts ``moe`` chooses for ``h`` (a method of the model, so tests can record it)."""
+        return moe.route(self.backend, h)
