@@ -1,0 +1,102 @@
+"""Where a prompt's prefill time goes: each op's GPU time and the gaps between ops.
+
+    python tools/profile_prefill.py [--shapes llama-1b,llama-8b] [--length 2048]
+
+Needs a CUDA device (and what ``metrale bench`` needs). For each shape it prints the whole
+prefill of one ``--length``-token prompt (CUDA events, as ``metrale bench`` times it), then one
+prefill with every op of the backend's op table wrapped: CUDA events recorded on the stream
+before and after each op call. An op's figure is the time between its two events, its GPU time
+when the GPU is kept busy. The time from one op's end to the next op's start is charged to a
+"gap after OP" line: work queued outside the op table (array glue in the model code) or the GPU
+waiting for the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from timing import cuda_event_time
+
+
+def profile(shape: str, length: int, workdir: Path) -> None:
+    import cupy
+
+    from metrale.api import LLM
+    from metrale.bench import build_checkpoint, prefill_flops
+    from metrale.sequence import SequenceState
+
+    folder = build_checkpoint(shape, workdir / shape)
+    llm = LLM(folder, device="cuda", max_model_len=length + 64, max_num_seqs=2, show_progress=False)
+    backend = llm.backend
+    stream = backend.stream
+    prompt = np.random.default_rng(0).integers(0, llm.vocab_size, length).tolist()
+
+    def prefill() -> None:
+        seq = SequenceState.from_prompt(prompt)
+        llm.forward.prefill(prompt, seq)
+        llm.cache.release(seq)
+
+    whole = cuda_event_time(prefill, stream, warmup=1, repeats=5)
+    ops = backend.ops
+    names = ops.names()
+    originals = {name: getattr(ops, name) for name in names}
+    marks: list[tuple[str, Any, Any]] = []
+
+    def recording(name: str, function: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            result = function(*a, **k)
+            stop.record(stream)
+            marks.append((name, start, stop))
+            return result
+
+        return wrapper
+
+    for name, function in originals.items():
+        setattr(ops, name, recording(name, function))
+    first = cupy.cuda.Event()
+    first.record(stream)
+    prefill()
+    last = cupy.cuda.Event()
+    last.record(stream)
+    last.synchronize()
+    for name, function in originals.items():
+        setattr(ops, name, function)
+
+    op_ms: dict[str, list[float]] = defaultdict(list)
+    gap_ms: dict[str, float] = defaultdict(float)
+    previous_name, previous_stop = "(start)", first
+    for name, start, stop in marks:
+        gap_ms[previous_name] += cupy.cuda.get_elapsed_time(previous_stop, start)
+        op_ms[name].append(cupy.cuda.get_elapsed_time(start, stop))
+        previous_name, previous_stop = name, stop
+    gap_ms[previous_name] += cupy.cuda.get_elapsed_time(previous_stop, last)
+    traced = cupy.cuda.get_elapsed_time(first, last)
+    flops = prefill_flops(shape, length)
+    print(f"== {shape}: prefill of {length} tokens {whole.median * 1e3:.2f} ms ({length / whole.median:,.0f} tok/s, "
+          f"{flops / whole.median / 1e12:.0f} TFLOP/s); traced run {traced:.2f} ms over {len(marks)} op calls")
+    rows = [(sum(v), f"{name} ({len(v)} calls, median {statistics.median(v) * 1e3:.1f} us)") for name, v in op_ms.items()]
+    rows += [(ms, f"gap after {name}") for name, ms in gap_ms.items() if ms > 0.01]
+    for ms, label in sorted(rows, reverse=True):
+        print(f"{ms:9.2f} ms {100 * ms / traced:5.1f} %  {label}")
+    llm.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="llama-1b,llama-8b")
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--workdir", default="/tmp/metrale-bench")
+    args = parser.parse_args()
+    for shape in args.shapes.split(","):
+        profile(shape, args.length, Path(args.workdir))
+
+
+if __name__ == "__main__":
+    main()
