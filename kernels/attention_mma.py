@@ -26,20 +26,27 @@ import numpy as np
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
 
-#: Query rows of one block (four warps of 16) and keys staged per step.
+#: Query rows of one block (four warps of 16).
 BLOCK_ROWS = 64
-BLOCK_KEYS = 64
 THREADS = 128
-HEAD_DIMS = (64, 128)
+#: The (key, value) head sizes served.
+HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 
 SOURCE = r"""
 #include <cuda_bf16.h>
 
 #define HEAD_DIM __HEAD_DIM__
+#define VALUE_DIM __VALUE_DIM__
+#define BLOCK_KEYS __BLOCK_KEYS__
 #define BLOCK_ROWS 64
-#define BLOCK_KEYS 64
 #define THREADS 128
-#define STRIDE (HEAD_DIM + 8)   // padded shared row (bf16): fragment reads are bank-conflict free
+// Padded shared rows (bf16): the 8 rows of an ldmatrix read fall into distinct banks.
+#define K_STRIDE (HEAD_DIM + 8)
+#define V_STRIDE (VALUE_DIM + 8)
+#define STAGE_ELEMENTS (BLOCK_KEYS * (K_STRIDE + V_STRIDE))
+// Queries of more than 192 dims are read from shared memory at every key step: kept in
+// registers they would leave too few for the accumulators.
+#define QUERY_IN_SHARED (HEAD_DIM > 192)
 #define NEG_INF (__int_as_float(0xff800000))
 
 typedef unsigned short bf16_bits;
@@ -49,8 +56,25 @@ __device__ __forceinline__ unsigned pack_bf16(float low, float high) {
     return *reinterpret_cast<unsigned*>(&pair);
 }
 
-__device__ __forceinline__ unsigned shared_pair(const bf16_bits* at) {
-    return *reinterpret_cast<const unsigned*>(at);
+__device__ __forceinline__ unsigned shared_address(const void* at) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(at));
+}
+
+// Four 8x8 b16 matrices; lanes 8m..8m+7 give the row addresses of matrix m.
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const bf16_bits* at) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(at)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const bf16_bits* at) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(at)));
+}
+
+// 16 bytes global -> shared without passing through registers; zero-filled when !valid.
+__device__ __forceinline__ void copy_async_16(bf16_bits* to, const bf16_bits* from, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(shared_address(to)), "l"(from), "r"(valid ? 16 : 0));
 }
 
 // c[16x8] += a[16x16] * b[16x8]: a row-major, b column-major, bf16 in, float32 accumulate.
@@ -62,17 +86,20 @@ __device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const u
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Grid: (tiles, query heads); THREADS threads. q [N, nh, D] f32; k_cache, v_cache
-// [blocks, block_size, nkv, D] bf16 bits; block_tables [S, max_blocks], seq_index [N],
-// positions [N], tiles [T, 2] (first row, rows) int32; out [N, nh * D] bf16 bits.
+// Grid: (tiles, query heads); THREADS threads; dynamic shared memory: the query tile (when
+// QUERY_IN_SHARED) and two stages of BLOCK_KEYS keys and values. q [N, nh, HEAD_DIM] f32;
+// k_cache [blocks, block_size, nkv, HEAD_DIM], v_cache [blocks, block_size, nkv, VALUE_DIM] bf16
+// bits; block_tables [S, max_blocks], seq_index [N], positions [N], tiles [T, 2] (first row, rows)
+// int32; out [N, nh * VALUE_DIM] bf16 bits.
 extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
     const float* __restrict__ q, const bf16_bits* __restrict__ k_cache, const bf16_bits* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_index, const int* __restrict__ positions,
     const int* __restrict__ tiles, int num_heads, int num_kv_heads, int block_size, int max_blocks, float scale,
     int sliding_window, bf16_bits* __restrict__ out)
 {
-    __shared__ __align__(16) bf16_bits keys[BLOCK_KEYS * STRIDE];   // also stages the query tile
-    __shared__ __align__(16) bf16_bits values[BLOCK_KEYS * STRIDE];
+    extern __shared__ __align__(16) bf16_bits shared[];
+    bf16_bits* query_tile = shared;   // [BLOCK_ROWS, K_STRIDE]: staging, or for good when QUERY_IN_SHARED
+    bf16_bits* stages = shared + (QUERY_IN_SHARED ? BLOCK_ROWS * K_STRIDE : 0);
 
     const int tile = blockIdx.x, head = blockIdx.y;
     const int kv_head = head / (num_heads / num_kv_heads);
@@ -85,75 +112,111 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
     const int key_end = positions[first + count - 1] + 1;
     const int position0 = row0 < count ? positions[first + row0] : -1;
     const int position1 = row1 < count ? positions[first + row1] : -1;
+    // ldmatrix: this lane addresses row (lane % 8) of matrix (lane / 8).
+    const int matrix = lane / 8, matrix_row = lane % 8;
 
     // The query tile, scaled by scale * log2(e) (the softmax runs in base 2), as bf16.
     const float query_scale = scale * 1.4426950408889634f;
     for (int e = threadIdx.x; e < BLOCK_ROWS * HEAD_DIM; e += THREADS) {
         const int r = e / HEAD_DIM, d = e % HEAD_DIM;
         const float value = r < count ? q[((long)(first + r) * num_heads + head) * HEAD_DIM + d] * query_scale : 0.f;
-        keys[r * STRIDE + d] = __bfloat16_as_ushort(__float2bfloat16_rn(value));
+        query_tile[r * K_STRIDE + d] = __bfloat16_as_ushort(__float2bfloat16_rn(value));
     }
     __syncthreads();
+    // A operand of kk: matrices (rows 0-7, dims 0-7), (rows 8-15, dims 0-7), (rows 0-7, dims 8-15),
+    // (rows 8-15, dims 8-15) of the warp's 16 rows and the kk-th 16 dims.
+    const bf16_bits* query_fragment = &query_tile[(warp * 16 + (matrix & 1) * 8 + matrix_row) * K_STRIDE + (matrix >> 1) * 8];
+#if !QUERY_IN_SHARED
     unsigned query[HEAD_DIM / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        const int column = kk * 16 + quad * 2;
-        query[kk][0] = shared_pair(&keys[row0 * STRIDE + column]);
-        query[kk][1] = shared_pair(&keys[row1 * STRIDE + column]);
-        query[kk][2] = shared_pair(&keys[row0 * STRIDE + column + 8]);
-        query[kk][3] = shared_pair(&keys[row1 * STRIDE + column + 8]);
-    }
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) ldmatrix_x4(query[kk], query_fragment + kk * 16);
+    __syncthreads();   // the staging area becomes the first stage
+#endif
 
     float best[2] = {NEG_INF, NEG_INF}, total[2] = {0.f, 0.f};
-    float acc[HEAD_DIM / 8][4];
+    float acc[VALUE_DIM / 8][4];
 #pragma unroll
-    for (int dt = 0; dt < HEAD_DIM / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
+    for (int dt = 0; dt < VALUE_DIM / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
 
     int key_start = 0;
     if (sliding_window > 0) {
         key_start = first_position - sliding_window + 1;
         key_start = key_start < 0 ? 0 : key_start / BLOCK_KEYS * BLOCK_KEYS;
     }
-    for (int base = key_start; base < key_end; base += BLOCK_KEYS) {
-        __syncthreads();   // every warp is done with the previous keys (and the query staging)
+    // Queue the keys and values of [base, base + BLOCK_KEYS) into a stage (zeros past key_end).
+    auto load_stage = [&](int stage, int base) {
+        bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
+        bf16_bits* values = keys + BLOCK_KEYS * K_STRIDE;
         for (int e = threadIdx.x; e < BLOCK_KEYS * (HEAD_DIM / 8); e += THREADS) {
             const int key = e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8);
             const int position = base + key;
-            uint4 k_words = make_uint4(0, 0, 0, 0), v_words = make_uint4(0, 0, 0, 0);
-            if (position < key_end) {
-                const long slot = (long)table[position / block_size] * block_size + position % block_size;
-                const long at = (slot * num_kv_heads + kv_head) * HEAD_DIM + chunk * 8;
-                k_words = *reinterpret_cast<const uint4*>(k_cache + at);
-                v_words = *reinterpret_cast<const uint4*>(v_cache + at);
-            }
-            *reinterpret_cast<uint4*>(&keys[key * STRIDE + chunk * 8]) = k_words;
-            *reinterpret_cast<uint4*>(&values[key * STRIDE + chunk * 8]) = v_words;
+            const bool valid = position < key_end;
+            const long slot = valid ? (long)table[position / block_size] * block_size + position % block_size : 0;
+            copy_async_16(&keys[key * K_STRIDE + chunk * 8], k_cache + (slot * num_kv_heads + kv_head) * HEAD_DIM + chunk * 8,
+                          valid);
+        }
+        for (int e = threadIdx.x; e < BLOCK_KEYS * (VALUE_DIM / 8); e += THREADS) {
+            const int key = e / (VALUE_DIM / 8), chunk = e % (VALUE_DIM / 8);
+            const int position = base + key;
+            const bool valid = position < key_end;
+            const long slot = valid ? (long)table[position / block_size] * block_size + position % block_size : 0;
+            copy_async_16(&values[key * V_STRIDE + chunk * 8],
+                          v_cache + (slot * num_kv_heads + kv_head) * VALUE_DIM + chunk * 8, valid);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+
+    if (key_start < key_end) load_stage(0, key_start);
+    int stage = 0;
+    for (int base = key_start; base < key_end; base += BLOCK_KEYS, stage ^= 1) {
+        if (base + BLOCK_KEYS < key_end) {
+            load_stage(stage ^ 1, base + BLOCK_KEYS);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
         }
         __syncthreads();
+        const bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
+        const bf16_bits* values = keys + BLOCK_KEYS * K_STRIDE;
 
         float scores[BLOCK_KEYS / 8][4];
 #pragma unroll
         for (int nt = 0; nt < BLOCK_KEYS / 8; ++nt) scores[nt][0] = scores[nt][1] = scores[nt][2] = scores[nt][3] = 0.f;
+        // B operand of key tiles nt, nt + 1: matrices (keys of nt, dims 0-7), (keys of nt, dims
+        // 8-15), (keys of nt + 1, dims 0-7), (keys of nt + 1, dims 8-15) of the kk-th 16 dims.
+        const bf16_bits* key_fragment = &keys[((matrix >> 1) * 8 + matrix_row) * K_STRIDE + (matrix & 1) * 8];
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+#if QUERY_IN_SHARED
+            unsigned query_kk[4];
+            ldmatrix_x4(query_kk, query_fragment + kk * 16);
+#else
+            const unsigned* query_kk = query[kk];
+#endif
 #pragma unroll
-            for (int nt = 0; nt < BLOCK_KEYS / 8; ++nt) {
-                const bf16_bits* key_row = &keys[(nt * 8 + group) * STRIDE + kk * 16 + quad * 2];
-                const unsigned operand[2] = {shared_pair(key_row), shared_pair(key_row + 8)};
-                mma_16x8x16(scores[nt], query[kk], operand);
+            for (int nt = 0; nt < BLOCK_KEYS / 8; nt += 2) {
+                unsigned operand[4];
+                ldmatrix_x4(operand, key_fragment + nt * 8 * K_STRIDE + kk * 16);
+                mma_16x8x16(scores[nt], query_kk, operand);
+                mma_16x8x16(scores[nt + 1], query_kk, operand + 2);
             }
         }
 
+        // Every row of the tile sees every key of this step: no mask to apply.
+        const bool all_seen = base + BLOCK_KEYS - 1 <= first_position
+                              && (sliding_window <= 0 || base > key_end - 1 - sliding_window);
         float new_best[2] = {best[0], best[1]};
 #pragma unroll
         for (int nt = 0; nt < BLOCK_KEYS / 8; ++nt) {
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int half = c / 2;
-                const int position = half ? position1 : position0;
-                const int key = base + nt * 8 + quad * 2 + (c & 1);
-                const bool seen = key <= position && (sliding_window <= 0 || key > position - sliding_window);
-                if (!seen) scores[nt][c] = NEG_INF;
+                if (!all_seen) {
+                    const int position = half ? position1 : position0;
+                    const int key = base + nt * 8 + quad * 2 + (c & 1);
+                    const bool seen = key <= position && (sliding_window <= 0 || key > position - sliding_window);
+                    if (!seen) scores[nt][c] = NEG_INF;
+                }
                 new_best[half] = fmaxf(new_best[half], scores[nt][c]);
             }
         }
@@ -177,10 +240,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
             }
         }
 #pragma unroll
-        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+        for (int dt = 0; dt < VALUE_DIM / 8; ++dt) {
             acc[dt][0] *= rescale[0]; acc[dt][1] *= rescale[0];
             acc[dt][2] *= rescale[1]; acc[dt][3] *= rescale[1];
         }
+        // B operand of value tiles dt, dt + 1 (transposed loads): matrices (keys 0-7, dims of dt),
+        // (keys 8-15, dims of dt), (keys 0-7, dims of dt + 1), (keys 8-15, dims of dt + 1) of the
+        // kt-th 16 keys.
+        const bf16_bits* value_fragment = &values[((matrix & 1) * 8 + matrix_row) * V_STRIDE + (matrix >> 1) * 8];
 #pragma unroll
         for (int kt = 0; kt < BLOCK_KEYS / 16; ++kt) {
             // The accumulators of key tiles 2kt and 2kt + 1 are the A operand of keys 16kt..16kt+15.
@@ -189,17 +256,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
                 pack_bf16(scores[2 * kt + 1][0], scores[2 * kt + 1][1]),
                 pack_bf16(scores[2 * kt + 1][2], scores[2 * kt + 1][3]),
             };
-            const int key = kt * 16 + quad * 2;
 #pragma unroll
-            for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-                const int dim = dt * 8 + group;
-                const unsigned operand[2] = {
-                    (unsigned)values[key * STRIDE + dim] | ((unsigned)values[(key + 1) * STRIDE + dim] << 16),
-                    (unsigned)values[(key + 8) * STRIDE + dim] | ((unsigned)values[(key + 9) * STRIDE + dim] << 16),
-                };
+            for (int dt = 0; dt < VALUE_DIM / 8; dt += 2) {
+                unsigned operand[4];
+                ldmatrix_x4_trans(operand, value_fragment + kt * 16 * V_STRIDE + dt * 8);
                 mma_16x8x16(acc[dt], probabilities, operand);
+                mma_16x8x16(acc[dt + 1], probabilities, operand + 2);
             }
         }
+        __syncthreads();   // every warp is done with this stage before it is refilled
     }
 
 #pragma unroll
@@ -207,39 +272,58 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
         total[h] += __shfl_xor_sync(0xffffffff, total[h], 1);
         total[h] += __shfl_xor_sync(0xffffffff, total[h], 2);
     }
-    const long row_width = (long)num_heads * HEAD_DIM;
+    const long row_width = (long)num_heads * VALUE_DIM;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int row = h ? row1 : row0;
         if (row >= count) continue;
         const float inverse = total[h] > 0.f ? 1.f / total[h] : 0.f;
-        unsigned* target = reinterpret_cast<unsigned*>(out + (first + row) * row_width + head * HEAD_DIM);
+        unsigned* target = reinterpret_cast<unsigned*>(out + (first + row) * row_width + head * VALUE_DIM);
 #pragma unroll
-        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+        for (int dt = 0; dt < VALUE_DIM / 8; ++dt) {
             target[(dt * 8 + quad * 2) / 2] = pack_bf16(acc[dt][2 * h] * inverse, acc[dt][2 * h + 1] * inverse);
         }
     }
 }
 """
 
-_kernels: dict[int, Any] = {}
+_kernels: dict[tuple[int, int], tuple[Any, int]] = {}
 
 
-def _kernel(head_dim: int) -> Any:
-    """The compiled kernel for ``head_dim`` (NVRTC, once per process and head size)."""
-    kernel = _kernels.get(head_dim)
-    if kernel is None:
+def block_keys(head_dim: int, value_dim: int) -> int:
+    """Keys staged per step: 64, or 32 for heads of more than 192 dims (shared memory)."""
+    return 32 if max(head_dim, value_dim) > 192 else 64
+
+
+def shared_bytes(head_dim: int, value_dim: int) -> int:
+    """Dynamic shared memory of one block: two stages of keys and values (padded rows), plus the
+    query tile where it stays in shared memory (it otherwise shares the first stage's space)."""
+    keys = block_keys(head_dim, value_dim)
+    stages = 2 * keys * (head_dim + 8 + value_dim + 8)
+    query = BLOCK_ROWS * (head_dim + 8)
+    return 2 * (stages + query if head_dim > 192 else max(stages, query))
+
+
+def _kernel(head_dim: int, value_dim: int) -> tuple[Any, int]:
+    """The compiled kernel for the head sizes and its shared memory bytes (NVRTC, once per
+    process and geometry)."""
+    entry = _kernels.get((head_dim, value_dim))
+    if entry is None:
         import cupy
 
-        module = cupy.RawModule(code=SOURCE.replace("__HEAD_DIM__", str(head_dim)), options=("--std=c++17",))
-        kernel = _kernels[head_dim] = module.get_function("prefill_attention_mma")
-    return kernel
+        code = (SOURCE.replace("__HEAD_DIM__", str(head_dim)).replace("__VALUE_DIM__", str(value_dim))
+                .replace("__BLOCK_KEYS__", str(block_keys(head_dim, value_dim))))
+        kernel = cupy.RawModule(code=code, options=("--std=c++17", "--use_fast_math")).get_function("prefill_attention_mma")
+        size = shared_bytes(head_dim, value_dim)
+        kernel.max_dynamic_shared_size_bytes = size
+        entry = _kernels[(head_dim, value_dim)] = (kernel, size)
+    return entry
 
 
 def supports(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:
-    """Whether this kernel serves the geometry: GQA with a head size of 64 or 128, keys and values
-    of the same size."""
-    return head_dim in HEAD_DIMS and value_dim == head_dim and kv_heads > 0 and heads % kv_heads == 0
+    """Whether this kernel serves the geometry: GQA with (key, value) head sizes of (64, 64),
+    (128, 128), (192, 128) (MLA's expanded form) or (256, 256)."""
+    return (head_dim, value_dim) in HEAD_DIMS and kv_heads > 0 and heads % kv_heads == 0
 
 
 def query_tiles(row_starts: np.ndarray) -> np.ndarray:
@@ -259,22 +343,24 @@ def prefill_attention(
     stream: Any = None,
 ) -> DeviceArray:
     """Causal attention of the rows of ``tiles`` (:func:`query_tiles`) over their sequences' paged
-    K/V: ``out [N, nh * D]`` bf16 bits from ``q [N, nh, D]`` float32 and bf16 caches
-    ``[blocks, block_size, nkv, D]``. Every row of a tile belongs to one sequence and the tile's
-    rows have consecutive positions (prompt rows)."""
+    K/V: ``out [N, nh * Dv]`` bf16 bits from ``q [N, nh, D]`` float32 and bf16 caches ``k_cache
+    [blocks, block_size, nkv, D]``, ``v_cache [blocks, block_size, nkv, Dv]``. Every row of a tile
+    belongs to one sequence and the tile's rows have consecutive positions (prompt rows)."""
     op = "prefill_attention_mma"
     check_array(op, "q", q, np.float32, ndim=3)
     rows, heads, head_dim = q.shape
     check_array(op, "k_cache", k_cache, np.uint16, (None, None, None, head_dim))
     blocks, block_size, kv_heads = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
-    check_array(op, "v_cache", v_cache, np.uint16, (blocks, block_size, kv_heads, head_dim))
-    if not supports(heads, kv_heads, head_dim, head_dim):
-        raise KernelArgumentError(f"{op}: {heads} heads over {kv_heads} KV heads of size {head_dim} are unsupported")
+    check_array(op, "v_cache", v_cache, np.uint16, (blocks, block_size, kv_heads, None))
+    value_dim = v_cache.shape[3]
+    if not supports(heads, kv_heads, head_dim, value_dim):
+        raise KernelArgumentError(
+            f"{op}: {heads} heads over {kv_heads} KV heads of sizes {head_dim} (keys) and {value_dim} (values) are unsupported")
     check_array(op, "block_tables", block_tables, np.int32, ndim=2)
     check_array(op, "seq_index", seq_index, np.int32, (rows,))
     check_array(op, "positions", positions, np.int32, (rows,))
     check_array(op, "tiles", tiles, np.int32, (None, 2))
-    check_array(op, "out", out, np.uint16, (rows, heads * head_dim))
+    check_array(op, "out", out, np.uint16, (rows, heads * value_dim))
     if not tiles.shape[0]:
         return out
     import contextlib
@@ -284,5 +370,6 @@ def prefill_attention(
         np.int32(block_size), np.int32(block_tables.shape[1]), np.float32(scale), np.int32(sliding_window or 0), out,
     )
     with stream if stream is not None else contextlib.nullcontext():
-        _kernel(head_dim)((int(tiles.shape[0]), heads), (THREADS,), arguments)
+        kernel, size = _kernel(head_dim, value_dim)
+        kernel((int(tiles.shape[0]), heads), (THREADS,), arguments, shared_mem=size)
     return out

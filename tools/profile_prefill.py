@@ -8,19 +8,21 @@ prefill with every op of the backend's op table wrapped: CUDA events recorded on
 before and after each op call. An op's figure is the time between its two events, its GPU time
 when the GPU is kept busy. The time from one op's end to the next op's start is charged to a
 "gap after OP" line: work queued outside the op table (array glue in the model code) or the GPU
-waiting for the host.
+waiting for the host. The host clock of the whole call (the GPU left to finish after it) and of
+each op's calls say where the host is the bound.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from timing import cuda_event_time
+from timing import cuda_event_time, host_time
 
 
 def profile(shape: str, length: int, workdir: Path) -> None:
@@ -42,16 +44,21 @@ def profile(shape: str, length: int, workdir: Path) -> None:
         llm.cache.release(seq)
 
     whole = cuda_event_time(prefill, stream, warmup=1, repeats=5)
+    # The host's share: the same call timed on the host clock, the GPU left to finish after.
+    host = host_time(prefill, warmup=1, repeats=5, synchronize=backend.synchronize)
     ops = backend.ops
     names = ops.names()
     originals = {name: getattr(ops, name) for name in names}
     marks: list[tuple[str, Any, Any]] = []
+    host_ms: dict[str, float] = defaultdict(float)
 
     def recording(name: str, function: Any) -> Any:
         def wrapper(*a: Any, **k: Any) -> Any:
             start, stop = cupy.cuda.Event(), cupy.cuda.Event()
             start.record(stream)
+            started = time.perf_counter()
             result = function(*a, **k)
+            host_ms[name] += 1e3 * (time.perf_counter() - started)
             stop.record(stream)
             marks.append((name, start, stop))
             return result
@@ -80,8 +87,10 @@ def profile(shape: str, length: int, workdir: Path) -> None:
     traced = cupy.cuda.get_elapsed_time(first, last)
     flops = prefill_flops(shape, length)
     print(f"== {shape}: prefill of {length} tokens {whole.median * 1e3:.2f} ms ({length / whole.median:,.0f} tok/s, "
-          f"{flops / whole.median / 1e12:.0f} TFLOP/s); traced run {traced:.2f} ms over {len(marks)} op calls")
-    rows = [(sum(v), f"{name} ({len(v)} calls, median {statistics.median(v) * 1e3:.1f} us)") for name, v in op_ms.items()]
+          f"{flops / whole.median / 1e12:.0f} TFLOP/s); host {host.median * 1e3:.2f} ms; traced run {traced:.2f} ms "
+          f"over {len(marks)} op calls")
+    rows = [(sum(v), f"{name} ({len(v)} calls, median {statistics.median(v) * 1e3:.1f} us, host {host_ms[name]:.2f} ms)")
+            for name, v in op_ms.items()]
     rows += [(ms, f"gap after {name}") for name, ms in gap_ms.items() if ms > 0.01]
     for ms, label in sorted(rows, reverse=True):
         print(f"{ms:9.2f} ms {100 * ms / traced:5.1f} %  {label}")

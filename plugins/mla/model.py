@@ -15,7 +15,7 @@ captured into CUDA graphs like the dense family's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -123,46 +123,40 @@ class LatentAttention:
         return ops.linear(values.reshape(rows, heads * c.v_head_dim), self.o, self.o_bias)
 
     def _expanded(self, backend: Any, rope: "LatentRope", cache_layer: Any, q: Any, batch: ForwardBatch) -> Any:
-        """Prompt rows: per sequence, keys and values re-expanded from the cached latents."""
+        """Prompt rows: keys and values re-expanded from every segment's cached latents, then the
+        backend's paged attention over them.
+
+        The expanded keys ``[K, n_h, d_n + d_r]`` (the rope key shared by every head) and values
+        ``[K, n_h, d_v]`` of all segments lie one after the other (``K`` = the sum of the
+        segments' ends); seen as a cache of one-token blocks, segment ``s``'s block table lists
+        its own keys' rows."""
         ops, c, xp = backend.ops, self.config, backend.xp
-        rows, heads, d_n = q.shape[0], c.num_heads, c.qk_nope_head_dim
+        heads, d_n, r = c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank
         # q with its last d_r dims rotated (the query op with q's own nope part).
         rotated = ops.latent_query(q[:, :, :d_n], q, batch.positions, rope.inv_freq, rope.attention_factor,
                                    c.interleaved_rope)
-        out = xp.empty((rows, heads, c.v_head_dim), dtype=xp.float32)
-        starts = batch.row_starts
-        for index, segment in enumerate(batch.segments):
-            first, last = int(starts[index]), int(starts[index + 1])
-            keys = self._cached(backend, cache_layer, segment.seq.block_table, segment.end)
-            causal = np.arange(segment.start, segment.end)
-            out[first:last] = self._attend(backend, rope.scale, rotated[first:last, :, :d_n],
-                                           rotated[first:last, :, d_n:], keys, causal)
-        return ops.linear(out.reshape(rows, heads * c.v_head_dim), self.o, self.o_bias)
-
-    @staticmethod
-    def _cached(backend: Any, cache_layer: Any, block_table: list[int], end: int) -> Any:
-        """Float32 ``[end, r + d_r]``: the cached latents and rope keys of positions ``[0, end)``."""
         latent = cache_layer.latent
-        blocks = block_table[: -(-end // latent.shape[1])]
-        values = latent[backend.xp.asarray(blocks)].reshape(-1, latent.shape[2])[:end]
-        return backend.ops.to_float32(values)
-
-    def _attend(self, backend: Any, scale: float, q_nope: Any, q_pe: Any, keys: Any, positions: np.ndarray) -> Any:
-        """``[T, n_h, d_v]``: causal attention of one sequence's prompt rows over keys and values
-        re-expanded from its latents."""
-        c, xp = self.config, backend.xp
-        r, d_n = c.kv_lora_rank, c.qk_nope_head_dim
-        expanded = backend.ops.linear(xp.ascontiguousarray(keys[:, :r]), self.kv_b)
-        expanded = backend.ops.to_float32(expanded).reshape(keys.shape[0], c.num_heads, d_n + c.v_head_dim)
-        k_nope, values = expanded[:, :, :d_n], expanded[:, :, d_n:]
-        scores = xp.einsum("thd,shd->hts", q_nope, k_nope) + xp.einsum("thd,sd->hts", q_pe, keys[:, r:])
-        scores = scores * np.float32(scale)
-        hidden = xp.asarray(np.arange(scores.shape[2])[None, :] > positions[:, None])
-        scores = xp.where(hidden[None], np.float32(-np.inf), scores)
-        scores = scores - scores.max(axis=2, keepdims=True)
-        weights = xp.exp(scores)
-        weights = (weights / weights.sum(axis=2, keepdims=True)).astype(xp.float32)
-        return xp.einsum("hts,shd->thd", weights, values)
+        block_size = latent.shape[1]
+        ends = [segment.end for segment in batch.segments]
+        key_starts = np.concatenate([[0], np.cumsum(ends)]).astype(np.int64)
+        slots = np.concatenate([
+            np.asarray(segment.seq.block_table, dtype=np.int64)[np.arange(end) // block_size] * block_size
+            + np.arange(end) % block_size
+            for segment, end in zip(batch.segments, ends)
+        ])
+        cached = latent.reshape(-1, latent.shape[2])[xp.asarray(slots)]  # [K, r + d_r]
+        expanded = ops.to_bf16(ops.linear(xp.ascontiguousarray(cached[:, :r]), self.kv_b))
+        expanded = expanded.reshape(len(slots), heads, d_n + c.v_head_dim)
+        keys = xp.empty((len(slots), heads, d_n + c.qk_rope_head_dim), dtype=expanded.dtype)
+        keys[:, :, :d_n] = expanded[:, :, :d_n]
+        keys[:, :, d_n:] = cached[:, None, r:]
+        values = xp.ascontiguousarray(expanded[:, :, d_n:])
+        width = max(ends)
+        tables = np.where(np.arange(width)[None, :] < np.asarray(ends)[:, None],
+                          key_starts[:-1, None] + np.arange(width)[None, :], 0).astype(np.int32)
+        view = replace(batch, block_tables=xp.asarray(tables))
+        out = ops.paged_attention(rotated, keys[:, None], values[:, None], view, rope.scale, None)
+        return ops.linear(out, self.o, self.o_bias)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""The tensor-core prefill attention against the NumPy reference: GQA, head sizes 64 and 128,
-block sizes 16 and 32, prompt chunks after a cached prefix, several sequences, sliding windows."""
+"""The tensor-core prefill attention against the NumPy reference: GQA, head sizes 64, 128 and
+256, MLA's expanded form (keys of 192 dims, values of 128), block sizes 1, 16 and 32, prompt
+chunks after a cached prefix, several sequences, sliding windows, capture into a CUDA graph."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from kernel_helpers import bf16, rel_error  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def attention_case(rng, heads, kv_heads, head_dim, block_size, chunks):
+def attention_case(rng, heads, kv_heads, head_dim, block_size, chunks, value_dim=None):
     """Sequences whose prompt rows are ``chunks[i] = (cached, new)``: ``new`` rows at positions
     ``cached .. cached + new - 1``, over a cache of shuffled blocks."""
     blocks_per_seq = [-(-(cached + new) // block_size) for cached, new in chunks]
@@ -30,26 +31,28 @@ def attention_case(rng, heads, kv_heads, head_dim, block_size, chunks):
     starts = np.concatenate([[0], np.cumsum([new for _, new in chunks])]).astype(np.int32)
     q = rng.standard_normal((len(positions), heads, head_dim)).astype(np.float32)
     k_cache = bf16(rng, (total_blocks, block_size, kv_heads, head_dim))
-    v_cache = bf16(rng, (total_blocks, block_size, kv_heads, head_dim))
+    v_cache = bf16(rng, (total_blocks, block_size, kv_heads, value_dim or head_dim))
     return q, k_cache, v_cache, tables, seq_index, positions, starts
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (32, 8, 64), (16, 16, 128), (14, 2, 64)])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, value_dim", [
+    (32, 8, 128, 128), (32, 8, 64, 64), (16, 16, 128, 128), (14, 2, 64, 64), (16, 2, 256, 256), (16, 16, 192, 128),
+])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("window", [None, 100])
-def test_prefill_attention_matches_the_reference(heads, kv_heads, head_dim, block_size, window):
+def test_prefill_attention_matches_the_reference(heads, kv_heads, head_dim, value_dim, block_size, window):
     import cupy as cp
 
     rng = np.random.default_rng(heads + head_dim + block_size)
     chunks = [(0, 200), (77, 64), (300, 1), (5, 129)]
     q, k_cache, v_cache, tables, seq_index, positions, starts = attention_case(
-        rng, heads, kv_heads, head_dim, block_size, chunks
+        rng, heads, kv_heads, head_dim, block_size, chunks, value_dim
     )
     scale = head_dim**-0.5
     expected = attention.paged_attention_reference(
         q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, scale, window
     ).reshape(len(positions), -1)
-    out = cp.zeros((len(positions), heads * head_dim), dtype=np.uint16)
+    out = cp.zeros((len(positions), heads * value_dim), dtype=np.uint16)
     attention_mma.prefill_attention(
         cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables), cp.asarray(seq_index),
         cp.asarray(positions), cp.asarray(attention_mma.query_tiles(starts)), scale, window, out,
@@ -71,4 +74,26 @@ def test_prefill_attention_of_a_long_prompt_over_a_long_prefix():
         cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables), cp.asarray(seq_index),
         cp.asarray(positions), cp.asarray(attention_mma.query_tiles(starts)), 128**-0.5, None, out,
     )
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 2e-2
+
+
+def test_prefill_attention_replays_in_a_cuda_graph():
+    import cupy as cp
+
+    rng = np.random.default_rng(3)
+    q, k_cache, v_cache, tables, seq_index, positions, starts = attention_case(rng, 16, 16, 192, 16, [(10, 100)], 128)
+    expected = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, 0.1
+    ).reshape(len(positions), -1)
+    arguments = [cp.asarray(a) for a in (q, k_cache, v_cache, tables, seq_index, positions, attention_mma.query_tiles(starts))]
+    out = cp.zeros((len(positions), 16 * 128), dtype=np.uint16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    attention_mma.prefill_attention(*arguments, 0.1, None, out, stream)  # compiled outside the capture
+    out[...] = 0
+    with stream:
+        stream.begin_capture()
+        attention_mma.prefill_attention(*arguments, 0.1, None, out, stream)
+        graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 2e-2

@@ -24,11 +24,22 @@ def test_supported_geometries():
     assert attention_mma.supports(32, 8, 128, 128)
     assert attention_mma.supports(14, 2, 64, 64)
     assert not attention_mma.supports(32, 8, 96, 96)
-    assert not attention_mma.supports(16, 16, 192, 128)
+    assert attention_mma.supports(16, 16, 192, 128)  # MLA's expanded form
+    assert attention_mma.supports(16, 2, 256, 256)
+    assert not attention_mma.supports(16, 16, 128, 192)
+    assert not attention_mma.supports(12, 8, 128, 128)  # heads not a multiple of the KV heads
+
+
+def test_shared_memory_fits_one_block_of_an_h200():
+    for head_dim, value_dim in attention_mma.HEAD_DIMS:
+        assert attention_mma.shared_bytes(head_dim, value_dim) <= 227 * 1024
+    # Two stages of 64 keys and values of 64 dims (rows padded to 72) hold the query staging.
+    assert attention_mma.shared_bytes(64, 64) == 2 * 2 * 64 * 144
 
 
 def test_the_source_is_specialised_per_head_size():
-    assert "__HEAD_DIM__" in attention_mma.SOURCE
+    for placeholder in ("__HEAD_DIM__", "__VALUE_DIM__", "__BLOCK_KEYS__"):
+        assert placeholder in attention_mma.SOURCE
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in attention_mma.SOURCE
 
 
