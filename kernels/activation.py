@@ -51,7 +51,15 @@ def gelu_and_mul_reference(gate: np.ndarray, up: np.ndarray, approximate: str = 
 
 from numba import cuda, float32  # noqa: E402
 
-from metrale.kernels._device import SIMULATED, DeviceArray, check_array, device_view, float_to_bf16, numba_stream  # noqa: E402
+from metrale.kernels._device import (  # noqa: E402
+    SIMULATED,
+    DeviceArray,
+    bf16_to_float,
+    check_array,
+    device_view,
+    float_to_bf16,
+    numba_stream,
+)
 
 ELEMENTWISE_THREADS = 32 if SIMULATED else 256
 
@@ -66,6 +74,18 @@ def silu_and_mul_kernel(gate_up, out):
         gate = gate_up[row, column]
         silu = gate / (float32(1.0) + math.exp(-gate))
         out[row, column] = float_to_bf16(silu * gate_up[row, width + column])
+
+
+@cuda.jit(cache=True)
+def silu_and_mul_bf16_kernel(gate_up, out):
+    # silu_and_mul_kernel for gate_up [N, 2I] bf16 bits (a matrix product's bf16 output).
+    row = cuda.blockIdx.x
+    column = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    width = out.shape[1]
+    if column < width:
+        gate = bf16_to_float(gate_up[row, column])
+        silu = gate / (float32(1.0) + math.exp(-gate))
+        out[row, column] = float_to_bf16(silu * bf16_to_float(gate_up[row, width + column]))
 
 
 SQRT_HALF = 0.7071067811865476  # 1 / sqrt(2)
@@ -110,15 +130,17 @@ def to_bf16_kernel(source, out):
 
 
 def silu_and_mul(gate_up: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
-    """``out <- bf16(silu(gate) * up)`` for ``gate_up [N, 2I]`` float32."""
-    check_array("silu_and_mul", "gate_up", gate_up, np.float32, ndim=2)
+    """``out <- bf16(silu(gate) * up)`` for ``gate_up [N, 2I]`` float32 or bf16 bits."""
+    bits = getattr(gate_up, "dtype", None) == np.uint16
+    check_array("silu_and_mul", "gate_up", gate_up, np.uint16 if bits else np.float32, ndim=2)
     rows, double = gate_up.shape
     if double % 2:
         raise KernelArgumentError(f"silu_and_mul: gate_up has shape {[rows, double]}, whose last extent is odd")
     check_array("silu_and_mul", "out", out, np.uint16, (rows, double // 2))
     if rows:
         grid = (rows, -(-(double // 2) // ELEMENTWISE_THREADS))
-        silu_and_mul_kernel[grid, ELEMENTWISE_THREADS, numba_stream(stream)](device_view(gate_up), device_view(out))
+        kernel = silu_and_mul_bf16_kernel if bits else silu_and_mul_kernel
+        kernel[grid, ELEMENTWISE_THREADS, numba_stream(stream)](device_view(gate_up), device_view(out))
     return out
 
 

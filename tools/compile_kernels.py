@@ -44,6 +44,7 @@ def kernels():
         "layernorm_residual": (layernorm.layernorm_residual_kernel, (
             c(f32, 2), c(f32, 2), c(u16, 1), c(f32, 1), i32, f32, i32, c(u16, 2))),
         "silu_and_mul": (activation.silu_and_mul_kernel, (c(f32, 2), c(u16, 2))),
+        "silu_and_mul_bf16": (activation.silu_and_mul_bf16_kernel, (c(u16, 2), c(u16, 2))),
         "gelu": (activation.gelu_kernel, (c(f32, 2), i32, c(u16, 2))),
         "gelu_and_mul": (activation.gelu_and_mul_kernel, (c(f32, 2), i32, c(u16, 2))),
         "to_bf16": (activation.to_bf16_kernel, (c(f32, 1), c(u16, 1))),

@@ -7,7 +7,7 @@ Imported only by the CUDA backend (it imports CuPy and numba).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import cupy as cp
 import numpy as np
@@ -40,6 +40,15 @@ def _tanh_form(approximate: str) -> bool:
 
         raise KernelArgumentError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     return approximate == "tanh"
+
+
+def _batch_constant(batch: Any, key: str, build: Callable[[], np.ndarray]) -> Any:
+    """``build()`` on the device, made once per forward batch: every layer's call reuses it, so the
+    host copies it (and waits for the copy) once, not once per layer."""
+    value = batch.extras.get(key)
+    if value is None:
+        value = batch.extras[key] = cp.asarray(build())
+    return value
 
 
 class CudaKernels:
@@ -110,7 +119,14 @@ class CudaKernels:
         return out
 
     def linear_silu(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        return self.silu_and_mul(self.linear(x, weight, bias))
+        if bias is not None:
+            return self.silu_and_mul(self.linear(x, weight, bias))
+        # The product written as bf16 (what a bf16 model's gate and up projections give): half
+        # the bytes of float32 to write and to read back.
+        x = self.as_bf16(x)
+        gate_up = cp.empty((x.shape[0], weight.shape[0]), dtype=bf16)
+        self.gemm(x, weight, gate_up)
+        return self.silu_and_mul(gate_up)
 
     # The numba GEMV kernels: not bound by default (cuBLAS measured about twice as fast on the
     # H200, docs/benchmarks); :func:`metrale.ops.builtin.gemv_kernels` offers them to a registry.
@@ -170,19 +186,21 @@ class CudaKernels:
             # Prompt rows on tensor cores.
             if single:
                 self._decode_attention(q, k_cache, v_cache, batch, single, scale, sliding_window, out)
-            tiles = attention_mma.query_tiles(starts[single:])
+            tiles = _batch_constant(batch, "attention_mma_tiles", lambda: attention_mma.query_tiles(starts[single:]))
             attention_mma.prefill_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.seq_index, batch.positions, cp.asarray(tiles), scale,
+                q, k_cache, v_cache, batch.block_tables, batch.seq_index, batch.positions, tiles, scale,
                 sliding_window, out, self.stream,
             )
             return out
         if single < len(lengths) and attention_prefill.supports(heads, kv_heads, q.shape[2], value_dim):
             if single:
                 self._decode_attention(q, k_cache, v_cache, batch, single, scale, sliding_window, out)
-            tiles = attention_prefill.query_tiles(starts[single:], attention_prefill.rows_per_tile(heads, kv_heads))
+            per_tile = attention_prefill.rows_per_tile(heads, kv_heads)
+            tiles = _batch_constant(batch, f"attention_prefill_tiles_{per_tile}",
+                                    lambda: attention_prefill.query_tiles(starts[single:], per_tile))
             attention_prefill.paged_attention_prefill(
                 q, attention_prefill.as_words(k_cache), attention_prefill.as_words(v_cache), batch.block_tables,
-                batch.seq_index, batch.positions, cp.asarray(tiles), scale, sliding_window, out, self.stream,
+                batch.seq_index, batch.positions, tiles, scale, sliding_window, out, self.stream,
             )
             return out
         return self._decode_attention(q, k_cache, v_cache, batch, rows, scale, sliding_window, out)

@@ -136,27 +136,36 @@ class LatentAttention:
         rotated = ops.latent_query(q[:, :, :d_n], q, batch.positions, rope.inv_freq, rope.attention_factor,
                                    c.interleaved_rope)
         latent = cache_layer.latent
-        block_size = latent.shape[1]
-        ends = [segment.end for segment in batch.segments]
-        key_starts = np.concatenate([[0], np.cumsum(ends)]).astype(np.int64)
-        slots = np.concatenate([
-            np.asarray(segment.seq.block_table, dtype=np.int64)[np.arange(end) // block_size] * block_size
-            + np.arange(end) % block_size
-            for segment, end in zip(batch.segments, ends)
-        ])
-        cached = latent.reshape(-1, latent.shape[2])[xp.asarray(slots)]  # [K, r + d_r]
+        slots, view = self._expanded_layout(backend, batch, latent.shape[1])
+        cached = latent.reshape(-1, latent.shape[2])[slots]  # [K, r + d_r]
         expanded = ops.to_bf16(ops.linear(xp.ascontiguousarray(cached[:, :r]), self.kv_b))
         expanded = expanded.reshape(len(slots), heads, d_n + c.v_head_dim)
         keys = xp.empty((len(slots), heads, d_n + c.qk_rope_head_dim), dtype=expanded.dtype)
         keys[:, :, :d_n] = expanded[:, :, :d_n]
         keys[:, :, d_n:] = cached[:, None, r:]
         values = xp.ascontiguousarray(expanded[:, :, d_n:])
-        width = max(ends)
-        tables = np.where(np.arange(width)[None, :] < np.asarray(ends)[:, None],
-                          key_starts[:-1, None] + np.arange(width)[None, :], 0).astype(np.int32)
-        view = replace(batch, block_tables=xp.asarray(tables))
         out = ops.paged_attention(rotated, keys[:, None], values[:, None], view, rope.scale, None)
         return ops.linear(out, self.o, self.o_bias)
+
+    @staticmethod
+    def _expanded_layout(backend: Any, batch: ForwardBatch, block_size: int) -> tuple[Any, ForwardBatch]:
+        """The cache slots of every segment's keys ``[K]`` (device) and ``batch`` with block tables
+        over the expanded keys; made once per batch, shared by the layers."""
+        layout = batch.extras.get("mla_expanded_layout")
+        if layout is None:
+            xp = backend.xp
+            ends = [segment.end for segment in batch.segments]
+            key_starts = np.concatenate([[0], np.cumsum(ends)]).astype(np.int64)
+            slots = np.concatenate([
+                np.asarray(segment.seq.block_table, dtype=np.int64)[np.arange(end) // block_size] * block_size
+                + np.arange(end) % block_size
+                for segment, end in zip(batch.segments, ends)
+            ])
+            width = max(ends)
+            tables = np.where(np.arange(width)[None, :] < np.asarray(ends)[:, None],
+                              key_starts[:-1, None] + np.arange(width)[None, :], 0).astype(np.int32)
+            layout = batch.extras["mla_expanded_layout"] = (xp.asarray(slots), replace(batch, block_tables=xp.asarray(tables)))
+        return layout
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,16 @@ def test_silu_and_mul_and_cast():
     np.testing.assert_array_equal(cast, float32_to_bf16(expected))
 
 
+def test_silu_and_mul_of_a_bf16_product():
+    rng = np.random.default_rng(4)
+    gate_up = float32_to_bf16((3 * rng.standard_normal((3, 2 * 70))).astype(np.float32))
+    out = np.zeros((3, 70), np.uint16)
+    activation.silu_and_mul(gate_up, out)
+    widened = bf16_to_float32(gate_up)
+    expected = activation.silu_and_mul_reference(widened[:, :70], widened[:, 70:])
+    assert rel_error(bf16_to_float32(out), expected) <= 8e-3
+
+
 def random_cache(rng, blocks, block_size, kv_heads, head_dim):
     return float32_to_bf16(rng.standard_normal((blocks, block_size, kv_heads, head_dim)).astype(np.float32))
 
