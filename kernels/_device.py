@@ -11,6 +11,7 @@ Nothing here touches CUDA at import: numba compiles a kernel on its first launch
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Any
 
@@ -103,7 +104,135 @@ def numba_stream(stream: Any) -> Any:
     view = _stream_views.get(ptr)
     if view is None:
         view = _stream_views[ptr] = cuda.external_stream(ptr)
+        _stream_pointers[id(view)] = ptr
     return view
+
+
+_stream_pointers: dict[int, int] = {}  # id of a view in _stream_views -> its stream's address
+
+
+def jit_kernel(function: Any) -> Any:
+    """``@cuda.jit(cache=True)``, launched through :class:`DirectKernel` on a GPU (numba's own
+    launcher under the simulator)."""
+    dispatcher = cuda.jit(cache=True)(function)
+    return dispatcher if SIMULATED or not DIRECT_LAUNCH else DirectKernel(dispatcher)
+
+
+#: Whether :func:`jit_kernel` launches through :class:`DirectKernel` (``METRALE_NUMBA_LAUNCH=1``
+#: keeps numba's own launcher, for comparison).
+DIRECT_LAUNCH = os.environ.get("METRALE_NUMBA_LAUNCH", "") not in ("1", "true", "yes")
+
+
+class DirectKernel:
+    """A numba kernel launched by CuPy: ``kernel[grid, block, stream, shared](*args)`` as numba's.
+
+    Numba's launcher types every argument and builds its parameters in Python at each call
+    (about 65 microseconds of host time a launch on the GPU machine, more than most of these
+    kernels run). Here numba compiles the kernel once per kind of arguments (its types, from
+    numba's own typing), the compiled image is loaded as a CuPy module, and each launch only
+    flattens the arguments into the kernel's parameters -- numba's ABI: an array is (meminfo,
+    parent, size, itemsize, data, shape..., strides... in bytes), a scalar its C type -- and
+    hands them to CuPy's launcher. Any other attribute is the numba dispatcher's.
+    """
+
+    def __init__(self, dispatcher: Any) -> None:
+        self.dispatcher = dispatcher
+        self._launchers: dict[tuple, tuple[Any, tuple]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.dispatcher, name)
+
+    def __getitem__(self, config: tuple) -> Any:
+        grid, block, stream = config[0], config[1], config[2] if len(config) > 2 else 0
+        shared = int(config[3]) if len(config) > 3 else 0
+        grid = grid if isinstance(grid, tuple) else (int(grid),)
+        block = block if isinstance(block, tuple) else (int(block),)
+        return lambda *args: self._launch(grid, block, stream, shared, args)
+
+    def _launch(self, grid: tuple, block: tuple, stream: Any, shared: int, args: tuple) -> None:
+        key = tuple(_argument_kind(a) for a in args)
+        entry = self._launchers.get(key)
+        if entry is None:
+            entry = self._launchers[key] = self._load(args)
+        function, scalar_types = entry
+        params: list[Any] = []
+        for arg, scalar_type in zip(args, scalar_types):
+            if scalar_type is None:
+                params.extend(_array_params(arg))
+            else:
+                params.append(scalar_type(arg))
+        function(grid, block, tuple(params), shared_mem=shared, stream=_cupy_stream(stream))
+
+    def _load(self, args: tuple) -> tuple[Any, tuple]:
+        import cupy
+        from numba.core import types
+
+        signature = tuple(self.dispatcher.typeof_pyval(a) for a in args)
+        overload = self.dispatcher.compile(signature)
+        scalar_types = tuple(
+            None if isinstance(t, types.Array) else (np.bool_ if isinstance(t, types.Boolean) else np.dtype(str(t)).type)
+            for t in overload.argument_types
+        )
+        cubin = overload._codelibrary.get_cubin()  # for the current device
+        module = cupy.cuda.function.Module()
+        module.load(bytes(cubin))
+        _modules.append(module)  # the functions keep no reference to their module
+        return module.get_function(overload.entry_name), scalar_types
+
+
+_modules: list[Any] = []
+_cupy_streams: dict[int, Any] = {}
+
+
+def _cupy_stream(stream: Any) -> Any:
+    """The CuPy stream of a launcher's stream argument (a view from :func:`numba_stream`, 0)."""
+    if not stream:
+        return None
+    ptr = _stream_pointers.get(id(stream)) or int(stream.handle.value if hasattr(stream.handle, "value") else stream.handle)
+    wrapped = _cupy_streams.get(ptr)
+    if wrapped is None:
+        import cupy
+
+        wrapped = _cupy_streams[ptr] = cupy.cuda.ExternalStream(ptr)
+    return wrapped
+
+
+def _argument_kind(arg: Any) -> Any:
+    """What decides a kernel argument's numba type: an array's dtype, rank and C order; a scalar's type."""
+    interface = getattr(arg, "__cuda_array_interface__", None) if not isinstance(arg, (int, float, np.generic)) else None
+    if interface is None:
+        return type(arg) if not isinstance(arg, np.generic) else arg.dtype.char
+    shape, strides = interface["shape"], interface["strides"]
+    if strides is None:
+        return (interface["typestr"], len(shape), True, len(shape) <= 1)
+    itemsize = np.dtype(interface["typestr"]).itemsize
+    return (interface["typestr"], len(shape), _contiguous(shape[::-1], strides[::-1], itemsize),
+            _contiguous(shape, strides, itemsize))
+
+
+def _contiguous(shape: tuple, strides: tuple, itemsize: int) -> bool:
+    """Whether the extents, innermost first, are laid out densely by these strides."""
+    expected = itemsize
+    for extent, stride in zip(shape, strides):
+        if extent != 1 and stride != expected:
+            return False
+        expected *= extent
+    return True
+
+
+def _array_params(array: Any) -> tuple:
+    """numba's parameters of one array argument: meminfo, parent, size, itemsize, data, shape, strides."""
+    interface = array.__cuda_array_interface__
+    shape = interface["shape"]
+    itemsize = np.dtype(interface["typestr"]).itemsize
+    strides = interface["strides"]
+    if strides is None:
+        strides, step = [], itemsize
+        for extent in reversed(shape):
+            strides.append(step)
+            step *= extent
+        strides = tuple(reversed(strides))
+    return (0, 0, math.prod(shape), itemsize, interface["data"][0], *shape, *strides)
 
 
 def new_device_view(array: Any) -> Any:

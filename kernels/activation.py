@@ -58,13 +58,14 @@ from metrale.kernels._device import (  # noqa: E402
     check_array,
     device_view,
     float_to_bf16,
+    jit_kernel,
     numba_stream,
 )
 
 ELEMENTWISE_THREADS = 32 if SIMULATED else 256
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def silu_and_mul_kernel(gate_up, out):
     # Grid: (N rows, ceil(I / threads)). gate_up [N, 2I] f32 (gate first), out [N, I] bf16 bits.
     row = cuda.blockIdx.x
@@ -76,7 +77,7 @@ def silu_and_mul_kernel(gate_up, out):
         out[row, column] = float_to_bf16(silu * gate_up[row, width + column])
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def silu_and_mul_bf16_kernel(gate_up, out):
     # silu_and_mul_kernel for gate_up [N, 2I] bf16 bits (a matrix product's bf16 output).
     row = cuda.blockIdx.x
@@ -101,7 +102,7 @@ def gelu_value(value, approximate_tanh):
     return float32(0.5) * value * (float32(1.0) + math.erf(value * float32(SQRT_HALF)))
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def gelu_kernel(x, approximate_tanh, out):
     # Grid: (N rows, ceil(W / threads)). x [N, W] f32, out [N, W] bf16 bits.
     row = cuda.blockIdx.x
@@ -110,7 +111,7 @@ def gelu_kernel(x, approximate_tanh, out):
         out[row, column] = float_to_bf16(gelu_value(x[row, column], approximate_tanh))
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def gelu_and_mul_kernel(gate_up, approximate_tanh, out):
     # Grid: (N rows, ceil(I / threads)). gate_up [N, 2I] f32 (gate first), out [N, I] bf16 bits.
     row = cuda.blockIdx.x
@@ -121,7 +122,7 @@ def gelu_and_mul_kernel(gate_up, approximate_tanh, out):
         out[row, column] = float_to_bf16(gelu * gate_up[row, width + column])
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def to_bf16_kernel(source, out):
     # Grid: ceil(n / threads) over the flattened arrays. source f32 [n], out bf16 bits [n].
     index = cuda.grid(1)

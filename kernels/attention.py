@@ -89,6 +89,7 @@ from metrale.kernels._device import (  # noqa: E402
     check_array,
     device_view,
     float_to_bf16,
+    jit_kernel,
     numba_stream,
 )
 
@@ -103,7 +104,7 @@ TILE_ELEMENTS = KEY_TILE * TILE_STRIDE  # one name: numba needs a constant share
 NEGATIVE_INFINITY = -math.inf
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def paged_attention_split_kernel(
     q, k_cache, v_cache, block_tables, seq_index, positions, scale, sliding_window, out_acc, out_max, out_sum
 ):
@@ -206,7 +207,7 @@ def paged_attention_split_kernel(
         out_sum[row, head, split] = total
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def attention_combine_kernel(out_acc, out_max, out_sum, out):
     # Grid: (N rows, n_heads); threads over dv. Merges the split partials by log-sum-exp and
     # writes bf16 bits to out [N, n_heads * dv].

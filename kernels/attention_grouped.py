@@ -40,6 +40,7 @@ from metrale.kernels._device import (
     float_to_bf16,
     float_to_bits,
     inline_device,
+    jit_kernel,
 )
 
 WARP = 8 if SIMULATED else 32
@@ -447,7 +448,7 @@ def grouped_kernel(words: int):
     return kernel
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def grouped_combine_kernel(out_acc, out_max, out_sum, out):
     # Grid: (N rows, n_heads[, dim blocks]); COMBINE_THREADS threads. Merges the splits
     # (<= MAX_SPLITS) of the grouped kernel by log-sum-exp into bf16 out [N, nh * dv]. Split

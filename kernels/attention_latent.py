@@ -49,6 +49,7 @@ from metrale.kernels._device import (
     fast_exp,
     float_to_bf16,
     float_to_bits,
+    jit_kernel,
     numba_stream,
 )
 from metrale.kernels.attention_grouped import (
@@ -101,7 +102,7 @@ def latent_cache_write_reference(
     latent[slots // block_size, slots % block_size] = np.concatenate([normed, rotated], axis=1)
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def latent_cache_write_kernel(kv_a, norm_weight, eps, positions, inv_freq, attention_factor, interleaved,
                               slot_mapping, latent):
     # Grid: N rows; WRITE_THREADS threads. kv_a [N, r + d_r] f32; norm_weight [r] bf16 bits;
@@ -173,7 +174,7 @@ def latent_query_reference(
     return np.concatenate([np.asarray(q_latent, dtype=np.float32), rotated], axis=2)
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def latent_query_kernel(q_latent, q, positions, inv_freq, attention_factor, interleaved, out):
     # Grid: (N rows, heads); QUERY_THREADS threads. q_latent [N, nh, r] f32; q [N, nh, d_n + d_r]
     # f32 (its last d_r dims rotate); positions [N] i32; inv_freq [d_r / 2] f32; out [N, nh,
@@ -326,7 +327,7 @@ else:
                 stats[0, head] = new
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def latent_attention_kernel(q, latent_words, block_tables, seq_index, positions, scale, value_words,
                             out_acc, out_max, out_sum):
     # q [N, nh, width] f32; latent_words [blocks, block_size, width / 2] uint32 (bf16 pairs);

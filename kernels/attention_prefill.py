@@ -23,6 +23,7 @@ from metrale.kernels._device import (
     check_array,
     device_view,
     float_to_bf16,
+    jit_kernel,
     numba_stream,
 )
 
@@ -99,7 +100,7 @@ def query_tiles(row_starts: np.ndarray, rows: int) -> np.ndarray:
     return np.asarray(tiles, dtype=np.int32).reshape(-1, 2)
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def paged_attention_prefill_kernel(
     q, k_words, v_words, block_tables, seq_index, positions, tiles, scale, sliding_window, out
 ):

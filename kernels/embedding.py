@@ -14,12 +14,12 @@ def embedding_reference(weight: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 from numba import cuda  # noqa: E402
 
-from metrale.kernels._device import SIMULATED, DeviceArray, bf16_to_float, check_array, device_view, numba_stream  # noqa: E402
+from metrale.kernels._device import SIMULATED, DeviceArray, bf16_to_float, check_array, device_view, jit_kernel, numba_stream  # noqa: E402
 
 EMBEDDING_THREADS = 16 if SIMULATED else 128
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def embedding_kernel(weight, ids, out):
     # Grid: (N rows, ceil(H / threads)); one thread per output element.
     # weight [V, H] bf16 bits (uint16), ids [N] int32, out [N, H] float32.

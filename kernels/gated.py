@@ -25,6 +25,7 @@ from metrale.kernels._device import (
     check_array,
     device_view,
     float_to_bf16,
+    jit_kernel,
     numba_stream,
 )
 
@@ -53,7 +54,7 @@ def gated_add_reference(x: np.ndarray, y: np.ndarray, gate: np.ndarray) -> np.nd
     return (np.asarray(x, dtype=np.float32) + np.asarray(y, dtype=np.float32) / (1.0 + np.exp(-gate))).astype(np.float32)
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def gated_rmsnorm_kernel(x, z, weight, eps, out):
     # Grid: one block of GATED_NORM_THREADS per (row, head) vector. x, z [V, d] f32; weight [d]
     # f32; out [V, d] bf16 bits.
@@ -72,7 +73,7 @@ def gated_rmsnorm_kernel(x, z, weight, eps, out):
         out[vector, i] = float_to_bf16(x[vector, i] * scale * weight[i] * gate / (float32(1.0) + math.exp(-gate)))
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def sigmoid_gate_kernel(x, gate, out):
     # Grid: ceil(n / GATE_THREADS) over flattened arrays. x [n] bf16 bits; gate [n] f32; out [n] bf16.
     index = cuda.grid(1)
@@ -80,7 +81,7 @@ def sigmoid_gate_kernel(x, gate, out):
         out[index] = float_to_bf16(bf16_to_float(x[index]) / (float32(1.0) + math.exp(-gate[index])))
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def gated_add_kernel(x, y, gate, out):
     # Grid: (N rows, ceil(H / GATE_THREADS)). x, y [N, H] f32; gate [N, 1] f32; out [N, H] f32
     # (may be x itself).

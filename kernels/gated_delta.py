@@ -46,7 +46,16 @@ import numpy as np
 from numba import cuda, float32
 
 from metrale.errors import KernelArgumentError
-from metrale.kernels._device import SIMULATED, DeviceArray, block_sum, check_array, device_view, fast_exp, numba_stream
+from metrale.kernels._device import (
+    SIMULATED,
+    DeviceArray,
+    block_sum,
+    check_array,
+    device_view,
+    fast_exp,
+    jit_kernel,
+    numba_stream,
+)
 from metrale.kernels.attention_grouped import subgroup_sum
 
 GDN_THREADS = 16 if SIMULATED else 128
@@ -215,7 +224,7 @@ def conv_prompts_reference(inputs: np.ndarray, weight: np.ndarray, conv_state: n
     return mixed
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def conv_update_kernel(inputs, weight, conv_state, slots, out):
     # Grid: (N rows, ceil(C / CONV_THREADS)). inputs [N, C] f32; weight [C, K] f32; conv_state
     # [slots, C, K - 1] f32; slots [N] i32; out [N, C] f32.
@@ -237,7 +246,7 @@ def conv_update_kernel(inputs, weight, conv_state, slots, out):
         conv_state[slot, channel, j] = window[j + 1]
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def recurrent_step_kernel(q, k, v, g, beta, state, slots, out):
     # Grid: (N rows, H value heads); GDN_THREADS threads over the value dims. q, k [N, H, dk]
     # f32; v [N, H, dv]; g, beta [N, H]; state [slots, H, dk, dv] f32 (in place); out [N, H, dv].
@@ -268,7 +277,7 @@ def recurrent_step_kernel(q, k, v, g, beta, state, slots, out):
         out[row, head, column] = result
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def prompt_rule_kernel(q, k, v, g, beta, state, slots, starts, out):
     # Grid: (S segments, H value heads, ceil(dv / PROMPT_COLUMNS)); PROMPT_THREADS threads.
     # q, k [T, H, dk] f32; v [T, H, dv]; g, beta [T, H]; state [slots, H, dk, dv] f32 (in
@@ -358,7 +367,7 @@ def prompt_rule_kernel(q, k, v, g, beta, state, slots, starts, out):
             state[slot, head, i, column] = held[j]
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def ungroup_kernel(qkvz, key_dim, group_values, inputs_out, z_out):
     # Grid: (N rows, ceil(W / GLUE_THREADS)) over the grouped row of W = H_k (2 dk + 2 G dv).
     # qkvz [N, W] f32; group_values = G dv; inputs_out [N, 2 H_k dk + H_v dv] f32 (q, k, v);
@@ -382,7 +391,7 @@ def ungroup_kernel(qkvz, key_dim, group_values, inputs_out, z_out):
         z_out[row, head * group_values + offset - 2 * key_dim - group_values] = value
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def gates_kernel(ba, a_log, dt_bias, ratio, g_out, beta_out):
     # Grid: ceil(N H_v / GLUE_THREADS) over (row, value head). ba [N, H_k 2G] f32 (per key head
     # [b (G) | a (G)]); a_log, dt_bias [H_v] f32; ratio = G; g_out, beta_out [N, H_v] f32.
@@ -405,7 +414,7 @@ def gates_kernel(ba, a_log, dt_bias, ratio, g_out, beta_out):
     g_out[row, head] = -math.exp(a_log[head]) * softplus
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def split_heads_kernel(mixed, scale, eps, q_out, k_out, v_out):
     # Grid: (T rows, H_k key heads); SPLIT_THREADS threads over the head's dims. mixed [T, 2 H_k
     # dk + H_v dv] f32; q_out, k_out [T, H_v, dk] f32 (key head h fills value heads hG .. hG + G
@@ -440,7 +449,7 @@ def split_heads_kernel(mixed, scale, eps, q_out, k_out, v_out):
         v_out[row, head * group_values + i] = mixed[row, v_base + i]
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def conv_prompts_kernel(inputs, weight, conv_state, slots, starts, out):
     # Grid: (ceil(T / CONV_ROWS), ceil(C / CONV_THREADS)). A thread walks one channel over
     # CONV_ROWS consecutive rows, which may span several segments: each segment's first rows
@@ -508,7 +517,7 @@ def conv_prompts_kernel(inputs, weight, conv_state, slots, starts, out):
             row += 1
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def conv_prompt_states_kernel(inputs, conv_state, slots, starts):
     # Grid: (S segments, ceil(C / CONV_THREADS)). The slot of segment s keeps the last K - 1
     # values of [its history | the segment's inputs]; runs after conv_prompts_kernel, which reads

@@ -15,7 +15,16 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from metrale.errors import KernelArgumentError
-from metrale.kernels._device import SIMULATED, DeviceArray, bits_to_float, check_array, device_view, float_to_bf16, numba_stream
+from metrale.kernels._device import (
+    SIMULATED,
+    DeviceArray,
+    bits_to_float,
+    check_array,
+    device_view,
+    float_to_bf16,
+    jit_kernel,
+    numba_stream,
+)
 
 GEMV_WARPS = 2 if SIMULATED else 8  # warps per block, one output column each
 GEMV_UNROLL = 2 if SIMULATED else 8  # 64-bit weight words in flight per lane
@@ -71,7 +80,7 @@ def row_dots(x_words, w_words, column, lane, acc):
             acc[r] = value
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def gemv_kernel(x_words, w_words, out):
     # Grid: ceil(M / GEMV_WARPS) blocks of GEMV_WARPS warps; warp -> output column.
     # x_words [N, K/4] uint64 (bf16 bits), w_words [M, K/4] uint64, out [N, M] f32; N <= MAX_GEMV_ROWS.
@@ -87,7 +96,7 @@ def gemv_kernel(x_words, w_words, out):
                 out[r, column] = acc[r]
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def gemv_silu_kernel(x_words, w_words, out):
     # Grid: ceil(I / GEMV_WARPS) blocks; warp -> column c of out [N, I] bf16 bits, from gate row c
     # and up row I + c of w_words [2I, K/4].

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from metrale.kernels._device import SIMULATED, DeviceArray, check_array, device_view, numba_stream
+from metrale.kernels._device import SIMULATED, DeviceArray, check_array, device_view, jit_kernel, numba_stream
 from metrale.kernels.gemv import dot_words
 
 HEAD_WARPS = 2 if SIMULATED else 8  # output values per block
@@ -27,7 +27,7 @@ def head_linear_reference(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return np.einsum("nhi,hoi->nho", np.asarray(x, dtype=np.float32), w).astype(np.float32)
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def head_linear_kernel(x_words, w_words, out):
     # Grid: (N rows, heads, ceil(out / HEAD_WARPS)); HEAD_WARPS * WARP threads. x_words
     # [N, heads * in / 4] u64 (bf16, heads contiguous); w_words [heads * out, in / 4]; out

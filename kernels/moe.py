@@ -22,7 +22,16 @@ import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
 from metrale.errors import KernelArgumentError
-from metrale.kernels._device import SIMULATED, DeviceArray, bits_to_float, check_array, device_view, float_to_bf16, numba_stream
+from metrale.kernels._device import (
+    SIMULATED,
+    DeviceArray,
+    bits_to_float,
+    check_array,
+    device_view,
+    float_to_bf16,
+    jit_kernel,
+    numba_stream,
+)
 from metrale.kernels.gemv import dot_words
 
 #: Routing methods: DeepSeek-V2's two, and DeepSeek-V3's (sigmoid scores with a bias).
@@ -111,7 +120,7 @@ def _block_pick_max(values, index_scratch, value_scratch, tid, count):
     return chosen
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def route_kernel(logits, bias, method, n_group, topk_group, top_k, renormalise, scaling, out_experts, out_weights):
     # Grid: one block of ROUTE_THREADS threads per token; thread e owns expert e. logits [N, E]
     # f32; bias [E] f32 (read for noaux_tc); out_experts [N, k] i32; out_weights [N, k] f32.
@@ -208,7 +217,7 @@ def _row_dot(x_words, x_row, w_words, w_row, lane):
     return _lane_sum(acc)
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def moe_gate_up_kernel(x_words, gate_up_words, experts, act):
     # Grid: (N * k pairs, ceil(I / MOE_WARPS)); MOE_WARPS * WARP threads, a warp per output value.
     # x_words [N, H / 4] u64 (bf16); gate_up_words [E * 2I, H / 4]; experts [N, k] i32;
@@ -230,7 +239,7 @@ def moe_gate_up_kernel(x_words, gate_up_words, experts, act):
         act[pair, column] = float_to_bf16(gate / (float32(1.0) + math.exp(-gate)) * up)
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def moe_down_kernel(act_words, down_words, experts, weights, out):
     # Grid: (N tokens, ceil(H / MOE_WARPS)); a warp per output value. act_words [N * k, I / 4] u64;
     # down_words [E * H, I / 4]; weights [N, k] f32; out [N, H] f32 (written, not added to).
@@ -251,7 +260,7 @@ def moe_down_kernel(act_words, down_words, experts, weights, out):
         out[token, column] = total
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def router_logits_kernel(x_words, gate, out):
     # Grid: (N tokens, ceil(E / MOE_WARPS)); a warp per (token, expert). x_words [N, H / 4] u64
     # (bf16 activations); gate [E, H] f32 (transformers keeps the router in float32); out [N, E] f32.

@@ -123,6 +123,7 @@ from metrale.kernels._device import (  # noqa: E402
     check_array,
     device_view,
     float_to_bf16,
+    jit_kernel,
     numba_stream,
 )
 
@@ -130,7 +131,7 @@ ROPE_THREADS = 4 if SIMULATED else 128
 MAX_HEAD_DIM = 256
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def qkv_rope_cache_kernel(
     qkv, positions, slot_mapping, inv_freq, attention_factor, q_norm, k_norm, eps, norm_offset,
     has_qk_norm, interleaved, num_heads, num_kv_heads, q_out, k_cache, v_cache,

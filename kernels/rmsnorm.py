@@ -41,6 +41,7 @@ from metrale.kernels._device import (  # noqa: E402
     check_array,
     device_view,
     float_to_bf16,
+    jit_kernel,
     numba_stream,
 )
 
@@ -48,7 +49,7 @@ NORM_THREADS = 16 if SIMULATED else 512
 KEPT_PER_THREAD = 2 if SIMULATED else 8  # hidden sizes up to 4,096 never re-read the residual
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def rmsnorm_residual_kernel(x, residual, weight, eps, weight_offset, add_residual, out):
     # Grid: N rows, one block of NORM_THREADS per row; threads stride over H.
     # x [N, H] f32; residual [N, H] f32, updated in place to x + residual (or x when

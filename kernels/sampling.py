@@ -85,6 +85,7 @@ from metrale.kernels._device import (  # noqa: E402
     check_array,
     device_view,
     float_to_bits,
+    jit_kernel,
     numba_stream,
 )
 
@@ -172,7 +173,7 @@ def _threshold_key(logits, row, inv_temp, scaled_max, start, target, by_mass, pa
     return lo
 
 
-@cuda.jit(cache=True)
+@jit_kernel
 def sample_kernel(logits, temperature, top_k, top_p, seeds, steps, uniforms, out_tokens):
     # Grid: one block of SAMPLE_THREADS per row. Thresholds are found by a radix search over the
     # order keys of the float32 values (exact: eight passes of 4 bits); the token by a block
