@@ -212,6 +212,39 @@ def test_a_wrong_scratch_size_is_refused_by_the_alignment():
         moe_grouped.align(np.zeros((10, 2), np.int32), 4, np.zeros(64, np.int32), np.zeros(5, np.int32))
 
 
+# ------------------------------------------------------------------------ the routed experts
+
+
+def test_routed_experts_call_the_op_on_every_batch_size_off_the_cpu():
+    from metrale.layers.experts import StackedExperts, routed_experts
+
+    calls = []
+    ops = SimpleNamespace(moe_experts=lambda *arguments: calls.append(arguments) or "op")
+    backend = SimpleNamespace(name="cuda", ops=ops)
+    experts = StackedExperts(gate_up="gate_up", down="down", experts=[])
+    for tokens in (1, 64, 65, 4096):
+        assert routed_experts(backend, experts, np.zeros((tokens, 8)), "chosen", "weights") == "op"
+    assert len(calls) == 4 and calls[-1][3:] == ("gate_up", "down")
+
+
+@pytest.mark.parametrize("tokens", [5, 100])
+def test_routed_experts_on_the_cpu_match_the_reference(tokens):
+    from metrale.backend import CpuBackend
+    from metrale.layers.experts import MAX_PAIRWISE_TOKENS, StackedExperts, routed_experts
+    from metrale.layers.mlp import MlpWeights
+
+    rng = np.random.default_rng(tokens)
+    hidden, inter, num_experts = 16, 8, 6
+    x, chosen, weights, gate_up, down = experts_case(rng, tokens, 3, hidden, inter, num_experts, few_experts)
+    x, gate_up, down = bf16_to_float32(x), bf16_to_float32(gate_up), bf16_to_float32(down)
+    views = [MlpWeights(gate_up[2 * inter * e : 2 * inter * (e + 1)], down[hidden * e : hidden * (e + 1)])
+             for e in range(num_experts)]
+    got = routed_experts(CpuBackend(), StackedExperts(gate_up, down, views), x, chosen, weights)
+    assert (tokens > MAX_PAIRWISE_TOKENS) == (tokens == 100)
+    np.testing.assert_allclose(got, moe_grouped.grouped_experts_reference(x, chosen, weights, gate_up, down),
+                               rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- the kernels, emulated
 
 EMULATION_HEADER = Path(__file__).with_name("cuda_emulation.h")
