@@ -452,7 +452,8 @@ extern "C" __global__ void moe_sum_pairs(const float* __restrict__ pair_out, int
 #: The whole module, tile constants as placeholders.
 SOURCE = INSTRUCTIONS + CONSTANTS + KERNELS
 
-_modules: dict[Tiling, Any] = {}
+_kernels: dict[Tiling, dict[str, Any]] = {}
+KERNEL_NAMES = ("moe_align", "moe_grouped_gate_up", "moe_grouped_down", "moe_sum_pairs")
 
 
 def constants(tiling: Tiling = TILING) -> str:
@@ -467,18 +468,19 @@ def source(tiling: Tiling = TILING) -> str:
     return INSTRUCTIONS + constants(tiling) + KERNELS
 
 
-def _module(tiling: Tiling) -> Any:
-    """The compiled kernels for ``tiling`` (NVRTC, once per process and tiling)."""
-    module = _modules.get(tiling)
-    if module is None:
+def _kernel(tiling: Tiling, name: str) -> Any:
+    """The compiled kernel ``name`` for ``tiling`` (NVRTC, once per process and tiling)."""
+    kernels = _kernels.get(tiling)
+    if kernels is None:
         import cupy
 
         module = cupy.RawModule(code=source(tiling), options=("--std=c++17",))
-        if tiling.shared_bytes > 48 * 1024:
-            for name in ("moe_grouped_gate_up", "moe_grouped_down"):
-                module.get_function(name).max_dynamic_shared_size_bytes = tiling.shared_bytes
-        _modules[tiling] = module
-    return module
+        kernels = {kernel: module.get_function(kernel) for kernel in KERNEL_NAMES}
+        if tiling.shared_bytes > 48 * 1024:  # the products' buffers: beyond the default, opted into
+            for product in ("moe_grouped_gate_up", "moe_grouped_down"):
+                kernels[product].max_dynamic_shared_size_bytes = tiling.shared_bytes
+        _kernels[tiling] = kernels
+    return kernels[name]
 
 
 # ------------------------------------------------------------------------------ references
@@ -581,7 +583,7 @@ def align(chosen: DeviceArray, num_experts: int, sorted_pairs: DeviceArray, tile
         arguments = (chosen, np.int32(pairs), np.int32(num_experts), np.int32(block_m), np.int32(tiles), sorted_pairs,
                      tile_expert)
         with stream if stream is not None else contextlib.nullcontext():
-            _module(TILING).get_function("moe_align")((1,), (ALIGN_THREADS,), arguments)
+            _kernel(TILING, "moe_align")((1,), (ALIGN_THREADS,), arguments)
     return sorted_pairs, tile_expert
 
 
@@ -627,21 +629,20 @@ def grouped_experts(
     import contextlib
 
     align(chosen, num_experts, sorted_pairs, tile_expert, tiling.block_m, stream)
-    module = _module(tiling)
     threads, shared = (tiling.threads,), tiling.shared_bytes
     with stream if stream is not None else contextlib.nullcontext():
-        module.get_function("moe_grouped_gate_up")(
+        _kernel(tiling, "moe_grouped_gate_up")(
             (-(-inter // (tiling.block_n // 2)), tiles), threads,
             (x, gate_up, sorted_pairs, tile_expert, np.int32(top_k), np.int32(hidden), np.int32(inter), act),
             shared_mem=shared,
         )
-        module.get_function("moe_grouped_down")(
+        _kernel(tiling, "moe_grouped_down")(
             (-(-hidden // tiling.block_n), tiles), threads,
             (act, down, sorted_pairs, tile_expert, weights, np.int32(hidden), np.int32(inter), pair_out),
             shared_mem=shared,
         )
         quads = tokens * hidden // 4
-        module.get_function("moe_sum_pairs")(
+        _kernel(tiling, "moe_sum_pairs")(
             (min(-(-quads // SUM_THREADS), 8192),), (SUM_THREADS,),
             (pair_out, np.int32(tokens), np.int32(top_k), np.int32(hidden), out),
         )
