@@ -9,7 +9,8 @@
   from the stacked expert weights (``gate_up [E * 2I, H]``, gate rows of expert e at
   ``[2 I e, 2 I e + I)``, up rows after them; ``down [E * H, I]``), the expert ids read on the
   device. One warp per output value streams its weight row as 64-bit words. Meant for decode
-  batches, where each expert serves a few tokens.
+  batches, where each expert serves a few tokens; prompt-sized batches run as grouped
+  tensor-core products (:mod:`metrale.kernels.moe_grouped`).
 
 Ties in the top-k go to the smaller expert index.
 """

@@ -14,8 +14,10 @@ import numpy as np
 from metrale.checkpoint import Checkpoint
 from metrale.layers.mlp import MlpWeights, swiglu_mlp
 
-#: Batches of up to this many tokens run their experts pair by pair on the device (decode); larger
-#: ones group the tokens of each expert into one matrix product.
+#: Batches of up to this many tokens run their experts pair by pair (decode sizes); larger ones
+#: group the pairs of each expert into one matrix product: on the CUDA backend inside
+#: ``moe_experts`` (grouped tensor-core kernels, no host synchronisation), on the CPU backend in
+#: :func:`routed_experts` (the CPU reference computes pair by pair).
 MAX_PAIRWISE_TOKENS = 64
 
 
@@ -47,12 +49,19 @@ def load_stacked_experts(
 def routed_experts(backend: Any, experts: StackedExperts, h: Any, chosen: Any, weights: Any) -> Any:
     """``[N, H]`` float32: ``sum_s weights[n, s] * Expert_{chosen[n, s]}(h[n])``.
 
-    Larger batches sort their (token, expert) pairs by expert once: one read of the choices to the
-    host, one gather of the rows, one matrix product chain per chosen expert over its contiguous
-    rows, then each token's ``k`` weighted results gathered back and summed."""
+    ``backend.ops.moe_experts`` serves every batch, except CPU batches of more than
+    :data:`MAX_PAIRWISE_TOKENS` tokens: the CPU reference runs pair by pair, so those sort their
+    (token, expert) pairs by expert here instead (:func:`grouped_on_host`)."""
+    if backend.name == "cpu" and h.shape[0] > MAX_PAIRWISE_TOKENS:
+        return grouped_on_host(backend, experts, h, chosen, weights)
+    return backend.ops.moe_experts(h, chosen, weights, experts.gate_up, experts.down)
+
+
+def grouped_on_host(backend: Any, experts: StackedExperts, h: Any, chosen: Any, weights: Any) -> Any:
+    """:func:`routed_experts` with the pairs sorted by expert on the host: one read of the choices,
+    one gather of the rows, one matrix product chain per chosen expert over its contiguous rows,
+    then each token's ``k`` weighted results gathered back and summed."""
     xp = backend.xp
-    if h.shape[0] <= MAX_PAIRWISE_TOKENS:
-        return backend.ops.moe_experts(h, chosen, weights, experts.gate_up, experts.down)
     tokens, top_k = chosen.shape
     flat = backend.to_numpy(chosen).astype(np.int64).reshape(-1)
     order = np.argsort(flat, kind="stable")  # pair indices n * k + s, grouped by expert

@@ -24,11 +24,13 @@ from metrale.kernels import (
     gemv,
     layernorm,
     moe,
+    moe_grouped,
     qkv_rope,
     rmsnorm,
 )
 from metrale.kernels import head_linear as head_linear_kernels
 from metrale.kernels.linear import CublasGemm
+from metrale.layers import experts as expert_layers
 
 f32, bf16 = np.float32, np.uint16
 
@@ -239,8 +241,22 @@ class CudaKernels:
 
     def moe_experts(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
         x = self.as_bf16(x)
-        act = cp.empty((x.shape[0] * experts.shape[1], down.shape[1]), dtype=bf16)
-        out = cp.empty((x.shape[0], x.shape[1]), dtype=f32)
+        tokens, hidden = x.shape
+        top_k, inter = experts.shape[1], down.shape[1]
+        num_experts = down.shape[0] // hidden
+        out = cp.empty((tokens, hidden), dtype=f32)
+        if tokens > expert_layers.MAX_PAIRWISE_TOKENS and moe_grouped.supports(hidden, inter, num_experts):
+            # Prompt-sized batches: each expert's pairs as one tensor-core product, four launches
+            # whatever the routing, no host synchronisation.
+            pairs = tokens * top_k
+            tiles = moe_grouped.max_tiles(pairs, num_experts)
+            rows = tiles * moe_grouped.BLOCK_M
+            return moe_grouped.grouped_experts(
+                x, cp.ascontiguousarray(experts, dtype=np.int32), cp.ascontiguousarray(weights, dtype=f32), gate_up,
+                down, cp.empty(rows, dtype=np.int32), cp.empty(tiles, dtype=np.int32), cp.empty((rows, inter), dtype=bf16),
+                cp.empty((pairs, hidden), dtype=f32), out, self.stream,
+            )
+        act = cp.empty((tokens * top_k, inter), dtype=bf16)
         return moe.experts(x, experts, weights, gate_up, down, act, out, self.stream)
 
     # --------------------------------------------------------------------------------- GDN

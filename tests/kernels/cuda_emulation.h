@@ -1,0 +1,199 @@
+// The CUDA features of metrale.kernels.moe_grouped emulated on the host, so that its kernels run
+// (slowly) without a GPU: one std::thread per CUDA thread, the blocks of a launch one after
+// another. ldmatrix and mma.sync follow the fragment layouts of the PTX ISA; cp.async copies are
+// queued per thread and land only when cp.async.wait_group requires them (or at once, with
+// emu::defer_copies = 0), so a missing wait reads stale shared memory. Included in place of the
+// module's INSTRUCTIONS.
+#pragma once
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static   // the blocks of a launch run one at a time
+#define DYNAMIC_SHARED unsigned char* dynamic_shared = emu::dynamic_shared
+
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
+
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+
+namespace emu {
+
+[[noreturn]] inline void fail(const char* what) {
+    std::fprintf(stderr, "emulation: %s\n", what);
+    std::abort();
+}
+
+alignas(16) unsigned char dynamic_shared[256 * 1024];
+std::barrier<>* block_barrier = nullptr;
+std::vector<std::barrier<>*> warp_barriers;
+struct Exchange { unsigned address[32]; unsigned a[32][4]; unsigned b[32][2]; float c[32][4]; };
+std::vector<Exchange> exchange;   // what the lanes of each warp hand to a warp-wide instruction
+int defer_copies = 1;
+
+struct Copy { unsigned target; const unsigned char* source; bool valid; };
+thread_local std::deque<std::vector<Copy>> committed;   // oldest group first
+thread_local std::vector<Copy> open_group;
+
+inline void land(const Copy& copy) {
+    if (copy.target % 16 || copy.target + 16 > sizeof(dynamic_shared)) fail("cp.async target out of place");
+    if (reinterpret_cast<std::uintptr_t>(copy.source) % 16) fail("cp.async source not 16-byte aligned");
+    if (copy.valid) std::memcpy(dynamic_shared + copy.target, copy.source, 16);
+    else std::memset(dynamic_shared + copy.target, 0, 16);
+}
+
+inline int lane() { return threadIdx.x % 32; }
+inline int warp() { return threadIdx.x / 32; }
+
+inline float bf16_value(unsigned bits) {
+    const unsigned word = (bits & 0xffffu) << 16;
+    float value;
+    std::memcpy(&value, &word, 4);
+    return value;
+}
+
+inline unsigned bf16_round(float value) {
+    unsigned word;
+    std::memcpy(&word, &value, 4);
+    if ((word & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    return (word + 0x7fffu + ((word >> 16) & 1u)) >> 16;
+}
+
+// kernel() on every thread of every block of grid x block (x only), one block at a time.
+template <typename Kernel>
+void launch(dim3 grid, dim3 block, Kernel kernel) {
+    gridDim = grid;
+    blockDim = block;
+    const int threads = static_cast<int>(block.x);
+    const int warps = (threads + 31) / 32;
+    for (unsigned by = 0; by < grid.y; ++by) {
+        for (unsigned bx = 0; bx < grid.x; ++bx) {
+            std::barrier<> barrier(threads);
+            block_barrier = &barrier;
+            std::vector<std::barrier<>*> per_warp;
+            for (int w = 0; w < warps; ++w) per_warp.push_back(new std::barrier<>(std::min(32, threads - 32 * w)));
+            warp_barriers = per_warp;
+            exchange.assign(warps, Exchange{});
+            std::memset(dynamic_shared, 0xab, sizeof(dynamic_shared));   // never zeros by luck
+            std::vector<std::thread> pool;
+            for (int t = 0; t < threads; ++t) {
+                pool.emplace_back([=] {
+                    threadIdx.x = t;
+                    blockIdx.x = bx;
+                    blockIdx.y = by;
+                    committed.clear();
+                    open_group.clear();
+                    kernel();
+                    if (!open_group.empty()) fail("copies issued but never committed");
+                    for (const auto& group : committed) {
+                        if (!group.empty()) fail("copies still in flight when the thread ends");
+                    }
+                });
+            }
+            for (auto& thread : pool) thread.join();
+            for (auto* barrier_of_warp : per_warp) delete barrier_of_warp;
+        }
+    }
+}
+
+}  // namespace emu
+
+inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
+inline int atomicAdd(int* address, int value) { return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST); }
+
+inline unsigned shared_address(const void* pointer) {
+    const auto* byte = static_cast<const unsigned char*>(pointer);
+    if (byte < emu::dynamic_shared || byte >= emu::dynamic_shared + sizeof(emu::dynamic_shared)) {
+        emu::fail("shared_address of a pointer outside shared memory");
+    }
+    return static_cast<unsigned>(byte - emu::dynamic_shared);
+}
+
+inline void copy_16(unsigned target, const void* source, bool valid) {
+    const emu::Copy copy{target, static_cast<const unsigned char*>(source), valid};
+    if (emu::defer_copies) emu::open_group.push_back(copy);
+    else emu::land(copy);
+}
+
+inline void commit_copies() {
+    emu::committed.push_back(emu::open_group);
+    emu::open_group.clear();
+}
+
+template <int pending>
+inline void wait_copies() {
+    while (static_cast<int>(emu::committed.size()) > pending) {
+        for (const auto& copy : emu::committed.front()) emu::land(copy);
+        emu::committed.pop_front();
+    }
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lane l addresses row l % 8 of matrix l / 8; register
+// i of lane t holds row t / 4, elements 2 (t % 4) (low half) and 2 (t % 4) + 1 of matrix i.
+inline void load_matrices(unsigned* fragment, unsigned address) {
+    if (address % 16) emu::fail("ldmatrix row address not 16-byte aligned");
+    auto& exchange = emu::exchange[emu::warp()];
+    auto* barrier = emu::warp_barriers[emu::warp()];
+    const int t = emu::lane();
+    exchange.address[t] = address;
+    barrier->arrive_and_wait();
+    for (int i = 0; i < 4; ++i) {
+        std::memcpy(&fragment[i], emu::dynamic_shared + exchange.address[i * 8 + t / 4] + 4 * (t % 4), 4);
+    }
+    barrier->arrive_and_wait();
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, g = lane / 4, q = lane % 4: A element i
+// (register i / 2, half i % 2) at row g (i in 0, 1, 4, 5) or g + 8, column 2 q + (i & 1) (+ 8
+// for i >= 4); B element i at row (k) 2 q + (i & 1) (+ 8 for i >= 2), column g; C element i at
+// row g (i < 2) or g + 8, column 2 q + (i & 1).
+inline void mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
+    auto& exchange = emu::exchange[emu::warp()];
+    auto* barrier = emu::warp_barriers[emu::warp()];
+    const int t = emu::lane();
+    for (int i = 0; i < 4; ++i) {
+        exchange.a[t][i] = a[i];
+        exchange.c[t][i] = c[i];
+    }
+    exchange.b[t][0] = b[0];
+    exchange.b[t][1] = b[1];
+    barrier->arrive_and_wait();
+    float A[16][16], B[16][8], C[16][8];
+    for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, q = l % 4;
+        for (int i = 0; i < 8; ++i) {
+            const unsigned word = exchange.a[l][i / 2];
+            const int row = (i < 2 || (i >= 4 && i < 6)) ? g : g + 8;
+            A[row][2 * q + (i & 1) + (i >= 4 ? 8 : 0)] = emu::bf16_value(i % 2 ? word >> 16 : word);
+        }
+        for (int i = 0; i < 4; ++i) {
+            const unsigned word = exchange.b[l][i / 2];
+            B[2 * q + (i & 1) + (i >= 2 ? 8 : 0)][g] = emu::bf16_value(i % 2 ? word >> 16 : word);
+        }
+        for (int i = 0; i < 4; ++i) C[i < 2 ? g : g + 8][2 * q + (i & 1)] = exchange.c[l][i];
+    }
+    barrier->arrive_and_wait();
+    const int g = t / 4, q = t % 4;
+    for (int i = 0; i < 4; ++i) {
+        const int row = i < 2 ? g : g + 8, column = 2 * q + (i & 1);
+        float sum = C[row][column];
+        for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][column];
+        c[i] = sum;
+    }
+}
+
+inline unsigned pack_bf16(float low, float high) { return emu::bf16_round(low) | (emu::bf16_round(high) << 16); }
