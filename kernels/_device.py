@@ -173,9 +173,10 @@ class DirectKernel:
             None if isinstance(t, types.Array) else (np.bool_ if isinstance(t, types.Boolean) else np.dtype(str(t)).type)
             for t in overload.argument_types
         )
-        cubin = overload._codelibrary.get_cubin()  # for the current device
+        image = overload._codelibrary.get_cubin()  # for the current device
         module = cupy.cuda.function.Module()
-        module.load(bytes(cubin))
+        # numba gives the image as bytes or as a cuda.core ObjectCode, by version.
+        module.load(bytes(getattr(image, "code", image)))
         _modules.append(module)  # the functions keep no reference to their module
         return module.get_function(overload.entry_name), scalar_types
 

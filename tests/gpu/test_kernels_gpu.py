@@ -65,6 +65,23 @@ def test_reused_device_views_follow_address_shape_and_dtype():
         del values, out
 
 
+def test_numba_kernels_launch_directly_through_cupy():
+    """The kernels run through :class:`metrale.kernels._device.DirectKernel`: compiled by numba,
+    loaded and launched by CuPy, on the stream given."""
+    from metrale.kernels import _device, activation
+
+    assert isinstance(activation.silu_and_mul_kernel, _device.DirectKernel)
+    gate_up = cp.asarray(np.linspace(-3, 3, 2 * 3 * 40, dtype=np.float32).reshape(3, 80))
+    out = cp.zeros((3, 40), dtype=np.uint16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    activation.silu_and_mul(gate_up, out, stream)
+    stream.synchronize()
+    host = cp.asnumpy(gate_up)
+    expected = activation.silu_and_mul_reference(host[:, :40], host[:, 40:])
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 8e-3
+    assert len(activation.silu_and_mul_kernel._launchers) >= 1
+
+
 def test_silu_and_mul():
     from metrale.kernels import activation
 
