@@ -4,11 +4,11 @@
 It computes what :func:`metrale.kernels.gated_delta.prompt_rule_reference` computes (and
 :func:`metrale.kernels.gated_delta.prompt_rule_kernel` on CUDA cores): segment ``s`` (rows
 ``starts[s]:starts[s + 1]``) runs the rule from ``state[slots[s]]``, updated in place. A block of
-eight warps owns one (segment, head) and :data:`COLUMNS_CHOICES` state columns (value dims; the
-columns evolve independently) and walks the segment's chunks of :data:`CHUNK` tokens in order,
-the float32 state ``S [d_k, columns]`` in registers as the accumulators of its own update
-product. Per chunk, with ``gamma`` the in-chunk cumulative decays and ``D_ij = exp(gamma_i -
-gamma_j)`` for ``j <= i``:
+eight warps owns one (segment, head) and 32 or 64 of the state's columns (value dims, which
+evolve independently; :func:`block_columns` picks the width) and walks the segment's chunks of
+:data:`CHUNK` tokens in order, the float32 state ``S [d_k, columns]`` in registers as the
+accumulators of its own update product. Per chunk, with ``gamma`` the in-chunk cumulative decays
+and ``D_ij = exp(gamma_i - gamma_j)`` for ``j <= i``:
 
 * ``K K^T`` and ``Q K^T`` on tensor cores (warps 0-3 and 4-7, 16 token rows each), masked and
   decayed into ``A = strict_lower(diag(beta) K K^T * D)`` (float32, shared) and ``P = lower(Q K^T
