@@ -8,9 +8,10 @@ is held to the float32 reference within 1.5e-2 of the largest magnitude: the mod
 (:func:`~metrale.kernels.gated_delta_chunked.chunked_prompt_rule_reference`) lands 3e-3 to 6e-3
 from the reference on these very cases, outputs and states alike (slow decays included, where
 every chunk's roundings stay in the state). Against that model the kernel differs only where a
-float32 sum in another order rounds to the other bf16 neighbour: within 2e-3, well below any
-error in the algebra or the fragment layouts, which would move the results by the size of the
-values themselves.
+float32 sum in another order rounds to the other bf16 neighbour: the kernel's source run on the
+CPU (tests/kernels/test_gated_delta_chunked_emulated.py) lands within 1e-3 of it on the segment
+cases here, so 3e-3 leaves room for the device's own exp and accumulation order while any error
+in the algebra or the fragment layouts moves the results by the size of the values themselves.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kernel_helpers import rel_error  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 REFERENCE_TOLERANCE = 1.5e-2
-MODEL_TOLERANCE = 2e-3
+MODEL_TOLERANCE = 3e-3
 #: Every segment length the kernel treats differently (one token, a partial chunk, a whole chunk,
 #: one past it, an empty segment, several chunks with a partial last one): 2,048 tokens in all.
 SEGMENTS = (1, 63, 64, 65, 700, 0, 1155)
