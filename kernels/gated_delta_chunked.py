@@ -26,7 +26,9 @@ Matrix-product operands are bf16 (``Q``, ``K``, ``S``, ``T``, ``R``, ``P``, ``V'
 accumulation; the state stays float32 from chunk to chunk and is written back to its slot once.
 A last chunk shorter than :data:`CHUNK` is padded with zero rows (``g = beta = 0``, a no-op).
 :func:`chunked_prompt_rule_reference` is the NumPy model of these steps, bf16 roundings
-included. numba's CUDA simulator cannot run the kernel (its tests run on the GPU only).
+included. numba's CUDA simulator cannot run the kernel; its tests run it on the GPU, and its
+source on the CPU through an emulation of the CUDA pieces it uses
+(tests/kernels/test_gated_delta_chunked_emulated.py).
 """
 
 from __future__ import annotations
