@@ -391,7 +391,7 @@ def _declarations() -> list[tuple[Op, str]]:
             (P("out", "[N, H, d_v]", "activation"),), gdn_recurrent_step),
          "gated_delta"),
         (Op("gdn_prompt_rule", "The gated delta rule over each segment's rows ``starts[s]:starts[s + 1]`` from slot "
-            "``slots[s]`` (the chunked form on the CPU).",
+            "``slots[s]`` (the chunked form on the CPU, and on tensor cores for heads of 64 or 128 dims).",
             (P("q", "[T, H, d_k]", "activation"), P("k", "[T, H, d_k]", "activation"), P("v", "[T, H, d_v]", "activation"),
              P("g", "[T, H]", "activation"), P("beta", "[T, H]", "activation"),
              P("state", "[slots, H, d_k, d_v]", "cache"), P("slots", "[S]", "index"), P("starts", "[S + 1]", "index")),

@@ -21,6 +21,7 @@ from metrale.kernels import (
     embedding,
     gated,
     gated_delta,
+    gated_delta_chunked,
     gemv,
     layernorm,
     moe,
@@ -274,8 +275,10 @@ class CudaKernels:
     def gdn_prompt_rule(self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, slots: Any, starts: Any) -> Any:
         out = cp.empty(v.shape, dtype=f32)
         q, k, v, g, beta = (cp.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta))
-        return gated_delta.prompt_rule(q, k, v, g, beta, state, cp.asarray(slots, dtype=np.int32),
-                                       cp.asarray(starts, dtype=np.int32), out, self.stream)
+        slots, starts = cp.asarray(slots, dtype=np.int32), cp.asarray(starts, dtype=np.int32)
+        # The chunked form on tensor cores where it serves the head sizes, else the recurrence.
+        rule = gated_delta_chunked if gated_delta_chunked.supports(q.shape[2], v.shape[2]) else gated_delta
+        return rule.prompt_rule(q, k, v, g, beta, state, slots, starts, out, self.stream)
 
     def gdn_ungroup(self, qkvz: Any, key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> Any:
         rows = qkvz.shape[0]

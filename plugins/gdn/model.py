@@ -9,9 +9,9 @@ layers.
 Everything runs on backend ops. Decode rows take the conv update and one recurrence step per row,
 in place in the slots the batch names (the dummy slot for padding rows). Prompt tokens of every
 sequence take the conv in one op (``gdn_conv_prompts``), then the gated delta rule in one op,
-``gdn_prompt_rule`` (on the CPU the chunked form, chunks of
-:data:`metrale.kernels.gated_delta.CHUNK` tokens; on the GPU a kernel that keeps the state in
-registers). Decode steps are captured into CUDA graphs like the dense family's.
+``gdn_prompt_rule`` (the chunked form, chunks of :data:`metrale.kernels.gated_delta.CHUNK`
+tokens: on the CPU in NumPy, on the GPU on tensor cores for heads of 64 or 128 dims, else a kernel
+that walks the tokens with the state in registers). Decode steps are captured into CUDA graphs like the dense family's.
 """
 
 from __future__ import annotations
