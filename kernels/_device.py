@@ -10,6 +10,7 @@ Nothing here touches CUDA at import: numba compiles a kernel on its first launch
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -150,15 +151,16 @@ class DirectKernel:
         return lambda *args: self._launch(grid, block, stream, shared, args)
 
     def _launch(self, grid: tuple, block: tuple, stream: Any, shared: int, args: tuple) -> None:
-        key = tuple(_argument_kind(a) for a in args)
+        described = [describe_argument(a) for a in args]
+        key = tuple(kind for kind, _ in described)
         entry = self._launchers.get(key)
         if entry is None:
             entry = self._launchers[key] = self._load(args)
         function, scalar_types = entry
         params: list[Any] = []
-        for arg, scalar_type in zip(args, scalar_types):
+        for arg, (_, array_params), scalar_type in zip(args, described, scalar_types):
             if scalar_type is None:
-                params.extend(_array_params(arg))
+                params.extend(array_params)
             else:
                 params.append(scalar_type(arg))
         function(grid, block, tuple(params), shared_mem=shared, stream=_cupy_stream(stream))
@@ -198,17 +200,36 @@ def _cupy_stream(stream: Any) -> Any:
     return wrapped
 
 
-def _argument_kind(arg: Any) -> Any:
-    """What decides a kernel argument's numba type: an array's dtype, rank and C order; a scalar's type."""
-    interface = getattr(arg, "__cuda_array_interface__", None) if not isinstance(arg, (int, float, np.generic)) else None
-    if interface is None:
-        return type(arg) if not isinstance(arg, np.generic) else arg.dtype.char
-    shape, strides = interface["shape"], interface["strides"]
-    if strides is None:
-        return (interface["typestr"], len(shape), True, len(shape) <= 1)
-    itemsize = np.dtype(interface["typestr"]).itemsize
-    return (interface["typestr"], len(shape), _contiguous(shape[::-1], strides[::-1], itemsize),
-            _contiguous(shape, strides, itemsize))
+def describe_argument(arg: Any) -> tuple[Any, tuple | None]:
+    """A kernel argument's kind (what decides its numba type: an array's dtype, rank and order, a
+    scalar's type) and, for an array, its parameters in numba's ABI: meminfo, parent, size,
+    itemsize, data, shape, strides in bytes.
+
+    Views made by :func:`device_view` carry theirs, worked out once; a CuPy array's come from
+    its attributes, anything else with a CUDA array interface from that."""
+    described = getattr(arg, "_launch_description", None)
+    if described is not None:
+        return described
+    if isinstance(arg, (bool, int, float)):
+        return type(arg), None
+    if isinstance(arg, np.generic):
+        return arg.dtype.char, None
+    pointer = getattr(getattr(arg, "data", None), "ptr", None)
+    if pointer is not None:  # a CuPy array
+        shape, strides, typestr, itemsize = arg.shape, arg.strides, arg.dtype.str, arg.itemsize
+    else:
+        interface = arg.__cuda_array_interface__
+        shape, typestr = tuple(interface["shape"]), interface["typestr"]
+        pointer, itemsize = interface["data"][0], np.dtype(typestr).itemsize
+        strides = interface["strides"]
+        if strides is None:
+            strides, step = [], itemsize
+            for extent in reversed(shape):
+                strides.append(step)
+                step *= extent
+            strides = tuple(reversed(strides))
+    kind = (typestr, len(shape), _contiguous(shape[::-1], strides[::-1], itemsize), _contiguous(shape, strides, itemsize))
+    return kind, (0, 0, math.prod(shape), itemsize, pointer, *shape, *strides)
 
 
 def _contiguous(shape: tuple, strides: tuple, itemsize: int) -> bool:
@@ -219,21 +240,6 @@ def _contiguous(shape: tuple, strides: tuple, itemsize: int) -> bool:
             return False
         expected *= extent
     return True
-
-
-def _array_params(array: Any) -> tuple:
-    """numba's parameters of one array argument: meminfo, parent, size, itemsize, data, shape, strides."""
-    interface = array.__cuda_array_interface__
-    shape = interface["shape"]
-    itemsize = np.dtype(interface["typestr"]).itemsize
-    strides = interface["strides"]
-    if strides is None:
-        strides, step = [], itemsize
-        for extent in reversed(shape):
-            strides.append(step)
-            step *= extent
-        strides = tuple(reversed(strides))
-    return (0, 0, math.prod(shape), itemsize, interface["data"][0], *shape, *strides)
 
 
 def new_device_view(array: Any) -> Any:
@@ -256,6 +262,8 @@ def device_view(array: Any) -> Any:
         if len(_array_views) >= VIEW_CACHE_SIZE:
             _array_views.clear()
         view = _array_views[key] = new_device_view(array)
+        with contextlib.suppress(AttributeError):  # the direct launcher's parameters, worked out once
+            view._launch_description = describe_argument(array)
     return view
 
 
