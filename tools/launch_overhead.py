@@ -2,6 +2,9 @@
 
     python tools/launch_overhead.py [--launches 2000]
 
+The kernels launch through :class:`metrale.kernels._device.DirectKernel` (CuPy's launcher over
+numba's compiled image); one row takes numba's own launcher for comparison.
+
 Launches the RMSNorm kernel on one 2048-wide row (so the GPU work is negligible and the host is
 the bottleneck) in several ways and prints the host microseconds per launch of each: the full
 launcher as the engine runs it (argument checks, then the stream wrapper and device views that
@@ -69,6 +72,15 @@ def main() -> None:
     def views_made_once():
         kernel[grid, block, numba_side](*views, *scalars, out_view)
 
+    # The kernels launch through metrale.kernels._device.DirectKernel; its dispatcher is numba's.
+    numba_kernel = getattr(kernel, "dispatcher", kernel)
+
+    def numba_launcher():
+        numba_kernel[grid, block, numba_side](*views, *scalars, out_view)
+
+    def cupy_arrays():
+        kernel[grid, block, numba_side](x, residual, weight, *scalars, out)
+
     full_launcher()
     overload = next(iter(kernel.overloads.values()))
     arguments = (*views, *scalars, out_view)
@@ -83,6 +95,8 @@ def main() -> None:
             ("kernel call, fresh views and stream wrapper", fresh_wrappers),
             ("... with the stream wrapper made once", stream_made_once),
             ("... and the device views made once", views_made_once),
+            ("the same through numba's own launcher", numba_launcher),
+            ("kernel call with the CuPy arrays themselves", cupy_arrays),
             ("compiled overload's launch, views made once", overload_launch),
             ("one fresh device view alone", lambda: new_device_view(x)),
             ("one reused device view alone", lambda: device_view(x)),
