@@ -119,7 +119,6 @@ from metrale.kernels._device import (  # noqa: E402
     SIMULATED,
     DeviceArray,
     bf16_to_float,
-    block_sum,
     check_array,
     device_view,
     float_to_bf16,
@@ -127,8 +126,12 @@ from metrale.kernels._device import (  # noqa: E402
     numba_stream,
 )
 
-ROPE_THREADS = 4 if SIMULATED else 128
+#: A block handles HEADS_PER_BLOCK heads of one row, ROPE_LANES threads (a warp on the GPU) a head.
+ROPE_LANES = 4 if SIMULATED else 32
+HEADS_PER_BLOCK = 2 if SIMULATED else 8
+ROPE_THREADS = ROPE_LANES * HEADS_PER_BLOCK
 MAX_HEAD_DIM = 256
+MAX_ROTARY_PAIRS = MAX_HEAD_DIM // 2
 
 
 @jit_kernel
@@ -136,58 +139,87 @@ def qkv_rope_cache_kernel(
     qkv, positions, slot_mapping, inv_freq, attention_factor, q_norm, k_norm, eps, norm_offset,
     has_qk_norm, interleaved, num_heads, num_kv_heads, q_out, k_cache, v_cache,
 ):
-    # Grid: (N rows, num_heads + num_kv_heads); block ROPE_THREADS threads over one head's dims.
-    # Heads < num_heads are queries (to q_out [N, nh, d] f32); the rest are KV heads: K is normed,
-    # rotated and stored, V stored, both as bf16 bits at slot_mapping[row] of the paged cache.
-    # The norm covers all d dims; RoPE the first 2 * len(inv_freq) (partial rotary when < d): pairs
-    # (i, i + len(inv_freq)), or (2i, 2i + 1) when interleaved; the dims past them pass through.
+    # Grid: (N rows, ceil((num_heads + num_kv_heads) / HEADS_PER_BLOCK)); ROPE_THREADS threads,
+    # ROPE_LANES to a head. Heads < num_heads are queries (to q_out [N, nh, d] f32); the rest are
+    # KV heads: K is normed, rotated and stored, V stored, both as bf16 bits at slot_mapping[row]
+    # of the paged cache. The norm covers all d dims; RoPE the first 2 * len(inv_freq) (partial
+    # rotary when < d): pairs (i, i + len(inv_freq)), or (2i, 2i + 1) when interleaved; the dims
+    # past them pass through. The row's cos and sin are made once per block, in shared memory.
     row = cuda.blockIdx.x
-    head = cuda.blockIdx.y
     tid = cuda.threadIdx.x
+    slot_in_block = tid // ROPE_LANES
+    lane = tid % ROPE_LANES
+    head = cuda.blockIdx.y * HEADS_PER_BLOCK + slot_in_block
     head_dim = q_out.shape[2]
-    vec = cuda.shared.array(MAX_HEAD_DIM, float32)
-    partial = cuda.shared.array(ROPE_THREADS, float32)
-    is_query = head < num_heads
-    source = head * head_dim
-    for i in range(tid, head_dim, ROPE_THREADS):
-        vec[i] = qkv[row, source + i]
-    cuda.syncthreads()
-    if has_qk_norm:
-        acc = float32(0.0)
-        for i in range(tid, head_dim, ROPE_THREADS):
-            acc += vec[i] * vec[i]
-        total = block_sum(partial, tid, acc, ROPE_THREADS)
-        inv = float32(1.0) / math.sqrt(total / float32(head_dim) + eps)
-        for i in range(tid, head_dim, ROPE_THREADS):
-            weight = bf16_to_float(q_norm[i]) if is_query else bf16_to_float(k_norm[i])
-            vec[i] = vec[i] * inv * (norm_offset + weight)
-        cuda.syncthreads()
+    total_heads = num_heads + num_kv_heads
     half = inv_freq.shape[0]
+    cos_table = cuda.shared.array(MAX_ROTARY_PAIRS, float32)
+    sin_table = cuda.shared.array(MAX_ROTARY_PAIRS, float32)
+    partial = cuda.shared.array(ROPE_THREADS, float32)
     position = float32(positions[row])
     for i in range(tid, half, ROPE_THREADS):
         angle = position * inv_freq[i]
-        cos = math.cos(angle) * attention_factor
-        sin = math.sin(angle) * attention_factor
-        first = 2 * i if interleaved else i
-        second = 2 * i + 1 if interleaved else i + half
-        a = vec[first]
-        b = vec[second]
-        vec[first] = a * cos - b * sin
-        vec[second] = b * cos + a * sin
-    cuda.syncthreads()
-    if is_query:
-        for i in range(tid, head_dim, ROPE_THREADS):
-            q_out[row, head, i] = vec[i]
+        cos_table[i] = math.cos(angle) * attention_factor
+        sin_table[i] = math.sin(angle) * attention_factor
+    active = head < total_heads
+    is_query = head < num_heads
+    source = head * head_dim
+    scale = float32(1.0)
+    if has_qk_norm:
+        # Every thread reaches the barriers, the padding heads of the last block included.
+        acc = float32(0.0)
+        if active:
+            for i in range(lane, head_dim, ROPE_LANES):
+                value = qkv[row, source + i]
+                acc += value * value
+        partial[tid] = acc
+        cuda.syncthreads()
+        total = float32(0.0)
+        for other in range(ROPE_LANES):
+            total += partial[slot_in_block * ROPE_LANES + other]
+        scale = float32(1.0) / math.sqrt(total / float32(head_dim) + eps)
+    cuda.syncthreads()  # the cos and sin tables are written
+    if not active:
         return
     kv_head = head - num_heads
-    slot = slot_mapping[row]
-    block_size = k_cache.shape[1]
-    block = slot // block_size
-    offset = slot % block_size
-    value_source = (num_heads + num_kv_heads + kv_head) * head_dim
-    for i in range(tid, head_dim, ROPE_THREADS):
-        k_cache[block, offset, kv_head, i] = float_to_bf16(vec[i])
-        v_cache[block, offset, kv_head, i] = float_to_bf16(qkv[row, value_source + i])
+    block = 0
+    offset = 0
+    if not is_query:
+        slot = slot_mapping[row]
+        block = slot // k_cache.shape[1]
+        offset = slot % k_cache.shape[1]
+    for i in range(lane, half, ROPE_LANES):
+        first = 2 * i if interleaved else i
+        second = 2 * i + 1 if interleaved else i + half
+        a = qkv[row, source + first]
+        b = qkv[row, source + second]
+        if has_qk_norm:
+            norm = q_norm if is_query else k_norm
+            a = a * scale * (norm_offset + bf16_to_float(norm[first]))
+            b = b * scale * (norm_offset + bf16_to_float(norm[second]))
+        cos = cos_table[i]
+        sin = sin_table[i]
+        rotated_first = a * cos - b * sin
+        rotated_second = b * cos + a * sin
+        if is_query:
+            q_out[row, head, first] = rotated_first
+            q_out[row, head, second] = rotated_second
+        else:
+            k_cache[block, offset, kv_head, first] = float_to_bf16(rotated_first)
+            k_cache[block, offset, kv_head, second] = float_to_bf16(rotated_second)
+    for i in range(2 * half + lane, head_dim, ROPE_LANES):  # past the rotary dims
+        value = qkv[row, source + i]
+        if has_qk_norm:
+            norm = q_norm if is_query else k_norm
+            value = value * scale * (norm_offset + bf16_to_float(norm[i]))
+        if is_query:
+            q_out[row, head, i] = value
+        else:
+            k_cache[block, offset, kv_head, i] = float_to_bf16(value)
+    if not is_query:
+        value_source = (num_heads + num_kv_heads + kv_head) * head_dim
+        for i in range(lane, head_dim, ROPE_LANES):
+            v_cache[block, offset, kv_head, i] = float_to_bf16(qkv[row, value_source + i])
 
 
 def qkv_rope_cache(
@@ -219,7 +251,8 @@ def qkv_rope_cache(
     else:
         q_norm = k_norm = v_cache.reshape(-1)[:head_dim]  # never read; keeps one kernel specialisation
     if rows:
-        qkv_rope_cache_kernel[(rows, num_heads + num_kv_heads), ROPE_THREADS, numba_stream(stream)](
+        grid = (rows, -(-(num_heads + num_kv_heads) // HEADS_PER_BLOCK))
+        qkv_rope_cache_kernel[grid, ROPE_THREADS, numba_stream(stream)](
             device_view(qkv), device_view(positions), device_view(slot_mapping), device_view(inv_freq),
             np.float32(attention_factor), device_view(q_norm), device_view(k_norm), np.float32(eps),
             np.float32(norm_offset), np.int32(has_norm), np.int32(bool(interleaved)), np.int32(num_heads),
