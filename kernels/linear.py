@@ -53,12 +53,19 @@ class CublasGemm:
         self._zero = np.zeros(1, dtype=np.float32)
 
     def __call__(self, x: DeviceArray, weight: DeviceArray, out: DeviceArray) -> DeviceArray:
-        """``x [N, K]`` bf16 bits, ``weight [M, K]`` bf16 bits -> ``out [N, M]`` fp32 or bf16."""
+        """``x [N, K]`` bf16 bits, ``weight [M, K]`` bf16 bits -> ``out [N, M]`` fp32 or bf16; or
+        all three float32 (a float32 product: cuBLAS's default math mode, no TF32)."""
         op = "linear"
-        check_array(op, "x", x, np.uint16, ndim=2)
+        single = getattr(x, "dtype", None) == np.float32
+        in_dtype, in_type = (np.float32, CUDA_R_32F) if single else (np.uint16, CUDA_R_16BF)
+        check_array(op, "x", x, in_dtype, ndim=2)
         rows, inner = x.shape
-        check_array(op, "weight", weight, np.uint16, (None, inner))
+        check_array(op, "weight", weight, in_dtype, (None, inner))
         width = weight.shape[0]
+        if single and out.dtype != np.float32:
+            from metrale.errors import KernelArgumentError
+
+            raise KernelArgumentError(f"{op}: a float32 product writes float32, not {out.dtype}")
         if out.dtype == np.float32:
             out_type = CUDA_R_32F
         elif out.dtype == np.uint16:
@@ -74,8 +81,8 @@ class CublasGemm:
         # transposed, B = x as column-major [K, N].
         self._cublas.gemm_ex(
             self.handle, CUBLAS_OP_T, CUBLAS_OP_N, width, rows, inner,
-            self._one.ctypes.data, weight.data.ptr, CUDA_R_16BF, inner,
-            x.data.ptr, CUDA_R_16BF, inner,
+            self._one.ctypes.data, weight.data.ptr, in_type, inner,
+            x.data.ptr, in_type, inner,
             self._zero.ctypes.data, out.data.ptr, out_type, width,
             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
         )

@@ -46,3 +46,29 @@ def test_the_gemv_kernels_match_the_references(backend):
     registry = builtin_registry()
     for kernel in gemv_kernels():
         assert check_kernel(registry, kernel, backend) == []
+
+
+@pytest.mark.parametrize("method, experts, top_k, n_group, topk_group", [("greedy", 64, 6, 1, 1), ("noaux_tc", 256, 8, 8, 4)])
+def test_a_prompts_routing_matches_the_reference(backend, method, experts, top_k, n_group, topk_group):
+    """Prompt-sized batches take the float32 cuBLAS router product, decode-sized ones the kernel."""
+    import cupy as cp
+    import numpy as np
+
+    from metrale.checkpoint import bf16_to_float32, float32_to_bf16
+    from metrale.ops import builtin
+
+    rng = np.random.default_rng(7)
+    for tokens in (300, 9):
+        x = float32_to_bf16(rng.standard_normal((tokens, 2048)).astype(np.float32))
+        gate = (0.05 * rng.standard_normal((experts, 2048))).astype(np.float32)
+        bias = (0.1 * rng.standard_normal(experts)).astype(np.float32)
+        arguments = (method, n_group, topk_group, top_k, method == "noaux_tc", 2.5)
+        chosen, weights = backend.ops.moe_route(cp.asarray(x), cp.asarray(gate), cp.asarray(bias), *arguments)
+        want_chosen, want_weights = builtin.moe_route(bf16_to_float32(x), gate, bias, *arguments)
+        # Rows whose k-th and (k+1)-th logits are this close could order differently under another
+        # summation order: left out (the comparison still covers nearly every row).
+        scores = np.sort(bf16_to_float32(x) @ gate.T, axis=1)[:, ::-1]
+        clear = scores[:, top_k - 1] - scores[:, top_k] > 1e-4
+        assert clear.mean() > 0.95
+        np.testing.assert_array_equal(cp.asnumpy(chosen)[clear], want_chosen[clear])
+        np.testing.assert_allclose(cp.asnumpy(weights)[clear], want_weights[clear], rtol=1e-4, atol=1e-6)
