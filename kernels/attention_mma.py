@@ -143,39 +143,50 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
         key_start = first_position - sliding_window + 1;
         key_start = key_start < 0 ? 0 : key_start / BLOCK_KEYS * BLOCK_KEYS;
     }
+    // Each stage's keys as rows of the cache (slot * nkv + kv head; -1 past key_end), worked out
+    // one step ahead by BLOCK_KEYS threads: the copies then need no division or table read.
+    __shared__ long long stage_rows[2][BLOCK_KEYS];
+    auto find_rows = [&](int stage, int base) {
+        if (threadIdx.x < BLOCK_KEYS) {
+            const int position = base + threadIdx.x;
+            stage_rows[stage][threadIdx.x] = position < key_end
+                ? ((long long)table[position / block_size] * block_size + position % block_size) * num_kv_heads + kv_head
+                : -1;
+        }
+    };
     // Queue the keys and values of [base, base + BLOCK_KEYS) into a stage (zeros past key_end).
-    auto load_stage = [&](int stage, int base) {
+    auto load_stage = [&](int stage) {
         bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
         bf16_bits* values = keys + BLOCK_KEYS * K_STRIDE;
         for (int e = threadIdx.x; e < BLOCK_KEYS * (HEAD_DIM / 8); e += THREADS) {
             const int key = e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8);
-            const int position = base + key;
-            const bool valid = position < key_end;
-            const long slot = valid ? (long)table[position / block_size] * block_size + position % block_size : 0;
-            copy_async_16(&keys[key * K_STRIDE + chunk * 8], k_cache + (slot * num_kv_heads + kv_head) * HEAD_DIM + chunk * 8,
-                          valid);
+            const long long row = stage_rows[stage][key];
+            copy_async_16(&keys[key * K_STRIDE + chunk * 8], k_cache + (row < 0 ? 0 : row) * HEAD_DIM + chunk * 8, row >= 0);
         }
         for (int e = threadIdx.x; e < BLOCK_KEYS * (VALUE_DIM / 8); e += THREADS) {
             const int key = e / (VALUE_DIM / 8), chunk = e % (VALUE_DIM / 8);
-            const int position = base + key;
-            const bool valid = position < key_end;
-            const long slot = valid ? (long)table[position / block_size] * block_size + position % block_size : 0;
-            copy_async_16(&values[key * V_STRIDE + chunk * 8],
-                          v_cache + (slot * num_kv_heads + kv_head) * VALUE_DIM + chunk * 8, valid);
+            const long long row = stage_rows[stage][key];
+            copy_async_16(&values[key * V_STRIDE + chunk * 8], v_cache + (row < 0 ? 0 : row) * VALUE_DIM + chunk * 8,
+                          row >= 0);
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
 
-    if (key_start < key_end) load_stage(0, key_start);
+    find_rows(0, key_start);
+    find_rows(1, key_start + BLOCK_KEYS);
+    __syncthreads();
+    if (key_start < key_end) load_stage(0);
     int stage = 0;
     for (int base = key_start; base < key_end; base += BLOCK_KEYS, stage ^= 1) {
         if (base + BLOCK_KEYS < key_end) {
-            load_stage(stage ^ 1, base + BLOCK_KEYS);
+            load_stage(stage ^ 1);
             asm volatile("cp.async.wait_group 1;\n" ::);
         } else {
             asm volatile("cp.async.wait_group 0;\n" ::);
         }
         __syncthreads();
+        // This stage's rows were last read by the copies queued a step ago, before the barrier.
+        find_rows(stage, base + 2 * BLOCK_KEYS);
         const bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
         const bf16_bits* values = keys + BLOCK_KEYS * K_STRIDE;
 
