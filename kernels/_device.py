@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import warnings
 from typing import Any
 
 import numpy as np
 from numba import config, cuda
 
+from metrale.config import environment_flag
 from metrale.errors import KernelArgumentError
 
 # numba.config sets its options at import from the environment, so they have no static declaration.
@@ -121,7 +121,7 @@ def jit_kernel(function: Any) -> Any:
 
 #: Whether :func:`jit_kernel` launches through :class:`DirectKernel` (``METRALE_NUMBA_LAUNCH=1``
 #: keeps numba's own launcher, for comparison).
-DIRECT_LAUNCH = os.environ.get("METRALE_NUMBA_LAUNCH", "") not in ("1", "true", "yes")
+DIRECT_LAUNCH = not environment_flag("METRALE_NUMBA_LAUNCH")
 
 
 class DirectKernel:

@@ -21,10 +21,18 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "METRALE_NO_ENTRY_POINTS": "when set to 1, third-party plugins (entry points) are not loaded",
     "METRALE_NO_MTP_EAGER_DRAFTER": "when set to 1, the eager MTP drafter stage never runs",
     "METRALE_NO_PROGRESS": "when set to 1, no progress bars are shown",
+    "METRALE_NUMBA_LAUNCH": "when set to 1, numba kernels launch through numba's own launcher, not CuPy's",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
+
+
+def environment_flag(name: str, env: Mapping[str, str] | None = None) -> bool:
+    """One boolean ``METRALE_*`` variable of ``env`` (default: ``os.environ``), parsed as
+    :func:`read_environment` parses it: for a reader that must not depend on the others (the
+    kernels read ``METRALE_NUMBA_LAUNCH`` at import)."""
+    return _flag(os.environ if env is None else env, name)
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -45,6 +53,7 @@ class EnvironmentConfig:
     no_entry_points: bool = False
     no_mtp_eager_drafter: bool = False
     no_progress: bool = False
+    numba_launch: bool = False
 
 
 def read_environment(env: Mapping[str, str] | None = None) -> EnvironmentConfig:
@@ -62,6 +71,7 @@ def read_environment(env: Mapping[str, str] | None = None) -> EnvironmentConfig:
         no_entry_points=_flag(env, "METRALE_NO_ENTRY_POINTS"),
         no_mtp_eager_drafter=_flag(env, "METRALE_NO_MTP_EAGER_DRAFTER"),
         no_progress=_flag(env, "METRALE_NO_PROGRESS"),
+        numba_launch=_flag(env, "METRALE_NUMBA_LAUNCH"),
     )
 
 
