@@ -159,7 +159,7 @@ class DirectKernel:
         function, scalar_types = entry
         params: list[Any] = []
         for arg, (_, array_params), scalar_type in zip(args, described, scalar_types):
-            if scalar_type is None:
+            if array_params is not None:
                 params.extend(array_params)
             else:
                 params.append(scalar_type(arg))
