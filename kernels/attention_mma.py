@@ -25,6 +25,7 @@ import numpy as np
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
+from metrale.kernels._tensor_cores import MMA_BF16
 
 #: Query rows of one block (four warps of 16).
 BLOCK_ROWS = 64
@@ -32,8 +33,7 @@ THREADS = 128
 #: The (key, value) head sizes served.
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 
-SOURCE = r"""
-#include <cuda_bf16.h>
+SOURCE = MMA_BF16 + r"""
 
 #define HEAD_DIM __HEAD_DIM__
 #define VALUE_DIM __VALUE_DIM__
@@ -75,15 +75,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const bf16_bits* 
 __device__ __forceinline__ void copy_async_16(bf16_bits* to, const bf16_bits* from, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(shared_address(to)), "l"(from), "r"(valid ? 16 : 0));
-}
-
-// c[16x8] += a[16x16] * b[16x8]: a row-major, b column-major, bf16 in, float32 accumulate.
-__device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 // Grid: (tiles, query heads); THREADS threads; dynamic shared memory: the query tile (when

@@ -40,6 +40,7 @@ import numpy as np
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
+from metrale.kernels._tensor_cores import MMA_BF16
 
 #: Tokens per chunk (docs/families.rst, "Chunked form").
 CHUNK = 64
@@ -50,8 +51,7 @@ HEAD_DIMS = (64, 128)
 #: less repeated per-chunk work when blocks are plentiful.
 COLUMNS_CHOICES = (32, 64)
 
-SOURCE = r"""
-#include <cuda_bf16.h>
+SOURCE = MMA_BF16 + r"""
 
 #define KEY_DIM __KEY_DIM__
 #define VALUE_DIM __VALUE_DIM__
@@ -108,15 +108,6 @@ __device__ __forceinline__ unsigned shared_pair(const bf16_bits* at) {
 // Two bf16 values of one column of a row-major tile, rows ``at`` and ``at + stride``, as a pair.
 __device__ __forceinline__ unsigned column_pair(const bf16_bits* at, int stride) {
     return (unsigned)at[0] | ((unsigned)at[stride] << 16);
-}
-
-// c[16x8] += a[16x16] * b[16x8]: a row-major, b column-major, bf16 in, float32 accumulate.
-__device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 // The A operand of rows row0 and row0 + 8 (row0 = 16-row tile + lane / 4), k columns k0.. k0 + 15,

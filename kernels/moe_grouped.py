@@ -38,6 +38,7 @@ import numpy as np
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
+from metrale.kernels._tensor_cores import MMA_BF16
 
 
 class Tiling(NamedTuple):
@@ -117,8 +118,7 @@ static_assert(STAGES >= 2, "the pipeline needs two buffers");
 
 #: The PTX instructions the kernels use (``cp.async``, ``ldmatrix``, ``mma.sync``), the bf16
 #: packing and the dynamic shared memory, each behind a small function or macro.
-INSTRUCTIONS = r"""
-#include <cuda_bf16.h>
+INSTRUCTIONS = MMA_BF16 + r"""
 
 #define DYNAMIC_SHARED extern __shared__ __align__(16) unsigned char dynamic_shared[]
 
@@ -145,15 +145,6 @@ __device__ __forceinline__ void load_matrices(unsigned* fragment, unsigned addre
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(fragment[0]), "=r"(fragment[1]), "=r"(fragment[2]), "=r"(fragment[3])
                  : "r"(address));
-}
-
-// c[16x8] += a[16x16] * b[16x8]: a row-major, b column-major, bf16 in, float32 accumulate.
-__device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 __device__ __forceinline__ unsigned pack_bf16(float low, float high) {
