@@ -2,12 +2,14 @@
 
 * ``prefill-<shape>.png`` -- prefill tok/s against the prompt length for Metrale and each
   transformers run of a ``metrale bench`` JSON file;
+* ``prefill-vs-transformers.png`` -- Metrale's prefill speed over transformers eager's, per
+  shape and prompt length, across every ``--bench`` file given (one bar group per shape);
 * ``throughput.png`` -- output tok/s of Metrale and transformers from a ``metrale bench
   --throughput`` JSON file.
 
 Run from the repository root::
 
-    python3 tools/plot_bench.py --bench bench.json --throughput throughput.json --out docs/images
+    python3 tools/plot_bench.py --bench bench.json [more.json ...] --throughput throughput.json --out docs/images
 """
 
 from __future__ import annotations
@@ -66,6 +68,56 @@ def plot_prefill(results: dict[str, Any], out: Path) -> list[Path]:
     return written
 
 
+def prefill_ratios(results: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
+    """Per shape: ``(prompt length, Metrale tok/s / transformers eager tok/s)`` where both were
+    measured, sorted by length."""
+    ratios = {}
+    for shape in results.get("options", {}).get("shapes", []):
+        series = prefill_series(results, shape)
+        ours, theirs = dict(series.get("metrale", [])), dict(series.get("hf_eager", []))
+        points = [(length, ours[length] / theirs[length]) for length in sorted(ours) if theirs.get(length)]
+        if points:
+            ratios[shape] = points
+    return ratios
+
+
+def plot_ratios(runs: list[dict[str, Any]], out: Path) -> Path | None:
+    """Grouped bars of Metrale's prefill speed over transformers eager's, per shape and prompt
+    length, over every run given; None when no run measured both."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios: dict[str, list[tuple[int, float]]] = {}
+    for results in runs:
+        ratios.update(prefill_ratios(results))
+    if not ratios:
+        return None
+    lengths = sorted({length for points in ratios.values() for length, _ in points})
+    width = 0.8 / len(lengths)
+    figure, axes = plt.subplots(figsize=(1.6 + 1.4 * len(ratios), 4))
+    for index, length in enumerate(lengths):
+        positions, heights = [], []
+        for group, points in enumerate(ratios.values()):
+            value = dict(points).get(length)
+            if value is not None:
+                positions.append(group + (index - (len(lengths) - 1) / 2) * width)
+                heights.append(value)
+        drawn = axes.bar(positions, heights, width, label=f"{length} tokens")
+        axes.bar_label(drawn, fmt="%.2f", fontsize=8)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xticks(range(len(ratios)), list(ratios))
+    axes.set_ylabel("Metrale / transformers eager, prefill tok/s")
+    axes.set_title(f"Prefill speed-up on {runs[0].get('device', 'the GPU')}")
+    axes.legend()
+    path = out / "prefill-vs-transformers.png"
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
 def plot_throughput(results: dict[str, Any], out: Path) -> Path | None:
     """Bars of output tok/s per engine of a throughput run; None when it measured nothing."""
     import matplotlib
@@ -94,7 +146,7 @@ def plot_throughput(results: dict[str, Any], out: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description="plot metrale bench results")
-    parser.add_argument("--bench", type=Path, help="JSON file of metrale bench")
+    parser.add_argument("--bench", type=Path, nargs="+", help="JSON files of metrale bench")
     parser.add_argument("--throughput", type=Path, help="JSON file of metrale bench --throughput")
     parser.add_argument("--out", type=Path, default=Path("docs/images"), help="folder of the images")
     args = parser.parse_args(argv)
@@ -103,7 +155,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     args.out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     if args.bench is not None:
-        written += plot_prefill(json.loads(args.bench.read_text()), args.out)
+        runs = [json.loads(path.read_text()) for path in args.bench]
+        for results in runs:
+            written += plot_prefill(results, args.out)
+        path = plot_ratios(runs, args.out)
+        written += [path] if path else []
     if args.throughput is not None:
         path = plot_throughput(json.loads(args.throughput.read_text()), args.out)
         written += [path] if path else []

@@ -47,9 +47,29 @@ def test_the_script_writes_one_figure_per_measured_shape_and_the_throughput_bars
                                       "metrale": {"output_tok_s": 6200.0},
                                       "hf_continuous_batching": {"output_tok_s": 650.0}}))
     written = plot_bench.main(["--bench", str(bench), "--throughput", str(throughput), "--out", str(tmp_path / "images")])
-    assert [p.name for p in written] == ["prefill-llama-1b.png", "throughput.png"]
+    assert [p.name for p in written] == ["prefill-llama-1b.png", "prefill-vs-transformers.png", "throughput.png"]
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_speed_ups_over_transformers_come_from_lengths_both_measured(plot_bench):
+    assert plot_bench.prefill_ratios(BENCH) == {"llama-1b": [(512, 43000.0 / 44000.0), (2048, 139000.0 / 157000.0)]}
+    only_ours = {"options": {"shapes": ["x"]}, "x": {"metrale": {"prefill_512": {"tok_s": 1.0}}}}
+    assert plot_bench.prefill_ratios(only_ours) == {}
+
+
+def test_several_bench_files_give_one_speed_up_figure(plot_bench, tmp_path):
+    other = {"device": "Test GPU", "options": {"shapes": ["deepseek-v2-lite"]},
+             "deepseek-v2-lite": {"metrale": {"prefill_2048": {"tok_s": 31000.0}},
+                                  "hf_eager": {"prefill_2048": {"tok_s": 25000.0}}}}
+    files = []
+    for index, results in enumerate((BENCH, other)):
+        files.append(tmp_path / f"bench{index}.json")
+        files[-1].write_text(json.dumps(results))
+    written = plot_bench.main(["--bench", *map(str, files), "--out", str(tmp_path / "images")])
+    assert [p.name for p in written] == ["prefill-llama-1b.png", "prefill-deepseek-v2-lite.png",
+                                         "prefill-vs-transformers.png"]
+    assert (tmp_path / "images" / "prefill-vs-transformers.png").stat().st_size > 5000
 
 
 def test_the_script_needs_an_input(plot_bench, capsys):
