@@ -1,0 +1,460 @@
+"""Absorbed MLA decode attention on tensor cores (CUDA C++ with ``mma.sync``, compiled by NVRTC
+through CuPy), for DeepSeek's latent rows of 576 values (512 latent + 64 RoPE dims).
+
+The NumPy reference is :func:`metrale.kernels.attention_latent.latent_attention_reference`;
+:func:`latent_attention_model` is the NumPy model of this kernel's own steps (its bf16 roundings,
+its splits and their merge). Flash-decoding: a block of four warps owns one decode row, a group
+of 16 heads and a split of the row's keys, and streams the split's latent rows through shared
+memory 64 at a time (``cp.async``, two stages, gathered from the paged cache):
+
+* ``S = Q L^T``: the 16 heads are the M dimension of ``mma.m16n8k16``; the queries (scaled by
+  ``scale * log2(e)``, as bf16) stay in shared memory and are read with ``ldmatrix``. Each warp
+  takes 16 of the 64 keys over the full 576-wide reduction, so the scores need no cross-warp sum:
+  only the per-head maximum (16 floats a warp) and the probabilities (a 16 x 64 bf16 tile) pass
+  through shared memory;
+* an online softmax in base 2, its running maximum shared by the four warps;
+* ``O += P V`` with ``V`` the same staged rows' first 512 columns (``ldmatrix.trans``): each warp
+  owns 128 of the 512 output columns (16 n-tiles, 64 float32 accumulators a thread) for all
+  64 keys of the step.
+
+Each block writes its unnormalised partial ``O``, running maximum (natural-log units) and sum;
+:func:`metrale.kernels.attention_grouped.grouped_combine_kernel` merges the splits into bf16
+``[rows, heads * 512]``, the contract of :func:`metrale.kernels.attention_latent.latent_attention`.
+numba's CUDA simulator cannot run this kernel; ``tests/kernels/test_attention_latent_mma.py``
+runs its source on the CPU through ``tests/kernels/cuda_emulation.h``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import numpy as np
+
+from metrale.errors import KernelArgumentError
+from metrale.kernels._device import DeviceArray, check_array, device_view, numba_stream
+from metrale.kernels._tensor_cores import MMA_BF16
+from metrale.kernels.attention_grouped import COMBINE_THREADS, MAX_SPLITS, grouped_combine_kernel
+
+#: Heads of one block: the M dimension of the products.
+BLOCK_HEADS = 16
+#: Keys staged per step.
+BLOCK_KEYS = 64
+THREADS = 128
+#: The latent row (r + d_r) and value (r) widths served: DeepSeek-V2 / V3.
+WIDTH = 576
+VALUE_DIM = 512
+#: Multiprocessors the split count aims to fill when the device cannot be asked (an H200's).
+DEFAULT_MULTIPROCESSORS = 132
+LOG2_E = 1.4426950408889634
+# Padded shared rows (bf16): the 8 rows an ldmatrix reads lie 16 bytes apart modulo 128, in distinct banks.
+ROW_STRIDE = WIDTH + 8
+PROBABILITY_STRIDE = BLOCK_KEYS + 8
+#: Dynamic shared memory of a block: the query tile, two stages of latent rows, the probabilities.
+SHARED_BYTES = 2 * (BLOCK_HEADS * ROW_STRIDE + 2 * BLOCK_KEYS * ROW_STRIDE + BLOCK_HEADS * PROBABILITY_STRIDE)
+
+#: The PTX instructions the kernel uses (``cp.async``, ``ldmatrix``, ``mma.sync``), the bf16
+#: packing and the dynamic shared memory, each behind a small function or macro (the CPU
+#: emulation of the tests replaces this part).
+INSTRUCTIONS = MMA_BF16 + r"""
+
+#define DYNAMIC_SHARED extern __shared__ __align__(16) unsigned char dynamic_shared[]
+
+__device__ __forceinline__ unsigned shared_address(const void* pointer) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(pointer));
+}
+
+// 16 bytes from global to shared memory, bypassing L1; zeros instead when !valid (the source is
+// then not read, but must still be a valid address).
+__device__ __forceinline__ void copy_16(unsigned target, const void* source, bool valid) {
+    const int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(target), "l"(source), "r"(bytes));
+}
+
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait until at most `pending` of this thread's committed copy groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;\n" ::"n"(pending)); }
+
+// Four 8x8 bf16 matrices from shared memory: lane l gives the address of row l % 8 of matrix
+// l / 8 (16 bytes); register i of lane t gets row t / 4, columns 2 (t % 4) and 2 (t % 4) + 1 of matrix i.
+__device__ __forceinline__ void load_matrices(unsigned* fragment, unsigned address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(fragment[0]), "=r"(fragment[1]), "=r"(fragment[2]), "=r"(fragment[3])
+                 : "r"(address));
+}
+
+// The same four matrices transposed: register i of lane t gets column t / 4, rows 2 (t % 4) and
+// 2 (t % 4) + 1 of matrix i.
+__device__ __forceinline__ void load_matrices_transposed(unsigned* fragment, unsigned address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(fragment[0]), "=r"(fragment[1]), "=r"(fragment[2]), "=r"(fragment[3])
+                 : "r"(address));
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float low, float high) {
+    __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+    return *reinterpret_cast<unsigned*>(&pair);
+}
+"""
+
+#: The kernel, written against :data:`INSTRUCTIONS`.
+KERNEL = r"""
+#define WIDTH 576
+#define VALUE_DIM 512
+#define BLOCK_HEADS 16
+#define BLOCK_KEYS 64
+#define THREADS 128
+#define WARPS (THREADS / 32)
+#define WARP_COLUMNS (VALUE_DIM / WARPS)   // output columns a warp owns: 128
+#define WARP_KEYS (BLOCK_KEYS / WARPS)     // keys a warp scores per step: 16
+#define ROW_STRIDE (WIDTH + 8)
+#define PROBABILITY_STRIDE (BLOCK_KEYS + 8)
+#define NEG_INF (__int_as_float(0xff800000))
+
+typedef unsigned short bf16_bits;
+
+// Grid: (rows, heads / BLOCK_HEADS, splits); THREADS threads; dynamic shared memory: the query
+// tile [BLOCK_HEADS, ROW_STRIDE], two stages [BLOCK_KEYS, ROW_STRIDE] and the probabilities
+// [BLOCK_HEADS, PROBABILITY_STRIDE], all bf16. q [N, heads, WIDTH] f32; latent [blocks,
+// block_size, WIDTH] bf16 bits; block_tables [S, max_blocks], seq_index [N], positions [N] int32;
+// split z takes keys [z * split_keys, (z + 1) * split_keys) of its row (split_keys a multiple of
+// BLOCK_KEYS). out_acc [N, heads, splits, VALUE_DIM] f32 (unnormalised), out_max (natural-log
+// units) and out_sum [N, heads, splits] f32.
+extern "C" __global__ void __launch_bounds__(THREADS) latent_attention_mma(
+    const float* __restrict__ q, const bf16_bits* __restrict__ latent, const int* __restrict__ block_tables,
+    const int* __restrict__ seq_index, const int* __restrict__ positions, int num_heads, int block_size,
+    int max_blocks, int split_keys, float scale, float* __restrict__ out_acc, float* __restrict__ out_max,
+    float* __restrict__ out_sum)
+{
+    DYNAMIC_SHARED;
+    bf16_bits* query_tile = reinterpret_cast<bf16_bits*>(dynamic_shared);
+    bf16_bits* stages = query_tile + BLOCK_HEADS * ROW_STRIDE;
+    bf16_bits* probabilities = stages + 2 * BLOCK_KEYS * ROW_STRIDE;
+    __shared__ long long stage_rows[2][BLOCK_KEYS];   // cache rows of each stage's keys (-1 past the split)
+    __shared__ float warp_max[WARPS][BLOCK_HEADS];
+    __shared__ float warp_total[WARPS][BLOCK_HEADS];
+    __shared__ float head_best[BLOCK_HEADS];
+
+    const int row = blockIdx.x, head_base = blockIdx.y * BLOCK_HEADS, split = blockIdx.z, splits = gridDim.z;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int group = lane / 4, quad = lane % 4;   // this thread's heads: group and group + 8
+    const int matrix = lane / 8, matrix_row = lane % 8;   // ldmatrix: row matrix_row of matrix `matrix`
+    const int* table = block_tables + (long)seq_index[row] * max_blocks;
+    const int context = positions[row] + 1;
+    const int lo = split * split_keys;
+    const int hi = min(context, lo + split_keys);
+
+    // The 16 heads' queries, scaled by scale * log2(e) (the softmax runs in base 2), as bf16.
+    const float query_scale = scale * 1.4426950408889634f;
+    const float4* query_rows = reinterpret_cast<const float4*>(q + ((long)row * num_heads + head_base) * WIDTH);
+    for (int e = threadIdx.x; e < BLOCK_HEADS * WIDTH / 4; e += THREADS) {
+        const int h = e / (WIDTH / 4), d = 4 * (e % (WIDTH / 4));
+        const float4 value = query_rows[e];
+        unsigned* target = reinterpret_cast<unsigned*>(&query_tile[h * ROW_STRIDE + d]);
+        target[0] = pack_bf16(value.x * query_scale, value.y * query_scale);
+        target[1] = pack_bf16(value.z * query_scale, value.w * query_scale);
+    }
+
+    auto find_rows = [&](int stage, int base) {
+        if (threadIdx.x < BLOCK_KEYS) {
+            const int position = base + threadIdx.x;
+            stage_rows[stage][threadIdx.x] = position < hi
+                ? (long long)table[position / block_size] * block_size + position % block_size : -1;
+        }
+    };
+    auto load_stage = [&](int stage) {
+        bf16_bits* keys = stages + stage * BLOCK_KEYS * ROW_STRIDE;
+        for (int e = threadIdx.x; e < BLOCK_KEYS * (WIDTH / 8); e += THREADS) {
+            const int key = e / (WIDTH / 8), chunk = e % (WIDTH / 8);
+            const long long cache_row = stage_rows[stage][key];
+            copy_16(shared_address(&keys[key * ROW_STRIDE + chunk * 8]),
+                    latent + (cache_row < 0 ? 0 : cache_row) * WIDTH + chunk * 8, cache_row >= 0);
+        }
+        commit_copies();
+    };
+
+    float best[2] = {NEG_INF, NEG_INF}, total[2] = {0.f, 0.f};
+    float acc[WARP_COLUMNS / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
+
+    // A operand of the kk-th 16 dims: matrices (heads 0-7, dims 0-7), (heads 8-15, dims 0-7),
+    // (heads 0-7, dims 8-15), (heads 8-15, dims 8-15).
+    const unsigned query_fragment =
+        shared_address(&query_tile[((matrix & 1) * 8 + matrix_row) * ROW_STRIDE + (matrix >> 1) * 8]);
+    // A operand of the kt-th 16 keys' probabilities, the same way.
+    const unsigned probability_fragment =
+        shared_address(&probabilities[((matrix & 1) * 8 + matrix_row) * PROBABILITY_STRIDE + (matrix >> 1) * 8]);
+
+    find_rows(0, lo);
+    find_rows(1, lo + BLOCK_KEYS);
+    __syncthreads();   // the query tile and the first stages' rows
+    if (lo < hi) load_stage(0);
+    int stage = 0;
+    for (int base = lo; base < hi; base += BLOCK_KEYS, stage ^= 1) {
+        wait_copies<0>();
+        // This stage has landed for every thread; every warp is done with the other stage, whose
+        // rows (found a step ago) are ready.
+        __syncthreads();
+        if (base + BLOCK_KEYS < hi) load_stage(stage ^ 1);
+        find_rows(stage, base + 2 * BLOCK_KEYS);   // this stage's rows were last read by its copies, before the barrier
+        const bf16_bits* keys = stages + stage * BLOCK_KEYS * ROW_STRIDE;
+
+        // Scores of the warp's 16 keys: n-tiles 0 (keys warp * 16 + 0-7) and 1 (+ 8-15). B operand
+        // of the kk-th 16 dims: matrices (keys of tile 0, dims 0-7), (tile 0, dims 8-15), (tile 1,
+        // dims 0-7), (tile 1, dims 8-15).
+        float scores[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        const unsigned key_fragment =
+            shared_address(&keys[(warp * WARP_KEYS + (matrix >> 1) * 8 + matrix_row) * ROW_STRIDE + (matrix & 1) * 8]);
+#pragma unroll 4
+        for (int kk = 0; kk < WIDTH / 16; ++kk) {
+            unsigned query[4], operand[4];
+            load_matrices(query, query_fragment + kk * 32);
+            load_matrices(operand, key_fragment + kk * 32);
+            mma_16x8x16(scores[0], query, operand);
+            mma_16x8x16(scores[1], query, operand + 2);
+        }
+
+        // Keys past the split score -inf (the first key of a step never is).
+        float local[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                if (base + warp * WARP_KEYS + nt * 8 + quad * 2 + (c & 1) >= hi) scores[nt][c] = NEG_INF;
+                local[c / 2] = fmaxf(local[c / 2], scores[nt][c]);
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            local[h] = fmaxf(local[h], __shfl_xor_sync(0xffffffff, local[h], 1));
+            local[h] = fmaxf(local[h], __shfl_xor_sync(0xffffffff, local[h], 2));
+        }
+        if (quad == 0) {
+            warp_max[warp][group] = local[0];
+            warp_max[warp][group + 8] = local[1];
+        }
+        __syncthreads();
+        float rescale[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float new_best = best[h];
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) new_best = fmaxf(new_best, warp_max[w][group + 8 * h]);
+            rescale[h] = exp2f(best[h] - new_best);   // 0 at the first step (best = -inf)
+            best[h] = new_best;
+            total[h] *= rescale[h];
+        }
+        // The probabilities, as bf16, into the shared tile [head, key] every warp reads.
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            float p[4];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                p[c] = exp2f(scores[nt][c] - best[c / 2]);
+                total[c / 2] += p[c];
+            }
+            const int key = warp * WARP_KEYS + nt * 8 + quad * 2;
+            *reinterpret_cast<unsigned*>(&probabilities[group * PROBABILITY_STRIDE + key]) = pack_bf16(p[0], p[1]);
+            *reinterpret_cast<unsigned*>(&probabilities[(group + 8) * PROBABILITY_STRIDE + key]) = pack_bf16(p[2], p[3]);
+        }
+#pragma unroll
+        for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
+            acc[dt][0] *= rescale[0]; acc[dt][1] *= rescale[0];
+            acc[dt][2] *= rescale[1]; acc[dt][3] *= rescale[1];
+        }
+        __syncthreads();
+
+        // B operand of value tiles dt, dt + 1 of the warp's columns (transposed loads): matrices
+        // (keys 0-7, columns of dt), (keys 8-15, dt), (keys 0-7, dt + 1), (keys 8-15, dt + 1) of
+        // the kt-th 16 keys.
+        const unsigned value_fragment = shared_address(
+            &keys[((matrix & 1) * 8 + matrix_row) * ROW_STRIDE + warp * WARP_COLUMNS + (matrix >> 1) * 8]);
+#pragma unroll
+        for (int kt = 0; kt < BLOCK_KEYS / 16; ++kt) {
+            unsigned weights[4];
+            load_matrices(weights, probability_fragment + kt * 32);
+#pragma unroll
+            for (int dt = 0; dt < WARP_COLUMNS / 8; dt += 2) {
+                unsigned operand[4];
+                load_matrices_transposed(operand, value_fragment + (kt * 16 * ROW_STRIDE + dt * 8) * 2);
+                mma_16x8x16(acc[dt], weights, operand);
+                mma_16x8x16(acc[dt + 1], weights, operand + 2);
+            }
+        }
+    }
+
+    // The partials: each warp its 128 columns; the sums over the four warps' keys.
+    const long head_row0 = ((long)row * num_heads + head_base + group) * splits + split;
+    const long head_row1 = head_row0 + 8L * splits;
+#pragma unroll
+    for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
+        const int column = warp * WARP_COLUMNS + dt * 8 + quad * 2;
+        *reinterpret_cast<float2*>(&out_acc[head_row0 * VALUE_DIM + column]) = make_float2(acc[dt][0], acc[dt][1]);
+        *reinterpret_cast<float2*>(&out_acc[head_row1 * VALUE_DIM + column]) = make_float2(acc[dt][2], acc[dt][3]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        total[h] += __shfl_xor_sync(0xffffffff, total[h], 1);
+        total[h] += __shfl_xor_sync(0xffffffff, total[h], 2);
+    }
+    if (quad == 0) {
+        warp_total[warp][group] = total[0];
+        warp_total[warp][group + 8] = total[1];
+        if (warp == 0) {
+            head_best[group] = best[0];
+            head_best[group + 8] = best[1];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < BLOCK_HEADS) {
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) sum += warp_total[w][threadIdx.x];
+        const long at = ((long)row * num_heads + head_base + threadIdx.x) * splits + split;
+        out_sum[at] = sum;
+        out_max[at] = head_best[threadIdx.x] * 0.6931471805599453f;   // base 2 to natural-log units
+    }
+}
+"""
+
+SOURCE = INSTRUCTIONS + KERNEL
+
+_kernel_cache: list[Any] = []
+_multiprocessors: dict[int, int] = {}
+
+
+def _kernel() -> Any:
+    """The compiled kernel (NVRTC, once per process)."""
+    if not _kernel_cache:
+        import cupy
+
+        kernel = cupy.RawModule(code=SOURCE, options=("--std=c++17", "--use_fast_math")).get_function("latent_attention_mma")
+        kernel.max_dynamic_shared_size_bytes = SHARED_BYTES
+        _kernel_cache.append(kernel)
+    return _kernel_cache[0]
+
+
+def supports(heads: int, width: int, value_dim: int) -> bool:
+    """Whether this kernel serves the geometry: heads a multiple of 16, latent rows of 576 values
+    (512 latent + 64 RoPE dims) and values of 512 (DeepSeek-V2 / V3's MLA); others keep
+    :func:`metrale.kernels.attention_latent.latent_attention`."""
+    return heads > 0 and heads % BLOCK_HEADS == 0 and width == WIDTH and value_dim == VALUE_DIM
+
+
+def split_count(rows: int, heads: int, max_context: int, multiprocessors: int = DEFAULT_MULTIPROCESSORS) -> int:
+    """Key splits per row: as many as keep the grid within one wave of ``multiprocessors`` blocks
+    (a block fills a multiprocessor's shared memory), at least one step of :data:`BLOCK_KEYS` keys
+    each, at most ``MAX_SPLITS`` (the merge's limit)."""
+    blocks = max(1, rows * (heads // BLOCK_HEADS))
+    steps = max(1, -(-int(max_context) // BLOCK_KEYS))
+    return max(1, min(multiprocessors // blocks, MAX_SPLITS, steps))
+
+
+def split_keys(max_context: int, splits: int) -> int:
+    """Keys of one split: an equal share of ``max_context``, rounded up to whole steps."""
+    return max(1, -(-max(1, int(max_context)) // (splits * BLOCK_KEYS))) * BLOCK_KEYS
+
+
+def _bf16(values: np.ndarray) -> np.ndarray:
+    """float32 rounded to the nearest bf16 (ties to even), as float32."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def latent_attention_model(
+    q: np.ndarray, latent: np.ndarray, block_tables: np.ndarray, seq_index: np.ndarray, positions: np.ndarray,
+    scale: float, splits: int, keys_per_split: int,
+) -> np.ndarray:
+    """The kernel's algorithm in NumPy, float32 ``[N, heads, VALUE_DIM]`` before the final bf16
+    rounding: bf16 queries scaled by ``scale * log2(e)``, steps of :data:`BLOCK_KEYS` keys from each
+    split's start, an online softmax in base 2 whose probabilities enter ``P V`` as bf16 (their
+    sums stay float32), and the log-sum-exp merge of the splits. ``latent`` holds float32 values
+    (bf16-exact) ``[blocks, block_size, WIDTH]``."""
+    rows, heads, _ = q.shape
+    block_size = latent.shape[1]
+    value_dim = VALUE_DIM
+    out = np.zeros((rows, heads, value_dim), np.float32)
+    for row in range(rows):
+        queries = _bf16(q[row] * np.float32(scale * LOG2_E))
+        context = int(positions[row]) + 1
+        table = block_tables[seq_index[row]]
+        accs, maxima, sums = [], [], []
+        for split in range(splits):
+            lo, hi = split * keys_per_split, min(context, (split + 1) * keys_per_split)
+            best = np.full(heads, -np.inf, np.float32)
+            total = np.zeros(heads, np.float32)
+            acc = np.zeros((heads, value_dim), np.float32)
+            for base in range(lo, hi, BLOCK_KEYS):
+                keys = np.stack([latent[table[j // block_size], j % block_size] for j in range(base, min(hi, base + BLOCK_KEYS))])
+                scores = (queries @ keys.T).astype(np.float32)
+                new_best = np.maximum(best, scores.max(axis=1))
+                rescale = np.exp2(best - new_best).astype(np.float32)
+                best = new_best
+                p = np.exp2(scores - best[:, None]).astype(np.float32)
+                total = total * rescale + p.sum(axis=1, dtype=np.float32)
+                acc = acc * rescale[:, None] + _bf16(p) @ keys[:, :value_dim]
+            accs.append(acc)
+            maxima.append(best * np.float32(math.log(2.0)))
+            sums.append(total)
+        maxima_array, sums_array = np.stack(maxima), np.stack(sums)
+        top = np.where(sums_array > 0, maxima_array, -np.inf).max(axis=0)
+        weights = np.where(sums_array > 0, np.exp(maxima_array - top), 0.0).astype(np.float32)
+        numerator = np.einsum("sh,shd->hd", weights, np.stack(accs))
+        out[row] = numerator / (weights * sums_array).sum(axis=0)[:, None]
+    return out
+
+
+def _multiprocessor_count() -> int:
+    import cupy
+
+    device = cupy.cuda.Device().id
+    count = _multiprocessors.get(device)
+    if count is None:
+        count = _multiprocessors[device] = int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+    return count
+
+
+def latent_attention(
+    q: DeviceArray, latent: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray, positions: DeviceArray,
+    value_dim: int, scale: float, max_context: int, out: DeviceArray, stream: Any = None,
+) -> DeviceArray:
+    """The tensor-core launcher of :func:`metrale.kernels.attention_latent.latent_attention` (same
+    arguments and result): bf16 bits ``out [N, heads * value_dim]`` from float32 ``q [N, heads,
+    576]`` over the bf16 latent cache ``[blocks, block_size, 576]``; only geometries that
+    :func:`supports` accepts."""
+    op = "latent_attention_mma"
+    check_array(op, "q", q, np.float32, ndim=3)
+    rows, heads, width = q.shape
+    if not supports(heads, width, value_dim):
+        raise KernelArgumentError(
+            f"{op}: {heads} heads of latent width {width} and value dim {value_dim} are unsupported "
+            f"(heads a multiple of {BLOCK_HEADS}, width {WIDTH}, value dim {VALUE_DIM})")
+    check_array(op, "latent", latent, np.uint16, (None, None, width))
+    check_array(op, "block_tables", block_tables, np.int32, ndim=2)
+    check_array(op, "seq_index", seq_index, np.int32, (rows,))
+    check_array(op, "positions", positions, np.int32, (rows,))
+    check_array(op, "out", out, np.uint16, (rows, heads * value_dim))
+    if not rows:
+        return out
+    import cupy
+
+    splits = split_count(rows, heads, max_context, _multiprocessor_count())
+    keys = split_keys(max_context, splits)
+    with stream if stream is not None else contextlib.nullcontext():
+        out_acc = cupy.empty((rows, heads, splits, value_dim), dtype=np.float32)
+        out_max = cupy.empty((rows, heads, splits), dtype=np.float32)
+        out_sum = cupy.empty((rows, heads, splits), dtype=np.float32)
+        arguments = (
+            q, latent, block_tables, seq_index, positions, np.int32(heads), np.int32(latent.shape[1]),
+            np.int32(block_tables.shape[1]), np.int32(keys), np.float32(scale), out_acc, out_max, out_sum,
+        )
+        _kernel()((rows, heads // BLOCK_HEADS, splits), (THREADS,), arguments, shared_mem=SHARED_BYTES)
+    grouped_combine_kernel[(rows, heads, -(-value_dim // COMBINE_THREADS)), COMBINE_THREADS, numba_stream(stream)](
+        device_view(out_acc), device_view(out_max), device_view(out_sum), device_view(out),
+    )
+    return out
