@@ -366,47 +366,66 @@ def _bf16(values: np.ndarray) -> np.ndarray:
     return rounded.astype(np.uint32).view(np.float32)
 
 
-def latent_attention_model(
+def latent_attention_partials_model(
     q: np.ndarray, latent: np.ndarray, block_tables: np.ndarray, seq_index: np.ndarray, positions: np.ndarray,
     scale: float, splits: int, keys_per_split: int,
-) -> np.ndarray:
-    """The kernel's algorithm in NumPy, float32 ``[N, heads, VALUE_DIM]`` before the final bf16
-    rounding: bf16 queries scaled by ``scale * log2(e)``, steps of :data:`BLOCK_KEYS` keys from each
-    split's start, an online softmax in base 2 whose probabilities enter ``P V`` as bf16 (their
-    sums stay float32), and the log-sum-exp merge of the splits. ``latent`` holds float32 values
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kernel's per-split results in NumPy: ``(out_acc [N, heads, splits, VALUE_DIM], out_max,
+    out_sum [N, heads, splits])`` float32, as the blocks write them. Queries are scaled by ``scale
+    * log2(e)`` and rounded to bf16; split ``z`` takes keys ``[z * keys_per_split, (z + 1) *
+    keys_per_split)`` of its row in steps of :data:`BLOCK_KEYS`; an online softmax in base 2 whose
+    probabilities enter ``P V`` as bf16 (their sums stay float32); ``out_max`` in natural-log units
+    (``-inf`` and a zero sum for a split without keys). ``latent`` holds float32 values
     (bf16-exact) ``[blocks, block_size, WIDTH]``."""
     rows, heads, _ = q.shape
     block_size = latent.shape[1]
-    value_dim = VALUE_DIM
-    out = np.zeros((rows, heads, value_dim), np.float32)
+    out_acc = np.zeros((rows, heads, splits, VALUE_DIM), np.float32)
+    out_max = np.full((rows, heads, splits), -np.inf, np.float32)
+    out_sum = np.zeros((rows, heads, splits), np.float32)
     for row in range(rows):
         queries = _bf16(q[row] * np.float32(scale * LOG2_E))
         context = int(positions[row]) + 1
         table = block_tables[seq_index[row]]
-        accs, maxima, sums = [], [], []
         for split in range(splits):
             lo, hi = split * keys_per_split, min(context, (split + 1) * keys_per_split)
             best = np.full(heads, -np.inf, np.float32)
             total = np.zeros(heads, np.float32)
-            acc = np.zeros((heads, value_dim), np.float32)
+            acc = np.zeros((heads, VALUE_DIM), np.float32)
             for base in range(lo, hi, BLOCK_KEYS):
-                keys = np.stack([latent[table[j // block_size], j % block_size] for j in range(base, min(hi, base + BLOCK_KEYS))])
-                scores = (queries @ keys.T).astype(np.float32)
+                keys = np.stack([latent[table[j // block_size], j % block_size]
+                                 for j in range(base, min(hi, base + BLOCK_KEYS))]).astype(np.float32)
+                scores = queries @ keys.T
                 new_best = np.maximum(best, scores.max(axis=1))
-                rescale = np.exp2(best - new_best).astype(np.float32)
+                rescale = np.exp2(best - new_best)
                 best = new_best
-                p = np.exp2(scores - best[:, None]).astype(np.float32)
+                p = np.exp2(scores - best[:, None])
                 total = total * rescale + p.sum(axis=1, dtype=np.float32)
-                acc = acc * rescale[:, None] + _bf16(p) @ keys[:, :value_dim]
-            accs.append(acc)
-            maxima.append(best * np.float32(math.log(2.0)))
-            sums.append(total)
-        maxima_array, sums_array = np.stack(maxima), np.stack(sums)
-        top = np.where(sums_array > 0, maxima_array, -np.inf).max(axis=0)
-        weights = np.where(sums_array > 0, np.exp(maxima_array - top), 0.0).astype(np.float32)
-        numerator = np.einsum("sh,shd->hd", weights, np.stack(accs))
-        out[row] = numerator / (weights * sums_array).sum(axis=0)[:, None]
-    return out
+                acc = acc * rescale[:, None] + _bf16(p) @ keys[:, :VALUE_DIM]
+            out_acc[row, :, split] = acc
+            out_max[row, :, split] = best * np.float32(math.log(2.0))
+            out_sum[row, :, split] = total
+    return out_acc, out_max, out_sum
+
+
+def combine_partials_model(out_acc: np.ndarray, out_max: np.ndarray, out_sum: np.ndarray) -> np.ndarray:
+    """The log-sum-exp merge of the splits (what ``grouped_combine_kernel`` computes), float32
+    ``[N, heads, value_dim]`` before its bf16 rounding; splits with a zero sum weigh nothing."""
+    used = out_sum > 0
+    top = np.where(used, out_max, -np.inf).max(axis=2, keepdims=True)
+    weights = np.where(used, np.exp(np.where(used, out_max - top, 0.0)), 0.0).astype(np.float32)
+    numerator = np.einsum("nhs,nhsd->nhd", weights, out_acc)
+    total = (weights * out_sum).sum(axis=2)[..., None]
+    return np.where(total > 0, numerator / np.where(total > 0, total, 1.0), 0.0).astype(np.float32)
+
+
+def latent_attention_model(
+    q: np.ndarray, latent: np.ndarray, block_tables: np.ndarray, seq_index: np.ndarray, positions: np.ndarray,
+    scale: float, splits: int, keys_per_split: int,
+) -> np.ndarray:
+    """The kernel's algorithm end to end in NumPy: :func:`latent_attention_partials_model` merged by
+    :func:`combine_partials_model`, float32 ``[N, heads, VALUE_DIM]``."""
+    return combine_partials_model(*latent_attention_partials_model(
+        q, latent, block_tables, seq_index, positions, scale, splits, keys_per_split))
 
 
 def _multiprocessor_count() -> int:

@@ -3,7 +3,7 @@
 // another. ldmatrix and mma.sync follow the fragment layouts of the PTX ISA; cp.async copies are
 // queued per thread and land only when cp.async.wait_group requires them (or at once, with
 // emu::defer_copies = 0), so a missing wait reads stale shared memory. Included in place of the
-// module's INSTRUCTIONS.
+// module's INSTRUCTIONS (metrale.kernels.moe_grouped, metrale.kernels.attention_latent_mma).
 #pragma once
 #include <algorithm>
 #include <barrier>
@@ -27,6 +27,8 @@ struct dim3 { unsigned x = 1, y = 1, z = 1; };
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
+using std::max;
+using std::min;
 
 thread_local dim3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
@@ -80,6 +82,7 @@ void launch(dim3 grid, dim3 block, Kernel kernel) {
     blockDim = block;
     const int threads = static_cast<int>(block.x);
     const int warps = (threads + 31) / 32;
+    for (unsigned bz = 0; bz < grid.z; ++bz) {
     for (unsigned by = 0; by < grid.y; ++by) {
         for (unsigned bx = 0; bx < grid.x; ++bx) {
             std::barrier<> barrier(threads);
@@ -95,6 +98,7 @@ void launch(dim3 grid, dim3 block, Kernel kernel) {
                     threadIdx.x = t;
                     blockIdx.x = bx;
                     blockIdx.y = by;
+                    blockIdx.z = bz;
                     committed.clear();
                     open_group.clear();
                     kernel();
@@ -108,12 +112,31 @@ void launch(dim3 grid, dim3 block, Kernel kernel) {
             for (auto* barrier_of_warp : per_warp) delete barrier_of_warp;
         }
     }
+    }
 }
 
 }  // namespace emu
 
 inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
 inline int atomicAdd(int* address, int value) { return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST); }
+
+inline float __int_as_float(int bits) {
+    float value;
+    std::memcpy(&value, &bits, 4);
+    return value;
+}
+
+// __shfl_xor_sync over the whole warp: lane t gets the value of lane t ^ mask.
+inline float __shfl_xor_sync(unsigned, float value, int mask) {
+    auto& exchange = emu::exchange[emu::warp()];
+    auto* barrier = emu::warp_barriers[emu::warp()];
+    const int t = emu::lane();
+    exchange.c[t][0] = value;
+    barrier->arrive_and_wait();
+    const float result = exchange.c[t ^ mask][0];
+    barrier->arrive_and_wait();
+    return result;
+}
 
 inline unsigned shared_address(const void* pointer) {
     const auto* byte = static_cast<const unsigned char*>(pointer);
@@ -153,6 +176,24 @@ inline void load_matrices(unsigned* fragment, unsigned address) {
     barrier->arrive_and_wait();
     for (int i = 0; i < 4; ++i) {
         std::memcpy(&fragment[i], emu::dynamic_shared + exchange.address[i * 8 + t / 4] + 4 * (t % 4), 4);
+    }
+    barrier->arrive_and_wait();
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: the same addresses; register i of lane t holds
+// column t / 4, rows 2 (t % 4) (low half) and 2 (t % 4) + 1 of matrix i.
+inline void load_matrices_transposed(unsigned* fragment, unsigned address) {
+    if (address % 16) emu::fail("ldmatrix row address not 16-byte aligned");
+    auto& exchange = emu::exchange[emu::warp()];
+    auto* barrier = emu::warp_barriers[emu::warp()];
+    const int t = emu::lane();
+    exchange.address[t] = address;
+    barrier->arrive_and_wait();
+    for (int i = 0; i < 4; ++i) {
+        unsigned short low, high;
+        std::memcpy(&low, emu::dynamic_shared + exchange.address[i * 8 + 2 * (t % 4)] + 2 * (t / 4), 2);
+        std::memcpy(&high, emu::dynamic_shared + exchange.address[i * 8 + 2 * (t % 4) + 1] + 2 * (t / 4), 2);
+        fragment[i] = low | (unsigned)high << 16;
     }
     barrier->arrive_and_wait();
 }
