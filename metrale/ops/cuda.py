@@ -16,6 +16,7 @@ from metrale.kernels import (
     activation,
     attention,
     attention_latent,
+    attention_latent_mma,
     attention_mma,
     attention_prefill,
     embedding,
@@ -216,7 +217,10 @@ class CudaKernels:
 
     def latent_attention(self, q: Any, latent: Any, batch: Any, value_dim: int, scale: float) -> Any:
         out = cp.empty((q.shape[0], q.shape[1] * value_dim), dtype=bf16)
-        return attention_latent.latent_attention(
+        # DeepSeek's geometry (heads in 16s, rows of 576, values of 512) runs on tensor cores.
+        launch = (attention_latent_mma.latent_attention if attention_latent_mma.supports(q.shape[1], q.shape[2], value_dim)
+                  else attention_latent.latent_attention)
+        return launch(
             cp.ascontiguousarray(q, dtype=f32), latent, batch.block_tables, batch.seq_index, batch.positions,
             value_dim, scale, batch.max_context, out, self.stream,
         )
