@@ -1,0 +1,114 @@
+"""The tensor-core MLA decode attention against the NumPy reference at DeepSeek's sizes (16 and 128
+heads, latent rows of 576, values of 512): 1 and 32 rows, contexts up to 1, 512 and 2,048 over
+shuffled cache blocks of 16 and 64, the backend op, and a replay from a CUDA graph."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from metrale.checkpoint import bf16_to_float32
+from metrale.kernels import attention_latent, attention_latent_mma
+
+from kernel_helpers import bf16, rel_error  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+WIDTH, VALUE_DIM, SCALE = 576, 512, 0.1147
+
+
+def latent_case(rng, rows, heads, max_context, block_size):
+    """``rows`` decode rows, one per sequence; the last sees ``max_context`` keys, the others up to
+    that many; the cache's blocks shuffled, with spare ones no table names."""
+    contexts = rng.integers(1, max_context + 1, rows)
+    contexts[-1] = max_context
+    blocks_per_seq = [-(-int(c) // block_size) for c in contexts]
+    total_blocks = sum(blocks_per_seq) + 5
+    order = rng.permutation(np.arange(total_blocks))
+    tables = np.zeros((rows, max(blocks_per_seq)), np.int32)
+    used = 0
+    for s, count in enumerate(blocks_per_seq):
+        tables[s, :count] = order[used : used + count]
+        used += count
+    latent = bf16(rng, (total_blocks, block_size, WIDTH))
+    q = (0.5 * rng.standard_normal((rows, heads, WIDTH))).astype(np.float32)
+    seq_index = rng.permutation(rows).astype(np.int32)  # rows in another order than their sequences
+    tables = tables[np.argsort(seq_index)]
+    positions = (contexts - 1).astype(np.int32)
+    return q, latent, tables, seq_index, positions
+
+
+def expected_output(q, latent, tables, seq_index, positions):
+    rows, heads, _ = q.shape
+    return attention_latent.latent_attention_reference(
+        q, bf16_to_float32(latent), tables, seq_index, positions, VALUE_DIM, SCALE).reshape(rows, heads * VALUE_DIM)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("rows", [1, 32])
+@pytest.mark.parametrize("max_context", [1, 512, 2048])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_latent_attention_matches_the_reference(heads, rows, max_context, block_size):
+    import cupy as cp
+
+    rng = np.random.default_rng(heads + rows + max_context + block_size)
+    q, latent, tables, seq_index, positions = latent_case(rng, rows, heads, max_context, block_size)
+    expected = expected_output(q, latent, tables, seq_index, positions)
+    out = cp.full((rows, heads * VALUE_DIM), 0xFFFF, dtype=np.uint16)
+    attention_latent_mma.latent_attention(*(cp.asarray(a) for a in (q, latent, tables, seq_index, positions)),
+                                          VALUE_DIM, SCALE, max_context, out)
+    got = bf16_to_float32(cp.asnumpy(out))
+    assert not np.isnan(got).any()
+    assert rel_error(got, expected) <= 1e-2
+    # The CUDA-core kernel, on the same inputs, to within the two kernels' roundings.
+    cores = cp.zeros_like(out)
+    attention_latent.latent_attention(*(cp.asarray(a) for a in (q, latent, tables, seq_index, positions)),
+                                      VALUE_DIM, SCALE, max_context, cores)
+    assert rel_error(got, bf16_to_float32(cp.asnumpy(cores))) <= 1.5e-2
+
+
+def test_latent_attention_replays_in_a_cuda_graph():
+    import cupy as cp
+
+    rng = np.random.default_rng(11)
+    q, latent, tables, seq_index, positions = latent_case(rng, 4, 16, 700, 16)
+    expected = expected_output(q, latent, tables, seq_index, positions)
+    arguments = [cp.asarray(a) for a in (q, latent, tables, seq_index, positions)]
+    out = cp.zeros((4, 16 * VALUE_DIM), dtype=np.uint16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    attention_latent_mma.latent_attention(*arguments, VALUE_DIM, SCALE, 700, out, stream)  # compiled outside the capture
+    stream.synchronize()
+    out[...] = 0
+    with stream:
+        stream.begin_capture()
+        attention_latent_mma.latent_attention(*arguments, VALUE_DIM, SCALE, 700, out, stream)
+        graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 1e-2
+    # New query values in the same buffers, replayed.
+    q2 = (0.5 * rng.standard_normal(q.shape)).astype(np.float32)
+    arguments[0][...] = cp.asarray(q2)
+    graph.launch(stream)
+    stream.synchronize()
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected_output(q2, latent, tables, seq_index, positions)) <= 1e-2
+
+
+def test_the_backend_op_takes_the_tensor_cores_for_deepseek_heads(monkeypatch):
+    import cupy as cp
+
+    from metrale.ops.cuda import CudaKernels
+
+    calls = []
+    launch = attention_latent_mma.latent_attention
+    monkeypatch.setattr(attention_latent_mma, "latent_attention", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    rng = np.random.default_rng(12)
+    q, latent, tables, seq_index, positions = latent_case(rng, 3, 16, 300, 16)
+    batch = type("Batch", (), dict(block_tables=cp.asarray(tables), seq_index=cp.asarray(seq_index),
+                                   positions=cp.asarray(positions), max_context=300))()
+    kernels = CudaKernels(cp.cuda.Stream(non_blocking=True))
+    with kernels.stream:
+        out = kernels.latent_attention(cp.asarray(q), cp.asarray(latent), batch, VALUE_DIM, SCALE)
+    kernels.stream.synchronize()
+    assert calls
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected_output(q, latent, tables, seq_index, positions)) <= 1e-2
