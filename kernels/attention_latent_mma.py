@@ -428,7 +428,8 @@ def latent_attention_model(
         q, latent, block_tables, seq_index, positions, scale, splits, keys_per_split))
 
 
-def _multiprocessor_count() -> int:
+def multiprocessor_count() -> int:
+    """The current device's multiprocessors (asked once per device)."""
     import cupy
 
     device = cupy.cuda.Device().id
@@ -462,7 +463,7 @@ def latent_attention(
         return out
     import cupy
 
-    splits = split_count(rows, heads, max_context, _multiprocessor_count())
+    splits = split_count(rows, heads, max_context, multiprocessor_count())
     keys = split_keys(max_context, splits)
     with stream if stream is not None else contextlib.nullcontext():
         out_acc = cupy.empty((rows, heads, splits, value_dim), dtype=np.float32)

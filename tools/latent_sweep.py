@@ -1,12 +1,14 @@
 """GPU time and bandwidth of MLA's absorbed decode attention, by batch, context and heads.
 
     python tools/latent_sweep.py [--rows 1,32] [--contexts 512,2048,8192] [--heads 16,128]
+        [--kernel mma]
 
 For each case, builds a paged latent cache of 576-value rows (DeepSeek-V2 / V3: 512 latent + 64
 RoPE dims, bf16) with one sequence per row, times :func:`metrale.kernels.attention_latent.
 latent_attention` (the kernel and the split merge, replayed from a CUDA graph by
 ``timing.graph_time``) and prints microseconds and the GB/s of the latent rows it must read
-(rows x context x 1152 bytes). Needs a CUDA device.
+(rows x context x 1152 bytes). ``--kernel mma`` times the tensor-core kernel of
+:mod:`metrale.kernels.attention_latent_mma` instead (heads in multiples of 16). Needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -21,15 +23,18 @@ def main() -> None:
     parser.add_argument("--rows", default="1,32", help="decode rows (comma-separated)")
     parser.add_argument("--contexts", default="512,2048,8192", help="cached tokens per row (comma-separated)")
     parser.add_argument("--heads", default="16,128", help="query heads (comma-separated)")
+    parser.add_argument("--kernel", choices=("cores", "mma"), default="cores",
+                        help="CUDA-core kernel (attention_latent) or tensor cores (attention_latent_mma)")
     args = parser.parse_args()
 
     import cupy as cp
     from timing import graph_time
 
     from metrale.cuda_backend import CudaBackend
-    from metrale.kernels import attention_latent
+    from metrale.kernels import attention_latent, attention_latent_mma
 
     backend = CudaBackend()
+    kernel = attention_latent_mma if args.kernel == "mma" else attention_latent
     width, value_dim, block_size = 576, 512, 16
     rng = np.random.default_rng(0)
     for heads in (int(h) for h in args.heads.split(",")):
@@ -44,12 +49,13 @@ def main() -> None:
                 out = cp.empty((rows, heads * value_dim), dtype=cp.uint16)
 
                 def call():
-                    attention_latent.latent_attention(q, latent, tables, seq_index, positions, value_dim, 0.1,
+                    kernel.latent_attention(q, latent, tables, seq_index, positions, value_dim, 0.1,
                                                       context, out, backend.stream)
 
                 micros = graph_time(backend, call).median_us
                 gigabytes = rows * context * width * 2 / 1e9
-                splits = attention_latent.split_count(rows, heads, context)
+                splits = (attention_latent_mma.split_count(rows, heads, context, attention_latent_mma.multiprocessor_count())
+                          if args.kernel == "mma" else attention_latent.split_count(rows, heads, context))
                 print(f"heads {heads:4d} rows {rows:3d} context {context:6d} splits {splits:3d}: "
                       f"{micros:9.1f} us {gigabytes / micros * 1e6:8.0f} GB/s")
 
