@@ -279,7 +279,7 @@ def cache_row_of(block_tables, seq, key, block_size, kv_heads, kv_head):
 def _make_grouped_kernel(word_count: int):
     # The kernel for keys of ``word_count`` 64-bit words: a compile-time constant, so every loop
     # over a key's words unrolls without guards and the compiler schedules its loads together.
-    @cuda.jit(cache=True)
+    @jit_kernel
     def paged_attention_grouped_kernel(
         q, k_rows, v_rows, block_size, kv_heads, block_tables, seq_index, positions, scale, sliding_window, out_acc,
         out_max, out_sum, out,

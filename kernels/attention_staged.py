@@ -30,7 +30,7 @@ import math
 
 from numba import cuda, float32, int64, uint32, uint64
 
-from metrale.kernels._device import SIMULATED, fast_exp, float_to_bf16, float_to_bits, inline_device
+from metrale.kernels._device import SIMULATED, fast_exp, float_to_bf16, float_to_bits, inline_device, jit_kernel
 from metrale.kernels.attention_grouped import (
     FULL_MASK,
     cache_row_of,
@@ -98,7 +98,7 @@ def store_chunk(stage_k, stage_v, keys_shared, values_shared, buffer, first_key,
 def _make_staged_kernel(word_count: int):
     # The kernel for keys of ``word_count`` 64-bit words (a compile-time constant: loops over a
     # key's words unroll without guards).
-    @cuda.jit(cache=True)
+    @jit_kernel
     def paged_attention_staged_kernel(
         q, k_rows, v_rows, block_size, kv_heads, block_tables, seq_index, positions, scale, sliding_window, out_acc,
         out_max, out_sum, out,

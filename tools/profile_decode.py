@@ -29,7 +29,7 @@ OPS = ("embedding", "rmsnorm_residual", "rmsnorm", "linear", "linear_silu", "qkv
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="llama-1b")
+    parser.add_argument("--shape", default="llama-1b", help="a bench shape, or qwen3-0.6b (the throughput run's)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--workdir", default="/tmp/metrale-bench")
@@ -40,7 +40,11 @@ def main() -> None:
     from metrale.params import SamplingParams
     from metrale.sequence import SequenceState
 
-    folder = build_checkpoint(args.shape, Path(args.workdir) / args.shape)
+    from metrale.bench_throughput import build_qwen3_checkpoint
+
+    # qwen3-0.6b is the shape of ``metrale bench --throughput``; the others are bench's shapes.
+    build = build_qwen3_checkpoint if args.shape == "qwen3-0.6b" else lambda folder: build_checkpoint(args.shape, folder)
+    folder = build(Path(args.workdir) / args.shape)
     llm = LLM(folder, device="cuda", max_model_len=args.context + 256, max_num_seqs=args.batch + 1, show_progress=False)
     backend = llm.backend
     stream = backend.stream
