@@ -79,7 +79,7 @@ import math  # noqa: E402
 from numba import cuda, float32  # noqa: E402
 
 from metrale.errors import KernelArgumentError  # noqa: E402
-from metrale.kernels import attention_grouped, attention_staged  # noqa: E402
+from metrale.kernels import attention_decode_mma, attention_grouped, attention_staged  # noqa: E402
 from metrale.kernels._device import (  # noqa: E402
     SIMULATED,
     DeviceArray,
@@ -256,8 +256,21 @@ def grouped_decode_kernel(heads: int, kv_heads: int, head_dim: int, splits: int,
     return "staged" if keys_per_block * head_dim <= STAGED_MAX_BLOCK_ELEMENTS else "grouped"
 
 
+#: The decode kernel for geometries :mod:`attention_decode_mma` serves: ``"mma"`` (tensor cores,
+#: whole stages of keys and values in flight), ``"cores"`` (the CUDA-core kernels above), or
+#: ``"auto"``: the tensor-core kernel wherever it serves the geometry.
+DECODE_KERNEL = "auto"
+
+
+def uses_decode_mma(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:
+    """Whether :func:`paged_attention` runs :mod:`attention_decode_mma` for this geometry."""
+    return DECODE_KERNEL != "cores" and attention_decode_mma.supports(heads, kv_heads, head_dim, value_dim)
+
+
 def split_count(rows: int, heads: int, kv_heads: int, head_dim: int, value_dim: int, max_context: int) -> int:
     """Key splits of :func:`paged_attention` for this geometry: the workspace's third extent."""
+    if uses_decode_mma(heads, kv_heads, head_dim, value_dim):
+        return attention_decode_mma.device_split_count(rows, heads, kv_heads, head_dim, max_context)
     if attention_grouped.supports(heads, kv_heads, head_dim, value_dim):
         return attention_grouped.split_count(rows, heads, kv_heads, max_context)
     return attention_splits(max_context)
@@ -298,6 +311,9 @@ def paged_attention(
     check_array(op, "out", out, np.uint16, (rows, heads * value_dim))
     if not rows:
         return out
+    if uses_decode_mma(heads, kv_heads, head_dim, value_dim):
+        return attention_decode_mma.decode_attention(q, k_cache, v_cache, block_tables, seq_index, positions, scale,
+                                                     sliding_window, workspace, out, stream)
     launch = numba_stream(stream)
     window = np.int32(sliding_window or 0)
     if attention_grouped.supports(heads, kv_heads, head_dim, value_dim):

@@ -25,6 +25,9 @@ def main() -> None:
     parser.add_argument("--contexts", default="512,2048", help="cached tokens per row (comma-separated)")
     parser.add_argument("--warps", default="2,4,8", help="warps per block (comma-separated)")
     parser.add_argument("--splits", default="1,2,4,8,16")
+    parser.add_argument("--compare", action="store_true",
+                        help="time paged_attention as the engine runs it (its split choice, the combine) with the "
+                             "CUDA-core kernels and with the tensor-core kernel, instead of the per-kernel sweep")
     args = parser.parse_args()
 
     import cupy as cp
@@ -45,6 +48,9 @@ def main() -> None:
     d, heads, kv = args.head_dim, args.heads, args.kv_heads
     dummy = cp.zeros(1, dtype=np.float32)
     print(f"empty kernel: {graph_time(backend, lambda: empty_kernel[1, 32, launch](device_view(dummy))).median_us:.2f} us")
+    if args.compare:
+        compare(args, backend)
+        return
     kernel = attention_grouped.grouped_kernel(d // 4)
     staged_kernel = attention_staged.staged_kernel(d // 4)
     for rows, context in [(r, int(c)) for r in map(int, args.rows.split(",")) for c in args.contexts.split(",")]:
@@ -101,6 +107,44 @@ def main() -> None:
     for name, compiled in (("grouped", kernel), ("staged", staged_kernel)):
         print(f"{name} kernel registers", compiled.get_regs_per_thread(), "local bytes",
               compiled.get_local_mem_per_thread(), "shared bytes", compiled.get_shared_mem_per_block())
+
+def compare(args, backend) -> None:
+    """paged_attention with DECODE_KERNEL "cores" and "mma", each with its own split count for the
+    context (as the engine's graphs size them), combine included; GB/s of the cache reads."""
+    import cupy as cp
+    from timing import graph_time
+
+    from metrale.kernels import attention
+
+    d, heads, kv = args.head_dim, args.heads, args.kv_heads
+    print(f"heads {heads} kv heads {kv} head dim {d}")
+    for rows, context in [(r, int(c)) for r in map(int, args.rows.split(",")) for c in args.contexts.split(",")]:
+        blocks_per_seq = -(-context // 16)
+        cache_shape = (rows * blocks_per_seq + 1, 16, kv, d)
+        k = cp.asarray(np.random.default_rng(0).integers(0, 2**15, cache_shape).astype(np.uint16) & 0x3FFF)
+        v = k.copy()
+        tables = cp.arange(1, rows * blocks_per_seq + 1, dtype=np.int32).reshape(rows, blocks_per_seq)
+        seq_index = cp.arange(rows, dtype=np.int32)
+        positions = cp.full(rows, context - 1, dtype=np.int32)
+        q = cp.asarray(np.random.default_rng(1).standard_normal((rows, heads, d)).astype(np.float32))
+        out = cp.zeros((rows, heads * d), dtype=np.uint16)
+        kv_bytes = 2 * rows * context * kv * d * 2
+        cells = []
+        for choice in ("cores", "mma"):
+            attention.DECODE_KERNEL = choice
+            splits = attention.split_count(rows, heads, kv, d, d, context)
+            space = (cp.zeros((rows, heads, splits, d), dtype=np.float32), cp.zeros((rows, heads, splits), dtype=np.float32),
+                     cp.zeros((rows, heads, splits), dtype=np.float32))
+
+            def run():
+                attention.paged_attention(q, k, v, tables, seq_index, positions, d**-0.5, None, context, space, out,
+                                          backend.stream)
+
+            t = graph_time(backend, run).median_us
+            cells.append(f"{choice} {t:8.2f} us {kv_bytes / t / 1e3:6.0f} GB/s ({splits:2d} splits)")
+        print(f"rows {rows:3d} context {context:5d}: " + "   ".join(cells))
+    attention.DECODE_KERNEL = "auto"
+
 
 if __name__ == "__main__":
     main()

@@ -125,7 +125,7 @@ def test_qkv_rope_cache(qk_norm):
 
 
 @pytest.mark.parametrize(
-    "kernel", ["grouped", "grouped one split", "staged", "staged one split", "per-head"]
+    "kernel", ["grouped", "grouped one split", "staged", "staged one split", "per-head", "mma"]
 )
 @pytest.mark.parametrize("window", [None, 700])
 # Llama's geometry, and a group of 7 heads (two head chunks) with 64 dims (two keys per value load).
@@ -133,9 +133,10 @@ def test_qkv_rope_cache(qk_norm):
 def test_paged_attention_long_contexts(window, kernel, heads, kv_heads, head_dim, monkeypatch):
     from metrale.kernels import attention, attention_grouped
 
+    monkeypatch.setattr(attention, "DECODE_KERNEL", "mma" if kernel == "mma" else "cores")
     if kernel == "per-head":
         monkeypatch.setattr(attention_grouped, "supports", lambda *args: False)
-    else:
+    elif kernel != "mma":
         monkeypatch.setattr(attention, "GROUPED_DECODE", kernel.split()[0])
     if kernel.endswith("one split"):
         monkeypatch.setattr(attention_grouped, "MIN_SPLIT_KEYS", 8192)

@@ -1,0 +1,494 @@
+"""Paged decode attention on tensor cores (CUDA C++ with ``mma.sync``, compiled by NVRTC through
+CuPy): one query row per sequence, grouped-query heads, any block size, sliding windows.
+
+The NumPy reference is :func:`metrale.kernels.attention.paged_attention_reference`;
+:func:`decode_attention_partials_model` is the NumPy model of this kernel's own steps (its bf16
+roundings, its splits). Flash-decoding: a block of four warps owns one decode row, up to 16 query
+heads of one KV head (the M dimension of ``mma.m16n8k16``; a group of fewer heads is padded with
+zero queries) and a split of the row's keys, and streams the split's keys and values through
+shared memory 64 at a time with ``cp.async`` (three stages for head sizes up to 128, so two
+stages' copies are in flight while one is computed; two stages at 256):
+
+* ``S = Q K^T``: each warp scores 16 of the 64 keys over the full head size, so the scores need
+  no cross-warp sum; the queries (scaled by ``scale * log2(e)``, as bf16) stay in shared memory;
+* an online softmax in base 2 whose running maximum the four warps share;
+* ``O += P V``: each warp owns a quarter of the value columns for all 64 keys.
+
+The keys of a row (those the sliding window leaves) are divided evenly between the splits of the
+grid's last axis, on the device from the row's position, so a graph captured for the longest
+context serves every shorter one. With one split a block writes the normalised bf16 output; with
+more it writes unnormalised partials that
+:func:`metrale.kernels.attention_grouped.grouped_combine_kernel` merges. Why: the CUDA-core decode
+kernels keep a short chain of loads in flight per warp and read the cache at about half the
+memory bandwidth at large batches; here the copies of whole stages overlap the arithmetic.
+numba's CUDA simulator cannot run this kernel; ``tests/kernels/test_attention_decode_mma.py``
+runs its source on the CPU through ``tests/kernels/cuda_emulation.h``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import numpy as np
+
+from metrale.errors import KernelArgumentError
+from metrale.kernels._device import SIMULATED, DeviceArray, check_array, device_view, numba_stream
+from metrale.kernels.attention_grouped import COMBINE_THREADS, MAX_SPLITS, grouped_combine_kernel
+from metrale.kernels.attention_latent_mma import INSTRUCTIONS, multiprocessor_count
+
+#: Query heads of one block: the M dimension of the products.
+BLOCK_HEADS = 16
+#: Keys staged per step.
+BLOCK_KEYS = 64
+THREADS = 128
+#: The head sizes served (keys and values of the same size).
+HEAD_DIMS = (64, 128, 256)
+#: Multiprocessors the split count aims to fill when the device cannot be asked (an H200's).
+DEFAULT_MULTIPROCESSORS = 132
+LOG2_E = 1.4426950408889634
+
+
+def stages(head_dim: int) -> int:
+    """Shared-memory stages of keys and values: three up to 128 dims, two above (shared memory)."""
+    return 3 if head_dim <= 128 else 2
+
+
+def shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of a block: the query tile, the stages, the probabilities (bf16)."""
+    stride = head_dim + 8
+    return 2 * (BLOCK_HEADS * stride + stages(head_dim) * 2 * BLOCK_KEYS * stride + BLOCK_HEADS * (BLOCK_KEYS + 8))
+
+
+def blocks_per_multiprocessor(head_dim: int) -> int:
+    """Blocks a multiprocessor holds at once (its 227 KB of shared memory decide)."""
+    return max(1, (227 * 1024) // (shared_bytes(head_dim) + 2048))
+
+
+#: The kernel, written against :data:`metrale.kernels.attention_latent_mma.INSTRUCTIONS` (the CPU
+#: emulation of the tests replaces those).
+KERNEL = r"""
+#define BLOCK_HEADS 16
+#define BLOCK_KEYS 64
+#define THREADS 128
+#define WARPS (THREADS / 32)
+#define WARP_COLUMNS (HEAD_DIM / WARPS)   // value columns a warp owns
+#define WARP_KEYS (BLOCK_KEYS / WARPS)    // keys a warp scores per step: 16
+#define STRIDE (HEAD_DIM + 8)             // padded shared rows: an ldmatrix's 8 rows fall in distinct banks
+#define PROBABILITY_STRIDE (BLOCK_KEYS + 8)
+#define STAGE_ELEMENTS (2 * BLOCK_KEYS * STRIDE)   // keys, then values
+#define NEG_INF (__int_as_float(0xff800000))
+
+typedef unsigned short bf16_bits;
+
+// Grid: (rows, kv_heads * head_blocks, splits), head_blocks = ceil(group / BLOCK_HEADS); THREADS
+// threads; dynamic shared memory: the query tile [BLOCK_HEADS, STRIDE], STAGES stages of
+// [BLOCK_KEYS, STRIDE] keys and values, the probabilities [BLOCK_HEADS, PROBABILITY_STRIDE], bf16.
+// q [N, num_heads, HEAD_DIM] f32; k_cache, v_cache [blocks, block_size, num_kv_heads, HEAD_DIM]
+// bf16 bits; block_tables [S, max_blocks], seq_index [N], positions [N] int32. One split: out
+// [N, num_heads * HEAD_DIM] bf16 bits. More: out_acc [N, num_heads, splits, HEAD_DIM] f32
+// (unnormalised), out_max (natural-log units) and out_sum [N, num_heads, splits] f32.
+extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
+    const float* __restrict__ q, const bf16_bits* __restrict__ k_cache, const bf16_bits* __restrict__ v_cache,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_index, const int* __restrict__ positions,
+    int num_heads, int num_kv_heads, int block_size, int max_blocks, float scale, int sliding_window,
+    float* __restrict__ out_acc, float* __restrict__ out_max, float* __restrict__ out_sum, bf16_bits* __restrict__ out)
+{
+    DYNAMIC_SHARED;
+    bf16_bits* query_tile = reinterpret_cast<bf16_bits*>(dynamic_shared);
+    bf16_bits* stages = query_tile + BLOCK_HEADS * STRIDE;
+    bf16_bits* probabilities = stages + STAGES * STAGE_ELEMENTS;
+    __shared__ long long stage_rows[STAGES][BLOCK_KEYS];   // element offsets of each stage's keys (-1 past the split)
+    __shared__ float warp_max[WARPS][BLOCK_HEADS];
+    __shared__ float warp_total[WARPS][BLOCK_HEADS];
+    __shared__ float head_best[BLOCK_HEADS];
+
+    const int row = blockIdx.x, split = blockIdx.z, splits = gridDim.z;
+    const int group_size = num_heads / num_kv_heads;
+    const int head_blocks = (group_size + BLOCK_HEADS - 1) / BLOCK_HEADS;
+    const int kv_head = blockIdx.y / head_blocks;
+    const int head_base = kv_head * group_size + (blockIdx.y % head_blocks) * BLOCK_HEADS;
+    const int block_heads = min(BLOCK_HEADS, kv_head * group_size + group_size - head_base);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int group = lane / 4, quad = lane % 4;   // this thread's heads: group and group + 8
+    const int matrix = lane / 8, matrix_row = lane % 8;   // ldmatrix: row matrix_row of matrix `matrix`
+    const int* table = block_tables + (long)seq_index[row] * max_blocks;
+    const int context = positions[row] + 1;
+    const int first_key = sliding_window > 0 ? max(0, context - sliding_window) : 0;
+    const int split_keys = (context - first_key + splits - 1) / splits;
+    const int lo = first_key + split * split_keys;
+    const int hi = min(context, lo + split_keys);
+
+    // The block's queries, scaled by scale * log2(e) (the softmax runs in base 2), as bf16; zero
+    // rows past the group.
+    const float query_scale = scale * 1.4426950408889634f;
+    const float4* query_rows = reinterpret_cast<const float4*>(q + ((long)row * num_heads + head_base) * HEAD_DIM);
+    for (int e = threadIdx.x; e < BLOCK_HEADS * HEAD_DIM / 4; e += THREADS) {
+        const int h = e / (HEAD_DIM / 4), d = 4 * (e % (HEAD_DIM / 4));
+        const float4 value = h < block_heads ? query_rows[e] : float4{0.f, 0.f, 0.f, 0.f};
+        unsigned* target = reinterpret_cast<unsigned*>(&query_tile[h * STRIDE + d]);
+        target[0] = pack_bf16(value.x * query_scale, value.y * query_scale);
+        target[1] = pack_bf16(value.z * query_scale, value.w * query_scale);
+    }
+
+    auto find_rows = [&](int stage, int base) {
+        if (threadIdx.x < BLOCK_KEYS) {
+            const int position = base + threadIdx.x;
+            const long long cache_row = position < hi
+                ? (long long)table[position / block_size] * block_size + position % block_size : -1;
+            stage_rows[stage][threadIdx.x] = cache_row < 0 ? -1 : (cache_row * num_kv_heads + kv_head) * HEAD_DIM;
+        }
+    };
+    auto load_stage = [&](int stage) {
+        bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
+        for (int e = threadIdx.x; e < 2 * BLOCK_KEYS * (HEAD_DIM / 8); e += THREADS) {
+            const int half = e / (BLOCK_KEYS * (HEAD_DIM / 8));   // 0: keys, 1: values
+            const int key = (e / (HEAD_DIM / 8)) % BLOCK_KEYS, chunk = e % (HEAD_DIM / 8);
+            const long long offset = stage_rows[stage][key];
+            const bf16_bits* source = (half ? v_cache : k_cache) + (offset < 0 ? 0 : offset) + chunk * 8;
+            copy_16(shared_address(&keys[(half * BLOCK_KEYS + key) * STRIDE + chunk * 8]), source, offset >= 0);
+        }
+    };
+
+    float best[2] = {NEG_INF, NEG_INF}, total[2] = {0.f, 0.f};
+    float acc[WARP_COLUMNS / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
+
+    // A operand of the kk-th 16 dims: matrices (heads 0-7, dims 0-7), (heads 8-15, dims 0-7),
+    // (heads 0-7, dims 8-15), (heads 8-15, dims 8-15).
+    const unsigned query_fragment =
+        shared_address(&query_tile[((matrix & 1) * 8 + matrix_row) * STRIDE + (matrix >> 1) * 8]);
+    // A operand of the kt-th 16 keys' probabilities, the same way.
+    const unsigned probability_fragment =
+        shared_address(&probabilities[((matrix & 1) * 8 + matrix_row) * PROBABILITY_STRIDE + (matrix >> 1) * 8]);
+
+    // Step j's keys go to stage j % STAGES. The rows of steps 0 .. STAGES - 1 first, the copies of
+    // steps 0 .. STAGES - 2 then; at step j the copies of step j + STAGES - 1 are issued and the
+    // rows of step j + STAGES found. Every step commits one copy group (empty past the split), so
+    // waiting for all but the newest STAGES - 2 groups means this step's keys have landed.
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) find_rows(s, lo + s * BLOCK_KEYS);
+    __syncthreads();   // the query tile and the first stages' rows
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (lo + s * BLOCK_KEYS < hi) load_stage(s);
+        commit_copies();
+    }
+    int stage = 0;
+    for (int base = lo; base < hi; base += BLOCK_KEYS) {
+        wait_copies<STAGES - 2>();
+        // This step's stage has landed for every thread; every warp is done with the previous
+        // step's stage, which the next copies fill, and its rows (found a step ago) are ready.
+        __syncthreads();
+        const int refill = stage == 0 ? STAGES - 1 : stage - 1;
+        if (base + (STAGES - 1) * BLOCK_KEYS < hi) load_stage(refill);
+        commit_copies();
+        find_rows(stage, base + STAGES * BLOCK_KEYS);   // this stage's rows were last read by its copies, steps ago
+        const bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
+        const bf16_bits* values = keys + BLOCK_KEYS * STRIDE;
+
+        // Scores of the warp's 16 keys: n-tiles 0 (keys warp * 16 + 0-7) and 1 (+ 8-15). B operand
+        // of the kk-th 16 dims: matrices (keys of tile 0, dims 0-7), (tile 0, dims 8-15), (tile 1,
+        // dims 0-7), (tile 1, dims 8-15).
+        float scores[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        const unsigned key_fragment =
+            shared_address(&keys[(warp * WARP_KEYS + (matrix >> 1) * 8 + matrix_row) * STRIDE + (matrix & 1) * 8]);
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            unsigned query[4], operand[4];
+            load_matrices(query, query_fragment + kk * 32);
+            load_matrices(operand, key_fragment + kk * 32);
+            mma_16x8x16(scores[0], query, operand);
+            mma_16x8x16(scores[1], query, operand + 2);
+        }
+
+        // Keys past the split score -inf (the first key of a step never is).
+        float local[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                if (base + warp * WARP_KEYS + nt * 8 + quad * 2 + (c & 1) >= hi) scores[nt][c] = NEG_INF;
+                local[c / 2] = fmaxf(local[c / 2], scores[nt][c]);
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            local[h] = fmaxf(local[h], __shfl_xor_sync(0xffffffff, local[h], 1));
+            local[h] = fmaxf(local[h], __shfl_xor_sync(0xffffffff, local[h], 2));
+        }
+        if (quad == 0) {
+            warp_max[warp][group] = local[0];
+            warp_max[warp][group + 8] = local[1];
+        }
+        __syncthreads();
+        float rescale[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float new_best = best[h];
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) new_best = fmaxf(new_best, warp_max[w][group + 8 * h]);
+            rescale[h] = exp2f(best[h] - new_best);   // 0 at the first step (best = -inf)
+            best[h] = new_best;
+            total[h] *= rescale[h];
+        }
+        // The probabilities, as bf16, into the shared tile [head, key] every warp reads.
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            float p[4];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                p[c] = exp2f(scores[nt][c] - best[c / 2]);
+                total[c / 2] += p[c];
+            }
+            const int key = warp * WARP_KEYS + nt * 8 + quad * 2;
+            *reinterpret_cast<unsigned*>(&probabilities[group * PROBABILITY_STRIDE + key]) = pack_bf16(p[0], p[1]);
+            *reinterpret_cast<unsigned*>(&probabilities[(group + 8) * PROBABILITY_STRIDE + key]) = pack_bf16(p[2], p[3]);
+        }
+#pragma unroll
+        for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
+            acc[dt][0] *= rescale[0]; acc[dt][1] *= rescale[0];
+            acc[dt][2] *= rescale[1]; acc[dt][3] *= rescale[1];
+        }
+        __syncthreads();
+
+        // B operand of value tiles dt, dt + 1 of the warp's columns (transposed loads): matrices
+        // (keys 0-7, columns of dt), (keys 8-15, dt), (keys 0-7, dt + 1), (keys 8-15, dt + 1) of
+        // the kt-th 16 keys.
+        const unsigned value_fragment = shared_address(
+            &values[((matrix & 1) * 8 + matrix_row) * STRIDE + warp * WARP_COLUMNS + (matrix >> 1) * 8]);
+#pragma unroll
+        for (int kt = 0; kt < BLOCK_KEYS / 16; ++kt) {
+            unsigned weights[4];
+            load_matrices(weights, probability_fragment + kt * 32);
+#pragma unroll
+            for (int dt = 0; dt < WARP_COLUMNS / 8; dt += 2) {
+                unsigned operand[4];
+                load_matrices_transposed(operand, value_fragment + (kt * 16 * STRIDE + dt * 8) * 2);
+                mma_16x8x16(acc[dt], weights, operand);
+                mma_16x8x16(acc[dt + 1], weights, operand + 2);
+            }
+        }
+        stage = stage == STAGES - 1 ? 0 : stage + 1;
+    }
+    wait_copies<0>();   // no copy may land after the block has gone
+
+    // The sums over the four warps' keys, and the maximum every warp shares.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        total[h] += __shfl_xor_sync(0xffffffff, total[h], 1);
+        total[h] += __shfl_xor_sync(0xffffffff, total[h], 2);
+    }
+    if (quad == 0) {
+        warp_total[warp][group] = total[0];
+        warp_total[warp][group + 8] = total[1];
+        if (warp == 0) {
+            head_best[group] = best[0];
+            head_best[group + 8] = best[1];
+        }
+    }
+    __syncthreads();
+    float head_total[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) head_total[h] += warp_total[w][group + 8 * h];
+    }
+    if (splits == 1) {
+        // The normalised output, as bf16 pairs (a row has at least one key).
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (group + 8 * h >= block_heads) continue;
+            const float inverse = 1.f / head_total[h];
+            unsigned* target = reinterpret_cast<unsigned*>(out + ((long)row * num_heads + head_base + group + 8 * h) * HEAD_DIM);
+#pragma unroll
+            for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
+                const int column = warp * WARP_COLUMNS + dt * 8 + quad * 2;
+                target[column / 2] = pack_bf16(acc[dt][2 * h] * inverse, acc[dt][2 * h + 1] * inverse);
+            }
+        }
+        return;
+    }
+    // The partials: each warp its columns.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (group + 8 * h >= block_heads) continue;
+        const long head_row = ((long)row * num_heads + head_base + group + 8 * h) * splits + split;
+#pragma unroll
+        for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
+            const int column = warp * WARP_COLUMNS + dt * 8 + quad * 2;
+            *reinterpret_cast<float2*>(&out_acc[head_row * HEAD_DIM + column]) = make_float2(acc[dt][2 * h], acc[dt][2 * h + 1]);
+        }
+    }
+    if (threadIdx.x < block_heads) {
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) sum += warp_total[w][threadIdx.x];
+        const long at = ((long)row * num_heads + head_base + threadIdx.x) * splits + split;
+        out_sum[at] = sum;
+        out_max[at] = head_best[threadIdx.x] * 0.6931471805599453f;   // base 2 to natural-log units
+    }
+}
+"""
+
+
+def kernel_source(head_dim: int, with_instructions: bool = True) -> str:
+    """The kernel's CUDA C++ for keys and values of ``head_dim`` (with the PTX helpers, or without
+    them for the CPU emulation, which brings its own)."""
+    constants = f"#define HEAD_DIM {head_dim}\n#define STAGES {stages(head_dim)}\n"
+    return (INSTRUCTIONS if with_instructions else "") + constants + KERNEL
+
+
+_kernels: dict[int, Any] = {}
+
+
+def _kernel(head_dim: int) -> Any:
+    """The compiled kernel for ``head_dim`` (NVRTC, once per process and head size)."""
+    kernel = _kernels.get(head_dim)
+    if kernel is None:
+        import cupy
+
+        module = cupy.RawModule(code=kernel_source(head_dim), options=("--std=c++17", "--use_fast_math"))
+        kernel = module.get_function("decode_attention_mma")
+        kernel.max_dynamic_shared_size_bytes = shared_bytes(head_dim)
+        _kernels[head_dim] = kernel
+    return kernel
+
+
+def supports(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:
+    """Whether this kernel serves the geometry: keys and values of one of :data:`HEAD_DIMS`, whole
+    query-head groups, a GPU (numba's simulator runs the CUDA-core kernels instead)."""
+    return (
+        not SIMULATED and kv_heads > 0 and heads % kv_heads == 0 and head_dim == value_dim and head_dim in HEAD_DIMS
+    )
+
+
+def head_blocks(heads: int, kv_heads: int) -> int:
+    """Blocks along the grid's second axis per KV head: its query heads in groups of 16."""
+    return -(-(heads // kv_heads) // BLOCK_HEADS)
+
+
+def split_count(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int,
+                multiprocessors: int = DEFAULT_MULTIPROCESSORS) -> int:
+    """Key splits per row: as many as keep the grid within one wave of resident blocks, at least
+    one step of :data:`BLOCK_KEYS` keys of ``max_context`` each, at most ``MAX_SPLITS`` (the merge's
+    limit)."""
+    blocks = max(1, rows * kv_heads * head_blocks(heads, kv_heads))
+    resident = multiprocessors * blocks_per_multiprocessor(head_dim)
+    steps = max(1, -(-int(max_context) // BLOCK_KEYS))
+    return max(1, min(resident // blocks, MAX_SPLITS, steps))
+
+
+def device_split_count(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int) -> int:
+    """:func:`split_count` for the current device's multiprocessors."""
+    return split_count(rows, heads, kv_heads, head_dim, max_context, multiprocessor_count())
+
+
+def _bf16(values: np.ndarray) -> np.ndarray:
+    """float32 rounded to the nearest bf16 (ties to even), as float32."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def split_range(position: int, split: int, splits: int, sliding_window: int | None) -> tuple[int, int]:
+    """Keys ``[lo, hi)`` of split ``split`` of a row at ``position``: the window's keys (all up to
+    the position without one) in ``splits`` equal shares, as the kernel divides them."""
+    context = position + 1
+    first = max(0, context - sliding_window) if sliding_window else 0
+    share = -(-(context - first) // splits)
+    lo = first + split * share
+    return lo, min(context, lo + share)
+
+
+def decode_attention_partials_model(
+    q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray, seq_index: np.ndarray,
+    positions: np.ndarray, scale: float, sliding_window: int | None, splits: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kernel's per-split results in NumPy: ``(out_acc [N, heads, splits, d], out_max, out_sum
+    [N, heads, splits])`` float32, as the blocks write them. Queries are scaled by ``scale *
+    log2(e)`` and rounded to bf16; a split's keys (:func:`split_range`) go in steps of
+    :data:`BLOCK_KEYS` through an online softmax in base 2 whose probabilities enter ``P V`` as
+    bf16 (their sums stay float32); ``out_max`` in natural-log units (``-inf`` and a zero sum for a
+    split without keys). The caches hold float32 values (bf16-exact) ``[blocks, block_size,
+    kv_heads, d]``."""
+    rows, heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    out_acc = np.zeros((rows, heads, splits, head_dim), np.float32)
+    out_max = np.full((rows, heads, splits), -np.inf, np.float32)
+    out_sum = np.zeros((rows, heads, splits), np.float32)
+    for row in range(rows):
+        queries = _bf16(q[row] * np.float32(scale * LOG2_E)).reshape(kv_heads, group, head_dim)
+        table = block_tables[seq_index[row]]
+        for split in range(splits):
+            lo, hi = split_range(int(positions[row]), split, splits, sliding_window)
+            best = np.full((kv_heads, group), -np.inf, np.float32)
+            total = np.zeros((kv_heads, group), np.float32)
+            acc = np.zeros((kv_heads, group, head_dim), np.float32)
+            for base in range(lo, hi, BLOCK_KEYS):
+                places = [(table[j // block_size], j % block_size) for j in range(base, min(hi, base + BLOCK_KEYS))]
+                keys = np.stack([k_cache[b, o] for b, o in places], axis=1).astype(np.float32)  # [kv, keys, d]
+                values = np.stack([v_cache[b, o] for b, o in places], axis=1).astype(np.float32)
+                scores = queries @ keys.transpose(0, 2, 1)  # [kv, group, keys]
+                new_best = np.maximum(best, scores.max(axis=2))
+                rescale = np.exp2(best - new_best)
+                best = new_best
+                p = np.exp2(scores - best[..., None])
+                total = total * rescale + p.sum(axis=2, dtype=np.float32)
+                acc = acc * rescale[..., None] + _bf16(p) @ values
+            out_acc[row, :, split] = acc.reshape(heads, head_dim)
+            out_max[row, :, split] = (best * np.float32(math.log(2.0))).reshape(heads)
+            out_sum[row, :, split] = total.reshape(heads)
+    return out_acc, out_max, out_sum
+
+
+def decode_attention(
+    q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
+    positions: DeviceArray, scale: float, sliding_window: int | None, workspace: tuple, out: DeviceArray,
+    stream: Any = None,
+) -> DeviceArray:
+    """Bf16 bits ``out [N, heads * d]`` from float32 ``q [N, heads, d]`` (one decode row per
+    sequence) over the paged bf16 caches ``[blocks, block_size, kv_heads, d]``: the tensor-core
+    launcher behind :func:`metrale.kernels.attention.paged_attention`, with its workspace ``(acc,
+    max, sum)`` of ``splits`` (:func:`device_split_count`) along the third axis; only geometries
+    that :func:`supports` accepts."""
+    op = "decode_attention_mma"
+    check_array(op, "q", q, np.float32, ndim=3)
+    rows, heads, head_dim = q.shape
+    check_array(op, "k_cache", k_cache, np.uint16, ndim=4)
+    kv_heads = k_cache.shape[2]
+    if not supports(heads, kv_heads, head_dim, v_cache.shape[-1]):
+        raise KernelArgumentError(
+            f"{op}: {heads} query heads over {kv_heads} KV heads of sizes {head_dim} / {v_cache.shape[-1]} are unsupported "
+            f"(sizes {HEAD_DIMS}, whole groups)")
+    check_array(op, "k_cache", k_cache, np.uint16, (None, None, kv_heads, head_dim))
+    check_array(op, "v_cache", v_cache, np.uint16, k_cache.shape)
+    check_array(op, "block_tables", block_tables, np.int32, ndim=2)
+    check_array(op, "seq_index", seq_index, np.int32, (rows,))
+    check_array(op, "positions", positions, np.int32, (rows,))
+    check_array(op, "out", out, np.uint16, (rows, heads * head_dim))
+    acc, best, total = workspace
+    splits = acc.shape[2] if acc.ndim == 4 else 0
+    check_array(op, "workspace acc", acc, np.float32, (rows, heads, splits, head_dim))
+    check_array(op, "workspace max", best, np.float32, (rows, heads, splits))
+    check_array(op, "workspace sum", total, np.float32, (rows, heads, splits))
+    if not splits or splits > MAX_SPLITS:
+        raise KernelArgumentError(f"{op}: {splits} splits in the workspace (1 to {MAX_SPLITS})")
+    if not rows:
+        return out
+    arguments = (
+        q, k_cache, v_cache, block_tables, seq_index, positions, np.int32(heads), np.int32(kv_heads),
+        np.int32(k_cache.shape[1]), np.int32(block_tables.shape[1]), np.float32(scale), np.int32(sliding_window or 0),
+        acc, best, total, out,
+    )
+    grid = (rows, kv_heads * head_blocks(heads, kv_heads), splits)
+    with stream if stream is not None else contextlib.nullcontext():
+        _kernel(head_dim)(grid, (THREADS,), arguments, shared_mem=shared_bytes(head_dim))
+    if splits > 1:
+        grouped_combine_kernel[(rows, heads, -(-head_dim // COMBINE_THREADS)), COMBINE_THREADS, numba_stream(stream)](
+            device_view(acc), device_view(best), device_view(total), device_view(out),
+        )
+    return out

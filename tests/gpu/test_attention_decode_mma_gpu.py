@@ -1,0 +1,129 @@
+"""The tensor-core decode attention against the NumPy reference: head sizes 64, 128 and 256, groups
+of 1 to 20 query heads (two head blocks), cache blocks of 1 and 16 tokens, sliding windows, one
+split (the normalised output written directly) and several (merged by the combine kernel), a
+replay from a CUDA graph with the rows' positions moved on, and the backend op's choice."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kernel_helpers import bf16, rel_error  # noqa: E402
+
+from metrale.checkpoint import bf16_to_float32
+from metrale.kernels import attention, attention_decode_mma
+
+pytestmark = pytest.mark.gpu
+
+
+def decode_case(rng, rows, heads, kv_heads, head_dim, max_context, block_size):
+    """``rows`` decode rows, one per sequence (in another order than the sequences); the last sees
+    ``max_context`` keys, the others up to that many; the cache's blocks shuffled, with spare ones
+    no table names (room for 64 more tokens a sequence)."""
+    contexts = rng.integers(1, max_context + 1, rows)
+    contexts[-1] = max_context
+    blocks_per_seq = [-(-(int(c) + 64) // block_size) for c in contexts]
+    total_blocks = sum(blocks_per_seq) + 5
+    order = rng.permutation(np.arange(total_blocks))
+    tables = np.zeros((rows, max(blocks_per_seq)), np.int32)
+    used = 0
+    for s, count in enumerate(blocks_per_seq):
+        tables[s, :count] = order[used : used + count]
+        used += count
+    k_cache = bf16(rng, (total_blocks, block_size, kv_heads, head_dim))
+    v_cache = bf16(rng, (total_blocks, block_size, kv_heads, head_dim))
+    q = rng.standard_normal((rows, heads, head_dim)).astype(np.float32)
+    seq_index = rng.permutation(rows).astype(np.int32)
+    tables = tables[np.argsort(seq_index)]
+    positions = (contexts - 1).astype(np.int32)
+    return q, k_cache, v_cache, tables, seq_index, positions
+
+
+def reference(q, k_cache, v_cache, tables, seq_index, positions, window):
+    rows = q.shape[0]
+    return attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, q.shape[2] ** -0.5,
+        window).reshape(rows, -1)
+
+
+def workspace(rows, heads, splits, head_dim):
+    import cupy as cp
+
+    return (cp.full((rows, heads, splits, head_dim), np.nan, dtype=np.float32),
+            cp.full((rows, heads, splits), np.nan, dtype=np.float32), cp.full((rows, heads, splits), np.nan, dtype=np.float32))
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [
+    (32, 8, 128), (16, 8, 128), (14, 2, 64), (8, 8, 64), (40, 2, 128), (16, 2, 256),
+])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("splits", [1, 3, "chosen"])
+def test_decode_attention_matches_the_reference(heads, kv_heads, head_dim, block_size, window, splits):
+    import cupy as cp
+
+    rng = np.random.default_rng(heads + kv_heads + head_dim + block_size)
+    rows, max_context = 9, 1500
+    q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, rows, heads, kv_heads, head_dim, max_context,
+                                                                    block_size)
+    if splits == "chosen":
+        splits = attention_decode_mma.device_split_count(rows, heads, kv_heads, head_dim, 4096)
+    out = cp.full((rows, heads * head_dim), 0xFFFF, dtype=np.uint16)
+    attention_decode_mma.decode_attention(*(cp.asarray(a) for a in (q, k_cache, v_cache, tables, seq_index, positions)),
+                                          head_dim**-0.5, window, workspace(rows, heads, splits, head_dim), out)
+    got = bf16_to_float32(cp.asnumpy(out))
+    assert not np.isnan(got).any()
+    assert rel_error(got, reference(q, k_cache, v_cache, tables, seq_index, positions, window)) <= 1e-2
+
+
+def test_decode_attention_replays_in_a_cuda_graph_as_positions_advance():
+    import cupy as cp
+
+    rng = np.random.default_rng(21)
+    rows, heads, kv_heads, head_dim, max_context = 6, 16, 8, 128, 700
+    q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, rows, heads, kv_heads, head_dim, 600, 16)
+    arguments = [cp.asarray(a) for a in (q, k_cache, v_cache, tables, seq_index, positions)]
+    splits = attention.split_count(rows, heads, kv_heads, head_dim, head_dim, max_context)
+    space = workspace(rows, heads, splits, head_dim)
+    out = cp.zeros((rows, heads * head_dim), dtype=np.uint16)
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def run():
+        attention.paged_attention(*arguments, head_dim**-0.5, None, max_context, space, out, stream)
+
+    run()  # compiled outside the capture
+    stream.synchronize()
+    with stream:
+        stream.begin_capture()
+        run()
+        graph = stream.end_capture()
+    for step in (0, 1, 37):
+        moved = positions + step
+        arguments[5][...] = cp.asarray(moved)
+        out[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+        want = reference(q, k_cache, v_cache, tables, seq_index, moved, None)
+        assert rel_error(bf16_to_float32(cp.asnumpy(out)), want) <= 1e-2, step
+
+
+def test_the_backend_op_takes_the_tensor_cores_for_decode_rows(monkeypatch):
+    import cupy as cp
+
+    from metrale.ops.cuda import CudaKernels
+
+    calls = []
+    launch = attention_decode_mma.decode_attention
+    monkeypatch.setattr(attention_decode_mma, "decode_attention", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    rng = np.random.default_rng(22)
+    rows, heads, kv_heads, head_dim = 5, 32, 8, 128
+    q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, rows, heads, kv_heads, head_dim, 900, 16)
+    batch = type("Batch", (), dict(
+        block_tables=cp.asarray(tables), seq_index=cp.asarray(seq_index), positions=cp.asarray(positions),
+        max_context=900, row_starts=np.arange(rows + 1)))()
+    kernels = CudaKernels(cp.cuda.Stream(non_blocking=True))
+    with kernels.stream:
+        out = kernels.paged_attention(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), batch, head_dim**-0.5, None)
+    kernels.stream.synchronize()
+    assert calls
+    want = reference(q, k_cache, v_cache, tables, seq_index, positions, None)
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), want) <= 1e-2

@@ -1,0 +1,253 @@
+"""The tensor-core decode attention (metrale.kernels.attention_decode_mma) without a GPU: the NumPy
+model of the kernel's steps against the float64 reference, the key ranges of the splits, the split
+choice, the launcher's checks, and the CUDA C++ kernel itself run on the host through
+``cuda_emulation.h`` (a thread per CUDA thread; ldmatrix, mma.sync, cp.async and the warp shuffles
+from the PTX ISA's layouts) against the model."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from metrale.checkpoint import bf16_to_float32, float32_to_bf16
+from metrale.errors import KernelArgumentError
+from metrale.kernels import attention, attention_decode_mma
+from metrale.kernels.attention_grouped import MAX_SPLITS
+from metrale.kernels.attention_latent_mma import combine_partials_model
+
+SCALE = 0.125
+
+
+def rel_error(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+def decode_case(rng, contexts, heads, kv_heads, head_dim, block_size, spare_blocks=3):
+    """One decode row per sequence of ``contexts[i]`` cached tokens, over shuffled cache blocks."""
+    blocks_per_seq = [-(-c // block_size) for c in contexts]
+    total_blocks = sum(blocks_per_seq) + spare_blocks
+    order = rng.permutation(np.arange(total_blocks))
+    tables = np.zeros((len(contexts), max(blocks_per_seq)), np.int32)
+    used = 0
+    for s, count in enumerate(blocks_per_seq):
+        tables[s, :count] = order[used : used + count]
+        used += count
+    shape = (total_blocks, block_size, kv_heads, head_dim)
+    k_cache = float32_to_bf16(rng.standard_normal(shape).astype(np.float32))
+    v_cache = float32_to_bf16(rng.standard_normal(shape).astype(np.float32))
+    q = rng.standard_normal((len(contexts), heads, head_dim)).astype(np.float32)
+    seq_index = np.arange(len(contexts), dtype=np.int32)
+    positions = np.asarray(contexts, np.int32) - 1
+    return q, k_cache, v_cache, tables, seq_index, positions
+
+
+def model_output(q, k_cache, v_cache, tables, seq_index, positions, window, splits):
+    partials = attention_decode_mma.decode_attention_partials_model(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, SCALE, window, splits)
+    return combine_partials_model(*partials)
+
+
+@pytest.mark.parametrize("contexts, heads, kv_heads, head_dim, block_size, window, splits", [
+    ((1, 63, 64, 65, 200), 16, 8, 128, 16, 0, 1),
+    ((1, 63, 64, 65, 200), 32, 8, 64, 1, 0, 3),
+    ((130, 7), 8, 8, 128, 32, 50, 4),  # a window; splits past the shorter row's keys
+    ((300,), 40, 2, 256, 16, 0, 5),  # 20 heads a KV head: two head blocks, the second of four
+])
+def test_the_model_matches_the_reference(contexts, heads, kv_heads, head_dim, block_size, window, splits):
+    rng = np.random.default_rng(sum(contexts) + heads + splits)
+    q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, contexts, heads, kv_heads, head_dim, block_size)
+    model = model_output(q, k_cache, v_cache, tables, seq_index, positions, window, splits)
+    reference = attention.paged_attention_reference(q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables,
+                                                    seq_index, positions, SCALE, window or None)
+    assert rel_error(model, reference) <= 1e-2
+
+
+def test_split_ranges_cover_the_window_once():
+    for position in (0, 5, 63, 64, 1000):
+        for window in (None, 1, 17, 4096):
+            for splits in (1, 3, 32):
+                ranges = [attention_decode_mma.split_range(position, s, splits, window) for s in range(splits)]
+                keys = [k for lo, hi in ranges for k in range(lo, hi)]
+                first = max(0, position + 1 - window) if window else 0
+                assert keys == list(range(first, position + 1))
+
+
+def test_split_count_fills_the_resident_blocks_within_the_limits():
+    # 128 dims: two blocks a multiprocessor; 64: three; 256: one. (MAX_SPLITS is the merge's limit.)
+    assert attention_decode_mma.split_count(128, 16, 8, 128, 2064, 132) == 1
+    assert attention_decode_mma.split_count(1, 32, 8, 128, 2064, 132) == min(33, MAX_SPLITS)
+    assert attention_decode_mma.split_count(1, 32, 8, 128, 512, 132) == min(8, MAX_SPLITS)  # a step of keys each
+    assert attention_decode_mma.split_count(16, 32, 8, 128, 2048, 132) == 2
+    assert attention_decode_mma.split_count(16, 32, 8, 64, 2048, 132) == 3
+    assert attention_decode_mma.split_count(4, 16, 2, 256, 2048, 132) == min(16, MAX_SPLITS)
+    assert attention_decode_mma.split_count(2, 128, 2, 128, 4096, 132) == min(16, MAX_SPLITS)  # four head blocks a KV head
+
+
+def test_supported_geometries():
+    supports = attention_decode_mma.supports
+    if attention_decode_mma.SIMULATED:
+        assert not supports(32, 8, 128, 128)  # the simulator runs the CUDA-core kernels
+        return
+    assert supports(32, 8, 128, 128) and supports(16, 2, 256, 256) and supports(8, 8, 64, 64)
+    assert not supports(32, 8, 192, 128)
+    assert not supports(32, 8, 96, 96)
+    assert not supports(30, 8, 128, 128)
+
+
+def test_wrong_arguments_are_refused_before_any_launch():
+    q = np.zeros((2, 16, 128), np.float32)
+    cache = np.zeros((1, 16, 8, 128), np.uint16)
+    workspace = (np.zeros((2, 16, 1, 128), np.float32), np.zeros((2, 16, 1), np.float32), np.zeros((2, 16, 1), np.float32))
+    with pytest.raises(KernelArgumentError):  # positions of the wrong length
+        attention_decode_mma.decode_attention(q, cache, cache, np.zeros((2, 1), np.int32), np.zeros(2, np.int32),
+                                              np.zeros(3, np.int32), SCALE, None, workspace, np.zeros((2, 2048), np.uint16))
+    with pytest.raises(KernelArgumentError, match="unsupported"):
+        attention_decode_mma.decode_attention(np.zeros((2, 16, 96), np.float32), np.zeros((1, 16, 8, 96), np.uint16),
+                                              np.zeros((1, 16, 8, 96), np.uint16), np.zeros((2, 1), np.int32),
+                                              np.zeros(2, np.int32), np.zeros(2, np.int32), SCALE, None, workspace,
+                                              np.zeros((2, 16 * 96), np.uint16))
+
+
+# ------------------------------------------------------------------------------- emulation
+
+EMULATION_HEADER = Path(__file__).with_name("cuda_emulation.h")
+
+EMULATION_MAIN = r"""
+#include <fstream>
+#include <string>
+
+template <typename T> T* allocate(size_t count) {
+    T* data = static_cast<T*>(std::aligned_alloc(256, (count * sizeof(T) / 256 + 1) * 256));
+    std::memset(data, 0xff, count * sizeof(T));   // NaN / -1 where nothing is written
+    return data;
+}
+template <typename T> T* read(const std::string& path, size_t count) {
+    T* data = allocate<T>(count);
+    std::ifstream file(path, std::ios::binary);
+    file.read(reinterpret_cast<char*>(data), count * sizeof(T));
+    if (!file) emu::fail("short input");
+    return data;
+}
+template <typename T> void write(const std::string& path, const T* data, size_t count) {
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data), count * sizeof(T));
+}
+
+int main(int argc, char** argv) {
+    if (argc != 12) return 2;
+    const std::string folder = argv[1];
+    const int rows = std::atoi(argv[2]), heads = std::atoi(argv[3]), kv_heads = std::atoi(argv[4]);
+    const int blocks = std::atoi(argv[5]), block_size = std::atoi(argv[6]), max_blocks = std::atoi(argv[7]);
+    const int splits = std::atoi(argv[8]), window = std::atoi(argv[9]);
+    const float scale = std::atof(argv[10]);
+    emu::defer_copies = std::atoi(argv[11]);
+    const size_t cache = (size_t)blocks * block_size * kv_heads * HEAD_DIM;
+    auto* q = read<float>(folder + "/q", (size_t)rows * heads * HEAD_DIM);
+    auto* k_cache = read<unsigned short>(folder + "/k_cache", cache);
+    auto* v_cache = read<unsigned short>(folder + "/v_cache", cache);
+    auto* tables = read<int>(folder + "/tables", (size_t)rows * max_blocks);
+    auto* seq_index = read<int>(folder + "/seq_index", rows);
+    auto* positions = read<int>(folder + "/positions", rows);
+    const size_t partials = (size_t)rows * heads * splits;
+    auto* out_acc = allocate<float>(partials * HEAD_DIM);
+    auto* out_max = allocate<float>(partials);
+    auto* out_sum = allocate<float>(partials);
+    auto* out = allocate<unsigned short>((size_t)rows * heads * HEAD_DIM);
+    const int group = heads / kv_heads, head_blocks = (group + BLOCK_HEADS - 1) / BLOCK_HEADS;
+    emu::launch({(unsigned)rows, (unsigned)(kv_heads * head_blocks), (unsigned)splits}, {THREADS, 1, 1}, [&] {
+        decode_attention_mma(q, k_cache, v_cache, tables, seq_index, positions, heads, kv_heads, block_size, max_blocks,
+                             scale, window, out_acc, out_max, out_sum, out);
+    });
+    write(folder + "/out_acc", out_acc, partials * HEAD_DIM);
+    write(folder + "/out_max", out_max, partials);
+    write(folder + "/out_sum", out_sum, partials);
+    write(folder + "/out", out, (size_t)rows * heads * HEAD_DIM);
+    return 0;
+}
+"""
+
+
+def compiler() -> str | None:
+    return shutil.which("g++") or shutil.which("clang++")
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """The kernel built against the emulation per head size; returns a runner of one launch."""
+    if compiler() is None:
+        pytest.skip("no C++ compiler to build the emulated kernel")
+    folder = tmp_path_factory.mktemp("decode_mma_emulated")
+    binaries: dict[int, Path] = {}
+
+    def build(head_dim):
+        if head_dim not in binaries:
+            source = folder / f"kernel{head_dim}.cpp"
+            source.write_text(f'#include "{EMULATION_HEADER}"\n'
+                              + attention_decode_mma.kernel_source(head_dim, with_instructions=False) + EMULATION_MAIN)
+            binary = source.with_suffix("")
+            result = subprocess.run([compiler(), "-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas", "-Wno-narrowing",
+                                     str(source), "-o", str(binary)], capture_output=True, text=True)
+            if result.returncode and "barrier" in result.stderr:
+                pytest.skip("the C++ compiler lacks C++20's <barrier>")
+            assert result.returncode == 0, result.stderr[-4000:]
+            binaries[head_dim] = binary
+        return binaries[head_dim]
+
+    def run(q, k_cache, v_cache, tables, seq_index, positions, window, splits, defer_copies=True):
+        rows, heads, head_dim = q.shape
+        kv_heads = k_cache.shape[2]
+        case = folder / "case"
+        case.mkdir(exist_ok=True)
+        arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, tables=tables, seq_index=seq_index, positions=positions)
+        for name, array in arrays.items():
+            np.ascontiguousarray(array).tofile(case / name)
+        subprocess.run([str(build(head_dim)), str(case), *map(str, (
+            rows, heads, kv_heads, k_cache.shape[0], k_cache.shape[1], tables.shape[1], splits, window, SCALE,
+            int(defer_copies)))], check=True, timeout=600)
+        return (np.fromfile(case / "out_acc", np.float32).reshape(rows, heads, splits, head_dim),
+                np.fromfile(case / "out_max", np.float32).reshape(rows, heads, splits),
+                np.fromfile(case / "out_sum", np.float32).reshape(rows, heads, splits),
+                np.fromfile(case / "out", np.uint16).reshape(rows, heads, head_dim))
+
+    return run
+
+
+@pytest.mark.parametrize("contexts, heads, kv_heads, head_dim, block_size, window, splits, defer_copies", [
+    ((1, 200), 4, 2, 64, 16, 0, 2, True),  # one key; four steps, the last of 8 keys
+    ((63, 64, 300), 4, 1, 64, 1, 0, 3, True),  # one-token blocks; the three-stage ring wraps
+    ((65, 200), 2, 2, 64, 16, 70, 2, False),  # a window; copies land at once
+    ((150,), 20, 1, 64, 32, 0, 2, True),  # two head blocks of one KV head, the second of four heads
+    ((130,), 2, 1, 256, 16, 0, 2, True),  # 256 dims: two stages
+])
+def test_the_kernel_run_emulated_matches_its_model(emulated, contexts, heads, kv_heads, head_dim, block_size, window,
+                                                   splits, defer_copies):
+    rng = np.random.default_rng(sum(contexts) + heads + splits)
+    q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, contexts, heads, kv_heads, head_dim, block_size)
+    out_acc, out_max, out_sum, _ = emulated(q, k_cache, v_cache, tables, seq_index, positions, window, splits,
+                                            defer_copies)
+    want_acc, want_max, want_sum = attention_decode_mma.decode_attention_partials_model(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, SCALE, window or None,
+        splits)
+    assert not np.isnan(out_acc).any() and not np.isnan(out_sum).any()
+    used = want_sum > 0
+    np.testing.assert_array_equal(out_sum > 0, used)
+    np.testing.assert_allclose(out_max[used], want_max[used], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out_sum[used], want_sum[used], rtol=2e-3)
+    assert rel_error(out_acc, want_acc) <= 2e-3
+    assert not out_acc[~used].any(), "a split without keys writes zeros"
+
+
+def test_one_split_writes_the_normalised_output(emulated):
+    rng = np.random.default_rng(3)
+    contexts = (1, 70, 129)
+    q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, contexts, 8, 2, 64, 16)
+    *_, out = emulated(q, k_cache, v_cache, tables, seq_index, positions, 0, 1)
+    model = model_output(q, k_cache, v_cache, tables, seq_index, positions, None, 1)
+    assert rel_error(bf16_to_float32(out), model) <= 1e-2
+    reference = attention.paged_attention_reference(q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables,
+                                                    seq_index, positions, SCALE)
+    assert rel_error(bf16_to_float32(out), reference) <= 2e-2
