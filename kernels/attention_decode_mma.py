@@ -12,7 +12,12 @@ stages' copies are in flight while one is computed; two stages at 256):
 * ``S = Q K^T``: each warp scores 16 of the 64 keys over the full head size, so the scores need
   no cross-warp sum; the queries (scaled by ``scale * log2(e)``, as bf16) stay in shared memory;
 * an online softmax in base 2 whose running maximum the four warps share;
-* ``O += P V``: each warp owns a quarter of the value columns for all 64 keys.
+* ``O += P V``: each warp owns a quarter of the value columns for all 64 keys. The probabilities
+  enter as two bf16 parts, ``P = P_high + P_low`` (``P_low`` the rounding error of ``P_high``),
+  each multiplied by the values: about 16 bits of each probability are kept, so the result does
+  not depend on how the keys were split to within float32-like error (one bf16 rounding of ``P``
+  moved greedy tokens of small random models between a captured graph's split count and an eager
+  step's), and the extra products cost little in a kernel bound by its cache reads.
 
 The keys of a row (those the sliding window leaves) are divided evenly between the splits of the
 grid's last axis, on the device from the row's position, so a graph captured for the longest
@@ -56,9 +61,10 @@ def stages(head_dim: int) -> int:
 
 
 def shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of a block: the query tile, the stages, the probabilities (bf16)."""
+    """Dynamic shared memory of a block: the query tile, the stages, the probabilities' two bf16
+    parts (all bf16)."""
     stride = head_dim + 8
-    return 2 * (BLOCK_HEADS * stride + stages(head_dim) * 2 * BLOCK_KEYS * stride + BLOCK_HEADS * (BLOCK_KEYS + 8))
+    return 2 * (BLOCK_HEADS * stride + stages(head_dim) * 2 * BLOCK_KEYS * stride + 2 * BLOCK_HEADS * (BLOCK_KEYS + 8))
 
 
 def blocks_per_multiprocessor(head_dim: int) -> int:
@@ -77,6 +83,7 @@ KERNEL = r"""
 #define WARP_KEYS (BLOCK_KEYS / WARPS)    // keys a warp scores per step: 16
 #define STRIDE (HEAD_DIM + 8)             // padded shared rows: an ldmatrix's 8 rows fall in distinct banks
 #define PROBABILITY_STRIDE (BLOCK_KEYS + 8)
+#define PROBABILITY_PART (2 * BLOCK_HEADS * PROBABILITY_STRIDE)   // bytes from the high parts to the low
 #define STAGE_ELEMENTS (2 * BLOCK_KEYS * STRIDE)   // keys, then values
 #define NEG_INF (__int_as_float(0xff800000))
 
@@ -84,7 +91,8 @@ typedef unsigned short bf16_bits;
 
 // Grid: (rows, kv_heads * head_blocks, splits), head_blocks = ceil(group / BLOCK_HEADS); THREADS
 // threads; dynamic shared memory: the query tile [BLOCK_HEADS, STRIDE], STAGES stages of
-// [BLOCK_KEYS, STRIDE] keys and values, the probabilities [BLOCK_HEADS, PROBABILITY_STRIDE], bf16.
+// [BLOCK_KEYS, STRIDE] keys and values, the probabilities' high and low parts [2, BLOCK_HEADS,
+// PROBABILITY_STRIDE], bf16.
 // q [N, num_heads, HEAD_DIM] f32; k_cache, v_cache [blocks, block_size, num_kv_heads, HEAD_DIM]
 // bf16 bits; block_tables [S, max_blocks], seq_index [N], positions [N] int32. One split: out
 // [N, num_heads * HEAD_DIM] bf16 bits. More: out_acc [N, num_heads, splits, HEAD_DIM] f32
@@ -98,7 +106,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     DYNAMIC_SHARED;
     bf16_bits* query_tile = reinterpret_cast<bf16_bits*>(dynamic_shared);
     bf16_bits* stages = query_tile + BLOCK_HEADS * STRIDE;
-    bf16_bits* probabilities = stages + STAGES * STAGE_ELEMENTS;
+    bf16_bits* probabilities = stages + STAGES * STAGE_ELEMENTS;   // high parts, then low parts
     __shared__ long long stage_rows[STAGES][BLOCK_KEYS];   // element offsets of each stage's keys (-1 past the split)
     __shared__ float warp_max[WARPS][BLOCK_HEADS];
     __shared__ float warp_total[WARPS][BLOCK_HEADS];
@@ -160,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     // (heads 0-7, dims 8-15), (heads 8-15, dims 8-15).
     const unsigned query_fragment =
         shared_address(&query_tile[((matrix & 1) * 8 + matrix_row) * STRIDE + (matrix >> 1) * 8]);
-    // A operand of the kt-th 16 keys' probabilities, the same way.
+    // A operand of the kt-th 16 keys' probabilities, the same way (the low parts PROBABILITY_PART bytes on).
     const unsigned probability_fragment =
         shared_address(&probabilities[((matrix & 1) * 8 + matrix_row) * PROBABILITY_STRIDE + (matrix >> 1) * 8]);
 
@@ -244,8 +252,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
                 total[c / 2] += p[c];
             }
             const int key = warp * WARP_KEYS + nt * 8 + quad * 2;
-            *reinterpret_cast<unsigned*>(&probabilities[group * PROBABILITY_STRIDE + key]) = pack_bf16(p[0], p[1]);
-            *reinterpret_cast<unsigned*>(&probabilities[(group + 8) * PROBABILITY_STRIDE + key]) = pack_bf16(p[2], p[3]);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned high = pack_bf16(p[2 * h], p[2 * h + 1]);
+                const unsigned low = pack_bf16(p[2 * h] - __uint_as_float(high << 16),
+                                               p[2 * h + 1] - __uint_as_float(high & 0xffff0000u));
+                bf16_bits* at = &probabilities[(group + 8 * h) * PROBABILITY_STRIDE + key];
+                *reinterpret_cast<unsigned*>(at) = high;
+                *reinterpret_cast<unsigned*>(at + BLOCK_HEADS * PROBABILITY_STRIDE) = low;
+            }
         }
 #pragma unroll
         for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
@@ -261,14 +276,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             &values[((matrix & 1) * 8 + matrix_row) * STRIDE + warp * WARP_COLUMNS + (matrix >> 1) * 8]);
 #pragma unroll
         for (int kt = 0; kt < BLOCK_KEYS / 16; ++kt) {
-            unsigned weights[4];
+            unsigned weights[4], low_weights[4];
             load_matrices(weights, probability_fragment + kt * 32);
+            load_matrices(low_weights, probability_fragment + PROBABILITY_PART + kt * 32);
 #pragma unroll
             for (int dt = 0; dt < WARP_COLUMNS / 8; dt += 2) {
                 unsigned operand[4];
                 load_matrices_transposed(operand, value_fragment + (kt * 16 * STRIDE + dt * 8) * 2);
                 mma_16x8x16(acc[dt], weights, operand);
                 mma_16x8x16(acc[dt + 1], weights, operand + 2);
+                mma_16x8x16(acc[dt], low_weights, operand);
+                mma_16x8x16(acc[dt + 1], low_weights, operand + 2);
             }
         }
         stage = stage == STAGES - 1 ? 0 : stage + 1;
@@ -410,8 +428,8 @@ def decode_attention_partials_model(
     """The kernel's per-split results in NumPy: ``(out_acc [N, heads, splits, d], out_max, out_sum
     [N, heads, splits])`` float32, as the blocks write them. Queries are scaled by ``scale *
     log2(e)`` and rounded to bf16; a split's keys (:func:`split_range`) go in steps of
-    :data:`BLOCK_KEYS` through an online softmax in base 2 whose probabilities enter ``P V`` as
-    bf16 (their sums stay float32); ``out_max`` in natural-log units (``-inf`` and a zero sum for a
+    :data:`BLOCK_KEYS` through an online softmax in base 2 whose probabilities enter ``P V`` as the
+    sum of two bf16 parts (their sums stay float32); ``out_max`` in natural-log units (``-inf`` and a zero sum for a
     split without keys). The caches hold float32 values (bf16-exact) ``[blocks, block_size,
     kv_heads, d]``."""
     rows, heads, head_dim = q.shape
@@ -438,7 +456,8 @@ def decode_attention_partials_model(
                 best = new_best
                 p = np.exp2(scores - best[..., None])
                 total = total * rescale + p.sum(axis=2, dtype=np.float32)
-                acc = acc * rescale[..., None] + _bf16(p) @ values
+                high = _bf16(p)
+                acc = acc * rescale[..., None] + (high @ values + _bf16(p - high) @ values)
             out_acc[row, :, split] = acc.reshape(heads, head_dim)
             out_max[row, :, split] = (best * np.float32(math.log(2.0))).reshape(heads)
             out_sum[row, :, split] = total.reshape(heads)

@@ -126,6 +126,12 @@ inline float __int_as_float(int bits) {
     return value;
 }
 
+inline float __uint_as_float(unsigned bits) {
+    float value;
+    std::memcpy(&value, &bits, 4);
+    return value;
+}
+
 // __shfl_xor_sync over the whole warp: lane t gets the value of lane t ^ mask.
 inline float __shfl_xor_sync(unsigned, float value, int mask) {
     auto& exchange = emu::exchange[emu::warp()];
