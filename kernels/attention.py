@@ -78,6 +78,7 @@ import math  # noqa: E402
 
 from numba import cuda, float32  # noqa: E402
 
+from metrale.config import environment_flag  # noqa: E402
 from metrale.errors import KernelArgumentError  # noqa: E402
 from metrale.kernels import attention_decode_mma, attention_grouped, attention_staged  # noqa: E402
 from metrale.kernels._device import (  # noqa: E402
@@ -256,15 +257,16 @@ def grouped_decode_kernel(heads: int, kv_heads: int, head_dim: int, splits: int,
     return "staged" if keys_per_block * head_dim <= STAGED_MAX_BLOCK_ELEMENTS else "grouped"
 
 
-#: The decode kernel for geometries :mod:`attention_decode_mma` serves: ``"mma"`` (tensor cores,
-#: whole stages of keys and values in flight), ``"cores"`` (the CUDA-core kernels above), or
-#: ``"auto"``: the tensor-core kernel wherever it serves the geometry.
-DECODE_KERNEL = "auto"
+#: The decode kernel for geometries :mod:`attention_decode_mma` serves: ``"cores"`` (the CUDA-core
+#: kernels above) or ``"mma"`` (tensor cores, whole stages of keys and values in flight; opt-in,
+#: ``METRALE_DECODE_MMA=1``, until its engine-level GPU checks pass: graph-replayed greedy decode
+#: equal to eager steps').
+DECODE_KERNEL = "mma" if environment_flag("METRALE_DECODE_MMA") else "cores"
 
 
 def uses_decode_mma(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:
     """Whether :func:`paged_attention` runs :mod:`attention_decode_mma` for this geometry."""
-    return DECODE_KERNEL != "cores" and attention_decode_mma.supports(heads, kv_heads, head_dim, value_dim)
+    return DECODE_KERNEL == "mma" and attention_decode_mma.supports(heads, kv_heads, head_dim, value_dim)
 
 
 def split_count(rows: int, heads: int, kv_heads: int, head_dim: int, value_dim: int, max_context: int) -> int:

@@ -22,6 +22,7 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "METRALE_NO_MTP_EAGER_DRAFTER": "when set to 1, the eager MTP drafter stage never runs",
     "METRALE_NO_PROGRESS": "when set to 1, no progress bars are shown",
     "METRALE_NUMBA_LAUNCH": "when set to 1, numba kernels launch through numba's own launcher, not CuPy's",
+    "METRALE_DECODE_MMA": "when set to 1, decode attention runs on tensor cores where the geometry allows",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -54,6 +55,7 @@ class EnvironmentConfig:
     no_mtp_eager_drafter: bool = False
     no_progress: bool = False
     numba_launch: bool = False
+    decode_mma: bool = False
 
 
 def read_environment(env: Mapping[str, str] | None = None) -> EnvironmentConfig:
@@ -72,6 +74,7 @@ def read_environment(env: Mapping[str, str] | None = None) -> EnvironmentConfig:
         no_mtp_eager_drafter=_flag(env, "METRALE_NO_MTP_EAGER_DRAFTER"),
         no_progress=_flag(env, "METRALE_NO_PROGRESS"),
         numba_launch=_flag(env, "METRALE_NUMBA_LAUNCH"),
+        decode_mma=_flag(env, "METRALE_DECODE_MMA"),
     )
 
 

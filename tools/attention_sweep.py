@@ -143,7 +143,7 @@ def compare(args, backend) -> None:
             t = graph_time(backend, run).median_us
             cells.append(f"{choice} {t:8.2f} us {kv_bytes / t / 1e3:6.0f} GB/s ({splits:2d} splits)")
         print(f"rows {rows:3d} context {context:5d}: " + "   ".join(cells))
-    attention.DECODE_KERNEL = "auto"
+    attention.DECODE_KERNEL = "cores"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The tensor-core decode attention against the NumPy reference: head sizes 64, 128 and 256, groups
 of 1 to 20 query heads (two head blocks), cache blocks of 1 and 16 tokens, sliding windows, one
 split (the normalised output written directly) and several (merged by the combine kernel), a
-replay from a CUDA graph with the rows' positions moved on, and the backend op's choice."""
+replay from a CUDA graph with the rows' positions moved on, and the backend op with the kernel
+chosen (``attention.DECODE_KERNEL = "mma"``)."""
 
 from __future__ import annotations
 
@@ -75,8 +76,10 @@ def test_decode_attention_matches_the_reference(heads, kv_heads, head_dim, block
     assert rel_error(got, reference(q, k_cache, v_cache, tables, seq_index, positions, window)) <= 1e-2
 
 
-def test_decode_attention_replays_in_a_cuda_graph_as_positions_advance():
+def test_decode_attention_replays_in_a_cuda_graph_as_positions_advance(monkeypatch):
     import cupy as cp
+
+    monkeypatch.setattr(attention, "DECODE_KERNEL", "mma")
 
     rng = np.random.default_rng(21)
     rows, heads, kv_heads, head_dim, max_context = 6, 16, 8, 128, 700
@@ -111,6 +114,7 @@ def test_the_backend_op_takes_the_tensor_cores_for_decode_rows(monkeypatch):
 
     from metrale.ops.cuda import CudaKernels
 
+    monkeypatch.setattr(attention, "DECODE_KERNEL", "mma")
     calls = []
     launch = attention_decode_mma.decode_attention
     monkeypatch.setattr(attention_decode_mma, "decode_attention", lambda *a, **k: calls.append(1) or launch(*a, **k))
