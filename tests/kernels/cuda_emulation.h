@@ -244,3 +244,24 @@ inline void mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
 }
 
 inline unsigned pack_bf16(float low, float high) { return emu::bf16_round(low) | (emu::bf16_round(high) << 16); }
+
+// Host side of the tests' main functions: arrays filled with 0xff bytes (NaN / -1 where a kernel
+// writes nothing), read from and written to files.
+#include <fstream>
+#include <string>
+
+template <typename T> T* allocate(size_t count) {
+    T* data = static_cast<T*>(std::aligned_alloc(256, (count * sizeof(T) / 256 + 1) * 256));
+    std::memset(data, 0xff, count * sizeof(T));   // NaN / -1 where nothing is written
+    return data;
+}
+template <typename T> T* read(const std::string& path, size_t count) {
+    T* data = allocate<T>(count);
+    std::ifstream file(path, std::ios::binary);
+    file.read(reinterpret_cast<char*>(data), count * sizeof(T));
+    if (!file) emu::fail("short input");
+    return data;
+}
+template <typename T> void write(const std::string& path, const T* data, size_t count) {
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data), count * sizeof(T));
+}

@@ -6,12 +6,12 @@ from the PTX ISA's layouts) against the model."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from emulation import build_emulated
 
 from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.errors import KernelArgumentError
@@ -115,27 +115,7 @@ def test_wrong_arguments_are_refused_before_any_launch():
 
 # ------------------------------------------------------------------------------- emulation
 
-EMULATION_HEADER = Path(__file__).with_name("cuda_emulation.h")
-
 EMULATION_MAIN = r"""
-#include <fstream>
-#include <string>
-
-template <typename T> T* allocate(size_t count) {
-    T* data = static_cast<T*>(std::aligned_alloc(256, (count * sizeof(T) / 256 + 1) * 256));
-    std::memset(data, 0xff, count * sizeof(T));   // NaN / -1 where nothing is written
-    return data;
-}
-template <typename T> T* read(const std::string& path, size_t count) {
-    T* data = allocate<T>(count);
-    std::ifstream file(path, std::ios::binary);
-    file.read(reinterpret_cast<char*>(data), count * sizeof(T));
-    if (!file) emu::fail("short input");
-    return data;
-}
-template <typename T> void write(const std::string& path, const T* data, size_t count) {
-    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data), count * sizeof(T));
-}
 
 int main(int argc, char** argv) {
     if (argc != 12) return 2;
@@ -171,30 +151,17 @@ int main(int argc, char** argv) {
 """
 
 
-def compiler() -> str | None:
-    return shutil.which("g++") or shutil.which("clang++")
-
-
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     """The kernel built against the emulation per head size; returns a runner of one launch."""
-    if compiler() is None:
-        pytest.skip("no C++ compiler to build the emulated kernel")
     folder = tmp_path_factory.mktemp("decode_mma_emulated")
     binaries: dict[int, Path] = {}
 
     def build(head_dim):
         if head_dim not in binaries:
-            source = folder / f"kernel{head_dim}.cpp"
-            source.write_text(f'#include "{EMULATION_HEADER}"\n'
-                              + attention_decode_mma.kernel_source(head_dim, with_instructions=False) + EMULATION_MAIN)
-            binary = source.with_suffix("")
-            result = subprocess.run([compiler(), "-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas", "-Wno-narrowing",
-                                     str(source), "-o", str(binary)], capture_output=True, text=True)
-            if result.returncode and "barrier" in result.stderr:
-                pytest.skip("the C++ compiler lacks C++20's <barrier>")
-            assert result.returncode == 0, result.stderr[-4000:]
-            binaries[head_dim] = binary
+            binaries[head_dim] = build_emulated(
+                folder / f"kernel{head_dim}.cpp",
+                attention_decode_mma.kernel_source(head_dim, with_instructions=False) + EMULATION_MAIN)
         return binaries[head_dim]
 
     def run(q, k_cache, v_cache, tables, seq_index, positions, window, splits, defer_copies=True):

@@ -5,13 +5,12 @@ compiler). Their real-GPU tests are tests/gpu/test_moe_grouped_gpu.py."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from emulation import build_emulated
 
 from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.errors import KernelArgumentError
@@ -247,27 +246,7 @@ def test_routed_experts_on_the_cpu_match_the_reference(tokens):
 
 # ---------------------------------------------------------------- the kernels, emulated
 
-EMULATION_HEADER = Path(__file__).with_name("cuda_emulation.h")
-
 EMULATION_MAIN = r"""
-#include <fstream>
-#include <string>
-
-template <typename T> T* allocate(size_t count) {
-    T* data = static_cast<T*>(std::aligned_alloc(256, (count * sizeof(T) / 256 + 1) * 256));
-    std::memset(data, 0xff, count * sizeof(T));   // NaN / -1 where nothing is written
-    return data;
-}
-template <typename T> T* read(const std::string& path, size_t count) {
-    T* data = allocate<T>(count);
-    std::ifstream file(path, std::ios::binary);
-    file.read(reinterpret_cast<char*>(data), count * sizeof(T));
-    if (!file) emu::fail("short input");
-    return data;
-}
-template <typename T> void write(const std::string& path, const T* data, size_t count) {
-    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data), count * sizeof(T));
-}
 
 int main(int argc, char** argv) {
     if (argc != 9) return 2;
@@ -303,30 +282,16 @@ int main(int argc, char** argv) {
 """
 
 
-def compiler() -> str | None:
-    return shutil.which("g++") or shutil.which("clang++")
-
-
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     """Build the kernels of each tiling asked for against the emulation; return a runner."""
-    if compiler() is None:
-        pytest.skip("no C++ compiler to build the emulated kernels")
     folder = tmp_path_factory.mktemp("moe_grouped_emulated")
     builds: dict = {}
 
     def build(tiling):
         if tiling not in builds:
-            source = folder / f"kernels_{'_'.join(map(str, tiling))}.cpp"
-            source.write_text(f'#include "{EMULATION_HEADER}"\n' + moe_grouped.constants(tiling)
-                              + moe_grouped.KERNELS + EMULATION_MAIN)
-            binary = source.with_suffix("")
-            result = subprocess.run([compiler(), "-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas", str(source),
-                                     "-o", str(binary)], capture_output=True, text=True)
-            if result.returncode and "barrier" in result.stderr:
-                pytest.skip("the C++ compiler lacks C++20's <barrier>")
-            assert result.returncode == 0, result.stderr[-4000:]
-            builds[tiling] = binary
+            builds[tiling] = build_emulated(folder / f"kernels_{'_'.join(map(str, tiling))}.cpp",
+                                            moe_grouped.constants(tiling) + moe_grouped.KERNELS + EMULATION_MAIN)
         return builds[tiling]
 
     def run(tiling, x, chosen, weights, gate_up, down, defer_copies=True):
