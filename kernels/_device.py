@@ -270,19 +270,34 @@ def device_view(array: Any) -> Any:
 # ------------------------------------------------------------------------------------ checks
 
 
+_expected_dtypes: dict[Any, np.dtype] = {}
+
+
 def check_array(op: str, name: str, array: Any, dtype: Any, shape: tuple | None = None, ndim: int | None = None) -> None:
     """Raise :class:`KernelArgumentError` unless ``array`` has the dtype, shape and C layout given.
 
-    ``None`` entries of ``shape`` accept any extent.
+    ``None`` entries of ``shape`` accept any extent. Every eager launch checks its arrays this way
+    (dozens a layer), so the passing case is kept to plain comparisons.
     """
-    found_dtype = np.dtype(getattr(array, "dtype", None) or np.float64)
-    if found_dtype != np.dtype(dtype):
-        raise KernelArgumentError(f"{op}: {name} has dtype {found_dtype}, expected {np.dtype(dtype)}")
+    expected_dtype = _expected_dtypes.get(dtype)
+    if expected_dtype is None:
+        expected_dtype = _expected_dtypes[dtype] = np.dtype(dtype)
+    found_dtype = getattr(array, "dtype", None)
+    if found_dtype is not expected_dtype and found_dtype != expected_dtype:
+        found_dtype = np.dtype(found_dtype or np.float64)
+        if found_dtype != expected_dtype:
+            raise KernelArgumentError(f"{op}: {name} has dtype {found_dtype}, expected {expected_dtype}")
     found = tuple(array.shape)
     if ndim is not None and len(found) != ndim:
         raise KernelArgumentError(f"{op}: {name} has shape {list(found)}, expected {ndim} dimensions")
     if shape is not None:
-        if len(found) != len(shape) or any(e is not None and e != f for e, f in zip(shape, found)):
+        mismatch = len(found) != len(shape)
+        if not mismatch:
+            for extent, found_extent in zip(shape, found):
+                if extent is not None and extent != found_extent:
+                    mismatch = True
+                    break
+        if mismatch:
             expected = ["*" if e is None else e for e in shape]
             raise KernelArgumentError(f"{op}: {name} has shape {list(found)}, expected {expected}")
     flags = getattr(array, "flags", None)
