@@ -1,6 +1,8 @@
 """CUDA C++ shared by the tensor-core kernels (compiled by NVRTC through CuPy): the bf16 header
-and the ``mma.sync`` product every one of them is built on. A kernel's source starts with
-:data:`MMA_BF16`."""
+and the ``mma.sync`` product every one of them is built on (a kernel's source starts with
+:data:`MMA_BF16`), and the staging helpers of the kernels that stream tiles through shared memory
+(:data:`STAGED_COPIES`, :data:`TRANSPOSED_LOAD`), each PTX instruction behind a small function or
+macro so that the CPU emulation of the tests can replace them."""
 
 from __future__ import annotations
 
@@ -18,4 +20,51 @@ __device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const u
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+"""
+
+#: ``cp.async`` copies and their groups, ``ldmatrix``, the bf16 packing and the dynamic shared memory.
+STAGED_COPIES = r"""
+
+#define DYNAMIC_SHARED extern __shared__ __align__(16) unsigned char dynamic_shared[]
+
+__device__ __forceinline__ unsigned shared_address(const void* pointer) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(pointer));
+}
+
+// 16 bytes from global to shared memory, bypassing L1; zeros instead when !valid (the source is
+// then not read, but must still be a valid address).
+__device__ __forceinline__ void copy_16(unsigned target, const void* source, bool valid) {
+    const int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(target), "l"(source), "r"(bytes));
+}
+
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait until at most `pending` of this thread's committed copy groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;\n" ::"n"(pending)); }
+
+// Four 8x8 bf16 matrices from shared memory: lane l gives the address of row l % 8 of matrix
+// l / 8 (16 bytes); register i of lane t gets row t / 4, columns 2 (t % 4) and 2 (t % 4) + 1 of matrix i.
+__device__ __forceinline__ void load_matrices(unsigned* fragment, unsigned address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(fragment[0]), "=r"(fragment[1]), "=r"(fragment[2]), "=r"(fragment[3])
+                 : "r"(address));
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float low, float high) {
+    __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+    return *reinterpret_cast<unsigned*>(&pair);
+}
+"""
+
+#: ``ldmatrix.trans``: the B operand of ``P V`` from value rows staged as they are stored.
+TRANSPOSED_LOAD = r"""// The same four matrices transposed: register i of lane t gets column t / 4, rows 2 (t % 4) and
+// 2 (t % 4) + 1 of matrix i.
+__device__ __forceinline__ void load_matrices_transposed(unsigned* fragment, unsigned address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(fragment[0]), "=r"(fragment[1]), "=r"(fragment[2]), "=r"(fragment[3])
+                 : "r"(address));
+}
+
 """

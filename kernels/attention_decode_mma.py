@@ -40,8 +40,9 @@ import numpy as np
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import SIMULATED, DeviceArray, check_array, device_view, numba_stream
+from metrale.kernels._tensor_cores import MMA_BF16, STAGED_COPIES, TRANSPOSED_LOAD
 from metrale.kernels.attention_grouped import COMBINE_THREADS, MAX_SPLITS, grouped_combine_kernel
-from metrale.kernels.attention_latent_mma import INSTRUCTIONS, multiprocessor_count
+from metrale.kernels.attention_latent_mma import multiprocessor_count
 
 #: Query heads of one block: the M dimension of the products.
 BLOCK_HEADS = 16
@@ -72,8 +73,10 @@ def blocks_per_multiprocessor(head_dim: int) -> int:
     return max(1, (227 * 1024) // (shared_bytes(head_dim) + 2048))
 
 
-#: The kernel, written against :data:`metrale.kernels.attention_latent_mma.INSTRUCTIONS` (the CPU
-#: emulation of the tests replaces those).
+#: The PTX helpers the kernel uses (the CPU emulation of the tests replaces them).
+INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD
+
+#: The kernel, written against :data:`INSTRUCTIONS`.
 KERNEL = r"""
 #define BLOCK_HEADS 16
 #define BLOCK_KEYS 64

@@ -34,7 +34,7 @@ import numpy as np
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array, device_view, numba_stream
-from metrale.kernels._tensor_cores import MMA_BF16
+from metrale.kernels._tensor_cores import MMA_BF16, STAGED_COPIES, TRANSPOSED_LOAD
 from metrale.kernels.attention_grouped import COMBINE_THREADS, MAX_SPLITS, grouped_combine_kernel
 
 #: Heads of one block: the M dimension of the products.
@@ -57,48 +57,7 @@ SHARED_BYTES = 2 * (BLOCK_HEADS * ROW_STRIDE + 2 * BLOCK_KEYS * ROW_STRIDE + BLO
 #: The PTX instructions the kernel uses (``cp.async``, ``ldmatrix``, ``mma.sync``), the bf16
 #: packing and the dynamic shared memory, each behind a small function or macro (the CPU
 #: emulation of the tests replaces this part).
-INSTRUCTIONS = MMA_BF16 + r"""
-
-#define DYNAMIC_SHARED extern __shared__ __align__(16) unsigned char dynamic_shared[]
-
-__device__ __forceinline__ unsigned shared_address(const void* pointer) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(pointer));
-}
-
-// 16 bytes from global to shared memory, bypassing L1; zeros instead when !valid (the source is
-// then not read, but must still be a valid address).
-__device__ __forceinline__ void copy_16(unsigned target, const void* source, bool valid) {
-    const int bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(target), "l"(source), "r"(bytes));
-}
-
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// Wait until at most `pending` of this thread's committed copy groups are still in flight.
-template <int pending>
-__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;\n" ::"n"(pending)); }
-
-// Four 8x8 bf16 matrices from shared memory: lane l gives the address of row l % 8 of matrix
-// l / 8 (16 bytes); register i of lane t gets row t / 4, columns 2 (t % 4) and 2 (t % 4) + 1 of matrix i.
-__device__ __forceinline__ void load_matrices(unsigned* fragment, unsigned address) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(fragment[0]), "=r"(fragment[1]), "=r"(fragment[2]), "=r"(fragment[3])
-                 : "r"(address));
-}
-
-// The same four matrices transposed: register i of lane t gets column t / 4, rows 2 (t % 4) and
-// 2 (t % 4) + 1 of matrix i.
-__device__ __forceinline__ void load_matrices_transposed(unsigned* fragment, unsigned address) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(fragment[0]), "=r"(fragment[1]), "=r"(fragment[2]), "=r"(fragment[3])
-                 : "r"(address));
-}
-
-__device__ __forceinline__ unsigned pack_bf16(float low, float high) {
-    __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
-    return *reinterpret_cast<unsigned*>(&pair);
-}
-"""
+INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD
 
 #: The kernel, written against :data:`INSTRUCTIONS`.
 KERNEL = r"""
