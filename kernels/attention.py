@@ -258,10 +258,9 @@ def grouped_decode_kernel(heads: int, kv_heads: int, head_dim: int, splits: int,
 
 
 #: The decode kernel for geometries :mod:`attention_decode_mma` serves: ``"cores"`` (the CUDA-core
-#: kernels above) or ``"mma"`` (tensor cores, whole stages of keys and values in flight; opt-in,
-#: ``METRALE_DECODE_MMA=1``, until its engine-level GPU checks pass: graph-replayed greedy decode
-#: equal to eager steps').
-DECODE_KERNEL = "mma" if environment_flag("METRALE_DECODE_MMA") else "cores"
+#: kernels above) or ``"mma"`` (tensor cores, whole stages of keys and values in flight; the
+#: default, ``METRALE_DECODE_MMA=0`` turns it off).
+DECODE_KERNEL = "mma" if environment_flag("METRALE_DECODE_MMA", default=True) else "cores"
 
 
 def uses_decode_mma(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:

@@ -22,22 +22,24 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "METRALE_NO_MTP_EAGER_DRAFTER": "when set to 1, the eager MTP drafter stage never runs",
     "METRALE_NO_PROGRESS": "when set to 1, no progress bars are shown",
     "METRALE_NUMBA_LAUNCH": "when set to 1, numba kernels launch through numba's own launcher, not CuPy's",
-    "METRALE_DECODE_MMA": "when set to 1, decode attention runs on tensor cores where the geometry allows",
+    "METRALE_DECODE_MMA": "when set to 0, decode attention runs on CUDA cores where tensor cores would serve",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 
 
-def environment_flag(name: str, env: Mapping[str, str] | None = None) -> bool:
+def environment_flag(name: str, env: Mapping[str, str] | None = None, default: bool = False) -> bool:
     """One boolean ``METRALE_*`` variable of ``env`` (default: ``os.environ``), parsed as
     :func:`read_environment` parses it: for a reader that must not depend on the others (the
-    kernels read ``METRALE_NUMBA_LAUNCH`` at import)."""
-    return _flag(os.environ if env is None else env, name)
+    kernels read ``METRALE_NUMBA_LAUNCH`` at import). Unset or empty, it is ``default``."""
+    return _flag(os.environ if env is None else env, name, default)
 
 
-def _flag(env: Mapping[str, str], name: str) -> bool:
+def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
     raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
     if raw in _TRUE:
         return True
     if raw in _FALSE:
@@ -55,7 +57,7 @@ class EnvironmentConfig:
     no_mtp_eager_drafter: bool = False
     no_progress: bool = False
     numba_launch: bool = False
-    decode_mma: bool = False
+    decode_mma: bool = True
 
 
 def read_environment(env: Mapping[str, str] | None = None) -> EnvironmentConfig:
@@ -74,7 +76,7 @@ def read_environment(env: Mapping[str, str] | None = None) -> EnvironmentConfig:
         no_mtp_eager_drafter=_flag(env, "METRALE_NO_MTP_EAGER_DRAFTER"),
         no_progress=_flag(env, "METRALE_NO_PROGRESS"),
         numba_launch=_flag(env, "METRALE_NUMBA_LAUNCH"),
-        decode_mma=_flag(env, "METRALE_DECODE_MMA"),
+        decode_mma=_flag(env, "METRALE_DECODE_MMA", default=True),
     )
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from metrale import hookimpl
 from metrale import plugin_manager as pm_module
-from metrale.config import read_environment
+from metrale.config import environment_flag, read_environment
 from metrale.errors import ContractVersionError, PluginError, UnsupportedModelError
 from metrale.family import FamilyPlugin, FamilySpec, installed_families, resolve_family
 from metrale.hookspecs import CONTRACT_VERSION
@@ -173,3 +173,11 @@ def test_two_families_claiming_one_model_type_is_an_error(monkeypatch):
     with_entry_points(monkeypatch, FakeEntryPoint("rival", lambda: Rival))
     with pytest.raises(PluginError, match="METRALE_BLOCKED_PLUGINS"):
         resolve_family(get_plugin_manager(), LLAMA)
+
+
+@pytest.mark.parametrize(("raw", "expected"), [(None, True), ("", True), ("1", True), ("0", False), ("off", False)])
+def test_flags_with_a_true_default_are_off_only_when_asked(raw, expected):
+    env = {} if raw is None else {"METRALE_DECODE_MMA": raw}
+    assert read_environment(env).decode_mma is expected
+    assert environment_flag("METRALE_DECODE_MMA", env, default=True) is expected
+    assert environment_flag("METRALE_NO_PROGRESS", env) is False
