@@ -379,11 +379,14 @@ class LLM:
                     request.streamed = len(request.generated)
                     yield StopChecker.output(request, finished=finished)
 
-    def capture_graphs(self, batch_sizes: Sequence[int] | None = None) -> None:
+    def capture_graphs(self, batch_sizes: Sequence[int] | None = None, mixed: bool = True) -> None:
         """Record the CUDA graphs of decode steps ahead of time (a no-op on the CPU).
 
         ``batch_sizes`` defaults to every rung (1, 2, 4, ... 128); otherwise each size is rounded
-        up to its rung. Without this, a rung's graph is recorded the first time it is used.
+        up to its rung. With ``mixed`` (and a family that replays mixed steps from graphs), also
+        the graphs of mixed steps: every decode rung up to ``max_num_seqs - 1`` rows, each with
+        every prompt-chunk bucket up to ``max_num_batched_tokens``. Without this, a graph is recorded
+        the first time its shape is used.
         """
         self._take("capture_graphs()")
         try:
@@ -394,6 +397,9 @@ class LLM:
 
             with self.backend.activate():
                 graphs.capture(tuple(batch_sizes) if batch_sizes else DECODE_RUNGS)
+                if mixed:
+                    config = self.config
+                    graphs.capture_mixed(max(config.max_num_seqs - 1, 1), config.max_num_batched_tokens)
             self.backend.synchronize()
         finally:
             self._lock.release()

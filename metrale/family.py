@@ -62,6 +62,12 @@ class FamilyModel:
     #: Whether decode steps may be recorded into CUDA graphs and replayed. A model whose forward
     #: synchronises with the host (data-dependent shapes, host loops) sets it False.
     graph_capturable: bool = True
+    #: Whether mixed steps (decode rows plus one prompt chunk) may also be recorded into CUDA
+    #: graphs, at padded shapes (:mod:`metrale.runner.graphs`). Only for a ``forward_batch`` that
+    #: reads nothing of the batch but its device row metadata and ``row_starts``: padding rows are
+    #: extra one-token segments and extra rows of the chunk, repeating its last position, whose
+    #: keys and values go to the dummy block.
+    mixed_graph_capturable: bool = False
     #: Set by the engine: whether its prefix cache is on (``prefill_tail_split`` depends on it).
     prefix_caching: bool = False
 

@@ -20,6 +20,38 @@ from pathlib import Path
 
 import numpy as np
 
+BUSY_SECONDS = 0.1
+
+BUSY_SOURCE = r"""
+extern "C" __global__ void busy(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+
+
+def gpu_time_without_host_gaps(stream, step, repeats: int) -> tuple[float, float]:
+    """Median GPU time of ``step`` queued behind a kernel that keeps the GPU busy for
+    ``BUSY_SECONDS``, so that its kernels run back to back whatever the host's pace, and the
+    median host time taken to issue it meanwhile."""
+    import cupy
+
+    busy = cupy.RawKernel(BUSY_SOURCE, "busy")
+    clock_hz = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0) * 1e3
+    gpu, issued = [], []
+    for _ in range(repeats):
+        begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+        with stream:
+            busy((1,), (1,), (np.int64(BUSY_SECONDS * clock_hz),))
+            begin.record(stream)
+            started = time.perf_counter()
+            step()
+            issued.append(time.perf_counter() - started)
+            end.record(stream)
+        end.synchronize()
+        gpu.append(cupy.cuda.get_elapsed_time(begin, end) / 1e3)
+    return statistics.median(gpu), statistics.median(issued)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -65,6 +97,10 @@ def main() -> None:
     print(f"shape {args.shape} batch {args.batch} context {args.context} prompt {args.prompt}")
     print(f"mixed step issued (host): {1e3 * statistics.median(issued):8.3f} ms")
     print(f"mixed step synchronised:  {1e3 * statistics.median(whole):8.3f} ms")
+    gpu_alone, issued_behind = gpu_time_without_host_gaps(backend.stream, mixed, args.steps)
+    print(f"mixed step on the GPU, queued behind a busy kernel: {1e3 * gpu_alone:8.3f} ms "
+          f"(issued meanwhile in {1e3 * issued_behind:.3f} ms; near the busy kernel's "
+          f"{1e3 * BUSY_SECONDS:.0f} ms or above means the step waits for the GPU somewhere)")
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(4):

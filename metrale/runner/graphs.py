@@ -1,4 +1,4 @@
-"""CUDA-graph decode: one captured graph per padded batch size, replayed every step.
+"""CUDA graphs: one captured graph per padded batch shape, replayed every step.
 
 A decode step of ``n`` sequences is padded to the next rung (1, 2, 4, 8, 16, 24, 32, 48, 64, 96,
 128). Each rung owns static device buffers for the step's row metadata (token ids, positions,
@@ -11,6 +11,16 @@ memory the graph uses comes from the backend's private pool. An error while reco
 discards the capture before it propagates; the next call records again. A model that runs an op
 which cannot be captured (an op served by the host fallback of its reference) stops using graphs:
 its decode steps run eagerly from then on, and a warning says which op.
+
+Mixed steps (decode rows plus one prompt chunk, ``mixed_forward``) of a model that sets
+``mixed_graph_capturable`` are replayed the same way at padded shapes: the decode rows padded to
+the next of :data:`MIXED_DECODE_RUNGS`, the chunk to the next of :data:`MIXED_PROMPT_BUCKETS`.
+The chunk's padding rows repeat its last position with token 0 and write their keys and values
+into the dummy block, so attention, which reads keys by position, never sees them; the graph's logits rows are the
+decode rows and the chunk's last real row. Each shape keeps its graph and its own logits buffer
+(36 shapes at most). A family whose layers depend on more of the batch than
+its row metadata (per-segment host loops, recurrent states) leaves ``mixed_graph_capturable``
+off and its mixed steps run eagerly.
 """
 
 from __future__ import annotations
@@ -31,6 +41,13 @@ logger = logging.getLogger(__name__)
 
 DECODE_RUNGS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
+#: Padded decode rows and prompt-chunk lengths of a mixed step replayed from a graph. The decode
+#: rungs are coarser than decode steps': a mixed step's cost is mostly its chunk, and fewer shapes
+#: mean fewer graphs to record while a batch fills up.
+MIXED_DECODE_RUNGS = (16, 32, 64, 128)
+MIXED_PROMPT_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+
+
 # Field order of the packed int32 metadata: six [B] vectors, then the [B, max_blocks] table.
 _VECTORS = ("token_ids", "positions", "slot_mapping", "seq_index", "logits_rows", "state_slots")
 
@@ -48,6 +65,84 @@ class Rung:
     uploaded: Any = None  # event recorded after the last host-to-device copy of ``host``
 
 
+@dataclass
+class MixedRung:
+    """Static buffers and the captured graph of one padded mixed-step shape: ``decode`` decode
+    rows then ``prompt`` rows of one chunk (``decode + prompt`` rows, ``decode + 1`` segments)."""
+
+    decode: int
+    prompt: int
+    host: Any  # pinned int32 [4 R + 2 S + S * max_blocks], R rows, S segments
+    device: Any  # device int32, same layout
+    batch: ForwardBatch
+    graph: Any = None
+    output: Any = None
+    uploaded: Any = None
+
+
+def mixed_buffer_length(decode: int, prompt: int, max_blocks: int) -> int:
+    """int32 values of a mixed shape's packed metadata: four ``[R]`` row vectors (token ids,
+    positions, cache slots, segment index), two ``[S]`` segment vectors (logits rows, state
+    slots), then the ``[S, max_blocks]`` block table; ``R = decode + prompt``, ``S = decode + 1``."""
+    segments = decode + 1
+    return 4 * (decode + prompt) + 2 * segments + segments * max_blocks
+
+
+def mixed_batch(buffer: Any, decode: int, prompt: int, max_blocks: int, max_context: int) -> ForwardBatch:
+    """The :class:`ForwardBatch` of a padded mixed shape, as views of its packed ``buffer``
+    (:func:`mixed_buffer_length`; a device array for a graph, a NumPy array on the host)."""
+    rows, segments = decode + prompt, decode + 1
+    vectors = [buffer[i * rows : (i + 1) * rows] for i in range(4)]
+    tail = buffer[4 * rows :]
+    return ForwardBatch(
+        segments=[], token_ids=vectors[0], positions=vectors[1], slot_mapping=vectors[2], seq_index=vectors[3],
+        block_tables=tail[2 * segments :].reshape(segments, max_blocks),
+        row_starts=np.append(np.arange(segments), rows), logits_rows=tail[:segments],
+        max_context=max_context, state_slots=tail[segments : 2 * segments],
+    )
+
+
+def pack_mixed(host: np.ndarray, decode: int, prompt: int, max_blocks: int, batch: ForwardBatch | None) -> None:
+    """Write the padded metadata of a mixed ``batch`` (``n`` one-token segments, then one chunk of
+    ``c`` rows; or, for None, padding rows only) into ``host``, laid out as :func:`mixed_batch`
+    reads it: the decode rows first, padded to ``decode`` rows that decode token 0 at position 0
+    into the dummy block 0, each with its own (zero) table row; then the chunk's rows, padded to
+    ``prompt`` rows that repeat its last position and write into the dummy block. Logits rows:
+    every decode row, then the chunk's last real row."""
+    rows, segments = decode + prompt, decode + 1
+    host[:] = 0
+    token_ids, positions, slot_mapping, seq_index = (host[i * rows : (i + 1) * rows] for i in range(4))
+    logits_rows = host[4 * rows : 4 * rows + segments]
+    state_slots = host[4 * rows + segments : 4 * rows + 2 * segments]
+    table = host[4 * rows + 2 * segments :].reshape(segments, max_blocks)
+    seq_index[:decode] = np.arange(decode, dtype=np.int32)
+    seq_index[decode:] = decode
+    logits_rows[:decode] = np.arange(decode, dtype=np.int32)
+    logits_rows[decode] = rows - 1
+    if batch is None:
+        return
+    real = len(batch.segments) - 1
+    chunk = batch.num_rows - real
+    for vector, values in ((token_ids, batch.token_ids), (positions, batch.positions), (slot_mapping, batch.slot_mapping)):
+        vector[:real] = values[:real]
+        vector[decode : decode + chunk] = values[real:]
+    positions[decode + chunk :] = batch.positions[-1]
+    logits_rows[decode] = decode + chunk - 1
+    if batch.state_slots is not None:
+        state_slots[:real] = batch.state_slots[:real]
+        state_slots[decode] = batch.state_slots[-1]
+    width = batch.block_tables.shape[1]
+    table[:real, :width] = batch.block_tables[:real]
+    table[decode, :width] = batch.block_tables[-1]
+
+
+def mixed_logits_rows(batch: ForwardBatch, decode: int) -> list[int]:
+    """Which rows of a padded mixed shape's logits (``decode`` decode rows, then the chunk's) are
+    the logits ``batch`` asks for: its decode rows', then the chunk's last row's if it asked."""
+    real = len(batch.segments) - 1
+    return list(range(real)) + [decode] * (len(batch.logits_rows) - real)
+
+
 class CudaGraphRunner:
     """Replays ``model.forward_batch`` for decode-only batches from captured graphs."""
 
@@ -59,8 +154,13 @@ class CudaGraphRunner:
         # A sequence holds at most every block of the cache, however long max_model_len is.
         self.max_blocks = min(math.ceil(model.max_model_len / self.block_size), model.cache.num_blocks)
         self.rungs: dict[int, Rung] = {}
+        #: Mixed-step graphs by (decode rung, prompt bucket).
+        self.mixed_rungs: dict[tuple[int, int], MixedRung] = {}
         #: Why graphs are off for this model (an op that cannot be captured), or None.
         self.disabled: str | None = None
+        #: Why mixed-step graphs are off for this model, or None.
+        self.mixed_disabled: str | None = None if getattr(model, "mixed_graph_capturable", False) else (
+            f"{type(model).__name__} does not set mixed_graph_capturable")
 
     @property
     def model(self) -> Any:
@@ -74,6 +174,95 @@ class CudaGraphRunner:
 
     def rung_size(self, rows: int) -> int:
         return next(size for size in DECODE_RUNGS if size >= rows)
+
+    def mixed_shape(self, batch: ForwardBatch) -> tuple[int, int] | None:
+        """The padded (decode rows, prompt rows) of a mixed step these graphs replay, or None:
+        one or more one-token segments with their logits, then one prompt chunk of more than one
+        row whose logits are its last row's or none, each within the largest rung and bucket."""
+        if self.disabled is not None or self.mixed_disabled is not None:
+            return None
+        segments = batch.segments
+        decode = len(segments) - 1
+        if not 0 < decode <= MIXED_DECODE_RUNGS[-1] or segments[-1].logits == "all":
+            return None
+        prompt = batch.num_rows - decode
+        if not 1 < prompt <= MIXED_PROMPT_BUCKETS[-1] or int(batch.row_starts[decode]) != decode:
+            return None
+        if len(batch.logits_rows) != decode + (segments[-1].logits == "last"):
+            return None  # a decode row without its logits
+        return (next(size for size in MIXED_DECODE_RUNGS if size >= decode),
+                next(size for size in MIXED_PROMPT_BUCKETS if size >= prompt))
+
+    def _mixed_rung(self, decode: int, prompt: int) -> MixedRung:
+        rung = self.mixed_rungs.get((decode, prompt))
+        if rung is None:
+            rung = self.mixed_rungs[(decode, prompt)] = self._new_mixed_rung(decode, prompt)
+        return rung
+
+    def _new_mixed_rung(self, decode: int, prompt: int) -> MixedRung:
+        import cupy
+        import cupyx
+
+        length = mixed_buffer_length(decode, prompt, self.max_blocks)
+        host = cupyx.empty_pinned((length,), dtype=np.int32)
+        host[:] = 0
+        with cupy.cuda.using_allocator(self.backend.graph_pool.malloc):
+            device = cupy.zeros(length, dtype=np.int32)
+        batch = mixed_batch(device, decode, prompt, self.max_blocks, self.model.max_model_len)
+        return MixedRung(decode, prompt, host, device, batch)
+
+    def _fill_mixed(self, rung: MixedRung, batch: ForwardBatch | None) -> None:
+        """Pack a mixed ``batch`` (or only padding rows) into the rung's pinned buffer and upload it."""
+        import cupy
+
+        if rung.uploaded is not None:
+            rung.uploaded.synchronize()  # the previous step's copy has read the pinned buffer
+        pack_mixed(rung.host, rung.decode, rung.prompt, self.max_blocks, batch)
+        rung.device.data.copy_from_host_async(
+            rung.host.ctypes.data_as(ctypes.c_void_p), rung.host.nbytes, self.backend.stream)
+        if rung.uploaded is None:
+            rung.uploaded = cupy.cuda.Event(disable_timing=True)
+        rung.uploaded.record(self.backend.stream)
+
+    def run_mixed(self, batch: ForwardBatch) -> Any:
+        """Logits of a mixed batch :meth:`mixed_shape` accepts, as an eager run returns them: the
+        decode rows', then the chunk's last row's when it asked (a fresh array)."""
+        import cupy
+
+        shape = self.mixed_shape(batch)
+        if shape is None:
+            raise GraphCaptureError("run_mixed got a batch that mixed_shape does not accept")
+        rung = self._mixed_rung(*shape)
+        self._fill_mixed(rung, batch)
+        if rung.graph is None:
+            logits = self._capture(rung, mixed=True)
+        else:
+            rung.graph.launch(stream=self.backend.stream)
+            logits = rung.output
+        rows = mixed_logits_rows(batch, rung.decode)
+        result = cupy.empty((len(rows), logits.shape[1]), dtype=logits.dtype)
+        stream, row_bytes = self.backend.stream, logits.shape[1] * logits.itemsize
+        decode = len(batch.segments) - 1  # rows[:decode] is range(decode): one copy
+        result.data.copy_from_device_async(logits.data, decode * row_bytes, stream)
+        for index in range(decode, len(rows)):
+            result[index:].data.copy_from_device_async(logits[rows[index]:].data, row_bytes, stream)
+        return result
+
+    def capture_mixed(self, decode_rows: int, max_prompt: int) -> None:
+        """Record ahead of time the mixed-step graphs of every decode rung up to the one that holds
+        ``decode_rows`` rows, each with every prompt bucket up to the one that holds ``max_prompt``."""
+        if self.disabled is not None or self.mixed_disabled is not None:
+            return
+        top = min(max(decode_rows, 1), MIXED_DECODE_RUNGS[-1])
+        last = next((size for size in MIXED_PROMPT_BUCKETS if size >= max_prompt), MIXED_PROMPT_BUCKETS[-1])
+        for decode in MIXED_DECODE_RUNGS[: next(i for i, size in enumerate(MIXED_DECODE_RUNGS) if size >= top) + 1]:
+            for prompt in MIXED_PROMPT_BUCKETS[: MIXED_PROMPT_BUCKETS.index(last) + 1]:
+                rung = self._mixed_rung(decode, prompt)
+                if rung.graph is None:
+                    self._fill_mixed(rung, None)
+                    self._capture(rung, mixed=True)
+                    if self.mixed_disabled is not None:
+                        return
 
     def _rung(self, size: int) -> Rung:
         rung = self.rungs.get(size)
@@ -150,15 +339,18 @@ class CudaGraphRunner:
                 self._fill(rung, None)
                 self._capture(rung)
 
-    def _capture(self, rung: Rung) -> Any:
+    def _capture(self, rung: Rung | MixedRung, mixed: bool = False) -> Any:
         import cupy
 
         stream = self.backend.stream
+        # This eager run computes the step (and compiles what is not compiled yet); the capture
+        # below only records the same launches. It allocates from the default pool: what it keeps
+        # for the batch (the attention's tile lists, made once per batch) must not share memory
+        # with another graph's intermediates, which the graph pool hands out again once a capture
+        # ends.
+        eager = self.model.forward_batch(rung.batch)
+        stream.synchronize()
         with cupy.cuda.using_allocator(self.backend.graph_pool.malloc):
-            # This eager run computes the step (and compiles what is not compiled yet); the
-            # capture below only records the same launches.
-            eager = self.model.forward_batch(rung.batch)
-            stream.synchronize()
             # Relaxed mode: the pool may still cudaMalloc while recording (never inside the graph).
             stream.begin_capture(getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", 2))
             try:
@@ -166,8 +358,13 @@ class CudaGraphRunner:
             except GraphCaptureError as error:
                 if stream.is_capturing():
                     stream.end_capture()
-                self.disabled = str(error)
-                logger.warning("decode steps of %s run without CUDA graphs: %s", type(self.model).__name__, error)
+                if mixed:
+                    self.mixed_disabled = str(error)
+                    self.mixed_rungs.clear()
+                else:
+                    self.disabled = str(error)
+                logger.warning("%s steps of %s run without CUDA graphs: %s", "mixed" if mixed else "decode",
+                               type(self.model).__name__, error)
                 return eager
             except BaseException:
                 if stream.is_capturing():

@@ -3,8 +3,8 @@
 
 A :class:`ModelRunner` belongs to one model and its cache. For each call it checks the segments,
 reserves their cache (all or nothing), builds the step's flat :class:`~metrale.batch.ForwardBatch`,
-and runs it -- replayed from a captured CUDA graph when the batch is a decode step the graphs
-accept, else eagerly with the row metadata copied to the device -- then advances each
+and runs it -- replayed from a captured CUDA graph when the batch is a decode step or a mixed
+step the graphs accept, else eagerly with the row metadata copied to the device -- then advances each
 sequence's cached length. Sampling the step's tokens is :mod:`metrale.runner.sampling`'s.
 """
 
@@ -83,6 +83,8 @@ class ModelRunner:
         with self.backend.activate():
             if self.graphs is not None and self.graphs.accepts(batch):
                 logits = self.graphs.run(batch)
+            elif self.graphs is not None and self.graphs.mixed_shape(batch) is not None:
+                logits = self.graphs.run_mixed(batch)
             else:
                 logits = self.model.forward_batch(self.backend.prepare_batch(batch))
         for segment in segments:

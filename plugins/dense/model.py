@@ -54,6 +54,9 @@ class DenseLayer:
 class DenseModel(FamilyModel):
     """A loaded Llama / Mistral / Qwen2 / Qwen3 model."""
 
+    # Every layer reads the batch through its device row metadata and row_starts only.
+    mixed_graph_capturable = True
+
     def __init__(self, config: DenseConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
         # Before anything sized by the config (RoPE table, per-layer lists, weights) is built.
         config.check_tensors(checkpoint)
