@@ -119,30 +119,31 @@ class ForwardBatch:
     @classmethod
     def _build_decode(cls, segments: list[Segment], block_size: int) -> "ForwardBatch":
         """:meth:`build` for one new token per segment with its logits (a decode step): the same
-        batch, laid out with plain lists (per-row NumPy calls cost more than they save here)."""
+        batch, from each sequence's cached block array (:meth:`SequenceState.block_array`) and
+        whole-batch NumPy calls (per-row ones cost more than they save here)."""
         count = len(segments)
-        tables = [s.seq.block_table for s in segments]
-        starts = [s.start for s in segments]
-        width = max(max(len(table) for table in tables), 1)
-        for segment, table, start in zip(segments, tables, starts):
-            if start >= len(table) * block_size:
-                raise CacheError(
-                    f"sequence {segment.seq.seq_id} holds {len(table)} blocks, too few for position {start}"
-                )
+        tables = [s.seq.block_array() for s in segments]
+        positions = np.fromiter((s.start for s in segments), dtype=np.int64, count=count)
+        lengths = np.fromiter(map(len, tables), dtype=np.int64, count=count)
+        short = positions >= lengths * block_size
+        if short.any():
+            index = int(np.argmax(short))
+            raise CacheError(f"sequence {segments[index].seq.seq_id} holds {int(lengths[index])} blocks, too few for "
+                             f"position {int(positions[index])}")
+        width = max(int(lengths.max()), 1)
+        block_tables = np.zeros((count, width), dtype=np.int64)
+        block_tables[np.arange(width) < lengths[:, None]] = np.concatenate(tables)
         rows = np.arange(count, dtype=np.int64)
         return cls(
             segments=segments,
-            token_ids=np.array([s.token_ids[0] for s in segments], dtype=np.int64),
-            positions=np.array(starts, dtype=np.int64),
+            token_ids=np.fromiter((s.token_ids[0] for s in segments), dtype=np.int64, count=count),
+            positions=positions,
             seq_index=rows,
-            slot_mapping=np.array(
-                [table[start // block_size] * block_size + start % block_size for table, start in zip(tables, starts)],
-                dtype=np.int64,
-            ),
-            block_tables=np.array([[*table, *[0] * (width - len(table))] for table in tables], dtype=np.int64),
+            slot_mapping=block_tables[rows, positions // block_size] * block_size + positions % block_size,
+            block_tables=block_tables,
             row_starts=np.arange(count + 1, dtype=np.int64),
             logits_rows=rows.copy(),
-            max_context=max(starts) + 1,
+            max_context=int(positions.max()) + 1,
             state_slots=_state_slots(segments),
         )
 

@@ -6,6 +6,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 _sequence_ids = itertools.count()
 
 
@@ -36,6 +38,8 @@ class SequenceState:
     #: Rows accepted by a verify but not yet folded into the recurrent state (the flush stage
     #: folds them).
     pending_flush: Any = None
+    #: (the block-table list, its blocks as an int64 array): :meth:`block_array`'s cache.
+    _block_array: tuple[list[int], np.ndarray] | None = field(default=None, repr=False)
 
     @classmethod
     def from_prompt(cls, prompt: list[int], **kwargs: Any) -> "SequenceState":
@@ -53,6 +57,26 @@ class SequenceState:
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    def block_array(self) -> np.ndarray:
+        """:attr:`block_table` as an int64 array (do not modify it).
+
+        Made again only when the table changed: a table only grows at its end or is replaced by
+        another list, so the cached array stays right while it is the same list object (held
+        here, so its identity cannot be reused) of the same length; a grown table appends only
+        its new blocks."""
+        table, cached = self.block_table, self._block_array
+        if cached is not None and cached[0] is table:
+            known = cached[1]
+            if len(known) == len(table):
+                return known
+            if len(known) < len(table):
+                array = np.concatenate((known, np.asarray(table[len(known):], dtype=np.int64)))
+                self._block_array = (table, array)
+                return array
+        array = np.asarray(table, dtype=np.int64)
+        self._block_array = (table, array)
+        return array
 
 
 @dataclass

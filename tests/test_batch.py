@@ -74,3 +74,16 @@ def test_batches_name_each_segments_state_slot():
     decode = ForwardBatch.build([Segment(a, [9], 0), Segment(b, [8], 0)], block_size=4)
     prompts = ForwardBatch.build([Segment(a, [1, 2, 3], 0, "none"), Segment(b, [5, 6], 0)], block_size=4)
     assert decode.state_slots.tolist() == prompts.state_slots.tolist() == [2, 0]
+
+
+def test_block_array_follows_a_growing_or_replaced_table():
+    seq = SequenceState.from_prompt([1, 2, 3], block_table=[4, 9])
+    assert seq.block_array().tolist() == [4, 9]
+    assert seq.block_array() is seq.block_array()  # unchanged table: the same array
+    seq.block_table.append(2)
+    seq.block_table.extend([7, 5])
+    assert seq.block_array().tolist() == [4, 9, 2, 7, 5]
+    seq.block_table = [3, 1]  # released and reallocated: a new list
+    assert seq.block_array().tolist() == [3, 1]
+    seq.block_table = []
+    assert seq.block_array().tolist() == [] and seq.block_array().dtype == np.int64
