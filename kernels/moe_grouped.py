@@ -20,7 +20,7 @@ layer, grids sized from the shapes alone, no host synchronisation (CUDA-graph sa
    H]`` at the pair's row.
 4. **sum**: ``out[n] = sum_s pair_out[n * k + s]``, in slot order.
 
-The products stream ``BLOCK_K``-deep slices of both operands (K-contiguous rows: ``x`` / ``act``
+The products stream ``block_k``-deep slices of both operands (K-contiguous rows: ``x`` / ``act``
 rows and weight rows) through a ``cp.async`` pipeline of :data:`STAGES` padded shared buffers
 and read their ``m16n8k16`` fragments with ``ldmatrix``; bf16 in, float32 accumulate. ``H`` and
 ``I`` must be multiples of 8 (16-byte copies); partial tiles in any dimension are guarded.
@@ -43,13 +43,15 @@ from metrale.kernels._tensor_cores import MMA_BF16, STAGED_COPIES
 
 class Tiling(NamedTuple):
     """Tile shape of the two products: ``block_m`` pair rows by ``block_n`` weight rows per
-    block, ``warps_m`` x ``warps_n`` warps, ``stages`` shared buffers in flight."""
+    block, ``warps_m`` x ``warps_n`` warps, ``stages`` shared buffers in flight, each a
+    ``block_k``-deep slice of both operands."""
 
     block_m: int = 64
     block_n: int = 128
     warps_m: int = 2
     warps_n: int = 2
     stages: int = 3
+    block_k: int = 32
 
     @property
     def threads(self) -> int:
@@ -58,24 +60,28 @@ class Tiling(NamedTuple):
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory of a product block: ``stages`` buffers of padded bf16 rows."""
-        return self.stages * (self.block_m + self.block_n) * (BLOCK_K + 8) * 2
+        return self.stages * (self.block_m + self.block_n) * (self.block_k + 8) * 2
 
     def valid(self) -> bool:
         warp_m, warp_n = self.block_m // max(self.warps_m, 1), self.block_n // max(self.warps_n, 1)
-        chunks = BLOCK_K // 8
+        chunks = self.block_k // 8
         return (
-            self.warps_m > 0 and self.warps_n > 0 and self.stages >= 2 and self.block_m % self.warps_m == 0
+            self.block_k in (32, 64) and self.warps_m > 0 and self.warps_n > 0 and self.stages >= 2
+            and self.block_m % self.warps_m == 0
             and self.block_n % self.warps_n == 0 and warp_m % 16 == 0 and warp_n % 16 == 0
             and (self.block_m * chunks) % self.threads == 0 and (self.block_n * chunks) % self.threads == 0
             and self.shared_bytes <= MAX_SHARED_BYTES
         )
 
 
-#: Depth of the K slices staged per pipeline step (two ``m16n8k16`` steps).
-BLOCK_K = 32
 #: The default tiling: 64 pair rows by 128 weight rows (for gate_up: 64 gate and 64 up rows),
 #: four warps of 32 x 64, three buffers (46 KiB of shared memory).
 TILING = Tiling()
+#: Tiles of 128 pair rows for batches whose experts get many pairs each: four warps of 64 x 64,
+#: slices 64 deep (108 KiB of shared memory), the fastest of twelve tilings timed at 2,048 tokens
+#: of DeepSeek-V2-Lite's and Qwen3-Next's experts (``tools/moe_sweep.py``).
+LARGE_TILING = Tiling(128, 128, 2, 2, 3, 64)
+LARGE_TILING_ROWS = 128
 BLOCK_M = TILING.block_m
 BLOCK_N = TILING.block_n
 STAGES = TILING.stages
@@ -95,9 +101,9 @@ CONSTANTS = r"""
 #define WARPS_M __WARPS_M__
 #define WARPS_N __WARPS_N__
 #define STAGES __STAGES__
-#define BLOCK_K 32
+#define BLOCK_K __BLOCK_K__        // depth of a staged K slice (two or four m16n8k16 steps)
 #define THREADS (32 * WARPS_M * WARPS_N)
-#define STRIDE (BLOCK_K + 8)       // padded shared row (bf16): ldmatrix rows 80 bytes apart hit distinct banks
+#define STRIDE (BLOCK_K + 8)       // padded shared row (bf16): ldmatrix's eight rows start 4 banks apart
 #define WARP_M (BLOCK_M / WARPS_M)
 #define WARP_N (BLOCK_N / WARPS_N)
 #define M_FRAGS (WARP_M / 16)
@@ -418,7 +424,7 @@ def constants(tiling: Tiling = TILING) -> str:
     """:data:`CONSTANTS` for ``tiling``."""
     return (CONSTANTS.replace("__BLOCK_M__", str(tiling.block_m)).replace("__BLOCK_N__", str(tiling.block_n))
             .replace("__WARPS_M__", str(tiling.warps_m)).replace("__WARPS_N__", str(tiling.warps_n))
-            .replace("__STAGES__", str(tiling.stages)))
+            .replace("__STAGES__", str(tiling.stages)).replace("__BLOCK_K__", str(tiling.block_k)))
 
 
 def source(tiling: Tiling = TILING) -> str:
@@ -439,6 +445,13 @@ def _kernel(tiling: Tiling, name: str) -> Any:
                 kernels[product].max_dynamic_shared_size_bytes = tiling.shared_bytes
         _kernels[tiling] = kernels
     return kernels[name]
+
+
+def tiling_for(tokens: int, top_k: int, num_experts: int) -> Tiling:
+    """The tiling the engine runs ``tokens`` tokens' routed experts with: :data:`TILING`, or
+    :data:`LARGE_TILING` once an expert gets :data:`LARGE_TILING_ROWS` pairs on average (its
+    larger tiles then waste few padding rows)."""
+    return LARGE_TILING if tokens * top_k >= LARGE_TILING_ROWS * num_experts else TILING
 
 
 # ------------------------------------------------------------------------------ references

@@ -263,12 +263,13 @@ class CudaKernels:
             # Prompt-sized batches: each expert's pairs as one tensor-core product, four launches
             # whatever the routing, no host synchronisation.
             pairs = tokens * top_k
-            tiles = moe_grouped.max_tiles(pairs, num_experts)
-            rows = tiles * moe_grouped.BLOCK_M
+            tiling = moe_grouped.tiling_for(tokens, top_k, num_experts)
+            tiles = moe_grouped.max_tiles(pairs, num_experts, tiling.block_m)
+            rows = tiles * tiling.block_m
             return moe_grouped.grouped_experts(
                 x, cp.ascontiguousarray(experts, dtype=np.int32), cp.ascontiguousarray(weights, dtype=f32), gate_up,
                 down, cp.empty(rows, dtype=np.int32), cp.empty(tiles, dtype=np.int32), cp.empty((rows, inter), dtype=bf16),
-                cp.empty((pairs, hidden), dtype=f32), out, self.stream,
+                cp.empty((pairs, hidden), dtype=f32), out, self.stream, tiling=tiling,
             )
         act = cp.empty((tokens * top_k, inter), dtype=bf16)
         return moe.experts(x, experts, weights, gate_up, down, act, out, self.stream)

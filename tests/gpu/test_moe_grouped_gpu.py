@@ -84,12 +84,14 @@ def test_grouped_experts_at_model_shapes(shape, tokens):
     gate_up, down, gate_up_device, down_device = expert_weights(hidden, inter, num_experts)
     rng = np.random.default_rng(tokens)
     x, chosen, weights = routing(rng, tokens, hidden, top_k, num_experts, distinct)
-    got = run_grouped(x, chosen, weights, gate_up_device, down_device)
+    # The tiling the engine picks for this batch.
+    got = run_grouped(x, chosen, weights, gate_up_device, down_device, moe_grouped.tiling_for(tokens, top_k, num_experts))
     expected = moe_grouped.grouped_experts_reference(bf16_to_float32(x), chosen, weights, gate_up, down)
     # bf16 inputs and a bf16 activation between the two products, as the pairwise kernels.
     assert rel_error(got, expected) <= 2e-2
     # Each pair's row is computed the same way whatever order the alignment gave the pairs.
-    np.testing.assert_array_equal(run_grouped(x, chosen, weights, gate_up_device, down_device), got)
+    np.testing.assert_array_equal(
+        run_grouped(x, chosen, weights, gate_up_device, down_device, moe_grouped.tiling_for(tokens, top_k, num_experts)), got)
 
 
 @pytest.mark.parametrize("hidden, inter, num_experts, top_k, tokens, choose", [
@@ -112,13 +114,14 @@ def test_grouped_experts_at_awkward_shapes_and_routings(hidden, inter, num_exper
     assert rel_error(got, expected) <= 2e-2
 
 
-@pytest.mark.parametrize("block_m, block_n, warps_m, warps_n, stages", [
-    (64, 64, 2, 2, 2), (128, 128, 4, 2, 3), (128, 64, 4, 2, 2), (64, 256, 2, 4, 4),  # the last two opt into > 48 KiB
+@pytest.mark.parametrize("block_m, block_n, warps_m, warps_n, stages, block_k", [
+    (64, 64, 2, 2, 2, 32), (128, 128, 4, 2, 3, 32), (128, 64, 4, 2, 2, 32),
+    (64, 256, 2, 4, 4, 32), (128, 256, 2, 4, 3, 64), (128, 128, 2, 2, 3, 64),  # the last three opt into > 48 KiB
 ])
-def test_other_tilings(block_m, block_n, warps_m, warps_n, stages):
+def test_other_tilings(block_m, block_n, warps_m, warps_n, stages, block_k):
     from metrale.kernels import moe_grouped
 
-    tiling = moe_grouped.Tiling(block_m, block_n, warps_m, warps_n, stages)
+    tiling = moe_grouped.Tiling(block_m, block_n, warps_m, warps_n, stages, block_k)
     hidden, inter, num_experts, top_k = 520, 200, 16, 4
     gate_up, down, gate_up_device, down_device = expert_weights(hidden, inter, num_experts)
     rng = np.random.default_rng(block_m + block_n + stages)

@@ -157,11 +157,19 @@ def test_tilings():
     assert not moe_grouped.Tiling(64, 128, 4, 4, 3).valid()  # 512 threads for 256 chunks of A
     assert not moe_grouped.Tiling(64, 72, 2, 2, 3).valid()
     assert not moe_grouped.Tiling(64, 128, 2, 2, 1).valid()
+    assert moe_grouped.LARGE_TILING.valid()
+    assert moe_grouped.tiling_for(2048, 6, 64) == moe_grouped.LARGE_TILING  # 192 pairs an expert
+    assert moe_grouped.tiling_for(300, 6, 64) == moe_grouped.TILING  # 28 pairs an expert
+    assert moe_grouped.Tiling(128, 256, 2, 4, 3, 64).valid()  # 166 KiB of shared memory: opted into
+    assert moe_grouped.Tiling(128, 256, 2, 4, 3, 64).shared_bytes == 3 * 384 * 72 * 2
+    assert not moe_grouped.Tiling(64, 128, 2, 2, 3, 48).valid()  # slices of 32 or 64
+    assert not moe_grouped.Tiling(256, 256, 2, 4, 4, 64).valid()  # more shared memory than a block gets
 
 
 def test_the_source_is_specialised_per_tiling():
-    text = moe_grouped.source(moe_grouped.Tiling(128, 64, 4, 2, 2))
+    text = moe_grouped.source(moe_grouped.Tiling(128, 64, 4, 2, 2, 64))
     assert "__" + "BLOCK_M__" not in text and "#define BLOCK_M 128" in text and "#define STAGES 2" in text
+    assert "__" + "BLOCK_K__" not in text and "#define BLOCK_K 64" in text
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text and "cp.async.cg.shared.global" in text
     for name in ("moe_align", "moe_grouped_gate_up", "moe_grouped_down", "moe_sum_pairs"):
