@@ -11,10 +11,11 @@ Buffers are allocated once and never move (captured CUDA graphs read them by add
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -52,12 +53,16 @@ class StateSlotPool:
 
     A slot is zeroed (every state layer) when it is allocated, owned by exactly one sequence,
     and released exactly once. Like the block allocator, each mutation commits in one statement:
-    an interrupt finds a slot either owned (and recorded on its sequence) or free.
+    an interrupt finds a slot either owned (and recorded on its sequence) or free. The zeroing
+    runs under ``activate()`` (the backend's stream): after the steps queued before it, which
+    may still write the slot's last owner's state.
     """
 
-    def __init__(self, num_slots: int, layers: list[RecurrentStateLayer]) -> None:
+    def __init__(self, num_slots: int, layers: list[RecurrentStateLayer],
+                 activate: Callable[[], Any] = contextlib.nullcontext) -> None:
         self.num_slots = num_slots
         self._layers = layers
+        self._activate = activate
         self._owner: dict[int, int] = {}
         self._free = list(range(num_slots, 0, -1))
 
@@ -74,9 +79,10 @@ class StateSlotPool:
         if not self._free:
             raise CacheError(f"all {self.num_slots} recurrent-state slots are in use")
         slot = self._free[-1]
-        for layer in self._layers:
-            layer.conv[slot] = 0
-            layer.state[slot] = 0
+        with self._activate():
+            for layer in self._layers:
+                layer.conv[slot] = 0
+                layer.state[slot] = 0
         # Commit.
         self._free[-1:], self._owner[slot], seq.state_slot = [], seq.seq_id, slot
         return slot
@@ -113,12 +119,14 @@ class StateSnapshots:
     with recurrent layers. They live in rows ``num_slots + 1 ..`` of the state layers' arrays,
     after the slots; :meth:`take` copies a slot's conv and recurrent states into a free row (the
     oldest snapshot is dropped when none is free, telling ``on_drop`` first), :meth:`restore`
-    copies a row back into a slot."""
+    copies a row back into a slot; both copies run under ``activate()``, the backend's stream."""
 
-    def __init__(self, first_row: int, count: int, layers: list[RecurrentStateLayer]) -> None:
+    def __init__(self, first_row: int, count: int, layers: list[RecurrentStateLayer],
+                 activate: Callable[[], Any] = contextlib.nullcontext) -> None:
         self.count = count
         self.first_row = first_row
         self._layers = layers
+        self._activate = activate
         self._free = list(range(first_row + count - 1, first_row - 1, -1))
         self._taken: list[int] = []  # oldest first
         self._on_drop: Any = None
@@ -149,9 +157,10 @@ class StateSnapshots:
             # Commit.
             self._taken[:1], self._free[len(self._free):] = [], [oldest]
         row = self._free[-1]
-        for layer in self._layers:
-            layer.conv[row] = layer.conv[slot]
-            layer.state[row] = layer.state[slot]
+        with self._activate():
+            for layer in self._layers:
+                layer.conv[row] = layer.conv[slot]
+                layer.state[row] = layer.state[slot]
         # Commit.
         self._free[-1:], self._taken[len(self._taken):] = [], [row]
         return row
@@ -164,9 +173,10 @@ class StateSnapshots:
         self._taken, self._free[len(self._free):] = taken, rows
 
     def restore(self, row: int, slot: int) -> None:
-        for layer in self._layers:
-            layer.conv[slot] = layer.conv[row]
-            layer.state[slot] = layer.state[row]
+        with self._activate():
+            for layer in self._layers:
+                layer.conv[slot] = layer.conv[row]
+                layer.state[slot] = layer.state[row]
 
     def release(self, row: int) -> None:
         if row in self._taken:
@@ -293,9 +303,10 @@ class ModelCache:
                 state_layer = RecurrentStateLayer(layer, conv, state)
                 self.layers.append(state_layer)
                 state_layers.append(state_layer)
-        self.state_slots = StateSlotPool(num_state_slots, state_layers) if state_layers else None
+        self.state_slots = StateSlotPool(num_state_slots, state_layers, backend.activate) if state_layers else None
         self.snapshots = (
-            StateSnapshots(num_state_slots + 1, num_state_snapshots, state_layers) if state_layers else None
+            StateSnapshots(num_state_slots + 1, num_state_snapshots, state_layers, backend.activate)
+            if state_layers else None
         )
 
     # ----------------------------------------------------------------------------- blocks

@@ -254,7 +254,9 @@ class GdnModel(FamilyModel):
         xp = self.backend.xp
         for index, layer in enumerate(self._require_cache().layers):
             if hasattr(layer, "state"):
-                finite = bool(xp.isfinite(layer.state[slot]).all()) and bool(xp.isfinite(layer.conv[slot]).all())
+                # On the backend's stream: after the step that wrote the state.
+                with self.backend.activate():
+                    finite = bool(xp.isfinite(layer.state[slot]).all()) and bool(xp.isfinite(layer.conv[slot]).all())
                 if not finite:
                     raise NonFiniteStateError(
                         f"sequence {seq.seq_id}: the recurrent state of layer {index} holds NaN or infinity"
