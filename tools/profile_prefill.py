@@ -9,7 +9,8 @@ before and after each op call. An op's figure is the time between its two events
 when the GPU is kept busy. The time from one op's end to the next op's start is charged to a
 "gap after OP" line: work queued outside the op table (array glue in the model code) or the GPU
 waiting for the host. The host clock of the whole call (the GPU left to finish after it) and of
-each op's calls say where the host is the bound.
+each op's calls say where the host is the bound; ``--cprofile`` adds the host functions that
+cost most in one more prefill.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from timing import cuda_event_time, host_time
 
 
-def profile(shape: str, length: int, workdir: Path) -> None:
+def profile(shape: str, length: int, workdir: Path, cprofile: bool = False) -> None:
     import cupy
 
     from metrale.api import LLM
@@ -94,6 +95,19 @@ def profile(shape: str, length: int, workdir: Path) -> None:
     rows += [(ms, f"gap after {name}") for name, ms in gap_ms.items() if ms > 0.01]
     for ms, label in sorted(rows, reverse=True):
         print(f"{ms:9.2f} ms {100 * ms / traced:5.1f} %  {label}")
+    if cprofile:
+        import cProfile
+        import io
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        prefill()
+        profiler.disable()
+        backend.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        print(text.getvalue())
     llm.close()
 
 
@@ -102,9 +116,10 @@ def main() -> None:
     parser.add_argument("--shapes", default="llama-1b,llama-8b")
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--workdir", default="/tmp/metrale-bench")
+    parser.add_argument("--cprofile", action="store_true", help="also the costliest host functions of one prefill")
     args = parser.parse_args()
     for shape in args.shapes.split(","):
-        profile(shape, args.length, Path(args.workdir))
+        profile(shape, args.length, Path(args.workdir), args.cprofile)
 
 
 if __name__ == "__main__":
