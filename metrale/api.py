@@ -75,7 +75,7 @@ class LLM:
     the CPU), ``"cpu"`` or ``"cuda"`` (:class:`~metrale.errors.BackendUnavailableError` when no
     GPU can be used).
     Further keyword options: ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``enable_prefix_caching``, ``seed``, ``cuda_graphs``, ``block_size``,
+    ``enable_prefix_caching``, ``seed``, ``cuda_graphs``, ``overlap_scheduling``, ``block_size``,
     ``num_blocks``, ``memory_bytes``, ``num_state_slots``, ``num_state_snapshots`` (see
     :class:`~metrale.config.EngineConfig`
     and :class:`~metrale.config.CacheConfig`); ``plugin_manager`` to use a prepared plugin manager;
@@ -136,8 +136,32 @@ class LLM:
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_prefix_caching=self.config.enable_prefix_caching,
+            overlap=self.config.overlap_scheduling and self._forward_feeds_tokens(),
         )
         self.model.prefix_caching = self.engine.prefix_cache is not None
+
+    def _forward_feeds_tokens(self) -> bool:
+        """Whether overlap scheduling can serve this model: its family's model feeds pending
+        tokens on the device, and the family plugin answers its decode and mixed steps (every
+        hook implementation called before it is another family's, which answers None)."""
+        from metrale.family import FamilyPlugin
+
+        if not getattr(self.model, "feeds_pending_tokens", False):
+            return False
+        hook = self.plugin_manager.hook
+        for name in ("metrale_decode_batch", "metrale_mixed_forward"):
+            # pluggy calls the implementations from the end of this list.
+            for impl in reversed(getattr(hook, name).get_hookimpls()):
+                if getattr(impl, "wrapper", False) or getattr(impl, "hookwrapper", False):
+                    continue
+                plugin = impl.plugin
+                if not isinstance(plugin, FamilyPlugin):
+                    return False
+                if plugin._owns(self.model):
+                    break
+            else:
+                return False
+        return True
 
     def _build_cache(self) -> ModelCache:
         spec = self.forward.cache_spec()

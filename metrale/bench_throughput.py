@@ -32,6 +32,8 @@ class ThroughputOptions:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     hf: bool = True
+    #: Overlap scheduling (``EngineConfig.overlap_scheduling``) in Metrale's run.
+    overlap: bool = True
     seed: int = 0
     workdir: Path = Path("/tmp/metrale-bench")
     output: Path | None = None
@@ -81,7 +83,8 @@ def bench_metrale(folder: Path, options: ThroughputOptions, prompts: list[list[i
 
     started = time.perf_counter()
     llm = LLM(folder, device="cuda", max_model_len=2 * options.max_len + 16, max_num_seqs=options.max_num_seqs,
-              max_num_batched_tokens=options.max_num_batched_tokens, show_progress=True)
+              max_num_batched_tokens=options.max_num_batched_tokens, overlap_scheduling=options.overlap,
+              show_progress=True)
     load_s = time.perf_counter() - started
     started = time.perf_counter()
     llm.capture_graphs()
@@ -90,6 +93,7 @@ def bench_metrale(folder: Path, options: ThroughputOptions, prompts: list[list[i
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     calls_before, seconds_before = dict(llm.engine.calls), dict(llm.engine.seconds)
+    overlapped_before = llm.engine.overlapped_steps
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - started
@@ -100,6 +104,7 @@ def bench_metrale(folder: Path, options: ThroughputOptions, prompts: list[list[i
         preemptions=sum(o.num_preemptions for o in outputs),
         steps={k: v - calls_before.get(k, 0) for k, v in llm.engine.calls.items()},
         step_seconds={k: v - seconds_before.get(k, 0.0) for k, v in llm.engine.seconds.items()},
+        overlap=llm.engine.overlap, overlapped_steps=llm.engine.overlapped_steps - overlapped_before,
     )
     result["step_shares"] = step_shares(result["steps"], result["step_seconds"], seconds)
     del llm
@@ -191,6 +196,9 @@ def table(results: dict[str, Any]) -> str:
     if ours and theirs:
         lines.append(f"{'Metrale / transformers':24} {ours['output_tok_s'] / theirs['output_tok_s']:12.1f}x")
     if ours and ours.get("step_shares"):
+        if ours.get("overlap"):
+            lines += ["", f"overlap scheduling: {ours['overlapped_steps']} of {sum(ours['steps'].values())} steps queued "
+                      "while the one before them ran"]
         lines += ["", f"{'Metrale step kind':24} {'steps':>8} {'time share':>11} {'ms per step':>12}"]
         for kind, share in ours["step_shares"].items():
             per_step = f"{share['ms_per_step']:12.2f}" if share["steps"] else ""

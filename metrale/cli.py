@@ -84,6 +84,8 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-requests", type=int, default=256, help="requests of --throughput (default: 256)")
     parser.add_argument("--max-num-seqs", type=int, default=128,
                         help="requests running at once in --throughput (default: 128)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="run --throughput with overlap scheduling off (each step read back before the next is planned)")
     parser.add_argument("--workdir", default="/tmp/metrale-bench", help="where checkpoints are written")
     parser.add_argument("--output", default="bench.json", help="JSON result file (default: bench.json)")
     parser.set_defaults(handler=_bench)
@@ -133,7 +135,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         throughput_options = bench_throughput.ThroughputOptions(
             num_requests=args.num_requests, max_num_seqs=args.max_num_seqs, hf=not args.no_hf,
-            workdir=Path(args.workdir), output=Path(args.output),
+            overlap=not args.no_overlap, workdir=Path(args.workdir), output=Path(args.output),
         )
         print(bench_throughput.table(bench_throughput.run(throughput_options)))
         print(f"results: {throughput_options.output}")

@@ -135,8 +135,10 @@ class EngineConfig:
     (decode rows always run; at least the KV block size); ``enable_prefix_caching`` shares the
     KV blocks of equal prompt prefixes between requests; ``seed`` (an int in ``[0, 2**64)``)
     seeds requests that give no seed; ``cuda_graphs`` replays decode steps from CUDA graphs on
-    the GPU. Every value is type-checked: ints only ints, ``enable_prefix_caching`` and
-    ``cuda_graphs`` only True or False (:class:`~metrale.errors.ConfigError` otherwise).
+    the GPU; ``overlap_scheduling`` plans and queues each engine step while the one before it
+    still runs, its decode tokens fed on the device (for models whose forward goes through the
+    model runner; :mod:`metrale.engine.engine`). Every value is type-checked: ints only ints, the
+    flags only True or False (:class:`~metrale.errors.ConfigError` otherwise).
     """
 
     device: str = "auto"
@@ -146,6 +148,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     cuda_graphs: bool = True
+    overlap_scheduling: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 
@@ -161,6 +164,7 @@ class EngineConfig:
             "enable_prefix_caching": lambda v: check_bool("enable_prefix_caching", v, error=ConfigError),
             "seed": lambda v: check_seed("seed", v, error=ConfigError),
             "cuda_graphs": lambda v: check_bool("cuda_graphs", v, error=ConfigError),
+            "overlap_scheduling": lambda v: check_bool("overlap_scheduling", v, error=ConfigError),
         })
 
     @classmethod

@@ -71,6 +71,17 @@ class FamilyModel:
     #: Set by the engine: whether its prefix cache is on (``prefill_tail_split`` depends on it).
     prefix_caching: bool = False
 
+    @property
+    def feeds_pending_tokens(self) -> bool:
+        """Whether decode rows of this model may carry a placeholder for a token still on the
+        device (overlap scheduling): true when its decode and mixed steps run through
+        :meth:`run_segments` and the model runner, whose ``feed_tokens`` puts the real token in
+        (:attr:`~metrale.sequence.SequenceState.pending_token`). A subclass that overrides
+        those methods answers False unless it says otherwise."""
+        cls = type(self)
+        return all(getattr(cls, name) is getattr(FamilyModel, name)
+                   for name in ("decode_batch", "mixed_forward", "run_segments"))
+
     def __init__(self, backend: "Backend", *, vocab_size: int, max_model_len: int) -> None:
         self.backend = backend
         self.vocab_size = vocab_size

@@ -38,6 +38,12 @@ class SequenceState:
     #: Rows accepted by a verify but not yet folded into the recurrent state (the flush stage
     #: folds them).
     pending_flush: Any = None
+    #: The token at position ``num_cached`` when it was sampled on the device by a step still in
+    #: flight and is not in ``tokens`` yet (overlap scheduling): ``(sampled, row)``, row ``row``
+    #: of that step's :class:`~metrale.runner.sampling.SampledTokens`. A decode call then gets a
+    #: placeholder token for this sequence, and the model runner feeds the real one on the device
+    #: (op ``feed_tokens``). None otherwise.
+    pending_token: tuple[Any, int] | None = None
     #: (the block-table list, its blocks as an int64 array): :meth:`block_array`'s cache.
     _block_array: tuple[list[int], np.ndarray] | None = field(default=None, repr=False)
 

@@ -90,8 +90,10 @@ def test_non_finite_logits_fail_one_request_and_the_others_go_on(dense_checkpoin
         logits = forward(batch)
         rows = [s for s in batch.segments if s.logits != "none"]
         for index, segment in enumerate(rows):
-            # At one generated token the victim's forward completes its first 4-token block.
-            if segment.seq.tokens[: len(victim)] == victim and segment.seq.num_generated == 1:
+            # At one generated token the victim's forward completes its first 4-token block (with
+            # overlap scheduling that token may still be pending, fed on the device).
+            sampled = segment.seq.num_generated + (segment.seq.pending_token is not None)
+            if segment.seq.tokens[: len(victim)] == victim and sampled == 1:
                 calls["decode"] += 1
                 logits[index, 17] = np.nan
         return logits
@@ -113,9 +115,12 @@ def test_non_finite_logits_fail_one_request_and_the_others_go_on(dense_checkpoin
 
 
 def test_the_cli_exits_non_zero_when_a_request_fails(monkeypatch, capsys):
-    from metrale.runner.sampling import TokenSampler
+    import numpy as np
 
-    monkeypatch.setattr(TokenSampler, "sample", lambda self, logits, params, seeds, steps: [-1] * len(params))
+    from metrale.runner.sampling import SampledTokens, TokenSampler
+
+    monkeypatch.setattr(TokenSampler, "sample_async", lambda self, logits, params, seeds, steps: SampledTokens(
+        np.full(len(params), -1, np.int32), tokens=[-1] * len(params)))
     assert main(["generate", "--no-progress", "--device", "cpu", "Return the"]) == 1
     err = capsys.readouterr().err
     assert "prompt 0 failed" in err and "not finite" in err

@@ -21,6 +21,18 @@ is retried, so no prefix reference or KV write is applied twice) and the error p
 engine stays usable for the other requests. A row whose logits are not finite finishes its
 request with ``finish_reason == "error"``; the other rows go on. Whatever exception escapes a
 step, :meth:`Engine.recover` leaves the engine idle and consistent.
+
+**Overlap scheduling** (``overlap=True``): a step is planned and queued on the device while the
+step before it still runs, and only then is that earlier step's sampled tokens read back and its
+requests' stop rules applied. The new step's decode rows take their input tokens from the earlier
+step's sampled tokens on the device (:attr:`~metrale.sequence.SequenceState.pending_token`, fed by
+the model runner), so the host's scheduling, batch layout and bookkeeping hide behind the GPU's
+work. A request sure to finish when its pending token is read (length) is left out of the step
+planned ahead; one that stops on a token or a stop string runs one row more, whose token is
+dropped. Each request's tokens are those of the step-by-step engine. When a plan made ahead would
+have to preempt, or nothing would run, the step in flight is read back first and the plan made as
+usual. Each :meth:`Engine.step` call then queues one step and returns the requests changed by the
+one before it.
 """
 
 from __future__ import annotations
@@ -28,14 +40,30 @@ from __future__ import annotations
 import functools
 import itertools
 import time
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from metrale.cache.prefix import PrefixCache
-from metrale.engine.generation import Request, StopChecker
+from metrale.engine.generation import Request, StopChecker, finishing
 from metrale.engine.scheduler import Scheduler, StepPlan
 from metrale.errors import CacheError, ConfigError
 from metrale.runner.sampling import new_sampler
 from metrale.sequence import PrefillSlice, SequenceState
+
+
+@dataclass
+class LaunchedStep:
+    """One step queued on the device whose sampled tokens are not read back yet."""
+
+    method: str
+    #: Every request of the step (decode rows, then the prompt chunks' requests).
+    members: list[Request]
+    #: The requests that sample a token, in the order of the sampled rows.
+    rows: list[Request] = field(default_factory=list)
+    #: The step's :class:`~metrale.runner.sampling.SampledTokens` (None when no row samples).
+    sampled: Any = None
+    #: Each member's cached length once this step has run (its KV computed up to there).
+    ends: list[int] = field(default_factory=list)
 
 
 class Engine:
@@ -51,6 +79,7 @@ class Engine:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
+        overlap: bool = False,
     ) -> None:
         if max_num_batched_tokens < cache.block_size:
             raise ConfigError(
@@ -79,12 +108,19 @@ class Engine:
             # Not a bound method of the engine: the scheduler must not refer back to it.
             on_release=functools.partial(publish_blocks, self.prefix_cache) if self.prefix_cache is not None else None,
             tail_split=forward.prefill_tail_split if stateful_cache else None,
+            finishing=functools.partial(finishing, max_model_len=stopper.max_model_len),
         )
+        #: Whether steps are planned and queued while the one before them runs (module docstring).
+        self.overlap = overlap
+        #: The step queued on the device whose tokens are not read back yet (overlap only).
+        self.in_flight: LaunchedStep | None = None
         self._arrivals = itertools.count()
         #: Forward calls made, by contract method, and the wall seconds of those steps (forward,
         #: sampling and the tokens read back), for tests and statistics.
         self.calls: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
+        #: Steps queued while the step before them was still in flight (overlap scheduling).
+        self.overlapped_steps = 0
         #: What :meth:`recover` found inconsistent and rebuilt (for tests and diagnostics).
         self.repairs: list[str] = []
 
@@ -95,14 +131,26 @@ class Engine:
         self.scheduler.add(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.in_flight is not None
 
     def abort_all(self) -> list[Request]:
-        """Drop every unfinished request and release its cache; returns them."""
+        """Drop every unfinished request and release its cache (and the step in flight, its
+        tokens unread); returns them."""
+        self._drop_in_flight()
         dropped = list(self.scheduler.running) + list(self.scheduler.waiting)
         for request in dropped:
             self.scheduler.remove(request)
         return dropped
+
+    def _drop_in_flight(self) -> None:
+        """Forget the step in flight without reading its tokens: its rows' pending tokens are
+        dropped (the device finishes the step; nothing reads its results)."""
+        step, self.in_flight = self.in_flight, None
+        if step is not None:
+            for request in step.rows:
+                pending = request.seq.pending_token
+                if pending is not None and pending[0] is step.sampled:
+                    request.seq.pending_token = None
 
     def check(self) -> list[str]:
         """Violations of the bookkeeping invariants (cache, prefix cache, scheduler); empty when
@@ -122,6 +170,7 @@ class Engine:
         prefix cache keeps its consistent entries, every other block and slot becomes free.
         Returns what had to be repaired (also appended to :attr:`repairs`); with every mutation
         committed in one statement this stays empty."""
+        self._drop_in_flight()
         pending = [*self.scheduler.running, *self.scheduler.waiting, *requests]
         problems: list[str] = []
         for request in {id(r): r for r in pending}.values():
@@ -149,7 +198,7 @@ class Engine:
             prefix.repair()
         self.scheduler.running, self.scheduler.waiting = [], []
         for seq in seqs:
-            seq.block_table, seq.state_slot, seq.num_cached = [], None, 0
+            seq.block_table, seq.state_slot, seq.num_cached, seq.pending_token = [], None, 0, None
         self.cache.allocator.reset(prefix.registered_blocks() if prefix is not None else set())
         if self.cache.state_slots is not None:
             self.cache.state_slots.reset()
@@ -158,60 +207,124 @@ class Engine:
     # ---------------------------------------------------------------------------------- step
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that got a token or finished in it."""
-        plan = self.scheduler.schedule()
+        """Run one step; returns the requests that got a token or finished in it. With overlap
+        scheduling, queue one step and return the requests the step before it changed."""
+        started = time.perf_counter()
         changed: list[Request] = []
+        in_flight = self.in_flight
+        plan = self.scheduler.schedule_ahead() if in_flight is not None else None
+        if in_flight is not None and plan is None:
+            # Planned ahead, the step would preempt or be empty: read the step in flight first.
+            self.in_flight = None
+            changed += self._finish(in_flight)
+            in_flight = None
+        if plan is None:
+            plan = self.scheduler.schedule()
         for request in plan.failed:
             request.finish_reason = "error"
             changed.append(request)
-        if plan.empty:
-            return changed
+        launched = None
+        if not plan.empty:
+            try:
+                launched = self._launch(plan)
+            except BaseException as error:
+                if in_flight is not None:
+                    # The step before the failed one is read back before the error propagates.
+                    self.in_flight = None
+                    self._finish(in_flight)
+                self._fail_members(plan, error)
+                raise
+        if in_flight is not None:
+            self.in_flight = None
+            self.overlapped_steps += launched is not None
+            changed += self._finish(in_flight)
+        if launched is not None:
+            if self.overlap and launched.sampled is not None:
+                self.in_flight = launched
+            else:
+                changed += self._finish(launched)
+        method = launched.method if launched is not None else in_flight.method if in_flight is not None else None
+        if method is not None:
+            self.seconds[method] = self.seconds.get(method, 0.0) + time.perf_counter() - started
+        return changed
+
+    def _launch(self, plan: StepPlan) -> LaunchedStep:
+        """Make the step's forward call and queue its sampling; a decode row whose token is
+        pending gets it on the device."""
         members = [*plan.decode, *(chunk.request for chunk in plan.prefill)]
-        started = time.perf_counter()
-        try:
-            sampled, method = self._run(plan)
-        except BaseException as error:
-            for request in members:
-                self.scheduler.remove(request)
-                request.error = f"the forward step failed: {error!r}"
-                request.finish_reason = "error"
-            raise
+        sampled, method = self._run(plan)
         for chunk in plan.prefill:
             if not chunk.is_last:
                 self.forward.normalize_ssm_states(chunk.request.seq)
                 self._snapshot(chunk.request)
-        for requests, logits in sampled:
-            tokens = self.sampler.sample(
-                logits, [r.params for r in requests], [r.seed for r in requests], [len(r.generated) for r in requests]
-            )
-            for request, token in zip(requests, tokens):
-                if token < 0:
-                    request.error = (
-                        f"the logits of request {request.request_id} are not finite (NaN or infinity) at generated "
-                        f"token {len(request.generated)}: there is nothing to sample from"
-                    )
-                    request.finish_reason = "error"
-                    changed.append(request)
-                    continue
-                request.seq.tokens.append(int(token))
-                request.prefilled = True
-                self.stopper.update(request, int(token))
-                changed.append(request)
         self.calls[method] = self.calls.get(method, 0) + 1
-        self.seconds[method] = self.seconds.get(method, 0.0) + time.perf_counter() - started
-        for request in members:
-            self._publish(request)
+        step = LaunchedStep(method, members, [r for requests, _ in sampled for r in requests],
+                            ends=[r.seq.num_cached for r in members])
+        if step.rows:
+            rows = step.rows
+            # A row's draw is fixed by its seed and the index of the token it draws.
+            steps = [len(r.generated) + (r.seq.pending_token is not None) for r in rows]
+            step.sampled = self.sampler.sample_async(
+                [logits for _, logits in sampled], [r.params for r in rows], [r.seed for r in rows], steps)
+            for index, request in enumerate(rows):
+                request.seq.pending_token = (step.sampled, index)
+                request.prefilled = True
+        return step
+
+    def _fail_members(self, plan: StepPlan, error: BaseException) -> None:
+        """A step that raised fails every request of it (their cache released; nothing retried)."""
+        for request in [*plan.decode, *(chunk.request for chunk in plan.prefill)]:
+            self.scheduler.remove(request)
+            request.seq.pending_token = None
+            request.error = f"the forward step failed: {error!r}"
+            request.finish_reason = "error"
+
+    def _finish(self, step: LaunchedStep) -> list[Request]:
+        """Read a launched step's tokens back and apply them: append each, run the stop rules,
+        publish the blocks computed, remove the finished requests. A request that finished
+        before (its row ran once more, planned ahead) keeps nothing of this step."""
+        changed: list[Request] = []
+        tokens = step.sampled.tokens() if step.sampled is not None else []
+        for index, (request, token) in enumerate(zip(step.rows, tokens)):
+            seq = request.seq
+            pending = seq.pending_token
+            if pending is not None and pending[0] is step.sampled:
+                seq.pending_token = None
+            if request.finish_reason is not None:
+                continue
+            if token < 0:
+                request.error = (
+                    f"the logits of request {request.request_id} are not finite (NaN or infinity) at generated "
+                    f"token {len(request.generated)}: there is nothing to sample from"
+                )
+                request.finish_reason = "error"
+                changed.append(request)
+                continue
+            seq.tokens.append(int(token))
+            self.stopper.update(request, int(token))
+            changed.append(request)
+        for request, end in zip(step.members, step.ends):
+            seq = request.seq
+            if request.finish_reason is not None:
+                # Finished while a row planned ahead runs: that row's token is dropped, and the
+                # blocks it writes are not published (its step is not read back).
+                seq.pending_token = None
+                seq.num_cached = min(seq.num_cached, end)
+            # Only what steps read back have computed is published: a block the step in flight
+            # completes waits for that step's logits to prove finite.
+            self._publish(request, upto=end)
             if request.finish_reason is not None:
                 self.scheduler.remove(request)
         return changed
 
     def _run(self, plan: StepPlan) -> tuple[list[tuple[list[Any], Any]], str]:
         """Make the step's one forward call; returns (requests, logits rows) to sample, and the
-        contract method called."""
+        contract method called. A decode row whose token is pending passes token 0 (the model
+        runner feeds the real one on the device)."""
         forward = self.forward
         decode, prefill = plan.decode, plan.prefill
         if decode:
-            tokens = [r.seq.tokens[-1] for r in decode]
+            tokens = [0 if r.seq.pending_token is not None else r.seq.tokens[-1] for r in decode]
             seqs = [r.seq for r in decode]
             if not prefill:
                 return [(decode, forward.decode_batch(tokens, seqs))], "decode_batch"
@@ -244,20 +357,23 @@ class Engine:
         if row is not None:
             self.prefix_cache.attach_snapshot(request.block_digests[seq.num_cached // self.cache.block_size - 1], row)
 
-    def _publish(self, request: Request) -> None:
-        """Register the request's newly computed full blocks in the prefix cache."""
+    def _publish(self, request: Request, upto: int | None = None) -> None:
+        """Register the request's newly computed full blocks in the prefix cache (those before
+        position ``upto`` when given)."""
         if self.prefix_cache is not None:
-            publish_blocks(self.prefix_cache, request)
+            publish_blocks(self.prefix_cache, request, upto)
 
 
-def publish_blocks(prefix_cache: PrefixCache, request: Request) -> None:
-    """Register ``request``'s computed full blocks not published yet in ``prefix_cache`` -- unless
-    the request failed (its cache may hold what made its logits non-finite)."""
+def publish_blocks(prefix_cache: PrefixCache, request: Request, upto: int | None = None) -> None:
+    """Register ``request``'s computed full blocks not published yet in ``prefix_cache`` (at most
+    its first ``upto`` positions) -- unless the request failed (its cache may hold what made its
+    logits non-finite)."""
     if request.error is not None:
         return
     seq = request.seq
-    full = min(seq.num_cached // prefix_cache.block_size, len(seq.block_table))
+    computed = seq.num_cached if upto is None else min(upto, seq.num_cached)
+    full = min(computed // prefix_cache.block_size, len(seq.block_table))
     if full > request.published_blocks:
-        prefix_cache.publish(seq.tokens, seq.block_table, seq.num_cached, request.block_digests,
+        prefix_cache.publish(seq.tokens, seq.block_table, computed, request.block_digests,
                              seq.adapter_slot, first=request.published_blocks)
         request.published_blocks = full

@@ -98,6 +98,14 @@ class Request:
         return self.detokenizer.text[: self.text_end]
 
 
+def finishing(request: Request, max_model_len: int) -> bool:
+    """Whether ``request`` finishes once its pending token (sampled by a step in flight) is read,
+    whatever that token is: it then has ``max_tokens`` tokens, or fills the model's context."""
+    if request.seq.pending_token is None:
+        return False
+    return len(request.generated) + 1 >= request.params.max_tokens or len(request.seq.tokens) + 1 > max_model_len
+
+
 def held_back(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a stop string: text
     that a later token may still turn into a stop."""
@@ -127,10 +135,11 @@ class StopChecker:
             self._find_stop(request, request.detokenizer, params.stop)
         if request.finish_reason is None:
             full = len(request.generated) >= params.max_tokens
-            # The next decode would place the newest token at position num_cached.
-            out_of_context = request.seq.num_cached + 1 > self.max_model_len
+            # The next decode would place the newest token at position len(tokens) - 1.
+            out_of_context = len(request.seq.tokens) > self.max_model_len
             if full or out_of_context:
                 request.finish_reason = "length"
+
 
     @staticmethod
     def _find_stop(request: Request, detokenizer: IncrementalText, stops: tuple[str, ...]) -> None:

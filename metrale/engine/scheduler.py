@@ -18,6 +18,13 @@ chunked, batched or mixed prefill): such steps alternate with decode steps.
 A step in which nothing can run and nothing fails raises :class:`~metrale.errors.SchedulerStuckError`
 (it would otherwise repeat forever).
 
+With overlap scheduling the engine plans a step while the one before it still runs
+(:meth:`Scheduler.schedule_ahead`): a request whose token is pending in that step decodes its
+pending token, unless it is sure to finish when the token is read (``finishing``: it reaches its
+``max_tokens`` or the model's context). A plan made ahead never preempts or fails a running
+request: when the rows would not fit, or nothing would run, it gives way (None) and the engine
+reads the step in flight back first.
+
 Every queue change commits in one statement, after the request's cache is released: a request
 that holds cache is always in a queue, whatever exception interrupts the scheduler.
 
@@ -82,6 +89,7 @@ class Scheduler:
         prefix_cache: PrefixCache | None = None,
         on_release: Callable[[Request], None] | None = None,
         tail_split: Callable[[list[int]], int | None] | None = None,
+        finishing: Callable[[Request], bool] | None = None,
     ) -> None:
         self.cache = cache
         self.block_size = cache.block_size
@@ -93,6 +101,8 @@ class Scheduler:
         #: Where a prompt's chunks must break so a state snapshot lands near its tail (models
         #: with recurrent state and the prefix cache on).
         self.tail_split = tail_split
+        #: Whether a running request finishes once its pending token is read, whatever the token.
+        self.finishing = finishing or (lambda request: False)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._last_was_prefill = False
@@ -181,6 +191,17 @@ class Scheduler:
         self._last_was_prefill = bool(plan.prefill)
         return plan
 
+    def schedule_ahead(self) -> StepPlan | None:
+        """The next step's plan while a step is in flight, or None when it needs that step's
+        results first (see the module docstring). Prompt chunks it admits and requests it fails
+        at admission are as :meth:`schedule`'s."""
+        plan = StepPlan()
+        if not self._build(plan, ahead=True) or plan.empty:
+            # Admissions made on the way stand: the next plan resumes their prompts.
+            return None if not plan.failed else plan
+        self._last_was_prefill = bool(plan.prefill)
+        return plan
+
     def _stuck_message(self) -> str:
         slots = self.cache.state_slots
         slot_text = f", {slots.num_free} of {slots.num_slots} state slots free" if slots is not None else ""
@@ -190,9 +211,12 @@ class Scheduler:
             f"free{slot_text}"
         )
 
-    def _build(self, plan: StepPlan) -> None:
+    def _build(self, plan: StepPlan, ahead: bool = False) -> bool:
+        """Fill ``plan``; False when, planned ``ahead``, its decode rows would not fit (the plan
+        is then left empty of rows)."""
         plan.decode, plan.prefill = [], []
-        self._schedule_decode(plan)
+        if not self._schedule_decode(plan, ahead):
+            return False
         if self.one_chunk_prefill:
             rows = plan.decode
             if not rows or not self._last_was_prefill:
@@ -205,6 +229,7 @@ class Scheduler:
         else:
             budget = self.max_num_batched_tokens - len(plan.decode)
             self._schedule_prefill(plan, budget=budget, max_chunks=1 if plan.decode else None)
+        return True
 
     def _drop_waiting_holds(self) -> bool:
         """Release the prefix blocks held by waiting requests; whether there were any."""
@@ -213,15 +238,17 @@ class Scheduler:
             self.release(request)
         return bool(holders)
 
-    def _schedule_decode(self, plan: StepPlan) -> None:
+    def _schedule_decode(self, plan: StepPlan, ahead: bool = False) -> bool:
         while True:
-            rows = [r for r in self.running if r.prefilled]
+            rows = [r for r in self.running if r.prefilled and not self.finishing(r)]
             needed = sum(self._blocks_for(r, r.seq.num_cached + 1) for r in rows)
             if needed <= self.cache.num_free_blocks:
                 plan.decode = sorted(rows, key=lambda r: r.arrival)
-                return
+                return True
             if self._drop_waiting_holds():
                 continue
+            if ahead:
+                return False
             if len(self.running) == 1:
                 request = self.running[0]
                 self._fail(plan, request, self._too_long_message(request, len(request.seq.tokens)))

@@ -70,6 +70,10 @@ def qkv_rope_cache(qkv, positions, slot_mapping, inv_freq, attention_factor, num
     )
 
 
+def feed_tokens(token_ids, source, rows, indices):
+    return _kernels("token_feed").feed_tokens_reference(token_ids, source, rows, indices)
+
+
 def layernorm(x, weight, bias, eps):
     return _kernels("layernorm").layernorm_reference(x, weight, bias, eps)
 
@@ -221,6 +225,17 @@ def _embedding_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
     return [{"weight": _rows(rng, 50, 64), "ids": rng.integers(0, 50, size=rows).astype(np.int32)} for rows in (1, 9)]
 
 
+def _feed_tokens_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    examples = []
+    for rows, fed in ((1, 1), (9, 5)):
+        source = rng.integers(1, 1000, size=7).astype(np.int32)
+        source[3] = -1  # a row with nothing to sample from
+        examples.append({"token_ids": rng.integers(1, 1000, size=rows).astype(np.int32), "source": source,
+                         "rows": rng.permutation(rows)[:fed].astype(np.int32),
+                         "indices": rng.integers(0, 7, size=fed).astype(np.int32)})
+    return examples
+
+
 def _sigmoid_gate_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
     return [{"x": _rows(rng, rows, 64), "gate": _rows(rng, rows, 64)} for rows in (1, 5)]
 
@@ -276,6 +291,13 @@ def _declarations() -> list[tuple[Op, str]]:
             (P("weight", "[V, H]", "weight"), P("ids", "[N]", "index")),
             (P("rows", "[N, H]", "activation"),), embedding, examples=_embedding_examples, cuda_tolerance=1e-2),
          "embedding"),
+        (Op("feed_tokens", "A step's input tokens fed on the device from the tokens a step before it sampled: "
+            "``token_ids[rows[i]] = max(source[indices[i]], 0)`` (updated in place and returned).",
+            (P("token_ids", "[N]", "index"), P("source", "[S]", "index", "the sampled tokens (-1: none)"),
+             P("rows", "[F]", "index", "distinct rows of token_ids"), P("indices", "[F]", "index")),
+            (P("token_ids", "[N]", "index"),), feed_tokens, examples=_feed_tokens_examples, cpu_tolerance=0.0,
+            cuda_tolerance=0.0),
+         "token_feed"),
         (Op("rmsnorm", "RMSNorm over the last axis: ``x / sqrt(mean(x^2) + eps) * (offset + weight)``.",
             (X, P("weight", "[H]", "weight"), P("eps", kind="scalar"),
              P("offset", kind="scalar", doc="1.0 for zero-centred norms (Qwen3-Next), else 0.0")),

@@ -29,6 +29,7 @@ from metrale.kernels import (
     moe_grouped,
     qkv_rope,
     rmsnorm,
+    token_feed,
 )
 from metrale.kernels import head_linear as head_linear_kernels
 from metrale.kernels.linear import CublasGemm
@@ -322,6 +323,9 @@ class CudaKernels:
         return gated_delta.conv_prompts(cp.ascontiguousarray(inputs, dtype=f32), weight, conv_state,
                                         cp.asarray(slots, dtype=np.int32), cp.asarray(starts, dtype=np.int32), out,
                                         self.stream)
+
+    def feed_tokens(self, token_ids: Any, source: Any, rows: Any, indices: Any) -> Any:
+        return token_feed.feed_tokens(token_ids, source, rows, indices, self.stream)
 
     def gated_add(self, x: Any, y: Any, gate: Any) -> Any:
         out = cp.empty(x.shape, dtype=f32)

@@ -224,9 +224,11 @@ class CudaGraphRunner:
             rung.uploaded = cupy.cuda.Event(disable_timing=True)
         rung.uploaded.record(self.backend.stream)
 
-    def run_mixed(self, batch: ForwardBatch) -> Any:
+    def run_mixed(self, batch: ForwardBatch, feed: Any = None) -> Any:
         """Logits of a mixed batch :meth:`mixed_shape` accepts, as an eager run returns them: the
-        decode rows', then the chunk's last row's when it asked (a fresh array)."""
+        decode rows', then the chunk's last row's when it asked (a fresh array). ``feed``, when
+        given, is applied to the rung's device token ids once they are uploaded (pending tokens,
+        :class:`~metrale.runner.runner.TokenFeed`; the decode rows keep their rows)."""
         import cupy
 
         shape = self.mixed_shape(batch)
@@ -234,6 +236,8 @@ class CudaGraphRunner:
             raise GraphCaptureError("run_mixed got a batch that mixed_shape does not accept")
         rung = self._mixed_rung(*shape)
         self._fill_mixed(rung, batch)
+        if feed is not None:
+            feed(rung.batch.token_ids)
         if rung.graph is None:
             logits = self._capture(rung, mixed=True)
         else:
@@ -313,12 +317,15 @@ class CudaGraphRunner:
             rung.uploaded = cupy.cuda.Event(disable_timing=True)
         rung.uploaded.record(self.backend.stream)
 
-    def run(self, batch: ForwardBatch) -> Any:
-        """Logits ``[n, vocab]`` of a decode-only batch (a fresh array, not the graph's buffer)."""
+    def run(self, batch: ForwardBatch, feed: Any = None) -> Any:
+        """Logits ``[n, vocab]`` of a decode-only batch (a fresh array, not the graph's buffer);
+        ``feed`` as :meth:`run_mixed`'s."""
         import cupy
 
         rung = self._rung(self.rung_size(batch.num_rows))
         self._fill(rung, batch)
+        if feed is not None:
+            feed(rung.batch.token_ids)
         if rung.graph is None:
             logits = self._capture(rung)
         else:

@@ -6,13 +6,21 @@ reserves their cache (all or nothing), builds the step's flat :class:`~metrale.b
 and runs it -- replayed from a captured CUDA graph when the batch is a decode step or a mixed
 step the graphs accept, else eagerly with the row metadata copied to the device -- then advances each
 sequence's cached length. Sampling the step's tokens is :mod:`metrale.runner.sampling`'s.
+
+A one-token segment whose sequence has a ``pending_token`` (sampled by a step still in flight,
+:attr:`~metrale.sequence.SequenceState.pending_token`) carries a placeholder token: once the row
+metadata is on the device, the op ``feed_tokens`` copies the sampled token into the row's input
+(:class:`TokenFeed`), so the step is queued without waiting for the one before it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from metrale.batch import ForwardBatch, Segment
 from metrale.errors import CacheError, OutOfCacheBlocksError
@@ -36,6 +44,7 @@ class ModelRunner:
             from metrale.runner.graphs import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(model, self.backend)
+        self.token_feed = TokenFeed(self.backend)
 
     @property
     def model(self) -> Any:
@@ -80,13 +89,87 @@ class ModelRunner:
             if blocks or cache.state_slots is not None:
                 cache.reserve(segment.seq, segment.end)
         batch = ForwardBatch.build(list(segments), cache.block_size)
+        feed = self.token_feed.plan(batch)
         with self.backend.activate():
             if self.graphs is not None and self.graphs.accepts(batch):
-                logits = self.graphs.run(batch)
+                logits = self.graphs.run(batch, feed)
             elif self.graphs is not None and self.graphs.mixed_shape(batch) is not None:
-                logits = self.graphs.run_mixed(batch)
+                logits = self.graphs.run_mixed(batch, feed)
             else:
-                logits = self.model.forward_batch(self.backend.prepare_batch(batch))
+                prepared = self.backend.prepare_batch(batch)
+                if feed is not None:
+                    feed(prepared.token_ids)
+                logits = self.model.forward_batch(prepared)
         for segment in segments:
             segment.seq.num_cached = segment.end
         return logits
+
+
+class TokenFeed:
+    """Feeds the pending tokens of a batch's sequences into its device token ids (see the module
+    docstring): one small upload of the rows and indices, then the op ``feed_tokens`` per step
+    whose tokens are pending (normally one, the step in flight)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self._host: Any = None  # pinned int32 [2 * capacity]: rows, then indices
+        self._device: Any = None
+        self._uploaded: Any = None  # event recorded after the last upload of ``_host``
+
+    def plan(self, batch: ForwardBatch) -> Callable[[Any], None] | None:
+        """A function that feeds ``batch``'s pending tokens into a device copy of its token ids
+        (laid out row for row like ``batch``'s), or None when no token is pending."""
+        sources: dict[int, tuple[Any, list[int], list[int]]] = {}
+        for index, segment in enumerate(batch.segments):
+            pending = segment.seq.pending_token
+            if pending is None:
+                continue
+            if len(segment.token_ids) != 1:
+                raise CacheError(f"sequence {segment.seq.seq_id} has a pending token but {len(segment.token_ids)} "
+                                 "tokens in this call: a pending token is the input of a one-token step")
+            sampled, row = pending
+            entry = sources.setdefault(id(sampled), (sampled.device, [], []))
+            entry[1].append(int(batch.row_starts[index]))
+            entry[2].append(int(row))
+        if not sources:
+            return None
+        groups = list(sources.values())
+        return lambda token_ids: self._feed(token_ids, groups)
+
+    def _feed(self, token_ids: Any, groups: list[tuple[Any, list[int], list[int]]]) -> None:
+        ops = self.backend.ops
+        if self.backend.name == "cpu":
+            for source, rows, indices in groups:
+                ops.feed_tokens(token_ids, source, np.array(rows, np.int32), np.array(indices, np.int32))
+            return
+        rows = [row for group in groups for row in group[1]]
+        indices = [index for group in groups for index in group[2]]
+        device = self._upload(rows, indices)
+        offset, count = 0, len(rows)
+        for source, group_rows, _ in groups:
+            end = offset + len(group_rows)
+            ops.feed_tokens(token_ids, source, device[offset:end], device[count + offset : count + end])
+            offset = end
+
+    def _upload(self, rows: list[int], indices: list[int]) -> Any:
+        """``rows`` then ``indices`` as one device int32 array (a view of the feed's buffer)."""
+        import cupy
+        import cupyx
+
+        count = len(rows)
+        if self._host is None or self._host.size < 2 * count:
+            capacity = max(2 * count, 256)
+            self._host = cupyx.empty_pinned((capacity,), dtype=np.int32)
+            self._device = cupy.empty(capacity, dtype=np.int32)
+            self._uploaded = None
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous upload has read the pinned buffer
+        host = self._host
+        host[:count] = rows
+        host[count : 2 * count] = indices
+        stream = self.backend.stream
+        self._device.data.copy_from_host_async(host.ctypes.data_as(ctypes.c_void_p), 2 * count * 4, stream)
+        if self._uploaded is None:
+            self._uploaded = cupy.cuda.Event(disable_timing=True)
+        self._uploaded.record(stream)
+        return self._device[: 2 * count]

@@ -54,6 +54,28 @@ def sample_token(logits: np.ndarray, params: SamplingParams, seed: int, step: in
     return sample_rows(np.asarray(logits).reshape(1, -1), [params], [seed], [step])[0]
 
 
+class SampledTokens:
+    """The tokens one step sampled, one per logits row: :attr:`device` holds them where the
+    backend computes (int32 ``[R]``, what a later step's inputs can be fed from before they are
+    read back, :meth:`metrale.runner.ModelRunner.run`), :meth:`tokens` on the host, waiting for
+    them the first time it is called (-1 for a row with nothing to sample from)."""
+
+    def __init__(self, device: Any, read: Any = None, tokens: list[int] | None = None) -> None:
+        self.device = device
+        self._read = read
+        self._tokens = tokens
+
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`tokens` answers without waiting for the device."""
+        return self._tokens is not None
+
+    def tokens(self) -> list[int]:
+        if self._tokens is None:
+            self._tokens, self._read = self._read(), None
+        return self._tokens
+
+
 class TokenSampler:
     """Samples one token per row of a step's logits (see the module docstring)."""
 
@@ -62,7 +84,15 @@ class TokenSampler:
 
     def sample(self, logits: Any, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]) -> list[int]:
         """One token per row of ``logits [R, vocab]`` (-1 for a row with nothing to sample from)."""
-        return sample_rows(self.backend.to_numpy(logits), params, seeds, steps)
+        return self.sample_async([logits], params, seeds, steps).tokens()
+
+    def sample_async(self, logits: Sequence[Any], params: Sequence[SamplingParams], seeds: Sequence[int],
+                     steps: Sequence[int]) -> SampledTokens:
+        """One token per row of the row blocks ``logits`` (each ``[r, vocab]``, taken in order),
+        queued on the backend without waiting for it (on the CPU it is computed at once)."""
+        parts = [np.asarray(self.backend.to_numpy(part), dtype=np.float32) for part in logits]
+        tokens = sample_rows(np.concatenate([p.reshape(len(p), -1) for p in parts]), params, seeds, steps) if parts else []
+        return SampledTokens(np.asarray(tokens, dtype=np.int32), tokens=tokens)
 
     def close(self) -> None:
         """Drop device buffers (none on the host)."""
@@ -76,28 +106,45 @@ def new_sampler(backend: Any) -> TokenSampler:
 
 
 class CudaSampler(TokenSampler):
-    """The sampling kernel on the backend's stream, replayed from a graph per batch shape."""
+    """The sampling kernel on the backend's stream, replayed from a graph per batch shape.
+
+    Two sets of buffers per shape, used in turn: the tokens of one call stay on the device (and
+    are read back) while the next call samples, as overlap scheduling needs. Before a set is
+    used again, the call that used it last is read back."""
 
     def __init__(self, backend: Any) -> None:
         super().__init__(backend)
         from metrale.kernels.sampling import sample
 
         self._sample = sample
-        self._buffers: dict[tuple[int, int], Any] = {}
+        self._buffers: dict[tuple[int, int, int], Any] = {}
+        self._turn = 0
 
     def close(self) -> None:
         self._buffers.clear()
 
-    def sample(self, logits: Any, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]) -> list[int]:
+    def sample_async(self, logits: Sequence[Any], params: Sequence[SamplingParams], seeds: Sequence[int],
+                     steps: Sequence[int]) -> SampledTokens:
         backend = self.backend
         cp, stream = backend.xp, backend.stream
         rows = len(params)
         with stream:
-            logits = logits.reshape(rows, -1)
-            if logits.dtype != np.float32 or not logits.flags.c_contiguous:
-                logits = cp.ascontiguousarray(logits, dtype=np.float32)
-        buffers = self._buffers_for(rows, logits.shape[1])
-        temperature, top_k, top_p = parameter_arrays(params, logits.shape[1])
+            parts = []
+            for part in logits:
+                part = part.reshape(len(part), -1)
+                if part.dtype != np.float32 or not part.flags.c_contiguous:
+                    part = cp.ascontiguousarray(part, dtype=np.float32)
+                parts.append(part)
+        if sum(len(part) for part in parts) != rows:
+            from metrale.errors import KernelArgumentError
+
+            raise KernelArgumentError(f"sampling: {sum(len(p) for p in parts)} logits rows for {rows} requests")
+        vocab = parts[0].shape[1]
+        self._turn ^= 1
+        buffers = self._buffers_for(rows, vocab, self._turn)
+        if buffers.last is not None:
+            buffers.last.tokens()  # its tokens are read before the buffers are written again
+        temperature, top_k, top_p = parameter_arrays(params, vocab)
         host = buffers.host
         host.seeds[:] = np.asarray(seeds, dtype=np.uint64).view(np.int64)
         host.steps[:] = steps
@@ -110,7 +157,10 @@ class CudaSampler(TokenSampler):
             # the kernel (replayed from a graph after its first run: a numba launch costs far
             # more host time), one download of the tokens.
             buffers.device.data.copy_from_host_async(host.packed.ctypes.data_as(ctypes.c_void_p), host.packed.nbytes, stream)
-            buffers.logits.data.copy_from_device_async(logits.data, logits.nbytes, stream)
+            offset = 0
+            for part in parts:
+                buffers.logits[offset:].data.copy_from_device_async(part.data, part.nbytes, stream)
+                offset += len(part)
             if buffers.graph:
                 buffers.graph.launch(stream=stream)
             else:
@@ -119,8 +169,14 @@ class CudaSampler(TokenSampler):
                     buffers.graph = self._record(buffers)
             tokens = buffers.views.tokens
             tokens.data.copy_to_host_async(host.tokens.ctypes.data_as(ctypes.c_void_p), host.tokens.nbytes, stream)
-        stream.synchronize()
-        return host.tokens.tolist()
+            buffers.done.record(stream)
+
+        def read() -> list[int]:
+            buffers.done.synchronize()
+            return host.tokens.tolist()
+
+        sampled = buffers.last = SampledTokens(tokens, read)
+        return sampled
 
     def _run(self, buffers: Any) -> None:
         device = buffers.views
@@ -142,11 +198,10 @@ class CudaSampler(TokenSampler):
                 stream.end_capture()
             return False
 
-    def _buffers_for(self, rows: int, vocab: int) -> Any:
+    def _buffers_for(self, rows: int, vocab: int, turn: int) -> Any:
         """Pinned host and device buffers of ``rows`` rows of sampling parameters, logits and
-        tokens, with the sampler's graph; kept per shape (each call synchronises before it
-        returns, so reuse is safe)."""
-        buffers = self._buffers.get((rows, vocab))
+        tokens, with the sampler's graph; kept per shape and turn."""
+        buffers = self._buffers.get((rows, vocab, turn))
         if buffers is not None:
             return buffers
         import cupyx
@@ -170,11 +225,13 @@ class CudaSampler(TokenSampler):
                 "uniforms": array[28 * rows : 32 * rows].view(np.float32),
             }
 
-        buffers = self._buffers[(rows, vocab)] = SimpleNamespace(
+        buffers = self._buffers[(rows, vocab, turn)] = SimpleNamespace(
             host=SimpleNamespace(packed=packed, tokens=tokens, **fields(packed)),
             device=device,
             logits=logits,
             views=SimpleNamespace(tokens=out, **fields(device)),
             graph=None,
+            done=backend.xp.cuda.Event(disable_timing=True),
+            last=None,
         )
         return buffers

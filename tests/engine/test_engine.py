@@ -220,7 +220,8 @@ def run_random_case(checkpoint, solo_llm, data, **options):
               num_blocks=data.draw(st.integers(6, 16), label="num_blocks"),
               max_num_seqs=data.draw(st.integers(1, 4), label="max_num_seqs"),
               max_num_batched_tokens=data.draw(st.sampled_from([4, 8, 12, 32]), label="budget"),
-              enable_prefix_caching=data.draw(st.booleans(), label="prefix_cache"), **options)
+              enable_prefix_caching=data.draw(st.booleans(), label="prefix_cache"),
+              overlap_scheduling=data.draw(st.booleans(), label="overlap"), **options)
     engine = llm.engine
     # What an is_mla() family gets: whole prompts, alone in their steps.
     engine.scheduler.one_chunk_prefill = data.draw(st.booleans(), label="one_chunk_prefill")

@@ -8,11 +8,12 @@ place multi-byte characters and stop strings across token boundaries at will.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from metrale import LLM, SamplingParams
 from metrale.engine import generation
-from metrale.runner.sampling import TokenSampler
+from metrale.runner.sampling import SampledTokens, TokenSampler
 
 TEXT = " Hello 你好, the wörld ends here. More text after the end, and 🙂 at last."
 
@@ -26,7 +27,11 @@ def llm():
 def scripted(llm, monkeypatch):
     """Make the model 'generate' TEXT, token by token; returns the scripted token ids."""
     script = llm.tokenizer.encode(TEXT, add_special_tokens=False).ids
-    monkeypatch.setattr(TokenSampler, "sample", lambda self, logits, params, seeds, steps: [script[s] for s in steps])
+    def scripted_tokens(self, logits, params, seeds, steps):
+        tokens = [script[s] for s in steps]
+        return SampledTokens(np.array(tokens, np.int32), tokens=tokens)
+
+    monkeypatch.setattr(TokenSampler, "sample_async", scripted_tokens)
     return script
 
 

@@ -67,7 +67,8 @@ def test_mixed_graphs_are_recorded_ahead_and_replayed_by_the_engine(dense_checkp
     recorded = {key: rung.graph for key, rung in graphs.mixed_rungs.items()}
     replays = []
     run_mixed = graphs.run_mixed
-    monkeypatch.setattr(graphs, "run_mixed", lambda batch: replays.append(graphs.mixed_shape(batch)) or run_mixed(batch))
+    monkeypatch.setattr(graphs, "run_mixed",
+                        lambda batch, feed=None: replays.append(graphs.mixed_shape(batch)) or run_mixed(batch, feed))
     prompts = [np.random.default_rng(n).integers(1, 128, n).tolist() for n in (30, 3, 90, 11, 7, 200, 40, 5)]
     # Requests that finish at different steps, so that waiting ones join a running batch.
     lengths = [3, 14, 5, 9, 12, 6, 8, 4]
