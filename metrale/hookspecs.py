@@ -143,7 +143,9 @@ def metrale_decode_batch(model: Any, tokens: list[int], seqs: "list[SequenceStat
 
     Called by :meth:`~metrale.forward.ModelForward.decode_batch` in the dispatch stage, on the
     batched decode path (replayed from a CUDA graph on the GPU). ``tokens[i]`` belongs to
-    ``seqs[i]``. Returns ``[n, vocab]`` logits, row i for ``seqs[i]``.
+    ``seqs[i]``; with overlap scheduling it is the placeholder 0 when ``seqs[i].pending_token`` is
+    set (the token is still on the device; the model runner feeds it). Returns ``[n, vocab]``
+    logits, row i for ``seqs[i]``.
     """
 
 
@@ -162,7 +164,9 @@ def metrale_mixed_forward(
     """Run decode rows and one prefill chunk in a single step.
 
     Called by :meth:`~metrale.forward.ModelForward.mixed_forward` in the dispatch stage, on the
-    mixed path of the scheduler. ``prefill_tokens`` is the full prompt of ``prefill_seq``. Returns
+    mixed path of the scheduler. ``prefill_tokens`` is the full prompt of ``prefill_seq``; decode
+    tokens are placeholders where their sequence has a ``pending_token``, as in
+    ``metrale_decode_batch``. Returns
     a :class:`~metrale.sequence.MixedForwardResult` whose decode rows come first and are never
     overwritten by the prefill's logits (present only when ``is_last``).
     """

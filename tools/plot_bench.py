@@ -4,12 +4,13 @@
   transformers run of a ``metrale bench`` JSON file;
 * ``prefill-vs-transformers.png`` -- Metrale's prefill speed over transformers eager's, per
   shape and prompt length, across every ``--bench`` file given (one bar group per shape);
-* ``throughput.png`` -- output tok/s of Metrale and transformers from a ``metrale bench
-  --throughput`` JSON file.
+* ``throughput.png`` -- output tok/s of Metrale and transformers from ``metrale bench
+  --throughput`` JSON files (several: one bar per engine and file, Metrale's runs labelled by
+  whether overlap scheduling was on).
 
 Run from the repository root::
 
-    python3 tools/plot_bench.py --bench bench.json [more.json ...] --throughput throughput.json --out docs/images
+    python3 tools/plot_bench.py --bench bench.json [more.json ...] --throughput throughput.json [more.json ...] --out docs/images
 """
 
 from __future__ import annotations
@@ -118,25 +119,42 @@ def plot_ratios(runs: list[dict[str, Any]], out: Path) -> Path | None:
     return path
 
 
-def plot_throughput(results: dict[str, Any], out: Path) -> Path | None:
-    """Bars of output tok/s per engine of a throughput run; None when it measured nothing."""
+def throughput_bars(runs: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """``(label, output tok/s)`` of every engine of every throughput run, in order."""
+    bars = []
+    for results in runs:
+        ours = results.get("metrale")
+        if isinstance(ours, dict) and "output_tok_s" in ours:
+            label = "Metrale" if "overlap" not in ours else (
+                "Metrale" + ("" if ours["overlap"] else "\n(overlap off)"))
+            bars.append((label, float(ours["output_tok_s"])))
+        theirs = results.get("hf_continuous_batching")
+        if isinstance(theirs, dict) and "output_tok_s" in theirs:
+            bars.append(("transformers\n(continuous batching)", float(theirs["output_tok_s"])))
+    return bars
+
+
+def plot_throughput(runs: dict[str, Any] | list[dict[str, Any]], out: Path) -> Path | None:
+    """Bars of output tok/s per engine of one or more throughput runs; None when they measured
+    nothing."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars = [(label, results[key]["output_tok_s"]) for key, label in
-            (("metrale", "Metrale"), ("hf_continuous_batching", "transformers\n(continuous batching)"))
-            if isinstance(results.get(key), dict) and "output_tok_s" in results[key]]
+    runs = [runs] if isinstance(runs, dict) else list(runs)
+    bars = throughput_bars(runs)
     if not bars:
         return None
-    figure, axes = plt.subplots(figsize=(5, 4))
+    figure, axes = plt.subplots(figsize=(max(5, 1.8 * len(bars)), 4))
     labels, rates = zip(*bars)
-    drawn = axes.bar(labels, rates, color=["tab:blue", "tab:orange"][: len(bars)])
+    colours = ["tab:orange" if label.startswith("transformers") else "tab:blue" if "off" not in label else "tab:cyan"
+               for label in labels]
+    drawn = axes.bar(range(len(bars)), rates, color=colours, tick_label=labels)
     axes.bar_label(drawn, fmt="%.0f")
     axes.set_ylabel("output tok/s")
-    options = results.get("options", {})
-    axes.set_title(f"{results.get('model', '')}: {options.get('num_requests', '?')} requests")
+    options = runs[0].get("options", {})
+    axes.set_title(f"{runs[0].get('model', '')}: {options.get('num_requests', '?')} requests")
     path = out / "throughput.png"
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -147,7 +165,7 @@ def plot_throughput(results: dict[str, Any], out: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description="plot metrale bench results")
     parser.add_argument("--bench", type=Path, nargs="+", help="JSON files of metrale bench")
-    parser.add_argument("--throughput", type=Path, help="JSON file of metrale bench --throughput")
+    parser.add_argument("--throughput", type=Path, nargs="+", help="JSON files of metrale bench --throughput")
     parser.add_argument("--out", type=Path, default=Path("docs/images"), help="folder of the images")
     args = parser.parse_args(argv)
     if args.bench is None and args.throughput is None:
@@ -161,7 +179,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         path = plot_ratios(runs, args.out)
         written += [path] if path else []
     if args.throughput is not None:
-        path = plot_throughput(json.loads(args.throughput.read_text()), args.out)
+        path = plot_throughput([json.loads(path.read_text()) for path in args.throughput], args.out)
         written += [path] if path else []
     for path in written:
         print(path)

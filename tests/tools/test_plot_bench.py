@@ -52,6 +52,20 @@ def test_the_script_writes_one_figure_per_measured_shape_and_the_throughput_bars
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
 
 
+def test_throughput_runs_with_and_without_overlap_get_a_bar_each(plot_bench, tmp_path):
+    runs = [{"model": "qwen3-0.6b", "options": {"num_requests": 256}, "metrale": {"output_tok_s": 14500.0, "overlap": True}},
+            {"model": "qwen3-0.6b", "metrale": {"output_tok_s": 12400.0, "overlap": False},
+             "hf_continuous_batching": {"output_tok_s": 650.0}}]
+    assert plot_bench.throughput_bars(runs) == [("Metrale", 14500.0), ("Metrale\n(overlap off)", 12400.0),
+                                                ("transformers\n(continuous batching)", 650.0)]
+    files = []
+    for index, results in enumerate(runs):
+        files.append(tmp_path / f"throughput{index}.json")
+        files[-1].write_text(json.dumps(results))
+    written = plot_bench.main(["--throughput", *map(str, files), "--out", str(tmp_path / "images")])
+    assert [p.name for p in written] == ["throughput.png"] and written[0].stat().st_size > 5000
+
+
 def test_speed_ups_over_transformers_come_from_lengths_both_measured(plot_bench):
     assert plot_bench.prefill_ratios(BENCH) == {"llama-1b": [(512, 43000.0 / 44000.0), (2048, 139000.0 / 157000.0)]}
     only_ours = {"options": {"shapes": ["x"]}, "x": {"metrale": {"prefill_512": {"tok_s": 1.0}}}}
