@@ -111,7 +111,9 @@ def plot_ratios(runs: list[dict[str, Any]], out: Path) -> Path | None:
     axes.set_xticks(range(len(ratios)), list(ratios))
     axes.set_ylabel("Metrale / transformers eager, prefill tok/s")
     axes.set_title(f"Prefill speed-up on {runs[0].get('device', 'the GPU')}")
-    axes.legend()
+    highest = max(value for points in ratios.values() for _, value in points)
+    axes.set_ylim(0, highest * 1.25)  # room for the legend above the bars
+    axes.legend(loc="upper center", ncol=len(lengths), fontsize=8)
     path = out / "prefill-vs-transformers.png"
     figure.tight_layout()
     figure.savefig(path, dpi=120)
