@@ -179,6 +179,21 @@ def gdn_checkpoint(tmp_path_factory):
 # ============================================================ corrupt copies of the embedded models
 
 
+@pytest.fixture
+def family_checkpoint_of(request):
+    """``checkpoint(family, variant=None)``: the tiny checkpoint of ``family`` ("dense": a
+    ``dense_checkpoints`` variant, Llama by default; "mla": an ``mla_checkpoints`` one,
+    DeepSeek-V2 by default; "gdn": the Qwen3-Next one)."""
+
+    def checkpoint(family, variant=None):
+        if family == "gdn":
+            return request.getfixturevalue("gdn_checkpoint")
+        fixture, default = {"dense": ("dense_checkpoints", "llama"), "mla": ("mla_checkpoints", "deepseek_v2")}[family]
+        return request.getfixturevalue(fixture)[variant or default]
+
+    return checkpoint
+
+
 @pytest.fixture(scope="session")
 def warm_plugin_manager():
     """A plugin manager shared by the bad-checkpoint tests, after one good load has imported every

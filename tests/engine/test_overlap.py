@@ -17,14 +17,6 @@ from metrale.plugin_manager import get_plugin_manager
 FAMILIES = ["dense", "mla", "gdn"]
 
 
-def family_checkpoint(request, family):
-    if family == "dense":
-        return request.getfixturevalue("dense_checkpoints")["llama"]
-    if family == "mla":
-        return request.getfixturevalue("mla_checkpoints")["deepseek_v2"]
-    return request.getfixturevalue("gdn_checkpoint")
-
-
 def prompts_of(lengths, seed):
     rng = np.random.default_rng(seed)
     shared = rng.integers(1, 128, 9).tolist()
@@ -50,8 +42,8 @@ def counted_rows(llm):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("num_blocks", [None, 14])
-def test_overlapped_steps_give_the_step_by_step_tokens(request, family, num_blocks):
-    path = family_checkpoint(request, family)
+def test_overlapped_steps_give_the_step_by_step_tokens(family_checkpoint_of, family, num_blocks):
+    path = family_checkpoint_of(family)
     prompts = prompts_of([3, 17, 9, 30, 1, 12, 6], seed=len(family))
     options = dict(device="cpu", show_progress=False, max_num_seqs=3, block_size=4, max_num_batched_tokens=16)
     if num_blocks:

@@ -16,17 +16,9 @@ from metrale import LLM, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-def checkpoint_of(request, family):
-    if family == "dense":
-        return request.getfixturevalue("dense_checkpoints")["qwen3"]
-    if family == "mla":
-        return request.getfixturevalue("mla_checkpoints")["deepseek_v2"]
-    return request.getfixturevalue("gdn_checkpoint")
-
-
 @pytest.mark.parametrize("family", ["dense", "mla", "gdn"])
-def test_overlapped_steps_give_the_step_by_step_tokens(request, family):
-    path = checkpoint_of(request, family)
+def test_overlapped_steps_give_the_step_by_step_tokens(family_checkpoint_of, family):
+    path = family_checkpoint_of(family, "qwen3" if family == "dense" else None)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(1, 128, int(n)).tolist() for n in (5, 40, 2, 17, 9, 30)]
     options = dict(device="cuda", show_progress=False, max_num_seqs=1, max_num_batched_tokens=16)
