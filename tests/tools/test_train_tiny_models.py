@@ -27,23 +27,29 @@ def train(out: Path, corpus: Path, seed: int) -> dict:
     return json.loads((out / "tiny-dense" / "training.json").read_text())
 
 
-def test_same_seed_reproduces_the_loss_curve_and_weights(tmp_path, corpus_file):
-    first = train(tmp_path / "a", corpus_file, seed=3)
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, corpus_file):
+    """(output folder, training record) of one run with seed 3, shared by the tests below."""
+    out = tmp_path_factory.mktemp("first")
+    return out, train(out, corpus_file, seed=3)
+
+
+def test_same_seed_reproduces_the_loss_curve_and_weights(tmp_path, corpus_file, first_run):
+    first_out, first = first_run
     second = train(tmp_path / "b", corpus_file, seed=3)
     other = train(tmp_path / "c", corpus_file, seed=4)
     assert len(first["loss_curve"]) == 6
     assert first["loss_curve"] == second["loss_curve"]
     assert first["held_out_evals"] == second["held_out_evals"]
     assert first["loss_curve"] != other["loss_curve"]
-    weights = [(tmp_path / run / "tiny-dense" / "model.safetensors").read_bytes() for run in ("a", "b")]
+    weights = [(out / "tiny-dense" / "model.safetensors").read_bytes() for out in (first_out, tmp_path / "b")]
     assert weights[0] == weights[1]
 
 
-def test_checkpoint_is_complete_and_loads(tmp_path, corpus_file):
+def test_checkpoint_is_complete_and_loads(first_run):
     from metrale import LLM
 
-    train(tmp_path / "d", corpus_file, seed=5)
-    folder = tmp_path / "d" / "tiny-dense"
+    folder = first_run[0] / "tiny-dense"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "README.md"):
         assert (folder / name).is_file(), name
     llm = LLM(folder, device="cpu", show_progress=False)
