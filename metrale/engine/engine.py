@@ -115,8 +115,9 @@ class Engine:
         #: The step queued on the device whose tokens are not read back yet (overlap only).
         self.in_flight: LaunchedStep | None = None
         self._arrivals = itertools.count()
-        #: Forward calls made, by contract method, and the wall seconds of those steps (forward,
-        #: sampling and the tokens read back), for tests and statistics.
+        #: Forward calls made, by contract method, and the wall seconds of the :meth:`step` calls
+        #: that launched them (forward, sampling, and reading back the step before it with overlap
+        #: scheduling, or this one without), for tests and statistics.
         self.calls: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
         #: Steps queued while the step before them was still in flight (overlap scheduling).
@@ -285,7 +286,7 @@ class Engine:
         before (its row ran once more, planned ahead) keeps nothing of this step."""
         changed: list[Request] = []
         tokens = step.sampled.tokens() if step.sampled is not None else []
-        for index, (request, token) in enumerate(zip(step.rows, tokens)):
+        for request, token in zip(step.rows, tokens):
             seq = request.seq
             pending = seq.pending_token
             if pending is not None and pending[0] is step.sampled:

@@ -65,11 +65,6 @@ class SampledTokens:
         self._read = read
         self._tokens = tokens
 
-    @property
-    def ready(self) -> bool:
-        """Whether :meth:`tokens` answers without waiting for the device."""
-        return self._tokens is not None
-
     def tokens(self) -> list[int]:
         if self._tokens is None:
             self._tokens, self._read = self._read(), None
