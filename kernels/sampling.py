@@ -3,9 +3,10 @@
 Semantics (shared by the reference and the kernel), per row with logits ``l``:
 
 * temperature 0: the first index of the maximum;
-* otherwise ``s = l / T``; top-k keeps ``s >= `` the k-th largest value (ties kept); weights are
-  ``exp(s - max)`` over kept tokens; top-p then keeps ``s >= t`` for the largest threshold ``t``
-  whose kept mass reaches ``p`` of the total;
+* otherwise ``s = l / T``; top-k keeps ``s >= `` the k-th largest value (ties kept), min-p keeps
+  ``s >= max(s) + log_min_p`` (``log_min_p = log(min_p)`` in float32, computed on the host; -inf
+  keeps all); weights are ``exp(s - max)`` over kept tokens; top-p then keeps ``s >= t`` for the
+  largest threshold ``t`` whose kept mass reaches ``p`` of the total;
 * the token is the first index, in vocabulary order, whose running kept mass exceeds
   ``u * total`` for a uniform ``u`` in [0, 1);
 * a row with no distribution to draw from -- a NaN or +inf logit, or every logit -inf -- gets
@@ -37,9 +38,11 @@ def request_uniform(seed: int, step: int) -> float:
 
 
 def sample_reference(
-    logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, uniforms: np.ndarray
+    logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, uniforms: np.ndarray,
+    log_min_p: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Tokens ``[R]`` int32 for ``logits [R, V]`` float32, per-row parameters and uniforms."""
+    """Tokens ``[R]`` int32 for ``logits [R, V]`` float32, per-row parameters and uniforms
+    (``log_min_p`` None: no min-p)."""
     tokens = np.empty(logits.shape[0], dtype=np.int32)
     for row in range(logits.shape[0]):
         row_logits = np.asarray(logits[row], dtype=np.float32)
@@ -54,6 +57,8 @@ def sample_reference(
         k = int(top_k[row])
         if 0 < k < s.shape[0]:
             keep &= s >= np.partition(s, -k)[-k]
+        if log_min_p is not None and log_min_p[row] > -np.inf:
+            keep &= s >= np.float32(s.max() + np.float32(log_min_p[row]))
         weights = np.where(keep, np.exp((s - s.max()).astype(np.float64)), 0.0)
         total = weights.sum()
         if top_p[row] < 1.0:
@@ -174,7 +179,7 @@ def _threshold_key(logits, row, inv_temp, scaled_max, start, target, by_mass, pa
 
 
 @jit_kernel
-def sample_kernel(logits, temperature, top_k, top_p, seeds, steps, uniforms, out_tokens):
+def sample_kernel(logits, temperature, top_k, top_p, log_min_p, seeds, steps, uniforms, out_tokens):
     # Grid: one block of SAMPLE_THREADS per row. Thresholds are found by a radix search over the
     # order keys of the float32 values (exact: eight passes of 4 bits); the token by a block
     # scan of per-thread chunk masses in vocabulary order. uniforms[row] < 0 draws u from
@@ -243,6 +248,10 @@ def sample_kernel(logits, temperature, top_k, top_p, seeds, steps, uniforms, out
     k = top_k[row]
     if 0 < k < vocab:
         k_key = _threshold_key(logits, row, inv_temp, scaled_max, k_key, float32(k), False, partial, hist, tid)
+    # Min-p: the tokens within log_min_p of the largest scaled logit (both bounds are lower bounds).
+    lmp = log_min_p[row]
+    if lmp > -math.inf:
+        k_key = max(k_key, _order_key(scaled_max + lmp))
     # Total kept mass.
     mass = float32(0.0)
     for i in range(tid, vocab, SAMPLE_THREADS):
@@ -311,9 +320,10 @@ def sample_kernel(logits, temperature, top_k, top_p, seeds, steps, uniforms, out
 
 def sample(
     logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, top_p: DeviceArray, seeds: DeviceArray, steps: DeviceArray,
-    uniforms: DeviceArray, out_tokens: DeviceArray, stream: object = None,
+    uniforms: DeviceArray, out_tokens: DeviceArray, stream: object = None, log_min_p: DeviceArray = None,
 ) -> DeviceArray:
-    """CUDA launcher: one token per row of ``logits [R, V]`` into ``out_tokens [R]`` int32."""
+    """CUDA launcher: one token per row of ``logits [R, V]`` into ``out_tokens [R]`` int32
+    (``log_min_p`` None: no min-p; under the simulator only, where arrays are NumPy's)."""
     op = "sample"
     check_array(op, "logits", logits, np.float32, ndim=2)
     rows = logits.shape[0]
@@ -324,9 +334,12 @@ def sample(
     check_array(op, "steps", steps, np.int64, (rows,))
     check_array(op, "uniforms", uniforms, np.float32, (rows,))
     check_array(op, "out_tokens", out_tokens, np.int32, (rows,))
+    if log_min_p is None:
+        log_min_p = np.full(rows, -np.inf, np.float32)
+    check_array(op, "log_min_p", log_min_p, np.float32, (rows,))
     if rows:
         sample_kernel[rows, SAMPLE_THREADS, numba_stream(stream)](
-            device_view(logits), device_view(temperature), device_view(top_k), device_view(top_p),
+            device_view(logits), device_view(temperature), device_view(top_k), device_view(top_p), device_view(log_min_p),
             device_view(seeds), device_view(steps), device_view(uniforms), device_view(out_tokens),
         )
     return out_tokens

@@ -16,7 +16,7 @@ from metrale.cache.store import ModelCache, plan_cache
 from metrale.checkpoint import Checkpoint
 from metrale.config import EngineConfig, read_environment
 from metrale.engine.engine import Engine
-from metrale.engine.generation import Request, StopChecker, make_request
+from metrale.engine.generation import Request, RequestGroup, StopChecker, make_group, prompt_logprob_dicts
 from metrale.errors import (
     CheckpointError,
     ConfigError,
@@ -32,7 +32,7 @@ from metrale.family import resolve_family
 from metrale.forward import ModelForward
 from metrale.models import embedded_model_path, embedded_models
 from metrale.ops import build_op_registry
-from metrale.params import RequestOutput, SamplingParams
+from metrale.params import RequestOutput, SamplingParams, generation_defaults
 from metrale.plugin_manager import get_plugin_manager
 from metrale.prompts import Prompt, check_text, parse_prompt, parse_token_ids, split_prompts
 from metrale.sequence import SequenceState
@@ -129,6 +129,11 @@ class LLM:
         self.tokenizer = self.checkpoint.tokenizer()
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self.bos_token_id = _bos_token_id(self.checkpoint)
+        #: The sampling defaults of the checkpoint's ``generation_config.json`` (see
+        #: :func:`~metrale.params.generation_defaults`): they fill the fields a request's
+        #: :class:`SamplingParams` does not set explicitly.
+        self.sampling_defaults = generation_defaults(self.checkpoint.generation_config)
+        self._grammars: Any = None
         self._requests_started = 0
         #: The continuous-batching engine behind :meth:`generate` and :meth:`generate_stream`.
         self.engine = Engine(
@@ -285,7 +290,7 @@ class LLM:
 
     def _requests(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
-    ) -> list[Request]:
+    ) -> list[RequestGroup]:
         """Validated requests for ``prompts``; nothing runs before every prompt passed."""
         prompt_list = split_prompts(prompts)
         if not prompt_list:
@@ -300,25 +305,68 @@ class LLM:
                 raise InvalidRequestError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
         else:
             raise InvalidRequestError(f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r}")
-        # Each request keeps its own copy: later edits of the caller's object do not reach it.
-        copies: dict[int, SamplingParams] = {}
-        requests = []
-        for index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-            if not isinstance(params, SamplingParams):
-                raise InvalidRequestError(f"sampling params must be SamplingParams, got {params!r}")
-            text, ids = self._prompt_ids(prompt, f"prompt {index}")
-            own = copies.setdefault(id(params), copy.copy(params))
-            requests.append(make_request(self._requests_started + index, text, ids, own, self.config.seed, self.tokenizer))
-        self._requests_started += len(requests)
+        checked = [(self._prompt_ids(prompt, f"prompt {index}"), self.request_params(params))
+                   for index, (prompt, params) in enumerate(zip(prompt_list, params_list))]
+        groups = [self.new_group(text, ids, params) for (text, ids), params in checked]
         # (Built per call: ``eos_token_ids`` may be changed between calls.)
         self.engine.stopper = StopChecker(self.eos_token_ids, self.max_model_len)
-        return requests
+        return groups
 
-    def _run_engine(self, requests: list[Request]) -> Iterator[list[Request]]:
-        """Add ``requests`` and step the engine until all are finished, yielding each step's
-        changed requests. Leaving early -- any exception, or a closed stream -- drops the
-        unfinished ones and leaves the engine idle and consistent."""
+    def request_params(self, params: Any) -> SamplingParams:
+        """A request's own copy of ``params`` (later edits of the caller's object do not reach
+        it), with the checkpoint's defaults filled in, checked against the model."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be SamplingParams, got {params!r}")
+        own = copy.copy(params).with_defaults(self.sampling_defaults)
+        own.check_for_model(self.vocab_size)
+        if own.structured_output is not None and self.tokenizer is None:
+            raise TokenizerMissingError(f"{self.checkpoint.path} has no tokenizer.json: structured output needs one")
+        return own
+
+    def new_group(self, text: str | None, ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestGroup:
+        """The request for one checked prompt (its ``n`` completions); compiles its structured
+        output (:class:`~metrale.errors.InvalidRequestError` for a bad schema or grammar)."""
+        grammar = None
+        if params.structured_output is not None:
+            grammar = self.grammar_compiler().compile(params.structured_output)
+        index = self._requests_started
+        self._requests_started += 1
+        return make_group(index, text, ids, params, self.config.seed, self.tokenizer, request_id=request_id, grammar=grammar)
+
+    def grammar_compiler(self) -> Any:
+        """The structured-output compiler of this model's tokenizer (made on first use)."""
+        if self._grammars is None:
+            from metrale.structured import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
+        return self._grammars
+
+    def prompt_logprobs(self, group: RequestGroup) -> None:
+        """Fill ``group.prompt_logprobs`` when its params ask for them: one teacher-forced pass
+        over the prompt (its cache released at once)."""
+        k = group.completions[0].params.prompt_logprobs
+        if k is None:
+            return
+        ids = group.completions[0].prompt_token_ids
+        seq = SequenceState.from_prompt(ids)
         try:
+            with self.backend.activate():
+                logits = self.forward.score(ids, seq)
+                entries = self.engine.sampler.prompt_logprobs(logits[: len(ids) - 1], ids[1:], k) if len(ids) > 1 else []
+            self.cache.release(seq)
+        except BaseException:
+            self._recover(seqs=[seq])
+            raise
+        group.prompt_logprobs = prompt_logprob_dicts(entries, self.tokenizer)
+
+    def _run_engine(self, groups: list[RequestGroup]) -> Iterator[list[Request]]:
+        """Add ``groups``' completions and step the engine until all are finished, yielding each
+        step's changed completions. Leaving early -- any exception, or a closed stream -- drops
+        the unfinished ones and leaves the engine idle and consistent."""
+        requests = [request for group in groups for request in group.completions]
+        try:
+            for group in groups:
+                self.prompt_logprobs(group)
             for request in requests:
                 self.engine.add_request(request)
             while self.engine.has_unfinished():
@@ -347,14 +395,14 @@ class LLM:
         """
         self._take("generate()")
         try:
-            requests = self._requests(prompts, sampling_params)
+            groups = self._requests(prompts, sampling_params)
             bar = None
             if check_bool("use_tqdm", use_tqdm) and self.show_progress:
                 from tqdm.auto import tqdm
 
-                bar = tqdm(total=len(requests), desc="generating", unit="req", leave=False)
+                bar = tqdm(total=sum(len(g.completions) for g in groups), desc="generating", unit="seq", leave=False)
             try:
-                for changed in self._run_engine(requests):
+                for changed in self._run_engine(groups):
                     if bar is not None:
                         done = sum(1 for r in changed if r.finish_reason is not None)
                         if done:
@@ -362,7 +410,7 @@ class LLM:
             finally:
                 if bar is not None:
                     bar.close()
-            outputs = [StopChecker.output(r) for r in requests]
+            outputs = [group.output(finished=True) for group in groups]
         finally:
             self._lock.release()
         for output in outputs:
@@ -389,19 +437,23 @@ class LLM:
         """
         self._take("generate_stream()")
         try:
-            requests = self._requests(prompts, sampling_params)
+            groups = self._requests(prompts, sampling_params)
         except BaseException:
             self._lock.release()
             raise
-        return RequestStream(self._stream(requests), self._lock.release)
+        return RequestStream(self._stream(groups), self._lock.release)
 
-    def _stream(self, requests: list[Request]) -> Generator[RequestOutput, None, None]:
-        for changed in self._run_engine(requests):
+    def _stream(self, groups: list[RequestGroup]) -> Generator[RequestOutput, None, None]:
+        owner = {id(request): group for group in groups for request in group.completions}
+        for changed in self._run_engine(groups):
+            updated: dict[int, RequestGroup] = {}
             for request in changed:
-                finished = request.finish_reason is not None
-                if finished or len(request.generated) > request.streamed:
+                if request.finish_reason is not None or len(request.generated) > request.streamed:
                     request.streamed = len(request.generated)
-                    yield StopChecker.output(request, finished=finished)
+                    group = owner[id(request)]
+                    updated[id(group)] = group
+            for group in updated.values():
+                yield group.output()
 
     def capture_graphs(self, batch_sizes: Sequence[int] | None = None, mixed: bool = True) -> None:
         """Record the CUDA graphs of decode steps ahead of time (a no-op on the CPU).

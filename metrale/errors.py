@@ -94,6 +94,16 @@ class EngineBusyError(MetraleError, RuntimeError):
     the same :class:`~metrale.LLM`: one runs at a time."""
 
 
+class QueueFullError(EngineBusyError):
+    """An :class:`~metrale.AsyncLLM` already holds as many waiting requests as it accepts
+    (``max_waiting_requests``): submit again later (the server answers 503 with ``Retry-After``)."""
+
+
+class RequestAbortedError(MetraleError, RuntimeError):
+    """A request was aborted (:meth:`~metrale.AsyncLLM.abort`, or the engine shut down) before it
+    finished."""
+
+
 class EngineClosedError(MetraleError, RuntimeError):
     """The :class:`~metrale.LLM` was closed; it cannot generate any more."""
 

@@ -119,7 +119,7 @@ def test_the_cli_exits_non_zero_when_a_request_fails(monkeypatch, capsys):
 
     from metrale.runner.sampling import SampledTokens, TokenSampler
 
-    monkeypatch.setattr(TokenSampler, "sample_async", lambda self, logits, params, seeds, steps: SampledTokens(
+    monkeypatch.setattr(TokenSampler, "sample_async", lambda self, logits, params, seeds, steps, extras=None: SampledTokens(
         np.full(len(params), -1, np.int32), tokens=[-1] * len(params)))
     assert main(["generate", "--no-progress", "--device", "cpu", "Return the"]) == 1
     err = capsys.readouterr().err

@@ -43,11 +43,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
+
 from metrale.cache.prefix import PrefixCache
 from metrale.engine.generation import Request, StopChecker, finishing
 from metrale.engine.scheduler import Scheduler, StepPlan
 from metrale.errors import CacheError, ConfigError
-from metrale.runner.sampling import new_sampler
+from metrale.runner.sampling import RowExtras, new_sampler
 from metrale.sequence import PrefillSlice, SequenceState
 
 
@@ -89,7 +91,7 @@ class Engine:
         self.forward = forward
         self.cache = cache
         self.backend = backend
-        self.sampler = new_sampler(backend)
+        self.sampler = new_sampler(backend, max_num_seqs)
         self.stopper = stopper
         # Recurrent state is not in the blocks: such models resume a shared prefix only from a
         # state snapshot, so they use the prefix cache only when snapshots are kept.
@@ -140,8 +142,34 @@ class Engine:
         self._drop_in_flight()
         dropped = list(self.scheduler.running) + list(self.scheduler.waiting)
         for request in dropped:
-            self.scheduler.remove(request)
+            self._remove(request)
         return dropped
+
+    def abort(self, requests: Sequence[Request]) -> list[Request]:
+        """Drop ``requests`` (those still queued; finished ones are left alone): their cache is
+        released and they finish with ``finish_reason == "abort"``. A step in flight that holds
+        one of them is read back first. Returns the requests dropped."""
+        queued = {id(r) for r in self.scheduler.running} | {id(r) for r in self.scheduler.waiting}
+        targets = [r for r in requests if id(r) in queued and r.finish_reason is None]
+        if not targets:
+            return []
+        step = self.in_flight
+        if step is not None and any(id(r) in {id(t) for t in targets} for r in step.members):
+            self.in_flight = None
+            self._finish(step)
+        dropped = []
+        for request in targets:
+            if request.finish_reason is None:
+                request.seq.pending_token = None
+                self._remove(request)
+                request.finish_reason = "abort"
+                dropped.append(request)
+        return dropped
+
+    def _remove(self, request: Request) -> None:
+        """Take ``request`` out of the queues, releasing its cache and its sampler state."""
+        self.sampler.release(request.seq.seq_id)
+        self.scheduler.remove(request)
 
     def _drop_in_flight(self) -> None:
         """Forget the step in flight without reading its tokens: its rows' pending tokens are
@@ -175,6 +203,7 @@ class Engine:
         pending = [*self.scheduler.running, *self.scheduler.waiting, *requests]
         problems: list[str] = []
         for request in {id(r): r for r in pending}.values():
+            self.sampler.release(request.seq.seq_id)
             try:
                 self.scheduler.remove(request)
             except CacheError as error:
@@ -213,7 +242,9 @@ class Engine:
         started = time.perf_counter()
         changed: list[Request] = []
         in_flight = self.in_flight
-        plan = self.scheduler.schedule_ahead() if in_flight is not None else None
+        # A structured output's next mask needs its token read first: no step planned ahead.
+        ahead = in_flight is not None and not any(r.grammar is not None for r in in_flight.rows)
+        plan = self.scheduler.schedule_ahead() if ahead else None
         if in_flight is not None and plan is None:
             # Planned ahead, the step would preempt or be empty: read the step in flight first.
             self.in_flight = None
@@ -265,17 +296,33 @@ class Engine:
             rows = step.rows
             # A row's draw is fixed by its seed and the index of the token it draws.
             steps = [len(r.generated) + (r.seq.pending_token is not None) for r in rows]
+            extras = [self._row_extras(r) for r in rows]
             step.sampled = self.sampler.sample_async(
-                [logits for _, logits in sampled], [r.params for r in rows], [r.seed for r in rows], steps)
+                [logits for _, logits in sampled], [r.params for r in rows], [r.seed for r in rows], steps,
+                extras if any(e is not None for e in extras) else None)
             for index, request in enumerate(rows):
                 request.seq.pending_token = (step.sampled, index)
                 request.prefilled = True
         return step
 
+    def _row_extras(self, request: Request) -> RowExtras | None:
+        """What the sampler needs for ``request``'s row besides its params (None: nothing)."""
+        params = request.params
+        pending = request.seq.pending_token is not None
+        banned = request.banned_tokens(self.stopper.eos_token_ids, pending) if params.min_tokens else ()
+        mask = None
+        if request.grammar is not None:
+            mask = np.zeros(-(-int(self.forward.model.vocab_size) // 32), dtype=np.int32)
+            request.grammar.fill_bitmask(mask)
+        if not (banned or mask is not None or params.penalized):
+            return None
+        seq = request.seq
+        return RowExtras(key=seq.seq_id, tokens=seq.tokens, prompt_len=seq.prompt_len, mask=mask, banned=banned)
+
     def _fail_members(self, plan: StepPlan, error: BaseException) -> None:
         """A step that raised fails every request of it (their cache released; nothing retried)."""
         for request in [*plan.decode, *(chunk.request for chunk in plan.prefill)]:
-            self.scheduler.remove(request)
+            self._remove(request)
             request.seq.pending_token = None
             request.error = f"the forward step failed: {error!r}"
             request.finish_reason = "error"
@@ -286,7 +333,8 @@ class Engine:
         before (its row ran once more, planned ahead) keeps nothing of this step."""
         changed: list[Request] = []
         tokens = step.sampled.tokens() if step.sampled is not None else []
-        for request, token in zip(step.rows, tokens):
+        logprobs = step.sampled.logprobs() if step.sampled is not None else []
+        for request, token, entry in zip(step.rows, tokens, logprobs):
             seq = request.seq
             pending = seq.pending_token
             if pending is not None and pending[0] is step.sampled:
@@ -302,6 +350,13 @@ class Engine:
                 changed.append(request)
                 continue
             seq.tokens.append(int(token))
+            if entry is not None:
+                request.token_logprobs.append(entry)
+            if request.grammar is not None and not request.grammar.accept(int(token)):
+                request.error = f"token {int(token)} does not match the structured output of request {request.request_id}"
+                request.finish_reason = "error"
+                changed.append(request)
+                continue
             self.stopper.update(request, int(token))
             changed.append(request)
         for request, end in zip(step.members, step.ends):
@@ -315,7 +370,7 @@ class Engine:
             # completes waits for that step's logits to prove finite.
             self._publish(request, upto=end)
             if request.finish_reason is not None:
-                self.scheduler.remove(request)
+                self._remove(request)
         return changed
 
     def _run(self, plan: StepPlan) -> tuple[list[tuple[list[Any], Any]], str]:

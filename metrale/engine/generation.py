@@ -13,10 +13,10 @@ into a stop string, so the text a stream hands out only ever grows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
-from metrale.params import RequestOutput, SamplingParams
-from metrale.runner.sampling import request_seed
+from metrale.params import CompletionOutput, Logprob, LogprobsDict, RequestOutput, SamplingParams
+from metrale.runner.sampling import TokenLogprobs, completion_seed, request_seed
 from metrale.sequence import SequenceState
 
 #: Prompt tokens given to the incremental decoder as context for the first generated token.
@@ -52,7 +52,8 @@ class IncrementalText:
 
 @dataclass
 class Request:
-    """One prompt being generated."""
+    """One completion being generated (a request with ``n`` completions runs as ``n`` of these,
+    gathered by a :class:`RequestGroup`)."""
 
     request_id: str
     prompt: str | None
@@ -81,6 +82,14 @@ class Request:
     error: str | None = None
     #: Generated tokens already handed out by a streaming call.
     streamed: int = 0
+    #: This completion's place among its request's ``n``.
+    index: int = 0
+    #: The sampled tokens' log probabilities (when ``params.logprobs`` asks for them).
+    token_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    #: The structured output's matcher (:class:`metrale.structured.GrammarMatcher`), or None.
+    grammar: Any = None
+    #: ``token_logprobs`` as :data:`~metrale.params.LogprobsDict`\\ s, made once per token.
+    _logprob_dicts: list[LogprobsDict] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.seq = SequenceState.from_prompt(self.prompt_token_ids)
@@ -88,6 +97,27 @@ class Request:
     @property
     def generated(self) -> list[int]:
         return self.seq.tokens[self.seq.prompt_len :]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.detokenizer._tokenizer if self.detokenizer is not None else None
+
+    def banned_tokens(self, eos_token_ids: Sequence[int], pending: bool) -> tuple[int, ...]:
+        """The tokens this completion may not draw next: while it has fewer than ``min_tokens``,
+        its stop tokens and (unless ``ignore_eos``) the end-of-sequence tokens. ``pending``: a
+        token sampled before is not read back yet."""
+        params = self.params
+        if len(self.generated) + pending >= params.min_tokens:
+            return ()
+        return tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(eos_token_ids))
+
+    def logprob_dicts(self) -> list[LogprobsDict]:
+        """One :data:`~metrale.params.LogprobsDict` per generated token (the chosen token with
+        its rank, and the most likely alternatives)."""
+        tokenizer = self.tokenizer
+        for entry in self.token_logprobs[len(self._logprob_dicts) :]:
+            self._logprob_dicts.append(logprobs_dict(entry, tokenizer))
+        return self._logprob_dicts[: len(self.generated)]
 
     @property
     def text(self) -> str | None:
@@ -118,6 +148,21 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     return longest
 
 
+def logprobs_dict(entry: TokenLogprobs, tokenizer: Any) -> LogprobsDict:
+    """``{token id: Logprob}`` of one position: the alternatives ranked 1..k, then the chosen
+    token (with its own rank) when it is not among them."""
+
+    def text(token: int) -> str | None:
+        return tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else None
+
+    out: LogprobsDict = {}
+    for rank, (token, value) in enumerate(zip(entry.top_ids, entry.top_logprobs), start=1):
+        out[token] = Logprob(value, rank, text(token))
+    if entry.token not in out:
+        out[entry.token] = Logprob(entry.logprob, entry.rank, text(entry.token))
+    return out
+
+
 class StopChecker:
     """Decides after each token whether a request is finished."""
 
@@ -131,8 +176,11 @@ class StopChecker:
             request.finish_reason, request.stop_reason = "stop", token
         elif token in self.eos_token_ids and not params.ignore_eos:
             request.finish_reason, request.stop_reason = "stop", token
-        if request.finish_reason is None and params.stop and request.detokenizer is not None:
+        early = len(request.generated) < params.min_tokens
+        if request.finish_reason is None and params.stop and request.detokenizer is not None and not early:
             self._find_stop(request, request.detokenizer, params.stop)
+        if request.finish_reason is None and request.grammar is not None and request.grammar.is_finished:
+            request.finish_reason = "stop"
         if request.finish_reason is None:
             full = len(request.generated) >= params.max_tokens
             # The next decode would place the newest token at position len(tokens) - 1.
@@ -157,30 +205,100 @@ class StopChecker:
             request.finish_reason, request.stop_reason = "stop", stop
 
     @staticmethod
-    def output(request: Request, finished: bool = True) -> RequestOutput:
-        """The request's output so far (``finished``: its final output). The text of an
-        unfinished request leaves out a tail that may still become a stop string."""
+    def completion(request: Request, finished: bool = True) -> CompletionOutput:
+        """The completion so far (``finished``: its final state). The text of an unfinished
+        completion leaves out a tail that may still become a stop string."""
         text = request.text
         if text is not None and not finished and request.params.stop:
             text = text[: len(text) - held_back(text, request.params.stop)]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=list(request.prompt_token_ids),
-            token_ids=list(request.generated),
+        logprobs = cumulative = None
+        if request.params.logprobs is not None:
+            logprobs = list(request.logprob_dicts())
+            cumulative = float(sum(entry.logprob for entry in request.token_logprobs[: len(request.generated)]))
+        return CompletionOutput(
+            index=request.index,
             text=text,
+            token_ids=list(request.generated),
+            cumulative_logprob=cumulative,
+            logprobs=logprobs,
             finish_reason=(request.finish_reason or "length") if finished else None,
             stop_reason=request.stop_reason,
-            cached_tokens=request.cached_tokens or 0,
-            error=request.error,
-            finished=finished,
-            num_preemptions=request.num_preemptions,
         )
+
+    @staticmethod
+    def output(request: Request, finished: bool = True) -> RequestOutput:
+        """The :class:`RequestOutput` of a lone completion (see :meth:`RequestGroup.output`)."""
+        return RequestGroup(request.request_id, [request]).output(finished)
+
+
+@dataclass
+class RequestGroup:
+    """A request's ``n`` completions (:class:`Request`\\ s sharing a prompt), and its prompt's
+    log probabilities when asked for."""
+
+    request_id: str
+    completions: list[Request]
+    prompt_logprobs: list[LogprobsDict | None] | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def output(self, finished: bool | None = None) -> RequestOutput:
+        """The request's output so far; ``finished`` (default: whether every completion is)
+        makes the final one."""
+        done = self.finished if finished is None else finished
+        first = self.completions[0]
+        errors = [c.error for c in self.completions if c.error is not None]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=list(first.prompt_token_ids),
+            outputs=[StopChecker.completion(c, finished=done or c.finish_reason is not None) for c in self.completions],
+            finished=done,
+            prompt_logprobs=self.prompt_logprobs,
+            cached_tokens=first.cached_tokens or 0,
+            error=self.error or (errors[0] if errors else None),
+            num_preemptions=sum(c.num_preemptions for c in self.completions),
+        )
+
+
+def prompt_logprob_dicts(entries: Sequence[TokenLogprobs | None], tokenizer: Any) -> list[LogprobsDict | None]:
+    """The ``prompt_logprobs`` of an output: None for the first prompt token, then one dict per
+    later token."""
+    return [None] + [logprobs_dict(entry, tokenizer) if entry is not None else None for entry in entries]
+
+
+def make_group(
+    index: int, prompt: str | None, token_ids: list[int], params: SamplingParams, engine_seed: int, tokenizer: Any = None,
+    request_id: str | None = None, grammar: Any = None,
+) -> RequestGroup:
+    """The ``params.n`` completions of one request (``index``: its number in the engine, which
+    seeds it when ``params.seed`` is None). ``grammar`` (a compiled structured output) gives
+    each completion its own matcher."""
+    seed = request_seed(params.seed, engine_seed, index)
+    name = str(index) if request_id is None else request_id
+    completions = [
+        Request(
+            request_id=name,
+            prompt=prompt,
+            prompt_token_ids=token_ids,
+            params=params,
+            seed=completion_seed(seed, i),
+            detokenizer=IncrementalText(tokenizer, token_ids) if tokenizer is not None else None,
+            index=i,
+            grammar=grammar.matcher() if grammar is not None else None,
+        )
+        for i in range(params.n)
+    ]
+    return RequestGroup(name, completions)
 
 
 def make_request(
     index: int, prompt: str | None, token_ids: list[int], params: SamplingParams, engine_seed: int, tokenizer: Any = None
 ) -> Request:
+    """A lone completion (tests and tools; ``params.n`` is not looked at)."""
     return Request(
         request_id=str(index),
         prompt=prompt,

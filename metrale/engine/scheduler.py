@@ -106,6 +106,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._last_was_prefill = False
+        #: Preemptions over the scheduler's lifetime (for statistics).
+        self.preemptions = 0
 
     # ------------------------------------------------------------------------------ queue
 
@@ -161,6 +163,7 @@ class Scheduler:
             # Commit: back to the waiting queue (in arrival order) once its cache is released.
             self.running, self.waiting, victim.num_preemptions, _ = running, waiting, preemptions, self.release(victim)
             plan.preempted.append(victim)
+            self.preemptions += 1
             return victim
         return None
 

@@ -27,7 +27,7 @@ def llm():
 def scripted(llm, monkeypatch):
     """Make the model 'generate' TEXT, token by token; returns the scripted token ids."""
     script = llm.tokenizer.encode(TEXT, add_special_tokens=False).ids
-    def scripted_tokens(self, logits, params, seeds, steps):
+    def scripted_tokens(self, logits, params, seeds, steps, extras=None):
         tokens = [script[s] for s in steps]
         return SampledTokens(np.array(tokens, np.int32), tokens=tokens)
 
