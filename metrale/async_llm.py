@@ -1,0 +1,351 @@
+"""The asynchronous engine: :class:`AsyncLLM`, requests submitted at any time by any number of
+callers, each receiving its outputs as they are made.
+
+One background thread, the *engine thread*, owns the model, its cache and its
+:class:`~metrale.engine.engine.Engine`, and steps continuously while there is work. Callers (on
+an asyncio event loop) submit requests with :meth:`AsyncLLM.generate`; a request joins the
+running batch at the engine's next step, and every step's new tokens reach the caller's async
+iterator through its event loop. Leaving the iterator early -- ``break``, an exception, a
+cancelled task, a disconnected HTTP client -- aborts the request at the next step: its KV blocks,
+its state slot and its sampler state are freed.
+
+Validation (the prompt, the sampling options, a structured output's schema) happens in the
+caller, when :meth:`AsyncLLM.generate` is called, so a bad request raises there and never reaches
+the engine. The waiting queue is bounded (``max_waiting_requests``): past it, ``generate`` raises
+:class:`~metrale.errors.QueueFullError` at once.
+
+Outputs are cumulative (each holds everything generated so far, as
+:meth:`metrale.LLM.generate_stream`'s): when a caller reads more slowly than tokens arrive, it
+gets the newest output and skips the ones in between, losing nothing.
+
+The :class:`~metrale.LLM` under an ``AsyncLLM`` is taken for the ``AsyncLLM``'s lifetime (its own
+``generate`` raises :class:`~metrale.errors.EngineBusyError` meanwhile); both drive the same
+:class:`~metrale.engine.engine.Engine` class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from metrale.engine.generation import RequestGroup
+from metrale.errors import EngineClosedError, InvalidRequestError, MetraleError, QueueFullError
+from metrale.params import RequestOutput, SamplingParams
+from metrale.prompts import Prompt
+from metrale.validation import check_int
+
+logger = logging.getLogger(__name__)
+
+#: Waiting requests an :class:`AsyncLLM` accepts by default beyond the running ones.
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's load, for metrics and ``/health``.
+
+    ``running`` / ``waiting`` count requests (a request with ``n`` completions counts once)
+    running on the engine and queued for it; ``kv_blocks_used`` / ``kv_blocks_total`` the paged
+    cache (blocks kept only by the prefix cache count as free: they are evicted on demand);
+    ``state_slots_used`` / ``state_slots_total`` recurrent-state slots (0 / 0 for models without);
+    ``prefix_queried_blocks`` / ``prefix_hit_blocks`` the prefix cache's lookups so far;
+    ``preemptions`` the preemptions so far; ``steps`` the engine steps so far.
+    """
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    state_slots_used: int = 0
+    state_slots_total: int = 0
+    prefix_queried_blocks: int = 0
+    prefix_hit_blocks: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV blocks in use (0 to 1)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class _OutputStream:
+    """One request's newest output, handed from the engine thread to the caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.latest: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def push(self, item: RequestOutput | BaseException) -> None:  # on the event loop
+        self.latest = item
+        self.ready.set()
+
+    async def next(self) -> RequestOutput:
+        await self.ready.wait()
+        self.ready.clear()
+        item, self.latest = self.latest, None
+        if isinstance(item, BaseException):
+            raise item
+        assert item is not None
+        return item
+
+
+@dataclass
+class _Active:
+    group: RequestGroup
+    stream: _OutputStream
+    started: bool = False
+    finished: bool = False
+    submitted: float = field(default_factory=time.monotonic)
+
+
+class AsyncLLM:
+    """A model served to concurrent callers (see the module docstring).
+
+    ``model`` is an :class:`~metrale.LLM`, or what :class:`~metrale.LLM` takes (a checkpoint
+    folder or an embedded model name, with the engine options as keywords). ``max_waiting_requests``
+    bounds the requests queued beyond those running. Use it as ``async with AsyncLLM(...) as
+    engine:`` or call :meth:`shutdown`.
+    """
+
+    def __init__(self, model: Any, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, **options: Any) -> None:
+        from metrale.api import LLM
+
+        self.max_waiting_requests = check_int("max_waiting_requests", max_waiting_requests, minimum=0)
+        if isinstance(model, LLM):
+            if options:
+                raise InvalidRequestError(f"engine options {sorted(options)} given with an already loaded LLM")
+            self.llm = model
+        elif isinstance(model, (str, Path)):
+            self.llm = LLM(model, **options)
+        else:
+            raise InvalidRequestError(f"model must be an LLM, a checkpoint folder or an embedded model name, got {model!r}")
+        self.llm._take("AsyncLLM()")
+        self._condition = threading.Condition()
+        self._inbox: deque[_Active] = deque()
+        self._aborts: deque[str] = deque()
+        self._active: dict[str, _Active] = {}
+        self._accepting = True
+        self._stopping = False
+        self._steps = 0
+        self._thread = threading.Thread(target=self._engine_thread, name="metrale-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------ callers
+
+    async def generate(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit one request and iterate over its outputs as they are made; the last has
+        ``finished`` True. ``prompt`` is a text, a list of token ids or a prompt dict (as
+        :meth:`metrale.LLM.generate` takes); ``request_id`` names it for :meth:`abort` (unique
+        among the running requests; default: a new one).
+
+        Raises :class:`~metrale.errors.InvalidRequestError` (and its subclasses) for a bad
+        request, :class:`~metrale.errors.QueueFullError` when the waiting queue is full and
+        :class:`~metrale.errors.EngineClosedError` after :meth:`shutdown` -- all before the
+        first output. Leaving the iteration early aborts the request."""
+        active = self.submit(prompt, sampling_params, request_id)
+        done = False
+        try:
+            while True:
+                output = await active.stream.next()
+                done = output.finished
+                yield output
+                if done:
+                    return
+        finally:
+            if not done:
+                self.abort(active.group.request_id)
+
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> _Active:
+        """Validate and queue a request (the first half of :meth:`generate`, which iterates
+        over what this returns); must be called on the event loop that will read it."""
+        loop = asyncio.get_running_loop()
+        llm = self.llm
+        if request_id is None:
+            request_id = f"req-{uuid.uuid4().hex}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        self._check_open()
+        text, ids = llm._prompt_ids(prompt, "the prompt")
+        params = llm.request_params(sampling_params if sampling_params is not None else SamplingParams())
+        group = llm.new_group(text, ids, params, request_id=request_id)
+        with self._condition:
+            self._check_open()
+            if request_id in self._active:
+                raise InvalidRequestError(f"request_id {request_id!r} is already running")
+            waiting = self.stats().waiting
+            if waiting >= self.max_waiting_requests:
+                raise QueueFullError(
+                    f"{waiting} requests are waiting, as many as this engine accepts (max_waiting_requests="
+                    f"{self.max_waiting_requests}); retry later")
+            active = _Active(group, _OutputStream(loop))
+            self._active[request_id] = active
+            self._inbox.append(active)
+            self._condition.notify()
+        return active
+
+    def abort(self, request_id: str) -> None:
+        """Abort a running or waiting request (from any thread): it is dropped at the engine's
+        next step and its cache freed; its iterator gets a last output with ``finish_reason ==
+        "abort"``. Unknown or finished ids are ignored."""
+        with self._condition:
+            if request_id in self._active:
+                self._aborts.append(request_id)
+                self._condition.notify()
+
+    def stats(self) -> EngineStats:
+        """The engine's load now (any thread)."""
+        engine = self.llm.engine
+        cache = self.llm.cache
+        running_ids = {r.request_id for r in list(engine.scheduler.running)}
+        slots = cache.state_slots
+        prefix = engine.prefix_cache
+        active = len(self._active)
+        return EngineStats(
+            running=len(running_ids),
+            waiting=max(active - len(running_ids), 0),
+            kv_blocks_used=cache.num_blocks - cache.num_free_blocks if cache.spec.uses_blocks else 0,
+            kv_blocks_total=cache.num_blocks if cache.spec.uses_blocks else 0,
+            state_slots_used=(slots.num_slots - slots.num_free) if slots is not None else 0,
+            state_slots_total=slots.num_slots if slots is not None else 0,
+            prefix_queried_blocks=prefix.queried_blocks if prefix is not None else 0,
+            prefix_hit_blocks=prefix.hit_blocks if prefix is not None else 0,
+            preemptions=engine.scheduler.preemptions,
+            steps=self._steps,
+        )
+
+    @property
+    def num_active(self) -> int:
+        """Requests submitted and not finished yet."""
+        return len(self._active)
+
+    def _check_open(self) -> None:
+        if not self._accepting:
+            raise EngineClosedError("the AsyncLLM is shut down; it takes no more requests")
+        if not self._thread.is_alive():
+            raise EngineClosedError("the engine thread has stopped")
+
+    # ----------------------------------------------------------------------------- lifetime
+
+    def shutdown(self, drain_timeout: float = 0.0, close_llm: bool = True) -> None:
+        """Stop taking requests; let the running ones finish for up to ``drain_timeout``
+        seconds, then abort the rest, stop the engine thread and (``close_llm``) close the
+        :class:`~metrale.LLM`, freeing its memory. Blocks until done; calling it again does
+        nothing."""
+        with self._condition:
+            if self._stopping:
+                return
+            self._accepting = False
+        deadline = time.monotonic() + max(float(drain_timeout), 0.0)
+        while self._active and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.01)
+        with self._condition:
+            for request_id in list(self._active):
+                self._aborts.append(request_id)
+            self._stopping = True
+            self._condition.notify()
+        self._thread.join()
+        self.llm._lock.release()
+        if close_llm:
+            self.llm.close()
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    # ------------------------------------------------------------------------ engine thread
+
+    def _engine_thread(self) -> None:
+        engine = self.llm.engine
+        with self.llm.backend.activate():
+            while True:
+                with self._condition:
+                    while not (self._inbox or self._aborts or self._stopping or engine.has_unfinished()):
+                        self._condition.wait()
+                    new, self._inbox = list(self._inbox), deque()
+                    aborts, self._aborts = list(self._aborts), deque()
+                    stopping = self._stopping
+                for active in new:
+                    self._admit(active)
+                self._abort(aborts)
+                if stopping and not engine.has_unfinished():
+                    return
+                if engine.has_unfinished():
+                    self._step()
+
+    def _admit(self, active: _Active) -> None:
+        group = active.group
+        if active.finished:
+            return
+        try:
+            self.llm.prompt_logprobs(group)
+        except MetraleError as error:
+            group.error = f"the prompt's log probabilities could not be computed: {error}"
+            for request in group.completions:
+                request.finish_reason, request.error = "error", group.error
+            self._deliver(active)
+            return
+        for request in group.completions:
+            self.llm.engine.add_request(request)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            active = self._active.get(request_id)
+            if active is None or active.finished:
+                continue
+            self.llm.engine.abort(active.group.completions)
+            for request in active.group.completions:
+                if request.finish_reason is None:  # never admitted
+                    request.finish_reason = "abort"
+            self._deliver(active)
+
+    def _step(self) -> None:
+        engine = self.llm.engine
+        try:
+            changed = engine.step()
+        except Exception as error:  # a failed forward fails its own requests; the others go on
+            logger.error("an engine step failed: %r", error)
+            problems = engine.check()
+            if problems:
+                logger.error("the engine is rebuilt: %s", "; ".join(problems))
+                requests = [r for a in self._active.values() for r in a.group.completions]
+                engine.recover(requests)
+                for request in requests:
+                    if request.finish_reason is None:
+                        request.finish_reason, request.error = "error", f"the engine failed: {error!r}"
+            changed = [r for a in self._active.values() for r in a.group.completions if r.finish_reason is not None]
+        self._steps += 1
+        touched: dict[str, _Active] = {}
+        for request in changed:
+            active = self._active.get(request.request_id)
+            if active is not None and any(r is request for r in active.group.completions):
+                touched[request.request_id] = active
+        for active in touched.values():
+            self._deliver(active)
+
+    def _deliver(self, active: _Active) -> None:
+        group = active.group
+        output = group.output()
+        if output.finished:
+            active.finished = True
+            with self._condition:
+                self._active.pop(group.request_id, None)
+        try:
+            active.stream.loop.call_soon_threadsafe(active.stream.push, output)
+        except RuntimeError:  # the caller's event loop is closed: nobody reads this request
+            if not output.finished:
+                self.llm.engine.abort(group.completions)
+                with self._condition:
+                    self._active.pop(group.request_id, None)
