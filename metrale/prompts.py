@@ -1,7 +1,8 @@
 """What :meth:`metrale.LLM.generate` accepts as prompts, parsed into text or token ids.
 
 A prompt is a ``str``, a list (or tuple, or 1-D integer NumPy array) of token ids, or a dict as
-vLLM takes them: ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}``. ``generate`` takes
+vLLM takes them: ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}`` (with both, the token
+ids run and the text is the output's ``prompt``). ``generate`` takes
 one prompt or a list of prompts. Anything else -- ``None``, ``bytes``, a number, a dict with
 other keys, a token id that is not an int -- raises :class:`~metrale.errors.InvalidRequestError`
 naming the offending value, before any prompt runs.
@@ -25,7 +26,8 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 @dataclass(frozen=True)
 class ParsedPrompt:
-    """A prompt as text (to be tokenized) or as token ids (``text`` then None)."""
+    """A prompt as text (to be tokenized: ``token_ids`` None) or as token ids (with the text they
+    came from, or None)."""
 
     text: str | None
     token_ids: list[int] | None
@@ -76,14 +78,15 @@ def parse_prompt(prompt: Any, label: str) -> ParsedPrompt:
     if isinstance(prompt, Mapping):
         keys = [k for k in _PROMPT_KEYS if k in prompt]
         unknown = [k for k in prompt if k not in _PROMPT_KEYS]
-        if unknown or len(keys) != 1:
+        if unknown or not keys:
             raise InvalidRequestError(
-                f"{label}: a prompt dict holds exactly one of 'prompt' (text) or 'prompt_token_ids', got keys "
+                f"{label}: a prompt dict holds 'prompt' (text) or 'prompt_token_ids' (or both), got keys "
                 f"{sorted(map(str, prompt))}"
             )
-        if keys[0] == "prompt":
-            return ParsedPrompt(check_text(prompt["prompt"], f"{label}['prompt']"), None)
-        return ParsedPrompt(None, parse_token_ids(prompt["prompt_token_ids"], f"{label}['prompt_token_ids']"))
+        text = check_text(prompt["prompt"], f"{label}['prompt']") if "prompt" in prompt else None
+        if "prompt_token_ids" not in prompt:
+            return ParsedPrompt(text, None)
+        return ParsedPrompt(text, parse_token_ids(prompt["prompt_token_ids"], f"{label}['prompt_token_ids']"))
     if isinstance(prompt, (list, tuple, np.ndarray)):
         return ParsedPrompt(None, parse_token_ids(prompt, label))
     raise InvalidRequestError(
