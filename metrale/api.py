@@ -98,6 +98,7 @@ class LLM:
         device: str = "auto",
         plugin_manager: Any = None,
         show_progress: bool = True,
+        chat_template: str | Path | None = None,
         **options: Any,
     ) -> None:
         environment = read_environment()
@@ -127,6 +128,11 @@ class LLM:
         self.model.bind_cache(self.cache)
         self.backend.synchronize()
         self.tokenizer = self.checkpoint.tokenizer()
+        from metrale.chat import ChatTemplate
+
+        #: The chat template (:class:`~metrale.chat.ChatTemplate`): ``chat_template`` (a file or
+        #: Jinja source) or the checkpoint's; None when there is neither.
+        self.chat_template = ChatTemplate.from_checkpoint(self.checkpoint.path, chat_template)
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self.bos_token_id = _bos_token_id(self.checkpoint)
         #: The sampling defaults of the checkpoint's ``generation_config.json`` (see
@@ -248,19 +254,70 @@ class LLM:
 
     # ----------------------------------------------------------------------------- tokens
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (with the tokenizer's special tokens, such as BOS; a text that
-        already starts with the BOS token does not get a second one)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (with the tokenizer's special tokens, such as BOS, unless
+        ``add_special_tokens`` is False; a text that already starts with the BOS token does not
+        get a second one)."""
         text = check_text(text, "the text to encode")
         if self.tokenizer is None:
             raise TokenizerMissingError(f"{self.checkpoint.path} has no tokenizer.json; pass token ids instead of {text!r}")
-        ids = list(self.tokenizer.encode(text).ids)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=check_bool("add_special_tokens", add_special_tokens)).ids)
         bos = self.bos_token_id
         if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
             bos_text = self.tokenizer.id_to_token(bos)
             if bos_text and text.startswith(bos_text):
                 ids = ids[1:]
         return ids
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True, tools: Any = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """The token ids of one conversation rendered by the chat template (as transformers'
+        ``apply_chat_template(..., tokenize=True)``: special tokens the template writes are not
+        added again). Raises :class:`~metrale.errors.InvalidRequestError` for bad messages, or
+        when the model has no chat template (pass ``chat_template=`` to :class:`LLM`)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                            **template_kwargs), add_special_tokens=False)
+
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True, tools: Any = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """The text of one conversation rendered by the chat template (see
+        :meth:`apply_chat_template`)."""
+        if self.chat_template is None:
+            raise InvalidRequestError(
+                f"{self.checkpoint.path} has no chat template (tokenizer_config.json or chat_template.jinja); "
+                "pass chat_template= (a .jinja file or its source)")
+        return self.chat_template.render(list(messages) if isinstance(messages, tuple) else messages,
+                                         add_generation_prompt=check_bool("add_generation_prompt", add_generation_prompt),
+                                         tools=tools, **template_kwargs)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        use_tqdm: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation (a list of ``{"role", "content"}``
+        messages) or to each of a list of conversations, rendered by the chat template
+        (:meth:`apply_chat_template`); otherwise as :meth:`generate`. Each output's ``prompt`` is
+        the rendered text."""
+        if isinstance(messages, dict) or not isinstance(messages, (list, tuple)) or not messages:
+            raise InvalidRequestError(f"chat() takes a conversation (a non-empty list of messages) or a list of them, got {messages!r}")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        extra = dict(chat_template_kwargs or {})
+        prompts: list[Prompt] = []
+        for index, conversation in enumerate(conversations):
+            text = self.render_chat(conversation, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
+            ids = self.encode(text, add_special_tokens=False)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` (special tokens skipped)."""
@@ -276,7 +333,7 @@ class LLM:
 
     def _prompt_ids(self, prompt: Any, label: str) -> tuple[str | None, list[int]]:
         parsed = parse_prompt(prompt, label)
-        ids = self.encode(parsed.text) if parsed.text is not None else parsed.token_ids
+        ids = parsed.token_ids if parsed.token_ids is not None else self.encode(parsed.text or '')
         if not ids:
             raise EmptyPromptError(f"{label} has no tokens")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
