@@ -8,7 +8,9 @@ A request asks for one constraint with :class:`StructuredOutputParams` (the name
   under it. llguidance implements most of JSON Schema draft 2020-12; a schema using a keyword it
   does not implement (``uniqueItems``, for one) is rejected rather than half enforced, while
   annotations (``title``, ``description``, ...) are ignored. Properties come in the schema's
-  order, and whitespace between JSON tokens is free;
+  order, and the JSON has no whitespace between its tokens (unless the schema's ``x-guidance``
+  options set ``whitespace_flexible``: free whitespace lets a weak model write newlines until
+  ``max_tokens``);
 * ``json_object=True`` -- any JSON object (the schema ``{"type": "object"}``);
 * ``regex`` -- the output matches the regular expression as a whole (Rust ``regex`` syntax,
   anchored at both ends);
@@ -230,7 +232,9 @@ class GrammarCompiler:
         kind, text = params.key
         try:
             if kind in ("json", "json_object"):
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
+                # Compact JSON unless the schema's "x-guidance" options say otherwise: free
+                # whitespace lets a weak model emit newlines until max_tokens.
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
             elif kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(text)
             elif kind == "grammar":
