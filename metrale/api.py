@@ -290,7 +290,7 @@ class LLM:
             raise InvalidRequestError(
                 f"{self.checkpoint.path} has no chat template (tokenizer_config.json or chat_template.jinja); "
                 "pass chat_template= (a .jinja file or its source)")
-        return self.chat_template.render(list(messages) if isinstance(messages, tuple) else messages,
+        return self.chat_template.render(list(messages),
                                          add_generation_prompt=check_bool("add_generation_prompt", add_generation_prompt),
                                          tools=tools, **template_kwargs)
 

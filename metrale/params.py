@@ -162,9 +162,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_output: Any = None
+    _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __init__(self, **options: Any) -> None:
-        known = {f.name: f for f in fields(self)}
+        known = {f.name: f for f in fields(self) if f.name != "_explicit"}
         for name in options:
             if name not in known:
                 raise UnknownOptionError(

@@ -13,7 +13,7 @@ into a stop string, so the text a stream hands out only ever grows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from metrale.params import CompletionOutput, Logprob, LogprobsDict, RequestOutput, SamplingParams
 from metrale.runner.sampling import TokenLogprobs, completion_seed, request_seed
@@ -102,7 +102,7 @@ class Request:
     def tokenizer(self) -> Any:
         return self.detokenizer._tokenizer if self.detokenizer is not None else None
 
-    def banned_tokens(self, eos_token_ids: Sequence[int], pending: bool) -> tuple[int, ...]:
+    def banned_tokens(self, eos_token_ids: Iterable[int], pending: bool) -> tuple[int, ...]:
         """The tokens this completion may not draw next: while it has fewer than ``min_tokens``,
         its stop tokens and (unless ``ignore_eos``) the end-of-sequence tokens. ``pending``: a
         token sampled before is not read back yet."""

@@ -202,7 +202,7 @@ def plan_logits(params: Sequence[SamplingParams], extras: Sequence[RowExtras | N
     bias_tokens: list[int] = []
     bias_values: list[float] = []
     mask_rows = np.full(rows, -1, dtype=np.int32)
-    masks = []
+    masks: list[np.ndarray] = []
     for row, (p, extra) in enumerate(zip(params, extras)):
         entries = {t: b for t, b in p.logit_bias.items() if t < vocab}
         if extra is not None:
@@ -260,7 +260,9 @@ class SampledTokens:
 
     def tokens(self) -> list[int]:
         if self._tokens is None:
-            self._tokens, self._logprobs, self._read = (*self._read(), None)
+            tokens, self._logprobs = self._read()
+            self._tokens, self._read = tokens, None
+            return tokens
         return self._tokens
 
     def logprobs(self) -> list[TokenLogprobs | None]:
