@@ -6,7 +6,12 @@ CUDA device.
 
 from metrale._version import __version__
 from metrale.api import LLM
+from metrale.async_llm import AsyncLLM
 from metrale.hookspecs import CONTRACT_VERSION, hookimpl
-from metrale.params import RequestOutput, SamplingParams
+from metrale.params import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from metrale.structured import StructuredOutputParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "hookimpl", "CONTRACT_VERSION", "__version__"]
+__all__ = [
+    "LLM", "AsyncLLM", "SamplingParams", "StructuredOutputParams", "RequestOutput", "CompletionOutput", "Logprob",
+    "hookimpl", "CONTRACT_VERSION", "__version__",
+]
