@@ -674,7 +674,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"token ids are drawn below this (default: the server's, else {DEFAULT_VOCAB_SIZE})")
     add("--request-timeout", type=float, default=600.0, metavar="SECONDS",
         help="a request running longer fails (default: 600)")
-    add("--out", default="bench-serve.json", metavar="FILE", help="JSON result of --serve (default: bench-serve.json)")
     add("--plot-dir", default=None, metavar="DIR", help="also draw DIR/serve.png (needs matplotlib)")
     add("--no-progress", action="store_true", help="hide progress bars")
 
@@ -694,8 +693,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     print(format_table(result))
-    if getattr(args, "out", None):
-        print(f"results: {write_report(result, args.out)}")
+    print(f"results: {write_report(result, args.output)}")
     if args.plot_dir:
         print(f"plot: {plot_serve(result, args.plot_dir)}")
     return 1 if any(run["failed"] for run in result["runs"]) else 0

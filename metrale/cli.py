@@ -88,6 +88,9 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
                         help="run --throughput with overlap scheduling off (each step read back before the next is planned)")
     parser.add_argument("--workdir", default="/tmp/metrale-bench", help="where checkpoints are written")
     parser.add_argument("--output", default="bench.json", help="JSON result file (default: bench.json)")
+    from metrale.bench_serve import add_serve_arguments
+
+    add_serve_arguments(parser)
     parser.set_defaults(handler=_bench)
 
 
@@ -98,6 +101,10 @@ def _bench(args: argparse.Namespace) -> int:
     from metrale.bench import SHAPES, BenchOptions, run, table
     from metrale.errors import BackendUnavailableError, ConfigError
 
+    if args.serve:  # a client of a running server: no GPU needed here
+        from metrale import bench_serve
+
+        return bench_serve.run_from_args(args)
     shapes = tuple(s for s in args.shapes.split(",") if s)
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
