@@ -16,7 +16,9 @@ the engine. The waiting queue is bounded (``max_waiting_requests``): past it, ``
 
 Outputs are cumulative (each holds everything generated so far, as
 :meth:`metrale.LLM.generate_stream`'s): when a caller reads more slowly than tokens arrive, it
-gets the newest output and skips the ones in between, losing nothing.
+gets the newest output and skips the ones in between, losing nothing. An output is made only once
+the caller has taken the one before (and always for the last), so a slow reader costs the engine
+thread nothing per token.
 
 The :class:`~metrale.LLM` under an ``AsyncLLM`` is taken for the ``AsyncLLM``'s lifetime (its own
 ``generate`` raises :class:`~metrale.errors.EngineBusyError` meanwhile); both drive the same
@@ -83,6 +85,9 @@ class _OutputStream:
         self.loop = loop
         self.latest: RequestOutput | BaseException | None = None
         self.ready = asyncio.Event()
+        #: An output was handed over and the caller has not taken it yet (read by the engine
+        #: thread, which then only marks the request as having more).
+        self.unread = False
 
     def push(self, item: RequestOutput | BaseException) -> None:  # on the event loop
         self.latest = item
@@ -92,6 +97,7 @@ class _OutputStream:
         await self.ready.wait()
         self.ready.clear()
         item, self.latest = self.latest, None
+        self.unread = False
         if isinstance(item, BaseException):
             raise item
         assert item is not None
@@ -133,6 +139,8 @@ class AsyncLLM:
         self._inbox: deque[_Active] = deque()
         self._aborts: deque[str] = deque()
         self._active: dict[str, _Active] = {}
+        #: Requests with news whose caller has not taken their previous output yet.
+        self._behind: dict[str, _Active] = {}
         self._accepting = True
         self._stopping = False
         self._steps = 0
@@ -327,19 +335,25 @@ class AsyncLLM:
                         request.finish_reason, request.error = "error", f"the engine failed: {error!r}"
             changed = [r for a in self._active.values() for r in a.group.completions if r.finish_reason is not None]
         self._steps += 1
-        touched: dict[str, _Active] = {}
+        touched: dict[str, _Active] = self._behind
+        self._behind = {}
         for request in changed:
             active = self._active.get(request.request_id)
             if active is not None and any(r is request for r in active.group.completions):
                 touched[request.request_id] = active
-        for active in touched.values():
-            self._deliver(active)
+        for request_id, active in touched.items():
+            if active.stream.unread and not active.group.finished:
+                self._behind[request_id] = active
+            else:
+                self._deliver(active)
 
     def _deliver(self, active: _Active) -> None:
         group = active.group
+        active.stream.unread = True
         output = group.output()
         if output.finished:
             active.finished = True
+            self._behind.pop(group.request_id, None)
             with self._condition:
                 self._active.pop(group.request_id, None)
         try:

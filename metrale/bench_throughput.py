@@ -44,15 +44,28 @@ def build_qwen3_checkpoint(folder: Path) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    if (folder / "config.json").exists():
-        return folder
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_06B)).to(torch.bfloat16)
-    model.save_pretrained(folder)
-    del model
-    torch.cuda.empty_cache()
+    if not (folder / "config.json").exists():
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_06B)).to(torch.bfloat16)
+        model.save_pretrained(folder)
+        del model
+        torch.cuda.empty_cache()
+    if not (folder / "tokenizer.json").exists():
+        write_word_tokenizer(folder / "tokenizer.json", QWEN3_06B["vocab_size"])
     return folder
+
+
+def write_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """A tokenizer of ``vocab_size`` words (``w0``, ``w1``, ...; token ``i`` decodes to `` wi``), so
+    a served random-weight checkpoint streams text the way a real one does: every generated token
+    is decoded, and every one adds text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"\u2581w{i}": i for i in range(vocab_size)}, unk_token="\u2581w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.save(str(path))
 
 
 def workload(options: ThroughputOptions, vocab_size: int) -> tuple[list[list[int]], list[int]]:
