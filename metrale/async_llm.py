@@ -11,7 +11,8 @@ its state slot and its sampler state are freed.
 
 Validation (the prompt, the sampling options, a structured output's schema) happens in the
 caller, when :meth:`AsyncLLM.generate` is called, so a bad request raises there and never reaches
-the engine. The waiting queue is bounded (``max_waiting_requests``): past it, ``generate`` raises
+the engine. The waiting queue is bounded: with ``max_num_seqs`` requests able to run, at most
+``max_num_seqs + max_waiting_requests`` are accepted at once; past that, ``generate`` raises
 :class:`~metrale.errors.QueueFullError` at once.
 
 Outputs are cumulative (each holds everything generated so far, as
@@ -118,7 +119,7 @@ class AsyncLLM:
 
     ``model`` is an :class:`~metrale.LLM`, or what :class:`~metrale.LLM` takes (a checkpoint
     folder or an embedded model name, with the engine options as keywords). ``max_waiting_requests``
-    bounds the requests queued beyond those running. Use it as ``async with AsyncLLM(...) as
+    bounds the requests queued beyond the ``max_num_seqs`` that can run. Use it as ``async with AsyncLLM(...) as
     engine:`` or call :meth:`shutdown`.
     """
 
@@ -191,11 +192,11 @@ class AsyncLLM:
             self._check_open()
             if request_id in self._active:
                 raise InvalidRequestError(f"request_id {request_id!r} is already running")
-            waiting = self.stats().waiting
-            if waiting >= self.max_waiting_requests:
+            limit = self.llm.config.max_num_seqs + self.max_waiting_requests
+            if len(self._active) >= limit:
                 raise QueueFullError(
-                    f"{waiting} requests are waiting, as many as this engine accepts (max_waiting_requests="
-                    f"{self.max_waiting_requests}); retry later")
+                    f"{len(self._active)} requests are running or waiting, as many as this engine accepts (max_num_seqs="
+                    f"{self.llm.config.max_num_seqs} + max_waiting_requests={self.max_waiting_requests}); retry later")
             active = _Active(group, _OutputStream(loop))
             self._active[request_id] = active
             self._inbox.append(active)

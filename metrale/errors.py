@@ -96,7 +96,7 @@ class EngineBusyError(MetraleError, RuntimeError):
 
 class QueueFullError(EngineBusyError):
     """An :class:`~metrale.AsyncLLM` already holds as many waiting requests as it accepts
-    (``max_waiting_requests``): submit again later (the server answers 503 with ``Retry-After``)."""
+    (``max_num_seqs + max_waiting_requests``): submit again later (the server answers 503 with ``Retry-After``)."""
 
 
 class RequestAbortedError(MetraleError, RuntimeError):
