@@ -23,6 +23,7 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "METRALE_NO_PROGRESS": "when set to 1, no progress bars are shown",
     "METRALE_NUMBA_LAUNCH": "when set to 1, numba kernels launch through numba's own launcher, not CuPy's",
     "METRALE_DECODE_MMA": "when set to 0, decode attention runs on CUDA cores where tensor cores would serve",
+    "METRALE_API_KEY": "the API key metrale serve requires when --api-key is not given",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -34,6 +35,13 @@ def environment_flag(name: str, env: Mapping[str, str] | None = None, default: b
     :func:`read_environment` parses it: for a reader that must not depend on the others (the
     kernels read ``METRALE_NUMBA_LAUNCH`` at import). Unset or empty, it is ``default``."""
     return _flag(os.environ if env is None else env, name, default)
+
+
+def environment_api_key(env: Mapping[str, str] | None = None) -> str | None:
+    """``METRALE_API_KEY`` of ``env`` (default: ``os.environ``): the key ``metrale serve``
+    requires when ``--api-key`` is not given; None when unset or empty."""
+    value = (os.environ if env is None else env).get("METRALE_API_KEY", "")
+    return value or None
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
