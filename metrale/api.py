@@ -309,7 +309,8 @@ class LLM:
         (:meth:`apply_chat_template`); otherwise as :meth:`generate`. Each output's ``prompt`` is
         the rendered text."""
         if isinstance(messages, dict) or not isinstance(messages, (list, tuple)) or not messages:
-            raise InvalidRequestError(f"chat() takes a conversation (a non-empty list of messages) or a list of them, got {messages!r}")
+            raise InvalidRequestError(
+                f"chat() takes a conversation (a non-empty list of messages) or a list of them, got {messages!r}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         extra = dict(chat_template_kwargs or {})
         prompts: list[Prompt] = []

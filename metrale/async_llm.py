@@ -106,12 +106,25 @@ class _OutputStream:
 
 
 @dataclass
-class _Active:
+class SubmittedRequest:
+    """A request :meth:`AsyncLLM.submit` queued: :meth:`next_output` waits for its next output
+    (the last has ``finished`` True)."""
+
     group: RequestGroup
     stream: _OutputStream
-    started: bool = False
     finished: bool = False
     submitted: float = field(default_factory=time.monotonic)
+
+    @property
+    def request_id(self) -> str:
+        return self.group.request_id
+
+    async def next_output(self) -> RequestOutput:
+        """The newest output not taken yet (waits for one)."""
+        return await self.stream.next()
+
+
+_Active = SubmittedRequest
 
 
 class AsyncLLM:
@@ -166,7 +179,7 @@ class AsyncLLM:
         done = False
         try:
             while True:
-                output = await active.stream.next()
+                output = await active.next_output()
                 done = output.finished
                 yield output
                 if done:
@@ -175,9 +188,12 @@ class AsyncLLM:
             if not done:
                 self.abort(active.group.request_id)
 
-    def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> _Active:
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+               request_id: str | None = None) -> SubmittedRequest:
         """Validate and queue a request (the first half of :meth:`generate`, which iterates
-        over what this returns); must be called on the event loop that will read it."""
+        over what this returns; the same errors); must be called on the event loop that will
+        read it. The caller reads it with :meth:`SubmittedRequest.next_output` and must
+        :meth:`abort` it if it stops reading before the last output."""
         loop = asyncio.get_running_loop()
         llm = self.llm
         if request_id is None:
@@ -197,7 +213,7 @@ class AsyncLLM:
                 raise QueueFullError(
                     f"{len(self._active)} requests are running or waiting, as many as this engine accepts (max_num_seqs="
                     f"{self.llm.config.max_num_seqs} + max_waiting_requests={self.max_waiting_requests}); retry later")
-            active = _Active(group, _OutputStream(loop))
+            active = SubmittedRequest(group, _OutputStream(loop))
             self._active[request_id] = active
             self._inbox.append(active)
             self._condition.notify()
@@ -232,6 +248,16 @@ class AsyncLLM:
             preemptions=engine.scheduler.preemptions,
             steps=self._steps,
         )
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new requests are taken (False once :meth:`shutdown` began)."""
+        return self._accepting
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine thread runs and new requests are taken."""
+        return self._accepting and self._thread.is_alive()
 
     @property
     def num_active(self) -> int:

@@ -170,7 +170,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(subparsers)
     _add_plugins(subparsers)
     _add_bench(subparsers)
+    _add_serve(subparsers)
     return parser
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    from metrale.server.main import add_serve_arguments
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL over HTTP with OpenAI's completions and chat completions API "
+        "(needs the serve extra: pip install \"metrale[serve]\").",
+    )
+    add_serve_arguments(parser)
+    parser.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from metrale.server.main import run_serve
+
+    return run_serve(args)
 
 
 def _generate(args: argparse.Namespace) -> int:

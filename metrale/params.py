@@ -40,6 +40,10 @@ def _check_stop_token_ids(value: Any) -> tuple[int, ...]:
     return tuple(check_int("stop_token_ids[]", t, minimum=0) for t in value)
 
 
+#: The largest temperature (far past any that still changes the distribution: dividing float32
+#: logits by more leaves them all 0).
+MAX_TEMPERATURE = 1e6
+
 #: The most completions one request may ask for (``n``).
 MAX_N = 128
 
@@ -75,7 +79,7 @@ def _check_structured(value: Any) -> Any:
 #: One check per field: it returns the canonical value or raises InvalidRequestError.
 _FIELD_CHECKS: dict[str, Callable[[Any], Any]] = {
     "max_tokens": lambda v: check_int("max_tokens", v, minimum=1),
-    "temperature": lambda v: check_float("temperature", v, minimum=0.0),
+    "temperature": lambda v: check_float("temperature", v, minimum=0.0, maximum=MAX_TEMPERATURE),
     "top_k": lambda v: check_int("top_k", v, minimum=-1),
     "top_p": lambda v: check_float("top_p", v, minimum=0.0, minimum_exclusive=True, maximum=1.0),
     "seed": lambda v: None if v is None else check_seed("seed", v),
@@ -100,8 +104,9 @@ class SamplingParams:
     """How to generate for one request.
 
     * ``max_tokens`` -- tokens to generate at most (an int >= 1);
-    * ``temperature`` -- 0 means greedy; otherwise logits are divided by it (a finite number
-      >= 0; below :data:`MIN_TEMPERATURE`, 1e-5, sampling is greedy);
+    * ``temperature`` -- 0 means greedy; otherwise logits are divided by it (a number in
+      ``[0, 1e6]``, :data:`MAX_TEMPERATURE`; below :data:`MIN_TEMPERATURE`, 1e-5, sampling is
+      greedy);
     * ``top_k`` -- keep the k most likely tokens (0 or -1: all; above the vocabulary size: all);
     * ``top_p`` -- keep the smallest set of tokens whose probability reaches p (in (0, 1]; 1: all);
     * ``min_p`` -- keep the tokens whose probability is at least ``min_p`` times the most likely

@@ -252,10 +252,24 @@ class GrammarCompiler:
         if prototype.is_error():
             raise InvalidRequestError(f"{kind}: llguidance rejects it: {prototype.get_error().strip()}")
         compiled = CompiledGrammar(self, params, grammar, prototype)
+        self._probe(compiled, kind)
         self._cache[params.key] = compiled
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
         return compiled
+
+    @staticmethod
+    def _probe(compiled: "CompiledGrammar", kind: str) -> None:
+        """Run the first token of a matcher: a grammar llguidance accepts can still exceed its
+        lexer's limits (``a{1000000000}``), which shows only once a token is consumed."""
+        matcher = compiled.matcher()
+        row = np.zeros(compiled.compiler.words, dtype=np.int32)
+        matcher.fill_bitmask(row)
+        allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+        first = next((int(t) for t in allowed if t not in compiled.compiler.eos_token_ids), None)
+        if first is not None and not matcher.accept(first):
+            reason = (matcher.error or "").splitlines()[0] if matcher.error else "it rejects every token"
+            raise InvalidRequestError(f"{kind}: llguidance cannot run it: {reason}")
 
     def allocate_bitmask(self, rows: int) -> np.ndarray:
         """An int32 bitmask ``[rows, words]`` allowing every token (each row for :meth:`GrammarMatcher.fill_bitmask`)."""

@@ -379,7 +379,7 @@ def test_a_refused_token_leaves_the_matcher_in_error(compiler, tokenizer):
 
 def test_rollback_returns_to_earlier_masks(compiler, tokenizer):
     matcher = compiler.compile(StructuredOutputParams(json=PERSON)).matcher()
-    tokens = tokenizer.encode('{"name": "Al", "age": 4', add_special_tokens=False).ids
+    tokens = tokenizer.encode('{"name":"Al","age":4', add_special_tokens=False).ids
     masks = []
     row = np.zeros(compiler.words, np.int32)
     for token in tokens:
@@ -495,3 +495,9 @@ def test_importing_metrale_does_not_import_llguidance():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_a_grammar_past_the_lexers_limits_is_refused_when_compiled(compiler):
+    with pytest.raises(InvalidRequestError, match="llguidance cannot run it"):
+        compiler.compile(StructuredOutputParams(regex="a{1000000000}"))
+    compiler.compile(StructuredOutputParams(regex="a{1000}"))

@@ -80,9 +80,9 @@ def test_penalties_logprobs_and_n_with_overlap_on_and_off(tiny_gpu):
     assert tiny_gpu.engine.overlap
     prompts = ["Return the", "Open a file and read", "x", "The number of items"]
     params = [
-        SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.5, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2),
         SamplingParams(max_tokens=24, temperature=0.8, seed=3, frequency_penalty=1.0, presence_penalty=0.5, n=3),
-        SamplingParams(max_tokens=24, temperature=0.0, min_tokens=20, logit_bias={300: 3.0}),
+        SamplingParams(max_tokens=24, temperature=0.0, min_tokens=20, logit_bias={300: 3.0}, repetition_penalty=1.5),
         SamplingParams(max_tokens=24, temperature=1.0, seed=4, min_p=0.1, prompt_logprobs=2),
     ]
     got = tiny_gpu.generate(prompts, params)

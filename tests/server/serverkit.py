@@ -1,0 +1,131 @@
+"""Helpers of the server tests (imported by them; not a conftest, whose module name the suite's
+root ``tests/conftest.py`` already takes): an engine on the embedded tiny-dense model served by
+uvicorn in a background thread (its own event loop) on a free port of 127.0.0.1, and clients."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+import uvicorn
+
+from metrale import LLM
+from metrale.async_llm import AsyncLLM
+from metrale.server import build_app
+
+MODEL = "tiny-dense"
+API_KEY = "test-key-4f9c2a"
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on 127.0.0.1 (a free port) from a background thread."""
+
+    def __init__(self, app: Any, drain_timeout: float = 2.0) -> None:
+        self.app = app
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=drain_timeout)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+        self.port = 0
+
+    def start(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self, timeout: float = 30) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the test server did not stop"
+
+
+def new_llm(**options: Any) -> LLM:
+    return LLM(MODEL, device="cpu", show_progress=False, **{"max_num_seqs": 64, **options})
+
+
+def http_client(url: str, **kwargs: Any) -> httpx.Client:
+    return httpx.Client(base_url=url, trust_env=False, timeout=kwargs.pop("timeout", 60), **kwargs)
+
+
+def async_http_client(url: str, **kwargs: Any) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    return httpx.AsyncClient(base_url=url, trust_env=False, timeout=kwargs.pop("timeout", 120), limits=limits, **kwargs)
+
+
+def openai_client(url: str, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0,
+                         http_client=httpx.Client(trust_env=False, timeout=60))
+
+
+class Stack:
+    """An engine (``engine_options`` for its LLM, ``max_waiting_requests``), its app
+    (``app_options`` for :func:`build_app`) and uvicorn serving it, with an httpx client
+    (``http``) and an openai client (``client``). ``close()`` stops all of it."""
+
+    def __init__(self, *, max_waiting_requests: int = 1024, engine_options: dict | None = None,
+                 drain_timeout: float = 2.0, **app_options: Any) -> None:
+        self.engine = AsyncLLM(new_llm(**(engine_options or {})), max_waiting_requests=max_waiting_requests)
+        try:
+            self.app = build_app(self.engine, model_name=MODEL, **app_options)
+            self.thread = ServerThread(self.app, drain_timeout=drain_timeout).start()
+        except BaseException:
+            self.engine.shutdown()
+            raise
+        self.url = self.thread.url
+        self.http = http_client(self.url)
+        self.client = openai_client(self.url)
+
+    def close(self) -> None:
+        self.http.close()
+        self.client.close()
+        try:
+            self.thread.stop()
+        finally:
+            self.engine.shutdown()
+
+
+_SAMPLE = re.compile(r"^(metrale_[a-z_]+) ([-+0-9.eE]+|NaN|[+-]Inf)$")
+
+
+def metric_values(http: httpx.Client) -> dict[str, float]:
+    """The unlabelled samples of ``/metrics``."""
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    values = {}
+    for line in response.text.splitlines():
+        match = _SAMPLE.match(line)
+        if match:
+            values[match.group(1)] = float(match.group(2))
+    return values
+
+
+IDLE_METRICS = ("metrale_kv_cache_blocks_used", "metrale_state_slots_used", "metrale_requests_running",
+                "metrale_requests_waiting", "metrale_requests_active")
+
+
+def wait_idle(http: httpx.Client, timeout: float = 5.0) -> dict[str, float]:
+    """Poll ``/metrics`` until nothing is allocated or running, for up to ``timeout`` seconds;
+    returns the last values (the caller asserts on them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metric_values(http)
+        if all(values.get(name) == 0 for name in IDLE_METRICS) or time.monotonic() > deadline:
+            return values
+        time.sleep(0.05)
+
+
+def idle_report(values: dict[str, float]) -> dict[str, float | None]:
+    return {name: values.get(name) for name in IDLE_METRICS}

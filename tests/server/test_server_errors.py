@@ -1,0 +1,344 @@
+"""Malformed and hostile requests: each gets its exact status and an OpenAI-shaped error body
+naming the offending field, and the server goes on serving."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from serverkit import API_KEY, MODEL, Stack, http_client, openai_client, wait_idle  # noqa: E402
+
+COMPLETION = {"model": MODEL, "prompt": "Return the", "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.fixture(scope="module")
+def stack():
+    stack = Stack()
+    yield stack
+    stack.close()
+
+
+@pytest.fixture(scope="module")
+def auth_stack():
+    """A second app, built with an API key."""
+    stack = Stack(api_key=API_KEY)
+    yield stack
+    stack.close()
+
+
+def completion(**fields):
+    body = dict(COMPLETION)
+    for name, value in fields.items():
+        if value is _DROP:
+            body.pop(name, None)
+        else:
+            body[name] = value
+    return body
+
+
+def chat(**fields):
+    body = dict(CHAT)
+    for name, value in fields.items():
+        if value is _DROP:
+            body.pop(name, None)
+        else:
+            body[name] = value
+    return body
+
+
+_DROP = object()
+C, CH = "/v1/completions", "/v1/chat/completions"
+
+# (case, endpoint, body: a dict sent as JSON or raw bytes, status, param)
+CASES = [
+    ("bad JSON", C, b'{"model": "tiny-dense", "prompt": ', 400, None),
+    ("body not an object", C, b"[1, 2, 3]", 400, None),
+    ("body a string", CH, b'"hello"', 400, None),
+    ("empty body", C, b"", 400, None),
+    ("NaN literal", C, b'{"model": "tiny-dense", "prompt": "a", "temperature": NaN}', 400, None),
+    ("not UTF-8", C, b'{"model": "tiny-dense", "prompt": "\xff\xfe"}', 400, None),
+    ("nested too deeply", C, b'{"model": "tiny-dense", "prompt": "a", "user": ' + b"[" * 200 + b"]" * 200 + b"}", 400, None),
+    ("nested past the parser's recursion", C, b'{"model": "tiny-dense", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     400, None),
+    ("missing model", C, completion(model=_DROP), 400, "model"),
+    ("model not a string", C, completion(model=5), 400, "model"),
+    ("unknown model", C, completion(model="gpt-9"), 404, "model"),
+    ("unknown model (chat)", CH, chat(model="gpt-9"), 404, "model"),
+    ("model with a lone surrogate", C, b'{"model": "\\ud800", "prompt": "a"}', 404, "model"),
+    ("missing prompt", C, completion(prompt=_DROP), 400, "prompt"),
+    ("prompt a number", C, completion(prompt=5), 400, "prompt"),
+    ("prompt an object", C, completion(prompt={"text": "a"}), 400, "prompt"),
+    ("empty prompt string", C, completion(prompt=""), 400, "prompt"),
+    ("empty prompt list", C, completion(prompt=[]), 400, "prompt"),
+    ("prompt mixing strings and ints", C, completion(prompt=["a", 1]), 400, "prompt"),
+    ("prompt with bools", C, completion(prompt=[True, 2]), 400, "prompt"),
+    ("token id outside the vocabulary", C, completion(prompt=[1, 99999]), 400, "prompt"),
+    ("negative token id", C, completion(prompt=[-1, 2]), 400, "prompt"),
+    ("an empty token list among prompts", C, completion(prompt=[[1, 2], []]), 400, "prompt"),
+    ("prompt longer than the context", C, completion(prompt=[5] * 2000), 400, "prompt"),
+    ("too many prompts", C, completion(prompt=["a"] * 300), 400, "prompt"),
+    ("prompt with a lone surrogate", C, b'{"model": "tiny-dense", "prompt": "a\\ud800"}', 400, "prompt"),
+    ("max_tokens 0", C, completion(max_tokens=0), 400, "max_tokens"),
+    ("max_tokens -1", C, completion(max_tokens=-1), 400, "max_tokens"),
+    ("max_tokens a string", C, completion(max_tokens="5"), 400, "max_tokens"),
+    ("max_tokens a float", C, completion(max_tokens=5.0), 400, "max_tokens"),
+    ("max_tokens a bool", C, completion(max_tokens=True), 400, "max_tokens"),
+    ("max_tokens beyond the context", C, completion(max_tokens=1_000_000), 400, "max_tokens"),
+    ("max_tokens filling the context exactly plus one", C, completion(prompt=[5] * 1000, max_tokens=25), 400, "max_tokens"),
+    ("max_completion_tokens beyond the context", CH, chat(max_completion_tokens=5000), 400, "max_completion_tokens"),
+    ("temperature -1", C, completion(temperature=-1), 400, "temperature"),
+    ("temperature a word", C, completion(temperature="hot"), 400, "temperature"),
+    ("temperature huge", C, b'{"model": "tiny-dense", "prompt": "a", "temperature": 1e400}', 400, "temperature"),
+    ("top_p 0", C, completion(top_p=0), 400, "top_p"),
+    ("top_p 2", C, completion(top_p=2), 400, "top_p"),
+    ("n 0", C, completion(n=0), 400, "n"),
+    ("n above max_n", C, completion(n=17), 400, "n"),
+    ("n huge", CH, chat(n=10**9), 400, "n"),
+    ("presence_penalty 5", C, completion(presence_penalty=5), 400, "presence_penalty"),
+    ("frequency_penalty -3", CH, chat(frequency_penalty=-3), 400, "frequency_penalty"),
+    ("repetition_penalty -1", C, completion(repetition_penalty=-1), 400, "repetition_penalty"),
+    ("repetition_penalty 0", C, completion(repetition_penalty=0), 400, "repetition_penalty"),
+    ("top_k -5", C, completion(top_k=-5), 400, "top_k"),
+    ("min_p 2", C, completion(min_p=2), 400, "min_p"),
+    ("min_tokens above max_tokens", C, completion(min_tokens=10), 400, "min_tokens"),
+    ("logit_bias non-numeric key", C, completion(logit_bias={"abc": 1}), 400, "logit_bias"),
+    ("logit_bias value 1000", C, completion(logit_bias={"5": 1000}), 400, "logit_bias"),
+    ("logit_bias value a string", C, completion(logit_bias={"5": "up"}), 400, "logit_bias.5"),
+    ("logit_bias token outside the vocabulary", C, completion(logit_bias={"99999": 1}), 400, "logit_bias"),
+    ("logit_bias a list", C, completion(logit_bias=[1, 2]), 400, "logit_bias"),
+    ("logprobs 99", C, completion(logprobs=99), 400, "logprobs"),
+    ("logprobs -1", C, completion(logprobs=-1), 400, "logprobs"),
+    ("logprobs true on completions", C, completion(logprobs=True), 400, "logprobs"),
+    ("top_logprobs 50", CH, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
+    ("top_logprobs without logprobs", CH, chat(top_logprobs=2), 400, "top_logprobs"),
+    ("chat logprobs an int", CH, chat(logprobs=3), 400, "logprobs"),
+    ("prompt_logprobs 99", C, completion(prompt_logprobs=99), 400, "prompt_logprobs"),
+    ("stop a number", C, completion(stop=5), 400, "stop"),
+    ("stop list of 50 strings", C, completion(stop=[f"s{i}" for i in range(50)]), 400, "stop"),
+    ("stop an empty string", C, completion(stop=[""]), 400, "stop"),
+    ("stop holding a number", CH, chat(stop=["a", 1]), 400, "stop"),
+    ("stop string too long", C, completion(stop="x" * 1000), 400, "stop"),
+    ("stop_token_ids outside the vocabulary", C, completion(stop_token_ids=[99999]), 400, "stop_token_ids"),
+    ("stop_token_ids a string", C, completion(stop_token_ids="0"), 400, "stop_token_ids"),
+    ("seed -1", C, completion(seed=-1), 400, "seed"),
+    ("seed 2**64", C, completion(seed=2**64), 400, "seed"),
+    ("seed a string", C, completion(seed="x"), 400, "seed"),
+    ("ignore_eos a string", C, completion(ignore_eos="true"), 400, "ignore_eos"),
+    ("stream 'yes'", C, completion(stream="yes"), 400, "stream"),
+    ("stream 1", CH, chat(stream=1), 400, "stream"),
+    ("stream_options without stream", C, completion(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("include_usage a string", C, completion(stream=True, stream_options={"include_usage": "yes"}), 400,
+     "stream_options.include_usage"),
+    ("suffix", C, completion(suffix=" end"), 400, "suffix"),
+    ("best_of above n", C, completion(best_of=3), 400, "best_of"),
+    ("echo a string", C, completion(echo="yes"), 400, "echo"),
+    ("guided_regex invalid", C, completion(guided_regex="(unclosed"), 400, "guided_regex"),
+    ("guided_regex past the lexer's limits", C, completion(guided_regex="a{1000000000}"), 400, "guided_regex"),
+    ("guided_json invalid schema", C, completion(guided_json={"type": "no-such-type"}), 400, "guided_json"),
+    ("guided_json not a schema", C, completion(guided_json=5), 400, "guided_json"),
+    ("guided_choice empty", C, completion(guided_choice=[]), 400, "guided_choice"),
+    ("guided_grammar invalid", C, completion(guided_grammar="start: ???"), 400, "guided_grammar"),
+    ("two structured outputs", C, completion(guided_regex="a+", guided_choice=["a"]), 400, "guided_choice"),
+    ("structured_outputs unknown key", C, completion(structured_outputs={"xml": "<a/>"}), 400, "structured_outputs.xml"),
+    ("messages missing", CH, chat(messages=_DROP), 400, "messages"),
+    ("messages empty", CH, chat(messages=[]), 400, "messages"),
+    ("messages not a list", CH, chat(messages="hi"), 400, "messages"),
+    ("message not an object", CH, chat(messages=["hi"]), 400, "messages[0]"),
+    ("message without role", CH, chat(messages=[{"content": "hi"}]), 400, "messages[0].role"),
+    ("unknown role", CH, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
+    ("role not a string", CH, chat(messages=[{"role": 1, "content": "hi"}]), 400, "messages[0].role"),
+    ("content a number", CH, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
+    ("content missing", CH, chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
+    ("content part an image", CH, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://example.invalid/a.png"}}]}]), 400, "messages[0].content[0]"),
+    ("second message bad", CH, chat(messages=[{"role": "user", "content": "hi"}, {"role": "user", "content": {"a": 1}}]),
+     400, "messages[1].content"),
+    ("content with a lone surrogate", CH, b'{"model": "tiny-dense", "messages": [{"role": "user", "content": "\\udc00"}]}',
+     400, "messages"),
+    ("response_format invalid schema", CH, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "no-such-type"}}}), 400, "response_format"),
+    ("response_format schema not an object", CH, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": "nope"}}), 400, "response_format.json_schema.schema"),
+    ("response_format json_schema missing", CH, chat(response_format={"type": "json_schema"}), 400,
+     "response_format.json_schema"),
+    ("response_format unknown type", CH, chat(response_format={"type": "yaml"}), 400, "response_format.type"),
+    ("response_format a string", CH, chat(response_format="json"), 400, "response_format"),
+    ("response_format and guided_json", CH, chat(response_format={"type": "json_object"}, guided_json=SCHEMA), 400,
+     "response_format"),
+    ("chat_template_kwargs reserved key", CH, chat(chat_template_kwargs={"messages": []}), 400, "chat_template_kwargs"),
+    ("chat_template_kwargs not an object", CH, chat(chat_template_kwargs=[1]), 400, "chat_template_kwargs"),
+    ("tools not a list", CH, chat(tools={"type": "function"}), 400, "tools"),
+    ("tool_choice required", CH, chat(tool_choice="required"), 400, "tool_choice"),
+    ("add_generation_prompt a string", CH, chat(add_generation_prompt="no"), 400, "add_generation_prompt"),
+    ("continue_final_message", CH, chat(continue_final_message=True), 400, "continue_final_message"),
+]
+
+
+def check_error(response, status, param=None, code=None):
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    assert "param" in error and "code" in error
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+@pytest.mark.parametrize(("endpoint", "body", "status", "param"), [case[1:] for case in CASES], ids=[c[0] for c in CASES])
+def test_bad_request_gets_an_openai_error(stack, endpoint, body, status, param):
+    if isinstance(body, bytes):
+        response = stack.http.post(endpoint, content=body, headers={"content-type": "application/json"})
+    else:
+        response = stack.http.post(endpoint, json=body)
+    error = check_error(response, status, param)
+    assert error["type"] == "invalid_request_error"
+    if status == 404:
+        assert error["code"] == "model_not_found"
+    assert stack.http.get("/health").status_code == 200
+
+
+def test_the_server_still_serves_after_the_bad_requests(stack):
+    answer = stack.client.completions.create(model=MODEL, prompt="Return the", max_tokens=4, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 4
+    chat_answer = stack.client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=3)
+    assert chat_answer.usage.completion_tokens >= 1
+    values = wait_idle(stack.http)
+    assert values["metrale_kv_cache_blocks_used"] == 0 and values["metrale_requests_active"] == 0
+    text = stack.http.get("/metrics").text
+    assert 'metrale_requests_total{endpoint="/v1/completions",status="400"}' in text
+    assert 'status="500"' not in text
+
+
+def test_openai_client_raises_its_typed_errors(stack):
+    with pytest.raises(openai.BadRequestError) as raised:
+        stack.client.completions.create(model=MODEL, prompt="a", max_tokens=4, temperature=-1)
+    assert raised.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        stack.client.chat.completions.create(model="nope", messages=CHAT["messages"])
+
+
+def test_unknown_routes_and_wrong_methods(stack):
+    http = stack.http
+    for path in ("/nope", "/v1/nope", "/v2/completions"):
+        check_error(http.get(path), 404, code="not_found")
+    check_error(http.post("/v1/embeddings", json={}), 404)
+    wrong = http.get("/v1/completions")
+    check_error(wrong, 405, code="method_not_allowed")
+    assert "POST" in wrong.headers["allow"]
+    check_error(http.post("/v1/models", json={}), 405)
+    check_error(http.delete("/v1/chat/completions"), 405)
+    check_error(http.get("/v1/models/gpt-9"), 404, param="model", code="model_not_found")
+
+
+def test_oversized_bodies_get_413(stack):
+    http = stack.http
+    big = json.dumps(completion(prompt="a " * 600_000)).encode()
+    assert len(big) > 1 << 20
+    check_error(http.post(C, content=big, headers={"content-type": "application/json"}), 413, code="request_too_large")
+
+    def chunks():  # no Content-Length: a chunked upload, counted as it arrives
+        yield b'{"model": "tiny-dense", "prompt": "'
+        for _ in range(40):
+            yield b"a " * 16384
+        yield b'"}'
+
+    check_error(http.post(C, content=chunks(), headers={"content-type": "application/json"}), 413)
+    # a declared length over the limit is answered without waiting for the body
+    with socket.create_connection(("127.0.0.1", stack.thread.port), timeout=10) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 1000000000000\r\n\r\n{\"model\": ")
+        answer = b""
+        while b"request_too_large" not in answer:
+            data = raw.recv(65536)
+            if not data:
+                break
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 413") and b"request_too_large" in answer
+    # just under the limit is read (and refused for what it holds, not its size)
+    fits = json.dumps(completion(prompt=[5] * 150_000)).encode()
+    assert len(fits) < 1 << 20
+    check_error(http.post(C, content=fits, headers={"content-type": "application/json"}), 400, param="prompt")
+    assert http.get("/health").status_code == 200
+
+
+def test_api_key(auth_stack):
+    url = auth_stack.url
+    with http_client(url) as http:
+        body = {"model": MODEL, "prompt": "Return the", "max_tokens": 2}
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {API_KEY}"},
+                        {"authorization": API_KEY}, {"authorization": "Bearer " + API_KEY + "x"},
+                        {"authorization": b"Bearer \xe9\xff"}, {"x-api-key": "wrong"}):
+            for path in (C, "/v1/models"):
+                response = http.post(path, json=body, headers=headers) if path == C else http.get(path, headers=headers)
+                error = check_error(response, 401, code="invalid_api_key")
+                assert error["type"] == "authentication_error"
+                assert API_KEY not in response.text
+        check_error(http.get("/v1/nope"), 401)
+        # /health and /metrics need no key
+        assert http.get("/health").status_code == 200
+        assert http.get("/metrics").status_code == 200
+        ok = http.post(C, json=body, headers={"authorization": f"Bearer {API_KEY}"})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+        assert http.post(C, json=body, headers={"x-api-key": API_KEY}).status_code == 200
+        assert http.post(C, json=body, headers={"authorization": f"bearer   {API_KEY}"}).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai_client(url, api_key="wrong").models.list()
+    client = openai_client(url, api_key=API_KEY)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=2).choices
+
+
+def test_a_full_queue_gets_503_with_retry_after():
+    # 2 requests may run and none wait: a third is refused
+    full = Stack(max_waiting_requests=0, engine_options={"max_num_seqs": 2})
+    try:
+        # a request of three prompts is refused as a whole: the two it submitted are aborted
+        response = full.http.post(C, json=completion(prompt=["a", "b", "c"]))
+        error = check_error(response, 503, code="queue_full")
+        assert response.headers["retry-after"] == "1"
+        assert error["type"] == "server_error"
+        values = wait_idle(full.http)
+        assert values["metrale_requests_active"] == 0 and values["metrale_kv_cache_blocks_used"] == 0
+        long = {"model": MODEL, "prompt": "Return the", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with http_client(full.url) as first, http_client(full.url) as second:
+            with first.stream("POST", C, json=long) as one, second.stream("POST", C, json=long) as two:
+                assert one.status_code == two.status_code == 200
+                refused = full.http.post(C, json=COMPLETION)
+                check_error(refused, 503, code="queue_full")
+                assert refused.headers["retry-after"] == "1"
+                with pytest.raises(openai.InternalServerError):
+                    full.client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=2)
+        values = wait_idle(full.http)
+        assert values["metrale_requests_active"] == 0 and values["metrale_kv_cache_blocks_used"] == 0
+        assert full.http.post(C, json=COMPLETION).status_code == 200
+    finally:
+        full.close()
+
+
+def test_a_draining_server_refuses_new_requests():
+    draining = Stack()
+    try:
+        assert draining.http.get("/health").status_code == 200
+        draining.app.state.metrale.begin_drain()
+        response = draining.http.post(C, json=COMPLETION)
+        check_error(response, 503, code="service_unavailable")
+        assert response.headers["retry-after"] == "1"
+        assert draining.http.get("/health").status_code == 503
+        assert draining.http.get("/metrics").status_code == 200
+    finally:
+        draining.close()
