@@ -99,6 +99,9 @@ class _OutputStream:
         self.ready.clear()
         item, self.latest = self.latest, None
         self.unread = False
+        # Hand the interpreter lock to the engine thread if it waits for it: the engine's steps
+        # come first, and callers that fall behind get several tokens per output instead.
+        time.sleep(0)
         if isinstance(item, BaseException):
             raise item
         assert item is not None
@@ -368,13 +371,29 @@ class AsyncLLM:
             active = self._active.get(request.request_id)
             if active is not None and any(r is request for r in active.group.completions):
                 touched[request.request_id] = active
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_OutputStream, RequestOutput]]] = {}
         for request_id, active in touched.items():
             if active.stream.unread and not active.group.finished:
                 self._behind[request_id] = active
             else:
-                self._deliver(active)
+                self._deliver(active, batches)
+        for loop, items in batches.items():
+            self._hand_over(loop, items)
 
-    def _deliver(self, active: _Active) -> None:
+    def _hand_over(self, loop: asyncio.AbstractEventLoop, items: list[tuple[_OutputStream, RequestOutput]]) -> None:
+        """Push ``items`` on ``loop`` with one wake-up."""
+        try:
+            loop.call_soon_threadsafe(_push_all, items)
+        except RuntimeError:  # the callers' event loop is closed: nobody reads these requests
+            for stream, output in items:
+                active = self._active.get(output.request_id)
+                if active is not None and not output.finished:
+                    self.llm.engine.abort(active.group.completions)
+                    with self._condition:
+                        self._active.pop(output.request_id, None)
+
+    def _deliver(self, active: _Active, batches: dict | None = None) -> None:
+        """Make ``active``'s output and hand it over (into ``batches`` when given, else at once)."""
         group = active.group
         active.stream.unread = True
         output = group.output()
@@ -383,10 +402,13 @@ class AsyncLLM:
             self._behind.pop(group.request_id, None)
             with self._condition:
                 self._active.pop(group.request_id, None)
-        try:
-            active.stream.loop.call_soon_threadsafe(active.stream.push, output)
-        except RuntimeError:  # the caller's event loop is closed: nobody reads this request
-            if not output.finished:
-                self.llm.engine.abort(group.completions)
-                with self._condition:
-                    self._active.pop(group.request_id, None)
+        item = (active.stream, output)
+        if batches is None:
+            self._hand_over(active.stream.loop, [item])
+        else:
+            batches.setdefault(active.stream.loop, []).append(item)
+
+
+def _push_all(items: list[tuple[_OutputStream, RequestOutput]]) -> None:  # on the callers' event loop
+    for stream, output in items:
+        stream.push(output)

@@ -254,7 +254,7 @@ class RequestGroup:
         return RequestOutput(
             request_id=self.request_id,
             prompt=first.prompt,
-            prompt_token_ids=list(first.prompt_token_ids),
+            prompt_token_ids=first.prompt_token_ids,  # never changed: shared, not copied per output
             outputs=[StopChecker.completion(c, finished=done or c.finish_reason is not None) for c in self.completions],
             finished=done,
             prompt_logprobs=self.prompt_logprobs,

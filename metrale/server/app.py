@@ -299,6 +299,7 @@ class _Job:
         self._first: set[int] = set()
         self._finished: set[tuple[int, int]] = set()
         self._watcher: asyncio.Task | None = None
+        self._single: Any = None
 
     def submit(self) -> None:
         """Submit every prompt (all or none: a failure aborts those already submitted)."""
@@ -314,7 +315,10 @@ class _Job:
                 self.request_ids.append(request_id)
                 state.metrics.prompt_tokens.inc(len(ids))
                 self._taken.append(asyncio.Event())
-                self.tasks.append(asyncio.ensure_future(self._pump(index, active)))
+                if len(self.prompts) == 1:
+                    self._single = active  # read directly in next(): no pump task
+                else:
+                    self.tasks.append(asyncio.ensure_future(self._pump(index, active)))
         except BaseException:
             self.close()
             raise
@@ -357,6 +361,12 @@ class _Job:
     async def next(self) -> tuple[int, RequestOutput] | None:
         """The next output of any prompt (the oldest waiting), or None when every prompt
         finished or the job was closed."""
+        if self._single is not None:
+            if self.closed or self.done:
+                return None
+            output = await self._single.next_output()
+            self._observe(0, output)
+            return 0, output
         while True:
             if self.closed or len(self.done) == len(self.request_ids):
                 return None
