@@ -475,7 +475,9 @@ async def serve_benchmark(base_url: str, *, model: str | None = None, rates: Seq
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    limits = httpx.Limits(max_connections=num_prompts + 1, max_keepalive_connections=num_prompts + 1)
+    # Idle connections are dropped well before a server's keep-alive timeout (uvicorn's: 5 s), so
+    # a request never goes out on a connection the server is closing.
+    limits = httpx.Limits(max_connections=num_prompts + 1, max_keepalive_connections=num_prompts + 1, keepalive_expiry=1.0)
     timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0))
     async with httpx.AsyncClient(base_url=root, headers=headers, limits=limits, timeout=timeout, transport=transport,
                                  trust_env=False) as client:
