@@ -323,7 +323,7 @@ def sample(
     uniforms: DeviceArray, out_tokens: DeviceArray, stream: object = None, log_min_p: DeviceArray = None,
 ) -> DeviceArray:
     """CUDA launcher: one token per row of ``logits [R, V]`` into ``out_tokens [R]`` int32
-    (``log_min_p`` None: no min-p; under the simulator only, where arrays are NumPy's)."""
+    (``log_min_p`` None: no min-p)."""
     op = "sample"
     check_array(op, "logits", logits, np.float32, ndim=2)
     rows = logits.shape[0]
@@ -334,8 +334,13 @@ def sample(
     check_array(op, "steps", steps, np.int64, (rows,))
     check_array(op, "uniforms", uniforms, np.float32, (rows,))
     check_array(op, "out_tokens", out_tokens, np.int32, (rows,))
-    if log_min_p is None:
-        log_min_p = np.full(rows, -np.inf, np.float32)
+    if log_min_p is None:  # no min-p: an array of -inf where the logits are
+        if isinstance(logits, np.ndarray):
+            log_min_p = np.full(rows, -np.inf, np.float32)
+        else:
+            import cupy
+
+            log_min_p = cupy.full(rows, -np.inf, np.float32)
     check_array(op, "log_min_p", log_min_p, np.float32, (rows,))
     if rows:
         sample_kernel[rows, SAMPLE_THREADS, numba_stream(stream)](
