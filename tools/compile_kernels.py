@@ -32,7 +32,7 @@ def c(dtype, ndim):
 def kernels():
     from metrale.kernels import (
         activation, attention, attention_grouped, attention_latent, attention_prefill, attention_staged, embedding,
-        gated, gated_delta, gemv, head_linear, layernorm, moe, qkv_rope, rmsnorm, sampling,
+        gated, gated_delta, gemv, head_linear, layernorm, logits_process, moe, qkv_rope, rmsnorm, sampling, token_mask,
     )
 
     attention_arguments = (
@@ -90,7 +90,13 @@ def kernels():
         "gemv": (gemv.gemv_kernel, (c(u64, 2), c(u64, 2), c(f32, 2))),
         "gemv_silu": (gemv.gemv_silu_kernel, (c(u64, 2), c(u64, 2), c(u16, 2))),
         "sample": (sampling.sample_kernel, (
-            c(f32, 2), c(f32, 1), c(i32, 1), c(f32, 1), c(i64, 1), c(i64, 1), c(f32, 1), c(i32, 1))),
+            c(f32, 2), c(f32, 1), c(i32, 1), c(f32, 1), c(f32, 1), c(i64, 1), c(i64, 1), c(f32, 1), c(i32, 1))),
+        "logit_bias": (logits_process.logit_bias_kernel, (c(f32, 2), c(i32, 1), c(i32, 1), c(f32, 1))),
+        "penalties": (logits_process.penalty_kernel, (c(f32, 2), c(i32, 1), c(i32, 2), c(f32, 1), c(f32, 1), c(f32, 1))),
+        "count_tokens": (logits_process.count_tokens_kernel, (c(i32, 2), c(i32, 1), c(i32, 1))),
+        "top_logprobs": (logits_process.top_logprobs_kernel, (
+            c(f32, 2), c(i32, 1), c(i32, 1), c(i32, 2), c(f32, 2), c(i32, 1))),
+        "apply_token_bitmask": (token_mask.apply_token_bitmask_kernel, (c(f32, 2), c(i32, 2), c(i32, 1))),
     }
 
 
