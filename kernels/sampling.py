@@ -340,7 +340,10 @@ def sample(
         else:
             import cupy
 
-            log_min_p = cupy.full(rows, -np.inf, np.float32)
+            # Written on the launch's stream, so the kernel reads it after it is filled.
+            on = cupy.cuda.ExternalStream(stream) if isinstance(stream, int) and stream else stream
+            with on if on is not None else cupy.cuda.get_current_stream():
+                log_min_p = cupy.full(rows, -np.inf, np.float32)
     check_array(op, "log_min_p", log_min_p, np.float32, (rows,))
     if rows:
         sample_kernel[rows, SAMPLE_THREADS, numba_stream(stream)](

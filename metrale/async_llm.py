@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from metrale.engine.generation import RequestGroup
-from metrale.errors import EngineClosedError, InvalidRequestError, MetraleError, QueueFullError
+from metrale.errors import EngineClosedError, InvalidRequestError, QueueFullError
 from metrale.params import RequestOutput, SamplingParams
 from metrale.prompts import Prompt
 from metrale.validation import check_int
@@ -127,8 +127,6 @@ class SubmittedRequest:
         return await self.stream.next()
 
 
-_Active = SubmittedRequest
-
 
 class AsyncLLM:
     """A model served to concurrent callers (see the module docstring).
@@ -153,11 +151,11 @@ class AsyncLLM:
             raise InvalidRequestError(f"model must be an LLM, a checkpoint folder or an embedded model name, got {model!r}")
         self.llm._take("AsyncLLM()")
         self._condition = threading.Condition()
-        self._inbox: deque[_Active] = deque()
+        self._inbox: deque[SubmittedRequest] = deque()
         self._aborts: deque[str] = deque()
-        self._active: dict[str, _Active] = {}
+        self._active: dict[str, SubmittedRequest] = {}
         #: Requests with news whose caller has not taken their previous output yet.
-        self._behind: dict[str, _Active] = {}
+        self._behind: dict[str, SubmittedRequest] = {}
         self._accepting = True
         self._stopping = False
         self._steps = 0
@@ -315,21 +313,24 @@ class AsyncLLM:
                     new, self._inbox = list(self._inbox), deque()
                     aborts, self._aborts = list(self._aborts), deque()
                     stopping = self._stopping
-                for active in new:
-                    self._admit(active)
-                self._abort(aborts)
-                if stopping and not engine.has_unfinished():
-                    return
-                if engine.has_unfinished():
-                    self._step()
+                try:
+                    for active in new:
+                        self._admit(active)
+                    self._abort(aborts)
+                    if stopping and not engine.has_unfinished():
+                        return
+                    if engine.has_unfinished():
+                        self._step()
+                except Exception as error:  # never let the thread die with callers waiting on it
+                    self._fail_everything(error)
 
-    def _admit(self, active: _Active) -> None:
+    def _admit(self, active: SubmittedRequest) -> None:
         group = active.group
         if active.finished:
             return
         try:
             self.llm.prompt_logprobs(group)
-        except MetraleError as error:
+        except Exception as error:  # (device memory, say): this request fails, the engine goes on
             group.error = f"the prompt's log probabilities could not be computed: {error}"
             for request in group.completions:
                 request.finish_reason, request.error = "error", group.error
@@ -337,6 +338,19 @@ class AsyncLLM:
             return
         for request in group.completions:
             self.llm.engine.add_request(request)
+
+    def _fail_everything(self, error: Exception) -> None:
+        """After an unexpected error outside a step: every request fails (with ``error``), the
+        engine is made idle and consistent."""
+        logger.error("the engine thread failed: %r; every request is failed", error)
+        actives = list(self._active.values())
+        requests = [r for a in actives for r in a.group.completions]
+        self.llm.engine.recover(requests)
+        for active in actives:
+            for request in active.group.completions:
+                if request.finish_reason is None:
+                    request.finish_reason, request.error = "error", f"the engine failed: {error!r}"
+            self._deliver(active)
 
     def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -365,7 +379,7 @@ class AsyncLLM:
                         request.finish_reason, request.error = "error", f"the engine failed: {error!r}"
             changed = [r for a in self._active.values() for r in a.group.completions if r.finish_reason is not None]
         self._steps += 1
-        touched: dict[str, _Active] = self._behind
+        touched: dict[str, SubmittedRequest] = self._behind
         self._behind = {}
         for request in changed:
             active = self._active.get(request.request_id)
@@ -392,7 +406,7 @@ class AsyncLLM:
                     with self._condition:
                         self._active.pop(output.request_id, None)
 
-    def _deliver(self, active: _Active, batches: dict | None = None) -> None:
+    def _deliver(self, active: SubmittedRequest, batches: dict | None = None) -> None:
         """Make ``active``'s output and hand it over (into ``batches`` when given, else at once)."""
         group = active.group
         active.stream.unread = True

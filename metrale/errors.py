@@ -99,11 +99,6 @@ class QueueFullError(EngineBusyError):
     (``max_num_seqs + max_waiting_requests``): submit again later (the server answers 503 with ``Retry-After``)."""
 
 
-class RequestAbortedError(MetraleError, RuntimeError):
-    """A request was aborted (:meth:`~metrale.AsyncLLM.abort`, or the engine shut down) before it
-    finished."""
-
-
 class EngineClosedError(MetraleError, RuntimeError):
     """The :class:`~metrale.LLM` was closed; it cannot generate any more."""
 

@@ -167,3 +167,43 @@ def test_shutdown_drains_then_aborts_and_refuses_new_requests():
     short, endless = asyncio.run(main())
     assert short.finish_reason == "length" and endless.finish_reason == "abort"
     assert llm.closed
+
+
+def test_unexpected_errors_fail_their_requests_and_the_engine_goes_on(llm, solo, monkeypatch):
+    """An error outside the engine's steps (here computing prompt logprobs, then making an output)
+    fails the requests it touches; the engine thread survives and serves the next ones."""
+    original = llm.prompt_logprobs
+
+    def broken(group):
+        if group.completions[0].params.prompt_logprobs is not None:
+            raise RuntimeError("out of device memory")
+        return original(group)
+
+    monkeypatch.setattr(llm, "prompt_logprobs", broken)
+
+    async def body(engine):
+        failed = await last_output(engine, PROMPTS[0], SamplingParams(max_tokens=4, prompt_logprobs=1))
+        fine = await last_output(engine, PROMPTS[1])
+        from metrale.engine.generation import RequestGroup
+
+        output = RequestGroup.output
+        calls = {"n": 0}
+
+        def flaky(self, finished=None):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("a detokenizer bug")
+            return output(self, finished)
+
+        monkeypatch.setattr(RequestGroup, "output", flaky)
+        hit = await last_output(engine, PROMPTS[2])
+        monkeypatch.setattr(RequestGroup, "output", output)
+        after = await last_output(engine, PROMPTS[3])
+        return failed, fine, hit, after
+
+    failed, fine, hit, after = run_with(llm, body)
+    assert failed.finish_reason == "error" and "out of device memory" in failed.error
+    assert fine.token_ids == solo[1]
+    assert hit.finish_reason == "error" and "detokenizer bug" in hit.error
+    assert after.token_ids == solo[3]
+    assert llm.cache.holdings() == (0, 0) and llm.engine.check() == []

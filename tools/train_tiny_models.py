@@ -209,6 +209,32 @@ def train(name: str, args, tokenizer, train_stream, held_out_stream, corpus: dic
 # ------------------------------------------------------------------------------- export
 
 
+#: The chat template of every tiny model (the tokenizer has no chat tokens: turns are marked in plain
+#: text, the prompt starts with the BOS and an assistant turn ends with the EOS, where generation stops).
+CHAT_TEMPLATE = r"""{{- bos_token }}
+{%- for message in messages %}
+    {{- '### ' + message['role'] + '\n' }}
+    {%- if message['content'] is string %}
+        {{- message['content'] }}
+    {%- elif message['content'] is defined %}
+        {%- for part in message['content'] if part['type'] == 'text' %}
+            {{- part['text'] }}
+        {%- endfor %}
+    {%- endif %}
+    {%- if message['role'] == 'assistant' %}
+        {{- eos_token }}
+    {%- else %}
+        {{- '\n\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '### assistant\n' }}
+{%- endif %}
+"""
+
+#: ``tokenizer_config.json`` besides the template.
+TOKENIZER_CONFIG = {'tokenizer_class': 'PreTrainedTokenizerFast', 'bos_token': '<|endoftext|>', 'eos_token': '<|endoftext|>', 'pad_token': '<|endoftext|>', 'clean_up_tokenization_spaces': False, 'model_max_length': 1024}
+
 CARD = """# {name}
 
 A tiny `{architecture}` trained from scratch to exercise Metrale's {family} family. It writes
@@ -225,6 +251,11 @@ text that reads like Python's documentation; it knows nothing else.
 | software | torch {torch_version}, transformers {transformers_version}, tokenizers {tokenizers_version} |
 | held-out perplexity (bf16 weights) | **{ppl:.2f}** |
 | unigram baseline perplexity (add-one smoothed, same tokens) | {unigram:.2f} |
+
+Its `tokenizer_config.json` holds a chat template. The tokenizer has no chat tokens, so the template marks
+turns in plain text (`### user`, `### assistant`, ..., each on its own line), starts the prompt with the BOS
+`<|endoftext|>` and ends each assistant turn with the same token, the EOS, where generation stops; the
+model was never trained on conversations, so its replies still read like Python's documentation.
 
 Reproduce: `python tools/train_tiny_models.py --models {name} --steps {steps} --batch {batch}
 --seq-len {seq_len} --lr {lr} --vocab-size {vocab} --eval-every {eval_every} --seed {seed} --corpus-file CORPUS.json --device DEVICE`
@@ -253,6 +284,8 @@ def export(name: str, result: dict, args, tokenizer, corpus: dict, digest: str, 
     model.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({**TOKENIZER_CONFIG, "chat_template": CHAT_TEMPLATE}, indent=2, ensure_ascii=False) + "\n")
     config = model.config
     size_mb = sum(p.numel() for p in model.parameters()) * 2 / 1e6
     family = {"tiny-dense": "dense", "tiny-mla": "MLA", "tiny-gdn": "GDN"}[name]

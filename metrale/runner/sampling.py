@@ -194,9 +194,31 @@ class LogitsPlan:
         return bool(len(self.bias_rows)) or self.penalized or self.masks is not None
 
 
+#: The plan of a step whose rows process nothing, by row count (read only).
+_PLAIN_PLANS: dict[int, LogitsPlan] = {}
+
+
+def _plain_plan(rows: int) -> LogitsPlan:
+    plan = _PLAIN_PLANS.get(rows)
+    if plan is None:
+        none_i, none_f = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32)
+        ones = np.ones(rows, dtype=np.float32)
+        zeros = np.zeros(rows, dtype=np.float32)
+        plan = _PLAIN_PLANS[rows] = LogitsPlan(
+            bias_rows=none_i, bias_tokens=none_i, bias_values=none_f, penalized=False, repetition=ones,
+            frequency=zeros, presence=zeros, mask_rows=np.full(rows, -1, dtype=np.int32), masks=None,
+            logprob_ks=np.full(rows, -1, dtype=np.int32), log_min_p=np.full(rows, -np.inf, dtype=np.float32))
+        for array in (ones, zeros, plan.mask_rows, plan.logprob_ks, plan.log_min_p):
+            array.flags.writeable = False
+    return plan
+
+
 def plan_logits(params: Sequence[SamplingParams], extras: Sequence[RowExtras | None] | None, vocab: int) -> LogitsPlan:
-    """The processing of one step's rows."""
+    """The processing of one step's rows (a shared plan, made once, when no row asks for any:
+    the common decode step pays one pass over its params)."""
     rows = len(params)
+    if extras is None and not any(p.logit_bias or p.logprobs is not None or p.min_p > 0 or p.penalized for p in params):
+        return _plain_plan(rows)
     extras = extras if extras is not None else [None] * rows
     bias_rows: list[int] = []
     bias_tokens: list[int] = []
