@@ -18,6 +18,8 @@ seed fixes the tokens on the device.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 _MASK = (1 << 64) - 1
@@ -341,7 +343,7 @@ def sample(
             import cupy
 
             # Written on the launch's stream, so the kernel reads it after it is filled.
-            on = cupy.cuda.ExternalStream(stream) if isinstance(stream, int) and stream else stream
+            on: Any = cupy.cuda.ExternalStream(stream) if isinstance(stream, int) and stream else stream
             with on if on is not None else cupy.cuda.get_current_stream():
                 log_min_p = cupy.full(rows, -np.inf, np.float32)
     check_array(op, "log_min_p", log_min_p, np.float32, (rows,))
