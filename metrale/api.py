@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 from pathlib import Path
@@ -24,17 +23,15 @@ from metrale.errors import (
     EngineBusyError,
     EngineClosedError,
     InvalidRequestError,
-    PromptTooLongError,
-    TokenizerMissingError,
-    TokenOutOfRangeError,
 )
 from metrale.family import resolve_family
 from metrale.forward import ModelForward
+from metrale.frontend import PromptFrontend
 from metrale.models import embedded_model_path, embedded_models
 from metrale.ops import build_op_registry
-from metrale.params import RequestOutput, SamplingParams, generation_defaults
+from metrale.params import RequestOutput, SamplingParams
 from metrale.plugin_manager import get_plugin_manager
-from metrale.prompts import Prompt, check_text, parse_prompt, parse_token_ids, split_prompts
+from metrale.prompts import Prompt, split_prompts
 from metrale.sequence import SequenceState
 from metrale.streams import RequestStream
 from metrale.validation import check_bool
@@ -56,17 +53,7 @@ def resolve_model_path(model: str | Path) -> Path:
     raise CheckpointError(f"model {str(model)!r} {reason} (embedded: {', '.join(embedded_models()) or 'none'})")
 
 
-def _bos_token_id(checkpoint: Checkpoint) -> int | None:
-    """The beginning-of-sequence id of ``generation_config.json`` or ``config.json`` (None when
-    neither names an int)."""
-    for source in (checkpoint.generation_config, checkpoint.config):
-        value = source.get("bos_token_id")
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
-
-
-class LLM:
+class LLM(PromptFrontend):
     """A loaded model, ready to generate.
 
     ``model`` is a checkpoint folder (``config.json``, ``*.safetensors``, optionally
@@ -121,25 +108,12 @@ class LLM:
                 )
         if self.model is None:
             raise CheckpointError(f"no plugin built a model for family {self.family.name!r}")
-        self.vocab_size = int(self.model.vocab_size)
-        self.max_model_len = int(self.model.max_model_len)
+        PromptFrontend.__init__(self, self.checkpoint, vocab_size=self.model.vocab_size,
+                                max_model_len=self.model.max_model_len, chat_template=chat_template)
         self.forward = ModelForward(self.model, self.plugin_manager, environment)
         self.cache = self._build_cache()
         self.model.bind_cache(self.cache)
         self.backend.synchronize()
-        self.tokenizer = self.checkpoint.tokenizer()
-        from metrale.chat import ChatTemplate
-
-        #: The chat template (:class:`~metrale.chat.ChatTemplate`): ``chat_template`` (a file or
-        #: Jinja source) or the checkpoint's; None when there is neither.
-        self.chat_template = ChatTemplate.from_checkpoint(self.checkpoint.path, chat_template)
-        self.eos_token_ids = self.checkpoint.eos_token_ids()
-        self.bos_token_id = _bos_token_id(self.checkpoint)
-        #: The sampling defaults of the checkpoint's ``generation_config.json`` (see
-        #: :func:`~metrale.params.generation_defaults`): they fill the fields a request's
-        #: :class:`SamplingParams` does not set explicitly.
-        self.sampling_defaults = generation_defaults(self.checkpoint.generation_config)
-        self._grammars: Any = None
         self._requests_started = 0
         #: The continuous-batching engine behind :meth:`generate` and :meth:`generate_stream`.
         self.engine = Engine(
@@ -254,46 +228,6 @@ class LLM:
 
     # ----------------------------------------------------------------------------- tokens
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` (with the tokenizer's special tokens, such as BOS, unless
-        ``add_special_tokens`` is False; a text that already starts with the BOS token does not
-        get a second one)."""
-        text = check_text(text, "the text to encode")
-        if self.tokenizer is None:
-            raise TokenizerMissingError(f"{self.checkpoint.path} has no tokenizer.json; pass token ids instead of {text!r}")
-        ids = list(self.tokenizer.encode(text, add_special_tokens=check_bool("add_special_tokens", add_special_tokens)).ids)
-        bos = self.bos_token_id
-        if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
-            bos_text = self.tokenizer.id_to_token(bos)
-            if bos_text and text.startswith(bos_text):
-                ids = ids[1:]
-        return ids
-
-    def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True, tools: Any = None,
-        **template_kwargs: Any,
-    ) -> list[int]:
-        """The token ids of one conversation rendered by the chat template (as transformers'
-        ``apply_chat_template(..., tokenize=True)``: special tokens the template writes are not
-        added again). Raises :class:`~metrale.errors.InvalidRequestError` for bad messages, or
-        when the model has no chat template (pass ``chat_template=`` to :class:`LLM`)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                            **template_kwargs), add_special_tokens=False)
-
-    def render_chat(
-        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True, tools: Any = None,
-        **template_kwargs: Any,
-    ) -> str:
-        """The text of one conversation rendered by the chat template (see
-        :meth:`apply_chat_template`)."""
-        if self.chat_template is None:
-            raise InvalidRequestError(
-                f"{self.checkpoint.path} has no chat template (tokenizer_config.json or chat_template.jinja); "
-                "pass chat_template= (a .jinja file or its source)")
-        return self.chat_template.render(list(messages),
-                                         add_generation_prompt=check_bool("add_generation_prompt", add_generation_prompt),
-                                         tools=tools, **template_kwargs)
-
     def chat(
         self,
         messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
@@ -320,30 +254,6 @@ class LLM:
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of ``token_ids`` (special tokens skipped)."""
-        if not isinstance(token_ids, (list, tuple, np.ndarray)):
-            raise InvalidRequestError(f"decode() takes a list of token ids, got {token_ids!r}")
-        ids = parse_token_ids(token_ids, "token_ids")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise TokenOutOfRangeError(f"token_ids holds token id {bad[0]}, outside [0, {self.vocab_size})")
-        if self.tokenizer is None:
-            raise TokenizerMissingError(f"{self.checkpoint.path} has no tokenizer.json")
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _prompt_ids(self, prompt: Any, label: str) -> tuple[str | None, list[int]]:
-        parsed = parse_prompt(prompt, label)
-        ids = parsed.token_ids if parsed.token_ids is not None else self.encode(parsed.text or '')
-        if not ids:
-            raise EmptyPromptError(f"{label} has no tokens")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise TokenOutOfRangeError(f"{label} holds token id {bad[0]}, outside [0, {self.vocab_size})")
-        if len(ids) > self.max_model_len:
-            raise PromptTooLongError(f"{label} has {len(ids)} tokens, more than the model's context of {self.max_model_len}")
-        return parsed.text, ids
-
     # ------------------------------------------------------------------------- generation
 
     def _requests(
@@ -363,23 +273,12 @@ class LLM:
                 raise InvalidRequestError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
         else:
             raise InvalidRequestError(f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r}")
-        checked = [(self._prompt_ids(prompt, f"prompt {index}"), self.request_params(params))
+        checked = [(self.prompt_ids(prompt, f"prompt {index}"), self.request_params(params))
                    for index, (prompt, params) in enumerate(zip(prompt_list, params_list))]
         groups = [self.new_group(text, ids, params) for (text, ids), params in checked]
         # (Built per call: ``eos_token_ids`` may be changed between calls.)
         self.engine.stopper = StopChecker(self.eos_token_ids, self.max_model_len)
         return groups
-
-    def request_params(self, params: Any) -> SamplingParams:
-        """A request's own copy of ``params`` (later edits of the caller's object do not reach
-        it), with the checkpoint's defaults filled in, checked against the model."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be SamplingParams, got {params!r}")
-        own = copy.copy(params).with_defaults(self.sampling_defaults)
-        own.check_for_model(self.vocab_size)
-        if own.structured_output is not None and self.tokenizer is None:
-            raise TokenizerMissingError(f"{self.checkpoint.path} has no tokenizer.json: structured output needs one")
-        return own
 
     def new_group(self, text: str | None, ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestGroup:
         """The request for one checked prompt (its ``n`` completions); compiles its structured
@@ -390,14 +289,6 @@ class LLM:
         index = self._requests_started
         self._requests_started += 1
         return make_group(index, text, ids, params, self.config.seed, self.tokenizer, request_id=request_id, grammar=grammar)
-
-    def grammar_compiler(self) -> Any:
-        """The structured-output compiler of this model's tokenizer (made on first use)."""
-        if self._grammars is None:
-            from metrale.structured import GrammarCompiler
-
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
-        return self._grammars
 
     def prompt_logprobs(self, group: RequestGroup) -> None:
         """Fill ``group.prompt_logprobs`` when its params ask for them: one teacher-forced pass
@@ -547,7 +438,7 @@ class LLM:
         try:
             if isinstance(token_ids, (str, dict)):
                 raise InvalidRequestError(f"score() takes a list of token ids, got {token_ids!r}")
-            _, ids = self._prompt_ids(token_ids, "the scored sequence")
+            _, ids = self.prompt_ids(token_ids, "the scored sequence")
             seq = SequenceState.from_prompt(ids)
             try:
                 logits = self.backend.to_numpy(self.forward.score(ids, seq)).copy()
