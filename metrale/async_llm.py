@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from metrale.engine.driver import EngineDriver, EngineStats
 from metrale.engine.generation import RequestGroup
 from metrale.errors import EngineClosedError, InvalidRequestError, QueueFullError
 from metrale.params import RequestOutput, SamplingParams
@@ -48,35 +49,6 @@ logger = logging.getLogger(__name__)
 
 #: Waiting requests an :class:`AsyncLLM` accepts by default beyond the running ones.
 DEFAULT_MAX_WAITING_REQUESTS = 1024
-
-
-@dataclass
-class EngineStats:
-    """A snapshot of the engine's load, for metrics and ``/health``.
-
-    ``running`` / ``waiting`` count requests (a request with ``n`` completions counts once)
-    running on the engine and queued for it; ``kv_blocks_used`` / ``kv_blocks_total`` the paged
-    cache (blocks kept only by the prefix cache count as free: they are evicted on demand);
-    ``state_slots_used`` / ``state_slots_total`` recurrent-state slots (0 / 0 for models without);
-    ``prefix_queried_blocks`` / ``prefix_hit_blocks`` the prefix cache's lookups so far;
-    ``preemptions`` the preemptions so far; ``steps`` the engine steps so far.
-    """
-
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    state_slots_used: int = 0
-    state_slots_total: int = 0
-    prefix_queried_blocks: int = 0
-    prefix_hit_blocks: int = 0
-    preemptions: int = 0
-    steps: int = 0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of the KV blocks in use (0 to 1)."""
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 class _OutputStream:
@@ -128,41 +100,31 @@ class SubmittedRequest:
 
 
 
-class AsyncLLM:
-    """A model served to concurrent callers (see the module docstring).
+class AsyncEngineAPI:
+    """What :class:`AsyncLLM` and :class:`~metrale.engine_process.EngineProcess` share: the
+    async iteration over a request's outputs and the ``async with`` block. A subclass provides
+    ``submit``, ``abort``, ``stats``, ``num_active``, ``is_running`` and ``shutdown``."""
 
-    ``model`` is an :class:`~metrale.LLM`, or what :class:`~metrale.LLM` takes (a checkpoint
-    folder or an embedded model name, with the engine options as keywords). ``max_waiting_requests``
-    bounds the requests queued beyond the ``max_num_seqs`` that can run. Use it as ``async with AsyncLLM(...) as
-    engine:`` or call :meth:`shutdown`.
-    """
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+               request_id: str | None = None) -> Any:
+        raise NotImplementedError
 
-    def __init__(self, model: Any, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, **options: Any) -> None:
-        from metrale.api import LLM
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
 
-        self.max_waiting_requests = check_int("max_waiting_requests", max_waiting_requests, minimum=0)
-        if isinstance(model, LLM):
-            if options:
-                raise InvalidRequestError(f"engine options {sorted(options)} given with an already loaded LLM")
-            self.llm = model
-        elif isinstance(model, (str, Path)):
-            self.llm = LLM(model, **options)
-        else:
-            raise InvalidRequestError(f"model must be an LLM, a checkpoint folder or an embedded model name, got {model!r}")
-        self.llm._take("AsyncLLM()")
-        self._condition = threading.Condition()
-        self._inbox: deque[SubmittedRequest] = deque()
-        self._aborts: deque[str] = deque()
-        self._active: dict[str, SubmittedRequest] = {}
-        #: Requests with news whose caller has not taken their previous output yet.
-        self._behind: dict[str, SubmittedRequest] = {}
-        self._accepting = True
-        self._stopping = False
-        self._steps = 0
-        self._thread = threading.Thread(target=self._engine_thread, name="metrale-engine", daemon=True)
-        self._thread.start()
+    def stats(self) -> EngineStats:
+        raise NotImplementedError
 
-    # ------------------------------------------------------------------------------ callers
+    @property
+    def num_active(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def is_running(self) -> bool:
+        raise NotImplementedError
+
+    def shutdown(self, drain_timeout: float = 0.0, close_llm: bool = True) -> None:
+        raise NotImplementedError
 
     async def generate(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
@@ -187,7 +149,50 @@ class AsyncLLM:
                     return
         finally:
             if not done:
-                self.abort(active.group.request_id)
+                self.abort(active.request_id)
+
+    async def __aenter__(self) -> "AsyncEngineAPI":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+
+class AsyncLLM(AsyncEngineAPI):
+    """A model served to concurrent callers (see the module docstring).
+
+    ``model`` is an :class:`~metrale.LLM`, or what :class:`~metrale.LLM` takes (a checkpoint
+    folder or an embedded model name, with the engine options as keywords). ``max_waiting_requests``
+    bounds the requests queued beyond the ``max_num_seqs`` that can run. Use it as ``async with AsyncLLM(...) as
+    engine:`` or call :meth:`shutdown`.
+    """
+
+    def __init__(self, model: Any, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, **options: Any) -> None:
+        from metrale.api import LLM
+
+        self.max_waiting_requests = check_int("max_waiting_requests", max_waiting_requests, minimum=0)
+        if isinstance(model, LLM):
+            if options:
+                raise InvalidRequestError(f"engine options {sorted(options)} given with an already loaded LLM")
+            self.llm = model
+        elif isinstance(model, (str, Path)):
+            self.llm = LLM(model, **options)
+        else:
+            raise InvalidRequestError(f"model must be an LLM, a checkpoint folder or an embedded model name, got {model!r}")
+        self.llm._take("AsyncLLM()")
+        self._driver = EngineDriver(self.llm)
+        self._condition = threading.Condition()
+        self._inbox: deque[SubmittedRequest] = deque()
+        self._aborts: deque[str] = deque()
+        self._active: dict[str, SubmittedRequest] = {}
+        #: Requests with news whose caller has not taken their previous output yet.
+        self._behind: dict[str, SubmittedRequest] = {}
+        self._accepting = True
+        self._stopping = False
+        self._thread = threading.Thread(target=self._engine_thread, name="metrale-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------ callers
 
     def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                request_id: str | None = None) -> SubmittedRequest:
@@ -202,7 +207,7 @@ class AsyncLLM:
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
         self._check_open()
-        text, ids = llm._prompt_ids(prompt, "the prompt")
+        text, ids = llm.prompt_ids(prompt, "the prompt")
         params = llm.request_params(sampling_params if sampling_params is not None else SamplingParams())
         group = llm.new_group(text, ids, params, request_id=request_id)
         with self._condition:
@@ -231,24 +236,7 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         """The engine's load now (any thread)."""
-        engine = self.llm.engine
-        cache = self.llm.cache
-        running_ids = {r.request_id for r in list(engine.scheduler.running)}
-        slots = cache.state_slots
-        prefix = engine.prefix_cache
-        active = len(self._active)
-        return EngineStats(
-            running=len(running_ids),
-            waiting=max(active - len(running_ids), 0),
-            kv_blocks_used=cache.num_blocks - cache.num_free_blocks if cache.spec.uses_blocks else 0,
-            kv_blocks_total=cache.num_blocks if cache.spec.uses_blocks else 0,
-            state_slots_used=(slots.num_slots - slots.num_free) if slots is not None else 0,
-            state_slots_total=slots.num_slots if slots is not None else 0,
-            prefix_queried_blocks=prefix.queried_blocks if prefix is not None else 0,
-            prefix_hit_blocks=prefix.hit_blocks if prefix is not None else 0,
-            preemptions=engine.scheduler.preemptions,
-            steps=self._steps,
-        )
+        return self._driver.stats(accepted=len(self._active))
 
     @property
     def accepting(self) -> bool:
@@ -295,96 +283,43 @@ class AsyncLLM:
         if close_llm:
             self.llm.close()
 
-    async def __aenter__(self) -> "AsyncLLM":
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        await asyncio.to_thread(self.shutdown)
-
     # ------------------------------------------------------------------------ engine thread
 
     def _engine_thread(self) -> None:
-        engine = self.llm.engine
+        driver = self._driver
         with self.llm.backend.activate():
             while True:
                 with self._condition:
-                    while not (self._inbox or self._aborts or self._stopping or engine.has_unfinished()):
+                    while not (self._inbox or self._aborts or self._stopping or driver.has_work()):
                         self._condition.wait()
                     new, self._inbox = list(self._inbox), deque()
                     aborts, self._aborts = list(self._aborts), deque()
                     stopping = self._stopping
                 try:
                     for active in new:
-                        self._admit(active)
-                    self._abort(aborts)
-                    if stopping and not engine.has_unfinished():
+                        if not active.finished and not driver.admit(active.group):
+                            self._deliver(active)
+                    for request_id in aborts:
+                        group = driver.abort(request_id)
+                        aborted = self._active.get(request_id)
+                        if group is not None and aborted is not None and aborted.group is group:
+                            self._deliver(aborted)
+                    if stopping and not driver.has_work():
                         return
-                    if engine.has_unfinished():
+                    if driver.has_work():
                         self._step()
                 except Exception as error:  # never let the thread die with callers waiting on it
-                    self._fail_everything(error)
-
-    def _admit(self, active: SubmittedRequest) -> None:
-        group = active.group
-        if active.finished:
-            return
-        try:
-            self.llm.prompt_logprobs(group)
-        except Exception as error:  # (device memory, say): this request fails, the engine goes on
-            group.error = f"the prompt's log probabilities could not be computed: {error}"
-            for request in group.completions:
-                request.finish_reason, request.error = "error", group.error
-            self._deliver(active)
-            return
-        for request in group.completions:
-            self.llm.engine.add_request(request)
-
-    def _fail_everything(self, error: Exception) -> None:
-        """After an unexpected error outside a step: every request fails (with ``error``), the
-        engine is made idle and consistent."""
-        logger.error("the engine thread failed: %r; every request is failed", error)
-        actives = list(self._active.values())
-        requests = [r for a in actives for r in a.group.completions]
-        self.llm.engine.recover(requests)
-        for active in actives:
-            for request in active.group.completions:
-                if request.finish_reason is None:
-                    request.finish_reason, request.error = "error", f"the engine failed: {error!r}"
-            self._deliver(active)
-
-    def _abort(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            active = self._active.get(request_id)
-            if active is None or active.finished:
-                continue
-            self.llm.engine.abort(active.group.completions)
-            for request in active.group.completions:
-                if request.finish_reason is None:  # never admitted
-                    request.finish_reason = "abort"
-            self._deliver(active)
+                    driver.fail_everything(error, [a.group for a in self._active.values()])
+                    for active in list(self._active.values()):
+                        self._deliver(active)
 
     def _step(self) -> None:
-        engine = self.llm.engine
-        try:
-            changed = engine.step()
-        except Exception as error:  # a failed forward fails its own requests; the others go on
-            logger.error("an engine step failed: %r", error)
-            problems = engine.check()
-            if problems:
-                logger.error("the engine is rebuilt: %s", "; ".join(problems))
-                requests = [r for a in self._active.values() for r in a.group.completions]
-                engine.recover(requests)
-                for request in requests:
-                    if request.finish_reason is None:
-                        request.finish_reason, request.error = "error", f"the engine failed: {error!r}"
-            changed = [r for a in self._active.values() for r in a.group.completions if r.finish_reason is not None]
-        self._steps += 1
         touched: dict[str, SubmittedRequest] = self._behind
         self._behind = {}
-        for request in changed:
-            active = self._active.get(request.request_id)
-            if active is not None and any(r is request for r in active.group.completions):
-                touched[request.request_id] = active
+        for group in self._driver.step():
+            active = self._active.get(group.request_id)
+            if active is not None and active.group is group:
+                touched[group.request_id] = active
         batches: dict[asyncio.AbstractEventLoop, list[tuple[_OutputStream, RequestOutput]]] = {}
         for request_id, active in touched.items():
             if active.stream.unread and not active.group.finished:

@@ -128,6 +128,15 @@ class Request:
         return self.detokenizer.text[: self.text_end]
 
 
+def visible_text(request: Request, finished: bool) -> str | None:
+    """The text an output of ``request`` shows (``finished``: its final one): while it runs, a
+    tail that may still become a stop string is left out."""
+    text = request.text
+    if text is not None and not finished and request.params.stop:
+        text = text[: len(text) - held_back(text, request.params.stop)]
+    return text
+
+
 def finishing(request: Request, max_model_len: int) -> bool:
     """Whether ``request`` finishes once its pending token (sampled by a step in flight) is read,
     whatever that token is: it then has ``max_tokens`` tokens, or fills the model's context."""
@@ -208,9 +217,7 @@ class StopChecker:
     def completion(request: Request, finished: bool = True) -> CompletionOutput:
         """The completion so far (``finished``: its final state). The text of an unfinished
         completion leaves out a tail that may still become a stop string."""
-        text = request.text
-        if text is not None and not finished and request.params.stop:
-            text = text[: len(text) - held_back(text, request.params.stop)]
+        text = visible_text(request, finished)
         logprobs = cumulative = None
         if request.params.logprobs is not None:
             logprobs = list(request.logprob_dicts())

@@ -30,7 +30,7 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 
 class EngineCollector(Collector):
     """The engine's load, read at scrape time: ``stats`` returns an
-    :class:`~metrale.async_llm.EngineStats` (it may raise once the engine is shut down: the
+    :class:`~metrale.engine.driver.EngineStats` (it may raise once the engine is shut down: the
     gauges are then left out), ``active`` the requests submitted and not finished."""
 
     def __init__(self, stats: Callable[[], Any], active: Callable[[], int]) -> None:

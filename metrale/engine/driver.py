@@ -1,0 +1,155 @@
+"""Driving one :class:`~metrale.LLM`'s engine for requests that arrive and leave at any time:
+:class:`EngineDriver`, the loop body that :class:`~metrale.AsyncLLM`'s engine thread and an
+:class:`~metrale.engine_process.EngineProcess`'s engine process share, and :class:`EngineStats`.
+
+The driver admits request groups, aborts them and steps the engine, and keeps going through
+failures: a failed step fails only the requests it touched (or, when the engine's bookkeeping
+had to be rebuilt, every running request), and an unexpected error fails every request and
+leaves the engine idle and consistent. It never hands an output to anyone: each call returns
+the groups whose output changed, and the caller delivers them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from metrale.engine.generation import RequestGroup
+
+if TYPE_CHECKING:
+    from metrale.api import LLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's load, for metrics and ``/health``.
+
+    ``running`` / ``waiting`` count requests (a request with ``n`` completions counts once)
+    running on the engine and queued for it; ``kv_blocks_used`` / ``kv_blocks_total`` the paged
+    cache (blocks kept only by the prefix cache count as free: they are evicted on demand);
+    ``state_slots_used`` / ``state_slots_total`` recurrent-state slots (0 / 0 for models without);
+    ``prefix_queried_blocks`` / ``prefix_hit_blocks`` the prefix cache's lookups so far;
+    ``preemptions`` the preemptions so far; ``steps`` the engine steps so far.
+    """
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    state_slots_used: int = 0
+    state_slots_total: int = 0
+    prefix_queried_blocks: int = 0
+    prefix_hit_blocks: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV blocks in use (0 to 1)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class EngineDriver:
+    """Admits, aborts and steps the request groups of ``llm``'s engine (see the module
+    docstring). ``groups`` maps the admitted, unfinished groups' request ids to them."""
+
+    def __init__(self, llm: "LLM") -> None:
+        self.llm = llm
+        self.groups: dict[str, RequestGroup] = {}
+        self.steps = 0
+
+    def has_work(self) -> bool:
+        """Whether a step would do anything."""
+        return self.llm.engine.has_unfinished()
+
+    def admit(self, group: RequestGroup) -> bool:
+        """Add ``group``'s completions to the engine (after its prompt's log probabilities,
+        when asked for). False when it failed at once: its output is then final."""
+        try:
+            self.llm.prompt_logprobs(group)
+        except Exception as error:  # (device memory, say): this request fails, the engine goes on
+            group.error = f"the prompt's log probabilities could not be computed: {error}"
+            for request in group.completions:
+                request.finish_reason, request.error = "error", group.error
+            return False
+        for request in group.completions:
+            self.llm.engine.add_request(request)
+        self.groups[group.request_id] = group
+        return True
+
+    def abort(self, request_id: str) -> RequestGroup | None:
+        """Drop an admitted group from the engine, its cache freed; returns it (its output is
+        final, ``finish_reason == "abort"``), or None when ``request_id`` is not running."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        self.llm.engine.abort(group.completions)
+        for request in group.completions:
+            if request.finish_reason is None:  # never scheduled
+                request.finish_reason = "abort"
+        return group
+
+    def step(self) -> list[RequestGroup]:
+        """One engine step; the groups it changed (finished ones are no longer in ``groups``)."""
+        engine = self.llm.engine
+        try:
+            changed = engine.step()
+        except Exception as error:  # a failed forward fails its own requests; the others go on
+            logger.error("an engine step failed: %r", error)
+            problems = engine.check()
+            if problems:
+                logger.error("the engine is rebuilt: %s", "; ".join(problems))
+                requests = [r for g in self.groups.values() for r in g.completions]
+                engine.recover(requests)
+                for request in requests:
+                    if request.finish_reason is None:
+                        request.finish_reason, request.error = "error", f"the engine failed: {error!r}"
+            changed = [r for g in self.groups.values() for r in g.completions if r.finish_reason is not None]
+        self.steps += 1
+        touched: dict[str, RequestGroup] = {}
+        for request in changed:
+            group = self.groups.get(request.request_id)
+            if group is not None and any(r is request for r in group.completions):
+                touched[request.request_id] = group
+        for request_id, group in touched.items():
+            if group.finished:
+                del self.groups[request_id]
+        return list(touched.values())
+
+    def fail_everything(self, error: BaseException, also: Sequence[RequestGroup] = ()) -> list[RequestGroup]:
+        """After an unexpected error outside a step: every admitted group (and those of
+        ``also``, not admitted yet) fails with ``error``, and the engine is made idle and
+        consistent. Returns the failed groups."""
+        logger.error("the engine loop failed: %r; every request is failed", error)
+        groups = list(self.groups.values()) + [g for g in also if g.request_id not in self.groups]
+        self.groups = {}
+        self.llm.engine.recover([r for g in groups for r in g.completions])
+        for group in groups:
+            for request in group.completions:
+                if request.finish_reason is None:
+                    request.finish_reason, request.error = "error", f"the engine failed: {error!r}"
+        return groups
+
+    def stats(self, accepted: int | None = None) -> EngineStats:
+        """The engine's load now; ``accepted`` counts the unfinished requests taken so far,
+        admitted or not (default: the admitted ones), those not running are waiting."""
+        engine = self.llm.engine
+        cache = self.llm.cache
+        running_ids = {r.request_id for r in list(engine.scheduler.running)}
+        slots = cache.state_slots
+        prefix = engine.prefix_cache
+        return EngineStats(
+            running=len(running_ids),
+            waiting=max((len(self.groups) if accepted is None else accepted) - len(running_ids), 0),
+            kv_blocks_used=cache.num_blocks - cache.num_free_blocks if cache.spec.uses_blocks else 0,
+            kv_blocks_total=cache.num_blocks if cache.spec.uses_blocks else 0,
+            state_slots_used=(slots.num_slots - slots.num_free) if slots is not None else 0,
+            state_slots_total=slots.num_slots if slots is not None else 0,
+            prefix_queried_blocks=prefix.queried_blocks if prefix is not None else 0,
+            prefix_hit_blocks=prefix.hit_blocks if prefix is not None else 0,
+            preemptions=engine.scheduler.preemptions,
+            steps=self.steps,
+        )
