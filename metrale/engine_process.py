@@ -1,0 +1,545 @@
+"""An asynchronous engine in its own process: :class:`EngineProcess`.
+
+:class:`~metrale.AsyncLLM` runs the engine on a thread of the caller's process, so every line of
+Python its callers run -- an HTTP server's request parsing, JSON encoding, streamed chunks --
+competes with the engine's host work for the interpreter lock. An ``EngineProcess`` takes the
+same calls (:meth:`~EngineProcess.generate`, :meth:`~EngineProcess.submit`,
+:meth:`~EngineProcess.abort`, :meth:`~EngineProcess.stats`, :meth:`~EngineProcess.shutdown`)
+but loads the model in a child process (started with ``spawn``) whose only thread steps the
+engine; the callers' process never loads a weight. The engine process is a fresh interpreter
+(the caller's ``__main__`` is not imported again, as it would be by a ``multiprocessing``
+start); it stops when the callers' process goes away.
+
+What crosses between them:
+
+* to the engine: each checked request (its prompt's token ids and its
+  :class:`~metrale.SamplingParams`), aborts, and the shutdown;
+* from the engine, once per step: what each changed request gained -- its new token ids, the
+  text they added, their log probabilities, how it finished -- and the engine's
+  :class:`~metrale.engine.driver.EngineStats`. The callers' side adds these up, so the outputs
+  it hands out are the cumulative :class:`~metrale.RequestOutput`\\ s an ``AsyncLLM`` hands out.
+
+Requests are checked on the callers' side (:class:`~metrale.frontend.PromptFrontend`: the
+tokenizer, the chat template, the sampling defaults, the structured-output compiler), so a bad
+request raises in :meth:`~EngineProcess.submit` and never reaches the engine. If the engine
+process dies, every unfinished request ends with ``finish_reason == "error"`` and the
+``EngineProcess`` stops taking requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from metrale.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngineAPI
+from metrale.checkpoint import Checkpoint
+from metrale.engine.driver import EngineDriver, EngineStats
+from metrale.engine.generation import RequestGroup, visible_text
+from metrale.errors import EngineClosedError, InvalidRequestError, MetraleError, QueueFullError
+from metrale.frontend import PromptFrontend
+from metrale.params import CompletionOutput, LogprobsDict, RequestOutput, SamplingParams
+from metrale.prompts import Prompt
+from metrale.validation import check_int
+
+logger = logging.getLogger(__name__)
+
+#: Seconds :meth:`EngineProcess.shutdown` waits for the engine process beyond the drain time
+#: before it is killed.
+SHUTDOWN_GRACE_S = 60.0
+
+# What one completion gained in a step: (index, new token ids, characters of the text sent
+# before that stay, text added after them, new log-probability dicts or None, cumulative log
+# probability or None, finish reason, stop reason).
+_CompletionDelta = tuple[int, list[int], int, "str | None", "list[LogprobsDict] | None", "float | None",
+                         "str | None", "str | int | None"]
+# What one request gained: (request id, finished, error, cached tokens, preemptions, prompt log
+# probabilities (in its first record only), its completions' deltas).
+_Record = tuple[str, bool, "str | None", int, int, Any, list[_CompletionDelta]]
+
+
+# ------------------------------------------------------------------------ the engine process
+
+
+class _Sent:
+    """What the callers' side has been sent of one completion."""
+
+    __slots__ = ("tokens", "text", "logprobs", "cumulative")
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.text = ""
+        self.logprobs = 0
+        self.cumulative = 0.0
+
+
+class _EngineLoop:
+    """The engine process's loop: takes messages between steps, steps, and sends each step's
+    records in one message."""
+
+    def __init__(self, llm: Any, conn: Connection) -> None:
+        self.llm = llm
+        self.conn = conn
+        self.driver = EngineDriver(llm)
+        self.sent: dict[str, list[_Sent]] = {}
+        self.records: list[_Record] = []
+        self.stop_at: float | None = None
+        self.connected = True
+
+    def run(self) -> None:
+        driver = self.driver
+        with self.llm.backend.activate():
+            while self.connected:
+                if self.stop_at is not None:
+                    if not driver.has_work():
+                        break
+                    if time.monotonic() >= self.stop_at:
+                        self._abort_all()
+                self._receive(block=not driver.has_work() and self.stop_at is None)
+                try:
+                    if driver.has_work():
+                        for group in driver.step():
+                            self._record(group)
+                except Exception as error:  # never leave the callers waiting
+                    for group in driver.fail_everything(error):
+                        self._record(group)
+                self._flush()
+            self._abort_all()
+            self._flush()
+            if self.connected:
+                self._send(("closed", [], driver.stats()))
+
+    def _receive(self, block: bool) -> None:
+        try:
+            if block:
+                self.conn.poll(None)
+            while self.conn.poll(0):
+                self._handle(self.conn.recv())
+        except (EOFError, OSError):  # the callers' process is gone: nobody reads these requests
+            self.connected = False
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "add":
+            _, request_id, text, ids, params = message
+            try:
+                group = self.llm.new_group(text, ids, params, request_id=request_id)
+            except Exception as error:  # checked by the callers' side already; fails this request only
+                self.records.append((request_id, True, f"the request could not be started: {error}", 0, 0, None, []))
+                return
+            try:
+                admitted = self.driver.admit(group)
+            except Exception as error:
+                for failed in self.driver.fail_everything(error, [group]):
+                    self._record(failed)
+                return
+            if not admitted:
+                self._record(group)
+        elif kind == "abort":
+            group = self.driver.abort(message[1])
+            if group is not None:
+                self._record(group)
+        elif kind == "shutdown":
+            self.stop_at = time.monotonic() + max(float(message[1]), 0.0)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self.driver.groups):
+            group = self.driver.abort(request_id)
+            if group is not None:
+                self._record(group)
+
+    def _record(self, group: RequestGroup) -> None:
+        first_time = group.request_id not in self.sent
+        sent = self.sent.setdefault(group.request_id, [_Sent() for _ in group.completions])
+        done = group.finished
+        deltas: list[_CompletionDelta] = []
+        for request, already in zip(group.completions, sent):
+            finished = done or request.finish_reason is not None
+            generated = request.generated
+            total = len(generated)
+            text = visible_text(request, finished)
+            if text is None:
+                keep, added = 0, None
+            elif text.startswith(already.text):
+                keep, added = len(already.text), text[len(already.text):]
+            else:
+                keep, added = 0, text
+            new_logprobs = cumulative = None
+            if request.params.logprobs is not None:
+                dicts = request.logprob_dicts()
+                new_logprobs = dicts[already.logprobs:]
+                for entry in request.token_logprobs[already.tokens: total]:
+                    already.cumulative += entry.logprob
+                cumulative = float(already.cumulative)
+                already.logprobs = len(dicts)
+            deltas.append((request.index, list(generated[already.tokens:]), keep, added, new_logprobs, cumulative,
+                           (request.finish_reason or "length") if finished else None, request.stop_reason))
+            already.tokens = total
+            if text is not None:
+                already.text = text
+        first = group.completions[0]
+        errors = [c.error for c in group.completions if c.error is not None]
+        self.records.append((
+            group.request_id, done, group.error or (errors[0] if errors else None), first.cached_tokens or 0,
+            sum(c.num_preemptions for c in group.completions), group.prompt_logprobs if first_time else None, deltas,
+        ))
+        if done:
+            del self.sent[group.request_id]
+
+    def _flush(self) -> None:
+        if self.records:
+            records, self.records = self.records, []
+            self._send(("outputs", records, self.driver.stats()))
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        except (OSError, EOFError):
+            self.connected = False
+
+
+def _engine_process_main(fd: int) -> None:
+    """The engine process, on the socket ``fd``: take the model and its options, load it, say
+    it is ready (or why it failed), run the loop."""
+    # The callers' side decides when to stop (a signal to the whole process group, as Ctrl-C
+    # or a service manager sends, reaches both; the server then drains its requests first).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = Connection(fd)
+    try:
+        model, options, chat_template, capture_graphs = conn.recv()
+    except (EOFError, OSError):
+        return
+    from metrale.api import LLM
+
+    try:
+        llm = LLM(model, chat_template=chat_template, **options)
+        if capture_graphs:
+            llm.capture_graphs()
+    except BaseException as error:
+        try:
+            conn.send(("failed", error))
+        except Exception:  # an error that does not pickle
+            conn.send(("failed", MetraleError(f"{type(error).__name__}: {error}")))
+        return
+    try:
+        conn.send(("ready", {
+            "path": str(llm.checkpoint.path), "vocab_size": llm.vocab_size, "max_model_len": llm.max_model_len,
+            "eos_token_ids": list(llm.eos_token_ids), "max_num_seqs": llm.config.max_num_seqs,
+            "device": llm.backend.name,
+        }))
+        _EngineLoop(llm, conn).run()
+    finally:
+        llm.close()
+        conn.close()
+
+
+# --------------------------------------------------------------------------- the callers' side
+
+
+class _CompletionState:
+    __slots__ = ("index", "token_ids", "text", "logprobs", "cumulative", "finish_reason", "stop_reason")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.token_ids: list[int] = []
+        self.text: str | None = None
+        self.logprobs: list[LogprobsDict] | None = None
+        self.cumulative: float | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+
+class RemoteRequest:
+    """A request :meth:`EngineProcess.submit` sent to the engine: :meth:`next_output` waits for
+    its next output (the last has ``finished`` True), as
+    :class:`~metrale.async_llm.SubmittedRequest`'s does."""
+
+    def __init__(self, request_id: str, text: str | None, ids: list[int], n: int,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.prompt = text
+        self.prompt_token_ids = ids
+        self.completions = [_CompletionState(i) for i in range(n)]
+        self.finished = False
+        self.error: str | None = None
+        self.cached_tokens = 0
+        self.num_preemptions = 0
+        self.prompt_logprobs: Any = None
+        self.submitted = time.monotonic()
+        self._ready = asyncio.Event()
+
+    def apply(self, record: _Record) -> None:  # on the request's event loop
+        _, finished, error, cached, preemptions, prompt_logprobs, deltas = record
+        if self.finished:
+            return
+        for index, new_ids, keep, added, new_logprobs, cumulative, finish_reason, stop_reason in deltas:
+            state = self.completions[index]
+            state.token_ids.extend(new_ids)
+            if added is not None:
+                state.text = (state.text or "")[:keep] + added
+            if new_logprobs is not None:
+                state.logprobs = (state.logprobs or []) + new_logprobs
+            state.cumulative = cumulative
+            state.finish_reason, state.stop_reason = finish_reason, stop_reason
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs
+        self.cached_tokens, self.num_preemptions = cached, preemptions
+        if error is not None:
+            self.error = error
+        if finished:
+            self.finished = True
+            for state in self.completions:
+                if state.finish_reason is None:
+                    state.finish_reason = "error" if self.error is not None else "abort"
+        self._ready.set()
+
+    async def next_output(self) -> RequestOutput:
+        """The newest output not taken yet (waits for one)."""
+        await self._ready.wait()
+        self._ready.clear()
+        return self.output()
+
+    def output(self) -> RequestOutput:
+        """The request's output so far."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[CompletionOutput(index=s.index, text=s.text, token_ids=list(s.token_ids),
+                                      cumulative_logprob=s.cumulative,
+                                      logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                                      finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                     for s in self.completions],
+            finished=self.finished,
+            prompt_logprobs=self.prompt_logprobs,
+            cached_tokens=self.cached_tokens,
+            error=self.error,
+            num_preemptions=self.num_preemptions,
+        )
+
+
+def _apply_all(items: list[tuple[RemoteRequest, _Record]]) -> None:  # on the callers' event loop
+    for request, record in items:
+        request.apply(record)
+
+
+class EngineProcess(AsyncEngineAPI):
+    """A model served to concurrent callers from an engine process (see the module docstring).
+
+    ``model`` is a checkpoint folder or an embedded model name and ``options`` the engine
+    options of :class:`~metrale.LLM` (``device``, ``max_num_seqs``, ...), ``chat_template`` as
+    there; ``max_waiting_requests`` bounds the requests queued beyond the ``max_num_seqs`` that
+    can run; ``capture_graphs`` records the CUDA graphs before the first request. The
+    constructor returns once the model is loaded, and raises what :class:`~metrale.LLM` would
+    for bad options or a bad checkpoint. :attr:`llm` is the callers' side's
+    :class:`~metrale.frontend.PromptFrontend`. Use it as ``async with EngineProcess(...) as
+    engine:`` or call :meth:`shutdown`.
+    """
+
+    def __init__(self, model: str | Path, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+                 chat_template: str | Path | None = None, capture_graphs: bool = True, **options: Any) -> None:
+        self.max_waiting_requests = check_int("max_waiting_requests", max_waiting_requests, minimum=0)
+        if not isinstance(model, (str, Path)) or not str(model):
+            raise InvalidRequestError(f"model must be a checkpoint folder or an embedded model name, got {model!r}")
+        parent_socket, child_socket = socket.socketpair()
+        template = str(chat_template) if isinstance(chat_template, Path) else chat_template
+        # A fresh interpreter that imports only metrale (not the caller's __main__, as a
+        # multiprocessing start would), with the caller's import path.
+        bootstrap = (f"import sys; sys.path[:] = {sys.path!r}; "
+                     f"from metrale.engine_process import _engine_process_main; _engine_process_main({child_socket.fileno()})")
+        try:
+            self._process = subprocess.Popen([sys.executable, "-c", bootstrap], pass_fds=[child_socket.fileno()],
+                                             stdin=subprocess.DEVNULL)
+        finally:
+            child_socket.close()
+        self._conn = Connection(parent_socket.detach())
+        try:
+            self._conn.send((str(model), options, template, bool(capture_graphs)))
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError):
+            code = self._process.wait(10)
+            self._conn.close()
+            raise EngineClosedError(f"the engine process exited (exit code {code}) before the model was loaded") from None
+        except BaseException:
+            self._process.kill()
+            self._conn.close()
+            raise
+        if kind != "ready":
+            self._process.wait(30)
+            self._conn.close()
+            raise payload
+        self.device: str = payload["device"]
+        self.max_num_seqs: int = payload["max_num_seqs"]
+        #: The callers' side of the model: tokenizer, chat template, sampling defaults.
+        self.llm = PromptFrontend(Checkpoint(Path(payload["path"])), vocab_size=payload["vocab_size"],
+                                  max_model_len=payload["max_model_len"], chat_template=chat_template)
+        self.llm.eos_token_ids = list(payload["eos_token_ids"])
+        self._lock = threading.Lock()
+        self._active: dict[str, RemoteRequest] = {}
+        self._stats = EngineStats()
+        self._accepting = True
+        self._alive = True
+        self._stopping = False
+        self._done = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="metrale-engine-reader", daemon=True)
+        self._reader.start()
+
+    # ------------------------------------------------------------------------------ callers
+
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+               request_id: str | None = None) -> RemoteRequest:
+        """Check and send a request to the engine (the first half of :meth:`generate`; the
+        same errors); must be called on the event loop that will read it. The caller reads it
+        with :meth:`RemoteRequest.next_output` and must :meth:`abort` it if it stops reading
+        before the last output."""
+        loop = asyncio.get_running_loop()
+        if request_id is None:
+            request_id = f"req-{uuid.uuid4().hex}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        self._check_open()
+        text, ids = self.llm.prompt_ids(prompt, "the prompt")
+        params = self.llm.request_params(sampling_params if sampling_params is not None else SamplingParams())
+        if params.structured_output is not None:  # a bad schema or grammar is refused here
+            self.llm.grammar_compiler().compile(params.structured_output)
+        with self._lock:
+            self._check_open()
+            if request_id in self._active:
+                raise InvalidRequestError(f"request_id {request_id!r} is already running")
+            limit = self.max_num_seqs + self.max_waiting_requests
+            if len(self._active) >= limit:
+                raise QueueFullError(
+                    f"{len(self._active)} requests are running or waiting, as many as this engine accepts (max_num_seqs="
+                    f"{self.max_num_seqs} + max_waiting_requests={self.max_waiting_requests}); retry later")
+            request = RemoteRequest(request_id, text, ids, params.n, loop)
+            self._active[request_id] = request
+            self._send(("add", request_id, text, ids, params))
+        return request
+
+    def abort(self, request_id: str) -> None:
+        """Abort a running or waiting request (from any thread): it is dropped at the engine's
+        next step and its cache freed; its reader gets a last output with ``finish_reason ==
+        "abort"``. Unknown or finished ids are ignored."""
+        with self._lock:
+            if request_id in self._active and self._alive:
+                self._send(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        """The engine's load as of its last step (any thread)."""
+        stats = self._stats
+        return dataclasses.replace(stats, waiting=max(len(self._active) - stats.running, 0))
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new requests are taken (False once :meth:`shutdown` began)."""
+        return self._accepting
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine process runs and new requests are taken."""
+        return self._accepting and self._alive and self._process.poll() is None
+
+    @property
+    def num_active(self) -> int:
+        """Requests submitted and not finished yet."""
+        return len(self._active)
+
+    def _check_open(self) -> None:
+        if not self._accepting:
+            raise EngineClosedError("the engine is shut down; it takes no more requests")
+        if not self._alive or self._process.poll() is not None:
+            raise EngineClosedError(f"the engine process has stopped (exit code {self._process.returncode})")
+
+    def _send(self, message: tuple) -> None:  # under self._lock
+        try:
+            self._conn.send(message)
+        except (OSError, EOFError, ValueError):
+            self._alive = False
+            raise EngineClosedError("the engine process has stopped") from None
+
+    # ----------------------------------------------------------------------------- lifetime
+
+    def shutdown(self, drain_timeout: float = 0.0, close_llm: bool = True) -> None:
+        """Stop taking requests; let the running ones finish for up to ``drain_timeout``
+        seconds, then abort the rest and stop the engine process (which frees the model's
+        memory; ``close_llm`` is accepted for :class:`~metrale.AsyncLLM`'s signature). Blocks
+        until done; calling it again does nothing."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._accepting = False
+            drain = max(float(drain_timeout), 0.0)
+            if self._alive:
+                try:
+                    self._send(("shutdown", drain))
+                except EngineClosedError:
+                    pass
+        self._done.wait(drain + SHUTDOWN_GRACE_S)
+        try:
+            self._process.wait(SHUTDOWN_GRACE_S if self._done.is_set() else 1.0)
+        except subprocess.TimeoutExpired:
+            logger.warning("the engine process did not stop in time: it is killed")
+            self._process.kill()
+            self._process.wait(10)
+        self._reader.join(10)
+        self._conn.close()
+
+    # ------------------------------------------------------------------------------- reader
+
+    def _read(self) -> None:
+        """Take the engine's messages (a thread of its own), applying each step's records on
+        their requests' event loops."""
+        conn = self._conn
+        while True:
+            try:
+                kind, records, stats = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            self._stats = stats
+            self._dispatch(records)
+            if kind == "closed":
+                break
+        with self._lock:
+            self._alive = False
+            orphans = list(self._active)
+        if orphans:
+            try:
+                code = self._process.wait(5)
+            except subprocess.TimeoutExpired:
+                code = None
+            reason = "the engine process stopped" + (f" (exit code {code})" if code is not None else "")
+            logger.error("%s with %d requests unfinished; they fail", reason, len(orphans))
+            self._dispatch([(request_id, True, reason, 0, 0, None, []) for request_id in orphans])
+        self._done.set()
+
+    def _dispatch(self, records: list[_Record]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RemoteRequest, _Record]]] = {}
+        with self._lock:
+            for record in records:
+                request = self._active.get(record[0])
+                if request is None:
+                    continue
+                if record[1]:
+                    del self._active[record[0]]
+                batches.setdefault(request.loop, []).append((request, record))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_apply_all, items)
+            except RuntimeError:  # the callers' event loop is closed: nobody reads these requests
+                for request, record in items:
+                    if not record[1]:
+                        self.abort(request.request_id)

@@ -1,0 +1,197 @@
+"""The engine in its own process: concurrent callers get exactly what ``LLM.generate`` gives
+(every sampling feature: stop strings, logprobs, ``n``, prompt logprobs, structured output),
+streamed outputs only ever grow, aborts free the cache, the queue is bounded, bad requests and
+bad options fail with their typed errors, a dead engine process fails its requests, and
+shutdown drains then stops the process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import pytest
+
+from metrale import LLM, SamplingParams, StructuredOutputParams
+from metrale.engine_process import EngineProcess
+from metrale.errors import (
+    CheckpointError,
+    EngineClosedError,
+    InvalidRequestError,
+    QueueFullError,
+    TokenOutOfRangeError,
+    UnknownOptionError,
+)
+
+OPTIONS = {"device": "cpu", "show_progress": False, "max_num_seqs": 8}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"enum": ["x", "y"]}}, "required": ["a", "b"],
+          "additionalProperties": False}
+
+CASES = [
+    ("Once upon a time", SamplingParams(max_tokens=24, temperature=0.0, stop=["the", "\n"])),
+    ("Hello", SamplingParams(max_tokens=20, temperature=0.0, logprobs=3, ignore_eos=True)),
+    ([5, 6, 7, 8], SamplingParams(max_tokens=18, temperature=0.9, top_p=0.9, seed=11, n=2, logprobs=1)),
+    ("The cat sat", SamplingParams(max_tokens=10, temperature=0.0, prompt_logprobs=2, min_tokens=4,
+                                   presence_penalty=0.5, logit_bias={3: 2.0})),
+    ("Write JSON:", SamplingParams(max_tokens=60, temperature=0.7, seed=3,
+                                   structured_output=StructuredOutputParams(json=SCHEMA))),
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with LLM("tiny-dense", **OPTIONS) as llm:
+        return llm.generate([prompt for prompt, _ in CASES], [params for _, params in CASES], use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = EngineProcess("tiny-dense", **OPTIONS)
+    yield engine
+    engine.shutdown()
+
+
+def run(body):
+    return asyncio.run(body())
+
+
+async def stream_of(engine, prompt, params, request_id=None):
+    outputs = []
+    async for output in engine.generate(prompt, params, request_id):
+        outputs.append(output)
+    return outputs
+
+
+def comparable(output):
+    return (output.prompt, output.prompt_token_ids, output.outputs, output.prompt_logprobs, output.finish_reason,
+            output.error, output.finished)
+
+
+def test_outputs_equal_llm_generate_for_every_sampling_feature(engine, reference):
+    async def body():
+        return await asyncio.gather(*[stream_of(engine, prompt, params) for prompt, params in CASES])
+
+    streams = run(body)
+    for stream, expected in zip(streams, reference):
+        final = stream[-1]
+        assert comparable(final) == comparable(expected)
+        assert [o.finished for o in stream] == [False] * (len(stream) - 1) + [True]
+        for earlier, later in zip(stream, stream[1:]):  # cumulative: each output extends the one before
+            for a, b in zip(earlier.outputs, later.outputs):
+                assert b.token_ids[: len(a.token_ids)] == a.token_ids
+                assert b.text.startswith(a.text)
+    assert streams[-1][-1].outputs[0].finish_reason == "stop"
+    json_text = streams[-1][-1].outputs[0].text
+    assert set(json.loads(json_text)) == {"a", "b"}
+    assert engine.stats().kv_blocks_used == 0 and engine.num_active == 0
+
+
+def test_aborted_and_abandoned_requests_free_the_cache(engine):
+    long = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
+
+    async def body():
+        async def leave_early(prompt):
+            async for output in engine.generate(prompt, long):
+                if len(output.token_ids) >= 3:
+                    break
+
+        target = engine.submit("Return the", long, request_id="target")
+        first = await target.next_output()
+        engine.abort("target")
+        last = first
+        while not last.finished:
+            last = await target.next_output()
+        await asyncio.gather(*[leave_early(p) for p in ("Open a file", "Hello", [4, 5, 6])])
+        for _ in range(200):
+            if engine.stats().kv_blocks_used == 0 and engine.num_active == 0:
+                break
+            await asyncio.sleep(0.01)
+        return last, engine.stats()
+
+    last, stats = run(body)
+    assert last.finish_reason == "abort" and len(last.token_ids) < 600
+    assert (stats.kv_blocks_used, stats.running, stats.waiting) == (0, 0, 0)
+
+
+def test_bad_requests_fail_in_the_caller(engine):
+    async def body():
+        with pytest.raises(TokenOutOfRangeError):
+            engine.submit([10**9], SamplingParams(max_tokens=2))
+        with pytest.raises(InvalidRequestError):
+            engine.submit("x", SamplingParams(max_tokens=2, structured_output=StructuredOutputParams(regex="(")))
+        with pytest.raises(InvalidRequestError, match="already running"):
+            engine.submit("x", SamplingParams(max_tokens=50), request_id="twice")
+            engine.submit("x", SamplingParams(max_tokens=50), request_id="twice")
+        engine.abort("twice")
+        return engine.stats()
+
+    run(body)
+    assert engine.is_running
+
+
+def test_the_waiting_queue_is_bounded():
+    with_queue = EngineProcess("tiny-dense", max_waiting_requests=1, **{**OPTIONS, "max_num_seqs": 1})
+    try:
+        async def body():
+            long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+            taken = [with_queue.submit("Hello", long), with_queue.submit("Return the", long)]
+            with pytest.raises(QueueFullError):
+                with_queue.submit("Open a file", long)
+            for request in taken:
+                with_queue.abort(request.request_id)
+            return [await request.next_output() for request in taken]
+
+        assert run(body)
+    finally:
+        with_queue.shutdown()
+
+
+def test_bad_options_and_checkpoints_raise_their_errors(tmp_path):
+    with pytest.raises(UnknownOptionError):
+        EngineProcess("tiny-dense", device="cpu", no_such_option=1)
+    with pytest.raises(CheckpointError):
+        EngineProcess(tmp_path / "missing", device="cpu")
+
+
+def test_a_dead_engine_process_fails_its_requests_and_takes_no_more():
+    doomed = EngineProcess("tiny-dense", **OPTIONS)
+    try:
+        async def body():
+            request = doomed.submit("Hello", SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True))
+            await request.next_output()
+            os.kill(doomed._process.pid, signal.SIGKILL)
+            last = await request.next_output()
+            while not last.finished:
+                last = await request.next_output()
+            return last
+
+        last = run(body)
+        assert last.finish_reason == "error" and "engine process stopped" in last.error
+        assert not doomed.is_running
+        with pytest.raises(EngineClosedError):
+            run(lambda: _submit(doomed))
+    finally:
+        doomed.shutdown()
+
+
+async def _submit(engine):
+    engine.submit("Hello", SamplingParams(max_tokens=2))
+
+
+def test_shutdown_drains_the_running_requests_then_stops_the_process():
+    own = EngineProcess("tiny-dense", **OPTIONS)
+
+    async def body():
+        short = asyncio.create_task(stream_of(own, "Return the", SamplingParams(max_tokens=8, temperature=0.0,
+                                                                                ignore_eos=True)))
+        await asyncio.sleep(0)
+        while own.num_active == 0:
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(own.shutdown, 30.0)
+        return await short
+
+    outputs = run(body)
+    assert outputs[-1].finish_reason == "length" and len(outputs[-1].token_ids) == 8
+    assert own._process.poll() is not None and not own.is_running
+    own.shutdown()  # again: nothing to do
