@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from metrale._version import __version__
-from metrale.async_llm import AsyncLLM
+from metrale.async_llm import AsyncEngineAPI
 from metrale.server import protocol as P
 from metrale.server.checks import _validation_error
 from metrale.server.gate import _Gate
@@ -60,7 +60,7 @@ from metrale.server.state import (
 
 
 def build_app(
-    engine: AsyncLLM,
+    engine: AsyncEngineAPI,
     *,
     model_name: str,
     api_key: str | None = None,
@@ -70,7 +70,8 @@ def build_app(
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
     owns_engine: bool = True,
 ) -> FastAPI:
-    """The OpenAI-compatible app serving ``engine`` as the model ``model_name``.
+    """The OpenAI-compatible app serving ``engine`` (an :class:`~metrale.AsyncLLM` or an
+    :class:`~metrale.engine_process.EngineProcess`) as the model ``model_name``.
 
     ``api_key`` (None: no key) is required on every ``/v1`` path; ``max_body_bytes`` bounds
     request bodies (413 above it); ``max_n`` bounds ``n``; ``max_logprobs`` bounds
@@ -79,8 +80,8 @@ def build_app(
     the running ones, aborts the rest and, with ``owns_engine``, shuts the engine down.
     ``app.state.metrale`` holds the app's state (``begin_drain()`` starts refusing requests).
     """
-    if not isinstance(engine, AsyncLLM):
-        raise TypeError(f"build_app() takes an AsyncLLM, got {engine!r}")
+    if not isinstance(engine, AsyncEngineAPI):
+        raise TypeError(f"build_app() takes an AsyncLLM or an EngineProcess, got {engine!r}")
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):

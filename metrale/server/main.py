@@ -2,7 +2,8 @@
 
 :func:`add_serve_arguments` adds the command's options to an :mod:`argparse` parser (the server's
 own and every engine option :class:`~metrale.LLM` takes); :func:`run_serve` loads the model into
-an :class:`~metrale.AsyncLLM` and serves it until interrupted. This module imports neither
+an :class:`~metrale.engine_process.EngineProcess` (or, with ``--engine-in-process``, an
+:class:`~metrale.AsyncLLM`) and serves it until interrupted. This module imports neither
 FastAPI nor uvicorn at import time, so the ``metrale`` command's parser works without the
 ``serve`` extra; :func:`run_serve` says how to install it when it is missing.
 """
@@ -66,6 +67,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     server.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
                         help="requests accepted beyond the --max-num-seqs running ones; past them new requests get 503 "
                         "(default: 1024)")
+    server.add_argument("--engine-in-process", action="store_true",
+                        help="run the engine on a thread of the server's process instead of its own process (the HTTP "
+                        "work then shares the interpreter lock with the engine's)")
     server.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
                         help="largest request body accepted; larger ones get 413 (default: 1048576)")
     server.add_argument("--max-n", type=int, default=None, metavar="N",
@@ -158,7 +162,8 @@ def _is_loopback(host: str) -> bool:
 
 def serve(engine: Any, *, model_name: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
           log_level: str = "info", **app_options: Any) -> None:
-    """Serve ``engine`` (an :class:`~metrale.AsyncLLM`) with uvicorn at ``host:port`` until
+    """Serve ``engine`` (an :class:`~metrale.engine_process.EngineProcess` or an
+    :class:`~metrale.AsyncLLM`) with uvicorn at ``host:port`` until
     interrupted (SIGINT or SIGTERM), then shut down gracefully: new requests get 503, the
     running ones get up to ``drain_timeout`` seconds (an ``app_options`` keyword, as
     ``max_body_bytes``, ``max_n``, ``max_logprobs`` and ``owns_engine``: see
@@ -208,15 +213,23 @@ def run_serve(args: argparse.Namespace) -> int:
     if api_key is None and not _is_loopback(args.host):
         logger.warning("listening on %s without an API key: anyone who reaches it can use the model "
                        "(set --api-key or %s)", args.host, API_KEY_VARIABLE)
-    from metrale.api import LLM
-    from metrale.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLM
+    from metrale.async_llm import DEFAULT_MAX_WAITING_REQUESTS
 
     waiting = args.max_waiting_requests if args.max_waiting_requests is not None else DEFAULT_MAX_WAITING_REQUESTS
-    llm = LLM(args.model, **engine_options(args))
-    # Every decode and mixed step's CUDA graph is recorded before the first request (a no-op on
-    # the CPU), so no request waits for a recording.
-    llm.capture_graphs()
-    engine = AsyncLLM(llm, max_waiting_requests=waiting)
+    engine: Any
+    if args.engine_in_process:
+        from metrale.api import LLM
+        from metrale.async_llm import AsyncLLM
+
+        llm = LLM(args.model, **engine_options(args))
+        llm.capture_graphs()
+        engine = AsyncLLM(llm, max_waiting_requests=waiting)
+    else:
+        from metrale.engine_process import EngineProcess
+
+        # Every decode and mixed step's CUDA graph is recorded before the first request (a
+        # no-op on the CPU), so no request waits for a recording.
+        engine = EngineProcess(args.model, max_waiting_requests=waiting, capture_graphs=True, **engine_options(args))
     app_options: dict[str, Any] = {}
     for name in ("max_body_bytes", "max_n", "max_logprobs", "drain_timeout"):
         value = getattr(args, name)

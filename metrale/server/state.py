@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
 
-from metrale.async_llm import AsyncLLM
+from metrale.async_llm import AsyncEngineAPI
+from metrale.frontend import PromptFrontend
 from metrale.server import protocol as P
 from metrale.server.metrics import ServerMetrics
 
@@ -77,10 +78,10 @@ def _unavailable(message: str, code: str) -> P.APIError:
 class _State:
     """What the app's handlers and middleware share."""
 
-    def __init__(self, engine: AsyncLLM, *, model_name: str, api_key: str | None, max_body_bytes: int, max_n: int,
+    def __init__(self, engine: AsyncEngineAPI, *, model_name: str, api_key: str | None, max_body_bytes: int, max_n: int,
                  max_logprobs: int, drain_timeout: float, owns_engine: bool) -> None:
-        self.engine = engine
-        self.llm = engine.llm
+        self.engine: Any = engine
+        self.llm: PromptFrontend = engine.llm  # type: ignore[attr-defined]
         self.model_name = model_name
         self.api_key = api_key.encode("utf-8") if api_key else None
         self.max_body_bytes = max_body_bytes
@@ -99,7 +100,7 @@ class _State:
         self.draining = False
         self.in_progress = 0
         self.jobs: set[_Job] = set()
-        self.metrics = ServerMetrics(engine.stats, lambda: engine.num_active, lambda: self.in_progress)
+        self.metrics = ServerMetrics(self.engine.stats, lambda: self.engine.num_active, lambda: self.in_progress)
 
     def engine_alive(self) -> bool:
         return self.engine.is_running

@@ -1,6 +1,7 @@
 """Helpers of the server tests (imported by them; not a conftest, whose module name the suite's
-root ``tests/conftest.py`` already takes): an engine on the embedded tiny-dense model served by
-uvicorn in a background thread (its own event loop) on a free port of 127.0.0.1, and clients."""
+root ``tests/conftest.py`` already takes): an engine on the embedded tiny-dense model (in an
+engine process, as ``metrale serve`` runs it, or on a thread of this process) served by uvicorn
+in a background thread (its own event loop) on a free port of 127.0.0.1, and clients."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import uvicorn
 
 from metrale import LLM
 from metrale.async_llm import AsyncLLM
+from metrale.engine_process import EngineProcess
 from metrale.server import build_app
 
 MODEL = "tiny-dense"
@@ -70,14 +72,31 @@ def openai_client(url: str, api_key: str = "unused") -> openai.OpenAI:
                          http_client=httpx.Client(trust_env=False, timeout=60))
 
 
+def new_engine(in_process: bool, max_waiting_requests: int = 1024, **options: Any) -> AsyncLLM | EngineProcess:
+    """The engine ``metrale serve`` runs (an :class:`EngineProcess`), or with ``in_process`` an
+    :class:`AsyncLLM` on a thread of this process."""
+    if in_process:
+        return AsyncLLM(new_llm(**options), max_waiting_requests=max_waiting_requests)
+    return EngineProcess(MODEL, device="cpu", show_progress=False, max_waiting_requests=max_waiting_requests,
+                         **{"max_num_seqs": 64, **options})
+
+
+def engine_stopped(engine: AsyncLLM | EngineProcess) -> bool:
+    """Whether ``engine``'s engine has stopped and freed the model."""
+    if isinstance(engine, EngineProcess):
+        return engine._process.poll() is not None
+    return not engine._thread.is_alive() and engine.llm.closed
+
+
 class Stack:
-    """An engine (``engine_options`` for its LLM, ``max_waiting_requests``), its app
-    (``app_options`` for :func:`build_app`) and uvicorn serving it, with an httpx client
-    (``http``) and an openai client (``client``). ``close()`` stops all of it."""
+    """An engine (``engine_options`` for its LLM, ``max_waiting_requests``; an engine process
+    unless ``in_process``), its app (``app_options`` for :func:`build_app`) and uvicorn serving
+    it, with an httpx client (``http``) and an openai client (``client``). ``close()`` stops
+    all of it."""
 
     def __init__(self, *, max_waiting_requests: int = 1024, engine_options: dict | None = None,
-                 drain_timeout: float = 2.0, **app_options: Any) -> None:
-        self.engine = AsyncLLM(new_llm(**(engine_options or {})), max_waiting_requests=max_waiting_requests)
+                 drain_timeout: float = 2.0, in_process: bool = False, **app_options: Any) -> None:
+        self.engine = new_engine(in_process, max_waiting_requests, **(engine_options or {}))
         try:
             self.app = build_app(self.engine, model_name=MODEL, **app_options)
             self.thread = ServerThread(self.app, drain_timeout=drain_timeout).start()

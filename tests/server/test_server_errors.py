@@ -23,7 +23,8 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 
 @pytest.fixture(scope="module")
 def stack():
-    stack = Stack()
+    """The app on an engine thread of this process (the other server tests use an engine process)."""
+    stack = Stack(in_process=True)
     yield stack
     stack.close()
 
