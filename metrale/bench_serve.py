@@ -622,11 +622,13 @@ def plot_serve(result: dict[str, Any], out_dir: str | Path) -> Path:
         latency.plot(x, series(metric, "p50"), marker="o", color=colour, label=f"{name} p50")
         latency.plot(x, series(metric, "p99"), marker="s", linestyle="--", color=colour, label=f"{name} p99")
     if all(value > 0 for metric in ("ttft_ms", "tpot_ms") for value in series(metric, "p50") if not math.isnan(value)):
-        from matplotlib.ticker import FuncFormatter
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
         latency.set_yscale("log")
-        for set_formatter in (latency.yaxis.set_major_formatter, latency.yaxis.set_minor_formatter):
-            set_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        # Labels at 1, 2 and 5 times each power of ten; the other minor ticks stay unlabelled.
+        latency.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        latency.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        latency.yaxis.set_minor_formatter(NullFormatter())
     latency.set_ylabel("ms")
     latency.set_title("latency")
     throughput.plot(x, [run["output_token_throughput"] for run in runs], marker="o", label="output tok/s")
