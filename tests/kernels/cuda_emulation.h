@@ -26,6 +26,7 @@
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
+struct uint4 { unsigned x, y, z, w; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
 using std::max;
 using std::min;
@@ -125,6 +126,14 @@ inline float __int_as_float(int bits) {
     std::memcpy(&value, &bits, 4);
     return value;
 }
+
+inline unsigned __float_as_uint(float value) {
+    unsigned bits;
+    std::memcpy(&bits, &value, 4);
+    return bits;
+}
+
+template <typename T> inline T __ldg(const T* pointer) { return *pointer; }
 
 inline float __uint_as_float(unsigned bits) {
     float value;

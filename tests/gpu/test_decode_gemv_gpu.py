@@ -1,0 +1,127 @@
+"""The decode GEMV kernels (``metrale.kernels.decode_gemv``) against the NumPy reference on a real
+GPU: Llama-1B and Llama-8B projection shapes with every prologue at 1 to 8 rows, float32 and
+bf16 outputs, a bias, the norm's summed rows, and a CUDA-graph replay with new inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from metrale.checkpoint import bf16_to_float32
+
+from kernel_helpers import bf16, rel_error  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# (mode, K, N, bf16 out): a model's decode projections -- the norm before qkv and gate_up, plain o,
+# SiLU before down.
+LLAMA_1B = [("rmsnorm", 2048, 3072, False), ("plain", 2048, 2048, False), ("rmsnorm", 2048, 16384, True),
+            ("silu", 8192, 2048, False)]
+LLAMA_8B = [("rmsnorm", 4096, 6144, False), ("plain", 4096, 4096, False), ("rmsnorm", 4096, 28672, True),
+            ("silu", 14336, 4096, False)]
+
+_weights: dict = {}
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from metrale.cuda_backend import CudaBackend
+
+    backend = CudaBackend()
+    yield backend
+    backend.close()
+
+
+def weight_of(inner, columns):
+    import cupy as cp
+
+    key = (inner, columns)
+    if key not in _weights:
+        bits = bf16(np.random.default_rng(inner + columns), (columns, inner), scale=0.02)
+        _weights[key] = (bf16_to_float32(bits), cp.asarray(bits))
+    return _weights[key]
+
+
+def launch(mode, x, weight_device, rows, inner, columns, bf16_out, *, residual=None, norm=None, bias=None):
+    import cupy as cp
+
+    from metrale.kernels import decode_gemv as dg
+
+    out = cp.full((rows, columns), 0x7FC0 if bf16_out else np.nan, np.uint16 if bf16_out else np.float32)
+    summed = cp.full((rows, inner), np.nan, np.float32) if mode == dg.RMSNORM else None
+    dg.decode_gemv(mode, cp.asarray(x), weight_device, out, cp.cuda.get_current_stream(),
+                   residual=None if residual is None else cp.asarray(residual),
+                   norm_weight=None if norm is None else cp.asarray(norm), summed=summed,
+                   bias=None if bias is None else cp.asarray(bias), eps=1e-5)
+    host = cp.asnumpy(out)
+    return (bf16_to_float32(host) if bf16_out else host), (None if summed is None else cp.asnumpy(summed))
+
+
+def inputs(rng, mode, rows, inner):
+    """The launch's x (and residual, norm) and the reference's."""
+    from metrale.kernels import decode_gemv as dg
+
+    if mode == dg.RMSNORM:
+        x = rng.standard_normal((rows, inner)).astype(np.float32)
+        residual = (4 * rng.standard_normal((rows, inner))).astype(np.float32)
+        norm = bf16(rng, (inner,), 0.3)
+        return dict(x=x, residual=residual, norm=norm), dict(x=x, residual=residual, norm_weight=bf16_to_float32(norm))
+    x = bf16(rng, (rows, 2 * inner if mode == dg.SILU else inner), 2.0)
+    return dict(x=x), dict(x=bf16_to_float32(x))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("shape", LLAMA_1B + LLAMA_8B, ids=lambda s: f"{s[0]}-{s[1]}x{s[2]}{'-bf16' if s[3] else ''}")
+def test_model_shapes_match_the_reference(shape, rows):
+    from metrale.kernels import decode_gemv as dg
+
+    name, inner, columns, bf16_out = shape
+    mode = {"plain": dg.PLAIN, "rmsnorm": dg.RMSNORM, "silu": dg.SILU}[name]
+    if not dg.supports(rows, inner, mode):
+        pytest.skip(f"{rows} rows of {inner} are staged in more than {dg.MAX_STAGE_BYTES} bytes: not served")
+    weight, weight_device = weight_of(inner, columns)
+    rng = np.random.default_rng(rows + inner)
+    launch_inputs, reference_inputs = inputs(rng, mode, rows, inner)
+    x = launch_inputs.pop("x")
+    got, summed = launch(mode, x, weight_device, rows, inner, columns, bf16_out, **launch_inputs)
+    expected, expected_summed = dg.decode_gemv_reference(mode, reference_inputs.pop("x"), weight, bf16_out=bf16_out,
+                                                         eps=1e-5, **reference_inputs)
+    assert np.isfinite(got).all()
+    assert rel_error(got, expected) <= (1e-2 if bf16_out or mode == dg.RMSNORM else 1e-4)
+    if mode == dg.RMSNORM:
+        np.testing.assert_array_equal(summed, expected_summed)
+
+
+def test_bias_and_a_graph_replay_with_new_inputs(backend):
+    """A launch records into a CUDA graph (the grid from the shapes alone) and a replay follows
+    new rows written into the same buffer."""
+    import cupy as cp
+
+    from metrale.kernels import decode_gemv as dg
+
+    inner, columns, rows = 1024, 3000, 4
+    weight, weight_device = weight_of(inner, columns)
+    rng = np.random.default_rng(7)
+    bias = rng.standard_normal(columns).astype(np.float32)
+    stream = backend.stream
+    with cp.cuda.using_allocator(backend.graph_pool.malloc), backend.activate():
+        x = cp.asarray(bf16(rng, (rows, inner)))
+        bias_device = cp.asarray(bias)
+        out = cp.zeros((rows, columns), np.float32)
+        dg.decode_gemv(dg.PLAIN, x, weight_device, out, stream, bias=bias_device)  # compiles
+        stream.synchronize()
+        stream.begin_capture(getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", 2))
+        try:
+            dg.decode_gemv(dg.PLAIN, x, weight_device, out, stream, bias=bias_device)
+        finally:
+            graph = stream.end_capture()
+    for seed in (1, 2):
+        new = bf16(np.random.default_rng(seed), (rows, inner))
+        with backend.activate():
+            x.set(new, stream=stream)
+            out.fill(np.nan)
+            graph.launch(stream=stream)
+            stream.synchronize()
+            got = cp.asnumpy(out)
+        expected, _ = dg.decode_gemv_reference(dg.PLAIN, bf16_to_float32(new), weight, bias=bias)
+        assert rel_error(got, expected) <= 1e-4

@@ -1,0 +1,162 @@
+"""The decode GEMV kernels (:mod:`metrale.kernels.decode_gemv`) run on the host through the CUDA
+emulation header against :func:`~metrale.kernels.decode_gemv.decode_gemv_reference`: every
+prologue (plain, RMSNorm with and without the residual, SiLU), every row bucket with padding rows,
+float32 and bf16 outputs, a bias, and grids smaller than the columns (the warps loop)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+from emulation import build_emulated
+
+from metrale.checkpoint import bf16_to_float32, float32_to_bf16
+from metrale.kernels import decode_gemv as dg
+
+EMULATION_MAIN = r"""
+#include <string>
+
+template <int ROWS, int MODE, bool BF16_OUT>
+void run(const std::string& folder, int rows, int K, int N, int blocks, int has_residual, int has_bias, float eps,
+         float offset) {
+    const int width = MODE == MODE_SILU ? 2 * K : K;
+    void* x = MODE == MODE_RMSNORM ? (void*)read<float>(folder + "/x", (size_t)rows * width)
+                                   : (void*)read<unsigned short>(folder + "/x", (size_t)rows * width);
+    float* residual = has_residual ? read<float>(folder + "/residual", (size_t)rows * K) : nullptr;
+    unsigned short* norm = MODE == MODE_RMSNORM ? read<unsigned short>(folder + "/norm", K) : nullptr;
+    float* summed = allocate<float>((size_t)rows * K);
+    const uint4* weight = reinterpret_cast<const uint4*>(read<unsigned short>(folder + "/weight", (size_t)N * K));
+    float* bias = has_bias ? read<float>(folder + "/bias", N) : nullptr;
+    void* out = BF16_OUT ? (void*)allocate<unsigned short>((size_t)rows * N) : (void*)allocate<float>((size_t)rows * N);
+    emu::launch({(unsigned)blocks, 1, 1}, {THREADS, 1, 1}, [&] {
+        decode_gemv<ROWS, MODE, BF16_OUT>(x, residual, norm, eps, offset, has_residual, summed, weight, bias, out,
+                                          rows, K, N);
+    });
+    if (BF16_OUT) write(folder + "/out", static_cast<unsigned short*>(out), (size_t)rows * N);
+    else write(folder + "/out", static_cast<float*>(out), (size_t)rows * N);
+    if (MODE == MODE_RMSNORM) write(folder + "/summed", summed, (size_t)rows * K);
+}
+
+template <int ROWS, int MODE>
+void by_output(bool bf16_out, const std::string& folder, int rows, int K, int N, int blocks, int r, int b, float e,
+               float o) {
+    if (bf16_out) run<ROWS, MODE, true>(folder, rows, K, N, blocks, r, b, e, o);
+    else run<ROWS, MODE, false>(folder, rows, K, N, blocks, r, b, e, o);
+}
+
+template <int ROWS>
+void by_mode(int mode, bool bf16_out, const std::string& folder, int rows, int K, int N, int blocks, int r, int b,
+             float e, float o) {
+    if (mode == MODE_PLAIN) by_output<ROWS, MODE_PLAIN>(bf16_out, folder, rows, K, N, blocks, r, b, e, o);
+    else if (mode == MODE_RMSNORM) by_output<ROWS, MODE_RMSNORM>(bf16_out, folder, rows, K, N, blocks, r, b, e, o);
+    else by_output<ROWS, MODE_SILU>(bf16_out, folder, rows, K, N, blocks, r, b, e, o);
+}
+
+int main(int argc, char** argv) {
+    if (argc != 12) emu::fail("usage: folder bucket mode bf16_out rows K N blocks has_residual has_bias eps offset");
+    const std::string folder = argv[1];
+    const int bucket = std::atoi(argv[2]), mode = std::atoi(argv[3]), bf16_out = std::atoi(argv[4]);
+    const int rows = std::atoi(argv[5]), K = std::atoi(argv[6]), N = std::atoi(argv[7]), blocks = std::atoi(argv[8]);
+    const int has_residual = std::atoi(argv[9]), has_bias = std::atoi(argv[10]);
+    const float eps = std::atof(argv[11]), offset = 0.0f;
+    switch (bucket) {
+        case 1: by_mode<1>(mode, bf16_out, folder, rows, K, N, blocks, has_residual, has_bias, eps, offset); break;
+        case 2: by_mode<2>(mode, bf16_out, folder, rows, K, N, blocks, has_residual, has_bias, eps, offset); break;
+        case 4: by_mode<4>(mode, bf16_out, folder, rows, K, N, blocks, has_residual, has_bias, eps, offset); break;
+        default: by_mode<8>(mode, bf16_out, folder, rows, K, N, blocks, has_residual, has_bias, eps, offset);
+    }
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("decode_gemv_emulated")
+    binary = build_emulated(folder / "decode_gemv.cpp", dg.CONSTANTS + dg.KERNELS + EMULATION_MAIN)
+
+    def run(mode, x, weight, *, residual=None, norm=None, bias=None, bf16_out=False, blocks=2, eps=1e-6):
+        rows, inner = x.shape[0], weight.shape[1]
+        case = folder / "case"
+        case.mkdir(exist_ok=True)
+        arrays = dict(x=x, weight=weight, residual=residual, norm=norm, bias=bias)
+        for name, array in arrays.items():
+            if array is not None:
+                np.ascontiguousarray(array).tofile(case / name)
+        subprocess.run([str(binary), str(case), str(dg.rows_bucket(rows)), str(mode), str(int(bf16_out)), str(rows),
+                        str(inner), str(weight.shape[0]), str(blocks), str(int(residual is not None)),
+                        str(int(bias is not None)), repr(eps)], check=True, timeout=600)
+        out = np.fromfile(case / "out", np.uint16 if bf16_out else np.float32).reshape(rows, weight.shape[0])
+        summed = np.fromfile(case / "summed", np.float32).reshape(rows, inner) if mode == dg.RMSNORM else None
+        return (bf16_to_float32(out) if bf16_out else out), summed
+
+    return run
+
+
+def bf16_bits(rng, shape, scale=1.0):
+    return float32_to_bf16((scale * rng.standard_normal(shape)).astype(np.float32))
+
+
+@pytest.mark.parametrize("mode, rows, inner, columns, residual, bias, bf16_out, blocks", [
+    (dg.PLAIN, 1, 64, 37, False, False, False, 2),
+    (dg.PLAIN, 3, 200, 21, False, True, False, 1),  # 3 rows padded to 4; one block loops over the columns
+    (dg.PLAIN, 8, 264, 16, False, False, True, 3),  # more blocks than column groups
+    (dg.RMSNORM, 1, 128, 33, True, False, False, 2),
+    (dg.RMSNORM, 2, 96, 19, False, False, True, 1),  # the first layer: no residual yet
+    (dg.RMSNORM, 5, 136, 18, True, True, False, 2),
+    (dg.SILU, 1, 72, 29, False, False, False, 2),
+    (dg.SILU, 6, 104, 17, False, True, False, 1),
+])
+def test_emulated_kernels_match_the_reference(emulated, mode, rows, inner, columns, residual, bias, bf16_out, blocks):
+    rng = np.random.default_rng(rows * 1000 + inner + mode)
+    weight_bits = bf16_bits(rng, (columns, inner), 0.2)
+    weight = bf16_to_float32(weight_bits)
+    kwargs, ref_kwargs = {}, {}
+    if mode == dg.RMSNORM:
+        x = (3.0 * rng.standard_normal((rows, inner))).astype(np.float32)
+        norm_bits = bf16_bits(rng, (inner,), 0.5)
+        kwargs["norm"] = norm_bits
+        ref_kwargs["norm_weight"] = bf16_to_float32(norm_bits)
+        if residual:
+            kwargs["residual"] = ref_kwargs["residual"] = rng.standard_normal((rows, inner)).astype(np.float32)
+        x_ref = x
+    else:
+        width = 2 * inner if mode == dg.SILU else inner
+        x = bf16_bits(rng, (rows, width), 2.0)
+        x_ref = bf16_to_float32(x)
+    if bias:
+        kwargs["bias"] = ref_kwargs["bias"] = rng.standard_normal(columns).astype(np.float32)
+    out, summed = emulated(mode, x, weight_bits, bf16_out=bf16_out, blocks=blocks, **kwargs)
+    expected, expected_summed = dg.decode_gemv_reference(mode, x_ref, weight, bf16_out=bf16_out, **ref_kwargs)
+    scale = np.abs(expected).max()
+    # float32 sums in another order (and, for RMSNORM, a norm one ulp apart rounding a staged
+    # value to the next bf16); bf16 outputs: one bf16 step.
+    tolerance = 1e-2 if bf16_out or mode == dg.RMSNORM else 1e-5
+    assert np.abs(out - expected).max() <= tolerance * scale
+    if mode == dg.RMSNORM:
+        np.testing.assert_array_equal(summed, expected_summed)
+
+
+def test_supports_and_buckets():
+    assert [dg.rows_bucket(r) for r in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert dg.supports(8, 4096, dg.RMSNORM) and not dg.supports(9, 4096) and not dg.supports(1, 4100)
+    assert dg.supports(4, 14336, dg.SILU) and not dg.supports(8, 14336, dg.SILU)  # 229 KB of staged rows
+    assert not dg.supports(0, 64)
+
+
+@pytest.mark.parametrize("rows, inner, mode, x_dtype, why", [
+    (9, 64, dg.PLAIN, np.uint16, "not served"),  # more rows than a launch takes
+    (2, 60, dg.PLAIN, np.uint16, "not served"),  # K not a multiple of 8
+    (2, 64, dg.RMSNORM, np.uint16, "x"),  # the norm takes float32 rows
+    (2, 64, dg.SILU, np.uint16, "x"),  # SILU takes [rows, 2K]; given [rows, K]
+])
+def test_the_launcher_refuses_what_it_does_not_serve(rows, inner, mode, x_dtype, why):
+    from metrale.errors import KernelArgumentError
+
+    x = np.zeros((rows, inner), x_dtype)
+    weight = np.zeros((16, inner), np.uint16)
+    out = np.zeros((rows, 16), np.float32)
+    with pytest.raises(KernelArgumentError, match=why):
+        dg.decode_gemv(mode, x, weight, out, None, norm_weight=np.zeros(inner, np.uint16),
+                       summed=np.zeros((rows, inner), np.float32))
