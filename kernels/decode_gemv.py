@@ -30,6 +30,7 @@ host against it through the CUDA emulation header, ``tests/gpu`` on the GPU.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -350,6 +351,9 @@ def decode_gemv(
         check_array(name, "summed", summed, np.float32, (rows, inner))
         if residual is not None:
             check_array(name, "residual", residual, np.float32, (rows, inner))
+    pointer = getattr(getattr(weight, "data", None), "ptr", None)
+    if pointer is not None and pointer % 16:
+        raise KernelArgumentError(f"{name}: weight does not start at a 16-byte boundary")
     bucket = rows_bucket(rows)
     kernel = _kernel(bucket, mode, bf16_out)
     stage = shared_bytes(rows, inner, mode)
@@ -357,7 +361,7 @@ def decode_gemv(
         kernel.max_dynamic_shared_size_bytes = stage
     blocks = _blocks(-(-columns // (WARPS * COLUMNS)), stage)
     null = np.uint64(0)  # a null pointer for the arguments left out
-    with stream:
+    with stream if stream is not None else contextlib.nullcontext():
         kernel((blocks,), (THREADS,), (
             x, residual if residual is not None else null, norm_weight if norm_weight is not None else null,
             np.float32(eps), np.float32(norm_offset), np.int32(residual is not None),

@@ -91,8 +91,27 @@ def attention_block(
 
     ``geometry.inv_freq`` must be a backend array (``backend.constant``).
     """
+    qkv = backend.ops.linear(h, weights.qkv, weights.qkv_bias)
+    return attention_from_qkv(backend, geometry, weights, cache_layer, qkv, batch)
+
+
+def normed_attention_block(
+    backend: Any, geometry: AttentionGeometry, weights: AttentionWeights, cache_layer: Any, x: Any, residual: Any,
+    norm_weight: Any, eps: float, batch: ForwardBatch, norm_offset: float = 0.0,
+) -> tuple[Any, Any]:
+    """:func:`attention_block` of ``rmsnorm(x + residual)`` (the pre-norm of a decoder layer,
+    through the ``rmsnorm_linear`` op: one kernel with the qkv projection where the backend has
+    one); returns ``(attention output, x + residual)``."""
+    qkv, summed = backend.ops.rmsnorm_linear(x, residual, norm_weight, eps, norm_offset, weights.qkv, weights.qkv_bias)
+    return attention_from_qkv(backend, geometry, weights, cache_layer, qkv, batch), summed
+
+
+def attention_from_qkv(
+    backend: Any, geometry: AttentionGeometry, weights: AttentionWeights, cache_layer: Any, qkv: Any, batch: ForwardBatch
+) -> Any:
+    """The rest of :func:`attention_block` after the qkv projection: RoPE and the cache write,
+    attention, the output projection."""
     ops, g = backend.ops, geometry
-    qkv = ops.linear(h, weights.qkv, weights.qkv_bias)
     partial = {} if g.rotary_dim is None else {"rotary_dim": g.rotary_dim}
     q = ops.qkv_rope_cache(
         qkv, batch.positions, batch.slot_mapping, g.inv_freq, g.attention_factor, g.num_heads, g.num_kv_heads,

@@ -56,3 +56,11 @@ def swiglu_mlp(backend: Any, weights: MlpWeights, h: Any) -> Any:
     """``down(silu(gate(h)) * up(h))`` for ``h [N, H]``."""
     ops = backend.ops
     return ops.linear(ops.linear_silu(h, weights.gate_up, weights.gate_up_bias), weights.down, weights.down_bias)
+
+
+def normed_swiglu_mlp(backend: Any, weights: MlpWeights, x: Any, residual: Any, norm_weight: Any, eps: float,
+                      norm_offset: float = 0.0) -> tuple[Any, Any]:
+    """:func:`swiglu_mlp` of ``rmsnorm(x + residual)`` (through the ``rmsnorm_mlp`` op: two
+    kernels where the backend has them); returns ``(MLP output, x + residual)``."""
+    return backend.ops.rmsnorm_mlp(x, residual, norm_weight, eps, norm_offset, weights.gate_up, weights.down,
+                                   weights.gate_up_bias, weights.down_bias)

@@ -49,6 +49,16 @@ def linear_silu(x, weight, bias=None):
     return silu_and_mul(linear(x, weight, bias))
 
 
+def rmsnorm_linear(x, residual, norm_weight, eps, offset, weight, bias=None):
+    normed, summed = rmsnorm_residual(x, residual, norm_weight, eps, offset)
+    return linear(normed, weight, bias), summed
+
+
+def rmsnorm_mlp(x, residual, norm_weight, eps, offset, gate_up, down, gate_up_bias=None, down_bias=None):
+    normed, summed = rmsnorm_residual(x, residual, norm_weight, eps, offset)
+    return linear(linear_silu(normed, gate_up, gate_up_bias), down, down_bias), summed
+
+
 def to_bf16(x):
     # On the CPU a matrix-product input stays float32.
     return np.array(x, dtype=np.float32)
@@ -217,6 +227,25 @@ def _silu_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
     return [{"gate_up": _rows(rng, rows, 2 * width)} for rows, width in ((1, 64), (4, 96))]
 
 
+def _rmsnorm_linear_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [
+        {"x": _rows(rng, rows, hidden, scale=2.0), "residual": _rows(rng, rows, hidden) if residual else None,
+         "norm_weight": _rows(rng, hidden, scale=0.5) + 1.0, "eps": 1e-6, "offset": offset,
+         "weight": _rows(rng, out, hidden, scale=0.1), "bias": _rows(rng, out) if bias else None}
+        for rows, hidden, out, residual, offset, bias in ((1, 64, 48, True, 0.0, False), (5, 96, 40, False, 1.0, True),
+                                                          (9, 128, 24, True, 0.0, False))
+    ]
+
+
+def _rmsnorm_mlp_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [
+        {"x": _rows(rng, rows, hidden, scale=2.0), "residual": _rows(rng, rows, hidden), "norm_weight": _rows(rng, hidden) + 1.0,
+         "eps": 1e-5, "offset": 0.0, "gate_up": _rows(rng, 2 * inter, hidden, scale=0.1),
+         "down": _rows(rng, hidden, inter, scale=0.1), "gate_up_bias": None, "down_bias": _rows(rng, hidden) if bias else None}
+        for rows, hidden, inter, bias in ((1, 64, 96, False), (4, 128, 72, True), (10, 64, 40, False))
+    ]
+
+
 def _linear_silu_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
     return [{"x": _rows(rng, rows, 64), "weight": _rows(rng, 96, 64, scale=0.1), "bias": None} for rows in (1, 6)]
 
@@ -345,6 +374,25 @@ def _declarations() -> list[tuple[Op, str]]:
              P("bias", "[2 I]", "constant", optional=True)),
             (P("act", "[N, I]", "matmul_input"),), linear_silu, examples=_linear_silu_examples),
          "cuBLAS GEMM and metrale.kernels.activation"),
+        (Op("rmsnorm_linear", "A norm and the projection after it: ``(linear(rmsnorm(s)), s)`` with ``s = x + "
+            "residual`` (``x`` with ``residual`` None); one decode GEMV kernel for small batches when "
+            ":func:`~metrale.ops.builtin.decode_gemv_kernels` are registered.",
+            (X, P("residual", "[N, H]", "activation", optional=True), P("norm_weight", "[H]", "weight"),
+             P("eps", kind="scalar"), P("offset", kind="scalar"), P("weight", "[out, H]", "weight"),
+             P("bias", "[out]", "constant", optional=True)),
+            (P("y", "[N, out]", "activation"), P("summed", "[N, H]", "activation", "the new residual stream")),
+            rmsnorm_linear, examples=_rmsnorm_linear_examples),
+         "metrale.kernels.rmsnorm and cuBLAS GEMM"),
+        (Op("rmsnorm_mlp", "A norm and the SwiGLU MLP after it: ``(down(silu_and_mul(gate_up(rmsnorm(s)))), s)`` with "
+            "``s = x + residual``; two decode GEMV kernels for small batches when "
+            ":func:`~metrale.ops.builtin.decode_gemv_kernels` are registered.",
+            (X, P("residual", "[N, H]", "activation", optional=True), P("norm_weight", "[H]", "weight"),
+             P("eps", kind="scalar"), P("offset", kind="scalar"), P("gate_up", "[2 I, H]", "weight"),
+             P("down", "[H, I]", "weight"), P("gate_up_bias", "[2 I]", "constant", optional=True),
+             P("down_bias", "[H]", "constant", optional=True)),
+            (P("y", "[N, H]", "activation"), P("summed", "[N, H]", "activation", "the new residual stream")),
+            rmsnorm_mlp, examples=_rmsnorm_mlp_examples),
+         "metrale.kernels.rmsnorm, cuBLAS GEMM and metrale.kernels.activation"),
         (Op("to_bf16", "``x`` as a matrix-product input: bf16 bits on the GPU, a float32 copy on the CPU.",
             (X,), (P("y", "[N, H]", "matmul_input"),), to_bf16),
          "activation"),
@@ -500,6 +548,42 @@ def gemv_kernels(max_rows: int = 8) -> list[Kernel]:
                condition=f"N <= {max_rows}, in % 4 == 0"),
         Kernel("linear_silu", "cuda", "metrale.kernels.gemv (fused SiLU)", build=_cuda_method("linear_silu_gemv"),
                when=small_without_bias, condition=f"N <= {max_rows}, in % 4 == 0, no bias"),
+    ]
+
+
+def decode_gemv_kernels(max_rows: int = 8) -> list[Kernel]:
+    """The decode GEMV kernels (:mod:`metrale.kernels.decode_gemv`) as conditional kernels of
+    ``linear``, ``rmsnorm_linear`` and ``rmsnorm_mlp`` for batches of at most ``max_rows`` rows
+    (bf16 weights, inner sizes a multiple of 8 whose staged rows fit a block). Not registered by
+    default; a registry may add them (``registry.add_kernel``)."""
+
+    def served(rows: int, inner: int, mode: int, *weights: Any) -> bool:
+        from metrale.kernels import decode_gemv
+
+        return (rows <= max_rows and decode_gemv.supports(rows, inner, mode)
+                and all(getattr(w, "dtype", None) == np.uint16 for w in weights))
+
+    def small_linear(x: Any, weight: Any, bias: Any = None) -> bool:
+        return served(x.shape[0], x.shape[1], 0, weight)
+
+    def small_norm_linear(x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any, weight: Any,
+                          bias: Any = None) -> bool:
+        return served(x.shape[0], x.shape[1], 1, weight)
+
+    def small_norm_mlp(x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any, gate_up: Any, down: Any,
+                       gate_up_bias: Any = None, down_bias: Any = None) -> bool:
+        return (gate_up_bias is None and served(x.shape[0], x.shape[1], 1, gate_up)
+                and served(x.shape[0], down.shape[1], 2, down))
+
+    condition = f"N <= {max_rows}, bf16 weights, inner sizes a multiple of 8"
+    return [
+        Kernel("linear", "cuda", "metrale.kernels.decode_gemv", build=_cuda_method("linear_decode_gemv"),
+               when=small_linear, condition=condition),
+        Kernel("rmsnorm_linear", "cuda", "metrale.kernels.decode_gemv (the norm fused)",
+               build=_cuda_method("rmsnorm_linear_decode_gemv"), when=small_norm_linear, condition=condition),
+        Kernel("rmsnorm_mlp", "cuda", "metrale.kernels.decode_gemv (the norm and the gate fused)",
+               build=_cuda_method("rmsnorm_mlp_decode_gemv"), when=small_norm_mlp,
+               condition=condition + ", no gate_up bias"),
     ]
 
 

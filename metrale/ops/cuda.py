@@ -19,6 +19,7 @@ from metrale.kernels import (
     attention_latent_mma,
     attention_mma,
     attention_prefill,
+    decode_gemv,
     embedding,
     gated,
     gated_delta,
@@ -151,6 +152,47 @@ class CudaKernels:
     def linear_silu_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
         out = cp.empty((x.shape[0], weight.shape[0] // 2), dtype=bf16)
         return gemv.gemv_silu(self.as_bf16(x), weight, out, self.stream)
+
+    def rmsnorm_linear(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float, weight: Any,
+                       bias: Any = None) -> Any:
+        normed, summed = self.rmsnorm_residual(x, residual, norm_weight, eps, offset)
+        return self.linear(normed, weight, bias), summed
+
+    def rmsnorm_mlp(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float, gate_up: Any, down: Any,
+                    gate_up_bias: Any = None, down_bias: Any = None) -> Any:
+        normed, summed = self.rmsnorm_residual(x, residual, norm_weight, eps, offset)
+        return self.linear(self.linear_silu(normed, gate_up, gate_up_bias), down, down_bias), summed
+
+    # The decode GEMV kernels: not bound by default; :func:`metrale.ops.builtin.decode_gemv_kernels`
+    # offers them to a registry.
+
+    def linear_decode_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
+        return decode_gemv.decode_gemv(decode_gemv.PLAIN, self.as_bf16(x), weight, out, self.stream, bias=bias)
+
+    def rmsnorm_linear_decode_gemv(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float,
+                                   weight: Any, bias: Any = None) -> Any:
+        x = cp.ascontiguousarray(x, dtype=f32)
+        summed = cp.empty(x.shape, dtype=f32)
+        out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
+        decode_gemv.decode_gemv(
+            decode_gemv.RMSNORM, x, weight, out, self.stream, norm_weight=norm_weight, eps=eps, norm_offset=offset,
+            residual=None if residual is None else cp.ascontiguousarray(residual, dtype=f32), summed=summed, bias=bias)
+        return out, summed
+
+    def rmsnorm_mlp_decode_gemv(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float, gate_up: Any,
+                                down: Any, gate_up_bias: Any = None, down_bias: Any = None) -> Any:
+        x = cp.ascontiguousarray(x, dtype=f32)
+        summed = cp.empty(x.shape, dtype=f32)
+        # The gate and up rows as bf16 (what the unfused path's product writes), read by the
+        # down kernel's SiLU prologue.
+        gated = cp.empty((x.shape[0], gate_up.shape[0]), dtype=bf16)
+        decode_gemv.decode_gemv(
+            decode_gemv.RMSNORM, x, gate_up, gated, self.stream, norm_weight=norm_weight, eps=eps, norm_offset=offset,
+            residual=None if residual is None else cp.ascontiguousarray(residual, dtype=f32), summed=summed)
+        out = cp.empty((x.shape[0], down.shape[0]), dtype=f32)
+        decode_gemv.decode_gemv(decode_gemv.SILU, gated, down, out, self.stream, bias=down_bias)
+        return out, summed
 
     def silu_and_mul(self, gate_up: Any) -> Any:
         out = cp.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=bf16)

@@ -9,9 +9,9 @@ from metrale.batch import ForwardBatch
 from metrale.cache.spec import CacheSpec, PagedKVSpec
 from metrale.checkpoint import Checkpoint
 from metrale.family import FamilyModel
-from metrale.layers.attention import AttentionGeometry, AttentionWeights, attention_block, load_attention_weights
+from metrale.layers.attention import AttentionGeometry, AttentionWeights, load_attention_weights, normed_attention_block
 from metrale.layers.loading import DecoderEnds
-from metrale.layers.mlp import MlpWeights, load_mlp_weights, swiglu_mlp
+from metrale.layers.mlp import MlpWeights, load_mlp_weights, normed_swiglu_mlp
 from metrale.plugins.dense.config import DenseConfig
 
 # Buffers older exports saved beside the weights; they are recomputed, never read.
@@ -44,11 +44,9 @@ class DenseLayer:
     def forward(self, backend: Any, x: Any, residual: Any, cache_layer: Any, batch: ForwardBatch,
                 eps: float) -> tuple[Any, Any]:
         """``(mlp output, residual)`` of this layer; the residual add is fused into the next norm."""
-        ops = backend.ops
-        h, residual = ops.rmsnorm_residual(x, residual, self.input_norm, eps)
-        x = attention_block(backend, self.geometry, self.attention, cache_layer, h, batch)
-        h, residual = ops.rmsnorm_residual(x, residual, self.post_norm, eps)
-        return swiglu_mlp(backend, self.mlp, h), residual
+        x, residual = normed_attention_block(backend, self.geometry, self.attention, cache_layer, x, residual,
+                                             self.input_norm, eps, batch)
+        return normed_swiglu_mlp(backend, self.mlp, x, residual, self.post_norm, eps)
 
 
 class DenseModel(FamilyModel):

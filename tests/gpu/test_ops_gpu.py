@@ -48,6 +48,14 @@ def test_the_gemv_kernels_match_the_references(backend):
         assert check_kernel(registry, kernel, backend) == []
 
 
+def test_the_decode_gemv_kernels_match_the_references(backend):
+    from metrale.ops.builtin import decode_gemv_kernels
+
+    registry = builtin_registry()
+    for kernel in decode_gemv_kernels():
+        assert check_kernel(registry, kernel, backend) == [], kernel.name
+
+
 @pytest.mark.parametrize("method, experts, top_k, n_group, topk_group", [("greedy", 64, 6, 1, 1), ("noaux_tc", 256, 8, 8, 4)])
 def test_a_prompts_routing_matches_the_reference(backend, method, experts, top_k, n_group, topk_group):
     """Prompt-sized batches take the float32 cuBLAS router product, decode-sized ones the kernel."""

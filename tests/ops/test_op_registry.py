@@ -195,3 +195,31 @@ def test_the_gemv_kernels_are_offered_not_bound():
     assert registry.serving("linear", "cuda") == [
         "metrale.kernels.gemv [tuning] when N <= 4, in % 4 == 0", "cuBLAS GEMM (metrale.kernels.linear) [metrale]",
     ]
+
+
+def test_the_decode_gemv_kernels_are_offered_not_bound_and_take_what_they_serve():
+    from metrale.ops.builtin import decode_gemv_kernels
+
+    assert builtin_registry().serving("rmsnorm_mlp", "cuda") == [
+        "metrale.kernels.rmsnorm, cuBLAS GEMM and metrale.kernels.activation [metrale]"]
+    registry = builtin_registry().copy()
+    kernels = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=4)}
+    for kernel in kernels.values():
+        registry.from_plugin("tuning").add_kernel(kernel)
+    assert registry.serving("rmsnorm_linear", "cuda")[0].startswith("metrale.kernels.decode_gemv (the norm fused) [tuning] when N <= 4")
+
+    def bits(*shape):
+        return np.zeros(shape, np.uint16)
+
+    def floats(*shape):
+        return np.zeros(shape, np.float32)
+
+    norm_linear = kernels["rmsnorm_linear"].when
+    assert norm_linear(floats(4, 64), None, bits(64), 1e-6, 0.0, bits(32, 64))
+    assert not norm_linear(floats(5, 64), None, bits(64), 1e-6, 0.0, bits(32, 64))  # more rows than max_rows
+    assert not norm_linear(floats(4, 60), None, bits(60), 1e-6, 0.0, bits(32, 60))  # not a multiple of 8
+    assert not norm_linear(floats(4, 64), None, bits(64), 1e-6, 0.0, floats(32, 64))  # float32 weights (the CPU's)
+    norm_mlp = kernels["rmsnorm_mlp"].when
+    assert norm_mlp(floats(2, 64), None, bits(64), 1e-6, 0.0, bits(80, 64), bits(64, 40))
+    assert not norm_mlp(floats(2, 64), None, bits(64), 1e-6, 0.0, bits(80, 64), bits(64, 40), floats(80))  # gate bias
+    assert kernels["linear"].when(bits(3, 128), bits(16, 128)) and not kernels["linear"].when(bits(3, 100), bits(16, 100))
