@@ -382,7 +382,7 @@ def _declarations() -> list[tuple[Op, str]]:
              P("bias", "[out]", "constant", optional=True)),
             (P("y", "[N, out]", "activation"), P("summed", "[N, H]", "activation", "the new residual stream")),
             rmsnorm_linear, examples=_rmsnorm_linear_examples),
-         "metrale.kernels.rmsnorm and cuBLAS GEMM"),
+         "rmsnorm_residual, then linear (their kernels)"),
         (Op("rmsnorm_mlp", "A norm and the SwiGLU MLP after it: ``(down(silu_and_mul(gate_up(rmsnorm(s)))), s)`` with "
             "``s = x + residual``; two decode GEMV kernels for small batches when "
             ":func:`~metrale.ops.builtin.decode_gemv_kernels` are registered.",
@@ -392,7 +392,7 @@ def _declarations() -> list[tuple[Op, str]]:
              P("down_bias", "[H]", "constant", optional=True)),
             (P("y", "[N, H]", "activation"), P("summed", "[N, H]", "activation", "the new residual stream")),
             rmsnorm_mlp, examples=_rmsnorm_mlp_examples),
-         "metrale.kernels.rmsnorm, cuBLAS GEMM and metrale.kernels.activation"),
+         "rmsnorm_residual, then linear_silu and linear (their kernels)"),
         (Op("to_bf16", "``x`` as a matrix-product input: bf16 bits on the GPU, a float32 copy on the CPU.",
             (X,), (P("y", "[N, H]", "matmul_input"),), to_bf16),
          "activation"),
@@ -524,9 +524,51 @@ def builtin_registry() -> OpRegistry:
     registry = OpRegistry()
     for op, module in _declarations():
         registry.declare(op)
+        if op.name in _COMPOSITES:
+            for device in ("cpu", "cuda"):
+                registry.add_kernel(Kernel(op.name, device, module, build=_COMPOSITES[op.name]))
+            continue
         name = module if " " in module else f"metrale.kernels.{module}"
         registry.add_kernel(Kernel(op.name, "cuda", name, build=_cuda_method(op.name)))
     return registry
+
+
+# Fused ops served, where no kernel of their own is registered, by the ops they fuse (called
+# through the backend's op table, so whatever kernels serve those serve these too).
+
+
+def _composed_rmsnorm_linear(backend: Any) -> Any:
+    table = _ops_of(backend)
+
+    def rmsnorm_linear(x, residual, norm_weight, eps, offset, weight, bias=None):
+        ops = table()
+        normed, summed = ops.rmsnorm_residual(x, residual, norm_weight, eps, offset)
+        return ops.linear(normed, weight, bias), summed
+
+    return rmsnorm_linear
+
+
+def _composed_rmsnorm_mlp(backend: Any) -> Any:
+    table = _ops_of(backend)
+
+    def rmsnorm_mlp(x, residual, norm_weight, eps, offset, gate_up, down, gate_up_bias=None, down_bias=None):
+        ops = table()
+        normed, summed = ops.rmsnorm_residual(x, residual, norm_weight, eps, offset)
+        return ops.linear(ops.linear_silu(normed, gate_up, gate_up_bias), down, down_bias), summed
+
+    return rmsnorm_mlp
+
+
+def _ops_of(backend: Any) -> Any:
+    """A function returning ``backend.ops``, holding the backend weakly (its op table holds the
+    kernels built here: a strong reference would keep the backend alive in a cycle)."""
+    import weakref
+
+    reference = weakref.ref(backend)
+    return lambda: reference().ops
+
+
+_COMPOSITES = {"rmsnorm_linear": _composed_rmsnorm_linear, "rmsnorm_mlp": _composed_rmsnorm_mlp}
 
 
 def gemv_kernels(max_rows: int = 8) -> list[Kernel]:

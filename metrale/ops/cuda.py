@@ -153,16 +153,6 @@ class CudaKernels:
         out = cp.empty((x.shape[0], weight.shape[0] // 2), dtype=bf16)
         return gemv.gemv_silu(self.as_bf16(x), weight, out, self.stream)
 
-    def rmsnorm_linear(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float, weight: Any,
-                       bias: Any = None) -> Any:
-        normed, summed = self.rmsnorm_residual(x, residual, norm_weight, eps, offset)
-        return self.linear(normed, weight, bias), summed
-
-    def rmsnorm_mlp(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float, gate_up: Any, down: Any,
-                    gate_up_bias: Any = None, down_bias: Any = None) -> Any:
-        normed, summed = self.rmsnorm_residual(x, residual, norm_weight, eps, offset)
-        return self.linear(self.linear_silu(normed, gate_up, gate_up_bias), down, down_bias), summed
-
     # The decode GEMV kernels: not bound by default; :func:`metrale.ops.builtin.decode_gemv_kernels`
     # offers them to a registry.
 
