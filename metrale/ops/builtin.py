@@ -565,7 +565,16 @@ def _ops_of(backend: Any) -> Any:
     import weakref
 
     reference = weakref.ref(backend)
-    return lambda: reference().ops
+
+    def ops() -> Any:
+        alive = reference()
+        if alive is None:
+            from metrale.errors import EngineClosedError
+
+            raise EngineClosedError("the backend of this op table is gone")
+        return alive.ops
+
+    return ops
 
 
 _COMPOSITES = {"rmsnorm_linear": _composed_rmsnorm_linear, "rmsnorm_mlp": _composed_rmsnorm_mlp}
