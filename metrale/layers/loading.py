@@ -39,7 +39,7 @@ class DecoderEnds:
 
     def logits(self, backend: Any, x: Any, residual: Any, batch: ForwardBatch, eps: float, offset: float = 0.0) -> Any:
         """Float32 logits ``[len(batch.logits_rows), V]``: the last residual add, the final norm
-        and the LM head, on the rows that asked for logits only."""
+        and the LM head (the ``rmsnorm_linear`` op), on the rows that asked for logits only."""
         rows = batch.logits_rows
-        h, _ = backend.ops.rmsnorm_residual(x[rows], residual[rows], self.norm, eps, offset)
-        return backend.ops.linear(h, self.lm_head)
+        logits, _ = backend.ops.rmsnorm_linear(x[rows], residual[rows], self.norm, eps, offset, self.lm_head)
+        return logits
