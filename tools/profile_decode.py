@@ -8,7 +8,9 @@ and its tokens read back (greedy, as ``metrale bench`` times it; top-p; top-k wi
 bare graph replay (CUDA events),
 and a table of every op of one decode forward: each call is recorded into its own CUDA graph
 ``REPEATS`` times and replayed, so the figure is the op's GPU time without launch overhead.
-Ops are grouped by name and argument shapes; GEMMs also show the GB/s of their weight reads.
+Ops are grouped by name and argument shapes (an op served by other ops, such as ``rmsnorm_mlp``
+by the norm and the two products, is timed as one); products also show the GB/s of their weight
+reads.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import numpy as np
 from timing import Timing, cuda_event_time, graph_time, host_time
 
 REPEATS = 20
-OPS = ("embedding", "rmsnorm_residual", "rmsnorm", "linear", "linear_silu", "qkv_rope_cache", "paged_attention",
+OPS = ("embedding", "rmsnorm_residual", "rmsnorm", "rmsnorm_linear", "rmsnorm_mlp", "linear", "linear_silu",
+       "qkv_rope_cache", "paged_attention",
        "silu_and_mul", "latent_attention", "latent_cache_write", "head_linear", "moe_route", "moe_experts", "gdn_conv_update",
        "gdn_recurrent_step", "gdn_prompt_rule", "gated_rmsnorm", "sigmoid_gate")
 
@@ -37,10 +40,9 @@ def main() -> None:
 
     from metrale.api import LLM
     from metrale.bench import build_checkpoint
+    from metrale.bench_throughput import build_qwen3_checkpoint
     from metrale.params import SamplingParams
     from metrale.sequence import SequenceState
-
-    from metrale.bench_throughput import build_qwen3_checkpoint
 
     # qwen3-0.6b is the shape of ``metrale bench --throughput``; the others are bench's shapes.
     build = build_qwen3_checkpoint if args.shape == "qwen3-0.6b" else lambda folder: build_checkpoint(args.shape, folder)
@@ -84,11 +86,19 @@ def main() -> None:
     ops = backend.ops
     originals = {name: getattr(ops, name, None) for name in OPS}
     calls = []
+    depth = [0]
 
     def recording(name, function):
+        # Only the calls the model makes: an op that runs others (a fused op served by its parts)
+        # is timed as one.
         def wrapper(*a, **k):
-            calls.append((name, function, a, k))
-            return function(*a, **k)
+            if depth[0] == 0:
+                calls.append((name, function, a, k))
+            depth[0] += 1
+            try:
+                return function(*a, **k)
+            finally:
+                depth[0] -= 1
 
         return wrapper
 
@@ -109,6 +119,12 @@ def main() -> None:
         if name in ("linear", "linear_silu"):
             label = f"{name} {shapes} @ {a[1].shape[0]}x{a[1].shape[1]}"
             weight_bytes[label] = a[1].nbytes
+        elif name == "rmsnorm_linear":
+            label = f"{name} {shapes} @ {a[5].shape[0]}x{a[5].shape[1]}"
+            weight_bytes[label] = a[5].nbytes
+        elif name == "rmsnorm_mlp":
+            label = f"{name} {shapes} @ {a[5].shape[0]}x{a[5].shape[1]} + {a[6].shape[0]}x{a[6].shape[1]}"
+            weight_bytes[label] = a[5].nbytes + a[6].nbytes
         elif name == "paged_attention":
             label = f"paged_attention q {shapes}"
         else:
@@ -128,7 +144,8 @@ def main() -> None:
         per_call = statistics.median(values)
         rate = f"{weight_bytes[label] / per_call / 1e3:7.0f}" if label in weight_bytes else ""
         print(f"{label:58} {len(values):5d} {per_call:9.1f} {sum(values):9.1f} {rate}")
-    compare_gemms(backend, {(c[2][0].shape[0], c[2][1].shape) for c in calls if c[0] in ("linear", "linear_silu")})
+    compare_gemms(backend, {(c[2][0].shape[0], c[2][1].shape) for c in calls if c[0] in ("linear", "linear_silu")}
+                  | {(c[2][0].shape[0], c[2][5].shape) for c in calls if c[0] == "rmsnorm_linear"})
 
 
 def compare_gemms(backend, shapes) -> None:
