@@ -1,5 +1,6 @@
-"""A decode step with and without the fused decode GEMV kernels (``metrale.ops.builtin.
-decode_gemv_kernels``, registered by a plugin here), on ``metrale bench``'s random-weight shapes.
+"""A decode step with and without the fused decode kernels (``metrale.ops.builtin.
+decode_gemv_kernels`` and ``moe_decode_kernels``, registered by a plugin here), on ``metrale
+bench``'s random-weight shapes.
 
 For each shape and batch size, both engines prefill the same prompts, then each times its decode
 step as ``metrale bench`` does (the forward from its CUDA graph, the greedy device sampler, the
@@ -7,7 +8,8 @@ tokens read back; CUDA events, median of ``--steps``), and the two engines' gree
 ``--check-steps`` steps are compared (they may part at near ties: a fused kernel sums in another
 order). Run from the repository root::
 
-    python3 tools/decode_ab.py [--shapes llama-1b,llama-8b] [--batch 1,4,8] [--context 512]
+    python3 tools/decode_ab.py [--shapes llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small] [--batch 1,4,8]
+                               [--context 512]
 """
 
 from __future__ import annotations
@@ -20,20 +22,20 @@ import numpy as np
 from metrale import hookimpl
 
 
-class DecodeGemvPlugin:
-    """Registers the decode GEMV kernels (a plugin, as a third party would)."""
+class DecodeKernelsPlugin:
+    """Registers the decode GEMV and MoE kernels (a plugin, as a third party would)."""
 
     @hookimpl
     def metrale_register_ops(self, registry):  # type: ignore[no-untyped-def]
-        from metrale.ops.builtin import decode_gemv_kernels
+        from metrale.ops.builtin import decode_gemv_kernels, moe_decode_kernels
 
-        for kernel in decode_gemv_kernels():
+        for kernel in decode_gemv_kernels() + moe_decode_kernels():
             registry.add_kernel(kernel)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="llama-1b,llama-8b")
+    parser.add_argument("--shapes", default="llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small")
     parser.add_argument("--batch", default="1,4,8")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps")
@@ -48,11 +50,11 @@ def main() -> None:
     from metrale.sequence import SequenceState
 
     batches = [int(b) for b in args.batch.split(",")]
-    print(f"{'shape':>10} {'batch':>5} {'cuBLAS ms':>9} {'fused ms':>9} {'speed-up':>8} {'same tokens':>11}")
+    print(f"{'shape':>16} {'batch':>5} {'before ms':>9} {'fused ms':>9} {'speed-up':>8} {'same tokens':>11}")
     for shape in args.shapes.split(","):
         folder = build_checkpoint(shape, Path(args.workdir) / shape)
         fused_manager = get_plugin_manager()
-        fused_manager.register(DecodeGemvPlugin(), name="decode-gemv")
+        fused_manager.register(DecodeKernelsPlugin(), name="decode-kernels")
         options = dict(device="cuda", max_model_len=args.context + args.steps + args.check_steps + 64,
                        max_num_seqs=max(batches) + 1, show_progress=False)
         engines = {"cuBLAS": LLM(folder, **options), "fused": LLM(folder, plugin_manager=fused_manager, **options)}
@@ -83,7 +85,7 @@ def main() -> None:
                 for seq in seqs:
                     llm.cache.release(seq)
             same = sum(a == b for a, b in zip(tokens["cuBLAS"], tokens["fused"]))
-            print(f"{shape:>10} {batch:>5} {1e3 * times['cuBLAS']:9.3f} {1e3 * times['fused']:9.3f} "
+            print(f"{shape:>16} {batch:>5} {1e3 * times['cuBLAS']:9.3f} {1e3 * times['fused']:9.3f} "
                   f"{times['cuBLAS'] / times['fused']:7.2f}x {same:>5}/{args.check_steps} steps")
         for llm in engines.values():
             llm.close()

@@ -638,6 +638,23 @@ def decode_gemv_kernels(max_rows: int = 8) -> list[Kernel]:
     ]
 
 
+def moe_decode_kernels(max_tokens: int = 8) -> list[Kernel]:
+    """The decode MoE kernels (:mod:`metrale.kernels.moe_decode`: two GEMV kernels over the chosen
+    experts' weights, the weighting and the sum over slots in the second) as a conditional kernel
+    of ``moe_experts`` for batches of at most ``max_tokens`` tokens. Not registered by default; a
+    registry may add it (``registry.add_kernel``)."""
+
+    def small(x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> bool:
+        from metrale.kernels import moe_decode
+
+        return (x.shape[0] <= max_tokens and getattr(down, "dtype", None) == np.uint16
+                and getattr(gate_up, "dtype", None) == np.uint16
+                and moe_decode.supports(x.shape[0], experts.shape[1], x.shape[1], down.shape[1]))
+
+    return [Kernel("moe_experts", "cuda", "metrale.kernels.moe_decode", build=_cuda_method("moe_experts_decode"),
+                   when=small, condition=f"N <= {max_tokens}, bf16 weights, H and I multiples of 8")]
+
+
 def _cuda_method(name: str) -> Any:
     def build(backend: Any) -> Any:
         return getattr(backend.kernels, name)

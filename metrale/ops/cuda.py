@@ -27,6 +27,7 @@ from metrale.kernels import (
     gemv,
     layernorm,
     moe,
+    moe_decode,
     moe_grouped,
     qkv_rope,
     rmsnorm,
@@ -285,6 +286,15 @@ class CudaKernels:
         weights = cp.empty((x.shape[0], top_k), dtype=f32)
         return moe.route(logits, bias, method, n_group, topk_group, top_k, renormalise, scaling, chosen, weights,
                          self.stream)
+
+    def moe_experts_decode(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
+        """The decode MoE kernels (offered by :func:`metrale.ops.builtin.moe_decode_kernels`)."""
+        x = self.as_bf16(x)
+        tokens, top_k, inter = x.shape[0], experts.shape[1], down.shape[1]
+        act = cp.empty((tokens * top_k, inter), dtype=bf16)
+        out = cp.empty((tokens, x.shape[1]), dtype=f32)
+        return moe_decode.decode_experts(x, cp.ascontiguousarray(experts, dtype=np.int32),
+                                         cp.ascontiguousarray(weights, dtype=f32), gate_up, down, act, out, self.stream)
 
     def moe_experts(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
         x = self.as_bf16(x)

@@ -226,3 +226,16 @@ def test_the_decode_gemv_kernels_are_offered_not_bound_and_take_what_they_serve(
     assert norm_mlp(floats(2, 64), None, bits(64), 1e-6, 0.0, bits(80, 64), bits(64, 40))
     assert not norm_mlp(floats(2, 64), None, bits(64), 1e-6, 0.0, bits(80, 64), bits(64, 40), floats(80))  # gate bias
     assert kernels["linear"].when(bits(3, 128), bits(16, 128)) and not kernels["linear"].when(bits(3, 100), bits(16, 100))
+
+
+def test_the_decode_moe_kernel_is_offered_not_bound_and_takes_decode_batches():
+    from metrale.ops.builtin import moe_decode_kernels
+
+    (kernel,) = moe_decode_kernels(max_tokens=4)
+    assert kernel.op == "moe_experts" and kernel not in builtin_registry().kernels
+    experts, weights = np.zeros((4, 6), np.int32), np.zeros((4, 6), np.float32)
+    gate_up, down = np.zeros((0, 2048), np.uint16), np.zeros((0, 1408), np.uint16)  # only shapes and dtypes are read
+    assert kernel.when(np.zeros((4, 2048), np.uint16), experts, weights, gate_up, down)
+    assert not kernel.when(np.zeros((5, 2048), np.uint16), np.zeros((5, 6), np.int32), weights, gate_up, down)
+    assert not kernel.when(np.zeros((4, 2048), np.uint16), experts, weights, gate_up, np.zeros((0, 1404), np.uint16))
+    assert not kernel.when(np.zeros((4, 2048), np.uint16), experts, weights, gate_up.astype(np.float32), down)
