@@ -1,6 +1,6 @@
 """A decode step with and without the fused decode kernels (``metrale.ops.builtin.
-decode_gemv_kernels`` and ``moe_decode_kernels``, registered by a plugin here), on ``metrale
-bench``'s random-weight shapes.
+decode_gemv_kernels``, ``moe_decode_kernels`` and ``gdn_decode_kernels``, registered by a plugin
+here), on ``metrale bench``'s random-weight shapes.
 
 For each shape and batch size, both engines prefill the same prompts, then each times its decode
 step as ``metrale bench`` does (the forward from its CUDA graph, the greedy device sampler, the
@@ -23,13 +23,13 @@ from metrale import hookimpl
 
 
 class DecodeKernelsPlugin:
-    """Registers the decode GEMV and MoE kernels (a plugin, as a third party would)."""
+    """Registers the fused decode kernels (a plugin, as a third party would)."""
 
     @hookimpl
     def metrale_register_ops(self, registry):  # type: ignore[no-untyped-def]
-        from metrale.ops.builtin import decode_gemv_kernels, moe_decode_kernels
+        from metrale.ops.builtin import decode_gemv_kernels, gdn_decode_kernels, moe_decode_kernels
 
-        for kernel in decode_gemv_kernels() + moe_decode_kernels():
+        for kernel in decode_gemv_kernels() + moe_decode_kernels() + gdn_decode_kernels():
             registry.add_kernel(kernel)
 
 

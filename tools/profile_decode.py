@@ -25,8 +25,8 @@ from timing import Timing, cuda_event_time, graph_time, host_time
 
 REPEATS = 20
 OPS = ("embedding", "rmsnorm_residual", "rmsnorm", "rmsnorm_linear", "rmsnorm_mlp", "linear", "linear_silu",
-       "qkv_rope_cache", "paged_attention",
-       "silu_and_mul", "latent_attention", "latent_cache_write", "head_linear", "moe_route", "moe_experts", "gdn_conv_update",
+       "qkv_rope_cache", "paged_attention", "silu_and_mul", "latent_attention", "latent_cache_write", "head_linear",
+       "moe_route", "moe_experts", "gdn_decode", "gdn_ungroup", "gdn_gates", "gdn_split_heads", "gdn_conv_update",
        "gdn_recurrent_step", "gdn_prompt_rule", "gated_rmsnorm", "sigmoid_gate")
 
 

@@ -166,6 +166,12 @@ def gdn_split_heads(mixed, key_heads, value_heads, key_dim, value_dim):
     return _kernels("gated_delta").split_heads_reference(mixed, key_heads, value_heads, key_dim, value_dim)
 
 
+def gdn_decode(qkvz, ba, conv_weight, conv_state, a_log, dt_bias, state, slots, norm_weight, eps, key_heads,
+               value_heads, key_dim, value_dim):
+    return _kernels("gdn_decode").decode_reference(qkvz, ba, conv_weight, conv_state, a_log, dt_bias, state, slots,
+                                                   norm_weight, eps, key_heads, value_heads, key_dim, value_dim)
+
+
 def gdn_conv_prompts(inputs, weight, conv_state, slots, starts):
     return _kernels("gated_delta").conv_prompts_reference(inputs, weight, conv_state, slots, starts)
 
@@ -290,6 +296,20 @@ def _gdn_split_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
 def _gdn_gates_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
     return [{"ba": _rows(rng, 3, 2 * hv), "a_log": _rows(rng, hv, scale=0.3), "dt_bias": _rows(rng, hv), "key_heads": hk}
             for hk, hv in ((2, 2), (2, 6))]
+
+
+def _gdn_decode_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    examples = []
+    for hk, hv, dk, dv, rows in ((2, 2, 32, 32, 1), (2, 4, 32, 48, 3)):
+        channels, slots = 2 * hk * dk + hv * dv, rows + 2
+        examples.append({
+            "qkvz": _rows(rng, rows, hk * (2 * dk) + 2 * hv * dv), "ba": _rows(rng, rows, 2 * hv),
+            "conv_weight": _rows(rng, channels, 4, scale=0.5), "conv_state": _rows(rng, slots, channels, 3),
+            "a_log": _rows(rng, hv, scale=0.3), "dt_bias": _rows(rng, hv), "state": _rows(rng, slots, hv, dk, dv, scale=0.3),
+            "slots": rng.permutation(slots)[:rows].astype(np.int32), "norm_weight": _rows(rng, dv, scale=0.3) + 1.0,
+            "eps": 1e-6, "key_heads": hk, "value_heads": hv, "key_dim": dk, "value_dim": dv,
+        })
+    return examples
 
 
 def _gated_add_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
@@ -454,6 +474,19 @@ def _declarations() -> list[tuple[Op, str]]:
              P("conv_state", "[slots, C, K - 1]", "cache"), P("slots", "[N]", "index")),
             (P("mixed", "[N, C]", "activation"),), gdn_conv_update),
          "gated_delta"),
+        (Op("gdn_decode", "A Gated DeltaNet layer's decode step between its input projections and out_proj, one "
+            "token per row: ``gdn_ungroup``, ``gdn_gates``, ``gdn_conv_update``, ``gdn_split_heads``, "
+            "``gdn_recurrent_step`` and ``gated_rmsnorm`` (two kernels when "
+            ":func:`~metrale.ops.builtin.gdn_decode_kernels` are registered); the conv histories and states move "
+            "on in place.",
+            (P("qkvz", "[N, H_k (2 d_k + 2 G d_v)]", "activation"), P("ba", "[N, 2 H_v]", "activation"),
+             P("conv_weight", "[C, K]", "constant"), P("conv_state", "[slots, C, K - 1]", "cache"),
+             P("a_log", "[H_v]", "constant"), P("dt_bias", "[H_v]", "constant"),
+             P("state", "[slots, H_v, d_k, d_v]", "cache"), P("slots", "[N]", "index"),
+             P("norm_weight", "[d_v]", "constant"), P("eps", kind="scalar"), P("key_heads", kind="scalar"),
+             P("value_heads", kind="scalar"), P("key_dim", kind="scalar"), P("value_dim", kind="scalar")),
+            (P("gated", "[N, H_v, d_v]", "matmul_input"),), gdn_decode, examples=_gdn_decode_examples),
+         "gdn_ungroup, gdn_gates, gdn_conv_update, gdn_split_heads, gdn_recurrent_step, gated_rmsnorm (their kernels)"),
         (Op("gdn_recurrent_step", "One token per row of the gated delta rule; the rows' states updated in place.",
             (P("q", "[N, H, d_k]", "activation"), P("k", "[N, H, d_k]", "activation"), P("v", "[N, H, d_v]", "activation"),
              P("g", "[N, H]", "activation"), P("beta", "[N, H]", "activation"),
@@ -577,7 +610,24 @@ def _ops_of(backend: Any) -> Any:
     return ops
 
 
-_COMPOSITES = {"rmsnorm_linear": _composed_rmsnorm_linear, "rmsnorm_mlp": _composed_rmsnorm_mlp}
+def _composed_gdn_decode(backend: Any) -> Any:
+    table = _ops_of(backend)
+
+    def gdn_decode(qkvz, ba, conv_weight, conv_state, a_log, dt_bias, state, slots, norm_weight, eps, key_heads,
+                   value_heads, key_dim, value_dim):
+        ops = table()
+        inputs, z = ops.gdn_ungroup(qkvz, key_heads, value_heads, key_dim, value_dim)
+        g, beta = ops.gdn_gates(ba, a_log, dt_bias, key_heads)
+        mixed = ops.gdn_conv_update(inputs, conv_weight, conv_state, slots)
+        q, k, v = ops.gdn_split_heads(mixed, key_heads, value_heads, key_dim, value_dim)
+        out = ops.gdn_recurrent_step(q, k, v, g, beta, state, slots)
+        return ops.gated_rmsnorm(out, z, norm_weight, eps)
+
+    return gdn_decode
+
+
+_COMPOSITES = {"rmsnorm_linear": _composed_rmsnorm_linear, "rmsnorm_mlp": _composed_rmsnorm_mlp,
+               "gdn_decode": _composed_gdn_decode}
 
 
 def gemv_kernels(max_rows: int = 8) -> list[Kernel]:
@@ -653,6 +703,21 @@ def moe_decode_kernels(max_tokens: int = 8) -> list[Kernel]:
 
     return [Kernel("moe_experts", "cuda", "metrale.kernels.moe_decode", build=_cuda_method("moe_experts_decode"),
                    when=small, condition=f"N <= {max_tokens}, bf16 weights, H and I multiples of 8")]
+
+
+def gdn_decode_kernels() -> list[Kernel]:
+    """The fused Gated DeltaNet decode kernels (:mod:`metrale.kernels.gdn_decode`) as a
+    conditional kernel of ``gdn_decode``. Not registered by default; a registry may add it
+    (``registry.add_kernel``)."""
+
+    def served(qkvz: Any, ba: Any, conv_weight: Any, conv_state: Any, a_log: Any, dt_bias: Any, state: Any, slots: Any,
+               norm_weight: Any, eps: Any, key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> bool:
+        from metrale.kernels import gdn_decode
+
+        return gdn_decode.supports(key_heads, value_heads, key_dim, value_dim)
+
+    return [Kernel("gdn_decode", "cuda", "metrale.kernels.gdn_decode", build=_cuda_method("gdn_decode_fused"),
+                   when=served, condition="d_k, d_v <= 1024, H_v a multiple of H_k")]
 
 
 def _cuda_method(name: str) -> Any:

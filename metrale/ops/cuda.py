@@ -24,6 +24,7 @@ from metrale.kernels import (
     gated,
     gated_delta,
     gated_delta_chunked,
+    gdn_decode,
     gemv,
     layernorm,
     moe,
@@ -336,6 +337,18 @@ class CudaKernels:
         # The chunked form on tensor cores where it serves the head sizes, else the recurrence.
         rule = gated_delta_chunked if gated_delta_chunked.supports(q.shape[2], v.shape[2]) else gated_delta
         return rule.prompt_rule(q, k, v, g, beta, state, slots, starts, out, self.stream)
+
+    def gdn_decode_fused(self, qkvz: Any, ba: Any, conv_weight: Any, conv_state: Any, a_log: Any, dt_bias: Any,
+                         state: Any, slots: Any, norm_weight: Any, eps: float, key_heads: int, value_heads: int,
+                         key_dim: int, value_dim: int) -> Any:
+        """The fused decode step (offered by :func:`metrale.ops.builtin.gdn_decode_kernels`)."""
+        rows = qkvz.shape[0]
+        mixed = cp.empty((rows, 2 * key_heads * key_dim + value_heads * value_dim), dtype=f32)
+        out = cp.empty((rows, value_heads, value_dim), dtype=bf16)
+        return gdn_decode.decode_step(
+            cp.ascontiguousarray(qkvz, dtype=f32), cp.ascontiguousarray(ba, dtype=f32), conv_weight, conv_state, a_log,
+            dt_bias, state, cp.ascontiguousarray(slots, dtype=np.int32), norm_weight, eps, key_heads, value_heads,
+            key_dim, value_dim, mixed, out, self.stream)
 
     def gdn_ungroup(self, qkvz: Any, key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> Any:
         rows = qkvz.shape[0]

@@ -120,19 +120,20 @@ class GatedDeltaNet:
         hk, hv, dk, dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
         # The projections are grouped by key head in the checkpoint (docs/families.rst, "Gated
         # DeltaNet layer", step 2): the ops regroup them into the conv input, z and the gates.
-        inputs, z = ops.gdn_ungroup(ops.linear(h, self.qkvz), hk, hv, dk, dv)
-        g, beta = ops.gdn_gates(ops.linear(h, self.ba), self.a_log, self.dt_bias, hk)
+        qkvz, ba = ops.linear(h, self.qkvz), ops.linear(h, self.ba)
         if rows == len(batch.row_starts) - 1:
-            # One token per sequence: the conv update and one recurrence step, in the slots.
-            mixed = ops.gdn_conv_update(inputs, self.conv, cache_layer.conv, batch.state_slots)
-            q, k, v = ops.gdn_split_heads(mixed, hk, hv, dk, dv)
-            out = ops.gdn_recurrent_step(q, k, v, g, beta, cache_layer.state, batch.state_slots)
-        else:
-            slots = np.array([segment.seq.state_slot for segment in batch.segments], dtype=np.int32)
-            starts = np.asarray(batch.row_starts, dtype=np.int32)
-            mixed = ops.gdn_conv_prompts(inputs, self.conv, cache_layer.conv, slots, starts)
-            q, k, v = ops.gdn_split_heads(mixed, hk, hv, dk, dv)
-            out = ops.gdn_prompt_rule(q, k, v, g, beta, cache_layer.state, slots, starts)
+            # One token per sequence: the un-grouping, the gates, the conv update, one recurrence
+            # step in the slots and the gated norm, as one op.
+            gated = ops.gdn_decode(qkvz, ba, self.conv, cache_layer.conv, self.a_log, self.dt_bias, cache_layer.state,
+                                   batch.state_slots, self.norm, c.rms_norm_eps, hk, hv, dk, dv)
+            return ops.linear(gated.reshape(rows, hv * dv), self.out)
+        inputs, z = ops.gdn_ungroup(qkvz, hk, hv, dk, dv)
+        g, beta = ops.gdn_gates(ba, self.a_log, self.dt_bias, hk)
+        slots = np.array([segment.seq.state_slot for segment in batch.segments], dtype=np.int32)
+        starts = np.asarray(batch.row_starts, dtype=np.int32)
+        mixed = ops.gdn_conv_prompts(inputs, self.conv, cache_layer.conv, slots, starts)
+        q, k, v = ops.gdn_split_heads(mixed, hk, hv, dk, dv)
+        out = ops.gdn_prompt_rule(q, k, v, g, beta, cache_layer.state, slots, starts)
         # Gated norm per value head (plain weight), then out_proj.
         gated = ops.gated_rmsnorm(out, z, self.norm, c.rms_norm_eps)
         return ops.linear(gated.reshape(rows, hv * dv), self.out)
