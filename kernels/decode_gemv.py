@@ -69,7 +69,9 @@ CONSTANTS = f"""
 #define MODE_SILU {SILU}
 """
 
-KERNELS = r"""
+#: The bf16 conversions, the 8-wide bf16 dot product and the warp sum the decode kernels share
+#: (:mod:`metrale.kernels.moe_decode`, :mod:`metrale.kernels.gdn_decode` too).
+HELPERS = r"""
 __device__ __forceinline__ float bf16_low(unsigned word) { return __uint_as_float(word << 16); }
 __device__ __forceinline__ float bf16_high(unsigned word) { return __uint_as_float(word & 0xffff0000u); }
 __device__ __forceinline__ float bf16_bits(unsigned short bits) { return __uint_as_float((unsigned)bits << 16); }
@@ -97,7 +99,9 @@ __device__ __forceinline__ float warp_sum(float value) {
     for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
     return value;
 }
+"""
 
+KERNELS = r"""
 // y[r, n] = dot(prologue(x)[r, :], weight[n, :]) (+ bias[n]) for r < rows, n < N.
 // Grid: any number of blocks of THREADS threads; dynamic shared memory ROWS * K * 2 bytes (plus
 // WARPS * ROWS floats for RMSNORM). x: bf16 bits [rows, K] (PLAIN), float32 [rows, K] (RMSNORM,
@@ -234,7 +238,7 @@ def kernel_name(rows_bucket: int, mode: int, bf16_out: bool) -> str:
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return INSTRUCTIONS + CONSTANTS + KERNELS
+    return INSTRUCTIONS + CONSTANTS + HELPERS + KERNELS
 
 
 def rows_bucket(rows: int) -> int:

@@ -30,18 +30,13 @@ import numpy as np
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
+from metrale.kernels.decode_gemv import HELPERS
 from metrale.kernels.decode_gemv import INSTRUCTIONS as DYNAMIC_SHARED_MEMORY
 
 CONV_THREADS = 256
 MAX_HEAD_DIM = 1024  # a rule block has max(d_k, d_v) threads, rounded up to a warp
 
 KERNELS = r"""
-__device__ __forceinline__ unsigned short to_bf16(float value) {
-    const unsigned word = __float_as_uint(value);
-    if ((word & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (unsigned short)((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
-}
-
 // Sum of value over the block (blockDim.x a multiple of 32); scratch holds 32 floats.
 __device__ __forceinline__ float block_sum(float value, float* scratch) {
     for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
@@ -148,7 +143,7 @@ KERNEL_NAMES = ("gdn_decode_conv", "gdn_decode_rule")
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return DYNAMIC_SHARED_MEMORY + KERNELS
+    return DYNAMIC_SHARED_MEMORY + HELPERS + KERNELS
 
 
 def rule_threads(key_dim: int, value_dim: int) -> int:

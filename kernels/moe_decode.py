@@ -31,6 +31,7 @@ import numpy as np
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
+from metrale.kernels.decode_gemv import HELPERS
 from metrale.kernels.decode_gemv import INSTRUCTIONS as DYNAMIC_SHARED_MEMORY
 
 MAX_TOKENS = 8
@@ -49,32 +50,6 @@ CONSTANTS = f"""
 """
 
 KERNELS = r"""
-__device__ __forceinline__ float bf16_low(unsigned word) { return __uint_as_float(word << 16); }
-__device__ __forceinline__ float bf16_high(unsigned word) { return __uint_as_float(word & 0xffff0000u); }
-
-__device__ __forceinline__ unsigned short to_bf16(float value) {
-    const unsigned word = __float_as_uint(value);
-    if ((word & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (unsigned short)((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
-}
-
-__device__ __forceinline__ float dot8(const uint4 w, const uint4 x) {
-    float sum = bf16_low(w.x) * bf16_low(x.x);
-    sum += bf16_high(w.x) * bf16_high(x.x);
-    sum += bf16_low(w.y) * bf16_low(x.y);
-    sum += bf16_high(w.y) * bf16_high(x.y);
-    sum += bf16_low(w.z) * bf16_low(x.z);
-    sum += bf16_high(w.z) * bf16_high(x.z);
-    sum += bf16_low(w.w) * bf16_low(x.w);
-    sum += bf16_high(w.w) * bf16_high(x.w);
-    return sum;
-}
-
-__device__ __forceinline__ float warp_sum(float value) {
-    for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
-    return value;
-}
-
 // act[p, c] = bf16(silu(gate_e[c] . x[t]) * (up_e[c] . x[t])) for pair p = t * k + s, e = experts[t, s].
 // Grid (ceil(I / (WARPS * COLUMNS)), N * k); dynamic shared memory H * 2 bytes.
 __global__ void __launch_bounds__(THREADS) moe_decode_gate_up(
@@ -191,7 +166,7 @@ KERNEL_NAMES = ("moe_decode_gate_up", "moe_decode_down")
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return DYNAMIC_SHARED_MEMORY + CONSTANTS + KERNELS
+    return DYNAMIC_SHARED_MEMORY + CONSTANTS + HELPERS + KERNELS
 
 
 def supports(tokens: int, top_k: int, hidden: int, inter: int) -> bool:

@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("decode_gemv_emulated")
-    binary = build_emulated(folder / "decode_gemv.cpp", dg.CONSTANTS + dg.KERNELS + EMULATION_MAIN)
+    binary = build_emulated(folder / "decode_gemv.cpp", dg.CONSTANTS + dg.HELPERS + dg.KERNELS + EMULATION_MAIN)
 
     def run(mode, x, weight, *, residual=None, norm=None, bias=None, bf16_out=False, blocks=2, eps=1e-6):
         rows, inner = x.shape[0], weight.shape[1]

@@ -52,7 +52,7 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gdn_decode_emulated")
-    binary = build_emulated(folder / "gdn_decode.cpp", gdn_decode.KERNELS + EMULATION_MAIN)
+    binary = build_emulated(folder / "gdn_decode.cpp", gdn_decode.HELPERS + gdn_decode.KERNELS + EMULATION_MAIN)
 
     def run(arrays, geometry, eps):
         case = folder / "case"

@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("moe_decode_emulated")
-    binary = build_emulated(folder / "moe_decode.cpp", moe_decode.CONSTANTS + moe_decode.KERNELS + EMULATION_MAIN)
+    binary = build_emulated(folder / "moe_decode.cpp", moe_decode.CONSTANTS + moe_decode.HELPERS + moe_decode.KERNELS + EMULATION_MAIN)
 
     def run(x, experts, weights, gate_up, down):
         tokens, hidden = x.shape
