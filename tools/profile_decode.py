@@ -1,11 +1,14 @@
-"""Where a decode step's time goes: host overhead, graph replay, and each op's GPU time.
+"""Where a decode step's time goes: host overhead, graph replay, the gaps between replays, and each
+op's GPU time.
 
     python tools/profile_decode.py [--shape llama-1b] [--batch 1] [--context 512]
 
 Needs a CUDA device (and what ``metrale bench`` needs). Prints the whole step through
 ``ModelForward.decode_batch`` (host clock, synchronised), the same followed by the device sampler
 and its tokens read back (greedy, as ``metrale bench`` times it; top-p; top-k with top-p), the
-bare graph replay (CUDA events),
+bare graph replay (CUDA events), the gaps between consecutive replays while ``LLM.generate``
+decodes 64 tokens per sequence (CUDA events around every replay; a gap holds the sampler, the
+copies, and the GPU's wait for the host),
 and a table of every op of one decode forward: each call is recorded into its own CUDA graph
 ``REPEATS`` times and replayed, so the figure is the op's GPU time without launch overhead.
 Ops are grouped by name and argument shapes (an op served by other ops, such as ``rmsnorm_mlp``
@@ -82,6 +85,21 @@ def main() -> None:
         rung = runner.rungs[runner.rung_size(args.batch)]
         replay = cuda_event_time(lambda: rung.graph.launch(stream=stream), stream, warmup=0, repeats=30)
 
+    # The host gap between consecutive replays while the engine generates (overlap scheduling
+    # as configured): CUDA events around every replay of a generate() call.
+    gaps = replays = None
+    if runner is not None:
+        import cupy
+
+        runner.replay_events = []
+        prompts = [rng.integers(0, llm.vocab_size, 64).tolist() for _ in range(args.batch)]
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+        events = runner.replay_events
+        runner.replay_events = None
+        events[-1][1].synchronize()
+        replays = [cupy.cuda.get_elapsed_time(start, end) for start, end in events]
+        gaps = [cupy.cuda.get_elapsed_time(end, following[0]) for (_, end), following in zip(events, events[1:])]
+
     # Record every op call of one eager decode forward, then time each in its own graph.
     ops = backend.ops
     originals = {name: getattr(ops, name, None) for name in OPS}
@@ -138,6 +156,11 @@ def main() -> None:
         print(f"... sampling {label + ':':17}{1e3 * timing.median:8.3f} ms")
     if replay is not None:
         print(f"graph replay (events):     {1e3 * replay.median:8.3f} ms")
+    if gaps:
+        gap, busy = statistics.median(gaps), statistics.median(replays)
+        print(f"gap between replays:       {gap:8.3f} ms median, {max(gaps):.3f} ms at most, over {len(gaps)} gaps "
+              f"of a generate() call (replays {busy:.3f} ms median; {gap / (gap + busy):.0%} of a step is outside the graph: "
+              "the sampler, the copies, and the wait for the host)")
     print(f"sum of op times:           {total / 1e3:8.3f} ms over {len(calls)} op calls")
     print(f"{'op':58} {'calls':>5} {'us/call':>9} {'total us':>9} {'GB/s':>7}")
     for label, values in sorted(groups.items(), key=lambda item: -sum(item[1])):

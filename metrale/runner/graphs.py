@@ -158,6 +158,10 @@ class CudaGraphRunner:
         self.mixed_rungs: dict[tuple[int, int], MixedRung] = {}
         #: Why graphs are off for this model (an op that cannot be captured), or None.
         self.disabled: str | None = None
+        #: When a list, every replay (decode and mixed) appends its ``(start, end)`` CUDA events,
+        #: recorded on the stream around the launch, so a tool can measure the gaps between
+        #: replays; None (the default): no events.
+        self.replay_events: list[tuple[Any, Any]] | None = None
         #: Why mixed-step graphs are off for this model, or None.
         self.mixed_disabled: str | None = None if getattr(model, "mixed_graph_capturable", False) else (
             f"{type(model).__name__} does not set mixed_graph_capturable")
@@ -241,7 +245,7 @@ class CudaGraphRunner:
         if rung.graph is None:
             logits = self._capture(rung, mixed=True)
         else:
-            rung.graph.launch(stream=self.backend.stream)
+            self._launch(rung.graph)
             logits = rung.output
         rows = mixed_logits_rows(batch, rung.decode)
         result = cupy.empty((len(rows), logits.shape[1]), dtype=logits.dtype)
@@ -329,7 +333,7 @@ class CudaGraphRunner:
         if rung.graph is None:
             logits = self._capture(rung)
         else:
-            rung.graph.launch(stream=self.backend.stream)
+            self._launch(rung.graph)
             logits = rung.output
         # A copy the next replay cannot overwrite (a raw device copy: an elementwise CuPy copy
         # costs several times more host time).
@@ -337,6 +341,20 @@ class CudaGraphRunner:
         result = cupy.empty(rows.shape, dtype=rows.dtype)
         result.data.copy_from_device_async(rows.data, rows.nbytes, self.backend.stream)
         return result
+
+    def _launch(self, graph: Any) -> None:
+        """Replay ``graph`` on the stream (between CUDA events when :attr:`replay_events` is a list)."""
+        stream = self.backend.stream
+        if self.replay_events is None:
+            graph.launch(stream=stream)
+            return
+        import cupy
+
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        graph.launch(stream=stream)
+        end.record(stream)
+        self.replay_events.append((start, end))
 
     def capture(self, sizes: tuple[int, ...] = DECODE_RUNGS) -> None:
         """Record the graphs of ``sizes`` ahead of time, on padding rows only."""
