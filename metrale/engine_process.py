@@ -47,7 +47,7 @@ from metrale.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngineAPI
 from metrale.checkpoint import Checkpoint
 from metrale.engine.driver import EngineDriver, EngineStats
 from metrale.engine.generation import RequestGroup, visible_text
-from metrale.errors import EngineClosedError, InvalidRequestError, MetraleError, QueueFullError
+from metrale.errors import ConfigError, EngineClosedError, InvalidRequestError, MetraleError, QueueFullError
 from metrale.frontend import PromptFrontend
 from metrale.params import CompletionOutput, LogprobsDict, RequestOutput, SamplingParams
 from metrale.prompts import Prompt
@@ -344,7 +344,9 @@ class EngineProcess(AsyncEngineAPI):
     there; ``max_waiting_requests`` bounds the requests queued beyond the ``max_num_seqs`` that
     can run; ``capture_graphs`` records the CUDA graphs before the first request. The
     constructor returns once the model is loaded, and raises what :class:`~metrale.LLM` would
-    for bad options or a bad checkpoint. :attr:`llm` is the callers' side's
+    for bad options or a bad checkpoint; options that cannot be sent to another process (a
+    ``plugin_manager``: the engine process loads the installed plugins itself) raise
+    :class:`~metrale.errors.ConfigError` before any process starts. :attr:`llm` is the callers' side's
     :class:`~metrale.frontend.PromptFrontend`. Use it as ``async with EngineProcess(...) as
     engine:`` or call :meth:`shutdown`.
     """
@@ -354,6 +356,13 @@ class EngineProcess(AsyncEngineAPI):
         self.max_waiting_requests = check_int("max_waiting_requests", max_waiting_requests, minimum=0)
         if not isinstance(model, (str, Path)) or not str(model):
             raise InvalidRequestError(f"model must be a checkpoint folder or an embedded model name, got {model!r}")
+        for name, value in options.items():  # they cross to the engine process: plain values only
+            try:
+                pickle.dumps(value)
+            except Exception:
+                raise ConfigError(f"option {name}={value!r} cannot be sent to the engine process (plain values only; "
+                                  "a plugin_manager, say, does not cross: the engine process loads the installed "
+                                  "plugins itself)") from None
         parent_socket, child_socket = socket.socketpair()
         template = str(chat_template) if isinstance(chat_template, Path) else chat_template
         # A fresh interpreter that imports only metrale (not the caller's __main__, as a

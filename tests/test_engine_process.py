@@ -17,6 +17,7 @@ from metrale import LLM, SamplingParams, StructuredOutputParams
 from metrale.engine_process import EngineProcess
 from metrale.errors import (
     CheckpointError,
+    ConfigError,
     EngineClosedError,
     InvalidRequestError,
     QueueFullError,
@@ -152,6 +153,8 @@ def test_bad_options_and_checkpoints_raise_their_errors(tmp_path):
         EngineProcess("tiny-dense", device="cpu", no_such_option=1)
     with pytest.raises(CheckpointError):
         EngineProcess(tmp_path / "missing", device="cpu")
+    with pytest.raises(ConfigError, match="plugin_manager"):  # refused before any process starts
+        EngineProcess("tiny-dense", device="cpu", plugin_manager=lambda: None)
 
 
 def test_a_dead_engine_process_fails_its_requests_and_takes_no_more():

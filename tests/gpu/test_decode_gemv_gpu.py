@@ -70,15 +70,20 @@ def inputs(rng, mode, rows, inner):
     return dict(x=x), dict(x=bf16_to_float32(x))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("shape", LLAMA_1B + LLAMA_8B, ids=lambda s: f"{s[0]}-{s[1]}x{s[2]}{'-bf16' if s[3] else ''}")
+# Every shape at 1, 3 and 8 rows but Llama-8B's down projection at 8 rows, whose staged rows
+# (8 x 14336 x 2 bytes) exceed a block's shared memory: that shape is not served
+# (tests/kernels/test_decode_gemv.py checks that supports() says so).
+CASES = [(shape, rows) for shape in LLAMA_1B + LLAMA_8B for rows in (1, 3, 8) if not (shape[1] == 14336 and rows == 8)]
+
+
+@pytest.mark.parametrize("shape, rows", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}{'-bf16' if c[3] else ''}"
+                         if isinstance(c, tuple) else str(c))
 def test_model_shapes_match_the_reference(shape, rows):
     from metrale.kernels import decode_gemv as dg
 
     name, inner, columns, bf16_out = shape
     mode = {"plain": dg.PLAIN, "rmsnorm": dg.RMSNORM, "silu": dg.SILU}[name]
-    if not dg.supports(rows, inner, mode):
-        pytest.skip(f"{rows} rows of {inner} are staged in more than {dg.MAX_STAGE_BYTES} bytes: not served")
+    assert dg.supports(rows, inner, mode)
     weight, weight_device = weight_of(inner, columns)
     rng = np.random.default_rng(rows + inner)
     launch_inputs, reference_inputs = inputs(rng, mode, rows, inner)
