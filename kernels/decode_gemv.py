@@ -1,6 +1,6 @@
 """Matrix-vector products for decode batches (up to :data:`MAX_ROWS` rows) with the op before them
-fused in: ``y = prologue(x) W^T``, bf16 weights read as 128-bit words (CUDA C++, compiled by
-NVRTC through CuPy).
+fused in: ``y = prologue(x) W^T``, bf16 weights streamed through the tensor cores (CUDA C++,
+compiled by NVRTC through CuPy).
 
 A decode step of a 1B model is launch-bound: every kernel costs a few microseconds in the CUDA
 graph whatever it does, and the norm before a projection, or the SwiGLU gate before the down
@@ -14,15 +14,23 @@ projection, is a kernel of its own. Here the projection's kernel computes its in
 * :data:`SILU` -- ``x`` bf16 ``[rows, 2K]`` (gate columns first): ``bf16(silu(gate) * up)``, as
   :func:`metrale.kernels.activation.silu_and_mul` computes it.
 
-Each block first writes the prologue's ``[rows, K]`` bf16 input into shared memory (every block
-computes it: the input is a few kilobytes, read from L2), then its warps loop over output columns
-(:data:`COLUMNS` at a time, the grid sized to fill the GPU rather than to cover ``N``): the 32
-lanes of a warp read a weight row as 16-byte words, :data:`UNROLL` words per column in flight
-before any is used, multiply them with the staged rows and reduce with warp shuffles. The output
-is float32 (plus ``bias``) or, with ``bf16_out``, bf16 bits (a gate-and-up projection feeding
-:data:`SILU`). ``summed`` must not share memory with ``x`` or ``residual``: every block reads
-them while block 0 writes it. ``K`` must be a multiple of 8; rows are padded to 1, 2, 4 or 8 (the padding rows
-staged as zeros, never written).
+Each block first issues its first weight loads, then writes the prologue's ``[rows, K]`` bf16
+input into shared memory (every block computes it: the input is a few kilobytes, read from L2).
+The product runs on ``mma.sync.m16n8k16``: 16 output columns are the M side, the (at most 8)
+rows the N side, so one instruction takes 512 bytes of weights and the arithmetic never limits
+the weight stream, whatever the row count. The K order inside an instruction is free (a dot
+product), so each lane feeds the A fragment straight from two 16-byte weight loads (columns g and
+g + 8, the same 8 K values) and the B fragment from the matching 16 bytes of staged input: no
+shuffles, no shared memory for the weights. ``SPLIT`` warps share a tile of 16 columns, each
+taking a slice of K, and add their partial sums through shared memory; with ``SPLIT == 1`` every
+warp owns whole tiles and the grid loops over them. The launcher picks ``SPLIT`` so that the tiles
+times the split give every multiprocessor a block's worth of warps (narrow projections split K,
+wide ones do not). Each warp keeps the next batch of weight words in flight while it multiplies
+the current one.
+
+The output is float32 (plus ``bias``) or, with ``bf16_out``, bf16 bits (a gate-and-up projection
+feeding :data:`SILU`). ``summed`` must not share memory with ``x`` or ``residual``: every block
+reads them while block 0 writes it. ``K`` must be a multiple of 32 and every array 16-byte aligned.
 
 :func:`decode_gemv_reference` is the NumPy reference; ``tests/kernels`` runs the kernels on the
 host against it through the CUDA emulation header, ``tests/gpu`` on the GPU.
@@ -37,6 +45,7 @@ import numpy as np
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
+from metrale.kernels._tensor_cores import MMA_BF16
 from metrale.kernels.activation import silu_and_mul_reference
 from metrale.kernels.linear import linear_reference
 from metrale.kernels.rmsnorm import rmsnorm_residual_reference
@@ -44,15 +53,17 @@ from metrale.kernels.rmsnorm import rmsnorm_residual_reference
 PLAIN, RMSNORM, SILU = 0, 1, 2
 MODES = {PLAIN: "plain", RMSNORM: "rmsnorm", SILU: "silu"}
 
-MAX_ROWS = 8
-ROW_BUCKETS = (1, 2, 4, 8)
+MAX_ROWS = 8  # the N side of the tensor-core product
 WARPS = 8
 THREADS = 32 * WARPS
-COLUMNS = 2  # output columns per warp at a time
-UNROLL = 4  # 16-byte weight words per column and lane in flight
-#: Largest staged input (``rows`` bucket x ``K`` x 2 bytes) a block takes; larger inputs are not
-#: served (:func:`supports`).
-MAX_STAGE_BYTES = 200 * 1024
+UNROLL = 4  # 16-byte weight words per lane and column in one batch (32 K values each)
+SPLITS = (1, 2, 4, 8)  # warps sharing a tile of 16 columns
+TILE = 16  # output columns of one product
+#: Largest dynamic shared memory a block takes (the staged rows, the norm's partial sums and the
+#: split's partial products): what the H200 allows a block.
+MAX_SHARED_BYTES = 227 * 1024
+REDUCE_BYTES = WARPS * 32 * 16  # a float4 per lane of every warp
+NORM_BYTES = WARPS * 8 * 4 + 8 * 4  # partial sums of squares per warp and row, then the scales
 
 #: The CUDA side only: the dynamic shared memory (the emulation header has its own).
 INSTRUCTIONS = r"""
@@ -62,7 +73,6 @@ INSTRUCTIONS = r"""
 CONSTANTS = f"""
 #define WARPS {WARPS}
 #define THREADS {THREADS}
-#define COLUMNS {COLUMNS}
 #define UNROLL {UNROLL}
 #define MODE_PLAIN {PLAIN}
 #define MODE_RMSNORM {RMSNORM}
@@ -102,162 +112,240 @@ __device__ __forceinline__ float warp_sum(float value) {
 """
 
 KERNELS = r"""
-// y[r, n] = dot(prologue(x)[r, :], weight[n, :]) (+ bias[n]) for r < rows, n < N.
-// Grid: any number of blocks of THREADS threads; dynamic shared memory ROWS * K * 2 bytes (plus
-// WARPS * ROWS floats for RMSNORM). x: bf16 bits [rows, K] (PLAIN), float32 [rows, K] (RMSNORM,
-// with residual float32 [rows, K] when has_residual), bf16 bits [rows, 2K] (SILU); weight: bf16
-// bits [N, K] (K a multiple of 8); out: float32 [rows, N], or bf16 bits with BF16_OUT.
-template <int ROWS, int MODE, bool BF16_OUT>
-__global__ void __launch_bounds__(THREADS) decode_gemv(
-    const void* __restrict__ x, const float* __restrict__ residual, const unsigned short* __restrict__ norm_weight,
-    float eps, float norm_offset, int has_residual, float* __restrict__ summed,
-    const uint4* __restrict__ weight, const float* __restrict__ bias, void* __restrict__ out,
-    int rows, int K, int N) {
-    DYNAMIC_SHARED;
-    unsigned short* stage = reinterpret_cast<unsigned short*>(dynamic_shared);   // [ROWS][K]
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+// Where chunk `chunk` (16 bytes) of staged row `row` lies: rows of `stride` chunks (a multiple of
+// 8, 128 bytes), rows r and r ^ 1 putting theirs in opposite halves of each 128-byte line, so the 8
+// lanes of a quarter-warp (2 rows x 4 chunks) hit 8 different bank groups.
+__device__ __forceinline__ int staged_chunk(int row, int chunk, int stride) {
+    return row * stride + (chunk ^ ((row & 1) << 2));
+}
 
-    // 1. The prologue's rows, as bf16, into shared memory (zeros for the padding rows).
+__device__ __forceinline__ unsigned silu_mul_pair(unsigned gate, unsigned up) {
+    const float g0 = bf16_low(gate), g1 = bf16_high(gate);
+    const float v0 = g0 / (1.0f + expf(-g0)) * bf16_low(up), v1 = g1 / (1.0f + expf(-g1)) * bf16_high(up);
+    return (unsigned)to_bf16(v0) | ((unsigned)to_bf16(v1) << 16);
+}
+
+// y[r, n] = dot(prologue(x)[r, :], weight[n, :]) (+ bias[n]) for r < rows <= 8, n < N.
+// Grid: blocks of THREADS threads; warp w works on column tile blockIdx.x * WARPS / SPLIT + w / SPLIT
+// (16 columns; then + gridDim.x * WARPS / SPLIT, round after round) over K slice w % SPLIT.
+// Dynamic shared memory: rows * ceil(K / 64) * 128 bytes of staged input, then (RMSNORM) the norm's sums, then
+// (SPLIT > 1) WARPS * 32 float4 of partial products. x: bf16 bits [rows, K] (PLAIN), float32
+// [rows, K] (RMSNORM, with residual float32 [rows, K] or null), bf16 bits [rows, 2K] (SILU);
+// weight: bf16 bits [N, K] as 16-byte words, K a multiple of 32; out: float32 [rows, N], or bf16
+// bits with BF16_OUT. Every array 16-byte aligned.
+template <int MODE, bool BF16_OUT, int SPLIT>
+__global__ void __launch_bounds__(THREADS, 2) decode_gemv(
+    const void* __restrict__ x, const float* __restrict__ residual, const unsigned short* __restrict__ norm_weight,
+    float eps, float norm_offset, float* __restrict__ summed, const uint4* __restrict__ weight,
+    const float* __restrict__ bias, void* __restrict__ out, int rows, int K, int N) {
+    DYNAMIC_SHARED;
+    constexpr int GROUPS = WARPS / SPLIT;   // tiles a block works on at once
+    uint4* stage = reinterpret_cast<uint4*>(dynamic_shared);   // [rows][stride], swizzled
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int g = lane / 4, q = lane % 4;
+    const int chunks = K / 8, stride = (chunks + 7) / 8 * 8;
+    const int tiles = (N + 15) / 16;
+    const int slice = (chunks / 4 + SPLIT - 1) / SPLIT * 4;   // chunks of a warp's K slice
+    const int part = warp % SPLIT;
+    const int first_chunk = part * slice, end_chunk = min(chunks, first_chunk + slice);
+    const int batches = (slice + 4 * UNROLL - 1) / (4 * UNROLL);   // per tile, the same for every warp
+    const int tile_stride = gridDim.x * GROUPS;
+    const int first_tile = blockIdx.x * GROUPS + warp / SPLIT;
+    const int rounds = (tiles - (int)blockIdx.x * GROUPS + tile_stride - 1) / tile_stride;   // block-uniform
+    const int steps = rounds * batches;
+    const uint4 zero = {0u, 0u, 0u, 0u};
+
+    // Batch `step` of this warp: tile first_tile + (step / batches) * tile_stride, chunks
+    // first_chunk + (step % batches) * 4 * UNROLL + q + 4u; columns g and g + 8 of the tile.
+    auto load = [&](int step, uint4* upper, uint4* lower) {
+        const int round = step / batches, batch = step - round * batches;
+        const int tile = first_tile + round * tile_stride;
+        const size_t column = (size_t)min(tile * 16 + g, N - 1), below = (size_t)min(tile * 16 + g + 8, N - 1);
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int chunk = first_chunk + batch * 4 * UNROLL + 4 * u + q;
+            const bool valid = tile < tiles && chunk < end_chunk;
+            upper[u] = valid ? __ldg(weight + column * chunks + chunk) : zero;
+            lower[u] = valid ? __ldg(weight + below * chunks + chunk) : zero;
+        }
+    };
+
+    uint4 upper[UNROLL], lower[UNROLL];
+    if (steps > 0) load(0, upper, lower);   // in flight while the prologue runs
+
+    // 1. The prologue's rows, as bf16, into shared memory.
     if (MODE == MODE_PLAIN) {
-        const unsigned short* in = static_cast<const unsigned short*>(x);
-        for (int i = tid; i < ROWS * K; i += THREADS) stage[i] = i / K < rows ? in[i] : (unsigned short)0;
+        const uint4* in = static_cast<const uint4*>(x);
+        for (int i = tid; i < rows * chunks; i += THREADS) {
+            const int r = i / chunks, c = i - r * chunks;
+            stage[staged_chunk(r, c, stride)] = __ldg(in + i);
+        }
     } else if (MODE == MODE_SILU) {
-        const unsigned short* in = static_cast<const unsigned short*>(x);
-        for (int i = tid; i < ROWS * K; i += THREADS) {
-            const int r = i / K, k = i % K;
-            unsigned short value = 0;
-            if (r < rows) {
-                const float gate = bf16_bits(in[(size_t)r * 2 * K + k]);
-                const float silu = gate / (1.0f + expf(-gate));
-                value = to_bf16(silu * bf16_bits(in[(size_t)r * 2 * K + K + k]));
-            }
-            stage[i] = value;
+        const uint4* in = static_cast<const uint4*>(x);   // [rows][2 * chunks]
+        for (int i = tid; i < rows * chunks; i += THREADS) {
+            const int r = i / chunks, c = i - r * chunks;
+            const uint4 gate = __ldg(in + (size_t)r * 2 * chunks + c), up = __ldg(in + (size_t)r * 2 * chunks + chunks + c);
+            uint4 value;
+            value.x = silu_mul_pair(gate.x, up.x);
+            value.y = silu_mul_pair(gate.y, up.y);
+            value.z = silu_mul_pair(gate.z, up.z);
+            value.w = silu_mul_pair(gate.w, up.w);
+            stage[staged_chunk(r, c, stride)] = value;
         }
     } else {
-        const float* in = static_cast<const float*>(x);
-        float* partial = reinterpret_cast<float*>(dynamic_shared + (size_t)ROWS * K * 2);   // [WARPS][ROWS]
-        float squares[ROWS];
-        #pragma unroll
-        for (int r = 0; r < ROWS; ++r) squares[r] = 0.0f;
-        for (int k = tid; k < K; k += THREADS) {
-            #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                if (r < rows) {
-                    float value = in[(size_t)r * K + k];
-                    if (has_residual) value += residual[(size_t)r * K + k];
-                    squares[r] += value * value;
+        const float4* in = static_cast<const float4*>(x);   // [rows][K / 4]
+        const float4* add = reinterpret_cast<const float4*>(residual);
+        float* partial = reinterpret_cast<float*>(stage + rows * stride);   // [WARPS][8]
+        float* scale = partial + WARPS * 8;   // [8]
+        const int quads = K / 4;
+        for (int r = 0; r < rows; ++r) {
+            float squares = 0.0f;
+            for (int k = tid; k < quads; k += THREADS) {
+                float4 v = in[(size_t)r * quads + k];
+                if (add != nullptr) {
+                    const float4 w = add[(size_t)r * quads + k];
+                    v.x += w.x; v.y += w.y; v.z += w.z; v.w += w.w;
                 }
+                squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
             }
-        }
-        #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            const float total = warp_sum(squares[r]);
-            if (lane == 0) partial[warp * ROWS + r] = total;
+            squares = warp_sum(squares);
+            if (lane == 0) partial[warp * 8 + r] = squares;
         }
         __syncthreads();
-        float inverse[ROWS];
-        #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
+        if (tid < rows) {
             float total = 0.0f;
             #pragma unroll
-            for (int w = 0; w < WARPS; ++w) total += partial[w * ROWS + r];
-            inverse[r] = 1.0f / sqrtf(total / (float)K + eps);
+            for (int w = 0; w < WARPS; ++w) total += partial[w * 8 + tid];
+            scale[tid] = 1.0f / sqrtf(total / (float)K + eps);
         }
-        for (int k = tid; k < K; k += THREADS) {
-            const float scale = norm_offset + bf16_bits(norm_weight[k]);
-            #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                unsigned short value = 0;
-                if (r < rows) {
-                    float sum = in[(size_t)r * K + k];
-                    if (has_residual) sum += residual[(size_t)r * K + k];
-                    if (blockIdx.x == 0) summed[(size_t)r * K + k] = sum;
-                    value = to_bf16(sum * inverse[r] * scale);
-                }
-                stage[r * K + k] = value;
+        __syncthreads();
+        const uint4* gains = reinterpret_cast<const uint4*>(norm_weight);
+        for (int i = tid; i < rows * chunks; i += THREADS) {
+            const int r = i / chunks, c = i - r * chunks;
+            float4 a = in[(size_t)i * 2], b = in[(size_t)i * 2 + 1];
+            if (add != nullptr) {
+                const float4 ra = add[(size_t)i * 2], rb = add[(size_t)i * 2 + 1];
+                a.x += ra.x; a.y += ra.y; a.z += ra.z; a.w += ra.w;
+                b.x += rb.x; b.y += rb.y; b.z += rb.z; b.w += rb.w;
             }
+            if (blockIdx.x == 0) {
+                reinterpret_cast<float4*>(summed)[(size_t)i * 2] = a;
+                reinterpret_cast<float4*>(summed)[(size_t)i * 2 + 1] = b;
+            }
+            const uint4 gain = __ldg(gains + c);
+            const float s = scale[r];
+            uint4 value;
+            value.x = (unsigned)to_bf16(a.x * s * (norm_offset + bf16_low(gain.x)))
+                      | ((unsigned)to_bf16(a.y * s * (norm_offset + bf16_high(gain.x))) << 16);
+            value.y = (unsigned)to_bf16(a.z * s * (norm_offset + bf16_low(gain.y)))
+                      | ((unsigned)to_bf16(a.w * s * (norm_offset + bf16_high(gain.y))) << 16);
+            value.z = (unsigned)to_bf16(b.x * s * (norm_offset + bf16_low(gain.z)))
+                      | ((unsigned)to_bf16(b.y * s * (norm_offset + bf16_high(gain.z))) << 16);
+            value.w = (unsigned)to_bf16(b.z * s * (norm_offset + bf16_low(gain.w)))
+                      | ((unsigned)to_bf16(b.w * s * (norm_offset + bf16_high(gain.w))) << 16);
+            stage[staged_chunk(r, c, stride)] = value;
         }
     }
     __syncthreads();
 
-    // 2. Output columns, COLUMNS per warp at a time, over the whole grid.
-    const int words = K / 8;   // 16-byte words per row
-    const uint4* staged = reinterpret_cast<const uint4*>(stage);
-    for (int n0 = (blockIdx.x * WARPS + warp) * COLUMNS; n0 < N; n0 += gridDim.x * WARPS * COLUMNS) {
-        float acc[COLUMNS][ROWS];
+    // 2. The products, batch after batch, the next batch's loads in flight during each.
+    float4* reduce = reinterpret_cast<float4*>(
+        dynamic_shared + (size_t)rows * stride * 16 + (MODE == MODE_RMSNORM ? (WARPS * 8 + 8) * 4 : 0));   // [WARPS][32]
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int step = 0; step < steps; ++step) {
+        uint4 next_upper[UNROLL], next_lower[UNROLL];
+        if (step + 1 < steps) load(step + 1, next_upper, next_lower);
+        const int batch = step % batches;
         #pragma unroll
-        for (int c = 0; c < COLUMNS; ++c)
-            #pragma unroll
-            for (int r = 0; r < ROWS; ++r) acc[c][r] = 0.0f;
-        for (int base = lane; base < words; base += 32 * UNROLL) {
-            uint4 loaded[COLUMNS][UNROLL];
-            #pragma unroll
-            for (int c = 0; c < COLUMNS; ++c) {
-                const int column = min(n0 + c, N - 1);   // a column past N repeats the last one, never written
-                #pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    const int index = base + 32 * u;
-                    if (index < words) loaded[c][u] = __ldg(weight + (size_t)column * words + index);
-                }
+        for (int u = 0; u < UNROLL; ++u) {
+            if (first_chunk + batch * 4 * UNROLL + 4 * u < end_chunk) {   // warp-uniform
+                const int chunk = first_chunk + batch * 4 * UNROLL + 4 * u + q;
+                const uint4 in = g < rows && chunk < end_chunk ? stage[staged_chunk(g, chunk, stride)] : zero;
+                const unsigned a0[4] = {upper[u].x, lower[u].x, upper[u].y, lower[u].y};
+                const unsigned b0[2] = {in.x, in.y};
+                mma_16x8x16(acc, a0, b0);
+                const unsigned a1[4] = {upper[u].z, lower[u].z, upper[u].w, lower[u].w};
+                const unsigned b1[2] = {in.z, in.w};
+                mma_16x8x16(acc, a1, b1);
             }
-            #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int index = base + 32 * u;
-                if (index < words) {
+        }
+        if (batch == batches - 1) {   // the tile's last batch: its columns are done
+            const int tile = first_tile + (step / batches) * tile_stride;
+            if (SPLIT > 1) {
+                const float4 mine = {acc[0], acc[1], acc[2], acc[3]};
+                reduce[warp * 32 + lane] = mine;
+                __syncthreads();
+                if (part == 0) {
                     #pragma unroll
-                    for (int r = 0; r < ROWS; ++r) {
-                        const uint4 input = staged[r * words + index];
-                        #pragma unroll
-                        for (int c = 0; c < COLUMNS; ++c) acc[c][r] += dot8(loaded[c][u], input);
+                    for (int p = 1; p < SPLIT; ++p) {
+                        const float4 other = reduce[(warp + p) * 32 + lane];
+                        acc[0] += other.x; acc[1] += other.y; acc[2] += other.z; acc[3] += other.w;
+                    }
+                }
+                __syncthreads();
+            }
+            if (part == 0 && tile < tiles) {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int r = 2 * q + (i & 1), column = tile * 16 + g + (i >= 2 ? 8 : 0);
+                    if (r < rows && column < N) {
+                        const float value = bias != nullptr ? acc[i] + bias[column] : acc[i];
+                        if (BF16_OUT) static_cast<unsigned short*>(out)[(size_t)r * N + column] = to_bf16(value);
+                        else static_cast<float*>(out)[(size_t)r * N + column] = value;
                     }
                 }
             }
+            acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
         }
         #pragma unroll
-        for (int c = 0; c < COLUMNS; ++c) {
-            #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                const float total = warp_sum(acc[c][r]);
-                const int column = n0 + c;
-                if (lane == c * ROWS + r && r < rows && column < N) {
-                    const float value = bias != nullptr ? total + bias[column] : total;
-                    if (BF16_OUT) static_cast<unsigned short*>(out)[(size_t)r * N + column] = to_bf16(value);
-                    else static_cast<float*>(out)[(size_t)r * N + column] = value;
-                }
-            }
+        for (int u = 0; u < UNROLL; ++u) {
+            upper[u] = next_upper[u];
+            lower[u] = next_lower[u];
         }
     }
 }
 """
 
 
-def kernel_name(rows_bucket: int, mode: int, bf16_out: bool) -> str:
+def kernel_name(mode: int, bf16_out: bool, split: int) -> str:
     """The C++ name of one instantiation of ``decode_gemv``."""
-    return f"decode_gemv<{rows_bucket}, {mode}, {'true' if bf16_out else 'false'}>"
+    return f"decode_gemv<{mode}, {'true' if bf16_out else 'false'}, {split}>"
 
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return INSTRUCTIONS + CONSTANTS + HELPERS + KERNELS
+    return INSTRUCTIONS + MMA_BF16 + CONSTANTS + HELPERS + KERNELS
 
 
-def rows_bucket(rows: int) -> int:
-    """The padded row count a launch of ``rows`` rows runs with."""
-    for bucket in ROW_BUCKETS:
-        if rows <= bucket:
-            return bucket
-    raise KernelArgumentError(f"decode_gemv serves at most {MAX_ROWS} rows, got {rows}")
-
-
-def shared_bytes(rows: int, inner: int, mode: int) -> int:
-    """Dynamic shared memory of a launch: the staged rows (and the norm's partial sums)."""
-    bucket = rows_bucket(rows)
-    return bucket * inner * 2 + (WARPS * bucket * 4 if mode == RMSNORM else 0)
+def shared_bytes(rows: int, inner: int, mode: int, split: int) -> int:
+    """Dynamic shared memory of a launch: the staged rows, the norm's sums, the split's partial
+    products."""
+    staged = rows * -(-inner // 64) * 128  # rows padded to 128 bytes
+    return staged + (NORM_BYTES if mode == RMSNORM else 0) + (REDUCE_BYTES if split > 1 else 0)
 
 
 def supports(rows: int, inner: int, mode: int = PLAIN) -> bool:
-    """Whether a launch of ``rows`` rows and inner size ``inner`` is served."""
-    return 0 < rows <= MAX_ROWS and inner > 0 and inner % 8 == 0 and shared_bytes(rows, inner, mode) <= MAX_STAGE_BYTES
+    """Whether a launch of ``rows`` rows and inner size ``inner`` is served (with the largest
+    split, which needs the most shared memory)."""
+    return (0 < rows <= MAX_ROWS and inner > 0 and inner % 32 == 0
+            and shared_bytes(rows, inner, mode, SPLITS[-1]) <= MAX_SHARED_BYTES)
+
+
+def plan(rows: int, inner: int, columns: int, mode: int, multiprocessors: int, split: int | None = None,
+         ) -> tuple[int, int]:
+    """``(split, blocks)`` of a launch: the smallest split whose tiles give every multiprocessor a
+    block's worth of warps (unless ``split`` is given), and the blocks that cover the tiles once
+    (split > 1) or, without a split, as many as the GPU holds at once (the warps loop over the
+    tiles)."""
+    tiles = -(-columns // TILE)
+    if split is None:
+        split = next((s for s in SPLITS if tiles * s >= multiprocessors * WARPS), SPLITS[-1])
+    groups = WARPS // split
+    blocks = -(-tiles // groups)
+    if split == 1:
+        per_multiprocessor = 2 if 2 * shared_bytes(rows, inner, mode, split) <= 228 * 1024 else 1
+        blocks = min(blocks, multiprocessors * per_multiprocessor)
+    return split, blocks
 
 
 # ------------------------------------------------------------------------------ reference
@@ -296,44 +384,49 @@ def decode_gemv_reference(
 
 # ------------------------------------------------------------------------------- launcher
 
-_kernels: dict[tuple[int, int, bool], Any] = {}
-_grid_limit: dict[int, int] = {}
+_kernels: dict[tuple[int, bool, int], Any] = {}
+_multiprocessors: dict[int, int] = {}
 
 
-def _kernel(bucket: int, mode: int, bf16_out: bool) -> Any:
-    key = (bucket, mode, bf16_out)
+def _kernel(mode: int, bf16_out: bool, split: int) -> Any:
+    key = (mode, bf16_out, split)
     kernel = _kernels.get(key)
     if kernel is None:
         import cupy
 
-        name = kernel_name(bucket, mode, bf16_out)
+        name = kernel_name(mode, bf16_out, split)
         module = cupy.RawModule(code=source(), options=("--std=c++17",), name_expressions=(name,))
         kernel = module.get_function(name)
         _kernels[key] = kernel
     return kernel
 
 
-def _blocks(column_groups: int, stage: int) -> int:
-    """Blocks of a launch: enough to cover the columns, at most as many as the GPU holds at once
-    with ``stage`` bytes of shared memory each."""
+def multiprocessor_count() -> int:
+    """Multiprocessors of the current CUDA device (asked once per device)."""
     import cupy
 
     device = cupy.cuda.Device().id
-    if device not in _grid_limit:
-        _grid_limit[device] = int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
-    per_sm = max(1, min(4, (220 * 1024) // max(stage, 1)))
-    return max(1, min(column_groups, _grid_limit[device] * per_sm))
+    if device not in _multiprocessors:
+        _multiprocessors[device] = int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+    return _multiprocessors[device]
+
+
+def aligned(array: Any) -> bool:
+    """Whether a device array starts at a 16-byte boundary (host arrays: always)."""
+    pointer = getattr(getattr(array, "data", None), "ptr", None)
+    return pointer is None or pointer % 16 == 0
 
 
 def decode_gemv(
     mode: int, x: DeviceArray, weight: DeviceArray, out: DeviceArray, stream: Any, *, residual: DeviceArray | None = None,
     norm_weight: DeviceArray | None = None, eps: float = 1e-6, norm_offset: float = 0.0,
-    summed: DeviceArray | None = None, bias: DeviceArray | None = None,
+    summed: DeviceArray | None = None, bias: DeviceArray | None = None, split: int | None = None,
 ) -> DeviceArray:
     """``out <- prologue(x) weight^T (+ bias)`` (see the module docstring) on ``stream``; with
     :data:`RMSNORM`, ``summed <- x (+ residual)``. ``out`` float32 ``[rows, N]``, or uint16 for a
-    bf16 output. Raises :class:`~metrale.errors.KernelArgumentError` for shapes it does not serve
-    (:func:`supports`)."""
+    bf16 output. ``split`` overrides the launcher's choice of warps per tile (:func:`plan`).
+    Raises :class:`~metrale.errors.KernelArgumentError` for shapes it does not serve
+    (:func:`supports`) and arrays not 16-byte aligned."""
     name = f"decode_gemv ({MODES.get(mode, mode)})"
     check_array(name, "weight", weight, np.uint16, ndim=2)
     columns, inner = weight.shape
@@ -342,8 +435,8 @@ def decode_gemv(
     check_array(name, "x", x, np.float32 if mode == RMSNORM else np.uint16, (rows, width))
     if not supports(rows, inner, mode):
         raise KernelArgumentError(f"{name}: {rows} rows of inner size {inner} are not served "
-                                  f"(at most {MAX_ROWS} rows; the inner size a multiple of 8, staged in "
-                                  f"{MAX_STAGE_BYTES} bytes)")
+                                  f"(at most {MAX_ROWS} rows; the inner size a multiple of 32, staged in "
+                                  f"{MAX_SHARED_BYTES} bytes)")
     bf16_out = out.dtype == np.uint16
     check_array(name, "out", out, np.uint16 if bf16_out else np.float32, (rows, columns))
     if bias is not None:
@@ -355,21 +448,22 @@ def decode_gemv(
         check_array(name, "summed", summed, np.float32, (rows, inner))
         if residual is not None:
             check_array(name, "residual", residual, np.float32, (rows, inner))
-    pointer = getattr(getattr(weight, "data", None), "ptr", None)
-    if pointer is not None and pointer % 16:
-        raise KernelArgumentError(f"{name}: weight does not start at a 16-byte boundary")
-    bucket = rows_bucket(rows)
-    kernel = _kernel(bucket, mode, bf16_out)
-    stage = shared_bytes(rows, inner, mode)
+    for label, array in (("x", x), ("weight", weight), ("residual", residual), ("norm_weight", norm_weight),
+                         ("summed", summed)):
+        if array is not None and not aligned(array):
+            raise KernelArgumentError(f"{name}: {label} does not start at a 16-byte boundary")
+    if split is not None and split not in SPLITS:
+        raise KernelArgumentError(f"{name}: split {split} is not one of {SPLITS}")
+    chosen, blocks = plan(rows, inner, columns, mode, multiprocessor_count(), split)
+    kernel = _kernel(mode, bf16_out, chosen)
+    stage = shared_bytes(rows, inner, mode, chosen)
     if stage > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = stage
-    blocks = _blocks(-(-columns // (WARPS * COLUMNS)), stage)
     null = np.uint64(0)  # a null pointer for the arguments left out
     with stream if stream is not None else contextlib.nullcontext():
         kernel((blocks,), (THREADS,), (
             x, residual if residual is not None else null, norm_weight if norm_weight is not None else null,
-            np.float32(eps), np.float32(norm_offset), np.int32(residual is not None),
-            summed if summed is not None else null, weight, bias if bias is not None else null, out,
-            np.int32(rows), np.int32(inner), np.int32(columns),
+            np.float32(eps), np.float32(norm_offset), summed if summed is not None else null, weight,
+            bias if bias is not None else null, out, np.int32(rows), np.int32(inner), np.int32(columns),
         ), shared_mem=stage)
     return out

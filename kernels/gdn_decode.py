@@ -52,7 +52,7 @@ __device__ __forceinline__ float block_sum(float value, float* scratch) {
 // mixed[n, c] = silu(sum_t window[t] * weight[c, t]), window = [conv_state[slot, c, :], input], the
 // history moved on. qkvz [N, Hk * W], W = 2 dk + 2 G dv, per key head [q | k | v (G dv) | z (G dv)];
 // channels: every head's q, then k, then v (C = 2 Hk dk + Hv dv). Grid (N, ceil(C / blockDim.x)).
-__global__ void gdn_decode_conv(const float* __restrict__ qkvz, const float* __restrict__ weight,
+extern "C" __global__ void gdn_decode_conv(const float* __restrict__ qkvz, const float* __restrict__ weight,
                                 float* __restrict__ conv_state, const int* __restrict__ slots,
                                 float* __restrict__ mixed, int key_heads, int value_heads, int key_dim,
                                 int value_dim, int kernel) {
@@ -84,7 +84,7 @@ __global__ void gdn_decode_conv(const float* __restrict__ qkvz, const float* __r
 
 // One gated-delta step and the gated RMSNorm of value head j of row n. Grid (N, Hv); blockDim.x
 // >= max(dk, dv), a multiple of 32; dynamic shared memory (2 dk + 32) floats.
-__global__ void gdn_decode_rule(const float* __restrict__ mixed, const float* __restrict__ qkvz,
+extern "C" __global__ void gdn_decode_rule(const float* __restrict__ mixed, const float* __restrict__ qkvz,
                                 const float* __restrict__ ba, const float* __restrict__ a_log,
                                 const float* __restrict__ dt_bias, float* __restrict__ state,
                                 const int* __restrict__ slots, const float* __restrict__ norm_weight, float eps,

@@ -52,7 +52,7 @@ CONSTANTS = f"""
 KERNELS = r"""
 // act[p, c] = bf16(silu(gate_e[c] . x[t]) * (up_e[c] . x[t])) for pair p = t * k + s, e = experts[t, s].
 // Grid (ceil(I / (WARPS * COLUMNS)), N * k); dynamic shared memory H * 2 bytes.
-__global__ void __launch_bounds__(THREADS) moe_decode_gate_up(
+extern "C" __global__ void __launch_bounds__(THREADS) moe_decode_gate_up(
     const unsigned short* __restrict__ x, const uint4* __restrict__ gate_up, const int* __restrict__ experts,
     unsigned short* __restrict__ act, int top_k, int H, int I) {
     DYNAMIC_SHARED;
@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(THREADS) moe_decode_gate_up(
 
 // out[t, n] = sum_s weights[t, s] * (down_e[n] . act[t * k + s]), e = experts[t, s], s in order.
 // Grid (ceil(H / (WARPS * COLUMNS)), N); dynamic shared memory k * I * 2 bytes.
-__global__ void __launch_bounds__(THREADS) moe_decode_down(
+extern "C" __global__ void __launch_bounds__(THREADS) moe_decode_down(
     const unsigned short* __restrict__ act, const uint4* __restrict__ down, const int* __restrict__ experts,
     const float* __restrict__ weights, float* __restrict__ out, int top_k, int H, int I) {
     DYNAMIC_SHARED;

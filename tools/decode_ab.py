@@ -1,12 +1,13 @@
-"""A decode step with and without the fused decode kernels (``metrale.ops.builtin.
-decode_gemv_kernels``, ``moe_decode_kernels`` and ``gdn_decode_kernels``, registered by a plugin
-here), on ``metrale bench``'s random-weight shapes.
+"""A decode step with the decode kernels the CUDA backend uses by default
+(``metrale.ops.builtin.default_decode_kernels``) and without them (a plugin here pins the
+unconditional kernels of those ops), on ``metrale bench``'s random-weight shapes.
 
 For each shape and batch size, both engines prefill the same prompts, then each times its decode
 step as ``metrale bench`` does (the forward from its CUDA graph, the greedy device sampler, the
-tokens read back; CUDA events, median of ``--steps``), and the two engines' greedy tokens over
-``--check-steps`` steps are compared (they may part at near ties: a fused kernel sums in another
-order). Run from the repository root::
+tokens read back; CUDA events, median of ``--steps``). The two engines' logits of the first step
+are compared (the largest difference over the largest logit), and their greedy tokens over
+``--check-steps`` steps (they may part at near ties: a fused kernel sums in another order, and
+random weights give flat logits). Run from the repository root::
 
     python3 tools/decode_ab.py [--shapes llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small] [--batch 1,4,8]
                                [--context 512]
@@ -22,15 +23,19 @@ import numpy as np
 from metrale import hookimpl
 
 
-class DecodeKernelsPlugin:
-    """Registers the fused decode kernels (a plugin, as a third party would)."""
+class UnfusedDecodePlugin:
+    """Pins the unconditional kernels of the ops the default decode kernels serve (a plugin's
+    kernels are tried first), so those are never chosen."""
 
     @hookimpl
     def metrale_register_ops(self, registry):  # type: ignore[no-untyped-def]
-        from metrale.ops.builtin import decode_gemv_kernels, gdn_decode_kernels, moe_decode_kernels
+        import dataclasses
 
-        for kernel in decode_gemv_kernels() + moe_decode_kernels() + gdn_decode_kernels():
-            registry.add_kernel(kernel)
+        from metrale.ops.builtin import builtin_registry, default_decode_kernels
+
+        for op in {kernel.op for kernel in default_decode_kernels()}:
+            unconditional = [k for k in builtin_registry().kernels_for(op, "cuda") if k.when is None][-1]
+            registry.add_kernel(dataclasses.replace(unconditional, origin="decode_ab"))
 
 
 def main() -> None:
@@ -50,30 +55,33 @@ def main() -> None:
     from metrale.sequence import SequenceState
 
     batches = [int(b) for b in args.batch.split(",")]
-    print(f"{'shape':>16} {'batch':>5} {'before ms':>9} {'fused ms':>9} {'speed-up':>8} {'same tokens':>11}")
+    print(f"{'shape':>16} {'batch':>5} {'unfused ms':>10} {'fused ms':>9} {'speed-up':>8} {'logits diff':>11} "
+          f"{'same tokens':>11}")
     for shape in args.shapes.split(","):
         folder = build_checkpoint(shape, Path(args.workdir) / shape)
-        fused_manager = get_plugin_manager()
-        fused_manager.register(DecodeKernelsPlugin(), name="decode-kernels")
+        unfused_manager = get_plugin_manager()
+        unfused_manager.register(UnfusedDecodePlugin(), name="unfused-decode")
         options = dict(device="cuda", max_model_len=args.context + args.steps + args.check_steps + 64,
                        max_num_seqs=max(batches) + 1, show_progress=False)
-        engines = {"cuBLAS": LLM(folder, **options), "fused": LLM(folder, plugin_manager=fused_manager, **options)}
+        engines = {"unfused": LLM(folder, plugin_manager=unfused_manager, **options), "fused": LLM(folder, **options)}
         for llm in engines.values():
             llm.capture_graphs(batches)
         for batch in batches:
             rng = np.random.default_rng(batch)
-            prompts = [rng.integers(0, engines["cuBLAS"].vocab_size, args.context).tolist() for _ in range(batch)]
+            prompts = [rng.integers(0, engines["fused"].vocab_size, args.context).tolist() for _ in range(batch)]
             greedy, seeds = [SamplingParams(temperature=0.0)] * batch, list(range(batch))
-            times, tokens = {}, {}
+            times, tokens, first_logits = {}, {}, {}
             for name, llm in engines.items():
                 seqs = [SequenceState.from_prompt(list(p)) for p in prompts]
                 for seq in seqs:
                     llm.forward.prefill(seq.tokens, seq)
                 step_tokens = [1] * batch
                 chosen = []
-                for _ in range(args.check_steps):  # greedy decode, every token fed back
+                for step in range(args.check_steps):  # greedy decode, every token fed back
                     logits = llm.forward.decode_batch(step_tokens, seqs)
-                    step_tokens = [int(t) for t in llm.engine.sampler.sample(logits, greedy, seeds, [0] * batch).tokens()]
+                    if step == 0:
+                        first_logits[name] = np.asarray(llm.backend.to_numpy(logits), dtype=np.float32)
+                    step_tokens = [int(t) for t in llm.engine.sampler.sample(logits, greedy, seeds, [0] * batch)]
                     chosen.append(step_tokens)
                 tokens[name] = chosen
 
@@ -84,9 +92,11 @@ def main() -> None:
                 times[name] = _cuda_time(step, repeats=args.steps, stream=llm.backend.stream)
                 for seq in seqs:
                     llm.cache.release(seq)
-            same = sum(a == b for a, b in zip(tokens["cuBLAS"], tokens["fused"]))
-            print(f"{shape:>16} {batch:>5} {1e3 * times['cuBLAS']:9.3f} {1e3 * times['fused']:9.3f} "
-                  f"{times['cuBLAS'] / times['fused']:7.2f}x {same:>5}/{args.check_steps} steps")
+            same = sum(a == b for a, b in zip(tokens["unfused"], tokens["fused"]))
+            difference = np.abs(first_logits["fused"] - first_logits["unfused"]).max()
+            relative = difference / np.abs(first_logits["unfused"]).max()
+            print(f"{shape:>16} {batch:>5} {1e3 * times['unfused']:10.3f} {1e3 * times['fused']:9.3f} "
+                  f"{times['unfused'] / times['fused']:7.2f}x {relative:11.1e} {same:>5}/{args.check_steps} steps")
         for llm in engines.values():
             llm.close()
 

@@ -1,31 +1,38 @@
 """Decode projections on the GPU: the fused decode GEMV kernels (``metrale.kernels.decode_gemv``:
-the norm or the SwiGLU gate computed in the projection's kernel) against the unfused ops the
-CUDA backend runs today (the norm kernel, cuBLAS, the gate kernel, cuBLAS).
+the norm or the SwiGLU gate computed in the projection's kernel) against the unfused kernels (the
+norm kernel, cuBLAS, the gate kernel, cuBLAS).
 
 Prints, per model shape, part of a layer (the norm and the qkv projection; the o projection; the
-norm and the MLP) and row count, the microseconds of each path (CUDA-graph replay, so no launch
-overhead on the host; every kernel of the part counted) and the
-weight bytes read per microsecond (GB/s; the floor is the weights read once). Run from the
-repository root::
+norm and the MLP) or the final norm and the LM head, and row count, the microseconds of each path
+(CUDA-graph replay, so no launch overhead on the host; every kernel of the part counted) and the
+weight bytes read per microsecond (GB/s; the floor is the weights read once). Each graph cycles
+through enough copies of a layer's weights (at least 256 MB of each projection's; the LM head is
+larger than the L2 alone) that they come from memory, not from the 50 MB L2, as they do in a
+model's step. ``--splits`` adds the fused path at each given split (warps per tile of 16 columns)
+besides the launcher's choice. Run from the repository root::
 
-    python3 tools/gemv_sweep.py [--shapes llama-1b,llama-8b] [--rows 1,2,4,8]
+    python3 tools/gemv_sweep.py [--shapes llama-1b,llama-8b] [--rows 1,2,4,8] [--splits 1,2,4,8]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import numpy as np
 from timing import graph_time
 
-# hidden, intermediate, q heads, kv heads, head dim
-SHAPES = {"llama-1b": (2048, 8192, 32, 8, 64), "llama-8b": (4096, 14336, 32, 8, 128)}
+# hidden, intermediate, q heads, kv heads, head dim, vocabulary
+SHAPES = {"llama-1b": (2048, 8192, 32, 8, 64, 128256), "llama-8b": (4096, 14336, 32, 8, 128, 128256)}
+CALLS_PER_GRAPH = 20
+ROTATION_BYTES = 256 * 1024 * 1024
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="llama-1b,llama-8b", help="model shapes, comma-separated")
     parser.add_argument("--rows", default="1,2,4,8", help="decode rows, comma-separated")
+    parser.add_argument("--splits", default="", help="splits to time besides the launcher's, comma-separated")
     args = parser.parse_args()
 
     import cupy as cp
@@ -34,21 +41,32 @@ def main() -> None:
     from metrale.kernels import decode_gemv as dg
 
     backend = CudaBackend()
-    ops, stream = backend.ops, backend.stream
+    # The unfused path: the kernels themselves, not the op table (which serves decode rows with
+    # the decode GEMV by default).
+    ops, stream = backend.kernels, backend.stream
     rng = np.random.default_rng(0)
     bf16 = np.uint16
-    print(f"{'shape':>9} {'projection':>12} {'rows':>4} {'unfused us':>10} {'fused us':>9} {'unfused GB/s':>12} "
-          f"{'fused GB/s':>10} {'speed-up':>8}")
+    splits = [int(s) for s in args.splits.split(",") if s]
+    header = (f"{'shape':>9} {'projection':>10} {'rows':>4} {'unfused us':>10} {'GB/s':>5} {'fused us':>9} {'GB/s':>5} "
+              f"{'speed-up':>8}")
+    print(header + "".join(f" {'split ' + str(s) + ' us':>11}" for s in splits))
     for name in args.shapes.split(","):
-        hidden, inter, heads, kv_heads, head_dim = SHAPES[name]
+        hidden, inter, heads, kv_heads, head_dim, vocab = SHAPES[name]
         qkv_rows = (heads + 2 * kv_heads) * head_dim
+        shapes = {"qkv": (qkv_rows, hidden), "o": (hidden, heads * head_dim), "gate_up": (2 * inter, hidden),
+                  "down": (hidden, inter)}
+        head = (vocab, hidden)  # read once a step: one copy of it
+        smallest = 2 * min(a * b for a, b in shapes.values())
+        copies = max(1, min(CALLS_PER_GRAPH, -(-ROTATION_BYTES // smallest)))
         with backend.activate():
             # bf16 bits of values in [1/128, 1): products stay finite at any size.
             def weight(columns: int, inner: int) -> cp.ndarray:
                 return cp.asarray(rng.integers(0x3C00, 0x3F80, (columns, inner), dtype=np.uint16))
 
-            weights = {"qkv": weight(qkv_rows, hidden), "o": weight(hidden, heads * head_dim),
-                       "gate_up": weight(2 * inter, hidden), "down": weight(hidden, inter)}
+            layers = [{key: weight(*shape) for key, shape in shapes.items()} for _ in range(copies)]
+            head_weight = weight(*head)
+            for layer in layers:
+                layer["head"] = head_weight
             norm = cp.asarray(rng.integers(0x3C00, 0x3F80, hidden, dtype=np.uint16))
         for rows in (int(r) for r in args.rows.split(",")):
             with backend.activate():
@@ -56,39 +74,61 @@ def main() -> None:
                 residual = cp.asarray(rng.standard_normal((rows, hidden)).astype(np.float32))
                 summed = cp.empty((rows, hidden), np.float32)
                 o_in = cp.asarray(rng.integers(0x3C00, 0x3F80, (rows, heads * head_dim), dtype=np.uint16))
-                outs = {key: cp.empty((rows, w.shape[0]), bf16 if key == "gate_up" else np.float32)
-                        for key, w in weights.items()}
+                outs = {key: cp.empty((rows, shape[0]), bf16 if key == "gate_up" else np.float32)
+                        for key, shape in {**shapes, "head": head}.items()}
 
-            def unfused_mlp() -> None:
+            def cycled(body):
+                """A call that takes the next copy of the weights each time."""
+                turn = itertools.cycle(layers)
+                return lambda **kw: body(next(turn), **kw)
+
+            def unfused_qkv(w):
+                ops.linear(ops.rmsnorm_residual(x32, residual, norm, 1e-5)[0], w["qkv"])
+
+            def fused_qkv(w, split=None):
+                dg.decode_gemv(dg.RMSNORM, x32, w["qkv"], outs["qkv"], stream, residual=residual, norm_weight=norm,
+                               summed=summed, eps=1e-5, split=split)
+
+            def unfused_head(w):
+                ops.linear(ops.rmsnorm_residual(x32, residual, norm, 1e-5)[0], w["head"])
+
+            def fused_head(w, split=None):
+                dg.decode_gemv(dg.RMSNORM, x32, w["head"], outs["head"], stream, residual=residual, norm_weight=norm,
+                               summed=summed, eps=1e-5, split=split)
+
+            def unfused_o(w):
+                ops.linear(o_in, w["o"])
+
+            def fused_o(w, split=None):
+                dg.decode_gemv(dg.PLAIN, o_in, w["o"], outs["o"], stream, split=split)
+
+            def unfused_mlp(w):
                 h, _ = ops.rmsnorm_residual(x32, residual, norm, 1e-5)
-                ops.linear(ops.linear_silu(h, weights["gate_up"]), weights["down"])
+                ops.linear(ops.linear_silu(h, w["gate_up"]), w["down"])
 
-            def fused_mlp() -> None:
-                dg.decode_gemv(dg.RMSNORM, x32, weights["gate_up"], outs["gate_up"], stream, residual=residual,
-                               norm_weight=norm, summed=summed, eps=1e-5)
-                dg.decode_gemv(dg.SILU, outs["gate_up"], weights["down"], outs["down"], stream)
+            def fused_mlp(w, split=None):
+                dg.decode_gemv(dg.RMSNORM, x32, w["gate_up"], outs["gate_up"], stream, residual=residual,
+                               norm_weight=norm, summed=summed, eps=1e-5, split=split)
+                dg.decode_gemv(dg.SILU, outs["gate_up"], w["down"], outs["down"], stream, split=split)
 
-            cases = {
-                "norm+qkv": (lambda: ops.linear(ops.rmsnorm_residual(x32, residual, norm, 1e-5)[0], weights["qkv"]),
-                             lambda: dg.decode_gemv(dg.RMSNORM, x32, weights["qkv"], outs["qkv"], stream,
-                                                    residual=residual, norm_weight=norm, summed=summed, eps=1e-5),
-                             [("qkv", dg.RMSNORM, hidden)]),
-                "o": (lambda: ops.linear(o_in, weights["o"]),
-                      lambda: dg.decode_gemv(dg.PLAIN, o_in, weights["o"], outs["o"], stream),
-                      [("o", dg.PLAIN, heads * head_dim)]),
-                "norm+mlp": (unfused_mlp, fused_mlp, [("gate_up", dg.RMSNORM, hidden), ("down", dg.SILU, inter)]),
-            }
+            cases = {"norm+qkv": (unfused_qkv, fused_qkv, [("qkv", dg.RMSNORM, hidden)]),
+                     "o": (unfused_o, fused_o, [("o", dg.PLAIN, heads * head_dim)]),
+                     "norm+mlp": (unfused_mlp, fused_mlp, [("gate_up", dg.RMSNORM, hidden), ("down", dg.SILU, inter)]),
+                     "norm+head": (unfused_head, fused_head, [("head", dg.RMSNORM, hidden)])}
             for key, (unfused, fused, parts) in cases.items():
-                megabytes = sum(weights[part].nbytes for part, _, _ in parts) / 1e6
-                before = graph_time(backend, unfused)
+                megabytes = 2 * sum(np.prod({**shapes, "head": head}[part]) for part, _, _ in parts) / 1e6
+                before = graph_time(backend, cycled(unfused), calls_per_graph=CALLS_PER_GRAPH)
+                cells = [f"{'-':>9} {'-':>5} {'-':>8}"] + [f" {'-':>11}"] * len(splits)
                 if all(dg.supports(rows, inner, mode) for _, mode, inner in parts):
-                    after = graph_time(backend, fused)
-                    fused_cells = (f"{after.median_us:9.1f}", f"{megabytes / after.median * 1e-3:10.0f}",
-                                   f"{before.median / after.median:7.2f}x")
-                else:
-                    fused_cells = (f"{'-':>9}", f"{'-':>10}", f"{'-':>8}")
-                print(f"{name:>9} {key:>12} {rows:>4} {before.median_us:10.1f} {fused_cells[0]} "
-                      f"{megabytes / before.median * 1e-3:12.0f} {fused_cells[1]} {fused_cells[2]}")
+                    after = graph_time(backend, cycled(fused), calls_per_graph=CALLS_PER_GRAPH)
+                    cells = [f"{after.median_us:9.1f} {megabytes / after.median * 1e-3:5.0f} "
+                             f"{before.median / after.median:7.2f}x"]
+                    for split in splits:
+                        timing = graph_time(backend, cycled(lambda w, s=split: fused(w, split=s)),
+                                            calls_per_graph=CALLS_PER_GRAPH)
+                        cells.append(f" {timing.median_us:11.1f}")
+                print(f"{name:>9} {key:>10} {rows:>4} {before.median_us:10.1f} "
+                      f"{megabytes / before.median * 1e-3:5.0f} " + "".join(cells))
 
 
 if __name__ == "__main__":

@@ -555,8 +555,12 @@ def builtin_registry() -> OpRegistry:
     """The built-in ops and their CUDA kernels (shared; :func:`~metrale.ops.build_op_registry`
     copies it before plugins add to it)."""
     registry = OpRegistry()
-    for op, module in _declarations():
+    declarations = _declarations()
+    for op, _ in declarations:
         registry.declare(op)
+    for kernel in default_decode_kernels():  # tried before the unconditional kernels below
+        registry.add_kernel(kernel)
+    for op, module in declarations:
         if op.name in _COMPOSITES:
             for device in ("cpu", "cuda"):
                 registry.add_kernel(Kernel(op.name, device, module, build=_COMPOSITES[op.name]))
@@ -652,31 +656,43 @@ def gemv_kernels(max_rows: int = 8) -> list[Kernel]:
     ]
 
 
+def default_decode_kernels() -> list[Kernel]:
+    """The decode kernels the CUDA backend uses by default, each where it measured faster on the
+    H200 than the kernels it replaces (``tools/gemv_sweep.py`` and ``tools/decode_ab.py``; the
+    numbers are in the benchmarks page): the decode GEMV for ``linear`` up to 8 rows and, with the
+    norm fused, for ``rmsnorm_linear`` up to 2 rows; the decode MoE kernels for ``moe_experts`` up
+    to 8 tokens; the fused Gated DeltaNet step. ``rmsnorm_mlp`` keeps its unfused kernels."""
+    by_op = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=8)}
+    norm_linear = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=2)}["rmsnorm_linear"]
+    return [by_op["linear"], norm_linear] + moe_decode_kernels(max_tokens=8) + gdn_decode_kernels()
+
+
 def decode_gemv_kernels(max_rows: int = 8) -> list[Kernel]:
     """The decode GEMV kernels (:mod:`metrale.kernels.decode_gemv`) as conditional kernels of
     ``linear``, ``rmsnorm_linear`` and ``rmsnorm_mlp`` for batches of at most ``max_rows`` rows
-    (bf16 weights, inner sizes a multiple of 8 whose staged rows fit a block). Not registered by
-    default; a registry may add them (``registry.add_kernel``)."""
+    (bf16 weights, inner sizes a multiple of 32 whose staged rows fit a block, 16-byte aligned
+    arrays). :func:`default_decode_kernels` registers some of them by default; a registry may add
+    them all (``registry.add_kernel``), for other row limits too."""
 
-    def served(rows: int, inner: int, mode: int, *weights: Any) -> bool:
+    def served(rows: int, inner: int, mode: int, *arrays: Any) -> bool:
         from metrale.kernels import decode_gemv
 
         return (rows <= max_rows and decode_gemv.supports(rows, inner, mode)
-                and all(getattr(w, "dtype", None) == np.uint16 for w in weights))
+                and getattr(arrays[0], "dtype", None) == np.uint16 and all(decode_gemv.aligned(a) for a in arrays))
 
     def small_linear(x: Any, weight: Any, bias: Any = None) -> bool:
-        return served(x.shape[0], x.shape[1], 0, weight)
+        return served(x.shape[0], x.shape[1], 0, weight, x)
 
     def small_norm_linear(x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any, weight: Any,
                           bias: Any = None) -> bool:
-        return served(x.shape[0], x.shape[1], 1, weight)
+        return served(x.shape[0], x.shape[1], 1, weight, norm_weight, x)
 
     def small_norm_mlp(x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any, gate_up: Any, down: Any,
                        gate_up_bias: Any = None, down_bias: Any = None) -> bool:
-        return (gate_up_bias is None and served(x.shape[0], x.shape[1], 1, gate_up)
+        return (gate_up_bias is None and served(x.shape[0], x.shape[1], 1, gate_up, norm_weight, x)
                 and served(x.shape[0], down.shape[1], 2, down))
 
-    condition = f"N <= {max_rows}, bf16 weights, inner sizes a multiple of 8"
+    condition = f"N <= {max_rows}, bf16 weights, inner sizes a multiple of 32"
     return [
         Kernel("linear", "cuda", "metrale.kernels.decode_gemv", build=_cuda_method("linear_decode_gemv"),
                when=small_linear, condition=condition),
@@ -691,8 +707,8 @@ def decode_gemv_kernels(max_rows: int = 8) -> list[Kernel]:
 def moe_decode_kernels(max_tokens: int = 8) -> list[Kernel]:
     """The decode MoE kernels (:mod:`metrale.kernels.moe_decode`: two GEMV kernels over the chosen
     experts' weights, the weighting and the sum over slots in the second) as a conditional kernel
-    of ``moe_experts`` for batches of at most ``max_tokens`` tokens. Not registered by default; a
-    registry may add it (``registry.add_kernel``)."""
+    of ``moe_experts`` for batches of at most ``max_tokens`` tokens (registered by default with 8,
+    :func:`default_decode_kernels`)."""
 
     def small(x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> bool:
         from metrale.kernels import moe_decode
@@ -707,8 +723,7 @@ def moe_decode_kernels(max_tokens: int = 8) -> list[Kernel]:
 
 def gdn_decode_kernels() -> list[Kernel]:
     """The fused Gated DeltaNet decode kernels (:mod:`metrale.kernels.gdn_decode`) as a
-    conditional kernel of ``gdn_decode``. Not registered by default; a registry may add it
-    (``registry.add_kernel``)."""
+    conditional kernel of ``gdn_decode`` (registered by default, :func:`default_decode_kernels`)."""
 
     def served(qkvz: Any, ba: Any, conv_weight: Any, conv_state: Any, a_log: Any, dt_bias: Any, state: Any, slots: Any,
                norm_weight: Any, eps: Any, key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> bool:

@@ -155,8 +155,8 @@ class CudaKernels:
         out = cp.empty((x.shape[0], weight.shape[0] // 2), dtype=bf16)
         return gemv.gemv_silu(self.as_bf16(x), weight, out, self.stream)
 
-    # The decode GEMV kernels: not bound by default; :func:`metrale.ops.builtin.decode_gemv_kernels`
-    # offers them to a registry.
+    # The decode GEMV kernels, bound where :func:`metrale.ops.builtin.default_decode_kernels` says;
+    # :func:`metrale.ops.builtin.decode_gemv_kernels` offers them all to a registry.
 
     def linear_decode_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
         out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
@@ -289,7 +289,7 @@ class CudaKernels:
                          self.stream)
 
     def moe_experts_decode(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
-        """The decode MoE kernels (offered by :func:`metrale.ops.builtin.moe_decode_kernels`)."""
+        """The decode MoE kernels (:func:`metrale.ops.builtin.moe_decode_kernels`)."""
         x = self.as_bf16(x)
         tokens, top_k, inter = x.shape[0], experts.shape[1], down.shape[1]
         act = cp.empty((tokens * top_k, inter), dtype=bf16)
@@ -341,7 +341,7 @@ class CudaKernels:
     def gdn_decode_fused(self, qkvz: Any, ba: Any, conv_weight: Any, conv_state: Any, a_log: Any, dt_bias: Any,
                          state: Any, slots: Any, norm_weight: Any, eps: float, key_heads: int, value_heads: int,
                          key_dim: int, value_dim: int) -> Any:
-        """The fused decode step (offered by :func:`metrale.ops.builtin.gdn_decode_kernels`)."""
+        """The fused decode step (:func:`metrale.ops.builtin.gdn_decode_kernels`)."""
         rows = qkvz.shape[0]
         mixed = cp.empty((rows, 2 * key_heads * key_dim + value_heads * value_dim), dtype=f32)
         out = cp.empty((rows, value_heads, value_dim), dtype=bf16)

@@ -1,6 +1,7 @@
 """The decode GEMV kernels (``metrale.kernels.decode_gemv``) against the NumPy reference on a real
-GPU: Llama-1B and Llama-8B projection shapes with every prologue at 1 to 8 rows, float32 and
-bf16 outputs, a bias, the norm's summed rows, and a CUDA-graph replay with new inputs."""
+GPU: Llama-1B and Llama-8B projection shapes with every prologue at 1 to 8 rows, every split of K,
+float32 and bf16 outputs, a bias, the norm's summed rows, and a CUDA-graph replay with new
+inputs."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def weight_of(inner, columns):
     return _weights[key]
 
 
-def launch(mode, x, weight_device, rows, inner, columns, bf16_out, *, residual=None, norm=None, bias=None):
+def launch(mode, x, weight_device, rows, inner, columns, bf16_out, *, residual=None, norm=None, bias=None, split=None):
     import cupy as cp
 
     from metrale.kernels import decode_gemv as dg
@@ -52,7 +53,7 @@ def launch(mode, x, weight_device, rows, inner, columns, bf16_out, *, residual=N
     dg.decode_gemv(mode, cp.asarray(x), weight_device, out, cp.cuda.get_current_stream(),
                    residual=None if residual is None else cp.asarray(residual),
                    norm_weight=None if norm is None else cp.asarray(norm), summed=summed,
-                   bias=None if bias is None else cp.asarray(bias), eps=1e-5)
+                   bias=None if bias is None else cp.asarray(bias), eps=1e-5, split=split)
     host = cp.asnumpy(out)
     return (bf16_to_float32(host) if bf16_out else host), (None if summed is None else cp.asnumpy(summed))
 
@@ -76,9 +77,14 @@ def inputs(rng, mode, rows, inner):
 CASES = [(shape, rows) for shape in LLAMA_1B + LLAMA_8B for rows in (1, 3, 8) if not (shape[1] == 14336 and rows == 8)]
 
 
-@pytest.mark.parametrize("shape, rows", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}{'-bf16' if c[3] else ''}"
+# The launcher's split for every case; every split for two of them (a narrow and a wide projection).
+CASES = [(shape, rows, None) for shape, rows in CASES] + [
+    (shape, 3, split) for shape in (LLAMA_1B[1], LLAMA_1B[2]) for split in (1, 2, 4, 8)]
+
+
+@pytest.mark.parametrize("shape, rows, split", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}{'-bf16' if c[3] else ''}"
                          if isinstance(c, tuple) else str(c))
-def test_model_shapes_match_the_reference(shape, rows):
+def test_model_shapes_match_the_reference(shape, rows, split):
     from metrale.kernels import decode_gemv as dg
 
     name, inner, columns, bf16_out = shape
@@ -88,7 +94,7 @@ def test_model_shapes_match_the_reference(shape, rows):
     rng = np.random.default_rng(rows + inner)
     launch_inputs, reference_inputs = inputs(rng, mode, rows, inner)
     x = launch_inputs.pop("x")
-    got, summed = launch(mode, x, weight_device, rows, inner, columns, bf16_out, **launch_inputs)
+    got, summed = launch(mode, x, weight_device, rows, inner, columns, bf16_out, split=split, **launch_inputs)
     expected, expected_summed = dg.decode_gemv_reference(mode, reference_inputs.pop("x"), weight, bf16_out=bf16_out,
                                                          eps=1e-5, **reference_inputs)
     assert np.isfinite(got).all()

@@ -191,20 +191,32 @@ def test_a_failing_registration_names_the_plugin():
 def test_the_gemv_kernels_are_offered_not_bound():
     from metrale.ops.builtin import gemv_kernels
 
-    assert builtin_registry().serving("linear", "cuda") == ["cuBLAS GEMM (metrale.kernels.linear) [metrale]"]
+    assert builtin_registry().serving("linear", "cuda")[-1] == "cuBLAS GEMM (metrale.kernels.linear) [metrale]"
+    assert not any("kernels.gemv " in line for line in builtin_registry().serving("linear", "cuda"))
     registry = builtin_registry().copy()
     for kernel in gemv_kernels(max_rows=4):
         registry.from_plugin("tuning").add_kernel(kernel)
+    assert registry.serving("linear", "cuda")[0] == "metrale.kernels.gemv [tuning] when N <= 4, in % 4 == 0"
+
+
+def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones():
+    registry = builtin_registry()
+    assert registry.serving("rmsnorm_mlp", "cuda") == [
+        "rmsnorm_residual, then linear_silu and linear (their kernels) [metrale]"]
     assert registry.serving("linear", "cuda") == [
-        "metrale.kernels.gemv [tuning] when N <= 4, in % 4 == 0", "cuBLAS GEMM (metrale.kernels.linear) [metrale]",
-    ]
+        "metrale.kernels.decode_gemv [metrale] when N <= 8, bf16 weights, inner sizes a multiple of 32",
+        "cuBLAS GEMM (metrale.kernels.linear) [metrale]"]
+    assert registry.serving("rmsnorm_linear", "cuda")[0].startswith(
+        "metrale.kernels.decode_gemv (the norm fused) [metrale] when N <= 2")
+    assert registry.serving("moe_experts", "cuda")[0].startswith("metrale.kernels.moe_decode [metrale] when N <= 8")
+    assert registry.serving("gdn_decode", "cuda")[0].startswith("metrale.kernels.gdn_decode [metrale] when")
+    for op in ("linear", "rmsnorm_linear", "moe_experts", "gdn_decode"):
+        assert registry.kernels_for(op, "cuda")[-1].when is None  # what serves every other call
 
 
-def test_the_decode_gemv_kernels_are_offered_not_bound_and_take_what_they_serve():
+def test_the_decode_gemv_kernels_take_what_they_serve():
     from metrale.ops.builtin import decode_gemv_kernels
 
-    assert builtin_registry().serving("rmsnorm_mlp", "cuda") == [
-        "rmsnorm_residual, then linear_silu and linear (their kernels) [metrale]"]
     registry = builtin_registry().copy()
     kernels = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=4)}
     for kernel in kernels.values():
@@ -220,19 +232,19 @@ def test_the_decode_gemv_kernels_are_offered_not_bound_and_take_what_they_serve(
     norm_linear = kernels["rmsnorm_linear"].when
     assert norm_linear(floats(4, 64), None, bits(64), 1e-6, 0.0, bits(32, 64))
     assert not norm_linear(floats(5, 64), None, bits(64), 1e-6, 0.0, bits(32, 64))  # more rows than max_rows
-    assert not norm_linear(floats(4, 60), None, bits(60), 1e-6, 0.0, bits(32, 60))  # not a multiple of 8
+    assert not norm_linear(floats(4, 80), None, bits(80), 1e-6, 0.0, bits(32, 80))  # not a multiple of 32
     assert not norm_linear(floats(4, 64), None, bits(64), 1e-6, 0.0, floats(32, 64))  # float32 weights (the CPU's)
     norm_mlp = kernels["rmsnorm_mlp"].when
-    assert norm_mlp(floats(2, 64), None, bits(64), 1e-6, 0.0, bits(80, 64), bits(64, 40))
-    assert not norm_mlp(floats(2, 64), None, bits(64), 1e-6, 0.0, bits(80, 64), bits(64, 40), floats(80))  # gate bias
+    assert norm_mlp(floats(2, 64), None, bits(64), 1e-6, 0.0, bits(128, 64), bits(64, 64))
+    assert not norm_mlp(floats(2, 64), None, bits(64), 1e-6, 0.0, bits(128, 64), bits(64, 64), floats(128))  # gate bias
     assert kernels["linear"].when(bits(3, 128), bits(16, 128)) and not kernels["linear"].when(bits(3, 100), bits(16, 100))
 
 
-def test_the_decode_moe_kernel_is_offered_not_bound_and_takes_decode_batches():
+def test_the_decode_moe_kernel_takes_decode_batches():
     from metrale.ops.builtin import moe_decode_kernels
 
     (kernel,) = moe_decode_kernels(max_tokens=4)
-    assert kernel.op == "moe_experts" and kernel not in builtin_registry().kernels
+    assert kernel.op == "moe_experts"
     experts, weights = np.zeros((4, 6), np.int32), np.zeros((4, 6), np.float32)
     gate_up, down = np.zeros((0, 2048), np.uint16), np.zeros((0, 1408), np.uint16)  # only shapes and dtypes are read
     assert kernel.when(np.zeros((4, 2048), np.uint16), experts, weights, gate_up, down)
