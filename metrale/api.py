@@ -408,7 +408,8 @@ class LLM(PromptFrontend):
         """Record the CUDA graphs of decode steps ahead of time (a no-op on the CPU).
 
         ``batch_sizes`` defaults to every rung (1, 2, 4, ... 128); otherwise each size is rounded
-        up to its rung. With ``mixed`` (and a family that replays mixed steps from graphs), also
+        up to its rung. Each rung gets a graph per live-context bucket (512 tokens, then four
+        times more each, up to ``max_model_len``). With ``mixed`` (and a family that replays mixed steps from graphs), also
         the graphs of mixed steps: every decode rung up to ``max_num_seqs - 1`` rows, each with
         every prompt-chunk bucket up to ``max_num_batched_tokens``. Without this, a graph is recorded
         the first time its shape is used.

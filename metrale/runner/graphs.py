@@ -6,7 +6,13 @@ cache slots, block tables); the host packs one step's metadata into a pinned buf
 it in with one transfer, then replays the rung's graph. Padding rows decode token 0 at position
 0 into the reserved dummy block, so they never touch a real sequence.
 
-The first step of a rung runs eagerly (its result is returned) and then records the graph; the
+A rung holds one graph per live-context bucket (:func:`context_buckets`: 512 tokens, then four
+times more each, up to ``max_model_len``): a step replays the graph of the smallest bucket that
+holds its longest sequence, so the attention kernels, whose key splits and kernel choice are
+fixed when a graph is recorded, are sized for the contexts the step has rather than for the
+longest the model allows.
+
+The first step of a rung (and bucket) runs eagerly (its result is returned) and then records the graph; the
 memory the graph uses comes from the backend's private pool. An error while recording ends and
 discards the capture before it propagates; the next call records again. A model that runs an op
 which cannot be captured (an op served by the host fallback of its reference) stops using graphs:
@@ -26,10 +32,11 @@ off and its mixed steps run eagerly.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,21 +55,39 @@ MIXED_DECODE_RUNGS = (16, 32, 64, 128)
 MIXED_PROMPT_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
+#: The smallest live-context bucket of the decode graphs; each next one is four times larger.
+CONTEXT_BUCKET_START = 512
+
 # Field order of the packed int32 metadata: six [B] vectors, then the [B, max_blocks] table.
 _VECTORS = ("token_ids", "positions", "slot_mapping", "seq_index", "logits_rows", "state_slots")
 
 
+def context_buckets(max_model_len: int) -> tuple[int, ...]:
+    """The live-context buckets of the decode graphs: 512, 2,048, 8,192, ... below
+    ``max_model_len``, then ``max_model_len``."""
+    buckets = []
+    size = CONTEXT_BUCKET_START
+    while size < max_model_len:
+        buckets.append(size)
+        size *= 4
+    return (*buckets, max_model_len)
+
+
 @dataclass
 class Rung:
-    """Static buffers and the captured graph of one padded batch size."""
+    """Static buffers of one padded batch size and its captured graphs, one per context bucket."""
 
     size: int
     host: Any  # pinned int32 [6 B + B * max_blocks]
     device: Any  # device int32, same layout
-    batch: ForwardBatch
-    graph: Any = None
-    output: Any = None
+    batch: ForwardBatch  # over ``device``; its max_context is max_model_len
+    graphs: dict[int, Any] = field(default_factory=dict)  # by context bucket
+    outputs: dict[int, Any] = field(default_factory=dict)  # the logits buffer of each graph
     uploaded: Any = None  # event recorded after the last host-to-device copy of ``host``
+
+    def bucket_batch(self, bucket: int) -> ForwardBatch:
+        """The rung's batch as a graph of ``bucket`` records it (the same device buffers)."""
+        return dataclasses.replace(self.batch, max_context=bucket, extras={})
 
 
 @dataclass
@@ -153,6 +178,7 @@ class CudaGraphRunner:
         self.block_size = model.cache.block_size
         # A sequence holds at most every block of the cache, however long max_model_len is.
         self.max_blocks = min(math.ceil(model.max_model_len / self.block_size), model.cache.num_blocks)
+        self.buckets = context_buckets(model.max_model_len)
         self.rungs: dict[int, Rung] = {}
         #: Mixed-step graphs by (decode rung, prompt bucket).
         self.mixed_rungs: dict[tuple[int, int], MixedRung] = {}
@@ -178,6 +204,10 @@ class CudaGraphRunner:
 
     def rung_size(self, rows: int) -> int:
         return next(size for size in DECODE_RUNGS if size >= rows)
+
+    def context_bucket(self, context: int) -> int:
+        """The bucket whose graph replays a step whose longest sequence holds ``context`` tokens."""
+        return next((bucket for bucket in self.buckets if bucket >= context), self.buckets[-1])
 
     def mixed_shape(self, batch: ForwardBatch) -> tuple[int, int] | None:
         """The padded (decode rows, prompt rows) of a mixed step these graphs replay, or None:
@@ -243,7 +273,7 @@ class CudaGraphRunner:
         if feed is not None:
             feed(rung.batch.token_ids)
         if rung.graph is None:
-            logits = self._capture(rung, mixed=True)
+            rung.graph, rung.output, logits = self._record(rung.batch, mixed=True)
         else:
             self._launch(rung.graph)
             logits = rung.output
@@ -268,7 +298,7 @@ class CudaGraphRunner:
                 rung = self._mixed_rung(decode, prompt)
                 if rung.graph is None:
                     self._fill_mixed(rung, None)
-                    self._capture(rung, mixed=True)
+                    rung.graph, rung.output, _ = self._record(rung.batch, mixed=True)
                     if self.mixed_disabled is not None:
                         return
 
@@ -327,14 +357,15 @@ class CudaGraphRunner:
         import cupy
 
         rung = self._rung(self.rung_size(batch.num_rows))
+        bucket = self.context_bucket(batch.max_context)
         self._fill(rung, batch)
         if feed is not None:
             feed(rung.batch.token_ids)
-        if rung.graph is None:
-            logits = self._capture(rung)
+        if bucket not in rung.graphs:
+            logits = self._record_decode(rung, bucket)
         else:
-            self._launch(rung.graph)
-            logits = rung.output
+            self._launch(rung.graphs[bucket])
+            logits = rung.outputs[bucket]
         # A copy the next replay cannot overwrite (a raw device copy: an elementwise CuPy copy
         # costs several times more host time).
         rows = logits[: batch.num_rows]
@@ -357,14 +388,29 @@ class CudaGraphRunner:
         self.replay_events.append((start, end))
 
     def capture(self, sizes: tuple[int, ...] = DECODE_RUNGS) -> None:
-        """Record the graphs of ``sizes`` ahead of time, on padding rows only."""
+        """Record the graphs of ``sizes`` (every context bucket of each) ahead of time, on padding
+        rows only."""
         for size in sizes:
             rung = self._rung(self.rung_size(size))
-            if rung.graph is None:
-                self._fill(rung, None)
-                self._capture(rung)
+            for bucket in self.buckets:
+                if self.disabled is not None:
+                    return
+                if bucket not in rung.graphs:
+                    self._fill(rung, None)
+                    self._record_decode(rung, bucket)
 
-    def _capture(self, rung: Rung | MixedRung, mixed: bool = False) -> Any:
+    def _record_decode(self, rung: Rung, bucket: int) -> Any:
+        """Record ``rung``'s graph of ``bucket`` (unless graphs are turned off meanwhile); the
+        eager run's logits."""
+        graph, output, eager = self._record(rung.bucket_batch(bucket))
+        if graph is not None:
+            rung.graphs[bucket], rung.outputs[bucket] = graph, output
+        return eager
+
+    def _record(self, batch: ForwardBatch, mixed: bool = False) -> tuple[Any, Any, Any]:
+        """``(graph, output, eager)``: the graph of ``model.forward_batch(batch)``, the logits
+        buffer it writes, and the logits of the eager run before it. ``graph`` and ``output`` are
+        None when an op cannot be captured (graphs are then turned off for such steps)."""
         import cupy
 
         stream = self.backend.stream
@@ -373,13 +419,13 @@ class CudaGraphRunner:
         # for the batch (the attention's tile lists, made once per batch) must not share memory
         # with another graph's intermediates, which the graph pool hands out again once a capture
         # ends.
-        eager = self.model.forward_batch(rung.batch)
+        eager = self.model.forward_batch(batch)
         stream.synchronize()
         with cupy.cuda.using_allocator(self.backend.graph_pool.malloc):
             # Relaxed mode: the pool may still cudaMalloc while recording (never inside the graph).
             stream.begin_capture(getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", 2))
             try:
-                output = self.model.forward_batch(rung.batch)
+                output = self.model.forward_batch(batch)
             except GraphCaptureError as error:
                 if stream.is_capturing():
                     stream.end_capture()
@@ -390,11 +436,10 @@ class CudaGraphRunner:
                     self.disabled = str(error)
                 logger.warning("%s steps of %s run without CUDA graphs: %s", "mixed" if mixed else "decode",
                                type(self.model).__name__, error)
-                return eager
+                return None, None, eager
             except BaseException:
                 if stream.is_capturing():
                     stream.end_capture()
                 raise
-            rung.graph = stream.end_capture()
-            rung.output = output
-        return eager
+            graph = stream.end_capture()
+        return graph, output, eager

@@ -92,6 +92,19 @@ def test_graph_replay_gives_the_eager_tokens(dense_checkpoints):
     assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
 
 
+def test_graphs_of_every_context_bucket_give_the_eager_tokens():
+    """Sequences that grow past the 512-token bucket while they decode replay the graph of the
+    next bucket (recorded then), with the eager tokens."""
+    prompts = [np.random.default_rng(n).integers(0, 3072, n).tolist() for n in (490, 505, 40)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    llm = load("tiny-dense", "cuda", max_model_len=1024)
+    graphs = llm.generate(prompts, params)
+    eager = load("tiny-dense", "cuda", cuda_graphs=False, max_model_len=1024).generate(prompts, params)
+    assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
+    recorded = {bucket for rung in llm.model.runner.graphs.rungs.values() for bucket in rung.graphs}
+    assert recorded == {512, 1024}
+
+
 def test_decode_batch_equals_single_decodes(dense_checkpoints):
     llm = load(dense_checkpoints["qwen3"], "cuda")
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5], [4] * 20]
