@@ -28,6 +28,9 @@ times the split give every multiprocessor a block's worth of warps (narrow proje
 wide ones do not). Each warp keeps the next batch of weight words in flight while it multiplies
 the current one.
 
+Launched dependently (:mod:`metrale.kernels._launch`), a block issues its first weight loads
+before it waits for the kernel ahead to finish: they do not depend on it.
+
 The output is float32 (plus ``bias``) or, with ``bf16_out``, bf16 bits (a gate-and-up projection
 feeding :data:`SILU`). ``summed`` must not share memory with ``x`` or ``residual``: every block
 reads them while block 0 writes it. ``K`` must be a multiple of 32 and every array 16-byte aligned.
@@ -38,13 +41,13 @@ host against it through the CUDA emulation header, ``tests/gpu`` on the GPU.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
+from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
 from metrale.kernels._tensor_cores import MMA_BF16
 from metrale.kernels.activation import silu_and_mul_reference
 from metrale.kernels.linear import linear_reference
@@ -56,7 +59,10 @@ MODES = {PLAIN: "plain", RMSNORM: "rmsnorm", SILU: "silu"}
 MAX_ROWS = 8  # the N side of the tensor-core product
 WARPS = 8
 THREADS = 32 * WARPS
-UNROLL = 4  # 16-byte weight words per lane and column in one batch (32 K values each)
+#: 16-byte weight words per lane and column in one batch (32 K values each): the launcher's default
+#: and the other choice :func:`decode_gemv` takes (twice the loads in flight, one block a
+#: multiprocessor for the registers).
+UNROLLS = (4, 8)
 SPLITS = (1, 2, 4, 8)  # warps sharing a tile of 16 columns
 TILE = 16  # output columns of one product
 #: Largest dynamic shared memory a block takes (the staged rows, the norm's partial sums and the
@@ -73,7 +79,6 @@ INSTRUCTIONS = r"""
 CONSTANTS = f"""
 #define WARPS {WARPS}
 #define THREADS {THREADS}
-#define UNROLL {UNROLL}
 #define MODE_PLAIN {PLAIN}
 #define MODE_RMSNORM {RMSNORM}
 #define MODE_SILU {SILU}
@@ -133,12 +138,13 @@ __device__ __forceinline__ unsigned silu_mul_pair(unsigned gate, unsigned up) {
 // [rows, K] (RMSNORM, with residual float32 [rows, K] or null), bf16 bits [rows, 2K] (SILU);
 // weight: bf16 bits [N, K] as 16-byte words, K a multiple of 32; out: float32 [rows, N], or bf16
 // bits with BF16_OUT. Every array 16-byte aligned.
-template <int MODE, bool BF16_OUT, int SPLIT>
-__global__ void __launch_bounds__(THREADS, 2) decode_gemv(
+template <int MODE, bool BF16_OUT, int SPLIT, int UNROLL>
+__global__ void __launch_bounds__(THREADS, UNROLL > 4 ? 1 : 2) decode_gemv(
     const void* __restrict__ x, const float* __restrict__ residual, const unsigned short* __restrict__ norm_weight,
     float eps, float norm_offset, float* __restrict__ summed, const uint4* __restrict__ weight,
     const float* __restrict__ bias, void* __restrict__ out, int rows, int K, int N) {
     DYNAMIC_SHARED;
+    allow_dependents();
     constexpr int GROUPS = WARPS / SPLIT;   // tiles a block works on at once
     uint4* stage = reinterpret_cast<uint4*>(dynamic_shared);   // [rows][stride], swizzled
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -171,7 +177,8 @@ __global__ void __launch_bounds__(THREADS, 2) decode_gemv(
     };
 
     uint4 upper[UNROLL], lower[UNROLL];
-    if (steps > 0) load(0, upper, lower);   // in flight while the prologue runs
+    if (steps > 0) load(0, upper, lower);   // in flight while the kernel ahead ends and the prologue runs
+    wait_for_producers();   // everything below reads or writes what other kernels touch
 
     // 1. The prologue's rows, as bf16, into shared memory.
     if (MODE == MODE_PLAIN) {
@@ -307,14 +314,14 @@ __global__ void __launch_bounds__(THREADS, 2) decode_gemv(
 """
 
 
-def kernel_name(mode: int, bf16_out: bool, split: int) -> str:
+def kernel_name(mode: int, bf16_out: bool, split: int, unroll: int = UNROLLS[0]) -> str:
     """The C++ name of one instantiation of ``decode_gemv``."""
-    return f"decode_gemv<{mode}, {'true' if bf16_out else 'false'}, {split}>"
+    return f"decode_gemv<{mode}, {'true' if bf16_out else 'false'}, {split}, {unroll}>"
 
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return INSTRUCTIONS + MMA_BF16 + CONSTANTS + HELPERS + KERNELS
+    return INSTRUCTIONS + DEPENDENT_LAUNCH + MMA_BF16 + CONSTANTS + HELPERS + KERNELS
 
 
 def shared_bytes(rows: int, inner: int, mode: int, split: int) -> int:
@@ -384,17 +391,17 @@ def decode_gemv_reference(
 
 # ------------------------------------------------------------------------------- launcher
 
-_kernels: dict[tuple[int, bool, int], Any] = {}
+_kernels: dict[tuple[int, bool, int, int], Any] = {}
 _multiprocessors: dict[int, int] = {}
 
 
-def _kernel(mode: int, bf16_out: bool, split: int) -> Any:
-    key = (mode, bf16_out, split)
+def _kernel(mode: int, bf16_out: bool, split: int, unroll: int) -> Any:
+    key = (mode, bf16_out, split, unroll)
     kernel = _kernels.get(key)
     if kernel is None:
         import cupy
 
-        name = kernel_name(mode, bf16_out, split)
+        name = kernel_name(mode, bf16_out, split, unroll)
         module = cupy.RawModule(code=source(), options=("--std=c++17",), name_expressions=(name,))
         kernel = module.get_function(name)
         _kernels[key] = kernel
@@ -421,10 +428,12 @@ def decode_gemv(
     mode: int, x: DeviceArray, weight: DeviceArray, out: DeviceArray, stream: Any, *, residual: DeviceArray | None = None,
     norm_weight: DeviceArray | None = None, eps: float = 1e-6, norm_offset: float = 0.0,
     summed: DeviceArray | None = None, bias: DeviceArray | None = None, split: int | None = None,
+    unroll: int = UNROLLS[0],
 ) -> DeviceArray:
     """``out <- prologue(x) weight^T (+ bias)`` (see the module docstring) on ``stream``; with
     :data:`RMSNORM`, ``summed <- x (+ residual)``. ``out`` float32 ``[rows, N]``, or uint16 for a
-    bf16 output. ``split`` overrides the launcher's choice of warps per tile (:func:`plan`).
+    bf16 output. ``split`` overrides the launcher's choice of warps per tile (:func:`plan`),
+    ``unroll`` the weight words a lane loads per column and batch (one of :data:`UNROLLS`).
     Raises :class:`~metrale.errors.KernelArgumentError` for shapes it does not serve
     (:func:`supports`) and arrays not 16-byte aligned."""
     name = f"decode_gemv ({MODES.get(mode, mode)})"
@@ -454,16 +463,17 @@ def decode_gemv(
             raise KernelArgumentError(f"{name}: {label} does not start at a 16-byte boundary")
     if split is not None and split not in SPLITS:
         raise KernelArgumentError(f"{name}: split {split} is not one of {SPLITS}")
+    if unroll not in UNROLLS:
+        raise KernelArgumentError(f"{name}: unroll {unroll} is not one of {UNROLLS}")
     chosen, blocks = plan(rows, inner, columns, mode, multiprocessor_count(), split)
-    kernel = _kernel(mode, bf16_out, chosen)
+    kernel = _kernel(mode, bf16_out, chosen, unroll)
     stage = shared_bytes(rows, inner, mode, chosen)
     if stage > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = stage
     null = np.uint64(0)  # a null pointer for the arguments left out
-    with stream if stream is not None else contextlib.nullcontext():
-        kernel((blocks,), (THREADS,), (
-            x, residual if residual is not None else null, norm_weight if norm_weight is not None else null,
-            np.float32(eps), np.float32(norm_offset), summed if summed is not None else null, weight,
-            bias if bias is not None else null, out, np.int32(rows), np.int32(inner), np.int32(columns),
-        ), shared_mem=stage)
+    launch(kernel, (blocks,), (THREADS,), (
+        x, residual if residual is not None else null, norm_weight if norm_weight is not None else null,
+        np.float32(eps), np.float32(norm_offset), summed if summed is not None else null, weight,
+        bias if bias is not None else null, out, np.int32(rows), np.int32(inner), np.int32(columns),
+    ), stage, stream, dependent=True)
     return out

@@ -22,7 +22,6 @@ emulation header; ``tests/gpu`` on the GPU.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any
 
@@ -30,6 +29,7 @@ import numpy as np
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
+from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
 from metrale.kernels.decode_gemv import HELPERS
 from metrale.kernels.decode_gemv import INSTRUCTIONS as DYNAMIC_SHARED_MEMORY
 
@@ -56,6 +56,8 @@ extern "C" __global__ void gdn_decode_conv(const float* __restrict__ qkvz, const
                                 float* __restrict__ conv_state, const int* __restrict__ slots,
                                 float* __restrict__ mixed, int key_heads, int value_heads, int key_dim,
                                 int value_dim, int kernel) {
+    allow_dependents();
+    wait_for_producers();   // the projections come from the kernels ahead
     const int n = blockIdx.x;
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
     const int group = value_heads / key_heads;
@@ -91,6 +93,8 @@ extern "C" __global__ void gdn_decode_rule(const float* __restrict__ mixed, cons
                                 float l2_eps, unsigned short* __restrict__ out, int key_heads, int value_heads,
                                 int key_dim, int value_dim) {
     DYNAMIC_SHARED;
+    allow_dependents();
+    wait_for_producers();   // the convolution's output comes from the kernel ahead
     float* q = reinterpret_cast<float*>(dynamic_shared);
     float* k = q + key_dim;
     float* scratch = k + key_dim;
@@ -143,7 +147,7 @@ KERNEL_NAMES = ("gdn_decode_conv", "gdn_decode_rule")
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return DYNAMIC_SHARED_MEMORY + HELPERS + KERNELS
+    return DYNAMIC_SHARED_MEMORY + DEPENDENT_LAUNCH + HELPERS + KERNELS
 
 
 def rule_threads(key_dim: int, value_dim: int) -> int:
@@ -219,12 +223,11 @@ def decode_step(
     from metrale.kernels.gated_delta import L2_NORM_EPS
 
     threads = rule_threads(key_dim, value_dim)
-    with stream if stream is not None else contextlib.nullcontext():
-        _kernel("gdn_decode_conv")((rows, math.ceil(channels / CONV_THREADS)), (CONV_THREADS,), (
-            qkvz, conv_weight, conv_state, slots, mixed, np.int32(key_heads), np.int32(value_heads),
-            np.int32(key_dim), np.int32(value_dim), np.int32(kernel)))
-        _kernel("gdn_decode_rule")((rows, value_heads), (threads,), (
-            mixed, qkvz, ba, a_log, dt_bias, state, slots, norm_weight, np.float32(eps), np.float32(L2_NORM_EPS), out,
-            np.int32(key_heads), np.int32(value_heads), np.int32(key_dim), np.int32(value_dim),
-        ), shared_mem=(2 * key_dim + 32) * 4)
+    launch(_kernel("gdn_decode_conv"), (rows, math.ceil(channels / CONV_THREADS)), (CONV_THREADS,), (
+        qkvz, conv_weight, conv_state, slots, mixed, np.int32(key_heads), np.int32(value_heads),
+        np.int32(key_dim), np.int32(value_dim), np.int32(kernel)), 0, stream, dependent=True)
+    launch(_kernel("gdn_decode_rule"), (rows, value_heads), (threads,), (
+        mixed, qkvz, ba, a_log, dt_bias, state, slots, norm_weight, np.float32(eps), np.float32(L2_NORM_EPS), out,
+        np.int32(key_heads), np.int32(value_heads), np.int32(key_dim), np.int32(value_dim),
+    ), (2 * key_dim + 32) * 4, stream, dependent=True)
     return out

@@ -24,13 +24,13 @@ host through the CUDA emulation header; ``tests/gpu`` on the GPU.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
+from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
 from metrale.kernels.decode_gemv import HELPERS
 from metrale.kernels.decode_gemv import INSTRUCTIONS as DYNAMIC_SHARED_MEMORY
 
@@ -56,6 +56,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) moe_decode_gate_up(
     const unsigned short* __restrict__ x, const uint4* __restrict__ gate_up, const int* __restrict__ experts,
     unsigned short* __restrict__ act, int top_k, int H, int I) {
     DYNAMIC_SHARED;
+    allow_dependents();
+    wait_for_producers();   // the routing and the inputs come from the kernels ahead
     unsigned short* row = reinterpret_cast<unsigned short*>(dynamic_shared);
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int pair = blockIdx.y, token = pair / top_k;
@@ -113,6 +115,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) moe_decode_down(
     const unsigned short* __restrict__ act, const uint4* __restrict__ down, const int* __restrict__ experts,
     const float* __restrict__ weights, float* __restrict__ out, int top_k, int H, int I) {
     DYNAMIC_SHARED;
+    allow_dependents();
+    wait_for_producers();   // the routing and the inputs come from the kernels ahead
     unsigned short* rows = reinterpret_cast<unsigned short*>(dynamic_shared);   // [k][I]
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int token = blockIdx.y;
@@ -166,7 +170,7 @@ KERNEL_NAMES = ("moe_decode_gate_up", "moe_decode_down")
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return DYNAMIC_SHARED_MEMORY + CONSTANTS + HELPERS + KERNELS
+    return DYNAMIC_SHARED_MEMORY + DEPENDENT_LAUNCH + CONSTANTS + HELPERS + KERNELS
 
 
 def supports(tokens: int, top_k: int, hidden: int, inter: int) -> bool:
@@ -240,17 +244,16 @@ def decode_experts(
         if pointer is not None and pointer % 16:
             raise KernelArgumentError(f"{op}: {name} does not start at a 16-byte boundary")
     columns = WARPS * COLUMNS
-    with stream if stream is not None else contextlib.nullcontext():
-        gate_up_kernel, down_kernel = _kernel("moe_decode_gate_up"), _kernel("moe_decode_down")
-        stage = top_k * inter * 2
-        if stage > 48 * 1024:
-            down_kernel.max_dynamic_shared_size_bytes = stage
-        if hidden * 2 > 48 * 1024:
-            gate_up_kernel.max_dynamic_shared_size_bytes = hidden * 2
-        gate_up_kernel((-(-inter // columns), tokens * top_k), (THREADS,),
-                       (x, gate_up, experts, act, np.int32(top_k), np.int32(hidden), np.int32(inter)),
-                       shared_mem=hidden * 2)
-        down_kernel((-(-hidden // columns), tokens), (THREADS,),
-                    (act, down, experts, weights, out, np.int32(top_k), np.int32(hidden), np.int32(inter)),
-                    shared_mem=stage)
+    gate_up_kernel, down_kernel = _kernel("moe_decode_gate_up"), _kernel("moe_decode_down")
+    stage = top_k * inter * 2
+    if stage > 48 * 1024:
+        down_kernel.max_dynamic_shared_size_bytes = stage
+    if hidden * 2 > 48 * 1024:
+        gate_up_kernel.max_dynamic_shared_size_bytes = hidden * 2
+    launch(gate_up_kernel, (-(-inter // columns), tokens * top_k), (THREADS,),
+           (x, gate_up, experts, act, np.int32(top_k), np.int32(hidden), np.int32(inter)), hidden * 2, stream,
+           dependent=True)
+    launch(down_kernel, (-(-hidden // columns), tokens), (THREADS,),
+           (act, down, experts, weights, out, np.int32(top_k), np.int32(hidden), np.int32(inter)), stage, stream,
+           dependent=True)
     return out

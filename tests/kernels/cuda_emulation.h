@@ -119,6 +119,10 @@ void launch(dim3 grid, dim3 block, Kernel kernel) {
 }  // namespace emu
 
 inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
+
+// Programmatic dependent launch (metrale.kernels._launch): the emulation runs one launch at a time.
+inline void wait_for_producers() {}
+inline void allow_dependents() {}
 inline int atomicAdd(int* address, int value) { return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST); }
 
 inline float __int_as_float(int bits) {

@@ -17,7 +17,7 @@ from metrale.kernels import decode_gemv as dg
 EMULATION_MAIN = r"""
 #include <string>
 
-template <int MODE, bool BF16_OUT, int SPLIT>
+template <int MODE, bool BF16_OUT, int SPLIT, int UNROLL>
 void run(const std::string& folder, int rows, int K, int N, int blocks, int has_residual, int has_bias, float eps,
          float offset) {
     const int width = MODE == MODE_SILU ? 2 * K : K;
@@ -30,38 +30,47 @@ void run(const std::string& folder, int rows, int K, int N, int blocks, int has_
     float* bias = has_bias ? read<float>(folder + "/bias", N) : nullptr;
     void* out = BF16_OUT ? (void*)allocate<unsigned short>((size_t)rows * N) : (void*)allocate<float>((size_t)rows * N);
     emu::launch({(unsigned)blocks, 1, 1}, {THREADS, 1, 1}, [&] {
-        decode_gemv<MODE, BF16_OUT, SPLIT>(x, residual, norm, eps, offset, summed, weight, bias, out, rows, K, N);
+        decode_gemv<MODE, BF16_OUT, SPLIT, UNROLL>(x, residual, norm, eps, offset, summed, weight, bias, out, rows, K, N);
     });
     if (BF16_OUT) write(folder + "/out", static_cast<unsigned short*>(out), (size_t)rows * N);
     else write(folder + "/out", static_cast<float*>(out), (size_t)rows * N);
     if (MODE == MODE_RMSNORM) write(folder + "/summed", summed, (size_t)rows * K);
 }
 
-template <int MODE, bool BF16_OUT>
+template <int MODE, bool BF16_OUT, int UNROLL>
 void by_split(int split, const std::string& folder, int rows, int K, int N, int blocks, int r, int b, float e, float o) {
-    if (split == 1) run<MODE, BF16_OUT, 1>(folder, rows, K, N, blocks, r, b, e, o);
-    else if (split == 2) run<MODE, BF16_OUT, 2>(folder, rows, K, N, blocks, r, b, e, o);
-    else if (split == 4) run<MODE, BF16_OUT, 4>(folder, rows, K, N, blocks, r, b, e, o);
-    else run<MODE, BF16_OUT, 8>(folder, rows, K, N, blocks, r, b, e, o);
+    if (split == 1) run<MODE, BF16_OUT, 1, UNROLL>(folder, rows, K, N, blocks, r, b, e, o);
+    else if (split == 2) run<MODE, BF16_OUT, 2, UNROLL>(folder, rows, K, N, blocks, r, b, e, o);
+    else if (split == 4) run<MODE, BF16_OUT, 4, UNROLL>(folder, rows, K, N, blocks, r, b, e, o);
+    else run<MODE, BF16_OUT, 8, UNROLL>(folder, rows, K, N, blocks, r, b, e, o);
+}
+
+template <int MODE, bool BF16_OUT>
+void by_unroll(int unroll, int split, const std::string& folder, int rows, int K, int N, int blocks, int r, int b,
+               float e, float o) {
+    if (unroll == 8) by_split<MODE, BF16_OUT, 8>(split, folder, rows, K, N, blocks, r, b, e, o);
+    else by_split<MODE, BF16_OUT, 4>(split, folder, rows, K, N, blocks, r, b, e, o);
 }
 
 template <int MODE>
-void by_output(bool bf16_out, int split, const std::string& folder, int rows, int K, int N, int blocks, int r, int b,
-               float e, float o) {
-    if (bf16_out) by_split<MODE, true>(split, folder, rows, K, N, blocks, r, b, e, o);
-    else by_split<MODE, false>(split, folder, rows, K, N, blocks, r, b, e, o);
+void by_output(bool bf16_out, int unroll, int split, const std::string& folder, int rows, int K, int N, int blocks,
+               int r, int b, float e, float o) {
+    if (bf16_out) by_unroll<MODE, true>(unroll, split, folder, rows, K, N, blocks, r, b, e, o);
+    else by_unroll<MODE, false>(unroll, split, folder, rows, K, N, blocks, r, b, e, o);
 }
 
 int main(int argc, char** argv) {
-    if (argc != 12) emu::fail("usage: folder mode bf16_out split rows K N blocks has_residual has_bias eps");
+    if (argc != 13) emu::fail("usage: folder mode bf16_out split unroll rows K N blocks has_residual has_bias eps");
     const std::string folder = argv[1];
     const int mode = std::atoi(argv[2]), bf16_out = std::atoi(argv[3]), split = std::atoi(argv[4]);
-    const int rows = std::atoi(argv[5]), K = std::atoi(argv[6]), N = std::atoi(argv[7]), blocks = std::atoi(argv[8]);
-    const int r = std::atoi(argv[9]), b = std::atoi(argv[10]);
-    const float eps = std::atof(argv[11]), offset = 0.0f;
-    if (mode == MODE_PLAIN) by_output<MODE_PLAIN>(bf16_out, split, folder, rows, K, N, blocks, r, b, eps, offset);
-    else if (mode == MODE_RMSNORM) by_output<MODE_RMSNORM>(bf16_out, split, folder, rows, K, N, blocks, r, b, eps, offset);
-    else by_output<MODE_SILU>(bf16_out, split, folder, rows, K, N, blocks, r, b, eps, offset);
+    const int unroll = std::atoi(argv[5]);
+    const int rows = std::atoi(argv[6]), K = std::atoi(argv[7]), N = std::atoi(argv[8]), blocks = std::atoi(argv[9]);
+    const int r = std::atoi(argv[10]), b = std::atoi(argv[11]);
+    const float eps = std::atof(argv[12]), offset = 0.0f;
+    if (mode == MODE_PLAIN) by_output<MODE_PLAIN>(bf16_out, unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
+    else if (mode == MODE_RMSNORM)
+        by_output<MODE_RMSNORM>(bf16_out, unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
+    else by_output<MODE_SILU>(bf16_out, unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
     return 0;
 }
 """
@@ -72,7 +81,8 @@ def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("decode_gemv_emulated")
     binary = build_emulated(folder / "decode_gemv.cpp", dg.CONSTANTS + dg.HELPERS + dg.KERNELS + EMULATION_MAIN)
 
-    def run(mode, x, weight, *, residual=None, norm=None, bias=None, bf16_out=False, split=1, blocks=2, eps=1e-6):
+    def run(mode, x, weight, *, residual=None, norm=None, bias=None, bf16_out=False, split=1, unroll=4, blocks=2,
+            eps=1e-6):
         rows, inner = x.shape[0], weight.shape[1]
         case = folder / "case"
         case.mkdir(exist_ok=True)
@@ -80,7 +90,7 @@ def emulated(tmp_path_factory):
         for name, array in arrays.items():
             if array is not None:
                 np.ascontiguousarray(array).tofile(case / name)
-        subprocess.run([str(binary), str(case), str(mode), str(int(bf16_out)), str(split), str(rows),
+        subprocess.run([str(binary), str(case), str(mode), str(int(bf16_out)), str(split), str(unroll), str(rows),
                         str(inner), str(weight.shape[0]), str(blocks), str(int(residual is not None)),
                         str(int(bias is not None)), repr(eps)], check=True, timeout=600)
         out = np.fromfile(case / "out", np.uint16 if bf16_out else np.float32).reshape(rows, weight.shape[0])
@@ -97,20 +107,21 @@ def bf16_bits(rng, shape, scale=1.0):
 # K multiples of 32; tiles of 16 columns (the last one partial); splits of K across 1 to 8 warps,
 # some with nothing to do; grids smaller than the tiles (the block loops over rounds of tiles) and
 # larger.
-@pytest.mark.parametrize("mode, rows, inner, columns, residual, bias, bf16_out, split, blocks", [
-    (dg.PLAIN, 1, 64, 37, False, False, False, 1, 2),
-    (dg.PLAIN, 3, 224, 150, False, True, False, 4, 1),  # 10 tiles, 2 a round: 5 rounds
-    (dg.PLAIN, 8, 1024, 16, False, False, True, 1, 3),  # more blocks than tiles; 8 batches a tile
-    (dg.RMSNORM, 1, 128, 33, True, False, False, 8, 1),  # 4 chunk quads over 8 warps: half idle
-    (dg.RMSNORM, 2, 96, 19, False, False, True, 2, 1),  # the first layer: no residual yet
-    (dg.RMSNORM, 5, 160, 40, True, True, False, 2, 2),  # slices of 12 and 8 chunks
-    (dg.RMSNORM, 8, 512, 300, True, False, False, 1, 2),  # 19 tiles, 16 a round
-    (dg.SILU, 1, 96, 29, False, False, False, 8, 2),
-    (dg.SILU, 6, 256, 17, False, True, False, 4, 1),
-    (dg.SILU, 7, 64, 300, False, False, True, 1, 2),
+@pytest.mark.parametrize("mode, rows, inner, columns, residual, bias, bf16_out, split, unroll, blocks", [
+    (dg.PLAIN, 1, 64, 37, False, False, False, 1, 4, 2),
+    (dg.PLAIN, 3, 224, 150, False, True, False, 4, 4, 1),  # 10 tiles, 2 a round: 5 rounds
+    (dg.PLAIN, 8, 1024, 16, False, False, True, 1, 4, 3),  # more blocks than tiles; 8 batches a tile
+    (dg.PLAIN, 2, 1056, 40, False, False, False, 2, 8, 2),  # 8 words a batch; a batch past the slice's end
+    (dg.RMSNORM, 1, 128, 33, True, False, False, 8, 4, 1),  # 4 chunk quads over 8 warps: half idle
+    (dg.RMSNORM, 2, 96, 19, False, False, True, 2, 4, 1),  # the first layer: no residual yet
+    (dg.RMSNORM, 5, 160, 40, True, True, False, 2, 8, 2),  # slices of 12 and 8 chunks
+    (dg.RMSNORM, 8, 512, 300, True, False, False, 1, 4, 2),  # 19 tiles, 16 a round
+    (dg.SILU, 1, 96, 29, False, False, False, 8, 4, 2),
+    (dg.SILU, 6, 256, 17, False, True, False, 4, 8, 1),
+    (dg.SILU, 7, 64, 300, False, False, True, 1, 4, 2),
 ])
 def test_emulated_kernels_match_the_reference(emulated, mode, rows, inner, columns, residual, bias, bf16_out, split,
-                                              blocks):
+                                              unroll, blocks):
     rng = np.random.default_rng(rows * 1000 + inner + mode)
     weight_bits = bf16_bits(rng, (columns, inner), 0.2)
     weight = bf16_to_float32(weight_bits)
@@ -129,7 +140,7 @@ def test_emulated_kernels_match_the_reference(emulated, mode, rows, inner, colum
         x_ref = bf16_to_float32(x)
     if bias:
         kwargs["bias"] = ref_kwargs["bias"] = rng.standard_normal(columns).astype(np.float32)
-    out, summed = emulated(mode, x, weight_bits, bf16_out=bf16_out, split=split, blocks=blocks, **kwargs)
+    out, summed = emulated(mode, x, weight_bits, bf16_out=bf16_out, split=split, unroll=unroll, blocks=blocks, **kwargs)
     expected, expected_summed = dg.decode_gemv_reference(mode, x_ref, weight, bf16_out=bf16_out, **ref_kwargs)
     scale = np.abs(expected).max()
     # float32 sums in another order (and, for RMSNORM, a norm one ulp apart rounding a staged

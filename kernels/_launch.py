@@ -1,0 +1,140 @@
+"""Launches of the CUDA C++ decode kernels that let each start before the kernel ahead of it has
+finished (programmatic dependent launch, compute capability 9.0).
+
+A decode step is a chain of short kernels, and each one pays a few microseconds between the end
+of the one before and the moment its own blocks run and its first weight loads return. Launched
+with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, a kernel's blocks may be
+scheduled as soon as every block of the kernel ahead has called ``griddepcontrol.launch_dependents``
+(:data:`DEPENDENT_LAUNCH` gives it the name ``allow_dependents()``); they issue what does not
+depend on that kernel (weight loads) and then wait in ``wait_for_producers()``
+(``griddepcontrol.wait``) until it has finished and its writes are visible. Everything a kernel
+launched this way reads or writes that another kernel touches must come after that wait: this
+holds for every kernel source that includes :data:`DEPENDENT_LAUNCH`, and only such kernels are
+launched through :func:`launch` with ``dependent=True``. A kernel launched without the attribute
+runs after the one ahead as usual, and both calls are no-ops for it; so is a kernel ahead that
+never calls ``allow_dependents()`` (its end is the signal). Graph capture records the launch as
+a programmatic edge, which replays the same way.
+
+:func:`launch` calls ``cuLaunchKernelEx`` of the CUDA driver through ctypes (the driver is loaded
+wherever CuPy runs), or CuPy's own launch when ``METRALE_DEPENDENT_LAUNCH=0``, when the device is
+older than compute capability 9.0, or when ``dependent`` is false.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from metrale.config import environment_flag
+from metrale.errors import KernelArgumentError
+
+#: Whether :func:`launch` uses dependent launches where asked (``METRALE_DEPENDENT_LAUNCH``,
+#: default on); read once, at import.
+ENABLED = environment_flag("METRALE_DEPENDENT_LAUNCH", default=True)
+
+#: The CUDA side of a kernel source that :func:`launch` may launch dependently (the CPU emulation
+#: of the tests defines both functions as no-ops).
+DEPENDENT_LAUNCH = r"""
+// Returns once the kernels this one depends on have finished and their writes are visible.
+__device__ __forceinline__ void wait_for_producers() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// The next kernel, when launched dependently, may start once every block of this one got here.
+__device__ __forceinline__ void allow_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+"""
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+class LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: the id, padding to 8 bytes, a 64-byte value union (whose first int
+    is ``programmaticStreamSerializationAllowed``)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig``."""
+
+    _fields_ = [
+        ("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+        ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+        ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attributes", ctypes.POINTER(LaunchAttribute)),
+        ("attribute_count", ctypes.c_uint),
+    ]
+
+
+_SCALARS = {np.float32: ctypes.c_float, np.int32: ctypes.c_int32, np.uint32: ctypes.c_uint32,
+            np.int64: ctypes.c_int64, np.uint64: ctypes.c_uint64}
+
+
+def kernel_argument(value: Any) -> Any:
+    """The ctypes value a kernel parameter takes: a device array's address, or a NumPy scalar as
+    its C type. Raises :class:`~metrale.errors.KernelArgumentError` for anything else."""
+    data = getattr(value, "data", None)
+    pointer = getattr(data, "ptr", None)
+    if pointer is not None:
+        return ctypes.c_void_p(int(pointer))
+    converter = _SCALARS.get(type(value))
+    if converter is None:
+        raise KernelArgumentError(f"a dependent launch takes device arrays and NumPy scalars "
+                                  f"({', '.join(t.__name__ for t in _SCALARS)}), got {type(value).__name__}")
+    return converter(value.item())
+
+
+_driver: list[Any] = []  # cuLaunchKernelEx, once loaded
+_capable: dict[int, bool] = {}
+
+
+def _launch_function() -> Any:
+    if not _driver:
+        library = ctypes.CDLL("libcuda.so.1")
+        function = library.cuLaunchKernelEx
+        function.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        function.restype = ctypes.c_int
+        _driver.append(function)
+    return _driver[0]
+
+
+def dependent_launch_available() -> bool:
+    """Whether dependent launches are on (:data:`ENABLED`) and the current device supports them."""
+    if not ENABLED:
+        return False
+    import cupy
+
+    device = cupy.cuda.Device().id
+    if device not in _capable:
+        _capable[device] = cupy.cuda.Device(device).compute_capability >= "90"
+    return _capable[device]
+
+
+def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int, stream: Any,
+           dependent: bool) -> None:
+    """Launch CuPy ``kernel`` (a ``RawKernel``) on ``stream`` (a CuPy stream, or None for the
+    current one); dependently (see the module docstring) when ``dependent`` and
+    :func:`dependent_launch_available`."""
+    if not (dependent and dependent_launch_available()):
+        with stream if stream is not None else contextlib.nullcontext():
+            kernel(grid, block, args, shared_mem=shared_mem)
+        return
+    import cupy
+
+    values = [kernel_argument(arg) for arg in args]
+    pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(value) for value in values])
+    attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+    stream_pointer = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
+    config = LaunchConfig(*grid, *block, shared_mem, stream_pointer or None, ctypes.pointer(attribute), 1)
+    status = _launch_function()(ctypes.byref(config), kernel.kernel.ptr, ctypes.addressof(pointers), None)
+    if status:
+        raise cupy.cuda.driver.CUDADriverError(status)
