@@ -3,13 +3,16 @@ the norm or the SwiGLU gate computed in the projection's kernel) against the unf
 norm kernel, cuBLAS, the gate kernel, cuBLAS).
 
 Prints, per model shape, part of a layer (the norm and the qkv projection; the o projection; the
-norm and the MLP) or the final norm and the LM head, and row count, the microseconds of each path
-(CUDA-graph replay, so no launch overhead on the host; every kernel of the part counted) and the
-weight bytes read per microsecond (GB/s; the floor is the weights read once). Each graph cycles
-through enough copies of a layer's weights (at least 256 MB of each projection's; the LM head is
-larger than the L2 alone) that they come from memory, not from the 50 MB L2, as they do in a
-model's step. ``--splits`` adds the fused path at each given split (warps per tile of 16 columns)
-besides the launcher's choice. Run from the repository root::
+norm and the MLP, and its two kernels alone) or the final norm and the LM head, and row count,
+the microseconds of each path (CUDA-graph replay, so no launch overhead on the host; every kernel
+of the part counted) and the weight bytes read per microsecond (GB/s; the floor is the weights
+read once). Each graph cycles through enough copies of a layer's weights (at least 256 MB of each
+projection's; the LM head is larger than the L2 alone) that they come from memory, not from the
+50 MB L2, as they do in a model's step. "not dependent" times the fused path launched without
+programmatic dependent launch (:mod:`metrale.kernels._launch`), each kernel starting only once
+the one ahead has ended; "unroll 8" with twice the weight words in flight per lane.
+``--splits`` adds the fused path at each given split (warps per tile of 16 columns) besides the
+launcher's choice. Run from the repository root::
 
     python3 tools/gemv_sweep.py [--shapes llama-1b,llama-8b] [--rows 1,2,4,8] [--splits 1,2,4,8]
 """
@@ -38,6 +41,7 @@ def main() -> None:
     import cupy as cp
 
     from metrale.cuda_backend import CudaBackend
+    from metrale.kernels import _launch
     from metrale.kernels import decode_gemv as dg
 
     backend = CudaBackend()
@@ -47,8 +51,13 @@ def main() -> None:
     rng = np.random.default_rng(0)
     bf16 = np.uint16
     splits = [int(s) for s in args.splits.split(",") if s]
+    unroll = [dg.UNROLLS[0]]  # what the fused paths launch with
+
+    def gemv(*arguments, **options):
+        return dg.decode_gemv(*arguments, unroll=unroll[0], **options)
+
     header = (f"{'shape':>9} {'projection':>10} {'rows':>4} {'unfused us':>10} {'GB/s':>5} {'fused us':>9} {'GB/s':>5} "
-              f"{'speed-up':>8}")
+              f"{'speed-up':>8} {'not dependent us':>16} {'unroll 8 us':>11}")
     print(header + "".join(f" {'split ' + str(s) + ' us':>11}" for s in splits))
     for name in args.shapes.split(","):
         hidden, inter, heads, kv_heads, head_dim, vocab = SHAPES[name]
@@ -86,43 +95,71 @@ def main() -> None:
                 ops.linear(ops.rmsnorm_residual(x32, residual, norm, 1e-5)[0], w["qkv"])
 
             def fused_qkv(w, split=None):
-                dg.decode_gemv(dg.RMSNORM, x32, w["qkv"], outs["qkv"], stream, residual=residual, norm_weight=norm,
+                gemv(dg.RMSNORM, x32, w["qkv"], outs["qkv"], stream, residual=residual, norm_weight=norm,
                                summed=summed, eps=1e-5, split=split)
+
+            def unfused_gate_up(w):
+                h, _ = ops.rmsnorm_residual(x32, residual, norm, 1e-5)
+                gate_up = cp.empty((rows, w["gate_up"].shape[0]), bf16)
+                ops.gemm(ops.as_bf16(h), w["gate_up"], gate_up)
+
+            def fused_gate_up(w, split=None):
+                gemv(dg.RMSNORM, x32, w["gate_up"], outs["gate_up"], stream, residual=residual,
+                               norm_weight=norm, summed=summed, eps=1e-5, split=split)
+
+            def unfused_down(w):
+                ops.linear(ops.silu_and_mul(outs["gate_up"]), w["down"])
+
+            def fused_down(w, split=None):
+                gemv(dg.SILU, outs["gate_up"], w["down"], outs["down"], stream, split=split)
 
             def unfused_head(w):
                 ops.linear(ops.rmsnorm_residual(x32, residual, norm, 1e-5)[0], w["head"])
 
             def fused_head(w, split=None):
-                dg.decode_gemv(dg.RMSNORM, x32, w["head"], outs["head"], stream, residual=residual, norm_weight=norm,
+                gemv(dg.RMSNORM, x32, w["head"], outs["head"], stream, residual=residual, norm_weight=norm,
                                summed=summed, eps=1e-5, split=split)
 
             def unfused_o(w):
                 ops.linear(o_in, w["o"])
 
             def fused_o(w, split=None):
-                dg.decode_gemv(dg.PLAIN, o_in, w["o"], outs["o"], stream, split=split)
+                gemv(dg.PLAIN, o_in, w["o"], outs["o"], stream, split=split)
 
             def unfused_mlp(w):
                 h, _ = ops.rmsnorm_residual(x32, residual, norm, 1e-5)
                 ops.linear(ops.linear_silu(h, w["gate_up"]), w["down"])
 
             def fused_mlp(w, split=None):
-                dg.decode_gemv(dg.RMSNORM, x32, w["gate_up"], outs["gate_up"], stream, residual=residual,
+                gemv(dg.RMSNORM, x32, w["gate_up"], outs["gate_up"], stream, residual=residual,
                                norm_weight=norm, summed=summed, eps=1e-5, split=split)
-                dg.decode_gemv(dg.SILU, outs["gate_up"], w["down"], outs["down"], stream, split=split)
+                gemv(dg.SILU, outs["gate_up"], w["down"], outs["down"], stream, split=split)
 
             cases = {"norm+qkv": (unfused_qkv, fused_qkv, [("qkv", dg.RMSNORM, hidden)]),
                      "o": (unfused_o, fused_o, [("o", dg.PLAIN, heads * head_dim)]),
                      "norm+mlp": (unfused_mlp, fused_mlp, [("gate_up", dg.RMSNORM, hidden), ("down", dg.SILU, inter)]),
-                     "norm+head": (unfused_head, fused_head, [("head", dg.RMSNORM, hidden)])}
+                     "norm+head": (unfused_head, fused_head, [("head", dg.RMSNORM, hidden)]),
+                     # the MLP's two kernels alone
+                     "gate_up": (unfused_gate_up, fused_gate_up, [("gate_up", dg.RMSNORM, hidden)]),
+                     "down": (unfused_down, fused_down, [("down", dg.SILU, inter)])}
             for key, (unfused, fused, parts) in cases.items():
                 megabytes = 2 * sum(np.prod({**shapes, "head": head}[part]) for part, _, _ in parts) / 1e6
                 before = graph_time(backend, cycled(unfused), calls_per_graph=CALLS_PER_GRAPH)
-                cells = [f"{'-':>9} {'-':>5} {'-':>8}"] + [f" {'-':>11}"] * len(splits)
+                cells = [f"{'-':>9} {'-':>5} {'-':>8} {'-':>16} {'-':>11}"] + [f" {'-':>11}"] * len(splits)
                 if all(dg.supports(rows, inner, mode) for _, mode, inner in parts):
                     after = graph_time(backend, cycled(fused), calls_per_graph=CALLS_PER_GRAPH)
+                    enabled, _launch.ENABLED = _launch.ENABLED, False
+                    try:
+                        plain = graph_time(backend, cycled(fused), calls_per_graph=CALLS_PER_GRAPH)
+                    finally:
+                        _launch.ENABLED = enabled
+                    unroll[0] = dg.UNROLLS[-1]
+                    try:
+                        wide = graph_time(backend, cycled(fused), calls_per_graph=CALLS_PER_GRAPH)
+                    finally:
+                        unroll[0] = dg.UNROLLS[0]
                     cells = [f"{after.median_us:9.1f} {megabytes / after.median * 1e-3:5.0f} "
-                             f"{before.median / after.median:7.2f}x"]
+                             f"{before.median / after.median:7.2f}x {plain.median_us:16.1f} {wide.median_us:11.1f}"]
                     for split in splits:
                         timing = graph_time(backend, cycled(lambda w, s=split: fused(w, split=s)),
                                             calls_per_graph=CALLS_PER_GRAPH)

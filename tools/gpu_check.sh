@@ -16,7 +16,10 @@ export NUMBA_CUDA_ARRAY_INTERFACE_SYNC=0 PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=${NU
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
 python3 -c "import numpy, numba, cupy, torch, transformers; print('numpy', numpy.__version__, 'numba', numba.__version__, 'cupy', cupy.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/device.txt"
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu >"$out/pytest-gpu.log" 2>&1
+# Several workers share the GPU (pytest-xdist; PYTEST_WORKERS=0 runs them in one process).
+workers=${PYTEST_WORKERS:-4}
+parallel=(); [ "$workers" != 0 ] && parallel=(-n "$workers")
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rA -p no:cacheprovider "${parallel[@]}" tests/gpu >"$out/pytest-gpu.log" 2>&1
 echo "pytest -m gpu exit $?"; grep -E "passed|failed|error" "$out/pytest-gpu.log" | tail -3
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
     timeout "${BENCH_TIMEOUT:-400}" metrale bench --output "$out/bench.json" "$@" >"$out/bench.log" 2>&1
