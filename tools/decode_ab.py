@@ -7,10 +7,11 @@ step as ``metrale bench`` does (the forward from its CUDA graph, the greedy devi
 tokens read back; CUDA events, median of ``--steps``). The two engines' logits of the first step
 are compared (the largest difference over the largest logit), and their greedy tokens over
 ``--check-steps`` steps (they may part at near ties: a fused kernel sums in another order, and
-random weights give flat logits). Run from the repository root::
+random weights give flat logits). ``--offered`` adds to the fused engine the decode kernels that are
+offered but not registered by default. Run from the repository root::
 
     python3 tools/decode_ab.py [--shapes llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small] [--batch 1,4,8]
-                               [--context 512]
+                               [--context 512] [--offered]
 """
 
 from __future__ import annotations
@@ -21,6 +22,18 @@ from pathlib import Path
 import numpy as np
 
 from metrale import hookimpl
+
+
+class OfferedDecodePlugin:
+    """Registers the decode kernels that are offered but not registered by default (the router's,
+    ``metrale.ops.builtin.moe_route_decode_kernels``), for ``--offered``."""
+
+    @hookimpl
+    def metrale_register_ops(self, registry):  # type: ignore[no-untyped-def]
+        from metrale.ops.builtin import moe_route_decode_kernels
+
+        for kernel in moe_route_decode_kernels():
+            registry.add_kernel(kernel)
 
 
 class UnfusedDecodePlugin:
@@ -46,6 +59,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps")
     parser.add_argument("--check-steps", type=int, default=16, help="greedy steps compared")
     parser.add_argument("--workdir", default="/tmp/metrale-bench")
+    parser.add_argument("--offered", action="store_true",
+                        help="the fused engine also takes the decode kernels not registered by default")
     args = parser.parse_args()
 
     from metrale.api import LLM
@@ -63,7 +78,11 @@ def main() -> None:
         unfused_manager.register(UnfusedDecodePlugin(), name="unfused-decode")
         options = dict(device="cuda", max_model_len=args.context + args.steps + args.check_steps + 64,
                        max_num_seqs=max(batches) + 1, show_progress=False)
-        engines = {"unfused": LLM(folder, plugin_manager=unfused_manager, **options), "fused": LLM(folder, **options)}
+        fused_manager = get_plugin_manager()
+        if args.offered:
+            fused_manager.register(OfferedDecodePlugin(), name="offered-decode")
+        engines = {"unfused": LLM(folder, plugin_manager=unfused_manager, **options),
+                   "fused": LLM(folder, plugin_manager=fused_manager, **options)}
         for llm in engines.values():
             llm.capture_graphs(batches)
         for batch in batches:

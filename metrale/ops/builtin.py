@@ -721,6 +721,23 @@ def moe_decode_kernels(max_tokens: int = 8) -> list[Kernel]:
                    when=small, condition=f"N <= {max_tokens}, bf16 weights, H and I multiples of 8")]
 
 
+def moe_route_decode_kernels(max_tokens: int = 8) -> list[Kernel]:
+    """The decode router kernel (:mod:`metrale.kernels.moe_route_decode`: the router product and
+    the choice of experts in one launch) as a conditional kernel of ``moe_route`` for batches of
+    at most ``max_tokens`` tokens. Not registered by default; a registry may add it
+    (``registry.add_kernel``)."""
+
+    def small(x: Any, gate: Any, bias: Any, method: str, n_group: int, topk_group: int, top_k: int,
+              renormalise: Any, scaling: Any) -> bool:
+        from metrale.kernels import moe_route_decode
+
+        return (x.shape[0] <= max_tokens and getattr(gate, "dtype", None) == np.float32
+                and moe_route_decode.supports(x.shape[0], x.shape[1], gate.shape[0], n_group, top_k))
+
+    return [Kernel("moe_route", "cuda", "metrale.kernels.moe_route_decode", build=_cuda_method("moe_route_decode"),
+                   when=small, condition=f"N <= {max_tokens}, float32 router, E <= 256 in equal groups, k <= 16")]
+
+
 def gdn_decode_kernels() -> list[Kernel]:
     """The fused Gated DeltaNet decode kernels (:mod:`metrale.kernels.gdn_decode`) as a
     conditional kernel of ``gdn_decode`` (registered by default, :func:`default_decode_kernels`)."""

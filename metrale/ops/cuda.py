@@ -30,6 +30,7 @@ from metrale.kernels import (
     moe,
     moe_decode,
     moe_grouped,
+    moe_route_decode,
     qkv_rope,
     rmsnorm,
     token_feed,
@@ -69,6 +70,7 @@ class CudaKernels:
     def __init__(self, stream: Any) -> None:
         self.stream = stream
         self.gemm = CublasGemm(stream)
+        self._route_counter: Any = None  # the decode router's ticket (moe_route_decode), zero between launches
 
     # ------------------------------------------------------------------------- conversions
 
@@ -287,6 +289,22 @@ class CudaKernels:
         weights = cp.empty((x.shape[0], top_k), dtype=f32)
         return moe.route(logits, bias, method, n_group, topk_group, top_k, renormalise, scaling, chosen, weights,
                          self.stream)
+
+    def moe_route_decode(self, x: Any, gate: Any, bias: Any, method: str, n_group: int, topk_group: int, top_k: int,
+                         renormalise: bool, scaling: float) -> Any:
+        """The decode router kernel (:func:`metrale.ops.builtin.moe_route_decode_kernels`)."""
+        if self._route_counter is None:
+            # Made once, outside any graph (the capture of a step follows its eager run), and
+            # never freed: graphs keep its address.
+            self._route_counter = cp.zeros(1, dtype=np.int32)
+        x = self.as_bf16(x)
+        tokens, experts = x.shape[0], gate.shape[0]
+        chosen = cp.empty((tokens, top_k), dtype=np.int32)
+        weights = cp.empty((tokens, top_k), dtype=f32)
+        return moe_route_decode.route_decode(
+            x, gate, None if bias is None else cp.ascontiguousarray(bias, dtype=f32), method, n_group, topk_group, top_k,
+            renormalise, scaling, cp.empty((tokens, experts), dtype=f32), self._route_counter, chosen, weights,
+            self.stream)
 
     def moe_experts_decode(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
         """The decode MoE kernels (:func:`metrale.ops.builtin.moe_decode_kernels`)."""

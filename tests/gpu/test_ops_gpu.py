@@ -58,6 +58,14 @@ def test_the_gdn_decode_kernel_matches_the_reference(backend):
         assert check_kernel(registry, kernel, backend) == [], kernel.name
 
 
+def test_the_decode_router_kernel_matches_the_reference(backend):
+    from metrale.ops.builtin import moe_route_decode_kernels
+
+    registry = builtin_registry()
+    for kernel in moe_route_decode_kernels():
+        assert check_kernel(registry, kernel, backend) == [], kernel.name
+
+
 def test_the_decode_gemv_kernels_match_the_references(backend):
     from metrale.ops.builtin import decode_gemv_kernels
 

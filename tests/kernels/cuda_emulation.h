@@ -26,6 +26,7 @@
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
+struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
 using std::max;
@@ -123,6 +124,11 @@ inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
 // Programmatic dependent launch (metrale.kernels._launch): the emulation runs one launch at a time.
 inline void wait_for_producers() {}
 inline void allow_dependents() {}
+
+// The blocks of a launch run one after another: every write is visible to the next block.
+inline void __threadfence() {}
+
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_barriers[emu::warp()]->arrive_and_wait(); }
 inline int atomicAdd(int* address, int value) { return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST); }
 
 inline float __int_as_float(int bits) {

@@ -251,3 +251,16 @@ def test_the_decode_moe_kernel_takes_decode_batches():
     assert not kernel.when(np.zeros((5, 2048), np.uint16), np.zeros((5, 6), np.int32), weights, gate_up, down)
     assert not kernel.when(np.zeros((4, 2048), np.uint16), experts, weights, gate_up, np.zeros((0, 1404), np.uint16))
     assert not kernel.when(np.zeros((4, 2048), np.uint16), experts, weights, gate_up.astype(np.float32), down)
+
+
+def test_the_decode_router_kernel_is_offered_and_takes_decode_batches():
+    from metrale.ops.builtin import moe_route_decode_kernels
+
+    (kernel,) = moe_route_decode_kernels(max_tokens=4)
+    assert kernel.op == "moe_route" and kernel not in builtin_registry().kernels
+    gate = np.zeros((64, 2048), np.float32)  # only shapes and dtypes are read
+    assert kernel.when(np.zeros((4, 2048), np.uint16), gate, None, "greedy", 1, 1, 6, False, 1.0)
+    assert not kernel.when(np.zeros((5, 2048), np.uint16), gate, None, "greedy", 1, 1, 6, False, 1.0)
+    assert not kernel.when(np.zeros((4, 2048), np.uint16), gate.astype(np.uint16), None, "greedy", 1, 1, 6, False, 1.0)
+    assert not kernel.when(np.zeros((4, 2048), np.uint16), np.zeros((512, 2048), np.float32), None, "noaux_tc", 8, 4, 8,
+                           True, 2.5)  # more experts than it serves
