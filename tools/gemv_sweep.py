@@ -92,34 +92,31 @@ def main() -> None:
                 turn = itertools.cycle(layers)
                 return lambda **kw: body(next(turn), **kw)
 
-            def unfused_qkv(w):
-                ops.linear(ops.rmsnorm_residual(x32, residual, norm, 1e-5)[0], w["qkv"])
+            def norm_then(key):
+                """The unfused and fused paths of the norm and the projection ``key``."""
 
-            def fused_qkv(w, split=None):
-                gemv(dg.RMSNORM, x32, w["qkv"], outs["qkv"], stream, residual=residual, norm_weight=norm,
-                               summed=summed, eps=1e-5, split=split)
+                def unfused(w):
+                    ops.linear(ops.rmsnorm_residual(x32, residual, norm, 1e-5)[0], w[key])
+
+                def fused(w, split=None):
+                    gemv(dg.RMSNORM, x32, w[key], outs[key], stream, residual=residual, norm_weight=norm,
+                         summed=summed, eps=1e-5, split=split)
+
+                return unfused, fused
+
+            unfused_qkv, fused_qkv = norm_then("qkv")
+            unfused_head, fused_head = norm_then("head")
+            fused_gate_up = norm_then("gate_up")[1]  # its output is bf16, as the down kernel takes it
 
             def unfused_gate_up(w):
                 h, _ = ops.rmsnorm_residual(x32, residual, norm, 1e-5)
-                gate_up = cp.empty((rows, w["gate_up"].shape[0]), bf16)
-                ops.gemm(ops.as_bf16(h), w["gate_up"], gate_up)
-
-            def fused_gate_up(w, split=None):
-                gemv(dg.RMSNORM, x32, w["gate_up"], outs["gate_up"], stream, residual=residual,
-                               norm_weight=norm, summed=summed, eps=1e-5, split=split)
+                ops.gemm(ops.as_bf16(h), w["gate_up"], cp.empty((rows, w["gate_up"].shape[0]), bf16))
 
             def unfused_down(w):
                 ops.linear(ops.silu_and_mul(outs["gate_up"]), w["down"])
 
             def fused_down(w, split=None):
                 gemv(dg.SILU, outs["gate_up"], w["down"], outs["down"], stream, split=split)
-
-            def unfused_head(w):
-                ops.linear(ops.rmsnorm_residual(x32, residual, norm, 1e-5)[0], w["head"])
-
-            def fused_head(w, split=None):
-                gemv(dg.RMSNORM, x32, w["head"], outs["head"], stream, residual=residual, norm_weight=norm,
-                               summed=summed, eps=1e-5, split=split)
 
             def unfused_o(w):
                 ops.linear(o_in, w["o"])
@@ -132,9 +129,8 @@ def main() -> None:
                 ops.linear(ops.linear_silu(h, w["gate_up"]), w["down"])
 
             def fused_mlp(w, split=None):
-                gemv(dg.RMSNORM, x32, w["gate_up"], outs["gate_up"], stream, residual=residual,
-                               norm_weight=norm, summed=summed, eps=1e-5, split=split)
-                gemv(dg.SILU, outs["gate_up"], w["down"], outs["down"], stream, split=split)
+                fused_gate_up(w, split)
+                fused_down(w, split)
 
             cases = {"norm+qkv": (unfused_qkv, fused_qkv, [("qkv", dg.RMSNORM, hidden)]),
                      "o": (unfused_o, fused_o, [("o", dg.PLAIN, heads * head_dim)]),
