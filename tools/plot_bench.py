@@ -6,11 +6,15 @@
   shape and prompt length, across every ``--bench`` file given (one bar group per shape);
 * ``throughput.png`` -- output tok/s of Metrale and transformers from ``metrale bench
   --throughput`` JSON files (several: one bar per engine and file, Metrale's runs labelled by
-  whether overlap scheduling was on).
+  whether overlap scheduling was on);
+* ``decode.png`` -- Metrale's decode tok/s and fraction of the bandwidth floor per shape and
+  batch size, one bar per run: the ``--decode`` files with the same label in ``--decode-labels``
+  (before and after a change, say) are one run, their shapes together.
 
 Run from the repository root::
 
     python3 tools/plot_bench.py --bench bench.json [more.json ...] --throughput throughput.json [more.json ...] --out docs/images
+    python3 tools/plot_bench.py --decode a-1b.json a-8b.json b-1b.json b-8b.json --decode-labels before,before,after,after
 """
 
 from __future__ import annotations
@@ -164,14 +168,78 @@ def plot_throughput(runs: dict[str, Any] | list[dict[str, Any]], out: Path) -> P
     return path
 
 
+def decode_series(runs: list[dict[str, Any]]) -> tuple[list[tuple[str, int]], list[list[tuple[float, float] | None]]]:
+    """``(cases, values)``: every (shape, batch) Metrale decoded in any run, in the runs' order,
+    and per run, per case, ``(tok/s, fraction of the floor)`` or None where it has none."""
+    cases: list[tuple[str, int]] = []
+    for results in runs:
+        for shape, entry in results.items():
+            ours = entry.get("metrale") if isinstance(entry, dict) else None
+            if not isinstance(ours, dict):
+                continue
+            for key in ours:
+                match = re.fullmatch(r"decode_b(\d+)", key)
+                if match and (shape, int(match.group(1))) not in cases:
+                    cases.append((shape, int(match.group(1))))
+    values = []
+    for results in runs:
+        row: list[tuple[float, float] | None] = []
+        for shape, batch in cases:
+            step = results.get(shape, {}).get("metrale", {}).get(f"decode_b{batch}")
+            row.append((float(step["tok_s"]), float(step["fraction_of_floor"])) if step else None)
+        values.append(row)
+    return cases, values
+
+
+def plot_decode(runs: list[dict[str, Any]], labels: list[str], out: Path) -> Path | None:
+    """Two panels of bars, one group per (shape, batch) and one bar per run: decode tok/s (log
+    scale) and the fraction of the bandwidth floor; None when no run decoded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases, values = decode_series(runs)
+    if not cases:
+        return None
+    width_inches = min(18.0, 2.0 + len(cases) * max(1.4, 0.6 * len(runs)))
+    figure, (rate_axes, floor_axes) = plt.subplots(2, 1, figsize=(width_inches, 7), sharex=True)
+    width = 0.8 / len(runs)
+    for index, (label, row) in enumerate(zip(labels, values)):
+        positions = [case + (index - (len(runs) - 1) / 2) * width for case in range(len(cases))]
+        rates = [v[0] if v else 0.0 for v in row]
+        floors = [100 * v[1] if v else 0.0 for v in row]
+        drawn = rate_axes.bar(positions, rates, width, label=label)
+        rate_axes.bar_label(drawn, labels=[f"{r:,.0f}" if r else "" for r in rates], fontsize=7)
+        drawn = floor_axes.bar(positions, floors, width, label=label)
+        floor_axes.bar_label(drawn, labels=[f"{f:.0f} %" if f else "" for f in floors], fontsize=7)
+    rate_axes.set_yscale("log")
+    rate_axes.set_ylabel("decode tok/s")
+    floor_axes.set_ylabel("of the bandwidth floor (%)")
+    floor_axes.set_ylim(0, 100)
+    floor_axes.set_xticks(range(len(cases)), [f"{shape}\nbatch {batch}" for shape, batch in cases], fontsize=8)
+    rate_axes.legend()
+    rate_axes.set_title(f"Decode on {runs[-1].get('device', 'the GPU')}")
+    path = out / "decode.png"
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description="plot metrale bench results")
     parser.add_argument("--bench", type=Path, nargs="+", help="JSON files of metrale bench")
     parser.add_argument("--throughput", type=Path, nargs="+", help="JSON files of metrale bench --throughput")
+    parser.add_argument("--decode", type=Path, nargs="+", help="JSON files of metrale bench, one bar each in decode.png")
+    parser.add_argument("--decode-labels", help="comma-separated labels of the --decode files (default: their names)")
     parser.add_argument("--out", type=Path, default=Path("docs/images"), help="folder of the images")
     args = parser.parse_args(argv)
-    if args.bench is None and args.throughput is None:
-        parser.error("give --bench and/or --throughput")
+    if args.bench is None and args.throughput is None and args.decode is None:
+        parser.error("give --bench, --throughput and/or --decode")
+    labels = args.decode_labels.split(",") if args.decode_labels else [p.stem for p in args.decode or []]
+    if args.decode is not None and len(labels) != len(args.decode):
+        parser.error(f"--decode-labels names {len(labels)} runs, --decode gives {len(args.decode)}")
     args.out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     if args.bench is not None:
@@ -182,6 +250,12 @@ def main(argv: list[str] | None = None) -> list[Path]:
         written += [path] if path else []
     if args.throughput is not None:
         path = plot_throughput([json.loads(path.read_text()) for path in args.throughput], args.out)
+        written += [path] if path else []
+    if args.decode is not None:
+        merged: dict[str, dict[str, Any]] = {}  # a run per label, its files' shapes together
+        for label, path in zip(labels, args.decode):
+            merged.setdefault(label, {}).update(json.loads(path.read_text()))
+        path = plot_decode(list(merged.values()), list(merged), args.out)
         written += [path] if path else []
     for path in written:
         print(path)

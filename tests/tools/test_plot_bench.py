@@ -89,4 +89,48 @@ def test_several_bench_files_give_one_speed_up_figure(plot_bench, tmp_path):
 def test_the_script_needs_an_input(plot_bench, capsys):
     with pytest.raises(SystemExit):
         plot_bench.main(["--out", "/tmp/unused"])
-    assert "give --bench and/or --throughput" in capsys.readouterr().err
+    assert "give --bench, --throughput and/or --decode" in capsys.readouterr().err
+
+
+def decode_run(device, **steps):
+    """A bench file whose shapes decoded ``steps[shape] = {batch: (tok/s, fraction)}``."""
+    run = {"device": device}
+    for shape, batches in steps.items():
+        run[shape] = {"metrale": {f"decode_b{b}": {"tok_s": t, "fraction_of_floor": f} for b, (t, f) in batches.items()}}
+    return run
+
+
+def test_decode_series_line_runs_up_by_shape_and_batch(plot_bench):
+    before = decode_run("GPU", **{"llama-1b": {1: (671.0, 0.39), 32: (15966.0, 0.36)}})
+    after = decode_run("GPU", **{"llama-1b": {1: (1000.0, 0.6)}, "llama-8b": {1: (230.0, 0.81)}})
+    cases, values = plot_bench.decode_series([before, after])
+    assert cases == [("llama-1b", 1), ("llama-1b", 32), ("llama-8b", 1)]
+    assert values == [[(671.0, 0.39), (15966.0, 0.36), None], [(1000.0, 0.6), None, (230.0, 0.81)]]
+
+
+def test_the_decode_figure_has_a_bar_per_run(plot_bench, tmp_path):
+    files = []
+    for name, rate in (("before", 671.0), ("after", 1000.0)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(decode_run("H200", **{"llama-1b": {1: (rate, rate / 1700)}})))
+        files.append(str(path))
+    written = plot_bench.main(["--decode", *files, "--decode-labels", "before,after", "--out", str(tmp_path / "images")])
+    assert [p.name for p in written] == ["decode.png"]
+    assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and written[0].stat().st_size > 5000
+    with pytest.raises(SystemExit):
+        plot_bench.main(["--decode", *files, "--decode-labels", "one", "--out", str(tmp_path / "images")])
+
+
+def test_decode_files_sharing_a_label_are_one_run(plot_bench, tmp_path, monkeypatch):
+    shapes = {"llama-1b": (700.0, 0.4), "llama-8b": (186.0, 0.72), "deepseek-v2-lite": (206.0, 0.26)}
+    files = []
+    for shape, (rate, fraction) in shapes.items():
+        path = tmp_path / f"{shape}.json"
+        path.write_text(json.dumps(decode_run("H200", **{shape: {1: (rate, fraction)}})))
+        files.append(str(path))
+    seen = {}
+    monkeypatch.setattr(plot_bench, "plot_decode", lambda runs, labels, out: seen.update(runs=runs, labels=labels))
+    plot_bench.main(["--decode", *files, "--decode-labels", "before,before,after", "--out", str(tmp_path)])
+    assert seen["labels"] == ["before", "after"]
+    assert [sorted(k for k in run if k != "device") for run in seen["runs"]] == [["llama-1b", "llama-8b"],
+                                                                                ["deepseek-v2-lite"]]
