@@ -28,6 +28,15 @@ from typing import Any
 ENGINES = {"metrale": "Metrale", "hf_eager": "transformers (eager)", "hf_compiled": "transformers (compiled)"}
 
 
+def save(figure: Any, path: Path) -> None:
+    """Write ``figure`` to ``path`` (PNG) and free it."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def prefill_series(results: dict[str, Any], shape: str) -> dict[str, list[tuple[int, float]]]:
     """Per engine of ``shape``: ``(prompt length, tok/s)`` of every whole-prompt prefill, sorted."""
     entry = results.get(shape, {})
@@ -66,9 +75,7 @@ def plot_prefill(results: dict[str, Any], out: Path) -> list[Path]:
         axes.grid(True, alpha=0.3)
         axes.legend()
         path = out / f"prefill-{shape}.png"
-        figure.tight_layout()
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
+        save(figure, path)
         written.append(path)
     return written
 
@@ -119,9 +126,7 @@ def plot_ratios(runs: list[dict[str, Any]], out: Path) -> Path | None:
     axes.set_ylim(0, highest * 1.25)  # room for the legend above the bars
     axes.legend(loc="upper center", ncol=len(lengths), fontsize=8)
     path = out / "prefill-vs-transformers.png"
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save(figure, path)
     return path
 
 
@@ -162,9 +167,7 @@ def plot_throughput(runs: dict[str, Any] | list[dict[str, Any]], out: Path) -> P
     options = runs[0].get("options", {})
     axes.set_title(f"{runs[0].get('model', '')}: {options.get('num_requests', '?')} requests")
     path = out / "throughput.png"
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save(figure, path)
     return path
 
 
@@ -221,9 +224,7 @@ def plot_decode(runs: list[dict[str, Any]], labels: list[str], out: Path) -> Pat
     rate_axes.legend()
     rate_axes.set_title(f"Decode on {runs[-1].get('device', 'the GPU')}")
     path = out / "decode.png"
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save(figure, path)
     return path
 
 
