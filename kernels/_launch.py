@@ -16,8 +16,8 @@ never calls ``allow_dependents()`` (its end is the signal). Graph capture record
 a programmatic edge, which replays the same way.
 
 :func:`launch` calls ``cuLaunchKernelEx`` of the CUDA driver through ctypes (the driver is loaded
-wherever CuPy runs) when ``METRALE_DEPENDENT_LAUNCH=1``; CuPy's own launch otherwise, when the
-device is older than compute capability 9.0, or when ``dependent`` is false.
+wherever CuPy runs) unless ``METRALE_DEPENDENT_LAUNCH=0``; CuPy's own launch when it is 0, when
+the device is older than compute capability 9.0, or when ``dependent`` is false.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import numpy as np
 from metrale.config import environment_flag
 from metrale.errors import KernelArgumentError
 
-#: Whether :func:`launch` uses dependent launches where asked (``METRALE_DEPENDENT_LAUNCH``,
-#: off by default until its GPU checks have run); read once, at import.
-ENABLED = environment_flag("METRALE_DEPENDENT_LAUNCH")
+#: Whether :func:`launch` uses dependent launches where asked (``METRALE_DEPENDENT_LAUNCH``, on
+#: unless set to 0); read once, at import.
+ENABLED = environment_flag("METRALE_DEPENDENT_LAUNCH", default=True)
 
 #: The CUDA side of a kernel source that :func:`launch` may launch dependently (the CPU emulation
 #: of the tests defines both functions as no-ops).

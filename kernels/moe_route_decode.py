@@ -43,6 +43,7 @@ CONSTANTS = f"""
 #define MAX_ROWS {MAX_ROWS}
 #define MAX_EXPERTS {MAX_EXPERTS}
 #define MAX_GROUPS {MAX_GROUPS}
+#define NEG_INF (__int_as_float(0xff800000))   // NVRTC has no <math.h>, so no INFINITY
 """
 
 KERNEL = r"""
@@ -115,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) moe_route_decode(
             my_choice[e] = score + bias[e];
         }
     } else {
-        float largest = -INFINITY;
+        float largest = NEG_INF;
         for (int e = lane; e < E; e += 32) largest = fmaxf(largest, my_logits[e]);
         largest = warp_max(largest);
         float total = 0.0f;
@@ -132,7 +133,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) moe_route_decode(
         // Keep the topk_group best groups: a group is dropped when topk_group others beat it.
         const int per_group = E / n_group;
         if (lane < n_group) {
-            float first = -INFINITY, second = -INFINITY;
+            float first = NEG_INF, second = NEG_INF;
             for (int e = lane * per_group; e < (lane + 1) * per_group; ++e) {
                 const float value = my_choice[e];
                 if (value > first) {
@@ -153,14 +154,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) moe_route_decode(
                 const float score = group_scores[warp][other];
                 better += score > mine || (score == mine && other < group);
             }
-            if (better >= topk_group) my_choice[e] = method == 2 ? -INFINITY : 0.0f;
+            if (better >= topk_group) my_choice[e] = method == 2 ? NEG_INF : 0.0f;
         }
         __syncwarp();
     }
     int picked = 0;   // lane s holds the s-th choice
     float total = 0.0f;
     for (int slot = 0; slot < top_k; ++slot) {
-        float best = -INFINITY;
+        float best = NEG_INF;
         int best_index = E;
         for (int e = lane; e < E; e += 32) {
             const float value = my_choice[e];
@@ -180,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) moe_route_decode(
         if (lane == slot) picked = best_index;
         total += my_scores[best_index];
         __syncwarp();
-        if (lane == 0) my_choice[best_index] = -INFINITY;
+        if (lane == 0) my_choice[best_index] = NEG_INF;
         __syncwarp();
     }
     if (lane < top_k) {

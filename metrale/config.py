@@ -23,7 +23,7 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "METRALE_NO_PROGRESS": "when set to 1, no progress bars are shown",
     "METRALE_NUMBA_LAUNCH": "when set to 1, numba kernels launch through numba's own launcher, not CuPy's",
     "METRALE_DECODE_MMA": "when set to 0, decode attention runs on CUDA cores where tensor cores would serve",
-    "METRALE_DEPENDENT_LAUNCH": "when set to 1, the CUDA C++ decode kernels use programmatic dependent launch",
+    "METRALE_DEPENDENT_LAUNCH": "set to 0, the CUDA C++ decode kernels launch without programmatic dependent launch",
     "METRALE_API_KEY": "the API key metrale serve requires when --api-key is not given",
 }
 
@@ -67,7 +67,7 @@ class EnvironmentConfig:
     no_progress: bool = False
     numba_launch: bool = False
     decode_mma: bool = True
-    dependent_launch: bool = False
+    dependent_launch: bool = True
 
 
 def read_environment(env: Mapping[str, str] | None = None) -> EnvironmentConfig:
@@ -87,7 +87,7 @@ def read_environment(env: Mapping[str, str] | None = None) -> EnvironmentConfig:
         no_progress=_flag(env, "METRALE_NO_PROGRESS"),
         numba_launch=_flag(env, "METRALE_NUMBA_LAUNCH"),
         decode_mma=_flag(env, "METRALE_DECODE_MMA", default=True),
-        dependent_launch=_flag(env, "METRALE_DEPENDENT_LAUNCH"),
+        dependent_launch=_flag(env, "METRALE_DEPENDENT_LAUNCH", default=True),
     )
 
 

@@ -101,8 +101,9 @@ def test_decode_attention_replays_in_a_cuda_graph_as_positions_advance(monkeypat
         graph = stream.end_capture()
     for step in (0, 1, 37):
         moved = positions + step
-        arguments[5][...] = cp.asarray(moved)
-        out[...] = 0
+        with stream:  # (a non-blocking stream: the writes must be ordered before the replay)
+            arguments[5][...] = cp.asarray(moved)
+            out[...] = 0
         graph.launch(stream)
         stream.synchronize()
         want = reference(q, k_cache, v_cache, tables, seq_index, moved, None)

@@ -79,6 +79,7 @@ def test_latent_attention_replays_in_a_cuda_graph():
     attention_latent_mma.latent_attention(*arguments, VALUE_DIM, SCALE, 700, out, stream)  # compiled outside the capture
     stream.synchronize()
     out[...] = 0
+    cp.cuda.Device().synchronize()  # (written on the default stream, which the capture's does not wait for)
     with stream:
         stream.begin_capture()
         attention_latent_mma.latent_attention(*arguments, VALUE_DIM, SCALE, 700, out, stream)
@@ -89,6 +90,7 @@ def test_latent_attention_replays_in_a_cuda_graph():
     # New query values in the same buffers, replayed.
     q2 = (0.5 * rng.standard_normal(q.shape)).astype(np.float32)
     arguments[0][...] = cp.asarray(q2)
+    cp.cuda.Device().synchronize()
     graph.launch(stream)
     stream.synchronize()
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected_output(q2, latent, tables, seq_index, positions)) <= 1e-2

@@ -90,6 +90,7 @@ def test_prefill_attention_replays_in_a_cuda_graph():
     stream = cp.cuda.Stream(non_blocking=True)
     attention_mma.prefill_attention(*arguments, 0.1, None, out, stream)  # compiled outside the capture
     out[...] = 0
+    cp.cuda.Device().synchronize()  # (written on the default stream, which the capture's does not wait for)
     with stream:
         stream.begin_capture()
         attention_mma.prefill_attention(*arguments, 0.1, None, out, stream)

@@ -1,23 +1,84 @@
-"""The CUDA C++ kernels that NVRTC compiles on the GPU, compiled here by nvcc for sm_90: each
-launcher looks its kernels up by name in the compiled module, so every name it asks for must be
-an entry of the PTX (a kernel without ``extern "C"`` gets a mangled name and is not found), and
-every template instantiation a launcher can ask for must compile."""
+"""The CUDA C++ kernels that NVRTC compiles on the GPU, compiled here for sm_90 by NVRTC itself
+(the library torch's CUDA wheels bring, through ctypes, with numba-cuda's copy of the CUDA
+headers; the GPU compiles them the same way through CuPy), or by nvcc where no NVRTC is found.
+NVRTC is the stricter of the two: it includes no host header (no ``INFINITY``, no ``<math.h>``)
+unless a source asks. Each launcher looks its kernels up by name in the compiled module, so every
+name it asks for must be an entry of the PTX (a kernel without ``extern "C"`` gets a mangled name
+and is not found), and every template instantiation a launcher can ask for must compile."""
 
 from __future__ import annotations
 
+import ctypes
+import glob
+import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
 from metrale.kernels import decode_gemv, gdn_decode, moe_decode, moe_grouped, moe_route_decode
 
 
+def nvrtc_library() -> ctypes.CDLL | None:
+    """libnvrtc from an ``nvidia`` wheel of this environment or the system, or None."""
+    candidates = []
+    for root in sys.path:
+        candidates += sorted(glob.glob(os.path.join(root, "nvidia", "cu1*", "lib", "libnvrtc.so*")), reverse=True)
+        candidates += sorted(glob.glob(os.path.join(root, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*")), reverse=True)
+    candidates += ["libnvrtc.so"]
+    for candidate in candidates:
+        if "builtins" in os.path.basename(candidate) or "alt" in os.path.basename(candidate):
+            continue
+        try:
+            return ctypes.CDLL(candidate)
+        except OSError:
+            continue
+    return None
+
+
+def cuda_headers() -> str | None:
+    """A folder with ``cuda_bf16.h``: numba-cuda's copy for the newest CUDA it ships, or the toolkit's."""
+    import numba.cuda
+
+    base = os.path.join(os.path.dirname(numba.cuda.__file__), "include")
+    versions = sorted((d for d in os.listdir(base) if d.isdigit()), key=int) if os.path.isdir(base) else []
+    for folder in [os.path.join(base, v) for v in reversed(versions)] + ["/usr/local/cuda/include"]:
+        if os.path.isfile(os.path.join(folder, "cuda_bf16.h")):
+            return folder
+    return None
+
+
+def compile_with_nvrtc(library: ctypes.CDLL, code: str) -> str:
+    program = ctypes.c_void_p()
+    assert library.nvrtcCreateProgram(ctypes.byref(program), code.encode(), b"kernels.cu", 0, None, None) == 0
+    options = [b"--std=c++17", b"-arch=compute_90"]
+    headers = cuda_headers()
+    if headers is not None:
+        options.append(f"-I{headers}".encode())
+    try:
+        result = library.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+        size = ctypes.c_size_t()
+        library.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        library.nvrtcGetProgramLog(program, log)
+        assert result == 0, log.value.decode(errors="replace")[-4000:]
+        library.nvrtcGetPTXSize(program, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        library.nvrtcGetPTX(program, ptx)
+        return ptx.value.decode()
+    finally:
+        library.nvrtcDestroyProgram(ctypes.byref(program))
+
+
 def compile_to_ptx(tmp_path, code: str) -> str:
+    library = nvrtc_library()
+    if library is not None:
+        return compile_with_nvrtc(library, code)
     nvcc = shutil.which("nvcc")
     if nvcc is None:
-        pytest.skip("no nvcc to compile the CUDA sources")
+        pytest.skip("neither NVRTC nor nvcc to compile the CUDA sources")
     source = tmp_path / "kernels.cu"
     source.write_text(code)
     ptx = tmp_path / "kernels.ptx"
