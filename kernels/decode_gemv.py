@@ -339,18 +339,19 @@ def supports(rows: int, inner: int, mode: int = PLAIN) -> bool:
 
 
 def plan(rows: int, inner: int, columns: int, mode: int, multiprocessors: int, split: int | None = None,
-         ) -> tuple[int, int]:
+         unroll: int = UNROLLS[0]) -> tuple[int, int]:
     """``(split, blocks)`` of a launch: the smallest split whose tiles give every multiprocessor a
     block's worth of warps (unless ``split`` is given), and the blocks that cover the tiles once
     (split > 1) or, without a split, as many as the GPU holds at once (the warps loop over the
-    tiles)."""
+    tiles: two blocks a multiprocessor where the shared memory allows, one with ``unroll`` 8, whose
+    registers allow no more)."""
     tiles = -(-columns // TILE)
     if split is None:
         split = next((s for s in SPLITS if tiles * s >= multiprocessors * WARPS), SPLITS[-1])
     groups = WARPS // split
     blocks = -(-tiles // groups)
     if split == 1:
-        per_multiprocessor = 2 if 2 * shared_bytes(rows, inner, mode, split) <= 228 * 1024 else 1
+        per_multiprocessor = 2 if 2 * shared_bytes(rows, inner, mode, split) <= 228 * 1024 and unroll == UNROLLS[0] else 1
         blocks = min(blocks, multiprocessors * per_multiprocessor)
     return split, blocks
 
@@ -465,7 +466,7 @@ def decode_gemv(
         raise KernelArgumentError(f"{name}: split {split} is not one of {SPLITS}")
     if unroll not in UNROLLS:
         raise KernelArgumentError(f"{name}: unroll {unroll} is not one of {UNROLLS}")
-    chosen, blocks = plan(rows, inner, columns, mode, multiprocessor_count(), split)
+    chosen, blocks = plan(rows, inner, columns, mode, multiprocessor_count(), split, unroll)
     kernel = _kernel(mode, bf16_out, chosen, unroll)
     stage = shared_bytes(rows, inner, mode, chosen)
     if stage > 48 * 1024:

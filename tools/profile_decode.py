@@ -19,6 +19,7 @@ reads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -94,12 +95,14 @@ def main() -> None:
 
         runner.replay_events = []
         prompts = [rng.integers(0, llm.vocab_size, 64).tolist() for _ in range(args.batch)]
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+        with marking_between_replays(llm, runner) as markers:
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
         events = runner.replay_events
         runner.replay_events = None
         events[-1][1].synchronize()
         replays = [cupy.cuda.get_elapsed_time(start, end) for start, end in events]
         gaps = [cupy.cuda.get_elapsed_time(end, following[0]) for (_, end), following in zip(events, events[1:])]
+        gap_parts = split_gaps(events, markers)
 
     # Record every op call of one eager decode forward, then time each in its own graph.
     ops = backend.ops
@@ -162,6 +165,11 @@ def main() -> None:
         print(f"gap between replays:       {gap:8.3f} ms median, {max(gaps):.3f} ms at most, over {len(gaps)} gaps "
               f"of a generate() call (replays {busy:.3f} ms median; {gap / (gap + busy):.0%} of a step is outside the graph: "
               "the sampler, the copies, and the wait for the host)")
+    if gaps and gap_parts:
+        print("between replays (median GPU-clock ms from one mark to the next; a span holds the GPU's work "
+              "and any wait for the host):")
+        for label, values in gap_parts.items():
+            print(f"    {label:40} {statistics.median(values):8.4f} ms over {len(values)} gaps")
     print(f"sum of op times:           {total / 1e3:8.3f} ms over {len(calls)} op calls")
     print(f"{'op':58} {'calls':>5} {'us/call':>9} {'total us':>9} {'GB/s':>7}")
     for label, values in sorted(groups.items(), key=lambda item: -sum(item[1])):
@@ -170,6 +178,74 @@ def main() -> None:
         print(f"{label:58} {len(values):5d} {per_call:9.1f} {sum(values):9.1f} {rate}")
     compare_gemms(backend, {(c[2][0].shape[0], c[2][1].shape) for c in calls if c[0] in ("linear", "linear_silu")}
                   | {(c[2][0].shape[0], c[2][5].shape) for c in calls if c[0] == "rmsnorm_linear"})
+
+
+@contextlib.contextmanager
+def marking_between_replays(llm, runner):
+    """CUDA events on the stream before and after each piece of a decode step's work outside its
+    graph: the upload of the rung's metadata (``fill``), the pending tokens' feed (``feed``) and
+    the sampler (``sampler``); yields the list of ``(label, event)`` marks, in stream order."""
+    import cupy
+
+    from metrale.runner.runner import TokenFeed
+
+    stream = llm.backend.stream
+    markers: list[tuple[str, object]] = []
+
+    def mark(label: str) -> None:
+        event = cupy.cuda.Event()
+        event.record(stream)
+        markers.append((label, event))
+
+    def wrap(owner, name, label):
+        original = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            mark(f"{label} start")
+            try:
+                return original(*a, **k)
+            finally:
+                mark(f"{label} end")
+
+        setattr(owner, name, wrapper)
+        return original
+
+    sampler = llm.engine.sampler
+    restore = [(runner, "_fill", wrap(runner, "_fill", "fill")),
+               (sampler, "sample_async", wrap(sampler, "sample_async", "sampler"))]
+    feed = TokenFeed._feed
+    TokenFeed._feed = lambda self, *a, **k: (mark("feed start"), feed(self, *a, **k), mark("feed end"))[1]
+    original_launch = runner._launch
+
+    def launch(graph):
+        original_launch(graph)
+        markers.append(("replay end", runner.replay_events[-1][1]))
+        # (the replay's start event was recorded just before it)
+        markers.insert(len(markers) - 1, ("replay start", runner.replay_events[-1][0]))
+
+    runner._launch = launch
+    try:
+        yield markers
+    finally:
+        TokenFeed._feed = feed
+        del runner._launch  # the instance attribute; the class's method shows again
+        for owner, name, _ in restore:
+            delattr(owner, name)  # the instance attribute; the class's method shows again
+
+
+def split_gaps(replays, markers) -> dict[str, list[float]]:
+    """The spans between consecutive marks from each replay's end to the next replay's start,
+    by ``"from -> to"`` label, in milliseconds."""
+    import cupy
+
+    parts: dict[str, list[float]] = defaultdict(list)
+    between = False
+    for (a, first), (b, second) in zip(markers, markers[1:]):
+        between = between or a == "replay end"
+        if between:
+            parts[f"{a} -> {b}"].append(cupy.cuda.get_elapsed_time(first, second))
+        between = between and b != "replay start"
+    return dict(parts)
 
 
 def compare_gemms(backend, shapes) -> None:

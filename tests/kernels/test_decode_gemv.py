@@ -161,6 +161,7 @@ def test_supports_and_plan():
     assert dg.plan(1, 2048, 16384, dg.RMSNORM, 132) == (2, 256)
     assert dg.plan(1, 2048, 128256, dg.RMSNORM, 132) == (1, 264)
     assert dg.plan(1, 2048, 128256, dg.RMSNORM, 132, split=4) == (4, 4008)
+    assert dg.plan(1, 2048, 128256, dg.RMSNORM, 132, unroll=8) == (1, 132)  # one block a multiprocessor
 
 
 @pytest.mark.parametrize("rows, inner, mode, x_dtype, why", [
