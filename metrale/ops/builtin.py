@@ -322,6 +322,31 @@ def _latent_query_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
              "interleaved": interleaved} for interleaved in (False, True)]
 
 
+def _moe_route_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    cases = []
+    # rows, hidden, experts, method, n_group, topk_group, top_k, renormalise, scaling
+    for rows, hidden, experts, method, n_group, topk_group, top_k, renormalise, scaling in (
+        (1, 128, 64, "greedy", 1, 1, 6, False, 1.0), (3, 256, 128, "greedy", 1, 1, 10, True, 1.0),
+        (4, 128, 64, "group_limited_greedy", 8, 3, 6, False, 16.0), (2, 256, 256, "noaux_tc", 8, 4, 8, True, 2.5),
+    ):
+        cases.append({"x": _rows(rng, rows, hidden), "gate": _rows(rng, experts, hidden, scale=hidden**-0.5),
+                      "bias": _rows(rng, experts, scale=0.05) if method == "noaux_tc" else None, "method": method,
+                      "n_group": n_group, "topk_group": topk_group, "top_k": top_k, "renormalise": renormalise,
+                      "scaling": scaling})
+    return cases
+
+
+def _moe_experts_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    cases = []
+    for rows, hidden, inter, experts, top_k in ((1, 64, 32, 8, 2), (3, 128, 48, 16, 4)):
+        chosen = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(rows)]).astype(np.int32)
+        weights = rng.random((rows, top_k)).astype(np.float32)
+        cases.append({"x": _rows(rng, rows, hidden), "experts": chosen, "weights": weights,
+                      "gate_up": _rows(rng, experts, 2 * inter, hidden, scale=0.1),
+                      "down": _rows(rng, experts, hidden, inter, scale=0.1)})
+    return cases
+
+
 def _head_linear_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
     return [{"x": _rows(rng, rows, 4, 64), "weight": _rows(rng, 4 * 32, 64, scale=0.1)} for rows in (1, 3)]
 
@@ -461,12 +486,13 @@ def _declarations() -> list[tuple[Op, str]]:
             (P("x", "[N, H]", "matmul_input"), P("gate", "[E, H]", "constant"), P("bias", "[E]", "constant", optional=True),
              P("method", kind="option"), P("n_group", kind="scalar"), P("topk_group", kind="scalar"),
              P("top_k", kind="scalar"), P("renormalise", kind="option"), P("scaling", kind="scalar")),
-            (P("experts", "[N, k]", "index"), P("weights", "[N, k]", "activation")), moe_route),
+            (P("experts", "[N, k]", "index"), P("weights", "[N, k]", "activation")), moe_route,
+            examples=_moe_route_examples),
          "moe"),
         (Op("moe_experts", "The chosen experts' SwiGLU from stacked expert weights, weighted and summed.",
             (P("x", "[N, H]", "matmul_input"), P("experts", "[N, k]", "index"), P("weights", "[N, k]", "activation"),
              P("gate_up", "[E, 2 I, H]", "weight"), P("down", "[E, H, I]", "weight")),
-            (P("y", "[N, H]", "activation"),), moe_experts),
+            (P("y", "[N, H]", "activation"),), moe_experts, examples=_moe_experts_examples),
          "moe"),
         (Op("gdn_conv_update", "One token per row through a Gated DeltaNet layer's causal depthwise conv + SiLU; the "
             "rows' conv states (at ``slots``) updated in place.",
