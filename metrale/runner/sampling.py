@@ -379,7 +379,9 @@ def new_sampler(backend: Any, max_num_seqs: int = 16) -> TokenSampler:
 
 class CudaSampler(TokenSampler):
     """The sampling kernel on the backend's stream, replayed from a graph per batch shape, with
-    the logits processing and logprobs kernels launched around it for the rows that ask.
+    the logits processing and logprobs kernels launched around it for the rows that ask. A step
+    whose rows are all greedy takes the arg-max kernel instead (:mod:`metrale.kernels.greedy_sample`:
+    the same tokens, every row spread over many blocks), without the sampling parameters' upload.
 
     Two sets of buffers per shape, used in turn: the tokens of one call stay on the device (and
     are read back) while the next call samples, as overlap scheduling needs. Before a set is
@@ -387,9 +389,11 @@ class CudaSampler(TokenSampler):
 
     def __init__(self, backend: Any, max_num_seqs: int = 16) -> None:
         super().__init__(backend, max_num_seqs)
+        from metrale.kernels import greedy_sample
         from metrale.kernels.sampling import sample
 
         self._sample = sample
+        self._greedy = greedy_sample
         self._buffers: dict[tuple[int, int, int], Any] = {}
         self._turn = 0
 
@@ -434,6 +438,7 @@ class CudaSampler(TokenSampler):
         if buffers.last is not None:
             buffers.last.tokens()  # its tokens are read before the buffers are written again
         temperature, top_k, top_p = parameter_arrays(params, vocab)
+        greedy = buffers.greedy is not None and not temperature.any()
         host = buffers.host
         host.seeds[:] = np.asarray(seeds, dtype=np.uint64).view(np.int64)
         host.steps[:] = steps
@@ -447,7 +452,9 @@ class CudaSampler(TokenSampler):
             # One upload of every row's parameters, the logits into the sampler's own buffer,
             # the kernel (replayed from a graph after its first run: a numba launch costs far
             # more host time), one download of the tokens.
-            buffers.device.data.copy_from_host_async(host.packed.ctypes.data_as(ctypes.c_void_p), host.packed.nbytes, stream)
+            if not greedy:
+                buffers.device.data.copy_from_host_async(host.packed.ctypes.data_as(ctypes.c_void_p), host.packed.nbytes,
+                                                         stream)
             offset = 0
             for part in parts:
                 buffers.logits[offset:].data.copy_from_device_async(part.data, part.nbytes, stream)
@@ -468,12 +475,14 @@ class CudaSampler(TokenSampler):
                 device_slots = self._upload(slots)
                 lp.apply_penalties(buffers.logits, device_slots, self.penalties.counts, self._upload(plan.repetition),
                                    self._upload(plan.frequency), self._upload(plan.presence), stream)
-            if buffers.graph:
-                buffers.graph.launch(stream=stream)
+            run, kind = (self._run_greedy, "greedy_graph") if greedy else (self._run, "graph")
+            graph = getattr(buffers, kind)
+            if graph:
+                graph.launch(stream=stream)
             else:
-                self._run(buffers)
-                if backend.cuda_graphs and buffers.graph is None:
-                    buffers.graph = self._record(buffers)
+                run(buffers)
+                if backend.cuda_graphs and graph is None:
+                    setattr(buffers, kind, self._record(buffers, run))
             tokens = buffers.views.tokens
             if device_slots is not None:
                 assert self.penalties is not None
@@ -538,13 +547,18 @@ class CudaSampler(TokenSampler):
             device.uniforms, device.tokens, self.backend.stream, log_min_p=device.log_min_p,
         )
 
-    def _record(self, buffers: Any) -> Any:
-        """A graph of the sampler kernel on ``buffers``, or False when recording fails (the
-        sampler then stays eager for this shape; the capture is ended and discarded)."""
+    def _run_greedy(self, buffers: Any) -> None:
+        greedy = buffers.greedy
+        self._greedy.greedy_sample(buffers.logits, greedy.part_values, greedy.part_indices, greedy.counters,
+                                   buffers.views.tokens, self.backend.stream)
+
+    def _record(self, buffers: Any, run: Any) -> Any:
+        """A graph of ``run(buffers)`` (a sampler kernel), or False when recording fails (that
+        kernel then stays eager for this shape; the capture is ended and discarded)."""
         stream = self.backend.stream
         stream.begin_capture(getattr(self.backend.xp.cuda.runtime, "streamCaptureModeRelaxed", 2))
         try:
-            self._run(buffers)
+            run(buffers)
             return stream.end_capture()
         except Exception:
             if stream.is_capturing():
@@ -567,6 +581,12 @@ class CudaSampler(TokenSampler):
             device = backend.xp.empty(rows * ROW_BYTES, dtype=np.uint8)
             out = backend.xp.empty(rows, dtype=np.int32)
             logits = backend.xp.empty((rows, vocab), dtype=np.float32)
+            greedy = None  # the arg-max kernel's scratch, where it serves the vocabulary
+            if self._greedy.supports(vocab):
+                parts = self._greedy.parts(vocab)
+                greedy = SimpleNamespace(part_values=backend.xp.empty((rows, parts), dtype=np.float32),
+                                         part_indices=backend.xp.empty((rows, parts), dtype=np.int32),
+                                         counters=backend.xp.zeros(rows, dtype=np.int32))
 
         def fields(array: Any) -> dict[str, Any]:
             return {
@@ -586,6 +606,8 @@ class CudaSampler(TokenSampler):
             logits=logits,
             views=SimpleNamespace(tokens=out, **fields(device)),
             graph=None,
+            greedy=greedy,
+            greedy_graph=None,
             done=backend.xp.cuda.Event(disable_timing=True),
             last=None,
             logprobs=None,

@@ -75,6 +75,45 @@ def tiny_gpu():
     return LLM("tiny-dense", device="cuda", show_progress=False, max_num_seqs=32)
 
 
+def test_greedy_steps_take_the_arg_max_kernel_and_agree_with_the_host_sampler():
+    import cupy
+
+    from metrale.backend import CpuBackend
+    from metrale.cuda_backend import CudaBackend
+    from metrale.kernels import greedy_sample
+    from metrale.runner.sampling import CudaSampler, RowExtras, TokenSampler
+
+    backend = CudaBackend()
+    device, host = CudaSampler(backend, 8), TokenSampler(CpuBackend(), 8)
+    launches = []
+    original = greedy_sample.greedy_sample
+    greedy_sample.greedy_sample = lambda *a, **k: (launches.append(1), original(*a, **k))[1]
+    try:
+        rng = np.random.default_rng(12)
+        vocab = 128256  # 63 parts a row
+        for step in range(6):  # the first of each shape records the graph; the others replay it
+            rows = (1, 5)[step % 2]
+            logits = (3 * rng.standard_normal((rows, vocab))).astype(np.float32)
+            logits[0, rng.integers(vocab)] = 40.0
+            if rows > 1:
+                logits[1, 77] = np.nan
+                logits[2, :] = -np.inf
+                logits[3, 10] = logits[3, 70000] = 50.0  # a tie across parts
+            params = [SamplingParams(temperature=0.0)] * rows
+            extras = [None] * rows
+            if rows > 1:  # a banned token is processed on the device before the arg-max
+                extras[4] = RowExtras(key=4, banned=(int(np.argmax(logits[4])),))
+            with backend.activate():
+                sampled = device.sample_async([cupy.asarray(logits)], params, [0] * rows, [step] * rows, extras)
+            expected = host.sample_async([logits], params, [0] * rows, [step] * rows, extras).tokens()
+            assert sampled.tokens() == expected, step
+            if rows > 1:
+                assert expected[1:4] == [-1, -1, 10]
+    finally:
+        greedy_sample.greedy_sample = original
+    assert len(launches) == 4  # two shapes, each run eagerly once and recorded once
+
+
 def test_penalties_logprobs_and_n_with_overlap_on_and_off(tiny_gpu):
     step_by_step = LLM("tiny-dense", device="cuda", show_progress=False, overlap_scheduling=False)
     assert tiny_gpu.engine.overlap
