@@ -342,8 +342,8 @@ def _moe_experts_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
         chosen = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(rows)]).astype(np.int32)
         weights = rng.random((rows, top_k)).astype(np.float32)
         cases.append({"x": _rows(rng, rows, hidden), "experts": chosen, "weights": weights,
-                      "gate_up": _rows(rng, experts, 2 * inter, hidden, scale=0.1),
-                      "down": _rows(rng, experts, hidden, inter, scale=0.1)})
+                      "gate_up": _rows(rng, experts * 2 * inter, hidden, scale=0.1),
+                      "down": _rows(rng, experts * hidden, inter, scale=0.1)})
     return cases
 
 
@@ -491,7 +491,8 @@ def _declarations() -> list[tuple[Op, str]]:
          "moe"),
         (Op("moe_experts", "The chosen experts' SwiGLU from stacked expert weights, weighted and summed.",
             (P("x", "[N, H]", "matmul_input"), P("experts", "[N, k]", "index"), P("weights", "[N, k]", "activation"),
-             P("gate_up", "[E, 2 I, H]", "weight"), P("down", "[E, H, I]", "weight")),
+             P("gate_up", "[E * 2 I, H]", "weight", "the experts' gate and up projections, stacked"),
+             P("down", "[E * H, I]", "weight", "the experts' down projections, stacked")),
             (P("y", "[N, H]", "activation"),), moe_experts, examples=_moe_experts_examples),
          "moe"),
         (Op("gdn_conv_update", "One token per row through a Gated DeltaNet layer's causal depthwise conv + SiLU; the "

@@ -581,9 +581,13 @@ class CudaSampler(TokenSampler):
             device = backend.xp.empty(rows * ROW_BYTES, dtype=np.uint8)
             out = backend.xp.empty(rows, dtype=np.int32)
             logits = backend.xp.empty((rows, vocab), dtype=np.float32)
-            greedy = None  # the arg-max kernel's scratch, where it serves the vocabulary
-            if self._greedy.supports(vocab):
-                parts = self._greedy.parts(vocab)
+        greedy = None  # the arg-max kernel's scratch, where it serves the vocabulary
+        if self._greedy.supports(vocab):
+            # From the default pool: the graph pool hands memory a capture freed to later
+            # allocations while the captured graph still writes it, and the counters must keep
+            # their zeros from one launch to the next.
+            parts = self._greedy.parts(vocab)
+            with backend.stream:
                 greedy = SimpleNamespace(part_values=backend.xp.empty((rows, parts), dtype=np.float32),
                                          part_indices=backend.xp.empty((rows, parts), dtype=np.int32),
                                          counters=backend.xp.zeros(rows, dtype=np.int32))
