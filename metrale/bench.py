@@ -6,6 +6,12 @@ events (median step time) and whole-prompt prefills, and runs the same measureme
 transformers in the same process. Decode is memory-bound: the floor of one step is the bytes it
 must read (every weight once, plus the KV cache) over the device-to-device copy bandwidth
 measured at the start of the run.
+
+Decode is timed two ways. ``decode_bN`` is one step at a time: the forward, the device sampler and
+the tokens read back before the next step starts, so the host's work between steps is on the
+clock. ``decode_bN_loop`` is the step as :meth:`~metrale.api.LLM.generate` runs it (overlap
+scheduling: the next step is queued while one runs): the median time between the starts of
+consecutive decode graph replays of ``N`` rows while ``N`` sequences decode together.
 """
 
 from __future__ import annotations
@@ -338,6 +344,15 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
         }
         for seq in seqs:
             llm.cache.release(seq)
+        loop_seconds = engine_loop_seconds(llm, batch, options.context, steps, rng)
+        if loop_seconds is not None:
+            result[f"decode_b{batch}_loop"] = {
+                "step_ms": loop_seconds * 1e3,
+                "tok_s": batch / loop_seconds,
+                "achieved_GBps": bytes_read / loop_seconds / 1e9,
+                "floor_ms": floor * 1e3,
+                "fraction_of_floor": floor / loop_seconds,
+            }
     for length in options.prefill_lengths:
         prompt = rng.integers(0, vocab, length).tolist()
 
@@ -372,6 +387,43 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
                                                    "TFLOPs": prefill_flops(shape, new, cached) / seconds / 1e12}
     llm.close()  # frees the device memory before the next benchmark runs
     return result
+
+
+def engine_loop_seconds(llm: Any, batch: int, context: int, steps: int, rng: Any) -> float | None:
+    """The decode step of ``batch`` sequences as ``LLM.generate`` runs it: ``batch`` prompts of
+    ``context`` random tokens generate ``steps + 8`` tokens each (greedy, no stop), with CUDA
+    events around every graph replay; the median interval between the starts of consecutive
+    ``batch``-row decode replays (:func:`steady_step_seconds`). None without decode graphs."""
+    import cupy
+
+    from metrale.params import SamplingParams
+
+    graphs = getattr(getattr(llm.model, "runner", None), "graphs", None)
+    if graphs is None or graphs.disabled is not None:
+        return None
+    prompts = [rng.integers(0, llm.vocab_size, context).tolist() for _ in range(batch)]
+    graphs.replay_events = []
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True), use_tqdm=False)
+        events = graphs.replay_events
+    finally:
+        graphs.replay_events = None
+    if not events:
+        return None
+    events[-1][1].synchronize()
+    first = events[0][0]
+    starts = [(cupy.cuda.get_elapsed_time(first, start) / 1e3, rows) for start, _, rows in events]
+    return steady_step_seconds(starts, graphs.rung_size(batch))
+
+
+def steady_step_seconds(starts: list[tuple[float, int]], rows: int, minimum: int = 8) -> float | None:
+    """The median of the intervals between consecutive replays that both ran the ``rows``-row
+    decode graph, from ``starts`` (each replay's start in seconds and its padded decode rows, 0 for
+    a mixed step, in stream order): the steady step once every sequence decodes, without the steps
+    where prompts were still being prefilled or sequences had finished. None when fewer than
+    ``minimum`` such intervals were seen."""
+    intervals = [b[0] - a[0] for a, b in zip(starts, starts[1:]) if a[1] == rows and b[1] == rows]
+    return statistics.median(intervals) if len(intervals) >= minimum else None
 
 
 def bench_hf(folder: Path, options: BenchOptions, compile_model: bool) -> dict[str, Any]:

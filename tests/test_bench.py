@@ -180,3 +180,17 @@ def test_prefill_flops_match_torchs_flop_counter(monkeypatch):
     assert ours == pytest.approx(products + causal + norms, rel=1e-9)
     # A chunk after a cached prefix sees every cached key.
     assert bench.prefill_flops("tiny-llama", 8, 100) - bench.prefill_flops("tiny-llama", 8) == per_pair * 8 * 100
+
+
+def test_the_steady_loop_step_skips_prefill_and_ragged_steps():
+    # Mixed steps (0) and smaller rungs around the steady 32-row steps are left out; the median
+    # of the intervals between consecutive 32-row replays remains.
+    starts = [(0.0, 0), (1.0, 0), (1.5, 16), (2.0, 32)]
+    time = 2.0
+    for interval in [1.0, 1.2, 0.9, 1.1, 1.0, 5.0, 1.0, 1.0, 1.1]:
+        time += interval
+        starts.append((time, 32))
+    starts += [(time + 0.7, 24), (time + 1.2, 8)]
+    assert bench.steady_step_seconds(starts, 32) == pytest.approx(1.0)
+    assert bench.steady_step_seconds(starts, 32, minimum=10) is None
+    assert bench.steady_step_seconds(starts[:4], 32) is None

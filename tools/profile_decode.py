@@ -8,7 +8,9 @@ Needs a CUDA device (and what ``metrale bench`` needs). Prints the whole step th
 and its tokens read back (greedy, as ``metrale bench`` times it; top-p; top-k with top-p), the
 bare graph replay (CUDA events), the gaps between consecutive replays while ``LLM.generate``
 decodes 64 tokens per sequence (CUDA events around every replay; a gap holds the sampler, the
-copies, and the GPU's wait for the host),
+copies, and the GPU's wait for the host), the same gaps taken apart in a second ``generate()``
+with events around each piece of work outside the graph (the metadata upload, the pending
+tokens' feed, the sampler),
 and a table of every op of one decode forward: each call is recorded into its own CUDA graph
 ``REPEATS`` times and replayed, so the figure is the op's GPU time without launch overhead.
 Ops are grouped by name and argument shapes (an op served by other ops, such as ``rmsnorm_mlp``
@@ -93,16 +95,24 @@ def main() -> None:
     if runner is not None:
         import cupy
 
-        runner.replay_events = []
         prompts = [rng.integers(0, llm.vocab_size, 64).tolist() for _ in range(args.batch)]
-        with marking_between_replays(llm, runner) as markers:
-            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+        generation = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+        # The gaps as the engine leaves them (events around the replays only), then a second
+        # generate() with events around each piece of work between replays, which adds their own
+        # records to the gaps, for the breakdown.
+        runner.replay_events = []
+        llm.generate(prompts, generation, use_tqdm=False)
         events = runner.replay_events
-        runner.replay_events = None
         events[-1][1].synchronize()
-        replays = [cupy.cuda.get_elapsed_time(start, end) for start, end in events]
-        gaps = [cupy.cuda.get_elapsed_time(end, following[0]) for (_, end), following in zip(events, events[1:])]
-        gap_parts = split_gaps(events, markers)
+        replays = [cupy.cuda.get_elapsed_time(start, end) for start, end, _ in events]
+        gaps = [cupy.cuda.get_elapsed_time(end, following[0]) for (_, end, _), following in zip(events, events[1:])]
+        runner.replay_events = []
+        with marking_between_replays(llm, runner) as markers:
+            llm.generate(prompts, generation, use_tqdm=False)
+        marked = runner.replay_events
+        runner.replay_events = None
+        marked[-1][1].synchronize()
+        gap_parts = split_gaps(marked, markers)
 
     # Record every op call of one eager decode forward, then time each in its own graph.
     ops = backend.ops
@@ -166,8 +176,8 @@ def main() -> None:
               f"of a generate() call (replays {busy:.3f} ms median; {gap / (gap + busy):.0%} of a step is outside the graph: "
               "the sampler, the copies, and the wait for the host)")
     if gaps and gap_parts:
-        print("between replays (median GPU-clock ms from one mark to the next; a span holds the GPU's work "
-              "and any wait for the host):")
+        print("between replays, with events around each piece (median GPU-clock ms from one mark to the next; "
+              "a span holds the GPU's work, any wait for the host, and the marks' own records):")
         for label, values in gap_parts.items():
             print(f"    {label:40} {statistics.median(values):8.4f} ms over {len(values)} gaps")
     print(f"sum of op times:           {total / 1e3:8.3f} ms over {len(calls)} op calls")
@@ -217,8 +227,8 @@ def marking_between_replays(llm, runner):
     TokenFeed._feed = lambda self, *a, **k: (mark("feed start"), feed(self, *a, **k), mark("feed end"))[1]
     original_launch = runner._launch
 
-    def launch(graph):
-        original_launch(graph)
+    def launch(graph, rows):
+        original_launch(graph, rows)
         markers.append(("replay end", runner.replay_events[-1][1]))
         # (the replay's start event was recorded just before it)
         markers.insert(len(markers) - 1, ("replay start", runner.replay_events[-1][0]))

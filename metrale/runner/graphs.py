@@ -184,10 +184,10 @@ class CudaGraphRunner:
         self.mixed_rungs: dict[tuple[int, int], MixedRung] = {}
         #: Why graphs are off for this model (an op that cannot be captured), or None.
         self.disabled: str | None = None
-        #: When a list, every replay (decode and mixed) appends its ``(start, end)`` CUDA events,
-        #: recorded on the stream around the launch, so a tool can measure the gaps between
-        #: replays; None (the default): no events.
-        self.replay_events: list[tuple[Any, Any]] | None = None
+        #: When a list, every replay appends ``(start, end, rows)``: the CUDA events recorded on the
+        #: stream around the launch and the graph's padded decode rows (0 for a mixed step), so a
+        #: tool can measure replays and the gaps between them; None (the default): no events.
+        self.replay_events: list[tuple[Any, Any, int]] | None = None
         #: Why mixed-step graphs are off for this model, or None.
         self.mixed_disabled: str | None = None if getattr(model, "mixed_graph_capturable", False) else (
             f"{type(model).__name__} does not set mixed_graph_capturable")
@@ -275,7 +275,7 @@ class CudaGraphRunner:
         if rung.graph is None:
             rung.graph, rung.output, logits = self._record(rung.batch, mixed=True)
         else:
-            self._launch(rung.graph)
+            self._launch(rung.graph, 0)
             logits = rung.output
         rows = mixed_logits_rows(batch, rung.decode)
         result = cupy.empty((len(rows), logits.shape[1]), dtype=logits.dtype)
@@ -364,7 +364,7 @@ class CudaGraphRunner:
         if bucket not in rung.graphs:
             logits = self._record_decode(rung, bucket)
         else:
-            self._launch(rung.graphs[bucket])
+            self._launch(rung.graphs[bucket], rung.size)
             logits = rung.outputs[bucket]
         # A copy the next replay cannot overwrite (a raw device copy: an elementwise CuPy copy
         # costs several times more host time).
@@ -373,8 +373,9 @@ class CudaGraphRunner:
         result.data.copy_from_device_async(rows.data, rows.nbytes, self.backend.stream)
         return result
 
-    def _launch(self, graph: Any) -> None:
-        """Replay ``graph`` on the stream (between CUDA events when :attr:`replay_events` is a list)."""
+    def _launch(self, graph: Any, rows: int) -> None:
+        """Replay ``graph`` (of ``rows`` padded decode rows, 0 for a mixed step) on the stream,
+        between CUDA events when :attr:`replay_events` is a list."""
         stream = self.backend.stream
         if self.replay_events is None:
             graph.launch(stream=stream)
@@ -385,7 +386,7 @@ class CudaGraphRunner:
         start.record(stream)
         graph.launch(stream=stream)
         end.record(stream)
-        self.replay_events.append((start, end))
+        self.replay_events.append((start, end, rows))
 
     def capture(self, sizes: tuple[int, ...] = DECODE_RUNGS) -> None:
         """Record the graphs of ``sizes`` (every context bucket of each) ahead of time, on padding
