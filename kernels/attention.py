@@ -263,6 +263,13 @@ def grouped_decode_kernel(heads: int, kv_heads: int, head_dim: int, splits: int,
 DECODE_KERNEL = "mma" if environment_flag("METRALE_DECODE_MMA", default=True) else "cores"
 
 
+#: Whether the tensor-core decode kernel merges its own splits (the last split of each row and head
+#: block to finish, :func:`metrale.kernels.attention_decode_mma.decode_attention` with counters)
+#: instead of a combine kernel after it: one launch a layer fewer. Off until its GPU checks have
+#: run; the CUDA backend then passes counters to :func:`paged_attention`.
+MERGE_DECODE_SPLITS = False
+
+
 def uses_decode_mma(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:
     """Whether :func:`paged_attention` runs :mod:`attention_decode_mma` for this geometry."""
     return DECODE_KERNEL == "mma" and attention_decode_mma.supports(heads, kv_heads, head_dim, value_dim)
@@ -280,14 +287,15 @@ def split_count(rows: int, heads: int, kv_heads: int, head_dim: int, value_dim: 
 def paged_attention(
     q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
     positions: DeviceArray, scale: float, sliding_window: int | None, max_context: int, workspace: tuple,
-    out: DeviceArray, stream: object = None,
+    out: DeviceArray, stream: object = None, counters: DeviceArray | None = None,
 ) -> DeviceArray:
     """CUDA launcher of :func:`paged_attention_reference` writing bf16 ``out [N, nh * dv]``.
 
     ``max_context`` bounds every row's position + 1 (with the batch geometry it fixes the number
     of key splits, :func:`split_count`, so a captured graph stays valid for any shorter context);
     ``workspace`` is ``(acc, max, sum)`` of shapes ``[N, nh, splits, dv]``, ``[N, nh, splits]``,
-    ``[N, nh, splits]`` float32.
+    ``[N, nh, splits]`` float32. ``counters`` go to the tensor-core kernel, which then merges its
+    own splits (:data:`MERGE_DECODE_SPLITS`); the other kernels ignore them.
     """
     op = "paged_attention"
     check_array(op, "q", q, np.float32, ndim=3)
@@ -314,7 +322,7 @@ def paged_attention(
         return out
     if uses_decode_mma(heads, kv_heads, head_dim, value_dim):
         return attention_decode_mma.decode_attention(q, k_cache, v_cache, block_tables, seq_index, positions, scale,
-                                                     sliding_window, workspace, out, stream)
+                                                     sliding_window, workspace, out, stream, counters)
     launch = numba_stream(stream)
     window = np.int32(sliding_window or 0)
     if attention_grouped.supports(heads, kv_heads, head_dim, value_dim):

@@ -73,8 +73,13 @@ def blocks_per_multiprocessor(head_dim: int) -> int:
     return max(1, (227 * 1024) // (shared_bytes(head_dim) + 2048))
 
 
+#: A load of what another block of the same launch wrote (past the L1 cache).
+COHERENT_LOAD = r"""
+__device__ __forceinline__ float load_coherent(const float* address) { return __ldcg(address); }
+"""
+
 #: The PTX helpers the kernel uses (the CPU emulation of the tests replaces them).
-INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD
+INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD + COHERENT_LOAD
 
 #: The kernel, written against :data:`INSTRUCTIONS`.
 KERNEL = r"""
@@ -99,12 +104,15 @@ typedef unsigned short bf16_bits;
 // q [N, num_heads, HEAD_DIM] f32; k_cache, v_cache [blocks, block_size, num_kv_heads, HEAD_DIM]
 // bf16 bits; block_tables [S, max_blocks], seq_index [N], positions [N] int32. One split: out
 // [N, num_heads * HEAD_DIM] bf16 bits. More: out_acc [N, num_heads, splits, HEAD_DIM] f32
-// (unnormalised), out_max (natural-log units) and out_sum [N, num_heads, splits] f32.
+// (unnormalised), out_max (natural-log units) and out_sum [N, num_heads, splits] f32, which the
+// combine kernel merges into out; or, with counters (int32 [N, gridDim.y], zero between launches),
+// the last split of each (row, head block) to finish merges them into out itself.
 extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     const float* __restrict__ q, const bf16_bits* __restrict__ k_cache, const bf16_bits* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_index, const int* __restrict__ positions,
     int num_heads, int num_kv_heads, int block_size, int max_blocks, float scale, int sliding_window,
-    float* __restrict__ out_acc, float* __restrict__ out_max, float* __restrict__ out_sum, bf16_bits* __restrict__ out)
+    float* __restrict__ out_acc, float* __restrict__ out_max, float* __restrict__ out_sum, bf16_bits* __restrict__ out,
+    int* __restrict__ counters)
 {
     DYNAMIC_SHARED;
     bf16_bits* query_tile = reinterpret_cast<bf16_bits*>(dynamic_shared);
@@ -351,6 +359,47 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
         out_sum[at] = sum;
         out_max[at] = head_best[threadIdx.x] * 0.6931471805599453f;   // base 2 to natural-log units
     }
+    if (counters == nullptr) return;
+
+    // The last split of this row and head block to finish merges the splits by log-sum-exp, as
+    // the combine kernel does: a split without keys weighs nothing.
+    __shared__ int merges;
+    __threadfence();   // this block's partials are visible before its ticket is
+    __syncthreads();
+    int* counter = counters + (long)row * gridDim.y + blockIdx.y;
+    if (threadIdx.x == 0) merges = atomicAdd(counter, 1) == splits - 1;
+    __syncthreads();
+    if (!merges) return;
+    __threadfence();   // the other splits' partials are visible
+    float* split_weight = reinterpret_cast<float*>(stages);   // [BLOCK_HEADS][MAX_SPLITS]; the stages are free now
+    float* head_sum = split_weight + BLOCK_HEADS * MAX_SPLITS;   // [BLOCK_HEADS]
+    if (threadIdx.x < block_heads) {
+        const long first = ((long)row * num_heads + head_base + threadIdx.x) * splits;
+        float top = NEG_INF;
+        for (int s = 0; s < splits; ++s) {
+            if (load_coherent(out_sum + first + s) > 0.f) top = fmaxf(top, load_coherent(out_max + first + s));
+        }
+        float sum = 0.f;
+        for (int s = 0; s < splits; ++s) {
+            const float split_sum = load_coherent(out_sum + first + s);
+            const float weight = split_sum > 0.f ? expf(load_coherent(out_max + first + s) - top) : 0.f;
+            split_weight[threadIdx.x * MAX_SPLITS + s] = weight;
+            sum += weight * split_sum;
+        }
+        head_sum[threadIdx.x] = sum;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < block_heads * HEAD_DIM; e += THREADS) {
+        const int h = e / HEAD_DIM, d = e % HEAD_DIM;
+        const long first = ((long)row * num_heads + head_base + h) * splits;
+        float numerator = 0.f;
+        for (int s = 0; s < splits; ++s) {
+            numerator += split_weight[h * MAX_SPLITS + s] * load_coherent(out_acc + (first + s) * HEAD_DIM + d);
+        }
+        const float total = head_sum[h], value = total > 0.f ? numerator / total : 0.f;
+        out[((long)row * num_heads + head_base + h) * HEAD_DIM + d] = (bf16_bits)(pack_bf16(value, 0.f) & 0xffffu);
+    }
+    if (threadIdx.x == 0) *counter = 0;   // for the next launch
 }
 """
 
@@ -358,7 +407,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
 def kernel_source(head_dim: int, with_instructions: bool = True) -> str:
     """The kernel's CUDA C++ for keys and values of ``head_dim`` (with the PTX helpers, or without
     them for the CPU emulation, which brings its own)."""
-    constants = f"#define HEAD_DIM {head_dim}\n#define STAGES {stages(head_dim)}\n"
+    constants = f"#define HEAD_DIM {head_dim}\n#define STAGES {stages(head_dim)}\n#define MAX_SPLITS {MAX_SPLITS}\n"
     return (INSTRUCTIONS if with_instructions else "") + constants + KERNEL
 
 
@@ -400,6 +449,11 @@ def split_count(rows: int, heads: int, kv_heads: int, head_dim: int, max_context
     resident = multiprocessors * blocks_per_multiprocessor(head_dim)
     steps = max(1, -(-int(max_context) // BLOCK_KEYS))
     return max(1, min(resident // blocks, MAX_SPLITS, steps))
+
+
+def counter_count(rows: int, heads: int, kv_heads: int) -> int:
+    """Counters a launch that merges its own splits needs: one per row and block of heads."""
+    return rows * kv_heads * head_blocks(heads, kv_heads)
 
 
 def device_split_count(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int) -> int:
@@ -470,13 +524,15 @@ def decode_attention_partials_model(
 def decode_attention(
     q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
     positions: DeviceArray, scale: float, sliding_window: int | None, workspace: tuple, out: DeviceArray,
-    stream: Any = None,
+    stream: Any = None, counters: DeviceArray | None = None,
 ) -> DeviceArray:
     """Bf16 bits ``out [N, heads * d]`` from float32 ``q [N, heads, d]`` (one decode row per
     sequence) over the paged bf16 caches ``[blocks, block_size, kv_heads, d]``: the tensor-core
     launcher behind :func:`metrale.kernels.attention.paged_attention`, with its workspace ``(acc,
     max, sum)`` of ``splits`` (:func:`device_split_count`) along the third axis; only geometries
-    that :func:`supports` accepts."""
+    that :func:`supports` accepts. With ``counters`` (int32, at least :func:`counter_count` of
+    them, zero between launches; launches that share them run one after another), the last split
+    of each row and head block merges the splits itself and no combine kernel runs."""
     op = "decode_attention_mma"
     check_array(op, "q", q, np.float32, ndim=3)
     rows, heads, head_dim = q.shape
@@ -499,17 +555,23 @@ def decode_attention(
     check_array(op, "workspace sum", total, np.float32, (rows, heads, splits))
     if not splits or splits > MAX_SPLITS:
         raise KernelArgumentError(f"{op}: {splits} splits in the workspace (1 to {MAX_SPLITS})")
+    merged = counters is not None and splits > 1
+    if merged:
+        check_array(op, "counters", counters, np.int32, ndim=1)
+        if counters.shape[0] < counter_count(rows, heads, kv_heads):
+            raise KernelArgumentError(f"{op}: {counters.shape[0]} counters, the grid needs "
+                                      f"{counter_count(rows, heads, kv_heads)}")
     if not rows:
         return out
     arguments = (
         q, k_cache, v_cache, block_tables, seq_index, positions, np.int32(heads), np.int32(kv_heads),
         np.int32(k_cache.shape[1]), np.int32(block_tables.shape[1]), np.float32(scale), np.int32(sliding_window or 0),
-        acc, best, total, out,
+        acc, best, total, out, counters if merged else np.uint64(0),
     )
     grid = (rows, kv_heads * head_blocks(heads, kv_heads), splits)
     with stream if stream is not None else contextlib.nullcontext():
         _kernel(head_dim)(grid, (THREADS,), arguments, shared_mem=shared_bytes(head_dim))
-    if splits > 1:
+    if splits > 1 and not merged:
         grouped_combine_kernel[(rows, heads, -(-head_dim // COMBINE_THREADS)), COMBINE_THREADS, numba_stream(stream)](
             device_view(acc), device_view(best), device_view(total), device_view(out),
         )

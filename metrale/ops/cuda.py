@@ -15,6 +15,7 @@ import numpy as np
 from metrale.kernels import (
     activation,
     attention,
+    attention_decode_mma,
     attention_latent,
     attention_latent_mma,
     attention_mma,
@@ -71,6 +72,7 @@ class CudaKernels:
         self.stream = stream
         self.gemm = CublasGemm(stream)
         self._route_counter: Any = None  # the decode router's ticket (moe_route_decode), zero between launches
+        self._attention_counters: list[Any] = []  # the decode attention's merge tickets, by size
 
     # ------------------------------------------------------------------------- conversions
 
@@ -212,10 +214,26 @@ class CudaKernels:
             cp.empty((rows, heads, splits), dtype=f32),
             cp.empty((rows, heads, splits), dtype=f32),
         )
+        counters = None
+        if attention.MERGE_DECODE_SPLITS and attention.uses_decode_mma(heads, kv_heads, q.shape[2], value_dim):
+            counters = self._merge_counters(attention_decode_mma.counter_count(rows, heads, kv_heads))
         return attention.paged_attention(
             q[:rows], k_cache, v_cache, batch.block_tables, batch.seq_index[:rows], batch.positions[:rows],
-            scale, sliding_window, batch.max_context, workspace, out[:rows], self.stream,
+            scale, sliding_window, batch.max_context, workspace, out[:rows], self.stream, counters,
         )
+
+    def _merge_counters(self, count: int) -> Any:
+        """At least ``count`` int32 counters, zero between launches, for the decode attention's
+        in-kernel merge. From the default pool, never freed: graphs keep their address (the graph
+        pool would hand memory a finished capture freed to later allocations while its graph still
+        writes it)."""
+        for counters in self._attention_counters:
+            if counters.size >= count:
+                return counters
+        with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+            counters = cp.zeros(max(count, 1024), dtype=np.int32)
+        self._attention_counters.append(counters)
+        return counters
 
     def paged_attention(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
                         sliding_window: int | None) -> Any:

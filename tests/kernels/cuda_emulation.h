@@ -264,6 +264,9 @@ inline void mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
 
 inline unsigned pack_bf16(float low, float high) { return emu::bf16_round(low) | (emu::bf16_round(high) << 16); }
 
+// A load of what another block wrote (the blocks of a launch run one after another here).
+inline float load_coherent(const float* address) { return *address; }
+
 // Host side of the tests' main functions: arrays filled with 0xff bytes (NaN / -1 where a kernel
 // writes nothing), read from and written to files.
 #include <fstream>

@@ -118,13 +118,14 @@ def test_wrong_arguments_are_refused_before_any_launch():
 EMULATION_MAIN = r"""
 
 int main(int argc, char** argv) {
-    if (argc != 12) return 2;
+    if (argc != 13) return 2;
     const std::string folder = argv[1];
     const int rows = std::atoi(argv[2]), heads = std::atoi(argv[3]), kv_heads = std::atoi(argv[4]);
     const int blocks = std::atoi(argv[5]), block_size = std::atoi(argv[6]), max_blocks = std::atoi(argv[7]);
     const int splits = std::atoi(argv[8]), window = std::atoi(argv[9]);
     const float scale = std::atof(argv[10]);
     emu::defer_copies = std::atoi(argv[11]);
+    const int launches = std::atoi(argv[12]);   // 0: one launch without counters (the combine kernel merges)
     const size_t cache = (size_t)blocks * block_size * kv_heads * HEAD_DIM;
     auto* q = read<float>(folder + "/q", (size_t)rows * heads * HEAD_DIM);
     auto* k_cache = read<unsigned short>(folder + "/k_cache", cache);
@@ -138,10 +139,17 @@ int main(int argc, char** argv) {
     auto* out_sum = allocate<float>(partials);
     auto* out = allocate<unsigned short>((size_t)rows * heads * HEAD_DIM);
     const int group = heads / kv_heads, head_blocks = (group + BLOCK_HEADS - 1) / BLOCK_HEADS;
-    emu::launch({(unsigned)rows, (unsigned)(kv_heads * head_blocks), (unsigned)splits}, {THREADS, 1, 1}, [&] {
-        decode_attention_mma(q, k_cache, v_cache, tables, seq_index, positions, heads, kv_heads, block_size, max_blocks,
-                             scale, window, out_acc, out_max, out_sum, out);
-    });
+    int* counters = launches ? allocate<int>((size_t)rows * kv_heads * head_blocks) : nullptr;
+    for (int i = 0; launches && i < rows * kv_heads * head_blocks; ++i) counters[i] = 0;
+    for (int launch = 0; launch < (launches ? launches : 1); ++launch) {
+        emu::launch({(unsigned)rows, (unsigned)(kv_heads * head_blocks), (unsigned)splits}, {THREADS, 1, 1}, [&] {
+            decode_attention_mma(q, k_cache, v_cache, tables, seq_index, positions, heads, kv_heads, block_size,
+                                 max_blocks, scale, window, out_acc, out_max, out_sum, out, counters);
+        });
+    }
+    int unreset = 0;
+    for (int i = 0; launches && i < rows * kv_heads * head_blocks; ++i) unreset += counters[i] != 0;
+    if (unreset) emu::fail("counters left non-zero after a launch");
     write(folder + "/out_acc", out_acc, partials * HEAD_DIM);
     write(folder + "/out_max", out_max, partials);
     write(folder + "/out_sum", out_sum, partials);
@@ -164,7 +172,7 @@ def emulated(tmp_path_factory):
                 attention_decode_mma.kernel_source(head_dim, with_instructions=False) + EMULATION_MAIN)
         return binaries[head_dim]
 
-    def run(q, k_cache, v_cache, tables, seq_index, positions, window, splits, defer_copies=True):
+    def run(q, k_cache, v_cache, tables, seq_index, positions, window, splits, defer_copies=True, launches=0):
         rows, heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         case = folder / "case"
@@ -174,7 +182,7 @@ def emulated(tmp_path_factory):
             np.ascontiguousarray(array).tofile(case / name)
         subprocess.run([str(build(head_dim)), str(case), *map(str, (
             rows, heads, kv_heads, k_cache.shape[0], k_cache.shape[1], tables.shape[1], splits, window, SCALE,
-            int(defer_copies)))], check=True, timeout=600)
+            int(defer_copies), launches))], check=True, timeout=600)
         return (np.fromfile(case / "out_acc", np.float32).reshape(rows, heads, splits, head_dim),
                 np.fromfile(case / "out_max", np.float32).reshape(rows, heads, splits),
                 np.fromfile(case / "out_sum", np.float32).reshape(rows, heads, splits),
@@ -218,3 +226,35 @@ def test_one_split_writes_the_normalised_output(emulated):
     reference = attention.paged_attention_reference(q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables,
                                                     seq_index, positions, SCALE)
     assert rel_error(bf16_to_float32(out), reference) <= 2e-2
+
+
+@pytest.mark.parametrize("contexts, heads, kv_heads, head_dim, block_size, window, splits", [
+    ((1, 200, 64), 8, 2, 64, 16, 0, 3),  # splits past the short rows' keys weigh nothing
+    ((150,), 20, 1, 64, 32, 0, 2),  # two head blocks of one KV head, the second of four heads
+    ((65, 200), 2, 2, 64, 16, 70, 4),  # a window
+])
+def test_the_last_split_merges_the_splits_itself(emulated, contexts, heads, kv_heads, head_dim, block_size, window,
+                                                 splits):
+    rng = np.random.default_rng(sum(contexts) + 7 * splits)
+    q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, contexts, heads, kv_heads, head_dim, block_size)
+    # Two launches on the same counters: the merging block leaves them at zero for the next one.
+    *partials, out = emulated(q, k_cache, v_cache, tables, seq_index, positions, window, splits, launches=2)
+    merged = combine_partials_model(*partials)
+    np.testing.assert_array_equal(out, float32_to_bf16(merged))  # the combine kernel's arithmetic, to the bit
+    model = model_output(q, k_cache, v_cache, tables, seq_index, positions, window or None, splits)
+    assert rel_error(bf16_to_float32(out), model) <= 1e-2
+    reference = attention.paged_attention_reference(q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables,
+                                                    seq_index, positions, SCALE, window or None)
+    assert rel_error(bf16_to_float32(out), reference) <= 2e-2
+
+
+def test_the_launcher_checks_the_counters(monkeypatch):
+    monkeypatch.setattr(attention_decode_mma, "supports", lambda *geometry: True)  # (numba's simulator: never)
+    q = np.zeros((2, 16, 128), np.float32)
+    cache = np.zeros((1, 16, 8, 128), np.uint16)
+    workspace = (np.zeros((2, 16, 2, 128), np.float32), np.zeros((2, 16, 2), np.float32), np.zeros((2, 16, 2), np.float32))
+    assert attention_decode_mma.counter_count(2, 16, 8) == 16 and attention_decode_mma.counter_count(1, 40, 2) == 4
+    with pytest.raises(KernelArgumentError, match="counters"):
+        attention_decode_mma.decode_attention(q, cache, cache, np.zeros((2, 1), np.int32), np.zeros(2, np.int32),
+                                              np.zeros(2, np.int32), SCALE, None, workspace,
+                                              np.zeros((2, 2048), np.uint16), counters=np.zeros(15, np.int32))

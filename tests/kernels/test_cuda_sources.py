@@ -106,3 +106,10 @@ def test_every_decode_gemv_instantiation_compiles(tmp_path):
     instantiations = "".join(f"template __global__ void {name}({signature});\n" for name in names)
     ptx = compile_to_ptx(tmp_path, decode_gemv.source() + instantiations)
     assert len(entries(ptx)) == len(names)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_decode_attention_compiles_for_every_head_size(tmp_path, head_dim):
+    from metrale.kernels import attention_decode_mma
+
+    assert "decode_attention_mma" in entries(compile_to_ptx(tmp_path, attention_decode_mma.kernel_source(head_dim)))
