@@ -683,23 +683,32 @@ def gemv_kernels(max_rows: int = 8) -> list[Kernel]:
     ]
 
 
+#: The largest MLP (gate/up and down weights, bytes) the fused decode MLP serves by default: with
+#: dependent launches it measured 1.08x the unfused kernels on a 1B-shaped MLP (101 MB) at one
+#: row, 0.98x on an 8B-shaped one (352 MB), where cuBLAS streams the large products a little faster.
+FUSED_MLP_MAX_BYTES = 128 * 1024 * 1024
+
+
 def default_decode_kernels() -> list[Kernel]:
     """The decode kernels the CUDA backend uses by default, each where it measured faster on the
     H200 than the kernels it replaces (``tools/gemv_sweep.py`` and ``tools/decode_ab.py``; the
     numbers are in the benchmarks page): the decode GEMV for ``linear`` up to 8 rows and, with the
-    norm fused, for ``rmsnorm_linear`` up to 2 rows; the decode MoE kernels for ``moe_experts`` up
-    to 8 tokens; the fused Gated DeltaNet step. ``rmsnorm_mlp`` keeps its unfused kernels."""
+    norm fused, for ``rmsnorm_linear`` up to 2 rows and for ``rmsnorm_mlp`` at one row of an MLP of
+    at most :data:`FUSED_MLP_MAX_BYTES`; the decode MoE kernels for ``moe_experts`` up to 8 tokens;
+    the fused Gated DeltaNet step."""
     by_op = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=8)}
     norm_linear = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=2)}["rmsnorm_linear"]
-    return [by_op["linear"], norm_linear] + moe_decode_kernels(max_tokens=8) + gdn_decode_kernels()
+    mlp = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=1, max_mlp_bytes=FUSED_MLP_MAX_BYTES)}
+    return [by_op["linear"], norm_linear, mlp["rmsnorm_mlp"]] + moe_decode_kernels(max_tokens=8) + gdn_decode_kernels()
 
 
-def decode_gemv_kernels(max_rows: int = 8) -> list[Kernel]:
+def decode_gemv_kernels(max_rows: int = 8, max_mlp_bytes: int | None = None) -> list[Kernel]:
     """The decode GEMV kernels (:mod:`metrale.kernels.decode_gemv`) as conditional kernels of
     ``linear``, ``rmsnorm_linear`` and ``rmsnorm_mlp`` for batches of at most ``max_rows`` rows
     (bf16 weights, inner sizes a multiple of 32 whose staged rows fit a block, 16-byte aligned
-    arrays). :func:`default_decode_kernels` registers some of them by default; a registry may add
-    them all (``registry.add_kernel``), for other row limits too."""
+    arrays; for ``rmsnorm_mlp``, weights of at most ``max_mlp_bytes`` bytes when given).
+    :func:`default_decode_kernels` registers some of them by default; a registry may add them all
+    (``registry.add_kernel``), for other limits too."""
 
     def served(rows: int, inner: int, mode: int, *arrays: Any) -> bool:
         from metrale.kernels import decode_gemv
@@ -717,7 +726,8 @@ def decode_gemv_kernels(max_rows: int = 8) -> list[Kernel]:
     def small_norm_mlp(x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any, gate_up: Any, down: Any,
                        gate_up_bias: Any = None, down_bias: Any = None) -> bool:
         return (gate_up_bias is None and served(x.shape[0], x.shape[1], 1, gate_up, norm_weight, x)
-                and served(x.shape[0], down.shape[1], 2, down))
+                and served(x.shape[0], down.shape[1], 2, down)
+                and (max_mlp_bytes is None or gate_up.nbytes + down.nbytes <= max_mlp_bytes))
 
     condition = f"N <= {max_rows}, bf16 weights, inner sizes a multiple of 32"
     return [
@@ -727,7 +737,8 @@ def decode_gemv_kernels(max_rows: int = 8) -> list[Kernel]:
                build=_cuda_method("rmsnorm_linear_decode_gemv"), when=small_norm_linear, condition=condition),
         Kernel("rmsnorm_mlp", "cuda", "metrale.kernels.decode_gemv (the norm and the gate fused)",
                build=_cuda_method("rmsnorm_mlp_decode_gemv"), when=small_norm_mlp,
-               condition=condition + ", no gate_up bias"),
+               condition=condition + ", no gate_up bias"
+               + (f", weights of at most {max_mlp_bytes / 2**20:g} MiB" if max_mlp_bytes is not None else "")),
     ]
 
 

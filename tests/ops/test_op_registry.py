@@ -202,6 +202,8 @@ def test_the_gemv_kernels_are_offered_not_bound():
 def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones():
     registry = builtin_registry()
     assert registry.serving("rmsnorm_mlp", "cuda") == [
+        "metrale.kernels.decode_gemv (the norm and the gate fused) [metrale] when N <= 1, bf16 weights, inner sizes "
+        "a multiple of 32, no gate_up bias, weights of at most 128 MiB",
         "rmsnorm_residual, then linear_silu and linear (their kernels) [metrale]"]
     assert registry.serving("linear", "cuda") == [
         "metrale.kernels.decode_gemv [metrale] when N <= 8, bf16 weights, inner sizes a multiple of 32",
@@ -210,7 +212,7 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
         "metrale.kernels.decode_gemv (the norm fused) [metrale] when N <= 2")
     assert registry.serving("moe_experts", "cuda")[0].startswith("metrale.kernels.moe_decode [metrale] when N <= 8")
     assert registry.serving("gdn_decode", "cuda")[0].startswith("metrale.kernels.gdn_decode [metrale] when")
-    for op in ("linear", "rmsnorm_linear", "moe_experts", "gdn_decode"):
+    for op in ("linear", "rmsnorm_linear", "rmsnorm_mlp", "moe_experts", "gdn_decode"):
         assert registry.kernels_for(op, "cuda")[-1].when is None  # what serves every other call
 
 
@@ -238,6 +240,26 @@ def test_the_decode_gemv_kernels_take_what_they_serve():
     assert norm_mlp(floats(2, 64), None, bits(64), 1e-6, 0.0, bits(128, 64), bits(64, 64))
     assert not norm_mlp(floats(2, 64), None, bits(64), 1e-6, 0.0, bits(128, 64), bits(64, 64), floats(128))  # gate bias
     assert kernels["linear"].when(bits(3, 128), bits(16, 128)) and not kernels["linear"].when(bits(3, 100), bits(16, 100))
+
+
+def test_the_default_fused_mlp_serves_one_row_of_a_small_mlp():
+    from metrale.ops.builtin import FUSED_MLP_MAX_BYTES, default_decode_kernels
+
+    (mlp,) = [kernel for kernel in default_decode_kernels() if kernel.op == "rmsnorm_mlp"]
+
+    class Weight:  # the shape and size of a bf16 weight, without its memory
+        dtype = np.dtype(np.uint16)
+
+        def __init__(self, rows, columns):
+            self.shape, self.nbytes = (rows, columns), 2 * rows * columns
+
+    x, norm = np.zeros((1, 2048), np.float32), np.zeros(2048, np.uint16)
+    small = (Weight(16384, 2048), Weight(2048, 8192))  # a 1B-shaped MLP, 101 MB
+    large = (Weight(28672, 4096), Weight(4096, 14336))  # an 8B-shaped one, 352 MB
+    assert sum(w.nbytes for w in small) <= FUSED_MLP_MAX_BYTES < sum(w.nbytes for w in large)
+    assert mlp.when(x, None, norm, 1e-5, 0.0, *small)
+    assert not mlp.when(np.zeros((1, 4096), np.float32), None, np.zeros(4096, np.uint16), 1e-5, 0.0, *large)
+    assert not mlp.when(np.zeros((2, 2048), np.float32), None, norm, 1e-5, 0.0, *small)  # two rows: unfused
 
 
 def test_the_decode_moe_kernel_takes_decode_batches():
