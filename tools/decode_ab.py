@@ -8,15 +8,18 @@ tokens read back; CUDA events, median of ``--steps``). The two engines' logits o
 are compared (the largest difference over the largest logit), and their greedy tokens over
 ``--check-steps`` steps (they may part at near ties: a fused kernel sums in another order, and
 random weights give flat logits). ``--offered`` adds to the fused engine the decode kernels that are
-offered but not registered by default. Run from the repository root::
+offered but not registered by default; ``--merge-splits`` has its tensor-core decode attention
+merge its own splits (``metrale.kernels.attention.MERGE_DECODE_SPLITS``; the unfused engine keeps
+the combine kernel). Run from the repository root::
 
     python3 tools/decode_ab.py [--shapes llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small] [--batch 1,4,8]
-                               [--context 512] [--offered]
+                               [--context 512] [--offered] [--merge-splits]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -61,10 +64,13 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/metrale-bench")
     parser.add_argument("--offered", action="store_true",
                         help="the fused engine also takes the decode kernels not registered by default")
+    parser.add_argument("--merge-splits", action="store_true",
+                        help="the fused engine's decode attention merges its own splits")
     args = parser.parse_args()
 
     from metrale.api import LLM
     from metrale.bench import _cuda_time, build_checkpoint
+    from metrale.kernels import attention
     from metrale.params import SamplingParams
     from metrale.plugin_manager import get_plugin_manager
     from metrale.sequence import SequenceState
@@ -83,34 +89,46 @@ def main() -> None:
             fused_manager.register(OfferedDecodePlugin(), name="offered-decode")
         engines = {"unfused": LLM(folder, plugin_manager=unfused_manager, **options),
                    "fused": LLM(folder, plugin_manager=fused_manager, **options)}
-        for llm in engines.values():
-            llm.capture_graphs(batches)
+        @contextlib.contextmanager
+        def kernels_of(name):
+            # The attention's choice is read when a step runs eagerly or is recorded; replays keep it.
+            saved = attention.MERGE_DECODE_SPLITS
+            attention.MERGE_DECODE_SPLITS = args.merge_splits and name == "fused"
+            try:
+                yield
+            finally:
+                attention.MERGE_DECODE_SPLITS = saved
+
+        for name, llm in engines.items():
+            with kernels_of(name):
+                llm.capture_graphs(batches)
         for batch in batches:
             rng = np.random.default_rng(batch)
             prompts = [rng.integers(0, engines["fused"].vocab_size, args.context).tolist() for _ in range(batch)]
             greedy, seeds = [SamplingParams(temperature=0.0)] * batch, list(range(batch))
             times, tokens, first_logits = {}, {}, {}
             for name, llm in engines.items():
-                seqs = [SequenceState.from_prompt(list(p)) for p in prompts]
-                for seq in seqs:
-                    llm.forward.prefill(seq.tokens, seq)
-                step_tokens = [1] * batch
-                chosen = []
-                for step in range(args.check_steps):  # greedy decode, every token fed back
-                    logits = llm.forward.decode_batch(step_tokens, seqs)
-                    if step == 0:
-                        first_logits[name] = np.asarray(llm.backend.to_numpy(logits), dtype=np.float32)
-                    step_tokens = [int(t) for t in llm.engine.sampler.sample(logits, greedy, seeds, [0] * batch)]
-                    chosen.append(step_tokens)
-                tokens[name] = chosen
+                with kernels_of(name):
+                    seqs = [SequenceState.from_prompt(list(p)) for p in prompts]
+                    for seq in seqs:
+                        llm.forward.prefill(seq.tokens, seq)
+                    step_tokens = [1] * batch
+                    chosen = []
+                    for step in range(args.check_steps):  # greedy decode, every token fed back
+                        logits = llm.forward.decode_batch(step_tokens, seqs)
+                        if step == 0:
+                            first_logits[name] = np.asarray(llm.backend.to_numpy(logits), dtype=np.float32)
+                        step_tokens = [int(t) for t in llm.engine.sampler.sample(logits, greedy, seeds, [0] * batch)]
+                        chosen.append(step_tokens)
+                    tokens[name] = chosen
 
-                def step() -> None:
-                    logits = llm.forward.decode_batch(step_tokens, seqs)
-                    llm.engine.sampler.sample(logits, greedy, seeds, [0] * batch)
+                    def step() -> None:
+                        logits = llm.forward.decode_batch(step_tokens, seqs)
+                        llm.engine.sampler.sample(logits, greedy, seeds, [0] * batch)
 
-                times[name] = _cuda_time(step, repeats=args.steps, stream=llm.backend.stream)
-                for seq in seqs:
-                    llm.cache.release(seq)
+                    times[name] = _cuda_time(step, repeats=args.steps, stream=llm.backend.stream)
+                    for seq in seqs:
+                        llm.cache.release(seq)
             same = sum(a == b for a, b in zip(tokens["unfused"], tokens["fused"]))
             difference = np.abs(first_logits["fused"] - first_logits["unfused"]).max()
             relative = difference / np.abs(first_logits["unfused"]).max()
