@@ -4,7 +4,9 @@ A decode step of ``n`` sequences is padded to the next rung (1, 2, 4, 8, 16, 24,
 128). Each rung owns static device buffers for the step's row metadata (token ids, positions,
 cache slots, block tables); the host packs one step's metadata into a pinned buffer and copies
 it in with one transfer, then replays the rung's graph. Padding rows decode token 0 at position
-0 into the reserved dummy block, so they never touch a real sequence.
+0 into the reserved dummy block, so they never touch a real sequence. The block table a bucket's
+graph reads is as wide as the bucket needs (:func:`table_width`), so a step packs and uploads
+the blocks its contexts can reach, not ``max_model_len``'s.
 
 A rung holds one graph per live-context bucket (:func:`context_buckets`: 512 tokens, then four
 times more each, up to ``max_model_len``): a step replays the graph of the smallest bucket that
@@ -62,6 +64,45 @@ CONTEXT_BUCKET_START = 512
 _VECTORS = ("token_ids", "positions", "slot_mapping", "seq_index", "logits_rows", "state_slots")
 
 
+def table_width(bucket: int, block_size: int, max_blocks: int) -> int:
+    """Columns of the block table a graph of context bucket ``bucket`` reads: the blocks that
+    many tokens fill, at most ``max_blocks``."""
+    return min(max_blocks, -(-bucket // block_size))
+
+
+def decode_buffer_length(size: int, width: int) -> int:
+    """int32 values of a rung's packed metadata for tables ``width`` wide: six ``[size]`` vectors
+    (token ids, positions, cache slots, sequence index, logits rows, state slots), then the
+    ``[size, width]`` block table."""
+    return len(_VECTORS) * size + size * width
+
+
+def pack_decode(host: np.ndarray, size: int, width: int, batch: ForwardBatch | None) -> int:
+    """Write the padded metadata of a decode ``batch`` (or of padding rows only, for None) into
+    the start of ``host`` as :func:`decode_buffer_length` lays it out for tables ``width`` wide;
+    returns the values written. Each row its own table row and logits row; padding rows decode
+    token 0 at position 0 into slot 0 of the dummy block 0, with state slot 0."""
+    used = decode_buffer_length(size, width)
+    packed = host[:used]
+    packed[:] = 0
+    arange = np.arange(size, dtype=np.int32)
+    packed[3 * size : 4 * size] = arange  # seq_index: each row its own table row
+    packed[4 * size : 5 * size] = arange  # logits_rows: every row
+    if batch is not None:
+        rows = batch.num_rows
+        packed[0:rows] = batch.token_ids
+        packed[size : size + rows] = batch.positions
+        packed[2 * size : 2 * size + rows] = batch.slot_mapping
+        if batch.state_slots is not None:
+            packed[5 * size : 5 * size + rows] = batch.state_slots  # padding rows: the dummy slot 0
+        table = packed[len(_VECTORS) * size :].reshape(size, width)
+        # (A step's sequences hold no more blocks than its bucket's tokens fill; the columns past
+        # ``width`` are never read by the bucket's graph.)
+        columns = min(width, batch.block_tables.shape[1])
+        table[:rows, :columns] = batch.block_tables[:, :columns]
+    return used
+
+
 def context_buckets(max_model_len: int) -> tuple[int, ...]:
     """The live-context buckets of the decode graphs: 512, 2,048, 8,192, ... below
     ``max_model_len``, then ``max_model_len``."""
@@ -85,9 +126,12 @@ class Rung:
     outputs: dict[int, Any] = field(default_factory=dict)  # the logits buffer of each graph
     uploaded: Any = None  # event recorded after the last host-to-device copy of ``host``
 
-    def bucket_batch(self, bucket: int) -> ForwardBatch:
-        """The rung's batch as a graph of ``bucket`` records it (the same device buffers)."""
-        return dataclasses.replace(self.batch, max_context=bucket, extras={})
+    def bucket_batch(self, bucket: int, width: int) -> ForwardBatch:
+        """The rung's batch as a graph of ``bucket`` records it: the same device buffers, the block
+        table ``width`` columns wide (:func:`table_width`) at the start of the table's space."""
+        start = len(_VECTORS) * self.size
+        table = self.device[start : start + self.size * width].reshape(self.size, width)
+        return dataclasses.replace(self.batch, max_context=bucket, block_tables=table, extras={})
 
 
 @dataclass
@@ -204,6 +248,10 @@ class CudaGraphRunner:
 
     def rung_size(self, rows: int) -> int:
         return next(size for size in DECODE_RUNGS if size >= rows)
+
+    def table_width(self, bucket: int) -> int:
+        """Columns of the block table the graphs of ``bucket`` read (:func:`table_width`)."""
+        return table_width(bucket, self.block_size, self.max_blocks)
 
     def context_bucket(self, context: int) -> int:
         """The bucket whose graph replays a step whose longest sequence holds ``context`` tokens."""
@@ -324,29 +372,16 @@ class CudaGraphRunner:
         rung = self.rungs[size] = Rung(size, host, device, batch)
         return rung
 
-    def _fill(self, rung: Rung, batch: ForwardBatch | None) -> None:
-        """Pack ``batch`` (or only padding rows) into the rung's pinned buffer and upload it."""
+    def _fill(self, rung: Rung, batch: ForwardBatch | None, bucket: int) -> None:
+        """Pack ``batch`` (or only padding rows) into the rung's pinned buffer as the graph of
+        ``bucket`` reads it (:func:`pack_decode`) and upload what was packed."""
         import cupy
 
-        size, host = rung.size, rung.host
         if rung.uploaded is not None:
             rung.uploaded.synchronize()  # the previous step's copy has read the pinned buffer
-        host[:] = 0
-        arange = np.arange(size, dtype=np.int32)
-        host[3 * size : 4 * size] = arange  # seq_index: each row its own table row
-        host[4 * size : 5 * size] = arange  # logits_rows: every row
-        if batch is not None:
-            rows = batch.num_rows
-            host[0:rows] = batch.token_ids
-            host[size : size + rows] = batch.positions
-            host[2 * size : 2 * size + rows] = batch.slot_mapping
-            if batch.state_slots is not None:
-                host[5 * size : 5 * size + rows] = batch.state_slots  # padding rows: the dummy slot 0
-            table = host[6 * size :].reshape(size, self.max_blocks)
-            width = batch.block_tables.shape[1]
-            table[:rows, :width] = batch.block_tables
+        used = pack_decode(rung.host, rung.size, self.table_width(bucket), batch)
         # (A raw copy: CuPy's ``set`` costs several times more host time.)
-        rung.device.data.copy_from_host_async(host.ctypes.data_as(ctypes.c_void_p), host.nbytes, self.backend.stream)
+        rung.device.data.copy_from_host_async(rung.host.ctypes.data_as(ctypes.c_void_p), 4 * used, self.backend.stream)
         if rung.uploaded is None:
             rung.uploaded = cupy.cuda.Event(disable_timing=True)
         rung.uploaded.record(self.backend.stream)
@@ -358,7 +393,7 @@ class CudaGraphRunner:
 
         rung = self._rung(self.rung_size(batch.num_rows))
         bucket = self.context_bucket(batch.max_context)
-        self._fill(rung, batch)
+        self._fill(rung, batch, bucket)
         if feed is not None:
             feed(rung.batch.token_ids)
         if bucket not in rung.graphs:
@@ -397,13 +432,13 @@ class CudaGraphRunner:
                 if self.disabled is not None:
                     return
                 if bucket not in rung.graphs:
-                    self._fill(rung, None)
+                    self._fill(rung, None, bucket)
                     self._record_decode(rung, bucket)
 
     def _record_decode(self, rung: Rung, bucket: int) -> Any:
         """Record ``rung``'s graph of ``bucket`` (unless graphs are turned off meanwhile); the
         eager run's logits."""
-        graph, output, eager = self._record(rung.bucket_batch(bucket))
+        graph, output, eager = self._record(rung.bucket_batch(bucket, self.table_width(bucket)))
         if graph is not None:
             rung.graphs[bucket], rung.outputs[bucket] = graph, output
         return eager

@@ -1,12 +1,16 @@
 """Decode graphs by live-context bucket (``metrale.runner.graphs``): the buckets a model gets,
-the bucket a step replays, and the graphs recorded ahead of time (a runner whose recording is
-stubbed, so no GPU is needed)."""
+the bucket a step replays, the graphs recorded ahead of time (a runner whose recording is
+stubbed, so no GPU is needed), and a step's metadata packed with the block table as wide as its
+bucket needs."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from metrale.runner.graphs import CudaGraphRunner, Rung, context_buckets
+from metrale.batch import ForwardBatch, Segment
+from metrale.runner.graphs import CudaGraphRunner, Rung, context_buckets, decode_buffer_length, pack_decode, table_width
+from metrale.sequence import SequenceState
 
 
 @pytest.mark.parametrize("max_model_len, buckets", [
@@ -27,7 +31,7 @@ def stub_runner(max_model_len: int, recorded: list) -> CudaGraphRunner:
     runner.buckets = context_buckets(max_model_len)
     runner.rungs = {}
     runner._rung = lambda size: runner.rungs.setdefault(size, Rung(size, None, None, None))
-    runner._fill = lambda rung, batch: None
+    runner._fill = lambda rung, batch, bucket: None
 
     def record(rung, bucket):
         recorded.append((rung.size, bucket))
@@ -66,3 +70,32 @@ def test_capture_stops_once_graphs_are_turned_off():
     runner._record_decode = failing
     runner.capture((1, 2))
     assert recorded == [(1, 512)]
+
+
+def test_a_bucket_reads_the_blocks_its_tokens_fill():
+    assert table_width(512, 16, 8192) == 32
+    assert table_width(513, 16, 8192) == 33
+    assert table_width(131072, 16, 2000) == 2000  # no more than the cache holds
+
+
+def test_a_step_packs_its_table_as_wide_as_its_bucket():
+    seqs = [SequenceState.from_prompt(list(range(n))) for n in (40, 7)]
+    for seq, blocks in zip(seqs, ([5, 9, 2], [4])):
+        seq.block_table = blocks
+        seq.num_cached = len(seq.tokens) - 1
+    batch = ForwardBatch.build([Segment(s, [s.tokens[-1]], s.num_cached, "last") for s in seqs], 16)
+    size, width = 4, table_width(512, 16, 8192)
+    host = np.full(decode_buffer_length(size, 8192), 7, np.int32)  # a rung's buffer: the widest table
+    used = pack_decode(host, size, width, batch)
+    assert used == decode_buffer_length(size, width) == 6 * size + size * width
+    vectors = host[: 6 * size].reshape(6, size)
+    assert vectors[0].tolist() == [39, 6, 0, 0]  # token ids, then padding rows' token 0
+    assert vectors[1].tolist() == [39, 6, 0, 0]  # positions
+    assert vectors[2].tolist() == [2 * 16 + 39 % 16, 4 * 16 + 6, 0, 0]  # cache slots
+    assert vectors[3].tolist() == vectors[4].tolist() == [0, 1, 2, 3]  # each row its table row and logits row
+    table = host[6 * size : used].reshape(size, width)
+    assert table[0, :3].tolist() == [5, 9, 2] and table[1, :1].tolist() == [4]
+    assert not table[0, 3:].any() and not table[1, 1:].any() and not table[2:].any()
+    assert (host[used:] == 7).all()  # nothing past what the bucket reads is written
+    padding = pack_decode(host, size, width, None)
+    assert padding == used and not host[: 3 * size].any() and not host[6 * size : used].any()
