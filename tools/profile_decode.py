@@ -193,11 +193,10 @@ def main() -> None:
 @contextlib.contextmanager
 def marking_between_replays(llm, runner):
     """CUDA events on the stream before and after each piece of a decode step's work outside its
-    graph: the upload of the rung's metadata (``fill``), the pending tokens' feed (``feed``) and
-    the sampler (``sampler``); yields the list of ``(label, event)`` marks, in stream order."""
+    graph: the upload of the rung's metadata (``fill``, which carries the pending tokens' rows), the
+    op that feeds those tokens in (``feed``) and the sampler (``sampler``); yields the list of
+    ``(label, event)`` marks, in stream order."""
     import cupy
-
-    from metrale.runner.runner import TokenFeed
 
     stream = llm.backend.stream
     markers: list[tuple[str, object]] = []
@@ -223,8 +222,8 @@ def marking_between_replays(llm, runner):
     sampler = llm.engine.sampler
     restore = [(runner, "_fill", wrap(runner, "_fill", "fill")),
                (sampler, "sample_async", wrap(sampler, "sample_async", "sampler"))]
-    feed = TokenFeed._feed
-    TokenFeed._feed = lambda self, *a, **k: (mark("feed start"), feed(self, *a, **k), mark("feed end"))[1]
+    ops = llm.backend.ops
+    restore.append((ops, "feed_tokens", wrap(ops, "feed_tokens", "feed")))
     original_launch = runner._launch
 
     def launch(graph, rows):
@@ -237,10 +236,9 @@ def marking_between_replays(llm, runner):
     try:
         yield markers
     finally:
-        TokenFeed._feed = feed
         del runner._launch  # the instance attribute; the class's method shows again
-        for owner, name, _ in restore:
-            delattr(owner, name)  # the instance attribute; the class's method shows again
+        for owner, name, original in restore:
+            setattr(owner, name, original)
 
 
 def split_gaps(replays, markers) -> dict[str, list[float]]:

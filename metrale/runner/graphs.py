@@ -60,8 +60,11 @@ MIXED_PROMPT_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 #: The smallest live-context bucket of the decode graphs; each next one is four times larger.
 CONTEXT_BUCKET_START = 512
 
-# Field order of the packed int32 metadata: six [B] vectors, then the [B, max_blocks] table.
+# Field order of the packed int32 metadata: six [B] vectors, then the pending tokens' feed (its
+# rows and its indices, [B] each), then the [B, width] table.
 _VECTORS = ("token_ids", "positions", "slot_mapping", "seq_index", "logits_rows", "state_slots")
+_FEED_VECTORS = 2
+_TABLE_START = len(_VECTORS) + _FEED_VECTORS  # in [B] vectors
 
 
 def table_width(bucket: int, block_size: int, max_blocks: int) -> int:
@@ -72,16 +75,20 @@ def table_width(bucket: int, block_size: int, max_blocks: int) -> int:
 
 def decode_buffer_length(size: int, width: int) -> int:
     """int32 values of a rung's packed metadata for tables ``width`` wide: six ``[size]`` vectors
-    (token ids, positions, cache slots, sequence index, logits rows, state slots), then the
-    ``[size, width]`` block table."""
-    return len(_VECTORS) * size + size * width
+    (token ids, positions, cache slots, sequence index, logits rows, state slots), two more (the
+    rows and indices of the pending tokens fed in, :func:`pack_decode`), then the ``[size,
+    width]`` block table."""
+    return _TABLE_START * size + size * width
 
 
-def pack_decode(host: np.ndarray, size: int, width: int, batch: ForwardBatch | None) -> int:
+def pack_decode(host: np.ndarray, size: int, width: int, batch: ForwardBatch | None,
+                feed: tuple[list[int], list[int]] | None = None) -> int:
     """Write the padded metadata of a decode ``batch`` (or of padding rows only, for None) into
     the start of ``host`` as :func:`decode_buffer_length` lays it out for tables ``width`` wide;
     returns the values written. Each row its own table row and logits row; padding rows decode
-    token 0 at position 0 into slot 0 of the dummy block 0, with state slot 0."""
+    token 0 at position 0 into slot 0 of the dummy block 0, with state slot 0. ``feed``, the rows
+    and the indices of one sampler call's pending tokens (at most ``size`` each), goes to the two
+    vectors after the six."""
     used = decode_buffer_length(size, width)
     packed = host[:used]
     packed[:] = 0
@@ -95,11 +102,16 @@ def pack_decode(host: np.ndarray, size: int, width: int, batch: ForwardBatch | N
         packed[2 * size : 2 * size + rows] = batch.slot_mapping
         if batch.state_slots is not None:
             packed[5 * size : 5 * size + rows] = batch.state_slots  # padding rows: the dummy slot 0
-        table = packed[len(_VECTORS) * size :].reshape(size, width)
+        table = packed[_TABLE_START * size :].reshape(size, width)
         # (A step's sequences hold no more blocks than its bucket's tokens fill; the columns past
         # ``width`` are never read by the bucket's graph.)
         columns = min(width, batch.block_tables.shape[1])
         table[:rows, :columns] = batch.block_tables[:, :columns]
+    if feed is not None:
+        rows, indices = feed
+        start = len(_VECTORS) * size
+        packed[start : start + len(rows)] = rows
+        packed[start + size : start + size + len(indices)] = indices
     return used
 
 
@@ -129,7 +141,7 @@ class Rung:
     def bucket_batch(self, bucket: int, width: int) -> ForwardBatch:
         """The rung's batch as a graph of ``bucket`` records it: the same device buffers, the block
         table ``width`` columns wide (:func:`table_width`) at the start of the table's space."""
-        start = len(_VECTORS) * self.size
+        start = _TABLE_START * self.size
         table = self.device[start : start + self.size * width].reshape(self.size, width)
         return dataclasses.replace(self.batch, max_context=bucket, block_tables=table, extras={})
 
@@ -357,13 +369,13 @@ class CudaGraphRunner:
         import cupy
         import cupyx
 
-        length = len(_VECTORS) * size + size * self.max_blocks
+        length = decode_buffer_length(size, self.max_blocks)
         host = cupyx.empty_pinned((length,), dtype=np.int32)
         host[:] = 0
         with cupy.cuda.using_allocator(self.backend.graph_pool.malloc):
             device = cupy.zeros(length, dtype=np.int32)
         views = {name: device[i * size : (i + 1) * size] for i, name in enumerate(_VECTORS)}
-        table = device[len(_VECTORS) * size :].reshape(size, self.max_blocks)
+        table = device[_TABLE_START * size :].reshape(size, self.max_blocks)
         batch = ForwardBatch(
             segments=[], token_ids=views["token_ids"], positions=views["positions"], seq_index=views["seq_index"],
             slot_mapping=views["slot_mapping"], block_tables=table, row_starts=np.arange(size + 1),
@@ -372,14 +384,16 @@ class CudaGraphRunner:
         rung = self.rungs[size] = Rung(size, host, device, batch)
         return rung
 
-    def _fill(self, rung: Rung, batch: ForwardBatch | None, bucket: int) -> None:
+    def _fill(self, rung: Rung, batch: ForwardBatch | None, bucket: int,
+              feed: tuple[list[int], list[int]] | None = None) -> None:
         """Pack ``batch`` (or only padding rows) into the rung's pinned buffer as the graph of
-        ``bucket`` reads it (:func:`pack_decode`) and upload what was packed."""
+        ``bucket`` reads it (:func:`pack_decode`, with ``feed``'s rows and indices) and upload
+        what was packed."""
         import cupy
 
         if rung.uploaded is not None:
             rung.uploaded.synchronize()  # the previous step's copy has read the pinned buffer
-        used = pack_decode(rung.host, rung.size, self.table_width(bucket), batch)
+        used = pack_decode(rung.host, rung.size, self.table_width(bucket), batch, feed)
         # (A raw copy: CuPy's ``set`` costs several times more host time.)
         rung.device.data.copy_from_host_async(rung.host.ctypes.data_as(ctypes.c_void_p), 4 * used, self.backend.stream)
         if rung.uploaded is None:
@@ -393,8 +407,15 @@ class CudaGraphRunner:
 
         rung = self._rung(self.rung_size(batch.num_rows))
         bucket = self.context_bucket(batch.max_context)
-        self._fill(rung, batch, bucket)
-        if feed is not None:
+        # The pending tokens of one sampler call (the usual case) travel in the metadata's upload.
+        single = feed is not None and len(feed.groups) == 1
+        self._fill(rung, batch, bucket, feed.groups[0][1:] if single else None)
+        if single:
+            source, rows, _ = feed.groups[0]
+            start, count = len(_VECTORS) * rung.size, len(rows)
+            self.backend.ops.feed_tokens(rung.batch.token_ids, source, rung.device[start : start + count],
+                                         rung.device[start + rung.size : start + rung.size + count])
+        elif feed is not None:
             feed(rung.batch.token_ids)
         if bucket not in rung.graphs:
             logits = self._record_decode(rung, bucket)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -105,10 +105,25 @@ class ModelRunner:
         return logits
 
 
+class PendingTokens:
+    """The pending tokens of one batch (:meth:`TokenFeed.plan`): ``groups`` holds, per sampler call
+    that drew some of them, its device tokens, the batch rows that take them and their indices in
+    those tokens. Called with a device copy of the batch's token ids, it feeds them in."""
+
+    def __init__(self, feed: "TokenFeed", groups: list[tuple[Any, list[int], list[int]]]) -> None:
+        self.feed = feed
+        self.groups = groups
+
+    def __call__(self, token_ids: Any) -> None:
+        self.feed._feed(token_ids, self.groups)
+
+
 class TokenFeed:
     """Feeds the pending tokens of a batch's sequences into its device token ids (see the module
     docstring): one small upload of the rows and indices, then the op ``feed_tokens`` per step
-    whose tokens are pending (normally one, the step in flight)."""
+    whose tokens are pending (normally one, the step in flight). A decode step replayed from a
+    graph packs the rows and indices of a single such step into its own metadata upload instead
+    (:meth:`metrale.runner.graphs.CudaGraphRunner.run`)."""
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
@@ -116,9 +131,9 @@ class TokenFeed:
         self._device: Any = None
         self._uploaded: Any = None  # event recorded after the last upload of ``_host``
 
-    def plan(self, batch: ForwardBatch) -> Callable[[Any], None] | None:
-        """A function that feeds ``batch``'s pending tokens into a device copy of its token ids
-        (laid out row for row like ``batch``'s), or None when no token is pending."""
+    def plan(self, batch: ForwardBatch) -> PendingTokens | None:
+        """What feeds ``batch``'s pending tokens into a device copy of its token ids (laid out row
+        for row like ``batch``'s), or None when no token is pending."""
         sources: dict[int, tuple[Any, list[int], list[int]]] = {}
         for index, segment in enumerate(batch.segments):
             pending = segment.seq.pending_token
@@ -133,8 +148,7 @@ class TokenFeed:
             entry[2].append(int(row))
         if not sources:
             return None
-        groups = list(sources.values())
-        return lambda token_ids: self._feed(token_ids, groups)
+        return PendingTokens(self, list(sources.values()))
 
     def _feed(self, token_ids: Any, groups: list[tuple[Any, list[int], list[int]]]) -> None:
         ops = self.backend.ops

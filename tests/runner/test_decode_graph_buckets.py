@@ -86,14 +86,15 @@ def test_a_step_packs_its_table_as_wide_as_its_bucket():
     batch = ForwardBatch.build([Segment(s, [s.tokens[-1]], s.num_cached, "last") for s in seqs], 16)
     size, width = 4, table_width(512, 16, 8192)
     host = np.full(decode_buffer_length(size, 8192), 7, np.int32)  # a rung's buffer: the widest table
-    used = pack_decode(host, size, width, batch)
-    assert used == decode_buffer_length(size, width) == 6 * size + size * width
-    vectors = host[: 6 * size].reshape(6, size)
+    used = pack_decode(host, size, width, batch, feed=([1, 0], [0, 1]))
+    assert used == decode_buffer_length(size, width) == 8 * size + size * width
+    vectors = host[: 8 * size].reshape(8, size)
     assert vectors[0].tolist() == [39, 6, 0, 0]  # token ids, then padding rows' token 0
     assert vectors[1].tolist() == [39, 6, 0, 0]  # positions
     assert vectors[2].tolist() == [2 * 16 + 39 % 16, 4 * 16 + 6, 0, 0]  # cache slots
     assert vectors[3].tolist() == vectors[4].tolist() == [0, 1, 2, 3]  # each row its table row and logits row
-    table = host[6 * size : used].reshape(size, width)
+    assert vectors[6].tolist() == [1, 0, 0, 0] and vectors[7].tolist() == [0, 1, 0, 0]  # the feed's rows, indices
+    table = host[8 * size : used].reshape(size, width)
     assert table[0, :3].tolist() == [5, 9, 2] and table[1, :1].tolist() == [4]
     assert not table[0, 3:].any() and not table[1, 1:].any() and not table[2:].any()
     assert (host[used:] == 7).all()  # nothing past what the bucket reads is written
