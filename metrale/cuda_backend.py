@@ -37,7 +37,10 @@ class CudaBackend(Backend):
         self.stream = cupy.cuda.Stream(non_blocking=True)
         #: The built-in ops' CUDA implementations (the op table binds them).
         self.kernels = CudaKernels(self.stream)
-        #: Private pool of the memory captured graphs use, so eager work never reuses it.
+        #: Private pool of what a graph capture allocates (the graph's intermediates), so eager work
+        #: never reuses it. It hands the memory a finished capture freed to the next capture (graphs
+        #: replay one at a time), so buffers that outlive a step (graph inputs, the sampler's) come
+        #: from the default pool instead.
         self.graph_pool = cupy.cuda.MemoryPool()
         self.cuda_graphs = cuda_graphs
         self._count_nonfinite_bf16: Any = None

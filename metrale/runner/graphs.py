@@ -67,6 +67,16 @@ _FEED_VECTORS = 2
 _TABLE_START = len(_VECTORS) + _FEED_VECTORS  # in [B] vectors
 
 
+def persistent_zeros(length: int) -> Any:
+    """A zeroed device int32 array for metadata that outlives a step, from CuPy's default pool:
+    the backend's graph pool hands the memory a finished capture freed (that graph's intermediates)
+    to later allocations while the graph still writes it at every replay."""
+    import cupy
+
+    with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+        return cupy.zeros(length, dtype=np.int32)
+
+
 def table_width(bucket: int, block_size: int, max_blocks: int) -> int:
     """Columns of the block table a graph of context bucket ``bucket`` reads: the blocks that
     many tokens fill, at most ``max_blocks``."""
@@ -294,14 +304,12 @@ class CudaGraphRunner:
         return rung
 
     def _new_mixed_rung(self, decode: int, prompt: int) -> MixedRung:
-        import cupy
         import cupyx
 
         length = mixed_buffer_length(decode, prompt, self.max_blocks)
         host = cupyx.empty_pinned((length,), dtype=np.int32)
         host[:] = 0
-        with cupy.cuda.using_allocator(self.backend.graph_pool.malloc):
-            device = cupy.zeros(length, dtype=np.int32)
+        device = persistent_zeros(length)
         batch = mixed_batch(device, decode, prompt, self.max_blocks, self.model.max_model_len)
         return MixedRung(decode, prompt, host, device, batch)
 
@@ -366,14 +374,12 @@ class CudaGraphRunner:
         rung = self.rungs.get(size)
         if rung is not None:
             return rung
-        import cupy
         import cupyx
 
         length = decode_buffer_length(size, self.max_blocks)
         host = cupyx.empty_pinned((length,), dtype=np.int32)
         host[:] = 0
-        with cupy.cuda.using_allocator(self.backend.graph_pool.malloc):
-            device = cupy.zeros(length, dtype=np.int32)
+        device = persistent_zeros(length)
         views = {name: device[i * size : (i + 1) * size] for i, name in enumerate(_VECTORS)}
         table = device[_TABLE_START * size :].reshape(size, self.max_blocks)
         batch = ForwardBatch(

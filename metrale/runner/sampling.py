@@ -577,17 +577,17 @@ class CudaSampler(TokenSampler):
         # Packed per row: seed and step (int64), temperature, top_k, top_p, uniform, log_min_p (32-bit).
         packed = cupyx.empty_pinned((rows * ROW_BYTES,), dtype=np.uint8)
         tokens = cupyx.empty_pinned((rows,), dtype=np.int32)
-        with backend.stream, backend.xp.cuda.using_allocator(backend.graph_pool.malloc):
+        # From the default pool, as everything that outlives a step: the graph pool hands the
+        # memory a finished capture freed to later allocations while that graph still writes it
+        # (the tokens are read by the next step's feed; the greedy kernel's counters must keep
+        # their zeros from one launch to the next).
+        with backend.stream, backend.xp.cuda.using_allocator(backend.xp.get_default_memory_pool().malloc):
             device = backend.xp.empty(rows * ROW_BYTES, dtype=np.uint8)
             out = backend.xp.empty(rows, dtype=np.int32)
             logits = backend.xp.empty((rows, vocab), dtype=np.float32)
-        greedy = None  # the arg-max kernel's scratch, where it serves the vocabulary
-        if self._greedy.supports(vocab):
-            # From the default pool: the graph pool hands memory a capture freed to later
-            # allocations while the captured graph still writes it, and the counters must keep
-            # their zeros from one launch to the next.
-            parts = self._greedy.parts(vocab)
-            with backend.stream:
+            greedy = None  # the arg-max kernel's scratch, where it serves the vocabulary
+            if self._greedy.supports(vocab):
+                parts = self._greedy.parts(vocab)
                 greedy = SimpleNamespace(part_values=backend.xp.empty((rows, parts), dtype=np.float32),
                                          part_indices=backend.xp.empty((rows, parts), dtype=np.int32),
                                          counters=backend.xp.zeros(rows, dtype=np.int32))
