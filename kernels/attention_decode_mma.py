@@ -556,7 +556,7 @@ def decode_attention(
     if not splits or splits > MAX_SPLITS:
         raise KernelArgumentError(f"{op}: {splits} splits in the workspace (1 to {MAX_SPLITS})")
     merged = counters is not None and splits > 1
-    if merged:
+    if counters is not None and merged:
         check_array(op, "counters", counters, np.int32, ndim=1)
         if counters.shape[0] < counter_count(rows, heads, kv_heads):
             raise KernelArgumentError(f"{op}: {counters.shape[0]} counters, the grid needs "

@@ -118,10 +118,10 @@ def pack_decode(host: np.ndarray, size: int, width: int, batch: ForwardBatch | N
         columns = min(width, batch.block_tables.shape[1])
         table[:rows, :columns] = batch.block_tables[:, :columns]
     if feed is not None:
-        rows, indices = feed
+        feed_rows, feed_indices = feed
         start = len(_VECTORS) * size
-        packed[start : start + len(rows)] = rows
-        packed[start + size : start + size + len(indices)] = indices
+        packed[start : start + len(feed_rows)] = feed_rows
+        packed[start + size : start + size + len(feed_indices)] = feed_indices
     return used
 
 

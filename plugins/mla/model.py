@@ -40,24 +40,24 @@ IGNORED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)
 class LatentAttention:
     """One layer's multi-head latent attention: its weights, their loading and its forward.
 
-    ``q`` (no q LoRA) or ``q_a`` + ``q_a_norm`` + ``q_b``; ``kv_a [r + d_r, H]``; ``kv_b
-    [n_h (d_n + d_v), r]`` for the expanded form and, for the absorbed form, its key half
-    transposed per head ``w_uk_t [n_h r, d_n]`` and its value half ``w_uv [n_h d_v, r]`` (weights
-    of ``head_linear``)."""
+    ``q_kv_a`` stacks the two projections of the normed input, ``q_proj`` (no q LoRA) or
+    ``q_a_proj`` (its first ``q_columns`` rows), then ``kv_a_proj_with_mqa [r + d_r, H]``, so one
+    op computes the input norm and both (``q_kv_a_bias`` the biases, zero for ``q_proj``, or
+    None); with q LoRA, ``q_a_norm`` and ``q_b`` follow. ``kv_b [n_h (d_n + d_v), r]`` serves the
+    expanded form and, for the absorbed form, its key half transposed per head ``w_uk_t [n_h r,
+    d_n]`` and its value half ``w_uv [n_h d_v, r]`` (weights of ``head_linear``)."""
 
     config: MlaConfig
-    kv_a: Any
+    q_kv_a: Any
+    q_columns: int
     kv_a_norm: Any
     kv_b: Any
     w_uk_t: Any
     w_uv: Any
     o: Any
-    q: Any = None
-    q_a: Any = None
     q_a_norm: Any = None
     q_b: Any = None
-    q_a_bias: Any = None
-    kv_a_bias: Any = None
+    q_kv_a_bias: Any = None
     o_bias: Any = None
 
     @classmethod
@@ -67,49 +67,58 @@ class LatentAttention:
                                            c.v_head_dim, c.hidden_size)
         kv_b_shape = (heads * (d_n + d_v), r)
         kv_b_host = checkpoint.tensor(f"{prefix}.kv_b_proj.weight", kv_b_shape).reshape(heads, d_n + d_v, r)
+        q_rows = heads * (d_n + d_r)
+        # q_proj, or q_a_proj under q LoRA, then kv_a_proj_with_mqa: stacked on the host, once.
+        if c.q_lora_rank is None:
+            q_name, q_columns = f"{prefix}.q_proj", q_rows
+        else:
+            q_name, q_columns = f"{prefix}.q_a_proj", c.q_lora_rank
+        kv_a_name = f"{prefix}.kv_a_proj_with_mqa"
+        q_kv_a = np.concatenate([checkpoint.tensor(f"{q_name}.weight", (q_columns, hidden)),
+                                 checkpoint.tensor(f"{kv_a_name}.weight", (r + d_r, hidden))])
         block = cls(
             config=c,
-            kv_a=backend.load_weight(checkpoint, (f"{prefix}.kv_a_proj_with_mqa.weight", (r + d_r, hidden))),
+            q_kv_a=backend.weight(q_kv_a),
+            q_columns=q_columns,
             kv_a_norm=backend.load_weight(checkpoint, (f"{prefix}.kv_a_layernorm.weight", (r,))),
             kv_b=backend.load_weight(checkpoint, (f"{prefix}.kv_b_proj.weight", kv_b_shape)),
             w_uk_t=backend.weight(kv_b_host[:, :d_n, :].transpose(0, 2, 1).reshape(heads * r, d_n)),
             w_uv=backend.weight(kv_b_host[:, d_n:, :].reshape(heads * d_v, r)),
             o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (hidden, heads * d_v))),
         )
-        q_rows = heads * (d_n + d_r)
-        if c.q_lora_rank is None:
-            block.q = backend.load_weight(checkpoint, (f"{prefix}.q_proj.weight", (q_rows, hidden)))
-        else:
+        if c.q_lora_rank is not None:
             rank = c.q_lora_rank
-            block.q_a = backend.load_weight(checkpoint, (f"{prefix}.q_a_proj.weight", (rank, hidden)))
             block.q_a_norm = backend.load_weight(checkpoint, (f"{prefix}.q_a_layernorm.weight", (rank,)))
             block.q_b = backend.load_weight(checkpoint, (f"{prefix}.q_b_proj.weight", (q_rows, rank)))
         if c.attention_bias:
-            if c.q_lora_rank is not None:
-                block.q_a_bias = backend.constant(checkpoint.tensor(f"{prefix}.q_a_proj.bias", (c.q_lora_rank,)))
-            block.kv_a_bias = backend.constant(checkpoint.tensor(f"{prefix}.kv_a_proj_with_mqa.bias", (r + d_r,)))
+            # (q_proj has no bias in transformers' DeepSeek attention; q_a_proj and kv_a_proj do.)
+            q_bias = (np.zeros(q_columns, np.float32) if c.q_lora_rank is None
+                      else checkpoint.tensor(f"{q_name}.bias", (q_columns,)))
+            block.q_kv_a_bias = backend.constant(np.concatenate([q_bias, checkpoint.tensor(f"{kv_a_name}.bias",
+                                                                                           (r + d_r,))]))
             block.o_bias = backend.constant(checkpoint.tensor(f"{prefix}.o_proj.bias", (hidden,)))
         return block
 
-    def forward(self, backend: Any, rope: "LatentRope", cache_layer: Any, h: Any, batch: ForwardBatch,
-                absorbed: bool = True) -> Any:
-        """``[N, H]``: the rows' latents written into ``cache_layer``, then decode rows (one per
-        sequence) in the absorbed form when ``absorbed``, prompt rows in the expanded form."""
+    def forward(self, backend: Any, rope: "LatentRope", cache_layer: Any, x: Any, residual: Any, input_norm: Any,
+                eps: float, batch: ForwardBatch, absorbed: bool = True) -> tuple[Any, Any]:
+        """``(out [N, H], residual)``: the input norm of ``x + residual`` and the stacked
+        projections in one op, the rows' latents written into ``cache_layer``, then decode rows
+        (one per sequence) in the absorbed form when ``absorbed``, prompt rows in the expanded
+        form."""
         ops, c = backend.ops, self.config
         heads, d_n, d_r = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
-        rows = h.shape[0]
-        if self.q is not None:
-            q = ops.linear(h, self.q)
-        else:
-            q = ops.linear(ops.rmsnorm(ops.linear(h, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS), self.q_b)
+        rows = x.shape[0]
+        projected, residual = ops.rmsnorm_linear(x, residual, input_norm, eps, 0.0, self.q_kv_a, self.q_kv_a_bias)
+        q, kv_a = projected[:, : self.q_columns], projected[:, self.q_columns :]
+        if self.q_b is not None:
+            q = ops.linear(ops.rmsnorm(q, self.q_a_norm, LATENT_NORM_EPS), self.q_b)
         q = q.reshape(rows, heads, d_n + d_r)
         # The rows' normalised latents and rotated rope keys go into the paged cache.
-        ops.latent_cache_write(ops.linear(h, self.kv_a, self.kv_a_bias), self.kv_a_norm, LATENT_NORM_EPS,
-                               batch.positions, rope.inv_freq, rope.attention_factor, c.interleaved_rope,
-                               batch.slot_mapping, cache_layer.latent)
+        ops.latent_cache_write(kv_a, self.kv_a_norm, LATENT_NORM_EPS, batch.positions, rope.inv_freq,
+                               rope.attention_factor, c.interleaved_rope, batch.slot_mapping, cache_layer.latent)
         if absorbed and rows == len(batch.row_starts) - 1:
-            return self._absorbed(backend, rope, cache_layer, q, batch)
-        return self._expanded(backend, rope, cache_layer, q, batch)
+            return self._absorbed(backend, rope, cache_layer, q, batch), residual
+        return self._expanded(backend, rope, cache_layer, q, batch), residual
 
     def _absorbed(self, backend: Any, rope: "LatentRope", cache_layer: Any, q: Any, batch: ForwardBatch) -> Any:
         """Decode rows: the queries projected into the latent space and joined with their rotated
@@ -280,8 +289,8 @@ class MlaModel(FamilyModel):
         ops, eps = self.backend.ops, self.config.rms_norm_eps
         x, residual = self.ends.embed_tokens(self.backend, batch), None
         for layer, cache_layer in zip(self.layers, self._require_cache().layers):
-            h, residual = ops.rmsnorm_residual(x, residual, layer.input_norm, eps)
-            x = layer.attention.forward(self.backend, self.rope, cache_layer, h, batch, self.absorbed_decode)
+            x, residual = layer.attention.forward(self.backend, self.rope, cache_layer, x, residual, layer.input_norm,
+                                                  eps, batch, self.absorbed_decode)
             h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps)
             ffn = layer.feed_forward
             if isinstance(ffn, DeepseekMoe):
