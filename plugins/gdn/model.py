@@ -39,13 +39,14 @@ IGNORED_TENSOR_PREFIXES = ("mtp.",)  # multi-token prediction: transformers has 
 class GatedAttention:
     """A gated full-attention layer: its weights, their loading and its forward.
 
-    ``qkv [(n_h + 2 n_kv) d, H]`` (the query rows of ``q_proj``, then ``k_proj`` and ``v_proj``),
-    ``gate [n_h d, H]`` (the gate rows of ``q_proj``, which interleaves query and gate rows per
-    head), ``o``, zero-centred ``q_norm`` / ``k_norm [d]``."""
+    ``qkv_gate [(2 n_h + 2 n_kv) d, H]``: the query rows of ``q_proj``, then ``k_proj`` and
+    ``v_proj`` (its first ``qkv_columns`` rows), then the gate rows of ``q_proj`` (which
+    interleaves query and gate rows per head), so one op computes the input norm and all of them;
+    ``o``, zero-centred ``q_norm`` / ``k_norm [d]``."""
 
     config: GdnConfig
-    qkv: Any
-    gate: Any
+    qkv_gate: Any
+    qkv_columns: int
     o: Any
     q_norm: Any
     k_norm: Any
@@ -55,41 +56,50 @@ class GatedAttention:
         c = config
         d, hidden = c.head_dim, c.hidden_size
         # Per head, q_proj holds d query rows then d gate rows: regroup them (on the host, once)
-        # so that one product gives [q | k | v] for qkv_rope_cache and another the gates.
+        # so that the product gives [q | k | v] for qkv_rope_cache, then the gates.
         q_and_gate = checkpoint.tensor(f"{prefix}.q_proj.weight", (c.num_heads * 2 * d, hidden))
         q_and_gate = q_and_gate.reshape(c.num_heads, 2, d, hidden)
         k = checkpoint.tensor(f"{prefix}.k_proj.weight", (c.num_kv_heads * d, hidden))
         v = checkpoint.tensor(f"{prefix}.v_proj.weight", (c.num_kv_heads * d, hidden))
         return cls(
             config=c,
-            qkv=backend.weight(np.concatenate([q_and_gate[:, 0].reshape(-1, hidden), k, v])),
-            gate=backend.weight(q_and_gate[:, 1].reshape(-1, hidden)),
+            qkv_gate=backend.weight(np.concatenate([q_and_gate[:, 0].reshape(-1, hidden), k, v,
+                                                    q_and_gate[:, 1].reshape(-1, hidden)])),
+            qkv_columns=(c.num_heads + 2 * c.num_kv_heads) * d,
             o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (hidden, c.num_heads * d))),
             q_norm=backend.load_weight(checkpoint, (f"{prefix}.q_norm.weight", (d,))),
             k_norm=backend.load_weight(checkpoint, (f"{prefix}.k_norm.weight", (d,))),
         )
 
-    def forward(self, backend: Any, inv_freq: Any, cache_layer: Any, h: Any, batch: ForwardBatch) -> Any:
-        ops, c = backend.ops, self.config
+    def forward(self, backend: Any, inv_freq: Any, cache_layer: Any, x: Any, residual: Any, input_norm: Any,
+                eps: float, batch: ForwardBatch) -> tuple[Any, Any]:
+        """``(out [N, H], residual)``: the input norm of ``x + residual`` (zero-centred) and the
+        projections in one op, then the attention, the output gate and ``o_proj``."""
+        ops, c, xp = backend.ops, self.config, backend.xp
         heads, d = c.num_heads, c.head_dim
+        projected, residual = ops.rmsnorm_linear(x, residual, input_norm, eps, 1.0, self.qkv_gate)
+        qkv, gate = (xp.ascontiguousarray(part) for part in (projected[:, : self.qkv_columns],
+                                                              projected[:, self.qkv_columns :]))
         q = ops.qkv_rope_cache(
-            ops.linear(h, self.qkv), batch.positions, batch.slot_mapping, inv_freq, 1.0, heads, c.num_kv_heads, d,
+            qkv, batch.positions, batch.slot_mapping, inv_freq, 1.0, heads, c.num_kv_heads, d,
             cache_layer.k, cache_layer.v, self.q_norm, self.k_norm, c.rms_norm_eps, 1.0,
         )
         out = ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, d**-0.5, None)
-        return ops.linear(ops.sigmoid_gate(out, ops.linear(h, self.gate)), self.o)
+        return ops.linear(ops.sigmoid_gate(out, gate), self.o), residual
 
 
 @dataclass
 class GatedDeltaNet:
     """A Gated DeltaNet layer: its weights, their loading and its forward.
 
-    ``qkvz [2 H_k d_k + 2 H_v d_v, H]`` and ``ba [2 H_v, H]`` (grouped by key head), the conv
-    weight ``[C, K]``, ``A_log`` and ``dt_bias [H_v]``, the gated norm ``[d_v]``, ``out``."""
+    ``in_proj`` stacks ``in_proj_qkvz [2 H_k d_k + 2 H_v d_v, H]`` (its first ``qkvz_columns``
+    rows) and ``in_proj_ba [2 H_v, H]`` (both grouped by key head), so one op computes the input
+    norm and both; the conv weight ``[C, K]``, ``A_log`` and ``dt_bias [H_v]``, the gated norm
+    ``[d_v]``, ``out``."""
 
     config: GdnConfig
-    qkvz: Any
-    ba: Any
+    in_proj: Any
+    qkvz_columns: int
     conv: Any
     a_log: Any
     dt_bias: Any
@@ -101,10 +111,13 @@ class GatedDeltaNet:
         c = config
         hidden, hk, hv, dk, dv = (c.hidden_size, c.linear_key_heads, c.linear_value_heads, c.linear_key_dim,
                                   c.linear_value_dim)
+        qkvz_columns = 2 * hk * dk + 2 * hv * dv
         return cls(
             config=c,
-            qkvz=backend.load_weight(checkpoint, (f"{prefix}.in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, hidden))),
-            ba=backend.load_weight(checkpoint, (f"{prefix}.in_proj_ba.weight", (2 * hv, hidden))),
+            in_proj=backend.weight(np.concatenate([
+                checkpoint.tensor(f"{prefix}.in_proj_qkvz.weight", (qkvz_columns, hidden)),
+                checkpoint.tensor(f"{prefix}.in_proj_ba.weight", (2 * hv, hidden))])),
+            qkvz_columns=qkvz_columns,
             conv=backend.constant(checkpoint.tensor(f"{prefix}.conv1d.weight", (c.conv_channels, 1, c.conv_kernel))
                                   .reshape(c.conv_channels, c.conv_kernel)),
             a_log=backend.constant(checkpoint.tensor(f"{prefix}.A_log", (hv,))),
@@ -113,20 +126,25 @@ class GatedDeltaNet:
             out=backend.load_weight(checkpoint, (f"{prefix}.out_proj.weight", (hidden, hv * dv))),
         )
 
-    def forward(self, backend: Any, cache_layer: Any, h: Any, batch: ForwardBatch) -> Any:
-        """``[N, H]``; the rows' conv and recurrent states (in their slots) move on."""
-        ops, c = backend.ops, self.config
-        rows = h.shape[0]
+    def forward(self, backend: Any, cache_layer: Any, x: Any, residual: Any, input_norm: Any, eps: float,
+                batch: ForwardBatch) -> tuple[Any, Any]:
+        """``(out [N, H], residual)``: the input norm of ``x + residual`` (zero-centred) and the
+        projections in one op, then the layer; the rows' conv and recurrent states (in their
+        slots) move on."""
+        ops, c, xp = backend.ops, self.config, backend.xp
+        rows = x.shape[0]
         hk, hv, dk, dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
         # The projections are grouped by key head in the checkpoint (docs/families.rst, "Gated
         # DeltaNet layer", step 2): the ops regroup them into the conv input, z and the gates.
-        qkvz, ba = ops.linear(h, self.qkvz), ops.linear(h, self.ba)
+        projected, residual = ops.rmsnorm_linear(x, residual, input_norm, eps, 1.0, self.in_proj)
+        qkvz, ba = (xp.ascontiguousarray(part) for part in (projected[:, : self.qkvz_columns],
+                                                             projected[:, self.qkvz_columns :]))
         if rows == len(batch.row_starts) - 1:
             # One token per sequence: the un-grouping, the gates, the conv update, one recurrence
             # step in the slots and the gated norm, as one op.
             gated = ops.gdn_decode(qkvz, ba, self.conv, cache_layer.conv, self.a_log, self.dt_bias, cache_layer.state,
                                    batch.state_slots, self.norm, c.rms_norm_eps, hk, hv, dk, dv)
-            return ops.linear(gated.reshape(rows, hv * dv), self.out)
+            return ops.linear(gated.reshape(rows, hv * dv), self.out), residual
         inputs, z = ops.gdn_ungroup(qkvz, hk, hv, dk, dv)
         g, beta = ops.gdn_gates(ba, self.a_log, self.dt_bias, hk)
         slots = np.array([segment.seq.state_slot for segment in batch.segments], dtype=np.int32)
@@ -136,7 +154,7 @@ class GatedDeltaNet:
         out = ops.gdn_prompt_rule(q, k, v, g, beta, cache_layer.state, slots, starts)
         # Gated norm per value head (plain weight), then out_proj.
         gated = ops.gated_rmsnorm(out, z, self.norm, c.rms_norm_eps)
-        return ops.linear(gated.reshape(rows, hv * dv), self.out)
+        return ops.linear(gated.reshape(rows, hv * dv), self.out), residual
 
 
 @dataclass
@@ -267,12 +285,12 @@ class GdnModel(FamilyModel):
         ops, eps = self.backend.ops, self.config.rms_norm_eps
         x, residual = self.ends.embed_tokens(self.backend, batch), None
         for layer, cache_layer in zip(self.layers, self._require_cache().layers):
-            h, residual = ops.rmsnorm_residual(x, residual, layer.input_norm, eps, 1.0)
             mixer, ffn = layer.mixer, layer.feed_forward
             if isinstance(mixer, GatedAttention):
-                x = mixer.forward(self.backend, self.inv_freq, cache_layer, h, batch)
+                x, residual = mixer.forward(self.backend, self.inv_freq, cache_layer, x, residual, layer.input_norm,
+                                            eps, batch)
             else:
-                x = mixer.forward(self.backend, cache_layer, h, batch)
+                x, residual = mixer.forward(self.backend, cache_layer, x, residual, layer.input_norm, eps, batch)
             h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps, 1.0)
             if isinstance(ffn, SparseMoe):
                 x = ffn.forward(self.backend, h, *self.route(ffn, h))
