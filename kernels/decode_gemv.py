@@ -14,6 +14,11 @@ projection, is a kernel of its own. Here the projection's kernel computes its in
 * :data:`SILU` -- ``x`` bf16 ``[rows, 2K]`` (gate columns first): ``bf16(silu(gate) * up)``, as
   :func:`metrale.kernels.activation.silu_and_mul` computes it.
 
+:data:`RMSNORM_SWIGLU` moves the gate to the other end of the MLP: the RMSNORM prologue, a
+gate-and-up weight ``[2N, K]``, and an epilogue that writes ``bf16(silu(bf16(g)) * bf16(u))``
+per unit (the values :data:`SILU` would stage), ``[rows, N]``: a tile then holds 8 units, its gate
+rows and its up rows as the two halves of the product's 16 rows (:data:`SWIGLU_EPILOGUE`).
+
 Each block first issues its first weight loads, then writes the prologue's ``[rows, K]`` bf16
 input into shared memory (every block computes it: the input is a few kilobytes, read from L2).
 The product runs on ``mma.sync.m16n8k16``: 16 output columns are the M side, the (at most 8)
@@ -53,8 +58,13 @@ from metrale.kernels.activation import silu_and_mul_reference
 from metrale.kernels.linear import linear_reference
 from metrale.kernels.rmsnorm import rmsnorm_residual_reference
 
-PLAIN, RMSNORM, SILU = 0, 1, 2
-MODES = {PLAIN: "plain", RMSNORM: "rmsnorm", SILU: "silu"}
+PLAIN, RMSNORM, SILU, RMSNORM_SWIGLU = 0, 1, 2, 3
+MODES = {PLAIN: "plain", RMSNORM: "rmsnorm", SILU: "silu", RMSNORM_SWIGLU: "rmsnorm, swiglu out"}
+#: Whether the fused decode MLP computes the SwiGLU gate in its gate/up kernel's epilogue
+#: (:data:`RMSNORM_SWIGLU`, then a :data:`PLAIN` down kernel) instead of in the down kernel's
+#: prologue (:data:`SILU`): half the intermediate written and read, no activation in every block
+#: of the down kernel. Off until it is timed on a GPU (``tools/gemv_sweep.py``).
+SWIGLU_EPILOGUE = False
 
 MAX_ROWS = 8  # the N side of the tensor-core product
 WARPS = 8
@@ -82,6 +92,7 @@ CONSTANTS = f"""
 #define MODE_PLAIN {PLAIN}
 #define MODE_RMSNORM {RMSNORM}
 #define MODE_SILU {SILU}
+#define MODE_RMSNORM_SWIGLU {RMSNORM_SWIGLU}
 """
 
 #: The bf16 conversions, the 8-wide bf16 dot product and the warp sum the decode kernels share
@@ -131,6 +142,10 @@ __device__ __forceinline__ unsigned silu_mul_pair(unsigned gate, unsigned up) {
 }
 
 // y[r, n] = dot(prologue(x)[r, :], weight[n, :]) (+ bias[n]) for r < rows <= 8, n < N.
+// MODE_RMSNORM_SWIGLU: the RMSNORM prologue, weight [2N, K] (N gate rows, then N up rows), and
+// y[r, n] = silu(g) * u of the bf16-rounded g = dot(., gate row n), u = dot(., up row n), as bf16
+// (BF16_OUT, no bias): a tile is 8 units, its gate rows as the product's rows 0-7 and its up rows
+// as rows 8-15, so each lane holds a unit's gate and up for its two rows.
 // Grid: blocks of THREADS threads; warp w works on column tile blockIdx.x * WARPS / SPLIT + w / SPLIT
 // (16 columns; then + gridDim.x * WARPS / SPLIT, round after round) over K slice w % SPLIT.
 // Dynamic shared memory: rows * ceil(K / 64) * 128 bytes of staged input, then (RMSNORM) the norm's sums, then
@@ -150,7 +165,8 @@ __global__ void __launch_bounds__(THREADS, UNROLL > 4 ? 1 : 2) decode_gemv(
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, q = lane % 4;
     const int chunks = K / 8, stride = (chunks + 7) / 8 * 8;
-    const int tiles = (N + 15) / 16;
+    constexpr bool SWIGLU = MODE == MODE_RMSNORM_SWIGLU;
+    const int tiles = SWIGLU ? (N + 7) / 8 : (N + 15) / 16;
     const int slice = (chunks / 4 + SPLIT - 1) / SPLIT * 4;   // chunks of a warp's K slice
     const int part = warp % SPLIT;
     const int first_chunk = part * slice, end_chunk = min(chunks, first_chunk + slice);
@@ -166,7 +182,8 @@ __global__ void __launch_bounds__(THREADS, UNROLL > 4 ? 1 : 2) decode_gemv(
     auto load = [&](int step, uint4* upper, uint4* lower) {
         const int round = step / batches, batch = step - round * batches;
         const int tile = first_tile + round * tile_stride;
-        const size_t column = (size_t)min(tile * 16 + g, N - 1), below = (size_t)min(tile * 16 + g + 8, N - 1);
+        const size_t column = SWIGLU ? (size_t)min(tile * 8 + g, N - 1) : (size_t)min(tile * 16 + g, N - 1);
+        const size_t below = SWIGLU ? column + N : (size_t)min(tile * 16 + g + 8, N - 1);
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int chunk = first_chunk + batch * 4 * UNROLL + 4 * u + q;
@@ -256,8 +273,8 @@ __global__ void __launch_bounds__(THREADS, UNROLL > 4 ? 1 : 2) decode_gemv(
     __syncthreads();
 
     // 2. The products, batch after batch, the next batch's loads in flight during each.
-    float4* reduce = reinterpret_cast<float4*>(
-        dynamic_shared + (size_t)rows * stride * 16 + (MODE == MODE_RMSNORM ? (WARPS * 8 + 8) * 4 : 0));   // [WARPS][32]
+    constexpr int NORM_SUMS = MODE == MODE_SILU || MODE == MODE_PLAIN ? 0 : (WARPS * 8 + 8) * 4;   // bytes
+    float4* reduce = reinterpret_cast<float4*>(dynamic_shared + (size_t)rows * stride * 16 + NORM_SUMS);   // [WARPS][32]
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int step = 0; step < steps; ++step) {
         uint4 next_upper[UNROLL], next_lower[UNROLL];
@@ -291,7 +308,16 @@ __global__ void __launch_bounds__(THREADS, UNROLL > 4 ? 1 : 2) decode_gemv(
                 }
                 __syncthreads();
             }
-            if (part == 0 && tile < tiles) {
+            if (SWIGLU && part == 0 && tile < tiles) {
+                #pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const int r = 2 * q + i, unit = tile * 8 + g;
+                    if (r < rows && unit < N) {
+                        const float gate = bf16_bits(to_bf16(acc[i])), up = bf16_bits(to_bf16(acc[i + 2]));
+                        static_cast<unsigned short*>(out)[(size_t)r * N + unit] = to_bf16(gate / (1.0f + expf(-gate)) * up);
+                    }
+                }
+            } else if (part == 0 && tile < tiles) {
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int r = 2 * q + (i & 1), column = tile * 16 + g + (i >= 2 ? 8 : 0);
@@ -328,7 +354,7 @@ def shared_bytes(rows: int, inner: int, mode: int, split: int) -> int:
     """Dynamic shared memory of a launch: the staged rows, the norm's sums, the split's partial
     products."""
     staged = rows * -(-inner // 64) * 128  # rows padded to 128 bytes
-    return staged + (NORM_BYTES if mode == RMSNORM else 0) + (REDUCE_BYTES if split > 1 else 0)
+    return staged + (NORM_BYTES if mode in (RMSNORM, RMSNORM_SWIGLU) else 0) + (REDUCE_BYTES if split > 1 else 0)
 
 
 def supports(rows: int, inner: int, mode: int = PLAIN) -> bool:
@@ -345,7 +371,7 @@ def plan(rows: int, inner: int, columns: int, mode: int, multiprocessors: int, s
     (split > 1) or, without a split, as many as the GPU holds at once (the warps loop over the
     tiles: two blocks a multiprocessor where the shared memory allows, one with ``unroll`` 8, whose
     registers allow no more)."""
-    tiles = -(-columns // TILE)
+    tiles = -(-columns // (TILE // 2 if mode == RMSNORM_SWIGLU else TILE))
     if split is None:
         split = next((s for s in SPLITS if tiles * s >= multiprocessors * WARPS), SPLITS[-1])
     groups = WARPS // split
@@ -380,13 +406,16 @@ def decode_gemv_reference(
     elif mode == SILU:
         inner = x.shape[1] // 2
         staged = round_bf16(silu_and_mul_reference(x[:, :inner], x[:, inner:]))
-    elif mode == RMSNORM:
+    elif mode in (RMSNORM, RMSNORM_SWIGLU):
         assert norm_weight is not None
         normed, summed = rmsnorm_residual_reference(x, residual, norm_weight, eps, norm_offset)
         staged = round_bf16(normed)
     else:
         raise KernelArgumentError(f"decode_gemv: unknown mode {mode!r}")
     out = linear_reference(staged, weight, bias)
+    if mode == RMSNORM_SWIGLU:
+        units = weight.shape[0] // 2
+        return round_bf16(silu_and_mul_reference(round_bf16(out[:, :units]), round_bf16(out[:, units:]))), summed
     return (round_bf16(out) if bf16_out else out.astype(np.float32)), summed
 
 
@@ -440,18 +469,25 @@ def decode_gemv(
     name = f"decode_gemv ({MODES.get(mode, mode)})"
     check_array(name, "weight", weight, np.uint16, ndim=2)
     columns, inner = weight.shape
+    if mode == RMSNORM_SWIGLU:  # the gate and up rows: half as many outputs
+        if columns % 16 or bias is not None:
+            raise KernelArgumentError(f"{name}: {columns} gate and up rows (a multiple of 16 needed), or a bias")
+        columns //= 2
     rows = x.shape[0] if getattr(x, "ndim", 0) == 2 else -1
     width = 2 * inner if mode == SILU else inner
-    check_array(name, "x", x, np.float32 if mode == RMSNORM else np.uint16, (rows, width))
+    norm = mode in (RMSNORM, RMSNORM_SWIGLU)
+    check_array(name, "x", x, np.float32 if norm else np.uint16, (rows, width))
     if not supports(rows, inner, mode):
         raise KernelArgumentError(f"{name}: {rows} rows of inner size {inner} are not served "
                                   f"(at most {MAX_ROWS} rows; the inner size a multiple of 32, staged in "
                                   f"{MAX_SHARED_BYTES} bytes)")
     bf16_out = out.dtype == np.uint16
+    if mode == RMSNORM_SWIGLU and not bf16_out:
+        raise KernelArgumentError(f"{name}: the SwiGLU output is bf16 bits")
     check_array(name, "out", out, np.uint16 if bf16_out else np.float32, (rows, columns))
     if bias is not None:
         check_array(name, "bias", bias, np.float32, (columns,))
-    if mode == RMSNORM:
+    if norm:
         if norm_weight is None or summed is None:
             raise KernelArgumentError(f"{name}: the norm needs norm_weight and summed")
         check_array(name, "norm_weight", norm_weight, np.uint16, (inner,))

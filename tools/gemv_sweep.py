@@ -11,7 +11,9 @@ projection's; the LM head is larger than the L2 alone) that they come from memor
 50 MB L2, as they do in a model's step. "dependent" times the fused path launched with
 programmatic dependent launch (:mod:`metrale.kernels._launch`: each kernel starts its weight
 loads while the one ahead ends; "fused" launches as ``METRALE_DEPENDENT_LAUNCH`` says); "unroll 8"
-with twice the weight words in flight per lane.
+with twice the weight words in flight per lane. "mlp epi" is the norm and the MLP with the SwiGLU
+gate in the gate/up kernel's epilogue (``decode_gemv.RMSNORM_SWIGLU``, then a plain down
+kernel), "gu epi" and "down plain" its two kernels.
 ``--splits`` adds the fused path at each given split (warps per tile of 16 columns) besides the
 launcher's choice. Run from the repository root::
 
@@ -86,6 +88,7 @@ def main() -> None:
                 o_in = cp.asarray(rng.integers(0x3C00, 0x3F80, (rows, heads * head_dim), dtype=np.uint16))
                 outs = {key: cp.empty((rows, shape[0]), bf16 if key == "gate_up" else np.float32)
                         for key, shape in {**shapes, "head": head}.items()}
+                outs["act"] = cp.empty((rows, inter), bf16)  # the SwiGLU epilogue's output
 
             def cycled(body):
                 """A call that takes the next copy of the weights each time."""
@@ -132,13 +135,29 @@ def main() -> None:
                 fused_gate_up(w, split)
                 fused_down(w, split)
 
+            def gate_up_epilogue(w, split=None):
+                gemv(dg.RMSNORM_SWIGLU, x32, w["gate_up"], outs["act"], stream, residual=residual, norm_weight=norm,
+                     summed=summed, eps=1e-5, split=split)
+
+            def down_plain(w, split=None):
+                gemv(dg.PLAIN, outs["act"], w["down"], outs["down"], stream, split=split)
+
+            def mlp_epilogue(w, split=None):
+                gate_up_epilogue(w, split)
+                down_plain(w, split)
+
             cases = {"norm+qkv": (unfused_qkv, fused_qkv, [("qkv", dg.RMSNORM, hidden)]),
                      "o": (unfused_o, fused_o, [("o", dg.PLAIN, heads * head_dim)]),
                      "norm+mlp": (unfused_mlp, fused_mlp, [("gate_up", dg.RMSNORM, hidden), ("down", dg.SILU, inter)]),
                      "norm+head": (unfused_head, fused_head, [("head", dg.RMSNORM, hidden)]),
                      # the MLP's two kernels alone
                      "gate_up": (unfused_gate_up, fused_gate_up, [("gate_up", dg.RMSNORM, hidden)]),
-                     "down": (unfused_down, fused_down, [("down", dg.SILU, inter)])}
+                     "down": (unfused_down, fused_down, [("down", dg.SILU, inter)]),
+                     # the MLP with the gate in the gate/up kernel's epilogue, and its two kernels
+                     "mlp epi": (unfused_mlp, mlp_epilogue, [("gate_up", dg.RMSNORM_SWIGLU, hidden),
+                                                             ("down", dg.PLAIN, inter)]),
+                     "gu epi": (unfused_gate_up, gate_up_epilogue, [("gate_up", dg.RMSNORM_SWIGLU, hidden)]),
+                     "down plain": (unfused_down, down_plain, [("down", dg.PLAIN, inter)])}
             for key, (unfused, fused, parts) in cases.items():
                 megabytes = 2 * sum(np.prod({**shapes, "head": head}[part]) for part, _, _ in parts) / 1e6
                 before = graph_time(backend, cycled(unfused), calls_per_graph=CALLS_PER_GRAPH)

@@ -180,13 +180,21 @@ class CudaKernels:
                                 down: Any, gate_up_bias: Any = None, down_bias: Any = None) -> Any:
         x = cp.ascontiguousarray(x, dtype=f32)
         summed = cp.empty(x.shape, dtype=f32)
+        residual = None if residual is None else cp.ascontiguousarray(residual, dtype=f32)
+        out = cp.empty((x.shape[0], down.shape[0]), dtype=f32)
+        if decode_gemv.SWIGLU_EPILOGUE and gate_up.shape[0] % 16 == 0:
+            # The gate applied in the gate/up kernel's epilogue; the down kernel reads the result.
+            act = cp.empty((x.shape[0], gate_up.shape[0] // 2), dtype=bf16)
+            decode_gemv.decode_gemv(decode_gemv.RMSNORM_SWIGLU, x, gate_up, act, self.stream, norm_weight=norm_weight,
+                                    eps=eps, norm_offset=offset, residual=residual, summed=summed)
+            decode_gemv.decode_gemv(decode_gemv.PLAIN, act, down, out, self.stream, bias=down_bias)
+            return out, summed
         # The gate and up rows as bf16 (what the unfused path's product writes), read by the
         # down kernel's SiLU prologue.
         gated = cp.empty((x.shape[0], gate_up.shape[0]), dtype=bf16)
         decode_gemv.decode_gemv(
             decode_gemv.RMSNORM, x, gate_up, gated, self.stream, norm_weight=norm_weight, eps=eps, norm_offset=offset,
-            residual=None if residual is None else cp.ascontiguousarray(residual, dtype=f32), summed=summed)
-        out = cp.empty((x.shape[0], down.shape[0]), dtype=f32)
+            residual=residual, summed=summed)
         decode_gemv.decode_gemv(decode_gemv.SILU, gated, down, out, self.stream, bias=down_bias)
         return out, summed
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kernel_helpers import bf16, rel_error  # noqa: E402
 
 from metrale.checkpoint import bf16_to_float32
-
-from kernel_helpers import bf16, rel_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -136,3 +135,44 @@ def test_bias_and_a_graph_replay_with_new_inputs(backend):
             got = cp.asnumpy(out)
         expected, _ = dg.decode_gemv_reference(dg.PLAIN, bf16_to_float32(new), weight, bias=bias)
         assert rel_error(got, expected) <= 1e-4
+
+
+@pytest.mark.parametrize("inner, units", [(2048, 8192), (4096, 14336)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_the_swiglu_epilogue_matches_the_reference_and_the_silu_path(backend, inner, units, rows):
+    import cupy as cp
+
+    from metrale.kernels import decode_gemv as dg
+    from metrale.ops.builtin import decode_gemv_kernels
+
+    rng = np.random.default_rng(rows + units)
+    weight, weight_device = weight_of(inner, 2 * units)
+    x = (3 * rng.standard_normal((rows, inner))).astype(np.float32)
+    residual = rng.standard_normal((rows, inner)).astype(np.float32)
+    norm = bf16(rng, (inner,), scale=0.5)
+    with backend.activate():
+        act = cp.full((rows, units), 0x7FC0, np.uint16)
+        summed = cp.full((rows, inner), np.nan, np.float32)
+        dg.decode_gemv(dg.RMSNORM_SWIGLU, cp.asarray(x), weight_device, act, backend.stream, residual=cp.asarray(residual),
+                       norm_weight=cp.asarray(norm), summed=summed, eps=1e-5)
+        got = bf16_to_float32(cp.asnumpy(act))
+    expected, expected_summed = dg.decode_gemv_reference(dg.RMSNORM_SWIGLU, x, weight, residual=residual,
+                                                         norm_weight=bf16_to_float32(norm), eps=1e-5)
+    assert not np.isnan(got).any()
+    assert rel_error(got, expected) <= 2e-2
+    assert rel_error(cp.asnumpy(summed), expected_summed) <= 1e-6
+    # The op's two paths: the gate in the gate/up kernel's epilogue, or in the down kernel's prologue.
+    down_bits = bf16(rng, (inner, units), scale=0.02)
+    (kernel,) = [k for k in decode_gemv_kernels() if k.op == "rmsnorm_mlp"]
+    function = kernel.build(backend)
+    outputs = []
+    for epilogue in (False, True):
+        dg.SWIGLU_EPILOGUE = epilogue
+        try:
+            with backend.activate():
+                out, _ = function(cp.asarray(x), cp.asarray(residual), cp.asarray(norm), 1e-5, 0.0, weight_device,
+                                  cp.asarray(down_bits))
+                outputs.append(cp.asnumpy(out))
+        finally:
+            dg.SWIGLU_EPILOGUE = False
+    assert rel_error(outputs[1], outputs[0]) <= 2e-2

@@ -21,12 +21,14 @@ template <int MODE, bool BF16_OUT, int SPLIT, int UNROLL>
 void run(const std::string& folder, int rows, int K, int N, int blocks, int has_residual, int has_bias, float eps,
          float offset) {
     const int width = MODE == MODE_SILU ? 2 * K : K;
-    void* x = MODE == MODE_RMSNORM ? (void*)read<float>(folder + "/x", (size_t)rows * width)
-                                   : (void*)read<unsigned short>(folder + "/x", (size_t)rows * width);
+    constexpr bool NORM = MODE == MODE_RMSNORM || MODE == MODE_RMSNORM_SWIGLU;
+    void* x = NORM ? (void*)read<float>(folder + "/x", (size_t)rows * width)
+                   : (void*)read<unsigned short>(folder + "/x", (size_t)rows * width);
     float* residual = has_residual ? read<float>(folder + "/residual", (size_t)rows * K) : nullptr;
-    unsigned short* norm = MODE == MODE_RMSNORM ? read<unsigned short>(folder + "/norm", K) : nullptr;
+    unsigned short* norm = NORM ? read<unsigned short>(folder + "/norm", K) : nullptr;
     float* summed = allocate<float>((size_t)rows * K);
-    const uint4* weight = reinterpret_cast<const uint4*>(read<unsigned short>(folder + "/weight", (size_t)N * K));
+    const size_t weight_rows = MODE == MODE_RMSNORM_SWIGLU ? 2 * (size_t)N : (size_t)N;   // N: the outputs
+    const uint4* weight = reinterpret_cast<const uint4*>(read<unsigned short>(folder + "/weight", weight_rows * K));
     float* bias = has_bias ? read<float>(folder + "/bias", N) : nullptr;
     void* out = BF16_OUT ? (void*)allocate<unsigned short>((size_t)rows * N) : (void*)allocate<float>((size_t)rows * N);
     emu::launch({(unsigned)blocks, 1, 1}, {THREADS, 1, 1}, [&] {
@@ -34,7 +36,7 @@ void run(const std::string& folder, int rows, int K, int N, int blocks, int has_
     });
     if (BF16_OUT) write(folder + "/out", static_cast<unsigned short*>(out), (size_t)rows * N);
     else write(folder + "/out", static_cast<float*>(out), (size_t)rows * N);
-    if (MODE == MODE_RMSNORM) write(folder + "/summed", summed, (size_t)rows * K);
+    if (NORM) write(folder + "/summed", summed, (size_t)rows * K);
 }
 
 template <int MODE, bool BF16_OUT, int UNROLL>
@@ -70,6 +72,8 @@ int main(int argc, char** argv) {
     if (mode == MODE_PLAIN) by_output<MODE_PLAIN>(bf16_out, unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
     else if (mode == MODE_RMSNORM)
         by_output<MODE_RMSNORM>(bf16_out, unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
+    else if (mode == MODE_RMSNORM_SWIGLU)
+        by_unroll<MODE_RMSNORM_SWIGLU, true>(unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
     else by_output<MODE_SILU>(bf16_out, unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
     return 0;
 }
@@ -84,6 +88,7 @@ def emulated(tmp_path_factory):
     def run(mode, x, weight, *, residual=None, norm=None, bias=None, bf16_out=False, split=1, unroll=4, blocks=2,
             eps=1e-6):
         rows, inner = x.shape[0], weight.shape[1]
+        outputs = weight.shape[0] // 2 if mode == dg.RMSNORM_SWIGLU else weight.shape[0]
         case = folder / "case"
         case.mkdir(exist_ok=True)
         arrays = dict(x=x, weight=weight, residual=residual, norm=norm, bias=bias)
@@ -91,10 +96,11 @@ def emulated(tmp_path_factory):
             if array is not None:
                 np.ascontiguousarray(array).tofile(case / name)
         subprocess.run([str(binary), str(case), str(mode), str(int(bf16_out)), str(split), str(unroll), str(rows),
-                        str(inner), str(weight.shape[0]), str(blocks), str(int(residual is not None)),
+                        str(inner), str(outputs), str(blocks), str(int(residual is not None)),
                         str(int(bias is not None)), repr(eps)], check=True, timeout=600)
-        out = np.fromfile(case / "out", np.uint16 if bf16_out else np.float32).reshape(rows, weight.shape[0])
-        summed = np.fromfile(case / "summed", np.float32).reshape(rows, inner) if mode == dg.RMSNORM else None
+        out = np.fromfile(case / "out", np.uint16 if bf16_out else np.float32).reshape(rows, outputs)
+        normed = mode in (dg.RMSNORM, dg.RMSNORM_SWIGLU)
+        summed = np.fromfile(case / "summed", np.float32).reshape(rows, inner) if normed else None
         return (bf16_to_float32(out) if bf16_out else out), summed
 
     return run
@@ -179,3 +185,34 @@ def test_the_launcher_refuses_what_it_does_not_serve(rows, inner, mode, x_dtype,
     with pytest.raises(KernelArgumentError, match=why):
         dg.decode_gemv(mode, x, weight, out, None, norm_weight=np.zeros(inner, np.uint16),
                        summed=np.zeros((rows, inner), np.float32))
+
+
+# Tiles of 8 units (gate rows, then the same units' up rows): the last one partial, splits of K
+# across 1 to 8 warps, grids smaller than the tiles and larger.
+@pytest.mark.parametrize("rows, inner, units, residual, split, unroll, blocks", [
+    (1, 64, 40, True, 8, 4, 2),
+    (2, 96, 13, False, 2, 4, 1),  # the first layer: no residual yet; a partial tile
+    (5, 160, 24, True, 1, 8, 1),  # 3 tiles, 8 a block: the grid's one block
+    (8, 512, 300, True, 1, 4, 2),  # 38 tiles, 16 a round
+])
+def test_the_swiglu_epilogue_writes_what_the_silu_prologue_stages(emulated, rows, inner, units, residual, split,
+                                                                  unroll, blocks):
+    rng = np.random.default_rng(rows * 100 + units)
+    weight_bits = bf16_bits(rng, (2 * units, inner), 0.2)
+    x = (3.0 * rng.standard_normal((rows, inner))).astype(np.float32)
+    norm_bits = bf16_bits(rng, (inner,), 0.5)
+    kwargs = dict(norm=norm_bits, residual=rng.standard_normal((rows, inner)).astype(np.float32) if residual else None)
+    out, summed = emulated(dg.RMSNORM_SWIGLU, x, weight_bits, bf16_out=True, split=split, unroll=unroll, blocks=blocks,
+                           **kwargs)
+    expected, expected_summed = dg.decode_gemv_reference(
+        dg.RMSNORM_SWIGLU, x, bf16_to_float32(weight_bits), residual=kwargs["residual"],
+        norm_weight=bf16_to_float32(norm_bits))
+    # The gate/up kernel of the SILU path, then its prologue's staging, give the same values.
+    gate_up, _ = dg.decode_gemv_reference(dg.RMSNORM, x, bf16_to_float32(weight_bits), residual=kwargs["residual"],
+                                          norm_weight=bf16_to_float32(norm_bits), bf16_out=True)
+    staged = dg.decode_gemv_reference(dg.SILU, gate_up, np.eye(units, dtype=np.float32), bf16_out=True)[0]
+    np.testing.assert_array_equal(expected, staged)
+    assert out.shape == (rows, units)
+    # float32 sums in another order: a product may round to the next bf16 before the gate.
+    assert np.abs(out - expected).max() <= 2e-2 * np.abs(expected).max()
+    assert np.abs(summed - expected_summed).max() <= 1e-6 * np.abs(expected_summed).max()
