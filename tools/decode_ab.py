@@ -10,10 +10,11 @@ are compared (the largest difference over the largest logit), and their greedy t
 random weights give flat logits). ``--offered`` adds to the fused engine the decode kernels that are
 offered but not registered by default; ``--merge-splits`` has its tensor-core decode attention
 merge its own splits (``metrale.kernels.attention.MERGE_DECODE_SPLITS``; the unfused engine keeps
-the combine kernel). Run from the repository root::
+the combine kernel); ``--swiglu-epilogue`` has its fused MLP gate in the gate/up kernel's
+epilogue (``metrale.kernels.decode_gemv.SWIGLU_EPILOGUE``). Run from the repository root::
 
     python3 tools/decode_ab.py [--shapes llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small] [--batch 1,4,8]
-                               [--context 512] [--offered] [--merge-splits]
+                               [--context 512] [--offered] [--merge-splits] [--swiglu-epilogue]
 """
 
 from __future__ import annotations
@@ -66,11 +67,13 @@ def main() -> None:
                         help="the fused engine also takes the decode kernels not registered by default")
     parser.add_argument("--merge-splits", action="store_true",
                         help="the fused engine's decode attention merges its own splits")
+    parser.add_argument("--swiglu-epilogue", action="store_true",
+                        help="the fused engine's fused MLP gates in its gate/up kernel's epilogue")
     args = parser.parse_args()
 
     from metrale.api import LLM
     from metrale.bench import _cuda_time, build_checkpoint
-    from metrale.kernels import attention
+    from metrale.kernels import attention, decode_gemv
     from metrale.params import SamplingParams
     from metrale.plugin_manager import get_plugin_manager
     from metrale.sequence import SequenceState
@@ -91,13 +94,14 @@ def main() -> None:
                    "fused": LLM(folder, plugin_manager=fused_manager, **options)}
         @contextlib.contextmanager
         def kernels_of(name):
-            # The attention's choice is read when a step runs eagerly or is recorded; replays keep it.
-            saved = attention.MERGE_DECODE_SPLITS
+            # The kernels' choices are read when a step runs eagerly or is recorded; replays keep them.
+            saved = attention.MERGE_DECODE_SPLITS, decode_gemv.SWIGLU_EPILOGUE
             attention.MERGE_DECODE_SPLITS = args.merge_splits and name == "fused"
+            decode_gemv.SWIGLU_EPILOGUE = args.swiglu_epilogue and name == "fused"
             try:
                 yield
             finally:
-                attention.MERGE_DECODE_SPLITS = saved
+                attention.MERGE_DECODE_SPLITS, decode_gemv.SWIGLU_EPILOGUE = saved
 
         for name, llm in engines.items():
             with kernels_of(name):
