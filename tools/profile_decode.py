@@ -146,21 +146,12 @@ def main() -> None:
     groups: dict[str, list[float]] = defaultdict(list)
     weight_bytes: dict[str, int] = {}
     for name, function, a, k in calls:
-        shapes = "x".join(str(s) for s in a[0].shape)
-        label = name
-        if name in ("linear", "linear_silu"):
-            label = f"{name} {shapes} @ {a[1].shape[0]}x{a[1].shape[1]}"
-            weight_bytes[label] = a[1].nbytes
-        elif name == "rmsnorm_linear":
-            label = f"{name} {shapes} @ {a[5].shape[0]}x{a[5].shape[1]}"
-            weight_bytes[label] = a[5].nbytes
-        elif name == "rmsnorm_mlp":
-            label = f"{name} {shapes} @ {a[5].shape[0]}x{a[5].shape[1]} + {a[6].shape[0]}x{a[6].shape[1]}"
-            weight_bytes[label] = a[5].nbytes + a[6].nbytes
-        elif name == "paged_attention":
-            label = f"paged_attention q {shapes}"
-        else:
-            label = f"{name} {shapes}"
+        try:
+            label, read = op_label_and_bytes(name, a, backend.to_numpy)
+        except (IndexError, AttributeError):  # a call with its arguments by keyword: no bytes counted
+            label, read = name, None
+        if read is not None:
+            weight_bytes[label] = read
         groups[label].append(graph_time(backend, lambda: function(*a, **k), calls_per_graph=REPEATS).median_us)
 
     total = sum(sum(values) for values in groups.values())
@@ -181,13 +172,55 @@ def main() -> None:
         for label, values in gap_parts.items():
             print(f"    {label:40} {statistics.median(values):8.4f} ms over {len(values)} gaps")
     print(f"sum of op times:           {total / 1e3:8.3f} ms over {len(calls)} op calls")
-    print(f"{'op':58} {'calls':>5} {'us/call':>9} {'total us':>9} {'GB/s':>7}")
+    print(f"{'op':58} {'calls':>5} {'us/call':>9} {'total us':>9} {'GB/s':>7}   (GB/s: the bytes an op must read, "
+          "op_label_and_bytes, over its time)")
     for label, values in sorted(groups.items(), key=lambda item: -sum(item[1])):
         per_call = statistics.median(values)
         rate = f"{weight_bytes[label] / per_call / 1e3:7.0f}" if label in weight_bytes else ""
         print(f"{label:58} {len(values):5d} {per_call:9.1f} {sum(values):9.1f} {rate}")
     compare_gemms(backend, {(c[2][0].shape[0], c[2][1].shape) for c in calls if c[0] in ("linear", "linear_silu")}
                   | {(c[2][0].shape[0], c[2][5].shape) for c in calls if c[0] == "rmsnorm_linear"})
+
+
+def op_label_and_bytes(name: str, a: tuple, to_numpy) -> tuple[str, int | None]:
+    """The table's label of one op call (its name and the shapes that set its cost) and the bytes
+    it must read from memory, or None where that is not counted: a product's weights; attention's
+    cached keys and values (or latents) up to each row's position; the chosen experts' weights
+    (each expert once); the router's weights; a Gated DeltaNet step's recurrent states, read and
+    written; an embedding's rows. ``a`` holds the call's positional arguments; ``to_numpy``
+    brings device arrays to the host."""
+    shapes = "x".join(str(s) for s in a[0].shape)
+    if name in ("linear", "linear_silu", "head_linear"):
+        return f"{name} {shapes} @ {a[1].shape[0]}x{a[1].shape[1]}", a[1].nbytes
+    if name == "rmsnorm_linear":
+        return f"{name} {shapes} @ {a[5].shape[0]}x{a[5].shape[1]}", a[5].nbytes
+    if name == "rmsnorm_mlp":
+        return (f"{name} {shapes} @ {a[5].shape[0]}x{a[5].shape[1]} + {a[6].shape[0]}x{a[6].shape[1]}",
+                a[5].nbytes + a[6].nbytes)
+    if name == "paged_attention":
+        k_cache, v_cache, batch, window = a[1], a[2], a[3], a[5]
+        contexts = to_numpy(batch.positions).astype(np.int64) + 1
+        if window:
+            contexts = np.minimum(contexts, window)
+        per_token = k_cache.shape[2] * (k_cache.shape[3] * k_cache.itemsize + v_cache.shape[3] * v_cache.itemsize)
+        return f"paged_attention q {shapes}", int(contexts.sum()) * per_token
+    if name == "latent_attention":
+        latent, batch = a[1], a[2]
+        contexts = to_numpy(batch.positions).astype(np.int64) + 1
+        return f"latent_attention q {shapes}", int(contexts.sum()) * latent.shape[2] * latent.itemsize
+    if name == "moe_experts":
+        x, chosen, gate_up, down = a[0], a[1], a[3], a[4]
+        experts = down.shape[0] // x.shape[1]
+        used = len(np.unique(to_numpy(chosen)))
+        return f"moe_experts {shapes} top-{chosen.shape[1]} of {experts}", used * (gate_up.nbytes + down.nbytes) // experts
+    if name == "moe_route":
+        return f"moe_route {shapes} over {a[1].shape[0]}", a[1].nbytes
+    if name == "gdn_decode":
+        state = a[6]
+        return f"gdn_decode {shapes}", 2 * a[0].shape[0] * (state.nbytes // state.shape[0])
+    if name == "embedding":
+        return f"embedding {shapes}", len(a[1]) * a[0].shape[1] * a[0].itemsize
+    return f"{name} {shapes}", None
 
 
 @contextlib.contextmanager
