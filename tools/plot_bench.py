@@ -171,9 +171,12 @@ def plot_throughput(runs: dict[str, Any] | list[dict[str, Any]], out: Path) -> P
     return path
 
 
-def decode_series(runs: list[dict[str, Any]]) -> tuple[list[tuple[str, int]], list[list[tuple[float, float] | None]]]:
+def decode_series(runs: list[dict[str, Any]], loop: bool = False,
+                  ) -> tuple[list[tuple[str, int]], list[list[tuple[float, float] | None]]]:
     """``(cases, values)``: every (shape, batch) Metrale decoded in any run, in the runs' order,
-    and per run, per case, ``(tok/s, fraction of the floor)`` or None where it has none."""
+    and per run, per case, ``(tok/s, fraction of the floor)`` or None where it has none: of the
+    one-step-at-a-time ``decode_bN``, or with ``loop`` of ``decode_bN_loop`` (the step as
+    ``LLM.generate`` runs it)."""
     cases: list[tuple[str, int]] = []
     for results in runs:
         for shape, entry in results.items():
@@ -188,21 +191,22 @@ def decode_series(runs: list[dict[str, Any]]) -> tuple[list[tuple[str, int]], li
     for results in runs:
         row: list[tuple[float, float] | None] = []
         for shape, batch in cases:
-            step = results.get(shape, {}).get("metrale", {}).get(f"decode_b{batch}")
+            step = results.get(shape, {}).get("metrale", {}).get(f"decode_b{batch}" + ("_loop" if loop else ""))
             row.append((float(step["tok_s"]), float(step["fraction_of_floor"])) if step else None)
         values.append(row)
     return cases, values
 
 
-def plot_decode(runs: list[dict[str, Any]], labels: list[str], out: Path) -> Path | None:
+def plot_decode(runs: list[dict[str, Any]], labels: list[str], out: Path, loop: bool = False) -> Path | None:
     """Two panels of bars, one group per (shape, batch) and one bar per run: decode tok/s (log
-    scale) and the fraction of the bandwidth floor; None when no run decoded."""
+    scale) and the fraction of the bandwidth floor (of the generation loop's step with ``loop``,
+    :func:`decode_series`); None when no run decoded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases, values = decode_series(runs)
+    cases, values = decode_series(runs, loop)
     if not cases:
         return None
     width_inches = min(18.0, 2.0 + len(cases) * max(1.4, 0.6 * len(runs)))
@@ -222,8 +226,9 @@ def plot_decode(runs: list[dict[str, Any]], labels: list[str], out: Path) -> Pat
     floor_axes.set_ylim(0, 100)
     floor_axes.set_xticks(range(len(cases)), [f"{shape}\nbatch {batch}" for shape, batch in cases], fontsize=8)
     rate_axes.legend()
-    rate_axes.set_title(f"Decode on {runs[-1].get('device', 'the GPU')}")
-    path = out / "decode.png"
+    rate_axes.set_title(f"Decode on {runs[-1].get('device', 'the GPU')}"
+                        + (" (the step as LLM.generate runs it)" if loop else ""))
+    path = out / ("decode-loop.png" if loop else "decode.png")
     save(figure, path)
     return path
 
@@ -234,6 +239,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--throughput", type=Path, nargs="+", help="JSON files of metrale bench --throughput")
     parser.add_argument("--decode", type=Path, nargs="+", help="JSON files of metrale bench, one bar each in decode.png")
     parser.add_argument("--decode-labels", help="comma-separated labels of the --decode files (default: their names)")
+    parser.add_argument("--decode-loop", action="store_true",
+                        help="plot decode_bN_loop (the step as LLM.generate runs it) into decode-loop.png")
     parser.add_argument("--out", type=Path, default=Path("docs/images"), help="folder of the images")
     args = parser.parse_args(argv)
     if args.bench is None and args.throughput is None and args.decode is None:
@@ -256,7 +263,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         merged: dict[str, dict[str, Any]] = {}  # a run per label, its files' shapes together
         for label, path in zip(labels, args.decode):
             merged.setdefault(label, {}).update(json.loads(path.read_text()))
-        path = plot_decode(list(merged.values()), list(merged), args.out)
+        path = plot_decode(list(merged.values()), list(merged), args.out, args.decode_loop)
         written += [path] if path else []
     for path in written:
         print(path)

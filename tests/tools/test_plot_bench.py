@@ -108,6 +108,14 @@ def test_decode_series_line_runs_up_by_shape_and_batch(plot_bench):
     assert values == [[(671.0, 0.39), (15966.0, 0.36), None], [(1000.0, 0.6), None, (230.0, 0.81)]]
 
 
+def test_the_loop_series_takes_the_generation_loops_step(plot_bench):
+    run = decode_run("GPU", **{"llama-1b": {1: (700.0, 0.42)}})
+    run["llama-1b"]["metrale"]["decode_b1_loop"] = {"tok_s": 800.0, "fraction_of_floor": 0.48}
+    older = decode_run("GPU", **{"llama-1b": {1: (650.0, 0.39)}})  # measured before the loop existed
+    cases, values = plot_bench.decode_series([older, run], loop=True)
+    assert cases == [("llama-1b", 1)] and values == [[None], [(800.0, 0.48)]]
+
+
 def test_the_decode_figure_has_a_bar_per_run(plot_bench, tmp_path):
     files = []
     for name, rate in (("before", 671.0), ("after", 1000.0)):
@@ -129,8 +137,9 @@ def test_decode_files_sharing_a_label_are_one_run(plot_bench, tmp_path, monkeypa
         path.write_text(json.dumps(decode_run("H200", **{shape: {1: (rate, fraction)}})))
         files.append(str(path))
     seen = {}
-    monkeypatch.setattr(plot_bench, "plot_decode", lambda runs, labels, out: seen.update(runs=runs, labels=labels))
+    monkeypatch.setattr(plot_bench, "plot_decode",
+                        lambda runs, labels, out, loop: seen.update(runs=runs, labels=labels, loop=loop))
     plot_bench.main(["--decode", *files, "--decode-labels", "before,before,after", "--out", str(tmp_path)])
-    assert seen["labels"] == ["before", "after"]
+    assert seen["labels"] == ["before", "after"] and seen["loop"] is False
     assert [sorted(k for k in run if k != "device") for run in seen["runs"]] == [["llama-1b", "llama-8b"],
                                                                                 ["deepseek-v2-lite"]]
