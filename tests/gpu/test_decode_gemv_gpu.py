@@ -161,9 +161,12 @@ def test_the_swiglu_epilogue_matches_the_reference_and_the_silu_path(backend, in
     assert not np.isnan(got).any()
     assert rel_error(got, expected) <= 2e-2
     assert rel_error(cp.asnumpy(summed), expected_summed) <= 1e-6
-    # The op's two paths: the gate in the gate/up kernel's epilogue, or in the down kernel's prologue.
+    # The op's two paths: the gate in the gate/up kernel's epilogue, or in the down kernel's
+    # prologue; the op serves only MLPs whose down rows fit the latter (not 8 rows of 14,336).
     down_bits = bf16(rng, (inner, units), scale=0.02)
     (kernel,) = [k for k in decode_gemv_kernels() if k.op == "rmsnorm_mlp"]
+    if not dg.supports(rows, units, dg.SILU):
+        return
     function = kernel.build(backend)
     outputs = []
     for epilogue in (False, True):
@@ -176,3 +179,4 @@ def test_the_swiglu_epilogue_matches_the_reference_and_the_silu_path(backend, in
         finally:
             dg.SWIGLU_EPILOGUE = False
     assert rel_error(outputs[1], outputs[0]) <= 2e-2
+    assert rel_error(outputs[1], expected @ bf16_to_float32(down_bits).T) <= 2e-2
