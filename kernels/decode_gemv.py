@@ -18,6 +18,8 @@ projection, is a kernel of its own. Here the projection's kernel computes its in
 gate-and-up weight ``[2N, K]``, and an epilogue that writes ``bf16(silu(bf16(g)) * bf16(u))``
 per unit (the values :data:`SILU` would stage), ``[rows, N]``: a tile then holds 8 units, its gate
 rows and its up rows as the two halves of the product's 16 rows (:data:`SWIGLU_EPILOGUE`).
+:data:`PLAIN_SWIGLU` is the same epilogue after the :data:`PLAIN` prologue: ``linear_silu`` (a
+shared expert's gate and up projections with their gate) in one kernel.
 
 Each block first issues its first weight loads, then writes the prologue's ``[rows, K]`` bf16
 input into shared memory (every block computes it: the input is a few kilobytes, read from L2).
@@ -58,8 +60,11 @@ from metrale.kernels.activation import silu_and_mul_reference
 from metrale.kernels.linear import linear_reference
 from metrale.kernels.rmsnorm import rmsnorm_residual_reference
 
-PLAIN, RMSNORM, SILU, RMSNORM_SWIGLU = 0, 1, 2, 3
-MODES = {PLAIN: "plain", RMSNORM: "rmsnorm", SILU: "silu", RMSNORM_SWIGLU: "rmsnorm, swiglu out"}
+PLAIN, RMSNORM, SILU, RMSNORM_SWIGLU, PLAIN_SWIGLU = 0, 1, 2, 3, 4
+MODES = {PLAIN: "plain", RMSNORM: "rmsnorm", SILU: "silu", RMSNORM_SWIGLU: "rmsnorm, swiglu out",
+         PLAIN_SWIGLU: "plain, swiglu out"}
+#: The modes whose epilogue applies the SwiGLU gate (weight ``[2N, K]``, bf16 output ``[rows, N]``).
+SWIGLU_MODES = (RMSNORM_SWIGLU, PLAIN_SWIGLU)
 #: Whether the fused decode MLP computes the SwiGLU gate in its gate/up kernel's epilogue
 #: (:data:`RMSNORM_SWIGLU`, then a :data:`PLAIN` down kernel) instead of in the down kernel's
 #: prologue (:data:`SILU`): half the intermediate written and read, no activation in every block
@@ -93,6 +98,7 @@ CONSTANTS = f"""
 #define MODE_RMSNORM {RMSNORM}
 #define MODE_SILU {SILU}
 #define MODE_RMSNORM_SWIGLU {RMSNORM_SWIGLU}
+#define MODE_PLAIN_SWIGLU {PLAIN_SWIGLU}
 """
 
 #: The bf16 conversions, the 8-wide bf16 dot product and the warp sum the decode kernels share
@@ -145,7 +151,8 @@ __device__ __forceinline__ unsigned silu_mul_pair(unsigned gate, unsigned up) {
 // MODE_RMSNORM_SWIGLU: the RMSNORM prologue, weight [2N, K] (N gate rows, then N up rows), and
 // y[r, n] = silu(g) * u of the bf16-rounded g = dot(., gate row n), u = dot(., up row n), as bf16
 // (BF16_OUT, no bias): a tile is 8 units, its gate rows as the product's rows 0-7 and its up rows
-// as rows 8-15, so each lane holds a unit's gate and up for its two rows.
+// as rows 8-15, so each lane holds a unit's gate and up for its two rows. MODE_PLAIN_SWIGLU: the
+// same after the PLAIN prologue.
 // Grid: blocks of THREADS threads; warp w works on column tile blockIdx.x * WARPS / SPLIT + w / SPLIT
 // (16 columns; then + gridDim.x * WARPS / SPLIT, round after round) over K slice w % SPLIT.
 // Dynamic shared memory: rows * ceil(K / 64) * 128 bytes of staged input, then (RMSNORM) the norm's sums, then
@@ -165,7 +172,7 @@ __global__ void __launch_bounds__(THREADS, UNROLL > 4 ? 1 : 2) decode_gemv(
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, q = lane % 4;
     const int chunks = K / 8, stride = (chunks + 7) / 8 * 8;
-    constexpr bool SWIGLU = MODE == MODE_RMSNORM_SWIGLU;
+    constexpr bool SWIGLU = MODE == MODE_RMSNORM_SWIGLU || MODE == MODE_PLAIN_SWIGLU;
     const int tiles = SWIGLU ? (N + 7) / 8 : (N + 15) / 16;
     const int slice = (chunks / 4 + SPLIT - 1) / SPLIT * 4;   // chunks of a warp's K slice
     const int part = warp % SPLIT;
@@ -198,7 +205,7 @@ __global__ void __launch_bounds__(THREADS, UNROLL > 4 ? 1 : 2) decode_gemv(
     wait_for_producers();   // everything below reads or writes what other kernels touch
 
     // 1. The prologue's rows, as bf16, into shared memory.
-    if (MODE == MODE_PLAIN) {
+    if (MODE == MODE_PLAIN || MODE == MODE_PLAIN_SWIGLU) {
         const uint4* in = static_cast<const uint4*>(x);
         for (int i = tid; i < rows * chunks; i += THREADS) {
             const int r = i / chunks, c = i - r * chunks;
@@ -273,7 +280,7 @@ __global__ void __launch_bounds__(THREADS, UNROLL > 4 ? 1 : 2) decode_gemv(
     __syncthreads();
 
     // 2. The products, batch after batch, the next batch's loads in flight during each.
-    constexpr int NORM_SUMS = MODE == MODE_SILU || MODE == MODE_PLAIN ? 0 : (WARPS * 8 + 8) * 4;   // bytes
+    constexpr int NORM_SUMS = MODE == MODE_RMSNORM || MODE == MODE_RMSNORM_SWIGLU ? (WARPS * 8 + 8) * 4 : 0;   // bytes
     float4* reduce = reinterpret_cast<float4*>(dynamic_shared + (size_t)rows * stride * 16 + NORM_SUMS);   // [WARPS][32]
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int step = 0; step < steps; ++step) {
@@ -371,7 +378,7 @@ def plan(rows: int, inner: int, columns: int, mode: int, multiprocessors: int, s
     (split > 1) or, without a split, as many as the GPU holds at once (the warps loop over the
     tiles: two blocks a multiprocessor where the shared memory allows, one with ``unroll`` 8, whose
     registers allow no more)."""
-    tiles = -(-columns // (TILE // 2 if mode == RMSNORM_SWIGLU else TILE))
+    tiles = -(-columns // (TILE // 2 if mode in SWIGLU_MODES else TILE))
     if split is None:
         split = next((s for s in SPLITS if tiles * s >= multiprocessors * WARPS), SPLITS[-1])
     groups = WARPS // split
@@ -401,7 +408,7 @@ def decode_gemv_reference(
 
     summed = None
     x = np.asarray(x, dtype=np.float32)
-    if mode == PLAIN:
+    if mode in (PLAIN, PLAIN_SWIGLU):
         staged = x
     elif mode == SILU:
         inner = x.shape[1] // 2
@@ -413,7 +420,7 @@ def decode_gemv_reference(
     else:
         raise KernelArgumentError(f"decode_gemv: unknown mode {mode!r}")
     out = linear_reference(staged, weight, bias)
-    if mode == RMSNORM_SWIGLU:
+    if mode in SWIGLU_MODES:
         units = weight.shape[0] // 2
         return round_bf16(silu_and_mul_reference(round_bf16(out[:, :units]), round_bf16(out[:, units:]))), summed
     return (round_bf16(out) if bf16_out else out.astype(np.float32)), summed
@@ -469,7 +476,7 @@ def decode_gemv(
     name = f"decode_gemv ({MODES.get(mode, mode)})"
     check_array(name, "weight", weight, np.uint16, ndim=2)
     columns, inner = weight.shape
-    if mode == RMSNORM_SWIGLU:  # the gate and up rows: half as many outputs
+    if mode in SWIGLU_MODES:  # the gate and up rows: half as many outputs
         if columns % 16 or bias is not None:
             raise KernelArgumentError(f"{name}: {columns} gate and up rows (a multiple of 16 needed), or a bias")
         columns //= 2
@@ -482,7 +489,7 @@ def decode_gemv(
                                   f"(at most {MAX_ROWS} rows; the inner size a multiple of 32, staged in "
                                   f"{MAX_SHARED_BYTES} bytes)")
     bf16_out = out.dtype == np.uint16
-    if mode == RMSNORM_SWIGLU and not bf16_out:
+    if mode in SWIGLU_MODES and not bf16_out:
         raise KernelArgumentError(f"{name}: the SwiGLU output is bf16 bits")
     check_array(name, "out", out, np.uint16 if bf16_out else np.float32, (rows, columns))
     if bias is not None:

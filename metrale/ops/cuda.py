@@ -166,6 +166,10 @@ class CudaKernels:
         out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
         return decode_gemv.decode_gemv(decode_gemv.PLAIN, self.as_bf16(x), weight, out, self.stream, bias=bias)
 
+    def linear_silu_decode_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        out = cp.empty((x.shape[0], weight.shape[0] // 2), dtype=bf16)
+        return decode_gemv.decode_gemv(decode_gemv.PLAIN_SWIGLU, self.as_bf16(x), weight, out, self.stream)
+
     def rmsnorm_linear_decode_gemv(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float,
                                    weight: Any, bias: Any = None) -> Any:
         x = cp.ascontiguousarray(x, dtype=f32)

@@ -27,7 +27,7 @@ void run(const std::string& folder, int rows, int K, int N, int blocks, int has_
     float* residual = has_residual ? read<float>(folder + "/residual", (size_t)rows * K) : nullptr;
     unsigned short* norm = NORM ? read<unsigned short>(folder + "/norm", K) : nullptr;
     float* summed = allocate<float>((size_t)rows * K);
-    const size_t weight_rows = MODE == MODE_RMSNORM_SWIGLU ? 2 * (size_t)N : (size_t)N;   // N: the outputs
+    const size_t weight_rows = MODE == MODE_RMSNORM_SWIGLU || MODE == MODE_PLAIN_SWIGLU ? 2 * (size_t)N : (size_t)N;
     const uint4* weight = reinterpret_cast<const uint4*>(read<unsigned short>(folder + "/weight", weight_rows * K));
     float* bias = has_bias ? read<float>(folder + "/bias", N) : nullptr;
     void* out = BF16_OUT ? (void*)allocate<unsigned short>((size_t)rows * N) : (void*)allocate<float>((size_t)rows * N);
@@ -74,6 +74,8 @@ int main(int argc, char** argv) {
         by_output<MODE_RMSNORM>(bf16_out, unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
     else if (mode == MODE_RMSNORM_SWIGLU)
         by_unroll<MODE_RMSNORM_SWIGLU, true>(unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
+    else if (mode == MODE_PLAIN_SWIGLU)
+        by_unroll<MODE_PLAIN_SWIGLU, true>(unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
     else by_output<MODE_SILU>(bf16_out, unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
     return 0;
 }
@@ -88,7 +90,7 @@ def emulated(tmp_path_factory):
     def run(mode, x, weight, *, residual=None, norm=None, bias=None, bf16_out=False, split=1, unroll=4, blocks=2,
             eps=1e-6):
         rows, inner = x.shape[0], weight.shape[1]
-        outputs = weight.shape[0] // 2 if mode == dg.RMSNORM_SWIGLU else weight.shape[0]
+        outputs = weight.shape[0] // 2 if mode in dg.SWIGLU_MODES else weight.shape[0]
         case = folder / "case"
         case.mkdir(exist_ok=True)
         arrays = dict(x=x, weight=weight, residual=residual, norm=norm, bias=bias)
@@ -216,3 +218,27 @@ def test_the_swiglu_epilogue_writes_what_the_silu_prologue_stages(emulated, rows
     # float32 sums in another order: a product may round to the next bf16 before the gate.
     assert np.abs(out - expected).max() <= 2e-2 * np.abs(expected).max()
     assert np.abs(summed - expected_summed).max() <= 1e-6 * np.abs(expected_summed).max()
+
+
+@pytest.mark.parametrize("rows, inner, units, split, unroll, blocks", [
+    (1, 2048, 512, 8, 4, 2),  # a Qwen3-Next-shaped shared expert, one row
+    (3, 96, 13, 2, 4, 1),  # a partial tile
+    (8, 160, 24, 1, 8, 1),
+])
+def test_the_plain_swiglu_mode_is_linear_silu(emulated, rows, inner, units, split, unroll, blocks):
+    from metrale.kernels.activation import silu_and_mul_reference
+
+    rng = np.random.default_rng(rows * 7 + units)
+    weight_bits = bf16_bits(rng, (2 * units, inner), 0.2)
+    x_bits = bf16_bits(rng, (rows, inner), 2.0)
+    out, summed = emulated(dg.PLAIN_SWIGLU, x_bits, weight_bits, bf16_out=True, split=split, unroll=unroll,
+                           blocks=blocks)
+    assert summed is None and out.shape == (rows, units)
+    # linear_silu's reference: the product rounded to bf16 (what a bf16 gate/up projection writes),
+    # then silu_and_mul rounded to bf16.
+    x, weight = bf16_to_float32(x_bits), bf16_to_float32(weight_bits)
+    gate_up = bf16_to_float32(float32_to_bf16((x @ weight.T).astype(np.float32)))
+    expected = bf16_to_float32(float32_to_bf16(silu_and_mul_reference(gate_up[:, :units], gate_up[:, units:])))
+    reference = dg.decode_gemv_reference(dg.PLAIN_SWIGLU, x, weight)[0]
+    assert np.abs(reference - expected).max() <= 1e-2 * np.abs(expected).max()
+    assert np.abs(out - expected).max() <= 2e-2 * np.abs(expected).max()

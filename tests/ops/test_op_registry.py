@@ -275,11 +275,13 @@ def test_the_decode_moe_kernel_takes_decode_batches():
     assert not kernel.when(np.zeros((4, 2048), np.uint16), experts, weights, gate_up.astype(np.float32), down)
 
 
-def test_the_decode_router_kernel_is_offered_and_takes_decode_batches():
+def test_the_decode_router_kernel_is_a_default_and_takes_decode_batches():
     from metrale.ops.builtin import moe_route_decode_kernels
 
+    (default,) = [kernel for kernel in builtin_registry().kernels if kernel.op == "moe_route" and kernel.when]
+    assert default.condition == moe_route_decode_kernels()[0].condition
     (kernel,) = moe_route_decode_kernels(max_tokens=4)
-    assert kernel.op == "moe_route" and kernel not in builtin_registry().kernels
+    assert kernel.op == "moe_route"
     gate = np.zeros((64, 2048), np.float32)  # only shapes and dtypes are read
     assert kernel.when(np.zeros((4, 2048), np.uint16), gate, None, "greedy", 1, 1, 6, False, 1.0)
     assert not kernel.when(np.zeros((5, 2048), np.uint16), gate, None, "greedy", 1, 1, 6, False, 1.0)
