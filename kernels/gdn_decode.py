@@ -11,8 +11,12 @@ From the ``in_proj_qkvz`` output (grouped by key head, as the checkpoint lays it
 2. **rule** -- grid ``(N, H_v)``, one block per sequence and value head: the key head's q and k
    L2-normalised (q scaled by ``d_k^-1/2``), the gates ``g = -exp(A_log) softplus(a + dt_bias)``
    and ``beta = sigmoid(b)``, one step of the gated delta rule on the slot's ``[d_k, d_v]``
-   state (one thread per value column, the state read and written in place), then the gated
-   RMSNorm with the head's ``z``, written as bf16 -- the input of ``out_proj``.
+   state, then the gated RMSNorm with the head's ``z``, written as bf16 -- the input of
+   ``out_proj``. A thread owns one value column of every ``R``-th state row
+   (:func:`rule_row_groups`, ``R`` row groups of ``d_v`` threads): it reads its rows once into
+   registers, the row groups' partial sums of ``S^T k`` and of ``S^T q`` meet in shared memory,
+   and it writes the rows back, so the state is read and written once with all its loads in
+   flight (a thread per column walking all ``d_k`` rows left one warp a multiprocessor).
 
 The same function as ``gdn_ungroup``, ``gdn_gates``, ``gdn_conv_update``, ``gdn_split_heads``,
 ``gdn_recurrent_step`` and ``gated_rmsnorm`` one after another (:func:`decode_reference`), up to
@@ -34,7 +38,7 @@ from metrale.kernels.decode_gemv import HELPERS
 from metrale.kernels.decode_gemv import INSTRUCTIONS as DYNAMIC_SHARED_MEMORY
 
 CONV_THREADS = 256
-MAX_HEAD_DIM = 1024  # a rule block has max(d_k, d_v) threads, rounded up to a warp
+MAX_HEAD_DIM = 1024  # d_v rounded up to a warp fits a rule block (MAX_RULE_THREADS)
 
 KERNELS = r"""
 // Sum of value over the block (blockDim.x a multiple of 32); scratch holds 32 floats.
@@ -84,8 +88,13 @@ extern "C" __global__ void gdn_decode_conv(const float* __restrict__ qkvz, const
     mixed[(size_t)n * channels + c] = sum / (1.0f + expf(-sum));
 }
 
-// One gated-delta step and the gated RMSNorm of value head j of row n. Grid (N, Hv); blockDim.x
-// >= max(dk, dv), a multiple of 32; dynamic shared memory (2 dk + 32) floats.
+// One gated-delta step and the gated RMSNorm of value head j of row n. Grid (N, Hv); blockDim.x =
+// DVP * R threads, DVP = dv rounded up to a warp: thread (g, c) = (tid / DVP, tid % DVP) owns value
+// column c of the state rows g, g + R, g + 2R, ... (coalesced across a warp's columns), the first
+// CACHED_ROWS of them held in registers between the read and the write, so the slot's [dk, dv]
+// state is read once and written once by R * DVP threads with all their loads in flight. Dynamic
+// shared memory (2 dk + 32 + R * DVP) floats: q, k, the sums' scratch, the row groups' partials.
+#define CACHED_ROWS 16
 extern "C" __global__ void gdn_decode_rule(const float* __restrict__ mixed, const float* __restrict__ qkvz,
                                 const float* __restrict__ ba, const float* __restrict__ a_log,
                                 const float* __restrict__ dt_bias, float* __restrict__ state,
@@ -95,24 +104,32 @@ extern "C" __global__ void gdn_decode_rule(const float* __restrict__ mixed, cons
     DYNAMIC_SHARED;
     allow_dependents();
     wait_for_producers();   // the convolution's output comes from the kernel ahead
+    const int padded = (value_dim + 31) / 32 * 32, groups = blockDim.x / padded;
     float* q = reinterpret_cast<float*>(dynamic_shared);
     float* k = q + key_dim;
     float* scratch = k + key_dim;
+    float* partial = scratch + 32;   // [groups][padded]
     const int n = blockIdx.x, j = blockIdx.y, tid = threadIdx.x;
+    const int c = tid % padded, g = tid / padded;
     const int group = value_heads / key_heads, i = j / group, local = j % group;
     const int width = 2 * key_dim + 2 * group * value_dim;
     const int channels = 2 * key_heads * key_dim + value_heads * value_dim;
     const float* row = mixed + (size_t)n * channels;
-    float q_value = 0.0f, k_value = 0.0f;
-    if (tid < key_dim) {
-        q_value = row[i * key_dim + tid];
-        k_value = row[key_heads * key_dim + i * key_dim + tid];
+    float q_squares = 0.0f, k_squares = 0.0f;
+    for (int d = tid; d < key_dim; d += blockDim.x) {
+        const float q_value = row[i * key_dim + d], k_value = row[key_heads * key_dim + i * key_dim + d];
+        q[d] = q_value;
+        k[d] = k_value;
+        q_squares += q_value * q_value;
+        k_squares += k_value * k_value;
     }
-    const float q_norm = block_sum(q_value * q_value, scratch);
-    const float k_norm = block_sum(k_value * k_value, scratch);
-    if (tid < key_dim) {
-        q[tid] = q_value / sqrtf(q_norm + l2_eps) * (1.0f / sqrtf((float)key_dim));
-        k[tid] = k_value / sqrtf(k_norm + l2_eps);
+    const float q_norm = block_sum(q_squares, scratch);
+    const float k_norm = block_sum(k_squares, scratch);
+    const float q_scale = 1.0f / sqrtf(q_norm + l2_eps) * (1.0f / sqrtf((float)key_dim));
+    const float k_scale = 1.0f / sqrtf(k_norm + l2_eps);
+    for (int d = tid; d < key_dim; d += blockDim.x) {
+        q[d] *= q_scale;
+        k[d] *= k_scale;
     }
     __syncthreads();
     const float b = ba[(size_t)n * key_heads * 2 * group + i * 2 * group + local];
@@ -120,24 +137,56 @@ extern "C" __global__ void gdn_decode_rule(const float* __restrict__ mixed, cons
     const float beta = 1.0f / (1.0f + expf(-b));
     const float softplus = fmaxf(a, 0.0f) + log1pf(expf(-fabsf(a)));
     const float decay = expf(-expf(a_log[j]) * softplus);
+    const bool owns = c < value_dim;
+    float* column = state + ((size_t)slots[n] * value_heads + j) * key_dim * value_dim + c;
+    float cached[CACHED_ROWS];
+    float predicted = 0.0f;
+    if (owns) {
+#pragma unroll
+        for (int t = 0; t < CACHED_ROWS; ++t) {
+            const int r = g + t * groups;
+            cached[t] = r < key_dim ? column[(size_t)r * value_dim] : 0.0f;
+        }
+#pragma unroll
+        for (int t = 0; t < CACHED_ROWS; ++t) {
+            const int r = g + t * groups;
+            if (r < key_dim) predicted += cached[t] * decay * k[r];
+        }
+        for (int r = g + CACHED_ROWS * groups; r < key_dim; r += groups) predicted += column[(size_t)r * value_dim] * decay * k[r];
+    }
+    partial[g * padded + c] = predicted;
+    __syncthreads();
+    float total = 0.0f;
+    for (int h = 0; h < groups; ++h) total += partial[h * padded + c];
+    const float delta = owns ? beta * (row[2 * key_heads * key_dim + j * value_dim + c] - total) : 0.0f;
     float result = 0.0f;
-    if (tid < value_dim) {
-        float* column = state + ((size_t)slots[n] * value_heads + j) * key_dim * value_dim + tid;
-        float predicted = 0.0f;
-        for (int kk = 0; kk < key_dim; ++kk) predicted += column[(size_t)kk * value_dim] * decay * k[kk];
-        const float delta = beta * (row[2 * key_heads * key_dim + j * value_dim + tid] - predicted);
-        for (int kk = 0; kk < key_dim; ++kk) {
-            const float updated = column[(size_t)kk * value_dim] * decay + k[kk] * delta;
-            column[(size_t)kk * value_dim] = updated;
-            result += updated * q[kk];
+    if (owns) {
+#pragma unroll
+        for (int t = 0; t < CACHED_ROWS; ++t) {
+            const int r = g + t * groups;
+            if (r < key_dim) {
+                const float updated = cached[t] * decay + k[r] * delta;
+                column[(size_t)r * value_dim] = updated;
+                result += updated * q[r];
+            }
+        }
+        for (int r = g + CACHED_ROWS * groups; r < key_dim; r += groups) {
+            const float updated = column[(size_t)r * value_dim] * decay + k[r] * delta;
+            column[(size_t)r * value_dim] = updated;
+            result += updated * q[r];
         }
     }
-    const float squares = block_sum(tid < value_dim ? result * result : 0.0f, scratch);
-    if (tid < value_dim) {
+    __syncthreads();   // every column's total is read
+    partial[g * padded + c] = result;
+    __syncthreads();
+    result = 0.0f;
+    for (int h = 0; h < groups; ++h) result += partial[h * padded + c];
+    const float squares = block_sum(g == 0 && owns ? result * result : 0.0f, scratch);
+    if (g == 0 && owns) {
         const float z = qkvz[(size_t)n * key_heads * width + i * width + 2 * key_dim + group * value_dim
-                             + local * value_dim + tid];
+                             + local * value_dim + c];
         const float normed = result / sqrtf(squares / (float)value_dim + eps);
-        out[((size_t)n * value_heads + j) * value_dim + tid] = to_bf16(normed * norm_weight[tid] * (z / (1.0f + expf(-z))));
+        out[((size_t)n * value_heads + j) * value_dim + c] = to_bf16(normed * norm_weight[c] * (z / (1.0f + expf(-z))));
     }
 }
 """
@@ -150,9 +199,27 @@ def source() -> str:
     return DYNAMIC_SHARED_MEMORY + DEPENDENT_LAUNCH + HELPERS + KERNELS
 
 
+#: Threads of a rule block at most (its row groups times ``d_v`` rounded up to a warp).
+MAX_RULE_THREADS = 1024
+#: State rows a rule thread aims for (CACHED_ROWS of the kernel: held in registers).
+CACHED_ROWS = 16
+
+
+def rule_row_groups(key_dim: int, value_dim: int) -> int:
+    """Row groups ``R`` of a rule block: enough that a thread owns at most :data:`CACHED_ROWS` of
+    the ``d_k`` state rows where the block allows, as many as fit :data:`MAX_RULE_THREADS`."""
+    padded = -(-value_dim // 32) * 32
+    return max(1, min(MAX_RULE_THREADS // padded, -(-key_dim // CACHED_ROWS)))
+
+
 def rule_threads(key_dim: int, value_dim: int) -> int:
-    """Threads of a rule block: ``max(d_k, d_v)`` rounded up to a warp."""
-    return -(-max(key_dim, value_dim) // 32) * 32
+    """Threads of a rule block: :func:`rule_row_groups` times ``d_v`` rounded up to a warp."""
+    return rule_row_groups(key_dim, value_dim) * (-(-value_dim // 32) * 32)
+
+
+def rule_shared_bytes(key_dim: int, value_dim: int) -> int:
+    """Dynamic shared memory of a rule block: q, k, 32 floats of scratch, the row groups' partials."""
+    return (2 * key_dim + 32 + rule_threads(key_dim, value_dim)) * 4
 
 
 def supports(key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> bool:
@@ -229,5 +296,5 @@ def decode_step(
     launch(_kernel("gdn_decode_rule"), (rows, value_heads), (threads,), (
         mixed, qkvz, ba, a_log, dt_bias, state, slots, norm_weight, np.float32(eps), np.float32(L2_NORM_EPS), out,
         np.int32(key_heads), np.int32(value_heads), np.int32(key_dim), np.int32(value_dim),
-    ), (2 * key_dim + 32) * 4, stream, dependent=True)
+    ), rule_shared_bytes(key_dim, value_dim), stream, dependent=True)
     return out

@@ -18,7 +18,7 @@ EMULATION_MAIN = r"""
 #include <string>
 
 int main(int argc, char** argv) {
-    if (argc != 10) emu::fail("usage: folder rows slots Hk Hv dk dv kernel eps");
+    if (argc != 11) emu::fail("usage: folder rows slots Hk Hv dk dv kernel eps rule_threads");
     const std::string folder = argv[1];
     const int rows = std::atoi(argv[2]), slots = std::atoi(argv[3]), Hk = std::atoi(argv[4]), Hv = std::atoi(argv[5]);
     const int dk = std::atoi(argv[6]), dv = std::atoi(argv[7]), K = std::atoi(argv[8]);
@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
     float* norm = read<float>(folder + "/norm", dv);
     float* mixed = allocate<float>((size_t)rows * C);
     unsigned short* out = allocate<unsigned short>((size_t)rows * Hv * dv);
-    const unsigned conv_threads = 64, threads = (std::max(dk, dv) + 31) / 32 * 32;
+    const unsigned conv_threads = 64, threads = std::atoi(argv[10]);
     emu::launch({(unsigned)rows, (C + conv_threads - 1) / conv_threads, 1}, {conv_threads, 1, 1},
                 [&] { gdn_decode_conv(qkvz, weight, conv_state, slot_of, mixed, Hk, Hv, dk, dv, K); });
     emu::launch({(unsigned)rows, (unsigned)Hv, 1}, {threads, 1, 1}, [&] {
@@ -62,7 +62,8 @@ def emulated(tmp_path_factory):
         rows, slots = arrays["qkvz"].shape[0], arrays["state"].shape[0]
         key_heads, value_heads, key_dim, value_dim = geometry
         subprocess.run([str(binary), str(case), str(rows), str(slots), str(key_heads), str(value_heads), str(key_dim),
-                        str(value_dim), str(arrays["weight"].shape[1]), repr(eps)], check=True, timeout=600)
+                        str(value_dim), str(arrays["weight"].shape[1]), repr(eps),
+                        str(gdn_decode.rule_threads(key_dim, value_dim))], check=True, timeout=600)
         channels = 2 * key_heads * key_dim + value_heads * value_dim
         out = bf16_to_float32(np.fromfile(case / "out", np.uint16)).reshape(rows, value_heads, value_dim)
         conv_state = np.fromfile(case / "conv_state", np.float32).reshape(slots, channels, -1)
@@ -76,6 +77,8 @@ def emulated(tmp_path_factory):
     (1, 1, 1, 32, 32, 4),
     (3, 2, 4, 32, 48, 4),  # two value heads per key head; d_v > d_k
     (2, 2, 2, 64, 32, 3),  # d_k > d_v; another conv width
+    (1, 1, 2, 128, 128, 4),  # Qwen3-Next's heads: 8 row groups of 16 rows
+    (1, 1, 1, 1024, 1000, 2),  # one row group: rows past the cached ones; d_v not a multiple of 32
 ])
 def test_emulated_kernels_match_the_unfused_references(emulated, rows, key_heads, value_heads, key_dim, value_dim,
                                                        kernel):
@@ -111,4 +114,8 @@ def test_emulated_kernels_match_the_unfused_references(emulated, rows, key_heads
 
 def test_supports_and_threads():
     assert gdn_decode.supports(16, 32, 128, 128) and not gdn_decode.supports(16, 24, 128, 128)
-    assert gdn_decode.rule_threads(128, 128) == 128 and gdn_decode.rule_threads(32, 48) == 64
+    # Row groups of d_v threads (rounded to a warp), each thread CACHED_ROWS rows where they fit.
+    assert gdn_decode.rule_row_groups(128, 128) == 8 and gdn_decode.rule_threads(128, 128) == 1024
+    assert gdn_decode.rule_row_groups(32, 48) == 2 and gdn_decode.rule_threads(32, 48) == 128
+    assert gdn_decode.rule_row_groups(1024, 1000) == 1 and gdn_decode.rule_threads(1024, 1000) == 1024
+    assert gdn_decode.rule_shared_bytes(128, 128) == (2 * 128 + 32 + 1024) * 4
