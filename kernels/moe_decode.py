@@ -10,11 +10,12 @@ synchronisation (CUDA-graph safe):
    (bf16) in shared memory; each warp computes two activation columns ``c``, reading gate row
    ``c`` and up row ``I + c`` of the pair's expert as 16-byte words (four words per row and lane
    in flight), and writes ``bf16(silu(gate) * up)`` into ``act [N * k, I]``;
-2. **down** -- grid ``(ceil(H / 16), N)``: a block stages the ``k`` activation rows of its token;
-   each warp computes two output columns ``n`` as ``sum_s weights[t, s] * dot(down_e(s)[n],
-   act[t, s])``, the slots added in order ``s = 0 .. k - 1`` as the reference adds them, and
-   writes float32 ``out [N, H]`` -- the weighting and the sum over slots in the same kernel, with
-   no float32 round trip through memory.
+2. **down** -- grid ``(ceil(H / 8), N)``: a block stages the ``k`` activation rows of its token;
+   each warp computes one output column ``n`` as ``sum_s weights[t, s] * dot(down_e(s)[n],
+   act[t, s])``, its lanes walking the ``k`` slots' weight words as one sequence (each word's
+   product weighted by its slot, eight words a lane in flight), and writes float32 ``out [N, H]``
+   -- the weighting and the sum over slots in the same kernel, with no float32 round trip
+   through memory.
 
 ``H`` and ``I`` must be multiples of 8. The kernels read the weights of every pair, a shared
 expert once per pair that chose it (prompt-sized batches, where experts repeat, take the grouped
@@ -37,9 +38,10 @@ from metrale.kernels.decode_gemv import INSTRUCTIONS as DYNAMIC_SHARED_MEMORY
 MAX_TOKENS = 8
 WARPS = 8
 THREADS = 32 * WARPS
-COLUMNS = 2
-UNROLL = 4
-#: Largest staged input of the down kernel (``k * I * 2`` bytes).
+COLUMNS = 2  # activation columns of a gate_up warp
+UNROLL = 4  # weight words of a gate_up lane in flight per row
+DOWN_UNROLL = 8  # weight words of a down lane in flight
+#: Largest staged input of a block (the down kernel's, :func:`down_shared_bytes`).
 MAX_STAGE_BYTES = 200 * 1024
 
 CONSTANTS = f"""
@@ -47,6 +49,7 @@ CONSTANTS = f"""
 #define THREADS {THREADS}
 #define COLUMNS {COLUMNS}
 #define UNROLL {UNROLL}
+#define DOWN_UNROLL {DOWN_UNROLL}
 """
 
 KERNELS = r"""
@@ -109,8 +112,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) moe_decode_gate_up(
     }
 }
 
-// out[t, n] = sum_s weights[t, s] * (down_e[n] . act[t * k + s]), e = experts[t, s], s in order.
-// Grid (ceil(H / (WARPS * COLUMNS)), N); dynamic shared memory k * I * 2 bytes.
+// out[t, n] = sum_s weights[t, s] * (down_e[n] . act[t * k + s]), e = experts[t, s].
+// Grid (ceil(H / WARPS), N): a warp per output column; dynamic shared memory k * I * 2 bytes (the
+// token's activations, [k][I]) plus k slots' row offsets and weights. A lane walks the k slots'
+// words as one sequence (word i: slot i / (I / 8)), DOWN_UNROLL loads in flight, weighting each
+// word's dot product by its slot: k rows of I are one long row, not k short ones each ending in a
+// wait for its loads and a warp sum.
 extern "C" __global__ void __launch_bounds__(THREADS) moe_decode_down(
     const unsigned short* __restrict__ act, const uint4* __restrict__ down, const int* __restrict__ experts,
     const float* __restrict__ weights, float* __restrict__ out, int top_k, int H, int I) {
@@ -118,50 +125,38 @@ extern "C" __global__ void __launch_bounds__(THREADS) moe_decode_down(
     allow_dependents();
     wait_for_producers();   // the routing and the inputs come from the kernels ahead
     unsigned short* rows = reinterpret_cast<unsigned short*>(dynamic_shared);   // [k][I]
+    size_t* slot_row = reinterpret_cast<size_t*>(dynamic_shared + ((size_t)top_k * I * 2 + 15) / 16 * 16);   // [k]
+    float* slot_weight = reinterpret_cast<float*>(slot_row + top_k);   // [k]
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int token = blockIdx.y;
+    const int token = blockIdx.y, words = I / 8, total_words = top_k * words;
+    const int n = blockIdx.x * WARPS + warp;
     for (int i = tid; i < top_k * I; i += THREADS) rows[i] = act[(size_t)token * top_k * I + i];
+    for (int s = tid; s < top_k; s += THREADS) {
+        slot_row[s] = (size_t)experts[token * top_k + s] * H * words;   // the expert's first down row, in words
+        slot_weight[s] = weights[token * top_k + s];
+    }
     __syncthreads();
-    const int words = I / 8;
+    if (n >= H) return;   // whole warps only: no barrier follows
     const uint4* staged = reinterpret_cast<const uint4*>(rows);
-    const int n0 = (blockIdx.x * WARPS + warp) * COLUMNS;
-    if (n0 >= H) return;
-    float total[COLUMNS];
+    float acc = 0.0f;
+    for (int base = lane; base < total_words; base += 32 * DOWN_UNROLL) {
+        uint4 w[DOWN_UNROLL];
+        int slot[DOWN_UNROLL];
 #pragma unroll
-    for (int c = 0; c < COLUMNS; ++c) total[c] = 0.0f;
-    for (int s = 0; s < top_k; ++s) {
-        const int expert = experts[token * top_k + s];
-        const float weight = weights[token * top_k + s];
-        float acc[COLUMNS];
-#pragma unroll
-        for (int c = 0; c < COLUMNS; ++c) acc[c] = 0.0f;
-        for (int base = lane; base < words; base += 32 * UNROLL) {
-            uint4 w[COLUMNS][UNROLL];
-#pragma unroll
-            for (int c = 0; c < COLUMNS; ++c) {
-                const int column = min(n0 + c, H - 1);
-#pragma unroll
-                for (int k = 0; k < UNROLL; ++k) {
-                    const int index = base + 32 * k;
-                    if (index < words) w[c][k] = __ldg(down + ((size_t)expert * H + column) * words + index);
-                }
-            }
-#pragma unroll
-            for (int k = 0; k < UNROLL; ++k) {
-                const int index = base + 32 * k;
-                if (index < words) {
-                    const uint4 input = staged[s * words + index];
-#pragma unroll
-                    for (int c = 0; c < COLUMNS; ++c) acc[c] += dot8(w[c][k], input);
-                }
-            }
+        for (int u = 0; u < DOWN_UNROLL; ++u) {
+            const int index = base + 32 * u;
+            slot[u] = index < total_words ? index / words : 0;
+            if (index < total_words)
+                w[u] = __ldg(down + slot_row[slot[u]] + (size_t)n * words + (index - slot[u] * words));
         }
 #pragma unroll
-        for (int c = 0; c < COLUMNS; ++c) total[c] += weight * warp_sum(acc[c]);
+        for (int u = 0; u < DOWN_UNROLL; ++u) {
+            const int index = base + 32 * u;
+            if (index < total_words) acc += slot_weight[slot[u]] * dot8(w[u], staged[index]);
+        }
     }
-#pragma unroll
-    for (int c = 0; c < COLUMNS; ++c)
-        if (lane == c && n0 + c < H) out[(size_t)token * H + n0 + c] = total[c];
+    acc = warp_sum(acc);
+    if (lane == 0) out[(size_t)token * H + n] = acc;
 }
 """
 
@@ -177,7 +172,13 @@ def supports(tokens: int, top_k: int, hidden: int, inter: int) -> bool:
     """Whether a batch of ``tokens`` tokens with ``top_k`` experts each, of hidden size ``hidden``
     and expert width ``inter``, is served."""
     return (0 < tokens <= MAX_TOKENS and top_k > 0 and hidden > 0 and inter > 0 and hidden % 8 == 0 and inter % 8 == 0
-            and top_k * inter * 2 <= MAX_STAGE_BYTES and hidden * 2 <= MAX_STAGE_BYTES)
+            and down_shared_bytes(top_k, inter) <= MAX_STAGE_BYTES and hidden * 2 <= MAX_STAGE_BYTES)
+
+
+def down_shared_bytes(top_k: int, inter: int) -> int:
+    """Dynamic shared memory of a down block: the token's ``k`` activation rows (padded to 16
+    bytes), then each slot's row offset (8 bytes) and weight (4 bytes)."""
+    return -(-top_k * inter * 2 // 16) * 16 + 12 * top_k
 
 
 def decode_experts_reference(
@@ -245,7 +246,7 @@ def decode_experts(
             raise KernelArgumentError(f"{op}: {name} does not start at a 16-byte boundary")
     columns = WARPS * COLUMNS
     gate_up_kernel, down_kernel = _kernel("moe_decode_gate_up"), _kernel("moe_decode_down")
-    stage = top_k * inter * 2
+    stage = down_shared_bytes(top_k, inter)
     if stage > 48 * 1024:
         down_kernel.max_dynamic_shared_size_bytes = stage
     if hidden * 2 > 48 * 1024:
@@ -253,7 +254,7 @@ def decode_experts(
     launch(gate_up_kernel, (-(-inter // columns), tokens * top_k), (THREADS,),
            (x, gate_up, experts, act, np.int32(top_k), np.int32(hidden), np.int32(inter)), hidden * 2, stream,
            dependent=True)
-    launch(down_kernel, (-(-hidden // columns), tokens), (THREADS,),
+    launch(down_kernel, (-(-hidden // WARPS), tokens), (THREADS,),
            (act, down, experts, weights, out, np.int32(top_k), np.int32(hidden), np.int32(inter)), stage, stream,
            dependent=True)
     return out

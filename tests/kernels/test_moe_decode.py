@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
     const unsigned columns = WARPS * COLUMNS;
     emu::launch({(I + columns - 1) / columns, (unsigned)pairs, 1}, {THREADS, 1, 1},
                 [&] { moe_decode_gate_up(x, gate_up, experts, act, top_k, H, I); });
-    emu::launch({(H + columns - 1) / columns, (unsigned)tokens, 1}, {THREADS, 1, 1},
+    emu::launch({(H + WARPS - 1) / WARPS, (unsigned)tokens, 1}, {THREADS, 1, 1},
                 [&] { moe_decode_down(act, down, experts, weights, out, top_k, H, I); });
     write(folder + "/act", act, (size_t)pairs * I);
     write(folder + "/out", out, (size_t)tokens * H);
@@ -65,6 +65,7 @@ def emulated(tmp_path_factory):
     (1, 3, 64, 40, 5),  # I = 40: the second block's warps past I return before the products
     (4, 2, 96, 24, 3),  # four tokens over three experts: experts shared between tokens
     (8, 4, 72, 56, 9),
+    (2, 6, 40, 1408, 8),  # DeepSeek-V2-Lite's expert width: a lane's batches cross slots mid-way
 ])
 def test_emulated_kernels_match_the_reference(emulated, tokens, top_k, hidden, inter, num_experts):
     rng = np.random.default_rng(tokens * 100 + hidden)
