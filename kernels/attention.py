@@ -265,9 +265,10 @@ DECODE_KERNEL = "mma" if environment_flag("METRALE_DECODE_MMA", default=True) el
 
 #: Whether the tensor-core decode kernel merges its own splits (the last split of each row and head
 #: block to finish, :func:`metrale.kernels.attention_decode_mma.decode_attention` with counters)
-#: instead of a combine kernel after it: one launch a layer fewer. Off until its GPU checks have
-#: run; the CUDA backend then passes counters to :func:`paged_attention`.
-MERGE_DECODE_SPLITS = False
+#: instead of a combine kernel after it: one launch a layer fewer (on the H200 a decode step with
+#: it was 1.01x / 1.03x the combine kernel's on the Llama-1B / 8B shapes at batch 1, ``python3
+#: tools/decode_ab.py``). The CUDA backend then passes counters to :func:`paged_attention`.
+MERGE_DECODE_SPLITS = True
 
 
 def uses_decode_mma(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:

@@ -7,14 +7,13 @@ step as ``metrale bench`` does (the forward from its CUDA graph, the greedy devi
 tokens read back; CUDA events, median of ``--steps``). The two engines' logits of the first step
 are compared (the largest difference over the largest logit), and their greedy tokens over
 ``--check-steps`` steps (they may part at near ties: a fused kernel sums in another order, and
-random weights give flat logits). ``--offered`` adds to the fused engine the decode kernels that are
-offered but not registered by default; ``--merge-splits`` has its tensor-core decode attention
-merge its own splits (``metrale.kernels.attention.MERGE_DECODE_SPLITS``; the unfused engine keeps
-the combine kernel); ``--swiglu-epilogue`` has its fused MLP gate in the gate/up kernel's
+random weights give flat logits). ``--combine-splits`` has its tensor-core decode attention
+combine its splits in a kernel of their own, as the unfused engine does, instead of merging them
+itself (``metrale.kernels.attention.MERGE_DECODE_SPLITS``); ``--swiglu-epilogue`` has its fused MLP gate in the gate/up kernel's
 epilogue (``metrale.kernels.decode_gemv.SWIGLU_EPILOGUE``). Run from the repository root::
 
     python3 tools/decode_ab.py [--shapes llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small] [--batch 1,4,8]
-                               [--context 512] [--offered] [--merge-splits] [--swiglu-epilogue]
+                               [--context 512] [--combine-splits] [--swiglu-epilogue]
 """
 
 from __future__ import annotations
@@ -26,18 +25,6 @@ from pathlib import Path
 import numpy as np
 
 from metrale import hookimpl
-
-
-class OfferedDecodePlugin:
-    """Registers the decode kernels that are offered but not registered by default (the router's,
-    ``metrale.ops.builtin.moe_route_decode_kernels``), for ``--offered``."""
-
-    @hookimpl
-    def metrale_register_ops(self, registry):  # type: ignore[no-untyped-def]
-        from metrale.ops.builtin import moe_route_decode_kernels
-
-        for kernel in moe_route_decode_kernels():
-            registry.add_kernel(kernel)
 
 
 class UnfusedDecodePlugin:
@@ -63,10 +50,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps")
     parser.add_argument("--check-steps", type=int, default=16, help="greedy steps compared")
     parser.add_argument("--workdir", default="/tmp/metrale-bench")
-    parser.add_argument("--offered", action="store_true",
-                        help="the fused engine also takes the decode kernels not registered by default")
-    parser.add_argument("--merge-splits", action="store_true",
-                        help="the fused engine's decode attention merges its own splits")
+    parser.add_argument("--combine-splits", action="store_true",
+                        help="the fused engine's decode attention combines its splits in a kernel of their own")
     parser.add_argument("--swiglu-epilogue", action="store_true",
                         help="the fused engine's fused MLP gates in its gate/up kernel's epilogue")
     args = parser.parse_args()
@@ -88,15 +73,13 @@ def main() -> None:
         options = dict(device="cuda", max_model_len=args.context + args.steps + args.check_steps + 64,
                        max_num_seqs=max(batches) + 1, show_progress=False)
         fused_manager = get_plugin_manager()
-        if args.offered:
-            fused_manager.register(OfferedDecodePlugin(), name="offered-decode")
         engines = {"unfused": LLM(folder, plugin_manager=unfused_manager, **options),
                    "fused": LLM(folder, plugin_manager=fused_manager, **options)}
         @contextlib.contextmanager
         def kernels_of(name):
             # The kernels' choices are read when a step runs eagerly or is recorded; replays keep them.
             saved = attention.MERGE_DECODE_SPLITS, decode_gemv.SWIGLU_EPILOGUE
-            attention.MERGE_DECODE_SPLITS = args.merge_splits and name == "fused"
+            attention.MERGE_DECODE_SPLITS = name == "fused" and not args.combine_splits
             decode_gemv.SWIGLU_EPILOGUE = args.swiglu_epilogue and name == "fused"
             try:
                 yield
