@@ -371,18 +371,28 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     __syncthreads();
     if (!merges) return;
     __threadfence();   // the other splits' partials are visible
+    // Every (head, split)'s sum and maximum loaded at once, a thread each, then each head's
+    // weights from shared memory: the loads of the merge's critical path overlap.
     float* split_weight = reinterpret_cast<float*>(stages);   // [BLOCK_HEADS][MAX_SPLITS]; the stages are free now
-    float* head_sum = split_weight + BLOCK_HEADS * MAX_SPLITS;   // [BLOCK_HEADS]
+    float* split_max = split_weight + BLOCK_HEADS * MAX_SPLITS;   // [BLOCK_HEADS][MAX_SPLITS]
+    float* head_sum = split_max + BLOCK_HEADS * MAX_SPLITS;   // [BLOCK_HEADS]
+    for (int e = threadIdx.x; e < block_heads * splits; e += THREADS) {
+        const int h = e / splits, s = e % splits;
+        const long at = ((long)row * num_heads + head_base + h) * splits + s;
+        const float split_sum = load_coherent(out_sum + at), best = load_coherent(out_max + at);
+        split_weight[h * MAX_SPLITS + s] = split_sum;
+        split_max[h * MAX_SPLITS + s] = split_sum > 0.f ? best : NEG_INF;
+    }
+    __syncthreads();
     if (threadIdx.x < block_heads) {
-        const long first = ((long)row * num_heads + head_base + threadIdx.x) * splits;
+        const float* sums = split_weight + threadIdx.x * MAX_SPLITS;
+        const float* maxima = split_max + threadIdx.x * MAX_SPLITS;
         float top = NEG_INF;
-        for (int s = 0; s < splits; ++s) {
-            if (load_coherent(out_sum + first + s) > 0.f) top = fmaxf(top, load_coherent(out_max + first + s));
-        }
+        for (int s = 0; s < splits; ++s) top = fmaxf(top, maxima[s]);
         float sum = 0.f;
         for (int s = 0; s < splits; ++s) {
-            const float split_sum = load_coherent(out_sum + first + s);
-            const float weight = split_sum > 0.f ? expf(load_coherent(out_max + first + s) - top) : 0.f;
+            const float split_sum = sums[s];
+            const float weight = split_sum > 0.f ? expf(maxima[s] - top) : 0.f;
             split_weight[threadIdx.x * MAX_SPLITS + s] = weight;
             sum += weight * split_sum;
         }
@@ -393,6 +403,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
         const int h = e / HEAD_DIM, d = e % HEAD_DIM;
         const long first = ((long)row * num_heads + head_base + h) * splits;
         float numerator = 0.f;
+#pragma unroll 8
         for (int s = 0; s < splits; ++s) {
             numerator += split_weight[h * MAX_SPLITS + s] * load_coherent(out_acc + (first + s) * HEAD_DIM + d);
         }
