@@ -3,8 +3,9 @@ product ``x @ gate.T`` and the choice of experts (CUDA C++, compiled by NVRTC th
 
 At decode sizes the router is two small kernels that wait on each other: the product (a warp per
 token and expert) and the choice (a block per token, one block-wide reduction per chosen expert).
-Here the blocks first compute the product for their experts (a warp per expert, every token at
-once, the lanes across the hidden size, four float32 router weights a load); the last block to
+Here the blocks first compute the product for their experts (a block per expert, every token at
+once, the threads across the hidden size, four float32 router weights a load, the first of them
+issued before the kernel waits for the one ahead); the last block to
 finish (an atomic ticket on ``counter``, reset by that block for the next launch) then chooses
 each token's experts with one warp per token: the scores in shared memory, the group limits, and
 ``top_k`` rounds of a warp-wide arg-max (ties go to the smaller expert index), as
@@ -52,7 +53,8 @@ __device__ __forceinline__ float warp_max(float value) {
     return value;
 }
 
-// Grid: ceil(E / WARPS) blocks of THREADS threads; warp w of block b computes expert b * WARPS + w.
+// Grid: E blocks of THREADS threads; block b computes expert b, its threads across the hidden size
+// (four float32 router weights a load), the warps' partial sums added in shared memory.
 // x: bf16 bits [rows, H] (H a multiple of 4, rows <= MAX_ROWS); gate: float32 [E, H]; bias:
 // float32 [E] (noaux_tc) or null; logits: float32 [rows, E] scratch; counter: one int, zero
 // between launches; out_experts: int32 [rows, top_k]; out_weights: float32 [rows, top_k].
@@ -64,36 +66,44 @@ extern "C" __global__ void __launch_bounds__(THREADS) moe_route_decode(
     __shared__ float scores[WARPS][MAX_EXPERTS];
     __shared__ float choice[WARPS][MAX_EXPERTS];
     __shared__ float group_scores[WARPS][MAX_GROUPS];
+    __shared__ float partial[WARPS][MAX_ROWS];
     __shared__ int last;
     allow_dependents();
-    wait_for_producers();   // x comes from the kernels ahead
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int expert = blockIdx.x;
+    const float4* row = reinterpret_cast<const float4*>(gate + (size_t)expert * H);
+    float4 first_weights = {0.f, 0.f, 0.f, 0.f};
+    if (tid < H / 4) first_weights = row[tid];   // the router's weights: in flight while the kernel ahead ends
+    wait_for_producers();   // x comes from the kernels ahead
 
-    // 1. The router product of this block's experts for every token.
-    const int expert = blockIdx.x * WARPS + warp;
-    if (expert < E) {
-        float acc[MAX_ROWS];
-        #pragma unroll
-        for (int r = 0; r < MAX_ROWS; ++r) acc[r] = 0.0f;
-        const float4* row = reinterpret_cast<const float4*>(gate + (size_t)expert * H);
-        #pragma unroll 8
-        for (int k = lane; k < H / 4; k += 32) {
-            const float4 g = row[k];
-            #pragma unroll
-            for (int r = 0; r < MAX_ROWS; ++r) {
-                if (r < rows) {
-                    const uint2 v = *reinterpret_cast<const uint2*>(x + (size_t)r * H + 4 * k);
-                    acc[r] += g.x * bf16_low(v.x) + g.y * bf16_high(v.x) + g.z * bf16_low(v.y) + g.w * bf16_high(v.y);
-                }
-            }
-        }
+    // 1. The router product of this block's expert for every token.
+    float acc[MAX_ROWS];
+    #pragma unroll
+    for (int r = 0; r < MAX_ROWS; ++r) acc[r] = 0.0f;
+    #pragma unroll 4
+    for (int k = tid; k < H / 4; k += THREADS) {
+        const float4 g = k == tid ? first_weights : row[k];
         #pragma unroll
         for (int r = 0; r < MAX_ROWS; ++r) {
             if (r < rows) {
-                const float total = warp_sum(acc[r]);
-                if (lane == 0) logits[(size_t)r * E + expert] = total;
+                const uint2 v = *reinterpret_cast<const uint2*>(x + (size_t)r * H + 4 * k);
+                acc[r] += g.x * bf16_low(v.x) + g.y * bf16_high(v.x) + g.z * bf16_low(v.y) + g.w * bf16_high(v.y);
             }
         }
+    }
+    #pragma unroll
+    for (int r = 0; r < MAX_ROWS; ++r) {
+        if (r < rows) {
+            const float total = warp_sum(acc[r]);
+            if (lane == 0) partial[warp][r] = total;
+        }
+    }
+    __syncthreads();
+    if (tid < rows) {
+        float total = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) total += partial[w][tid];
+        logits[(size_t)tid * E + expert] = total;
     }
 
     // 2. The last block to finish chooses the experts, a warp per token.
@@ -259,7 +269,7 @@ def route_decode(
     check_array(op, "out_experts", out_experts, np.int32, (tokens, top_k))
     check_array(op, "out_weights", out_weights, np.float32, (tokens, top_k))
     null = np.uint64(0)
-    launch(_kernel(), (-(-experts // WARPS),), (THREADS,), (
+    launch(_kernel(), (experts,), (THREADS,), (
         x, gate, bias if bias is not None and method == "noaux_tc" else null, logits, counter, out_experts,
         out_weights, np.int32(tokens), np.int32(hidden), np.int32(experts), np.int32(ROUTE_METHODS[method]),
         np.int32(n_group), np.int32(topk_group), np.int32(top_k), np.int32(bool(renormalise)), np.float32(scaling),

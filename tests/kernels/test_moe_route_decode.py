@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
     int* experts = allocate<int>((size_t)rows * top_k);
     float* weights = allocate<float>((size_t)rows * top_k);
     for (int launch = 0; launch < launches; ++launch) {
-        emu::launch({(unsigned)((E + WARPS - 1) / WARPS), 1, 1}, {THREADS, 1, 1}, [&] {
+        emu::launch({(unsigned)E, 1, 1}, {THREADS, 1, 1}, [&] {
             moe_route_decode(x, gate, bias, logits, counter, experts, weights, rows, H, E, method, n_group, topk_group,
                              top_k, renormalise, scaling);
         });
