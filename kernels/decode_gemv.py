@@ -6,7 +6,8 @@ A decode step of a 1B model is launch-bound: every kernel costs a few microsecon
 graph whatever it does, and the norm before a projection, or the SwiGLU gate before the down
 projection, is a kernel of its own. Here the projection's kernel computes its input itself:
 
-* :data:`PLAIN` -- ``x`` bf16 ``[rows, K]`` as it is;
+* :data:`PLAIN` -- ``x`` bf16 ``[rows, K]`` as it is; :data:`PLAIN_F32` -- ``x`` float32
+  ``[rows, K]`` rounded to bf16 (what the ``to_bf16`` kernel before it would write);
 * :data:`RMSNORM` -- ``x`` float32 ``[rows, K]`` plus the float32 residual (when given):
   ``s = x + residual`` (written to ``summed`` by block 0, the next residual), then
   ``bf16(s / sqrt(mean(s^2) + eps) * (offset + norm_weight))``, as
@@ -60,9 +61,9 @@ from metrale.kernels.activation import silu_and_mul_reference
 from metrale.kernels.linear import linear_reference
 from metrale.kernels.rmsnorm import rmsnorm_residual_reference
 
-PLAIN, RMSNORM, SILU, RMSNORM_SWIGLU, PLAIN_SWIGLU = 0, 1, 2, 3, 4
+PLAIN, RMSNORM, SILU, RMSNORM_SWIGLU, PLAIN_SWIGLU, PLAIN_F32 = 0, 1, 2, 3, 4, 5
 MODES = {PLAIN: "plain", RMSNORM: "rmsnorm", SILU: "silu", RMSNORM_SWIGLU: "rmsnorm, swiglu out",
-         PLAIN_SWIGLU: "plain, swiglu out"}
+         PLAIN_SWIGLU: "plain, swiglu out", PLAIN_F32: "plain, float32 in"}
 #: The modes whose epilogue applies the SwiGLU gate (weight ``[2N, K]``, bf16 output ``[rows, N]``).
 SWIGLU_MODES = (RMSNORM_SWIGLU, PLAIN_SWIGLU)
 #: Whether the fused decode MLP computes the SwiGLU gate in its gate/up kernel's epilogue
@@ -99,6 +100,7 @@ CONSTANTS = f"""
 #define MODE_SILU {SILU}
 #define MODE_RMSNORM_SWIGLU {RMSNORM_SWIGLU}
 #define MODE_PLAIN_SWIGLU {PLAIN_SWIGLU}
+#define MODE_PLAIN_F32 {PLAIN_F32}
 """
 
 #: The bf16 conversions, the 8-wide bf16 dot product and the warp sum the decode kernels share
@@ -210,6 +212,18 @@ __global__ void __launch_bounds__(THREADS, UNROLL > 4 ? 1 : 2) decode_gemv(
         for (int i = tid; i < rows * chunks; i += THREADS) {
             const int r = i / chunks, c = i - r * chunks;
             stage[staged_chunk(r, c, stride)] = __ldg(in + i);
+        }
+    } else if (MODE == MODE_PLAIN_F32) {
+        const float4* in = static_cast<const float4*>(x);   // [rows][K / 4]
+        for (int i = tid; i < rows * chunks; i += THREADS) {
+            const int r = i / chunks, c = i - r * chunks;
+            const float4 a = in[(size_t)i * 2], b = in[(size_t)i * 2 + 1];
+            uint4 value;
+            value.x = (unsigned)to_bf16(a.x) | ((unsigned)to_bf16(a.y) << 16);
+            value.y = (unsigned)to_bf16(a.z) | ((unsigned)to_bf16(a.w) << 16);
+            value.z = (unsigned)to_bf16(b.x) | ((unsigned)to_bf16(b.y) << 16);
+            value.w = (unsigned)to_bf16(b.z) | ((unsigned)to_bf16(b.w) << 16);
+            stage[staged_chunk(r, c, stride)] = value;
         }
     } else if (MODE == MODE_SILU) {
         const uint4* in = static_cast<const uint4*>(x);   // [rows][2 * chunks]
@@ -410,6 +424,8 @@ def decode_gemv_reference(
     x = np.asarray(x, dtype=np.float32)
     if mode in (PLAIN, PLAIN_SWIGLU):
         staged = x
+    elif mode == PLAIN_F32:
+        staged = round_bf16(x)
     elif mode == SILU:
         inner = x.shape[1] // 2
         staged = round_bf16(silu_and_mul_reference(x[:, :inner], x[:, inner:]))
@@ -483,7 +499,7 @@ def decode_gemv(
     rows = x.shape[0] if getattr(x, "ndim", 0) == 2 else -1
     width = 2 * inner if mode == SILU else inner
     norm = mode in (RMSNORM, RMSNORM_SWIGLU)
-    check_array(name, "x", x, np.float32 if norm else np.uint16, (rows, width))
+    check_array(name, "x", x, np.float32 if norm or mode == PLAIN_F32 else np.uint16, (rows, width))
     if not supports(rows, inner, mode):
         raise KernelArgumentError(f"{name}: {rows} rows of inner size {inner} are not served "
                                   f"(at most {MAX_ROWS} rows; the inner size a multiple of 32, staged in "

@@ -164,6 +164,9 @@ class CudaKernels:
 
     def linear_decode_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
         out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
+        if x.dtype == f32 and x.flags.c_contiguous:
+            # Rounded to bf16 while the kernel stages it: no to_bf16 kernel before it.
+            return decode_gemv.decode_gemv(decode_gemv.PLAIN_F32, x, weight, out, self.stream, bias=bias)
         return decode_gemv.decode_gemv(decode_gemv.PLAIN, self.as_bf16(x), weight, out, self.stream, bias=bias)
 
     def linear_silu_decode_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:

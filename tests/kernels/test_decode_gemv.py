@@ -22,7 +22,7 @@ void run(const std::string& folder, int rows, int K, int N, int blocks, int has_
          float offset) {
     const int width = MODE == MODE_SILU ? 2 * K : K;
     constexpr bool NORM = MODE == MODE_RMSNORM || MODE == MODE_RMSNORM_SWIGLU;
-    void* x = NORM ? (void*)read<float>(folder + "/x", (size_t)rows * width)
+    void* x = NORM || MODE == MODE_PLAIN_F32 ? (void*)read<float>(folder + "/x", (size_t)rows * width)
                    : (void*)read<unsigned short>(folder + "/x", (size_t)rows * width);
     float* residual = has_residual ? read<float>(folder + "/residual", (size_t)rows * K) : nullptr;
     unsigned short* norm = NORM ? read<unsigned short>(folder + "/norm", K) : nullptr;
@@ -74,6 +74,8 @@ int main(int argc, char** argv) {
         by_output<MODE_RMSNORM>(bf16_out, unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
     else if (mode == MODE_RMSNORM_SWIGLU)
         by_unroll<MODE_RMSNORM_SWIGLU, true>(unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
+    else if (mode == MODE_PLAIN_F32)
+        by_output<MODE_PLAIN_F32>(bf16_out, unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
     else if (mode == MODE_PLAIN_SWIGLU)
         by_unroll<MODE_PLAIN_SWIGLU, true>(unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
     else by_output<MODE_SILU>(bf16_out, unroll, split, folder, rows, K, N, blocks, r, b, eps, offset);
@@ -242,3 +244,16 @@ def test_the_plain_swiglu_mode_is_linear_silu(emulated, rows, inner, units, spli
     reference = dg.decode_gemv_reference(dg.PLAIN_SWIGLU, x, weight)[0]
     assert np.abs(reference - expected).max() <= 1e-2 * np.abs(expected).max()
     assert np.abs(out - expected).max() <= 2e-2 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("rows, inner, columns, bf16_out, split", [(1, 2048, 40, False, 8), (5, 96, 24, True, 1)])
+def test_the_float32_input_is_rounded_as_to_bf16_rounds_it(emulated, rows, inner, columns, bf16_out, split):
+    rng = np.random.default_rng(rows + inner)
+    weight_bits = bf16_bits(rng, (columns, inner), 0.2)
+    x = (2.0 * rng.standard_normal((rows, inner))).astype(np.float32)
+    out, _ = emulated(dg.PLAIN_F32, x, weight_bits, bf16_out=bf16_out, split=split)
+    # The same product as the PLAIN mode's on the input rounded to bf16 first.
+    plain, _ = emulated(dg.PLAIN, float32_to_bf16(x), weight_bits, bf16_out=bf16_out, split=split)
+    np.testing.assert_array_equal(out, plain)
+    expected, _ = dg.decode_gemv_reference(dg.PLAIN_F32, x, bf16_to_float32(weight_bits), bf16_out=bf16_out)
+    assert np.abs(out - expected).max() <= 1e-2 * np.abs(expected).max()
