@@ -403,6 +403,17 @@ def plan(rows: int, inner: int, columns: int, mode: int, multiprocessors: int, s
     return split, blocks
 
 
+def choose_unroll(rows: int, inner: int, columns: int, mode: int, multiprocessors: int,
+                  split: int | None = None) -> int:
+    """The launcher's :data:`UNROLLS` choice: 8 (twice the weight words in flight, one block a
+    multiprocessor for the registers) where the split grid fits one wave at one block a
+    multiprocessor, 4 otherwise. On the H200 unroll 8 was faster exactly there: the 1B shape's down
+    and o projections at one row (128 blocks), slower where it made a second wave (the 8B shape's,
+    256 blocks) or a grid-stride loop (split 1)."""
+    chosen, blocks = plan(rows, inner, columns, mode, multiprocessors, split)
+    return UNROLLS[1] if chosen > 1 and blocks <= multiprocessors else UNROLLS[0]
+
+
 # ------------------------------------------------------------------------------ reference
 
 
@@ -481,12 +492,13 @@ def decode_gemv(
     mode: int, x: DeviceArray, weight: DeviceArray, out: DeviceArray, stream: Any, *, residual: DeviceArray | None = None,
     norm_weight: DeviceArray | None = None, eps: float = 1e-6, norm_offset: float = 0.0,
     summed: DeviceArray | None = None, bias: DeviceArray | None = None, split: int | None = None,
-    unroll: int = UNROLLS[0],
+    unroll: int | None = None,
 ) -> DeviceArray:
     """``out <- prologue(x) weight^T (+ bias)`` (see the module docstring) on ``stream``; with
     :data:`RMSNORM`, ``summed <- x (+ residual)``. ``out`` float32 ``[rows, N]``, or uint16 for a
     bf16 output. ``split`` overrides the launcher's choice of warps per tile (:func:`plan`),
-    ``unroll`` the weight words a lane loads per column and batch (one of :data:`UNROLLS`).
+    ``unroll`` the weight words a lane loads per column and batch (one of :data:`UNROLLS`; None:
+    :func:`choose_unroll`).
     Raises :class:`~metrale.errors.KernelArgumentError` for shapes it does not serve
     (:func:`supports`) and arrays not 16-byte aligned."""
     name = f"decode_gemv ({MODES.get(mode, mode)})"
@@ -523,6 +535,8 @@ def decode_gemv(
             raise KernelArgumentError(f"{name}: {label} does not start at a 16-byte boundary")
     if split is not None and split not in SPLITS:
         raise KernelArgumentError(f"{name}: split {split} is not one of {SPLITS}")
+    if unroll is None:
+        unroll = choose_unroll(rows, inner, columns, mode, multiprocessor_count(), split)
     if unroll not in UNROLLS:
         raise KernelArgumentError(f"{name}: unroll {unroll} is not one of {UNROLLS}")
     chosen, blocks = plan(rows, inner, columns, mode, multiprocessor_count(), split, unroll)

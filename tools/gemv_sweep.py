@@ -54,7 +54,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     bf16 = np.uint16
     splits = [int(s) for s in args.splits.split(",") if s]
-    unroll = [dg.UNROLLS[0]]  # what the fused paths launch with
+    unroll = [None]  # the launcher's choice (choose_unroll), as the fused paths launch
 
     def gemv(*arguments, **options):
         return dg.decode_gemv(*arguments, unroll=unroll[0], **options)
@@ -174,7 +174,7 @@ def main() -> None:
                     try:
                         wide = graph_time(backend, cycled(fused), calls_per_graph=CALLS_PER_GRAPH)
                     finally:
-                        unroll[0] = dg.UNROLLS[0]
+                        unroll[0] = None
                     cells = [f"{after.median_us:9.1f} {megabytes / after.median * 1e-3:5.0f} "
                              f"{before.median / after.median:7.2f}x {dependent.median_us:12.1f} {wide.median_us:11.1f}"]
                     for split in splits:

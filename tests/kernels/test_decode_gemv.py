@@ -172,6 +172,13 @@ def test_supports_and_plan():
     assert dg.plan(1, 2048, 128256, dg.RMSNORM, 132) == (1, 264)
     assert dg.plan(1, 2048, 128256, dg.RMSNORM, 132, split=4) == (4, 4008)
     assert dg.plan(1, 2048, 128256, dg.RMSNORM, 132, unroll=8) == (1, 132)  # one block a multiprocessor
+    # Unroll 8 where the split grid is one wave at one block a multiprocessor: Llama-1B's down and
+    # o projections (128 blocks), not its gate/up (256), Llama-8B's down (256) or a head (split 1).
+    assert dg.choose_unroll(1, 8192, 2048, dg.SILU, 132) == 8
+    assert dg.choose_unroll(1, 2048, 2048, dg.PLAIN, 132) == 8
+    assert dg.choose_unroll(1, 2048, 16384, dg.RMSNORM, 132) == 4
+    assert dg.choose_unroll(1, 14336, 4096, dg.SILU, 132) == 4
+    assert dg.choose_unroll(1, 2048, 128256, dg.RMSNORM, 132) == 4
 
 
 @pytest.mark.parametrize("rows, inner, mode, x_dtype, why", [
