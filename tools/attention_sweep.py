@@ -1,12 +1,17 @@
 """GPU time of the decode attention kernels over batch sizes, contexts, warps and split counts.
 
     python tools/attention_sweep.py [--head-dim 128] [--contexts 512,2048] [--warps 2,4,8]
+    python tools/attention_sweep.py --mma [--head-dim 64] [--rows 1,8] [--splits 1,2,4,8,16]
 
 Prints, for each batch size, context, split count and warps per block, the grouped kernel alone,
 the staged kernel (:mod:`metrale.kernels.attention_staged`, four warps) alone, the combine
 kernel alone (one per split count) and an empty kernel (the per-node cost of a graph), each
 replayed from a CUDA graph (``timing.graph_time``); ``<- split_count`` marks the split count the
-launcher picks.
+launcher picks. ``--mma`` times the tensor-core decode kernel
+(:mod:`metrale.kernels.attention_decode_mma`) instead, at each split count, merging its own
+splits (with counters) and followed by the combine kernel, marking the launcher's split count:
+a decode row's attention is a chain of dependent reads (its table, its keys, the partials, the
+merge) more than a stream of bytes at short contexts, so fewer splits may win there.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ def main() -> None:
     parser.add_argument("--contexts", default="512,2048", help="cached tokens per row (comma-separated)")
     parser.add_argument("--warps", default="2,4,8", help="warps per block (comma-separated)")
     parser.add_argument("--splits", default="1,2,4,8,16")
+    parser.add_argument("--mma", action="store_true",
+                        help="the tensor-core decode kernel at each of --splits, merging its own splits and with the "
+                             "combine kernel")
     parser.add_argument("--compare", action="store_true",
                         help="time paged_attention as the engine runs it (its split choice, the combine) with the "
                              "CUDA-core kernels and with the tensor-core kernel, instead of the per-kernel sweep")
@@ -50,6 +58,9 @@ def main() -> None:
     print(f"empty kernel: {graph_time(backend, lambda: empty_kernel[1, 32, launch](device_view(dummy))).median_us:.2f} us")
     if args.compare:
         compare(args, backend)
+        return
+    if args.mma:
+        sweep_mma(args, backend)
         return
     kernel = attention_grouped.grouped_kernel(d // 4)
     staged_kernel = attention_staged.staged_kernel(d // 4)
@@ -107,6 +118,45 @@ def main() -> None:
     for name, compiled in (("grouped", kernel), ("staged", staged_kernel)):
         print(f"{name} kernel registers", compiled.get_regs_per_thread(), "local bytes",
               compiled.get_local_mem_per_thread(), "shared bytes", compiled.get_shared_mem_per_block())
+
+def sweep_mma(args, backend) -> None:
+    """The tensor-core decode kernel at each split count of ``--splits`` for every batch size and
+    context: merging its own splits, and followed by the combine kernel; GB/s of the cache reads."""
+    import cupy as cp
+    from timing import graph_time
+
+    from metrale.kernels import attention_decode_mma as mma
+
+    d, heads, kv = args.head_dim, args.heads, args.kv_heads
+    print(f"heads {heads} kv heads {kv} head dim {d}")
+    for rows, context in [(r, int(c)) for r in map(int, args.rows.split(",")) for c in args.contexts.split(",")]:
+        blocks_per_seq = -(-context // 16)
+        cache_shape = (rows * blocks_per_seq + 1, 16, kv, d)
+        k = cp.asarray(np.random.default_rng(0).integers(0, 2**15, cache_shape).astype(np.uint16) & 0x3FFF)
+        v = k.copy()
+        tables = cp.arange(1, rows * blocks_per_seq + 1, dtype=np.int32).reshape(rows, blocks_per_seq)
+        seq_index = cp.arange(rows, dtype=np.int32)
+        positions = cp.full(rows, context - 1, dtype=np.int32)
+        q = cp.asarray(np.random.default_rng(1).standard_normal((rows, heads, d)).astype(np.float32))
+        out = cp.zeros((rows, heads * d), dtype=np.uint16)
+        counters = cp.zeros(max(1, mma.counter_count(rows, heads, kv)), dtype=np.int32)
+        kv_bytes = 2 * rows * context * kv * d * 2
+        chosen = mma.device_split_count(rows, heads, kv, d, context)
+        for splits in [int(s) for s in args.splits.split(",")]:
+            space = (cp.zeros((rows, heads, splits, d), dtype=np.float32), cp.zeros((rows, heads, splits), dtype=np.float32),
+                     cp.zeros((rows, heads, splits), dtype=np.float32))
+            cells = []
+            for label, merge in (("merged", counters), ("combined", None)):
+
+                def run():
+                    mma.decode_attention(q, k, v, tables, seq_index, positions, d**-0.5, None, space, out,
+                                         backend.stream, merge)
+
+                t = graph_time(backend, run).median_us
+                cells.append(f"{label} {t:7.2f} us ({kv_bytes / t / 1e3:5.0f} GB/s)")
+            mark = "  <- split_count" if splits == chosen else ""
+            print(f"rows {rows:3d} context {context:5d} splits {splits:3d}: " + "  ".join(cells) + mark)
+
 
 def compare(args, backend) -> None:
     """paged_attention with DECODE_KERNEL "cores" and "mma", each with its own split count for the
