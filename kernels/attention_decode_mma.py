@@ -32,7 +32,6 @@ runs its source on the CPU through ``tests/kernels/cuda_emulation.h``.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any
 
@@ -40,6 +39,7 @@ import numpy as np
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import SIMULATED, DeviceArray, check_array, device_view, numba_stream
+from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
 from metrale.kernels._tensor_cores import MMA_BF16, STAGED_COPIES, TRANSPOSED_LOAD
 from metrale.kernels.attention_grouped import COMBINE_THREADS, MAX_SPLITS, grouped_combine_kernel
 from metrale.kernels.attention_latent_mma import multiprocessor_count
@@ -79,7 +79,7 @@ __device__ __forceinline__ float load_coherent(const float* address) { return __
 """
 
 #: The PTX helpers the kernel uses (the CPU emulation of the tests replaces them).
-INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD + COHERENT_LOAD
+INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD + COHERENT_LOAD + DEPENDENT_LAUNCH
 
 #: The kernel, written against :data:`INSTRUCTIONS`.
 KERNEL = r"""
@@ -123,6 +123,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     __shared__ float warp_total[WARPS][BLOCK_HEADS];
     __shared__ float head_best[BLOCK_HEADS];
 
+    allow_dependents();   // the next kernel (o_proj) may start fetching its weights
+    wait_for_producers();   // the queries and the step's keys and values come from the kernels ahead
     const int row = blockIdx.x, split = blockIdx.z, splits = gridDim.z;
     const int group_size = num_heads / num_kv_heads;
     const int head_blocks = (group_size + BLOCK_HEADS - 1) / BLOCK_HEADS;
@@ -580,8 +582,7 @@ def decode_attention(
         acc, best, total, out, counters if merged else np.uint64(0),
     )
     grid = (rows, kv_heads * head_blocks(heads, kv_heads), splits)
-    with stream if stream is not None else contextlib.nullcontext():
-        _kernel(head_dim)(grid, (THREADS,), arguments, shared_mem=shared_bytes(head_dim))
+    launch(_kernel(head_dim), grid, (THREADS,), arguments, shared_bytes(head_dim), stream, dependent=True)
     if splits > 1 and not merged:
         grouped_combine_kernel[(rows, heads, -(-head_dim // COMBINE_THREADS)), COMBINE_THREADS, numba_stream(stream)](
             device_view(acc), device_view(best), device_view(total), device_view(out),

@@ -34,6 +34,7 @@ import numpy as np
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array, device_view, numba_stream
+from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
 from metrale.kernels._tensor_cores import MMA_BF16, STAGED_COPIES, TRANSPOSED_LOAD
 from metrale.kernels.attention_grouped import COMBINE_THREADS, MAX_SPLITS, grouped_combine_kernel
 
@@ -57,7 +58,7 @@ SHARED_BYTES = 2 * (BLOCK_HEADS * ROW_STRIDE + 2 * BLOCK_KEYS * ROW_STRIDE + BLO
 #: The PTX instructions the kernel uses (``cp.async``, ``ldmatrix``, ``mma.sync``), the bf16
 #: packing and the dynamic shared memory, each behind a small function or macro (the CPU
 #: emulation of the tests replaces this part).
-INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD
+INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD + DEPENDENT_LAUNCH
 
 #: The kernel, written against :data:`INSTRUCTIONS`.
 KERNEL = r"""
@@ -97,6 +98,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) latent_attention_mma(
     __shared__ float warp_total[WARPS][BLOCK_HEADS];
     __shared__ float head_best[BLOCK_HEADS];
 
+    allow_dependents();
+    wait_for_producers();   // the queries and the step's latents come from the kernels ahead
     const int row = blockIdx.x, head_base = blockIdx.y * BLOCK_HEADS, split = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int group = lane / 4, quad = lane % 4;   // this thread's heads: group and group + 8
@@ -432,7 +435,7 @@ def latent_attention(
             q, latent, block_tables, seq_index, positions, np.int32(heads), np.int32(latent.shape[1]),
             np.int32(block_tables.shape[1]), np.int32(keys), np.float32(scale), out_acc, out_max, out_sum,
         )
-        _kernel()((rows, heads // BLOCK_HEADS, splits), (THREADS,), arguments, shared_mem=SHARED_BYTES)
+    launch(_kernel(), (rows, heads // BLOCK_HEADS, splits), (THREADS,), arguments, SHARED_BYTES, stream, dependent=True)
     grouped_combine_kernel[(rows, heads, -(-value_dim // COMBINE_THREADS)), COMBINE_THREADS, numba_stream(stream)](
         device_view(out_acc), device_view(out_max), device_view(out_sum), device_view(out),
     )

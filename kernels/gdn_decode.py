@@ -152,7 +152,8 @@ extern "C" __global__ void gdn_decode_rule(const float* __restrict__ mixed, cons
             const int r = g + t * groups;
             if (r < key_dim) predicted += cached[t] * decay * k[r];
         }
-        for (int r = g + CACHED_ROWS * groups; r < key_dim; r += groups) predicted += column[(size_t)r * value_dim] * decay * k[r];
+        for (int r = g + CACHED_ROWS * groups; r < key_dim; r += groups)
+            predicted += column[(size_t)r * value_dim] * decay * k[r];
     }
     partial[g * padded + c] = predicted;
     __syncthreads();

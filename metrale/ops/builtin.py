@@ -693,9 +693,10 @@ def default_decode_kernels() -> list[Kernel]:
     """The decode kernels the CUDA backend uses by default, each where it measured faster on the
     H200 than the kernels it replaces (``tools/gemv_sweep.py`` and ``tools/decode_ab.py``; the
     numbers are in the benchmarks page): the decode GEMV for ``linear`` and ``linear_silu`` (the
-    gate in its epilogue) up to 8 rows and, with the norm fused, for ``rmsnorm_linear`` up to 2 rows and for ``rmsnorm_mlp`` at one row of an MLP of
-    at most :data:`FUSED_MLP_MAX_BYTES`; the decode MoE kernels for ``moe_experts`` and the decode
-    router for ``moe_route``, both up to 8 tokens; the fused Gated DeltaNet step."""
+    gate in its epilogue) up to 8 rows and, with the norm fused, for ``rmsnorm_linear`` up to 2
+    rows and for ``rmsnorm_mlp`` at one row of an MLP of at most :data:`FUSED_MLP_MAX_BYTES`; the
+    decode MoE kernels for ``moe_experts`` and the decode router for ``moe_route``, both up to 8
+    tokens; the fused Gated DeltaNet step."""
     by_op = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=8)}
     norm_linear = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=2)}["rmsnorm_linear"]
     mlp = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=1, max_mlp_bytes=FUSED_MLP_MAX_BYTES)}
