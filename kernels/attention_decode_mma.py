@@ -22,8 +22,9 @@ stages' copies are in flight while one is computed; two stages at 256):
 The keys of a row (those the sliding window leaves) are divided evenly between the splits of the
 grid's last axis, on the device from the row's position, so a graph captured for the longest
 context serves every shorter one. With one split a block writes the normalised bf16 output; with
-more it writes unnormalised partials that
-:func:`metrale.kernels.attention_grouped.grouped_combine_kernel` merges. Why: the CUDA-core decode
+more it writes unnormalised partials that the last split of each row and head block to finish
+merges itself (with counters) or :func:`metrale.kernels.attention_combine.combine` merges after
+it. Both kernels launch dependently. Why: the CUDA-core decode
 kernels keep a short chain of loads in flight per warp and read the cache at about half the
 memory bandwidth at large batches; here the copies of whole stages overlap the arithmetic.
 numba's CUDA simulator cannot run this kernel; ``tests/kernels/test_attention_decode_mma.py``
@@ -38,10 +39,11 @@ from typing import Any
 import numpy as np
 
 from metrale.errors import KernelArgumentError
-from metrale.kernels._device import SIMULATED, DeviceArray, check_array, device_view, numba_stream
+from metrale.kernels import attention_combine
+from metrale.kernels._device import SIMULATED, DeviceArray, check_array
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
 from metrale.kernels._tensor_cores import MMA_BF16, STAGED_COPIES, TRANSPOSED_LOAD
-from metrale.kernels.attention_grouped import COMBINE_THREADS, MAX_SPLITS, grouped_combine_kernel
+from metrale.kernels.attention_grouped import MAX_SPLITS
 from metrale.kernels.attention_latent_mma import multiprocessor_count
 
 #: Query heads of one block: the M dimension of the products.
@@ -584,7 +586,5 @@ def decode_attention(
     grid = (rows, kv_heads * head_blocks(heads, kv_heads), splits)
     launch(_kernel(head_dim), grid, (THREADS,), arguments, shared_bytes(head_dim), stream, dependent=True)
     if splits > 1 and not merged:
-        grouped_combine_kernel[(rows, heads, -(-head_dim // COMBINE_THREADS)), COMBINE_THREADS, numba_stream(stream)](
-            device_view(acc), device_view(best), device_view(total), device_view(out),
-        )
+        attention_combine.combine(acc, best, total, out, stream)
     return out

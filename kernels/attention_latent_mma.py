@@ -18,8 +18,9 @@ memory 64 at a time (``cp.async``, two stages, gathered from the paged cache):
   64 keys of the step.
 
 Each block writes its unnormalised partial ``O``, running maximum (natural-log units) and sum;
-:func:`metrale.kernels.attention_grouped.grouped_combine_kernel` merges the splits into bf16
-``[rows, heads * 512]``, the contract of :func:`metrale.kernels.attention_latent.latent_attention`.
+:func:`metrale.kernels.attention_combine.combine` merges the splits into bf16 ``[rows, heads *
+512]`` (both kernels launch dependently), the contract of
+:func:`metrale.kernels.attention_latent.latent_attention`.
 numba's CUDA simulator cannot run this kernel; ``tests/kernels/test_attention_latent_mma.py``
 runs its source on the CPU through ``tests/kernels/cuda_emulation.h``.
 """
@@ -33,10 +34,11 @@ from typing import Any
 import numpy as np
 
 from metrale.errors import KernelArgumentError
-from metrale.kernels._device import DeviceArray, check_array, device_view, numba_stream
+from metrale.kernels import attention_combine
+from metrale.kernels._device import DeviceArray, check_array
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
 from metrale.kernels._tensor_cores import MMA_BF16, STAGED_COPIES, TRANSPOSED_LOAD
-from metrale.kernels.attention_grouped import COMBINE_THREADS, MAX_SPLITS, grouped_combine_kernel
+from metrale.kernels.attention_grouped import MAX_SPLITS
 
 #: Heads of one block: the M dimension of the products.
 BLOCK_HEADS = 16
@@ -370,11 +372,13 @@ def latent_attention_partials_model(
 
 
 def combine_partials_model(out_acc: np.ndarray, out_max: np.ndarray, out_sum: np.ndarray) -> np.ndarray:
-    """The log-sum-exp merge of the splits (what ``grouped_combine_kernel`` computes), float32
+    """The log-sum-exp merge of the splits (what :func:`metrale.kernels.attention_combine.combine`
+    computes), float32
     ``[N, heads, value_dim]`` before its bf16 rounding; splits with a zero sum weigh nothing."""
     used = out_sum > 0
     top = np.where(used, out_max, -np.inf).max(axis=2, keepdims=True)
-    weights = np.where(used, np.exp(np.where(used, out_max - top, 0.0)), 0.0).astype(np.float32)
+    with np.errstate(invalid="ignore"):  # -inf - -inf where no split has keys: masked
+        weights = np.where(used, np.exp(np.where(used, out_max - top, 0.0)), 0.0).astype(np.float32)
     numerator = np.einsum("nhs,nhsd->nhd", weights, out_acc)
     total = (weights * out_sum).sum(axis=2)[..., None]
     return np.where(total > 0, numerator / np.where(total > 0, total, 1.0), 0.0).astype(np.float32)
@@ -436,7 +440,5 @@ def latent_attention(
             np.int32(block_tables.shape[1]), np.int32(keys), np.float32(scale), out_acc, out_max, out_sum,
         )
     launch(_kernel(), (rows, heads // BLOCK_HEADS, splits), (THREADS,), arguments, SHARED_BYTES, stream, dependent=True)
-    grouped_combine_kernel[(rows, heads, -(-value_dim // COMBINE_THREADS)), COMBINE_THREADS, numba_stream(stream)](
-        device_view(out_acc), device_view(out_max), device_view(out_sum), device_view(out),
-    )
+    attention_combine.combine(out_acc, out_max, out_sum, out, stream)
     return out
