@@ -305,6 +305,9 @@ class CudaKernels:
     def head_linear(self, x: Any, weight: Any) -> Any:
         rows, heads = x.shape[0], x.shape[1]
         out = cp.empty((rows, heads, weight.shape[0] // heads), dtype=f32)
+        if head_linear_kernels.words_supported(x, weight):
+            # A float32 input (a strided view of the queries) read and rounded in the kernel.
+            return head_linear_kernels.head_linear_words(x, weight, out, self.stream)
         return head_linear_kernels.head_linear(self.as_bf16(x), weight, out, self.stream)
 
     # --------------------------------------------------------------------------------- MoE
