@@ -100,7 +100,10 @@ class CudaKernels:
         add = residual is not None
         residual = cp.ascontiguousarray(residual) if add else cp.empty_like(x)
         out = cp.empty(x.shape, dtype=bf16)
-        rmsnorm.rmsnorm_residual(x, residual, weight, eps, offset, add, out, self.stream)
+        if x.dtype == f32 and x.ndim == 2 and rmsnorm.words_supported(x.shape[1]):
+            rmsnorm.rmsnorm_residual_words(x, residual, weight, eps, offset, add, out, self.stream)
+        else:
+            rmsnorm.rmsnorm_residual(x, residual, weight, eps, offset, add, out, self.stream)
         return out, residual
 
     def rmsnorm(self, x: Any, weight: Any, eps: float, offset: float = 0.0) -> Any:
