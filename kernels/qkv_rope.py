@@ -1,4 +1,9 @@
-"""Rotary position embedding, half-split ("NeoX") or adjacent-pair ("GPT-J") pairing."""
+"""Rotary position embedding, half-split ("NeoX") or adjacent-pair ("GPT-J") pairing.
+
+:func:`qkv_rope_cache` launches the numba kernel; :func:`qkv_rope_cache_words` is the CUDA C++
+one the CUDA backend runs (a warp a head, launched dependently, so the attention kernel after it
+and the projection before it overlap their launches with it).
+"""
 
 from __future__ import annotations
 
@@ -258,4 +263,139 @@ def qkv_rope_cache(
             np.float32(norm_offset), np.int32(has_norm), np.int32(bool(interleaved)), np.int32(num_heads),
             np.int32(num_kv_heads), device_view(q_out), device_view(k_cache), device_view(v_cache),
         )
+    return q_out
+
+
+# ------------------------------------------------------------------------------ CUDA C++ kernel
+
+from typing import Any  # noqa: E402
+
+from metrale.kernels._launch import DEPENDENT_LAUNCH, launch  # noqa: E402
+
+#: Heads (a warp each) of a block of :func:`qkv_rope_cache_words`.
+WORD_HEADS = 4
+
+KERNEL = r"""
+#define ROPE_WORD_HEADS 4
+
+__device__ __forceinline__ float rope_bf16_value(unsigned short bits) { return __uint_as_float((unsigned)bits << 16); }
+
+// float32 -> bf16 bits, round to nearest even; NaN stays NaN.
+__device__ __forceinline__ unsigned short rope_to_bf16(float value) {
+    const unsigned word = __float_as_uint(value);
+    if ((word & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (unsigned short)((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
+}
+
+// Grid (N, ceil((num_heads + num_kv_heads) / ROPE_WORD_HEADS)); 32 * ROPE_WORD_HEADS threads, a
+// warp a head: query heads (to q_out [N, nh, d] float32), then KV heads (K normed, rotated and
+// stored, V stored, as bf16 bits at slot_mapping[n] of the paged caches [blocks, block_size, nkv,
+// d]). qkv [N, (nh + 2 nkv) d] float32. The norm (has_norm) covers the head's d dims; RoPE its
+// first 2 * half: pairs (i, i + half), or (2i, 2i + 1) when interleaved, cos and sin of fp32(p) *
+// inv_freq[i] times attention_factor; the dims past them pass through.
+extern "C" __global__ void __launch_bounds__(32 * ROPE_WORD_HEADS) qkv_rope_cache_words(
+    const float* __restrict__ qkv, const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+    const float* __restrict__ inv_freq, float attention_factor, const unsigned short* __restrict__ q_norm,
+    const unsigned short* __restrict__ k_norm, float eps, float norm_offset, int has_norm, int interleaved,
+    int num_heads, int num_kv_heads, int head_dim, int half, int block_size, float* __restrict__ q_out,
+    unsigned short* __restrict__ k_cache, unsigned short* __restrict__ v_cache) {
+    allow_dependents();
+    wait_for_producers();   // qkv comes from the projection ahead
+    const int row = blockIdx.x, lane = threadIdx.x % 32;
+    const int head = blockIdx.y * ROPE_WORD_HEADS + threadIdx.x / 32;
+    if (head >= num_heads + num_kv_heads) return;   // whole warps: no barrier follows
+    const bool query = head < num_heads;
+    const float* row_values = qkv + (size_t)row * (num_heads + 2 * num_kv_heads) * head_dim;
+    const float* source = row_values + (size_t)head * head_dim;
+    float scale = 1.0f;
+    if (has_norm) {
+        float squares = 0.0f;
+        for (int i = lane; i < head_dim; i += 32) squares += source[i] * source[i];
+        for (int offset = 16; offset > 0; offset /= 2) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+        scale = 1.0f / sqrtf(squares / (float)head_dim + eps);
+    }
+    const unsigned short* norm = query ? q_norm : k_norm;
+    const int kv_head = head - num_heads;
+    const int slot = query ? 0 : slot_mapping[row];
+    if (!query && slot < 0) return;
+    // Cache slot s is block s / block_size, offset s % block_size: row s of [blocks * block_size, nkv, d].
+    const size_t cache_row = query ? 0 : ((size_t)slot * num_kv_heads + kv_head) * head_dim;
+    float* q_row = q_out + ((size_t)row * num_heads + head) * head_dim;
+    const float position = (float)positions[row];
+    for (int i = lane; i < half; i += 32) {
+        const int first = interleaved ? 2 * i : i, second = interleaved ? 2 * i + 1 : i + half;
+        float a = source[first], b = source[second];
+        if (has_norm) {
+            a = a * scale * (norm_offset + rope_bf16_value(norm[first]));
+            b = b * scale * (norm_offset + rope_bf16_value(norm[second]));
+        }
+        const float angle = position * inv_freq[i];
+        const float cosine = cosf(angle) * attention_factor, sine = sinf(angle) * attention_factor;
+        const float rotated_first = a * cosine - b * sine, rotated_second = b * cosine + a * sine;
+        if (query) {
+            q_row[first] = rotated_first;
+            q_row[second] = rotated_second;
+        } else {
+            k_cache[cache_row + first] = rope_to_bf16(rotated_first);
+            k_cache[cache_row + second] = rope_to_bf16(rotated_second);
+        }
+    }
+    for (int i = 2 * half + lane; i < head_dim; i += 32) {   // past the rotary dims
+        float value = source[i];
+        if (has_norm) value = value * scale * (norm_offset + rope_bf16_value(norm[i]));
+        if (query) q_row[i] = value;
+        else k_cache[cache_row + i] = rope_to_bf16(value);
+    }
+    if (!query) {
+        const float* values = row_values + (size_t)(num_heads + num_kv_heads + kv_head) * head_dim;
+        for (int i = lane; i < head_dim; i += 32) v_cache[cache_row + i] = rope_to_bf16(values[i]);
+    }
+}
+"""
+
+KERNEL_NAMES = ("qkv_rope_cache_words",)
+
+
+def source() -> str:
+    """The CUDA C++ source NVRTC compiles."""
+    return DEPENDENT_LAUNCH + KERNEL
+
+
+_word_kernels: list[Any] = []
+
+
+def qkv_rope_cache_words(
+    qkv: DeviceArray, positions: DeviceArray, slot_mapping: DeviceArray, inv_freq: DeviceArray, attention_factor: float,
+    num_heads: int, num_kv_heads: int, head_dim: int, k_cache: DeviceArray, v_cache: DeviceArray, q_out: DeviceArray,
+    q_norm: DeviceArray = None, k_norm: DeviceArray = None, eps: float = 1e-6, norm_offset: float = 0.0,
+    interleaved: bool = False, stream: object = None, *, rotary_dim: int | None = None,
+) -> DeviceArray:
+    """:func:`qkv_rope_cache` in CUDA C++ (a warp a head, launched dependently): same arguments,
+    same result; contiguous arrays."""
+    op = "qkv_rope_cache"
+    rows = qkv.shape[0]
+    check_array(op, "qkv", qkv, np.float32, (rows, (num_heads + 2 * num_kv_heads) * head_dim))
+    check_array(op, "positions", positions, np.int32, (rows,))
+    check_array(op, "slot_mapping", slot_mapping, np.int32, (rows,))
+    check_array(op, "inv_freq", inv_freq, np.float32, ndim=1)
+    rotary = checked_rotary_dim(op, rotary_dim, inv_freq, head_dim)
+    check_array(op, "k_cache", k_cache, np.uint16, (None, None, num_kv_heads, head_dim))
+    check_array(op, "v_cache", v_cache, np.uint16, tuple(k_cache.shape))
+    check_array(op, "q_out", q_out, np.float32, (rows, num_heads, head_dim))
+    has_norm = q_norm is not None
+    if has_norm:
+        check_array(op, "q_norm", q_norm, np.uint16, (head_dim,))
+        check_array(op, "k_norm", k_norm, np.uint16, (head_dim,))
+    else:
+        q_norm = k_norm = v_cache.reshape(-1)[:head_dim]  # never read
+    if not _word_kernels:
+        import cupy
+
+        _word_kernels.append(cupy.RawModule(code=source(), options=("--std=c++17",)).get_function("qkv_rope_cache_words"))
+    if rows:
+        launch(_word_kernels[0], (rows, -(-(num_heads + num_kv_heads) // WORD_HEADS)), (32 * WORD_HEADS,), (
+            qkv, positions, slot_mapping, inv_freq, np.float32(attention_factor), q_norm, k_norm, np.float32(eps),
+            np.float32(norm_offset), np.int32(has_norm), np.int32(bool(interleaved)), np.int32(num_heads),
+            np.int32(num_kv_heads), np.int32(head_dim), np.int32(rotary // 2), np.int32(k_cache.shape[1]), q_out,
+            k_cache, v_cache), 0, stream, dependent=True)
     return q_out

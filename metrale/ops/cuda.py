@@ -217,7 +217,7 @@ class CudaKernels:
                        k_norm: Any = None, eps: float = 1e-6, norm_offset: float = 0.0, interleaved: bool = False,
                        rotary_dim: int | None = None) -> Any:
         q = cp.empty((qkv.shape[0], num_heads, head_dim), dtype=f32)
-        return qkv_rope.qkv_rope_cache(
+        return qkv_rope.qkv_rope_cache_words(
             qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim,
             k_cache, v_cache, q, q_norm, k_norm, eps, norm_offset, interleaved, self.stream, rotary_dim=rotary_dim,
         )

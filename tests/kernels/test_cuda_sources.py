@@ -27,6 +27,7 @@ from metrale.kernels import (
     moe_decode,
     moe_grouped,
     moe_route_decode,
+    qkv_rope,
     rmsnorm,
 )
 
@@ -103,7 +104,7 @@ def entries(ptx: str) -> set[str]:
 
 
 @pytest.mark.parametrize("module", [attention_combine, gdn_decode, greedy_sample, head_linear, moe_decode,
-                                    moe_grouped, moe_route_decode, rmsnorm],
+                                    moe_grouped, moe_route_decode, qkv_rope, rmsnorm],
                          ids=lambda m: m.__name__.split(".")[-1])
 def test_every_kernel_name_is_an_entry(tmp_path, module):
     assert set(module.KERNEL_NAMES) <= entries(compile_to_ptx(tmp_path, module.source()))

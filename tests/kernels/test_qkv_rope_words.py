@@ -1,0 +1,101 @@
+"""The CUDA C++ RoPE and cache write (:func:`metrale.kernels.qkv_rope.qkv_rope_cache_words`) run on
+the host through the CUDA emulation header against
+:func:`~metrale.kernels.qkv_rope.qkv_rope_cache_reference`: grouped KV heads, the per-head q/k norm
+(zero-centred too), interleaved pairs, partial rotary, head sizes past a warp's lanes."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+from emulation import build_emulated
+
+from metrale.checkpoint import bf16_to_float32, float32_to_bf16
+from metrale.kernels import qkv_rope
+
+EMULATION_MAIN = r"""
+#include <string>
+
+int main(int argc, char** argv) {
+    if (argc != 14) emu::fail("usage: folder rows nh nkv d half blocks block_size has_norm interleaved factor eps offset");
+    const std::string folder = argv[1];
+    const int rows = std::atoi(argv[2]), nh = std::atoi(argv[3]), nkv = std::atoi(argv[4]), d = std::atoi(argv[5]);
+    const int half = std::atoi(argv[6]), blocks = std::atoi(argv[7]), block_size = std::atoi(argv[8]);
+    const int has_norm = std::atoi(argv[9]), interleaved = std::atoi(argv[10]);
+    const float factor = std::atof(argv[11]), eps = std::atof(argv[12]), offset = std::atof(argv[13]);
+    float* qkv = read<float>(folder + "/qkv", (size_t)rows * (nh + 2 * nkv) * d);
+    int* positions = read<int>(folder + "/positions", rows);
+    int* slots = read<int>(folder + "/slots", rows);
+    float* inv_freq = read<float>(folder + "/inv_freq", half);
+    unsigned short* q_norm = read<unsigned short>(folder + "/q_norm", d);
+    unsigned short* k_norm = read<unsigned short>(folder + "/k_norm", d);
+    const size_t cache = (size_t)blocks * block_size * nkv * d;
+    unsigned short* k_cache = read<unsigned short>(folder + "/k_cache", cache);
+    unsigned short* v_cache = read<unsigned short>(folder + "/v_cache", cache);
+    float* q = allocate<float>((size_t)rows * nh * d);
+    emu::launch({(unsigned)rows, (unsigned)((nh + nkv + ROPE_WORD_HEADS - 1) / ROPE_WORD_HEADS), 1},
+                {32 * ROPE_WORD_HEADS, 1, 1}, [&] {
+        qkv_rope_cache_words(qkv, positions, slots, inv_freq, factor, q_norm, k_norm, eps, offset, has_norm, interleaved,
+                             nh, nkv, d, half, block_size, q, k_cache, v_cache);
+    });
+    write(folder + "/q", q, (size_t)rows * nh * d);
+    write(folder + "/k_cache", k_cache, cache);
+    write(folder + "/v_cache", v_cache, cache);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qkv_rope_words_emulated")
+    binary = build_emulated(folder / "qkv_rope.cpp", qkv_rope.KERNEL + EMULATION_MAIN)
+
+    def run(arrays, rows, nh, nkv, d, half, blocks, block_size, has_norm, interleaved, factor, eps, offset):
+        case = folder / "case"
+        case.mkdir(exist_ok=True)
+        for name, array in arrays.items():
+            np.ascontiguousarray(array).tofile(case / name)
+        subprocess.run([str(binary), str(case), str(rows), str(nh), str(nkv), str(d), str(half), str(blocks),
+                        str(block_size), str(int(has_norm)), str(int(interleaved)), repr(factor), repr(eps),
+                        repr(offset)], check=True, timeout=600)
+        shape = (blocks, block_size, nkv, d)
+        return (np.fromfile(case / "q", np.float32).reshape(rows, nh, d),
+                np.fromfile(case / "k_cache", np.uint16).reshape(shape), np.fromfile(case / "v_cache", np.uint16).reshape(shape))
+
+    return run
+
+
+@pytest.mark.parametrize("rows, nh, nkv, d, rotary, has_norm, interleaved, offset", [
+    (1, 32, 8, 64, 64, False, False, 0.0),  # Llama-1B's heads
+    (3, 4, 2, 128, 128, True, False, 0.0),  # a Qwen3-style q/k norm
+    (2, 6, 2, 256, 64, True, False, 1.0),  # partial rotary (Qwen3-Next), a zero-centred norm
+    (2, 2, 1, 48, 48, False, True, 0.0),  # interleaved pairs
+])
+def test_the_kernel_matches_the_reference(emulated, rows, nh, nkv, d, rotary, has_norm, interleaved, offset):
+    rng = np.random.default_rng(rows + d + rotary)
+    blocks, block_size = 4, 8
+    half = rotary // 2
+    arrays = dict(
+        qkv=(2 * rng.standard_normal((rows, (nh + 2 * nkv) * d))).astype(np.float32),
+        positions=rng.integers(0, 4000, rows).astype(np.int32),
+        slots=rng.permutation(blocks * block_size)[:rows].astype(np.int32),
+        inv_freq=(1.0 / 10000 ** (np.arange(half, dtype=np.float32) / half)).astype(np.float32),
+        q_norm=float32_to_bf16((0.5 * rng.standard_normal(d)).astype(np.float32)),
+        k_norm=float32_to_bf16((0.5 * rng.standard_normal(d)).astype(np.float32)),
+        k_cache=np.zeros((blocks, block_size, nkv, d), np.uint16),
+        v_cache=np.zeros((blocks, block_size, nkv, d), np.uint16),
+    )
+    q, k_cache, v_cache = emulated(arrays, rows, nh, nkv, d, half, blocks, block_size, has_norm, interleaved, 1.25,
+                                   1e-6, offset)
+    expected_k = np.zeros((blocks, block_size, nkv, d), np.float32)
+    expected_v = np.zeros_like(expected_k)
+    norms = (bf16_to_float32(arrays["q_norm"]), bf16_to_float32(arrays["k_norm"])) if has_norm else (None, None)
+    expected_q = qkv_rope.qkv_rope_cache_reference(
+        arrays["qkv"], arrays["positions"], arrays["slots"], arrays["inv_freq"], 1.25, nh, nkv, d, expected_k,
+        expected_v, *norms, 1e-6, offset, interleaved, rotary_dim=rotary)
+    np.testing.assert_allclose(q, expected_q, rtol=2e-4, atol=2e-4 * np.abs(expected_q).max())
+    k = bf16_to_float32(k_cache)
+    assert np.abs(k - expected_k).max() <= 1e-2 * np.abs(expected_k).max()  # one bf16 rounding
+    np.testing.assert_array_equal(bf16_to_float32(v_cache), bf16_to_float32(float32_to_bf16(expected_v)))
