@@ -40,6 +40,15 @@ from metrale.kernels import head_linear as head_linear_kernels
 from metrale.kernels.linear import CublasGemm
 from metrale.layers import experts as expert_layers
 
+#: Batches of at least this many tokens run their routed experts through the grouped tensor-core
+#: kernels (:mod:`metrale.kernels.moe_grouped`), each chosen expert's weights read once; smaller
+#: ones through the decode kernels (:mod:`metrale.kernels.moe_decode`, up to 8 tokens) or the
+#: pairwise kernel, which read an expert's weights once per (token, expert) pair. Past 8 tokens the
+#: pairs repeat experts: a DeepSeek-V2-Lite decode step of 32 tokens has 192 pairs over 64 experts,
+#: 3.3 GB a layer pair by pair against at most 1.1 GB grouped (its batch-32 step took 31.6 ms,
+#: 26 layers at about the pairwise reads' time).
+GROUPED_EXPERTS_MIN_TOKENS = 9
+
 f32, bf16 = np.float32, np.uint16
 
 
@@ -360,9 +369,9 @@ class CudaKernels:
         top_k, inter = experts.shape[1], down.shape[1]
         num_experts = down.shape[0] // hidden
         out = cp.empty((tokens, hidden), dtype=f32)
-        if tokens > expert_layers.MAX_PAIRWISE_TOKENS and moe_grouped.supports(hidden, inter, num_experts):
-            # Prompt-sized batches: each expert's pairs as one tensor-core product, four launches
-            # whatever the routing, no host synchronisation.
+        if tokens > GROUPED_EXPERTS_MIN_TOKENS - 1 and moe_grouped.supports(hidden, inter, num_experts):
+            # Each expert's pairs as one tensor-core product, four launches whatever the routing,
+            # no host synchronisation: every chosen expert's weights read once.
             pairs = tokens * top_k
             tiling = moe_grouped.tiling_for(tokens, top_k, num_experts)
             tiles = moe_grouped.max_tiles(pairs, num_experts, tiling.block_m)
