@@ -38,7 +38,6 @@ from metrale.kernels import (
 )
 from metrale.kernels import head_linear as head_linear_kernels
 from metrale.kernels.linear import CublasGemm
-from metrale.layers import experts as expert_layers
 
 #: Batches of at least this many tokens run their routed experts through the grouped tensor-core
 #: kernels (:mod:`metrale.kernels.moe_grouped`), each chosen expert's weights read once; smaller
