@@ -27,7 +27,9 @@ grouped_combine_kernel` merges the splits into bf16 ``[rows, heads * r]``.
 :func:`latent_cache_write_kernel` fills the cache: per row it normalises the latent (RMSNorm with
 the latent norm's weight), rotates the RoPE key, and stores both as one bf16 row at the row's
 cache slot. :func:`latent_query_kernel` assembles the decode queries the same way: each head's
-latent query ``q_latent (r)`` followed by its rotated RoPE part ``q_pe (d_r)``, float32.
+latent query ``q_latent (r)`` followed by its rotated RoPE part ``q_pe (d_r)``, float32. The CUDA
+backend runs their CUDA C++ forms, :func:`latent_cache_write_words` and :func:`latent_query_words`:
+launched dependently, reading the stacked projection's views through their strides (no copy).
 """
 
 from __future__ import annotations
@@ -509,4 +511,166 @@ def latent_attention(
     grouped_combine_kernel[(rows, heads, -(-value_dim // COMBINE_THREADS)), COMBINE_THREADS, launch_stream](
         device_view(out_acc), device_view(out_max), device_view(out_sum), device_view(out),
     )
+    return out
+
+
+# ------------------------------------------------------------------------------ CUDA C++ kernels
+
+from typing import Any  # noqa: E402
+
+from metrale.kernels._launch import DEPENDENT_LAUNCH, launch  # noqa: E402
+
+#: Threads of a block of the CUDA C++ cache write (a row each) and query assembly (a head each).
+WORD_THREADS = 256
+
+WORD_KERNELS = r"""
+#define LATENT_WORD_THREADS 256
+
+__device__ __forceinline__ unsigned short latent_to_bf16(float value) {
+    const unsigned word = __float_as_uint(value);
+    if ((word & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (unsigned short)((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
+}
+
+// Row n of kv_a (rows kv_stride values apart; [c (rank) | k_pe (2 half)] float32) into the latent
+// cache [blocks * block_size, rank + 2 half] bf16 bits at slot_mapping[n]: c RMS-normalised with the
+// bf16 norm_weight [rank], k_pe rotated (pairs (i, i + half), or (2i, 2i + 1) when interleaved).
+// Grid N blocks of LATENT_WORD_THREADS threads.
+extern "C" __global__ void __launch_bounds__(LATENT_WORD_THREADS) latent_cache_write_words(
+    const float* __restrict__ kv_a, long kv_stride, const unsigned short* __restrict__ norm_weight, float eps,
+    const int* __restrict__ positions, const float* __restrict__ inv_freq, float attention_factor, int interleaved,
+    const int* __restrict__ slot_mapping, unsigned short* __restrict__ latent, int rank, int half) {
+    __shared__ float partial[LATENT_WORD_THREADS / 32];
+    allow_dependents();
+    wait_for_producers();   // kv_a comes from the projection ahead
+    const int row = blockIdx.x, tid = threadIdx.x;
+    const float* source = kv_a + (size_t)row * kv_stride;
+    float squares = 0.0f;
+    for (int i = tid; i < rank; i += LATENT_WORD_THREADS) squares += source[i] * source[i];
+    for (int offset = 16; offset > 0; offset /= 2) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+    if (tid % 32 == 0) partial[tid / 32] = squares;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < LATENT_WORD_THREADS / 32; ++w) total += partial[w];
+    const float inv = 1.0f / sqrtf(total / (float)rank + eps);
+    const int slot = slot_mapping[row];
+    if (slot < 0) return;
+    unsigned short* target = latent + (size_t)slot * (rank + 2 * half);
+    for (int i = tid; i < rank; i += LATENT_WORD_THREADS)
+        target[i] = latent_to_bf16(source[i] * inv * __uint_as_float((unsigned)norm_weight[i] << 16));
+    const float position = (float)positions[row];
+    for (int i = tid; i < half; i += LATENT_WORD_THREADS) {
+        const float angle = position * inv_freq[i];
+        const float cosine = cosf(angle) * attention_factor, sine = sinf(angle) * attention_factor;
+        const int first = rank + (interleaved ? 2 * i : i), second = rank + (interleaved ? 2 * i + 1 : i + half);
+        const float a = source[first], b = source[second];
+        target[first] = latent_to_bf16(a * cosine - b * sine);
+        target[second] = latent_to_bf16(b * cosine + a * sine);
+    }
+}
+
+// out[n, h] = [q_latent[n, h] (rank) | rope(the last 2 half values of q's head h)] float32. q_latent
+// [N, heads, rank] contiguous; q's heads at q + n * q_row_stride + h * q_head_stride, each width
+// values. Grid (N, heads) blocks of LATENT_WORD_THREADS threads.
+extern "C" __global__ void __launch_bounds__(LATENT_WORD_THREADS) latent_query_words(
+    const float* __restrict__ q_latent, const float* __restrict__ q, long q_row_stride, long q_head_stride, int width,
+    const int* __restrict__ positions, const float* __restrict__ inv_freq, float attention_factor, int interleaved,
+    float* __restrict__ out, int rank, int half) {
+    allow_dependents();
+    wait_for_producers();   // the latent queries and q come from the kernels ahead
+    const int row = blockIdx.x, head = blockIdx.y, heads = gridDim.y, tid = threadIdx.x;
+    const float* latent_row = q_latent + ((size_t)row * heads + head) * rank;
+    float* target = out + ((size_t)row * heads + head) * (rank + 2 * half);
+    for (int i = tid; i < rank; i += LATENT_WORD_THREADS) target[i] = latent_row[i];
+    const float* rope = q + (size_t)row * q_row_stride + (size_t)head * q_head_stride + width - 2 * half;
+    const float position = (float)positions[row];
+    for (int i = tid; i < half; i += LATENT_WORD_THREADS) {
+        const float angle = position * inv_freq[i];
+        const float cosine = cosf(angle) * attention_factor, sine = sinf(angle) * attention_factor;
+        const int first = interleaved ? 2 * i : i, second = interleaved ? 2 * i + 1 : i + half;
+        const float a = rope[first], b = rope[second];
+        target[rank + first] = a * cosine - b * sine;
+        target[rank + second] = b * cosine + a * sine;
+    }
+}
+"""
+
+KERNEL_NAMES = ("latent_cache_write_words", "latent_query_words")
+
+
+def source() -> str:
+    """The CUDA C++ source NVRTC compiles."""
+    return DEPENDENT_LAUNCH + WORD_KERNELS
+
+
+_word_kernels: dict[str, Any] = {}
+
+
+def _word_kernel(name: str) -> Any:
+    if not _word_kernels:
+        import cupy
+
+        module = cupy.RawModule(code=source(), options=("--std=c++17",))
+        for each in KERNEL_NAMES:
+            _word_kernels[each] = module.get_function(each)
+    return _word_kernels[name]
+
+
+def _row_stride(op: str, name: str, array: Any) -> int:
+    """The row stride in elements of a float32 2-D or 3-D view whose last axis is contiguous."""
+    if array.dtype != np.float32 or array.strides[-1] != 4 or any(stride % 4 for stride in array.strides):
+        raise KernelArgumentError(f"{op}: {name} must be float32 with its last axis contiguous "
+                                  f"(strides {list(array.strides)})")
+    return array.strides[0] // 4
+
+
+def latent_cache_write_words(
+    kv_a: DeviceArray, norm_weight: DeviceArray, eps: float, positions: DeviceArray, inv_freq: DeviceArray,
+    attention_factor: float, interleaved: bool, slot_mapping: DeviceArray, latent: DeviceArray, stream: object = None,
+) -> None:
+    """:func:`latent_cache_write` in CUDA C++, launched dependently; ``kv_a`` may be a view of a
+    wider projection's rows (its last axis contiguous)."""
+    op = "latent_cache_write"
+    if getattr(kv_a, "ndim", 0) != 2:
+        raise KernelArgumentError(f"{op}: kv_a must be [N, r + d_r]")
+    rows, width = kv_a.shape
+    stride = _row_stride(op, "kv_a", kv_a)
+    check_array(op, "inv_freq", inv_freq, np.float32, ndim=1)
+    half = inv_freq.shape[0]
+    rank = width - 2 * half
+    if rank <= 0:
+        raise KernelArgumentError(f"{op}: {2 * half} rotary dims leave no latent in rows of {width}")
+    check_array(op, "norm_weight", norm_weight, np.uint16, (rank,))
+    check_array(op, "positions", positions, np.int32, (rows,))
+    check_array(op, "slot_mapping", slot_mapping, np.int32, (rows,))
+    check_array(op, "latent", latent, np.uint16, (None, None, width))
+    if rows:
+        launch(_word_kernel("latent_cache_write_words"), (rows,), (WORD_THREADS,), (
+            kv_a, np.int64(stride), norm_weight, np.float32(eps), positions, inv_freq, np.float32(attention_factor),
+            np.int32(bool(interleaved)), slot_mapping, latent, np.int32(rank), np.int32(half)), 0, stream, dependent=True)
+
+
+def latent_query_words(
+    q_latent: DeviceArray, q: DeviceArray, positions: DeviceArray, inv_freq: DeviceArray, attention_factor: float,
+    interleaved: bool, out: DeviceArray, stream: object = None,
+) -> DeviceArray:
+    """:func:`latent_query` in CUDA C++, launched dependently; ``q`` may be a strided view of the
+    query projection (its last axis contiguous)."""
+    op = "latent_query"
+    check_array(op, "q_latent", q_latent, np.float32, ndim=3)
+    rows, heads, rank = q_latent.shape
+    if getattr(q, "ndim", 0) != 3 or tuple(q.shape[:2]) != (rows, heads):
+        raise KernelArgumentError(f"{op}: q has shape {list(q.shape)}, expected [{rows}, {heads}, *]")
+    row_stride = _row_stride(op, "q", q)
+    check_array(op, "inv_freq", inv_freq, np.float32, ndim=1)
+    half = inv_freq.shape[0]
+    if 2 * half > q.shape[2]:
+        raise KernelArgumentError(f"{op}: {2 * half} rotary dims exceed the query heads' {q.shape[2]}")
+    check_array(op, "positions", positions, np.int32, (rows,))
+    check_array(op, "out", out, np.float32, (rows, heads, rank + 2 * half))
+    if rows and heads:
+        launch(_word_kernel("latent_query_words"), (rows, heads), (WORD_THREADS,), (
+            q_latent, q, np.int64(row_stride), np.int64(q.strides[1] // 4), np.int32(q.shape[2]), positions, inv_freq,
+            np.float32(attention_factor), np.int32(bool(interleaved)), out, np.int32(rank), np.int32(half)),
+            0, stream, dependent=True)
     return out

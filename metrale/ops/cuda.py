@@ -308,10 +308,11 @@ class CudaKernels:
 
     def latent_cache_write(self, kv_a: Any, norm_weight: Any, eps: float, positions: Any, inv_freq: Any,
                            attention_factor: float, interleaved: bool, slot_mapping: Any, latent: Any) -> None:
-        attention_latent.latent_cache_write(
-            cp.ascontiguousarray(kv_a, dtype=f32), norm_weight, eps, positions, inv_freq, attention_factor,
-            interleaved, slot_mapping, latent, self.stream,
-        )
+        if kv_a.dtype != f32 or kv_a.strides[-1] != kv_a.itemsize:
+            kv_a = cp.ascontiguousarray(kv_a, dtype=f32)
+        # A view of the stacked projection's rows: the kernel takes their stride, no copy.
+        attention_latent.latent_cache_write_words(kv_a, norm_weight, eps, positions, inv_freq, attention_factor,
+                                                  interleaved, slot_mapping, latent, self.stream)
 
     def head_linear(self, x: Any, weight: Any) -> Any:
         rows, heads = x.shape[0], x.shape[1]
@@ -456,8 +457,10 @@ class CudaKernels:
                      interleaved: bool) -> Any:
         rows, heads, rank = q_latent.shape
         out = cp.empty((rows, heads, rank + 2 * inv_freq.shape[0]), dtype=f32)
-        return attention_latent.latent_query(cp.ascontiguousarray(q_latent, dtype=f32), cp.ascontiguousarray(q, dtype=f32),
-                                             positions, inv_freq, attention_factor, interleaved, out, self.stream)
+        if q.dtype != f32 or q.strides[-1] != q.itemsize:
+            q = cp.ascontiguousarray(q, dtype=f32)
+        return attention_latent.latent_query_words(cp.ascontiguousarray(q_latent, dtype=f32), q, positions, inv_freq,
+                                                   attention_factor, interleaved, out, self.stream)
 
     def gated_rmsnorm(self, x: Any, z: Any, weight: Any, eps: float) -> Any:
         width = x.shape[-1]
