@@ -168,9 +168,11 @@ def backend():
     backend.close()
 
 
-@pytest.mark.parametrize("tokens", [64, 65, 700])
-def test_the_cuda_op_on_either_side_of_the_pairwise_limit(backend, tokens):
-    """64 tokens run pair by pair, more through the grouped kernels; both match the reference."""
+@pytest.mark.parametrize("tokens", [8, 9, 32, 64, 700])
+def test_the_cuda_op_on_either_side_of_the_grouped_limit(backend, tokens):
+    """8 tokens run on the decode kernels, pair by pair; 9 and more (GROUPED_EXPERTS_MIN_TOKENS)
+    through the grouped kernels, a decode batch's few pairs an expert included; all match the
+    reference."""
     import cupy as cp
 
     from metrale.kernels import moe_grouped
