@@ -471,6 +471,21 @@ def counter_count(rows: int, heads: int, kv_heads: int) -> int:
     return rows * kv_heads * head_blocks(heads, kv_heads)
 
 
+#: The most partials (bytes) the last split's block merges itself: past it the merge kernel's
+#: blocks, a head and 128 value columns each, share the reads. One block merging Qwen3-Next's
+#: sixteen splits of eight 256-wide heads (128 KB) made its attention 23 us a layer under Nsight
+#: Compute, where the Llama-1B shape's twelve splits of four 64-wide heads (12 KB) took 10.5.
+MAX_MERGE_BYTES = 32 * 1024
+
+
+def merges_itself(heads: int, kv_heads: int, head_dim: int, splits: int) -> bool:
+    """Whether a launch with counters should merge its splits in its last block rather than in
+    :func:`metrale.kernels.attention_combine.combine`: at most :data:`MAX_MERGE_BYTES` of partials
+    a block (its heads times ``head_dim`` float32 values, per split)."""
+    block_heads = min(BLOCK_HEADS, heads // max(1, kv_heads))
+    return splits * block_heads * head_dim * 4 <= MAX_MERGE_BYTES
+
+
 def device_split_count(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int) -> int:
     """:func:`split_count` for the current device's multiprocessors."""
     return split_count(rows, heads, kv_heads, head_dim, max_context, multiprocessor_count())

@@ -241,7 +241,8 @@ class CudaKernels:
             cp.empty((rows, heads, splits), dtype=f32),
         )
         counters = None
-        if attention.MERGE_DECODE_SPLITS and attention.uses_decode_mma(heads, kv_heads, q.shape[2], value_dim):
+        if (attention.MERGE_DECODE_SPLITS and attention.uses_decode_mma(heads, kv_heads, q.shape[2], value_dim)
+                and attention_decode_mma.merges_itself(heads, kv_heads, q.shape[2], splits)):
             counters = self._merge_counters(attention_decode_mma.counter_count(rows, heads, kv_heads))
         return attention.paged_attention(
             q[:rows], k_cache, v_cache, batch.block_tables, batch.seq_index[:rows], batch.positions[:rows],

@@ -258,3 +258,11 @@ def test_the_launcher_checks_the_counters(monkeypatch):
         attention_decode_mma.decode_attention(q, cache, cache, np.zeros((2, 1), np.int32), np.zeros(2, np.int32),
                                               np.zeros(2, np.int32), SCALE, None, workspace,
                                               np.zeros((2, 2048), np.uint16), counters=np.zeros(15, np.int32))
+
+
+def test_which_launches_merge_their_own_splits():
+    # Llama-1B (12 splits of four 64-wide heads) and Llama-8B (16 of four 128-wide) merge in their
+    # last block; Qwen3-Next's full attention (16 of eight 256-wide heads) takes the merge kernel.
+    assert attention_decode_mma.merges_itself(32, 8, 64, 12)
+    assert attention_decode_mma.merges_itself(32, 8, 128, 16)
+    assert not attention_decode_mma.merges_itself(16, 2, 256, 16)
