@@ -406,8 +406,10 @@ def test_against_a_real_uvicorn_server_through_the_cli_helpers(uvicorn_server, t
     assert "HTTP 503" in reasons and "RemoteProtocolError" in reasons
     for summary in result["runs"]:
         assert 1e3 * FIRST_DELAY * 0.9 <= summary["ttft_ms"]["p50"] <= 1e3 * FIRST_DELAY + 200
-        # over TCP a late chunk shortens the gap after it: a wider lower bound than with the mock transport
-        assert 1e3 * GAP * 0.5 <= summary["itl_ms"]["p50"] <= 1e3 * GAP + 80
+        # Over TCP a late chunk shortens the gap after it (on a loaded machine two chunks may arrive
+        # together), so the median gap can fall well under GAP; their mean keeps the waits between
+        # the chunks (the stream's last chunks follow without one).
+        assert 1e3 * GAP * 0.5 <= summary["itl_ms"]["mean"] <= 1e3 * GAP + 80
         assert summary["output_length_mismatches"] == 0 and summary["requests_without_usage"] == 0
     timed = [body for _, body in fake.requests[1:]]
     assert second["output_tokens"] == sum(b["max_tokens"] for b in timed[6:])
