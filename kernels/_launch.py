@@ -10,7 +10,11 @@ depend on that kernel (weight loads) and then wait in ``wait_for_producers()``
 (``griddepcontrol.wait``) until it has finished and its writes are visible. Everything a kernel
 launched this way reads or writes that another kernel touches must come after that wait: this
 holds for every kernel source that includes :data:`DEPENDENT_LAUNCH`, and only such kernels are
-launched through :func:`launch` with ``dependent=True``. A kernel launched without the attribute
+launched through :func:`launch` with ``dependent=True``. One exception, argued where it is made:
+the tensor-core decode attention (:mod:`metrale.kernels.attention_decode_mma`) reads its rows'
+metadata (uploaded before the step) and the cached keys and values of earlier positions (written
+by earlier steps, which have ended) before the wait; the step's own key and value, which the
+kernel ahead writes, it reads after. A kernel launched without the attribute
 runs after the one ahead as usual, and both calls are no-ops for it; so is a kernel ahead that
 never calls ``allow_dependents()`` (its end is the signal). Graph capture records the launch as
 a programmatic edge, which replays the same way.

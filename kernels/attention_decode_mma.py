@@ -126,7 +126,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     __shared__ float head_best[BLOCK_HEADS];
 
     allow_dependents();   // the next kernel (o_proj) may start fetching its weights
-    wait_for_producers();   // the queries and the step's keys and values come from the kernels ahead
     const int row = blockIdx.x, split = blockIdx.z, splits = gridDim.z;
     const int group_size = num_heads / num_kv_heads;
     const int head_blocks = (group_size + BLOCK_HEADS - 1) / BLOCK_HEADS;
@@ -143,18 +142,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     const int lo = first_key + split * split_keys;
     const int hi = min(context, lo + split_keys);
 
-    // The block's queries, scaled by scale * log2(e) (the softmax runs in base 2), as bf16; zero
-    // rows past the group.
-    const float query_scale = scale * 1.4426950408889634f;
-    const float4* query_rows = reinterpret_cast<const float4*>(q + ((long)row * num_heads + head_base) * HEAD_DIM);
-    for (int e = threadIdx.x; e < BLOCK_HEADS * HEAD_DIM / 4; e += THREADS) {
-        const int h = e / (HEAD_DIM / 4), d = 4 * (e % (HEAD_DIM / 4));
-        const float4 value = h < block_heads ? query_rows[e] : float4{0.f, 0.f, 0.f, 0.f};
-        unsigned* target = reinterpret_cast<unsigned*>(&query_tile[h * STRIDE + d]);
-        target[0] = pack_bf16(value.x * query_scale, value.y * query_scale);
-        target[1] = pack_bf16(value.z * query_scale, value.w * query_scale);
-    }
-
     auto find_rows = [&](int stage, int base) {
         if (threadIdx.x < BLOCK_KEYS) {
             const int position = base + threadIdx.x;
@@ -163,11 +150,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             stage_rows[stage][threadIdx.x] = cache_row < 0 ? -1 : (cache_row * num_kv_heads + kv_head) * HEAD_DIM;
         }
     };
-    auto load_stage = [&](int stage) {
+    // The copies of a stage; `skipped` (a key of the stage, or -1) gets none: the step's own key,
+    // which the kernels ahead are still writing when the first stages are issued.
+    auto load_stage = [&](int stage, int skipped) {
         bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
         for (int e = threadIdx.x; e < 2 * BLOCK_KEYS * (HEAD_DIM / 8); e += THREADS) {
             const int half = e / (BLOCK_KEYS * (HEAD_DIM / 8));   // 0: keys, 1: values
             const int key = (e / (HEAD_DIM / 8)) % BLOCK_KEYS, chunk = e % (HEAD_DIM / 8);
+            if (key == skipped) continue;
             const long long offset = stage_rows[stage][key];
             const bf16_bits* source = (half ? v_cache : k_cache) + (offset < 0 ? 0 : offset) + chunk * 8;
             copy_16(shared_address(&keys[(half * BLOCK_KEYS + key) * STRIDE + chunk * 8]), source, offset >= 0);
@@ -191,13 +181,43 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     // steps 0 .. STAGES - 2 then; at step j the copies of step j + STAGES - 1 are issued and the
     // rows of step j + STAGES found. Every step commits one copy group (empty past the split), so
     // waiting for all but the newest STAGES - 2 groups means this step's keys have landed.
+    // Before the wait for the kernels ahead: the row metadata (uploaded before the step) and the
+    // first stages' keys and values of earlier positions (written by earlier steps), the step's
+    // own key (position context - 1, which the kernel ahead writes) left out.
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) find_rows(s, lo + s * BLOCK_KEYS);
-    __syncthreads();   // the query tile and the first stages' rows
+    __syncthreads();   // the first stages' rows
+    const int own_key = context - 1;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (lo + s * BLOCK_KEYS < hi) load_stage(s);
+        const int base = lo + s * BLOCK_KEYS;
+        if (base < hi) load_stage(s, own_key >= base && own_key < base + BLOCK_KEYS ? own_key - base : -1);
         commit_copies();
+    }
+    wait_for_producers();   // the queries and the step's own key and value come from the kernels ahead
+
+    // The block's queries, scaled by scale * log2(e) (the softmax runs in base 2), as bf16; zero
+    // rows past the group.
+    const float query_scale = scale * 1.4426950408889634f;
+    const float4* query_rows = reinterpret_cast<const float4*>(q + ((long)row * num_heads + head_base) * HEAD_DIM);
+    for (int e = threadIdx.x; e < BLOCK_HEADS * HEAD_DIM / 4; e += THREADS) {
+        const int h = e / (HEAD_DIM / 4), d = 4 * (e % (HEAD_DIM / 4));
+        const float4 value = h < block_heads ? query_rows[e] : float4{0.f, 0.f, 0.f, 0.f};
+        unsigned* target = reinterpret_cast<unsigned*>(&query_tile[h * STRIDE + d]);
+        target[0] = pack_bf16(value.x * query_scale, value.y * query_scale);
+        target[1] = pack_bf16(value.z * query_scale, value.w * query_scale);
+    }
+    // The step's own key and value, if a stage issued above holds it: plain loads and stores (no
+    // copy of the stage writes its place), seen by every warp after the first step's barrier.
+    if (own_key >= lo && own_key < hi && own_key < lo + (STAGES - 1) * BLOCK_KEYS) {
+        const int own_stage = (own_key - lo) / BLOCK_KEYS, key = (own_key - lo) % BLOCK_KEYS;
+        const long long offset = stage_rows[own_stage][key];
+        bf16_bits* keys = stages + own_stage * STAGE_ELEMENTS;
+        for (int e = threadIdx.x; e < 2 * (HEAD_DIM / 8); e += THREADS) {
+            const int half = e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8);
+            const uint4 value = *reinterpret_cast<const uint4*>((half ? v_cache : k_cache) + offset + chunk * 8);
+            *reinterpret_cast<uint4*>(&keys[(half * BLOCK_KEYS + key) * STRIDE + chunk * 8]) = value;
+        }
     }
     int stage = 0;
     for (int base = lo; base < hi; base += BLOCK_KEYS) {
@@ -206,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
         // step's stage, which the next copies fill, and its rows (found a step ago) are ready.
         __syncthreads();
         const int refill = stage == 0 ? STAGES - 1 : stage - 1;
-        if (base + (STAGES - 1) * BLOCK_KEYS < hi) load_stage(refill);
+        if (base + (STAGES - 1) * BLOCK_KEYS < hi) load_stage(refill, -1);
         commit_copies();
         find_rows(stage, base + STAGES * BLOCK_KEYS);   // this stage's rows were last read by its copies, steps ago
         const bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
