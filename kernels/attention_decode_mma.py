@@ -182,8 +182,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     // rows of step j + STAGES found. Every step commits one copy group (empty past the split), so
     // waiting for all but the newest STAGES - 2 groups means this step's keys have landed.
     // Before the wait for the kernels ahead: the row metadata (uploaded before the step) and the
-    // first stages' keys and values of earlier positions (written by earlier steps), the step's
-    // own key (position context - 1, which the kernel ahead writes) left out.
+    // first stages' keys and values of earlier positions (written by earlier steps: a decode row
+    // is its sequence's only row in a step), the step's own key (position context - 1, which the
+    // kernel ahead writes) left out.
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) find_rows(s, lo + s * BLOCK_KEYS);
     __syncthreads();   // the first stages' rows
