@@ -9,12 +9,16 @@
   whether overlap scheduling was on);
 * ``decode.png`` -- Metrale's decode tok/s and fraction of the bandwidth floor per shape and
   batch size, one bar per run: the ``--decode`` files with the same label in ``--decode-labels``
-  (before and after a change, say) are one run, their shapes together.
+  (before and after a change, say) are one run, their shapes together;
+* ``kernel-times.png`` -- where a decode step's kernel time goes, one stacked bar per
+  ``tools/kernel_times.py`` output (``--kernel-times``): its largest kernel groups, the rest as
+  one part.
 
 Run from the repository root::
 
     python3 tools/plot_bench.py --bench bench.json [more.json ...] --throughput throughput.json [more.json ...] --out docs/images
     python3 tools/plot_bench.py --decode a-1b.json a-8b.json b-1b.json b-8b.json --decode-labels before,before,after,after
+    python3 tools/plot_bench.py --kernel-times docs/data/kernel-times-*-batch1.txt
 """
 
 from __future__ import annotations
@@ -233,6 +237,64 @@ def plot_decode(runs: list[dict[str, Any]], labels: list[str], out: Path, loop: 
     return path
 
 
+def kernel_groups(text: str) -> tuple[str, list[tuple[str, float]]]:
+    """The title line and the grouped table of a ``tools/kernel_times.py`` output: ``(kernel
+    name, total µs)`` per group, largest first (a row ends in calls, µs a call, total µs, share
+    and GB/s; the name is everything before them)."""
+    lines = text.splitlines()
+    title = lines[0] if lines else ""
+    groups = []
+    table = False
+    for line in lines:
+        if line.startswith("kernel ") and "calls" in line:
+            table = True
+            continue
+        fields = line.split()
+        if table and len(fields) >= 6 and fields[-2].endswith("%"):
+            groups.append((" ".join(fields[:-5]), float(fields[-3])))
+    return title, sorted(groups, key=lambda group: -group[1])
+
+
+def plot_kernel_times(paths: list[Path], out: Path, parts: int = 7) -> Path | None:
+    """One stacked horizontal bar per file: its ``parts`` largest kernel groups and the rest, µs
+    per step; None when no file holds a grouped table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = []
+    for path in paths:
+        title, groups = kernel_groups(path.read_text())
+        if groups:
+            label = title.split(":")[0].replace("shape ", "").replace(" context", ", context")
+            runs.append((label, groups[:parts] + [("the rest", sum(total for _, total in groups[parts:]))]))
+    if not runs:
+        return None
+    figure, axes = plt.subplots(figsize=(15, 1.6 + 0.9 * len(runs)))
+    colours: dict[str, Any] = {}
+    palette = plt.get_cmap("tab20")
+    for index, (label, groups) in enumerate(runs):
+        left = 0.0
+        for name, total in groups:
+            short = name.replace("void ", "").split("::")[-1].split("[")[0]
+            colour = colours.setdefault(short, palette(len(colours) % 20))
+            axes.barh(index, total, left=left, color=colour, label=short)
+            if total > 40:
+                axes.text(left + total / 2, index, f"{total:.0f}", ha="center", va="center", fontsize=7)
+            left += total
+    handles, names = axes.get_legend_handles_labels()
+    unique = dict(zip(names, handles))
+    axes.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes.set_yticks(range(len(runs)), [label for label, _ in runs], fontsize=8)
+    axes.invert_yaxis()
+    axes.set_xlabel("µs of kernel time per decode step (each kernel on its own, Nsight Compute)")
+    axes.set_title("Where a decode step's kernel time goes")
+    path = out / "kernel-times.png"
+    save(figure, path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description="plot metrale bench results")
     parser.add_argument("--bench", type=Path, nargs="+", help="JSON files of metrale bench")
@@ -241,10 +303,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--decode-labels", help="comma-separated labels of the --decode files (default: their names)")
     parser.add_argument("--decode-loop", action="store_true",
                         help="plot decode_bN_loop (the step as LLM.generate runs it) into decode-loop.png")
+    parser.add_argument("--kernel-times", type=Path, nargs="+", help="outputs of tools/kernel_times.py")
     parser.add_argument("--out", type=Path, default=Path("docs/images"), help="folder of the images")
     args = parser.parse_args(argv)
-    if args.bench is None and args.throughput is None and args.decode is None:
-        parser.error("give --bench, --throughput and/or --decode")
+    if args.bench is None and args.throughput is None and args.decode is None and args.kernel_times is None:
+        parser.error("give --bench, --throughput, --decode and/or --kernel-times")
     labels = args.decode_labels.split(",") if args.decode_labels else [p.stem for p in args.decode or []]
     if args.decode is not None and len(labels) != len(args.decode):
         parser.error(f"--decode-labels names {len(labels)} runs, --decode gives {len(args.decode)}")
@@ -264,6 +327,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
         for label, path in zip(labels, args.decode):
             merged.setdefault(label, {}).update(json.loads(path.read_text()))
         path = plot_decode(list(merged.values()), list(merged), args.out, args.decode_loop)
+        written += [path] if path else []
+    if args.kernel_times is not None:
+        path = plot_kernel_times(args.kernel_times, args.out)
         written += [path] if path else []
     for path in written:
         print(path)

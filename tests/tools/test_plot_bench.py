@@ -89,7 +89,7 @@ def test_several_bench_files_give_one_speed_up_figure(plot_bench, tmp_path):
 def test_the_script_needs_an_input(plot_bench, capsys):
     with pytest.raises(SystemExit):
         plot_bench.main(["--out", "/tmp/unused"])
-    assert "give --bench, --throughput and/or --decode" in capsys.readouterr().err
+    assert "give --bench, --throughput, --decode and/or --kernel-times" in capsys.readouterr().err
 
 
 def decode_run(device, **steps):
@@ -143,3 +143,27 @@ def test_decode_files_sharing_a_label_are_one_run(plot_bench, tmp_path, monkeypa
     assert seen["labels"] == ["before", "after"] and seen["loop"] is False
     assert [sorted(k for k in run if k != "device") for run in seen["runs"]] == [["llama-1b", "llama-8b"],
                                                                                 ["deepseek-v2-lite"]]
+
+
+KERNEL_TIMES = """shape llama-1b batch 1 context 512: one decode graph replay, each kernel profiled on its own
+3 kernels, 0.032 ms in all, 0.080 GB moved (2500 GB/s)
+   # kernel                                                       grid       us   MB read    GB/s
+   0 void decode_gemv                                      (256, 1, 1)     20.0     60.00    3000
+
+kernel                                           calls  us/call  total us  share    GB/s
+void decode_gemv                                     2     15.0      30.0  93.8%    2667
+qkv_rope_cache_words                                 1      2.0       2.0   6.2%       0
+"""
+
+
+def test_kernel_groups_are_read_from_the_grouped_table(plot_bench, tmp_path):
+    title, groups = plot_bench.kernel_groups(KERNEL_TIMES)
+    assert title.startswith("shape llama-1b batch 1")
+    assert groups == [("void decode_gemv", 30.0), ("qkv_rope_cache_words", 2.0)]  # not the per-kernel rows
+    path = tmp_path / "times.txt"
+    path.write_text(KERNEL_TIMES)
+    assert plot_bench.plot_kernel_times([path], tmp_path) == tmp_path / "kernel-times.png"
+    assert (tmp_path / "kernel-times.png").stat().st_size > 0
+    empty = tmp_path / "empty.txt"
+    empty.write_text("kernel_times: ncu failed\n")
+    assert plot_bench.plot_kernel_times([empty], tmp_path / "none") is None
