@@ -108,7 +108,8 @@ class CudaKernels:
         add = residual is not None
         residual = cp.ascontiguousarray(residual) if add else cp.empty_like(x)
         out = cp.empty(x.shape, dtype=bf16)
-        if x.dtype == f32 and x.ndim == 2 and rmsnorm.words_supported(x.shape[1]):
+        if (x.dtype == f32 and x.ndim == 2 and rmsnorm.words_supported(x.shape[1])
+                and all(decode_gemv.aligned(a) for a in (x, residual, weight))):  # float4 and uint2 loads
             rmsnorm.rmsnorm_residual_words(x, residual, weight, eps, offset, add, out, self.stream)
         else:
             rmsnorm.rmsnorm_residual(x, residual, weight, eps, offset, add, out, self.stream)
@@ -370,7 +371,7 @@ class CudaKernels:
         top_k, inter = experts.shape[1], down.shape[1]
         num_experts = down.shape[0] // hidden
         out = cp.empty((tokens, hidden), dtype=f32)
-        if tokens > GROUPED_EXPERTS_MIN_TOKENS - 1 and moe_grouped.supports(hidden, inter, num_experts):
+        if tokens >= GROUPED_EXPERTS_MIN_TOKENS and moe_grouped.supports(hidden, inter, num_experts):
             # Each expert's pairs as one tensor-core product, four launches whatever the routing,
             # no host synchronisation: every chosen expert's weights read once.
             pairs = tokens * top_k
