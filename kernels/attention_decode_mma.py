@@ -188,11 +188,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) find_rows(s, lo + s * BLOCK_KEYS);
     __syncthreads();   // the first stages' rows
+    // Only the split that holds the own key skips its copy: in another split the key is past `hi`,
+    // and its zero-filled copy keeps the stage's value row finite (a probability of 0 times
+    // whatever shared memory held there could be NaN).
     const int own_key = context - 1;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         const int base = lo + s * BLOCK_KEYS;
-        if (base < hi) load_stage(s, own_key >= base && own_key < base + BLOCK_KEYS ? own_key - base : -1);
+        const bool holds_own_key = own_key >= base && own_key < base + BLOCK_KEYS && own_key < hi;
+        if (base < hi) load_stage(s, holds_own_key ? own_key - base : -1);
         commit_copies();
     }
     wait_for_producers();   // the queries and the step's own key and value come from the kernels ahead

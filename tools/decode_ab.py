@@ -10,10 +10,11 @@ are compared (the largest difference over the largest logit), and their greedy t
 random weights give flat logits). ``--combine-splits`` has its tensor-core decode attention
 combine its splits in a kernel of their own, as the unfused engine does, instead of merging them
 itself (``metrale.kernels.attention.MERGE_DECODE_SPLITS``); ``--swiglu-epilogue`` has its fused MLP gate in the gate/up kernel's
-epilogue (``metrale.kernels.decode_gemv.SWIGLU_EPILOGUE``). Run from the repository root::
+epilogue (``metrale.kernels.decode_gemv.SWIGLU_EPILOGUE``); ``--unroll N`` pins its decode GEMV's
+unroll (``metrale.kernels.decode_gemv.choose_unroll``). Run from the repository root::
 
     python3 tools/decode_ab.py [--shapes llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small] [--batch 1,4,8]
-                               [--context 512] [--combine-splits] [--swiglu-epilogue]
+                               [--context 512] [--combine-splits] [--swiglu-epilogue] [--unroll 4]
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def main() -> None:
                         help="the fused engine's decode attention combines its splits in a kernel of their own")
     parser.add_argument("--swiglu-epilogue", action="store_true",
                         help="the fused engine's fused MLP gates in its gate/up kernel's epilogue")
+    parser.add_argument("--unroll", type=int, choices=(4, 8),
+                        help="the fused engine's decode GEMV unroll, whatever the shape")
     args = parser.parse_args()
 
     from metrale.api import LLM
@@ -78,13 +81,15 @@ def main() -> None:
         @contextlib.contextmanager
         def kernels_of(name):
             # The kernels' choices are read when a step runs eagerly or is recorded; replays keep them.
-            saved = attention.MERGE_DECODE_SPLITS, decode_gemv.SWIGLU_EPILOGUE
+            saved = attention.MERGE_DECODE_SPLITS, decode_gemv.SWIGLU_EPILOGUE, decode_gemv.choose_unroll
             attention.MERGE_DECODE_SPLITS = name == "fused" and not args.combine_splits
             decode_gemv.SWIGLU_EPILOGUE = args.swiglu_epilogue and name == "fused"
+            if args.unroll and name == "fused":
+                decode_gemv.choose_unroll = lambda *shape, **options: args.unroll
             try:
                 yield
             finally:
-                attention.MERGE_DECODE_SPLITS, decode_gemv.SWIGLU_EPILOGUE = saved
+                attention.MERGE_DECODE_SPLITS, decode_gemv.SWIGLU_EPILOGUE, decode_gemv.choose_unroll = saved
 
         for name, llm in engines.items():
             with kernels_of(name):

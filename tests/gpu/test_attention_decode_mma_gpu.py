@@ -1,8 +1,9 @@
 """The tensor-core decode attention against the NumPy reference: head sizes 64, 128 and 256, groups
 of 1 to 20 query heads (two head blocks), cache blocks of 1 and 16 tokens, sliding windows, one
 split (the normalised output written directly) and several (merged by the combine kernel), a
-replay from a CUDA graph with the rows' positions moved on, and the backend op with the kernel
-chosen (``attention.DECODE_KERNEL = "mma"``)."""
+replay from a CUDA graph with the rows' positions moved on, rows far shorter than their split
+count after a kernel left NaN in shared memory, and the backend op with the kernel chosen
+(``attention.DECODE_KERNEL = "mma"``)."""
 
 from __future__ import annotations
 
@@ -200,8 +201,49 @@ def test_merged_splits_replay_from_a_graph_and_the_engine_keeps_its_tokens(monke
     for merge in (False, True):
         monkeypatch.setattr(attention, "MERGE_DECODE_SPLITS", merge)
         llm = LLM("tiny-dense", device="cuda", show_progress=False, max_model_len=1024)
-        tokens[merge] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
         llm.close()
+        assert all(o.error is None and len(o.token_ids) == 24 for o in outputs)
+        tokens[merge] = [o.token_ids for o in outputs]
     # Greedy tokens of a random model part at near ties when a sum changes order: nearly all agree.
     pairs = [(a, b) for merged, plain in zip(tokens[True], tokens[False]) for a, b in zip(merged, plain)]
     assert sum(a == b for a, b in pairs) >= 0.9 * len(pairs)
+
+
+#: Fills a block's dynamic shared memory with ones bits (NaN as bf16 and as float32), so a kernel
+#: that runs next on the multiprocessor and reads shared memory it never wrote sees NaN.
+POISON_SHARED = r"""
+extern "C" __global__ void poison_shared(int words) {
+    extern __shared__ unsigned int memory[];
+    for (int i = threadIdx.x; i < words; i += blockDim.x) memory[i] = 0xffffffffu;
+}
+"""
+
+
+@pytest.mark.parametrize("head_dim, splits, max_context", [(64, 12, 65), (128, 16, 130), (64, 8, 65)])
+def test_short_rows_under_many_splits_read_no_stale_shared_memory(head_dim, splits, max_context):
+    """Rows far shorter than the split count was chosen for (a graph captured for a longer
+    context replaying a short one): a split past a row's last key finds the step's own key inside
+    its first stage; whatever shared memory held there must not reach the output."""
+    import cupy as cp
+
+    from metrale.kernels.attention_latent_mma import multiprocessor_count
+
+    heads, kv_heads, rows = 32, 8, 9
+    rng = np.random.default_rng(head_dim + splits)
+    q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, rows, heads, kv_heads, head_dim, max_context,
+                                                                    16)
+    poison = cp.RawKernel(POISON_SHARED, "poison_shared")
+    shared = 200 * 1024
+    poison.max_dynamic_shared_size_bytes = shared
+    want = reference(q, k_cache, v_cache, tables, seq_index, positions, None)
+    for counters in (None, cp.zeros(attention_decode_mma.counter_count(rows, heads, kv_heads), np.int32)):
+        out = cp.full((rows, heads * head_dim), 0xFFFF, dtype=np.uint16)
+        arguments = [cp.asarray(a) for a in (q, k_cache, v_cache, tables, seq_index, positions)]
+        stream = cp.cuda.get_current_stream()
+        poison((2 * multiprocessor_count(),), (1024,), (np.int32(shared // 4),), shared_mem=shared, stream=stream)
+        attention_decode_mma.decode_attention(*arguments, head_dim**-0.5, None,
+                                              workspace(rows, heads, splits, head_dim), out, stream, counters)
+        got = bf16_to_float32(cp.asnumpy(out))
+        assert not np.isnan(got).any(), "a stale shared value reached the output"
+        assert rel_error(got, want) <= 1e-2

@@ -93,7 +93,7 @@ void launch(dim3 grid, dim3 block, Kernel kernel) {
             for (int w = 0; w < warps; ++w) per_warp.push_back(new std::barrier<>(std::min(32, threads - 32 * w)));
             warp_barriers = per_warp;
             exchange.assign(warps, Exchange{});
-            std::memset(dynamic_shared, 0xab, sizeof(dynamic_shared));   // never zeros by luck
+            std::memset(dynamic_shared, 0xff, sizeof(dynamic_shared));   // NaN in bf16 and float32: an unwritten read shows
             std::vector<std::thread> pool;
             for (int t = 0; t < threads; ++t) {
                 pool.emplace_back([=] {

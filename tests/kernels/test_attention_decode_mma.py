@@ -197,6 +197,10 @@ def emulated(tmp_path_factory):
     ((65, 200), 2, 2, 64, 16, 70, 2, False),  # a window; copies land at once
     ((150,), 20, 1, 64, 32, 0, 2, True),  # two head blocks of one KV head, the second of four heads
     ((130,), 2, 1, 256, 16, 0, 2, True),  # 256 dims: two stages
+    # Short rows under many splits (a graph captured for a longer context): the own key lies in
+    # the first stage of splits that do not hold it, past their last key.
+    ((65, 20), 8, 2, 64, 16, 0, 12, True),
+    ((65,), 4, 1, 128, 16, 0, 12, False),
 ])
 def test_the_kernel_run_emulated_matches_its_model(emulated, contexts, heads, kv_heads, head_dim, block_size, window,
                                                    splits, defer_copies):
