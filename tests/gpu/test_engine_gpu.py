@@ -62,3 +62,41 @@ def test_engine_matches_solo_runs_up_to_near_ties(dense_checkpoints, budget, num
           f"preemptions {sum(o.num_preemptions for o in outputs)}, calls {llm.engine.calls}")
     allocator = llm.cache.allocator
     assert allocator.num_free == allocator.num_blocks
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_graphs_replay_short_contexts_as_eager_steps_compute_them(tmp_path, head_dim):
+    """Model-sized heads (the tensor-core decode attention, the decode GEMV) and a long
+    ``max_model_len``: the decode graphs' split counts are chosen for their context bucket, and
+    short prompts replay them with most splits past the rows' last keys. Every request finishes,
+    and the graphs give the eager steps' tokens up to near-ties."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from metrale.testing.hf import build_hf_checkpoint
+
+    config = LlamaConfig(vocab_size=512, hidden_size=8 * head_dim, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim,
+                         max_position_embeddings=4096)
+    path = build_hf_checkpoint(LlamaForCausalLM, config, tmp_path / "llama", seed=5, dtype=torch.bfloat16)
+    prompts = prompts_of([9, 65, 130, 20, 600], seed=4)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for graphs in (False, True):
+        llm = LLM(path, device="cuda", show_progress=False, max_model_len=4096, max_num_seqs=4, cuda_graphs=graphs)
+        runs[graphs] = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:1], params, use_tqdm=False)
+        if graphs:
+            assert llm.model.runner.graphs.disabled is None
+            llm.close()
+        else:
+            eager = llm
+    for prompt, want, got in zip(prompts + prompts[:1], runs[False], runs[True]):
+        assert want.error is None and got.error is None
+        assert len(got.token_ids) == len(want.token_ids) == 32
+        index = first_difference(want.token_ids, got.token_ids)
+        if index is not None:
+            logits = eager.score(prompt + want.token_ids[:index])[-1]
+            top2 = np.sort(logits)[-2:]
+            margin = float(top2[1] - top2[0]) / float(np.abs(logits).max())
+            assert margin < MARGIN, f"graph and eager tokens part at token {index}, top-2 margin {margin:.3g}"
+    eager.close()
