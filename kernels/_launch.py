@@ -39,6 +39,11 @@ from metrale.errors import KernelArgumentError
 #: unless set to 0); read once, at import.
 ENABLED = environment_flag("METRALE_DEPENDENT_LAUNCH", default=True)
 
+#: Names of kernels :func:`launch` launches in stream order even where asked to launch them
+#: dependently (read at each launch): a switch for measuring what a kernel's early start gains or
+#: costs in a step (``tools/decode_ab.py --independent``).
+INDEPENDENT: frozenset[str] = frozenset()
+
 #: The CUDA side of a kernel source that :func:`launch` may launch dependently (the CPU emulation
 #: of the tests defines both functions as no-ops).
 DEPENDENT_LAUNCH = r"""
@@ -127,7 +132,7 @@ def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
     """Launch CuPy ``kernel`` (a ``RawKernel``) on ``stream`` (a CuPy stream, or None for the
     current one); dependently (see the module docstring) when ``dependent`` and
     :func:`dependent_launch_available`."""
-    if not (dependent and dependent_launch_available()):
+    if not (dependent and dependent_launch_available()) or getattr(kernel, "name", None) in INDEPENDENT:
         with stream if stream is not None else contextlib.nullcontext():
             kernel(grid, block, args, shared_mem=shared_mem)
         return

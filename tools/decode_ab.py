@@ -11,10 +11,13 @@ random weights give flat logits). ``--combine-splits`` has its tensor-core decod
 combine its splits in a kernel of their own, as the unfused engine does, instead of merging them
 itself (``metrale.kernels.attention.MERGE_DECODE_SPLITS``); ``--swiglu-epilogue`` has its fused MLP gate in the gate/up kernel's
 epilogue (``metrale.kernels.decode_gemv.SWIGLU_EPILOGUE``); ``--unroll N`` pins its decode GEMV's
-unroll (``metrale.kernels.decode_gemv.choose_unroll``). Run from the repository root::
+unroll (``metrale.kernels.decode_gemv.choose_unroll``); ``--independent NAME,...`` launches those
+kernels in stream order, not dependently (``metrale.kernels._launch.INDEPENDENT``), in both
+engines. Run from the repository root::
 
     python3 tools/decode_ab.py [--shapes llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small] [--batch 1,4,8]
                                [--context 512] [--combine-splits] [--swiglu-epilogue] [--unroll 4]
+                               [--independent decode_gemv,rmsnorm_residual_words]
 """
 
 from __future__ import annotations
@@ -57,15 +60,18 @@ def main() -> None:
                         help="the fused engine's fused MLP gates in its gate/up kernel's epilogue")
     parser.add_argument("--unroll", type=int, choices=(4, 8),
                         help="the fused engine's decode GEMV unroll, whatever the shape")
+    parser.add_argument("--independent", default="",
+                        help="kernels (comma-separated names) launched in stream order, not dependently")
     args = parser.parse_args()
 
     from metrale.api import LLM
     from metrale.bench import _cuda_time, build_checkpoint
-    from metrale.kernels import attention, decode_gemv
+    from metrale.kernels import _launch, attention, decode_gemv
     from metrale.params import SamplingParams
     from metrale.plugin_manager import get_plugin_manager
     from metrale.sequence import SequenceState
 
+    _launch.INDEPENDENT = frozenset(name for name in args.independent.split(",") if name)
     batches = [int(b) for b in args.batch.split(",")]
     print(f"{'shape':>16} {'batch':>5} {'unfused ms':>10} {'fused ms':>9} {'speed-up':>8} {'logits diff':>11} "
           f"{'same tokens':>11}")

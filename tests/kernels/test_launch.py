@@ -55,3 +55,24 @@ def test_a_launch_that_is_not_dependent_calls_the_kernel_on_the_stream():
 
     _launch.launch(kernel, (3,), (64,), (np.int32(1),), 128, Stream(), dependent=False)
     assert calls == ["enter", ((3,), (64,), (np.int32(1),), 128), "exit"]
+
+
+def test_a_kernel_named_independent_is_launched_in_stream_order(monkeypatch):
+    calls = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            calls.append(self.name)
+
+    def driver_launch():
+        calls.append("driver")
+        raise RuntimeError("a dependent launch")
+
+    monkeypatch.setattr(_launch, "dependent_launch_available", lambda: True)
+    monkeypatch.setattr(_launch, "_launch_function", driver_launch)
+    monkeypatch.setattr(_launch, "INDEPENDENT", frozenset({"norm"}))
+    _launch.launch(Kernel("norm"), (1,), (32,), (), 0, None, dependent=True)
+    assert calls == ["norm"]  # not the driver's dependent launch
