@@ -265,10 +265,12 @@ DECODE_KERNEL = "mma" if environment_flag("METRALE_DECODE_MMA", default=True) el
 
 #: Whether the tensor-core decode kernel merges its own splits (the last split of each row and head
 #: block to finish, :func:`metrale.kernels.attention_decode_mma.decode_attention` with counters)
-#: instead of a combine kernel after it: one launch a layer fewer (on the H200 a decode step with
-#: it was 1.01x / 1.03x the combine kernel's on the Llama-1B / 8B shapes at batch 1, ``python3
-#: tools/decode_ab.py``). The CUDA backend then passes counters to :func:`paged_attention`.
-MERGE_DECODE_SPLITS = True
+#: instead of :func:`metrale.kernels.attention_combine.combine` after it. Off: on the H200 the
+#: combine kernel (launched dependently) was faster at every geometry ``python3
+#: tools/attention_sweep.py --mma --head-dim 64 --rows 1,8`` timed (the Llama-1B shape's heads at
+#: a context of 512: 4.0 against 5.2 us at batch 1 and 8 splits, 6.1 against 7.7 at batch 8 and 4).
+#: When on, the CUDA backend passes counters to :func:`paged_attention`.
+MERGE_DECODE_SPLITS = False
 
 
 def uses_decode_mma(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:

@@ -7,16 +7,16 @@ step as ``metrale bench`` does (the forward from its CUDA graph, the greedy devi
 tokens read back; CUDA events, median of ``--steps``). The two engines' logits of the first step
 are compared (the largest difference over the largest logit), and their greedy tokens over
 ``--check-steps`` steps (they may part at near ties: a fused kernel sums in another order, and
-random weights give flat logits). ``--combine-splits`` has its tensor-core decode attention
-combine its splits in a kernel of their own, as the unfused engine does, instead of merging them
-itself (``metrale.kernels.attention.MERGE_DECODE_SPLITS``); ``--swiglu-epilogue`` has its fused MLP gate in the gate/up kernel's
+random weights give flat logits). ``--merge-splits`` has its tensor-core decode attention merge
+its own splits instead of combining them in a kernel of their own, as the unfused engine does
+(``metrale.kernels.attention.MERGE_DECODE_SPLITS``); ``--swiglu-epilogue`` has its fused MLP gate in the gate/up kernel's
 epilogue (``metrale.kernels.decode_gemv.SWIGLU_EPILOGUE``); ``--unroll N`` pins its decode GEMV's
 unroll (``metrale.kernels.decode_gemv.choose_unroll``); ``--independent NAME,...`` launches those
 kernels in stream order, not dependently (``metrale.kernels._launch.INDEPENDENT``), in both
 engines. Run from the repository root::
 
     python3 tools/decode_ab.py [--shapes llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small] [--batch 1,4,8]
-                               [--context 512] [--combine-splits] [--swiglu-epilogue] [--unroll 4]
+                               [--context 512] [--merge-splits] [--swiglu-epilogue] [--unroll 4]
                                [--independent decode_gemv,rmsnorm_residual_words]
 """
 
@@ -54,8 +54,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps")
     parser.add_argument("--check-steps", type=int, default=16, help="greedy steps compared")
     parser.add_argument("--workdir", default="/tmp/metrale-bench")
-    parser.add_argument("--combine-splits", action="store_true",
-                        help="the fused engine's decode attention combines its splits in a kernel of their own")
+    parser.add_argument("--merge-splits", action="store_true",
+                        help="the fused engine's decode attention merges its own splits")
     parser.add_argument("--swiglu-epilogue", action="store_true",
                         help="the fused engine's fused MLP gates in its gate/up kernel's epilogue")
     parser.add_argument("--unroll", type=int, choices=(4, 8),
@@ -88,7 +88,7 @@ def main() -> None:
         def kernels_of(name):
             # The kernels' choices are read when a step runs eagerly or is recorded; replays keep them.
             saved = attention.MERGE_DECODE_SPLITS, decode_gemv.SWIGLU_EPILOGUE, decode_gemv.choose_unroll
-            attention.MERGE_DECODE_SPLITS = name == "fused" and not args.combine_splits
+            attention.MERGE_DECODE_SPLITS = name == "fused" and args.merge_splits
             decode_gemv.SWIGLU_EPILOGUE = args.swiglu_epilogue and name == "fused"
             if args.unroll and name == "fused":
                 decode_gemv.choose_unroll = lambda *shape, **options: args.unroll
