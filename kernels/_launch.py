@@ -44,6 +44,14 @@ ENABLED = environment_flag("METRALE_DEPENDENT_LAUNCH", default=True)
 #: costs in a step (``tools/decode_ab.py --independent``).
 INDEPENDENT: frozenset[str] = frozenset()
 
+#: The shared-memory carveout (percent of the unified L1 and shared memory, ``100`` the most shared
+#: memory) :func:`launch` gives every kernel it launches dependently, or None to leave the driver's
+#: choice (read at each launch): kernels that run on a multiprocessor at once must agree on it, so
+#: a dependent kernel whose choice differs from the kernel ahead waits for multiprocessors to
+#: empty (``tools/decode_ab.py --carveout``).
+SHARED_CARVEOUT: int | None = None
+_carveouts: dict[int, tuple[Any, int]] = {}   # id(kernel) -> (kernel, carveout set)
+
 #: The CUDA side of a kernel source that :func:`launch` may launch dependently (the CPU emulation
 #: of the tests defines both functions as no-ops).
 DEPENDENT_LAUNCH = r"""
@@ -138,6 +146,9 @@ def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
         return
     import cupy
 
+    if SHARED_CARVEOUT is not None and _carveouts.get(id(kernel), (None, None))[1] != SHARED_CARVEOUT:
+        kernel.preferred_shared_memory_carveout = SHARED_CARVEOUT
+        _carveouts[id(kernel)] = (kernel, SHARED_CARVEOUT)
     values = [kernel_argument(arg) for arg in args]
     pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(value) for value in values])
     attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)

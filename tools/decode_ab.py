@@ -13,11 +13,12 @@ its own splits instead of combining them in a kernel of their own, as the unfuse
 epilogue (``metrale.kernels.decode_gemv.SWIGLU_EPILOGUE``); ``--unroll N`` pins its decode GEMV's
 unroll (``metrale.kernels.decode_gemv.choose_unroll``); ``--independent NAME,...`` launches those
 kernels in stream order, not dependently (``metrale.kernels._launch.INDEPENDENT``), in both
-engines. Run from the repository root::
+engines; ``--carveout P`` gives every dependently launched kernel the shared-memory carveout P
+(``metrale.kernels._launch.SHARED_CARVEOUT``). Run from the repository root::
 
     python3 tools/decode_ab.py [--shapes llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small] [--batch 1,4,8]
                                [--context 512] [--merge-splits] [--swiglu-epilogue] [--unroll 4]
-                               [--independent decode_gemv,rmsnorm_residual_words]
+                               [--independent decode_gemv,rmsnorm_residual_words] [--carveout 100]
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def main() -> None:
                         help="the fused engine's decode GEMV unroll, whatever the shape")
     parser.add_argument("--independent", default="",
                         help="kernels (comma-separated names) launched in stream order, not dependently")
+    parser.add_argument("--carveout", type=int, help="the shared-memory carveout (0-100) of dependent launches")
     args = parser.parse_args()
 
     from metrale.api import LLM
@@ -72,6 +74,7 @@ def main() -> None:
     from metrale.sequence import SequenceState
 
     _launch.INDEPENDENT = frozenset(name for name in args.independent.split(",") if name)
+    _launch.SHARED_CARVEOUT = args.carveout
     batches = [int(b) for b in args.batch.split(",")]
     print(f"{'shape':>16} {'batch':>5} {'unfused ms':>10} {'fused ms':>9} {'speed-up':>8} {'logits diff':>11} "
           f"{'same tokens':>11}")

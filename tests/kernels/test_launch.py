@@ -76,3 +76,43 @@ def test_a_kernel_named_independent_is_launched_in_stream_order(monkeypatch):
     monkeypatch.setattr(_launch, "INDEPENDENT", frozenset({"norm"}))
     _launch.launch(Kernel("norm"), (1,), (32,), (), 0, None, dependent=True)
     assert calls == ["norm"]  # not the driver's dependent launch
+
+
+def test_a_dependent_launch_sets_the_shared_carveout_once(monkeypatch):
+    import sys
+    import types
+
+    class Stream:
+        ptr = 0
+
+    fake_cupy = types.ModuleType("cupy")
+    fake_cupy.cuda = types.SimpleNamespace(get_current_stream=lambda: Stream())
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    launched = []
+
+    def driver_launch():
+        return lambda config, function, arguments, extra: launched.append(function) or 0
+
+    class Kernel:
+        name = "gemv"
+        kernel = types.SimpleNamespace(ptr=1234)
+
+        def __init__(self):
+            self.carveouts = []
+
+        def __setattr__(self, key, value):
+            if key == "preferred_shared_memory_carveout":
+                self.carveouts.append(value)
+            object.__setattr__(self, key, value)
+
+    monkeypatch.setattr(_launch, "dependent_launch_available", lambda: True)
+    monkeypatch.setattr(_launch, "_launch_function", driver_launch)
+    monkeypatch.setattr(_launch, "SHARED_CARVEOUT", 100)
+    monkeypatch.setattr(_launch, "_carveouts", {})
+    kernel = Kernel()
+    for _ in range(2):
+        _launch.launch(kernel, (2,), (128,), (np.int32(1),), 0, None, dependent=True)
+    assert launched == [1234, 1234] and kernel.carveouts == [100]
+    monkeypatch.setattr(_launch, "SHARED_CARVEOUT", 50)
+    _launch.launch(kernel, (2,), (128,), (np.int32(1),), 0, None, dependent=True)
+    assert kernel.carveouts == [100, 50]
