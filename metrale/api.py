@@ -62,7 +62,8 @@ class LLM(PromptFrontend):
     the CPU), ``"cpu"`` or ``"cuda"`` (:class:`~metrale.errors.BackendUnavailableError` when no
     GPU can be used).
     Further keyword options: ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``enable_prefix_caching``, ``seed``, ``cuda_graphs``, ``overlap_scheduling``, ``block_size``,
+    ``enable_prefix_caching``, ``seed``, ``cuda_graphs``, ``overlap_scheduling``,
+    ``speculative_config`` (speculative decoding, :mod:`metrale.speculative`), ``block_size``,
     ``num_blocks``, ``memory_bytes``, ``num_state_slots``, ``num_state_snapshots`` (see
     :class:`~metrale.config.EngineConfig`
     and :class:`~metrale.config.CacheConfig`); ``plugin_manager`` to use a prepared plugin manager;
@@ -115,13 +116,20 @@ class LLM(PromptFrontend):
         self.model.bind_cache(self.cache)
         self.backend.synchronize()
         self._requests_started = 0
+        speculation = None
+        if self.config.speculative_config is not None:
+            if not getattr(self.model, "speculation_capable", True):
+                raise ConfigError(f"the {self.family.name} family does not serve speculative decoding yet "
+                                  f"({type(self.model).__name__} cannot verify drafts); leave speculative_config out")
+            speculation = (self.config.speculative_config, self.forward.drafter(self.config.speculative_config))
         #: The continuous-batching engine behind :meth:`generate` and :meth:`generate_stream`.
         self.engine = Engine(
             self.forward, self.cache, self.backend, StopChecker(self.eos_token_ids, self.max_model_len),
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_prefix_caching=self.config.enable_prefix_caching,
-            overlap=self.config.overlap_scheduling and self._forward_feeds_tokens(),
+            overlap=self.config.overlap_scheduling and speculation is None and self._forward_feeds_tokens(),
+            speculation=speculation,
         )
         self.model.prefix_caching = self.engine.prefix_cache is not None
 

@@ -42,7 +42,18 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--stream", action="store_true",
                         help="print the continuation of a single PROMPT as it is generated")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     parser.set_defaults(handler=_generate)
+
+
+def _speculative_config(text: str) -> dict:
+    from metrale.speculative import parse_config_argument
+
+    try:
+        return parse_config_argument(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is {error}") from None
 
 
 def _add_plugins(subparsers: argparse._SubParsersAction) -> None:
@@ -208,7 +219,8 @@ def _generate(args: argparse.Namespace) -> int:
     )
     if args.stream and len(args.prompts) != 1:
         raise ConfigError(f"--stream prints one continuation; got {len(args.prompts)} prompts")
-    with LLM(args.model, device=args.device, show_progress=not args.no_progress) as llm:
+    with LLM(args.model, device=args.device, show_progress=not args.no_progress,
+             speculative_config=args.speculative_config) as llm:
         if args.stream:
             outputs: list[Any] = [_stream(llm, args.prompts[0], params)]
         else:

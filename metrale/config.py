@@ -148,8 +148,11 @@ class EngineConfig:
     seeds requests that give no seed; ``cuda_graphs`` replays decode steps from CUDA graphs on
     the GPU; ``overlap_scheduling`` plans and queues each engine step while the one before it
     still runs, its decode tokens fed on the device (for models whose forward goes through the
-    model runner; :mod:`metrale.engine.engine`). Every value is type-checked: ints only ints, the
-    flags only True or False (:class:`~metrale.errors.ConfigError` otherwise).
+    model runner; :mod:`metrale.engine.engine`); ``speculative_config`` turns on speculative
+    decoding (a mapping such as ``{"method": "ngram", "num_speculative_tokens": 3}``, read into a
+    :class:`~metrale.speculative.SpeculativeConfig`; decode steps then run without overlap).
+    Every value is type-checked: ints only ints, the flags only True or False
+    (:class:`~metrale.errors.ConfigError` otherwise).
     """
 
     device: str = "auto"
@@ -160,6 +163,7 @@ class EngineConfig:
     seed: int = 0
     cuda_graphs: bool = True
     overlap_scheduling: bool = True
+    speculative_config: Any = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 
@@ -177,6 +181,9 @@ class EngineConfig:
             "cuda_graphs": lambda v: check_bool("cuda_graphs", v, error=ConfigError),
             "overlap_scheduling": lambda v: check_bool("overlap_scheduling", v, error=ConfigError),
         })
+        from metrale.speculative import SpeculativeConfig
+
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], env: EnvironmentConfig) -> "EngineConfig":

@@ -70,6 +70,11 @@ class FamilyModel:
     mixed_graph_capturable: bool = False
     #: Set by the engine: whether its prefix cache is on (``prefill_tail_split`` depends on it).
     prefix_caching: bool = False
+    #: Whether :meth:`verify` and :meth:`verdict` serve this model (speculative decoding). The
+    #: derived ones keep every row a verify ran in the paged KV cache and rewind the cached
+    #: length, which is exact for attention; a model with recurrent state must keep its state
+    #: as of the last kept row, so it overrides both or sets this False.
+    speculation_capable: bool = True
 
     @property
     def feeds_pending_tokens(self) -> bool:
@@ -271,6 +276,30 @@ class FamilyModel:
             out.append(self._row_buffer[row : row + 1])
         return out
 
+    def verify(self, tokens: Sequence[Sequence[int]], seqs: Sequence[SequenceState], stream: Any) -> Any:
+        """Logits of every row of ``tokens[i]`` (``seqs[i]``'s input token, then its drafts) at
+        positions from each sequence's cached length on, ``[sum(len(tokens[i])), vocab]``."""
+        if not self.speculation_capable:
+            raise UnsupportedModelError(f"{type(self).__name__} does not serve speculative decoding (verify)")
+        if len(tokens) != len(seqs) or not seqs or any(len(rows) < 1 for rows in tokens):
+            raise CacheError(f"verify got {len(tokens)} token lists for {len(seqs)} sequences "
+                             "(each needs its input token)")
+        return self.run_segments([Segment(s, list(rows), s.num_cached, "all") for rows, s in zip(tokens, seqs)])
+
+    def verdict(self, seqs: Sequence[SequenceState], rows: Sequence[int], accepted: Sequence[int],
+                stream: Any) -> bool:
+        """After :meth:`verify`: ``seqs[i]`` keeps its first ``accepted[i] + 1`` of ``rows[i]`` rows
+        (its cached length rewound past the rest, whose keys and values later steps overwrite)."""
+        if not (len(seqs) == len(rows) == len(accepted)):
+            raise CacheError(f"verdict got {len(rows)} row counts and {len(accepted)} acceptances for "
+                             f"{len(seqs)} sequences")
+        for seq, count, kept in zip(seqs, rows, accepted):
+            if not 0 <= kept < count or seq.num_cached < count:
+                raise CacheError(f"sequence {seq.seq_id}: {kept} drafts kept of a verify of {count} rows")
+        for seq, count, kept in zip(seqs, rows, accepted):
+            seq.num_cached -= count - kept - 1
+        return True
+
     def score(self, tokens: Sequence[int], seq: SequenceState, stream: Any) -> Any:
         start = seq.num_cached
         if start >= len(tokens):
@@ -372,6 +401,14 @@ class FamilyPlugin:
     @hookimpl
     def metrale_score(self, model, tokens, seq, stream):
         return model.score(tokens=tokens, seq=seq, stream=stream) if self._owns(model) else None
+
+    @hookimpl
+    def metrale_verify(self, model, tokens, seqs, stream):
+        return model.verify(tokens=tokens, seqs=seqs, stream=stream) if self._owns(model) else None
+
+    @hookimpl
+    def metrale_verdict(self, model, seqs, rows, accepted, stream):
+        return model.verdict(seqs=seqs, rows=rows, accepted=accepted, stream=stream) if self._owns(model) else None
 
     @hookimpl
     def metrale_normalize_ssm_states(self, model, seq, stream):

@@ -169,7 +169,39 @@ class ModelForward:
         step = ForwardStep("score", [seq], stream)
         return self._run("score", step, tokens=list(tokens), seq=seq, stream=stream)
 
+    def verify(self, tokens: Sequence[Sequence[int]], seqs: Sequence[SequenceState], stream: Any = None) -> Any:
+        """A speculative verify: each sequence's input token and drafts in one forward; returns
+        ``[sum(len(tokens[i])), vocab]`` (:func:`~metrale.hookspecs.metrale_verify`)."""
+        step = ForwardStep("verify", list(seqs), stream)
+        result = self._run("verify", step, tokens=[[int(t) for t in rows] for rows in tokens], seqs=list(seqs),
+                           stream=stream)
+        if result is None:
+            raise PluginError(f"no installed plugin verifies the model object {type(self.model).__qualname__}")
+        return result
+
     # ---------------------------------------------------------------------- direct dispatches
+
+    def verdict(self, seqs: Sequence[SequenceState], rows: Sequence[int], accepted: Sequence[int],
+                stream: Any = None) -> None:
+        """After :meth:`verify`: how many drafts each sequence kept
+        (:func:`~metrale.hookspecs.metrale_verdict`)."""
+        answered = self.hook.metrale_verdict(model=self.model, seqs=list(seqs), rows=[int(r) for r in rows],
+                                             accepted=[int(a) for a in accepted], stream=stream)
+        if answered is None:
+            raise PluginError(f"no installed plugin took the verdict for {type(self.model).__qualname__}")
+
+    def drafter(self, config: Any) -> Any:
+        """The drafter ``config.method`` names, from the plugins' ``metrale_drafters``; raises
+        :class:`~metrale.errors.ConfigError` for a name no plugin offers."""
+        from metrale.errors import ConfigError
+
+        offered: dict[str, Any] = {}
+        for mapping in self.hook.metrale_drafters():
+            offered.update(mapping or {})
+        if config.method not in offered:
+            raise ConfigError(f"no drafter named {config.method!r}; installed: {', '.join(sorted(offered)) or 'none'}")
+        return offered[config.method](config, self.model)
+
 
     def normalize_ssm_states(self, seq: SequenceState, stream: Any = None) -> None:
         """Check the recurrent state of ``seq`` between prefill chunks (never rescales)."""

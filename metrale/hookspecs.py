@@ -6,7 +6,9 @@ version they target in an attribute ``METRALE_CONTRACT_VERSION`` (a ``"major.min
 the plugin manager refuses a plugin whose major version differs from :data:`CONTRACT_VERSION`
 or whose minor version is newer.
 
-Version 1.1 added ``metrale_register_ops``; every 1.0 plugin works unchanged.
+Version 1.1 added ``metrale_register_ops``; version 1.2 added speculative decoding's
+``metrale_verify``, ``metrale_verdict`` and ``metrale_drafters``. Every 1.0 and 1.1 plugin works
+unchanged: a :class:`~metrale.family.FamilyPlugin` derives the verify and the verdict.
 
 The hooks fall into five groups:
 
@@ -16,6 +18,8 @@ The hooks fall into five groups:
   owns ``model`` answers, every other family returns None);
 * **stages** -- flush, stamp and drafter, which run around every forward call, plus the
   error hook that ends an open CUDA-graph capture;
+* **speculation** -- the drafters a plugin offers (``metrale_drafters``) and the verdict after a
+  verify;
 * **ops** -- ops and kernels a plugin adds to the op layer (``metrale_register_ops``);
 * **queries** -- small questions the scheduler asks a model (``is_mla``, ``kv_block_size``...).
 
@@ -38,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from metrale.sequence import ForwardStep, MixedForwardResult, PrefillSlice, SequenceState
 
 #: Version of the forward contract these specs describe, as ``"major.minor"``.
-CONTRACT_VERSION = "1.1"
+CONTRACT_VERSION = "1.2"
 
 PROJECT_NAME = "metrale"
 
@@ -206,6 +210,35 @@ def metrale_score(model: Any, tokens: list[int], seq: "SequenceState", stream: A
 
 
 @hookspec(firstresult=True)
+def metrale_verify(model: Any, tokens: "list[list[int]]", seqs: "list[SequenceState]", stream: Any) -> Any:
+    """Run each sequence's last accepted token and its draft tokens in one forward (contract 1.2).
+
+    Called by :meth:`~metrale.forward.ModelForward.verify` in the dispatch stage of a
+    speculative decode step. ``tokens[i]`` is ``seqs[i]``'s input token followed by its ``K_i``
+    drafts, at positions from its cached length on. Attention layers write the keys and values of
+    every row; the caller then states, through :func:`metrale_verdict`, how many rows each
+    sequence keeps. Returns logits ``[sum(K_i + 1), vocab]``, the rows of ``seqs[0]`` first.
+    :class:`~metrale.family.FamilyPlugin` derives it from ``forward_batch``; a family that cannot
+    verify (its model sets ``speculation_capable = False``) raises
+    :class:`~metrale.errors.UnsupportedModelError`.
+    """
+
+
+@hookspec(firstresult=True)
+def metrale_verdict(model: Any, seqs: "list[SequenceState]", rows: "list[int]", accepted: "list[int]",
+                    stream: Any) -> bool:
+    """Keep the first ``accepted[i] + 1`` of the ``rows[i]`` rows ``seqs[i]`` ran in the last verify.
+
+    Called by :meth:`~metrale.forward.ModelForward.verdict` right after a verify whose tokens were
+    sampled, before any other forward call. ``accepted[i]`` counts the drafts kept (0 to
+    ``rows[i] - 1``); the cached length goes back to the position after the last kept row, and
+    what the rejected rows wrote is overwritten by later steps. A family with recurrent state
+    records what is pending for the flush stage. Returns True (the family that owns ``model``
+    answered).
+    """
+
+
+@hookspec(firstresult=True)
 def metrale_normalize_ssm_states(model: Any, seq: "SequenceState", stream: Any) -> None:
     """Check (never rescale) ``seq``'s recurrent state between prefill chunks.
 
@@ -301,6 +334,21 @@ def metrale_end_graph_capture(model: Any, step: "ForwardStep", error: BaseExcept
     ``mixed_forward`` raises, before the error propagates, so that the next call can run
     eagerly. The built-in backend plugin ends the capture on the step's stream (a no-op on the
     CPU). Returns None.
+    """
+
+
+# ------------------------------------------------------------------------------- speculation
+
+
+@hookspec
+def metrale_drafters() -> "dict[str, Any]":
+    """Declare the speculative drafters this plugin offers (contract 1.2).
+
+    Called when an engine is built with a ``speculative_config``. Returns a mapping from a
+    ``method`` name to a factory ``factory(config, model)`` that returns a
+    :class:`~metrale.speculative.Drafter` for the loaded ``model`` (or raises
+    :class:`~metrale.errors.ConfigError` when it cannot serve it). The built-in ``"ngram"``
+    drafter is one. Plugins that offer none do not implement it.
     """
 
 

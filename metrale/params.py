@@ -325,6 +325,9 @@ class RequestOutput:
     first admitted (vLLM's ``num_cached_tokens``); ``num_preemptions`` how often its completions
     were preempted (their cache freed and recomputed later); ``error`` says why a request that
     finished with ``finish_reason == "error"`` could not run (the other requests go on).
+    ``num_draft_tokens`` counts the draft tokens speculative decoding proposed for its
+    completions and ``num_accepted_tokens`` those the target model's verifies kept (both 0
+    without ``speculative_config``).
 
     ``token_ids``, ``text``, ``finish_reason`` and ``stop_reason`` are those of the first
     completion (``outputs[0]``), for the common ``n == 1``.
@@ -339,6 +342,8 @@ class RequestOutput:
     cached_tokens: int = 0
     error: str | None = None
     num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def num_cached_tokens(self) -> int:

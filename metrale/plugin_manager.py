@@ -32,6 +32,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str, str], ...] = (
     ("mla", "metrale.plugins.mla.plugin", "plugin"),
     ("gdn", "metrale.plugins.gdn.plugin", "plugin"),
     ("stages", "metrale.plugins.stages", ""),
+    ("ngram", "metrale.plugins.ngram", ""),
 )
 
 

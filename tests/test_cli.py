@@ -35,6 +35,28 @@ def test_streamed_output_equals_the_whole_output(capsys, extra):
     assert capsys.readouterr().out == whole
 
 
+def test_speculative_generation_prints_the_same_text(capsys):
+    command = ["generate", "--max-tokens", "24", "--temperature", "0.8", "--seed", "2", "--no-progress",
+               "def f(x): return x\ndef g(x): return x\ndef h(x):", "Return the"]
+    assert main(command) == 0
+    plain = capsys.readouterr().out
+    assert main([command[0], "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}',
+                 *command[1:]]) == 0
+    assert capsys.readouterr().out == plain
+
+
+@pytest.mark.parametrize("value, message", [("nope", "'nope' is not JSON"), ("[3]", "is not a JSON object")])
+def test_a_speculative_config_that_is_not_a_json_object_is_a_usage_error(capsys, value, message):
+    with pytest.raises(SystemExit):
+        main(["generate", "--no-progress", "--speculative-config", value, "x"])
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_speculative_config_is_reported(capsys):
+    assert main(["generate", "--no-progress", "--speculative-config", '{"method": "ngram"}', "x"]) == 2
+    assert "num_speculative_tokens must be an int" in capsys.readouterr().err
+
+
 def test_stream_takes_one_prompt(capsys):
     assert main(["generate", "--stream", "--no-progress", "one", "two"]) == 2
     assert "--stream prints one continuation; got 2 prompts" in capsys.readouterr().err

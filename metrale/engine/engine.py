@@ -6,7 +6,9 @@ through the :class:`~metrale.forward.ModelForward` facade:
 
 * decode rows only: ``decode_batch``;
 * one prefill chunk: ``prefill_chunk``; several: ``prefill_batch_chunk``;
-* decode rows and one prefill chunk: ``mixed_forward``.
+* decode rows and one prefill chunk: ``mixed_forward``;
+* decode rows only, with speculative decoding on (``speculation``) and drafts proposed:
+  ``verify``, then the ``verdict`` (:meth:`Engine._speculate`).
 
 After a chunk that does not finish its prompt, ``normalize_ssm_states`` checks the sequence's
 recurrent state. Every row that returned logits samples one token (:mod:`metrale.runner.sampling`; seeded per
@@ -82,6 +84,7 @@ class Engine:
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
         overlap: bool = False,
+        speculation: tuple[Any, Any] | None = None,
     ) -> None:
         if max_num_batched_tokens < cache.block_size:
             raise ConfigError(
@@ -114,6 +117,11 @@ class Engine:
         )
         #: Whether steps are planned and queued while the one before them runs (module docstring).
         self.overlap = overlap
+        #: ``(SpeculativeConfig, drafter)`` when decode steps speculate, else None. Drafts need
+        #: the tokens before them on the host: speculation and overlap exclude each other.
+        if speculation is not None and overlap:
+            raise ConfigError("speculative decoding runs without overlap scheduling")
+        self.speculation = speculation
         #: The step queued on the device whose tokens are not read back yet (overlap only).
         self.in_flight: LaunchedStep | None = None
         self._arrivals = itertools.count()
@@ -256,6 +264,15 @@ class Engine:
             request.finish_reason = "error"
             changed.append(request)
         launched = None
+        if self.speculation is not None and plan.decode and not plan.prefill and in_flight is None:
+            try:
+                speculated = self._speculate(plan.decode)
+            except BaseException as error:
+                self._fail_members(plan, error)
+                raise
+            if speculated is not None:
+                self.seconds["verify"] = self.seconds.get("verify", 0.0) + time.perf_counter() - started
+                return changed + speculated
         if not plan.empty:
             try:
                 launched = self._launch(plan)
@@ -305,6 +322,103 @@ class Engine:
                 request.prefilled = True
         return step
 
+    def _speculate(self, requests: list[Request]) -> list[Request] | None:
+        """A decode step with drafts: propose them, run ``verify``, sample every row as plain
+        decoding would (the request's seed, the index of the token drawn), keep each request's
+        drafts up to the first that differs from its row's sample plus that sample (or the one
+        after the last draft), tell the model with the ``verdict``, apply the tokens in order
+        through the stop rules. None when no request gets a draft (the plain step runs)."""
+        from metrale.speculative import accepted_count
+
+        config, drafter = self.speculation  # type: ignore[misc]
+        limits = [self._draft_limit(r, config.num_speculative_tokens) for r in requests]
+        if not any(limits):
+            return None
+        seqs = [r.seq for r in requests]
+        proposed = drafter.propose(seqs, limits)
+        drafts = self._fit_drafts(seqs, [[int(t) for t in d[:limit]] for d, limit in zip(proposed, limits)])
+        if not any(drafts):
+            return None
+        logits = self.forward.verify([[seq.tokens[-1], *d] for seq, d in zip(seqs, drafts)], seqs)
+        params, seeds, steps, extras = [], [], [], []
+        for request, draft in zip(requests, drafts):
+            extra = self._row_extras(request)  # None for a request with drafts (_draft_limit)
+            for j in range(len(draft) + 1):
+                params.append(request.params)
+                seeds.append(request.seed)
+                steps.append(len(request.generated) + j)
+                extras.append(extra)
+        sampled = self.sampler.sample_async([logits], params, seeds, steps,
+                                            extras if any(e is not None for e in extras) else None)
+        tokens, entries = sampled.tokens(), sampled.logprobs()
+        rows = [len(d) + 1 for d in drafts]
+        starts = np.concatenate([[0], np.cumsum(rows)]).astype(int)
+        accepted = [accepted_count(d, tokens[start : start + len(d) + 1]) for d, start in zip(drafts, starts)]
+        self.forward.verdict(seqs, rows, accepted)
+        self.calls["verify"] = self.calls.get("verify", 0) + 1
+        changed: list[Request] = []
+        for request, draft, kept, start in zip(requests, drafts, accepted, starts):
+            request.num_draft_tokens += len(draft)
+            request.num_accepted_tokens += kept
+            for row in range(start, start + kept + 1):
+                if not self._apply_token(request, tokens[row], entries[row]):
+                    break
+            changed.append(request)
+            seq = request.seq
+            if request.finish_reason is not None:
+                # Rows kept past a stop computed positions whose tokens the request dropped.
+                seq.num_cached = min(seq.num_cached, len(seq.tokens) - 1)
+            self._publish(request)
+            if request.finish_reason is not None:
+                self._remove(request)
+        return changed
+
+    def _draft_limit(self, request: Request, count: int) -> int:
+        """How many drafts ``request`` may take this step: none while its token is pending or
+        when its row needs more than its params (penalties, ``min_tokens``, a structured output:
+        each later row would need the drafts before it applied), else up to ``count`` within its
+        ``max_tokens`` and the model's context."""
+        seq = request.seq
+        if seq.pending_token is not None or self._row_extras(request) is not None:
+            return 0
+        left = request.params.max_tokens - len(request.generated) - 1
+        room = self.stopper.max_model_len - len(seq.tokens) - 1
+        return max(0, min(count, left, room))
+
+    def _fit_drafts(self, seqs: list[SequenceState], drafts: list[list[int]]) -> list[list[int]]:
+        """``drafts`` shortened (the longest first) until the verify's rows fit the free blocks."""
+        cache = self.cache
+        if not cache.spec.uses_blocks:
+            return drafts
+
+        def needed() -> int:
+            return sum(cache.blocks_needed(seq, seq.num_cached + 1 + len(d)) for seq, d in zip(seqs, drafts))
+
+        while needed() > cache.num_free_blocks and any(drafts):
+            longest = max(range(len(drafts)), key=lambda i: len(drafts[i]))
+            drafts[longest] = drafts[longest][:-1]
+        return drafts
+
+    def _apply_token(self, request: Request, token: int, entry: Any) -> bool:
+        """Append one sampled token to ``request`` and run the stop rules; False when the
+        request is finished (by this token, or by logits with nothing to sample from)."""
+        if token < 0:
+            request.error = (
+                f"the logits of request {request.request_id} are not finite (NaN or infinity) at generated "
+                f"token {len(request.generated)}: there is nothing to sample from"
+            )
+            request.finish_reason = "error"
+            return False
+        request.seq.tokens.append(int(token))
+        if entry is not None:
+            request.token_logprobs.append(entry)
+        if request.grammar is not None and not request.grammar.accept(int(token)):
+            request.error = f"token {int(token)} does not match the structured output of request {request.request_id}"
+            request.finish_reason = "error"
+            return False
+        self.stopper.update(request, int(token))
+        return request.finish_reason is None
+
     def _row_extras(self, request: Request) -> RowExtras | None:
         """What the sampler needs for ``request``'s row besides its params (None: nothing)."""
         params = request.params
@@ -341,23 +455,7 @@ class Engine:
                 seq.pending_token = None
             if request.finish_reason is not None:
                 continue
-            if token < 0:
-                request.error = (
-                    f"the logits of request {request.request_id} are not finite (NaN or infinity) at generated "
-                    f"token {len(request.generated)}: there is nothing to sample from"
-                )
-                request.finish_reason = "error"
-                changed.append(request)
-                continue
-            seq.tokens.append(int(token))
-            if entry is not None:
-                request.token_logprobs.append(entry)
-            if request.grammar is not None and not request.grammar.accept(int(token)):
-                request.error = f"token {int(token)} does not match the structured output of request {request.request_id}"
-                request.finish_reason = "error"
-                changed.append(request)
-                continue
-            self.stopper.update(request, int(token))
+            self._apply_token(request, token, entry)
             changed.append(request)
         for request, end in zip(step.members, step.ends):
             seq = request.seq

@@ -88,6 +88,10 @@ class Request:
     token_logprobs: list[TokenLogprobs] = field(default_factory=list)
     #: The structured output's matcher (:class:`metrale.structured.GrammarMatcher`), or None.
     grammar: Any = None
+    #: Draft tokens proposed for this completion, and how many of them its verifies kept
+    #: (speculative decoding, :mod:`metrale.speculative`).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     #: ``token_logprobs`` as :data:`~metrale.params.LogprobsDict`\\ s, made once per token.
     _logprob_dicts: list[LogprobsDict] = field(default_factory=list, repr=False)
 
@@ -268,6 +272,8 @@ class RequestGroup:
             cached_tokens=first.cached_tokens or 0,
             error=self.error or (errors[0] if errors else None),
             num_preemptions=sum(c.num_preemptions for c in self.completions),
+            num_draft_tokens=sum(c.num_draft_tokens for c in self.completions),
+            num_accepted_tokens=sum(c.num_accepted_tokens for c in self.completions),
         )
 
 

@@ -43,6 +43,7 @@ _VALUE_OPTIONS = {
     "num_state_slots": "num_state_slots",
     "num_state_snapshots": "num_state_snapshots",
     "chat_template": "chat_template",
+    "speculative_config": "speculative_config",
 }
 
 #: Engine switches (``--no-...``): flag -> :class:`~metrale.LLM` keyword set to False.
@@ -103,9 +104,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="recurrent-state slots of models with recurrent layers (default: 8, at least --max-num-seqs)")
     engine.add_argument("--num-state-snapshots", type=int, default=None, metavar="N",
                         help="recurrent-state snapshots kept for prefix-cache hits (default: 16)")
+    engine.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     engine.add_argument("--chat-template", default=None, metavar="FILE",
                         help="Jinja chat template file replacing the checkpoint's")
     return parser
+
+
+def _speculative_config(text: str) -> dict:
+    from metrale.speculative import parse_config_argument
+
+    try:
+        return parse_config_argument(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is {error}") from None
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

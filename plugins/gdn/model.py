@@ -209,6 +209,10 @@ class GdnLayer:
 class GdnModel(FamilyModel):
     """A loaded Qwen3-Next model."""
 
+    #: A verify must not commit the recurrent state past the kept rows (the flush stage's work),
+    #: which the derived verify would.
+    speculation_capable = False
+
     def __init__(self, config: GdnConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
         # Before anything sized by the config (RoPE table, per-layer lists, weights) is built.
         config.check_tensors(checkpoint)
