@@ -382,12 +382,13 @@ def test_serve_arguments_cover_every_engine_option():
                               "--max-num-batched-tokens", "256", "--no-prefix-caching", "--seed", "3", "--no-cuda-graphs",
                               "--no-overlap-scheduling", "--block-size", "32", "--num-blocks", "100", "--memory-bytes",
                               "1000000", "--num-state-slots", "9", "--num-state-snapshots", "2", "--chat-template", "t.jinja",
-                              "--no-progress"])
+                              "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--no-progress"])
     options = engine_options(args)
     assert options == {"device": "cpu", "show_progress": False, "max_model_len": 512, "max_num_seqs": 8,
                        "max_num_batched_tokens": 256, "enable_prefix_caching": False, "seed": 3, "cuda_graphs": False,
                        "overlap_scheduling": False, "block_size": 32, "num_blocks": 100, "memory_bytes": 1000000,
-                       "num_state_slots": 9, "num_state_snapshots": 2, "chat_template": "t.jinja"}
+                       "num_state_slots": 9, "num_state_snapshots": 2, "chat_template": "t.jinja",
+                       "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
     engine_names = {f.name for f in fields(EngineConfig)} - {"cache", "environment"}
     cache_names = {f.name for f in fields(CacheConfig)}
     assert engine_names | cache_names <= set(options), "an engine option has no flag"
