@@ -202,7 +202,6 @@ class ModelForward:
             raise ConfigError(f"no drafter named {config.method!r}; installed: {', '.join(sorted(offered)) or 'none'}")
         return offered[config.method](config, self.model)
 
-
     def normalize_ssm_states(self, seq: SequenceState, stream: Any = None) -> None:
         """Check the recurrent state of ``seq`` between prefill chunks (never rescales)."""
         self.hook.metrale_normalize_ssm_states(model=self.model, seq=seq, stream=stream)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -50,9 +51,11 @@ import numpy as np
 from metrale.cache.prefix import PrefixCache
 from metrale.engine.generation import Request, StopChecker, finishing
 from metrale.engine.scheduler import Scheduler, StepPlan
-from metrale.errors import CacheError, ConfigError
+from metrale.errors import CacheError, ConfigError, PluginError
 from metrale.runner.sampling import RowExtras, new_sampler
 from metrale.sequence import PrefillSlice, SequenceState
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -335,14 +338,18 @@ class Engine:
         if not any(limits):
             return None
         seqs = [r.seq for r in requests]
-        proposed = drafter.propose(seqs, limits)
-        drafts = self._fit_drafts(seqs, [[int(t) for t in d[:limit]] for d, limit in zip(proposed, limits)])
+        try:
+            drafts = self._checked_drafts(drafter.propose(seqs, limits), limits)
+        except Exception:  # a drafter's failure costs the step its drafts, never its requests
+            logger.warning("the %s drafter failed; decoding this step without drafts", config.method, exc_info=True)
+            return None
+        drafts = self._fit_drafts(seqs, drafts)
         if not any(drafts):
             return None
         logits = self.forward.verify([[seq.tokens[-1], *d] for seq, d in zip(seqs, drafts)], seqs)
         params, seeds, steps, extras = [], [], [], []
         for request, draft in zip(requests, drafts):
-            extra = self._row_extras(request)  # None for a request with drafts (_draft_limit)
+            extra = self._row_extras(request) if not draft else None  # (_draft_limit: none with drafts)
             for j in range(len(draft) + 1):
                 params.append(request.params)
                 seeds.append(request.seed)
@@ -373,13 +380,29 @@ class Engine:
                 self._remove(request)
         return changed
 
+    def _checked_drafts(self, proposed: Any, limits: list[int]) -> list[list[int]]:
+        """The drafter's proposals cut to ``limits``; :class:`~metrale.errors.PluginError` unless
+        they are one list per sequence of token ids within the vocabulary."""
+        vocab = int(self.forward.model.vocab_size)
+        if not isinstance(proposed, (list, tuple)) or len(proposed) != len(limits):
+            raise PluginError(f"a drafter returned {proposed!r:.80} for {len(limits)} sequences (one list each)")
+        drafts = []
+        for tokens, limit in zip(proposed, limits):
+            cut = list(tokens)[:limit]
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab for t in cut):
+                raise PluginError(f"a drafter proposed {cut!r:.80}: not token ids below the vocabulary size {vocab}")
+            drafts.append([int(t) for t in cut])
+        return drafts
+
     def _draft_limit(self, request: Request, count: int) -> int:
         """How many drafts ``request`` may take this step: none while its token is pending or
         when its row needs more than its params (penalties, ``min_tokens``, a structured output:
         each later row would need the drafts before it applied), else up to ``count`` within its
         ``max_tokens`` and the model's context."""
-        seq = request.seq
-        if seq.pending_token is not None or self._row_extras(request) is not None:
+        seq, params = request.seq, request.params
+        if seq.pending_token is not None or request.grammar is not None or params.penalized:
+            return 0
+        if params.min_tokens and request.banned_tokens(self.stopper.eos_token_ids, False):
             return 0
         left = request.params.max_tokens - len(request.generated) - 1
         room = self.stopper.max_model_len - len(seq.tokens) - 1

@@ -184,6 +184,35 @@ def test_an_oracle_drafter_is_accepted_and_junk_drafts_change_nothing(dense_chec
     assert sum(o.num_draft_tokens for o in junk) > 0
 
 
+class FailingDrafter:
+    def __init__(self, answer):
+        self.answer = answer
+
+    def propose(self, seqs, limits):
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer(seqs)
+
+
+@pytest.mark.parametrize("answer", [
+    RuntimeError("drafter bug"),
+    lambda seqs: [[10_000]] * len(seqs),  # past the vocabulary
+    lambda seqs: [["a"]] * len(seqs),
+    lambda seqs: [[1]] * (len(seqs) + 1),  # one list too many
+])
+def test_a_failing_drafter_costs_only_its_drafts(dense_checkpoints, answer, caplog):
+    path = dense_checkpoints["llama"]
+    prompts = repetitive_prompts(3, 120)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain, _ = run(path, prompts, params, max_num_seqs=4)
+    speculated, llm = run(path, prompts, params, max_num_seqs=4, plugin_manager=manager_with(FailingDrafter(answer), "bad"),
+                          speculative_config={"method": "bad", "num_speculative_tokens": 2})
+    assert [o.token_ids for o in speculated] == [o.token_ids for o in plain]
+    assert all(o.error is None and o.num_draft_tokens == 0 for o in speculated)
+    assert "verify" not in llm.engine.calls
+    assert "the bad drafter failed" in caplog.text
+
+
 def test_speculation_under_preemption_stops_and_limits(dense_checkpoints):
     path = dense_checkpoints["qwen3"]
     prompts = repetitive_prompts(11, 120) * 2
