@@ -14,10 +14,18 @@ launched through :func:`launch` with ``dependent=True``. One exception, argued w
 the tensor-core decode attention (:mod:`metrale.kernels.attention_decode_mma`) reads its rows'
 metadata (uploaded before the step) and the cached keys and values of earlier positions (written
 by earlier steps, which have ended) before the wait; the step's own key and value, which the
-kernel ahead writes, it reads after. A kernel launched without the attribute
-runs after the one ahead as usual, and both calls are no-ops for it; so is a kernel ahead that
-never calls ``allow_dependents()`` (its end is the signal). Graph capture records the launch as
-a programmatic edge, which replays the same way.
+kernel ahead writes, it reads after. A kernel launched without the attribute runs after the one
+ahead as usual, and both calls are no-ops for it; so is a kernel ahead that never calls
+``allow_dependents()`` (its end is the signal). Graph capture records the launch as a
+programmatic edge, which replays the same way.
+
+Where a kernel allows its dependents is a choice per kernel. The GEMVs and the decode attention
+allow them first thing, so that the next kernel's weight loads overlap their own work. A kernel
+with little to load before its wait (the residual RMSNorm, the split combine) allows them only
+after its wait: allowing them earlier let the kernel after it start while the kernel
+ahead of it still ran, a chain of three started at once, and on the Llama-8B decode step that
+made the step 6.0 ms where it takes 4.3 ms (``tools/decode_ab.py --independent``, which launches
+named kernels in stream order, found the two).
 
 :func:`launch` calls ``cuLaunchKernelEx`` of the CUDA driver through ctypes (the driver is loaded
 wherever CuPy runs) unless ``METRALE_DEPENDENT_LAUNCH=0``; CuPy's own launch when it is 0, when
@@ -39,7 +47,7 @@ from metrale.errors import KernelArgumentError
 #: unless set to 0); read once, at import.
 ENABLED = environment_flag("METRALE_DEPENDENT_LAUNCH", default=True)
 
-#: Names of kernels :func:`launch` launches in stream order even where asked to launch them
+#: Names of kernels (without template arguments) :func:`launch` launches in stream order even where asked to launch them
 #: dependently (read at each launch): a switch for measuring what a kernel's early start gains or
 #: costs in a step (``tools/decode_ab.py --independent``).
 INDEPENDENT: frozenset[str] = frozenset()
@@ -135,12 +143,19 @@ def dependent_launch_available() -> bool:
     return _capable[device]
 
 
+def _base_name(kernel: Any) -> str | None:
+    """A kernel's name without its template arguments (``decode_gemv<0, true, 4, 8>`` is
+    ``decode_gemv``)."""
+    name = getattr(kernel, "name", None)
+    return name.split("<", 1)[0] if isinstance(name, str) else None
+
+
 def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int, stream: Any,
            dependent: bool) -> None:
     """Launch CuPy ``kernel`` (a ``RawKernel``) on ``stream`` (a CuPy stream, or None for the
     current one); dependently (see the module docstring) when ``dependent`` and
     :func:`dependent_launch_available`."""
-    if not (dependent and dependent_launch_available()) or getattr(kernel, "name", None) in INDEPENDENT:
+    if not (dependent and dependent_launch_available()) or _base_name(kernel) in INDEPENDENT:
         with stream if stream is not None else contextlib.nullcontext():
             kernel(grid, block, args, shared_mem=shared_mem)
         return

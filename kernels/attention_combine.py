@@ -44,8 +44,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) attention_combine(
     unsigned short* __restrict__ out, int splits, int value_dim) {
     __shared__ float weight[COMBINE_MAX_SPLITS];
     __shared__ float total;
-    allow_dependents();
     wait_for_producers();   // the partials come from the attention kernel ahead
+    allow_dependents();     // after the wait: see metrale.kernels._launch
     const int row = blockIdx.x, head = blockIdx.y, heads = gridDim.y, lane = threadIdx.x % 32;
     const long first = ((long)row * heads + head) * splits;
     if (threadIdx.x < 32) {

@@ -148,8 +148,8 @@ extern "C" __global__ void __launch_bounds__(NORM_WORD_THREADS) rmsnorm_residual
         const int quad = tid + j * NORM_WORD_THREADS;
         gains[j] = quad < quads ? reinterpret_cast<const uint2*>(weight)[quad] : uint2{0u, 0u};
     }
-    allow_dependents();
     wait_for_producers();   // x and the residual come from the kernels ahead
+    allow_dependents();     // after the wait: see metrale.kernels._launch
     const float4* in = reinterpret_cast<const float4*>(x) + (size_t)row * quads;
     float4* sums = reinterpret_cast<float4*>(residual) + (size_t)row * quads;
     float4 kept[NORM_WORD_QUADS];

@@ -76,6 +76,9 @@ def test_a_kernel_named_independent_is_launched_in_stream_order(monkeypatch):
     monkeypatch.setattr(_launch, "INDEPENDENT", frozenset({"norm"}))
     _launch.launch(Kernel("norm"), (1,), (32,), (), 0, None, dependent=True)
     assert calls == ["norm"]  # not the driver's dependent launch
+    monkeypatch.setattr(_launch, "INDEPENDENT", frozenset({"gemv"}))
+    _launch.launch(Kernel("gemv<0, true, 4, 8>"), (1,), (32,), (), 0, None, dependent=True)
+    assert calls == ["norm", "gemv<0, true, 4, 8>"]  # a template instance goes by its template's name
 
 
 def test_a_dependent_launch_sets_the_shared_carveout_once(monkeypatch):
