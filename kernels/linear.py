@@ -88,6 +88,37 @@ class CublasGemm:
         )
         return out
 
+    def per_head(self, x: DeviceArray, weight: DeviceArray, out: DeviceArray) -> DeviceArray:
+        """``out[n, h] = weight[h] @ x[n, h]`` through ``cublasGemmStridedBatchedEx``, one product
+        per head: ``x [N, heads, in]`` bf16 bits (a view whose last axis is contiguous), ``weight
+        [heads * out, in]`` bf16 bits, ``out [N, heads, out]`` float32 (contiguous). Each head's
+        weight is read once for all rows, where a kernel per row reads it per row."""
+        op = "head_linear"
+        check_array(op, "x", x, np.uint16, ndim=3)
+        rows, heads, inner = x.shape
+        check_array(op, "weight", weight, np.uint16, (None, inner))
+        width = weight.shape[0] // heads
+        check_array(op, "weight", weight, np.uint16, (heads * width, inner))
+        check_array(op, "out", out, np.float32, (rows, heads, width))
+        item = x.itemsize
+        if x.strides[2] != item or x.strides[0] % item or x.strides[1] % item or not out.flags.c_contiguous:
+            from metrale.errors import KernelArgumentError
+
+            raise KernelArgumentError(f"{op}: x strides {list(x.strides)} need a contiguous last axis "
+                                      f"and out a contiguous array")
+        if rows == 0 or heads == 0:
+            return out
+        # Per head, column-major out_h^T [out, N] (ldc heads * out) = W_h (column-major [in, out]
+        # transposed) times x_h^T (column-major [in, N], ldb the row stride).
+        self._cublas.gemm_strided_batched_ex(
+            self.handle, CUBLAS_OP_T, CUBLAS_OP_N, width, rows, inner,
+            self._one.ctypes.data, weight.data.ptr, CUDA_R_16BF, inner, width * inner,
+            x.data.ptr, CUDA_R_16BF, x.strides[0] // item, x.strides[1] // item,
+            self._zero.ctypes.data, out.data.ptr, CUDA_R_32F, heads * width, width,
+            heads, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
+        )
+        return out
+
     def close(self) -> None:
         if self.handle:
             self._cublas.destroy(self.handle)

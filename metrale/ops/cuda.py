@@ -62,6 +62,13 @@ def _tanh_form(approximate: str) -> bool:
 
 #: Batches of up to this many rows take the router kernel; larger ones a float32 cuBLAS product.
 ROUTER_KERNEL_ROWS = 64
+#: MLA's per-head products (``head_linear``) of up to this many rows take the CUDA C++ kernel
+#: (:func:`metrale.kernels.head_linear.head_linear_words`, a warp per output value, the rows in
+#: turn, launched dependently); larger ones one cuBLAS product per head. On the H200, at
+#: DeepSeek-V2-Lite's sizes (``tools/head_linear_sweep.py``), the kernel's time grows with the
+#: rows (key product 6.1 us at 1 row, 103 at 32; value product 1.8 and 28.7), cuBLAS's does not
+#: (4.8-5.3 and 3.0-3.1, the key product's float32 input rounded first).
+HEAD_LINEAR_WORD_ROWS = 2
 
 
 def _batch_constant(batch: Any, key: str, build: Callable[[], np.ndarray]) -> Any:
@@ -319,6 +326,12 @@ class CudaKernels:
     def head_linear(self, x: Any, weight: Any) -> Any:
         rows, heads = x.shape[0], x.shape[1]
         out = cp.empty((rows, heads, weight.shape[0] // heads), dtype=f32)
+        if rows > HEAD_LINEAR_WORD_ROWS:
+            # The kernel below reads each row in turn; one product per head reads the rows together.
+            x = self.to_bf16(x) if x.dtype == f32 else x
+            if x.strides[2] != x.itemsize or x.strides[0] % x.itemsize or x.strides[1] % x.itemsize:
+                x = cp.ascontiguousarray(x)
+            return self.gemm.per_head(x, weight, out)
         if head_linear_kernels.words_supported(x, weight):
             # A float32 input (a strided view of the queries) read and rounded in the kernel.
             return head_linear_kernels.head_linear_words(x, weight, out, self.stream)

@@ -128,6 +128,34 @@ def test_mla_absorbed_glue_from_the_stacked_projection(backend, rows):
     assert rel_error(got[3], expected_cache) <= 1e-2
 
 
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_head_linear_op_at_every_row_count(backend, rows):
+    """The op as the MLA family calls it, on the kernel (few rows) and on one cuBLAS product per
+    head (more than ``HEAD_LINEAR_WORD_ROWS``): the key product from a strided float32 view, the
+    value product from bf16."""
+    import cupy as cp
+
+    from metrale.kernels import head_linear
+    from metrale.ops.cuda import HEAD_LINEAR_WORD_ROWS
+
+    assert HEAD_LINEAR_WORD_ROWS < 32
+    heads, d_n, d_r, rank = 16, 128, 64, 512
+    rng = np.random.default_rng(100 + rows)
+    q_host = rng.standard_normal((rows, heads, d_n + d_r)).astype(np.float32)
+    w_uk = bf16(rng, (heads * rank, d_n), 0.05)
+    w_uv = bf16(rng, (heads * d_n, rank), 0.05)
+    mixed = bf16(rng, (rows, heads, rank), 1.0)
+    with backend.activate():
+        q = cp.asarray(q_host)
+        q_latent = backend.kernels.head_linear(q[:, :, :d_n], cp.asarray(w_uk))
+        values = backend.kernels.head_linear(cp.asarray(mixed), cp.asarray(w_uv))
+        got_latent, got_values = cp.asnumpy(q_latent), cp.asnumpy(values)
+    rounded = bf16_to_float32(bf16_from(q_host[:, :, :d_n]))
+    assert got_latent.shape == (rows, heads, rank) and got_values.shape == (rows, heads, d_n)
+    assert rel_error(got_latent, head_linear.head_linear_reference(rounded, bf16_to_float32(w_uk))) <= 1e-4
+    assert rel_error(got_values, head_linear.head_linear_reference(bf16_to_float32(mixed), bf16_to_float32(w_uv))) <= 1e-4
+
+
 def bf16_from(values):
     from metrale.checkpoint import float32_to_bf16
 
