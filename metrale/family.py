@@ -73,7 +73,8 @@ class FamilyModel:
     #: Whether :meth:`verify` and :meth:`verdict` serve this model (speculative decoding). The
     #: derived ones keep every row a verify ran in the paged KV cache and rewind the cached
     #: length, which is exact for attention; a model with recurrent state must keep its state
-    #: as of the last kept row, so it overrides both or sets this False.
+    #: as of the last kept row, so it overrides both (and :meth:`flush_pending`) or sets this
+    #: False.
     speculation_capable: bool = True
 
     @property
@@ -299,6 +300,12 @@ class FamilyModel:
         for seq, count, kept in zip(seqs, rows, accepted):
             seq.num_cached -= count - kept - 1
         return True
+
+    def flush_pending(self) -> None:
+        """Fold whatever a :meth:`verdict` left pending into the model's state; the built-in
+        flush stage calls it before every forward, and a model calls it before it reads that
+        state outside a forward. Nothing is pending for the derived verdict."""
+        return None
 
     def score(self, tokens: Sequence[int], seq: SequenceState, stream: Any) -> Any:
         start = seq.num_cached

@@ -218,8 +218,9 @@ def metrale_verify(model: Any, tokens: "list[list[int]]", seqs: "list[SequenceSt
     drafts, at positions from its cached length on. Attention layers write the keys and values of
     every row; the caller then states, through :func:`metrale_verdict`, how many rows each
     sequence keeps. Returns logits ``[sum(K_i + 1), vocab]``, the rows of ``seqs[0]`` first.
-    :class:`~metrale.family.FamilyPlugin` derives it from ``forward_batch``; a family that cannot
-    verify (its model sets ``speculation_capable = False``) raises
+    :class:`~metrale.family.FamilyPlugin` derives it from ``forward_batch``; a family with
+    recurrent state overrides it (the Gated DeltaNet family keeps the state after every row), and
+    one that cannot verify (its model sets ``speculation_capable = False``) raises
     :class:`~metrale.errors.UnsupportedModelError`.
     """
 

@@ -1,6 +1,8 @@
 """Built-in stage plugins: flush, stamp, drafter, and the graph-capture error hook.
 
-* flush: nothing is pending until speculative decoding lands, so it does nothing;
+* flush: folds what a model left pending (``flush_pending``, :class:`~metrale.family.FamilyModel`:
+  the Gated DeltaNet family's recurrent state as of a verify's last kept row) into its state
+  before the forward reads it;
 * stamp: records the adapter route of the step (one adapter slot for the whole batch, None for
   the base model, or ``MIXED_ADAPTERS``);
 * drafter: no drafter model is loaded, so it does nothing;
@@ -19,7 +21,9 @@ METRALE_CONTRACT_VERSION = CONTRACT_VERSION
 
 @hookimpl
 def metrale_flush(model: Any, step: ForwardStep) -> None:
-    return None
+    flush = getattr(model, "flush_pending", None)
+    if flush is not None:
+        flush()
 
 
 @hookimpl

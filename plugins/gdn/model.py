@@ -127,10 +127,11 @@ class GatedDeltaNet:
         )
 
     def forward(self, backend: Any, cache_layer: Any, x: Any, residual: Any, input_norm: Any, eps: float,
-                batch: ForwardBatch) -> tuple[Any, Any]:
+                batch: ForwardBatch, stash: "RowStates | None" = None) -> tuple[Any, Any]:
         """``(out [N, H], residual)``: the input norm of ``x + residual`` (zero-centred) and the
         projections in one op, then the layer; the rows' conv and recurrent states (in their
-        slots) move on."""
+        slots) move on. With ``stash`` (a speculative verify), the rows of each segment take one
+        decode step each, in order, and the states after every row are kept in ``stash``."""
         ops, c, xp = backend.ops, self.config, backend.xp
         rows = x.shape[0]
         hk, hv, dk, dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
@@ -139,6 +140,8 @@ class GatedDeltaNet:
         projected, residual = ops.rmsnorm_linear(x, residual, input_norm, eps, 1.0, self.in_proj)
         qkvz, ba = (xp.ascontiguousarray(part) for part in (projected[:, : self.qkvz_columns],
                                                              projected[:, self.qkvz_columns :]))
+        if stash is not None:
+            return self._verify_rows(backend, cache_layer, qkvz, ba, batch, stash), residual
         if rows == len(batch.row_starts) - 1:
             # One token per sequence: the un-grouping, the gates, the conv update, one recurrence
             # step in the slots and the gated norm, as one op.
@@ -155,6 +158,44 @@ class GatedDeltaNet:
         # Gated norm per value head (plain weight), then out_proj.
         gated = ops.gated_rmsnorm(out, z, self.norm, c.rms_norm_eps)
         return ops.linear(gated.reshape(rows, hv * dv), self.out), residual
+
+    def _verify_rows(self, backend: Any, cache_layer: Any, qkvz: Any, ba: Any, batch: ForwardBatch,
+                     stash: "RowStates") -> Any:
+        """A verify's rows as decode steps: step ``j`` takes row ``j`` of every segment that has
+        one (the decode op, in the segments' slots), then copies those slots' conv and recurrent
+        states into ``stash`` at the rows' indices. The slots end as of each segment's last row."""
+        ops, c, xp = backend.ops, self.config, backend.xp
+        hk, hv, dk, dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
+        starts = np.asarray(batch.row_starts, dtype=np.int64)
+        lengths = np.diff(starts)
+        slots = np.array([segment.seq.state_slot for segment in batch.segments], dtype=np.int64)
+        conv_rows = xp.empty((qkvz.shape[0], *cache_layer.conv.shape[1:]), dtype=cache_layer.conv.dtype)
+        state_rows = xp.empty((qkvz.shape[0], *cache_layer.state.shape[1:]), dtype=cache_layer.state.dtype)
+        gated = None
+        for step in range(int(lengths.max())):
+            taking = np.flatnonzero(lengths > step)
+            rows = xp.asarray(starts[taking] + step)
+            step_slots = xp.asarray(slots[taking].astype(np.int32))
+            out = ops.gdn_decode(xp.take(qkvz, rows, axis=0), xp.take(ba, rows, axis=0), self.conv, cache_layer.conv,
+                                 self.a_log, self.dt_bias, cache_layer.state, step_slots, self.norm, c.rms_norm_eps,
+                                 hk, hv, dk, dv)
+            if gated is None:
+                gated = xp.empty((qkvz.shape[0], *out.shape[1:]), dtype=out.dtype)
+            gated[rows] = out
+            conv_rows[rows] = cache_layer.conv[step_slots]
+            state_rows[rows] = cache_layer.state[step_slots]
+        stash.layers.append((cache_layer, conv_rows, state_rows))
+        return ops.linear(gated.reshape(qkvz.shape[0], hv * dv), self.out)
+
+
+@dataclass
+class RowStates:
+    """The conv and recurrent states of every Gated DeltaNet layer after each row of a verify:
+    per layer ``(cache layer, conv [rows, C, K - 1], state [rows, H_v, d_k, d_v])``, and each
+    verified sequence's first row, by ``seq_id``."""
+
+    first_row: dict[int, int]
+    layers: list[tuple[Any, Any, Any]]
 
 
 @dataclass
@@ -209,10 +250,6 @@ class GdnLayer:
 class GdnModel(FamilyModel):
     """A loaded Qwen3-Next model."""
 
-    #: A verify must not commit the recurrent state past the kept rows (the flush stage's work),
-    #: which the derived verify would.
-    speculation_capable = False
-
     def __init__(self, config: GdnConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
         # Before anything sized by the config (RoPE table, per-layer lists, weights) is built.
         config.check_tensors(checkpoint)
@@ -242,6 +279,11 @@ class GdnModel(FamilyModel):
                 feed_forward=feed_forward,
             ))
         checkpoint.skip([n for n in checkpoint.names() if n.startswith(IGNORED_TENSOR_PREFIXES)])
+        # Speculation: the row states of the verify running or last run, and the verdicts not
+        # folded into their slots yet (slot -> (sequence, row states, row kept last)).
+        self._verify_states: RowStates | None = None
+        self._verifying = False
+        self._pending: dict[int, tuple[SequenceState, RowStates, int]] = {}
 
     # ------------------------------------------------------------------------------ contract
 
@@ -268,9 +310,61 @@ class GdnModel(FamilyModel):
         split = min(below - size, (length - self.min_tail) // size * size)
         return split if split > 0 else None
 
+    # ------------------------------------------------------------------------- speculation
+
+    def verify(self, tokens: Any, seqs: Any, stream: Any) -> Any:
+        """The derived verify, its Gated DeltaNet layers stepping row by row and keeping the
+        states after every row (:class:`RowStates`); the slots end as of each sequence's last
+        row, and :meth:`verdict` leaves the state of the rows kept pending."""
+        self.flush_pending()
+        first, row = {}, 0
+        for seq, rows in zip(seqs, tokens):
+            first[seq.seq_id], row = row, row + len(rows)
+        self._verify_states, self._verifying = RowStates(first, []), True
+        try:
+            return super().verify(tokens, seqs, stream)
+        except BaseException:
+            self._verify_states = None
+            raise
+        finally:
+            self._verifying = False
+
+    def verdict(self, seqs: Any, rows: Any, accepted: Any, stream: Any) -> bool:
+        """The derived verdict (the cached lengths rewound); a sequence that kept fewer rows than
+        it verified has the states after its last kept row pending in its slot, folded in by
+        :meth:`flush_pending` before anything reads the slot."""
+        states = self._verify_states
+        if states is not None and any(seq.seq_id not in states.first_row for seq in seqs):
+            from metrale.errors import CacheError
+
+            raise CacheError("verdict for a sequence the last verify did not run")
+        super().verdict(seqs, rows, accepted, stream)
+        if states is not None:
+            for seq, count, kept in zip(seqs, rows, accepted):
+                if kept + 1 < count and seq.state_slot is not None:
+                    self._pending[seq.state_slot] = (seq, states, states.first_row[seq.seq_id] + kept)
+        return True
+
+    def flush_pending(self) -> None:
+        """Fold every pending verdict into its slot: the conv and recurrent states after the
+        sequence's last kept row, copied from the verify's :class:`RowStates`. A slot whose
+        sequence let it go since (finished, aborted, preempted) is skipped: its next owner starts
+        from its own state."""
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        with self.backend.activate():
+            for slot, (seq, states, row) in pending.items():
+                if seq.state_slot != slot:
+                    continue
+                for cache_layer, conv_rows, state_rows in states.layers:
+                    cache_layer.conv[slot] = conv_rows[row]
+                    cache_layer.state[slot] = state_rows[row]
+
     def normalize_ssm_states(self, seq: SequenceState, stream: Any) -> None:
         """Raise :class:`~metrale.errors.NonFiniteStateError` if the sequence's recurrent or conv
         state holds NaN or infinity (never rescales)."""
+        self.flush_pending()
         slot = seq.state_slot
         if slot is None:
             return
@@ -294,7 +388,8 @@ class GdnModel(FamilyModel):
                 x, residual = mixer.forward(self.backend, self.inv_freq, cache_layer, x, residual, layer.input_norm,
                                             eps, batch)
             else:
-                x, residual = mixer.forward(self.backend, cache_layer, x, residual, layer.input_norm, eps, batch)
+                x, residual = mixer.forward(self.backend, cache_layer, x, residual, layer.input_norm, eps, batch,
+                                            self._verify_states if self._verifying else None)
             h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps, 1.0)
             if isinstance(ffn, SparseMoe):
                 x = ffn.forward(self.backend, h, *self.route(ffn, h))

@@ -206,8 +206,9 @@ EXAMPLES = int(os.environ.get("METRALE_HYPOTHESIS_EXAMPLES", "12"))
 
 
 def run_random_case(checkpoint, solo_llm, data, **options):
-    """Random arrivals, lengths, shared prefixes, budgets and a small block pool: every request
-    equals its solo run (or fails exactly when it cannot fit the whole cache) and nothing leaks."""
+    """Random arrivals, lengths, shared prefixes, budgets, a small block pool and speculation
+    (n-gram drafts) on or off: every request equals its solo run (or fails exactly when it cannot
+    fit the whole cache) and nothing leaks."""
     count = data.draw(st.integers(2, 6), label="requests")
     shared = prompts_of([data.draw(st.integers(0, 12), label="shared")], seed=data.draw(st.integers(0, 99)))[0]
     lengths = data.draw(st.lists(st.integers(1, 14), min_size=count, max_size=count), label="lengths")
@@ -221,7 +222,10 @@ def run_random_case(checkpoint, solo_llm, data, **options):
               max_num_seqs=data.draw(st.integers(1, 4), label="max_num_seqs"),
               max_num_batched_tokens=data.draw(st.sampled_from([4, 8, 12, 32]), label="budget"),
               enable_prefix_caching=data.draw(st.booleans(), label="prefix_cache"),
-              overlap_scheduling=data.draw(st.booleans(), label="overlap"), **options)
+              overlap_scheduling=data.draw(st.booleans(), label="overlap"),
+              speculative_config=data.draw(st.sampled_from([None, 1, 4]).map(
+                  lambda k: k and {"method": "ngram", "num_speculative_tokens": k}), label="speculation"),
+              **options)
     engine = llm.engine
     # What an is_mla() family gets: whole prompts, alone in their steps.
     engine.scheduler.one_chunk_prefill = data.draw(st.booleans(), label="one_chunk_prefill")
@@ -246,6 +250,7 @@ def run_random_case(checkpoint, solo_llm, data, **options):
     event(f"prefix hits: {any(r.cached_tokens for r in requests)}")
     event(f"failed: {any(r.error for r in requests)}")
     event(f"mixed steps: {'mixed_forward' in engine.calls}")
+    event(f"speculated: {'verify' in engine.calls}")
     assert_all_blocks_free(llm)
     if llm.cache.state_slots is not None:
         assert llm.cache.state_slots.num_free == llm.cache.state_slots.num_slots

@@ -1,6 +1,6 @@
 """Speculative decoding on the CPU: the configuration, the n-gram drafter, the acceptance rule,
 and the engine's tokens with speculation equal to its tokens without (greedy and seeded sampling,
-dense and MLA families), every block free afterwards; the sampled distribution against the
+every family), every block free afterwards; the sampled distribution against the
 target's (chi-square)."""
 
 from __future__ import annotations
@@ -44,12 +44,15 @@ def test_a_config_keeps_its_values():
     assert SpeculativeConfig.from_value(config) is config
 
 
-def test_an_unknown_drafter_and_a_family_without_verify_are_refused_at_load(gdn_checkpoint):
+def test_an_unknown_drafter_and_a_family_without_verify_are_refused_at_load(monkeypatch):
     with pytest.raises(ConfigError, match="no drafter named 'medusa'; installed: ngram"):
         LLM("tiny-dense", device="cpu", show_progress=False, speculative_config={"method": "medusa",
                                                                                  "num_speculative_tokens": 2})
+    from metrale.plugins.dense.model import DenseModel
+
+    monkeypatch.setattr(DenseModel, "speculation_capable", False)
     with pytest.raises(ConfigError, match="does not serve speculative decoding"):
-        LLM(gdn_checkpoint, device="cpu", show_progress=False, speculative_config=NGRAM)
+        LLM("tiny-dense", device="cpu", show_progress=False, speculative_config=NGRAM)
 
 
 # ------------------------------------------------------------------------- drafter, acceptance
@@ -141,7 +144,7 @@ def run(path, prompts, params, **options):
 
 
 @pytest.mark.parametrize("family, variant", [("dense", "llama"), ("dense", "mistral"), ("mla", "deepseek_v2"),
-                                             ("mla", "deepseek_v3")])
+                                             ("mla", "deepseek_v3"), ("gdn", None)])
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_speculation_keeps_every_token(family_checkpoint_of, family, variant, sampling):
     path = family_checkpoint_of(family, variant)
@@ -305,3 +308,75 @@ def test_the_sampled_distribution_is_the_targets(small_vocabulary_checkpoint):
     if draws - wanted.sum() >= 5:  # the rarer pairs as one bin
         observed, wanted = np.append(observed, draws - observed.sum()), np.append(wanted, draws - wanted.sum())
     assert chi_square_p_value(observed, wanted) > 1e-3
+
+
+# --------------------------------------------------------------------- Gated DeltaNet verdicts
+
+
+def test_a_gdn_verdict_leaves_the_state_of_the_last_kept_row(gdn_checkpoint):
+    """After a verify of four rows that keeps two, the next decode step's logits equal those of
+    a sequence that decoded the two kept tokens one by one; the state as of the kept rows is
+    folded into the slot by the next forward (the flush stage), not by the verdict."""
+    from metrale.sequence import SequenceState
+
+    llm = LLM(gdn_checkpoint, device="cpu", show_progress=False, enable_prefix_caching=False)
+    forward, model = llm.forward, llm.model
+    prompt = [5, 9, 14, 3, 22, 7, 31]
+    reference = SequenceState.from_prompt(prompt)
+    forward.prefill(reference.tokens, reference)
+    for token in (11, 12):
+        forward.decode(token, reference)
+    want = np.asarray(forward.decode(40, reference))
+
+    seq = SequenceState.from_prompt(prompt)
+    forward.prefill(seq.tokens, seq)
+    verified = np.asarray(forward.verify([[11, 12, 13, 14]], [seq]))
+    assert verified.shape[0] == 4
+    forward.verdict([seq], [4], [1])  # keeps 11 and 12
+    assert seq.num_cached == len(prompt) + 2 and model._pending
+    got = np.asarray(forward.decode(40, seq))
+    assert not model._pending
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # The verify's rows are the logits plain decoding gives at those positions.
+    np.testing.assert_allclose(verified[1], np.asarray(forward.score(prompt + [11, 12], SequenceState.from_prompt(
+        prompt + [11, 12])))[-1], rtol=1e-4, atol=1e-4)
+    for s in (reference, seq):
+        llm.cache.release(s)
+
+
+def test_a_gdn_slots_next_owner_never_sees_pending_rows(gdn_checkpoint):
+    from metrale.sequence import SequenceState
+
+    llm = LLM(gdn_checkpoint, device="cpu", show_progress=False, enable_prefix_caching=False)
+    forward, model, cache = llm.forward, llm.model, llm.cache
+    seq = SequenceState.from_prompt([5, 9, 14, 3])
+    forward.prefill(seq.tokens, seq)
+    forward.verify([[11, 12, 13]], [seq])
+    forward.verdict([seq], [3], [0])
+    slot = seq.state_slot
+    assert slot in model._pending
+    cache.release(seq)
+    successor = SequenceState.from_prompt([1, 2, 3])
+    cache.state_slots.allocate(successor)
+    assert successor.state_slot == slot
+    layers = [layer for layer in cache.layers if hasattr(layer, "state")]
+    for layer in layers:  # the successor's own state (a prefix hit would have restored one)
+        layer.state[slot] = 0.25
+        layer.conv[slot] = -0.5
+    model.flush_pending()
+    assert not model._pending
+    assert all((layer.state[slot] == 0.25).all() and (layer.conv[slot] == -0.5).all() for layer in layers)
+    cache.state_slots.release(successor)
+
+
+def test_a_gdn_verdict_for_a_sequence_the_verify_did_not_run_is_refused(gdn_checkpoint):
+    from metrale.sequence import SequenceState
+
+    llm = LLM(gdn_checkpoint, device="cpu", show_progress=False, enable_prefix_caching=False)
+    first, second = SequenceState.from_prompt([5, 9, 14]), SequenceState.from_prompt([6, 2])
+    for seq in (first, second):
+        llm.forward.prefill(seq.tokens, seq)
+    llm.forward.verify([[3, 4]], [first])
+    with pytest.raises(CacheError, match="the last verify did not run"):
+        llm.forward.verdict([second], [2], [0])
+    assert second.num_cached == 2
