@@ -76,6 +76,11 @@ class FamilyModel:
     #: as of the last kept row, so it overrides both (and :meth:`flush_pending`) or sets this
     #: False.
     speculation_capable: bool = True
+    #: True while :meth:`verify` runs :meth:`forward_batch`: the rows are a verify's, each
+    #: sequence's input token and drafts. A family whose decode rows take another path than prompt
+    #: rows (MLA's absorbed attention, Gated DeltaNet's recurrent step) computes them as decode
+    #: rows, so that a verify's logits are the decode steps' and speculation changes no token.
+    verifying: bool = False
 
     @property
     def feeds_pending_tokens(self) -> bool:
@@ -285,7 +290,11 @@ class FamilyModel:
         if len(tokens) != len(seqs) or not seqs or any(len(rows) < 1 for rows in tokens):
             raise CacheError(f"verify got {len(tokens)} token lists for {len(seqs)} sequences "
                              "(each needs its input token)")
-        return self.run_segments([Segment(s, list(rows), s.num_cached, "all") for rows, s in zip(tokens, seqs)])
+        self.verifying = True
+        try:
+            return self.run_segments([Segment(s, list(rows), s.num_cached, "all") for rows, s in zip(tokens, seqs)])
+        finally:
+            self.verifying = False
 
     def verdict(self, seqs: Sequence[SequenceState], rows: Sequence[int], accepted: Sequence[int],
                 stream: Any) -> bool:

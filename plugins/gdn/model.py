@@ -282,7 +282,6 @@ class GdnModel(FamilyModel):
         # Speculation: the row states of the verify running or last run, and the verdicts not
         # folded into their slots yet (slot -> (sequence, row states, row kept last)).
         self._verify_states: RowStates | None = None
-        self._verifying = False
         self._pending: dict[int, tuple[SequenceState, RowStates, int]] = {}
 
     # ------------------------------------------------------------------------------ contract
@@ -320,14 +319,12 @@ class GdnModel(FamilyModel):
         first, row = {}, 0
         for seq, rows in zip(seqs, tokens):
             first[seq.seq_id], row = row, row + len(rows)
-        self._verify_states, self._verifying = RowStates(first, []), True
+        self._verify_states = RowStates(first, [])
         try:
             return super().verify(tokens, seqs, stream)
         except BaseException:
             self._verify_states = None
             raise
-        finally:
-            self._verifying = False
 
     def verdict(self, seqs: Any, rows: Any, accepted: Any, stream: Any) -> bool:
         """The derived verdict (the cached lengths rewound); a sequence that kept fewer rows than
@@ -389,7 +386,7 @@ class GdnModel(FamilyModel):
                                             eps, batch)
             else:
                 x, residual = mixer.forward(self.backend, cache_layer, x, residual, layer.input_norm, eps, batch,
-                                            self._verify_states if self._verifying else None)
+                                            self._verify_states if self.verifying else None)
             h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps, 1.0)
             if isinstance(ffn, SparseMoe):
                 x = ffn.forward(self.backend, h, *self.route(ffn, h))

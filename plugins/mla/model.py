@@ -2,7 +2,8 @@
 
 Per token and layer the paged latent cache holds the normalised latent ``c [r]`` followed by the
 RoPE key ``k_pe [d_r]``. Prompt rows attend in the expanded form (keys and values re-expanded
-from the cached latents through ``kv_b_proj``); decode rows in the absorbed form (queries
+from the cached latents through ``kv_b_proj``); decode rows and a speculative verify's rows
+(``FamilyModel.verifying``) in the absorbed form (queries
 projected into the latent space, attention over the latents, values through the value half of
 ``kv_b_proj``). Both are the same function (:ref:`families-mla-absorbed`); the tests check it.
 
@@ -100,11 +101,12 @@ class LatentAttention:
         return block
 
     def forward(self, backend: Any, rope: "LatentRope", cache_layer: Any, x: Any, residual: Any, input_norm: Any,
-                eps: float, batch: ForwardBatch, absorbed: bool = True) -> tuple[Any, Any]:
+                eps: float, batch: ForwardBatch, absorbed: bool = True, verifying: bool = False) -> tuple[Any, Any]:
         """``(out [N, H], residual)``: the input norm of ``x + residual`` and the stacked
         projections in one op, the rows' latents written into ``cache_layer``, then decode rows
-        (one per sequence) in the absorbed form when ``absorbed``, prompt rows in the expanded
-        form."""
+        (one per sequence) and a verify's rows (``verifying``: computed as decode rows, each
+        seeing its sequence up to its own position) in the absorbed form when ``absorbed``,
+        prompt rows in the expanded form."""
         ops, c = backend.ops, self.config
         heads, d_n, d_r = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
         rows = x.shape[0]
@@ -116,7 +118,7 @@ class LatentAttention:
         # The rows' normalised latents and rotated rope keys go into the paged cache.
         ops.latent_cache_write(kv_a, self.kv_a_norm, LATENT_NORM_EPS, batch.positions, rope.inv_freq,
                                rope.attention_factor, c.interleaved_rope, batch.slot_mapping, cache_layer.latent)
-        if absorbed and rows == len(batch.row_starts) - 1:
+        if absorbed and (verifying or rows == len(batch.row_starts) - 1):
             return self._absorbed(backend, rope, cache_layer, q, batch), residual
         return self._expanded(backend, rope, cache_layer, q, batch), residual
 
@@ -290,7 +292,7 @@ class MlaModel(FamilyModel):
         x, residual = self.ends.embed_tokens(self.backend, batch), None
         for layer, cache_layer in zip(self.layers, self._require_cache().layers):
             x, residual = layer.attention.forward(self.backend, self.rope, cache_layer, x, residual, layer.input_norm,
-                                                  eps, batch, self.absorbed_decode)
+                                                  eps, batch, self.absorbed_decode, self.verifying)
             h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps)
             ffn = layer.feed_forward
             if isinstance(ffn, DeepseekMoe):

@@ -380,3 +380,30 @@ def test_a_gdn_verdict_for_a_sequence_the_verify_did_not_run_is_refused(gdn_chec
     with pytest.raises(CacheError, match="the last verify did not run"):
         llm.forward.verdict([second], [2], [0])
     assert second.num_cached == 2
+
+
+def test_an_mla_verify_computes_its_rows_as_decode_rows(mla_checkpoints, monkeypatch):
+    """A verify's rows take the absorbed form decode rows take (on the GPU the expanded form
+    rounds otherwise, which would change tokens), each row seeing its sequence up to itself: the
+    rows' logits equal the decode steps'."""
+    from metrale.plugins.mla.model import LatentAttention
+    from metrale.sequence import SequenceState
+
+    llm = LLM(mla_checkpoints["deepseek_v2"], device="cpu", show_progress=False, enable_prefix_caching=False)
+    forward = llm.forward
+    prompt = [5, 9, 14, 3, 22, 7, 31]
+    reference = SequenceState.from_prompt(prompt)
+    forward.prefill(reference.tokens, reference)
+    want = [np.asarray(forward.decode(token, reference))[0] for token in (11, 12, 13)]
+    forms = []
+    for name in ("_absorbed", "_expanded"):
+        original = getattr(LatentAttention, name)
+        monkeypatch.setattr(LatentAttention, name, lambda self, *a, _f=original, _n=name: forms.append(_n) or _f(self, *a))
+    seq = SequenceState.from_prompt(prompt)
+    forward.prefill(seq.tokens, seq)
+    forms.clear()
+    got = np.asarray(forward.verify([[11, 12, 13]], [seq]))
+    assert forms and set(forms) == {"_absorbed"}
+    np.testing.assert_allclose(got, np.stack(want), rtol=1e-5, atol=1e-5)
+    for s in (reference, seq):
+        llm.cache.release(s)
