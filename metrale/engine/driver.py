@@ -32,7 +32,9 @@ class EngineStats:
     cache (blocks kept only by the prefix cache count as free: they are evicted on demand);
     ``state_slots_used`` / ``state_slots_total`` recurrent-state slots (0 / 0 for models without);
     ``prefix_queried_blocks`` / ``prefix_hit_blocks`` the prefix cache's lookups so far;
-    ``preemptions`` the preemptions so far; ``steps`` the engine steps so far.
+    ``preemptions`` the preemptions so far; ``steps`` the engine steps so far;
+    ``spec_verify_steps`` / ``spec_draft_tokens`` / ``spec_accepted_tokens`` the speculative
+    verifies so far and the draft tokens they verified and kept.
     """
 
     running: int = 0
@@ -45,6 +47,9 @@ class EngineStats:
     prefix_hit_blocks: int = 0
     preemptions: int = 0
     steps: int = 0
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -152,4 +157,7 @@ class EngineDriver:
             prefix_hit_blocks=prefix.hit_blocks if prefix is not None else 0,
             preemptions=engine.scheduler.preemptions,
             steps=self.steps,
+            spec_verify_steps=engine.calls.get("verify", 0),
+            spec_draft_tokens=engine.draft_tokens,
+            spec_accepted_tokens=engine.accepted_tokens,
         )

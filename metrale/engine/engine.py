@@ -133,6 +133,9 @@ class Engine:
         #: scheduling, or this one without), for tests and statistics.
         self.calls: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
+        #: Draft tokens verified and kept so far (speculative decoding).
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
         #: Steps queued while the step before them was still in flight (overlap scheduling).
         self.overlapped_steps = 0
         #: What :meth:`recover` found inconsistent and rebuilt (for tests and diagnostics).
@@ -363,6 +366,8 @@ class Engine:
         accepted = [accepted_count(d, tokens[start : start + len(d) + 1]) for d, start in zip(drafts, starts)]
         self.forward.verdict(seqs, rows, accepted)
         self.calls["verify"] = self.calls.get("verify", 0) + 1
+        self.draft_tokens += sum(len(d) for d in drafts)
+        self.accepted_tokens += sum(accepted)
         changed: list[Request] = []
         for request, draft, kept, start in zip(requests, drafts, accepted, starts):
             request.num_draft_tokens += len(draft)
@@ -409,15 +414,20 @@ class Engine:
         return max(0, min(count, left, room))
 
     def _fit_drafts(self, seqs: list[SequenceState], drafts: list[list[int]]) -> list[list[int]]:
-        """``drafts`` shortened (the longest first) until the verify's rows fit the free blocks."""
+        """``drafts`` shortened (the longest first) until the verify's rows fit the step's token
+        budget (``max_num_batched_tokens``) and the free blocks."""
         cache = self.cache
-        if not cache.spec.uses_blocks:
-            return drafts
+        budget = self.scheduler.max_num_batched_tokens
 
-        def needed() -> int:
-            return sum(cache.blocks_needed(seq, seq.num_cached + 1 + len(d)) for seq, d in zip(seqs, drafts))
+        def fits() -> bool:
+            if sum(len(d) + 1 for d in drafts) > budget:
+                return False
+            if not cache.spec.uses_blocks:
+                return True
+            needed = sum(cache.blocks_needed(seq, seq.num_cached + 1 + len(d)) for seq, d in zip(seqs, drafts))
+            return needed <= cache.num_free_blocks
 
-        while needed() > cache.num_free_blocks and any(drafts):
+        while not fits() and any(drafts):
             longest = max(range(len(drafts)), key=lambda i: len(drafts[i]))
             drafts[longest] = drafts[longest][:-1]
         return drafts

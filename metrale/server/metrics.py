@@ -74,6 +74,10 @@ class EngineCollector(Collector):
             ("metrale_prefix_cache_hits", "KV blocks the prefix cache supplied.", value("prefix_hit_blocks")),
             ("metrale_preemptions", "Preemptions (a request's cache freed, to be recomputed later).", value("preemptions")),
             ("metrale_engine_steps", "Engine steps.", value("steps")),
+            ("metrale_spec_decode_verify_steps", "Speculative verify steps (speculative_config only).",
+             value("spec_verify_steps")),
+            ("metrale_spec_decode_draft_tokens", "Draft tokens proposed and verified.", value("spec_draft_tokens")),
+            ("metrale_spec_decode_accepted_tokens", "Draft tokens the target model kept.", value("spec_accepted_tokens")),
         ]
         families: list[Metric] = [GaugeMetricFamily(name, doc, value=v) for name, doc, v in gauges]
         families += [CounterMetricFamily(name, doc, value=v) for name, doc, v in counters]

@@ -407,3 +407,22 @@ def test_an_mla_verify_computes_its_rows_as_decode_rows(mla_checkpoints, monkeyp
     np.testing.assert_allclose(got, np.stack(want), rtol=1e-5, atol=1e-5)
     for s in (reference, seq):
         llm.cache.release(s)
+
+
+def test_a_verify_keeps_to_the_step_token_budget(dense_checkpoints, monkeypatch):
+    path = dense_checkpoints["llama"]
+    prompts = repetitive_prompts(3, 120)[:3]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    options = dict(max_num_seqs=3, block_size=4, max_num_batched_tokens=8)
+    plain, _ = run(path, prompts, params, **options)
+    scripts = [list(p) + o.token_ids for p, o in zip(prompts, plain)]
+    rows = []
+    from metrale.forward import ModelForward
+
+    original = ModelForward.verify
+    monkeypatch.setattr(ModelForward, "verify", lambda self, tokens, seqs, stream=None: rows.append(
+        sum(len(t) for t in tokens)) or original(self, tokens, seqs, stream))
+    speculated, llm = run(path, prompts, params, plugin_manager=manager_with(ScriptedDrafter(scripts), "oracle"),
+                          speculative_config={"method": "oracle", "num_speculative_tokens": 6}, **options)
+    assert [o.token_ids for o in speculated] == [o.token_ids for o in plain]
+    assert rows and max(rows) == 8  # three sequences would take 21 rows: cut to the budget

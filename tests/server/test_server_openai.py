@@ -395,3 +395,19 @@ def test_serve_arguments_cover_every_engine_option():
     config = EngineConfig.from_options({k: v for k, v in options.items() if k in engine_names | cache_names},
                                        read_environment({}))
     assert config.max_num_seqs == 8 and config.cache.block_size == 32 and not config.enable_prefix_caching
+
+
+def test_speculation_counters_in_metrics():
+    own = Stack(in_process=True, engine_options={"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}})
+    try:
+        before = metric_values(own.http)
+        assert before["metrale_spec_decode_verify_steps_total"] == 0
+        prompt = "one two three four one two three four one two three four one two three"
+        response = own.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+        assert response.usage.completion_tokens == 12
+        after = metric_values(own.http)
+        drafted, kept = after["metrale_spec_decode_draft_tokens_total"], after["metrale_spec_decode_accepted_tokens_total"]
+        assert after["metrale_spec_decode_verify_steps_total"] > 0 and drafted > 0 and 0 <= kept <= drafted
+    finally:
+        own.close()
