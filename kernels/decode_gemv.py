@@ -22,19 +22,20 @@ rows and its up rows as the two halves of the product's 16 rows (:data:`SWIGLU_E
 :data:`PLAIN_SWIGLU` is the same epilogue after the :data:`PLAIN` prologue: ``linear_silu`` (a
 shared expert's gate and up projections with their gate) in one kernel.
 
-Each block first issues its first weight loads, then writes the prologue's ``[rows, K]`` bf16
-input into shared memory (every block computes it: the input is a few kilobytes, read from L2).
-The product runs on ``mma.sync.m16n8k16``: 16 output columns are the M side, the (at most 8)
-rows the N side, so one instruction takes 512 bytes of weights and the arithmetic never limits
-the weight stream, whatever the row count. The K order inside an instruction is free (a dot
-product), so each lane feeds the A fragment straight from two 16-byte weight loads (columns g and
-g + 8, the same 8 K values) and the B fragment from the matching 16 bytes of staged input: no
-shuffles, no shared memory for the weights. ``SPLIT`` warps share a tile of 16 columns, each
-taking a slice of K, and add their partial sums through shared memory; with ``SPLIT == 1`` every
-warp owns whole tiles and the grid loops over them. The launcher picks ``SPLIT`` so that the tiles
-times the split give every multiprocessor a block's worth of warps (narrow projections split K,
-wide ones do not). Each warp keeps the next batch of weight words in flight while it multiplies
-the current one.
+Each block first issues its first weight loads, then writes the prologue's ``[rows, K]`` bf16 input
+into shared memory (every block computes it: the input is a few kilobytes, read from L2). The
+product runs on ``mma.sync.m16n8k16``: 16 output columns are the M side, a tile of (at most) 8 rows
+the N side, so one instruction takes 512 bytes of weights and the arithmetic never limits the
+weight stream, whatever the row count. Past 8 rows (up to :data:`MAX_ROWS`) each weight fragment
+multiplies every tile of 8 rows in turn (``ROW_TILES``), the weights still read once. The K order
+inside an instruction is free (a dot product), so each lane feeds the A fragment straight from two
+16-byte weight loads (columns g and g + 8, the same 8 K values) and the B fragment from the
+matching 16 bytes of staged input: no shuffles, no shared memory for the weights. ``SPLIT`` warps
+share a tile of 16 columns, each taking a slice of K, and add their partial sums through shared
+memory; with ``SPLIT == 1`` every warp owns whole tiles and the grid loops over them. The launcher
+picks ``SPLIT`` so that the tiles times the split give every multiprocessor a block's worth of
+warps (narrow projections split K, wide ones do not). Each warp keeps the next batch of weight
+words in flight while it multiplies the current one.
 
 Launched dependently (:mod:`metrale.kernels._launch`), a block issues its first weight loads
 before it waits for the kernel ahead to finish: they do not depend on it.
@@ -72,7 +73,10 @@ SWIGLU_MODES = (RMSNORM_SWIGLU, PLAIN_SWIGLU)
 #: of the down kernel. Off until it is timed on a GPU (``tools/gemv_sweep.py``).
 SWIGLU_EPILOGUE = False
 
-MAX_ROWS = 8  # the N side of the tensor-core product
+#: Rows a launch takes: up to 8 per tile of the tensor-core product's N side, up to
+#: :data:`ROW_TILES`\[-1] such tiles (each weight fragment multiplies every tile).
+MAX_ROWS = 32
+ROW_TILES = (1, 2, 4)
 WARPS = 8
 THREADS = 32 * WARPS
 #: 16-byte weight words per lane and column in one batch (32 K values each): the launcher's default
@@ -84,8 +88,8 @@ TILE = 16  # output columns of one product
 #: Largest dynamic shared memory a block takes (the staged rows, the norm's partial sums and the
 #: split's partial products): what the H200 allows a block.
 MAX_SHARED_BYTES = 227 * 1024
-REDUCE_BYTES = WARPS * 32 * 16  # a float4 per lane of every warp
-NORM_BYTES = WARPS * 8 * 4 + 8 * 4  # partial sums of squares per warp and row, then the scales
+REDUCE_BYTES = WARPS * 32 * 16  # a float4 per lane of every warp, per row tile
+NORM_BYTES = WARPS * MAX_ROWS * 4 + MAX_ROWS * 4  # partial sums of squares per warp and row, then the scales
 
 #: The CUDA side only: the dynamic shared memory (the emulation header has its own).
 INSTRUCTIONS = r"""
@@ -95,6 +99,7 @@ INSTRUCTIONS = r"""
 CONSTANTS = f"""
 #define WARPS {WARPS}
 #define THREADS {THREADS}
+#define NORM_ROWS {MAX_ROWS}
 #define MODE_PLAIN {PLAIN}
 #define MODE_RMSNORM {RMSNORM}
 #define MODE_SILU {SILU}
@@ -149,7 +154,8 @@ __device__ __forceinline__ unsigned silu_mul_pair(unsigned gate, unsigned up) {
     return (unsigned)to_bf16(v0) | ((unsigned)to_bf16(v1) << 16);
 }
 
-// y[r, n] = dot(prologue(x)[r, :], weight[n, :]) (+ bias[n]) for r < rows <= 8, n < N.
+// y[r, n] = dot(prologue(x)[r, :], weight[n, :]) (+ bias[n]) for r < rows <= 8 * ROW_TILES, n < N:
+// row tile t (rows 8t to 8t + 7) is the N side of its own products, with the same weight fragments.
 // MODE_RMSNORM_SWIGLU: the RMSNORM prologue, weight [2N, K] (N gate rows, then N up rows), and
 // y[r, n] = silu(g) * u of the bf16-rounded g = dot(., gate row n), u = dot(., up row n), as bf16
 // (BF16_OUT, no bias): a tile is 8 units, its gate rows as the product's rows 0-7 and its up rows
@@ -158,12 +164,12 @@ __device__ __forceinline__ unsigned silu_mul_pair(unsigned gate, unsigned up) {
 // Grid: blocks of THREADS threads; warp w works on column tile blockIdx.x * WARPS / SPLIT + w / SPLIT
 // (16 columns; then + gridDim.x * WARPS / SPLIT, round after round) over K slice w % SPLIT.
 // Dynamic shared memory: rows * ceil(K / 64) * 128 bytes of staged input, then (RMSNORM) the norm's sums, then
-// (SPLIT > 1) WARPS * 32 float4 of partial products. x: bf16 bits [rows, K] (PLAIN), float32
+// (SPLIT > 1) WARPS * ROW_TILES * 32 float4 of partial products. x: bf16 bits [rows, K] (PLAIN), float32
 // [rows, K] (RMSNORM, with residual float32 [rows, K] or null), bf16 bits [rows, 2K] (SILU);
 // weight: bf16 bits [N, K] as 16-byte words, K a multiple of 32; out: float32 [rows, N], or bf16
 // bits with BF16_OUT. Every array 16-byte aligned.
-template <int MODE, bool BF16_OUT, int SPLIT, int UNROLL>
-__global__ void __launch_bounds__(THREADS, UNROLL > 4 ? 1 : 2) decode_gemv(
+template <int MODE, bool BF16_OUT, int SPLIT, int UNROLL, int ROW_TILES>
+__global__ void __launch_bounds__(THREADS, UNROLL > 4 || ROW_TILES > 1 ? 1 : 2) decode_gemv(
     const void* __restrict__ x, const float* __restrict__ residual, const unsigned short* __restrict__ norm_weight,
     float eps, float norm_offset, float* __restrict__ summed, const uint4* __restrict__ weight,
     const float* __restrict__ bias, void* __restrict__ out, int rows, int K, int N) {
@@ -240,8 +246,8 @@ __global__ void __launch_bounds__(THREADS, UNROLL > 4 ? 1 : 2) decode_gemv(
     } else {
         const float4* in = static_cast<const float4*>(x);   // [rows][K / 4]
         const float4* add = reinterpret_cast<const float4*>(residual);
-        float* partial = reinterpret_cast<float*>(stage + rows * stride);   // [WARPS][8]
-        float* scale = partial + WARPS * 8;   // [8]
+        float* partial = reinterpret_cast<float*>(stage + rows * stride);   // [WARPS][NORM_ROWS]
+        float* scale = partial + WARPS * NORM_ROWS;   // [NORM_ROWS]
         const int quads = K / 4;
         for (int r = 0; r < rows; ++r) {
             float squares = 0.0f;
@@ -254,13 +260,13 @@ __global__ void __launch_bounds__(THREADS, UNROLL > 4 ? 1 : 2) decode_gemv(
                 squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
             }
             squares = warp_sum(squares);
-            if (lane == 0) partial[warp * 8 + r] = squares;
+            if (lane == 0) partial[warp * NORM_ROWS + r] = squares;
         }
         __syncthreads();
         if (tid < rows) {
             float total = 0.0f;
             #pragma unroll
-            for (int w = 0; w < WARPS; ++w) total += partial[w * 8 + tid];
+            for (int w = 0; w < WARPS; ++w) total += partial[w * NORM_ROWS + tid];
             scale[tid] = 1.0f / sqrtf(total / (float)K + eps);
         }
         __syncthreads();
@@ -294,9 +300,12 @@ __global__ void __launch_bounds__(THREADS, UNROLL > 4 ? 1 : 2) decode_gemv(
     __syncthreads();
 
     // 2. The products, batch after batch, the next batch's loads in flight during each.
-    constexpr int NORM_SUMS = MODE == MODE_RMSNORM || MODE == MODE_RMSNORM_SWIGLU ? (WARPS * 8 + 8) * 4 : 0;   // bytes
-    float4* reduce = reinterpret_cast<float4*>(dynamic_shared + (size_t)rows * stride * 16 + NORM_SUMS);   // [WARPS][32]
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    constexpr int NORM_SUMS = MODE == MODE_RMSNORM || MODE == MODE_RMSNORM_SWIGLU ? (WARPS * NORM_ROWS + NORM_ROWS) * 4 : 0;
+    // [WARPS][ROW_TILES][32]
+    float4* reduce = reinterpret_cast<float4*>(dynamic_shared + (size_t)rows * stride * 16 + NORM_SUMS);
+    float acc[ROW_TILES][4];
+    #pragma unroll
+    for (int t = 0; t < ROW_TILES; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
     for (int step = 0; step < steps; ++step) {
         uint4 next_upper[UNROLL], next_lower[UNROLL];
         if (step + 1 < steps) load(step + 1, next_upper, next_lower);
@@ -305,51 +314,65 @@ __global__ void __launch_bounds__(THREADS, UNROLL > 4 ? 1 : 2) decode_gemv(
         for (int u = 0; u < UNROLL; ++u) {
             if (first_chunk + batch * 4 * UNROLL + 4 * u < end_chunk) {   // warp-uniform
                 const int chunk = first_chunk + batch * 4 * UNROLL + 4 * u + q;
-                const uint4 in = g < rows && chunk < end_chunk ? stage[staged_chunk(g, chunk, stride)] : zero;
                 const unsigned a0[4] = {upper[u].x, lower[u].x, upper[u].y, lower[u].y};
-                const unsigned b0[2] = {in.x, in.y};
-                mma_16x8x16(acc, a0, b0);
                 const unsigned a1[4] = {upper[u].z, lower[u].z, upper[u].w, lower[u].w};
-                const unsigned b1[2] = {in.z, in.w};
-                mma_16x8x16(acc, a1, b1);
+                #pragma unroll
+                for (int t = 0; t < ROW_TILES; ++t) {
+                    const int row = 8 * t + g;
+                    const uint4 in = row < rows && chunk < end_chunk ? stage[staged_chunk(row, chunk, stride)] : zero;
+                    const unsigned b0[2] = {in.x, in.y};
+                    mma_16x8x16(acc[t], a0, b0);
+                    const unsigned b1[2] = {in.z, in.w};
+                    mma_16x8x16(acc[t], a1, b1);
+                }
             }
         }
         if (batch == batches - 1) {   // the tile's last batch: its columns are done
             const int tile = first_tile + (step / batches) * tile_stride;
             if (SPLIT > 1) {
-                const float4 mine = {acc[0], acc[1], acc[2], acc[3]};
-                reduce[warp * 32 + lane] = mine;
+                #pragma unroll
+                for (int t = 0; t < ROW_TILES; ++t) {
+                    const float4 mine = {acc[t][0], acc[t][1], acc[t][2], acc[t][3]};
+                    reduce[(warp * ROW_TILES + t) * 32 + lane] = mine;
+                }
                 __syncthreads();
                 if (part == 0) {
                     #pragma unroll
                     for (int p = 1; p < SPLIT; ++p) {
-                        const float4 other = reduce[(warp + p) * 32 + lane];
-                        acc[0] += other.x; acc[1] += other.y; acc[2] += other.z; acc[3] += other.w;
+                        #pragma unroll
+                        for (int t = 0; t < ROW_TILES; ++t) {
+                            const float4 other = reduce[((warp + p) * ROW_TILES + t) * 32 + lane];
+                            acc[t][0] += other.x; acc[t][1] += other.y; acc[t][2] += other.z; acc[t][3] += other.w;
+                        }
                     }
                 }
                 __syncthreads();
             }
-            if (SWIGLU && part == 0 && tile < tiles) {
-                #pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const int r = 2 * q + i, unit = tile * 8 + g;
-                    if (r < rows && unit < N) {
-                        const float gate = bf16_bits(to_bf16(acc[i])), up = bf16_bits(to_bf16(acc[i + 2]));
-                        static_cast<unsigned short*>(out)[(size_t)r * N + unit] = to_bf16(gate / (1.0f + expf(-gate)) * up);
+            #pragma unroll
+            for (int t = 0; t < ROW_TILES; ++t) {
+                if (SWIGLU && part == 0 && tile < tiles) {
+                    #pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const int r = 8 * t + 2 * q + i, unit = tile * 8 + g;
+                        if (r < rows && unit < N) {
+                            const float gate = bf16_bits(to_bf16(acc[t][i])), up = bf16_bits(to_bf16(acc[t][i + 2]));
+                            static_cast<unsigned short*>(out)[(size_t)r * N + unit] =
+                                to_bf16(gate / (1.0f + expf(-gate)) * up);
+                        }
+                    }
+                } else if (part == 0 && tile < tiles) {
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int r = 8 * t + 2 * q + (i & 1), column = tile * 16 + g + (i >= 2 ? 8 : 0);
+                        if (r < rows && column < N) {
+                            const float value = bias != nullptr ? acc[t][i] + bias[column] : acc[t][i];
+                            if (BF16_OUT) static_cast<unsigned short*>(out)[(size_t)r * N + column] = to_bf16(value);
+                            else static_cast<float*>(out)[(size_t)r * N + column] = value;
+                        }
                     }
                 }
-            } else if (part == 0 && tile < tiles) {
-                #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int r = 2 * q + (i & 1), column = tile * 16 + g + (i >= 2 ? 8 : 0);
-                    if (r < rows && column < N) {
-                        const float value = bias != nullptr ? acc[i] + bias[column] : acc[i];
-                        if (BF16_OUT) static_cast<unsigned short*>(out)[(size_t)r * N + column] = to_bf16(value);
-                        else static_cast<float*>(out)[(size_t)r * N + column] = value;
-                    }
-                }
+                acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
             }
-            acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
         }
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -361,9 +384,14 @@ __global__ void __launch_bounds__(THREADS, UNROLL > 4 ? 1 : 2) decode_gemv(
 """
 
 
-def kernel_name(mode: int, bf16_out: bool, split: int, unroll: int = UNROLLS[0]) -> str:
+def kernel_name(mode: int, bf16_out: bool, split: int, unroll: int = UNROLLS[0], row_tiles: int = 1) -> str:
     """The C++ name of one instantiation of ``decode_gemv``."""
-    return f"decode_gemv<{mode}, {'true' if bf16_out else 'false'}, {split}, {unroll}>"
+    return f"decode_gemv<{mode}, {'true' if bf16_out else 'false'}, {split}, {unroll}, {row_tiles}>"
+
+
+def row_tiles(rows: int) -> int:
+    """The :data:`ROW_TILES` choice of a launch of ``rows`` rows: the fewest tiles of 8 that hold them."""
+    return next(t for t in ROW_TILES if 8 * t >= rows) if rows <= MAX_ROWS else ROW_TILES[-1]
 
 
 def source() -> str:
@@ -375,7 +403,8 @@ def shared_bytes(rows: int, inner: int, mode: int, split: int) -> int:
     """Dynamic shared memory of a launch: the staged rows, the norm's sums, the split's partial
     products."""
     staged = rows * -(-inner // 64) * 128  # rows padded to 128 bytes
-    return staged + (NORM_BYTES if mode in (RMSNORM, RMSNORM_SWIGLU) else 0) + (REDUCE_BYTES if split > 1 else 0)
+    reduce = REDUCE_BYTES * row_tiles(rows) if split > 1 else 0
+    return staged + (NORM_BYTES if mode in (RMSNORM, RMSNORM_SWIGLU) else 0) + reduce
 
 
 def supports(rows: int, inner: int, mode: int = PLAIN) -> bool:
@@ -398,7 +427,8 @@ def plan(rows: int, inner: int, columns: int, mode: int, multiprocessors: int, s
     groups = WARPS // split
     blocks = -(-tiles // groups)
     if split == 1:
-        per_multiprocessor = 2 if 2 * shared_bytes(rows, inner, mode, split) <= 228 * 1024 and unroll == UNROLLS[0] else 1
+        per_multiprocessor = (2 if 2 * shared_bytes(rows, inner, mode, split) <= 228 * 1024 and unroll == UNROLLS[0]
+                              and rows <= 8 else 1)
         blocks = min(blocks, multiprocessors * per_multiprocessor)
     return split, blocks
 
@@ -407,11 +437,12 @@ def choose_unroll(rows: int, inner: int, columns: int, mode: int, multiprocessor
                   split: int | None = None) -> int:
     """The launcher's :data:`UNROLLS` choice: 8 (twice the weight words in flight, one block a
     multiprocessor for the registers) where the split grid fits one wave at one block a
-    multiprocessor, 4 otherwise. On the H200 unroll 8 was faster exactly there: the 1B shape's down
-    and o projections at one row (128 blocks), slower where it made a second wave (the 8B shape's,
-    256 blocks) or a grid-stride loop (split 1)."""
+    multiprocessor and there are at most 8 rows (more rows hold more accumulators), 4 otherwise.
+    On the H200 unroll 8 was faster exactly there: the 1B shape's down and o projections at one
+    row (128 blocks), slower where it made a second wave (the 8B shape's, 256 blocks) or a
+    grid-stride loop (split 1)."""
     chosen, blocks = plan(rows, inner, columns, mode, multiprocessors, split)
-    return UNROLLS[1] if chosen > 1 and blocks <= multiprocessors else UNROLLS[0]
+    return UNROLLS[1] if chosen > 1 and blocks <= multiprocessors and rows <= 8 else UNROLLS[0]
 
 
 # ------------------------------------------------------------------------------ reference
@@ -455,17 +486,17 @@ def decode_gemv_reference(
 
 # ------------------------------------------------------------------------------- launcher
 
-_kernels: dict[tuple[int, bool, int, int], Any] = {}
+_kernels: dict[tuple[int, bool, int, int, int], Any] = {}
 _multiprocessors: dict[int, int] = {}
 
 
-def _kernel(mode: int, bf16_out: bool, split: int, unroll: int) -> Any:
-    key = (mode, bf16_out, split, unroll)
+def _kernel(mode: int, bf16_out: bool, split: int, unroll: int, tiles: int) -> Any:
+    key = (mode, bf16_out, split, unroll, tiles)
     kernel = _kernels.get(key)
     if kernel is None:
         import cupy
 
-        name = kernel_name(mode, bf16_out, split, unroll)
+        name = kernel_name(mode, bf16_out, split, unroll, tiles)
         module = cupy.RawModule(code=source(), options=("--std=c++17",), name_expressions=(name,))
         kernel = module.get_function(name)
         _kernels[key] = kernel
@@ -540,7 +571,7 @@ def decode_gemv(
     if unroll not in UNROLLS:
         raise KernelArgumentError(f"{name}: unroll {unroll} is not one of {UNROLLS}")
     chosen, blocks = plan(rows, inner, columns, mode, multiprocessor_count(), split, unroll)
-    kernel = _kernel(mode, bf16_out, chosen, unroll)
+    kernel = _kernel(mode, bf16_out, chosen, unroll, row_tiles(rows))
     stage = shared_bytes(rows, inner, mode, chosen)
     if stage > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = stage

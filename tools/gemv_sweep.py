@@ -17,7 +17,7 @@ kernel), "gu epi" and "down plain" its two kernels.
 ``--splits`` adds the fused path at each given split (warps per tile of 16 columns) besides the
 launcher's choice. Run from the repository root::
 
-    python3 tools/gemv_sweep.py [--shapes llama-1b,llama-8b] [--rows 1,2,4,8] [--splits 1,2,4,8]
+    python3 tools/gemv_sweep.py [--shapes llama-1b,llama-8b] [--rows 1,2,4,8,16,32] [--splits 1,2,4,8]
 """
 
 from __future__ import annotations

@@ -76,9 +76,11 @@ def inputs(rng, mode, rows, inner):
 CASES = [(shape, rows) for shape in LLAMA_1B + LLAMA_8B for rows in (1, 3, 8) if not (shape[1] == 14336 and rows == 8)]
 
 
-# The launcher's split for every case; every split for two of them (a narrow and a wide projection).
+# The launcher's split for every case; every split for two of them (a narrow and a wide projection);
+# two and four row tiles on the Llama-1B shapes whose staged rows fit (an inner size of 2,048).
 CASES = [(shape, rows, None) for shape, rows in CASES] + [
-    (shape, 3, split) for shape in (LLAMA_1B[1], LLAMA_1B[2]) for split in (1, 2, 4, 8)]
+    (shape, 3, split) for shape in (LLAMA_1B[1], LLAMA_1B[2]) for split in (1, 2, 4, 8)] + [
+    (shape, rows, None) for shape in LLAMA_1B if shape[1] == 2048 for rows in (13, 32)]
 
 
 @pytest.mark.parametrize("shape, rows, split", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}{'-bf16' if c[3] else ''}"

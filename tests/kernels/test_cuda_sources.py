@@ -114,8 +114,9 @@ def test_every_kernel_name_is_an_entry(tmp_path, module):
 def test_every_decode_gemv_instantiation_compiles(tmp_path):
     signature = ("const void*, const float*, const unsigned short*, float, float, float*, const uint4*, const float*, "
                  "void*, int, int, int")
-    names = [decode_gemv.kernel_name(mode, bf16_out, split, unroll) for mode in decode_gemv.MODES
-             for bf16_out in (False, True) for split in decode_gemv.SPLITS for unroll in decode_gemv.UNROLLS]
+    names = [decode_gemv.kernel_name(mode, bf16_out, split, unroll, tiles) for mode in decode_gemv.MODES
+             for bf16_out in (False, True) for split in decode_gemv.SPLITS for unroll in decode_gemv.UNROLLS
+             for tiles in decode_gemv.ROW_TILES]
     instantiations = "".join(f"template __global__ void {name}({signature});\n" for name in names)
     ptx = compile_to_ptx(tmp_path, decode_gemv.source() + instantiations)
     assert len(entries(ptx)) == len(names)

@@ -1,6 +1,7 @@
 """The decode GEMV kernels (:mod:`metrale.kernels.decode_gemv`) run on the host through the CUDA
 emulation header against :func:`~metrale.kernels.decode_gemv.decode_gemv_reference`: every
-prologue (plain, RMSNorm with and without the residual, SiLU), every row bucket with padding rows,
+prologue (plain, RMSNorm with and without the residual, SiLU), one to four tiles of 8 rows with
+padding rows,
 float32 and bf16 outputs, a bias, and grids smaller than the columns (the warps loop)."""
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ void run(const std::string& folder, int rows, int K, int N, int blocks, int has_
     float* bias = has_bias ? read<float>(folder + "/bias", N) : nullptr;
     void* out = BF16_OUT ? (void*)allocate<unsigned short>((size_t)rows * N) : (void*)allocate<float>((size_t)rows * N);
     emu::launch({(unsigned)blocks, 1, 1}, {THREADS, 1, 1}, [&] {
-        decode_gemv<MODE, BF16_OUT, SPLIT, UNROLL>(x, residual, norm, eps, offset, summed, weight, bias, out, rows, K, N);
+        if (rows > 16)
+            decode_gemv<MODE, BF16_OUT, SPLIT, UNROLL, 4>(x, residual, norm, eps, offset, summed, weight, bias, out, rows, K, N);
+        else if (rows > 8)
+            decode_gemv<MODE, BF16_OUT, SPLIT, UNROLL, 2>(x, residual, norm, eps, offset, summed, weight, bias, out, rows, K, N);
+        else
+            decode_gemv<MODE, BF16_OUT, SPLIT, UNROLL, 1>(x, residual, norm, eps, offset, summed, weight, bias, out, rows, K, N);
     });
     if (BF16_OUT) write(folder + "/out", static_cast<unsigned short*>(out), (size_t)rows * N);
     else write(folder + "/out", static_cast<float*>(out), (size_t)rows * N);
@@ -129,6 +135,12 @@ def bf16_bits(rng, shape, scale=1.0):
     (dg.SILU, 1, 96, 29, False, False, False, 8, 4, 2),
     (dg.SILU, 6, 256, 17, False, True, False, 4, 8, 1),
     (dg.SILU, 7, 64, 300, False, False, True, 1, 4, 2),
+    # Past 8 rows: two and four row tiles, the last one partial.
+    (dg.PLAIN, 13, 256, 40, False, True, False, 2, 4, 2),
+    (dg.PLAIN, 32, 128, 33, False, False, True, 1, 4, 1),
+    (dg.RMSNORM, 16, 160, 19, True, False, False, 4, 4, 1),
+    (dg.RMSNORM, 27, 96, 48, False, True, False, 8, 8, 2),
+    (dg.SILU, 20, 64, 24, False, False, False, 2, 4, 1),
 ])
 def test_emulated_kernels_match_the_reference(emulated, mode, rows, inner, columns, residual, bias, bf16_out, split,
                                               unroll, blocks):
@@ -162,8 +174,10 @@ def test_emulated_kernels_match_the_reference(emulated, mode, rows, inner, colum
 
 
 def test_supports_and_plan():
-    assert dg.supports(8, 4096, dg.RMSNORM) and not dg.supports(9, 4096) and not dg.supports(1, 4112)
+    assert dg.supports(8, 4096, dg.RMSNORM) and dg.supports(32, 2048) and not dg.supports(1, 4112)
+    assert not dg.supports(33, 64) and not dg.supports(32, 4096)  # 256 KB of staged rows
     assert dg.supports(7, 14336, dg.SILU) and not dg.supports(8, 14336, dg.SILU)  # 229 KB of staged rows
+    assert [dg.row_tiles(r) for r in (1, 8, 9, 16, 17, 32)] == [1, 1, 2, 2, 4, 4]
     assert not dg.supports(0, 64)
     # 132 multiprocessors: narrow projections split K over 8 warps, one tile a block; a wide one
     # is not split, its blocks (two a multiprocessor) loop over the tiles.
@@ -182,7 +196,7 @@ def test_supports_and_plan():
 
 
 @pytest.mark.parametrize("rows, inner, mode, x_dtype, why", [
-    (9, 64, dg.PLAIN, np.uint16, "not served"),  # more rows than a launch takes
+    (33, 64, dg.PLAIN, np.uint16, "not served"),  # more rows than a launch takes
     (2, 80, dg.PLAIN, np.uint16, "not served"),  # K not a multiple of 32
     (2, 64, dg.RMSNORM, np.uint16, "x"),  # the norm takes float32 rows
     (2, 64, dg.SILU, np.uint16, "x"),  # SILU takes [rows, 2K]; given [rows, K]
@@ -205,6 +219,7 @@ def test_the_launcher_refuses_what_it_does_not_serve(rows, inner, mode, x_dtype,
     (2, 96, 13, False, 2, 4, 1),  # the first layer: no residual yet; a partial tile
     (5, 160, 24, True, 1, 8, 1),  # 3 tiles, 8 a block: the grid's one block
     (8, 512, 300, True, 1, 4, 2),  # 38 tiles, 16 a round
+    (25, 128, 30, True, 2, 4, 1),  # four row tiles, the last holding one row
 ])
 def test_the_swiglu_epilogue_writes_what_the_silu_prologue_stages(emulated, rows, inner, units, residual, split,
                                                                   unroll, blocks):
