@@ -1,0 +1,244 @@
+"""Speculative decoding measured: what a verify costs, what an oracle drafter gains, what the
+n-gram drafter accepts on the tiny models' held-out text.
+
+Three parts (``--parts``, all by default):
+
+* ``verify`` -- on a ``metrale bench`` shape (random weights; ``--shape``, or ``--checkpoint``),
+  after a prompt of ``--context`` tokens, the median time of a decode step of one sequence (its
+  CUDA graph where the engine has one) and of a verify of 1 + K rows for each K of ``--k`` (the
+  forward and the sampling of every row; the drafts kept, so the context grows as decoding's
+  does); the ratio is the verify's cost in decode steps.
+* ``oracle`` -- batch-1 greedy tok/s of ``generate`` on the same model without speculation and with
+  a drafter that proposes the target's own greedy continuation (read from the run without), K the
+  largest of ``--k``: the upper bound of what speculation can gain at that K, every draft kept where
+  the two runs agree.
+* ``ngram`` -- for each model of ``--tiny``, prompts cut from the training corpus's held-out
+  documents (``tools/tiny_corpus.py``), greedy ``--max-tokens`` tokens with and without n-gram
+  speculation (K = 3): the mean tokens a verify step produced (kept drafts plus the one the target
+  adds), the drafts kept of those proposed, tok/s both ways.
+
+Prints a table per part and writes every number to ``--output`` (JSON). Run from the repository
+root::
+
+    python3 tools/speculative_bench.py [--shape llama-8b] [--k 1,2,3,4] [--context 512] [--steps 32]
+                                       [--parts verify,oracle,ngram] [--device cuda] [--output spec.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def wall_time(function: Callable[[], Any], repeats: int, synchronize: Callable[[], None], warmup: int = 2) -> float:
+    """Median seconds of ``function`` followed by ``synchronize`` (the device drained)."""
+    for _ in range(warmup):
+        function()
+    synchronize()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        synchronize()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def synchronizer(llm: Any) -> Callable[[], None]:
+    stream = getattr(llm.backend, "stream", None)
+    return stream.synchronize if stream is not None else (lambda: None)
+
+
+def verify_costs(llm: Any, ks: list[int], context: int, steps: int) -> dict[str, float]:
+    """Median seconds of a decode step and of a verify of 1 + K rows, each with its sampling."""
+    import numpy as np
+
+    from metrale.params import SamplingParams
+    from metrale.sequence import SequenceState
+
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, llm.vocab_size, context).tolist()
+    greedy = SamplingParams(temperature=0.0)
+    sampler, forward, sync = llm.engine.sampler, llm.forward, synchronizer(llm)
+    result = {}
+    for k in [0, *ks]:
+        seq = SequenceState.from_prompt(list(prompt))
+        forward.prefill(seq.tokens, seq)
+        token = [int(rng.integers(1, llm.vocab_size))]
+
+        def decode() -> None:
+            logits = forward.decode_batch(token, [seq])
+            sampler.sample(logits, [greedy], [0], [0])
+
+        def verify(k: int = k) -> None:
+            rows = token + [int(t) for t in rng.integers(1, llm.vocab_size, k)]
+            logits = forward.verify([rows], [seq])
+            sampler.sample(logits, [greedy] * (k + 1), [0] * (k + 1), list(range(k + 1)))
+            forward.verdict([seq], [k + 1], [k])
+
+        result["decode" if k == 0 else f"verify_k{k}"] = wall_time(decode if k == 0 else verify, steps, sync)
+        llm.cache.release(seq)
+    return result
+
+
+class OracleDrafter:
+    """Proposes the continuation of ``script`` after a sequence's tokens when they are a prefix of
+    it (the target's own greedy tokens), else nothing."""
+
+    def __init__(self, scripts: list[list[int]]) -> None:
+        self.scripts = scripts
+
+    def propose(self, seqs: list[Any], limits: list[int]) -> list[list[int]]:
+        out = []
+        for seq, limit in zip(seqs, limits):
+            tokens = list(seq.tokens)
+            script = next((s for s in self.scripts if s[: len(tokens)] == tokens), None)
+            out.append(script[len(tokens): len(tokens) + limit] if script is not None else [])
+        return out
+
+
+def oracle_manager(drafter: OracleDrafter) -> Any:
+    from metrale import hookimpl
+    from metrale.plugin_manager import get_plugin_manager
+
+    class Plugin:
+        METRALE_CONTRACT_VERSION = "1.2"
+
+        @hookimpl
+        def metrale_drafters(self) -> dict:
+            return {"oracle": lambda config, model: drafter}
+
+    manager = get_plugin_manager()
+    manager.register(Plugin(), name="oracle-drafter")
+    return manager
+
+
+def timed_generate(llm: Any, prompts: list, params: Any) -> tuple[list, float]:
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return outputs, time.perf_counter() - start
+
+
+def oracle_gain(folder: Path, options: dict, k: int, context: int, max_tokens: int) -> dict[str, float]:
+    """Batch-1 greedy tok/s without speculation and with the oracle drafter at ``k``."""
+    import numpy as np
+
+    from metrale import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    plain = LLM(folder, **options)
+    prompt = np.random.default_rng(1).integers(1, plain.vocab_size, context).tolist()
+    timed_generate(plain, [prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    (want,), plain_seconds = timed_generate(plain, [prompt], params)
+    plain.close()
+    manager = oracle_manager(OracleDrafter([prompt + want.token_ids]))
+    speculative = LLM(folder, plugin_manager=manager, speculative_config={"method": "oracle", "num_speculative_tokens": k},
+                      **options)
+    timed_generate(speculative, [prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    (got,), seconds = timed_generate(speculative, [prompt], params)
+    speculative.close()
+    agree = next((i for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids)) if a != b), len(got.token_ids))
+    return {"k": k, "plain_tok_s": max_tokens / plain_seconds, "speculative_tok_s": max_tokens / seconds,
+            "speed_up": plain_seconds / seconds, "tokens_agreeing": agree, "drafted": got.num_draft_tokens,
+            "accepted": got.num_accepted_tokens}
+
+
+def ngram_acceptance(name: str, options: dict, prompts: int, max_tokens: int, k: int = 3) -> dict[str, float]:
+    """N-gram speculation on held-out text of the corpus the tiny models were trained on."""
+    import tiny_corpus
+
+    from metrale import LLM, SamplingParams
+
+    _, held_out = tiny_corpus.extract()
+    texts = [doc[:400] for doc in held_out if len(doc) >= 400][:prompts]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    plain = LLM(name, **options)
+    timed_generate(plain, texts[:1], params)
+    want, plain_seconds = timed_generate(plain, texts, params)
+    plain.close()
+    speculative = LLM(name, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **options)
+    timed_generate(speculative, texts[:1], params)
+    speculative.engine.calls.clear()
+    got, seconds = timed_generate(speculative, texts, params)
+    verifies = speculative.engine.calls.get("verify", 0)
+    speculative.close()
+    drafted = sum(o.num_draft_tokens for o in got)
+    accepted = sum(o.num_accepted_tokens for o in got)
+    generated = sum(len(o.token_ids) for o in got)
+    return {"k": k, "prompts": len(texts), "verify_steps": verifies, "drafted": drafted, "accepted": accepted,
+            "tokens_per_verify": (accepted + verifies) / verifies if verifies else 0.0,
+            "acceptance": accepted / drafted if drafted else 0.0,
+            "same_tokens": sum(a.token_ids == b.token_ids for a, b in zip(want, got)),
+            "plain_tok_s": generated / plain_seconds, "speculative_tok_s": generated / seconds}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-8b", help="a metrale bench shape (random weights)")
+    parser.add_argument("--checkpoint", help="a checkpoint folder or embedded model instead of --shape")
+    parser.add_argument("--k", default="1,2,3,4", help="draft counts (comma-separated)")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=32, help="timed steps per verify size")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated by the oracle and n-gram runs")
+    parser.add_argument("--parts", default="verify,oracle,ngram")
+    parser.add_argument("--tiny", default="tiny-dense,tiny-mla,tiny-gdn", help="models of the n-gram part")
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts of the n-gram part")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--workdir", default="/tmp/metrale-bench")
+    parser.add_argument("--output", help="write the numbers here (JSON)")
+    args = parser.parse_args(argv)
+
+    from metrale import LLM
+
+    parts = set(args.parts.split(","))
+    ks = [int(k) for k in args.k.split(",")]
+    report: dict[str, Any] = {"device": args.device}
+    if parts & {"verify", "oracle"}:
+        if args.checkpoint:
+            folder = args.checkpoint
+        else:
+            from metrale.bench import build_checkpoint
+
+            folder = build_checkpoint(args.shape, Path(args.workdir) / args.shape)
+        report["model"] = str(args.checkpoint or args.shape)
+        length = args.context + (args.steps + 4) * (max(ks) + 1) + args.max_tokens + 64
+        options = dict(device=args.device, show_progress=False, max_model_len=length, max_num_seqs=1)
+    if "verify" in parts:
+        llm = LLM(folder, **options)
+        costs = verify_costs(llm, ks, args.context, args.steps)
+        llm.close()
+        report["verify_seconds"] = costs
+        print(f"{report['model']}, context {args.context}: a decode step {1e3 * costs['decode']:.3f} ms")
+        for k in ks:
+            seconds = costs[f"verify_k{k}"]
+            print(f"  verify of {k + 1} rows: {1e3 * seconds:8.3f} ms  ({seconds / costs['decode']:.2f} decode steps)")
+    if "oracle" in parts:
+        gain = oracle_gain(folder, options, max(ks), args.context, args.max_tokens)
+        report["oracle"] = gain
+        print(f"oracle drafter, K = {gain['k']}: {gain['plain_tok_s']:.1f} tok/s without, "
+              f"{gain['speculative_tok_s']:.1f} with ({gain['speed_up']:.2f}x); {gain['accepted']} of "
+              f"{gain['drafted']} drafts kept, the first {gain['tokens_agreeing']} tokens the same")
+    if "ngram" in parts:
+        report["ngram"] = {}
+        for name in args.tiny.split(","):
+            numbers = ngram_acceptance(name, dict(device=args.device, show_progress=False), args.prompts,
+                                       args.max_tokens)
+            report["ngram"][name] = numbers
+            print(f"{name}: n-gram K = {numbers['k']}: {numbers['tokens_per_verify']:.2f} tokens a verify, "
+                  f"{numbers['accepted']} of {numbers['drafted']} drafts kept; {numbers['plain_tok_s']:.1f} tok/s "
+                  f"without, {numbers['speculative_tok_s']:.1f} with; {numbers['same_tokens']} of "
+                  f"{numbers['prompts']} outputs the same")
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
