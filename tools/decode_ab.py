@@ -14,11 +14,14 @@ epilogue (``metrale.kernels.decode_gemv.SWIGLU_EPILOGUE``); ``--unroll N`` pins 
 unroll (``metrale.kernels.decode_gemv.choose_unroll``); ``--independent NAME,...`` launches those
 kernels in stream order, not dependently (``metrale.kernels._launch.INDEPENDENT``), in both
 engines; ``--carveout P`` gives every dependently launched kernel the shared-memory carveout P
-(``metrale.kernels._launch.SHARED_CARVEOUT``). Run from the repository root::
+(``metrale.kernels._launch.SHARED_CARVEOUT``); ``--gemv-max-rows N`` has the fused engine's decode
+GEMV serve ``linear``, ``linear_silu`` and ``rmsnorm_linear`` up to N rows (cuBLAS and the norm
+kernel serve more by default). Run from the repository root::
 
     python3 tools/decode_ab.py [--shapes llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small] [--batch 1,4,8]
                                [--context 512] [--merge-splits] [--swiglu-epilogue] [--unroll 4]
                                [--independent decode_gemv,rmsnorm_residual_words] [--carveout 100]
+                               [--gemv-max-rows 32]
 """
 
 from __future__ import annotations
@@ -47,6 +50,22 @@ class UnfusedDecodePlugin:
             registry.add_kernel(dataclasses.replace(unconditional, origin="decode_ab"))
 
 
+class WiderGemvPlugin:
+    """Serves ``linear``, ``linear_silu`` and ``rmsnorm_linear`` with the decode GEMV up to
+    ``max_rows`` rows (a plugin's kernels are tried first)."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+
+    @hookimpl
+    def metrale_register_ops(self, registry):  # type: ignore[no-untyped-def]
+        from metrale.ops.builtin import decode_gemv_kernels
+
+        for kernel in decode_gemv_kernels(max_rows=self.max_rows):
+            if kernel.op in ("linear", "linear_silu", "rmsnorm_linear"):
+                registry.add_kernel(kernel)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small")
@@ -64,6 +83,9 @@ def main() -> None:
     parser.add_argument("--independent", default="",
                         help="kernels (comma-separated names) launched in stream order, not dependently")
     parser.add_argument("--carveout", type=int, help="the shared-memory carveout (0-100) of dependent launches")
+    parser.add_argument("--gemv-max-rows", type=int,
+                        help="the fused engine's decode GEMV serves linear, linear_silu and rmsnorm_linear up to "
+                             "this many rows (at most metrale.kernels.decode_gemv.MAX_ROWS)")
     args = parser.parse_args()
 
     from metrale.api import LLM
@@ -85,6 +107,8 @@ def main() -> None:
         options = dict(device="cuda", max_model_len=args.context + args.steps + args.check_steps + 64,
                        max_num_seqs=max(batches) + 1, show_progress=False)
         fused_manager = get_plugin_manager()
+        if args.gemv_max_rows:
+            fused_manager.register(WiderGemvPlugin(args.gemv_max_rows), name="wider-gemv")
         engines = {"unfused": LLM(folder, plugin_manager=unfused_manager, **options),
                    "fused": LLM(folder, plugin_manager=fused_manager, **options)}
         @contextlib.contextmanager
