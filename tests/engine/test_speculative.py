@@ -426,3 +426,35 @@ def test_a_verify_keeps_to_the_step_token_budget(dense_checkpoints, monkeypatch)
                           speculative_config={"method": "oracle", "num_speculative_tokens": 6}, **options)
     assert [o.token_ids for o in speculated] == [o.token_ids for o in plain]
     assert rows and max(rows) == 8  # three sequences would take 21 rows: cut to the budget
+
+
+@pytest.mark.parametrize("family", ["dense", "gdn"])
+def test_aborts_between_speculative_steps_free_everything(family_checkpoint_of, family):
+    """Requests aborted mid-generation, some right after a verdict left a recurrent state pending:
+    their blocks and slots go back, and the requests left finish as they would alone."""
+    from metrale.engine.generation import make_request
+
+    path = family_checkpoint_of(family)
+    prompts = repetitive_prompts(5, 120)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    alone, _ = run(path, prompts[2:], params)
+    llm = LLM(path, device="cpu", show_progress=False, speculative_config=NGRAM, block_size=4)
+    engine = llm.engine
+    requests = [make_request(i, None, p, params, 0) for i, p in enumerate(prompts)]
+    for request in requests:
+        engine.add_request(request)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps == 4:
+            engine.abort(requests[:2])
+    assert engine.calls.get("verify", 0) > 0
+    assert [r.finish_reason for r in requests[:2]] == ["abort", "abort"]
+    assert [r.generated for r in requests[2:]] == [o.token_ids for o in alone[: len(prompts) - 2]]
+    allocator = llm.cache.allocator
+    assert allocator.num_free == allocator.num_blocks
+    if llm.cache.state_slots is not None:
+        assert llm.cache.state_slots.num_free == llm.cache.state_slots.num_slots
+    assert not getattr(llm.model, "_pending", {}) or all(
+        seq.state_slot != slot for slot, (seq, _, _) in llm.model._pending.items())
