@@ -24,7 +24,7 @@ import numpy as np
 from metrale.batch import ForwardBatch
 from metrale.cache.spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
 from metrale.checkpoint import Checkpoint
-from metrale.errors import NonFiniteStateError
+from metrale.errors import CacheError, NonFiniteStateError
 from metrale.family import FamilyModel
 from metrale.layers.experts import StackedExperts, load_stacked_experts, routed_experts
 from metrale.layers.loading import DecoderEnds
@@ -185,6 +185,8 @@ class GatedDeltaNet:
             conv_rows[rows] = cache_layer.conv[step_slots]
             state_rows[rows] = cache_layer.state[step_slots]
         stash.layers.append((cache_layer, conv_rows, state_rows))
+        if gated is None:  # no rows: a verify names at least one per sequence
+            raise CacheError("a verify without rows")
         return ops.linear(gated.reshape(qkvz.shape[0], hv * dv), self.out)
 
 
@@ -332,8 +334,6 @@ class GdnModel(FamilyModel):
         :meth:`flush_pending` before anything reads the slot."""
         states = self._verify_states
         if states is not None and any(seq.seq_id not in states.first_row for seq in seqs):
-            from metrale.errors import CacheError
-
             raise CacheError("verdict for a sequence the last verify did not run")
         super().verdict(seqs, rows, accepted, stream)
         if states is not None:
