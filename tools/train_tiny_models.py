@@ -7,6 +7,12 @@ deterministic algorithms, in float32, so the same seed on the same machine gives
 curve. Needs torch, transformers (>= 5.10) and tokenizers.
 
     python tools/train_tiny_models.py --models tiny-dense --steps 1500 --device cuda
+
+``--mtp-steps N`` then trains a DeepSeek-V3 multi-token-prediction layer on the frozen tiny-mla
+and ships it in the checkpoint; ``--mtp-for FOLDER --mtp-steps N`` does only that, for an existing
+checkpoint (its weights and tokenizer kept)::
+
+    python tools/train_tiny_models.py --mtp-for metrale/models/tiny-mla --mtp-steps 600 --device cpu
 """
 
 from __future__ import annotations
@@ -39,6 +45,13 @@ def load_corpus(corpus_file: Path | None) -> dict:
         corpus_file.parent.mkdir(parents=True, exist_ok=True)
         corpus_file.write_text(json.dumps(corpus))
     return corpus
+
+
+def limited(corpus: dict, max_docs: int | None) -> dict:
+    """The corpus, or its first ``max_docs`` training documents and a tenth as many held out."""
+    if max_docs is None:
+        return corpus
+    return {**corpus, "train": corpus["train"][:max_docs], "held_out": corpus["held_out"][: max(1, max_docs // 10)]}
 
 
 def corpus_digest(corpus: dict) -> str:
@@ -158,6 +171,126 @@ def unigram_cross_entropy(train_stream, held_out_stream, vocab_size: int) -> flo
     counts = torch.bincount(train_stream, minlength=vocab_size).double() + 1.0
     log_probs = torch.log(counts / counts.sum())
     return float(-log_probs[held_out_stream[1:]].mean())
+
+
+def mtp_module(model):
+    """A multi-token-prediction module for a DeepSeek-V3 ``model`` (its ``num_hidden_layers`` is
+    the module's layer index), as the DeepSeek-V3 report describes it and Metrale runs it: for row
+    ``i`` of a sequence, ``eh_proj [enorm(embed(t[i+1])); hnorm(h[i])]`` (the embedding half
+    first; ``h`` the main model's hidden states after its final norm), one decoder layer over the
+    rows (causal, RoPE at position ``i``), then ``shared_head.norm`` and the main model's LM head:
+    the logits of ``t[i+2]``."""
+    import torch
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
+    config = model.config
+    hidden = config.hidden_size
+
+    class Mtp(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enorm = deepseek.DeepseekV3RMSNorm(hidden, eps=config.rms_norm_eps)
+            self.hnorm = deepseek.DeepseekV3RMSNorm(hidden, eps=config.rms_norm_eps)
+            self.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
+            self.block = deepseek.DeepseekV3DecoderLayer(config, layer_idx=config.num_hidden_layers)
+            self.head_norm = deepseek.DeepseekV3RMSNorm(hidden, eps=config.rms_norm_eps)
+
+        def forward(self, next_tokens, hidden_states):
+            embeds = model.model.embed_tokens(next_tokens)
+            x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden_states)], dim=-1))
+            positions = torch.arange(x.shape[1], device=x.device)[None]
+            mask = deepseek.create_causal_mask(config=config, inputs_embeds=x, attention_mask=None, cache=None,
+                                               position_ids=positions)
+            x = self.block(x, attention_mask=mask, position_ids=positions,
+                           position_embeddings=model.model.rotary_emb(x, positions))
+            return model.lm_head(self.head_norm(x))
+
+    mtp = Mtp()
+    mtp.apply(model._init_weights)  # (the decoder layer's expert weights are created uninitialised)
+    return mtp
+
+
+def mtp_tensors(mtp, layer: int) -> dict:
+    """The module's weights under the checkpoint names of a DeepSeek-V3 MTP layer
+    (``model.layers.{layer}.*``, experts one by one as the decoder layers' are saved; no
+    ``shared_head.head``: the LM head is the main model's)."""
+    prefix = f"model.layers.{layer}"
+    tensors = {}
+    for name, value in mtp.block.state_dict().items():
+        if name == "mlp.experts.gate_up_proj":  # [E, 2I, H]: per expert, the gate rows, then the up rows
+            units = value.shape[1] // 2
+            for expert, weight in enumerate(value):
+                tensors[f"{prefix}.mlp.experts.{expert}.gate_proj.weight"] = weight[:units]
+                tensors[f"{prefix}.mlp.experts.{expert}.up_proj.weight"] = weight[units:]
+        elif name == "mlp.experts.down_proj":  # [E, H, I]
+            for expert, weight in enumerate(value):
+                tensors[f"{prefix}.mlp.experts.{expert}.down_proj.weight"] = weight
+        else:
+            tensors[f"{prefix}.{name}"] = value
+    tensors[f"{prefix}.enorm.weight"] = mtp.enorm.weight
+    tensors[f"{prefix}.hnorm.weight"] = mtp.hnorm.weight
+    tensors[f"{prefix}.eh_proj.weight"] = mtp.eh_proj.weight
+    tensors[f"{prefix}.shared_head.norm.weight"] = mtp.head_norm.weight
+    return {name: value.detach().to("cpu").contiguous() for name, value in tensors.items()}
+
+
+def mtp_loss(model, mtp, window):
+    """Cross-entropy of the MTP logits of rows ``0 .. n-2`` of ``window[:, :-1]`` against the
+    tokens two ahead; top-1 accuracy beside it. The main model runs without gradients."""
+    import torch
+
+    inputs = window[:, :-1]
+    with torch.no_grad():
+        hidden = model.model(inputs).last_hidden_state
+    logits = mtp(inputs[:, 1:], hidden[:, :-1]).float()
+    targets = window[:, 2:]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    accuracy = (logits.argmax(-1) == targets).float().mean()
+    return loss, accuracy
+
+
+def train_mtp(model, args, train_stream, held_out_stream) -> dict:
+    """Train an MTP module on the frozen ``model`` for ``args.mtp_steps`` steps (the base run's
+    batch, window, learning-rate schedule and seed); held-out cross-entropy and top-1 accuracy of
+    the kept weights."""
+    import torch
+
+    device = torch.device(args.device)
+    model = model.float()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    torch.manual_seed(args.seed + 1)
+    mtp = mtp_module(model).to(device)
+    optimizer = torch.optim.AdamW(mtp.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    steps, warmup = args.mtp_steps, max(1, args.mtp_steps // 20)
+    curve = []
+    for step in range(1, steps + 1):
+        lr = args.lr * min(1.0, step / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        starts = torch.randint(0, train_stream.numel() - args.seq_len - 1, (args.batch,), generator=generator)
+        window = torch.stack([train_stream[s : s + args.seq_len + 1] for s in starts.tolist()]).to(device)
+        loss, _ = mtp_loss(model, mtp, window)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
+        optimizer.step()
+        curve.append(round(float(loss.detach()), 4))
+    mtp.eval()
+    total, correct, count = 0.0, 0.0, 0
+    with torch.no_grad():
+        for start in range(0, held_out_stream.numel() - 2, args.seq_len):
+            window = held_out_stream[start : start + args.seq_len + 1].to(device)[None]
+            if window.shape[1] < 3:
+                break
+            loss, accuracy = mtp_loss(model, mtp, window)
+            rows = window.shape[1] - 2
+            total, correct, count = total + float(loss) * rows, correct + float(accuracy) * rows, count + rows
+    print(f"MTP: {steps} steps, loss {curve[-1]:.4f}, held-out {total / count:.4f}, top-1 {correct / count:.3f}",
+          flush=True)
+    return {"mtp": mtp.to(torch.bfloat16), "mtp_curve": curve, "mtp_held_out_ce": total / count,
+            "mtp_top1": correct / count}
 
 
 def train(name: str, args, tokenizer, train_stream, held_out_stream, corpus: dict, digest: str) -> dict:
@@ -283,6 +416,13 @@ def export(name: str, result: dict, args, tokenizer, corpus: dict, digest: str, 
     model = result["model"]
     model.save_pretrained(out)
     model.generation_config.save_pretrained(out)
+    if "mtp" in result:
+        # The MTP layer beside the decoder's, as DeepSeek-V3 checkpoints hold it.
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(out / "model.safetensors"))
+        tensors.update(mtp_tensors(result["mtp"], model.config.num_hidden_layers))
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps({**TOKENIZER_CONFIG, "chat_template": CHAT_TEMPLATE}, indent=2, ensure_ascii=False) + "\n")
@@ -302,8 +442,55 @@ def export(name: str, result: dict, args, tokenizer, corpus: dict, digest: str, 
         **software_versions(), "device": args.device, "seed": args.seed, "steps": args.steps, "corpus_sha256": digest, "loss_curve": result["curve"],
         "held_out_evals": result["evals"], "best_step": result["best_step"], "held_out_perplexity": math.exp(result["held_out_ce"]),
         "unigram_perplexity": math.exp(result["unigram_ce"]),
+        **({"mtp_steps": args.mtp_steps, "mtp_loss_curve": result["mtp_curve"],
+            "mtp_held_out_perplexity": math.exp(result["mtp_held_out_ce"]), "mtp_held_out_top1": result["mtp_top1"]}
+           if "mtp" in result else {}),
     }, indent=None))
     return out
+
+
+MTP_CARD = """
+## Multi-token prediction
+
+`model.layers.{layer}.*` is a DeepSeek-V3 multi-token-prediction layer trained on the frozen model above
+({steps} steps of {batch} x {seq_len} tokens, AdamW, lr {lr}, seed {seed}, on {device}; corpus SHA-256
+`{digest}`): `eh_proj [enorm(embed(t[i+1])); hnorm(h[i])]`, one decoder layer, `shared_head.norm`, the
+model's LM head, predicting `t[i+2]`. Held-out: perplexity {ppl:.2f}, top-1 accuracy {top1:.3f}. Reproduce:
+`python tools/train_tiny_models.py --mtp-for metrale/models/{name} --mtp-steps {steps} --batch {batch}
+--seq-len {seq_len} --lr {lr} --seed {seed} --corpus-file CORPUS.json --device DEVICE`.
+"""
+
+
+def add_mtp(folder: Path, args) -> None:
+    """Train an MTP module for the DeepSeek-V3 checkpoint in ``folder`` (its weights frozen, its
+    tokenizer) and write it into the checkpoint, its record and its card (replacing an earlier one)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer
+    from transformers import DeepseekV3ForCausalLM
+
+    corpus = limited(load_corpus(args.corpus_file), args.max_docs)
+    digest = corpus_digest(corpus)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    streams = (token_stream(tokenizer, corpus["train"]), token_stream(tokenizer, corpus["held_out"]))
+    model = DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device)
+    result = train_mtp(model, args, *streams)
+    layer = model.config.num_hidden_layers
+    tensors = {name: value for name, value in load_file(str(folder / "model.safetensors")).items()
+               if not name.startswith(f"model.layers.{layer}.")}
+    tensors.update(mtp_tensors(result["mtp"], layer))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    record = json.loads((folder / "training.json").read_text())
+    record.update({"mtp_steps": args.mtp_steps, "mtp_device": args.device, "mtp_seed": args.seed,
+                   "mtp_corpus_sha256": digest, "mtp_loss_curve": result["mtp_curve"],
+                   "mtp_held_out_perplexity": math.exp(result["mtp_held_out_ce"]),
+                   "mtp_held_out_top1": result["mtp_top1"]})
+    (folder / "training.json").write_text(json.dumps(record, indent=None))
+    card = (folder / "README.md").read_text().split("\n## Multi-token prediction\n")[0].rstrip("\n") + "\n"
+    (folder / "README.md").write_text(card + MTP_CARD.format(
+        layer=layer, steps=args.mtp_steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
+        device=args.device, digest=digest, ppl=math.exp(result["mtp_held_out_ce"]), top1=result["mtp_top1"],
+        name=folder.name))
 
 
 def main() -> None:
@@ -320,21 +507,31 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-docs", type=int, default=None, help="train on the first N documents only (for tests)")
+    parser.add_argument("--mtp-steps", type=int, default=0,
+                        help="tiny-mla: then train a multi-token-prediction module on the frozen model for N steps")
+    parser.add_argument("--mtp-for", type=Path, default=None,
+                        help="only train an MTP module (--mtp-steps) for this DeepSeek-V3 checkpoint folder and add it")
     args = parser.parse_args()
 
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
-    corpus = load_corpus(args.corpus_file)
-    if args.max_docs is not None:
-        corpus = {**corpus, "train": corpus["train"][: args.max_docs], "held_out": corpus["held_out"][: max(1, args.max_docs // 10)]}
+    if args.mtp_for is not None:
+        if not args.mtp_steps:
+            raise SystemExit("--mtp-for needs --mtp-steps")
+        add_mtp(args.mtp_for, args)
+        return
+    corpus = limited(load_corpus(args.corpus_file), args.max_docs)
     digest = corpus_digest(corpus)
     tokenizer = train_tokenizer(corpus["train"], args.vocab_size)
     streams = (token_stream(tokenizer, corpus["train"]), token_stream(tokenizer, corpus["held_out"]))
     print(f"corpus {digest[:12]}: {streams[0].numel():,} training tokens, {streams[1].numel():,} held out", flush=True)
     for name in args.models:
         result = train(name, args, tokenizer, streams[0], streams[1], corpus, digest)
+        if args.mtp_steps and name == "tiny-mla":
+            result.update(train_mtp(result["model"], args, streams[0], streams[1]))
+            result["model"] = result["model"].to(torch.bfloat16)
         out = export(name, result, args, tokenizer, corpus, digest, streams)
         print(f"{name}: held-out perplexity {math.exp(result['held_out_ce']):.2f} "
               f"(unigram {math.exp(result['unigram_ce']):.2f}) -> {out}", flush=True)

@@ -55,3 +55,58 @@ def test_checkpoint_is_complete_and_loads(first_run):
     llm = LLM(folder, device="cpu", show_progress=False)
     assert llm.encode("Return the")[0] == llm.eos_token_ids[0]
     assert "unigram baseline perplexity" in (folder / "README.md").read_text()
+
+
+def test_an_mtp_module_trains_and_ships_in_the_checkpoint(tmp_path, corpus_file):
+    """``--mtp-steps``: a DeepSeek-V3 multi-token-prediction layer trained on the frozen tiny-mla,
+    saved as ``model.layers.{num_hidden_layers}.*`` (experts one by one, as the decoder's), its
+    held-out numbers recorded; the checkpoint loads."""
+    from safetensors import safe_open
+
+    from metrale import LLM
+
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "--models", "tiny-mla", "--steps", "4", "--batch", "2", "--seq-len", "32",
+         "--eval-every", "2", "--vocab-size", "400", "--max-docs", "300", "--seed", "3", "--mtp-steps", "3",
+         "--out-dir", str(tmp_path), "--corpus-file", str(corpus_file)],
+        check=True, capture_output=True, text=True,
+    )
+    folder = tmp_path / "tiny-mla"
+    record = json.loads((folder / "training.json").read_text())
+    assert record["mtp_steps"] == 3 and len(record["mtp_loss_curve"]) == 3
+    assert record["mtp_held_out_perplexity"] > 1 and 0 <= record["mtp_held_out_top1"] <= 1
+    layer = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    with safe_open(str(folder / "model.safetensors"), "np") as tensors:
+        names = set(tensors.keys())
+    prefix = f"model.layers.{layer}."
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                 "self_attn.kv_b_proj.weight", "mlp.experts.7.up_proj.weight", "mlp.shared_experts.down_proj.weight"):
+        assert prefix + name in names, name
+    assert not any(n.startswith(prefix + "mlp.experts.gate_up") for n in names)
+    llm = LLM(folder, device="cpu", show_progress=False)
+    assert any(name.startswith(prefix) for name in llm.model.mtp_weights)
+
+
+def test_mtp_for_an_existing_checkpoint_keeps_its_weights(tmp_path, corpus_file, first_run):
+    """``--mtp-for``: the MTP layer added to a copy of the shipped tiny-mla, every other tensor
+    unchanged, the record and the card extended (twice: the second replaces the first)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from metrale.models import embedded_model_path
+
+    folder = tmp_path / "tiny-mla"
+    shutil.copytree(embedded_model_path("tiny-mla"), folder)
+    before = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if not k.startswith("model.layers.3.")}
+    for _ in range(2):
+        subprocess.run(
+            [sys.executable, str(SCRIPT), "--mtp-for", str(folder), "--mtp-steps", "2", "--batch", "2", "--seq-len", "32",
+             "--max-docs", "300", "--seed", "3", "--corpus-file", str(corpus_file)],
+            check=True, capture_output=True, text=True,
+        )
+    after = load_file(str(folder / "model.safetensors"))
+    assert all(after[k].equal(v) for k, v in before.items())
+    assert "model.layers.3.eh_proj.weight" in after
+    assert json.loads((folder / "training.json").read_text())["mtp_steps"] == 2
+    assert (folder / "README.md").read_text().count("## Multi-token prediction") == 1
