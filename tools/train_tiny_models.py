@@ -454,8 +454,9 @@ MTP_CARD = """
 
 `model.layers.{layer}.*` is a DeepSeek-V3 multi-token-prediction layer trained on the frozen model above
 ({steps} steps of {batch} x {seq_len} tokens, AdamW, lr {lr}, seed {seed}, on {device}; corpus SHA-256
-`{digest}`): `eh_proj [enorm(embed(t[i+1])); hnorm(h[i])]`, one decoder layer, `shared_head.norm`, the
-model's LM head, predicting `t[i+2]`. Held-out: perplexity {ppl:.2f}, top-1 accuracy {top1:.3f}. Reproduce:
+`{digest}`):
+`eh_proj [enorm(embed(t[i+1])); hnorm(h[i])]`, one decoder layer, `shared_head.norm`, the model's LM head,
+predicting `t[i+2]`. Held-out: perplexity {ppl:.2f}, top-1 accuracy {top1:.3f}. Reproduce:
 `python tools/train_tiny_models.py --mtp-for metrale/models/{name} --mtp-steps {steps} --batch {batch}
 --seq-len {seq_len} --lr {lr} --seed {seed} --corpus-file CORPUS.json --device DEVICE`.
 """
