@@ -8,11 +8,12 @@ curve. Needs torch, transformers (>= 5.10) and tokenizers.
 
     python tools/train_tiny_models.py --models tiny-dense --steps 1500 --device cuda
 
-``--mtp-steps N`` then trains a DeepSeek-V3 multi-token-prediction layer on the frozen tiny-mla
-and ships it in the checkpoint; ``--mtp-for FOLDER --mtp-steps N`` does only that, for an existing
-checkpoint (its weights and tokenizer kept)::
+``--mtp-steps N`` then trains a multi-token-prediction layer on the frozen tiny-mla (DeepSeek-V3's
+``model.layers.{L}.*``) or tiny-gdn (Qwen3-Next's ``mtp.*``) and writes it into the checkpoint;
+``--mtp-for FOLDER --mtp-steps N`` does only that, for an existing checkpoint (its weights and
+tokenizer kept)::
 
-    python tools/train_tiny_models.py --mtp-for metrale/models/tiny-mla --mtp-steps 600 --device cpu
+    python tools/train_tiny_models.py --mtp-for metrale/models/tiny-mla --mtp-steps 400 --device cpu
 """
 
 from __future__ import annotations
@@ -174,33 +175,43 @@ def unigram_cross_entropy(train_stream, held_out_stream, vocab_size: int) -> flo
 
 
 def mtp_module(model):
-    """A multi-token-prediction module for a DeepSeek-V3 ``model`` (its ``num_hidden_layers`` is
-    the module's layer index), as the DeepSeek-V3 report describes it and Metrale runs it: for row
-    ``i`` of a sequence, ``eh_proj [enorm(embed(t[i+1])); hnorm(h[i])]`` (the embedding half
-    first; ``h`` the main model's hidden states after its final norm), one decoder layer over the
-    rows (causal, RoPE at position ``i``), then ``shared_head.norm`` and the main model's LM head:
-    the logits of ``t[i+2]``."""
+    """A multi-token-prediction module for ``model`` (DeepSeek-V3 or Qwen3-Next), as Metrale runs
+    it: for row ``i`` of a sequence, a projection of ``[norm_e(embed(t[i+1])); norm_h(h[i])]``
+    (the embedding half first; ``h`` the main model's hidden states after its final norm), one
+    decoder layer over the rows (causal, RoPE at position ``i``; a full-attention layer for
+    Qwen3-Next), a final norm and the main model's LM head: the logits of ``t[i+2]``. DeepSeek-V3
+    names the parts ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``; Qwen3-Next
+    ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``fc``, ``norm`` (zero-centred norms)."""
     import torch
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
 
     config = model.config
     hidden = config.hidden_size
+    if config.model_type == "qwen3_next":
+        from transformers.models.qwen3_next import modeling_qwen3_next as family
+
+        norm_class, layer_class = family.Qwen3NextRMSNorm, family.Qwen3NextDecoderLayer
+        layer_index = config.layer_types.index("full_attention")
+    else:
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as family
+
+        norm_class, layer_class = family.DeepseekV3RMSNorm, family.DeepseekV3DecoderLayer
+        layer_index = config.num_hidden_layers
 
     class Mtp(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.enorm = deepseek.DeepseekV3RMSNorm(hidden, eps=config.rms_norm_eps)
-            self.hnorm = deepseek.DeepseekV3RMSNorm(hidden, eps=config.rms_norm_eps)
-            self.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
-            self.block = deepseek.DeepseekV3DecoderLayer(config, layer_idx=config.num_hidden_layers)
-            self.head_norm = deepseek.DeepseekV3RMSNorm(hidden, eps=config.rms_norm_eps)
+            self.embedding_norm = norm_class(hidden, eps=config.rms_norm_eps)
+            self.hidden_norm = norm_class(hidden, eps=config.rms_norm_eps)
+            self.projection = torch.nn.Linear(2 * hidden, hidden, bias=False)
+            self.block = layer_class(config, layer_idx=layer_index)
+            self.head_norm = norm_class(hidden, eps=config.rms_norm_eps)
 
         def forward(self, next_tokens, hidden_states):
             embeds = model.model.embed_tokens(next_tokens)
-            x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden_states)], dim=-1))
+            x = self.projection(torch.cat([self.embedding_norm(embeds), self.hidden_norm(hidden_states)], dim=-1))
             positions = torch.arange(x.shape[1], device=x.device)[None]
-            mask = deepseek.create_causal_mask(config=config, inputs_embeds=x, attention_mask=None, cache=None,
-                                               position_ids=positions)
+            mask = family.create_causal_mask(config=config, inputs_embeds=x, attention_mask=None, cache=None,
+                                             position_ids=positions)
             x = self.block(x, attention_mask=mask, position_ids=positions,
                            position_embeddings=model.model.rotary_emb(x, positions))
             return model.lm_head(self.head_norm(x))
@@ -210,27 +221,32 @@ def mtp_module(model):
     return mtp
 
 
-def mtp_tensors(mtp, layer: int) -> dict:
-    """The module's weights under the checkpoint names of a DeepSeek-V3 MTP layer
-    (``model.layers.{layer}.*``, experts one by one as the decoder layers' are saved; no
-    ``shared_head.head``: the LM head is the main model's)."""
-    prefix = f"model.layers.{layer}"
+def mtp_tensors(mtp, config) -> dict:
+    """The module's weights under a checkpoint's MTP names, experts one by one as the decoder
+    layers' are saved, no head of its own (the LM head is the main model's): DeepSeek-V3's
+    ``model.layers.{num_hidden_layers}.*``, Qwen3-Next's ``mtp.*`` (its layer ``mtp.layers.0``)."""
+    if config.model_type == "qwen3_next":
+        prefix, layer = "mtp", "mtp.layers.0"
+        parts = {"embedding_norm": "pre_fc_norm_embedding", "hidden_norm": "pre_fc_norm_hidden", "projection": "fc",
+                 "head_norm": "norm"}
+    else:
+        prefix = layer = f"model.layers.{config.num_hidden_layers}"
+        parts = {"embedding_norm": "enorm", "hidden_norm": "hnorm", "projection": "eh_proj",
+                 "head_norm": "shared_head.norm"}
     tensors = {}
     for name, value in mtp.block.state_dict().items():
         if name == "mlp.experts.gate_up_proj":  # [E, 2I, H]: per expert, the gate rows, then the up rows
             units = value.shape[1] // 2
             for expert, weight in enumerate(value):
-                tensors[f"{prefix}.mlp.experts.{expert}.gate_proj.weight"] = weight[:units]
-                tensors[f"{prefix}.mlp.experts.{expert}.up_proj.weight"] = weight[units:]
+                tensors[f"{layer}.mlp.experts.{expert}.gate_proj.weight"] = weight[:units]
+                tensors[f"{layer}.mlp.experts.{expert}.up_proj.weight"] = weight[units:]
         elif name == "mlp.experts.down_proj":  # [E, H, I]
             for expert, weight in enumerate(value):
-                tensors[f"{prefix}.mlp.experts.{expert}.down_proj.weight"] = weight
+                tensors[f"{layer}.mlp.experts.{expert}.down_proj.weight"] = weight
         else:
-            tensors[f"{prefix}.{name}"] = value
-    tensors[f"{prefix}.enorm.weight"] = mtp.enorm.weight
-    tensors[f"{prefix}.hnorm.weight"] = mtp.hnorm.weight
-    tensors[f"{prefix}.eh_proj.weight"] = mtp.eh_proj.weight
-    tensors[f"{prefix}.shared_head.norm.weight"] = mtp.head_norm.weight
+            tensors[f"{layer}.{name}"] = value
+    for attribute, name in parts.items():
+        tensors[f"{prefix}.{name}.weight"] = getattr(mtp, attribute).weight
     return {name: value.detach().to("cpu").contiguous() for name, value in tensors.items()}
 
 
@@ -421,7 +437,7 @@ def export(name: str, result: dict, args, tokenizer, corpus: dict, digest: str, 
         from safetensors.torch import load_file, save_file
 
         tensors = load_file(str(out / "model.safetensors"))
-        tensors.update(mtp_tensors(result["mtp"], model.config.num_hidden_layers))
+        tensors.update(mtp_tensors(result["mtp"], model.config))
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
@@ -452,34 +468,39 @@ def export(name: str, result: dict, args, tokenizer, corpus: dict, digest: str, 
 MTP_CARD = """
 ## Multi-token prediction
 
-`model.layers.{layer}.*` is a DeepSeek-V3 multi-token-prediction layer trained on the frozen model above
-({steps} steps of {batch} x {seq_len} tokens, AdamW, lr {lr}, seed {seed}, on {device}; corpus SHA-256
-`{digest}`):
-`eh_proj [enorm(embed(t[i+1])); hnorm(h[i])]`, one decoder layer, `shared_head.norm`, the model's LM head,
-predicting `t[i+2]`. Held-out: perplexity {ppl:.2f}, top-1 accuracy {top1:.3f}. Reproduce:
-`python tools/train_tiny_models.py --mtp-for metrale/models/{name} --mtp-steps {steps} --batch {batch}
+{where} is a multi-token-prediction layer trained on the frozen model above ({steps} steps of
+{batch} x {seq_len} tokens, AdamW, lr {lr}, seed {seed}, on {device}; corpus SHA-256 `{digest}`): a
+projection of the normed embedding of `t[i+1]` beside the normed final hidden state `h[i]`, one decoder layer,
+a norm and the model's LM head, predicting `t[i+2]`. Held-out: perplexity {ppl:.2f}, top-1 accuracy {top1:.3f}.
+Reproduce: `python tools/train_tiny_models.py --mtp-for metrale/models/{name} --mtp-steps {steps} --batch {batch}
 --seq-len {seq_len} --lr {lr} --seed {seed} --corpus-file CORPUS.json --device DEVICE`.
 """
 
 
+def mtp_prefix(config) -> str:
+    """The prefix of every MTP tensor of a checkpoint of ``config``."""
+    return "mtp." if config.model_type == "qwen3_next" else f"model.layers.{config.num_hidden_layers}."
+
+
 def add_mtp(folder: Path, args) -> None:
-    """Train an MTP module for the DeepSeek-V3 checkpoint in ``folder`` (its weights frozen, its
-    tokenizer) and write it into the checkpoint, its record and its card (replacing an earlier one)."""
+    """Train an MTP module for the DeepSeek-V3 or Qwen3-Next checkpoint in ``folder`` (its weights
+    frozen, its tokenizer) and write it into the checkpoint, its record and its card (replacing an
+    earlier one)."""
     import torch
     from safetensors.torch import load_file, save_file
     from tokenizers import Tokenizer
-    from transformers import DeepseekV3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     corpus = limited(load_corpus(args.corpus_file), args.max_docs)
     digest = corpus_digest(corpus)
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     streams = (token_stream(tokenizer, corpus["train"]), token_stream(tokenizer, corpus["held_out"]))
-    model = DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device)
     result = train_mtp(model, args, *streams)
-    layer = model.config.num_hidden_layers
+    prefix = mtp_prefix(model.config)
     tensors = {name: value for name, value in load_file(str(folder / "model.safetensors")).items()
-               if not name.startswith(f"model.layers.{layer}.")}
-    tensors.update(mtp_tensors(result["mtp"], layer))
+               if not name.startswith(prefix)}
+    tensors.update(mtp_tensors(result["mtp"], model.config))
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     record = json.loads((folder / "training.json").read_text())
     record.update({"mtp_steps": args.mtp_steps, "mtp_device": args.device, "mtp_seed": args.seed,
@@ -489,9 +510,9 @@ def add_mtp(folder: Path, args) -> None:
     (folder / "training.json").write_text(json.dumps(record, indent=None))
     card = (folder / "README.md").read_text().split("\n## Multi-token prediction\n")[0].rstrip("\n") + "\n"
     (folder / "README.md").write_text(card + MTP_CARD.format(
-        layer=layer, steps=args.mtp_steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
-        device=args.device, digest=digest, ppl=math.exp(result["mtp_held_out_ce"]), top1=result["mtp_top1"],
-        name=folder.name))
+        where=f"`{prefix}*`", steps=args.mtp_steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+        seed=args.seed, device=args.device, digest=digest, ppl=math.exp(result["mtp_held_out_ce"]),
+        top1=result["mtp_top1"], name=folder.name))
 
 
 def main() -> None:
@@ -509,9 +530,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-docs", type=int, default=None, help="train on the first N documents only (for tests)")
     parser.add_argument("--mtp-steps", type=int, default=0,
-                        help="tiny-mla: then train a multi-token-prediction module on the frozen model for N steps")
+                        help="tiny-mla, tiny-gdn: then train a multi-token-prediction module on the frozen model for N "
+                             "steps")
     parser.add_argument("--mtp-for", type=Path, default=None,
-                        help="only train an MTP module (--mtp-steps) for this DeepSeek-V3 checkpoint folder and add it")
+                        help="only train an MTP module (--mtp-steps) for this DeepSeek-V3 or Qwen3-Next checkpoint "
+                             "folder and add it")
     args = parser.parse_args()
 
     import torch
@@ -530,7 +553,7 @@ def main() -> None:
     print(f"corpus {digest[:12]}: {streams[0].numel():,} training tokens, {streams[1].numel():,} held out", flush=True)
     for name in args.models:
         result = train(name, args, tokenizer, streams[0], streams[1], corpus, digest)
-        if args.mtp_steps and name == "tiny-mla":
+        if args.mtp_steps and name in ("tiny-mla", "tiny-gdn"):
             result.update(train_mtp(result["model"], args, streams[0], streams[1]))
             result["model"] = result["model"].to(torch.bfloat16)
         out = export(name, result, args, tokenizer, corpus, digest, streams)

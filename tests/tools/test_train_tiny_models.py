@@ -87,18 +87,22 @@ def test_an_mtp_module_trains_and_ships_in_the_checkpoint(tmp_path, corpus_file)
     assert any(name.startswith(prefix) for name in llm.model.mtp_weights)
 
 
-def test_mtp_for_an_existing_checkpoint_keeps_its_weights(tmp_path, corpus_file, first_run):
-    """``--mtp-for``: the MTP layer added to a copy of the shipped tiny-mla, every other tensor
-    unchanged, the record and the card extended (twice: the second replaces the first)."""
+@pytest.mark.parametrize("name, prefix, part", [("tiny-mla", "model.layers.3.", "eh_proj.weight"),
+                                                ("tiny-gdn", "mtp.", "fc.weight")])
+def test_mtp_for_an_existing_checkpoint_keeps_its_weights(tmp_path, corpus_file, first_run, name, prefix, part):
+    """``--mtp-for``: the MTP layer added to a copy of a shipped model, every other tensor
+    unchanged, the record and the card extended (twice: the second replaces the first); the
+    checkpoint still loads."""
     import shutil
 
     from safetensors.torch import load_file
 
+    from metrale import LLM
     from metrale.models import embedded_model_path
 
-    folder = tmp_path / "tiny-mla"
-    shutil.copytree(embedded_model_path("tiny-mla"), folder)
-    before = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if not k.startswith("model.layers.3.")}
+    folder = tmp_path / name
+    shutil.copytree(embedded_model_path(name), folder)
+    before = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if not k.startswith(prefix)}
     for _ in range(2):
         subprocess.run(
             [sys.executable, str(SCRIPT), "--mtp-for", str(folder), "--mtp-steps", "2", "--batch", "2", "--seq-len", "32",
@@ -107,6 +111,7 @@ def test_mtp_for_an_existing_checkpoint_keeps_its_weights(tmp_path, corpus_file,
         )
     after = load_file(str(folder / "model.safetensors"))
     assert all(after[k].equal(v) for k, v in before.items())
-    assert "model.layers.3.eh_proj.weight" in after
+    assert prefix + part in after and any(k.startswith(prefix) and ".experts.7.down_proj" in k for k in after)
     assert json.loads((folder / "training.json").read_text())["mtp_steps"] == 2
     assert (folder / "README.md").read_text().count("## Multi-token prediction") == 1
+    LLM(folder, device="cpu", show_progress=False)
