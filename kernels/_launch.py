@@ -47,9 +47,9 @@ from metrale.errors import KernelArgumentError
 #: unless set to 0); read once, at import.
 ENABLED = environment_flag("METRALE_DEPENDENT_LAUNCH", default=True)
 
-#: Names of kernels (without template arguments) :func:`launch` launches in stream order even where asked to launch them
-#: dependently (read at each launch): a switch for measuring what a kernel's early start gains or
-#: costs in a step (``tools/decode_ab.py --independent``).
+#: Names of kernels (without template arguments) :func:`launch` launches in stream order even
+#: where asked to launch them dependently (read at each launch): a switch for measuring what a
+#: kernel's early start gains or costs in a step (``tools/decode_ab.py --independent``).
 INDEPENDENT: frozenset[str] = frozenset()
 
 #: The shared-memory carveout (percent of the unified L1 and shared memory, ``100`` the most shared

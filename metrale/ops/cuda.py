@@ -329,7 +329,7 @@ class CudaKernels:
         if rows > HEAD_LINEAR_WORD_ROWS:
             # The kernel below reads each row in turn; one product per head reads the rows together.
             x = self.to_bf16(x) if x.dtype == f32 else x
-            if x.strides[2] != x.itemsize or x.strides[0] % x.itemsize or x.strides[1] % x.itemsize:
+            if x.strides[2] != x.itemsize:
                 x = cp.ascontiguousarray(x)
             return self.gemm.per_head(x, weight, out)
         if head_linear_kernels.words_supported(x, weight):

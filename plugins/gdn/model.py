@@ -281,8 +281,8 @@ class GdnModel(FamilyModel):
                 feed_forward=feed_forward,
             ))
         checkpoint.skip([n for n in checkpoint.names() if n.startswith(IGNORED_TENSOR_PREFIXES)])
-        # Speculation: the row states of the verify running or last run, and the verdicts not
-        # folded into their slots yet (slot -> (sequence, row states, row kept last)).
+        # Speculation: the row states of the verify running or awaiting its verdict, and the
+        # verdicts not folded into their slots yet (slot -> (sequence, row states, row kept last)).
         self._verify_states: RowStates | None = None
         self._pending: dict[int, tuple[SequenceState, RowStates, int]] = {}
 
@@ -340,6 +340,8 @@ class GdnModel(FamilyModel):
             for seq, count, kept in zip(seqs, rows, accepted):
                 if kept + 1 < count and seq.state_slot is not None:
                     self._pending[seq.state_slot] = (seq, states, states.first_row[seq.seq_id] + kept)
+        # The row states live on only through what is pending (freed by the flush).
+        self._verify_states = None
         return True
 
     def flush_pending(self) -> None:

@@ -334,6 +334,7 @@ def test_a_gdn_verdict_leaves_the_state_of_the_last_kept_row(gdn_checkpoint):
     assert verified.shape[0] == 4
     forward.verdict([seq], [4], [1])  # keeps 11 and 12
     assert seq.num_cached == len(prompt) + 2 and model._pending
+    assert model._verify_states is None  # the row states live on only through what is pending
     got = np.asarray(forward.decode(40, seq))
     assert not model._pending
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
