@@ -1,5 +1,10 @@
 """Gated and plain activations: SiLU-and-mul (the SwiGLU gate, ``silu(gate) * up``), GELU and
-GELU-and-mul (GeGLU), and the float32 -> bf16 cast."""
+GELU-and-mul (GeGLU), and the float32 -> bf16 cast.
+
+The numba kernels serve every shape; :func:`silu_and_mul_words` is the CUDA C++ SiLU-and-mul the
+CUDA backend runs on bf16 products whose width is a multiple of 8 (a product's output at a
+decode batch too large for the decode GEMV): 16-byte words, launched dependently so its launch
+overlaps the product ahead of it."""
 
 from __future__ import annotations
 
@@ -183,4 +188,82 @@ def to_bf16(source: DeviceArray, out: DeviceArray, stream: object = None) -> Dev
         to_bf16_kernel[blocks, ELEMENTWISE_THREADS, numba_stream(stream)](
             device_view(source.reshape(count)), device_view(out.reshape(count))
         )
+    return out
+
+
+# ------------------------------------------------------------------------------ CUDA C++ kernel
+
+from typing import Any  # noqa: E402
+
+from metrale.kernels._launch import DEPENDENT_LAUNCH, launch  # noqa: E402
+
+#: Threads of a block of :func:`silu_and_mul_words`, each on one 16-byte word (8 values) of a row.
+WORD_THREADS = 128
+
+KERNEL = r"""
+#define SILU_WORD_THREADS 128
+
+// out[n, c] = bf16(silu(gate[n, c]) * up[n, c]) with gate = gate_up[n, :I], up = gate_up[n, I:].
+// Grid (ceil(I / (8 * SILU_WORD_THREADS)), N) blocks of SILU_WORD_THREADS threads, a 16-byte word
+// (8 values) a thread; gate_up bf16 bits [N, 2I], out bf16 bits [N, I], I a multiple of 8, both
+// 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(SILU_WORD_THREADS) silu_and_mul_words(
+    const uint4* __restrict__ gate_up, uint4* __restrict__ out, int width) {
+    wait_for_producers();   // the product comes from the kernel ahead
+    allow_dependents();     // after the wait: see metrale.kernels._launch
+    const int words = width / 8, row = blockIdx.y;
+    const int word = blockIdx.x * SILU_WORD_THREADS + threadIdx.x;
+    if (word >= words) return;
+    const uint4 gate = gate_up[(size_t)row * 2 * words + word], up = gate_up[(size_t)row * 2 * words + words + word];
+    uint4 value;
+    value.x = silu_mul_pair(gate.x, up.x);
+    value.y = silu_mul_pair(gate.y, up.y);
+    value.z = silu_mul_pair(gate.z, up.z);
+    value.w = silu_mul_pair(gate.w, up.w);
+    out[(size_t)row * words + word] = value;
+}
+"""
+
+KERNEL_NAMES = ("silu_and_mul_words",)
+
+
+def source() -> str:
+    """The CUDA C++ source NVRTC compiles (with :data:`metrale.kernels.decode_gemv.HELPERS`)."""
+    from metrale.kernels.decode_gemv import HELPERS
+
+    return DEPENDENT_LAUNCH + HELPERS + KERNEL
+
+
+def words_supported(gate_up: Any) -> bool:
+    """Whether :func:`silu_and_mul_words` serves ``gate_up``: bf16 bits, two dimensions, contiguous,
+    16-byte aligned, a width (``I``) that is a multiple of 8."""
+    from metrale.kernels.decode_gemv import aligned
+
+    shape = getattr(gate_up, "shape", ())
+    return (getattr(gate_up, "dtype", None) == np.uint16 and len(shape) == 2 and shape[1] % 16 == 0
+            and bool(gate_up.flags.c_contiguous) and aligned(gate_up))
+
+
+_word_kernels: list[Any] = []
+
+
+def silu_and_mul_words(gate_up: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
+    """:func:`silu_and_mul` of bf16 bits in CUDA C++, launched dependently: ``gate_up [N, 2I]``
+    of :func:`words_supported`, ``out [N, I]`` contiguous and 16-byte aligned."""
+    op = "silu_and_mul"
+    check_array(op, "gate_up", gate_up, np.uint16, ndim=2)
+    rows, double = gate_up.shape
+    check_array(op, "out", out, np.uint16, (rows, double // 2))
+    if not words_supported(gate_up):
+        raise KernelArgumentError(f"{op}: the CUDA C++ kernel takes a contiguous, 16-byte aligned gate_up whose "
+                                  f"halves are multiples of 8 values, not shape {[rows, double]}")
+    if not _word_kernels:
+        import cupy
+
+        _word_kernels.append(cupy.RawModule(code=source(), options=("--std=c++17",))
+                             .get_function("silu_and_mul_words"))
+    width = double // 2
+    if rows and width:
+        launch(_word_kernels[0], (-(-width // (8 * WORD_THREADS)), rows), (WORD_THREADS,),
+               (gate_up, out, np.int32(width)), 0, stream, dependent=True)
     return out

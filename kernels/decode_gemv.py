@@ -138,6 +138,13 @@ __device__ __forceinline__ float warp_sum(float value) {
     for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
     return value;
 }
+
+// bf16(silu(g) * u) for the two bf16 values of each word.
+__device__ __forceinline__ unsigned silu_mul_pair(unsigned gate, unsigned up) {
+    const float g0 = bf16_low(gate), g1 = bf16_high(gate);
+    const float v0 = g0 / (1.0f + expf(-g0)) * bf16_low(up), v1 = g1 / (1.0f + expf(-g1)) * bf16_high(up);
+    return (unsigned)to_bf16(v0) | ((unsigned)to_bf16(v1) << 16);
+}
 """
 
 KERNELS = r"""
@@ -146,12 +153,6 @@ KERNELS = r"""
 // lanes of a quarter-warp (2 rows x 4 chunks) hit 8 different bank groups.
 __device__ __forceinline__ int staged_chunk(int row, int chunk, int stride) {
     return row * stride + (chunk ^ ((row & 1) << 2));
-}
-
-__device__ __forceinline__ unsigned silu_mul_pair(unsigned gate, unsigned up) {
-    const float g0 = bf16_low(gate), g1 = bf16_high(gate);
-    const float v0 = g0 / (1.0f + expf(-g0)) * bf16_low(up), v1 = g1 / (1.0f + expf(-g1)) * bf16_high(up);
-    return (unsigned)to_bf16(v0) | ((unsigned)to_bf16(v1) << 16);
 }
 
 // y[r, n] = dot(prologue(x)[r, :], weight[n, :]) (+ bias[n]) for r < rows <= 8 * ROW_TILES, n < N:

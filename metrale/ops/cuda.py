@@ -226,6 +226,9 @@ class CudaKernels:
 
     def silu_and_mul(self, gate_up: Any) -> Any:
         out = cp.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=bf16)
+        if activation.words_supported(gate_up):
+            # A bf16 product (linear_silu past the decode GEMV's rows): launched dependently.
+            return activation.silu_and_mul_words(gate_up, out, self.stream)
         return activation.silu_and_mul(gate_up, out, self.stream)
 
     def qkv_rope_cache(self, qkv: Any, positions: Any, slot_mapping: Any, inv_freq: Any, attention_factor: float,

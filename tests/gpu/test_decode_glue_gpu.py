@@ -181,12 +181,31 @@ def test_attention_combine(backend, rows, heads, splits, value_dim):
     assert rel_error(got, combine_partials_model(acc, best, total)) <= 1e-2
 
 
-def test_the_glue_replays_from_a_graph_with_dependent_launches(backend):
-    """The norm, the RoPE and cache write and the merge recorded one after another into a CUDA
-    graph (their launches dependent, as in a decode graph) replay the eager results with new inputs."""
+@pytest.mark.parametrize("rows, width", [(32, 8192), (5, 1408), (1, 40)])
+def test_silu_and_mul_words(backend, rows, width):
     import cupy as cp
 
-    from metrale.kernels import attention_combine, qkv_rope, rmsnorm
+    from metrale.kernels import activation
+
+    rng = np.random.default_rng(rows + width)
+    gate_up = bf16(rng, (rows, 2 * width), 4.0)
+    with backend.activate():
+        gate_up_device = cp.asarray(gate_up)
+        assert activation.words_supported(gate_up_device)
+        got = backend.kernels.silu_and_mul(gate_up_device)
+        got = bf16_to_float32(cp.asnumpy(got))
+    values = bf16_to_float32(gate_up)
+    expected = activation.silu_and_mul_reference(values[:, :width], values[:, width:])
+    assert rel_error(got, expected) <= 1e-2
+
+
+def test_the_glue_replays_from_a_graph_with_dependent_launches(backend):
+    """The norm, the RoPE and cache write, the merge and the SiLU gate recorded one after another
+    into a CUDA graph (their launches dependent, as in a decode graph) replay the eager results
+    with new inputs."""
+    import cupy as cp
+
+    from metrale.kernels import activation, attention_combine, qkv_rope, rmsnorm
 
     rng = np.random.default_rng(7)
     hidden, heads, kv_heads, head_dim, splits = 2048, 32, 8, 64, 12
@@ -206,12 +225,15 @@ def test_the_glue_replays_from_a_graph_with_dependent_launches(backend):
         best = cp.asarray(rng.standard_normal((1, heads, splits)).astype(np.float32))
         total = cp.asarray(rng.uniform(0.5, 2.0, (1, heads, splits)).astype(np.float32))
         out = cp.empty((1, heads * head_dim), np.uint16)
+        gate_up = cp.asarray(bf16(rng, (4, 2 * 1024), 2.0))
+        gated = cp.empty((4, 1024), np.uint16)
 
         def step():
             rmsnorm.rmsnorm_residual_words(x, residual, weight, 1e-6, 0.0, False, normed, stream)
             qkv_rope.qkv_rope_cache_words(qkv, positions, slots, inv_freq, 1.0, heads, kv_heads, head_dim, k_cache,
                                           v_cache, q, stream=stream)
             attention_combine.combine(acc, best, total, out, stream)
+            activation.silu_and_mul_words(gate_up, gated, stream)
 
         step()
         stream.synchronize()
@@ -223,11 +245,12 @@ def test_the_glue_replays_from_a_graph_with_dependent_launches(backend):
         for name, array in (("x", x), ("qkv", qkv), ("acc", acc)):
             array.set(rng.standard_normal(array.shape).astype(np.float32), stream=stream)
         positions.set(np.array([1234], np.int32), stream=stream)
+        gate_up.set(bf16(rng, gate_up.shape, 2.0), stream=stream)
         graph.launch(stream=stream)
         stream.synchronize()
-        replayed = [cp.asnumpy(a).copy() for a in (normed, q, k_cache, out)]
+        replayed = [cp.asnumpy(a).copy() for a in (normed, q, k_cache, out, gated)]
         step()
         stream.synchronize()
-        eager = [cp.asnumpy(a) for a in (normed, q, k_cache, out)]
+        eager = [cp.asnumpy(a) for a in (normed, q, k_cache, out, gated)]
     for a, b in zip(replayed, eager):
         np.testing.assert_array_equal(a, b)
