@@ -43,7 +43,8 @@ class ForwardBatch:
     ``row_starts``: ``[S + 1]``; ``logits_rows``: rows whose logits are returned, in order.
     ``max_context`` bounds every row's ``position + 1`` (it sizes the attention's key splits).
     ``state_slots``: ``[S]`` int64, each segment's recurrent-state slot (0, the dummy slot, for
-    sequences without one and for padding).
+    sequences without one and for padding). ``every_row_logits``: ``logits_rows`` is known to be
+    ``0 .. N - 1`` (a decode step, a verify of one sequence): the rows need no gathering.
     """
 
     segments: list[Segment]
@@ -57,6 +58,7 @@ class ForwardBatch:
     max_context: int = 0
     state_slots: np.ndarray | None = None
     extras: dict = field(default_factory=dict)
+    every_row_logits: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -114,6 +116,7 @@ class ForwardBatch:
             logits_rows=np.asarray(logits_rows, dtype=np.int64),
             max_context=int(positions.max()) + 1,
             state_slots=_state_slots(segments),
+            every_row_logits=len(logits_rows) == rows and all(s.logits == "all" for s in segments),
         )
 
     @classmethod
@@ -145,6 +148,7 @@ class ForwardBatch:
             logits_rows=rows.copy(),
             max_context=int(positions.max()) + 1,
             state_slots=_state_slots(segments),
+            every_row_logits=True,
         )
 
 

@@ -37,6 +37,22 @@ def test_rows_slots_tables_and_logits_rows_of_mixed_segments():
     assert batch.token_ids.dtype == np.int64 and batch.slot_mapping.dtype == np.int64
 
 
+def test_a_batch_knows_when_every_row_gives_logits_in_order():
+    a, b = sequence([7, 3], 2), sequence([5], 0)
+    cases = [
+        ([Segment(a, [11], 2, "last"), Segment(b, [21], 0, "last")], True),  # a decode step
+        ([Segment(a, [11, 12, 13], 2, "all")], True),  # a verify
+        ([Segment(a, [11, 12], 2, "all"), Segment(b, [21, 22], 0, "all")], True),
+        ([Segment(a, [11, 12, 13], 2, "last")], False),  # a prompt's last row only
+        ([Segment(a, [11, 12], 2, "all"), Segment(b, [21, 22], 0, "none")], False),
+    ]
+    for segments, expected in cases:
+        batch = ForwardBatch.build(segments, 4)
+        assert batch.every_row_logits is expected
+        if expected:
+            assert batch.logits_rows.tolist() == list(range(batch.num_rows))
+
+
 def test_bad_segments_are_refused():
     with pytest.raises(CacheError, match="at least one segment"):
         ForwardBatch.build([], 4)

@@ -21,7 +21,7 @@ kernel serve more by default). Run from the repository root::
     python3 tools/decode_ab.py [--shapes llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small] [--batch 1,4,8]
                                [--context 512] [--merge-splits] [--swiglu-epilogue] [--unroll 4]
                                [--independent decode_gemv,rmsnorm_residual_words] [--carveout 100]
-                               [--gemv-max-rows 32]
+                               [--gemv-max-rows 32 [--gemv-ops linear] [--gemv-max-columns 16384]]
 """
 
 from __future__ import annotations
@@ -51,18 +51,30 @@ class UnfusedDecodePlugin:
 
 
 class WiderGemvPlugin:
-    """Serves ``linear``, ``linear_silu`` and ``rmsnorm_linear`` with the decode GEMV up to
-    ``max_rows`` rows (a plugin's kernels are tried first)."""
+    """Serves ``ops`` (of ``linear``, ``linear_silu`` and ``rmsnorm_linear``) with the decode GEMV
+    up to ``max_rows`` rows and, when given, ``max_columns`` output columns (a plugin's kernels are
+    tried first)."""
 
-    def __init__(self, max_rows: int) -> None:
-        self.max_rows = max_rows
+    def __init__(self, max_rows: int, ops: tuple[str, ...], max_columns: int | None = None) -> None:
+        self.max_rows, self.ops, self.max_columns = max_rows, ops, max_columns
 
     @hookimpl
     def metrale_register_ops(self, registry):  # type: ignore[no-untyped-def]
+        import dataclasses
+
         from metrale.ops.builtin import decode_gemv_kernels
 
+        limit = self.max_columns
         for kernel in decode_gemv_kernels(max_rows=self.max_rows):
-            if kernel.op in ("linear", "linear_silu", "rmsnorm_linear"):
+            if kernel.op in self.ops:
+                if limit is not None:
+                    served = kernel.when
+
+                    def narrow(*args, served=served, **kwargs):  # type: ignore[no-untyped-def]
+                        weight = kwargs.get("weight", args[5] if kernel.op == "rmsnorm_linear" else args[1])
+                        return weight.shape[0] <= limit and served(*args, **kwargs)
+
+                    kernel = dataclasses.replace(kernel, when=narrow)
                 registry.add_kernel(kernel)
 
 
@@ -86,6 +98,10 @@ def main() -> None:
     parser.add_argument("--gemv-max-rows", type=int,
                         help="the fused engine's decode GEMV serves linear, linear_silu and rmsnorm_linear up to "
                              "this many rows (at most metrale.kernels.decode_gemv.MAX_ROWS)")
+    parser.add_argument("--gemv-ops", default="linear,linear_silu,rmsnorm_linear",
+                        help="the ops --gemv-max-rows widens (comma-separated)")
+    parser.add_argument("--gemv-max-columns", type=int,
+                        help="with --gemv-max-rows: only for weights of at most this many output rows")
     args = parser.parse_args()
 
     from metrale.api import LLM
@@ -108,7 +124,9 @@ def main() -> None:
                        max_num_seqs=max(batches) + 1, show_progress=False)
         fused_manager = get_plugin_manager()
         if args.gemv_max_rows:
-            fused_manager.register(WiderGemvPlugin(args.gemv_max_rows), name="wider-gemv")
+            ops = tuple(op for op in args.gemv_ops.split(",") if op)
+            fused_manager.register(WiderGemvPlugin(args.gemv_max_rows, ops, args.gemv_max_columns),
+                                   name="wider-gemv")
         engines = {"unfused": LLM(folder, plugin_manager=unfused_manager, **options),
                    "fused": LLM(folder, plugin_manager=fused_manager, **options)}
         @contextlib.contextmanager

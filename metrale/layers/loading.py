@@ -40,6 +40,8 @@ class DecoderEnds:
     def logits(self, backend: Any, x: Any, residual: Any, batch: ForwardBatch, eps: float, offset: float = 0.0) -> Any:
         """Float32 logits ``[len(batch.logits_rows), V]``: the last residual add, the final norm
         and the LM head (the ``rmsnorm_linear`` op), on the rows that asked for logits only."""
-        rows = batch.logits_rows
-        logits, _ = backend.ops.rmsnorm_linear(x[rows], residual[rows], self.norm, eps, offset, self.lm_head)
+        if not batch.every_row_logits:
+            rows = batch.logits_rows
+            x, residual = x[rows], residual[rows]
+        logits, _ = backend.ops.rmsnorm_linear(x, residual, self.norm, eps, offset, self.lm_head)
         return logits

@@ -386,6 +386,7 @@ class CudaGraphRunner:
             segments=[], token_ids=views["token_ids"], positions=views["positions"], seq_index=views["seq_index"],
             slot_mapping=views["slot_mapping"], block_tables=table, row_starts=np.arange(size + 1),
             logits_rows=views["logits_rows"], max_context=self.model.max_model_len, state_slots=views["state_slots"],
+            every_row_logits=True,  # _fill packs 0 .. size - 1
         )
         rung = self.rungs[size] = Rung(size, host, device, batch)
         return rung
