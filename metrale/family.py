@@ -81,6 +81,13 @@ class FamilyModel:
     #: rows (MLA's absorbed attention, Gated DeltaNet's recurrent step) computes them as decode
     #: rows, so that a verify's logits are the decode steps' and speculation changes no token.
     verifying: bool = False
+    #: Whether a verify may replay the decode graphs (:mod:`metrale.runner.graphs`), each of its
+    #: rows a one-token decode row of its own that reads its sequence's blocks up to its position
+    #: (the keys and values of the rows before it in the same verify are written first). Exact for
+    #: a model whose rows meet only through the paged KV cache; a model with recurrent state
+    #: (state slots) is never replayed so, and a model whose verify rows need more than that sets
+    #: it False.
+    verify_graph_capturable: bool = True
 
     @property
     def feeds_pending_tokens(self) -> bool:

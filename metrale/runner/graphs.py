@@ -125,6 +125,34 @@ def pack_decode(host: np.ndarray, size: int, width: int, batch: ForwardBatch | N
     return used
 
 
+def as_decode_rows(batch: ForwardBatch) -> ForwardBatch:
+    """``batch`` (a verify: segments of several rows, every row's logits) as a decode batch whose
+    rows are segments of their own: the same tokens, positions and cache slots, each row's block
+    table its sequence's. Row ``j`` of a sequence then attends to its cache up to its own position,
+    where the rows before it wrote their keys and values in the same forward: the causal attention
+    of the verify, through the decode kernels."""
+    rows = np.arange(batch.num_rows, dtype=np.int64)
+    return ForwardBatch(
+        segments=batch.segments, token_ids=batch.token_ids, positions=batch.positions, seq_index=rows,
+        slot_mapping=batch.slot_mapping, block_tables=batch.block_tables[batch.seq_index],
+        row_starts=np.arange(batch.num_rows + 1, dtype=np.int64), logits_rows=rows, max_context=batch.max_context,
+        state_slots=None, every_row_logits=True,
+    )
+
+
+def decode_rung_batch(buffer: Any, size: int, max_blocks: int, max_model_len: int) -> ForwardBatch:
+    """The batch a decode rung of ``size`` rows records its graphs over: views of ``buffer``, its
+    metadata as :func:`pack_decode` lays it out (the table ``max_blocks`` wide; a graph of a
+    context bucket reads a narrower one, :meth:`Rung.bucket_batch`)."""
+    views = {name: buffer[i * size : (i + 1) * size] for i, name in enumerate(_VECTORS)}
+    return ForwardBatch(
+        segments=[], token_ids=views["token_ids"], positions=views["positions"], seq_index=views["seq_index"],
+        slot_mapping=views["slot_mapping"], block_tables=buffer[_TABLE_START * size :].reshape(size, max_blocks),
+        row_starts=np.arange(size + 1), logits_rows=views["logits_rows"], max_context=max_model_len,
+        state_slots=views["state_slots"], every_row_logits=True,  # pack_decode packs 0 .. size - 1
+    )
+
+
 def context_buckets(max_model_len: int) -> tuple[int, ...]:
     """The live-context buckets of the decode graphs: 512, 2,048, 8,192, ... below
     ``max_model_len``, then ``max_model_len``."""
@@ -235,7 +263,8 @@ def mixed_logits_rows(batch: ForwardBatch, decode: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    """Replays ``model.forward_batch`` for decode-only batches from captured graphs."""
+    """Replays ``model.forward_batch`` for decode-only batches from captured graphs (and a
+    verify's rows as decode rows, :meth:`run_verify`)."""
 
     def __init__(self, model: Any, backend: Any) -> None:
         # The model owns its runner; the runner refers back to it weakly (no reference cycle).
@@ -267,6 +296,27 @@ class CudaGraphRunner:
         count = len(batch.segments)
         fits = 0 < count <= DECODE_RUNGS[-1] and batch.num_rows == count and len(batch.logits_rows) == count
         return self.disabled is None and fits
+
+    def accepts_verify(self, batch: ForwardBatch) -> bool:
+        """A verify (every row's logits, the model :attr:`~metrale.family.FamilyModel.verifying`)
+        whose rows fit a decode rung, of a model that lets its verify replay the decode graphs
+        (:attr:`~metrale.family.FamilyModel.verify_graph_capturable`, no recurrent state): run as
+        :func:`as_decode_rows` through :meth:`run`."""
+        model = self.model
+        return (self.disabled is None and getattr(model, "verifying", False)
+                and getattr(model, "verify_graph_capturable", False) and model.cache.state_slots is None
+                and batch.every_row_logits and 0 < batch.num_rows <= DECODE_RUNGS[-1])
+
+    def run_verify(self, batch: ForwardBatch, feed: Any = None) -> Any:
+        """Logits of every row of a verify :meth:`accepts_verify` accepts, from the decode graph of
+        its padded row count (recorded on first use, as a decode step, with the model not
+        :attr:`~metrale.family.FamilyModel.verifying`: the graphs serve decode steps too)."""
+        model = self.model
+        model.verifying = False
+        try:
+            return self.run(as_decode_rows(batch), feed)
+        finally:
+            model.verifying = True
 
     def rung_size(self, rows: int) -> int:
         return next(size for size in DECODE_RUNGS if size >= rows)
@@ -380,14 +430,7 @@ class CudaGraphRunner:
         host = cupyx.empty_pinned((length,), dtype=np.int32)
         host[:] = 0
         device = persistent_zeros(length)
-        views = {name: device[i * size : (i + 1) * size] for i, name in enumerate(_VECTORS)}
-        table = device[_TABLE_START * size :].reshape(size, self.max_blocks)
-        batch = ForwardBatch(
-            segments=[], token_ids=views["token_ids"], positions=views["positions"], seq_index=views["seq_index"],
-            slot_mapping=views["slot_mapping"], block_tables=table, row_starts=np.arange(size + 1),
-            logits_rows=views["logits_rows"], max_context=self.model.max_model_len, state_slots=views["state_slots"],
-            every_row_logits=True,  # _fill packs 0 .. size - 1
-        )
+        batch = decode_rung_batch(device, size, self.max_blocks, self.model.max_model_len)
         rung = self.rungs[size] = Rung(size, host, device, batch)
         return rung
 

@@ -93,6 +93,8 @@ class ModelRunner:
         with self.backend.activate():
             if self.graphs is not None and self.graphs.accepts(batch):
                 logits = self.graphs.run(batch, feed)
+            elif self.graphs is not None and self.graphs.accepts_verify(batch):
+                logits = self.graphs.run_verify(batch, feed)
             elif self.graphs is not None and self.graphs.mixed_shape(batch) is not None:
                 logits = self.graphs.run_mixed(batch, feed)
             else:
