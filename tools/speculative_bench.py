@@ -20,7 +20,7 @@ Three parts (``--parts``, all by default):
 Prints a table per part and writes every number to ``--output`` (JSON). Run from the repository
 root::
 
-    python3 tools/speculative_bench.py [--shape llama-8b] [--k 1,2,3,4] [--context 512] [--steps 32]
+    python3 tools/speculative_bench.py [--shape llama-8b] [--k 1,2,3,4] [--context 512] [--steps 32] [--peaked]
                                        [--parts verify,oracle,ngram] [--device cuda] [--output spec.json]
 """
 
@@ -126,6 +126,39 @@ def timed_generate(llm: Any, prompts: list, params: Any) -> tuple[list, float]:
     return outputs, time.perf_counter() - start
 
 
+def build_peaked_checkpoint(shape: str, folder: Path) -> Path:
+    """A random-weight bf16 checkpoint of a Llama ``shape`` (as ``metrale bench`` builds it) whose
+    attention output and down projections are zero and whose LM head is its embedding.
+
+    Every layer then adds nothing to the residual stream, so the logits peak at the input token by
+    a wide margin: greedy decoding repeats the last token, and a verify's rounding (other kernels
+    for more rows) cannot part its tokens from plain decoding's. A step reads and computes exactly
+    what it does on the plain random checkpoint."""
+    import torch
+
+    from metrale.bench import GDN_SHAPES, MLA_SHAPES, SHAPES
+
+    if (folder / "config.json").exists():
+        return folder
+    if shape in MLA_SHAPES or shape in GDN_SHAPES:
+        raise SystemExit(f"--peaked serves the Llama shapes, not {shape}")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=131072, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    model.save_pretrained(folder)
+    del model
+    torch.cuda.empty_cache()
+    return folder
+
+
 def oracle_gain(folder: Path, options: dict, k: int, context: int, max_tokens: int,
                 attempts: int = 4) -> dict[str, float]:
     """Batch-1 greedy tok/s without speculation and with the oracle drafter at ``k``.
@@ -134,7 +167,8 @@ def oracle_gain(folder: Path, options: dict, k: int, context: int, max_tokens: i
     random weights, whose top logits nearly tie, its greedy tokens can part from plain decoding's;
     the drafter would then have nothing to propose past that point. The script is therefore the
     speculative run's own output, run again (up to ``attempts`` runs) until the run follows it to
-    the end; the last run is the one timed."""
+    the end; the last run is the one timed (on :func:`build_peaked_checkpoint`'s model one run
+    suffices)."""
     import numpy as np
 
     from metrale import LLM, SamplingParams
@@ -196,6 +230,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-8b", help="a metrale bench shape (random weights)")
     parser.add_argument("--checkpoint", help="a checkpoint folder or embedded model instead of --shape")
+    parser.add_argument("--peaked", action="store_true",
+                        help="the oracle part runs on build_peaked_checkpoint's model of --shape (wide logit "
+                             "margins: a verify keeps plain decoding's greedy tokens)")
     parser.add_argument("--k", default="1,2,3,4", help="draft counts (comma-separated)")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32, help="timed steps per verify size")
@@ -233,7 +270,11 @@ def main(argv: list[str] | None = None) -> dict:
             seconds = costs[f"verify_k{k}"]
             print(f"  verify of {k + 1} rows: {1e3 * seconds:8.3f} ms  ({seconds / costs['decode']:.2f} decode steps)")
     if "oracle" in parts:
-        gain = oracle_gain(folder, options, max(ks), args.context, args.max_tokens)
+        oracle_folder = folder
+        if args.peaked:
+            oracle_folder = build_peaked_checkpoint(args.shape, Path(args.workdir) / f"{args.shape}-peaked")
+        gain = oracle_gain(oracle_folder, options, max(ks), args.context, args.max_tokens)
+        gain["peaked"] = args.peaked
         report["oracle"] = gain
         print(f"oracle drafter, K = {gain['k']}: {gain['plain_tok_s']:.1f} tok/s without, "
               f"{gain['speculative_tok_s']:.1f} with ({gain['speed_up']:.2f}x); {gain['accepted']} of "
