@@ -12,13 +12,17 @@
   (before and after a change, say) are one run, their shapes together;
 * ``kernel-times.png`` -- where a decode step's kernel time goes, one stacked bar per
   ``tools/kernel_times.py`` output (``--kernel-times``): its largest kernel groups, the rest as
-  one part.
+  one part;
+* ``speculative.png`` -- from ``tools/speculative_bench.py`` JSON files (``--speculative``, labelled
+  by ``--speculative-labels``): a verify's cost in decode steps against its draft count K, one line
+  per file, and the oracle drafter's batch-1 speed-up, one bar per file that has one.
 
 Run from the repository root::
 
     python3 tools/plot_bench.py --bench bench.json [more.json ...] --throughput throughput.json [more.json ...] --out docs/images
     python3 tools/plot_bench.py --decode a-1b.json a-8b.json b-1b.json b-8b.json --decode-labels before,before,after,after
     python3 tools/plot_bench.py --kernel-times docs/data/kernel-times-*-batch1.txt
+    python3 tools/plot_bench.py --speculative eager.json graphs.json --speculative-labels eager,graphs
 """
 
 from __future__ import annotations
@@ -295,6 +299,55 @@ def plot_kernel_times(paths: list[Path], out: Path, parts: int = 7) -> Path | No
     return path
 
 
+def verify_costs(report: dict[str, Any]) -> list[tuple[int, float]]:
+    """``(K, verify seconds / decode seconds)`` of a ``tools/speculative_bench.py`` report, by K."""
+    seconds = report.get("verify_seconds", {})
+    decode = seconds.get("decode")
+    if not decode:
+        return []
+    return sorted((int(name.removeprefix("verify_k")), value / decode)
+                  for name, value in seconds.items() if name.startswith("verify_k"))
+
+
+def plot_speculative(reports: list[dict[str, Any]], labels: list[str], out: Path) -> Path | None:
+    """A verify's cost in decode steps by K (a line per report) and the oracle's speed-up (a bar
+    per report with one); None when no report holds either."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = [(label, verify_costs(report)) for label, report in zip(labels, reports)]
+    lines = [(label, points) for label, points in lines if points]
+    bars = [(label, float(report["oracle"]["speed_up"]), int(report["oracle"]["k"]))
+            for label, report in zip(labels, reports) if "oracle" in report]
+    if not lines and not bars:
+        return None
+    figure, (cost_axes, gain_axes) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, points in lines:
+        cost_axes.plot([k for k, _ in points], [ratio for _, ratio in points], marker="o", label=label)
+    cost_axes.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    cost_axes.set_xlabel("drafts K (a verify of K + 1 rows)")
+    cost_axes.set_ylabel("verify time / decode step time")
+    cost_axes.set_title("What a verify costs")
+    cost_axes.set_ylim(bottom=0)
+    if lines:
+        cost_axes.set_xticks(sorted({k for _, points in lines for k, _ in points}))
+        cost_axes.legend(fontsize=8)
+    for index, (label, gain, k) in enumerate(bars):
+        gain_axes.bar(index, gain)
+        gain_axes.text(index, gain, f"{gain:.2f}x", ha="center", va="bottom", fontsize=8)
+    gain_axes.set_xticks(range(len(bars)), [f"{label}\nK = {k}" for label, _, k in bars], fontsize=8)
+    gain_axes.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    gain_axes.set_ylabel("batch-1 tok/s with the oracle / without")
+    gain_axes.set_title("Oracle drafter's gain")
+    title = reports[0].get("model", "") if reports else ""
+    figure.suptitle(f"Speculative decoding, {title}")
+    path = out / "speculative.png"
+    save(figure, path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description="plot metrale bench results")
     parser.add_argument("--bench", type=Path, nargs="+", help="JSON files of metrale bench")
@@ -304,10 +357,16 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--decode-loop", action="store_true",
                         help="plot decode_bN_loop (the step as LLM.generate runs it) into decode-loop.png")
     parser.add_argument("--kernel-times", type=Path, nargs="+", help="outputs of tools/kernel_times.py")
+    parser.add_argument("--speculative", type=Path, nargs="+", help="JSON files of tools/speculative_bench.py")
+    parser.add_argument("--speculative-labels", help="comma-separated labels of the --speculative files")
     parser.add_argument("--out", type=Path, default=Path("docs/images"), help="folder of the images")
     args = parser.parse_args(argv)
-    if args.bench is None and args.throughput is None and args.decode is None and args.kernel_times is None:
-        parser.error("give --bench, --throughput, --decode and/or --kernel-times")
+    if all(value is None for value in (args.bench, args.throughput, args.decode, args.kernel_times, args.speculative)):
+        parser.error("give --bench, --throughput, --decode, --kernel-times and/or --speculative")
+    spec_labels = (args.speculative_labels.split(",") if args.speculative_labels
+                   else [p.stem for p in args.speculative or []])
+    if args.speculative is not None and len(spec_labels) != len(args.speculative):
+        parser.error(f"--speculative-labels names {len(spec_labels)} runs, --speculative gives {len(args.speculative)}")
     labels = args.decode_labels.split(",") if args.decode_labels else [p.stem for p in args.decode or []]
     if args.decode is not None and len(labels) != len(args.decode):
         parser.error(f"--decode-labels names {len(labels)} runs, --decode gives {len(args.decode)}")
@@ -330,6 +389,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
         written += [path] if path else []
     if args.kernel_times is not None:
         path = plot_kernel_times(args.kernel_times, args.out)
+        written += [path] if path else []
+    if args.speculative is not None:
+        path = plot_speculative([json.loads(path.read_text()) for path in args.speculative], spec_labels, args.out)
         written += [path] if path else []
     for path in written:
         print(path)

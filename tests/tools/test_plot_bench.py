@@ -89,7 +89,7 @@ def test_several_bench_files_give_one_speed_up_figure(plot_bench, tmp_path):
 def test_the_script_needs_an_input(plot_bench, capsys):
     with pytest.raises(SystemExit):
         plot_bench.main(["--out", "/tmp/unused"])
-    assert "give --bench, --throughput, --decode and/or --kernel-times" in capsys.readouterr().err
+    assert "give --bench, --throughput, --decode, --kernel-times and/or --speculative" in capsys.readouterr().err
 
 
 def decode_run(device, **steps):
@@ -167,3 +167,23 @@ def test_kernel_groups_are_read_from_the_grouped_table(plot_bench, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("kernel_times: ncu failed\n")
     assert plot_bench.plot_kernel_times([empty], tmp_path / "none") is None
+
+
+SPECULATIVE = {"model": "llama-8b", "verify_seconds": {"decode": 0.004, "verify_k2": 0.006, "verify_k1": 0.005},
+               "oracle": {"k": 4, "speed_up": 3.5}}
+
+
+def test_verify_costs_are_ratios_to_a_decode_step_by_draft_count(plot_bench):
+    assert plot_bench.verify_costs(SPECULATIVE) == [(1, pytest.approx(1.25)), (2, pytest.approx(1.5))]
+    assert plot_bench.verify_costs({"oracle": {"k": 4, "speed_up": 1.0}}) == []
+
+
+def test_the_speculative_figure_is_written(plot_bench, tmp_path):
+    first, second = tmp_path / "eager.json", tmp_path / "graphs.json"
+    first.write_text(json.dumps({"model": "llama-8b", "verify_seconds": {"decode": 0.004, "verify_k1": 0.011}}))
+    second.write_text(json.dumps(SPECULATIVE))
+    written = plot_bench.main(["--speculative", str(first), str(second), "--speculative-labels", "eager,graphs",
+                               "--out", str(tmp_path / "images")])
+    assert written == [tmp_path / "images" / "speculative.png"] and written[0].stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        plot_bench.main(["--speculative", str(first), "--speculative-labels", "a,b", "--out", str(tmp_path)])
