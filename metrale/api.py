@@ -112,6 +112,11 @@ class LLM(PromptFrontend):
         PromptFrontend.__init__(self, self.checkpoint, vocab_size=self.model.vocab_size,
                                 max_model_len=self.model.max_model_len, chat_template=chat_template)
         self.forward = ModelForward(self.model, self.plugin_manager, environment)
+        if self.config.speculative_config is not None:
+            # Before the cache: a drafter may need cache layers of its own (an MTP module's).
+            prepare = getattr(self.model, "prepare_speculation", None)  # (FamilyModel's; a hook-only model has none)
+            if prepare is not None:
+                prepare(self.config.speculative_config)
         self.cache = self._build_cache()
         self.model.bind_cache(self.cache)
         self.backend.synchronize()

@@ -107,6 +107,10 @@ class FamilyModel:
         self.cache: ModelCache | None = None
         self.runner: ModelRunner | None = None
         self._row_buffer: Any = None
+        #: Arrays a :meth:`forward_batch` leaves for after the call, by name (a drafter's inputs,
+        #: such as the MLA family's final states for its MTP drafter). The CUDA graph runner keeps
+        #: what each recording left and puts it back after each replay (:mod:`metrale.runner.graphs`).
+        self.step_outputs: dict[str, Any] = {}
 
     # -------------------------------------------------------------- what a family implements
 
@@ -316,6 +320,25 @@ class FamilyModel:
         for seq, count, kept in zip(seqs, rows, accepted):
             seq.num_cached -= count - kept - 1
         return True
+
+    def prepare_speculation(self, config: Any) -> None:
+        """Called with the engine's :class:`~metrale.speculative.SpeculativeConfig` before the
+        cache is built: a model whose drafter needs cache layers of its own (an MTP module)
+        adds them to :meth:`cache_spec` here, or raises :class:`~metrale.errors.ConfigError` when
+        it cannot serve the method. Does nothing by default."""
+        return None
+
+    def after_run(self, segments: list[Segment], batch: ForwardBatch) -> None:
+        """Called by the model runner after each forward call of ``segments`` (``batch``, their
+        layout) returned, :attr:`step_outputs` filled: where a drafter reads the rows it needs
+        (the MLA family's MTP drafter keeps the final states). Does nothing by default."""
+        return None
+
+    def prime_drafter(self, seqs: list[SequenceState]) -> None:
+        """The eager drafter prefill: called by the built-in drafter stage after a prompt's last
+        chunk ran successfully (:func:`~metrale.hookspecs.metrale_drafter`), so a drafter model
+        catches up on the prompt's rows. Does nothing by default."""
+        return None
 
     def flush_pending(self) -> None:
         """Fold whatever a :meth:`verdict` left pending into the model's state; the built-in

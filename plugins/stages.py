@@ -5,7 +5,8 @@
   before the forward reads it;
 * stamp: records the adapter route of the step (one adapter slot for the whole batch, None for
   the base model, or ``MIXED_ADAPTERS``);
-* drafter: no drafter model is loaded, so it does nothing;
+* drafter: the eager drafter prefill, ``prime_drafter`` (:class:`~metrale.family.FamilyModel`:
+  the MLA family's MTP drafter catches up on the prompt's rows; nothing for other models);
 * end_graph_capture: asks the model's backend to end an open capture (a no-op on the CPU).
 """
 
@@ -37,7 +38,9 @@ def metrale_stamp(model: Any, step: ForwardStep) -> None:
 
 @hookimpl
 def metrale_drafter(model: Any, step: ForwardStep, result: Any) -> None:
-    return None
+    prime = getattr(model, "prime_drafter", None)
+    if prime is not None:
+        prime(list(step.seqs))
 
 
 @hookimpl

@@ -153,6 +153,48 @@ def mla_checkpoints(tmp_path_factory):
             for index, (name, (cls, config)) in enumerate(mla_configs().items())}
 
 
+def training_tool():
+    """``tools/train_tiny_models.py`` as a module (its MTP module is the reference of the engine's)."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "train_tiny_models.py"
+    spec = importlib.util.spec_from_file_location("metrale_tools_train_tiny_models", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def mla_mtp_checkpoint(mla_checkpoints, tmp_path_factory):
+    """(folder, reference model, reference MTP module): the tiny DeepSeek-V3 checkpoint with a
+    perturbed multi-token-prediction module added as ``model.layers.{L}.*`` (float32)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3ForCausalLM
+
+    from metrale.testing.hf import perturb_weights
+
+    source = mla_checkpoints["deepseek_v3"]
+    folder = tmp_path_factory.mktemp("mtp") / "deepseek_v3"
+    shutil.copytree(source, folder)
+    model = DeepseekV3ForCausalLM.from_pretrained(source, torch_dtype=torch.float32).eval()
+    tool = training_tool()
+    mtp = tool.mtp_module(model).float().eval()
+    perturb_weights(mtp, 41)
+    tensors = load_file(folder / "model.safetensors")
+    tensors.update({name: value.float() for name, value in tool.mtp_tensors(mtp, model.config).items()})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, model, mtp
+
+
 def gdn_config():
     """(model class, config) of the tiny Qwen3-Next test: two GDN and two gated-attention layers
     (interval 2), MoE everywhere but a dense layer 2 (docs/families.rst, "Checking against transformers")."""

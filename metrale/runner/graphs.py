@@ -174,6 +174,7 @@ class Rung:
     batch: ForwardBatch  # over ``device``; its max_context is max_model_len
     graphs: dict[int, Any] = field(default_factory=dict)  # by context bucket
     outputs: dict[int, Any] = field(default_factory=dict)  # the logits buffer of each graph
+    step_outputs: dict[int, dict[str, Any]] = field(default_factory=dict)  # the model's, each graph's
     uploaded: Any = None  # event recorded after the last host-to-device copy of ``host``
 
     def bucket_batch(self, bucket: int, width: int) -> ForwardBatch:
@@ -196,6 +197,7 @@ class MixedRung:
     batch: ForwardBatch
     graph: Any = None
     output: Any = None
+    step_outputs: dict[str, Any] = field(default_factory=dict)  # what the model left, recorded
     uploaded: Any = None
 
 
@@ -391,10 +393,11 @@ class CudaGraphRunner:
         if feed is not None:
             feed(rung.batch.token_ids)
         if rung.graph is None:
-            rung.graph, rung.output, logits = self._record(rung.batch, mixed=True)
+            rung.graph, rung.output, logits, rung.step_outputs = self._record(rung.batch, mixed=True)
         else:
             self._launch(rung.graph, 0)
             logits = rung.output
+            self.model.step_outputs = rung.step_outputs
         rows = mixed_logits_rows(batch, rung.decode)
         result = cupy.empty((len(rows), logits.shape[1]), dtype=logits.dtype)
         stream, row_bytes = self.backend.stream, logits.shape[1] * logits.itemsize
@@ -416,7 +419,7 @@ class CudaGraphRunner:
                 rung = self._mixed_rung(decode, prompt)
                 if rung.graph is None:
                     self._fill_mixed(rung, None)
-                    rung.graph, rung.output, _ = self._record(rung.batch, mixed=True)
+                    rung.graph, rung.output, _, rung.step_outputs = self._record(rung.batch, mixed=True)
                     if self.mixed_disabled is not None:
                         return
 
@@ -472,6 +475,7 @@ class CudaGraphRunner:
         else:
             self._launch(rung.graphs[bucket], rung.size)
             logits = rung.outputs[bucket]
+            self.model.step_outputs = rung.step_outputs[bucket]
         # A copy the next replay cannot overwrite (a raw device copy: an elementwise CuPy copy
         # costs several times more host time).
         rows = logits[: batch.num_rows]
@@ -509,15 +513,17 @@ class CudaGraphRunner:
     def _record_decode(self, rung: Rung, bucket: int) -> Any:
         """Record ``rung``'s graph of ``bucket`` (unless graphs are turned off meanwhile); the
         eager run's logits."""
-        graph, output, eager = self._record(rung.bucket_batch(bucket, self.table_width(bucket)))
+        graph, output, eager, outputs = self._record(rung.bucket_batch(bucket, self.table_width(bucket)))
         if graph is not None:
-            rung.graphs[bucket], rung.outputs[bucket] = graph, output
+            rung.graphs[bucket], rung.outputs[bucket], rung.step_outputs[bucket] = graph, output, outputs
         return eager
 
-    def _record(self, batch: ForwardBatch, mixed: bool = False) -> tuple[Any, Any, Any]:
-        """``(graph, output, eager)``: the graph of ``model.forward_batch(batch)``, the logits
-        buffer it writes, and the logits of the eager run before it. ``graph`` and ``output`` are
-        None when an op cannot be captured (graphs are then turned off for such steps)."""
+    def _record(self, batch: ForwardBatch, mixed: bool = False) -> tuple[Any, Any, Any, dict[str, Any]]:
+        """``(graph, output, eager, step_outputs)``: the graph of ``model.forward_batch(batch)``,
+        the logits buffer it writes, the logits of the eager run before it, and the model's
+        :attr:`~metrale.family.FamilyModel.step_outputs` as the graph writes them (the eager run's
+        stay the model's). ``graph`` and ``output`` are None when an op cannot be captured
+        (graphs are then turned off for such steps)."""
         import cupy
 
         stream = self.backend.stream
@@ -527,6 +533,7 @@ class CudaGraphRunner:
         # with another graph's intermediates, which the graph pool hands out again once a capture
         # ends.
         eager = self.model.forward_batch(batch)
+        eager_outputs = dict(self.model.step_outputs)
         stream.synchronize()
         with cupy.cuda.using_allocator(self.backend.graph_pool.malloc):
             # Relaxed mode: the pool may still cudaMalloc while recording (never inside the graph).
@@ -543,10 +550,12 @@ class CudaGraphRunner:
                     self.disabled = str(error)
                 logger.warning("%s steps of %s run without CUDA graphs: %s", "mixed" if mixed else "decode",
                                type(self.model).__name__, error)
-                return None, None, eager
+                self.model.step_outputs = eager_outputs
+                return None, None, eager, {}
             except BaseException:
                 if stream.is_capturing():
                     stream.end_capture()
                 raise
             graph = stream.end_capture()
-        return graph, output, eager
+        recorded, self.model.step_outputs = dict(self.model.step_outputs), eager_outputs
+        return graph, output, eager, recorded

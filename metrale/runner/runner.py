@@ -104,6 +104,7 @@ class ModelRunner:
                 logits = self.model.forward_batch(prepared)
         for segment in segments:
             segment.seq.num_cached = segment.end
+        self.model.after_run(list(segments), batch)
         return logits
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from metrale.batch import ForwardBatch
 from metrale.cache.spec import CacheSpec, PagedLatentSpec
 from metrale.checkpoint import Checkpoint
+from metrale.errors import ConfigError
 from metrale.family import FamilyModel
 from metrale.layers.experts import StackedExperts, load_stacked_experts, routed_experts
 from metrale.layers.loading import DecoderEnds
@@ -238,6 +239,66 @@ class MlaLayer:
     post_norm: Any
     feed_forward: MlpWeights | DeepseekMoe
 
+    @classmethod
+    def load(cls, checkpoint: Checkpoint, backend: Any, index: int, config: MlaConfig) -> "MlaLayer":
+        """Decoder layer ``index`` (``model.layers.{index}.*``; an MTP module's layer too)."""
+        c, prefix, vector = config, f"model.layers.{index}", (config.hidden_size,)
+        feed_forward: MlpWeights | DeepseekMoe = (
+            DeepseekMoe.load(checkpoint, backend, f"{prefix}.mlp", c) if c.is_moe_layer(index)
+            else load_mlp_weights(checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)
+        )
+        return cls(
+            input_norm=backend.load_weight(checkpoint, (f"{prefix}.input_layernorm.weight", vector)),
+            attention=LatentAttention.load(checkpoint, backend, f"{prefix}.self_attn", c),
+            post_norm=backend.load_weight(checkpoint, (f"{prefix}.post_attention_layernorm.weight", vector)),
+            feed_forward=feed_forward,
+        )
+
+
+#: Tensors of an MTP module beside its decoder layer's (``model.layers.{L}.``), all required.
+MTP_PARTS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+             "input_layernorm.weight", "self_attn.kv_a_proj_with_mqa.weight")
+
+
+@dataclass
+class MtpModule:
+    """DeepSeek-V3's multi-token-prediction module ``model.layers.{index}.*``
+    (:ref:`families-mtp`): for a row at position ``i`` with the main model's final state ``h_i``
+    and the next token ``t_{i+1}``, ``eh_proj([enorm(E[t_{i+1}]); hnorm(h_i)])`` through one MLA
+    decoder layer (its own latent cache layer), then ``shared_head.norm`` and the main model's LM
+    head: the logits of ``t_{i+2}``."""
+
+    index: int
+    embedding_norm: Any  # enorm [H]
+    hidden_norm: Any  # hnorm [H]
+    projection: Any  # eh_proj [H, 2H]
+    layer: MlaLayer
+    head_norm: Any  # shared_head.norm [H]
+
+
+def load_mtp_module(checkpoint: Checkpoint, backend: Any, config: MlaConfig) -> MtpModule | None:
+    """The first MTP module of ``checkpoint`` when it holds every part of it (:data:`MTP_PARTS`),
+    else None. Every tensor under the MTP prefixes is accounted for: deeper modules, and the
+    ``shared_head.head`` and ``embed_tokens`` copies of the main model's (whose own serve
+    instead), are skipped."""
+    c, vector = config, (config.hidden_size,)
+    present = [i for i in checkpoint.layer_indices("model.layers.") if c.num_layers <= i < c.num_layers + c.num_mtp_layers]
+    prefix = f"model.layers.{c.num_layers}"
+    module = None
+    if c.num_layers in present and all(checkpoint.has(f"{prefix}.{part}") for part in MTP_PARTS):
+        module = MtpModule(
+            index=c.num_layers,
+            embedding_norm=backend.load_weight(checkpoint, (f"{prefix}.enorm.weight", vector)),
+            hidden_norm=backend.load_weight(checkpoint, (f"{prefix}.hnorm.weight", vector)),
+            projection=backend.load_weight(checkpoint, (f"{prefix}.eh_proj.weight", (c.hidden_size, 2 * c.hidden_size))),
+            layer=MlaLayer.load(checkpoint, backend, c.num_layers, c),
+            head_norm=backend.load_weight(checkpoint, (f"{prefix}.shared_head.norm.weight", vector)),
+        )
+    prefixes = tuple(f"model.layers.{i}." for i in present)
+    if prefixes:
+        checkpoint.skip([name for name in checkpoint.names() if name.startswith(prefixes)])
+    return module
+
 
 class MlaModel(FamilyModel):
     """A loaded DeepSeek-V2 / V3 model."""
@@ -252,54 +313,69 @@ class MlaModel(FamilyModel):
         self.config = c = config
         self.rope = LatentRope(backend.constant(c.rope.inverse_frequencies()), c.rope.attention_factor(),
                                c.softmax_scale)
-        vector = (c.hidden_size,)
         self.ends = DecoderEnds.load(checkpoint, backend, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
                                      tie_word_embeddings=c.tie_word_embeddings)
-        self.layers = []
-        for index in range(c.num_layers):
-            prefix = f"model.layers.{index}"
-            feed_forward: MlpWeights | DeepseekMoe = (
-                DeepseekMoe.load(checkpoint, backend, f"{prefix}.mlp", c) if c.is_moe_layer(index)
-                else load_mlp_weights(checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)
-            )
-            self.layers.append(MlaLayer(
-                input_norm=backend.load_weight(checkpoint, (f"{prefix}.input_layernorm.weight", vector)),
-                attention=LatentAttention.load(checkpoint, backend, f"{prefix}.self_attn", c),
-                post_norm=backend.load_weight(checkpoint, (f"{prefix}.post_attention_layernorm.weight", vector)),
-                feed_forward=feed_forward,
-            ))
-        # Multi-token-prediction modules (model.layers.{L + k}.*): kept for speculative decoding.
-        # (The prefixes come from the layers present, not from num_nextn_predict_layers, which
-        # checkpoints that dropped these weights still declare.)
-        mtp_prefixes = tuple(f"model.layers.{i}." for i in checkpoint.layer_indices("model.layers.")
-                             if c.num_layers <= i < c.num_layers + c.num_mtp_layers)
-        self.mtp_weights = {
-            name: backend.constant(checkpoint.tensor(name))
-            for name in checkpoint.names() if mtp_prefixes and name.startswith(mtp_prefixes)
-        }
+        self.layers = [MlaLayer.load(checkpoint, backend, index, c) for index in range(c.num_layers)]
+        #: DeepSeek-V3's first multi-token-prediction module (``model.layers.{L}.*``), the ``mtp``
+        #: drafter's model (:mod:`metrale.plugins.mla.mtp`); None when the checkpoint has no
+        #: complete one. (Modules come from the layers present, not from num_nextn_predict_layers,
+        #: which checkpoints that dropped these weights still declare.)
+        self.mtp = load_mtp_module(checkpoint, backend, c)
+        #: Set by :meth:`prepare_speculation` for the ``mtp`` drafter: the cache holds one more
+        #: latent layer (the module's) and every forward leaves its rows' final hidden states in
+        #: :attr:`step_outputs`.
+        self.mtp_drafting = False
+        #: The ``mtp`` drafter (:class:`~metrale.plugins.mla.mtp.MtpDrafter`) once built.
+        self.mtp_rows: Any = None
         checkpoint.skip([n for n in checkpoint.names() if n.endswith(IGNORED_TENSOR_SUFFIXES)])
 
     # ------------------------------------------------------------------------------ contract
 
     def cache_spec(self) -> CacheSpec:
-        return CacheSpec(tuple(PagedLatentSpec(self.config.latent_width) for _ in range(self.config.num_layers)))
+        layers = self.config.num_layers + self.mtp_drafting
+        return CacheSpec(tuple(PagedLatentSpec(self.config.latent_width) for _ in range(layers)))
+
+    def prepare_speculation(self, config: Any) -> None:
+        if config.method == "mtp":
+            if self.mtp is None:
+                raise ConfigError("speculative_config method 'mtp' needs a multi-token-prediction module in the "
+                                  "checkpoint (model.layers.{num_hidden_layers}.*: enorm, hnorm, eh_proj, a decoder "
+                                  "layer, shared_head.norm); this one has none")
+            self.mtp_drafting = True
 
     def is_mla(self) -> bool:
         return True
 
     def forward_batch(self, batch: ForwardBatch) -> Any:
-        ops, eps = self.backend.ops, self.config.rms_norm_eps
+        eps = self.config.rms_norm_eps
         x, residual = self.ends.embed_tokens(self.backend, batch), None
         for layer, cache_layer in zip(self.layers, self._require_cache().layers):
-            x, residual = layer.attention.forward(self.backend, self.rope, cache_layer, x, residual, layer.input_norm,
-                                                  eps, batch, self.absorbed_decode, self.verifying)
-            h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps)
-            ffn = layer.feed_forward
-            if isinstance(ffn, DeepseekMoe):
-                x = ffn.forward(self.backend, h, *self.route(ffn, h))
-            else:
-                x = swiglu_mlp(self.backend, ffn, h)
+            x, residual = self.layer_forward(layer, cache_layer, x, residual, batch)
+        if self.mtp_drafting:
+            # The MTP drafter's input: every row's state after the final norm (logits as always).
+            hidden, _ = self.backend.ops.rmsnorm_residual(x, residual, self.ends.norm, eps)
+            self.step_outputs = {"hidden": hidden}
         return self.ends.logits(self.backend, x, residual, batch, eps)
+
+    def layer_forward(self, layer: MlaLayer, cache_layer: Any, x: Any, residual: Any,
+                      batch: ForwardBatch) -> tuple[Any, Any]:
+        """One decoder layer: ``(out, residual)`` from its input ``x + residual``."""
+        ops, eps = self.backend.ops, self.config.rms_norm_eps
+        x, residual = layer.attention.forward(self.backend, self.rope, cache_layer, x, residual, layer.input_norm,
+                                              eps, batch, self.absorbed_decode, self.verifying)
+        h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps)
+        ffn = layer.feed_forward
+        if isinstance(ffn, DeepseekMoe):
+            return ffn.forward(self.backend, h, *self.route(ffn, h)), residual
+        return swiglu_mlp(self.backend, ffn, h), residual
+
+    def after_run(self, segments: list[Any], batch: ForwardBatch) -> None:
+        if self.mtp_drafting and self.mtp_rows is not None:
+            self.mtp_rows.observe(segments, batch, self.step_outputs["hidden"])
+
+    def prime_drafter(self, seqs: list[Any]) -> None:
+        if self.mtp_drafting and self.mtp_rows is not None:
+            self.mtp_rows.catch_up(seqs)
 
     def route(self, moe: DeepseekMoe, h: Any) -> tuple[Any, Any]:
         """The experts ``moe`` chooses for ``h`` (a method of the model, so tests can record it)."""

@@ -45,7 +45,7 @@ def test_a_config_keeps_its_values():
 
 
 def test_an_unknown_drafter_and_a_family_without_verify_are_refused_at_load(monkeypatch):
-    with pytest.raises(ConfigError, match="no drafter named 'medusa'; installed: ngram"):
+    with pytest.raises(ConfigError, match="no drafter named 'medusa'; installed: mtp, ngram"):
         LLM("tiny-dense", device="cpu", show_progress=False, speculative_config={"method": "medusa",
                                                                                  "num_speculative_tokens": 2})
     from metrale.plugins.dense.model import DenseModel

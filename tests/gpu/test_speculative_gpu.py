@@ -1,5 +1,6 @@
 """Speculative decoding on the cuda backend (``-m gpu``): for every built-in family, greedy tokens
-with n-gram speculation equal those without, up to near-ties; every block and slot is free after.
+with n-gram speculation equal those without, up to near-ties, and with DeepSeek-V3's MTP module
+too (whose logits match the PyTorch reference); every block and slot is free after.
 
 A verify runs a sequence's rows in one forward, where plain decoding runs them one step at a time:
 other GEMM shapes, other bf16 rounding. Two runs may part only right after a position whose top-2
@@ -33,13 +34,43 @@ def first_difference(a, b):
 
 @pytest.mark.parametrize("family", ["dense", "mla", "gdn"])
 def test_speculation_keeps_greedy_tokens_up_to_near_ties(family_checkpoint_of, family):
-    path = family_checkpoint_of(family)
+    check_greedy_tokens(family_checkpoint_of(family), {"method": "ngram", "num_speculative_tokens": 3},
+                        replays=family != "gdn")
+
+
+def test_mtp_speculation_keeps_greedy_tokens_up_to_near_ties(mla_mtp_checkpoint):
+    check_greedy_tokens(mla_mtp_checkpoint[0], {"method": "mtp", "num_speculative_tokens": 3}, replays=True)
+
+
+def test_the_mtp_module_matches_the_reference(mla_mtp_checkpoint):
+    import torch
+
+    from metrale.batch import Segment
+    from metrale.sequence import SequenceState
+
+    folder, model, mtp = mla_mtp_checkpoint
+    llm = LLM(folder, device="cuda", show_progress=False, block_size=4,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([ids])).last_hidden_state
+        expected = mtp(torch.tensor([ids[1:]]), hidden[:, :-1])[0].numpy()
+    seq = SequenceState.from_prompt(ids)
+    llm.forward.prefill_chunk(ids, seq, 0, len(ids) - 1, False)
+    with llm.backend.activate():
+        logits, _ = llm.model.mtp_rows.run([Segment(seq, ids[1:], 0, "all")], llm.model.step_outputs["hidden"])
+        llm.backend.stream.synchronize()
+        logits = logits.get()
+    # bf16 weights and activations against the float32 reference.
+    assert np.abs(logits - expected).max() <= 3e-2 * np.abs(expected).max()
+
+
+def check_greedy_tokens(path, config, replays):
     prompts = repetitive_prompts(7)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = LLM(path, device="cuda", show_progress=False, max_num_seqs=4, block_size=4)
     expected = [o.token_ids for o in plain.generate(prompts, params)]
-    llm = LLM(path, device="cuda", show_progress=False, max_num_seqs=4, block_size=4,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm = LLM(path, device="cuda", show_progress=False, max_num_seqs=4, block_size=4, speculative_config=config)
     graphs = llm.model.runner.graphs
     replayed = []
     run_verify = graphs.run_verify
@@ -47,7 +78,7 @@ def test_speculation_keeps_greedy_tokens_up_to_near_ties(family_checkpoint_of, f
     outputs = llm.generate(prompts, params)
     assert llm.engine.calls.get("verify", 0) > 0 and sum(o.num_draft_tokens for o in outputs) > 0
     # Attention-only models verify from the decode graphs; Gated DeltaNet steps its rows eagerly.
-    assert (len(replayed) == llm.engine.calls["verify"]) if family != "gdn" else not replayed
+    assert (len(replayed) == llm.engine.calls["verify"]) if replays else not replayed
     parted = 0
     for prompt, want, got in zip(prompts, expected, outputs):
         assert got.error is None and got.num_accepted_tokens <= got.num_draft_tokens
@@ -59,8 +90,9 @@ def test_speculation_keeps_greedy_tokens_up_to_near_ties(family_checkpoint_of, f
         margin = float(top2[1] - top2[0]) / float(np.abs(logits).max())
         assert margin < MARGIN, f"outputs part at token {index} although its top-2 margin is {margin:.3g}"
         parted += 1
-    print(f"{family}: {parted} of {len(prompts)} requests parted at a near-tie; calls {llm.engine.calls}; "
-          f"accepted {sum(o.num_accepted_tokens for o in outputs)} of {sum(o.num_draft_tokens for o in outputs)}")
+    print(f"{config['method']} {path.name}: {parted} of {len(prompts)} requests parted at a near-tie; "
+          f"calls {llm.engine.calls}; accepted {sum(o.num_accepted_tokens for o in outputs)} of "
+          f"{sum(o.num_draft_tokens for o in outputs)}")
     allocator = llm.cache.allocator
     assert allocator.num_free == allocator.num_blocks
     if llm.cache.state_slots is not None:

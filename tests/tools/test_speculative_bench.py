@@ -25,3 +25,36 @@ def test_every_part_runs_on_a_tiny_model(tmp_path):
     ngram = report["ngram"]["tiny-dense"]
     assert ngram["same_tokens"] == ngram["prompts"] == 2
     assert ngram["accepted"] <= ngram["drafted"] and (ngram["verify_steps"] == 0 or ngram["tokens_per_verify"] >= 1)
+
+
+def test_the_mtp_part_runs_on_tiny_mla_with_a_module(tmp_path):
+    """The ``mtp`` part on a copy of tiny-mla given an (untrained, perturbed) MTP module."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3ForCausalLM
+
+    from metrale.api import resolve_model_path
+    from metrale.testing.hf import perturb_weights
+
+    import train_tiny_models
+
+    folder = tmp_path / "tiny-mla-mtp"
+    shutil.copytree(resolve_model_path("tiny-mla"), folder)
+    model = DeepseekV3ForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    mtp = train_tiny_models.mtp_module(model).float()
+    perturb_weights(mtp, 3)
+    tensors = load_file(folder / "model.safetensors")
+    tensors.update(train_tiny_models.mtp_tensors(mtp.to(torch.bfloat16), model.config))
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    report = speculative_bench.main(["--device", "cpu", "--parts", "mtp", "--mtp-models", str(folder),
+                                     "--max-tokens", "10", "--prompts", "2"])
+    numbers = report["mtp"][str(folder)]
+    assert numbers["same_tokens"] == numbers["prompts"] == 2
+    assert numbers["drafted"] > 0 and numbers["accepted"] <= numbers["drafted"]
+    assert "ngram" not in report and "verify_seconds" not in report

@@ -23,7 +23,7 @@ def test_the_unedited_copy_loads(tmp_path, warm_plugin_manager):
     """The control of every test below: copying the checkpoint breaks nothing."""
     llm = metrale.LLM(edited_copy("tiny-mla", tmp_path / "copy"), device="cpu", show_progress=False,
                       plugin_manager=warm_plugin_manager)
-    assert llm.vocab_size == 3072 and llm.model.mtp_weights == {}
+    assert llm.vocab_size == 3072 and llm.model.mtp is None
 
 
 @pytest.mark.parametrize(
