@@ -352,9 +352,9 @@ class MlaModel(FamilyModel):
         for layer, cache_layer in zip(self.layers, self._require_cache().layers):
             x, residual = self.layer_forward(layer, cache_layer, x, residual, batch)
         if self.mtp_drafting:
-            # The MTP drafter's input: every row's state after the final norm (logits as always).
-            hidden, _ = self.backend.ops.rmsnorm_residual(x, residual, self.ends.norm, eps)
-            self.step_outputs = {"hidden": hidden}
+            # The MTP drafter's input: every row's state after the final norm (the logits as
+            # always; the sum is a new array, as the CUDA residual norm updates its residual).
+            self.step_outputs = {"hidden": self.backend.ops.rmsnorm(x + residual, self.ends.norm, eps)}
         return self.ends.logits(self.backend, x, residual, batch, eps)
 
     def layer_forward(self, layer: MlaLayer, cache_layer: Any, x: Any, residual: Any,
