@@ -14,8 +14,8 @@ Three parts (``--parts``, all by default):
   ``--k``: the upper bound of what speculation can gain at that K.
 * ``ngram`` -- for each model of ``--tiny``, prompts cut from the training corpus's held-out
   documents (``tools/tiny_corpus.py``), greedy ``--max-tokens`` tokens with and without n-gram
-  speculation (K = 3): the mean tokens a verify step produced (kept drafts plus the one the target
-  adds), the drafts kept of those proposed, tok/s both ways;
+  speculation (K = 3), one prompt at a time: the mean tokens a sequence's verify produced (kept
+  drafts plus the one the target adds), the drafts kept of those proposed, batch-1 tok/s both ways;
 * ``mtp`` -- the same with the ``mtp`` drafter for each checkpoint of ``--mtp-models`` (a DeepSeek-V3
   one with a trained MTP module: ``tools/train_tiny_models.py --mtp-for`` on a copy of
   ``tiny-mla``).
@@ -204,7 +204,8 @@ def oracle_gain(folder: Path, options: dict, k: int, context: int, max_tokens: i
 def acceptance(name: str, options: dict, prompts: int, max_tokens: int, k: int = 3,
                method: str = "ngram") -> dict[str, float]:
     """Speculation with the ``method`` drafter on held-out text of the corpus the tiny models were
-    trained on."""
+    trained on, one prompt at a time (batch 1): the mean tokens a sequence's verify produced (its
+    kept drafts plus the one the target adds), the drafts kept, tok/s with and without."""
     import tiny_corpus
 
     from metrale import LLM, SamplingParams
@@ -212,15 +213,23 @@ def acceptance(name: str, options: dict, prompts: int, max_tokens: int, k: int =
     _, held_out = tiny_corpus.extract()
     texts = [doc[:400] for doc in held_out if len(doc) >= 400][:prompts]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    def one_by_one(llm: Any) -> tuple[list, float, int]:
+        """The outputs, their seconds, and the sequences verified with drafts (after a warm-up)."""
+        timed_generate(llm, texts[:1], params)  # graphs recorded, kernels compiled
+        before = llm.engine.drafted_sequences
+        outputs, seconds = [], 0.0
+        for text in texts:
+            (output,), elapsed = timed_generate(llm, [text], params)
+            outputs.append(output)
+            seconds += elapsed
+        return outputs, seconds, llm.engine.drafted_sequences - before
+
     plain = LLM(name, **options)
-    timed_generate(plain, texts[:1], params)
-    want, plain_seconds = timed_generate(plain, texts, params)
+    want, plain_seconds, _ = one_by_one(plain)
     plain.close()
     speculative = LLM(name, speculative_config={"method": method, "num_speculative_tokens": k}, **options)
-    timed_generate(speculative, texts[:1], params)
-    speculative.engine.calls.clear()
-    got, seconds = timed_generate(speculative, texts, params)
-    verifies = speculative.engine.calls.get("verify", 0)
+    got, seconds, verifies = one_by_one(speculative)
     speculative.close()
     drafted = sum(o.num_draft_tokens for o in got)
     accepted = sum(o.num_accepted_tokens for o in got)

@@ -210,8 +210,9 @@ def mtp_module(model):
             embeds = model.model.embed_tokens(next_tokens)
             x = self.projection(torch.cat([self.embedding_norm(embeds), self.hidden_norm(hidden_states)], dim=-1))
             positions = torch.arange(x.shape[1], device=x.device)[None]
-            mask = family.create_causal_mask(config=config, inputs_embeds=x, attention_mask=None, cache=None,
-                                             position_ids=positions)
+            # An additive causal mask [1, 1, T, T]: what every transformers release's eager and
+            # SDPA attention take (the mask helpers' signatures differ between releases).
+            mask = torch.full((x.shape[1], x.shape[1]), float("-inf"), dtype=x.dtype, device=x.device).triu(1)[None, None]
             x = self.block(x, attention_mask=mask, position_ids=positions,
                            position_embeddings=model.model.rotary_emb(x, positions))
             return model.lm_head(self.head_norm(x))

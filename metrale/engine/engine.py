@@ -136,6 +136,9 @@ class Engine:
         #: Draft tokens verified and kept so far (speculative decoding).
         self.draft_tokens = 0
         self.accepted_tokens = 0
+        #: Sequences a verify ran with drafts, counted once per verify step each: the mean
+        #: accepted length is ``(accepted_tokens + drafted_sequences) / drafted_sequences``.
+        self.drafted_sequences = 0
         #: Steps queued while the step before them was still in flight (overlap scheduling).
         self.overlapped_steps = 0
         #: What :meth:`recover` found inconsistent and rebuilt (for tests and diagnostics).
@@ -368,6 +371,7 @@ class Engine:
         self.calls["verify"] = self.calls.get("verify", 0) + 1
         self.draft_tokens += sum(len(d) for d in drafts)
         self.accepted_tokens += sum(accepted)
+        self.drafted_sequences += sum(1 for d in drafts if d)
         changed: list[Request] = []
         for request, draft, kept, start in zip(requests, drafts, accepted, starts):
             request.num_draft_tokens += len(draft)
