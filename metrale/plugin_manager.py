@@ -33,6 +33,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str, str], ...] = (
     ("gdn", "metrale.plugins.gdn.plugin", "plugin"),
     ("stages", "metrale.plugins.stages", ""),
     ("ngram", "metrale.plugins.ngram", ""),
+    ("mtp", "metrale.plugins.mtp", ""),
 )
 
 

@@ -35,8 +35,8 @@ class SpeculativeConfig:
     """What ``speculative_config`` asks for (the keys vLLM uses).
 
     ``method`` names a drafter (``"ngram"``: prompt lookup in the sequence's own tokens;
-    ``"mtp"``: a DeepSeek-V3 checkpoint's multi-token-prediction module,
-    :mod:`metrale.plugins.mla.mtp`; others come from plugins,
+    ``"mtp"``: a DeepSeek-V3 or Qwen3-Next checkpoint's multi-token-prediction module,
+    :mod:`metrale.plugins.mtp`; others come from plugins,
     :func:`metrale.hookspecs.metrale_drafters`); ``num_speculative_tokens``
     is ``K``, the most drafts per sequence and step (1 to :data:`MAX_SPECULATIVE_TOKENS`);
     ``prompt_lookup_min`` / ``prompt_lookup_max`` bound the n-gram lengths the n-gram drafter

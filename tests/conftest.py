@@ -218,6 +218,30 @@ def gdn_checkpoint(tmp_path_factory):
 
 
 
+@pytest.fixture(scope="session")
+def gdn_mtp_checkpoint(gdn_checkpoint, tmp_path_factory):
+    """(folder, reference model, reference MTP module): the tiny Qwen3-Next checkpoint with a
+    perturbed multi-token-prediction module added as ``mtp.*`` (float32)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3NextForCausalLM
+
+    from metrale.testing.hf import perturb_weights
+
+    folder = tmp_path_factory.mktemp("gdn-mtp") / "qwen3_next"
+    shutil.copytree(gdn_checkpoint, folder)
+    model = Qwen3NextForCausalLM.from_pretrained(gdn_checkpoint, torch_dtype=torch.float32).eval()
+    tool = training_tool()
+    mtp = tool.mtp_module(model).float().eval()
+    perturb_weights(mtp, 43, zero_centred_norms=True)
+    tensors = load_file(folder / "model.safetensors")
+    tensors.update({name: value.float() for name, value in tool.mtp_tensors(mtp, model.config).items()})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder, model, mtp
+
+
 # ============================================================ corrupt copies of the embedded models
 
 

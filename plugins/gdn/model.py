@@ -24,7 +24,7 @@ import numpy as np
 from metrale.batch import ForwardBatch
 from metrale.cache.spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
 from metrale.checkpoint import Checkpoint
-from metrale.errors import CacheError, NonFiniteStateError
+from metrale.errors import CacheError, ConfigError, NonFiniteStateError
 from metrale.family import FamilyModel
 from metrale.layers.experts import StackedExperts, load_stacked_experts, routed_experts
 from metrale.layers.loading import DecoderEnds
@@ -32,7 +32,7 @@ from metrale.layers.mlp import MlpWeights, load_mlp_weights, swiglu_mlp
 from metrale.plugins.gdn.config import GdnConfig
 from metrale.sequence import SequenceState
 
-IGNORED_TENSOR_PREFIXES = ("mtp.",)  # multi-token prediction: transformers has none for Qwen3-Next
+IGNORED_TENSOR_PREFIXES = ("mtp.",)  # the MTP module's tensors not loaded (load_mtp_module)
 
 
 @dataclass
@@ -248,6 +248,58 @@ class GdnLayer:
     mixer: GatedAttention | GatedDeltaNet
     feed_forward: MlpWeights | SparseMoe
 
+    @classmethod
+    def load(cls, checkpoint: Checkpoint, backend: Any, prefix: str, config: GdnConfig, *, attention: bool,
+             moe: bool) -> "GdnLayer":
+        """The decoder layer at ``prefix`` (``model.layers.{i}``, or the MTP module's ``mtp.layers.0``)."""
+        c, vector = config, (config.hidden_size,)
+        return cls(
+            input_norm=backend.load_weight(checkpoint, (f"{prefix}.input_layernorm.weight", vector)),
+            post_norm=backend.load_weight(checkpoint, (f"{prefix}.post_attention_layernorm.weight", vector)),
+            mixer=(GatedAttention.load(checkpoint, backend, f"{prefix}.self_attn", c) if attention
+                   else GatedDeltaNet.load(checkpoint, backend, f"{prefix}.linear_attn", c)),
+            feed_forward=(SparseMoe.load(checkpoint, backend, f"{prefix}.mlp", c) if moe
+                          else load_mlp_weights(checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)),
+        )
+
+
+#: Tensors of a Qwen3-Next MTP module beside its layer's, all required.
+MTP_PARTS = ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+             "mtp.layers.0.input_layernorm.weight", "mtp.layers.0.self_attn.q_proj.weight")
+
+
+@dataclass
+class MtpModule:
+    """Qwen3-Next's multi-token-prediction module ``mtp.*`` (:ref:`families-mtp`): for a row at
+    position ``i`` with the main model's final state ``h_i`` and the next token ``t_{i+1}``,
+    ``fc([pre_fc_norm_embedding(E[t_{i+1}]); pre_fc_norm_hidden(h_i)])`` (zero-centred norms)
+    through one gated-attention decoder layer (its own KV cache layer), then ``norm`` and the
+    main model's LM head: the logits of ``t_{i+2}``."""
+
+    embedding_norm: Any  # pre_fc_norm_embedding [H]
+    hidden_norm: Any  # pre_fc_norm_hidden [H]
+    projection: Any  # fc [H, 2H]
+    layer: GdnLayer
+    head_norm: Any  # norm [H]
+
+
+def load_mtp_module(checkpoint: Checkpoint, backend: Any, config: GdnConfig) -> MtpModule | None:
+    """The MTP module's first layer and its parts when ``checkpoint`` holds all of them
+    (:data:`MTP_PARTS`; a MoE feed-forward where ``mtp.layers.0.mlp.gate.weight`` is present),
+    else None; the other ``mtp.*`` tensors (deeper layers) are skipped."""
+    c, vector = config, (config.hidden_size,)
+    module = None
+    if all(checkpoint.has(name) for name in MTP_PARTS):
+        module = MtpModule(
+            embedding_norm=backend.load_weight(checkpoint, ("mtp.pre_fc_norm_embedding.weight", vector)),
+            hidden_norm=backend.load_weight(checkpoint, ("mtp.pre_fc_norm_hidden.weight", vector)),
+            projection=backend.load_weight(checkpoint, ("mtp.fc.weight", (c.hidden_size, 2 * c.hidden_size))),
+            layer=GdnLayer.load(checkpoint, backend, "mtp.layers.0", c, attention=True,
+                                moe=checkpoint.has("mtp.layers.0.mlp.gate.weight")),
+            head_norm=backend.load_weight(checkpoint, ("mtp.norm.weight", vector)),
+        )
+    return module
+
 
 class GdnModel(FamilyModel):
     """A loaded Qwen3-Next model."""
@@ -259,27 +311,22 @@ class GdnModel(FamilyModel):
         self.config = c = config
         # Only attention layers rotate; without one, head_dim is not checked against any tensor.
         self.inv_freq = backend.constant(c.rope.inverse_frequencies()) if "full_attention" in c.layer_types else None
-        vector = (c.hidden_size,)
         self.ends = DecoderEnds.load(checkpoint, backend, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
                                      tie_word_embeddings=c.tie_word_embeddings)
-        self.layers = []
-        for index in range(c.num_layers):
-            prefix = f"model.layers.{index}"
-            mixer: GatedAttention | GatedDeltaNet = (
-                GatedAttention.load(checkpoint, backend, f"{prefix}.self_attn", c)
-                if c.layer_types[index] == "full_attention"
-                else GatedDeltaNet.load(checkpoint, backend, f"{prefix}.linear_attn", c)
-            )
-            feed_forward: MlpWeights | SparseMoe = (
-                SparseMoe.load(checkpoint, backend, f"{prefix}.mlp", c) if c.moe_layers[index]
-                else load_mlp_weights(checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)
-            )
-            self.layers.append(GdnLayer(
-                input_norm=backend.load_weight(checkpoint, (f"{prefix}.input_layernorm.weight", vector)),
-                post_norm=backend.load_weight(checkpoint, (f"{prefix}.post_attention_layernorm.weight", vector)),
-                mixer=mixer,
-                feed_forward=feed_forward,
-            ))
+        self.layers = [GdnLayer.load(checkpoint, backend, f"model.layers.{index}", c,
+                                     attention=c.layer_types[index] == "full_attention", moe=c.moe_layers[index])
+                       for index in range(c.num_layers)]
+        #: The checkpoint's multi-token-prediction module (``mtp.*``), the ``mtp`` drafter's model
+        #: (:mod:`metrale.plugins.mtp`); None when the checkpoint has no complete one.
+        self.mtp = load_mtp_module(checkpoint, backend, c)
+        if self.mtp is not None and self.inv_freq is None:
+            self.inv_freq = backend.constant(c.rope.inverse_frequencies())
+        #: Set by :meth:`prepare_speculation` for the ``mtp`` drafter: the cache holds one more
+        #: attention layer (the module's) and every forward leaves its rows' final states in
+        #: :attr:`step_outputs`.
+        self.mtp_drafting = False
+        #: The ``mtp`` drafter (:class:`~metrale.plugins.mtp.MtpDrafter`) once built.
+        self.mtp_rows: Any = None
         checkpoint.skip([n for n in checkpoint.names() if n.startswith(IGNORED_TENSOR_PREFIXES)])
         # Speculation: the row states of the verify running or awaiting its verdict, and the
         # verdicts not folded into their slots yet (slot -> (sequence, row states, row kept last)).
@@ -292,9 +339,18 @@ class GdnModel(FamilyModel):
         c = self.config
         state = RecurrentStateSpec((c.conv_channels, c.conv_kernel - 1),
                                    (c.linear_value_heads, c.linear_key_dim, c.linear_value_dim))
-        return CacheSpec(tuple(
+        layers = tuple(
             PagedKVSpec(c.num_kv_heads, c.head_dim) if kind == "full_attention" else state for kind in c.layer_types
-        ))
+        )
+        return CacheSpec(layers + ((PagedKVSpec(c.num_kv_heads, c.head_dim),) if self.mtp_drafting else ()))
+
+    def prepare_speculation(self, config: Any) -> None:
+        if config.method == "mtp":
+            if self.mtp is None:
+                raise ConfigError("speculative_config method 'mtp' needs a multi-token-prediction module in the "
+                                  "checkpoint (mtp.*: fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm, "
+                                  "layers.0); this one has none")
+            self.mtp_drafting = True
 
     #: Tokens at least left after the tail split (``prefill_tail_split``).
     min_tail = 256
@@ -379,22 +435,50 @@ class GdnModel(FamilyModel):
                     )
 
     def forward_batch(self, batch: ForwardBatch) -> Any:
-        ops, eps = self.backend.ops, self.config.rms_norm_eps
+        eps = self.config.rms_norm_eps
         x, residual = self.ends.embed_tokens(self.backend, batch), None
         for layer, cache_layer in zip(self.layers, self._require_cache().layers):
-            mixer, ffn = layer.mixer, layer.feed_forward
-            if isinstance(mixer, GatedAttention):
-                x, residual = mixer.forward(self.backend, self.inv_freq, cache_layer, x, residual, layer.input_norm,
-                                            eps, batch)
-            else:
-                x, residual = mixer.forward(self.backend, cache_layer, x, residual, layer.input_norm, eps, batch,
-                                            self._verify_states if self.verifying else None)
-            h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps, 1.0)
-            if isinstance(ffn, SparseMoe):
-                x = ffn.forward(self.backend, h, *self.route(ffn, h))
-            else:
-                x = swiglu_mlp(self.backend, ffn, h)
+            x, residual = self.layer_forward(layer, cache_layer, x, residual, batch)
+        if self.mtp_drafting:
+            # The MTP drafter's input: every row's state after the final norm (the logits as
+            # always; the sum is a new array, as the CUDA residual norm updates its residual).
+            self.step_outputs = {"hidden": self.backend.ops.rmsnorm(x + residual, self.ends.norm, eps, 1.0)}
         return self.ends.logits(self.backend, x, residual, batch, eps, 1.0)
+
+    def layer_forward(self, layer: GdnLayer, cache_layer: Any, x: Any, residual: Any,
+                      batch: ForwardBatch) -> tuple[Any, Any]:
+        """One decoder layer: ``(out, residual)`` from its input ``x + residual``."""
+        ops, eps = self.backend.ops, self.config.rms_norm_eps
+        mixer, ffn = layer.mixer, layer.feed_forward
+        if isinstance(mixer, GatedAttention):
+            x, residual = mixer.forward(self.backend, self.inv_freq, cache_layer, x, residual, layer.input_norm,
+                                        eps, batch)
+        else:
+            x, residual = mixer.forward(self.backend, cache_layer, x, residual, layer.input_norm, eps, batch,
+                                        self._verify_states if self.verifying else None)
+        h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps, 1.0)
+        if isinstance(ffn, SparseMoe):
+            return ffn.forward(self.backend, h, *self.route(ffn, h)), residual
+        return swiglu_mlp(self.backend, ffn, h), residual
+
+    def mtp_forward(self, batch: ForwardBatch, hidden: Any) -> tuple[Any, Any]:
+        """The MTP module over ``batch`` (decode rows: row ``i``'s token ``t_{i+1}``) with the
+        final states ``hidden [rows, H]`` float32: ``(logits, the module's output states)``
+        (:mod:`metrale.plugins.mtp`)."""
+        ops, eps, module = self.backend.ops, self.config.rms_norm_eps, self.mtp
+        embedded = ops.rmsnorm(self.ends.embed_tokens(self.backend, batch), module.embedding_norm, eps, 1.0)
+        joined = self.backend.xp.concatenate([embedded, ops.rmsnorm(hidden, module.hidden_norm, eps, 1.0)], axis=1)
+        x, residual = self.layer_forward(module.layer, self._require_cache().layers[self.config.num_layers],
+                                         ops.linear(joined, module.projection), None, batch)
+        return ops.rmsnorm_linear(x, residual, module.head_norm, eps, 1.0, self.ends.lm_head)
+
+    def after_run(self, segments: list[Any], batch: ForwardBatch) -> None:
+        if self.mtp_drafting and self.mtp_rows is not None:
+            self.mtp_rows.observe(segments, batch, self.step_outputs["hidden"])
+
+    def prime_drafter(self, seqs: list[Any]) -> None:
+        if self.mtp_drafting and self.mtp_rows is not None:
+            self.mtp_rows.catch_up(seqs)
 
     def route(self, moe: SparseMoe, h: Any) -> tuple[Any, Any]:
         """The experts ``moe`` chooses for ``h`` (a method of the model, so tests can record it)."""

@@ -317,7 +317,7 @@ class MlaModel(FamilyModel):
                                      tie_word_embeddings=c.tie_word_embeddings)
         self.layers = [MlaLayer.load(checkpoint, backend, index, c) for index in range(c.num_layers)]
         #: DeepSeek-V3's first multi-token-prediction module (``model.layers.{L}.*``), the ``mtp``
-        #: drafter's model (:mod:`metrale.plugins.mla.mtp`); None when the checkpoint has no
+        #: drafter's model (:mod:`metrale.plugins.mtp`); None when the checkpoint has no
         #: complete one. (Modules come from the layers present, not from num_nextn_predict_layers,
         #: which checkpoints that dropped these weights still declare.)
         self.mtp = load_mtp_module(checkpoint, backend, c)
@@ -325,7 +325,7 @@ class MlaModel(FamilyModel):
         #: latent layer (the module's) and every forward leaves its rows' final hidden states in
         #: :attr:`step_outputs`.
         self.mtp_drafting = False
-        #: The ``mtp`` drafter (:class:`~metrale.plugins.mla.mtp.MtpDrafter`) once built.
+        #: The ``mtp`` drafter (:class:`~metrale.plugins.mtp.MtpDrafter`) once built.
         self.mtp_rows: Any = None
         checkpoint.skip([n for n in checkpoint.names() if n.endswith(IGNORED_TENSOR_SUFFIXES)])
 
@@ -368,6 +368,17 @@ class MlaModel(FamilyModel):
         if isinstance(ffn, DeepseekMoe):
             return ffn.forward(self.backend, h, *self.route(ffn, h)), residual
         return swiglu_mlp(self.backend, ffn, h), residual
+
+    def mtp_forward(self, batch: ForwardBatch, hidden: Any) -> tuple[Any, Any]:
+        """The MTP module over ``batch`` (decode rows: row ``i``'s token ``t_{i+1}``) with the
+        final states ``hidden [rows, H]`` float32: ``(logits, the module's output states)``
+        (:mod:`metrale.plugins.mtp`)."""
+        ops, eps, module = self.backend.ops, self.config.rms_norm_eps, self.mtp
+        embedded = ops.rmsnorm(self.ends.embed_tokens(self.backend, batch), module.embedding_norm, eps)
+        joined = self.backend.xp.concatenate([embedded, ops.rmsnorm(hidden, module.hidden_norm, eps)], axis=1)
+        x, residual = self.layer_forward(module.layer, self._require_cache().layers[module.index],
+                                         ops.linear(joined, module.projection), None, batch)
+        return ops.rmsnorm_linear(x, residual, module.head_norm, eps, 0.0, self.ends.lm_head)
 
     def after_run(self, segments: list[Any], batch: ForwardBatch) -> None:
         if self.mtp_drafting and self.mtp_rows is not None:

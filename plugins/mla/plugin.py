@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from metrale.family import FamilyPlugin, FamilySpec
-from metrale.hookspecs import CONTRACT_VERSION, hookimpl
+from metrale.hookspecs import CONTRACT_VERSION
 from metrale.plugins.mla.config import MlaConfig
 from metrale.plugins.mla.model import MlaModel
-from metrale.plugins.mla.mtp import mtp_drafter
 
 MLA_FAMILY = FamilySpec(
     name="mla",
@@ -23,10 +20,6 @@ class MlaPlugin(FamilyPlugin):
     family = MLA_FAMILY
     model_class = MlaModel
     config_class = MlaConfig
-
-    @hookimpl
-    def metrale_drafters(self) -> dict[str, Any]:
-        return {"mtp": mtp_drafter}
 
 
 plugin = MlaPlugin()

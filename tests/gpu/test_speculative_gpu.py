@@ -1,6 +1,7 @@
 """Speculative decoding on the cuda backend (``-m gpu``): for every built-in family, greedy tokens
-with n-gram speculation equal those without, up to near-ties, and with DeepSeek-V3's MTP module
-too (whose logits match the PyTorch reference); every block and slot is free after.
+with n-gram speculation equal those without, up to near-ties, and with the MTP modules of
+DeepSeek-V3 and Qwen3-Next too (whose logits match the PyTorch references); every block and slot
+is free after.
 
 A verify runs a sequence's rows in one forward, where plain decoding runs them one step at a time:
 other GEMM shapes, other bf16 rounding. Two runs may part only right after a position whose top-2
@@ -38,17 +39,24 @@ def test_speculation_keeps_greedy_tokens_up_to_near_ties(family_checkpoint_of, f
                         replays=family != "gdn")
 
 
-def test_mtp_speculation_keeps_greedy_tokens_up_to_near_ties(mla_mtp_checkpoint):
-    check_greedy_tokens(mla_mtp_checkpoint[0], {"method": "mtp", "num_speculative_tokens": 3}, replays=True)
+@pytest.fixture(params=["mla", "gdn"])
+def mtp_checkpoint(request):
+    """(folder, reference model, reference MTP module) of each family with an MTP module."""
+    return request.getfixturevalue({"mla": "mla_mtp_checkpoint", "gdn": "gdn_mtp_checkpoint"}[request.param])
 
 
-def test_the_mtp_module_matches_the_reference(mla_mtp_checkpoint):
+def test_mtp_speculation_keeps_greedy_tokens_up_to_near_ties(mtp_checkpoint):
+    folder = mtp_checkpoint[0]
+    check_greedy_tokens(folder, {"method": "mtp", "num_speculative_tokens": 3}, replays=folder.name != "qwen3_next")
+
+
+def test_the_mtp_module_matches_the_reference(mtp_checkpoint):
     import torch
 
     from metrale.batch import Segment
     from metrale.sequence import SequenceState
 
-    folder, model, mtp = mla_mtp_checkpoint
+    folder, model, mtp = mtp_checkpoint
     llm = LLM(folder, device="cuda", show_progress=False, block_size=4,
               speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]

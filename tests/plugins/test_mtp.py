@@ -1,8 +1,8 @@
-"""DeepSeek-V3's multi-token-prediction module as the ``mtp`` drafter (metrale/plugins/mla/mtp.py),
-on the CPU: the module's logits against a PyTorch reference built from transformers' DeepSeek-V3
-decoder layer (``tools/train_tiny_models.py``'s ``mtp_module``), its first drafts the reference's
-greedy tokens, tokens with MTP speculation equal to those without (greedy and seeded), every
-block free after, and the configurations it refuses."""
+"""Multi-token-prediction modules as the ``mtp`` drafter (metrale/plugins/mtp.py), on the CPU, for
+DeepSeek-V3 (MLA) and Qwen3-Next (GDN): the module's logits against a PyTorch reference built from
+transformers' decoder layers (``tools/train_tiny_models.py``'s ``mtp_module``), its first drafts
+the reference's greedy tokens, tokens with MTP speculation equal to those without (greedy and
+seeded), every block and slot free after, and the configurations it refuses."""
 
 from __future__ import annotations
 
@@ -17,10 +17,16 @@ from metrale.sequence import SequenceState
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 
 
-def test_the_module_matches_the_reference(mla_mtp_checkpoint):
+@pytest.fixture(params=["mla", "gdn"])
+def mtp_checkpoint(request):
+    """(folder, reference model, reference MTP module) of each family with an MTP module."""
+    return request.getfixturevalue({"mla": "mla_mtp_checkpoint", "gdn": "gdn_mtp_checkpoint"}[request.param])
+
+
+def test_the_module_matches_the_reference(mtp_checkpoint):
     import torch
 
-    folder, model, mtp = mla_mtp_checkpoint
+    folder, model, mtp = mtp_checkpoint
     llm = LLM(folder, device="cpu", show_progress=False, block_size=4, speculative_config=MTP)
     assert llm.checkpoint.unconsumed() == []
     ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
@@ -37,10 +43,10 @@ def test_the_module_matches_the_reference(mla_mtp_checkpoint):
     assert np.abs(logits - expected).max() <= 1e-4 * np.abs(expected).max()
 
 
-def test_the_first_draft_is_the_modules_greedy_token(mla_mtp_checkpoint):
+def test_the_first_draft_is_the_modules_greedy_token(mtp_checkpoint):
     import torch
 
-    folder, model, mtp = mla_mtp_checkpoint
+    folder, model, mtp = mtp_checkpoint
     llm = LLM(folder, device="cpu", show_progress=False, block_size=4, speculative_config=MTP)
     ids = [7, 2, 9, 4, 4, 1, 8]
     seq = SequenceState.from_prompt(ids)
@@ -57,8 +63,8 @@ def test_the_first_draft_is_the_modules_greedy_token(mla_mtp_checkpoint):
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_mtp_speculation_keeps_every_token(mla_mtp_checkpoint, sampling):
-    folder = mla_mtp_checkpoint[0]
+def test_mtp_speculation_keeps_every_token(mtp_checkpoint, sampling):
+    folder = mtp_checkpoint[0]
     rng = np.random.default_rng(5)
     prompts = [rng.integers(1, 120, n).tolist() for n in (9, 23, 4, 1)]
     if sampling == "greedy":
@@ -72,14 +78,17 @@ def test_mtp_speculation_keeps_every_token(mla_mtp_checkpoint, sampling):
         outputs[name] += llm.generate(prompts[:1], params[:1] if isinstance(params, list) else params,
                                       use_tqdm=False)  # a prefix hit
         assert llm.cache.allocator.num_free == llm.cache.allocator.num_blocks
+        if llm.cache.state_slots is not None:
+            assert llm.cache.state_slots.num_free == llm.cache.state_slots.num_slots
     for want, got in zip(outputs["plain"], outputs["mtp"]):
         assert got.error is None and got.token_ids == want.token_ids
     assert sum(o.num_draft_tokens for o in outputs["mtp"]) > 0
     assert all(o.num_accepted_tokens <= o.num_draft_tokens for o in outputs["mtp"])
 
 
-def test_what_the_mtp_drafter_refuses(mla_checkpoints, dense_checkpoints):
-    with pytest.raises(ConfigError, match="needs a multi-token-prediction module"):
-        LLM(mla_checkpoints["deepseek_v3"], device="cpu", show_progress=False, speculative_config=MTP)
+def test_what_the_mtp_drafter_refuses(mla_checkpoints, gdn_checkpoint, dense_checkpoints):
+    for path in (mla_checkpoints["deepseek_v3"], gdn_checkpoint):
+        with pytest.raises(ConfigError, match="needs a multi-token-prediction module"):
+            LLM(path, device="cpu", show_progress=False, speculative_config=MTP)
     with pytest.raises(ConfigError, match="mtp drafter needs"):
         LLM(dense_checkpoints["llama"], device="cpu", show_progress=False, speculative_config=MTP)

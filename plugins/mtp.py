@@ -1,11 +1,11 @@
-"""The ``mtp`` drafter of the MLA family: DeepSeek-V3's multi-token-prediction module proposes
-the drafts (:ref:`families-mtp`).
+"""The ``mtp`` drafter: a checkpoint's multi-token-prediction module proposes the drafts
+(:ref:`families-mtp`; DeepSeek-V3 in the MLA family, Qwen3-Next in the GDN family).
 
 The module's row at position ``i`` reads the main model's final state ``h_i`` and the token
-``t_{i+1}`` and predicts ``t_{i+2}``; its decoder layer attends over its own latent cache layer
-(the cache's last, :meth:`~metrale.plugins.mla.model.MlaModel.prepare_speculation`), where the
-rows before it wrote theirs. So the drafter keeps, per sequence, how far that layer holds the
-true rows (``filled``) and the main model's states it has not used yet:
+``t_{i+1}`` and predicts ``t_{i+2}``; its decoder layer attends over a cache layer of its own
+(the cache's last, added by the model's ``prepare_speculation``), where the rows before it wrote
+theirs. So the drafter keeps, per sequence, how far that layer holds the true rows (``filled``)
+and the main model's states it has not used yet:
 
 * every forward leaves the final states of its rows (:attr:`~metrale.family.FamilyModel.step_outputs`),
   which :meth:`MtpDrafter.observe` copies per sequence (a verify's rows past the kept ones are
@@ -21,6 +21,12 @@ Drafts are the module's greedy tokens: one token per position, which keeps specu
 (:mod:`metrale.speculative`). A sequence whose states went missing (rows decoded while it took no
 drafts, a prefix-cache hit) restarts from the next rows it has; its drafts may suffer, never its
 tokens.
+
+A model serves the drafter when its ``prepare_speculation`` accepted the method (its
+``mtp_drafting`` is then true), its forward leaves ``step_outputs["hidden"]`` (every row's final
+state) and hands the rows to :meth:`MtpDrafter.observe` from ``after_run`` (and
+:meth:`MtpDrafter.catch_up` from ``prime_drafter``) through its ``mtp_rows``, and its
+``mtp_forward(batch, hidden)`` runs the module: ``(logits [rows, V], output states [rows, H])``.
 """
 
 from __future__ import annotations
@@ -33,7 +39,10 @@ import numpy as np
 
 from metrale.batch import ForwardBatch, Segment
 from metrale.errors import ConfigError, OutOfCacheBlocksError
+from metrale.hookspecs import CONTRACT_VERSION, hookimpl
 from metrale.runner.graphs import as_decode_rows
+
+METRALE_CONTRACT_VERSION = CONTRACT_VERSION
 
 
 @dataclass
@@ -186,24 +195,23 @@ class MtpDrafter:
         (:func:`~metrale.runner.graphs.as_decode_rows`), each attending over the module's cache
         up to its position."""
         model = self.model
-        backend, ops, eps, module = model.backend, model.backend.ops, model.config.rms_norm_eps, model.mtp
+        backend = model.backend
         batch = backend.prepare_batch(as_decode_rows(ForwardBatch.build(segments, model.cache.block_size)))
         if getattr(hidden, "dtype", None) != np.float32:
-            hidden = ops.to_float32(hidden)
-        embedded = ops.rmsnorm(model.ends.embed_tokens(backend, batch), module.embedding_norm, eps)
-        joined = backend.xp.concatenate([embedded, ops.rmsnorm(hidden, module.hidden_norm, eps)], axis=1)
-        x, residual = ops.linear(joined, module.projection), None
-        x, residual = model.layer_forward(module.layer, model.cache.layers[module.index], x, residual, batch)
-        logits, state = ops.rmsnorm_linear(x, residual, module.head_norm, eps, 0.0, model.ends.lm_head)
-        return logits, state
+            hidden = backend.ops.to_float32(hidden)
+        return model.mtp_forward(batch, hidden)
 
 
 def mtp_drafter(config: Any, model: Any) -> MtpDrafter:
-    """The ``mtp`` drafter factory (:func:`~metrale.hookspecs.metrale_drafters`) for an MLA model
-    prepared for it (:meth:`~metrale.plugins.mla.model.MlaModel.prepare_speculation`)."""
+    """The ``mtp`` drafter factory for a model prepared for it (see the module docstring)."""
     if not getattr(model, "mtp_drafting", False):
-        raise ConfigError(f"the mtp drafter needs a DeepSeek-V3 model with an MTP module, prepared for it; "
-                          f"{type(model).__name__} is not")
+        raise ConfigError(f"the mtp drafter needs a model with a multi-token-prediction module (DeepSeek-V3, "
+                          f"Qwen3-Next), prepared for it; {type(model).__name__} is not")
     drafter = MtpDrafter(model)
     model.mtp_rows = drafter
     return drafter
+
+
+@hookimpl
+def metrale_drafters() -> dict[str, Any]:
+    return {"mtp": mtp_drafter}
