@@ -239,7 +239,7 @@ def words_supported(gate_up: Any) -> bool:
     16-byte aligned, a width (``I``) that is a multiple of 8."""
     from metrale.kernels.decode_gemv import aligned
 
-    shape = getattr(gate_up, "shape", ())
+    shape: tuple[int, ...] = tuple(getattr(gate_up, "shape", ()))
     return (getattr(gate_up, "dtype", None) == np.uint16 and len(shape) == 2 and shape[1] % 16 == 0
             and bool(gate_up.flags.c_contiguous) and aligned(gate_up))
 

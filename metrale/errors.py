@@ -123,3 +123,8 @@ class KernelMismatchError(MetraleError, AssertionError):
 class GraphCaptureError(MetraleError, RuntimeError):
     """Work that cannot be recorded into a CUDA graph (it synchronises with the host) was asked
     for while a graph was being recorded."""
+
+
+class AdapterError(MetraleError, ValueError):
+    """A LoRA adapter cannot be served as asked: an unsupported PEFT type or option, a tensor or
+    shape the base model does not have, a rank above ``max_lora_rank`` (the message says which)."""

@@ -466,6 +466,8 @@ class GdnModel(FamilyModel):
         final states ``hidden [rows, H]`` float32: ``(logits, the module's output states)``
         (:mod:`metrale.plugins.mtp`)."""
         ops, eps, module = self.backend.ops, self.config.rms_norm_eps, self.mtp
+        if module is None:
+            raise ConfigError(f"{type(self).__name__} has no multi-token-prediction module to run")
         embedded = ops.rmsnorm(self.ends.embed_tokens(self.backend, batch), module.embedding_norm, eps, 1.0)
         joined = self.backend.xp.concatenate([embedded, ops.rmsnorm(hidden, module.hidden_norm, eps, 1.0)], axis=1)
         x, residual = self.layer_forward(module.layer, self._require_cache().layers[self.config.num_layers],

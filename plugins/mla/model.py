@@ -374,6 +374,8 @@ class MlaModel(FamilyModel):
         final states ``hidden [rows, H]`` float32: ``(logits, the module's output states)``
         (:mod:`metrale.plugins.mtp`)."""
         ops, eps, module = self.backend.ops, self.config.rms_norm_eps, self.mtp
+        if module is None:
+            raise ConfigError(f"{type(self).__name__} has no multi-token-prediction module to run")
         embedded = ops.rmsnorm(self.ends.embed_tokens(self.backend, batch), module.embedding_norm, eps)
         joined = self.backend.xp.concatenate([embedded, ops.rmsnorm(hidden, module.hidden_norm, eps)], axis=1)
         x, residual = self.layer_forward(module.layer, self._require_cache().layers[module.index],

@@ -1,0 +1,228 @@
+"""LoRA adapters in PEFT's format: what a request names, what an adapter holds, how it is read.
+
+An adapter folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` as PEFT's
+``save_pretrained`` writes them. :func:`load_adapter` reads it against the projections a model
+offers (``targets``: each projection's name inside a decoder layer and its ``(out, in)`` size)
+and returns a :class:`LoraAdapter`:
+
+* per layer and projection a :class:`LoraModule`: ``delta(x) = scale * (x A^T) B^T`` with
+  ``A [r, in]``, ``B [out, r]``; ``r`` is the module's own rank (``rank_pattern``), ``scale`` its
+  ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA (``use_rslora``), ``alpha`` from
+  ``alpha_pattern`` where a key matches the module's name, else ``lora_alpha``;
+* per token matrix (``embed_tokens``, ``lm_head``) the rows it replaces (PEFT's trainable tokens,
+  ``trainable_token_indices``): their indices and new values.
+
+Everything else is refused with :class:`~metrale.errors.AdapterError` before any of it is used:
+another PEFT type, DoRA, LoRA biases, ``fan_in_fan_out``, LoRA on parameters (MoE experts),
+``modules_to_save``, a tensor this reader does not place, a shape the base model does not have,
+a rank above ``max_lora_rank``, token indices outside the vocabulary. An adapter is never applied
+partly or to the wrong projection.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from metrale.errors import AdapterError, ConfigError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+#: The token matrices an adapter may replace rows of, by their name in PEFT's files.
+TOKEN_MATRICES = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
+
+_PREFIX = "base_model.model."
+_LAYER_KEY = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)\.lora_([AB])\.weight")
+_TOKEN_KEY = re.compile(r"(.+)\.token_adapter\.trainable_tokens_delta")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """The adapter a request runs with (vLLM's fields): ``lora_name`` names it (in outputs and
+    the server's ``model`` field), ``lora_int_id`` (a positive integer) identifies it in the
+    engine, ``lora_path`` is its folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str | Path
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ConfigError(f"LoRARequest.lora_name must be a non-empty string, got {self.lora_name!r}")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ConfigError(f"LoRARequest.lora_int_id must be a positive integer, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, (str, Path)) or not str(self.lora_path):
+            raise ConfigError(f"LoRARequest.lora_path must be a folder path, got {self.lora_path!r}")
+
+
+@dataclass
+class LoraModule:
+    """One projection's update ``scale * (x A^T) B^T``: ``a [r, in]``, ``b [out, r]`` (float32)."""
+
+    a: np.ndarray
+    b: np.ndarray
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+    def delta(self, x: np.ndarray) -> np.ndarray:
+        """The update of inputs ``x [N, in]``: ``[N, out]`` float32."""
+        return (self.scale * ((np.asarray(x, dtype=np.float32) @ self.a.T) @ self.b.T)).astype(np.float32)
+
+
+@dataclass
+class LoraAdapter:
+    """A loaded adapter: ``modules[(layer, projection)]``, ``token_rows[matrix] = (indices [n],
+    rows [n, H])`` (see the module docstring); ``rank`` is the largest module rank."""
+
+    name: str
+    int_id: int
+    path: Path
+    modules: dict[tuple[int, str], LoraModule] = field(default_factory=dict)
+    token_rows: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return max((module.rank for module in self.modules.values()), default=0)
+
+
+def _pattern_value(patterns: Mapping[str, Any], name: str) -> Any:
+    """The value of the first key of ``patterns`` that matches the end of module ``name`` (PEFT's
+    rule: the key, as a regular expression, after a dot or at the start), or None."""
+    for key, value in patterns.items():
+        if re.fullmatch(rf"(.*\.)?(?:{key})", name):
+            return value
+    return None
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    path = folder / ADAPTER_CONFIG
+    if not path.is_file():
+        raise AdapterError(f"{folder}: no {ADAPTER_CONFIG} (a PEFT adapter folder holds {ADAPTER_CONFIG} and "
+                           f"{ADAPTER_WEIGHTS})")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise AdapterError(f"{path}: not readable JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{path}: not a JSON object")
+    refusals = [
+        (config.get("peft_type", "LORA") != "LORA", f"peft_type {config.get('peft_type')!r}: only LORA adapters are served"),
+        (bool(config.get("use_dora")), "use_dora: DoRA adapters are not served"),
+        (config.get("bias", "none") != "none" or bool(config.get("lora_bias")),
+         "LoRA biases are not served (bias must be 'none')"),
+        (bool(config.get("fan_in_fan_out")), "fan_in_fan_out adapters (Conv1D layers) are not served"),
+        (bool(config.get("target_parameters")), "LoRA on parameters (target_parameters, such as MoE experts) is not served"),
+        (bool(config.get("modules_to_save")), "modules_to_save is not served (trainable_token_indices replaces token rows)"),
+        (bool(config.get("layer_replication")), "layer_replication is not served"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise AdapterError(f"{path}: {why}")
+    for key in ("r", "lora_alpha"):
+        value = config.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise AdapterError(f"{path}: {key} must be a positive number, got {value!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(key) or {}, dict):
+            raise AdapterError(f"{path}: {key} must be an object, got {config.get(key)!r}")
+    return config
+
+
+def _token_indices(config: Mapping[str, Any], path: Path) -> dict[str, list[int]]:
+    """``trainable_token_indices`` as ``{matrix: indices}`` (a list means ``embed_tokens``)."""
+    value = config.get("trainable_token_indices")
+    if value is None:
+        return {}
+    if isinstance(value, list):
+        value = {"embed_tokens": value}
+    if not isinstance(value, dict):
+        raise AdapterError(f"{path}: trainable_token_indices must be a list or an object, got {value!r}")
+    out = {}
+    for matrix, indices in value.items():
+        if matrix not in TOKEN_MATRICES:
+            raise AdapterError(f"{path}: trainable tokens on {matrix!r} are not served (only on {sorted(TOKEN_MATRICES)})")
+        if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+            raise AdapterError(f"{path}: trainable_token_indices[{matrix!r}] must be a list of token ids")
+        out[matrix] = indices
+    return out
+
+
+def load_adapter(request: LoRARequest, targets: Mapping[str, tuple[int, int]], *, num_layers: int, vocab_size: int,
+                 hidden_size: int, max_lora_rank: int) -> LoraAdapter:
+    """Read ``request``'s adapter for a model of ``num_layers`` decoder layers whose layers offer
+    ``targets`` (``{"self_attn.q_proj": (out, in), ...}``); see the module docstring. Raises
+    :class:`~metrale.errors.AdapterError` naming what does not fit."""
+    from safetensors.numpy import load_file
+
+    folder = Path(request.lora_path)
+    config = _read_config(folder)
+    weights_path = folder / ADAPTER_WEIGHTS
+    if not weights_path.is_file():
+        raise AdapterError(f"{folder}: no {ADAPTER_WEIGHTS}")
+    try:
+        tensors = load_file(str(weights_path))
+    except Exception as error:  # a torn or foreign file: safetensors raises several types
+        raise AdapterError(f"{weights_path}: not a safetensors file ({error})") from None
+    adapter = LoraAdapter(request.lora_name, request.lora_int_id, folder)
+    halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    token_tensors: dict[str, np.ndarray] = {}
+    for key, value in tensors.items():
+        name = key.removeprefix(_PREFIX)
+        layer_match, token_match = _LAYER_KEY.fullmatch(name), _TOKEN_KEY.fullmatch(name)
+        if layer_match:
+            layer, projection, half = int(layer_match.group(1)), layer_match.group(2), layer_match.group(3)
+            if layer >= num_layers:
+                raise AdapterError(f"{weights_path}: {key} is for layer {layer}; the base model has {num_layers} layers")
+            if projection not in targets:
+                raise AdapterError(f"{weights_path}: LoRA on {projection!r} is not served for this model (it serves "
+                                   f"{', '.join(sorted(targets))})")
+            halves.setdefault((layer, projection), {})[half] = np.asarray(value, dtype=np.float32)
+        elif token_match and token_match.group(1) in TOKEN_MATRICES.values():
+            matrix = next(k for k, v in TOKEN_MATRICES.items() if v == token_match.group(1))
+            token_tensors[matrix] = np.asarray(value, dtype=np.float32)
+        else:
+            raise AdapterError(f"{weights_path}: tensor {key!r} is not a LoRA or trainable-token tensor this engine "
+                               "places")
+    alpha_pattern = config.get("alpha_pattern") or {}
+    for (layer, projection), pair in sorted(halves.items()):
+        where = f"{weights_path}: layer {layer} {projection}"
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"{where}: lora_A and lora_B must both be present")
+        a, b = pair["A"], pair["B"]
+        out_features, in_features = targets[projection]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != in_features or b.shape[0] != out_features or b.shape[1] != a.shape[0]:
+            raise AdapterError(f"{where}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit a projection of "
+                               f"{in_features} -> {out_features} (an adapter for another base model?)")
+        rank = a.shape[0]
+        if rank > max_lora_rank:
+            raise AdapterError(f"{where}: rank {rank} is above max_lora_rank={max_lora_rank}")
+        alpha = _pattern_value(alpha_pattern, f"model.layers.{layer}.{projection}")
+        alpha = float(config["lora_alpha"] if alpha is None else alpha)
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        adapter.modules[(layer, projection)] = LoraModule(a, b, scale)
+    indices = _token_indices(config, folder / ADAPTER_CONFIG)
+    if set(indices) != set(token_tensors):
+        raise AdapterError(f"{folder}: trainable tokens configured for {sorted(indices)} but stored for "
+                           f"{sorted(token_tensors)}")
+    for matrix, ids in indices.items():
+        rows = token_tensors[matrix]
+        if rows.shape != (len(ids), hidden_size):
+            raise AdapterError(f"{weights_path}: {matrix} trainable tokens have shape {list(rows.shape)}, expected "
+                               f"{[len(ids), hidden_size]}")
+        if any(not 0 <= i < vocab_size for i in ids) or len(set(ids)) != len(ids):
+            raise AdapterError(f"{folder}: {matrix} trainable token ids must be distinct and below the vocabulary "
+                               f"size {vocab_size}")
+        adapter.token_rows[matrix] = (np.asarray(ids, dtype=np.int64), rows)
+    if not adapter.modules and not adapter.token_rows:
+        raise AdapterError(f"{folder}: the adapter holds no LoRA module and no trainable tokens")
+    return adapter
