@@ -137,7 +137,7 @@ def test_graphs_recorded_ahead_cover_every_rung_and_bucket_the_engine_can_reach(
     runner.disabled, runner.mixed_disabled, runner.mixed_rungs = None, None, {}
     recorded = []
     runner._fill_mixed = lambda rung, batch: None
-    runner._record = lambda batch, mixed=False: (recorded.append(batch), ("graph", "output", "logits"))[1]
+    runner._record = lambda batch, mixed=False: (recorded.append(batch), ("graph", "output", "logits", {}))[1]
     # (the stub rung's batch names its shape)
     runner._new_mixed_rung = lambda decode, prompt: MixedRung(decode, prompt, None, None, (decode, prompt))
     runner.capture_mixed(4, 300)
