@@ -123,3 +123,92 @@ class CublasGemm:
         if self.handle:
             self._cublas.destroy(self.handle)
             self.handle = 0
+
+
+# Reduction schemes of a split-K product (cublasLtReductionScheme_t): none, or in the output
+# buffer by the product's own kernel.
+REDUCTION_NONE_OR_INPLACE = 1
+
+
+class CublasLtGemm:
+    """``y = x W^T`` through cuBLASLt (nvmath bindings): bf16 inputs, float32 or bf16 output,
+    fp32 accumulation, the algorithm the heuristic ranks first among those whose split-K partial
+    sums need no separate kernel (``reduction_schemes``, a cublasLtReductionScheme_t mask; none
+    or in place by default), where ``cublasGemmEx`` may pick a split-K product followed by a
+    reduction kernel (the down projection of a batch of 32 rows, for one).
+
+    One plan (descriptors and algorithm) per shape, made on its first call (host work only, so a
+    first call may be recorded into a CUDA graph). Bound to one stream and a fixed workspace.
+    """
+
+    def __init__(self, stream: cupy.cuda.Stream, reduction_schemes: int = REDUCTION_NONE_OR_INPLACE) -> None:
+        import cupy
+        from nvmath.bindings import cublasLt
+
+        self._lt = cublasLt
+        self.handle = cublasLt.create()
+        self.stream = stream
+        self.reduction_schemes = reduction_schemes
+        self.workspace = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
+        self._plans: dict[tuple[int, int, int, int], tuple[int, int, int, int, object]] = {}
+        self._one = np.ones(1, dtype=np.float32)
+        self._zero = np.zeros(1, dtype=np.float32)
+
+    def _plan(self, rows: int, inner: int, width: int, out_type: int) -> tuple[int, int, int, int, object]:
+        key = (rows, inner, width, out_type)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        lt = self._lt
+        desc = lt.matmul_desc_create(CUBLAS_COMPUTE_32F, CUDA_R_32F)
+        transpose = np.array([CUBLAS_OP_T], dtype=np.int32)
+        lt.matmul_desc_set_attribute(desc, lt.MatmulDescAttribute.TRANSA, transpose.ctypes.data, transpose.nbytes)
+        # The layouts of CublasGemm: column-major y^T [M, N] = (W as [K, M])^T x^T ([K, N]).
+        a = lt.matrix_layout_create(CUDA_R_16BF, inner, width, inner)
+        b = lt.matrix_layout_create(CUDA_R_16BF, inner, rows, inner)
+        c = lt.matrix_layout_create(out_type, width, rows, width)
+        preference = lt.matmul_preference_create()
+        workspace = np.array([WORKSPACE_BYTES], dtype=np.uint64)
+        lt.matmul_preference_set_attribute(preference, lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
+                                           workspace.ctypes.data, workspace.nbytes)
+        mask = np.array([self.reduction_schemes], dtype=np.uint32)
+        lt.matmul_preference_set_attribute(preference, lt.MatmulPreferenceAttribute.REDUCTION_SCHEME_MASK,
+                                           mask.ctypes.data, mask.nbytes)
+        results = lt.MatmulHeuristicResult(1)
+        count = np.zeros(1, dtype=np.int32)
+        try:
+            lt.matmul_algo_get_heuristic(self.handle, desc, a, b, c, c, preference, 1, results.ptr, count.ctypes.data)
+        finally:
+            lt.matmul_preference_destroy(preference)
+        if count[0] < 1:
+            from metrale.errors import KernelArgumentError
+
+            raise KernelArgumentError(f"linear: cuBLASLt has no algorithm for {rows} x {inner} -> {width} with "
+                                      f"reduction schemes {self.reduction_schemes}")
+        # (results stays referenced: its first entry's algo is read at every call.)
+        plan = self._plans[key] = (desc, a, b, c, results)
+        return plan
+
+    def __call__(self, x: DeviceArray, weight: DeviceArray, out: DeviceArray) -> DeviceArray:
+        """``x [N, K]`` bf16 bits, ``weight [M, K]`` bf16 bits -> ``out [N, M]`` float32 or bf16."""
+        from metrale.errors import KernelArgumentError
+
+        op = "linear"
+        check_array(op, "x", x, np.uint16, ndim=2)
+        rows, inner = x.shape
+        check_array(op, "weight", weight, np.uint16, (None, inner))
+        width = weight.shape[0]
+        if out.dtype == np.float32:
+            out_type = CUDA_R_32F
+        elif out.dtype == np.uint16:
+            out_type = CUDA_R_16BF
+        else:
+            raise KernelArgumentError(f"{op}: out has dtype {out.dtype}, expected float32 or uint16 (bf16)")
+        check_array(op, "out", out, out.dtype, (rows, width))
+        if rows == 0:
+            return out
+        desc, a, b, c, results = self._plan(rows, inner, width, out_type)
+        self._lt.matmul(self.handle, desc, self._one.ctypes.data, weight.data.ptr, a, x.data.ptr, b,
+                        self._zero.ctypes.data, out.data.ptr, c, out.data.ptr, c, results.ptr,  # type: ignore[attr-defined]
+                        self.workspace.data.ptr, WORKSPACE_BYTES, self.stream.ptr)
+        return out

@@ -22,6 +22,7 @@ kernel serve more by default). Run from the repository root::
                                [--context 512] [--merge-splits] [--swiglu-epilogue] [--unroll 4]
                                [--independent decode_gemv,rmsnorm_residual_words] [--carveout 100]
                                [--gemv-max-rows 32 [--gemv-ops linear] [--gemv-max-columns 16384]]
+                               [--lt-gemm 64]
 """
 
 from __future__ import annotations
@@ -78,6 +79,24 @@ class WiderGemvPlugin:
                 registry.add_kernel(kernel)
 
 
+class SplitFreeGemm:
+    """The backend's ``gemm`` with bf16 products of at most ``max_rows`` rows through cuBLASLt
+    without a separate split-K reduction (:class:`metrale.kernels.linear.CublasLtGemm`)."""
+
+    def __init__(self, base, stream, max_rows: int) -> None:  # type: ignore[no-untyped-def]
+        from metrale.kernels.linear import CublasLtGemm
+
+        self.base, self.lt, self.max_rows = base, CublasLtGemm(stream), max_rows
+
+    def __call__(self, x, weight, out):  # type: ignore[no-untyped-def]
+        if x.dtype == np.uint16 and x.shape[0] <= self.max_rows:
+            return self.lt(x, weight, out)
+        return self.base(x, weight, out)
+
+    def per_head(self, x, weight, out):  # type: ignore[no-untyped-def]
+        return self.base.per_head(x, weight, out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small")
@@ -98,6 +117,9 @@ def main() -> None:
     parser.add_argument("--gemv-max-rows", type=int,
                         help="the fused engine's decode GEMV serves linear, linear_silu and rmsnorm_linear up to "
                              "this many rows (at most metrale.kernels.decode_gemv.MAX_ROWS)")
+    parser.add_argument("--lt-gemm", type=int, default=0,
+                        help="the fused engine's bf16 products of at most this many rows go through cuBLASLt "
+                             "without a separate split-K reduction")
     parser.add_argument("--gemv-ops", default="linear,linear_silu,rmsnorm_linear",
                         help="the ops --gemv-max-rows widens (comma-separated)")
     parser.add_argument("--gemv-max-columns", type=int,
@@ -129,6 +151,10 @@ def main() -> None:
                                    name="wider-gemv")
         engines = {"unfused": LLM(folder, plugin_manager=unfused_manager, **options),
                    "fused": LLM(folder, plugin_manager=fused_manager, **options)}
+        if args.lt_gemm:
+            kernels = engines["fused"].backend.kernels
+            kernels.gemm = SplitFreeGemm(kernels.gemm, engines["fused"].backend.stream, args.lt_gemm)
+
         @contextlib.contextmanager
         def kernels_of(name):
             # The kernels' choices are read when a step runs eagerly or is recorded; replays keep them.
