@@ -7,7 +7,9 @@ Three parts (``--parts``, all by default):
   after a prompt of ``--context`` tokens, the median time of a decode step of one sequence (its
   CUDA graph where the engine has one) and of a verify of 1 + K rows for each K of ``--k`` (the
   forward and the sampling of every row; the drafts kept, so the context grows as decoding's
-  does); the ratio is the verify's cost in decode steps.
+  does); the ratio is the verify's cost in decode steps. For a model with recurrent state
+  (Qwen3-Next) also the same rows run as prompt rows, without the states kept per row: the
+  difference is what keeping them costs, against recomputing the kept rows afterwards.
 * ``oracle`` -- batch-1 greedy tok/s of ``generate`` on the same model without speculation and with
   a drafter that proposes the target's own greedy continuation (read from the run without, then
   from the speculative run's own output until a run follows it to the end), K the largest of
@@ -61,9 +63,13 @@ def synchronizer(llm: Any) -> Callable[[], None]:
 
 
 def verify_costs(llm: Any, ks: list[int], context: int, steps: int) -> dict[str, float]:
-    """Median seconds of a decode step and of a verify of 1 + K rows, each with its sampling."""
+    """Median seconds of a decode step and of a verify of 1 + K rows, each with its sampling; for
+    a model with recurrent state also of the same rows run as prompt rows (``prompt_rows_kK``: no
+    state kept per row), what keeping the states costs over a verify that would recompute the
+    kept rows' recurrence afterwards."""
     import numpy as np
 
+    from metrale.batch import Segment
     from metrale.params import SamplingParams
     from metrale.sequence import SequenceState
 
@@ -88,6 +94,15 @@ def verify_costs(llm: Any, ks: list[int], context: int, steps: int) -> dict[str,
             forward.verdict([seq], [k + 1], [k])
 
         result["decode" if k == 0 else f"verify_k{k}"] = wall_time(decode if k == 0 else verify, steps, sync)
+        if k and llm.cache.state_slots is not None:
+            # The same rows as prompt rows: no state kept per row (what a verify that recomputes the
+            # kept rows' recurrence afterwards would run first).
+            def prompt_rows(k: int = k) -> None:
+                rows = token + [int(t) for t in rng.integers(1, llm.vocab_size, k)]
+                logits = llm.model.run_segments([Segment(seq, rows, seq.num_cached, "all")])
+                sampler.sample(logits, [greedy] * (k + 1), [0] * (k + 1), list(range(k + 1)))
+
+            result[f"prompt_rows_k{k}"] = wall_time(prompt_rows, steps, sync)
         llm.cache.release(seq)
     return result
 
@@ -286,6 +301,10 @@ def main(argv: list[str] | None = None) -> dict:
         for k in ks:
             seconds = costs[f"verify_k{k}"]
             print(f"  verify of {k + 1} rows: {1e3 * seconds:8.3f} ms  ({seconds / costs['decode']:.2f} decode steps)")
+            if f"prompt_rows_k{k}" in costs:
+                plain = costs[f"prompt_rows_k{k}"]
+                print(f"    as prompt rows, no row states: {1e3 * plain:8.3f} ms  (keeping them: "
+                      f"{1e3 * (seconds - plain):+.3f} ms)")
     if "oracle" in parts:
         oracle_folder = folder
         if args.peaked:

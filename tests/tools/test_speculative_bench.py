@@ -60,3 +60,10 @@ def test_the_mtp_part_runs_on_tiny_mla_with_a_module(tmp_path):
     assert numbers["drafted"] > 0 and numbers["accepted"] <= numbers["drafted"]
     assert numbers["verify_steps"] * 3 >= numbers["drafted"] and 1 <= numbers["tokens_per_verify"] <= 4
     assert "ngram" not in report and "verify_seconds" not in report
+
+
+def test_a_recurrent_model_s_verify_is_timed_with_and_without_row_states():
+    report = speculative_bench.main(["--device", "cpu", "--checkpoint", "tiny-gdn", "--parts", "verify", "--k", "2",
+                                     "--context", "16", "--steps", "2"])
+    costs = report["verify_seconds"]
+    assert set(costs) == {"decode", "verify_k2", "prompt_rows_k2"} and all(v > 0 for v in costs.values())
