@@ -44,6 +44,9 @@ from metrale.runner.graphs import as_decode_rows
 
 METRALE_CONTRACT_VERSION = CONTRACT_VERSION
 
+#: Final states a sequence keeps before the module catches up on them (their memory's bound).
+MAX_KEPT_STATES = 256
+
 
 @dataclass
 class SequenceRows:
@@ -96,17 +99,25 @@ class MtpDrafter:
     # ------------------------------------------------------------------------------ states
 
     def observe(self, segments: Sequence[Segment], batch: ForwardBatch, hidden: Any) -> None:
-        """Keep the final states ``hidden`` (rows of ``batch``, in order) of each segment's rows."""
-        xp = self.model.backend.xp
-        for index, segment in enumerate(segments):
-            seq = segment.seq
-            first, last = int(batch.row_starts[index]), int(batch.row_starts[index + 1])
-            rows = self.rows.get(seq.seq_id)
-            if rows is None:
-                rows = self.rows[seq.seq_id] = SequenceRows(filled=segment.start)
-                weakref.finalize(seq, self.rows.pop, seq.seq_id, None)
-            rows.forget_from(segment.start)
-            rows.states.append((segment.start, xp.array(hidden[first:last], copy=True)))
+        """Keep the final states ``hidden`` (rows of ``batch``, in order) of each segment's rows; a
+        sequence that keeps more than :data:`MAX_KEPT_STATES` (a long prompt's chunks, decode
+        steps that take no drafts) has the module caught up on them at once."""
+        backend = self.model.backend
+        overfull = []
+        with backend.activate():  # (on the forward's stream: the states are its output)
+            for index, segment in enumerate(segments):
+                seq = segment.seq
+                first, last = int(batch.row_starts[index]), int(batch.row_starts[index + 1])
+                rows = self.rows.get(seq.seq_id)
+                if rows is None:
+                    rows = self.rows[seq.seq_id] = SequenceRows(filled=segment.start)
+                    weakref.finalize(seq, self.rows.pop, seq.seq_id, None)
+                rows.forget_from(segment.start)
+                rows.states.append((segment.start, backend.xp.array(hidden[first:last], copy=True)))
+                if sum(kept.shape[0] for _, kept in rows.states) > MAX_KEPT_STATES:
+                    overfull.append(seq)
+        if overfull:
+            self.catch_up(overfull)
 
     def catch_up(self, seqs: Sequence[Any]) -> None:
         """Run the module over each sequence's kept positions from ``filled`` on, up to its last
@@ -119,7 +130,8 @@ class MtpDrafter:
             end = min(seq.num_cached, len(seq.tokens) - 1)  # the positions whose next token is known
             if rows is None or rows.filled >= end:
                 continue
-            found = rows.state_rows(rows.filled, end, xp)
+            with self.model.backend.activate():
+                found = rows.state_rows(rows.filled, end, xp)
             if found is None:
                 continue
             first, hidden = found
@@ -128,7 +140,9 @@ class MtpDrafter:
             states.append(hidden)
         if not segments:
             return
-        logits, outputs = self.run(segments, xp.concatenate(states) if len(states) > 1 else states[0])
+        with self.model.backend.activate():
+            hidden = xp.concatenate(states) if len(states) > 1 else states[0]
+        logits, outputs = self.run(segments, hidden)
         tokens = self._greedy(logits)
         row = 0
         for segment in segments:
@@ -159,7 +173,9 @@ class MtpDrafter:
             # Draft j + 1 of each sequence: its draft j at position num_cached + j - 1, fed back
             # with the module's output state there.
             segments = [Segment(seqs[i], [drafts[i][-1]], seqs[i].num_cached + step - 1, "all") for i, _, _ in active]
-            logits, outputs = self.run(segments, xp.concatenate([state for _, _, state in active]))
+            with self.model.backend.activate():
+                states = xp.concatenate([state for _, _, state in active])
+            logits, outputs = self.run(segments, states)
             tokens = self._greedy(logits)
             step += 1
             carried = []
@@ -183,7 +199,8 @@ class MtpDrafter:
         return max(1, min(wanted, end - seq.num_cached + 1))
 
     def _greedy(self, logits: Any) -> list[int]:
-        host = logits.get() if hasattr(logits, "get") else np.asarray(logits)
+        with self.model.backend.activate():
+            host = logits.get() if hasattr(logits, "get") else np.asarray(logits)
         return np.argmax(host, axis=1).tolist()
 
     # ------------------------------------------------------------------------------ module
@@ -196,10 +213,11 @@ class MtpDrafter:
         up to its position."""
         model = self.model
         backend = model.backend
-        batch = backend.prepare_batch(as_decode_rows(ForwardBatch.build(segments, model.cache.block_size)))
-        if getattr(hidden, "dtype", None) != np.float32:
-            hidden = backend.ops.to_float32(hidden)
-        return model.mtp_forward(batch, hidden)
+        with backend.activate():
+            batch = backend.prepare_batch(as_decode_rows(ForwardBatch.build(segments, model.cache.block_size)))
+            if getattr(hidden, "dtype", None) != np.float32:
+                hidden = backend.ops.to_float32(hidden)
+            return model.mtp_forward(batch, hidden)
 
 
 def mtp_drafter(config: Any, model: Any) -> MtpDrafter:

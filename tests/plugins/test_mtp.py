@@ -92,3 +92,24 @@ def test_what_the_mtp_drafter_refuses(mla_checkpoints, gdn_checkpoint, dense_che
             LLM(path, device="cpu", show_progress=False, speculative_config=MTP)
     with pytest.raises(ConfigError, match="mtp drafter needs"):
         LLM(dense_checkpoints["llama"], device="cpu", show_progress=False, speculative_config=MTP)
+
+
+def test_a_sequence_keeps_a_bounded_number_of_states(mla_mtp_checkpoint, monkeypatch):
+    """Past MAX_KEPT_STATES the module catches up at once (a long prompt, decode steps without
+    drafts), and its drafts are those of a sequence that caught up only when asked."""
+    from metrale.plugins import mtp as mtp_plugin
+
+    monkeypatch.setattr(mtp_plugin, "MAX_KEPT_STATES", 4)
+    ids = list(np.random.default_rng(3).integers(1, 120, 11))
+    drafts = []
+    for chunk in (len(ids), 3):  # one prompt call, then chunks of 3 rows (each past the bound with the rest)
+        llm = LLM(mla_mtp_checkpoint[0], device="cpu", show_progress=False, block_size=4, speculative_config=MTP)
+        seq = SequenceState.from_prompt([int(t) for t in ids])
+        for start in range(0, len(ids), chunk):
+            length = min(chunk, len(ids) - start)
+            llm.forward.prefill_chunk(seq.tokens, seq, start, length, start + length == len(ids))
+            kept = sum(r.shape[0] for _, r in llm.model.mtp_rows.rows[seq.seq_id].states)
+            assert kept <= 4 + chunk
+        seq.tokens.append(5)
+        drafts.append(llm.model.mtp_rows.propose([seq], [3])[0])
+    assert drafts[0] == drafts[1] and len(drafts[0]) == 3
