@@ -8,10 +8,11 @@ from metrale._version import __version__
 from metrale.api import LLM
 from metrale.async_llm import AsyncLLM
 from metrale.hookspecs import CONTRACT_VERSION, hookimpl
+from metrale.lora import LoRARequest
 from metrale.params import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from metrale.structured import StructuredOutputParams
 
 __all__ = [
     "LLM", "AsyncLLM", "SamplingParams", "StructuredOutputParams", "RequestOutput", "CompletionOutput", "Logprob",
-    "hookimpl", "CONTRACT_VERSION", "__version__",
+    "LoRARequest", "hookimpl", "CONTRACT_VERSION", "__version__",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from pathlib import Path
@@ -17,6 +18,7 @@ from metrale.config import EngineConfig, read_environment
 from metrale.engine.engine import Engine
 from metrale.engine.generation import Request, RequestGroup, StopChecker, make_group, prompt_logprob_dicts
 from metrale.errors import (
+    AdapterError,
     CheckpointError,
     ConfigError,
     EmptyPromptError,
@@ -27,6 +29,7 @@ from metrale.errors import (
 from metrale.family import resolve_family
 from metrale.forward import ModelForward
 from metrale.frontend import PromptFrontend
+from metrale.lora import LoraManager, LoRARequest
 from metrale.models import embedded_model_path, embedded_models
 from metrale.ops import build_op_registry
 from metrale.params import RequestOutput, SamplingParams
@@ -112,6 +115,8 @@ class LLM(PromptFrontend):
         PromptFrontend.__init__(self, self.checkpoint, vocab_size=self.model.vocab_size,
                                 max_model_len=self.model.max_model_len, chat_template=chat_template)
         self.forward = ModelForward(self.model, self.plugin_manager, environment)
+        #: The LoRA adapter slots (:class:`~metrale.lora.LoraManager`), None without ``enable_lora``.
+        self.lora: LoraManager | None = self._enable_lora() if self.config.enable_lora else None
         if self.config.speculative_config is not None:
             # Before the cache: a drafter may need cache layers of its own (an MTP module's).
             prepare = getattr(self.model, "prepare_speculation", None)  # (FamilyModel's; a hook-only model has none)
@@ -135,8 +140,20 @@ class LLM(PromptFrontend):
             enable_prefix_caching=self.config.enable_prefix_caching,
             overlap=self.config.overlap_scheduling and speculation is None and self._forward_feeds_tokens(),
             speculation=speculation,
+            adapters=self.lora,
         )
         self.model.prefix_caching = self.engine.prefix_cache is not None
+
+    def _enable_lora(self) -> LoraManager:
+        """The adapter slots, built before the cache takes the free memory."""
+        enable = getattr(self.model, "enable_lora", None)  # (FamilyModel's; a hook-only model has none)
+        with self.backend.activate():
+            layout = enable(self.config.max_loras, self.config.max_lora_rank) if enable is not None else None
+        if layout is None:
+            raise ConfigError(f"the {self.family.name} family does not serve LoRA adapters; leave enable_lora out")
+        self.model.lora_layout = layout
+        return LoraManager(self.backend, layout, max_lora_rank=self.config.max_lora_rank,
+                           vocab_size=self.model.vocab_size)
 
     def _forward_feeds_tokens(self) -> bool:
         """Whether overlap scheduling can serve this model: its family's model feeds pending
@@ -270,7 +287,8 @@ class LLM(PromptFrontend):
     # ------------------------------------------------------------------------- generation
 
     def _requests(
-        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestGroup]:
         """Validated requests for ``prompts``; nothing runs before every prompt passed."""
         prompt_list = split_prompts(prompts)
@@ -288,20 +306,53 @@ class LLM(PromptFrontend):
             raise InvalidRequestError(f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r}")
         checked = [(self.prompt_ids(prompt, f"prompt {index}"), self.request_params(params))
                    for index, (prompt, params) in enumerate(zip(prompt_list, params_list))]
-        groups = [self.new_group(text, ids, params) for (text, ids), params in checked]
+        adapters = self.lora_requests(lora_request, len(prompt_list))
+        groups = [self.new_group(text, ids, params, lora=lora) for ((text, ids), params), lora in zip(checked, adapters)]
         # (Built per call: ``eos_token_ids`` may be changed between calls.)
         self.engine.stopper = StopChecker(self.eos_token_ids, self.max_model_len)
         return groups
 
-    def new_group(self, text: str | None, ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestGroup:
-        """The request for one checked prompt (its ``n`` completions); compiles its structured
-        output (:class:`~metrale.errors.InvalidRequestError` for a bad schema or grammar)."""
+    def lora_requests(self, lora_request: Any, count: int) -> list[LoRARequest | None]:
+        """``lora_request`` (None, one :class:`~metrale.lora.LoRARequest` for every prompt, or a
+        list of one per prompt, None for the base model) for ``count`` prompts, every adapter read
+        and checked before anything runs (:class:`~metrale.errors.AdapterError`)."""
+        if lora_request is None:
+            return [None] * count
+        if isinstance(lora_request, LoRARequest):
+            items: list[Any] = [lora_request] * count
+        elif isinstance(lora_request, (list, tuple)):
+            items = list(lora_request)
+            if len(items) != count:
+                raise InvalidRequestError(f"got {len(items)} LoRA requests for {count} prompts")
+        else:
+            raise InvalidRequestError(f"lora_request must be a LoRARequest or a list of them, got {lora_request!r}")
+        for item in items:
+            if item is not None and not isinstance(item, LoRARequest):
+                raise InvalidRequestError(f"lora_request entries must be LoRARequest or None, got {item!r}")
+        if any(item is not None for item in items):
+            if self.lora is None:
+                raise ConfigError("a lora_request needs an engine that serves LoRA: LLM(..., enable_lora=True)")
+            for item in items:
+                if item is not None:
+                    self.lora.resolve(item)
+        return items
+
+    def new_group(self, text: str | None, ids: list[int], params: SamplingParams, request_id: str | None = None,
+                  lora: LoRARequest | None = None) -> RequestGroup:
+        """The request for one checked prompt (its ``n`` completions, with the adapter ``lora``
+        when given: checked by :meth:`lora_requests`); compiles its structured output
+        (:class:`~metrale.errors.InvalidRequestError` for a bad schema or grammar)."""
         grammar = None
         if params.structured_output is not None:
             grammar = self.grammar_compiler().compile(params.structured_output)
         index = self._requests_started
         self._requests_started += 1
-        return make_group(index, text, ids, params, self.config.seed, self.tokenizer, request_id=request_id, grammar=grammar)
+        group = make_group(index, text, ids, params, self.config.seed, self.tokenizer, request_id=request_id,
+                           grammar=grammar)
+        if lora is not None:
+            for request in group.completions:
+                request.lora, request.seq.adapter_id = lora, lora.lora_int_id
+        return group
 
     def prompt_logprobs(self, group: RequestGroup) -> None:
         """Fill ``group.prompt_logprobs`` when its params ask for them: one teacher-forced pass
@@ -311,15 +362,33 @@ class LLM(PromptFrontend):
             return
         ids = group.completions[0].prompt_token_ids
         seq = SequenceState.from_prompt(ids)
-        try:
-            with self.backend.activate():
-                logits = self.forward.score(ids, seq)
-                entries = self.engine.sampler.prompt_logprobs(logits[: len(ids) - 1], ids[1:], k) if len(ids) > 1 else []
-            self.cache.release(seq)
-        except BaseException:
-            self._recover(seqs=[seq])
-            raise
+        with self._holding_adapter(seq, group.completions[0].lora):
+            try:
+                with self.backend.activate():
+                    logits = self.forward.score(ids, seq)
+                    entries = self.engine.sampler.prompt_logprobs(logits[: len(ids) - 1], ids[1:], k) if len(ids) > 1 else []
+                self.cache.release(seq)
+            except BaseException:
+                self._recover(seqs=[seq])
+                raise
         group.prompt_logprobs = prompt_logprob_dicts(entries, self.tokenizer)
+
+    @contextlib.contextmanager
+    def _holding_adapter(self, seq: SequenceState, lora: LoRARequest | None) -> Iterator[None]:
+        """``seq`` holds ``lora``'s adapter slot while the block runs (nothing for None)."""
+        if lora is None:
+            yield
+            return
+        assert self.lora is not None  # (lora_requests takes an adapter only when LoRA is served)
+        slot = self.lora.acquire(lora)
+        if slot is None:
+            raise AdapterError(f"no adapter slot is free for {lora.lora_name!r}: every slot is held by running requests")
+        seq.adapter_slot, seq.adapter_id = slot, lora.lora_int_id
+        try:
+            yield
+        finally:
+            seq.adapter_slot = None
+            self.lora.release(slot)
 
     def _run_engine(self, groups: list[RequestGroup]) -> Iterator[list[Request]]:
         """Add ``groups``' completions and step the engine until all are finished, yielding each
@@ -343,6 +412,7 @@ class LLM(PromptFrontend):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list of prompts (see :mod:`metrale.prompts`: strings,
         token-id lists, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` dicts).
@@ -353,11 +423,13 @@ class LLM(PromptFrontend):
         ``max_num_batched_tokens``). Returns one :class:`~metrale.params.RequestOutput` per
         prompt, in order; a request that cannot run at all (it needs more cache than there is),
         or whose logits are not finite, finishes with ``finish_reason == "error"`` and the others
-        go on.
+        go on. ``lora_request`` runs the prompts with a LoRA adapter (one
+        :class:`~metrale.lora.LoRARequest` for all, or one per prompt, None for the base model;
+        needs ``enable_lora=True``); a batch may mix adapters.
         """
         self._take("generate()")
         try:
-            groups = self._requests(prompts, sampling_params)
+            groups = self._requests(prompts, sampling_params, lora_request)
             bar = None
             if check_bool("use_tqdm", use_tqdm) and self.show_progress:
                 from tqdm.auto import tqdm
@@ -384,6 +456,8 @@ class LLM(PromptFrontend):
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> RequestStream:
         """Like :meth:`generate`, but returns a :class:`~metrale.streams.RequestStream` that
         yields a :class:`~metrale.params.RequestOutput` each time a request gets new tokens
@@ -399,7 +473,7 @@ class LLM(PromptFrontend):
         """
         self._take("generate_stream()")
         try:
-            groups = self._requests(prompts, sampling_params)
+            groups = self._requests(prompts, sampling_params, lora_request)
         except BaseException:
             self._lock.release()
             raise
@@ -443,8 +517,9 @@ class LLM(PromptFrontend):
         finally:
             self._lock.release()
 
-    def score(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Teacher-forced logits for every position of ``token_ids``: ``[len, vocab]`` float32.
+    def score(self, token_ids: Sequence[int], *, lora_request: LoRARequest | None = None) -> np.ndarray:
+        """Teacher-forced logits for every position of ``token_ids``: ``[len, vocab]`` float32
+        (with the adapter of ``lora_request`` when given).
 
         Row ``i`` holds the logits that predict token ``i + 1``.
         """
@@ -454,12 +529,13 @@ class LLM(PromptFrontend):
                 raise InvalidRequestError(f"score() takes a list of token ids, got {token_ids!r}")
             _, ids = self.prompt_ids(token_ids, "the scored sequence")
             seq = SequenceState.from_prompt(ids)
-            try:
-                logits = self.backend.to_numpy(self.forward.score(ids, seq)).copy()
-                self.cache.release(seq)
-            except BaseException:
-                self._recover(seqs=[seq])
-                raise
+            with self._holding_adapter(seq, self.lora_requests(lora_request, 1)[0]):
+                try:
+                    logits = self.backend.to_numpy(self.forward.score(ids, seq)).copy()
+                    self.cache.release(seq)
+                except BaseException:
+                    self._recover(seqs=[seq])
+                    raise
             return logits
         finally:
             self._lock.release()

@@ -45,6 +45,10 @@ class ForwardBatch:
     ``state_slots``: ``[S]`` int64, each segment's recurrent-state slot (0, the dummy slot, for
     sequences without one and for padding). ``every_row_logits``: ``logits_rows`` is known to be
     ``0 .. N - 1`` (a decode step, a verify of one sequence): the rows need no gathering.
+    ``adapter_slots``: ``[N]`` int64, each row's LoRA adapter slot (0: the base model), None when
+    every row runs the base model; ``adapter_route``: the step's route
+    (:func:`metrale.lora.adapter_route`: None, one slot, or
+    :data:`~metrale.sequence.MIXED_ADAPTERS`).
     """
 
     segments: list[Segment]
@@ -59,6 +63,8 @@ class ForwardBatch:
     state_slots: np.ndarray | None = None
     extras: dict = field(default_factory=dict)
     every_row_logits: bool = False
+    adapter_slots: np.ndarray | None = None
+    adapter_route: int | str | None = None
 
     @property
     def num_rows(self) -> int:
@@ -70,8 +76,16 @@ class ForwardBatch:
         if not segments:
             raise CacheError("a forward batch needs at least one segment")
         if all(len(s.token_ids) == 1 and s.logits == "last" for s in segments):
-            return cls._build_decode(segments, block_size)
-        return cls._build_rows(segments, block_size)
+            batch = cls._build_decode(segments, block_size)
+        else:
+            batch = cls._build_rows(segments, block_size)
+        if any(s.seq.adapter_slot for s in segments):
+            from metrale.lora import adapter_route
+
+            per_segment = np.fromiter((s.seq.adapter_slot or 0 for s in segments), dtype=np.int64, count=len(segments))
+            batch.adapter_slots = per_segment[batch.seq_index]
+            batch.adapter_route = adapter_route(batch.adapter_slots)
+        return batch
 
     @classmethod
     def _build_rows(cls, segments: list[Segment], block_size: int) -> "ForwardBatch":

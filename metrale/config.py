@@ -127,6 +127,9 @@ MAX_BLOCK_SIZE = 1024
 #: Bounds of the counts (blocks, slots, sequences, tokens) and byte sizes an option may give:
 #: far above any machine, low enough that sizes computed from them stay exact.
 MAX_COUNT = 1 << 40
+#: Bounds of the LoRA options: adapter slots on the device, and the rank of one adapter module.
+MAX_LORAS = 1024
+MAX_LORA_RANK = 1024
 MAX_BYTES = 1 << 60
 
 
@@ -150,8 +153,9 @@ class EngineConfig:
     still runs, its decode tokens fed on the device (for models whose forward goes through the
     model runner; :mod:`metrale.engine.engine`); ``speculative_config`` turns on speculative
     decoding (a mapping such as ``{"method": "ngram", "num_speculative_tokens": 3}``, read into a
-    :class:`~metrale.speculative.SpeculativeConfig`; decode steps then run without overlap).
-    Every value is type-checked: ints only ints, the flags only True or False
+    :class:`~metrale.speculative.SpeculativeConfig`; decode steps then run without overlap);
+    ``enable_lora`` serves LoRA adapters (:mod:`metrale.lora`): ``max_loras`` of them on the
+    device at once, of rank at most ``max_lora_rank``. Every value is type-checked: ints only ints, the flags only True or False
     (:class:`~metrale.errors.ConfigError` otherwise).
     """
 
@@ -164,6 +168,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     overlap_scheduling: bool = True
     speculative_config: Any = None
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
     cache: CacheConfig = field(default_factory=CacheConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 
@@ -180,6 +187,9 @@ class EngineConfig:
             "seed": lambda v: check_seed("seed", v, error=ConfigError),
             "cuda_graphs": lambda v: check_bool("cuda_graphs", v, error=ConfigError),
             "overlap_scheduling": lambda v: check_bool("overlap_scheduling", v, error=ConfigError),
+            "enable_lora": lambda v: check_bool("enable_lora", v, error=ConfigError),
+            "max_loras": lambda v: check_int("max_loras", v, minimum=1, maximum=MAX_LORAS, error=ConfigError),
+            "max_lora_rank": lambda v: check_int("max_lora_rank", v, minimum=1, maximum=MAX_LORA_RANK, error=ConfigError),
         })
         from metrale.speculative import SpeculativeConfig
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence, cast
 import numpy as np
 
 from metrale.batch import ForwardBatch, Segment
-from metrale.errors import CacheError, ConfigError, UnsupportedModelError
+from metrale.errors import AdapterError, CacheError, ConfigError, UnsupportedModelError
 from metrale.hookspecs import hookimpl
 from metrale.sequence import MixedForwardResult, PrefillSlice, SequenceState
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from metrale.cache.store import ModelCache
     from metrale.checkpoint import Checkpoint
     from metrale.config import EngineConfig
+    from metrale.lora import LoraLayout
     from metrale.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,8 @@ class FamilyModel:
         #: such as the MLA family's final states for its MTP drafter). The CUDA graph runner keeps
         #: what each recording left and puts it back after each replay (:mod:`metrale.runner.graphs`).
         self.step_outputs: dict[str, Any] = {}
+        #: What :meth:`enable_lora` built, once the engine serves LoRA (None: it does not).
+        self.lora_layout: LoraLayout | None = None
 
     # -------------------------------------------------------------- what a family implements
 
@@ -320,6 +323,32 @@ class FamilyModel:
         for seq, count, kept in zip(seqs, rows, accepted):
             seq.num_cached -= count - kept - 1
         return True
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> "LoraLayout | None":
+        """Build the adapter slots of the model's projections (``max_loras`` adapters of rank up
+        to ``max_lora_rank``; :mod:`metrale.layers.lora` builds them for the shared blocks) and
+        return their :class:`~metrale.lora.LoraLayout`; called once, before the cache is built,
+        when the engine serves LoRA. None (the default): the family serves no LoRA, and
+        ``LLM(enable_lora=True)`` is refused with a :class:`~metrale.errors.ConfigError`."""
+        return None
+
+    def check_adapters(self, step: Any) -> None:
+        """The stamp stage's check of a step's adapter route (``step.stamps["adapter_route"]``,
+        :func:`~metrale.hookspecs.metrale_stamp`) before anything runs: raises
+        :class:`~metrale.errors.AdapterError` when a sequence asks for an adapter slot the model
+        does not hold."""
+        route = step.stamps.get("adapter_route")
+        if route is None:
+            return
+        layout = getattr(self, "lora_layout", None)
+        if layout is None:
+            raise AdapterError(f"a sequence asks for adapter slot {route!r}, but LoRA is not enabled for this model "
+                               "(LLM(enable_lora=True))")
+        count = layout.num_slots
+        for seq in step.seqs:
+            if seq.adapter_slot is not None and not 0 < seq.adapter_slot < count:
+                raise AdapterError(f"sequence {seq.seq_id} asks for adapter slot {seq.adapter_slot}; the model holds "
+                                   f"slots 1..{count - 1}")
 
     def prepare_speculation(self, config: Any) -> None:
         """Called with the engine's :class:`~metrale.speculative.SpeculativeConfig` before the

@@ -307,10 +307,12 @@ def metrale_stamp(model: Any, step: "ForwardStep") -> None:
     """Record per-step routing that deep layer code reads.
 
     Called by :class:`~metrale.forward.ModelForward` after the flush stage and before dispatch,
-    for every plugin. Plugins write into ``step.stamps`` (for example the adapter route: one
-    adapter slot, or :data:`~metrale.sequence.MIXED_ADAPTERS` when the batch's sequences
-    disagree or the step is mixed). A plugin may raise to refuse the step; the dispatch then
-    does not run. Returns None.
+    for every plugin. Plugins write into ``step.stamps`` (the built-in stamp plugin writes the
+    adapter route: None for the base model, one adapter slot, or
+    :data:`~metrale.sequence.MIXED_ADAPTERS` when the rows disagree; see
+    :func:`metrale.lora.adapter_route`). A plugin may raise to refuse the step (the built-in one
+    raises :class:`~metrale.errors.AdapterError` for an adapter the model cannot serve); the
+    dispatch then does not run. Returns None.
     """
 
 

@@ -158,9 +158,10 @@ def _token_indices(config: Mapping[str, Any], path: Path) -> dict[str, list[int]
 
 
 def load_adapter(request: LoRARequest, targets: Mapping[str, tuple[int, int]], *, num_layers: int, vocab_size: int,
-                 hidden_size: int, max_lora_rank: int) -> LoraAdapter:
+                 hidden_size: int, max_lora_rank: int, refused: Mapping[str, str] | None = None) -> LoraAdapter:
     """Read ``request``'s adapter for a model of ``num_layers`` decoder layers whose layers offer
-    ``targets`` (``{"self_attn.q_proj": (out, in), ...}``); see the module docstring. Raises
+    ``targets`` (``{"self_attn.q_proj": (out, in), ...}``); ``refused`` names projections the model
+    does not serve LoRA on, with the reason. See the module docstring. Raises
     :class:`~metrale.errors.AdapterError` naming what does not fit."""
     from safetensors.numpy import load_file
 
@@ -183,6 +184,9 @@ def load_adapter(request: LoRARequest, targets: Mapping[str, tuple[int, int]], *
             layer, projection, half = int(layer_match.group(1)), layer_match.group(2), layer_match.group(3)
             if layer >= num_layers:
                 raise AdapterError(f"{weights_path}: {key} is for layer {layer}; the base model has {num_layers} layers")
+            reason = _pattern_value(refused or {}, projection)
+            if reason is not None:
+                raise AdapterError(f"{weights_path}: LoRA on {projection!r} is not served: {reason}")
             if projection not in targets:
                 raise AdapterError(f"{weights_path}: LoRA on {projection!r} is not served for this model (it serves "
                                    f"{', '.join(sorted(targets))})")
@@ -226,3 +230,224 @@ def load_adapter(request: LoRARequest, targets: Mapping[str, tuple[int, int]], *
     if not adapter.modules and not adapter.token_rows:
         raise AdapterError(f"{folder}: the adapter holds no LoRA module and no trainable tokens")
     return adapter
+
+
+#: The most rows of one token matrix (embedding, LM head) an adapter may replace.
+MAX_LORA_TOKEN_ROWS = 256
+
+
+def adapter_route(slots: np.ndarray) -> int | str | None:
+    """The adapter route of a step whose rows have adapter ``slots`` (0: the base model): None
+    when every row runs the base model, the slot when every row runs one adapter, else
+    :data:`~metrale.sequence.MIXED_ADAPTERS`."""
+    from metrale.sequence import MIXED_ADAPTERS
+
+    if slots.size == 0 or not slots.any():
+        return None
+    first = int(slots[0])
+    return first if (slots == first).all() else MIXED_ADAPTERS
+
+
+def _weight_dtype(backend: Any) -> Any:
+    return backend.weight(np.zeros((1,), np.float32)).dtype
+
+
+@dataclass
+class LoraStack:
+    """The adapter slots of one fused projection of one layer, on the device.
+
+    ``names`` are the projections the fused weight stacks (PEFT's module names inside a decoder
+    layer, e.g. ``("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")``), ``out_sizes``
+    their output rows, in order; ``in_size`` their input width. For ``S`` adapter slots and rank
+    ``R`` (``max_lora_rank``): ``a [S + 1, G R, in]`` holds each projection's ``A`` in its own
+    ``R`` rows, ``b [S + 1, out, R]`` each output row's ``scale * B`` (zero-padded past a module's
+    rank), ``splits [G + 1]`` the output rows where each projection starts. Slot 0 stays zero: the
+    base model. The op ``lora_linear`` adds ``(x a[s]^T)[g R : (g + 1) R] b[s]^T`` to each row's
+    output rows of projection ``g``.
+    """
+
+    names: tuple[str, ...]
+    out_sizes: tuple[int, ...]
+    in_size: int
+    rank: int
+    a: Any
+    b: Any
+    splits: Any
+
+    @classmethod
+    def allocate(cls, backend: Any, names: tuple[str, ...], out_sizes: tuple[int, ...], in_size: int, *,
+                 max_loras: int, max_lora_rank: int) -> "LoraStack":
+        if len(names) != len(out_sizes) or not names:
+            raise ConfigError(f"a LoRA stack needs one output size per projection, got {names} and {out_sizes}")
+        dtype, count, rank = _weight_dtype(backend), max_loras + 1, max_lora_rank
+        splits = np.concatenate([[0], np.cumsum(out_sizes)]).astype(np.int32)
+        return cls(tuple(names), tuple(int(s) for s in out_sizes), int(in_size), rank,
+                   backend.zeros((count, len(names) * rank, in_size), dtype),
+                   backend.zeros((count, int(splits[-1]), rank), dtype), backend.xp.asarray(splits))
+
+    @property
+    def targets(self) -> dict[str, tuple[int, int]]:
+        """``{name: (out, in)}`` of the projections this stack serves."""
+        return {name: (out, self.in_size) for name, out in zip(self.names, self.out_sizes)}
+
+    def host_slot(self, modules: list["LoraModule | None"]) -> tuple[np.ndarray, np.ndarray]:
+        """One slot's ``(a [G R, in], b [out, R])`` for ``modules`` (one per projection, None
+        where the adapter leaves it alone)."""
+        rank = self.rank
+        a = np.zeros((len(self.names) * rank, self.in_size), np.float32)
+        b = np.zeros((sum(self.out_sizes), rank), np.float32)
+        start = 0
+        for index, (module, out) in enumerate(zip(modules, self.out_sizes)):
+            if module is not None:
+                a[index * rank : index * rank + module.rank] = module.a
+                b[start : start + out, : module.rank] = module.scale * module.b
+            start += out
+        return a, b
+
+    def write(self, backend: Any, slot: int, modules: list["LoraModule | None"]) -> None:
+        """Put ``modules`` in ``slot`` (zeros where a module is None)."""
+        a, b = self.host_slot(modules)
+        self.a[slot] = backend.weight(a)
+        self.b[slot] = backend.weight(b)
+
+
+@dataclass
+class LoraTokenRows:
+    """The rows adapters replace in one token matrix: ``tokens [S + 1, T]`` (int32, -1 past an
+    adapter's rows) and ``rows [S + 1, T, H]`` (float32) per slot; slot 0 replaces none."""
+
+    matrix: str
+    tokens: Any
+    rows: Any
+
+    @classmethod
+    def allocate(cls, backend: Any, matrix: str, hidden_size: int, *, max_loras: int,
+                 max_rows: int = MAX_LORA_TOKEN_ROWS) -> "LoraTokenRows":
+        tokens = backend.xp.asarray(np.full((max_loras + 1, max_rows), -1, np.int32))
+        return cls(matrix, tokens, backend.zeros((max_loras + 1, max_rows, hidden_size), np.float32))
+
+    def write(self, backend: Any, slot: int, entry: tuple[np.ndarray, np.ndarray] | None) -> None:
+        width = int(self.tokens.shape[1])
+        tokens = np.full(width, -1, np.int32)
+        rows = np.zeros((width, int(self.rows.shape[2])), np.float32)
+        if entry is not None:
+            ids, values = entry
+            tokens[: len(ids)], rows[: len(ids)] = ids, values
+        self.tokens[slot] = backend.xp.asarray(tokens)
+        self.rows[slot] = backend.constant(rows)
+
+
+@dataclass
+class LoraLayout:
+    """What a model serves of LoRA (:meth:`~metrale.family.FamilyModel.enable_lora`): per decoder
+    layer its :class:`LoraStack`\\ s, the token matrices whose rows adapters may replace, and the
+    projections it refuses with the reason (``{"mlp.experts": "..."}``: an adapter that targets
+    one is refused naming it)."""
+
+    stacks: list[tuple[int, LoraStack]]
+    token_rows: dict[str, LoraTokenRows] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_slots(self) -> int:
+        """Slots including the base model's slot 0 (``max_loras + 1``)."""
+        arrays = [stack.a for _, stack in self.stacks] + [rows.tokens for rows in self.token_rows.values()]
+        return int(arrays[0].shape[0]) if arrays else 1
+
+    def targets(self) -> dict[str, tuple[int, int]]:
+        out: dict[str, tuple[int, int]] = {}
+        for _, stack in self.stacks:
+            out.update(stack.targets)
+        return out
+
+
+class LoraManager:
+    """The adapter slots of one model (``max_loras`` of them, each holding one adapter on the
+    device) and the adapters read so far.
+
+    :meth:`resolve` reads and checks a request's adapter (once per ``lora_int_id``);
+    :meth:`acquire` gives a sequence the slot that holds its adapter, writing it into the least
+    recently used free slot when no slot holds it; :meth:`release` returns it. A slot a running
+    sequence holds is never overwritten: when every slot is held by other adapters,
+    :meth:`acquire` answers None and the request waits.
+    """
+
+    def __init__(self, backend: Any, layout: LoraLayout, *, max_lora_rank: int, vocab_size: int) -> None:
+        self.backend = backend
+        self.layout = layout
+        self.max_loras = layout.num_slots - 1
+        self.max_lora_rank = max_lora_rank
+        self.num_layers = 1 + max((layer for layer, _ in layout.stacks), default=-1)
+        self.vocab_size = vocab_size
+        self.hidden_size = next((int(rows.rows.shape[2]) for rows in layout.token_rows.values()), 0)
+        self._adapters: dict[int, LoraAdapter] = {}
+        #: slot -> the lora_int_id it holds (absent: empty); holds per slot; use order (LRU first).
+        self._held_by: dict[int, int] = {}
+        self._holders = [0] * (self.max_loras + 1)
+        self._order: list[int] = list(range(1, self.max_loras + 1))
+        self._served = {(layer, name) for layer, stack in layout.stacks for name in stack.names}
+
+    def resolve(self, request: LoRARequest) -> LoraAdapter:
+        """The adapter of ``request``, read and checked (:class:`~metrale.errors.AdapterError`
+        for one this model cannot serve, or a ``lora_int_id`` already used for another adapter)."""
+        known = self._adapters.get(request.lora_int_id)
+        if known is not None:
+            if known.name != request.lora_name or Path(known.path) != Path(request.lora_path):
+                raise AdapterError(f"lora_int_id {request.lora_int_id} already names adapter {known.name!r} at "
+                                   f"{known.path}; give {request.lora_name!r} another id")
+            return known
+        adapter = load_adapter(request, self.layout.targets(), num_layers=self.num_layers,
+                               vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                               max_lora_rank=self.max_lora_rank, refused=self.layout.refused)
+        for layer, name in adapter.modules:
+            if (layer, name) not in self._served:
+                raise AdapterError(f"{request.lora_path}: LoRA on layer {layer}'s {name} is not served (that layer "
+                                   "has no such projection)")
+        for matrix, (ids, _) in adapter.token_rows.items():
+            if matrix not in self.layout.token_rows:
+                raise AdapterError(f"{request.lora_path}: replacing {matrix} rows is not served for this model")
+            if len(ids) > int(self.layout.token_rows[matrix].tokens.shape[1]):
+                raise AdapterError(f"{request.lora_path}: {len(ids)} {matrix} rows, more than the "
+                                   f"{int(self.layout.token_rows[matrix].tokens.shape[1])} an adapter may replace")
+        self._adapters[request.lora_int_id] = adapter
+        return adapter
+
+    def slot_of(self, int_id: int) -> int | None:
+        """The slot that holds adapter ``int_id`` now, or None."""
+        return next((slot for slot, held in self._held_by.items() if held == int_id), None)
+
+    def acquire(self, request: LoRARequest) -> int | None:
+        """A hold on the slot of ``request``'s adapter (written there first if no slot holds it),
+        or None when every slot is held by sequences of other adapters."""
+        adapter = self.resolve(request)
+        slot = self.slot_of(adapter.int_id)
+        if slot is None:
+            slot = next((s for s in self._order if self._holders[s] == 0), None)
+            if slot is None:
+                return None
+            self._write(slot, adapter)
+        self._holders[slot] += 1
+        self._order.remove(slot)
+        self._order.append(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Drop one hold on ``slot`` (its adapter stays there until the slot is needed)."""
+        if self._holders[slot] <= 0:
+            raise AdapterError(f"adapter slot {slot} released more often than acquired")
+        self._holders[slot] -= 1
+
+    def holders(self, slot: int) -> int:
+        return self._holders[slot]
+
+    def loaded(self) -> dict[int, str]:
+        """``{slot: adapter name}`` of the slots that hold an adapter."""
+        return {slot: self._adapters[int_id].name for slot, int_id in sorted(self._held_by.items())}
+
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        self._held_by.pop(slot, None)  # a torn write leaves the slot empty, never half another adapter's
+        for layer, stack in self.layout.stacks:
+            stack.write(self.backend, slot, [adapter.modules.get((layer, name)) for name in stack.names])
+        for matrix, rows in self.layout.token_rows.items():
+            rows.write(self.backend, slot, adapter.token_rows.get(matrix))
+        self._held_by[slot] = adapter.int_id

@@ -27,8 +27,12 @@ class SequenceState:
     seq_id: int = field(default_factory=lambda: next(_sequence_ids))
     num_cached: int = 0
     block_table: list[int] = field(default_factory=list)
-    #: LoRA adapter overlay slot, None when the base model serves this sequence.
+    #: LoRA adapter slot on the device (:class:`~metrale.lora.LoraManager`), None when the base
+    #: model serves this sequence.
     adapter_slot: int | None = None
+    #: The adapter's ``lora_int_id`` (None: the base model): what the prefix cache keys blocks
+    #: by, since a slot holds different adapters over time.
+    adapter_id: int | None = None
     #: Recurrent-state slot (GDN conv + delta-rule state), None for families without one.
     state_slot: int | None = None
     #: Tokens a speculative drafter proposed that are not yet verified.
@@ -107,8 +111,8 @@ class MixedForwardResult:
     prefill_logits: Any | None
 
 
-#: Adapter route stamped when the sequences of one step use different adapters (or the step
-#: is mixed): per-adapter token overlays are skipped for the whole step.
+#: Adapter route stamped when the rows of one step use different adapters (or some the base
+#: model): the per-row path, whose kernels read each row's slot (token overlays included).
 MIXED_ADAPTERS = "mixed-adapters"
 
 #: The forward methods after which the drafter may run (when their chunk is the last).

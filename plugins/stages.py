@@ -3,8 +3,9 @@
 * flush: folds what a model left pending (``flush_pending``, :class:`~metrale.family.FamilyModel`:
   the Gated DeltaNet family's recurrent state as of a verify's last kept row) into its state
   before the forward reads it;
-* stamp: records the adapter route of the step (one adapter slot for the whole batch, None for
-  the base model, or ``MIXED_ADAPTERS``);
+* stamp: records the adapter route of the step (:func:`~metrale.lora.adapter_route`: one adapter
+  slot for the whole batch, None for the base model, or ``MIXED_ADAPTERS``) and has the model
+  check it (``check_adapters``, :class:`~metrale.family.FamilyModel`) before anything runs;
 * drafter: the eager drafter prefill, ``prime_drafter`` (:class:`~metrale.family.FamilyModel`:
   the MLA family's MTP drafter catches up on the prompt's rows; nothing for other models);
 * end_graph_capture: asks the model's backend to end an open capture (a no-op on the CPU).
@@ -14,8 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from metrale.hookspecs import CONTRACT_VERSION, hookimpl
-from metrale.sequence import MIXED_ADAPTERS, ForwardStep
+from metrale.lora import adapter_route
+from metrale.sequence import ForwardStep
 
 METRALE_CONTRACT_VERSION = CONTRACT_VERSION
 
@@ -29,11 +33,11 @@ def metrale_flush(model: Any, step: ForwardStep) -> None:
 
 @hookimpl
 def metrale_stamp(model: Any, step: ForwardStep) -> None:
-    slots = {seq.adapter_slot for seq in step.seqs}
-    if step.method == "mixed_forward" or len(slots) > 1:
-        step.stamps["adapter_route"] = MIXED_ADAPTERS
-    else:
-        step.stamps["adapter_route"] = next(iter(slots), None)
+    slots = np.fromiter((seq.adapter_slot or 0 for seq in step.seqs), dtype=np.int64, count=len(step.seqs))
+    step.stamps["adapter_route"] = adapter_route(slots)
+    check = getattr(model, "check_adapters", None)
+    if check is not None:
+        check(step)
 
 
 @hookimpl

@@ -226,7 +226,25 @@ def test_builtin_stamp_records_the_adapter_route():
     assert stamped("decode_batch", [3, 3]) == 3
     assert stamped("decode_batch", [None, None]) is None
     assert stamped("decode_batch", [1, 2]) == MIXED_ADAPTERS
-    assert stamped("mixed_forward", [1, 1]) == MIXED_ADAPTERS
+    assert stamped("decode_batch", [None, 2]) == MIXED_ADAPTERS  # base-model rows beside adapter rows
+    # A mixed step of one adapter takes the single-adapter route: its kernels read every row's
+    # slot, so token overlays apply there too.
+    assert stamped("mixed_forward", [1, 1]) == 1
+
+
+def test_builtin_stamp_refuses_adapters_the_model_does_not_hold():
+    from metrale.errors import AdapterError
+    from metrale.family import FamilyModel
+    from metrale.plugins import stages
+
+    model = FamilyModel.__new__(FamilyModel)
+    model.lora_layout = None
+    step = ForwardStep("decode_batch", [SequenceState.from_prompt([1], adapter_slot=2)])
+    with pytest.raises(AdapterError, match="LoRA is not enabled"):
+        stages.metrale_stamp(model=model, step=step)
+    base = ForwardStep("decode_batch", [SequenceState.from_prompt([1])])
+    stages.metrale_stamp(model=model, step=base)  # the base model needs no adapters
+    assert base.stamps["adapter_route"] is None
 
 
 def test_builtin_capture_hook_ends_the_backend_capture():

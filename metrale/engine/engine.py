@@ -88,6 +88,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         overlap: bool = False,
         speculation: tuple[Any, Any] | None = None,
+        adapters: Any = None,
     ) -> None:
         if max_num_batched_tokens < cache.block_size:
             raise ConfigError(
@@ -117,6 +118,7 @@ class Engine:
             on_release=functools.partial(publish_blocks, self.prefix_cache) if self.prefix_cache is not None else None,
             tail_split=forward.prefill_tail_split if stateful_cache else None,
             finishing=functools.partial(finishing, max_model_len=stopper.max_model_len),
+            adapters=adapters,
         )
         #: Whether steps are planned and queued while the one before them runs (module docstring).
         self.overlap = overlap
@@ -566,5 +568,5 @@ def publish_blocks(prefix_cache: PrefixCache, request: Request, upto: int | None
     full = min(computed // prefix_cache.block_size, len(seq.block_table))
     if full > request.published_blocks:
         prefix_cache.publish(seq.tokens, seq.block_table, computed, request.block_digests,
-                             seq.adapter_slot, first=request.published_blocks)
+                             seq.adapter_id, first=request.published_blocks)
         request.published_blocks = full

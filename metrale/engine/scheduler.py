@@ -90,6 +90,7 @@ class Scheduler:
         on_release: Callable[[Request], None] | None = None,
         tail_split: Callable[[list[int]], int | None] | None = None,
         finishing: Callable[[Request], bool] | None = None,
+        adapters: Any = None,
     ) -> None:
         self.cache = cache
         self.block_size = cache.block_size
@@ -103,6 +104,9 @@ class Scheduler:
         self.tail_split = tail_split
         #: Whether a running request finishes once its pending token is read, whatever the token.
         self.finishing = finishing or (lambda request: False)
+        #: The LoRA adapter slots (:class:`~metrale.lora.LoraManager`), or None: a request of an
+        #: adapter holds its slot from its admission to its release.
+        self.adapters = adapters
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._last_was_prefill = False
@@ -135,6 +139,9 @@ class Scheduler:
             request.prefilled, request.published_blocks, _ = False, 0, self.cache.release(seq)
         else:
             request.prefilled, request.published_blocks = False, 0
+        if seq.adapter_slot is not None:
+            slot, seq.adapter_slot = seq.adapter_slot, None
+            self.adapters.release(slot)
 
     def check(self) -> list[str]:
         """Violations of the scheduler's invariants: the queues are disjoint, hold no request
@@ -147,6 +154,15 @@ class Scheduler:
             problems.append("a request is both running and waiting")
         if len(self.running) > self.max_num_seqs:
             problems.append(f"{len(self.running)} requests run, more than max_num_seqs={self.max_num_seqs}")
+        if self.adapters is not None:
+            held: dict[int, int] = {}
+            for request in [*self.running, *self.waiting]:
+                if request.seq.adapter_slot is not None:
+                    held[request.seq.adapter_slot] = held.get(request.seq.adapter_slot, 0) + 1
+            for slot in range(1, self.adapters.max_loras + 1):
+                if self.adapters.holders(slot) != held.get(slot, 0):
+                    problems.append(f"adapter slot {slot} has {self.adapters.holders(slot)} holds, "
+                                    f"{held.get(slot, 0)} queued requests hold it")
         return problems
 
     def _blocks_for(self, request: Request, num_tokens: int) -> int:
@@ -288,6 +304,11 @@ class Scheduler:
                 slots = self.cache.state_slots
                 if slots is not None and request.seq.state_slot is None and slots.num_free == 0:
                     return  # every recurrent-state slot is taken (the stuck handler frees holds)
+                if request.lora is not None and request.seq.adapter_slot is None:
+                    adapter_slot = self.adapters.acquire(request.lora)
+                    if adapter_slot is None:
+                        return  # every adapter slot is held by running requests of other adapters
+                    request.seq.adapter_slot = adapter_slot
                 if not request.seq.block_table and self.prefix_cache is not None:
                     first = request.cached_tokens is None
                     self._lookup(request, self.prefix_cache)
@@ -315,13 +336,13 @@ class Scheduler:
         if prefix_cache.snapshots is not None:
             # Resume only where a state snapshot was taken; the slot gets that state.
             blocks, row = prefix_cache.lookup_with_state(
-                seq.tokens, request.block_digests, seq.adapter_slot, into=seq.block_table
+                seq.tokens, request.block_digests, seq.adapter_id, into=seq.block_table
             )
             if blocks:
                 self.cache.state_slots.allocate(seq)
                 self.cache.snapshots.restore(row, seq.state_slot)
         else:
-            blocks = prefix_cache.lookup(seq.tokens, request.block_digests, seq.adapter_slot, into=seq.block_table)
+            blocks = prefix_cache.lookup(seq.tokens, request.block_digests, seq.adapter_id, into=seq.block_table)
         seq.num_cached = len(blocks) * self.block_size
         if request.cached_tokens is None:
             request.cached_tokens = seq.num_cached

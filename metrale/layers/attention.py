@@ -13,6 +13,7 @@ import numpy as np
 
 from metrale.batch import ForwardBatch
 from metrale.checkpoint import Checkpoint
+from metrale.layers.lora import linear_with_lora, lora_active
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,8 @@ class AttentionGeometry:
 
 @dataclass
 class AttentionWeights:
-    """``qkv [(n_h + 2 n_kv) d, H]``, ``o [H, n_h d]``; optional biases and per-head q/k norms."""
+    """``qkv [(n_h + 2 n_kv) d, H]``, ``o [H, n_h d]``; optional biases and per-head q/k norms;
+    the adapter slots of the two products when LoRA is on (:mod:`metrale.layers.lora`)."""
 
     qkv: Any
     o: Any
@@ -45,6 +47,8 @@ class AttentionWeights:
     o_bias: Any = None
     q_norm: Any = None
     k_norm: Any = None
+    lora_qkv: Any = None
+    lora_o: Any = None
 
 
 def load_attention_weights(
@@ -91,7 +95,7 @@ def attention_block(
 
     ``geometry.inv_freq`` must be a backend array (``backend.constant``).
     """
-    qkv = backend.ops.linear(h, weights.qkv, weights.qkv_bias)
+    qkv = linear_with_lora(backend, h, weights.qkv, weights.qkv_bias, weights.lora_qkv, batch)
     return attention_from_qkv(backend, geometry, weights, cache_layer, qkv, batch)
 
 
@@ -101,7 +105,11 @@ def normed_attention_block(
 ) -> tuple[Any, Any]:
     """:func:`attention_block` of ``rmsnorm(x + residual)`` (the pre-norm of a decoder layer,
     through the ``rmsnorm_linear`` op: one kernel with the qkv projection where the backend has
-    one); returns ``(attention output, x + residual)``."""
+    one; the norm and the product apart when the step has adapter rows); returns ``(attention
+    output, x + residual)``."""
+    if lora_active(batch, weights.lora_qkv, weights.lora_o):
+        normed, summed = backend.ops.rmsnorm_residual(x, residual, norm_weight, eps, norm_offset)
+        return attention_block(backend, geometry, weights, cache_layer, normed, batch), summed
     qkv, summed = backend.ops.rmsnorm_linear(x, residual, norm_weight, eps, norm_offset, weights.qkv, weights.qkv_bias)
     return attention_from_qkv(backend, geometry, weights, cache_layer, qkv, batch), summed
 
@@ -118,4 +126,4 @@ def attention_from_qkv(
         g.head_dim, cache_layer.k, cache_layer.v, weights.q_norm, weights.k_norm, g.norm_eps, **partial,
     )
     out = ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, g.scale, g.sliding_window)
-    return ops.linear(out, weights.o, weights.o_bias)
+    return linear_with_lora(backend, out, weights.o, weights.o_bias, weights.lora_o, batch)

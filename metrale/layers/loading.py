@@ -5,7 +5,7 @@ Shared by every built-in family; public like the other blocks of :mod:`metrale.l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from metrale.batch import ForwardBatch
@@ -15,11 +15,13 @@ from metrale.checkpoint import Checkpoint
 @dataclass
 class DecoderEnds:
     """``embed [V, H]``, the final RMSNorm weight ``norm [H]`` and ``lm_head [V, H]`` (the
-    embedding itself when the config ties them and the checkpoint has no ``lm_head.weight``)."""
+    embedding itself when the config ties them and the checkpoint has no ``lm_head.weight``);
+    ``token_rows``: the rows adapters replace in the two (:func:`metrale.layers.lora.ends_lora`)."""
 
     embed: Any
     norm: Any
     lm_head: Any
+    token_rows: dict = field(default_factory=dict)
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, backend: Any, *, vocab_size: int, hidden_size: int,
@@ -34,14 +36,26 @@ class DecoderEnds:
         return cls(embed, norm, lm_head)
 
     def embed_tokens(self, backend: Any, batch: ForwardBatch) -> Any:
-        """``[N, H]`` float32: the embedding rows of the batch's tokens."""
-        return backend.ops.embedding(self.embed, batch.token_ids)
+        """``[N, H]`` float32: the embedding rows of the batch's tokens (the rows a row's adapter
+        replaces, replaced)."""
+        x = backend.ops.embedding(self.embed, batch.token_ids)
+        overlay = self.token_rows.get("embed_tokens")
+        if overlay is not None and batch.adapter_slots is not None:
+            x = backend.ops.lora_token_rows(x, batch.token_ids, batch.adapter_slots, overlay.tokens, overlay.rows)
+        return x
 
     def logits(self, backend: Any, x: Any, residual: Any, batch: ForwardBatch, eps: float, offset: float = 0.0) -> Any:
         """Float32 logits ``[len(batch.logits_rows), V]``: the last residual add, the final norm
         and the LM head (the ``rmsnorm_linear`` op), on the rows that asked for logits only."""
+        slots = batch.adapter_slots
         if not batch.every_row_logits:
             rows = batch.logits_rows
             x, residual = x[rows], residual[rows]
+            slots = None if slots is None else slots[rows]
+        overlay = self.token_rows.get("lm_head")
+        if overlay is not None and slots is not None:
+            normed, _ = backend.ops.rmsnorm_residual(x, residual, self.norm, eps, offset)
+            logits = backend.ops.linear(normed, self.lm_head)
+            return backend.ops.lora_logit_rows(logits, normed, slots, overlay.tokens, overlay.rows)
         logits, _ = backend.ops.rmsnorm_linear(x, residual, self.norm, eps, offset, self.lm_head)
         return logits

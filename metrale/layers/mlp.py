@@ -10,17 +10,22 @@ from typing import Any
 
 import numpy as np
 
+from metrale.batch import ForwardBatch
 from metrale.checkpoint import Checkpoint
+from metrale.layers.lora import linear_with_lora, lora_active
 
 
 @dataclass
 class MlpWeights:
-    """``gate_up [2 I, H]`` (gate rows first), ``down [H, I]``; optional biases."""
+    """``gate_up [2 I, H]`` (gate rows first), ``down [H, I]``; optional biases; the adapter
+    slots of the two products when LoRA is on (:mod:`metrale.layers.lora`)."""
 
     gate_up: Any
     down: Any
     gate_up_bias: Any = None
     down_bias: Any = None
+    lora_gate_up: Any = None
+    lora_down: Any = None
 
 
 def load_mlp_weights(
@@ -52,15 +57,24 @@ def expect_mlp_shapes(checkpoint: Checkpoint, prefix: str, hidden_size: int, int
     checkpoint.expect_shape(f"{prefix}.down_proj.weight", (hidden_size, intermediate_size), because=because)
 
 
-def swiglu_mlp(backend: Any, weights: MlpWeights, h: Any) -> Any:
-    """``down(silu(gate(h)) * up(h))`` for ``h [N, H]``."""
+def swiglu_mlp(backend: Any, weights: MlpWeights, h: Any, batch: ForwardBatch | None = None) -> Any:
+    """``down(silu(gate(h)) * up(h))`` for ``h [N, H]`` (with each row's adapter update when
+    ``batch`` has adapter rows)."""
     ops = backend.ops
+    if batch is not None and lora_active(batch, weights.lora_gate_up, weights.lora_down):
+        gate_up = linear_with_lora(backend, h, weights.gate_up, weights.gate_up_bias, weights.lora_gate_up, batch)
+        return linear_with_lora(backend, ops.silu_and_mul(gate_up), weights.down, weights.down_bias, weights.lora_down,
+                                batch)
     return ops.linear(ops.linear_silu(h, weights.gate_up, weights.gate_up_bias), weights.down, weights.down_bias)
 
 
 def normed_swiglu_mlp(backend: Any, weights: MlpWeights, x: Any, residual: Any, norm_weight: Any, eps: float,
-                      norm_offset: float = 0.0) -> tuple[Any, Any]:
+                      norm_offset: float = 0.0, batch: ForwardBatch | None = None) -> tuple[Any, Any]:
     """:func:`swiglu_mlp` of ``rmsnorm(x + residual)`` (through the ``rmsnorm_mlp`` op: two
-    kernels where the backend has them); returns ``(MLP output, x + residual)``."""
+    kernels where the backend has them; the norm apart when ``batch`` has adapter rows); returns
+    ``(MLP output, x + residual)``."""
+    if batch is not None and lora_active(batch, weights.lora_gate_up, weights.lora_down):
+        normed, summed = backend.ops.rmsnorm_residual(x, residual, norm_weight, eps, norm_offset)
+        return swiglu_mlp(backend, weights, normed, batch), summed
     return backend.ops.rmsnorm_mlp(x, residual, norm_weight, eps, norm_offset, weights.gate_up, weights.down,
                                    weights.gate_up_bias, weights.down_bias)

@@ -59,6 +59,38 @@ def rmsnorm_mlp(x, residual, norm_weight, eps, offset, gate_up, down, gate_up_bi
     return linear(linear_silu(normed, gate_up, gate_up_bias), down, down_bias), summed
 
 
+def lora_linear(y, x, a, b, splits, slots):
+    # Rows grouped by slot: one product per adapter present (the GPU kernel takes every row at once).
+    x = to_float32(x)
+    a, b = to_float32(a), to_float32(b)
+    rank = b.shape[2]
+    for slot in np.unique(slots):
+        if slot == 0:
+            continue
+        rows = np.nonzero(slots == slot)[0]
+        shrunk = x[rows] @ a[slot].T
+        for group in range(len(splits) - 1):
+            lo, hi = int(splits[group]), int(splits[group + 1])
+            y[rows, lo:hi] += shrunk[:, group * rank : (group + 1) * rank] @ b[slot, lo:hi].T
+    return y
+
+
+def lora_token_rows(x, ids, slots, tokens, rows):
+    for row in np.nonzero(slots)[0]:
+        match = np.nonzero(tokens[slots[row]] == ids[row])[0]
+        if match.size:
+            x[row] = rows[slots[row], match[0]]
+    return x
+
+
+def lora_logit_rows(logits, h, slots, tokens, rows):
+    h = to_float32(h)
+    for row in np.nonzero(slots)[0]:
+        replaced = tokens[slots[row]] >= 0
+        logits[row, tokens[slots[row]][replaced]] = rows[slots[row]][replaced] @ h[row]
+    return logits
+
+
 def to_bf16(x):
     # On the CPU a matrix-product input stays float32.
     return np.array(x, dtype=np.float32)
@@ -268,6 +300,48 @@ def _feed_tokens_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
         examples.append({"token_ids": rng.integers(1, 1000, size=rows).astype(np.int32), "source": source,
                          "rows": rng.permutation(rows)[:fed].astype(np.int32),
                          "indices": rng.integers(0, 7, size=fed).astype(np.int32)})
+    return examples
+
+
+def _lora_slots(rng: np.random.Generator, rows: int, slots: int) -> np.ndarray:
+    return rng.integers(0, slots + 1, size=rows).astype(np.int32)
+
+
+def _lora_linear_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    examples = []
+    for rows, inner, outs, rank, slots in ((1, 64, (48,), 8, 1), (7, 96, (64, 32, 32), 16, 3), (33, 128, (80, 80), 4, 4)):
+        splits = np.concatenate([[0], np.cumsum(outs)]).astype(np.int32)
+        a = _rows(rng, slots + 1, len(outs) * rank, inner, scale=0.2)
+        b = _rows(rng, slots + 1, int(splits[-1]), rank, scale=0.2)
+        a[0], b[0] = 0.0, 0.0
+        examples.append({"y": _rows(rng, rows, int(splits[-1])), "x": _rows(rng, rows, inner), "a": a, "b": b,
+                         "splits": splits, "slots": _lora_slots(rng, rows, slots)})
+    return examples
+
+
+def _token_table(rng: np.random.Generator, slots: int, width: int, vocab: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.full((slots + 1, width), -1, np.int32)
+    for slot in range(1, slots + 1):
+        count = int(rng.integers(1, width + 1))
+        tokens[slot, :count] = rng.choice(vocab, size=count, replace=False)
+    return tokens, _rows(rng, slots + 1, width, hidden)
+
+
+def _lora_token_rows_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    examples = []
+    for rows, slots in ((1, 1), (12, 3)):
+        tokens, table = _token_table(rng, slots, 4, 16, 64)
+        examples.append({"x": _rows(rng, rows, 64), "ids": rng.integers(0, 16, size=rows).astype(np.int32),
+                         "slots": _lora_slots(rng, rows, slots), "tokens": tokens, "rows": table})
+    return examples
+
+
+def _lora_logit_rows_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    examples = []
+    for rows, slots in ((1, 1), (9, 3)):
+        tokens, table = _token_table(rng, slots, 5, 40, 64)
+        examples.append({"logits": _rows(rng, rows, 40), "h": _rows(rng, rows, 64),
+                         "slots": _lora_slots(rng, rows, slots), "tokens": tokens, "rows": table})
     return examples
 
 
@@ -570,6 +644,26 @@ def _declarations() -> list[tuple[Op, str]]:
             (P("out", "[N, nh, r + d_r]", "activation"),), latent_query, examples=_latent_query_examples,
             cuda_tolerance=1e-5),
          "attention_latent"),
+        (Op("lora_linear", "Each row's LoRA update added to a projection's output (in place, returned): for a row of "
+            "adapter slot ``s = slots[i]`` (0: the base model, no update) and each projection ``g`` of a fused weight, "
+            "``y[i, splits[g]:splits[g + 1]] += (x[i] a[s]^T)[g R : (g + 1) R] b[s, splits[g]:splits[g + 1]]^T`` "
+            "(:class:`~metrale.lora.LoraStack`; the scale is folded into ``b``).",
+            (P("y", "[N, out]", "activation"), P("x", "[N, in]", "matmul_input"), P("a", "[S, G R, in]", "weight"),
+             P("b", "[S, out, R]", "weight"), P("splits", "[G + 1]", "index"), P("slots", "[N]", "index")),
+            (P("y", "[N, out]", "activation"),), lora_linear, examples=_lora_linear_examples),
+         "lora"),
+        (Op("lora_token_rows", "Embedding rows an adapter replaces (in place, returned): ``x[i] = rows[s, k]`` where "
+            "``tokens[s, k] == ids[i]`` for the row's adapter slot ``s = slots[i]`` (0: none); -1 pads ``tokens``.",
+            (P("x", "[N, H]", "activation"), P("ids", "[N]", "index"), P("slots", "[N]", "index"),
+             P("tokens", "[S, T]", "index"), P("rows", "[S, T, H]", "activation")),
+            (P("x", "[N, H]", "activation"),), lora_token_rows, examples=_lora_token_rows_examples, cuda_tolerance=1e-6),
+         "lora"),
+        (Op("lora_logit_rows", "LM-head rows an adapter replaces (in place, returned): ``logits[i, tokens[s, k]] = "
+            "rows[s, k] . h[i]`` for the row's adapter slot ``s = slots[i]`` (0: none) and every ``tokens[s, k] >= 0``.",
+            (P("logits", "[N, V]", "activation"), P("h", "[N, H]", "matmul_input"), P("slots", "[N]", "index"),
+             P("tokens", "[S, T]", "index"), P("rows", "[S, T, H]", "activation")),
+            (P("logits", "[N, V]", "activation"),), lora_logit_rows, examples=_lora_logit_rows_examples),
+         "lora"),
         (Op("sigmoid_gate", "``x * sigmoid(gate)``.",
             (P("x", "[N, W]", "matmul_input"), P("gate", "[N, W]", "activation")),
             (P("y", "[N, W]", "matmul_input"),), sigmoid_gate, examples=_sigmoid_gate_examples),

@@ -28,6 +28,7 @@ from metrale.kernels import (
     gdn_decode,
     gemv,
     layernorm,
+    lora,
     moe,
     moe_decode,
     moe_grouped,
@@ -465,6 +466,20 @@ class CudaKernels:
 
     def feed_tokens(self, token_ids: Any, source: Any, rows: Any, indices: Any) -> Any:
         return token_feed.feed_tokens(token_ids, source, rows, indices, self.stream)
+
+    def lora_linear(self, y: Any, x: Any, a: Any, b: Any, splits: Any, slots: Any) -> Any:
+        if x.dtype != bf16:
+            x = cp.ascontiguousarray(x, dtype=f32)
+        shrunk = cp.empty((y.shape[0], a.shape[1]), dtype=f32)
+        return lora.lora_linear(y, cp.ascontiguousarray(x), a, b, splits, slots, shrunk, self.stream)
+
+    def lora_token_rows(self, x: Any, ids: Any, slots: Any, tokens: Any, rows: Any) -> Any:
+        return lora.lora_token_rows(x, ids, slots, tokens, rows, self.stream)
+
+    def lora_logit_rows(self, logits: Any, h: Any, slots: Any, tokens: Any, rows: Any) -> Any:
+        if h.dtype != bf16:
+            h = cp.ascontiguousarray(h, dtype=f32)
+        return lora.lora_logit_rows(logits, cp.ascontiguousarray(h), slots, tokens, rows, self.stream)
 
     def gated_add(self, x: Any, y: Any, gate: Any) -> Any:
         out = cp.empty(x.shape, dtype=f32)

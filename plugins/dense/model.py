@@ -11,7 +11,9 @@ from metrale.checkpoint import Checkpoint
 from metrale.family import FamilyModel
 from metrale.layers.attention import AttentionGeometry, AttentionWeights, load_attention_weights, normed_attention_block
 from metrale.layers.loading import DecoderEnds
+from metrale.layers.lora import attention_lora, ends_lora, mlp_lora
 from metrale.layers.mlp import MlpWeights, load_mlp_weights, normed_swiglu_mlp
+from metrale.lora import LoraLayout
 from metrale.plugins.dense.config import DenseConfig
 
 # Buffers older exports saved beside the weights; they are recomputed, never read.
@@ -46,7 +48,7 @@ class DenseLayer:
         """``(mlp output, residual)`` of this layer; the residual add is fused into the next norm."""
         x, residual = normed_attention_block(backend, self.geometry, self.attention, cache_layer, x, residual,
                                              self.input_norm, eps, batch)
-        return normed_swiglu_mlp(backend, self.mlp, x, residual, self.post_norm, eps)
+        return normed_swiglu_mlp(backend, self.mlp, x, residual, self.post_norm, eps, batch=batch)
 
 
 class DenseModel(FamilyModel):
@@ -81,6 +83,16 @@ class DenseModel(FamilyModel):
     def cache_spec(self) -> CacheSpec:
         c = self.config
         return CacheSpec(tuple(PagedKVSpec(c.num_kv_heads, c.head_dim, sliding_window=w) for w in c.layer_windows))
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoraLayout:
+        c, limits = self.config, {"max_loras": max_loras, "max_lora_rank": max_lora_rank}
+        stacks = [
+            (index, stack)
+            for index, layer in enumerate(self.layers)
+            for stack in (attention_lora(self.backend, layer.attention, layer.geometry, limits)
+                          + mlp_lora(self.backend, layer.mlp, c.hidden_size, c.intermediate_size, limits))
+        ]
+        return LoraLayout(stacks, ends_lora(self.backend, self.ends, c.hidden_size, max_loras))
 
     def forward_batch(self, batch: ForwardBatch) -> Any:
         eps = self.config.rms_norm_eps

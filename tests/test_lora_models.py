@@ -1,0 +1,136 @@
+"""LoRA served end to end on the CPU against PEFT (``PeftModel`` on the transformers model):
+every dense variant with adapters on all seven projections (rank and alpha patterns, rsLoRA),
+trainable-token adapters on the embedding and the LM head, several adapters and the base model in
+one batch (each row its solo result), slots reused across more adapters than slots, refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from metrale import LLM, LoRARequest, SamplingParams
+from metrale.errors import AdapterError, ConfigError
+from metrale.testing.conformance import max_relative_error
+
+PROMPT = [5, 17, 99, 3, 42, 8, 61, 23, 77, 14, 2, 90]
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(checkpoint, folder, seed, **lora):
+    """A PEFT adapter of ``lora`` (LoraConfig fields) on the model at ``checkpoint``, its weights
+    seeded noise, saved to ``folder``; returns the PeftModel."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(**lora))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in peft.named_parameters():
+            if "lora_" in name or "trainable_tokens" in name:
+                parameter.copy_(0.2 * torch.randn(parameter.shape, generator=generator))
+    peft.save_pretrained(folder)
+    return peft.eval()
+
+
+def peft_logits(peft, tokens):
+    import torch
+
+    with torch.no_grad():
+        return peft(torch.tensor([tokens])).logits[0].numpy()
+
+
+def lora_llm(checkpoint, **options):
+    return LLM(str(checkpoint), device="cpu", enable_lora=True, show_progress=False,
+               **{"max_lora_rank": 16, "max_loras": 2, **options})
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_logits_equal_peft_s_for_every_dense_variant(dense_checkpoint, tmp_path, rslora):
+    peft = make_adapter(dense_checkpoint, tmp_path / "a", 1, r=8, lora_alpha=16, target_modules=ALL_PROJECTIONS,
+                        use_rslora=rslora, rank_pattern={"v_proj": 4, "down_proj": 12}, alpha_pattern={"o_proj": 5})
+    with lora_llm(dense_checkpoint) as llm:
+        got = llm.score(PROMPT, lora_request=LoRARequest("a", 1, tmp_path / "a"))
+        base = llm.score(PROMPT)
+    expected = peft_logits(peft, PROMPT)
+    assert max_relative_error(got, expected) <= 1e-4
+    assert max_relative_error(base, expected) > 1e-2  # the adapter changes the logits
+
+
+def test_trainable_token_rows_equal_peft_s(dense_checkpoints, tmp_path):
+    checkpoint = dense_checkpoints["llama"]
+    peft = make_adapter(checkpoint, tmp_path / "t", 2, r=4, lora_alpha=8, target_modules=["q_proj"],
+                        trainable_token_indices={"embed_tokens": [5, 42, 100], "lm_head": [3, 17, 99]})
+    with lora_llm(checkpoint) as llm:
+        got = llm.score(PROMPT, lora_request=LoRARequest("t", 1, tmp_path / "t"))
+    expected = peft_logits(peft, PROMPT)
+    assert max_relative_error(got, expected) <= 1e-4
+
+
+def test_a_mixed_batch_gives_each_row_its_solo_result(dense_checkpoints, tmp_path):
+    checkpoint = dense_checkpoints["qwen3"]
+    requests = []
+    for index, lora in enumerate([dict(r=8, lora_alpha=16, target_modules=ALL_PROJECTIONS),
+                                  dict(r=4, lora_alpha=4, target_modules=["q_proj", "down_proj"], use_rslora=True),
+                                  dict(r=2, lora_alpha=8, target_modules=["v_proj"],
+                                       trainable_token_indices={"embed_tokens": [5, 17, 61]})]):
+        make_adapter(checkpoint, tmp_path / f"a{index}", 10 + index, **lora)
+        requests.append(LoRARequest(f"a{index}", index + 1, tmp_path / f"a{index}"))
+    prompts = [PROMPT, PROMPT[3:], PROMPT[:7], PROMPT[1:], PROMPT]
+    adapters = [requests[0], requests[1], None, requests[2], requests[1]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+    with lora_llm(checkpoint, max_loras=3, enable_prefix_caching=False) as llm:
+        together = llm.generate(prompts, params, lora_request=adapters)
+        alone = [llm.generate([prompt], params, lora_request=[adapter])[0] for prompt, adapter in zip(prompts, adapters)]
+    outputs = [o.outputs[0].token_ids for o in together]
+    assert outputs == [o.outputs[0].token_ids for o in alone]
+    assert len({tuple(t) for t in outputs[:2]}) == 2  # adapters change the continuation
+    for mixed, solo in zip(together, alone):
+        for a, b in zip(mixed.outputs[0].logprobs, solo.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) <= 1e-4 for t in a)
+
+
+def test_more_adapters_than_slots_take_turns(dense_checkpoints, tmp_path):
+    checkpoint = dense_checkpoints["llama"]
+    requests = []
+    for index in range(3):
+        make_adapter(checkpoint, tmp_path / f"a{index}", 20 + index, r=4, lora_alpha=8, target_modules=ALL_PROJECTIONS)
+        requests.append(LoRARequest(f"a{index}", index + 1, tmp_path / f"a{index}"))
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    with lora_llm(checkpoint, max_loras=1) as llm:
+        solo = [llm.generate([PROMPT], params, lora_request=r)[0].outputs[0].token_ids for r in requests]
+        together = llm.generate([PROMPT] * 3, params, lora_request=requests)
+        assert [o.outputs[0].token_ids for o in together] == solo
+        assert llm.engine.check() == []
+        assert llm.lora.holders(1) == 0
+
+
+def test_prefix_cache_blocks_are_not_shared_across_adapters(dense_checkpoints, tmp_path):
+    checkpoint = dense_checkpoints["llama"]
+    make_adapter(checkpoint, tmp_path / "a", 3, r=4, lora_alpha=8, target_modules=ALL_PROJECTIONS)
+    adapter = LoRARequest("a", 1, tmp_path / "a")
+    prompt = list(range(1, 40))
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    with lora_llm(checkpoint, block_size=16) as llm:
+        llm.generate([prompt], params)
+        with_adapter = llm.generate([prompt], params, lora_request=adapter)[0]
+        again = llm.generate([prompt], params, lora_request=adapter)[0]
+    assert with_adapter.num_cached_tokens == 0  # the base model's blocks are not the adapter's
+    assert again.num_cached_tokens == 32
+
+
+def test_refusals(dense_checkpoints, tmp_path):
+    checkpoint = dense_checkpoints["llama"]
+    make_adapter(checkpoint, tmp_path / "a", 4, r=32, lora_alpha=8, target_modules=["q_proj"])
+    with pytest.raises(ConfigError, match="enable_lora"):
+        with LLM(str(checkpoint), device="cpu", show_progress=False) as llm:
+            llm.generate([PROMPT], lora_request=LoRARequest("a", 1, tmp_path / "a"))
+    with lora_llm(checkpoint) as llm:
+        with pytest.raises(AdapterError, match="rank 32 is above max_lora_rank=16"):
+            llm.generate([PROMPT], lora_request=LoRARequest("a", 1, tmp_path / "a"))
+        make_adapter(checkpoint, tmp_path / "b", 5, r=4, lora_alpha=8, target_modules=["q_proj"])
+        llm.generate([PROMPT], SamplingParams(max_tokens=1), lora_request=LoRARequest("b", 2, tmp_path / "b"))
+        with pytest.raises(AdapterError, match="lora_int_id 2 already names adapter 'b'"):
+            llm.generate([PROMPT], lora_request=LoRARequest("c", 2, tmp_path / "a"))
+        assert llm.engine.check() == [] and llm.lora.holders(1) == 0 and llm.lora.holders(2) == 0
