@@ -5,32 +5,20 @@ one batch (each row its solo result), slots reused across more adapters than slo
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from metrale import LLM, LoRARequest, SamplingParams
 from metrale.errors import AdapterError, ConfigError
 from metrale.testing.conformance import max_relative_error
+from metrale.testing.hf import build_peft_adapter
 
 PROMPT = [5, 17, 99, 3, 42, 8, 61, 23, 77, 14, 2, 90]
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def make_adapter(checkpoint, folder, seed, **lora):
-    """A PEFT adapter of ``lora`` (LoraConfig fields) on the model at ``checkpoint``, its weights
-    seeded noise, saved to ``folder``; returns the PeftModel."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    peft = get_peft_model(model, LoraConfig(**lora))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in peft.named_parameters():
-            if "lora_" in name or "trainable_tokens" in name:
-                parameter.copy_(0.2 * torch.randn(parameter.shape, generator=generator))
-    peft.save_pretrained(folder)
-    return peft.eval()
+    return build_peft_adapter(checkpoint, folder, seed=seed, **lora)
 
 
 def peft_logits(peft, tokens):
@@ -134,3 +122,39 @@ def test_refusals(dense_checkpoints, tmp_path):
         with pytest.raises(AdapterError, match="lora_int_id 2 already names adapter 'b'"):
             llm.generate([PROMPT], lora_request=LoRARequest("c", 2, tmp_path / "a"))
         assert llm.engine.check() == [] and llm.lora.holders(1) == 0 and llm.lora.holders(2) == 0
+
+
+def test_a_decode_step_packed_as_its_graph_reads_it_equals_the_eager_step(dense_checkpoints, tmp_path):
+    """The adapters' decode graph reads every row's adapter slot from the rung's packed metadata
+    (metrale/runner/graphs.py); on the CPU backend, the same packing gives the eager logits."""
+    from metrale.batch import ForwardBatch, Segment
+    from metrale.runner.graphs import CudaGraphRunner, Rung, decode_buffer_length, decode_rung_batch, pack_decode
+    from metrale.sequence import SequenceState
+
+    checkpoint = dense_checkpoints["llama"]
+    requests = []
+    for index in range(2):
+        make_adapter(checkpoint, tmp_path / f"a{index}", 30 + index, r=4, lora_alpha=8, target_modules=ALL_PROJECTIONS,
+                     trainable_token_indices={"embed_tokens": [61], "lm_head": [5]})
+        requests.append(LoRARequest(f"a{index}", index + 1, tmp_path / f"a{index}"))
+    with lora_llm(checkpoint, block_size=4, max_model_len=128) as llm:
+        model = llm.model
+        seqs = []
+        for prompt, adapter in zip((PROMPT, PROMPT[2:], PROMPT[5:]), (requests[0], None, requests[1])):
+            seq = SequenceState.from_prompt(prompt)
+            seq.adapter_slot = None if adapter is None else llm.lora.acquire(adapter)
+            llm.forward.prefill(seq.tokens, seq)
+            llm.cache.reserve(seq, seq.num_cached + 1)
+            seqs.append(seq)
+        batch = ForwardBatch.build([Segment(s, [61], s.num_cached, "last") for s in seqs], 4)
+        eager = np.asarray(model.forward_batch(llm.backend.prepare_batch(batch)))
+        runner = CudaGraphRunner(model, llm.backend)
+        size, bucket = runner.rung_size(batch.num_rows), runner.context_bucket(batch.max_context)
+        host = np.zeros(decode_buffer_length(size, runner.max_blocks), dtype=np.int32)
+        pack_decode(host, size, runner.table_width(bucket), batch)
+        rung = Rung(size, host, host, decode_rung_batch(host, size, runner.max_blocks, model.max_model_len))
+        replayed = np.asarray(model.forward_batch(rung.bucket_batch(bucket, runner.table_width(bucket), lora=True)))
+        base_path = np.asarray(model.forward_batch(rung.bucket_batch(bucket, runner.table_width(bucket))))
+    np.testing.assert_allclose(replayed[:3], eager, rtol=1e-5, atol=1e-5)
+    assert max_relative_error(base_path[0], eager[0]) > 1e-2  # the base model's graph would be wrong here
+    np.testing.assert_allclose(base_path[1], eager[1], rtol=1e-5, atol=1e-5)

@@ -96,7 +96,7 @@ def profiled_step(args: argparse.Namespace) -> None:
         llm.forward.decode_batch([1] * args.batch, seqs)
     llm.backend.synchronize()
     runner = llm.model.runner.graphs
-    graph = runner.rungs[runner.rung_size(args.batch)].graphs[runner.context_bucket(args.context + 1)]
+    graph = runner.rungs[runner.rung_size(args.batch)].graphs[(runner.context_bucket(args.context + 1), False)]
     stream = llm.backend.stream
     cupy.cuda.profiler.start()
     graph.launch(stream=stream)

@@ -86,7 +86,7 @@ def main() -> None:
     replay = None  # (models not captured into graphs: none)
     if runner is not None:
         rung = runner.rungs[runner.rung_size(args.batch)]
-        graph = rung.graphs[runner.context_bucket(args.context + 1)]
+        graph = rung.graphs[(runner.context_bucket(args.context + 1), False)]
         replay = cuda_event_time(lambda: graph.launch(stream=stream), stream, warmup=0, repeats=30)
 
     # The host gap between consecutive replays while the engine generates (overlap scheduling

@@ -45,6 +45,7 @@ import numpy as np
 
 from metrale.batch import ForwardBatch
 from metrale.errors import GraphCaptureError
+from metrale.sequence import MIXED_ADAPTERS
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,9 @@ MIXED_PROMPT_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 #: The smallest live-context bucket of the decode graphs; each next one is four times larger.
 CONTEXT_BUCKET_START = 512
 
-# Field order of the packed int32 metadata: six [B] vectors, then the pending tokens' feed (its
+# Field order of the packed int32 metadata: seven [B] vectors, then the pending tokens' feed (its
 # rows and its indices, [B] each), then the [B, width] table.
-_VECTORS = ("token_ids", "positions", "slot_mapping", "seq_index", "logits_rows", "state_slots")
+_VECTORS = ("token_ids", "positions", "slot_mapping", "seq_index", "logits_rows", "state_slots", "adapter_slots")
 _FEED_VECTORS = 2
 _TABLE_START = len(_VECTORS) + _FEED_VECTORS  # in [B] vectors
 
@@ -84,10 +85,10 @@ def table_width(bucket: int, block_size: int, max_blocks: int) -> int:
 
 
 def decode_buffer_length(size: int, width: int) -> int:
-    """int32 values of a rung's packed metadata for tables ``width`` wide: six ``[size]`` vectors
-    (token ids, positions, cache slots, sequence index, logits rows, state slots), two more (the
-    rows and indices of the pending tokens fed in, :func:`pack_decode`), then the ``[size,
-    width]`` block table."""
+    """int32 values of a rung's packed metadata for tables ``width`` wide: seven ``[size]`` vectors
+    (token ids, positions, cache slots, sequence index, logits rows, state slots, adapter slots),
+    two more (the rows and indices of the pending tokens fed in, :func:`pack_decode`), then the
+    ``[size, width]`` block table."""
     return _TABLE_START * size + size * width
 
 
@@ -96,9 +97,9 @@ def pack_decode(host: np.ndarray, size: int, width: int, batch: ForwardBatch | N
     """Write the padded metadata of a decode ``batch`` (or of padding rows only, for None) into
     the start of ``host`` as :func:`decode_buffer_length` lays it out for tables ``width`` wide;
     returns the values written. Each row its own table row and logits row; padding rows decode
-    token 0 at position 0 into slot 0 of the dummy block 0, with state slot 0. ``feed``, the rows
-    and the indices of one sampler call's pending tokens (at most ``size`` each), goes to the two
-    vectors after the six."""
+    token 0 at position 0 into slot 0 of the dummy block 0, with state slot 0 and adapter slot 0
+    (the base model). ``feed``, the rows and the indices of one sampler call's pending tokens (at
+    most ``size`` each), goes to the two vectors after the seven."""
     used = decode_buffer_length(size, width)
     packed = host[:used]
     packed[:] = 0
@@ -112,6 +113,8 @@ def pack_decode(host: np.ndarray, size: int, width: int, batch: ForwardBatch | N
         packed[2 * size : 2 * size + rows] = batch.slot_mapping
         if batch.state_slots is not None:
             packed[5 * size : 5 * size + rows] = batch.state_slots  # padding rows: the dummy slot 0
+        if batch.adapter_slots is not None:
+            packed[6 * size : 6 * size + rows] = batch.adapter_slots
         table = packed[_TABLE_START * size :].reshape(size, width)
         # (A step's sequences hold no more blocks than its bucket's tokens fill; the columns past
         # ``width`` are never read by the bucket's graph.)
@@ -136,14 +139,15 @@ def as_decode_rows(batch: ForwardBatch) -> ForwardBatch:
         segments=batch.segments, token_ids=batch.token_ids, positions=batch.positions, seq_index=rows,
         slot_mapping=batch.slot_mapping, block_tables=batch.block_tables[batch.seq_index],
         row_starts=np.arange(batch.num_rows + 1, dtype=np.int64), logits_rows=rows, max_context=batch.max_context,
-        state_slots=None, every_row_logits=True,
+        state_slots=None, every_row_logits=True, adapter_slots=batch.adapter_slots, adapter_route=batch.adapter_route,
     )
 
 
 def decode_rung_batch(buffer: Any, size: int, max_blocks: int, max_model_len: int) -> ForwardBatch:
     """The batch a decode rung of ``size`` rows records its graphs over: views of ``buffer``, its
     metadata as :func:`pack_decode` lays it out (the table ``max_blocks`` wide; a graph of a
-    context bucket reads a narrower one, :meth:`Rung.bucket_batch`)."""
+    context bucket reads a narrower one, :meth:`Rung.bucket_batch`). Its adapter slots are None:
+    the base model's graphs (:meth:`Rung.bucket_batch` gives the adapters' graphs theirs)."""
     views = {name: buffer[i * size : (i + 1) * size] for i, name in enumerate(_VECTORS)}
     return ForwardBatch(
         segments=[], token_ids=views["token_ids"], positions=views["positions"], seq_index=views["seq_index"],
@@ -166,23 +170,30 @@ def context_buckets(max_model_len: int) -> tuple[int, ...]:
 
 @dataclass
 class Rung:
-    """Static buffers of one padded batch size and its captured graphs, one per context bucket."""
+    """Static buffers of one padded batch size and its captured graphs, one per context bucket and
+    adapter path (``(bucket, lora)``: the base model's steps, and steps with adapter rows, whose
+    graphs read every row's adapter slot)."""
 
     size: int
-    host: Any  # pinned int32 [6 B + B * max_blocks]
+    host: Any  # pinned int32 [9 B + B * max_blocks]
     device: Any  # device int32, same layout
     batch: ForwardBatch  # over ``device``; its max_context is max_model_len
-    graphs: dict[int, Any] = field(default_factory=dict)  # by context bucket
-    outputs: dict[int, Any] = field(default_factory=dict)  # the logits buffer of each graph
-    step_outputs: dict[int, dict[str, Any]] = field(default_factory=dict)  # the model's, each graph's
+    graphs: dict[tuple[int, bool], Any] = field(default_factory=dict)  # by (context bucket, lora)
+    outputs: dict[tuple[int, bool], Any] = field(default_factory=dict)  # the logits buffer of each graph
+    step_outputs: dict[tuple[int, bool], dict[str, Any]] = field(default_factory=dict)  # the model's, each graph's
     uploaded: Any = None  # event recorded after the last host-to-device copy of ``host``
 
-    def bucket_batch(self, bucket: int, width: int) -> ForwardBatch:
+    def bucket_batch(self, bucket: int, width: int, lora: bool = False) -> ForwardBatch:
         """The rung's batch as a graph of ``bucket`` records it: the same device buffers, the block
-        table ``width`` columns wide (:func:`table_width`) at the start of the table's space."""
+        table ``width`` columns wide (:func:`table_width`) at the start of the table's space; with
+        ``lora``, every row's adapter slot (the mixed route: the kernels read each row's)."""
         start = _TABLE_START * self.size
         table = self.device[start : start + self.size * width].reshape(self.size, width)
-        return dataclasses.replace(self.batch, max_context=bucket, block_tables=table, extras={})
+        adapters = {}
+        if lora:
+            slots = _VECTORS.index("adapter_slots") * self.size
+            adapters = {"adapter_slots": self.device[slots : slots + self.size], "adapter_route": MIXED_ADAPTERS}
+        return dataclasses.replace(self.batch, max_context=bucket, block_tables=table, extras={}, **adapters)
 
 
 @dataclass
@@ -335,8 +346,8 @@ class CudaGraphRunner:
         """The padded (decode rows, prompt rows) of a mixed step these graphs replay, or None:
         one or more one-token segments with their logits, then one prompt chunk of more than one
         row whose logits are its last row's or none, each within the largest rung and bucket."""
-        if self.disabled is not None or self.mixed_disabled is not None:
-            return None
+        if self.disabled is not None or self.mixed_disabled is not None or batch.adapter_slots is not None:
+            return None  # (steps with adapter rows run the mixed shape eagerly)
         segments = batch.segments
         decode = len(segments) - 1
         if not 0 < decode <= MIXED_DECODE_RUNGS[-1] or segments[-1].logits == "all":
@@ -470,12 +481,13 @@ class CudaGraphRunner:
                                          rung.device[start + rung.size : start + rung.size + count])
         elif feed is not None:
             feed(rung.batch.token_ids)
-        if bucket not in rung.graphs:
-            logits = self._record_decode(rung, bucket)
+        key = (bucket, batch.adapter_slots is not None)
+        if key not in rung.graphs:
+            logits = self._record_decode(rung, *key)
         else:
-            self._launch(rung.graphs[bucket], rung.size)
-            logits = rung.outputs[bucket]
-            self.model.step_outputs = rung.step_outputs[bucket]
+            self._launch(rung.graphs[key], rung.size)
+            logits = rung.outputs[key]
+            self.model.step_outputs = rung.step_outputs[key]
         # A copy the next replay cannot overwrite (a raw device copy: an elementwise CuPy copy
         # costs several times more host time).
         rows = logits[: batch.num_rows]
@@ -499,23 +511,26 @@ class CudaGraphRunner:
         self.replay_events.append((start, end, rows))
 
     def capture(self, sizes: tuple[int, ...] = DECODE_RUNGS) -> None:
-        """Record the graphs of ``sizes`` (every context bucket of each) ahead of time, on padding
-        rows only."""
+        """Record the graphs of ``sizes`` (every context bucket of each, and for a model that serves
+        LoRA the adapters' graphs too) ahead of time, on padding rows only."""
+        paths = (False, True) if getattr(self.model, "lora_layout", None) is not None else (False,)
         for size in sizes:
             rung = self._rung(self.rung_size(size))
             for bucket in self.buckets:
-                if self.disabled is not None:
-                    return
-                if bucket not in rung.graphs:
-                    self._fill(rung, None, bucket)
-                    self._record_decode(rung, bucket)
+                for lora in paths:
+                    if self.disabled is not None:
+                        return
+                    if (bucket, lora) not in rung.graphs:
+                        self._fill(rung, None, bucket)
+                        self._record_decode(rung, bucket, lora)
 
-    def _record_decode(self, rung: Rung, bucket: int) -> Any:
-        """Record ``rung``'s graph of ``bucket`` (unless graphs are turned off meanwhile); the
-        eager run's logits."""
-        graph, output, eager, outputs = self._record(rung.bucket_batch(bucket, self.table_width(bucket)))
+    def _record_decode(self, rung: Rung, bucket: int, lora: bool = False) -> Any:
+        """Record ``rung``'s graph of ``bucket`` (the adapters' with ``lora``), unless graphs are
+        turned off meanwhile; the eager run's logits."""
+        graph, output, eager, outputs = self._record(rung.bucket_batch(bucket, self.table_width(bucket), lora))
         if graph is not None:
-            rung.graphs[bucket], rung.outputs[bucket], rung.step_outputs[bucket] = graph, output, outputs
+            key = (bucket, lora)
+            rung.graphs[key], rung.outputs[key], rung.step_outputs[key] = graph, output, outputs
         return eager
 
     def _record(self, batch: ForwardBatch, mixed: bool = False) -> tuple[Any, Any, Any, dict[str, Any]]:

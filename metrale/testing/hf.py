@@ -162,3 +162,23 @@ class TransformersConformance(FamilyConformance):
 
     def reference_logits(self, checkpoint: Path, token_ids: list[int]) -> np.ndarray:
         return hf_reference_logits(checkpoint, token_ids)
+
+
+def build_peft_adapter(checkpoint: str | Path, folder: str | Path, *, seed: int = 0, scale: float = 0.2,
+                       **lora: Any) -> Any:
+    """A PEFT LoRA adapter (``lora``: ``peft.LoraConfig`` fields) on the transformers model at
+    ``checkpoint``, its LoRA and trainable-token weights ``scale`` times seeded noise (PEFT starts
+    ``lora_B`` at zero), saved to ``folder``; returns the ``PeftModel`` (float32, eval mode)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(**lora))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in peft.named_parameters():
+            if "lora_" in name or "trainable_tokens" in name:
+                parameter.copy_(scale * torch.randn(parameter.shape, generator=generator))
+    peft.save_pretrained(str(folder))
+    return peft.eval()
