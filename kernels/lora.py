@@ -1,10 +1,11 @@
 """LoRA on the GPU: every row's adapter update in one launch per step of the product, whatever
 the mix of adapters in the batch (docs/lora.rst).
 
-* :func:`lora_shrink_kernel` -- ``shrunk[i] = x[i] a[s_i]^T`` (``[N, G R]`` float32), one block
-  per (row, rank row), the row's adapter slot read on the device;
-* :func:`lora_expand_kernel` -- ``y[i, o] += shrunk[i, g R : (g + 1) R] . b[s_i, o]`` for output
-  row ``o`` of projection ``g``;
+* the shrink is one cuBLAS product of the rows with every slot's ``A`` at once (``[N, S G R]``:
+  a few megabytes of adapter weights, read once, where a per-row gather reads its slot's ``A``
+  once per row);
+* :func:`lora_expand_kernel` -- ``y[i, o] += shrunk[i, slot s_i's g R : (g + 1) R] . b[s_i, o]``
+  for output column ``o`` of projection ``g``, a thread per column over a tile of rows;
 * :func:`lora_token_rows_kernel` -- embedding rows an adapter replaces;
 * :func:`lora_logit_rows_kernel` -- LM-head rows an adapter replaces, a dot product each.
 
@@ -30,48 +31,35 @@ from metrale.kernels._device import (
 
 LORA_THREADS = 32 if SIMULATED else 128
 EXPAND_THREADS = 32 if SIMULATED else 128
-
-
-@jit_kernel
-def lora_shrink_kernel(x, x_bf16, a, slots, shrunk):
-    # Grid: (N rows, G R rank rows), LORA_THREADS threads. x [N, in] f32 or bf16 bits (x_bf16);
-    # a [S, G R, in] bf16 bits; slots [N] int32; shrunk [N, G R] f32.
-    row = cuda.blockIdx.x
-    rank_row = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    slot = slots[row]
-    if slot == 0:
-        if tid == 0:
-            shrunk[row, rank_row] = float32(0.0)
-        return
-    partial = cuda.shared.array(LORA_THREADS, float32)
-    acc = float32(0.0)
-    for k in range(tid, x.shape[1], LORA_THREADS):
-        value = bf16_to_float(x[row, k]) if x_bf16 else float32(x[row, k])
-        acc += value * bf16_to_float(a[slot, rank_row, k])
-    total = block_sum(partial, tid, acc, LORA_THREADS)
-    if tid == 0:
-        shrunk[row, rank_row] = total
+EXPAND_ROWS = 4 if SIMULATED else 32
 
 
 @jit_kernel
 def lora_expand_kernel(y, shrunk, b, splits, slots):
-    # Grid: (N rows, ceil(out / EXPAND_THREADS)). y [N, out] f32 (updated); shrunk [N, G R] f32;
-    # b [S, out, R] bf16 bits; splits [G + 1] int32; slots [N] int32.
-    row = cuda.blockIdx.x
-    column = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
-    slot = slots[row]
-    if slot == 0 or column >= y.shape[1]:
+    # Grid: (ceil(out / EXPAND_THREADS), ceil(N / EXPAND_ROWS)); a thread per output column, for
+    # EXPAND_ROWS rows. y [N, out] f32 (updated); shrunk [N, S G R] f32 (slot s's G R columns start
+    # at (s - 1) G R); b [S + 1, out, R] bf16 bits; splits [G + 1] int32; slots [N] int32. A
+    # thread reads its column's R values of each slot once from memory (the rows of one slot hit
+    # the cache), the shrunk rows are the same for every thread of the block.
+    column = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if column >= y.shape[1]:
         return
     group = int32(0)
     while column >= splits[group + 1]:
         group += 1
     rank = b.shape[2]
-    base = group * rank
-    acc = float32(0.0)
-    for r in range(rank):
-        acc += shrunk[row, base + r] * bf16_to_float(b[slot, column, r])
-    y[row, column] += acc
+    groups = splits.shape[0] - 1
+    first = cuda.blockIdx.y * EXPAND_ROWS
+    last = min(first + EXPAND_ROWS, y.shape[0])
+    for row in range(first, last):
+        slot = slots[row]
+        if slot == 0:
+            continue
+        base = ((slot - 1) * groups + group) * rank
+        acc = float32(0.0)
+        for r in range(rank):
+            acc += shrunk[row, base + r] * bf16_to_float(b[slot, column, r])
+        y[row, column] += acc
 
 
 @jit_kernel
@@ -121,27 +109,21 @@ def lora_logit_rows_kernel(logits, h, h_bf16, slots, tokens, rows):
         logits[row, token] = total
 
 
-def lora_linear(y: DeviceArray, x: DeviceArray, a: DeviceArray, b: DeviceArray, splits: DeviceArray,
-                slots: DeviceArray, shrunk: DeviceArray, stream: object = None) -> DeviceArray:
-    """Add each row's LoRA update to ``y [N, out]`` (float32, in place): ``x [N, in]`` (float32 or
-    bf16 bits), ``a [S, G R, in]`` and ``b [S, out, R]`` bf16 bits, ``splits [G + 1]`` and
-    ``slots [N]`` int32, ``shrunk [N, G R]`` float32 scratch."""
+def lora_expand(y: DeviceArray, shrunk: DeviceArray, b: DeviceArray, splits: DeviceArray, slots: DeviceArray,
+                stream: object = None) -> DeviceArray:
+    """Add each row's LoRA update to ``y [N, out]`` (float32, in place) from ``shrunk [N, S G R]``,
+    the rows' products with every slot's ``A`` (slot ``s`` at columns ``(s - 1) G R``), and
+    ``b [S + 1, out, R]`` bf16 bits; ``splits [G + 1]`` and ``slots [N]`` int32."""
     op = "lora_linear"
     check_array(op, "y", y, np.float32, ndim=2)
     rows, width = y.shape
-    if x.dtype not in (np.float32, np.uint16):
-        check_array(op, "x", x, np.float32)
-    check_array(op, "x", x, x.dtype, (rows, None))
-    check_array(op, "a", a, np.uint16, (None, None, x.shape[1]))
-    check_array(op, "b", b, np.uint16, (a.shape[0], width, None))
+    groups = splits.shape[0] - 1
+    check_array(op, "b", b, np.uint16, (None, width, None))
     check_array(op, "splits", splits, np.int32, ndim=1)
     check_array(op, "slots", slots, np.int32, (rows,))
-    check_array(op, "shrunk", shrunk, np.float32, (rows, a.shape[1]))
+    check_array(op, "shrunk", shrunk, np.float32, (rows, (b.shape[0] - 1) * groups * b.shape[2]))
     if rows and width:
-        lora_shrink_kernel[(rows, a.shape[1]), LORA_THREADS, numba_stream(stream)](
-            device_view(x), x.dtype == np.uint16, device_view(a), device_view(slots), device_view(shrunk),
-        )
-        lora_expand_kernel[(rows, -(-width // EXPAND_THREADS)), EXPAND_THREADS, numba_stream(stream)](
+        lora_expand_kernel[(-(-width // EXPAND_THREADS), -(-rows // EXPAND_ROWS)), EXPAND_THREADS, numba_stream(stream)](
             device_view(y), device_view(shrunk), device_view(b), device_view(splits), device_view(slots),
         )
     return y

@@ -468,10 +468,10 @@ class CudaKernels:
         return token_feed.feed_tokens(token_ids, source, rows, indices, self.stream)
 
     def lora_linear(self, y: Any, x: Any, a: Any, b: Any, splits: Any, slots: Any) -> Any:
-        if x.dtype != bf16:
-            x = cp.ascontiguousarray(x, dtype=f32)
-        shrunk = cp.empty((y.shape[0], a.shape[1]), dtype=f32)
-        return lora.lora_linear(y, cp.ascontiguousarray(x), a, b, splits, slots, shrunk, self.stream)
+        # Every slot's A in one product (slot 0, the base model's zeros, left out).
+        count, width, inner = a.shape
+        shrunk = self.linear(x, a[1:].reshape((count - 1) * width, inner))
+        return lora.lora_expand(y, shrunk, b, splits, slots, self.stream)
 
     def lora_token_rows(self, x: Any, ids: Any, slots: Any, tokens: Any, rows: Any) -> Any:
         return lora.lora_token_rows(x, ids, slots, tokens, rows, self.stream)

@@ -1,6 +1,7 @@
 """The LoRA kernels (metrale/kernels/lora.py) against the ops' NumPy references, under numba's
-CUDA simulator: mixed slots with the base model's rows, float32 and bf16 inputs, fused
-projections of several parts, token rows of several adapters."""
+CUDA simulator: the expand after the shrink's product with every slot, mixed slots with the base
+model's rows, float32 and bf16 inputs, fused projections of several parts, more rows than a
+block's tile, token rows of several adapters."""
 
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ def test_lora_linear_matches_the_reference(x_bf16):
     y = rng.standard_normal((rows, 40)).astype(np.float32)
     expected = builtin.lora_linear(y.copy(), bf16_to_float32(x_in) if x_bf16 else x, bf16_to_float32(a),
                                    bf16_to_float32(b), splits, row_slots)
-    got = lora.lora_linear(y.copy(), x_in, a, b, splits, row_slots, np.zeros((rows, 3 * rank), np.float32))
+    flat = bf16_to_float32(a[1:]).reshape(slots * 3 * rank, inner)
+    shrunk = ((bf16_to_float32(x_in) if x_bf16 else x) @ flat.T).astype(np.float32)  # the cuBLAS product
+    got = lora.lora_expand(y.copy(), shrunk, b, splits, row_slots)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got[[0, 5]], y[[0, 5]])  # base-model rows untouched
 
