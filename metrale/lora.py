@@ -264,6 +264,11 @@ class LoraStack:
     rank), ``splits [G + 1]`` the output rows where each projection starts. Slot 0 stays zero: the
     base model. The op ``lora_linear`` adds ``(x a[s]^T)[g R : (g + 1) R] b[s]^T`` to each row's
     output rows of projection ``g``.
+
+    A fused weight may hold a projection's rows in another order, or in two places (Qwen3-Next's
+    ``q_proj``, whose query and gate rows are regrouped): ``row_maps[g]``, when given, lists the
+    rows of the module's ``B`` that part ``g`` takes, and ``module_rows[g]`` the module's own
+    output size; a name may then appear in several parts.
     """
 
     names: tuple[str, ...]
@@ -273,22 +278,26 @@ class LoraStack:
     a: Any
     b: Any
     splits: Any
+    row_maps: tuple[Any, ...] = ()
+    module_rows: tuple[int, ...] = ()
 
     @classmethod
     def allocate(cls, backend: Any, names: tuple[str, ...], out_sizes: tuple[int, ...], in_size: int, *,
-                 max_loras: int, max_lora_rank: int) -> "LoraStack":
+                 max_loras: int, max_lora_rank: int, row_maps: tuple[Any, ...] = (),
+                 module_rows: tuple[int, ...] = ()) -> "LoraStack":
         if len(names) != len(out_sizes) or not names:
             raise ConfigError(f"a LoRA stack needs one output size per projection, got {names} and {out_sizes}")
         dtype, count, rank = _weight_dtype(backend), max_loras + 1, max_lora_rank
         splits = np.concatenate([[0], np.cumsum(out_sizes)]).astype(np.int32)
         return cls(tuple(names), tuple(int(s) for s in out_sizes), int(in_size), rank,
                    backend.zeros((count, len(names) * rank, in_size), dtype),
-                   backend.zeros((count, int(splits[-1]), rank), dtype), backend.xp.asarray(splits))
+                   backend.zeros((count, int(splits[-1]), rank), dtype), backend.xp.asarray(splits),
+                   tuple(row_maps), tuple(module_rows) or tuple(int(s) for s in out_sizes))
 
     @property
     def targets(self) -> dict[str, tuple[int, int]]:
         """``{name: (out, in)}`` of the projections this stack serves."""
-        return {name: (out, self.in_size) for name, out in zip(self.names, self.out_sizes)}
+        return {name: (out, self.in_size) for name, out in zip(self.names, self.module_rows)}
 
     def host_slot(self, modules: list["LoraModule | None"]) -> tuple[np.ndarray, np.ndarray]:
         """One slot's ``(a [G R, in], b [out, R])`` for ``modules`` (one per projection, None
@@ -299,8 +308,9 @@ class LoraStack:
         start = 0
         for index, (module, out) in enumerate(zip(modules, self.out_sizes)):
             if module is not None:
+                rows = module.b if not self.row_maps or self.row_maps[index] is None else module.b[self.row_maps[index]]
                 a[index * rank : index * rank + module.rank] = module.a
-                b[start : start + out, : module.rank] = module.scale * module.b
+                b[start : start + out, : module.rank] = module.scale * rows
             start += out
         return a, b
 

@@ -158,3 +158,108 @@ def test_a_decode_step_packed_as_its_graph_reads_it_equals_the_eager_step(dense_
     np.testing.assert_allclose(replayed[:3], eager, rtol=1e-5, atol=1e-5)
     assert max_relative_error(base_path[0], eager[0]) > 1e-2  # the base model's graph would be wrong here
     np.testing.assert_allclose(base_path[1], eager[1], rtol=1e-5, atol=1e-5)
+
+
+# PEFT (0.21) turns gate_proj / up_proj / down_proj targets of a model with fused experts into LoRA
+# on the experts' parameters (refused below) and drops the dense MLPs' and shared experts': the
+# PEFT adapters here target the attention, and the MLP updates are checked against merged weights.
+MLA_PROJECTIONS = ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]
+GDN_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"]
+
+
+def add_mlp_modules(checkpoint, folder, rank, alpha, seed):
+    """Write an adapter of ``rank`` on every dense MLP and shared expert of ``checkpoint``'s model
+    into ``folder`` (PEFT's names and format), with ``lora_alpha`` ``alpha``."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj"):
+            key = f"base_model.model.{name}"
+            tensors[f"{key}.lora_A.weight"] = 0.2 * torch.randn((rank, module.in_features), generator=generator)
+            tensors[f"{key}.lora_B.weight"] = 0.2 * torch.randn((module.out_features, rank), generator=generator)
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
+                                                            "target_modules": ["gate_proj", "up_proj", "down_proj"]}))
+    assert tensors
+    return model, tensors
+
+
+def merged_logits(model, tensors, scale, tokens):
+    """The logits of ``model`` with ``W + scale B A`` in every module ``tensors`` adapts."""
+    import torch
+
+    with torch.no_grad():
+        for key in [k for k in tensors if k.endswith(".lora_A.weight")]:
+            name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            module = model.get_submodule(name)
+            module.weight += scale * tensors[key.replace("lora_A", "lora_B")] @ tensors[key]
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("family", ["mla", "gdn"])
+def test_mlp_and_shared_expert_updates_equal_the_merged_weights(family_checkpoint_of, tmp_path, family):
+    checkpoint = family_checkpoint_of(family)
+    model, tensors = add_mlp_modules(checkpoint, tmp_path / "a", rank=4, alpha=6, seed=9)
+    shared = "shared_experts" if family == "mla" else "shared_expert"
+    assert any(shared in key for key in tensors) and any(".mlp.gate_proj" in key for key in tensors)
+    with lora_llm(checkpoint) as llm:
+        got = llm.score(PROMPT, lora_request=LoRARequest("a", 1, tmp_path / "a"))
+        base = llm.score(PROMPT)
+    expected = merged_logits(model.eval(), tensors, 6 / 4, PROMPT)
+    assert max_relative_error(got, expected) <= 1e-4
+    assert max_relative_error(base, expected) > 1e-2
+
+
+@pytest.mark.parametrize("variant", ["deepseek_v2", "deepseek_v3"])
+def test_logits_equal_peft_s_for_the_mla_family(mla_checkpoints, tmp_path, variant):
+    """Every projection of the latent attention but kv_b_proj, the dense layers' MLPs and the
+    shared experts; the decode rows in the absorbed form too (the generated tokens' logits)."""
+    checkpoint = mla_checkpoints[variant]
+    peft = make_adapter(checkpoint, tmp_path / "a", 6, r=8, lora_alpha=16, target_modules=MLA_PROJECTIONS,
+                        use_rslora=True, rank_pattern={"o_proj": 4}, trainable_token_indices={"embed_tokens": [5, 99]})
+    request = LoRARequest("a", 1, tmp_path / "a")
+    with lora_llm(checkpoint) as llm:
+        got = llm.score(PROMPT, lora_request=request)
+        decoded = llm.generate([PROMPT[:6]], SamplingParams(max_tokens=6, temperature=0.0, logprobs=1),
+                               lora_request=request)[0].outputs[0]
+    assert max_relative_error(got, peft_logits(peft, PROMPT)) <= 1e-4
+    reference = peft_logits(peft, PROMPT[:6] + decoded.token_ids[:-1])[5:]
+    assert decoded.token_ids == reference.argmax(-1).tolist()
+
+
+def test_logits_equal_peft_s_for_the_gdn_family(gdn_checkpoint, tmp_path):
+    """Gated attention (q_proj's query and gate rows apart in the fused weight), Gated DeltaNet
+    projections, dense MLP and shared expert; prompt rows and decode rows."""
+    peft = make_adapter(gdn_checkpoint, tmp_path / "a", 7, r=8, lora_alpha=8, target_modules=GDN_PROJECTIONS,
+                        rank_pattern={"in_proj_ba": 2}, trainable_token_indices={"lm_head": [3, 17]})
+    request = LoRARequest("a", 1, tmp_path / "a")
+    with lora_llm(gdn_checkpoint) as llm:
+        got = llm.score(PROMPT, lora_request=request)
+        decoded = llm.generate([PROMPT[:6]], SamplingParams(max_tokens=6, temperature=0.0),
+                               lora_request=request)[0].outputs[0]
+    assert max_relative_error(got, peft_logits(peft, PROMPT)) <= 1e-4
+    reference = peft_logits(peft, PROMPT[:6] + decoded.token_ids[:-1])[5:]
+    assert decoded.token_ids == reference.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("family, targets, match", [
+    ("mla", ["kv_b_proj"], "kv_b_proj.*absorbed"),
+    ("gdn", ["shared_expert_gate"], "shared_expert_gate.*not LoRA targets"),
+    ("mla", ["gate_proj", "up_proj"], "target_parameters, such as MoE experts"),
+    ("gdn", ["gate_proj", "up_proj", "down_proj"], "target_parameters, such as MoE experts"),
+])
+def test_projections_a_family_does_not_serve_are_refused(family_checkpoint_of, tmp_path, family, targets, match):
+    checkpoint = family_checkpoint_of(family)
+    make_adapter(checkpoint, tmp_path / "a", 8, r=4, lora_alpha=8, target_modules=targets)
+    with lora_llm(checkpoint) as llm:
+        with pytest.raises(AdapterError, match=match):
+            llm.generate([PROMPT], lora_request=LoRARequest("a", 1, tmp_path / "a"))
+        assert llm.engine.check() == []

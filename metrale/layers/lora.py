@@ -30,9 +30,22 @@ def linear_with_lora(backend: Any, x: Any, weight: Any, bias: Any, stack: LoraSt
     return backend.ops.lora_linear(y, x, stack.a, stack.b, stack.splits, batch.adapter_slots)
 
 
-def new_stack(backend: Any, names: tuple[str, ...], out_sizes: tuple[int, ...], in_size: int, limits: dict) -> LoraStack:
-    """A :class:`~metrale.lora.LoraStack` with ``limits`` (``max_loras``, ``max_lora_rank``)."""
-    return LoraStack.allocate(backend, names, out_sizes, in_size, **limits)
+def normed_projection(backend: Any, x: Any, residual: Any, norm_weight: Any, eps: float, weight: Any,
+                      stack: LoraStack | None, batch: ForwardBatch, offset: float = 1.0) -> tuple[Any, Any]:
+    """``(linear(rmsnorm(x + residual)) with the rows' adapter updates, x + residual)``: the op
+    ``rmsnorm_linear`` when the step has no adapter rows (or ``stack`` is None), else the norm and
+    the product apart. ``offset`` 1.0 is a zero-centred norm's."""
+    if not lora_active(batch, stack):
+        return backend.ops.rmsnorm_linear(x, residual, norm_weight, eps, offset, weight)
+    normed, summed = backend.ops.rmsnorm_residual(x, residual, norm_weight, eps, offset)
+    return linear_with_lora(backend, normed, weight, None, stack, batch), summed
+
+
+def new_stack(backend: Any, names: tuple[str, ...], out_sizes: tuple[int, ...], in_size: int, limits: dict,
+              **layout: Any) -> LoraStack:
+    """A :class:`~metrale.lora.LoraStack` with ``limits`` (``max_loras``, ``max_lora_rank``) and
+    ``layout`` (``row_maps``, ``module_rows``)."""
+    return LoraStack.allocate(backend, names, out_sizes, in_size, **limits, **layout)
 
 
 def attention_lora(backend: Any, weights: Any, geometry: Any, limits: dict, prefix: str = "self_attn") -> list[LoraStack]:

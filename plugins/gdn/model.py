@@ -28,7 +28,9 @@ from metrale.errors import CacheError, ConfigError, NonFiniteStateError
 from metrale.family import FamilyModel
 from metrale.layers.experts import StackedExperts, load_stacked_experts, routed_experts
 from metrale.layers.loading import DecoderEnds
+from metrale.layers.lora import ends_lora, linear_with_lora, mlp_lora, new_stack, normed_projection
 from metrale.layers.mlp import MlpWeights, load_mlp_weights, swiglu_mlp
+from metrale.lora import LoraLayout
 from metrale.plugins.gdn.config import GdnConfig
 from metrale.sequence import SequenceState
 
@@ -50,6 +52,24 @@ class GatedAttention:
     o: Any
     q_norm: Any
     k_norm: Any
+    #: The adapter slots of ``qkv_gate`` and ``o`` when LoRA is on (:meth:`enable_lora`).
+    lora_qkv_gate: Any = None
+    lora_o: Any = None
+
+    def enable_lora(self, backend: Any, limits: dict) -> list[Any]:
+        """Adapter slots for ``q_proj`` (its query rows and its gate rows, where the fused weight
+        holds them), ``k_proj``, ``v_proj`` and ``o_proj``."""
+        c = self.config
+        heads, kv, d, hidden = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+        # q_proj's rows per head: d query rows, then d gate rows (load's regrouping).
+        per_head = np.arange(heads * 2 * d).reshape(heads, 2, d)
+        self.lora_qkv_gate = new_stack(
+            backend, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj"),
+            (heads * d, kv * d, kv * d, heads * d), hidden, limits,
+            row_maps=(per_head[:, 0].reshape(-1), None, None, per_head[:, 1].reshape(-1)),
+            module_rows=(2 * heads * d, kv * d, kv * d, 2 * heads * d))
+        self.lora_o = new_stack(backend, ("self_attn.o_proj",), (hidden,), heads * d, limits)
+        return [self.lora_qkv_gate, self.lora_o]
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, backend: Any, prefix: str, config: GdnConfig) -> "GatedAttention":
@@ -77,7 +97,8 @@ class GatedAttention:
         projections in one op, then the attention, the output gate and ``o_proj``."""
         ops, c, xp = backend.ops, self.config, backend.xp
         heads, d = c.num_heads, c.head_dim
-        projected, residual = ops.rmsnorm_linear(x, residual, input_norm, eps, 1.0, self.qkv_gate)
+        projected, residual = normed_projection(backend, x, residual, input_norm, eps, self.qkv_gate,
+                                                self.lora_qkv_gate, batch)
         qkv, gate = (xp.ascontiguousarray(part) for part in (projected[:, : self.qkv_columns],
                                                               projected[:, self.qkv_columns :]))
         q = ops.qkv_rope_cache(
@@ -85,7 +106,7 @@ class GatedAttention:
             cache_layer.k, cache_layer.v, self.q_norm, self.k_norm, c.rms_norm_eps, 1.0,
         )
         out = ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, d**-0.5, None)
-        return ops.linear(ops.sigmoid_gate(out, gate), self.o), residual
+        return linear_with_lora(backend, ops.sigmoid_gate(out, gate), self.o, None, self.lora_o, batch), residual
 
 
 @dataclass
@@ -105,6 +126,18 @@ class GatedDeltaNet:
     dt_bias: Any
     norm: Any
     out: Any
+    #: The adapter slots of ``in_proj`` and ``out`` when LoRA is on (:meth:`enable_lora`).
+    lora_in: Any = None
+    lora_out: Any = None
+
+    def enable_lora(self, backend: Any, limits: dict) -> list[Any]:
+        """Adapter slots for ``in_proj_qkvz`` with ``in_proj_ba``, and ``out_proj``."""
+        c = self.config
+        self.lora_in = new_stack(backend, ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"),
+                                 (self.qkvz_columns, 2 * c.linear_value_heads), c.hidden_size, limits)
+        self.lora_out = new_stack(backend, ("linear_attn.out_proj",), (c.hidden_size,),
+                                  c.linear_value_heads * c.linear_value_dim, limits)
+        return [self.lora_in, self.lora_out]
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, backend: Any, prefix: str, config: GdnConfig) -> "GatedDeltaNet":
@@ -137,7 +170,7 @@ class GatedDeltaNet:
         hk, hv, dk, dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
         # The projections are grouped by key head in the checkpoint (docs/families.rst, "Gated
         # DeltaNet layer", step 2): the ops regroup them into the conv input, z and the gates.
-        projected, residual = ops.rmsnorm_linear(x, residual, input_norm, eps, 1.0, self.in_proj)
+        projected, residual = normed_projection(backend, x, residual, input_norm, eps, self.in_proj, self.lora_in, batch)
         qkvz, ba = (xp.ascontiguousarray(part) for part in (projected[:, : self.qkvz_columns],
                                                              projected[:, self.qkvz_columns :]))
         if stash is not None:
@@ -147,7 +180,7 @@ class GatedDeltaNet:
             # step in the slots and the gated norm, as one op.
             gated = ops.gdn_decode(qkvz, ba, self.conv, cache_layer.conv, self.a_log, self.dt_bias, cache_layer.state,
                                    batch.state_slots, self.norm, c.rms_norm_eps, hk, hv, dk, dv)
-            return ops.linear(gated.reshape(rows, hv * dv), self.out), residual
+            return linear_with_lora(backend, gated.reshape(rows, hv * dv), self.out, None, self.lora_out, batch), residual
         inputs, z = ops.gdn_ungroup(qkvz, hk, hv, dk, dv)
         g, beta = ops.gdn_gates(ba, self.a_log, self.dt_bias, hk)
         slots = np.array([segment.seq.state_slot for segment in batch.segments], dtype=np.int32)
@@ -157,7 +190,7 @@ class GatedDeltaNet:
         out = ops.gdn_prompt_rule(q, k, v, g, beta, cache_layer.state, slots, starts)
         # Gated norm per value head (plain weight), then out_proj.
         gated = ops.gated_rmsnorm(out, z, self.norm, c.rms_norm_eps)
-        return ops.linear(gated.reshape(rows, hv * dv), self.out), residual
+        return linear_with_lora(backend, gated.reshape(rows, hv * dv), self.out, None, self.lora_out, batch), residual
 
     def _verify_rows(self, backend: Any, cache_layer: Any, qkvz: Any, ba: Any, batch: ForwardBatch,
                      stash: "RowStates") -> Any:
@@ -187,7 +220,7 @@ class GatedDeltaNet:
         stash.layers.append((cache_layer, conv_rows, state_rows))
         if gated is None:  # no rows: a verify names at least one per sequence
             raise CacheError("a verify without rows")
-        return ops.linear(gated.reshape(qkvz.shape[0], hv * dv), self.out)
+        return linear_with_lora(backend, gated.reshape(qkvz.shape[0], hv * dv), self.out, None, self.lora_out, batch)
 
 
 @dataclass
@@ -231,12 +264,13 @@ class SparseMoe:
         c = self.config
         return backend.ops.moe_route(h, self.gate, None, "greedy", 1, 1, c.num_experts_per_tok, c.norm_topk_prob, 1.0)
 
-    def forward(self, backend: Any, h: Any, chosen: Any, weights: Any) -> Any:
-        """The chosen experts' weighted outputs plus the shared expert's, through its gate."""
+    def forward(self, backend: Any, h: Any, chosen: Any, weights: Any, batch: ForwardBatch | None = None) -> Any:
+        """The chosen experts' weighted outputs plus the shared expert's, through its gate (with
+        each row's adapter update of the shared expert when ``batch`` has adapter rows)."""
         ops = backend.ops
         out = routed_experts(backend, self.experts, h, chosen, weights)
         # routed + shared expert * sigmoid(h . shared_gate), one gate per row.
-        return ops.gated_add(out, swiglu_mlp(backend, self.shared, h), ops.linear(h, self.shared_gate))
+        return ops.gated_add(out, swiglu_mlp(backend, self.shared, h, batch), ops.linear(h, self.shared_gate))
 
 
 @dataclass
@@ -434,6 +468,25 @@ class GdnModel(FamilyModel):
                         f"sequence {seq.seq_id}: the recurrent state of layer {index} holds NaN or infinity"
                     )
 
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoraLayout:
+        c, backend, limits = self.config, self.backend, {"max_loras": max_loras, "max_lora_rank": max_lora_rank}
+        stacks = []
+        for index, layer in enumerate(self.layers):
+            ffn = layer.feed_forward
+            layer_stacks = layer.mixer.enable_lora(backend, limits)
+            if isinstance(ffn, SparseMoe):
+                layer_stacks += mlp_lora(backend, ffn.shared, c.hidden_size, c.shared_expert_intermediate_size, limits,
+                                         "mlp.shared_expert")
+            else:
+                layer_stacks += mlp_lora(backend, ffn, c.hidden_size, c.intermediate_size, limits)
+            stacks += [(index, stack) for stack in layer_stacks]
+        refused = {
+            r"mlp\.experts(\..*)?": "LoRA on the routed experts is not served (only on the shared expert and the "
+                                    "dense layers' MLPs)",
+            r"mlp\.(gate|shared_expert_gate)": "the router and the shared expert's gate are not LoRA targets",
+        }
+        return LoraLayout(stacks, ends_lora(backend, self.ends, c.hidden_size, max_loras), refused)
+
     def forward_batch(self, batch: ForwardBatch) -> Any:
         eps = self.config.rms_norm_eps
         x, residual = self.ends.embed_tokens(self.backend, batch), None
@@ -458,8 +511,8 @@ class GdnModel(FamilyModel):
                                         self._verify_states if self.verifying else None)
         h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps, 1.0)
         if isinstance(ffn, SparseMoe):
-            return ffn.forward(self.backend, h, *self.route(ffn, h)), residual
-        return swiglu_mlp(self.backend, ffn, h), residual
+            return ffn.forward(self.backend, h, *self.route(ffn, h), batch), residual
+        return swiglu_mlp(self.backend, ffn, h, batch), residual
 
     def mtp_forward(self, batch: ForwardBatch, hidden: Any) -> tuple[Any, Any]:
         """The MTP module over ``batch`` (decode rows: row ``i``'s token ``t_{i+1}``) with the

@@ -28,7 +28,9 @@ from metrale.errors import ConfigError
 from metrale.family import FamilyModel
 from metrale.layers.experts import StackedExperts, load_stacked_experts, routed_experts
 from metrale.layers.loading import DecoderEnds
+from metrale.layers.lora import ends_lora, linear_with_lora, lora_active, mlp_lora, new_stack
 from metrale.layers.mlp import MlpWeights, load_mlp_weights, swiglu_mlp
+from metrale.lora import LoraLayout
 from metrale.plugins.mla.config import MlaConfig
 
 #: transformers normalises the query and latent bottlenecks with this eps, whatever the config says.
@@ -61,6 +63,25 @@ class LatentAttention:
     q_b: Any = None
     q_kv_a_bias: Any = None
     o_bias: Any = None
+    #: The adapter slots of ``q_kv_a``, ``q_b`` and ``o`` when LoRA is on (:meth:`enable_lora`).
+    lora_q_kv_a: Any = None
+    lora_q_b: Any = None
+    lora_o: Any = None
+
+    def enable_lora(self, backend: Any, limits: dict) -> list[Any]:
+        """Adapter slots for ``q_proj`` / ``q_a_proj`` with ``kv_a_proj_with_mqa``, ``q_b_proj``
+        and ``o_proj`` (``kv_b_proj`` is folded into the absorbed form, and refused)."""
+        c = self.config
+        q_name = "self_attn.q_proj" if c.q_lora_rank is None else "self_attn.q_a_proj"
+        self.lora_q_kv_a = new_stack(backend, (q_name, "self_attn.kv_a_proj_with_mqa"),
+                                     (self.q_columns, c.kv_lora_rank + c.qk_rope_head_dim), c.hidden_size, limits)
+        self.lora_o = new_stack(backend, ("self_attn.o_proj",), (c.hidden_size,), c.num_heads * c.v_head_dim, limits)
+        stacks = [self.lora_q_kv_a, self.lora_o]
+        if c.q_lora_rank is not None:
+            self.lora_q_b = new_stack(backend, ("self_attn.q_b_proj",),
+                                      (c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim),), c.q_lora_rank, limits)
+            stacks.append(self.lora_q_b)
+        return stacks
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, backend: Any, prefix: str, config: MlaConfig) -> "LatentAttention":
@@ -111,10 +132,15 @@ class LatentAttention:
         ops, c = backend.ops, self.config
         heads, d_n, d_r = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
         rows = x.shape[0]
-        projected, residual = ops.rmsnorm_linear(x, residual, input_norm, eps, 0.0, self.q_kv_a, self.q_kv_a_bias)
+        if lora_active(batch, self.lora_q_kv_a, self.lora_q_b, self.lora_o):
+            normed, residual = ops.rmsnorm_residual(x, residual, input_norm, eps)
+            projected = linear_with_lora(backend, normed, self.q_kv_a, self.q_kv_a_bias, self.lora_q_kv_a, batch)
+        else:
+            projected, residual = ops.rmsnorm_linear(x, residual, input_norm, eps, 0.0, self.q_kv_a, self.q_kv_a_bias)
         q, kv_a = projected[:, : self.q_columns], projected[:, self.q_columns :]
         if self.q_b is not None:
-            q = ops.linear(ops.rmsnorm(q, self.q_a_norm, LATENT_NORM_EPS), self.q_b)
+            q = linear_with_lora(backend, ops.rmsnorm(q, self.q_a_norm, LATENT_NORM_EPS), self.q_b, None, self.lora_q_b,
+                                 batch)
         q = q.reshape(rows, heads, d_n + d_r)
         # The rows' normalised latents and rotated rope keys go into the paged cache.
         ops.latent_cache_write(kv_a, self.kv_a_norm, LATENT_NORM_EPS, batch.positions, rope.inv_freq,
@@ -132,7 +158,8 @@ class LatentAttention:
         queries = ops.latent_query(q_latent, q, batch.positions, rope.inv_freq, rope.attention_factor, c.interleaved_rope)
         mixed = ops.latent_attention(queries, cache_layer.latent, batch, r, rope.scale)
         values = ops.head_linear(mixed.reshape(rows, heads, r), self.w_uv)
-        return ops.linear(values.reshape(rows, heads * c.v_head_dim), self.o, self.o_bias)
+        return linear_with_lora(backend, values.reshape(rows, heads * c.v_head_dim), self.o, self.o_bias, self.lora_o,
+                                batch)
 
     def _expanded(self, backend: Any, rope: "LatentRope", cache_layer: Any, q: Any, batch: ForwardBatch) -> Any:
         """Prompt rows: keys and values re-expanded from every segment's cached latents, then the
@@ -157,7 +184,7 @@ class LatentAttention:
         keys[:, :, d_n:] = cached[:, None, r:]
         values = xp.ascontiguousarray(expanded[:, :, d_n:])
         out = ops.paged_attention(rotated, keys[:, None], values[:, None], view, rope.scale, None)
-        return ops.linear(out, self.o, self.o_bias)
+        return linear_with_lora(backend, out, self.o, self.o_bias, self.lora_o, batch)
 
     @staticmethod
     def _expanded_layout(backend: Any, batch: ForwardBatch, block_size: int) -> tuple[Any, ForwardBatch]:
@@ -222,11 +249,12 @@ class DeepseekMoe:
             c.routed_scaling_factor,
         )
 
-    def forward(self, backend: Any, h: Any, chosen: Any, weights: Any) -> Any:
-        """The chosen experts' weighted outputs plus the shared experts'."""
+    def forward(self, backend: Any, h: Any, chosen: Any, weights: Any, batch: ForwardBatch | None = None) -> Any:
+        """The chosen experts' weighted outputs plus the shared experts' (with each row's adapter
+        update of theirs when ``batch`` has adapter rows)."""
         out = routed_experts(backend, self.experts, h, chosen, weights)
         if self.shared is not None:
-            out = out + swiglu_mlp(backend, self.shared, h)
+            out = out + swiglu_mlp(backend, self.shared, h, batch)
         return out
 
 
@@ -346,6 +374,26 @@ class MlaModel(FamilyModel):
     def is_mla(self) -> bool:
         return True
 
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoraLayout:
+        c, backend, limits = self.config, self.backend, {"max_loras": max_loras, "max_lora_rank": max_lora_rank}
+        stacks = []
+        for index, layer in enumerate(self.layers):
+            ffn = layer.feed_forward
+            mlp = ffn if isinstance(ffn, MlpWeights) else ffn.shared
+            prefix = "mlp" if isinstance(ffn, MlpWeights) else "mlp.shared_experts"
+            width = c.intermediate_size if isinstance(ffn, MlpWeights) else c.moe_intermediate_size * c.n_shared_experts
+            layer_stacks = layer.attention.enable_lora(backend, limits)
+            if mlp is not None:
+                layer_stacks += mlp_lora(backend, mlp, c.hidden_size, width, limits, prefix)
+            stacks += [(index, stack) for stack in layer_stacks]
+        refused = {
+            r"self_attn\.kv_b_proj": "decode folds kv_b_proj into the absorbed attention's per-head products",
+            r"mlp\.experts(\..*)?": "LoRA on the routed experts is not served (only on the shared experts and the "
+                                    "dense layers' MLPs)",
+            r"mlp\.gate": "the router is not a LoRA target",
+        }
+        return LoraLayout(stacks, ends_lora(backend, self.ends, c.hidden_size, max_loras), refused)
+
     def forward_batch(self, batch: ForwardBatch) -> Any:
         eps = self.config.rms_norm_eps
         x, residual = self.ends.embed_tokens(self.backend, batch), None
@@ -366,8 +414,8 @@ class MlaModel(FamilyModel):
         h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps)
         ffn = layer.feed_forward
         if isinstance(ffn, DeepseekMoe):
-            return ffn.forward(self.backend, h, *self.route(ffn, h)), residual
-        return swiglu_mlp(self.backend, ffn, h), residual
+            return ffn.forward(self.backend, h, *self.route(ffn, h), batch), residual
+        return swiglu_mlp(self.backend, ffn, h, batch), residual
 
     def mtp_forward(self, batch: ForwardBatch, hidden: Any) -> tuple[Any, Any]:
         """The MTP module over ``batch`` (decode rows: row ``i``'s token ``t_{i+1}``) with the
