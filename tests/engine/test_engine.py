@@ -29,9 +29,10 @@ def solo_llm(checkpoint):
                max_num_batched_tokens=4096, block_size=4)
 
 
-def solo(llm, prompts, params):
+def solo(llm, prompts, params, adapters=None):
     params = params if isinstance(params, list) else [params] * len(prompts)
-    return [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    adapters = adapters or [None] * len(prompts)
+    return [llm.generate([p], q, lora_request=[a])[0].token_ids for p, q, a in zip(prompts, params, adapters)]
 
 
 def prompts_of(lengths, seed=0, shared=None):
@@ -205,10 +206,11 @@ def test_budget_below_the_block_size_is_a_config_error(checkpoint):
 EXAMPLES = int(os.environ.get("METRALE_HYPOTHESIS_EXAMPLES", "12"))
 
 
-def run_random_case(checkpoint, solo_llm, data, **options):
+def run_random_case(checkpoint, solo_llm, data, adapters=None, **options):
     """Random arrivals, lengths, shared prefixes, budgets, a small block pool and speculation
-    (n-gram drafts) on or off: every request equals its solo run (or fails exactly when it cannot
-    fit the whole cache) and nothing leaks."""
+    (n-gram drafts) on or off, and with ``adapters`` a LoRA adapter or the base model drawn per
+    request over fewer slots than adapters: every request equals its solo run (or fails exactly
+    when it cannot fit the whole cache) and nothing leaks."""
     count = data.draw(st.integers(2, 6), label="requests")
     shared = prompts_of([data.draw(st.integers(0, 12), label="shared")], seed=data.draw(st.integers(0, 99)))[0]
     lengths = data.draw(st.lists(st.integers(1, 14), min_size=count, max_size=count), label="lengths")
@@ -217,6 +219,11 @@ def run_random_case(checkpoint, solo_llm, data, **options):
     max_tokens = data.draw(st.lists(st.integers(1, 12), min_size=count, max_size=count), label="max_tokens")
     arrivals = sorted(data.draw(st.lists(st.integers(0, 6), min_size=count, max_size=count), label="arrivals"))
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    chosen = [None] * count
+    if adapters:
+        chosen = data.draw(st.lists(st.sampled_from([None, *adapters]), min_size=count, max_size=count), label="adapters")
+        options = {**options, "enable_lora": True, "max_lora_rank": 8,
+                   "max_loras": data.draw(st.integers(1, len(adapters)), label="max_loras")}
     llm = LLM(checkpoint, device="cpu", show_progress=False, block_size=4,
               num_blocks=data.draw(st.integers(6, 16), label="num_blocks"),
               max_num_seqs=data.draw(st.integers(1, 4), label="max_num_seqs"),
@@ -230,6 +237,10 @@ def run_random_case(checkpoint, solo_llm, data, **options):
     # What an is_mla() family gets: whole prompts, alone in their steps.
     engine.scheduler.one_chunk_prefill = data.draw(st.booleans(), label="one_chunk_prefill")
     requests = [make_request(i, None, p, q, 0) for i, (p, q) in enumerate(zip(prompts, params))]
+    for request, adapter in zip(requests, chosen):
+        if adapter is not None:
+            llm.lora.resolve(adapter)
+            request.lora, request.seq.adapter_id = adapter, adapter.lora_int_id
     step = 0
     pending = list(zip(arrivals, requests))
     while pending or engine.has_unfinished():
@@ -238,7 +249,7 @@ def run_random_case(checkpoint, solo_llm, data, **options):
         engine.step()
         step += 1
         assert step < 500
-    expected = solo(solo_llm, prompts, params)
+    expected = solo(solo_llm, prompts, params, chosen)
     for request, prompt, param, tokens in zip(requests, prompts, params, expected):
         # The KV of prompt + max_tokens - 1 tokens must fit the whole cache, or the request fails.
         fits = -(-(len(prompt) + param.max_tokens - 1) // 4) <= llm.cache.num_blocks
@@ -251,6 +262,10 @@ def run_random_case(checkpoint, solo_llm, data, **options):
     event(f"failed: {any(r.error for r in requests)}")
     event(f"mixed steps: {'mixed_forward' in engine.calls}")
     event(f"speculated: {'verify' in engine.calls}")
+    if adapters:
+        event(f"several adapters drawn: {len({a for a in chosen if a is not None}) > 1}")
+        assert engine.check() == []
+        assert all(llm.lora.holders(slot) == 0 for slot in range(1, llm.lora.max_loras + 1))
     assert_all_blocks_free(llm)
     if llm.cache.state_slots is not None:
         assert llm.cache.state_slots.num_free == llm.cache.state_slots.num_slots
@@ -260,6 +275,34 @@ def run_random_case(checkpoint, solo_llm, data, **options):
 @given(data=st.data())
 def test_random_arrivals_match_solo_runs_and_leak_nothing(checkpoint, solo_llm, data):
     run_random_case(checkpoint, solo_llm, data)
+
+
+@pytest.fixture(scope="module")
+def lora_adapters(checkpoint, tmp_path_factory):
+    """Two adapters on the Llama test model (LoRA on every projection, one replacing token rows)."""
+    from metrale import LoRARequest
+    from metrale.testing.hf import build_peft_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    build_peft_adapter(checkpoint, root / "a", seed=1, r=8, lora_alpha=16, target_modules=targets)
+    build_peft_adapter(checkpoint, root / "b", seed=2, r=4, lora_alpha=4, target_modules=targets[:4],
+                       trainable_token_indices={"embed_tokens": [3, 50, 90], "lm_head": [7, 11]})
+    return [LoRARequest("a", 1, root / "a"), LoRARequest("b", 2, root / "b")]
+
+
+@pytest.fixture(scope="module")
+def solo_lora(checkpoint):
+    return LLM(checkpoint, device="cpu", show_progress=False, max_num_seqs=1, enable_prefix_caching=False,
+               max_num_batched_tokens=4096, block_size=4, enable_lora=True, max_lora_rank=8, max_loras=2)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_arrivals_with_lora_adapters(checkpoint, solo_lora, lora_adapters, data):
+    """The same with an adapter (or the base model) per request: mixed steps of several adapters,
+    requests waiting for a slot, prefix hits only within an adapter."""
+    run_random_case(checkpoint, solo_lora, data, adapters=lora_adapters)
 
 
 @pytest.fixture(scope="module")
