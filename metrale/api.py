@@ -312,6 +312,23 @@ class LLM(PromptFrontend):
         self.engine.stopper = StopChecker(self.eos_token_ids, self.max_model_len)
         return groups
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter ahead of its first request
+        (:class:`~metrale.errors.AdapterError` for one this model cannot serve); it goes to a
+        device slot when a request first needs it. Needs ``enable_lora=True``."""
+        self.lora_requests(lora_request, 1)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget adapter ``lora_int_id`` (its slot is free for others); False when it is not
+        known. :class:`~metrale.errors.AdapterError` while requests run with it."""
+        if self.lora is None:
+            raise ConfigError("remove_lora() needs an engine that serves LoRA: LLM(..., enable_lora=True)")
+        return self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters read so far (:meth:`add_lora`, or a request's), by ``lora_int_id``."""
+        return [] if self.lora is None else self.lora.requests()
+
     def lora_requests(self, lora_request: Any, count: int) -> list[LoRARequest | None]:
         """``lora_request`` (None, one :class:`~metrale.lora.LoRARequest` for every prompt, or a
         list of one per prompt, None for the base model) for ``count`` prompts, every adapter read

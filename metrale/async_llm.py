@@ -106,7 +106,7 @@ class AsyncEngineAPI:
     ``submit``, ``abort``, ``stats``, ``num_active``, ``is_running`` and ``shutdown``."""
 
     def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-               request_id: str | None = None) -> Any:
+               request_id: str | None = None, lora_request: Any = None) -> Any:
         raise NotImplementedError
 
     def abort(self, request_id: str) -> None:
@@ -127,18 +127,20 @@ class AsyncEngineAPI:
         raise NotImplementedError
 
     async def generate(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit one request and iterate over its outputs as they are made; the last has
         ``finished`` True. ``prompt`` is a text, a list of token ids or a prompt dict (as
         :meth:`metrale.LLM.generate` takes); ``request_id`` names it for :meth:`abort` (unique
-        among the running requests; default: a new one).
+        among the running requests; default: a new one); ``lora_request`` (a
+        :class:`~metrale.lora.LoRARequest`) runs it with that adapter (the engine serving LoRA).
 
         Raises :class:`~metrale.errors.InvalidRequestError` (and its subclasses) for a bad
         request, :class:`~metrale.errors.QueueFullError` when the waiting queue is full and
         :class:`~metrale.errors.EngineClosedError` after :meth:`shutdown` -- all before the
         first output. Leaving the iteration early aborts the request."""
-        active = self.submit(prompt, sampling_params, request_id)
+        active = self.submit(prompt, sampling_params, request_id, lora_request)
         done = False
         try:
             while True:
@@ -195,7 +197,7 @@ class AsyncLLM(AsyncEngineAPI):
     # ------------------------------------------------------------------------------ callers
 
     def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-               request_id: str | None = None) -> SubmittedRequest:
+               request_id: str | None = None, lora_request: Any = None) -> SubmittedRequest:
         """Validate and queue a request (the first half of :meth:`generate`, which iterates
         over what this returns; the same errors); must be called on the event loop that will
         read it. The caller reads it with :meth:`SubmittedRequest.next_output` and must
@@ -209,7 +211,8 @@ class AsyncLLM(AsyncEngineAPI):
         self._check_open()
         text, ids = llm.prompt_ids(prompt, "the prompt")
         params = llm.request_params(sampling_params if sampling_params is not None else SamplingParams())
-        group = llm.new_group(text, ids, params, request_id=request_id)
+        lora = llm.lora_requests(lora_request, 1)[0]
+        group = llm.new_group(text, ids, params, request_id=request_id, lora=lora)
         with self._condition:
             self._check_open()
             if request_id in self._active:

@@ -41,7 +41,7 @@ import time
 import uuid
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from metrale.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngineAPI
 from metrale.checkpoint import Checkpoint
@@ -49,6 +49,7 @@ from metrale.engine.driver import EngineDriver, EngineStats
 from metrale.engine.generation import RequestGroup, visible_text
 from metrale.errors import ConfigError, EngineClosedError, InvalidRequestError, MetraleError, QueueFullError
 from metrale.frontend import PromptFrontend
+from metrale.lora import LoRARequest
 from metrale.params import CompletionOutput, LogprobsDict, RequestOutput, SamplingParams
 from metrale.prompts import Prompt
 from metrale.validation import check_int
@@ -132,9 +133,10 @@ class _EngineLoop:
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "add":
-            _, request_id, text, ids, params = message
+            _, request_id, text, ids, params, lora = message
             try:
-                group = self.llm.new_group(text, ids, params, request_id=request_id)
+                group = self.llm.new_group(text, ids, params, request_id=request_id,
+                                           lora=self.llm.lora_requests(lora, 1)[0])
             except Exception as error:  # checked by the callers' side already; fails this request only
                 self.records.append((request_id, True, f"the request could not be started: {error}", 0, 0, None, []))
                 return
@@ -218,13 +220,15 @@ def _engine_process_main(fd: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     try:
-        model, options, chat_template, capture_graphs = conn.recv()
+        model, options, chat_template, capture_graphs, lora_modules = conn.recv()
     except (EOFError, OSError):
         return
     from metrale.api import LLM
 
     try:
         llm = LLM(model, chat_template=chat_template, **options)
+        for lora in lora_modules:
+            llm.add_lora(lora)
         if capture_graphs:
             llm.capture_graphs()
     except BaseException as error:
@@ -342,7 +346,9 @@ class EngineProcess(AsyncEngineAPI):
     ``model`` is a checkpoint folder or an embedded model name and ``options`` the engine
     options of :class:`~metrale.LLM` (``device``, ``max_num_seqs``, ...), ``chat_template`` as
     there; ``max_waiting_requests`` bounds the requests queued beyond the ``max_num_seqs`` that
-    can run; ``capture_graphs`` records the CUDA graphs before the first request. The
+    can run; ``capture_graphs`` records the CUDA graphs before the first request;
+    ``lora_modules`` (a list of :class:`~metrale.lora.LoRARequest`, with ``enable_lora=True``) are
+    the adapters requests may name, each read and checked before the engine is ready. The
     constructor returns once the model is loaded, and raises what :class:`~metrale.LLM` would
     for bad options or a bad checkpoint; options that cannot be sent to another process (a
     ``plugin_manager``: the engine process loads the installed plugins itself) raise
@@ -352,8 +358,12 @@ class EngineProcess(AsyncEngineAPI):
     """
 
     def __init__(self, model: str | Path, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
-                 chat_template: str | Path | None = None, capture_graphs: bool = True, **options: Any) -> None:
+                 chat_template: str | Path | None = None, capture_graphs: bool = True,
+                 lora_modules: Sequence[LoRARequest] = (), **options: Any) -> None:
         self.max_waiting_requests = check_int("max_waiting_requests", max_waiting_requests, minimum=0)
+        self.lora_modules = tuple(lora_modules)
+        if not all(isinstance(lora, LoRARequest) for lora in self.lora_modules):
+            raise ConfigError(f"lora_modules must be LoRARequests, got {lora_modules!r}")
         if not isinstance(model, (str, Path)) or not str(model):
             raise InvalidRequestError(f"model must be a checkpoint folder or an embedded model name, got {model!r}")
         for name, value in options.items():  # they cross to the engine process: plain values only
@@ -376,7 +386,7 @@ class EngineProcess(AsyncEngineAPI):
             child_socket.close()
         self._conn = Connection(parent_socket.detach())
         try:
-            self._conn.send((str(model), options, template, bool(capture_graphs)))
+            self._conn.send((str(model), options, template, bool(capture_graphs), self.lora_modules))
             kind, payload = self._conn.recv()
         except (EOFError, OSError):
             code = self._process.wait(10)
@@ -409,7 +419,7 @@ class EngineProcess(AsyncEngineAPI):
     # ------------------------------------------------------------------------------ callers
 
     def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-               request_id: str | None = None) -> RemoteRequest:
+               request_id: str | None = None, lora_request: Any = None) -> RemoteRequest:
         """Check and send a request to the engine (the first half of :meth:`generate`; the
         same errors); must be called on the event loop that will read it. The caller reads it
         with :meth:`RemoteRequest.next_output` and must :meth:`abort` it if it stops reading
@@ -424,6 +434,9 @@ class EngineProcess(AsyncEngineAPI):
         params = self.llm.request_params(sampling_params if sampling_params is not None else SamplingParams())
         if params.structured_output is not None:  # a bad schema or grammar is refused here
             self.llm.grammar_compiler().compile(params.structured_output)
+        if lora_request is not None and lora_request not in self.lora_modules:
+            raise InvalidRequestError(f"{lora_request!r} is not one of this engine's adapters (lora_modules): "
+                                      f"{', '.join(sorted(r.lora_name for r in self.lora_modules)) or 'none'}")
         with self._lock:
             self._check_open()
             if request_id in self._active:
@@ -435,7 +448,7 @@ class EngineProcess(AsyncEngineAPI):
                     f"{self.max_num_seqs} + max_waiting_requests={self.max_waiting_requests}); retry later")
             request = RemoteRequest(request_id, text, ids, params.n, loop)
             self._active[request_id] = request
-            self._send(("add", request_id, text, ids, params))
+            self._send(("add", request_id, text, ids, params, lora_request))
         return request
 
     def abort(self, request_id: str) -> None:

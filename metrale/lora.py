@@ -454,6 +454,26 @@ class LoraManager:
         """``{slot: adapter name}`` of the slots that hold an adapter."""
         return {slot: self._adapters[int_id].name for slot, int_id in sorted(self._held_by.items())}
 
+    def remove(self, int_id: int) -> bool:
+        """Forget adapter ``int_id`` and free the slot that holds it; False when it is not known.
+        :class:`~metrale.errors.AdapterError` while sequences hold its slot."""
+        if int_id not in self._adapters:
+            return False
+        slot = self.slot_of(int_id)
+        if slot is not None:
+            if self._holders[slot]:
+                raise AdapterError(f"adapter {self._adapters[int_id].name!r} is in use by {self._holders[slot]} "
+                                   "running sequences")
+            del self._held_by[slot]
+            self._order.remove(slot)
+            self._order.insert(0, slot)  # the first a new adapter takes
+        del self._adapters[int_id]
+        return True
+
+    def requests(self) -> list[LoRARequest]:
+        """A :class:`LoRARequest` of every adapter read, by ``lora_int_id``."""
+        return [LoRARequest(a.name, a.int_id, a.path) for _, a in sorted(self._adapters.items())]
+
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         self._held_by.pop(slot, None)  # a torn write leaves the slot empty, never half another adapter's
         for layer, stack in self.layout.stacks:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +39,7 @@ from starlette.responses import Response
 
 from metrale._version import __version__
 from metrale.async_llm import AsyncEngineAPI
+from metrale.lora import LoRARequest
 from metrale.server import protocol as P
 from metrale.server.checks import _validation_error
 from metrale.server.gate import _Gate
@@ -69,6 +70,7 @@ def build_app(
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
     owns_engine: bool = True,
+    lora_modules: Sequence[LoRARequest] = (),
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (an :class:`~metrale.AsyncLLM` or an
     :class:`~metrale.engine_process.EngineProcess`) as the model ``model_name``.
@@ -78,6 +80,8 @@ def build_app(
     ``logprobs``, ``top_logprobs`` and ``prompt_logprobs``. When the app shuts down (its ASGI
     lifespan ends) it refuses new requests with 503, waits up to ``drain_timeout`` seconds for
     the running ones, aborts the rest and, with ``owns_engine``, shuts the engine down.
+    ``lora_modules`` are the engine's LoRA adapters (a list of :class:`~metrale.lora.LoRARequest`): a
+    request whose ``model`` is an adapter's name runs with it; ``/v1/models`` lists them too.
     ``app.state.metrale`` holds the app's state (``begin_drain()`` starts refusing requests).
     """
     if not isinstance(engine, AsyncEngineAPI):
@@ -91,8 +95,12 @@ def build_app(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)) or not drain_timeout >= 0:
         raise ValueError(f"drain_timeout must be a number >= 0, got {drain_timeout!r}")
+    adapters = {lora.lora_name: lora for lora in lora_modules}
+    if len(adapters) != len(lora_modules) or model_name in adapters:
+        raise ValueError(f"lora_modules need names of their own, apart from the model's {model_name!r}")
     state = _State(engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n,
                    max_logprobs=max_logprobs, drain_timeout=float(drain_timeout), owns_engine=owns_engine)
+    state.lora_modules = adapters
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -145,14 +153,16 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json_response(P.models_list(state.model_name, state.created, state.max_model_len, state.vocab_size))
+        return _json_response(P.models_list(state.model_name, state.created, state.max_model_len, state.vocab_size,
+                                            state.lora_modules))
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> Response:
-        if model != state.model_name:
+        if model != state.model_name and model not in state.lora_modules:
             return _error_response(P.APIError(404, f"the model {P.clip(model)} does not exist", param="model",
                                               code="model_not_found"))
-        return _json_response(P.model_card(state.model_name, state.created, state.max_model_len, state.vocab_size))
+        return _json_response(P.model_card(state.model_name, state.created, state.max_model_len, state.vocab_size,
+                                           state.lora_modules.get(model)))
 
     @app.get("/health")
     async def health() -> Response:

@@ -82,10 +82,16 @@ def _validation_error(errors: list[Any]) -> P.APIError:
     return P.APIError(400, text, param=param)
 
 
-def _check_model(state: _State, req: P.SamplingRequest) -> None:
+def _check_model(state: _State, req: P.SamplingRequest) -> Any:
+    """The LoRA adapter the request's ``model`` names (a :class:`~metrale.lora.LoRARequest`), or
+    None for the base model; 404 for any other name."""
+    if req.model in state.lora_modules:
+        return state.lora_modules[req.model]
     if req.model != state.model_name:
-        raise P.APIError(404, f"the model {P.clip(req.model)} does not exist; this server serves {state.model_name!r}",
+        served = ", ".join(repr(name) for name in [state.model_name, *state.lora_modules])
+        raise P.APIError(404, f"the model {P.clip(req.model)} does not exist; this server serves {served}",
                          param="model", code="model_not_found")
+    return None
 
 
 def _check_n(state: _State, req: P.SamplingRequest) -> int:

@@ -39,7 +39,7 @@ def _stream_flags(req: P.SamplingRequest) -> tuple[bool, bool]:
 
 async def _completions(state: _State, request: Request) -> Response:
     req: P.CompletionRequest = await _parse(request, P.CompletionRequest)
-    _check_model(state, req)
+    lora = _check_model(state, req)
     if req.given("suffix"):
         raise P.APIError(400, "suffix is not supported", param="suffix")
     n = _check_n(state, req)
@@ -57,7 +57,7 @@ async def _completions(state: _State, request: Request) -> Response:
     params = [_params_for_prompt(state, options, len(ids), req.max_tokens, "max_tokens", default, "prompt")
               for _, ids in prompts]
     response_id, created = P.new_id("cmpl"), P.now()
-    job = _Job(state, "/v1/completions", prompts, params, response_id)
+    job = _Job(state, "/v1/completions", prompts, params, response_id, lora)
     job.submit()
     try:
         echo_texts = [text if text is not None else _decode(state, ids) for text, ids in prompts] if echo else []
@@ -209,7 +209,7 @@ async def _completion_events(job: _Job, context: _CompletionContext) -> AsyncIte
 
 async def _chat(state: _State, request: Request) -> Response:
     req: P.ChatCompletionRequest = await _parse(request, P.ChatCompletionRequest)
-    _check_model(state, req)
+    lora = _check_model(state, req)
     n = _check_n(state, req)
     stream, include_usage = _stream_flags(req)
     k = None
@@ -226,7 +226,7 @@ async def _chat(state: _State, request: Request) -> Response:
     default = state.llm.sampling_defaults.get("max_tokens")
     params = [_params_for_prompt(state, options, len(ids), max_tokens, max_param, default, "messages")]
     response_id, created = P.new_id("chatcmpl"), P.now()
-    job = _Job(state, "/v1/chat/completions", [(text, ids)], params, response_id)
+    job = _Job(state, "/v1/chat/completions", [(text, ids)], params, response_id, lora)
     job.submit()
     try:
         context = _ChatContext(state, req.model, response_id, created, n, k, include_usage)

@@ -30,8 +30,9 @@ class _Job:
     request and leaves the engine's outputs to coalesce (they are cumulative)."""
 
     def __init__(self, state: _State, endpoint: str, prompts: list[tuple[str | None, list[int]]],
-                 params: list[SamplingParams], base_id: str) -> None:
+                 params: list[SamplingParams], base_id: str, lora: Any = None) -> None:
         self.state = state
+        self.lora = lora  # the LoRA adapter the requests run with, or None
         self.endpoint = endpoint
         self.prompts = prompts
         self.params = params
@@ -61,7 +62,7 @@ class _Job:
                 if text is not None:
                     prompt["prompt"] = text
                 request_id = f"{self.base_id}-{index}"
-                active = state.engine.submit(prompt, params, request_id)
+                active = state.engine.submit(prompt, params, request_id, self.lora)
                 self.request_ids.append(request_id)
                 state.metrics.prompt_tokens.inc(len(ids))
                 self._taken.append(asyncio.Event())

@@ -44,6 +44,8 @@ _VALUE_OPTIONS = {
     "num_state_snapshots": "num_state_snapshots",
     "chat_template": "chat_template",
     "speculative_config": "speculative_config",
+    "max_loras": "max_loras",
+    "max_lora_rank": "max_lora_rank",
 }
 
 #: Engine switches (``--no-...``): flag -> :class:`~metrale.LLM` keyword set to False.
@@ -108,7 +110,33 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     engine.add_argument("--chat-template", default=None, metavar="FILE",
                         help="Jinja chat template file replacing the checkpoint's")
+    engine.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT folders) a request picks by its model field; turns LoRA on")
+    engine.add_argument("--max-loras", type=int, default=None, metavar="N",
+                        help="adapters on the device at once (default: 4)")
+    engine.add_argument("--max-lora-rank", type=int, default=None, metavar="N",
+                        help="the largest adapter rank served (default: 16)")
     return parser
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
+    return name, path
+
+
+def lora_modules(args: argparse.Namespace) -> list[Any]:
+    """The :class:`~metrale.lora.LoRARequest` of each ``--lora-modules`` entry (ids from 1, in
+    order); :class:`~metrale.errors.ConfigError` for a name given twice."""
+    from metrale.lora import LoRARequest
+
+    entries = args.lora_modules or []
+    names = [name for name, _ in entries]
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(f"--lora-modules names {name!r} twice")
+    return [LoRARequest(name, index + 1, path) for index, (name, path) in enumerate(entries)]
 
 
 def _speculative_config(text: str) -> dict:
@@ -130,6 +158,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     for flag, keyword in _OFF_SWITCHES.items():
         if getattr(args, flag):
             options[keyword] = False
+    if args.lora_modules:
+        options["enable_lora"] = True
     return options
 
 
@@ -159,6 +189,8 @@ def _check_server_options(args: argparse.Namespace) -> None:
         raise ConfigError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.served_model_name is not None and not args.served_model_name:
         raise ConfigError("--served-model-name must not be empty")
+    if args.served_model_name is not None and any(name == args.served_model_name for name, _ in args.lora_modules or []):
+        raise ConfigError(f"--lora-modules names {args.served_model_name!r}, the base model's served name")
     if args.api_key is not None and not args.api_key:
         raise ConfigError(f"--api-key must not be empty (leave it out, and {API_KEY_VARIABLE} unset, for no key)")
 
@@ -228,12 +260,15 @@ def run_serve(args: argparse.Namespace) -> int:
     from metrale.async_llm import DEFAULT_MAX_WAITING_REQUESTS
 
     waiting = args.max_waiting_requests if args.max_waiting_requests is not None else DEFAULT_MAX_WAITING_REQUESTS
+    adapters = lora_modules(args)
     engine: Any
     if args.engine_in_process:
         from metrale.api import LLM
         from metrale.async_llm import AsyncLLM
 
         llm = LLM(args.model, **engine_options(args))
+        for lora in adapters:
+            llm.add_lora(lora)
         llm.capture_graphs()
         engine = AsyncLLM(llm, max_waiting_requests=waiting)
     else:
@@ -241,7 +276,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
         # Every decode and mixed step's CUDA graph is recorded before the first request (a
         # no-op on the CPU), so no request waits for a recording.
-        engine = EngineProcess(args.model, max_waiting_requests=waiting, capture_graphs=True, **engine_options(args))
+        engine = EngineProcess(args.model, max_waiting_requests=waiting, capture_graphs=True, lora_modules=adapters,
+                               **engine_options(args))
     app_options: dict[str, Any] = {}
     for name in ("max_body_bytes", "max_n", "max_logprobs", "drain_timeout"):
         value = getattr(args, name)
@@ -249,7 +285,7 @@ def run_serve(args: argparse.Namespace) -> int:
             app_options[name] = value
     try:
         serve(engine, model_name=args.served_model_name or args.model, host=args.host, port=args.port, api_key=api_key,
-              log_level=args.log_level, **app_options)
+              log_level=args.log_level, lora_modules=adapters, **app_options)
     except SystemExit as exit:  # uvicorn exits when it cannot bind the address (it logs why)
         return int(exit.code) if isinstance(exit.code, int) else 1
     finally:

@@ -333,10 +333,18 @@ def sse(data: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def models_list(model: str, created: int, max_model_len: int, vocab_size: int) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(model, created, max_model_len, vocab_size)]}
+def models_list(model: str, created: int, max_model_len: int, vocab_size: int,
+                adapters: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The base model, then each LoRA adapter (``adapters``: name -> LoRARequest)."""
+    cards = [model_card(model, created, max_model_len, vocab_size)]
+    cards += [model_card(model, created, max_model_len, vocab_size, lora) for lora in (adapters or {}).values()]
+    return {"object": "list", "data": cards}
 
 
-def model_card(model: str, created: int, max_model_len: int, vocab_size: int) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": created, "owned_by": "metrale", "max_model_len": max_model_len,
+def model_card(model: str, created: int, max_model_len: int, vocab_size: int, lora: Any = None) -> dict[str, Any]:
+    """The card of the base model ``model``, or of its adapter ``lora`` (whose ``parent`` it is)."""
+    card = {"id": model, "object": "model", "created": created, "owned_by": "metrale", "max_model_len": max_model_len,
             "vocab_size": vocab_size}
+    if lora is not None:
+        card.update(id=lora.lora_name, root=str(lora.lora_path), parent=model)
+    return card

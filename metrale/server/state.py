@@ -83,6 +83,8 @@ class _State:
         self.engine: Any = engine
         self.llm: PromptFrontend = engine.llm  # type: ignore[attr-defined]
         self.model_name = model_name
+        #: The LoRA adapters requests may name, by name (:func:`~metrale.server.app.build_app`).
+        self.lora_modules: dict[str, Any] = {}
         self.api_key = api_key.encode("utf-8") if api_key else None
         self.max_body_bytes = max_body_bytes
         self.max_n = max_n
