@@ -52,9 +52,10 @@ class CublasGemm:
         self._one = np.ones(1, dtype=np.float32)
         self._zero = np.zeros(1, dtype=np.float32)
 
-    def __call__(self, x: DeviceArray, weight: DeviceArray, out: DeviceArray) -> DeviceArray:
+    def __call__(self, x: DeviceArray, weight: DeviceArray, out: DeviceArray, accumulate: bool = False) -> DeviceArray:
         """``x [N, K]`` bf16 bits, ``weight [M, K]`` bf16 bits -> ``out [N, M]`` fp32 or bf16; or
-        all three float32 (a float32 product: cuBLAS's default math mode, no TF32)."""
+        all three float32 (a float32 product: cuBLAS's default math mode, no TF32). With
+        ``accumulate`` the product is added to ``out`` (cuBLAS's beta = 1)."""
         op = "linear"
         single = getattr(x, "dtype", None) == np.float32
         in_dtype, in_type = (np.float32, CUDA_R_32F) if single else (np.uint16, CUDA_R_16BF)
@@ -83,7 +84,7 @@ class CublasGemm:
             self.handle, CUBLAS_OP_T, CUBLAS_OP_N, width, rows, inner,
             self._one.ctypes.data, weight.data.ptr, in_type, inner,
             x.data.ptr, in_type, inner,
-            self._zero.ctypes.data, out.data.ptr, out_type, width,
+            (self._one if accumulate else self._zero).ctypes.data, out.data.ptr, out_type, width,
             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
         )
         return out

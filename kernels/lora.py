@@ -1,11 +1,11 @@
 """LoRA on the GPU: every row's adapter update in one launch per step of the product, whatever
 the mix of adapters in the batch (docs/lora.rst).
 
-* the shrink is one cuBLAS product of the rows with every slot's ``A`` at once (``[N, S G R]``:
-  a few megabytes of adapter weights, read once, where a per-row gather reads its slot's ``A``
-  once per row);
-* :func:`lora_expand_kernel` -- ``y[i, o] += shrunk[i, slot s_i's g R : (g + 1) R] . b[s_i, o]``
-  for output column ``o`` of projection ``g``, a thread per column over a tile of rows;
+* :func:`lora_shrink_kernel` -- ``shrunk[i] = x[i] a[s_i]^T`` in bf16, written into row ``i``'s
+  slot's columns of ``[N, S G R]`` and zeros in the others';
+* the expand is then one cuBLAS product accumulated into the projection's output:
+  ``y += shrunk b^T`` with the stack's block-diagonal ``b [out, S G R]``, every slot's ``B`` read
+  once a step (what a per-row gather reads once a row);
 * :func:`lora_token_rows_kernel` -- embedding rows an adapter replaces;
 * :func:`lora_logit_rows_kernel` -- LM-head rows an adapter replaces, a dot product each.
 
@@ -25,41 +25,36 @@ from metrale.kernels._device import (
     block_sum,
     check_array,
     device_view,
+    float_to_bf16,
     jit_kernel,
     numba_stream,
 )
 
 LORA_THREADS = 32 if SIMULATED else 128
-EXPAND_THREADS = 32 if SIMULATED else 128
-EXPAND_ROWS = 4 if SIMULATED else 32
 
 
 @jit_kernel
-def lora_expand_kernel(y, shrunk, b, splits, slots):
-    # Grid: (ceil(out / EXPAND_THREADS), ceil(N / EXPAND_ROWS)); a thread per output column, for
-    # EXPAND_ROWS rows. y [N, out] f32 (updated); shrunk [N, S G R] f32 (slot s's G R columns start
-    # at (s - 1) G R); b [S + 1, out, R] bf16 bits; splits [G + 1] int32; slots [N] int32. A
-    # thread reads its column's R values of each slot once from memory (the rows of one slot hit
-    # the cache), the shrunk rows are the same for every thread of the block.
-    column = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if column >= y.shape[1]:
-        return
-    group = int32(0)
-    while column >= splits[group + 1]:
-        group += 1
-    rank = b.shape[2]
-    groups = splits.shape[0] - 1
-    first = cuda.blockIdx.y * EXPAND_ROWS
-    last = min(first + EXPAND_ROWS, y.shape[0])
-    for row in range(first, last):
-        slot = slots[row]
-        if slot == 0:
-            continue
-        base = ((slot - 1) * groups + group) * rank
+def lora_shrink_kernel(x, x_bf16, a, slots, shrunk):
+    # Grid: (N rows, G R rank rows), LORA_THREADS threads. x [N, in] f32 or bf16 bits (x_bf16);
+    # a [S + 1, G R, in] bf16 bits; slots [N] int32; shrunk [N, S G R] bf16 bits: the row's
+    # product with its slot's rank row in its slot's columns, zero in every other slot's (and
+    # everywhere for a base-model row), so one product with the stack's b adds each row's update.
+    row = cuda.blockIdx.x
+    rank_row = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    width = a.shape[1]
+    slot = slots[row]
+    partial = cuda.shared.array(LORA_THREADS, float32)
+    total = float32(0.0)
+    if slot != 0:
         acc = float32(0.0)
-        for r in range(rank):
-            acc += shrunk[row, base + r] * bf16_to_float(b[slot, column, r])
-        y[row, column] += acc
+        for k in range(tid, x.shape[1], LORA_THREADS):
+            value = bf16_to_float(x[row, k]) if x_bf16 else float32(x[row, k])
+            acc += value * bf16_to_float(a[slot, rank_row, k])
+        total = block_sum(partial, tid, acc, LORA_THREADS)
+    bits = float_to_bf16(total)
+    for other in range(tid + 1, a.shape[0], LORA_THREADS):
+        shrunk[row, (other - 1) * width + rank_row] = bits if other == slot else np.uint16(0)
 
 
 @jit_kernel
@@ -109,24 +104,23 @@ def lora_logit_rows_kernel(logits, h, h_bf16, slots, tokens, rows):
         logits[row, token] = total
 
 
-def lora_expand(y: DeviceArray, shrunk: DeviceArray, b: DeviceArray, splits: DeviceArray, slots: DeviceArray,
+def lora_shrink(x: DeviceArray, a: DeviceArray, slots: DeviceArray, shrunk: DeviceArray,
                 stream: object = None) -> DeviceArray:
-    """Add each row's LoRA update to ``y [N, out]`` (float32, in place) from ``shrunk [N, S G R]``,
-    the rows' products with every slot's ``A`` (slot ``s`` at columns ``(s - 1) G R``), and
-    ``b [S + 1, out, R]`` bf16 bits; ``splits [G + 1]`` and ``slots [N]`` int32."""
+    """Launch :func:`lora_shrink_kernel`: ``x [N, in]`` (float32 or bf16 bits) against ``a [S + 1,
+    G R, in]`` (bf16 bits) into bf16 ``shrunk [N, S G R]``, each row in its slot's columns."""
     op = "lora_linear"
-    check_array(op, "y", y, np.float32, ndim=2)
-    rows, width = y.shape
-    groups = splits.shape[0] - 1
-    check_array(op, "b", b, np.uint16, (None, width, None))
-    check_array(op, "splits", splits, np.int32, ndim=1)
+    if x.dtype not in (np.float32, np.uint16):
+        check_array(op, "x", x, np.float32)
+    check_array(op, "x", x, x.dtype, ndim=2)
+    rows, inner = x.shape
+    check_array(op, "a", a, np.uint16, (None, None, inner))
     check_array(op, "slots", slots, np.int32, (rows,))
-    check_array(op, "shrunk", shrunk, np.float32, (rows, (b.shape[0] - 1) * groups * b.shape[2]))
-    if rows and width:
-        lora_expand_kernel[(-(-width // EXPAND_THREADS), -(-rows // EXPAND_ROWS)), EXPAND_THREADS, numba_stream(stream)](
-            device_view(y), device_view(shrunk), device_view(b), device_view(splits), device_view(slots),
+    check_array(op, "shrunk", shrunk, np.uint16, (rows, (a.shape[0] - 1) * a.shape[1]))
+    if rows:
+        lora_shrink_kernel[(rows, a.shape[1]), LORA_THREADS, numba_stream(stream)](
+            device_view(x), x.dtype == np.uint16, device_view(a), device_view(slots), device_view(shrunk),
         )
-    return y
+    return shrunk
 
 
 def lora_token_rows(x: DeviceArray, ids: DeviceArray, slots: DeviceArray, tokens: DeviceArray, rows: DeviceArray,

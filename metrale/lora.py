@@ -258,12 +258,13 @@ class LoraStack:
 
     ``names`` are the projections the fused weight stacks (PEFT's module names inside a decoder
     layer, e.g. ``("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")``), ``out_sizes``
-    their output rows, in order; ``in_size`` their input width. For ``S`` adapter slots and rank
-    ``R`` (``max_lora_rank``): ``a [S + 1, G R, in]`` holds each projection's ``A`` in its own
-    ``R`` rows, ``b [S + 1, out, R]`` each output row's ``scale * B`` (zero-padded past a module's
-    rank), ``splits [G + 1]`` the output rows where each projection starts. Slot 0 stays zero: the
-    base model. The op ``lora_linear`` adds ``(x a[s]^T)[g R : (g + 1) R] b[s]^T`` to each row's
-    output rows of projection ``g``.
+    their output rows, in order; ``in_size`` their input width. For ``S`` adapter slots, ``G``
+    projections and rank ``R`` (``max_lora_rank``): ``a [S + 1, G R, in]`` holds each projection's
+    ``A`` in its own ``R`` rows (slot 0, the base model, stays zero); ``b [out, S G R]`` holds
+    every slot's ``scale * B`` side by side, block-diagonal: slot ``s``'s projection ``g`` at
+    columns ``(s - 1) G R + g R`` and the output rows of projection ``g`` (zero elsewhere, and
+    past a module's rank). The op ``lora_linear`` adds ``(x a[s]^T) b[:, (s - 1) G R : s G R]^T``
+    to each row of slot ``s``: one product with ``b`` serves every row whatever its slot.
 
     A fused weight may hold a projection's rows in another order, or in two places (Qwen3-Next's
     ``q_proj``, whose query and gate rows are regrouped): ``row_maps[g]``, when given, lists the
@@ -277,7 +278,6 @@ class LoraStack:
     rank: int
     a: Any
     b: Any
-    splits: Any
     row_maps: tuple[Any, ...] = ()
     module_rows: tuple[int, ...] = ()
 
@@ -287,11 +287,10 @@ class LoraStack:
                  module_rows: tuple[int, ...] = ()) -> "LoraStack":
         if len(names) != len(out_sizes) or not names:
             raise ConfigError(f"a LoRA stack needs one output size per projection, got {names} and {out_sizes}")
-        dtype, count, rank = _weight_dtype(backend), max_loras + 1, max_lora_rank
-        splits = np.concatenate([[0], np.cumsum(out_sizes)]).astype(np.int32)
+        dtype, rank, width = _weight_dtype(backend), max_lora_rank, len(names) * max_lora_rank
         return cls(tuple(names), tuple(int(s) for s in out_sizes), int(in_size), rank,
-                   backend.zeros((count, len(names) * rank, in_size), dtype),
-                   backend.zeros((count, int(splits[-1]), rank), dtype), backend.xp.asarray(splits),
+                   backend.zeros((max_loras + 1, width, in_size), dtype),
+                   backend.zeros((int(sum(out_sizes)), max_loras * width), dtype),
                    tuple(row_maps), tuple(module_rows) or tuple(int(s) for s in out_sizes))
 
     @property
@@ -300,25 +299,26 @@ class LoraStack:
         return {name: (out, self.in_size) for name, out in zip(self.names, self.module_rows)}
 
     def host_slot(self, modules: list["LoraModule | None"]) -> tuple[np.ndarray, np.ndarray]:
-        """One slot's ``(a [G R, in], b [out, R])`` for ``modules`` (one per projection, None
+        """One slot's ``(a [G R, in], b [out, G R])`` for ``modules`` (one per projection, None
         where the adapter leaves it alone)."""
         rank = self.rank
         a = np.zeros((len(self.names) * rank, self.in_size), np.float32)
-        b = np.zeros((sum(self.out_sizes), rank), np.float32)
+        b = np.zeros((sum(self.out_sizes), len(self.names) * rank), np.float32)
         start = 0
         for index, (module, out) in enumerate(zip(modules, self.out_sizes)):
             if module is not None:
                 rows = module.b if not self.row_maps or self.row_maps[index] is None else module.b[self.row_maps[index]]
                 a[index * rank : index * rank + module.rank] = module.a
-                b[start : start + out, : module.rank] = module.scale * rows
+                b[start : start + out, index * rank : index * rank + module.rank] = module.scale * rows
             start += out
         return a, b
 
     def write(self, backend: Any, slot: int, modules: list["LoraModule | None"]) -> None:
         """Put ``modules`` in ``slot`` (zeros where a module is None)."""
         a, b = self.host_slot(modules)
+        width = a.shape[0]
         self.a[slot] = backend.weight(a)
-        self.b[slot] = backend.weight(b)
+        self.b[:, (slot - 1) * width : slot * width] = backend.weight(b)
 
 
 @dataclass

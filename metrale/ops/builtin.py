@@ -59,19 +59,16 @@ def rmsnorm_mlp(x, residual, norm_weight, eps, offset, gate_up, down, gate_up_bi
     return linear(linear_silu(normed, gate_up, gate_up_bias), down, down_bias), summed
 
 
-def lora_linear(y, x, a, b, splits, slots):
-    # Rows grouped by slot: one product per adapter present (the GPU kernel takes every row at once).
+def lora_linear(y, x, a, b, slots):
+    # Rows grouped by slot: one product per adapter present (the GPU takes every row at once).
     x = to_float32(x)
     a, b = to_float32(a), to_float32(b)
-    rank = b.shape[2]
+    width = a.shape[1]
     for slot in np.unique(slots):
         if slot == 0:
             continue
         rows = np.nonzero(slots == slot)[0]
-        shrunk = x[rows] @ a[slot].T
-        for group in range(len(splits) - 1):
-            lo, hi = int(splits[group]), int(splits[group + 1])
-            y[rows, lo:hi] += shrunk[:, group * rank : (group + 1) * rank] @ b[slot, lo:hi].T
+        y[rows] += (x[rows] @ a[slot].T) @ b[:, (slot - 1) * width : slot * width].T
     return y
 
 
@@ -310,12 +307,18 @@ def _lora_slots(rng: np.random.Generator, rows: int, slots: int) -> np.ndarray:
 def _lora_linear_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
     examples = []
     for rows, inner, outs, rank, slots in ((1, 64, (48,), 8, 1), (7, 96, (64, 32, 32), 16, 3), (33, 128, (80, 80), 4, 4)):
-        splits = np.concatenate([[0], np.cumsum(outs)]).astype(np.int32)
-        a = _rows(rng, slots + 1, len(outs) * rank, inner, scale=0.2)
-        b = _rows(rng, slots + 1, int(splits[-1]), rank, scale=0.2)
-        a[0], b[0] = 0.0, 0.0
-        examples.append({"y": _rows(rng, rows, int(splits[-1])), "x": _rows(rng, rows, inner), "a": a, "b": b,
-                         "splits": splits, "slots": _lora_slots(rng, rows, slots)})
+        width = len(outs) * rank
+        a = _rows(rng, slots + 1, width, inner, scale=0.2)
+        a[0] = 0.0
+        b = np.zeros((sum(outs), slots * width), np.float32)  # block-diagonal per slot (LoraStack)
+        start = 0
+        for group, out in enumerate(outs):
+            for slot in range(slots):
+                column = slot * width + group * rank
+                b[start : start + out, column : column + rank] = _rows(rng, out, rank, scale=0.2)
+            start += out
+        examples.append({"y": _rows(rng, rows, sum(outs)), "x": _rows(rng, rows, inner), "a": a, "b": b,
+                         "slots": _lora_slots(rng, rows, slots)})
     return examples
 
 
@@ -645,11 +648,11 @@ def _declarations() -> list[tuple[Op, str]]:
             cuda_tolerance=1e-5),
          "attention_latent"),
         (Op("lora_linear", "Each row's LoRA update added to a projection's output (in place, returned): for a row of "
-            "adapter slot ``s = slots[i]`` (0: the base model, no update) and each projection ``g`` of a fused weight, "
-            "``y[i, splits[g]:splits[g + 1]] += (x[i] a[s]^T)[g R : (g + 1) R] b[s, splits[g]:splits[g + 1]]^T`` "
-            "(:class:`~metrale.lora.LoraStack`; the scale is folded into ``b``).",
-            (P("y", "[N, out]", "activation"), P("x", "[N, in]", "matmul_input"), P("a", "[S, G R, in]", "weight"),
-             P("b", "[S, out, R]", "weight"), P("splits", "[G + 1]", "index"), P("slots", "[N]", "index")),
+            "adapter slot ``s = slots[i]`` (0: the base model, no update), ``y[i] += (x[i] a[s]^T) b[:, (s - 1) W : s W]^T`` "
+            "with ``W = G R`` (:class:`~metrale.lora.LoraStack`: ``b`` block-diagonal over a fused weight's ``G`` "
+            "projections, the scale folded in).",
+            (P("y", "[N, out]", "activation"), P("x", "[N, in]", "matmul_input"), P("a", "[S + 1, G R, in]", "weight"),
+             P("b", "[out, S G R]", "weight"), P("slots", "[N]", "index")),
             (P("y", "[N, out]", "activation"),), lora_linear, examples=_lora_linear_examples),
          "lora"),
         (Op("lora_token_rows", "Embedding rows an adapter replaces (in place, returned): ``x[i] = rows[s, k]`` where "

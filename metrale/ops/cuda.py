@@ -467,11 +467,12 @@ class CudaKernels:
     def feed_tokens(self, token_ids: Any, source: Any, rows: Any, indices: Any) -> Any:
         return token_feed.feed_tokens(token_ids, source, rows, indices, self.stream)
 
-    def lora_linear(self, y: Any, x: Any, a: Any, b: Any, splits: Any, slots: Any) -> Any:
-        # Every slot's A in one product (slot 0, the base model's zeros, left out).
-        count, width, inner = a.shape
-        shrunk = self.linear(x, a[1:].reshape((count - 1) * width, inner))
-        return lora.lora_expand(y, shrunk, b, splits, slots, self.stream)
+    def lora_linear(self, y: Any, x: Any, a: Any, b: Any, slots: Any) -> Any:
+        if x.dtype != bf16:
+            x = cp.ascontiguousarray(x, dtype=f32)
+        shrunk = cp.empty((y.shape[0], b.shape[1]), dtype=bf16)
+        lora.lora_shrink(cp.ascontiguousarray(x), a, slots, shrunk, self.stream)
+        return self.gemm(shrunk, b, y, accumulate=True)
 
     def lora_token_rows(self, x: Any, ids: Any, slots: Any, tokens: Any, rows: Any) -> Any:
         return lora.lora_token_rows(x, ids, slots, tokens, rows, self.stream)

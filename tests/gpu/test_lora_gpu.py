@@ -19,9 +19,11 @@ pytestmark = pytest.mark.gpu
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.mark.parametrize("inner, outs, x_bf16", [(4096, (4096, 1024, 1024), False), (14336, (4096,), True),
+@pytest.mark.parametrize("inner, outs, x_bf16", [(4096, (4096, 1024, 1024), True), (14336, (4096,), True),
                                                  (4096, (14336, 14336), False)])
 def test_lora_linear_at_the_8b_shape(inner, outs, x_bf16):
+    """Batch 32, four rank-16 slots and base-model rows: the op against its reference (the shrunk
+    rows are bf16, as the product's inputs)."""
     import cupy as cp
 
     from metrale.backend import get_backend
@@ -31,45 +33,56 @@ def test_lora_linear_at_the_8b_shape(inner, outs, x_bf16):
     backend.use_ops(build_op_registry())
     rng = np.random.default_rng(inner)
     rows, rank, slots = 32, 16, 4
-    splits = np.concatenate([[0], np.cumsum(outs)]).astype(np.int32)
-    a = bf16(rng, (slots + 1, len(outs) * rank, inner), 0.05)
-    b = bf16(rng, (slots + 1, int(splits[-1]), rank), 0.05)
-    a[0], b[0] = 0, 0
+    width = len(outs) * rank
+    a = bf16(rng, (slots + 1, width, inner), 0.05)
+    a[0] = 0
+    b = np.zeros((sum(outs), slots * width), np.uint16)
+    start = 0
+    for group, out in enumerate(outs):
+        for slot in range(slots):
+            b[start : start + out, slot * width + group * rank : slot * width + (group + 1) * rank] = bf16(
+                rng, (out, rank), 0.05)
+        start += out
     x = bf16(rng, (rows, inner)) if x_bf16 else rng.standard_normal((rows, inner)).astype(np.float32)
     row_slots = rng.integers(0, slots + 1, rows).astype(np.int32)
-    y = rng.standard_normal((rows, int(splits[-1]))).astype(np.float32)
+    y = rng.standard_normal((rows, sum(outs))).astype(np.float32)
     expected = builtin.lora_linear(y.copy(), bf16_to_float32(x) if x_bf16 else x, bf16_to_float32(a),
-                                   bf16_to_float32(b), splits, row_slots)
+                                   bf16_to_float32(b), row_slots)
     with backend.activate():
-        got = backend.ops.lora_linear(cp.asarray(y), cp.asarray(x), cp.asarray(a), cp.asarray(b), cp.asarray(splits),
+        got = backend.ops.lora_linear(cp.asarray(y), cp.asarray(x), cp.asarray(a), cp.asarray(b),
                                       cp.asarray(row_slots))
         backend.synchronize()
-    # (the shrink's product rounds nothing: bf16 inputs, float32 accumulation and result)
-    assert rel_error(cp.asnumpy(got) - y, expected - y) <= 1e-3
+    assert rel_error(cp.asnumpy(got) - y, expected - y) <= 1e-2
+    np.testing.assert_array_equal(cp.asnumpy(got)[row_slots == 0], y[row_slots == 0])
 
 
-def adapters(checkpoint, tmp_path, count=3, scale=0.2):
+def adapters(checkpoint, tmp_path, count=3, scale=0.2, targets=PROJECTIONS):
     requests = []
     for index in range(count):
         build_peft_adapter(checkpoint, tmp_path / f"a{index}", seed=index, scale=scale, r=[8, 16, 4][index % 3],
-                           lora_alpha=16,
-                           target_modules=PROJECTIONS, trainable_token_indices={"embed_tokens": [5, 17],
-                                                                                "lm_head": [3, 40]})
+                           lora_alpha=16, target_modules=targets,
+                           trainable_token_indices={"embed_tokens": [5, 17], "lm_head": [3, 40]})
         requests.append(LoRARequest(f"a{index}", index + 1, tmp_path / f"a{index}"))
     return requests
 
 
-def test_logits_with_adapters_match_the_cpu_backend(dense_checkpoints, tmp_path):
-    checkpoint = dense_checkpoints["llama"]
+# (PEFT turns MLP targets of models with fused experts into expert parameters: attention only there.)
+FAMILY_TARGETS = {"dense": PROJECTIONS, "mla": ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"],
+                  "gdn": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"]}
+
+
+@pytest.mark.parametrize("family", ["dense", "mla", "gdn"])
+def test_logits_with_adapters_match_the_cpu_backend(family_checkpoint_of, tmp_path, family):
+    checkpoint = family_checkpoint_of(family)
     # Adapter weights of the base weights' size (0.15 N): bf16 rounds them as it rounds those.
-    request = adapters(checkpoint, tmp_path, 1, scale=0.05)[0]
+    request = adapters(checkpoint, tmp_path, 1, scale=0.05, targets=FAMILY_TARGETS[family])[0]
     tokens = [5, 17, 99, 3, 42, 8, 61, 23, 77, 14, 2, 90]
     results, base = [], []
     for device in ("cpu", "cuda"):
         with LLM(str(checkpoint), device=device, enable_lora=True, show_progress=False) as llm:
             results.append(llm.score(tokens, lora_request=request))
             base.append(llm.score(tokens))
-    assert rel_error(results[0], base[0]) > 0.1  # the adapter moves the logits far past the tolerance
+    assert rel_error(results[0], base[0]) > 0.05  # the adapter moves the logits past the tolerance
     assert rel_error(results[1], results[0]) <= 2e-2
     assert rel_error(base[1], base[0]) <= 2e-2
 

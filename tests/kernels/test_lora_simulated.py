@@ -1,7 +1,7 @@
 """The LoRA kernels (metrale/kernels/lora.py) against the ops' NumPy references, under numba's
-CUDA simulator: the expand after the shrink's product with every slot, mixed slots with the base
-model's rows, float32 and bf16 inputs, fused projections of several parts, more rows than a
-block's tile, token rows of several adapters."""
+CUDA simulator: the shrink into each row's slot's columns (then the product the GPU runs), mixed
+slots with the base model's rows, float32 and bf16 inputs, fused projections of several parts,
+token rows of several adapters."""
 
 from __future__ import annotations
 
@@ -23,24 +23,29 @@ def bf16(values):
 
 
 @pytest.mark.parametrize("x_bf16", [False, True])
-def test_lora_linear_matches_the_reference(x_bf16):
+def test_the_shrink_writes_each_row_into_its_slot_s_columns(x_bf16):
     rng = np.random.default_rng(0)
-    rows, inner, rank, slots = 7, 40, 4, 3
-    splits = np.array([0, 24, 32, 40], np.int32)
-    a = bf16(rng.standard_normal((slots + 1, 3 * rank, inner)) * 0.3)
-    b = bf16(rng.standard_normal((slots + 1, 40, rank)) * 0.3)
-    a[0], b[0] = 0, 0
-    x = rng.standard_normal((rows, inner)).astype(np.float32)
+    example = builtin._lora_linear_examples(rng)[1]  # 7 rows, three projections, rank 16, 3 slots
+    a, b, x, y, row_slots = (example[k] for k in ("a", "b", "x", "y", "slots"))
+    row_slots[:3] = [0, 1, 3]
+    a_bits, b_bits = bf16(a), bf16(b)
     x_in = bf16(x) if x_bf16 else x
-    row_slots = np.array([0, 1, 2, 1, 3, 0, 2], np.int32)
-    y = rng.standard_normal((rows, 40)).astype(np.float32)
-    expected = builtin.lora_linear(y.copy(), bf16_to_float32(x_in) if x_bf16 else x, bf16_to_float32(a),
-                                   bf16_to_float32(b), splits, row_slots)
-    flat = bf16_to_float32(a[1:]).reshape(slots * 3 * rank, inner)
-    shrunk = ((bf16_to_float32(x_in) if x_bf16 else x) @ flat.T).astype(np.float32)  # the cuBLAS product
-    got = lora.lora_expand(y.copy(), shrunk, b, splits, row_slots)
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(got[[0, 5]], y[[0, 5]])  # base-model rows untouched
+    x_used = bf16_to_float32(x_in) if x_bf16 else x
+    width = a.shape[1]
+    shrunk = lora.lora_shrink(x_in, a_bits, row_slots, np.full((len(x), 3 * width), 7, np.uint16))
+    for row, slot in enumerate(row_slots):
+        values = bf16_to_float32(shrunk[row]).reshape(3, width)
+        expected = x_used[row] @ bf16_to_float32(a_bits[slot]).T if slot else np.zeros(width, np.float32)
+        for other in range(1, 4):
+            if other == slot:
+                np.testing.assert_allclose(values[other - 1], expected, rtol=1e-2, atol=1e-3)
+            else:
+                assert not values[other - 1].any()
+    # The product the GPU then runs (cuBLAS) gives the op's reference.
+    got = y + bf16_to_float32(shrunk) @ bf16_to_float32(b_bits).T
+    reference = builtin.lora_linear(y.copy(), x_used, bf16_to_float32(a_bits), bf16_to_float32(b_bits), row_slots)
+    assert np.abs(got - reference).max() <= 1e-2 * np.abs(reference - y).max()
+    np.testing.assert_array_equal(got[row_slots == 0], y[row_slots == 0])  # base-model rows untouched
 
 
 def test_token_rows_and_logit_rows_match_the_references():
