@@ -1,8 +1,9 @@
 """LoRA on the GPU: every row's adapter update in one launch per step of the product, whatever
 the mix of adapters in the batch (docs/lora.rst).
 
-* :func:`lora_shrink_kernel` -- ``shrunk[i] = x[i] a[s_i]^T`` in bf16, written into row ``i``'s
-  slot's columns of ``[N, S G R]`` and zeros in the others';
+* the shrink is one cuBLAS product of the rows with every slot's ``A`` at once (``[N, S G R]``,
+  slot 0's zeros left out), then :func:`lora_select_kernel` keeps each row's own slot's columns
+  (in bf16) and zeroes the others';
 * the expand is then one cuBLAS product accumulated into the projection's output:
   ``y += shrunk b^T`` with the stack's block-diagonal ``b [out, S G R]``, every slot's ``B`` read
   once a step (what a per-row gather reads once a row);
@@ -34,27 +35,16 @@ LORA_THREADS = 32 if SIMULATED else 128
 
 
 @jit_kernel
-def lora_shrink_kernel(x, x_bf16, a, slots, shrunk):
-    # Grid: (N rows, G R rank rows), LORA_THREADS threads. x [N, in] f32 or bf16 bits (x_bf16);
-    # a [S + 1, G R, in] bf16 bits; slots [N] int32; shrunk [N, S G R] bf16 bits: the row's
-    # product with its slot's rank row in its slot's columns, zero in every other slot's (and
-    # everywhere for a base-model row), so one product with the stack's b adds each row's update.
+def lora_select_kernel(products, width, slots, shrunk):
+    # Grid: (N rows, ceil(S W / LORA_THREADS)). products [N, S W] f32: each row's product with
+    # every slot's A (one cuBLAS product); shrunk [N, S W] bf16 bits: the row's own slot's W
+    # columns kept, every other slot's zeroed (everything for a base-model row), so one product
+    # with the stack's b adds each row's update.
     row = cuda.blockIdx.x
-    rank_row = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    width = a.shape[1]
-    slot = slots[row]
-    partial = cuda.shared.array(LORA_THREADS, float32)
-    total = float32(0.0)
-    if slot != 0:
-        acc = float32(0.0)
-        for k in range(tid, x.shape[1], LORA_THREADS):
-            value = bf16_to_float(x[row, k]) if x_bf16 else float32(x[row, k])
-            acc += value * bf16_to_float(a[slot, rank_row, k])
-        total = block_sum(partial, tid, acc, LORA_THREADS)
-    bits = float_to_bf16(total)
-    for other in range(tid + 1, a.shape[0], LORA_THREADS):
-        shrunk[row, (other - 1) * width + rank_row] = bits if other == slot else np.uint16(0)
+    column = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if column < shrunk.shape[1]:
+        keep = column // width + 1 == slots[row]
+        shrunk[row, column] = float_to_bf16(products[row, column]) if keep else np.uint16(0)
 
 
 @jit_kernel
@@ -104,21 +94,18 @@ def lora_logit_rows_kernel(logits, h, h_bf16, slots, tokens, rows):
         logits[row, token] = total
 
 
-def lora_shrink(x: DeviceArray, a: DeviceArray, slots: DeviceArray, shrunk: DeviceArray,
+def lora_select(products: DeviceArray, width: int, slots: DeviceArray, shrunk: DeviceArray,
                 stream: object = None) -> DeviceArray:
-    """Launch :func:`lora_shrink_kernel`: ``x [N, in]`` (float32 or bf16 bits) against ``a [S + 1,
-    G R, in]`` (bf16 bits) into bf16 ``shrunk [N, S G R]``, each row in its slot's columns."""
+    """Launch :func:`lora_select_kernel`: from ``products [N, S W]`` (float32) keep each row's
+    slot's ``W`` columns, in bf16, in ``shrunk`` (the rest zero)."""
     op = "lora_linear"
-    if x.dtype not in (np.float32, np.uint16):
-        check_array(op, "x", x, np.float32)
-    check_array(op, "x", x, x.dtype, ndim=2)
-    rows, inner = x.shape
-    check_array(op, "a", a, np.uint16, (None, None, inner))
+    check_array(op, "products", products, np.float32, ndim=2)
+    rows, columns = products.shape
     check_array(op, "slots", slots, np.int32, (rows,))
-    check_array(op, "shrunk", shrunk, np.uint16, (rows, (a.shape[0] - 1) * a.shape[1]))
-    if rows:
-        lora_shrink_kernel[(rows, a.shape[1]), LORA_THREADS, numba_stream(stream)](
-            device_view(x), x.dtype == np.uint16, device_view(a), device_view(slots), device_view(shrunk),
+    check_array(op, "shrunk", shrunk, np.uint16, (rows, columns))
+    if rows and columns:
+        lora_select_kernel[(rows, -(-columns // LORA_THREADS)), LORA_THREADS, numba_stream(stream)](
+            device_view(products), np.int32(width), device_view(slots), device_view(shrunk),
         )
     return shrunk
 

@@ -476,8 +476,10 @@ class LoraManager:
 
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         self._held_by.pop(slot, None)  # a torn write leaves the slot empty, never half another adapter's
-        for layer, stack in self.layout.stacks:
-            stack.write(self.backend, slot, [adapter.modules.get((layer, name)) for name in stack.names])
-        for matrix, rows in self.layout.token_rows.items():
-            rows.write(self.backend, slot, adapter.token_rows.get(matrix))
+        # On the engine's stream: the copies land before any forward queued after them reads the slot.
+        with self.backend.activate():
+            for layer, stack in self.layout.stacks:
+                stack.write(self.backend, slot, [adapter.modules.get((layer, name)) for name in stack.names])
+            for matrix, rows in self.layout.token_rows.items():
+                rows.write(self.backend, slot, adapter.token_rows.get(matrix))
         self._held_by[slot] = adapter.int_id

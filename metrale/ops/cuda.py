@@ -468,10 +468,11 @@ class CudaKernels:
         return token_feed.feed_tokens(token_ids, source, rows, indices, self.stream)
 
     def lora_linear(self, y: Any, x: Any, a: Any, b: Any, slots: Any) -> Any:
-        if x.dtype != bf16:
-            x = cp.ascontiguousarray(x, dtype=f32)
-        shrunk = cp.empty((y.shape[0], b.shape[1]), dtype=bf16)
-        lora.lora_shrink(cp.ascontiguousarray(x), a, slots, shrunk, self.stream)
+        # Every slot's A in one product (slot 0, the base model's zeros, left out), each row's
+        # own slot's columns kept, then every slot's B in one product added to y.
+        count, width, inner = a.shape
+        products = self.linear(x, a[1:].reshape((count - 1) * width, inner))
+        shrunk = lora.lora_select(products, width, slots, cp.empty(products.shape, dtype=bf16), self.stream)
         return self.gemm(shrunk, b, y, accumulate=True)
 
     def lora_token_rows(self, x: Any, ids: Any, slots: Any, tokens: Any, rows: Any) -> Any:

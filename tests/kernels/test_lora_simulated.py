@@ -1,5 +1,5 @@
 """The LoRA kernels (metrale/kernels/lora.py) against the ops' NumPy references, under numba's
-CUDA simulator: the shrink into each row's slot's columns (then the product the GPU runs), mixed
+CUDA simulator: each row's slot's columns of the shrink kept (then the product the GPU runs), mixed
 slots with the base model's rows, float32 and bf16 inputs, fused projections of several parts,
 token rows of several adapters."""
 
@@ -23,25 +23,26 @@ def bf16(values):
 
 
 @pytest.mark.parametrize("x_bf16", [False, True])
-def test_the_shrink_writes_each_row_into_its_slot_s_columns(x_bf16):
+def test_the_selection_keeps_each_row_s_slot_columns(x_bf16):
     rng = np.random.default_rng(0)
     example = builtin._lora_linear_examples(rng)[1]  # 7 rows, three projections, rank 16, 3 slots
     a, b, x, y, row_slots = (example[k] for k in ("a", "b", "x", "y", "slots"))
     row_slots[:3] = [0, 1, 3]
     a_bits, b_bits = bf16(a), bf16(b)
-    x_in = bf16(x) if x_bf16 else x
-    x_used = bf16_to_float32(x_in) if x_bf16 else x
+    x_used = bf16_to_float32(bf16(x)) if x_bf16 else x
     width = a.shape[1]
-    shrunk = lora.lora_shrink(x_in, a_bits, row_slots, np.full((len(x), 3 * width), 7, np.uint16))
+    # The shrink's product (cuBLAS on the GPU) with every slot's A, slot 0 left out.
+    products = (x_used @ bf16_to_float32(a_bits[1:]).reshape(3 * width, -1).T).astype(np.float32)
+    shrunk = lora.lora_select(products, width, row_slots, np.full(products.shape, 7, np.uint16))
     for row, slot in enumerate(row_slots):
         values = bf16_to_float32(shrunk[row]).reshape(3, width)
-        expected = x_used[row] @ bf16_to_float32(a_bits[slot]).T if slot else np.zeros(width, np.float32)
         for other in range(1, 4):
             if other == slot:
-                np.testing.assert_allclose(values[other - 1], expected, rtol=1e-2, atol=1e-3)
+                np.testing.assert_array_equal(shrunk[row].reshape(3, width)[other - 1],
+                                              bf16(products[row].reshape(3, width)[other - 1]))
             else:
                 assert not values[other - 1].any()
-    # The product the GPU then runs (cuBLAS) gives the op's reference.
+    # The product the GPU then runs (cuBLAS, accumulated into y) gives the op's reference.
     got = y + bf16_to_float32(shrunk) @ bf16_to_float32(b_bits).T
     reference = builtin.lora_linear(y.copy(), x_used, bf16_to_float32(a_bits), bf16_to_float32(b_bits), row_slots)
     assert np.abs(got - reference).max() <= 1e-2 * np.abs(reference - y).max()
