@@ -6,7 +6,9 @@ the mix of adapters in the batch (docs/lora.rst).
   (in bf16) and zeroes the others';
 * the expand is then one cuBLAS product accumulated into the projection's output:
   ``y += shrunk b^T`` with the stack's block-diagonal ``b [out, S G R]``, every slot's ``B`` read
-  once a step (what a per-row gather reads once a row);
+  once a step (what a per-row gather reads once a row); or, where its staging fits,
+  :func:`lora_expand_words` (CUDA C++) in one launch straight from the products, each row reading
+  only its own slot's columns (no selection kernel before it);
 * :func:`lora_token_rows_kernel` -- embedding rows an adapter replaces;
 * :func:`lora_logit_rows_kernel` -- LM-head rows an adapter replaces, a dot product each.
 
@@ -16,9 +18,12 @@ are device arrays that never move, so a CUDA graph replays any mix of adapters.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numba import cuda, float32, int32
 
+from metrale.errors import KernelArgumentError
 from metrale.kernels._device import (
     SIMULATED,
     DeviceArray,
@@ -146,3 +151,115 @@ def lora_logit_rows(logits: DeviceArray, h: DeviceArray, slots: DeviceArray, tok
             device_view(rows),
         )
     return logits
+
+
+# ------------------------------------------------------------------------- the CUDA C++ expand
+
+from metrale.kernels._launch import DEPENDENT_LAUNCH, launch  # noqa: E402
+
+#: Output columns, rows and threads of a block of :func:`lora_expand_words`.
+EXPAND_COLUMNS = 32
+EXPAND_ROWS = 16
+EXPAND_THREADS = 256
+#: The most shared memory a block of :func:`lora_expand_words` takes (the default limit).
+EXPAND_SHARED_BYTES = 48 * 1024
+
+EXPAND_KERNEL = r"""
+#define LORA_COLUMNS 32
+#define LORA_ROWS 16
+#define LORA_THREADS 256
+#define LORA_STRIDE (LORA_COLUMNS + 1)   // b's staged rows padded: a warp's 32 columns in 32 banks
+
+// y[i, o] += sum_{k < W} products[i, (s - 1) W + k] * b[o, (s - 1) W + k] for each row i of adapter
+// slot s = slots[i] > 0: the expand of a LoRA update from every slot's shrunk products (one cuBLAS
+// product), each row reading only its own slot's W columns. products float32 [N, K], slots int32
+// [N], b bf16 bits [out, K], y float32 [N, out], K = slots_count W. Grid (ceil(out / LORA_COLUMNS),
+// ceil(N / LORA_ROWS)) blocks of LORA_THREADS: a block stages its rows' products and its columns'
+// b (transposed) in shared memory, then a warp takes 32 columns of one row at a time.
+extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_expand_words(
+    const float* __restrict__ products, const int* __restrict__ slots, const unsigned short* __restrict__ b,
+    float* __restrict__ y, int rows, int out, int width, int slots_count) {
+    DYNAMIC_SHARED;
+    float* staged = reinterpret_cast<float*>(dynamic_shared);
+    const int K = width * slots_count;
+    float* p = staged;                       // [LORA_ROWS][K]
+    float* bt = staged + LORA_ROWS * K;      // [K][LORA_STRIDE]
+    const int column0 = blockIdx.x * LORA_COLUMNS, row0 = blockIdx.y * LORA_ROWS;
+    wait_for_producers();
+    for (int index = threadIdx.x; index < LORA_ROWS * K; index += LORA_THREADS) {
+        const int r = index / K, k = index - r * K;
+        p[index] = row0 + r < rows ? products[(size_t)(row0 + r) * K + k] : 0.0f;
+    }
+    for (int index = threadIdx.x; index < LORA_COLUMNS * K; index += LORA_THREADS) {
+        const int c = index / K, k = index - c * K;
+        bt[k * LORA_STRIDE + c] = column0 + c < out ? bf16_bits(b[(size_t)(column0 + c) * K + k]) : 0.0f;
+    }
+    __syncthreads();
+    allow_dependents();
+    const int c = threadIdx.x % LORA_COLUMNS, column = column0 + c;
+    for (int r = threadIdx.x / LORA_COLUMNS; r < LORA_ROWS; r += LORA_THREADS / LORA_COLUMNS) {
+        const int row = row0 + r;
+        if (row >= rows || column >= out) continue;
+        const int slot = slots[row];
+        if (slot <= 0) continue;
+        const float* pr = p + r * K + (slot - 1) * width;
+        const float* bc = bt + (slot - 1) * width * LORA_STRIDE + c;
+        float acc = 0.0f;
+        for (int k = 0; k < width; ++k) acc += pr[k] * bc[k * LORA_STRIDE];
+        y[(size_t)row * out + column] += acc;
+    }
+}
+"""
+
+
+def expand_shared_bytes(slots: int, width: int) -> int:
+    """Shared memory of a block of :func:`lora_expand_words` for ``slots`` slots of ``width``
+    (``G R``) columns each."""
+    k = slots * width
+    return 4 * k * (EXPAND_ROWS + EXPAND_COLUMNS + 1)
+
+
+def expand_words_supported(slots: int, width: int) -> bool:
+    """Whether :func:`lora_expand_words` serves ``slots`` slots of ``width`` columns (its staging
+    fits a block's default shared memory)."""
+    return expand_shared_bytes(slots, width) <= EXPAND_SHARED_BYTES
+
+
+def expand_source() -> str:
+    """The CUDA C++ source NVRTC compiles."""
+    from metrale.kernels.decode_gemv import HELPERS, INSTRUCTIONS
+
+    return INSTRUCTIONS + DEPENDENT_LAUNCH + HELPERS + EXPAND_KERNEL
+
+
+_expand_kernels: list[Any] = []
+
+
+def lora_expand_words(products: DeviceArray, slots: DeviceArray, b: DeviceArray, y: DeviceArray, width: int,
+                      stream: object = None) -> DeviceArray:
+    """Add each row's LoRA update to ``y [N, out]`` (float32, in place) in CUDA C++: ``products [N,
+    S W]`` float32 (every slot's shrunk products), ``slots [N]`` int32, ``b [out, S W]`` bf16 bits
+    (:class:`~metrale.lora.LoraStack`), ``width`` = ``W``. One launch whatever the mix of slots;
+    :func:`expand_words_supported` says which sizes it takes."""
+    op = "lora_linear"
+    check_array(op, "products", products, np.float32, ndim=2)
+    rows, k = products.shape
+    check_array(op, "slots", slots, np.int32, (rows,))
+    check_array(op, "b", b, np.uint16, (None, k))
+    out = b.shape[0]
+    check_array(op, "y", y, np.float32, (rows, out))
+    if width <= 0 or k % width:
+        raise KernelArgumentError(f"{op}: {k} product columns are not whole slots of {width}")
+    if not expand_words_supported(k // width, width):
+        raise KernelArgumentError(f"{op}: {k // width} slots of {width} columns take more shared memory than a "
+                                  "block has (expand_words_supported)")
+    if not _expand_kernels:
+        import cupy
+
+        _expand_kernels.append(cupy.RawModule(code=expand_source(), options=("--std=c++17",))
+                               .get_function("lora_expand_words"))
+    if rows and out:
+        launch(_expand_kernels[0], (-(-out // EXPAND_COLUMNS), -(-rows // EXPAND_ROWS)), (EXPAND_THREADS,),
+               (products, slots, b, y, np.int32(rows), np.int32(out), np.int32(width), np.int32(k // width)),
+               expand_shared_bytes(k // width, width), stream, dependent=False)
+    return y

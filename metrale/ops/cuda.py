@@ -468,10 +468,13 @@ class CudaKernels:
         return token_feed.feed_tokens(token_ids, source, rows, indices, self.stream)
 
     def lora_linear(self, y: Any, x: Any, a: Any, b: Any, slots: Any) -> Any:
-        # Every slot's A in one product (slot 0, the base model's zeros, left out), each row's
-        # own slot's columns kept, then every slot's B in one product added to y.
+        # Every slot's A in one product (slot 0, the base model's zeros, left out); then each row's
+        # own slot's columns times its B, in one kernel where its staging fits, else the row's
+        # slot's columns kept and every slot's B in one product added to y.
         count, width, inner = a.shape
         products = self.linear(x, a[1:].reshape((count - 1) * width, inner))
+        if lora.expand_words_supported(count - 1, width):
+            return lora.lora_expand_words(products, slots, b, y, width, self.stream)
         shrunk = lora.lora_select(products, width, slots, cp.empty(products.shape, dtype=bf16), self.stream)
         return self.gemm(shrunk, b, y, accumulate=True)
 

@@ -78,3 +78,18 @@ def test_a_broken_adapter_stops_the_engine_process_start(tmp_path):
     with pytest.raises(AdapterError, match="adapter_config.json"):
         EngineProcess(MODEL, device="cpu", show_progress=False, enable_lora=True,
                       lora_modules=[LoRARequest("broken", 1, tmp_path / "broken")])
+
+
+def test_lora_module_flags_are_checked():
+    import argparse
+
+    from metrale.errors import ConfigError
+    from metrale.server.main import _check_server_options, add_serve_arguments, lora_modules
+
+    parser = add_serve_arguments(argparse.ArgumentParser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["m", "--lora-modules", "no-equals-sign"])
+    with pytest.raises(ConfigError, match="names 'sql' twice"):
+        lora_modules(parser.parse_args(["m", "--lora-modules", "sql=/a", "sql=/b"]))
+    with pytest.raises(ConfigError, match="base model's served name"):
+        _check_server_options(parser.parse_args(["m", "--served-model-name", "base", "--lora-modules", "base=/a"]))
