@@ -263,3 +263,29 @@ def test_projections_a_family_does_not_serve_are_refused(family_checkpoint_of, t
         with pytest.raises(AdapterError, match=match):
             llm.generate([PROMPT], lora_request=LoRARequest("a", 1, tmp_path / "a"))
         assert llm.engine.check() == []
+
+
+def test_adapters_are_added_listed_and_removed(dense_checkpoints, tmp_path):
+    checkpoint = dense_checkpoints["llama"]
+    make_adapter(checkpoint, tmp_path / "a", 11, r=4, lora_alpha=8, target_modules=["q_proj"])
+    make_adapter(checkpoint, tmp_path / "b", 12, r=4, lora_alpha=8, target_modules=["v_proj"])
+    first, second = LoRARequest("a", 1, tmp_path / "a"), LoRARequest("b", 2, tmp_path / "b")
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    with lora_llm(checkpoint, max_loras=1) as llm:
+        llm.add_lora(second)
+        llm.add_lora(first)
+        assert [r.lora_name for r in llm.list_loras()] == ["a", "b"]
+        before = llm.generate([PROMPT], params, lora_request=first)[0].outputs[0].token_ids
+        slot = llm.lora.acquire(first)
+        with pytest.raises(AdapterError, match="in use"):
+            llm.remove_lora(1)
+        llm.lora.release(slot)
+        assert llm.remove_lora(1) and not llm.remove_lora(1)
+        assert [r.lora_name for r in llm.list_loras()] == ["b"]
+        assert llm.lora.loaded() == {}  # its slot is free again
+        # Read again on its next request, with the same result.
+        assert llm.generate([PROMPT], params, lora_request=first)[0].outputs[0].token_ids == before
+    with LLM(str(checkpoint), device="cpu", show_progress=False) as llm:
+        assert llm.list_loras() == []
+        with pytest.raises(ConfigError, match="enable_lora"):
+            llm.remove_lora(1)
