@@ -171,28 +171,32 @@ EXPAND_KERNEL = r"""
 #define LORA_STRIDE (LORA_COLUMNS + 1)   // b's staged rows padded: a warp's 32 columns in 32 banks
 
 // y[i, o] += sum_{k < W} products[i, (s - 1) W + k] * b[o, (s - 1) W + k] for each row i of adapter
-// slot s = slots[i] > 0: the expand of a LoRA update from every slot's shrunk products (one cuBLAS
-// product), each row reading only its own slot's W columns. products float32 [N, K], slots int32
-// [N], b bf16 bits [out, K], y float32 [N, out], K = slots_count W. Grid (ceil(out / LORA_COLUMNS),
-// ceil(N / LORA_ROWS)) blocks of LORA_THREADS: a block stages its rows' products and its columns'
-// b (transposed) in shared memory, then a warp takes 32 columns of one row at a time.
+// slot s = slots[i] > 0: the expand of a LoRA update from the shrunk products (one cuBLAS product),
+// each row reading only its own slot's W columns. slots int32 [N], b bf16 bits [out, slots_count W],
+// y float32 [N, out]. products float32: [N, slots_count W] (every slot's), or, with single_slot > 0
+// (every adapter row of that slot), [N, W] (that slot's only; only its B is staged). Grid
+// (ceil(out / LORA_COLUMNS), ceil(N / LORA_ROWS)) blocks of LORA_THREADS: a block stages its rows'
+// products and its columns' b (transposed) in shared memory, then a warp takes 32 columns of one
+// row at a time.
 extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_expand_words(
     const float* __restrict__ products, const int* __restrict__ slots, const unsigned short* __restrict__ b,
-    float* __restrict__ y, int rows, int out, int width, int slots_count) {
+    float* __restrict__ y, int rows, int out, int width, int slots_count, int single_slot) {
     DYNAMIC_SHARED;
     float* staged = reinterpret_cast<float*>(dynamic_shared);
-    const int K = width * slots_count;
-    float* p = staged;                       // [LORA_ROWS][K]
-    float* bt = staged + LORA_ROWS * K;      // [K][LORA_STRIDE]
+    const int K = width * slots_count;                 // b's row
+    const int P = single_slot > 0 ? width : K;         // products' row, and what is staged of b's
+    const int first = single_slot > 0 ? (single_slot - 1) * width : 0;
+    float* p = staged;                       // [LORA_ROWS][P]
+    float* bt = staged + LORA_ROWS * P;      // [P][LORA_STRIDE]
     const int column0 = blockIdx.x * LORA_COLUMNS, row0 = blockIdx.y * LORA_ROWS;
     wait_for_producers();
-    for (int index = threadIdx.x; index < LORA_ROWS * K; index += LORA_THREADS) {
-        const int r = index / K, k = index - r * K;
-        p[index] = row0 + r < rows ? products[(size_t)(row0 + r) * K + k] : 0.0f;
+    for (int index = threadIdx.x; index < LORA_ROWS * P; index += LORA_THREADS) {
+        const int r = index / P, k = index - r * P;
+        p[index] = row0 + r < rows ? products[(size_t)(row0 + r) * P + k] : 0.0f;
     }
-    for (int index = threadIdx.x; index < LORA_COLUMNS * K; index += LORA_THREADS) {
-        const int c = index / K, k = index - c * K;
-        bt[k * LORA_STRIDE + c] = column0 + c < out ? bf16_bits(b[(size_t)(column0 + c) * K + k]) : 0.0f;
+    for (int index = threadIdx.x; index < LORA_COLUMNS * P; index += LORA_THREADS) {
+        const int c = index / P, k = index - c * P;
+        bt[k * LORA_STRIDE + c] = column0 + c < out ? bf16_bits(b[(size_t)(column0 + c) * K + first + k]) : 0.0f;
     }
     __syncthreads();
     allow_dependents();
@@ -201,9 +205,10 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_expand_words(
         const int row = row0 + r;
         if (row >= rows || column >= out) continue;
         const int slot = slots[row];
-        if (slot <= 0) continue;
-        const float* pr = p + r * K + (slot - 1) * width;
-        const float* bc = bt + (slot - 1) * width * LORA_STRIDE + c;
+        if (slot <= 0 || (single_slot > 0 && slot != single_slot)) continue;
+        const int offset = single_slot > 0 ? 0 : (slot - 1) * width;
+        const float* pr = p + r * P + offset;
+        const float* bc = bt + offset * LORA_STRIDE + c;
         float acc = 0.0f;
         for (int k = 0; k < width; ++k) acc += pr[k] * bc[k * LORA_STRIDE];
         y[(size_t)row * out + column] += acc;
@@ -236,20 +241,25 @@ _expand_kernels: list[Any] = []
 
 
 def lora_expand_words(products: DeviceArray, slots: DeviceArray, b: DeviceArray, y: DeviceArray, width: int,
-                      stream: object = None) -> DeviceArray:
+                      stream: object = None, single_slot: int = 0) -> DeviceArray:
     """Add each row's LoRA update to ``y [N, out]`` (float32, in place) in CUDA C++: ``products [N,
     S W]`` float32 (every slot's shrunk products), ``slots [N]`` int32, ``b [out, S W]`` bf16 bits
-    (:class:`~metrale.lora.LoraStack`), ``width`` = ``W``. One launch whatever the mix of slots;
-    :func:`expand_words_supported` says which sizes it takes."""
+    (:class:`~metrale.lora.LoraStack`), ``width`` = ``W``. One launch whatever the mix of slots.
+    With ``single_slot`` (every adapter row of that slot: the step's route) ``products`` are
+    ``[N, W]``, that slot's only, and only its ``B`` is read. :func:`expand_words_supported` says
+    which sizes it takes."""
     op = "lora_linear"
     check_array(op, "products", products, np.float32, ndim=2)
     rows, k = products.shape
     check_array(op, "slots", slots, np.int32, (rows,))
-    check_array(op, "b", b, np.uint16, (None, k))
+    check_array(op, "b", b, np.uint16, ndim=2)
     out = b.shape[0]
     check_array(op, "y", y, np.float32, (rows, out))
-    if width <= 0 or k % width:
-        raise KernelArgumentError(f"{op}: {k} product columns are not whole slots of {width}")
+    if width <= 0 or b.shape[1] % width or k != (width if single_slot else b.shape[1]):
+        raise KernelArgumentError(f"{op}: products of {k} columns and b of {b.shape[1]} are not whole slots of {width}"
+                                  + (f" (one slot's: {width} columns)" if single_slot else ""))
+    if not 0 <= single_slot <= b.shape[1] // width:
+        raise KernelArgumentError(f"{op}: single_slot {single_slot} is not a slot of b")
     if not expand_words_supported(k // width, width):
         raise KernelArgumentError(f"{op}: {k // width} slots of {width} columns take more shared memory than a "
                                   "block has (expand_words_supported)")
@@ -260,6 +270,7 @@ def lora_expand_words(products: DeviceArray, slots: DeviceArray, b: DeviceArray,
                                .get_function("lora_expand_words"))
     if rows and out:
         launch(_expand_kernels[0], (-(-out // EXPAND_COLUMNS), -(-rows // EXPAND_ROWS)), (EXPAND_THREADS,),
-               (products, slots, b, y, np.int32(rows), np.int32(out), np.int32(width), np.int32(k // width)),
+               (products, slots, b, y, np.int32(rows), np.int32(out), np.int32(width), np.int32(b.shape[1] // width),
+                np.int32(single_slot)),
                expand_shared_bytes(k // width, width), stream, dependent=False)
     return y

@@ -27,7 +27,7 @@ def linear_with_lora(backend: Any, x: Any, weight: Any, bias: Any, stack: LoraSt
     y = backend.ops.linear(x, weight, bias)
     if stack is None or batch.adapter_slots is None:
         return y
-    return backend.ops.lora_linear(y, x, stack.a, stack.b, batch.adapter_slots)
+    return backend.ops.lora_linear(y, x, stack.a, stack.b, batch.adapter_slots, batch.adapter_route)
 
 
 def normed_projection(backend: Any, x: Any, residual: Any, norm_weight: Any, eps: float, weight: Any,

@@ -59,8 +59,10 @@ def rmsnorm_mlp(x, residual, norm_weight, eps, offset, gate_up, down, gate_up_bi
     return linear(linear_silu(normed, gate_up, gate_up_bias), down, down_bias), summed
 
 
-def lora_linear(y, x, a, b, slots):
+def lora_linear(y, x, a, b, slots, route=None):
     # Rows grouped by slot: one product per adapter present (the GPU takes every row at once).
+    if isinstance(route, int) and not np.isin(slots, (0, route)).all():
+        raise ValueError(f"lora_linear: route {route} but rows of other slots")
     x = to_float32(x)
     a, b = to_float32(a), to_float32(b)
     width = a.shape[1]
@@ -652,7 +654,10 @@ def _declarations() -> list[tuple[Op, str]]:
             "with ``W = G R`` (:class:`~metrale.lora.LoraStack`: ``b`` block-diagonal over a fused weight's ``G`` "
             "projections, the scale folded in).",
             (P("y", "[N, out]", "activation"), P("x", "[N, in]", "matmul_input"), P("a", "[S + 1, G R, in]", "weight"),
-             P("b", "[out, S G R]", "weight"), P("slots", "[N]", "index")),
+             P("b", "[out, S G R]", "weight"), P("slots", "[N]", "index"),
+             P("route", kind="option", optional=True,
+               doc="the step's adapter route (metrale.lora.adapter_route): a slot when every adapter row is of that "
+               "slot (the GPU then reads that slot's weights only), else None or mixed")),
             (P("y", "[N, out]", "activation"),), lora_linear, examples=_lora_linear_examples),
          "lora"),
         (Op("lora_token_rows", "Embedding rows an adapter replaces (in place, returned): ``x[i] = rows[s, k]`` where "

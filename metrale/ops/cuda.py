@@ -467,11 +467,15 @@ class CudaKernels:
     def feed_tokens(self, token_ids: Any, source: Any, rows: Any, indices: Any) -> Any:
         return token_feed.feed_tokens(token_ids, source, rows, indices, self.stream)
 
-    def lora_linear(self, y: Any, x: Any, a: Any, b: Any, slots: Any) -> Any:
-        # Every slot's A in one product (slot 0, the base model's zeros, left out); then each row's
-        # own slot's columns times its B, in one kernel where its staging fits, else the row's
-        # slot's columns kept and every slot's B in one product added to y.
+    def lora_linear(self, y: Any, x: Any, a: Any, b: Any, slots: Any, route: Any = None) -> Any:
+        # One adapter for every adapter row (an eager step's route): that slot's A and B only.
+        # Else every slot's A in one product (slot 0, the base model's zeros, left out); then each
+        # row's own slot's columns times its B, in one kernel where its staging fits, else the
+        # row's slot's columns kept and every slot's B in one product added to y.
         count, width, inner = a.shape
+        if isinstance(route, int) and not isinstance(route, bool) and lora.expand_words_supported(1, width):
+            products = self.linear(x, a[route])
+            return lora.lora_expand_words(products, slots, b, y, width, self.stream, single_slot=route)
         products = self.linear(x, a[1:].reshape((count - 1) * width, inner))
         if lora.expand_words_supported(count - 1, width):
             return lora.lora_expand_words(products, slots, b, y, width, self.stream)
