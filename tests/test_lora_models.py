@@ -55,12 +55,24 @@ def test_trainable_token_rows_equal_peft_s(dense_checkpoints, tmp_path):
     assert max_relative_error(got, expected) <= 1e-4
 
 
-def test_a_mixed_batch_gives_each_row_its_solo_result(dense_checkpoints, tmp_path):
-    checkpoint = dense_checkpoints["qwen3"]
+#: Per family, the projections of three adapters: all it serves (through PEFT), two, one.
+MIXED_TARGETS = {
+    "dense": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], ["q_proj", "down_proj"],
+              ["v_proj"]),
+    "mla": (["q_proj", "kv_a_proj_with_mqa", "o_proj"], ["q_proj", "o_proj"], ["kv_a_proj_with_mqa"]),
+    "gdn": (["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"], ["q_proj", "out_proj"],
+            ["in_proj_qkvz"]),
+}
+
+
+@pytest.mark.parametrize("family", ["dense", "mla", "gdn"])
+def test_a_mixed_batch_gives_each_row_its_solo_result(family_checkpoint_of, tmp_path, family):
+    checkpoint = family_checkpoint_of(family, "qwen3" if family == "dense" else None)
+    every, two, one = MIXED_TARGETS[family]
     requests = []
-    for index, lora in enumerate([dict(r=8, lora_alpha=16, target_modules=ALL_PROJECTIONS),
-                                  dict(r=4, lora_alpha=4, target_modules=["q_proj", "down_proj"], use_rslora=True),
-                                  dict(r=2, lora_alpha=8, target_modules=["v_proj"],
+    for index, lora in enumerate([dict(r=8, lora_alpha=16, target_modules=every),
+                                  dict(r=4, lora_alpha=4, target_modules=two, use_rslora=True),
+                                  dict(r=2, lora_alpha=8, target_modules=one,
                                        trainable_token_indices={"embed_tokens": [5, 17, 61]})]):
         make_adapter(checkpoint, tmp_path / f"a{index}", 10 + index, **lora)
         requests.append(LoRARequest(f"a{index}", index + 1, tmp_path / f"a{index}"))
