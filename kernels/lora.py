@@ -230,7 +230,11 @@ def expand_words_supported(slots: int, width: int) -> bool:
     return expand_shared_bytes(slots, width) <= EXPAND_SHARED_BYTES
 
 
-def expand_source() -> str:
+#: The kernels of :func:`source`'s module.
+KERNEL_NAMES = ("lora_expand_words",)
+
+
+def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
     from metrale.kernels.decode_gemv import HELPERS, INSTRUCTIONS
 
@@ -266,7 +270,7 @@ def lora_expand_words(products: DeviceArray, slots: DeviceArray, b: DeviceArray,
     if not _expand_kernels:
         import cupy
 
-        _expand_kernels.append(cupy.RawModule(code=expand_source(), options=("--std=c++17",))
+        _expand_kernels.append(cupy.RawModule(code=source(), options=("--std=c++17",))
                                .get_function("lora_expand_words"))
     if rows and out:
         launch(_expand_kernels[0], (-(-out // EXPAND_COLUMNS), -(-rows // EXPAND_ROWS)), (EXPAND_THREADS,),

@@ -26,6 +26,7 @@ from metrale.kernels import (
     gdn_decode,
     greedy_sample,
     head_linear,
+    lora,
     moe_decode,
     moe_grouped,
     moe_route_decode,
@@ -105,7 +106,7 @@ def entries(ptx: str) -> set[str]:
     return set(re.findall(r"\.entry\s+([A-Za-z_][A-Za-z0-9_]*)\s*\(", ptx))
 
 
-@pytest.mark.parametrize("module", [activation, attention_combine, attention_latent, gdn_decode, greedy_sample, head_linear,
+@pytest.mark.parametrize("module", [activation, attention_combine, attention_latent, gdn_decode, greedy_sample, head_linear, lora,
                                     moe_decode, moe_grouped, moe_route_decode, qkv_rope, rmsnorm],
                          ids=lambda m: m.__name__.split(".")[-1])
 def test_every_kernel_name_is_an_entry(tmp_path, module):
