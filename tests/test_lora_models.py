@@ -301,3 +301,49 @@ def test_adapters_are_added_listed_and_removed(dense_checkpoints, tmp_path):
         assert llm.list_loras() == []
         with pytest.raises(ConfigError, match="enable_lora"):
             llm.remove_lora(1)
+
+
+def test_a_mixed_step_packed_as_its_graph_reads_it_equals_the_eager_step(dense_checkpoints, tmp_path):
+    """The adapters' mixed-step graph (decode rows of two adapters and the base model, a prompt
+    chunk of a third) reads every row's slot from the padded packing; on the CPU backend, the
+    same packing gives the eager logits."""
+    from metrale.batch import ForwardBatch, Segment
+    from metrale.runner.graphs import CudaGraphRunner, mixed_batch, mixed_buffer_length, mixed_logits_rows, pack_mixed
+    from metrale.sequence import SequenceState
+
+    checkpoint = dense_checkpoints["llama"]
+    requests = []
+    for index in range(3):
+        make_adapter(checkpoint, tmp_path / f"a{index}", 40 + index, r=4, lora_alpha=8, target_modules=ALL_PROJECTIONS,
+                     trainable_token_indices={"embed_tokens": [61, 8]})
+        requests.append(LoRARequest(f"a{index}", index + 1, tmp_path / f"a{index}"))
+    with lora_llm(checkpoint, block_size=4, max_model_len=128, max_loras=3) as llm:
+        model, results = llm.model, []
+        for packed in (False, True):
+            seqs = []
+            for prompt, adapter in zip((PROMPT, PROMPT[2:], PROMPT[5:], PROMPT[1:9]),
+                                       (requests[0], None, requests[1], requests[2])):
+                seq = SequenceState.from_prompt(prompt)
+                seq.adapter_slot = None if adapter is None else llm.lora.acquire(adapter)
+                seqs.append(seq)
+            for seq in seqs[:3]:
+                llm.forward.prefill(seq.tokens, seq)
+                llm.cache.reserve(seq, seq.num_cached + 1)
+            llm.cache.reserve(seqs[3], 8)
+            segments = [Segment(s, [61], s.num_cached, "last") for s in seqs[:3]]
+            batch = ForwardBatch.build(segments + [Segment(seqs[3], seqs[3].tokens, 0, "last")], 4)
+            if packed:
+                runner = CudaGraphRunner(model, llm.backend)
+                decode, prompt = runner.mixed_shape(batch)
+                host = np.zeros(mixed_buffer_length(decode, prompt, runner.max_blocks), dtype=np.int32)
+                pack_mixed(host, decode, prompt, runner.max_blocks, batch)
+                logits = np.asarray(model.forward_batch(
+                    mixed_batch(host, decode, prompt, runner.max_blocks, model.max_model_len, lora=True)))
+                results.append(logits[mixed_logits_rows(batch, decode)])
+            else:
+                results.append(np.asarray(model.forward_batch(llm.backend.prepare_batch(batch))))
+            for seq in seqs:
+                llm.cache.release(seq)
+                if seq.adapter_slot is not None:
+                    llm.lora.release(seq.adapter_slot)
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-5)

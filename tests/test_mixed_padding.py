@@ -135,6 +135,7 @@ def test_only_mixed_steps_within_the_rungs_and_buckets_are_padded():
 def test_graphs_recorded_ahead_cover_every_rung_and_bucket_the_engine_can_reach():
     runner = CudaGraphRunner.__new__(CudaGraphRunner)
     runner.disabled, runner.mixed_disabled, runner.mixed_rungs = None, None, {}
+    runner._model = lambda: None  # a model without LoRA: the base model's graphs only
     recorded = []
     runner._fill_mixed = lambda rung, batch: None
     runner._record = lambda batch, mixed=False: (recorded.append(batch), ("graph", "output", "logits", {}))[1]

@@ -198,39 +198,54 @@ class Rung:
 
 @dataclass
 class MixedRung:
-    """Static buffers and the captured graph of one padded mixed-step shape: ``decode`` decode
-    rows then ``prompt`` rows of one chunk (``decode + prompt`` rows, ``decode + 1`` segments)."""
+    """Static buffers and the captured graphs of one padded mixed-step shape: ``decode`` decode
+    rows then ``prompt`` rows of one chunk (``decode + prompt`` rows, ``decode + 1`` segments);
+    the base model's graph, and the adapters' (``lora_*``: its batch reads every row's adapter
+    slot) for a model that serves LoRA."""
 
     decode: int
     prompt: int
-    host: Any  # pinned int32 [4 R + 2 S + S * max_blocks], R rows, S segments
+    host: Any  # pinned int32 [5 R + 2 S + S * max_blocks], R rows, S segments
     device: Any  # device int32, same layout
     batch: ForwardBatch
     graph: Any = None
     output: Any = None
     step_outputs: dict[str, Any] = field(default_factory=dict)  # what the model left, recorded
     uploaded: Any = None
+    lora_batch: Any = None
+    lora_graph: Any = None
+    lora_output: Any = None
+    lora_step_outputs: dict[str, Any] = field(default_factory=dict)
 
 
 def mixed_buffer_length(decode: int, prompt: int, max_blocks: int) -> int:
     """int32 values of a mixed shape's packed metadata: four ``[R]`` row vectors (token ids,
     positions, cache slots, segment index), two ``[S]`` segment vectors (logits rows, state
-    slots), then the ``[S, max_blocks]`` block table; ``R = decode + prompt``, ``S = decode + 1``."""
-    segments = decode + 1
-    return 4 * (decode + prompt) + 2 * segments + segments * max_blocks
+    slots), the ``[S, max_blocks]`` block table, then the rows' adapter slots ``[R]``;
+    ``R = decode + prompt``, ``S = decode + 1``."""
+    segments, rows = decode + 1, decode + prompt
+    return 4 * rows + 2 * segments + segments * max_blocks + rows
 
 
-def mixed_batch(buffer: Any, decode: int, prompt: int, max_blocks: int, max_context: int) -> ForwardBatch:
+def _mixed_table_end(decode: int, prompt: int, max_blocks: int) -> int:
+    return 4 * (decode + prompt) + 2 * (decode + 1) + (decode + 1) * max_blocks
+
+
+def mixed_batch(buffer: Any, decode: int, prompt: int, max_blocks: int, max_context: int,
+                lora: bool = False) -> ForwardBatch:
     """The :class:`ForwardBatch` of a padded mixed shape, as views of its packed ``buffer``
-    (:func:`mixed_buffer_length`; a device array for a graph, a NumPy array on the host)."""
+    (:func:`mixed_buffer_length`; a device array for a graph, a NumPy array on the host); with
+    ``lora``, the rows' adapter slots too (the mixed route)."""
     rows, segments = decode + prompt, decode + 1
     vectors = [buffer[i * rows : (i + 1) * rows] for i in range(4)]
     tail = buffer[4 * rows :]
+    end = _mixed_table_end(decode, prompt, max_blocks)
+    adapters = {"adapter_slots": buffer[end : end + rows], "adapter_route": MIXED_ADAPTERS} if lora else {}
     return ForwardBatch(
         segments=[], token_ids=vectors[0], positions=vectors[1], slot_mapping=vectors[2], seq_index=vectors[3],
-        block_tables=tail[2 * segments :].reshape(segments, max_blocks),
+        block_tables=tail[2 * segments : 2 * segments + segments * max_blocks].reshape(segments, max_blocks),
         row_starts=np.append(np.arange(segments), rows), logits_rows=tail[:segments],
-        max_context=max_context, state_slots=tail[segments : 2 * segments],
+        max_context=max_context, state_slots=tail[segments : 2 * segments], **adapters,
     )
 
 
@@ -240,13 +255,16 @@ def pack_mixed(host: np.ndarray, decode: int, prompt: int, max_blocks: int, batc
     reads it: the decode rows first, padded to ``decode`` rows that decode token 0 at position 0
     into the dummy block 0, each with its own (zero) table row; then the chunk's rows, padded to
     ``prompt`` rows that repeat its last position and write into the dummy block. Logits rows:
-    every decode row, then the chunk's last real row."""
+    every decode row, then the chunk's last real row. Adapter slots: each real row's (padding
+    rows: 0, the base model)."""
     rows, segments = decode + prompt, decode + 1
     host[:] = 0
     token_ids, positions, slot_mapping, seq_index = (host[i * rows : (i + 1) * rows] for i in range(4))
     logits_rows = host[4 * rows : 4 * rows + segments]
     state_slots = host[4 * rows + segments : 4 * rows + 2 * segments]
-    table = host[4 * rows + 2 * segments :].reshape(segments, max_blocks)
+    end = _mixed_table_end(decode, prompt, max_blocks)
+    table = host[4 * rows + 2 * segments : end].reshape(segments, max_blocks)
+    adapter_slots = host[end : end + rows]
     seq_index[:decode] = np.arange(decode, dtype=np.int32)
     seq_index[decode:] = decode
     logits_rows[:decode] = np.arange(decode, dtype=np.int32)
@@ -255,7 +273,10 @@ def pack_mixed(host: np.ndarray, decode: int, prompt: int, max_blocks: int, batc
         return
     real = len(batch.segments) - 1
     chunk = batch.num_rows - real
-    for vector, values in ((token_ids, batch.token_ids), (positions, batch.positions), (slot_mapping, batch.slot_mapping)):
+    vectors = [(token_ids, batch.token_ids), (positions, batch.positions), (slot_mapping, batch.slot_mapping)]
+    if batch.adapter_slots is not None:
+        vectors.append((adapter_slots, batch.adapter_slots))
+    for vector, values in vectors:
         vector[:real] = values[:real]
         vector[decode : decode + chunk] = values[real:]
     positions[decode + chunk :] = batch.positions[-1]
@@ -346,8 +367,8 @@ class CudaGraphRunner:
         """The padded (decode rows, prompt rows) of a mixed step these graphs replay, or None:
         one or more one-token segments with their logits, then one prompt chunk of more than one
         row whose logits are its last row's or none, each within the largest rung and bucket."""
-        if self.disabled is not None or self.mixed_disabled is not None or batch.adapter_slots is not None:
-            return None  # (steps with adapter rows run the mixed shape eagerly)
+        if self.disabled is not None or self.mixed_disabled is not None:
+            return None
         segments = batch.segments
         decode = len(segments) - 1
         if not 0 < decode <= MIXED_DECODE_RUNGS[-1] or segments[-1].logits == "all":
@@ -373,8 +394,9 @@ class CudaGraphRunner:
         host = cupyx.empty_pinned((length,), dtype=np.int32)
         host[:] = 0
         device = persistent_zeros(length)
-        batch = mixed_batch(device, decode, prompt, self.max_blocks, self.model.max_model_len)
-        return MixedRung(decode, prompt, host, device, batch)
+        max_context = self.model.max_model_len
+        return MixedRung(decode, prompt, host, device, mixed_batch(device, decode, prompt, self.max_blocks, max_context),
+                         lora_batch=mixed_batch(device, decode, prompt, self.max_blocks, max_context, lora=True))
 
     def _fill_mixed(self, rung: MixedRung, batch: ForwardBatch | None) -> None:
         """Pack a mixed ``batch`` (or only padding rows) into the rung's pinned buffer and upload it."""
@@ -403,7 +425,15 @@ class CudaGraphRunner:
         self._fill_mixed(rung, batch)
         if feed is not None:
             feed(rung.batch.token_ids)
-        if rung.graph is None:
+        if batch.adapter_slots is not None:
+            if rung.lora_graph is None:
+                rung.lora_graph, rung.lora_output, logits, rung.lora_step_outputs = self._record(rung.lora_batch,
+                                                                                                 mixed=True)
+            else:
+                self._launch(rung.lora_graph, 0)
+                logits = rung.lora_output
+                self.model.step_outputs = rung.lora_step_outputs
+        elif rung.graph is None:
             rung.graph, rung.output, logits, rung.step_outputs = self._record(rung.batch, mixed=True)
         else:
             self._launch(rung.graph, 0)
@@ -420,9 +450,11 @@ class CudaGraphRunner:
 
     def capture_mixed(self, decode_rows: int, max_prompt: int) -> None:
         """Record ahead of time the mixed-step graphs of every decode rung up to the one that holds
-        ``decode_rows`` rows, each with every prompt bucket up to the one that holds ``max_prompt``."""
+        ``decode_rows`` rows, each with every prompt bucket up to the one that holds ``max_prompt``
+        (and the adapters' graphs of a model that serves LoRA)."""
         if self.disabled is not None or self.mixed_disabled is not None:
             return
+        lora = getattr(self.model, "lora_layout", None) is not None
         top = min(max(decode_rows, 1), MIXED_DECODE_RUNGS[-1])
         last = next((size for size in MIXED_PROMPT_BUCKETS if size >= max_prompt), MIXED_PROMPT_BUCKETS[-1])
         for decode in MIXED_DECODE_RUNGS[: next(i for i, size in enumerate(MIXED_DECODE_RUNGS) if size >= top) + 1]:
@@ -431,6 +463,12 @@ class CudaGraphRunner:
                 if rung.graph is None:
                     self._fill_mixed(rung, None)
                     rung.graph, rung.output, _, rung.step_outputs = self._record(rung.batch, mixed=True)
+                    if self.mixed_disabled is not None:
+                        return
+                if lora and rung.lora_graph is None:
+                    self._fill_mixed(rung, None)
+                    rung.lora_graph, rung.lora_output, _, rung.lora_step_outputs = self._record(rung.lora_batch,
+                                                                                                mixed=True)
                     if self.mixed_disabled is not None:
                         return
 

@@ -119,3 +119,24 @@ def test_mixed_adapter_decode_replays_from_graphs(dense_checkpoints, tmp_path):
         top = first_eager.token_ids[0]
         assert abs(first_eager.logprobs[0][top].logprob - first_replayed.logprobs[0][top].logprob) <= 2e-2
         assert first_eager.token_ids[:2] == first_replayed.token_ids[:2]
+
+
+def test_mixed_steps_with_adapters_replay_their_graphs(dense_checkpoints, tmp_path):
+    """Decode rows of one adapter beside a prompt chunk of another: the mixed shape's adapters'
+    graph, with the tokens of the same requests run eagerly."""
+    checkpoint = dense_checkpoints["llama"]
+    requests = adapters(checkpoint, tmp_path, 2)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 120, 5).tolist(), rng.integers(1, 120, 60).tolist()]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
+    outputs = []
+    for graphs in (False, True):
+        with LLM(str(checkpoint), device="cuda", enable_lora=True, cuda_graphs=graphs, show_progress=False,
+                 block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False) as llm:
+            outputs.append(llm.generate(prompts, params, lora_request=requests))
+            assert llm.engine.calls.get("mixed_forward")
+            if graphs:
+                assert any(rung.lora_graph is not None for rung in llm.model.runner.graphs.mixed_rungs.values())
+    for eager, replayed in zip(*outputs):
+        top = eager.outputs[0].token_ids[0]
+        assert abs(eager.outputs[0].logprobs[0][top].logprob - replayed.outputs[0].logprobs[0][top].logprob) <= 2e-2
