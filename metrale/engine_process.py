@@ -271,8 +271,9 @@ class RemoteRequest:
     :class:`~metrale.async_llm.SubmittedRequest`'s does."""
 
     def __init__(self, request_id: str, text: str | None, ids: list[int], n: int,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, lora_request: Any = None) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request
         self.loop = loop
         self.prompt = text
         self.prompt_token_ids = ids
@@ -332,6 +333,7 @@ class RemoteRequest:
             cached_tokens=self.cached_tokens,
             error=self.error,
             num_preemptions=self.num_preemptions,
+            lora_request=self.lora_request,
         )
 
 
@@ -446,7 +448,7 @@ class EngineProcess(AsyncEngineAPI):
                 raise QueueFullError(
                     f"{len(self._active)} requests are running or waiting, as many as this engine accepts (max_num_seqs="
                     f"{self.max_num_seqs} + max_waiting_requests={self.max_waiting_requests}); retry later")
-            request = RemoteRequest(request_id, text, ids, params.n, loop)
+            request = RemoteRequest(request_id, text, ids, params.n, loop, lora_request)
             self._active[request_id] = request
             self._send(("add", request_id, text, ids, params, lora_request))
         return request

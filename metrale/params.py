@@ -327,7 +327,8 @@ class RequestOutput:
     finished with ``finish_reason == "error"`` could not run (the other requests go on).
     ``num_draft_tokens`` counts the draft tokens speculative decoding proposed for its
     completions and ``num_accepted_tokens`` those the target model's verifies kept (both 0
-    without ``speculative_config``).
+    without ``speculative_config``). ``lora_request`` is the LoRA adapter it ran with
+    (:class:`~metrale.lora.LoRARequest`), None for the base model.
 
     ``token_ids``, ``text``, ``finish_reason`` and ``stop_reason`` are those of the first
     completion (``outputs[0]``), for the common ``n == 1``.
@@ -344,6 +345,7 @@ class RequestOutput:
     num_preemptions: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    lora_request: Any = None
 
     @property
     def num_cached_tokens(self) -> int:

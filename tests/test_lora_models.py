@@ -84,6 +84,7 @@ def test_a_mixed_batch_gives_each_row_its_solo_result(family_checkpoint_of, tmp_
         alone = [llm.generate([prompt], params, lora_request=[adapter])[0] for prompt, adapter in zip(prompts, adapters)]
     outputs = [o.outputs[0].token_ids for o in together]
     assert outputs == [o.outputs[0].token_ids for o in alone]
+    assert [o.lora_request for o in together] == adapters
     assert len({tuple(t) for t in outputs[:2]}) == 2  # adapters change the continuation
     for mixed, solo in zip(together, alone):
         for a, b in zip(mixed.outputs[0].logprobs, solo.outputs[0].logprobs):

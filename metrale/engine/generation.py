@@ -276,6 +276,7 @@ class RequestGroup:
             num_preemptions=sum(c.num_preemptions for c in self.completions),
             num_draft_tokens=sum(c.num_draft_tokens for c in self.completions),
             num_accepted_tokens=sum(c.num_accepted_tokens for c in self.completions),
+            lora_request=first.lora,
         )
 
 

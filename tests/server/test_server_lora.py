@@ -73,6 +73,22 @@ def test_a_request_s_model_picks_its_adapter(adapters, in_process):
         engine.shutdown()
 
 
+def test_the_engine_process_reports_a_request_s_adapter(adapters):
+    import asyncio
+
+    async def run(engine):
+        outputs = [output async for output in engine.generate("Return the", SamplingParams(max_tokens=2),
+                                                               lora_request=adapters[1])]
+        return outputs[-1]
+
+    engine = EngineProcess(MODEL, device="cpu", show_progress=False, enable_lora=True, lora_modules=adapters)
+    try:
+        last = asyncio.run(run(engine))
+    finally:
+        engine.shutdown()
+    assert last.finished and last.lora_request == adapters[1]
+
+
 def test_a_broken_adapter_stops_the_engine_process_start(tmp_path):
     (tmp_path / "broken").mkdir()
     with pytest.raises(AdapterError, match="adapter_config.json"):
