@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from metrale.engine.generation import RequestGroup
 
@@ -34,7 +34,9 @@ class EngineStats:
     ``prefix_queried_blocks`` / ``prefix_hit_blocks`` the prefix cache's lookups so far;
     ``preemptions`` the preemptions so far; ``steps`` the engine steps so far;
     ``spec_verify_steps`` / ``spec_draft_tokens`` / ``spec_accepted_tokens`` the speculative
-    verifies so far and the draft tokens they verified and kept.
+    verifies so far and the draft tokens they verified and kept; ``lora_slots_used`` /
+    ``lora_slots_total`` the LoRA adapter slots running requests hold, and in all (0 / 0 without
+    LoRA), ``lora_adapters_loaded`` the slots that hold an adapter.
     """
 
     running: int = 0
@@ -50,6 +52,9 @@ class EngineStats:
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    lora_slots_used: int = 0
+    lora_slots_total: int = 0
+    lora_adapters_loaded: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -160,4 +165,15 @@ class EngineDriver:
             spec_verify_steps=engine.calls.get("verify", 0),
             spec_draft_tokens=engine.draft_tokens,
             spec_accepted_tokens=engine.accepted_tokens,
+            **_lora_stats(self.llm.lora),
         )
+
+
+def _lora_stats(lora: Any) -> dict[str, int]:
+    """The LoRA fields of :class:`EngineStats` for ``lora`` (a :class:`~metrale.lora.LoraManager`
+    or None)."""
+    if lora is None:
+        return {}
+    slots = range(1, lora.max_loras + 1)
+    return {"lora_slots_used": sum(1 for slot in slots if lora.holders(slot)), "lora_slots_total": lora.max_loras,
+            "lora_adapters_loaded": len(lora.loaded())}

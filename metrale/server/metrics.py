@@ -68,6 +68,11 @@ class EngineCollector(Collector):
             ("metrale_state_slots_used", "Recurrent-state slots in use (0 for models without recurrent layers).",
              value("state_slots_used")),
             ("metrale_state_slots_total", "Recurrent-state slots in all.", value("state_slots_total")),
+            ("metrale_lora_slots_used", "LoRA adapter slots running requests hold (0 without LoRA).",
+             value("lora_slots_used")),
+            ("metrale_lora_slots_total", "LoRA adapter slots in all (max_loras; 0 without LoRA).",
+             value("lora_slots_total")),
+            ("metrale_lora_adapters_loaded", "LoRA adapter slots that hold an adapter.", value("lora_adapters_loaded")),
         ]
         counters = [
             ("metrale_prefix_cache_queries", "KV blocks looked up in the prefix cache.", value("prefix_queried_blocks")),

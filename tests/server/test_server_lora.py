@@ -11,7 +11,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 pytest.importorskip("openai")
 
-from serverkit import MODEL, ServerThread, http_client, new_llm, openai_client  # noqa: E402
+from serverkit import MODEL, ServerThread, http_client, new_llm, openai_client, wait_idle  # noqa: E402
 
 from metrale import LoRARequest, SamplingParams  # noqa: E402
 from metrale.api import resolve_model_path  # noqa: E402
@@ -66,6 +66,9 @@ def test_a_request_s_model_picks_its_adapter(adapters, in_process):
         assert chat.model == "ada"
         missing = http.post("/v1/completions", json={"model": "carol", "prompt": "x", "max_tokens": 2})
         assert missing.status_code == 404 and "'ada'" in missing.json()["error"]["message"]
+        values = wait_idle(http)
+        assert values["metrale_lora_slots_total"] == 1 and values["metrale_lora_slots_used"] == 0
+        assert values["metrale_lora_adapters_loaded"] == 1  # the last adapter a request used stays in its slot
         client.close()
         http.close()
     finally:
