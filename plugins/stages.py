@@ -33,8 +33,11 @@ def metrale_flush(model: Any, step: ForwardStep) -> None:
 
 @hookimpl
 def metrale_stamp(model: Any, step: ForwardStep) -> None:
-    slots = np.fromiter((seq.adapter_slot or 0 for seq in step.seqs), dtype=np.int64, count=len(step.seqs))
-    step.stamps["adapter_route"] = adapter_route(slots)
+    if not any(seq.adapter_slot for seq in step.seqs):
+        step.stamps["adapter_route"] = None  # the base model's step: no array work
+    else:
+        slots = np.fromiter((seq.adapter_slot or 0 for seq in step.seqs), dtype=np.int64, count=len(step.seqs))
+        step.stamps["adapter_route"] = adapter_route(slots)
     check = getattr(model, "check_adapters", None)
     if check is not None:
         check(step)

@@ -348,3 +348,30 @@ def test_a_mixed_step_packed_as_its_graph_reads_it_equals_the_eager_step(dense_c
                 if seq.adapter_slot is not None:
                     llm.lora.release(seq.adapter_slot)
     np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-5)
+
+
+def test_an_adapter_that_cannot_be_loaded_at_admission_fails_its_request_only(dense_checkpoints, tmp_path):
+    """An adapter read again at admission (after remove_lora) whose folder went bad meanwhile:
+    that request finishes with an error, the others run, nothing stays held."""
+    import shutil
+
+    from metrale.engine.generation import make_request
+
+    checkpoint = dense_checkpoints["llama"]
+    make_adapter(checkpoint, tmp_path / "a", 13, r=4, lora_alpha=8, target_modules=["q_proj"])
+    adapter = LoRARequest("a", 1, tmp_path / "a")
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with lora_llm(checkpoint) as llm:
+        llm.add_lora(adapter)
+        requests = [make_request(i, None, PROMPT, params, 0) for i in range(2)]
+        requests[0].lora, requests[0].seq.adapter_id = adapter, 1
+        llm.remove_lora(1)
+        shutil.rmtree(tmp_path / "a")
+        for request in requests:
+            llm.engine.add_request(request)
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        assert requests[0].finish_reason == "error" and "could not be loaded" in requests[0].error
+        assert requests[1].error is None and len(requests[1].generated) == 3
+        assert llm.engine.check() == [] and llm.lora.holders(1) == 0
+        assert llm.generate([PROMPT], params)[0].outputs[0].finish_reason == "length"  # still serving

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from metrale.cache.prefix import PrefixCache
 from metrale.engine.generation import Request
-from metrale.errors import SchedulerStuckError
+from metrale.errors import AdapterError, SchedulerStuckError
 
 
 @dataclass
@@ -305,7 +305,11 @@ class Scheduler:
                 if slots is not None and request.seq.state_slot is None and slots.num_free == 0:
                     return  # every recurrent-state slot is taken (the stuck handler frees holds)
                 if request.lora is not None and request.seq.adapter_slot is None:
-                    adapter_slot = self.adapters.acquire(request.lora)
+                    try:
+                        adapter_slot = self.adapters.acquire(request.lora)
+                    except AdapterError as error:  # (read again after remove_lora: its folder changed)
+                        self._fail(plan, request, f"its LoRA adapter could not be loaded: {error}")
+                        continue
                     if adapter_slot is None:
                         return  # every adapter slot is held by running requests of other adapters
                     request.seq.adapter_slot = adapter_slot
