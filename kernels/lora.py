@@ -1,14 +1,15 @@
 """LoRA on the GPU: every row's adapter update in one launch per step of the product, whatever
 the mix of adapters in the batch (docs/lora.rst).
 
-* the shrink is one cuBLAS product of the rows with every slot's ``A`` at once (``[N, S G R]``,
-  slot 0's zeros left out), then :func:`lora_select_kernel` keeps each row's own slot's columns
-  (in bf16) and zeroes the others';
-* the expand is then one cuBLAS product accumulated into the projection's output:
-  ``y += shrunk b^T`` with the stack's block-diagonal ``b [out, S G R]``, every slot's ``B`` read
-  once a step (what a per-row gather reads once a row); or, where its staging fits,
-  :func:`lora_expand_words` (CUDA C++) in one launch straight from the products, each row reading
-  only its own slot's columns (no selection kernel before it);
+* a step of few rows (decode) shrinks in the projection's own product: the stack's extended
+  weight holds every slot's ``A`` after the projection's rows, so one cuBLAS product gives each
+  row's projection and its products with every slot's ``A``; :func:`lora_expand` (CUDA C++) then
+  writes each row's output with its own slot's update (optionally SwiGLU's activation of it), in
+  one launch whatever the mix of adapters;
+* a step of many rows keeps the projection's product; one more cuBLAS product with every slot's
+  ``A`` (or the step's one adapter's), :func:`lora_select_kernel` keeping each row's own slot's
+  columns (in bf16), and one cuBLAS product accumulated into the output, ``y += shrunk b^T`` with
+  the stack's block-diagonal ``b [out, S G R]`` (every slot's ``B`` read once a step);
 * :func:`lora_token_rows_kernel` -- embedding rows an adapter replaces;
 * :func:`lora_logit_rows_kernel` -- LM-head rows an adapter replaces, a dot product each.
 
@@ -40,16 +41,20 @@ LORA_THREADS = 32 if SIMULATED else 128
 
 
 @jit_kernel
-def lora_select_kernel(products, width, slots, shrunk):
+def lora_select_kernel(products, width, slots, single_slot, shrunk):
     # Grid: (N rows, ceil(S W / LORA_THREADS)). products [N, S W] f32: each row's product with
-    # every slot's A (one cuBLAS product); shrunk [N, S W] bf16 bits: the row's own slot's W
-    # columns kept, every other slot's zeroed (everything for a base-model row), so one product
-    # with the stack's b adds each row's update.
+    # every slot's A (one cuBLAS product), or [N, W] with single_slot > 0 (that slot's A only);
+    # shrunk [N, S W] bf16 bits: the row's own slot's W columns kept, every other slot's zeroed
+    # (everything for a base-model row), so one product with the stack's b adds each row's update.
     row = cuda.blockIdx.x
     column = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     if column < shrunk.shape[1]:
         keep = column // width + 1 == slots[row]
-        shrunk[row, column] = float_to_bf16(products[row, column]) if keep else np.uint16(0)
+        source = column
+        if single_slot > 0:
+            keep = keep and slots[row] == single_slot
+            source = column - (single_slot - 1) * width
+        shrunk[row, column] = float_to_bf16(products[row, source]) if keep else np.uint16(0)
 
 
 @jit_kernel
@@ -100,17 +105,24 @@ def lora_logit_rows_kernel(logits, h, h_bf16, slots, tokens, rows):
 
 
 def lora_select(products: DeviceArray, width: int, slots: DeviceArray, shrunk: DeviceArray,
-                stream: object = None) -> DeviceArray:
-    """Launch :func:`lora_select_kernel`: from ``products [N, S W]`` (float32) keep each row's
-    slot's ``W`` columns, in bf16, in ``shrunk`` (the rest zero)."""
+                stream: object = None, single_slot: int = 0) -> DeviceArray:
+    """Launch :func:`lora_select_kernel`: from ``products [N, S W]`` (float32; ``[N, W]``, the
+    one slot's, with ``single_slot``) keep each row's slot's ``W`` columns, in bf16, in ``shrunk
+    [N, S W]`` (the rest zero)."""
     op = "lora_linear"
     check_array(op, "products", products, np.float32, ndim=2)
-    rows, columns = products.shape
+    rows = products.shape[0]
     check_array(op, "slots", slots, np.int32, (rows,))
-    check_array(op, "shrunk", shrunk, np.uint16, (rows, columns))
+    check_array(op, "shrunk", shrunk, np.uint16, (rows, None))
+    columns = shrunk.shape[1]
+    if width <= 0 or columns % width or products.shape[1] != (width if single_slot else columns):
+        raise KernelArgumentError(f"{op}: products of {products.shape[1]} columns for {columns} shrunk columns, "
+                                  f"slots of {width}" + (f" (slot {single_slot}'s only)" if single_slot else ""))
+    if not 0 <= single_slot <= columns // width:
+        raise KernelArgumentError(f"{op}: single_slot {single_slot} is not one of {columns // width} slots")
     if rows and columns:
         lora_select_kernel[(rows, -(-columns // LORA_THREADS)), LORA_THREADS, numba_stream(stream)](
-            device_view(products), np.int32(width), device_view(slots), device_view(shrunk),
+            device_view(products), np.int32(width), device_view(slots), np.int32(single_slot), device_view(shrunk),
         )
     return shrunk
 
@@ -157,81 +169,101 @@ def lora_logit_rows(logits: DeviceArray, h: DeviceArray, slots: DeviceArray, tok
 
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch  # noqa: E402
 
-#: Output columns, rows and threads of a block of :func:`lora_expand_words`.
-EXPAND_COLUMNS = 32
-EXPAND_ROWS = 16
-EXPAND_THREADS = 256
-#: The most shared memory a block of :func:`lora_expand_words` takes (the default limit).
+#: Output columns (a thread each) and rows of a block of :func:`lora_expand`.
+EXPAND_COLUMNS = 128
+EXPAND_ROWS = 8
+#: The most shared memory a block of :func:`lora_expand` takes (the default limit).
 EXPAND_SHARED_BYTES = 48 * 1024
 
 EXPAND_KERNEL = r"""
-#define LORA_COLUMNS 32
-#define LORA_ROWS 16
-#define LORA_THREADS 256
-#define LORA_STRIDE (LORA_COLUMNS + 1)   // b's staged rows padded: a warp's 32 columns in 32 banks
+#define LORA_COLUMNS 128
+#define LORA_ROWS 8
 
-// y[i, o] += sum_{k < W} products[i, (s - 1) W + k] * b[o, (s - 1) W + k] for each row i of adapter
-// slot s = slots[i] > 0: the expand of a LoRA update from the shrunk products (one cuBLAS product),
-// each row reading only its own slot's W columns. slots int32 [N], b bf16 bits [out, slots_count W],
-// y float32 [N, out]. products float32: [N, slots_count W] (every slot's), or, with single_slot > 0
-// (every adapter row of that slot), [N, W] (that slot's only; only its B is staged). Grid
-// (ceil(out / LORA_COLUMNS), ceil(N / LORA_ROWS)) blocks of LORA_THREADS: a block stages its rows'
-// products and its columns' b (transposed) in shared memory, then a warp takes 32 columns of one
-// row at a time.
-extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_expand_words(
-    const float* __restrict__ products, const int* __restrict__ slots, const unsigned short* __restrict__ b,
-    float* __restrict__ y, int rows, int out, int width, int slots_count, int single_slot) {
+// The update of row i's adapter slot s = slots[i] (0: none) over the stack's b [out, K] (bf16
+// bits), from the row's shrunk products p (float32, the slot's `width` columns first): a thread's
+// output column o.
+__device__ __forceinline__ float lora_update(const float* p, const unsigned short* b_row, int width, bool words) {
+    float acc = 0.0f;
+    if (words) {   // width and b's row a multiple of 8 bf16, b 16-byte aligned: 16-byte loads
+        const uint4* w = reinterpret_cast<const uint4*>(b_row);
+        for (int k = 0; k < width; k += 8) {
+            const uint4 v = __ldg(w + k / 8);
+            acc += p[k] * bf16_low(v.x) + p[k + 1] * bf16_high(v.x) + p[k + 2] * bf16_low(v.y)
+                 + p[k + 3] * bf16_high(v.y) + p[k + 4] * bf16_low(v.z) + p[k + 5] * bf16_high(v.z)
+                 + p[k + 6] * bf16_low(v.w) + p[k + 7] * bf16_high(v.w);
+        }
+    } else {
+        for (int k = 0; k < width; ++k) acc += p[k] * bf16_bits(__ldg(b_row + k));
+    }
+    return acc;
+}
+
+// ext float32 [N, out + K]: a product with a LoRA stack's extended weight (the projection's own
+// `out` rows, then every slot's A rows, K = slots_count * width), slots int32 [N], b bf16 bits
+// [out, K] (block-diagonal per slot), bias float32 [out] or null. Each row i of slot s > 0 gets
+// y[i, o] = ext[i, o] + bias[o] + sum_{k < width} ext[i, out + (s - 1) width + k] b[o, (s - 1) width + k];
+// a base-model row (s = 0) ext[i, o] + bias[o]. Written to y float32 [N, out]; or, with swiglu
+// (out = 2 I: gate rows, then up rows), bf16(silu(y[i, o]) * y[i, I + o]) to act [N, I].
+// Grid (ceil(columns / LORA_COLUMNS), ceil(N / LORA_ROWS)), LORA_COLUMNS threads, a thread an
+// output column (of y, or of act); the block's rows' products and slots staged in shared memory.
+extern "C" __global__ void __launch_bounds__(LORA_COLUMNS) lora_expand(
+    const float* __restrict__ ext, const int* __restrict__ slots, const unsigned short* __restrict__ b,
+    const float* __restrict__ bias, float* __restrict__ y, unsigned short* __restrict__ act, int rows, int out,
+    int width, int slots_count, int swiglu, int words) {
     DYNAMIC_SHARED;
-    float* staged = reinterpret_cast<float*>(dynamic_shared);
-    const int K = width * slots_count;                 // b's row
-    const int P = single_slot > 0 ? width : K;         // products' row, and what is staged of b's
-    const int first = single_slot > 0 ? (single_slot - 1) * width : 0;
-    float* p = staged;                       // [LORA_ROWS][P]
-    float* bt = staged + LORA_ROWS * P;      // [P][LORA_STRIDE]
-    const int column0 = blockIdx.x * LORA_COLUMNS, row0 = blockIdx.y * LORA_ROWS;
+    const int K = width * slots_count, ld = out + K;
+    float* p = reinterpret_cast<float*>(dynamic_shared);   // [LORA_ROWS][K]
+    int* row_slots = reinterpret_cast<int*>(p + LORA_ROWS * K);
+    const int row0 = blockIdx.y * LORA_ROWS;
+    const int count = rows - row0 < LORA_ROWS ? rows - row0 : LORA_ROWS;
     wait_for_producers();
-    for (int index = threadIdx.x; index < LORA_ROWS * P; index += LORA_THREADS) {
-        const int r = index / P, k = index - r * P;
-        p[index] = row0 + r < rows ? products[(size_t)(row0 + r) * P + k] : 0.0f;
+    for (int index = threadIdx.x; index < count * K; index += LORA_COLUMNS) {
+        const int r = index / K, k = index - r * K;
+        p[index] = ext[(size_t)(row0 + r) * ld + out + k];
     }
-    for (int index = threadIdx.x; index < LORA_COLUMNS * P; index += LORA_THREADS) {
-        const int c = index / P, k = index - c * P;
-        bt[k * LORA_STRIDE + c] = column0 + c < out ? bf16_bits(b[(size_t)(column0 + c) * K + first + k]) : 0.0f;
-    }
+    if (threadIdx.x < count) row_slots[threadIdx.x] = slots[row0 + threadIdx.x];
     __syncthreads();
     allow_dependents();
-    const int c = threadIdx.x % LORA_COLUMNS, column = column0 + c;
-    for (int r = threadIdx.x / LORA_COLUMNS; r < LORA_ROWS; r += LORA_THREADS / LORA_COLUMNS) {
-        const int row = row0 + r;
-        if (row >= rows || column >= out) continue;
-        const int slot = slots[row];
-        if (slot <= 0 || (single_slot > 0 && slot != single_slot)) continue;
-        const int offset = single_slot > 0 ? 0 : (slot - 1) * width;
-        const float* pr = p + r * P + offset;
-        const float* bc = bt + offset * LORA_STRIDE + c;
-        float acc = 0.0f;
-        for (int k = 0; k < width; ++k) acc += pr[k] * bc[k * LORA_STRIDE];
-        y[(size_t)row * out + column] += acc;
+    const int column = blockIdx.x * LORA_COLUMNS + threadIdx.x;
+    const int columns = swiglu ? out / 2 : out;
+    if (column >= columns) return;
+    const int up = column + out / 2;
+    const float bias_column = bias ? bias[column] : 0.0f, bias_up = bias && swiglu ? bias[up] : 0.0f;
+    const bool vector = words != 0;
+    for (int r = 0; r < count; ++r) {
+        const int row = row0 + r, slot = row_slots[r];
+        const float* x = ext + (size_t)row * ld;
+        float value = x[column] + bias_column;
+        float up_value = swiglu ? x[up] + bias_up : 0.0f;
+        if (slot > 0) {
+            const int first = (slot - 1) * width;
+            value += lora_update(p + r * K + first, b + (size_t)column * K + first, width, vector);
+            if (swiglu) up_value += lora_update(p + r * K + first, b + (size_t)up * K + first, width, vector);
+        }
+        if (swiglu) {
+            act[(size_t)row * columns + column] = to_bf16(value / (1.0f + expf(-value)) * up_value);
+        } else {
+            y[(size_t)row * out + column] = value;
+        }
     }
 }
 """
 
 
 def expand_shared_bytes(slots: int, width: int) -> int:
-    """Shared memory of a block of :func:`lora_expand_words` for ``slots`` slots of ``width``
-    (``G R``) columns each."""
-    k = slots * width
-    return 4 * k * (EXPAND_ROWS + EXPAND_COLUMNS + 1)
+    """Shared memory of a block of :func:`lora_expand` for ``slots`` slots of ``width`` (``G R``)
+    columns each."""
+    return 4 * EXPAND_ROWS * (slots * width + 1)
 
 
-def expand_words_supported(slots: int, width: int) -> bool:
-    """Whether :func:`lora_expand_words` serves ``slots`` slots of ``width`` columns (its staging
-    fits a block's default shared memory)."""
+def expand_supported(slots: int, width: int) -> bool:
+    """Whether :func:`lora_expand` serves ``slots`` slots of ``width`` columns (its staging fits
+    a block's default shared memory)."""
     return expand_shared_bytes(slots, width) <= EXPAND_SHARED_BYTES
 
 
 #: The kernels of :func:`source`'s module.
-KERNEL_NAMES = ("lora_expand_words",)
+KERNEL_NAMES = ("lora_expand",)
 
 
 def source() -> str:
@@ -244,37 +276,46 @@ def source() -> str:
 _expand_kernels: list[Any] = []
 
 
-def lora_expand_words(products: DeviceArray, slots: DeviceArray, b: DeviceArray, y: DeviceArray, width: int,
-                      stream: object = None, single_slot: int = 0) -> DeviceArray:
-    """Add each row's LoRA update to ``y [N, out]`` (float32, in place) in CUDA C++: ``products [N,
-    S W]`` float32 (every slot's shrunk products), ``slots [N]`` int32, ``b [out, S W]`` bf16 bits
-    (:class:`~metrale.lora.LoraStack`), ``width`` = ``W``. One launch whatever the mix of slots.
-    With ``single_slot`` (every adapter row of that slot: the step's route) ``products`` are
-    ``[N, W]``, that slot's only, and only its ``B`` is read. :func:`expand_words_supported` says
-    which sizes it takes."""
-    op = "lora_linear"
-    check_array(op, "products", products, np.float32, ndim=2)
-    rows, k = products.shape
+def lora_expand(ext: DeviceArray, slots: DeviceArray, b: DeviceArray, width: int, out: DeviceArray,
+                bias: DeviceArray | None = None, swiglu: bool = False, stream: object = None) -> DeviceArray:
+    """Each row's LoRA update added to its product with a stack's extended weight, in CUDA C++
+    (one launch whatever the mix of slots): ``ext [N, M + S W]`` float32 (the projection's ``M``
+    columns, then every slot's shrunk products), ``slots [N]`` int32, ``b [M, S W]`` bf16 bits
+    (:class:`~metrale.lora.LoraStack`), ``width`` = ``W``, ``bias [M]`` float32 or None. Writes
+    ``out [N, M]`` float32; with ``swiglu`` (``M = 2 I``: gate columns, then up columns)
+    ``silu(gate) * up`` to ``out [N, I]`` bf16 bits. :func:`expand_supported` says which sizes it
+    takes."""
+    op = "lora_expand"
+    check_array(op, "ext", ext, np.float32, ndim=2)
+    rows, columns = ext.shape
     check_array(op, "slots", slots, np.int32, (rows,))
     check_array(op, "b", b, np.uint16, ndim=2)
-    out = b.shape[0]
-    check_array(op, "y", y, np.float32, (rows, out))
-    if width <= 0 or b.shape[1] % width or k != (width if single_slot else b.shape[1]):
-        raise KernelArgumentError(f"{op}: products of {k} columns and b of {b.shape[1]} are not whole slots of {width}"
-                                  + (f" (one slot's: {width} columns)" if single_slot else ""))
-    if not 0 <= single_slot <= b.shape[1] // width:
-        raise KernelArgumentError(f"{op}: single_slot {single_slot} is not a slot of b")
-    if not expand_words_supported(k // width, width):
+    m, k = b.shape
+    if width <= 0 or k % width or columns != m + k:
+        raise KernelArgumentError(f"{op}: ext of {columns} columns is not b's {m} rows and {k} columns, whole slots "
+                                  f"of {width}")
+    if swiglu and m % 2:
+        raise KernelArgumentError(f"{op}: swiglu needs gate and up halves, got {m} columns")
+    if swiglu:
+        check_array(op, "out", out, np.uint16, (rows, m // 2))
+    else:
+        check_array(op, "out", out, np.float32, (rows, m))
+    if bias is not None:
+        check_array(op, "bias", bias, np.float32, (m,))
+    if not expand_supported(k // width, width):
         raise KernelArgumentError(f"{op}: {k // width} slots of {width} columns take more shared memory than a "
-                                  "block has (expand_words_supported)")
+                                  "block has (expand_supported)")
     if not _expand_kernels:
         import cupy
 
-        _expand_kernels.append(cupy.RawModule(code=source(), options=("--std=c++17",))
-                               .get_function("lora_expand_words"))
-    if rows and out:
-        launch(_expand_kernels[0], (-(-out // EXPAND_COLUMNS), -(-rows // EXPAND_ROWS)), (EXPAND_THREADS,),
-               (products, slots, b, y, np.int32(rows), np.int32(out), np.int32(width), np.int32(b.shape[1] // width),
-                np.int32(single_slot)),
+        _expand_kernels.append(cupy.RawModule(code=source(), options=("--std=c++17",)).get_function("lora_expand"))
+    words = width % 8 == 0 and k % 8 == 0 and b.data.ptr % 16 == 0
+    if rows and m:
+        null = np.uint64(0)
+        launch(_expand_kernels[0], (-(-(m // 2 if swiglu else m) // EXPAND_COLUMNS), -(-rows // EXPAND_ROWS)),
+               (EXPAND_COLUMNS,),
+               (ext, slots, b, null if bias is None else bias, null if swiglu else out, out if swiglu else null,
+                np.int32(rows), np.int32(m), np.int32(width), np.int32(k // width), np.int32(swiglu),
+                np.int32(words)),
                expand_shared_bytes(k // width, width), stream, dependent=False)
-    return y
+    return out

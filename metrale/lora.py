@@ -21,6 +21,7 @@ partly or to the wrong projection.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -259,12 +260,19 @@ class LoraStack:
     ``names`` are the projections the fused weight stacks (PEFT's module names inside a decoder
     layer, e.g. ``("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")``), ``out_sizes``
     their output rows, in order; ``in_size`` their input width. For ``S`` adapter slots, ``G``
-    projections and rank ``R`` (``max_lora_rank``): ``a [S + 1, G R, in]`` holds each projection's
-    ``A`` in its own ``R`` rows (slot 0, the base model, stays zero); ``b [out, S G R]`` holds
-    every slot's ``scale * B`` side by side, block-diagonal: slot ``s``'s projection ``g`` at
-    columns ``(s - 1) G R + g R`` and the output rows of projection ``g`` (zero elsewhere, and
-    past a module's rank). The op ``lora_linear`` adds ``(x a[s]^T) b[:, (s - 1) G R : s G R]^T``
-    to each row of slot ``s``: one product with ``b`` serves every row whatever its slot.
+    projections and rank ``R`` (``max_lora_rank``), ``W = G R`` (:attr:`width`):
+
+    * ``weight [M + S W, in]`` is the projection's own weight (``M = sum(out_sizes)`` rows,
+      :attr:`base`, which the model uses in place of the weight it loaded) followed by every
+      slot's ``A``: slot ``s``'s ``W`` rows hold each projection's ``A`` in its own ``R`` rows
+      (zero past a module's rank and where the adapter leaves a projection alone). One product
+      with ``weight`` gives a row's projection and its shrunk products for every slot at once
+      (the op ``lora_expand`` then adds each row's own slot's update); :attr:`a` is the same
+      ``A`` rows seen as ``[S, W, in]`` (the op ``lora_linear``).
+    * ``b [M, S W]`` holds every slot's ``scale * B`` side by side, block-diagonal: slot ``s``'s
+      projection ``g`` at columns ``(s - 1) W + g R`` and the output rows of projection ``g`` (zero
+      elsewhere, and past a module's rank): one product with ``b`` serves every row whatever its
+      slot.
 
     A fused weight may hold a projection's rows in another order, or in two places (Qwen3-Next's
     ``q_proj``, whose query and gate rows are regrouped): ``row_maps[g]``, when given, lists the
@@ -276,22 +284,50 @@ class LoraStack:
     out_sizes: tuple[int, ...]
     in_size: int
     rank: int
-    a: Any
+    weight: Any
     b: Any
     row_maps: tuple[Any, ...] = ()
     module_rows: tuple[int, ...] = ()
 
     @classmethod
-    def allocate(cls, backend: Any, names: tuple[str, ...], out_sizes: tuple[int, ...], in_size: int, *,
+    def allocate(cls, backend: Any, names: tuple[str, ...], out_sizes: tuple[int, ...], weight: Any, *,
                  max_loras: int, max_lora_rank: int, row_maps: tuple[Any, ...] = (),
                  module_rows: tuple[int, ...] = ()) -> "LoraStack":
+        """A stack over ``weight [M, in]`` (the projection's weight as the backend holds it),
+        copied into the stack's extended weight."""
         if len(names) != len(out_sizes) or not names:
             raise ConfigError(f"a LoRA stack needs one output size per projection, got {names} and {out_sizes}")
+        rows, in_size = (int(extent) for extent in weight.shape)
+        if rows != sum(out_sizes):
+            raise ConfigError(f"a LoRA stack over {names} needs a weight of {sum(out_sizes)} rows, got {rows}")
         dtype, rank, width = _weight_dtype(backend), max_lora_rank, len(names) * max_lora_rank
-        return cls(tuple(names), tuple(int(s) for s in out_sizes), int(in_size), rank,
-                   backend.zeros((max_loras + 1, width, in_size), dtype),
-                   backend.zeros((int(sum(out_sizes)), max_loras * width), dtype),
+        extended = backend.zeros((rows + max_loras * width, in_size), dtype)
+        stream = getattr(backend, "stream", None)  # the copy on the engine's stream, as the zeros
+        with stream if stream is not None else contextlib.nullcontext():
+            extended[:rows] = weight
+        return cls(tuple(names), tuple(int(s) for s in out_sizes), in_size, rank, extended,
+                   backend.zeros((rows, max_loras * width), dtype),
                    tuple(row_maps), tuple(module_rows) or tuple(int(s) for s in out_sizes))
+
+    @property
+    def width(self) -> int:
+        """``W = G R``: a slot's columns of :attr:`b`, its rows of :attr:`a`."""
+        return len(self.names) * self.rank
+
+    @property
+    def slots(self) -> int:
+        """``S``: the adapter slots (``max_loras``)."""
+        return int(self.b.shape[1]) // self.width
+
+    @property
+    def base(self) -> Any:
+        """The projection's own weight ``[M, in]``: the first rows of :attr:`weight` (a view)."""
+        return self.weight[: sum(self.out_sizes)]
+
+    @property
+    def a(self) -> Any:
+        """Every slot's ``A`` ``[S, W, in]``: the last rows of :attr:`weight` (a view)."""
+        return self.weight[sum(self.out_sizes) :].reshape(self.slots, self.width, self.in_size)
 
     @property
     def targets(self) -> dict[str, tuple[int, int]]:
@@ -316,8 +352,8 @@ class LoraStack:
     def write(self, backend: Any, slot: int, modules: list["LoraModule | None"]) -> None:
         """Put ``modules`` in ``slot`` (zeros where a module is None)."""
         a, b = self.host_slot(modules)
-        width = a.shape[0]
-        self.a[slot] = backend.weight(a)
+        width, first = self.width, sum(self.out_sizes) + (slot - 1) * self.width
+        self.weight[first : first + width] = backend.weight(a)
         self.b[:, (slot - 1) * width : slot * width] = backend.weight(b)
 
 
@@ -361,7 +397,9 @@ class LoraLayout:
     @property
     def num_slots(self) -> int:
         """Slots including the base model's slot 0 (``max_loras + 1``)."""
-        arrays = [stack.a for _, stack in self.stacks] + [rows.tokens for rows in self.token_rows.values()]
+        if self.stacks:
+            return self.stacks[0][1].slots + 1
+        arrays = [rows.tokens for rows in self.token_rows.values()]
         return int(arrays[0].shape[0]) if arrays else 1
 
     def targets(self) -> dict[str, tuple[int, int]]:

@@ -45,6 +45,32 @@ def test_logits_equal_peft_s_for_every_dense_variant(dense_checkpoint, tmp_path,
     assert max_relative_error(base, expected) > 1e-2  # the adapter changes the logits
 
 
+@pytest.mark.parametrize("family", ["dense", "gdn"])
+def test_steps_past_the_folded_rows_equal_peft_s(family_checkpoint_of, tmp_path, family):
+    """A step of more rows than FOLDED_ROWS keeps each projection's own product and shrinks and
+    expands apart (the op lora_linear): two long prompts of two adapters in one step."""
+    from metrale.layers.lora import FOLDED_ROWS
+
+    checkpoint = family_checkpoint_of(family)
+    targets = ALL_PROJECTIONS if family == "dense" else MIXED_TARGETS["gdn"][0]
+    pefts = [make_adapter(checkpoint, tmp_path / f"a{index}", 20 + index, r=8 >> index, lora_alpha=16,
+                          target_modules=targets) for index in range(2)]
+    requests = [LoRARequest(f"a{index}", index + 1, tmp_path / f"a{index}") for index in range(2)]
+    prompts = [[int(t) for t in np.random.default_rng(index).integers(1, 100, FOLDED_ROWS + 10)] for index in range(2)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    with lora_llm(checkpoint, enable_prefix_caching=False) as llm:
+        scored = [llm.score(prompt, lora_request=request) for prompt, request in zip(prompts, requests)]
+        outputs = llm.generate(prompts, params, lora_request=requests)  # both prompts in one step
+    for prompt, peft, got, output in zip(prompts, pefts, scored, outputs):
+        expected = peft_logits(peft, prompt)
+        assert max_relative_error(got, expected) <= 1e-4
+        last = expected[-1] - expected[-1].max()
+        last = last - np.log(np.exp(last).sum())
+        top = output.outputs[0].logprobs[0]
+        assert output.outputs[0].token_ids == [int(np.argmax(expected[-1]))]
+        assert all(abs(top[t].logprob - last[t]) <= 1e-4 for t in top)
+
+
 def test_trainable_token_rows_equal_peft_s(dense_checkpoints, tmp_path):
     checkpoint = dense_checkpoints["llama"]
     peft = make_adapter(checkpoint, tmp_path / "t", 2, r=4, lora_alpha=8, target_modules=["q_proj"],

@@ -13,7 +13,7 @@ import numpy as np
 
 from metrale.batch import ForwardBatch
 from metrale.checkpoint import Checkpoint
-from metrale.layers.lora import linear_with_lora, lora_active
+from metrale.layers.lora import linear_with_lora, normed_projection
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,8 @@ def normed_attention_block(
     through the ``rmsnorm_linear`` op: one kernel with the qkv projection where the backend has
     one; the norm and the product apart when the step has adapter rows); returns ``(attention
     output, x + residual)``."""
-    if lora_active(batch, weights.lora_qkv, weights.lora_o):
-        normed, summed = backend.ops.rmsnorm_residual(x, residual, norm_weight, eps, norm_offset)
-        return attention_block(backend, geometry, weights, cache_layer, normed, batch), summed
-    qkv, summed = backend.ops.rmsnorm_linear(x, residual, norm_weight, eps, norm_offset, weights.qkv, weights.qkv_bias)
+    qkv, summed = normed_projection(backend, x, residual, norm_weight, eps, weights.qkv, weights.lora_qkv, batch,
+                                    offset=norm_offset, bias=weights.qkv_bias)
     return attention_from_qkv(backend, geometry, weights, cache_layer, qkv, batch), summed
 
 

@@ -21,31 +21,58 @@ def lora_active(batch: ForwardBatch, *stacks: Any) -> bool:
     return batch.adapter_slots is not None and any(stack is not None for stack in stacks)
 
 
-def linear_with_lora(backend: Any, x: Any, weight: Any, bias: Any, stack: LoraStack | None, batch: ForwardBatch) -> Any:
-    """``linear(x, weight, bias)`` plus each row's adapter update of ``stack`` (the op
-    ``lora_linear``) when the step has adapter rows."""
-    y = backend.ops.linear(x, weight, bias)
+#: Rows up to which an adapted projection's shrink rides along its own product: one product with
+#: the stack's extended weight (a few more rows than the weight's) and the op ``lora_expand``.
+#: Past it the projection keeps its own product and the op ``lora_linear`` shrinks and expands
+#: apart (the expand's copy of a large output would cost more than a product of its own).
+FOLDED_ROWS = 64
+
+
+def _folded(x: Any) -> bool:
+    return int(x.shape[0]) <= FOLDED_ROWS
+
+
+def linear_with_lora(backend: Any, x: Any, weight: Any, bias: Any, stack: LoraStack | None, batch: ForwardBatch,
+                     swiglu: bool = False) -> Any:
+    """``linear(x, weight, bias)`` plus each row's adapter update of ``stack`` when the step has
+    adapter rows; with ``swiglu`` (``weight`` stacks gate and up rows) ``silu(gate) * up`` of it.
+    ``weight`` is ``stack.base`` when there is a stack."""
+    ops = backend.ops
     if stack is None or batch.adapter_slots is None:
-        return y
-    return backend.ops.lora_linear(y, x, stack.a, stack.b, batch.adapter_slots, batch.adapter_route)
+        return ops.linear_silu(x, weight, bias) if swiglu else ops.linear(x, weight, bias)
+    if _folded(x):
+        return ops.lora_expand(ops.linear(x, stack.weight), stack.b, batch.adapter_slots, stack.width, bias, swiglu)
+    y = ops.lora_linear(ops.linear(x, weight, bias), x, stack.a, stack.b, batch.adapter_slots, batch.adapter_route)
+    return ops.silu_and_mul(y) if swiglu else y
 
 
 def normed_projection(backend: Any, x: Any, residual: Any, norm_weight: Any, eps: float, weight: Any,
-                      stack: LoraStack | None, batch: ForwardBatch, offset: float = 1.0) -> tuple[Any, Any]:
+                      stack: LoraStack | None, batch: ForwardBatch, offset: float = 1.0, bias: Any = None,
+                      swiglu: bool = False) -> tuple[Any, Any]:
     """``(linear(rmsnorm(x + residual)) with the rows' adapter updates, x + residual)``: the op
-    ``rmsnorm_linear`` when the step has no adapter rows (or ``stack`` is None), else the norm and
-    the product apart. ``offset`` 1.0 is a zero-centred norm's."""
+    ``rmsnorm_linear`` (with the stack's extended weight and then ``lora_expand`` when the step has
+    adapter rows, few enough to fold; else the norm and :func:`linear_with_lora` apart).
+    ``offset`` 1.0 is a zero-centred norm's; ``swiglu`` as in :func:`linear_with_lora`."""
+    ops = backend.ops
     if not lora_active(batch, stack):
-        return backend.ops.rmsnorm_linear(x, residual, norm_weight, eps, offset, weight)
-    normed, summed = backend.ops.rmsnorm_residual(x, residual, norm_weight, eps, offset)
-    return linear_with_lora(backend, normed, weight, None, stack, batch), summed
+        projected, summed = ops.rmsnorm_linear(x, residual, norm_weight, eps, offset, weight, bias)
+        return (ops.silu_and_mul(projected) if swiglu else projected), summed
+    if _folded(x):
+        extended, summed = ops.rmsnorm_linear(x, residual, norm_weight, eps, offset, stack.weight)
+        return ops.lora_expand(extended, stack.b, batch.adapter_slots, stack.width, bias, swiglu), summed
+    normed, summed = ops.rmsnorm_residual(x, residual, norm_weight, eps, offset)
+    return linear_with_lora(backend, normed, weight, bias, stack, batch, swiglu), summed
 
 
-def new_stack(backend: Any, names: tuple[str, ...], out_sizes: tuple[int, ...], in_size: int, limits: dict,
-              **layout: Any) -> LoraStack:
-    """A :class:`~metrale.lora.LoraStack` with ``limits`` (``max_loras``, ``max_lora_rank``) and
-    ``layout`` (``row_maps``, ``module_rows``)."""
-    return LoraStack.allocate(backend, names, out_sizes, in_size, **limits, **layout)
+def new_stack(backend: Any, owner: Any, attribute: str, names: tuple[str, ...], out_sizes: tuple[int, ...],
+              limits: dict, **layout: Any) -> LoraStack:
+    """A :class:`~metrale.lora.LoraStack` over ``owner``'s weight ``attribute`` with ``limits``
+    (``max_loras``, ``max_lora_rank``) and ``layout`` (``row_maps``, ``module_rows``); ``owner``'s
+    attribute becomes the stack's :attr:`~metrale.lora.LoraStack.base` (the same values, now the
+    first rows of the stack's extended weight)."""
+    stack = LoraStack.allocate(backend, names, out_sizes, getattr(owner, attribute), **limits, **layout)
+    setattr(owner, attribute, stack.base)
+    return stack
 
 
 def attention_lora(backend: Any, weights: Any, geometry: Any, limits: dict, prefix: str = "self_attn") -> list[LoraStack]:
@@ -53,9 +80,9 @@ def attention_lora(backend: Any, weights: Any, geometry: Any, limits: dict, pref
     ``k_proj`` / ``v_proj`` fused, ``{prefix}.o_proj``), attached to it."""
     g = geometry
     q_rows, kv_rows = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
-    weights.lora_qkv = new_stack(backend, (f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"),
-                                 (q_rows, kv_rows, kv_rows), g.hidden_size, limits)
-    weights.lora_o = new_stack(backend, (f"{prefix}.o_proj",), (g.hidden_size,), q_rows, limits)
+    weights.lora_qkv = new_stack(backend, weights, "qkv", (f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"),
+                                 (q_rows, kv_rows, kv_rows), limits)
+    weights.lora_o = new_stack(backend, weights, "o", (f"{prefix}.o_proj",), (g.hidden_size,), limits)
     return [weights.lora_qkv, weights.lora_o]
 
 
@@ -63,9 +90,9 @@ def mlp_lora(backend: Any, weights: Any, hidden_size: int, intermediate_size: in
              prefix: str = "mlp") -> list[LoraStack]:
     """Stacks for a :class:`~metrale.layers.mlp.MlpWeights` (``{prefix}.gate_proj`` / ``up_proj``
     fused, ``{prefix}.down_proj``), attached to it."""
-    weights.lora_gate_up = new_stack(backend, (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
-                                     (intermediate_size, intermediate_size), hidden_size, limits)
-    weights.lora_down = new_stack(backend, (f"{prefix}.down_proj",), (hidden_size,), intermediate_size, limits)
+    weights.lora_gate_up = new_stack(backend, weights, "gate_up", (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
+                                     (intermediate_size, intermediate_size), limits)
+    weights.lora_down = new_stack(backend, weights, "down", (f"{prefix}.down_proj",), (hidden_size,), limits)
     return [weights.lora_gate_up, weights.lora_down]
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from metrale.batch import ForwardBatch
 from metrale.checkpoint import Checkpoint
-from metrale.layers.lora import linear_with_lora, lora_active
+from metrale.layers.lora import linear_with_lora, lora_active, normed_projection
 
 
 @dataclass
@@ -62,9 +62,9 @@ def swiglu_mlp(backend: Any, weights: MlpWeights, h: Any, batch: ForwardBatch | 
     ``batch`` has adapter rows)."""
     ops = backend.ops
     if batch is not None and lora_active(batch, weights.lora_gate_up, weights.lora_down):
-        gate_up = linear_with_lora(backend, h, weights.gate_up, weights.gate_up_bias, weights.lora_gate_up, batch)
-        return linear_with_lora(backend, ops.silu_and_mul(gate_up), weights.down, weights.down_bias, weights.lora_down,
-                                batch)
+        act = linear_with_lora(backend, h, weights.gate_up, weights.gate_up_bias, weights.lora_gate_up, batch,
+                               swiglu=True)
+        return linear_with_lora(backend, act, weights.down, weights.down_bias, weights.lora_down, batch)
     return ops.linear(ops.linear_silu(h, weights.gate_up, weights.gate_up_bias), weights.down, weights.down_bias)
 
 
@@ -74,7 +74,8 @@ def normed_swiglu_mlp(backend: Any, weights: MlpWeights, x: Any, residual: Any, 
     kernels where the backend has them; the norm apart when ``batch`` has adapter rows); returns
     ``(MLP output, x + residual)``."""
     if batch is not None and lora_active(batch, weights.lora_gate_up, weights.lora_down):
-        normed, summed = backend.ops.rmsnorm_residual(x, residual, norm_weight, eps, norm_offset)
-        return swiglu_mlp(backend, weights, normed, batch), summed
+        act, summed = normed_projection(backend, x, residual, norm_weight, eps, weights.gate_up, weights.lora_gate_up,
+                                        batch, offset=norm_offset, bias=weights.gate_up_bias, swiglu=True)
+        return linear_with_lora(backend, act, weights.down, weights.down_bias, weights.lora_down, batch), summed
     return backend.ops.rmsnorm_mlp(x, residual, norm_weight, eps, norm_offset, weights.gate_up, weights.down,
                                    weights.gate_up_bias, weights.down_bias)

@@ -70,8 +70,24 @@ def lora_linear(y, x, a, b, slots, route=None):
         if slot == 0:
             continue
         rows = np.nonzero(slots == slot)[0]
-        y[rows] += (x[rows] @ a[slot].T) @ b[:, (slot - 1) * width : slot * width].T
+        y[rows] += (x[rows] @ a[slot - 1].T) @ b[:, (slot - 1) * width : slot * width].T
     return y
+
+
+def lora_expand(ext, b, slots, width, bias=None, swiglu=False):
+    out = b.shape[0]
+    ext, b = to_float32(ext), to_float32(b)
+    y = np.array(ext[:, :out], dtype=np.float32)
+    if bias is not None:
+        y += to_float32(bias)
+    products = ext[:, out:]
+    for slot in np.unique(slots):
+        if slot == 0:
+            continue
+        rows = np.nonzero(slots == slot)[0]
+        columns = slice((slot - 1) * width, slot * width)
+        y[rows] += products[rows, columns] @ b[:, columns].T
+    return silu_and_mul(y) if swiglu else y
 
 
 def lora_token_rows(x, ids, slots, tokens, rows):
@@ -306,21 +322,44 @@ def _lora_slots(rng: np.random.Generator, rows: int, slots: int) -> np.ndarray:
     return rng.integers(0, slots + 1, size=rows).astype(np.int32)
 
 
+def _lora_stack_example(rng: np.random.Generator, inner: int, outs: tuple[int, ...], rank: int,
+                        slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(a [S, G R, in], b [out, S G R])`` of a :class:`~metrale.lora.LoraStack` (``b``
+    block-diagonal per slot)."""
+    width = len(outs) * rank
+    a = _rows(rng, slots, width, inner, scale=0.2)
+    b = np.zeros((sum(outs), slots * width), np.float32)
+    start = 0
+    for group, out in enumerate(outs):
+        for slot in range(slots):
+            column = slot * width + group * rank
+            b[start : start + out, column : column + rank] = _rows(rng, out, rank, scale=0.2)
+        start += out
+    return a, b
+
+
+# (rows, in, the fused projections' outputs, rank, slots)
+_LORA_SHAPES = ((1, 64, (48,), 8, 1), (7, 96, (64, 32, 32), 16, 3), (33, 128, (80, 80), 4, 4))
+
+
 def _lora_linear_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
     examples = []
-    for rows, inner, outs, rank, slots in ((1, 64, (48,), 8, 1), (7, 96, (64, 32, 32), 16, 3), (33, 128, (80, 80), 4, 4)):
-        width = len(outs) * rank
-        a = _rows(rng, slots + 1, width, inner, scale=0.2)
-        a[0] = 0.0
-        b = np.zeros((sum(outs), slots * width), np.float32)  # block-diagonal per slot (LoraStack)
-        start = 0
-        for group, out in enumerate(outs):
-            for slot in range(slots):
-                column = slot * width + group * rank
-                b[start : start + out, column : column + rank] = _rows(rng, out, rank, scale=0.2)
-            start += out
+    for rows, inner, outs, rank, slots in _LORA_SHAPES:
+        a, b = _lora_stack_example(rng, inner, outs, rank, slots)
         examples.append({"y": _rows(rng, rows, sum(outs)), "x": _rows(rng, rows, inner), "a": a, "b": b,
                          "slots": _lora_slots(rng, rows, slots)})
+    return examples
+
+
+def _lora_expand_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    examples = []
+    for (rows, inner, outs, rank, slots), bias, swiglu in zip(_LORA_SHAPES, (False, True, True), (False, False, True)):
+        a, b = _lora_stack_example(rng, inner, outs, rank, slots)
+        # A product with the stack's extended weight: the projection's columns, then every slot's shrunk products.
+        ext = np.concatenate([_rows(rng, rows, sum(outs)), _rows(rng, rows, inner) @ a.reshape(-1, inner).T], axis=1)
+        examples.append({"ext": ext.astype(np.float32), "b": b, "slots": _lora_slots(rng, rows, slots),
+                         "width": len(outs) * rank, "bias": _rows(rng, sum(outs)) if bias else None,
+                         "swiglu": swiglu})
     return examples
 
 
@@ -650,15 +689,27 @@ def _declarations() -> list[tuple[Op, str]]:
             cuda_tolerance=1e-5),
          "attention_latent"),
         (Op("lora_linear", "Each row's LoRA update added to a projection's output (in place, returned): for a row of "
-            "adapter slot ``s = slots[i]`` (0: the base model, no update), ``y[i] += (x[i] a[s]^T) b[:, (s - 1) W : s W]^T`` "
-            "with ``W = G R`` (:class:`~metrale.lora.LoraStack`: ``b`` block-diagonal over a fused weight's ``G`` "
-            "projections, the scale folded in).",
-            (P("y", "[N, out]", "activation"), P("x", "[N, in]", "matmul_input"), P("a", "[S + 1, G R, in]", "weight"),
+            "adapter slot ``s = slots[i]`` (0: the base model, no update), ``y[i] += (x[i] a[s - 1]^T) "
+            "b[:, (s - 1) W : s W]^T`` with ``W = G R`` (:class:`~metrale.lora.LoraStack`: ``b`` block-diagonal over "
+            "a fused weight's ``G`` projections, the scale folded in). For steps of many rows; a few rows take "
+            "``lora_expand``.",
+            (P("y", "[N, out]", "activation"), P("x", "[N, in]", "matmul_input"), P("a", "[S, G R, in]", "weight"),
              P("b", "[out, S G R]", "weight"), P("slots", "[N]", "index"),
              P("route", kind="option", optional=True,
                doc="the step's adapter route (metrale.lora.adapter_route): a slot when every adapter row is of that "
-               "slot (the GPU then reads that slot's weights only), else None or mixed")),
+               "slot (the GPU then shrinks with that slot's A only), else None or mixed")),
             (P("y", "[N, out]", "activation"),), lora_linear, examples=_lora_linear_examples),
+         "lora"),
+        (Op("lora_expand", "A projection with each row's LoRA update from a product with the stack's extended weight "
+            "(:attr:`metrale.lora.LoraStack.weight`: the projection's ``out`` rows, then every slot's ``A``): "
+            "``y[i] = ext[i, :out] + bias + ext[i, out + (s - 1) W : out + s W] b[:, (s - 1) W : s W]^T`` for a row "
+            "of slot ``s = slots[i]`` (0: no update); with ``swiglu`` (``out = 2 I``, gate rows then up rows) "
+            "``silu(y[:, :I]) * y[:, I:]``.",
+            (P("ext", "[N, out + S G R]", "activation"), P("b", "[out, S G R]", "weight"), P("slots", "[N]", "index"),
+             P("width", kind="scalar", doc="``W = G R``, a slot's columns"),
+             P("bias", "[out]", "constant", optional=True),
+             P("swiglu", kind="option", optional=True, doc="SwiGLU's activation of the result")),
+            (P("y", "[N, out] or [N, out / 2]", "activation"),), lora_expand, examples=_lora_expand_examples),
          "lora"),
         (Op("lora_token_rows", "Embedding rows an adapter replaces (in place, returned): ``x[i] = rows[s, k]`` where "
             "``tokens[s, k] == ids[i]`` for the row's adapter slot ``s = slots[i]`` (0: none); -1 pads ``tokens``.",

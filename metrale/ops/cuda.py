@@ -468,19 +468,32 @@ class CudaKernels:
         return token_feed.feed_tokens(token_ids, source, rows, indices, self.stream)
 
     def lora_linear(self, y: Any, x: Any, a: Any, b: Any, slots: Any, route: Any = None) -> Any:
-        # One adapter for every adapter row (an eager step's route): that slot's A and B only.
-        # Else every slot's A in one product (slot 0, the base model's zeros, left out); then each
-        # row's own slot's columns times its B, in one kernel where its staging fits, else the
-        # row's slot's columns kept and every slot's B in one product added to y.
+        # The shrink is one product with every slot's A (or, for a step of one adapter, that
+        # slot's only); each row's own slot's columns are kept (bf16) and one product with every
+        # slot's B is added to y.
         count, width, inner = a.shape
-        if isinstance(route, int) and not isinstance(route, bool) and lora.expand_words_supported(1, width):
-            products = self.linear(x, a[route])
-            return lora.lora_expand_words(products, slots, b, y, width, self.stream, single_slot=route)
-        products = self.linear(x, a[1:].reshape((count - 1) * width, inner))
-        if lora.expand_words_supported(count - 1, width):
-            return lora.lora_expand_words(products, slots, b, y, width, self.stream)
-        shrunk = lora.lora_select(products, width, slots, cp.empty(products.shape, dtype=bf16), self.stream)
+        shrunk = cp.empty((x.shape[0], count * width), dtype=bf16)
+        if isinstance(route, int) and not isinstance(route, bool) and 0 < route <= count:
+            products = self.linear(x, a[route - 1])
+            lora.lora_select(products, width, slots, shrunk, self.stream, single_slot=route)
+        else:
+            lora.lora_select(self.linear(x, a.reshape(count * width, inner)), width, slots, shrunk, self.stream)
         return self.gemm(shrunk, b, y, accumulate=True)
+
+    def lora_expand(self, ext: Any, b: Any, slots: Any, width: int, bias: Any = None, swiglu: bool = False) -> Any:
+        rows, (out, columns) = ext.shape[0], b.shape
+        ext = cp.ascontiguousarray(ext, dtype=f32)
+        if lora.expand_supported(columns // width, width):
+            y = cp.empty((rows, out // 2), dtype=bf16) if swiglu else cp.empty((rows, out), dtype=f32)
+            return lora.lora_expand(ext, slots, b, width, y, bias, swiglu, self.stream)
+        # More slots than a block stages: the products' own-slot columns kept, one product with b.
+        y = cp.ascontiguousarray(ext[:, :out])
+        if bias is not None:
+            y += bias
+        shrunk = lora.lora_select(cp.ascontiguousarray(ext[:, out:]), width, slots,
+                                  cp.empty((rows, columns), dtype=bf16), self.stream)
+        self.gemm(shrunk, b, y, accumulate=True)
+        return self.silu_and_mul(y) if swiglu else y
 
     def lora_token_rows(self, x: Any, ids: Any, slots: Any, tokens: Any, rows: Any) -> Any:
         return lora.lora_token_rows(x, ids, slots, tokens, rows, self.stream)

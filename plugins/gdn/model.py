@@ -64,11 +64,11 @@ class GatedAttention:
         # q_proj's rows per head: d query rows, then d gate rows (load's regrouping).
         per_head = np.arange(heads * 2 * d).reshape(heads, 2, d)
         self.lora_qkv_gate = new_stack(
-            backend, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj"),
-            (heads * d, kv * d, kv * d, heads * d), hidden, limits,
+            backend, self, "qkv_gate", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj"),
+            (heads * d, kv * d, kv * d, heads * d), limits,
             row_maps=(per_head[:, 0].reshape(-1), None, None, per_head[:, 1].reshape(-1)),
             module_rows=(2 * heads * d, kv * d, kv * d, 2 * heads * d))
-        self.lora_o = new_stack(backend, ("self_attn.o_proj",), (hidden,), heads * d, limits)
+        self.lora_o = new_stack(backend, self, "o", ("self_attn.o_proj",), (hidden,), limits)
         return [self.lora_qkv_gate, self.lora_o]
 
     @classmethod
@@ -133,10 +133,9 @@ class GatedDeltaNet:
     def enable_lora(self, backend: Any, limits: dict) -> list[Any]:
         """Adapter slots for ``in_proj_qkvz`` with ``in_proj_ba``, and ``out_proj``."""
         c = self.config
-        self.lora_in = new_stack(backend, ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"),
-                                 (self.qkvz_columns, 2 * c.linear_value_heads), c.hidden_size, limits)
-        self.lora_out = new_stack(backend, ("linear_attn.out_proj",), (c.hidden_size,),
-                                  c.linear_value_heads * c.linear_value_dim, limits)
+        self.lora_in = new_stack(backend, self, "in_proj", ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"),
+                                 (self.qkvz_columns, 2 * c.linear_value_heads), limits)
+        self.lora_out = new_stack(backend, self, "out", ("linear_attn.out_proj",), (c.hidden_size,), limits)
         return [self.lora_in, self.lora_out]
 
     @classmethod

@@ -28,7 +28,7 @@ from metrale.errors import ConfigError
 from metrale.family import FamilyModel
 from metrale.layers.experts import StackedExperts, load_stacked_experts, routed_experts
 from metrale.layers.loading import DecoderEnds
-from metrale.layers.lora import ends_lora, linear_with_lora, lora_active, mlp_lora, new_stack
+from metrale.layers.lora import ends_lora, linear_with_lora, mlp_lora, new_stack, normed_projection
 from metrale.layers.mlp import MlpWeights, load_mlp_weights, swiglu_mlp
 from metrale.lora import LoraLayout
 from metrale.plugins.mla.config import MlaConfig
@@ -73,13 +73,13 @@ class LatentAttention:
         and ``o_proj`` (``kv_b_proj`` is folded into the absorbed form, and refused)."""
         c = self.config
         q_name = "self_attn.q_proj" if c.q_lora_rank is None else "self_attn.q_a_proj"
-        self.lora_q_kv_a = new_stack(backend, (q_name, "self_attn.kv_a_proj_with_mqa"),
-                                     (self.q_columns, c.kv_lora_rank + c.qk_rope_head_dim), c.hidden_size, limits)
-        self.lora_o = new_stack(backend, ("self_attn.o_proj",), (c.hidden_size,), c.num_heads * c.v_head_dim, limits)
+        self.lora_q_kv_a = new_stack(backend, self, "q_kv_a", (q_name, "self_attn.kv_a_proj_with_mqa"),
+                                     (self.q_columns, c.kv_lora_rank + c.qk_rope_head_dim), limits)
+        self.lora_o = new_stack(backend, self, "o", ("self_attn.o_proj",), (c.hidden_size,), limits)
         stacks = [self.lora_q_kv_a, self.lora_o]
         if c.q_lora_rank is not None:
-            self.lora_q_b = new_stack(backend, ("self_attn.q_b_proj",),
-                                      (c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim),), c.q_lora_rank, limits)
+            self.lora_q_b = new_stack(backend, self, "q_b", ("self_attn.q_b_proj",),
+                                      (c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim),), limits)
             stacks.append(self.lora_q_b)
         return stacks
 
@@ -132,11 +132,8 @@ class LatentAttention:
         ops, c = backend.ops, self.config
         heads, d_n, d_r = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
         rows = x.shape[0]
-        if lora_active(batch, self.lora_q_kv_a, self.lora_q_b, self.lora_o):
-            normed, residual = ops.rmsnorm_residual(x, residual, input_norm, eps)
-            projected = linear_with_lora(backend, normed, self.q_kv_a, self.q_kv_a_bias, self.lora_q_kv_a, batch)
-        else:
-            projected, residual = ops.rmsnorm_linear(x, residual, input_norm, eps, 0.0, self.q_kv_a, self.q_kv_a_bias)
+        projected, residual = normed_projection(backend, x, residual, input_norm, eps, self.q_kv_a, self.lora_q_kv_a,
+                                                batch, offset=0.0, bias=self.q_kv_a_bias)
         q, kv_a = projected[:, : self.q_columns], projected[:, self.q_columns :]
         if self.q_b is not None:
             q = linear_with_lora(backend, ops.rmsnorm(q, self.q_a_norm, LATENT_NORM_EPS), self.q_b, None, self.lora_q_b,

@@ -21,25 +21,10 @@ LORA_TOLERANCE = 5e-2
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.mark.parametrize("inner, outs, x_bf16, slots", [
-    (4096, (4096, 1024, 1024), True, 4), (14336, (4096,), True, 4), (4096, (14336, 14336), False, 4),
-    (4096, (4096, 1024, 1024), True, 8),  # more slots than the CUDA C++ expand stages: the cuBLAS expand
-])
-def test_lora_linear_at_the_8b_shape(inner, outs, x_bf16, slots):
-    """Batch 32, rank-16 slots and base-model rows: the op against its reference (the cuBLAS
-    expand's shrunk rows are bf16, as a product's inputs)."""
-    import cupy as cp
-
-    from metrale.backend import get_backend
-    from metrale.ops import build_op_registry
-
-    backend = get_backend("cuda")
-    backend.use_ops(build_op_registry())
-    rng = np.random.default_rng(inner)
-    rows, rank = 32, 16
+def stack_at(rng, inner, outs, slots, rank=16):
+    """``(a [S, W, in], b [out, S W])`` bf16 bits of a LoRA stack (``b`` block-diagonal)."""
     width = len(outs) * rank
-    a = bf16(rng, (slots + 1, width, inner), 0.05)
-    a[0] = 0
+    a = bf16(rng, (slots, width, inner), 0.05)
     b = np.zeros((sum(outs), slots * width), np.uint16)
     start = 0
     for group, out in enumerate(outs):
@@ -47,17 +32,74 @@ def test_lora_linear_at_the_8b_shape(inner, outs, x_bf16, slots):
             b[start : start + out, slot * width + group * rank : slot * width + (group + 1) * rank] = bf16(
                 rng, (out, rank), 0.05)
         start += out
+    return a, b, width
+
+
+def cuda_backend():
+    from metrale.backend import get_backend
+    from metrale.ops import build_op_registry
+
+    backend = get_backend("cuda")
+    backend.use_ops(build_op_registry())
+    return backend
+
+
+@pytest.mark.parametrize("inner, outs, x_bf16, slots, route", [
+    (4096, (4096, 1024, 1024), True, 4, None), (14336, (4096,), True, 4, None), (4096, (14336, 14336), False, 4, None),
+    (4096, (4096, 1024, 1024), True, 4, 3),  # a step of one adapter: the shrink with its A only
+])
+def test_lora_linear_at_the_8b_shape(inner, outs, x_bf16, slots, route):
+    """A prompt step's path (the shrink and expand apart): 96 rows of rank-16 slots and
+    base-model rows against the op's reference (the shrunk rows are bf16, as a product's inputs)."""
+    import cupy as cp
+
+    backend = cuda_backend()
+    rng = np.random.default_rng(inner + (route or 0))
+    rows = 96
+    a, b, _ = stack_at(rng, inner, outs, slots)
     x = bf16(rng, (rows, inner)) if x_bf16 else rng.standard_normal((rows, inner)).astype(np.float32)
-    row_slots = rng.integers(0, slots + 1, rows).astype(np.int32)
+    row_slots = (rng.integers(0, slots + 1, rows) if route is None else np.where(rng.random(rows) < 0.7, route, 0))
+    row_slots = row_slots.astype(np.int32)
     y = rng.standard_normal((rows, sum(outs))).astype(np.float32)
     expected = builtin.lora_linear(y.copy(), bf16_to_float32(x) if x_bf16 else x, bf16_to_float32(a),
-                                   bf16_to_float32(b), row_slots)
+                                   bf16_to_float32(b), row_slots, route)
     with backend.activate():
         got = backend.ops.lora_linear(cp.asarray(y), cp.asarray(x), cp.asarray(a), cp.asarray(b),
-                                      cp.asarray(row_slots))
+                                      cp.asarray(row_slots), route)
         backend.synchronize()
     assert rel_error(cp.asnumpy(got) - y, expected - y) <= 1e-2
     np.testing.assert_array_equal(cp.asnumpy(got)[row_slots == 0], y[row_slots == 0])
+
+
+@pytest.mark.parametrize("inner, outs, slots, swiglu", [
+    (4096, (4096, 1024, 1024), 4, False), (14336, (4096,), 4, False), (4096, (14336, 14336), 4, True),
+    (4096, (4096, 1024, 1024), 8, False),  # more slots than the CUDA C++ expand stages: the cuBLAS expand
+])
+def test_lora_expand_at_the_8b_shape(inner, outs, slots, swiglu):
+    """A decode step's path: one product of 32 rows with the stack's extended weight (the
+    projection's rows, then every slot's A), then the expand, against the op's reference."""
+    import cupy as cp
+
+    backend = cuda_backend()
+    rng = np.random.default_rng(inner + slots)
+    rows, out = 32, sum(outs)
+    a, b, width = stack_at(rng, inner, outs, slots)
+    weight = np.concatenate([bf16(rng, (out, inner), 0.02), a.reshape(slots * width, inner)])
+    x = bf16(rng, (rows, inner))
+    row_slots = rng.integers(0, slots + 1, rows).astype(np.int32)
+    bias = rng.standard_normal(out).astype(np.float32)
+    with backend.activate():
+        ext = backend.ops.linear(cp.asarray(x), cp.asarray(weight))
+        got = backend.ops.lora_expand(ext, cp.asarray(b), cp.asarray(row_slots), width, cp.asarray(bias), swiglu)
+        backend.synchronize()
+        ext = cp.asnumpy(ext)
+    got = bf16_to_float32(cp.asnumpy(got)) if swiglu else cp.asnumpy(got)
+    expected = builtin.lora_expand(ext, bf16_to_float32(b), row_slots, width, bias, swiglu)
+    base = builtin.lora_expand(ext, np.zeros(b.shape, np.float32), row_slots, width, bias, swiglu)
+    assert rel_error(got - base, expected - base) <= 1e-2
+    assert rel_error(got, expected) <= (1e-2 if swiglu else 1e-5)
+    # The products with the adapters' A came out of the same product as the projection.
+    assert rel_error(ext[:, out:], bf16_to_float32(x) @ bf16_to_float32(a.reshape(slots * width, inner)).T) <= 1e-2
 
 
 def adapters(checkpoint, tmp_path, count=3, scale=0.2, targets=PROJECTIONS):
@@ -79,21 +121,31 @@ FAMILY_TARGETS = {"dense": PROJECTIONS, "mla": ["q_proj", "q_a_proj", "q_b_proj"
 def test_logits_with_adapters_match_the_cpu_backend(family_checkpoint_of, tmp_path, family):
     checkpoint = family_checkpoint_of(family)
     # Adapter weights of the base weights' size (0.15 N): bf16 rounds them as it rounds those.
-    request = adapters(checkpoint, tmp_path, 1, scale=0.05, targets=FAMILY_TARGETS[family])[0]
+    peft = build_peft_adapter(checkpoint, tmp_path / "adapter", seed=0, scale=0.05, r=8, lora_alpha=16,
+                              target_modules=FAMILY_TARGETS[family],
+                              trainable_token_indices={"embed_tokens": [5, 17], "lm_head": [3, 40]})
+    request = LoRARequest("adapter", 1, tmp_path / "adapter")
+    # The same function with the adapter merged into the weights: its bf16 error is what the GPU
+    # gets for it without any adapter kernel (a model whose routing or attention amplifies bf16
+    # roundings amplifies them with or without the adapter).
+    peft.merge_and_unload().save_pretrained(str(tmp_path / "merged"))
     tokens = [5, 17, 99, 3, 42, 8, 61, 23, 77, 14, 2, 90]
-    results, base = [], []
+    results, base, merged = [], [], []
     for device in ("cpu", "cuda"):
         with LLM(str(checkpoint), device=device, enable_lora=True, show_progress=False) as llm:
             results.append(llm.score(tokens, lora_request=request))
             base.append(llm.score(tokens))
-    effect, error, base_error = (rel_error(results[0], base[0]), rel_error(results[1], results[0]),
-                                 rel_error(base[1], base[0]))
+        with LLM(str(tmp_path / "merged"), device=device, show_progress=False) as llm:
+            merged.append(llm.score(tokens))
+    effect, error = rel_error(results[0], base[0]), rel_error(results[1], results[0])
+    base_error, merged_error = rel_error(base[1], base[0]), rel_error(merged[1], merged[0])
     print(f"{family}: the adapter moves the logits by {effect:.3g}; cuda against cpu: {error:.3g} with it, "
-          f"{base_error:.3g} without")
+          f"{base_error:.3g} without, {merged_error:.3g} merged")
+    assert rel_error(merged[0], results[0]) <= 1e-4  # the merged weights are the adapter's function
     assert base_error <= LORA_TOLERANCE
     # Each adapted projection rounds twice more to bf16 (the adapter's weights, its rank-R
-    # product): within half as much again as the base model's own bf16 error.
-    allowed = 1.5 * max(base_error, 2e-2)
+    # product): within half as much again as the bf16 error of the model or of the merged one.
+    allowed = 1.5 * max(base_error, merged_error, 2e-2)
     assert error <= allowed
     assert effect > allowed  # an adapter left out would fail
 

@@ -31,8 +31,8 @@ def test_the_selection_keeps_each_row_s_slot_columns(x_bf16):
     a_bits, b_bits = bf16(a), bf16(b)
     x_used = bf16_to_float32(bf16(x)) if x_bf16 else x
     width = a.shape[1]
-    # The shrink's product (cuBLAS on the GPU) with every slot's A, slot 0 left out.
-    products = (x_used @ bf16_to_float32(a_bits[1:]).reshape(3 * width, -1).T).astype(np.float32)
+    # The shrink's product (cuBLAS on the GPU) with every slot's A.
+    products = (x_used @ bf16_to_float32(a_bits).reshape(3 * width, -1).T).astype(np.float32)
     shrunk = lora.lora_select(products, width, row_slots, np.full(products.shape, 7, np.uint16))
     for row, slot in enumerate(row_slots):
         values = bf16_to_float32(shrunk[row]).reshape(3, width)
@@ -47,6 +47,23 @@ def test_the_selection_keeps_each_row_s_slot_columns(x_bf16):
     reference = builtin.lora_linear(y.copy(), x_used, bf16_to_float32(a_bits), bf16_to_float32(b_bits), row_slots)
     assert np.abs(got - reference).max() <= 1e-2 * np.abs(reference - y).max()
     np.testing.assert_array_equal(got[row_slots == 0], y[row_slots == 0])  # base-model rows untouched
+
+
+def test_a_step_of_one_adapter_selects_from_that_slot_s_products():
+    """The route of a step whose adapter rows are all of slot 2: the shrink with slot 2's A only."""
+    rng = np.random.default_rng(3)
+    example = builtin._lora_linear_examples(rng)[2]  # 33 rows, two projections, rank 4, 4 slots
+    a, b, x, y = (example[k] for k in ("a", "b", "x", "y"))
+    row_slots = np.where(rng.random(len(x)) < 0.6, 2, 0).astype(np.int32)
+    a_bits, b_bits = bf16(a), bf16(b)
+    width = a.shape[1]
+    products = (x @ bf16_to_float32(a_bits[1]).T).astype(np.float32)
+    shrunk = lora.lora_select(products, width, row_slots, np.full((len(x), 4 * width), 7, np.uint16), single_slot=2)
+    got = y + bf16_to_float32(shrunk) @ bf16_to_float32(b_bits).T
+    reference = builtin.lora_linear(y.copy(), x, bf16_to_float32(a_bits), bf16_to_float32(b_bits), row_slots, 2)
+    assert np.abs(got - reference).max() <= 1e-2 * np.abs(reference - y).max()
+    np.testing.assert_array_equal(got[row_slots == 0], y[row_slots == 0])
+    assert not bf16_to_float32(shrunk)[:, [c for c in range(4 * width) if c // width != 1]].any()
 
 
 def test_token_rows_and_logit_rows_match_the_references():

@@ -1,0 +1,119 @@
+"""The CUDA C++ LoRA expand (:func:`metrale.kernels.lora.lora_expand`) run on the host through
+the CUDA emulation header against the op's reference: mixed slots with base-model rows, fused
+projections of several parts, a bias, SwiGLU's activation, widths the 16-byte loads take and
+widths they do not, rows and columns that do not fill the last block, and what the launcher
+refuses."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+from emulation import build_emulated
+
+from metrale.checkpoint import bf16_to_float32, float32_to_bf16
+from metrale.errors import KernelArgumentError
+from metrale.kernels import decode_gemv, lora
+from metrale.ops import builtin
+
+EMULATION_MAIN = r"""
+#include <string>
+
+int main(int argc, char** argv) {
+    if (argc != 9) emu::fail("usage: folder rows out width slots has_bias swiglu words");
+    const std::string folder = argv[1];
+    const int rows = std::atoi(argv[2]), out = std::atoi(argv[3]), width = std::atoi(argv[4]), slots = std::atoi(argv[5]);
+    const int has_bias = std::atoi(argv[6]), swiglu = std::atoi(argv[7]), words = std::atoi(argv[8]);
+    const int k = width * slots;
+    const float* ext = read<float>(folder + "/ext", (size_t)rows * (out + k));
+    const int* row_slots = read<int>(folder + "/slots", (size_t)rows);
+    const unsigned short* b = read<unsigned short>(folder + "/b", (size_t)out * k);
+    const float* bias = has_bias ? read<float>(folder + "/bias", (size_t)out) : nullptr;
+    const int columns = swiglu ? out / 2 : out;
+    float* y = allocate<float>((size_t)rows * out);
+    unsigned short* act = allocate<unsigned short>((size_t)rows * columns);
+    const unsigned grid_x = (columns + LORA_COLUMNS - 1) / LORA_COLUMNS, grid_y = (rows + LORA_ROWS - 1) / LORA_ROWS;
+    emu::launch({grid_x, grid_y, 1}, {LORA_COLUMNS, 1, 1},
+                [&] { lora_expand(ext, row_slots, b, bias, y, act, rows, out, width, slots, swiglu, words); });
+    if (swiglu) write(folder + "/out", act, (size_t)rows * columns);
+    else write(folder + "/out", y, (size_t)rows * out);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora_expand_emulated")
+    binary = build_emulated(folder / "lora.cpp", decode_gemv.HELPERS + lora.EXPAND_KERNEL + EMULATION_MAIN)
+
+    def run(ext, row_slots, b, width, bias=None, swiglu=False, words=True):
+        case = folder / "case"
+        case.mkdir(exist_ok=True)
+        arrays = {"ext": ext, "slots": row_slots, "b": b}
+        if bias is not None:
+            arrays["bias"] = bias
+        for name, array in arrays.items():
+            np.ascontiguousarray(array).tofile(case / name)
+        rows, out = len(ext), b.shape[0]
+        subprocess.run([str(binary), str(case), str(rows), str(out), str(width), str(b.shape[1] // width),
+                        str(int(bias is not None)), str(int(swiglu)), str(int(words))], check=True, timeout=600)
+        if swiglu:
+            return bf16_to_float32(np.fromfile(case / "out", np.uint16).reshape(rows, out // 2))
+        return np.fromfile(case / "out", np.float32).reshape(rows, out)
+
+    return run
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+@pytest.mark.parametrize("words", [True, False])
+def test_the_expand_matches_the_reference(emulated, index, words):
+    """The op's examples: 1, 7 and 33 rows; one to three projections; no bias, a bias, a bias and
+    SwiGLU's activation; slots of 8, 48 and 8 columns."""
+    rng = np.random.default_rng(index)
+    example = builtin._lora_expand_examples(rng)[index]
+    ext, b, row_slots, width, bias, swiglu = (example[k] for k in ("ext", "b", "slots", "width", "bias", "swiglu"))
+    row_slots[0] = 0  # a base-model row
+    b_bits = float32_to_bf16(b)
+    got = emulated(ext, row_slots.astype(np.int32), b_bits, width, bias, swiglu, words)
+    expected = builtin.lora_expand(ext, bf16_to_float32(b_bits), row_slots, width, bias, swiglu)
+    if swiglu:  # written as bf16
+        np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
+    else:
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+        base = ext[0, : b.shape[0]] + (0 if bias is None else bias)
+        np.testing.assert_array_equal(got[0], base.astype(np.float32))
+
+
+def test_a_slot_reads_its_own_columns_only(emulated):
+    """Rows of slot 2 only: every other slot's products and B poisoned, the result unchanged."""
+    rng = np.random.default_rng(7)
+    example = builtin._lora_expand_examples(rng)[1]  # 7 rows, three projections, 3 slots
+    ext, b, width = example["ext"].copy(), example["b"].copy(), example["width"]
+    out = b.shape[0]
+    row_slots = np.array([2, 0, 2, 2, 0, 2, 2], np.int32)
+    expected = builtin.lora_expand(ext, bf16_to_float32(float32_to_bf16(b)), row_slots, width)
+    for slot in (0, 2):
+        ext[:, out + slot * width : out + (slot + 1) * width] = np.nan
+        b[:, slot * width : (slot + 1) * width] = np.nan
+    got = emulated(ext, row_slots, float32_to_bf16(b), width)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_what_the_launcher_takes():
+    assert lora.expand_supported(4, 48)  # four rank-16 slots of a fused qkv weight
+    assert lora.expand_supported(8, 96)  # eight rank-32 slots of it
+    assert not lora.expand_supported(8, 192)  # the cuBLAS expand then
+    ext, slots = np.zeros((2, 8 + 64), np.float32), np.zeros(2, np.int32)
+    with pytest.raises(KernelArgumentError, match="whole slots"):
+        lora.lora_expand(np.zeros((2, 8 + 50), np.float32), slots, np.zeros((8, 50), np.uint16), 16,
+                         np.zeros((2, 8), np.float32))
+    with pytest.raises(KernelArgumentError, match="gate and up"):
+        lora.lora_expand(np.zeros((2, 7 + 64), np.float32), slots, np.zeros((7, 64), np.uint16), 16,
+                         np.zeros((2, 3), np.uint16), swiglu=True)
+    with pytest.raises(KernelArgumentError, match="out"):
+        lora.lora_expand(ext, slots, np.zeros((8, 64), np.uint16), 16, np.zeros((2, 8), np.uint16))
+    with pytest.raises(KernelArgumentError, match="shared memory"):
+        lora.lora_expand(np.zeros((2, 8 + 3072), np.float32), slots, np.zeros((8, 3072), np.uint16), 384,
+                         np.zeros((2, 8), np.float32))
