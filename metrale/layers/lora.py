@@ -54,7 +54,7 @@ def normed_projection(backend: Any, x: Any, residual: Any, norm_weight: Any, eps
     adapter rows, few enough to fold; else the norm and :func:`linear_with_lora` apart).
     ``offset`` 1.0 is a zero-centred norm's; ``swiglu`` as in :func:`linear_with_lora`."""
     ops = backend.ops
-    if not lora_active(batch, stack):
+    if stack is None or not lora_active(batch, stack):
         projected, summed = ops.rmsnorm_linear(x, residual, norm_weight, eps, offset, weight, bias)
         return (ops.silu_and_mul(projected) if swiglu else projected), summed
     if _folded(x):
