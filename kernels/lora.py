@@ -202,7 +202,7 @@ __device__ __forceinline__ float lora_update(const float* p, const unsigned shor
 // `out` rows, then every slot's A rows, K = slots_count * width), slots int32 [N], b bf16 bits
 // [out, K] (block-diagonal per slot), bias float32 [out] or null. Each row i of slot s > 0 gets
 // y[i, o] = ext[i, o] + bias[o] + sum_{k < width} ext[i, out + (s - 1) width + k] b[o, (s - 1) width + k];
-// a base-model row (s = 0) ext[i, o] + bias[o]. Written to y float32 [N, out]; or, with swiglu
+// a base-model row (s = 0) ext[i, o] + bias[o]. The shrunk products are rounded to bf16 first. Written to y float32 [N, out]; or, with swiglu
 // (out = 2 I: gate rows, then up rows), bf16(silu(y[i, o]) * y[i, I + o]) to act [N, I].
 // Grid (ceil(columns / LORA_COLUMNS), ceil(N / LORA_ROWS)), LORA_COLUMNS threads, a thread an
 // output column (of y, or of act); the block's rows' products and slots staged in shared memory.
@@ -219,7 +219,8 @@ extern "C" __global__ void __launch_bounds__(LORA_COLUMNS) lora_expand(
     wait_for_producers();
     for (int index = threadIdx.x; index < count * K; index += LORA_COLUMNS) {
         const int r = index / K, k = index - r * K;
-        p[index] = ext[(size_t)(row0 + r) * ld + out + k];
+        // Rounded to bf16, as the products a product with B reads (lora_linear's): both paths agree.
+        p[index] = bf16_bits(to_bf16(ext[(size_t)(row0 + r) * ld + out + k]));
     }
     if (threadIdx.x < count) row_slots[threadIdx.x] = slots[row0 + threadIdx.x];
     __syncthreads();
