@@ -202,8 +202,9 @@ __device__ __forceinline__ float lora_update(const float* p, const unsigned shor
 // `out` rows, then every slot's A rows, K = slots_count * width), slots int32 [N], b bf16 bits
 // [out, K] (block-diagonal per slot), bias float32 [out] or null. Each row i of slot s > 0 gets
 // y[i, o] = ext[i, o] + bias[o] + sum_{k < width} ext[i, out + (s - 1) width + k] b[o, (s - 1) width + k];
-// a base-model row (s = 0) ext[i, o] + bias[o]. The shrunk products are rounded to bf16 first. Written to y float32 [N, out]; or, with swiglu
-// (out = 2 I: gate rows, then up rows), bf16(silu(y[i, o]) * y[i, I + o]) to act [N, I].
+// a base-model row (s = 0) ext[i, o] + bias[o]. The shrunk products are rounded to bf16 first.
+// Written to y float32 [N, out]; or, with swiglu (out = 2 I: gate rows, then up rows),
+// bf16(silu(y[i, o]) * y[i, I + o]) to act [N, I].
 // Grid (ceil(columns / LORA_COLUMNS), ceil(N / LORA_ROWS)), LORA_COLUMNS threads, a thread an
 // output column (of y, or of act); the block's rows' products and slots staged in shared memory.
 extern "C" __global__ void __launch_bounds__(LORA_COLUMNS) lora_expand(
