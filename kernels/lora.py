@@ -169,31 +169,32 @@ def lora_logit_rows(logits: DeviceArray, h: DeviceArray, slots: DeviceArray, tok
 
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch  # noqa: E402
 
-#: Output columns (a thread each) and rows of a block of :func:`lora_expand`.
+#: Output columns (a thread each) of a block of :func:`lora_expand`, and the rows whose slots it
+#: stages at a time.
 EXPAND_COLUMNS = 128
-EXPAND_ROWS = 8
-#: The most shared memory a block of :func:`lora_expand` takes (the default limit).
-EXPAND_SHARED_BYTES = 48 * 1024
 
 EXPAND_KERNEL = r"""
 #define LORA_COLUMNS 128
-#define LORA_ROWS 8
 
-// The update of row i's adapter slot s = slots[i] (0: none) over the stack's b [out, K] (bf16
-// bits), from the row's shrunk products p (float32, the slot's `width` columns first): a thread's
-// output column o.
+// The update of one row of adapter slot s: its shrunk products p (float32 in ext, the slot's
+// `width` columns, the same for every thread of the block: one load a warp), each rounded to bf16
+// as a product with B reads it, times the thread's output column's slot-s columns of b (bf16
+// bits; the same for every row of the block: first read from memory, then from L1).
 __device__ __forceinline__ float lora_update(const float* p, const unsigned short* b_row, int width, bool words) {
     float acc = 0.0f;
-    if (words) {   // width and b's row a multiple of 8 bf16, b 16-byte aligned: 16-byte loads
+    if (words) {   // width a multiple of 8; b's rows and the products 16-byte aligned
         const uint4* w = reinterpret_cast<const uint4*>(b_row);
-        for (int k = 0; k < width; k += 8) {
-            const uint4 v = __ldg(w + k / 8);
-            acc += p[k] * bf16_low(v.x) + p[k + 1] * bf16_high(v.x) + p[k + 2] * bf16_low(v.y)
-                 + p[k + 3] * bf16_high(v.y) + p[k + 4] * bf16_low(v.z) + p[k + 5] * bf16_high(v.z)
-                 + p[k + 6] * bf16_low(v.w) + p[k + 7] * bf16_high(v.w);
+        const float4* q = reinterpret_cast<const float4*>(p);
+        for (int k = 0; k < width / 8; ++k) {
+            const uint4 v = __ldg(w + k);
+            const float4 lo = __ldg(q + 2 * k), hi = __ldg(q + 2 * k + 1);
+            acc += bf16_bits(to_bf16(lo.x)) * bf16_low(v.x) + bf16_bits(to_bf16(lo.y)) * bf16_high(v.x)
+                 + bf16_bits(to_bf16(lo.z)) * bf16_low(v.y) + bf16_bits(to_bf16(lo.w)) * bf16_high(v.y)
+                 + bf16_bits(to_bf16(hi.x)) * bf16_low(v.z) + bf16_bits(to_bf16(hi.y)) * bf16_high(v.z)
+                 + bf16_bits(to_bf16(hi.z)) * bf16_low(v.w) + bf16_bits(to_bf16(hi.w)) * bf16_high(v.w);
         }
     } else {
-        for (int k = 0; k < width; ++k) acc += p[k] * bf16_bits(__ldg(b_row + k));
+        for (int k = 0; k < width; ++k) acc += bf16_bits(to_bf16(__ldg(p + k))) * bf16_bits(__ldg(b_row + k));
     }
     return acc;
 }
@@ -201,67 +202,70 @@ __device__ __forceinline__ float lora_update(const float* p, const unsigned shor
 // ext float32 [N, out + K]: a product with a LoRA stack's extended weight (the projection's own
 // `out` rows, then every slot's A rows, K = slots_count * width), slots int32 [N], b bf16 bits
 // [out, K] (block-diagonal per slot), bias float32 [out] or null. Each row i of slot s > 0 gets
-// y[i, o] = ext[i, o] + bias[o] + sum_{k < width} ext[i, out + (s - 1) width + k] b[o, (s - 1) width + k];
-// a base-model row (s = 0) ext[i, o] + bias[o]. The shrunk products are rounded to bf16 first.
-// Written to y float32 [N, out]; or, with swiglu (out = 2 I: gate rows, then up rows),
-// bf16(silu(y[i, o]) * y[i, I + o]) to act [N, I].
-// Grid (ceil(columns / LORA_COLUMNS), ceil(N / LORA_ROWS)), LORA_COLUMNS threads, a thread an
-// output column (of y, or of act); the block's rows' products and slots staged in shared memory.
+// y[i, o] = ext[i, o] + bias[o] + sum_{k < width} ext[i, out + (s - 1) width + k] b[o, (s - 1) width + k]
+// (the shrunk products rounded to bf16); a base-model row (s = 0) ext[i, o] + bias[o]. Written to
+// y float32 [N, out]; or, with swiglu (out = 2 I: gate rows, then up rows), bf16(silu(y[i, o]) *
+// y[i, I + o]) to act [N, I].
+// Grid (ceil(columns / LORA_COLUMNS), slots_count + 1), LORA_COLUMNS threads: block (t, s) writes
+// the rows of slot s, a thread an output column (of y, or of act), so each slot's columns of b are
+// read from memory once a step. The block lists its rows in shared memory, LORA_COLUMNS rows of
+// the batch at a time, and takes them two at a time (the loads of both in flight).
 extern "C" __global__ void __launch_bounds__(LORA_COLUMNS) lora_expand(
     const float* __restrict__ ext, const int* __restrict__ slots, const unsigned short* __restrict__ b,
     const float* __restrict__ bias, float* __restrict__ y, unsigned short* __restrict__ act, int rows, int out,
     int width, int slots_count, int swiglu, int words) {
-    DYNAMIC_SHARED;
-    const int K = width * slots_count, ld = out + K;
-    float* p = reinterpret_cast<float*>(dynamic_shared);   // [LORA_ROWS][K]
-    int* row_slots = reinterpret_cast<int*>(p + LORA_ROWS * K);
-    const int row0 = blockIdx.y * LORA_ROWS;
-    const int count = rows - row0 < LORA_ROWS ? rows - row0 : LORA_ROWS;
-    wait_for_producers();
-    for (int index = threadIdx.x; index < count * K; index += LORA_COLUMNS) {
-        const int r = index / K, k = index - r * K;
-        // Rounded to bf16, as the products a product with B reads (lora_linear's): both paths agree.
-        p[index] = bf16_bits(to_bf16(ext[(size_t)(row0 + r) * ld + out + k]));
-    }
-    if (threadIdx.x < count) row_slots[threadIdx.x] = slots[row0 + threadIdx.x];
-    __syncthreads();
-    allow_dependents();
+    __shared__ int listed[LORA_COLUMNS];
+    __shared__ int count;
+    const int K = width * slots_count, ld = out + K, slot = blockIdx.y;
     const int column = blockIdx.x * LORA_COLUMNS + threadIdx.x;
     const int columns = swiglu ? out / 2 : out;
-    if (column >= columns) return;
+    const bool active = column < columns, vector = words != 0;
     const int up = column + out / 2;
-    const float bias_column = bias ? bias[column] : 0.0f, bias_up = bias && swiglu ? bias[up] : 0.0f;
-    const bool vector = words != 0;
-    for (int r = 0; r < count; ++r) {
-        const int row = row0 + r, slot = row_slots[r];
-        const float* x = ext + (size_t)row * ld;
-        float value = x[column] + bias_column;
-        float up_value = swiglu ? x[up] + bias_up : 0.0f;
-        if (slot > 0) {
-            const int first = (slot - 1) * width;
-            value += lora_update(p + r * K + first, b + (size_t)column * K + first, width, vector);
-            if (swiglu) up_value += lora_update(p + r * K + first, b + (size_t)up * K + first, width, vector);
+    const float bias_column = bias && active ? bias[column] : 0.0f;
+    const float bias_up = bias && swiglu && active ? bias[up] : 0.0f;
+    const int first = slot > 0 ? (slot - 1) * width : 0;
+    const unsigned short* b_column = b + (size_t)(active ? column : 0) * K + first;
+    const unsigned short* b_up = b + (size_t)(active && swiglu ? up : 0) * K + first;
+    wait_for_producers();
+    for (int base = 0; base < rows; base += LORA_COLUMNS) {
+        if (threadIdx.x == 0) count = 0;
+        __syncthreads();
+        const int row = base + threadIdx.x;
+        if (row < rows && slots[row] == slot) listed[atomicAdd(&count, 1)] = row;
+        __syncthreads();
+        const int listed_count = count;
+        for (int i = 0; i < listed_count && active; i += 2) {
+            float value[2], up_value[2];
+            int taken[2];
+            #pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                taken[j] = i + j < listed_count ? listed[i + j] : -1;
+                if (taken[j] < 0) continue;
+                const float* x = ext + (size_t)taken[j] * ld;
+                value[j] = x[column] + bias_column;
+                up_value[j] = swiglu ? x[up] + bias_up : 0.0f;
+                if (slot > 0) {
+                    const float* p = x + out + first;
+                    value[j] += lora_update(p, b_column, width, vector);
+                    if (swiglu) up_value[j] += lora_update(p, b_up, width, vector);
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                if (taken[j] < 0) continue;
+                if (swiglu) {
+                    const float v = value[j];
+                    act[(size_t)taken[j] * columns + column] = to_bf16(v / (1.0f + expf(-v)) * up_value[j]);
+                } else {
+                    y[(size_t)taken[j] * out + column] = value[j];
+                }
+            }
         }
-        if (swiglu) {
-            act[(size_t)row * columns + column] = to_bf16(value / (1.0f + expf(-value)) * up_value);
-        } else {
-            y[(size_t)row * out + column] = value;
-        }
+        __syncthreads();
     }
+    allow_dependents();
 }
 """
-
-
-def expand_shared_bytes(slots: int, width: int) -> int:
-    """Shared memory of a block of :func:`lora_expand` for ``slots`` slots of ``width`` (``G R``)
-    columns each."""
-    return 4 * EXPAND_ROWS * (slots * width + 1)
-
-
-def expand_supported(slots: int, width: int) -> bool:
-    """Whether :func:`lora_expand` serves ``slots`` slots of ``width`` columns (its staging fits
-    a block's default shared memory)."""
-    return expand_shared_bytes(slots, width) <= EXPAND_SHARED_BYTES
 
 
 #: The kernels of :func:`source`'s module.
@@ -285,8 +289,7 @@ def lora_expand(ext: DeviceArray, slots: DeviceArray, b: DeviceArray, width: int
     columns, then every slot's shrunk products), ``slots [N]`` int32, ``b [M, S W]`` bf16 bits
     (:class:`~metrale.lora.LoraStack`), ``width`` = ``W``, ``bias [M]`` float32 or None. Writes
     ``out [N, M]`` float32; with ``swiglu`` (``M = 2 I``: gate columns, then up columns)
-    ``silu(gate) * up`` to ``out [N, I]`` bf16 bits. :func:`expand_supported` says which sizes it
-    takes."""
+    ``silu(gate) * up`` to ``out [N, I]`` bf16 bits."""
     op = "lora_expand"
     check_array(op, "ext", ext, np.float32, ndim=2)
     rows, columns = ext.shape
@@ -304,20 +307,19 @@ def lora_expand(ext: DeviceArray, slots: DeviceArray, b: DeviceArray, width: int
         check_array(op, "out", out, np.float32, (rows, m))
     if bias is not None:
         check_array(op, "bias", bias, np.float32, (m,))
-    if not expand_supported(k // width, width):
-        raise KernelArgumentError(f"{op}: {k // width} slots of {width} columns take more shared memory than a "
-                                  "block has (expand_supported)")
     if not _expand_kernels:
         import cupy
 
         _expand_kernels.append(cupy.RawModule(code=source(), options=("--std=c++17",)).get_function("lora_expand"))
-    words = width % 8 == 0 and k % 8 == 0 and b.data.ptr % 16 == 0
+    # 16-byte loads of b's rows and of the products in ext's rows.
+    words = (width % 8 == 0 and k % 8 == 0 and b.data.ptr % 16 == 0 and (m + k) % 4 == 0 and m % 4 == 0
+             and ext.data.ptr % 16 == 0)
     if rows and m:
         null = np.uint64(0)
-        launch(_expand_kernels[0], (-(-(m // 2 if swiglu else m) // EXPAND_COLUMNS), -(-rows // EXPAND_ROWS)),
+        launch(_expand_kernels[0], (-(-(m // 2 if swiglu else m) // EXPAND_COLUMNS), k // width + 1),
                (EXPAND_COLUMNS,),
                (ext, slots, b, null if bias is None else bias, null if swiglu else out, out if swiglu else null,
                 np.int32(rows), np.int32(m), np.int32(width), np.int32(k // width), np.int32(swiglu),
                 np.int32(words)),
-               expand_shared_bytes(k // width, width), stream, dependent=False)
+               0, stream, dependent=False)
     return out

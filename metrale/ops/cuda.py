@@ -481,19 +481,9 @@ class CudaKernels:
         return self.gemm(shrunk, b, y, accumulate=True)
 
     def lora_expand(self, ext: Any, b: Any, slots: Any, width: int, bias: Any = None, swiglu: bool = False) -> Any:
-        rows, (out, columns) = ext.shape[0], b.shape
-        ext = cp.ascontiguousarray(ext, dtype=f32)
-        if lora.expand_supported(columns // width, width):
-            y = cp.empty((rows, out // 2), dtype=bf16) if swiglu else cp.empty((rows, out), dtype=f32)
-            return lora.lora_expand(ext, slots, b, width, y, bias, swiglu, self.stream)
-        # More slots than a block stages: the products' own-slot columns kept, one product with b.
-        y = cp.ascontiguousarray(ext[:, :out])
-        if bias is not None:
-            y += bias
-        shrunk = lora.lora_select(cp.ascontiguousarray(ext[:, out:]), width, slots,
-                                  cp.empty((rows, columns), dtype=bf16), self.stream)
-        self.gemm(shrunk, b, y, accumulate=True)
-        return self.silu_and_mul(y) if swiglu else y
+        rows, out = ext.shape[0], b.shape[0]
+        y = cp.empty((rows, out // 2), dtype=bf16) if swiglu else cp.empty((rows, out), dtype=f32)
+        return lora.lora_expand(cp.ascontiguousarray(ext, dtype=f32), slots, b, width, y, bias, swiglu, self.stream)
 
     def lora_token_rows(self, x: Any, ids: Any, slots: Any, tokens: Any, rows: Any) -> Any:
         return lora.lora_token_rows(x, ids, slots, tokens, rows, self.stream)

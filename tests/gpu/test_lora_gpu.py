@@ -73,7 +73,7 @@ def test_lora_linear_at_the_8b_shape(inner, outs, x_bf16, slots, route):
 
 @pytest.mark.parametrize("inner, outs, slots, swiglu", [
     (4096, (4096, 1024, 1024), 4, False), (14336, (4096,), 4, False), (4096, (14336, 14336), 4, True),
-    (4096, (4096, 1024, 1024), 8, False),  # more slots than the CUDA C++ expand stages: the cuBLAS expand
+    (4096, (4096, 1024, 1024), 8, False),
 ])
 def test_lora_expand_at_the_8b_shape(inner, outs, slots, swiglu):
     """A decode step's path: one product of 32 rows with the stack's extended weight (the
