@@ -349,11 +349,20 @@ class Checkpoint:
             self._progress.update(1)
         return array
 
-    def tensor(self, name: str, shape: Sequence[int] | None = None) -> np.ndarray:
+    def tensor(self, name: str, shape: Sequence[int] | None = None, rows: slice | None = None,
+               columns: slice | None = None) -> np.ndarray:
         """The tensor as a float32 array, checked against ``shape`` when given, and refused
-        (:class:`~metrale.errors.NonFiniteWeightError`) when it holds NaN or infinity."""
+        (:class:`~metrale.errors.NonFiniteWeightError`) when it holds NaN or infinity. ``rows``
+        / ``columns`` take a part of a matrix (a rank's shard, :mod:`metrale.parallel`): only
+        that part is read from the file and converted."""
         info = self.info(name)
         array = self.raw(name, shape)
+        if rows is not None or columns is not None:
+            if array.ndim < 2 and columns is not None:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has no columns to take")
+            array = array[rows if rows is not None else slice(None)]
+            if columns is not None:
+                array = array[:, columns]
         values = bf16_to_float32(array) if info.dtype == "BF16" else np.array(array, dtype=np.float32)
         check_finite(values, f"{self.path}: tensor {name!r}")
         return values

@@ -621,3 +621,19 @@ def test_a_shard_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path
     os.mkfifo(folder / "model.safetensors")
     with pytest.raises(CheckpointError, match="model.safetensors is not a regular file"):
         Checkpoint(folder)
+
+
+def test_a_shard_of_a_matrix_reads_its_rows_and_columns(tmp_path, llama):
+    """``tensor(name, rows=, columns=)``: a rank's part, bf16 converted, the shape still checked."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(llama, folder)
+    checkpoint = Checkpoint(folder)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    whole = checkpoint.tensor(name)
+    np.testing.assert_array_equal(checkpoint.tensor(name, whole.shape, rows=slice(2, 5)), whole[2:5])
+    np.testing.assert_array_equal(checkpoint.tensor(name, whole.shape, columns=slice(4, 8)), whole[:, 4:8])
+    np.testing.assert_array_equal(checkpoint.tensor(name, rows=slice(1, 3), columns=slice(0, 2)), whole[1:3, :2])
+    with pytest.raises(CheckpointError, match="expected"):
+        checkpoint.tensor(name, (1, 1), rows=slice(0, 1))
+    with pytest.raises(CheckpointError, match="no columns"):
+        checkpoint.tensor("model.norm.weight", columns=slice(0, 2))

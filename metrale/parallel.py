@@ -1,0 +1,178 @@
+"""Splitting a model across ranks: which part of each weight a rank holds, and the collectives
+that join the ranks' partial results.
+
+A rank of a tensor-parallel group of ``size`` ranks holds:
+
+* column-parallel projections (q/k/v, gate/up): its heads' or its slice's output rows;
+* row-parallel projections (o, down): the matching input columns; its partial outputs are summed
+  over the ranks (:meth:`Communicator.all_reduce`) before the residual add;
+* the vocabulary-parallel embedding and LM head: its slice of the vocabulary's rows (embedding
+  rows outside it are zero and summed over the ranks; logits gathered,
+  :meth:`Communicator.all_gather`);
+* key/value heads split across the ranks, or, when there are fewer of them than ranks, the one
+  head its query heads read (replicated).
+
+:class:`Shard` says which slices a rank reads; :class:`Communicator` is what joins the ranks:
+:class:`SoloCommunicator` for one rank, :class:`ThreadedRanks` for ranks simulated in one process
+(each rank's forward on its own thread, collectives meeting at a barrier), which the CPU tests use
+to check a sharded forward against the unsharded one.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from metrale.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank ``rank`` of a tensor-parallel group of ``size`` ranks."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, got {self.size!r}")
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < self.size:
+            raise ConfigError(f"rank must be in [0, {self.size}), got {self.rank!r}")
+
+    @property
+    def sharded(self) -> bool:
+        return self.size > 1
+
+    def split(self, total: int, what: str) -> slice:
+        """This rank's equal part of ``total`` (rows, heads, experts); ``what`` names them in the
+        error when ``total`` does not divide evenly."""
+        if total % self.size:
+            raise ConfigError(f"{what}={total} does not split evenly over tensor_parallel_size={self.size}")
+        part = total // self.size
+        return slice(self.rank * part, (self.rank + 1) * part)
+
+    def kv_heads(self, num_heads: int, num_kv_heads: int) -> slice:
+        """The key/value heads this rank holds: its equal part when there are at least as many
+        as ranks; else the one head its query heads (:meth:`split` of ``num_heads``) read."""
+        if num_kv_heads >= self.size:
+            return self.split(num_kv_heads, "num_key_value_heads")
+        if self.size % num_kv_heads:
+            raise ConfigError(f"num_key_value_heads={num_kv_heads} is fewer than tensor_parallel_size={self.size} "
+                              "ranks and does not divide it: the ranks cannot share heads evenly")
+        heads = self.split(num_heads, "num_attention_heads")
+        head = heads.start // (num_heads // num_kv_heads)
+        return slice(head, head + 1)
+
+
+def rows_of(array: np.ndarray, part: slice, block: int = 1) -> np.ndarray:
+    """The rows ``part`` of ``array`` counted in blocks of ``block`` rows (``part`` of heads,
+    ``block`` the head size)."""
+    return array[part.start * block : part.stop * block]
+
+
+class Communicator(Protocol):
+    """What joins the ranks of a tensor-parallel group."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, x: Any) -> Any:
+        """The sum of every rank's ``x`` (the same shape on every rank), on every rank."""
+        ...
+
+    def all_gather(self, x: Any, axis: int = -1) -> Any:
+        """Every rank's ``x`` concatenated along ``axis`` in rank order, on every rank."""
+        ...
+
+
+class SoloCommunicator:
+    """One rank: the collectives return their input."""
+
+    rank = 0
+    size = 1
+
+    def all_reduce(self, x: Any) -> Any:
+        return x
+
+    def all_gather(self, x: Any, axis: int = -1) -> Any:
+        return x
+
+
+class ThreadedRanks:
+    """``size`` ranks simulated in one process: each rank runs on its own thread with the
+    :class:`ThreadCommunicator` of :meth:`communicator`; a collective waits until every rank has
+    brought its part, and every rank then combines the parts in rank order (the same result on
+    every rank)."""
+
+    def __init__(self, size: int, timeout: float = 600.0) -> None:
+        Shard(0, size)  # checks size
+        self.size = size
+        self._parts: list[Any] = [None] * size
+        self._barrier = threading.Barrier(size, timeout=timeout)
+
+    def communicator(self, rank: int) -> "ThreadCommunicator":
+        Shard(rank, self.size)  # checks rank
+        return ThreadCommunicator(self, rank)
+
+    def abort(self) -> None:
+        """Break the barrier: ranks waiting in a collective raise (one rank failed)."""
+        self._barrier.abort()
+
+    def exchange(self, rank: int, part: Any) -> list[Any]:
+        self._parts[rank] = part
+        self._barrier.wait()
+        parts = list(self._parts)
+        self._barrier.wait()  # every rank has read the parts before any rank writes its next
+        return parts
+
+
+@dataclass
+class ThreadCommunicator:
+    """Rank ``rank`` of a :class:`ThreadedRanks` (NumPy arrays)."""
+
+    group: ThreadedRanks
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    def all_reduce(self, x: Any) -> Any:
+        parts = self.group.exchange(self.rank, np.array(x, copy=True))
+        total = parts[0].copy()
+        for part in parts[1:]:
+            total += part
+        return total
+
+    def all_gather(self, x: Any, axis: int = -1) -> Any:
+        return np.concatenate(self.group.exchange(self.rank, np.array(x, copy=True)), axis=axis)
+
+
+def run_ranks(size: int, work: Any) -> list[Any]:
+    """``[work(communicator) for each rank]``, each rank on its own thread of one
+    :class:`ThreadedRanks` group; the first rank's exception is raised (after the others are
+    released from their collectives)."""
+    group = ThreadedRanks(size)
+    results: list[Any] = [None] * size
+    errors: list[BaseException | None] = [None] * size
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = work(group.communicator(rank))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller below
+            errors[rank] = error
+            group.abort()
+
+    threads = [threading.Thread(target=run, args=(rank,), name=f"metrale-rank-{rank}") for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    first = next((error for error in errors if error is not None and not isinstance(error, threading.BrokenBarrierError)),
+                 next((error for error in errors if error is not None), None))
+    if first is not None:
+        raise first
+    return results
