@@ -18,11 +18,12 @@ import gc
 import logging
 import os
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from metrale.errors import BackendUnavailableError, ConfigError
+from metrale.parallel import Shard, SoloCommunicator, current_rank
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +38,24 @@ class Backend:
     cache_dtype: Any = np.float32
     #: The op table: every declared op bound to this backend's kernels.
     ops: Any
+    #: This backend's rank of a tensor-parallel group (:mod:`metrale.parallel`): the part of each
+    #: weight its model holds, and what joins the ranks' partial results.
+    shard: Any = Shard()
+    communicator: Any = SoloCommunicator()
 
-    def load_weight(self, checkpoint: Any, *parts: tuple[str, Sequence[int]]) -> Any:
+    def all_reduce(self, x: Any) -> Any:
+        """The sum of ``x`` over the ranks (``x`` itself on one rank)."""
+        return self.communicator.all_reduce(x) if self.shard.sharded else x
+
+    def all_gather(self, x: Any, axis: int = -1) -> Any:
+        """``x`` of every rank concatenated along ``axis`` (``x`` itself on one rank)."""
+        return self.communicator.all_gather(x, axis) if self.shard.sharded else x
+
+    def load_weight(self, checkpoint: Any, *parts: tuple) -> Any:
         """Read tensors ``(name, shape)`` from ``checkpoint``, concatenated along the first axis,
-        as a weight in this backend's format (float32 on the CPU, bf16 bits on the GPU)."""
+        as a weight in this backend's format (float32 on the CPU, bf16 bits on the GPU). A part
+        ``(name, shape, rows, columns)`` reads those rows and columns only (slices or None: a
+        rank's shard, :meth:`~metrale.checkpoint.Checkpoint.tensor`)."""
         raise NotImplementedError
 
     def constant(self, host: np.ndarray) -> Any:
@@ -119,8 +134,8 @@ class CpuBackend(Backend):
 
         self.ops = builtin_registry().table(self)
 
-    def load_weight(self, checkpoint: Any, *parts: tuple[str, Sequence[int]]) -> np.ndarray:
-        arrays = [checkpoint.tensor(name, shape) for name, shape in parts]
+    def load_weight(self, checkpoint: Any, *parts: tuple) -> np.ndarray:
+        arrays = [checkpoint.tensor(*part) for part in parts]
         return np.ascontiguousarray(arrays[0] if len(arrays) == 1 else np.concatenate(arrays), dtype=np.float32)
 
     def constant(self, host: np.ndarray) -> np.ndarray:
@@ -162,6 +177,7 @@ def get_backend(device: str, **options: Any) -> Backend:
     warning, why).
     """
     backend = _new_backend(device, **options)
+    backend.shard, backend.communicator = current_rank()
     _collect_import_garbage()
     return backend
 

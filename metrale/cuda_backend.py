@@ -9,7 +9,7 @@ decode steps are replayed from CUDA graphs (:mod:`metrale.runner.graphs`).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -48,14 +48,18 @@ class CudaBackend(Backend):
 
     # ------------------------------------------------------------------------------ arrays
 
-    def load_weight(self, checkpoint: Any, *parts: tuple[str, Sequence[int]]) -> Any:
+    def load_weight(self, checkpoint: Any, *parts: tuple) -> Any:
         arrays, raw_names = [], []
-        for name, shape in parts:
+        for part in parts:
+            name, shape = part[0], part[1]
+            rows, columns = (tuple(part[2:]) + (None, None))[:2]
             if checkpoint.info(name).dtype == "BF16":
-                arrays.append(checkpoint.raw(name, shape))
+                array = checkpoint.raw(name, shape)
+                array = array[rows if rows is not None else slice(None)]
+                arrays.append(array if columns is None else array[:, columns])
                 raw_names.append(name)
             else:
-                arrays.append(float32_to_bf16(checkpoint.tensor(name, shape)))  # checked on the host
+                arrays.append(float32_to_bf16(checkpoint.tensor(*part)))  # checked on the host
         host = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
         with self.stream:
             weight = self.xp.asarray(np.ascontiguousarray(host, dtype=np.uint16))

@@ -89,6 +89,11 @@ class FamilyModel:
     #: (state slots) is never replayed so, and a model whose verify rows need more than that sets
     #: it False.
     verify_graph_capturable: bool = True
+    #: Whether the model loads and runs as one rank of a tensor-parallel group
+    #: (:mod:`metrale.parallel`): a family that reads its shard of each weight from
+    #: ``backend.shard`` and joins the ranks' partial results sets it True; a model of any other
+    #: family is refused on a rank of a group of several.
+    tensor_parallel_capable: bool = False
 
     @property
     def feeds_pending_tokens(self) -> bool:
@@ -102,6 +107,10 @@ class FamilyModel:
                    for name in ("decode_batch", "mixed_forward", "run_segments"))
 
     def __init__(self, backend: "Backend", *, vocab_size: int, max_model_len: int) -> None:
+        shard = getattr(backend, "shard", None)
+        if shard is not None and shard.sharded and not self.tensor_parallel_capable:
+            raise ConfigError(f"{type(self).__name__} does not run tensor-parallel yet "
+                              f"(tensor_parallel_size={shard.size}); use tensor_parallel_size=1")
         self.backend = backend
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len

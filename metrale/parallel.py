@@ -20,9 +20,10 @@ to check a sharded forward against the unsharded one.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 
@@ -176,3 +177,28 @@ def run_ranks(size: int, work: Any) -> list[Any]:
     if first is not None:
         raise first
     return results
+
+
+_rank = threading.local()
+
+
+@contextlib.contextmanager
+def rank_context(shard: Shard, communicator: Communicator) -> Iterator[None]:
+    """Backends made on this thread inside the block (:func:`metrale.backend.get_backend`) are
+    rank ``shard.rank`` of ``shard.size``, joined by ``communicator``: a model loaded on one reads
+    its shard of the weights (how a rank's worker builds its model)."""
+    if communicator.size != shard.size or communicator.rank != shard.rank:
+        raise ConfigError(f"communicator of rank {communicator.rank} of {communicator.size} for shard "
+                          f"{shard.rank} of {shard.size}")
+    previous = getattr(_rank, "current", None)
+    _rank.current = (shard, communicator)
+    try:
+        yield
+    finally:
+        _rank.current = previous
+
+
+def current_rank() -> tuple[Shard, Communicator]:
+    """The rank of backends made on this thread now (:func:`rank_context`; one rank outside)."""
+    current = getattr(_rank, "current", None)
+    return current if current is not None else (Shard(), SoloCommunicator())

@@ -6,7 +6,7 @@ Weights are held fused (one ``qkv`` matrix), so the block runs one matrix produc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -14,6 +14,7 @@ import numpy as np
 from metrale.batch import ForwardBatch
 from metrale.checkpoint import Checkpoint
 from metrale.layers.lora import linear_with_lora, normed_projection
+from metrale.parallel import Shard
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,16 @@ class AttentionWeights:
     lora_o: Any = None
 
 
+def sharded_geometry(geometry: AttentionGeometry, shard: Shard) -> AttentionGeometry:
+    """The geometry of ``shard``'s part of an attention block: its query heads and its key/value
+    heads (split, or the one it shares, :meth:`~metrale.parallel.Shard.kv_heads`)."""
+    if not shard.sharded:
+        return geometry
+    heads = shard.split(geometry.num_heads, "num_attention_heads")
+    kv = shard.kv_heads(geometry.num_heads, geometry.num_kv_heads)
+    return replace(geometry, num_heads=heads.stop - heads.start, num_kv_heads=kv.stop - kv.start)
+
+
 def load_attention_weights(
     checkpoint: Checkpoint,
     backend: Any,
@@ -61,27 +72,36 @@ def load_attention_weights(
     o_bias: bool = False,
     qk_norm: bool = False,
 ) -> AttentionWeights:
-    """Read ``{prefix}.{q,k,v,o}_proj`` (and biases / ``q_norm`` / ``k_norm``) and fuse q, k, v."""
-    g = geometry
-    q_rows, kv_rows = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+    """Read ``{prefix}.{q,k,v,o}_proj`` (and biases / ``q_norm`` / ``k_norm``) and fuse q, k, v.
+
+    ``geometry`` is the whole block's; on a rank of a tensor-parallel group (``backend.shard``)
+    the rank's heads only (:func:`sharded_geometry`): q, k and v rows of its heads, ``o_proj``'s
+    columns of its query heads (the ranks' outputs are summed, ``o_proj``'s bias added on rank 0
+    only)."""
+    g, shard = geometry, backend.shard
+    q_rows, kv_rows, d = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, g.head_dim
+    heads = shard.split(g.num_heads, "num_attention_heads")
+    kv = shard.kv_heads(g.num_heads, g.num_kv_heads)
+    q_part, kv_part = slice(heads.start * d, heads.stop * d), slice(kv.start * d, kv.stop * d)
     weights = AttentionWeights(
         qkv=backend.load_weight(
             checkpoint,
-            (f"{prefix}.q_proj.weight", (q_rows, g.hidden_size)),
-            (f"{prefix}.k_proj.weight", (kv_rows, g.hidden_size)),
-            (f"{prefix}.v_proj.weight", (kv_rows, g.hidden_size)),
+            (f"{prefix}.q_proj.weight", (q_rows, g.hidden_size), q_part, None),
+            (f"{prefix}.k_proj.weight", (kv_rows, g.hidden_size), kv_part, None),
+            (f"{prefix}.v_proj.weight", (kv_rows, g.hidden_size), kv_part, None),
         ),
-        o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (g.hidden_size, q_rows))),
+        o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (g.hidden_size, q_rows), None, q_part)),
     )
     if qkv_bias:
         biases = [
-            checkpoint.tensor(f"{prefix}.q_proj.bias", (q_rows,)),
-            checkpoint.tensor(f"{prefix}.k_proj.bias", (kv_rows,)),
-            checkpoint.tensor(f"{prefix}.v_proj.bias", (kv_rows,)),
+            checkpoint.tensor(f"{prefix}.q_proj.bias", (q_rows,))[q_part],
+            checkpoint.tensor(f"{prefix}.k_proj.bias", (kv_rows,))[kv_part],
+            checkpoint.tensor(f"{prefix}.v_proj.bias", (kv_rows,))[kv_part],
         ]
         weights.qkv_bias = backend.constant(np.concatenate(biases))
     if o_bias:
-        weights.o_bias = backend.constant(checkpoint.tensor(f"{prefix}.o_proj.bias", (g.hidden_size,)))
+        bias = checkpoint.tensor(f"{prefix}.o_proj.bias", (g.hidden_size,))
+        weights.o_bias = backend.constant(bias) if shard.rank == 0 else None
     if qk_norm:
         weights.q_norm = backend.load_weight(checkpoint, (f"{prefix}.q_norm.weight", (g.head_dim,)))
         weights.k_norm = backend.load_weight(checkpoint, (f"{prefix}.k_norm.weight", (g.head_dim,)))
@@ -124,4 +144,5 @@ def attention_from_qkv(
         g.head_dim, cache_layer.k, cache_layer.v, weights.q_norm, weights.k_norm, g.norm_eps, **partial,
     )
     out = ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, g.scale, g.sliding_window)
-    return linear_with_lora(backend, out, weights.o, weights.o_bias, weights.lora_o, batch)
+    # (On a rank of a tensor-parallel group: its heads' part of o_proj, summed over the ranks.)
+    return backend.all_reduce(linear_with_lora(backend, out, weights.o, weights.o_bias, weights.lora_o, batch))

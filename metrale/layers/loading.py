@@ -16,29 +16,44 @@ from metrale.checkpoint import Checkpoint
 class DecoderEnds:
     """``embed [V, H]``, the final RMSNorm weight ``norm [H]`` and ``lm_head [V, H]`` (the
     embedding itself when the config ties them and the checkpoint has no ``lm_head.weight``);
-    ``token_rows``: the rows adapters replace in the two (:func:`metrale.layers.lora.ends_lora`)."""
+    ``token_rows``: the rows adapters replace in the two (:func:`metrale.layers.lora.ends_lora`).
+
+    On a rank of a tensor-parallel group whose size divides the vocabulary, ``embed`` and
+    ``lm_head`` hold the rank's rows ``vocab_part`` of it: an embedding row is read on the rank
+    that holds it (zeros on the others, summed over the ranks), each rank's logits are gathered.
+    Otherwise every rank holds the whole of both (``vocab_part`` None)."""
 
     embed: Any
     norm: Any
     lm_head: Any
     token_rows: dict = field(default_factory=dict)
+    vocab_part: slice | None = None
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, backend: Any, *, vocab_size: int, hidden_size: int,
              tie_word_embeddings: bool) -> "DecoderEnds":
         """Read ``model.embed_tokens.weight``, ``model.norm.weight`` and ``lm_head.weight``."""
-        embed = backend.load_weight(checkpoint, ("model.embed_tokens.weight", (vocab_size, hidden_size)))
+        shard = backend.shard
+        part = shard.split(vocab_size, "vocab_size") if shard.sharded and vocab_size % shard.size == 0 else None
+        embed = backend.load_weight(checkpoint, ("model.embed_tokens.weight", (vocab_size, hidden_size), part, None))
         norm = backend.load_weight(checkpoint, ("model.norm.weight", (hidden_size,)))
         if tie_word_embeddings and not checkpoint.has("lm_head.weight"):
             lm_head = embed
         else:
-            lm_head = backend.load_weight(checkpoint, ("lm_head.weight", (vocab_size, hidden_size)))
-        return cls(embed, norm, lm_head)
+            lm_head = backend.load_weight(checkpoint, ("lm_head.weight", (vocab_size, hidden_size), part, None))
+        return cls(embed, norm, lm_head, vocab_part=part)
 
     def embed_tokens(self, backend: Any, batch: ForwardBatch) -> Any:
         """``[N, H]`` float32: the embedding rows of the batch's tokens (the rows a row's adapter
         replaces, replaced)."""
-        x = backend.ops.embedding(self.embed, batch.token_ids)
+        part = self.vocab_part
+        if part is None:
+            x = backend.ops.embedding(self.embed, batch.token_ids)
+        else:
+            xp, ids = backend.xp, batch.token_ids
+            local = xp.clip(ids - part.start, 0, part.stop - part.start - 1).astype(ids.dtype)
+            x = backend.ops.embedding(self.embed, local)
+            x = backend.all_reduce(x * ((ids >= part.start) & (ids < part.stop))[:, None])
         overlay = self.token_rows.get("embed_tokens")
         if overlay is not None and batch.adapter_slots is not None:
             x = backend.ops.lora_token_rows(x, batch.token_ids, batch.adapter_slots, overlay.tokens, overlay.rows)
@@ -55,7 +70,10 @@ class DecoderEnds:
         overlay = self.token_rows.get("lm_head")
         if overlay is not None and slots is not None:
             normed, _ = backend.ops.rmsnorm_residual(x, residual, self.norm, eps, offset)
-            logits = backend.ops.linear(normed, self.lm_head)
+            logits = self._gathered(backend, backend.ops.linear(normed, self.lm_head))
             return backend.ops.lora_logit_rows(logits, normed, slots, overlay.tokens, overlay.rows)
         logits, _ = backend.ops.rmsnorm_linear(x, residual, self.norm, eps, offset, self.lm_head)
-        return logits
+        return self._gathered(backend, logits)
+
+    def _gathered(self, backend: Any, logits: Any) -> Any:
+        return logits if self.vocab_part is None else backend.all_gather(logits, axis=1)

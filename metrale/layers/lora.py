@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from metrale.batch import ForwardBatch
+from metrale.errors import ConfigError
 from metrale.lora import LoraStack, LoraTokenRows
 
 
@@ -70,6 +71,10 @@ def new_stack(backend: Any, owner: Any, attribute: str, names: tuple[str, ...], 
     (``max_loras``, ``max_lora_rank``) and ``layout`` (``row_maps``, ``module_rows``); ``owner``'s
     attribute becomes the stack's :attr:`~metrale.lora.LoraStack.base` (the same values, now the
     first rows of the stack's extended weight)."""
+    shard = getattr(backend, "shard", None)
+    if shard is not None and shard.sharded:
+        raise ConfigError(f"LoRA adapters are not served with tensor parallelism yet (tensor_parallel_size="
+                          f"{shard.size}); leave enable_lora out or use tensor_parallel_size=1")
     stack = LoraStack.allocate(backend, names, out_sizes, getattr(owner, attribute), **limits, **layout)
     setattr(owner, attribute, stack.base)
     return stack

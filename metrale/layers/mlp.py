@@ -31,20 +31,27 @@ class MlpWeights:
 def load_mlp_weights(
     checkpoint: Checkpoint, backend: Any, prefix: str, hidden_size: int, intermediate_size: int, *, bias: bool = False
 ) -> MlpWeights:
-    """Read ``{prefix}.{gate,up,down}_proj`` and fuse gate and up."""
+    """Read ``{prefix}.{gate,up,down}_proj`` and fuse gate and up. On a rank of a
+    tensor-parallel group (``backend.shard``) its part of the intermediate size only: those gate
+    and up rows and ``down_proj``'s columns (the ranks' outputs are summed, ``down_proj``'s bias
+    added on rank 0 only)."""
+    shard = backend.shard
+    part = shard.split(intermediate_size, "intermediate_size")
     weights = MlpWeights(
         gate_up=backend.load_weight(
             checkpoint,
-            (f"{prefix}.gate_proj.weight", (intermediate_size, hidden_size)),
-            (f"{prefix}.up_proj.weight", (intermediate_size, hidden_size)),
+            (f"{prefix}.gate_proj.weight", (intermediate_size, hidden_size), part, None),
+            (f"{prefix}.up_proj.weight", (intermediate_size, hidden_size), part, None),
         ),
-        down=backend.load_weight(checkpoint, (f"{prefix}.down_proj.weight", (hidden_size, intermediate_size))),
+        down=backend.load_weight(checkpoint, (f"{prefix}.down_proj.weight", (hidden_size, intermediate_size), None,
+                                              part)),
     )
     if bias:
-        gate_b = checkpoint.tensor(f"{prefix}.gate_proj.bias", (intermediate_size,))
-        up_b = checkpoint.tensor(f"{prefix}.up_proj.bias", (intermediate_size,))
+        gate_b = checkpoint.tensor(f"{prefix}.gate_proj.bias", (intermediate_size,))[part]
+        up_b = checkpoint.tensor(f"{prefix}.up_proj.bias", (intermediate_size,))[part]
         weights.gate_up_bias = backend.constant(np.concatenate([gate_b, up_b]))
-        weights.down_bias = backend.constant(checkpoint.tensor(f"{prefix}.down_proj.bias", (hidden_size,)))
+        down_b = checkpoint.tensor(f"{prefix}.down_proj.bias", (hidden_size,))
+        weights.down_bias = backend.constant(down_b) if shard.rank == 0 else None
     return weights
 
 
@@ -64,8 +71,11 @@ def swiglu_mlp(backend: Any, weights: MlpWeights, h: Any, batch: ForwardBatch | 
     if batch is not None and lora_active(batch, weights.lora_gate_up, weights.lora_down):
         act = linear_with_lora(backend, h, weights.gate_up, weights.gate_up_bias, weights.lora_gate_up, batch,
                                swiglu=True)
-        return linear_with_lora(backend, act, weights.down, weights.down_bias, weights.lora_down, batch)
-    return ops.linear(ops.linear_silu(h, weights.gate_up, weights.gate_up_bias), weights.down, weights.down_bias)
+        return backend.all_reduce(linear_with_lora(backend, act, weights.down, weights.down_bias, weights.lora_down,
+                                                   batch))
+    # (On a rank of a tensor-parallel group: its part of the intermediate size, summed over the ranks.)
+    return backend.all_reduce(ops.linear(ops.linear_silu(h, weights.gate_up, weights.gate_up_bias), weights.down,
+                                         weights.down_bias))
 
 
 def normed_swiglu_mlp(backend: Any, weights: MlpWeights, x: Any, residual: Any, norm_weight: Any, eps: float,
@@ -76,6 +86,8 @@ def normed_swiglu_mlp(backend: Any, weights: MlpWeights, x: Any, residual: Any, 
     if batch is not None and lora_active(batch, weights.lora_gate_up, weights.lora_down):
         act, summed = normed_projection(backend, x, residual, norm_weight, eps, weights.gate_up, weights.lora_gate_up,
                                         batch, offset=norm_offset, bias=weights.gate_up_bias, swiglu=True)
-        return linear_with_lora(backend, act, weights.down, weights.down_bias, weights.lora_down, batch), summed
-    return backend.ops.rmsnorm_mlp(x, residual, norm_weight, eps, norm_offset, weights.gate_up, weights.down,
-                                   weights.gate_up_bias, weights.down_bias)
+        out = linear_with_lora(backend, act, weights.down, weights.down_bias, weights.lora_down, batch)
+        return backend.all_reduce(out), summed
+    out, summed = backend.ops.rmsnorm_mlp(x, residual, norm_weight, eps, norm_offset, weights.gate_up, weights.down,
+                                          weights.gate_up_bias, weights.down_bias)
+    return backend.all_reduce(out), summed

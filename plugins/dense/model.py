@@ -9,7 +9,13 @@ from metrale.batch import ForwardBatch
 from metrale.cache.spec import CacheSpec, PagedKVSpec
 from metrale.checkpoint import Checkpoint
 from metrale.family import FamilyModel
-from metrale.layers.attention import AttentionGeometry, AttentionWeights, load_attention_weights, normed_attention_block
+from metrale.layers.attention import (
+    AttentionGeometry,
+    AttentionWeights,
+    load_attention_weights,
+    normed_attention_block,
+    sharded_geometry,
+)
 from metrale.layers.loading import DecoderEnds
 from metrale.layers.lora import attention_lora, ends_lora, mlp_lora
 from metrale.layers.mlp import MlpWeights, load_mlp_weights, normed_swiglu_mlp
@@ -40,7 +46,7 @@ class DenseLayer:
                                              qkv_bias=c.qkv_bias, o_bias=c.o_bias, qk_norm=c.qk_norm),
             post_norm=backend.load_weight(checkpoint, (f"{prefix}.post_attention_layernorm.weight", vector)),
             mlp=load_mlp_weights(checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size, bias=c.mlp_bias),
-            geometry=geometry,
+            geometry=sharded_geometry(geometry, backend.shard),
         )
 
     def forward(self, backend: Any, x: Any, residual: Any, cache_layer: Any, batch: ForwardBatch,
@@ -56,6 +62,8 @@ class DenseModel(FamilyModel):
 
     # Every layer reads the batch through its device row metadata and row_starts only.
     mixed_graph_capturable = True
+    # Heads, the intermediate size and the vocabulary split over the ranks (metrale.parallel).
+    tensor_parallel_capable = True
 
     def __init__(self, config: DenseConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
         # Before anything sized by the config (RoPE table, per-layer lists, weights) is built.
@@ -78,11 +86,13 @@ class DenseModel(FamilyModel):
                             replace(base, sliding_window=c.layer_windows[index]))
             for index in range(c.num_layers)
         ]
+        # A rank of a tensor-parallel group caches its key/value heads only.
+        self.kv_heads = self.layers[0].geometry.num_kv_heads if self.layers else c.num_kv_heads
         checkpoint.skip([n for n in checkpoint.names() if n.endswith(IGNORED_TENSOR_SUFFIXES)])
 
     def cache_spec(self) -> CacheSpec:
         c = self.config
-        return CacheSpec(tuple(PagedKVSpec(c.num_kv_heads, c.head_dim, sliding_window=w) for w in c.layer_windows))
+        return CacheSpec(tuple(PagedKVSpec(self.kv_heads, c.head_dim, sliding_window=w) for w in c.layer_windows))
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoraLayout:
         c, limits = self.config, {"max_loras": max_loras, "max_lora_rank": max_lora_rank}
