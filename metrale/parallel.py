@@ -32,10 +32,13 @@ from metrale.errors import ConfigError
 
 @dataclass(frozen=True)
 class Shard:
-    """Rank ``rank`` of a tensor-parallel group of ``size`` ranks."""
+    """Rank ``rank`` of a tensor-parallel group of ``size`` ranks. With ``expert_parallel`` an
+    MoE layer's routed experts are spread over the ranks (each holding its experts whole) instead
+    of each expert's intermediate size being split."""
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:

@@ -24,26 +24,38 @@ MAX_PAIRWISE_TOKENS = 64
 @dataclass
 class StackedExperts:
     """Routed experts stacked (``gate_up [E 2I, H]``, gate rows of each expert first; ``down
-    [E H, I]``) and the same weights as per-expert views."""
+    [E H, I]``) and the same weights as per-expert views. On a rank of a tensor-parallel group
+    the rank's part: with expert parallelism its experts ``first .. first + E - 1`` whole, else
+    every expert's part of the intermediate size ``I``."""
 
     gate_up: Any
     down: Any
     experts: list[MlpWeights]
+    first: int = 0
+    total: int | None = None
 
 
 def load_stacked_experts(
     checkpoint: Checkpoint, backend: Any, prefix: str, count: int, hidden: int, width: int
 ) -> StackedExperts:
-    """Read ``{prefix}.{e}.{gate,up,down}_proj`` for ``e < count`` into stacked weights."""
+    """Read ``{prefix}.{e}.{gate,up,down}_proj`` for ``e < count`` into stacked weights (a rank's
+    part of them, :class:`StackedExperts`)."""
+    shard = backend.shard
+    if shard.sharded and shard.expert_parallel:
+        held, part = shard.split(count, "n_routed_experts"), slice(None)
+    else:
+        held, part = slice(0, count), shard.split(width, "moe_intermediate_size")
+    local = len(range(width)[part])
     gate_up = backend.load_weight(checkpoint, *[
-        part for e in range(count) for part in (
-            (f"{prefix}.{e}.gate_proj.weight", (width, hidden)),
-            (f"{prefix}.{e}.up_proj.weight", (width, hidden)))
+        spec for e in range(held.start, held.stop) for spec in (
+            (f"{prefix}.{e}.gate_proj.weight", (width, hidden), part, None),
+            (f"{prefix}.{e}.up_proj.weight", (width, hidden), part, None))
     ])
-    down = backend.load_weight(checkpoint, *[(f"{prefix}.{e}.down_proj.weight", (hidden, width)) for e in range(count)])
-    views = [MlpWeights(gate_up=gate_up[2 * width * e : 2 * width * (e + 1)], down=down[hidden * e : hidden * (e + 1)])
-             for e in range(count)]
-    return StackedExperts(gate_up, down, views)
+    down = backend.load_weight(checkpoint, *[(f"{prefix}.{e}.down_proj.weight", (hidden, width), None, part)
+                                             for e in range(held.start, held.stop)])
+    views = [MlpWeights(gate_up=gate_up[2 * local * e : 2 * local * (e + 1)], down=down[hidden * e : hidden * (e + 1)])
+             for e in range(held.stop - held.start)]
+    return StackedExperts(gate_up, down, views, first=held.start, total=count)
 
 
 def routed_experts(backend: Any, experts: StackedExperts, h: Any, chosen: Any, weights: Any) -> Any:
@@ -51,10 +63,21 @@ def routed_experts(backend: Any, experts: StackedExperts, h: Any, chosen: Any, w
 
     ``backend.ops.moe_experts`` serves every batch, except CPU batches of more than
     :data:`MAX_PAIRWISE_TOKENS` tokens: the CPU reference runs pair by pair, so those sort their
-    (token, expert) pairs by expert here instead (:func:`grouped_on_host`)."""
+    (token, expert) pairs by expert here instead (:func:`grouped_on_host`). On a rank of a
+    tensor-parallel group each rank computes its part (its experts' pairs, the others weighted
+    zero; or its part of every expert) and the parts are summed over the ranks."""
+    held = len(experts.experts)
+    if experts.total is not None and held != experts.total:
+        xp = backend.xp
+        local = chosen - experts.first
+        mine = (local >= 0) & (local < held)
+        chosen = xp.where(mine, local, 0).astype(chosen.dtype)
+        weights = xp.where(mine, weights, 0).astype(xp.float32)
     if backend.name == "cpu" and h.shape[0] > MAX_PAIRWISE_TOKENS:
-        return grouped_on_host(backend, experts, h, chosen, weights)
-    return backend.ops.moe_experts(h, chosen, weights, experts.gate_up, experts.down)
+        out = grouped_on_host(backend, experts, h, chosen, weights)
+    else:
+        out = backend.ops.moe_experts(h, chosen, weights, experts.gate_up, experts.down)
+    return backend.all_reduce(out)
 
 
 def grouped_on_host(backend: Any, experts: StackedExperts, h: Any, chosen: Any, weights: Any) -> Any:
@@ -72,7 +95,7 @@ def grouped_on_host(backend: Any, experts: StackedExperts, h: Any, chosen: Any, 
     start = 0
     for expert in np.flatnonzero(counts):
         stop = start + int(counts[expert])
-        results[start:stop] = swiglu_mlp(backend, experts.experts[int(expert)], gathered[start:stop])
+        results[start:stop] = swiglu_mlp(backend, experts.experts[int(expert)], gathered[start:stop], reduce=False)
         start = stop
     results *= xp.asarray(weights, dtype=xp.float32).reshape(-1)[xp.asarray(order)][:, None]
     unsorted = results[xp.asarray(np.argsort(order))]  # back to pair order n * k + s

@@ -70,10 +70,12 @@ class DecoderEnds:
         overlay = self.token_rows.get("lm_head")
         if overlay is not None and slots is not None:
             normed, _ = backend.ops.rmsnorm_residual(x, residual, self.norm, eps, offset)
-            logits = self._gathered(backend, backend.ops.linear(normed, self.lm_head))
+            logits = self.gather_logits(backend, backend.ops.linear(normed, self.lm_head))
             return backend.ops.lora_logit_rows(logits, normed, slots, overlay.tokens, overlay.rows)
         logits, _ = backend.ops.rmsnorm_linear(x, residual, self.norm, eps, offset, self.lm_head)
-        return self._gathered(backend, logits)
+        return self.gather_logits(backend, logits)
 
-    def _gathered(self, backend: Any, logits: Any) -> Any:
+    def gather_logits(self, backend: Any, logits: Any) -> Any:
+        """Logits of ``lm_head``'s rows (a rank's part of the vocabulary) as the whole
+        vocabulary's, gathered over the ranks (themselves when every rank holds every row)."""
         return logits if self.vocab_part is None else backend.all_gather(logits, axis=1)

@@ -64,10 +64,14 @@ def expect_mlp_shapes(checkpoint: Checkpoint, prefix: str, hidden_size: int, int
     checkpoint.expect_shape(f"{prefix}.down_proj.weight", (hidden_size, intermediate_size), because=because)
 
 
-def swiglu_mlp(backend: Any, weights: MlpWeights, h: Any, batch: ForwardBatch | None = None) -> Any:
+def swiglu_mlp(backend: Any, weights: MlpWeights, h: Any, batch: ForwardBatch | None = None,
+               reduce: bool = True) -> Any:
     """``down(silu(gate(h)) * up(h))`` for ``h [N, H]`` (with each row's adapter update when
-    ``batch`` has adapter rows)."""
+    ``batch`` has adapter rows); on a rank of a tensor-parallel group summed over the ranks unless
+    ``reduce`` is False (the caller sums)."""
     ops = backend.ops
+    if not reduce:
+        return ops.linear(ops.linear_silu(h, weights.gate_up, weights.gate_up_bias), weights.down, weights.down_bias)
     if batch is not None and lora_active(batch, weights.lora_gate_up, weights.lora_down):
         act = linear_with_lora(backend, h, weights.gate_up, weights.gate_up_bias, weights.lora_gate_up, batch,
                                swiglu=True)

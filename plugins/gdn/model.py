@@ -524,7 +524,8 @@ class GdnModel(FamilyModel):
         joined = self.backend.xp.concatenate([embedded, ops.rmsnorm(hidden, module.hidden_norm, eps, 1.0)], axis=1)
         x, residual = self.layer_forward(module.layer, self._require_cache().layers[self.config.num_layers],
                                          ops.linear(joined, module.projection), None, batch)
-        return ops.rmsnorm_linear(x, residual, module.head_norm, eps, 1.0, self.ends.lm_head)
+        logits, summed = ops.rmsnorm_linear(x, residual, module.head_norm, eps, 1.0, self.ends.lm_head)
+        return self.ends.gather_logits(self.backend, logits), summed
 
     def after_run(self, segments: list[Any], batch: ForwardBatch) -> None:
         if self.mtp_drafting and self.mtp_rows is not None:

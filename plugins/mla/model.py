@@ -85,41 +85,51 @@ class LatentAttention:
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, backend: Any, prefix: str, config: MlaConfig) -> "LatentAttention":
-        c = config
+        """The layer's weights; on a rank of a tensor-parallel group (``backend.shard``) its query
+        heads only: their rows of ``q_proj`` / ``q_b_proj`` and ``kv_b_proj``, ``o_proj``'s
+        columns of them (the ranks' outputs summed, its bias on rank 0); the latent projections
+        (``q_a_proj``, ``kv_a_proj_with_mqa``) and so the latent cache are whole on every rank."""
+        c, shard = config, backend.shard
         heads, r, d_n, d_r, d_v, hidden = (c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
                                            c.v_head_dim, c.hidden_size)
+        part = shard.split(heads, "num_attention_heads")
+        local = part.stop - part.start
         kv_b_shape = (heads * (d_n + d_v), r)
-        kv_b_host = checkpoint.tensor(f"{prefix}.kv_b_proj.weight", kv_b_shape).reshape(heads, d_n + d_v, r)
-        q_rows = heads * (d_n + d_r)
+        kv_b_rows = slice(part.start * (d_n + d_v), part.stop * (d_n + d_v))
+        kv_b_host = checkpoint.tensor(f"{prefix}.kv_b_proj.weight", kv_b_shape, kv_b_rows).reshape(local, d_n + d_v, r)
+        q_rows, q_part = heads * (d_n + d_r), slice(part.start * (d_n + d_r), part.stop * (d_n + d_r))
         # q_proj, or q_a_proj under q LoRA, then kv_a_proj_with_mqa: stacked on the host, once.
         if c.q_lora_rank is None:
-            q_name, q_columns = f"{prefix}.q_proj", q_rows
+            q_name, q_columns = f"{prefix}.q_proj", local * (d_n + d_r)
+            q_host = checkpoint.tensor(f"{q_name}.weight", (q_rows, hidden), q_part)
         else:
             q_name, q_columns = f"{prefix}.q_a_proj", c.q_lora_rank
+            q_host = checkpoint.tensor(f"{q_name}.weight", (q_columns, hidden))
         kv_a_name = f"{prefix}.kv_a_proj_with_mqa"
-        q_kv_a = np.concatenate([checkpoint.tensor(f"{q_name}.weight", (q_columns, hidden)),
-                                 checkpoint.tensor(f"{kv_a_name}.weight", (r + d_r, hidden))])
+        q_kv_a = np.concatenate([q_host, checkpoint.tensor(f"{kv_a_name}.weight", (r + d_r, hidden))])
         block = cls(
-            config=c,
+            config=replace(c, num_heads=local),
             q_kv_a=backend.weight(q_kv_a),
             q_columns=q_columns,
             kv_a_norm=backend.load_weight(checkpoint, (f"{prefix}.kv_a_layernorm.weight", (r,))),
-            kv_b=backend.load_weight(checkpoint, (f"{prefix}.kv_b_proj.weight", kv_b_shape)),
-            w_uk_t=backend.weight(kv_b_host[:, :d_n, :].transpose(0, 2, 1).reshape(heads * r, d_n)),
-            w_uv=backend.weight(kv_b_host[:, d_n:, :].reshape(heads * d_v, r)),
-            o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (hidden, heads * d_v))),
+            kv_b=backend.load_weight(checkpoint, (f"{prefix}.kv_b_proj.weight", kv_b_shape, kv_b_rows, None)),
+            w_uk_t=backend.weight(kv_b_host[:, :d_n, :].transpose(0, 2, 1).reshape(local * r, d_n)),
+            w_uv=backend.weight(kv_b_host[:, d_n:, :].reshape(local * d_v, r)),
+            o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (hidden, heads * d_v), None,
+                                               slice(part.start * d_v, part.stop * d_v))),
         )
         if c.q_lora_rank is not None:
             rank = c.q_lora_rank
             block.q_a_norm = backend.load_weight(checkpoint, (f"{prefix}.q_a_layernorm.weight", (rank,)))
-            block.q_b = backend.load_weight(checkpoint, (f"{prefix}.q_b_proj.weight", (q_rows, rank)))
+            block.q_b = backend.load_weight(checkpoint, (f"{prefix}.q_b_proj.weight", (q_rows, rank), q_part, None))
         if c.attention_bias:
             # (q_proj has no bias in transformers' DeepSeek attention; q_a_proj and kv_a_proj do.)
             q_bias = (np.zeros(q_columns, np.float32) if c.q_lora_rank is None
                       else checkpoint.tensor(f"{q_name}.bias", (q_columns,)))
             block.q_kv_a_bias = backend.constant(np.concatenate([q_bias, checkpoint.tensor(f"{kv_a_name}.bias",
                                                                                            (r + d_r,))]))
-            block.o_bias = backend.constant(checkpoint.tensor(f"{prefix}.o_proj.bias", (hidden,)))
+            o_bias = checkpoint.tensor(f"{prefix}.o_proj.bias", (hidden,))
+            block.o_bias = backend.constant(o_bias) if shard.rank == 0 else None
         return block
 
     def forward(self, backend: Any, rope: "LatentRope", cache_layer: Any, x: Any, residual: Any, input_norm: Any,
@@ -155,8 +165,8 @@ class LatentAttention:
         queries = ops.latent_query(q_latent, q, batch.positions, rope.inv_freq, rope.attention_factor, c.interleaved_rope)
         mixed = ops.latent_attention(queries, cache_layer.latent, batch, r, rope.scale)
         values = ops.head_linear(mixed.reshape(rows, heads, r), self.w_uv)
-        return linear_with_lora(backend, values.reshape(rows, heads * c.v_head_dim), self.o, self.o_bias, self.lora_o,
-                                batch)
+        return backend.all_reduce(linear_with_lora(backend, values.reshape(rows, heads * c.v_head_dim), self.o,
+                                                   self.o_bias, self.lora_o, batch))
 
     def _expanded(self, backend: Any, rope: "LatentRope", cache_layer: Any, q: Any, batch: ForwardBatch) -> Any:
         """Prompt rows: keys and values re-expanded from every segment's cached latents, then the
@@ -181,7 +191,7 @@ class LatentAttention:
         keys[:, :, d_n:] = cached[:, None, r:]
         values = xp.ascontiguousarray(expanded[:, :, d_n:])
         out = ops.paged_attention(rotated, keys[:, None], values[:, None], view, rope.scale, None)
-        return linear_with_lora(backend, out, self.o, self.o_bias, self.lora_o, batch)
+        return backend.all_reduce(linear_with_lora(backend, out, self.o, self.o_bias, self.lora_o, batch))
 
     @staticmethod
     def _expanded_layout(backend: Any, batch: ForwardBatch, block_size: int) -> tuple[Any, ForwardBatch]:
@@ -328,6 +338,9 @@ def load_mtp_module(checkpoint: Checkpoint, backend: Any, config: MlaConfig) -> 
 class MlaModel(FamilyModel):
     """A loaded DeepSeek-V2 / V3 model."""
 
+    # Query heads, MLP and expert widths (or the experts) and the vocabulary split over the ranks.
+    tensor_parallel_capable = True
+
     #: Decode rows take the absorbed form (False: the expanded form, as prompt rows; for tests).
     absorbed_decode = True
 
@@ -425,7 +438,8 @@ class MlaModel(FamilyModel):
         joined = self.backend.xp.concatenate([embedded, ops.rmsnorm(hidden, module.hidden_norm, eps)], axis=1)
         x, residual = self.layer_forward(module.layer, self._require_cache().layers[module.index],
                                          ops.linear(joined, module.projection), None, batch)
-        return ops.rmsnorm_linear(x, residual, module.head_norm, eps, 0.0, self.ends.lm_head)
+        logits, summed = ops.rmsnorm_linear(x, residual, module.head_norm, eps, 0.0, self.ends.lm_head)
+        return self.ends.gather_logits(self.backend, logits), summed
 
     def after_run(self, segments: list[Any], batch: ForwardBatch) -> None:
         if self.mtp_drafting and self.mtp_rows is not None:
