@@ -50,3 +50,17 @@ def test_example_runs_a_forward(example_checkpoint):
     out = llm.generate([1, 2, 3, 4], SamplingParams(max_tokens=5, temperature=0.0))[0]
     assert len(out.token_ids) == 5 and all(0 <= t < llm.vocab_size for t in out.token_ids)
     assert llm.score([1, 2, 3]).shape == (3, llm.vocab_size)
+
+
+def test_a_family_that_does_not_shard_is_refused_on_a_rank_of_several(example_checkpoint):
+    """A model whose family has not said it runs tensor-parallel (tensor_parallel_capable) is
+    refused with a clear error on a rank of a group of several, before it could run half a model."""
+    from metrale.errors import ConfigError
+    from metrale.parallel import Shard, rank_context, run_ranks
+
+    def work(communicator):
+        with rank_context(Shard(communicator.rank, 2), communicator):
+            LLM(example_checkpoint, device="cpu", show_progress=False)
+
+    with pytest.raises(ConfigError, match="does not run tensor-parallel yet"):
+        run_ranks(2, work)

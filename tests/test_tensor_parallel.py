@@ -88,8 +88,21 @@ def test_a_long_prompt_s_grouped_experts_sum_over_the_ranks(mla_checkpoints):
             assert max_relative_error(scores, expected) <= 1e-4
 
 
-def test_what_does_not_split_is_refused(dense_checkpoints, gdn_checkpoint):
+@pytest.mark.parametrize("size, expert_parallel", [(2, False), (2, True)])
+def test_a_sharded_gdn_model_equals_the_unsharded_one(gdn_checkpoint, size, expert_parallel):
+    """Gated attention heads and linear key heads (with their value heads, conv channels, gates
+    and states) split; the MoE's experts split or spread; a prompt longer than a chunk of the
+    recurrence."""
+    prompts = [PROMPT * 3, PROMPT[3:], PROMPT[:5]]
+    expected_scores, expected, whole_spec = run(gdn_checkpoint, prompts)
+    ranks = sharded(gdn_checkpoint, size, prompts, expert_parallel)
+    assert_equal_results(ranks, expected_scores, expected)
+    config = json.loads((gdn_checkpoint / "config.json").read_text())
+    for _, _, spec in ranks:
+        states = [layer for layer in spec.layers if not hasattr(layer, "num_kv_heads")]
+        assert states and states[0].state_shape[0] == config["linear_num_value_heads"] // size
+
+
+def test_what_does_not_split_is_refused(dense_checkpoints):
     with pytest.raises(ConfigError, match="does not split evenly over tensor_parallel_size=3"):
         sharded(dense_checkpoints["llama"], 3, [PROMPT])
-    with pytest.raises(ConfigError, match="does not run tensor-parallel yet"):
-        sharded(gdn_checkpoint, 2, [PROMPT])

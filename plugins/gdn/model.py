@@ -16,7 +16,7 @@ that walks the tokens with the state in registers). Decode steps are captured in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -73,28 +73,38 @@ class GatedAttention:
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, backend: Any, prefix: str, config: GdnConfig) -> "GatedAttention":
-        c = config
+        """The layer's weights; on a rank of a tensor-parallel group its query heads' rows of
+        ``q_proj`` (queries and gates), its key/value heads' of ``k_proj`` / ``v_proj``, and
+        ``o_proj``'s columns of its heads (the ranks' outputs summed)."""
+        c, shard = config, backend.shard
         d, hidden = c.head_dim, c.hidden_size
+        heads, kv = shard.split(c.num_heads, "num_attention_heads"), shard.kv_heads(c.num_heads, c.num_kv_heads)
+        local, local_kv = heads.stop - heads.start, kv.stop - kv.start
         # Per head, q_proj holds d query rows then d gate rows: regroup them (on the host, once)
         # so that the product gives [q | k | v] for qkv_rope_cache, then the gates.
-        q_and_gate = checkpoint.tensor(f"{prefix}.q_proj.weight", (c.num_heads * 2 * d, hidden))
-        q_and_gate = q_and_gate.reshape(c.num_heads, 2, d, hidden)
-        k = checkpoint.tensor(f"{prefix}.k_proj.weight", (c.num_kv_heads * d, hidden))
-        v = checkpoint.tensor(f"{prefix}.v_proj.weight", (c.num_kv_heads * d, hidden))
+        q_and_gate = checkpoint.tensor(f"{prefix}.q_proj.weight", (c.num_heads * 2 * d, hidden),
+                                       slice(heads.start * 2 * d, heads.stop * 2 * d))
+        q_and_gate = q_and_gate.reshape(local, 2, d, hidden)
+        kv_rows = slice(kv.start * d, kv.stop * d)
+        k = checkpoint.tensor(f"{prefix}.k_proj.weight", (c.num_kv_heads * d, hidden), kv_rows)
+        v = checkpoint.tensor(f"{prefix}.v_proj.weight", (c.num_kv_heads * d, hidden), kv_rows)
         return cls(
-            config=c,
+            config=rank_config(c, shard),
             qkv_gate=backend.weight(np.concatenate([q_and_gate[:, 0].reshape(-1, hidden), k, v,
                                                     q_and_gate[:, 1].reshape(-1, hidden)])),
-            qkv_columns=(c.num_heads + 2 * c.num_kv_heads) * d,
-            o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (hidden, c.num_heads * d))),
+            qkv_columns=(local + 2 * local_kv) * d,
+            o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (hidden, c.num_heads * d), None,
+                                               slice(heads.start * d, heads.stop * d))),
             q_norm=backend.load_weight(checkpoint, (f"{prefix}.q_norm.weight", (d,))),
             k_norm=backend.load_weight(checkpoint, (f"{prefix}.k_norm.weight", (d,))),
         )
 
+
     def forward(self, backend: Any, inv_freq: Any, cache_layer: Any, x: Any, residual: Any, input_norm: Any,
                 eps: float, batch: ForwardBatch) -> tuple[Any, Any]:
         """``(out [N, H], residual)``: the input norm of ``x + residual`` (zero-centred) and the
-        projections in one op, then the attention, the output gate and ``o_proj``."""
+        projections in one op, then the attention, the output gate and ``o_proj`` (summed over
+        the ranks of a tensor-parallel group)."""
         ops, c, xp = backend.ops, self.config, backend.xp
         heads, d = c.num_heads, c.head_dim
         projected, residual = normed_projection(backend, x, residual, input_norm, eps, self.qkv_gate,
@@ -106,7 +116,21 @@ class GatedAttention:
             cache_layer.k, cache_layer.v, self.q_norm, self.k_norm, c.rms_norm_eps, 1.0,
         )
         out = ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, d**-0.5, None)
-        return linear_with_lora(backend, ops.sigmoid_gate(out, gate), self.o, None, self.lora_o, batch), residual
+        out = linear_with_lora(backend, ops.sigmoid_gate(out, gate), self.o, None, self.lora_o, batch)
+        return backend.all_reduce(out), residual
+
+
+def rank_config(config: GdnConfig, shard: Any) -> GdnConfig:
+    """``config`` as a rank of a tensor-parallel group sees it: its query, key/value, linear key
+    and linear value heads (each linear key head with the value heads it groups)."""
+    if not shard.sharded:
+        return config
+    c = config
+    heads, kv = shard.split(c.num_heads, "num_attention_heads"), shard.kv_heads(c.num_heads, c.num_kv_heads)
+    keys = shard.split(c.linear_key_heads, "linear_num_key_heads")
+    local_keys = keys.stop - keys.start
+    return replace(c, num_heads=heads.stop - heads.start, num_kv_heads=kv.stop - kv.start,
+                   linear_key_heads=local_keys, linear_value_heads=local_keys * (c.linear_value_heads // c.linear_key_heads))
 
 
 @dataclass
@@ -140,22 +164,39 @@ class GatedDeltaNet:
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, backend: Any, prefix: str, config: GdnConfig) -> "GatedDeltaNet":
-        c = config
+        """The layer's weights; on a rank of a tensor-parallel group its linear key heads with
+        the value heads each groups: their rows of ``in_proj_qkvz`` / ``in_proj_ba`` (grouped by
+        key head), their conv channels, gates and ``out_proj`` columns (the ranks' outputs
+        summed); each rank keeps its heads' conv and recurrent states."""
+        c, shard = config, backend.shard
         hidden, hk, hv, dk, dv = (c.hidden_size, c.linear_key_heads, c.linear_value_heads, c.linear_key_dim,
                                   c.linear_value_dim)
-        qkvz_columns = 2 * hk * dk + 2 * hv * dv
+        keys = shard.split(hk, "linear_num_key_heads")
+        ratio = hv // hk
+        values = slice(keys.start * ratio, keys.stop * ratio)
+        group = 2 * dk + 2 * ratio * dv  # in_proj_qkvz rows of one key head
+        local_keys, local_values = keys.stop - keys.start, values.stop - values.start
+        conv = (checkpoint.tensor(f"{prefix}.conv1d.weight", (c.conv_channels, 1, c.conv_kernel))
+                .reshape(c.conv_channels, c.conv_kernel))
+        # The conv channels are [q | k | v] over every head: the rank's heads' of each.
+        conv = np.concatenate([conv[keys.start * dk : keys.stop * dk],
+                               conv[hk * dk + keys.start * dk : hk * dk + keys.stop * dk],
+                               conv[2 * hk * dk + values.start * dv : 2 * hk * dk + values.stop * dv]])
+        qkvz_columns = 2 * local_keys * dk + 2 * local_values * dv
         return cls(
-            config=c,
+            config=rank_config(c, shard),
             in_proj=backend.weight(np.concatenate([
-                checkpoint.tensor(f"{prefix}.in_proj_qkvz.weight", (qkvz_columns, hidden)),
-                checkpoint.tensor(f"{prefix}.in_proj_ba.weight", (2 * hv, hidden))])),
+                checkpoint.tensor(f"{prefix}.in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, hidden),
+                                  slice(keys.start * group, keys.stop * group)),
+                checkpoint.tensor(f"{prefix}.in_proj_ba.weight", (2 * hv, hidden),
+                                  slice(keys.start * 2 * ratio, keys.stop * 2 * ratio))])),
             qkvz_columns=qkvz_columns,
-            conv=backend.constant(checkpoint.tensor(f"{prefix}.conv1d.weight", (c.conv_channels, 1, c.conv_kernel))
-                                  .reshape(c.conv_channels, c.conv_kernel)),
-            a_log=backend.constant(checkpoint.tensor(f"{prefix}.A_log", (hv,))),
-            dt_bias=backend.constant(checkpoint.tensor(f"{prefix}.dt_bias", (hv,))),
+            conv=backend.constant(conv),
+            a_log=backend.constant(checkpoint.tensor(f"{prefix}.A_log", (hv,))[values]),
+            dt_bias=backend.constant(checkpoint.tensor(f"{prefix}.dt_bias", (hv,))[values]),
             norm=backend.constant(checkpoint.tensor(f"{prefix}.norm.weight", (dv,))),
-            out=backend.load_weight(checkpoint, (f"{prefix}.out_proj.weight", (hidden, hv * dv))),
+            out=backend.load_weight(checkpoint, (f"{prefix}.out_proj.weight", (hidden, hv * dv), None,
+                                                 slice(values.start * dv, values.stop * dv))),
         )
 
     def forward(self, backend: Any, cache_layer: Any, x: Any, residual: Any, input_norm: Any, eps: float,
@@ -179,7 +220,8 @@ class GatedDeltaNet:
             # step in the slots and the gated norm, as one op.
             gated = ops.gdn_decode(qkvz, ba, self.conv, cache_layer.conv, self.a_log, self.dt_bias, cache_layer.state,
                                    batch.state_slots, self.norm, c.rms_norm_eps, hk, hv, dk, dv)
-            return linear_with_lora(backend, gated.reshape(rows, hv * dv), self.out, None, self.lora_out, batch), residual
+            out = linear_with_lora(backend, gated.reshape(rows, hv * dv), self.out, None, self.lora_out, batch)
+            return backend.all_reduce(out), residual
         inputs, z = ops.gdn_ungroup(qkvz, hk, hv, dk, dv)
         g, beta = ops.gdn_gates(ba, self.a_log, self.dt_bias, hk)
         slots = np.array([segment.seq.state_slot for segment in batch.segments], dtype=np.int32)
@@ -189,7 +231,8 @@ class GatedDeltaNet:
         out = ops.gdn_prompt_rule(q, k, v, g, beta, cache_layer.state, slots, starts)
         # Gated norm per value head (plain weight), then out_proj.
         gated = ops.gated_rmsnorm(out, z, self.norm, c.rms_norm_eps)
-        return linear_with_lora(backend, gated.reshape(rows, hv * dv), self.out, None, self.lora_out, batch), residual
+        out = linear_with_lora(backend, gated.reshape(rows, hv * dv), self.out, None, self.lora_out, batch)
+        return backend.all_reduce(out), residual
 
     def _verify_rows(self, backend: Any, cache_layer: Any, qkvz: Any, ba: Any, batch: ForwardBatch,
                      stash: "RowStates") -> Any:
@@ -219,7 +262,8 @@ class GatedDeltaNet:
         stash.layers.append((cache_layer, conv_rows, state_rows))
         if gated is None:  # no rows: a verify names at least one per sequence
             raise CacheError("a verify without rows")
-        return linear_with_lora(backend, gated.reshape(qkvz.shape[0], hv * dv), self.out, None, self.lora_out, batch)
+        return backend.all_reduce(linear_with_lora(backend, gated.reshape(qkvz.shape[0], hv * dv), self.out, None,
+                                                   self.lora_out, batch))
 
 
 @dataclass
@@ -337,6 +381,10 @@ def load_mtp_module(checkpoint: Checkpoint, backend: Any, config: GdnConfig) -> 
 class GdnModel(FamilyModel):
     """A loaded Qwen3-Next model."""
 
+    # Attention heads, linear key heads (with their value heads), MLP and expert widths (or the
+    # experts) and the vocabulary split over the ranks.
+    tensor_parallel_capable = True
+
     def __init__(self, config: GdnConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
         # Before anything sized by the config (RoPE table, per-layer lists, weights) is built.
         config.check_tensors(checkpoint)
@@ -369,7 +417,7 @@ class GdnModel(FamilyModel):
     # ------------------------------------------------------------------------------ contract
 
     def cache_spec(self) -> CacheSpec:
-        c = self.config
+        c = rank_config(self.config, self.backend.shard)  # a rank's heads' states and keys/values
         state = RecurrentStateSpec((c.conv_channels, c.conv_kernel - 1),
                                    (c.linear_value_heads, c.linear_key_dim, c.linear_value_dim))
         layers = tuple(
