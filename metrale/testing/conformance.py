@@ -45,6 +45,33 @@ def assert_close(actual: Any, expected: Any, tolerance: float, what: str) -> Non
     assert error <= tolerance, f"{what}: relative error {error:.3g} > {tolerance:.3g} (max abs {worst:.3g})"
 
 
+def check_tensor_parallel(checkpoint: Path, size: int, token_ids: Sequence[int], *, expert_parallel: bool = False,
+                          tolerance: float = 1e-4) -> float:
+    """Score ``token_ids`` with the model at ``checkpoint`` whole, then as ``size`` ranks of a
+    tensor-parallel group simulated in one process (each rank loads its shard on its own thread,
+    :func:`metrale.parallel.run_ranks`); raise AssertionError unless every rank's logits equal the
+    whole model's within ``tolerance`` (:func:`max_relative_error`). Returns the largest error."""
+    from metrale.api import LLM
+    from metrale.parallel import Shard, rank_context, run_ranks
+
+    def score() -> np.ndarray:
+        with LLM(checkpoint, device="cpu", show_progress=False) as llm:
+            return np.asarray(llm.score(list(token_ids)))
+
+    expected = score()
+
+    def rank(communicator: Any) -> np.ndarray:
+        with rank_context(Shard(communicator.rank, size, expert_parallel), communicator):
+            return score()
+
+    errors = [max_relative_error(got, expected) for got in run_ranks(size, rank)]
+    worst = max(errors)
+    if worst > tolerance:
+        raise AssertionError(f"tensor_parallel_size={size}{' with expert parallelism' if expert_parallel else ''}: "
+                             f"ranks' logits differ from the whole model's by {errors} (tolerance {tolerance})")
+    return worst
+
+
 def assert_varied_greedy(continuations: Sequence[Sequence[int]], vocab_size: int) -> None:
     """Fail when greedy continuations are degenerate -- one token repeated, or a handful for all
     prompts -- since checks that compare them then test little (the checkpoint's random weights
@@ -71,6 +98,12 @@ class FamilyConformance:
     #: Internal consistency (two paths of the same engine) is held to a tighter bound.
     self_tolerance: float = 1e-5
     seed: int = 1234
+    #: Tensor-parallel sizes to check (ranks simulated on threads against the whole model,
+    #: :func:`check_tensor_parallel`); empty for a family that does not run tensor-parallel
+    #: (``FamilyModel.tensor_parallel_capable`` False).
+    tensor_parallel_sizes: Sequence[int] = ()
+    #: Whether the tensor-parallel check runs with expert parallelism too (MoE families).
+    expert_parallel: bool = False
 
     # ------------------------------------------------------------------------ to provide
 
@@ -246,6 +279,22 @@ class FamilyConformance:
         finally:
             for seq in alone + seqs + [whole, split]:
                 llm.cache.release(seq)
+
+    def test_tensor_parallel_ranks_match_the_whole_model(self, conformance_checkpoint: Path) -> None:
+        """Each rank of a simulated tensor-parallel group gives the whole model's logits (for each
+        of ``tensor_parallel_sizes``, with expert parallelism too when ``expert_parallel``)."""
+        if not self.tensor_parallel_sizes:
+            pytest.skip("the family does not run tensor-parallel (tensor_parallel_sizes is empty)")
+        generator = np.random.default_rng([self.seed, 99])
+        from metrale.api import LLM
+
+        with LLM(conformance_checkpoint, device="cpu", show_progress=False) as llm:
+            vocab = llm.vocab_size
+        tokens = generator.integers(0, vocab, size=max(self.prompt_lengths)).tolist()
+        for size in self.tensor_parallel_sizes:
+            for expert_parallel in (False, True) if self.expert_parallel else (False,):
+                check_tensor_parallel(conformance_checkpoint, size, tokens, expert_parallel=expert_parallel,
+                                      tolerance=self.tolerance)
 
     def test_engine_matches_solo_runs(self, conformance_checkpoint: Path) -> None:
         """The engine -- continuous batching with chunked, batched and mixed prefill, prefix-cache

@@ -9,6 +9,7 @@ from metrale.testing.hf import hf_reference_logits
 
 
 class TestDenseConformance(FamilyConformance):
+    tensor_parallel_sizes = (2, 4)
     @pytest.fixture(scope="class", params=["llama", "qwen2", "qwen3", "mistral"])
     @classmethod
     def conformance_checkpoint(cls, request, dense_checkpoints):

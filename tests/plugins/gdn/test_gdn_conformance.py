@@ -9,6 +9,8 @@ from metrale.testing.hf import hf_reference_logits
 
 
 class TestGdnConformance(FamilyConformance):
+    tensor_parallel_sizes = (2,)
+    expert_parallel = True
     chunk_sizes = (1, 5, 16, 64)
     prompt_lengths = (1, 7, 40, 150)  # 150: the chunked rule runs three chunks of 64
 

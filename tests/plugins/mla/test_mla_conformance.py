@@ -9,6 +9,8 @@ from metrale.testing.hf import hf_reference_logits
 
 
 class TestMlaConformance(FamilyConformance):
+    tensor_parallel_sizes = (2, 4)
+    expert_parallel = True
     @pytest.fixture(scope="class", params=["deepseek_v2", "deepseek_v3"])
     @classmethod
     def conformance_checkpoint(cls, request, mla_checkpoints):
