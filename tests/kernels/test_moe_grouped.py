@@ -227,7 +227,7 @@ def test_routed_experts_call_the_op_on_every_batch_size_off_the_cpu():
 
     calls = []
     ops = SimpleNamespace(moe_experts=lambda *arguments: calls.append(arguments) or "op")
-    backend = SimpleNamespace(name="cuda", ops=ops)
+    backend = SimpleNamespace(name="cuda", ops=ops, all_reduce=lambda x: x)  # one rank
     experts = StackedExperts(gate_up="gate_up", down="down", experts=[])
     for tokens in (1, 64, 65, 4096):
         assert routed_experts(backend, experts, np.zeros((tokens, 8)), "chosen", "weights") == "op"
