@@ -169,34 +169,27 @@ def lora_logit_rows(logits: DeviceArray, h: DeviceArray, slots: DeviceArray, tok
 
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch  # noqa: E402
 
-#: Output columns (a thread each) of a block of :func:`lora_expand`, and the rows whose slots it
-#: stages at a time.
+#: Output columns (a thread each) of a block of :func:`lora_expand`; the batch rows it lists at a
+#: time, the listed rows it takes together, and the shrunk products of a row it stages in shared
+#: memory at a time.
 EXPAND_COLUMNS = 128
+EXPAND_LISTED = 128
+EXPAND_ROWS = 8
+#: Blocks a slot's rows are shared over (each takes every this-many-th tile of rows).
+EXPAND_SPLIT = 4
+EXPAND_SEGMENT = 256
 
 EXPAND_KERNEL = r"""
 #define LORA_COLUMNS 128
+#define LORA_LISTED 128
+#define LORA_ROWS 8
+#define LORA_SEGMENT 256
 
-// The update of one row of adapter slot s: its shrunk products p (float32 in ext, the slot's
-// `width` columns, the same for every thread of the block: one load a warp), each rounded to bf16
-// as a product with B reads it, times the thread's output column's slot-s columns of b (bf16
-// bits; the same for every row of the block: first read from memory, then from L1).
-__device__ __forceinline__ float lora_update(const float* p, const unsigned short* b_row, int width, bool words) {
-    float acc = 0.0f;
-    if (words) {   // width a multiple of 8; b's rows and the products 16-byte aligned
-        const uint4* w = reinterpret_cast<const uint4*>(b_row);
-        const float4* q = reinterpret_cast<const float4*>(p);
-        for (int k = 0; k < width / 8; ++k) {
-            const uint4 v = __ldg(w + k);
-            const float4 lo = __ldg(q + 2 * k), hi = __ldg(q + 2 * k + 1);
-            acc += bf16_bits(to_bf16(lo.x)) * bf16_low(v.x) + bf16_bits(to_bf16(lo.y)) * bf16_high(v.x)
-                 + bf16_bits(to_bf16(lo.z)) * bf16_low(v.y) + bf16_bits(to_bf16(lo.w)) * bf16_high(v.y)
-                 + bf16_bits(to_bf16(hi.x)) * bf16_low(v.z) + bf16_bits(to_bf16(hi.y)) * bf16_high(v.z)
-                 + bf16_bits(to_bf16(hi.z)) * bf16_low(v.w) + bf16_bits(to_bf16(hi.w)) * bf16_high(v.w);
-        }
-    } else {
-        for (int k = 0; k < width; ++k) acc += bf16_bits(to_bf16(__ldg(p + k))) * bf16_bits(__ldg(b_row + k));
-    }
-    return acc;
+// Asks for the cache line at `address` ahead of its loads (nothing where there is no cache).
+__device__ __forceinline__ void prefetch_line(const void* address) {
+#if __CUDA_ARCH__ >= 700
+    asm volatile("prefetch.global.L1 [%0];" :: "l"(address));
+#endif
 }
 
 // ext float32 [N, out + K]: a product with a LoRA stack's extended weight (the projection's own
@@ -206,58 +199,112 @@ __device__ __forceinline__ float lora_update(const float* p, const unsigned shor
 // (the shrunk products rounded to bf16); a base-model row (s = 0) ext[i, o] + bias[o]. Written to
 // y float32 [N, out]; or, with swiglu (out = 2 I: gate rows, then up rows), bf16(silu(y[i, o]) *
 // y[i, I + o]) to act [N, I].
-// Grid (ceil(columns / LORA_COLUMNS), slots_count + 1), LORA_COLUMNS threads: block (t, s) writes
-// the rows of slot s, a thread an output column (of y, or of act), so each slot's columns of b are
-// read from memory once a step. The block lists its rows in shared memory, LORA_COLUMNS rows of
-// the batch at a time, and takes them two at a time (the loads of both in flight).
+// Grid (ceil(columns / LORA_COLUMNS), slots_count + 1, split), LORA_COLUMNS threads: blocks (t, s, z)
+// write the rows of slot s, a thread an output column (of y, or of act). Each lists its slot's
+// rows (LORA_LISTED rows of the batch at a time) and takes tiles z, z + split, ... of LORA_ROWS of
+// them (so a step of one adapter still spreads over split blocks per column tile): their products
+// staged in shared memory (LORA_SEGMENT of a row at a time), each 8 columns of the thread's slice
+// of B loaded once (16 bytes) for all of them, the loads of several such steps in flight. A
+// slot's B columns are read from memory once a step (asked for before the listing), and the time
+// is a few memory round trips, whatever the number of rows.
 extern "C" __global__ void __launch_bounds__(LORA_COLUMNS) lora_expand(
     const float* __restrict__ ext, const int* __restrict__ slots, const unsigned short* __restrict__ b,
     const float* __restrict__ bias, float* __restrict__ y, unsigned short* __restrict__ act, int rows, int out,
     int width, int slots_count, int swiglu, int words) {
-    __shared__ int listed[LORA_COLUMNS];
+    __shared__ int listed[LORA_LISTED];
+    __shared__ int flags[LORA_LISTED];
     __shared__ int count;
+    __shared__ float staged[LORA_ROWS * LORA_SEGMENT];
     const int K = width * slots_count, ld = out + K, slot = blockIdx.y;
     const int column = blockIdx.x * LORA_COLUMNS + threadIdx.x;
     const int columns = swiglu ? out / 2 : out;
-    const bool active = column < columns, vector = words != 0;
+    const bool active = column < columns;
     const int up = column + out / 2;
-    const float bias_column = bias && active ? bias[column] : 0.0f;
-    const float bias_up = bias && swiglu && active ? bias[up] : 0.0f;
     const int first = slot > 0 ? (slot - 1) * width : 0;
     const unsigned short* b_column = b + (size_t)(active ? column : 0) * K + first;
     const unsigned short* b_up = b + (size_t)(active && swiglu ? up : 0) * K + first;
+    if (slot > 0 && active) {   // b is no kernel's output: its lines come while the rows are listed
+        for (int k = 0; k < width; k += 64) {
+            prefetch_line(b_column + k);
+            if (swiglu) prefetch_line(b_up + k);
+        }
+        prefetch_line(b_column + width - 1);
+        if (swiglu) prefetch_line(b_up + width - 1);
+    }
+    const float bias_column = bias && active ? bias[column] : 0.0f;
+    const float bias_up = bias && swiglu && active ? bias[up] : 0.0f;
     wait_for_producers();
-    for (int base = 0; base < rows; base += LORA_COLUMNS) {
-        if (threadIdx.x == 0) count = 0;
+    for (int listing = 0; listing < rows; listing += LORA_LISTED) {
+        // The slot's rows in batch order (the same list in each of the slot's blocks).
+        const int row = listing + threadIdx.x;
+        const int mine = row < rows && slots[row] == slot;
+        flags[threadIdx.x] = mine;
         __syncthreads();
-        const int row = base + threadIdx.x;
-        if (row < rows && slots[row] == slot) listed[atomicAdd(&count, 1)] = row;
+        int before = 0;
+        for (int j = 0; j < (int)threadIdx.x; ++j) before += flags[j];
+        if (mine) listed[before] = row;
+        if (threadIdx.x == LORA_LISTED - 1) count = before + mine;
         __syncthreads();
         const int listed_count = count;
-        for (int i = 0; i < listed_count && active; i += 2) {
-            float value[2], up_value[2];
-            int taken[2];
+        for (int tile = blockIdx.z * LORA_ROWS; tile < listed_count; tile += gridDim.z * LORA_ROWS) {
+            const int taken = min(LORA_ROWS, listed_count - tile);
+            float value[LORA_ROWS], up_value[LORA_ROWS];
             #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                taken[j] = i + j < listed_count ? listed[i + j] : -1;
-                if (taken[j] < 0) continue;
-                const float* x = ext + (size_t)taken[j] * ld;
-                value[j] = x[column] + bias_column;
-                up_value[j] = swiglu ? x[up] + bias_up : 0.0f;
-                if (slot > 0) {
-                    const float* p = x + out + first;
-                    value[j] += lora_update(p, b_column, width, vector);
-                    if (swiglu) up_value[j] += lora_update(p, b_up, width, vector);
+            for (int r = 0; r < LORA_ROWS; ++r) {
+                const bool here = active && r < taken;
+                const float* x = ext + (size_t)(here ? listed[tile + r] : 0) * ld;
+                value[r] = here ? x[column] + bias_column : 0.0f;
+                up_value[r] = here && swiglu ? x[up] + bias_up : 0.0f;
+            }
+            for (int segment = 0; slot > 0 && segment < width; segment += LORA_SEGMENT) {
+                const int span = min(LORA_SEGMENT, width - segment);
+                for (int i = threadIdx.x; i < taken * span; i += LORA_COLUMNS) {
+                    const int r = i / span, k = i - r * span;
+                    staged[r * LORA_SEGMENT + k] =
+                        bf16_bits(to_bf16(ext[(size_t)listed[tile + r] * ld + out + first + segment + k]));
                 }
+                __syncthreads();
+                if (active && words) {   // width a multiple of 8; b's rows 16-byte aligned
+                    #pragma unroll 4
+                    for (int k = 0; k < span; k += 8) {
+                        const uint4 w = __ldg(reinterpret_cast<const uint4*>(b_column + segment + k));
+                        const uint4 u = swiglu ? __ldg(reinterpret_cast<const uint4*>(b_up + segment + k))
+                                               : make_uint4(0, 0, 0, 0);
+                        #pragma unroll
+                        for (int r = 0; r < LORA_ROWS; ++r) {
+                            if (r >= taken) break;
+                            const float* p = staged + r * LORA_SEGMENT + k;
+                            value[r] += p[0] * bf16_low(w.x) + p[1] * bf16_high(w.x) + p[2] * bf16_low(w.y)
+                                      + p[3] * bf16_high(w.y) + p[4] * bf16_low(w.z) + p[5] * bf16_high(w.z)
+                                      + p[6] * bf16_low(w.w) + p[7] * bf16_high(w.w);
+                            up_value[r] += p[0] * bf16_low(u.x) + p[1] * bf16_high(u.x) + p[2] * bf16_low(u.y)
+                                         + p[3] * bf16_high(u.y) + p[4] * bf16_low(u.z) + p[5] * bf16_high(u.z)
+                                         + p[6] * bf16_low(u.w) + p[7] * bf16_high(u.w);
+                        }
+                    }
+                } else if (active) {
+                    for (int k = 0; k < span; ++k) {
+                        const float w = bf16_bits(__ldg(b_column + segment + k));
+                        const float u = swiglu ? bf16_bits(__ldg(b_up + segment + k)) : 0.0f;
+                        #pragma unroll
+                        for (int r = 0; r < LORA_ROWS; ++r) {
+                            if (r >= taken) break;
+                            value[r] += staged[r * LORA_SEGMENT + k] * w;
+                            up_value[r] += staged[r * LORA_SEGMENT + k] * u;
+                        }
+                    }
+                }
+                __syncthreads();
             }
             #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                if (taken[j] < 0) continue;
+            for (int r = 0; r < LORA_ROWS; ++r) {
+                if (!active || r >= taken) break;
+                const size_t at = listed[tile + r];
                 if (swiglu) {
-                    const float v = value[j];
-                    act[(size_t)taken[j] * columns + column] = to_bf16(v / (1.0f + expf(-v)) * up_value[j]);
+                    const float v = value[r];
+                    act[at * columns + column] = to_bf16(v / (1.0f + expf(-v)) * up_value[r]);
                 } else {
-                    y[(size_t)taken[j] * out + column] = value[j];
+                    y[at * out + column] = value[r];
                 }
             }
         }
@@ -311,12 +358,12 @@ def lora_expand(ext: DeviceArray, slots: DeviceArray, b: DeviceArray, width: int
         import cupy
 
         _expand_kernels.append(cupy.RawModule(code=source(), options=("--std=c++17",)).get_function("lora_expand"))
-    # 16-byte loads of b's rows and of the products in ext's rows.
-    words = (width % 8 == 0 and k % 8 == 0 and b.data.ptr % 16 == 0 and (m + k) % 4 == 0 and m % 4 == 0
-             and ext.data.ptr % 16 == 0)
+    # 16-byte loads of b's rows.
+    words = width % 8 == 0 and k % 8 == 0 and b.data.ptr % 16 == 0
     if rows and m:
         null = np.uint64(0)
-        launch(_expand_kernels[0], (-(-(m // 2 if swiglu else m) // EXPAND_COLUMNS), k // width + 1),
+        split = max(1, min(EXPAND_SPLIT, -(-min(rows, EXPAND_LISTED) // EXPAND_ROWS)))
+        launch(_expand_kernels[0], (-(-(m // 2 if swiglu else m) // EXPAND_COLUMNS), k // width + 1, split),
                (EXPAND_COLUMNS,),
                (ext, slots, b, null if bias is None else bias, null if swiglu else out, out if swiglu else null,
                 np.int32(rows), np.int32(m), np.int32(width), np.int32(k // width), np.int32(swiglu),

@@ -34,7 +34,8 @@ int main(int argc, char** argv) {
     float* y = allocate<float>((size_t)rows * out);
     unsigned short* act = allocate<unsigned short>((size_t)rows * columns);
     const unsigned grid_x = (columns + LORA_COLUMNS - 1) / LORA_COLUMNS;
-    emu::launch({grid_x, (unsigned)slots + 1, 1}, {LORA_COLUMNS, 1, 1},
+    const unsigned split = std::max(1, std::min(SPLIT, (std::min(rows, LORA_LISTED) + LORA_ROWS - 1) / LORA_ROWS));
+    emu::launch({grid_x, (unsigned)slots + 1, split}, {LORA_COLUMNS, 1, 1},
                 [&] { lora_expand(ext, row_slots, b, bias, y, act, rows, out, width, slots, swiglu, words); });
     if (swiglu) write(folder + "/out", act, (size_t)rows * columns);
     else write(folder + "/out", y, (size_t)rows * out);
@@ -46,7 +47,8 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lora_expand_emulated")
-    binary = build_emulated(folder / "lora.cpp", decode_gemv.HELPERS + lora.EXPAND_KERNEL + EMULATION_MAIN)
+    binary = build_emulated(folder / "lora.cpp", decode_gemv.HELPERS + lora.EXPAND_KERNEL
+                            + f"#define SPLIT {lora.EXPAND_SPLIT}\n" + EMULATION_MAIN)
 
     def run(ext, row_slots, b, width, bias=None, swiglu=False, words=True):
         case = folder / "case"
@@ -110,7 +112,8 @@ def test_a_slot_reads_its_own_columns_only(emulated):
 
 
 def test_rows_past_one_listing_and_many_slots(emulated):
-    """More rows than a block lists at a time (300, over three listings), nine slots."""
+    """More rows than a block lists at a time (300, over three listings, each slot's rows over
+    several tiles of rows taken together), nine slots."""
     rng = np.random.default_rng(11)
     rows, inner, outs, rank, slots = 300, 32, (40, 24), 8, 9
     width = len(outs) * rank
@@ -124,6 +127,38 @@ def test_rows_past_one_listing_and_many_slots(emulated):
     b_bits = float32_to_bf16(b)
     got = emulated(ext, row_slots, b_bits, width)
     expected = builtin.lora_expand(products_in_bf16(ext, sum(outs)), bf16_to_float32(b_bits), row_slots, width)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_one_adapter_on_every_row(emulated, swiglu):
+    """40 rows of slot 3 (a step of one adapter): five tiles of 8 rows over the four blocks of
+    each column tile (the first block takes two)."""
+    assert (lora.EXPAND_ROWS, lora.EXPAND_SPLIT) == (8, 4)
+    rng = np.random.default_rng(9)
+    rows, out, width, slots = 40, 48, 16, 3
+    b_bits = float32_to_bf16(rng.standard_normal((out, slots * width)).astype(np.float32) * 0.1)
+    ext = rng.standard_normal((rows, out + slots * width)).astype(np.float32)
+    row_slots = np.full(rows, 3, np.int32)
+    got = emulated(ext, row_slots, b_bits, width, swiglu=swiglu)
+    expected = builtin.lora_expand(products_in_bf16(ext, out), bf16_to_float32(b_bits), row_slots, width,
+                                   swiglu=swiglu)
+    tolerance = 1e-2 if swiglu else 1e-4
+    np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("words", [True, False])
+def test_slots_wider_than_one_staged_segment(emulated, words):
+    """A slot of 272 columns (two projections of rank 136): past the 256 products a block stages
+    at a time, so its update is summed over two segments."""
+    assert lora.EXPAND_SEGMENT == 256
+    rng = np.random.default_rng(5)
+    rows, out, width, slots = 6, 24, 272, 2
+    b_bits = float32_to_bf16(rng.standard_normal((out, slots * width)).astype(np.float32) * 0.1)
+    ext = rng.standard_normal((rows, out + slots * width)).astype(np.float32)
+    row_slots = np.array([1, 2, 0, 2, 1, 1], np.int32)
+    got = emulated(ext, row_slots, b_bits, width, words=words)
+    expected = builtin.lora_expand(products_in_bf16(ext, out), bf16_to_float32(b_bits), row_slots, width)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
