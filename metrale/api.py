@@ -26,12 +26,14 @@ from metrale.errors import (
     EngineClosedError,
     InvalidRequestError,
 )
+from metrale.executor import RankExecutor
 from metrale.family import resolve_family
 from metrale.forward import ModelForward
 from metrale.frontend import PromptFrontend
 from metrale.lora import LoraManager, LoRARequest
 from metrale.models import embedded_model_path, embedded_models
 from metrale.ops import build_op_registry
+from metrale.parallel import Shard, rank_context
 from metrale.params import RequestOutput, SamplingParams
 from metrale.plugin_manager import get_plugin_manager
 from metrale.prompts import Prompt, split_prompts
@@ -54,6 +56,31 @@ def resolve_model_path(model: str | Path) -> Path:
         return embedded
     reason = "is a file, not a checkpoint folder" if path.exists() else "is neither a checkpoint folder nor an embedded model"
     raise CheckpointError(f"model {str(model)!r} {reason} (embedded: {', '.join(embedded_models()) or 'none'})")
+
+
+def load_model(plugin_manager: Any, family: Any, checkpoint: Checkpoint, backend: Any, config: EngineConfig) -> Any:
+    """The model a plugin builds for ``family`` from ``checkpoint`` on ``backend`` (this rank's
+    part of it, :mod:`metrale.parallel`)."""
+    with backend.activate():
+        model = plugin_manager.hook.metrale_load_model(family=family, checkpoint=checkpoint, backend=backend,
+                                                       config=config)
+    if model is None:
+        raise CheckpointError(f"no plugin built a model for family {family.name!r}")
+    return model
+
+
+def load_rank_model(model_path: str, options: dict) -> tuple[Any, Any, Any, Any]:
+    """``(model, backend, plugin manager, environment)`` of a worker rank, built as
+    :class:`LLM` builds rank 0's from the same ``options`` (inside
+    :func:`~metrale.parallel.rank_context`, :mod:`metrale.executor`)."""
+    environment = read_environment()
+    config = EngineConfig.from_options(options, environment)
+    plugin_manager = get_plugin_manager(environment=environment)
+    checkpoint = Checkpoint(Path(model_path))
+    family = resolve_family(plugin_manager, checkpoint.config)
+    backend = get_backend(config.device, cuda_graphs=config.cuda_graphs)
+    backend.use_ops(build_op_registry(plugin_manager))
+    return load_model(plugin_manager, family, checkpoint, backend, config), backend, plugin_manager, environment
 
 
 class LLM(PromptFrontend):
@@ -102,16 +129,24 @@ class LLM(PromptFrontend):
         self.plugin_manager = plugin_manager or get_plugin_manager(environment=environment)
         self.checkpoint = Checkpoint(resolve_model_path(model))
         self.family = resolve_family(self.plugin_manager, self.checkpoint.config)
-        self.backend = get_backend(self.config.device, cuda_graphs=self.config.cuda_graphs)
+        #: The model's other ranks (:class:`~metrale.executor.RankExecutor`), None on one rank.
+        self.ranks: RankExecutor | None = None
+        rank = self._start_ranks({"device": device, **options}, plugin_manager is not None)
+        try:
+            self._build(rank, chat_template, environment)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+
+    def _build(self, rank: Any, chat_template: str | Path | None, environment: Any) -> None:
+        """The backend (rank 0 of the ranks in ``rank``), the model, its cache and the engine."""
+        with rank:
+            self.backend = get_backend(self.config.device, cuda_graphs=self.config.cuda_graphs)
         # The built-in ops plus every plugin's (metrale_register_ops), bound to this backend.
         self.backend.use_ops(build_op_registry(self.plugin_manager))
         with self.checkpoint.progress(f"loading {self.checkpoint.path.name}", self.show_progress):
-            with self.backend.activate():
-                self.model = self.plugin_manager.hook.metrale_load_model(
-                    family=self.family, checkpoint=self.checkpoint, backend=self.backend, config=self.config
-                )
-        if self.model is None:
-            raise CheckpointError(f"no plugin built a model for family {self.family.name!r}")
+            self.model = load_model(self.plugin_manager, self.family, self.checkpoint, self.backend, self.config)
         PromptFrontend.__init__(self, self.checkpoint, vocab_size=self.model.vocab_size,
                                 max_model_len=self.model.max_model_len, chat_template=chat_template)
         self.forward = ModelForward(self.model, self.plugin_manager, environment)
@@ -125,6 +160,12 @@ class LLM(PromptFrontend):
         self.cache = self._build_cache()
         self.model.bind_cache(self.cache)
         self.backend.synchronize()
+        if self.ranks is not None:
+            self.ranks.build_caches({"block_size": self.cache.block_size, "num_blocks": self.cache.num_blocks,
+                                     "num_state_slots": self.cache.state_slots.num_slots if self.cache.state_slots else 0,
+                                     "num_state_snapshots": self.cache.snapshots.count if self.cache.snapshots else 0})
+            self.ranks.mirror(self.cache)
+            self.model.runner.ranks = self.ranks
         self._requests_started = 0
         speculation = None
         if self.config.speculative_config is not None:
@@ -138,11 +179,34 @@ class LLM(PromptFrontend):
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_prefix_caching=self.config.enable_prefix_caching,
-            overlap=self.config.overlap_scheduling and speculation is None and self._forward_feeds_tokens(),
+            # (The other ranks get each step's tokens with its metadata: none sampled on the device.)
+            overlap=(self.config.overlap_scheduling and speculation is None and self.ranks is None
+                     and self._forward_feeds_tokens()),
             speculation=speculation,
             adapters=self.lora,
         )
         self.model.prefix_caching = self.engine.prefix_cache is not None
+
+    def _start_ranks(self, options: dict, custom_plugins: bool) -> Any:
+        """With ``tensor_parallel_size`` above 1, start the other ranks' workers
+        (:mod:`metrale.executor`); the context in which this process's backend is rank 0."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return contextlib.nullcontext()
+        if custom_plugins:
+            raise ConfigError("tensor_parallel_size > 1 loads the installed plugins (entry points) in every rank's "
+                              "worker: a prepared plugin_manager cannot reach them; leave plugin_manager out")
+        if self.config.speculative_config is not None:
+            raise ConfigError("speculative decoding is not served with tensor parallelism yet; leave "
+                              "speculative_config out or use tensor_parallel_size=1")
+        if self.config.device != "cpu":
+            raise ConfigError("tensor parallelism runs on the CPU backend only so far (its ranks join over TCP); "
+                              "the GPU's NCCL collectives are not built yet: use device='cpu' or "
+                              "tensor_parallel_size=1")
+        self.ranks = RankExecutor(self.checkpoint.path, options, size, self.config.expert_parallel,
+                                  self.config.distributed_executor_backend)
+        communicator = self.ranks.start()
+        return rank_context(Shard(0, size, self.config.expert_parallel), communicator)
 
     def _enable_lora(self) -> LoraManager:
         """The adapter slots, built before the cache takes the free memory."""
@@ -221,6 +285,8 @@ class LLM(PromptFrontend):
             del self.engine, self.forward, self.cache
             self.model = None
             backend.close()
+            if self.ranks is not None:
+                self.ranks.close()
         finally:
             self._lock.release()
 

@@ -130,6 +130,9 @@ MAX_COUNT = 1 << 40
 #: Bounds of the LoRA options: adapter slots on the device, and the rank of one adapter module.
 MAX_LORAS = 1024
 MAX_LORA_RANK = 1024
+#: The most ranks a model is split over, and how their worker processes are started.
+MAX_RANKS = 1024
+EXECUTOR_BACKENDS = ("mp", "ray")
 MAX_BYTES = 1 << 60
 
 
@@ -155,7 +158,12 @@ class EngineConfig:
     decoding (a mapping such as ``{"method": "ngram", "num_speculative_tokens": 3}``, read into a
     :class:`~metrale.speculative.SpeculativeConfig`; decode steps then run without overlap);
     ``enable_lora`` serves LoRA adapters (:mod:`metrale.lora`): ``max_loras`` of them on the
-    device at once, of rank at most ``max_lora_rank``. Every value is type-checked: ints only ints, the flags only True or False
+    device at once, of rank at most ``max_lora_rank``; ``tensor_parallel_size`` splits the model
+    over that many ranks (:mod:`metrale.parallel`; this process is rank 0, the others are worker
+    processes started by ``distributed_executor_backend``: ``"mp"``, the default, processes on this
+    machine, or ``"ray"``, Ray actors placed by a Ray cluster, :mod:`metrale.executor`), with
+    ``expert_parallel`` spreading an MoE model's routed experts over the ranks instead of
+    splitting each expert. Every value is type-checked: ints only ints, the flags only True or False
     (:class:`~metrale.errors.ConfigError` otherwise).
     """
 
@@ -171,6 +179,9 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
+    distributed_executor_backend: str = "mp"
     cache: CacheConfig = field(default_factory=CacheConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 
@@ -190,7 +201,13 @@ class EngineConfig:
             "enable_lora": lambda v: check_bool("enable_lora", v, error=ConfigError),
             "max_loras": lambda v: check_int("max_loras", v, minimum=1, maximum=MAX_LORAS, error=ConfigError),
             "max_lora_rank": lambda v: check_int("max_lora_rank", v, minimum=1, maximum=MAX_LORA_RANK, error=ConfigError),
+            "tensor_parallel_size": lambda v: check_int("tensor_parallel_size", v, minimum=1, maximum=MAX_RANKS,
+                                                        error=ConfigError),
+            "expert_parallel": lambda v: check_bool("expert_parallel", v, error=ConfigError),
         })
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(f"distributed_executor_backend must be one of {', '.join(map(repr, EXECUTOR_BACKENDS))}, "
+                              f"got {self.distributed_executor_backend!r}")
         from metrale.speculative import SpeculativeConfig
 
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))

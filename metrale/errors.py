@@ -103,6 +103,12 @@ class EngineClosedError(MetraleError, RuntimeError):
     """The :class:`~metrale.LLM` was closed; it cannot generate any more."""
 
 
+class RankError(MetraleError, RuntimeError):
+    """A rank of a model split over several (``tensor_parallel_size``, :mod:`metrale.executor`)
+    could not start, failed a step or went away; the message says which and why. After a failed
+    step the engine refuses further steps: close the LLM and build it again."""
+
+
 class NonFiniteWeightError(CheckpointError):
     """A checkpoint tensor holds NaN or infinity (the message names it)."""
 

@@ -419,7 +419,9 @@ class FamilyPlugin:
             raise ConfigError(f"max_model_len={max_model_len} exceeds the checkpoint's max_position_embeddings={limit}")
         model = self.model_class(family_config, checkpoint, backend, max_model_len)
         unused = checkpoint.unconsumed()
-        if unused:
+        shard = getattr(backend, "shard", None)
+        # (A rank of several leaves the other ranks' experts unread: the warning is one rank's.)
+        if unused and not (shard is not None and shard.expert_parallel and shard.sharded):
             logger.warning("%s: %d tensors are not used by the %s family: %s", checkpoint.path, len(unused),
                            self.family.name, unused[:8])
         return model

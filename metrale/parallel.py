@@ -27,7 +27,7 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
-from metrale.errors import ConfigError
+from metrale.errors import ConfigError, RankError
 
 
 @dataclass(frozen=True)
@@ -205,3 +205,91 @@ def current_rank() -> tuple[Shard, Communicator]:
     """The rank of backends made on this thread now (:func:`rank_context`; one rank outside)."""
     current = getattr(_rank, "current", None)
     return current if current is not None else (Shard(), SoloCommunicator())
+
+
+# ------------------------------------------------------------------------- ranks in processes
+
+#: Seconds a rank waits for another rank's part of a collective (or a worker for its next
+#: message is unbounded: it waits for work) before giving up with an EngineError.
+COLLECTIVE_TIMEOUT = 600.0
+
+
+class RankLostError(RankError):
+    """Another rank of the group failed or went away; the message says which and why."""
+
+
+class HubCommunicator:
+    """Rank ``rank`` of ``size`` ranks in separate processes (on one machine or several), joined
+    through rank 0: ``connections`` are rank 0's connections to ranks ``1 .. size - 1`` (on rank
+    0) or this rank's one connection to rank 0 (on the others), :mod:`multiprocessing.connection`
+    connections (authenticated TCP). In a collective every rank sends its part to rank 0, which
+    combines the parts in rank order and sends the result back: every rank gets the same bits.
+    For NumPy arrays (CPU-backend ranks).
+
+    Messages carry the step (:attr:`step`, which the executor advances on every rank before each
+    forward), so a step that failed on some rank leaves nothing behind for the next: parts and
+    results of earlier steps are dropped. A rank that reports an error instead of its part (a
+    ``("error", step, why)`` message), or whose connection closes, makes the collective raise
+    :class:`RankLostError`."""
+
+    def __init__(self, rank: int, size: int, connections: list[Any], timeout: float = COLLECTIVE_TIMEOUT) -> None:
+        Shard(rank, size)  # checks both
+        expected = size - 1 if rank == 0 else 1
+        if len(connections) != expected:
+            raise ConfigError(f"rank {rank} of {size} needs {expected} connections, got {len(connections)}")
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self.connections = connections
+        #: The step whose collectives run now.
+        self.step = 0
+
+    def receive(self, peer: int, kind: str) -> Any:
+        """The next ``kind`` message of this step from ``peer`` (0 on the ranks past 0)."""
+        connection = self.connections[peer - 1 if self.rank == 0 else 0]
+        while True:
+            try:
+                ready = connection.poll(self.timeout)
+                message = connection.recv() if ready else None
+            except (EOFError, OSError) as error:
+                raise RankLostError(f"rank {peer} went away ({type(error).__name__})") from None
+            if not ready:
+                raise RankLostError(f"rank {peer} sent nothing for {self.timeout:g} s")
+            tag, step, payload = message  # type: ignore[misc]  # (set when ready)
+            if step < self.step:
+                continue  # left by a step that failed
+            if tag == "error":
+                raise RankLostError(f"rank {peer} failed: {payload}")
+            if tag != kind:
+                raise RankLostError(f"rank {peer} sent {tag!r} where {kind!r} was expected")
+            return payload
+
+    def send(self, peer: int, kind: str, payload: Any) -> None:
+        """Send ``peer`` a ``kind`` message of this step."""
+        connection = self.connections[peer - 1 if self.rank == 0 else 0]
+        try:
+            connection.send((kind, self.step, payload))
+        except (EOFError, OSError) as error:
+            raise RankLostError(f"rank {peer} went away ({type(error).__name__})") from None
+
+    def _exchange(self, part: Any, combine: Any) -> Any:
+        if self.size == 1:
+            return combine([part])
+        if self.rank:
+            self.send(0, "part", part)
+            return self.receive(0, "result")
+        parts = [part] + [self.receive(peer, "part") for peer in range(1, self.size)]
+        result = combine(parts)
+        for peer in range(1, self.size):
+            self.send(peer, "result", result)
+        return result
+
+    def all_reduce(self, x: Any) -> Any:
+        def total(parts: list[Any]) -> Any:
+            summed = np.array(parts[0], copy=True)
+            for part in parts[1:]:
+                summed += part
+            return summed
+
+        return self._exchange(np.asarray(x), total)
+
+    def all_gather(self, x: Any, axis: int = -1) -> Any:
+        return self._exchange(np.asarray(x), lambda parts: np.concatenate(parts, axis=axis))

@@ -48,6 +48,24 @@ class RecurrentStateLayer:
     state: Any
 
 
+def write_state_rows(layers: list[Any], activate: Callable[[], Any], write: tuple, mirror: list | None = None) -> None:
+    """One write to every recurrent layer's conv and state rows, on the backend's stream
+    (``activate``): ``("zero", row)`` or ``("copy", source, target)``; recorded in ``mirror``
+    too when there is one."""
+    with activate():
+        for layer in layers:
+            if write[0] == "zero":
+                layer.conv[write[1]] = 0
+                layer.state[write[1]] = 0
+            elif write[0] == "copy":
+                layer.conv[write[2]] = layer.conv[write[1]]
+                layer.state[write[2]] = layer.state[write[1]]
+            else:
+                raise CacheError(f"unknown state-row write {write!r}")
+    if mirror is not None:
+        mirror.append(write)
+
+
 class StateSlotPool:
     """Owner-tracked recurrent-state slots ``1..num_slots`` (0 is the dummy slot).
 
@@ -65,6 +83,9 @@ class StateSlotPool:
         self._activate = activate
         self._owner: dict[int, int] = {}
         self._free = list(range(num_slots, 0, -1))
+        #: Where each write to the state rows is also recorded (None: nowhere), for ranks that
+        #: hold other parts of the same states (:meth:`ModelCache.apply_state_writes`).
+        self.mirror: list | None = None
 
     @property
     def num_free(self) -> int:
@@ -79,10 +100,7 @@ class StateSlotPool:
         if not self._free:
             raise CacheError(f"all {self.num_slots} recurrent-state slots are in use")
         slot = self._free[-1]
-        with self._activate():
-            for layer in self._layers:
-                layer.conv[slot] = 0
-                layer.state[slot] = 0
+        write_state_rows(self._layers, self._activate, ("zero", slot), self.mirror)
         # Commit.
         self._free[-1:], self._owner[slot], seq.state_slot = [], seq.seq_id, slot
         return slot
@@ -130,6 +148,8 @@ class StateSnapshots:
         self._free = list(range(first_row + count - 1, first_row - 1, -1))
         self._taken: list[int] = []  # oldest first
         self._on_drop: Any = None
+        #: As :attr:`StateSlotPool.mirror`.
+        self.mirror: list | None = None
 
     @property
     def on_drop(self) -> Any:
@@ -157,10 +177,7 @@ class StateSnapshots:
             # Commit.
             self._taken[:1], self._free[len(self._free):] = [], [oldest]
         row = self._free[-1]
-        with self._activate():
-            for layer in self._layers:
-                layer.conv[row] = layer.conv[slot]
-                layer.state[row] = layer.state[slot]
+        write_state_rows(self._layers, self._activate, ("copy", slot, row), self.mirror)
         # Commit.
         self._free[-1:], self._taken[len(self._taken):] = [], [row]
         return row
@@ -173,10 +190,7 @@ class StateSnapshots:
         self._taken, self._free[len(self._free):] = taken, rows
 
     def restore(self, row: int, slot: int) -> None:
-        with self._activate():
-            for layer in self._layers:
-                layer.conv[slot] = layer.conv[row]
-                layer.state[slot] = layer.state[row]
+        write_state_rows(self._layers, self._activate, ("copy", row, slot), self.mirror)
 
     def release(self, row: int) -> None:
         if row in self._taken:
@@ -308,6 +322,22 @@ class ModelCache:
             StateSnapshots(num_state_slots + 1, num_state_snapshots, state_layers, backend.activate)
             if state_layers else None
         )
+        self._state_layers = state_layers
+
+    # ----------------------------------------------------------------------------- ranks
+
+    def mirror_state_writes(self, log: list | None) -> None:
+        """Record every later write to the recurrent state rows (a slot zeroed for a new
+        sequence, a snapshot taken or restored) in ``log`` (None: stop), for
+        :meth:`apply_state_writes` on the caches of the model's other ranks."""
+        for keeper in (self.state_slots, self.snapshots):
+            if keeper is not None:
+                keeper.mirror = log
+
+    def apply_state_writes(self, writes: list) -> None:
+        """Make the writes another rank's cache recorded (:meth:`mirror_state_writes`) here."""
+        for write in writes:
+            write_state_rows(self._state_layers, self.backend.activate, tuple(write))
 
     # ----------------------------------------------------------------------------- blocks
 

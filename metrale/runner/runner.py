@@ -45,6 +45,9 @@ class ModelRunner:
 
             self.graphs = CudaGraphRunner(model, self.backend)
         self.token_feed = TokenFeed(self.backend)
+        #: The model's other ranks (:class:`metrale.executor.RankExecutor`), sent every step
+        #: before this rank runs it; None when the model runs on one rank.
+        self.ranks: Any = None
 
     @property
     def model(self) -> Any:
@@ -90,22 +93,34 @@ class ModelRunner:
                 cache.reserve(segment.seq, segment.end)
         batch = ForwardBatch.build(list(segments), cache.block_size)
         feed = self.token_feed.plan(batch)
-        with self.backend.activate():
-            if self.graphs is not None and self.graphs.accepts(batch):
-                logits = self.graphs.run(batch, feed)
-            elif self.graphs is not None and self.graphs.accepts_verify(batch):
-                logits = self.graphs.run_verify(batch, feed)
-            elif self.graphs is not None and self.graphs.mixed_shape(batch) is not None:
-                logits = self.graphs.run_mixed(batch, feed)
-            else:
-                prepared = self.backend.prepare_batch(batch)
-                if feed is not None:
-                    feed(prepared.token_ids)
-                logits = self.model.forward_batch(prepared)
+        if self.ranks is not None:
+            self.ranks.submit(batch)
+        try:
+            logits = self.forward(batch, feed)
+        except BaseException as error:
+            if self.ranks is not None:
+                self.ranks.abandon(error)
+            raise
         for segment in segments:
             segment.seq.num_cached = segment.end
         self.model.after_run(list(segments), batch)
         return logits
+
+    def forward(self, batch: ForwardBatch, feed: Any = None) -> Any:
+        """``batch``'s forward: replayed from a CUDA graph where the graphs take it, else
+        eager; ``feed`` puts pending tokens into the rows (:class:`TokenFeed`). What a worker
+        rank runs for each step the driver's runner submits (:mod:`metrale.executor`)."""
+        with self.backend.activate():
+            if self.graphs is not None and self.graphs.accepts(batch):
+                return self.graphs.run(batch, feed)
+            if self.graphs is not None and self.graphs.accepts_verify(batch):
+                return self.graphs.run_verify(batch, feed)
+            if self.graphs is not None and self.graphs.mixed_shape(batch) is not None:
+                return self.graphs.run_mixed(batch, feed)
+            prepared = self.backend.prepare_batch(batch)
+            if feed is not None:
+                feed(prepared.token_ids)
+            return self.model.forward_batch(prepared)
 
 
 class PendingTokens:

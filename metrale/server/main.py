@@ -46,6 +46,8 @@ _VALUE_OPTIONS = {
     "speculative_config": "speculative_config",
     "max_loras": "max_loras",
     "max_lora_rank": "max_lora_rank",
+    "tensor_parallel_size": "tensor_parallel_size",
+    "distributed_executor_backend": "distributed_executor_backend",
 }
 
 #: Engine switches (``--no-...``): flag -> :class:`~metrale.LLM` keyword set to False.
@@ -53,6 +55,11 @@ _OFF_SWITCHES = {
     "no_prefix_caching": "enable_prefix_caching",
     "no_cuda_graphs": "cuda_graphs",
     "no_overlap_scheduling": "overlap_scheduling",
+}
+
+#: Engine switches that turn an option on: flag -> :class:`~metrale.LLM` keyword set to True.
+_ON_SWITCHES = {
+    "expert_parallel": "expert_parallel",
 }
 
 
@@ -116,7 +123,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="adapters on the device at once (default: 4)")
     engine.add_argument("--max-lora-rank", type=int, default=None, metavar="N",
                         help="the largest adapter rank served (default: 16)")
+    add_parallel_arguments(engine)
     return parser
+
+
+def add_parallel_arguments(group: Any) -> None:
+    """The tensor-parallel flags (:mod:`metrale.executor`), shared with ``metrale generate``."""
+    group.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                       help="split the model over N ranks, a worker process each (default: 1)")
+    group.add_argument("--expert-parallel", action="store_true",
+                       help="spread an MoE model's routed experts over the ranks instead of splitting each expert")
+    group.add_argument("--distributed-executor-backend", default=None, choices=("mp", "ray"),
+                       help="how the ranks' workers start: mp, processes on this machine (default), or ray, Ray "
+                       "actors on a Ray cluster (RAY_ADDRESS, else a local one)")
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -158,6 +177,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     for flag, keyword in _OFF_SWITCHES.items():
         if getattr(args, flag):
             options[keyword] = False
+    for flag, keyword in _ON_SWITCHES.items():
+        if getattr(args, flag):
+            options[keyword] = True
     if args.lora_modules:
         options["enable_lora"] = True
     return options

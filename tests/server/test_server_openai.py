@@ -383,14 +383,16 @@ def test_serve_arguments_cover_every_engine_option():
                               "--no-overlap-scheduling", "--block-size", "32", "--num-blocks", "100", "--memory-bytes",
                               "1000000", "--num-state-slots", "9", "--num-state-snapshots", "2", "--chat-template", "t.jinja",
                               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--no-progress",
-                              "--lora-modules", "sql=/a/b", "chat=/c", "--max-loras", "2", "--max-lora-rank", "32"])
+                              "--lora-modules", "sql=/a/b", "chat=/c", "--max-loras", "2", "--max-lora-rank", "32",
+                              "--tensor-parallel-size", "2", "--expert-parallel", "--distributed-executor-backend", "ray"])
     options = engine_options(args)
     assert options == {"device": "cpu", "show_progress": False, "max_model_len": 512, "max_num_seqs": 8,
                        "max_num_batched_tokens": 256, "enable_prefix_caching": False, "seed": 3, "cuda_graphs": False,
                        "overlap_scheduling": False, "block_size": 32, "num_blocks": 100, "memory_bytes": 1000000,
                        "num_state_slots": 9, "num_state_snapshots": 2, "chat_template": "t.jinja",
                        "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}, "enable_lora": True,
-                       "max_loras": 2, "max_lora_rank": 32}
+                       "max_loras": 2, "max_lora_rank": 32, "tensor_parallel_size": 2, "expert_parallel": True,
+                       "distributed_executor_backend": "ray"}
     from metrale.server.main import lora_modules
 
     assert [(r.lora_name, r.lora_int_id, str(r.lora_path)) for r in lora_modules(args)] == [("sql", 1, "/a/b"),

@@ -1,0 +1,19 @@
+"""The process of one worker rank (:mod:`metrale.executor`, ``distributed_executor_backend="mp"``):
+``python -m metrale._rank_worker`` reads its :class:`~metrale.executor.WorkerSpec` and rank
+(pickled) from its standard input and runs :func:`~metrale.executor.worker_main`."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+
+
+def main() -> None:
+    spec, rank = pickle.loads(sys.stdin.buffer.read())
+    from metrale.executor import worker_main
+
+    worker_main(spec, rank)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Tensor parallelism with real worker ranks (metrale.executor): an LLM with
+tensor_parallel_size=2 starts a worker process (or a Ray actor) for rank 1, sends it each step's
+metadata, and generates what one rank generates; a lost worker fails the step with RankError
+instead of hanging; what TP does not serve yet is refused before anything starts."""
+
+from __future__ import annotations
+
+import threading
+import time
+from multiprocessing import Pipe
+
+import numpy as np
+import pytest
+
+from metrale import LLM, SamplingParams
+from metrale.errors import ConfigError, RankError
+from metrale.parallel import HubCommunicator, RankLostError
+from metrale.testing.conformance import max_relative_error
+
+PROMPT = [5, 17, 99, 3, 42, 8, 61, 23, 77, 14, 2, 90]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+
+
+def results(checkpoint, prompts, **options):
+    with LLM(str(checkpoint), device="cpu", show_progress=False, **options) as llm:
+        return llm.score(PROMPT), [o.outputs[0] for o in llm.generate(prompts, PARAMS)]
+
+
+def assert_same(got, expected):
+    (scores, outputs), (expected_scores, expected_outputs) = got, expected
+    assert max_relative_error(scores, expected_scores) <= 1e-4
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected_outputs]
+    for output, want in zip(outputs, expected_outputs):
+        for a, b in zip(output.logprobs, want.logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) <= 1e-4 for t in a)
+
+
+def test_a_dense_model_over_two_worker_ranks_equals_one_rank(dense_checkpoints):
+    prompts = [PROMPT, PROMPT[3:], PROMPT[:5]]
+    checkpoint = dense_checkpoints["llama"]
+    assert_same(results(checkpoint, prompts, tensor_parallel_size=2), results(checkpoint, prompts))
+
+
+def test_an_mla_model_with_expert_parallelism_over_two_worker_ranks(mla_checkpoints):
+    prompts = [PROMPT, PROMPT[3:]]
+    checkpoint = mla_checkpoints["deepseek_v3"]
+    assert_same(results(checkpoint, prompts, tensor_parallel_size=2, expert_parallel=True),
+                results(checkpoint, prompts))
+
+
+def test_a_gdn_model_s_state_writes_reach_the_worker(gdn_checkpoint):
+    """Prompts sharing a long prefix, one after another: the second starts from a state snapshot
+    the driver's cache took and restored (slots zeroed, rows copied); the worker's cache makes the
+    same writes, so its value heads' states match."""
+    prefix = [int(t) for t in np.random.default_rng(4).integers(1, 120, 40)]
+    options = dict(enable_prefix_caching=True, block_size=8, num_state_snapshots=8, max_num_batched_tokens=8)
+
+    def run(**extra):
+        with LLM(str(gdn_checkpoint), device="cpu", show_progress=False, **options, **extra) as llm:
+            first = llm.generate([prefix + [7, 9]], PARAMS)[0].outputs[0]
+            second = llm.generate([prefix + [11, 3, 5]], PARAMS)[0].outputs[0]
+            return (llm.score(PROMPT), [first, second]), llm.engine.prefix_cache.hit_blocks
+
+    got, hits = run(tensor_parallel_size=2)
+    expected, _ = run()
+    assert hits >= 4  # the second prompt started from a restored snapshot
+    assert_same(got, expected)
+
+
+def test_a_lost_worker_fails_the_step_with_a_rank_error(dense_checkpoints):
+    llm = LLM(str(dense_checkpoints["llama"]), device="cpu", show_progress=False, tensor_parallel_size=2)
+    try:
+        assert llm.generate([PROMPT], PARAMS)[0].outputs[0].token_ids
+        (worker,) = llm.ranks._workers
+        worker.kill()
+        worker.wait(10)
+        started = time.monotonic()
+        with pytest.raises(RankError, match="rank 1"):
+            llm.generate([PROMPT], PARAMS)
+        with pytest.raises(RankError, match="build it again"):
+            llm.generate([PROMPT[:4]], PARAMS)
+        assert time.monotonic() - started < 60
+    finally:
+        llm.close()
+    assert llm.closed
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(device="cuda"), "CPU backend only"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative"),
+    (dict(distributed_executor_backend="mpi"), "distributed_executor_backend"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+    (dict(expert_parallel=1), "expert_parallel"),
+])
+def test_what_tensor_parallelism_does_not_serve_is_refused(dense_checkpoints, options, match):
+    options = {"device": "cpu", "tensor_parallel_size": 2, **options}
+    with pytest.raises(ConfigError, match=match):
+        LLM(str(dense_checkpoints["llama"]), show_progress=False, **options)
+
+
+def test_a_prepared_plugin_manager_is_refused(dense_checkpoints):
+    from metrale.plugin_manager import get_plugin_manager
+
+    with pytest.raises(ConfigError, match="plugin_manager"):
+        LLM(str(dense_checkpoints["llama"]), device="cpu", show_progress=False, tensor_parallel_size=2,
+            plugin_manager=get_plugin_manager())
+
+
+def test_the_ray_executor_on_a_local_cluster(dense_checkpoints):
+    ray = pytest.importorskip("ray")
+    prompts = [PROMPT, PROMPT[:5]]
+    checkpoint = dense_checkpoints["qwen2"]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        got = results(checkpoint, prompts, tensor_parallel_size=2, distributed_executor_backend="ray")
+    finally:
+        ray.shutdown()
+    assert_same(got, results(checkpoint, prompts))
+
+
+# ----------------------------------------------------------------------------- the hub's messages
+
+
+def hub_pair(timeout=5.0):
+    driver_end, worker_end = Pipe()
+    return HubCommunicator(0, 2, [driver_end], timeout), HubCommunicator(1, 2, [worker_end], timeout)
+
+
+def test_collectives_through_the_hub_give_every_rank_the_same_bits():
+    zero, one = hub_pair()
+    got = {}
+
+    def worker():
+        got["reduce"] = one.all_reduce(np.full(3, 2.0, np.float32))
+        got["gather"] = one.all_gather(np.ones((1, 2), np.float32), axis=0)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    reduced = zero.all_reduce(np.arange(3, dtype=np.float32))
+    gathered = zero.all_gather(np.zeros((1, 2), np.float32), axis=0)
+    thread.join(10)
+    np.testing.assert_array_equal(reduced, [2, 3, 4])
+    np.testing.assert_array_equal(got["reduce"], reduced)
+    np.testing.assert_array_equal(gathered, [[0, 0], [1, 1]])
+    np.testing.assert_array_equal(got["gather"], gathered)
+
+
+def test_a_failed_step_s_leftovers_are_dropped():
+    """Rank 1 sent a part in step 1, which rank 0 abandoned; in step 2 rank 0 takes step 2's."""
+    zero, one = hub_pair()
+    one.step = 1
+    one.send(0, "part", np.full(2, 100.0))
+    zero.step = one.step = 2
+    one.send(0, "part", np.full(2, 1.0))
+    np.testing.assert_array_equal(zero.receive(1, "part"), [1, 1])
+
+
+def test_a_rank_s_error_and_silence_raise_rank_lost():
+    zero, one = hub_pair(timeout=0.2)
+    one.send(0, "error", "out of memory")
+    with pytest.raises(RankLostError, match="rank 1 failed: out of memory"):
+        zero.all_reduce(np.zeros(2))
+    with pytest.raises(RankLostError, match="sent nothing"):
+        zero.all_reduce(np.zeros(2))
+    one.connections[0].close()
+    with pytest.raises(RankLostError, match="went away"):
+        zero.all_reduce(np.zeros(2))
