@@ -212,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(LORA_COLUMNS) lora_expand(
     const float* __restrict__ bias, float* __restrict__ y, unsigned short* __restrict__ act, int rows, int out,
     int width, int slots_count, int swiglu, int words) {
     __shared__ int listed[LORA_LISTED];
-    __shared__ int flags[LORA_LISTED];
+    __shared__ int warp_rows[LORA_LISTED / 32];
     __shared__ int count;
     __shared__ float staged[LORA_ROWS * LORA_SEGMENT];
     const int K = width * slots_count, ld = out + K, slot = blockIdx.y;
@@ -235,13 +235,16 @@ extern "C" __global__ void __launch_bounds__(LORA_COLUMNS) lora_expand(
     const float bias_up = bias && swiglu && active ? bias[up] : 0.0f;
     wait_for_producers();
     for (int listing = 0; listing < rows; listing += LORA_LISTED) {
-        // The slot's rows in batch order (the same list in each of the slot's blocks).
+        // The slot's rows in batch order (the same list in each of the slot's blocks): a row's
+        // place is the count of the slot's rows before it, from the warps' ballots.
         const int row = listing + threadIdx.x;
         const int mine = row < rows && slots[row] == slot;
-        flags[threadIdx.x] = mine;
+        const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        if (lane == 0) warp_rows[warp] = __popc(ballot);
         __syncthreads();
-        int before = 0;
-        for (int j = 0; j < (int)threadIdx.x; ++j) before += flags[j];
+        int before = __popc(ballot & ((1u << lane) - 1u));
+        for (int w = 0; w < warp; ++w) before += warp_rows[w];
         if (mine) listed[before] = row;
         if (threadIdx.x == LORA_LISTED - 1) count = before + mine;
         __syncthreads();

@@ -164,6 +164,21 @@ inline float __shfl_xor_sync(unsigned, float value, int mask) {
     return result;
 }
 
+// __ballot_sync over the whole warp: bit t set where lane t's predicate holds.
+inline unsigned __ballot_sync(unsigned, int predicate) {
+    auto& exchange = emu::exchange[emu::warp()];
+    auto* barrier = emu::warp_barriers[emu::warp()];
+    exchange.address[emu::lane()] = predicate != 0;
+    barrier->arrive_and_wait();
+    const int lanes = std::min(32, static_cast<int>(blockDim.x) - 32 * emu::warp());
+    unsigned bits = 0;
+    for (int l = 0; l < lanes; ++l) bits |= exchange.address[l] << l;
+    barrier->arrive_and_wait();
+    return bits;
+}
+
+inline int __popc(unsigned value) { return __builtin_popcount(value); }
+
 inline unsigned shared_address(const void* pointer) {
     const auto* byte = static_cast<const unsigned char*>(pointer);
     if (byte < emu::dynamic_shared || byte >= emu::dynamic_shared + sizeof(emu::dynamic_shared)) {
