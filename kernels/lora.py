@@ -182,7 +182,9 @@ EXPAND_SEGMENT = 256
 EXPAND_KERNEL = r"""
 #define LORA_COLUMNS 128
 #define LORA_LISTED 128
+#ifndef LORA_ROWS
 #define LORA_ROWS 8
+#endif
 #define LORA_SEGMENT 256
 
 // Asks for the cache line at `address` ahead of its loads (nothing where there is no cache).
@@ -329,7 +331,8 @@ def source() -> str:
     return INSTRUCTIONS + DEPENDENT_LAUNCH + HELPERS + EXPAND_KERNEL
 
 
-_expand_kernels: list[Any] = []
+#: The compiled expand, by the rows a block takes together (:data:`EXPAND_ROWS` when it was built).
+_expand_kernels: dict[int, Any] = {}
 
 
 def lora_expand(ext: DeviceArray, slots: DeviceArray, b: DeviceArray, width: int, out: DeviceArray,
@@ -357,16 +360,18 @@ def lora_expand(ext: DeviceArray, slots: DeviceArray, b: DeviceArray, width: int
         check_array(op, "out", out, np.float32, (rows, m))
     if bias is not None:
         check_array(op, "bias", bias, np.float32, (m,))
-    if not _expand_kernels:
+    kernel = _expand_kernels.get(EXPAND_ROWS)
+    if kernel is None:
         import cupy
 
-        _expand_kernels.append(cupy.RawModule(code=source(), options=("--std=c++17",)).get_function("lora_expand"))
+        module = cupy.RawModule(code=source(), options=("--std=c++17", f"-DLORA_ROWS={EXPAND_ROWS}"))
+        kernel = _expand_kernels[EXPAND_ROWS] = module.get_function("lora_expand")
     # 16-byte loads of b's rows.
     words = width % 8 == 0 and k % 8 == 0 and b.data.ptr % 16 == 0
     if rows and m:
         null = np.uint64(0)
         split = max(1, min(EXPAND_SPLIT, -(-min(rows, EXPAND_LISTED) // EXPAND_ROWS)))
-        launch(_expand_kernels[0], (-(-(m // 2 if swiglu else m) // EXPAND_COLUMNS), k // width + 1, split),
+        launch(kernel, (-(-(m // 2 if swiglu else m) // EXPAND_COLUMNS), k // width + 1, split),
                (EXPAND_COLUMNS,),
                (ext, slots, b, null if bias is None else bias, null if swiglu else out, out if swiglu else null,
                 np.int32(rows), np.int32(m), np.int32(width), np.int32(k // width), np.int32(swiglu),

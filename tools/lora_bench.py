@@ -9,7 +9,8 @@ and with the rows spread over all the adapters in turn. Prints the steps and the
 base model's, and writes them to ``--output`` (JSON). Run from the repository root::
 
     python3 tools/lora_bench.py [--shape llama-8b] [--batch 32] [--adapters 4] [--rank 16] [--context 512]
-                                [--steps 32] [--output lora.json]
+                                [--steps 32] [--rounds 3] [--expand-rows 8] [--expand-split 4]
+                                [--output lora.json]
 """
 
 from __future__ import annotations
@@ -57,9 +58,11 @@ def write_adapter(folder: Path, config: dict, rank: int, seed: int) -> Path:
     return folder
 
 
-def decode_steps(llm: Any, requests: list, batch: int, context: int, steps: int) -> dict[str, float]:
+def decode_steps(llm: Any, requests: list, batch: int, context: int, steps: int, rounds: int = 1) -> dict[str, Any]:
     """Median seconds of a decode step of ``batch`` sequences: on the base model, on one adapter,
-    and spread over ``requests`` in turn."""
+    and spread over ``requests`` in turn; the three are timed one after another in each of
+    ``rounds`` rounds (``"rounds"``: each round's three), and each is the median over the rounds
+    (a drift of the GPU's clocks then shows in every mode alike)."""
     import numpy as np
 
     from metrale.params import SamplingParams
@@ -68,7 +71,7 @@ def decode_steps(llm: Any, requests: list, batch: int, context: int, steps: int)
     rng = np.random.default_rng(0)
     greedy = SamplingParams(temperature=0.0)
     sampler, forward, sync = llm.engine.sampler, llm.forward, synchronizer(llm)
-    result = {}
+    modes = {}
     for name, assignment in (("base", [None] * batch), ("one_adapter", [requests[0]] * batch),
                              ("mixed", [requests[i % len(requests)] for i in range(batch)])):
         seqs = []
@@ -77,17 +80,25 @@ def decode_steps(llm: Any, requests: list, batch: int, context: int, steps: int)
             seq.adapter_slot = None if lora is None else llm.lora.acquire(lora)
             forward.prefill(seq.tokens, seq)
             seqs.append(seq)
-        tokens = [int(t) for t in rng.integers(1, llm.vocab_size, batch)]
+        modes[name] = (seqs, [int(t) for t in rng.integers(1, llm.vocab_size, batch)])
 
+    def step_of(seqs: list, tokens: list[int]) -> Any:
         def step() -> None:
             logits = forward.decode_batch(tokens, seqs)
             sampler.sample(logits, [greedy] * batch, [0] * batch, list(range(batch)))
 
-        result[name] = wall_time(step, steps, sync)
+        return step
+
+    timed: list[dict[str, float]] = []
+    for _ in range(rounds):
+        timed.append({name: wall_time(step_of(*mode), steps, sync) for name, mode in modes.items()})
+    for seqs, _ in modes.values():
         for seq in seqs:
             llm.cache.release(seq)
             if seq.adapter_slot is not None:
                 llm.lora.release(seq.adapter_slot)
+    result: dict[str, Any] = {name: float(np.median([t[name] for t in timed])) for name in modes}
+    result["rounds"] = timed
     return result
 
 
@@ -102,8 +113,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--workdir", default="/tmp/metrale-bench")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three modes, timed in turn")
+    parser.add_argument("--expand-rows", type=int, default=None,
+                        help="rows a block of the CUDA expand takes together (kernels/lora.py EXPAND_ROWS)")
+    parser.add_argument("--expand-split", type=int, default=None,
+                        help="blocks a slot's rows are spread over (kernels/lora.py EXPAND_SPLIT)")
     parser.add_argument("--output", help="write the numbers here (JSON)")
     args = parser.parse_args(argv)
+    from metrale.kernels import lora as lora_kernels
+
+    if args.expand_rows is not None:
+        lora_kernels.EXPAND_ROWS = args.expand_rows
+    if args.expand_split is not None:
+        lora_kernels.EXPAND_SPLIT = args.expand_split
 
     from metrale import LLM, LoRARequest
     from metrale.api import resolve_model_path
@@ -117,15 +139,19 @@ def main(argv: list[str] | None = None) -> dict:
     requests = [LoRARequest(f"adapter-{i}", i + 1, write_adapter(Path(args.workdir) / f"lora-{args.shape}-{i}",
                                                                     config, args.rank, i))
                 for i in range(args.adapters)]
+    length = args.context + args.steps * args.rounds + 64  # each step of each round adds a token
+    # The three modes' sequences are cached together (16-token blocks).
     llm = LLM(folder, device=args.device, show_progress=False, enable_lora=True, max_loras=args.adapters,
-              max_lora_rank=args.rank, max_num_seqs=args.batch, max_model_len=args.context + args.steps + 64,
-              enable_prefix_caching=False)
+              max_lora_rank=args.rank, max_num_seqs=args.batch, max_model_len=length, enable_prefix_caching=False,
+              block_size=16, num_blocks=3 * args.batch * (-(-length // 16) + 1))
     for request in requests:
         llm.lora.resolve(request)
-    seconds = decode_steps(llm, requests, args.batch, args.context, args.steps)
+    seconds = decode_steps(llm, requests, args.batch, args.context, args.steps, args.rounds)
     llm.close()
+    rounds = seconds.pop("rounds")
     report = {"device": args.device, "shape": args.shape, "batch": args.batch, "adapters": args.adapters,
-              "rank": args.rank, "context": args.context, "step_seconds": seconds,
+              "rank": args.rank, "context": args.context, "expand_rows": lora_kernels.EXPAND_ROWS,
+              "expand_split": lora_kernels.EXPAND_SPLIT, "step_seconds": seconds, "rounds": rounds,
               "ratio_one_adapter": seconds["one_adapter"] / seconds["base"], "ratio_mixed": seconds["mixed"] / seconds["base"]}
     print(f"{args.shape}, batch {args.batch}, context {args.context}: base step {1e3 * seconds['base']:.3f} ms; "
           f"one adapter {1e3 * seconds['one_adapter']:.3f} ms ({report['ratio_one_adapter']:.2f}x); "

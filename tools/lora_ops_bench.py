@@ -4,7 +4,7 @@ o, gate/up, down) the base model's product, the product with the LoRA stack's ex
 ``lora_linear`` (the path of steps past FOLDED_ROWS rows) after the base product.
 
     python tools/lora_ops_bench.py [--shape llama-8b] [--rows 32] [--slots 4] [--rank 16]
-                                   [--device cuda] [--output ops.json]
+                                   [--device cuda] [--expand-configs 4x4,16x1] [--output ops.json]
 
 On the GPU each piece is recorded into a CUDA graph of 20 back-to-back calls and replayed
 between CUDA events (the GPU time per call, without launch overhead); on the CPU the host clock
@@ -40,8 +40,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--expand-configs", default="",
+                        help="more CUDA expands to time, as ROWSxSPLIT,... (kernels/lora.py EXPAND_ROWS and "
+                        "EXPAND_SPLIT), e.g. 4x4,16x1")
     parser.add_argument("--output", help="write the numbers here (JSON)")
     args = parser.parse_args(argv)
+    configs = [tuple(int(n) for n in item.split("x")) for item in args.expand_configs.split(",") if item]
 
     from metrale.backend import get_backend
     from metrale.ops import build_op_registry
@@ -72,6 +76,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                                           None, swiglu),
                 "lora_linear": lambda: ops.lora_linear(y, x, a_rows, b, slots),
             }
+            for rows_per_block, split in configs if args.device == "cuda" else ():
+                def expand(rows_per_block: int = rows_per_block, split: int = split) -> Any:
+                    from metrale.kernels import lora as kernels
+
+                    kept = kernels.EXPAND_ROWS, kernels.EXPAND_SPLIT
+                    kernels.EXPAND_ROWS, kernels.EXPAND_SPLIT = rows_per_block, split
+                    try:
+                        return ops.lora_expand(ext, b, slots, width, None, swiglu)
+                    finally:
+                        kernels.EXPAND_ROWS, kernels.EXPAND_SPLIT = kept
+
+                calls[f"lora_expand {rows_per_block} rows x {split}"] = expand
             for piece, call in calls.items():
                 if args.device == "cuda":
                     timing = graph_time(backend, call, calls_per_graph=20, repeats=10)

@@ -19,5 +19,7 @@ def test_the_bench_runs_on_tiny_dense(tmp_path):
     assert json.loads((tmp_path / "lora.json").read_text()) == report
     assert set(report["step_seconds"]) == {"base", "one_adapter", "mixed"}
     assert all(seconds > 0 for seconds in report["step_seconds"].values())
+    assert len(report["rounds"]) == 3 and all(set(r) == {"base", "one_adapter", "mixed"} for r in report["rounds"])
+    assert report["step_seconds"]["mixed"] == sorted(r["mixed"] for r in report["rounds"])[1]
     config = json.loads((tmp_path / "lora-tiny-dense-0" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["peft_type"] == "LORA"
