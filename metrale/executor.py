@@ -258,13 +258,12 @@ class RankExecutor:
             raise RankError(f"a rank of the engine failed ({error}); close this LLM and build it again") from None
 
     def abandon(self, error: BaseException) -> None:
-        """Rank 0's step failed: release the workers waiting in its collectives (a worker's own
-        failure, or a lost worker, breaks the executor)."""
+        """Rank 0's step failed: release the workers still waiting in its collectives. A lost or
+        failed worker (:class:`~metrale.parallel.RankLostError`) breaks the executor."""
         if isinstance(error, RankLostError):
             self._break(str(error))
-            return
         communicator = self._communicator
-        if communicator is None or self.broken is not None:
+        if communicator is None:
             return
         for rank in range(1, self.size):
             try:
@@ -346,6 +345,8 @@ def worker_main(spec: WorkerSpec, rank: int) -> None:
                 runner.cache.apply_state_writes(payload.state_writes)
                 runner.forward(payload.batch)
             except RankLostError:
+                if communicator.closed:
+                    return
                 continue  # another rank failed this step; the driver knows
             except Exception as error:  # noqa: BLE001 - reported to rank 0
                 logger.exception("rank %d failed step %d", rank, step)

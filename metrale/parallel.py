@@ -241,6 +241,8 @@ class HubCommunicator:
         self.connections = connections
         #: The step whose collectives run now.
         self.step = 0
+        #: Whether a ``close`` message came (the group is being stopped).
+        self.closed = False
 
     def receive(self, peer: int, kind: str) -> Any:
         """The next ``kind`` message of this step from ``peer`` (0 on the ranks past 0)."""
@@ -258,6 +260,9 @@ class HubCommunicator:
                 continue  # left by a step that failed
             if tag == "error":
                 raise RankLostError(f"rank {peer} failed: {payload}")
+            if tag == "close":
+                self.closed = True
+                raise RankLostError(f"rank {peer} closed the group")
             if tag != kind:
                 raise RankLostError(f"rank {peer} sent {tag!r} where {kind!r} was expected")
             return payload

@@ -68,21 +68,26 @@ def test_a_gdn_model_s_state_writes_reach_the_worker(gdn_checkpoint):
 
 
 def test_a_lost_worker_fails_the_step_with_a_rank_error(dense_checkpoints):
-    llm = LLM(str(dense_checkpoints["llama"]), device="cpu", show_progress=False, tensor_parallel_size=2)
+    """Four ranks, rank 2's process killed: the next step raises RankError naming it (rank 0
+    releases ranks 1 and 3 from the collective they wait in), later steps refuse, and close()
+    stops the survivors at once."""
+    llm = LLM(str(dense_checkpoints["llama"]), device="cpu", show_progress=False, tensor_parallel_size=4)
     try:
         assert llm.generate([PROMPT], PARAMS)[0].outputs[0].token_ids
-        (worker,) = llm.ranks._workers
-        worker.kill()
-        worker.wait(10)
+        workers = llm.ranks._workers
+        workers[1].kill()
+        workers[1].wait(10)
         started = time.monotonic()
-        with pytest.raises(RankError, match="rank 1"):
+        with pytest.raises(RankError, match="rank 2"):
             llm.generate([PROMPT], PARAMS)
         with pytest.raises(RankError, match="build it again"):
             llm.generate([PROMPT[:4]], PARAMS)
         assert time.monotonic() - started < 60
     finally:
+        started = time.monotonic()
         llm.close()
-    assert llm.closed
+    assert llm.closed and time.monotonic() - started < 10
+    assert all(worker.poll() is not None for worker in workers)
 
 
 @pytest.mark.parametrize("options, match", [
