@@ -248,8 +248,9 @@ class AsyncLLM(AsyncEngineAPI):
 
     @property
     def is_running(self) -> bool:
-        """Whether the engine thread runs and new requests are taken."""
-        return self._accepting and self._thread.is_alive()
+        """Whether the engine thread runs and new requests are taken (not once a rank of a model
+        split over several failed)."""
+        return self._accepting and self._thread.is_alive() and self._driver.broken is None
 
     @property
     def num_active(self) -> int:

@@ -47,7 +47,14 @@ from metrale.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngineAPI
 from metrale.checkpoint import Checkpoint
 from metrale.engine.driver import EngineDriver, EngineStats
 from metrale.engine.generation import RequestGroup, visible_text
-from metrale.errors import ConfigError, EngineClosedError, InvalidRequestError, MetraleError, QueueFullError
+from metrale.errors import (
+    ConfigError,
+    EngineClosedError,
+    InvalidRequestError,
+    MetraleError,
+    QueueFullError,
+    RankError,
+)
 from metrale.frontend import PromptFrontend
 from metrale.lora import LoRARequest
 from metrale.params import CompletionOutput, LogprobsDict, RequestOutput, SamplingParams
@@ -115,6 +122,11 @@ class _EngineLoop:
                 except Exception as error:  # never leave the callers waiting
                     for group in driver.fail_everything(error):
                         self._record(group)
+                if driver.broken is not None:
+                    for group in driver.fail_everything(RankError(driver.broken)):
+                        self._record(group)
+                    self._flush()
+                    break
                 self._flush()
             self._abort_all()
             self._flush()

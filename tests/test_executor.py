@@ -5,6 +5,9 @@ instead of hanging; what TP does not serve yet is refused before anything starts
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import threading
 import time
 from multiprocessing import Pipe
@@ -88,6 +91,55 @@ def test_a_lost_worker_fails_the_step_with_a_rank_error(dense_checkpoints):
         llm.close()
     assert llm.closed and time.monotonic() - started < 10
     assert all(worker.poll() is not None for worker in workers)
+
+
+def children_of(pid):
+    """The processes whose parent is ``pid`` (Linux's /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    fields = handle.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+async def last_output(engine, prompt):
+    output = None
+    async for output in engine.generate(prompt, PARAMS):
+        pass
+    return output
+
+
+@pytest.mark.parametrize("engine_kind", ["thread", "process"])
+def test_a_broken_group_stops_the_engine_so_it_reports_itself_down(engine_kind):
+    """Served engines (AsyncLLM's thread, EngineProcess): after a worker is lost, the request in
+    flight fails with the rank's error and the engine no longer reports itself running (the
+    server's /health then answers 503)."""
+    from metrale.async_llm import AsyncLLM
+    from metrale.engine_process import EngineProcess
+
+    options = dict(device="cpu", show_progress=False, tensor_parallel_size=2)
+    engine = (AsyncLLM if engine_kind == "thread" else EngineProcess)("tiny-dense", **options)
+    try:
+        assert asyncio.run(last_output(engine, PROMPT)).outputs[0].token_ids
+        if engine_kind == "thread":
+            engine.llm.ranks._workers[0].kill()
+        else:
+            (worker,) = children_of(engine._process.pid)
+            os.kill(worker, signal.SIGKILL)
+        output = asyncio.run(last_output(engine, PROMPT))
+        assert output.finish_reason == "error" and "rank 1" in output.error
+        deadline = time.monotonic() + 30
+        while engine.is_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.is_running
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("options, match", [

@@ -75,6 +75,14 @@ class EngineDriver:
         """Whether a step would do anything."""
         return self.llm.engine.has_unfinished()
 
+    @property
+    def broken(self) -> str | None:
+        """Why the engine cannot step any more (a rank of a model split over several failed,
+        :mod:`metrale.executor`), or None. The loops then fail what is left and stop, so the
+        engine reports itself not running."""
+        ranks = getattr(self.llm, "ranks", None)
+        return None if ranks is None else ranks.broken
+
     def admit(self, group: RequestGroup) -> bool:
         """Add ``group``'s completions to the engine (after its prompt's log probabilities,
         when asked for). False when it failed at once: its output is then final."""
