@@ -93,6 +93,21 @@ def test_a_lost_worker_fails_the_step_with_a_rank_error(dense_checkpoints):
     assert all(worker.poll() is not None for worker in workers)
 
 
+def test_a_worker_that_fails_a_step_fails_it_on_rank_0(dense_checkpoints):
+    """A write the worker's cache refuses (slipped into the step's state writes): the worker
+    reports its CacheError, rank 0's step raises RankError with it, and the group refuses
+    further steps."""
+    llm = LLM(str(dense_checkpoints["llama"]), device="cpu", show_progress=False, tensor_parallel_size=2)
+    try:
+        llm.ranks._state_writes.append(("grow", 1))
+        with pytest.raises(RankError, match="rank 1 failed: CacheError.*unknown state-row write"):
+            llm.score(PROMPT)
+        with pytest.raises(RankError, match="build it again"):
+            llm.score(PROMPT)
+    finally:
+        llm.close()
+
+
 def children_of(pid):
     """The processes whose parent is ``pid`` (Linux's /proc)."""
     found = []

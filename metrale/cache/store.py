@@ -52,16 +52,16 @@ def write_state_rows(layers: list[Any], activate: Callable[[], Any], write: tupl
     """One write to every recurrent layer's conv and state rows, on the backend's stream
     (``activate``): ``("zero", row)`` or ``("copy", source, target)``; recorded in ``mirror``
     too when there is one."""
+    if write[0] not in ("zero", "copy"):
+        raise CacheError(f"unknown state-row write {write!r}")
     with activate():
         for layer in layers:
             if write[0] == "zero":
                 layer.conv[write[1]] = 0
                 layer.state[write[1]] = 0
-            elif write[0] == "copy":
+            else:
                 layer.conv[write[2]] = layer.conv[write[1]]
                 layer.state[write[2]] = layer.state[write[1]]
-            else:
-                raise CacheError(f"unknown state-row write {write!r}")
     if mirror is not None:
         mirror.append(write)
 
