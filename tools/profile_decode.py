@@ -1,7 +1,7 @@
 """Where a decode step's time goes: host overhead, graph replay, the gaps between replays, and each
 op's GPU time.
 
-    python tools/profile_decode.py [--shape llama-1b] [--batch 1] [--context 512]
+    python tools/profile_decode.py [--shape llama-1b] [--batch 1] [--context 512] [--lora-adapters 0] [--lora-rank 16]
 
 Needs a CUDA device (and what ``metrale bench`` needs). Prints the whole step through
 ``ModelForward.decode_batch`` (host clock, synchronised), the same followed by the device sampler
@@ -33,7 +33,7 @@ REPEATS = 20
 OPS = ("embedding", "rmsnorm_residual", "rmsnorm", "rmsnorm_linear", "rmsnorm_mlp", "linear", "linear_silu",
        "qkv_rope_cache", "paged_attention", "silu_and_mul", "latent_attention", "latent_cache_write", "head_linear",
        "moe_route", "moe_experts", "gdn_decode", "gdn_ungroup", "gdn_gates", "gdn_split_heads", "gdn_conv_update",
-       "gdn_recurrent_step", "gdn_prompt_rule", "gated_rmsnorm", "sigmoid_gate")
+       "gdn_recurrent_step", "gdn_prompt_rule", "gated_rmsnorm", "sigmoid_gate", "lora_expand", "lora_linear")
 
 
 def main() -> None:
@@ -42,6 +42,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--workdir", default="/tmp/metrale-bench")
+    parser.add_argument("--lora-adapters", type=int, default=0,
+                        help="random rank --lora-rank LoRA adapters on every projection, the rows spread over them")
+    parser.add_argument("--lora-rank", type=int, default=16)
     args = parser.parse_args()
 
     from metrale.api import LLM
@@ -53,11 +56,26 @@ def main() -> None:
     # qwen3-0.6b is the shape of ``metrale bench --throughput``; the others are bench's shapes.
     build = build_qwen3_checkpoint if args.shape == "qwen3-0.6b" else lambda folder: build_checkpoint(args.shape, folder)
     folder = build(Path(args.workdir) / args.shape)
-    llm = LLM(folder, device="cuda", max_model_len=args.context + 256, max_num_seqs=args.batch + 1, show_progress=False)
+    lora = {"enable_lora": True, "max_loras": args.lora_adapters, "max_lora_rank": args.lora_rank} if args.lora_adapters else {}
+    llm = LLM(folder, device="cuda", max_model_len=args.context + 256, max_num_seqs=args.batch + 1, show_progress=False,
+              **lora)
     backend = llm.backend
     stream = backend.stream
     rng = np.random.default_rng(0)
     seqs = [SequenceState.from_prompt(rng.integers(0, llm.vocab_size, args.context).tolist()) for _ in range(args.batch)]
+    if args.lora_adapters:
+        import json
+
+        from lora_bench import write_adapter
+
+        from metrale.lora import LoRARequest
+
+        config = json.loads((Path(folder) / "config.json").read_text())
+        requests = [LoRARequest(f"adapter-{i}", i + 1, write_adapter(Path(args.workdir) / f"lora-{args.shape}-{i}",
+                                                                        config, args.lora_rank, i))
+                    for i in range(args.lora_adapters)]
+        for index, seq in enumerate(seqs):
+            seq.adapter_slot = llm.lora.acquire(requests[index % len(requests)])
     for seq in seqs:
         llm.forward.prefill(seq.tokens, seq)
     tokens = [1] * args.batch
@@ -86,7 +104,7 @@ def main() -> None:
     replay = None  # (models not captured into graphs: none)
     if runner is not None:
         rung = runner.rungs[runner.rung_size(args.batch)]
-        graph = rung.graphs[(runner.context_bucket(args.context + 1), False)]
+        graph = rung.graphs[(runner.context_bucket(args.context + 1), bool(args.lora_adapters))]
         replay = cuda_event_time(lambda: graph.launch(stream=stream), stream, warmup=0, repeats=30)
 
     # The host gap between consecutive replays while the engine generates (overlap scheduling
