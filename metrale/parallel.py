@@ -298,3 +298,57 @@ class HubCommunicator:
 
     def all_gather(self, x: Any, axis: int = -1) -> Any:
         return self._exchange(np.asarray(x), lambda parts: np.concatenate(parts, axis=axis))
+
+
+class NcclCommunicator:
+    """Rank ``rank`` of ``size`` GPU ranks joined by NCCL (CuPy's binding, one GPU per rank):
+    each collective runs on the current CuPy stream (the backend's, inside
+    ``backend.activate()``), so a decode step's collectives are captured into its CUDA graph with
+    the kernels around them. ``unique_id`` is rank 0's :func:`nccl_unique_id`, handed to every
+    rank before they join (the NCCL initialisation waits until all ``size`` ranks have called
+    it). Float32, float16 and int32 arrays; the result is a new array."""
+
+    def __init__(self, rank: int, size: int, unique_id: tuple) -> None:
+        Shard(rank, size)  # checks both
+        from cupy.cuda import nccl
+
+        self.rank, self.size = rank, size
+        self._nccl = nccl
+        self._communicator = nccl.NcclCommunicator(size, unique_id, rank)
+
+    def _type(self, array: Any) -> int:
+        nccl = self._nccl
+        types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float16): nccl.NCCL_FLOAT16,
+                 np.dtype(np.int32): nccl.NCCL_INT32}
+        if array.dtype not in types:
+            raise ConfigError(f"NCCL collectives take float32, float16 or int32 arrays, got {array.dtype}")
+        return types[array.dtype]
+
+    def all_reduce(self, x: Any) -> Any:
+        import cupy
+
+        x = cupy.ascontiguousarray(x)
+        out = cupy.empty_like(x)
+        stream = cupy.cuda.get_current_stream()
+        self._communicator.allReduce(x.data.ptr, out.data.ptr, x.size, self._type(x), self._nccl.NCCL_SUM, stream.ptr)
+        return out
+
+    def all_gather(self, x: Any, axis: int = -1) -> Any:
+        import cupy
+
+        x = cupy.ascontiguousarray(x)
+        parts = cupy.empty((self.size, *x.shape), dtype=x.dtype)
+        stream = cupy.cuda.get_current_stream()
+        self._communicator.allGather(x.data.ptr, parts.data.ptr, x.size, self._type(x), stream.ptr)
+        return cupy.concatenate(list(parts), axis=axis)
+
+    def close(self) -> None:
+        """Free the NCCL communicator (after the last collective)."""
+        self._communicator.destroy()
+
+
+def nccl_unique_id() -> tuple:
+    """A new NCCL group's id (rank 0 makes it; every rank passes it to :class:`NcclCommunicator`)."""
+    from cupy.cuda import nccl
+
+    return nccl.get_unique_id()
