@@ -182,7 +182,7 @@ def test_the_ray_executor_on_a_local_cluster(dense_checkpoints):
     ray = pytest.importorskip("ray")
     prompts = [PROMPT, PROMPT[:5]]
     checkpoint = dense_checkpoints["qwen2"]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 2**20)
     try:
         got = results(checkpoint, prompts, tensor_parallel_size=2, distributed_executor_backend="ray")
     finally:
