@@ -11,7 +11,7 @@ from typing import Any, Generator, Iterator, Sequence
 import numpy as np
 import pluggy
 
-from metrale.backend import get_backend
+from metrale.backend import cuda_unavailable_reason, get_backend
 from metrale.cache.store import ModelCache, plan_cache
 from metrale.checkpoint import Checkpoint
 from metrale.config import EngineConfig, read_environment
@@ -199,10 +199,11 @@ class LLM(PromptFrontend):
         if self.config.speculative_config is not None:
             raise ConfigError("speculative decoding is not served with tensor parallelism yet; leave "
                               "speculative_config out or use tensor_parallel_size=1")
-        if self.config.device != "cpu":
+        if self.config.device == "cuda" or (self.config.device == "auto" and cuda_unavailable_reason() is None):
             raise ConfigError("tensor parallelism runs on the CPU backend only so far (its ranks join over TCP); "
                               "the GPU's NCCL collectives are not built yet: use device='cpu' or "
                               "tensor_parallel_size=1")
+        # ("auto" without a usable GPU: every rank runs on the CPU, as this one.)
         self.ranks = RankExecutor(self.checkpoint.path, options, size, self.config.expert_parallel,
                                   self.config.distributed_executor_backend)
         communicator = self.ranks.start()

@@ -92,9 +92,9 @@ class StepMessage:
 
 
 class RankExecutor:
-    """Ranks ``1 .. size - 1`` of an engine (this process is rank 0): :meth:`start` them,
-    :meth:`communicator` joins rank 0 to them, :meth:`build_caches` gives them the driver's
-    cache plan, :meth:`submit` sends each step, :meth:`close` stops them."""
+    """Ranks ``1 .. size - 1`` of an engine (this process is rank 0): :meth:`start` starts them
+    and returns rank 0's communicator, :meth:`build_caches` gives them the driver's cache plan,
+    :meth:`submit` sends each step, :meth:`close` stops them."""
 
     def __init__(self, model_path: str | os.PathLike, options: dict, size: int, expert_parallel: bool = False,
                  backend: str = "mp") -> None:
