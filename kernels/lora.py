@@ -177,6 +177,10 @@ EXPAND_LISTED = 128
 EXPAND_ROWS = 8
 #: Blocks a slot's rows are shared over (each takes every this-many-th tile of rows).
 EXPAND_SPLIT = 4
+#: Whether the expand is launched as a programmatic dependent of the product before it (its
+#: prologue -- reading the bias and prefetching B, both weights -- then overlaps that product's tail; all it
+#: reads of other kernels comes after ``wait_for_producers()``).
+EXPAND_DEPENDENT = False
 EXPAND_SEGMENT = 256
 
 EXPAND_KERNEL = r"""
@@ -376,5 +380,5 @@ def lora_expand(ext: DeviceArray, slots: DeviceArray, b: DeviceArray, width: int
                (ext, slots, b, null if bias is None else bias, null if swiglu else out, out if swiglu else null,
                 np.int32(rows), np.int32(m), np.int32(width), np.int32(k // width), np.int32(swiglu),
                 np.int32(words)),
-               0, stream, dependent=False)
+               0, stream, dependent=EXPAND_DEPENDENT)
     return out

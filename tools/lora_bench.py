@@ -118,9 +118,14 @@ def main(argv: list[str] | None = None) -> dict:
                         help="rows a block of the CUDA expand takes together (kernels/lora.py EXPAND_ROWS)")
     parser.add_argument("--expand-split", type=int, default=None,
                         help="blocks a slot's rows are spread over (kernels/lora.py EXPAND_SPLIT)")
+    parser.add_argument("--expand-dependent", action="store_true",
+                        help="launch the CUDA expand as a programmatic dependent (kernels/lora.py EXPAND_DEPENDENT)")
     parser.add_argument("--output", help="write the numbers here (JSON)")
     args = parser.parse_args(argv)
     from metrale.kernels import lora as lora_kernels
+
+    if args.expand_dependent:
+        lora_kernels.EXPAND_DEPENDENT = True
 
     if args.expand_rows is not None:
         lora_kernels.EXPAND_ROWS = args.expand_rows
@@ -151,7 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = seconds.pop("rounds")
     report = {"device": args.device, "shape": args.shape, "batch": args.batch, "adapters": args.adapters,
               "rank": args.rank, "context": args.context, "expand_rows": lora_kernels.EXPAND_ROWS,
-              "expand_split": lora_kernels.EXPAND_SPLIT, "step_seconds": seconds, "rounds": rounds,
+              "expand_split": lora_kernels.EXPAND_SPLIT,
+              "expand_dependent": lora_kernels.EXPAND_DEPENDENT, "step_seconds": seconds, "rounds": rounds,
               "ratio_one_adapter": seconds["one_adapter"] / seconds["base"], "ratio_mixed": seconds["mixed"] / seconds["base"]}
     print(f"{args.shape}, batch {args.batch}, context {args.context}: base step {1e3 * seconds['base']:.3f} ms; "
           f"one adapter {1e3 * seconds['one_adapter']:.3f} ms ({report['ratio_one_adapter']:.2f}x); "
