@@ -92,6 +92,15 @@ class Communicator(Protocol):
         ...
 
 
+def sum_in_rank_order(parts: list[Any]) -> Any:
+    """The sum of the ranks' ``parts`` (NumPy arrays), added in rank order: every rank that
+    computes it gets the same bits."""
+    total = np.array(parts[0], copy=True)
+    for part in parts[1:]:
+        total += part
+    return total
+
+
 class SoloCommunicator:
     """One rank: the collectives return their input."""
 
@@ -146,10 +155,7 @@ class ThreadCommunicator:
 
     def all_reduce(self, x: Any) -> Any:
         parts = self.group.exchange(self.rank, np.array(x, copy=True))
-        total = parts[0].copy()
-        for part in parts[1:]:
-            total += part
-        return total
+        return sum_in_rank_order(parts)
 
     def all_gather(self, x: Any, axis: int = -1) -> Any:
         return np.concatenate(self.group.exchange(self.rank, np.array(x, copy=True)), axis=axis)
@@ -288,13 +294,7 @@ class HubCommunicator:
         return result
 
     def all_reduce(self, x: Any) -> Any:
-        def total(parts: list[Any]) -> Any:
-            summed = np.array(parts[0], copy=True)
-            for part in parts[1:]:
-                summed += part
-            return summed
-
-        return self._exchange(np.asarray(x), total)
+        return self._exchange(np.asarray(x), sum_in_rank_order)
 
     def all_gather(self, x: Any, axis: int = -1) -> Any:
         return self._exchange(np.asarray(x), lambda parts: np.concatenate(parts, axis=axis))
