@@ -1,6 +1,7 @@
 """The process of one worker rank (:mod:`metrale.executor`, ``distributed_executor_backend="mp"``):
 ``python -m metrale._rank_worker`` reads its :class:`~metrale.executor.WorkerSpec` and rank
-(pickled) from its standard input and runs :func:`~metrale.executor.worker_main`."""
+(pickled) from its standard input and runs :func:`~metrale.executor.worker_main`, exiting when
+the driver that started it is gone."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import sys
 
 def main() -> None:
     spec, rank = pickle.loads(sys.stdin.buffer.read())
-    from metrale.executor import worker_main
+    from metrale.executor import exit_with_parent, worker_main
 
+    exit_with_parent(spec.driver_pid)
     worker_main(spec, rank)
 
 

@@ -19,6 +19,7 @@ from metrale.engine.engine import Engine
 from metrale.engine.generation import Request, RequestGroup, StopChecker, make_group, prompt_logprob_dicts
 from metrale.errors import (
     AdapterError,
+    BackendUnavailableError,
     CheckpointError,
     ConfigError,
     EmptyPromptError,
@@ -199,13 +200,15 @@ class LLM(PromptFrontend):
         if self.config.speculative_config is not None:
             raise ConfigError("speculative decoding is not served with tensor parallelism yet; leave "
                               "speculative_config out or use tensor_parallel_size=1")
-        if self.config.device == "cuda" or (self.config.device == "auto" and cuda_unavailable_reason() is None):
-            raise ConfigError("tensor parallelism runs on the CPU backend only so far (its ranks join over TCP); "
-                              "the GPU's NCCL collectives are not built yet: use device='cpu' or "
-                              "tensor_parallel_size=1")
-        # ("auto" without a usable GPU: every rank runs on the CPU, as this one.)
+        gpu = False
+        if self.config.device != "cpu":
+            reason = cuda_unavailable_reason()
+            if reason is not None and self.config.device == "cuda":
+                raise BackendUnavailableError(f"device='cuda' cannot be used: {reason}; use device='cpu'")
+            # ("auto" without a usable GPU: every rank runs on the CPU, as this one.)
+            gpu = reason is None
         self.ranks = RankExecutor(self.checkpoint.path, options, size, self.config.expert_parallel,
-                                  self.config.distributed_executor_backend)
+                                  self.config.distributed_executor_backend, gpu=gpu)
         communicator = self.ranks.start()
         return rank_context(Shard(0, size, self.config.expert_parallel), communicator)
 
@@ -587,17 +590,24 @@ class LLM(PromptFrontend):
         """
         self._take("capture_graphs()")
         try:
-            graphs = getattr(getattr(self.model, "runner", None), "graphs", None)
-            if graphs is None:
+            runner: Any = getattr(self.model, "runner", None)
+            if getattr(runner, "graphs", None) is None:
                 return
             from metrale.runner.graphs import DECODE_RUNGS
 
-            with self.backend.activate():
-                graphs.capture(tuple(batch_sizes) if batch_sizes else DECODE_RUNGS)
-                if mixed:
-                    config = self.config
-                    graphs.capture_mixed(max(config.max_num_seqs - 1, 1), config.max_num_batched_tokens)
-            self.backend.synchronize()
+            sizes = tuple(batch_sizes) if batch_sizes else DECODE_RUNGS
+            config = self.config
+            mixed_shape = (max(config.max_num_seqs - 1, 1), config.max_num_batched_tokens) if mixed else None
+            if self.ranks is None:
+                runner.capture_graphs(sizes, mixed_shape)
+                return
+            self.ranks.capture_graphs(sizes, mixed_shape)
+            try:
+                runner.capture_graphs(sizes, mixed_shape)
+            except BaseException as error:
+                self.ranks.abandon(error)
+                raise
+            self.ranks.finish(self.backend)
         finally:
             self._lock.release()
 

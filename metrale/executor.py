@@ -14,12 +14,17 @@ writes its cache made to recurrent-state rows since the step before -- never a r
 sequence object; every rank then runs the same forward, the collectives joining them, and rank
 0's logits (gathered over the vocabulary) are sampled by the driver. Control messages and, on
 the CPU backend, the collectives travel over authenticated TCP connections to rank 0
-(:class:`~metrale.parallel.HubCommunicator`).
+(:class:`~metrale.parallel.HubCommunicator`). On GPUs each rank takes one device (worker ``r``
+of ``"mp"`` runs with ``CUDA_VISIBLE_DEVICES`` set to entry ``r`` of the driver's visible devices)
+and the collectives run through NCCL on the rank's stream
+(:class:`~metrale.parallel.NcclCommunicator`), inside the decode steps' CUDA graphs.
 
 A worker that fails a step reports it; the driver's step then raises
 :class:`~metrale.errors.RankError`, and so does every later step (the worker's cache may have
 missed writes): the engine has to be closed and built again. A worker that dies, or does not
-answer for ``COLLECTIVE_TIMEOUT`` seconds, does the same.
+answer for ``COLLECTIVE_TIMEOUT`` seconds, does the same. On GPUs a lost worker would leave the
+others waiting in a collective on the device: the driver watches its workers and aborts the NCCL
+group when one goes (:class:`RankExecutor`), and a worker whose driver is gone exits.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import secrets
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Listener
@@ -41,19 +47,31 @@ import numpy as np
 
 from metrale.batch import ForwardBatch, Segment
 from metrale.errors import ConfigError, RankError
-from metrale.parallel import HubCommunicator, RankLostError, Shard, rank_context
+from metrale.parallel import (
+    HubCommunicator,
+    NcclCommunicator,
+    RankLostError,
+    Shard,
+    nccl_unique_id,
+    rank_context,
+    visible_cuda_devices,
+)
 
 logger = logging.getLogger(__name__)
 
 #: Seconds the driver waits for every worker to connect and to load its model.
 START_TIMEOUT = 1800.0
+#: Seconds between two looks of the GPU driver's watchdog at its workers (and of a worker at its
+#: driver).
+WATCH_INTERVAL = 0.5
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a worker needs to build its rank: the checkpoint's folder, the engine options the
-    :class:`~metrale.LLM` was given (its :class:`~metrale.config.EngineConfig`), the group, and
-    where rank 0 listens."""
+    :class:`~metrale.LLM` was given (its :class:`~metrale.config.EngineConfig`), the group, where
+    rank 0 listens, and for GPU ranks the NCCL group's id and each rank's device (as
+    ``CUDA_VISIBLE_DEVICES`` names it)."""
 
     model_path: str
     options: dict
@@ -61,6 +79,9 @@ class WorkerSpec:
     expert_parallel: bool
     address: tuple
     authkey: bytes
+    nccl_id: tuple | None = None
+    devices: tuple[str, ...] = ()
+    driver_pid: int = dataclasses.field(default_factory=os.getpid)
 
 
 @dataclass(frozen=True)
@@ -94,48 +115,80 @@ class StepMessage:
 class RankExecutor:
     """Ranks ``1 .. size - 1`` of an engine (this process is rank 0): :meth:`start` starts them
     and returns rank 0's communicator, :meth:`build_caches` gives them the driver's cache plan,
-    :meth:`submit` sends each step, :meth:`close` stops them."""
+    :meth:`submit` sends each step (:meth:`finish` ends it), :meth:`close` stops them.
+
+    With ``gpu`` every rank takes one of this machine's visible CUDA devices (rank 0 the first)
+    and the collectives run through NCCL; a watchdog thread then checks the workers every
+    :data:`WATCH_INTERVAL` seconds and, when one is gone, marks the group broken and aborts the
+    NCCL group, which ends rank 0's wait in a collective the lost worker will never join."""
 
     def __init__(self, model_path: str | os.PathLike, options: dict, size: int, expert_parallel: bool = False,
-                 backend: str = "mp") -> None:
+                 backend: str = "mp", gpu: bool = False) -> None:
         if size < 2:
             raise ConfigError(f"a rank executor needs at least two ranks, got {size}")
         if backend not in ("mp", "ray"):
             raise ConfigError(f"distributed_executor_backend must be 'mp' or 'ray', got {backend!r}")
+        devices: tuple[str, ...] = ()
+        nccl_id = None
+        if gpu:
+            if backend == "ray":
+                raise ConfigError("the Ray executor runs CPU ranks only so far (device='cpu'); GPU ranks on one "
+                                  "machine run with distributed_executor_backend='mp'")
+            devices = tuple(visible_cuda_devices())
+            if len(devices) < size:
+                raise ConfigError(f"tensor_parallel_size={size} takes {size} GPUs, one a rank; this process sees "
+                                  f"{len(devices)} ({', '.join(devices) or 'none'})")
+            nccl_id = new_nccl_id()
         self.size, self.backend_name = size, backend
         self._authkey = secrets.token_bytes(32)
         host = "127.0.0.1" if backend == "mp" else "0.0.0.0"
         self._listener = Listener((host, 0), authkey=self._authkey)
         port = self._listener.address[1]
         address = ("127.0.0.1", port) if backend == "mp" else (_node_address(), port)
-        self.spec = WorkerSpec(str(model_path), dict(options), size, expert_parallel, address, self._authkey)
+        self.spec = WorkerSpec(str(model_path), dict(options), size, expert_parallel, address, self._authkey,
+                               nccl_id, devices)
         self._workers: list[Any] = []
         self._communicator: HubCommunicator | None = None
+        #: Rank 0's NCCL communicator (GPU ranks), None on the CPU.
+        self.collectives: Any = None
+        self._stop_watching = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        self._abort_lock = threading.Lock()
         self._state_writes: list = []
         self.broken: str | None = None
         self._closed = False
 
     # ------------------------------------------------------------------------- starting
 
-    def start(self) -> HubCommunicator:
-        """Start the workers and wait until each has connected; rank 0's communicator."""
+    def start(self) -> Any:
+        """Start the workers and wait until each has connected (and, on GPUs, joined the NCCL
+        group); the communicator of rank 0's collectives."""
         try:
             if self.backend_name == "mp":
                 self._start_processes()
             else:
                 self._start_actors()
             connections = self._accept()
+            self._communicator = HubCommunicator(0, self.size, connections)
+            if self.spec.nccl_id is None:
+                return self._communicator
+            self.collectives = self._join_nccl()
         except BaseException:
             self.close()
             raise
-        self._communicator = HubCommunicator(0, self.size, connections)
-        return self._communicator
+        self._watchdog = threading.Thread(target=self._watch, name="metrale-rank-watchdog", daemon=True)
+        self._watchdog.start()
+        return self.collectives
 
     def _start_processes(self) -> None:
         # Fresh interpreters (python -m metrale._rank_worker), the spec on their stdin: nothing
         # of the caller's main module is imported again.
         for rank in range(1, self.size):
-            process = subprocess.Popen([sys.executable, "-m", "metrale._rank_worker"], stdin=subprocess.PIPE)
+            environment = dict(os.environ)
+            if self.spec.devices:
+                environment["CUDA_VISIBLE_DEVICES"] = self.spec.devices[rank]
+            process = subprocess.Popen([sys.executable, "-m", "metrale._rank_worker"], stdin=subprocess.PIPE,
+                                       env=environment)
             assert process.stdin is not None
             process.stdin.write(pickle.dumps((self.spec, rank)))
             process.stdin.close()
@@ -191,17 +244,59 @@ class RankExecutor:
 
         thread = threading.Thread(target=accept_all, name="metrale-rank-accept", daemon=True)
         thread.start()
+        self._wait_for(thread, self._listener.close)
+        if failure:
+            raise RankError(f"the engine's ranks did not start: {failure[0]!r}")
+        return [accepted[rank] for rank in range(1, self.size)]
+
+    def _wait_for(self, thread: threading.Thread, give_up: Any = None) -> None:
+        """Wait for ``thread`` while every worker runs, at most :data:`START_TIMEOUT` seconds;
+        else call ``give_up`` and raise RankError."""
         waited = 0.0
         while thread.is_alive():
             thread.join(0.2)
             waited += 0.2
             gone = self._alive()
             if gone is not None or waited > START_TIMEOUT:
-                self._listener.close()
+                if give_up is not None:
+                    give_up()
                 raise RankError(f"the engine's ranks did not start: {gone or f'no answer in {START_TIMEOUT:g} s'}")
-        if failure:
-            raise RankError(f"the engine's ranks did not start: {failure[0]!r}")
-        return [accepted[rank] for rank in range(1, self.size)]
+
+    def _join_nccl(self) -> Any:
+        """Rank 0's NCCL communicator, once every worker has joined the group (the NCCL
+        initialisation blocks until all have; it runs on a thread so a worker that fails first
+        is noticed)."""
+        joined: list[Any] = []
+        unique_id = self.spec.nccl_id
+        assert unique_id is not None, "GPU ranks only"
+
+        def join() -> None:
+            try:
+                joined.append(new_nccl_communicator(0, self.size, unique_id))
+            except BaseException as error:  # noqa: BLE001 - raised below
+                joined.append(error)
+
+        thread = threading.Thread(target=join, name="metrale-nccl-join", daemon=True)
+        thread.start()
+        self._wait_for(thread)
+        if isinstance(joined[0], BaseException):
+            raise RankError(f"rank 0 could not join the NCCL group: {joined[0]!r}") from joined[0]
+        return joined[0]
+
+    def _watch(self) -> None:
+        """The GPU driver's watchdog: when a worker is gone, break the group and abort NCCL (a
+        wait on the device for the lost rank's part would never end)."""
+        while not self._stop_watching.wait(WATCH_INTERVAL):
+            gone = self._alive()
+            if gone is not None:
+                self._break(gone)
+                self._abort_collectives()
+                return
+
+    def _abort_collectives(self) -> None:
+        with self._abort_lock:
+            if self.collectives is not None:
+                self.collectives.abort()
 
     def build_caches(self, plan: dict) -> None:
         """Send every worker the driver's cache plan (``block_size``, ``num_blocks``,
@@ -227,41 +322,84 @@ class RankExecutor:
         if self._closed:
             raise RankError("the engine's ranks were stopped")
         if self.broken is not None:
-            raise RankError(f"a rank of the engine failed ({self.broken}); close this LLM and build it again")
+            raise self._broken_error()
         assert self._communicator is not None, "start() first"
         return self._communicator
 
     def _break(self, why: str) -> None:
-        self.broken = why
+        if self.broken is None:
+            self.broken = why
+
+    def _broken_error(self) -> RankError:
+        return RankError(f"a rank of the engine failed ({self.broken}); close this LLM and build it again")
 
     def submit(self, batch: ForwardBatch) -> None:
         """Send every worker ``batch`` (before rank 0 runs it)."""
-        communicator = self._ready()
-        for rank, connection in enumerate(communicator.connections, 1):
-            try:
-                while connection.poll(0):  # what a worker reported after the last collective it joined
-                    tag, step, payload = connection.recv()
-                    if tag == "error":
-                        self._break(f"rank {rank} failed in step {step}: {payload}")
-            except (EOFError, OSError) as error:
-                self._break(f"rank {rank} went away ({type(error).__name__})")
-            if self.broken is not None:
-                raise RankError(f"a rank of the engine failed ({self.broken}); close this LLM and build it again")
-        communicator.step += 1
         message = StepMessage.of(batch, list(self._state_writes))
         self._state_writes.clear()
+        self._send_all("step", message)
+
+    def capture_graphs(self, sizes: tuple[int, ...], mixed: tuple[int, int] | None) -> None:
+        """Have every worker record the decode graphs :meth:`~metrale.LLM.capture_graphs`
+        records on rank 0 (before rank 0 does: their eager runs meet in the collectives)."""
+        self._send_all("capture", (tuple(sizes), mixed))
+
+    def _send_all(self, kind: str, payload: Any) -> None:
+        """Send every worker the next step's ``kind`` message, after reading what they reported
+        since the last one (a failure breaks the group)."""
+        communicator = self._ready()
+        self._read_reports()
+        if self.broken is not None:
+            raise self._broken_error()
+        communicator.step += 1
         try:
             for rank in range(1, self.size):
-                communicator.send(rank, "step", message)
+                communicator.send(rank, kind, payload)
         except RankLostError as error:
             self._break(str(error))
-            raise RankError(f"a rank of the engine failed ({error}); close this LLM and build it again") from None
+            raise self._broken_error() from None
+
+    def _read_reports(self) -> None:
+        """Read what the workers reported since the last step (on the CPU, after the last
+        collective they joined; on GPUs, before they exit): an error breaks the group, and its
+        text replaces a vaguer reason (a process that exited)."""
+        connections = self._communicator.connections if self._communicator is not None else []
+        for rank, connection in enumerate(connections, 1):
+            try:
+                while connection.poll(0):
+                    tag, step, report = connection.recv()
+                    if tag == "error":
+                        self.broken = f"rank {rank} failed in step {step}: {report}"
+                        return
+            except (EOFError, OSError) as error:
+                self._break(f"rank {rank} went away ({type(error).__name__})")
+
+    def finish(self, backend: Any) -> None:
+        """Rank 0 has queued its part of the step on ``backend``. On GPUs wait until the device
+        has run it (the watchdog ends the wait when a worker is lost); raise RankError when the
+        group broke meanwhile, so no output of a broken step is used."""
+        try:
+            if self.collectives is not None:
+                backend.synchronize()
+        except Exception as error:
+            if self.broken is None:
+                raise
+            self._read_reports()
+            raise self._broken_error() from error
+        if self.broken is not None:
+            self._read_reports()
+            raise self._broken_error()
 
     def abandon(self, error: BaseException) -> None:
         """Rank 0's step failed: release the workers still waiting in its collectives. A lost or
-        failed worker (:class:`~metrale.parallel.RankLostError`) breaks the executor."""
+        failed worker (:class:`~metrale.parallel.RankLostError`) breaks the executor; so does any
+        failure on GPUs, where the workers' collectives already queued on their devices would
+        pair with the next step's (the NCCL group is aborted)."""
         if isinstance(error, RankLostError):
             self._break(str(error))
+        if self.collectives is not None:
+            self._break(f"rank 0's step failed ({error!r})")
+            self._abort_collectives()
         communicator = self._communicator
         if communicator is None:
             return
@@ -272,10 +410,14 @@ class RankExecutor:
                 self._break(str(lost))
 
     def close(self) -> None:
-        """Stop the workers (they exit after their step) and the listener. Idempotent."""
+        """Stop the workers (they exit after their step), the watchdog, the NCCL group and the
+        listener. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        self._stop_watching.set()
+        if self._watchdog is not None:
+            self._watchdog.join()
         if self._communicator is not None:
             for rank in range(1, self.size):
                 try:
@@ -285,7 +427,7 @@ class RankExecutor:
         for worker in self._workers:
             if self.backend_name == "mp":
                 try:
-                    worker.wait(30)
+                    worker.wait(5 if self.broken is not None else 30)
                 except subprocess.TimeoutExpired:
                     worker.kill()
                     worker.wait(5)
@@ -300,6 +442,10 @@ class RankExecutor:
         if self._communicator is not None:
             for connection in self._communicator.connections:
                 connection.close()
+        with self._abort_lock:
+            if self.collectives is not None:
+                # (A broken group's pending collectives would keep the destroy waiting.)
+                (self.collectives.abort if self.broken is not None else self.collectives.close)()
         self._listener.close()
 
 
@@ -321,15 +467,18 @@ class RankActor:
 
 
 def worker_main(spec: WorkerSpec, rank: int) -> None:
-    """A worker's life: connect to rank 0, build rank ``rank``'s model (its shard of the
-    weights) and, once the driver sends its plan, its cache; then run each step the driver
-    sends until told to close."""
+    """A worker's life: connect to rank 0 (on GPUs join the NCCL group), build rank ``rank``'s
+    model (its shard of the weights) and, once the driver sends its plan, its cache; then run
+    each step the driver sends until told to close."""
     connection = Client(spec.address, authkey=spec.authkey)
     connection.send(("hello", 0, rank))
     communicator = HubCommunicator(rank, spec.size, [connection])
+    collectives: Any = None
     try:
         try:
-            model = _build_rank(spec, rank, communicator)  # (its runner refers to it weakly)
+            if spec.nccl_id is not None:
+                collectives = new_nccl_communicator(rank, spec.size, spec.nccl_id)
+            model = _build_rank(spec, rank, communicator, collectives or communicator)  # (its runner refers to it weakly)
             runner = model.runner
         except BaseException as error:  # noqa: BLE001 - reported to rank 0
             communicator.send(0, "error", f"{error!r}\n{traceback.format_exc()}")
@@ -338,12 +487,15 @@ def worker_main(spec: WorkerSpec, rank: int) -> None:
             tag, step, payload = connection.recv()
             if tag == "close":
                 return
-            if tag != "step":
+            if tag not in ("step", "capture"):
                 continue  # a failed step's release, arrived after this rank finished it
             communicator.step = step
             try:
-                runner.cache.apply_state_writes(payload.state_writes)
-                runner.forward(payload.batch)
+                if tag == "capture":
+                    runner.capture_graphs(*payload)
+                else:
+                    runner.cache.apply_state_writes(payload.state_writes)
+                    runner.forward(payload.batch)
             except RankLostError:
                 if communicator.closed:
                     return
@@ -351,20 +503,63 @@ def worker_main(spec: WorkerSpec, rank: int) -> None:
             except Exception as error:  # noqa: BLE001 - reported to rank 0
                 logger.exception("rank %d failed step %d", rank, step)
                 communicator.send(0, "error", repr(error))
+                if collectives is not None:
+                    # Rank 0 waits on its device for this rank's part of the step: the exit lets
+                    # its watchdog see the loss and abort the group.
+                    return
     except (EOFError, OSError, RankLostError):
         return  # rank 0 went away
     finally:
         connection.close()
+        if collectives is not None:
+            collectives.abort()  # (a step left half done on the device must not hold the exit)
 
 
-def _build_rank(spec: WorkerSpec, rank: int, communicator: HubCommunicator) -> Any:
-    """Rank ``rank``'s model with its cache bound, as :class:`~metrale.LLM` builds rank 0's."""
+def exit_with_parent(parent: int, interval: float = WATCH_INTERVAL) -> threading.Thread:
+    """Exit this process as soon as it is no longer the child of process ``parent`` (a worker
+    process of ``"mp"`` and its driver: a GPU worker whose driver died may be waiting on the
+    device for a collective that will never complete, and would outlive it)."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(interval)
+
+    thread = threading.Thread(target=watch, name="metrale-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def new_nccl_id() -> tuple:
+    """A new NCCL group's id, or ConfigError where CuPy finds no NCCL library."""
+    from cupy.cuda import nccl
+
+    if not nccl.available:
+        raise ConfigError("tensor parallelism on GPUs needs NCCL, which CuPy does not find here: "
+                          "pip install 'metrale[gpu,nccl]' (or install a system NCCL), or use tensor_parallel_size=1")
+    return nccl_unique_id()
+
+
+def new_nccl_communicator(rank: int, size: int, unique_id: tuple) -> Any:
+    """Rank ``rank``'s :class:`~metrale.parallel.NcclCommunicator` on this process's first CUDA
+    device (each worker sees only its own)."""
+    import cupy
+
+    cupy.cuda.Device(0).use()
+    return NcclCommunicator(rank, size, unique_id)
+
+
+def _build_rank(spec: WorkerSpec, rank: int, communicator: HubCommunicator, collectives: Any) -> Any:
+    """Rank ``rank``'s model with its cache bound, as :class:`~metrale.LLM` builds rank 0's;
+    ``collectives`` joins its forward to the other ranks' (the hub's ``communicator`` on the CPU,
+    NCCL on GPUs)."""
     from metrale.api import load_rank_model
     from metrale.cache import ModelCache
     from metrale.forward import ModelForward
 
     shard = Shard(rank, spec.size, spec.expert_parallel)
-    with rank_context(shard, communicator):
+    with rank_context(shard, collectives):
         model, backend, plugin_manager, environment = load_rank_model(spec.model_path, spec.options)
     forward = ModelForward(model, plugin_manager, environment)
     plan = communicator.receive(0, "cache")

@@ -315,6 +315,7 @@ class NcclCommunicator:
         self.rank, self.size = rank, size
         self._nccl = nccl
         self._communicator = nccl.NcclCommunicator(size, unique_id, rank)
+        self._closed = False
 
     def _type(self, array: Any) -> int:
         nccl = self._nccl
@@ -342,9 +343,19 @@ class NcclCommunicator:
         self._communicator.allGather(x.data.ptr, parts.data.ptr, x.size, self._type(x), stream.ptr)
         return cupy.concatenate(list(parts), axis=axis)
 
+    def abort(self) -> None:
+        """Stop the group at once: collectives queued or running on any stream of this rank end
+        without their result (how a rank waiting for a lost peer is released). The communicator
+        is unusable afterwards; :meth:`close` does nothing more."""
+        if not self._closed:
+            self._closed = True
+            self._communicator.abort()
+
     def close(self) -> None:
-        """Free the NCCL communicator (after the last collective)."""
-        self._communicator.destroy()
+        """Free the NCCL communicator (after the last collective). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._communicator.destroy()
 
 
 def nccl_unique_id() -> tuple:
@@ -352,3 +363,25 @@ def nccl_unique_id() -> tuple:
     from cupy.cuda import nccl
 
     return nccl.get_unique_id()
+
+
+def visible_cuda_devices(count: int | None = None) -> list[str]:
+    """The CUDA devices this process may use, as ``CUDA_VISIBLE_DEVICES`` names them (indices or
+    UUIDs): that variable's entries when it is set, else ``0 .. count - 1`` (``count``: the
+    devices the CUDA runtime reports, asked only then). Rank ``r`` of a group on one machine runs
+    on entry ``r``."""
+    import os
+
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        devices = []
+        for entry in (entry.strip() for entry in listed.split(",")):
+            if not entry or entry.startswith("-"):
+                break  # (CUDA ignores the entries after an invalid one; "-1" hides every device)
+            devices.append(entry)
+        return devices
+    if count is None:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    return [str(index) for index in range(count)]

@@ -158,7 +158,6 @@ def test_a_broken_group_stops_the_engine_so_it_reports_itself_down(engine_kind):
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(device="cuda"), "CPU backend only"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative"),
     (dict(distributed_executor_backend="mpi"), "distributed_executor_backend"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
@@ -168,6 +167,157 @@ def test_what_tensor_parallelism_does_not_serve_is_refused(dense_checkpoints, op
     options = {"device": "cpu", "tensor_parallel_size": 2, **options}
     with pytest.raises(ConfigError, match=match):
         LLM(str(dense_checkpoints["llama"]), show_progress=False, **options)
+
+
+def test_cuda_ranks_without_a_gpu_are_refused_before_any_worker_starts(dense_checkpoints, monkeypatch):
+    from metrale import executor
+    from metrale.errors import BackendUnavailableError
+
+    monkeypatch.setattr(executor.RankExecutor, "start", lambda self: pytest.fail("a worker was started"))
+    with pytest.raises(BackendUnavailableError, match="device='cuda' cannot be used"):
+        LLM(str(dense_checkpoints["llama"]), device="cuda", show_progress=False, tensor_parallel_size=2)
+
+
+def test_gpu_ranks_take_one_visible_device_each(monkeypatch, tmp_path):
+    from metrale import executor
+
+    monkeypatch.setattr(executor, "new_nccl_id", lambda: ("id",))
+    monkeypatch.setattr(executor, "visible_cuda_devices", lambda: ["7"])
+    with pytest.raises(ConfigError, match="takes 2 GPUs, one a rank; this process sees 1 \\(7\\)"):
+        executor.RankExecutor(tmp_path, {}, 2, gpu=True)
+    monkeypatch.setattr(executor, "visible_cuda_devices", lambda: ["7", "5", "2"])
+    with pytest.raises(ConfigError, match="Ray executor runs CPU ranks only"):
+        executor.RankExecutor(tmp_path, {}, 2, backend="ray", gpu=True)
+
+    started = []
+
+    class Recorder:
+        def __init__(self, command, stdin, env):
+            self.stdin, self.env = open(os.devnull, "wb"), env
+            started.append(self)
+
+    monkeypatch.setattr(executor.subprocess, "Popen", Recorder)
+    ranks = executor.RankExecutor(tmp_path, {}, 3, gpu=True)
+    assert ranks.spec.nccl_id == ("id",) and ranks.spec.devices == ("7", "5", "2")
+    ranks._start_processes()
+    ranks._listener.close()
+    assert [worker.env["CUDA_VISIBLE_DEVICES"] for worker in started] == ["5", "2"]
+
+
+@pytest.mark.parametrize("listed, expected", [
+    ("1,3", ["1", "3"]), (" 0 , GPU-5a1e ", ["0", "GPU-5a1e"]), ("0,-1,2", ["0"]), ("", []), (None, ["0", "1"]),
+])
+def test_visible_cuda_devices_follow_cuda_visible_devices(monkeypatch, listed, expected):
+    from metrale.parallel import visible_cuda_devices
+
+    if listed is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
+    assert visible_cuda_devices(count=2) == expected
+
+
+class FakeCollectives:
+    def __init__(self):
+        self.aborted = threading.Event()
+
+    def abort(self):
+        self.aborted.set()
+
+    def close(self):
+        pass
+
+
+class FakeWorker:
+    returncode = None
+
+    def poll(self):
+        return self.returncode
+
+    def wait(self, timeout=None):
+        return self.returncode
+
+    def kill(self):
+        pass
+
+
+def test_the_gpu_watchdog_aborts_nccl_when_a_worker_is_lost(tmp_path, monkeypatch):
+    """A lost worker leaves rank 0 waiting on the device: the watchdog breaks the group and aborts
+    the NCCL group (which ends that wait); the step then fails with RankError, not with the
+    broken step's output."""
+    from metrale import executor
+
+    monkeypatch.setattr(executor, "WATCH_INTERVAL", 0.02)
+    ranks = executor.RankExecutor(tmp_path, {}, 2)
+    worker, collectives = FakeWorker(), FakeCollectives()
+    ranks._workers, ranks.collectives = [worker], collectives
+    watchdog = threading.Thread(target=ranks._watch)
+    watchdog.start()
+    time.sleep(0.1)
+    assert not collectives.aborted.is_set() and ranks.broken is None
+
+    class Backend:
+        def synchronize(self):
+            collectives.aborted.wait(5)  # (the device's wait, which only the abort ends)
+            raise RuntimeError("the aborted collective's stream error")
+
+    worker.returncode = -9
+    with pytest.raises(RankError, match="rank 1's process exited with code -9"):
+        ranks.finish(Backend())
+    assert collectives.aborted.is_set(), "the watchdog did not abort the group"
+    watchdog.join(5)
+    assert not watchdog.is_alive()
+    ranks.close()
+
+
+def test_a_failed_rank_0_step_breaks_a_gpu_group(tmp_path):
+    """On GPUs the workers' collectives of a step rank 0 gave up are queued on their devices and
+    would pair with the next step's: any failure breaks the group and aborts NCCL."""
+    from metrale import executor
+
+    ranks = executor.RankExecutor(tmp_path, {}, 2)
+    ranks.collectives = FakeCollectives()
+    ranks.abandon(KeyboardInterrupt())
+    assert ranks.collectives.aborted.is_set()
+    with pytest.raises(RankError, match="rank 0's step failed \\(KeyboardInterrupt"):
+        ranks.finish(None)
+    ranks.close()
+
+
+def test_recorded_graphs_keep_the_ranks_in_step(dense_checkpoints):
+    """capture_graphs() sends the workers the same capture (a no-op on the CPU): the steps after
+    it still meet."""
+    checkpoint = dense_checkpoints["llama"]
+    with LLM(str(checkpoint), device="cpu", show_progress=False, tensor_parallel_size=2) as llm:
+        llm.ranks.capture_graphs((1, 2), (1, 16))
+        llm.capture_graphs([1])
+        got = llm.score(PROMPT)
+    assert max_relative_error(got, results(checkpoint, [PROMPT])[0]) <= 1e-4
+
+
+def test_a_worker_process_exits_when_its_driver_is_gone(tmp_path):
+    """A GPU worker whose driver died could be waiting on the device for ever: it watches its
+    parent and exits."""
+    import subprocess
+    import sys
+
+    child = ("import sys, time; from metrale.executor import exit_with_parent; "
+             "exit_with_parent(int(sys.argv[1]), 0.05); time.sleep(60)")
+    parent = ("import os, subprocess, sys; child = subprocess.Popen([sys.executable, '-c', sys.argv[1], "
+              "str(os.getpid())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(child.pid, flush=True)")
+    pid = int(subprocess.run([sys.executable, "-c", parent, child], capture_output=True, text=True,
+                             check=True).stdout)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return  # exited, not yet reaped by its new parent
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail("the orphaned worker kept running")
 
 
 def test_a_prepared_plugin_manager_is_refused(dense_checkpoints):

@@ -101,6 +101,8 @@ class ModelRunner:
             if self.ranks is not None:
                 self.ranks.abandon(error)
             raise
+        if self.ranks is not None:
+            self.ranks.finish(self.backend)
         for segment in segments:
             segment.seq.num_cached = segment.end
         self.model.after_run(list(segments), batch)
@@ -121,6 +123,19 @@ class ModelRunner:
             if feed is not None:
                 feed(prepared.token_ids)
             return self.model.forward_batch(prepared)
+
+
+    def capture_graphs(self, sizes: tuple[int, ...], mixed: tuple[int, int] | None = None) -> None:
+        """Record the decode graphs of ``sizes`` ahead of time and, with ``mixed`` (``(decode
+        rows, prompt tokens)``), those of mixed steps up to that shape (:meth:`metrale.LLM.capture_graphs`;
+        a no-op without graphs). Every rank of a split model records the same, in step."""
+        if self.graphs is None:
+            return
+        with self.backend.activate():
+            self.graphs.capture(sizes)
+            if mixed is not None:
+                self.graphs.capture_mixed(*mixed)
+        self.backend.synchronize()
 
 
 class PendingTokens:
