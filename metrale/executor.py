@@ -201,8 +201,8 @@ class RankExecutor:
             raise ConfigError("distributed_executor_backend='ray' needs Ray: pip install 'metrale[ray]'") from None
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=True)
-        gpus = 1 if self.spec.options.get("device", "auto") != "cpu" else 0
-        remote = ray.remote(num_cpus=1, num_gpus=gpus)(RankActor)
+        # (CPU ranks: an actor asking for a GPU would wait for ever on a cluster without one.)
+        remote = ray.remote(num_cpus=1, num_gpus=0)(RankActor)
         for rank in range(1, self.size):
             actor = remote.remote()
             self._workers.append((actor, actor.run.remote(self.spec, rank)))
@@ -442,10 +442,9 @@ class RankExecutor:
         if self._communicator is not None:
             for connection in self._communicator.connections:
                 connection.close()
-        with self._abort_lock:
-            if self.collectives is not None:
-                # (A broken group's pending collectives would keep the destroy waiting.)
-                (self.collectives.abort if self.broken is not None else self.collectives.close)()
+        # (Aborted, not destroyed: the workers are gone, and a destroy may wait for peers, or for
+        # a broken group's pending collectives.)
+        self._abort_collectives()
         self._listener.close()
 
 
