@@ -278,7 +278,13 @@ class RankExecutor:
 
         thread = threading.Thread(target=join, name="metrale-nccl-join", daemon=True)
         thread.start()
-        self._wait_for(thread)
+        try:
+            self._wait_for(thread)
+        except RankError:
+            self._read_reports()  # (what a worker that could not join said before it exited)
+            if self.broken is None:
+                raise
+            raise RankError(f"the engine's ranks did not start: {self.broken}") from None
         if isinstance(joined[0], BaseException):
             raise RankError(f"rank 0 could not join the NCCL group: {joined[0]!r}") from joined[0]
         return joined[0]

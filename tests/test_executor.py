@@ -204,6 +204,24 @@ def test_gpu_ranks_take_one_visible_device_each(monkeypatch, tmp_path):
     assert [worker.env["CUDA_VISIBLE_DEVICES"] for worker in started] == ["5", "2"]
 
 
+def test_a_gpu_worker_that_cannot_join_nccl_fails_the_start_with_its_error(dense_checkpoints, monkeypatch):
+    """The GPU start-up path on a machine without one: the worker gets its device and the NCCL
+    id, fails to join (no CUDA here), says why and exits; rank 0, waiting in the NCCL
+    initialisation for it, stops waiting and raises RankError with the worker's error."""
+    from metrale import executor
+
+    monkeypatch.setattr(executor, "visible_cuda_devices", lambda: ["0", "1"])
+    monkeypatch.setattr(executor, "new_nccl_id", lambda: (b"\0" * 128,))
+    monkeypatch.setattr(executor, "new_nccl_communicator", lambda *args: threading.Event().wait())
+    ranks = executor.RankExecutor(dense_checkpoints["llama"], {"device": "cpu"}, 2, gpu=True)
+    started = time.monotonic()
+    with pytest.raises(RankError, match="did not start: rank 1 failed in step 0: .*(cupy|CUDA)"):
+        ranks.start()
+    assert time.monotonic() - started < 60
+    ranks.close()
+    assert ranks._workers[0].poll() is not None
+
+
 @pytest.mark.parametrize("listed, expected", [
     ("1,3", ["1", "3"]), (" 0 , GPU-5a1e ", ["0", "GPU-5a1e"]), ("0,-1,2", ["0"]), ("", []), (None, ["0", "1"]),
 ])
