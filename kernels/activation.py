@@ -17,10 +17,18 @@ from metrale.errors import KernelArgumentError
 GELU_APPROXIMATIONS = ("none", "tanh")
 
 
+def sigmoid_denominator(x: np.ndarray) -> np.ndarray:
+    """``1 + exp(-x)`` in ``x``'s precision: ``y / sigmoid_denominator(x)`` is ``y * sigmoid(x)``.
+    Where ``exp(-x)`` overflows (``x`` below about -88 in float32) it is infinite and the quotient
+    its limit, 0, without NumPy's overflow warning."""
+    with np.errstate(over="ignore"):
+        return np.float32(1.0) + np.exp(-x)
+
+
 def silu_and_mul_reference(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """``gate * sigmoid(gate) * up``, float32, same shape as the inputs."""
     gate = np.asarray(gate, dtype=np.float32)
-    return (gate / (np.float32(1.0) + np.exp(-gate)) * up).astype(np.float32)
+    return (gate / sigmoid_denominator(gate) * up).astype(np.float32)
 
 
 # NumPy has no erf (and SciPy is no dependency): the C library's, through Python's math module,

@@ -28,6 +28,7 @@ from metrale.kernels._device import (
     jit_kernel,
     numba_stream,
 )
+from metrale.kernels.activation import sigmoid_denominator
 
 GATED_NORM_THREADS = 16 if SIMULATED else 128
 GATE_THREADS = 64 if SIMULATED else 256
@@ -38,20 +39,20 @@ def gated_rmsnorm_reference(x: np.ndarray, z: np.ndarray, weight: np.ndarray, ep
     x = np.asarray(x, dtype=np.float32)
     z = np.asarray(z, dtype=np.float32)
     normed = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps))
-    return (normed * weight * (z / (np.float32(1.0) + np.exp(-z)))).astype(np.float32)
+    return (normed * weight * (z / sigmoid_denominator(z))).astype(np.float32)
 
 
 def sigmoid_gate_reference(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
     """``x * sigmoid(gate)``, float32."""
     gate = np.asarray(gate, dtype=np.float32)
-    return (np.asarray(x, dtype=np.float32) / (np.float32(1.0) + np.exp(-gate))).astype(np.float32)
+    return (np.asarray(x, dtype=np.float32) / sigmoid_denominator(gate)).astype(np.float32)
 
 
 def gated_add_reference(x: np.ndarray, y: np.ndarray, gate: np.ndarray) -> np.ndarray:
     """``x + y * sigmoid(gate)`` float32 for ``x, y [N, H]`` and ``gate [N, 1]`` (computed as
     ``y / (1 + exp(-gate))``)."""
     gate = np.asarray(gate, dtype=np.float32)
-    return (np.asarray(x, dtype=np.float32) + np.asarray(y, dtype=np.float32) / (1.0 + np.exp(-gate))).astype(np.float32)
+    return (np.asarray(x, dtype=np.float32) + np.asarray(y, dtype=np.float32) / sigmoid_denominator(gate)).astype(np.float32)
 
 
 @jit_kernel

@@ -57,6 +57,7 @@ from metrale.kernels._device import (
     jit_kernel,
     numba_stream,
 )
+from metrale.kernels.activation import sigmoid_denominator
 from metrale.kernels.attention_grouped import subgroup_sum
 
 GDN_THREADS = 16 if SIMULATED else 128
@@ -142,7 +143,7 @@ def conv_update_reference(inputs: np.ndarray, weight: np.ndarray, conv_state: np
     for n, slot in enumerate(slots):
         window = np.concatenate([conv_state[slot], inputs[n][:, None]], axis=1).astype(np.float32)
         mixed = (window * weight).sum(axis=1)
-        out[n] = mixed / (1.0 + np.exp(-mixed))
+        out[n] = mixed / sigmoid_denominator(mixed)
         conv_state[slot] = window[:, 1:]
     return out
 
@@ -183,7 +184,7 @@ def gates_reference(ba: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray, key_
     ratio = value_heads // key_heads
     grouped = np.asarray(ba, dtype=np.float32).reshape(rows, key_heads, 2 * ratio)
     b, a = grouped[:, :, :ratio].reshape(rows, value_heads), grouped[:, :, ratio:].reshape(rows, value_heads)
-    beta = (1.0 / (1.0 + np.exp(-b))).astype(np.float32)
+    beta = (1.0 / sigmoid_denominator(b)).astype(np.float32)
     softplus = np.logaddexp(0.0, a + dt_bias)
     g = (-np.exp(a_log) * softplus).astype(np.float32)
     return g, beta
@@ -221,7 +222,7 @@ def conv_prompts_reference(inputs: np.ndarray, weight: np.ndarray, conv_state: n
         window = np.concatenate([conv_state[slot].T, inputs[first:last].astype(np.float32)], axis=0)  # [K - 1 + n, C]
         out = sum(window[j : j + count] * weight[:, j] for j in range(taps))
         conv_state[slot] = window[window.shape[0] - (taps - 1) :].T
-        mixed[first:last] = out / (1.0 + np.exp(-out))
+        mixed[first:last] = out / sigmoid_denominator(out)
     return mixed
 
 

@@ -33,6 +33,7 @@ from metrale.kernels._device import (
     jit_kernel,
     numba_stream,
 )
+from metrale.kernels.activation import sigmoid_denominator
 from metrale.kernels.gemv import dot_words
 
 #: Routing methods: DeepSeek-V2's two, and DeepSeek-V3's (sigmoid scores with a bias).
@@ -57,7 +58,7 @@ def route_reference(
     if method == "noaux_tc":
         if bias is None:
             raise KernelArgumentError("route_reference: method 'noaux_tc' needs the correction bias")
-        scores = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+        scores = (1.0 / sigmoid_denominator(logits)).astype(np.float32)
         choice = scores + bias[None, :]
         grouped = choice.reshape(tokens, n_group, per_group)
         group_score = -np.sort(-grouped, axis=2)[:, :, : min(2, per_group)].sum(axis=2)
@@ -90,7 +91,7 @@ def experts_reference(
             e = int(experts[n, s])
             gu = gate_up[2 * inter * e : 2 * inter * (e + 1)] @ x[n]
             gate, up = gu[:inter], gu[inter:]
-            act = gate / (1.0 + np.exp(-gate)) * up
+            act = gate / sigmoid_denominator(gate) * up
             out[n] += weights[n, s] * (down[hidden * e : hidden * (e + 1)] @ act)
     return out
 

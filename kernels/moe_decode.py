@@ -32,6 +32,7 @@ import numpy as np
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
+from metrale.kernels.activation import sigmoid_denominator
 from metrale.kernels.decode_gemv import HELPERS
 from metrale.kernels.decode_gemv import INSTRUCTIONS as DYNAMIC_SHARED_MEMORY
 
@@ -196,8 +197,7 @@ def decode_experts_reference(
             e = int(experts[n, s])
             gu = gate_up[2 * inter * e : 2 * inter * (e + 1)] @ x[n]
             gate, up = gu[:inter], gu[inter:]
-            with np.errstate(over="ignore"):
-                act = bf16_to_float32(float32_to_bf16((gate / (np.float32(1.0) + np.exp(-gate)) * up).astype(np.float32)))
+            act = bf16_to_float32(float32_to_bf16((gate / sigmoid_denominator(gate) * up).astype(np.float32)))
             out[n] += np.float32(weights[n, s]) * (down[hidden * e : hidden * (e + 1)] @ act)
     return out
 

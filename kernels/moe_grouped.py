@@ -39,6 +39,7 @@ import numpy as np
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
 from metrale.kernels._tensor_cores import MMA_BF16, STAGED_COPIES
+from metrale.kernels.activation import sigmoid_denominator
 
 
 class Tiling(NamedTuple):
@@ -479,8 +480,7 @@ def grouped_experts_reference(
         e = int(expert)
         gu = x[pairs // top_k] @ gate_up[2 * inter * e : 2 * inter * (e + 1)].T
         gate, up = gu[:, :inter], gu[:, inter:]
-        with np.errstate(over="ignore"):
-            act = gate / (np.float32(1.0) + np.exp(-gate)) * up
+        act = gate / sigmoid_denominator(gate) * up
         pair_out[pairs] = scale[pairs, None] * (act @ down[hidden * e : hidden * (e + 1)].T)
     out = np.zeros((tokens, hidden), dtype=np.float32)
     by_slot = pair_out.reshape(tokens, top_k, hidden)
