@@ -144,7 +144,10 @@ class ThreadedRanks:
 
 @dataclass
 class ThreadCommunicator:
-    """Rank ``rank`` of a :class:`ThreadedRanks` (NumPy arrays)."""
+    """Rank ``rank`` of a :class:`ThreadedRanks`. NumPy arrays, or CuPy arrays of ranks whose
+    backends share a process (and a GPU): those travel through host copies (the rank's stream is
+    waited for), and the result comes back on the rank's current stream -- a check of sharded GPU
+    kernels, not a fast path (and not capturable into a CUDA graph)."""
 
     group: ThreadedRanks
     rank: int
@@ -154,11 +157,25 @@ class ThreadCommunicator:
         return self.group.size
 
     def all_reduce(self, x: Any) -> Any:
-        parts = self.group.exchange(self.rank, np.array(x, copy=True))
-        return sum_in_rank_order(parts)
+        host, device = _host_copy(x)
+        return _back(sum_in_rank_order(self.group.exchange(self.rank, host)), device)
 
     def all_gather(self, x: Any, axis: int = -1) -> Any:
-        return np.concatenate(self.group.exchange(self.rank, np.array(x, copy=True)), axis=axis)
+        host, device = _host_copy(x)
+        return _back(np.concatenate(self.group.exchange(self.rank, host), axis=axis), device)
+
+
+def _host_copy(x: Any) -> tuple[np.ndarray, Any]:
+    """``(a host copy of x, CuPy where x is a CuPy array else None)``."""
+    if isinstance(x, np.ndarray) or not hasattr(x, "__cuda_array_interface__"):
+        return np.array(x, copy=True), None
+    import cupy
+
+    return cupy.asnumpy(x, stream=cupy.cuda.get_current_stream()), cupy
+
+
+def _back(result: np.ndarray, device: Any) -> Any:
+    return result if device is None else device.asarray(result)
 
 
 def run_ranks(size: int, work: Any) -> list[Any]:

@@ -46,16 +46,19 @@ def assert_close(actual: Any, expected: Any, tolerance: float, what: str) -> Non
 
 
 def check_tensor_parallel(checkpoint: Path, size: int, token_ids: Sequence[int], *, expert_parallel: bool = False,
-                          tolerance: float = 1e-4) -> float:
+                          tolerance: float = 1e-4, device: str = "cpu") -> float:
     """Score ``token_ids`` with the model at ``checkpoint`` whole, then as ``size`` ranks of a
     tensor-parallel group simulated in one process (each rank loads its shard on its own thread,
     :func:`metrale.parallel.run_ranks`); raise AssertionError unless every rank's logits equal the
-    whole model's within ``tolerance`` (:func:`max_relative_error`). Returns the largest error."""
+    whole model's within ``tolerance`` (:func:`max_relative_error`). Returns the largest error.
+    ``device="cuda"`` runs the whole model and every rank on the GPU (the ranks' collectives
+    through host copies, CUDA graphs off): the sharded GPU kernels checked on one device."""
     from metrale.api import LLM
     from metrale.parallel import Shard, rank_context, run_ranks
 
     def score() -> np.ndarray:
-        with LLM(checkpoint, device="cpu", show_progress=False) as llm:
+        options = {"cuda_graphs": False} if device != "cpu" else {}
+        with LLM(checkpoint, device=device, show_progress=False, **options) as llm:
             return np.asarray(llm.score(list(token_ids)))
 
     expected = score()

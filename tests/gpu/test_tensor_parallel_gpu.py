@@ -1,8 +1,9 @@
-"""Tensor parallelism on GPUs (``-m gpu``, a machine with two): a model split over two devices
-(one worker process, NCCL collectives on the ranks' streams, captured into the decode graphs)
-scores as the same model on one, within bf16 noise, for every family; its greedy generation gives
-the one-GPU tokens up to near-ties; a lost worker fails the step with RankError instead of
-leaving rank 0 waiting on its device."""
+"""Tensor parallelism on GPUs (``-m gpu``). On one GPU: every family's sharded kernels, two and
+four ranks simulated on threads (their collectives through host copies), score as the whole model
+within bf16 noise. On a machine with two: a model split over both devices (one worker process,
+NCCL collectives on the ranks' streams, captured into the decode graphs) scores as the same model
+on one, its greedy generation gives the one-GPU tokens up to near-ties, and a lost or failing
+worker fails the step with RankError instead of leaving rank 0 waiting on its device."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ BF16_TOLERANCE = 2e-2
 MARGIN = 2e-2
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def two_gpus():
     import cupy
 
@@ -65,6 +66,21 @@ def check_greedy(whole, split_tokens, whole_tokens, prompts):
         assert margin < MARGIN, f"tokens part at {index} although the top-2 margin is {margin:.3g}"
 
 
+@pytest.mark.parametrize("family, size, expert_parallel", [
+    ("llama", 2, False), ("qwen3", 4, False), ("deepseek_v3", 2, False), ("deepseek_v3", 4, True), ("gdn", 2, False),
+])
+def test_sharded_kernels_on_one_gpu_score_as_the_whole_model(dense_checkpoints, mla_checkpoints, gdn_checkpoint,
+                                                            family, size, expert_parallel):
+    from metrale.testing.conformance import check_tensor_parallel
+
+    path = {"llama": dense_checkpoints["llama"], "qwen3": dense_checkpoints["qwen3"],
+            "deepseek_v3": mla_checkpoints["deepseek_v3"], "gdn": gdn_checkpoint}[family]
+    worst = check_tensor_parallel(path, size, prompt(120, seed=2), expert_parallel=expert_parallel,
+                                  tolerance=BF16_TOLERANCE, device="cuda")
+    print(f"{family} over {size} ranks{' (expert parallel)' if expert_parallel else ''}: relative error {worst:.3g}")
+
+
+@pytest.mark.usefixtures("two_gpus")
 @pytest.mark.parametrize("family, options", [
     ("llama", {}), ("qwen3", {}), ("deepseek_v3", {}), ("deepseek_v3", {"expert_parallel": True}), ("gdn", {}),
 ])
@@ -86,6 +102,7 @@ def test_two_gpus_score_and_generate_as_one(dense_checkpoints, mla_checkpoints, 
         check_greedy(whole, split_tokens, whole_tokens, prompts)
 
 
+@pytest.mark.usefixtures("two_gpus")
 def test_a_lost_gpu_worker_fails_the_step_instead_of_hanging(dense_checkpoints):
     llm = LLM(dense_checkpoints["llama"], device="cuda", show_progress=False, tensor_parallel_size=2)
     try:
@@ -104,6 +121,7 @@ def test_a_lost_gpu_worker_fails_the_step_instead_of_hanging(dense_checkpoints):
         assert time.monotonic() - started < 30
 
 
+@pytest.mark.usefixtures("two_gpus")
 def test_a_gpu_worker_that_fails_a_step_fails_it_on_rank_0(dense_checkpoints):
     """A write the worker's cache refuses: the worker reports its CacheError and exits (rank 0
     waits on its device for the worker's part), the watchdog aborts the group, and rank 0's step
