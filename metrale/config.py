@@ -161,7 +161,8 @@ class EngineConfig:
     device at once, of rank at most ``max_lora_rank``; ``tensor_parallel_size`` splits the model
     over that many ranks (:mod:`metrale.parallel`; this process is rank 0, the others are worker
     processes started by ``distributed_executor_backend``: ``"mp"``, the default, processes on this
-    machine, or ``"ray"``, Ray actors placed by a Ray cluster, :mod:`metrale.executor`), with
+    machine, or ``"ray"``, Ray actors placed by a Ray cluster, :mod:`metrale.executor`; on GPUs a
+    visible device each, joined by NCCL), with
     ``expert_parallel`` spreading an MoE model's routed experts over the ranks instead of
     splitting each expert. Every value is type-checked: ints only ints, the flags only True or False
     (:class:`~metrale.errors.ConfigError` otherwise).
