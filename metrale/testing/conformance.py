@@ -57,7 +57,7 @@ def check_tensor_parallel(checkpoint: Path, size: int, token_ids: Sequence[int],
     from metrale.parallel import Shard, rank_context, run_ranks
 
     def score() -> np.ndarray:
-        options = {"cuda_graphs": False} if device != "cpu" else {}
+        options: dict[str, Any] = {"cuda_graphs": False} if device != "cpu" else {}
         with LLM(checkpoint, device=device, show_progress=False, **options) as llm:
             return np.asarray(llm.score(list(token_ids)))
 
