@@ -124,7 +124,6 @@ class ModelRunner:
                 feed(prepared.token_ids)
             return self.model.forward_batch(prepared)
 
-
     def capture_graphs(self, sizes: tuple[int, ...], mixed: tuple[int, int] | None = None) -> None:
         """Record the decode graphs of ``sizes`` ahead of time and, with ``mixed`` (``(decode
         rows, prompt tokens)``), those of mixed steps up to that shape (:meth:`metrale.LLM.capture_graphs`;
