@@ -17,12 +17,14 @@ import numpy as np
 def paged_kv_write_reference(
     k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray
 ) -> None:
-    """Store ``k``/``v`` ``[N, num_kv_heads, d]`` at the flat slots ``slot_mapping [N]``, in place."""
+    """Store ``k``/``v`` ``[N, num_kv_heads, d]`` at the flat slots ``slot_mapping [N]``, in place;
+    a row of slot -1 (padding) is not stored, as the kernels skip it."""
     blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     k_flat = k_cache.reshape(blocks * block_size, *k_cache.shape[2:])
     v_flat = v_cache.reshape(blocks * block_size, *v_cache.shape[2:])
-    k_flat[slot_mapping] = k
-    v_flat[slot_mapping] = v
+    kept = np.asarray(slot_mapping) >= 0
+    k_flat[np.asarray(slot_mapping)[kept]] = np.asarray(k)[kept]
+    v_flat[np.asarray(slot_mapping)[kept]] = np.asarray(v)[kept]
 
 
 def gather_sequence_kv(cache: np.ndarray, block_table: np.ndarray, length: int) -> np.ndarray:

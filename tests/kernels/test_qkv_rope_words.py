@@ -99,3 +99,15 @@ def test_the_kernel_matches_the_reference(emulated, rows, nh, nkv, d, rotary, ha
     k = bf16_to_float32(k_cache)
     assert np.abs(k - expected_k).max() <= 1e-2 * np.abs(expected_k).max()  # one bf16 rounding
     np.testing.assert_array_equal(bf16_to_float32(v_cache), bf16_to_float32(float32_to_bf16(expected_v)))
+
+
+def test_the_reference_skips_rows_of_slot_minus_one():
+    """A row of slot -1 writes nothing (as the CUDA C++ kernel, which skips it); NumPy's negative
+    index would have stored it in the cache's last slot."""
+    from metrale.kernels.attention import paged_kv_write_reference
+
+    k_cache, v_cache = np.zeros((2, 4, 1, 8), np.float32), np.zeros((2, 4, 1, 8), np.float32)
+    k, v = np.ones((3, 1, 8), np.float32), 2 * np.ones((3, 1, 8), np.float32)
+    paged_kv_write_reference(k_cache, v_cache, np.array([0, -1, 5], np.int32), k, v)
+    assert k_cache.reshape(8, 8)[[0, 5]].min() == 1.0 and v_cache.reshape(8, 8)[[0, 5]].min() == 2.0
+    assert not k_cache.reshape(8, 8)[[1, 2, 3, 4, 6, 7]].any() and not v_cache.reshape(8, 8)[[1, 2, 3, 4, 6, 7]].any()
