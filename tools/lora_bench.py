@@ -118,14 +118,15 @@ def main(argv: list[str] | None = None) -> dict:
                         help="rows a block of the CUDA expand takes together (kernels/lora.py EXPAND_ROWS)")
     parser.add_argument("--expand-split", type=int, default=None,
                         help="blocks a slot's rows are spread over (kernels/lora.py EXPAND_SPLIT)")
-    parser.add_argument("--expand-dependent", action="store_true",
-                        help="launch the CUDA expand as a programmatic dependent (kernels/lora.py EXPAND_DEPENDENT)")
+    parser.add_argument("--expand-dependent", action=argparse.BooleanOptionalAction, default=None,
+                        help="launch the CUDA expand as a programmatic dependent or not (default: kernels/lora.py "
+                        "EXPAND_DEPENDENT)")
     parser.add_argument("--output", help="write the numbers here (JSON)")
     args = parser.parse_args(argv)
     from metrale.kernels import lora as lora_kernels
 
-    if args.expand_dependent:
-        lora_kernels.EXPAND_DEPENDENT = True
+    if args.expand_dependent is not None:
+        lora_kernels.EXPAND_DEPENDENT = args.expand_dependent
 
     if args.expand_rows is not None:
         lora_kernels.EXPAND_ROWS = args.expand_rows
