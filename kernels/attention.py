@@ -22,9 +22,10 @@ def paged_kv_write_reference(
     blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     k_flat = k_cache.reshape(blocks * block_size, *k_cache.shape[2:])
     v_flat = v_cache.reshape(blocks * block_size, *v_cache.shape[2:])
-    kept = np.asarray(slot_mapping) >= 0
-    k_flat[np.asarray(slot_mapping)[kept]] = np.asarray(k)[kept]
-    v_flat[np.asarray(slot_mapping)[kept]] = np.asarray(v)[kept]
+    slots = np.asarray(slot_mapping)
+    kept = slots >= 0
+    k_flat[slots[kept]] = np.asarray(k)[kept]
+    v_flat[slots[kept]] = np.asarray(v)[kept]
 
 
 def gather_sequence_kv(cache: np.ndarray, block_table: np.ndarray, length: int) -> np.ndarray:

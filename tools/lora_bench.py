@@ -10,6 +10,7 @@ base model's, and writes them to ``--output`` (JSON). Run from the repository ro
 
     python3 tools/lora_bench.py [--shape llama-8b] [--batch 32] [--adapters 4] [--rank 16] [--context 512]
                                 [--steps 32] [--rounds 3] [--expand-rows 8] [--expand-split 4]
+                                [--no-expand-dependent]
                                 [--output lora.json]
 """
 
