@@ -7,7 +7,8 @@ roundings, its splits). Flash-decoding: a block of four warps owns one decode ro
 heads of one KV head (the M dimension of ``mma.m16n8k16``; a group of fewer heads is padded with
 zero queries) and a split of the row's keys, and streams the split's keys and values through
 shared memory 64 at a time with ``cp.async`` (three stages for head sizes up to 128, so two
-stages' copies are in flight while one is computed; two stages at 256):
+stages' copies are in flight while one is computed; two stages at 256; more for a launch of one
+split whose grid stays resident with them, :func:`launch_stages`):
 
 * ``S = Q K^T``: each warp scores 16 of the 64 keys over the full head size, so the scores need
   no cross-warp sum; the queries (scaled by ``scale * log2(e)``, as bf16) stay in shared memory;
@@ -55,24 +56,60 @@ THREADS = 128
 HEAD_DIMS = (64, 128, 256)
 #: Multiprocessors the split count aims to fill when the device cannot be asked (an H200's).
 DEFAULT_MULTIPROCESSORS = 132
+#: Dynamic shared memory a block may take.
+MAX_SHARED_BYTES = 227 * 1024
 LOG2_E = 1.4426950408889634
 
 
 def stages(head_dim: int) -> int:
-    """Shared-memory stages of keys and values: three up to 128 dims, two above (shared memory)."""
+    """Shared-memory stages of keys and values that keep the most blocks resident: three up to
+    128 dims, two above (shared memory)."""
     return 3 if head_dim <= 128 else 2
 
 
-def shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of a block: the query tile, the stages, the probabilities' two bf16
-    parts (all bf16)."""
+#: The most stages a launch takes (:func:`launch_stages`).
+MAX_STAGES = 6
+#: A launch's stage count instead of :func:`launch_stages`'s choice (None: the choice).
+STAGES_OVERRIDE: int | None = None
+
+
+def shared_bytes(head_dim: int, stage_count: int | None = None) -> int:
+    """Dynamic shared memory of a block: the query tile, the stages (``stage_count``, by default
+    :func:`stages`), the probabilities' two bf16 parts (all bf16)."""
     stride = head_dim + 8
-    return 2 * (BLOCK_HEADS * stride + stages(head_dim) * 2 * BLOCK_KEYS * stride + 2 * BLOCK_HEADS * (BLOCK_KEYS + 8))
+    count = stages(head_dim) if stage_count is None else stage_count
+    return 2 * (BLOCK_HEADS * stride + count * 2 * BLOCK_KEYS * stride + 2 * BLOCK_HEADS * (BLOCK_KEYS + 8))
 
 
-def blocks_per_multiprocessor(head_dim: int) -> int:
+def blocks_per_multiprocessor(head_dim: int, stage_count: int | None = None) -> int:
     """Blocks a multiprocessor holds at once (its 227 KB of shared memory decide)."""
-    return max(1, (227 * 1024) // (shared_bytes(head_dim) + 2048))
+    return max(1, MAX_SHARED_BYTES // (shared_bytes(head_dim, stage_count) + 2048))
+
+
+def launch_stages(rows: int, heads: int, kv_heads: int, head_dim: int, splits: int, max_context: int,
+                  multiprocessors: int = DEFAULT_MULTIPROCESSORS) -> int:
+    """Stages of a launch: :func:`stages`, or more for a launch of one split (a batch of many
+    rows: each block walks all of its row's keys, one stage after another) where the grid still
+    fits in one wave of resident blocks with them, so that more of a block's keys are in flight
+    while it computes; at most one more than a block's steps and :data:`MAX_STAGES`. On the H200
+    (``tools/attention_sweep.py --mma --stages``) five stages took the Llama-1B shape's heads at
+    32 rows and 512 keys from 16.1 to 15.0 us; at 8 rows of four splits and at one row they
+    gained nothing, and six stages (one block a multiprocessor) cost 60 %."""
+    if STAGES_OVERRIDE is not None:
+        if not 2 <= STAGES_OVERRIDE <= MAX_STAGES or shared_bytes(head_dim, STAGES_OVERRIDE) > MAX_SHARED_BYTES:
+            raise KernelArgumentError(f"decode_attention_mma: {STAGES_OVERRIDE} stages of {head_dim} dims (2 to "
+                                      f"{MAX_STAGES}, within {MAX_SHARED_BYTES} bytes of shared memory)")
+        return STAGES_OVERRIDE
+    count = stages(head_dim)
+    if splits > 1:
+        return count
+    blocks = max(1, rows * kv_heads * head_blocks(heads, kv_heads))
+    steps = max(1, -(-int(max_context) // BLOCK_KEYS))
+    while (count < min(MAX_STAGES, steps + 1)
+           and shared_bytes(head_dim, count + 1) <= MAX_SHARED_BYTES
+           and multiprocessors * blocks_per_multiprocessor(head_dim, count + 1) >= blocks):
+        count += 1
+    return count
 
 
 #: A load of what another block of the same launch wrote (past the L1 cache).
@@ -444,26 +481,29 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
 """
 
 
-def kernel_source(head_dim: int, with_instructions: bool = True) -> str:
-    """The kernel's CUDA C++ for keys and values of ``head_dim`` (with the PTX helpers, or without
-    them for the CPU emulation, which brings its own)."""
-    constants = f"#define HEAD_DIM {head_dim}\n#define STAGES {stages(head_dim)}\n#define MAX_SPLITS {MAX_SPLITS}\n"
+def kernel_source(head_dim: int, with_instructions: bool = True, stage_count: int | None = None) -> str:
+    """The kernel's CUDA C++ for keys and values of ``head_dim`` and ``stage_count`` stages (by
+    default :func:`stages`), with the PTX helpers, or without them for the CPU emulation, which
+    brings its own."""
+    count = stages(head_dim) if stage_count is None else stage_count
+    constants = f"#define HEAD_DIM {head_dim}\n#define STAGES {count}\n#define MAX_SPLITS {MAX_SPLITS}\n"
     return (INSTRUCTIONS if with_instructions else "") + constants + KERNEL
 
 
-_kernels: dict[int, Any] = {}
+_kernels: dict[tuple[int, int], Any] = {}
 
 
-def _kernel(head_dim: int) -> Any:
-    """The compiled kernel for ``head_dim`` (NVRTC, once per process and head size)."""
-    kernel = _kernels.get(head_dim)
+def _kernel(head_dim: int, stage_count: int) -> Any:
+    """The compiled kernel for ``head_dim`` and ``stage_count`` (NVRTC, once per process each)."""
+    kernel = _kernels.get((head_dim, stage_count))
     if kernel is None:
         import cupy
 
-        module = cupy.RawModule(code=kernel_source(head_dim), options=("--std=c++17", "--use_fast_math"))
+        module = cupy.RawModule(code=kernel_source(head_dim, stage_count=stage_count),
+                                options=("--std=c++17", "--use_fast_math"))
         kernel = module.get_function("decode_attention_mma")
-        kernel.max_dynamic_shared_size_bytes = shared_bytes(head_dim)
-        _kernels[head_dim] = kernel
+        kernel.max_dynamic_shared_size_bytes = shared_bytes(head_dim, stage_count)
+        _kernels[(head_dim, stage_count)] = kernel
     return kernel
 
 
@@ -624,7 +664,10 @@ def decode_attention(
         acc, best, total, out, counters if merged else np.uint64(0),
     )
     grid = (rows, kv_heads * head_blocks(heads, kv_heads), splits)
-    launch(_kernel(head_dim), grid, (THREADS,), arguments, shared_bytes(head_dim), stream, dependent=True)
+    count = launch_stages(rows, heads, kv_heads, head_dim, splits, block_tables.shape[1] * k_cache.shape[1],
+                          multiprocessor_count())
+    launch(_kernel(head_dim, count), grid, (THREADS,), arguments, shared_bytes(head_dim, count), stream,
+           dependent=True)
     if splits > 1 and not merged:
         attention_combine.combine(acc, best, total, out, stream)
     return out

@@ -1,7 +1,7 @@
 """GPU time of the decode attention kernels over batch sizes, contexts, warps and split counts.
 
     python tools/attention_sweep.py [--head-dim 128] [--contexts 512,2048] [--warps 2,4,8]
-    python tools/attention_sweep.py --mma [--head-dim 64] [--rows 1,8] [--splits 1,2,4,8,16]
+    python tools/attention_sweep.py --mma [--head-dim 64] [--rows 1,8] [--splits 1,2,4,8,16] [--stages 3,5]
 
 Prints, for each batch size, context, split count and warps per block, the grouped kernel alone,
 the staged kernel (:mod:`metrale.kernels.attention_staged`, four warps) alone, the combine
@@ -11,7 +11,8 @@ launcher picks. ``--mma`` times the tensor-core decode kernel
 (:mod:`metrale.kernels.attention_decode_mma`) instead, at each split count, merging its own
 splits (with counters) and followed by the combine kernel, marking the launcher's split count:
 a decode row's attention is a chain of dependent reads (its table, its keys, the partials, the
-merge) more than a stream of bytes at short contexts, so fewer splits may win there.
+merge) more than a stream of bytes at short contexts, so fewer splits may win there. ``--stages``
+times each of those stage counts instead of the launcher's choice (``stages`` in the lines).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main() -> None:
     parser.add_argument("--mma", action="store_true",
                         help="the tensor-core decode kernel at each of --splits, merging its own splits and with the "
                              "combine kernel")
+    parser.add_argument("--stages", default="",
+                        help="with --mma: shared-memory stage counts to time (comma-separated; default the launcher's)")
     parser.add_argument("--compare", action="store_true",
                         help="time paged_attention as the engine runs it (its split choice, the combine) with the "
                              "CUDA-core kernels and with the tensor-core kernel, instead of the per-kernel sweep")
@@ -142,7 +145,9 @@ def sweep_mma(args, backend) -> None:
         counters = cp.zeros(max(1, mma.counter_count(rows, heads, kv)), dtype=np.int32)
         kv_bytes = 2 * rows * context * kv * d * 2
         chosen = mma.device_split_count(rows, heads, kv, d, context)
-        for splits in [int(s) for s in args.splits.split(",")]:
+        for splits, stage_count in [(int(s), int(c) if c else None) for s in args.splits.split(",")
+                                    for c in (args.stages.split(",") if args.stages else [""])]:
+            mma.STAGES_OVERRIDE = stage_count
             space = (cp.zeros((rows, heads, splits, d), dtype=np.float32), cp.zeros((rows, heads, splits), dtype=np.float32),
                      cp.zeros((rows, heads, splits), dtype=np.float32))
             cells = []
@@ -154,8 +159,10 @@ def sweep_mma(args, backend) -> None:
 
                 t = graph_time(backend, run).median_us
                 cells.append(f"{label} {t:7.2f} us ({kv_bytes / t / 1e3:5.0f} GB/s)")
+            used = mma.launch_stages(rows, heads, kv, d, splits, context, mma.multiprocessor_count())
             mark = "  <- split_count" if splits == chosen else ""
-            print(f"rows {rows:3d} context {context:5d} splits {splits:3d}: " + "  ".join(cells) + mark)
+            print(f"rows {rows:3d} context {context:5d} splits {splits:3d} stages {used}: " + "  ".join(cells) + mark)
+        mma.STAGES_OVERRIDE = None
 
 
 def compare(args, backend) -> None:

@@ -163,16 +163,18 @@ int main(int argc, char** argv) {
 def emulated(tmp_path_factory):
     """The kernel built against the emulation per head size; returns a runner of one launch."""
     folder = tmp_path_factory.mktemp("decode_mma_emulated")
-    binaries: dict[int, Path] = {}
+    binaries: dict[tuple[int, int | None], Path] = {}
 
-    def build(head_dim):
-        if head_dim not in binaries:
-            binaries[head_dim] = build_emulated(
-                folder / f"kernel{head_dim}.cpp",
-                attention_decode_mma.kernel_source(head_dim, with_instructions=False) + EMULATION_MAIN)
-        return binaries[head_dim]
+    def build(head_dim, stage_count):
+        if (head_dim, stage_count) not in binaries:
+            binaries[(head_dim, stage_count)] = build_emulated(
+                folder / f"kernel{head_dim}_{stage_count}.cpp",
+                attention_decode_mma.kernel_source(head_dim, with_instructions=False, stage_count=stage_count)
+                + EMULATION_MAIN)
+        return binaries[(head_dim, stage_count)]
 
-    def run(q, k_cache, v_cache, tables, seq_index, positions, window, splits, defer_copies=True, launches=0):
+    def run(q, k_cache, v_cache, tables, seq_index, positions, window, splits, defer_copies=True, launches=0,
+            stage_count=None):
         rows, heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         case = folder / "case"
@@ -180,7 +182,7 @@ def emulated(tmp_path_factory):
         arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, tables=tables, seq_index=seq_index, positions=positions)
         for name, array in arrays.items():
             np.ascontiguousarray(array).tofile(case / name)
-        subprocess.run([str(build(head_dim)), str(case), *map(str, (
+        subprocess.run([str(build(head_dim, stage_count)), str(case), *map(str, (
             rows, heads, kv_heads, k_cache.shape[0], k_cache.shape[1], tables.shape[1], splits, window, SCALE,
             int(defer_copies), launches))], check=True, timeout=600)
         return (np.fromfile(case / "out_acc", np.float32).reshape(rows, heads, splits, head_dim),
@@ -191,23 +193,28 @@ def emulated(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("contexts, heads, kv_heads, head_dim, block_size, window, splits, defer_copies", [
-    ((1, 200), 4, 2, 64, 16, 0, 2, True),  # one key; four steps, the last of 8 keys
-    ((63, 64, 300), 4, 1, 64, 1, 0, 3, True),  # one-token blocks; the three-stage ring wraps
-    ((65, 200), 2, 2, 64, 16, 70, 2, False),  # a window; copies land at once
-    ((150,), 20, 1, 64, 32, 0, 2, True),  # two head blocks of one KV head, the second of four heads
-    ((130,), 2, 1, 256, 16, 0, 2, True),  # 256 dims: two stages
+@pytest.mark.parametrize("contexts, heads, kv_heads, head_dim, block_size, window, splits, defer_copies, stage_count", [
+    ((1, 200), 4, 2, 64, 16, 0, 2, True, None),  # one key; four steps, the last of 8 keys
+    ((63, 64, 300), 4, 1, 64, 1, 0, 3, True, None),  # one-token blocks; the three-stage ring wraps
+    ((65, 200), 2, 2, 64, 16, 70, 2, False, None),  # a window; copies land at once
+    ((150,), 20, 1, 64, 32, 0, 2, True, None),  # two head blocks of one KV head, the second of four heads
+    ((130,), 2, 1, 256, 16, 0, 2, True, None),  # 256 dims: two stages
     # Short rows under many splits (a graph captured for a longer context): the own key lies in
     # the first stage of splits that do not hold it, past their last key.
-    ((65, 20), 8, 2, 64, 16, 0, 12, True),
-    ((65,), 4, 1, 128, 16, 0, 12, False),
+    ((65, 20), 8, 2, 64, 16, 0, 12, True, None),
+    ((65,), 4, 1, 128, 16, 0, 12, False, None),
+    # More stages than the default (a launch of many rows): the five-stage ring wraps, the own
+    # key in the first, a middle and the last issued stage, rows shorter than the ring.
+    ((1, 100, 257, 700), 8, 2, 64, 16, 0, 2, True, 5),
+    ((300, 129), 4, 1, 64, 16, 0, 2, False, 6),
+    ((500, 40), 8, 2, 128, 16, 90, 2, True, 4),
 ])
 def test_the_kernel_run_emulated_matches_its_model(emulated, contexts, heads, kv_heads, head_dim, block_size, window,
-                                                   splits, defer_copies):
+                                                   splits, defer_copies, stage_count):
     rng = np.random.default_rng(sum(contexts) + heads + splits)
     q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, contexts, heads, kv_heads, head_dim, block_size)
     out_acc, out_max, out_sum, _ = emulated(q, k_cache, v_cache, tables, seq_index, positions, window, splits,
-                                            defer_copies)
+                                            defer_copies, stage_count=stage_count)
     want_acc, want_max, want_sum = attention_decode_mma.decode_attention_partials_model(
         q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, SCALE, window or None,
         splits)
@@ -220,11 +227,11 @@ def test_the_kernel_run_emulated_matches_its_model(emulated, contexts, heads, kv
     assert not out_acc[~used].any(), "a split without keys writes zeros"
 
 
-def test_one_split_writes_the_normalised_output(emulated):
+@pytest.mark.parametrize("contexts, stage_count", [((1, 70, 129), None), ((1, 70, 129, 520), 5)])
+def test_one_split_writes_the_normalised_output(emulated, contexts, stage_count):
     rng = np.random.default_rng(3)
-    contexts = (1, 70, 129)
     q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, contexts, 8, 2, 64, 16)
-    *_, out = emulated(q, k_cache, v_cache, tables, seq_index, positions, 0, 1)
+    *_, out = emulated(q, k_cache, v_cache, tables, seq_index, positions, 0, 1, stage_count=stage_count)
     model = model_output(q, k_cache, v_cache, tables, seq_index, positions, None, 1)
     assert rel_error(bf16_to_float32(out), model) <= 1e-2
     reference = attention.paged_attention_reference(q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables,
@@ -250,6 +257,36 @@ def test_the_last_split_merges_the_splits_itself(emulated, contexts, heads, kv_h
     reference = attention.paged_attention_reference(q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables,
                                                     seq_index, positions, SCALE, window or None)
     assert rel_error(bf16_to_float32(out), reference) <= 2e-2
+
+
+def test_a_launch_of_many_rows_takes_more_stages_while_its_grid_stays_resident():
+    mma = attention_decode_mma
+    # Llama-1B's heads at 32 rows: 256 blocks of one split; two blocks of five stages a
+    # multiprocessor still hold them all, three of the default three stages are not needed.
+    assert mma.split_count(32, 32, 8, 64, 512) == 1
+    assert mma.launch_stages(32, 32, 8, 64, 1, 512) == 5
+    assert 132 * mma.blocks_per_multiprocessor(64, 5) >= 256 > 132 * mma.blocks_per_multiprocessor(64, 6)
+    # 128 dims: a fourth stage leaves one block a multiprocessor, too few for 256 blocks.
+    assert mma.launch_stages(32, 32, 8, 128, 1, 512) == mma.stages(128) == 3
+    # A launch of several splits keeps the default, however few its blocks.
+    assert mma.launch_stages(1, 32, 8, 64, 8, 512) == 3
+    assert mma.launch_stages(8, 32, 8, 64, 4, 512) == 3
+    assert mma.launch_stages(32, 16, 2, 256, 2, 4096) == mma.stages(256) == 2
+    # One split: as many as stay resident, no more than a block's steps can fill.
+    assert mma.launch_stages(1, 32, 8, 64, 1, 128) == 3
+    assert mma.launch_stages(1, 32, 8, 64, 1, 256) == 5
+    assert mma.launch_stages(2, 32, 8, 64, 1, 1024) == 6
+    assert mma.shared_bytes(64, 6) <= mma.MAX_SHARED_BYTES
+
+
+def test_a_stage_count_set_by_hand_is_checked(monkeypatch):
+    mma = attention_decode_mma
+    monkeypatch.setattr(mma, "STAGES_OVERRIDE", 4)
+    assert mma.launch_stages(1, 32, 8, 64, 8, 512) == 4
+    for count, head_dim in ((1, 64), (7, 64), (4, 256)):
+        monkeypatch.setattr(mma, "STAGES_OVERRIDE", count)
+        with pytest.raises(KernelArgumentError, match="stages"):
+            mma.launch_stages(1, 32, 8, head_dim, 8, 512)
 
 
 def test_the_launcher_checks_the_counters(monkeypatch):
