@@ -261,8 +261,8 @@ def test_the_last_split_merges_the_splits_itself(emulated, contexts, heads, kv_h
 
 def test_a_launch_of_many_rows_takes_more_stages_while_its_grid_stays_resident():
     mma = attention_decode_mma
-    # Llama-1B's heads at 32 rows: 256 blocks of one split; two blocks of five stages a
-    # multiprocessor still hold them all, three of the default three stages are not needed.
+    # Llama-1B's heads at 32 rows: 256 blocks of one split, two a multiprocessor; two blocks of
+    # five stages still fit one, two of six do not.
     assert mma.split_count(32, 32, 8, 64, 512) == 1
     assert mma.launch_stages(32, 32, 8, 64, 1, 512) == 5
     assert 132 * mma.blocks_per_multiprocessor(64, 5) >= 256 > 132 * mma.blocks_per_multiprocessor(64, 6)
