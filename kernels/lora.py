@@ -5,7 +5,8 @@ the mix of adapters in the batch (docs/lora.rst).
   weight holds every slot's ``A`` after the projection's rows, so one cuBLAS product gives each
   row's projection and its products with every slot's ``A``; :func:`lora_expand` (CUDA C++) then
   writes each row's output with its own slot's update (optionally SwiGLU's activation of it), in
-  one launch whatever the mix of adapters;
+  one launch whatever the mix of adapters, a block per tile of one slot's rows (the step's
+  :func:`metrale.lora.adapter_tiles`, grouped on the host);
 * a step of many rows keeps the projection's product; one more cuBLAS product with every slot's
   ``A`` (or the step's one adapter's), :func:`lora_select_kernel` keeping each row's own slot's
   columns (in bf16), and one cuBLAS product accumulated into the output, ``y += shrunk b^T`` with
@@ -36,6 +37,7 @@ from metrale.kernels._device import (
     jit_kernel,
     numba_stream,
 )
+from metrale.lora import ADAPTER_TILE_ROWS
 
 LORA_THREADS = 32 if SIMULATED else 128
 
@@ -169,25 +171,22 @@ def lora_logit_rows(logits: DeviceArray, h: DeviceArray, slots: DeviceArray, tok
 
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch  # noqa: E402
 
-#: Output columns (a thread each) of a block of :func:`lora_expand`; the batch rows it lists at a
-#: time, the listed rows it takes together, and the shrunk products of a row it stages in shared
-#: memory at a time.
+#: Output columns (a thread each) of a block of :func:`lora_expand`; the rows of a tile
+#: (:data:`metrale.lora.ADAPTER_TILE_ROWS`), taken together; the shrunk products of a row it
+#: stages in shared memory at a time.
 EXPAND_COLUMNS = 128
-EXPAND_LISTED = 128
-EXPAND_ROWS = 8
-#: Blocks a slot's rows are shared over (each takes every this-many-th tile of rows).
-EXPAND_SPLIT = 4
+EXPAND_ROWS = ADAPTER_TILE_ROWS
 #: Whether the expand is launched as a programmatic dependent of the product before it (its
-#: prologue -- reading the bias and prefetching B, both weights -- then overlaps that product's tail; all it
-#: reads of other kernels comes after ``wait_for_producers()``). Measured on the H200 (Llama-8B
-#: shape, 32 rows, four rank-16 adapters): a step 1.25 times the base model's, against 1.28 to 1.30
-#: launched plainly (``tools/lora_bench.py --no-expand-dependent``).
+#: prologue -- reading its first tile, the bias and prefetching B, none of them another kernel's
+#: output -- then overlaps that product's tail; all it reads of other kernels comes after
+#: ``wait_for_producers()``). Measured on the H200 (Llama-8B shape, 32 rows, four rank-16
+#: adapters), with an expand that listed each slot's rows itself: a step 1.25 times the base
+#: model's, against 1.28 to 1.30 launched plainly (``tools/lora_bench.py --no-expand-dependent``).
 EXPAND_DEPENDENT = True
 EXPAND_SEGMENT = 256
 
 EXPAND_KERNEL = r"""
 #define LORA_COLUMNS 128
-#define LORA_LISTED 128
 #ifndef LORA_ROWS
 #define LORA_ROWS 8
 #endif
@@ -201,125 +200,111 @@ __device__ __forceinline__ void prefetch_line(const void* address) {
 }
 
 // ext float32 [N, out + K]: a product with a LoRA stack's extended weight (the projection's own
-// `out` rows, then every slot's A rows, K = slots_count * width), slots int32 [N], b bf16 bits
-// [out, K] (block-diagonal per slot), bias float32 [out] or null. Each row i of slot s > 0 gets
+// `out` rows, then every slot's A rows, K = slots_count * width), tiles int32 [tile_count, 2 +
+// LORA_ROWS] (metrale.lora.adapter_tiles: a slot, a row count, then that many rows of the slot;
+// every row in one tile, the used tiles first, then tiles of no row), b bf16 bits [out, K]
+// (block-diagonal per slot), bias float32 [out] or null. Each row i of slot s > 0 gets
 // y[i, o] = ext[i, o] + bias[o] + sum_{k < width} ext[i, out + (s - 1) width + k] b[o, (s - 1) width + k]
 // (the shrunk products rounded to bf16); a base-model row (s = 0) ext[i, o] + bias[o]. Written to
 // y float32 [N, out]; or, with swiglu (out = 2 I: gate rows, then up rows), bf16(silu(y[i, o]) *
 // y[i, I + o]) to act [N, I].
-// Grid (ceil(columns / LORA_COLUMNS), slots_count + 1, split), LORA_COLUMNS threads: blocks (t, s, z)
-// write the rows of slot s, a thread an output column (of y, or of act). Each lists its slot's
-// rows (LORA_LISTED rows of the batch at a time) and takes tiles z, z + split, ... of LORA_ROWS of
-// them (so a step of one adapter still spreads over split blocks per column tile): their products
+// Grid (ceil(columns / LORA_COLUMNS), P), LORA_COLUMNS threads: block (t, p) takes tiles p, p + P,
+// ... for the output columns of tile t, a thread a column (of y, or of act): the tile's products
 // staged in shared memory (LORA_SEGMENT of a row at a time), each 8 columns of the thread's slice
-// of B loaded once (16 bytes) for all of them, the loads of several such steps in flight. A
-// slot's B columns are read from memory once a step (asked for before the listing), and the time
-// is a few memory round trips, whatever the number of rows.
+// of its slot's B loaded once (16 bytes) for all of its rows, the loads of several such steps in
+// flight. The first tile, read before the wait (the tiles are no kernel's output), tells which
+// B columns to ask for while the product ahead finishes; after the wait, one round trip to the
+// products, then the arithmetic.
 extern "C" __global__ void __launch_bounds__(LORA_COLUMNS) lora_expand(
-    const float* __restrict__ ext, const int* __restrict__ slots, const unsigned short* __restrict__ b,
-    const float* __restrict__ bias, float* __restrict__ y, unsigned short* __restrict__ act, int rows, int out,
-    int width, int slots_count, int swiglu, int words) {
-    __shared__ int listed[LORA_LISTED];
-    __shared__ int warp_rows[LORA_LISTED / 32];
-    __shared__ int count;
+    const float* __restrict__ ext, const int* __restrict__ tiles, int tile_count,
+    const unsigned short* __restrict__ b, const float* __restrict__ bias, float* __restrict__ y,
+    unsigned short* __restrict__ act, int out, int width, int slots_count, int swiglu, int words) {
     __shared__ float staged[LORA_ROWS * LORA_SEGMENT];
-    const int K = width * slots_count, ld = out + K, slot = blockIdx.y;
+    const int K = width * slots_count, ld = out + K;
     const int column = blockIdx.x * LORA_COLUMNS + threadIdx.x;
     const int columns = swiglu ? out / 2 : out;
     const bool active = column < columns;
     const int up = column + out / 2;
-    const int first = slot > 0 ? (slot - 1) * width : 0;
-    const unsigned short* b_column = b + (size_t)(active ? column : 0) * K + first;
-    const unsigned short* b_up = b + (size_t)(active && swiglu ? up : 0) * K + first;
-    if (slot > 0 && active) {   // b is no kernel's output: its lines come while the rows are listed
-        for (int k = 0; k < width; k += 64) {
-            prefetch_line(b_column + k);
-            if (swiglu) prefetch_line(b_up + k);
-        }
-        prefetch_line(b_column + width - 1);
-        if (swiglu) prefetch_line(b_up + width - 1);
-    }
     const float bias_column = bias && active ? bias[column] : 0.0f;
     const float bias_up = bias && swiglu && active ? bias[up] : 0.0f;
-    wait_for_producers();
-    for (int listing = 0; listing < rows; listing += LORA_LISTED) {
-        // The slot's rows in batch order (the same list in each of the slot's blocks): a row's
-        // place is the count of the slot's rows before it, from the warps' ballots.
-        const int row = listing + threadIdx.x;
-        const int mine = row < rows && slots[row] == slot;
-        const unsigned ballot = __ballot_sync(0xffffffffu, mine);
-        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-        if (lane == 0) warp_rows[warp] = __popc(ballot);
-        __syncthreads();
-        int before = __popc(ballot & ((1u << lane) - 1u));
-        for (int w = 0; w < warp; ++w) before += warp_rows[w];
-        if (mine) listed[before] = row;
-        if (threadIdx.x == LORA_LISTED - 1) count = before + mine;
-        __syncthreads();
-        const int listed_count = count;
-        for (int tile = blockIdx.z * LORA_ROWS; tile < listed_count; tile += gridDim.z * LORA_ROWS) {
-            const int taken = min(LORA_ROWS, listed_count - tile);
-            float value[LORA_ROWS], up_value[LORA_ROWS];
-            #pragma unroll
-            for (int r = 0; r < LORA_ROWS; ++r) {
-                const bool here = active && r < taken;
-                const float* x = ext + (size_t)(here ? listed[tile + r] : 0) * ld;
-                value[r] = here ? x[column] + bias_column : 0.0f;
-                up_value[r] = here && swiglu ? x[up] + bias_up : 0.0f;
-            }
-            for (int segment = 0; slot > 0 && segment < width; segment += LORA_SEGMENT) {
-                const int span = min(LORA_SEGMENT, width - segment);
-                for (int i = threadIdx.x; i < taken * span; i += LORA_COLUMNS) {
-                    const int r = i / span, k = i - r * span;
-                    staged[r * LORA_SEGMENT + k] =
-                        bf16_bits(to_bf16(ext[(size_t)listed[tile + r] * ld + out + first + segment + k]));
+    bool waited = false;
+    for (int t = blockIdx.y; t < tile_count; t += gridDim.y) {
+        const int* tile = tiles + (size_t)t * (2 + LORA_ROWS);
+        const int slot = tile[0], taken = min(tile[1], LORA_ROWS);
+        if (taken <= 0) break;   // the same for the whole block: the used tiles come first
+        const int first = slot > 0 ? (slot - 1) * width : 0;
+        const unsigned short* b_column = b + (size_t)(active ? column : 0) * K + first;
+        const unsigned short* b_up = b + (size_t)(active && swiglu ? up : 0) * K + first;
+        if (!waited) {   // b is no kernel's output: its lines come while the product ahead ends
+            if (slot > 0 && active) {
+                for (int k = 0; k < width; k += 64) {
+                    prefetch_line(b_column + k);
+                    if (swiglu) prefetch_line(b_up + k);
                 }
-                __syncthreads();
-                if (active && words) {   // width a multiple of 8; b's rows 16-byte aligned
-                    #pragma unroll 4
-                    for (int k = 0; k < span; k += 8) {
-                        const uint4 w = __ldg(reinterpret_cast<const uint4*>(b_column + segment + k));
-                        const uint4 u = swiglu ? __ldg(reinterpret_cast<const uint4*>(b_up + segment + k))
-                                               : make_uint4(0, 0, 0, 0);
-                        #pragma unroll
-                        for (int r = 0; r < LORA_ROWS; ++r) {
-                            if (r >= taken) break;
-                            const float* p = staged + r * LORA_SEGMENT + k;
-                            value[r] += p[0] * bf16_low(w.x) + p[1] * bf16_high(w.x) + p[2] * bf16_low(w.y)
-                                      + p[3] * bf16_high(w.y) + p[4] * bf16_low(w.z) + p[5] * bf16_high(w.z)
-                                      + p[6] * bf16_low(w.w) + p[7] * bf16_high(w.w);
-                            up_value[r] += p[0] * bf16_low(u.x) + p[1] * bf16_high(u.x) + p[2] * bf16_low(u.y)
-                                         + p[3] * bf16_high(u.y) + p[4] * bf16_low(u.z) + p[5] * bf16_high(u.z)
-                                         + p[6] * bf16_low(u.w) + p[7] * bf16_high(u.w);
-                        }
-                    }
-                } else if (active) {
-                    for (int k = 0; k < span; ++k) {
-                        const float w = bf16_bits(__ldg(b_column + segment + k));
-                        const float u = swiglu ? bf16_bits(__ldg(b_up + segment + k)) : 0.0f;
-                        #pragma unroll
-                        for (int r = 0; r < LORA_ROWS; ++r) {
-                            if (r >= taken) break;
-                            value[r] += staged[r * LORA_SEGMENT + k] * w;
-                            up_value[r] += staged[r * LORA_SEGMENT + k] * u;
-                        }
+                prefetch_line(b_column + width - 1);
+                if (swiglu) prefetch_line(b_up + width - 1);
+            }
+            wait_for_producers();
+            waited = true;
+        }
+        float value[LORA_ROWS], up_value[LORA_ROWS];
+        #pragma unroll
+        for (int r = 0; r < LORA_ROWS; ++r) {
+            const bool here = active && r < taken;
+            const float* x = ext + (size_t)(here ? tile[2 + r] : 0) * ld;
+            value[r] = here ? x[column] + bias_column : 0.0f;
+            up_value[r] = here && swiglu ? x[up] + bias_up : 0.0f;
+        }
+        for (int segment = 0; slot > 0 && segment < width; segment += LORA_SEGMENT) {
+            const int span = min(LORA_SEGMENT, width - segment);
+            for (int i = threadIdx.x; i < taken * span; i += LORA_COLUMNS) {
+                const int r = i / span, k = i - r * span;
+                staged[r * LORA_SEGMENT + k] = bf16_bits(to_bf16(ext[(size_t)tile[2 + r] * ld + out + first + segment + k]));
+            }
+            __syncthreads();
+            if (active && words) {   // width a multiple of 8; b's rows 16-byte aligned
+                #pragma unroll 4
+                for (int k = 0; k < span; k += 8) {
+                    const uint4 w = __ldg(reinterpret_cast<const uint4*>(b_column + segment + k));
+                    const uint4 u = swiglu ? __ldg(reinterpret_cast<const uint4*>(b_up + segment + k))
+                                           : make_uint4(0, 0, 0, 0);
+                    #pragma unroll
+                    for (int r = 0; r < LORA_ROWS; ++r) {
+                        if (r >= taken) break;
+                        const float* p = staged + r * LORA_SEGMENT + k;
+                        value[r] += p[0] * bf16_low(w.x) + p[1] * bf16_high(w.x) + p[2] * bf16_low(w.y)
+                                  + p[3] * bf16_high(w.y) + p[4] * bf16_low(w.z) + p[5] * bf16_high(w.z)
+                                  + p[6] * bf16_low(w.w) + p[7] * bf16_high(w.w);
+                        up_value[r] += p[0] * bf16_low(u.x) + p[1] * bf16_high(u.x) + p[2] * bf16_low(u.y)
+                                     + p[3] * bf16_high(u.y) + p[4] * bf16_low(u.z) + p[5] * bf16_high(u.z)
+                                     + p[6] * bf16_low(u.w) + p[7] * bf16_high(u.w);
                     }
                 }
-                __syncthreads();
-            }
-            #pragma unroll
-            for (int r = 0; r < LORA_ROWS; ++r) {
-                if (!active || r >= taken) break;
-                const size_t at = listed[tile + r];
-                if (swiglu) {
-                    const float v = value[r];
-                    act[at * columns + column] = to_bf16(v / (1.0f + expf(-v)) * up_value[r]);
-                } else {
-                    y[at * out + column] = value[r];
+            } else if (active) {
+                for (int k = 0; k < span; ++k) {
+                    const float w = bf16_bits(__ldg(b_column + segment + k));
+                    const float u = swiglu ? bf16_bits(__ldg(b_up + segment + k)) : 0.0f;
+                    #pragma unroll
+                    for (int r = 0; r < LORA_ROWS; ++r) {
+                        if (r >= taken) break;
+                        value[r] += staged[r * LORA_SEGMENT + k] * w;
+                        up_value[r] += staged[r * LORA_SEGMENT + k] * u;
+                    }
                 }
+            }
+            __syncthreads();
+        }
+        #pragma unroll
+        for (int r = 0; r < LORA_ROWS; ++r) {
+            if (!active || r >= taken) break;
+            const size_t at = tile[2 + r];
+            if (swiglu) {
+                const float v = value[r];
+                act[at * columns + column] = to_bf16(v / (1.0f + expf(-v)) * up_value[r]);
+            } else {
+                y[at * out + column] = value[r];
             }
         }
-        __syncthreads();
     }
     allow_dependents();
 }
@@ -337,22 +322,23 @@ def source() -> str:
     return INSTRUCTIONS + DEPENDENT_LAUNCH + HELPERS + EXPAND_KERNEL
 
 
-#: The compiled expand, by the rows a block takes together (:data:`EXPAND_ROWS` when it was built).
+#: The compiled expand.
 _expand_kernels: dict[int, Any] = {}
 
 
-def lora_expand(ext: DeviceArray, slots: DeviceArray, b: DeviceArray, width: int, out: DeviceArray,
+def lora_expand(ext: DeviceArray, tiles: DeviceArray, b: DeviceArray, width: int, out: DeviceArray,
                 bias: DeviceArray | None = None, swiglu: bool = False, stream: object = None) -> DeviceArray:
     """Each row's LoRA update added to its product with a stack's extended weight, in CUDA C++
     (one launch whatever the mix of slots): ``ext [N, M + S W]`` float32 (the projection's ``M``
-    columns, then every slot's shrunk products), ``slots [N]`` int32, ``b [M, S W]`` bf16 bits
+    columns, then every slot's shrunk products), ``tiles [T, 2 + 8]`` int32 (the rows grouped
+    by slot, :func:`metrale.lora.adapter_tiles`), ``b [M, S W]`` bf16 bits
     (:class:`~metrale.lora.LoraStack`), ``width`` = ``W``, ``bias [M]`` float32 or None. Writes
     ``out [N, M]`` float32; with ``swiglu`` (``M = 2 I``: gate columns, then up columns)
     ``silu(gate) * up`` to ``out [N, I]`` bf16 bits."""
     op = "lora_expand"
     check_array(op, "ext", ext, np.float32, ndim=2)
     rows, columns = ext.shape
-    check_array(op, "slots", slots, np.int32, (rows,))
+    check_array(op, "tiles", tiles, np.int32, (None, 2 + EXPAND_ROWS))
     check_array(op, "b", b, np.uint16, ndim=2)
     m, k = b.shape
     if width <= 0 or k % width or columns != m + k:
@@ -366,6 +352,8 @@ def lora_expand(ext: DeviceArray, slots: DeviceArray, b: DeviceArray, width: int
         check_array(op, "out", out, np.float32, (rows, m))
     if bias is not None:
         check_array(op, "bias", bias, np.float32, (m,))
+    if tiles.shape[0] < -(-rows // EXPAND_ROWS):
+        raise KernelArgumentError(f"{op}: {tiles.shape[0]} tiles cannot hold {rows} rows")
     kernel = _expand_kernels.get(EXPAND_ROWS)
     if kernel is None:
         import cupy
@@ -376,11 +364,9 @@ def lora_expand(ext: DeviceArray, slots: DeviceArray, b: DeviceArray, width: int
     words = width % 8 == 0 and k % 8 == 0 and b.data.ptr % 16 == 0
     if rows and m:
         null = np.uint64(0)
-        split = max(1, min(EXPAND_SPLIT, -(-min(rows, EXPAND_LISTED) // EXPAND_ROWS)))
-        launch(kernel, (-(-(m // 2 if swiglu else m) // EXPAND_COLUMNS), k // width + 1, split),
-               (EXPAND_COLUMNS,),
-               (ext, slots, b, null if bias is None else bias, null if swiglu else out, out if swiglu else null,
-                np.int32(rows), np.int32(m), np.int32(width), np.int32(k // width), np.int32(swiglu),
+        launch(kernel, (-(-(m // 2 if swiglu else m) // EXPAND_COLUMNS), -(-rows // EXPAND_ROWS)), (EXPAND_COLUMNS,),
+               (ext, tiles, np.int32(tiles.shape[0]), b, null if bias is None else bias, null if swiglu else out,
+                out if swiglu else null, np.int32(m), np.int32(width), np.int32(k // width), np.int32(swiglu),
                 np.int32(words)),
                0, stream, dependent=EXPAND_DEPENDENT)
     return out

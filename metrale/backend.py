@@ -227,7 +227,7 @@ def _log_cpu_fallback(reason: str) -> None:
 def with_device_arrays(batch: Any, convert: Any) -> Any:
     """A copy of ``batch`` whose row-metadata arrays went through ``convert`` (int32)."""
     fields = ("token_ids", "positions", "seq_index", "slot_mapping", "block_tables", "logits_rows", "state_slots",
-              "adapter_slots")
+              "adapter_slots", "adapter_tiles")
     return replace(batch, **{
         name: convert(np.ascontiguousarray(getattr(batch, name), dtype=np.int32))
         for name in fields if getattr(batch, name) is not None

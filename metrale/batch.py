@@ -48,7 +48,8 @@ class ForwardBatch:
     ``adapter_slots``: ``[N]`` int64, each row's LoRA adapter slot (0: the base model), None when
     every row runs the base model; ``adapter_route``: the step's route
     (:func:`metrale.lora.adapter_route`: None, one slot, or
-    :data:`~metrale.sequence.MIXED_ADAPTERS`).
+    :data:`~metrale.sequence.MIXED_ADAPTERS`); ``adapter_tiles``: the rows grouped by slot
+    (:func:`metrale.lora.adapter_tiles`), with ``adapter_slots``, for the op ``lora_expand``.
     """
 
     segments: list[Segment]
@@ -65,6 +66,7 @@ class ForwardBatch:
     every_row_logits: bool = False
     adapter_slots: np.ndarray | None = None
     adapter_route: int | str | None = None
+    adapter_tiles: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -80,11 +82,12 @@ class ForwardBatch:
         else:
             batch = cls._build_rows(segments, block_size)
         if any(s.seq.adapter_slot for s in segments):
-            from metrale.lora import adapter_route
+            from metrale.lora import adapter_route, adapter_tiles
 
             per_segment = np.fromiter((s.seq.adapter_slot or 0 for s in segments), dtype=np.int64, count=len(segments))
             batch.adapter_slots = per_segment[batch.seq_index]
             batch.adapter_route = adapter_route(batch.adapter_slots)
+            batch.adapter_tiles = adapter_tiles(batch.adapter_slots)
         return batch
 
     @classmethod

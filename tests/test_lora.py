@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 
 from metrale.errors import AdapterError, ConfigError
-from metrale.lora import LoRARequest, load_adapter
+from metrale.lora import (
+    ADAPTER_TILE_ROWS,
+    LoRARequest,
+    adapter_tile_capacity,
+    adapter_tiles,
+    check_adapter_tiles,
+    load_adapter,
+)
 
 HIDDEN, INTER, VOCAB, LAYERS, KV_DIM = 64, 96, 128, 2, 32
 TARGETS = {"self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (KV_DIM, HIDDEN),
@@ -152,3 +159,46 @@ def test_weights_that_do_not_fit_are_refused(saved, tmp_path):
 def test_bad_requests_are_refused(fields, match):
     with pytest.raises(ConfigError, match=match):
         LoRARequest(*fields)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_adapter_tiles_list_every_row_once_in_tiles_of_its_slot(seed):
+    rng = np.random.default_rng(seed)
+    rows = int(rng.integers(1, 80))
+    slots = rng.integers(0, int(rng.integers(1, 12)), rows)
+    tiles = adapter_tiles(slots)
+    counts = tiles[:, 1]
+    used = int((counts > 0).sum())
+    assert len(tiles) == adapter_tile_capacity(rows) and (counts[:used] > 0).all() and not counts[used:].any()
+    listed = [row for tile in tiles[:used] for row in tile[2 : 2 + tile[1]]]
+    assert sorted(listed) == list(range(rows))
+    for slot, count, *members in tiles[:used]:
+        assert 1 <= count <= ADAPTER_TILE_ROWS and (slots[members[:count]] == slot).all()
+        assert members[:count] == sorted(members[:count]) and all(m == -1 for m in members[count:])
+    check_adapter_tiles("test", slots, tiles)
+
+
+def test_adapter_tiles_fit_the_capacity_of_the_worst_mix():
+    # 9 rows of one slot and one row of each of seven others: each slot's last tile partly empty.
+    slots = np.array([1] * 9 + list(range(2, 9)))
+    tiles = adapter_tiles(slots)
+    assert int((tiles[:, 1] > 0).sum()) == 2 + 7 <= adapter_tile_capacity(len(slots))
+    assert len(adapter_tiles(slots, 40)) == 40  # a graph's table: room for any mix
+    with pytest.raises(ValueError, match="cannot hold"):
+        adapter_tiles(slots, 8)
+
+
+def test_tiles_that_do_not_match_the_slots_are_refused():
+    slots = np.array([1, 0, 1, 2])
+    tiles = adapter_tiles(slots)
+    assert tiles[1, :4].tolist() == [1, 2, 0, 2]  # slot 1: rows 0 and 2
+    for change, match in ((lambda t: t.__setitem__((1, 0), 2), "another adapter slot"),
+                          (lambda t: t.__setitem__((1, 3), 0), "once"),
+                          (lambda t: t.__setitem__((1, 1), 0), "the used ones first"),
+                          (lambda t: t.__setitem__((0, 1), 9), "1 to 8 rows")):
+        broken = tiles.copy()
+        change(broken)
+        with pytest.raises(ValueError, match=match):
+            check_adapter_tiles("test", slots, broken)
+    with pytest.raises(ValueError, match=r"\[T, 10\]"):
+        check_adapter_tiles("test", slots, tiles[:, :5])

@@ -115,10 +115,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--workdir", default="/tmp/metrale-bench")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the three modes, timed in turn")
-    parser.add_argument("--expand-rows", type=int, default=None,
-                        help="rows a block of the CUDA expand takes together (kernels/lora.py EXPAND_ROWS)")
-    parser.add_argument("--expand-split", type=int, default=None,
-                        help="blocks a slot's rows are spread over (kernels/lora.py EXPAND_SPLIT)")
     parser.add_argument("--expand-dependent", action=argparse.BooleanOptionalAction, default=None,
                         help="launch the CUDA expand as a programmatic dependent or not (default: kernels/lora.py "
                         "EXPAND_DEPENDENT)")
@@ -128,11 +124,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.expand_dependent is not None:
         lora_kernels.EXPAND_DEPENDENT = args.expand_dependent
-
-    if args.expand_rows is not None:
-        lora_kernels.EXPAND_ROWS = args.expand_rows
-    if args.expand_split is not None:
-        lora_kernels.EXPAND_SPLIT = args.expand_split
 
     from metrale import LLM, LoRARequest
     from metrale.api import resolve_model_path
@@ -158,7 +149,6 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = seconds.pop("rounds")
     report = {"device": args.device, "shape": args.shape, "batch": args.batch, "adapters": args.adapters,
               "rank": args.rank, "context": args.context, "expand_rows": lora_kernels.EXPAND_ROWS,
-              "expand_split": lora_kernels.EXPAND_SPLIT,
               "expand_dependent": lora_kernels.EXPAND_DEPENDENT, "step_seconds": seconds, "rounds": rounds,
               "ratio_one_adapter": seconds["one_adapter"] / seconds["base"], "ratio_mixed": seconds["mixed"] / seconds["base"]}
     print(f"{args.shape}, batch {args.batch}, context {args.context}: base step {1e3 * seconds['base']:.3f} ms; "

@@ -4,7 +4,7 @@ o, gate/up, down) the base model's product, the product with the LoRA stack's ex
 ``lora_linear`` (the path of steps past FOLDED_ROWS rows) after the base product.
 
     python tools/lora_ops_bench.py [--shape llama-8b] [--rows 32] [--slots 4] [--rank 16]
-                                   [--device cuda] [--expand-configs 4x4,16x1] [--output ops.json]
+                                   [--device cuda] [--mix random] [--output ops.json]
 
 On the GPU each piece is recorded into a CUDA graph of 20 back-to-back calls and replayed
 between CUDA events (the GPU time per call, without launch overhead); on the CPU the host clock
@@ -40,14 +40,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--expand-configs", default="",
-                        help="more CUDA expands to time, as ROWSxSPLIT,... (kernels/lora.py EXPAND_ROWS and "
-                        "EXPAND_SPLIT), e.g. 4x4,16x1")
+    parser.add_argument("--mix", default="random", choices=("random", "one", "even"),
+                        help="the rows' slots: random (the base model too), all of slot 1, or the slots in turn")
     parser.add_argument("--output", help="write the numbers here (JSON)")
     args = parser.parse_args(argv)
-    configs = [tuple(int(n) for n in item.split("x")) for item in args.expand_configs.split(",") if item]
 
     from metrale.backend import get_backend
+    from metrale.lora import adapter_tiles
     from metrale.ops import build_op_registry
 
     backend = get_backend(args.device)
@@ -64,30 +63,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         a_rows = backend.weight(a)
         b = backend.weight((rng.standard_normal((out, args.slots * width)) * 0.02).astype(np.float32))
         x = backend.weight(rng.standard_normal((args.rows, inner)).astype(np.float32))
-        slots = xp.asarray(rng.integers(0, args.slots + 1, args.rows).astype(np.int32))
+        host_slots = {"random": rng.integers(0, args.slots + 1, args.rows),
+                      "one": np.ones(args.rows), "even": np.arange(args.rows) % args.slots + 1}[args.mix].astype(np.int32)
+        slots, tiles = xp.asarray(host_slots), xp.asarray(adapter_tiles(host_slots))
         with backend.activate():
             ext = ops.linear(x, extended)
             y = ops.linear(x, base)
             calls = {
                 "base": (lambda: ops.linear_silu(x, base)) if swiglu else (lambda: ops.linear(x, base)),
                 "extended product": lambda: ops.linear(x, extended),
-                "lora_expand": lambda: ops.lora_expand(ext, b, slots, width, None, swiglu),
-                "extended product + lora_expand": lambda: ops.lora_expand(ops.linear(x, extended), b, slots, width,
-                                                                          None, swiglu),
+                "lora_expand": lambda: ops.lora_expand(ext, b, slots, tiles, width, None, swiglu),
+                "extended product + lora_expand": lambda: ops.lora_expand(ops.linear(x, extended), b, slots, tiles,
+                                                                          width, None, swiglu),
                 "lora_linear": lambda: ops.lora_linear(y, x, a_rows, b, slots),
             }
-            for rows_per_block, split in configs if args.device == "cuda" else ():
-                def expand(rows_per_block: int = rows_per_block, split: int = split) -> Any:
-                    from metrale.kernels import lora as kernels
-
-                    kept = kernels.EXPAND_ROWS, kernels.EXPAND_SPLIT
-                    kernels.EXPAND_ROWS, kernels.EXPAND_SPLIT = rows_per_block, split
-                    try:
-                        return ops.lora_expand(ext, b, slots, width, None, swiglu)
-                    finally:
-                        kernels.EXPAND_ROWS, kernels.EXPAND_SPLIT = kept
-
-                calls[f"lora_expand {rows_per_block} rows x {split}"] = expand
             for piece, call in calls.items():
                 if args.device == "cuda":
                     timing = graph_time(backend, call, calls_per_graph=20, repeats=10)
@@ -95,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     timing = host_time(call, repeats=3, warmup=1)
                 pieces.setdefault(piece, {})[name] = statistics.median(timing.samples) * 1e6
     report = {"device": args.device, "shape": args.shape, "rows": args.rows, "slots": args.slots, "rank": args.rank,
+              "mix": args.mix,
               "microseconds": pieces,
               "layer_microseconds": {piece: sum(values.values()) for piece, values in pieces.items()}}
     for piece, values in pieces.items():

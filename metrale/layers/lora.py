@@ -23,14 +23,15 @@ def lora_active(batch: ForwardBatch, *stacks: Any) -> bool:
 
 
 #: Rows up to which an adapted projection's shrink rides along its own product: one product with
-#: the stack's extended weight (a few more rows than the weight's) and the op ``lora_expand``.
+#: the stack's extended weight (a few more rows than the weight's) and the op ``lora_expand``
+#: (which reads the step's ``adapter_tiles``; a batch without them takes the other path).
 #: Past it the projection keeps its own product and the op ``lora_linear`` shrinks and expands
 #: apart (the expand's copy of a large output would cost more than a product of its own).
 FOLDED_ROWS = 64
 
 
-def _folded(x: Any) -> bool:
-    return int(x.shape[0]) <= FOLDED_ROWS
+def _folded(x: Any, batch: ForwardBatch) -> bool:
+    return int(x.shape[0]) <= FOLDED_ROWS and batch.adapter_tiles is not None
 
 
 def linear_with_lora(backend: Any, x: Any, weight: Any, bias: Any, stack: LoraStack | None, batch: ForwardBatch,
@@ -41,8 +42,9 @@ def linear_with_lora(backend: Any, x: Any, weight: Any, bias: Any, stack: LoraSt
     ops = backend.ops
     if stack is None or batch.adapter_slots is None:
         return ops.linear_silu(x, weight, bias) if swiglu else ops.linear(x, weight, bias)
-    if _folded(x):
-        return ops.lora_expand(ops.linear(x, stack.weight), stack.b, batch.adapter_slots, stack.width, bias, swiglu)
+    if _folded(x, batch):
+        return ops.lora_expand(ops.linear(x, stack.weight), stack.b, batch.adapter_slots, batch.adapter_tiles,
+                               stack.width, bias, swiglu)
     y = ops.lora_linear(ops.linear(x, weight, bias), x, stack.a, stack.b, batch.adapter_slots, batch.adapter_route)
     return ops.silu_and_mul(y) if swiglu else y
 
@@ -58,9 +60,10 @@ def normed_projection(backend: Any, x: Any, residual: Any, norm_weight: Any, eps
     if stack is None or not lora_active(batch, stack):
         projected, summed = ops.rmsnorm_linear(x, residual, norm_weight, eps, offset, weight, bias)
         return (ops.silu_and_mul(projected) if swiglu else projected), summed
-    if _folded(x):
+    if _folded(x, batch):
         extended, summed = ops.rmsnorm_linear(x, residual, norm_weight, eps, offset, stack.weight)
-        return ops.lora_expand(extended, stack.b, batch.adapter_slots, stack.width, bias, swiglu), summed
+        return (ops.lora_expand(extended, stack.b, batch.adapter_slots, batch.adapter_tiles, stack.width, bias, swiglu),
+                summed)
     normed, summed = ops.rmsnorm_residual(x, residual, norm_weight, eps, offset)
     return linear_with_lora(backend, normed, weight, bias, stack, batch, swiglu), summed
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from metrale.lora import adapter_tiles, check_adapter_tiles
 from metrale.ops.registry import Kernel, Op, OpRegistry
 from metrale.ops.registry import Operand as P
 
@@ -74,7 +75,8 @@ def lora_linear(y, x, a, b, slots, route=None):
     return y
 
 
-def lora_expand(ext, b, slots, width, bias=None, swiglu=False):
+def lora_expand(ext, b, slots, tiles, width, bias=None, swiglu=False):
+    check_adapter_tiles("lora_expand", slots, tiles)
     out = b.shape[0]
     ext, b = to_float32(ext), to_float32(b)
     y = np.array(ext[:, :out], dtype=np.float32)
@@ -357,7 +359,8 @@ def _lora_expand_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
         a, b = _lora_stack_example(rng, inner, outs, rank, slots)
         # A product with the stack's extended weight: the projection's columns, then every slot's shrunk products.
         ext = np.concatenate([_rows(rng, rows, sum(outs)), _rows(rng, rows, inner) @ a.reshape(-1, inner).T], axis=1)
-        examples.append({"ext": ext.astype(np.float32), "b": b, "slots": _lora_slots(rng, rows, slots),
+        row_slots = _lora_slots(rng, rows, slots)
+        examples.append({"ext": ext.astype(np.float32), "b": b, "slots": row_slots, "tiles": adapter_tiles(row_slots),
                          "width": len(outs) * rank, "bias": _rows(rng, sum(outs)) if bias else None,
                          "swiglu": swiglu})
     return examples
@@ -706,6 +709,9 @@ def _declarations() -> list[tuple[Op, str]]:
             "of slot ``s = slots[i]`` (0: no update); with ``swiglu`` (``out = 2 I``, gate rows then up rows) "
             "``silu(y[:, :I]) * y[:, I:]``.",
             (P("ext", "[N, out + S G R]", "activation"), P("b", "[out, S G R]", "weight"), P("slots", "[N]", "index"),
+             P("tiles", "[T, 10]", "index",
+               doc="the rows grouped by slot (metrale.lora.adapter_tiles(slots), ForwardBatch.adapter_tiles): a "
+               "kernel may read the rows' slots from it alone"),
              P("width", kind="scalar", doc="``W = G R``, a slot's columns"),
              P("bias", "[out]", "constant", optional=True),
              P("swiglu", kind="option", optional=True, doc="SwiGLU's activation of the result")),

@@ -480,10 +480,13 @@ class CudaKernels:
             lora.lora_select(self.linear(x, a.reshape(count * width, inner)), width, slots, shrunk, self.stream)
         return self.gemm(shrunk, b, y, accumulate=True)
 
-    def lora_expand(self, ext: Any, b: Any, slots: Any, width: int, bias: Any = None, swiglu: bool = False) -> Any:
+    def lora_expand(self, ext: Any, b: Any, slots: Any, tiles: Any, width: int, bias: Any = None,
+                    swiglu: bool = False) -> Any:
+        # The kernel reads the rows' slots from their tiles.
         rows, out = ext.shape[0], b.shape[0]
         y = cp.empty((rows, out // 2), dtype=bf16) if swiglu else cp.empty((rows, out), dtype=f32)
-        return lora.lora_expand(cp.ascontiguousarray(ext, dtype=f32), slots, b, width, y, bias, swiglu, self.stream)
+        return lora.lora_expand(cp.ascontiguousarray(ext, dtype=f32), cp.ascontiguousarray(tiles, dtype=np.int32), b,
+                                width, y, bias, swiglu, self.stream)
 
     def lora_token_rows(self, x: Any, ids: Any, slots: Any, tokens: Any, rows: Any) -> Any:
         return lora.lora_token_rows(x, ids, slots, tokens, rows, self.stream)

@@ -45,6 +45,7 @@ import numpy as np
 
 from metrale.batch import ForwardBatch
 from metrale.errors import GraphCaptureError
+from metrale.lora import ADAPTER_TILE_ROWS, adapter_tile_capacity, adapter_tiles
 from metrale.sequence import MIXED_ADAPTERS
 
 logger = logging.getLogger(__name__)
@@ -62,10 +63,19 @@ MIXED_PROMPT_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 CONTEXT_BUCKET_START = 512
 
 # Field order of the packed int32 metadata: seven [B] vectors, then the pending tokens' feed (its
-# rows and its indices, [B] each), then the [B, width] table.
+# rows and its indices, [B] each), then the adapter tiles of the B rows, then the [B, width] table.
 _VECTORS = ("token_ids", "positions", "slot_mapping", "seq_index", "logits_rows", "state_slots", "adapter_slots")
 _FEED_VECTORS = 2
-_TABLE_START = len(_VECTORS) + _FEED_VECTORS  # in [B] vectors
+_TILES_START = len(_VECTORS) + _FEED_VECTORS  # in [B] vectors
+
+
+def _tile_values(size: int) -> int:
+    """int32 values of the adapter tiles of ``size`` rows (:func:`metrale.lora.adapter_tiles`)."""
+    return adapter_tile_capacity(size) * (2 + ADAPTER_TILE_ROWS)
+
+
+def _table_start(size: int) -> int:
+    return _TILES_START * size + _tile_values(size)
 
 
 def persistent_zeros(length: int) -> Any:
@@ -87,9 +97,10 @@ def table_width(bucket: int, block_size: int, max_blocks: int) -> int:
 def decode_buffer_length(size: int, width: int) -> int:
     """int32 values of a rung's packed metadata for tables ``width`` wide: seven ``[size]`` vectors
     (token ids, positions, cache slots, sequence index, logits rows, state slots, adapter slots),
-    two more (the rows and indices of the pending tokens fed in, :func:`pack_decode`), then the
-    ``[size, width]`` block table."""
-    return _TABLE_START * size + size * width
+    two more (the rows and indices of the pending tokens fed in, :func:`pack_decode`), the rows'
+    adapter tiles (:func:`metrale.lora.adapter_tiles`, as many as ``size`` rows may need), then
+    the ``[size, width]`` block table."""
+    return _table_start(size) + size * width
 
 
 def pack_decode(host: np.ndarray, size: int, width: int, batch: ForwardBatch | None,
@@ -115,7 +126,10 @@ def pack_decode(host: np.ndarray, size: int, width: int, batch: ForwardBatch | N
             packed[5 * size : 5 * size + rows] = batch.state_slots  # padding rows: the dummy slot 0
         if batch.adapter_slots is not None:
             packed[6 * size : 6 * size + rows] = batch.adapter_slots
-        table = packed[_TABLE_START * size :].reshape(size, width)
+            # Every row's tile, padding rows' too (slot 0: their outputs written like the rest).
+            tiles = adapter_tiles(packed[6 * size : 7 * size], adapter_tile_capacity(size))
+            packed[_TILES_START * size : _table_start(size)] = tiles.reshape(-1)
+        table = packed[_table_start(size) :].reshape(size, width)
         # (A step's sequences hold no more blocks than its bucket's tokens fill; the columns past
         # ``width`` are never read by the bucket's graph.)
         columns = min(width, batch.block_tables.shape[1])
@@ -140,6 +154,7 @@ def as_decode_rows(batch: ForwardBatch) -> ForwardBatch:
         slot_mapping=batch.slot_mapping, block_tables=batch.block_tables[batch.seq_index],
         row_starts=np.arange(batch.num_rows + 1, dtype=np.int64), logits_rows=rows, max_context=batch.max_context,
         state_slots=None, every_row_logits=True, adapter_slots=batch.adapter_slots, adapter_route=batch.adapter_route,
+        adapter_tiles=batch.adapter_tiles,
     )
 
 
@@ -151,7 +166,7 @@ def decode_rung_batch(buffer: Any, size: int, max_blocks: int, max_model_len: in
     views = {name: buffer[i * size : (i + 1) * size] for i, name in enumerate(_VECTORS)}
     return ForwardBatch(
         segments=[], token_ids=views["token_ids"], positions=views["positions"], seq_index=views["seq_index"],
-        slot_mapping=views["slot_mapping"], block_tables=buffer[_TABLE_START * size :].reshape(size, max_blocks),
+        slot_mapping=views["slot_mapping"], block_tables=buffer[_table_start(size) :].reshape(size, max_blocks),
         row_starts=np.arange(size + 1), logits_rows=views["logits_rows"], max_context=max_model_len,
         state_slots=views["state_slots"], every_row_logits=True,  # pack_decode packs 0 .. size - 1
     )
@@ -175,7 +190,7 @@ class Rung:
     graphs read every row's adapter slot)."""
 
     size: int
-    host: Any  # pinned int32 [9 B + B * max_blocks]
+    host: Any  # pinned int32, decode_buffer_length(B, max_blocks)
     device: Any  # device int32, same layout
     batch: ForwardBatch  # over ``device``; its max_context is max_model_len
     graphs: dict[tuple[int, bool], Any] = field(default_factory=dict)  # by (context bucket, lora)
@@ -187,12 +202,14 @@ class Rung:
         """The rung's batch as a graph of ``bucket`` records it: the same device buffers, the block
         table ``width`` columns wide (:func:`table_width`) at the start of the table's space; with
         ``lora``, every row's adapter slot (the mixed route: the kernels read each row's)."""
-        start = _TABLE_START * self.size
+        start = _table_start(self.size)
         table = self.device[start : start + self.size * width].reshape(self.size, width)
         adapters = {}
         if lora:
             slots = _VECTORS.index("adapter_slots") * self.size
-            adapters = {"adapter_slots": self.device[slots : slots + self.size], "adapter_route": MIXED_ADAPTERS}
+            tiles = self.device[_TILES_START * self.size : start].reshape(-1, 2 + ADAPTER_TILE_ROWS)
+            adapters = {"adapter_slots": self.device[slots : slots + self.size], "adapter_route": MIXED_ADAPTERS,
+                        "adapter_tiles": tiles}
         return dataclasses.replace(self.batch, max_context=bucket, block_tables=table, extras={}, **adapters)
 
 

@@ -11,6 +11,7 @@ from kernel_helpers import bf16, rel_error  # noqa: E402
 
 from metrale import LLM, LoRARequest, SamplingParams
 from metrale.checkpoint import bf16_to_float32, float32_to_bf16
+from metrale.lora import adapter_tile_capacity, adapter_tiles
 from metrale.ops import builtin
 from metrale.testing.hf import build_peft_adapter
 
@@ -71,13 +72,15 @@ def test_lora_linear_at_the_8b_shape(inner, outs, x_bf16, slots, route):
     np.testing.assert_array_equal(cp.asnumpy(got)[row_slots == 0], y[row_slots == 0])
 
 
-@pytest.mark.parametrize("inner, outs, slots, swiglu", [
-    (4096, (4096, 1024, 1024), 4, False), (14336, (4096,), 4, False), (4096, (14336, 14336), 4, True),
-    (4096, (4096, 1024, 1024), 8, False),
+@pytest.mark.parametrize("inner, outs, slots, swiglu, one_slot", [
+    (4096, (4096, 1024, 1024), 4, False, False), (14336, (4096,), 4, False, False),
+    (4096, (14336, 14336), 4, True, False), (4096, (4096, 1024, 1024), 8, False, False),
+    (4096, (14336, 14336), 4, True, True), (14336, (4096,), 4, False, True),
 ])
-def test_lora_expand_at_the_8b_shape(inner, outs, slots, swiglu):
+def test_lora_expand_at_the_8b_shape(inner, outs, slots, swiglu, one_slot):
     """A decode step's path: one product of 32 rows with the stack's extended weight (the
-    projection's rows, then every slot's A), then the expand, against the op's reference."""
+    projection's rows, then every slot's A), then the expand, against the op's reference; the
+    rows of random slots (the base model's too) or all of one."""
     import cupy as cp
 
     backend = cuda_backend()
@@ -86,18 +89,20 @@ def test_lora_expand_at_the_8b_shape(inner, outs, slots, swiglu):
     a, b, width = stack_at(rng, inner, outs, slots)
     weight = np.concatenate([bf16(rng, (out, inner), 0.02), a.reshape(slots * width, inner)])
     x = bf16(rng, (rows, inner))
-    row_slots = rng.integers(0, slots + 1, rows).astype(np.int32)
+    row_slots = np.full(rows, 2, np.int32) if one_slot else rng.integers(0, slots + 1, rows).astype(np.int32)
+    tiles = adapter_tiles(row_slots, adapter_tile_capacity(rows))  # a CUDA graph's table: room for any mix
     bias = rng.standard_normal(out).astype(np.float32)
     with backend.activate():
         ext = backend.ops.linear(cp.asarray(x), cp.asarray(weight))
-        got = backend.ops.lora_expand(ext, cp.asarray(b), cp.asarray(row_slots), width, cp.asarray(bias), swiglu)
+        got = backend.ops.lora_expand(ext, cp.asarray(b), cp.asarray(row_slots), cp.asarray(tiles), width,
+                                      cp.asarray(bias), swiglu)
         backend.synchronize()
         ext = cp.asnumpy(ext)
     got = bf16_to_float32(cp.asnumpy(got)) if swiglu else cp.asnumpy(got)
     rounded = ext.copy()  # the shrunk products in bf16, as the expand reads them
     rounded[:, out:] = bf16_to_float32(float32_to_bf16(ext[:, out:]))
-    expected = builtin.lora_expand(rounded, bf16_to_float32(b), row_slots, width, bias, swiglu)
-    base = builtin.lora_expand(rounded, np.zeros(b.shape, np.float32), row_slots, width, bias, swiglu)
+    expected = builtin.lora_expand(rounded, bf16_to_float32(b), row_slots, tiles, width, bias, swiglu)
+    base = builtin.lora_expand(rounded, np.zeros(b.shape, np.float32), row_slots, tiles, width, bias, swiglu)
     assert rel_error(got - base, expected - base) <= 1e-2
     assert rel_error(got, expected) <= (1e-2 if swiglu else 1e-5)
     # The products with the adapters' A came out of the same product as the projection.

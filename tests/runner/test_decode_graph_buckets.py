@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from metrale.batch import ForwardBatch, Segment
+from metrale.lora import ADAPTER_TILE_ROWS, adapter_tile_capacity
 from metrale.runner.graphs import CudaGraphRunner, Rung, context_buckets, decode_buffer_length, pack_decode, table_width
 from metrale.sequence import SequenceState
 
@@ -97,7 +98,8 @@ def test_a_step_packs_its_table_as_wide_as_its_bucket():
     size, width = 4, table_width(512, 16, 8192)
     host = np.full(decode_buffer_length(size, 8192), 7, np.int32)  # a rung's buffer: the widest table
     used = pack_decode(host, size, width, batch, feed=([1, 0], [0, 1]))
-    assert used == decode_buffer_length(size, width) == 9 * size + size * width
+    tiles = adapter_tile_capacity(size) * (2 + ADAPTER_TILE_ROWS)  # the adapters' tiles, after the nine vectors
+    assert used == decode_buffer_length(size, width) == 9 * size + tiles + size * width
     vectors = host[: 9 * size].reshape(9, size)
     assert vectors[0].tolist() == [39, 6, 0, 0]  # token ids, then padding rows' token 0
     assert vectors[1].tolist() == [39, 6, 0, 0]  # positions
@@ -105,7 +107,8 @@ def test_a_step_packs_its_table_as_wide_as_its_bucket():
     assert vectors[3].tolist() == vectors[4].tolist() == [0, 1, 2, 3]  # each row its table row and logits row
     assert not vectors[6].any()  # adapter slots: the base model's
     assert vectors[7].tolist() == [1, 0, 0, 0] and vectors[8].tolist() == [0, 1, 0, 0]  # the feed's rows, indices
-    table = host[9 * size : used].reshape(size, width)
+    assert not host[9 * size : 9 * size + tiles].any()  # no adapter rows: no tiles
+    table = host[9 * size + tiles : used].reshape(size, width)
     assert table[0, :3].tolist() == [5, 9, 2] and table[1, :1].tolist() == [4]
     assert not table[0, 3:].any() and not table[1, 1:].any() and not table[2:].any()
     assert (host[used:] == 7).all()  # nothing past what the bucket reads is written
