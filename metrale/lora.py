@@ -287,6 +287,26 @@ def adapter_tiles(slots: np.ndarray, capacity: int | None = None) -> np.ndarray:
     return tiles
 
 
+def padded_adapter_tiles(tiles: np.ndarray, rows: int, size: int, capacity: int) -> np.ndarray:
+    """:func:`adapter_tiles` of ``rows`` rows (``tiles``) extended to ``size`` rows: rows
+    ``rows .. size - 1`` (padding, the base model's) in tiles of their own after the used ones,
+    in a table of ``capacity`` tiles (at least :func:`adapter_tile_capacity` of ``size``)."""
+    tiles = np.asarray(tiles)
+    used = int((tiles[:, 1] > 0).sum())
+    padding = np.arange(rows, size, dtype=np.int32)
+    needed = used + -(-padding.size // ADAPTER_TILE_ROWS)
+    if capacity < needed:
+        raise ValueError(f"padded_adapter_tiles: {capacity} tiles cannot hold {size} rows (need {needed})")
+    padded = np.full((capacity, 2 + ADAPTER_TILE_ROWS), -1, dtype=np.int32)
+    padded[:, :2] = 0
+    padded[:used] = tiles[:used]
+    for index, start in enumerate(range(0, padding.size, ADAPTER_TILE_ROWS)):
+        chunk = padding[start : start + ADAPTER_TILE_ROWS]
+        padded[used + index, 0], padded[used + index, 1] = 0, chunk.size
+        padded[used + index, 2 : 2 + chunk.size] = chunk
+    return padded
+
+
 def check_adapter_tiles(op: str, slots: np.ndarray, tiles: np.ndarray) -> None:
     """Raise :class:`ValueError` unless ``tiles`` (:func:`adapter_tiles`) lists every row of
     ``slots`` exactly once, in a tile of its own slot, the used tiles first."""

@@ -19,6 +19,7 @@ from metrale.lora import (
     adapter_tiles,
     check_adapter_tiles,
     load_adapter,
+    padded_adapter_tiles,
 )
 
 HIDDEN, INTER, VOCAB, LAYERS, KV_DIM = 64, 96, 128, 2, 32
@@ -202,3 +203,14 @@ def test_tiles_that_do_not_match_the_slots_are_refused():
             check_adapter_tiles("test", slots, broken)
     with pytest.raises(ValueError, match=r"\[T, 10\]"):
         check_adapter_tiles("test", slots, tiles[:, :5])
+
+
+@pytest.mark.parametrize("rows, size", [(3, 4), (9, 32), (32, 32), (1, 17)])
+def test_padded_tiles_add_the_padding_rows_as_the_base_model_s(rows, size):
+    rng = np.random.default_rng(rows + size)
+    slots = rng.integers(0, 5, rows)
+    padded = padded_adapter_tiles(adapter_tiles(slots), rows, size, adapter_tile_capacity(size))
+    assert len(padded) == adapter_tile_capacity(size)
+    check_adapter_tiles("test", np.concatenate([slots, np.zeros(size - rows, slots.dtype)]), padded)
+    with pytest.raises(ValueError, match="cannot hold"):
+        padded_adapter_tiles(adapter_tiles(slots), rows, size, 0)

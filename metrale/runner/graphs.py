@@ -45,7 +45,7 @@ import numpy as np
 
 from metrale.batch import ForwardBatch
 from metrale.errors import GraphCaptureError
-from metrale.lora import ADAPTER_TILE_ROWS, adapter_tile_capacity, adapter_tiles
+from metrale.lora import ADAPTER_TILE_ROWS, adapter_tile_capacity, adapter_tiles, padded_adapter_tiles
 from metrale.sequence import MIXED_ADAPTERS
 
 logger = logging.getLogger(__name__)
@@ -126,8 +126,11 @@ def pack_decode(host: np.ndarray, size: int, width: int, batch: ForwardBatch | N
             packed[5 * size : 5 * size + rows] = batch.state_slots  # padding rows: the dummy slot 0
         if batch.adapter_slots is not None:
             packed[6 * size : 6 * size + rows] = batch.adapter_slots
-            # Every row's tile, padding rows' too (slot 0: their outputs written like the rest).
-            tiles = adapter_tiles(packed[6 * size : 7 * size], adapter_tile_capacity(size))
+            # Every row's tile, padding rows' too (slot 0: their outputs written like the rest);
+            # the step's own tiles, grouped when its batch was built, kept.
+            capacity = adapter_tile_capacity(size)
+            tiles = (adapter_tiles(packed[6 * size : 7 * size], capacity) if batch.adapter_tiles is None
+                     else padded_adapter_tiles(batch.adapter_tiles, rows, size, capacity))
             packed[_TILES_START * size : _table_start(size)] = tiles.reshape(-1)
         table = packed[_table_start(size) :].reshape(size, width)
         # (A step's sequences hold no more blocks than its bucket's tokens fill; the columns past
