@@ -35,6 +35,13 @@ dropped. Each request's tokens are those of the step-by-step engine. When a plan
 have to preempt, or nothing would run, the step in flight is read back first and the plan made as
 usual. Each :meth:`Engine.step` call then queues one step and returns the requests changed by the
 one before it.
+
+**Every change is handed out.** Whatever reads a step back -- :meth:`Engine.step`, or
+:meth:`Engine.abort` when the step in flight holds a request it drops -- goes through one place
+(:meth:`Engine._read_back`), which puts every request that step changed or finished in the
+engine's outbox; the next :meth:`Engine.step` returns and empties it, and
+:meth:`Engine.has_unfinished` is true while it holds anything. So the final output of a request
+that finished in a step an abort read back still reaches its caller.
 """
 
 from __future__ import annotations
@@ -130,6 +137,8 @@ class Engine:
         #: The step queued on the device whose tokens are not read back yet (overlap only).
         self.in_flight: LaunchedStep | None = None
         self._arrivals = itertools.count()
+        #: Requests changed or finished by steps read back and not handed out yet (module docstring).
+        self._outbox: list[Request] = []
         #: Forward calls made, by contract method, and the wall seconds of the :meth:`step` calls
         #: that launched them (forward, sampling, and reading back the step before it with overlap
         #: scheduling, or this one without), for tests and statistics.
@@ -153,12 +162,15 @@ class Engine:
         self.scheduler.add(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work or self.in_flight is not None
+        """Whether a :meth:`step` would do anything: requests queued, a step in flight, or
+        changed requests not handed out yet."""
+        return self.scheduler.has_work or self.in_flight is not None or bool(self._outbox)
 
     def abort_all(self) -> list[Request]:
         """Drop every unfinished request and release its cache (and the step in flight, its
         tokens unread); returns them."""
         self._drop_in_flight()
+        self._outbox = []
         dropped = list(self.scheduler.running) + list(self.scheduler.waiting)
         for request in dropped:
             self._remove(request)
@@ -167,15 +179,16 @@ class Engine:
     def abort(self, requests: Sequence[Request]) -> list[Request]:
         """Drop ``requests`` (those still queued; finished ones are left alone): their cache is
         released and they finish with ``finish_reason == "abort"``. A step in flight that holds
-        one of them is read back first. Returns the requests dropped."""
+        one of them is read back first; what it changed for the other requests is handed out by
+        the next :meth:`step`. Returns the requests dropped."""
         queued = {id(r) for r in self.scheduler.running} | {id(r) for r in self.scheduler.waiting}
         targets = [r for r in requests if id(r) in queued and r.finish_reason is None]
         if not targets:
             return []
         step = self.in_flight
-        if step is not None and any(id(r) in {id(t) for t in targets} for r in step.members):
-            self.in_flight = None
-            self._finish(step)
+        target_ids = {id(t) for t in targets}
+        if step is not None and any(id(r) in target_ids for r in step.members):
+            self._read_back()
         dropped = []
         for request in targets:
             if request.finish_reason is None:
@@ -219,6 +232,7 @@ class Engine:
         Returns what had to be repaired (also appended to :attr:`repairs`); with every mutation
         committed in one statement this stays empty."""
         self._drop_in_flight()
+        self._outbox = []
         pending = [*self.scheduler.running, *self.scheduler.waiting, *requests]
         problems: list[str] = []
         for request in {id(r): r for r in pending}.values():
@@ -256,24 +270,25 @@ class Engine:
     # ---------------------------------------------------------------------------------- step
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that got a token or finished in it. With overlap
-        scheduling, queue one step and return the requests the step before it changed."""
+        """Run one step; returns the requests that got a token or finished since the last call
+        (in it, or in a step read back by :meth:`abort` before it). With overlap scheduling,
+        queue one step and return the requests the step before it changed."""
         started = time.perf_counter()
-        changed: list[Request] = []
         in_flight = self.in_flight
+        if in_flight is None and not self.scheduler.has_work:
+            return self._hand_out()
         # A structured output's next mask needs its token read first: no step planned ahead.
         ahead = in_flight is not None and not any(r.grammar is not None for r in in_flight.rows)
         plan = self.scheduler.schedule_ahead() if ahead else None
         if in_flight is not None and plan is None:
             # Planned ahead, the step would preempt or be empty: read the step in flight first.
-            self.in_flight = None
-            changed += self._finish(in_flight)
+            self._read_back()
             in_flight = None
         if plan is None:
             plan = self.scheduler.schedule()
         for request in plan.failed:
             request.finish_reason = "error"
-            changed.append(request)
+        self._outbox += plan.failed
         launched = None
         if self.speculation is not None and plan.decode and not plan.prefill and in_flight is None:
             try:
@@ -282,31 +297,40 @@ class Engine:
                 self._fail_members(plan, error)
                 raise
             if speculated is not None:
+                self._outbox += speculated
                 self.seconds["verify"] = self.seconds.get("verify", 0.0) + time.perf_counter() - started
-                return changed + speculated
+                return self._hand_out()
         if not plan.empty:
             try:
                 launched = self._launch(plan)
             except BaseException as error:
-                if in_flight is not None:
-                    # The step before the failed one is read back before the error propagates.
-                    self.in_flight = None
-                    self._finish(in_flight)
+                # The step before the failed one is read back before the error propagates.
+                self._read_back()
                 self._fail_members(plan, error)
                 raise
         if in_flight is not None:
-            self.in_flight = None
             self.overlapped_steps += launched is not None
-            changed += self._finish(in_flight)
+            self._read_back()
         if launched is not None:
-            if self.overlap and launched.sampled is not None:
-                self.in_flight = launched
-            else:
-                changed += self._finish(launched)
+            self.in_flight = launched
+            if not (self.overlap and launched.sampled is not None):
+                self._read_back()
         method = launched.method if launched is not None else in_flight.method if in_flight is not None else None
         if method is not None:
             self.seconds[method] = self.seconds.get(method, 0.0) + time.perf_counter() - started
-        return changed
+        return self._hand_out()
+
+    def _read_back(self) -> None:
+        """Read the step in flight back (if any) and apply it; every request it changed or
+        finished goes to the outbox. The one place a launched step is read back."""
+        step, self.in_flight = self.in_flight, None
+        if step is not None:
+            self._outbox += self._finish(step)
+
+    def _hand_out(self) -> list[Request]:
+        """Empty the outbox: each changed request once, in the order first changed."""
+        changed, self._outbox = self._outbox, []
+        return list({id(r): r for r in changed}.values())
 
     def _launch(self, plan: StepPlan) -> LaunchedStep:
         """Make the step's forward call and queue its sampling; a decode row whose token is
@@ -473,12 +497,16 @@ class Engine:
         return RowExtras(key=seq.seq_id, tokens=seq.tokens, prompt_len=seq.prompt_len, mask=mask, banned=banned)
 
     def _fail_members(self, plan: StepPlan, error: BaseException) -> None:
-        """A step that raised fails every request of it (their cache released; nothing retried)."""
-        for request in [*plan.decode, *(chunk.request for chunk in plan.prefill)]:
+        """A step that raised fails every request of it (their cache released; nothing retried).
+        They reach the caller with the error, not through the outbox."""
+        members = [*plan.decode, *(chunk.request for chunk in plan.prefill)]
+        for request in members:
             self._remove(request)
             request.seq.pending_token = None
             request.error = f"the forward step failed: {error!r}"
             request.finish_reason = "error"
+        failed = {id(r) for r in members}
+        self._outbox = [r for r in self._outbox if id(r) not in failed]
 
     def _finish(self, step: LaunchedStep) -> list[Request]:
         """Read a launched step's tokens back and apply them: append each, run the stop rules,
