@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
+import sys
 from pathlib import Path
 from typing import Any, Generator, Iterator, Sequence
 
@@ -17,6 +17,7 @@ from metrale.checkpoint import Checkpoint
 from metrale.config import EngineConfig, read_environment
 from metrale.engine.engine import Engine
 from metrale.engine.generation import Request, RequestGroup, StopChecker, make_group, prompt_logprob_dicts
+from metrale.engine_hold import EngineHold, EngineHolds
 from metrale.errors import (
     AdapterError,
     BackendUnavailableError,
@@ -105,8 +106,9 @@ class LLM(PromptFrontend):
     until the stream is exhausted or closed) and :meth:`score` take the engine, and a second
     call meanwhile -- from the same thread or another -- raises
     :class:`~metrale.errors.EngineBusyError` without disturbing the first. Whatever exception
-    ends a call (a ``KeyboardInterrupt`` included), its requests are dropped and the engine is
-    left idle and consistent. ``with LLM(...) as llm:`` or :meth:`close` frees the cache, the
+    ends a call (a ``KeyboardInterrupt`` included, at any line), its requests are dropped, the
+    engine is left idle and consistent, and the ``LLM`` is free for the next call
+    (:mod:`metrale.engine_hold`). ``with LLM(...) as llm:`` or :meth:`close` frees the cache, the
     weights and (on a GPU) the device memory at once.
     """
 
@@ -123,8 +125,10 @@ class LLM(PromptFrontend):
         environment = read_environment()
         self.config = EngineConfig.from_options({"device": device, **options}, environment)
         self.show_progress = check_bool("show_progress", show_progress) and not environment.no_progress
-        self._lock = threading.Lock()
+        #: Who holds the engine (:mod:`metrale.engine_hold`): one generation at a time.
+        self._holds = EngineHolds()
         self._closed = False
+        self._torn_down = False
         if plugin_manager is not None and not isinstance(plugin_manager, pluggy.PluginManager):
             raise ConfigError(f"plugin_manager must be a pluggy PluginManager (get_plugin_manager()), got {plugin_manager!r}")
         self.plugin_manager = plugin_manager or get_plugin_manager(environment=environment)
@@ -221,7 +225,7 @@ class LLM(PromptFrontend):
             raise ConfigError(f"the {self.family.name} family does not serve LoRA adapters; leave enable_lora out")
         self.model.lora_layout = layout
         return LoraManager(self.backend, layout, max_lora_rank=self.config.max_lora_rank,
-                           vocab_size=self.model.vocab_size)
+                           vocab_size=self.model.vocab_size, served_model=self.checkpoint)
 
     def _forward_feeds_tokens(self) -> bool:
         """Whether overlap scheduling can serve this model: its family's model feeds pending
@@ -279,20 +283,28 @@ class LLM(PromptFrontend):
         """Free the cache, the weights, the CUDA graphs and (on a GPU) the device memory they
         held, at once. Later calls raise :class:`~metrale.errors.EngineClosedError`; closing
         twice does nothing. Raises :class:`~metrale.errors.EngineBusyError` while a generation
-        (an open :meth:`generate_stream`) runs."""
-        if self._closed:
+        (an open :meth:`generate_stream`) runs. A close that an interrupt cut short leaves the
+        ``LLM`` either open and usable or closed; calling ``close()`` again finishes it."""
+        if self._torn_down:
             return
-        self._take("close()")
+        hold = self._take("close()", closing=True)
         try:
-            backend = self.backend
             self._closed = True
-            del self.engine, self.forward, self.cache
-            self.model = None
-            backend.close()
-            if self.ranks is not None:
-                self.ranks.close()
+            self._tear_down()
         finally:
-            self._lock.release()
+            self._release(hold)
+
+    def _tear_down(self) -> None:
+        """Drop the engine, the cache and the model and free the backend's memory; every step
+        may run again, so a close cut short is finished by the next."""
+        for name in ("engine", "forward", "cache"):
+            self.__dict__.pop(name, None)
+        self.model = None
+        self.close_grammar_compiler()
+        self.backend.close()
+        if self.ranks is not None:
+            self.ranks.close()
+        self._torn_down = True
 
     @property
     def closed(self) -> bool:
@@ -308,18 +320,37 @@ class LLM(PromptFrontend):
         state = "closed" if self._closed else f"device={self.backend.name!r}"
         return f"LLM({str(self.checkpoint.path)!r}, {state})"
 
-    def _take(self, what: str) -> None:
-        """Take the engine for ``what``, or raise (closed, or another call holds it)."""
-        if self._closed:
+    def _take(self, what: str, *, closing: bool = False) -> EngineHold:
+        """Take the engine for ``what`` (the calling method), or raise: closed (unless
+        ``closing``), or held by another call or an open stream. A holder that went away
+        without giving the engine back (an interrupt) no longer holds it; its requests are
+        dropped first."""
+        if self._closed and not closing:
             raise EngineClosedError(f"{what} on a closed LLM")
-        if not self._lock.acquire(blocking=False):
+        owner, hold, gone = self._holds.claim(what, sys._getframe(1))
+        if owner is not hold:
             raise EngineBusyError(
-                f"{what} was called while another generation runs on this LLM; one runs at a time "
-                "(finish or close the running generate_stream first, or use another LLM)"
+                f"{what} was called while another generation runs on this LLM ({owner.what if owner else 'another call'} "
+                "holds it); one runs at a time (finish or close the running generate_stream first, or use another LLM)"
             )
-        if self._closed:  # closed by the holder we waited behind
-            self._lock.release()
+        if gone:
+            self._take_back(gone)
+        if self._closed and not closing:  # closed by another thread meanwhile
+            self._release(hold)
             raise EngineClosedError(f"{what} on a closed LLM")
+        return hold
+
+    def _take_back(self, gone: list[EngineHold]) -> None:
+        """After holders that ended without giving the engine back: drop whatever they left in
+        the engine, so it is idle and consistent."""
+        logger.info("%s ended without giving this LLM back (interrupted); the engine is taken back",
+                    ", ".join(hold.what for hold in gone))
+        if not self._torn_down and "engine" in self.__dict__:
+            self._recover()
+
+    def _release(self, hold: EngineHold) -> None:
+        """Give the engine back (any number of times)."""
+        self._holds.release(hold)
 
     def _recover(self, requests: Sequence[Request] = (), seqs: Sequence[SequenceState] = ()) -> None:
         problems = self.engine.recover(requests, seqs)
@@ -351,7 +382,7 @@ class LLM(PromptFrontend):
         for index, conversation in enumerate(conversations):
             text = self.render_chat(conversation, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
             ids = self.encode(text, add_special_tokens=False)
-            prompts.append({"prompt_token_ids": ids, "prompt": text})
+            prompts.append(self.tokenized_prompt(ids, text))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ------------------------------------------------------------------------- generation
@@ -477,10 +508,11 @@ class LLM(PromptFrontend):
             seq.adapter_slot = None
             self.lora.release(slot)
 
-    def _run_engine(self, groups: list[RequestGroup]) -> Iterator[list[Request]]:
+    def _run_engine(self, groups: list[RequestGroup], hold: EngineHold) -> Iterator[list[Request]]:
         """Add ``groups``' completions and step the engine until all are finished, yielding each
         step's changed completions. Leaving early -- any exception, or a closed stream -- drops
-        the unfinished ones and leaves the engine idle and consistent."""
+        the unfinished ones and leaves the engine idle and consistent (unless ``hold`` no longer
+        owns the engine: whoever took it back cleaned it)."""
         requests = [request for group in groups for request in group.completions]
         try:
             for group in groups:
@@ -490,7 +522,8 @@ class LLM(PromptFrontend):
             while self.engine.has_unfinished():
                 yield self.engine.step()
         except BaseException:
-            self._recover(requests)
+            if self._holds.owns(hold):
+                self._recover(requests)
             raise
 
     def generate(
@@ -514,7 +547,7 @@ class LLM(PromptFrontend):
         :class:`~metrale.lora.LoRARequest` for all, or one per prompt, None for the base model;
         needs ``enable_lora=True``); a batch may mix adapters.
         """
-        self._take("generate()")
+        hold = self._take("generate()")
         try:
             groups = self._requests(prompts, sampling_params, lora_request)
             bar = None
@@ -523,7 +556,7 @@ class LLM(PromptFrontend):
 
                 bar = tqdm(total=sum(len(g.completions) for g in groups), desc="generating", unit="seq", leave=False)
             try:
-                for changed in self._run_engine(groups):
+                for changed in self._run_engine(groups, hold):
                     if bar is not None:
                         done = sum(1 for r in changed if r.finish_reason is not None)
                         if done:
@@ -533,7 +566,7 @@ class LLM(PromptFrontend):
                     bar.close()
             outputs = [group.output(finished=True) for group in groups]
         finally:
-            self._lock.release()
+            self._release(hold)
         for output in outputs:
             if output.error is not None:
                 logger.warning("request %s failed: %s", output.request_id, output.error)
@@ -558,25 +591,28 @@ class LLM(PromptFrontend):
         (``stream.close()``, ``with llm.generate_stream(...) as stream:``, or dropping it).
         Closing it early drops the unfinished requests and releases their cache.
         """
-        self._take("generate_stream()")
+        hold = self._take("generate_stream()")
         try:
             groups = self._requests(prompts, sampling_params, lora_request)
         except BaseException:
-            self._lock.release()
+            self._release(hold)
             raise
-        return RequestStream(self._stream(groups), self._lock.release)
+        return RequestStream(self._stream(groups, hold), hold, self._release)
 
-    def _stream(self, groups: list[RequestGroup]) -> Generator[RequestOutput, None, None]:
-        owner = {id(request): group for group in groups for request in group.completions}
-        for changed in self._run_engine(groups):
-            updated: dict[int, RequestGroup] = {}
-            for request in changed:
-                if request.finish_reason is not None or len(request.generated) > request.streamed:
-                    request.streamed = len(request.generated)
-                    group = owner[id(request)]
-                    updated[id(group)] = group
-            for group in updated.values():
-                yield group.output()
+    def _stream(self, groups: list[RequestGroup], hold: EngineHold) -> Generator[RequestOutput, None, None]:
+        try:
+            owner = {id(request): group for group in groups for request in group.completions}
+            for changed in self._run_engine(groups, hold):
+                updated: dict[int, RequestGroup] = {}
+                for request in changed:
+                    if request.finish_reason is not None or len(request.generated) > request.streamed:
+                        request.streamed = len(request.generated)
+                        group = owner[id(request)]
+                        updated[id(group)] = group
+                for group in updated.values():
+                    yield group.output()
+        finally:
+            self._release(hold)
 
     def capture_graphs(self, batch_sizes: Sequence[int] | None = None, mixed: bool = True) -> None:
         """Record the CUDA graphs of decode steps ahead of time (a no-op on the CPU).
@@ -588,7 +624,7 @@ class LLM(PromptFrontend):
         every prompt-chunk bucket up to ``max_num_batched_tokens``. Without this, a graph is recorded
         the first time its shape is used.
         """
-        self._take("capture_graphs()")
+        hold = self._take("capture_graphs()")
         try:
             runner: Any = getattr(self.model, "runner", None)
             if getattr(runner, "graphs", None) is None:
@@ -609,7 +645,7 @@ class LLM(PromptFrontend):
                 raise
             self.ranks.finish(self.backend)
         finally:
-            self._lock.release()
+            self._release(hold)
 
     def score(self, token_ids: Sequence[int], *, lora_request: LoRARequest | None = None) -> np.ndarray:
         """Teacher-forced logits for every position of ``token_ids``: ``[len, vocab]`` float32
@@ -617,7 +653,7 @@ class LLM(PromptFrontend):
 
         Row ``i`` holds the logits that predict token ``i + 1``.
         """
-        self._take("score()")
+        hold = self._take("score()")
         try:
             if isinstance(token_ids, (str, dict)):
                 raise InvalidRequestError(f"score() takes a list of token ids, got {token_ids!r}")
@@ -632,4 +668,4 @@ class LLM(PromptFrontend):
                     raise
             return logits
         finally:
-            self._lock.release()
+            self._release(hold)

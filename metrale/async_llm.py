@@ -126,6 +126,18 @@ class AsyncEngineAPI:
     def shutdown(self, drain_timeout: float = 0.0, close_llm: bool = True) -> None:
         raise NotImplementedError
 
+    def _prepare_structured_output(self, structured_output: Any) -> None:
+        raise NotImplementedError
+
+    async def check_structured_output(self, structured_output: Any) -> None:
+        """Check a request's structured output (a
+        :class:`~metrale.structured.StructuredOutputParams`) on a worker thread, so this event
+        loop goes on serving meanwhile, however long the check takes (:mod:`metrale.grammar_sandbox`);
+        :meth:`submit` then finds it checked. Raises
+        :class:`~metrale.errors.InvalidRequestError` for a constraint that is bad, over a limit
+        or admits no output. :meth:`generate` calls it before submitting."""
+        await asyncio.to_thread(self._prepare_structured_output, structured_output)
+
     async def generate(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
         lora_request: Any = None,
@@ -140,6 +152,9 @@ class AsyncEngineAPI:
         request, :class:`~metrale.errors.QueueFullError` when the waiting queue is full and
         :class:`~metrale.errors.EngineClosedError` after :meth:`shutdown` -- all before the
         first output. Leaving the iteration early aborts the request."""
+        structured = getattr(sampling_params, "structured_output", None)
+        if structured is not None:
+            await self.check_structured_output(structured)
         active = self.submit(prompt, sampling_params, request_id, lora_request)
         done = False
         try:
@@ -181,7 +196,7 @@ class AsyncLLM(AsyncEngineAPI):
             self.llm = LLM(model, **options)
         else:
             raise InvalidRequestError(f"model must be an LLM, a checkpoint folder or an embedded model name, got {model!r}")
-        self.llm._take("AsyncLLM()")
+        self._hold = self.llm._take("AsyncLLM()")
         self._driver = EngineDriver(self.llm)
         self._condition = threading.Condition()
         self._inbox: deque[SubmittedRequest] = deque()
@@ -193,6 +208,7 @@ class AsyncLLM(AsyncEngineAPI):
         self._stopping = False
         self._thread = threading.Thread(target=self._engine_thread, name="metrale-engine", daemon=True)
         self._thread.start()
+        self._hold.hand_to(self)
 
     # ------------------------------------------------------------------------------ callers
 
@@ -228,6 +244,9 @@ class AsyncLLM(AsyncEngineAPI):
             self._condition.notify()
         return active
 
+    def _prepare_structured_output(self, structured_output: Any) -> None:
+        self.llm.grammar_compiler().compile(structured_output)
+
     def abort(self, request_id: str) -> None:
         """Abort a running or waiting request (from any thread): it is dropped at the engine's
         next step and its cache freed; its iterator gets a last output with ``finish_reason ==
@@ -240,6 +259,12 @@ class AsyncLLM(AsyncEngineAPI):
     def stats(self) -> EngineStats:
         """The engine's load now (any thread)."""
         return self._driver.stats(accepted=len(self._active))
+
+    @property
+    def holds_engine(self) -> bool:
+        """Whether this engine still holds its :class:`~metrale.LLM` (until :meth:`shutdown`
+        has stopped its thread)."""
+        return self._accepting or self._thread.is_alive()
 
     @property
     def accepting(self) -> bool:
@@ -283,7 +308,7 @@ class AsyncLLM(AsyncEngineAPI):
             self._stopping = True
             self._condition.notify()
         self._thread.join()
-        self.llm._lock.release()
+        self.llm._release(self._hold)
         if close_llm:
             self.llm.close()
 

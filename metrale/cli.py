@@ -2,9 +2,11 @@
 
 ``metrale generate [--model M] [--stream] PROMPT...`` generates a continuation of each prompt
 (the embedded default model when ``--model`` is not given); ``metrale plugins`` lists the
-installed plugins and the architectures each family serves.
+installed plugins and the architectures each family serves; ``metrale serve MODEL`` serves a
+model over HTTP (:mod:`metrale.server.main`).
 
-Exit status: 0 on success; 1 when a request failed (its error is printed); 2 for bad input or
+Exit status: 0 on success; 1 when a request failed (its error is printed) or ``metrale serve``
+cannot listen on its address (one line on stderr, before the model loads); 2 for bad input or
 options (one line on stderr: ``metrale: error: ...``, no traceback); 130 when interrupted.
 """
 

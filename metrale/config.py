@@ -45,6 +45,12 @@ def environment_api_key(env: Mapping[str, str] | None = None) -> str | None:
     return value or None
 
 
+def environment_api_key_is_empty(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``METRALE_API_KEY`` is set to the empty string (which :func:`environment_api_key`
+    reads as no key, as when it is unset)."""
+    return (os.environ if env is None else env).get("METRALE_API_KEY") == ""
+
+
 def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
     raw = env.get(name, "").strip().lower()
     if not raw:

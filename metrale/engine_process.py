@@ -39,9 +39,12 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Sequence
+
+import numpy as np
 
 from metrale.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngineAPI
 from metrale.checkpoint import Checkpoint
@@ -62,6 +65,9 @@ from metrale.prompts import Prompt
 from metrale.validation import check_int
 
 logger = logging.getLogger(__name__)
+
+#: Seconds the idle engine process waits for a message before it looks at its compiles again.
+COMPILE_POLL_S = 0.005
 
 #: Seconds :meth:`EngineProcess.shutdown` waits for the engine process beyond the drain time
 #: before it is killed.
@@ -104,17 +110,22 @@ class _EngineLoop:
         self.records: list[_Record] = []
         self.stop_at: float | None = None
         self.connected = True
+        #: Requests whose structured output compiles on :attr:`compiler_thread` (the engine's
+        #: steps go on meanwhile), in arrival order: (future, their "add" message).
+        self.compiling: list[tuple[Future, tuple]] = []
+        self.compiler_thread = ThreadPoolExecutor(1, thread_name_prefix="metrale-grammar")
 
     def run(self) -> None:
         driver = self.driver
         with self.llm.backend.activate():
             while self.connected:
                 if self.stop_at is not None:
-                    if not driver.has_work():
+                    if not (driver.has_work() or self.compiling):
                         break
                     if time.monotonic() >= self.stop_at:
                         self._abort_all()
-                self._receive(block=not driver.has_work() and self.stop_at is None)
+                self._receive(block=not driver.has_work() and self.stop_at is None and not self.compiling)
+                self._admit_compiled()
                 try:
                     if driver.has_work():
                         for group in driver.step():
@@ -130,6 +141,7 @@ class _EngineLoop:
                 self._flush()
             self._abort_all()
             self._flush()
+            self.compiler_thread.shutdown(wait=False, cancel_futures=True)
             if self.connected:
                 self._send(("closed", [], driver.stats()))
 
@@ -137,6 +149,8 @@ class _EngineLoop:
         try:
             if block:
                 self.conn.poll(None)
+            elif self.compiling and not self.driver.has_work():
+                self.conn.poll(COMPILE_POLL_S)  # (idle but for compiles: look at them again soon)
             while self.conn.poll(0):
                 self._handle(self.conn.recv())
         except (EOFError, OSError):  # the callers' process is gone: nobody reads these requests
@@ -145,29 +159,65 @@ class _EngineLoop:
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "add":
-            _, request_id, text, ids, params, lora = message
-            try:
-                group = self.llm.new_group(text, ids, params, request_id=request_id,
-                                           lora=self.llm.lora_requests(lora, 1)[0])
-            except Exception as error:  # checked by the callers' side already; fails this request only
-                self.records.append((request_id, True, f"the request could not be started: {error}", 0, 0, None, []))
+            structured = message[4].structured_output
+            if self.compiling or (structured is not None and not self.llm.grammar_compiler().is_compiled(structured)):
+                # Compiled beside the engine's steps; admitted in arrival order once compiled.
+                future = self.compiler_thread.submit(self._compile, structured) if structured is not None else None
+                self.compiling.append((future, message))
                 return
-            try:
-                admitted = self.driver.admit(group)
-            except Exception as error:
-                for failed in self.driver.fail_everything(error, [group]):
-                    self._record(failed)
-                return
-            if not admitted:
-                self._record(group)
+            self._add(message)
         elif kind == "abort":
+            if self._drop_compiling(message[1]):
+                return
             group = self.driver.abort(message[1])
             if group is not None:
                 self._record(group)
         elif kind == "shutdown":
             self.stop_at = time.monotonic() + max(float(message[1]), 0.0)
 
+    def _compile(self, structured: Any) -> None:
+        self.llm.grammar_compiler().compile(structured)
+
+    def _admit_compiled(self) -> None:
+        """Admit the requests whose structured output is compiled now, in arrival order."""
+        while self.compiling:
+            future, message = self.compiling[0]
+            if future is not None and not future.done():
+                return
+            self.compiling.pop(0)
+            self._add(message, future.exception() if future is not None else None)
+
+    def _drop_compiling(self, request_id: str) -> bool:
+        """Abort a request still waiting for its compile; False when there is none."""
+        for index, (_, message) in enumerate(self.compiling):
+            if message[1] == request_id:
+                del self.compiling[index]
+                self.records.append((request_id, True, None, 0, 0, None, []))
+                return True
+        return False
+
+    def _add(self, message: tuple, compile_error: BaseException | None = None) -> None:
+        """Start the request of an "add" message (its structured output compiled, if any)."""
+        _, request_id, text, ids, params, lora = message
+        try:
+            if compile_error is not None:
+                raise compile_error
+            group = self.llm.new_group(text, ids, params, request_id=request_id, lora=self.llm.lora_requests(lora, 1)[0])
+        except Exception as error:  # checked by the callers' side already; fails this request only
+            self.records.append((request_id, True, f"the request could not be started: {error}", 0, 0, None, []))
+            return
+        try:
+            admitted = self.driver.admit(group)
+        except Exception as error:
+            for failed in self.driver.fail_everything(error, [group]):
+                self._record(failed)
+            return
+        if not admitted:
+            self._record(group)
+
     def _abort_all(self) -> None:
+        for _, message in list(self.compiling):
+            self._drop_compiling(message[1])
         for request_id in list(self.driver.groups):
             group = self.driver.abort(request_id)
             if group is not None:
@@ -223,6 +273,75 @@ class _EngineLoop:
             self.connected = False
 
 
+def engine_summary(llm: Any) -> dict[str, Any]:
+    """What a loaded :class:`~metrale.LLM` runs with, as plain values (the engine process sends
+    them to the callers' side): the device, the model, the KV cache and the scheduling options.
+    ``metrale serve`` logs it at start-up (:func:`metrale.server.main.summary_lines`)."""
+    config = llm.config
+    cache = llm.cache
+    lora = llm.lora
+    speculative = config.speculative_config
+    graphs_off = _cuda_graphs_off_reason(llm)
+    return {
+        "backend": llm.backend.name,
+        "device": _device_name(llm.backend),
+        "model": str(llm.checkpoint.path),
+        "family": llm.family.name,
+        "dtype": _weight_dtype(llm.backend),
+        "max_model_len": int(llm.max_model_len),
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "kv_cache_blocks": int(cache.num_blocks),
+        "block_size": int(cache.block_size),
+        "state_slots": cache.state_slots.num_slots if cache.state_slots is not None else None,
+        "prefix_caching": llm.engine.prefix_cache is not None,
+        "cuda_graphs": graphs_off is None,
+        "cuda_graphs_off_reason": graphs_off,
+        "overlap_scheduling": bool(llm.engine.overlap),
+        "lora": None if lora is None else {
+            "adapters": [request.lora_name for request in llm.list_loras()],
+            "max_loras": lora.max_loras, "max_lora_rank": lora.max_lora_rank,
+        },
+        "speculative": None if speculative is None else {
+            "method": speculative.method, "num_speculative_tokens": speculative.num_speculative_tokens,
+        },
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "expert_parallel": config.expert_parallel,
+    }
+
+
+def _device_name(backend: Any) -> str:
+    """``cpu``, or ``cuda:N (GPU name)``."""
+    device = getattr(backend, "device", None)
+    if backend.name != "cuda" or device is None:
+        return backend.name
+    try:
+        import cupy
+
+        name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
+        return f"cuda:{device.id} ({name.decode() if isinstance(name, bytes) else name})"
+    except Exception:  # the name is a courtesy: never fail the start for it
+        return f"cuda:{device.id}"
+
+
+def _weight_dtype(backend: Any) -> str:
+    # The GPU backend keeps weights and cache as bf16 bits in uint16 arrays.
+    dtype = np.dtype(backend.cache_dtype)
+    return "bfloat16" if dtype == np.uint16 else dtype.name
+
+
+def _cuda_graphs_off_reason(llm: Any) -> str | None:
+    """Why decode steps are not replayed from CUDA graphs, or None when they are."""
+    if llm.backend.name != "cuda":
+        return "not on a GPU"
+    if not llm.config.cuda_graphs:
+        return "--no-cuda-graphs"
+    graphs = getattr(getattr(llm.model, "runner", None), "graphs", None)
+    if graphs is None:
+        return f"{type(llm.model).__name__} cannot be captured"
+    return graphs.disabled
+
+
 def _engine_process_main(fd: int) -> None:
     """The engine process, on the socket ``fd``: take the model and its options, load it, say
     it is ready (or why it failed), run the loop."""
@@ -239,6 +358,9 @@ def _engine_process_main(fd: int) -> None:
 
     try:
         llm = LLM(model, chat_template=chat_template, **options)
+        # Every structured output reaching this process was checked by the callers' side, in its
+        # sandbox (EngineProcess.submit): compiled here directly.
+        llm.isolate_grammars = False
         for lora in lora_modules:
             llm.add_lora(lora)
         if capture_graphs:
@@ -253,7 +375,7 @@ def _engine_process_main(fd: int) -> None:
         conn.send(("ready", {
             "path": str(llm.checkpoint.path), "vocab_size": llm.vocab_size, "max_model_len": llm.max_model_len,
             "eos_token_ids": list(llm.eos_token_ids), "max_num_seqs": llm.config.max_num_seqs,
-            "device": llm.backend.name,
+            "device": llm.backend.name, "summary": engine_summary(llm),
         }))
         _EngineLoop(llm, conn).run()
     finally:
@@ -362,8 +484,13 @@ class EngineProcess(AsyncEngineAPI):
     there; ``max_waiting_requests`` bounds the requests queued beyond the ``max_num_seqs`` that
     can run; ``capture_graphs`` records the CUDA graphs before the first request;
     ``lora_modules`` (a list of :class:`~metrale.lora.LoRARequest`, with ``enable_lora=True``) are
-    the adapters requests may name, each read and checked before the engine is ready. The
-    constructor returns once the model is loaded, and raises what :class:`~metrale.LLM` would
+    the adapters requests may name, each read and checked before the engine is ready.
+    ``max_restarts`` is how many times an engine process that stops unexpectedly (killed, or
+    crashed) is started again: its unfinished requests fail, new ones get
+    :class:`~metrale.errors.EngineClosedError` while the model loads again (:attr:`is_running` is
+    False), then it serves as before; past that number, or when the new one fails to load, the
+    ``EngineProcess`` stops taking requests. The constructor returns once the model is loaded,
+    and raises what :class:`~metrale.LLM` would
     for bad options or a bad checkpoint; options that cannot be sent to another process (a
     ``plugin_manager``: the engine process loads the installed plugins itself) raise
     :class:`~metrale.errors.ConfigError` before any process starts. :attr:`llm` is the callers' side's
@@ -373,7 +500,7 @@ class EngineProcess(AsyncEngineAPI):
 
     def __init__(self, model: str | Path, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
                  chat_template: str | Path | None = None, capture_graphs: bool = True,
-                 lora_modules: Sequence[LoRARequest] = (), **options: Any) -> None:
+                 lora_modules: Sequence[LoRARequest] = (), max_restarts: int = 0, **options: Any) -> None:
         self.max_waiting_requests = check_int("max_waiting_requests", max_waiting_requests, minimum=0)
         self.lora_modules = tuple(lora_modules)
         if not all(isinstance(lora, LoRARequest) for lora in self.lora_modules):
@@ -387,35 +514,18 @@ class EngineProcess(AsyncEngineAPI):
                 raise ConfigError(f"option {name}={value!r} cannot be sent to the engine process (plain values only; "
                                   "a plugin_manager, say, does not cross: the engine process loads the installed "
                                   "plugins itself)") from None
-        parent_socket, child_socket = socket.socketpair()
         template = str(chat_template) if isinstance(chat_template, Path) else chat_template
-        # A fresh interpreter that imports only metrale (not the caller's __main__, as a
-        # multiprocessing start would), with the caller's import path.
-        bootstrap = (f"import sys; sys.path[:] = {sys.path!r}; "
-                     f"from metrale.engine_process import _engine_process_main; _engine_process_main({child_socket.fileno()})")
-        try:
-            self._process = subprocess.Popen([sys.executable, "-c", bootstrap], pass_fds=[child_socket.fileno()],
-                                             stdin=subprocess.DEVNULL)
-        finally:
-            child_socket.close()
-        self._conn = Connection(parent_socket.detach())
-        try:
-            self._conn.send((str(model), options, template, bool(capture_graphs), self.lora_modules))
-            kind, payload = self._conn.recv()
-        except (EOFError, OSError):
-            code = self._process.wait(10)
-            self._conn.close()
-            raise EngineClosedError(f"the engine process exited (exit code {code}) before the model was loaded") from None
-        except BaseException:
-            self._process.kill()
-            self._conn.close()
-            raise
-        if kind != "ready":
-            self._process.wait(30)
-            self._conn.close()
-            raise payload
+        self._start_message = (str(model), options, template, bool(capture_graphs), self.lora_modules)
+        self.max_restarts = check_int("max_restarts", max_restarts, minimum=0)
+        #: Times the engine process was started again after it stopped unexpectedly.
+        self.restarts = 0
+        self._process: subprocess.Popen | None = None
+        self._stopping = False
+        self._conn, payload = self._start_engine_process()
         self.device: str = payload["device"]
         self.max_num_seqs: int = payload["max_num_seqs"]
+        #: What the engine runs with (:func:`engine_summary`), as the engine process reported it.
+        self.summary: dict[str, Any] = payload["summary"]
         #: The callers' side of the model: tokenizer, chat template, sampling defaults.
         self.llm = PromptFrontend(Checkpoint(Path(payload["path"])), vocab_size=payload["vocab_size"],
                                   max_model_len=payload["max_model_len"], chat_template=chat_template)
@@ -425,10 +535,43 @@ class EngineProcess(AsyncEngineAPI):
         self._stats = EngineStats()
         self._accepting = True
         self._alive = True
-        self._stopping = False
+        self._restarting = False
         self._done = threading.Event()
         self._reader = threading.Thread(target=self._read, name="metrale-engine-reader", daemon=True)
         self._reader.start()
+
+    def _start_engine_process(self) -> tuple[Connection, dict[str, Any]]:
+        """Start an engine process and wait until its model is loaded: its connection and its
+        "ready" payload. Raises what loading raised there, or
+        :class:`~metrale.errors.EngineClosedError` when it exited first."""
+        parent_socket, child_socket = socket.socketpair()
+        # A fresh interpreter that imports only metrale (not the caller's __main__, as a
+        # multiprocessing start would), with the caller's import path.
+        bootstrap = (f"import sys; sys.path[:] = {sys.path!r}; "
+                     f"from metrale.engine_process import _engine_process_main; _engine_process_main({child_socket.fileno()})")
+        try:
+            process = subprocess.Popen([sys.executable, "-c", bootstrap], pass_fds=[child_socket.fileno()],
+                                       stdin=subprocess.DEVNULL)
+        finally:
+            child_socket.close()
+        self._process = process  # (seen by shutdown while the model loads)
+        conn = Connection(parent_socket.detach())
+        try:
+            conn.send(self._start_message)
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            code = process.wait(10)
+            conn.close()
+            raise EngineClosedError(f"the engine process exited (exit code {code}) before the model was loaded") from None
+        except BaseException:
+            process.kill()
+            conn.close()
+            raise
+        if kind != "ready":
+            process.wait(30)
+            conn.close()
+            raise payload
+        return conn, payload
 
     # ------------------------------------------------------------------------------ callers
 
@@ -446,8 +589,8 @@ class EngineProcess(AsyncEngineAPI):
         self._check_open()
         text, ids = self.llm.prompt_ids(prompt, "the prompt")
         params = self.llm.request_params(sampling_params if sampling_params is not None else SamplingParams())
-        if params.structured_output is not None:  # a bad schema or grammar is refused here
-            self.llm.grammar_compiler().compile(params.structured_output)
+        if params.structured_output is not None:  # a bad schema or grammar is refused here; the engine compiles it
+            self.llm.grammar_compiler().check(params.structured_output)
         if lora_request is not None and lora_request not in self.lora_modules:
             raise InvalidRequestError(f"{lora_request!r} is not one of this engine's adapters (lora_modules): "
                                       f"{', '.join(sorted(r.lora_name for r in self.lora_modules)) or 'none'}")
@@ -464,6 +607,9 @@ class EngineProcess(AsyncEngineAPI):
             self._active[request_id] = request
             self._send(("add", request_id, text, ids, params, lora_request))
         return request
+
+    def _prepare_structured_output(self, structured_output: Any) -> None:
+        self.llm.grammar_compiler().check(structured_output)
 
     def abort(self, request_id: str) -> None:
         """Abort a running or waiting request (from any thread): it is dropped at the engine's
@@ -496,6 +642,8 @@ class EngineProcess(AsyncEngineAPI):
     def _check_open(self) -> None:
         if not self._accepting:
             raise EngineClosedError("the engine is shut down; it takes no more requests")
+        if self._restarting:
+            raise EngineClosedError("the engine process stopped and is being started again; retry shortly")
         if not self._alive or self._process.poll() is not None:
             raise EngineClosedError(f"the engine process has stopped (exit code {self._process.returncode})")
 
@@ -524,6 +672,8 @@ class EngineProcess(AsyncEngineAPI):
                     self._send(("shutdown", drain))
                 except EngineClosedError:
                     pass
+            elif self._restarting and self._process is not None:
+                self._process.kill()  # a model loading again serves nobody now
         self._done.wait(drain + SHUTDOWN_GRACE_S)
         try:
             self._process.wait(SHUTDOWN_GRACE_S if self._done.is_set() else 1.0)
@@ -538,29 +688,63 @@ class EngineProcess(AsyncEngineAPI):
 
     def _read(self) -> None:
         """Take the engine's messages (a thread of its own), applying each step's records on
-        their requests' event loops."""
-        conn = self._conn
+        their requests' event loops; start the engine process again when it stops unexpectedly
+        (``max_restarts``)."""
+        while True:
+            closed = self._read_connection(self._conn)
+            with self._lock:
+                self._alive = False
+                orphans = list(self._active)
+            code = self._exit_code()
+            if orphans:
+                reason = "the engine process stopped" + (f" (exit code {code})" if code is not None else "")
+                logger.error("%s with %d requests unfinished; they fail", reason, len(orphans))
+                self._dispatch([(request_id, True, reason, 0, 0, None, []) for request_id in orphans])
+            if closed or self._stopping or self.restarts >= self.max_restarts or not self._restart(code):
+                break
+        self._done.set()
+
+    def _read_connection(self, conn: Connection) -> bool:
+        """Apply ``conn``'s messages until it ends; True when the engine process said it closed."""
         while True:
             try:
                 kind, records, stats = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
-                break
+                return False
             self._stats = stats
             self._dispatch(records)
             if kind == "closed":
-                break
+                return True
+
+    def _exit_code(self) -> int | None:
+        try:
+            return self._process.wait(5) if self._process is not None else None
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _restart(self, code: int | None) -> bool:
+        """Start the engine process again after it stopped with ``code``; False when it could
+        not be (the ``EngineProcess`` then stays down)."""
+        self.restarts += 1
+        logger.warning("the engine process stopped unexpectedly (exit code %s); starting it again (restart %d of %d)",
+                       code, self.restarts, self.max_restarts)
+        self._restarting = True
+        try:
+            self._conn.close()
+            conn, _ = self._start_engine_process()
+        except BaseException as error:
+            logger.error("the engine process could not be started again: %r", error)
+            return False
+        finally:
+            self._restarting = False
         with self._lock:
-            self._alive = False
-            orphans = list(self._active)
-        if orphans:
-            try:
-                code = self._process.wait(5)
-            except subprocess.TimeoutExpired:
-                code = None
-            reason = "the engine process stopped" + (f" (exit code {code})" if code is not None else "")
-            logger.error("%s with %d requests unfinished; they fail", reason, len(orphans))
-            self._dispatch([(request_id, True, reason, 0, 0, None, []) for request_id in orphans])
-        self._done.set()
+            self._conn = conn
+            self._stats = EngineStats()
+            self._alive = not self._stopping
+        if self._stopping:  # shut down while it loaded
+            return False
+        logger.warning("the engine process runs again")
+        return True
 
     def _dispatch(self, records: list[_Record]) -> None:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[RemoteRequest, _Record]]] = {}

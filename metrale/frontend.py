@@ -25,7 +25,7 @@ from metrale.errors import (
     TokenOutOfRangeError,
 )
 from metrale.params import SamplingParams, generation_defaults
-from metrale.prompts import check_text, parse_prompt, parse_token_ids
+from metrale.prompts import TokenizedPrompt, check_prompt_agreement, check_text, parse_prompt, parse_token_ids
 from metrale.validation import check_bool
 
 
@@ -64,6 +64,10 @@ class PromptFrontend:
         #: :class:`SamplingParams` does not set explicitly.
         self.sampling_defaults = generation_defaults(checkpoint.generation_config)
         self._grammars: Any = None
+        #: Whether new structured-output constraints are checked in a worker process before they
+        #: are compiled here (:mod:`metrale.grammar_sandbox`); off only in a process whose requests
+        #: were all checked by another (an engine process: its callers' side checks them).
+        self.isolate_grammars = True
 
     # ----------------------------------------------------------------------------- tokens
 
@@ -125,7 +129,11 @@ class PromptFrontend:
 
     def prompt_ids(self, prompt: Any, label: str) -> tuple[str | None, list[int]]:
         """The text (None for token ids) and the token ids of one prompt (see
-        :mod:`metrale.prompts`), checked against the model; ``label`` names it in errors."""
+        :mod:`metrale.prompts`), checked against the model; ``label`` names it in errors. A
+        dict with both ``prompt`` and ``prompt_token_ids`` must agree
+        (:func:`~metrale.prompts.check_prompt_agreement`), and without a tokenizer cannot be
+        checked (:class:`~metrale.errors.TokenizerMissingError`); a
+        :class:`~metrale.prompts.TokenizedPrompt` is not tokenized again."""
         parsed = parse_prompt(prompt, label)
         ids = parsed.token_ids if parsed.token_ids is not None else self.encode(parsed.text or '')
         if not ids:
@@ -135,17 +143,37 @@ class PromptFrontend:
             raise TokenOutOfRangeError(f"{label} holds token id {bad[0]}, outside [0, {self.vocab_size})")
         if len(ids) > self.max_model_len:
             raise PromptTooLongError(f"{label} has {len(ids)} tokens, more than the model's context of {self.max_model_len}")
+        if parsed.check_agreement and parsed.text is not None:
+            if self.tokenizer is None:
+                raise TokenizerMissingError(
+                    f"{label} gives both 'prompt' and 'prompt_token_ids', but {self.checkpoint.path} has no "
+                    "tokenizer.json to check that they agree; give 'prompt_token_ids' alone")
+            check_prompt_agreement(parsed.text, ids, self.encode, label)
         return parsed.text, ids
+
+    def tokenized_prompt(self, token_ids: list[int], text: str | None = None) -> TokenizedPrompt:
+        """The prompt of ``token_ids`` that the caller encoded from ``text`` with :meth:`encode`
+        (with or without special tokens): its requests skip the check that tokenizes ``text``
+        again. Only for ids made from that text; a user's dict is checked."""
+        prompt = TokenizedPrompt(prompt_token_ids=token_ids)
+        if text is not None:
+            prompt["prompt"] = text
+        return prompt
 
     def request_params(self, params: Any) -> SamplingParams:
         """A request's own copy of ``params`` (later edits of the caller's object do not reach
-        it), with the checkpoint's defaults filled in, checked against the model."""
+        it), with the checkpoint's defaults filled in, checked against the model (structured
+        output and stop strings need a tokenizer: :class:`~metrale.errors.TokenizerMissingError`)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {params!r}")
         own = copy.copy(params).with_defaults(self.sampling_defaults)
         own.check_for_model(self.vocab_size)
         if own.structured_output is not None and self.tokenizer is None:
             raise TokenizerMissingError(f"{self.checkpoint.path} has no tokenizer.json: structured output needs one")
+        if own.stop and self.tokenizer is None:
+            # Stop strings are looked for in the decoded text, which needs the tokenizer: they would never fire.
+            raise TokenizerMissingError(f"stop={list(own.stop)!r}: {self.checkpoint.path} has no tokenizer.json, and stop "
+                                        "strings are found in the decoded text; use stop_token_ids")
         return own
 
     def grammar_compiler(self) -> Any:
@@ -153,5 +181,11 @@ class PromptFrontend:
         if self._grammars is None:
             from metrale.structured import GrammarCompiler
 
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, list(self.eos_token_ids),
+                                             isolated=self.isolate_grammars)
         return self._grammars
+
+    def close_grammar_compiler(self) -> None:
+        """Stop the structured-output compiler's worker process, if one runs."""
+        if self._grammars is not None:
+            self._grammars.close()

@@ -6,32 +6,45 @@ offers (``targets``: each projection's name inside a decoder layer and its ``(ou
 and returns a :class:`LoraAdapter`:
 
 * per layer and projection a :class:`LoraModule`: ``delta(x) = scale * (x A^T) B^T`` with
-  ``A [r, in]``, ``B [out, r]``; ``r`` is the module's own rank (``rank_pattern``), ``scale`` its
+  ``A [r, in]``, ``B [out, r]``; ``r`` is the module's own rank (``rank_pattern`` where a key
+  matches the module's name, else ``r``: the tensors must have that rank), ``scale`` its
   ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA (``use_rslora``), ``alpha`` from
   ``alpha_pattern`` where a key matches the module's name, else ``lora_alpha``;
 * per token matrix (``embed_tokens``, ``lm_head``) the rows it replaces (PEFT's trainable tokens,
   ``trainable_token_indices``): their indices and new values.
 
+The config and the tensors must agree: ``target_modules`` (PEFT's rule: a list entry selects the
+modules named it or ending in ``.`` and it, a string is a regular expression the whole module name
+matches) must select a projection the model serves, must not name one it refuses, and must select
+every module the tensors adapt.
+
 Everything else is refused with :class:`~metrale.errors.AdapterError` before any of it is used:
 another PEFT type, DoRA, LoRA biases, ``fan_in_fan_out``, LoRA on parameters (MoE experts),
 ``modules_to_save``, a tensor this reader does not place, a shape the base model does not have,
-a rank above ``max_lora_rank``, token indices outside the vocabulary. An adapter is never applied
-partly or to the wrong projection.
+a rank other than the config's or above ``max_lora_rank``, a ``lora_alpha`` that is not a finite
+positive number, a NaN or infinity in a tensor, token indices outside the vocabulary. An adapter
+is never applied partly or to the wrong projection.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Collection, Mapping
 
 import numpy as np
 
 from metrale.errors import AdapterError, ConfigError
+
+if TYPE_CHECKING:
+    from metrale.checkpoint import Checkpoint
+
+logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -83,26 +96,61 @@ class LoraModule:
 @dataclass
 class LoraAdapter:
     """A loaded adapter: ``modules[(layer, projection)]``, ``token_rows[matrix] = (indices [n],
-    rows [n, H])`` (see the module docstring); ``rank`` is the largest module rank."""
+    rows [n, H])`` (see the module docstring); ``rank`` is the largest module rank;
+    ``base_model_name_or_path`` the model it was trained on, as its config names it (None when
+    it does not)."""
 
     name: str
     int_id: int
     path: Path
     modules: dict[tuple[int, str], LoraModule] = field(default_factory=dict)
     token_rows: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    base_model_name_or_path: str | None = None
 
     @property
     def rank(self) -> int:
         return max((module.rank for module in self.modules.values()), default=0)
 
 
-def _pattern_value(patterns: Mapping[str, Any], name: str) -> Any:
-    """The value of the first key of ``patterns`` that matches the end of module ``name`` (PEFT's
-    rule: the key, as a regular expression, after a dot or at the start), or None."""
+#: PEFT's ``target_modules`` shorthand for every linear layer but the output layer (the saved
+#: config usually lists the modules it selected instead).
+ALL_LINEAR = "all-linear"
+
+
+def _pattern_match(patterns: Mapping[str, Any], name: str) -> tuple[str, Any] | None:
+    """The first ``(key, value)`` of ``patterns`` whose key matches the end of module ``name``
+    (PEFT's rule: the key, as a regular expression, after a dot or at the start), or None."""
     for key, value in patterns.items():
         if re.fullmatch(rf"(.*\.)?(?:{key})", name):
-            return value
+            return key, value
     return None
+
+
+def _pattern_value(patterns: Mapping[str, Any], name: str) -> Any:
+    """The value of :func:`_pattern_match`, or None."""
+    match = _pattern_match(patterns, name)
+    return None if match is None else match[1]
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_finite_positive(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        number = float(value)
+    except OverflowError:  # an int no float holds
+        return False
+    return math.isfinite(number) and number > 0
+
+
+def _check_regex(pattern: str, label: str) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as error:
+        raise AdapterError(f"{label} is not a regular expression ({error})") from None
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
@@ -129,14 +177,42 @@ def _read_config(folder: Path) -> dict[str, Any]:
     for refused, why in refusals:
         if refused:
             raise AdapterError(f"{path}: {why}")
-    for key in ("r", "lora_alpha"):
-        value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise AdapterError(f"{path}: {key} must be a positive number, got {value!r}")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(config.get(key) or {}, dict):
-            raise AdapterError(f"{path}: {key} must be an object, got {config.get(key)!r}")
+    _check_ranks_and_alphas(config, path)
+    _check_module_fields(config, path)
     return config
+
+
+def _check_ranks_and_alphas(config: Mapping[str, Any], path: Path) -> None:
+    """``r`` and the values of ``rank_pattern`` positive integers, ``lora_alpha`` and the values
+    of ``alpha_pattern`` finite positive numbers (a NaN or infinite alpha would scale every update
+    into NaN), the patterns' keys regular expressions."""
+    if not _is_positive_int(config.get("r")):
+        raise AdapterError(f"{path}: r must be a positive integer, got {config.get('r')!r}")
+    if not _is_finite_positive(config.get("lora_alpha")):
+        raise AdapterError(f"{path}: lora_alpha must be a finite positive number, got {config.get('lora_alpha')!r}")
+    for key, valid, what in (("rank_pattern", _is_positive_int, "a positive integer"),
+                             ("alpha_pattern", _is_finite_positive, "a finite positive number")):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict):
+            raise AdapterError(f"{path}: {key} must be an object, got {patterns!r}")
+        for pattern, value in patterns.items():
+            _check_regex(rf"(.*\.)?(?:{pattern})", f"{path}: {key} key {pattern!r}")
+            if not valid(value):
+                raise AdapterError(f"{path}: {key}[{pattern!r}] must be {what}, got {value!r}")
+
+
+def _check_module_fields(config: Mapping[str, Any], path: Path) -> None:
+    """``target_modules`` and ``exclude_modules`` each absent, a list of module names or a
+    regular expression; ``base_model_name_or_path`` absent or a string."""
+    for key in ("target_modules", "exclude_modules"):
+        value = config.get(key)
+        if isinstance(value, str):
+            _check_regex(value, f"{path}: {key} {value!r}")
+        elif value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise AdapterError(f"{path}: {key} must be a list of module names or a regular expression, got {value!r}")
+    base = config.get("base_model_name_or_path")
+    if base is not None and not isinstance(base, str):
+        raise AdapterError(f"{path}: base_model_name_or_path must be a string, got {base!r}")
 
 
 def _token_indices(config: Mapping[str, Any], path: Path) -> dict[str, list[int]]:
@@ -158,11 +234,121 @@ def _token_indices(config: Mapping[str, Any], path: Path) -> dict[str, list[int]
     return out
 
 
+def _selects(selection: str | list[str] | None, name: str) -> bool:
+    """Whether a ``target_modules`` or ``exclude_modules`` value selects the module ``name``
+    (PEFT's rule: a string is a regular expression the whole name matches, :data:`ALL_LINEAR`
+    every projection; a list entry is the name or its end after a dot)."""
+    if selection is None:
+        return False
+    if isinstance(selection, str):
+        return selection == ALL_LINEAR or re.fullmatch(selection, name) is not None
+    return any(name == entry or name.endswith("." + entry) for entry in selection)
+
+
+def _refuse_token_matrix_targets(targets: str | list[str], path: Path) -> None:
+    """LoRA on the embedding or the LM head is not served (trainable tokens replace their rows)."""
+    if targets == ALL_LINEAR:  # PEFT leaves the output layer out; the embedding is no linear layer
+        return
+    for matrix, name in TOKEN_MATRICES.items():
+        if _selects(targets, name):
+            raise AdapterError(f"{path}: target_modules {targets!r} selects {name}: LoRA on {matrix} is not served "
+                               "(trainable_token_indices replaces rows of it)")
+
+
+def _refuse_refused_targets(targets: str | list[str], path: Path, served: Collection[tuple[int, str]],
+                            refused: Mapping[str, str]) -> None:
+    """Refuse a list entry that names a projection the model refuses LoRA on, with the reason,
+    even when the tensors leave it out (the config would then promise an update that never
+    happens). An entry names a projection by its full name, its name inside a layer, or its end
+    after one of the blocks the served projections sit in (``kv_b_proj``: ``self_attn.kv_b_proj``).
+    A regular expression cannot be checked this way: the tensors it produced are."""
+    if not refused or not isinstance(targets, list):
+        return
+    blocks = {".".join(parts[:end]) for parts in (name.split(".") for _, name in served) for end in range(1, len(parts))}
+    for entry in targets:
+        inside = re.fullmatch(r"(?:.*\.)?layers\.[0-9]+\.(.+)", entry)
+        candidates = [inside.group(1)] if inside else [entry] + sorted(f"{block}.{entry}" for block in blocks)
+        for candidate in candidates:
+            reason = _pattern_value(refused, candidate)
+            if reason is not None:
+                raise AdapterError(f"{path}: target_modules entry {entry!r} selects {candidate}, which this model "
+                                   f"does not serve LoRA on: {reason}")
+
+
+def _check_targets(config: Mapping[str, Any], path: Path, adapted: Collection[tuple[int, str]],
+                   served: Collection[tuple[int, str]], refused: Mapping[str, str]) -> None:
+    """``target_modules`` (less ``exclude_modules``) against the model's ``served`` projections
+    (``(layer, name)``) and the ``adapted`` ones the tensors hold (see the module docstring).
+    Without ``target_modules`` there is nothing to compare: the tensors say what is adapted."""
+    targets, excluded = config.get("target_modules"), config.get("exclude_modules")
+    if targets is None:
+        return
+
+    def chosen(layer: int, name: str) -> bool:
+        full = f"model.layers.{layer}.{name}"
+        return _selects(targets, full) and not _selects(excluded, full)
+
+    selection = f"target_modules {targets!r}" + (f" less exclude_modules {excluded!r}" if excluded else "")
+    _refuse_token_matrix_targets(targets, path)
+    _refuse_refused_targets(targets, path, served, refused)
+    if targets and not any(chosen(layer, name) for layer, name in served):
+        raise AdapterError(f"{path}: {selection} matches no module of the base model that LoRA is served on "
+                           f"({', '.join(sorted({name for _, name in served}))})")
+    for layer, name in sorted(adapted):
+        if not chosen(layer, name):
+            raise AdapterError(f"{path}: the tensors adapt model.layers.{layer}.{name}, which {selection} does not "
+                               "select")
+
+
+def _float_tensor(value: np.ndarray, key: str, weights_path: Path) -> np.ndarray:
+    """``value`` as float32, refused when it holds a NaN or an infinity (one would turn every
+    output of the adapter's requests into NaN)."""
+    with np.errstate(over="ignore"):  # a value float32 cannot hold becomes inf, refused below
+        array = np.asarray(value, dtype=np.float32)
+    finite = np.isfinite(array)
+    if not finite.all():
+        first = tuple(int(i) for i in np.unravel_index(int(np.argmin(finite)), array.shape))
+        raise AdapterError(f"{weights_path}: tensor {key!r} holds {int(finite.size - np.count_nonzero(finite))} NaN or "
+                           f"infinite values (the first at index {first})")
+    return array
+
+
+def _configured_rank(config: Mapping[str, Any], name: str) -> tuple[int, str]:
+    """The rank module ``name`` has by the config, and the field that says it (PEFT's rule:
+    the first ``rank_pattern`` key matching the name, else ``r``)."""
+    match = _pattern_match(config.get("rank_pattern") or {}, name)
+    return (int(config["r"]), "r") if match is None else (int(match[1]), f"rank_pattern[{match[0]!r}]")
+
+
+def _lora_module(config: Mapping[str, Any], where: str, name: str, a: np.ndarray, b: np.ndarray,
+                 shape: tuple[int, int], max_lora_rank: int) -> LoraModule:
+    """The module of ``lora_A`` ``a`` and ``lora_B`` ``b`` for a projection of ``shape`` ``(out,
+    in)`` named ``name`` (``model.layers.<i>.<projection>``), checked against the config."""
+    out_features, in_features = shape
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != in_features or b.shape[0] != out_features or b.shape[1] != a.shape[0]:
+        raise AdapterError(f"{where}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit a projection of "
+                           f"{in_features} -> {out_features} (an adapter for another base model?)")
+    rank, source = _configured_rank(config, name)
+    if rank > max_lora_rank:
+        raise AdapterError(f"{where}: rank {rank} is above max_lora_rank={max_lora_rank} ({source} in {ADAPTER_CONFIG})")
+    if a.shape[0] > max_lora_rank:
+        raise AdapterError(f"{where}: rank {a.shape[0]} is above max_lora_rank={max_lora_rank} (lora_A and lora_B)")
+    if a.shape[0] != rank:
+        raise AdapterError(f"{where}: {source} is {rank} in {ADAPTER_CONFIG}, but lora_A and lora_B have rank "
+                           f"{a.shape[0]}")
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, name)
+    alpha = float(config["lora_alpha"] if alpha is None else alpha)
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return LoraModule(a, b, scale)
+
+
 def load_adapter(request: LoRARequest, targets: Mapping[str, tuple[int, int]], *, num_layers: int, vocab_size: int,
-                 hidden_size: int, max_lora_rank: int, refused: Mapping[str, str] | None = None) -> LoraAdapter:
+                 hidden_size: int, max_lora_rank: int, refused: Mapping[str, str] | None = None,
+                 served: Collection[tuple[int, str]] | None = None) -> LoraAdapter:
     """Read ``request``'s adapter for a model of ``num_layers`` decoder layers whose layers offer
     ``targets`` (``{"self_attn.q_proj": (out, in), ...}``); ``refused`` names projections the model
-    does not serve LoRA on, with the reason. See the module docstring. Raises
+    does not serve LoRA on, with the reason; ``served`` lists the ``(layer, projection)`` pairs it
+    serves (every layer's ``targets`` when None). See the module docstring. Raises
     :class:`~metrale.errors.AdapterError` naming what does not fit."""
     from safetensors.numpy import load_file
 
@@ -175,7 +361,8 @@ def load_adapter(request: LoRARequest, targets: Mapping[str, tuple[int, int]], *
         tensors = load_file(str(weights_path))
     except Exception as error:  # a torn or foreign file: safetensors raises several types
         raise AdapterError(f"{weights_path}: not a safetensors file ({error})") from None
-    adapter = LoraAdapter(request.lora_name, request.lora_int_id, folder)
+    adapter = LoraAdapter(request.lora_name, request.lora_int_id, folder,
+                          base_model_name_or_path=config.get("base_model_name_or_path") or None)
     halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     token_tensors: dict[str, np.ndarray] = {}
     for key, value in tensors.items():
@@ -191,30 +378,22 @@ def load_adapter(request: LoRARequest, targets: Mapping[str, tuple[int, int]], *
             if projection not in targets:
                 raise AdapterError(f"{weights_path}: LoRA on {projection!r} is not served for this model (it serves "
                                    f"{', '.join(sorted(targets))})")
-            halves.setdefault((layer, projection), {})[half] = np.asarray(value, dtype=np.float32)
+            halves.setdefault((layer, projection), {})[half] = _float_tensor(value, key, weights_path)
         elif token_match and token_match.group(1) in TOKEN_MATRICES.values():
             matrix = next(k for k, v in TOKEN_MATRICES.items() if v == token_match.group(1))
-            token_tensors[matrix] = np.asarray(value, dtype=np.float32)
+            token_tensors[matrix] = _float_tensor(value, key, weights_path)
         else:
             raise AdapterError(f"{weights_path}: tensor {key!r} is not a LoRA or trainable-token tensor this engine "
                                "places")
-    alpha_pattern = config.get("alpha_pattern") or {}
     for (layer, projection), pair in sorted(halves.items()):
         where = f"{weights_path}: layer {layer} {projection}"
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"{where}: lora_A and lora_B must both be present")
-        a, b = pair["A"], pair["B"]
-        out_features, in_features = targets[projection]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != in_features or b.shape[0] != out_features or b.shape[1] != a.shape[0]:
-            raise AdapterError(f"{where}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit a projection of "
-                               f"{in_features} -> {out_features} (an adapter for another base model?)")
-        rank = a.shape[0]
-        if rank > max_lora_rank:
-            raise AdapterError(f"{where}: rank {rank} is above max_lora_rank={max_lora_rank}")
-        alpha = _pattern_value(alpha_pattern, f"model.layers.{layer}.{projection}")
-        alpha = float(config["lora_alpha"] if alpha is None else alpha)
-        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        adapter.modules[(layer, projection)] = LoraModule(a, b, scale)
+        adapter.modules[(layer, projection)] = _lora_module(config, where, f"model.layers.{layer}.{projection}",
+                                                            pair["A"], pair["B"], targets[projection], max_lora_rank)
+    if served is None:
+        served = [(layer, name) for layer in range(num_layers) for name in targets]
+    _check_targets(config, folder / ADAPTER_CONFIG, adapter.modules, served, refused or {})
     indices = _token_indices(config, folder / ADAPTER_CONFIG)
     if set(indices) != set(token_tensors):
         raise AdapterError(f"{folder}: trainable tokens configured for {sorted(indices)} but stored for "
@@ -231,6 +410,38 @@ def load_adapter(request: LoRARequest, targets: Mapping[str, tuple[int, int]], *
     if not adapter.modules and not adapter.token_rows:
         raise AdapterError(f"{folder}: the adapter holds no LoRA module and no trainable tokens")
     return adapter
+
+
+def served_model_names(checkpoint: "Checkpoint") -> set[str]:
+    """The names the model of ``checkpoint`` goes by: its folder (as given and resolved), the Hub
+    name of the Hugging Face cache folder it sits in (``models--org--name``), and its
+    ``config.json``'s ``_name_or_path`` (what it was saved from, when recorded)."""
+    folder = Path(checkpoint.path)
+    resolved = folder.resolve()
+    names = {str(folder), str(resolved)}
+    names.update(part.removeprefix("models--").replace("--", "/") for part in resolved.parts
+                 if part.startswith("models--"))
+    recorded = checkpoint.config.get("_name_or_path")
+    if isinstance(recorded, str) and recorded:
+        names.add(recorded)
+    return names
+
+
+def _last_component(name: str) -> str:
+    return name.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1].lower()
+
+
+def names_the_served_model(name: str, served_names: Collection[str]) -> bool:
+    """Whether ``name`` (an adapter's ``base_model_name_or_path``: a Hub name or a folder) names
+    one of ``served_names`` (:func:`served_model_names`): the same string, the same folder, or
+    the same last path component whatever the case (``meta-llama/Llama-3.1-8B`` and
+    ``/models/Llama-3.1-8B``: a model copied or downloaded elsewhere keeps its name)."""
+    if name in served_names:
+        return True
+    with contextlib.suppress(OSError, ValueError):  # a Hub name or a string no path can be
+        if str(Path(name).expanduser().resolve()) in served_names:
+            return True
+    return _last_component(name) in {_last_component(served) for served in served_names}
 
 
 #: The most rows of one token matrix (embedding, LM head) an adapter may replace.
@@ -495,9 +706,14 @@ class LoraManager:
     recently used free slot when no slot holds it; :meth:`release` returns it. A slot a running
     sequence holds is never overwritten: when every slot is held by other adapters,
     :meth:`acquire` answers None and the request waits.
+
+    ``served_model`` is the checkpoint the adapters are served on: an adapter whose
+    ``base_model_name_or_path`` names another model (:func:`names_the_served_model`) is served,
+    with one warning per adapter folder (an adapter of a fine-tuned sibling may be meant for it).
     """
 
-    def __init__(self, backend: Any, layout: LoraLayout, *, max_lora_rank: int, vocab_size: int) -> None:
+    def __init__(self, backend: Any, layout: LoraLayout, *, max_lora_rank: int, vocab_size: int,
+                 served_model: "Checkpoint | None" = None) -> None:
         self.backend = backend
         self.layout = layout
         self.max_loras = layout.num_slots - 1
@@ -511,6 +727,10 @@ class LoraManager:
         self._holders = [0] * (self.max_loras + 1)
         self._order: list[int] = list(range(1, self.max_loras + 1))
         self._served = {(layer, name) for layer, stack in layout.stacks for name in stack.names}
+        self.served_model = served_model
+        self._served_model_names = served_model_names(served_model) if served_model is not None else None
+        #: The adapter folders already warned about (their base model is another one).
+        self._warned_folders: set[Path] = set()
 
     def resolve(self, request: LoRARequest) -> LoraAdapter:
         """The adapter of ``request``, read and checked (:class:`~metrale.errors.AdapterError`
@@ -523,7 +743,7 @@ class LoraManager:
             return known
         adapter = load_adapter(request, self.layout.targets(), num_layers=self.num_layers,
                                vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                               max_lora_rank=self.max_lora_rank, refused=self.layout.refused)
+                               max_lora_rank=self.max_lora_rank, refused=self.layout.refused, served=self._served)
         for layer, name in adapter.modules:
             if (layer, name) not in self._served:
                 raise AdapterError(f"{request.lora_path}: LoRA on layer {layer}'s {name} is not served (that layer "
@@ -534,8 +754,23 @@ class LoraManager:
             if len(ids) > int(self.layout.token_rows[matrix].tokens.shape[1]):
                 raise AdapterError(f"{request.lora_path}: {len(ids)} {matrix} rows, more than the "
                                    f"{int(self.layout.token_rows[matrix].tokens.shape[1])} an adapter may replace")
+        self._warn_of_another_base_model(adapter)
         self._adapters[request.lora_int_id] = adapter
         return adapter
+
+    def _warn_of_another_base_model(self, adapter: LoraAdapter) -> None:
+        """One warning per adapter folder whose ``base_model_name_or_path`` names another model
+        than the served one (none when either is unknown)."""
+        named = adapter.base_model_name_or_path
+        if not named or self.served_model is None or self._served_model_names is None:
+            return
+        folder = Path(adapter.path).resolve()
+        if folder in self._warned_folders or names_the_served_model(named, self._served_model_names):
+            return
+        self._warned_folders.add(folder)
+        logger.warning("LoRA adapter %r (%s) was trained on %r (base_model_name_or_path in its %s), not on the "
+                       "served model %s: it is served, but its outputs may not be what it was trained for",
+                       adapter.name, adapter.path, named, ADAPTER_CONFIG, self.served_model.path)
 
     def slot_of(self, int_id: int) -> int | None:
         """The slot that holds adapter ``int_id`` now, or None."""

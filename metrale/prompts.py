@@ -1,18 +1,20 @@
 """What :meth:`metrale.LLM.generate` accepts as prompts, parsed into text or token ids.
 
 A prompt is a ``str``, a list (or tuple, or 1-D integer NumPy array) of token ids, or a dict as
-vLLM takes them: ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}`` (with both, the token
-ids run and the text is the output's ``prompt``). ``generate`` takes
-one prompt or a list of prompts. Anything else -- ``None``, ``bytes``, a number, a dict with
-other keys, a token id that is not an int -- raises :class:`~metrale.errors.InvalidRequestError`
-naming the offending value, before any prompt runs.
+vLLM takes them: ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}``. With both keys the
+token ids run and the text is the output's ``prompt``: the ids must be the text's encoding, with
+the tokenizer's special tokens or without them (:func:`check_prompt_agreement`; a
+:class:`TokenizedPrompt` is taken as it is). ``generate`` takes one prompt or a list of prompts.
+Anything else -- ``None``, ``bytes``, a number, a dict with other keys, a token id that is not an
+int -- raises :class:`~metrale.errors.InvalidRequestError` naming the offending value, before any
+prompt runs.
 """
 
 from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -24,13 +26,25 @@ Prompt = Union[str, Sequence[int], Mapping[str, Any]]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
+class TokenizedPrompt(dict):
+    """A prompt dict whose ``prompt_token_ids`` its caller encoded from its ``prompt`` (with the
+    front end's :meth:`~metrale.frontend.PromptFrontend.encode`): taken without tokenizing the
+    text again to check that the two agree, which a long prompt would pay for twice. For callers
+    that encode the text themselves (the server's handlers, :meth:`~metrale.LLM.chat`), through
+    :meth:`~metrale.frontend.PromptFrontend.tokenized_prompt`; a plain dict with both keys is
+    checked."""
+
+
 @dataclass(frozen=True)
 class ParsedPrompt:
     """A prompt as text (to be tokenized: ``token_ids`` None) or as token ids (with the text they
-    came from, or None)."""
+    came from, or None); ``check_agreement``: the text and the ids were given together by a
+    caller that did not encode one from the other, and must still be checked against each other
+    (:func:`check_prompt_agreement`)."""
 
     text: str | None
     token_ids: list[int] | None
+    check_agreement: bool = False
 
 
 def _is_token(value: Any) -> bool:
@@ -86,12 +100,32 @@ def parse_prompt(prompt: Any, label: str) -> ParsedPrompt:
         text = check_text(prompt["prompt"], f"{label}['prompt']") if "prompt" in prompt else None
         if "prompt_token_ids" not in prompt:
             return ParsedPrompt(text, None)
-        return ParsedPrompt(text, parse_token_ids(prompt["prompt_token_ids"], f"{label}['prompt_token_ids']"))
+        return ParsedPrompt(text, parse_token_ids(prompt["prompt_token_ids"], f"{label}['prompt_token_ids']"),
+                            check_agreement=text is not None and not isinstance(prompt, TokenizedPrompt))
     if isinstance(prompt, (list, tuple, np.ndarray)):
         return ParsedPrompt(None, parse_token_ids(prompt, label))
     raise InvalidRequestError(
         f"{label} must be a string, a list of token ids or a prompt dict, got {_describe(prompt)} "
         f"({type(prompt).__name__})"
+    )
+
+
+def check_prompt_agreement(text: str, token_ids: list[int], encode: Callable[[str, bool], list[int]],
+                           label: str) -> None:
+    """Refuse ``token_ids`` given with ``text`` that are not ``text``'s encoding (``encode(text,
+    add_special_tokens)``) with the special tokens or without them: the chat path encodes a
+    template's text, which writes its own special tokens, without them; a plain text gets them.
+    Otherwise the ids would run while the output reported another prompt."""
+    with_special = encode(text, True)
+    if token_ids == with_special or token_ids == encode(text, False):
+        return
+    first = next((i for i, (a, b) in enumerate(zip(token_ids, with_special)) if a != b),
+                 min(len(token_ids), len(with_special)))
+    raise InvalidRequestError(
+        f"{label}: 'prompt' and 'prompt_token_ids' disagree: the text {_describe(text)} encodes to "
+        f"{len(with_special)} ids {_describe(with_special)} (with or without special tokens), but "
+        f"'prompt_token_ids' holds {len(token_ids)} ids {_describe(token_ids)}, which differ from index {first}; "
+        "give one of them"
     )
 
 

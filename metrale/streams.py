@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Generator, Iterator
 
+from metrale.engine_hold import EngineHold
 from metrale.params import RequestOutput
 
 
@@ -14,21 +15,28 @@ class RequestStream(Iterator[RequestOutput]):
     The stream holds its :class:`~metrale.LLM`'s engine from its creation until it is exhausted,
     closed (:meth:`close`, the end of a ``with`` block) or dropped; closing it early drops its
     unfinished requests and frees their cache. An exception raised while it runs (a
-    ``KeyboardInterrupt`` included) ends it the same way.
+    ``KeyboardInterrupt`` included) ends it the same way. The engine is held through an
+    :class:`~metrale.engine_hold.EngineHold` that this stream owns while it is open
+    (:attr:`holds_engine`), so a stream that an interrupt left half closed, or that is gone,
+    holds nothing.
     """
 
-    def __init__(self, outputs: Generator[RequestOutput, None, None], release: Callable[[], None]) -> None:
+    def __init__(self, outputs: Generator[RequestOutput, None, None], hold: EngineHold,
+                 release: Callable[[EngineHold], None]) -> None:
+        self._hold = hold
+        self._release = release
         self._outputs: Generator[RequestOutput, None, None] | None = outputs
-        self._release: Callable[[], None] | None = release
+        hold.hand_to(self)
 
     def __iter__(self) -> "RequestStream":
         return self
 
     def __next__(self) -> RequestOutput:
-        if self._outputs is None:
+        outputs = self._outputs
+        if outputs is None:
             raise StopIteration
         try:
-            return next(self._outputs)
+            return next(outputs)
         except BaseException:
             self.close()
             raise
@@ -38,16 +46,22 @@ class RequestStream(Iterator[RequestOutput]):
         """Whether the stream is finished (exhausted, closed or ended by an error)."""
         return self._outputs is None
 
+    @property
+    def holds_engine(self) -> bool:
+        """Whether the stream still holds its ``LLM``'s engine: it is open and its outputs are
+        not exhausted."""
+        outputs = self._outputs
+        return outputs is not None and (outputs.gi_running or outputs.gi_frame is not None)
+
     def close(self) -> None:
         """Drop the unfinished requests, free their cache and give the engine back."""
-        outputs, release = self._outputs, self._release
-        self._outputs, self._release = None, None
-        if outputs is None or release is None:
+        outputs, self._outputs = self._outputs, None
+        if outputs is None:
             return
         try:
             outputs.close()
         finally:
-            release()
+            self._release(self._hold)
 
     def __enter__(self) -> "RequestStream":
         return self
@@ -56,4 +70,5 @@ class RequestStream(Iterator[RequestOutput]):
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        if "_outputs" in self.__dict__:  # (not when an interrupt cut __init__ short before it)
+            self.close()

@@ -41,18 +41,26 @@ the ``tokenizers.Tokenizer`` is needed (its JSON goes to ``llguidance.LLTokenize
 transformers.
 
 **Errors.** Bad parameters, and a schema, regular expression or grammar llguidance rejects, raise
-:class:`~metrale.errors.InvalidRequestError` with llguidance's message.
+:class:`~metrale.errors.InvalidRequestError` with llguidance's message. So does a constraint that
+admits no output at all (an unsatisfiable schema, a grammar whose language is empty): nothing
+could be sampled for it.
 
-**Threading.** The engine uses these objects from its one engine thread, so nothing here takes a
-lock: a :class:`GrammarCompiler`'s cache and a :class:`GrammarMatcher` must not be used from two
-threads at once (llguidance releases the GIL while it builds a grammar or computes a mask).
-Matchers of different requests are independent and share only immutable state.
+**Isolation.** A constraint is compiled in the serving process only after it passed the size
+limit and compiled in a worker process of its own (:mod:`metrale.grammar_sandbox`), so a
+constraint that crashes llguidance, or takes too long, costs its request a 400 and nothing more.
+
+**Threading.** :meth:`GrammarCompiler.compile` and :meth:`GrammarCompiler.check` may be called
+from several threads (a lock serialises them; an event loop calls them on a worker thread).
+A :class:`GrammarMatcher` must not be used from two threads at once (llguidance releases the GIL
+while it computes a mask). Matchers of different requests are independent and share only
+immutable state.
 """
 
 from __future__ import annotations
 
 import json as jsonlib
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
@@ -60,6 +68,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from metrale.errors import ConfigError, InvalidRequestError, KernelArgumentError
+from metrale.grammar_sandbox import GrammarSandbox, check_constraint_size
 
 if TYPE_CHECKING:  # pragma: no cover
     import tokenizers
@@ -163,6 +172,17 @@ class StructuredOutputParams:
         """Which constraint this is: ``json``, ``json_object``, ``regex``, ``grammar`` or ``choice``."""
         return self.key[0]
 
+    @classmethod
+    def from_key(cls, kind: str, text: str) -> "StructuredOutputParams":
+        """The parameters whose :attr:`key` is ``(kind, text)``."""
+        if kind == "json_object":
+            return cls(json_object=True)
+        if kind == "choice":
+            return cls(choice=jsonlib.loads(text))
+        if kind not in KINDS:
+            raise InvalidRequestError(f"unknown structured output kind {kind!r} (one of {', '.join(KINDS)})")
+        return cls(**{kind: text})
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StructuredOutputParams):
             return NotImplemented
@@ -181,11 +201,13 @@ class GrammarCompiler:
     is allowed exactly when the output is complete. A bad argument raises
     :class:`~metrale.errors.ConfigError`; a missing llguidance
     :class:`~metrale.errors.InvalidRequestError`. ``cache_size`` bounds the compiled grammars kept
-    (least recently used first out).
+    (least recently used first out). ``isolated`` (the default) checks every new constraint in a
+    :class:`~metrale.grammar_sandbox.GrammarSandbox` before compiling it here; only a process
+    whose constraints were all checked elsewhere turns it off.
     """
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, vocab_size: int, eos_token_ids: Sequence[int], *,
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE, isolated: bool = True) -> None:
         llguidance = _llguidance()
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
             raise ConfigError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
@@ -217,17 +239,58 @@ class GrammarCompiler:
             raise ConfigError(f"llguidance cannot read the tokenizer: {error}") from None
         self.cache_size = int(cache_size)
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        #: Where new constraints are checked first (None: not isolated).
+        self.sandbox = GrammarSandbox(tokenizer.to_str(), self.vocab_size, self.eos_token_ids) if isolated else None
 
     def compile(self, params: StructuredOutputParams) -> CompiledGrammar:
         """The compiled grammar of ``params`` (the cached one when the same constraint was
         compiled before); raises :class:`~metrale.errors.InvalidRequestError` with llguidance's
-        message when it rejects the schema, regular expression or grammar."""
+        message when it rejects the schema, regular expression or grammar, and naming the limit
+        when it is over one (:mod:`metrale.grammar_sandbox`)."""
+        params = self._checked_type(params)
+        with self._lock:
+            cached = self._cache.get(params.key)
+            if cached is not None:
+                self._cache.move_to_end(params.key)
+                return cached
+            self._check(params)
+            compiled = self._compile(params)
+            self._cache[params.key] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+            return compiled
+
+    def check(self, params: StructuredOutputParams) -> None:
+        """Check ``params`` as :meth:`compile` does, without compiling it in this process (the
+        callers' side of an engine in another process, which compiles it there)."""
+        params = self._checked_type(params)
+        with self._lock:
+            if params.key not in self._cache:
+                self._check(params)
+
+    def is_compiled(self, params: StructuredOutputParams) -> bool:
+        """Whether :meth:`compile` would return ``params``' grammar from its cache."""
+        return isinstance(params, StructuredOutputParams) and params.key in self._cache
+
+    def close(self) -> None:
+        """Stop the sandbox's worker process (a later compile starts another)."""
+        if self.sandbox is not None:
+            self.sandbox.close()
+
+    @staticmethod
+    def _checked_type(params: Any) -> StructuredOutputParams:
         if not isinstance(params, StructuredOutputParams):
             raise InvalidRequestError(f"structured output must be given as StructuredOutputParams, got {params!r}")
-        cached = self._cache.get(params.key)
-        if cached is not None:
-            self._cache.move_to_end(params.key)
-            return cached
+        return params
+
+    def _check(self, params: StructuredOutputParams) -> None:
+        kind, text = params.key
+        check_constraint_size(kind, text)
+        if self.sandbox is not None:
+            self.sandbox.check(kind, text)
+
+    def _compile(self, params: StructuredOutputParams) -> CompiledGrammar:
         llguidance = _llguidance()
         kind, text = params.key
         try:
@@ -253,19 +316,21 @@ class GrammarCompiler:
             raise InvalidRequestError(f"{kind}: llguidance rejects it: {prototype.get_error().strip()}")
         compiled = CompiledGrammar(self, params, grammar, prototype)
         self._probe(compiled, kind)
-        self._cache[params.key] = compiled
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
         return compiled
 
     @staticmethod
     def _probe(compiled: "CompiledGrammar", kind: str) -> None:
         """Run the first token of a matcher: a grammar llguidance accepts can still exceed its
-        lexer's limits (``a{1000000000}``), which shows only once a token is consumed."""
+        lexer's limits (``a{1000000000}``), which shows only once a token is consumed, and one
+        that allows no first token at all (not even the end) admits no output."""
         matcher = compiled.matcher()
         row = np.zeros(compiled.compiler.words, dtype=np.int32)
         matcher.fill_bitmask(row)
         allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+        if not len(allowed):
+            reason = matcher.error.splitlines()[0] if matcher.error else "no token can start an output"
+            raise InvalidRequestError(f"{kind}: the constraint admits no output, so nothing could be generated under it "
+                                      f"(an unsatisfiable schema or an empty language; llguidance: {reason})")
         first = next((int(t) for t in allowed if t not in compiled.compiler.eos_token_ids), None)
         if first is not None and not matcher.accept(first):
             reason = (matcher.error or "").splitlines()[0] if matcher.error else "it rejects every token"

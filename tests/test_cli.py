@@ -127,3 +127,10 @@ def test_bench_without_a_cuda_device_says_so(monkeypatch, capsys):
     monkeypatch.setattr(backend, "cuda_unavailable_reason", lambda: "no CUDA device is available")
     assert main(["bench", "--shapes", "llama-1b"]) == 2
     assert "metrale bench needs a CUDA device: no CUDA device is available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--header-timeout", "--body-timeout", "--stream-idle-timeout", "--timeout-keep-alive"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_serve_refuses_a_timeout_that_is_not_a_positive_number_of_seconds(flag, value, capsys):
+    assert main(["serve", "tiny-dense", flag, value]) == 2
+    assert f"{flag} must be a number of seconds > 0, got {float(value)}" in capsys.readouterr().err

@@ -182,6 +182,52 @@ async def _submit(engine):
     engine.submit("Hello", SamplingParams(max_tokens=2))
 
 
+def test_a_killed_engine_process_is_started_again_up_to_max_restarts(reference):
+    engine = EngineProcess("tiny-dense", max_restarts=1, **OPTIONS)
+    try:
+        async def killed_mid_request():
+            request = engine.submit("Hello", SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True))
+            await request.next_output()
+            os.kill(engine._process.pid, signal.SIGKILL)
+            last = await request.next_output()
+            while not last.finished:
+                last = await request.next_output()
+            return last
+
+        async def serves_again():
+            states = []
+            for _ in range(3000):
+                states.append(engine.is_running)
+                if engine.is_running:
+                    break
+                try:
+                    engine.submit("Hello", SamplingParams(max_tokens=2))
+                except EngineClosedError as error:
+                    states.append(str(error))
+                await asyncio.sleep(0.01)
+            prompt, params = CASES[1]
+            request = engine.submit(prompt, params)
+            last = await request.next_output()
+            while not last.finished:
+                last = await request.next_output()
+            return states, last
+
+        last = run(killed_mid_request)
+        assert last.finish_reason == "error" and "engine process stopped" in last.error
+        states, again = run(serves_again)
+        assert states[-1] is True and engine.restarts == 1
+        assert any("started again" in str(state) for state in states), states  # refused while it reloads
+        assert again.outputs[0].token_ids == reference[1].outputs[0].token_ids
+        # Past max_restarts it stays down.
+        os.kill(engine._process.pid, signal.SIGKILL)
+        engine._done.wait(30)
+        assert not engine.is_running and engine.restarts == 1
+        with pytest.raises(EngineClosedError):
+            run(lambda: _submit(engine))
+    finally:
+        engine.shutdown()
+
+
 def test_shutdown_drains_the_running_requests_then_stops_the_process():
     own = EngineProcess("tiny-dense", **OPTIONS)
 

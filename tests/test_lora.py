@@ -1,12 +1,15 @@
 """Reading LoRA adapters (metrale/lora.py) as PEFT saves them: each module's weights, rank and
 scale (rsLoRA, rank and alpha patterns) as PEFT's own modules hold them, the deltas as PEFT's
 modules compute them, trainable-token rows, and every refusal (another PEFT type, DoRA, biases,
-unknown tensors, another base model, ranks above the limit, bad requests)."""
+unknown tensors, another base model, ranks above the limit, a config that disagrees with the
+tensors or the model, non-finite values, bad requests)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,7 +22,9 @@ from metrale.lora import (
     adapter_tiles,
     check_adapter_tiles,
     load_adapter,
+    names_the_served_model,
     padded_adapter_tiles,
+    served_model_names,
 )
 
 HIDDEN, INTER, VOCAB, LAYERS, KV_DIM = 64, 96, 128, 2, 32
@@ -113,7 +118,7 @@ def edit_config(folder, **changes):
     ({"fan_in_fan_out": True}, "fan_in_fan_out"),
     ({"target_parameters": ["mlp.experts.gate_up_proj"]}, "MoE experts"),
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-    ({"r": 0}, "r must be a positive number"),
+    ({"r": 0}, "r must be a positive integer"),
     ({"trainable_token_indices": {"embed_tokens": [1]}}, "trainable tokens configured"),
 ])
 def test_unsupported_configs_are_refused(saved, changes, match):
@@ -151,6 +156,156 @@ def test_weights_that_do_not_fit_are_refused(saved, tmp_path):
         load(spoilt)
     with pytest.raises(AdapterError, match="no adapter_config.json"):
         load(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"r": 1000000}, r"rank 1000000 is above max_lora_rank=16 \(r in adapter_config.json\)"),
+    ({"r": 8}, r"layer 0 self_attn.q_proj: r is 8 in adapter_config.json, but lora_A and lora_B have rank 4"),
+    ({"r": 2}, r"r is 2 in adapter_config.json, but lora_A and lora_B have rank 4"),
+    ({"rank_pattern": {"q_proj": 2}}, r"rank_pattern\['q_proj'\] is 2 in adapter_config.json, but .* rank 4"),
+    ({"rank_pattern": {r"layers\.1\.self_attn\.q_proj": 8}}, r"layer 1 self_attn.q_proj: rank_pattern.* is 8"),
+    ({"rank_pattern": {"q_proj": 64}}, r"rank 64 is above max_lora_rank=16 \(rank_pattern\['q_proj'\]"),
+    ({"r": 4.0}, "r must be a positive integer, got 4.0"),
+    ({"r": True}, "r must be a positive integer, got True"),
+    ({"rank_pattern": {"q_proj": 2.5}}, r"rank_pattern\['q_proj'\] must be a positive integer, got 2.5"),
+    ({"rank_pattern": {"(": 2}}, r"rank_pattern key '\(' is not a regular expression"),
+])
+def test_a_rank_other_than_the_tensors_is_refused(saved, changes, match):
+    """``r`` (or the ``rank_pattern`` value that applies to a module, PEFT's rule) must be the
+    rank the module's lora_A and lora_B have."""
+    edit_config(saved, **changes)
+    with pytest.raises(AdapterError, match=match):
+        load(saved)
+
+
+def test_a_rank_above_max_lora_rank_is_refused_from_the_config_or_the_tensors(tmp_path):
+    peft_model(r=32, lora_alpha=8, target_modules=["q_proj"]).save_pretrained(tmp_path / "big")
+    with pytest.raises(AdapterError, match=r"rank 32 is above max_lora_rank=16 \(r in adapter_config.json\)"):
+        load(tmp_path / "big")
+    edit_config(tmp_path / "big", r=4)  # the config hides the tensors' rank
+    with pytest.raises(AdapterError, match=r"rank 32 is above max_lora_rank=16 \(lora_A and lora_B\)"):
+        load(tmp_path / "big")
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"lora_alpha": float("nan")}, "lora_alpha must be a finite positive number, got nan"),
+    ({"lora_alpha": float("inf")}, "lora_alpha must be a finite positive number, got inf"),
+    ({"lora_alpha": 10**400}, "lora_alpha must be a finite positive number, got 1000"),
+    ({"lora_alpha": -8}, "lora_alpha must be a finite positive number, got -8"),
+    ({"lora_alpha": 0}, "lora_alpha must be a finite positive number, got 0"),
+    ({"lora_alpha": "8"}, "lora_alpha must be a finite positive number, got '8'"),
+    ({"lora_alpha": True}, "lora_alpha must be a finite positive number, got True"),
+    ({"lora_alpha": None}, "lora_alpha must be a finite positive number, got None"),
+    ({"alpha_pattern": {"q_proj": float("nan")}}, r"alpha_pattern\['q_proj'\] must be a finite positive number"),
+    ({"alpha_pattern": {"q_proj": float("-inf")}}, r"alpha_pattern\['q_proj'\] must be a finite positive number"),
+])
+def test_an_alpha_that_is_not_a_finite_positive_number_is_refused(saved, changes, match):
+    edit_config(saved, **changes)
+    with pytest.raises(AdapterError, match=match):
+        load(saved)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"target_modules": ["c_attn"]}, r"target_modules \['c_attn'\] matches no module of the base model that LoRA "
+                                     r"is served on \(mlp.down_proj, .*self_attn.v_proj\)"),
+    ({"target_modules": r".*\.c_attn"}, r"target_modules '.*c_attn' matches no module"),
+    ({"target_modules": ["q_proj", "embed_tokens"]}, "selects model.embed_tokens: LoRA on embed_tokens is not served"),
+    ({"target_modules": "lm_head"}, "selects lm_head: LoRA on lm_head is not served"),
+    ({"target_modules": ["v_proj"]}, r"the tensors adapt model.layers.0.self_attn.q_proj, which target_modules "
+                                     r"\['v_proj'\] does not select"),
+    ({"target_modules": []}, r"the tensors adapt model.layers.0.self_attn.q_proj, which target_modules \[\] does"),
+    ({"target_modules": r"model\.layers\.1\..*"}, "the tensors adapt model.layers.0.self_attn.q_proj"),
+    ({"exclude_modules": ["q_proj"]}, r"target_modules \['q_proj'\] less exclude_modules \['q_proj'\] matches no"),
+    ({"target_modules": ["q_proj", "v_proj"], "exclude_modules": r".*\.q_proj"},
+     r"the tensors adapt model.layers.0.self_attn.q_proj, which target_modules \['q_proj', 'v_proj'\] less "
+     r"exclude_modules '.*q_proj' does not select"),
+    ({"target_modules": "("}, r"target_modules '\(' is not a regular expression"),
+    ({"target_modules": 5}, "target_modules must be a list of module names or a regular expression, got 5"),
+    ({"exclude_modules": [1]}, r"exclude_modules must be a list of module names or a regular expression, got \[1\]"),
+    ({"base_model_name_or_path": 3}, "base_model_name_or_path must be a string, got 3"),
+])
+def test_target_modules_that_disagree_with_the_model_or_the_tensors_are_refused(saved, changes, match):
+    edit_config(saved, **changes)
+    with pytest.raises(AdapterError, match=match):
+        load(saved)
+
+
+@pytest.mark.parametrize("targets, match", [
+    (["q_proj", "kv_b_proj"], "target_modules entry 'kv_b_proj' selects self_attn.kv_b_proj, which this model does "
+                              "not serve LoRA on: decode folds it"),
+    (["q_proj", "model.layers.1.self_attn.kv_b_proj"], "entry 'model.layers.1.self_attn.kv_b_proj' selects "
+                                                       "self_attn.kv_b_proj"),
+    (["q_proj", "experts"], "entry 'experts' selects mlp.experts, which .*: the routed experts"),
+    (["q_proj", "gate"], "entry 'gate' selects mlp.gate, which .*: the router"),
+])
+def test_target_modules_naming_a_projection_the_model_refuses_are_refused(saved, targets, match):
+    """The tensors hold q_proj only: the config names a projection the model does not serve
+    LoRA on, which would otherwise go unnoticed."""
+    edit_config(saved, target_modules=targets)
+    refused = {r"self_attn\.kv_b_proj": "decode folds it", r"mlp\.experts(\..*)?": "the routed experts",
+               r"mlp\.gate": "the router"}
+    with pytest.raises(AdapterError, match=match):
+        load_adapter(LoRARequest("a", 1, saved), TARGETS, num_layers=LAYERS, vocab_size=VOCAB, hidden_size=HIDDEN,
+                     max_lora_rank=16, refused=refused)
+    edit_config(saved, target_modules=["q_proj", "gate_proj"])  # the dense MLP's, not the experts'
+    load_adapter(LoRARequest("a", 1, saved), TARGETS, num_layers=LAYERS, vocab_size=VOCAB, hidden_size=HIDDEN,
+                 max_lora_rank=16, refused=refused)
+
+
+@pytest.mark.parametrize("lora, edits, adapted", [
+    (dict(target_modules=r".*\.layers\.1\.self_attn\.(q|v)_proj"), {}, {(1, "self_attn.q_proj"), (1, "self_attn.v_proj")}),
+    (dict(target_modules="all-linear"), {}, {(layer, name) for layer in range(LAYERS) for name in TARGETS}),
+    (dict(target_modules=["q_proj"]), {"target_modules": ["q_proj", "q_a_proj", "c_attn"]},
+     {(layer, "self_attn.q_proj") for layer in range(LAYERS)}),
+    (dict(target_modules=["q_proj"]), {"target_modules": "all-linear"}, {(layer, "self_attn.q_proj") for layer in range(LAYERS)}),
+    (dict(target_modules=["q_proj", "v_proj"], exclude_modules=["v_proj"]), {},
+     {(layer, "self_attn.q_proj") for layer in range(LAYERS)}),
+])
+def test_target_modules_peft_writes_are_read(tmp_path, lora, edits, adapted):
+    """A regular expression, all-linear (saved as the names it selected), entries for modules of
+    other models beside this one's (PEFT only refuses a selection that matches nothing),
+    exclude_modules."""
+    peft_model(r=4, lora_alpha=8, **lora).save_pretrained(tmp_path / "a")
+    if edits:
+        edit_config(tmp_path / "a", **edits)
+    assert set(load(tmp_path / "a").modules) == adapted
+
+
+def spoil_tensor(folder, part, index, value):
+    """Write ``value`` at ``index`` of the first tensor of ``folder``'s adapter whose name holds
+    ``part``; its name."""
+    from safetensors.numpy import load_file, save_file
+
+    path = folder / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    key = sorted(k for k in tensors if part in k)[0]
+    tensors[key][index] = value
+    save_file(tensors, str(path))
+    return key
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("part", ["lora_A", "lora_B", "trainable_tokens_delta"])
+def test_non_finite_adapter_weights_are_refused_naming_the_tensor(tmp_path, part, value):
+    peft_model(r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=[3, 7]).save_pretrained(tmp_path)
+    key = spoil_tensor(tmp_path, part, (1, 2), value)
+    with pytest.raises(AdapterError, match=re.escape(f"tensor {key!r} holds 1 NaN or infinite values (the first at "
+                                                     "index (1, 2))")):
+        load(tmp_path)
+
+
+def test_the_served_model_goes_by_its_folder_its_hub_name_and_its_recorded_name(tmp_path):
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.1-8B" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    names = served_model_names(SimpleNamespace(path=snapshot, config={"_name_or_path": "org/Tuned-8B"}))
+    assert {str(snapshot), "meta-llama/Llama-3.1-8B", "org/Tuned-8B"} <= names
+    for same in ("meta-llama/Llama-3.1-8B", "META-LLAMA/llama-3.1-8b", "/elsewhere/Llama-3.1-8B/", "org/Tuned-8B",
+                 str(snapshot), str(tmp_path / "hub" / "." / snapshot.relative_to(tmp_path / "hub"))):
+        assert names_the_served_model(same, names), same
+    for other in ("meta-llama/Llama-3.1-70B", "Qwen/Qwen3-8B", "/models/llama", "\0"):
+        assert not names_the_served_model(other, names), other
+    plain = served_model_names(SimpleNamespace(path=tmp_path, config={}))
+    assert plain == {str(tmp_path), str(tmp_path.resolve())}
 
 
 @pytest.mark.parametrize("fields, match", [

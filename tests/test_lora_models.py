@@ -1,7 +1,9 @@
 """LoRA served end to end on the CPU against PEFT (``PeftModel`` on the transformers model):
 every dense variant with adapters on all seven projections (rank and alpha patterns, rsLoRA),
 trainable-token adapters on the embedding and the LM head, several adapters and the base model in
-one batch (each row its solo result), slots reused across more adapters than slots, refusals."""
+one batch (each row its solo result), slots reused across more adapters than slots, refusals (an
+adapter whose config disagrees with its tensors or the model, through every entry point), the
+warning for an adapter of another base model."""
 
 from __future__ import annotations
 
@@ -161,6 +163,89 @@ def test_refusals(dense_checkpoints, tmp_path):
         with pytest.raises(AdapterError, match="lora_int_id 2 already names adapter 'b'"):
             llm.generate([PROMPT], lora_request=LoRARequest("c", 2, tmp_path / "a"))
         assert llm.engine.check() == [] and llm.lora.holders(1) == 0 and llm.lora.holders(2) == 0
+
+
+def spoilt_copy(source, folder, config=None, tensor=None):
+    """A copy of the adapter folder ``source`` with ``config`` fields set and the first tensor
+    whose name holds ``tensor`` made NaN at one value."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(source, folder)
+    if config:
+        path = folder / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if tensor:
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+        tensors[sorted(k for k in tensors if tensor in k)[0]][0, 0] = np.nan
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+#: Adapters whose config disagrees with their tensors or the model, and what their refusal says.
+DISAGREEING_ADAPTERS = {
+    "huge_r": (dict(config={"r": 1000000}), r"rank 1000000 is above max_lora_rank=16 \(r in adapter_config.json\)"),
+    "other_r": (dict(config={"r": 8}), "r is 8 in adapter_config.json, but lora_A and lora_B have rank 4"),
+    "nan_alpha": (dict(config={"lora_alpha": float("nan")}), "lora_alpha must be a finite positive number, got nan"),
+    "no_such_module": (dict(config={"target_modules": ["c_attn"]}), r"target_modules \['c_attn'\] matches no module"),
+    "unselected": (dict(config={"target_modules": ["k_proj"]}), "the tensors adapt model.layers.0.self_attn.q_proj"),
+    "nan_weight": (dict(tensor="lora_B"), "lora_B.weight' holds 1 NaN or infinite values"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DISAGREEING_ADAPTERS))
+def test_an_adapter_that_disagrees_is_refused_by_add_lora_and_by_a_request(dense_checkpoints, tmp_path, kind):
+    checkpoint = dense_checkpoints["llama"]
+    make_adapter(checkpoint, tmp_path / "good", 14, r=4, lora_alpha=8, target_modules=["q_proj"])
+    spoil, match = DISAGREEING_ADAPTERS[kind]
+    bad = LoRARequest("bad", 1, spoilt_copy(tmp_path / "good", tmp_path / "bad", **spoil))
+    with lora_llm(checkpoint) as llm:
+        with pytest.raises(AdapterError, match=match):
+            llm.add_lora(bad)
+        with pytest.raises(AdapterError, match=match):
+            llm.generate([PROMPT], SamplingParams(max_tokens=1), lora_request=bad)
+        assert llm.list_loras() == [] and llm.engine.check() == [] and llm.lora.holders(1) == 0
+        good = llm.generate([PROMPT], SamplingParams(max_tokens=1), lora_request=LoRARequest("good", 2, tmp_path / "good"))
+        assert good[0].outputs[0].finish_reason == "length"
+
+
+def test_an_adapter_that_disagrees_stops_an_engine_process_serving_it(dense_checkpoints, tmp_path):
+    """``metrale serve --lora-modules``: the engine process reads its adapters at start."""
+    from metrale.engine_process import EngineProcess
+
+    checkpoint = dense_checkpoints["llama"]
+    make_adapter(checkpoint, tmp_path / "good", 15, r=4, lora_alpha=8, target_modules=["q_proj"])
+    bad = spoilt_copy(tmp_path / "good", tmp_path / "bad", config={"r": 1000000})
+    with pytest.raises(AdapterError, match="rank 1000000 is above max_lora_rank=16"):
+        EngineProcess(str(checkpoint), device="cpu", show_progress=False, enable_lora=True, max_lora_rank=16,
+                      lora_modules=[LoRARequest("bad", 1, bad)])
+
+
+def test_an_adapter_of_another_base_model_is_served_with_one_warning(dense_checkpoints, tmp_path, caplog):
+    """The base model an adapter names (base_model_name_or_path) against the served checkpoint:
+    another one gets one warning per adapter folder, however often the adapter is read; the
+    served one, an empty or an absent name, none."""
+    import logging
+
+    from metrale.lora import LoraManager
+
+    checkpoint = dense_checkpoints["llama"]
+    make_adapter(checkpoint, tmp_path / "same", 16, r=4, lora_alpha=8, target_modules=["q_proj"])
+    other = spoilt_copy(tmp_path / "same", tmp_path / "other", config={"base_model_name_or_path": "org/Another-8B"})
+    empty = spoilt_copy(tmp_path / "same", tmp_path / "empty", config={"base_model_name_or_path": ""})
+    with lora_llm(checkpoint) as llm:
+        manager = LoraManager(llm.backend, llm.model.lora_layout, max_lora_rank=16, vocab_size=llm.vocab_size,
+                              served_model=llm.checkpoint)
+        with caplog.at_level(logging.WARNING, logger="metrale.lora"):
+            for int_id, folder in enumerate([tmp_path / "same", empty, other, other], start=1):
+                manager.resolve(LoRARequest(folder.name, int_id, folder))
+            manager.remove(3)
+            manager.resolve(LoRARequest("other", 3, other))
+    warnings = [record.getMessage() for record in caplog.records if record.name == "metrale.lora"]
+    assert len(warnings) == 1, warnings
+    assert "'org/Another-8B'" in warnings[0] and str(checkpoint) in warnings[0] and "'other'" in warnings[0]
 
 
 def test_a_decode_step_packed_as_its_graph_reads_it_equals_the_eager_step(dense_checkpoints, tmp_path):

@@ -11,7 +11,14 @@ import pytest
 
 from metrale import LLM, SamplingParams
 from metrale.cli import main
-from metrale.errors import ConfigError, EmptyPromptError, InvalidRequestError, MetraleError, UnknownOptionError
+from metrale.errors import (
+    ConfigError,
+    EmptyPromptError,
+    InvalidRequestError,
+    MetraleError,
+    TokenizerMissingError,
+    UnknownOptionError,
+)
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -178,6 +185,93 @@ def test_prompt_dicts_mean_what_vllm_means(tiny):
     assert len(by_ids) == 1 and by_ids[0].token_ids == text.token_ids and by_ids[0].prompt_token_ids == ids
     many = tiny.generate([{"prompt": "Return the"}, {"prompt_token_ids": ids}, ids, np.array(ids)], GREEDY)
     assert [o.token_ids for o in many] == [text.token_ids] * 4
+
+
+@pytest.fixture(scope="module")
+def without_tokenizer(dense_checkpoints):
+    """An LLM on a checkpoint without tokenizer.json."""
+    return LLM(dense_checkpoints["llama"], device="cpu", show_progress=False)
+
+
+def test_a_prompt_dict_whose_text_and_ids_disagree_is_refused(tiny):
+    """Both keys: the ids must be the text's encoding, with special tokens (as a text prompt gets
+    them) or without (as a chat template's text is encoded); else they would run while the
+    output reported another prompt."""
+    text = "Return the"
+    chat_text = tiny.render_chat([{"role": "user", "content": "hi"}])
+    for prompt, ids in ((text, tiny.encode(text)), (text, tiny.encode(text, add_special_tokens=False)),
+                        (chat_text, tiny.encode(chat_text, add_special_tokens=False))):
+        output = tiny.generate({"prompt": prompt, "prompt_token_ids": ids}, GREEDY)[0]
+        assert output.prompt == prompt and output.prompt_token_ids == ids
+    ids = tiny.encode(text)
+    for wrong in (tiny.encode("Open a file"), ids + ids[-1:], ids[:-1], [ids[0]] + ids):
+        with pytest.raises(InvalidRequestError, match=r"prompt 0: 'prompt' and 'prompt_token_ids' disagree: the text "
+                                                      r"'Return the' encodes to"):
+            tiny.generate({"prompt": text, "prompt_token_ids": wrong}, GREEDY)
+        with pytest.raises(InvalidRequestError, match="disagree"):
+            tiny.generate_stream([{"prompt_token_ids": ids}, {"prompt": text, "prompt_token_ids": wrong}], GREEDY)
+    assert_still_serving(tiny)
+
+
+def test_a_tokenized_prompt_is_not_tokenized_again(tiny, monkeypatch):
+    """A caller that encoded the text itself (the server, chat) hands over a TokenizedPrompt: a
+    long prompt is not tokenized a second time to be checked."""
+    text = "Return the " * 20
+    ids = tiny.encode(text)
+    encoded = []
+    original = tiny.encode
+    monkeypatch.setattr(tiny, "encode", lambda *args, **kwargs: encoded.append(args) or original(*args, **kwargs))
+    output = tiny.generate(tiny.tokenized_prompt(ids, text), GREEDY)[0]
+    assert encoded == [] and output.prompt == text and output.prompt_token_ids == ids
+    tiny.generate({"prompt": text, "prompt_token_ids": ids}, GREEDY)
+    assert len(encoded) == 1  # a user's dict is checked
+
+
+def test_a_prompt_dict_with_both_keys_needs_a_tokenizer(without_tokenizer):
+    with pytest.raises(TokenizerMissingError, match="prompt 0 gives both 'prompt' and 'prompt_token_ids', but .* has "
+                                                    "no tokenizer.json to check that they agree"):
+        without_tokenizer.generate({"prompt": "hello", "prompt_token_ids": [1, 2, 3]}, GREEDY)
+    assert len(without_tokenizer.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY)[0].token_ids) == 4
+
+
+def test_stop_strings_without_a_tokenizer_are_refused_at_every_entry_point(without_tokenizer):
+    """Stop strings are looked for in the decoded text: without tokenizer.json they would never
+    fire. generate, generate_stream, AsyncLLM.submit and EngineProcess.submit all check requests
+    through the front end (the server answers 400: tests/server/test_server_without_tokenizer.py)."""
+    import asyncio
+
+    from metrale.async_llm import AsyncLLM
+    from metrale.engine_process import EngineProcess
+
+    llm, stop = without_tokenizer, SamplingParams(max_tokens=4, stop=["x", "yz"])
+    match = r"stop=\['x', 'yz'\]: .* has no tokenizer.json, and stop strings are found in the decoded text"
+    with pytest.raises(TokenizerMissingError, match=match):
+        llm.generate([1, 2, 3], stop)
+    with pytest.raises(TokenizerMissingError, match=match):
+        llm.generate_stream([1, 2, 3], stop)
+
+    async def submit(engine):
+        return engine.submit([1, 2, 3], stop)
+
+    engine = AsyncLLM(llm.checkpoint.path, device="cpu", show_progress=False)  # (shutdown closes its LLM)
+    try:
+        with pytest.raises(TokenizerMissingError, match=match):
+            asyncio.run(submit(engine))
+    finally:
+        engine.shutdown()
+    process = EngineProcess(llm.checkpoint.path, device="cpu", show_progress=False)
+    try:
+        with pytest.raises(TokenizerMissingError, match=match):
+            asyncio.run(submit(process))
+    finally:
+        process.shutdown()
+
+
+def test_stop_token_ids_without_a_tokenizer_still_stop(without_tokenizer):
+    first = without_tokenizer.generate([1, 2, 3], GREEDY)[0].token_ids
+    output = without_tokenizer.generate([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                  stop_token_ids=[first[1]]))[0]
+    assert output.finish_reason == "stop" and output.token_ids == first[:2]
 
 
 def test_a_prompt_starting_with_bos_gets_no_second_one(tiny):

@@ -6,7 +6,7 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 field, status and metric.
 
 How a request runs. The handler reads the body (the :class:`~metrale.server.gate._Gate` middleware has already
-checked the API key and the body's size), checks it field by field (every bad value is a 400
+checked the API key, the body's size and the time it took to arrive), checks it field by field (every bad value is a 400
 naming the field), turns it into one :class:`~metrale.params.SamplingParams` per prompt and
 submits one engine request per prompt (a request's ``n`` completions run as one engine request
 with ``SamplingParams.n``, so a seed gives the same completions as :meth:`metrale.LLM.generate`).
@@ -29,6 +29,7 @@ never with the request's body or key).
 from __future__ import annotations
 
 import asyncio
+import math
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Sequence
 
@@ -46,6 +47,7 @@ from metrale.server.gate import _Gate
 from metrale.server.handlers import _answer, _chat, _completions
 from metrale.server.metrics import CONTENT_TYPE
 from metrale.server.state import (
+    DEFAULT_BODY_TIMEOUT,
     DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_LOGPROBS,
@@ -66,6 +68,7 @@ def build_app(
     model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
     max_n: int = DEFAULT_MAX_N,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
@@ -76,8 +79,10 @@ def build_app(
     :class:`~metrale.engine_process.EngineProcess`) as the model ``model_name``.
 
     ``api_key`` (None: no key) is required on every ``/v1`` path; ``max_body_bytes`` bounds
-    request bodies (413 above it); ``max_n`` bounds ``n``; ``max_logprobs`` bounds
-    ``logprobs``, ``top_logprobs`` and ``prompt_logprobs``. When the app shuts down (its ASGI
+    request bodies (413 above it) and ``body_timeout`` the seconds a body may take to arrive
+    after its request's head (408, and the connection closed, when it is slower); ``max_n``
+    bounds ``n``; ``max_logprobs`` bounds ``logprobs``, ``top_logprobs`` and
+    ``prompt_logprobs``. When the app shuts down (its ASGI
     lifespan ends) it refuses new requests with 503, waits up to ``drain_timeout`` seconds for
     the running ones, aborts the rest and, with ``owns_engine``, shuts the engine down.
     ``lora_modules`` are the engine's LoRA adapters (a list of :class:`~metrale.lora.LoRARequest`): a
@@ -95,11 +100,15 @@ def build_app(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)) or not drain_timeout >= 0:
         raise ValueError(f"drain_timeout must be a number >= 0, got {drain_timeout!r}")
+    if (isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float))
+            or not (body_timeout > 0 and math.isfinite(body_timeout))):
+        raise ValueError(f"body_timeout must be a number of seconds > 0, got {body_timeout!r}")
     adapters = {lora.lora_name: lora for lora in lora_modules}
     if len(adapters) != len(lora_modules) or model_name in adapters:
         raise ValueError(f"lora_modules need names of their own, apart from the model's {model_name!r}")
     state = _State(engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n,
-                   max_logprobs=max_logprobs, drain_timeout=float(drain_timeout), owns_engine=owns_engine)
+                   max_logprobs=max_logprobs, drain_timeout=float(drain_timeout), owns_engine=owns_engine,
+                   body_timeout=float(body_timeout))
     state.lora_modules = adapters
 
     @asynccontextmanager

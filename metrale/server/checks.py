@@ -206,14 +206,23 @@ def _sampling_options(state: _State, req: P.SamplingRequest, *, n: int, logprobs
     if bad_stop:
         raise P.APIError(400, f"stop_token_ids holds token id {bad_stop[0]}, outside the vocabulary [0, {state.vocab_size})",
                          param="stop_token_ids")
-    if structured is not None:
-        if state.llm.tokenizer is None:
-            raise P.APIError(400, "structured output needs a tokenizer; this model has none", param=source)
-        try:  # compiled here to name the field; the engine finds it in the compiler's cache
-            state.llm.grammar_compiler().compile(structured)
-        except InvalidRequestError as error:
-            raise P.APIError(400, f"{source}: {error}", param=source) from None
+    if structured is not None and state.llm.tokenizer is None:
+        raise P.APIError(400, "structured output needs a tokenizer; this model has none", param=source)
     return options
+
+
+async def _check_structured_output(state: _State, req: P.SamplingRequest, options: dict[str, Any]) -> None:
+    """Check the request's structured output off the event loop (a slow or crashing compile
+    costs only this request: :mod:`metrale.grammar_sandbox`), naming the field on a 400; the
+    engine then finds it checked."""
+    structured = options.get("structured_output")
+    if structured is None:
+        return
+    source = _structured(req)[1] or "response_format"
+    try:
+        await state.engine.check_structured_output(structured)
+    except InvalidRequestError as error:
+        raise P.APIError(400, f"{source}: {error}", param=source) from None
 
 
 def _token_id(key: Any) -> int | None:

@@ -1,8 +1,10 @@
 """The ASGI middleware in front of every route (:class:`_Gate`): the API key, checked in constant
-time, and the body-size limit, from ``Content-Length`` and from the bytes that arrive."""
+time, the body-size limit, from ``Content-Length`` and from the bytes that arrive, and the time
+the body may take to arrive."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -18,7 +20,8 @@ class _Gate:
     (``metrale_requests_total``), checks the API key on ``/v1`` paths, refuses new ``/v1``
     requests while the server drains, and reads the whole body with a size limit (the declared
     ``Content-Length`` first, then the bytes actually received, so a chunked upload cannot
-    pass it) before the app sees it."""
+    pass it) and a time limit (``body_timeout``: 408, and the connection closed, for a body
+    still incomplete then) before the app sees it."""
 
     def __init__(self, app: ASGIApp, state: _State) -> None:
         self.app = app
@@ -75,8 +78,16 @@ class _Gate:
         # finish sending and read the 413; a body declared past that bound is answered at once
         # (and the connection closed after the answer).
         discard_limit = 4 * state.max_body_bytes
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + state.body_timeout
         while not (too_big and declared is not None and int(declared) > discard_limit):
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                await _send_error(send, P.APIError(
+                    408, f"the request body did not arrive within {state.body_timeout:g} s ({received} bytes came)",
+                    code="request_timeout", headers={"Connection": "close"}))
+                return
             if message["type"] == "http.disconnect":
                 return
             if message["type"] != "http.request":

@@ -16,6 +16,7 @@ from metrale.server.checks import (
     _check_logprobs_count,
     _check_model,
     _check_n,
+    _check_structured_output,
     _completion_prompts,
     _params_for_prompt,
     _parse,
@@ -50,6 +51,7 @@ async def _completions(state: _State, request: Request) -> Response:
     echo = bool(req.echo)
     prompts = _completion_prompts(state, req.prompt)
     options = _sampling_options(state, req, n=n, logprobs=k, logprobs_param="logprobs")
+    await _check_structured_output(state, req, options)
     asked_prompt_logprobs = options.get("prompt_logprobs")
     if echo and k is not None:
         options["prompt_logprobs"] = max(k, asked_prompt_logprobs or 0)
@@ -219,6 +221,7 @@ async def _chat(state: _State, request: Request) -> Response:
         raise P.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     text, ids = _chat_prompt(state, req)
     options = _sampling_options(state, req, n=n, logprobs=k, logprobs_param="top_logprobs")
+    await _check_structured_output(state, req, options)
     if req.given("max_completion_tokens"):
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -332,8 +335,8 @@ async def _answer(state: _State, request: Request, handler: Callable[[_State, Re
         return _error_response(error)
     except QueueFullError as error:
         return _error_response(_unavailable(str(error), "queue_full"))
-    except EngineClosedError:
-        return _error_response(_unavailable("the engine is shut down; it takes no more requests", "service_unavailable"))
+    except EngineClosedError as error:
+        return _error_response(_unavailable(str(error), "service_unavailable"))
     except EngineBusyError as error:
         return _error_response(_unavailable(str(error), "engine_busy"))
     except InvalidRequestError as error:

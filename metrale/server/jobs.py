@@ -58,7 +58,7 @@ class _Job:
         state.jobs.add(self)
         try:
             for index, ((text, ids), params) in enumerate(zip(self.prompts, self.params)):
-                prompt: dict[str, Any] = {"prompt_token_ids": ids}
+                prompt: dict[str, Any] = state.llm.tokenized_prompt(ids)
                 if text is not None:
                     prompt["prompt"] = text
                 request_id = f"{self.base_id}-{index}"

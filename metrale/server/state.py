@@ -26,6 +26,8 @@ DEFAULT_MAX_N = 16
 DEFAULT_MAX_LOGPROBS = 20
 #: Seconds a shutdown waits for running requests by default.
 DEFAULT_DRAIN_TIMEOUT = 10.0
+#: Seconds a request's body may take to arrive (after its head) by default; slower ones get 408.
+DEFAULT_BODY_TIMEOUT = 30.0
 #: The most prompts one completions request may hold.
 MAX_PROMPTS = 256
 #: The most stop strings one request may give, and the longest one (characters).
@@ -79,7 +81,8 @@ class _State:
     """What the app's handlers and middleware share."""
 
     def __init__(self, engine: AsyncEngineAPI, *, model_name: str, api_key: str | None, max_body_bytes: int, max_n: int,
-                 max_logprobs: int, drain_timeout: float, owns_engine: bool) -> None:
+                 max_logprobs: int, drain_timeout: float, owns_engine: bool,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
         self.engine: Any = engine
         self.llm: PromptFrontend = engine.llm  # type: ignore[attr-defined]
         self.model_name = model_name
@@ -87,6 +90,7 @@ class _State:
         self.lora_modules: dict[str, Any] = {}
         self.api_key = api_key.encode("utf-8") if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
         self.max_n = max_n
         self.max_logprobs = max_logprobs
         self.drain_timeout = drain_timeout

@@ -1,7 +1,8 @@
 """Helpers of the server tests (imported by them; not a conftest, whose module name the suite's
 root ``tests/conftest.py`` already takes): an engine on the embedded tiny-dense model (in an
-engine process, as ``metrale serve`` runs it, or on a thread of this process) served by uvicorn
-in a background thread (its own event loop) on a free port of 127.0.0.1, and clients."""
+engine process, as ``metrale serve`` runs it, or on a thread of this process) served by the
+uvicorn server ``metrale serve`` runs (:func:`metrale.server.main.build_server`) in a background
+thread (its own event loop) on a free port of 127.0.0.1, and clients."""
 
 from __future__ import annotations
 
@@ -12,26 +13,27 @@ from typing import Any
 
 import httpx
 import openai
-import uvicorn
 
 from metrale import LLM
 from metrale.async_llm import AsyncLLM
 from metrale.engine_process import EngineProcess
 from metrale.server import build_app
+from metrale.server.main import build_server, listen_sockets
 
 MODEL = "tiny-dense"
 API_KEY = "test-key-4f9c2a"
 
 
 class ServerThread:
-    """uvicorn serving ``app`` on 127.0.0.1 (a free port) from a background thread."""
+    """uvicorn serving ``app`` on 127.0.0.1 (a free port) from a background thread, as
+    ``metrale serve`` runs it (``server_options``: :func:`build_server`'s timeouts)."""
 
-    def __init__(self, app: Any, drain_timeout: float = 2.0) -> None:
+    def __init__(self, app: Any, drain_timeout: float = 2.0, **server_options: Any) -> None:
         self.app = app
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=drain_timeout)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+        self.server = build_server(app, log_level="warning", drain_timeout=drain_timeout, **server_options)
+        self.sockets = listen_sockets("127.0.0.1", 0)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": self.sockets}, name="test-uvicorn",
+                                       daemon=True)
         self.port = 0
 
     def start(self) -> "ServerThread":
@@ -52,6 +54,8 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "the test server did not stop"
+        for sock in self.sockets:
+            sock.close()
 
 
 def new_llm(**options: Any) -> LLM:
@@ -91,15 +95,16 @@ def engine_stopped(engine: AsyncLLM | EngineProcess) -> bool:
 class Stack:
     """An engine (``engine_options`` for its LLM, ``max_waiting_requests``; an engine process
     unless ``in_process``), its app (``app_options`` for :func:`build_app`) and uvicorn serving
-    it, with an httpx client (``http``) and an openai client (``client``). ``close()`` stops
-    all of it."""
+    it (``server_options`` for :func:`build_server`), with an httpx client (``http``) and an
+    openai client (``client``). ``close()`` stops all of it."""
 
     def __init__(self, *, max_waiting_requests: int = 1024, engine_options: dict | None = None,
-                 drain_timeout: float = 2.0, in_process: bool = False, **app_options: Any) -> None:
+                 drain_timeout: float = 2.0, in_process: bool = False, server_options: dict | None = None,
+                 **app_options: Any) -> None:
         self.engine = new_engine(in_process, max_waiting_requests, **(engine_options or {}))
         try:
             self.app = build_app(self.engine, model_name=MODEL, **app_options)
-            self.thread = ServerThread(self.app, drain_timeout=drain_timeout).start()
+            self.thread = ServerThread(self.app, drain_timeout=drain_timeout, **(server_options or {})).start()
         except BaseException:
             self.engine.shutdown()
             raise
