@@ -311,7 +311,11 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     server = start_server(args.model, args.device, port, adapters, work / "server.log")
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until_healthy(url, server)
+        try:
+            wait_until_healthy(url, server)
+        except RuntimeError:
+            print((work / "server.log").read_text()[-3000:], file=sys.stderr)
+            raise
         runner = Soak(args, url)
         started = time.monotonic()
         idle = asyncio.run(runner.run(server))

@@ -223,8 +223,8 @@ def _require_serve_extra() -> None:
     for module in ("fastapi", "uvicorn", "prometheus_client"):
         try:
             __import__(module)
-        except ImportError:
-            missing.append(module)
+        except ImportError as error:  # (the module itself, or one it needs: name both)
+            missing.append(module if error.name in (None, module) else f"{module} (which needs {error.name})")
     if missing:
         raise ConfigError(f"metrale serve needs {', '.join(missing)}; install them with: {SERVE_INSTALL_HINT}")
 
