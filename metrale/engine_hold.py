@@ -90,7 +90,7 @@ class EngineHolds:
         return owner, hold, gone
 
     def _owner(self) -> tuple[EngineHold | None, list[EngineHold]]:
-        gone = []
+        gone: list[EngineHold] = []
         for claim in list(self._claims):
             if claim.active():
                 return claim, gone

@@ -112,7 +112,7 @@ class _EngineLoop:
         self.connected = True
         #: Requests whose structured output compiles on :attr:`compiler_thread` (the engine's
         #: steps go on meanwhile), in arrival order: (future, their "add" message).
-        self.compiling: list[tuple[Future, tuple]] = []
+        self.compiling: list[tuple[Future | None, tuple]] = []
         self.compiler_thread = ThreadPoolExecutor(1, thread_name_prefix="metrale-grammar")
 
     def run(self) -> None:
@@ -519,7 +519,6 @@ class EngineProcess(AsyncEngineAPI):
         self.max_restarts = check_int("max_restarts", max_restarts, minimum=0)
         #: Times the engine process was started again after it stopped unexpectedly.
         self.restarts = 0
-        self._process: subprocess.Popen | None = None
         self._stopping = False
         self._conn, payload = self._start_engine_process()
         self.device: str = payload["device"]
@@ -554,7 +553,7 @@ class EngineProcess(AsyncEngineAPI):
                                        stdin=subprocess.DEVNULL)
         finally:
             child_socket.close()
-        self._process = process  # (seen by shutdown while the model loads)
+        self._process: subprocess.Popen = process  # (seen by shutdown while the model loads)
         conn = Connection(parent_socket.detach())
         try:
             conn.send(self._start_message)
@@ -672,7 +671,7 @@ class EngineProcess(AsyncEngineAPI):
                     self._send(("shutdown", drain))
                 except EngineClosedError:
                     pass
-            elif self._restarting and self._process is not None:
+            elif self._restarting:
                 self._process.kill()  # a model loading again serves nobody now
         self._done.wait(drain + SHUTDOWN_GRACE_S)
         try:
@@ -718,7 +717,7 @@ class EngineProcess(AsyncEngineAPI):
 
     def _exit_code(self) -> int | None:
         try:
-            return self._process.wait(5) if self._process is not None else None
+            return self._process.wait(5)
         except subprocess.TimeoutExpired:
             return None
 

@@ -50,7 +50,7 @@ class RequestStream(Iterator[RequestOutput]):
     def holds_engine(self) -> bool:
         """Whether the stream still holds its ``LLM``'s engine: it is open and its outputs are
         not exhausted."""
-        outputs = self._outputs
+        outputs: Any = self._outputs
         return outputs is not None and (outputs.gi_running or outputs.gi_frame is not None)
 
     def close(self) -> None:

@@ -181,7 +181,9 @@ class StructuredOutputParams:
             return cls(choice=jsonlib.loads(text))
         if kind not in KINDS:
             raise InvalidRequestError(f"unknown structured output kind {kind!r} (one of {', '.join(KINDS)})")
-        return cls(**{kind: text})
+        if kind == "json":
+            return cls(json=text)
+        return cls(regex=text) if kind == "regex" else cls(grammar=text)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StructuredOutputParams):

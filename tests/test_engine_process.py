@@ -10,6 +10,8 @@ import asyncio
 import json
 import os
 import signal
+import threading
+import time
 
 import pytest
 
@@ -244,3 +246,54 @@ def test_shutdown_drains_the_running_requests_then_stops_the_process():
     assert outputs[-1].finish_reason == "length" and len(outputs[-1].token_ids) == 8
     assert own._process.poll() is not None and not own.is_running
     own.shutdown()  # again: nothing to do
+
+
+def test_structured_outputs_compile_beside_the_steps_in_arrival_order():
+    """In the engine process a request's structured output compiles on a thread of its own while
+    the engine steps; requests are admitted in arrival order once compiled, a request aborted
+    meanwhile never starts, and a compile that fails fails only its request."""
+    from multiprocessing import Pipe
+
+    from metrale.engine_process import _EngineLoop
+
+    with LLM("tiny-dense", **OPTIONS) as llm:
+        llm.isolate_grammars = False
+        _, conn = Pipe()
+        loop = _EngineLoop(llm, conn)
+        release = threading.Event()
+        compile_for_real = loop._compile
+
+        def slow_compile(structured):
+            release.wait(10)
+            compile_for_real(structured)
+
+        loop._compile = slow_compile
+        digits = llm.request_params(SamplingParams(max_tokens=3, structured_output=StructuredOutputParams(regex="[0-9]+")))
+        plain = llm.request_params(SamplingParams(max_tokens=2, temperature=0.0))
+        loop._handle(("add", "aborted", None, [5, 6, 7], digits, None))
+        loop._handle(("add", "plain", None, [5, 6], plain, None))
+        assert [message[1] for _, message in loop.compiling] == ["aborted", "plain"] and not loop.driver.groups
+        loop._handle(("abort", "aborted"))
+        assert loop.records == [("aborted", True, None, 0, 0, None, [])]
+        loop._admit_compiled()
+        assert list(loop.driver.groups) == ["plain"]  # behind nothing now
+        loop._handle(("add", "digits", None, [5, 6, 7], digits, None))
+        release.set()
+        for _ in range(500):
+            loop._admit_compiled()
+            if not loop.compiling:
+                break
+            time.sleep(0.01)
+        assert sorted(loop.driver.groups) == ["digits", "plain"]
+        loop._compile = lambda structured: (_ for _ in ()).throw(InvalidRequestError("no"))
+        bad = llm.request_params(SamplingParams(max_tokens=3, structured_output=StructuredOutputParams(regex="[a-c]+")))
+        loop._handle(("add", "bad", None, [5], bad, None))
+        for _ in range(500):
+            loop._admit_compiled()
+            if not loop.compiling:
+                break
+            time.sleep(0.01)
+        assert loop.records[-1][:2] == ("bad", True) and "could not be started" in loop.records[-1][2]
+        assert "bad" not in loop.driver.groups
+        loop.compiler_thread.shutdown()
+        llm.engine.recover()

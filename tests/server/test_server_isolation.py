@@ -1,7 +1,7 @@
 """Clients that go away never stall the others: streamed completions through ``metrale serve``'s
 stack (an engine process behind uvicorn), many at once, two in three dropped by their client after
 a few events, on every family, with overlap scheduling and with n-gram speculation, on a cache
-small enough to preempt. Every stream that is read to its end gets ``[DONE]`` within its deadline
+small enough to preempt (some go before their first event). Every stream that is read to its end gets ``[DONE]`` within its deadline
 and the text it gets alone; afterwards ``/metrics`` shows nothing running, waiting or allocated."""
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def workload(seed: int, count: int) -> list[dict]:
         items.append({
             "prompt": prompt, "max_tokens": rng.randrange(1, 25), "temperature": 0.9 if sampled else 0.0,
             "seed": rng.randrange(1000) if sampled else None,
-            # Two in three clients go away after 1 to 5 events.
-            "drop_after": rng.randrange(1, 6) if rng.random() < 2 / 3 else None,
+            # Two in three clients go away after 0 (before the first token) to 5 events.
+            "drop_after": rng.randrange(0, 6) if rng.random() < 2 / 3 else None,
         })
     return items
 
@@ -60,6 +60,8 @@ async def stream_one(client: httpx.AsyncClient, item: dict, model: str) -> dict:
     text, events, finish, done = "", 0, None, False
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()
+        if item["drop_after"] == 0:
+            return {"text": text, "finish_reason": finish, "done": done}  # gone before the first event
         async for line in response.aiter_lines():
             if not line:
                 continue
