@@ -1,7 +1,7 @@
 """Clients that go away never stall the others: streamed completions through ``metrale serve``'s
 stack (an engine process behind uvicorn), many at once, two in three dropped by their client after
 a few events, on every family, with overlap scheduling and with n-gram speculation, on a cache
-small enough to preempt (some go before their first event). Every stream that is read to its end gets ``[DONE]`` within its deadline
+small enough to preempt (some go before their first event). Every stream read to its end gets ``[DONE]`` within its deadline
 and the text it gets alone; afterwards ``/metrics`` shows nothing running, waiting or allocated."""
 
 from __future__ import annotations
