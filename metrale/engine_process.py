@@ -33,9 +33,7 @@ import dataclasses
 import logging
 import pickle
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -48,6 +46,7 @@ import numpy as np
 
 from metrale.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngineAPI
 from metrale.checkpoint import Checkpoint
+from metrale.child_process import start_child
 from metrale.engine.driver import EngineDriver, EngineStats
 from metrale.engine.generation import RequestGroup, visible_text
 from metrale.errors import (
@@ -543,18 +542,8 @@ class EngineProcess(AsyncEngineAPI):
         """Start an engine process and wait until its model is loaded: its connection and its
         "ready" payload. Raises what loading raised there, or
         :class:`~metrale.errors.EngineClosedError` when it exited first."""
-        parent_socket, child_socket = socket.socketpair()
-        # A fresh interpreter that imports only metrale (not the caller's __main__, as a
-        # multiprocessing start would), with the caller's import path.
-        bootstrap = (f"import sys; sys.path[:] = {sys.path!r}; "
-                     f"from metrale.engine_process import _engine_process_main; _engine_process_main({child_socket.fileno()})")
-        try:
-            process = subprocess.Popen([sys.executable, "-c", bootstrap], pass_fds=[child_socket.fileno()],
-                                       stdin=subprocess.DEVNULL)
-        finally:
-            child_socket.close()
+        process, conn = start_child("metrale.engine_process", "_engine_process_main")
         self._process: subprocess.Popen = process  # (seen by shutdown while the model loads)
-        conn = Connection(parent_socket.detach())
         try:
             conn.send(self._start_message)
             kind, payload = conn.recv()

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import subprocess
-import sys
 import threading
 from collections import OrderedDict
 from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
+from metrale.child_process import start_child
 from metrale.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -114,15 +113,7 @@ class GrammarSandbox:
         if self._conn is not None and self._process is not None and self._process.poll() is None:
             return self._conn
         self._stop_worker()
-        parent_socket, child_socket = socket.socketpair()
-        bootstrap = (f"import sys; sys.path[:] = {sys.path!r}; "
-                     f"from metrale.grammar_sandbox import _worker_main; _worker_main({child_socket.fileno()})")
-        try:
-            process = subprocess.Popen([sys.executable, "-c", bootstrap], pass_fds=[child_socket.fileno()],
-                                       stdin=subprocess.DEVNULL)
-        finally:
-            child_socket.close()
-        conn = Connection(parent_socket.detach())
+        process, conn = start_child("metrale.grammar_sandbox", "_worker_main")
         self._process, self._conn = process, conn
         try:
             conn.send(("setup", *self._setup))

@@ -162,16 +162,7 @@ def test_bad_options_and_checkpoints_raise_their_errors(tmp_path):
 def test_a_dead_engine_process_fails_its_requests_and_takes_no_more():
     doomed = EngineProcess("tiny-dense", **OPTIONS)
     try:
-        async def body():
-            request = doomed.submit("Hello", SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True))
-            await request.next_output()
-            os.kill(doomed._process.pid, signal.SIGKILL)
-            last = await request.next_output()
-            while not last.finished:
-                last = await request.next_output()
-            return last
-
-        last = run(body)
+        last = run(lambda: killed_mid_request(doomed))
         assert last.finish_reason == "error" and "engine process stopped" in last.error
         assert not doomed.is_running
         with pytest.raises(EngineClosedError):
@@ -184,18 +175,20 @@ async def _submit(engine):
     engine.submit("Hello", SamplingParams(max_tokens=2))
 
 
+async def killed_mid_request(engine):
+    """The last output of a long request whose engine process is killed after its first output."""
+    request = engine.submit("Hello", SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True))
+    await request.next_output()
+    os.kill(engine._process.pid, signal.SIGKILL)
+    last = await request.next_output()
+    while not last.finished:
+        last = await request.next_output()
+    return last
+
+
 def test_a_killed_engine_process_is_started_again_up_to_max_restarts(reference):
     engine = EngineProcess("tiny-dense", max_restarts=1, **OPTIONS)
     try:
-        async def killed_mid_request():
-            request = engine.submit("Hello", SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True))
-            await request.next_output()
-            os.kill(engine._process.pid, signal.SIGKILL)
-            last = await request.next_output()
-            while not last.finished:
-                last = await request.next_output()
-            return last
-
         async def serves_again():
             states = []
             for _ in range(3000):
@@ -214,7 +207,7 @@ def test_a_killed_engine_process_is_started_again_up_to_max_restarts(reference):
                 last = await request.next_output()
             return states, last
 
-        last = run(killed_mid_request)
+        last = run(lambda: killed_mid_request(engine))
         assert last.finish_reason == "error" and "engine process stopped" in last.error
         states, again = run(serves_again)
         assert states[-1] is True and engine.restarts == 1

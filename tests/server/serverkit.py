@@ -6,6 +6,7 @@ thread (its own event loop) on a free port of 127.0.0.1, and clients."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -153,3 +154,32 @@ def wait_idle(http: httpx.Client, timeout: float = 5.0) -> dict[str, float]:
 
 def idle_report(values: dict[str, float]) -> dict[str, float | None]:
     return {name: values.get(name) for name in IDLE_METRICS}
+
+
+async def read_stream(client: httpx.AsyncClient, body: dict, stop_after: int | None = None) -> dict:
+    """Stream one completion; with ``stop_after``, close the response after that many events
+    (0: once its headers arrived, before the first event)."""
+    text, events, finish, usage, done = "", 0, None, None, False
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        if stop_after == 0:
+            return {"text": text, "finish_reason": finish, "usage": usage, "done": done, "events": events}
+        async for line in response.aiter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: ")
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            assert "error" not in chunk, chunk
+            events += 1
+            if chunk["choices"]:
+                text += chunk["choices"][0]["text"]
+                finish = chunk["choices"][0]["finish_reason"] or finish
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if stop_after is not None and events >= stop_after:
+                break  # leaving the block closes the connection: the client is gone
+    return {"text": text, "finish_reason": finish, "usage": usage, "done": done, "events": events}

@@ -7,7 +7,6 @@ and the text it gets alone; afterwards ``/metrics`` shows nothing running, waiti
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 
 import pytest
@@ -16,7 +15,15 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from serverkit import ServerThread, async_http_client, http_client, idle_report, metric_values, wait_idle  # noqa: E402
+from serverkit import (  # noqa: E402
+    ServerThread,
+    async_http_client,
+    http_client,
+    idle_report,
+    metric_values,
+    read_stream,
+    wait_idle,
+)
 
 from metrale import LLM, SamplingParams  # noqa: E402
 from metrale.engine_process import EngineProcess  # noqa: E402
@@ -57,27 +64,7 @@ async def stream_one(client: httpx.AsyncClient, item: dict, model: str) -> dict:
             "top_k": 20, "ignore_eos": True, "stream": True}
     if item["seed"] is not None:
         body["seed"] = item["seed"]
-    text, events, finish, done = "", 0, None, False
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200, await response.aread()
-        if item["drop_after"] == 0:
-            return {"text": text, "finish_reason": finish, "done": done}  # gone before the first event
-        async for line in response.aiter_lines():
-            if not line:
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                done = True
-                break
-            chunk = json.loads(data)
-            assert "error" not in chunk, chunk
-            events += 1
-            if chunk["choices"]:
-                text += chunk["choices"][0]["text"]
-                finish = chunk["choices"][0]["finish_reason"] or finish
-            if item["drop_after"] is not None and events >= item["drop_after"]:
-                break  # leaving the block closes the connection: the client is gone
-    return {"text": text, "finish_reason": finish, "done": done}
+    return await read_stream(client, body, stop_after=item["drop_after"])
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -4,7 +4,6 @@ that go away mid-stream leave nothing allocated, and a shutdown drains, aborts a
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -20,7 +19,18 @@ pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("openai")
 
-from serverkit import MODEL, Stack, async_http_client, engine_stopped, http_client, idle_report, metric_values, new_llm, wait_idle  # noqa: E402
+from serverkit import (  # noqa: E402
+    MODEL,
+    Stack,
+    async_http_client,
+    engine_stopped,
+    http_client,
+    idle_report,
+    metric_values,
+    new_llm,
+    read_stream,
+    wait_idle,
+)
 
 from metrale import SamplingParams  # noqa: E402
 
@@ -38,32 +48,6 @@ def stack():
 def load_workload(count: int = 64) -> list[tuple[str, int]]:
     """(prompt, max_tokens): prompts of 1 to 30 words, 4 to 24 tokens each."""
     return [(f"Case {i}: " + " ".join(WORDS[: (i * 7) % 31]), 4 + (i * 5) % 21) for i in range(count)]
-
-
-async def read_stream(client: httpx.AsyncClient, body: dict, stop_after: int | None = None) -> dict:
-    """Stream one completion; with ``stop_after``, close the response after that many events."""
-    text, events, finish, usage, done = "", 0, None, None, False
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if not line:
-                continue
-            assert line.startswith("data: ")
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                done = True
-                break
-            chunk = json.loads(data)
-            assert "error" not in chunk, chunk
-            events += 1
-            if chunk["choices"]:
-                text += chunk["choices"][0]["text"]
-                finish = chunk["choices"][0]["finish_reason"] or finish
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if stop_after is not None and events >= stop_after:
-                break
-    return {"text": text, "finish_reason": finish, "usage": usage, "done": done, "events": events}
 
 
 def test_64_concurrent_streams_equal_their_solo_runs(stack):
