@@ -48,7 +48,7 @@ WORDS = ("the list of items is sorted by the number of times each one was seen i
          "the disk before the program returns a value").split()
 ADAPTERS = ("sql", "poem")
 SPECULATION = {"method": "ngram", "num_speculative_tokens": 3}
-ENGINE = {"max_num_seqs": 8, "num_blocks": 24, "block_size": 8, "max_num_batched_tokens": 64}
+ENGINE = {"max_num_seqs": 8, "num_blocks": 16, "block_size": 8, "max_num_batched_tokens": 64}
 #: Engine counters the soak must see move (summed over the engine processes it ran on).
 COUNTERS = ("metrale_preemptions_total", "metrale_spec_decode_verify_steps_total", "metrale_prefix_cache_hits_total")
 IDLE_METRICS = ("metrale_kv_cache_blocks_used", "metrale_state_slots_used", "metrale_requests_running",
@@ -193,7 +193,7 @@ class Soak:
             if done and outcome.error is None and outcome.status == 200:
                 outcome.text, outcome.replay = text, {"path": path, **{k: v for k, v in body.items() if k != "stream"}}
         elif action == "give_up":  # a non-streamed client that goes away part way
-            body = {**self.body(rng, chat=False), "max_tokens": 100}
+            body = {**self.body(rng, chat=False), "max_tokens": 64}
             try:
                 await http.post("/v1/completions", json=body, timeout=rng.choice([0.01, 0.05, 0.2]))
             except Exception:

@@ -36,7 +36,7 @@ MODES = {
     "overlap": dict(overlap_scheduling=True),
     "speculation": dict(overlap_scheduling=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
 }
-OPTIONS = dict(device="cpu", show_progress=False, block_size=4, num_blocks=32, max_num_batched_tokens=16,
+OPTIONS = dict(device="cpu", show_progress=False, block_size=4, num_blocks=20, max_num_batched_tokens=16,
                max_num_seqs=6)
 WORDS = ("the list of items is sorted by the number of times each one was seen in the file and then written "
          "back to the disk before the program returns").split()

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_short_soak_finds_nothing_wrong(tmp_path):
-    code = soak.main(["--seconds", "15", "--concurrency", "6", "--seed", "3", "--output", str(tmp_path / "soak.json")])
+    code = soak.main(["--seconds", "15", "--concurrency", "8", "--seed", "3", "--output", str(tmp_path / "soak.json")])
     result = json.loads((tmp_path / "soak.json").read_text())
     assert result["problems"] == [] and code == 0, result["problems"]
     assert result["kill"]["engine_killed"] and result["finished_and_replayed"] >= 20
