@@ -335,6 +335,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                       and not in_kill_window(o, runner.kill_window)]
     return {
         "model": args.model, "device": args.device, "seconds": round(elapsed, 1), "concurrency": args.concurrency,
+        "seed": args.seed, "engine_options": {**ENGINE, "speculative_config": SPECULATION, "lora_modules": list(ADAPTERS)},
         "actions": len(outcomes),
         "by_action": {a: sum(o.action == a for o in outcomes) for a in sorted({o.action for o in outcomes})},
         "finished_and_replayed": len(replayable), "equal_to_solo": len(replayable) - len(differ), "differ": differ[:20],
