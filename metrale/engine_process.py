@@ -21,9 +21,11 @@ What crosses between them:
 
 Requests are checked on the callers' side (:class:`~metrale.frontend.PromptFrontend`: the
 tokenizer, the chat template, the sampling defaults, the structured-output compiler), so a bad
-request raises in :meth:`~EngineProcess.submit` and never reaches the engine. If the engine
-process dies, every unfinished request ends with ``finish_reason == "error"`` and the
-``EngineProcess`` stops taking requests.
+request raises in :meth:`~EngineProcess.submit` and never reaches the engine (a structured
+output is checked there in a sandbox process, :mod:`metrale.grammar_sandbox`, and compiled by
+the engine process beside its steps). If the engine process dies, every unfinished request ends
+with ``finish_reason == "error"``; the ``EngineProcess`` then starts it again, up to
+``max_restarts`` times, or stops taking requests.
 """
 
 from __future__ import annotations
