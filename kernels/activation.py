@@ -236,8 +236,8 @@ KERNEL_NAMES = ("silu_and_mul_words",)
 
 
 def source() -> str:
-    """The CUDA C++ source NVRTC compiles (with :data:`metrale.kernels.decode_gemv.HELPERS`)."""
-    from metrale.kernels.decode_gemv import HELPERS
+    """The CUDA C++ source NVRTC compiles (with :data:`metrale.kernels._words.HELPERS`)."""
+    from metrale.kernels._words import HELPERS
 
     return DEPENDENT_LAUNCH + HELPERS + KERNEL
 
@@ -245,7 +245,7 @@ def source() -> str:
 def words_supported(gate_up: Any) -> bool:
     """Whether :func:`silu_and_mul_words` serves ``gate_up``: bf16 bits, two dimensions, contiguous,
     16-byte aligned, a width (``I``) that is a multiple of 8."""
-    from metrale.kernels.decode_gemv import aligned
+    from metrale.kernels._words import aligned
 
     shape: tuple[int, ...] = tuple(getattr(gate_up, "shape", ()))
     return (getattr(gate_up, "dtype", None) == np.uint16 and len(shape) == 2 and shape[1] % 16 == 0

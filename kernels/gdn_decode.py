@@ -34,7 +34,7 @@ import numpy as np
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
-from metrale.kernels.decode_gemv import HELPERS
+from metrale.kernels._words import HELPERS
 from metrale.kernels.decode_gemv import INSTRUCTIONS as DYNAMIC_SHARED_MEMORY
 
 CONV_THREADS = 256

@@ -80,7 +80,7 @@ def head_linear(x: DeviceArray, weight: DeviceArray, out: DeviceArray, stream: o
 # ------------------------------------------------------------------------------ CUDA C++ kernel
 
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch  # noqa: E402
-from metrale.kernels.decode_gemv import HELPERS  # noqa: E402
+from metrale.kernels._words import HELPERS  # noqa: E402
 
 #: Warps of a block of :func:`head_linear_words`; each computes one output value of every row.
 WORD_WARPS = 8

@@ -6,7 +6,7 @@ the mix of adapters in the batch (docs/lora.rst).
   row's projection and its products with every slot's ``A``; :func:`lora_expand` (CUDA C++) then
   writes each row's output with its own slot's update (optionally SwiGLU's activation of it), in
   one launch whatever the mix of adapters, a block per tile of one slot's rows (the step's
-  :func:`metrale.lora.adapter_tiles`, grouped on the host);
+  :func:`metrale.kernels.lora_tiles.adapter_tiles`, grouped on the host);
 * a step of many rows keeps the projection's product; one more cuBLAS product with every slot's
   ``A`` (or the step's one adapter's), :func:`lora_select_kernel` keeping each row's own slot's
   columns (in bf16), and one cuBLAS product accumulated into the output, ``y += shrunk b^T`` with
@@ -37,7 +37,7 @@ from metrale.kernels._device import (
     jit_kernel,
     numba_stream,
 )
-from metrale.lora import ADAPTER_TILE_ROWS
+from metrale.kernels.lora_tiles import ADAPTER_TILE_ROWS
 
 LORA_THREADS = 32 if SIMULATED else 128
 
@@ -172,7 +172,7 @@ def lora_logit_rows(logits: DeviceArray, h: DeviceArray, slots: DeviceArray, tok
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch  # noqa: E402
 
 #: Output columns (a thread each) of a block of :func:`lora_expand`; the rows of a tile
-#: (:data:`metrale.lora.ADAPTER_TILE_ROWS`), taken together; the shrunk products of a row it
+#: (:data:`metrale.kernels.lora_tiles.ADAPTER_TILE_ROWS`), taken together; the shrunk products of a row it
 #: stages in shared memory at a time.
 EXPAND_COLUMNS = 128
 EXPAND_ROWS = ADAPTER_TILE_ROWS
@@ -201,7 +201,7 @@ __device__ __forceinline__ void prefetch_line(const void* address) {
 
 // ext float32 [N, out + K]: a product with a LoRA stack's extended weight (the projection's own
 // `out` rows, then every slot's A rows, K = slots_count * width), tiles int32 [tile_count, 2 +
-// LORA_ROWS] (metrale.lora.adapter_tiles: a slot, a row count, then that many rows of the slot;
+// LORA_ROWS] (metrale.kernels.lora_tiles.adapter_tiles: a slot, a row count, then that many rows of the slot;
 // every row in one tile, the used tiles first, then tiles of no row), b bf16 bits [out, K]
 // (block-diagonal per slot), bias float32 [out] or null. Each row i of slot s > 0 gets
 // y[i, o] = ext[i, o] + bias[o] + sum_{k < width} ext[i, out + (s - 1) width + k] b[o, (s - 1) width + k]
@@ -317,7 +317,8 @@ KERNEL_NAMES = ("lora_expand",)
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    from metrale.kernels.decode_gemv import HELPERS, INSTRUCTIONS
+    from metrale.kernels._words import HELPERS
+    from metrale.kernels.decode_gemv import INSTRUCTIONS
 
     return INSTRUCTIONS + DEPENDENT_LAUNCH + HELPERS + EXPAND_KERNEL
 
@@ -331,8 +332,8 @@ def lora_expand(ext: DeviceArray, tiles: DeviceArray, b: DeviceArray, width: int
     """Each row's LoRA update added to its product with a stack's extended weight, in CUDA C++
     (one launch whatever the mix of slots): ``ext [N, M + S W]`` float32 (the projection's ``M``
     columns, then every slot's shrunk products), ``tiles [T, 2 + 8]`` int32 (the rows grouped
-    by slot, :func:`metrale.lora.adapter_tiles`), ``b [M, S W]`` bf16 bits
-    (:class:`~metrale.lora.LoraStack`), ``width`` = ``W``, ``bias [M]`` float32 or None. Writes
+    by slot, :func:`metrale.kernels.lora_tiles.adapter_tiles`), ``b [M, S W]`` bf16 bits
+    (:class:`~metrale.layers.lora_stacks.LoraStack`), ``width`` = ``W``, ``bias [M]`` float32 or None. Writes
     ``out [N, M]`` float32; with ``swiglu`` (``M = 2 I``: gate columns, then up columns)
     ``silu(gate) * up`` to ``out [N, I]`` bf16 bits."""
     op = "lora_expand"

@@ -32,8 +32,8 @@ import numpy as np
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
+from metrale.kernels._words import HELPERS
 from metrale.kernels.activation import sigmoid_denominator
-from metrale.kernels.decode_gemv import HELPERS
 from metrale.kernels.decode_gemv import INSTRUCTIONS as DYNAMIC_SHARED_MEMORY
 
 MAX_TOKENS = 8
@@ -187,7 +187,7 @@ def decode_experts_reference(
 ) -> np.ndarray:
     """:func:`metrale.kernels.moe.experts_reference` with the activation rounded to bf16 (as the
     kernels store it between the products), from float32 arrays holding bf16 values."""
-    from metrale.checkpoint import bf16_to_float32, float32_to_bf16
+    from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
 
     x = np.asarray(x, dtype=np.float32)
     hidden, inter = x.shape[1], down.shape[1]

@@ -28,7 +28,7 @@ import numpy as np
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
-from metrale.kernels.decode_gemv import HELPERS
+from metrale.kernels._words import HELPERS
 from metrale.kernels.moe import ROUTE_METHODS, route_reference
 
 MAX_ROWS = 8  # a warp per token in the choice

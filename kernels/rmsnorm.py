@@ -204,9 +204,9 @@ KERNEL_NAMES = ("rmsnorm_residual_words",)
 
 
 def source() -> str:
-    """The CUDA C++ source NVRTC compiles (with :data:`metrale.kernels.decode_gemv.HELPERS`, which
+    """The CUDA C++ source NVRTC compiles (with :data:`metrale.kernels._words.HELPERS`, which
     imports this module)."""
-    from metrale.kernels.decode_gemv import HELPERS
+    from metrale.kernels._words import HELPERS
 
     return DEPENDENT_LAUNCH + HELPERS + KERNEL
 

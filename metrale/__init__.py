@@ -4,13 +4,16 @@ The public API is re-exported here. Importing it loads neither CuPy nor numba an
 CUDA device.
 """
 
+from metrale import _moved
 from metrale._version import __version__
-from metrale.api import LLM
-from metrale.async_llm import AsyncLLM
-from metrale.hookspecs import CONTRACT_VERSION, hookimpl
-from metrale.lora import LoRARequest
+from metrale.entrypoints.async_llm import AsyncLLM
+from metrale.entrypoints.llm import LLM
+from metrale.loading.lora import LoRARequest
+from metrale.model.hookspecs import CONTRACT_VERSION, hookimpl
 from metrale.params import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from metrale.structured import StructuredOutputParams
+
+_moved.install()
 
 __all__ = [
     "LLM", "AsyncLLM", "SamplingParams", "StructuredOutputParams", "RequestOutput", "CompletionOutput", "Logprob",

@@ -9,29 +9,14 @@ attention per segment.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
 from metrale.errors import CacheError
-from metrale.sequence import SequenceState
+from metrale.kernels.lora_tiles import adapter_tiles
+from metrale.sequence import MIXED_ADAPTERS, Segment
 
-
-@dataclass
-class Segment:
-    """``len(token_ids)`` new tokens of ``seq`` at positions ``start, start+1, ...``.
-
-    ``logits`` is ``"none"``, ``"last"`` (the segment's last row) or ``"all"`` (every row).
-    """
-
-    seq: SequenceState
-    token_ids: Sequence[int]
-    start: int
-    logits: str = "last"
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.token_ids)
+__all__ = ["ForwardBatch", "Segment", "adapter_route"]
 
 
 @dataclass
@@ -47,9 +32,9 @@ class ForwardBatch:
     ``0 .. N - 1`` (a decode step, a verify of one sequence): the rows need no gathering.
     ``adapter_slots``: ``[N]`` int64, each row's LoRA adapter slot (0: the base model), None when
     every row runs the base model; ``adapter_route``: the step's route
-    (:func:`metrale.lora.adapter_route`: None, one slot, or
+    (:func:`metrale.batch.adapter_route`: None, one slot, or
     :data:`~metrale.sequence.MIXED_ADAPTERS`); ``adapter_tiles``: the rows grouped by slot
-    (:func:`metrale.lora.adapter_tiles`), with ``adapter_slots``, for the op ``lora_expand``.
+    (:func:`metrale.kernels.lora_tiles.adapter_tiles`), with ``adapter_slots``, for the op ``lora_expand``.
     """
 
     segments: list[Segment]
@@ -82,8 +67,6 @@ class ForwardBatch:
         else:
             batch = cls._build_rows(segments, block_size)
         if any(s.seq.adapter_slot for s in segments):
-            from metrale.lora import adapter_route, adapter_tiles
-
             per_segment = np.fromiter((s.seq.adapter_slot or 0 for s in segments), dtype=np.int64, count=len(segments))
             batch.adapter_slots = per_segment[batch.seq_index]
             batch.adapter_route = adapter_route(batch.adapter_slots)
@@ -171,3 +154,13 @@ class ForwardBatch:
 
 def _state_slots(segments: list[Segment]) -> np.ndarray:
     return np.array([s.seq.state_slot or 0 for s in segments], dtype=np.int64)
+
+
+def adapter_route(slots: np.ndarray) -> int | str | None:
+    """The adapter route of a step whose rows have adapter ``slots`` (0: the base model): None
+    when every row runs the base model, the slot when every row runs one adapter, else
+    :data:`~metrale.sequence.MIXED_ADAPTERS`."""
+    if slots.size == 0 or not slots.any():
+        return None
+    first = int(slots[0])
+    return first if (slots == first).all() else MIXED_ADAPTERS

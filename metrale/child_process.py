@@ -1,5 +1,5 @@
 """Fresh Python processes that serve their parent over a socket: the engine process
-(:mod:`metrale.engine_process`) and the structured-output sandbox (:mod:`metrale.grammar_sandbox`)."""
+(:mod:`metrale.entrypoints.engine_process`) and the structured-output sandbox (:mod:`metrale.structured.sandbox`)."""
 
 from __future__ import annotations
 

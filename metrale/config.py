@@ -163,11 +163,11 @@ class EngineConfig:
     model runner; :mod:`metrale.engine.engine`); ``speculative_config`` turns on speculative
     decoding (a mapping such as ``{"method": "ngram", "num_speculative_tokens": 3}``, read into a
     :class:`~metrale.speculative.SpeculativeConfig`; decode steps then run without overlap);
-    ``enable_lora`` serves LoRA adapters (:mod:`metrale.lora`): ``max_loras`` of them on the
+    ``enable_lora`` serves LoRA adapters (:mod:`metrale.loading.lora`): ``max_loras`` of them on the
     device at once, of rank at most ``max_lora_rank``; ``tensor_parallel_size`` splits the model
-    over that many ranks (:mod:`metrale.parallel`; this process is rank 0, the others are worker
+    over that many ranks (:mod:`metrale.backends.parallel`; this process is rank 0, the others are worker
     processes started by ``distributed_executor_backend``: ``"mp"``, the default, processes on this
-    machine, or ``"ray"``, Ray actors placed by a Ray cluster, :mod:`metrale.executor`; on GPUs a
+    machine, or ``"ray"``, Ray actors placed by a Ray cluster, :mod:`metrale.backends.executor`; on GPUs a
     visible device each, joined by NCCL), with
     ``expert_parallel`` spreading an MoE model's routed experts over the ranks instead of
     splitting each expert. Every value is type-checked: ints only ints, the flags only True or False

@@ -104,7 +104,7 @@ class EngineClosedError(MetraleError, RuntimeError):
 
 
 class RankError(MetraleError, RuntimeError):
-    """A rank of a model split over several (``tensor_parallel_size``, :mod:`metrale.executor`)
+    """A rank of a model split over several (``tensor_parallel_size``, :mod:`metrale.backends.executor`)
     could not start, failed a step or went away; the message says which and why. After a failed
     step the engine refuses further steps: close the LLM and build it again."""
 

@@ -328,7 +328,7 @@ class RequestOutput:
     ``num_draft_tokens`` counts the draft tokens speculative decoding proposed for its
     completions and ``num_accepted_tokens`` those the target model's verifies kept (both 0
     without ``speculative_config``). ``lora_request`` is the LoRA adapter it ran with
-    (:class:`~metrale.lora.LoRARequest`), None for the base model.
+    (:class:`~metrale.loading.lora.LoRARequest`), None for the base model.
 
     ``token_ids``, ``text``, ``finish_reason`` and ``stop_reason`` are those of the first
     completion (``outputs[0]``), for the common ``n == 1``.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -27,7 +27,7 @@ class SequenceState:
     seq_id: int = field(default_factory=lambda: next(_sequence_ids))
     num_cached: int = 0
     block_table: list[int] = field(default_factory=list)
-    #: LoRA adapter slot on the device (:class:`~metrale.lora.LoraManager`), None when the base
+    #: LoRA adapter slot on the device (:class:`~metrale.engine.lora_slots.LoraManager`), None when the base
     #: model serves this sequence.
     adapter_slot: int | None = None
     #: The adapter's ``lora_int_id`` (None: the base model): what the prefix cache keys blocks
@@ -102,6 +102,23 @@ class PrefillSlice:
 
 
 @dataclass
+class Segment:
+    """``len(token_ids)`` new tokens of ``seq`` at positions ``start, start+1, ...``.
+
+    ``logits`` is ``"none"``, ``"last"`` (the segment's last row) or ``"all"`` (every row).
+    """
+
+    seq: SequenceState
+    token_ids: Sequence[int]
+    start: int
+    logits: str = "last"
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
 class MixedForwardResult:
     """Result of ``mixed_forward``: ``decode_logits`` is ``[n_decode, vocab]`` (row i for
     ``decode_seqs[i]``); ``prefill_logits`` is ``[1, vocab]`` when the chunk was the last, else
@@ -126,6 +143,9 @@ class ForwardStep:
     ``method`` is the contract method's name, ``seqs`` every sequence the call touches (decode
     rows first, then prefill), ``is_last_chunk`` whether a prefill-like call finishes its prompt,
     ``stream`` the engine stream (None on the CPU). Stamp plugins record routing in ``stamps``.
+    ``segments`` are the call's rows as the engine planned them (each sequence's new tokens and
+    the logits it wants, :class:`Segment`), passed on to the dispatch hooks that take them; None
+    for a call made through a contract method directly (the family derives its own).
     """
 
     method: str
@@ -133,6 +153,7 @@ class ForwardStep:
     stream: Any = None
     is_last_chunk: bool = False
     stamps: dict[str, Any] = field(default_factory=dict)
+    segments: list[Segment] | None = None
 
     @property
     def runs_drafter(self) -> bool:

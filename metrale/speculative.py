@@ -37,7 +37,7 @@ class SpeculativeConfig:
     ``method`` names a drafter (``"ngram"``: prompt lookup in the sequence's own tokens;
     ``"mtp"``: a DeepSeek-V3 or Qwen3-Next checkpoint's multi-token-prediction module,
     :mod:`metrale.plugins.mtp`; others come from plugins,
-    :func:`metrale.hookspecs.metrale_drafters`); ``num_speculative_tokens``
+    :func:`metrale.model.hookspecs.metrale_drafters`); ``num_speculative_tokens``
     is ``K``, the most drafts per sequence and step (1 to :data:`MAX_SPECULATIVE_TOKENS`);
     ``prompt_lookup_min`` / ``prompt_lookup_max`` bound the n-gram lengths the n-gram drafter
     matches (longest first). ``options`` keeps the keys a plugin's drafter reads.

@@ -7,7 +7,7 @@ The module's row at position ``i`` reads the main model's final state ``h_i`` an
 theirs. So the drafter keeps, per sequence, how far that layer holds the true rows (``filled``)
 and the main model's states it has not used yet:
 
-* every forward leaves the final states of its rows (:attr:`~metrale.family.FamilyModel.step_outputs`),
+* every forward leaves the final states of its rows (:attr:`~metrale.model.family.FamilyModel.step_outputs`),
   which :meth:`MtpDrafter.observe` copies per sequence (a verify's rows past the kept ones are
   dropped when the next call starts there);
 * :meth:`MtpDrafter.catch_up` runs the module over every position from ``filled`` up to the last
@@ -39,7 +39,7 @@ import numpy as np
 
 from metrale.batch import ForwardBatch, Segment
 from metrale.errors import ConfigError, OutOfCacheBlocksError
-from metrale.hookspecs import CONTRACT_VERSION, hookimpl
+from metrale.model.hookspecs import CONTRACT_VERSION, hookimpl
 from metrale.runner.graphs import as_decode_rows
 
 METRALE_CONTRACT_VERSION = CONTRACT_VERSION

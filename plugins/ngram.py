@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from metrale.hookspecs import CONTRACT_VERSION, hookimpl
+from metrale.model.hookspecs import CONTRACT_VERSION, hookimpl
 from metrale.speculative import SpeculativeConfig
 
 METRALE_CONTRACT_VERSION = CONTRACT_VERSION

@@ -1,12 +1,12 @@
 """Built-in stage plugins: flush, stamp, drafter, and the graph-capture error hook.
 
-* flush: folds what a model left pending (``flush_pending``, :class:`~metrale.family.FamilyModel`:
+* flush: folds what a model left pending (``flush_pending``, :class:`~metrale.model.family.FamilyModel`:
   the Gated DeltaNet family's recurrent state as of a verify's last kept row) into its state
   before the forward reads it;
-* stamp: records the adapter route of the step (:func:`~metrale.lora.adapter_route`: one adapter
+* stamp: records the adapter route of the step (:func:`~metrale.batch.adapter_route`: one adapter
   slot for the whole batch, None for the base model, or ``MIXED_ADAPTERS``) and has the model
-  check it (``check_adapters``, :class:`~metrale.family.FamilyModel`) before anything runs;
-* drafter: the eager drafter prefill, ``prime_drafter`` (:class:`~metrale.family.FamilyModel`:
+  check it (``check_adapters``, :class:`~metrale.model.family.FamilyModel`) before anything runs;
+* drafter: the eager drafter prefill, ``prime_drafter`` (:class:`~metrale.model.family.FamilyModel`:
   the MLA family's MTP drafter catches up on the prompt's rows; nothing for other models);
 * end_graph_capture: asks the model's backend to end an open capture (a no-op on the CPU).
 """
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from metrale.hookspecs import CONTRACT_VERSION, hookimpl
-from metrale.lora import adapter_route
+from metrale.batch import adapter_route
+from metrale.model.hookspecs import CONTRACT_VERSION, hookimpl
 from metrale.sequence import ForwardStep
 
 METRALE_CONTRACT_VERSION = CONTRACT_VERSION

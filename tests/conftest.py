@@ -265,7 +265,7 @@ def warm_plugin_manager():
     """A plugin manager shared by the bad-checkpoint tests, after one good load has imported every
     module a load needs (so that their imports do not count in a load's memory peak)."""
     import metrale
-    from metrale.plugin_manager import get_plugin_manager
+    from metrale.model.plugin_manager import get_plugin_manager
 
     manager = get_plugin_manager()
     for name in ("tiny-dense", "tiny-mla", "tiny-gdn"):

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from metrale import bench
+from metrale.benchmarks import latency as bench
 
 
 class RecordingBar:

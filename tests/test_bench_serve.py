@@ -19,9 +19,9 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
-from metrale import bench_serve  # noqa: E402
-from metrale.bench_serve import RequestRecord, ServeWorkload  # noqa: E402
-from metrale.bench_throughput import ThroughputOptions, workload  # noqa: E402
+from metrale.benchmarks import serve as bench_serve  # noqa: E402
+from metrale.benchmarks.serve import RequestRecord, ServeWorkload  # noqa: E402
+from metrale.benchmarks.throughput import ThroughputOptions, workload  # noqa: E402
 from metrale.errors import ConfigError, MetraleError  # noqa: E402
 
 FIRST_DELAY = 0.03

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from metrale import bench_throughput
-from metrale.bench_throughput import ThroughputOptions
+from metrale.benchmarks import throughput as bench_throughput
+from metrale.benchmarks.throughput import ThroughputOptions
 
 
 def test_workload_is_seeded_and_in_range():

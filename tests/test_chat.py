@@ -1,4 +1,4 @@
-"""Chat templates (metrale.chat): rendered exactly as transformers' apply_chat_template renders them,
+"""Chat templates (metrale.entrypoints.chat): rendered exactly as transformers' apply_chat_template renders them,
 read from the places transformers reads them, with typed errors for bad messages and templates."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from metrale.chat import ChatTemplate, check_messages, read_special_tokens
+from metrale.entrypoints.chat import ChatTemplate, check_messages, read_special_tokens
 from metrale.errors import CheckpointError, ConfigError, InvalidRequestError
 from metrale.models import embedded_model_path
 

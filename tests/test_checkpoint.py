@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import dense_configs
 from safetensors.numpy import load_file, save_file
 
 import metrale
-from metrale.checkpoint import Checkpoint, bf16_to_float32, float32_to_bf16
+from conftest import dense_configs
 from metrale.errors import CheckpointError
+from metrale.loading.checkpoint import Checkpoint, bf16_to_float32, float32_to_bf16
 from metrale.testing.hf import build_hf_checkpoint, hf_reference_logits
 
 TOLERANCE = 1e-4

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from metrale.cli import main
+from metrale.entrypoints.cli import main
 
 
 def test_generate_with_the_embedded_default(capsys):
@@ -99,7 +99,7 @@ def test_help_everywhere(args, capsys):
 
 
 def test_console_script_is_installed():
-    result = subprocess.run([sys.executable, "-m", "metrale.cli", "--version"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "metrale.entrypoints.cli", "--version"], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.startswith("metrale ")
 
 
@@ -122,7 +122,7 @@ def test_bench_refuses_bad_options_before_touching_a_device(args, message, capsy
 
 
 def test_bench_without_a_cuda_device_says_so(monkeypatch, capsys):
-    from metrale import backend
+    from metrale.backends import devices as backend
 
     monkeypatch.setattr(backend, "cuda_unavailable_reason", lambda: "no CUDA device is available")
     assert main(["bench", "--shapes", "llama-1b"]) == 2
@@ -134,3 +134,14 @@ def test_bench_without_a_cuda_device_says_so(monkeypatch, capsys):
 def test_serve_refuses_a_timeout_that_is_not_a_positive_number_of_seconds(flag, value, capsys):
     assert main(["serve", "tiny-dense", flag, value]) == 2
     assert f"{flag} must be a number of seconds > 0, got {float(value)}" in capsys.readouterr().err
+
+
+def test_python_dash_m_metrale_is_the_command():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "metrale", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    from metrale._version import __version__
+
+    assert __version__ in result.stdout

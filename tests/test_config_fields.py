@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from metrale.config_fields import MAX_INT, REQUIRED, ConfigFields
 from metrale.errors import CheckpointError
+from metrale.loading.config_fields import MAX_INT, REQUIRED, ConfigFields
 
 # (reader, options, value, the value returned) for values each reader accepts.
 ACCEPTED = [

@@ -61,21 +61,21 @@ def names_in_source() -> dict[str, list[str]]:
 
 
 def test_hook_specs_are_found():
-    assert len(HOOK_SPECS) >= 20, f"only {HOOK_SPECS} found in metrale.hookspecs"
+    assert len(HOOK_SPECS) >= 20, f"only {HOOK_SPECS} found in metrale.model.hookspecs"
 
 
 @pytest.mark.parametrize("name", HOOK_SPECS)
 def test_hook_spec_has_a_docstring(name):
     doc = inspect.getdoc(getattr(hookspecs, name))
-    assert doc and doc.strip(), f"metrale.hookspecs.{name} has no docstring"
+    assert doc and doc.strip(), f"metrale.model.hookspecs.{name} has no docstring"
 
 
 @pytest.mark.parametrize("name", HOOK_SPECS)
 def test_hook_spec_is_in_the_hook_reference(name):
     page = HOOKS_PAGE.read_text(encoding="utf-8")
-    assert mentions(page, f"metrale.hookspecs.{name}"), (
-        f"{HOOKS_PAGE.relative_to(ROOT)} does not document metrale.hookspecs.{name}; add "
-        f"'.. autofunction:: metrale.hookspecs.{name}' to the section of its group"
+    assert mentions(page, f"metrale.model.hookspecs.{name}"), (
+        f"{HOOKS_PAGE.relative_to(ROOT)} does not document metrale.model.hookspecs.{name}; add "
+        f"'.. autofunction:: metrale.model.hookspecs.{name}' to the section of its group"
     )
 
 
@@ -126,7 +126,7 @@ def test_names_that_are_not_environment_variables_stay_out_of_the_registry():
 def test_every_cli_option_is_documented():
     import argparse
 
-    from metrale.cli import build_parser
+    from metrale.entrypoints.cli import build_parser
 
     page = CLI_PAGE.read_text(encoding="utf-8")
     parser = build_parser()

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from metrale import LLM, SamplingParams, StructuredOutputParams
-from metrale.engine_process import EngineProcess
+from metrale.entrypoints.engine_process import EngineProcess
 from metrale.errors import (
     CheckpointError,
     ConfigError,
@@ -247,7 +247,7 @@ def test_structured_outputs_compile_beside_the_steps_in_arrival_order():
     meanwhile never starts, and a compile that fails fails only its request."""
     from multiprocessing import Pipe
 
-    from metrale.engine_process import _EngineLoop
+    from metrale.entrypoints.engine_process import _EngineLoop
 
     with LLM("tiny-dense", **OPTIONS) as llm:
         llm.isolate_grammars = False

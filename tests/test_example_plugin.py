@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.family import resolve_family
-from metrale.plugin_manager import get_plugin_manager
+from metrale.model.family import resolve_family
+from metrale.model.plugin_manager import get_plugin_manager
 
 EXAMPLE_TESTS = Path(__file__).resolve().parents[1] / "examples" / "metrale-example-family" / "tests"
 
@@ -55,8 +55,8 @@ def test_example_runs_a_forward(example_checkpoint):
 def test_a_family_that_does_not_shard_is_refused_on_a_rank_of_several(example_checkpoint):
     """A model whose family has not said it runs tensor-parallel (tensor_parallel_capable) is
     refused with a clear error on a rank of a group of several, before it could run half a model."""
+    from metrale.backends.parallel import Shard, rank_context, run_ranks
     from metrale.errors import ConfigError
-    from metrale.parallel import Shard, rank_context, run_ranks
 
     def work(communicator):
         with rank_context(Shard(communicator.rank, 2), communicator):

@@ -1,4 +1,4 @@
-"""Tensor parallelism with real worker ranks (metrale.executor): an LLM with
+"""Tensor parallelism with real worker ranks (metrale.backends.executor): an LLM with
 tensor_parallel_size=2 starts a worker process (or a Ray actor) for rank 1, sends it each step's
 metadata, and generates what one rank generates; a lost worker fails the step with RankError
 instead of hanging; what TP does not serve yet is refused before anything starts."""
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from metrale import LLM, SamplingParams
+from metrale.backends.parallel import HubCommunicator, RankLostError
 from metrale.errors import ConfigError, RankError
-from metrale.parallel import HubCommunicator, RankLostError
 from metrale.testing.conformance import max_relative_error
 
 PROMPT = [5, 17, 99, 3, 42, 8, 61, 23, 77, 14, 2, 90]
@@ -135,8 +135,8 @@ def test_a_broken_group_stops_the_engine_so_it_reports_itself_down(engine_kind):
     """Served engines (AsyncLLM's thread, EngineProcess): after a worker is lost, the request in
     flight fails with the rank's error and the engine no longer reports itself running (the
     server's /health then answers 503)."""
-    from metrale.async_llm import AsyncLLM
-    from metrale.engine_process import EngineProcess
+    from metrale.entrypoints.async_llm import AsyncLLM
+    from metrale.entrypoints.engine_process import EngineProcess
 
     options = dict(device="cpu", show_progress=False, tensor_parallel_size=2)
     engine = (AsyncLLM if engine_kind == "thread" else EngineProcess)("tiny-dense", **options)
@@ -170,7 +170,7 @@ def test_what_tensor_parallelism_does_not_serve_is_refused(dense_checkpoints, op
 
 
 def test_cuda_ranks_without_a_gpu_are_refused_before_any_worker_starts(dense_checkpoints, monkeypatch):
-    from metrale import executor
+    from metrale.backends import executor
     from metrale.errors import BackendUnavailableError
 
     monkeypatch.setattr(executor.RankExecutor, "start", lambda self: pytest.fail("a worker was started"))
@@ -179,7 +179,7 @@ def test_cuda_ranks_without_a_gpu_are_refused_before_any_worker_starts(dense_che
 
 
 def test_gpu_ranks_take_one_visible_device_each(monkeypatch, tmp_path):
-    from metrale import executor
+    from metrale.backends import executor
 
     monkeypatch.setattr(executor, "new_nccl_id", lambda: ("id",))
     monkeypatch.setattr(executor, "visible_cuda_devices", lambda: ["7"])
@@ -208,7 +208,7 @@ def test_a_gpu_worker_that_cannot_join_nccl_fails_the_start_with_its_error(dense
     """The GPU start-up path on a machine without one: the worker gets its device and the NCCL
     id, fails to join (no CUDA here), says why and exits; rank 0, waiting in the NCCL
     initialisation for it, stops waiting and raises RankError with the worker's error."""
-    from metrale import executor
+    from metrale.backends import executor
 
     monkeypatch.setattr(executor, "visible_cuda_devices", lambda: ["0", "1"])
     monkeypatch.setattr(executor, "new_nccl_id", lambda: (b"\0" * 128,))
@@ -226,7 +226,7 @@ def test_a_gpu_worker_that_cannot_join_nccl_fails_the_start_with_its_error(dense
     ("1,3", ["1", "3"]), (" 0 , GPU-5a1e ", ["0", "GPU-5a1e"]), ("0,-1,2", ["0"]), ("", []), (None, ["0", "1"]),
 ])
 def test_visible_cuda_devices_follow_cuda_visible_devices(monkeypatch, listed, expected):
-    from metrale.parallel import visible_cuda_devices
+    from metrale.backends.parallel import visible_cuda_devices
 
     if listed is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -263,7 +263,7 @@ def test_the_gpu_watchdog_aborts_nccl_when_a_worker_is_lost(tmp_path, monkeypatc
     """A lost worker leaves rank 0 waiting on the device: the watchdog breaks the group and aborts
     the NCCL group (which ends that wait); the step then fails with RankError, not with the
     broken step's output."""
-    from metrale import executor
+    from metrale.backends import executor
 
     monkeypatch.setattr(executor, "WATCH_INTERVAL", 0.02)
     ranks = executor.RankExecutor(tmp_path, {}, 2)
@@ -291,7 +291,7 @@ def test_the_gpu_watchdog_aborts_nccl_when_a_worker_is_lost(tmp_path, monkeypatc
 def test_a_failed_rank_0_step_breaks_a_gpu_group(tmp_path):
     """On GPUs the workers' collectives of a step rank 0 gave up are queued on their devices and
     would pair with the next step's: any failure breaks the group and aborts NCCL."""
-    from metrale import executor
+    from metrale.backends import executor
 
     ranks = executor.RankExecutor(tmp_path, {}, 2)
     ranks.collectives = FakeCollectives()
@@ -319,7 +319,7 @@ def test_a_worker_process_exits_when_its_driver_is_gone(tmp_path):
     import subprocess
     import sys
 
-    child = ("import sys, time; from metrale.executor import exit_with_parent; "
+    child = ("import sys, time; from metrale.backends.executor import exit_with_parent; "
              "exit_with_parent(int(sys.argv[1]), 0.05); time.sleep(60)")
     parent = ("import os, subprocess, sys; child = subprocess.Popen([sys.executable, '-c', sys.argv[1], "
               "str(os.getpid())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(child.pid, flush=True)")
@@ -339,7 +339,7 @@ def test_a_worker_process_exits_when_its_driver_is_gone(tmp_path):
 
 
 def test_a_prepared_plugin_manager_is_refused(dense_checkpoints):
-    from metrale.plugin_manager import get_plugin_manager
+    from metrale.model.plugin_manager import get_plugin_manager
 
     with pytest.raises(ConfigError, match="plugin_manager"):
         LLM(str(dense_checkpoints["llama"]), device="cpu", show_progress=False, tensor_parallel_size=2,

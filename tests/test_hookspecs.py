@@ -6,9 +6,9 @@ import inspect
 
 import pytest
 
-from metrale import hookspecs
-from metrale.family import FamilyPlugin
-from metrale.forward import ModelForward
+from metrale.model import hookspecs
+from metrale.model.family import FamilyPlugin
+from metrale.model.forward import SEGMENT_METHODS, ModelForward
 
 SPECS = {name: obj for name, obj in vars(hookspecs).items() if name.startswith("metrale_") and callable(obj)}
 
@@ -26,9 +26,12 @@ def test_every_contract_method_has_a_spec():
 
 @pytest.mark.parametrize("method", CONTRACT_METHODS + ["score"])
 def test_spec_arguments_mirror_the_facade_method(method):
+    """The spec's parameters are the facade method's, then ``segments`` for the methods the engine
+    calls with its planned rows (contract 1.3: :meth:`ModelForward.run` passes ``step.segments``)."""
     facade = [p for p in inspect.signature(getattr(ModelForward, method)).parameters if p != "self"]
     spec = list(inspect.signature(SPECS[f"metrale_{method}"]).parameters)
-    assert spec == ["model", *facade]
+    extra = ["segments"] if method in SEGMENT_METHODS else []
+    assert spec == ["model", *facade, *extra]
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))

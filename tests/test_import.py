@@ -26,7 +26,7 @@ def test_import_metrale_loads_no_gpu_stack():
 
 
 def test_building_a_plugin_manager_loads_no_gpu_stack():
-    code = "from metrale.plugin_manager import get_plugin_manager\nget_plugin_manager(entry_points=False)"
+    code = "from metrale.model.plugin_manager import get_plugin_manager\nget_plugin_manager(entry_points=False)"
     assert modules_after(code) == []
 
 

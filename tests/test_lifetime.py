@@ -14,7 +14,7 @@ import pytest
 
 from metrale import LLM, SamplingParams
 from metrale.errors import EngineBusyError, EngineClosedError, MetraleError
-from metrale.hookspecs import hookimpl
+from metrale.model.hookspecs import hookimpl
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4], [9, 8, 7]]

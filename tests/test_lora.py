@@ -15,17 +15,14 @@ import numpy as np
 import pytest
 
 from metrale.errors import AdapterError, ConfigError
-from metrale.lora import (
+from metrale.kernels.lora_tiles import (
     ADAPTER_TILE_ROWS,
-    LoRARequest,
     adapter_tile_capacity,
     adapter_tiles,
     check_adapter_tiles,
-    load_adapter,
-    names_the_served_model,
     padded_adapter_tiles,
-    served_model_names,
 )
+from metrale.loading.lora import LoRARequest, load_adapter, names_the_served_model, served_model_names
 
 HIDDEN, INTER, VOCAB, LAYERS, KV_DIM = 64, 96, 128, 2, 32
 TARGETS = {"self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (KV_DIM, HIDDEN),

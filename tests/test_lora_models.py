@@ -213,7 +213,7 @@ def test_an_adapter_that_disagrees_is_refused_by_add_lora_and_by_a_request(dense
 
 def test_an_adapter_that_disagrees_stops_an_engine_process_serving_it(dense_checkpoints, tmp_path):
     """``metrale serve --lora-modules``: the engine process reads its adapters at start."""
-    from metrale.engine_process import EngineProcess
+    from metrale.entrypoints.engine_process import EngineProcess
 
     checkpoint = dense_checkpoints["llama"]
     make_adapter(checkpoint, tmp_path / "good", 15, r=4, lora_alpha=8, target_modules=["q_proj"])
@@ -229,7 +229,7 @@ def test_an_adapter_of_another_base_model_is_served_with_one_warning(dense_check
     served one, an empty or an absent name, none."""
     import logging
 
-    from metrale.lora import LoraManager
+    from metrale.engine.lora_slots import LoraManager
 
     checkpoint = dense_checkpoints["llama"]
     make_adapter(checkpoint, tmp_path / "same", 16, r=4, lora_alpha=8, target_modules=["q_proj"])
@@ -238,12 +238,12 @@ def test_an_adapter_of_another_base_model_is_served_with_one_warning(dense_check
     with lora_llm(checkpoint) as llm:
         manager = LoraManager(llm.backend, llm.model.lora_layout, max_lora_rank=16, vocab_size=llm.vocab_size,
                               served_model=llm.checkpoint)
-        with caplog.at_level(logging.WARNING, logger="metrale.lora"):
+        with caplog.at_level(logging.WARNING, logger="metrale.engine.lora_slots"):
             for int_id, folder in enumerate([tmp_path / "same", empty, other, other], start=1):
                 manager.resolve(LoRARequest(folder.name, int_id, folder))
             manager.remove(3)
             manager.resolve(LoRARequest("other", 3, other))
-    warnings = [record.getMessage() for record in caplog.records if record.name == "metrale.lora"]
+    warnings = [record.getMessage() for record in caplog.records if record.name == "metrale.engine.lora_slots"]
     assert len(warnings) == 1, warnings
     assert "'org/Another-8B'" in warnings[0] and str(checkpoint) in warnings[0] and "'other'" in warnings[0]
 

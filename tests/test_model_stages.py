@@ -8,8 +8,8 @@ import pytest
 
 from metrale import hookimpl, hookspecs
 from metrale.config import EnvironmentConfig, read_environment
-from metrale.forward import ModelForward
-from metrale.plugin_manager import MetralePluginManager
+from metrale.model.forward import ModelForward
+from metrale.model.plugin_manager import MetralePluginManager
 from metrale.sequence import MIXED_ADAPTERS, ForwardStep, MixedForwardResult, PrefillSlice, SequenceState
 
 
@@ -171,7 +171,7 @@ def test_environment_variable_turns_the_drafter_off(method):
 def test_failing_drafter_never_fails_the_call(caplog):
     events = []
     forward, _ = make_forward(events, drafter_error=RuntimeError("drafter broke"))
-    with caplog.at_level(logging.WARNING, logger="metrale.forward"):
+    with caplog.at_level(logging.WARNING, logger="metrale.model.forward"):
         assert forward.prefill([1, 2, 3], seq(3)) == "logits"
     assert events == ["flush", "stamp", "dispatch:prefill", "drafter"]
     assert "drafter failed" in caplog.text
@@ -234,7 +234,7 @@ def test_builtin_stamp_records_the_adapter_route():
 
 def test_builtin_stamp_refuses_adapters_the_model_does_not_hold():
     from metrale.errors import AdapterError
-    from metrale.family import FamilyModel
+    from metrale.model.family import FamilyModel
     from metrale.plugins import stages
 
     model = FamilyModel.__new__(FamilyModel)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.checkpoint import read_safetensors_header
-from metrale.cli import main
+from metrale.entrypoints.cli import main
 from metrale.errors import CheckpointError, NonFiniteWeightError
 from metrale.kernels.sampling import sample_reference
+from metrale.loading.checkpoint import read_safetensors_header
 from metrale.models import embedded_model_path
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

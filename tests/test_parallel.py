@@ -1,12 +1,12 @@
-"""Shards and the simulated ranks' collectives (metrale.parallel)."""
+"""Shards and the simulated ranks' collectives (metrale.backends.parallel)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from metrale.backends.parallel import Shard, SoloCommunicator, rows_of, run_ranks
 from metrale.errors import ConfigError
-from metrale.parallel import Shard, SoloCommunicator, rows_of, run_ranks
 
 
 def test_a_rank_s_part_and_the_errors_for_parts_that_do_not_split():

@@ -7,12 +7,12 @@ import types
 import pytest
 
 from metrale import hookimpl
-from metrale import plugin_manager as pm_module
 from metrale.config import environment_flag, read_environment
 from metrale.errors import ContractVersionError, PluginError, UnsupportedModelError
-from metrale.family import FamilyPlugin, FamilySpec, installed_families, resolve_family
-from metrale.hookspecs import CONTRACT_VERSION
-from metrale.plugin_manager import get_plugin_manager
+from metrale.model import plugin_manager as pm_module
+from metrale.model.family import FamilyPlugin, FamilySpec, installed_families, resolve_family
+from metrale.model.hookspecs import CONTRACT_VERSION
+from metrale.model.plugin_manager import get_plugin_manager
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
 

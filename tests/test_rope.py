@@ -17,7 +17,7 @@ import pytest
 
 from metrale.errors import CheckpointError
 from metrale.kernels.qkv_rope import rope_reference
-from metrale.rope import RopeParameters, rope_parameters
+from metrale.loading.rope import RopeParameters, rope_parameters
 
 RTOL = 1e-6  # inv_freq spans decades: compare element-wise, relative (float32 is ~6e-8)
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism on the CPU with ranks simulated in one process (metrale.parallel): each rank
+"""Tensor parallelism on the CPU with ranks simulated in one process (metrale.backends.parallel): each rank
 loads its shard of the checkpoint and runs on its own thread, the ranks joined by the threads'
 collectives; rank 0's logits and greedy tokens equal the unsharded model's."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from metrale import LLM, SamplingParams
+from metrale.backends.parallel import Shard, rank_context, run_ranks
 from metrale.errors import ConfigError
-from metrale.parallel import Shard, rank_context, run_ranks
 from metrale.testing.conformance import max_relative_error
 
 PROMPT = [5, 17, 99, 3, 42, 8, 61, 23, 77, 14, 2, 90]

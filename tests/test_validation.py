@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.cli import main
+from metrale.entrypoints.cli import main
 from metrale.errors import (
     ConfigError,
     EmptyPromptError,
@@ -240,8 +240,8 @@ def test_stop_strings_without_a_tokenizer_are_refused_at_every_entry_point(witho
     through the front end (the server answers 400: tests/server/test_server_without_tokenizer.py)."""
     import asyncio
 
-    from metrale.async_llm import AsyncLLM
-    from metrale.engine_process import EngineProcess
+    from metrale.entrypoints.async_llm import AsyncLLM
+    from metrale.entrypoints.engine_process import EngineProcess
 
     llm, stop = without_tokenizer, SamplingParams(max_tokens=4, stop=["x", "yz"])
     match = r"stop=\['x', 'yz'\]: .* has no tokenizer.json, and stop strings are found in the decoded text"
@@ -336,7 +336,7 @@ def test_cli_stops_quietly_when_its_reader_goes_away(tmp_path):
     reader, writer = os.pipe()
     os.close(reader)
     result = subprocess.run(
-        [sys.executable, "-m", "metrale.cli", "generate", "--no-progress", "--device", "cpu", "--max-tokens", "4", "Return the"],
+        [sys.executable, "-m", "metrale.entrypoints.cli", "generate", "--no-progress", "--device", "cpu", "--max-tokens", "4", "Return the"],
         stdout=writer, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )
     os.close(writer)
@@ -344,11 +344,11 @@ def test_cli_stops_quietly_when_its_reader_goes_away(tmp_path):
 
 
 def test_auto_says_once_why_it_runs_on_the_cpu(monkeypatch, caplog):
-    from metrale import backend
+    from metrale.backends import devices as backend
 
     monkeypatch.setattr(backend, "_cpu_fallback_logged", False)
     monkeypatch.setattr(backend, "cuda_unavailable_reason", lambda: "no CUDA device is available")
-    with caplog.at_level("WARNING", logger="metrale.backend"):
+    with caplog.at_level("WARNING", logger="metrale.backends.base"):
         assert backend.get_backend("auto").name == "cpu"
         assert backend.get_backend("auto").name == "cpu"
     said = [r.getMessage() for r in caplog.records if "runs on the CPU" in r.getMessage()]

@@ -56,7 +56,7 @@ def main() -> None:
     import cupy as cp
     from timing import graph_time
 
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
     from metrale.kernels import attention_grouped
     from metrale.kernels._device import device_view, numba_stream
 

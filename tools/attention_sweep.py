@@ -45,7 +45,7 @@ def main() -> None:
     from numba import cuda
     from timing import graph_time
 
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
     from metrale.kernels import attention_grouped, attention_staged
     from metrale.kernels._device import device_view, numba_stream
 

@@ -126,11 +126,11 @@ def main() -> None:
                         help="with --gemv-max-rows: only for weights of at most this many output rows")
     args = parser.parse_args()
 
-    from metrale.api import LLM
-    from metrale.bench import _cuda_time, build_checkpoint
+    from metrale.benchmarks.latency import _cuda_time, build_checkpoint
+    from metrale.entrypoints.llm import LLM
     from metrale.kernels import _launch, attention, decode_gemv
+    from metrale.model.plugin_manager import get_plugin_manager
     from metrale.params import SamplingParams
-    from metrale.plugin_manager import get_plugin_manager
     from metrale.sequence import SequenceState
 
     _launch.INDEPENDENT = frozenset(name for name in args.independent.split(",") if name)

@@ -43,7 +43,7 @@ def main() -> None:
 
     import cupy as cp
 
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
     from metrale.kernels import _launch
     from metrale.kernels import decode_gemv as dg
 

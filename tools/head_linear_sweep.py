@@ -29,7 +29,7 @@ def main() -> None:
     import cupy as cp
     from timing import graph_time
 
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
     from metrale.kernels import head_linear
 
     backend = CudaBackend()

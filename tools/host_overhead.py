@@ -22,7 +22,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
 
-    from metrale.api import LLM
+    from metrale.entrypoints.llm import LLM
     from metrale.sequence import SequenceState
 
     llm = LLM("tiny-dense", device="cpu", max_model_len=args.context + args.steps + 64,

@@ -81,8 +81,8 @@ def profiled_step(args: argparse.Namespace) -> None:
     import cupy
     import numpy as np
 
-    from metrale.api import LLM
-    from metrale.bench import build_checkpoint
+    from metrale.benchmarks.latency import build_checkpoint
+    from metrale.entrypoints.llm import LLM
     from metrale.sequence import SequenceState
 
     folder = build_checkpoint(args.shape, Path(args.workdir) / args.shape)

@@ -30,7 +30,7 @@ def main() -> None:
     import cupy as cp
     from timing import graph_time
 
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
     from metrale.kernels import attention_latent, attention_latent_mma
 
     backend = CudaBackend()

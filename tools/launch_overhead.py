@@ -36,7 +36,7 @@ def main() -> None:
     import cupy as cp
     from numba import cuda
 
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
     from metrale.kernels import rmsnorm
     from metrale.kernels._device import check_array, device_view, new_device_view, numba_stream
 

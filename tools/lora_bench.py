@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
         lora_kernels.EXPAND_DEPENDENT = args.expand_dependent
 
     from metrale import LLM, LoRARequest
-    from metrale.api import resolve_model_path
-    from metrale.bench import build_checkpoint
+    from metrale.benchmarks.latency import build_checkpoint
+    from metrale.entrypoints.llm import resolve_model_path
 
     if args.checkpoint:
         folder, args.shape = resolve_model_path(args.checkpoint), Path(args.checkpoint).name

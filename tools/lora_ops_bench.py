@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--output", help="write the numbers here (JSON)")
     args = parser.parse_args(argv)
 
-    from metrale.backend import get_backend
-    from metrale.lora import adapter_tiles
+    from metrale.backends.devices import get_backend
+    from metrale.kernels.lora_tiles import adapter_tiles
     from metrale.ops import build_op_registry
 
     backend = get_backend(args.device)

@@ -34,7 +34,7 @@ def main() -> None:
 
     import cupy as cp
 
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
     from metrale.kernels import moe_grouped
     from metrale.layers.experts import StackedExperts, grouped_on_host
     from metrale.layers.mlp import MlpWeights

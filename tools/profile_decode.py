@@ -47,9 +47,9 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=16)
     args = parser.parse_args()
 
-    from metrale.api import LLM
-    from metrale.bench import build_checkpoint
-    from metrale.bench_throughput import build_qwen3_checkpoint
+    from metrale.benchmarks.latency import build_checkpoint
+    from metrale.benchmarks.throughput import build_qwen3_checkpoint
+    from metrale.entrypoints.llm import LLM
     from metrale.params import SamplingParams
     from metrale.sequence import SequenceState
 
@@ -68,7 +68,7 @@ def main() -> None:
 
         from lora_bench import write_adapter
 
-        from metrale.lora import LoRARequest
+        from metrale.loading.lora import LoRARequest
 
         config = json.loads((Path(folder) / "config.json").read_text())
         requests = [LoRARequest(f"adapter-{i}", i + 1, write_adapter(Path(args.workdir) / f"lora-{args.shape}-{i}",

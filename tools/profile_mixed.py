@@ -63,9 +63,9 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/metrale-bench")
     args = parser.parse_args()
 
-    from metrale.api import LLM
-    from metrale.bench import build_checkpoint
-    from metrale.bench_throughput import build_qwen3_checkpoint
+    from metrale.benchmarks.latency import build_checkpoint
+    from metrale.benchmarks.throughput import build_qwen3_checkpoint
+    from metrale.entrypoints.llm import LLM
     from metrale.sequence import SequenceState
 
     build = build_qwen3_checkpoint if args.shape == "qwen3-0.6b" else lambda folder: build_checkpoint(args.shape, folder)

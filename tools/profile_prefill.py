@@ -29,8 +29,8 @@ from timing import cuda_event_time, host_time
 def profile(shape: str, length: int, workdir: Path, cprofile: bool = False) -> None:
     import cupy
 
-    from metrale.api import LLM
-    from metrale.bench import build_checkpoint, prefill_flops
+    from metrale.benchmarks.latency import build_checkpoint, prefill_flops
+    from metrale.entrypoints.llm import LLM
     from metrale.sequence import SequenceState
 
     folder = build_checkpoint(shape, workdir / shape)

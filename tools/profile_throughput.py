@@ -28,8 +28,8 @@ def main() -> None:
     parser.add_argument("--no-cprofile", action="store_true", help="time the steps only")
     args = parser.parse_args()
 
-    from metrale.api import LLM
-    from metrale.bench_throughput import QWEN3_06B, ThroughputOptions, build_qwen3_checkpoint, workload
+    from metrale.benchmarks.throughput import QWEN3_06B, ThroughputOptions, build_qwen3_checkpoint, workload
+    from metrale.entrypoints.llm import LLM
     from metrale.params import SamplingParams
 
     options = ThroughputOptions(num_requests=args.num_requests, max_num_seqs=args.max_num_seqs,

@@ -79,7 +79,7 @@ def free_port() -> int:
 
 
 def start_server(model: str, device: str, port: int, adapters: dict[str, Path], log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-c", "import sys; from metrale.cli import main; sys.exit(main())", "serve", model,
+    command = [sys.executable, "-c", "import sys; from metrale.entrypoints.cli import main; sys.exit(main())", "serve", model,
                "--device", device, "--port", str(port), "--log-level", "warning", "--no-progress",
                "--speculative-config", json.dumps(SPECULATION), "--max-engine-restarts", "1",
                "--lora-modules", *[f"{name}={path}" for name, path in adapters.items()]]
@@ -263,7 +263,7 @@ def in_kill_window(outcome: Outcome, window: list[float]) -> bool:
 def solo_texts(args: argparse.Namespace, adapters: dict[str, Path], outcomes: list[Outcome]) -> list[str | None]:
     """Each replayable outcome's text when its request runs alone."""
     from metrale import LLM, SamplingParams, StructuredOutputParams
-    from metrale.lora import LoRARequest
+    from metrale.loading.lora import LoRARequest
 
     requests = {name: LoRARequest(name, index + 1, str(path)) for index, (name, path) in enumerate(adapters.items())}
     texts = []

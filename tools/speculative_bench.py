@@ -125,7 +125,7 @@ class OracleDrafter:
 
 def oracle_manager(drafter: OracleDrafter) -> Any:
     from metrale import hookimpl
-    from metrale.plugin_manager import get_plugin_manager
+    from metrale.model.plugin_manager import get_plugin_manager
 
     class Plugin:
         METRALE_CONTRACT_VERSION = "1.2"
@@ -155,7 +155,7 @@ def build_peaked_checkpoint(shape: str, folder: Path) -> Path:
     what it does on the plain random checkpoint."""
     import torch
 
-    from metrale.bench import GDN_SHAPES, MLA_SHAPES, SHAPES
+    from metrale.benchmarks.latency import GDN_SHAPES, MLA_SHAPES, SHAPES
 
     if (folder / "config.json").exists():
         return folder
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.checkpoint:
             folder = args.checkpoint
         else:
-            from metrale.bench import build_checkpoint
+            from metrale.benchmarks.latency import build_checkpoint
 
             folder = build_checkpoint(args.shape, Path(args.workdir) / args.shape)
         report["model"] = str(args.checkpoint or args.shape)

@@ -11,7 +11,7 @@ Three clocks:
   overhead.
 
 Each returns a :class:`Timing` of seconds per call. The GPU clocks need CuPy; :func:`graph_time`
-also a :class:`metrale.cuda_backend.CudaBackend` (for its stream and graph memory pool).
+also a :class:`metrale.backends.cuda.CudaBackend` (for its stream and graph memory pool).
 The tools import this module as ``timing``: run as ``python3 tools/NAME.py``, a tool has
 ``tools/`` first on its import path.
 """

@@ -38,8 +38,8 @@ def decode_steps(folder: Path, layout: dict, batches: list[int], context: int, s
     """Median decode step of each batch size for one layout."""
     import numpy as np
 
-    from metrale.api import LLM
-    from metrale.bench import _cuda_time
+    from metrale.benchmarks.latency import _cuda_time
+    from metrale.entrypoints.llm import LLM
     from metrale.params import SamplingParams
     from metrale.sequence import SequenceState
 
@@ -75,7 +75,7 @@ def all_reduce_rank(rank: int, size: int, unique_id: tuple, rows_list: list[int]
     import cupy
     import numpy as np
 
-    from metrale.parallel import NcclCommunicator
+    from metrale.backends.parallel import NcclCommunicator
 
     communicator = NcclCommunicator(rank, size, unique_id)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -105,7 +105,7 @@ def all_reduce_rank(rank: int, size: int, unique_id: tuple, rows_list: list[int]
 
 def all_reduce_times(size: int, rows_list: list[int], hidden: int) -> dict[str, float]:
     """Microseconds of one all-reduce of ``[rows, hidden]`` float32 over ``size`` GPUs."""
-    from metrale.parallel import nccl_unique_id, visible_cuda_devices
+    from metrale.backends.parallel import nccl_unique_id, visible_cuda_devices
 
     devices = visible_cuda_devices()
     unique_id = nccl_unique_id()
@@ -141,7 +141,7 @@ def main() -> None:
         all_reduce_rank(*pickle.loads(sys.stdin.buffer.read()))
         return
 
-    from metrale.bench import SHAPES, build_checkpoint
+    from metrale.benchmarks.latency import SHAPES, build_checkpoint
 
     batches = [int(b) for b in args.batches.split(",")]
     layouts = args.layouts.split(",")

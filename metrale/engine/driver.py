@@ -1,6 +1,6 @@
 """Driving one :class:`~metrale.LLM`'s engine for requests that arrive and leave at any time:
 :class:`EngineDriver`, the loop body that :class:`~metrale.AsyncLLM`'s engine thread and an
-:class:`~metrale.engine_process.EngineProcess`'s engine process share, and :class:`EngineStats`.
+:class:`~metrale.entrypoints.engine_process.EngineProcess`'s engine process share, and :class:`EngineStats`.
 
 The driver admits request groups, aborts them and steps the engine, and keeps going through
 failures: a failed step fails only the requests it touched (or, when the engine's bookkeeping
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from metrale.engine.generation import RequestGroup
 
 if TYPE_CHECKING:
-    from metrale.api import LLM
+    from metrale.entrypoints.llm import LLM
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class EngineDriver:
     @property
     def broken(self) -> str | None:
         """Why the engine cannot step any more (a rank of a model split over several failed,
-        :mod:`metrale.executor`), or None. The loops then fail what is left and stop, so the
+        :mod:`metrale.backends.executor`), or None. The loops then fail what is left and stop, so the
         engine reports itself not running."""
         ranks = getattr(self.llm, "ranks", None)
         return None if ranks is None else ranks.broken
@@ -178,7 +178,7 @@ class EngineDriver:
 
 
 def _lora_stats(lora: Any) -> dict[str, int]:
-    """The LoRA fields of :class:`EngineStats` for ``lora`` (a :class:`~metrale.lora.LoraManager`
+    """The LoRA fields of :class:`EngineStats` for ``lora`` (a :class:`~metrale.engine.lora_slots.LoraManager`
     or None)."""
     if lora is None:
         return {}

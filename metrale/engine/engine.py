@@ -2,7 +2,7 @@
 
 Requests enter a waiting queue (:meth:`Engine.add_request`). Each :meth:`Engine.step` asks the
 :class:`~metrale.engine.scheduler.Scheduler` for a plan and makes exactly one forward call
-through the :class:`~metrale.forward.ModelForward` facade:
+through the :class:`~metrale.model.forward.ModelForward` facade:
 
 * decode rows only: ``decode_batch``;
 * one prefill chunk: ``prefill_chunk``; several: ``prefill_batch_chunk``;
@@ -60,7 +60,7 @@ from metrale.engine.generation import Request, StopChecker, finishing
 from metrale.engine.scheduler import Scheduler, StepPlan
 from metrale.errors import CacheError, ConfigError, PluginError
 from metrale.runner.sampling import RowExtras, new_sampler
-from metrale.sequence import PrefillSlice, SequenceState
+from metrale.sequence import SequenceState
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class Engine:
         overlap: bool = False,
         speculation: tuple[Any, Any] | None = None,
         adapters: Any = None,
+        runner: Any = None,
     ) -> None:
         if max_num_batched_tokens < cache.block_size:
             raise ConfigError(
@@ -105,6 +106,9 @@ class Engine:
         self.forward = forward
         self.cache = cache
         self.backend = backend
+        #: The model runner the dispatch hands the step's segments to (:class:`~metrale.runner.ModelRunner`,
+        #: built with the cache by the composition root), None for a model that runs without one.
+        self.runner = runner
         self.sampler = new_sampler(backend, max_num_seqs)
         self.stopper = stopper
         # Recurrent state is not in the blocks: such models resume a shared prefix only from a
@@ -302,7 +306,11 @@ class Engine:
                 return self._hand_out()
         if not plan.empty:
             try:
-                launched = self._launch(plan)
+                method, call, arguments = plan.call()
+                # The step's one forward call, straight from here: its segments go through the
+                # stages and the dispatch hook to the model runner unchanged.
+                result = self.forward.run(method, call, **arguments)
+                launched = self._launched(plan, method, result)
             except BaseException as error:
                 # The step before the failed one is read back before the error propagates.
                 self._read_back()
@@ -332,11 +340,11 @@ class Engine:
         changed, self._outbox = self._outbox, []
         return list({id(r): r for r in changed}.values())
 
-    def _launch(self, plan: StepPlan) -> LaunchedStep:
-        """Make the step's forward call and queue its sampling; a decode row whose token is
-        pending gets it on the device."""
+    def _launched(self, plan: StepPlan, method: str, result: Any) -> LaunchedStep:
+        """After the step's forward call (``method``, which returned ``result``): queue its
+        sampling; a decode row whose token is pending gets it on the device."""
         members = [*plan.decode, *(chunk.request for chunk in plan.prefill)]
-        sampled, method = self._run(plan)
+        sampled = sampled_rows(plan, method, result)
         for chunk in plan.prefill:
             if not chunk.is_last:
                 self.forward.normalize_ssm_states(chunk.request.seq)
@@ -538,33 +546,6 @@ class Engine:
                 self._remove(request)
         return changed
 
-    def _run(self, plan: StepPlan) -> tuple[list[tuple[list[Any], Any]], str]:
-        """Make the step's one forward call; returns (requests, logits rows) to sample, and the
-        contract method called. A decode row whose token is pending passes token 0 (the model
-        runner feeds the real one on the device)."""
-        forward = self.forward
-        decode, prefill = plan.decode, plan.prefill
-        if decode:
-            tokens = [0 if r.seq.pending_token is not None else r.seq.tokens[-1] for r in decode]
-            seqs = [r.seq for r in decode]
-            if not prefill:
-                return [(decode, forward.decode_batch(tokens, seqs))], "decode_batch"
-            (chunk,) = prefill
-            seq = chunk.request.seq
-            result = forward.mixed_forward(tokens, seqs, seq.tokens, seq, chunk.start, chunk.length, chunk.is_last)
-            out = [(decode, result.decode_logits)]
-            if chunk.is_last:
-                out.append(([chunk.request], result.prefill_logits))
-            return out, "mixed_forward"
-        if len(prefill) == 1:
-            (chunk,) = prefill
-            seq = chunk.request.seq
-            logits = forward.prefill_chunk(seq.tokens, seq, chunk.start, chunk.length, chunk.is_last)
-            return ([([chunk.request], logits)] if chunk.is_last else []), "prefill_chunk"
-        slices = [PrefillSlice(c.request.seq.tokens, c.request.seq, c.start, c.length, c.is_last) for c in prefill]
-        results = forward.prefill_batch_chunk(slices)
-        return [([c.request], logits) for c, logits in zip(prefill, results) if c.is_last], "prefill_batch_chunk"
-
     def _snapshot(self, request: Request) -> None:
         """After a chunk that ends on a block boundary: keep the sequence's recurrent state there,
         on the block it completes, for later prefix hits."""
@@ -583,6 +564,21 @@ class Engine:
         position ``upto`` when given)."""
         if self.prefix_cache is not None:
             publish_blocks(self.prefix_cache, request, upto)
+
+
+def sampled_rows(plan: StepPlan, method: str, result: Any) -> list[tuple[list[Request], Any]]:
+    """The requests of ``plan`` that sample a token and their logits rows, from the result of
+    its contract call ``method`` (each method's own result shape)."""
+    decode, prefill = plan.decode, plan.prefill
+    if method == "decode_batch":
+        return [(decode, result)]
+    if method == "mixed_forward":
+        (chunk,) = prefill
+        return [(decode, result.decode_logits)] + ([([chunk.request], result.prefill_logits)] if chunk.is_last else [])
+    if method == "prefill_chunk":
+        (chunk,) = prefill
+        return [([chunk.request], result)] if chunk.is_last else []
+    return [([c.request], logits) for c, logits in zip(prefill, result) if c.is_last]
 
 
 def publish_blocks(prefix_cache: PrefixCache, request: Request, upto: int | None = None) -> None:

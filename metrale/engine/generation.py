@@ -92,7 +92,7 @@ class Request:
     #: (speculative decoding, :mod:`metrale.speculative`).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    #: The LoRA adapter this completion runs with (:class:`~metrale.lora.LoRARequest`), or None.
+    #: The LoRA adapter this completion runs with (:class:`~metrale.loading.lora.LoRARequest`), or None.
     lora: Any = None
     #: ``token_logprobs`` as :data:`~metrale.params.LogprobsDict`\\ s, made once per token.
     _logprob_dicts: list[LogprobsDict] = field(default_factory=list, repr=False)

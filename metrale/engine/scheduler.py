@@ -41,6 +41,7 @@ from typing import Any, Callable
 from metrale.cache.prefix import PrefixCache
 from metrale.engine.generation import Request
 from metrale.errors import AdapterError, SchedulerStuckError
+from metrale.sequence import ForwardStep, PrefillSlice, Segment
 
 
 @dataclass
@@ -75,6 +76,40 @@ class StepPlan:
     def num_tokens(self) -> int:
         return len(self.decode) + sum(chunk.length for chunk in self.prefill)
 
+    def call(self) -> tuple[str, ForwardStep, dict[str, Any]]:
+        """The one contract call that runs this plan: the method, the step (every row as a
+        :class:`~metrale.sequence.Segment`, decode rows first) and the method's arguments, which
+        are derived from the same rows. A decode row whose token is pending passes token 0 (the
+        model runner feeds the real one on the device)."""
+        decode, prefill = self.decode, self.prefill
+        seqs = [r.seq for r in decode]
+        tokens = [0 if seq.pending_token is not None else seq.tokens[-1] for seq in seqs]
+        segments = [Segment(seq, [token], seq.num_cached, "last") for token, seq in zip(tokens, seqs)]
+        for chunk in prefill:
+            seq = chunk.request.seq
+            segments.append(Segment(seq, seq.tokens[chunk.start : chunk.start + chunk.length], chunk.start,
+                                    "last" if chunk.is_last else "none"))
+        if decode and not prefill:
+            return ("decode_batch", ForwardStep("decode_batch", seqs, segments=segments),
+                    {"tokens": tokens, "seqs": seqs, "stream": None})
+        if decode:
+            (chunk,) = prefill
+            seq = chunk.request.seq
+            step = ForwardStep("mixed_forward", [*seqs, seq], is_last_chunk=chunk.is_last, segments=segments)
+            return "mixed_forward", step, {
+                "decode_tokens": tokens, "decode_seqs": seqs, "prefill_tokens": list(seq.tokens), "prefill_seq": seq,
+                "chunk_start": chunk.start, "chunk_len": chunk.length, "is_last": chunk.is_last, "stream": None}
+        if len(prefill) == 1:
+            (chunk,) = prefill
+            seq = chunk.request.seq
+            step = ForwardStep("prefill_chunk", [seq], is_last_chunk=chunk.is_last, segments=segments)
+            return "prefill_chunk", step, {
+                "tokens": list(seq.tokens), "seq": seq, "chunk_start": chunk.start, "chunk_len": chunk.length,
+                "is_last_chunk": chunk.is_last, "stream": None}
+        slices = [PrefillSlice(list(c.request.seq.tokens), c.request.seq, c.start, c.length, c.is_last) for c in prefill]
+        step = ForwardStep("prefill_batch_chunk", [s.seq for s in slices], segments=segments)
+        return "prefill_batch_chunk", step, {"slices": slices, "stream": None}
+
 
 class Scheduler:
     """Waiting and running requests over one model cache (see the module docstring)."""
@@ -104,7 +139,7 @@ class Scheduler:
         self.tail_split = tail_split
         #: Whether a running request finishes once its pending token is read, whatever the token.
         self.finishing = finishing or (lambda request: False)
-        #: The LoRA adapter slots (:class:`~metrale.lora.LoraManager`), or None: a request of an
+        #: The LoRA adapter slots (:class:`~metrale.engine.lora_slots.LoraManager`), or None: a request of an
         #: adapter holds its slot from its admission to its release.
         self.adapters = adapters
         self.waiting: list[Request] = []

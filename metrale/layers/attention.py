@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from metrale.backends.parallel import Shard
 from metrale.batch import ForwardBatch
-from metrale.checkpoint import Checkpoint
 from metrale.layers.lora import linear_with_lora, normed_projection
-from metrale.parallel import Shard
+from metrale.loading.checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class AttentionWeights:
 
 def sharded_geometry(geometry: AttentionGeometry, shard: Shard) -> AttentionGeometry:
     """The geometry of ``shard``'s part of an attention block: its query heads and its key/value
-    heads (split, or the one it shares, :meth:`~metrale.parallel.Shard.kv_heads`)."""
+    heads (split, or the one it shares, :meth:`~metrale.backends.parallel.Shard.kv_heads`)."""
     if not shard.sharded:
         return geometry
     heads = shard.split(geometry.num_heads, "num_attention_heads")

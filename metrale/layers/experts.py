@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from metrale.checkpoint import Checkpoint
 from metrale.layers.mlp import MlpWeights, swiglu_mlp
+from metrale.loading.checkpoint import Checkpoint
 
 #: Batches of up to this many tokens run their experts pair by pair (decode sizes); larger ones
 #: group the pairs of each expert into one matrix product: on the CUDA backend inside

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metrale.batch import ForwardBatch
-from metrale.checkpoint import Checkpoint
+from metrale.loading.checkpoint import Checkpoint
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """LoRA in the building blocks of :mod:`metrale.layers`: the adapter slots of a block's
-projections (:class:`~metrale.lora.LoraStack`) and the products that add their updates.
+projections (:class:`~metrale.layers.lora_stacks.LoraStack`) and the products that add their updates.
 
-A family serves LoRA by building its stacks in :meth:`~metrale.family.FamilyModel.enable_lora`
+A family serves LoRA by building its stacks in :meth:`~metrale.model.family.FamilyModel.enable_lora`
 (these helpers do it for the blocks here and attach them to the blocks' weights) and returning a
-:class:`~metrale.lora.LoraLayout`. A block then adds each row's update after a projection
+:class:`~metrale.layers.lora_stacks.LoraLayout`. A block then adds each row's update after a projection
 whenever the step has rows of an adapter (``batch.adapter_slots`` is not None); a step of the
 base model runs exactly as without LoRA.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from metrale.batch import ForwardBatch
 from metrale.errors import ConfigError
-from metrale.lora import LoraStack, LoraTokenRows
+from metrale.layers.lora_stacks import LoraStack, LoraTokenRows
 
 
 def lora_active(batch: ForwardBatch, *stacks: Any) -> bool:
@@ -70,9 +70,9 @@ def normed_projection(backend: Any, x: Any, residual: Any, norm_weight: Any, eps
 
 def new_stack(backend: Any, owner: Any, attribute: str, names: tuple[str, ...], out_sizes: tuple[int, ...],
               limits: dict, **layout: Any) -> LoraStack:
-    """A :class:`~metrale.lora.LoraStack` over ``owner``'s weight ``attribute`` with ``limits``
+    """A :class:`~metrale.layers.lora_stacks.LoraStack` over ``owner``'s weight ``attribute`` with ``limits``
     (``max_loras``, ``max_lora_rank``) and ``layout`` (``row_maps``, ``module_rows``); ``owner``'s
-    attribute becomes the stack's :attr:`~metrale.lora.LoraStack.base` (the same values, now the
+    attribute becomes the stack's :attr:`~metrale.layers.lora_stacks.LoraStack.base` (the same values, now the
     first rows of the stack's extended weight)."""
     shard = getattr(backend, "shard", None)
     if shard is not None and shard.sharded:

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from metrale.batch import ForwardBatch
-from metrale.checkpoint import Checkpoint
 from metrale.layers.lora import linear_with_lora, lora_active, normed_projection
+from metrale.loading.checkpoint import Checkpoint
 
 
 @dataclass

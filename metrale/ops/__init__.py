@@ -4,6 +4,7 @@ Family code calls ``backend.ops.<op>(...)``; :doc:`/reference/ops` lists every o
 ops and kernels through the ``metrale_register_ops`` hook, with :class:`Op` and :class:`Kernel`.
 """
 
+from metrale.ops.builtin import build_op_registry
 from metrale.ops.registry import (
     OPERAND_KINDS,
     Kernel,
@@ -13,7 +14,6 @@ from metrale.ops.registry import (
     OpTable,
     PluginOps,
     bf16_bits_to_float32,
-    build_op_registry,
     host_fallback,
 )
 

@@ -8,13 +8,17 @@ backend is built, never by importing this module: ``import metrale`` stays free 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from metrale.lora import adapter_tiles, check_adapter_tiles
+from metrale.errors import OpRegistrationError
+from metrale.kernels.lora_tiles import adapter_tiles, check_adapter_tiles
 from metrale.ops.registry import Kernel, Op, OpRegistry
 from metrale.ops.registry import Operand as P
+
+if TYPE_CHECKING:
+    import pluggy
 
 # ---------------------------------------------------------------------------- references
 
@@ -326,7 +330,7 @@ def _lora_slots(rng: np.random.Generator, rows: int, slots: int) -> np.ndarray:
 
 def _lora_stack_example(rng: np.random.Generator, inner: int, outs: tuple[int, ...], rank: int,
                         slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(a [S, G R, in], b [out, S G R])`` of a :class:`~metrale.lora.LoraStack` (``b``
+    """``(a [S, G R, in], b [out, S G R])`` of a :class:`~metrale.layers.lora_stacks.LoraStack` (``b``
     block-diagonal per slot)."""
     width = len(outs) * rank
     a = _rows(rng, slots, width, inner, scale=0.2)
@@ -693,24 +697,24 @@ def _declarations() -> list[tuple[Op, str]]:
          "attention_latent"),
         (Op("lora_linear", "Each row's LoRA update added to a projection's output (in place, returned): for a row of "
             "adapter slot ``s = slots[i]`` (0: the base model, no update), ``y[i] += (x[i] a[s - 1]^T) "
-            "b[:, (s - 1) W : s W]^T`` with ``W = G R`` (:class:`~metrale.lora.LoraStack`: ``b`` block-diagonal over "
-            "a fused weight's ``G`` projections, the scale folded in). For steps of many rows; a few rows take "
-            "``lora_expand``.",
+            "b[:, (s - 1) W : s W]^T`` with ``W = G R`` (:class:`~metrale.layers.lora_stacks.LoraStack`: ``b`` "
+            "block-diagonal over a fused weight's ``G`` projections, the scale folded in). For steps of many rows; a few "
+            "rows take ``lora_expand``.",
             (P("y", "[N, out]", "activation"), P("x", "[N, in]", "matmul_input"), P("a", "[S, G R, in]", "weight"),
              P("b", "[out, S G R]", "weight"), P("slots", "[N]", "index"),
              P("route", kind="option", optional=True,
-               doc="the step's adapter route (metrale.lora.adapter_route): a slot when every adapter row is of that "
+               doc="the step's adapter route (metrale.batch.adapter_route): a slot when every adapter row is of that "
                "slot (the GPU then shrinks with that slot's A only), else None or mixed")),
             (P("y", "[N, out]", "activation"),), lora_linear, examples=_lora_linear_examples),
          "lora"),
         (Op("lora_expand", "A projection with each row's LoRA update from a product with the stack's extended weight "
-            "(:attr:`metrale.lora.LoraStack.weight`: the projection's ``out`` rows, then every slot's ``A``): "
+            "(:attr:`metrale.layers.lora_stacks.LoraStack.weight`: the projection's ``out`` rows, then every slot's ``A``): "
             "``y[i] = ext[i, :out] + bias + ext[i, out + (s - 1) W : out + s W] b[:, (s - 1) W : s W]^T`` for a row "
             "of slot ``s = slots[i]`` (0: no update); with ``swiglu`` (``out = 2 I``, gate rows then up rows) "
             "``silu(y[:, :I]) * y[:, I:]``.",
             (P("ext", "[N, out + S G R]", "activation"), P("b", "[out, S G R]", "weight"), P("slots", "[N]", "index"),
              P("tiles", "[T, 10]", "index",
-               doc="the rows grouped by slot (metrale.lora.adapter_tiles(slots), ForwardBatch.adapter_tiles): a "
+               doc="the rows grouped by slot (metrale.kernels.lora_tiles.adapter_tiles(slots), ForwardBatch.adapter_tiles): a "
                "kernel may read the rows' slots from it alone"),
              P("width", kind="scalar", doc="``W = G R``, a slot's columns"),
              P("bias", "[out]", "constant", optional=True),
@@ -872,10 +876,10 @@ def decode_gemv_kernels(max_rows: int = 8, max_mlp_bytes: int | None = None) -> 
     (``registry.add_kernel``), for other limits too."""
 
     def served(rows: int, inner: int, mode: int, *arrays: Any) -> bool:
-        from metrale.kernels import decode_gemv
+        from metrale.kernels import _words, decode_gemv
 
         return (rows <= max_rows and decode_gemv.supports(rows, inner, mode)
-                and getattr(arrays[0], "dtype", None) == np.uint16 and all(decode_gemv.aligned(a) for a in arrays))
+                and getattr(arrays[0], "dtype", None) == np.uint16 and all(_words.aligned(a) for a in arrays))
 
     def small_linear(x: Any, weight: Any, bias: Any = None) -> bool:
         return served(x.shape[0], x.shape[1], 0, weight, x)
@@ -963,3 +967,22 @@ def _cuda_method(name: str) -> Any:
         return getattr(backend.kernels, name)
 
     return build
+
+
+def build_op_registry(plugin_manager: "pluggy.PluginManager | None" = None) -> OpRegistry:
+    """The built-in ops and kernels, plus what every plugin of ``plugin_manager`` registers
+    through ``metrale_register_ops`` (in registration order)."""
+    registry = builtin_registry().copy()
+    if plugin_manager is None:
+        return registry
+    caller = getattr(plugin_manager.hook, "metrale_register_ops", None)
+    if caller is None:
+        return registry
+    for impl in reversed(caller.get_hookimpls()):  # pluggy lists the last registered first
+        try:
+            impl.function(registry=registry.from_plugin(impl.plugin_name))
+        except OpRegistrationError:
+            raise
+        except Exception as error:
+            raise OpRegistrationError(f"plugin {impl.plugin_name!r}: metrale_register_ops failed: {error!r}") from error
+    return registry

@@ -18,7 +18,7 @@ from metrale.ops.registry import BUILTIN, Kernel, Op, OpRegistry, bf16_bits_to_f
 
 
 def _bf16_rounded(host: np.ndarray) -> np.ndarray:
-    from metrale.checkpoint import float32_to_bf16
+    from metrale.kernels.bf16 import float32_to_bf16
 
     return bf16_bits_to_float32(float32_to_bf16(np.asarray(host, dtype=np.float32)))
 

@@ -13,6 +13,7 @@ import cupy as cp
 import numpy as np
 
 from metrale.kernels import (
+    _words,
     activation,
     attention,
     attention_decode_mma,
@@ -117,7 +118,7 @@ class CudaKernels:
         residual = cp.ascontiguousarray(residual) if add else cp.empty_like(x)
         out = cp.empty(x.shape, dtype=bf16)
         if (x.dtype == f32 and x.ndim == 2 and rmsnorm.words_supported(x.shape[1])
-                and all(decode_gemv.aligned(a) for a in (x, residual, weight))):  # float4 and uint2 loads
+                and all(_words.aligned(a) for a in (x, residual, weight))):  # float4 and uint2 loads
             rmsnorm.rmsnorm_residual_words(x, residual, weight, eps, offset, add, out, self.stream)
         else:
             rmsnorm.rmsnorm_residual(x, residual, weight, eps, offset, add, out, self.stream)

@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import numpy as np
 
 from metrale.errors import GraphCaptureError, OpRegistrationError, UnknownOpError
+from metrale.kernels.bf16 import bf16_to_float32 as bf16_bits_to_float32
 
 if TYPE_CHECKING:  # pragma: no cover
-    import pluggy
+    pass
 
 #: What an operand is, which decides how it is placed on a backend (see :class:`Operand`).
 OPERAND_KINDS = ("activation", "matmul_input", "weight", "constant", "index", "scalar", "cache", "batch", "option")
@@ -310,29 +311,3 @@ def host_fallback(op: Op, backend: Any) -> Callable[..., Any]:
 
     run.__name__ = f"{op.name}_host_fallback"
     return run
-
-
-def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """bf16 bits (``uint16``) widened to float32."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def build_op_registry(plugin_manager: "pluggy.PluginManager | None" = None) -> OpRegistry:
-    """The built-in ops and kernels, plus what every plugin of ``plugin_manager`` registers
-    through ``metrale_register_ops`` (in registration order)."""
-    from metrale.ops.builtin import builtin_registry
-
-    registry = builtin_registry().copy()
-    if plugin_manager is None:
-        return registry
-    caller = getattr(plugin_manager.hook, "metrale_register_ops", None)
-    if caller is None:
-        return registry
-    for impl in reversed(caller.get_hookimpls()):  # pluggy lists the last registered first
-        try:
-            impl.function(registry=registry.from_plugin(impl.plugin_name))
-        except OpRegistrationError:
-            raise
-        except Exception as error:
-            raise OpRegistrationError(f"plugin {impl.plugin_name!r}: metrale_register_ops failed: {error!r}") from error
-    return registry

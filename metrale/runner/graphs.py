@@ -45,7 +45,7 @@ import numpy as np
 
 from metrale.batch import ForwardBatch
 from metrale.errors import GraphCaptureError
-from metrale.lora import ADAPTER_TILE_ROWS, adapter_tile_capacity, adapter_tiles, padded_adapter_tiles
+from metrale.kernels.lora_tiles import ADAPTER_TILE_ROWS, adapter_tile_capacity, adapter_tiles, padded_adapter_tiles
 from metrale.sequence import MIXED_ADAPTERS
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ _TILES_START = len(_VECTORS) + _FEED_VECTORS  # in [B] vectors
 
 
 def _tile_values(size: int) -> int:
-    """int32 values of the adapter tiles of ``size`` rows (:func:`metrale.lora.adapter_tiles`)."""
+    """int32 values of the adapter tiles of ``size`` rows (:func:`metrale.kernels.lora_tiles.adapter_tiles`)."""
     return adapter_tile_capacity(size) * (2 + ADAPTER_TILE_ROWS)
 
 
@@ -98,7 +98,7 @@ def decode_buffer_length(size: int, width: int) -> int:
     """int32 values of a rung's packed metadata for tables ``width`` wide: seven ``[size]`` vectors
     (token ids, positions, cache slots, sequence index, logits rows, state slots, adapter slots),
     two more (the rows and indices of the pending tokens fed in, :func:`pack_decode`), the rows'
-    adapter tiles (:func:`metrale.lora.adapter_tiles`, as many as ``size`` rows may need), then
+    adapter tiles (:func:`metrale.kernels.lora_tiles.adapter_tiles`, as many as ``size`` rows may need), then
     the ``[size, width]`` block table."""
     return _table_start(size) + size * width
 
@@ -352,9 +352,9 @@ class CudaGraphRunner:
         return self.disabled is None and fits
 
     def accepts_verify(self, batch: ForwardBatch) -> bool:
-        """A verify (every row's logits, the model :attr:`~metrale.family.FamilyModel.verifying`)
+        """A verify (every row's logits, the model :attr:`~metrale.model.family.FamilyModel.verifying`)
         whose rows fit a decode rung, of a model that lets its verify replay the decode graphs
-        (:attr:`~metrale.family.FamilyModel.verify_graph_capturable`, no recurrent state): run as
+        (:attr:`~metrale.model.family.FamilyModel.verify_graph_capturable`, no recurrent state): run as
         :func:`as_decode_rows` through :meth:`run`."""
         model = self.model
         return (self.disabled is None and getattr(model, "verifying", False)
@@ -364,7 +364,7 @@ class CudaGraphRunner:
     def run_verify(self, batch: ForwardBatch, feed: Any = None) -> Any:
         """Logits of every row of a verify :meth:`accepts_verify` accepts, from the decode graph of
         its padded row count (recorded on first use, as a decode step, with the model not
-        :attr:`~metrale.family.FamilyModel.verifying`: the graphs serve decode steps too)."""
+        :attr:`~metrale.model.family.FamilyModel.verifying`: the graphs serve decode steps too)."""
         model = self.model
         model.verifying = False
         try:
@@ -594,7 +594,7 @@ class CudaGraphRunner:
     def _record(self, batch: ForwardBatch, mixed: bool = False) -> tuple[Any, Any, Any, dict[str, Any]]:
         """``(graph, output, eager, step_outputs)``: the graph of ``model.forward_batch(batch)``,
         the logits buffer it writes, the logits of the eager run before it, and the model's
-        :attr:`~metrale.family.FamilyModel.step_outputs` as the graph writes them (the eager run's
+        :attr:`~metrale.model.family.FamilyModel.step_outputs` as the graph writes them (the eager run's
         stay the model's). ``graph`` and ``output`` are None when an op cannot be captured
         (graphs are then turned off for such steps)."""
         import cupy

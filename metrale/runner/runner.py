@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Runs segments of sequences through ``model.forward_batch`` on ``model.backend``."""
 
-    def __init__(self, model: Any, cache: Any) -> None:
+    def __init__(self, model: Any, cache: Any, ranks: Any = None) -> None:
         # The model owns its runner; the runner refers back to it weakly (no reference cycle).
         self._model = weakref.ref(model)
         self.backend = model.backend
@@ -45,9 +45,9 @@ class ModelRunner:
 
             self.graphs = CudaGraphRunner(model, self.backend)
         self.token_feed = TokenFeed(self.backend)
-        #: The model's other ranks (:class:`metrale.executor.RankExecutor`), sent every step
+        #: The model's other ranks (:class:`metrale.backends.executor.RankExecutor`), sent every step
         #: before this rank runs it; None when the model runs on one rank.
-        self.ranks: Any = None
+        self.ranks: Any = ranks
 
     @property
     def model(self) -> Any:
@@ -111,7 +111,7 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch, feed: Any = None) -> Any:
         """``batch``'s forward: replayed from a CUDA graph where the graphs take it, else
         eager; ``feed`` puts pending tokens into the rows (:class:`TokenFeed`). What a worker
-        rank runs for each step the driver's runner submits (:mod:`metrale.executor`)."""
+        rank runs for each step the driver's runner submits (:mod:`metrale.backends.executor`)."""
         with self.backend.activate():
             if self.graphs is not None and self.graphs.accepts(batch):
                 return self.graphs.run(batch, feed)

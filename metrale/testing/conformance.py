@@ -49,12 +49,12 @@ def check_tensor_parallel(checkpoint: Path, size: int, token_ids: Sequence[int],
                           tolerance: float = 1e-4, device: str = "cpu") -> float:
     """Score ``token_ids`` with the model at ``checkpoint`` whole, then as ``size`` ranks of a
     tensor-parallel group simulated in one process (each rank loads its shard on its own thread,
-    :func:`metrale.parallel.run_ranks`); raise AssertionError unless every rank's logits equal the
+    :func:`metrale.backends.parallel.run_ranks`); raise AssertionError unless every rank's logits equal the
     whole model's within ``tolerance`` (:func:`max_relative_error`). Returns the largest error.
     ``device="cuda"`` runs the whole model and every rank on the GPU (the ranks' collectives
     through host copies, CUDA graphs off): the sharded GPU kernels checked on one device."""
-    from metrale.api import LLM
-    from metrale.parallel import Shard, rank_context, run_ranks
+    from metrale.backends.parallel import Shard, rank_context, run_ranks
+    from metrale.entrypoints.llm import LLM
 
     def score() -> np.ndarray:
         options: dict[str, Any] = {"cuda_graphs": False} if device != "cpu" else {}
@@ -119,7 +119,7 @@ class FamilyConformance:
     @pytest.fixture(scope="class")
     @classmethod
     def conformance_llm(cls, conformance_checkpoint: Path) -> Any:
-        from metrale.api import LLM
+        from metrale.entrypoints.llm import LLM
 
         return LLM(conformance_checkpoint, device="cpu", show_progress=False)
 
@@ -135,11 +135,11 @@ class FamilyConformance:
         assert spec.layers, "the cache spec lists no layer"
 
     def test_checkpoint_mapping_covers_every_tensor(self, conformance_checkpoint: Path) -> None:
-        from metrale.backend import CpuBackend
-        from metrale.checkpoint import Checkpoint
+        from metrale.backends.base import CpuBackend
         from metrale.config import EngineConfig
-        from metrale.family import resolve_family
-        from metrale.plugin_manager import get_plugin_manager
+        from metrale.loading.checkpoint import Checkpoint
+        from metrale.model.family import resolve_family
+        from metrale.model.plugin_manager import get_plugin_manager
 
         manager = get_plugin_manager()
         checkpoint = Checkpoint(conformance_checkpoint)
@@ -153,10 +153,11 @@ class FamilyConformance:
     def test_plugin_kernels_match_their_references(self) -> None:
         """Every kernel a plugin registers (``metrale_register_ops``) agrees with its op's
         reference on the op's examples: on the CPU, and on the GPU where one is usable."""
-        from metrale.backend import CpuBackend, cuda_unavailable_reason, get_backend
+        from metrale.backends.base import CpuBackend
+        from metrale.backends.devices import cuda_unavailable_reason, get_backend
+        from metrale.model.plugin_manager import get_plugin_manager
         from metrale.ops import build_op_registry
         from metrale.ops.check import assert_kernels_match
-        from metrale.plugin_manager import get_plugin_manager
 
         registry = build_op_registry(get_plugin_manager())
         assert_kernels_match(registry, CpuBackend())
@@ -289,7 +290,7 @@ class FamilyConformance:
         if not self.tensor_parallel_sizes:
             pytest.skip("the family does not run tensor-parallel (tensor_parallel_sizes is empty)")
         generator = np.random.default_rng([self.seed, 99])
-        from metrale.api import LLM
+        from metrale.entrypoints.llm import LLM
 
         with LLM(conformance_checkpoint, device="cpu", show_progress=False) as llm:
             vocab = llm.vocab_size
@@ -303,7 +304,7 @@ class FamilyConformance:
         """The engine -- continuous batching with chunked, batched and mixed prefill, prefix-cache
         hits and preemption in a small cache -- gives every request the greedy tokens it gets
         when it runs alone, and frees every block afterwards."""
-        from metrale.api import LLM
+        from metrale.entrypoints.llm import LLM
         from metrale.params import SamplingParams
 
         solo = LLM(conformance_checkpoint, device="cpu", show_progress=False, max_num_seqs=1,

@@ -18,14 +18,14 @@ import pytest
 
 @pytest.fixture
 def metrale_plugin_manager() -> Any:
-    from metrale.plugin_manager import get_plugin_manager
+    from metrale.model.plugin_manager import get_plugin_manager
 
     return get_plugin_manager()
 
 
 @pytest.fixture
 def metrale_cpu_llm() -> Callable[..., Any]:
-    from metrale.api import LLM
+    from metrale.entrypoints.llm import LLM
 
     def load(path: Any, **options: Any) -> Any:
         options.setdefault("show_progress", False)

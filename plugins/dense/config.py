@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Mapping
 
-from metrale.checkpoint import Checkpoint
-from metrale.config_fields import ConfigFields
 from metrale.errors import CheckpointError
+from metrale.loading.checkpoint import Checkpoint
+from metrale.loading.config_fields import ConfigFields
+from metrale.loading.rope import RopeParameters, rope_parameters
 from metrale.plugins.dense.layers import expect_mlp_shapes
-from metrale.rope import RopeParameters, rope_parameters
 
 # transformers' config-class defaults for fields a config.json may omit.
 _DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32}

@@ -7,8 +7,6 @@ from typing import Any
 
 from metrale.batch import ForwardBatch
 from metrale.cache.spec import CacheSpec, PagedKVSpec
-from metrale.checkpoint import Checkpoint
-from metrale.family import FamilyModel
 from metrale.layers.attention import (
     AttentionGeometry,
     AttentionWeights,
@@ -18,8 +16,10 @@ from metrale.layers.attention import (
 )
 from metrale.layers.loading import DecoderEnds
 from metrale.layers.lora import attention_lora, ends_lora, mlp_lora
+from metrale.layers.lora_stacks import LoraLayout
 from metrale.layers.mlp import MlpWeights, load_mlp_weights, normed_swiglu_mlp
-from metrale.lora import LoraLayout
+from metrale.loading.checkpoint import Checkpoint
+from metrale.model.family import FamilyModel
 from metrale.plugins.dense.config import DenseConfig
 
 # Buffers older exports saved beside the weights; they are recomputed, never read.
@@ -62,7 +62,7 @@ class DenseModel(FamilyModel):
 
     # Every layer reads the batch through its device row metadata and row_starts only.
     mixed_graph_capturable = True
-    # Heads, the intermediate size and the vocabulary split over the ranks (metrale.parallel).
+    # Heads, the intermediate size and the vocabulary split over the ranks (metrale.backends.parallel).
     tensor_parallel_capable = True
 
     def __init__(self, config: DenseConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Mapping
 
-from metrale.checkpoint import Checkpoint
-from metrale.config_fields import ConfigFields
 from metrale.errors import CheckpointError
 from metrale.layers.mlp import expect_mlp_shapes
-from metrale.rope import RopeParameters, rope_parameters
+from metrale.loading.checkpoint import Checkpoint
+from metrale.loading.config_fields import ConfigFields
+from metrale.loading.rope import RopeParameters, rope_parameters
 
 REQUIRED_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

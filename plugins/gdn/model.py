@@ -23,14 +23,14 @@ import numpy as np
 
 from metrale.batch import ForwardBatch
 from metrale.cache.spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
-from metrale.checkpoint import Checkpoint
 from metrale.errors import CacheError, ConfigError, NonFiniteStateError
-from metrale.family import FamilyModel
 from metrale.layers.experts import StackedExperts, load_stacked_experts, routed_experts
 from metrale.layers.loading import DecoderEnds
 from metrale.layers.lora import ends_lora, linear_with_lora, mlp_lora, new_stack, normed_projection
+from metrale.layers.lora_stacks import LoraLayout
 from metrale.layers.mlp import MlpWeights, load_mlp_weights, swiglu_mlp
-from metrale.lora import LoraLayout
+from metrale.loading.checkpoint import Checkpoint
+from metrale.model.family import FamilyModel
 from metrale.plugins.gdn.config import GdnConfig
 from metrale.sequence import SequenceState
 
@@ -440,8 +440,9 @@ class GdnModel(FamilyModel):
         """Where to split a prompt so a state snapshot lands near its tail (prefix cache on):
         with block size ``bs`` and ``tb`` the last multiple of ``bs`` strictly below the length,
         ``min(tb - bs, floor((len - min_tail) / bs) * bs)``, or None when that is not positive
-        (and always None with the prefix cache off)."""
-        if not self.prefix_caching or self.cache is None:
+        (and always None without state snapshots: the prefix cache off)."""
+        snapshots = getattr(self.cache, "snapshots", None)
+        if snapshots is None or not snapshots.count:
             return None
         size, length = self.cache.block_size, len(tokens)
         below = (length - 1) // size * size

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from metrale.checkpoint import Checkpoint
-from metrale.config_fields import ConfigFields
 from metrale.errors import CheckpointError
 from metrale.layers.mlp import expect_mlp_shapes
-from metrale.rope import RopeParameters, rope_parameters, yarn_mscale
+from metrale.loading.checkpoint import Checkpoint
+from metrale.loading.config_fields import ConfigFields
+from metrale.loading.rope import RopeParameters, rope_parameters, yarn_mscale
 
 REQUIRED_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -23,14 +23,14 @@ import numpy as np
 
 from metrale.batch import ForwardBatch
 from metrale.cache.spec import CacheSpec, PagedLatentSpec
-from metrale.checkpoint import Checkpoint
 from metrale.errors import ConfigError
-from metrale.family import FamilyModel
 from metrale.layers.experts import StackedExperts, load_stacked_experts, routed_experts
 from metrale.layers.loading import DecoderEnds
 from metrale.layers.lora import ends_lora, linear_with_lora, mlp_lora, new_stack, normed_projection
+from metrale.layers.lora_stacks import LoraLayout
 from metrale.layers.mlp import MlpWeights, load_mlp_weights, swiglu_mlp
-from metrale.lora import LoraLayout
+from metrale.loading.checkpoint import Checkpoint
+from metrale.model.family import FamilyModel
 from metrale.plugins.mla.config import MlaConfig
 
 #: transformers normalises the query and latent bottlenecks with this eps, whatever the config says.

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from metrale.family import FamilyPlugin, FamilySpec
-from metrale.hookspecs import CONTRACT_VERSION
+from metrale.model.family import FamilyPlugin, FamilySpec
+from metrale.model.hookspecs import CONTRACT_VERSION
 from metrale.plugins.mla.config import MlaConfig
 from metrale.plugins.mla.model import MlaModel
 

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from metrale.backend import CpuBackend
+from metrale.backends.base import CpuBackend
 from metrale.cache import (
     BlockAllocator,
     CacheSpec,

@@ -327,13 +327,15 @@ def test_one_chunk_prefill_runs_each_prompt_whole_and_alone(checkpoint, solo_llm
     assert not engine.scheduler.one_chunk_prefill
     monkeypatch.setattr(engine.scheduler, "one_chunk_prefill", True)
     seen = []
-    original = llm.forward.prefill_chunk
+    original = llm.forward.run
 
-    def recording(tokens, seq, start, length, is_last, stream=None):
-        seen.append((start, length, len(tokens), is_last))
-        return original(tokens, seq, start, length, is_last, stream)
+    def recording(method, step, **arguments):
+        if method == "prefill_chunk":
+            seen.append((arguments["chunk_start"], arguments["chunk_len"], len(arguments["tokens"]),
+                         arguments["is_last_chunk"]))
+        return original(method, step, **arguments)
 
-    monkeypatch.setattr(llm.forward, "prefill_chunk", recording)
+    monkeypatch.setattr(llm.forward, "run", recording)
     prompts = prompts_of([19, 4, 11, 25], seed=15)
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == solo(solo_llm, prompts, GREEDY)

@@ -3,7 +3,7 @@
 For each family, a workload of the public calls -- ``generate``, ``generate_stream`` (read in a
 ``with`` block), ``score`` and ``chat`` -- is first run without a fault, recording every line
 that the entry points and what they call on the way to the engine execute: :class:`~metrale.LLM`
-and its module, :class:`~metrale.streams.RequestStream`, the engine hold, the prompt front end,
+and its module, :class:`~metrale.entrypoints.streams.RequestStream`, the engine hold, the prompt front end,
 prompt and chat rendering, and the requests' text and stop rules. Then, for every such line, at
 its first execution and at its middle one, a fresh ``LLM`` runs the workload with a
 ``KeyboardInterrupt`` raised at that line, and must: let the interrupt reach the caller, hold no
@@ -23,7 +23,7 @@ from faults import LineFaults, describe, functions_of
 from metrale import LLM, SamplingParams, api, chat, engine_hold, frontend, prompts, streams
 from metrale.engine import generation
 from metrale.errors import EngineClosedError
-from metrale.plugin_manager import get_plugin_manager
+from metrale.model.plugin_manager import get_plugin_manager
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ from faults import LineFaults, describe, functions_of
 from metrale import LLM, SamplingParams
 from metrale.cache import blocks, prefix, store
 from metrale.engine import engine, scheduler
-from metrale.family import FamilyModel
-from metrale.plugin_manager import get_plugin_manager
+from metrale.model.family import FamilyModel
+from metrale.model.plugin_manager import get_plugin_manager
 from metrale.runner import ModelRunner
 
 pytestmark = pytest.mark.slow

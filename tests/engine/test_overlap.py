@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.backend import CpuBackend
+from metrale.backends.base import CpuBackend
 from metrale.engine.generation import make_request
-from metrale.family import FamilyModel
-from metrale.hookspecs import hookimpl
-from metrale.plugin_manager import get_plugin_manager
+from metrale.model.family import FamilyModel
+from metrale.model.hookspecs import hookimpl
+from metrale.model.plugin_manager import get_plugin_manager
 
 FAMILIES = ["dense", "mla", "gdn"]
 

@@ -10,7 +10,7 @@ import pytest
 
 from metrale import LLM, SamplingParams, hookimpl
 from metrale.errors import CacheError, ConfigError
-from metrale.plugin_manager import get_plugin_manager
+from metrale.model.plugin_manager import get_plugin_manager
 from metrale.plugins.ngram import NgramDrafter
 from metrale.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig, accepted_count
 
@@ -418,7 +418,7 @@ def test_a_verify_keeps_to_the_step_token_budget(dense_checkpoints, monkeypatch)
     plain, _ = run(path, prompts, params, **options)
     scripts = [list(p) + o.token_ids for p, o in zip(prompts, plain)]
     rows = []
-    from metrale.forward import ModelForward
+    from metrale.model.forward import ModelForward
 
     original = ModelForward.verify
     monkeypatch.setattr(ModelForward, "verify", lambda self, tokens, seqs, stream=None: rows.append(

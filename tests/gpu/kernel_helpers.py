@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from metrale.checkpoint import float32_to_bf16
+from metrale.loading.checkpoint import float32_to_bf16
 
 
 def rel_error(actual, expected):

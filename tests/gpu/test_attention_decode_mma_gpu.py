@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from kernel_helpers import bf16, rel_error  # noqa: E402
 
-from metrale.checkpoint import bf16_to_float32
 from metrale.kernels import attention, attention_decode_mma
+from metrale.loading.checkpoint import bf16_to_float32
 
 pytestmark = pytest.mark.gpu
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from metrale.checkpoint import bf16_to_float32
-from metrale.kernels import attention_latent, attention_latent_mma
-
 from kernel_helpers import bf16, rel_error  # noqa: E402
+
+from metrale.kernels import attention_latent, attention_latent_mma
+from metrale.loading.checkpoint import bf16_to_float32
 
 pytestmark = pytest.mark.gpu
 

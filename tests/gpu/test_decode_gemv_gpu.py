@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from kernel_helpers import bf16, rel_error  # noqa: E402
 
-from metrale.checkpoint import bf16_to_float32
+from metrale.loading.checkpoint import bf16_to_float32
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +25,7 @@ _weights: dict = {}
 
 @pytest.fixture(scope="module")
 def backend():
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
 
     backend = CudaBackend()
     yield backend

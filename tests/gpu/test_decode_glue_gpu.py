@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from kernel_helpers import bf16, rel_error  # noqa: E402
 
-from metrale.checkpoint import bf16_to_float32
+from metrale.loading.checkpoint import bf16_to_float32
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def backend():
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
 
     backend = CudaBackend()
     yield backend
@@ -157,7 +157,7 @@ def test_head_linear_op_at_every_row_count(backend, rows):
 
 
 def bf16_from(values):
-    from metrale.checkpoint import float32_to_bf16
+    from metrale.loading.checkpoint import float32_to_bf16
 
     return float32_to_bf16(np.ascontiguousarray(values, dtype=np.float32))
 

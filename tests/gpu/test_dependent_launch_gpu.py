@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from metrale.checkpoint import bf16_to_float32
-
 from kernel_helpers import bf16, rel_error  # noqa: E402
+
+from metrale.loading.checkpoint import bf16_to_float32
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +25,7 @@ extern "C" __global__ void slow_copy(const unsigned short* src, unsigned short* 
 
 @pytest.fixture(scope="module")
 def backend():
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
 
     backend = CudaBackend()
     yield backend

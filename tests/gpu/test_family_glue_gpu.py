@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from kernel_helpers import rel_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu

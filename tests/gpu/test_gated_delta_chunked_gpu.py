@@ -20,7 +20,6 @@ import functools
 
 import numpy as np
 import pytest
-
 from kernel_helpers import rel_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -144,7 +143,7 @@ def test_the_backend_op_takes_the_chunked_kernel_where_it_serves(monkeypatch):
     recurrence (float32 throughout, so within 1e-4) for 96-dim heads."""
     import cupy as cp
 
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
     from metrale.kernels import gated_delta, gated_delta_chunked
 
     chunked_calls = []

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def bf16_gdn_checkpoint(tmp_path_factory):
     import torch
-    from conftest import gdn_config
 
+    from conftest import gdn_config
     from metrale.testing.hf import build_hf_checkpoint
 
     cls, config = gdn_config()

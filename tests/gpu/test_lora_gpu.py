@@ -10,8 +10,8 @@ import pytest
 from kernel_helpers import bf16, rel_error  # noqa: E402
 
 from metrale import LLM, LoRARequest, SamplingParams
-from metrale.checkpoint import bf16_to_float32, float32_to_bf16
-from metrale.lora import adapter_tile_capacity, adapter_tiles
+from metrale.kernels.lora_tiles import adapter_tile_capacity, adapter_tiles
+from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.ops import builtin
 from metrale.testing.hf import build_peft_adapter
 
@@ -37,7 +37,7 @@ def stack_at(rng, inner, outs, slots, rank=16):
 
 
 def cuda_backend():
-    from metrale.backend import get_backend
+    from metrale.backends.devices import get_backend
     from metrale.ops import build_op_registry
 
     backend = get_backend("cuda")

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.gpu
 def bf16_mla_checkpoints(tmp_path_factory):
     """The tiny DeepSeek-V2 / V3 checkpoints saved in bf16: both backends read the same weights."""
     import torch
+
     from conftest import build_mla_checkpoint, mla_configs
 
     root = tmp_path_factory.mktemp("bf16-mla")

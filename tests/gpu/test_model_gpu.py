@@ -50,8 +50,8 @@ def bf16_checkpoints(tmp_path_factory):
     """The conftest's dense variants saved in bf16, as real checkpoints are: both backends then
     read the same weights and differ only in activation precision."""
     import torch
-    from conftest import dense_configs
 
+    from conftest import dense_configs
     from metrale.testing.hf import build_hf_checkpoint
 
     root = tmp_path_factory.mktemp("bf16")
@@ -161,7 +161,7 @@ def test_seeded_sampling_repeats_on_the_device():
 def test_backend_sampler_matches_the_host_sampler_for_every_row_count():
     import cupy
 
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
     from metrale.runner.sampling import CudaSampler, sample_rows
 
     backend = CudaBackend()

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from metrale.checkpoint import bf16_to_float32
-
 from kernel_helpers import bf16, rel_error  # noqa: E402
+
+from metrale.loading.checkpoint import bf16_to_float32
 
 pytestmark = pytest.mark.gpu
 
@@ -161,7 +160,7 @@ def test_the_device_alignment_matches_its_host_model(tokens, top_k, num_experts,
 
 @pytest.fixture(scope="module")
 def backend():
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
 
     backend = CudaBackend()
     yield backend

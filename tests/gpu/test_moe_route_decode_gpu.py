@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from metrale.checkpoint import bf16_to_float32, float32_to_bf16
+from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +22,7 @@ ROUTINGS = {
 
 @pytest.fixture(scope="module")
 def backend():
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
 
     backend = CudaBackend()
     yield backend

@@ -1,4 +1,4 @@
-"""The NCCL communicator (metrale.parallel.NcclCommunicator) on one GPU, as a group of one rank:
+"""The NCCL communicator (metrale.backends.parallel.NcclCommunicator) on one GPU, as a group of one rank:
 CuPy's NCCL binding initialises, the collectives return their input's values in new arrays, and
 they replay from a CUDA graph with new inputs (the decode graphs capture them). Groups of several
 GPUs need a machine with several."""
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 def communicator():
     from cupy.cuda import nccl
 
-    from metrale.parallel import NcclCommunicator, nccl_unique_id
+    from metrale.backends.parallel import NcclCommunicator, nccl_unique_id
 
     if not nccl.available:
         pytest.skip("CuPy finds no NCCL library on this machine")

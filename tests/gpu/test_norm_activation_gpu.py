@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from metrale.checkpoint import bf16_to_float32, float32_to_bf16
-
 from kernel_helpers import bf16, rel_error  # noqa: E402
+
+from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def backend():
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
 
     return CudaBackend()
 
@@ -80,7 +80,7 @@ def test_a_prompts_routing_matches_the_reference(backend, method, experts, top_k
     import cupy as cp
     import numpy as np
 
-    from metrale.checkpoint import bf16_to_float32, float32_to_bf16
+    from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
     from metrale.ops import builtin
 
     rng = np.random.default_rng(7)

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.gpu
 def test_device_processing_and_logprobs_match_the_host_sampler():
     import cupy
 
-    from metrale.backend import CpuBackend
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.base import CpuBackend
+    from metrale.backends.cuda import CudaBackend
     from metrale.runner.sampling import CudaSampler, RowExtras, TokenSampler
 
     backend = CudaBackend()
@@ -78,8 +78,8 @@ def tiny_gpu():
 def test_greedy_steps_take_the_arg_max_kernel_and_agree_with_the_host_sampler():
     import cupy
 
-    from metrale.backend import CpuBackend
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.base import CpuBackend
+    from metrale.backends.cuda import CudaBackend
     from metrale.kernels import greedy_sample
     from metrale.runner.sampling import CudaSampler, RowExtras, TokenSampler
 
@@ -149,7 +149,7 @@ def test_structured_output_parses_on_the_gpu(tiny_gpu):
 
 
 def test_the_async_engine_serves_concurrent_requests_as_generate_does():
-    from metrale.async_llm import AsyncLLM
+    from metrale.entrypoints.async_llm import AsyncLLM
 
     llm = LLM("tiny-dense", device="cuda", show_progress=False, max_num_seqs=64)
     rng = np.random.default_rng(2)

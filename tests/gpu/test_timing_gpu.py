@@ -26,7 +26,7 @@ def timing():
 def test_event_and_graph_times_of_a_copy_are_plausible(timing):
     import cupy
 
-    from metrale.cuda_backend import CudaBackend
+    from metrale.backends.cuda import CudaBackend
 
     backend = CudaBackend()
     source = cupy.ones(1 << 26, dtype=cupy.float32)  # 256 MiB: far above launch overhead

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from emulation import build_emulated
 
-from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.errors import KernelArgumentError
 from metrale.kernels import attention_combine
 from metrale.kernels.attention_latent_mma import combine_partials_model
+from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 
 EMULATION_MAIN = r"""
 #include <string>

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from emulation import build_emulated
 
-from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.errors import KernelArgumentError
 from metrale.kernels import attention, attention_decode_mma
 from metrale.kernels.attention_grouped import MAX_SPLITS
 from metrale.kernels.attention_latent_mma import combine_partials_model
+from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 
 SCALE = 0.125
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from emulation import build_emulated
 
-from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.errors import KernelArgumentError
 from metrale.kernels import attention_latent, attention_latent_mma
 from metrale.kernels.attention_grouped import MAX_SPLITS
+from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 
 WIDTH, VALUE_DIM = attention_latent_mma.WIDTH, attention_latent_mma.VALUE_DIM
 

@@ -72,7 +72,7 @@ def test_slow_decays_carry_the_state_across_many_chunks():
 
 
 def test_bf16_rounding_is_to_nearest_even():
-    from metrale.checkpoint import bf16_to_float32, float32_to_bf16
+    from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 
     values = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
     values[:3] = [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -0.0]  # ties: down to even, up to even

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from emulation import build_emulated
 
-from metrale.checkpoint import bf16_to_float32
 from metrale.kernels import gdn_decode
+from metrale.loading.checkpoint import bf16_to_float32
 
 EMULATION_MAIN = r"""
 #include <string>

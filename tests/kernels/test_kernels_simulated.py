@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.errors import KernelArgumentError
 from metrale.kernels import activation, attention, embedding, gemv, linear, rmsnorm, token_feed
 from metrale.kernels import qkv_rope as rope
 from metrale.kernels._device import bf16_to_float, float_to_bf16
+from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 
 pytestmark = [
     pytest.mark.skipif(

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from emulation import build_emulated
 
-from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.errors import KernelArgumentError
-from metrale.kernels import decode_gemv, lora
-from metrale.lora import adapter_tile_capacity, adapter_tiles
+from metrale.kernels import _words, lora
+from metrale.kernels.lora_tiles import adapter_tile_capacity, adapter_tiles
+from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.ops import builtin
 
 EMULATION_MAIN = r"""
@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lora_expand_emulated")
-    binary = build_emulated(folder / "lora.cpp", decode_gemv.HELPERS + lora.EXPAND_KERNEL + EMULATION_MAIN)
+    binary = build_emulated(folder / "lora.cpp", _words.HELPERS + lora.EXPAND_KERNEL + EMULATION_MAIN)
 
     def run(ext, row_slots, b, width, bias=None, swiglu=False, words=True, capacity=None):
         case = folder / "case"

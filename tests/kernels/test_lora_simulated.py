@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.kernels import lora
+from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.ops import builtin
 
 pytestmark = pytest.mark.skipif(

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from emulation import build_emulated
 
-from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.kernels import moe_decode
 from metrale.kernels.moe import experts_reference
+from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 
 EMULATION_MAIN = r"""
 #include <string>

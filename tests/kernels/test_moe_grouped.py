@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from emulation import build_emulated
 
-from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.errors import KernelArgumentError
 from metrale.kernels import moe, moe_grouped
+from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 
 
 def experts_case(rng, tokens, top_k, hidden, inter, num_experts, choose):
@@ -236,7 +236,7 @@ def test_routed_experts_call_the_op_on_every_batch_size_off_the_cpu():
 
 @pytest.mark.parametrize("tokens", [5, 100])
 def test_routed_experts_on_the_cpu_match_the_reference(tokens):
-    from metrale.backend import CpuBackend
+    from metrale.backends.base import CpuBackend
     from metrale.layers.experts import MAX_PAIRWISE_TOKENS, StackedExperts, routed_experts
     from metrale.layers.mlp import MlpWeights
 

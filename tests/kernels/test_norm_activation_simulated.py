@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.errors import KernelArgumentError
 from metrale.kernels import activation, layernorm
 from metrale.kernels import qkv_rope as rope
+from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 
 pytestmark = pytest.mark.skipif(
     not __import__("metrale.kernels._device", fromlist=["SIMULATED"]).SIMULATED,

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from emulation import build_emulated
 
-from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.errors import KernelArgumentError
-from metrale.kernels import decode_gemv, rmsnorm
+from metrale.kernels import _words, rmsnorm
+from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 
 EMULATION_MAIN = r"""
 #include <string>
@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("rmsnorm_words_emulated")
-    binary = build_emulated(folder / "rmsnorm.cpp", decode_gemv.HELPERS + rmsnorm.KERNEL + EMULATION_MAIN)
+    binary = build_emulated(folder / "rmsnorm.cpp", _words.HELPERS + rmsnorm.KERNEL + EMULATION_MAIN)
 
     def run(x, residual, weight_bits, add, eps, offset):
         rows, hidden = x.shape

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from emulation import build_emulated
 
-from metrale.checkpoint import bf16_to_float32, float32_to_bf16
 from metrale.errors import KernelArgumentError
-from metrale.kernels import activation, decode_gemv
+from metrale.kernels import _words, activation
+from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 
 EMULATION_MAIN = r"""
 #include <string>
@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("silu_words_emulated")
-    binary = build_emulated(folder / "silu.cpp", decode_gemv.HELPERS + activation.KERNEL + EMULATION_MAIN)
+    binary = build_emulated(folder / "silu.cpp", _words.HELPERS + activation.KERNEL + EMULATION_MAIN)
 
     def run(gate_up_bits):
         rows, double = gate_up_bits.shape

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.backend import CpuBackend
+from metrale.backends.base import CpuBackend
 from metrale.errors import KernelMismatchError, OpRegistrationError, UnknownOpError
-from metrale.hookspecs import hookimpl
+from metrale.model.hookspecs import hookimpl
+from metrale.model.plugin_manager import get_plugin_manager
 from metrale.ops import Kernel, Op, Operand, build_op_registry
 from metrale.ops.builtin import builtin_registry
 from metrale.ops.check import assert_kernels_match, check_plugin_kernels
-from metrale.plugin_manager import get_plugin_manager
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -129,7 +129,7 @@ def test_the_kernel_check_passes_a_right_kernel_and_catches_a_wrong_one():
 
 
 def test_the_conformance_kit_fails_on_a_wrong_kernel(monkeypatch):
-    from metrale import plugin_manager
+    from metrale.model import plugin_manager
     from metrale.testing.conformance import FamilyConformance
 
     wrong = Kernel("rmsnorm", "cpu", "test.shifted", build=lambda backend: counting_rmsnorm([], shift=1e-2))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from metrale.batch import ForwardBatch, Segment
-from metrale.lora import ADAPTER_TILE_ROWS, adapter_tile_capacity
+from metrale.kernels.lora_tiles import ADAPTER_TILE_ROWS, adapter_tile_capacity
 from metrale.runner.graphs import CudaGraphRunner, Rung, context_buckets, decode_buffer_length, pack_decode, table_width
 from metrale.sequence import SequenceState
 

@@ -1,7 +1,7 @@
 """Helpers of the server tests (imported by them; not a conftest, whose module name the suite's
 root ``tests/conftest.py`` already takes): an engine on the embedded tiny-dense model (in an
 engine process, as ``metrale serve`` runs it, or on a thread of this process) served by the
-uvicorn server ``metrale serve`` runs (:func:`metrale.server.main.build_server`) in a background
+uvicorn server ``metrale serve`` runs (:func:`metrale.entrypoints.server.main.build_server`) in a background
 thread (its own event loop) on a free port of 127.0.0.1, and clients."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import httpx
 import openai
 
 from metrale import LLM
-from metrale.async_llm import AsyncLLM
-from metrale.engine_process import EngineProcess
-from metrale.server import build_app
-from metrale.server.main import build_server, listen_sockets
+from metrale.entrypoints.async_llm import AsyncLLM
+from metrale.entrypoints.engine_process import EngineProcess
+from metrale.entrypoints.server import build_app
+from metrale.entrypoints.server.main import build_server, listen_sockets
 
 MODEL = "tiny-dense"
 API_KEY = "test-key-4f9c2a"

@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 
 from serverkit import MODEL, Stack, async_http_client  # noqa: E402
 
-from metrale.grammar_sandbox import MAX_CONSTRAINT_BYTES  # noqa: E402
+from metrale.structured.sandbox import MAX_CONSTRAINT_BYTES  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

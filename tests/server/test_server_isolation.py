@@ -26,8 +26,8 @@ from serverkit import (  # noqa: E402
 )
 
 from metrale import LLM, SamplingParams  # noqa: E402
-from metrale.engine_process import EngineProcess  # noqa: E402
-from metrale.server import build_app  # noqa: E402
+from metrale.entrypoints.engine_process import EngineProcess  # noqa: E402
+from metrale.entrypoints.server import build_app  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -203,7 +203,7 @@ def test_run_serve_end_to_end():
     SIGTERM drains and exits 0."""
     port = free_port()
     key = "env-key-3b1d9e"
-    script = ("import argparse, sys; from metrale.server.main import add_serve_arguments, run_serve; "
+    script = ("import argparse, sys; from metrale.entrypoints.server.main import add_serve_arguments, run_serve; "
               "p = add_serve_arguments(argparse.ArgumentParser()); sys.exit(run_serve(p.parse_args(sys.argv[1:])))")
     env = dict(os.environ, METRALE_API_KEY=key, METRALE_NO_PROGRESS="1")
     process = subprocess.Popen([sys.executable, "-c", script, MODEL, "--device", "cpu", "--port", str(port),

@@ -14,11 +14,11 @@ pytest.importorskip("openai")
 from serverkit import MODEL, ServerThread, http_client, new_llm, openai_client, wait_idle  # noqa: E402
 
 from metrale import LoRARequest, SamplingParams  # noqa: E402
-from metrale.api import resolve_model_path  # noqa: E402
-from metrale.async_llm import AsyncLLM  # noqa: E402
-from metrale.engine_process import EngineProcess  # noqa: E402
+from metrale.entrypoints.async_llm import AsyncLLM  # noqa: E402
+from metrale.entrypoints.engine_process import EngineProcess  # noqa: E402
+from metrale.loading.model import resolve_model_path  # noqa: E402
+from metrale.entrypoints.server import build_app  # noqa: E402
 from metrale.errors import AdapterError  # noqa: E402
-from metrale.server import build_app  # noqa: E402
 from metrale.testing.hf import build_peft_adapter  # noqa: E402
 
 PROMPTS = ["Return the", "Open a file and"]
@@ -102,8 +102,8 @@ def test_a_broken_adapter_stops_the_engine_process_start(tmp_path):
 def test_lora_module_flags_are_checked():
     import argparse
 
+    from metrale.entrypoints.server.main import _check_server_options, add_serve_arguments, lora_modules
     from metrale.errors import ConfigError
-    from metrale.server.main import _check_server_options, add_serve_arguments, lora_modules
 
     parser = add_serve_arguments(argparse.ArgumentParser())
     with pytest.raises(SystemExit):

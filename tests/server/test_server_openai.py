@@ -374,7 +374,7 @@ def test_serve_arguments_cover_every_engine_option():
     from dataclasses import fields
 
     from metrale.config import CacheConfig, EngineConfig, read_environment
-    from metrale.server.main import add_serve_arguments, engine_options
+    from metrale.entrypoints.server.main import add_serve_arguments, engine_options
 
     parser = add_serve_arguments(argparse.ArgumentParser())
     assert engine_options(parser.parse_args(["m"])) == {"device": "auto", "show_progress": True}
@@ -393,7 +393,7 @@ def test_serve_arguments_cover_every_engine_option():
                        "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}, "enable_lora": True,
                        "max_loras": 2, "max_lora_rank": 32, "tensor_parallel_size": 2, "expert_parallel": True,
                        "distributed_executor_backend": "ray"}
-    from metrale.server.main import lora_modules
+    from metrale.entrypoints.server.main import lora_modules
 
     assert [(r.lora_name, r.lora_int_id, str(r.lora_path)) for r in lora_modules(args)] == [("sql", 1, "/a/b"),
                                                                                          ("chat", 2, "/c")]

@@ -25,14 +25,14 @@ pytest.importorskip("httpx")
 
 from serverkit import MODEL, http_client, new_llm  # noqa: E402
 
-from metrale.cli import main  # noqa: E402
-from metrale.engine_process import EngineProcess, engine_summary  # noqa: E402
+from metrale.entrypoints.cli import main  # noqa: E402
+from metrale.entrypoints.engine_process import EngineProcess, engine_summary  # noqa: E402
+from metrale.entrypoints.server.main import API_KEY_VARIABLE, listen_sockets, resolve_api_key, summary_lines  # noqa: E402
 from metrale.errors import ConfigError  # noqa: E402
-from metrale.server.main import API_KEY_VARIABLE, listen_sockets, resolve_api_key, summary_lines  # noqa: E402
 
 
 def serve_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "metrale.cli", "serve", *args]
+    return [sys.executable, "-m", "metrale.entrypoints.cli", "serve", *args]
 
 
 def environment_without_key() -> dict[str, str]:
@@ -193,14 +193,14 @@ def test_an_empty_key_variable_is_refused_beyond_this_machine(monkeypatch, capsy
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
 def test_an_empty_key_variable_on_a_loopback_host_means_no_key_and_says_so(monkeypatch, caplog, host):
     monkeypatch.setenv(API_KEY_VARIABLE, "")
-    with caplog.at_level(logging.WARNING, logger="metrale.server.main"):
+    with caplog.at_level(logging.WARNING, logger="metrale.entrypoints.server.main"):
         assert resolve_api_key(None, host) is None
     assert f"{API_KEY_VARIABLE} is set but empty: the server requires NO API key" in caplog.text
 
 
 def test_the_key_comes_from_the_flag_then_the_variable(monkeypatch, caplog):
     monkeypatch.delenv(API_KEY_VARIABLE, raising=False)
-    with caplog.at_level(logging.WARNING, logger="metrale.server.main"):
+    with caplog.at_level(logging.WARNING, logger="metrale.entrypoints.server.main"):
         assert resolve_api_key(None, "0.0.0.0") is None  # unset: no key (run_serve warns beyond loopback)
         monkeypatch.setenv(API_KEY_VARIABLE, "from-env")
         assert resolve_api_key(None, "0.0.0.0") == "from-env"

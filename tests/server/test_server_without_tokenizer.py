@@ -12,9 +12,9 @@ pytest.importorskip("httpx")
 
 from serverkit import ServerThread, http_client  # noqa: E402
 
-from metrale.async_llm import AsyncLLM  # noqa: E402
-from metrale.engine_process import EngineProcess  # noqa: E402
-from metrale.server import build_app  # noqa: E402
+from metrale.entrypoints.async_llm import AsyncLLM  # noqa: E402
+from metrale.entrypoints.engine_process import EngineProcess  # noqa: E402
+from metrale.entrypoints.server import build_app  # noqa: E402
 
 NAME = "llama-without-tokenizer"
 

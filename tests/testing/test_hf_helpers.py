@@ -26,8 +26,9 @@ def test_a_checkpoint_rewritten_in_place_is_loaded_again(tmp_path, dense_checkpo
     ids = [1, 2, 3, 4]
     before = hf_reference_logits(folder, ids)
     digest = checkpoint_digest(folder)
-    from conftest import dense_configs
     from transformers import LlamaForCausalLM
+
+    from conftest import dense_configs
 
     _, config = dense_configs()["llama"]
     build_hf_checkpoint(LlamaForCausalLM, config, folder, seed=99)  # other weights, same path

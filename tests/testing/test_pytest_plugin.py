@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from metrale.family import resolve_family
+from metrale.model.family import resolve_family
 
 
 def test_plugin_is_registered_by_entry_point(pytestconfig):

@@ -34,13 +34,12 @@ def test_the_mtp_part_runs_on_tiny_mla_with_a_module(tmp_path):
     import shutil
 
     import torch
+    import train_tiny_models
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3ForCausalLM
 
-    from metrale.api import resolve_model_path
+    from metrale.loading.model import resolve_model_path
     from metrale.testing.hf import perturb_weights
-
-    import train_tiny_models
 
     folder = tmp_path / "tiny-mla-mtp"
     shutil.copytree(resolve_model_path("tiny-mla"), folder)

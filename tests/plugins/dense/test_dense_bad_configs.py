@@ -11,9 +11,9 @@ import math
 import re
 
 import pytest
-from conftest import edited_copy, load_refused, set_fields
 
 import metrale
+from conftest import edited_copy, load_refused, set_fields
 
 HUGE = 10**9
 

@@ -7,8 +7,8 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import BASE
 
+from conftest import BASE
 from metrale import LLM, SamplingParams
 from metrale.sequence import SequenceState
 from metrale.testing import max_relative_error

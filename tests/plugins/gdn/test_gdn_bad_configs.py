@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import edited_copy, load_refused, set_fields
 
 import metrale
+from conftest import edited_copy, load_refused, set_fields
 
 HUGE = 10**9
 

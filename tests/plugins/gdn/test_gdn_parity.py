@@ -69,12 +69,12 @@ def test_a_non_finite_state_is_reported_between_chunks(gdn_checkpoint):
 def test_tail_split_follows_the_formula(gdn_checkpoint):
     llm = LLM(gdn_checkpoint, device="cpu", show_progress=False, block_size=16)
     split = llm.forward.prefill_tail_split
-    assert llm.model.prefix_caching
+    assert llm.cache.snapshots.count > 0
     assert split([0] * 32772) == 32512  # tb = 32768; min(32752, floor(32516 / 16) * 16)
     assert split([0] * 300) == 32  # min(288 - 16, floor(44 / 16) * 16)
     assert split([0] * 256) is None and split([0] * 100) is None  # not positive
     off = LLM(gdn_checkpoint, device="cpu", show_progress=False, block_size=16, enable_prefix_caching=False)
-    assert not off.model.prefix_caching and off.forward.prefill_tail_split([0] * 32772) is None
+    assert not off.cache.snapshots.count and off.forward.prefill_tail_split([0] * 32772) is None
 
 
 def test_prefix_hits_resume_only_from_snapshots(gdn_checkpoint):

@@ -7,8 +7,8 @@ import copy
 
 import numpy as np
 import pytest
-from conftest import build_mla_checkpoint, mla_configs
 
+from conftest import build_mla_checkpoint, mla_configs
 from metrale import LLM, SamplingParams
 from metrale.sequence import SequenceState
 from metrale.testing import max_relative_error

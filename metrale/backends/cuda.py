@@ -1,0 +1,138 @@
+"""The CUDA backend: CuPy arrays on one device, ``numba.cuda`` kernels, cuBLAS GEMMs.
+
+Weights and the KV cache hold bf16 bits in ``uint16`` arrays; the residual stream and the GEMM
+outputs are float32; the inputs of every GEMM are bf16. All work is queued on one engine stream,
+which is CuPy's current stream on this thread and the stream every numba kernel and the cuBLAS
+handle use. The ops are those of :mod:`metrale.ops`, served by :class:`metrale.ops.cuda.CudaKernels`;
+decode steps are replayed from CUDA graphs (:mod:`metrale.runner.graphs`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from metrale.backends.base import Backend, with_device_arrays
+from metrale.kernels.bf16 import float32_to_bf16
+
+
+class CudaBackend(Backend):
+    """CuPy + numba.cuda + cuBLAS on device ``device_id``."""
+
+    name = "cuda"
+    cache_dtype = np.uint16
+
+    def __init__(self, device_id: int = 0, cuda_graphs: bool = True) -> None:
+        import cupy
+
+        from metrale.ops.builtin import builtin_registry
+        from metrale.ops.cuda import CudaKernels
+
+        self.xp = cupy
+        self.device = cupy.cuda.Device(device_id)
+        self.device.use()
+        # Every CuPy call of the engine runs under ``activate()``; the stream is never made
+        # current globally, so two backends (two models) in one process do not share it.
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        #: The built-in ops' CUDA implementations (the op table binds them).
+        self.kernels = CudaKernels(self.stream)
+        #: Private pool of what a graph capture allocates (the graph's intermediates), so eager work
+        #: never reuses it. It hands the memory a finished capture freed to the next capture (graphs
+        #: replay one at a time), so buffers that outlive a step (graph inputs, the sampler's) come
+        #: from the default pool instead.
+        self.graph_pool = cupy.cuda.MemoryPool()
+        self.cuda_graphs = cuda_graphs
+        self._count_nonfinite_bf16: Any = None
+        self.ops = builtin_registry().table(self)
+
+    # ------------------------------------------------------------------------------ arrays
+
+    def load_weight(self, checkpoint: Any, *parts: tuple) -> Any:
+        arrays, raw_names = [], []
+        for part in parts:
+            name, shape = part[0], part[1]
+            rows, columns = (tuple(part[2:]) + (None, None))[:2]
+            if checkpoint.info(name).dtype == "BF16":
+                array = checkpoint.raw(name, shape)
+                array = array[rows if rows is not None else slice(None)]
+                arrays.append(array if columns is None else array[:, columns])
+                raw_names.append(name)
+            else:
+                arrays.append(float32_to_bf16(checkpoint.tensor(*part)))  # checked on the host
+        host = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        with self.stream:
+            weight = self.xp.asarray(np.ascontiguousarray(host, dtype=np.uint16))
+        if raw_names:
+            self._check_bf16_finite(weight, checkpoint, raw_names)
+        return weight
+
+    def _check_bf16_finite(self, weight: Any, checkpoint: Any, names: list[str]) -> None:
+        """Refuse a bf16 weight holding NaN or infinity (all exponent bits set: ``bits & 0x7F80 ==
+        0x7F80``), counted on the device after the upload: one reduction and one read of the count
+        per weight."""
+        if self._count_nonfinite_bf16 is None:
+            self._count_nonfinite_bf16 = self.xp.ReductionKernel(
+                # (CuPy renames parameters inside the expression text: no hex literals here.)
+                "uint16 bits", "int64 count", "(bits & 32640) == 32640 ? 1 : 0", "a + b", "count = a", "0",
+                "count_nonfinite_bf16",
+            )
+        with self.stream:
+            bad = int(self._count_nonfinite_bf16(weight))
+        if bad:
+            from metrale.errors import NonFiniteWeightError
+
+            raise NonFiniteWeightError(
+                f"{checkpoint.path}: {bad} NaN or infinite values in {' / '.join(repr(n) for n in names)}; "
+                "the checkpoint is corrupt"
+            )
+
+    def constant(self, host: np.ndarray) -> Any:
+        with self.stream:
+            return self.xp.asarray(np.ascontiguousarray(host, dtype=np.float32))
+
+    def weight(self, host: np.ndarray) -> Any:
+        with self.stream:
+            return self.xp.asarray(np.ascontiguousarray(float32_to_bf16(np.asarray(host, dtype=np.float32))))
+
+    def zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        with self.stream:
+            return self.xp.zeros(shape, dtype=dtype)
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        with self.stream:
+            host = self.xp.asnumpy(array, stream=self.stream)
+        self.stream.synchronize()
+        return np.asarray(host, dtype=np.float32)
+
+    def prepare_batch(self, batch: Any) -> Any:
+        return with_device_arrays(batch, self.xp.asarray)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def activate(self) -> Any:
+        return self.stream
+
+    def default_cache_bytes(self) -> int:
+        free, _ = self.xp.cuda.runtime.memGetInfo()
+        return int(0.8 * free)
+
+    def close(self) -> None:
+        """Give every unused block of the memory pools back to the device (call once the models,
+        caches and samplers of this backend are dropped)."""
+        self.stream.synchronize()
+        self.graph_pool.free_all_blocks()
+        self.xp.get_default_memory_pool().free_all_blocks()
+        self.xp.get_default_pinned_memory_pool().free_all_blocks()
+
+    def available_memory_bytes(self) -> int | None:
+        free, _ = self.xp.cuda.runtime.memGetInfo()
+        # Blocks CuPy's pool holds but does not use can be handed out again.
+        pool = self.xp.get_default_memory_pool()
+        return int(free + pool.free_bytes())
+
+    def end_graph_capture(self, stream: Any) -> None:
+        """End and discard the capture open on the engine stream, if any."""
+        if self.stream.is_capturing():
+            self.stream.end_capture()

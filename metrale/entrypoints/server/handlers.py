@@ -1,0 +1,349 @@
+"""The completions and chat completions handlers, streamed (server-sent events) and not."""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from starlette.responses import Response
+
+from metrale.entrypoints.server import protocol as P
+from metrale.entrypoints.server.checks import (
+    _chat_prompt,
+    _check_logprobs_count,
+    _check_model,
+    _check_n,
+    _check_structured_output,
+    _completion_prompts,
+    _params_for_prompt,
+    _parse,
+    _sampling_options,
+)
+from metrale.entrypoints.server.jobs import _Choice, _ClientGone, _collect, _EventStream, _failure, _Job
+from metrale.entrypoints.server.state import COMPLETION_DEFAULT_MAX_TOKENS, _error_response, _json_response, _State, _unavailable
+from metrale.errors import EngineBusyError, EngineClosedError, InvalidRequestError, MetraleError, QueueFullError
+from metrale.params import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------------------ the handlers
+
+
+def _stream_flags(req: P.SamplingRequest) -> tuple[bool, bool]:
+    stream = bool(req.stream)
+    include_usage = bool(req.stream_options is not None and req.stream_options.include_usage)
+    if req.given("stream_options") and not stream:
+        raise P.APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    return stream, include_usage
+
+
+async def _completions(state: _State, request: Request) -> Response:
+    req: P.CompletionRequest = await _parse(request, P.CompletionRequest)
+    lora = _check_model(state, req)
+    if req.given("suffix"):
+        raise P.APIError(400, "suffix is not supported", param="suffix")
+    n = _check_n(state, req)
+    if req.given("best_of") and req.best_of != n:
+        raise P.APIError(400, "best_of is not supported (other than equal to n)", param="best_of")
+    stream, include_usage = _stream_flags(req)
+    k = _check_logprobs_count(state, "logprobs", req.logprobs) if req.given("logprobs") else None
+    echo = bool(req.echo)
+    prompts = _completion_prompts(state, req.prompt)
+    options = _sampling_options(state, req, n=n, logprobs=k, logprobs_param="logprobs")
+    await _check_structured_output(state, req, options)
+    asked_prompt_logprobs = options.get("prompt_logprobs")
+    if echo and k is not None:
+        options["prompt_logprobs"] = max(k, asked_prompt_logprobs or 0)
+    default = state.llm.sampling_defaults.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    params = [_params_for_prompt(state, options, len(ids), req.max_tokens, "max_tokens", default, "prompt")
+              for _, ids in prompts]
+    response_id, created = P.new_id("cmpl"), P.now()
+    job = _Job(state, "/v1/completions", prompts, params, response_id, lora)
+    job.submit()
+    try:
+        echo_texts = [text if text is not None else _decode(state, ids) for text, ids in prompts] if echo else []
+        context = _CompletionContext(state, req.model, response_id, created, n, k, echo, echo_texts, asked_prompt_logprobs,
+                                     include_usage)
+        job.watch(request)
+        if stream:
+            return _EventStream(_completion_events(job, context), job)
+        try:
+            outputs = await _collect(job)
+        except _ClientGone:
+            return Response(status_code=499)
+        return _json_response(context.response(job, outputs))
+    except BaseException:
+        job.close()
+        raise
+
+
+def _decode(state: _State, ids: list[int]) -> str:
+    try:
+        return state.llm.decode(ids)
+    except MetraleError:
+        return ""
+
+
+class _CompletionContext:
+    """What the completions responses are built from."""
+
+    def __init__(self, state: _State, model: str, response_id: str, created: int, n: int, k: int | None, echo: bool,
+                 echo_texts: list[str], prompt_logprobs: int | None, include_usage: bool) -> None:
+        self.state = state
+        self.model = model
+        self.id = response_id
+        self.created = created
+        self.n = n
+        self.k = k
+        self.echo = echo
+        self.echo_texts = echo_texts
+        self.prompt_logprobs = prompt_logprobs
+        self.include_usage = include_usage
+
+    def echo_logprobs(self, builder: P.CompletionLogprobs, output: RequestOutput) -> dict:
+        ids = output.prompt_token_ids
+        entries = list(output.prompt_logprobs or [None] * len(ids))
+        return builder.piece(ids, entries, first_is_prompt_start=True)
+
+    def prompt_logprobs_json(self, output: RequestOutput) -> list | None:
+        if self.prompt_logprobs is None or output.prompt_logprobs is None:
+            return None
+        keep = self.prompt_logprobs
+        trimmed: list = []
+        for position, entry in enumerate(output.prompt_logprobs):
+            if entry is None:
+                trimmed.append(None)
+                continue
+            actual = output.prompt_token_ids[position]
+            trimmed.append({t: lp for t, lp in entry.items() if t == actual or (lp.rank is not None and lp.rank <= keep)})
+        return P.prompt_logprobs_json(trimmed, self.state.token_text)
+
+    def response(self, job: _Job, outputs: dict[int, RequestOutput]) -> dict:
+        state = self.state
+        choices = []
+        completion_tokens = 0
+        prompt_tokens = sum(len(ids) for _, ids in job.prompts)
+        for index in range(len(job.prompts)):
+            output = outputs[index]
+            for completion in output.outputs:
+                failure = _failure(output, completion.finish_reason)
+                if failure is not None:
+                    raise failure
+                completion_tokens += len(completion.token_ids)
+                text = completion.text or ""
+                logprobs = None
+                if self.k is not None:
+                    builder = P.CompletionLogprobs(self.k, state.token_text)
+                    parts = [self.echo_logprobs(builder, output)] if self.echo else []
+                    parts.append(builder.piece(completion.token_ids, list(completion.logprobs or [])))
+                    logprobs = {key: [v for part in parts for v in part[key]] for key in parts[0]}
+                if self.echo:
+                    text = self.echo_texts[index] + text
+                reason = P.stop_reason(completion, state.eos_token_ids, job.params[index].stop_token_ids)
+                choices.append(P.completion_choice(index * self.n + completion.index, text, logprobs,
+                                                   completion.finish_reason, reason, self.prompt_logprobs_json(output)))
+        return P.completion_response(self.id, self.created, self.model, choices, P.usage(prompt_tokens, completion_tokens))
+
+
+async def _completion_events(job: _Job, context: _CompletionContext) -> AsyncIterator[bytes]:
+    state = context.state
+    sent: dict[int, _Choice] = {}
+    completion_tokens = 0
+    try:
+        while (item := await job.next()) is not None:
+            index, output = item
+            for completion in output.outputs:
+                choice_index = index * context.n + completion.index
+                choice = sent.setdefault(choice_index, _Choice())
+                if choice.finished:
+                    continue
+                failure = _failure(output, completion.finish_reason)
+                if failure is not None:
+                    yield P.sse(failure.body())
+                    yield P.SSE_DONE
+                    return
+                text = completion.text or ""
+                delta = text[choice.text:] if len(text) > choice.text else ""
+                choice.text = max(choice.text, len(text))
+                new_ids = completion.token_ids[choice.tokens:]
+                logprobs = None
+                if context.k is not None:
+                    if choice.logprobs is None:
+                        choice.logprobs = P.CompletionLogprobs(context.k, state.token_text)
+                    parts = []
+                    if context.echo and not choice.started:
+                        parts.append(context.echo_logprobs(choice.logprobs, output))
+                    if new_ids:
+                        entries = list(completion.logprobs or [])[choice.tokens:len(completion.token_ids)]
+                        parts.append(choice.logprobs.piece(new_ids, entries))
+                    if parts:
+                        logprobs = {key: [v for part in parts for v in part[key]] for key in parts[0]}
+                choice.tokens = len(completion.token_ids)
+                first = not choice.started
+                if first and context.echo:
+                    delta = context.echo_texts[index] + delta
+                prompt_logprobs = context.prompt_logprobs_json(output) if first else None
+                finish = completion.finish_reason
+                if not delta and logprobs is None and finish is None and prompt_logprobs is None:
+                    continue  # (then no echo piece was made either: with logprobs it is never empty)
+                choice.started = True
+                if finish is not None:
+                    choice.finished = True
+                    completion_tokens += len(completion.token_ids)
+                reason = P.stop_reason(completion, state.eos_token_ids, job.params[index].stop_token_ids) if finish else None
+                choice_json = P.completion_choice(choice_index, delta, logprobs, finish, reason, prompt_logprobs)
+                yield P.sse(P.completion_chunk(context.id, context.created, context.model, [choice_json],
+                                               include_usage=context.include_usage))
+        if job.closed and len(job.done) < len(job.request_ids):
+            return  # the client went away
+        if context.include_usage:
+            used = P.usage(sum(len(ids) for _, ids in job.prompts), completion_tokens)
+            yield P.sse(P.completion_chunk(context.id, context.created, context.model, [], used=used, include_usage=True))
+        yield P.SSE_DONE
+    except Exception:
+        logger.exception("a completions stream failed")
+        yield P.sse(P.error_body("the server failed while answering this request", "server_error", None, "internal_error"))
+        yield P.SSE_DONE
+    finally:
+        job.close()
+
+
+async def _chat(state: _State, request: Request) -> Response:
+    req: P.ChatCompletionRequest = await _parse(request, P.ChatCompletionRequest)
+    lora = _check_model(state, req)
+    n = _check_n(state, req)
+    stream, include_usage = _stream_flags(req)
+    k = None
+    if req.logprobs:
+        k = _check_logprobs_count(state, "top_logprobs", req.top_logprobs) if req.given("top_logprobs") else 0
+    elif req.given("top_logprobs") and req.top_logprobs != 0:
+        raise P.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    text, ids = _chat_prompt(state, req)
+    options = _sampling_options(state, req, n=n, logprobs=k, logprobs_param="top_logprobs")
+    await _check_structured_output(state, req, options)
+    if req.given("max_completion_tokens"):
+        max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, max_param = req.max_tokens, "max_tokens"
+    default = state.llm.sampling_defaults.get("max_tokens")
+    params = [_params_for_prompt(state, options, len(ids), max_tokens, max_param, default, "messages")]
+    response_id, created = P.new_id("chatcmpl"), P.now()
+    job = _Job(state, "/v1/chat/completions", [(text, ids)], params, response_id, lora)
+    job.submit()
+    try:
+        context = _ChatContext(state, req.model, response_id, created, n, k, include_usage)
+        job.watch(request)
+        if stream:
+            return _EventStream(_chat_events(job, context), job)
+        try:
+            outputs = await _collect(job)
+        except _ClientGone:
+            return Response(status_code=499)
+        return _json_response(context.response(job, outputs[0]))
+    except BaseException:
+        job.close()
+        raise
+
+
+class _ChatContext:
+    def __init__(self, state: _State, model: str, response_id: str, created: int, n: int, k: int | None,
+                 include_usage: bool) -> None:
+        self.state = state
+        self.model = model
+        self.id = response_id
+        self.created = created
+        self.n = n
+        self.k = k
+        self.include_usage = include_usage
+
+    def response(self, job: _Job, output: RequestOutput) -> dict:
+        state = self.state
+        choices = []
+        for completion in output.outputs:
+            failure = _failure(output, completion.finish_reason)
+            if failure is not None:
+                raise failure
+            logprobs = None
+            if self.k is not None:
+                logprobs = P.chat_logprobs(completion.token_ids, list(completion.logprobs or []), self.k, state.token_text)
+            reason = P.stop_reason(completion, state.eos_token_ids, job.params[0].stop_token_ids)
+            choices.append(P.chat_choice(completion.index, completion.text or "", logprobs, completion.finish_reason, reason))
+        used = P.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))
+        return P.chat_response(self.id, self.created, self.model, choices, used)
+
+
+async def _chat_events(job: _Job, context: _ChatContext) -> AsyncIterator[bytes]:
+    state = context.state
+    sent: dict[int, _Choice] = {}
+    completion_tokens = 0
+    try:
+        for index in range(context.n):
+            sent[index] = _Choice()
+            role = P.chat_delta_choice(index, {"role": "assistant", "content": ""}, None, None, None)
+            yield P.sse(P.chat_chunk(context.id, context.created, context.model, [role], include_usage=context.include_usage))
+        while (item := await job.next()) is not None:
+            _, output = item
+            for completion in output.outputs:
+                choice = sent.setdefault(completion.index, _Choice())
+                if choice.finished:
+                    continue
+                failure = _failure(output, completion.finish_reason)
+                if failure is not None:
+                    yield P.sse(failure.body())
+                    yield P.SSE_DONE
+                    return
+                text = completion.text or ""
+                delta = text[choice.text:] if len(text) > choice.text else ""
+                choice.text = max(choice.text, len(text))
+                new_ids = completion.token_ids[choice.tokens:]
+                logprobs = None
+                if context.k is not None and new_ids:
+                    entries = list(completion.logprobs or [])[choice.tokens:len(completion.token_ids)]
+                    logprobs = P.chat_logprobs(new_ids, entries, context.k, state.token_text)
+                choice.tokens = len(completion.token_ids)
+                finish = completion.finish_reason
+                if not delta and logprobs is None and finish is None:
+                    continue
+                if finish is not None:
+                    choice.finished = True
+                    completion_tokens += len(completion.token_ids)
+                reason = P.stop_reason(completion, state.eos_token_ids, job.params[0].stop_token_ids) if finish else None
+                content = {"content": delta} if delta or finish is None else {}
+                choice_json = P.chat_delta_choice(completion.index, content, logprobs, finish, reason)
+                yield P.sse(P.chat_chunk(context.id, context.created, context.model, [choice_json],
+                                         include_usage=context.include_usage))
+        if job.closed and len(job.done) < len(job.request_ids):
+            return  # the client went away
+        if context.include_usage:
+            used = P.usage(sum(len(ids) for _, ids in job.prompts), completion_tokens)
+            yield P.sse(P.chat_chunk(context.id, context.created, context.model, [], used=used, include_usage=True))
+        yield P.SSE_DONE
+    except Exception:
+        logger.exception("a chat completions stream failed")
+        yield P.sse(P.error_body("the server failed while answering this request", "server_error", None, "internal_error"))
+        yield P.SSE_DONE
+    finally:
+        job.close()
+
+
+async def _answer(state: _State, request: Request, handler: Callable[[_State, Request], Awaitable[Response]]) -> Response:
+    """Run a handler; every failure becomes an OpenAI-shaped error response."""
+    try:
+        return await handler(state, request)
+    except P.APIError as error:
+        return _error_response(error)
+    except QueueFullError as error:
+        return _error_response(_unavailable(str(error), "queue_full"))
+    except EngineClosedError as error:
+        return _error_response(_unavailable(str(error), "service_unavailable"))
+    except EngineBusyError as error:
+        return _error_response(_unavailable(str(error), "engine_busy"))
+    except InvalidRequestError as error:
+        return _error_response(P.APIError(400, str(error)))
+    except Exception:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return _error_response(P.APIError(500, "the server failed while answering this request (the failure is logged)",
+                                          type="server_error", code="internal_error"))
+
+

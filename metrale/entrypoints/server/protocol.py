@@ -1,0 +1,350 @@
+"""The OpenAI-compatible wire format: request models (pydantic v2) and response builders.
+
+The request models check the *types* of the fields (strictly: ``"5"`` is not an int, ``1`` is
+not a bool); the ranges are checked where the values become
+:class:`~metrale.params.SamplingParams` (:mod:`metrale.entrypoints.server.app`), so the server and the Python
+API refuse the same values. Fields the models do not name are accepted and ignored (OpenAI
+clients send fields such as ``store`` or ``metadata`` that mean nothing to a local server).
+
+Every builder returns plain JSON data (dicts, lists, strings, numbers); :func:`dumps` writes it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from metrale.params import CompletionOutput, Logprob, LogprobsDict
+
+#: The log probability written for -inf (and NaN): JSON has no infinity (vLLM's choice too).
+MIN_LOGPROB = -9999.0
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-shaped body: ``{"error": {"message", "type", "param",
+    "code"}}`` and ``status``; ``headers`` are added to the response."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def dumps(data: Any) -> bytes:
+    """Compact UTF-8 JSON. A string holding a lone surrogate (which a JSON escape such as
+    ``"\\ud800"`` in a request can produce) is written as that escape, never a crash."""
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8", "backslashreplace")
+
+
+def clip(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters, for error messages that quote the request."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+# ---------------------------------------------------------------------------------- requests
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+
+
+class StreamOptions(_Model):
+    include_usage: bool | None = None
+
+
+class JSONSchemaFormat(_Model):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: str
+    json_schema: JSONSchemaFormat | None = None
+
+
+class SamplingRequest(_Model):
+    """The fields completions and chat completions share (OpenAI's and vLLM's extensions)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: Any = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: Any = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: ResponseFormat | None = None
+
+    def given(self, name: str) -> bool:
+        """Whether the request set ``name`` to something other than null."""
+        return name in self.model_fields_set and getattr(self, name) is not None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Any
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: Any = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Any
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+
+
+def error_param(loc: Iterable[Any]) -> str | None:
+    """A pydantic error location as OpenAI's ``param``: ``("messages", 0, "role")`` ->
+    ``"messages[0].role"``."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text or None
+
+
+# --------------------------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    import uuid
+
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _logprob_value(value: float) -> float:
+    value = float(value)
+    if math.isnan(value) or value == -math.inf:
+        return MIN_LOGPROB
+    return max(min(value, 0.0), MIN_LOGPROB)
+
+
+def _ranked(entry: LogprobsDict, k: int) -> list[tuple[int, Logprob]]:
+    """The ``k`` most likely alternatives of one position, best first."""
+    ranked = [(token, lp) for token, lp in entry.items() if lp.rank is not None and lp.rank <= k]
+    return sorted(ranked, key=lambda item: item[1].rank or 0)
+
+
+class TokenText:
+    """The text of single tokens, as logprobs name them (``decoded_token``, else the tokenizer's
+    decoding with special tokens, else ``"token_id:N"``)."""
+
+    def __init__(self, decode: Callable[[int], str] | None) -> None:
+        self._decode = decode
+
+    def __call__(self, token: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        if self._decode is not None:
+            try:
+                return self._decode(token)
+            except Exception:  # a token the tokenizer cannot decode alone
+                pass
+        return f"token_id:{token}"
+
+
+class CompletionLogprobs:
+    """OpenAI's legacy ``logprobs`` object of one completion choice (``tokens``,
+    ``token_logprobs``, ``top_logprobs``, ``text_offset``), built a piece at a time so that a
+    stream can send each chunk's part (``text_offset`` continues across chunks)."""
+
+    def __init__(self, k: int, token_text: TokenText, offset: int = 0) -> None:
+        self.k = k
+        self.token_text = token_text
+        self.offset = offset
+
+    def piece(self, token_ids: Sequence[int], entries: Sequence[LogprobsDict | None],
+              first_is_prompt_start: bool = False) -> dict:
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        text_offset: list[int] = []
+        for position, (token, entry) in enumerate(zip(token_ids, entries)):
+            chosen = entry.get(token) if entry is not None else None
+            text = self.token_text(token, chosen)
+            tokens.append(text)
+            if entry is None or chosen is None or (first_is_prompt_start and position == 0):
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+            else:
+                token_logprobs.append(_logprob_value(chosen.logprob))
+                top = {self.token_text(t, lp): _logprob_value(lp.logprob) for t, lp in _ranked(entry, self.k)}
+                top.setdefault(text, _logprob_value(chosen.logprob))
+                top_logprobs.append(top)
+            text_offset.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+
+
+def _chat_entry(text: str, value: float) -> dict[str, Any]:
+    return {"token": text, "logprob": _logprob_value(value), "bytes": list(text.encode("utf-8", "backslashreplace"))}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[LogprobsDict], k: int, token_text: TokenText) -> dict[str, Any]:
+    """The chat ``logprobs`` object of some generated tokens: ``{"content": [{"token",
+    "logprob", "bytes", "top_logprobs": [...]}]}`` with the ``k`` most likely alternatives."""
+    content = []
+    for token, entry in zip(token_ids, entries):
+        chosen = entry.get(token)
+        text = token_text(token, chosen)
+        item = _chat_entry(text, chosen.logprob if chosen is not None else -math.inf)
+        item["top_logprobs"] = [_chat_entry(token_text(t, lp), lp.logprob) for t, lp in _ranked(entry, k)]
+        content.append(item)
+    return {"content": content}
+
+
+def prompt_logprobs_json(entries: list[LogprobsDict | None] | None, token_text: TokenText) -> list | None:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then ``{token id (a string):
+    {"logprob", "rank", "decoded_token"}}`` per token."""
+    if entries is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        out.append({str(token): {"logprob": _logprob_value(lp.logprob), "rank": lp.rank, "decoded_token": token_text(token, lp)}
+                    for token, lp in entry.items()})
+    return out
+
+
+def stop_reason(completion: CompletionOutput, eos_token_ids: Iterable[int], stop_token_ids: Iterable[int]) -> str | int | None:
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended the completion; None
+    for an end-of-sequence token or any other reason."""
+    reason = completion.stop_reason
+    if isinstance(reason, int) and reason in set(eos_token_ids) and reason not in set(stop_token_ids):
+        return None
+    return reason
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                      reason: str | int | None, prompt_logprobs: list | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                              "stop_reason": reason}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
+    return choice
+
+
+def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                reason: str | int | None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text, "tool_calls": []}, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": reason}
+
+
+def completion_response(response_id: str, created: int, model: str, choices: list[dict], used: dict) -> dict[str, Any]:
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": used}
+
+
+def chat_response(response_id: str, created: int, model: str, choices: list[dict], used: dict) -> dict[str, Any]:
+    return {"id": response_id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": used}
+
+
+def completion_chunk(response_id: str, created: int, model: str, choices: list[dict], *,
+                     used: dict | None = None, include_usage: bool = False) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": response_id, "object": "text_completion", "created": created, "model": model,
+                             "choices": choices}
+    if include_usage:
+        chunk["usage"] = used
+    return chunk
+
+
+def chat_chunk(response_id: str, created: int, model: str, choices: list[dict], *,
+               used: dict | None = None, include_usage: bool = False) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                             "choices": choices}
+    if include_usage:
+        chunk["usage"] = used
+    return chunk
+
+
+def chat_delta_choice(index: int, delta: dict[str, Any], logprobs: dict | None, finish_reason: str | None,
+                      reason: str | int | None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": reason}
+
+
+def sse(data: Any) -> bytes:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    return b"data: " + dumps(data) + b"\n\n"
+
+
+#: The event that ends every stream.
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def models_list(model: str, created: int, max_model_len: int, vocab_size: int,
+                adapters: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The base model, then each LoRA adapter (``adapters``: name -> LoRARequest)."""
+    cards = [model_card(model, created, max_model_len, vocab_size)]
+    cards += [model_card(model, created, max_model_len, vocab_size, lora) for lora in (adapters or {}).values()]
+    return {"object": "list", "data": cards}
+
+
+def model_card(model: str, created: int, max_model_len: int, vocab_size: int, lora: Any = None) -> dict[str, Any]:
+    """The card of the base model ``model``, or of its adapter ``lora`` (whose ``parent`` it is)."""
+    card = {"id": model, "object": "model", "created": created, "owned_by": "metrale", "max_model_len": max_model_len,
+            "vocab_size": vocab_size}
+    if lora is not None:
+        card.update(id=lora.lora_name, root=str(lora.lora_path), parent=model)
+    return card
