@@ -223,18 +223,24 @@ def test_shows_reads_the_left_out_lines():
 
 def plugins_output(distributions: tuple[str, ...], monkeypatch: pytest.MonkeyPatch,
                    capsys: pytest.CaptureFixture[str]) -> list[str]:
-    """``metrale plugins`` as it prints with the built-ins and ``distributions``' plugins only."""
+    """``metrale plugins`` as it prints with the built-ins and ``distributions``' plugins only
+    (the command as installed: its console script)."""
     from importlib import metadata
 
-    from metrale import plugin_manager
-    from metrale.cli import main
+    every = metadata.entry_points
 
-    chosen = [entry for entry in metadata.entry_points(group=plugin_manager.ENTRY_POINT_GROUP)
-              if entry.dist is not None and entry.dist.name in distributions]
-    missing = set(distributions) - {entry.dist.name for entry in chosen if entry.dist is not None}
-    if missing:
-        pytest.skip(f"{sorted(missing)} not installed")
-    monkeypatch.setattr(plugin_manager, "_entry_points", lambda: chosen)
+    def entry_points(**selection: str) -> object:
+        found = every(**selection)
+        if selection.get("group") != "metrale":
+            return found
+        return [entry for entry in found if entry.dist is not None and entry.dist.name in distributions]
+
+    chosen = {entry.dist.name for entry in entry_points(group="metrale")}  # type: ignore[attr-defined]
+    if set(distributions) - chosen:
+        pytest.skip(f"{sorted(set(distributions) - chosen)} not installed")
+    (script,) = [entry for entry in every(group="console_scripts") if entry.name == "metrale"]
+    main = script.load()
+    monkeypatch.setattr(metadata, "entry_points", entry_points)
     monkeypatch.delenv("METRALE_BLOCKED_PLUGINS", raising=False)
     monkeypatch.delenv("METRALE_NO_ENTRY_POINTS", raising=False)
     capsys.readouterr()
