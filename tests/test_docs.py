@@ -318,3 +318,15 @@ def test_the_quickstart_lists_every_sampling_field_with_its_default():
             assert documented == repr(value), f"{name}: the quickstart says default {documented}, the code {value!r}"
         else:
             assert not value, f"{name}: the quickstart gives no default; the code's is {value!r}"
+
+
+def test_the_quickstart_names_every_engine_option():
+    from metrale.config import CacheConfig, EngineConfig
+
+    page = " ".join(QUICKSTART_PAGE.read_text(encoding="utf-8").split())
+    start = page.index("Engine options are keyword arguments")
+    sentence = page[start : page.index(":class:`~metrale.config.CacheConfig`)", start)]
+    options = [field.name for config in (EngineConfig, CacheConfig) for field in dataclasses.fields(config)
+               if field.name not in ("cache", "environment", "device")]
+    missing = [name for name in options if f"``{name}``" not in sentence]
+    assert not missing, f"{QUICKSTART_PAGE.relative_to(ROOT)} does not name the engine options {missing}"
