@@ -16,6 +16,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
+    "sphinxcontrib.mermaid",
 ]
 
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
@@ -33,6 +34,14 @@ autoclass_content = "class"
 
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
+
+# -- diagrams ------------------------------------------------------------------------------------
+
+# The diagrams' Mermaid sources stay in the pages (``.. mermaid::``); the reader's browser draws
+# them, so the build needs no Mermaid binary.
+mermaid_output_format = "raw"
+# As tall as the page's width makes them (the extension's default is a fixed 500 px box).
+mermaid_height = "auto"
 
 # -- HTML ----------------------------------------------------------------------------------------
 

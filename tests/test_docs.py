@@ -1,10 +1,13 @@
-"""The documentation keeps up with the code: every hook spec and every environment variable.
+"""The documentation keeps up with the code: every hook spec and every environment variable, the
+command line, the ``metrale plugins`` samples, the dependencies and the sampling fields.
 
-These tests read files only; they never run Sphinx.
+These tests read files and run ``metrale plugins`` in this process; they never run Sphinx.
 """
 
 from __future__ import annotations
 
+import configparser
+import dataclasses
 import functools
 import inspect
 import re
@@ -19,6 +22,7 @@ DOCS = ROOT / "docs"
 HOOKS_PAGE = DOCS / "reference" / "hooks.rst"
 ENVIRONMENT_PAGE = DOCS / "environment.rst"
 CLI_PAGE = DOCS / "cli.rst"
+QUICKSTART_PAGE = DOCS / "quickstart.rst"
 SOURCE_FOLDERS = ("metrale", "plugins", "kernels")
 
 ENV_NAME = re.compile(r"METRALE_[A-Z_]+")
@@ -142,3 +146,187 @@ def test_every_cli_option_is_documented():
                 assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", page), (
                     f"option {option} of '{command}' is missing from {CLI_PAGE.relative_to(ROOT)}"
                 )
+
+
+def subcommands() -> list[str]:
+    import argparse
+
+    from metrale.entrypoints.cli import build_parser
+
+    actions = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return [name for action in actions for name in action.choices]
+
+
+def test_the_cli_page_counts_the_subcommands():
+    numbers = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+    page = " ".join(CLI_PAGE.read_text(encoding="utf-8").split())
+    match = re.search(r"It has (\w+) subcommands: (.+?)\.", page)
+    assert match, f"{CLI_PAGE.relative_to(ROOT)} no longer says 'It has N subcommands: ...'"
+    names = subcommands()
+    listed = re.findall(r"``([\w-]+)``", match.group(2))
+    assert sorted(listed) == sorted(names), f"{CLI_PAGE.relative_to(ROOT)} lists {listed}; the parser has {names}"
+    assert match.group(1) == numbers[len(names)], f"{CLI_PAGE.relative_to(ROOT)} counts {match.group(1)} subcommands"
+
+
+# ------------------------------------------------------------------------ metrale plugins
+
+#: The pages that show ``metrale plugins``, with the third-party distributions installed in their
+#: example (the built-in plugins are always there).
+PLUGINS_SAMPLES = {"cli.rst": (), "quickstart.rst": (), "writing-plugins.rst": ("metrale-example-family",)}
+
+
+def console_outputs(text: str, command: str) -> list[list[str]]:
+    """What the console blocks of ``text`` show after each ``$ command`` line, line by line."""
+    outputs = []
+    for block in re.findall(r"^\.\. code-block:: console\n\n((?:(?:   .*)?\n)+)", text, re.MULTILINE):
+        lines = [line[3:] for line in block.rstrip("\n").split("\n")]
+        for index, line in enumerate(lines):
+            if line == f"$ {command}":
+                rest = lines[index + 1 :]
+                end = next((i for i, later in enumerate(rest) if later.startswith("$ ")), len(rest))
+                outputs.append(rest[:end])
+    return outputs
+
+
+def shows(sample: list[str], output: list[str]) -> bool:
+    """Whether ``sample`` is ``output``, with runs of lines left out where a line says ``...``."""
+    parts: list[list[str]] = [[]]
+    for line in sample:
+        if line.strip() == "...":
+            parts.append([])
+        else:
+            parts[-1].append(line)
+    if len(parts) == 1:
+        return sample == output
+    first, middle, last = parts[0], parts[1:-1], parts[-1]
+    if output[: len(first)] != first:
+        return False
+    position = len(first)
+    for part in middle:
+        starts = [i for i in range(position, len(output) - len(part) + 1) if output[i : i + len(part)] == part]
+        if not starts:
+            return False
+        position = starts[0] + len(part)
+    return len(output) - len(last) >= position and output[len(output) - len(last) :] == last
+
+
+def test_shows_reads_the_left_out_lines():
+    output = ["a", "b", "c", "d"]
+    assert shows(output, output)
+    assert shows(["a", "b", "..."], output)
+    assert shows(["a", "...", "c", "..."], output)
+    assert shows(["a", "...", "d"], output)
+    assert not shows(["a", "b"], output)
+    assert not shows(["a", "c", "..."], output)
+    assert not shows(["a", "...", "c"], output)
+
+
+def plugins_output(distributions: tuple[str, ...], monkeypatch: pytest.MonkeyPatch,
+                   capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """``metrale plugins`` as it prints with the built-ins and ``distributions``' plugins only
+    (the command as installed: its console script)."""
+    from importlib import metadata
+
+    every = metadata.entry_points
+
+    def entry_points(**selection: str) -> object:
+        found = every(**selection)
+        if selection.get("group") != "metrale":
+            return found
+        return [entry for entry in found if entry.dist is not None and entry.dist.name in distributions]
+
+    chosen = {entry.dist.name for entry in entry_points(group="metrale")}  # type: ignore[attr-defined]
+    if set(distributions) - chosen:
+        pytest.skip(f"{sorted(set(distributions) - chosen)} not installed")
+    (script,) = [entry for entry in every(group="console_scripts") if entry.name == "metrale"]
+    main = script.load()
+    monkeypatch.setattr(metadata, "entry_points", entry_points)
+    monkeypatch.delenv("METRALE_BLOCKED_PLUGINS", raising=False)
+    monkeypatch.delenv("METRALE_NO_ENTRY_POINTS", raising=False)
+    capsys.readouterr()
+    assert main(["plugins"]) == 0
+    return capsys.readouterr().out.rstrip("\n").split("\n")
+
+
+@pytest.mark.parametrize("page", sorted(PLUGINS_SAMPLES))
+def test_metrale_plugins_samples_are_its_output(page, monkeypatch, capsys):
+    samples = console_outputs((DOCS / page).read_text(encoding="utf-8"), "metrale plugins")
+    assert samples, f"docs/{page} shows no '$ metrale plugins'; drop it from PLUGINS_SAMPLES"
+    output = plugins_output(PLUGINS_SAMPLES[page], monkeypatch, capsys)
+    for sample in samples:
+        assert shows(sample, output), (
+            f"the 'metrale plugins' sample of docs/{page} is not the command's output; it prints:\n" + "\n".join(output)
+        )
+
+
+def test_every_metrale_plugins_sample_is_checked():
+    pages = [path.name for path in sorted(DOCS.glob("*.rst"))
+             if console_outputs(path.read_text(encoding="utf-8"), "metrale plugins")]
+    assert sorted(pages) == sorted(PLUGINS_SAMPLES), f"pages with a 'metrale plugins' sample: {pages}"
+
+
+# ------------------------------------------------------------------------ the quickstart
+
+
+def requirement_names(value: str) -> list[str]:
+    names = []
+    for line in value.splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            match = re.match(r"[A-Za-z0-9_.\-]+", line)
+            assert match, f"cannot read the requirement {line!r} of setup.cfg"
+            names.append(match.group(0))
+    return names
+
+
+def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
+    """setup.cfg's ``install_requires`` and ``extras_require``, by distribution name."""
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(ROOT / "setup.cfg", encoding="utf-8")
+    extras = {name: requirement_names(value) for name, value in parser["options.extras_require"].items()}
+    return requirement_names(parser["options"]["install_requires"]), extras
+
+
+def test_the_quickstart_names_every_dependency():
+    page = QUICKSTART_PAGE.read_text(encoding="utf-8")
+    install, extras = setup_requirements()
+    missing = [name for name in install if f"``{name}``" not in page]
+    assert not missing, f"{QUICKSTART_PAGE.relative_to(ROOT)} does not name the runtime dependencies {missing}"
+    rows = dict(re.findall(r"^   \* - ``([\w-]+)``\n     - ((?:.|\n)*?)\n     - ", page, re.MULTILINE))
+    assert sorted(rows) == sorted(extras), (
+        f"{QUICKSTART_PAGE.relative_to(ROOT)}'s table of extras has rows {sorted(rows)}; setup.cfg has {sorted(extras)}"
+    )
+    for extra, names in extras.items():
+        listed = re.findall(r"``([A-Za-z0-9_.\-]+)``", rows[extra])
+        assert sorted(listed) == sorted(names), f"extra {extra}: the quickstart lists {listed}, setup.cfg {names}"
+
+
+def test_the_quickstart_lists_every_sampling_field_with_its_default():
+    from metrale.params import SamplingParams
+
+    page = QUICKSTART_PAGE.read_text(encoding="utf-8")
+    start = page.index(":class:`~metrale.SamplingParams` fields")
+    section = page[start : page.index(":class:`~metrale.RequestOutput` holds", start)]
+    terms = re.findall(r"^``(\w+)``(?: \(default (.+?)\))?$", section, re.MULTILINE)
+    fields = [field for field in dataclasses.fields(SamplingParams) if not field.name.startswith("_")]
+    assert [name for name, _ in terms] == [field.name for field in fields], (
+        f"{QUICKSTART_PAGE.relative_to(ROOT)} lists the fields {[name for name, _ in terms]}"
+    )
+    for (name, documented), field in zip(terms, fields):
+        value = field.default if field.default is not dataclasses.MISSING else field.default_factory()  # type: ignore[misc]
+        if documented:
+            assert documented == repr(value), f"{name}: the quickstart says default {documented}, the code {value!r}"
+        else:
+            assert not value, f"{name}: the quickstart gives no default; the code's is {value!r}"
+
+
+def test_the_quickstart_names_every_engine_option():
+    from metrale.config import CacheConfig, EngineConfig
+
+    page = " ".join(QUICKSTART_PAGE.read_text(encoding="utf-8").split())
+    start = page.index("Engine options are keyword arguments")
+    sentence = page[start : page.index(":class:`~metrale.config.CacheConfig`)", start)]
+    options = [field.name for config in (EngineConfig, CacheConfig) for field in dataclasses.fields(config)
+               if field.name not in ("cache", "environment", "device")]
+    missing = [name for name in options if f"``{name}``" not in sentence]
+    assert not missing, f"{QUICKSTART_PAGE.relative_to(ROOT)} does not name the engine options {missing}"
