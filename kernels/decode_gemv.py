@@ -45,7 +45,7 @@ feeding :data:`SILU`). ``summed`` must not share memory with ``x`` or ``residual
 reads them while block 0 writes it. ``K`` must be a multiple of 32 and every array 16-byte aligned.
 
 :func:`decode_gemv_reference` is the NumPy reference; ``tests/kernels`` runs the kernels on the
-host against it through the CUDA emulation header, ``tests/gpu`` on the GPU.
+host against it through the CUDA emulation header, ``tests/kernels``' GPU tests (``-m gpu``) on the GPU.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ From the ``in_proj_qkvz`` output (grouped by key head, as the checkpoint lays it
 The same function as ``gdn_ungroup``, ``gdn_gates``, ``gdn_conv_update``, ``gdn_split_heads``,
 ``gdn_recurrent_step`` and ``gated_rmsnorm`` one after another (:func:`decode_reference`), up to
 the order of float32 sums. ``tests/kernels`` runs the kernels on the host through the CUDA
-emulation header; ``tests/gpu`` on the GPU.
+emulation header; ``tests/kernels``' GPU tests (``-m gpu``) on the GPU.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ only -infinity, gets token -1; ties go to the smallest index.
 
 ``counters`` holds one int32 per row, zero between launches; launches that share them must run one
 after another (one stream). ``tests/kernels`` runs the kernel on the host through the CUDA
-emulation header, ``tests/gpu`` on the GPU.
+emulation header, ``tests/kernels``' GPU tests (``-m gpu``) on the GPU.
 """
 
 from __future__ import annotations

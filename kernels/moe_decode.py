@@ -20,7 +20,7 @@ synchronisation (CUDA-graph safe):
 ``H`` and ``I`` must be multiples of 8. The kernels read the weights of every pair, a shared
 expert once per pair that chose it (prompt-sized batches, where experts repeat, take the grouped
 tensor-core kernels of :mod:`metrale.kernels.moe_grouped`). ``tests/kernels`` runs them on the
-host through the CUDA emulation header; ``tests/gpu`` on the GPU.
+host through the CUDA emulation header; ``tests/kernels``' GPU tests (``-m gpu``) on the GPU.
 """
 
 from __future__ import annotations

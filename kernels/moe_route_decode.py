@@ -16,7 +16,7 @@ correction bias and top-2-sum group limits (``noaux_tc``); optional renormalisat
 
 ``counter`` is one int32 that is zero between launches; launches that share it must run one
 after another (one stream). :func:`route_decode_reference` is the NumPy reference; ``tests/kernels``
-runs the kernel on the host through the CUDA emulation header, ``tests/gpu`` on the GPU.
+runs the kernel on the host through the CUDA emulation header, ``tests/kernels``' GPU tests (``-m gpu``) on the GPU.
 """
 
 from __future__ import annotations

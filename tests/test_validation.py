@@ -237,7 +237,7 @@ def test_a_prompt_dict_with_both_keys_needs_a_tokenizer(without_tokenizer):
 def test_stop_strings_without_a_tokenizer_are_refused_at_every_entry_point(without_tokenizer):
     """Stop strings are looked for in the decoded text: without tokenizer.json they would never
     fire. generate, generate_stream, AsyncLLM.submit and EngineProcess.submit all check requests
-    through the front end (the server answers 400: tests/server/test_server_without_tokenizer.py)."""
+    through the front end (the server answers 400: tests/entrypoints/server/test_server_without_tokenizer.py)."""
     import asyncio
 
     from metrale.entrypoints.async_llm import AsyncLLM
@@ -336,7 +336,7 @@ def test_cli_stops_quietly_when_its_reader_goes_away(tmp_path):
     reader, writer = os.pipe()
     os.close(reader)
     result = subprocess.run(
-        [sys.executable, "-m", "metrale.entrypoints.cli", "generate", "--no-progress", "--device", "cpu", "--max-tokens", "4", "Return the"],
+        [sys.executable, "-m", "metrale", "generate", "--no-progress", "--device", "cpu", "--max-tokens", "4", "Return the"],
         stdout=writer, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )
     os.close(writer)

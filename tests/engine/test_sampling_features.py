@@ -39,7 +39,8 @@ def hf_generate(hf_model, ids, max_new_tokens, ignore_eos=False, **options):
     try:
         with torch.no_grad():
             # (The mask is explicit: BOS is also the pad id, which transformers would mask out.)
-            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
+            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                   do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
                                     eos_token_id=config.eos_token_id, return_dict_in_generate=True, output_logits=True,
                                     **options)
     finally:

@@ -1,7 +1,7 @@
 """The chunked tensor-core gated delta rule's host side and its NumPy model of the kernel's steps
 (bf16 operands included) against the float32 reference. The kernel runs in
 test_gated_delta_chunked_emulated.py (its source on the CPU) and
-tests/gpu/test_gated_delta_chunked_gpu.py."""
+tests/kernels/test_gated_delta_chunked_gpu.py."""
 
 from __future__ import annotations
 

@@ -45,7 +45,8 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("moe_decode_emulated")
-    binary = build_emulated(folder / "moe_decode.cpp", moe_decode.CONSTANTS + moe_decode.HELPERS + moe_decode.KERNELS + EMULATION_MAIN)
+    source = moe_decode.CONSTANTS + moe_decode.HELPERS + moe_decode.KERNELS + EMULATION_MAIN
+    binary = build_emulated(folder / "moe_decode.cpp", source)
 
     def run(x, experts, weights, gate_up, down):
         tokens, hidden = x.shape
@@ -65,7 +66,7 @@ def emulated(tmp_path_factory):
     (1, 3, 64, 40, 5),  # I = 40: the second block's warps past I return before the products
     (4, 2, 96, 24, 3),  # four tokens over three experts: experts shared between tokens
     (8, 4, 72, 56, 9),
-    (2, 6, 40, 360, 8),  # 45 words a slot, 270 in all: a lane's second batch starts mid-slot (tests/gpu: real widths)
+    (2, 6, 40, 360, 8),  # 45 words a slot, 270 in all: a lane's second batch starts mid-slot (the GPU test: real widths)
 ])
 def test_emulated_kernels_match_the_reference(emulated, tokens, top_k, hidden, inter, num_experts):
     rng = np.random.default_rng(tokens * 100 + hidden)

@@ -1,7 +1,7 @@
 """The grouped MoE kernels' host side: the reference against a direct per-pair sum, the alignment's
 host model and its invariants, the launchers' checks, and the CUDA C++ kernels themselves run on
 the host through an emulation of the CUDA features they use (``cuda_emulation.h``; needs a C++20
-compiler). Their real-GPU tests are tests/gpu/test_moe_grouped_gpu.py."""
+compiler). Their real-GPU tests are tests/kernels/test_moe_grouped_gpu.py."""
 
 from __future__ import annotations
 

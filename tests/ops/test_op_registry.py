@@ -223,7 +223,8 @@ def test_the_decode_gemv_kernels_take_what_they_serve():
     kernels = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=4)}
     for kernel in kernels.values():
         registry.from_plugin("tuning").add_kernel(kernel)
-    assert registry.serving("rmsnorm_linear", "cuda")[0].startswith("metrale.kernels.decode_gemv (the norm fused) [tuning] when N <= 4")
+    serving = registry.serving("rmsnorm_linear", "cuda")[0]
+    assert serving.startswith("metrale.kernels.decode_gemv (the norm fused) [tuning] when N <= 4")
 
     def bits(*shape):
         return np.zeros(shape, np.uint16)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from metrale.testing import FamilyConformance
 
 from reference import build_checkpoint, reference_logits

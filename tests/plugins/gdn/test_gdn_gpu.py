@@ -6,8 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_mla_gpu import check_against_cpu_where_routing_agrees
-from test_model_gpu import TOOLS, load
+from gpu_checks import TOOLS, check_against_cpu_where_routing_agrees, load
 
 from metrale import SamplingParams
 

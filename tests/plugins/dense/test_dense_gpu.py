@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from gpu_checks import TOOLS, load  # noqa: E402
 
-from metrale import LLM, SamplingParams
+from metrale import SamplingParams
 from metrale.sequence import SequenceState
 from metrale.testing import max_relative_error
 
 pytestmark = pytest.mark.gpu
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
 BF16_TOLERANCE = 2e-2
-
-
-def load(path, device, **options):
-    return LLM(path, device=device, show_progress=False, **options)
 
 
 def check_against_cpu(path, ids, what, decided_only=False):

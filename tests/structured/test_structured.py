@@ -19,7 +19,7 @@ from metrale.structured import GrammarCompiler, StructuredOutputParams
 pytest.importorskip("llguidance")
 tokenizers = pytest.importorskip("tokenizers")
 
-MODEL = Path(__file__).resolve().parents[1] / "metrale" / "models" / "tiny-dense"
+MODEL = Path(__file__).resolve().parents[2] / "metrale" / "models" / "tiny-dense"
 VOCAB = json.loads((MODEL / "config.json").read_text())["vocab_size"]
 EOS = 0
 #: Logits wider than the tokenizer (as checkpoints pad their vocabulary), not a multiple of 32.

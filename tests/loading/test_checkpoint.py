@@ -549,7 +549,8 @@ def test_json_file_that_is_not_an_object_is_refused(tmp_path, name, text, kind):
         ({"model.norm.weight": 3}, r"weight_map\['model\.norm\.weight'\] is 3; expected a shard file name"),
         ({"model.norm.weight": "../model.safetensors"},
          r"weight_map\['model\.norm\.weight'\] is '\.\./model\.safetensors'; expected a shard file name"),
-        ({"model.norm.weight": "/etc/passwd"}, r"weight_map\['model\.norm\.weight'\] is '/etc/passwd'; expected a shard file name"),
+        ({"model.norm.weight": "/etc/passwd"},
+         r"weight_map\['model\.norm\.weight'\] is '/etc/passwd'; expected a shard file name"),
     ],
 )
 def test_index_with_a_malformed_weight_map_is_refused(tmp_path, weight_map, message):

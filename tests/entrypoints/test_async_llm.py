@@ -119,7 +119,8 @@ def test_the_waiting_queue_is_bounded(llm):
 def test_bad_requests_fail_before_reaching_the_engine(llm):
     async def body(engine):
         for prompt, params, match in [
-            ("", GREEDY, "empty"), ([10**6], GREEDY, "outside"), ([1, 2], SamplingParams(min_tokens=20, max_tokens=3), "min_tokens"),
+            ("", GREEDY, "empty"), ([10**6], GREEDY, "outside"),
+            ([1, 2], SamplingParams(min_tokens=20, max_tokens=3), "min_tokens"),
             ([1, 2], "greedy", "SamplingParams"), ([1] * 5000, GREEDY, "context"),
         ]:
             with pytest.raises(InvalidRequestError, match=match):

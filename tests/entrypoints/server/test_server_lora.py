@@ -16,9 +16,9 @@ from serverkit import MODEL, ServerThread, http_client, new_llm, openai_client, 
 from metrale import LoRARequest, SamplingParams  # noqa: E402
 from metrale.entrypoints.async_llm import AsyncLLM  # noqa: E402
 from metrale.entrypoints.engine_process import EngineProcess  # noqa: E402
-from metrale.loading.model import resolve_model_path  # noqa: E402
 from metrale.entrypoints.server import build_app  # noqa: E402
 from metrale.errors import AdapterError  # noqa: E402
+from metrale.loading.model import resolve_model_path  # noqa: E402
 from metrale.testing.hf import build_peft_adapter  # noqa: E402
 
 PROMPTS = ["Return the", "Open a file and"]

@@ -14,8 +14,8 @@ pytest.importorskip("llguidance")
 
 from metrale import LLM, SamplingParams  # noqa: E402
 from metrale.errors import InvalidRequestError  # noqa: E402
-from metrale.structured.sandbox import MAX_CONSTRAINT_BYTES  # noqa: E402
 from metrale.structured import StructuredOutputParams  # noqa: E402
+from metrale.structured.sandbox import MAX_CONSTRAINT_BYTES  # noqa: E402
 
 
 def chained_rules(count: int) -> str:
