@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "train_tiny_models.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "checkpoints" / "train_tiny_models.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Every kernel of one decode step's CUDA graph, timed by Nsight Compute: the kernels in graph
 order with their GPU time and DRAM bytes, then grouped by kernel name.
 
-    python3 tools/kernel_times.py [--shape llama-1b] [--batch 1] [--context 512] [--ncu PATH]
+    python3 tools/profiling/kernel_times.py [--shape llama-1b] [--batch 1] [--context 512] [--ncu PATH]
 
 Needs a CUDA device, ``ncu`` (Nsight Compute; ``--ncu`` or on ``PATH``, else
 ``/usr/local/cuda/bin/ncu``) and what ``metrale bench`` needs. The tool runs itself under ``ncu``
