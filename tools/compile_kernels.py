@@ -31,8 +31,24 @@ def c(dtype, ndim):
 
 def kernels():
     from metrale.kernels import (
-        activation, attention, attention_grouped, attention_latent, attention_prefill, attention_staged, embedding,
-        gated, gated_delta, gemv, head_linear, layernorm, logits_process, moe, qkv_rope, rmsnorm, sampling, token_mask,
+        activation,
+        attention,
+        attention_grouped,
+        attention_latent,
+        attention_prefill,
+        attention_staged,
+        embedding,
+        gated,
+        gated_delta,
+        gemv,
+        head_linear,
+        layernorm,
+        logits_process,
+        moe,
+        qkv_rope,
+        rmsnorm,
+        sampling,
+        token_mask,
     )
 
     attention_arguments = (

@@ -6,7 +6,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "sweeps"))
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+sys.path.insert(0, str(TOOLS / "checkpoints"))  # train_tiny_models.py, whose MTP module the mtp test trains
+sys.path.insert(0, str(TOOLS / "sweeps"))
 
 import speculative_bench  # noqa: E402
 
@@ -34,13 +36,12 @@ def test_the_mtp_part_runs_on_tiny_mla_with_a_module(tmp_path):
     import shutil
 
     import torch
+    import train_tiny_models
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3ForCausalLM
 
     from metrale.api import resolve_model_path
     from metrale.testing.hf import perturb_weights
-
-    import train_tiny_models
 
     folder = tmp_path / "tiny-mla-mtp"
     shutil.copytree(resolve_model_path("tiny-mla"), folder)

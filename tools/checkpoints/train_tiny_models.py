@@ -126,7 +126,8 @@ def model_config(name: str, vocab_size: int, eos: int):
         )
     if name == "tiny-gdn":
         return Qwen3NextConfig(
-            **common, experts_implementation="eager", intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            **common, experts_implementation="eager", intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2,
             head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
             linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=48, shared_expert_intermediate_size=48, norm_topk_prob=True,
@@ -383,7 +384,8 @@ CHAT_TEMPLATE = r"""{{- bos_token }}
 """
 
 #: ``tokenizer_config.json`` besides the template.
-TOKENIZER_CONFIG = {'tokenizer_class': 'PreTrainedTokenizerFast', 'bos_token': '<|endoftext|>', 'eos_token': '<|endoftext|>', 'pad_token': '<|endoftext|>', 'clean_up_tokenization_spaces': False, 'model_max_length': 1024}
+TOKENIZER_CONFIG = {'tokenizer_class': 'PreTrainedTokenizerFast', 'bos_token': '<|endoftext|>', 'eos_token': '<|endoftext|>',
+                    'pad_token': '<|endoftext|>', 'clean_up_tokenization_spaces': False, 'model_max_length': 1024}
 
 CARD = """# {name}
 
@@ -410,7 +412,7 @@ model was never trained on conversations, so its replies still read like Python'
 Reproduce: `python tools/checkpoints/train_tiny_models.py --models {name} --steps {steps} --batch {batch}
 --seq-len {seq_len} --lr {lr} --vocab-size {vocab} --eval-every {eval_every} --seed {seed} --corpus-file CORPUS.json --device DEVICE`
 (the loss curve is in `training.json`).
-"""
+"""  # noqa: E501 (a table row of the card is one line)
 
 
 def software_versions() -> dict:
@@ -456,8 +458,9 @@ def export(name: str, result: dict, args, tokenizer, corpus: dict, digest: str, 
         **software_versions(),
     ))
     (out / "training.json").write_text(json.dumps({
-        **software_versions(), "device": args.device, "seed": args.seed, "steps": args.steps, "corpus_sha256": digest, "loss_curve": result["curve"],
-        "held_out_evals": result["evals"], "best_step": result["best_step"], "held_out_perplexity": math.exp(result["held_out_ce"]),
+        **software_versions(), "device": args.device, "seed": args.seed, "steps": args.steps, "corpus_sha256": digest,
+        "loss_curve": result["curve"], "held_out_evals": result["evals"], "best_step": result["best_step"],
+        "held_out_perplexity": math.exp(result["held_out_ce"]),
         "unigram_perplexity": math.exp(result["unigram_ce"]),
         **({"mtp_steps": args.mtp_steps, "mtp_loss_curve": result["mtp_curve"],
             "mtp_held_out_perplexity": math.exp(result["mtp_held_out_ce"]), "mtp_held_out_top1": result["mtp_top1"]}

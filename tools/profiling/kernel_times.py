@@ -124,7 +124,8 @@ def main() -> None:
         log = Path(scratch) / "ncu.csv"
         command = [ncu, "--profile-from-start", "off", "--graph-profiling", "node", "--metrics", ",".join(METRICS),
                    "--cache-control", "none", "--clock-control", "none", "--csv", "--print-units", "base",
-                   "--log-file", str(log), sys.executable, os.path.abspath(__file__), "--profiled", "--shape", args.shape, "--batch", str(args.batch), "--context", str(args.context),
+                   "--log-file", str(log), sys.executable, os.path.abspath(__file__), "--profiled",
+                   "--shape", args.shape, "--batch", str(args.batch), "--context", str(args.context),
                    "--workdir", args.workdir]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode or not log.exists():

@@ -1,7 +1,7 @@
 """GPU time and bandwidth of MLA's absorbed decode attention, by batch, context and heads.
 
     python tools/sweeps/latent_sweep.py [--rows 1,32] [--contexts 512,2048,8192] [--heads 16,128]
-        [--kernel mma]
+               [--kernel mma]
 
 For each case, builds a paged latent cache of 576-value rows (DeepSeek-V2 / V3: 512 latent + 64
 RoPE dims, bf16) with one sequence per row, times :func:`metrale.kernels.attention_latent.

@@ -9,9 +9,9 @@ and with the rows spread over all the adapters in turn. Prints the steps and the
 base model's, and writes them to ``--output`` (JSON). Run from the repository root::
 
     python3 tools/sweeps/lora_bench.py [--shape llama-8b] [--batch 32] [--adapters 4] [--rank 16] [--context 512]
-                                [--steps 32] [--rounds 3] [--expand-rows 8] [--expand-split 4]
-                                [--no-expand-dependent]
-                                [--output lora.json]
+                                       [--steps 32] [--rounds 3] [--expand-rows 8] [--expand-split 4]
+                                       [--no-expand-dependent]
+                                       [--output lora.json]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ o, gate/up, down) the base model's product, the product with the LoRA stack's ex
 ``lora_linear`` (the path of steps past FOLDED_ROWS rows) after the base product.
 
     python tools/sweeps/lora_ops_bench.py [--shape llama-8b] [--rows 32] [--slots 4] [--rank 16]
-                                   [--device cuda] [--mix random] [--output ops.json]
+                                          [--device cuda] [--mix random] [--output ops.json]
 
 On the GPU each piece is recorded into a CUDA graph of 20 back-to-back calls and replayed
 between CUDA events (the GPU time per call, without launch overhead); on the CPU the host clock

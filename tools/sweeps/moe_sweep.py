@@ -8,9 +8,10 @@ whole grouped path (graph replay, no launch overhead) for each tiling, its TFLOP
 it reads the routing to the host, so it cannot be captured). Run from the repository root::
 
     python3 tools/sweeps/moe_sweep.py [--shapes deepseek-v2-lite,qwen3-next] [--tokens 300,2048]
-                               [--tilings 64x128x2x2x3,128x128x4x2x3]
+                                      [--tilings 64x128x2x2x3,128x128x4x2x3]
 
-A shape is a name above or ``HxIxExk``; a tiling is ``block_m x block_n x warps_m x warps_n x stages`` with an optional ``x block_k`` (32 or 64).
+A shape is a name above or ``HxIxExk``; a tiling is ``block_m x block_n x warps_m x warps_n x stages``
+with an optional ``x block_k`` (32 or 64).
 """
 
 from __future__ import annotations

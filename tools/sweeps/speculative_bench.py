@@ -26,8 +26,8 @@ Prints a table per part and writes every number to ``--output`` (JSON). Run from
 root::
 
     python3 tools/sweeps/speculative_bench.py [--shape llama-8b] [--k 1,2,3,4] [--context 512] [--steps 32] [--peaked]
-                                       [--parts verify,oracle,ngram,mtp] [--mtp-models FOLDER]
-                                       [--device cuda] [--output spec.json]
+                                              [--parts verify,oracle,ngram,mtp] [--mtp-models FOLDER]
+                                              [--device cuda] [--output spec.json]
 """
 
 from __future__ import annotations

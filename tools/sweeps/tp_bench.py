@@ -13,7 +13,7 @@ table and writes everything to ``--output`` (JSON). Run from the repository root
 with two GPUs::
 
     python3 tools/sweeps/tp_bench.py [--shape llama-8b] [--layouts tp1,tp2] [--batches 1,32]
-                              [--context 512] [--steps 32] [--output tp.json]
+                                     [--context 512] [--steps 32] [--output tp.json]
 """
 
 from __future__ import annotations
