@@ -1,4 +1,5 @@
-"""The documentation keeps up with the code: every hook spec and every environment variable.
+"""The documentation keeps up with the code: every hook spec, every environment variable, every
+CLI option and every tool path.
 
 These tests read files only; they never run Sphinx.
 """
@@ -142,3 +143,22 @@ def test_every_cli_option_is_documented():
                 assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", page), (
                     f"option {option} of '{command}' is missing from {CLI_PAGE.relative_to(ROOT)}"
                 )
+
+
+# ------------------------------------------------------------------------------ tools
+
+TOOL_PATH = re.compile(r"(?<![\w/.-])tools/[a-z0-9_/]+\.(?:py|sh)\b")
+
+
+def pages_naming_tools() -> list[Path]:
+    return sorted(DOCS.rglob("*.rst")) + [ROOT / "README.md", ROOT / "tools" / "README.md"]
+
+
+def test_pages_name_tools():
+    assert any(TOOL_PATH.search(page.read_text(encoding="utf-8")) for page in pages_naming_tools())
+
+
+@pytest.mark.parametrize("page", pages_naming_tools(), ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_tool_path_in_the_docs_exists(page):
+    missing = sorted({path for path in TOOL_PATH.findall(page.read_text(encoding="utf-8")) if not (ROOT / path).is_file()})
+    assert not missing, f"{page.relative_to(ROOT)} names tools that do not exist: {missing}"
