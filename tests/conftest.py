@@ -154,11 +154,11 @@ def mla_checkpoints(tmp_path_factory):
 
 
 def training_tool():
-    """``tools/train_tiny_models.py`` as a module (its MTP module is the reference of the engine's)."""
+    """``tools/checkpoints/train_tiny_models.py`` as a module (its MTP module is the reference of the engine's)."""
     import importlib.util
     import sys
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "train_tiny_models.py"
+    path = Path(__file__).resolve().parents[1] / "tools" / "checkpoints" / "train_tiny_models.py"
     spec = importlib.util.spec_from_file_location("metrale_tools_train_tiny_models", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

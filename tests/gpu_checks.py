@@ -9,8 +9,8 @@ import numpy as np
 
 from metrale import LLM
 
-#: The repository's tools folder (the tiny checkpoints' training corpus lives there).
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+#: The tools that build the tiny checkpoints (their training corpus, ``tiny_corpus.py``, lives there).
+TOOLS = Path(__file__).resolve().parents[1] / "tools" / "checkpoints"
 
 
 def load(path, device, **options):

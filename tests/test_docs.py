@@ -1,5 +1,6 @@
 """The documentation keeps up with the code: every hook spec and every environment variable, the
-command line, the ``metrale plugins`` samples, the dependencies and the sampling fields.
+command line, the ``metrale plugins`` samples, the dependencies, the sampling fields and every
+tool path.
 
 These tests read files and run ``metrale plugins`` in this process; they never run Sphinx.
 """
@@ -330,3 +331,22 @@ def test_the_quickstart_names_every_engine_option():
                if field.name not in ("cache", "environment", "device")]
     missing = [name for name in options if f"``{name}``" not in sentence]
     assert not missing, f"{QUICKSTART_PAGE.relative_to(ROOT)} does not name the engine options {missing}"
+
+
+# ------------------------------------------------------------------------------ tools
+
+TOOL_PATH = re.compile(r"(?<![\w/.-])tools/[a-z0-9_/]+\.(?:py|sh)\b")
+
+
+def pages_naming_tools() -> list[Path]:
+    return sorted(DOCS.rglob("*.rst")) + [ROOT / "README.md", ROOT / "tools" / "README.md"]
+
+
+def test_pages_name_tools():
+    assert any(TOOL_PATH.search(page.read_text(encoding="utf-8")) for page in pages_naming_tools())
+
+
+@pytest.mark.parametrize("page", pages_naming_tools(), ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_tool_path_in_the_docs_exists(page):
+    missing = sorted({path for path in TOOL_PATH.findall(page.read_text(encoding="utf-8")) if not (ROOT / path).is_file()})
+    assert not missing, f"{page.relative_to(ROOT)} names tools that do not exist: {missing}"

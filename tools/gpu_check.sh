@@ -19,7 +19,7 @@ python3 -c "import numpy, numba, cupy, torch, transformers; print('numpy', numpy
 # Several workers share the GPU (pytest-xdist; PYTEST_WORKERS=0 runs them in one process).
 workers=${PYTEST_WORKERS:-4}
 parallel=(); [ "$workers" != 0 ] && parallel=(-n "$workers")
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rA -p no:cacheprovider "${parallel[@]}" tests/gpu >"$out/pytest-gpu.log" 2>&1
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rA -p no:cacheprovider "${parallel[@]}" tests >"$out/pytest-gpu.log" 2>&1
 echo "pytest -m gpu exit $?"; grep -E "passed|failed|error" "$out/pytest-gpu.log" | tail -3
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
     timeout "${BENCH_TIMEOUT:-400}" metrale bench --output "$out/bench.json" "$@" >"$out/bench.log" 2>&1

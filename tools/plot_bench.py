@@ -11,9 +11,9 @@
   batch size, one bar per run: the ``--decode`` files with the same label in ``--decode-labels``
   (before and after a change, say) are one run, their shapes together;
 * ``kernel-times.png`` -- where a decode step's kernel time goes, one stacked bar per
-  ``tools/kernel_times.py`` output (``--kernel-times``): its largest kernel groups, the rest as
+  ``tools/profiling/kernel_times.py`` output (``--kernel-times``): its largest kernel groups, the rest as
   one part;
-* ``speculative.png`` -- from ``tools/speculative_bench.py`` JSON files (``--speculative``, labelled
+* ``speculative.png`` -- from ``tools/sweeps/speculative_bench.py`` JSON files (``--speculative``, labelled
   by ``--speculative-labels``): a verify's cost in decode steps against its draft count K, one line
   per file, and the oracle drafter's batch-1 speed-up, one bar per file that has one.
 
@@ -242,7 +242,7 @@ def plot_decode(runs: list[dict[str, Any]], labels: list[str], out: Path, loop: 
 
 
 def kernel_groups(text: str) -> tuple[str, list[tuple[str, float]]]:
-    """The title line and the grouped table of a ``tools/kernel_times.py`` output: ``(kernel
+    """The title line and the grouped table of a ``tools/profiling/kernel_times.py`` output: ``(kernel
     name, total µs)`` per group, largest first (a row ends in calls, µs a call, total µs, share
     and GB/s; the name is everything before them)."""
     lines = text.splitlines()
@@ -300,7 +300,7 @@ def plot_kernel_times(paths: list[Path], out: Path, parts: int = 7) -> Path | No
 
 
 def verify_costs(report: dict[str, Any]) -> list[tuple[int, float]]:
-    """``(K, verify seconds / decode seconds)`` of a ``tools/speculative_bench.py`` report, by K."""
+    """``(K, verify seconds / decode seconds)`` of a ``tools/sweeps/speculative_bench.py`` report, by K."""
     seconds = report.get("verify_seconds", {})
     decode = seconds.get("decode")
     if not decode:
@@ -356,8 +356,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--decode-labels", help="comma-separated labels of the --decode files (default: their names)")
     parser.add_argument("--decode-loop", action="store_true",
                         help="plot decode_bN_loop (the step as LLM.generate runs it) into decode-loop.png")
-    parser.add_argument("--kernel-times", type=Path, nargs="+", help="outputs of tools/kernel_times.py")
-    parser.add_argument("--speculative", type=Path, nargs="+", help="JSON files of tools/speculative_bench.py")
+    parser.add_argument("--kernel-times", type=Path, nargs="+", help="outputs of tools/profiling/kernel_times.py")
+    parser.add_argument("--speculative", type=Path, nargs="+", help="JSON files of tools/sweeps/speculative_bench.py")
     parser.add_argument("--speculative-labels", help="comma-separated labels of the --speculative files")
     parser.add_argument("--out", type=Path, default=Path("docs/images"), help="folder of the images")
     args = parser.parse_args(argv)

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "sweeps"))  # lora_bench.py writes the adapters
 
 from lora_bench import write_adapter  # noqa: E402
 

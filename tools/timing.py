@@ -1,4 +1,4 @@
-"""Timing shared by the profiling tools: warm-up calls, then repeated samples, median and minimum.
+"""Timing shared by the profiling tools and the sweeps: warm-up calls, then repeated samples, median and minimum.
 
 Three clocks:
 
@@ -12,8 +12,8 @@ Three clocks:
 
 Each returns a :class:`Timing` of seconds per call. The GPU clocks need CuPy; :func:`graph_time`
 also a :class:`metrale.backends.cuda.CudaBackend` (for its stream and graph memory pool).
-The tools import this module as ``timing``: run as ``python3 tools/NAME.py``, a tool has
-``tools/`` first on its import path.
+The tools import this module as ``timing``: run as ``python3 tools/GROUP/NAME.py``, a tool has
+only ``tools/GROUP/`` on its import path, so it puts ``tools/`` there itself first.
 """
 
 from __future__ import annotations

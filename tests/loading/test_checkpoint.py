@@ -1,4 +1,4 @@
-"""metrale/checkpoint.py and the dense loader: unreadable folders, broken tensors, shards, bf16/fp16.
+"""metrale/loading/checkpoint.py and the dense loader: unreadable folders, broken tensors, shards, bf16/fp16.
 
 References: transformers (float32) for logits, torch for bf16 rounding, safetensors' own reader for
 tensor values. Broken checkpoints are made by editing a good one with safetensors.numpy.

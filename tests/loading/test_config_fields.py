@@ -1,4 +1,4 @@
-"""metrale/config_fields.py: each reader takes exactly JSON's own type, within its bounds, and says
+"""metrale/loading/config_fields.py: each reader takes exactly JSON's own type, within its bounds, and says
 which file, field and value it refused."""
 
 from __future__ import annotations

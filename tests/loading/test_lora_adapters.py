@@ -1,4 +1,4 @@
-"""Reading LoRA adapters (metrale/lora.py) as PEFT saves them: each module's weights, rank and
+"""Reading LoRA adapters (metrale/loading/lora.py) as PEFT saves them: each module's weights, rank and
 scale (rsLoRA, rank and alpha patterns) as PEFT's own modules hold them, the deltas as PEFT's
 modules compute them, trainable-token rows, and every refusal (another PEFT type, DoRA, biases,
 unknown tensors, another base model, ranks above the limit, a config that disagrees with the

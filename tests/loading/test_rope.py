@@ -1,4 +1,4 @@
-"""metrale/rope.py against transformers' own RoPE initialisers, and kernels/qkv_rope.py against NumPy.
+"""metrale/loading/rope.py against transformers' own RoPE initialisers, and kernels/qkv_rope.py against NumPy.
 
 The reference of ``inverse_frequencies`` / ``attention_factor`` is transformers'
 ``ROPE_INIT_FUNCTIONS`` (and a rotary-embedding class's ``compute_default_rope_parameters`` for the

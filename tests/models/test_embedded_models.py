@@ -15,7 +15,7 @@ from metrale import LLM, SamplingParams
 from metrale.models import DEFAULT_MODEL, embedded_model_path, embedded_models
 from metrale.testing import max_relative_error
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
+TOOLS = Path(__file__).resolve().parents[2] / "tools" / "checkpoints"
 NAMES = ["tiny-dense", "tiny-mla", "tiny-gdn"]
 ARCHITECTURES = {"tiny-dense": "LlamaForCausalLM", "tiny-mla": "DeepseekV3ForCausalLM", "tiny-gdn": "Qwen3NextForCausalLM"}
 WINDOW = 256

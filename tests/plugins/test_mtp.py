@@ -1,6 +1,6 @@
 """Multi-token-prediction modules as the ``mtp`` drafter (metrale/plugins/mtp.py), on the CPU, for
 DeepSeek-V3 (MLA) and Qwen3-Next (GDN): the module's logits against a PyTorch reference built from
-transformers' decoder layers (``tools/train_tiny_models.py``'s ``mtp_module``), its first drafts
+transformers' decoder layers (``tools/checkpoints/train_tiny_models.py``'s ``mtp_module``), its first drafts
 the reference's greedy tokens, tokens with MTP speculation equal to those without (greedy and
 seeded), every block and slot free after, and the configurations it refuses."""
 

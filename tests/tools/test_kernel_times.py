@@ -1,4 +1,4 @@
-"""tools/kernel_times.py: reading Nsight Compute's CSV report (units scaled, kernels in launch
+"""tools/profiling/kernel_times.py: reading Nsight Compute's CSV report (units scaled, kernels in launch
 order, a missing metric as zero) and the tables it prints."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
+TOOLS = Path(__file__).resolve().parents[2] / "tools" / "profiling"
 
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')

@@ -1,4 +1,4 @@
-"""tools/lora_bench.py on the CPU with the embedded tiny-dense model: the adapters it writes load
+"""tools/sweeps/lora_bench.py on the CPU with the embedded tiny-dense model: the adapters it writes load
 as PEFT adapters, and it times the three kinds of decode step."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "sweeps"))
 
 import lora_bench  # noqa: E402
 

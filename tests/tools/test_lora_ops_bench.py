@@ -1,4 +1,4 @@
-"""tools/lora_ops_bench.py on the CPU (the NumPy references timed by the host clock): every piece
+"""tools/sweeps/lora_ops_bench.py on the CPU (the NumPy references timed by the host clock): every piece
 of every projection is timed and reported."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "sweeps"))
 
 import lora_ops_bench  # noqa: E402
 

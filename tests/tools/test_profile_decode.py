@@ -1,4 +1,4 @@
-"""tools/profile_decode.py: the bytes each op of a decode step must read, behind its GB/s column."""
+"""tools/profiling/profile_decode.py: the bytes each op of a decode step must read, behind its GB/s column."""
 
 from __future__ import annotations
 
@@ -10,23 +10,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "profiling" / "profile_decode.py"
 
 
 @pytest.fixture(scope="module")
-def profile_decode(monkeypatch_module):
-    monkeypatch_module.syspath_prepend(str(TOOLS))  # (it imports tools/timing.py)
-    spec = importlib.util.spec_from_file_location("metrale_tools_profile_decode", TOOLS / "profile_decode.py")
+def profile_decode():
+    spec = importlib.util.spec_from_file_location("metrale_tools_profile_decode", SCRIPT)  # (it finds tools/timing.py itself)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
 
 
 def bits(*shape):

@@ -1,4 +1,4 @@
-"""tools/speculative_bench.py on the CPU, at a tiny size: every part runs and its numbers hold
+"""tools/sweeps/speculative_bench.py on the CPU, at a tiny size: every part runs and its numbers hold
 together (an oracle's drafts are all kept, n-gram speculation changes no output)."""
 
 from __future__ import annotations
@@ -6,7 +6,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+sys.path.insert(0, str(TOOLS / "checkpoints"))  # train_tiny_models.py, whose MTP module the mtp test trains
+sys.path.insert(0, str(TOOLS / "sweeps"))
 
 import speculative_bench  # noqa: E402
 

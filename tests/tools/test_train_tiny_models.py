@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "train_tiny_models.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "checkpoints" / "train_tiny_models.py"
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,8 @@ def test_checkpoint_is_complete_and_loads(first_run):
     from metrale import LLM
 
     folder = first_run[0] / "tiny-dense"
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 "README.md"):
         assert (folder / name).is_file(), name
     llm = LLM(folder, device="cpu", show_progress=False)
     assert llm.encode("Return the")[0] == llm.eos_token_ids[0]

@@ -1,7 +1,7 @@
 """GPU time of MLA's per-head products (``head_linear``) by rows: the CUDA C++ kernel against one
 cuBLAS product per head, at DeepSeek-V2-Lite's sizes by default.
 
-    python3 tools/head_linear_sweep.py [--rows 1,2,4,8,16,32] [--heads 16] [--rank 512] [--nope 128]
+    python3 tools/sweeps/head_linear_sweep.py [--rows 1,2,4,8,16,32] [--heads 16] [--rank 512] [--nope 128]
 
 Times the key product (a strided float32 view of the queries' no-RoPE part, ``[rows, heads,
 nope]``, by ``w_uk [heads * rank, nope]``) and the value product (bf16 ``[rows, heads, rank]`` by
@@ -13,8 +13,12 @@ the kernel up to :data:`metrale.ops.cuda.HEAD_LINEAR_WORD_ROWS` rows. Needs a CU
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/timing.py is shared by the profiling tools and the sweeps
 
 
 def main() -> None:

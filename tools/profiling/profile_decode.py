@@ -1,7 +1,7 @@
 """Where a decode step's time goes: host overhead, graph replay, the gaps between replays, and each
 op's GPU time.
 
-    python tools/profile_decode.py [--shape llama-1b] [--batch 1] [--context 512] [--lora-adapters 0] [--lora-rank 16]
+    python tools/profiling/profile_decode.py [--shape llama-1b] [--batch 1] [--context 512] [--lora-adapters 0] [--lora-rank 16]
 
 Needs a CUDA device (and what ``metrale bench`` needs). Prints the whole step through
 ``ModelForward.decode_batch`` (host clock, synchronised), the same followed by the device sampler
@@ -23,11 +23,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-from timing import Timing, cuda_event_time, graph_time, host_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/timing.py is shared by the profiling tools and the sweeps
+
+from timing import Timing, cuda_event_time, graph_time, host_time  # noqa: E402
 
 REPEATS = 20
 OPS = ("embedding", "rmsnorm_residual", "rmsnorm", "rmsnorm_linear", "rmsnorm_mlp", "linear", "linear_silu",
@@ -66,9 +70,10 @@ def main() -> None:
     if args.lora_adapters:
         import json
 
-        from lora_bench import write_adapter
-
         from metrale.loading.lora import LoRARequest
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sweeps"))  # tools/sweeps/lora_bench.py writes the adapters
+        from lora_bench import write_adapter
 
         config = json.loads((Path(folder) / "config.json").read_text())
         requests = [LoRARequest(f"adapter-{i}", i + 1, write_adapter(Path(args.workdir) / f"lora-{args.shape}-{i}",

@@ -18,11 +18,11 @@ engines; ``--carveout P`` gives every dependently launched kernel the shared-mem
 GEMV serve ``linear``, ``linear_silu`` and ``rmsnorm_linear`` up to N rows (cuBLAS and the norm
 kernel serve more by default). Run from the repository root::
 
-    python3 tools/decode_ab.py [--shapes llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small] [--batch 1,4,8]
-                               [--context 512] [--merge-splits] [--swiglu-epilogue] [--unroll 4]
-                               [--independent decode_gemv,rmsnorm_residual_words] [--carveout 100]
-                               [--gemv-max-rows 32 [--gemv-ops linear] [--gemv-max-columns 16384]]
-                               [--lt-gemm 64]
+    python3 tools/sweeps/decode_ab.py [--shapes llama-1b,llama-8b,deepseek-v2-lite,qwen3-next-small] [--batch 1,4,8]
+                                      [--context 512] [--merge-splits] [--swiglu-epilogue] [--unroll 4]
+                                      [--independent decode_gemv,rmsnorm_residual_words] [--carveout 100]
+                                      [--gemv-max-rows 32 [--gemv-ops linear] [--gemv-max-columns 16384]]
+                                      [--lt-gemm 64]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where a prompt's prefill time goes: each op's GPU time and the gaps between ops.
 
-    python tools/profile_prefill.py [--shapes llama-1b,llama-8b] [--length 2048]
+    python tools/profiling/profile_prefill.py [--shapes llama-1b,llama-8b] [--length 2048]
 
 Needs a CUDA device (and what ``metrale bench`` needs). For each shape it prints the whole
 prefill of one ``--length``-token prompt (CUDA events, as ``metrale bench`` times it), then one
@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from timing import cuda_event_time, host_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/timing.py is shared by the profiling tools and the sweeps
+
+from timing import cuda_event_time, host_time  # noqa: E402
 
 
 def profile(shape: str, length: int, workdir: Path, cprofile: bool = False) -> None:

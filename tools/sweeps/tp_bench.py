@@ -12,8 +12,8 @@ all-reduces (two per layer and the embedding's), it gives their share of the TP=
 table and writes everything to ``--output`` (JSON). Run from the repository root on a machine
 with two GPUs::
 
-    python3 tools/tp_bench.py [--shape llama-8b] [--layouts tp1,tp2] [--batches 1,32]
-                              [--context 512] [--steps 32] [--output tp.json]
+    python3 tools/sweeps/tp_bench.py [--shape llama-8b] [--layouts tp1,tp2] [--batches 1,32]
+                                     [--context 512] [--steps 32] [--output tp.json]
 """
 
 from __future__ import annotations

@@ -17,16 +17,21 @@ kernel), "gu epi" and "down plain" its two kernels.
 ``--splits`` adds the fused path at each given split (warps per tile of 16 columns) besides the
 launcher's choice. Run from the repository root::
 
-    python3 tools/gemv_sweep.py [--shapes llama-1b,llama-8b] [--rows 1,2,4,8,16,32] [--splits 1,2,4,8]
+    python3 tools/sweeps/gemv_sweep.py [--shapes llama-1b,llama-8b] [--rows 1,2,4,8,16,32] [--splits 1,2,4,8]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import numpy as np
-from timing import graph_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/timing.py is shared by the profiling tools and the sweeps
+
+from timing import graph_time  # noqa: E402
 
 # hidden, intermediate, q heads, kv heads, head dim, vocabulary
 SHAPES = {"llama-1b": (2048, 8192, 32, 8, 64, 128256), "llama-8b": (4096, 14336, 32, 8, 128, 128256)}

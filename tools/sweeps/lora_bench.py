@@ -8,10 +8,10 @@ and the sampling of every row) with every row on the base model, with every row 
 and with the rows spread over all the adapters in turn. Prints the steps and their ratios to the
 base model's, and writes them to ``--output`` (JSON). Run from the repository root::
 
-    python3 tools/lora_bench.py [--shape llama-8b] [--batch 32] [--adapters 4] [--rank 16] [--context 512]
-                                [--steps 32] [--rounds 3] [--expand-rows 8] [--expand-split 4]
-                                [--no-expand-dependent]
-                                [--output lora.json]
+    python3 tools/sweeps/lora_bench.py [--shape llama-8b] [--batch 32] [--adapters 4] [--rank 16] [--context 512]
+                                       [--steps 32] [--rounds 3] [--expand-rows 8] [--expand-split 4]
+                                       [--no-expand-dependent]
+                                       [--output lora.json]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Host time of one numba kernel launch, taken apart (diagnostic, GPU only).
 
-    python tools/launch_overhead.py [--launches 2000]
+    python tools/profiling/launch_overhead.py [--launches 2000]
 
 The kernels launch through :class:`metrale.kernels._device.DirectKernel` (CuPy's launcher over
 numba's compiled image); one row takes numba's own launcher for comparison.
@@ -17,9 +17,14 @@ fresh view, one reused view, one fresh stream wrapper, one ``check_array``).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
-from timing import host_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/timing.py is shared by the profiling tools and the sweeps
+
+from timing import host_time  # noqa: E402
 
 
 def per_call_us(function, launches: int, synchronize) -> float:

@@ -7,18 +7,24 @@ whole grouped path (graph replay, no launch overhead) for each tiling, its TFLOP
 + I H)`` flops: padding rows not counted), and the host-sorted chain's microseconds (CUDA events;
 it reads the routing to the host, so it cannot be captured). Run from the repository root::
 
-    python3 tools/moe_sweep.py [--shapes deepseek-v2-lite,qwen3-next] [--tokens 300,2048]
-                               [--tilings 64x128x2x2x3,128x128x4x2x3]
+    python3 tools/sweeps/moe_sweep.py [--shapes deepseek-v2-lite,qwen3-next] [--tokens 300,2048]
+                                      [--tilings 64x128x2x2x3,128x128x4x2x3]
 
-A shape is a name above or ``HxIxExk``; a tiling is ``block_m x block_n x warps_m x warps_n x stages`` with an optional ``x block_k`` (32 or 64).
+A shape is a name above or ``HxIxExk``; a tiling is ``block_m x block_n x warps_m x warps_n x stages``
+with an optional ``x block_k`` (32 or 64).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
-from timing import cuda_event_time, graph_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/timing.py is shared by the profiling tools and the sweeps
+
+from timing import cuda_event_time, graph_time  # noqa: E402
 
 SHAPES = {"deepseek-v2-lite": (2048, 1408, 64, 6), "qwen3-next": (2048, 512, 128, 10)}
 

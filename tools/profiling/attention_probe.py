@@ -1,6 +1,6 @@
 """Which part of the decode-attention kernel costs the time (diagnostic, GPU only).
 
-    python tools/attention_probe.py [--rows 1] [--context 512] [--splits 16]
+    python tools/profiling/attention_probe.py [--rows 1] [--context 512] [--splits 16]
 
 Compiles variants of the kernel of :func:`metrale.kernels.attention_grouped.grouped_kernel`
 cut short at successive points of its source and times each, replayed from a CUDA graph
@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/timing.py is shared by the profiling tools and the sweeps
 
 # (variant, source line after which it returns, statement that keeps the work alive)
 CUTS = [

@@ -6,15 +6,20 @@ Prints, per head geometry, prompt length and prompt count, the microseconds of e
 one layer), the state columns per block the chunked launcher picks, and the chunked kernel's
 largest difference from the recurrence over the largest output. Run from the repository root::
 
-    python3 tools/gdn_prompt_sweep.py [--lengths 512,2048,8192] [--prompts 1,4] [--geometries 32x128x128,16x64x64]
+    python3 tools/sweeps/gdn_prompt_sweep.py [--lengths 512,2048,8192] [--prompts 1,4] [--geometries 32x128x128,16x64x64]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
-from timing import cuda_event_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/timing.py is shared by the profiling tools and the sweeps
+
+from timing import cuda_event_time  # noqa: E402
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 steps grouped by the length of the prompt chunk they carry, and the host functions that cost most
 inside mixed steps (cProfile, enabled only while a mixed step is issued).
 
-    python tools/profile_throughput.py [--num-requests 256] [--max-num-seqs 128]
+    python tools/profiling/profile_throughput.py [--num-requests 256] [--max-num-seqs 128]
 
 Needs a CUDA device (and what ``metrale bench --throughput`` needs).
 """

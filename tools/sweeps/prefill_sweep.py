@@ -5,15 +5,20 @@ Prints, per geometry and prompt, the microseconds of each (CUDA events) and the 
 kernel's achieved TFLOP/s (4 * d flops per visible (row, key) pair and head). Run from the
 repository root::
 
-    python3 tools/prefill_sweep.py [--lengths 512,2048,8192] [--prefix 0] [--geometries 32x8x64,32x8x128]
+    python3 tools/sweeps/prefill_sweep.py [--lengths 512,2048,8192] [--prefix 0] [--geometries 32x8x64,32x8x128]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
-from timing import cuda_event_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/timing.py is shared by the profiling tools and the sweeps
+
+from timing import cuda_event_time  # noqa: E402
 
 
 def main() -> None:

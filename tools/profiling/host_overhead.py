@@ -1,6 +1,6 @@
 """Host time of one decode step outside the model: ModelForward, batch layout, cache bookkeeping.
 
-    python tools/host_overhead.py [--batch 1 32] [--context 500]
+    python tools/profiling/host_overhead.py [--batch 1 32] [--context 500]
 
 Runs on the CPU backend with the model's ``forward_batch`` replaced by one that returns zeros, so
 the figure is the engine's own Python work per ``decode_batch`` call (the GPU backend adds its
@@ -10,9 +10,14 @@ graph-replay bookkeeping on top). Prints microseconds per step for each batch si
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
-from timing import host_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/timing.py is shared by the profiling tools and the sweeps
+
+from timing import host_time  # noqa: E402
 
 
 def main() -> None:

@@ -15,19 +15,19 @@ Three parts (``--parts``, all by default):
   from the speculative run's own output until a run follows it to the end), K the largest of
   ``--k``: the upper bound of what speculation can gain at that K.
 * ``ngram`` -- for each model of ``--tiny``, prompts cut from the training corpus's held-out
-  documents (``tools/tiny_corpus.py``), greedy ``--max-tokens`` tokens with and without n-gram
+  documents (``tools/checkpoints/tiny_corpus.py``), greedy ``--max-tokens`` tokens with and without n-gram
   speculation (K = 3), one prompt at a time: the mean tokens a sequence's verify produced (kept
   drafts plus the one the target adds), the drafts kept of those proposed, batch-1 tok/s both ways;
 * ``mtp`` -- the same with the ``mtp`` drafter for each checkpoint of ``--mtp-models`` (a DeepSeek-V3
-  one with a trained MTP module: ``tools/train_tiny_models.py --mtp-for`` on a copy of
+  one with a trained MTP module: ``tools/checkpoints/train_tiny_models.py --mtp-for`` on a copy of
   ``tiny-mla``).
 
 Prints a table per part and writes every number to ``--output`` (JSON). Run from the repository
 root::
 
-    python3 tools/speculative_bench.py [--shape llama-8b] [--k 1,2,3,4] [--context 512] [--steps 32] [--peaked]
-                                       [--parts verify,oracle,ngram,mtp] [--mtp-models FOLDER]
-                                       [--device cuda] [--output spec.json]
+    python3 tools/sweeps/speculative_bench.py [--shape llama-8b] [--k 1,2,3,4] [--context 512] [--steps 32] [--peaked]
+                                              [--parts verify,oracle,ngram,mtp] [--mtp-models FOLDER]
+                                              [--device cuda] [--output spec.json]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "checkpoints"))  # tiny_corpus.py, the tiny models' text
 
 
 def wall_time(function: Callable[[], Any], repeats: int, synchronize: Callable[[], None], warmup: int = 2) -> float:

@@ -1,7 +1,7 @@
 """GPU time and bandwidth of MLA's absorbed decode attention, by batch, context and heads.
 
-    python tools/latent_sweep.py [--rows 1,32] [--contexts 512,2048,8192] [--heads 16,128]
-        [--kernel mma]
+    python tools/sweeps/latent_sweep.py [--rows 1,32] [--contexts 512,2048,8192] [--heads 16,128]
+               [--kernel mma]
 
 For each case, builds a paged latent cache of 576-value rows (DeepSeek-V2 / V3: 512 latent + 64
 RoPE dims, bf16) with one sequence per row, times :func:`metrale.kernels.attention_latent.
@@ -14,8 +14,12 @@ latent_attention` (the kernel and the split merge, replayed from a CUDA graph by
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/timing.py is shared by the profiling tools and the sweeps
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Every kernel of one decode step's CUDA graph, timed by Nsight Compute: the kernels in graph
 order with their GPU time and DRAM bytes, then grouped by kernel name.
 
-    python3 tools/kernel_times.py [--shape llama-1b] [--batch 1] [--context 512] [--ncu PATH]
+    python3 tools/profiling/kernel_times.py [--shape llama-1b] [--batch 1] [--context 512] [--ncu PATH]
 
 Needs a CUDA device, ``ncu`` (Nsight Compute; ``--ncu`` or on ``PATH``, else
 ``/usr/local/cuda/bin/ncu``) and what ``metrale bench`` needs. The tool runs itself under ``ncu``
@@ -124,7 +124,8 @@ def main() -> None:
         log = Path(scratch) / "ncu.csv"
         command = [ncu, "--profile-from-start", "off", "--graph-profiling", "node", "--metrics", ",".join(METRICS),
                    "--cache-control", "none", "--clock-control", "none", "--csv", "--print-units", "base",
-                   "--log-file", str(log), sys.executable, os.path.abspath(__file__), "--profiled", "--shape", args.shape, "--batch", str(args.batch), "--context", str(args.context),
+                   "--log-file", str(log), sys.executable, os.path.abspath(__file__), "--profiled",
+                   "--shape", args.shape, "--batch", str(args.batch), "--context", str(args.context),
                    "--workdir", args.workdir]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode or not log.exists():

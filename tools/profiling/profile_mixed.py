@@ -1,7 +1,7 @@
 """Where a mixed step's time goes: host time to issue it, the step synchronised, and the host
 functions that cost most (cProfile).
 
-    python tools/profile_mixed.py [--shape qwen3-0.6b] [--batch 128] [--context 600] [--prompt 600]
+    python tools/profiling/profile_mixed.py [--shape qwen3-0.6b] [--batch 128] [--context 600] [--prompt 600]
 
 Needs a CUDA device (and what ``metrale bench`` needs). ``--batch`` sequences of ``--context``
 cached tokens decode while one prompt of ``--prompt`` tokens is prefilled in the same step

@@ -1,7 +1,7 @@
 """GPU time of the decode attention kernels over batch sizes, contexts, warps and split counts.
 
-    python tools/attention_sweep.py [--head-dim 128] [--contexts 512,2048] [--warps 2,4,8]
-    python tools/attention_sweep.py --mma [--head-dim 64] [--rows 1,8] [--splits 1,2,4,8,16] [--stages 3,5]
+    python tools/sweeps/attention_sweep.py [--head-dim 128] [--contexts 512,2048] [--warps 2,4,8]
+    python tools/sweeps/attention_sweep.py --mma [--head-dim 64] [--rows 1,8] [--splits 1,2,4,8,16] [--stages 3,5]
 
 Prints, for each batch size, context, split count and warps per block, the grouped kernel alone,
 the staged kernel (:mod:`metrale.kernels.attention_staged`, four warps) alone, the combine
@@ -18,8 +18,12 @@ times each of those stage counts instead of the launcher's choice (``stages`` in
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/timing.py is shared by the profiling tools and the sweeps
 
 
 def main() -> None:

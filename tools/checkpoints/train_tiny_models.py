@@ -1,19 +1,19 @@
 """Train the tiny checkpoints shipped in ``metrale/models`` (tiny-dense, tiny-mla, tiny-gdn).
 
 Reproducible from this script, a seed and the corpus: the corpus is extracted from the running
-interpreter's standard library (``tools/tiny_corpus.py``) or read from a file written by an
+interpreter's standard library (``tools/checkpoints/tiny_corpus.py``) or read from a file written by an
 earlier run (``--corpus-file``); its SHA-256 goes into every model card. Training runs with
 deterministic algorithms, in float32, so the same seed on the same machine gives the same loss
 curve. Needs torch, transformers (>= 5.10) and tokenizers.
 
-    python tools/train_tiny_models.py --models tiny-dense --steps 1500 --device cuda
+    python tools/checkpoints/train_tiny_models.py --models tiny-dense --steps 1500 --device cuda
 
 ``--mtp-steps N`` then trains a multi-token-prediction layer on the frozen tiny-mla (DeepSeek-V3's
 ``model.layers.{L}.*``) or tiny-gdn (Qwen3-Next's ``mtp.*``) and writes it into the checkpoint;
 ``--mtp-for FOLDER --mtp-steps N`` does only that, for an existing checkpoint (its weights and
 tokenizer kept)::
 
-    python tools/train_tiny_models.py --mtp-for metrale/models/tiny-mla --mtp-steps 400 --device cpu
+    python tools/checkpoints/train_tiny_models.py --mtp-for metrale/models/tiny-mla --mtp-steps 400 --device cpu
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ def model_config(name: str, vocab_size: int, eos: int):
         )
     if name == "tiny-gdn":
         return Qwen3NextConfig(
-            **common, experts_implementation="eager", intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            **common, experts_implementation="eager", intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2,
             head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
             linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=48, shared_expert_intermediate_size=48, norm_topk_prob=True,
@@ -383,7 +384,8 @@ CHAT_TEMPLATE = r"""{{- bos_token }}
 """
 
 #: ``tokenizer_config.json`` besides the template.
-TOKENIZER_CONFIG = {'tokenizer_class': 'PreTrainedTokenizerFast', 'bos_token': '<|endoftext|>', 'eos_token': '<|endoftext|>', 'pad_token': '<|endoftext|>', 'clean_up_tokenization_spaces': False, 'model_max_length': 1024}
+TOKENIZER_CONFIG = {'tokenizer_class': 'PreTrainedTokenizerFast', 'bos_token': '<|endoftext|>', 'eos_token': '<|endoftext|>',
+                    'pad_token': '<|endoftext|>', 'clean_up_tokenization_spaces': False, 'model_max_length': 1024}
 
 CARD = """# {name}
 
@@ -407,10 +409,10 @@ turns in plain text (`### user`, `### assistant`, ..., each on its own line), st
 `<|endoftext|>` and ends each assistant turn with the same token, the EOS, where generation stops; the
 model was never trained on conversations, so its replies still read like Python's documentation.
 
-Reproduce: `python tools/train_tiny_models.py --models {name} --steps {steps} --batch {batch}
+Reproduce: `python tools/checkpoints/train_tiny_models.py --models {name} --steps {steps} --batch {batch}
 --seq-len {seq_len} --lr {lr} --vocab-size {vocab} --eval-every {eval_every} --seed {seed} --corpus-file CORPUS.json --device DEVICE`
 (the loss curve is in `training.json`).
-"""
+"""  # noqa: E501 (a table row of the card is one line)
 
 
 def software_versions() -> dict:
@@ -456,8 +458,9 @@ def export(name: str, result: dict, args, tokenizer, corpus: dict, digest: str, 
         **software_versions(),
     ))
     (out / "training.json").write_text(json.dumps({
-        **software_versions(), "device": args.device, "seed": args.seed, "steps": args.steps, "corpus_sha256": digest, "loss_curve": result["curve"],
-        "held_out_evals": result["evals"], "best_step": result["best_step"], "held_out_perplexity": math.exp(result["held_out_ce"]),
+        **software_versions(), "device": args.device, "seed": args.seed, "steps": args.steps, "corpus_sha256": digest,
+        "loss_curve": result["curve"], "held_out_evals": result["evals"], "best_step": result["best_step"],
+        "held_out_perplexity": math.exp(result["held_out_ce"]),
         "unigram_perplexity": math.exp(result["unigram_ce"]),
         **({"mtp_steps": args.mtp_steps, "mtp_loss_curve": result["mtp_curve"],
             "mtp_held_out_perplexity": math.exp(result["mtp_held_out_ce"]), "mtp_held_out_top1": result["mtp_top1"]}
@@ -473,7 +476,7 @@ MTP_CARD = """
 {batch} x {seq_len} tokens, AdamW, lr {lr}, seed {seed}, on {device}; corpus SHA-256 `{digest}`): a
 projection of the normed embedding of `t[i+1]` beside the normed final hidden state `h[i]`, one decoder layer,
 a norm and the model's LM head, predicting `t[i+2]`. Held-out: perplexity {ppl:.2f}, top-1 accuracy {top1:.3f}.
-Reproduce: `python tools/train_tiny_models.py --mtp-for metrale/models/{name} --mtp-steps {steps} --batch {batch}
+Reproduce: `python tools/checkpoints/train_tiny_models.py --mtp-for metrale/models/{name} --mtp-steps {steps} --batch {batch}
 --seq-len {seq_len} --lr {lr} --seed {seed} --corpus-file CORPUS.json --device DEVICE`.
 """
 
@@ -519,7 +522,7 @@ def add_mtp(folder: Path, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[1] / "metrale" / "models"))
+    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[2] / "metrale" / "models"))
     parser.add_argument("--corpus-file", type=Path, default=None, help="read (or write) the extracted corpus here")
     parser.add_argument("--vocab-size", type=int, default=3072)
     parser.add_argument("--steps", type=int, default=1500)

@@ -3,8 +3,8 @@ o, gate/up, down) the base model's product, the product with the LoRA stack's ex
 (every slot's ``A`` rows appended), ``lora_expand`` after it, the two together, and
 ``lora_linear`` (the path of steps past FOLDED_ROWS rows) after the base product.
 
-    python tools/lora_ops_bench.py [--shape llama-8b] [--rows 32] [--slots 4] [--rank 16]
-                                   [--device cuda] [--mix random] [--output ops.json]
+    python tools/sweeps/lora_ops_bench.py [--shape llama-8b] [--rows 32] [--slots 4] [--rank 16]
+                                          [--device cuda] [--mix random] [--output ops.json]
 
 On the GPU each piece is recorded into a CUDA graph of 20 back-to-back calls and replayed
 between CUDA events (the GPU time per call, without launch overhead); on the CPU the host clock
@@ -17,10 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from timing import graph_time, host_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/timing.py is shared by the profiling tools and the sweeps
+
+from timing import graph_time, host_time  # noqa: E402
 
 #: (in, outputs of the fused projections, SwiGLU after it) of a layer's projections per shape.
 SHAPES = {
