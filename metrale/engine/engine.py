@@ -323,9 +323,9 @@ class Engine:
             self.in_flight = launched
             if not (self.overlap and launched.sampled is not None):
                 self._read_back()
-        method = launched.method if launched is not None else in_flight.method if in_flight is not None else None
-        if method is not None:
-            self.seconds[method] = self.seconds.get(method, 0.0) + time.perf_counter() - started
+        timed = launched.method if launched is not None else in_flight.method if in_flight is not None else None
+        if timed is not None:
+            self.seconds[timed] = self.seconds.get(timed, 0.0) + time.perf_counter() - started
         return self._hand_out()
 
     def _read_back(self) -> None:

@@ -441,8 +441,7 @@ class GdnModel(FamilyModel):
         with block size ``bs`` and ``tb`` the last multiple of ``bs`` strictly below the length,
         ``min(tb - bs, floor((len - min_tail) / bs) * bs)``, or None when that is not positive
         (and always None without state snapshots: the prefix cache off)."""
-        snapshots = getattr(self.cache, "snapshots", None)
-        if snapshots is None or not snapshots.count:
+        if self.cache is None or self.cache.snapshots is None or not self.cache.snapshots.count:
             return None
         size, length = self.cache.block_size, len(tokens)
         below = (length - 1) // size * size
