@@ -2,8 +2,10 @@
 
 ``metrale generate [--model M] [--stream] PROMPT...`` generates a continuation of each prompt
 (the embedded default model when ``--model`` is not given); ``metrale plugins`` lists the
-installed plugins and the architectures each family serves; ``metrale serve MODEL`` serves a
-model over HTTP (:mod:`metrale.entrypoints.server.main`).
+installed plugins, the architectures each family serves and the kernels of every op;
+``metrale serve MODEL`` serves a model over HTTP (:mod:`metrale.entrypoints.server.main`);
+``metrale bench`` measures prefill and decode against transformers, offline throughput, or a
+running server (:mod:`metrale.benchmarks`). ``python -m metrale`` is the same command.
 
 Exit status: 0 on success; 1 when a request failed (its error is printed) or ``metrale serve``
 cannot listen on its address (one line on stderr, before the model loads); 2 for bad input or

@@ -5,10 +5,10 @@ Python its callers run -- an HTTP server's request parsing, JSON encoding, strea
 competes with the engine's host work for the interpreter lock. An ``EngineProcess`` takes the
 same calls (:meth:`~EngineProcess.generate`, :meth:`~EngineProcess.submit`,
 :meth:`~EngineProcess.abort`, :meth:`~EngineProcess.stats`, :meth:`~EngineProcess.shutdown`)
-but loads the model in a child process (started with ``spawn``) whose only thread steps the
-engine; the callers' process never loads a weight. The engine process is a fresh interpreter
-(the caller's ``__main__`` is not imported again, as it would be by a ``multiprocessing``
-start); it stops when the callers' process goes away.
+but loads the model in a child process whose only thread steps the engine; the callers' process
+never loads a weight. The engine process is a fresh interpreter on a socket pair
+(:func:`metrale.child_process.start_child`: the caller's ``__main__`` is not imported again, as it
+would be by a ``multiprocessing`` start); it stops when the callers' process goes away.
 
 What crosses between them:
 
