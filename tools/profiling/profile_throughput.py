@@ -43,30 +43,26 @@ def main() -> None:
     forward, backend = llm.forward, llm.backend
     records: list[tuple[str, int, int, float, float]] = []  # kind, decode rows, prompt rows, issued s, synced s
     profiler = cProfile.Profile()
-    decode_batch, mixed_forward = forward.decode_batch, forward.mixed_forward
+    run = forward.run  # every engine step's one contract call goes through it
 
-    def timed_decode(tokens, seqs):
-        started = time.perf_counter()
-        out = decode_batch(tokens, seqs)
-        issued = time.perf_counter() - started
-        backend.synchronize()
-        records.append(("decode", len(seqs), 0, issued, time.perf_counter() - started))
-        return out
-
-    def timed_mixed(tokens, seqs, prompt, seq, start, length, is_last):
-        if not args.no_cprofile:
+    def timed(method, step, **arguments):
+        if method not in ("decode_batch", "mixed_forward"):
+            return run(method, step, **arguments)
+        mixed = method == "mixed_forward"
+        if mixed and not args.no_cprofile:
             profiler.enable()
         started = time.perf_counter()
-        out = mixed_forward(tokens, seqs, prompt, seq, start, length, is_last)
+        out = run(method, step, **arguments)
         issued = time.perf_counter() - started
         backend.synchronize()
         synced = time.perf_counter() - started
-        if not args.no_cprofile:
+        if mixed and not args.no_cprofile:
             profiler.disable()
-        records.append(("mixed", len(seqs), length, issued, synced))
+        rows = len(arguments["decode_seqs"] if mixed else arguments["seqs"])
+        records.append(("mixed" if mixed else "decode", rows, arguments["chunk_len"] if mixed else 0, issued, synced))
         return out
 
-    forward.decode_batch, forward.mixed_forward = timed_decode, timed_mixed
+    forward.run = timed
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
