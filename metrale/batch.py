@@ -16,7 +16,7 @@ from metrale.errors import CacheError
 from metrale.kernels.lora_tiles import adapter_tiles
 from metrale.sequence import MIXED_ADAPTERS, Segment
 
-__all__ = ["ForwardBatch", "Segment", "adapter_route"]
+__all__ = ["ForwardBatch", "adapter_route"]  # (Segment, of metrale.sequence, is importable from here too)
 
 
 @dataclass
