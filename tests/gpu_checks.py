@@ -3,6 +3,7 @@ MoE families' comparison of the cuda backend with the cpu backend where routing 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,22 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools" / "checkpoints"
 
 def load(path, device, **options):
     return LLM(path, device=device, show_progress=False, **options)
+
+
+def held_out_ids(llm, count: int = 256) -> list[int]:
+    """The first ``count`` token ids of the tiny checkpoints' held-out text, encoded by ``llm``."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import tiny_corpus
+    finally:
+        sys.path.remove(str(TOOLS))
+    _, held_out = tiny_corpus.extract()
+    ids: list[int] = []
+    for text in held_out:
+        ids += llm.encode(text)
+        if len(ids) >= count:
+            break
+    return ids[:count]
 
 
 def scored_with_routes(path, device, ids):

@@ -119,11 +119,7 @@ def metrale_prefill_chunk(
     position before it. Advances ``seq.num_cached`` to ``chunk_start + chunk_len``. Returns the
     chunk's last-position logits ``[1, vocab]`` when ``is_last_chunk``, else None.
 
-    ``segments`` (contract 1.3) are the step's rows as the engine planned them (a list of
-    :class:`~metrale.sequence.Segment`, in the order of the arguments), or None for a call made
-    through the contract method directly: a plugin may run them as they are (the built-in
-    families hand them to their model runner) instead of deriving its own; one that leaves the
-    parameter out of its implementation is called without it.
+    ``segments`` (contract 1.3): the step's planned rows, as for :func:`metrale_decode_batch`.
     """
 
 
@@ -189,11 +185,7 @@ def metrale_mixed_forward(
     a :class:`~metrale.sequence.MixedForwardResult` whose decode rows come first and are never
     overwritten by the prefill's logits (present only when ``is_last``).
 
-    ``segments`` (contract 1.3) are the step's rows as the engine planned them (a list of
-    :class:`~metrale.sequence.Segment`, in the order of the arguments), or None for a call made
-    through the contract method directly: a plugin may run them as they are (the built-in
-    families hand them to their model runner) instead of deriving its own; one that leaves the
-    parameter out of its implementation is called without it.
+    ``segments`` (contract 1.3): the step's planned rows, as for :func:`metrale_decode_batch`.
     """
 
 

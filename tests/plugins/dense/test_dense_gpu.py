@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
-from gpu_checks import TOOLS, load  # noqa: E402
+from gpu_checks import held_out_ids, load  # noqa: E402
 
 from metrale import SamplingParams
 from metrale.sequence import SequenceState
@@ -63,19 +61,8 @@ def test_random_checkpoints_match_the_cpu_backend(bf16_checkpoints, name):
 
 
 def test_tiny_dense_matches_the_cpu_backend():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import tiny_corpus
-    finally:
-        sys.path.remove(str(TOOLS))
     llm = load("tiny-dense", "cpu")
-    _, held_out = tiny_corpus.extract()
-    ids: list[int] = []
-    for text in held_out:
-        ids += llm.encode(text)
-        if len(ids) >= 256:
-            break
-    check_against_cpu(llm.checkpoint.path, ids[:256], "tiny-dense")
+    check_against_cpu(llm.checkpoint.path, held_out_ids(llm), "tiny-dense")
 
 
 def test_graph_replay_gives_the_eager_tokens(dense_checkpoints):

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
-from gpu_checks import TOOLS, check_against_cpu_where_routing_agrees, load
+from gpu_checks import check_against_cpu_where_routing_agrees, held_out_ids, load
 
 from metrale import SamplingParams
 
@@ -34,19 +32,8 @@ def test_random_checkpoint_matches_the_cpu_backend(bf16_gdn_checkpoint):
 
 
 def test_tiny_gdn_matches_the_cpu_backend():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import tiny_corpus
-    finally:
-        sys.path.remove(str(TOOLS))
     llm = load("tiny-gdn", "cpu")
-    _, held_out = tiny_corpus.extract()
-    ids: list[int] = []
-    for text in held_out:
-        ids += llm.encode(text)
-        if len(ids) >= 256:
-            break
-    check_against_cpu_where_routing_agrees(llm.checkpoint.path, ids[:256], "tiny-gdn")
+    check_against_cpu_where_routing_agrees(llm.checkpoint.path, held_out_ids(llm), "tiny-gdn")
 
 
 def test_chunked_prefill_and_decode_on_the_gpu(bf16_gdn_checkpoint):
