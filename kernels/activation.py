@@ -31,10 +31,8 @@ def silu_and_mul_reference(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return (gate / sigmoid_denominator(gate) * up).astype(np.float32)
 
 
-# NumPy has no erf (and SciPy is no dependency): the C library's, through Python's math module,
-# element by element on float64. About 0.12 s per million elements, as fast as a vectorised
-# rational approximation (Cody's) in NumPy, whose two-dozen array passes cost as much, and exact
-# to an ulp or so.
+# NumPy has no erf (and SciPy is no dependency): the C library's, element by element on float64,
+# exact to an ulp or so, which a faster vectorised approximation is not (timings: docs/notes/first-builds.rst).
 _erf = np.frompyfunc(math.erf, 1, 1)
 
 

@@ -71,7 +71,7 @@ SWIGLU_MODES = (RMSNORM_SWIGLU, PLAIN_SWIGLU)
 #: Whether the fused decode MLP computes the SwiGLU gate in its gate/up kernel's epilogue
 #: (:data:`RMSNORM_SWIGLU`, then a :data:`PLAIN` down kernel) instead of in the down kernel's
 #: prologue (:data:`SILU`): half the intermediate written and read, no activation in every block
-#: of the down kernel. Off until it is timed on a GPU (``tools/gemv_sweep.py``).
+#: of the down kernel. Off until it is timed on a GPU (``tools/sweeps/gemv_sweep.py``).
 SWIGLU_EPILOGUE = False
 
 #: Rows a launch takes: up to 8 per tile of the tensor-core product's N side, up to
@@ -87,7 +87,7 @@ UNROLLS = (4, 8)
 SPLITS = (1, 2, 4, 8)  # warps sharing a tile of 16 columns
 TILE = 16  # output columns of one product
 #: Largest dynamic shared memory a block takes (the staged rows, the norm's partial sums and the
-#: split's partial products): what the H200 allows a block.
+#: split's partial products): what compute capability 9.0 allows a block.
 MAX_SHARED_BYTES = 227 * 1024
 REDUCE_BYTES = WARPS * 32 * 16  # a float4 per lane of every warp, per row tile
 NORM_BYTES = WARPS * MAX_ROWS * 4 + MAX_ROWS * 4  # partial sums of squares per warp and row, then the scales
@@ -400,10 +400,8 @@ def choose_unroll(rows: int, inner: int, columns: int, mode: int, multiprocessor
                   split: int | None = None) -> int:
     """The launcher's :data:`UNROLLS` choice: 8 (twice the weight words in flight, one block a
     multiprocessor for the registers) where the split grid fits one wave at one block a
-    multiprocessor and there are at most 8 rows (more rows hold more accumulators), 4 otherwise.
-    On the H200 unroll 8 was faster exactly there: the 1B shape's down and o projections at one
-    row (128 blocks), slower where it made a second wave (the 8B shape's, 256 blocks) or a
-    grid-stride loop (split 1)."""
+    multiprocessor and there are at most 8 rows (more rows hold more accumulators), 4 otherwise:
+    a second wave costs more than the loads in flight gain (timings: :doc:`/notes/decode-kernels`)."""
     chosen, blocks = plan(rows, inner, columns, mode, multiprocessors, split)
     return UNROLLS[1] if chosen > 1 and blocks <= multiprocessors and rows <= 8 else UNROLLS[0]
 

@@ -3,7 +3,7 @@ through CuPy).
 
 :mod:`metrale.kernels.sampling` draws a row's token with one block, which walks the row's whole
 vocabulary several times (the scale, the top-k and top-p brackets, the draw): at batch 1 that is
-one multiprocessor reading the 0.5 MB of a 128k-token row while the other 131 wait. When every row
+one multiprocessor reading the 0.5 MB of a 128k-token row while all the others wait. When every row
 of a step is greedy (temperature 0) the token is the row's arg-max alone, so here each row is cut
 into parts of :data:`PART` values, a block per part and row finds the part's largest value and
 its smallest index, and the last block of a row to finish (an atomic ticket on the row's counter,

@@ -179,9 +179,7 @@ EXPAND_ROWS = ADAPTER_TILE_ROWS
 #: Whether the expand is launched as a programmatic dependent of the product before it (its
 #: prologue -- reading its first tile, the bias and prefetching B, none of them another kernel's
 #: output -- then overlaps that product's tail; all it reads of other kernels comes after
-#: ``wait_for_producers()``). Measured on the H200 (Llama-8B shape, 32 rows, four rank-16
-#: adapters), with an expand that listed each slot's rows itself: a step 1.25 times the base
-#: model's, against 1.28 to 1.30 launched plainly (``tools/lora_bench.py --no-expand-dependent``).
+#: ``wait_for_producers()``). It shortens the adapted decode step (timings: docs/notes/lora-decode.rst).
 EXPAND_DEPENDENT = True
 EXPAND_SEGMENT = 256
 

@@ -7,8 +7,8 @@ per row exactly as plain decoding would, and keeps the longest prefix of drafts 
 samples plus the sample at the first difference (or after the last draft). The ``verdict`` then
 tells the model how many rows each sequence kept (:func:`accepted_count`). On the ``cuda``
 backend a verify of a model without recurrent state replays the decode graphs, its rows as decode
-rows of their own (:meth:`metrale.runner.graphs.CudaGraphRunner.run_verify`): on the Llama-8B
-shape a verify of 2 to 5 rows costs 1.05 to 1.17 decode steps (the benchmarks page).
+rows of their own (:meth:`metrale.runner.graphs.CudaGraphRunner.run_verify`), so a verify of a
+few rows costs little more than a decode step (timings: :doc:`/benchmarks`, "Speculative decoding").
 
 Why this is exact: the drafters here propose one token per position (a point mass ``q``), and
 row ``j``'s sample is drawn from the target's distribution ``p_j`` with the request's seed and

@@ -133,9 +133,6 @@ class BlockAllocator:
         self._check(block)
         self._retained.add(block)
 
-    def is_retained(self, block: int) -> bool:
-        return block in self._retained
-
     def free(self, blocks: list[int]) -> None:
         """Drop one reference from each block; blocks reaching 0 become free (or evictable)."""
         counts = Counter(blocks)

@@ -24,9 +24,6 @@ from metrale.cache.spec import CacheSpec, PagedKVSpec, PagedLatentSpec, Recurren
 from metrale.errors import CacheError, ConfigError
 from metrale.sequence import SequenceState
 
-#: Slot id reserved for padding rows of a batch.
-DUMMY_STATE_SLOT = 0
-
 
 @dataclass
 class PagedKVLayer:

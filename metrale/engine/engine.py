@@ -170,16 +170,6 @@ class Engine:
         changed requests not handed out yet."""
         return self.scheduler.has_work or self.in_flight is not None or bool(self._outbox)
 
-    def abort_all(self) -> list[Request]:
-        """Drop every unfinished request and release its cache (and the step in flight, its
-        tokens unread); returns them."""
-        self._drop_in_flight()
-        self._outbox = []
-        dropped = list(self.scheduler.running) + list(self.scheduler.waiting)
-        for request in dropped:
-            self._remove(request)
-        return dropped
-
     def abort(self, requests: Sequence[Request]) -> list[Request]:
         """Drop ``requests`` (those still queued; finished ones are left alone): their cache is
         released and they finish with ``finish_reason == "abort"``. A step in flight that holds

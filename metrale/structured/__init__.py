@@ -75,8 +75,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-#: The requirement of the ``structured`` extra.
-LLGUIDANCE_REQUIREMENT = "llguidance>=1.9"
 INSTALL_HINT = 'pip install "metrale[structured]"'
 
 #: Compiled grammars a :class:`GrammarCompiler` keeps by default.

@@ -29,6 +29,7 @@ from metrale.layers.loading import DecoderEnds
 from metrale.layers.lora import ends_lora, linear_with_lora, mlp_lora, new_stack, normed_projection
 from metrale.layers.lora_stacks import LoraLayout
 from metrale.layers.mlp import MlpWeights, load_mlp_weights, swiglu_mlp
+from metrale.layers.mtp import MtpModule, MtpTensors
 from metrale.loading.checkpoint import Checkpoint
 from metrale.model.family import FamilyModel
 from metrale.plugins.gdn.config import GdnConfig
@@ -340,42 +341,23 @@ class GdnLayer:
         )
 
 
-#: Tensors of a Qwen3-Next MTP module beside its layer's, all required.
-MTP_PARTS = ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
-             "mtp.layers.0.input_layernorm.weight", "mtp.layers.0.self_attn.q_proj.weight")
-
-
-@dataclass
-class MtpModule:
-    """Qwen3-Next's multi-token-prediction module ``mtp.*`` (:ref:`families-mtp`): for a row at
-    position ``i`` with the main model's final state ``h_i`` and the next token ``t_{i+1}``,
-    ``fc([pre_fc_norm_embedding(E[t_{i+1}]); pre_fc_norm_hidden(h_i)])`` (zero-centred norms)
-    through one gated-attention decoder layer (its own KV cache layer), then ``norm`` and the
-    main model's LM head: the logits of ``t_{i+2}``."""
-
-    embedding_norm: Any  # pre_fc_norm_embedding [H]
-    hidden_norm: Any  # pre_fc_norm_hidden [H]
-    projection: Any  # fc [H, 2H]
-    layer: GdnLayer
-    head_norm: Any  # norm [H]
+#: Where Qwen3-Next keeps its multi-token-prediction module ``mtp.*``; its layer
+#: ``mtp.layers.0`` counts as present with its input norm and query projection.
+MTP_TENSORS = MtpTensors("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.fc.weight",
+                         "mtp.norm.weight", ("mtp.layers.0.input_layernorm.weight", "mtp.layers.0.self_attn.q_proj.weight"))
 
 
 def load_mtp_module(checkpoint: Checkpoint, backend: Any, config: GdnConfig) -> MtpModule | None:
-    """The MTP module's first layer and its parts when ``checkpoint`` holds all of them
-    (:data:`MTP_PARTS`; a MoE feed-forward where ``mtp.layers.0.mlp.gate.weight`` is present),
-    else None; the other ``mtp.*`` tensors (deeper layers) are skipped."""
-    c, vector = config, (config.hidden_size,)
-    module = None
-    if all(checkpoint.has(name) for name in MTP_PARTS):
-        module = MtpModule(
-            embedding_norm=backend.load_weight(checkpoint, ("mtp.pre_fc_norm_embedding.weight", vector)),
-            hidden_norm=backend.load_weight(checkpoint, ("mtp.pre_fc_norm_hidden.weight", vector)),
-            projection=backend.load_weight(checkpoint, ("mtp.fc.weight", (c.hidden_size, 2 * c.hidden_size))),
-            layer=GdnLayer.load(checkpoint, backend, "mtp.layers.0", c, attention=True,
-                                moe=checkpoint.has("mtp.layers.0.mlp.gate.weight")),
-            head_norm=backend.load_weight(checkpoint, ("mtp.norm.weight", vector)),
-        )
-    return module
+    """Qwen3-Next's multi-token-prediction module ``mtp.*`` (:class:`~metrale.layers.mtp.MtpModule`:
+    ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``fc``, a gated-attention decoder layer
+    with its own KV cache layer, ``norm``; zero-centred norms) when ``checkpoint`` holds all of
+    :data:`MTP_TENSORS` (its layer's feed-forward a MoE where ``mtp.layers.0.mlp.gate.weight`` is
+    present), else None; the other ``mtp.*`` tensors (deeper layers) are skipped by the model."""
+    c = config
+    return MtpModule.load(checkpoint, backend, MTP_TENSORS, c.hidden_size,
+                          lambda: GdnLayer.load(checkpoint, backend, "mtp.layers.0", c, attention=True,
+                                                moe=checkpoint.has("mtp.layers.0.mlp.gate.weight")),
+                          offset=1.0)
 
 
 class GdnModel(FamilyModel):
@@ -565,15 +547,11 @@ class GdnModel(FamilyModel):
         """The MTP module over ``batch`` (decode rows: row ``i``'s token ``t_{i+1}``) with the
         final states ``hidden [rows, H]`` float32: ``(logits, the module's output states)``
         (:mod:`metrale.plugins.mtp`)."""
-        ops, eps, module = self.backend.ops, self.config.rms_norm_eps, self.mtp
-        if module is None:
+        if self.mtp is None:
             raise ConfigError(f"{type(self).__name__} has no multi-token-prediction module to run")
-        embedded = ops.rmsnorm(self.ends.embed_tokens(self.backend, batch), module.embedding_norm, eps, 1.0)
-        joined = self.backend.xp.concatenate([embedded, ops.rmsnorm(hidden, module.hidden_norm, eps, 1.0)], axis=1)
-        x, residual = self.layer_forward(module.layer, self._require_cache().layers[self.config.num_layers],
-                                         ops.linear(joined, module.projection), None, batch)
-        logits, summed = ops.rmsnorm_linear(x, residual, module.head_norm, eps, 1.0, self.ends.lm_head)
-        return self.ends.gather_logits(self.backend, logits), summed
+        cache_layer = self._require_cache().layers[self.config.num_layers]
+        return self.mtp.forward(self.backend, self.ends, batch, hidden, self.config.rms_norm_eps,
+                                lambda layer, x: self.layer_forward(layer, cache_layer, x, None, batch))
 
     def after_run(self, segments: list[Any], batch: ForwardBatch) -> None:
         if self.mtp_drafting and self.mtp_rows is not None:

@@ -29,6 +29,7 @@ from metrale.layers.loading import DecoderEnds
 from metrale.layers.lora import ends_lora, linear_with_lora, mlp_lora, new_stack, normed_projection
 from metrale.layers.lora_stacks import LoraLayout
 from metrale.layers.mlp import MlpWeights, load_mlp_weights, swiglu_mlp
+from metrale.layers.mtp import MtpModule, MtpTensors
 from metrale.loading.checkpoint import Checkpoint
 from metrale.model.family import FamilyModel
 from metrale.plugins.mla.config import MlaConfig
@@ -290,45 +291,28 @@ class MlaLayer:
         )
 
 
-#: Tensors of an MTP module beside its decoder layer's (``model.layers.{L}.``), all required.
-MTP_PARTS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-             "input_layernorm.weight", "self_attn.kv_a_proj_with_mqa.weight")
-
-
-@dataclass
-class MtpModule:
-    """DeepSeek-V3's multi-token-prediction module ``model.layers.{index}.*``
-    (:ref:`families-mtp`): for a row at position ``i`` with the main model's final state ``h_i``
-    and the next token ``t_{i+1}``, ``eh_proj([enorm(E[t_{i+1}]); hnorm(h_i)])`` through one MLA
-    decoder layer (its own latent cache layer), then ``shared_head.norm`` and the main model's LM
-    head: the logits of ``t_{i+2}``."""
-
-    index: int
-    embedding_norm: Any  # enorm [H]
-    hidden_norm: Any  # hnorm [H]
-    projection: Any  # eh_proj [H, 2H]
-    layer: MlaLayer
-    head_norm: Any  # shared_head.norm [H]
+def mtp_tensors(prefix: str) -> MtpTensors:
+    """Where DeepSeek-V3 keeps the MTP module ``prefix`` (``model.layers.{L}``) beside its
+    decoder layer's tensors; its layer counts as present with its input norm and latent
+    projection."""
+    return MtpTensors(f"{prefix}.enorm.weight", f"{prefix}.hnorm.weight", f"{prefix}.eh_proj.weight",
+                      f"{prefix}.shared_head.norm.weight",
+                      (f"{prefix}.input_layernorm.weight", f"{prefix}.self_attn.kv_a_proj_with_mqa.weight"))
 
 
 def load_mtp_module(checkpoint: Checkpoint, backend: Any, config: MlaConfig) -> MtpModule | None:
-    """The first MTP module of ``checkpoint`` when it holds every part of it (:data:`MTP_PARTS`),
-    else None. Every tensor under the MTP prefixes is accounted for: deeper modules, and the
-    ``shared_head.head`` and ``embed_tokens`` copies of the main model's (whose own serve
-    instead), are skipped."""
-    c, vector = config, (config.hidden_size,)
+    """DeepSeek-V3's first multi-token-prediction module ``model.layers.{L}.*``
+    (:class:`~metrale.layers.mtp.MtpModule`: ``enorm``, ``hnorm``, ``eh_proj``, an MLA decoder
+    layer with its own latent cache layer, ``shared_head.norm``) when ``checkpoint`` holds every
+    part of it (:func:`mtp_tensors`), else None. Every tensor under the MTP prefixes is accounted
+    for: deeper modules, and the ``shared_head.head`` and ``embed_tokens`` copies of the main
+    model's (whose own serve instead), are skipped."""
+    c = config
     present = [i for i in checkpoint.layer_indices("model.layers.") if c.num_layers <= i < c.num_layers + c.num_mtp_layers]
-    prefix = f"model.layers.{c.num_layers}"
     module = None
-    if c.num_layers in present and all(checkpoint.has(f"{prefix}.{part}") for part in MTP_PARTS):
-        module = MtpModule(
-            index=c.num_layers,
-            embedding_norm=backend.load_weight(checkpoint, (f"{prefix}.enorm.weight", vector)),
-            hidden_norm=backend.load_weight(checkpoint, (f"{prefix}.hnorm.weight", vector)),
-            projection=backend.load_weight(checkpoint, (f"{prefix}.eh_proj.weight", (c.hidden_size, 2 * c.hidden_size))),
-            layer=MlaLayer.load(checkpoint, backend, c.num_layers, c),
-            head_norm=backend.load_weight(checkpoint, (f"{prefix}.shared_head.norm.weight", vector)),
-        )
+    if c.num_layers in present:
+        module = MtpModule.load(checkpoint, backend, mtp_tensors(f"model.layers.{c.num_layers}"), c.hidden_size,
+                                lambda: MlaLayer.load(checkpoint, backend, c.num_layers, c))
     prefixes = tuple(f"model.layers.{i}." for i in present)
     if prefixes:
         checkpoint.skip([name for name in checkpoint.names() if name.startswith(prefixes)])
@@ -431,15 +415,11 @@ class MlaModel(FamilyModel):
         """The MTP module over ``batch`` (decode rows: row ``i``'s token ``t_{i+1}``) with the
         final states ``hidden [rows, H]`` float32: ``(logits, the module's output states)``
         (:mod:`metrale.plugins.mtp`)."""
-        ops, eps, module = self.backend.ops, self.config.rms_norm_eps, self.mtp
-        if module is None:
+        if self.mtp is None:
             raise ConfigError(f"{type(self).__name__} has no multi-token-prediction module to run")
-        embedded = ops.rmsnorm(self.ends.embed_tokens(self.backend, batch), module.embedding_norm, eps)
-        joined = self.backend.xp.concatenate([embedded, ops.rmsnorm(hidden, module.hidden_norm, eps)], axis=1)
-        x, residual = self.layer_forward(module.layer, self._require_cache().layers[module.index],
-                                         ops.linear(joined, module.projection), None, batch)
-        logits, summed = ops.rmsnorm_linear(x, residual, module.head_norm, eps, 0.0, self.ends.lm_head)
-        return self.ends.gather_logits(self.backend, logits), summed
+        cache_layer = self._require_cache().layers[self.config.num_layers]
+        return self.mtp.forward(self.backend, self.ends, batch, hidden, self.config.rms_norm_eps,
+                                lambda layer, x: self.layer_forward(layer, cache_layer, x, None, batch))
 
     def after_run(self, segments: list[Any], batch: ForwardBatch) -> None:
         if self.mtp_drafting and self.mtp_rows is not None:

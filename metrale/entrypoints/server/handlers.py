@@ -23,7 +23,7 @@ from metrale.entrypoints.server.checks import (
 from metrale.entrypoints.server.jobs import _Choice, _ClientGone, _collect, _EventStream, _failure, _Job
 from metrale.entrypoints.server.state import COMPLETION_DEFAULT_MAX_TOKENS, _error_response, _json_response, _State, _unavailable
 from metrale.errors import EngineBusyError, EngineClosedError, InvalidRequestError, MetraleError, QueueFullError
-from metrale.params import RequestOutput
+from metrale.params import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ async def _completions(state: _State, request: Request) -> Response:
                                      include_usage)
         job.watch(request)
         if stream:
-            return _EventStream(_completion_events(job, context), job)
+            return _EventStream(_events(job, context), job)
         try:
             outputs = await _collect(job)
         except _ClientGone:
@@ -85,21 +85,92 @@ def _decode(state: _State, ids: list[int]) -> str:
         return ""
 
 
-class _CompletionContext:
-    """What the completions responses are built from."""
+class _Context:
+    """What a response is built from: the request's model, id, ``n``, logprobs count ``k`` and
+    whether its stream ends with the usage. A subclass per endpoint; :func:`_events`, the one
+    stream loop, asks it only for what differs between them: the chunk object, the choices sent
+    before any output, what a choice's first piece starts with, the new tokens' logprobs, and
+    the choice's JSON."""
 
-    def __init__(self, state: _State, model: str, response_id: str, created: int, n: int, k: int | None, echo: bool,
-                 echo_texts: list[str], prompt_logprobs: int | None, include_usage: bool) -> None:
+    #: The endpoint, as the log names it.
+    name = ""
+
+    def __init__(self, state: _State, model: str, response_id: str, created: int, n: int, k: int | None,
+                 include_usage: bool) -> None:
         self.state = state
         self.model = model
         self.id = response_id
         self.created = created
         self.n = n
         self.k = k
+        self.include_usage = include_usage
+
+    def chunk(self, choices: list[dict], used: dict | None = None) -> dict:
+        """One chunk of the stream (``used``: the usage of its last one)."""
+        raise NotImplementedError
+
+    def opening(self) -> list[dict]:
+        """The choices sent before any output, one chunk each."""
+        return []
+
+    def prefix(self, index: int) -> str:
+        """The text a choice of prompt ``index`` starts with, before its first token."""
+        return ""
+
+    def prompt_logprobs_json(self, output: RequestOutput) -> list | None:
+        """The prompt logprobs a choice's first piece carries, or None."""
+        return None
+
+    def new_logprobs(self, choice: _Choice, output: RequestOutput, completion: CompletionOutput,
+                     first: bool) -> dict | None:
+        """The logprobs of ``completion``'s tokens past the ``choice.tokens`` sent (None when
+        none are asked for or none is new)."""
+        raise NotImplementedError
+
+    def delta_choice(self, index: int, delta: str, logprobs: dict | None, finish: str | None, reason: str | int | None,
+                     prompt_logprobs: list | None) -> dict:
+        """Choice ``index`` of a chunk: its new text ``delta``, logprobs and finish."""
+        raise NotImplementedError
+
+
+class _CompletionContext(_Context):
+    """What the completions responses are built from."""
+
+    name = "completions"
+
+    def __init__(self, state: _State, model: str, response_id: str, created: int, n: int, k: int | None, echo: bool,
+                 echo_texts: list[str], prompt_logprobs: int | None, include_usage: bool) -> None:
+        super().__init__(state, model, response_id, created, n, k, include_usage)
         self.echo = echo
         self.echo_texts = echo_texts
         self.prompt_logprobs = prompt_logprobs
-        self.include_usage = include_usage
+
+    def chunk(self, choices: list[dict], used: dict | None = None) -> dict:
+        return P.completion_chunk(self.id, self.created, self.model, choices, used=used, include_usage=self.include_usage)
+
+    def prefix(self, index: int) -> str:
+        return self.echo_texts[index] if self.echo else ""
+
+    def new_logprobs(self, choice: _Choice, output: RequestOutput, completion: CompletionOutput,
+                     first: bool) -> dict | None:
+        if self.k is None:
+            return None
+        if choice.logprobs is None:
+            choice.logprobs = P.CompletionLogprobs(self.k, self.state.token_text)
+        parts = []
+        if self.echo and first:
+            parts.append(self.echo_logprobs(choice.logprobs, output))
+        new_ids = completion.token_ids[choice.tokens:]
+        if new_ids:
+            entries = list(completion.logprobs or [])[choice.tokens:len(completion.token_ids)]
+            parts.append(choice.logprobs.piece(new_ids, entries))
+        if not parts:
+            return None
+        return {key: [v for part in parts for v in part[key]] for key in parts[0]}
+
+    def delta_choice(self, index: int, delta: str, logprobs: dict | None, finish: str | None, reason: str | int | None,
+                     prompt_logprobs: list | None) -> dict:
+        return P.completion_choice(index, delta, logprobs, finish, reason, prompt_logprobs)
 
     def echo_logprobs(self, builder: P.CompletionLogprobs, output: RequestOutput) -> dict:
         ids = output.prompt_token_ids
@@ -138,19 +209,23 @@ class _CompletionContext:
                     parts = [self.echo_logprobs(builder, output)] if self.echo else []
                     parts.append(builder.piece(completion.token_ids, list(completion.logprobs or [])))
                     logprobs = {key: [v for part in parts for v in part[key]] for key in parts[0]}
-                if self.echo:
-                    text = self.echo_texts[index] + text
+                text = self.prefix(index) + text
                 reason = P.stop_reason(completion, state.eos_token_ids, job.params[index].stop_token_ids)
                 choices.append(P.completion_choice(index * self.n + completion.index, text, logprobs,
                                                    completion.finish_reason, reason, self.prompt_logprobs_json(output)))
         return P.completion_response(self.id, self.created, self.model, choices, P.usage(prompt_tokens, completion_tokens))
 
 
-async def _completion_events(job: _Job, context: _CompletionContext) -> AsyncIterator[bytes]:
+async def _events(job: _Job, context: _Context) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed response: each choice's new text and logprobs as
+    they come, its finish, the usage when asked, then ``[DONE]``; an engine failure or abort as
+    an error event; nothing more once the client went away."""
     state = context.state
     sent: dict[int, _Choice] = {}
     completion_tokens = 0
     try:
+        for opening in context.opening():
+            yield P.sse(context.chunk([opening]))
         while (item := await job.next()) is not None:
             index, output = item
             for completion in output.outputs:
@@ -163,26 +238,14 @@ async def _completion_events(job: _Job, context: _CompletionContext) -> AsyncIte
                     yield P.sse(failure.body())
                     yield P.SSE_DONE
                     return
+                first = not choice.started
                 text = completion.text or ""
                 delta = text[choice.text:] if len(text) > choice.text else ""
                 choice.text = max(choice.text, len(text))
-                new_ids = completion.token_ids[choice.tokens:]
-                logprobs = None
-                if context.k is not None:
-                    if choice.logprobs is None:
-                        choice.logprobs = P.CompletionLogprobs(context.k, state.token_text)
-                    parts = []
-                    if context.echo and not choice.started:
-                        parts.append(context.echo_logprobs(choice.logprobs, output))
-                    if new_ids:
-                        entries = list(completion.logprobs or [])[choice.tokens:len(completion.token_ids)]
-                        parts.append(choice.logprobs.piece(new_ids, entries))
-                    if parts:
-                        logprobs = {key: [v for part in parts for v in part[key]] for key in parts[0]}
+                logprobs = context.new_logprobs(choice, output, completion, first)
                 choice.tokens = len(completion.token_ids)
-                first = not choice.started
-                if first and context.echo:
-                    delta = context.echo_texts[index] + delta
+                if first:
+                    delta = context.prefix(index) + delta
                 prompt_logprobs = context.prompt_logprobs_json(output) if first else None
                 finish = completion.finish_reason
                 if not delta and logprobs is None and finish is None and prompt_logprobs is None:
@@ -192,17 +255,15 @@ async def _completion_events(job: _Job, context: _CompletionContext) -> AsyncIte
                     choice.finished = True
                     completion_tokens += len(completion.token_ids)
                 reason = P.stop_reason(completion, state.eos_token_ids, job.params[index].stop_token_ids) if finish else None
-                choice_json = P.completion_choice(choice_index, delta, logprobs, finish, reason, prompt_logprobs)
-                yield P.sse(P.completion_chunk(context.id, context.created, context.model, [choice_json],
-                                               include_usage=context.include_usage))
+                yield P.sse(context.chunk([context.delta_choice(choice_index, delta, logprobs, finish, reason,
+                                                                prompt_logprobs)]))
         if job.closed and len(job.done) < len(job.request_ids):
             return  # the client went away
         if context.include_usage:
-            used = P.usage(sum(len(ids) for _, ids in job.prompts), completion_tokens)
-            yield P.sse(P.completion_chunk(context.id, context.created, context.model, [], used=used, include_usage=True))
+            yield P.sse(context.chunk([], P.usage(sum(len(ids) for _, ids in job.prompts), completion_tokens)))
         yield P.SSE_DONE
     except Exception:
-        logger.exception("a completions stream failed")
+        logger.exception("a %s stream failed", context.name)
         yield P.sse(P.error_body("the server failed while answering this request", "server_error", None, "internal_error"))
         yield P.SSE_DONE
     finally:
@@ -235,7 +296,7 @@ async def _chat(state: _State, request: Request) -> Response:
         context = _ChatContext(state, req.model, response_id, created, n, k, include_usage)
         job.watch(request)
         if stream:
-            return _EventStream(_chat_events(job, context), job)
+            return _EventStream(_events(job, context), job)
         try:
             outputs = await _collect(job)
         except _ClientGone:
@@ -246,16 +307,31 @@ async def _chat(state: _State, request: Request) -> Response:
         raise
 
 
-class _ChatContext:
-    def __init__(self, state: _State, model: str, response_id: str, created: int, n: int, k: int | None,
-                 include_usage: bool) -> None:
-        self.state = state
-        self.model = model
-        self.id = response_id
-        self.created = created
-        self.n = n
-        self.k = k
-        self.include_usage = include_usage
+class _ChatContext(_Context):
+    """What the chat completions responses are built from."""
+
+    name = "chat completions"
+
+    def chunk(self, choices: list[dict], used: dict | None = None) -> dict:
+        return P.chat_chunk(self.id, self.created, self.model, choices, used=used, include_usage=self.include_usage)
+
+    def opening(self) -> list[dict]:
+        """Each choice's role."""
+        return [P.chat_delta_choice(index, {"role": "assistant", "content": ""}, None, None, None)
+                for index in range(self.n)]
+
+    def new_logprobs(self, choice: _Choice, output: RequestOutput, completion: CompletionOutput,
+                     first: bool) -> dict | None:
+        new_ids = completion.token_ids[choice.tokens:]
+        if self.k is None or not new_ids:
+            return None
+        entries = list(completion.logprobs or [])[choice.tokens:len(completion.token_ids)]
+        return P.chat_logprobs(new_ids, entries, self.k, self.state.token_text)
+
+    def delta_choice(self, index: int, delta: str, logprobs: dict | None, finish: str | None, reason: str | int | None,
+                     prompt_logprobs: list | None) -> dict:
+        content = {"content": delta} if delta or finish is None else {}
+        return P.chat_delta_choice(index, content, logprobs, finish, reason)
 
     def response(self, job: _Job, output: RequestOutput) -> dict:
         state = self.state
@@ -271,60 +347,6 @@ class _ChatContext:
             choices.append(P.chat_choice(completion.index, completion.text or "", logprobs, completion.finish_reason, reason))
         used = P.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))
         return P.chat_response(self.id, self.created, self.model, choices, used)
-
-
-async def _chat_events(job: _Job, context: _ChatContext) -> AsyncIterator[bytes]:
-    state = context.state
-    sent: dict[int, _Choice] = {}
-    completion_tokens = 0
-    try:
-        for index in range(context.n):
-            sent[index] = _Choice()
-            role = P.chat_delta_choice(index, {"role": "assistant", "content": ""}, None, None, None)
-            yield P.sse(P.chat_chunk(context.id, context.created, context.model, [role], include_usage=context.include_usage))
-        while (item := await job.next()) is not None:
-            _, output = item
-            for completion in output.outputs:
-                choice = sent.setdefault(completion.index, _Choice())
-                if choice.finished:
-                    continue
-                failure = _failure(output, completion.finish_reason)
-                if failure is not None:
-                    yield P.sse(failure.body())
-                    yield P.SSE_DONE
-                    return
-                text = completion.text or ""
-                delta = text[choice.text:] if len(text) > choice.text else ""
-                choice.text = max(choice.text, len(text))
-                new_ids = completion.token_ids[choice.tokens:]
-                logprobs = None
-                if context.k is not None and new_ids:
-                    entries = list(completion.logprobs or [])[choice.tokens:len(completion.token_ids)]
-                    logprobs = P.chat_logprobs(new_ids, entries, context.k, state.token_text)
-                choice.tokens = len(completion.token_ids)
-                finish = completion.finish_reason
-                if not delta and logprobs is None and finish is None:
-                    continue
-                if finish is not None:
-                    choice.finished = True
-                    completion_tokens += len(completion.token_ids)
-                reason = P.stop_reason(completion, state.eos_token_ids, job.params[0].stop_token_ids) if finish else None
-                content = {"content": delta} if delta or finish is None else {}
-                choice_json = P.chat_delta_choice(completion.index, content, logprobs, finish, reason)
-                yield P.sse(P.chat_chunk(context.id, context.created, context.model, [choice_json],
-                                         include_usage=context.include_usage))
-        if job.closed and len(job.done) < len(job.request_ids):
-            return  # the client went away
-        if context.include_usage:
-            used = P.usage(sum(len(ids) for _, ids in job.prompts), completion_tokens)
-            yield P.sse(P.chat_chunk(context.id, context.created, context.model, [], used=used, include_usage=True))
-        yield P.SSE_DONE
-    except Exception:
-        logger.exception("a chat completions stream failed")
-        yield P.sse(P.error_body("the server failed while answering this request", "server_error", None, "internal_error"))
-        yield P.SSE_DONE
-    finally:
-        job.close()
 
 
 async def _answer(state: _State, request: Request, handler: Callable[[_State, Request], Awaitable[Response]]) -> Response:
