@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from metrale.errors import GraphCaptureError, OpRegistrationError, UnknownOpError
+from metrale.errors import GraphCaptureError, OpNameClashError, OpRegistrationError, UnknownOpError
 from metrale.kernels.bf16 import bf16_to_float32 as bf16_bits_to_float32
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -154,16 +154,38 @@ class OpRegistry:
 
     ops: dict[str, Op] = field(default_factory=dict)
     kernels: list[Kernel] = field(default_factory=list)
+    #: plugin name -> the distribution that provides it, for messages (:meth:`from_plugin`).
+    distributions: dict[str, str] = field(default_factory=dict)
 
     def declare(self, op: Op) -> Op:
-        """Add ``op``; a name already declared raises :class:`~metrale.errors.OpRegistrationError`."""
+        """Add ``op``; a name already declared raises :class:`~metrale.errors.OpNameClashError`
+        naming the op and both declarers."""
         if op.name in self.ops:
-            raise OpRegistrationError(
-                f"op {op.name!r} is declared twice (by {self.ops[op.name].origin} and {op.origin}); "
-                "to replace a built-in op's kernel, register a Kernel for it instead"
-            )
+            raise self._clash(self.ops[op.name], op)
         self.ops[op.name] = op
         return op
+
+    def _who(self, origin: str) -> str:
+        distribution = self.distributions.get(origin)
+        return f"plugin {origin!r}" + (f" (distribution {distribution!r})" if distribution else "")
+
+    def _clash(self, first: Op, second: Op) -> OpNameClashError:
+        name, origins = second.name, (first.origin, second.origin)
+        details = dict(op=name, origins=origins, plugin=second.origin, distribution=self.distributions.get(second.origin))
+        if first.origin == BUILTIN:
+            return OpNameClashError(
+                f"{self._who(second.origin)} declares op {name!r}, which is a built-in op of Metrale; to run its own "
+                f"kernel for it, the plugin registers Kernel({name!r}, ...) instead of declaring the op again",
+                **details,
+            )
+        if first.origin == second.origin:
+            return OpNameClashError(f"{self._who(second.origin)} declares op {name!r} twice", **details)
+        return OpNameClashError(
+            f"{self._who(first.origin)} and {self._who(second.origin)} both declare op {name!r}, and an op name "
+            f"can be declared once; rename the op in one of them, or block one plugin "
+            f"(METRALE_BLOCKED_PLUGINS={second.origin}) until they agree",
+            **details,
+        )
 
     def add_kernel(self, kernel: Kernel) -> Kernel:
         """Add ``kernel``. A plugin's kernels are tried before the built-in ones of the same op;
@@ -180,10 +202,13 @@ class OpRegistry:
         return kernel
 
     def copy(self) -> "OpRegistry":
-        return OpRegistry(dict(self.ops), list(self.kernels))
+        return OpRegistry(dict(self.ops), list(self.kernels), dict(self.distributions))
 
-    def from_plugin(self, origin: str) -> "PluginOps":
-        """A view that stamps ``origin`` on what a plugin declares and registers."""
+    def from_plugin(self, origin: str, distribution: str | None = None) -> "PluginOps":
+        """A view that stamps ``origin`` (the plugin's name) on what a plugin declares and
+        registers; ``distribution``, when known, names the package in error messages."""
+        if distribution:
+            self.distributions[origin] = distribution
         return PluginOps(self, origin)
 
     def kernels_for(self, op: str, backend: str) -> list[Kernel]:
