@@ -130,7 +130,9 @@ class Kernel:
     ``build(backend)`` returns the callable, which takes the op's parameters; it is called once
     per backend. ``when(*args, **kwargs)``, if given, says whether the kernel serves a call (the
     next kernel is tried when it does not); ``condition`` says the same in words, for
-    ``metrale plugins`` and the docs.
+    ``metrale plugins`` and the docs. ``examples(rng)``, like :attr:`Op.examples`, adds argument
+    sets the kernel check runs on this kernel besides its op's: those that meet a condition the
+    op's examples do not.
     """
 
     op: str
@@ -140,6 +142,7 @@ class Kernel:
     when: Callable[..., bool] | None = None
     condition: str = ""
     origin: str = BUILTIN
+    examples: Examples | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("cpu", "cuda"):
@@ -268,6 +271,9 @@ class OpTable:
     def _bind(self, op: Op, backend: Any) -> Callable[..., Any]:
         kernels = self._registry.kernels_for(op.name, backend.name)
         built: list[tuple[Kernel | None, Callable[..., Any]]] = [(kernel, kernel.build(backend)) for kernel in kernels]
+        if backend.name != "cpu" and not op.graph_safe:
+            built = [(kernel, function if kernel.origin == BUILTIN else refusing_capture(op.name, backend, function))
+                     for kernel, function in built]
         if not any(kernel.when is None for kernel in kernels):
             fallback = op.reference if backend.name == "cpu" else host_fallback(op, backend)
             if backend.name != "cpu":
@@ -305,6 +311,22 @@ class _Dispatch:
             if kernel is None or kernel.when is None or kernel.when(*args, **kwargs):
                 return function(*args, **kwargs)
         raise UnknownOpError(f"no kernel of op {self.name!r} applies to these arguments")
+
+
+def refusing_capture(name: str, backend: Any, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` (a plugin's kernel of op ``name``, declared ``graph_safe=False``), raising
+    :class:`~metrale.errors.GraphCaptureError` instead of running while ``backend``'s stream
+    records a CUDA graph: the engine then runs the model's steps eagerly."""
+    stream = getattr(backend, "stream", None)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if stream is not None and stream.is_capturing():
+            raise GraphCaptureError(f"op {name!r} is declared graph_safe=False; its kernel does not run inside a "
+                                    "CUDA graph capture")
+        return function(*args, **kwargs)
+
+    run.__name__ = getattr(function, "__name__", name)
+    return run
 
 
 def host_fallback(op: Op, backend: Any) -> Callable[..., Any]:
