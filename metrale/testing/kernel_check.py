@@ -80,8 +80,6 @@ class SimulatedStream:
 class HostArrays:
     """NumPy as ``backend.xp`` of a :class:`SimulatedCudaBackend`, with CuPy's ``asnumpy``."""
 
-    ndarray = np.ndarray
-
     def __getattr__(self, name: str) -> Any:
         return getattr(np, name)
 
