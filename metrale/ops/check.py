@@ -113,9 +113,9 @@ def run_kernel_examples(registry: OpRegistry, kernel: Kernel, backend: Any, seed
                                 f"the reference's {want_host.shape}")
                 continue
             scale = max(float(np.abs(want_host).max(initial=0.0)), 1e-30)
-            error = float(np.abs(got_host - want_host).max(initial=0.0)) / scale
-            if not np.isfinite(error) or error > tolerance:
-                problems.append(f"{op.name} example {index} result {position}: relative error {error:.3g} > {tolerance:g}")
+            relative = float(np.abs(got_host - want_host).max(initial=0.0)) / scale
+            if not np.isfinite(relative) or relative > tolerance:
+                problems.append(f"{op.name} example {index} result {position}: relative error {relative:.3g} > {tolerance:g}")
     return run, problems
 
 

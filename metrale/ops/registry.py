@@ -173,22 +173,18 @@ class OpRegistry:
         return f"plugin {origin!r}" + (f" (distribution {distribution!r})" if distribution else "")
 
     def _clash(self, first: Op, second: Op) -> OpNameClashError:
-        name, origins = second.name, (first.origin, second.origin)
-        details = dict(op=name, origins=origins, plugin=second.origin, distribution=self.distributions.get(second.origin))
+        name = second.name
         if first.origin == BUILTIN:
-            return OpNameClashError(
-                f"{self._who(second.origin)} declares op {name!r}, which is a built-in op of Metrale; to run its own "
-                f"kernel for it, the plugin registers Kernel({name!r}, ...) instead of declaring the op again",
-                **details,
-            )
-        if first.origin == second.origin:
-            return OpNameClashError(f"{self._who(second.origin)} declares op {name!r} twice", **details)
-        return OpNameClashError(
-            f"{self._who(first.origin)} and {self._who(second.origin)} both declare op {name!r}, and an op name "
-            f"can be declared once; rename the op in one of them, or block one plugin "
-            f"(METRALE_BLOCKED_PLUGINS={second.origin}) until they agree",
-            **details,
-        )
+            message = (f"{self._who(second.origin)} declares op {name!r}, which is a built-in op of Metrale; to run its "
+                       f"own kernel for it, the plugin registers Kernel({name!r}, ...) instead of declaring the op again")
+        elif first.origin == second.origin:
+            message = f"{self._who(second.origin)} declares op {name!r} twice"
+        else:
+            message = (f"{self._who(first.origin)} and {self._who(second.origin)} both declare op {name!r}, and an op "
+                       f"name can be declared once; rename the op in one of them, or block one plugin "
+                       f"(METRALE_BLOCKED_PLUGINS={second.origin}) until they agree")
+        return OpNameClashError(message, op=name, origins=(first.origin, second.origin), plugin=second.origin,
+                                distribution=self.distributions.get(second.origin))
 
     def add_kernel(self, kernel: Kernel) -> Kernel:
         """Add ``kernel``. A plugin's kernels are tried before the built-in ones of the same op;
@@ -270,10 +266,12 @@ class OpTable:
 
     def _bind(self, op: Op, backend: Any) -> Callable[..., Any]:
         kernels = self._registry.kernels_for(op.name, backend.name)
-        built: list[tuple[Kernel | None, Callable[..., Any]]] = [(kernel, kernel.build(backend)) for kernel in kernels]
-        if backend.name != "cpu" and not op.graph_safe:
-            built = [(kernel, function if kernel.origin == BUILTIN else refusing_capture(op.name, backend, function))
-                     for kernel, function in built]
+        built: list[tuple[Kernel | None, Callable[..., Any]]] = []
+        for kernel in kernels:
+            function = kernel.build(backend)
+            if backend.name != "cpu" and not op.graph_safe and kernel.origin != BUILTIN:
+                function = refusing_capture(op.name, backend, function)
+            built.append((kernel, function))
         if not any(kernel.when is None for kernel in kernels):
             fallback = op.reference if backend.name == "cpu" else host_fallback(op, backend)
             if backend.name != "cpu":

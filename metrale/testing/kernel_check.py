@@ -107,7 +107,7 @@ class SimulatedCudaBackend(Backend):
         raise BackendUnavailableError("the simulated CUDA backend has no built-in CUDA kernels (they need CuPy and a GPU)")
 
     @property
-    def ops(self) -> Any:  # type: ignore[override]
+    def ops(self) -> Any:
         raise BackendUnavailableError("the simulated CUDA backend has no op table (the built-in CUDA kernels need CuPy "
                                       "and a GPU)")
 
@@ -156,7 +156,7 @@ def serialize_simulated_shared_arrays() -> None:
 
     if getattr(kernelapi.FakeCUDAShared.array, "_metrale_serialized", False):
         return
-    original = kernelapi.FakeCUDAShared.array
+    original: Any = kernelapi.FakeCUDAShared.array
     lock = threading.Lock()
 
     def array(self: Any, shape: Any, dtype: Any, alignment: Any = None) -> Any:
@@ -172,7 +172,7 @@ def serialize_simulated_shared_arrays() -> None:
         return allocated
 
     array._metrale_serialized = True  # type: ignore[attr-defined]
-    kernelapi.FakeCUDAShared.array = array
+    setattr(kernelapi.FakeCUDAShared, "array", array)
 
 
 def plugin_registry(source: str | None = None) -> Any:
@@ -246,11 +246,11 @@ def _compiling_launches(compiled: list[str]) -> Iterator[None]:
 
     # Device functions ask the current device for its compute capability: answer for an H200.
     dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=(9, 0))
-    dispatcher.CUDADispatcher.__getitem__ = compile_only
+    setattr(dispatcher.CUDADispatcher, "__getitem__", compile_only)
     try:
         yield
     finally:
-        dispatcher.CUDADispatcher.__getitem__ = launch
+        setattr(dispatcher.CUDADispatcher, "__getitem__", launch)
         dispatcher.get_current_device = device
 
 
