@@ -48,22 +48,3 @@ mermaid_height = "auto"
 html_theme = "furo"
 html_title = f"Metrale {release}"
 html_static_path: list[str] = []
-
-# -- the op reference ----------------------------------------------------------------------------
-
-
-def _write_op_reference(app: object) -> None:
-    """Render reference/ops.rst from the op declarations, so the page cannot drift from them."""
-    from pathlib import Path
-
-    from metrale.ops.builtin import builtin_registry
-    from metrale.ops.reference_page import render
-
-    page = Path(__file__).parent / "reference" / "ops.rst"
-    text = render(builtin_registry())
-    if not page.exists() or page.read_text() != text:
-        page.write_text(text)
-
-
-def setup(app: object) -> None:
-    app.connect("builder-inited", _write_op_reference)  # type: ignore[attr-defined]

@@ -118,6 +118,21 @@ class OpRegistrationError(PluginError):
     declared, a reference whose parameters differ from the declaration."""
 
 
+class OpNameClashError(OpRegistrationError):
+    """Two plugins declare an op of the same name, or a plugin declares a built-in op's name.
+
+    ``op`` is the name; ``origins`` the plugins that declare it, the first declarer first
+    (``"metrale"`` for a built-in op); ``plugin`` and ``distribution`` the one whose declaration
+    was refused.
+    """
+
+    def __init__(self, message: str, *, op: str, origins: tuple[str, ...], plugin: str | None = None,
+                 distribution: str | None = None):
+        super().__init__(message, plugin=plugin, distribution=distribution)
+        self.op = op
+        self.origins = origins
+
+
 class UnknownOpError(MetraleError, AttributeError):
     """A backend was asked for an op nobody declared, or no kernel of an op applies to a call."""
 

@@ -19,41 +19,11 @@ def pytest_configure(config):
     # The simulator's block manager polls its threads while holding the GIL; a short switch
     # interval lets the simulated threads reach their barriers sooner.
     sys.setswitchinterval(5e-5)
-    _serialize_simulated_shared_arrays()
+    # Each block's shared arrays made once, under a lock (the simulator's own lookup races).
+    from metrale.testing.kernel_check import serialize_simulated_shared_arrays
 
+    serialize_simulated_shared_arrays()
 
-def _serialize_simulated_shared_arrays():
-    """Make the simulator's ``cuda.shared.array`` create each array once per block.
-
-    The simulator keys a block's shared arrays by the source line that declares them and creates
-    one on the first thread to get there, without a lock: two threads arriving together (likely
-    with the short switch interval) can each create their own, and the block's threads then
-    disagree about the array's contents. This does the same lookup under a lock.
-    """
-    import threading
-    import traceback
-
-    import numpy as np
-    from numba.core import types
-    from numba.cuda.simulator import kernelapi
-    from numba.np import numpy_support
-
-    original = kernelapi.FakeCUDAShared.array
-    lock = threading.Lock()
-
-    def array(self, shape, dtype, alignment=None):
-        if shape == 0 or alignment is not None:  # dynamic shared memory, or the simulator's error
-            return original(self, shape, dtype, alignment)
-        caller = tuple(traceback.extract_stack(sys._getframe(1), limit=1)[-1])[0:2]
-        with lock:
-            allocated = self._allocations.get(caller)
-            if allocated is None:
-                if isinstance(dtype, types.Type):
-                    dtype = numpy_support.as_dtype(dtype)
-                allocated = self._allocations[caller] = np.empty(shape, dtype)
-        return allocated
-
-    kernelapi.FakeCUDAShared.array = array
 
 BASE = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

@@ -382,5 +382,7 @@ def metrale_register_ops(registry: "PluginOps") -> None:
     reference runs on the host unless a CUDA kernel is registered); ``registry.add_kernel(
     Kernel(...))`` adds a kernel for a declared op -- built-in or not -- on one backend,
     optionally only under a condition, tried before the built-in kernels. Family code then calls
-    the op as ``backend.ops.<name>``. Returns None.
+    the op as ``backend.ops.<name>``. Declaring a name that Metrale or another plugin declared
+    raises :class:`~metrale.errors.OpNameClashError` naming the op and both declarers. Returns
+    None.
     """

@@ -978,9 +978,10 @@ def build_op_registry(plugin_manager: "pluggy.PluginManager | None" = None) -> O
     caller = getattr(plugin_manager.hook, "metrale_register_ops", None)
     if caller is None:
         return registry
+    distributions = getattr(plugin_manager, "distributions", {})
     for impl in reversed(caller.get_hookimpls()):  # pluggy lists the last registered first
         try:
-            impl.function(registry=registry.from_plugin(impl.plugin_name))
+            impl.function(registry=registry.from_plugin(impl.plugin_name, distributions.get(impl.plugin_name)))
         except OpRegistrationError:
             raise
         except Exception as error:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from metrale.errors import GraphCaptureError, OpRegistrationError, UnknownOpError
+from metrale.errors import GraphCaptureError, OpNameClashError, OpRegistrationError, UnknownOpError
 from metrale.kernels.bf16 import bf16_to_float32 as bf16_bits_to_float32
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -130,7 +130,9 @@ class Kernel:
     ``build(backend)`` returns the callable, which takes the op's parameters; it is called once
     per backend. ``when(*args, **kwargs)``, if given, says whether the kernel serves a call (the
     next kernel is tried when it does not); ``condition`` says the same in words, for
-    ``metrale plugins`` and the docs.
+    ``metrale plugins`` and the docs. ``examples(rng)``, like :attr:`Op.examples`, adds argument
+    sets the kernel check runs on this kernel besides its op's: those that meet a condition the
+    op's examples do not.
     """
 
     op: str
@@ -140,6 +142,7 @@ class Kernel:
     when: Callable[..., bool] | None = None
     condition: str = ""
     origin: str = BUILTIN
+    examples: Examples | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("cpu", "cuda"):
@@ -154,16 +157,34 @@ class OpRegistry:
 
     ops: dict[str, Op] = field(default_factory=dict)
     kernels: list[Kernel] = field(default_factory=list)
+    #: plugin name -> the distribution that provides it, for messages (:meth:`from_plugin`).
+    distributions: dict[str, str] = field(default_factory=dict)
 
     def declare(self, op: Op) -> Op:
-        """Add ``op``; a name already declared raises :class:`~metrale.errors.OpRegistrationError`."""
+        """Add ``op``; a name already declared raises :class:`~metrale.errors.OpNameClashError`
+        naming the op and both declarers."""
         if op.name in self.ops:
-            raise OpRegistrationError(
-                f"op {op.name!r} is declared twice (by {self.ops[op.name].origin} and {op.origin}); "
-                "to replace a built-in op's kernel, register a Kernel for it instead"
-            )
+            raise self._clash(self.ops[op.name], op)
         self.ops[op.name] = op
         return op
+
+    def _who(self, origin: str) -> str:
+        distribution = self.distributions.get(origin)
+        return f"plugin {origin!r}" + (f" (distribution {distribution!r})" if distribution else "")
+
+    def _clash(self, first: Op, second: Op) -> OpNameClashError:
+        name = second.name
+        if first.origin == BUILTIN:
+            message = (f"{self._who(second.origin)} declares op {name!r}, which is a built-in op of Metrale; to run its "
+                       f"own kernel for it, the plugin registers Kernel({name!r}, ...) instead of declaring the op again")
+        elif first.origin == second.origin:
+            message = f"{self._who(second.origin)} declares op {name!r} twice"
+        else:
+            message = (f"{self._who(first.origin)} and {self._who(second.origin)} both declare op {name!r}, and an op "
+                       f"name can be declared once; rename the op in one of them, or block one plugin "
+                       f"(METRALE_BLOCKED_PLUGINS={second.origin}) until they agree")
+        return OpNameClashError(message, op=name, origins=(first.origin, second.origin), plugin=second.origin,
+                                distribution=self.distributions.get(second.origin))
 
     def add_kernel(self, kernel: Kernel) -> Kernel:
         """Add ``kernel``. A plugin's kernels are tried before the built-in ones of the same op;
@@ -180,10 +201,13 @@ class OpRegistry:
         return kernel
 
     def copy(self) -> "OpRegistry":
-        return OpRegistry(dict(self.ops), list(self.kernels))
+        return OpRegistry(dict(self.ops), list(self.kernels), dict(self.distributions))
 
-    def from_plugin(self, origin: str) -> "PluginOps":
-        """A view that stamps ``origin`` on what a plugin declares and registers."""
+    def from_plugin(self, origin: str, distribution: str | None = None) -> "PluginOps":
+        """A view that stamps ``origin`` (the plugin's name) on what a plugin declares and
+        registers; ``distribution``, when known, names the package in error messages."""
+        if distribution:
+            self.distributions[origin] = distribution
         return PluginOps(self, origin)
 
     def kernels_for(self, op: str, backend: str) -> list[Kernel]:
@@ -242,7 +266,12 @@ class OpTable:
 
     def _bind(self, op: Op, backend: Any) -> Callable[..., Any]:
         kernels = self._registry.kernels_for(op.name, backend.name)
-        built: list[tuple[Kernel | None, Callable[..., Any]]] = [(kernel, kernel.build(backend)) for kernel in kernels]
+        built: list[tuple[Kernel | None, Callable[..., Any]]] = []
+        for kernel in kernels:
+            function = kernel.build(backend)
+            if backend.name != "cpu" and not op.graph_safe and kernel.origin != BUILTIN:
+                function = refusing_capture(op.name, backend, function)
+            built.append((kernel, function))
         if not any(kernel.when is None for kernel in kernels):
             fallback = op.reference if backend.name == "cpu" else host_fallback(op, backend)
             if backend.name != "cpu":
@@ -280,6 +309,22 @@ class _Dispatch:
             if kernel is None or kernel.when is None or kernel.when(*args, **kwargs):
                 return function(*args, **kwargs)
         raise UnknownOpError(f"no kernel of op {self.name!r} applies to these arguments")
+
+
+def refusing_capture(name: str, backend: Any, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` (a plugin's kernel of op ``name``, declared ``graph_safe=False``), raising
+    :class:`~metrale.errors.GraphCaptureError` instead of running while ``backend``'s stream
+    records a CUDA graph: the engine then runs the model's steps eagerly."""
+    stream = getattr(backend, "stream", None)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if stream is not None and stream.is_capturing():
+            raise GraphCaptureError(f"op {name!r} is declared graph_safe=False; its kernel does not run inside a "
+                                    "CUDA graph capture")
+        return function(*args, **kwargs)
+
+    run.__name__ = getattr(function, "__name__", name)
+    return run
 
 
 def host_fallback(op: Op, backend: Any) -> Callable[..., Any]:

@@ -21,7 +21,7 @@ overridden as class attributes.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pytest
@@ -88,8 +88,74 @@ def assert_varied_greedy(continuations: Sequence[Sequence[int]], vocab_size: int
     )
 
 
-class FamilyConformance:
-    """Checks a model family against the forward contract and a reference.
+class KernelConformance:
+    """Checks the kernels the installed plugins register (``metrale_register_ops``) against their
+    ops' references: on the CPU, and each CUDA kernel on the GPU where one is usable, else under
+    numba's CUDA simulator and compiled for compute capability 9.0 with NVVM
+    (:mod:`metrale.testing.kernel_check`). :class:`FamilyConformance` includes these checks; a
+    plugin that adds ops or kernels but no family subclasses this class alone.
+    """
+
+    #: Plugin CUDA kernels the checks without a GPU leave out, by kernel name, each with the
+    #: reason (a CuPy ``RawKernel``, which numba's simulator cannot run); a GPU still checks them.
+    unchecked_kernels: Mapping[str, str] = {}
+
+    def _plugin_cuda_kernels(self) -> tuple[Any, list[str]]:
+        """The installed plugins' registry and the names of their CUDA kernels the checks without
+        a GPU run; fails on a name of :attr:`unchecked_kernels` that no plugin registers."""
+        from metrale.model.plugin_manager import get_plugin_manager
+        from metrale.ops import build_op_registry
+        from metrale.ops.check import plugin_kernels
+
+        registry = build_op_registry(get_plugin_manager())
+        names = [kernel.name for kernel in plugin_kernels(registry, "cuda")]
+        stale = sorted(set(self.unchecked_kernels) - set(names))
+        assert not stale, (f"unchecked_kernels names {stale}, which no plugin registers as a CUDA kernel "
+                           f"(plugin CUDA kernels: {names})")
+        return registry, [name for name in names if name not in self.unchecked_kernels]
+
+    def test_plugin_kernels_match_their_references(self) -> None:
+        """Every kernel a plugin registers (``metrale_register_ops``) agrees with its op's
+        reference on the op's examples and its own: on the CPU, and its CUDA kernels on the GPU
+        where one is usable, else under numba's CUDA simulator
+        (:mod:`metrale.testing.kernel_check`). A kernel that could not be checked at all fails
+        too, named, unless :attr:`unchecked_kernels` leaves it out of the check without a GPU."""
+        from metrale.backends.base import CpuBackend
+        from metrale.backends.devices import cuda_unavailable_reason, get_backend
+        from metrale.errors import KernelMismatchError
+        from metrale.ops.check import assert_kernels_match
+        from metrale.testing.kernel_check import run_check
+
+        registry, simulated = self._plugin_cuda_kernels()
+        assert_kernels_match(registry, CpuBackend())
+        if cuda_unavailable_reason() is None:
+            assert_kernels_match(registry, get_backend("cuda"))
+        elif simulated:
+            report = run_check("simulated", skip=tuple(self.unchecked_kernels), expect=simulated)
+            if report.problems:
+                raise KernelMismatchError(
+                    "\n".join(report.problems) + "\n(without a GPU these kernels ran under numba's CUDA simulator; name a "
+                    "kernel the simulator cannot run, with the reason, in the test class's unchecked_kernels)"
+                )
+
+    def test_plugin_cuda_kernels_compile(self) -> None:
+        """Every numba kernel a plugin's CUDA kernels launch on their examples compiles for compute
+        capability 9.0 with NVVM, without a GPU (:mod:`metrale.testing.kernel_check`); skipped,
+        saying why, where NVVM is not installed."""
+        from metrale.testing.kernel_check import run_check
+
+        _, compiled = self._plugin_cuda_kernels()
+        if not compiled:
+            return
+        report = run_check("compiled", skip=tuple(self.unchecked_kernels), expect=compiled)
+        if report.unavailable is not None:
+            pytest.skip(report.unavailable)
+        assert not report.problems, "\n".join(report.problems)
+
+
+class FamilyConformance(KernelConformance):
+    """Checks a model family against the forward contract and a reference (and, through
+    :class:`KernelConformance`, the plugins' kernels).
 
     Subclasses provide the fixture ``conformance_checkpoint`` (a checkpoint folder) and the
     method :meth:`reference_logits`.
@@ -149,20 +215,6 @@ class FamilyConformance:
         )
         assert model is not None, f"no plugin loaded family {family.name!r}"
         assert checkpoint.unconsumed() == [], f"tensors the family never read: {checkpoint.unconsumed()}"
-
-    def test_plugin_kernels_match_their_references(self) -> None:
-        """Every kernel a plugin registers (``metrale_register_ops``) agrees with its op's
-        reference on the op's examples: on the CPU, and on the GPU where one is usable."""
-        from metrale.backends.base import CpuBackend
-        from metrale.backends.devices import cuda_unavailable_reason, get_backend
-        from metrale.model.plugin_manager import get_plugin_manager
-        from metrale.ops import build_op_registry
-        from metrale.ops.check import assert_kernels_match
-
-        registry = build_op_registry(get_plugin_manager())
-        assert_kernels_match(registry, CpuBackend())
-        if cuda_unavailable_reason() is None:
-            assert_kernels_match(registry, get_backend("cuda"))
 
     def test_logits_match_reference(self, conformance_llm: Any, conformance_checkpoint: Path) -> None:
         for length in self.prompt_lengths:

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from metrale.errors import CheckpointError
 from metrale.loading.checkpoint import Checkpoint
-from metrale.loading.config_fields import ConfigFields
+from metrale.loading.config_fields import AS_ABSENT, REFUSED, ConfigFields
 from metrale.loading.rope import RopeParameters, rope_parameters
 from metrale.plugins.dense.layers import expect_mlp_shapes
 
@@ -16,6 +16,14 @@ from metrale.plugins.dense.layers import expect_mlp_shapes
 _DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32}
 _DEFAULT_HEAD_DIM = {"qwen3": 128}
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+
+# An explicit null, as transformers' config classes take it: where a class types the field as
+# optional, its rule for None (num_key_value_heads -> num_attention_heads, head_dim ->
+# hidden_size // num_attention_heads); where it does not, the class refuses the file. Fields a
+# model type's class does not declare are not read for that type.
+_NULL_KV_HEADS_REFUSED = ("mistral",)
+_NULL_HEAD_DIM_REFUSED = ("qwen3", "qwen2")  # Qwen2's attention would take the None as the size
+_BIAS_FIELDS = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}
 
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -71,21 +79,24 @@ class DenseConfig:
             raise CheckpointError(f"{source} lacks {', '.join(missing)}")
         hidden = fields.size("hidden_size")
         heads = fields.size("num_attention_heads")
-        kv_heads = fields.size("num_key_value_heads", None) or _DEFAULT_KV_HEADS.get(model_type, heads)
-        head_dim = fields.size("head_dim", None) or _DEFAULT_HEAD_DIM.get(model_type) or hidden // heads
+        kv_heads = fields.size("num_key_value_heads", _DEFAULT_KV_HEADS.get(model_type, heads),
+                               null=REFUSED if model_type in _NULL_KV_HEADS_REFUSED else heads)
+        head_dim = fields.size("head_dim", _DEFAULT_HEAD_DIM.get(model_type, hidden // heads),
+                               null=REFUSED if model_type in _NULL_HEAD_DIM_REFUSED else hidden // heads)
         if head_dim < 1:
             raise fields.error(f"head_dim is not given and hidden_size={hidden} // num_attention_heads={heads} is 0")
         if heads % kv_heads:
             raise fields.error(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         layers = fields.size("num_hidden_layers")
-        attention_bias = fields.flag("attention_bias", False)
+        biases = _BIAS_FIELDS.get(model_type, ())
+        attention_bias = fields.flag("attention_bias", False, null=REFUSED if "attention_bias" in biases else AS_ABSENT)
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
         elif model_type == "mistral":
             qkv_bias = o_bias = False
         else:
             qkv_bias = o_bias = attention_bias
-        mlp_bias = fields.flag("mlp_bias", False)
+        mlp_bias = fields.flag("mlp_bias", False, null=REFUSED if "mlp_bias" in biases else AS_ABSENT)
         return cls(
             model_type=model_type,
             vocab_size=fields.size("vocab_size"),
@@ -95,14 +106,14 @@ class DenseConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=fields.number("rms_norm_eps", 1e-6, positive=True),
+            rms_norm_eps=fields.number("rms_norm_eps", 1e-6, positive=True, null=REFUSED),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias if model_type == "llama" else False,
             qk_norm=model_type == "qwen3",
-            tie_word_embeddings=fields.flag("tie_word_embeddings", False),
-            max_position_embeddings=(
-                fields.size("max_position_embeddings", None) or _DEFAULT_MAX_POSITIONS.get(model_type, 2048)
+            tie_word_embeddings=fields.flag("tie_word_embeddings", False, null=REFUSED),
+            max_position_embeddings=fields.size(
+                "max_position_embeddings", _DEFAULT_MAX_POSITIONS.get(model_type, 2048), null=REFUSED
             ),
             rope=rope_parameters(config, head_dim, source=source),
             **_window_fields(fields, model_type, layers),
@@ -129,10 +140,11 @@ class DenseConfig:
 def _window_fields(fields: ConfigFields, model_type: str, layers: int) -> dict[str, Any]:
     """The sliding-window fields of :class:`DenseConfig` (Mistral: every layer; Qwen2/3: the
     layers ``layer_types`` or ``max_window_layers`` choose, when ``use_sliding_window``)."""
-    window = fields.integer("sliding_window", None) or None
-    use_sliding_window = fields.flag("use_sliding_window", False)
-    layer_types = fields.texts("layer_types", None, choices=LAYER_TYPES)
-    max_window_layers = fields.integer("max_window_layers", 28)
+    window = fields.integer("sliding_window", None) or None  # null: no window (transformers' rule)
+    qwen = model_type in ("qwen2", "qwen3")
+    use_sliding_window = fields.flag("use_sliding_window", False, null=REFUSED if qwen else AS_ABSENT)
+    layer_types = fields.texts("layer_types", None, choices=LAYER_TYPES)  # null: derived, as when missing
+    max_window_layers = fields.integer("max_window_layers", 28, null=REFUSED if qwen else AS_ABSENT)
     if model_type == "mistral":
         return {"sliding_window": window}
     if model_type not in ("qwen2", "qwen3") or window is None or not use_sliding_window:

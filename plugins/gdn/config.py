@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from metrale.errors import CheckpointError
 from metrale.layers.mlp import expect_mlp_shapes
 from metrale.loading.checkpoint import Checkpoint
-from metrale.loading.config_fields import ConfigFields
+from metrale.loading.config_fields import REFUSED, ConfigFields
 from metrale.loading.rope import RopeParameters, rope_parameters
 
 REQUIRED_FIELDS = (
@@ -82,6 +82,8 @@ class GdnConfig:
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], source: str = "config.json") -> "GdnConfig":
         """Read ``config`` (``source`` names it in errors); every field is type- and range-checked."""
+        # A null in a field with a default is refused, as Qwen3NextConfig refuses it (none of these
+        # is typed optional there); layer_types and mlp_only_layers, which are, read null as missing.
         fields = ConfigFields(config, source)
         missing = [name for name in REQUIRED_FIELDS if not fields.has(name)]
         if missing:
@@ -92,7 +94,7 @@ class GdnConfig:
             raise fields.error(f"layer_types has {len(layer_types)} entries for num_hidden_layers={layers}")
         heads, kv_heads = fields.size("num_attention_heads"), fields.size("num_key_value_heads")
         hidden = fields.size("hidden_size")
-        head_dim = fields.size("head_dim", None) or hidden // heads
+        head_dim = fields.size("head_dim", hidden // heads, null=REFUSED)
         if head_dim < 1:
             raise fields.error(f"head_dim is not given and hidden_size={hidden} // num_attention_heads={heads} is 0")
         key_heads, value_heads = fields.size("linear_num_key_heads"), fields.size("linear_num_value_heads")
@@ -101,14 +103,14 @@ class GdnConfig:
                                f"linear_num_key_heads={key_heads}")
         if heads % kv_heads:
             raise fields.error(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        experts = fields.integer("num_experts", 0)
-        top_k = fields.integer("num_experts_per_tok", 0)
+        experts = fields.integer("num_experts", 0, null=REFUSED)
+        top_k = fields.integer("num_experts_per_tok", 0, null=REFUSED)
         if experts and not 1 <= top_k <= experts:
             raise fields.error(f"num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
         return cls(
             vocab_size=fields.size("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=fields.integer("intermediate_size", 0),
+            intermediate_size=fields.integer("intermediate_size", 0, null=REFUSED),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -118,19 +120,19 @@ class GdnConfig:
             linear_key_dim=fields.size("linear_key_head_dim"),
             linear_value_dim=fields.size("linear_value_head_dim"),
             # The conv state keeps the last K - 1 inputs: K = 1 would keep none.
-            conv_kernel=fields.integer("linear_conv_kernel_dim", 4, minimum=2),
+            conv_kernel=fields.integer("linear_conv_kernel_dim", 4, minimum=2, null=REFUSED),
             num_experts=experts,
             num_experts_per_tok=top_k,
-            moe_intermediate_size=fields.integer("moe_intermediate_size", 0),
-            shared_expert_intermediate_size=fields.integer("shared_expert_intermediate_size", 0),
-            norm_topk_prob=fields.flag("norm_topk_prob", True),
-            rms_norm_eps=fields.number("rms_norm_eps", 1e-6, positive=True),
-            tie_word_embeddings=fields.flag("tie_word_embeddings", False),
-            max_position_embeddings=fields.size("max_position_embeddings", 32768),
+            moe_intermediate_size=fields.integer("moe_intermediate_size", 0, null=REFUSED),
+            shared_expert_intermediate_size=fields.integer("shared_expert_intermediate_size", 0, null=REFUSED),
+            norm_topk_prob=fields.flag("norm_topk_prob", True, null=REFUSED),
+            rms_norm_eps=fields.number("rms_norm_eps", 1e-6, positive=True, null=REFUSED),
+            tie_word_embeddings=fields.flag("tie_word_embeddings", False, null=REFUSED),
+            max_position_embeddings=fields.size("max_position_embeddings", 32768, null=REFUSED),
             rope=rope_parameters(config, head_dim, default_partial_factor=0.25, source=source),
             given_layer_types=tuple(layer_types) if layer_types is not None else None,
-            full_attention_interval=fields.size("full_attention_interval", 4),
-            decoder_sparse_step=fields.size("decoder_sparse_step", 1),
+            full_attention_interval=fields.size("full_attention_interval", 4, null=REFUSED),
+            decoder_sparse_step=fields.size("decoder_sparse_step", 1, null=REFUSED),
             mlp_only_layers=frozenset(fields.integers("mlp_only_layers", [])),
         )
 

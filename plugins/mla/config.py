@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping
 from metrale.errors import CheckpointError
 from metrale.layers.mlp import expect_mlp_shapes
 from metrale.loading.checkpoint import Checkpoint
-from metrale.loading.config_fields import ConfigFields
+from metrale.loading.config_fields import REFUSED, ConfigFields
 from metrale.loading.rope import RopeParameters, rope_parameters, yarn_mscale
 
 REQUIRED_FIELDS = (
@@ -24,6 +24,15 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v3": dict(q_lora_rank=1536, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
                         n_shared_experts=1, first_k_dense_replace=3, n_group=8, topk_group=4,
                         topk_method="noaux_tc", routed_scaling_factor=2.5, max_position_embeddings=4096),
+}
+
+# The fields above that transformers' classes type as optional (an explicit null stays None, and
+# the reader's ``or`` then gives the neutral value: no q LoRA, one group). A null in the others
+# is refused, as the classes refuse it; V3's first_k_dense_replace is typed optional but its
+# layers compare with it, so a null fails there too.
+_NULLABLE: dict[str, tuple[str, ...]] = {
+    "deepseek_v2": ("q_lora_rank", "num_experts_per_tok", "n_group", "topk_group", "topk_method"),
+    "deepseek_v3": ("q_lora_rank", "num_experts_per_tok", "n_group", "topk_group"),
 }
 
 
@@ -96,8 +105,11 @@ class MlaConfig:
         defaults = _DEFAULTS[model_type]
 
         def pick(name: str, read: Callable[..., Any], **options: Any) -> Any:
-            """The field as config.json gives it (null stays None), else transformers' default."""
-            return read(name, None, **options) if name in config else defaults[name]
+            """The field as config.json gives it, else transformers' default. A null stays None
+            where transformers' class types the field as optional (q_lora_rank: null is no q
+            LoRA) and is refused where it does not (n_routed_experts), as the class refuses it."""
+            null = None if name in _NULLABLE[model_type] else REFUSED
+            return read(name, defaults[name], null=null, **options)
 
         experts = pick("n_routed_experts", fields.integer) or 0
         top_k = pick("num_experts_per_tok", fields.integer) or 0
@@ -137,16 +149,17 @@ class MlaConfig:
             n_group=n_group,
             topk_group=topk_group,
             topk_method=method,
-            # transformers' V2 never renormalises the top-k weights, whatever the config says.
-            norm_topk_prob=fields.flag("norm_topk_prob", True) if model_type == "deepseek_v3" else False,
-            routed_scaling_factor=pick("routed_scaling_factor", fields.number, positive=True) or 1.0,
-            rms_norm_eps=fields.number("rms_norm_eps", 1e-6, positive=True),
-            attention_bias=fields.flag("attention_bias", False),
-            tie_word_embeddings=fields.flag("tie_word_embeddings", False),
-            max_position_embeddings=(pick("max_position_embeddings", fields.size)
-                                     or defaults["max_position_embeddings"]),
+            # transformers' V2 never renormalises the top-k weights, whatever the config says;
+            # V3 tests the field's truth, so null is false there.
+            norm_topk_prob=fields.flag("norm_topk_prob", True, null=False) if model_type == "deepseek_v3" else False,
+            routed_scaling_factor=pick("routed_scaling_factor", fields.number, positive=True),
+            rms_norm_eps=fields.number("rms_norm_eps", 1e-6, positive=True, null=REFUSED),
+            attention_bias=fields.flag("attention_bias", False, null=REFUSED),
+            tie_word_embeddings=fields.flag("tie_word_embeddings", False, null=REFUSED),
+            max_position_embeddings=pick("max_position_embeddings", fields.size),
             rope=rope_parameters(config, rope_dim, source=source),
-            interleaved_rope=model_type == "deepseek_v2" or fields.flag("rope_interleave", True),
+            # V3 tests the field's truth as well: null means adjacent pairs.
+            interleaved_rope=model_type == "deepseek_v2" or fields.flag("rope_interleave", True, null=False),
             num_mtp_layers=fields.integer("num_nextn_predict_layers", 0),
         )
 

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from metrale.errors import CheckpointError
+from metrale.loading import config_fields
 from metrale.loading.config_fields import MAX_INT, REQUIRED, ConfigFields
 
 # (reader, options, value, the value returned) for values each reader accepts.
@@ -70,13 +71,42 @@ def test_reader_refuses_naming_file_field_value_and_expectation(reader, options,
         getattr(fields, reader)("f", **options)
 
 
-@pytest.mark.parametrize("reader", ["integer", "size", "number", "flag", "text", "integers", "texts"])
+READERS = ["integer", "size", "number", "flag", "text", "integers", "texts"]
+
+
+@pytest.mark.parametrize("reader", READERS)
 def test_absent_or_null_gives_the_default_or_fails_when_required(reader):
-    for values in ({}, {"f": None}):
+    for values, state in (({}, "missing"), ({"f": None}, "null")):
         fields = ConfigFields(values, "config.json")
         assert getattr(fields, reader)("f", "default") == "default"
-        with pytest.raises(CheckpointError, match=r"config\.json: f is missing \(or null\); it is required"):
+        with pytest.raises(CheckpointError, match=rf"config\.json: f is {state}; it is required"):
             getattr(fields, reader)("f", REQUIRED)
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_null_can_mean_something_else_than_an_absent_field(reader):
+    absent, null = ConfigFields({}, "config.json"), ConfigFields({"f": None}, "config.json")
+    read = getattr(null, reader)
+    # null= gives the null's own result; the default still serves an absent field.
+    assert read("f", "default", null=None) is None
+    assert read("f", "default", null="null") == "null"
+    assert getattr(absent, reader)("f", "default", null=None) == "default"
+    assert read("f", REQUIRED, null=None) is None
+    with pytest.raises(CheckpointError, match=r"config\.json: f is missing; it is required"):
+        getattr(absent, reader)("f", REQUIRED, null=None)
+    # REFUSED: a null is an error naming the field; absent still takes the default.
+    with pytest.raises(CheckpointError, match=r"^config\.json: f is null; expected .*; null is not accepted"):
+        read("f", "default", null=config_fields.REFUSED)
+    assert getattr(absent, reader)("f", "default", null=config_fields.REFUSED) == "default"
+    # AS_ABSENT is the default of null=.
+    assert read("f", "default", null=config_fields.AS_ABSENT) == "default"
+
+
+def test_present_and_is_null_tell_null_from_absent():
+    fields = ConfigFields({"a": None, "b": 0, "c": False}, "config.json")
+    assert [fields.present(n) for n in "abcd"] == [True, True, True, False]
+    assert [fields.is_null(n) for n in "abcd"] == [True, False, False, False]
+    assert [fields.has(n) for n in "abcd"] == [False, True, True, False]
 
 
 def test_sections_nest_their_names_and_refuse_non_objects():

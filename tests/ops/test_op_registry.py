@@ -7,7 +7,7 @@ import pytest
 
 from metrale import LLM, SamplingParams
 from metrale.backends.base import CpuBackend
-from metrale.errors import KernelMismatchError, OpRegistrationError, UnknownOpError
+from metrale.errors import KernelMismatchError, OpNameClashError, OpRegistrationError, UnknownOpError
 from metrale.model.hookspecs import hookimpl
 from metrale.model.plugin_manager import get_plugin_manager
 from metrale.ops import Kernel, Op, Operand, build_op_registry
@@ -164,7 +164,7 @@ def test_a_plugin_declares_a_new_op():
 
 
 def test_bad_declarations_are_refused_with_the_plugin_named():
-    with pytest.raises(OpRegistrationError, match="declared twice"):
+    with pytest.raises(OpNameClashError, match="plugin 'kernel_plugin' declares op 'scaled_sum' twice"):
         build_op_registry(manager_with(KernelPlugin(ops=[SCALED_SUM, SCALED_SUM])))
     with pytest.raises(OpRegistrationError, match="op 'no_such_op', which is not declared"):
         build_op_registry(manager_with(KernelPlugin([Kernel("no_such_op", "cpu", "k", build=lambda b: None)])))
@@ -174,6 +174,35 @@ def test_bad_declarations_are_refused_with_the_plugin_named():
         Kernel("rmsnorm", "cpu", "k", build=lambda b: None, when=lambda *a: True)
     with pytest.raises(OpRegistrationError, match="backend must be"):
         Kernel("rmsnorm", "tpu", "k", build=lambda b: None)
+
+
+def test_two_plugins_declaring_one_op_name_are_both_named():
+    manager = get_plugin_manager(entry_points=False)
+    manager.register(KernelPlugin(ops=[SCALED_SUM]), name="gemma2")
+    manager.register(KernelPlugin(ops=[SCALED_SUM]), name="fast_ops")
+    manager.distributions.update(gemma2="metrale-gemma2", fast_ops="fast-ops")
+    with pytest.raises(OpNameClashError) as info:
+        build_op_registry(manager)
+    message, error = str(info.value), info.value
+    assert error.op == "scaled_sum" and sorted(error.origins) == ["fast_ops", "gemma2"]
+    first, second = error.origins
+    distributions = {"gemma2": "metrale-gemma2", "fast_ops": "fast-ops"}
+    assert (f"plugin {first!r} (distribution {distributions[first]!r}) and plugin {second!r} "
+            f"(distribution {distributions[second]!r}) both declare op 'scaled_sum'") in message
+    assert f"METRALE_BLOCKED_PLUGINS={second}" in message
+    assert "built-in" not in message
+    assert (error.plugin, error.distribution) == (second, distributions[second])
+    # The engine refuses with the same error, whatever model it is asked to load.
+    with pytest.raises(OpNameClashError, match="both declare op 'scaled_sum'"):
+        LLM("tiny-dense", device="cpu", show_progress=False, plugin_manager=manager)
+
+
+def test_a_plugin_declaring_a_builtin_op_is_told_to_register_a_kernel():
+    gelu = builtin_registry().ops["gelu"]
+    with pytest.raises(OpNameClashError, match=r"plugin 'kernel_plugin' declares op 'gelu', which is a built-in op of "
+                                               r"Metrale; .* registers Kernel\('gelu', ...\)") as info:
+        build_op_registry(manager_with(KernelPlugin(ops=[gelu])))
+    assert info.value.origins == ("metrale", "kernel_plugin")
 
 
 def test_a_failing_registration_names_the_plugin():
