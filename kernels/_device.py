@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 from numba import config, cuda
 
-from metrale.config import environment_flag
 from metrale.errors import KernelArgumentError
 
 # numba.config sets its options at import from the environment, so they have no static declaration.
@@ -114,14 +113,16 @@ _stream_pointers: dict[int, int] = {}  # id of a view in _stream_views -> its st
 
 def jit_kernel(function: Any) -> Any:
     """``@cuda.jit(cache=True)``, launched through :class:`DirectKernel` on a GPU (numba's own
-    launcher under the simulator)."""
+    launcher under the simulator, and where :data:`DIRECT_LAUNCH` is off)."""
     dispatcher = cuda.jit(cache=True)(function)
-    return dispatcher if SIMULATED or not DIRECT_LAUNCH else DirectKernel(dispatcher)
+    return dispatcher if SIMULATED else DirectKernel(dispatcher)
 
 
-#: Whether :func:`jit_kernel` launches through :class:`DirectKernel` (``METRALE_NUMBA_LAUNCH=1``
-#: keeps numba's own launcher, for comparison).
-DIRECT_LAUNCH = not environment_flag("METRALE_NUMBA_LAUNCH")
+#: Whether the kernels of :func:`jit_kernel` launch through :class:`DirectKernel` (read at each
+#: launch). The CUDA backend sets it from its settings (``METRALE_NUMBA_LAUNCH=1`` keeps numba's
+#: own launcher, for comparison, :class:`~metrale.config.EnvironmentConfig`); nothing here reads
+#: the environment.
+DIRECT_LAUNCH = True
 
 
 class DirectKernel:
@@ -144,6 +145,8 @@ class DirectKernel:
         return getattr(self.dispatcher, name)
 
     def __getitem__(self, config: tuple) -> Any:
+        if not DIRECT_LAUNCH:
+            return self.dispatcher[config]
         grid, block, stream = config[0], config[1], config[2] if len(config) > 2 else 0
         shared = int(config[3]) if len(config) > 3 else 0
         grid = grid if isinstance(grid, tuple) else (int(grid),)
