@@ -68,7 +68,8 @@ def kernels():
             c(f32, 2), c(i32, 1), c(i32, 1), c(f32, 1), f32, c(u16, 1), c(u16, 1), f32, f32, i32, i32, i32, i32,
             c(f32, 3), c(u16, 4), c(u16, 4))),
         "paged_attention_split": (attention.paged_attention_split_kernel, (
-            c(f32, 3), c(u16, 4), c(u16, 4), c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4), c(f32, 3), c(f32, 3))),
+            c(f32, 3), c(u16, 4), c(u16, 4), c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, f32, c(f32, 1), i32, c(f32, 4),
+            c(f32, 3), c(f32, 3))),
         "attention_combine": (attention.attention_combine_kernel, (c(f32, 4), c(f32, 3), c(f32, 3), c(u16, 2))),
         "paged_attention_grouped_d64": (attention_grouped.grouped_kernel(16), attention_arguments),
         "paged_attention_staged_d64": (attention_staged.staged_kernel(16), attention_arguments),
@@ -80,7 +81,8 @@ def kernels():
             c(f32, 2), c(u16, 1), f32, c(i32, 1), c(f32, 1), f32, i32, c(i32, 1), c(u16, 3))),
         "grouped_combine": (attention_grouped.grouped_combine_kernel, (c(f32, 4), c(f32, 3), c(f32, 3), c(u16, 2))),
         "paged_attention_prefill": (attention_prefill.paged_attention_prefill_kernel, (
-            c(f32, 3), c(u32, 4), c(u32, 4), c(i32, 2), c(i32, 1), c(i32, 1), c(i32, 2), f32, i32, c(u16, 2))),
+            c(f32, 3), c(u32, 4), c(u32, 4), c(i32, 2), c(i32, 1), c(i32, 1), c(i32, 2), f32, i32, f32, c(f32, 1), i32,
+            c(u16, 2))),
         "gated_rmsnorm": (gated.gated_rmsnorm_kernel, (c(f32, 2), c(f32, 2), c(f32, 1), f32, c(u16, 2))),
         "sigmoid_gate": (gated.sigmoid_gate_kernel, (c(u16, 1), c(f32, 1), c(u16, 1))),
         "gdn_conv_update": (gated_delta.conv_update_kernel, (c(f32, 2), c(f32, 2), c(f32, 3), c(i32, 1), c(f32, 2))),

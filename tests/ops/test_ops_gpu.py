@@ -35,7 +35,7 @@ def test_a_wrong_cuda_override_is_caught(backend):
     plugin = registry.from_plugin("test")
 
     def shifted(b):
-        return lambda x, weight, eps, offset=0.0: b.kernels.rmsnorm(x, weight, eps + 0.5, offset)
+        return lambda x, weight, eps, offset=0.0: b.kernels.rmsnorm_residual(x, None, weight, eps + 0.5, offset)[0]
 
     plugin.add_kernel(Kernel("rmsnorm", "cuda", "test.shifted", build=shifted))
     problems = check_plugin_kernels(registry, backend)
