@@ -293,7 +293,8 @@ class CudaKernels:
         counters = self._merge_counters(attention_decode_mma.counter_count(rows, heads, kv_heads)) if merged else None
         return attention_decode_mma.decode_attention(
             q, k_cache, v_cache, batch.block_tables, seq_index, positions, scale, sliding_window,
-            self._workspace(rows, heads, splits, v_cache.shape[3]), out, self.stream, counters)
+            self._workspace(rows, heads, splits, v_cache.shape[3]), out, self.stream, counters, softcap,
+            None if sinks is None else cp.ascontiguousarray(sinks, dtype=f32))
 
     def paged_attention_decode_mma_merged(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
                                           sliding_window: int | None, out: Any, first_row: int,

@@ -339,7 +339,7 @@ def attention_kernels() -> list[Kernel]:
     def decode_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row, softcap=None, sinks=None):
         from metrale.kernels import attention_decode_mma
 
-        return _plain(softcap, sinks) and attention_decode_mma.supports(*_geometry(q, k_cache, v_cache))
+        return attention_decode_mma.supports(*_geometry(q, k_cache, v_cache))
 
     def grouped(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row, softcap=None, sinks=None):
         from metrale.kernels import attention_grouped
@@ -373,8 +373,7 @@ def attention_kernels() -> list[Kernel]:
         *(Kernel("paged_attention", device, split, build=_split_paged_attention) for device in ("cpu", "cuda")),
         Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_decode_mma (tensor cores)",
                build=_cuda_method("paged_attention_decode_mma"), when=decode_mma, enabled=_decode_mma_enabled,
-               condition="METRALE_DECODE_MMA is not 0, K and V heads of 64, 128 or 256 dims, whole query-head groups; "
-               "no softcap, no sinks"),
+               condition="METRALE_DECODE_MMA is not 0, K and V heads of 64, 128 or 256 dims, whole query-head groups"),
         Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_staged (CUDA cores, keys staged in shared "
                "memory)", build=_cuda_method("paged_attention_decode_staged"), when=staged,
                condition=f"K and V heads of 16 to 128 dims, a power of two; a block's share of the keys times d <= "
@@ -412,7 +411,7 @@ def merged_decode_attention_kernels() -> list[Kernel]:
         from metrale.kernels import attention_decode_mma
 
         heads, kv_heads, head_dim, value_dim = _geometry(q, k_cache, v_cache)
-        if not (_plain(softcap, sinks) and attention_decode_mma.supports(heads, kv_heads, head_dim, value_dim)):
+        if not attention_decode_mma.supports(heads, kv_heads, head_dim, value_dim):
             return False
         splits = attention_decode_mma.device_split_count(q.shape[0], heads, kv_heads, head_dim, batch.max_context)
         return splits > 1 and attention_decode_mma.merges_itself(heads, kv_heads, head_dim, splits)
@@ -421,7 +420,7 @@ def merged_decode_attention_kernels() -> list[Kernel]:
                    "merged in the kernel)", build=_cuda_method("paged_attention_decode_mma_merged"), when=merges,
                    enabled=_decode_mma_enabled,
                    condition="METRALE_DECODE_MMA is not 0, the tensor-core geometries, several splits of at most "
-                   "32 KiB of partials a block; no softcap, no sinks")]
+                   "32 KiB of partials a block")]
 
 
 # -------------------------------------------------------------------------- norms, activations

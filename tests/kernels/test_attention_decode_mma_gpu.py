@@ -263,3 +263,60 @@ def test_short_rows_under_many_splits_read_no_stale_shared_memory(head_dim, spli
         got = bf16_to_float32(cp.asnumpy(out))
         assert not np.isnan(got).any(), "a stale shared value reached the output"
         assert rel_error(got, want) <= 1e-2
+
+
+@pytest.mark.parametrize("softcap, with_sinks", [(30.0, False), (None, True), (30.0, True)])
+@pytest.mark.parametrize("splits", [1, 5, "merged"])
+def test_decode_attention_caps_logits_and_counts_sinks(softcap, with_sinks, splits):
+    """Gemma-2's soft cap and GPT-OSS's sinks on tensor cores: one split, five merged by the combine
+    kernel, five merged by the kernel itself (the sink counted once, by split 0)."""
+    import cupy as cp
+
+    rng = np.random.default_rng(51)
+    rows, heads, kv_heads, head_dim = 5, 64, 8, 64
+    q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, rows, heads, kv_heads, head_dim, 900, 16)
+    q *= 8  # logits large enough to cap
+    sinks = (rng.standard_normal(heads) + 2).astype(np.float32) if with_sinks else None
+    count = 1 if splits == 1 else 5
+    counters = cp.zeros(attention_decode_mma.counter_count(rows, heads, kv_heads), np.int32) if splits == "merged" else None
+    out = cp.full((rows, heads * head_dim), 0xFFFF, dtype=np.uint16)
+    attention_decode_mma.decode_attention(*(cp.asarray(a) for a in (q, k_cache, v_cache, tables, seq_index, positions)),
+                                          head_dim**-0.5, None, workspace(rows, heads, count, head_dim), out,
+                                          counters=counters, softcap=softcap,
+                                          sinks=None if sinks is None else cp.asarray(sinks))
+    want = attention.paged_attention_reference(q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index,
+                                               positions, head_dim**-0.5, None, softcap, sinks).reshape(rows, -1)
+    got = bf16_to_float32(cp.asnumpy(out))
+    assert not np.isnan(got).any()
+    assert rel_error(got, want) <= 1e-2
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_the_backend_op_serves_softcap_and_sinks_on_a_mixed_step(head_dim):
+    """paged_attention of the CUDA backend with both options on decode rows and a prompt chunk: the
+    registry routes the prompt rows to a kernel that serves them (the CUDA-core prefill kernel at 64
+    dims, the decode kernels a row at a time at 256)."""
+    import cupy as cp
+
+    from metrale.backends.cuda import CudaBackend
+
+    rng = np.random.default_rng(52 + head_dim)
+    heads, kv_heads, block_size = 16, 4, 16
+    _, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, 3, heads, kv_heads, head_dim, 600, block_size)
+    # Rows: the three decode rows, then a chunk of 40 rows of the last row's sequence (at 599) before it.
+    seq_index = np.concatenate([seq_index, np.full(40, seq_index[-1])]).astype(np.int32)
+    positions = np.concatenate([positions, np.arange(559, 599)]).astype(np.int32)
+    q = 4 * rng.standard_normal((43, heads, head_dim)).astype(np.float32)
+    sinks = (rng.standard_normal(heads) + 1).astype(np.float32)
+    batch = type("Batch", (), dict(block_tables=cp.asarray(tables), seq_index=cp.asarray(seq_index),
+                                   positions=cp.asarray(positions), max_context=700, row_starts=np.array([0, 1, 2, 43]),
+                                   extras={}))()
+    backend = CudaBackend()
+    with backend.activate():
+        out = backend.ops.paged_attention(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), batch,
+                                          head_dim**-0.5, None, 20.0, cp.asarray(sinks))
+    backend.synchronize()
+    want = attention.paged_attention_reference(q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index,
+                                               positions, head_dim**-0.5, None, 20.0, sinks).reshape(43, -1)
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), want) <= 1e-2
+    backend.close()

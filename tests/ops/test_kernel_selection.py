@@ -243,11 +243,16 @@ def test_softcap_and_sinks_go_to_the_kernels_that_serve_them(monkeypatch):
                         *options)
         prompt = chosen("paged_attention_prompt", "cuda", environment, q, k_cache, k_cache, batch, 0.1, None, None, 0,
                         *options)
-        assert ("attention_decode_mma" in decode) == plain and ("attention_mma" in prompt) == plain
+        assert "attention_decode_mma" in decode and ("attention_mma" in prompt) == plain
         if not plain:
-            assert decode.startswith("metrale.kernels.attention ") and "attention_prefill" in prompt
+            assert "attention_prefill" in prompt
+        # Without the tensor-core decode kernel: the per-head CUDA-core kernels.
+        decode = chosen("paged_attention_decode", "cuda", EnvironmentConfig(decode_mma=False), q, k_cache, k_cache,
+                        batch, 0.1, None, None, 0, *options)
+        cores = launchers_decode_choice(32, 8, 64, 64, 4, 512, decode_mma=False) if plain else "attention "
+        assert decode.startswith(f"metrale.kernels.{cores}")
     serving = builtin_registry().serving("paged_attention_decode", "cuda")
-    assert all("no softcap, no sinks" in line for line in serving[:-1]) and " when " not in serving[-1]
+    assert all("no softcap, no sinks" in line for line in serving[1:-1]) and " when " not in serving[-1]
 
 
 @pytest.mark.parametrize("rows, expected", [(1, "(CUDA C++)"), (2, "(CUDA C++)"), (3, "per head")])
