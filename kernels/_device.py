@@ -16,7 +16,7 @@ import warnings
 from typing import Any
 
 import numpy as np
-from numba import config, cuda
+from numba import config, cuda, uint32, uint64
 
 from metrale.errors import KernelArgumentError
 
@@ -79,6 +79,22 @@ def float_to_bf16(value):
         return np.uint16(0x7FC0)
     rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
     return np.uint16((bits + rounding) >> np.uint32(16))
+
+
+@cuda.jit(device=True)
+def dot_words(w, x):
+    # Dot product of two 64-bit words of four bf16 values each (low half first).
+    w_lo = uint32(w & uint64(0xFFFFFFFF))
+    w_hi = uint32(w >> uint64(32))
+    x_lo = uint32(x & uint64(0xFFFFFFFF))
+    x_hi = uint32(x >> uint64(32))
+    mask = uint32(0xFFFF0000)
+    return (
+        bits_to_float(w_lo << uint32(16)) * bits_to_float(x_lo << uint32(16))
+        + bits_to_float(w_lo & mask) * bits_to_float(x_lo & mask)
+        + bits_to_float(w_hi << uint32(16)) * bits_to_float(x_hi << uint32(16))
+        + bits_to_float(w_hi & mask) * bits_to_float(x_hi & mask)
+    )
 
 
 # ---------------------------------------------------------------------------------- launching

@@ -40,7 +40,6 @@ def kernels():
         embedding,
         gated,
         gated_delta,
-        gemv,
         head_linear,
         layernorm,
         logits_process,
@@ -105,8 +104,6 @@ def kernels():
         "router_logits": (moe.router_logits_kernel, (c(u64, 2), c(f32, 2), c(f32, 2))),
         "moe_gate_up": (moe.moe_gate_up_kernel, (c(u64, 2), c(u64, 2), c(i32, 2), c(u16, 2))),
         "moe_down": (moe.moe_down_kernel, (c(u64, 2), c(u64, 2), c(i32, 2), c(f32, 2), c(f32, 2))),
-        "gemv": (gemv.gemv_kernel, (c(u64, 2), c(u64, 2), c(f32, 2))),
-        "gemv_silu": (gemv.gemv_silu_kernel, (c(u64, 2), c(u64, 2), c(u16, 2))),
         "sample": (sampling.sample_kernel, (
             c(f32, 2), c(f32, 1), c(i32, 1), c(f32, 1), c(f32, 1), c(i64, 1), c(i64, 1), c(f32, 1), c(i32, 1))),
         "logit_bias": (logits_process.logit_bias_kernel, (c(f32, 2), c(i32, 1), c(i32, 1), c(f32, 1))),

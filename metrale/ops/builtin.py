@@ -576,15 +576,15 @@ def _declarations() -> list[tuple[Op, str]]:
             (P("gate_up", "[N, 2 I]", "activation"),), (P("act", "[N, I]", "matmul_input"),),
             silu_and_mul, examples=_silu_examples),
          "activation"),
-        (Op("linear_silu", "``silu_and_mul(linear(x, weight, bias))`` (one GEMV kernel for small batches when "
-            ":func:`~metrale.ops.builtin.gemv_kernels` are registered).",
+        (Op("linear_silu", "``silu_and_mul(linear(x, weight, bias))`` (one decode GEMV kernel, the gate in its "
+            "epilogue, for small batches).",
             (P("x", "[N, in]", "matmul_input"), P("weight", "[2 I, in]", "weight"),
              P("bias", "[2 I]", "constant", optional=True)),
             (P("act", "[N, I]", "matmul_input"),), linear_silu, examples=_linear_silu_examples),
          "cuBLAS GEMM and metrale.kernels.activation"),
         (Op("rmsnorm_linear", "A norm and the projection after it: ``(linear(rmsnorm(s)), s)`` with ``s = x + "
             "residual`` (``x`` with ``residual`` None); one decode GEMV kernel for small batches when "
-            ":func:`~metrale.ops.builtin.decode_gemv_kernels` are registered.",
+            ":func:`~metrale.ops.selection.decode_gemv_kernels` are registered.",
             (X, P("residual", "[N, H]", "activation", optional=True), P("norm_weight", "[H]", "weight"),
              P("eps", kind="scalar"), P("offset", kind="scalar"), P("weight", "[out, H]", "weight"),
              P("bias", "[out]", "constant", optional=True)),
@@ -593,7 +593,7 @@ def _declarations() -> list[tuple[Op, str]]:
          "rmsnorm_residual, then linear (their kernels)"),
         (Op("rmsnorm_mlp", "A norm and the SwiGLU MLP after it: ``(down(silu_and_mul(gate_up(rmsnorm(s)))), s)`` with "
             "``s = x + residual``; two decode GEMV kernels for small batches when "
-            ":func:`~metrale.ops.builtin.decode_gemv_kernels` are registered.",
+            ":func:`~metrale.ops.selection.decode_gemv_kernels` are registered.",
             (X, P("residual", "[N, H]", "activation", optional=True), P("norm_weight", "[H]", "weight"),
              P("eps", kind="scalar"), P("offset", kind="scalar"), P("gate_up", "[2 I, H]", "weight"),
              P("down", "[H, I]", "weight"), P("gate_up_bias", "[2 I]", "constant", optional=True),
@@ -813,28 +813,6 @@ def builtin_registry() -> OpRegistry:
             name = module if " " in module else f"metrale.kernels.{module}"
             registry.add_kernel(Kernel(op.name, "cuda", name, build=_cuda_method(op.name)))
     return registry
-
-
-def gemv_kernels(max_rows: int = 8) -> list[Kernel]:
-    """The numba GEMV kernels as conditional kernels of ``linear`` and ``linear_silu`` for
-    batches of at most ``max_rows`` rows (whose inner size is a multiple of 4). Not registered by
-    default -- cuBLAS measured faster on the H200 -- but a registry may add them
-    (``registry.add_kernel``) to compare or to serve a GPU where they win."""
-
-    def small(x: Any, weight: Any, bias: Any = None) -> bool:
-        from metrale.kernels import gemv
-
-        return x.shape[0] <= max_rows and gemv.supports(x.shape[0], x.shape[1])
-
-    def small_without_bias(x: Any, weight: Any, bias: Any = None) -> bool:
-        return bias is None and small(x, weight, bias)
-
-    return [
-        Kernel("linear", "cuda", "metrale.kernels.gemv", build=_cuda_method("linear_gemv"), when=small,
-               condition=f"N <= {max_rows}, in % 4 == 0"),
-        Kernel("linear_silu", "cuda", "metrale.kernels.gemv (fused SiLU)", build=_cuda_method("linear_silu_gemv"),
-               when=small_without_bias, condition=f"N <= {max_rows}, in % 4 == 0, no bias"),
-    ]
 
 
 def build_op_registry(plugin_manager: "pluggy.PluginManager | None" = None) -> OpRegistry:

@@ -30,7 +30,6 @@ from metrale.kernels import (
     gated_delta,
     gated_delta_chunked,
     gdn_decode,
-    gemv,
     layernorm,
     lora,
     moe,
@@ -154,21 +153,6 @@ class CudaKernels:
         if bias is not None:
             gate_up += bias
         return gate_up
-
-    # The numba GEMV kernels: not bound by default (cuBLAS measured about twice as fast on the
-    # H200, docs/benchmarks); :func:`metrale.ops.builtin.gemv_kernels` offers them to a registry.
-
-    def linear_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        x = self.as_bf16(x)
-        out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
-        gemv.gemv(x, weight, out, self.stream)
-        if bias is not None:
-            out += bias
-        return out
-
-    def linear_silu_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        out = cp.empty((x.shape[0], weight.shape[0] // 2), dtype=bf16)
-        return gemv.gemv_silu(self.as_bf16(x), weight, out, self.stream)
 
     # The decode GEMV kernels, bound where :func:`metrale.ops.builtin.default_decode_kernels` says;
     # :func:`metrale.ops.builtin.decode_gemv_kernels` offers them all to a registry.

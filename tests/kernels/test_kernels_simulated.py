@@ -11,7 +11,7 @@ import pytest
 from numba import cuda
 
 from metrale.errors import KernelArgumentError
-from metrale.kernels import activation, attention, embedding, gemv, linear, rmsnorm, token_feed
+from metrale.kernels import activation, attention, embedding, rmsnorm, token_feed
 from metrale.kernels import qkv_rope as rope
 from metrale.kernels._device import bf16_to_float, float_to_bf16
 from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
@@ -506,30 +506,6 @@ def test_attention_launchers_refuse_bad_options():
         attention.decode_attention(*arguments, sinks=np.zeros(3, np.float32))
     with pytest.raises(KernelArgumentError, match="softcap"):
         attention.decode_attention(*arguments, softcap=-1.0)
-
-
-@pytest.mark.parametrize("rows", [1, 3])
-def test_gemv_and_fused_swiglu(rows):
-    rng = np.random.default_rng(9)
-    inner = 4 * 37  # several unrolled word loads per lane, with a partial last one
-    x = float32_to_bf16(rng.standard_normal((rows, inner)).astype(np.float32))
-    weight = float32_to_bf16(rng.standard_normal((2 * 5, inner)).astype(np.float32))
-    expected = linear.linear_reference(bf16_to_float32(x), bf16_to_float32(weight))
-    out = np.full((rows, 10), np.nan, np.float32)
-    gemv.gemv(x, weight, out)
-    assert rel_error(out, expected) <= 1e-5
-    fused = np.zeros((rows, 5), np.uint16)
-    gemv.gemv_silu(x, weight, fused)
-    swiglu = activation.silu_and_mul_reference(expected[:, :5], expected[:, 5:])
-    assert rel_error(bf16_to_float32(fused), swiglu) <= 8e-3
-
-
-def test_gemv_rejects_batches_it_does_not_serve():
-    x = np.zeros((gemv.MAX_GEMV_ROWS + 1, 8), np.uint16)
-    with pytest.raises(KernelArgumentError, match="rows"):
-        gemv.gemv(x, np.zeros((3, 8), np.uint16), np.zeros((x.shape[0], 3), np.float32))
-    with pytest.raises(KernelArgumentError, match="even"):
-        gemv.gemv_silu(x[:1], np.zeros((3, 8), np.uint16), np.zeros((1, 1), np.uint16))
 
 
 @pytest.mark.parametrize("splits", [1, 3])

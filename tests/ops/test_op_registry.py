@@ -196,17 +196,6 @@ def test_a_failing_registration_names_the_plugin():
         build_op_registry(manager_with(Broken(), name="broken"))
 
 
-def test_the_gemv_kernels_are_offered_not_bound():
-    from metrale.ops.builtin import gemv_kernels
-
-    assert builtin_registry().serving("linear", "cuda")[-1] == "cuBLAS GEMM (metrale.kernels.linear) [metrale]"
-    assert not any("kernels.gemv " in line for line in builtin_registry().serving("linear", "cuda"))
-    registry = builtin_registry().copy()
-    for kernel in gemv_kernels(max_rows=4):
-        registry.from_plugin("tuning").add_kernel(kernel)
-    assert registry.serving("linear", "cuda")[0] == "metrale.kernels.gemv [tuning] when N <= 4, in % 4 == 0"
-
-
 def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones():
     registry = builtin_registry()
     assert registry.serving("rmsnorm_mlp", "cuda") == [
