@@ -203,10 +203,15 @@ class OpRegistry:
         """The kernels of ``op`` on ``backend``, in the order they are tried."""
         return [k for k in self.kernels if k.op == op and k.backend == backend]
 
-    def serving(self, op: str, backend: str) -> list[str]:
-        """What serves ``op`` on ``backend``, in words, in the order tried."""
+    def serving(self, op: str, backend: str, environment: Any = None) -> list[str]:
+        """What serves ``op`` on ``backend``, in words, in the order tried. With ``environment``
+        (an :class:`~metrale.config.EnvironmentConfig`), a kernel its settings leave unbound is
+        marked ``(off in this environment)``."""
         described = [
-            f"{k.name} [{k.origin}]" + (f" when {k.condition}" if k.condition else "") for k in self.kernels_for(op, backend)
+            f"{k.name} [{k.origin}]" + (f" when {k.condition}" if k.condition else "")
+            + (" (off in this environment)" if environment is not None and k.enabled is not None
+               and not k.enabled(environment) else "")
+            for k in self.kernels_for(op, backend)
         ]
         if not any(k.unconditional for k in self.kernels_for(op, backend)):
             declared = self.ops[op]
