@@ -100,11 +100,10 @@ def dot_words(w, x):
 # ---------------------------------------------------------------------------------- launching
 
 
-# Numba's launch path costs a host round trip per wrapper it builds: a stream wrapper and a
-# device-array view of each argument took 7-12 and 15-25 microseconds on the GPU machine's host,
-# and a launch with fresh ones 240-434 microseconds against 42-69 with reused ones
-# (tools/launch_overhead.py, two runs). Both are plain descriptors (a stream handle; a pointer, shape,
-# strides and dtype that own no memory), so they are kept and reused by value.
+# Numba's launch path costs a host round trip per wrapper it builds, a stream wrapper and a
+# device-array view of each argument (docs/benchmarks.rst, "a numba kernel launch"). Both are plain
+# descriptors (a stream handle; a pointer, shape, strides and dtype that own no memory), so they
+# are kept and reused by value.
 VIEW_CACHE_SIZE = 4096
 _stream_views: dict[int, Any] = {}
 _array_views: dict[tuple, Any] = {}
@@ -144,13 +143,13 @@ DIRECT_LAUNCH = True
 class DirectKernel:
     """A numba kernel launched by CuPy: ``kernel[grid, block, stream, shared](*args)`` as numba's.
 
-    Numba's launcher types every argument and builds its parameters in Python at each call
-    (about 65 microseconds of host time a launch on the GPU machine, more than most of these
-    kernels run). Here numba compiles the kernel once per kind of arguments (its types, from
-    numba's own typing), the compiled image is loaded as a CuPy module, and each launch only
-    flattens the arguments into the kernel's parameters -- numba's ABI: an array is (meminfo,
-    parent, size, itemsize, data, shape..., strides... in bytes), a scalar its C type -- and
-    hands them to CuPy's launcher. Any other attribute is the numba dispatcher's.
+    Numba's launcher types every argument and builds its parameters in Python at each call (more
+    host time a launch than most of these kernels run; docs/benchmarks.rst). Here numba compiles
+    the kernel once per kind of arguments (its types, from numba's own typing), the compiled image
+    is loaded as a CuPy module, and each launch only flattens the arguments into the kernel's
+    parameters -- numba's ABI: an array is (meminfo, parent, size, itemsize, data, shape...,
+    strides... in bytes), a scalar its C type -- and hands them to CuPy's launcher. Any other
+    attribute is the numba dispatcher's.
     """
 
     def __init__(self, dispatcher: Any) -> None:

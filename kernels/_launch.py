@@ -23,9 +23,8 @@ Where a kernel allows its dependents is a choice per kernel. The GEMVs and the d
 allow them first thing, so that the next kernel's weight loads overlap their own work. A kernel
 with little to load before its wait (the residual RMSNorm, the split combine) allows them only
 after its wait: allowing them earlier let the kernel after it start while the kernel
-ahead of it still ran, a chain of three started at once, and on the Llama-8B decode step that
-made the step 6.0 ms where it takes 4.3 ms (``tools/decode_ab.py --independent``, which launches
-named kernels in stream order, found the two).
+ahead of it still ran, a chain of three started at once, which slowed the Llama-8B decode step
+(docs/notes/decode-kernels.rst, "The registry's thresholds").
 
 :func:`launch` calls ``cuLaunchKernelEx`` of the CUDA driver through ctypes (the driver is loaded
 wherever CuPy runs) unless :data:`ENABLED` is off (``METRALE_DEPENDENT_LAUNCH=0``); CuPy's own

@@ -91,10 +91,8 @@ def launch_stages(rows: int, heads: int, kv_heads: int, head_dim: int, splits: i
     """Stages of a launch: :func:`stages`, or more for a launch of one split (a batch of many
     rows: each block walks all of its row's keys, one stage after another) where the grid still
     fits in one wave of resident blocks with them, so that more of a block's keys are in flight
-    while it computes; at most one more than a block's steps and :data:`MAX_STAGES`. On the H200
-    (``tools/attention_sweep.py --mma --stages``) five stages took the Llama-1B shape's heads at
-    32 rows and 512 keys from 16.1 to 15.0 us; at 8 rows of four splits and at one row they
-    gained nothing, and six stages (one block a multiprocessor) cost 60 %."""
+    while it computes; at most one more than a block's steps and :data:`MAX_STAGES`
+    (docs/benchmarks.rst, "decode attention, stages at one split")."""
     if STAGES_OVERRIDE is not None:
         if not 2 <= STAGES_OVERRIDE <= MAX_STAGES or shared_bytes(head_dim, STAGES_OVERRIDE) > MAX_SHARED_BYTES:
             raise KernelArgumentError(f"decode_attention_mma: {STAGES_OVERRIDE} stages of {head_dim} dims (2 to "
@@ -560,9 +558,8 @@ def counter_count(rows: int, heads: int, kv_heads: int) -> int:
 
 
 #: The most partials (bytes) the last split's block merges itself: past it the merge kernel's
-#: blocks, a head and 128 value columns each, share the reads. One block merging Qwen3-Next's
-#: sixteen splits of eight 256-wide heads (128 KB) made its attention 23 us a layer under Nsight
-#: Compute, where the Llama-1B shape's twelve splits of four 64-wide heads (12 KB) took 10.5.
+#: blocks, a head and 128 value columns each, share the reads (docs/notes/decode-kernels.rst,
+#: "The registry's thresholds").
 MAX_MERGE_BYTES = 32 * 1024
 
 

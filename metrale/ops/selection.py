@@ -14,8 +14,8 @@ the split is a kernel of its own whose only logic is the split: it calls the int
 ``paged_attention_decode`` and ``paged_attention_prompt`` through the backend's op table, and the
 kernels of those are chosen here like any other.
 
-The thresholds below come from measurements on the H200; the numbers, and the commands that
-produce them, are in the benchmarks page (``docs/benchmarks.rst``).
+The thresholds below come from measurements on the H200 (docs/notes/decode-kernels.rst, "The
+registry's thresholds"; the current figures in docs/benchmarks.rst).
 """
 
 from __future__ import annotations
@@ -28,22 +28,21 @@ from metrale.ops.registry import Kernel
 
 # ------------------------------------------------------------------------------ thresholds
 
-#: The largest MLP (gate/up and down weights, bytes) the fused decode MLP serves by default
-#: (larger ones: cuBLAS streams the products faster; docs/benchmarks.rst, decode GEMV).
+# The measurements behind each threshold: docs/notes/decode-kernels.rst, "The registry's thresholds".
+
+#: The largest MLP (gate/up and down weights, bytes) the fused decode MLP serves by default.
 FUSED_MLP_MAX_BYTES = 128 * 1024 * 1024
 #: Batches of at least this many tokens run their routed experts through the grouped tensor-core
-#: kernels, each chosen expert's weights read once; smaller ones pair by pair (past 8 tokens the
-#: pairs repeat experts; docs/benchmarks.rst, routed experts).
+#: kernels, each chosen expert's weights read once; smaller ones pair by pair.
 GROUPED_EXPERTS_MIN_TOKENS = 9
 #: Batches of up to this many rows take the router-logits kernel; larger ones a float32 cuBLAS
-#: product (the kernel reads the router weights once per token; docs/benchmarks.rst, router).
+#: product.
 ROUTER_KERNEL_ROWS = 64
-#: MLA's per-head products of up to this many rows take the head_linear kernels (whose time grows
-#: with the rows); larger ones one cuBLAS product per head (docs/benchmarks.rst, per-head products).
+#: MLA's per-head products of up to this many rows take the head_linear kernels; larger ones one
+#: cuBLAS product per head.
 HEAD_LINEAR_WORD_ROWS = 2
 #: The staged decode attention serves a geometry of the grouped kernel while a block's share of
-#: the keys (keys per split times head dims) is at most this; the grouped kernel longer shares
-#: (docs/benchmarks.rst, decode attention).
+#: the keys (keys per split times head dims) is at most this; the grouped kernel longer shares.
 STAGED_MAX_BLOCK_ELEMENTS = 4096
 
 
@@ -246,7 +245,7 @@ def moe_route_decode_kernels(max_tokens: int = 8) -> list[Kernel]:
     """The decode router kernel (:mod:`metrale.kernels.moe_route_decode`: the router product and
     the choice of experts in one launch) as a conditional kernel of ``moe_route`` for batches of
     at most ``max_tokens`` tokens (registered by default with 8, :func:`default_decode_kernels`;
-    docs/benchmarks.rst has its decode steps against the default router)."""
+    docs/notes/decode-kernels.rst has its decode steps against the default router)."""
 
     def small(x: Any, gate: Any, bias: Any, method: str, n_group: int, topk_group: int, top_k: int,
               renormalise: Any, scaling: Any) -> bool:
@@ -404,8 +403,8 @@ def merged_decode_attention_kernels() -> list[Kernel]:
     counters) instead of the combine kernel after it, as a conditional kernel of
     ``paged_attention_decode`` where a block's partials are small enough
     (:func:`~metrale.kernels.attention_decode_mma.merges_itself`). Not registered by default: the
-    combine kernel, launched dependently, measured faster (docs/benchmarks.rst); a registry may add
-    it (``tools/sweeps/decode_ab.py --merge-splits`` does)."""
+    combine kernel, launched dependently, measured faster; a registry may add
+    it (``tools/sweeps/decode_ab.py --merge-splits`` does; docs/notes/decode-kernels.rst)."""
 
     def merges(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row, softcap=None, sinks=None):
         from metrale.kernels import attention_decode_mma
