@@ -283,19 +283,17 @@ def leading_single_rows(row_starts: Any) -> int:
     return int(longer[0]) if longer.size else len(lengths)
 
 
-def _attention_out(backend: Any, rows: int, width: int) -> Any:
-    """The attention output ``[rows, width]`` of ``backend``: bf16 bits on the GPU, float32 on the CPU."""
-    return backend.xp.empty((rows, width), dtype=np.uint16 if backend.name == "cuda" else np.float32)
-
-
 def _split_paged_attention(backend: Any) -> Any:
     table = _ops_of(backend)
+    # The output of the backend (bf16 bits on the GPU, float32 on the CPU); the closure holds its
+    # array module, not the backend (the backend's op table holds this kernel).
+    xp, dtype = backend.xp, np.uint16 if backend.name == "cuda" else np.float32
 
     def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, softcap=None, sinks=None):
         # The leading one-row segments (a step's decode rows) to paged_attention_decode, the
         # segments after them (prompt rows) to paged_attention_prompt, both writing into one out.
         ops = table()
-        out = _attention_out(backend, q.shape[0], q.shape[1] * v_cache.shape[3])
+        out = xp.empty((q.shape[0], q.shape[1] * v_cache.shape[3]), dtype=dtype)
         single, segments = leading_single_rows(batch.row_starts), len(batch.row_starts) - 1
         if single:
             ops.paged_attention_decode(q[:single], k_cache, v_cache, batch, scale, sliding_window, out[:single], 0,
