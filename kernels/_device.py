@@ -16,9 +16,8 @@ import warnings
 from typing import Any
 
 import numpy as np
-from numba import config, cuda
+from numba import config, cuda, uint32, uint64
 
-from metrale.config import environment_flag
 from metrale.errors import KernelArgumentError
 
 # numba.config sets its options at import from the environment, so they have no static declaration.
@@ -82,14 +81,29 @@ def float_to_bf16(value):
     return np.uint16((bits + rounding) >> np.uint32(16))
 
 
+@cuda.jit(device=True)
+def dot_words(w, x):
+    # Dot product of two 64-bit words of four bf16 values each (low half first).
+    w_lo = uint32(w & uint64(0xFFFFFFFF))
+    w_hi = uint32(w >> uint64(32))
+    x_lo = uint32(x & uint64(0xFFFFFFFF))
+    x_hi = uint32(x >> uint64(32))
+    mask = uint32(0xFFFF0000)
+    return (
+        bits_to_float(w_lo << uint32(16)) * bits_to_float(x_lo << uint32(16))
+        + bits_to_float(w_lo & mask) * bits_to_float(x_lo & mask)
+        + bits_to_float(w_hi << uint32(16)) * bits_to_float(x_hi << uint32(16))
+        + bits_to_float(w_hi & mask) * bits_to_float(x_hi & mask)
+    )
+
+
 # ---------------------------------------------------------------------------------- launching
 
 
-# Numba's launch path costs a host round trip per wrapper it builds: a stream wrapper and a
-# device-array view of each argument took 7-12 and 15-25 microseconds on the GPU machine's host,
-# and a launch with fresh ones 240-434 microseconds against 42-69 with reused ones
-# (tools/launch_overhead.py, two runs). Both are plain descriptors (a stream handle; a pointer, shape,
-# strides and dtype that own no memory), so they are kept and reused by value.
+# Numba's launch path costs a host round trip per wrapper it builds, a stream wrapper and a
+# device-array view of each argument (docs/benchmarks.rst, "a numba kernel launch"). Both are plain
+# descriptors (a stream handle; a pointer, shape, strides and dtype that own no memory), so they
+# are kept and reused by value.
 VIEW_CACHE_SIZE = 4096
 _stream_views: dict[int, Any] = {}
 _array_views: dict[tuple, Any] = {}
@@ -114,26 +128,28 @@ _stream_pointers: dict[int, int] = {}  # id of a view in _stream_views -> its st
 
 def jit_kernel(function: Any) -> Any:
     """``@cuda.jit(cache=True)``, launched through :class:`DirectKernel` on a GPU (numba's own
-    launcher under the simulator)."""
+    launcher under the simulator, and where :data:`DIRECT_LAUNCH` is off)."""
     dispatcher = cuda.jit(cache=True)(function)
-    return dispatcher if SIMULATED or not DIRECT_LAUNCH else DirectKernel(dispatcher)
+    return dispatcher if SIMULATED else DirectKernel(dispatcher)
 
 
-#: Whether :func:`jit_kernel` launches through :class:`DirectKernel` (``METRALE_NUMBA_LAUNCH=1``
-#: keeps numba's own launcher, for comparison).
-DIRECT_LAUNCH = not environment_flag("METRALE_NUMBA_LAUNCH")
+#: Whether the kernels of :func:`jit_kernel` launch through :class:`DirectKernel` (read at each
+#: launch). The CUDA backend sets it from its settings (``METRALE_NUMBA_LAUNCH=1`` keeps numba's
+#: own launcher, for comparison, :class:`~metrale.config.EnvironmentConfig`); nothing here reads
+#: the environment.
+DIRECT_LAUNCH = True
 
 
 class DirectKernel:
     """A numba kernel launched by CuPy: ``kernel[grid, block, stream, shared](*args)`` as numba's.
 
-    Numba's launcher types every argument and builds its parameters in Python at each call
-    (about 65 microseconds of host time a launch on the GPU machine, more than most of these
-    kernels run). Here numba compiles the kernel once per kind of arguments (its types, from
-    numba's own typing), the compiled image is loaded as a CuPy module, and each launch only
-    flattens the arguments into the kernel's parameters -- numba's ABI: an array is (meminfo,
-    parent, size, itemsize, data, shape..., strides... in bytes), a scalar its C type -- and
-    hands them to CuPy's launcher. Any other attribute is the numba dispatcher's.
+    Numba's launcher types every argument and builds its parameters in Python at each call (more
+    host time a launch than most of these kernels run; docs/benchmarks.rst). Here numba compiles
+    the kernel once per kind of arguments (its types, from numba's own typing), the compiled image
+    is loaded as a CuPy module, and each launch only flattens the arguments into the kernel's
+    parameters -- numba's ABI: an array is (meminfo, parent, size, itemsize, data, shape...,
+    strides... in bytes), a scalar its C type -- and hands them to CuPy's launcher. Any other
+    attribute is the numba dispatcher's.
     """
 
     def __init__(self, dispatcher: Any) -> None:
@@ -144,6 +160,8 @@ class DirectKernel:
         return getattr(self.dispatcher, name)
 
     def __getitem__(self, config: tuple) -> Any:
+        if not DIRECT_LAUNCH:
+            return self.dispatcher[config]
         grid, block, stream = config[0], config[1], config[2] if len(config) > 2 else 0
         shared = int(config[3]) if len(config) > 3 else 0
         grid = grid if isinstance(grid, tuple) else (int(grid),)

@@ -23,13 +23,13 @@ Where a kernel allows its dependents is a choice per kernel. The GEMVs and the d
 allow them first thing, so that the next kernel's weight loads overlap their own work. A kernel
 with little to load before its wait (the residual RMSNorm, the split combine) allows them only
 after its wait: allowing them earlier let the kernel after it start while the kernel
-ahead of it still ran, a chain of three started at once, and on the Llama-8B decode step that
-made the step 6.0 ms where it takes 4.3 ms (``tools/decode_ab.py --independent``, which launches
-named kernels in stream order, found the two).
+ahead of it still ran, a chain of three started at once, which slowed the Llama-8B decode step
+(docs/notes/decode-kernels.rst, "The registry's thresholds").
 
 :func:`launch` calls ``cuLaunchKernelEx`` of the CUDA driver through ctypes (the driver is loaded
-wherever CuPy runs) unless ``METRALE_DEPENDENT_LAUNCH=0``; CuPy's own launch when it is 0, when
-the device is older than compute capability 9.0, or when ``dependent`` is false.
+wherever CuPy runs) unless :data:`ENABLED` is off (``METRALE_DEPENDENT_LAUNCH=0``); CuPy's own
+launch when it is off, when the device is older than compute capability 9.0, or when
+``dependent`` is false.
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ from typing import Any
 
 import numpy as np
 
-from metrale.config import environment_flag
 from metrale.errors import KernelArgumentError
 
-#: Whether :func:`launch` uses dependent launches where asked (``METRALE_DEPENDENT_LAUNCH``, on
-#: unless set to 0); read once, at import.
-ENABLED = environment_flag("METRALE_DEPENDENT_LAUNCH", default=True)
+#: Whether :func:`launch` uses dependent launches where asked (read at each launch). The CUDA
+#: backend sets it from its settings (``METRALE_DEPENDENT_LAUNCH``, on unless set to 0,
+#: :class:`~metrale.config.EnvironmentConfig`); nothing here reads the environment.
+ENABLED = True
 
 #: Names of kernels (without template arguments) :func:`launch` launches in stream order even
 #: where asked to launch them dependently (read at each launch): a switch for measuring what a

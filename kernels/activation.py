@@ -142,16 +142,23 @@ def to_bf16_kernel(source, out):
 
 
 def silu_and_mul(gate_up: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
-    """``out <- bf16(silu(gate) * up)`` for ``gate_up [N, 2I]`` float32 or bf16 bits."""
-    bits = getattr(gate_up, "dtype", None) == np.uint16
-    check_array("silu_and_mul", "gate_up", gate_up, np.uint16 if bits else np.float32, ndim=2)
+    """``out <- bf16(silu(gate) * up)`` for ``gate_up [N, 2I]`` float32 (:func:`silu_and_mul_kernel`)."""
+    return _launch_silu_and_mul(silu_and_mul_kernel, np.float32, gate_up, out, stream)
+
+
+def silu_and_mul_bits(gate_up: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
+    """``out <- bf16(silu(gate) * up)`` for ``gate_up [N, 2I]`` bf16 bits (:func:`silu_and_mul_bf16_kernel`)."""
+    return _launch_silu_and_mul(silu_and_mul_bf16_kernel, np.uint16, gate_up, out, stream)
+
+
+def _launch_silu_and_mul(kernel: Any, dtype: Any, gate_up: DeviceArray, out: DeviceArray, stream: object) -> DeviceArray:
+    check_array("silu_and_mul", "gate_up", gate_up, dtype, ndim=2)
     rows, double = gate_up.shape
     if double % 2:
         raise KernelArgumentError(f"silu_and_mul: gate_up has shape {[rows, double]}, whose last extent is odd")
     check_array("silu_and_mul", "out", out, np.uint16, (rows, double // 2))
     if rows:
         grid = (rows, -(-(double // 2) // ELEMENTWISE_THREADS))
-        kernel = silu_and_mul_bf16_kernel if bits else silu_and_mul_kernel
         kernel[grid, ELEMENTWISE_THREADS, numba_stream(stream)](device_view(gate_up), device_view(out))
     return out
 

@@ -45,15 +45,21 @@ def paged_attention_reference(
     positions: np.ndarray,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """Causal GQA attention of ``q [N, n_heads, d]`` over the paged cache -> ``[N, n_heads, d_v]``.
 
-    Query head ``h`` reads KV head ``h // (n_heads / n_kv_heads)``; softmax in float32.
+    Query head ``h`` reads KV head ``h // (n_heads / n_kv_heads)``; softmax in float32. With
+    ``softcap`` the logits ``scale * q . k`` become ``softcap * tanh(logit / softcap)`` before the
+    mask and the softmax (Gemma-2); with ``sinks [n_heads]`` head ``h``'s softmax has the extra
+    logit ``sinks[h]`` in its denominator, whose value is never attended (GPT-OSS).
     """
     n_rows, n_heads, _ = q.shape
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
     out = np.empty((n_rows, n_heads, v_cache.shape[3]), dtype=np.float32)
+    sink = None if sinks is None else np.asarray(sinks, dtype=np.float32).reshape(n_heads, 1, 1)
     for seq in np.unique(seq_index):
         rows = np.nonzero(seq_index == seq)[0]
         query_pos = positions[rows]
@@ -63,15 +69,21 @@ def paged_attention_reference(
         keys = np.repeat(keys, group, axis=1).transpose(1, 2, 0)  # [n_heads, d, S]
         values = np.repeat(values, group, axis=1).transpose(1, 0, 2)  # [n_heads, S, d_v]
         scores = (q[rows].transpose(1, 0, 2) @ keys) * np.float32(scale)  # [n_heads, R, S]
+        if softcap:
+            scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
         key_pos = np.arange(length)[None, :]
         visible = key_pos <= query_pos[:, None]
         if sliding_window is not None:
             visible &= key_pos > query_pos[:, None] - sliding_window
         scores = np.where(visible[None], scores, -np.inf).astype(np.float32)
-        scores -= scores.max(axis=-1, keepdims=True)
-        weights = np.exp(scores)
-        weights /= weights.sum(axis=-1, keepdims=True)
-        out[rows] = (weights @ values).transpose(1, 0, 2)
+        best = scores.max(axis=-1, keepdims=True)
+        if sink is not None:
+            best = np.maximum(best, sink)
+        weights = np.exp(scores - best)
+        denominator = weights.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            denominator += np.exp(sink - best)
+        out[rows] = ((weights / denominator) @ values).transpose(1, 0, 2)
     return out
 
 
@@ -81,9 +93,7 @@ import math  # noqa: E402
 
 from numba import cuda, float32  # noqa: E402
 
-from metrale.config import environment_flag  # noqa: E402
 from metrale.errors import KernelArgumentError  # noqa: E402
-from metrale.kernels import attention_decode_mma, attention_grouped, attention_staged  # noqa: E402
 from metrale.kernels._device import (  # noqa: E402
     SIMULATED,
     DeviceArray,
@@ -110,7 +120,8 @@ NEGATIVE_INFINITY = -math.inf
 
 @jit_kernel
 def paged_attention_split_kernel(
-    q, k_cache, v_cache, block_tables, seq_index, positions, scale, sliding_window, out_acc, out_max, out_sum
+    q, k_cache, v_cache, block_tables, seq_index, positions, scale, sliding_window, softcap, sinks, has_sinks,
+    out_acc, out_max, out_sum
 ):
     # Grid: (N rows, n_heads, splits); block ATTENTION_THREADS threads. Block (row, head, split)
     # covers keys [split * SPLIT_SIZE, +SPLIT_SIZE) of its sequence, clipped to the row's causal
@@ -118,7 +129,9 @@ def paged_attention_split_kernel(
     # (the running max), out_sum (sum of exp), out_acc [N, nh, splits, dv] (exp-weighted V).
     # Keys are staged KEY_TILE at a time in shared memory with coalesced loads: for scores,
     # DOT_PARTS threads share each key's dot product; for values, thread t accumulates dims
-    # t, t + threads, ... over the staged keys.
+    # t, t + threads, ... over the staged keys. softcap > 0 caps the scores (softcap * tanh(s /
+    # softcap)); with has_sinks, split 0 counts sinks[head] as one more score whose value is zero,
+    # so the merge of the splits adds it to the denominator once.
     # q [N, nh, d] f32; caches [blocks, block_size, nkv, d] bf16 bits; block_tables [S, max_blocks].
     row = cuda.blockIdx.x
     head = cuda.blockIdx.y
@@ -139,8 +152,9 @@ def paged_attention_split_kernel(
         for i in range(tid, value_dim, ATTENTION_THREADS):
             out_acc[row, head, split, i] = 0.0
         if tid == 0:
-            out_max[row, head, split] = NEGATIVE_INFINITY
-            out_sum[row, head, split] = 0.0
+            sink_here = has_sinks != 0 and split == 0
+            out_max[row, head, split] = sinks[head] if sink_here else NEGATIVE_INFINITY
+            out_sum[row, head, split] = 1.0 if sink_here else 0.0
         return
     query = cuda.shared.array(MAX_ATTENTION_HEAD_DIM, float32)
     scores = cuda.shared.array(SPLIT_SIZE, float32)
@@ -171,18 +185,25 @@ def paged_attention_split_kernel(
             total_dot = float32(0.0)
             for p in range(DOT_PARTS):
                 total_dot += partial[tid + p]
+            if softcap > 0.0:
+                total_dot = softcap * math.tanh(total_dot / softcap)
             scores[start - first + key_in_tile] = total_dot
         cuda.syncthreads()
     local_max = float32(NEGATIVE_INFINITY)
     for key in range(lo + tid, hi, ATTENTION_THREADS):
         local_max = max(local_max, scores[key - first])
     best = block_max(partial, tid, local_max, ATTENTION_THREADS)
+    sink_here = has_sinks != 0 and split == 0
+    if sink_here:
+        best = max(best, sinks[head])
     local_sum = float32(0.0)
     for key in range(lo + tid, hi, ATTENTION_THREADS):
         weight = math.exp(scores[key - first] - best)
         scores[key - first] = weight
         local_sum += weight
     total = block_sum(partial, tid, local_sum, ATTENTION_THREADS)
+    if sink_here:
+        total += math.exp(sinks[head] - best)
     # Values: registers hold dims tid, tid + threads (value_dim <= 2 * threads).
     acc0 = float32(0.0)
     acc1 = float32(0.0)
@@ -241,67 +262,22 @@ def attention_splits(max_context: int) -> int:
     return max(1, -(-int(max_context) // SPLIT_SIZE))
 
 
-#: The kernel serving the geometries of :mod:`attention_grouped` (same grid and outputs):
-#: ``"staged"`` (:mod:`attention_staged`, chunks staged in shared memory), ``"grouped"``, or
-#: ``"auto"``: staged while a block's share of the keys is short (at most
-#: STAGED_MAX_BLOCK_ELEMENTS keys times head dims), where its overlapped loads win; grouped for
-#: longer shares, where its fewer instructions per key win (tools/attention_sweep.py on the H200).
-GROUPED_DECODE = "auto"
-STAGED_MAX_BLOCK_ELEMENTS = 4096
-
-
-def grouped_decode_kernel(heads: int, kv_heads: int, head_dim: int, splits: int, max_context: int) -> str:
-    """``"staged"`` or ``"grouped"``: the kernel :func:`paged_attention` runs for this geometry."""
-    if GROUPED_DECODE != "auto":
-        return GROUPED_DECODE if attention_staged.supports(heads, kv_heads, head_dim, head_dim) else "grouped"
-    if not attention_staged.supports(heads, kv_heads, head_dim, head_dim):
-        return "grouped"
-    keys_per_block = -(-int(max_context) // splits)
-    return "staged" if keys_per_block * head_dim <= STAGED_MAX_BLOCK_ELEMENTS else "grouped"
-
-
-#: The decode kernel for geometries :mod:`attention_decode_mma` serves: ``"cores"`` (the CUDA-core
-#: kernels above) or ``"mma"`` (tensor cores, whole stages of keys and values in flight; the
-#: default, ``METRALE_DECODE_MMA=0`` turns it off).
-DECODE_KERNEL = "mma" if environment_flag("METRALE_DECODE_MMA", default=True) else "cores"
-
-
-#: Whether the tensor-core decode kernel merges its own splits (the last split of each row and head
-#: block to finish, :func:`metrale.kernels.attention_decode_mma.decode_attention` with counters)
-#: instead of :func:`metrale.kernels.attention_combine.combine` after it. Off: on the H200 the
-#: combine kernel (launched dependently) was faster at every geometry ``python3
-#: tools/attention_sweep.py --mma --head-dim 64 --rows 1,8`` timed (the Llama-1B shape's heads at
-#: a context of 512: 4.0 against 5.2 us at batch 1 and 8 splits, 6.1 against 7.7 at batch 8 and 4).
-#: When on, the CUDA backend passes counters to :func:`paged_attention`.
-MERGE_DECODE_SPLITS = False
-
-
-def uses_decode_mma(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:
-    """Whether :func:`paged_attention` runs :mod:`attention_decode_mma` for this geometry."""
-    return DECODE_KERNEL == "mma" and attention_decode_mma.supports(heads, kv_heads, head_dim, value_dim)
-
-
-def split_count(rows: int, heads: int, kv_heads: int, head_dim: int, value_dim: int, max_context: int) -> int:
-    """Key splits of :func:`paged_attention` for this geometry: the workspace's third extent."""
-    if uses_decode_mma(heads, kv_heads, head_dim, value_dim):
-        return attention_decode_mma.device_split_count(rows, heads, kv_heads, head_dim, max_context)
-    if attention_grouped.supports(heads, kv_heads, head_dim, value_dim):
-        return attention_grouped.split_count(rows, heads, kv_heads, max_context)
-    return attention_splits(max_context)
-
-
-def paged_attention(
+def decode_attention(
     q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
     positions: DeviceArray, scale: float, sliding_window: int | None, max_context: int, workspace: tuple,
-    out: DeviceArray, stream: object = None, counters: DeviceArray | None = None,
+    out: DeviceArray, stream: object = None, softcap: float | None = None, sinks: DeviceArray | None = None,
 ) -> DeviceArray:
-    """CUDA launcher of :func:`paged_attention_reference` writing bf16 ``out [N, nh * dv]``.
+    """The per-head CUDA-core kernels (:func:`paged_attention_split_kernel`, then
+    :func:`attention_combine_kernel`): :func:`paged_attention_reference` of each row ``i`` of ``q``
+    (its sequence ``seq_index[i]``, its position ``positions[i]``), bf16 ``out [N, nh * dv]``.
+    Any geometry of whole query-head groups with heads of at most 256 dims; any row, attending as a
+    row of its own.
 
-    ``max_context`` bounds every row's position + 1 (with the batch geometry it fixes the number
-    of key splits, :func:`split_count`, so a captured graph stays valid for any shorter context);
+    ``max_context`` bounds every row's position + 1 (it fixes the number of key splits,
+    :func:`attention_splits`, so a captured graph stays valid for any shorter context);
     ``workspace`` is ``(acc, max, sum)`` of shapes ``[N, nh, splits, dv]``, ``[N, nh, splits]``,
-    ``[N, nh, splits]`` float32. ``counters`` go to the tensor-core kernel, which then merges its
-    own splits (:data:`MERGE_DECODE_SPLITS`); the other kernels ignore them.
+    ``[N, nh, splits]`` float32. ``softcap`` (a positive number, or None) caps the logits;
+    ``sinks`` (float32 ``[nh]``, or None) adds a sink logit to each head's softmax.
     """
     op = "paged_attention"
     check_array(op, "q", q, np.float32, ndim=3)
@@ -318,7 +294,11 @@ def paged_attention(
     check_array(op, "block_tables", block_tables, np.int32, ndim=2)
     check_array(op, "seq_index", seq_index, np.int32, (rows,))
     check_array(op, "positions", positions, np.int32, (rows,))
-    splits = split_count(rows, heads, kv_heads, head_dim, value_dim, max_context)
+    if sinks is not None:
+        check_array(op, "sinks", sinks, np.float32, (heads,))
+    if softcap is not None and not softcap >= 0:
+        raise KernelArgumentError(f"{op}: softcap must be positive (or None), got {softcap}")
+    splits = attention_splits(max_context)
     acc, best, total = workspace
     check_array(op, "workspace acc", acc, np.float32, (rows, heads, splits, value_dim))
     check_array(op, "workspace max", best, np.float32, (rows, heads, splits))
@@ -326,35 +306,15 @@ def paged_attention(
     check_array(op, "out", out, np.uint16, (rows, heads * value_dim))
     if not rows:
         return out
-    if uses_decode_mma(heads, kv_heads, head_dim, value_dim):
-        return attention_decode_mma.decode_attention(q, k_cache, v_cache, block_tables, seq_index, positions, scale,
-                                                     sliding_window, workspace, out, stream, counters)
     launch = numba_stream(stream)
-    window = np.int32(sliding_window or 0)
-    if attention_grouped.supports(heads, kv_heads, head_dim, value_dim):
-        grid = (rows, kv_heads * attention_grouped.head_blocks(heads, kv_heads), splits)
-        if grouped_decode_kernel(heads, kv_heads, head_dim, splits, max_context) == "staged":
-            kernel, threads = attention_staged.staged_kernel(head_dim // 4), attention_staged.STAGED_THREADS
-        else:
-            kernel, threads = attention_grouped.grouped_kernel(head_dim // 4), attention_grouped.DECODE_THREADS
-        kernel[grid, threads, launch](
-            device_view(q), device_view(attention_grouped.as_rows(k_cache)),
-            device_view(attention_grouped.as_rows(v_cache)), np.int32(k_cache.shape[1]), np.int32(kv_heads),
-            device_view(block_tables),
-            device_view(seq_index), device_view(positions), np.float32(scale), window,
-            device_view(acc), device_view(best), device_view(total), device_view(out),
-        )
-        if splits > 1:
-            attention_grouped.grouped_combine_kernel[(rows, heads), attention_grouped.COMBINE_THREADS, launch](
-                device_view(acc), device_view(best), device_view(total), device_view(out)
-            )
-        return out
-    else:
-        paged_attention_split_kernel[(rows, heads, splits), ATTENTION_THREADS, launch](
-            device_view(q), device_view(k_cache), device_view(v_cache), device_view(block_tables),
-            device_view(seq_index), device_view(positions), np.float32(scale), window,
-            device_view(acc), device_view(best), device_view(total),
-        )
+    # Without sinks the kernel still takes an array (never read): one element of q.
+    sink_values = sinks if sinks is not None else q.reshape(-1)[:1]
+    paged_attention_split_kernel[(rows, heads, splits), ATTENTION_THREADS, launch](
+        device_view(q), device_view(k_cache), device_view(v_cache), device_view(block_tables),
+        device_view(seq_index), device_view(positions), np.float32(scale), np.int32(sliding_window or 0),
+        np.float32(softcap or 0.0), device_view(sink_values), np.int32(sinks is not None),
+        device_view(acc), device_view(best), device_view(total),
+    )
     attention_combine_kernel[(rows, heads), ATTENTION_THREADS, launch](
         device_view(acc), device_view(best), device_view(total), device_view(out)
     )

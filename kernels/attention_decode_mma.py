@@ -91,10 +91,8 @@ def launch_stages(rows: int, heads: int, kv_heads: int, head_dim: int, splits: i
     """Stages of a launch: :func:`stages`, or more for a launch of one split (a batch of many
     rows: each block walks all of its row's keys, one stage after another) where the grid still
     fits in one wave of resident blocks with them, so that more of a block's keys are in flight
-    while it computes; at most one more than a block's steps and :data:`MAX_STAGES`. On the H200
-    (``tools/attention_sweep.py --mma --stages``) five stages took the Llama-1B shape's heads at
-    32 rows and 512 keys from 16.1 to 15.0 us; at 8 rows of four splits and at one row they
-    gained nothing, and six stages (one block a multiprocessor) cost 60 %."""
+    while it computes; at most one more than a block's steps and :data:`MAX_STAGES`
+    (docs/benchmarks.rst, "decode attention, stages at one split")."""
     if STAGES_OVERRIDE is not None:
         if not 2 <= STAGES_OVERRIDE <= MAX_STAGES or shared_bytes(head_dim, STAGES_OVERRIDE) > MAX_SHARED_BYTES:
             raise KernelArgumentError(f"decode_attention_mma: {STAGES_OVERRIDE} stages of {head_dim} dims (2 to "
@@ -145,13 +143,15 @@ typedef unsigned short bf16_bits;
 // [N, num_heads * HEAD_DIM] bf16 bits. More: out_acc [N, num_heads, splits, HEAD_DIM] f32
 // (unnormalised), out_max (natural-log units) and out_sum [N, num_heads, splits] f32, which the
 // combine kernel merges into out; or, with counters (int32 [N, gridDim.y], zero between launches),
-// the last split of each (row, head block) to finish merges them into out itself.
+// the last split of each (row, head block) to finish merges them into out itself. With SOFTCAP the
+// logits are capped, softcap * tanh(logit / softcap); sinks (f32 [num_heads], or null) give each
+// head's softmax one more logit, counted by split 0 as a key already seen whose value is zero.
 extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     const float* __restrict__ q, const bf16_bits* __restrict__ k_cache, const bf16_bits* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_index, const int* __restrict__ positions,
-    int num_heads, int num_kv_heads, int block_size, int max_blocks, float scale, int sliding_window,
-    float* __restrict__ out_acc, float* __restrict__ out_max, float* __restrict__ out_sum, bf16_bits* __restrict__ out,
-    int* __restrict__ counters)
+    int num_heads, int num_kv_heads, int block_size, int max_blocks, float scale, int sliding_window, float softcap,
+    const float* __restrict__ sinks, float* __restrict__ out_acc, float* __restrict__ out_max,
+    float* __restrict__ out_sum, bf16_bits* __restrict__ out, int* __restrict__ counters)
 {
     DYNAMIC_SHARED;
     bf16_bits* query_tile = reinterpret_cast<bf16_bits*>(dynamic_shared);
@@ -202,6 +202,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     };
 
     float best[2] = {NEG_INF, NEG_INF}, total[2] = {0.f, 0.f};
+    if (sinks != nullptr && split == 0) {
+        // The sink: every thread starts its heads' maximum there; one thread a head counts its 1.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (group + 8 * h >= block_heads) continue;
+            best[h] = sinks[head_base + group + 8 * h] * 1.4426950408889634f;
+            total[h] = warp == 0 && quad == 0 ? 1.f : 0.f;
+        }
+    }
     float acc[WARP_COLUMNS / 8][4];
 #pragma unroll
     for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
@@ -289,6 +298,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             mma_16x8x16(scores[1], query, operand + 2);
         }
 
+#if SOFTCAP
+        // The logits capped, in the scores' base-2 units: log2(e) softcap * tanh(score / (log2(e) softcap)).
+        const float cap = softcap * 1.4426950408889634f;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) scores[nt][c] = cap * tanhf(scores[nt][c] / cap);
+        }
+#endif
         // Keys past the split score -inf (the first key of a step never is).
         float local[2] = {NEG_INF, NEG_INF};
 #pragma unroll
@@ -481,29 +499,32 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
 """
 
 
-def kernel_source(head_dim: int, with_instructions: bool = True, stage_count: int | None = None) -> str:
-    """The kernel's CUDA C++ for keys and values of ``head_dim`` and ``stage_count`` stages (by
-    default :func:`stages`), with the PTX helpers, or without them for the CPU emulation, which
-    brings its own."""
+def kernel_source(head_dim: int, with_instructions: bool = True, stage_count: int | None = None,
+                  softcap: bool = False) -> str:
+    """The kernel's CUDA C++ for keys and values of ``head_dim``, ``stage_count`` stages (by
+    default :func:`stages`) and, with ``softcap``, the logits capped, with the PTX helpers, or
+    without them for the CPU emulation, which brings its own."""
     count = stages(head_dim) if stage_count is None else stage_count
-    constants = f"#define HEAD_DIM {head_dim}\n#define STAGES {count}\n#define MAX_SPLITS {MAX_SPLITS}\n"
+    constants = (f"#define HEAD_DIM {head_dim}\n#define STAGES {count}\n#define MAX_SPLITS {MAX_SPLITS}\n"
+                 f"#define SOFTCAP {int(softcap)}\n")
     return (INSTRUCTIONS if with_instructions else "") + constants + KERNEL
 
 
-_kernels: dict[tuple[int, int], Any] = {}
+_kernels: dict[tuple[int, int, bool], Any] = {}
 
 
-def _kernel(head_dim: int, stage_count: int) -> Any:
-    """The compiled kernel for ``head_dim`` and ``stage_count`` (NVRTC, once per process each)."""
-    kernel = _kernels.get((head_dim, stage_count))
+def _kernel(head_dim: int, stage_count: int, softcap: bool) -> Any:
+    """The compiled kernel for ``head_dim``, ``stage_count`` and capped logits or not (NVRTC, once
+    per process each)."""
+    kernel = _kernels.get((head_dim, stage_count, softcap))
     if kernel is None:
         import cupy
 
-        module = cupy.RawModule(code=kernel_source(head_dim, stage_count=stage_count),
+        module = cupy.RawModule(code=kernel_source(head_dim, stage_count=stage_count, softcap=softcap),
                                 options=("--std=c++17", "--use_fast_math"))
         kernel = module.get_function("decode_attention_mma")
         kernel.max_dynamic_shared_size_bytes = shared_bytes(head_dim, stage_count)
-        _kernels[(head_dim, stage_count)] = kernel
+        _kernels[(head_dim, stage_count, softcap)] = kernel
     return kernel
 
 
@@ -537,9 +558,8 @@ def counter_count(rows: int, heads: int, kv_heads: int) -> int:
 
 
 #: The most partials (bytes) the last split's block merges itself: past it the merge kernel's
-#: blocks, a head and 128 value columns each, share the reads. One block merging Qwen3-Next's
-#: sixteen splits of eight 256-wide heads (128 KB) made its attention 23 us a layer under Nsight
-#: Compute, where the Llama-1B shape's twelve splits of four 64-wide heads (12 KB) took 10.5.
+#: blocks, a head and 128 value columns each, share the reads (docs/notes/decode-kernels.rst,
+#: "The registry's thresholds").
 MAX_MERGE_BYTES = 32 * 1024
 
 
@@ -575,7 +595,8 @@ def split_range(position: int, split: int, splits: int, sliding_window: int | No
 
 def decode_attention_partials_model(
     q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray, seq_index: np.ndarray,
-    positions: np.ndarray, scale: float, sliding_window: int | None, splits: int,
+    positions: np.ndarray, scale: float, sliding_window: int | None, splits: int, softcap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The kernel's per-split results in NumPy: ``(out_acc [N, heads, splits, d], out_max, out_sum
     [N, heads, splits])`` float32, as the blocks write them. Queries are scaled by ``scale *
@@ -583,7 +604,8 @@ def decode_attention_partials_model(
     :data:`BLOCK_KEYS` through an online softmax in base 2 whose probabilities enter ``P V`` as the
     sum of two bf16 parts (their sums stay float32); ``out_max`` in natural-log units (``-inf`` and a zero sum for a
     split without keys). The caches hold float32 values (bf16-exact) ``[blocks, block_size,
-    kv_heads, d]``."""
+    kv_heads, d]``. ``softcap`` caps the scores (in base-2 units, ``log2(e) softcap``); ``sinks
+    [heads]`` start split 0's maximum at the head's sink and its sum at 1."""
     rows, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -597,12 +619,18 @@ def decode_attention_partials_model(
             lo, hi = split_range(int(positions[row]), split, splits, sliding_window)
             best = np.full((kv_heads, group), -np.inf, np.float32)
             total = np.zeros((kv_heads, group), np.float32)
+            if sinks is not None and split == 0:
+                best = (np.asarray(sinks, np.float32) * np.float32(LOG2_E)).reshape(kv_heads, group)
+                total = np.ones((kv_heads, group), np.float32)
             acc = np.zeros((kv_heads, group, head_dim), np.float32)
             for base in range(lo, hi, BLOCK_KEYS):
                 places = [(table[j // block_size], j % block_size) for j in range(base, min(hi, base + BLOCK_KEYS))]
                 keys = np.stack([k_cache[b, o] for b, o in places], axis=1).astype(np.float32)  # [kv, keys, d]
                 values = np.stack([v_cache[b, o] for b, o in places], axis=1).astype(np.float32)
                 scores = queries @ keys.transpose(0, 2, 1)  # [kv, group, keys]
+                if softcap:
+                    cap = np.float32(softcap * LOG2_E)
+                    scores = cap * np.tanh(scores / cap)
                 new_best = np.maximum(best, scores.max(axis=2))
                 rescale = np.exp2(best - new_best)
                 best = new_best
@@ -619,7 +647,8 @@ def decode_attention_partials_model(
 def decode_attention(
     q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
     positions: DeviceArray, scale: float, sliding_window: int | None, workspace: tuple, out: DeviceArray,
-    stream: Any = None, counters: DeviceArray | None = None,
+    stream: Any = None, counters: DeviceArray | None = None, softcap: float | None = None,
+    sinks: DeviceArray | None = None,
 ) -> DeviceArray:
     """Bf16 bits ``out [N, heads * d]`` from float32 ``q [N, heads, d]`` (one decode row per
     sequence) over the paged bf16 caches ``[blocks, block_size, kv_heads, d]``: the tensor-core
@@ -627,7 +656,9 @@ def decode_attention(
     max, sum)`` of ``splits`` (:func:`device_split_count`) along the third axis; only geometries
     that :func:`supports` accepts. With ``counters`` (int32, at least :func:`counter_count` of
     them, zero between launches; launches that share them run one after another), the last split
-    of each row and head block merges the splits itself and no combine kernel runs."""
+    of each row and head block merges the splits itself and no combine kernel runs. ``softcap`` (a
+    positive number, or None) caps the logits; ``sinks`` (float32 ``[heads]``, or None) adds a sink
+    logit to each head's softmax."""
     op = "decode_attention_mma"
     check_array(op, "q", q, np.float32, ndim=3)
     rows, heads, head_dim = q.shape
@@ -643,6 +674,10 @@ def decode_attention(
     check_array(op, "seq_index", seq_index, np.int32, (rows,))
     check_array(op, "positions", positions, np.int32, (rows,))
     check_array(op, "out", out, np.uint16, (rows, heads * head_dim))
+    if sinks is not None:
+        check_array(op, "sinks", sinks, np.float32, (heads,))
+    if softcap is not None and not softcap >= 0:
+        raise KernelArgumentError(f"{op}: softcap must be positive (or None), got {softcap}")
     acc, best, total = workspace
     splits = acc.shape[2] if acc.ndim == 4 else 0
     check_array(op, "workspace acc", acc, np.float32, (rows, heads, splits, head_dim))
@@ -661,12 +696,13 @@ def decode_attention(
     arguments = (
         q, k_cache, v_cache, block_tables, seq_index, positions, np.int32(heads), np.int32(kv_heads),
         np.int32(k_cache.shape[1]), np.int32(block_tables.shape[1]), np.float32(scale), np.int32(sliding_window or 0),
-        acc, best, total, out, counters if merged else np.uint64(0),
+        np.float32(softcap or 0.0), sinks if sinks is not None else np.uint64(0), acc, best, total, out,
+        counters if merged else np.uint64(0),
     )
     grid = (rows, kv_heads * head_blocks(heads, kv_heads), splits)
     count = launch_stages(rows, heads, kv_heads, head_dim, splits, block_tables.shape[1] * k_cache.shape[1],
                           multiprocessor_count())
-    launch(_kernel(head_dim, count), grid, (THREADS,), arguments, shared_bytes(head_dim, count), stream,
+    launch(_kernel(head_dim, count, bool(softcap)), grid, (THREADS,), arguments, shared_bytes(head_dim, count), stream,
            dependent=True)
     if splits > 1 and not merged:
         attention_combine.combine(acc, best, total, out, stream)

@@ -30,17 +30,21 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
+from metrale.errors import KernelArgumentError
 from metrale.kernels._device import (
     SIMULATED,
     DeviceArray,
     bits_to_float,
     block_max,
     block_sum,
+    check_array,
+    device_view,
     fast_exp,
     float_to_bf16,
     float_to_bits,
     inline_device,
     jit_kernel,
+    numba_stream,
 )
 
 WARP = 8 if SIMULATED else 32
@@ -485,3 +489,60 @@ def as_rows(cache: DeviceArray) -> DeviceArray:
     """The bf16 cache ``[blocks, block_size, nkv, d]`` viewed as uint64 rows ``[blocks * block_size
     * nkv, d / 4]``: one row per cached (token, KV head)."""
     return cache.view(np.uint64).reshape(-1, cache.shape[3] // 4)
+
+
+def launch_decode(
+    op: str, kernel: object, threads: int, q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray,
+    block_tables: DeviceArray, seq_index: DeviceArray, positions: DeviceArray, scale: float, sliding_window: int | None,
+    max_context: int, workspace: tuple, out: DeviceArray, stream: object = None,
+) -> DeviceArray:
+    """Check the arguments of a decode kernel of this grid (``kernel``: :func:`grouped_kernel` or
+    :func:`metrale.kernels.attention_staged.staged_kernel` for the head size, ``threads`` its
+    block), launch it and, with several splits, :func:`grouped_combine_kernel`. ``max_context``
+    fixes the splits (:func:`split_count`), ``workspace`` is ``(acc, max, sum)`` of shapes
+    ``[N, nh, splits, d]``, ``[N, nh, splits]``, ``[N, nh, splits]`` float32."""
+    check_array(op, "q", q, np.float32, ndim=3)
+    rows, heads, head_dim = q.shape
+    check_array(op, "k_cache", k_cache, np.uint16, (None, None, None, head_dim))
+    kv_heads = k_cache.shape[2]
+    check_array(op, "v_cache", v_cache, np.uint16, k_cache.shape)
+    if not supports(heads, kv_heads, head_dim, head_dim):
+        raise KernelArgumentError(f"{op}: q {list(q.shape)} with caches {list(k_cache.shape)} is unsupported (heads of "
+                                  f"{4 * LANES_PER_KEY} to {MAX_HEAD_DIM} dims, a power of two; whole groups)")
+    check_array(op, "block_tables", block_tables, np.int32, ndim=2)
+    check_array(op, "seq_index", seq_index, np.int32, (rows,))
+    check_array(op, "positions", positions, np.int32, (rows,))
+    splits = split_count(rows, heads, kv_heads, max_context)
+    acc, best, total = workspace
+    check_array(op, "workspace acc", acc, np.float32, (rows, heads, splits, head_dim))
+    check_array(op, "workspace max", best, np.float32, (rows, heads, splits))
+    check_array(op, "workspace sum", total, np.float32, (rows, heads, splits))
+    check_array(op, "out", out, np.uint16, (rows, heads * head_dim))
+    if not rows:
+        return out
+    launch = numba_stream(stream)
+    grid = (rows, kv_heads * head_blocks(heads, kv_heads), splits)
+    kernel[grid, threads, launch](  # type: ignore[index]
+        device_view(q), device_view(as_rows(k_cache)), device_view(as_rows(v_cache)), np.int32(k_cache.shape[1]),
+        np.int32(kv_heads), device_view(block_tables), device_view(seq_index), device_view(positions),
+        np.float32(scale), np.int32(sliding_window or 0), device_view(acc), device_view(best), device_view(total),
+        device_view(out),
+    )
+    if splits > 1:
+        grouped_combine_kernel[(rows, heads), COMBINE_THREADS, launch](
+            device_view(acc), device_view(best), device_view(total), device_view(out)
+        )
+    return out
+
+
+def decode_attention(
+    q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
+    positions: DeviceArray, scale: float, sliding_window: int | None, max_context: int, workspace: tuple,
+    out: DeviceArray, stream: object = None,
+) -> DeviceArray:
+    """The grouped decode kernel (:func:`grouped_kernel`): bf16 ``out [N, nh * d]`` from float32
+    ``q [N, nh, d]``, each row attending as a row of its own; geometries of :func:`supports`
+    (arguments as :func:`launch_decode`)."""
+    return launch_decode("paged_attention_grouped", grouped_kernel(q.shape[2] // 4), DECODE_THREADS, q, k_cache,
+                         v_cache, block_tables, seq_index, positions, scale, sliding_window, max_context, workspace,
+                         out, stream)

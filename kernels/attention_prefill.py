@@ -15,6 +15,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
+from metrale.errors import KernelArgumentError
 from metrale.kernels._device import (
     SIMULATED,
     DeviceArray,
@@ -102,12 +103,14 @@ def query_tiles(row_starts: np.ndarray, rows: int) -> np.ndarray:
 
 @jit_kernel
 def paged_attention_prefill_kernel(
-    q, k_words, v_words, block_tables, seq_index, positions, tiles, scale, sliding_window, out
+    q, k_words, v_words, block_tables, seq_index, positions, tiles, scale, sliding_window, softcap, sinks, has_sinks, out
 ):
     # Grid: (T query tiles, n_kv_heads); block PREFILL_THREADS threads. Query vector v of the
     # block is row tiles[t, 0] + v // G, head kv_head * G + v % G. q [N, nh, d] f32;
     # k_words / v_words: bf16 caches viewed as uint32 [blocks, block_size, nkv, d / 2];
-    # out [N, nh * dv] bf16 bits.
+    # out [N, nh * dv] bf16 bits. softcap > 0 caps the scores (softcap * tanh(s / softcap));
+    # with has_sinks each vector's online softmax starts from its head's sink, sinks [nh], as a
+    # score already seen whose value is zero.
     tile_index = cuda.blockIdx.x
     kv_head = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -135,6 +138,9 @@ def paged_attention_prefill_kernel(
         running_max[tid] = NEGATIVE_INFINITY
         running_sum[tid] = 0.0
         rescale[tid] = 1.0
+        if has_sinks != 0 and tid < vectors:
+            running_max[tid] = sinks[kv_head * group + tid % group]
+            running_sum[tid] = 1.0
     # Accumulator j holds output element e = tid + j * PREFILL_THREADS of the block: vector
     # e // dv, dim e % dv. Its offsets into scores and tile are computed once (vectors past the
     # block's are clamped: their sums are never written). The loops over j unroll, so acc and
@@ -179,6 +185,8 @@ def paged_attention_prefill_kernel(
                         value += query[query_at] * tile[tile_at]
                         query_at += uint32(1)
                         tile_at += uint32(1)
+                    if softcap > 0.0:
+                        value = softcap * math.tanh(value / softcap)
             scores[pair] = value
         cuda.syncthreads()
         if tid < vectors:
@@ -226,11 +234,13 @@ def paged_attention_prefill_kernel(
 def paged_attention_prefill(
     q: DeviceArray, k_words: DeviceArray, v_words: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
     positions: DeviceArray, tiles: DeviceArray, scale: float, sliding_window: int | None, out: DeviceArray,
-    stream: object = None,
+    stream: object = None, softcap: float | None = None, sinks: DeviceArray | None = None,
 ) -> DeviceArray:
     """Launch :func:`paged_attention_prefill_kernel`; ``tiles`` from :func:`query_tiles` (int32).
 
-    The caches come as uint32 word views (``as_words``).
+    The caches come as uint32 word views (``as_words``). ``softcap`` (a positive number, or None)
+    caps the logits; ``sinks`` (float32 ``[nh]``, or None) adds a sink logit to each head's
+    softmax.
     """
     op = "paged_attention_prefill"
     check_array(op, "q", q, np.float32, ndim=3)
@@ -238,11 +248,21 @@ def paged_attention_prefill(
     check_array(op, "k_words", k_words, np.uint32, (None, None, None, head_dim // 2))
     check_array(op, "tiles", tiles, np.int32, (None, 2))
     check_array(op, "out", out, np.uint16, (rows, heads * 2 * v_words.shape[3]))
+    if sinks is not None:
+        check_array(op, "sinks", sinks, np.float32, (heads,))
+    if softcap is not None and not softcap >= 0:
+        raise KernelArgumentError(f"{op}: softcap must be positive (or None), got {softcap}")
+    if not supports(heads, k_words.shape[2], head_dim, 2 * v_words.shape[3]):
+        raise KernelArgumentError(f"{op}: {heads} heads over {k_words.shape[2]} KV heads of {head_dim} dims are "
+                                  f"unsupported (at most {QUERY_VECTORS} heads a KV head, {MAX_PREFILL_HEAD_DIM} dims)")
     if tiles.shape[0]:
+        # Without sinks the kernel still takes an array (never read): one element of q.
+        sink_values = sinks if sinks is not None else q.reshape(-1)[:1]
         kernel = paged_attention_prefill_kernel
         kernel[(tiles.shape[0], k_words.shape[2]), PREFILL_THREADS, numba_stream(stream)](
             device_view(q), device_view(k_words), device_view(v_words), device_view(block_tables),
             device_view(seq_index), device_view(positions), device_view(tiles), np.float32(scale),
-            np.int32(sliding_window or 0), device_view(out),
+            np.int32(sliding_window or 0), np.float32(softcap or 0.0), device_view(sink_values),
+            np.int32(sinks is not None), device_view(out),
         )
     return out

@@ -30,10 +30,19 @@ import math
 
 from numba import cuda, float32, int64, uint32, uint64
 
-from metrale.kernels._device import SIMULATED, fast_exp, float_to_bf16, float_to_bits, inline_device, jit_kernel
+from metrale.kernels._device import (
+    SIMULATED,
+    DeviceArray,
+    fast_exp,
+    float_to_bf16,
+    float_to_bits,
+    inline_device,
+    jit_kernel,
+)
 from metrale.kernels.attention_grouped import (
     FULL_MASK,
     cache_row_of,
+    launch_decode,
     pair_value,
     subgroup_sum,
     warp_sum,
@@ -271,3 +280,17 @@ def staged_kernel(words: int):
     if kernel is None:
         kernel = _STAGED_KERNELS[words] = _make_staged_kernel(words)
     return kernel
+
+
+def decode_attention(
+    q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
+    positions: DeviceArray, scale: float, sliding_window: int | None, max_context: int, workspace: tuple,
+    out: DeviceArray, stream: object = None,
+) -> DeviceArray:
+    """The staged decode kernel (:func:`staged_kernel`): bf16 ``out [N, nh * d]`` from float32
+    ``q [N, nh, d]``, each row attending as a row of its own, on the grid, splits and workspace of
+    :func:`metrale.kernels.attention_grouped.launch_decode`; geometries that both this module's and
+    :mod:`metrale.kernels.attention_grouped`'s ``supports`` accept."""
+    return launch_decode("paged_attention_staged", staged_kernel(q.shape[2] // 4), STAGED_THREADS, q, k_cache,
+                         v_cache, block_tables, seq_index, positions, scale, sliding_window, max_context, workspace,
+                         out, stream)

@@ -18,7 +18,8 @@ projection, is a kernel of its own. Here the projection's kernel computes its in
 :data:`RMSNORM_SWIGLU` moves the gate to the other end of the MLP: the RMSNORM prologue, a
 gate-and-up weight ``[2N, K]``, and an epilogue that writes ``bf16(silu(bf16(g)) * bf16(u))``
 per unit (the values :data:`SILU` would stage), ``[rows, N]``: a tile then holds 8 units, its gate
-rows and its up rows as the two halves of the product's 16 rows (:data:`SWIGLU_EPILOGUE`).
+rows and its up rows as the two halves of the product's 16 rows (the op registry offers it for
+``rmsnorm_mlp``, :func:`metrale.ops.selection.decode_gemv_kernels` with ``swiglu_epilogue``).
 :data:`PLAIN_SWIGLU` is the same epilogue after the :data:`PLAIN` prologue: ``linear_silu`` (a
 shared expert's gate and up projections with their gate) in one kernel.
 
@@ -68,11 +69,6 @@ MODES = {PLAIN: "plain", RMSNORM: "rmsnorm", SILU: "silu", RMSNORM_SWIGLU: "rmsn
          PLAIN_SWIGLU: "plain, swiglu out", PLAIN_F32: "plain, float32 in"}
 #: The modes whose epilogue applies the SwiGLU gate (weight ``[2N, K]``, bf16 output ``[rows, N]``).
 SWIGLU_MODES = (RMSNORM_SWIGLU, PLAIN_SWIGLU)
-#: Whether the fused decode MLP computes the SwiGLU gate in its gate/up kernel's epilogue
-#: (:data:`RMSNORM_SWIGLU`, then a :data:`PLAIN` down kernel) instead of in the down kernel's
-#: prologue (:data:`SILU`): half the intermediate written and read, no activation in every block
-#: of the down kernel. Off until it is timed on a GPU (``tools/sweeps/gemv_sweep.py``).
-SWIGLU_EPILOGUE = False
 
 #: Rows a launch takes: up to 8 per tile of the tensor-core product's N side, up to
 #: :data:`ROW_TILES`\[-1] such tiles (each weight fragment multiplies every tile).

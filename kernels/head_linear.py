@@ -20,8 +20,15 @@ import numpy as np
 from numba import cuda, float32
 
 from metrale.errors import KernelArgumentError
-from metrale.kernels._device import SIMULATED, DeviceArray, check_array, device_view, jit_kernel, numba_stream
-from metrale.kernels.gemv import dot_words
+from metrale.kernels._device import (
+    SIMULATED,
+    DeviceArray,
+    check_array,
+    device_view,
+    dot_words,
+    jit_kernel,
+    numba_stream,
+)
 
 HEAD_WARPS = 2 if SIMULATED else 8  # output values per block
 WARP = 1 if SIMULATED else 32  # lanes per output value (the simulator has no shuffles)

@@ -29,12 +29,12 @@ from metrale.kernels._device import (
     bits_to_float,
     check_array,
     device_view,
+    dot_words,
     float_to_bf16,
     jit_kernel,
     numba_stream,
 )
 from metrale.kernels.activation import sigmoid_denominator
-from metrale.kernels.gemv import dot_words
 
 #: Routing methods: DeepSeek-V2's two, and DeepSeek-V3's (sigmoid scores with a bias).
 ROUTE_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}

@@ -33,8 +33,8 @@ _FALSE = {"", "0", "false", "no", "off"}
 
 def environment_flag(name: str, env: Mapping[str, str] | None = None, default: bool = False) -> bool:
     """One boolean ``METRALE_*`` variable of ``env`` (default: ``os.environ``), parsed as
-    :func:`read_environment` parses it: for a reader that must not depend on the others (the
-    kernels read ``METRALE_NUMBA_LAUNCH`` at import). Unset or empty, it is ``default``."""
+    :func:`read_environment` parses it: for a reader that must not depend on the others. Unset or
+    empty, it is ``default``."""
     return _flag(os.environ if env is None else env, name, default)
 
 
@@ -64,7 +64,12 @@ def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
 
 @dataclass(frozen=True)
 class EnvironmentConfig:
-    """The ``METRALE_*`` variables, parsed."""
+    """The ``METRALE_*`` variables, parsed.
+
+    The kernel settings reach the kernels through the backend, never by a kernel reading the
+    environment: ``decode_mma`` is a condition of the op registry (a kernel's ``enabled``,
+    :class:`~metrale.ops.Kernel`); ``numba_launch`` and ``dependent_launch`` say how kernels
+    launch, and the CUDA backend applies them when it is built."""
 
     device: str = "auto"
     blocked_plugins: tuple[str, ...] = ()

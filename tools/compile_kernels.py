@@ -40,7 +40,6 @@ def kernels():
         embedding,
         gated,
         gated_delta,
-        gemv,
         head_linear,
         layernorm,
         logits_process,
@@ -68,7 +67,8 @@ def kernels():
             c(f32, 2), c(i32, 1), c(i32, 1), c(f32, 1), f32, c(u16, 1), c(u16, 1), f32, f32, i32, i32, i32, i32,
             c(f32, 3), c(u16, 4), c(u16, 4))),
         "paged_attention_split": (attention.paged_attention_split_kernel, (
-            c(f32, 3), c(u16, 4), c(u16, 4), c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4), c(f32, 3), c(f32, 3))),
+            c(f32, 3), c(u16, 4), c(u16, 4), c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, f32, c(f32, 1), i32, c(f32, 4),
+            c(f32, 3), c(f32, 3))),
         "attention_combine": (attention.attention_combine_kernel, (c(f32, 4), c(f32, 3), c(f32, 3), c(u16, 2))),
         "paged_attention_grouped_d64": (attention_grouped.grouped_kernel(16), attention_arguments),
         "paged_attention_staged_d64": (attention_staged.staged_kernel(16), attention_arguments),
@@ -80,7 +80,8 @@ def kernels():
             c(f32, 2), c(u16, 1), f32, c(i32, 1), c(f32, 1), f32, i32, c(i32, 1), c(u16, 3))),
         "grouped_combine": (attention_grouped.grouped_combine_kernel, (c(f32, 4), c(f32, 3), c(f32, 3), c(u16, 2))),
         "paged_attention_prefill": (attention_prefill.paged_attention_prefill_kernel, (
-            c(f32, 3), c(u32, 4), c(u32, 4), c(i32, 2), c(i32, 1), c(i32, 1), c(i32, 2), f32, i32, c(u16, 2))),
+            c(f32, 3), c(u32, 4), c(u32, 4), c(i32, 2), c(i32, 1), c(i32, 1), c(i32, 2), f32, i32, f32, c(f32, 1), i32,
+            c(u16, 2))),
         "gated_rmsnorm": (gated.gated_rmsnorm_kernel, (c(f32, 2), c(f32, 2), c(f32, 1), f32, c(u16, 2))),
         "sigmoid_gate": (gated.sigmoid_gate_kernel, (c(u16, 1), c(f32, 1), c(u16, 1))),
         "gdn_conv_update": (gated_delta.conv_update_kernel, (c(f32, 2), c(f32, 2), c(f32, 3), c(i32, 1), c(f32, 2))),
@@ -103,8 +104,6 @@ def kernels():
         "router_logits": (moe.router_logits_kernel, (c(u64, 2), c(f32, 2), c(f32, 2))),
         "moe_gate_up": (moe.moe_gate_up_kernel, (c(u64, 2), c(u64, 2), c(i32, 2), c(u16, 2))),
         "moe_down": (moe.moe_down_kernel, (c(u64, 2), c(u64, 2), c(i32, 2), c(f32, 2), c(f32, 2))),
-        "gemv": (gemv.gemv_kernel, (c(u64, 2), c(u64, 2), c(f32, 2))),
-        "gemv_silu": (gemv.gemv_silu_kernel, (c(u64, 2), c(u64, 2), c(u16, 2))),
         "sample": (sampling.sample_kernel, (
             c(f32, 2), c(f32, 1), c(i32, 1), c(f32, 1), c(f32, 1), c(i64, 1), c(i64, 1), c(f32, 1), c(i32, 1))),
         "logit_bias": (logits_process.logit_bias_kernel, (c(f32, 2), c(i32, 1), c(i32, 1), c(f32, 1))),

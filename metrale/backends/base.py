@@ -37,6 +37,9 @@ class Backend:
     #: weight its model holds, and what joins the ranks' partial results.
     shard: Any = Shard()
     communicator: Any = SoloCommunicator()
+    #: The ``METRALE_*`` settings (:class:`~metrale.config.EnvironmentConfig`) the op table binds
+    #: kernels under (a kernel's ``enabled``, :class:`~metrale.ops.Kernel`); None: the defaults.
+    environment: Any = None
 
     def all_reduce(self, x: Any) -> Any:
         """The sum of ``x`` over the ranks (``x`` itself on one rank)."""
@@ -124,9 +127,10 @@ class CpuBackend(Backend):
     xp = np
     cache_dtype = np.float32
 
-    def __init__(self) -> None:
+    def __init__(self, environment: Any = None) -> None:
         from metrale.ops.builtin import builtin_registry
 
+        self.environment = environment
         self.ops = builtin_registry().table(self)
 
     def load_weight(self, checkpoint: Any, *parts: tuple) -> np.ndarray:

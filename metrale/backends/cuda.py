@@ -23,12 +23,20 @@ class CudaBackend(Backend):
     name = "cuda"
     cache_dtype = np.uint16
 
-    def __init__(self, device_id: int = 0, cuda_graphs: bool = True) -> None:
+    def __init__(self, device_id: int = 0, cuda_graphs: bool = True, environment: Any = None) -> None:
         import cupy
 
+        from metrale.config import read_environment
+        from metrale.kernels import _device, _launch
         from metrale.ops.builtin import builtin_registry
         from metrale.ops.cuda import CudaKernels
 
+        #: The ``METRALE_*`` settings (read from the environment when not given): the op table binds
+        #: the kernels they enable, and they say how kernels launch.
+        self.environment = environment if environment is not None else read_environment()
+        # How kernels launch, not which: process-wide settings of the kernel modules.
+        _device.DIRECT_LAUNCH = not self.environment.numba_launch
+        _launch.ENABLED = self.environment.dependent_launch
         self.xp = cupy
         self.device = cupy.cuda.Device(device_id)
         self.device.use()

@@ -40,7 +40,8 @@ def get_backend(device: str, **options: Any) -> Backend:
     """The backend for ``device`` (``"auto"``, ``"cpu"`` or ``"cuda"``).
 
     ``"auto"`` picks CUDA when a device and the gpu extra are usable, else the CPU (and logs once, as a
-    warning, why).
+    warning, why). ``options`` go to the backend: ``environment`` (the ``METRALE_*`` settings,
+    :class:`~metrale.config.EnvironmentConfig`) to either, ``cuda_graphs`` to the CUDA one.
     """
     backend = _new_backend(device, **options)
     backend.shard, backend.communicator = current_rank()
@@ -65,7 +66,7 @@ def _collect_import_garbage() -> None:
 
 def _new_backend(device: str, **options: Any) -> Backend:
     if device == "cpu":
-        return CpuBackend()
+        return CpuBackend(environment=options.get("environment"))
     if device not in ("auto", "cuda"):
         raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     reason = cuda_unavailable_reason()
@@ -75,7 +76,7 @@ def _new_backend(device: str, **options: Any) -> Backend:
         return CudaBackend(**options)
     if device == "auto":
         _log_cpu_fallback(reason)
-        return CpuBackend()
+        return CpuBackend(environment=options.get("environment"))
     raise BackendUnavailableError(f"device='cuda' cannot be used: {reason}; use device='cpu'")
 
 

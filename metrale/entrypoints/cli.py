@@ -290,16 +290,25 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _print_ops(manager: object) -> None:
-    """Every op, and what serves it on each backend, in the order tried."""
+    """Every op, and what serves it on each backend: one line when one kernel serves every call,
+    else each kernel on a line of its own, in the order tried, with when it serves."""
+    from metrale.config import read_environment
     from metrale.ops import build_op_registry
 
     registry = build_op_registry(manager)  # type: ignore[arg-type]
+    environment = read_environment()
     print("ops:")
     for op in registry:
         origin = "" if op.origin == "metrale" else f"  (declared by {op.origin})"
         print(f"  {op.name}{origin}")
         for backend in ("cpu", "cuda"):
-            print(f"    {backend}: {'; then '.join(registry.serving(op.name, backend))}")
+            serving = registry.serving(op.name, backend, environment)
+            if len(serving) == 1:
+                print(f"    {backend}: {serving[0]}")
+                continue
+            print(f"    {backend}, in order:")
+            for line in serving:
+                print(f"      {line}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -109,7 +109,8 @@ class LLM(PromptFrontend):
     def _build(self, rank: Any, chat_template: str | Path | None, environment: Any) -> None:
         """The backend (rank 0 of the ranks in ``rank``), the model, its cache and the engine."""
         with rank:
-            self.backend = get_backend(self.config.device, cuda_graphs=self.config.cuda_graphs)
+            self.backend = get_backend(self.config.device, cuda_graphs=self.config.cuda_graphs,
+                                       environment=self.config.environment)
         # The built-in ops plus every plugin's (metrale_register_ops), bound to this backend.
         self.backend.use_ops(build_op_registry(self.plugin_manager))
         with self.checkpoint.progress(f"loading {self.checkpoint.path.name}", self.show_progress):

@@ -6,6 +6,7 @@ Weights are held fused (one ``qkv`` matrix), so the block runs one matrix produc
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from metrale.backends.parallel import Shard
 from metrale.batch import ForwardBatch
+from metrale.errors import ConfigError
 from metrale.layers.lora import linear_with_lora, normed_projection
 from metrale.loading.checkpoint import Checkpoint
 
@@ -20,7 +22,12 @@ from metrale.loading.checkpoint import Checkpoint
 @dataclass(frozen=True)
 class AttentionGeometry:
     """Heads and sizes of one attention block. ``inv_freq`` is the RoPE table; ``rotary_dim``
-    the dims of each head it rotates (partial rotary), None for ``2 * len(inv_freq)``."""
+    the dims of each head it rotates (partial rotary), None for ``2 * len(inv_freq)``.
+    ``softcap`` caps the attention logits to ``softcap * tanh(logit / softcap)`` before the
+    softmax (Gemma-2's ``attn_logit_softcapping``; None: off); with ``sinks`` each query head has a
+    learned sink logit (``{prefix}.sinks``, GPT-OSS) in its softmax's denominator, never attended.
+    Both reach the ``paged_attention`` op (:mod:`metrale.ops`), so a family with them needs no
+    attention of its own."""
 
     hidden_size: int
     num_heads: int
@@ -31,6 +38,15 @@ class AttentionGeometry:
     sliding_window: int | None = None
     norm_eps: float = 1e-6
     rotary_dim: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, numbers.Real)
+                                         or not 0 < self.softcap < float("inf")):
+            raise ConfigError(f"attention softcap must be a positive number or None, got {self.softcap!r}")
+        if not isinstance(self.sinks, bool):
+            raise ConfigError(f"attention sinks must be True or False, got {self.sinks!r}")
 
     @property
     def scale(self) -> float:
@@ -40,7 +56,8 @@ class AttentionGeometry:
 @dataclass
 class AttentionWeights:
     """``qkv [(n_h + 2 n_kv) d, H]``, ``o [H, n_h d]``; optional biases and per-head q/k norms;
-    the adapter slots of the two products when LoRA is on (:mod:`metrale.layers.lora`)."""
+    the sink logits ``sinks [n_h]`` (a constant) of a geometry with sinks; the adapter slots of
+    the two products when LoRA is on (:mod:`metrale.layers.lora`)."""
 
     qkv: Any
     o: Any
@@ -50,6 +67,7 @@ class AttentionWeights:
     k_norm: Any = None
     lora_qkv: Any = None
     lora_o: Any = None
+    sinks: Any = None
 
 
 def sharded_geometry(geometry: AttentionGeometry, shard: Shard) -> AttentionGeometry:
@@ -72,12 +90,13 @@ def load_attention_weights(
     o_bias: bool = False,
     qk_norm: bool = False,
 ) -> AttentionWeights:
-    """Read ``{prefix}.{q,k,v,o}_proj`` (and biases / ``q_norm`` / ``k_norm``) and fuse q, k, v.
+    """Read ``{prefix}.{q,k,v,o}_proj`` (and biases / ``q_norm`` / ``k_norm``, and ``{prefix}.sinks``
+    when ``geometry.sinks``) and fuse q, k, v.
 
     ``geometry`` is the whole block's; on a rank of a tensor-parallel group (``backend.shard``)
     the rank's heads only (:func:`sharded_geometry`): q, k and v rows of its heads, ``o_proj``'s
     columns of its query heads (the ranks' outputs are summed, ``o_proj``'s bias added on rank 0
-    only)."""
+    only; the sinks of its query heads)."""
     g, shard = geometry, backend.shard
     q_rows, kv_rows, d = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, g.head_dim
     heads = shard.split(g.num_heads, "num_attention_heads")
@@ -105,6 +124,8 @@ def load_attention_weights(
     if qk_norm:
         weights.q_norm = backend.load_weight(checkpoint, (f"{prefix}.q_norm.weight", (g.head_dim,)))
         weights.k_norm = backend.load_weight(checkpoint, (f"{prefix}.k_norm.weight", (g.head_dim,)))
+    if g.sinks:
+        weights.sinks = backend.constant(checkpoint.tensor(f"{prefix}.sinks", (g.num_heads,))[heads])
     return weights
 
 
@@ -143,6 +164,10 @@ def attention_from_qkv(
         qkv, batch.positions, batch.slot_mapping, g.inv_freq, g.attention_factor, g.num_heads, g.num_kv_heads,
         g.head_dim, cache_layer.k, cache_layer.v, weights.q_norm, weights.k_norm, g.norm_eps, **partial,
     )
-    out = ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, g.scale, g.sliding_window)
+    # (Only the options a block has: a plugin kernel of paged_attention may predate them.)
+    options = {"softcap": g.softcap} if g.softcap is not None else {}
+    if weights.sinks is not None:
+        options["sinks"] = weights.sinks
+    out = ops.paged_attention(q, cache_layer.k, cache_layer.v, batch, g.scale, g.sliding_window, **options)
     # (On a rank of a tensor-parallel group: its heads' part of o_proj, summed over the ranks.)
     return backend.all_reduce(linear_with_lora(backend, out, weights.o, weights.o_bias, weights.lora_o, batch))

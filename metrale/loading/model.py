@@ -50,6 +50,6 @@ def load_rank_model(model_path: str, options: dict) -> tuple[Any, Any, Any, Any]
     plugin_manager = get_plugin_manager(environment=environment)
     checkpoint = Checkpoint(Path(model_path))
     family = resolve_family(plugin_manager, checkpoint.config)
-    backend = get_backend(config.device, cuda_graphs=config.cuda_graphs)
+    backend = get_backend(config.device, cuda_graphs=config.cuda_graphs, environment=config.environment)
     backend.use_ops(build_op_registry(plugin_manager))
     return load_model(plugin_manager, family, checkpoint, backend, config), backend, plugin_manager, environment

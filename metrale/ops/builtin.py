@@ -16,6 +16,16 @@ from metrale.errors import OpRegistrationError
 from metrale.kernels.lora_tiles import adapter_tiles, check_adapter_tiles
 from metrale.ops.registry import Kernel, Op, OpRegistry
 from metrale.ops.registry import Operand as P
+from metrale.ops.selection import (  # noqa: F401 (the kernel lists were defined here; they keep importing)
+    FUSED_MLP_MAX_BYTES,
+    _cuda_method,
+    builtin_kernels,
+    decode_gemv_kernels,
+    default_decode_kernels,
+    gdn_decode_kernels,
+    moe_decode_kernels,
+    moe_route_decode_kernels,
+)
 
 if TYPE_CHECKING:
     import pluggy
@@ -154,11 +164,30 @@ def gelu_and_mul(gate_up, approximate="none"):
     return _kernels("activation").gelu_and_mul_reference(gate_up[:, :width], gate_up[:, width:], approximate)
 
 
-def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window):
+def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, softcap=None, sinks=None):
     out = _kernels("attention").paged_attention_reference(
-        q, k_cache, v_cache, batch.block_tables, batch.seq_index, batch.positions, scale, sliding_window
+        q, k_cache, v_cache, batch.block_tables, batch.seq_index, batch.positions, scale, sliding_window, softcap, sinks
     )
     return out.reshape(out.shape[0], -1)
+
+
+def paged_attention_decode(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row, softcap=None, sinks=None):
+    rows = slice(int(first_row), int(first_row) + q.shape[0])
+    out[...] = _kernels("attention").paged_attention_reference(
+        q, k_cache, v_cache, batch.block_tables, batch.seq_index[rows], batch.positions[rows], scale, sliding_window,
+        softcap, sinks,
+    ).reshape(q.shape[0], -1)
+    return out
+
+
+def paged_attention_prompt(q, k_cache, v_cache, batch, scale, sliding_window, out, first_segment, softcap=None,
+                           sinks=None):
+    first = int(batch.row_starts[first_segment])
+    out[first:] = _kernels("attention").paged_attention_reference(
+        q[first:], k_cache, v_cache, batch.block_tables, batch.seq_index[first:], batch.positions[first:], scale,
+        sliding_window, softcap, sinks,
+    ).reshape(q.shape[0] - first, -1)
+    return out
 
 
 def latent_attention(q, latent, batch, value_dim, scale):
@@ -479,6 +508,15 @@ def _head_linear_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- declarations
 
 X = P("x", "[N, H]", "activation")
+ATTENTION_OPERANDS = (P("q", "[N, nh, d]", "activation"), P("k_cache", "[blocks, block, nkv, d]", "cache"),
+                      P("v_cache", "[blocks, block, nkv, dv]", "cache"), P("batch", kind="batch"),
+                      P("scale", kind="scalar"), P("sliding_window", kind="scalar", optional=True))
+WINDOW = P("sliding_window", kind="scalar", doc="the window (None: none)")
+ATTENTION_OPTIONS = (
+    P("softcap", kind="scalar", optional=True, doc="the logits' soft cap: ``softcap * tanh(logit / softcap)`` (None: off)"),
+    P("sinks", "[nh]", "constant", optional=True,
+      doc="one logit per query head added to its softmax's denominator, never attended (None: off)"),
+)
 NORMED = P("normed", "[N, H]", "matmul_input", "the normed rows, an input of a matrix product")
 
 
@@ -538,15 +576,15 @@ def _declarations() -> list[tuple[Op, str]]:
             (P("gate_up", "[N, 2 I]", "activation"),), (P("act", "[N, I]", "matmul_input"),),
             silu_and_mul, examples=_silu_examples),
          "activation"),
-        (Op("linear_silu", "``silu_and_mul(linear(x, weight, bias))`` (one GEMV kernel for small batches when "
-            ":func:`~metrale.ops.builtin.gemv_kernels` are registered).",
+        (Op("linear_silu", "``silu_and_mul(linear(x, weight, bias))`` (one decode GEMV kernel, the gate in its "
+            "epilogue, for small batches).",
             (P("x", "[N, in]", "matmul_input"), P("weight", "[2 I, in]", "weight"),
              P("bias", "[2 I]", "constant", optional=True)),
             (P("act", "[N, I]", "matmul_input"),), linear_silu, examples=_linear_silu_examples),
          "cuBLAS GEMM and metrale.kernels.activation"),
         (Op("rmsnorm_linear", "A norm and the projection after it: ``(linear(rmsnorm(s)), s)`` with ``s = x + "
             "residual`` (``x`` with ``residual`` None); one decode GEMV kernel for small batches when "
-            ":func:`~metrale.ops.builtin.decode_gemv_kernels` are registered.",
+            ":func:`~metrale.ops.selection.decode_gemv_kernels` are registered.",
             (X, P("residual", "[N, H]", "activation", optional=True), P("norm_weight", "[H]", "weight"),
              P("eps", kind="scalar"), P("offset", kind="scalar"), P("weight", "[out, H]", "weight"),
              P("bias", "[out]", "constant", optional=True)),
@@ -555,7 +593,7 @@ def _declarations() -> list[tuple[Op, str]]:
          "rmsnorm_residual, then linear (their kernels)"),
         (Op("rmsnorm_mlp", "A norm and the SwiGLU MLP after it: ``(down(silu_and_mul(gate_up(rmsnorm(s)))), s)`` with "
             "``s = x + residual``; two decode GEMV kernels for small batches when "
-            ":func:`~metrale.ops.builtin.decode_gemv_kernels` are registered.",
+            ":func:`~metrale.ops.selection.decode_gemv_kernels` are registered.",
             (X, P("residual", "[N, H]", "activation", optional=True), P("norm_weight", "[H]", "weight"),
              P("eps", kind="scalar"), P("offset", kind="scalar"), P("gate_up", "[2 I, H]", "weight"),
              P("down", "[H, I]", "weight"), P("gate_up_bias", "[2 I]", "constant", optional=True),
@@ -584,11 +622,28 @@ def _declarations() -> list[tuple[Op, str]]:
             (P("q", "[N, nh, d]", "activation"),), qkv_rope_cache),
          "qkv_rope"),
         (Op("paged_attention", "Causal GQA attention of each row over its sequence's paged K/V (optionally a sliding "
-            "window); decode rows and prompt rows in one call.",
-            (P("q", "[N, nh, d]", "activation"), P("k_cache", "[blocks, block, nkv, d]", "cache"),
-             P("v_cache", "[blocks, block, nkv, dv]", "cache"), P("batch", kind="batch"), P("scale", kind="scalar"),
-             P("sliding_window", kind="scalar", optional=True)),
-            (P("out", "[N, nh * dv]", "matmul_input"),), paged_attention),
+            "window, a soft cap of the logits, sinks); decode rows and prompt rows in one call. Query head ``h`` reads "
+            "KV head ``h // (nh / nkv)``; the logits ``scale * q . k`` are soft-capped to ``softcap * tanh(logit / "
+            "softcap)`` when ``softcap`` is given (Gemma-2), and with ``sinks`` each head's softmax has one more "
+            "logit in its denominator, ``sinks[h]``, whose value is never attended (GPT-OSS).",
+            ATTENTION_OPERANDS + ATTENTION_OPTIONS, (P("out", "[N, nh * dv]", "matmul_input"),), paged_attention),
+         "attention"),
+        (Op("paged_attention_decode", "``paged_attention`` of the rows ``first_row .. first_row + R`` of the batch, "
+            "each attending as a row of its own (a step's decode rows, or prompt rows one at a time), written into "
+            "``out`` in place and returned. ``paged_attention`` calls it for a step's leading one-row segments.",
+            (P("q", "[R, nh, d]", "activation", "the queries of those rows"), *ATTENTION_OPERANDS[1:5], WINDOW,
+             P("out", "[R, nh * dv]", "matmul_input", "where the rows' outputs go"),
+             P("first_row", kind="scalar", doc="the batch row of q's first row"), *ATTENTION_OPTIONS),
+            (P("out", "[R, nh * dv]", "matmul_input"),), paged_attention_decode),
+         "attention"),
+        (Op("paged_attention_prompt", "``paged_attention`` of the rows of the batch's segments from ``first_segment`` "
+            "on (each segment's rows consecutive positions of one sequence: prompt rows), written into those rows "
+            "of ``out`` in place; ``out`` returned. ``paged_attention`` calls it for the segments after a step's "
+            "decode rows.",
+            (*ATTENTION_OPERANDS[:5], WINDOW,
+             P("out", "[N, nh * dv]", "matmul_input", "the step's output; only those rows written"),
+             P("first_segment", kind="scalar", doc="the first segment served"), *ATTENTION_OPTIONS),
+            (P("out", "[N, nh * dv]", "matmul_input"),), paged_attention_prompt),
          "attention"),
         (Op("latent_attention", "MLA's absorbed decode attention of one-row segments over the paged latent cache.",
             (P("q", "[N, nh, r + d_r]", "activation"), P("latent", "[blocks, block, r + d_r]", "cache"),
@@ -742,231 +797,22 @@ def _declarations() -> list[tuple[Op, str]]:
 
 @functools.lru_cache(maxsize=1)
 def builtin_registry() -> OpRegistry:
-    """The built-in ops and their CUDA kernels (shared; :func:`~metrale.ops.build_op_registry`
-    copies it before plugins add to it)."""
+    """The built-in ops and their kernels (shared; :func:`~metrale.ops.build_op_registry` copies
+    it before plugins add to it): the kernels :mod:`metrale.ops.selection` chooses among, in
+    order, and for every other op its :class:`~metrale.ops.cuda.CudaKernels` method."""
     registry = OpRegistry()
     declarations = _declarations()
     for op, _ in declarations:
         registry.declare(op)
-    for kernel in default_decode_kernels():  # tried before the unconditional kernels below
+    chosen = builtin_kernels()
+    for kernel in chosen:
         registry.add_kernel(kernel)
+    covered = {kernel.op for kernel in chosen if kernel.backend == "cuda" and kernel.unconditional}
     for op, module in declarations:
-        if op.name in _COMPOSITES:
-            for device in ("cpu", "cuda"):
-                registry.add_kernel(Kernel(op.name, device, module, build=_COMPOSITES[op.name]))
-            continue
-        name = module if " " in module else f"metrale.kernels.{module}"
-        registry.add_kernel(Kernel(op.name, "cuda", name, build=_cuda_method(op.name)))
+        if op.name not in covered:
+            name = module if " " in module else f"metrale.kernels.{module}"
+            registry.add_kernel(Kernel(op.name, "cuda", name, build=_cuda_method(op.name)))
     return registry
-
-
-# Fused ops served, where no kernel of their own is registered, by the ops they fuse (called
-# through the backend's op table, so whatever kernels serve those serve these too).
-
-
-def _composed_rmsnorm_linear(backend: Any) -> Any:
-    table = _ops_of(backend)
-
-    def rmsnorm_linear(x, residual, norm_weight, eps, offset, weight, bias=None):
-        ops = table()
-        normed, summed = ops.rmsnorm_residual(x, residual, norm_weight, eps, offset)
-        return ops.linear(normed, weight, bias), summed
-
-    return rmsnorm_linear
-
-
-def _composed_rmsnorm_mlp(backend: Any) -> Any:
-    table = _ops_of(backend)
-
-    def rmsnorm_mlp(x, residual, norm_weight, eps, offset, gate_up, down, gate_up_bias=None, down_bias=None):
-        ops = table()
-        normed, summed = ops.rmsnorm_residual(x, residual, norm_weight, eps, offset)
-        return ops.linear(ops.linear_silu(normed, gate_up, gate_up_bias), down, down_bias), summed
-
-    return rmsnorm_mlp
-
-
-def _ops_of(backend: Any) -> Any:
-    """A function returning ``backend.ops``, holding the backend weakly (its op table holds the
-    kernels built here: a strong reference would keep the backend alive in a cycle)."""
-    import weakref
-
-    reference = weakref.ref(backend)
-
-    def ops() -> Any:
-        alive = reference()
-        if alive is None:
-            from metrale.errors import EngineClosedError
-
-            raise EngineClosedError("the backend of this op table is gone")
-        return alive.ops
-
-    return ops
-
-
-def _composed_gdn_decode(backend: Any) -> Any:
-    table = _ops_of(backend)
-
-    def gdn_decode(qkvz, ba, conv_weight, conv_state, a_log, dt_bias, state, slots, norm_weight, eps, key_heads,
-                   value_heads, key_dim, value_dim):
-        ops = table()
-        inputs, z = ops.gdn_ungroup(qkvz, key_heads, value_heads, key_dim, value_dim)
-        g, beta = ops.gdn_gates(ba, a_log, dt_bias, key_heads)
-        mixed = ops.gdn_conv_update(inputs, conv_weight, conv_state, slots)
-        q, k, v = ops.gdn_split_heads(mixed, key_heads, value_heads, key_dim, value_dim)
-        out = ops.gdn_recurrent_step(q, k, v, g, beta, state, slots)
-        return ops.gated_rmsnorm(out, z, norm_weight, eps)
-
-    return gdn_decode
-
-
-_COMPOSITES = {"rmsnorm_linear": _composed_rmsnorm_linear, "rmsnorm_mlp": _composed_rmsnorm_mlp,
-               "gdn_decode": _composed_gdn_decode}
-
-
-def gemv_kernels(max_rows: int = 8) -> list[Kernel]:
-    """The numba GEMV kernels as conditional kernels of ``linear`` and ``linear_silu`` for
-    batches of at most ``max_rows`` rows (whose inner size is a multiple of 4). Not registered by
-    default -- cuBLAS measured faster on the H200 -- but a registry may add them
-    (``registry.add_kernel``) to compare or to serve a GPU where they win."""
-
-    def small(x: Any, weight: Any, bias: Any = None) -> bool:
-        from metrale.kernels import gemv
-
-        return x.shape[0] <= max_rows and gemv.supports(x.shape[0], x.shape[1])
-
-    def small_without_bias(x: Any, weight: Any, bias: Any = None) -> bool:
-        return bias is None and small(x, weight, bias)
-
-    return [
-        Kernel("linear", "cuda", "metrale.kernels.gemv", build=_cuda_method("linear_gemv"), when=small,
-               condition=f"N <= {max_rows}, in % 4 == 0"),
-        Kernel("linear_silu", "cuda", "metrale.kernels.gemv (fused SiLU)", build=_cuda_method("linear_silu_gemv"),
-               when=small_without_bias, condition=f"N <= {max_rows}, in % 4 == 0, no bias"),
-    ]
-
-
-#: The largest MLP (gate/up and down weights, bytes) the fused decode MLP serves by default: with
-#: dependent launches it measured 1.08x the unfused kernels on a 1B-shaped MLP (101 MB) at one
-#: row, 0.98x on an 8B-shaped one (352 MB), where cuBLAS streams the large products a little faster.
-FUSED_MLP_MAX_BYTES = 128 * 1024 * 1024
-
-
-def default_decode_kernels() -> list[Kernel]:
-    """The decode kernels the CUDA backend uses by default, each where it measured faster on the
-    H200 than the kernels it replaces (``tools/gemv_sweep.py`` and ``tools/decode_ab.py``; the
-    numbers are in the benchmarks page): the decode GEMV for ``linear`` and ``linear_silu`` (the
-    gate in its epilogue) up to 8 rows and, with the norm fused, for ``rmsnorm_linear`` up to 2
-    rows and for ``rmsnorm_mlp`` at one row of an MLP of at most :data:`FUSED_MLP_MAX_BYTES`; the
-    decode MoE kernels for ``moe_experts`` and the decode router for ``moe_route``, both up to 8
-    tokens; the fused Gated DeltaNet step."""
-    by_op = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=8)}
-    norm_linear = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=2)}["rmsnorm_linear"]
-    mlp = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=1, max_mlp_bytes=FUSED_MLP_MAX_BYTES)}
-    return ([by_op["linear"], by_op["linear_silu"], norm_linear, mlp["rmsnorm_mlp"]] + moe_decode_kernels(max_tokens=8)
-            + moe_route_decode_kernels(max_tokens=8) + gdn_decode_kernels())
-
-
-def decode_gemv_kernels(max_rows: int = 8, max_mlp_bytes: int | None = None) -> list[Kernel]:
-    """The decode GEMV kernels (:mod:`metrale.kernels.decode_gemv`) as conditional kernels of
-    ``linear``, ``linear_silu``, ``rmsnorm_linear`` and ``rmsnorm_mlp`` for batches of at most ``max_rows`` rows
-    (bf16 weights, inner sizes a multiple of 32 whose staged rows fit a block, 16-byte aligned
-    arrays; for ``rmsnorm_mlp``, weights of at most ``max_mlp_bytes`` bytes when given).
-    :func:`default_decode_kernels` registers some of them by default; a registry may add them all
-    (``registry.add_kernel``), for other limits too."""
-
-    def served(rows: int, inner: int, mode: int, *arrays: Any) -> bool:
-        from metrale.kernels import _words, decode_gemv
-
-        return (rows <= max_rows and decode_gemv.supports(rows, inner, mode)
-                and getattr(arrays[0], "dtype", None) == np.uint16 and all(_words.aligned(a) for a in arrays))
-
-    def small_linear(x: Any, weight: Any, bias: Any = None) -> bool:
-        return served(x.shape[0], x.shape[1], 0, weight, x)
-
-    def small_linear_silu(x: Any, weight: Any, bias: Any = None) -> bool:
-        return bias is None and weight.shape[0] % 16 == 0 and served(x.shape[0], x.shape[1], 4, weight, x)  # PLAIN_SWIGLU
-
-    def small_norm_linear(x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any, weight: Any,
-                          bias: Any = None) -> bool:
-        return served(x.shape[0], x.shape[1], 1, weight, norm_weight, x)
-
-    def small_norm_mlp(x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any, gate_up: Any, down: Any,
-                       gate_up_bias: Any = None, down_bias: Any = None) -> bool:
-        return (gate_up_bias is None and served(x.shape[0], x.shape[1], 1, gate_up, norm_weight, x)
-                and served(x.shape[0], down.shape[1], 2, down)
-                and (max_mlp_bytes is None or gate_up.nbytes + down.nbytes <= max_mlp_bytes))
-
-    condition = f"N <= {max_rows}, bf16 weights, inner sizes a multiple of 32"
-    return [
-        Kernel("linear", "cuda", "metrale.kernels.decode_gemv", build=_cuda_method("linear_decode_gemv"),
-               when=small_linear, condition=condition),
-        Kernel("linear_silu", "cuda", "metrale.kernels.decode_gemv (the gate in the epilogue)",
-               build=_cuda_method("linear_silu_decode_gemv"), when=small_linear_silu,
-               condition=condition + ", no bias, gate and up rows a multiple of 16"),
-        Kernel("rmsnorm_linear", "cuda", "metrale.kernels.decode_gemv (the norm fused)",
-               build=_cuda_method("rmsnorm_linear_decode_gemv"), when=small_norm_linear, condition=condition),
-        Kernel("rmsnorm_mlp", "cuda", "metrale.kernels.decode_gemv (the norm and the gate fused)",
-               build=_cuda_method("rmsnorm_mlp_decode_gemv"), when=small_norm_mlp,
-               condition=condition + ", no gate_up bias"
-               + (f", weights of at most {max_mlp_bytes / 2**20:g} MiB" if max_mlp_bytes is not None else "")),
-    ]
-
-
-def moe_decode_kernels(max_tokens: int = 8) -> list[Kernel]:
-    """The decode MoE kernels (:mod:`metrale.kernels.moe_decode`: two GEMV kernels over the chosen
-    experts' weights, the weighting and the sum over slots in the second) as a conditional kernel
-    of ``moe_experts`` for batches of at most ``max_tokens`` tokens (registered by default with 8,
-    :func:`default_decode_kernels`)."""
-
-    def small(x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> bool:
-        from metrale.kernels import moe_decode
-
-        return (x.shape[0] <= max_tokens and getattr(down, "dtype", None) == np.uint16
-                and getattr(gate_up, "dtype", None) == np.uint16
-                and moe_decode.supports(x.shape[0], experts.shape[1], x.shape[1], down.shape[1]))
-
-    return [Kernel("moe_experts", "cuda", "metrale.kernels.moe_decode", build=_cuda_method("moe_experts_decode"),
-                   when=small, condition=f"N <= {max_tokens}, bf16 weights, H and I multiples of 8")]
-
-
-def moe_route_decode_kernels(max_tokens: int = 8) -> list[Kernel]:
-    """The decode router kernel (:mod:`metrale.kernels.moe_route_decode`: the router product and
-    the choice of experts in one launch) as a conditional kernel of ``moe_route`` for batches of
-    at most ``max_tokens`` tokens (registered by default with 8, :func:`default_decode_kernels`:
-    on the H200 a decode step with it was 1.06x faster on DeepSeek-V2-Lite and 1.07x on
-    Qwen3-Next-small at batch 1 than with the default router)."""
-
-    def small(x: Any, gate: Any, bias: Any, method: str, n_group: int, topk_group: int, top_k: int,
-              renormalise: Any, scaling: Any) -> bool:
-        from metrale.kernels import moe_route_decode
-
-        return (x.shape[0] <= max_tokens and getattr(gate, "dtype", None) == np.float32
-                and moe_route_decode.supports(x.shape[0], x.shape[1], gate.shape[0], n_group, top_k))
-
-    return [Kernel("moe_route", "cuda", "metrale.kernels.moe_route_decode", build=_cuda_method("moe_route_decode"),
-                   when=small, condition=f"N <= {max_tokens}, float32 router, E <= 256 in equal groups, k <= 16")]
-
-
-def gdn_decode_kernels() -> list[Kernel]:
-    """The fused Gated DeltaNet decode kernels (:mod:`metrale.kernels.gdn_decode`) as a
-    conditional kernel of ``gdn_decode`` (registered by default, :func:`default_decode_kernels`)."""
-
-    def served(qkvz: Any, ba: Any, conv_weight: Any, conv_state: Any, a_log: Any, dt_bias: Any, state: Any, slots: Any,
-               norm_weight: Any, eps: Any, key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> bool:
-        from metrale.kernels import gdn_decode
-
-        return gdn_decode.supports(key_heads, value_heads, key_dim, value_dim)
-
-    return [Kernel("gdn_decode", "cuda", "metrale.kernels.gdn_decode", build=_cuda_method("gdn_decode_fused"),
-                   when=served, condition="d_k, d_v <= 1024, H_v a multiple of H_k")]
-
-
-def _cuda_method(name: str) -> Any:
-    def build(backend: Any) -> Any:
-        return getattr(backend.kernels, name)
-
-    return build
 
 
 def build_op_registry(plugin_manager: "pluggy.PluginManager | None" = None) -> OpRegistry:

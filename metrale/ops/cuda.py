@@ -1,6 +1,8 @@
-"""The CUDA implementations of the built-in ops: one method per op, each allocating its outputs
-on the engine's memory pool and launching the kernel of :mod:`metrale.kernels` on the engine
-stream (cuBLAS for matrix products).
+"""The CUDA implementations of the built-in ops: one method per kernel of an op, each checking and
+adapting its arguments, allocating its outputs on the engine's memory pool and launching that
+kernel of :mod:`metrale.kernels` on the engine stream (cuBLAS for matrix products). Which method
+serves a call is the op registry's choice (:mod:`metrale.ops.selection`); a method never picks
+another kernel.
 
 Imported only by the CUDA backend (it imports CuPy and numba).
 """
@@ -13,21 +15,21 @@ import cupy as cp
 import numpy as np
 
 from metrale.kernels import (
-    _words,
     activation,
     attention,
     attention_decode_mma,
+    attention_grouped,
     attention_latent,
     attention_latent_mma,
     attention_mma,
     attention_prefill,
+    attention_staged,
     decode_gemv,
     embedding,
     gated,
     gated_delta,
     gated_delta_chunked,
     gdn_decode,
-    gemv,
     layernorm,
     lora,
     moe,
@@ -41,15 +43,6 @@ from metrale.kernels import (
 from metrale.kernels import head_linear as head_linear_kernels
 from metrale.kernels.linear import CublasGemm
 
-#: Batches of at least this many tokens run their routed experts through the grouped tensor-core
-#: kernels (:mod:`metrale.kernels.moe_grouped`), each chosen expert's weights read once; smaller
-#: ones through the decode kernels (:mod:`metrale.kernels.moe_decode`, up to 8 tokens) or the
-#: pairwise kernel, which read an expert's weights once per (token, expert) pair. Past 8 tokens the
-#: pairs repeat experts: a DeepSeek-V2-Lite decode step of 32 tokens has 192 pairs over 64 experts,
-#: 3.3 GB a layer pair by pair against at most 1.1 GB grouped (its batch-32 step took 31.6 ms,
-#: 26 layers at about the pairwise reads' time).
-GROUPED_EXPERTS_MIN_TOKENS = 9
-
 f32, bf16 = np.float32, np.uint16
 
 
@@ -61,16 +54,6 @@ def _tanh_form(approximate: str) -> bool:
         raise KernelArgumentError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     return approximate == "tanh"
 
-
-#: Batches of up to this many rows take the router kernel; larger ones a float32 cuBLAS product.
-ROUTER_KERNEL_ROWS = 64
-#: MLA's per-head products (``head_linear``) of up to this many rows take the CUDA C++ kernel
-#: (:func:`metrale.kernels.head_linear.head_linear_words`, a warp per output value, the rows in
-#: turn, launched dependently); larger ones one cuBLAS product per head. On the H200, at
-#: DeepSeek-V2-Lite's sizes (``tools/head_linear_sweep.py``), the kernel's time grows with the
-#: rows (key product 6.1 us at 1 row, 103 at 32; value product 1.8 and 28.7), cuBLAS's does not
-#: (4.8-5.3 and 3.0-3.1, the key product's float32 input rounded first).
-HEAD_LINEAR_WORD_ROWS = 2
 
 
 def _batch_constant(batch: Any, key: str, build: Callable[[], np.ndarray]) -> Any:
@@ -112,20 +95,25 @@ class CudaKernels:
         out = cp.empty((ids.shape[0], weight.shape[1]), dtype=f32)
         return embedding.embedding(weight, ids, out, self.stream)
 
-    def rmsnorm_residual(self, x: Any, residual: Any, weight: Any, eps: float, offset: float = 0.0) -> Any:
+    @staticmethod
+    def _norm_arguments(x: Any, residual: Any) -> tuple[Any, Any, bool, Any]:
+        """``(x, residual, add, out)`` of a residual norm: contiguous inputs (without a residual, a
+        buffer for the sum), the bf16 output."""
         x = cp.ascontiguousarray(x)
         add = residual is not None
         residual = cp.ascontiguousarray(residual) if add else cp.empty_like(x)
-        out = cp.empty(x.shape, dtype=bf16)
-        if (x.dtype == f32 and x.ndim == 2 and rmsnorm.words_supported(x.shape[1])
-                and all(_words.aligned(a) for a in (x, residual, weight))):  # float4 and uint2 loads
-            rmsnorm.rmsnorm_residual_words(x, residual, weight, eps, offset, add, out, self.stream)
-        else:
-            rmsnorm.rmsnorm_residual(x, residual, weight, eps, offset, add, out, self.stream)
+        return x, residual, add, cp.empty(x.shape, dtype=bf16)
+
+    def rmsnorm_residual(self, x: Any, residual: Any, weight: Any, eps: float, offset: float = 0.0) -> Any:
+        x, residual, add, out = self._norm_arguments(x, residual)
+        rmsnorm.rmsnorm_residual(x, residual, weight, eps, offset, add, out, self.stream)
         return out, residual
 
-    def rmsnorm(self, x: Any, weight: Any, eps: float, offset: float = 0.0) -> Any:
-        return self.rmsnorm_residual(x, None, weight, eps, offset)[0]
+    def rmsnorm_residual_words(self, x: Any, residual: Any, weight: Any, eps: float, offset: float = 0.0) -> Any:
+        """The CUDA C++ norm (float4 and uint2 loads, :mod:`metrale.ops.selection`)."""
+        x, residual, add, out = self._norm_arguments(x, residual)
+        rmsnorm.rmsnorm_residual_words(x, residual, weight, eps, offset, add, out, self.stream)
+        return out, residual
 
     def layernorm_residual(self, x: Any, residual: Any, weight: Any, bias: Any, eps: float) -> Any:
         x = cp.ascontiguousarray(x, dtype=f32)
@@ -155,40 +143,28 @@ class CudaKernels:
             out += bias
         return out
 
-    def linear_silu(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        if bias is not None:
-            return self.silu_and_mul(self.linear(x, weight, bias))
-        # The product written as bf16 (what a bf16 model's gate and up projections give): half
-        # the bytes of float32 to write and to read back.
+    def gate_up_product(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """The product of ``linear_silu`` before its gate (:mod:`metrale.ops.selection`): bf16 (what a
+        bf16 model's gate and up projections give: half the bytes of float32 to write and to read
+        back), float32 with a bias added."""
         x = self.as_bf16(x)
-        gate_up = cp.empty((x.shape[0], weight.shape[0]), dtype=bf16)
+        gate_up = cp.empty((x.shape[0], weight.shape[0]), dtype=f32 if bias is not None else bf16)
         self.gemm(x, weight, gate_up)
-        return self.silu_and_mul(gate_up)
-
-    # The numba GEMV kernels: not bound by default (cuBLAS measured about twice as fast on the
-    # H200, docs/benchmarks); :func:`metrale.ops.builtin.gemv_kernels` offers them to a registry.
-
-    def linear_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        x = self.as_bf16(x)
-        out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
-        gemv.gemv(x, weight, out, self.stream)
         if bias is not None:
-            out += bias
-        return out
-
-    def linear_silu_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        out = cp.empty((x.shape[0], weight.shape[0] // 2), dtype=bf16)
-        return gemv.gemv_silu(self.as_bf16(x), weight, out, self.stream)
+            gate_up += bias
+        return gate_up
 
     # The decode GEMV kernels, bound where :func:`metrale.ops.builtin.default_decode_kernels` says;
     # :func:`metrale.ops.builtin.decode_gemv_kernels` offers them all to a registry.
 
     def linear_decode_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
         out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
-        if x.dtype == f32 and x.flags.c_contiguous:
-            # Rounded to bf16 while the kernel stages it: no to_bf16 kernel before it.
-            return decode_gemv.decode_gemv(decode_gemv.PLAIN_F32, x, weight, out, self.stream, bias=bias)
         return decode_gemv.decode_gemv(decode_gemv.PLAIN, self.as_bf16(x), weight, out, self.stream, bias=bias)
+
+    def linear_decode_gemv_f32(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """Float32 rows rounded to bf16 while the kernel stages them: no to_bf16 kernel before it."""
+        out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
+        return decode_gemv.decode_gemv(decode_gemv.PLAIN_F32, x, weight, out, self.stream, bias=bias)
 
     def linear_silu_decode_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
         out = cp.empty((x.shape[0], weight.shape[0] // 2), dtype=bf16)
@@ -204,19 +180,27 @@ class CudaKernels:
             residual=None if residual is None else cp.ascontiguousarray(residual, dtype=f32), summed=summed, bias=bias)
         return out, summed
 
+    @staticmethod
+    def _fused_mlp_arguments(x: Any, residual: Any, down: Any) -> tuple[Any, Any, Any, Any]:
+        """``(x, residual, summed, out)`` of a fused decode MLP."""
+        x = cp.ascontiguousarray(x, dtype=f32)
+        residual = None if residual is None else cp.ascontiguousarray(residual, dtype=f32)
+        return x, residual, cp.empty(x.shape, dtype=f32), cp.empty((x.shape[0], down.shape[0]), dtype=f32)
+
+    def rmsnorm_mlp_decode_gemv_epilogue(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float,
+                                         gate_up: Any, down: Any, gate_up_bias: Any = None, down_bias: Any = None) -> Any:
+        """The gate applied in the gate/up kernel's epilogue; the down kernel reads the result
+        (:func:`metrale.ops.selection.decode_gemv_kernels` with ``swiglu_epilogue``)."""
+        x, residual, summed, out = self._fused_mlp_arguments(x, residual, down)
+        act = cp.empty((x.shape[0], gate_up.shape[0] // 2), dtype=bf16)
+        decode_gemv.decode_gemv(decode_gemv.RMSNORM_SWIGLU, x, gate_up, act, self.stream, norm_weight=norm_weight,
+                                eps=eps, norm_offset=offset, residual=residual, summed=summed)
+        decode_gemv.decode_gemv(decode_gemv.PLAIN, act, down, out, self.stream, bias=down_bias)
+        return out, summed
+
     def rmsnorm_mlp_decode_gemv(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float, gate_up: Any,
                                 down: Any, gate_up_bias: Any = None, down_bias: Any = None) -> Any:
-        x = cp.ascontiguousarray(x, dtype=f32)
-        summed = cp.empty(x.shape, dtype=f32)
-        residual = None if residual is None else cp.ascontiguousarray(residual, dtype=f32)
-        out = cp.empty((x.shape[0], down.shape[0]), dtype=f32)
-        if decode_gemv.SWIGLU_EPILOGUE and gate_up.shape[0] % 16 == 0:
-            # The gate applied in the gate/up kernel's epilogue; the down kernel reads the result.
-            act = cp.empty((x.shape[0], gate_up.shape[0] // 2), dtype=bf16)
-            decode_gemv.decode_gemv(decode_gemv.RMSNORM_SWIGLU, x, gate_up, act, self.stream, norm_weight=norm_weight,
-                                    eps=eps, norm_offset=offset, residual=residual, summed=summed)
-            decode_gemv.decode_gemv(decode_gemv.PLAIN, act, down, out, self.stream, bias=down_bias)
-            return out, summed
+        x, residual, summed, out = self._fused_mlp_arguments(x, residual, down)
         # The gate and up rows as bf16 (what the unfused path's product writes), read by the
         # down kernel's SiLU prologue.
         gated = cp.empty((x.shape[0], gate_up.shape[0]), dtype=bf16)
@@ -228,10 +212,18 @@ class CudaKernels:
 
     def silu_and_mul(self, gate_up: Any) -> Any:
         out = cp.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=bf16)
-        if activation.words_supported(gate_up):
-            # A bf16 product (linear_silu past the decode GEMV's rows): launched dependently.
-            return activation.silu_and_mul_words(gate_up, out, self.stream)
         return activation.silu_and_mul(gate_up, out, self.stream)
+
+    def silu_and_mul_bits(self, gate_up: Any) -> Any:
+        """The numba gate of a bf16 product."""
+        out = cp.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=bf16)
+        return activation.silu_and_mul_bits(gate_up, out, self.stream)
+
+    def silu_and_mul_words(self, gate_up: Any) -> Any:
+        """The CUDA C++ gate of a bf16 product (linear_silu past the decode GEMV's rows), launched
+        dependently."""
+        out = cp.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=bf16)
+        return activation.silu_and_mul_words(gate_up, out, self.stream)
 
     def qkv_rope_cache(self, qkv: Any, positions: Any, slot_mapping: Any, inv_freq: Any, attention_factor: float,
                        num_heads: int, num_kv_heads: int, head_dim: int, k_cache: Any, v_cache: Any, q_norm: Any = None,
@@ -243,24 +235,22 @@ class CudaKernels:
             k_cache, v_cache, q, q_norm, k_norm, eps, norm_offset, interleaved, self.stream, rotary_dim=rotary_dim,
         )
 
-    def _decode_attention(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, rows: int, scale: float,
-                          sliding_window: int | None, out: Any) -> Any:
-        # The first ``rows`` rows, one per segment, through the split-K decode kernel.
-        heads, kv_heads, value_dim = q.shape[1], k_cache.shape[2], v_cache.shape[3]
-        splits = attention.split_count(rows, heads, kv_heads, q.shape[2], value_dim, batch.max_context)
-        workspace = (
-            cp.empty((rows, heads, splits, value_dim), dtype=f32),
-            cp.empty((rows, heads, splits), dtype=f32),
-            cp.empty((rows, heads, splits), dtype=f32),
-        )
-        counters = None
-        if (attention.MERGE_DECODE_SPLITS and attention.uses_decode_mma(heads, kv_heads, q.shape[2], value_dim)
-                and attention_decode_mma.merges_itself(heads, kv_heads, q.shape[2], splits)):
-            counters = self._merge_counters(attention_decode_mma.counter_count(rows, heads, kv_heads))
-        return attention.paged_attention(
-            q[:rows], k_cache, v_cache, batch.block_tables, batch.seq_index[:rows], batch.positions[:rows],
-            scale, sliding_window, batch.max_context, workspace, out[:rows], self.stream, counters,
-        )
+    # ----------------------------------------------------------------------- paged attention
+    # The kernels of paged_attention_decode (rows first_row .. first_row + R of the batch, each a
+    # row of its own) and paged_attention_prompt (the segments from first_segment on), each writing
+    # its rows of ``out``; metrale.ops.selection splits a step's rows between the two.
+
+    @staticmethod
+    def _decode_rows(batch: Any, first_row: int, rows: int) -> tuple[Any, Any]:
+        """The sequence index and position of the batch's rows ``first_row .. first_row + rows``."""
+        first_row = int(first_row)
+        return batch.seq_index[first_row:first_row + rows], batch.positions[first_row:first_row + rows]
+
+    @staticmethod
+    def _workspace(rows: int, heads: int, splits: int, value_dim: int) -> tuple[Any, Any, Any]:
+        """The split-K partials ``(acc [R, nh, splits, dv], max, sum [R, nh, splits])``."""
+        return (cp.empty((rows, heads, splits, value_dim), dtype=f32), cp.empty((rows, heads, splits), dtype=f32),
+                cp.empty((rows, heads, splits), dtype=f32))
 
     def _merge_counters(self, count: int) -> Any:
         """At least ``count`` int32 counters, zero between launches, for the decode attention's
@@ -275,47 +265,93 @@ class CudaKernels:
         self._attention_counters.append(counters)
         return counters
 
-    def paged_attention(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
-                        sliding_window: int | None) -> Any:
+    def paged_attention_decode_mma(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
+                                   sliding_window: int | None, out: Any, first_row: int, softcap: float | None = None,
+                                   sinks: Any = None, merged: bool = False) -> Any:
+        """The tensor-core decode kernel; with ``merged``, the last split of each row and head block
+        merges the splits (:func:`metrale.ops.selection.merged_decode_attention_kernels`)."""
+        rows, heads, head_dim = q.shape
+        kv_heads = k_cache.shape[2]
+        splits = attention_decode_mma.device_split_count(rows, heads, kv_heads, head_dim, batch.max_context)
+        seq_index, positions = self._decode_rows(batch, first_row, rows)
+        counters = self._merge_counters(attention_decode_mma.counter_count(rows, heads, kv_heads)) if merged else None
+        return attention_decode_mma.decode_attention(
+            q, k_cache, v_cache, batch.block_tables, seq_index, positions, scale, sliding_window,
+            self._workspace(rows, heads, splits, v_cache.shape[3]), out, self.stream, counters, softcap,
+            None if sinks is None else cp.ascontiguousarray(sinks, dtype=f32))
+
+    def paged_attention_decode_mma_merged(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
+                                          sliding_window: int | None, out: Any, first_row: int,
+                                          softcap: float | None = None, sinks: Any = None) -> Any:
+        return self.paged_attention_decode_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row,
+                                               softcap, sinks, merged=True)
+
+    def paged_attention_decode_grouped(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
+                                       sliding_window: int | None, out: Any, first_row: int,
+                                       softcap: float | None = None, sinks: Any = None) -> Any:
         rows, heads = q.shape[0], q.shape[1]
-        kv_heads, value_dim = k_cache.shape[2], v_cache.shape[3]
-        out = cp.empty((rows, heads * value_dim), dtype=bf16)
+        splits = attention_grouped.split_count(rows, heads, k_cache.shape[2], batch.max_context)
+        seq_index, positions = self._decode_rows(batch, first_row, rows)
+        return attention_grouped.decode_attention(
+            q, k_cache, v_cache, batch.block_tables, seq_index, positions, scale, sliding_window, batch.max_context,
+            self._workspace(rows, heads, splits, v_cache.shape[3]), out, self.stream)
+
+    def paged_attention_decode_staged(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
+                                      sliding_window: int | None, out: Any, first_row: int,
+                                      softcap: float | None = None, sinks: Any = None) -> Any:
+        rows, heads = q.shape[0], q.shape[1]
+        splits = attention_grouped.split_count(rows, heads, k_cache.shape[2], batch.max_context)
+        seq_index, positions = self._decode_rows(batch, first_row, rows)
+        return attention_staged.decode_attention(
+            q, k_cache, v_cache, batch.block_tables, seq_index, positions, scale, sliding_window, batch.max_context,
+            self._workspace(rows, heads, splits, v_cache.shape[3]), out, self.stream)
+
+    def paged_attention_decode_split(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
+                                     sliding_window: int | None, out: Any, first_row: int,
+                                     softcap: float | None = None, sinks: Any = None) -> Any:
+        """The per-head CUDA-core kernels: any geometry, softcap and sinks."""
+        rows, heads = q.shape[0], q.shape[1]
+        seq_index, positions = self._decode_rows(batch, first_row, rows)
+        splits = attention.attention_splits(batch.max_context)
+        return attention.decode_attention(
+            q, k_cache, v_cache, batch.block_tables, seq_index, positions, scale, sliding_window, batch.max_context,
+            self._workspace(rows, heads, splits, v_cache.shape[3]), out, self.stream, softcap,
+            None if sinks is None else cp.ascontiguousarray(sinks, dtype=f32))
+
+    def paged_attention_prompt_mma(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
+                                   sliding_window: int | None, out: Any, first_segment: int,
+                                   softcap: float | None = None, sinks: Any = None) -> Any:
         starts = batch.row_starts
-        # Leading one-row segments (the decode rows of a mixed step) go to the decode kernel;
-        # the prefill kernel serves the rest.
-        lengths = np.diff(starts)
-        single = int(np.argmax(lengths != 1)) if (lengths != 1).any() else len(lengths)
-        if single < len(lengths) and attention_mma.supports(heads, kv_heads, q.shape[2], value_dim):
-            # Prompt rows on tensor cores.
-            if single:
-                self._decode_attention(q, k_cache, v_cache, batch, single, scale, sliding_window, out)
-            tiles = _batch_constant(batch, "attention_mma_tiles", lambda: attention_mma.query_tiles(starts[single:]))
-            attention_mma.prefill_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.seq_index, batch.positions, tiles, scale,
-                sliding_window, out, self.stream,
-            )
-            return out
-        if single < len(lengths) and attention_prefill.supports(heads, kv_heads, q.shape[2], value_dim):
-            if single:
-                self._decode_attention(q, k_cache, v_cache, batch, single, scale, sliding_window, out)
-            per_tile = attention_prefill.rows_per_tile(heads, kv_heads)
-            tiles = _batch_constant(batch, f"attention_prefill_tiles_{per_tile}",
-                                    lambda: attention_prefill.query_tiles(starts[single:], per_tile))
-            attention_prefill.paged_attention_prefill(
-                q, attention_prefill.as_words(k_cache), attention_prefill.as_words(v_cache), batch.block_tables,
-                batch.seq_index, batch.positions, tiles, scale, sliding_window, out, self.stream,
-            )
-            return out
-        return self._decode_attention(q, k_cache, v_cache, batch, rows, scale, sliding_window, out)
+        tiles = _batch_constant(batch, f"attention_mma_tiles_{first_segment}",
+                                lambda: attention_mma.query_tiles(starts[first_segment:]))
+        return attention_mma.prefill_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_index,
+                                               batch.positions, tiles, scale, sliding_window, out, self.stream)
+
+    def paged_attention_prompt_prefill(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
+                                       sliding_window: int | None, out: Any, first_segment: int,
+                                       softcap: float | None = None, sinks: Any = None) -> Any:
+        starts = batch.row_starts
+        per_tile = attention_prefill.rows_per_tile(q.shape[1], k_cache.shape[2])
+        tiles = _batch_constant(batch, f"attention_prefill_tiles_{per_tile}_{first_segment}",
+                                lambda: attention_prefill.query_tiles(starts[first_segment:], per_tile))
+        return attention_prefill.paged_attention_prefill(
+            q, attention_prefill.as_words(k_cache), attention_prefill.as_words(v_cache), batch.block_tables,
+            batch.seq_index, batch.positions, tiles, scale, sliding_window, out, self.stream, softcap,
+            None if sinks is None else cp.ascontiguousarray(sinks, dtype=f32))
 
     # --------------------------------------------------------------------------------- MLA
 
     def latent_attention(self, q: Any, latent: Any, batch: Any, value_dim: int, scale: float) -> Any:
         out = cp.empty((q.shape[0], q.shape[1] * value_dim), dtype=bf16)
-        # DeepSeek's geometry (heads in 16s, rows of 576, values of 512) runs on tensor cores.
-        launch = (attention_latent_mma.latent_attention if attention_latent_mma.supports(q.shape[1], q.shape[2], value_dim)
-                  else attention_latent.latent_attention)
-        return launch(
+        return attention_latent.latent_attention(
+            cp.ascontiguousarray(q, dtype=f32), latent, batch.block_tables, batch.seq_index, batch.positions,
+            value_dim, scale, batch.max_context, out, self.stream,
+        )
+
+    def latent_attention_mma(self, q: Any, latent: Any, batch: Any, value_dim: int, scale: float) -> Any:
+        """DeepSeek's geometry (heads in 16s, rows of 576, values of 512) on tensor cores."""
+        out = cp.empty((q.shape[0], q.shape[1] * value_dim), dtype=bf16)
+        return attention_latent_mma.latent_attention(
             cp.ascontiguousarray(q, dtype=f32), latent, batch.block_tables, batch.seq_index, batch.positions,
             value_dim, scale, batch.max_context, out, self.stream,
         )
@@ -328,33 +364,45 @@ class CudaKernels:
         attention_latent.latent_cache_write_words(kv_a, norm_weight, eps, positions, inv_freq, attention_factor,
                                                   interleaved, slot_mapping, latent, self.stream)
 
-    def head_linear(self, x: Any, weight: Any) -> Any:
+    @staticmethod
+    def _per_head_out(x: Any, weight: Any) -> Any:
         rows, heads = x.shape[0], x.shape[1]
-        out = cp.empty((rows, heads, weight.shape[0] // heads), dtype=f32)
-        if rows > HEAD_LINEAR_WORD_ROWS:
-            # The kernel below reads each row in turn; one product per head reads the rows together.
-            x = self.to_bf16(x) if x.dtype == f32 else x
-            if x.strides[2] != x.itemsize:
-                x = cp.ascontiguousarray(x)
-            return self.gemm.per_head(x, weight, out)
-        if head_linear_kernels.words_supported(x, weight):
-            # A float32 input (a strided view of the queries) read and rounded in the kernel.
-            return head_linear_kernels.head_linear_words(x, weight, out, self.stream)
-        return head_linear_kernels.head_linear(self.as_bf16(x), weight, out, self.stream)
+        return cp.empty((rows, heads, weight.shape[0] // heads), dtype=f32)
+
+    def head_linear(self, x: Any, weight: Any) -> Any:
+        return head_linear_kernels.head_linear(self.as_bf16(x), weight, self._per_head_out(x, weight), self.stream)
+
+    def head_linear_words(self, x: Any, weight: Any) -> Any:
+        """A float32 input (a strided view of the queries) read and rounded in the kernel."""
+        return head_linear_kernels.head_linear_words(x, weight, self._per_head_out(x, weight), self.stream)
+
+    def head_linear_per_head(self, x: Any, weight: Any) -> Any:
+        """One cuBLAS product per head, the rows together."""
+        out = self._per_head_out(x, weight)
+        x = self.to_bf16(x) if x.dtype == f32 else x
+        if x.strides[2] != x.itemsize:
+            x = cp.ascontiguousarray(x)
+        return self.gemm.per_head(x, weight, out)
 
     # --------------------------------------------------------------------------------- MoE
 
     def moe_route(self, x: Any, gate: Any, bias: Any, method: str, n_group: int, topk_group: int, top_k: int,
                   renormalise: bool, scaling: float) -> Any:
         logits = cp.empty((x.shape[0], gate.shape[0]), dtype=f32)
-        if x.shape[0] > ROUTER_KERNEL_ROWS:
-            # A prompt's router product as one float32 GEMM (the kernel's warp per token and expert
-            # reads the router weights once per token: 236 us at 2,048 tokens and 64 experts).
-            self.gemm(self.to_float32(self.as_bf16(x)), gate, logits)
-        else:
-            moe.router_logits(self.as_bf16(x), gate, logits, self.stream)
-        chosen = cp.empty((x.shape[0], top_k), dtype=np.int32)
-        weights = cp.empty((x.shape[0], top_k), dtype=f32)
+        moe.router_logits(self.as_bf16(x), gate, logits, self.stream)
+        return self._route(logits, bias, method, n_group, topk_group, top_k, renormalise, scaling)
+
+    def moe_route_gemm(self, x: Any, gate: Any, bias: Any, method: str, n_group: int, topk_group: int, top_k: int,
+                       renormalise: bool, scaling: float) -> Any:
+        """A prompt's router product as one float32 cuBLAS product, then the choice of experts."""
+        logits = cp.empty((x.shape[0], gate.shape[0]), dtype=f32)
+        self.gemm(self.to_float32(self.as_bf16(x)), gate, logits)
+        return self._route(logits, bias, method, n_group, topk_group, top_k, renormalise, scaling)
+
+    def _route(self, logits: Any, bias: Any, method: str, n_group: int, topk_group: int, top_k: int,
+               renormalise: bool, scaling: float) -> Any:
+        chosen = cp.empty((logits.shape[0], top_k), dtype=np.int32)
+        weights = cp.empty((logits.shape[0], top_k), dtype=f32)
         return moe.route(logits, bias, method, n_group, topk_group, top_k, renormalise, scaling, chosen, weights,
                          self.stream)
 
@@ -384,25 +432,31 @@ class CudaKernels:
                                          cp.ascontiguousarray(weights, dtype=f32), gate_up, down, act, out, self.stream)
 
     def moe_experts(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
+        """Pair by pair: an expert's weights read once per (token, expert) pair."""
+        x = self.as_bf16(x)
+        tokens, hidden = x.shape
+        top_k, inter = experts.shape[1], down.shape[1]
+        out = cp.empty((tokens, hidden), dtype=f32)
+        act = cp.empty((tokens * top_k, inter), dtype=bf16)
+        return moe.experts(x, experts, weights, gate_up, down, act, out, self.stream)
+
+    def moe_experts_grouped(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
+        """Each expert's pairs as one tensor-core product, four launches whatever the routing, no
+        host synchronisation: every chosen expert's weights read once."""
         x = self.as_bf16(x)
         tokens, hidden = x.shape
         top_k, inter = experts.shape[1], down.shape[1]
         num_experts = down.shape[0] // hidden
         out = cp.empty((tokens, hidden), dtype=f32)
-        if tokens >= GROUPED_EXPERTS_MIN_TOKENS and moe_grouped.supports(hidden, inter, num_experts):
-            # Each expert's pairs as one tensor-core product, four launches whatever the routing,
-            # no host synchronisation: every chosen expert's weights read once.
-            pairs = tokens * top_k
-            tiling = moe_grouped.tiling_for(tokens, top_k, num_experts)
-            tiles = moe_grouped.max_tiles(pairs, num_experts, tiling.block_m)
-            rows = tiles * tiling.block_m
-            return moe_grouped.grouped_experts(
-                x, cp.ascontiguousarray(experts, dtype=np.int32), cp.ascontiguousarray(weights, dtype=f32), gate_up,
-                down, cp.empty(rows, dtype=np.int32), cp.empty(tiles, dtype=np.int32), cp.empty((rows, inter), dtype=bf16),
-                cp.empty((pairs, hidden), dtype=f32), out, self.stream, tiling=tiling,
-            )
-        act = cp.empty((tokens * top_k, inter), dtype=bf16)
-        return moe.experts(x, experts, weights, gate_up, down, act, out, self.stream)
+        pairs = tokens * top_k
+        tiling = moe_grouped.tiling_for(tokens, top_k, num_experts)
+        tiles = moe_grouped.max_tiles(pairs, num_experts, tiling.block_m)
+        rows = tiles * tiling.block_m
+        return moe_grouped.grouped_experts(
+            x, cp.ascontiguousarray(experts, dtype=np.int32), cp.ascontiguousarray(weights, dtype=f32), gate_up,
+            down, cp.empty(rows, dtype=np.int32), cp.empty(tiles, dtype=np.int32), cp.empty((rows, inter), dtype=bf16),
+            cp.empty((pairs, hidden), dtype=f32), out, self.stream, tiling=tiling,
+        )
 
     # --------------------------------------------------------------------------------- GDN
 
@@ -416,13 +470,23 @@ class CudaKernels:
         q, k, v, g, beta = (cp.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta))
         return gated_delta.recurrent_step(q, k, v, g, beta, state, slots, out, self.stream)
 
-    def gdn_prompt_rule(self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, slots: Any, starts: Any) -> Any:
-        out = cp.empty(v.shape, dtype=f32)
+    @staticmethod
+    def _prompt_rule_arguments(q: Any, k: Any, v: Any, g: Any, beta: Any, slots: Any, starts: Any) -> tuple:
         q, k, v, g, beta = (cp.ascontiguousarray(a, dtype=f32) for a in (q, k, v, g, beta))
-        slots, starts = cp.asarray(slots, dtype=np.int32), cp.asarray(starts, dtype=np.int32)
-        # The chunked form on tensor cores where it serves the head sizes, else the recurrence.
-        rule = gated_delta_chunked if gated_delta_chunked.supports(q.shape[2], v.shape[2]) else gated_delta
-        return rule.prompt_rule(q, k, v, g, beta, state, slots, starts, out, self.stream)
+        return q, k, v, g, beta, cp.asarray(slots, dtype=np.int32), cp.asarray(starts, dtype=np.int32)
+
+    def gdn_prompt_rule(self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, slots: Any, starts: Any) -> Any:
+        """The recurrence, a token at a time."""
+        out = cp.empty(v.shape, dtype=f32)
+        q, k, v, g, beta, slots, starts = self._prompt_rule_arguments(q, k, v, g, beta, slots, starts)
+        return gated_delta.prompt_rule(q, k, v, g, beta, state, slots, starts, out, self.stream)
+
+    def gdn_prompt_rule_chunked(self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, slots: Any,
+                                starts: Any) -> Any:
+        """The chunked form on tensor cores."""
+        out = cp.empty(v.shape, dtype=f32)
+        q, k, v, g, beta, slots, starts = self._prompt_rule_arguments(q, k, v, g, beta, slots, starts)
+        return gated_delta_chunked.prompt_rule(q, k, v, g, beta, state, slots, starts, out, self.stream)
 
     def gdn_decode_fused(self, qkvz: Any, ba: Any, conv_weight: Any, conv_state: Any, a_log: Any, dt_bias: Any,
                          state: Any, slots: Any, norm_weight: Any, eps: float, key_heads: int, value_heads: int,

@@ -4,9 +4,11 @@ An :class:`Op` declares an operation: its name, its parameters and results with 
 dtypes on each backend, its NumPy reference (which is also the CPU implementation unless a CPU
 kernel is registered), whether it may run inside a CUDA graph, and example arguments the kernel
 check runs. A :class:`Kernel` implements one op on one backend, optionally only under a
-condition (``when``). :meth:`OpRegistry.table` binds, for one backend, every op to the kernels
-that serve it there: a plugin's kernels are tried before the built-in ones, each under its
-condition, and the first that applies runs.
+condition (``when``, asked at each call; ``enabled``, asked once per backend of its settings).
+:meth:`OpRegistry.table` binds, for one backend, every op to the kernels that serve it there: a
+plugin's kernels are tried before the built-in ones, each under its condition, and the first that
+applies runs. This is the one place kernels are chosen: below it, a kernel's launcher checks its
+arguments, allocates and launches, and never picks another kernel.
 
 Plugins add ops and kernels through the ``metrale_register_ops`` hook
 (:func:`build_op_registry`); :doc:`/reference/ops` is generated from the declarations.
@@ -129,10 +131,12 @@ class Kernel:
 
     ``build(backend)`` returns the callable, which takes the op's parameters; it is called once
     per backend. ``when(*args, **kwargs)``, if given, says whether the kernel serves a call (the
-    next kernel is tried when it does not); ``condition`` says the same in words, for
-    ``metrale plugins`` and the docs. ``examples(rng)``, like :attr:`Op.examples`, adds argument
-    sets the kernel check runs on this kernel besides its op's: those that meet a condition the
-    op's examples do not.
+    next kernel is tried when it does not). ``enabled(environment)``, if given, is asked once per
+    backend with the backend's :class:`~metrale.config.EnvironmentConfig` (the ``METRALE_*``
+    settings): where it answers False the kernel is not bound at all. ``condition`` says both in
+    words, for ``metrale plugins`` and the docs. ``examples(rng)``, like :attr:`Op.examples`, adds
+    argument sets the kernel check runs on this kernel besides its op's: those that meet a
+    condition the op's examples do not.
     """
 
     op: str
@@ -143,12 +147,21 @@ class Kernel:
     condition: str = ""
     origin: str = BUILTIN
     examples: Examples | None = None
+    enabled: Callable[[Any], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("cpu", "cuda"):
             raise OpRegistrationError(f"kernel {self.name!r}: backend must be 'cpu' or 'cuda', got {self.backend!r}")
         if self.when is not None and not self.condition:
             raise OpRegistrationError(f"kernel {self.name!r}: a kernel with `when` must say its condition in words")
+        if self.enabled is not None and not self.condition:
+            raise OpRegistrationError(f"kernel {self.name!r}: a kernel with `enabled` must say its condition in words")
+
+    @property
+    def unconditional(self) -> bool:
+        """Whether the kernel serves every call on every backend of its kind (no ``when``, no
+        ``enabled``)."""
+        return self.when is None and self.enabled is None
 
 
 @dataclass
@@ -214,12 +227,17 @@ class OpRegistry:
         """The kernels of ``op`` on ``backend``, in the order they are tried."""
         return [k for k in self.kernels if k.op == op and k.backend == backend]
 
-    def serving(self, op: str, backend: str) -> list[str]:
-        """What serves ``op`` on ``backend``, in words, in the order tried."""
+    def serving(self, op: str, backend: str, environment: Any = None) -> list[str]:
+        """What serves ``op`` on ``backend``, in words, in the order tried. With ``environment``
+        (an :class:`~metrale.config.EnvironmentConfig`), a kernel its settings leave unbound is
+        marked ``(off in this environment)``."""
         described = [
-            f"{k.name} [{k.origin}]" + (f" when {k.condition}" if k.condition else "") for k in self.kernels_for(op, backend)
+            f"{k.name} [{k.origin}]" + (f" when {k.condition}" if k.condition else "")
+            + (" (off in this environment)" if environment is not None and k.enabled is not None
+               and not k.enabled(environment) else "")
+            for k in self.kernels_for(op, backend)
         ]
-        if not any(k.when is None for k in self.kernels_for(op, backend)):
+        if not any(k.unconditional for k in self.kernels_for(op, backend)):
             declared = self.ops[op]
             described.append(
                 f"reference [{declared.origin}]" if backend == "cpu" else f"host fallback of the reference [{declared.origin}]"
@@ -265,7 +283,13 @@ class OpTable:
             setattr(self, op.name, self._bind(op, backend))
 
     def _bind(self, op: Op, backend: Any) -> Callable[..., Any]:
-        kernels = self._registry.kernels_for(op.name, backend.name)
+        environment = getattr(backend, "environment", None)
+        if environment is None:
+            from metrale.config import EnvironmentConfig
+
+            environment = EnvironmentConfig()
+        kernels = [kernel for kernel in self._registry.kernels_for(op.name, backend.name)
+                   if kernel.enabled is None or kernel.enabled(environment)]
         built: list[tuple[Kernel | None, Callable[..., Any]]] = []
         for kernel in kernels:
             function = kernel.build(backend)

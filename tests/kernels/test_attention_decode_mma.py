@@ -67,6 +67,22 @@ def test_the_model_matches_the_reference(contexts, heads, kv_heads, head_dim, bl
     assert rel_error(model, reference) <= 1e-2
 
 
+@pytest.mark.parametrize("softcap, with_sinks", [(3.0, False), (None, True), (3.0, True)])
+def test_the_model_caps_logits_and_counts_sinks_as_the_reference(softcap, with_sinks):
+    rng = np.random.default_rng(9)
+    q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, (1, 70, 200), 8, 2, 64, 16)
+    q *= 4  # logits large enough to cap
+    sinks = rng.standard_normal(8).astype(np.float32) + 1.0 if with_sinks else None
+    partials = attention_decode_mma.decode_attention_partials_model(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, SCALE, None, 3, softcap,
+        sinks)
+    reference = attention.paged_attention_reference(q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables,
+                                                    seq_index, positions, SCALE, None, softcap, sinks)
+    plain = attention.paged_attention_reference(q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables,
+                                                seq_index, positions, SCALE)
+    assert rel_error(combine_partials_model(*partials), reference) <= 1e-2 < rel_error(plain, reference)
+
+
 def test_split_ranges_cover_the_window_once():
     for position in (0, 5, 63, 64, 1000):
         for window in (None, 1, 17, 4096):
@@ -118,7 +134,7 @@ def test_wrong_arguments_are_refused_before_any_launch():
 EMULATION_MAIN = r"""
 
 int main(int argc, char** argv) {
-    if (argc != 13) return 2;
+    if (argc != 15) return 2;
     const std::string folder = argv[1];
     const int rows = std::atoi(argv[2]), heads = std::atoi(argv[3]), kv_heads = std::atoi(argv[4]);
     const int blocks = std::atoi(argv[5]), block_size = std::atoi(argv[6]), max_blocks = std::atoi(argv[7]);
@@ -126,6 +142,8 @@ int main(int argc, char** argv) {
     const float scale = std::atof(argv[10]);
     emu::defer_copies = std::atoi(argv[11]);
     const int launches = std::atoi(argv[12]);   // 0: one launch without counters (the combine kernel merges)
+    const float softcap = std::atof(argv[13]);
+    const bool with_sinks = std::atoi(argv[14]);
     const size_t cache = (size_t)blocks * block_size * kv_heads * HEAD_DIM;
     auto* q = read<float>(folder + "/q", (size_t)rows * heads * HEAD_DIM);
     auto* k_cache = read<unsigned short>(folder + "/k_cache", cache);
@@ -133,6 +151,7 @@ int main(int argc, char** argv) {
     auto* tables = read<int>(folder + "/tables", (size_t)rows * max_blocks);
     auto* seq_index = read<int>(folder + "/seq_index", rows);
     auto* positions = read<int>(folder + "/positions", rows);
+    auto* sinks = with_sinks ? read<float>(folder + "/sinks", heads) : nullptr;
     const size_t partials = (size_t)rows * heads * splits;
     auto* out_acc = allocate<float>(partials * HEAD_DIM);
     auto* out_max = allocate<float>(partials);
@@ -144,7 +163,7 @@ int main(int argc, char** argv) {
     for (int launch = 0; launch < (launches ? launches : 1); ++launch) {
         emu::launch({(unsigned)rows, (unsigned)(kv_heads * head_blocks), (unsigned)splits}, {THREADS, 1, 1}, [&] {
             decode_attention_mma(q, k_cache, v_cache, tables, seq_index, positions, heads, kv_heads, block_size,
-                                 max_blocks, scale, window, out_acc, out_max, out_sum, out, counters);
+                                 max_blocks, scale, window, softcap, sinks, out_acc, out_max, out_sum, out, counters);
         });
     }
     int unreset = 0;
@@ -163,28 +182,31 @@ int main(int argc, char** argv) {
 def emulated(tmp_path_factory):
     """The kernel built against the emulation per head size; returns a runner of one launch."""
     folder = tmp_path_factory.mktemp("decode_mma_emulated")
-    binaries: dict[tuple[int, int | None], Path] = {}
+    binaries: dict[tuple[int, int | None, bool], Path] = {}
 
-    def build(head_dim, stage_count):
-        if (head_dim, stage_count) not in binaries:
-            binaries[(head_dim, stage_count)] = build_emulated(
-                folder / f"kernel{head_dim}_{stage_count}.cpp",
-                attention_decode_mma.kernel_source(head_dim, with_instructions=False, stage_count=stage_count)
+    def build(head_dim, stage_count, softcap):
+        if (head_dim, stage_count, softcap) not in binaries:
+            binaries[(head_dim, stage_count, softcap)] = build_emulated(
+                folder / f"kernel{head_dim}_{stage_count}_{int(softcap)}.cpp",
+                attention_decode_mma.kernel_source(head_dim, with_instructions=False, stage_count=stage_count,
+                                                   softcap=softcap)
                 + EMULATION_MAIN)
-        return binaries[(head_dim, stage_count)]
+        return binaries[(head_dim, stage_count, softcap)]
 
     def run(q, k_cache, v_cache, tables, seq_index, positions, window, splits, defer_copies=True, launches=0,
-            stage_count=None):
+            stage_count=None, softcap=None, sinks=None):
         rows, heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         case = folder / "case"
         case.mkdir(exist_ok=True)
         arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, tables=tables, seq_index=seq_index, positions=positions)
+        if sinks is not None:
+            arrays["sinks"] = np.asarray(sinks, np.float32)
         for name, array in arrays.items():
             np.ascontiguousarray(array).tofile(case / name)
-        subprocess.run([str(build(head_dim, stage_count)), str(case), *map(str, (
+        subprocess.run([str(build(head_dim, stage_count, bool(softcap))), str(case), *map(str, (
             rows, heads, kv_heads, k_cache.shape[0], k_cache.shape[1], tables.shape[1], splits, window, SCALE,
-            int(defer_copies), launches))], check=True, timeout=600)
+            int(defer_copies), launches, softcap or 0.0, int(sinks is not None)))], check=True, timeout=600)
         return (np.fromfile(case / "out_acc", np.float32).reshape(rows, heads, splits, head_dim),
                 np.fromfile(case / "out_max", np.float32).reshape(rows, heads, splits),
                 np.fromfile(case / "out_sum", np.float32).reshape(rows, heads, splits),
@@ -237,6 +259,33 @@ def test_one_split_writes_the_normalised_output(emulated, contexts, stage_count)
     reference = attention.paged_attention_reference(q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables,
                                                     seq_index, positions, SCALE)
     assert rel_error(bf16_to_float32(out), reference) <= 2e-2
+
+
+@pytest.mark.parametrize("splits, launches", [(1, 0), (3, 0), (3, 2)])
+@pytest.mark.parametrize("softcap, with_sinks", [(3.0, False), (None, True), (3.0, True)])
+def test_the_kernel_caps_logits_and_counts_sinks_emulated(emulated, softcap, with_sinks, splits, launches):
+    """One split (the normalised output), splits merged by the combine kernel (the partials against
+    the model) and splits merged by the kernel itself: the sink counted once, by split 0."""
+    rng = np.random.default_rng(17 + splits)
+    q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, (1, 70, 200), 20, 1, 64, 16)
+    q *= 4
+    sinks = rng.standard_normal(20).astype(np.float32) + 1.0 if with_sinks else None
+    out_acc, out_max, out_sum, out = emulated(q, k_cache, v_cache, tables, seq_index, positions, 0, splits,
+                                              launches=launches, softcap=softcap, sinks=sinks)
+    want = attention_decode_mma.decode_attention_partials_model(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, SCALE, None, splits,
+        softcap, sinks)
+    reference = attention.paged_attention_reference(q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables,
+                                                    seq_index, positions, SCALE, None, softcap, sinks)
+    if splits == 1 or launches:
+        assert rel_error(bf16_to_float32(out), reference) <= 2e-2
+        if splits == 1:
+            return
+    used = want[2] > 0
+    np.testing.assert_allclose(out_max[used], want[1][used], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out_sum[used], want[2][used], rtol=2e-3)
+    assert rel_error(out_acc, want[0]) <= 2e-3
+    assert rel_error(combine_partials_model(out_acc, out_max, out_sum), reference) <= 2e-2
 
 
 @pytest.mark.parametrize("contexts, heads, kv_heads, head_dim, block_size, window, splits", [

@@ -2,8 +2,8 @@
 of 1 to 20 query heads (two head blocks), cache blocks of 1 and 16 tokens, sliding windows, one
 split (the normalised output written directly) and several (merged by the combine kernel), a
 replay from a CUDA graph with the rows' positions moved on, rows far shorter than their split
-count after a kernel left NaN in shared memory, and the backend op with the kernel chosen
-(``attention.DECODE_KERNEL = "mma"``)."""
+count after a kernel left NaN in shared memory, and the backend op, whose registry chooses the
+kernel for decode rows of these geometries."""
 
 from __future__ import annotations
 
@@ -77,22 +77,20 @@ def test_decode_attention_matches_the_reference(heads, kv_heads, head_dim, block
     assert rel_error(got, reference(q, k_cache, v_cache, tables, seq_index, positions, window)) <= 1e-2
 
 
-def test_decode_attention_replays_in_a_cuda_graph_as_positions_advance(monkeypatch):
+def test_decode_attention_replays_in_a_cuda_graph_as_positions_advance():
     import cupy as cp
-
-    monkeypatch.setattr(attention, "DECODE_KERNEL", "mma")
 
     rng = np.random.default_rng(21)
     rows, heads, kv_heads, head_dim, max_context = 6, 16, 8, 128, 700
     q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, rows, heads, kv_heads, head_dim, 600, 16)
     arguments = [cp.asarray(a) for a in (q, k_cache, v_cache, tables, seq_index, positions)]
-    splits = attention.split_count(rows, heads, kv_heads, head_dim, head_dim, max_context)
+    splits = attention_decode_mma.device_split_count(rows, heads, kv_heads, head_dim, max_context)
     space = workspace(rows, heads, splits, head_dim)
     out = cp.zeros((rows, heads * head_dim), dtype=np.uint16)
     stream = cp.cuda.Stream(non_blocking=True)
 
     def run():
-        attention.paged_attention(*arguments, head_dim**-0.5, None, max_context, space, out, stream)
+        attention_decode_mma.decode_attention(*arguments, head_dim**-0.5, None, space, out, stream)
 
     run()  # compiled outside the capture
     stream.synchronize()
@@ -111,12 +109,15 @@ def test_decode_attention_replays_in_a_cuda_graph_as_positions_advance(monkeypat
         assert rel_error(bf16_to_float32(cp.asnumpy(out)), want) <= 1e-2, step
 
 
-def test_the_backend_op_takes_the_tensor_cores_for_decode_rows(monkeypatch):
+@pytest.mark.parametrize("decode_mma", [True, False])
+def test_the_backend_op_takes_the_tensor_cores_for_decode_rows(monkeypatch, decode_mma):
+    """The CUDA backend's paged_attention: the tensor-core kernel for decode rows, unless the
+    backend's settings turn it off (METRALE_DECODE_MMA=0)."""
     import cupy as cp
 
-    from metrale.ops.cuda import CudaKernels
+    from metrale.backends.cuda import CudaBackend
+    from metrale.config import EnvironmentConfig
 
-    monkeypatch.setattr(attention, "DECODE_KERNEL", "mma")
     calls = []
     launch = attention_decode_mma.decode_attention
     monkeypatch.setattr(attention_decode_mma, "decode_attention", lambda *a, **k: calls.append(1) or launch(*a, **k))
@@ -125,12 +126,13 @@ def test_the_backend_op_takes_the_tensor_cores_for_decode_rows(monkeypatch):
     q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, rows, heads, kv_heads, head_dim, 900, 16)
     batch = type("Batch", (), dict(
         block_tables=cp.asarray(tables), seq_index=cp.asarray(seq_index), positions=cp.asarray(positions),
-        max_context=900, row_starts=np.arange(rows + 1)))()
-    kernels = CudaKernels(cp.cuda.Stream(non_blocking=True))
-    with kernels.stream:
-        out = kernels.paged_attention(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), batch, head_dim**-0.5, None)
-    kernels.stream.synchronize()
-    assert calls
+        max_context=900, row_starts=np.arange(rows + 1), extras={}))()
+    backend = CudaBackend(environment=EnvironmentConfig(decode_mma=decode_mma))
+    with backend.activate():
+        out = backend.ops.paged_attention(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), batch,
+                                          head_dim**-0.5, None)
+    backend.synchronize()
+    assert bool(calls) == decode_mma
     want = reference(q, k_cache, v_cache, tables, seq_index, positions, None)
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), want) <= 1e-2
 
@@ -161,10 +163,10 @@ def test_the_last_split_merges_as_the_combine_kernel_does(heads, kv_heads, head_
     np.testing.assert_array_equal(outputs[1], outputs[2])
 
 
-def test_merged_splits_replay_from_a_graph_and_the_engine_keeps_its_tokens(monkeypatch):
+def test_merged_splits_replay_from_a_graph_and_the_engine_keeps_its_tokens():
     import cupy as cp
 
-    from metrale import LLM, SamplingParams
+    from metrale import LLM, SamplingParams, hookimpl
 
     rows, heads, kv_heads, head_dim = 3, 32, 8, 64
     q, k_cache, v_cache, tables, seq_index, positions = decode_case(np.random.default_rng(31), rows, heads, kv_heads,
@@ -198,9 +200,23 @@ def test_merged_splits_replay_from_a_graph_and_the_engine_keeps_its_tokens(monke
     prompts = [np.random.default_rng(n).integers(0, 3072, n).tolist() for n in (300, 70, 9)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     tokens = {}
+    from metrale.model.plugin_manager import get_plugin_manager
+    from metrale.ops.selection import merged_decode_attention_kernels
+
+    class MergedSplits:
+        METRALE_CONTRACT_VERSION = "1.1"
+
+        @hookimpl
+        def metrale_register_ops(self, registry):
+            for kernel in merged_decode_attention_kernels():
+                registry.add_kernel(kernel)
+
     for merge in (False, True):
-        monkeypatch.setattr(attention, "MERGE_DECODE_SPLITS", merge)
-        llm = LLM("tiny-dense", device="cuda", show_progress=False, max_model_len=1024)
+        manager = get_plugin_manager()
+        if merge:
+            manager.register(MergedSplits(), name="merged-splits")
+        llm = LLM("tiny-dense", device="cuda", show_progress=False, max_model_len=1024, plugin_manager=manager)
+        assert ("merged in the kernel" in llm.backend.ops.paged_attention_decode.kernels[0][0].name) == merge
         outputs = llm.generate(prompts, params, use_tqdm=False)
         llm.close()
         assert all(o.error is None and len(o.token_ids) == 24 for o in outputs)
@@ -247,3 +263,60 @@ def test_short_rows_under_many_splits_read_no_stale_shared_memory(head_dim, spli
         got = bf16_to_float32(cp.asnumpy(out))
         assert not np.isnan(got).any(), "a stale shared value reached the output"
         assert rel_error(got, want) <= 1e-2
+
+
+@pytest.mark.parametrize("softcap, with_sinks", [(30.0, False), (None, True), (30.0, True)])
+@pytest.mark.parametrize("splits", [1, 5, "merged"])
+def test_decode_attention_caps_logits_and_counts_sinks(softcap, with_sinks, splits):
+    """Gemma-2's soft cap and GPT-OSS's sinks on tensor cores: one split, five merged by the combine
+    kernel, five merged by the kernel itself (the sink counted once, by split 0)."""
+    import cupy as cp
+
+    rng = np.random.default_rng(51)
+    rows, heads, kv_heads, head_dim = 5, 64, 8, 64
+    q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, rows, heads, kv_heads, head_dim, 900, 16)
+    q *= 8  # logits large enough to cap
+    sinks = (rng.standard_normal(heads) + 2).astype(np.float32) if with_sinks else None
+    count = 1 if splits == 1 else 5
+    counters = cp.zeros(attention_decode_mma.counter_count(rows, heads, kv_heads), np.int32) if splits == "merged" else None
+    out = cp.full((rows, heads * head_dim), 0xFFFF, dtype=np.uint16)
+    attention_decode_mma.decode_attention(*(cp.asarray(a) for a in (q, k_cache, v_cache, tables, seq_index, positions)),
+                                          head_dim**-0.5, None, workspace(rows, heads, count, head_dim), out,
+                                          counters=counters, softcap=softcap,
+                                          sinks=None if sinks is None else cp.asarray(sinks))
+    want = attention.paged_attention_reference(q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index,
+                                               positions, head_dim**-0.5, None, softcap, sinks).reshape(rows, -1)
+    got = bf16_to_float32(cp.asnumpy(out))
+    assert not np.isnan(got).any()
+    assert rel_error(got, want) <= 1e-2
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_the_backend_op_serves_softcap_and_sinks_on_a_mixed_step(head_dim):
+    """paged_attention of the CUDA backend with both options on decode rows and a prompt chunk: the
+    registry routes the prompt rows to a kernel that serves them (the CUDA-core prefill kernel at 64
+    dims, the decode kernels a row at a time at 256)."""
+    import cupy as cp
+
+    from metrale.backends.cuda import CudaBackend
+
+    rng = np.random.default_rng(52 + head_dim)
+    heads, kv_heads, block_size = 16, 4, 16
+    _, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, 3, heads, kv_heads, head_dim, 600, block_size)
+    # Rows: the three decode rows, then a chunk of 40 rows of the last row's sequence (at 599) before it.
+    seq_index = np.concatenate([seq_index, np.full(40, seq_index[-1])]).astype(np.int32)
+    positions = np.concatenate([positions, np.arange(559, 599)]).astype(np.int32)
+    q = 4 * rng.standard_normal((43, heads, head_dim)).astype(np.float32)
+    sinks = (rng.standard_normal(heads) + 1).astype(np.float32)
+    batch = type("Batch", (), dict(block_tables=cp.asarray(tables), seq_index=cp.asarray(seq_index),
+                                   positions=cp.asarray(positions), max_context=700, row_starts=np.array([0, 1, 2, 43]),
+                                   extras={}))()
+    backend = CudaBackend()
+    with backend.activate():
+        out = backend.ops.paged_attention(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), batch,
+                                          head_dim**-0.5, None, 20.0, cp.asarray(sinks))
+    backend.synchronize()
+    want = attention.paged_attention_reference(q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index,
+                                               positions, head_dim**-0.5, None, 20.0, sinks).reshape(43, -1)
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), want) <= 1e-2
+    backend.close()

@@ -98,7 +98,7 @@ def test_latent_attention_replays_in_a_cuda_graph():
 def test_the_backend_op_takes_the_tensor_cores_for_deepseek_heads(monkeypatch):
     import cupy as cp
 
-    from metrale.ops.cuda import CudaKernels
+    from metrale.backends.cuda import CudaBackend
 
     calls = []
     launch = attention_latent_mma.latent_attention
@@ -107,9 +107,9 @@ def test_the_backend_op_takes_the_tensor_cores_for_deepseek_heads(monkeypatch):
     q, latent, tables, seq_index, positions = latent_case(rng, 3, 16, 300, 16)
     batch = type("Batch", (), dict(block_tables=cp.asarray(tables), seq_index=cp.asarray(seq_index),
                                    positions=cp.asarray(positions), max_context=300))()
-    kernels = CudaKernels(cp.cuda.Stream(non_blocking=True))
-    with kernels.stream:
-        out = kernels.latent_attention(cp.asarray(q), cp.asarray(latent), batch, VALUE_DIM, SCALE)
-    kernels.stream.synchronize()
+    backend = CudaBackend()
+    with backend.activate():
+        out = backend.ops.latent_attention(cp.asarray(q), cp.asarray(latent), batch, VALUE_DIM, SCALE)
+    backend.synchronize()
     assert calls
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected_output(q, latent, tables, seq_index, positions)) <= 1e-2

@@ -166,19 +166,14 @@ def test_the_swiglu_epilogue_matches_the_reference_and_the_silu_path(backend, in
     # The op's two paths: the gate in the gate/up kernel's epilogue, or in the down kernel's
     # prologue; the op serves only MLPs whose down rows fit the latter (not 8 rows of 14,336).
     down_bits = bf16(rng, (inner, units), scale=0.02)
-    (kernel,) = [k for k in decode_gemv_kernels() if k.op == "rmsnorm_mlp"]
     if not dg.supports(rows, units, dg.SILU):
         return
-    function = kernel.build(backend)
     outputs = []
     for epilogue in (False, True):
-        dg.SWIGLU_EPILOGUE = epilogue
-        try:
-            with backend.activate():
-                out, _ = function(cp.asarray(x), cp.asarray(residual), cp.asarray(norm), 1e-5, 0.0, weight_device,
-                                  cp.asarray(down_bits))
-                outputs.append(cp.asnumpy(out))
-        finally:
-            dg.SWIGLU_EPILOGUE = False
+        (kernel,) = [k for k in decode_gemv_kernels(swiglu_epilogue=epilogue) if k.op == "rmsnorm_mlp"]
+        with backend.activate():
+            out, _ = kernel.build(backend)(cp.asarray(x), cp.asarray(residual), cp.asarray(norm), 1e-5, 0.0,
+                                           weight_device, cp.asarray(down_bits))
+            outputs.append(cp.asnumpy(out))
     assert rel_error(outputs[1], outputs[0]) <= 2e-2
     assert rel_error(outputs[1], expected @ bf16_to_float32(down_bits).T) <= 2e-2

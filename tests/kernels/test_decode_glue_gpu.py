@@ -136,7 +136,7 @@ def test_head_linear_op_at_every_row_count(backend, rows):
     import cupy as cp
 
     from metrale.kernels import head_linear
-    from metrale.ops.cuda import HEAD_LINEAR_WORD_ROWS
+    from metrale.ops.selection import HEAD_LINEAR_WORD_ROWS
 
     assert HEAD_LINEAR_WORD_ROWS < 32
     heads, d_n, d_r, rank = 16, 128, 64, 512
@@ -147,8 +147,8 @@ def test_head_linear_op_at_every_row_count(backend, rows):
     mixed = bf16(rng, (rows, heads, rank), 1.0)
     with backend.activate():
         q = cp.asarray(q_host)
-        q_latent = backend.kernels.head_linear(q[:, :, :d_n], cp.asarray(w_uk))
-        values = backend.kernels.head_linear(cp.asarray(mixed), cp.asarray(w_uv))
+        q_latent = backend.ops.head_linear(q[:, :, :d_n], cp.asarray(w_uk))
+        values = backend.ops.head_linear(cp.asarray(mixed), cp.asarray(w_uv))
         got_latent, got_values = cp.asnumpy(q_latent), cp.asnumpy(values)
     rounded = bf16_to_float32(bf16_from(q_host[:, :, :d_n]))
     assert got_latent.shape == (rows, heads, rank) and got_values.shape == (rows, heads, d_n)
@@ -192,7 +192,7 @@ def test_silu_and_mul_words(backend, rows, width):
     with backend.activate():
         gate_up_device = cp.asarray(gate_up)
         assert activation.words_supported(gate_up_device)
-        got = backend.kernels.silu_and_mul(gate_up_device)
+        got = backend.kernels.silu_and_mul_words(gate_up_device)
         got = bf16_to_float32(cp.asnumpy(got))
     values = bf16_to_float32(gate_up)
     expected = activation.silu_and_mul_reference(values[:, :width], values[:, width:])

@@ -157,8 +157,7 @@ def test_the_backend_op_takes_the_chunked_kernel_where_it_serves(monkeypatch):
         reference = gated_delta.prompt_rule_reference(q, k, v, g, beta, reference_state, slots, starts)
         with backend.activate():
             device_state = cp.asarray(state)
-            out = backend.kernels.gdn_prompt_rule(*(cp.asarray(a) for a in (q, k, v, g, beta)), device_state, slots,
-                                                  starts)
+            out = backend.ops.gdn_prompt_rule(*(cp.asarray(a) for a in (q, k, v, g, beta)), device_state, slots, starts)
         backend.stream.synchronize()
         assert len(chunked_calls) == calls
         assert rel_error(cp.asnumpy(out), reference) <= tolerance

@@ -91,7 +91,7 @@ def test_silu_and_mul():
     expected = activation.silu_and_mul_reference(gate_up[:, :14336], gate_up[:, 14336:])
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 8e-3
     # A bf16 product (the linear_silu op's GEMM output) gives the same within bf16 rounding.
-    activation.silu_and_mul(cp.asarray(float32_to_bf16(gate_up)), out)
+    activation.silu_and_mul_bits(cp.asarray(float32_to_bf16(gate_up)), out)
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 1.2e-2
 
 
@@ -130,13 +130,8 @@ def test_qkv_rope_cache(qk_norm):
 # Llama's geometry, and a group of 7 heads (two head chunks) with 64 dims (two keys per value load).
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (14, 2, 64)])
 def test_paged_attention_long_contexts(window, kernel, heads, kv_heads, head_dim, monkeypatch):
-    from metrale.kernels import attention, attention_grouped
+    from metrale.kernels import attention, attention_decode_mma, attention_grouped, attention_staged
 
-    monkeypatch.setattr(attention, "DECODE_KERNEL", "mma" if kernel == "mma" else "cores")
-    if kernel == "per-head":
-        monkeypatch.setattr(attention_grouped, "supports", lambda *args: False)
-    elif kernel != "mma":
-        monkeypatch.setattr(attention, "GROUPED_DECODE", kernel.split()[0])
     if kernel.endswith("one split"):
         monkeypatch.setattr(attention_grouped, "MIN_SPLIT_KEYS", 8192)
 
@@ -160,13 +155,62 @@ def test_paged_attention_long_contexts(window, kernel, heads, kv_heads, head_dim
         q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, head_dim**-0.5, window
     ).reshape(6, -1)
     max_context = 8192  # more splits than any row needs, as in a captured graph
-    splits = attention.split_count(6, heads, kv_heads, head_dim, head_dim, max_context)
+    splits = {"per-head": attention.attention_splits(max_context),
+              "mma": attention_decode_mma.device_split_count(6, heads, kv_heads, head_dim, max_context)}.get(
+        kernel, attention_grouped.split_count(6, heads, kv_heads, max_context))
     workspace = (cp.zeros((6, heads, splits, head_dim), dtype=np.float32), cp.zeros((6, heads, splits), dtype=np.float32),
                  cp.zeros((6, heads, splits), dtype=np.float32))
     out = cp.zeros((6, heads * head_dim), dtype=np.uint16)
-    attention.paged_attention(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables),
-                              cp.asarray(seq_index), cp.asarray(positions), head_dim**-0.5, window, max_context,
-                              workspace, out)
+    arguments = (cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables), cp.asarray(seq_index),
+                 cp.asarray(positions), head_dim**-0.5, window)
+    if kernel == "mma":
+        attention_decode_mma.decode_attention(*arguments, workspace, out)
+    else:
+        launch = {"per-head": attention.decode_attention, "grouped": attention_grouped.decode_attention,
+                  "staged": attention_staged.decode_attention}[kernel.split()[0]]
+        launch(*arguments, max_context, workspace, out)
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 1e-2
+
+
+@pytest.mark.parametrize("softcap, with_sinks", [(30.0, False), (None, True), (30.0, True)])
+@pytest.mark.parametrize("kernel", ["per-head", "prefill"])
+def test_paged_attention_caps_logits_and_counts_sinks(kernel, softcap, with_sinks):
+    """The CUDA-core kernels that serve Gemma-2's soft cap and GPT-OSS's sinks, at a real geometry
+    (64 heads of 64 dims over 8 KV heads) and long contexts."""
+    from metrale.kernels import attention, attention_prefill
+
+    rng = np.random.default_rng(41)
+    heads, kv_heads, head_dim, block_size = 64, 8, 64, 16
+    lengths = [1500, 700]
+    blocks_per = [-(-n // block_size) for n in lengths]
+    ids = rng.permutation(np.arange(1, sum(blocks_per) + 1))
+    tables = np.zeros((2, max(blocks_per)), np.int32)
+    tables[0, : blocks_per[0]] = ids[: blocks_per[0]]
+    tables[1, : blocks_per[1]] = ids[blocks_per[0] :]
+    k_cache = bf16(rng, (sum(blocks_per) + 1, block_size, kv_heads, head_dim))
+    v_cache = bf16(rng, (sum(blocks_per) + 1, block_size, kv_heads, head_dim))
+    seq_index = np.array([0] * 300 + [1] * 200, np.int32)
+    positions = np.array(list(range(1200, 1500)) + list(range(500, 700)), np.int32)
+    q = 3 * rng.standard_normal((500, heads, head_dim)).astype(np.float32)
+    sinks = (rng.standard_normal(heads) + 2).astype(np.float32) if with_sinks else None
+    expected = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, head_dim**-0.5, None,
+        softcap, sinks).reshape(500, -1)
+    out = cp.zeros((500, heads * head_dim), dtype=np.uint16)
+    device = [cp.asarray(a) for a in (q, k_cache, v_cache, tables, seq_index, positions)]
+    device_sinks = None if sinks is None else cp.asarray(sinks)
+    if kernel == "per-head":
+        splits = attention.attention_splits(2048)
+        workspace = tuple(cp.zeros(shape, dtype=np.float32)
+                          for shape in ((500, heads, splits, head_dim), (500, heads, splits), (500, heads, splits)))
+        attention.decode_attention(*device, head_dim**-0.5, None, 2048, workspace, out, softcap=softcap,
+                                   sinks=device_sinks)
+    else:
+        tiles = attention_prefill.query_tiles(np.array([0, 300, 500]), attention_prefill.rows_per_tile(heads, kv_heads))
+        q_device, k_device, v_device, *rest = device
+        attention_prefill.paged_attention_prefill(
+            q_device, attention_prefill.as_words(k_device), attention_prefill.as_words(v_device), *rest,
+            cp.asarray(tiles), head_dim**-0.5, None, out, softcap=softcap, sinks=device_sinks)
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 1e-2
 
 
@@ -185,22 +229,6 @@ def test_cublas_linear():
         expected = bf16_to_float32(x).astype(np.float64) @ bf16_to_float32(w).astype(np.float64).T
         assert rel_error(cp.asnumpy(out), expected) <= 1e-3, rows
     gemm.close()
-
-
-@pytest.mark.parametrize("rows", [1, 4])
-def test_gemv_and_fused_swiglu(rows):
-    from metrale.kernels import activation, gemv
-
-    rng = np.random.default_rng(6)
-    x, w = bf16(rng, (rows, 2052)), bf16(rng, (2 * 1003, 2052), 0.02)  # widths off the unroll stride
-    expected = bf16_to_float32(x).astype(np.float64) @ bf16_to_float32(w).astype(np.float64).T
-    out = cp.zeros((rows, 2006), dtype=np.float32)
-    gemv.gemv(cp.asarray(x), cp.asarray(w), out)
-    assert rel_error(cp.asnumpy(out), expected) <= 1e-4
-    fused = cp.zeros((rows, 1003), dtype=np.uint16)
-    gemv.gemv_silu(cp.asarray(x), cp.asarray(w), fused)
-    swiglu = activation.silu_and_mul_reference(expected[:, :1003], expected[:, 1003:])
-    assert rel_error(bf16_to_float32(cp.asnumpy(fused)), swiglu) <= 1e-2
 
 
 def test_sampling_frequencies_and_greedy():

@@ -11,7 +11,7 @@ import pytest
 from numba import cuda
 
 from metrale.errors import KernelArgumentError
-from metrale.kernels import activation, attention, embedding, gemv, linear, rmsnorm, token_feed
+from metrale.kernels import activation, attention, embedding, rmsnorm, token_feed
 from metrale.kernels import qkv_rope as rope
 from metrale.kernels._device import bf16_to_float, float_to_bf16
 from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
@@ -114,7 +114,9 @@ def test_silu_and_mul_of_a_bf16_product():
     rng = np.random.default_rng(4)
     gate_up = float32_to_bf16((3 * rng.standard_normal((3, 2 * 70))).astype(np.float32))
     out = np.zeros((3, 70), np.uint16)
-    activation.silu_and_mul(gate_up, out)
+    with pytest.raises(KernelArgumentError, match="dtype uint16, expected float32"):
+        activation.silu_and_mul(gate_up, out)  # each launcher its kernel's dtype
+    activation.silu_and_mul_bits(gate_up, out)
     widened = bf16_to_float32(gate_up)
     expected = activation.silu_and_mul_reference(widened[:, :70], widened[:, 70:])
     assert rel_error(bf16_to_float32(out), expected) <= 8e-3
@@ -173,11 +175,8 @@ def test_paged_attention_decode_and_prefill_rows(window, kv_heads, heads, kernel
     from metrale.kernels import attention_grouped
 
     block_size = 4
-    if kernel == "per-head":
-        monkeypatch.setattr(attention_grouped, "supports", lambda *args: False)
-    else:
+    if kernel != "per-head":
         assert attention_grouped.supports(heads, kv_heads, head_dim, head_dim)
-        monkeypatch.setattr(attention, "GROUPED_DECODE", kernel.split()[0])
     if kernel.endswith("one split"):
         monkeypatch.setattr(attention_grouped, "MIN_SPLIT_KEYS", 9)
     rng = np.random.default_rng(5)
@@ -192,32 +191,26 @@ def test_paged_attention_decode_and_prefill_rows(window, kv_heads, heads, kernel
         q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), block_tables.astype(np.int64), seq_index, positions,
         head_dim**-0.5, window,
     ).reshape(4, heads * head_dim)
-    splits = attention.split_count(4, heads, kv_heads, head_dim, head_dim, 9)
+    splits = (attention.attention_splits(9) if kernel == "per-head"
+              else attention_grouped.split_count(4, heads, kv_heads, 9))
     assert (splits == 1) == kernel.endswith("one split")
-    workspace = (np.zeros((4, heads, splits, head_dim), np.float32), np.zeros((4, heads, splits), np.float32),
-                 np.zeros((4, heads, splits), np.float32))
     out = np.zeros((4, heads * head_dim), np.uint16)
-    attention.paged_attention(q, k_cache, v_cache, block_tables, seq_index, positions, head_dim**-0.5, window, 9,
-                              workspace, out)
+    decode_launcher(kernel)(q, k_cache, v_cache, block_tables, seq_index, positions, head_dim**-0.5, window, 9,
+                            decode_workspace(4, heads, splits, head_dim), out)
     assert rel_error(bf16_to_float32(out), expected) <= 8e-3
 
 
-def test_decode_kernel_choice_follows_each_block_share_of_keys(monkeypatch):
-    from metrale.kernels import attention_staged
+def decode_launcher(kernel):
+    """The launcher of the decode attention kernel named (``per-head``, ``grouped`` or ``staged``)."""
+    from metrale.kernels import attention_grouped, attention_staged
 
-    # (The GPU's head dims: under the simulator a warp has 8 lanes and serves at most 32 dims.)
-    monkeypatch.setattr(attention_staged, "supports", lambda *args: True)
-    monkeypatch.setattr(attention, "GROUPED_DECODE", "auto")
-    monkeypatch.setattr(attention, "STAGED_MAX_BLOCK_ELEMENTS", 8192)
-    # 128 keys of 64 dims a block: staged; of 128 dims, or 256 keys of 64: grouped.
-    assert attention.grouped_decode_kernel(32, 8, 64, 4, 512) == "staged"
-    assert attention.grouped_decode_kernel(32, 8, 128, 4, 512) == "grouped"
-    assert attention.grouped_decode_kernel(32, 8, 64, 8, 2048) == "grouped"
-    assert attention.grouped_decode_kernel(32, 8, 128, 16, 1000) == "staged"
-    monkeypatch.setattr(attention, "GROUPED_DECODE", "grouped")
-    assert attention.grouped_decode_kernel(32, 8, 64, 32, 512) == "grouped"
-    monkeypatch.setattr(attention, "GROUPED_DECODE", "staged")
-    assert attention.grouped_decode_kernel(32, 8, 128, 1, 100000) == "staged"
+    return {"per-head": attention.decode_attention, "grouped": attention_grouped.decode_attention,
+            "staged": attention_staged.decode_attention}[kernel.split()[0]]
+
+
+def decode_workspace(rows, heads, splits, value_dim):
+    return (np.zeros((rows, heads, splits, value_dim), np.float32), np.zeros((rows, heads, splits), np.float32),
+            np.zeros((rows, heads, splits), np.float32))
 
 
 @pytest.mark.parametrize("kernel", ["grouped", "staged"])
@@ -227,7 +220,6 @@ def test_grouped_attention_walks_several_tiles(window, kernel, monkeypatch):
     # online softmax rescales between them; the rows end mid-tile and mid-block.
     from metrale.kernels import attention_grouped
 
-    monkeypatch.setattr(attention, "GROUPED_DECODE", kernel)
     monkeypatch.setattr(attention_grouped, "MIN_SPLIT_KEYS", 1000)
     rng = np.random.default_rng(8)
     heads, kv_heads, head_dim, block_size = 3, 1, 16, 4
@@ -241,12 +233,22 @@ def test_grouped_attention_walks_several_tiles(window, kernel, monkeypatch):
         q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), block_tables.astype(np.int64), seq_index, positions,
         head_dim**-0.5, window,
     ).reshape(2, heads * head_dim)
-    assert attention.split_count(2, heads, kv_heads, head_dim, head_dim, 44) == 1
-    workspace = tuple(np.zeros(shape, np.float32) for shape in ((2, heads, 1, head_dim), (2, heads, 1), (2, heads, 1)))
+    assert attention_grouped.split_count(2, heads, kv_heads, 44) == 1
     out = np.zeros((2, heads * head_dim), np.uint16)
-    attention.paged_attention(q, k_cache, v_cache, block_tables, seq_index, positions, head_dim**-0.5, window, 44,
-                              workspace, out)
+    decode_launcher(kernel)(q, k_cache, v_cache, block_tables, seq_index, positions, head_dim**-0.5, window, 44,
+                            decode_workspace(2, heads, 1, head_dim), out)
     assert rel_error(bf16_to_float32(out), expected) <= 8e-3
+
+
+def test_the_grouped_launchers_refuse_what_they_do_not_serve():
+    from metrale.kernels import attention_grouped, attention_staged
+
+    q = np.zeros((1, 2, 12), np.float32)  # 12 dims: three words, not a power of two
+    cache = np.zeros((2, 4, 1, 12), np.uint16)
+    for launch in (attention_grouped.decode_attention, attention_staged.decode_attention):
+        with pytest.raises(KernelArgumentError, match="unsupported"):
+            launch(q, cache, cache, np.zeros((1, 2), np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32), 0.3,
+                   None, 8, decode_workspace(1, 2, 1, 12), np.zeros((1, 24), np.uint16))
 
 
 def test_attention_combine_merges_splits():
@@ -438,28 +440,72 @@ def test_prefill_attention_query_tiles(window, kv_heads):
     assert rel_error(bf16_to_float32(out), expected) <= 8e-3
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_gemv_and_fused_swiglu(rows):
-    rng = np.random.default_rng(9)
-    inner = 4 * 37  # several unrolled word loads per lane, with a partial last one
-    x = float32_to_bf16(rng.standard_normal((rows, inner)).astype(np.float32))
-    weight = float32_to_bf16(rng.standard_normal((2 * 5, inner)).astype(np.float32))
-    expected = linear.linear_reference(bf16_to_float32(x), bf16_to_float32(weight))
-    out = np.full((rows, 10), np.nan, np.float32)
-    gemv.gemv(x, weight, out)
-    assert rel_error(out, expected) <= 1e-5
-    fused = np.zeros((rows, 5), np.uint16)
-    gemv.gemv_silu(x, weight, fused)
-    swiglu = activation.silu_and_mul_reference(expected[:, :5], expected[:, 5:])
-    assert rel_error(bf16_to_float32(fused), swiglu) <= 8e-3
+SOFTCAP_SINKS = [(20.0, None), (None, True), (5.0, True)]
 
 
-def test_gemv_rejects_batches_it_does_not_serve():
-    x = np.zeros((gemv.MAX_GEMV_ROWS + 1, 8), np.uint16)
-    with pytest.raises(KernelArgumentError, match="rows"):
-        gemv.gemv(x, np.zeros((3, 8), np.uint16), np.zeros((x.shape[0], 3), np.float32))
-    with pytest.raises(KernelArgumentError, match="even"):
-        gemv.gemv_silu(x[:1], np.zeros((3, 8), np.uint16), np.zeros((1, 1), np.uint16))
+@pytest.mark.parametrize("softcap, with_sinks", SOFTCAP_SINKS)
+@pytest.mark.parametrize("window", [None, 3])
+def test_per_head_decode_attention_caps_logits_and_counts_sinks(softcap, with_sinks, window):
+    """The per-head kernels with Gemma-2's soft cap and GPT-OSS's sinks, over several key splits;
+    with the window, the row at position 20 has no key in its first split (which carries the sink)."""
+    rng = np.random.default_rng(31)
+    heads, kv_heads, head_dim, block_size = 4, 2, 8, 4
+    k_cache = random_cache(rng, 12, block_size, kv_heads, head_dim)
+    v_cache = random_cache(rng, 12, block_size, kv_heads, head_dim)
+    block_tables = np.array([[3, 1, 7, 9, 11, 2], [2, 5, 0, 0, 0, 0]], np.int32)
+    seq_index = np.array([0, 1, 0], np.int32)
+    positions = np.array([20, 6, 13], np.int32)
+    q = 4 * rng.standard_normal((3, heads, head_dim)).astype(np.float32)  # logits large enough to cap
+    sinks = rng.standard_normal(heads).astype(np.float32) + 1.0 if with_sinks else None
+    expected = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), block_tables, seq_index, positions, head_dim**-0.5,
+        window, softcap, sinks).reshape(3, -1)
+    plain = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), block_tables, seq_index, positions, head_dim**-0.5,
+        window).reshape(3, -1)
+    assert rel_error(plain, expected) > 2e-2  # the options change the result
+    splits = attention.attention_splits(21)
+    assert splits > 2
+    out = np.zeros((3, heads * head_dim), np.uint16)
+    attention.decode_attention(q, k_cache, v_cache, block_tables, seq_index, positions, head_dim**-0.5, window, 21,
+                               decode_workspace(3, heads, splits, head_dim), out, softcap=softcap, sinks=sinks)
+    assert rel_error(bf16_to_float32(out), expected) <= 8e-3
+
+
+@pytest.mark.parametrize("softcap, with_sinks", SOFTCAP_SINKS)
+def test_prefill_attention_caps_logits_and_counts_sinks(softcap, with_sinks):
+    from metrale.kernels import attention_prefill
+
+    rng = np.random.default_rng(32)
+    heads, kv_heads, head_dim, block_size = 4, 2, 8, 4
+    k_cache = random_cache(rng, 12, block_size, kv_heads, head_dim)
+    v_cache = random_cache(rng, 12, block_size, kv_heads, head_dim)
+    block_tables = np.array([[3, 1, 7, 9, 0], [2, 5, 11, 0, 0]], np.int32)
+    seq_index = np.array([0] * 10 + [1] * 5, np.int32)
+    positions = np.array(list(range(10)) + list(range(6, 11)), np.int32)
+    row_starts = np.array([0, 10, 15])
+    q = 4 * rng.standard_normal((15, heads, head_dim)).astype(np.float32)
+    sinks = rng.standard_normal(heads).astype(np.float32) + 1.0 if with_sinks else None
+    expected = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), block_tables, seq_index, positions, head_dim**-0.5,
+        None, softcap, sinks).reshape(15, -1)
+    tiles = attention_prefill.query_tiles(row_starts, attention_prefill.rows_per_tile(heads, kv_heads))
+    out = np.zeros((15, heads * head_dim), np.uint16)
+    attention_prefill.paged_attention_prefill(
+        q, attention_prefill.as_words(k_cache), attention_prefill.as_words(v_cache), block_tables, seq_index,
+        positions, tiles, head_dim**-0.5, None, out, softcap=softcap, sinks=sinks)
+    assert rel_error(bf16_to_float32(out), expected) <= 8e-3
+
+
+def test_attention_launchers_refuse_bad_options():
+    q = np.zeros((1, 4, 8), np.float32)
+    cache = np.zeros((2, 4, 2, 8), np.uint16)
+    arguments = (q, cache, cache, np.zeros((1, 2), np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32), 0.3, None,
+                 4, decode_workspace(1, 4, 1, 8), np.zeros((1, 32), np.uint16))
+    with pytest.raises(KernelArgumentError, match="sinks has shape"):
+        attention.decode_attention(*arguments, sinks=np.zeros(3, np.float32))
+    with pytest.raises(KernelArgumentError, match="softcap"):
+        attention.decode_attention(*arguments, softcap=-1.0)
 
 
 @pytest.mark.parametrize("splits", [1, 3])

@@ -169,9 +169,9 @@ def backend():
 
 @pytest.mark.parametrize("tokens", [8, 9, 32, 64, 700])
 def test_the_cuda_op_on_either_side_of_the_grouped_limit(backend, tokens):
-    """8 tokens run on the decode kernels, pair by pair; 9 and more (GROUPED_EXPERTS_MIN_TOKENS)
-    through the grouped kernels, a decode batch's few pairs an expert included; all match the
-    reference."""
+    """8 tokens run on the decode kernels, pair by pair; 9 and more (``GROUPED_EXPERTS_MIN_TOKENS`` of
+    metrale.ops.selection) through the grouped kernels, a decode batch's few pairs an expert
+    included; all match the reference."""
     import cupy as cp
 
     from metrale.kernels import moe_grouped

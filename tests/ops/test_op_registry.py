@@ -64,10 +64,19 @@ def test_every_builtin_op_has_a_reference_and_a_cuda_kernel():
     tree = ast.parse(open(source).read())
     (kernels,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "CudaKernels"]
     methods = {node.name for node in kernels.body if isinstance(node, ast.FunctionDef)}
-    # The fused ops served by composing other ops have no method of their own.
+    # Every kernel bound to a CudaKernels method names one that exists.
+    backend = type("Backend", (), {"kernels": type("Kernels", (), dict.fromkeys(methods, lambda *a: None))(),
+                                   "name": "cuda", "xp": np})()
+    for kernel in registry.kernels:
+        if kernel.backend == "cuda":
+            try:
+                kernel.build(backend)
+            except AttributeError as error:
+                raise AssertionError(f"{kernel.op}: {kernel.name} names no CudaKernels method") from error
+    # The fused ops served by composing other ops, and the split of paged_attention's rows, have
+    # no method of their own.
     composed = {op for op in registry.ops if any(k.backend == "cpu" for k in registry.kernels_for(op, "cpu"))}
-    assert composed == {"rmsnorm_linear", "rmsnorm_mlp", "gdn_decode"}
-    assert set(registry.ops) - composed <= methods, f"ops without a CudaKernels method: {set(registry.ops) - methods}"
+    assert composed == {"rmsnorm_linear", "rmsnorm_mlp", "gdn_decode", "paged_attention"}
 
 
 def test_the_cpu_table_runs_the_references():
@@ -217,17 +226,6 @@ def test_a_failing_registration_names_the_plugin():
         build_op_registry(manager_with(Broken(), name="broken"))
 
 
-def test_the_gemv_kernels_are_offered_not_bound():
-    from metrale.ops.builtin import gemv_kernels
-
-    assert builtin_registry().serving("linear", "cuda")[-1] == "cuBLAS GEMM (metrale.kernels.linear) [metrale]"
-    assert not any("kernels.gemv " in line for line in builtin_registry().serving("linear", "cuda"))
-    registry = builtin_registry().copy()
-    for kernel in gemv_kernels(max_rows=4):
-        registry.from_plugin("tuning").add_kernel(kernel)
-    assert registry.serving("linear", "cuda")[0] == "metrale.kernels.gemv [tuning] when N <= 4, in % 4 == 0"
-
-
 def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones():
     registry = builtin_registry()
     assert registry.serving("rmsnorm_mlp", "cuda") == [
@@ -235,6 +233,8 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
         "a multiple of 32, no gate_up bias, weights of at most 128 MiB",
         "rmsnorm_residual, then linear_silu and linear (their kernels) [metrale]"]
     assert registry.serving("linear", "cuda") == [
+        "metrale.kernels.decode_gemv (float32 rows, rounded as they are staged) [metrale] when N <= 8, bf16 weights, "
+        "inner sizes a multiple of 32, contiguous float32 rows",
         "metrale.kernels.decode_gemv [metrale] when N <= 8, bf16 weights, inner sizes a multiple of 32",
         "cuBLAS GEMM (metrale.kernels.linear) [metrale]"]
     assert registry.serving("rmsnorm_linear", "cuda")[0].startswith(
@@ -249,9 +249,9 @@ def test_the_decode_gemv_kernels_take_what_they_serve():
     from metrale.ops.builtin import decode_gemv_kernels
 
     registry = builtin_registry().copy()
-    kernels = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=4)}
-    for kernel in kernels.values():
+    for kernel in decode_gemv_kernels(max_rows=4):
         registry.from_plugin("tuning").add_kernel(kernel)
+    kernels = {kernel.op: kernel for kernel in decode_gemv_kernels(max_rows=4)}  # (linear: the bf16 rows' kernel)
     serving = registry.serving("rmsnorm_linear", "cuda")[0]
     assert serving.startswith("metrale.kernels.decode_gemv (the norm fused) [tuning] when N <= 4")
 
@@ -270,6 +270,9 @@ def test_the_decode_gemv_kernels_take_what_they_serve():
     assert norm_mlp(floats(2, 64), None, bits(64), 1e-6, 0.0, bits(128, 64), bits(64, 64))
     assert not norm_mlp(floats(2, 64), None, bits(64), 1e-6, 0.0, bits(128, 64), bits(64, 64), floats(128))  # gate bias
     assert kernels["linear"].when(bits(3, 128), bits(16, 128)) and not kernels["linear"].when(bits(3, 100), bits(16, 100))
+    (float_rows,) = [k for k in decode_gemv_kernels(max_rows=4) if k.op == "linear" and "float32" in k.name]
+    assert float_rows.when(floats(3, 128), bits(16, 128)) and not float_rows.when(bits(3, 128), bits(16, 128))
+    assert not float_rows.when(floats(3, 256)[:, ::2], bits(16, 128))  # rows that are not contiguous
 
 
 def test_the_default_fused_mlp_serves_one_row_of_a_small_mlp():
@@ -308,7 +311,7 @@ def test_the_decode_moe_kernel_takes_decode_batches():
 def test_the_decode_router_kernel_is_a_default_and_takes_decode_batches():
     from metrale.ops.builtin import moe_route_decode_kernels
 
-    (default,) = [kernel for kernel in builtin_registry().kernels if kernel.op == "moe_route" and kernel.when]
+    default = [kernel for kernel in builtin_registry().kernels if kernel.op == "moe_route" and kernel.when][0]
     assert default.condition == moe_route_decode_kernels()[0].condition
     (kernel,) = moe_route_decode_kernels(max_tokens=4)
     assert kernel.op == "moe_route"

@@ -201,8 +201,6 @@ def main() -> None:
         per_call = statistics.median(values)
         rate = f"{weight_bytes[label] / per_call / 1e3:7.0f}" if label in weight_bytes else ""
         print(f"{label:58} {len(values):5d} {per_call:9.1f} {sum(values):9.1f} {rate}")
-    compare_gemms(backend, {(c[2][0].shape[0], c[2][1].shape) for c in calls if c[0] in ("linear", "linear_silu")}
-                  | {(c[2][0].shape[0], c[2][5].shape) for c in calls if c[0] == "rmsnorm_linear"})
 
 
 def op_label_and_bytes(name: str, a: tuple, to_numpy) -> tuple[str, int | None]:
@@ -310,31 +308,6 @@ def split_gaps(replays, markers) -> dict[str, list[float]]:
             parts[f"{a} -> {b}"].append(cupy.cuda.get_elapsed_time(first, second))
         between = between and b != "replay start"
     return dict(parts)
-
-
-def compare_gemms(backend, shapes) -> None:
-    """cuBLAS against the numba GEMV kernels on each weight shape of the step."""
-    import cupy
-
-    from metrale.kernels import gemv
-
-    print(f"{'weight':>14} {'rows':>4} {'cuBLAS us':>10} {'GB/s':>6} {'gemv us':>8} {'GB/s':>6} {'gemv+silu us':>13}")
-    for rows, (width, inner) in sorted(shapes, key=lambda item: item[1]):
-        weight = cupy.zeros((width, inner), dtype=np.uint16)
-        x = cupy.zeros((rows, inner), dtype=np.uint16)
-        out = cupy.empty((rows, width), dtype=np.float32)
-        fused = cupy.empty((rows, width // 2), dtype=np.uint16)
-        cublas = graph_time(backend, lambda: backend.kernels.gemm(x, weight, out), calls_per_graph=REPEATS).median_us
-        line = f"{width:>7}x{inner:<6} {rows:4d} {cublas:10.1f} {weight.nbytes / cublas / 1e3:6.0f}"
-        if gemv.supports(rows, inner):
-            plain = graph_time(backend, lambda: gemv.gemv(x, weight, out, backend.stream), calls_per_graph=REPEATS).median_us
-            line += f" {plain:8.1f} {weight.nbytes / plain / 1e3:6.0f}"
-            if width % 2 == 0:  # the SiLU variant takes gate and up rows in pairs
-                silu = graph_time(backend, lambda: gemv.gemv_silu(x, weight, fused, backend.stream),
-                                  calls_per_graph=REPEATS).median_us
-                line += f" {silu:13.1f}"
-        print(line)
-        weight = None  # (the timed closures share the variable) frees the buffer before the next one
 
 
 if __name__ == "__main__":

@@ -41,8 +41,9 @@ def main() -> None:
     parser.add_argument("--stages", default="",
                         help="with --mma: shared-memory stage counts to time (comma-separated; default the launcher's)")
     parser.add_argument("--compare", action="store_true",
-                        help="time paged_attention as the engine runs it (its split choice, the combine) with the "
-                             "CUDA-core kernels and with the tensor-core kernel, instead of the per-kernel sweep")
+                        help="time paged_attention_decode as the engine runs it (the registry's kernel, its split "
+                             "choice, the combine) with the tensor-core kernel off and on, instead of the per-kernel "
+                             "sweep")
     args = parser.parse_args()
 
     import cupy as cp
@@ -170,13 +171,19 @@ def sweep_mma(args, backend) -> None:
 
 
 def compare(args, backend) -> None:
-    """paged_attention with DECODE_KERNEL "cores" and "mma", each with its own split count for the
-    context (as the engine's graphs size them), combine included; GB/s of the cache reads."""
+    """``paged_attention_decode`` as the engine runs it (the registry's choice of kernel, its split
+    count for the context as the engine's graphs size them, combine included) with the tensor-core
+    kernel turned off (METRALE_DECODE_MMA=0: the CUDA-core kernels) and on; GB/s of the cache reads."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
     import cupy as cp
     from timing import graph_time
 
-    from metrale.kernels import attention
+    from metrale.backends.cuda import CudaBackend
 
+    backends = {choice: CudaBackend(environment=replace(backend.environment, decode_mma=choice == "mma"))
+                for choice in ("cores", "mma")}
     d, heads, kv = args.head_dim, args.heads, args.kv_heads
     print(f"heads {heads} kv heads {kv} head dim {d}")
     for rows, context in [(r, int(c)) for r in map(int, args.rows.split(",")) for c in args.contexts.split(",")]:
@@ -185,26 +192,23 @@ def compare(args, backend) -> None:
         k = cp.asarray(np.random.default_rng(0).integers(0, 2**15, cache_shape).astype(np.uint16) & 0x3FFF)
         v = k.copy()
         tables = cp.arange(1, rows * blocks_per_seq + 1, dtype=np.int32).reshape(rows, blocks_per_seq)
-        seq_index = cp.arange(rows, dtype=np.int32)
-        positions = cp.full(rows, context - 1, dtype=np.int32)
+        batch = SimpleNamespace(block_tables=tables, seq_index=cp.arange(rows, dtype=np.int32),
+                                positions=cp.full(rows, context - 1, dtype=np.int32), max_context=context, extras={})
         q = cp.asarray(np.random.default_rng(1).standard_normal((rows, heads, d)).astype(np.float32))
         out = cp.zeros((rows, heads * d), dtype=np.uint16)
         kv_bytes = 2 * rows * context * kv * d * 2
         cells = []
-        for choice in ("cores", "mma"):
-            attention.DECODE_KERNEL = choice
-            splits = attention.split_count(rows, heads, kv, d, d, context)
-            space = (cp.zeros((rows, heads, splits, d), dtype=np.float32), cp.zeros((rows, heads, splits), dtype=np.float32),
-                     cp.zeros((rows, heads, splits), dtype=np.float32))
+        for choice, chosen in backends.items():
+            def run(ops=chosen.ops):
+                ops.paged_attention_decode(q, k, v, batch, d**-0.5, None, out, 0)
 
-            def run():
-                attention.paged_attention(q, k, v, tables, seq_index, positions, d**-0.5, None, context, space, out,
-                                          backend.stream)
-
-            t = graph_time(backend, run).median_us
-            cells.append(f"{choice} {t:8.2f} us {kv_bytes / t / 1e3:6.0f} GB/s ({splits:2d} splits)")
+            kernel = next(entry for entry, _ in chosen.ops.paged_attention_decode.kernels
+                          if entry.when is None or entry.when(q, k, v, batch, d**-0.5, None, out, 0))
+            t = graph_time(chosen, run).median_us
+            cells.append(f"{choice} {t:8.2f} us {kv_bytes / t / 1e3:6.0f} GB/s ({kernel.name.split(' (')[0]})")
         print(f"rows {rows:3d} context {context:5d}: " + "   ".join(cells))
-    attention.DECODE_KERNEL = "cores"
+    for chosen in backends.values():
+        chosen.close()
 
 
 if __name__ == "__main__":

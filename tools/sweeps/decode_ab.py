@@ -1,6 +1,6 @@
 """A decode step with the decode kernels the CUDA backend uses by default
-(``metrale.ops.builtin.default_decode_kernels``) and without them (a plugin here pins the
-unconditional kernels of those ops), on ``metrale bench``'s random-weight shapes.
+(``metrale.ops.selection.default_decode_kernels``) and without them (a plugin here serves those ops
+with the other built-in kernels), on ``metrale bench``'s random-weight shapes.
 
 For each shape and batch size, both engines prefill the same prompts, then each times its decode
 step as ``metrale bench`` does (the forward from its CUDA graph, the greedy device sampler, the
@@ -9,8 +9,9 @@ are compared (the largest difference over the largest logit), and their greedy t
 ``--check-steps`` steps (they may part at near ties: a fused kernel sums in another order, and
 random weights give flat logits). ``--merge-splits`` has its tensor-core decode attention merge
 its own splits instead of combining them in a kernel of their own, as the unfused engine does
-(``metrale.kernels.attention.MERGE_DECODE_SPLITS``); ``--swiglu-epilogue`` has its fused MLP gate in the gate/up kernel's
-epilogue (``metrale.kernels.decode_gemv.SWIGLU_EPILOGUE``); ``--unroll N`` pins its decode GEMV's
+(``metrale.ops.selection.merged_decode_attention_kernels``); ``--swiglu-epilogue`` has its fused MLP
+gate in the gate/up kernel's epilogue (``metrale.ops.selection.decode_gemv_kernels`` with
+``swiglu_epilogue``); both through a plugin of the fused engine. ``--unroll N`` pins its decode GEMV's
 unroll (``metrale.kernels.decode_gemv.choose_unroll``); ``--independent NAME,...`` launches those
 kernels in stream order, not dependently (``metrale.kernels._launch.INDEPENDENT``), in both
 engines; ``--carveout P`` gives every dependently launched kernel the shared-memory carveout P
@@ -37,18 +38,44 @@ from metrale import hookimpl
 
 
 class UnfusedDecodePlugin:
-    """Pins the unconditional kernels of the ops the default decode kernels serve (a plugin's
-    kernels are tried first), so those are never chosen."""
+    """Serves the ops the default decode kernels serve with the other built-in kernels of those ops
+    (each under its condition; a plugin's kernels are tried first), so the decode kernels are never
+    chosen."""
 
     @hookimpl
     def metrale_register_ops(self, registry):  # type: ignore[no-untyped-def]
-        import dataclasses
+        from metrale.ops import Kernel
+        from metrale.ops.builtin import builtin_registry
+        from metrale.ops.selection import default_decode_kernels
 
-        from metrale.ops.builtin import builtin_registry, default_decode_kernels
+        decode = {(kernel.op, kernel.name, kernel.condition) for kernel in default_decode_kernels()}
+        for op in {op for op, _, _ in decode}:
+            others = [k for k in builtin_registry().kernels_for(op, "cuda") if (k.op, k.name, k.condition) not in decode]
 
-        for op in {kernel.op for kernel in default_decode_kernels()}:
-            unconditional = [k for k in builtin_registry().kernels_for(op, "cuda") if k.when is None][-1]
-            registry.add_kernel(dataclasses.replace(unconditional, origin="decode_ab"))
+            def build(backend, others=others):  # type: ignore[no-untyped-def]
+                built = [(kernel, kernel.build(backend)) for kernel in others]
+
+                def serve(*args, **kwargs):  # type: ignore[no-untyped-def]
+                    for kernel, function in built:
+                        if kernel.when is None or kernel.when(*args, **kwargs):
+                            return function(*args, **kwargs)
+                    raise AssertionError(f"no built-in kernel of {op} serves the call")
+
+                return serve
+
+            registry.add_kernel(Kernel(op, "cuda", "the built-in kernels but the decode ones", build=build))
+
+
+class FusedVariantsPlugin:
+    """Adds ``kernels`` (variants the registry offers but does not register by default)."""
+
+    def __init__(self, kernels) -> None:  # type: ignore[no-untyped-def]
+        self.kernels = list(kernels)
+
+    @hookimpl
+    def metrale_register_ops(self, registry):  # type: ignore[no-untyped-def]
+        for kernel in self.kernels:
+            registry.add_kernel(kernel)
 
 
 class WiderGemvPlugin:
@@ -63,7 +90,7 @@ class WiderGemvPlugin:
     def metrale_register_ops(self, registry):  # type: ignore[no-untyped-def]
         import dataclasses
 
-        from metrale.ops.builtin import decode_gemv_kernels
+        from metrale.ops.selection import decode_gemv_kernels
 
         limit = self.max_columns
         for kernel in decode_gemv_kernels(max_rows=self.max_rows):
@@ -71,8 +98,8 @@ class WiderGemvPlugin:
                 if limit is not None:
                     served = kernel.when
 
-                    def narrow(*args, served=served, **kwargs):  # type: ignore[no-untyped-def]
-                        weight = kwargs.get("weight", args[5] if kernel.op == "rmsnorm_linear" else args[1])
+                    def narrow(*args, served=served, op=kernel.op, **kwargs):  # type: ignore[no-untyped-def]
+                        weight = kwargs.get("weight", args[5] if op == "rmsnorm_linear" else args[1])
                         return weight.shape[0] <= limit and served(*args, **kwargs)
 
                     kernel = dataclasses.replace(kernel, when=narrow)
@@ -128,8 +155,9 @@ def main() -> None:
 
     from metrale.benchmarks.latency import _cuda_time, build_checkpoint
     from metrale.entrypoints.llm import LLM
-    from metrale.kernels import _launch, attention, decode_gemv
+    from metrale.kernels import _launch, decode_gemv
     from metrale.model.plugin_manager import get_plugin_manager
+    from metrale.ops.selection import FUSED_MLP_MAX_BYTES, decode_gemv_kernels, merged_decode_attention_kernels
     from metrale.params import SamplingParams
     from metrale.sequence import SequenceState
 
@@ -145,6 +173,12 @@ def main() -> None:
         options = dict(device="cuda", max_model_len=args.context + args.steps + args.check_steps + 64,
                        max_num_seqs=max(batches) + 1, show_progress=False)
         fused_manager = get_plugin_manager()
+        variants = merged_decode_attention_kernels() if args.merge_splits else []
+        if args.swiglu_epilogue:
+            variants += [kernel for kernel in decode_gemv_kernels(max_rows=1, max_mlp_bytes=FUSED_MLP_MAX_BYTES,
+                                                                  swiglu_epilogue=True) if kernel.op == "rmsnorm_mlp"]
+        if variants:
+            fused_manager.register(FusedVariantsPlugin(variants), name="fused-variants")
         if args.gemv_max_rows:
             ops = tuple(op for op in args.gemv_ops.split(",") if op)
             fused_manager.register(WiderGemvPlugin(args.gemv_max_rows, ops, args.gemv_max_columns),
@@ -157,16 +191,14 @@ def main() -> None:
 
         @contextlib.contextmanager
         def kernels_of(name):
-            # The kernels' choices are read when a step runs eagerly or is recorded; replays keep them.
-            saved = attention.MERGE_DECODE_SPLITS, decode_gemv.SWIGLU_EPILOGUE, decode_gemv.choose_unroll
-            attention.MERGE_DECODE_SPLITS = name == "fused" and args.merge_splits
-            decode_gemv.SWIGLU_EPILOGUE = args.swiglu_epilogue and name == "fused"
+            # The unroll is read when a step runs eagerly or is recorded; replays keep it.
+            saved = decode_gemv.choose_unroll
             if args.unroll and name == "fused":
                 decode_gemv.choose_unroll = lambda *shape, **options: args.unroll
             try:
                 yield
             finally:
-                attention.MERGE_DECODE_SPLITS, decode_gemv.SWIGLU_EPILOGUE, decode_gemv.choose_unroll = saved
+                decode_gemv.choose_unroll = saved
 
         for name, llm in engines.items():
             with kernels_of(name):

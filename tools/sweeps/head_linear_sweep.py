@@ -7,7 +7,7 @@ Times the key product (a strided float32 view of the queries' no-RoPE part, ``[r
 nope]``, by ``w_uk [heads * rank, nope]``) and the value product (bf16 ``[rows, heads, rank]`` by
 ``w_uv [heads * nope, rank]``) both ways, each replayed from a CUDA graph (``timing.graph_time``;
 the cuBLAS path includes rounding the float32 input to bf16, as the op does). The op layer takes
-the kernel up to :data:`metrale.ops.cuda.HEAD_LINEAR_WORD_ROWS` rows. Needs a CUDA device.
+the kernel up to :data:`metrale.ops.selection.HEAD_LINEAR_WORD_ROWS` rows. Needs a CUDA device.
 """
 
 from __future__ import annotations

@@ -1,0 +1,571 @@
+"""Which kernel serves each built-in op: every kernel of the built-in ops that is not simply the op's
+one CUDA implementation, each with the condition under which it serves, in the order the registry
+tries them (:func:`builtin_kernels`).
+
+This is the one place kernels are chosen. A kernel's ``when`` looks at the call's arguments (shapes,
+dtypes, alignment, options); its ``enabled`` at the backend's settings
+(:class:`~metrale.config.EnvironmentConfig`); its ``condition`` says both in words, which is what
+``metrale plugins`` and the op reference show. Below the registry, the launchers of
+:mod:`metrale.kernels` and the methods of :class:`metrale.ops.cuda.CudaKernels` check arguments,
+allocate and launch one kernel each; they never pick among kernels.
+
+Where one call splits its rows between kernels -- a mixed batch's decode rows and prompt rows --
+the split is a kernel of its own whose only logic is the split: it calls the internal ops
+``paged_attention_decode`` and ``paged_attention_prompt`` through the backend's op table, and the
+kernels of those are chosen here like any other.
+
+The thresholds below come from measurements on the H200 (docs/notes/decode-kernels.rst, "The
+registry's thresholds"; the current figures in docs/benchmarks.rst).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from metrale.ops.registry import Kernel
+
+# ------------------------------------------------------------------------------ thresholds
+
+# The measurements behind each threshold: docs/notes/decode-kernels.rst, "The registry's thresholds".
+
+#: The largest MLP (gate/up and down weights, bytes) the fused decode MLP serves by default.
+FUSED_MLP_MAX_BYTES = 128 * 1024 * 1024
+#: Batches of at least this many tokens run their routed experts through the grouped tensor-core
+#: kernels, each chosen expert's weights read once; smaller ones pair by pair.
+GROUPED_EXPERTS_MIN_TOKENS = 9
+#: Batches of up to this many rows take the router-logits kernel; larger ones a float32 cuBLAS
+#: product.
+ROUTER_KERNEL_ROWS = 64
+#: MLA's per-head products of up to this many rows take the head_linear kernels; larger ones one
+#: cuBLAS product per head.
+HEAD_LINEAR_WORD_ROWS = 2
+#: The staged decode attention serves a geometry of the grouped kernel while a block's share of
+#: the keys (keys per split times head dims) is at most this; the grouped kernel longer shares.
+STAGED_MAX_BLOCK_ELEMENTS = 4096
+
+
+def builtin_kernels() -> list[Kernel]:
+    """Every kernel of the built-in ops that this module chooses among, in the order tried (per op:
+    the conditional kernels, then the one that serves every other call). The registry adds, for
+    every other op, its :class:`~metrale.ops.cuda.CudaKernels` method of the same name."""
+    return (default_decode_kernels() + composite_kernels() + attention_kernels() + norm_kernels()
+            + activation_kernels() + head_linear_kernels() + moe_kernels() + latent_attention_kernels()
+            + gdn_prompt_kernels())
+
+
+def _cuda_method(name: str) -> Any:
+    def build(backend: Any) -> Any:
+        return getattr(backend.kernels, name)
+
+    return build
+
+
+def _ops_of(backend: Any) -> Any:
+    """A function returning ``backend.ops``, holding the backend weakly (its op table holds the
+    kernels built here: a strong reference would keep the backend alive in a cycle)."""
+    import weakref
+
+    reference = weakref.ref(backend)
+
+    def ops() -> Any:
+        alive = reference()
+        if alive is None:
+            from metrale.errors import EngineClosedError
+
+            raise EngineClosedError("the backend of this op table is gone")
+        return alive.ops
+
+    return ops
+
+
+def _aligned(array: Any) -> bool:
+    from metrale.kernels import _words
+
+    return _words.aligned(array)
+
+
+# ------------------------------------------------------------------------------ composites
+# Fused ops served, where no kernel of their own applies, by the ops they fuse (called through the
+# backend's op table, so whatever kernels serve those serve these too).
+
+
+def _composed_rmsnorm_linear(backend: Any) -> Any:
+    table = _ops_of(backend)
+
+    def rmsnorm_linear(x, residual, norm_weight, eps, offset, weight, bias=None):
+        ops = table()
+        normed, summed = ops.rmsnorm_residual(x, residual, norm_weight, eps, offset)
+        return ops.linear(normed, weight, bias), summed
+
+    return rmsnorm_linear
+
+
+def _composed_rmsnorm_mlp(backend: Any) -> Any:
+    table = _ops_of(backend)
+
+    def rmsnorm_mlp(x, residual, norm_weight, eps, offset, gate_up, down, gate_up_bias=None, down_bias=None):
+        ops = table()
+        normed, summed = ops.rmsnorm_residual(x, residual, norm_weight, eps, offset)
+        return ops.linear(ops.linear_silu(normed, gate_up, gate_up_bias), down, down_bias), summed
+
+    return rmsnorm_mlp
+
+
+def _composed_gdn_decode(backend: Any) -> Any:
+    table = _ops_of(backend)
+
+    def gdn_decode(qkvz, ba, conv_weight, conv_state, a_log, dt_bias, state, slots, norm_weight, eps, key_heads,
+                   value_heads, key_dim, value_dim):
+        ops = table()
+        inputs, z = ops.gdn_ungroup(qkvz, key_heads, value_heads, key_dim, value_dim)
+        g, beta = ops.gdn_gates(ba, a_log, dt_bias, key_heads)
+        mixed = ops.gdn_conv_update(inputs, conv_weight, conv_state, slots)
+        q, k, v = ops.gdn_split_heads(mixed, key_heads, value_heads, key_dim, value_dim)
+        out = ops.gdn_recurrent_step(q, k, v, g, beta, state, slots)
+        return ops.gated_rmsnorm(out, z, norm_weight, eps)
+
+    return gdn_decode
+
+
+def composite_kernels() -> list[Kernel]:
+    """The fused ops served, on both backends, by the ops they fuse."""
+    composites: list[tuple[str, str, Callable[[Any], Any]]] = [
+        ("rmsnorm_linear", "rmsnorm_residual, then linear (their kernels)", _composed_rmsnorm_linear),
+        ("rmsnorm_mlp", "rmsnorm_residual, then linear_silu and linear (their kernels)", _composed_rmsnorm_mlp),
+        ("gdn_decode", "gdn_ungroup, gdn_gates, gdn_conv_update, gdn_split_heads, gdn_recurrent_step, gated_rmsnorm "
+         "(their kernels)", _composed_gdn_decode),
+    ]
+    return [Kernel(op, device, name, build=build) for op, name, build in composites for device in ("cpu", "cuda")]
+
+
+# ---------------------------------------------------------------------------- decode kernels
+
+
+def default_decode_kernels() -> list[Kernel]:
+    """The decode kernels the CUDA backend uses by default, each where it measured faster on the
+    H200 than the kernels it replaces (``tools/sweeps/gemv_sweep.py`` and ``tools/sweeps/decode_ab.py``;
+    the numbers are in the benchmarks page): the decode GEMV for ``linear`` and ``linear_silu`` (the
+    gate in its epilogue) up to 8 rows and, with the norm fused, for ``rmsnorm_linear`` up to 2
+    rows and for ``rmsnorm_mlp`` at one row of an MLP of at most :data:`FUSED_MLP_MAX_BYTES`; the
+    decode MoE kernels for ``moe_experts`` and the decode router for ``moe_route``, both up to 8
+    tokens; the fused Gated DeltaNet step."""
+    projections = [kernel for kernel in decode_gemv_kernels(max_rows=8) if kernel.op in ("linear", "linear_silu")]
+    norm_linear = [kernel for kernel in decode_gemv_kernels(max_rows=2) if kernel.op == "rmsnorm_linear"]
+    mlp = [kernel for kernel in decode_gemv_kernels(max_rows=1, max_mlp_bytes=FUSED_MLP_MAX_BYTES)
+           if kernel.op == "rmsnorm_mlp"]
+    return (projections + norm_linear + mlp + moe_decode_kernels(max_tokens=8) + moe_route_decode_kernels(max_tokens=8)
+            + gdn_decode_kernels())
+
+
+def decode_gemv_kernels(max_rows: int = 8, max_mlp_bytes: int | None = None,
+                        swiglu_epilogue: bool = False) -> list[Kernel]:
+    """The decode GEMV kernels (:mod:`metrale.kernels.decode_gemv`) as conditional kernels of
+    ``linear``, ``linear_silu``, ``rmsnorm_linear`` and ``rmsnorm_mlp`` for batches of at most ``max_rows`` rows
+    (bf16 weights, inner sizes a multiple of 32 whose staged rows fit a block, 16-byte aligned
+    arrays; for ``rmsnorm_mlp``, weights of at most ``max_mlp_bytes`` bytes when given).
+    :func:`default_decode_kernels` registers some of them by default; a registry may add them all
+    (``registry.add_kernel``), for other limits too. With ``swiglu_epilogue`` the ``rmsnorm_mlp``
+    kernel applies the SwiGLU gate in the gate/up kernel's epilogue (gate and up rows a multiple of
+    16) rather than in the down kernel's prologue: half the intermediate written and read, no
+    activation in every block of the down kernel; not a default until it is timed on a GPU
+    (``tools/sweeps/decode_ab.py --swiglu-epilogue``)."""
+
+    def served(rows: int, inner: int, mode: int, *arrays: Any) -> bool:
+        from metrale.kernels import decode_gemv
+
+        return (rows <= max_rows and decode_gemv.supports(rows, inner, mode)
+                and getattr(arrays[0], "dtype", None) == np.uint16 and all(_aligned(a) for a in arrays))
+
+    def small_linear(x: Any, weight: Any, bias: Any = None) -> bool:
+        return served(x.shape[0], x.shape[1], 0, weight, x)
+
+    def small_float_linear(x: Any, weight: Any, bias: Any = None) -> bool:
+        return x.dtype == np.float32 and x.flags.c_contiguous and small_linear(x, weight, bias)
+
+    def small_linear_silu(x: Any, weight: Any, bias: Any = None) -> bool:
+        return bias is None and weight.shape[0] % 16 == 0 and served(x.shape[0], x.shape[1], 4, weight, x)  # PLAIN_SWIGLU
+
+    def small_norm_linear(x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any, weight: Any,
+                          bias: Any = None) -> bool:
+        return served(x.shape[0], x.shape[1], 1, weight, norm_weight, x)
+
+    def small_norm_mlp(x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any, gate_up: Any, down: Any,
+                       gate_up_bias: Any = None, down_bias: Any = None) -> bool:
+        return (gate_up_bias is None and served(x.shape[0], x.shape[1], 1, gate_up, norm_weight, x)
+                and served(x.shape[0], down.shape[1], 2, down)
+                and (max_mlp_bytes is None or gate_up.nbytes + down.nbytes <= max_mlp_bytes)
+                and (not swiglu_epilogue or gate_up.shape[0] % 16 == 0))
+
+    condition = f"N <= {max_rows}, bf16 weights, inner sizes a multiple of 32"
+    mlp_condition = (condition + ", no gate_up bias"
+                     + (f", weights of at most {max_mlp_bytes / 2**20:g} MiB" if max_mlp_bytes is not None else "")
+                     + (", gate and up rows a multiple of 16" if swiglu_epilogue else ""))
+    if swiglu_epilogue:
+        mlp = Kernel("rmsnorm_mlp", "cuda", "metrale.kernels.decode_gemv (the norm fused, the gate in the gate/up "
+                     "epilogue)", build=_cuda_method("rmsnorm_mlp_decode_gemv_epilogue"), when=small_norm_mlp,
+                     condition=mlp_condition)
+    else:
+        mlp = Kernel("rmsnorm_mlp", "cuda", "metrale.kernels.decode_gemv (the norm and the gate fused)",
+                     build=_cuda_method("rmsnorm_mlp_decode_gemv"), when=small_norm_mlp, condition=mlp_condition)
+    return [
+        Kernel("linear", "cuda", "metrale.kernels.decode_gemv (float32 rows, rounded as they are staged)",
+               build=_cuda_method("linear_decode_gemv_f32"), when=small_float_linear,
+               condition=condition + ", contiguous float32 rows"),
+        Kernel("linear", "cuda", "metrale.kernels.decode_gemv", build=_cuda_method("linear_decode_gemv"),
+               when=small_linear, condition=condition),
+        Kernel("linear_silu", "cuda", "metrale.kernels.decode_gemv (the gate in the epilogue)",
+               build=_cuda_method("linear_silu_decode_gemv"), when=small_linear_silu,
+               condition=condition + ", no bias, gate and up rows a multiple of 16"),
+        Kernel("rmsnorm_linear", "cuda", "metrale.kernels.decode_gemv (the norm fused)",
+               build=_cuda_method("rmsnorm_linear_decode_gemv"), when=small_norm_linear, condition=condition),
+        mlp,
+    ]
+
+
+def moe_decode_kernels(max_tokens: int = 8) -> list[Kernel]:
+    """The decode MoE kernels (:mod:`metrale.kernels.moe_decode`: two GEMV kernels over the chosen
+    experts' weights, the weighting and the sum over slots in the second) as a conditional kernel
+    of ``moe_experts`` for batches of at most ``max_tokens`` tokens (registered by default with 8,
+    :func:`default_decode_kernels`)."""
+
+    def small(x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> bool:
+        from metrale.kernels import moe_decode
+
+        return (x.shape[0] <= max_tokens and getattr(down, "dtype", None) == np.uint16
+                and getattr(gate_up, "dtype", None) == np.uint16
+                and moe_decode.supports(x.shape[0], experts.shape[1], x.shape[1], down.shape[1]))
+
+    return [Kernel("moe_experts", "cuda", "metrale.kernels.moe_decode", build=_cuda_method("moe_experts_decode"),
+                   when=small, condition=f"N <= {max_tokens}, bf16 weights, H and I multiples of 8")]
+
+
+def moe_route_decode_kernels(max_tokens: int = 8) -> list[Kernel]:
+    """The decode router kernel (:mod:`metrale.kernels.moe_route_decode`: the router product and
+    the choice of experts in one launch) as a conditional kernel of ``moe_route`` for batches of
+    at most ``max_tokens`` tokens (registered by default with 8, :func:`default_decode_kernels`;
+    docs/notes/decode-kernels.rst has its decode steps against the default router)."""
+
+    def small(x: Any, gate: Any, bias: Any, method: str, n_group: int, topk_group: int, top_k: int,
+              renormalise: Any, scaling: Any) -> bool:
+        from metrale.kernels import moe_route_decode
+
+        return (x.shape[0] <= max_tokens and getattr(gate, "dtype", None) == np.float32
+                and moe_route_decode.supports(x.shape[0], x.shape[1], gate.shape[0], n_group, top_k))
+
+    return [Kernel("moe_route", "cuda", "metrale.kernels.moe_route_decode", build=_cuda_method("moe_route_decode"),
+                   when=small, condition=f"N <= {max_tokens}, float32 router, E <= 256 in equal groups, k <= 16")]
+
+
+def gdn_decode_kernels() -> list[Kernel]:
+    """The fused Gated DeltaNet decode kernels (:mod:`metrale.kernels.gdn_decode`) as a
+    conditional kernel of ``gdn_decode`` (registered by default, :func:`default_decode_kernels`)."""
+
+    def served(qkvz: Any, ba: Any, conv_weight: Any, conv_state: Any, a_log: Any, dt_bias: Any, state: Any, slots: Any,
+               norm_weight: Any, eps: Any, key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> bool:
+        from metrale.kernels import gdn_decode
+
+        return gdn_decode.supports(key_heads, value_heads, key_dim, value_dim)
+
+    return [Kernel("gdn_decode", "cuda", "metrale.kernels.gdn_decode", build=_cuda_method("gdn_decode_fused"),
+                   when=served, condition="d_k, d_v <= 1024, H_v a multiple of H_k")]
+
+
+# --------------------------------------------------------------------------------- attention
+
+
+def leading_single_rows(row_starts: Any) -> int:
+    """How many of the batch's segments, from the first, are one row each (the decode rows of a
+    step; a mixed step's prompt chunk follows them)."""
+    lengths = np.diff(np.asarray(row_starts))
+    longer = np.nonzero(lengths != 1)[0]
+    return int(longer[0]) if longer.size else len(lengths)
+
+
+def _split_paged_attention(backend: Any) -> Any:
+    table = _ops_of(backend)
+    # The output of the backend (bf16 bits on the GPU, float32 on the CPU); the closure holds its
+    # array module, not the backend (the backend's op table holds this kernel).
+    xp, dtype = backend.xp, np.uint16 if backend.name == "cuda" else np.float32
+
+    def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, softcap=None, sinks=None):
+        # The leading one-row segments (a step's decode rows) to paged_attention_decode, the
+        # segments after them (prompt rows) to paged_attention_prompt, both writing into one out.
+        ops = table()
+        out = xp.empty((q.shape[0], q.shape[1] * v_cache.shape[3]), dtype=dtype)
+        single, segments = leading_single_rows(batch.row_starts), len(batch.row_starts) - 1
+        if single:
+            ops.paged_attention_decode(q[:single], k_cache, v_cache, batch, scale, sliding_window, out[:single], 0,
+                                       softcap, sinks)
+        if single < segments:
+            ops.paged_attention_prompt(q, k_cache, v_cache, batch, scale, sliding_window, out, single, softcap, sinks)
+        return out
+
+    return paged_attention
+
+
+def _prompt_rows_as_decode_rows(backend: Any) -> Any:
+    table = _ops_of(backend)
+
+    def paged_attention_prompt(q, k_cache, v_cache, batch, scale, sliding_window, out, first_segment, softcap=None,
+                               sinks=None):
+        # Each prompt row on its own, as the decode kernels take rows.
+        first = int(batch.row_starts[first_segment])
+        table().paged_attention_decode(q[first:], k_cache, v_cache, batch, scale, sliding_window, out[first:], first,
+                                       softcap, sinks)
+        return out
+
+    return paged_attention_prompt
+
+
+def _geometry(q: Any, k_cache: Any, v_cache: Any) -> tuple[int, int, int, int]:
+    """``(heads, kv_heads, head_dim, value_dim)`` of an attention call."""
+    return q.shape[1], k_cache.shape[2], q.shape[2], v_cache.shape[3]
+
+
+def _plain(softcap: Any, sinks: Any) -> bool:
+    """Whether a call asks for neither a logit soft cap nor sinks."""
+    return not softcap and sinks is None
+
+
+def attention_kernels() -> list[Kernel]:
+    """``paged_attention`` (the split of a step's rows, on both backends) and the kernels of its
+    decode rows (``paged_attention_decode``) and prompt rows (``paged_attention_prompt``)."""
+
+    def decode_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row, softcap=None, sinks=None):
+        from metrale.kernels import attention_decode_mma
+
+        return attention_decode_mma.supports(*_geometry(q, k_cache, v_cache))
+
+    def grouped(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row, softcap=None, sinks=None):
+        from metrale.kernels import attention_grouped
+
+        return _plain(softcap, sinks) and attention_grouped.supports(*_geometry(q, k_cache, v_cache))
+
+    def staged(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row, softcap=None, sinks=None):
+        from metrale.kernels import attention_grouped, attention_staged
+
+        if not grouped(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row, softcap, sinks):
+            return False
+        heads, kv_heads, head_dim, value_dim = _geometry(q, k_cache, v_cache)
+        if not attention_staged.supports(heads, kv_heads, head_dim, value_dim):
+            return False
+        splits = attention_grouped.split_count(q.shape[0], heads, kv_heads, batch.max_context)
+        return -(-int(batch.max_context) // splits) * head_dim <= STAGED_MAX_BLOCK_ELEMENTS
+
+    def prompt_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, first_segment, softcap=None, sinks=None):
+        from metrale.kernels import attention_mma
+
+        return _plain(softcap, sinks) and attention_mma.supports(*_geometry(q, k_cache, v_cache))
+
+    def prompt_cores(q, k_cache, v_cache, batch, scale, sliding_window, out, first_segment, softcap=None, sinks=None):
+        from metrale.kernels import attention_prefill
+
+        return attention_prefill.supports(*_geometry(q, k_cache, v_cache))
+
+    split = ("paged_attention_decode for the leading one-row segments, paged_attention_prompt for the rest "
+             "(their kernels)")
+    return [
+        *(Kernel("paged_attention", device, split, build=_split_paged_attention) for device in ("cpu", "cuda")),
+        Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_decode_mma (tensor cores)",
+               build=_cuda_method("paged_attention_decode_mma"), when=decode_mma, enabled=_decode_mma_enabled,
+               condition="METRALE_DECODE_MMA is not 0, K and V heads of 64, 128 or 256 dims, whole query-head groups"),
+        Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_staged (CUDA cores, keys staged in shared "
+               "memory)", build=_cuda_method("paged_attention_decode_staged"), when=staged,
+               condition=f"K and V heads of 16 to 128 dims, a power of two; a block's share of the keys times d <= "
+               f"{STAGED_MAX_BLOCK_ELEMENTS}; no softcap, no sinks"),
+        Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_grouped (CUDA cores, a block per KV head's "
+               "query heads)", build=_cuda_method("paged_attention_decode_grouped"), when=grouped,
+               condition="K and V heads of 16 to 128 dims, a power of two; no softcap, no sinks"),
+        Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention (CUDA cores, a block per query head)",
+               build=_cuda_method("paged_attention_decode_split")),
+        Kernel("paged_attention_prompt", "cuda", "metrale.kernels.attention_mma (tensor cores)",
+               build=_cuda_method("paged_attention_prompt_mma"), when=prompt_mma,
+               condition="(K, V) heads of (64, 64), (128, 128), (192, 128) or (256, 256) dims; no softcap, no sinks"),
+        Kernel("paged_attention_prompt", "cuda", "metrale.kernels.attention_prefill (CUDA cores)",
+               build=_cuda_method("paged_attention_prompt_prefill"), when=prompt_cores,
+               condition="K and V heads of at most 128 dims, even; at most 32 query heads a KV head"),
+        Kernel("paged_attention_prompt", "cuda", "paged_attention_decode, a row at a time (its kernels)",
+               build=_prompt_rows_as_decode_rows),
+    ]
+
+
+def _decode_mma_enabled(environment: Any) -> bool:
+    return bool(environment.decode_mma)
+
+
+def merged_decode_attention_kernels() -> list[Kernel]:
+    """The tensor-core decode attention merging its own splits (the last split of each row and
+    head block to finish, :func:`metrale.kernels.attention_decode_mma.decode_attention` with
+    counters) instead of the combine kernel after it, as a conditional kernel of
+    ``paged_attention_decode`` where a block's partials are small enough
+    (:func:`~metrale.kernels.attention_decode_mma.merges_itself`). Not registered by default: the
+    combine kernel, launched dependently, measured faster; a registry may add
+    it (``tools/sweeps/decode_ab.py --merge-splits`` does; docs/notes/decode-kernels.rst)."""
+
+    def merges(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row, softcap=None, sinks=None):
+        from metrale.kernels import attention_decode_mma
+
+        heads, kv_heads, head_dim, value_dim = _geometry(q, k_cache, v_cache)
+        if not attention_decode_mma.supports(heads, kv_heads, head_dim, value_dim):
+            return False
+        splits = attention_decode_mma.device_split_count(q.shape[0], heads, kv_heads, head_dim, batch.max_context)
+        return splits > 1 and attention_decode_mma.merges_itself(heads, kv_heads, head_dim, splits)
+
+    return [Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_decode_mma (tensor cores, the splits "
+                   "merged in the kernel)", build=_cuda_method("paged_attention_decode_mma_merged"), when=merges,
+                   enabled=_decode_mma_enabled,
+                   condition="METRALE_DECODE_MMA is not 0, the tensor-core geometries, several splits of at most "
+                   "32 KiB of partials a block")]
+
+
+# -------------------------------------------------------------------------- norms, activations
+
+
+def norm_kernels() -> list[Kernel]:
+    """``rmsnorm_residual``: the CUDA C++ kernel (float4 loads) where it serves, else the numba one;
+    ``rmsnorm``: ``rmsnorm_residual`` without a residual."""
+
+    def words(x, residual, weight, eps, offset=0.0):
+        from metrale.kernels import rmsnorm
+
+        # A non-contiguous input is copied first, to a fresh (aligned) array.
+        return (x.dtype == np.float32 and x.ndim == 2 and rmsnorm.words_supported(x.shape[1])
+                and (not x.flags.c_contiguous or _aligned(x))
+                and (residual is None or not residual.flags.c_contiguous or _aligned(residual)) and _aligned(weight))
+
+    def composed_rmsnorm(backend: Any) -> Any:
+        table = _ops_of(backend)
+
+        def rmsnorm(x, weight, eps, offset=0.0):
+            return table().rmsnorm_residual(x, None, weight, eps, offset)[0]
+
+        return rmsnorm
+
+    return [
+        Kernel("rmsnorm_residual", "cuda", "metrale.kernels.rmsnorm (CUDA C++)",
+               build=_cuda_method("rmsnorm_residual_words"), when=words,
+               condition="float32 rows of H values, H a multiple of 4 up to 8192, 16-byte aligned arrays"),
+        Kernel("rmsnorm_residual", "cuda", "metrale.kernels.rmsnorm", build=_cuda_method("rmsnorm_residual")),
+        Kernel("rmsnorm", "cuda", "rmsnorm_residual without a residual (its kernels)", build=composed_rmsnorm),
+    ]
+
+
+def activation_kernels() -> list[Kernel]:
+    """``silu_and_mul``: the CUDA C++ kernel for bf16 products it serves, else the numba one for the
+    input's dtype;
+    ``linear_silu`` (where the decode GEMV does not serve it): a cuBLAS product, then
+    ``silu_and_mul``."""
+
+    def words(gate_up):
+        from metrale.kernels import activation
+
+        return activation.words_supported(gate_up)
+
+    def bits(gate_up):
+        return gate_up.dtype == np.uint16
+
+    def composed_linear_silu(backend: Any) -> Any:
+        table, kernels = _ops_of(backend), backend.kernels
+
+        def linear_silu(x, weight, bias=None):
+            return table().silu_and_mul(kernels.gate_up_product(x, weight, bias))
+
+        return linear_silu
+
+    return [
+        Kernel("silu_and_mul", "cuda", "metrale.kernels.activation (CUDA C++)", build=_cuda_method("silu_and_mul_words"),
+               when=words, condition="bf16 bits, I a multiple of 8, contiguous, 16-byte aligned"),
+        Kernel("silu_and_mul", "cuda", "metrale.kernels.activation (bf16 bits)", build=_cuda_method("silu_and_mul_bits"),
+               when=bits, condition="bf16 bits"),
+        Kernel("silu_and_mul", "cuda", "metrale.kernels.activation (float32)", build=_cuda_method("silu_and_mul")),
+        Kernel("linear_silu", "cuda", "cuBLAS GEMM (bf16 out; float32 with a bias), then silu_and_mul (its kernels)",
+               build=composed_linear_silu),
+    ]
+
+
+# ------------------------------------------------------------------------------- MLA and MoE
+
+
+def head_linear_kernels(word_rows: int = HEAD_LINEAR_WORD_ROWS) -> list[Kernel]:
+    """``head_linear``: the kernels of :mod:`metrale.kernels.head_linear` (a warp per output value,
+    the rows in turn) for batches of up to ``word_rows`` rows -- the CUDA C++ one where it serves
+    the layout, else the numba one -- and one cuBLAS product per head for larger batches."""
+
+    def words(x, weight):
+        from metrale.kernels import head_linear
+
+        return x.shape[0] <= word_rows and head_linear.words_supported(x, weight)
+
+    def few_rows(x, weight):
+        return x.shape[0] <= word_rows
+
+    return [
+        Kernel("head_linear", "cuda", "metrale.kernels.head_linear (CUDA C++)", build=_cuda_method("head_linear_words"),
+               when=words, condition=f"N <= {word_rows}, bf16 weights, in a multiple of 8 up to 2048, 16-byte aligned "
+               "head rows"),
+        Kernel("head_linear", "cuda", "metrale.kernels.head_linear", build=_cuda_method("head_linear"), when=few_rows,
+               condition=f"N <= {word_rows}"),
+        Kernel("head_linear", "cuda", "cuBLAS GEMM per head (metrale.kernels.linear)",
+               build=_cuda_method("head_linear_per_head")),
+    ]
+
+
+def moe_kernels() -> list[Kernel]:
+    """After the decode kernels (:func:`default_decode_kernels`): ``moe_route`` with the router
+    kernel up to :data:`ROUTER_KERNEL_ROWS` rows, else a cuBLAS product; ``moe_experts`` with the
+    grouped tensor-core kernels from :data:`GROUPED_EXPERTS_MIN_TOKENS` tokens, else pair by pair."""
+
+    def router_kernel(x, gate, bias, method, n_group, topk_group, top_k, renormalise, scaling):
+        return x.shape[0] <= ROUTER_KERNEL_ROWS
+
+    def grouped(x, experts, weights, gate_up, down):
+        from metrale.kernels import moe_grouped
+
+        hidden, inter = x.shape[1], down.shape[1]
+        return x.shape[0] >= GROUPED_EXPERTS_MIN_TOKENS and moe_grouped.supports(hidden, inter, down.shape[0] // hidden)
+
+    return [
+        Kernel("moe_route", "cuda", "metrale.kernels.moe (router-logits kernel)", build=_cuda_method("moe_route"),
+               when=router_kernel, condition=f"N <= {ROUTER_KERNEL_ROWS}"),
+        Kernel("moe_route", "cuda", "metrale.kernels.moe (router logits by cuBLAS)", build=_cuda_method("moe_route_gemm")),
+        Kernel("moe_experts", "cuda", "metrale.kernels.moe_grouped (tensor cores, the pairs grouped by expert)",
+               build=_cuda_method("moe_experts_grouped"), when=grouped,
+               condition=f"N >= {GROUPED_EXPERTS_MIN_TOKENS}, H and I multiples of 8, E <= 1024"),
+        Kernel("moe_experts", "cuda", "metrale.kernels.moe (pair by pair)", build=_cuda_method("moe_experts")),
+    ]
+
+
+def latent_attention_kernels() -> list[Kernel]:
+    """``latent_attention``: tensor cores for DeepSeek's geometry, CUDA cores for any other."""
+
+    def mma(q, latent, batch, value_dim, scale):
+        from metrale.kernels import attention_latent_mma
+
+        return attention_latent_mma.supports(q.shape[1], q.shape[2], value_dim)
+
+    return [
+        Kernel("latent_attention", "cuda", "metrale.kernels.attention_latent_mma (tensor cores)",
+               build=_cuda_method("latent_attention_mma"), when=mma,
+               condition="heads a multiple of 16, rows of 512 + 64 values, values of 512"),
+        Kernel("latent_attention", "cuda", "metrale.kernels.attention_latent (CUDA cores)",
+               build=_cuda_method("latent_attention")),
+    ]
+
+
+def gdn_prompt_kernels() -> list[Kernel]:
+    """``gdn_prompt_rule``: the chunked form on tensor cores where it serves the head sizes, else
+    the recurrence."""
+
+    def chunked(q, k, v, g, beta, state, slots, starts):
+        from metrale.kernels import gated_delta_chunked
+
+        return gated_delta_chunked.supports(q.shape[2], v.shape[2])
+
+    return [
+        Kernel("gdn_prompt_rule", "cuda", "metrale.kernels.gated_delta_chunked (tensor cores)",
+               build=_cuda_method("gdn_prompt_rule_chunked"), when=chunked, condition="d_k and d_v each 64 or 128"),
+        Kernel("gdn_prompt_rule", "cuda", "metrale.kernels.gated_delta (the recurrence)",
+               build=_cuda_method("gdn_prompt_rule")),
+    ]
