@@ -22,11 +22,13 @@ def _where(filename: str) -> str:
     path = Path(filename)
     if "pluggy" in path.parts:
         return "pluggy"
-    parts = path.parts
-    for anchor in ("metrale", "plugins", "kernels"):
-        if anchor in parts:
-            index = len(parts) - 1 - parts[::-1].index(anchor)
-            return "/".join(parts[index:])
+    text = path.as_posix()
+    # Installed, the repository's plugins/ and kernels/ are metrale/plugins/ and metrale/kernels/:
+    # named here as the repository names them.
+    for folder in ("/metrale/plugins/", "/metrale/kernels/", "/plugins/", "/kernels/", "/metrale/"):
+        if folder in text:
+            inside = text[text.rindex(folder) + 1:]
+            return inside[len("metrale/"):] if folder.startswith("/metrale/") and folder != "/metrale/" else inside
     return path.name
 
 
