@@ -244,12 +244,18 @@ def _compiling_launches(compiled: list[str]) -> Iterator[None]:
 
         return run
 
+    from metrale.kernels import _device
+
     # Device functions ask the current device for its compute capability: answer for an H200.
     dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=(9, 0))
     setattr(dispatcher.CUDADispatcher, "__getitem__", compile_only)
+    # Kernels launch through numba's own launcher, which compile_only replaces (the CUDA backend
+    # otherwise launches them directly through CuPy).
+    direct, _device.DIRECT_LAUNCH = _device.DIRECT_LAUNCH, False
     try:
         yield
     finally:
+        _device.DIRECT_LAUNCH = direct
         setattr(dispatcher.CUDADispatcher, "__getitem__", launch)
         dispatcher.get_current_device = device
 

@@ -143,6 +143,7 @@ def test_a_plugin_kernel_of_an_op_declared_graph_unsafe_refuses_a_capture():
 
         class FakeCudaBackend:
             name = "cuda"
+            xp = np
             stream = RecordingStream(capturing=True)
             kernels = type("AnyKernel", (), {"__getattr__": lambda self, name: (lambda *a, **k: None)})()
 
