@@ -106,7 +106,7 @@ class StepPlan:
             return "prefill_chunk", step, {
                 "tokens": list(seq.tokens), "seq": seq, "chunk_start": chunk.start, "chunk_len": chunk.length,
                 "is_last_chunk": chunk.is_last, "stream": None}
-        slices = [PrefillSlice(list(c.request.seq.tokens), c.request.seq, c.start, c.length, c.is_last) for c in prefill]
+        slices = [PrefillSlice(c.request.seq.tokens, c.request.seq, c.start, c.length, c.is_last) for c in prefill]
         step = ForwardStep("prefill_batch_chunk", [s.seq for s in slices], segments=segments)
         return "prefill_batch_chunk", step, {"slices": slices, "stream": None}
 
