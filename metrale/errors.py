@@ -149,3 +149,14 @@ class GraphCaptureError(MetraleError, RuntimeError):
 class AdapterError(MetraleError, ValueError):
     """A LoRA adapter cannot be served as asked: an unsupported PEFT type or option, a tensor or
     shape the base model does not have, a rank above ``max_lora_rank`` (the message says which)."""
+
+
+class QuantizationError(CheckpointError):
+    """Quantized weights cannot be read or served as stored: inconsistent scales or codes, or
+    weights fused into one product that were quantized differently."""
+
+
+class UnsupportedQuantizationError(QuantizationError, UnsupportedModelError):
+    """A checkpoint's ``quantization_config`` (or a ``quantization=`` / ``kv_cache_dtype=`` option)
+    names a method, number format or option the engine does not serve; the message names it and
+    lists what is served. Such a checkpoint is refused, never loaded as if unquantized."""

@@ -41,7 +41,13 @@ _STORED_DTYPES = {
     "I16": np.int16,
     "I8": np.int8,
     "U8": np.uint8,
+    "U16": np.uint16,
+    "U32": np.uint32,
+    "U64": np.uint64,
     "BOOL": np.bool_,
+    # FP8 E4M3 (quantized weights, KV-cache scales) and E8M0 (microscaling exponents), as raw bytes.
+    "F8_E4M3": np.uint8,
+    "F8_E8M0": np.uint8,
 }
 
 
@@ -150,7 +156,7 @@ class Checkpoint:
     reads one tensor, converted to float32 and checked against an expected shape.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, quantization: str | None = None) -> None:
         self.path = Path(path).expanduser()
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint folder {str(self.path)!r} does not exist")
@@ -165,6 +171,11 @@ class Checkpoint:
         self._maps: dict[Path, np.memmap] = {}
         self._consumed: set[str] = set()
         self._progress: Any = None
+        from metrale.loading.quantization import weight_format
+
+        #: How the weights are quantized (:mod:`metrale.loading.quantization`): the checkpoint's
+        #: ``quantization_config``, or ``quantization``'s online method; None: full precision.
+        self.weight_format = weight_format(self.fields, quantization)
 
     # ----------------------------------------------------------------------------- reading
 
@@ -230,7 +241,36 @@ class Checkpoint:
         return sorted(self._tensors)
 
     def has(self, name: str) -> bool:
+        """Whether the checkpoint holds tensor ``name``, stored as it is named or quantized (a
+        ``{module}.weight`` stored as its format's tensors)."""
+        return name in self._tensors or self.is_quantized(name)
+
+    def has_stored(self, name: str) -> bool:
+        """Whether a tensor is stored under exactly ``name``."""
         return name in self._tensors
+
+    def is_quantized(self, name: str) -> bool:
+        """Whether weight ``name`` is stored (or, online, read) quantized."""
+        return self.weight_format is not None and self.weight_format.holds(self, name)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name``; for a quantized weight, of the matrix it stands for."""
+        if name not in self._tensors and self.is_quantized(name):
+            return tuple(self.weight_format.shape(self, name))  # type: ignore[union-attr]
+        return self.info(name).shape
+
+    def quantized(self, name: str, shape: Sequence[int] | None = None, rows: slice | None = None,
+                  columns: slice | None = None) -> Any:
+        """The quantized weight ``name`` as a :class:`~metrale.kernels.quantized.QuantizedWeight` of
+        host arrays (its ``rows`` / ``columns`` only, when given), checked against ``shape``."""
+        if not self.is_quantized(name):
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not stored quantized")
+        if shape is not None and tuple(shape) != self.shape_of(name):
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has shape {list(self.shape_of(name))}, expected {list(shape)}")
+        weight = self.weight_format.read(self, name, rows, columns)  # type: ignore[union-attr]
+        self._consumed.add(name)
+        return weight
 
     def info(self, name: str) -> TensorInfo:
         try:
@@ -305,7 +345,7 @@ class Checkpoint:
         if not self.has(name):
             raise CheckpointError(f"{self.path}: config.json's {because} implies a tensor {name!r} of shape "
                                   f"{list(shape)}, but the checkpoint has none")
-        actual = self.info(name).shape
+        actual = self.shape_of(name)
         if tuple(actual) != tuple(shape):
             raise CheckpointError(
                 f"{self.path}: tensor {name!r} has shape {list(actual)}, but config.json's {because} "
@@ -339,7 +379,21 @@ class Checkpoint:
         """The tensor as a float32 array, checked against ``shape`` when given, and refused
         (:class:`~metrale.errors.NonFiniteWeightError`) when it holds NaN or infinity. ``rows``
         / ``columns`` take a part of a matrix (a rank's shard, :mod:`metrale.backends.parallel`): only
-        that part is read from the file and converted."""
+        that part is read from the file and converted. A weight stored quantized comes back
+        dequantized (:func:`~metrale.kernels.quantized.dequantize`), so code that computes with a
+        weight on the host reads its values whatever the format."""
+        if name not in self._tensors and self.is_quantized(name):
+            from metrale.kernels.quantized import dequantize
+
+            values = dequantize(self.quantized(name, shape, rows, columns))
+            check_finite(values, f"{self.path}: tensor {name!r}")
+            return values
+        return self.stored_tensor(name, shape, rows, columns)
+
+    def stored_tensor(self, name: str, shape: Sequence[int] | None = None, rows: slice | None = None,
+                      columns: slice | None = None) -> np.ndarray:
+        """Tensor ``name`` as stored, converted to float32 (FP8 E4M3 decoded, integers as they
+        are): :meth:`tensor` without dequantization, for the readers of quantized formats."""
         info = self.info(name)
         array = self.raw(name, shape)
         if rows is not None or columns is not None:
@@ -348,7 +402,18 @@ class Checkpoint:
             array = array[rows if rows is not None else slice(None)]
             if columns is not None:
                 array = array[:, columns]
-        values = bf16_to_float32(array) if info.dtype == "BF16" else np.array(array, dtype=np.float32)
+        if info.dtype == "BF16":
+            values = bf16_to_float32(array)
+        elif info.dtype == "F8_E4M3":
+            from metrale.kernels.quantized import fp8_e4m3_to_float32
+
+            values = fp8_e4m3_to_float32(array)
+        elif info.dtype == "F8_E8M0":
+            from metrale.kernels.quantized import e8m0_to_float32
+
+            values = e8m0_to_float32(array)
+        else:
+            values = np.array(array, dtype=np.float32)
         check_finite(values, f"{self.path}: tensor {name!r}")
         return values
 

@@ -1,0 +1,1 @@
+"""GPTQ (``quant_method: "gptq"``) and AWQ (``quant_method: "awq"``) checkpoints."""

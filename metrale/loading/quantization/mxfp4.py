@@ -1,0 +1,1 @@
+"""MXFP4 (``quant_method: "mxfp4"``) checkpoints."""
