@@ -175,7 +175,9 @@ class EngineConfig:
     machine, or ``"ray"``, Ray actors placed by a Ray cluster, :mod:`metrale.backends.executor`; on GPUs a
     visible device each, joined by NCCL), with
     ``expert_parallel`` spreading an MoE model's routed experts over the ranks instead of
-    splitting each expert. Every value is type-checked: ints only ints, the flags only True or False
+    splitting each expert; ``quantization`` quantizes a full-precision checkpoint's linear layers
+    at load (``"fp8"``, :mod:`metrale.loading.quantization`; a quantized checkpoint is read as
+    stored whatever it says). Every value is type-checked: ints only ints, the flags only True or False
     (:class:`~metrale.errors.ConfigError` otherwise).
     """
 
@@ -194,6 +196,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
     distributed_executor_backend: str = "mp"
+    quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 
@@ -217,6 +220,8 @@ class EngineConfig:
                                                         error=ConfigError),
             "expert_parallel": lambda v: check_bool("expert_parallel", v, error=ConfigError),
         })
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ConfigError(f"quantization must be a method name such as 'fp8' or None, got {self.quantization!r}")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ConfigError(f"distributed_executor_backend must be one of {', '.join(map(repr, EXECUTOR_BACKENDS))}, "
                               f"got {self.distributed_executor_backend!r}")

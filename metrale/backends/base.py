@@ -53,7 +53,9 @@ class Backend:
         """Read tensors ``(name, shape)`` from ``checkpoint``, concatenated along the first axis,
         as a weight in this backend's format (float32 on the CPU, bf16 bits on the GPU). A part
         ``(name, shape, rows, columns)`` reads those rows and columns only (slices or None: a
-        rank's shard, :meth:`~metrale.loading.checkpoint.Checkpoint.tensor`)."""
+        rank's shard, :meth:`~metrale.loading.checkpoint.Checkpoint.tensor`). Weights the
+        checkpoint stores quantized (or that ``quantization=`` quantizes at load) come back as one
+        :class:`~metrale.kernels.quantized.QuantizedWeight`, which the matrix-product ops take."""
         raise NotImplementedError
 
     def constant(self, host: np.ndarray) -> Any:
@@ -133,7 +135,10 @@ class CpuBackend(Backend):
         self.environment = environment
         self.ops = builtin_registry().table(self)
 
-    def load_weight(self, checkpoint: Any, *parts: tuple) -> np.ndarray:
+    def load_weight(self, checkpoint: Any, *parts: tuple) -> Any:
+        quantized = checkpoint.quantized_parts(parts) if hasattr(checkpoint, "quantized_parts") else None
+        if quantized is not None:
+            return quantized
         arrays = [checkpoint.tensor(*part) for part in parts]
         return np.ascontiguousarray(arrays[0] if len(arrays) == 1 else np.concatenate(arrays), dtype=np.float32)
 

@@ -57,6 +57,12 @@ class CudaBackend(Backend):
     # ------------------------------------------------------------------------------ arrays
 
     def load_weight(self, checkpoint: Any, *parts: tuple) -> Any:
+        if any(checkpoint.is_quantized(part[0]) for part in parts):
+            from metrale.errors import UnsupportedQuantizationError
+
+            raise UnsupportedQuantizationError(
+                f"{checkpoint.path}: quantized weights ({checkpoint.weight_format.describe()}) are not served on the "
+                "CUDA backend; run with device='cpu'")
         arrays, raw_names = [], []
         for part in parts:
             name, shape = part[0], part[1]

@@ -227,6 +227,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.stream and len(args.prompts) != 1:
         raise ConfigError(f"--stream prints one continuation; got {len(args.prompts)} prompts")
     parallel: dict[str, Any] = {"expert_parallel": True} if args.expert_parallel else {}
+    if args.quantization is not None:
+        parallel["quantization"] = args.quantization
     if args.tensor_parallel_size is not None:
         parallel["tensor_parallel_size"] = args.tensor_parallel_size
     if args.distributed_executor_backend is not None:

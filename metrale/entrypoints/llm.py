@@ -94,7 +94,7 @@ class LLM(PromptFrontend):
         if plugin_manager is not None and not isinstance(plugin_manager, pluggy.PluginManager):
             raise ConfigError(f"plugin_manager must be a pluggy PluginManager (get_plugin_manager()), got {plugin_manager!r}")
         self.plugin_manager = plugin_manager or get_plugin_manager(environment=environment)
-        self.checkpoint = Checkpoint(resolve_model_path(model))
+        self.checkpoint = Checkpoint(resolve_model_path(model), quantization=self.config.quantization)
         self.family = resolve_family(self.plugin_manager, self.checkpoint.config)
         #: The model's other ranks (:class:`~metrale.backends.executor.RankExecutor`), None on one rank.
         self.ranks: RankExecutor | None = None

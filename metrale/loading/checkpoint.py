@@ -158,6 +158,7 @@ class Checkpoint:
 
     def __init__(self, path: str | Path, quantization: str | None = None) -> None:
         self.path = Path(path).expanduser()
+        self.weight_format: Any = None
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint folder {str(self.path)!r} does not exist")
         self.config = self._read_json("config.json", required=True)
@@ -271,6 +272,14 @@ class Checkpoint:
         weight = self.weight_format.read(self, name, rows, columns)  # type: ignore[union-attr]
         self._consumed.add(name)
         return weight
+
+    def quantized_parts(self, parts: Sequence[tuple]) -> Any:
+        """The weight ``parts`` (``(name, shape[, rows, columns])``, as ``backend.load_weight`` takes
+        them) stacked along the rows as one :class:`~metrale.kernels.quantized.QuantizedWeight` of
+        host arrays when every part is stored quantized; None when none is (a mix is refused)."""
+        from metrale.loading.quantization import read_parts
+
+        return read_parts(self, parts)
 
     def info(self, name: str) -> TensorInfo:
         try:

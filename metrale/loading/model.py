@@ -48,7 +48,7 @@ def load_rank_model(model_path: str, options: dict) -> tuple[Any, Any, Any, Any]
     environment = read_environment()
     config = EngineConfig.from_options(options, environment)
     plugin_manager = get_plugin_manager(environment=environment)
-    checkpoint = Checkpoint(Path(model_path))
+    checkpoint = Checkpoint(Path(model_path), quantization=config.quantization)
     family = resolve_family(plugin_manager, checkpoint.config)
     backend = get_backend(config.device, cuda_graphs=config.cuda_graphs, environment=config.environment)
     backend.use_ops(build_op_registry(plugin_manager))

@@ -14,6 +14,7 @@ import numpy as np
 
 from metrale.errors import OpRegistrationError
 from metrale.kernels.lora_tiles import adapter_tiles, check_adapter_tiles
+from metrale.kernels.quantized import QuantizedWeight, quantized_linear_reference
 from metrale.ops.registry import Kernel, Op, OpRegistry
 from metrale.ops.registry import Operand as P
 from metrale.ops.selection import (  # noqa: F401 (the kernel lists were defined here; they keep importing)
@@ -52,6 +53,8 @@ def rmsnorm_residual(x, residual, weight, eps, offset=0.0):
 
 
 def linear(x, weight, bias=None):
+    if isinstance(weight, QuantizedWeight):
+        return quantized_linear_reference(to_float32(x), weight, bias)
     return _kernels("linear").linear_reference(x, weight, bias)
 
 
@@ -213,7 +216,22 @@ def moe_route(x, gate, bias, method, n_group, topk_group, top_k, renormalise, sc
 
 
 def moe_experts(x, experts, weights, gate_up, down):
+    if isinstance(gate_up, QuantizedWeight) or isinstance(down, QuantizedWeight):
+        return _quantized_experts(to_float32(x), experts, weights, gate_up, down)
     return _kernels("moe").experts_reference(x, experts, weights, gate_up, down)
+
+
+def _quantized_experts(x, experts, weights, gate_up, down):
+    """:func:`moe_experts` over quantized stacked weights: each chosen expert's rows of ``gate_up``
+    and ``down`` as a quantized product (the activations quantized as each weight says)."""
+    hidden, inter = x.shape[1], down.shape[1]
+    out = np.zeros((x.shape[0], hidden), dtype=np.float32)
+    for n in range(x.shape[0]):
+        for s in range(experts.shape[1]):
+            e = int(experts[n, s])
+            act = silu_and_mul(linear(x[n : n + 1], gate_up[2 * inter * e : 2 * inter * (e + 1)]))
+            out[n] += weights[n, s] * linear(act, down[hidden * e : hidden * (e + 1)])[0]
+    return out
 
 
 def gdn_conv_update(inputs, weight, conv_state, slots):

@@ -44,7 +44,9 @@ class Operand:
     * ``matmul_input`` -- an input of a matrix product: float32 on the CPU, bf16 bits (``uint16``)
       on the GPU; ops taking one accept float32 too;
     * ``weight`` -- placed with ``backend.load_weight`` / ``backend.weight``: float32 on the CPU,
-      bf16 bits on the GPU;
+      bf16 bits on the GPU; a weight a checkpoint stores quantized arrives as a
+      :class:`~metrale.kernels.quantized.QuantizedWeight` instead, which the matrix products
+      (``linear``, ``linear_silu``, ``rmsnorm_linear``, ``rmsnorm_mlp``, ``moe_experts``) take;
     * ``constant`` -- placed with ``backend.constant``: float32 on both;
     * ``index`` -- int32 on both;
     * ``cache`` -- a cache or state array the op updates in place (the backend's ``cache_dtype``
@@ -68,7 +70,7 @@ class Operand:
         return {
             "activation": "float32",
             "matmul_input": "float32" if backend == "cpu" else "bf16 bits (uint16); float32 accepted",
-            "weight": "float32" if backend == "cpu" else "bf16 bits (uint16)",
+            "weight": "float32" if backend == "cpu" else "bf16 bits (uint16)",  # or a QuantizedWeight
             "constant": "float32",
             "index": "int32",
             "cache": "float32" if backend == "cpu" else "bf16 bits (K/V, latents); float32 (states)",

@@ -67,6 +67,7 @@ _VALUE_OPTIONS = {
     "max_lora_rank": "max_lora_rank",
     "tensor_parallel_size": "tensor_parallel_size",
     "distributed_executor_backend": "distributed_executor_backend",
+    "quantization": "quantization",
 }
 
 #: Engine switches (``--no-...``): flag -> :class:`~metrale.LLM` keyword set to False.
@@ -161,7 +162,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def add_parallel_arguments(group: Any) -> None:
-    """The tensor-parallel flags (:mod:`metrale.backends.executor`), shared with ``metrale generate``."""
+    """The tensor-parallel flags (:mod:`metrale.backends.executor`) and ``--quantization``, shared
+    with ``metrale generate``."""
+    group.add_argument("--quantization", "-q", default=None, choices=("fp8",),
+                       help="quantize a full-precision checkpoint's linear layers at load: fp8 (E4M3 weights with "
+                       "per-channel scales, inputs quantized per token); a quantized checkpoint is read as stored "
+                       "without it (default: none)")
     group.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                        help="split the model over N ranks, a worker process each (default: 1)")
     group.add_argument("--expert-parallel", action="store_true",
