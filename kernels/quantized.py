@@ -109,7 +109,7 @@ def fp4_e2m1_to_float32(nibbles: np.ndarray) -> np.ndarray:
 def e8m0_to_float32(exponents: np.ndarray) -> np.ndarray:
     """The float32 scales of E8M0 codes (``2**(code - 127)``; 255 is NaN)."""
     exponents = np.asarray(exponents, dtype=np.uint8)
-    scales = np.ldexp(np.float32(1.0), exponents.astype(np.int32) - 127).astype(np.float32)
+    scales = np.ldexp(np.float32(1.0), np.minimum(exponents, 254).astype(np.int32) - 127).astype(np.float32)
     return np.where(exponents == 255, np.float32(np.nan), scales).astype(np.float32)
 
 

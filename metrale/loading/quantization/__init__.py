@@ -17,60 +17,16 @@ it), ``gptq``, ``awq`` and ``mxfp4``; online: ``fp8``.
 
 from __future__ import annotations
 
-import re
-from typing import Any, Callable, Sequence
-
-import numpy as np
-
-from metrale.errors import CheckpointError, QuantizationError, UnsupportedQuantizationError
-from metrale.kernels.quantized import QuantizedWeight, concatenate_weights, quantize_fp8_per_channel
+from metrale.errors import UnsupportedQuantizationError
 from metrale.loading.config_fields import ConfigFields
-
-#: Online quantization methods (``quantization=``), as vLLM names them.
-ONLINE_METHODS = ("fp8",)
-
-
-class WeightFormat:
-    """How one checkpoint stores its quantized weights.
-
-    A weight is named as a family reads it, ``{module}.weight``; a format answers for that name
-    whatever tensors it stores it as (``weight_packed``, ``qweight``, ``_blocks``, ...)."""
-
-    #: ``quant_method`` of ``config.json`` (or the online method).
-    method: str = ""
-
-    def holds(self, checkpoint: Any, name: str) -> bool:
-        """Whether ``name`` is stored quantized in this format."""
-        raise NotImplementedError
-
-    def shape(self, checkpoint: Any, name: str) -> tuple[int, ...]:
-        """The shape of the matrix ``name`` stands for (a held weight)."""
-        raise NotImplementedError
-
-    def read(self, checkpoint: Any, name: str, rows: slice | None = None,
-             columns: slice | None = None) -> QuantizedWeight:
-        """The held weight ``name`` (its ``rows`` / ``columns`` only, when given) as host arrays."""
-        raise NotImplementedError
-
-    def describe(self) -> str:
-        """The format in words, for messages and the benchmark's report."""
-        return self.method
-
-
-# ------------------------------------------------------------------------------ the registry
-
-#: ``quant_method`` -> a builder taking the ``quantization_config`` fields.
-FORMATS: dict[str, Callable[[ConfigFields], WeightFormat]] = {}
-
-
-def register_format(method: str) -> Callable[[Callable[[ConfigFields], WeightFormat]], Callable[[ConfigFields], WeightFormat]]:
-    """Register the builder of a checkpoint format under its ``quant_method``."""
-
-    def register(builder: Callable[[ConfigFields], WeightFormat]) -> Callable[[ConfigFields], WeightFormat]:
-        FORMATS[method] = builder
-        return builder
-
-    return register
+from metrale.loading.quantization.base import (
+    FORMATS,
+    ONLINE_METHODS,
+    OnlineFp8,
+    WeightFormat,
+    read_parts,
+    register_format,
+)
 
 
 def served_methods() -> list[str]:
@@ -110,103 +66,5 @@ def weight_format(config: ConfigFields, online: str | None = None) -> WeightForm
     return FORMATS[method](section)
 
 
-# ------------------------------------------------------------------------- shared helpers
-
-
-def module_of(name: str) -> str | None:
-    """``{module}`` of a weight name ``{module}.weight`` (None for any other name)."""
-    return name[: -len(".weight")] if name.endswith(".weight") else None
-
-
-def matches(module: str, targets: Sequence[str], *, linear: bool = True) -> bool:
-    """Whether ``module`` matches one of ``targets`` as compressed-tensors and the HF configs
-    name modules: ``"Linear"`` (any linear layer), ``"re:PATTERN"`` (a regular expression matched
-    from the start), or a name equal to the module's or to one of its trailing parts."""
-    for target in targets:
-        if target == "Linear" and linear:
-            return True
-        if target.startswith("re:"):
-            if re.match(target[3:], module):
-                return True
-        elif module == target or module.endswith("." + target) or ("." + target + ".") in ("." + module + "."):
-            return True
-    return False
-
-
-def float_tensor(checkpoint: Any, name: str, rows: slice | None = None, columns: slice | None = None) -> np.ndarray:
-    """A companion tensor (a scale, a zero point) as float32, its ``rows``/``columns`` only."""
-    return checkpoint.stored_tensor(name, rows=rows, columns=columns)
-
-
-def sliced(array: np.ndarray, rows: slice | None, columns: slice | None) -> np.ndarray:
-    """``array[rows][:, columns]`` (either None: all)."""
-    array = array[rows if rows is not None else slice(None)]
-    return array if columns is None else array[:, columns]
-
-
-def block_part(part: slice | None, size: int, per: int, what: str, name: str) -> slice | None:
-    """The blocks of ``per`` that the element range ``part`` of ``size`` covers, refused unless
-    the range starts on a block edge and ends on one (or at the end)."""
-    if part is None:
-        return None
-    start, stop, _ = part.indices(size)
-    if start % per or (stop % per and stop != size):
-        raise QuantizationError(
-            f"{name}: a rank's {what} [{start}, {stop}) does not fall on the quantization blocks of {per}; "
-            "use a tensor_parallel_size whose parts are multiples of the block")
-    return slice(start // per, -(-stop // per))
-
-
-def check_shape(name: str, got: Sequence[int], expected: Sequence[int], what: str) -> None:
-    if tuple(got) != tuple(expected):
-        raise QuantizationError(f"{name}: {what} has shape {list(got)}, expected {list(expected)}")
-
-
-# ------------------------------------------------------------------------------ online fp8
-
-#: Weights online quantization leaves at full precision: the embedding, the LM head, routers.
-ONLINE_SKIPPED = ("embed_tokens", "lm_head", "mlp.gate", "shared_expert_gate")
-
-
-class OnlineFp8(WeightFormat):
-    """``quantization="fp8"``: every linear layer's matrix of a full-precision checkpoint quantized
-    at load to FP8 E4M3 with one scale per output channel, inputs quantized per token at run time
-    (vLLM's online FP8 with channel-wise weight scales)."""
-
-    method = "fp8 (online)"
-
-    def holds(self, checkpoint: Any, name: str) -> bool:
-        module = module_of(name)
-        if module is None or not checkpoint.has_stored(name) or len(checkpoint.info(name).shape) != 2:
-            return False
-        return not any(module == s or module.endswith("." + s) for s in ONLINE_SKIPPED)
-
-    def shape(self, checkpoint: Any, name: str) -> tuple[int, ...]:
-        return checkpoint.info(name).shape
-
-    def read(self, checkpoint: Any, name: str, rows: slice | None = None,
-             columns: slice | None = None) -> QuantizedWeight:
-        return quantize_fp8_per_channel(checkpoint.stored_tensor(name, rows=rows, columns=columns))
-
-    def describe(self) -> str:
-        return "online FP8 (E4M3, per-channel weight scales, dynamic per-token activations)"
-
-
-def read_parts(checkpoint: Any, parts: Sequence[tuple]) -> QuantizedWeight | None:
-    """The weight ``parts`` (``(name, shape[, rows, columns])``, as ``backend.load_weight`` takes
-    them) stacked along the rows, quantized, when every part is held quantized; None when none is.
-    A mix is refused: one product cannot take both."""
-    held = [checkpoint.is_quantized(part[0]) for part in parts]
-    if not any(held):
-        return None
-    if not all(held):
-        plain = [part[0] for part, quantized in zip(parts, held) if not quantized]
-        raise QuantizationError(f"{checkpoint.path}: {', '.join(plain)} are stored at full precision but fused "
-                                "with quantized weights into one product")
-    return concatenate_weights([checkpoint.quantized(*part) for part in parts])
-
-
-__all__ = [
-    "FORMATS", "ONLINE_METHODS", "OnlineFp8", "WeightFormat", "check_shape", "float_tensor", "matches", "module_of",
-    "read_parts", "register_format", "served_methods", "weight_format", "block_part", "sliced", "CheckpointError",
-]
+__all__ = ["FORMATS", "ONLINE_METHODS", "OnlineFp8", "WeightFormat", "read_parts", "register_format", "served_methods",
+           "weight_format"]

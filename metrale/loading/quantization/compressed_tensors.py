@@ -29,7 +29,7 @@ import numpy as np
 from metrale.errors import UnsupportedQuantizationError
 from metrale.kernels.quantized import QuantizedWeight, pack_nibbles
 from metrale.loading.config_fields import ConfigFields
-from metrale.loading.quantization import (
+from metrale.loading.quantization.base import (
     WeightFormat,
     block_part,
     check_shape,
