@@ -1,0 +1,481 @@
+"""Products with quantized weights on the GPU (CUDA C++, compiled by NVRTC through CuPy): a decode
+GEMV that reads the codes and dequantizes them in registers, and a dequantization into bf16 for the
+prompt GEMMs that cuBLAS runs.
+
+``quantized_gemv`` computes ``y = quantize(x) W^T (+ bias)`` for up to :data:`MAX_ROWS` rows,
+``W`` a :class:`~metrale.kernels.quantized.QuantizedWeight` (FP8 E4M3, INT4, INT8 or MXFP4 codes;
+scales per block of rows and columns; optional zero points; optional act-order). Its prologue
+stages the input rows in shared memory as bf16: gathered in the weight's column order, quantized
+under the weight's activation scheme as :func:`~metrale.kernels.quantized.quantize_activations`
+does (the row or group maxima reduced by a warp each), rounded to bf16. The product follows
+:mod:`metrale.kernels.decode_gemv`'s: ``mma.sync.m16n8k16`` with 16 output columns as the M side and
+a tile of 8 rows as the N side, each lane feeding its A fragment from the 8 codes of one chunk of 8
+input columns of its two columns, dequantized to bf16 (``(code - zero) * scale``) in registers: the
+weight stream is the codes' bytes, a quarter (INT4, MXFP4) or half (FP8, INT8) of bf16's. ``SPLIT``
+warps share a tile of columns, each over a slice of the input.
+
+``dequantize_bf16`` writes the bf16 matrix a quantized weight stands for, for the prompt
+products (many rows: cuBLAS on bf16 tensor cores, its time spread over the rows).
+
+:func:`quantized_gemv_reference` is the NumPy reference of what a launch computes (the staged
+input and the dequantized weight rounded to bf16, float32 accumulation); ``tests/kernels`` runs the
+kernels on the host through the CUDA emulation header against it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from metrale.errors import KernelArgumentError
+from metrale.kernels._device import DeviceArray, check_array
+from metrale.kernels._launch import launch
+from metrale.kernels._tensor_cores import MMA_BF16
+from metrale.kernels._words import HELPERS, aligned
+from metrale.kernels.quantized import (
+    FP8_E4M3_MAX,
+    INT8_MAX,
+    MIN_ACTIVATION_SCALE,
+    QuantizedWeight,
+    dequantize,
+    quantize_activations,
+)
+
+#: Codes (template ``CODES``) and activation schemes (template ``ACT``) by their layout names.
+CODES = {"fp8": 0, "int4": 1, "int8": 2, "mxfp4": 3}
+ACTIVATIONS = {"weight_only": 0, "fp8_token": 1, "fp8_tensor": 2, "fp8_group": 3, "int8_token": 4}
+MAX_ROWS = 32
+ROW_TILES = (1, 2, 4)
+WARPS = 8
+THREADS = 32 * WARPS
+SPLITS = (1, 2, 4, 8)
+UNROLL = 4
+TILE = 16
+MAX_SHARED_BYTES = 227 * 1024
+REDUCE_BYTES = WARPS * 32 * 16
+#: Largest number of activation scales the prologue keeps (rows times groups of a row).
+MAX_ACTIVATION_SCALES = 8192
+
+INSTRUCTIONS = r"""
+#define DYNAMIC_SHARED extern __shared__ __align__(16) unsigned char dynamic_shared[]
+"""
+
+CONSTANTS = f"""
+#define WARPS {WARPS}
+#define THREADS {THREADS}
+#define CODES_FP8 {CODES["fp8"]}
+#define CODES_INT4 {CODES["int4"]}
+#define CODES_INT8 {CODES["int8"]}
+#define CODES_MXFP4 {CODES["mxfp4"]}
+#define ACT_NONE {ACTIVATIONS["weight_only"]}
+#define ACT_FP8_TOKEN {ACTIVATIONS["fp8_token"]}
+#define ACT_FP8_TENSOR {ACTIVATIONS["fp8_tensor"]}
+#define ACT_FP8_GROUP {ACTIVATIONS["fp8_group"]}
+#define ACT_INT8_TOKEN {ACTIVATIONS["int8_token"]}
+#define FP8_MAX {FP8_E4M3_MAX:.1f}f
+#define INT8_MAX_VALUE {INT8_MAX:.1f}f
+#define MIN_SCALE {MIN_ACTIVATION_SCALE:.1e}f
+#define GEMV_UNROLL {UNROLL}
+"""
+
+KERNELS = r"""
+// The value of an FP8 E4M3 code (0x7f / 0xff, NaN, never stored by a quantizer, read as 480).
+__device__ __forceinline__ float e4m3_value(unsigned code) {
+    const unsigned exponent = (code >> 3) & 15u, mantissa = code & 7u;
+    const float magnitude = exponent == 0u ? (float)mantissa * 0.001953125f
+                                           : __uint_as_float(((exponent + 120u) << 23) | (mantissa << 20));
+    return code & 0x80u ? -magnitude : magnitude;
+}
+
+// The value of an FP4 E2M1 code (bit 3 the sign).
+__device__ __forceinline__ float e2m1_value(unsigned code) {
+    const unsigned exponent = (code >> 1) & 3u, mantissa = code & 1u;
+    const float magnitude = exponent == 0u ? 0.5f * (float)mantissa
+                                           : (1.0f + 0.5f * (float)mantissa) * (float)(1u << (exponent - 1u));
+    return code & 8u ? -magnitude : magnitude;
+}
+
+// value rounded to the nearest E4M3 value (ties to the even code), saturating at +-448.
+__device__ __forceinline__ float round_e4m3(float value) {
+    const float magnitude = fminf(fabsf(value), FP8_MAX);
+    float rounded;
+    if (magnitude < 0.015625f) {
+        rounded = rintf(magnitude * 512.0f) * 0.001953125f;   // subnormal codes: steps of 2**-9
+    } else {
+        const unsigned bits = __float_as_uint(magnitude);
+        rounded = __uint_as_float((bits + 0x7ffffu + ((bits >> 20) & 1u)) & 0xfff00000u);
+    }
+    return value < 0.0f ? -rounded : rounded;
+}
+
+// Code i (0..7) of a chunk of 8 codes, as its raw value: codes holds 8 bytes (FP8, INT8) or 8 nibbles
+// (INT4, MXFP4) in two words.
+template <int CODES>
+__device__ __forceinline__ float code_value(uint2 codes, int i) {
+    if (CODES == CODES_INT4 || CODES == CODES_MXFP4) {
+        const unsigned nibble = (codes.x >> (4 * i)) & 15u;
+        return CODES == CODES_INT4 ? (float)nibble : e2m1_value(nibble);
+    }
+    const unsigned byte = ((i < 4 ? codes.x : codes.y) >> (8 * (i & 3))) & 255u;
+    return CODES == CODES_FP8 ? e4m3_value(byte) : (float)byte;
+}
+
+// The 8 codes of chunk `chunk` (input columns 8 chunk .. 8 chunk + 7) of weight row `column`.
+template <int CODES>
+__device__ __forceinline__ uint2 load_codes(const unsigned char* __restrict__ codes, size_t column, int chunk, int K) {
+    if (CODES == CODES_INT4 || CODES == CODES_MXFP4) {
+        const unsigned word = __ldg(reinterpret_cast<const unsigned*>(codes + column * (size_t)(K / 2)) + chunk);
+        return make_uint2(word, 0u);
+    }
+    return __ldg(reinterpret_cast<const uint2*>(codes + column * (size_t)K) + chunk);
+}
+
+// The chunk's 8 weights (code - zero) * scale as 4 bf16 pairs.
+template <int CODES>
+__device__ __forceinline__ uint4 dequantize_chunk(uint2 codes, float scale, float zero) {
+    float w[8];
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = (code_value<CODES>(codes, i) - zero) * scale;
+    uint4 pairs;
+    pairs.x = (unsigned)to_bf16(w[0]) | ((unsigned)to_bf16(w[1]) << 16);
+    pairs.y = (unsigned)to_bf16(w[2]) | ((unsigned)to_bf16(w[3]) << 16);
+    pairs.z = (unsigned)to_bf16(w[4]) | ((unsigned)to_bf16(w[5]) << 16);
+    pairs.w = (unsigned)to_bf16(w[6]) | ((unsigned)to_bf16(w[7]) << 16);
+    return pairs;
+}
+
+__device__ __forceinline__ float warp_max(float value) {
+    for (int offset = 16; offset > 0; offset /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+    return value;
+}
+
+struct QuantizedOperand {
+    const unsigned char* codes;   // [N, K] bytes (FP8, INT8) or [N, K / 2] (INT4, MXFP4)
+    const float* scales;          // [ceil(N / block_rows), scale_columns]
+    const float* zeros;           // like scales, or null: 0 (FP8, MXFP4), 2**(bits - 1) (INT4, INT8)
+    int block_rows, block_columns, scale_columns;
+};
+
+template <int CODES>
+__device__ __forceinline__ uint4 weight_chunk(const QuantizedOperand& w, size_t column, int chunk, int K, bool valid) {
+    if (!valid) return make_uint4(0u, 0u, 0u, 0u);
+    const size_t at = (column / (size_t)w.block_rows) * (size_t)w.scale_columns + (size_t)(8 * chunk / w.block_columns);
+    const float default_zero = CODES == CODES_INT4 ? 8.0f : CODES == CODES_INT8 ? 128.0f : 0.0f;
+    const float zero = w.zeros != nullptr ? __ldg(w.zeros + at) : default_zero;
+    return dequantize_chunk<CODES>(load_codes<CODES>(w.codes, column, chunk, K), __ldg(w.scales + at), zero);
+}
+
+// y[r, n] = dot(staged[r, :], W[n, :]) (+ bias[n]) for r < rows <= 8 * ROW_TILES, n < N. staged[r, k]
+// = bf16(quantize(x[r, order[k]])) (order null: k): ACT_NONE keeps the value, ACT_FP8_TOKEN /
+// ACT_INT8_TOKEN quantize each row with scale max|row| / 448 (/ 127), ACT_FP8_GROUP each row's
+// groups of act_group columns, ACT_FP8_TENSOR with input_scale. x: float32 [rows, K]; out: float32
+// [rows, N]; K a multiple of 32, block_columns a multiple of 8. Grid: as decode_gemv's, WARPS / SPLIT
+// column tiles of 16 a block, round after round. Dynamic shared memory: rows * ceil(K / 64) * 128
+// bytes of staged input, then rows * groups floats of activation scales, then (SPLIT > 1) the split's
+// partial products.
+template <int CODES, int ACT, int SPLIT, int ROW_TILES>
+__global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv(
+    const float* __restrict__ x, const int* __restrict__ order, float input_scale, int act_group,
+    QuantizedOperand w, const float* __restrict__ bias, float* __restrict__ out, int rows, int K, int N) {
+    DYNAMIC_SHARED;
+    constexpr int GROUPS = WARPS / SPLIT;
+    uint4* stage = reinterpret_cast<uint4*>(dynamic_shared);
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int g = lane / 4, q = lane % 4;
+    const int chunks = K / 8, stride = (chunks + 7) / 8 * 8;
+    const int tiles = (N + 15) / 16;
+    const int slice = (chunks / 4 + SPLIT - 1) / SPLIT * 4;
+    const int part = warp % SPLIT;
+    const int first_chunk = part * slice, end_chunk = min(chunks, first_chunk + slice);
+    const int batches = (slice + 4 * GEMV_UNROLL - 1) / (4 * GEMV_UNROLL);
+    const int tile_stride = gridDim.x * GROUPS;
+    const int first_tile = blockIdx.x * GROUPS + warp / SPLIT;
+    const int rounds = (tiles - (int)blockIdx.x * GROUPS + tile_stride - 1) / tile_stride;
+    const int steps = rounds * batches;
+    const uint4 zero = {0u, 0u, 0u, 0u};
+
+    // 1. The activation scales: a warp reduces each (row, group).
+    const int group = ACT == ACT_FP8_GROUP ? act_group : K;
+    const int groups = (K + group - 1) / group;
+    float* act_scale = reinterpret_cast<float*>(stage + rows * stride);   // [rows][groups]
+    if (ACT == ACT_FP8_TOKEN || ACT == ACT_INT8_TOKEN || ACT == ACT_FP8_GROUP) {
+        const float limit = ACT == ACT_INT8_TOKEN ? INT8_MAX_VALUE : FP8_MAX;
+        for (int task = warp; task < rows * groups; task += WARPS) {
+            const int r = task / groups, j = task - r * groups;
+            float amax = 0.0f;
+            for (int k = j * group + lane; k < min(K, (j + 1) * group); k += 32)
+                amax = fmaxf(amax, fabsf(x[(size_t)r * K + (order != nullptr ? order[k] : k)]));
+            amax = warp_max(amax);
+            if (lane == 0) act_scale[task] = fmaxf(amax / limit, MIN_SCALE);
+        }
+        __syncthreads();
+    }
+
+    // 2. The staged rows, as bf16.
+    for (int i = tid; i < rows * chunks; i += THREADS) {
+        const int r = i / chunks, c = i - r * chunks;
+        float v[8];
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int k = 8 * c + e;
+            float value = x[(size_t)r * K + (order != nullptr ? order[k] : k)];
+            if (ACT == ACT_FP8_TENSOR) {
+                value = round_e4m3(value / input_scale) * input_scale;
+            } else if (ACT == ACT_FP8_TOKEN || ACT == ACT_FP8_GROUP) {
+                const float s = act_scale[r * groups + k / group];
+                value = round_e4m3(value / s) * s;
+            } else if (ACT == ACT_INT8_TOKEN) {
+                const float s = act_scale[r * groups];
+                value = fminf(fmaxf(rintf(value / s), -INT8_MAX_VALUE), INT8_MAX_VALUE) * s;
+            }
+            v[e] = value;
+        }
+        uint4 staged;
+        staged.x = (unsigned)to_bf16(v[0]) | ((unsigned)to_bf16(v[1]) << 16);
+        staged.y = (unsigned)to_bf16(v[2]) | ((unsigned)to_bf16(v[3]) << 16);
+        staged.z = (unsigned)to_bf16(v[4]) | ((unsigned)to_bf16(v[5]) << 16);
+        staged.w = (unsigned)to_bf16(v[6]) | ((unsigned)to_bf16(v[7]) << 16);
+        stage[r * stride + c] = staged;
+    }
+    __syncthreads();
+
+    // 3. The products: each lane dequantizes chunk (base + 4u + q) of columns g and g + 8.
+    const int scales_at = rows * stride * 16 + ((ACT == ACT_FP8_TOKEN || ACT == ACT_INT8_TOKEN || ACT == ACT_FP8_GROUP)
+                                                 ? (rows * groups * 4 + 15) / 16 * 16 : 0);
+    float4* reduce = reinterpret_cast<float4*>(dynamic_shared + scales_at);   // [WARPS][ROW_TILES][32]
+    float acc[ROW_TILES][4];
+    #pragma unroll
+    for (int t = 0; t < ROW_TILES; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+    for (int step = 0; step < steps; ++step) {
+        const int round = step / batches, batch = step - round * batches;
+        const int tile = first_tile + round * tile_stride;
+        const size_t column = (size_t)min(tile * 16 + g, N - 1), below = (size_t)min(tile * 16 + g + 8, N - 1);
+        #pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            if (first_chunk + batch * 4 * GEMV_UNROLL + 4 * u < end_chunk) {   // warp-uniform
+                const int chunk = first_chunk + batch * 4 * GEMV_UNROLL + 4 * u + q;
+                const bool valid = tile < tiles && chunk < end_chunk;
+                const uint4 upper = weight_chunk<CODES>(w, column, chunk, K, valid);
+                const uint4 lower = weight_chunk<CODES>(w, below, chunk, K, valid);
+                const unsigned a0[4] = {upper.x, lower.x, upper.y, lower.y};
+                const unsigned a1[4] = {upper.z, lower.z, upper.w, lower.w};
+                #pragma unroll
+                for (int t = 0; t < ROW_TILES; ++t) {
+                    const int row = 8 * t + g;
+                    const uint4 in = row < rows && chunk < end_chunk ? stage[row * stride + chunk] : zero;
+                    const unsigned b0[2] = {in.x, in.y};
+                    mma_16x8x16(acc[t], a0, b0);
+                    const unsigned b1[2] = {in.z, in.w};
+                    mma_16x8x16(acc[t], a1, b1);
+                }
+            }
+        }
+        if (batch == batches - 1) {
+            if (SPLIT > 1) {
+                #pragma unroll
+                for (int t = 0; t < ROW_TILES; ++t) {
+                    const float4 mine = {acc[t][0], acc[t][1], acc[t][2], acc[t][3]};
+                    reduce[(warp * ROW_TILES + t) * 32 + lane] = mine;
+                }
+                __syncthreads();
+                if (part == 0) {
+                    #pragma unroll
+                    for (int p = 1; p < SPLIT; ++p) {
+                        #pragma unroll
+                        for (int t = 0; t < ROW_TILES; ++t) {
+                            const float4 other = reduce[((warp + p) * ROW_TILES + t) * 32 + lane];
+                            acc[t][0] += other.x; acc[t][1] += other.y; acc[t][2] += other.z; acc[t][3] += other.w;
+                        }
+                    }
+                }
+                __syncthreads();
+            }
+            #pragma unroll
+            for (int t = 0; t < ROW_TILES; ++t) {
+                if (part == 0 && tile < tiles) {
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int r = 8 * t + 2 * q + (i & 1), n = tile * 16 + g + (i >= 2 ? 8 : 0);
+                        if (r < rows && n < N) out[(size_t)r * N + n] = bias != nullptr ? acc[t][i] + bias[n] : acc[t][i];
+                    }
+                }
+                acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+            }
+        }
+    }
+}
+
+// out[n, k] = bf16((code - zero) * scale) of every weight, a thread per chunk of 8 (K a multiple of 8).
+template <int CODES>
+__global__ void dequantize_bf16(QuantizedOperand w, uint4* __restrict__ out, int N, int K) {
+    const size_t chunks = (size_t)N * (K / 8);
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t column = i / (size_t)(K / 8);
+        const int chunk = (int)(i - column * (size_t)(K / 8));
+        out[i] = weight_chunk<CODES>(w, column, chunk, K, true);
+    }
+}
+"""
+
+
+def source() -> str:
+    """The CUDA C++ source NVRTC compiles."""
+    return INSTRUCTIONS + MMA_BF16 + CONSTANTS + HELPERS + KERNELS
+
+
+def row_tiles(rows: int) -> int:
+    return next(t for t in ROW_TILES if 8 * t >= rows)
+
+
+def activation_groups(weight: QuantizedWeight) -> int:
+    """The activation scales a row of the prologue computes (1 per row; per group for ``fp8_group``)."""
+    inner = weight.shape[1]
+    return -(-inner // weight.activation_group) if weight.activations == "fp8_group" else 1
+
+
+def shared_bytes(rows: int, weight: QuantizedWeight, split: int) -> int:
+    """Dynamic shared memory of a launch: the staged rows, the activation scales, the split's
+    partial products."""
+    staged = rows * -(-weight.shape[1] // 64) * 128
+    scales = -(-rows * activation_groups(weight) * 4 // 16) * 16
+    return staged + scales + (REDUCE_BYTES * row_tiles(rows) if split > 1 else 0)
+
+
+def supports(rows: int, weight: QuantizedWeight) -> bool:
+    """Whether the decode GEMV serves ``rows`` rows of a product with ``weight``: at most
+    :data:`MAX_ROWS` rows, the inner size a multiple of 32, column blocks of whole chunks of 8."""
+    out, inner = weight.shape
+    return (0 < rows <= MAX_ROWS and inner % 32 == 0 and weight.block[1] % 8 == 0 and out > 0
+            and rows * activation_groups(weight) <= MAX_ACTIVATION_SCALES
+            and shared_bytes(rows, weight, SPLITS[-1]) <= MAX_SHARED_BYTES)
+
+
+def plan(columns: int, multiprocessors: int, split: int | None = None) -> tuple[int, int]:
+    """``(split, blocks)``: the smallest split whose tiles give every multiprocessor a block's
+    worth of warps, and the blocks that cover the tiles (at most two a multiprocessor without a
+    split: the warps loop)."""
+    tiles = -(-columns // TILE)
+    if split is None:
+        split = next((s for s in SPLITS if tiles * s >= multiprocessors * WARPS), SPLITS[-1])
+    blocks = -(-tiles // (WARPS // split))
+    return split, (min(blocks, 2 * multiprocessors) if split == 1 else blocks)
+
+
+def kernel_name(codes: str, activations: str, split: int, tiles: int) -> str:
+    return f"quantized_gemv<{CODES[codes]}, {ACTIVATIONS[activations]}, {split}, {tiles}>"
+
+
+# ------------------------------------------------------------------------------ reference
+
+
+def round_bf16(values: np.ndarray) -> np.ndarray:
+    from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
+
+    return bf16_to_float32(float32_to_bf16(np.asarray(values, dtype=np.float32)))
+
+
+def quantized_gemv_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray | None = None) -> np.ndarray:
+    """float32 ``[rows, N]``: what a launch computes, from host arrays: the input gathered and
+    quantized as :func:`~metrale.kernels.quantized.quantized_linear_reference` does, then it and
+    every dequantized weight rounded to bf16, accumulated in float32."""
+    x = np.asarray(x, dtype=np.float32)
+    if weight.input_order is not None:
+        x = x[:, np.asarray(weight.input_order)]
+    staged = round_bf16(quantize_activations(x, weight))
+    y = staged @ round_bf16(dequantize(weight, stored_order=True)).T
+    return (y + bias if bias is not None else y).astype(np.float32)
+
+
+def dequantize_bf16_reference(weight: QuantizedWeight) -> np.ndarray:
+    """float32 ``[N, K]`` holding the bf16 values :func:`dequantize_bf16` writes (stored column order)."""
+    return round_bf16(dequantize(weight, stored_order=True))
+
+
+# ------------------------------------------------------------------------------- launchers
+
+_modules: dict[str, Any] = {}
+
+
+def _function(name: str) -> Any:
+    function = _modules.get(name)
+    if function is None:
+        import cupy
+
+        module = cupy.RawModule(code=source(), options=("--std=c++17",), name_expressions=(name,))
+        function = _modules[name] = module.get_function(name)
+    return function
+
+
+def _operand(weight: QuantizedWeight) -> np.ndarray:
+    """The ``QuantizedOperand`` struct's bytes: three pointers and three ints (padded to 8)."""
+    def pointer(array: Any) -> int:
+        return 0 if array is None else int(array.data.ptr)
+
+    words = np.zeros(5, dtype=np.uint64)
+    words[0], words[1], words[2] = pointer(weight.codes), pointer(weight.scales), pointer(weight.zeros)
+    ints = words[3:].view(np.int32)
+    ints[0], ints[1], ints[2] = weight.block[0], weight.block[1], weight.scales.shape[1]
+    return words.view(np.void(40))[0] if False else words  # the struct is passed as its 40 bytes
+
+
+def check_weight(name: str, weight: QuantizedWeight) -> None:
+    """Raise :class:`~metrale.errors.KernelArgumentError` unless the weight's device arrays have the
+    layout's dtypes and shapes, 16-byte aligned codes."""
+    out, inner = weight.shape
+    columns = inner // 2 if weight.codes_format in ("int4", "mxfp4") else inner
+    check_array(name, "codes", weight.codes, np.uint8, (out, columns))
+    check_array(name, "scales", weight.scales, np.float32, tuple(weight.scales.shape))
+    if weight.zeros is not None:
+        check_array(name, "zeros", weight.zeros, np.float32, tuple(weight.scales.shape))
+    if weight.input_order is not None:
+        check_array(name, "input_order", weight.input_order, np.int32, (inner,))
+    if not aligned(weight.codes):
+        raise KernelArgumentError(f"{name}: the codes do not start at a 16-byte boundary")
+
+
+def quantized_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: Any, *,
+                   bias: DeviceArray | None = None, multiprocessors: int = 132, split: int | None = None) -> DeviceArray:
+    """``out <- quantize(x) W^T (+ bias)`` (the module docstring) on ``stream``: ``x`` float32 ``[rows,
+    K]``, ``out`` float32 ``[rows, N]``. Raises :class:`~metrale.errors.KernelArgumentError` for
+    what it does not serve (:func:`supports`)."""
+    name = f"quantized_gemv ({weight.codes_format}, {weight.activations})"
+    check_weight(name, weight)
+    rows = x.shape[0] if getattr(x, "ndim", 0) == 2 else -1
+    columns, inner = weight.shape
+    check_array(name, "x", x, np.float32, (rows, inner))
+    check_array(name, "out", out, np.float32, (rows, columns))
+    if bias is not None:
+        check_array(name, "bias", bias, np.float32, (columns,))
+    if not supports(rows, weight):
+        raise KernelArgumentError(f"{name}: {rows} rows of inner size {inner}, column blocks of {weight.block[1]}, "
+                                  f"are not served (at most {MAX_ROWS} rows, the inner size a multiple of 32)")
+    chosen, blocks = plan(columns, multiprocessors, split)
+    function = _function(kernel_name(weight.codes_format, weight.activations, chosen, row_tiles(rows)))
+    stage = shared_bytes(rows, weight, chosen)
+    if stage > 48 * 1024:
+        function.max_dynamic_shared_size_bytes = stage
+    null = np.uint64(0)
+    input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
+    launch(function, (blocks,), (THREADS,), (
+        x, weight.input_order if weight.input_order is not None else null, np.float32(input_scale),
+        np.int32(weight.activation_group), _operand(weight), bias if bias is not None else null, out,
+        np.int32(rows), np.int32(inner), np.int32(columns),
+    ), stage, stream, dependent=False)
+    return out
+
+
+def dequantize_bf16(weight: QuantizedWeight, out: DeviceArray, stream: Any) -> DeviceArray:
+    """``out`` (uint16 bf16 bits ``[N, K]``) <- the weight's values in its stored column order."""
+    name = f"dequantize_bf16 ({weight.codes_format})"
+    check_weight(name, weight)
+    columns, inner = weight.shape
+    check_array(name, "out", out, np.uint16, (columns, inner))
+    if inner % 8 or weight.block[1] % 8:
+        raise KernelArgumentError(f"{name}: the inner size {inner} and column blocks {weight.block[1]} must be "
+                                  "multiples of 8")
+    function = _function(f"dequantize_bf16<{CODES[weight.codes_format]}>")
+    chunks = columns * inner // 8
+    launch(function, (min(-(-chunks // 256), 65535),), (256,),
+           (_operand(weight), out, np.int32(columns), np.int32(inner)), 0, stream, dependent=False)
+    return out
