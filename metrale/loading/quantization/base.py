@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from metrale.errors import QuantizationError
+from metrale.errors import QuantizationError, UnsupportedQuantizationError
 from metrale.kernels.quantized import QuantizedWeight, concatenate_weights, quantize_fp8_per_channel
 from metrale.loading.config_fields import ConfigFields
 
@@ -153,3 +153,21 @@ def read_parts(checkpoint: Any, parts: Sequence[tuple]) -> QuantizedWeight | Non
         raise QuantizationError(f"{checkpoint.path}: {', '.join(plain)} are stored at full precision but fused "
                                 "with quantized weights into one product")
     return concatenate_weights([checkpoint.quantized(*part) for part in parts])
+
+
+def act_order_columns(g_idx: np.ndarray, codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, group: int,
+               name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Columns sorted by group (``g_idx[c]`` is column ``c``'s group): the codes in that order, the
+    permutation the product gathers its input by; None when ``g_idx`` is already in order."""
+    inner = codes.shape[1]
+    if g_idx.shape != (inner,) or g_idx.min(initial=0) < 0 or g_idx.max(initial=0) >= scales.shape[1]:
+        raise UnsupportedQuantizationError(f"{name}: g_idx must give each of the {inner} columns a group below "
+                                           f"{scales.shape[1]}")
+    order = np.argsort(g_idx, kind="stable")
+    counts = np.bincount(g_idx, minlength=scales.shape[1])
+    if np.any(counts[:-1] != group) or counts[-1] > group:
+        # Groups of unequal size cannot be stored contiguously in blocks of one width.
+        raise UnsupportedQuantizationError(f"{name}: g_idx groups of unequal size are not served")
+    if np.array_equal(order, np.arange(inner)):
+        return codes, scales, zeros, None
+    return np.ascontiguousarray(codes[:, order]), scales, zeros, order.astype(np.int32)

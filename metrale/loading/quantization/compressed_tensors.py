@@ -31,6 +31,7 @@ from metrale.kernels.quantized import QuantizedWeight, pack_nibbles
 from metrale.loading.config_fields import ConfigFields
 from metrale.loading.quantization.base import (
     WeightFormat,
+    act_order_columns,
     block_part,
     check_shape,
     float_tensor,
@@ -213,7 +214,7 @@ class CompressedTensorsFormat(WeightFormat):
         g_idx_name = f"{module}.weight_g_idx"
         if checkpoint.has_stored(g_idx_name):
             g_idx = np.asarray(checkpoint.raw(g_idx_name)).astype(np.int64).reshape(-1)
-            codes, scales, zeros, order = _act_order(g_idx, codes, scales, zeros, per_column, name)
+            codes, scales, zeros, order = act_order_columns(g_idx, codes, scales, zeros, per_column, name)
         row_blocks = block_part(rows, out, per_row, "rows", name) if per_row < out else None
         column_blocks = block_part(columns, inner, per_column, "columns", name) if per_column < inner else None
         if order is not None and columns is not None:
@@ -266,21 +267,3 @@ def _unpack_rows(words: np.ndarray, bits: int, columns: int) -> np.ndarray:
     shifts = (np.arange(per_word, dtype=np.uint32) * bits)
     values = (words[..., None] >> shifts) & np.uint32((1 << bits) - 1)
     return values.reshape(words.shape[0], -1)[:, :columns].astype(np.uint8)
-
-
-def _act_order(g_idx: np.ndarray, codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, group: int,
-               name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """Columns sorted by group (``g_idx[c]`` is column ``c``'s group): the codes in that order, the
-    permutation the product gathers its input by; None when ``g_idx`` is already in order."""
-    inner = codes.shape[1]
-    if g_idx.shape != (inner,) or g_idx.min(initial=0) < 0 or g_idx.max(initial=0) >= scales.shape[1]:
-        raise UnsupportedQuantizationError(f"{name}: g_idx must give each of the {inner} columns a group below "
-                                           f"{scales.shape[1]}")
-    order = np.argsort(g_idx, kind="stable")
-    counts = np.bincount(g_idx, minlength=scales.shape[1])
-    if np.any(counts[:-1] != group) or counts[-1] > group:
-        # Groups of unequal size cannot be stored contiguously in blocks of one width.
-        raise UnsupportedQuantizationError(f"{name}: g_idx groups of unequal size are not served")
-    if np.array_equal(order, np.arange(inner)):
-        return codes, scales, zeros, None
-    return np.ascontiguousarray(codes[:, order]), scales, zeros, order.astype(np.int32)

@@ -41,8 +41,9 @@ import numpy as np
 from metrale.errors import UnsupportedQuantizationError
 from metrale.kernels.quantized import QuantizedWeight, pack_nibbles
 from metrale.loading.config_fields import ConfigFields
-from metrale.loading.quantization import (
+from metrale.loading.quantization.base import (
     WeightFormat,
+    act_order_columns,
     block_part,
     check_shape,
     float_tensor,
@@ -51,7 +52,6 @@ from metrale.loading.quantization import (
     register_format,
     sliced,
 )
-from metrale.loading.quantization.compressed_tensors import _act_order
 
 #: Bits per weight served (the engine's ``int4`` and ``int8`` codes).
 SERVED_BITS = (4, 8)
@@ -134,7 +134,7 @@ class _GroupedIntegerFormat(WeightFormat):
             if columns is not None:
                 raise UnsupportedQuantizationError(f"{name}: act-order (g_idx) weights are not split by columns "
                                                    "over ranks")
-            codes, scales, zeros, order = _act_order(g_idx, codes, scales, zeros, group, name)
+            codes, scales, zeros, order = act_order_columns(g_idx, codes, scales, zeros, group, name)
         if columns is not None:
             column_blocks = block_part(columns, inner, group, "columns", name) if group < inner else None
             codes = codes[:, columns]

@@ -27,7 +27,7 @@ import numpy as np
 from metrale.errors import QuantizationError
 from metrale.kernels.quantized import QuantizedWeight, concatenate_weights, e8m0_to_float32
 from metrale.loading.config_fields import ConfigFields
-from metrale.loading.quantization import WeightFormat, block_part, check_shape, module_of, register_format
+from metrale.loading.quantization.base import WeightFormat, block_part, check_shape, module_of, register_format
 
 #: Columns per MXFP4 block (one E8M0 scale each).
 MXFP4_BLOCK = 32
