@@ -177,8 +177,11 @@ __device__ __forceinline__ uint4 weight_chunk(const QuantizedOperand& w, size_t 
 template <int CODES, int ACT, int SPLIT, int ROW_TILES>
 __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv(
     const float* __restrict__ x, const int* __restrict__ order, float input_scale, int act_group,
-    QuantizedOperand w, const float* __restrict__ bias, float* __restrict__ out, int rows, int K, int N) {
+    const unsigned char* __restrict__ codes, const float* __restrict__ scales, const float* __restrict__ zeros,
+    int block_rows, int block_columns, int scale_columns, const float* __restrict__ bias, float* __restrict__ out,
+    int rows, int K, int N) {
     DYNAMIC_SHARED;
+    const QuantizedOperand w = {codes, scales, zeros, block_rows, block_columns, scale_columns};
     constexpr int GROUPS = WARPS / SPLIT;
     uint4* stage = reinterpret_cast<uint4*>(dynamic_shared);
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -308,7 +311,10 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
 
 // out[n, k] = bf16((code - zero) * scale) of every weight, a thread per chunk of 8 (K a multiple of 8).
 template <int CODES>
-__global__ void dequantize_bf16(QuantizedOperand w, uint4* __restrict__ out, int N, int K) {
+__global__ void dequantize_bf16(const unsigned char* __restrict__ codes, const float* __restrict__ scales,
+                                const float* __restrict__ zeros, int block_rows, int block_columns, int scale_columns,
+                                uint4* __restrict__ out, int N, int K) {
+    const QuantizedOperand w = {codes, scales, zeros, block_rows, block_columns, scale_columns};
     const size_t chunks = (size_t)N * (K / 8);
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (size_t)gridDim.x * blockDim.x) {
         const size_t column = i / (size_t)(K / 8);
@@ -407,16 +413,12 @@ def _function(name: str) -> Any:
     return function
 
 
-def _operand(weight: QuantizedWeight) -> np.ndarray:
-    """The ``QuantizedOperand`` struct's bytes: three pointers and three ints (padded to 8)."""
-    def pointer(array: Any) -> int:
-        return 0 if array is None else int(array.data.ptr)
-
-    words = np.zeros(5, dtype=np.uint64)
-    words[0], words[1], words[2] = pointer(weight.codes), pointer(weight.scales), pointer(weight.zeros)
-    ints = words[3:].view(np.int32)
-    ints[0], ints[1], ints[2] = weight.block[0], weight.block[1], weight.scales.shape[1]
-    return words.view(np.void(40))[0] if False else words  # the struct is passed as its 40 bytes
+def _operand(weight: QuantizedWeight) -> tuple:
+    """The kernels' weight arguments: codes, scales, zero points (a null pointer when None), the
+    rows and columns a scale covers, the scales' columns."""
+    null = np.uint64(0)
+    return (weight.codes, weight.scales, weight.zeros if weight.zeros is not None else null, np.int32(weight.block[0]),
+            np.int32(weight.block[1]), np.int32(weight.scales.shape[1]))
 
 
 def check_weight(name: str, weight: QuantizedWeight) -> None:
@@ -459,7 +461,7 @@ def quantized_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, st
     input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
     launch(function, (blocks,), (THREADS,), (
         x, weight.input_order if weight.input_order is not None else null, np.float32(input_scale),
-        np.int32(weight.activation_group), _operand(weight), bias if bias is not None else null, out,
+        np.int32(weight.activation_group), *_operand(weight), bias if bias is not None else null, out,
         np.int32(rows), np.int32(inner), np.int32(columns),
     ), stage, stream, dependent=False)
     return out
@@ -477,5 +479,5 @@ def dequantize_bf16(weight: QuantizedWeight, out: DeviceArray, stream: Any) -> D
     function = _function(f"dequantize_bf16<{CODES[weight.codes_format]}>")
     chunks = columns * inner // 8
     launch(function, (min(-(-chunks // 256), 65535),), (256,),
-           (_operand(weight), out, np.int32(columns), np.int32(inner)), 0, stream, dependent=False)
+           (*_operand(weight), out, np.int32(columns), np.int32(inner)), 0, stream, dependent=False)
     return out

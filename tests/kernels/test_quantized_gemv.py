@@ -1,0 +1,189 @@
+"""The quantized decode GEMV and the bf16 dequantization (:mod:`metrale.kernels.quantized_gemv`) run
+on the host through the CUDA emulation header against their NumPy references: every weight code
+(FP8, INT4, INT8, MXFP4), every activation scheme, per-tensor, per-channel, group and block scales,
+zero points, act-order, one to four row tiles, splits of the input over warps, grids smaller than
+the column tiles."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+from emulation import build_emulated
+
+from metrale.kernels import quantized_gemv as qg
+from metrale.kernels.bf16 import bf16_to_float32
+from metrale.kernels.quantized import (
+    QuantizedWeight,
+    float32_to_fp8_e4m3,
+    pack_nibbles,
+    quantized_linear_reference,
+)
+
+# (codes, activations, split, row tiles) instantiated in the emulated program.
+INSTANCES = [
+    ("fp8", "fp8_token", 1, 1), ("fp8", "fp8_token", 4, 2), ("fp8", "fp8_group", 2, 1), ("fp8", "fp8_tensor", 1, 4),
+    ("fp8", "weight_only", 8, 1), ("int4", "weight_only", 1, 1), ("int4", "weight_only", 2, 4),
+    ("int8", "int8_token", 4, 1), ("int8", "weight_only", 1, 2), ("mxfp4", "weight_only", 2, 1),
+]
+
+
+def emulation_main() -> str:
+    dispatch = "\n".join(
+        f"    if (codes == {qg.CODES[c]} && act == {qg.ACTIVATIONS[a]} && split == {s} && tiles == {t}) "
+        f"{{ emu::launch({{(unsigned)blocks, 1, 1}}, {{THREADS, 1, 1}}, [&] {{ quantized_gemv<{qg.CODES[c]}, "
+        f"{qg.ACTIVATIONS[a]}, {s}, {t}>(x, order, input_scale, act_group, code_bytes, scales, zeros, block_rows, "
+        f"block_columns, scale_columns, bias, out, rows, K, N); }}); found = true; }}"
+        for c, a, s, t in INSTANCES)
+    dequantize = "\n".join(
+        f"        if (codes == {number}) emu::launch({{(unsigned)blocks, 1, 1}}, {{64, 1, 1}}, [&] {{ "
+        f"dequantize_bf16<{number}>(code_bytes, scales, zeros, block_rows, block_columns, scale_columns, "
+        f"reinterpret_cast<uint4*>(dense), N, K); }});"
+        for number in qg.CODES.values())
+    return r"""
+#include <string>
+
+int main(int argc, char** argv) {
+    if (argc != 17) emu::fail("usage: folder codes act split tiles rows K N blocks block_rows block_columns "
+                              "scale_columns act_group input_scale flags(order zeros bias) dequantize");
+    const std::string folder = argv[1];
+    const int codes = std::atoi(argv[2]), act = std::atoi(argv[3]), split = std::atoi(argv[4]);
+    const int tiles = std::atoi(argv[5]), rows = std::atoi(argv[6]), K = std::atoi(argv[7]), N = std::atoi(argv[8]);
+    const int blocks = std::atoi(argv[9]), block_rows = std::atoi(argv[10]), block_columns = std::atoi(argv[11]);
+    const int scale_columns = std::atoi(argv[12]), act_group = std::atoi(argv[13]);
+    const float input_scale = std::atof(argv[14]);
+    const int flags = std::atoi(argv[15]), only_dequantize = std::atoi(argv[16]);
+    const size_t code_count = (size_t)N * (codes == 1 || codes == 3 ? K / 2 : K);
+    const unsigned char* code_bytes = read<unsigned char>(folder + "/codes", code_count);
+    const size_t scale_count = (size_t)((N + block_rows - 1) / block_rows) * scale_columns;
+    const float* scales = read<float>(folder + "/scales", scale_count);
+    const float* zeros = flags & 2 ? read<float>(folder + "/zeros", scale_count) : nullptr;
+    if (only_dequantize) {
+        unsigned short* dense = allocate<unsigned short>((size_t)N * K);
+""" + dequantize + r"""
+        write(folder + "/dense", dense, (size_t)N * K);
+        return 0;
+    }
+    const float* x = read<float>(folder + "/x", (size_t)rows * K);
+    const int* order = flags & 1 ? read<int>(folder + "/order", K) : nullptr;
+    const float* bias = flags & 4 ? read<float>(folder + "/bias", N) : nullptr;
+    float* out = allocate<float>((size_t)rows * N);
+    bool found = false;
+""" + dispatch + r"""
+    if (!found) emu::fail("no such instance");
+    write(folder + "/out", out, (size_t)rows * N);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("quantized_gemv_emulated")
+    binary = build_emulated(folder / "quantized_gemv.cpp", qg.CONSTANTS + qg.HELPERS + qg.KERNELS + emulation_main())
+
+    def run(weight: QuantizedWeight, x=None, bias=None, *, split=1, blocks=2, dequantize_only=False):
+        case = folder / "case"
+        case.mkdir(exist_ok=True)
+        out_features, inner = weight.shape
+        np.ascontiguousarray(weight.codes).tofile(case / "codes")
+        np.ascontiguousarray(weight.scales, np.float32).tofile(case / "scales")
+        flags = 0
+        if weight.input_order is not None:
+            np.ascontiguousarray(weight.input_order, np.int32).tofile(case / "order")
+            flags |= 1
+        if weight.zeros is not None:
+            np.ascontiguousarray(weight.zeros, np.float32).tofile(case / "zeros")
+            flags |= 2
+        if bias is not None:
+            np.ascontiguousarray(bias, np.float32).tofile(case / "bias")
+            flags |= 4
+        rows = 1 if x is None else x.shape[0]
+        if x is not None:
+            np.ascontiguousarray(x, np.float32).tofile(case / "x")
+        input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
+        arguments = [qg.CODES[weight.codes_format], qg.ACTIVATIONS[weight.activations], split, qg.row_tiles(rows), rows,
+                     inner, out_features, blocks, weight.block[0], weight.block[1], weight.scales.shape[1],
+                     weight.activation_group, repr(input_scale), flags, int(dequantize_only)]
+        subprocess.run([str(binary), str(case), *map(str, arguments)], check=True, timeout=600)
+        if dequantize_only:
+            return bf16_to_float32(np.fromfile(case / "dense", np.uint16).reshape(out_features, inner))
+        return np.fromfile(case / "out", np.float32).reshape(rows, out_features)
+
+    return run
+
+
+def make_weight(rng: np.random.Generator, codes: str, out: int, inner: int, block: tuple[int, int], *,
+                activations: str = "weight_only", asymmetric: bool = False, act_order: bool = False) -> QuantizedWeight:
+    scale_shape = (-(-out // block[0]), -(-inner // block[1]))
+    scales = rng.uniform(0.01, 0.05, size=scale_shape).astype(np.float32)
+    zeros = None
+    if codes == "fp8":
+        stored = float32_to_fp8_e4m3(rng.normal(size=(out, inner)).astype(np.float32) * 100)
+    elif codes == "int8":
+        stored = rng.integers(0, 256, size=(out, inner), dtype=np.uint8)
+        zeros = rng.integers(100, 156, size=scale_shape).astype(np.float32) if asymmetric else None
+    else:
+        stored = pack_nibbles(rng.integers(0, 16, size=(out, inner), dtype=np.uint8))
+        zeros = rng.integers(0, 16, size=scale_shape).astype(np.float32) if asymmetric and codes == "int4" else None
+        if codes == "mxfp4":
+            scales = np.exp2(rng.integers(-8, -2, size=scale_shape)).astype(np.float32)
+    order = rng.permutation(inner).astype(np.int32) if act_order else None
+    input_scale = np.asarray(0.02, np.float32) if activations == "fp8_tensor" else None
+    return QuantizedWeight(codes, stored, scales, block, (out, inner), zeros=zeros, input_order=order,
+                           activations=activations, input_scale=input_scale)
+
+
+CASES = [
+    # codes, activations, rows, inner, out, block, asymmetric, act_order, bias, split, blocks
+    ("fp8", "fp8_token", 1, 64, 37, (1, 64), False, False, False, 1, 2),  # per channel; a partial tile
+    ("fp8", "fp8_token", 13, 256, 40, (1, 256), False, False, True, 4, 1),  # two row tiles, a split
+    ("fp8", "fp8_group", 3, 384, 150, (128, 128), False, False, False, 2, 3),  # DeepSeek blocks, ragged rows
+    ("fp8", "fp8_tensor", 32, 128, 33, (33, 128), False, False, False, 1, 1),  # one scale for the matrix
+    ("fp8", "weight_only", 5, 160, 20, (1, 32), False, False, False, 8, 2),  # 8 warps over 5 chunk quads
+    ("int4", "weight_only", 1, 256, 48, (1, 128), False, False, False, 1, 1),  # W4A16, symmetric
+    ("int4", "weight_only", 2, 128, 70, (1, 32), True, True, True, 1, 2),  # zero points and act-order
+    ("int4", "weight_only", 27, 64, 19, (1, 64), True, False, False, 2, 2),  # four row tiles
+    ("int8", "int8_token", 4, 96, 50, (1, 96), False, False, True, 4, 1),  # W8A8
+    ("int8", "weight_only", 9, 128, 17, (1, 16), True, False, False, 1, 3),  # W8A16 with zero points
+    ("mxfp4", "weight_only", 6, 128, 40, (1, 32), False, False, False, 2, 2),
+]
+
+
+@pytest.mark.parametrize("codes, activations, rows, inner, out, block, asymmetric, act_order, bias, split, blocks",
+                         CASES)
+def test_emulated_gemv_matches_the_reference(emulated, codes, activations, rows, inner, out, block, asymmetric,
+                                             act_order, bias, split, blocks):
+    rng = np.random.default_rng(rows * 1000 + inner)
+    weight = make_weight(rng, codes, out, inner, block, activations=activations, asymmetric=asymmetric,
+                         act_order=act_order)
+    x = rng.normal(size=(rows, inner)).astype(np.float32)
+    x[0, :7] *= 50  # one row with a few large values: its scale differs from the others'
+    bias_values = rng.normal(size=out).astype(np.float32) if bias else None
+    got = emulated(weight, x, bias_values, split=split, blocks=blocks)
+    expected = qg.quantized_gemv_reference(x, weight, bias_values)
+    scale = np.abs(expected).max()
+    assert np.abs(got - expected).max() <= 1e-5 * scale
+    # And the GPU's rounding (bf16 inputs and weights) stays within bf16's error of the exact math.
+    exact = quantized_linear_reference(x, weight, bias_values)
+    assert np.abs(got - exact).max() <= 2e-2 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("codes, block, asymmetric", [
+    ("fp8", (128, 128), False), ("int4", (1, 32), True), ("int8", (1, 64), False), ("mxfp4", (1, 32), False),
+])
+def test_emulated_dequantization_matches_the_reference(emulated, codes, block, asymmetric):
+    weight = make_weight(np.random.default_rng(11), codes, 130, 192, block, asymmetric=asymmetric)
+    assert np.array_equal(emulated(weight, dequantize_only=True, blocks=3), qg.dequantize_bf16_reference(weight))
+
+
+def test_supports_and_plan():
+    weight = make_weight(np.random.default_rng(0), "fp8", 64, 256, (1, 256), activations="fp8_token")
+    assert qg.supports(1, weight) and qg.supports(32, weight)
+    assert not qg.supports(33, weight) and not qg.supports(0, weight)
+    odd = make_weight(np.random.default_rng(0), "int4", 16, 48, (1, 16))
+    assert not qg.supports(1, odd)  # the inner size is not a multiple of 32
+    split, blocks = qg.plan(4096, 132)
+    assert (split, blocks) == (8, 256)  # 256 tiles: even split 8 leaves 132 multiprocessors short of 8 warps each
+    assert qg.plan(64, 132) == (8, 4)
