@@ -182,9 +182,8 @@ class LatentAttention:
         # q with its last d_r dims rotated (the query op with q's own nope part).
         rotated = ops.latent_query(q[:, :, :d_n], q, batch.positions, rope.inv_freq, rope.attention_factor,
                                    c.interleaved_rope)
-        latent = cache_layer.latent
-        slots, view = self._expanded_layout(backend, batch, latent.shape[1])
-        cached = latent.reshape(-1, latent.shape[2])[slots]  # [K, r + d_r]
+        slots, view = self._expanded_layout(backend, batch, cache_layer.latent.shape[1])
+        cached = cache_layer.rows(slots)  # [K, r + d_r] (dequantized from an FP8 cache)
         expanded = ops.to_bf16(ops.linear(xp.ascontiguousarray(cached[:, :r]), self.kv_b))
         expanded = expanded.reshape(len(slots), heads, d_n + c.v_head_dim)
         keys = xp.empty((len(slots), heads, d_n + c.qk_rope_head_dim), dtype=expanded.dtype)
