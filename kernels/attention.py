@@ -13,26 +13,24 @@ from __future__ import annotations
 
 import numpy as np
 
+from metrale.kernels.kv_cache_fp8 import cache_blocks, write_cache_rows
+
 
 def paged_kv_write_reference(
     k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray
 ) -> None:
-    """Store ``k``/``v`` ``[N, num_kv_heads, d]`` at the flat slots ``slot_mapping [N]``, in place;
+    """Store ``k``/``v`` ``[N, num_kv_heads, d]`` at the flat slots ``slot_mapping [N]``, in place
+    (quantized, one scale per row and head, into an FP8 cache, :mod:`metrale.kernels.kv_cache_fp8`);
     a row of slot -1 (padding) is not stored, as the kernels skip it."""
-    blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-    k_flat = k_cache.reshape(blocks * block_size, *k_cache.shape[2:])
-    v_flat = v_cache.reshape(blocks * block_size, *v_cache.shape[2:])
-    slots = np.asarray(slot_mapping)
-    kept = slots >= 0
-    k_flat[slots[kept]] = np.asarray(k)[kept]
-    v_flat[slots[kept]] = np.asarray(v)[kept]
+    write_cache_rows(k_cache, slot_mapping, k)
+    write_cache_rows(v_cache, slot_mapping, v)
 
 
 def gather_sequence_kv(cache: np.ndarray, block_table: np.ndarray, length: int) -> np.ndarray:
-    """Positions ``[0, length)`` of one sequence: ``[length, num_kv_heads, d]``."""
+    """Positions ``[0, length)`` of one sequence: ``[length, num_kv_heads, d]`` (float32 from an FP8 cache)."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    gathered = cache[np.asarray(block_table[:num_blocks], dtype=np.int64)]
+    gathered = cache_blocks(cache, block_table[:num_blocks])
     return gathered.reshape(num_blocks * block_size, *cache.shape[2:])[:length]
 
 

@@ -61,6 +61,7 @@ from metrale.kernels.attention_grouped import (
     grouped_combine_kernel,
     subgroup_sum,
 )
+from metrale.kernels.kv_cache_fp8 import cache_rows, write_cache_rows
 from metrale.kernels.qkv_rope import rope_reference
 from metrale.kernels.rmsnorm import rmsnorm_reference
 
@@ -95,13 +96,12 @@ def latent_cache_write_reference(
     attention_factor: float, interleaved: bool, slot_mapping: np.ndarray, latent: np.ndarray,
 ) -> None:
     """Store ``[rmsnorm(kv_a[:, :r]) | rope(kv_a[:, r:])]`` at each row's slot of the float32 latent
-    cache ``[blocks, block_size, r + d_r]``; ``kv_a [N, r + d_r]``, ``d_r = 2 len(inv_freq)``."""
+    cache ``[blocks, block_size, r + d_r]`` (or an FP8 one, each row quantized with its own scale,
+    :mod:`metrale.kernels.kv_cache_fp8`); ``kv_a [N, r + d_r]``, ``d_r = 2 len(inv_freq)``."""
     rank = kv_a.shape[1] - 2 * inv_freq.shape[0]
     normed = rmsnorm_reference(kv_a[:, :rank], norm_weight, eps)
     rotated = rope_reference(kv_a[:, None, rank:], positions, inv_freq, attention_factor, interleaved)[:, 0]
-    slots = np.asarray(slot_mapping, dtype=np.int64)
-    block_size = latent.shape[1]
-    latent[slots // block_size, slots % block_size] = np.concatenate([normed, rotated], axis=1)
+    write_cache_rows(latent, np.asarray(slot_mapping, dtype=np.int64), np.concatenate([normed, rotated], axis=1))
 
 
 @jit_kernel
@@ -230,13 +230,15 @@ def latent_attention_reference(
     value_dim: int, scale: float,
 ) -> np.ndarray:
     """``[N, heads, value_dim]`` float32 for ``q [N, heads, width]`` over the float32 latent cache
-    ``[blocks, block_size, width]``; row i sees its sequence's positions ``0..positions[i]``."""
+    ``[blocks, block_size, width]`` (or an FP8 one, dequantized); row i sees its sequence's positions
+    ``0..positions[i]``."""
     block_size = latent.shape[1]
     out = np.zeros((q.shape[0], q.shape[1], value_dim), dtype=np.float32)
     for row in range(q.shape[0]):
-        context = int(positions[row]) + 1
-        table = block_tables[seq_index[row]]
-        keys = np.stack([latent[table[j // block_size], j % block_size] for j in range(context)]).astype(np.float64)
+        context = np.arange(int(positions[row]) + 1)
+        table = np.asarray(block_tables[seq_index[row]], dtype=np.int64)
+        keys = np.asarray(cache_rows(latent, table[context // block_size] * block_size + context % block_size),
+                          dtype=np.float64)
         scores = (q[row].astype(np.float64) @ keys.T) * scale
         scores -= scores.max(axis=1, keepdims=True)
         weights = np.exp(scores)

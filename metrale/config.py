@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
-from metrale.errors import ConfigError, UnknownOptionError
+from metrale.errors import ConfigError, UnknownOptionError, UnsupportedQuantizationError
 from metrale.validation import check_bool, check_int, check_optional_int, check_seed
 
 #: Environment variables the engine reads, with a one-line description each. The docs page
@@ -102,6 +102,22 @@ def read_environment(env: Mapping[str, str] | None = None) -> EnvironmentConfig:
     )
 
 
+#: The values the ``kv_cache_dtype`` option takes: ``"auto"`` (the backend's cache dtype) or an
+#: FP8 E4M3 cache (``"fp8"``, ``"fp8_e4m3"``; :mod:`metrale.kernels.kv_cache_fp8`).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: object) -> str:
+    """``kv_cache_dtype`` checked: one of :data:`KV_CACHE_DTYPES`, else
+    :class:`~metrale.errors.UnsupportedQuantizationError` naming those that are served."""
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise UnsupportedQuantizationError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not served; use one of {', '.join(map(repr, KV_CACHE_DTYPES))} "
+            "(FP8 E4M3 only: fp8_e5m2 is not served)"
+        )
+    return kv_cache_dtype
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Sizing of the paged KV cache and of the recurrent-state slot pool.
@@ -113,6 +129,11 @@ class CacheConfig:
     ``memory_bytes`` None means
     512 MiB on the CPU and 80% of the free device memory on the GPU. ``block_size`` is at most
     1024. The whole cache is checked against the memory available before it is allocated.
+    ``kv_cache_dtype`` is how keys, values and latents are stored: ``"auto"`` (the backend's cache
+    dtype: float32 on the CPU, bf16 on the GPU) or ``"fp8"`` / ``"fp8_e4m3"`` (FP8 E4M3 codes with a
+    float32 scale per token and head, the checkpoint's static ``k_scale`` / ``v_scale`` where it
+    has them; CPU only); any other value raises
+    :class:`~metrale.errors.UnsupportedQuantizationError`.
     """
 
     block_size: int = 16
@@ -120,9 +141,11 @@ class CacheConfig:
     memory_bytes: int | None = None
     num_state_slots: int = 8
     num_state_snapshots: int = 16
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _checked(self, {
+            "kv_cache_dtype": check_kv_cache_dtype,
             "block_size": lambda v: check_int("block_size", v, minimum=1, maximum=MAX_BLOCK_SIZE, error=ConfigError),
             "num_blocks": lambda v: check_optional_int("num_blocks", v, minimum=1, maximum=MAX_COUNT, error=ConfigError),
             "memory_bytes": lambda v: check_optional_int("memory_bytes", v, minimum=1, maximum=MAX_BYTES, error=ConfigError),

@@ -306,7 +306,7 @@ class RankExecutor:
 
     def build_caches(self, plan: dict) -> None:
         """Send every worker the driver's cache plan (``block_size``, ``num_blocks``,
-        ``num_state_slots``, ``num_state_snapshots``) and wait until each has its model and
+        ``num_state_slots``, ``num_state_snapshots``, ``kv_cache_dtype``) and wait until each has its model and
         cache; the driver's cache records its state-row writes for them from now on."""
         communicator = self._ready()
         try:
@@ -570,7 +570,8 @@ def _build_rank(spec: WorkerSpec, rank: int, communicator: HubCommunicator, coll
     forward = ModelForward(model, plugin_manager, environment)
     plan = communicator.receive(0, "cache")
     cache = ModelCache(forward.cache_spec(), backend, block_size=plan["block_size"], num_blocks=plan["num_blocks"],
-                       num_state_slots=plan["num_state_slots"], num_state_snapshots=plan["num_state_snapshots"])
+                       num_state_slots=plan["num_state_slots"], num_state_snapshots=plan["num_state_snapshots"],
+                       kv_cache_dtype=plan.get("kv_cache_dtype", "auto"))
     model.bind_cache(cache, ModelRunner(model, cache))
     backend.synchronize()
     communicator.send(0, "ready", None)

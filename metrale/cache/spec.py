@@ -24,17 +24,28 @@ def _positive(owner: str, **values: int) -> None:
             raise ConfigError(f"{owner}.{name} must be a positive int, got {value!r}")
 
 
+def _scale(owner: str, **values: float | None) -> None:
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < math.inf):
+            raise ConfigError(f"{owner}.{name} must be a positive finite number or None, got {value!r}")
+
+
 @dataclass(frozen=True)
 class PagedKVSpec:
     """Per token: K ``[num_kv_heads, head_dim]`` and V ``[num_kv_heads, v_head_dim]``.
 
     ``sliding_window`` is informational (the attention masks; every position stays cached).
+    ``k_scale`` / ``v_scale`` are the checkpoint's static FP8 scales of the keys and values (None:
+    none); an FP8 cache (``kv_cache_dtype="fp8"``) quantizes with them, other caches ignore them.
     """
 
     num_kv_heads: int
     head_dim: int
     v_head_dim: int | None = None
     sliding_window: int | None = None
+    k_scale: float | None = None
+    v_scale: float | None = None
 
     def validate(self) -> None:
         _positive("PagedKVSpec", num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
@@ -42,24 +53,39 @@ class PagedKVSpec:
             _positive("PagedKVSpec", v_head_dim=self.v_head_dim)
         if self.sliding_window is not None:
             _positive("PagedKVSpec", sliding_window=self.sliding_window)
+        _scale("PagedKVSpec", k_scale=self.k_scale, v_scale=self.v_scale)
 
     @property
     def values_per_token(self) -> int:
         return self.num_kv_heads * (self.head_dim + (self.v_head_dim or self.head_dim))
 
+    @property
+    def scales_per_token(self) -> int:
+        """Scales an FP8 cache keeps per token: one per K head and one per V head."""
+        return 2 * self.num_kv_heads
+
 
 @dataclass(frozen=True)
 class PagedLatentSpec:
-    """Per token: one latent vector of ``width`` values (MLA: ``kv_lora_rank + qk_rope_head_dim``)."""
+    """Per token: one latent vector of ``width`` values (MLA: ``kv_lora_rank + qk_rope_head_dim``).
+    ``scale`` is the checkpoint's static FP8 scale of the latents (None: none), as ``k_scale`` of
+    :class:`PagedKVSpec`."""
 
     width: int
+    scale: float | None = None
 
     def validate(self) -> None:
         _positive("PagedLatentSpec", width=self.width)
+        _scale("PagedLatentSpec", scale=self.scale)
 
     @property
     def values_per_token(self) -> int:
         return self.width
+
+    @property
+    def scales_per_token(self) -> int:
+        """Scales an FP8 cache keeps per token: one for the whole latent row."""
+        return 1
 
 
 @dataclass(frozen=True)
@@ -77,6 +103,10 @@ class RecurrentStateSpec:
 
     @property
     def values_per_token(self) -> int:
+        return 0
+
+    @property
+    def scales_per_token(self) -> int:
         return 0
 
 
@@ -107,6 +137,12 @@ class CacheSpec:
 
     def values_per_token(self) -> int:
         return sum(layer.values_per_token for layer in self.layers)
+
+    def bytes_per_token(self, itemsize: int, scale_itemsize: int = 0) -> int:
+        """Bytes of one token's paged cache over all layers: its values of ``itemsize`` bytes each
+        and, for an FP8 cache, its scales of ``scale_itemsize`` bytes each (0: a cache without scales)."""
+        return sum(layer.values_per_token * itemsize + layer.scales_per_token * scale_itemsize
+                   for layer in self.layers)
 
     def state_bytes_per_slot(self) -> int:
         """Bytes of one recurrent-state slot over all layers (float32 conv and recurrent states)."""

@@ -6,6 +6,11 @@ Layouts (``nb`` = usable blocks + 1 dummy, ``bs`` = block size, ``ns`` = state s
 * paged latent layer:   ``latent``: ``[nb, bs, width]``
 * recurrent-state layer: ``conv``: ``[ns, *conv_shape]``, ``state``: ``[ns, *state_shape]`` (both fp32)
 
+The paged arrays hold the backend's ``cache_dtype`` (float32 on the CPU, bf16 bits on the GPU),
+or with ``kv_cache_dtype="fp8"`` FP8 E4M3 codes and one float32 scale per token slot and head
+(:class:`~metrale.kernels.kv_cache_fp8.Fp8CacheArray`, CPU only): the ops that write and read
+the cache quantize and dequantize it.
+
 Buffers are allocated once and never move (captured CUDA graphs read them by address).
 """
 
@@ -21,12 +26,40 @@ import numpy as np
 
 from metrale.cache.blocks import DUMMY_BLOCK, BlockAllocator
 from metrale.cache.spec import CacheSpec, PagedKVSpec, PagedLatentSpec, RecurrentStateSpec
-from metrale.errors import CacheError, ConfigError
+from metrale.config import check_kv_cache_dtype
+from metrale.errors import CacheError, ConfigError, UnsupportedQuantizationError
+from metrale.kernels.kv_cache_fp8 import FP8_E4M3_NAMES, Fp8CacheArray, cache_rows
 from metrale.sequence import SequenceState
+
+#: Bytes of one scale of an FP8 cache (float32).
+FP8_SCALE_BYTES = 4
+
+
+def is_fp8_kv_cache(kv_cache_dtype: str) -> bool:
+    """Whether ``kv_cache_dtype`` asks for an FP8 E4M3 cache."""
+    return kv_cache_dtype in FP8_E4M3_NAMES
+
+
+def cache_itemsizes(backend: Any, kv_cache_dtype: str = "auto") -> tuple[int, int]:
+    """``(bytes per cached value, bytes per scale)`` of a paged cache of ``kv_cache_dtype`` on
+    ``backend``: its ``cache_dtype`` and no scales, or one byte per FP8 code and a float32 scale per
+    token slot and head. Raises :class:`~metrale.errors.UnsupportedQuantizationError` for an FP8
+    cache on a backend without FP8 cache kernels (the GPU), before anything is allocated."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if not is_fp8_kv_cache(kv_cache_dtype):
+        return np.dtype(backend.cache_dtype).itemsize, 0
+    if getattr(backend, "name", None) != "cpu":
+        raise UnsupportedQuantizationError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is served on the CPU backend only: the {backend.name} backend has no "
+            "FP8 cache kernels; use kv_cache_dtype='auto' (a bf16 cache) or device='cpu'"
+        )
+    return 1, FP8_SCALE_BYTES
 
 
 @dataclass
 class PagedKVLayer:
+    """One attention layer's paged keys and values (float arrays, or :class:`Fp8CacheArray`)."""
+
     spec: PagedKVSpec
     k: Any
     v: Any
@@ -34,8 +67,14 @@ class PagedKVLayer:
 
 @dataclass
 class PagedLatentLayer:
+    """One MLA layer's paged latents (a float array, or an :class:`Fp8CacheArray`)."""
+
     spec: PagedLatentSpec
     latent: Any
+
+    def rows(self, slots: Any) -> Any:
+        """The latent rows at the flat cache slots ``slots [K]`` -> ``[K, width]`` (float32 from an FP8 cache)."""
+        return cache_rows(self.latent, slots)
 
 
 @dataclass
@@ -214,12 +253,14 @@ class StateSnapshots:
 
 
 def plan_num_blocks(
-    spec: CacheSpec, block_size: int, memory_bytes: int, itemsize: int, max_num_seqs: int, max_model_len: int
+    spec: CacheSpec, block_size: int, memory_bytes: int, itemsize: int, max_num_seqs: int, max_model_len: int,
+    scale_itemsize: int = 0,
 ) -> int:
     """Usable blocks: as many as ``memory_bytes`` holds (the dummy block included), capped at what
     ``max_num_seqs`` sequences of ``max_model_len`` tokens can use (each rounds up to whole blocks).
-    Never fewer than one."""
-    bytes_per_block = max(1, spec.values_per_token() * block_size * itemsize)
+    Never fewer than one. A block's bytes: :meth:`~metrale.cache.spec.CacheSpec.bytes_per_token`
+    (values of ``itemsize`` bytes, scales of ``scale_itemsize``) times ``block_size``."""
+    bytes_per_block = max(1, spec.bytes_per_token(itemsize, scale_itemsize) * block_size)
     fit = memory_bytes // bytes_per_block - 1
     needed = max_num_seqs * math.ceil(max_model_len / block_size)
     return int(max(1, min(fit, needed)))
@@ -251,20 +292,22 @@ def plan_cache(
     num_state_snapshots: int,
     max_num_seqs: int,
     max_model_len: int,
+    scale_itemsize: int = 0,
 ) -> CachePlan:
     """The cache's size, checked before anything is allocated.
 
     ``num_blocks`` None derives the block count from ``memory_bytes`` (minus the recurrent-state
     rows: the slots, the dummy slot and the snapshots) with :func:`plan_num_blocks`. Raises
     :class:`~metrale.errors.ConfigError` when the whole cache would need more than
-    ``available_bytes`` (the memory the backend can still give; None: unknown).
+    ``available_bytes`` (the memory the backend can still give; None: unknown). ``itemsize`` and
+    ``scale_itemsize`` are the bytes of a cached value and of a scale (:func:`cache_itemsizes`).
     """
     state_bytes = (num_state_slots + 1 + num_state_snapshots) * spec.state_bytes_per_slot()
     if num_blocks is None:
         num_blocks = plan_num_blocks(
-            spec, block_size, max(1, memory_bytes - state_bytes), itemsize, max_num_seqs, max_model_len
+            spec, block_size, max(1, memory_bytes - state_bytes), itemsize, max_num_seqs, max_model_len, scale_itemsize
         )
-    block_bytes = (num_blocks + 1) * spec.values_per_token() * block_size * itemsize
+    block_bytes = (num_blocks + 1) * spec.bytes_per_token(itemsize, scale_itemsize) * block_size
     total = block_bytes + state_bytes
     if available_bytes is not None and total > available_bytes:
         raise ConfigError(
@@ -277,7 +320,12 @@ def plan_cache(
 
 
 class ModelCache:
-    """The whole cache of a model: storage per layer plus the block and slot bookkeeping."""
+    """The whole cache of a model: storage per layer plus the block and slot bookkeeping.
+
+    ``kv_cache_dtype`` (:data:`~metrale.config.KV_CACHE_DTYPES`) says how the paged layers are stored: ``"auto"``
+    in the backend's ``cache_dtype``, ``"fp8"`` / ``"fp8_e4m3"`` as
+    :class:`~metrale.kernels.kv_cache_fp8.Fp8CacheArray` (quantized with the spec's static scales
+    where it has them, per token slot and head otherwise)."""
 
     def __init__(
         self,
@@ -288,8 +336,10 @@ class ModelCache:
         num_blocks: int,
         num_state_slots: int,
         num_state_snapshots: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         spec.validate()
+        cache_itemsizes(backend, kv_cache_dtype)
         self.spec = spec
         self.backend = backend
         self.block_size = block_size
@@ -297,15 +347,22 @@ class ModelCache:
         self.allocator = BlockAllocator(num_blocks)
         self.layers: list[Any] = []
         state_layers: list[RecurrentStateLayer] = []
-        dtype = backend.cache_dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        fp8 = is_fp8_kv_cache(kv_cache_dtype)
+
+        def paged(shape: tuple[int, ...], static_scale: float | None) -> Any:
+            if fp8:
+                return Fp8CacheArray.zeros(shape, static_scale)
+            return backend.zeros(shape, backend.cache_dtype)
+
         for layer in spec.layers:
             if isinstance(layer, PagedKVSpec):
                 v_dim = layer.v_head_dim or layer.head_dim
-                k = backend.zeros((num_blocks + 1, block_size, layer.num_kv_heads, layer.head_dim), dtype)
-                v = backend.zeros((num_blocks + 1, block_size, layer.num_kv_heads, v_dim), dtype)
+                k = paged((num_blocks + 1, block_size, layer.num_kv_heads, layer.head_dim), layer.k_scale)
+                v = paged((num_blocks + 1, block_size, layer.num_kv_heads, v_dim), layer.v_scale)
                 self.layers.append(PagedKVLayer(layer, k, v))
             elif isinstance(layer, PagedLatentSpec):
-                latent = backend.zeros((num_blocks + 1, block_size, layer.width), dtype)
+                latent = paged((num_blocks + 1, block_size, layer.width), layer.scale)
                 self.layers.append(PagedLatentLayer(layer, latent))
             else:
                 rows = num_state_slots + 1 + num_state_snapshots

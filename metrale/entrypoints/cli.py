@@ -48,8 +48,9 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
-    from metrale.entrypoints.server.main import add_parallel_arguments
+    from metrale.entrypoints.server.main import add_kv_cache_dtype_argument, add_parallel_arguments
 
+    add_kv_cache_dtype_argument(parser)
     add_parallel_arguments(parser)
     parser.set_defaults(handler=_generate)
 
@@ -226,15 +227,17 @@ def _generate(args: argparse.Namespace) -> int:
     )
     if args.stream and len(args.prompts) != 1:
         raise ConfigError(f"--stream prints one continuation; got {len(args.prompts)} prompts")
-    parallel: dict[str, Any] = {"expert_parallel": True} if args.expert_parallel else {}
+    options: dict[str, Any] = {"expert_parallel": True} if args.expert_parallel else {}
     if args.quantization is not None:
-        parallel["quantization"] = args.quantization
+        options["quantization"] = args.quantization
     if args.tensor_parallel_size is not None:
-        parallel["tensor_parallel_size"] = args.tensor_parallel_size
+        options["tensor_parallel_size"] = args.tensor_parallel_size
     if args.distributed_executor_backend is not None:
-        parallel["distributed_executor_backend"] = args.distributed_executor_backend
+        options["distributed_executor_backend"] = args.distributed_executor_backend
+    if args.kv_cache_dtype is not None:
+        options["kv_cache_dtype"] = args.kv_cache_dtype
     with LLM(args.model, device=args.device, show_progress=not args.no_progress,
-             speculative_config=args.speculative_config, **parallel) as llm:
+             speculative_config=args.speculative_config, **options) as llm:
         if args.stream:
             outputs: list[Any] = [_stream(llm, args.prompts[0], params)]
         else:

@@ -14,7 +14,7 @@ import pluggy
 from metrale.backends.devices import cuda_unavailable_reason, get_backend
 from metrale.backends.executor import RankExecutor
 from metrale.backends.parallel import Shard, rank_context
-from metrale.cache.store import ModelCache, plan_cache
+from metrale.cache.store import ModelCache, cache_itemsizes, plan_cache
 from metrale.config import EngineConfig, read_environment
 from metrale.engine.engine import Engine
 from metrale.engine.generation import Request, RequestGroup, StopChecker, make_group, prompt_logprob_dicts
@@ -58,7 +58,7 @@ class LLM(PromptFrontend):
     Further keyword options: ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
     ``enable_prefix_caching``, ``seed``, ``cuda_graphs``, ``overlap_scheduling``,
     ``speculative_config`` (speculative decoding, :mod:`metrale.speculative`), ``block_size``,
-    ``num_blocks``, ``memory_bytes``, ``num_state_slots``, ``num_state_snapshots`` (see
+    ``num_blocks``, ``memory_bytes``, ``num_state_slots``, ``num_state_snapshots``, ``kv_cache_dtype`` (see
     :class:`~metrale.config.EngineConfig`
     and :class:`~metrale.config.CacheConfig`); ``plugin_manager`` to use a prepared plugin manager;
     ``show_progress`` to turn progress bars off. Unknown options raise
@@ -111,6 +111,8 @@ class LLM(PromptFrontend):
         with rank:
             self.backend = get_backend(self.config.device, cuda_graphs=self.config.cuda_graphs,
                                        environment=self.config.environment)
+        # A cache dtype the backend cannot serve is refused before any weight is loaded.
+        cache_itemsizes(self.backend, self.config.cache.kv_cache_dtype)
         # The built-in ops plus every plugin's (metrale_register_ops), bound to this backend.
         self.backend.use_ops(build_op_registry(self.plugin_manager))
         with self.checkpoint.progress(f"loading {self.checkpoint.path.name}", self.show_progress):
@@ -134,7 +136,8 @@ class LLM(PromptFrontend):
         if self.ranks is not None:
             self.ranks.build_caches({"block_size": self.cache.block_size, "num_blocks": self.cache.num_blocks,
                                      "num_state_slots": self.cache.state_slots.num_slots if self.cache.state_slots else 0,
-                                     "num_state_snapshots": self.cache.snapshots.count if self.cache.snapshots else 0})
+                                     "num_state_snapshots": self.cache.snapshots.count if self.cache.snapshots else 0,
+                                     "kv_cache_dtype": self.cache.kv_cache_dtype})
             self.ranks.mirror(self.cache)
         self._requests_started = 0
         speculation = None
@@ -219,10 +222,12 @@ class LLM(PromptFrontend):
         spec = self.forward.cache_spec()
         cache_config = self.config.cache
         block_size = self.forward.kv_block_size() or cache_config.block_size
+        itemsize, scale_itemsize = cache_itemsizes(self.backend, cache_config.kv_cache_dtype)
         plan = plan_cache(
             spec,
             block_size=block_size,
-            itemsize=np.dtype(self.backend.cache_dtype).itemsize,
+            itemsize=itemsize,
+            scale_itemsize=scale_itemsize,
             num_blocks=cache_config.num_blocks,
             memory_bytes=cache_config.memory_bytes or self.backend.default_cache_bytes(),
             available_bytes=self.backend.available_memory_bytes(),
@@ -235,6 +240,7 @@ class LLM(PromptFrontend):
             return ModelCache(
                 spec, self.backend, block_size=block_size, num_blocks=plan.num_blocks,
                 num_state_slots=plan.num_state_slots, num_state_snapshots=plan.num_state_snapshots,
+                kv_cache_dtype=cache_config.kv_cache_dtype,
             )
         except MemoryError as error:  # CuPy's OutOfMemoryError is one too
             raise ConfigError(

@@ -14,7 +14,7 @@ import numpy as np
 
 from metrale.backends.parallel import Shard
 from metrale.batch import ForwardBatch
-from metrale.errors import ConfigError
+from metrale.errors import ConfigError, QuantizationError
 from metrale.layers.lora import linear_with_lora, normed_projection
 from metrale.loading.checkpoint import Checkpoint
 
@@ -68,6 +68,36 @@ class AttentionWeights:
     lora_qkv: Any = None
     lora_o: Any = None
     sinks: Any = None
+    #: The checkpoint's static FP8 scales of the cached keys and values (None: none,
+    #: :func:`load_kv_cache_scales`); an FP8 cache quantizes with them.
+    k_scale: float | None = None
+    v_scale: float | None = None
+
+
+#: Where checkpoints store the static FP8 KV-cache scales of an attention block ``{prefix}``
+#: (compressed-tensors' ``kv_cache_scheme``): ``{prefix}.k_scale``, or on the projection.
+KV_SCALE_NAMES = {"k": ("k_scale", "k_proj.k_scale"), "v": ("v_scale", "v_proj.v_scale")}
+
+
+def load_kv_cache_scales(checkpoint: Checkpoint, prefix: str) -> tuple[float | None, float | None]:
+    """``(k_scale, v_scale)``: the static FP8 KV-cache scales the checkpoint stores for the
+    attention block ``prefix`` (:data:`KV_SCALE_NAMES`), None where it stores none.
+
+    Every such tensor is read (so consumed), whatever cache the engine keeps: a bf16 or float32
+    cache ignores them. A scale of several values (per head) counts as its largest, so no head's
+    values saturate sooner than its own scale makes them; one not positive raises
+    :class:`~metrale.errors.QuantizationError`."""
+    scales: dict[str, float | None] = {}
+    for kind, suffixes in KV_SCALE_NAMES.items():
+        found = [checkpoint.tensor(f"{prefix}.{suffix}") for suffix in suffixes if checkpoint.has(f"{prefix}.{suffix}")]
+        if not found:
+            scales[kind] = None
+            continue
+        value = float(np.max(found[0])) if found[0].size else 0.0
+        if not value > 0:
+            raise QuantizationError(f"{prefix}.{suffixes[0]}: a KV-cache scale must be positive, got {value}")
+        scales[kind] = value
+    return scales["k"], scales["v"]
 
 
 def sharded_geometry(geometry: AttentionGeometry, shard: Shard) -> AttentionGeometry:
@@ -90,8 +120,9 @@ def load_attention_weights(
     o_bias: bool = False,
     qk_norm: bool = False,
 ) -> AttentionWeights:
-    """Read ``{prefix}.{q,k,v,o}_proj`` (and biases / ``q_norm`` / ``k_norm``, and ``{prefix}.sinks``
-    when ``geometry.sinks``) and fuse q, k, v.
+    """Read ``{prefix}.{q,k,v,o}_proj`` (and biases / ``q_norm`` / ``k_norm``, ``{prefix}.sinks``
+    when ``geometry.sinks``, the static KV-cache scales where the checkpoint has them,
+    :func:`load_kv_cache_scales`) and fuse q, k, v.
 
     ``geometry`` is the whole block's; on a rank of a tensor-parallel group (``backend.shard``)
     the rank's heads only (:func:`sharded_geometry`): q, k and v rows of its heads, ``o_proj``'s
@@ -126,6 +157,7 @@ def load_attention_weights(
         weights.k_norm = backend.load_weight(checkpoint, (f"{prefix}.k_norm.weight", (g.head_dim,)))
     if g.sinks:
         weights.sinks = backend.constant(checkpoint.tensor(f"{prefix}.sinks", (g.num_heads,))[heads])
+    weights.k_scale, weights.v_scale = load_kv_cache_scales(checkpoint, prefix)
     return weights
 
 

@@ -92,7 +92,11 @@ class DenseModel(FamilyModel):
 
     def cache_spec(self) -> CacheSpec:
         c = self.config
-        return CacheSpec(tuple(PagedKVSpec(self.kv_heads, c.head_dim, sliding_window=w) for w in c.layer_windows))
+        return CacheSpec(tuple(
+            PagedKVSpec(self.kv_heads, c.head_dim, sliding_window=w, k_scale=layer.attention.k_scale,
+                        v_scale=layer.attention.v_scale)
+            for w, layer in zip(c.layer_windows, self.layers)
+        ))
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoraLayout:
         c, limits = self.config, {"max_loras": max_loras, "max_lora_rank": max_lora_rank}

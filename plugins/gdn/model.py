@@ -24,6 +24,7 @@ import numpy as np
 from metrale.batch import ForwardBatch
 from metrale.cache.spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
 from metrale.errors import CacheError, ConfigError, NonFiniteStateError
+from metrale.layers.attention import load_kv_cache_scales
 from metrale.layers.experts import StackedExperts, load_stacked_experts, routed_experts
 from metrale.layers.loading import DecoderEnds
 from metrale.layers.lora import ends_lora, linear_with_lora, mlp_lora, new_stack, normed_projection
@@ -56,6 +57,9 @@ class GatedAttention:
     #: The adapter slots of ``qkv_gate`` and ``o`` when LoRA is on (:meth:`enable_lora`).
     lora_qkv_gate: Any = None
     lora_o: Any = None
+    #: The checkpoint's static FP8 scales of the cached keys and values (None: none).
+    k_scale: float | None = None
+    v_scale: float | None = None
 
     def enable_lora(self, backend: Any, limits: dict) -> list[Any]:
         """Adapter slots for ``q_proj`` (its query rows and its gate rows, where the fused weight
@@ -89,6 +93,7 @@ class GatedAttention:
         kv_rows = slice(kv.start * d, kv.stop * d)
         k = checkpoint.tensor(f"{prefix}.k_proj.weight", (c.num_kv_heads * d, hidden), kv_rows)
         v = checkpoint.tensor(f"{prefix}.v_proj.weight", (c.num_kv_heads * d, hidden), kv_rows)
+        k_scale, v_scale = load_kv_cache_scales(checkpoint, prefix)
         return cls(
             config=rank_config(c, shard),
             qkv_gate=backend.weight(np.concatenate([q_and_gate[:, 0].reshape(-1, hidden), k, v,
@@ -98,6 +103,8 @@ class GatedAttention:
                                                slice(heads.start * d, heads.stop * d))),
             q_norm=backend.load_weight(checkpoint, (f"{prefix}.q_norm.weight", (d,))),
             k_norm=backend.load_weight(checkpoint, (f"{prefix}.k_norm.weight", (d,))),
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
 
@@ -403,7 +410,8 @@ class GdnModel(FamilyModel):
         state = RecurrentStateSpec((c.conv_channels, c.conv_kernel - 1),
                                    (c.linear_value_heads, c.linear_key_dim, c.linear_value_dim))
         layers = tuple(
-            PagedKVSpec(c.num_kv_heads, c.head_dim) if kind == "full_attention" else state for kind in c.layer_types
+            PagedKVSpec(c.num_kv_heads, c.head_dim, k_scale=layer.mixer.k_scale, v_scale=layer.mixer.v_scale)
+            if kind == "full_attention" else state for kind, layer in zip(c.layer_types, self.layers)
         )
         return CacheSpec(layers + ((PagedKVSpec(c.num_kv_heads, c.head_dim),) if self.mtp_drafting else ()))
 

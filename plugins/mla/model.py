@@ -24,6 +24,7 @@ import numpy as np
 from metrale.batch import ForwardBatch
 from metrale.cache.spec import CacheSpec, PagedLatentSpec
 from metrale.errors import ConfigError
+from metrale.layers.attention import load_kv_cache_scales
 from metrale.layers.experts import StackedExperts, load_stacked_experts, routed_experts
 from metrale.layers.loading import DecoderEnds
 from metrale.layers.lora import ends_lora, linear_with_lora, mlp_lora, new_stack, normed_projection
@@ -68,6 +69,9 @@ class LatentAttention:
     lora_q_kv_a: Any = None
     lora_q_b: Any = None
     lora_o: Any = None
+    #: The checkpoint's static FP8 scale of the cached latents: its ``k_scale`` (None: none); an
+    #: FP8 cache quantizes with it.
+    cache_scale: float | None = None
 
     def enable_lora(self, backend: Any, limits: dict) -> list[Any]:
         """Adapter slots for ``q_proj`` / ``q_a_proj`` with ``kv_a_proj_with_mqa``, ``q_b_proj``
@@ -131,6 +135,9 @@ class LatentAttention:
                                                                                            (r + d_r,))]))
             o_bias = checkpoint.tensor(f"{prefix}.o_proj.bias", (hidden,))
             block.o_bias = backend.constant(o_bias) if shard.rank == 0 else None
+        # The latent cache holds keys and values in one row: the key scale serves it (as vLLM's
+        # MLA cache); the value scale is read and left unused.
+        block.cache_scale, _ = load_kv_cache_scales(checkpoint, prefix)
         return block
 
     def forward(self, backend: Any, rope: "LatentRope", cache_layer: Any, x: Any, residual: Any, input_norm: Any,
@@ -182,9 +189,8 @@ class LatentAttention:
         # q with its last d_r dims rotated (the query op with q's own nope part).
         rotated = ops.latent_query(q[:, :, :d_n], q, batch.positions, rope.inv_freq, rope.attention_factor,
                                    c.interleaved_rope)
-        latent = cache_layer.latent
-        slots, view = self._expanded_layout(backend, batch, latent.shape[1])
-        cached = latent.reshape(-1, latent.shape[2])[slots]  # [K, r + d_r]
+        slots, view = self._expanded_layout(backend, batch, cache_layer.latent.shape[1])
+        cached = cache_layer.rows(slots)  # [K, r + d_r] (dequantized from an FP8 cache)
         expanded = ops.to_bf16(ops.linear(xp.ascontiguousarray(cached[:, :r]), self.kv_b))
         expanded = expanded.reshape(len(slots), heads, d_n + c.v_head_dim)
         keys = xp.empty((len(slots), heads, d_n + c.qk_rope_head_dim), dtype=expanded.dtype)
@@ -354,8 +360,10 @@ class MlaModel(FamilyModel):
     # ------------------------------------------------------------------------------ contract
 
     def cache_spec(self) -> CacheSpec:
-        layers = self.config.num_layers + self.mtp_drafting
-        return CacheSpec(tuple(PagedLatentSpec(self.config.latent_width) for _ in range(layers)))
+        width = self.config.latent_width
+        # (The MTP module's layer, when drafting, quantizes with scales of its own rows.)
+        return CacheSpec(tuple(PagedLatentSpec(width, scale=layer.attention.cache_scale) for layer in self.layers)
+                         + ((PagedLatentSpec(width),) if self.mtp_drafting else ()))
 
     def prepare_speculation(self, config: Any) -> None:
         if config.method == "mtp":

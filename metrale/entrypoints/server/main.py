@@ -26,7 +26,7 @@ import sys
 import threading
 from typing import Any, Iterator, Sequence
 
-from metrale.config import environment_api_key, environment_api_key_is_empty
+from metrale.config import KV_CACHE_DTYPES, environment_api_key, environment_api_key_is_empty
 from metrale.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ _VALUE_OPTIONS = {
     "memory_bytes": "memory_bytes",
     "num_state_slots": "num_state_slots",
     "num_state_snapshots": "num_state_snapshots",
+    "kv_cache_dtype": "kv_cache_dtype",
     "chat_template": "chat_template",
     "speculative_config": "speculative_config",
     "max_loras": "max_loras",
@@ -147,6 +148,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="recurrent-state slots of models with recurrent layers (default: 8, at least --max-num-seqs)")
     engine.add_argument("--num-state-snapshots", type=int, default=None, metavar="N",
                         help="recurrent-state snapshots kept for prefix-cache hits (default: 16)")
+    add_kv_cache_dtype_argument(engine)
     engine.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     engine.add_argument("--chat-template", default=None, metavar="FILE",
@@ -159,6 +161,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="the largest adapter rank served (default: 16)")
     add_parallel_arguments(engine)
     return parser
+
+
+def add_kv_cache_dtype_argument(group: Any) -> None:
+    """The ``--kv-cache-dtype`` flag (:class:`~metrale.config.CacheConfig`), shared with ``metrale generate``."""
+    group.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+                       help="how the cache stores keys, values and latents: auto, the model's dtype (float32 on the "
+                       "CPU, bf16 on the GPU), or fp8 / fp8_e4m3, FP8 E4M3 with a scale per token and head, the "
+                       "checkpoint's k_scale / v_scale where it has them (CPU only; default: auto)")
 
 
 def add_parallel_arguments(group: Any) -> None:
