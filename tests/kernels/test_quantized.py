@@ -66,7 +66,8 @@ def test_nibbles_pack_even_columns_low():
     assert np.array_equal(unpack_nibbles(packed, 3), values)
 
 
-def int4_weight(rng: np.random.Generator, out: int, inner: int, group: int, asymmetric: bool) -> tuple[QuantizedWeight, np.ndarray]:
+def int4_weight(rng: np.random.Generator, out: int, inner: int, group: int,
+                asymmetric: bool) -> tuple[QuantizedWeight, np.ndarray]:
     codes = rng.integers(0, 16, size=(out, inner), dtype=np.uint8)
     scales = rng.uniform(0.01, 0.1, size=(out, inner // group)).astype(np.float32)
     zeros = rng.integers(0, 16, size=(out, inner // group)).astype(np.float32) if asymmetric else None
