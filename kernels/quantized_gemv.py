@@ -309,6 +309,38 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
     }
 }
 
+// out[r, k] = bf16(quantize(x[r, order[k]])) (order null: k), the input of a prompt product with a
+// quantized weight, quantized as the GEMV's prologue quantizes it. Grid: (rows, groups) blocks of
+// THREADS threads, groups = ceil(K / act_group) for ACT_FP8_GROUP, else 1.
+template <int ACT>
+__global__ void __launch_bounds__(THREADS) stage_activations(
+    const float* __restrict__ x, const int* __restrict__ order, float input_scale, int act_group,
+    unsigned short* __restrict__ out, int rows, int K) {
+    __shared__ float partial[WARPS];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int r = blockIdx.x, group = ACT == ACT_FP8_GROUP ? act_group : K;
+    const int begin = blockIdx.y * group, end = min(K, begin + group);
+    const float* row = x + (size_t)r * K;
+    float s = ACT == ACT_FP8_TENSOR ? input_scale : 1.0f;
+    if (ACT == ACT_FP8_TOKEN || ACT == ACT_INT8_TOKEN || ACT == ACT_FP8_GROUP) {
+        float amax = 0.0f;
+        for (int k = begin + tid; k < end; k += THREADS) amax = fmaxf(amax, fabsf(row[order != nullptr ? order[k] : k]));
+        amax = warp_max(amax);
+        if (lane == 0) partial[warp] = amax;
+        __syncthreads();
+        amax = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, partial[w]);
+        s = fmaxf(amax / (ACT == ACT_INT8_TOKEN ? INT8_MAX_VALUE : FP8_MAX), MIN_SCALE);
+    }
+    for (int k = begin + tid; k < end; k += THREADS) {
+        float value = row[order != nullptr ? order[k] : k];
+        if (ACT == ACT_INT8_TOKEN) value = fminf(fmaxf(rintf(value / s), -INT8_MAX_VALUE), INT8_MAX_VALUE) * s;
+        else if (ACT != ACT_NONE) value = round_e4m3(value / s) * s;
+        out[(size_t)r * K + k] = to_bf16(value);
+    }
+}
+
 // out[n, k] = bf16((code - zero) * scale) of every weight, a thread per chunk of 8 (K a multiple of 8).
 template <int CODES>
 __global__ void dequantize_bf16(const unsigned char* __restrict__ codes, const float* __restrict__ scales,
@@ -393,6 +425,14 @@ def quantized_gemv_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.nd
     return (y + bias if bias is not None else y).astype(np.float32)
 
 
+def stage_activations_reference(x: np.ndarray, weight: QuantizedWeight) -> np.ndarray:
+    """float32 ``[rows, K]`` holding the bf16 values :func:`stage_activations` writes."""
+    x = np.asarray(x, dtype=np.float32)
+    if weight.input_order is not None:
+        x = x[:, np.asarray(weight.input_order)]
+    return round_bf16(quantize_activations(x, weight))
+
+
 def dequantize_bf16_reference(weight: QuantizedWeight) -> np.ndarray:
     """float32 ``[N, K]`` holding the bf16 values :func:`dequantize_bf16` writes (stored column order)."""
     return round_bf16(dequantize(weight, stored_order=True))
@@ -464,6 +504,25 @@ def quantized_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, st
         np.int32(weight.activation_group), *_operand(weight), bias if bias is not None else null, out,
         np.int32(rows), np.int32(inner), np.int32(columns),
     ), stage, stream, dependent=False)
+    return out
+
+
+def stage_activations(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: Any) -> DeviceArray:
+    """``out`` (uint16 bf16 bits ``[rows, K]``) <- ``x`` (float32 ``[rows, K]``) in the weight's column
+    order, quantized under its activation scheme: the input of a prompt product."""
+    name = f"stage_activations ({weight.activations})"
+    rows, inner = (x.shape[0], weight.shape[1]) if getattr(x, "ndim", 0) == 2 else (-1, weight.shape[1])
+    check_array(name, "x", x, np.float32, (rows, inner))
+    check_array(name, "out", out, np.uint16, (rows, inner))
+    if weight.input_order is not None:
+        check_array(name, "input_order", weight.input_order, np.int32, (inner,))
+    if rows == 0:
+        return out
+    input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
+    function = _function(f"stage_activations<{ACTIVATIONS[weight.activations]}>")
+    launch(function, (rows, activation_groups(weight)), (THREADS,), (
+        x, weight.input_order if weight.input_order is not None else np.uint64(0), np.float32(input_scale),
+        np.int32(weight.activation_group), out, np.int32(rows), np.int32(inner)), 0, stream, dependent=False)
     return out
 
 

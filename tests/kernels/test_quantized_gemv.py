@@ -36,6 +36,10 @@ def emulation_main() -> str:
         f"{qg.ACTIVATIONS[a]}, {s}, {t}>(x, order, input_scale, act_group, code_bytes, scales, zeros, block_rows, "
         f"block_columns, scale_columns, bias, out, rows, K, N); }}); found = true; }}"
         for c, a, s, t in INSTANCES)
+    staging = "\n".join(
+        f"        if (act == {number}) emu::launch({{(unsigned)rows, (unsigned)groups, 1}}, {{THREADS, 1, 1}}, [&] {{ "
+        f"stage_activations<{number}>(x, order, input_scale, act_group, staged, rows, K); }});"
+        for number in qg.ACTIVATIONS.values())
     dequantize = "\n".join(
         f"        if (codes == {number}) emu::launch({{(unsigned)blocks, 1, 1}}, {{64, 1, 1}}, [&] {{ "
         f"dequantize_bf16<{number}>(code_bytes, scales, zeros, block_rows, block_columns, scale_columns, "
@@ -59,7 +63,7 @@ int main(int argc, char** argv) {
     const size_t scale_count = (size_t)((N + block_rows - 1) / block_rows) * scale_columns;
     const float* scales = read<float>(folder + "/scales", scale_count);
     const float* zeros = flags & 2 ? read<float>(folder + "/zeros", scale_count) : nullptr;
-    if (only_dequantize) {
+    if (only_dequantize == 1) {
         unsigned short* dense = allocate<unsigned short>((size_t)N * K);
 """ + dequantize + r"""
         write(folder + "/dense", dense, (size_t)N * K);
@@ -69,6 +73,13 @@ int main(int argc, char** argv) {
     const int* order = flags & 1 ? read<int>(folder + "/order", K) : nullptr;
     const float* bias = flags & 4 ? read<float>(folder + "/bias", N) : nullptr;
     float* out = allocate<float>((size_t)rows * N);
+    if (only_dequantize == 2) {
+        const int groups = act == ACT_FP8_GROUP ? (K + act_group - 1) / act_group : 1;
+        unsigned short* staged = allocate<unsigned short>((size_t)rows * K);
+""" + staging + r"""
+        write(folder + "/staged", staged, (size_t)rows * K);
+        return 0;
+    }
     bool found = false;
 """ + dispatch + r"""
     if (!found) emu::fail("no such instance");
@@ -83,7 +94,8 @@ def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("quantized_gemv_emulated")
     binary = build_emulated(folder / "quantized_gemv.cpp", qg.CONSTANTS + qg.HELPERS + qg.KERNELS + emulation_main())
 
-    def run(weight: QuantizedWeight, x=None, bias=None, *, split=1, blocks=2, dequantize_only=False):
+    def run(weight: QuantizedWeight, x=None, bias=None, *, split=1, blocks=2, dequantize_only=False,
+            stage_only=False):
         case = folder / "case"
         case.mkdir(exist_ok=True)
         out_features, inner = weight.shape
@@ -105,8 +117,10 @@ def emulated(tmp_path_factory):
         input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
         arguments = [qg.CODES[weight.codes_format], qg.ACTIVATIONS[weight.activations], split, qg.row_tiles(rows), rows,
                      inner, out_features, blocks, weight.block[0], weight.block[1], weight.scales.shape[1],
-                     weight.activation_group, repr(input_scale), flags, int(dequantize_only)]
+                     weight.activation_group, repr(input_scale), flags, 2 if stage_only else int(dequantize_only)]
         subprocess.run([str(binary), str(case), *map(str, arguments)], check=True, timeout=600)
+        if stage_only:
+            return bf16_to_float32(np.fromfile(case / "staged", np.uint16).reshape(rows, inner))
         if dequantize_only:
             return bf16_to_float32(np.fromfile(case / "dense", np.uint16).reshape(out_features, inner))
         return np.fromfile(case / "out", np.float32).reshape(rows, out_features)
@@ -176,6 +190,17 @@ def test_emulated_gemv_matches_the_reference(emulated, codes, activations, rows,
 def test_emulated_dequantization_matches_the_reference(emulated, codes, block, asymmetric):
     weight = make_weight(np.random.default_rng(11), codes, 130, 192, block, asymmetric=asymmetric)
     assert np.array_equal(emulated(weight, dequantize_only=True, blocks=3), qg.dequantize_bf16_reference(weight))
+
+
+@pytest.mark.parametrize("activations, act_order", [
+    ("weight_only", True), ("fp8_token", False), ("fp8_tensor", False), ("fp8_group", True), ("int8_token", False),
+])
+def test_emulated_staging_quantizes_as_the_reference(emulated, activations, act_order):
+    rng = np.random.default_rng(12)
+    weight = make_weight(rng, "fp8", 16, 320, (1, 320), activations=activations, act_order=act_order)
+    x = rng.normal(size=(3, 320)).astype(np.float32)
+    x[1, 200:] *= 1000  # the second row's last groups dwarf its first: per-group scales differ
+    assert np.array_equal(emulated(weight, x, stage_only=True), qg.stage_activations_reference(x, weight))
 
 
 def test_supports_and_plan():
