@@ -15,6 +15,8 @@ is transformers with the tool's dequantized weights and inputs quantized by that
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +27,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 from metrale.entrypoints.llm import LLM  # noqa: E402
+from metrale.errors import QuantizationError, UnsupportedQuantizationError  # noqa: E402
+from metrale.kernels.quantized import QuantizedWeight, dequantize  # noqa: E402
 from metrale.loading.checkpoint import Checkpoint  # noqa: E402
 from metrale.params import SamplingParams  # noqa: E402
 from metrale.testing import quantized as tool  # noqa: E402
@@ -195,3 +199,126 @@ def test_deepseek_weights_logits_and_greedy_equal_the_tools(deepseek_compressed,
     error = relative(llm.score(PROMPT), hf_reference_logits(reference, PROMPT))
     assert error <= LOGIT_TOLERANCE, f"{name}: logits relative error {error:.3g}"
     assert metrale_greedy(llm, PROMPT) == hf_greedy(reference, PROMPT, GREEDY_TOKENS)
+
+
+# -------------------------------------------------------------------- Hugging Face block FP8
+
+
+def fp8_group_input(x, group=128):
+    """Per token and group of ``group`` columns: ``scale = max |x| / 448``, values cast to torch's
+    ``float8_e4m3fn`` and back (DeepSeek's per-token-group input quantization)."""
+    grouped = x.unflatten(-1, (-1, group))
+    scale = (grouped.abs().amax(-1, keepdim=True) / 448.0).clamp_min(1e-12)
+    return ((grouped / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2)
+
+
+@pytest.fixture(scope="module")
+def block_fp8(llama_full_precision, tmp_path_factory):
+    return tool.write_block_fp8_checkpoint(llama_full_precision, tmp_path_factory.mktemp("llama") / "block_fp8")
+
+
+def torch_block_dequantized(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = load_file(folder / "model.safetensors")
+    weights = {}
+    for name, codes in tensors.items():
+        scale = tensors.get(name[: -len(".weight")] + ".weight_scale_inv") if name.endswith(".weight") else None
+        if scale is not None:
+            expanded = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: codes.shape[0], : codes.shape[1]]
+            weights[name] = codes.float() * expanded
+    return weights
+
+
+def test_block_fp8_weights_logits_and_greedy(block_fp8, llama_full_precision, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    expected = torch_block_dequantized(block_fp8)
+    checkpoint = Checkpoint(block_fp8)
+    assert len(expected) == 14
+    for name, weight in expected.items():
+        assert relative(checkpoint.tensor(name), weight.numpy()) <= WEIGHT_TOLERANCE, name
+    reference_folder = tool.write_dequantized_checkpoint(block_fp8, llama_full_precision, tmp_path / "deq", expected)
+    reference = AutoModelForCausalLM.from_pretrained(str(reference_folder), dtype=torch.float32).eval()
+    for module_name, module in reference.named_modules():
+        if isinstance(module, torch.nn.Linear) and module_name != "lm_head":
+            module.register_forward_pre_hook(lambda _, args: (fp8_group_input(args[0]),))
+    llm = LLM(block_fp8, device="cpu", show_progress=False)
+    with torch.no_grad():
+        error = relative(llm.score(PROMPT), reference(torch.tensor([PROMPT])).logits[0].numpy())
+    assert error <= LOGIT_TOLERANCE, f"block FP8 logits relative error {error:.3g}"
+    assert metrale_greedy(llm, PROMPT) == torch_greedy(reference, PROMPT)
+
+
+# ----------------------------------------------------------------- online FP8 and refusals
+
+def test_online_fp8_quantizes_every_linear_layer(llama_full_precision):
+    llm = LLM(llama_full_precision, device="cpu", show_progress=False, quantization="fp8")
+    checkpoint = Checkpoint(llama_full_precision, quantization="fp8")
+    linear = [n for n in checkpoint.names() if tool.is_linear_weight(n, len(checkpoint.info(n).shape), ("lm_head",))]
+    assert len(linear) == 14 and all(isinstance(checkpoint.quantized(n), QuantizedWeight) for n in linear)
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        assert not checkpoint.is_quantized(name), name
+    # Online FP8 is FP8_DYNAMIC's math (per-channel amax / 448 weight scales, per-token inputs):
+    # compressed-tensors' fake-quantized forward of that scheme is its reference. The random
+    # tiny model amplifies quantization noise: against float32 the logits move by about 0.2 of
+    # the largest (4-bit groups: 0.18), so only the exact reference can check it.
+    fake_quantized = tool.tool_fake_quantized_model(llama_full_precision, tool.scheme("FP8_DYNAMIC"))
+    with torch.no_grad():
+        expected = fake_quantized(torch.tensor([PROMPT])).logits[0].numpy()
+    ours = llm.score(PROMPT)
+    assert relative(ours, expected) <= LOGIT_TOLERANCE
+    assert relative(ours, hf_reference_logits(llama_full_precision, PROMPT)) > LOGIT_TOLERANCE  # quantized at all
+    assert metrale_greedy(llm, PROMPT) == torch_greedy(fake_quantized, PROMPT)
+
+
+@pytest.mark.parametrize("method", ["bitsandbytes", "gguf", "no-such-method"])
+def test_unserved_methods_are_refused(method, llama_full_precision, tmp_path):
+    folder = tmp_path / method
+    shutil.copytree(llama_full_precision, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedQuantizationError, match=rf"{method}.*compressed-tensors"):
+        Checkpoint(folder)
+
+
+def test_online_int4_and_fp8_over_another_method_are_refused(llama_full_precision, block_fp8, llama_compressed):
+    with pytest.raises(UnsupportedQuantizationError, match="int4.*fp8"):
+        Checkpoint(llama_full_precision, quantization="int4")
+    with pytest.raises(UnsupportedQuantizationError, match="compressed-tensors"):
+        Checkpoint(llama_compressed[2], quantization="fp8")
+
+
+def test_quantization_config_over_unscaled_weights_is_refused(llama_full_precision, llama_compressed, tmp_path):
+    folder = tmp_path / "unscaled"
+    shutil.copytree(llama_full_precision, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = json.loads((llama_compressed[2] / "config.json").read_text())["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantizationError, match="weight_scale"):
+        LLM(folder, device="cpu", show_progress=False)
+
+
+# ------------------------------------------------------------------ tensor-parallel parts
+
+
+def test_parts_equal_slices_of_the_whole_weight(llama_compressed, block_fp8):
+    for folder in (llama_compressed[2], block_fp8):
+        checkpoint = Checkpoint(folder)
+        name = "model.layers.0.mlp.gate_proj.weight"  # [256, 128]
+        whole = dequantize(checkpoint.quantized(name))
+        rows = dequantize(checkpoint.quantized(name, rows=slice(128, 256)))
+        np.testing.assert_array_equal(rows, whole[128:256])
+        down = "model.layers.0.mlp.down_proj.weight"  # [128, 256]
+        columns = dequantize(checkpoint.quantized(down, columns=slice(128, 256)))
+        np.testing.assert_array_equal(columns, dequantize(checkpoint.quantized(down))[:, 128:256])
+
+
+def test_misaligned_parts_are_refused(llama_compressed, block_fp8):
+    blocked = {"FP8_BLOCK", "W4A16", "W4A16_ASYM"}
+    for folder, aligned_only in ((llama_compressed[2], llama_compressed[0] in blocked), (block_fp8, True)):
+        checkpoint = Checkpoint(folder)
+        if aligned_only:
+            with pytest.raises(QuantizationError, match="does not fall on the quantization blocks"):
+                checkpoint.quantized("model.layers.0.mlp.down_proj.weight", columns=slice(0, 96))
