@@ -391,7 +391,10 @@ class Checkpoint:
         that part is read from the file and converted. A weight stored quantized comes back
         dequantized (:func:`~metrale.kernels.quantized.dequantize`), so code that computes with a
         weight on the host reads its values whatever the format."""
-        if name not in self._tensors and self.is_quantized(name):
+        # A weight stored as its format's codes (an FP8 or INT8 ``.weight``) is dequantized too; only
+        # an online format reads a stored full-precision weight as it is.
+        stored_quantized = name not in self._tensors or not getattr(self.weight_format, "online", False)
+        if stored_quantized and self.is_quantized(name):
             from metrale.kernels.quantized import dequantize
 
             values = dequantize(self.quantized(name, shape, rows, columns))

@@ -4,6 +4,7 @@ registry of formats by ``quant_method``, online FP8, and helpers for names, bloc
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -24,6 +25,8 @@ class WeightFormat:
 
     #: ``quant_method`` of ``config.json`` (or the online method).
     method: str = ""
+    #: Whether the weights are stored at full precision and quantized at load (``quantization=``).
+    online: bool = False
 
     def holds(self, checkpoint: Any, name: str) -> bool:
         """Whether ``name`` is stored quantized in this format."""
@@ -106,6 +109,35 @@ def block_part(part: slice | None, size: int, per: int, what: str, name: str) ->
     return slice(start // per, -(-stop // per))
 
 
+def check_scales_stored(checkpoint: Any, name: str, scale_suffix: str, method: str) -> bool:
+    """Whether ``name``'s module stores its ``scale_suffix`` tensor; refused
+    (:class:`~metrale.errors.QuantizationError`) when the checkpoint stores no such tensor at all
+    (a ``quantization_config`` over full-precision tensors) or stores ``name`` as 8-bit codes
+    without it: such weights are never read as if they were not quantized."""
+    module = name[: -len(".weight")]
+    if checkpoint.has_stored(f"{module}.{scale_suffix}"):
+        return True
+    if not _stores_any(checkpoint, scale_suffix):
+        raise QuantizationError(
+            f"{checkpoint.path}: config.json's quantization_config says {method}, but no tensor stores a "
+            f"{scale_suffix}: the checkpoint's weights are not quantized as its config says")
+    if checkpoint.has_stored(name) and checkpoint.info(name).dtype in ("F8_E4M3", "I8", "U8"):
+        raise QuantizationError(f"{checkpoint.path}: {name} is stored as {checkpoint.info(name).dtype} codes "
+                                f"without its {module}.{scale_suffix}")
+    return False
+
+
+_SCALES_STORED: "weakref.WeakKeyDictionary[Any, dict[str, bool]]" = weakref.WeakKeyDictionary()
+
+
+def _stores_any(checkpoint: Any, suffix: str) -> bool:
+    """Whether any tensor of ``checkpoint`` is named ``*.{suffix}`` (looked up once per checkpoint)."""
+    found = _SCALES_STORED.setdefault(checkpoint, {})
+    if suffix not in found:
+        found[suffix] = any(stored.endswith("." + suffix) for stored in checkpoint.names())
+    return found[suffix]
+
+
 def check_shape(name: str, got: Sequence[int], expected: Sequence[int], what: str) -> None:
     if tuple(got) != tuple(expected):
         raise QuantizationError(f"{name}: {what} has shape {list(got)}, expected {list(expected)}")
@@ -123,6 +155,7 @@ class OnlineFp8(WeightFormat):
     (vLLM's online FP8 with channel-wise weight scales)."""
 
     method = "fp8 (online)"
+    online = True
 
     def holds(self, checkpoint: Any, name: str) -> bool:
         module = module_of(name)

@@ -33,6 +33,7 @@ from metrale.loading.quantization.base import (
     WeightFormat,
     act_order_columns,
     block_part,
+    check_scales_stored,
     check_shape,
     float_tensor,
     matches,
@@ -161,7 +162,7 @@ class CompressedTensorsFormat(WeightFormat):
         module = module_of(name)
         if module is None or self.scheme_of(module) is None:
             return False
-        return checkpoint.has_stored(f"{module}.weight_scale")
+        return check_scales_stored(checkpoint, name, "weight_scale", self.method)
 
     def shape(self, checkpoint: Any, name: str) -> tuple[int, ...]:
         module = name[: -len(".weight")]

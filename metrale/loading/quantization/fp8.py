@@ -20,6 +20,7 @@ from metrale.loading.config_fields import ConfigFields
 from metrale.loading.quantization.base import (
     WeightFormat,
     block_part,
+    check_scales_stored,
     check_shape,
     float_tensor,
     matches,
@@ -56,7 +57,7 @@ class BlockFp8Format(WeightFormat):
         module = module_of(name)
         if module is None or matches(module, self.ignore, linear=False):
             return False
-        return checkpoint.has_stored(name) and checkpoint.has_stored(f"{module}.weight_scale_inv")
+        return checkpoint.has_stored(name) and check_scales_stored(checkpoint, name, "weight_scale_inv", self.method)
 
     def shape(self, checkpoint: Any, name: str) -> tuple[int, ...]:
         return checkpoint.info(name).shape
