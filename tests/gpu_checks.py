@@ -34,9 +34,9 @@ def held_out_ids(llm, count: int = 256) -> list[int]:
     return ids[:count]
 
 
-def scored_with_routes(path, device, ids):
+def scored_with_routes(path, device, ids, **options):
     """Teacher-forced logits and, per MoE layer, each position's chosen experts (sorted)."""
-    llm = load(path, device)
+    llm = load(path, device, **options)
     routes = []
     route = llm.model.route
 
@@ -63,7 +63,7 @@ def transformers_bf16_rows(path, ids, cpu):
     return np.abs(logits - cpu).max(axis=1) / np.abs(cpu).max()
 
 
-def check_against_cpu_where_routing_agrees(path, ids, what, calibrate=False):
+def check_against_cpu_where_routing_agrees(path, ids, what, calibrate=False, **options):
     """bf16 tolerance and >= 99% top-1 agreement on the positions whose experts agree.
 
     Routing is discontinuous (docs/families.rst, "Routed experts"): where bf16 rounding flips an expert choice the
@@ -76,8 +76,8 @@ def check_against_cpu_where_routing_agrees(path, ids, what, calibrate=False):
     transformers' own bf16 run by at most 25 %.
     Agreement counts those positions whose top-2 margin on the cpu exceeds 2e-2 of the largest
     logit (at least half of them): random weights leave many near-ties that bf16 flips."""
-    cpu, cpu_routes = scored_with_routes(path, "cpu", ids)
-    gpu, gpu_routes = scored_with_routes(path, "cuda", ids)
+    cpu, cpu_routes = scored_with_routes(path, "cpu", ids, **options)
+    gpu, gpu_routes = scored_with_routes(path, "cuda", ids, **options)
     same_route = np.all([(a == b).all(axis=1) for a, b in zip(cpu_routes, gpu_routes)], axis=0)
     scale = np.abs(cpu).max()
     rows = np.abs(gpu - cpu).max(axis=1) / scale

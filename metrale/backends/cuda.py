@@ -57,12 +57,9 @@ class CudaBackend(Backend):
     # ------------------------------------------------------------------------------ arrays
 
     def load_weight(self, checkpoint: Any, *parts: tuple) -> Any:
-        if any(checkpoint.is_quantized(part[0]) for part in parts):
-            from metrale.errors import UnsupportedQuantizationError
-
-            raise UnsupportedQuantizationError(
-                f"{checkpoint.path}: quantized weights ({checkpoint.weight_format.describe()}) are not served on the "
-                "CUDA backend; run with device='cpu'")
+        quantized = checkpoint.quantized_parts(parts)
+        if quantized is not None:
+            return self.quantized_weight(quantized)
         arrays, raw_names = [], []
         for part in parts:
             name, shape = part[0], part[1]
@@ -100,6 +97,19 @@ class CudaBackend(Backend):
                 f"{checkpoint.path}: {bad} NaN or infinite values in {' / '.join(repr(n) for n in names)}; "
                 "the checkpoint is corrupt"
             )
+
+    def quantized_weight(self, host: Any) -> Any:
+        """A :class:`~metrale.kernels.quantized.QuantizedWeight` of host arrays with its arrays on the
+        device (codes uint8, scales and zero points float32, the act-order int32; a static input
+        scale stays a host number, a kernel argument)."""
+        from dataclasses import replace
+
+        def upload(array: Any, dtype: Any) -> Any:
+            return None if array is None else self.xp.asarray(np.ascontiguousarray(array, dtype=dtype))
+
+        with self.stream:
+            return replace(host, codes=upload(host.codes, np.uint8), scales=upload(host.scales, np.float32),
+                           zeros=upload(host.zeros, np.float32), input_order=upload(host.input_order, np.int32))
 
     def constant(self, host: np.ndarray) -> Any:
         with self.stream:

@@ -82,6 +82,8 @@ class BenchOptions:
     start_times: bool = True
     workdir: Path = Path("/tmp/metrale-bench")
     output: Path | None = None
+    #: Quantized formats timed beside bf16 (:data:`metrale.benchmarks.quantized.FORMATS`).
+    quantization: tuple[str, ...] = ()
 
 
 def _progress(total: int, description: str):
@@ -183,6 +185,12 @@ def weight_bytes(shape: str, batch: int | None = None) -> int:
     total = layers * (attention + 2 * h) + dense * 3 * h * s["intermediate_size"] + (layers - dense) * moe_layer \
         + embeddings + h
     return int(2 * total)
+
+
+def embedding_bytes(shape: str) -> int:
+    """bf16 bytes of the embedding and the LM head (one table when tied)."""
+    s = SHAPES[shape]
+    return 2 * s["vocab_size"] * s["hidden_size"] * (1 if s["tie_word_embeddings"] else 2)
 
 
 def _gdn_layers(s: dict[str, Any]) -> list[bool]:
@@ -290,7 +298,11 @@ def start_times(folder: Path, cache_dir: Path) -> dict[str, float]:
     return result
 
 
-def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: float) -> dict[str, Any]:
+def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: float,
+                  quantization: str | None = None) -> dict[str, Any]:
+    """Metrale's decode, prefill and load times on ``folder``; with ``quantization`` (a format of
+    :data:`metrale.benchmarks.quantized.FORMATS`) the floor counts that format's bytes, and an online
+    format is asked for at load."""
     import numpy as np
 
     from metrale.backends.cuda import CudaBackend
@@ -304,7 +316,11 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
     max_len = max(options.context + options.decode_steps + 16, max(options.prefill_lengths, default=0) + 16,
                   chunk_end + 16)
     started = time.perf_counter()
-    llm = LLM(folder, device="cuda", max_model_len=max_len, max_num_seqs=max_batch + 1, show_progress=True)
+    from metrale.benchmarks import quantized as formats
+
+    online = formats.FORMATS[quantization].online if quantization else None
+    llm = LLM(folder, device="cuda", max_model_len=max_len, max_num_seqs=max_batch + 1, show_progress=True,
+              quantization=online)
     backend = llm.backend
     assert isinstance(backend, CudaBackend)  # device="cuda" gives the CUDA backend or raises
     backend.synchronize()
@@ -332,8 +348,10 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
 
         seconds = _cuda_time(step, repeats=steps, stream=backend.stream)
         context = options.context + steps // 2
-        bytes_read = (weight_bytes(shape, batch) + batch * context * kv_bytes_per_token(shape)
-                      + batch * state_bytes_per_sequence(shape))
+        weights_read = weight_bytes(shape, batch)
+        if quantization:
+            weights_read = formats.quantized_step_bytes(weights_read, embedding_bytes(shape), quantization)
+        bytes_read = weights_read + batch * context * kv_bytes_per_token(shape) + batch * state_bytes_per_sequence(shape)
         floor = bytes_read / bandwidth
         result[f"decode_b{batch}"] = {
             "step_ms": seconds * 1e3,
@@ -488,7 +506,8 @@ def run(options: BenchOptions) -> dict[str, Any]:
     options.workdir.mkdir(parents=True, exist_ok=True)
     hf_runs = [(label, compiled) for label, compiled in (("hf_eager", False), ("hf_compiled", True))
                if options.hf and (options.hf_compile or not compiled)]
-    stages = len(options.shapes) * (2 + len(hf_runs)) + (1 if options.start_times and options.shapes else 0)
+    stages = (len(options.shapes) * (2 + len(hf_runs) + len(options.quantization))
+              + (1 if options.start_times and options.shapes else 0))
     with _progress(stages, "bench") as bar:
         for shape in options.shapes:
             entry: dict[str, Any] = {"weight_GB": weight_bytes(shape) / 1e9}
@@ -514,6 +533,13 @@ def run(options: BenchOptions) -> dict[str, Any]:
             except Exception as error:  # report and go on with the other measurements
                 entry["metrale_error"] = f"{type(error).__name__}: {error}"
                 bar.update(metrale_stages - done)  # the skipped stages, so the bar still ends full
+            for name in options.quantization:
+                bar.set_description(f"{shape}: Metrale {name}")
+                try:
+                    entry[f"metrale_{name}"] = bench_quantized(shape, options, bandwidth, name)
+                except Exception as error:
+                    entry[f"metrale_{name}_error"] = f"{type(error).__name__}: {error}"
+                bar.update()
             for label, compiled in hf_runs:
                 bar.set_description(f"{shape}: transformers {'compiled' if compiled else 'eager'}")
                 try:
@@ -526,6 +552,28 @@ def run(options: BenchOptions) -> dict[str, Any]:
     return results
 
 
+def bench_quantized(shape: str, options: BenchOptions, bandwidth: float, name: str) -> dict[str, Any]:
+    """:func:`bench_metrale` on ``shape`` in quantized format ``name`` (its checkpoint written from the
+    bf16 one), and its accuracy against the bf16 model: the logit error relative to the largest
+    logit and the top-1 agreement over a 256-token prompt's positions."""
+    import numpy as np
+
+    from metrale.benchmarks import quantized as formats
+    from metrale.entrypoints.llm import LLM
+
+    source = options.workdir / shape
+    folder = source if formats.FORMATS[name].online else formats.write_quantized_checkpoint(
+        source, options.workdir / f"{shape}-{name}", name)
+    result = bench_metrale(shape, folder, options, bandwidth, quantization=name)
+    prompt = np.random.default_rng(7).integers(0, SHAPES[shape]["vocab_size"], 256).tolist()
+    with LLM(source, device="cuda", max_model_len=512, max_num_seqs=2, show_progress=False) as reference:
+        reference_logits = reference.score(prompt)
+    with LLM(folder, device="cuda", max_model_len=512, max_num_seqs=2, show_progress=False,
+             quantization=formats.FORMATS[name].online) as quantized:
+        result["accuracy"] = formats.accuracy(reference_logits, quantized, prompt)
+    return result
+
+
 def table(results: dict[str, Any]) -> str:
     """The result as a plain-text table."""
     lines = [f"device: {results['device']}   copy bandwidth: {results['copy_bandwidth_TBps']:.2f} TB/s"]
@@ -533,13 +581,18 @@ def table(results: dict[str, Any]) -> str:
     lines += [header, "-" * len(header)]
     for shape in results["options"]["shapes"]:
         entry = results.get(shape, {})
-        for engine in ("metrale", "hf_eager", "hf_compiled"):
+        engines = ["metrale"] + [f"metrale_{name}" for name in results["options"].get("quantization", ())]
+        for engine in engines + ["hf_eager", "hf_compiled"]:
             data = entry.get(engine)
             if data is None:
                 if f"{engine}_error" in entry:
                     lines.append(f"{shape:10} {engine:12} error: {entry[f'{engine}_error'][:60]}")
                 continue
             for key, value in data.items():
+                if key == "accuracy":
+                    lines.append(f"{shape:10} {engine:12} {'logit error':14} {value['logit_error']:12.4f}")
+                    lines.append(f"{shape:10} {engine:12} {'greedy agree':14} {value['greedy_agreement']:12.4f}")
+                    continue
                 if not isinstance(value, dict):
                     lines.append(f"{shape:10} {engine:12} {key:14} {value:12.2f}")
                     continue
@@ -558,9 +611,15 @@ def table(results: dict[str, Any]) -> str:
 
 
 def speedups(entry: dict[str, Any]) -> list[tuple[str, str, float]]:
-    """``(vs engine, metric, Metrale tok/s over theirs)`` for every metric both measured."""
+    """``(vs engine, metric, Metrale tok/s over theirs)`` for every metric both measured; each
+    quantized format's against Metrale's bf16 (``fp8 vs bf16``)."""
     ours = entry.get("metrale") or {}
     rows = []
+    for engine in (key for key in entry if key.startswith("metrale_") and not key.endswith("_error")):
+        for key, value in (entry.get(engine) or {}).items():
+            other = ours.get(key)
+            if isinstance(value, dict) and isinstance(other, dict) and value.get("tok_s") and other.get("tok_s"):
+                rows.append((f"{engine[len('metrale_'):]} vs bf16", key, value["tok_s"] / other["tok_s"]))
     for engine in ("hf_eager", "hf_compiled"):
         theirs = entry.get(engine) or {}
         for key, value in ours.items():

@@ -94,6 +94,10 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
                         "cached ones (overrides --prefill-lengths and --prefix-chunk)")
     parser.add_argument("--prefix-chunk", default="", metavar="CACHED,NEW",
                         help="also time a chunk of NEW prompt tokens after CACHED ones, e.g. 8192,512")
+    parser.add_argument("--quantization", default="", metavar="FORMATS",
+                        help="also time Metrale on each shape in these quantized formats, comma-separated: fp8 "
+                        "(online), fp8-dynamic, fp8-block, w8a8, w4a16 (checkpoints written in the real formats from "
+                        "the bf16 one), with the accuracy against bf16 (default: none)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--hf-compile", action="store_true", help="also time transformers with a static cache and torch.compile")
     parser.add_argument("--no-start-times", action="store_true", help="skip the cold and cached start-time probes")
@@ -125,6 +129,12 @@ def _bench(args: argparse.Namespace) -> int:
 
         return bench_serve.run_from_args(args)
     shapes = tuple(s for s in args.shapes.split(",") if s)
+    from metrale.benchmarks.quantized import FORMATS
+
+    quantization = tuple(name for name in args.quantization.split(",") if name)
+    unserved = [name for name in quantization if name not in FORMATS]
+    if unserved:
+        raise ConfigError(f"unknown quantized formats {unserved}; known: {', '.join(FORMATS)}")
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         raise ConfigError(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
@@ -169,7 +179,7 @@ def _bench(args: argparse.Namespace) -> int:
     options = BenchOptions(
         shapes=shapes, batch_sizes=batch_sizes, context=args.context, decode_steps=args.decode_steps,
         prefill_lengths=prefill_lengths, prefix_chunk=prefix_chunk, hf=not args.no_hf, hf_compile=args.hf_compile,
-        start_times=not args.no_start_times,
+        start_times=not args.no_start_times, quantization=quantization,
         workdir=Path(args.workdir), output=Path(args.output),
     )
     results = run(options)

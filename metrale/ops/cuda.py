@@ -37,6 +37,7 @@ from metrale.kernels import (
     moe_grouped,
     moe_route_decode,
     qkv_rope,
+    quantized_gemv,
     rmsnorm,
     token_feed,
 )
@@ -142,6 +143,52 @@ class CudaKernels:
         if bias is not None:
             out += bias
         return out
+
+    # Products with a quantized weight (:mod:`metrale.kernels.quantized_gemv`), bound where
+    # :func:`metrale.ops.selection.quantized_kernels` says.
+
+    def quantized_linear_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """Decode rows: the codes dequantized in registers, the input quantized in the prologue."""
+        out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
+        return quantized_gemv.quantized_gemv(self.to_float32(x), weight, out, self.stream, bias=bias,
+                                             multiprocessors=decode_gemv.multiprocessor_count())
+
+    def quantized_linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """Prompt rows: the input staged (gathered, quantized, bf16), the weight dequantized into a
+        bf16 matrix, one cuBLAS product."""
+        rows, (columns, inner) = x.shape[0], weight.shape
+        staged = cp.empty((rows, inner), dtype=bf16)
+        quantized_gemv.stage_activations(self.to_float32(x), weight, staged, self.stream)
+        dense = cp.empty((columns, inner), dtype=bf16)
+        quantized_gemv.dequantize_bf16(weight, dense, self.stream)
+        out = cp.empty((rows, columns), dtype=f32)
+        self.gemm(staged, dense, out)
+        if bias is not None:
+            out += bias
+        return out
+
+    def quantized_moe_experts(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
+        """Routed experts over quantized stacked weights: each stack dequantized into bf16 (in its
+        original column order), the tokens quantized as the gate/up weights' scheme says, then the
+        bf16 kernels pair by pair. The down projections' inputs stay bf16: the kernels compute
+        them between their two products."""
+        from dataclasses import replace
+
+        if gate_up.activations != "weight_only":
+            staged = cp.empty(x.shape, dtype=bf16)
+            x = quantized_gemv.stage_activations(self.to_float32(x), replace(gate_up, input_order=None), staged,
+                                                 self.stream)
+        return self.moe_experts(x, experts, weights, self._dequantized(gate_up), self._dequantized(down))
+
+    def _dequantized(self, weight: Any) -> Any:
+        """bf16 bits ``[out, in]``: the quantized weight's matrix, its columns in their original order."""
+        dense = cp.empty(weight.shape, dtype=bf16)
+        quantized_gemv.dequantize_bf16(weight, dense, self.stream)
+        if weight.input_order is None:
+            return dense
+        restored = cp.empty_like(dense)
+        restored[:, weight.input_order] = dense
+        return restored
 
     def gate_up_product(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """The product of ``linear_silu`` before its gate (:mod:`metrale.ops.selection`): bf16 (what a

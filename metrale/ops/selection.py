@@ -50,7 +50,7 @@ def builtin_kernels() -> list[Kernel]:
     """Every kernel of the built-in ops that this module chooses among, in the order tried (per op:
     the conditional kernels, then the one that serves every other call). The registry adds, for
     every other op, its :class:`~metrale.ops.cuda.CudaKernels` method of the same name."""
-    return (default_decode_kernels() + composite_kernels() + attention_kernels() + norm_kernels()
+    return (quantized_kernels() + default_decode_kernels() + composite_kernels() + attention_kernels() + norm_kernels()
             + activation_kernels() + head_linear_kernels() + moe_kernels() + latent_attention_kernels()
             + gdn_prompt_kernels())
 
@@ -138,6 +138,56 @@ def composite_kernels() -> list[Kernel]:
          "(their kernels)", _composed_gdn_decode),
     ]
     return [Kernel(op, device, name, build=build) for op, name, build in composites for device in ("cpu", "cuda")]
+
+
+# ------------------------------------------------------------------------- quantized weights
+
+
+def _is_quantized(weight: Any) -> bool:
+    from metrale.kernels.quantized import QuantizedWeight
+
+    return isinstance(weight, QuantizedWeight)
+
+
+def quantized_kernels() -> list[Kernel]:
+    """The CUDA kernels of products with a :class:`~metrale.kernels.quantized.QuantizedWeight`
+    (:mod:`metrale.kernels.quantized_gemv`), tried before every other kernel of their ops: the
+    quantized decode GEMV for ``linear`` up to its rows, the staged input with a bf16 dequantization
+    and cuBLAS past them; ``linear_silu`` as ``linear`` then ``silu_and_mul``; ``moe_experts`` over
+    the dequantized stacks. ``rmsnorm_linear`` and ``rmsnorm_mlp`` reach them through their
+    composites (the fused bf16 decode kernels take bf16 weights only)."""
+
+    def quantized(x: Any, weight: Any, bias: Any = None) -> bool:
+        return _is_quantized(weight)
+
+    def decode_rows(x: Any, weight: Any, bias: Any = None) -> bool:
+        from metrale.kernels import quantized_gemv
+
+        return _is_quantized(weight) and quantized_gemv.supports(x.shape[0], weight)
+
+    def quantized_experts(x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> bool:
+        return _is_quantized(gate_up) or _is_quantized(down)
+
+    def composed_linear_silu(backend: Any) -> Any:
+        table = _ops_of(backend)
+
+        def linear_silu(x, weight, bias=None):
+            ops = table()
+            return ops.silu_and_mul(ops.linear(x, weight, bias))
+
+        return linear_silu
+
+    return [
+        Kernel("linear", "cuda", "metrale.kernels.quantized_gemv (decode GEMV)", build=_cuda_method("quantized_linear_gemv"),
+               when=decode_rows, condition="a quantized weight, at most 32 rows, the inner size a multiple of 32"),
+        Kernel("linear", "cuda", "metrale.kernels.quantized_gemv (staged input, bf16 dequantization), cuBLAS GEMM",
+               build=_cuda_method("quantized_linear"), when=quantized, condition="a quantized weight"),
+        Kernel("linear_silu", "cuda", "linear, then silu_and_mul (their kernels)", build=composed_linear_silu,
+               when=quantized, condition="a quantized weight"),
+        Kernel("moe_experts", "cuda", "metrale.kernels.quantized_gemv (bf16 dequantization), then the pairwise kernels",
+               build=_cuda_method("quantized_moe_experts"), when=quantized_experts,
+               condition="quantized stacked weights"),
+    ]
 
 
 # ---------------------------------------------------------------------------- decode kernels

@@ -31,6 +31,7 @@ from metrale.kernels import (
     moe_grouped,
     moe_route_decode,
     qkv_rope,
+    quantized_gemv,
     rmsnorm,
 )
 
@@ -133,3 +134,20 @@ def test_the_decode_attention_compiles_for_every_head_size(tmp_path, head_dim):
     from metrale.kernels import attention_decode_mma
 
     assert "decode_attention_mma" in entries(compile_to_ptx(tmp_path, attention_decode_mma.kernel_source(head_dim)))
+
+
+def test_every_quantized_gemv_instantiation_compiles(tmp_path):
+    gemv = ("const float*, const int*, float, int, const unsigned char*, const float*, const float*, int, int, int, "
+            "const float*, float*, int, int, int")
+    names = [quantized_gemv.kernel_name(codes, activations, split, tiles) for codes in quantized_gemv.CODES
+             for activations in quantized_gemv.ACTIVATIONS for split in quantized_gemv.SPLITS
+             for tiles in quantized_gemv.ROW_TILES]
+    instantiations = "".join(f"template __global__ void {name}({gemv});\n" for name in names)
+    dequantize = "const unsigned char*, const float*, const float*, int, int, int, uint4*, int, int"
+    instantiations += "".join(f"template __global__ void dequantize_bf16<{number}>({dequantize});\n"
+                              for number in quantized_gemv.CODES.values())
+    staging = "const float*, const int*, float, int, unsigned short*, int, int"
+    instantiations += "".join(f"template __global__ void stage_activations<{number}>({staging});\n"
+                              for number in quantized_gemv.ACTIVATIONS.values())
+    ptx = compile_to_ptx(tmp_path, quantized_gemv.source() + instantiations, optimize=False)
+    assert len(entries(ptx)) == len(names) + len(quantized_gemv.CODES) + len(quantized_gemv.ACTIVATIONS)

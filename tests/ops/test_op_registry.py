@@ -233,13 +233,18 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
         "a multiple of 32, no gate_up bias, weights of at most 128 MiB",
         "rmsnorm_residual, then linear_silu and linear (their kernels) [metrale]"]
     assert registry.serving("linear", "cuda") == [
+        "metrale.kernels.quantized_gemv (decode GEMV) [metrale] when a quantized weight, at most 32 rows, the inner "
+        "size a multiple of 32",
+        "metrale.kernels.quantized_gemv (staged input, bf16 dequantization), cuBLAS GEMM [metrale] when a quantized "
+        "weight",
         "metrale.kernels.decode_gemv (float32 rows, rounded as they are staged) [metrale] when N <= 8, bf16 weights, "
         "inner sizes a multiple of 32, contiguous float32 rows",
         "metrale.kernels.decode_gemv [metrale] when N <= 8, bf16 weights, inner sizes a multiple of 32",
         "cuBLAS GEMM (metrale.kernels.linear) [metrale]"]
     assert registry.serving("rmsnorm_linear", "cuda")[0].startswith(
         "metrale.kernels.decode_gemv (the norm fused) [metrale] when N <= 2")
-    assert registry.serving("moe_experts", "cuda")[0].startswith("metrale.kernels.moe_decode [metrale] when N <= 8")
+    assert registry.serving("moe_experts", "cuda")[0].endswith("when quantized stacked weights")
+    assert registry.serving("moe_experts", "cuda")[1].startswith("metrale.kernels.moe_decode [metrale] when N <= 8")
     assert registry.serving("gdn_decode", "cuda")[0].startswith("metrale.kernels.gdn_decode [metrale] when")
     for op in ("linear", "rmsnorm_linear", "rmsnorm_mlp", "moe_experts", "gdn_decode"):
         assert registry.kernels_for(op, "cuda")[-1].when is None  # what serves every other call

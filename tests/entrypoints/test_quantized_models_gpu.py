@@ -1,0 +1,70 @@
+"""Quantized models on the cuda backend against the cpu backend running the same quantized math
+(``-m gpu``): online FP8 on the three embedded families, Hugging Face block FP8 on DeepSeek-V3
+(MLA and experts), a compressed-tensors W4A16 Llama; CUDA-graph decode gives the eager tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu_checks import check_against_cpu_where_routing_agrees, held_out_ids, load
+
+from metrale import SamplingParams
+from metrale.kernels.quantized import QuantizedWeight
+
+pytestmark = pytest.mark.gpu
+
+
+def check_dense_against_cpu(path, ids, what, **options):
+    """bf16 tolerance: at most 2e-2 of the largest logit at 99 % of positions, 5e-2 at any."""
+    cpu = load(path, "cpu", **options).score(ids)
+    gpu_llm = load(path, "cuda", **options)
+    assert isinstance(gpu_llm.model.layers[0].attention.qkv, QuantizedWeight)
+    gpu = gpu_llm.score(ids)
+    rows = np.abs(gpu - cpu).max(axis=1) / np.abs(cpu).max()
+    print(f"{what}: relative error {np.percentile(rows, 99):.3g} (99th percentile) / {rows.max():.3g} (max)")
+    assert np.percentile(rows, 99) <= 2e-2 and rows.max() <= 5e-2
+
+
+def test_online_fp8_tiny_dense_matches_the_cpu_backend():
+    llm = load("tiny-dense", "cpu")
+    check_dense_against_cpu(llm.checkpoint.path, held_out_ids(llm), "tiny-dense fp8", quantization="fp8")
+
+
+@pytest.mark.parametrize("name", ["tiny-mla", "tiny-gdn"])
+def test_online_fp8_moe_families_match_the_cpu_backend(name):
+    llm = load(name, "cpu")
+    check_against_cpu_where_routing_agrees(llm.checkpoint.path, held_out_ids(llm), f"{name} fp8", quantization="fp8")
+
+
+def test_block_fp8_deepseek_v3_matches_the_cpu_backend(tmp_path):
+    from conftest import build_mla_checkpoint, mla_configs
+    from metrale.testing.quantized import write_block_fp8_checkpoint
+
+    cls, config = mla_configs()["deepseek_v3"]
+    source = build_mla_checkpoint(cls, config, tmp_path / "float", seed=30)
+    folder = write_block_fp8_checkpoint(source, tmp_path / "fp8")
+    ids = np.random.default_rng(3).integers(0, 128, 256).tolist()
+    check_against_cpu_where_routing_agrees(folder, ids, "deepseek-v3 block fp8")
+
+
+def test_compressed_tensors_w4a16_llama_matches_the_cpu_backend(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from metrale.testing import quantized as tool
+    from metrale.testing.hf import build_hf_checkpoint
+
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    source = build_hf_checkpoint(LlamaForCausalLM, config, tmp_path / "float", seed=4)
+    folder = tool.write_compressed_checkpoint(source, tool.scheme("W4A16"), tmp_path / "w4a16")
+    ids = np.random.default_rng(4).integers(0, 256, 300).tolist()
+    check_dense_against_cpu(folder, ids, "llama w4a16")
+
+
+def test_graph_replayed_quantized_decode_gives_the_eager_tokens():
+    prompts = [[5, 9, 30, 2], list(range(40, 77))]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    eager = load("tiny-dense", "cuda", quantization="fp8", cuda_graphs=False).generate(prompts, params)
+    graphed = load("tiny-dense", "cuda", quantization="fp8").generate(prompts, params)
+    assert [o.token_ids for o in eager] == [o.token_ids for o in graphed]

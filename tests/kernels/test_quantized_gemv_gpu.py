@@ -1,0 +1,113 @@
+"""The quantized-weight kernels (``metrale.kernels.quantized_gemv``) against their NumPy references on
+a real GPU: Llama-8B projection shapes in every weight code and activation scheme at 1 to 32 rows,
+the prompt path's staging and dequantization, and a CUDA-graph replay with new inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from metrale.kernels.quantized import QuantizedWeight, float32_to_fp8_e4m3, pack_nibbles, quantize_fp8_per_channel
+
+pytestmark = pytest.mark.gpu
+
+# (K, N): the 8B shape's qkv, o, gate_up and down projections.
+LLAMA_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+
+
+def host_weight(codes: str, inner: int, columns: int, activations: str, rng: np.random.Generator) -> QuantizedWeight:
+    if codes == "fp8" and activations == "fp8_group":
+        scales = rng.uniform(1e-4, 3e-4, size=(-(-columns // 128), -(-inner // 128))).astype(np.float32)
+        stored = float32_to_fp8_e4m3(rng.normal(size=(columns, inner)).astype(np.float32) * 100)
+        return QuantizedWeight("fp8", stored, scales, (128, 128), (columns, inner), activations="fp8_group")
+    if codes == "fp8":
+        return quantize_fp8_per_channel(rng.normal(size=(columns, inner)).astype(np.float32) * 0.02, activations)
+    groups = inner // 128
+    scales = rng.uniform(1e-3, 3e-3, size=(columns, groups)).astype(np.float32)
+    if codes == "int4":
+        stored = pack_nibbles(rng.integers(0, 16, size=(columns, inner), dtype=np.uint8))
+        return QuantizedWeight("int4", stored, scales, (1, 128), (columns, inner))
+    stored = rng.integers(0, 256, size=(columns, inner), dtype=np.uint8)
+    return QuantizedWeight("int8", stored, scales[:, :1].copy(), (1, inner), (columns, inner), activations=activations)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from metrale.backends.cuda import CudaBackend
+
+    backend = CudaBackend()
+    yield backend
+    backend.close()
+
+
+def rel_error(got: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.abs(got - expected).max() / np.abs(expected).max())
+
+
+@pytest.mark.parametrize("codes, activations", [("fp8", "fp8_token"), ("fp8", "fp8_group"), ("int4", "weight_only"),
+                                                ("int8", "int8_token")])
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_the_decode_gemv_matches_the_reference_on_llama_shapes(backend, codes, activations, rows):
+    import cupy as cp
+
+    from metrale.kernels import quantized_gemv as qg
+
+    rng = np.random.default_rng(rows)
+    for inner, columns in LLAMA_8B[:2] if rows > 1 else LLAMA_8B:
+        host = host_weight(codes, inner, columns, activations, rng)
+        weight = backend.quantized_weight(host)
+        x = rng.normal(size=(rows, inner)).astype(np.float32)
+        out = cp.full((rows, columns), np.nan, np.float32)
+        qg.quantized_gemv(cp.asarray(x), weight, out, cp.cuda.get_current_stream(),
+                          multiprocessors=qg_multiprocessors())
+        assert rel_error(cp.asnumpy(out), qg.quantized_gemv_reference(x, host)) < 1e-4
+
+
+def qg_multiprocessors() -> int:
+    from metrale.kernels.decode_gemv import multiprocessor_count
+
+    return multiprocessor_count()
+
+
+@pytest.mark.parametrize("codes, activations", [("fp8", "fp8_group"), ("int4", "weight_only")])
+def test_the_prompt_path_stages_and_dequantizes_as_the_references(backend, codes, activations):
+    import cupy as cp
+
+    from metrale.kernels import quantized_gemv as qg
+    from metrale.kernels.bf16 import bf16_to_float32
+
+    rng = np.random.default_rng(5)
+    host = host_weight(codes, 4096, 1024, activations, rng)
+    weight = backend.quantized_weight(host)
+    x = rng.normal(size=(300, 4096)).astype(np.float32)
+    staged = cp.empty((300, 4096), np.uint16)
+    qg.stage_activations(cp.asarray(x), weight, staged, cp.cuda.get_current_stream())
+    assert np.array_equal(bf16_to_float32(cp.asnumpy(staged)), qg.stage_activations_reference(x, host))
+    dense = cp.empty((1024, 4096), np.uint16)
+    qg.dequantize_bf16(weight, dense, cp.cuda.get_current_stream())
+    assert np.array_equal(bf16_to_float32(cp.asnumpy(dense)), qg.dequantize_bf16_reference(host))
+    y = backend.ops.linear(cp.asarray(x), weight)
+    assert rel_error(cp.asnumpy(y), qg.quantized_gemv_reference(x, host)) < 1e-3
+
+
+def test_a_graph_replays_the_decode_gemv_with_new_inputs(backend):
+    import cupy as cp
+
+    from metrale.kernels import quantized_gemv as qg
+
+    rng = np.random.default_rng(9)
+    host = host_weight("fp8", 4096, 4096, "fp8_token", rng)
+    weight = backend.quantized_weight(host)
+    x = cp.asarray(rng.normal(size=(4, 4096)).astype(np.float32))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out = cp.empty((4, 4096), np.float32)
+        qg.quantized_gemv(x, weight, out, stream, multiprocessors=qg_multiprocessors())  # compiles before capture
+        stream.begin_capture()
+        qg.quantized_gemv(x, weight, out, stream, multiprocessors=qg_multiprocessors())
+        graph = stream.end_capture()
+    fresh = rng.normal(size=(4, 4096)).astype(np.float32)
+    x[...] = cp.asarray(fresh)
+    graph.launch(stream)
+    stream.synchronize()
+    assert rel_error(cp.asnumpy(out), qg.quantized_gemv_reference(fresh, host)) < 1e-4
