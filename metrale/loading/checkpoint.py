@@ -257,7 +257,7 @@ class Checkpoint:
     def shape_of(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name``; for a quantized weight, of the matrix it stands for."""
         if name not in self._tensors and self.is_quantized(name):
-            return tuple(self.weight_format.shape(self, name))  # type: ignore[union-attr]
+            return tuple(self.weight_format.shape(self, name))
         return self.info(name).shape
 
     def quantized(self, name: str, shape: Sequence[int] | None = None, rows: slice | None = None,
@@ -269,7 +269,7 @@ class Checkpoint:
         if shape is not None and tuple(shape) != self.shape_of(name):
             raise CheckpointError(
                 f"{self.path}: tensor {name!r} has shape {list(self.shape_of(name))}, expected {list(shape)}")
-        weight = self.weight_format.read(self, name, rows, columns)  # type: ignore[union-attr]
+        weight = self.weight_format.read(self, name, rows, columns)
         self._consumed.add(name)
         return weight
 

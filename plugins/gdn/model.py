@@ -410,7 +410,8 @@ class GdnModel(FamilyModel):
         state = RecurrentStateSpec((c.conv_channels, c.conv_kernel - 1),
                                    (c.linear_value_heads, c.linear_key_dim, c.linear_value_dim))
         layers = tuple(
-            PagedKVSpec(c.num_kv_heads, c.head_dim, k_scale=layer.mixer.k_scale, v_scale=layer.mixer.v_scale)
+            PagedKVSpec(c.num_kv_heads, c.head_dim, k_scale=getattr(layer.mixer, "k_scale", None),
+                        v_scale=getattr(layer.mixer, "v_scale", None))
             if kind == "full_attention" else state for kind, layer in zip(c.layer_types, self.layers)
         )
         return CacheSpec(layers + ((PagedKVSpec(c.num_kv_heads, c.head_dim),) if self.mtp_drafting else ()))

@@ -225,8 +225,8 @@ class GptqFormat(_GroupedIntegerFormat):
         # [in / per_word, rows] words -> [in, rows] values -> [rows, in]
         codes = _unpack_words(qweight[:, row_part], bits).transpose(0, 2, 1).reshape(-1, qweight[:, row_part].shape[1])
         codes = np.ascontiguousarray(codes[:inner].T)
-        zeros = _unpack_words(qzeros, bits).reshape(groups, -1)[:, :out][:, row_part].astype(np.int32)
-        zeros = _zero_points((zeros + self.zero_offset).T, bits)
+        stored_zeros = _unpack_words(qzeros, bits).reshape(groups, -1)[:, :out][:, row_part].astype(np.int32)
+        zeros = _zero_points((stored_zeros + self.zero_offset).T, bits)
         scales = np.ascontiguousarray(scales[:, row_part].T)
         return self._finish(checkpoint, name, scheme, codes, scales, zeros, g_idx, inner, rows, columns,
                             f"gptq {self.checkpoint_format} (int{bits}, group {scheme.group_size}"
