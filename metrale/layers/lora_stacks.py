@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from metrale.errors import ConfigError
+from metrale.errors import ConfigError, UnsupportedQuantizationError
+from metrale.kernels.quantized import QuantizedWeight
 
 if TYPE_CHECKING:
     from metrale.loading.lora import LoraModule
@@ -69,6 +70,12 @@ class LoraStack:
         copied into the stack's extended weight."""
         if len(names) != len(out_sizes) or not names:
             raise ConfigError(f"a LoRA stack needs one output size per projection, got {names} and {out_sizes}")
+        if isinstance(weight, QuantizedWeight):
+            # The stack extends the projection's own matrix with the adapters' rows: one product
+            # for both, which a quantized matrix cannot join.
+            raise UnsupportedQuantizationError(
+                f"LoRA adapters over quantized weights ({weight.source or weight.codes_format}: {', '.join(names)}) "
+                "are not served; serve the full-precision checkpoint with enable_lora")
         rows, in_size = (int(extent) for extent in weight.shape)
         if rows != sum(out_sizes):
             raise ConfigError(f"a LoRA stack over {names} needs a weight of {sum(out_sizes)} rows, got {rows}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import weakref
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -168,7 +169,13 @@ class OnlineFp8(WeightFormat):
 
     def read(self, checkpoint: Any, name: str, rows: slice | None = None,
              columns: slice | None = None) -> QuantizedWeight:
-        return quantize_fp8_per_channel(checkpoint.stored_tensor(name, rows=rows, columns=columns))
+        # Whole rows are quantized, then a rank's columns taken: a row's scale is the same on every
+        # rank of a tensor-parallel group as on one GPU, so the split changes no value.
+        weight = quantize_fp8_per_channel(checkpoint.stored_tensor(name, rows=rows))
+        if columns is None:
+            return weight
+        codes = np.ascontiguousarray(weight.codes[:, columns])
+        return replace(weight, codes=codes, shape=(codes.shape[0], codes.shape[1]), block=(1, codes.shape[1]))
 
     def describe(self) -> str:
         return "online FP8 (E4M3, per-channel weight scales, dynamic per-token activations)"

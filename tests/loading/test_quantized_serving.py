@@ -1,0 +1,58 @@
+"""Quantized weights through the rest of the engine on the CPU: a rank's part of a weight is the
+part of the whole quantized weight (tensor parallelism changes no weight-only result), speculation
+and prefix caching give the tokens of a plain run, LoRA over quantized weights is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from metrale import LLM, SamplingParams
+from metrale.errors import UnsupportedQuantizationError
+from metrale.kernels.quantized import dequantize
+from metrale.loading.checkpoint import Checkpoint
+from metrale.models import embedded_model_path
+
+IDS = list(range(3, 60))
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def test_an_online_rank_part_is_the_part_of_the_whole_rows_quantization():
+    checkpoint = Checkpoint(embedded_model_path("tiny-dense"), quantization="fp8")
+    name = "model.layers.0.mlp.down_proj.weight"
+    whole = dequantize(checkpoint.quantized(name))
+    part = dequantize(checkpoint.quantized(name, rows=slice(32, 96), columns=slice(160, 320)))
+    assert np.array_equal(part, whole[32:96, 160:320])
+
+
+def test_tensor_parallel_ranks_give_the_weight_only_logits_of_one_rank(tmp_path):
+    pytest.importorskip("torch")
+    from metrale.benchmarks.quantized import write_quantized_checkpoint
+
+    folder = write_quantized_checkpoint(Path(embedded_model_path("tiny-dense")), tmp_path / "w4a16", "w4a16",
+                                        device="cpu")
+    with LLM(folder, device="cpu", show_progress=False) as one:
+        single = one.score(IDS)
+    with LLM(folder, device="cpu", tensor_parallel_size=2, show_progress=False) as two:
+        split = two.score(IDS)
+    assert np.abs(split - single).max() <= 1e-5 * np.abs(single).max()
+
+
+@pytest.mark.parametrize("options", [
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+    {"enable_prefix_caching": False, "overlap_scheduling": False},
+])
+def test_speculation_and_caching_keep_the_quantized_tokens(options):
+    prompt = IDS + IDS[:20]  # a repeat for the n-gram drafter to find
+    with LLM("tiny-dense", device="cpu", quantization="fp8", show_progress=False) as plain:
+        expected = plain.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        again = plain.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # a prefix-cache hit
+    with LLM("tiny-dense", device="cpu", quantization="fp8", show_progress=False, **options) as other:
+        assert other.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected == again
+
+
+def test_lora_over_quantized_weights_is_refused():
+    with pytest.raises(UnsupportedQuantizationError, match="LoRA adapters over quantized weights"):
+        LLM("tiny-dense", device="cpu", quantization="fp8", enable_lora=True, show_progress=False)
