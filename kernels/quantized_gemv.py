@@ -79,7 +79,9 @@ CONSTANTS = f"""
 #define GEMV_UNROLL {UNROLL}
 """
 
-KERNELS = r"""
+#: The device functions every kernel of quantized weights shares (:mod:`metrale.kernels.quantized_moe_decode` too):
+#: the codes' values, FP8 rounding, a chunk of 8 weights dequantized to bf16, the warp maximum.
+DEVICE_FUNCTIONS = r"""
 // The value of an FP8 E4M3 code (0x7f / 0xff, NaN, never stored by a quantizer, read as 480).
 __device__ __forceinline__ float e4m3_value(unsigned code) {
     const unsigned exponent = (code >> 3) & 15u, mantissa = code & 7u;
@@ -166,6 +168,9 @@ __device__ __forceinline__ uint4 weight_chunk(const QuantizedOperand& w, size_t 
     return dequantize_chunk<CODES>(load_codes<CODES>(w.codes, column, chunk, K), __ldg(w.scales + at), zero);
 }
 
+"""
+
+KERNELS = r"""
 // y[r, n] = dot(staged[r, :], W[n, :]) (+ bias[n]) for r < rows <= 8 * ROW_TILES, n < N. staged[r, k]
 // = bf16(quantize(x[r, order[k]])) (order null: k): ACT_NONE keeps the value, ACT_FP8_TOKEN /
 // ACT_INT8_TOKEN quantize each row with scale max|row| / 448 (/ 127), ACT_FP8_GROUP each row's
@@ -359,7 +364,7 @@ __global__ void dequantize_bf16(const unsigned char* __restrict__ codes, const f
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return INSTRUCTIONS + MMA_BF16 + CONSTANTS + HELPERS + KERNELS
+    return INSTRUCTIONS + MMA_BF16 + CONSTANTS + HELPERS + DEVICE_FUNCTIONS + KERNELS
 
 
 def row_tiles(rows: int) -> int:

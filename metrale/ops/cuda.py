@@ -38,6 +38,7 @@ from metrale.kernels import (
     moe_route_decode,
     qkv_rope,
     quantized_gemv,
+    quantized_moe_decode,
     rmsnorm,
     token_feed,
 )
@@ -166,6 +167,15 @@ class CudaKernels:
         if bias is not None:
             out += bias
         return out
+
+    def quantized_moe_experts_decode(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
+        """Decode tokens: only the chosen experts' codes read, dequantized in registers."""
+        tokens, top_k = experts.shape
+        act = cp.empty((tokens * top_k, down.shape[1]), dtype=bf16)
+        out = cp.empty((tokens, x.shape[1]), dtype=f32)
+        return quantized_moe_decode.quantized_decode_experts(
+            self.to_float32(x), cp.ascontiguousarray(experts, dtype=np.int32), cp.ascontiguousarray(weights, dtype=f32),
+            gate_up, down, act, out, self.stream)
 
     def quantized_moe_experts(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
         """Routed experts over quantized stacked weights: each stack dequantized into bf16 (in its

@@ -153,9 +153,10 @@ def quantized_kernels() -> list[Kernel]:
     """The CUDA kernels of products with a :class:`~metrale.kernels.quantized.QuantizedWeight`
     (:mod:`metrale.kernels.quantized_gemv`), tried before every other kernel of their ops: the
     quantized decode GEMV for ``linear`` up to its rows, the staged input with a bf16 dequantization
-    and cuBLAS past them; ``linear_silu`` as ``linear`` then ``silu_and_mul``; ``moe_experts`` over
-    the dequantized stacks. ``rmsnorm_linear`` and ``rmsnorm_mlp`` reach them through their
-    composites (the fused bf16 decode kernels take bf16 weights only)."""
+    and cuBLAS past them; ``linear_silu`` as ``linear`` then ``silu_and_mul``; ``moe_experts`` through
+    the quantized decode experts up to 8 tokens, over the dequantized stacks past them.
+    ``rmsnorm_linear`` and ``rmsnorm_mlp`` reach them through their composites (the fused bf16
+    decode kernels take bf16 weights only)."""
 
     def quantized(x: Any, weight: Any, bias: Any = None) -> bool:
         return _is_quantized(weight)
@@ -167,6 +168,12 @@ def quantized_kernels() -> list[Kernel]:
 
     def quantized_experts(x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> bool:
         return _is_quantized(gate_up) or _is_quantized(down)
+
+    def decode_experts(x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> bool:
+        from metrale.kernels import quantized_moe_decode
+
+        return (_is_quantized(gate_up) and _is_quantized(down)
+                and quantized_moe_decode.supports(x.shape[0], experts.shape[1], gate_up, down))
 
     def composed_linear_silu(backend: Any) -> Any:
         table = _ops_of(backend)
@@ -184,6 +191,8 @@ def quantized_kernels() -> list[Kernel]:
                build=_cuda_method("quantized_linear"), when=quantized, condition="a quantized weight"),
         Kernel("linear_silu", "cuda", "linear, then silu_and_mul (their kernels)", build=composed_linear_silu,
                when=quantized, condition="a quantized weight"),
+        Kernel("moe_experts", "cuda", "metrale.kernels.quantized_moe_decode", build=_cuda_method("quantized_moe_experts_decode"),
+               when=decode_experts, condition="quantized stacked weights, N <= 8, H and I multiples of 8, no act-order"),
         Kernel("moe_experts", "cuda", "metrale.kernels.quantized_gemv (bf16 dequantization), then the pairwise kernels",
                build=_cuda_method("quantized_moe_experts"), when=quantized_experts,
                condition="quantized stacked weights"),

@@ -32,6 +32,7 @@ from metrale.kernels import (
     moe_route_decode,
     qkv_rope,
     quantized_gemv,
+    quantized_moe_decode,
     rmsnorm,
 )
 
@@ -151,3 +152,14 @@ def test_every_quantized_gemv_instantiation_compiles(tmp_path):
                               for number in quantized_gemv.ACTIVATIONS.values())
     ptx = compile_to_ptx(tmp_path, quantized_gemv.source() + instantiations, optimize=False)
     assert len(entries(ptx)) == len(names) + len(quantized_gemv.CODES) + len(quantized_gemv.ACTIVATIONS)
+
+
+def test_every_quantized_moe_instantiation_compiles(tmp_path):
+    weight = "float, int, const unsigned char*, const float*, const float*, int, int, int"
+    gate_up = f"const float*, const int*, {weight}, unsigned short*, int, int, int"
+    down = f"const unsigned short*, const int*, const float*, {weight}, float*, int, int, int"
+    pairs = [(codes, act) for codes in quantized_gemv.CODES.values() for act in quantized_gemv.ACTIVATIONS.values()]
+    instantiations = "".join(f"template __global__ void quantized_moe_gate_up<{c}, {a}>({gate_up});\n"
+                             f"template __global__ void quantized_moe_down<{c}, {a}>({down});\n" for c, a in pairs)
+    ptx = compile_to_ptx(tmp_path, quantized_moe_decode.source() + instantiations, optimize=False)
+    assert len(entries(ptx)) == 2 * len(pairs)

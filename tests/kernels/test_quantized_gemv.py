@@ -92,7 +92,8 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("quantized_gemv_emulated")
-    binary = build_emulated(folder / "quantized_gemv.cpp", qg.CONSTANTS + qg.HELPERS + qg.KERNELS + emulation_main())
+    source = qg.CONSTANTS + qg.HELPERS + qg.DEVICE_FUNCTIONS + qg.KERNELS + emulation_main()
+    binary = build_emulated(folder / "quantized_gemv.cpp", source)
 
     def run(weight: QuantizedWeight, x=None, bias=None, *, split=1, blocks=2, dequantize_only=False,
             stage_only=False):

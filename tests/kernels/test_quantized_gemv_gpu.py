@@ -111,3 +111,23 @@ def test_a_graph_replays_the_decode_gemv_with_new_inputs(backend):
     graph.launch(stream)
     stream.synchronize()
     assert rel_error(cp.asnumpy(out), qg.quantized_gemv_reference(fresh, host)) < 1e-4
+
+
+@pytest.mark.parametrize("codes, activations", [("fp8", "fp8_group"), ("int4", "weight_only")])
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_the_decode_experts_match_the_reference_on_deepseek_lite_shapes(backend, codes, activations, tokens):
+    import cupy as cp
+
+    from metrale.kernels import quantized_moe_decode as qm
+
+    rng = np.random.default_rng(tokens)
+    experts, hidden, inter, top_k = 16, 2048, 1408, 6  # DeepSeek-V2-Lite's widths, fewer experts
+    gate_up = host_weight(codes, hidden, experts * 2 * inter, activations, rng)
+    down = host_weight(codes, inter, experts * hidden, activations, rng)
+    x = rng.normal(size=(tokens, hidden)).astype(np.float32)
+    chosen = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, size=(tokens, top_k)).astype(np.float32)
+    out = backend.ops.moe_experts(cp.asarray(x), cp.asarray(chosen), cp.asarray(weights),
+                                  backend.quantized_weight(gate_up), backend.quantized_weight(down))
+    expected = qm.quantized_decode_experts_reference(x, chosen, weights, gate_up, down)
+    assert rel_error(cp.asnumpy(out), expected) < 1e-4
