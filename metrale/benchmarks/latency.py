@@ -36,7 +36,17 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     ),
+    "llama-70b": dict(  # Llama-3.1-70B: 141 GB in bf16, more than one H200 holds
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
 }
+
+#: Shapes too large for one GPU in bf16: benchmarked only in the ``--quantization`` formats, their
+#: checkpoints written straight in those formats (no bf16 checkpoint, no bf16 or transformers run).
+QUANTIZED_ONLY_SHAPES = ("llama-70b",)
 
 #: MLA shapes (built as DeepseekV2ForCausalLM checkpoints).
 MLA_SHAPES: dict[str, dict[str, Any]] = {
@@ -121,6 +131,21 @@ def copy_bandwidth() -> float:
     return 2 * source.nbytes / seconds
 
 
+def model_config(shape: str) -> tuple[Any, Any]:
+    """``(config, model class)`` of ``shape``'s transformers model."""
+    if shape in MLA_SHAPES:
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        return DeepseekV2Config(**SHAPES[shape], rms_norm_eps=1e-6), DeepseekV2ForCausalLM
+    if shape in GDN_SHAPES:
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        return Qwen3NextConfig(**SHAPES[shape], rms_norm_eps=1e-6), Qwen3NextForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaConfig(**SHAPES[shape], max_position_embeddings=131072, rms_norm_eps=1e-5), LlamaForCausalLM
+
+
 def build_checkpoint(shape: str, folder: Path) -> Path:
     """Save a random-weight bf16 checkpoint of ``shape`` (Llama, or DeepSeek-V2 for the MLA
     shapes; built on the GPU)."""
@@ -128,19 +153,7 @@ def build_checkpoint(shape: str, folder: Path) -> Path:
 
     if (folder / "config.json").exists():
         return folder
-    if shape in MLA_SHAPES:
-        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-        config, model_class = DeepseekV2Config(**SHAPES[shape], rms_norm_eps=1e-6), DeepseekV2ForCausalLM
-    elif shape in GDN_SHAPES:
-        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-        config, model_class = Qwen3NextConfig(**SHAPES[shape], rms_norm_eps=1e-6), Qwen3NextForCausalLM
-    else:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(**SHAPES[shape], max_position_embeddings=131072, rms_norm_eps=1e-5)
-        model_class = LlamaForCausalLM
+    config, model_class = model_config(shape)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = model_class(config).to(torch.bfloat16)
@@ -514,6 +527,15 @@ def run(options: BenchOptions) -> dict[str, Any]:
             results[shape] = entry
             metrale_stages = 2 + (1 if shape == options.shapes[0] and options.start_times else 0)
             done = 0
+            if shape in QUANTIZED_ONLY_SHAPES:
+                for name in options.quantization:
+                    bar.set_description(f"{shape}: Metrale {name}")
+                    try:
+                        entry[f"metrale_{name}"] = bench_quantized(shape, options, bandwidth, name)
+                    except Exception as error:
+                        entry[f"metrale_{name}_error"] = f"{type(error).__name__}: {error}"
+                bar.update(metrale_stages + len(hf_runs) + len(options.quantization))
+                continue
             try:
                 bar.set_description(f"{shape}: writing the checkpoint")
                 started = time.perf_counter()
@@ -562,6 +584,12 @@ def bench_quantized(shape: str, options: BenchOptions, bandwidth: float, name: s
     from metrale.entrypoints.llm import LLM
 
     source = options.workdir / shape
+    if shape in QUANTIZED_ONLY_SHAPES:
+        if formats.FORMATS[name].online:
+            raise ValueError(f"{shape} has no bf16 checkpoint to quantize online; use a written format")
+        folder = formats.write_random_quantized_checkpoint(model_config(shape), options.workdir / f"{shape}-{name}",
+                                                           name)
+        return bench_metrale(shape, folder, options, bandwidth, quantization=name)
     folder = source if formats.FORMATS[name].online else formats.write_quantized_checkpoint(
         source, options.workdir / f"{shape}-{name}", name)
     result = bench_metrale(shape, folder, options, bandwidth, quantization=name)

@@ -190,6 +190,61 @@ def write_quantized_checkpoint(source: Path, destination: Path, name: str, devic
     return destination
 
 
+def write_random_quantized_checkpoint(model: tuple[Any, Any], destination: Path, name: str,
+                                     shard_bytes: int = 5 << 30) -> Path:
+    """A random-weight checkpoint of ``model`` (``(config, model class)`` of transformers) written
+    straight in format ``name``, a tensor at a time on the GPU, in shards of about ``shard_bytes``:
+    for shapes whose bf16 checkpoint no GPU or disk of the benchmark holds. Each matrix is drawn as
+    transformers initialises it (normal, standard deviation ``initializer_range``) and quantized as
+    :func:`write_quantized_checkpoint` quantizes; norms are ones."""
+    import torch
+    from safetensors.torch import save_file
+
+    if name not in QUANTIZERS:
+        raise ValueError(f"no checkpoint is written for format {name!r}")
+    if (destination / "config.json").exists():
+        return destination
+    config, model_class = model
+    with torch.device("meta"):
+        shapes = {tensor_name: tuple(tensor.shape) for tensor_name, tensor in model_class(config).state_dict().items()}
+    destination.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    std = getattr(config, "initializer_range", 0.02)
+    index: dict[str, str] = {}
+    shard: dict[str, Any] = {}
+    held = 0
+
+    def flush() -> None:
+        nonlocal shard, held
+        if shard:
+            file = f"model-{len(set(index.values())) + 1:05d}.safetensors"
+            save_file(shard, destination / file, metadata={"format": "pt"})
+            index.update({tensor_name: file for tensor_name in shard})
+        shard, held = {}, 0
+
+    for tensor_name, shape in shapes.items():
+        if len(shape) == 1:
+            written = {tensor_name: torch.ones(shape, dtype=torch.bfloat16)}
+        else:
+            values = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_(0.0, std, generator=generator)
+            if shape[-1] % GROUP == 0 and is_quantized_matrix(tensor_name, len(shape)):
+                module = tensor_name[: -len(".weight")]
+                written = {f"{module}.{suffix}": value.cpu() for suffix, value in QUANTIZERS[name](values).items()}
+            else:
+                written = {tensor_name: values.cpu()}
+        for written_name, value in written.items():
+            shard[written_name] = value.contiguous()
+            held += value.numel() * value.element_size()
+        if held >= shard_bytes:
+            flush()
+    flush()
+    (destination / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    quantized_config = config.to_dict()
+    quantized_config.update(architectures=[model_class.__name__], quantization_config=_quantization_config(name))
+    (destination / "config.json").write_text(json.dumps(quantized_config, indent=2))
+    return destination
+
+
 def quantized_step_bytes(bf16_bytes: int, embedding_bytes: int, name: str) -> int:
     """The bytes a decode step reads in format ``name`` when it reads ``bf16_bytes`` in bf16, of
     which ``embedding_bytes`` are the embedding and the LM head (kept at bf16); the rest counted as
