@@ -191,9 +191,9 @@ def write_quantized_checkpoint(source: Path, destination: Path, name: str, devic
 
 
 def write_random_quantized_checkpoint(model: tuple[Any, Any], destination: Path, name: str,
-                                     shard_bytes: int = 5 << 30) -> Path:
+                                     shard_bytes: int = 5 << 30, device: str = "cuda") -> Path:
     """A random-weight checkpoint of ``model`` (``(config, model class)`` of transformers) written
-    straight in format ``name``, a tensor at a time on the GPU, in shards of about ``shard_bytes``:
+    straight in format ``name``, a tensor at a time on ``device``, in shards of about ``shard_bytes``:
     for shapes whose bf16 checkpoint no GPU or disk of the benchmark holds. Each matrix is drawn as
     transformers initialises it (normal, standard deviation ``initializer_range``) and quantized as
     :func:`write_quantized_checkpoint` quantizes; norms are ones."""
@@ -208,7 +208,7 @@ def write_random_quantized_checkpoint(model: tuple[Any, Any], destination: Path,
     with torch.device("meta"):
         shapes = {tensor_name: tuple(tensor.shape) for tensor_name, tensor in model_class(config).state_dict().items()}
     destination.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator(device="cuda").manual_seed(0)
+    generator = torch.Generator(device=device).manual_seed(0)
     std = getattr(config, "initializer_range", 0.02)
     index: dict[str, str] = {}
     shard: dict[str, Any] = {}
@@ -226,7 +226,7 @@ def write_random_quantized_checkpoint(model: tuple[Any, Any], destination: Path,
         if len(shape) == 1:
             written = {tensor_name: torch.ones(shape, dtype=torch.bfloat16)}
         else:
-            values = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_(0.0, std, generator=generator)
+            values = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, std, generator=generator)
             if shape[-1] % GROUP == 0 and is_quantized_matrix(tensor_name, len(shape)):
                 module = tensor_name[: -len(".weight")]
                 written = {f"{module}.{suffix}": value.cpu() for suffix, value in QUANTIZERS[name](values).items()}

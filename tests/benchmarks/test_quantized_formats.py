@@ -95,3 +95,21 @@ def test_metrale_loads_and_generates_every_format(written):
 def test_step_bytes_scale_the_linear_layers_only():
     assert formats.quantized_step_bytes(10_000, 2_000, "fp8-dynamic") == 2_000 + 4_000
     assert formats.quantized_step_bytes(10_000, 2_000, "w4a16") == int(2_000 + 4_000 * (0.5 + 2 / 128))
+
+
+@pytest.mark.parametrize("name", ["fp8-dynamic", "w4a16"])
+def test_a_checkpoint_drawn_straight_in_a_format_loads_in_shards(name, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    folder = formats.write_random_quantized_checkpoint((config, LlamaForCausalLM), tmp_path / name, name,
+                                                       shard_bytes=1 << 18, device="cpu")
+    assert len(list(folder.glob("model-*.safetensors"))) > 1  # sharded, with an index
+    checkpoint = Checkpoint(folder)
+    assert checkpoint.is_quantized("model.layers.2.mlp.down_proj.weight")
+    weights = checkpoint.tensor("model.layers.0.self_attn.q_proj.weight")
+    assert 0.015 < float(weights.std()) < 0.025  # drawn as transformers initialises: normal, std 0.02
+    llm = LLM(folder, device="cpu", show_progress=False)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
