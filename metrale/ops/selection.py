@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from metrale.kernels.quantized import QuantizedWeight
 from metrale.ops.registry import Kernel
 
 # ------------------------------------------------------------------------------ thresholds
@@ -144,8 +145,6 @@ def composite_kernels() -> list[Kernel]:
 
 
 def _is_quantized(weight: Any) -> bool:
-    from metrale.kernels.quantized import QuantizedWeight
-
     return isinstance(weight, QuantizedWeight)
 
 
