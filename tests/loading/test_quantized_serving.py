@@ -56,3 +56,34 @@ def test_speculation_and_caching_keep_the_quantized_tokens(options):
 def test_lora_over_quantized_weights_is_refused():
     with pytest.raises(UnsupportedQuantizationError, match="LoRA adapters over quantized weights"):
         LLM("tiny-dense", device="cpu", quantization="fp8", enable_lora=True, show_progress=False)
+
+
+def test_block_fp8_deepseek_v3_serves_mla_and_experts_quantized(tmp_path):
+    """DeepSeek-V3 as it ships, in 128x128-block FP8: the experts' stacks and the attention output
+    are quantized products, ``kv_b_proj`` (absorbed into the attention on the host) and every other
+    weight read their values dequantized as torch computes them from the stored codes and scales,
+    nothing stored is left unread, and the model generates. (The tiny random model's logits move by
+    a large share under FP8 rounding of its weights alone, so they are no test of the products;
+    the products' math is tested against the tools on Llama and in the kernels' own tests.)"""
+    pytest.importorskip("torch")
+    from conftest import build_mla_checkpoint, mla_configs
+    from safetensors.torch import load_file
+
+    from metrale.kernels.quantized import QuantizedWeight
+    from metrale.testing.quantized import write_block_fp8_checkpoint
+
+    cls, config = mla_configs()["deepseek_v3"]
+    source = build_mla_checkpoint(cls, config, tmp_path / "float", seed=31)
+    folder = write_block_fp8_checkpoint(source, tmp_path / "fp8")
+    stored = load_file(str(folder / "model.safetensors"))
+    with LLM(folder, device="cpu", show_progress=False) as quantized:
+        moe_layer = quantized.model.layers[1]
+        assert isinstance(moe_layer.feed_forward.experts.gate_up, QuantizedWeight)
+        assert isinstance(moe_layer.attention.o, QuantizedWeight)
+        for name in ("model.layers.1.self_attn.kv_b_proj.weight", "model.layers.1.mlp.experts.3.down_proj.weight"):
+            codes, scale = stored[name].float(), stored[name[: -len(".weight")] + ".weight_scale_inv"]
+            expanded = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: codes.shape[0], : codes.shape[1]]
+            assert np.array_equal(quantized.checkpoint.tensor(name), (codes * expanded).numpy()), name
+        assert quantized.checkpoint.unconsumed() == []
+        out = quantized.generate([IDS], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(out) == GREEDY.max_tokens
