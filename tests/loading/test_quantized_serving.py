@@ -66,9 +66,9 @@ def test_block_fp8_deepseek_v3_serves_mla_and_experts_quantized(tmp_path):
     a large share under FP8 rounding of its weights alone, so they are no test of the products;
     the products' math is tested against the tools on Llama and in the kernels' own tests.)"""
     pytest.importorskip("torch")
-    from conftest import build_mla_checkpoint, mla_configs
     from safetensors.torch import load_file
 
+    from conftest import build_mla_checkpoint, mla_configs
     from metrale.kernels.quantized import QuantizedWeight
     from metrale.testing.quantized import write_block_fp8_checkpoint
 
