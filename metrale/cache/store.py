@@ -43,17 +43,22 @@ def is_fp8_kv_cache(kv_cache_dtype: str) -> bool:
 def cache_itemsizes(backend: Any, kv_cache_dtype: str = "auto") -> tuple[int, int]:
     """``(bytes per cached value, bytes per scale)`` of a paged cache of ``kv_cache_dtype`` on
     ``backend``: its ``cache_dtype`` and no scales, or one byte per FP8 code and a float32 scale per
-    token slot and head. Raises :class:`~metrale.errors.UnsupportedQuantizationError` for an FP8
-    cache on a backend without FP8 cache kernels (the GPU), before anything is allocated."""
+    token slot and head."""
     check_kv_cache_dtype(kv_cache_dtype)
     if not is_fp8_kv_cache(kv_cache_dtype):
         return np.dtype(backend.cache_dtype).itemsize, 0
-    if getattr(backend, "name", None) != "cpu":
-        raise UnsupportedQuantizationError(
-            f"kv_cache_dtype={kv_cache_dtype!r} is served on the CPU backend only: the {backend.name} backend has no "
-            "FP8 cache kernels; use kv_cache_dtype='auto' (a bf16 cache) or device='cpu'"
-        )
     return 1, FP8_SCALE_BYTES
+
+
+def check_fp8_layers(spec: CacheSpec, backend: Any, kv_cache_dtype: str) -> None:
+    """Raise :class:`~metrale.errors.UnsupportedQuantizationError` for an FP8 cache of latent
+    layers (MLA's) on the GPU, whose latent attention kernels read bf16 latents only; keys and
+    values (the dense family, GDN's attention layers) are served on both backends."""
+    if is_fp8_kv_cache(kv_cache_dtype) and getattr(backend, "name", None) != "cpu" and any(
+            isinstance(layer, PagedLatentSpec) for layer in spec.layers):
+        raise UnsupportedQuantizationError(
+            f"kv_cache_dtype={kv_cache_dtype!r} with latent (MLA) cache layers is served on the CPU backend; on the "
+            f"{backend.name} backend use kv_cache_dtype='auto' for this model")
 
 
 @dataclass
@@ -340,6 +345,7 @@ class ModelCache:
     ) -> None:
         spec.validate()
         cache_itemsizes(backend, kv_cache_dtype)
+        check_fp8_layers(spec, backend, kv_cache_dtype)
         self.spec = spec
         self.backend = backend
         self.block_size = block_size
@@ -352,7 +358,10 @@ class ModelCache:
 
         def paged(shape: tuple[int, ...], static_scale: float | None) -> Any:
             if fp8:
-                return Fp8CacheArray.zeros(shape, static_scale)
+                # Codes 0 and scales 1 (an empty cache), in the backend's arrays.
+                scales = backend.zeros(shape[:-1], np.float32)
+                scales += 1.0
+                return Fp8CacheArray(backend.zeros(shape, np.uint8), scales, static_scale)
             return backend.zeros(shape, backend.cache_dtype)
 
         for layer in spec.layers:

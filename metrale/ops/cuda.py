@@ -18,6 +18,7 @@ from metrale.kernels import (
     activation,
     attention,
     attention_decode_mma,
+    attention_fp8,
     attention_grouped,
     attention_latent,
     attention_latent_mma,
@@ -291,6 +292,36 @@ class CudaKernels:
             qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim,
             k_cache, v_cache, q, q_norm, k_norm, eps, norm_offset, interleaved, self.stream, rotary_dim=rotary_dim,
         )
+
+    def qkv_rope_cache_fp8(self, qkv: Any, positions: Any, slot_mapping: Any, inv_freq: Any, attention_factor: float,
+                           num_heads: int, num_kv_heads: int, head_dim: int, k_cache: Any, v_cache: Any,
+                           q_norm: Any = None, k_norm: Any = None, eps: float = 1e-6, norm_offset: float = 0.0,
+                           interleaved: bool = False, rotary_dim: int | None = None) -> Any:
+        """Into an FP8 cache: the rotated keys and the values written by the bf16 kernel into rows
+        of their own (a slot per row), then quantized into the cache's slots."""
+        rows = qkv.shape[0]
+        q = cp.empty((rows, num_heads, head_dim), dtype=f32)
+        keys = cp.empty((rows, 1, num_kv_heads, head_dim), dtype=bf16)
+        values = cp.empty((rows, 1, num_kv_heads, head_dim), dtype=bf16)
+        qkv_rope.qkv_rope_cache_words(
+            qkv, positions, cp.arange(rows, dtype=np.int32), inv_freq, attention_factor, num_heads, num_kv_heads,
+            head_dim, keys, values, q, q_norm, k_norm, eps, norm_offset, interleaved, self.stream, rotary_dim=rotary_dim,
+        )
+        attention_fp8.write_fp8_rows(keys.reshape(rows, num_kv_heads, head_dim), slot_mapping, k_cache, self.stream)
+        attention_fp8.write_fp8_rows(values.reshape(rows, num_kv_heads, head_dim), slot_mapping, v_cache, self.stream)
+        return q
+
+    def paged_attention_decode_fp8(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
+                                   sliding_window: int | None, out: Any, first_row: int, softcap: float | None = None,
+                                   sinks: Any = None) -> Any:
+        """The per-head split kernel over an FP8 cache (:mod:`metrale.kernels.attention_fp8`)."""
+        rows, heads = q.shape[0], q.shape[1]
+        seq_index, positions = self._decode_rows(batch, first_row, rows)
+        splits = attention.attention_splits(batch.max_context)
+        return attention_fp8.decode_attention(
+            cp.ascontiguousarray(q, dtype=f32), k_cache, v_cache, batch.block_tables, seq_index, positions, scale,
+            sliding_window, batch.max_context, self._workspace(rows, heads, splits, v_cache.codes.shape[3]), out,
+            self.stream, softcap, None if sinks is None else cp.ascontiguousarray(sinks, dtype=f32))
 
     # ----------------------------------------------------------------------- paged attention
     # The kernels of paged_attention_decode (rows first_row .. first_row + R of the batch, each a

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
 from metrale.kernels.quantized import QuantizedWeight
 from metrale.ops.registry import Kernel
 
@@ -422,10 +423,24 @@ def attention_kernels() -> list[Kernel]:
 
         return attention_prefill.supports(*_geometry(q, k_cache, v_cache))
 
+    def fp8_cache(q, k_cache, *rest, **options):
+        return isinstance(k_cache, Fp8CacheArray)
+
+    def fp8_write(qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim,
+                  k_cache, *rest, **options):
+        return isinstance(k_cache, Fp8CacheArray)
+
     split = ("paged_attention_decode for the leading one-row segments, paged_attention_prompt for the rest "
              "(their kernels)")
     return [
         *(Kernel("paged_attention", device, split, build=_split_paged_attention) for device in ("cpu", "cuda")),
+        Kernel("qkv_rope_cache", "cuda", "metrale.kernels.qkv_rope into rows of their own, then "
+               "metrale.kernels.attention_fp8's quantized write", build=_cuda_method("qkv_rope_cache_fp8"), when=fp8_write,
+               condition="an FP8 cache"),
+        Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_fp8 (CUDA cores, a block per query head)",
+               build=_cuda_method("paged_attention_decode_fp8"), when=fp8_cache, condition="an FP8 cache"),
+        Kernel("paged_attention_prompt", "cuda", "paged_attention_decode, a row at a time (its kernels)",
+               build=_prompt_rows_as_decode_rows, when=fp8_cache, condition="an FP8 cache"),
         Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_decode_mma (tensor cores)",
                build=_cuda_method("paged_attention_decode_mma"), when=decode_mma, enabled=_decode_mma_enabled,
                condition="METRALE_DECODE_MMA is not 0, K and V heads of 64, 128 or 256 dims, whole query-head groups"),

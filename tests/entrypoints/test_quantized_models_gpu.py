@@ -68,3 +68,40 @@ def test_graph_replayed_quantized_decode_gives_the_eager_tokens():
     eager = load("tiny-dense", "cuda", quantization="fp8", cuda_graphs=False).generate(prompts, params)
     graphed = load("tiny-dense", "cuda", quantization="fp8").generate(prompts, params)
     assert [o.token_ids for o in eager] == [o.token_ids for o in graphed]
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-gdn"])
+def test_an_fp8_kv_cache_matches_the_cpu_backends(name):
+    """The FP8 cache on the GPU (rows quantized after the bf16 RoPE kernel, attention over the
+    codes) against the CPU's FP8 cache: bf16 tolerance."""
+    llm = load(name, "cpu")
+    ids = held_out_ids(llm)
+    if name == "tiny-dense":
+        check_dense_against_cpu_cache(llm.checkpoint.path, ids, name)
+    else:
+        check_against_cpu_where_routing_agrees(llm.checkpoint.path, ids, f"{name} fp8 cache", kv_cache_dtype="fp8")
+
+
+def check_dense_against_cpu_cache(path, ids, what):
+    cpu = load(path, "cpu", kv_cache_dtype="fp8").score(ids)
+    gpu = load(path, "cuda", kv_cache_dtype="fp8").score(ids)
+    rows = np.abs(gpu - cpu).max(axis=1) / np.abs(cpu).max()
+    print(f"{what} fp8 cache: relative error {np.percentile(rows, 99):.3g} (99th percentile) / {rows.max():.3g} (max)")
+    assert np.percentile(rows, 99) <= 2e-2 and rows.max() <= 5e-2
+
+
+def test_an_fp8_kv_cache_decodes_in_graphs_as_eagerly_and_holds_twice_the_blocks():
+    prompts = [[5, 9, 30, 2], list(range(40, 77))]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    eager = load("tiny-dense", "cuda", kv_cache_dtype="fp8", cuda_graphs=False).generate(prompts, params)
+    graphed_llm = load("tiny-dense", "cuda", kv_cache_dtype="fp8", memory_bytes=1 << 26)
+    assert [o.token_ids for o in eager] == [o.token_ids for o in graphed_llm.generate(prompts, params)]
+    bf16 = load("tiny-dense", "cuda", memory_bytes=1 << 26)
+    assert graphed_llm.cache.num_blocks >= 1.8 * bf16.cache.num_blocks  # a byte and a shared scale per value
+
+
+def test_mla_refuses_an_fp8_kv_cache_on_the_gpu():
+    from metrale.errors import UnsupportedQuantizationError
+
+    with pytest.raises(UnsupportedQuantizationError, match="latent"):
+        load("tiny-mla", "cuda", kv_cache_dtype="fp8")

@@ -252,7 +252,28 @@ def test_softcap_and_sinks_go_to_the_kernels_that_serve_them(monkeypatch):
         cores = launchers_decode_choice(32, 8, 64, 64, 4, 512, decode_mma=False) if plain else "attention "
         assert decode.startswith(f"metrale.kernels.{cores}")
     serving = builtin_registry().serving("paged_attention_decode", "cuda")
-    assert all("no softcap, no sinks" in line for line in serving[1:-1]) and " when " not in serving[-1]
+    assert serving[0].endswith("when an FP8 cache")  # it serves softcap and sinks too
+    assert all("no softcap, no sinks" in line for line in serving[2:-1]) and " when " not in serving[-1]
+
+
+def test_an_fp8_cache_goes_to_the_fp8_kernels():
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+
+    q = np.empty((4, 32, 64), np.float32)
+    cache = Fp8CacheArray(np.zeros((1, 16, 8, 64), np.uint8), np.ones((1, 16, 8), np.float32))
+    batch = SimpleNamespace(max_context=512)
+    for softcap, sinks in ((None, None), (30.0, np.zeros(32, np.float32))):
+        decode = chosen("paged_attention_decode", "cuda", EnvironmentConfig(), q, cache, cache, batch, 0.1, None, None,
+                        0, softcap, sinks)
+        prompt = chosen("paged_attention_prompt", "cuda", EnvironmentConfig(), q, cache, cache, batch, 0.1, None, None,
+                        0, softcap, sinks)
+        assert decode.startswith("metrale.kernels.attention_fp8") and prompt.startswith("paged_attention_decode")
+    qkv = np.empty((4, (32 + 16) * 64), np.float32)
+    write = chosen("qkv_rope_cache", "cuda", EnvironmentConfig(), qkv, None, None, None, 1.0, 32, 8, 64, cache, cache)
+    assert "attention_fp8" in write
+    plain = chosen("qkv_rope_cache", "cuda", EnvironmentConfig(), qkv, None, None, None, 1.0, 32, 8, 64,
+                   np.empty((1, 16, 8, 64), np.uint16), np.empty((1, 16, 8, 64), np.uint16))
+    assert plain == "metrale.kernels.qkv_rope"
 
 
 @pytest.mark.parametrize("rows, expected", [(1, "(CUDA C++)"), (2, "(CUDA C++)"), (3, "per head")])
