@@ -10,9 +10,18 @@ under the weight's activation scheme as :func:`~metrale.kernels.quantized.quanti
 does (the row or group maxima reduced by a warp each), rounded to bf16. The product follows
 :mod:`metrale.kernels.decode_gemv`'s: ``mma.sync.m16n8k16`` with 16 output columns as the M side and
 a tile of 8 rows as the N side, each lane feeding its A fragment from the 8 codes of one chunk of 8
-input columns of its two columns, dequantized to bf16 (``(code - zero) * scale``) in registers: the
-weight stream is the codes' bytes, a quarter (INT4, MXFP4) or half (FP8, INT8) of bf16's. ``SPLIT``
-warps share a tile of columns, each over a slice of the input.
+input columns of its two columns converted in registers: the weight stream is the codes' bytes, a
+quarter (INT4, MXFP4) or half (FP8, INT8) of bf16's. ``SPLIT`` warps share a tile of columns, each
+over a slice of the input.
+
+Where the weight's column blocks and the inputs' groups are whole steps of 32 input columns
+(:func:`exact_path`: per-channel, per-tensor, groups of 32 or more, DeepSeek's blocks), the products
+are exact: the weights enter unscaled (integer codes less their zero point, FP4 and FP8 values; an
+FP8 code's bits moved into f16's fields, its value times ``2**-8``), quantized inputs enter as their
+codes on f16 tensor cores (FP8 and INT8 codes are exact in f16), weight-only inputs as bf16, and
+each step's sums are scaled by the step's weight and input scales as they join the float32
+accumulators. Otherwise each weight is scaled into bf16 (``(code - zero) * scale``) before the
+product, the input staged as the bf16 of its quantized value.
 
 ``dequantize_bf16`` writes the bf16 matrix a quantized weight stands for, for the prompt
 products (many rows: cuBLAS on bf16 tensor cores, its time spread over the rows).
@@ -77,6 +86,26 @@ CONSTANTS = f"""
 #define INT8_MAX_VALUE {INT8_MAX:.1f}f
 #define MIN_SCALE {MIN_ACTIVATION_SCALE:.1e}f
 #define GEMV_UNROLL {UNROLL}
+"""
+
+#: The GPU's f16 tensor-core product and f16 packing (the CUDA emulation header has its own).
+F16_PRIMITIVES = r"""
+#include <cuda_fp16.h>
+
+// mma_16x8x16 with f16 operands (fragments as for bf16).
+__device__ __forceinline__ void mma_16x8x16_f16(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two float32 values as f16 bits, round to nearest even (low half first).
+__device__ __forceinline__ unsigned pack_f16(float low, float high) {
+    const __half2 pair = __floats2half2_rn(low, high);
+    return *reinterpret_cast<const unsigned*>(&pair);
+}
 """
 
 #: The device functions every kernel of quantized weights shares (:mod:`metrale.kernels.quantized_moe_decode` too):
@@ -147,6 +176,11 @@ __device__ __forceinline__ uint4 dequantize_chunk(uint2 codes, float scale, floa
     return pairs;
 }
 
+// Two float32 values as bf16 bits (exact for the small integers and FP8 / FP4 values packed here).
+__device__ __forceinline__ unsigned pack_bf16_pair(float low, float high) {
+    return (unsigned)to_bf16(low) | ((unsigned)to_bf16(high) << 16);
+}
+
 __device__ __forceinline__ float warp_max(float value) {
     for (int offset = 16; offset > 0; offset /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
     return value;
@@ -168,6 +202,37 @@ __device__ __forceinline__ uint4 weight_chunk(const QuantizedOperand& w, size_t 
     return dequantize_chunk<CODES>(load_codes<CODES>(w.codes, column, chunk, K), __ldg(w.scales + at), zero);
 }
 
+// The chunk's 8 weights without their scale, exactly, as 4 pairs for the product: F16, f16 bits (an
+// FP8 code as its value times 2**-8: the code's bits moved into f16's fields); else bf16 bits. Integer
+// codes less their zero point, FP4 and FP8 values as they are.
+template <int CODES, bool F16>
+__device__ __forceinline__ uint4 exact_chunk(const QuantizedOperand& w, size_t column, int chunk, int K, bool valid) {
+    if (!valid) return make_uint4(0u, 0u, 0u, 0u);
+    const uint2 codes = load_codes<CODES>(w.codes, column, chunk, K);
+    unsigned pairs[4];
+    if (CODES == CODES_FP8 && F16) {
+        #pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const unsigned word = p < 2 ? codes.x : codes.y;
+            const unsigned b0 = (word >> (16 * (p & 1))) & 255u, b1 = (word >> (16 * (p & 1) + 8)) & 255u;
+            pairs[p] = ((b0 & 0x80u) << 8) | ((b0 & 0x7fu) << 7) | ((((b1 & 0x80u) << 8) | ((b1 & 0x7fu) << 7)) << 16);
+        }
+    } else {
+        float zero = 0.0f;
+        if (CODES == CODES_INT4 || CODES == CODES_INT8) {
+            const size_t at = (column / (size_t)w.block_rows) * (size_t)w.scale_columns
+                              + (size_t)(8 * chunk / w.block_columns);
+            zero = w.zeros != nullptr ? __ldg(w.zeros + at) : (CODES == CODES_INT4 ? 8.0f : 128.0f);
+        }
+        #pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const float low = code_value<CODES>(codes, 2 * p) - zero, high = code_value<CODES>(codes, 2 * p + 1) - zero;
+            pairs[p] = F16 ? pack_f16(low, high) : pack_bf16_pair(low, high);
+        }
+    }
+    return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+}
+
 """
 
 KERNELS = r"""
@@ -179,7 +244,7 @@ KERNELS = r"""
 // column tiles of 16 a block, round after round. Dynamic shared memory: rows * ceil(K / 64) * 128
 // bytes of staged input, then rows * groups floats of activation scales, then (SPLIT > 1) the split's
 // partial products.
-template <int CODES, int ACT, int SPLIT, int ROW_TILES>
+template <int CODES, int ACT, int SPLIT, int ROW_TILES, bool EXACT>
 __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv(
     const float* __restrict__ x, const int* __restrict__ order, float input_scale, int act_group,
     const unsigned char* __restrict__ codes, const float* __restrict__ scales, const float* __restrict__ zeros,
@@ -188,6 +253,10 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
     DYNAMIC_SHARED;
     const QuantizedOperand w = {codes, scales, zeros, block_rows, block_columns, scale_columns};
     constexpr int GROUPS = WARPS / SPLIT;
+    // EXACT: the products take the weights unscaled and (quantized schemes) the inputs' codes, on f16
+    // tensor cores when the inputs are quantized (bf16 otherwise); each step's sums are scaled by its
+    // weight and input scales, once per step of 32 input columns.
+    constexpr bool F16 = EXACT && ACT != ACT_NONE;
     uint4* stage = reinterpret_cast<uint4*>(dynamic_shared);
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, q = lane % 4;
@@ -228,22 +297,27 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
         for (int e = 0; e < 8; ++e) {
             const int k = 8 * c + e;
             float value = x[(size_t)r * K + (order != nullptr ? order[k] : k)];
+            // EXACT keeps the code (the scale applies to the products' sums), else its value.
             if (ACT == ACT_FP8_TENSOR) {
-                value = round_e4m3(value / input_scale) * input_scale;
+                value = round_e4m3(value / input_scale) * (F16 ? 1.0f : input_scale);
             } else if (ACT == ACT_FP8_TOKEN || ACT == ACT_FP8_GROUP) {
                 const float s = act_scale[r * groups + k / group];
-                value = round_e4m3(value / s) * s;
+                value = round_e4m3(value / s) * (F16 ? 1.0f : s);
             } else if (ACT == ACT_INT8_TOKEN) {
                 const float s = act_scale[r * groups];
-                value = fminf(fmaxf(rintf(value / s), -INT8_MAX_VALUE), INT8_MAX_VALUE) * s;
+                value = fminf(fmaxf(rintf(value / s), -INT8_MAX_VALUE), INT8_MAX_VALUE) * (F16 ? 1.0f : s);
             }
             v[e] = value;
         }
         uint4 staged;
-        staged.x = (unsigned)to_bf16(v[0]) | ((unsigned)to_bf16(v[1]) << 16);
-        staged.y = (unsigned)to_bf16(v[2]) | ((unsigned)to_bf16(v[3]) << 16);
-        staged.z = (unsigned)to_bf16(v[4]) | ((unsigned)to_bf16(v[5]) << 16);
-        staged.w = (unsigned)to_bf16(v[6]) | ((unsigned)to_bf16(v[7]) << 16);
+        if (F16) {
+            staged = make_uint4(pack_f16(v[0], v[1]), pack_f16(v[2], v[3]), pack_f16(v[4], v[5]), pack_f16(v[6], v[7]));
+        } else {
+            staged.x = (unsigned)to_bf16(v[0]) | ((unsigned)to_bf16(v[1]) << 16);
+            staged.y = (unsigned)to_bf16(v[2]) | ((unsigned)to_bf16(v[3]) << 16);
+            staged.z = (unsigned)to_bf16(v[4]) | ((unsigned)to_bf16(v[5]) << 16);
+            staged.w = (unsigned)to_bf16(v[6]) | ((unsigned)to_bf16(v[7]) << 16);
+        }
         stage[r * stride + c] = staged;
     }
     __syncthreads();
@@ -252,9 +326,14 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
     const int scales_at = rows * stride * 16 + ((ACT == ACT_FP8_TOKEN || ACT == ACT_INT8_TOKEN || ACT == ACT_FP8_GROUP)
                                                  ? (rows * groups * 4 + 15) / 16 * 16 : 0);
     float4* reduce = reinterpret_cast<float4*>(dynamic_shared + scales_at);   // [WARPS][ROW_TILES][32]
-    float acc[ROW_TILES][4];
+    float acc[ROW_TILES][4], sums[ROW_TILES][4];
     #pragma unroll
-    for (int t = 0; t < ROW_TILES; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+    for (int t = 0; t < ROW_TILES; ++t) {
+        acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+        sums[t][0] = sums[t][1] = sums[t][2] = sums[t][3] = 0.0f;
+    }
+    // An FP8 code in f16 is its value times 2**-8.
+    const float code_factor = CODES == CODES_FP8 && F16 ? 256.0f : 1.0f;
     for (int step = 0; step < steps; ++step) {
         const int round = step / batches, batch = step - round * batches;
         const int tile = first_tile + round * tile_stride;
@@ -264,8 +343,10 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
             if (first_chunk + batch * 4 * GEMV_UNROLL + 4 * u < end_chunk) {   // warp-uniform
                 const int chunk = first_chunk + batch * 4 * GEMV_UNROLL + 4 * u + q;
                 const bool valid = tile < tiles && chunk < end_chunk;
-                const uint4 upper = weight_chunk<CODES>(w, column, chunk, K, valid);
-                const uint4 lower = weight_chunk<CODES>(w, below, chunk, K, valid);
+                const uint4 upper = EXACT ? exact_chunk<CODES, F16>(w, column, chunk, K, valid)
+                                          : weight_chunk<CODES>(w, column, chunk, K, valid);
+                const uint4 lower = EXACT ? exact_chunk<CODES, F16>(w, below, chunk, K, valid)
+                                          : weight_chunk<CODES>(w, below, chunk, K, valid);
                 const unsigned a0[4] = {upper.x, lower.x, upper.y, lower.y};
                 const unsigned a1[4] = {upper.z, lower.z, upper.w, lower.w};
                 #pragma unroll
@@ -273,9 +354,38 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
                     const int row = 8 * t + g;
                     const uint4 in = row < rows && chunk < end_chunk ? stage[row * stride + chunk] : zero;
                     const unsigned b0[2] = {in.x, in.y};
-                    mma_16x8x16(acc[t], a0, b0);
                     const unsigned b1[2] = {in.z, in.w};
-                    mma_16x8x16(acc[t], a1, b1);
+                    if (F16) {
+                        mma_16x8x16_f16(sums[t], a0, b0);
+                        mma_16x8x16_f16(sums[t], a1, b1);
+                    } else {
+                        mma_16x8x16(EXACT ? sums[t] : acc[t], a0, b0);
+                        mma_16x8x16(EXACT ? sums[t] : acc[t], a1, b1);
+                    }
+                }
+                if (EXACT) {
+                    // The step's 32 input columns share their weight and input scales (blocks of
+                    // whole steps): the sums, scaled, join the accumulators.
+                    const int k0 = 8 * (first_chunk + batch * 4 * GEMV_UNROLL + 4 * u);
+                    const size_t block_column = (size_t)(k0 / w.block_columns);
+                    const float upper_scale = code_factor * __ldg(
+                        w.scales + (column / (size_t)w.block_rows) * (size_t)w.scale_columns + block_column);
+                    const float lower_scale = code_factor * __ldg(
+                        w.scales + (below / (size_t)w.block_rows) * (size_t)w.scale_columns + block_column);
+                    #pragma unroll
+                    for (int t = 0; t < ROW_TILES; ++t) {
+                        #pragma unroll
+                        for (int i = 0; i < 2; ++i) {
+                            const int r = 8 * t + 2 * q + i;
+                            float input = 1.0f;
+                            if (ACT == ACT_FP8_TENSOR) input = input_scale;
+                            else if (ACT == ACT_FP8_TOKEN || ACT == ACT_INT8_TOKEN || ACT == ACT_FP8_GROUP)
+                                input = r < rows ? act_scale[r * groups + k0 / group] : 0.0f;
+                            acc[t][i] += sums[t][i] * upper_scale * input;
+                            acc[t][i + 2] += sums[t][i + 2] * lower_scale * input;
+                            sums[t][i] = sums[t][i + 2] = 0.0f;
+                        }
+                    }
                 }
             }
         }
@@ -364,7 +474,7 @@ __global__ void dequantize_bf16(const unsigned char* __restrict__ codes, const f
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return INSTRUCTIONS + MMA_BF16 + CONSTANTS + HELPERS + DEVICE_FUNCTIONS + KERNELS
+    return INSTRUCTIONS + MMA_BF16 + F16_PRIMITIVES + CONSTANTS + HELPERS + DEVICE_FUNCTIONS + KERNELS
 
 
 def row_tiles(rows: int) -> int:
@@ -405,8 +515,16 @@ def plan(columns: int, multiprocessors: int, split: int | None = None) -> tuple[
     return split, (min(blocks, 2 * multiprocessors) if split == 1 else blocks)
 
 
-def kernel_name(codes: str, activations: str, split: int, tiles: int) -> str:
-    return f"quantized_gemv<{CODES[codes]}, {ACTIVATIONS[activations]}, {split}, {tiles}>"
+def exact_path(weight: QuantizedWeight) -> bool:
+    """Whether a launch takes the exact products (unscaled weights, the inputs' codes, the scales
+    applied to each step's sums): the weight's column blocks and the inputs' groups whole steps of
+    32 columns. Otherwise each weight is scaled into bf16 before the product."""
+    return weight.block[1] % 32 == 0 and (weight.activations != "fp8_group" or weight.activation_group % 32 == 0)
+
+
+def kernel_name(codes: str, activations: str, split: int, tiles: int, exact: bool = True) -> str:
+    return (f"quantized_gemv<{CODES[codes]}, {ACTIVATIONS[activations]}, {split}, {tiles}, "
+            f"{'true' if exact else 'false'}>")
 
 
 # ------------------------------------------------------------------------------ reference
@@ -418,13 +536,20 @@ def round_bf16(values: np.ndarray) -> np.ndarray:
     return bf16_to_float32(float32_to_bf16(np.asarray(values, dtype=np.float32)))
 
 
-def quantized_gemv_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray | None = None) -> np.ndarray:
+def quantized_gemv_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray | None = None,
+                             exact: bool | None = None) -> np.ndarray:
     """float32 ``[rows, N]``: what a launch computes, from host arrays: the input gathered and
-    quantized as :func:`~metrale.kernels.quantized.quantized_linear_reference` does, then it and
-    every dequantized weight rounded to bf16, accumulated in float32."""
+    quantized as :func:`~metrale.kernels.quantized.quantized_linear_reference` does; on the exact
+    path (:func:`exact_path`) times the exact weights (a weight-only product's input rounded to
+    bf16), otherwise the input and every dequantized weight rounded to bf16; float32 sums.
+    ``exact`` overrides :func:`exact_path`'s choice (a launch of the other path)."""
     x = np.asarray(x, dtype=np.float32)
     if weight.input_order is not None:
         x = x[:, np.asarray(weight.input_order)]
+    if exact_path(weight) if exact is None else exact:
+        staged = quantize_activations(x, weight) if weight.activations != "weight_only" else round_bf16(x)
+        y = staged.astype(np.float64) @ dequantize(weight, stored_order=True).astype(np.float64).T
+        return (y + bias if bias is not None else y).astype(np.float32)
     staged = round_bf16(quantize_activations(x, weight))
     y = staged @ round_bf16(dequantize(weight, stored_order=True)).T
     return (y + bias if bias is not None else y).astype(np.float32)
@@ -498,7 +623,8 @@ def quantized_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, st
         raise KernelArgumentError(f"{name}: {rows} rows of inner size {inner}, column blocks of {weight.block[1]}, "
                                   f"are not served (at most {MAX_ROWS} rows, the inner size a multiple of 32)")
     chosen, blocks = plan(columns, multiprocessors, split)
-    function = _function(kernel_name(weight.codes_format, weight.activations, chosen, row_tiles(rows)))
+    function = _function(kernel_name(weight.codes_format, weight.activations, chosen, row_tiles(rows),
+                                     exact_path(weight)))
     stage = shared_bytes(rows, weight, chosen)
     if stage > 48 * 1024:
         function.max_dynamic_shared_size_bytes = stage

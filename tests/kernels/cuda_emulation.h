@@ -281,6 +281,77 @@ inline void mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
 
 inline unsigned pack_bf16(float low, float high) { return emu::bf16_round(low) | (emu::bf16_round(high) << 16); }
 
+namespace emu {
+
+// IEEE f16 bits -> float32.
+inline float f16_value(unsigned bits) {
+    const unsigned sign = (bits >> 15) & 1u, exponent = (bits >> 10) & 31u, mantissa = bits & 1023u;
+    float magnitude;
+    if (exponent == 0) magnitude = std::ldexp((float)mantissa, -24);
+    else if (exponent == 31) magnitude = mantissa ? NAN : INFINITY;
+    else magnitude = std::ldexp((float)(mantissa | 1024u), (int)exponent - 25);
+    return sign ? -magnitude : magnitude;
+}
+
+// float32 -> IEEE f16 bits, round to nearest even (overflow to infinity).
+inline unsigned f16_round(float value) {
+    const unsigned sign = std::signbit(value) ? 0x8000u : 0u;
+    const float magnitude = std::fabs(value);
+    if (std::isnan(value)) return 0x7e00u;
+    if (magnitude == 0.0f) return sign;
+    int exponent;
+    std::frexp(magnitude, &exponent);   // magnitude = m * 2**exponent, m in [0.5, 1)
+    exponent -= 1;                      // magnitude = m' * 2**exponent, m' in [1, 2)
+    if (exponent < -14) return sign | (unsigned)std::nearbyint(std::ldexp(magnitude, 24));   // subnormal (or 2**-14)
+    unsigned steps = (unsigned)std::nearbyint(std::ldexp(magnitude, 10 - exponent));   // 1024 .. 2048
+    if (steps == 2048u) {
+        steps = 1024u;
+        exponent += 1;
+    }
+    if (exponent > 15) return sign | 0x7c00u;
+    return sign | ((unsigned)(exponent + 15) << 10) | (steps - 1024u);
+}
+
+}  // namespace emu
+
+inline unsigned pack_f16(float low, float high) { return emu::f16_round(low) | (emu::f16_round(high) << 16); }
+
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32: as mma_16x8x16 with f16 operands.
+inline void mma_16x8x16_f16(float* c, const unsigned* a, const unsigned* b) {
+    auto& exchange = emu::exchange[emu::warp()];
+    auto* barrier = emu::warp_barriers[emu::warp()];
+    const int t = emu::lane();
+    for (int i = 0; i < 4; ++i) {
+        exchange.a[t][i] = a[i];
+        exchange.c[t][i] = c[i];
+    }
+    exchange.b[t][0] = b[0];
+    exchange.b[t][1] = b[1];
+    barrier->arrive_and_wait();
+    float A[16][16], B[16][8], C[16][8];
+    for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, q = l % 4;
+        for (int i = 0; i < 8; ++i) {
+            const unsigned word = exchange.a[l][i / 2];
+            const int row = (i < 2 || (i >= 4 && i < 6)) ? g : g + 8;
+            A[row][2 * q + (i & 1) + (i >= 4 ? 8 : 0)] = emu::f16_value((i % 2 ? word >> 16 : word) & 0xffffu);
+        }
+        for (int i = 0; i < 4; ++i) {
+            const unsigned word = exchange.b[l][i / 2];
+            B[2 * q + (i & 1) + (i >= 2 ? 8 : 0)][g] = emu::f16_value((i % 2 ? word >> 16 : word) & 0xffffu);
+        }
+        for (int i = 0; i < 4; ++i) C[i < 2 ? g : g + 8][2 * q + (i & 1)] = exchange.c[l][i];
+    }
+    barrier->arrive_and_wait();
+    const int g = t / 4, q = t % 4;
+    for (int i = 0; i < 4; ++i) {
+        const int row = i < 2 ? g : g + 8, column = 2 * q + (i & 1);
+        float sum = C[row][column];
+        for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][column];
+        c[i] = sum;
+    }
+}
+
 // A load of what another block wrote (the blocks of a launch run one after another here).
 inline float load_coherent(const float* address) { return *address; }
 

@@ -140,9 +140,9 @@ def test_the_decode_attention_compiles_for_every_head_size(tmp_path, head_dim):
 def test_every_quantized_gemv_instantiation_compiles(tmp_path):
     gemv = ("const float*, const int*, float, int, const unsigned char*, const float*, const float*, int, int, int, "
             "const float*, float*, int, int, int")
-    names = [quantized_gemv.kernel_name(codes, activations, split, tiles) for codes in quantized_gemv.CODES
+    names = [quantized_gemv.kernel_name(codes, activations, split, tiles, exact) for codes in quantized_gemv.CODES
              for activations in quantized_gemv.ACTIVATIONS for split in quantized_gemv.SPLITS
-             for tiles in quantized_gemv.ROW_TILES]
+             for tiles in quantized_gemv.ROW_TILES for exact in (False, True)]
     instantiations = "".join(f"template __global__ void {name}({gemv});\n" for name in names)
     dequantize = "const unsigned char*, const float*, const float*, int, int, int, uint4*, int, int"
     instantiations += "".join(f"template __global__ void dequantize_bf16<{number}>({dequantize});\n"

@@ -21,21 +21,21 @@ from metrale.kernels.quantized import (
     quantized_linear_reference,
 )
 
-# (codes, activations, split, row tiles) instantiated in the emulated program.
-INSTANCES = [
+# (codes, activations, split, row tiles, exact) instantiated in the emulated program.
+INSTANCES = [(*instance, exact) for instance in [
     ("fp8", "fp8_token", 1, 1), ("fp8", "fp8_token", 4, 2), ("fp8", "fp8_group", 2, 1), ("fp8", "fp8_tensor", 1, 4),
     ("fp8", "weight_only", 8, 1), ("int4", "weight_only", 1, 1), ("int4", "weight_only", 2, 4),
     ("int8", "int8_token", 4, 1), ("int8", "weight_only", 1, 2), ("mxfp4", "weight_only", 2, 1),
-]
+] for exact in (False, True)]
 
 
 def emulation_main() -> str:
     dispatch = "\n".join(
-        f"    if (codes == {qg.CODES[c]} && act == {qg.ACTIVATIONS[a]} && split == {s} && tiles == {t}) "
-        f"{{ emu::launch({{(unsigned)blocks, 1, 1}}, {{THREADS, 1, 1}}, [&] {{ quantized_gemv<{qg.CODES[c]}, "
-        f"{qg.ACTIVATIONS[a]}, {s}, {t}>(x, order, input_scale, act_group, code_bytes, scales, zeros, block_rows, "
-        f"block_columns, scale_columns, bias, out, rows, K, N); }}); found = true; }}"
-        for c, a, s, t in INSTANCES)
+        f"    if (codes == {qg.CODES[c]} && act == {qg.ACTIVATIONS[a]} && split == {s} && tiles == {t} && exact == "
+        f"{int(e)}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, {{THREADS, 1, 1}}, [&] {{ quantized_gemv<{qg.CODES[c]}, "
+        f"{qg.ACTIVATIONS[a]}, {s}, {t}, {'true' if e else 'false'}>(x, order, input_scale, act_group, code_bytes, "
+        f"scales, zeros, block_rows, block_columns, scale_columns, bias, out, rows, K, N); }}); found = true; }}"
+        for c, a, s, t, e in INSTANCES)
     staging = "\n".join(
         f"        if (act == {number}) emu::launch({{(unsigned)rows, (unsigned)groups, 1}}, {{THREADS, 1, 1}}, [&] {{ "
         f"stage_activations<{number}>(x, order, input_scale, act_group, staged, rows, K); }});"
@@ -49,7 +49,7 @@ def emulation_main() -> str:
 #include <string>
 
 int main(int argc, char** argv) {
-    if (argc != 17) emu::fail("usage: folder codes act split tiles rows K N blocks block_rows block_columns "
+    if (argc != 18) emu::fail("usage: folder codes act split tiles rows K N blocks block_rows block_columns "
                               "scale_columns act_group input_scale flags(order zeros bias) dequantize");
     const std::string folder = argv[1];
     const int codes = std::atoi(argv[2]), act = std::atoi(argv[3]), split = std::atoi(argv[4]);
@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
     const int blocks = std::atoi(argv[9]), block_rows = std::atoi(argv[10]), block_columns = std::atoi(argv[11]);
     const int scale_columns = std::atoi(argv[12]), act_group = std::atoi(argv[13]);
     const float input_scale = std::atof(argv[14]);
-    const int flags = std::atoi(argv[15]), only_dequantize = std::atoi(argv[16]);
+    const int flags = std::atoi(argv[15]), only_dequantize = std::atoi(argv[16]), exact = std::atoi(argv[17]);
     const size_t code_count = (size_t)N * (codes == 1 || codes == 3 ? K / 2 : K);
     const unsigned char* code_bytes = read<unsigned char>(folder + "/codes", code_count);
     const size_t scale_count = (size_t)((N + block_rows - 1) / block_rows) * scale_columns;
@@ -96,7 +96,7 @@ def emulated(tmp_path_factory):
     binary = build_emulated(folder / "quantized_gemv.cpp", source)
 
     def run(weight: QuantizedWeight, x=None, bias=None, *, split=1, blocks=2, dequantize_only=False,
-            stage_only=False):
+            stage_only=False, exact=None):
         case = folder / "case"
         case.mkdir(exist_ok=True)
         out_features, inner = weight.shape
@@ -118,7 +118,8 @@ def emulated(tmp_path_factory):
         input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
         arguments = [qg.CODES[weight.codes_format], qg.ACTIVATIONS[weight.activations], split, qg.row_tiles(rows), rows,
                      inner, out_features, blocks, weight.block[0], weight.block[1], weight.scales.shape[1],
-                     weight.activation_group, repr(input_scale), flags, 2 if stage_only else int(dequantize_only)]
+                     weight.activation_group, repr(input_scale), flags, 2 if stage_only else int(dequantize_only),
+                     int(qg.exact_path(weight) if exact is None else exact)]
         subprocess.run([str(binary), str(case), *map(str, arguments)], check=True, timeout=600)
         if stage_only:
             return bf16_to_float32(np.fromfile(case / "staged", np.uint16).reshape(rows, inner))
@@ -168,16 +169,19 @@ CASES = [
 
 @pytest.mark.parametrize("codes, activations, rows, inner, out, block, asymmetric, act_order, bias, split, blocks",
                          CASES)
+@pytest.mark.parametrize("exact", [True, False], ids=["exact-path", "scaled-weights"])
 def test_emulated_gemv_matches_the_reference(emulated, codes, activations, rows, inner, out, block, asymmetric,
-                                             act_order, bias, split, blocks):
+                                             act_order, bias, split, blocks, exact):
     rng = np.random.default_rng(rows * 1000 + inner)
     weight = make_weight(rng, codes, out, inner, block, activations=activations, asymmetric=asymmetric,
                          act_order=act_order)
+    if exact and not qg.exact_path(weight):
+        pytest.skip(f"column blocks of {block[1]} are not whole steps of 32: the scaled-weights path serves them")
     x = rng.normal(size=(rows, inner)).astype(np.float32)
     x[0, :7] *= 50  # one row with a few large values: its scale differs from the others'
     bias_values = rng.normal(size=out).astype(np.float32) if bias else None
-    got = emulated(weight, x, bias_values, split=split, blocks=blocks)
-    expected = qg.quantized_gemv_reference(x, weight, bias_values)
+    got = emulated(weight, x, bias_values, split=split, blocks=blocks, exact=exact)
+    expected = qg.quantized_gemv_reference(x, weight, bias_values, exact=exact)
     scale = np.abs(expected).max()
     assert np.abs(got - expected).max() <= 1e-5 * scale
     # And the GPU's rounding (bf16 inputs and weights) stays within bf16's error of the exact math.
