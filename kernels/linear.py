@@ -27,6 +27,7 @@ CUBLAS_OP_N = 0
 CUBLAS_OP_T = 1
 CUDA_R_32F = 0
 CUDA_R_16BF = 14
+CUDA_R_8F_E4M3 = 28
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 WORKSPACE_BYTES = 32 * 1024 * 1024
@@ -151,12 +152,13 @@ class CublasLtGemm:
         self.stream = stream
         self.reduction_schemes = reduction_schemes
         self.workspace = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
-        self._plans: dict[tuple[int, int, int, int], tuple[int, int, int, int, object]] = {}
+        self._plans: dict[tuple[int, ...], tuple[int, int, int, int, object]] = {}
         self._one = np.ones(1, dtype=np.float32)
         self._zero = np.zeros(1, dtype=np.float32)
 
-    def _plan(self, rows: int, inner: int, width: int, out_type: int) -> tuple[int, int, int, int, object]:
-        key = (rows, inner, width, out_type)
+    def _plan(self, rows: int, inner: int, width: int, out_type: int,
+              in_type: int = CUDA_R_16BF) -> tuple[int, int, int, int, object]:
+        key = (rows, inner, width, out_type, in_type)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
@@ -165,8 +167,8 @@ class CublasLtGemm:
         transpose = np.array([CUBLAS_OP_T], dtype=np.int32)
         lt.matmul_desc_set_attribute(desc, lt.MatmulDescAttribute.TRANSA, transpose.ctypes.data, transpose.nbytes)
         # The layouts of CublasGemm: column-major y^T [M, N] = (W as [K, M])^T x^T ([K, N]).
-        a = lt.matrix_layout_create(CUDA_R_16BF, inner, width, inner)
-        b = lt.matrix_layout_create(CUDA_R_16BF, inner, rows, inner)
+        a = lt.matrix_layout_create(in_type, inner, width, inner)
+        b = lt.matrix_layout_create(in_type, inner, rows, inner)
         c = lt.matrix_layout_create(out_type, width, rows, width)
         preference = lt.matmul_preference_create()
         workspace = np.array([WORKSPACE_BYTES], dtype=np.uint64)
@@ -209,6 +211,29 @@ class CublasLtGemm:
         if rows == 0:
             return out
         desc, a, b, c, results = self._plan(rows, inner, width, out_type)
+        self._lt.matmul(self.handle, desc, self._one.ctypes.data, weight.data.ptr, a, x.data.ptr, b,
+                        self._zero.ctypes.data, out.data.ptr, c, out.data.ptr, c, results.ptr,  # type: ignore[attr-defined]
+                        self.workspace.data.ptr, WORKSPACE_BYTES, self.stream.ptr)
+        return out
+
+    def fp8(self, x: DeviceArray, weight: DeviceArray, out: DeviceArray) -> DeviceArray:
+        """``x [N, K]`` and ``weight [M, K]`` FP8 E4M3 codes (uint8) -> ``out [N, M]`` float32: the
+        products of the codes' values on FP8 tensor cores, fp32 accumulation, no scale (a caller
+        scales the rows and columns after). ``K`` a multiple of 16, ``M`` of 4 (cuBLASLt's FP8
+        layouts); :class:`~metrale.errors.KernelArgumentError` where cuBLASLt has no algorithm."""
+        from metrale.errors import KernelArgumentError
+
+        op = "linear (FP8)"
+        check_array(op, "x", x, np.uint8, ndim=2)
+        rows, inner = x.shape
+        check_array(op, "weight", weight, np.uint8, (None, inner))
+        width = weight.shape[0]
+        check_array(op, "out", out, np.float32, (rows, width))
+        if inner % 16 or width % 4:
+            raise KernelArgumentError(f"{op}: inner size {inner} (a multiple of 16) or width {width} (of 4) not served")
+        if rows == 0:
+            return out
+        desc, a, b, c, results = self._plan(rows, inner, width, CUDA_R_32F, CUDA_R_8F_E4M3)
         self._lt.matmul(self.handle, desc, self._one.ctypes.data, weight.data.ptr, a, x.data.ptr, b,
                         self._zero.ctypes.data, out.data.ptr, c, out.data.ptr, c, results.ptr,  # type: ignore[attr-defined]
                         self.workspace.data.ptr, WORKSPACE_BYTES, self.stream.ptr)

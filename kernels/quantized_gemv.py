@@ -24,7 +24,10 @@ accumulators. Otherwise each weight is scaled into bf16 (``(code - zero) * scale
 product, the input staged as the bf16 of its quantized value.
 
 ``dequantize_bf16`` writes the bf16 matrix a quantized weight stands for, for the prompt
-products (many rows: cuBLAS on bf16 tensor cores, its time spread over the rows).
+products (many rows: cuBLAS on bf16 tensor cores, its time spread over the rows), and
+``stage_activations`` their input; for FP8 weights whose scales factor out of the sums,
+``quantize_rows_fp8`` writes the input rows' E4M3 codes and scales for a product on FP8 tensor
+cores (:meth:`metrale.kernels.linear.CublasLtGemm.fp8`) instead.
 
 :func:`quantized_gemv_reference` is the NumPy reference of what a launch computes (the staged
 input and the dequantized weight rounded to bf16, float32 accumulation); ``tests/kernels`` runs the
@@ -137,7 +140,7 @@ __device__ __forceinline__ float round_e4m3(float value) {
         const unsigned bits = __float_as_uint(magnitude);
         rounded = __uint_as_float((bits + 0x7ffffu + ((bits >> 20) & 1u)) & 0xfff00000u);
     }
-    return value < 0.0f ? -rounded : rounded;
+    return copysignf(rounded, value);
 }
 
 // Code i (0..7) of a chunk of 8 codes, as its raw value: codes holds 8 bytes (FP8, INT8) or 8 nibbles
@@ -456,6 +459,42 @@ __global__ void __launch_bounds__(THREADS) stage_activations(
     }
 }
 
+// The E4M3 code of an E4M3 value (as round_e4m3 returns).
+__device__ __forceinline__ unsigned e4m3_code_of(float value) {
+    const float magnitude = fabsf(value);
+    const unsigned bits = __float_as_uint(magnitude);
+    const unsigned code = magnitude < 0.015625f ? (unsigned)(magnitude * 512.0f)
+                                                : ((((bits >> 23) - 120u) << 3) | ((bits >> 20) & 7u));
+    return code | ((__float_as_uint(value) >> 24) & 0x80u);   // the sign bit, -0.0's too
+}
+
+// codes[r, k] = E4M3 code of x[r, order[k]] / scales[r] (order null: k), the FP8 input of a prompt
+// product on FP8 tensor cores: ACT_FP8_TOKEN computes scales[r] = max|row| / 448, ACT_FP8_TENSOR
+// writes input_scale. Grid rows blocks of THREADS threads.
+template <int ACT>
+__global__ void __launch_bounds__(THREADS) quantize_rows_fp8(
+    const float* __restrict__ x, const int* __restrict__ order, float input_scale, unsigned char* __restrict__ codes,
+    float* __restrict__ scales, int K) {
+    __shared__ float partial[WARPS];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, r = blockIdx.x;
+    const float* row = x + (size_t)r * K;
+    float s = input_scale;
+    if (ACT == ACT_FP8_TOKEN) {
+        float amax = 0.0f;
+        for (int k = tid; k < K; k += THREADS) amax = fmaxf(amax, fabsf(row[order != nullptr ? order[k] : k]));
+        amax = warp_max(amax);
+        if (lane == 0) partial[warp] = amax;
+        __syncthreads();
+        amax = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, partial[w]);
+        s = fmaxf(amax / FP8_MAX, MIN_SCALE);
+    }
+    for (int k = tid; k < K; k += THREADS)
+        codes[(size_t)r * K + k] = (unsigned char)e4m3_code_of(round_e4m3(row[order != nullptr ? order[k] : k] / s));
+    if (tid == 0) scales[r] = s;
+}
+
 // out[n, k] = bf16((code - zero) * scale) of every weight, a thread per chunk of 8 (K a multiple of 8).
 template <int CODES>
 __global__ void dequantize_bf16(const unsigned char* __restrict__ codes, const float* __restrict__ scales,
@@ -636,6 +675,38 @@ def quantized_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, st
         np.int32(rows), np.int32(inner), np.int32(columns),
     ), stage, stream, dependent=False)
     return out
+
+
+def fp8_tensor_core_path(weight: QuantizedWeight) -> bool:
+    """Whether a prompt product with ``weight`` runs on FP8 tensor cores: FP8 weights and inputs
+    (per token or per tensor) whose scales are constant along the inner size (per channel or per
+    tensor: they factor out of each sum, applied to the product's rows and columns after), no
+    act-order, the inner size a multiple of 16 and the width of 4."""
+    out, inner = weight.shape
+    return (weight.codes_format == "fp8" and weight.activations in ("fp8_token", "fp8_tensor")
+            and weight.scales.shape[1] == 1 and weight.input_order is None and inner % 16 == 0 and out % 4 == 0)
+
+
+def quantize_rows_fp8(x: DeviceArray, weight: QuantizedWeight, codes: DeviceArray, scales: DeviceArray,
+                      stream: Any) -> DeviceArray:
+    """``codes`` (uint8 ``[rows, K]``) and ``scales`` (float32 ``[rows]``) <- ``x`` (float32) quantized
+    to FP8 E4M3 per row (``fp8_token``) or with the weight's static input scale (``fp8_tensor``)."""
+    name = f"quantize_rows_fp8 ({weight.activations})"
+    if weight.activations not in ("fp8_token", "fp8_tensor"):
+        raise KernelArgumentError(f"{name}: only per-token and per-tensor FP8 inputs are written as codes")
+    inner = weight.shape[1]
+    rows = x.shape[0] if getattr(x, "ndim", 0) == 2 else -1
+    check_array(name, "x", x, np.float32, (rows, inner))
+    check_array(name, "codes", codes, np.uint8, (rows, inner))
+    check_array(name, "scales", scales, np.float32, (rows,))
+    if rows == 0:
+        return codes
+    input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
+    function = _function(f"quantize_rows_fp8<{ACTIVATIONS[weight.activations]}>")
+    launch(function, (rows,), (THREADS,), (
+        x, weight.input_order if weight.input_order is not None else np.uint64(0), np.float32(input_scale), codes,
+        scales, np.int32(inner)), 0, stream, dependent=False)
+    return codes
 
 
 def stage_activations(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: Any) -> DeviceArray:

@@ -74,6 +74,10 @@ class CudaKernels:
     def __init__(self, stream: Any) -> None:
         self.stream = stream
         self.gemm = CublasGemm(stream)
+        # The FP8 tensor-core products of quantized weights (made at their first use), and the
+        # shapes cuBLASLt has no FP8 algorithm for.
+        self._fp8_gemm: Any = None
+        self._fp8_unserved: set[tuple[int, int, int]] = set()
         self._route_counter: Any = None  # the decode router's ticket (moe_route_decode), zero between launches
         self._attention_counters: list[Any] = []  # the decode attention's merge tickets, by size
 
@@ -156,8 +160,14 @@ class CudaKernels:
                                              multiprocessors=decode_gemv.multiprocessor_count())
 
     def quantized_linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        """Prompt rows: the input staged (gathered, quantized, bf16), the weight dequantized into a
-        bf16 matrix, one cuBLAS product."""
+        """Prompt rows: FP8 inputs and weights whose scales factor out of the sums on FP8 tensor
+        cores (cuBLASLt), the scales applied to the product's rows and columns; otherwise the input
+        staged (gathered, quantized, bf16), the weight dequantized into a bf16 matrix, one cuBLAS
+        product."""
+        if quantized_gemv.fp8_tensor_core_path(weight):
+            out = self._fp8_product(x, weight)
+            if out is not None:
+                return out if bias is None else out + bias
         rows, (columns, inner) = x.shape[0], weight.shape
         staged = cp.empty((rows, inner), dtype=bf16)
         quantized_gemv.stage_activations(self.to_float32(x), weight, staged, self.stream)
@@ -167,6 +177,34 @@ class CudaKernels:
         self.gemm(staged, dense, out)
         if bias is not None:
             out += bias
+        return out
+
+    def _fp8_product(self, x: Any, weight: Any) -> Any:
+        """``quantize(x) W^T`` on FP8 tensor cores: the rows' codes and scales, the codes' product
+        (cuBLASLt), then each row times its input scale and each column its weight scale; None
+        where cuBLASLt has no FP8 algorithm for the shape (the caller takes the bf16 product)."""
+        from metrale.errors import KernelArgumentError
+        from metrale.kernels.linear import CublasLtGemm
+
+        rows, (columns, inner) = x.shape[0], weight.shape
+        key = (rows, inner, columns)
+        if key in self._fp8_unserved:
+            return None
+        if self._fp8_gemm is None:
+            self._fp8_gemm = CublasLtGemm(self.stream)
+        codes, scales = cp.empty((rows, inner), dtype=np.uint8), cp.empty((rows,), dtype=f32)
+        quantized_gemv.quantize_rows_fp8(self.to_float32(x), weight, codes, scales, self.stream)
+        out = cp.empty((rows, columns), dtype=f32)
+        try:
+            self._fp8_gemm.fp8(codes, weight.codes, out)
+        except KernelArgumentError:
+            self._fp8_unserved.add(key)
+            return None
+        column_scales = weight.scales[:, 0]
+        if weight.block[0] > 1:  # a scale per block of rows (per tensor: one block)
+            column_scales = cp.repeat(column_scales, weight.block[0])[:columns]
+        out *= scales[:, None]
+        out *= column_scales[None, :]
         return out
 
     def quantized_moe_experts_decode(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:

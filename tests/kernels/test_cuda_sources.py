@@ -150,8 +150,11 @@ def test_every_quantized_gemv_instantiation_compiles(tmp_path):
     staging = "const float*, const int*, float, int, unsigned short*, int, int"
     instantiations += "".join(f"template __global__ void stage_activations<{number}>({staging});\n"
                               for number in quantized_gemv.ACTIVATIONS.values())
+    fp8_rows = "const float*, const int*, float, unsigned char*, float*, int"
+    instantiations += "".join(f"template __global__ void quantize_rows_fp8<{quantized_gemv.ACTIVATIONS[a]}>({fp8_rows});\n"
+                              for a in ("fp8_token", "fp8_tensor"))
     ptx = compile_to_ptx(tmp_path, quantized_gemv.source() + instantiations, optimize=False)
-    assert len(entries(ptx)) == len(names) + len(quantized_gemv.CODES) + len(quantized_gemv.ACTIVATIONS)
+    assert len(entries(ptx)) == len(names) + len(quantized_gemv.CODES) + len(quantized_gemv.ACTIVATIONS) + 2
 
 
 def test_every_quantized_moe_instantiation_compiles(tmp_path):

@@ -17,7 +17,9 @@ from metrale.kernels.bf16 import bf16_to_float32
 from metrale.kernels.quantized import (
     QuantizedWeight,
     float32_to_fp8_e4m3,
+    fp8_e4m3_table,
     pack_nibbles,
+    quantize_activations,
     quantized_linear_reference,
 )
 
@@ -73,6 +75,17 @@ int main(int argc, char** argv) {
     const int* order = flags & 1 ? read<int>(folder + "/order", K) : nullptr;
     const float* bias = flags & 4 ? read<float>(folder + "/bias", N) : nullptr;
     float* out = allocate<float>((size_t)rows * N);
+    if (only_dequantize == 3) {
+        unsigned char* fp8 = allocate<unsigned char>((size_t)rows * K);
+        float* row_scales = allocate<float>(rows);
+        if (act == ACT_FP8_TOKEN) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
+            quantize_rows_fp8<ACT_FP8_TOKEN>(x, order, input_scale, fp8, row_scales, K); });
+        if (act == ACT_FP8_TENSOR) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
+            quantize_rows_fp8<ACT_FP8_TENSOR>(x, order, input_scale, fp8, row_scales, K); });
+        write(folder + "/fp8", fp8, (size_t)rows * K);
+        write(folder + "/row_scales", row_scales, rows);
+        return 0;
+    }
     if (only_dequantize == 2) {
         const int groups = act == ACT_FP8_GROUP ? (K + act_group - 1) / act_group : 1;
         unsigned short* staged = allocate<unsigned short>((size_t)rows * K);
@@ -96,7 +109,7 @@ def emulated(tmp_path_factory):
     binary = build_emulated(folder / "quantized_gemv.cpp", source)
 
     def run(weight: QuantizedWeight, x=None, bias=None, *, split=1, blocks=2, dequantize_only=False,
-            stage_only=False, exact=None):
+            stage_only=False, exact=None, fp8_rows=False):
         case = folder / "case"
         case.mkdir(exist_ok=True)
         out_features, inner = weight.shape
@@ -118,9 +131,13 @@ def emulated(tmp_path_factory):
         input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
         arguments = [qg.CODES[weight.codes_format], qg.ACTIVATIONS[weight.activations], split, qg.row_tiles(rows), rows,
                      inner, out_features, blocks, weight.block[0], weight.block[1], weight.scales.shape[1],
-                     weight.activation_group, repr(input_scale), flags, 2 if stage_only else int(dequantize_only),
+                     weight.activation_group, repr(input_scale), flags,
+                     3 if fp8_rows else 2 if stage_only else int(dequantize_only),
                      int(qg.exact_path(weight) if exact is None else exact)]
         subprocess.run([str(binary), str(case), *map(str, arguments)], check=True, timeout=600)
+        if fp8_rows:
+            return (np.fromfile(case / "fp8", np.uint8).reshape(rows, inner),
+                    np.fromfile(case / "row_scales", np.float32))
         if stage_only:
             return bf16_to_float32(np.fromfile(case / "staged", np.uint16).reshape(rows, inner))
         if dequantize_only:
@@ -206,6 +223,21 @@ def test_emulated_staging_quantizes_as_the_reference(emulated, activations, act_
     x = rng.normal(size=(3, 320)).astype(np.float32)
     x[1, 200:] *= 1000  # the second row's last groups dwarf its first: per-group scales differ
     assert np.array_equal(emulated(weight, x, stage_only=True), qg.stage_activations_reference(x, weight))
+
+
+@pytest.mark.parametrize("activations", ["fp8_token", "fp8_tensor"])
+def test_emulated_fp8_rows_are_the_codes_the_reference_quantizes(emulated, activations):
+    rng = np.random.default_rng(13)
+    weight = make_weight(rng, "fp8", 16, 256, (1, 256), activations=activations)
+    x = rng.normal(size=(5, 256)).astype(np.float32) * np.array([[1.0], [300.0], [1e-3], [0.0], [2.0]], np.float32)
+    codes, scales = emulated(weight, x, fp8_rows=True)
+    expected_scales = (np.maximum(np.abs(x).max(axis=1) / 448.0, 1e-12).astype(np.float32)
+                       if activations == "fp8_token" else np.full(5, 0.02, np.float32))
+    assert np.array_equal(scales, expected_scales)
+    assert np.array_equal(codes, float32_to_fp8_e4m3(x / expected_scales[:, None]))
+    # The codes times the rows' scales are the inputs the reference's product takes.
+    restored = fp8_e4m3_table()[codes] * scales[:, None]
+    assert np.array_equal(restored, quantize_activations(x, weight))
 
 
 def test_supports_and_plan():

@@ -131,3 +131,26 @@ def test_the_decode_experts_match_the_reference_on_deepseek_lite_shapes(backend,
                                   backend.quantized_weight(gate_up), backend.quantized_weight(down))
     expected = qm.quantized_decode_experts_reference(x, chosen, weights, gate_up, down)
     assert rel_error(cp.asnumpy(out), expected) < 1e-4
+
+
+@pytest.mark.parametrize("activations", ["fp8_token", "fp8_tensor"])
+def test_prompt_rows_of_fp8_take_the_fp8_tensor_cores(backend, activations):
+    """Per-channel FP8 weights and FP8 inputs: the codes' product on FP8 tensor cores (cuBLASLt),
+    rows and columns scaled after, equal to the reference's float32 math within accumulation
+    error; the bf16 path is not taken."""
+    import cupy as cp
+
+    from metrale.kernels import quantized_gemv as qg
+    from metrale.kernels.quantized import quantized_linear_reference
+
+    rng = np.random.default_rng(17)
+    host = quantize_fp8_per_channel(rng.normal(size=(4096, 4096)).astype(np.float32) * 0.02, "fp8_token")
+    if activations == "fp8_tensor":
+        host = QuantizedWeight("fp8", host.codes, host.scales, host.block, host.shape, activations="fp8_tensor",
+                               input_scale=np.asarray(0.05, np.float32))
+    assert qg.fp8_tensor_core_path(host)
+    weight = backend.quantized_weight(host)
+    x = rng.normal(size=(512, 4096)).astype(np.float32)
+    y = cp.asnumpy(backend.ops.linear(cp.asarray(x), weight))
+    assert backend.kernels._fp8_unserved == set()  # cuBLASLt served the shape in FP8
+    assert rel_error(y, quantized_linear_reference(x, host)) < 1e-4
