@@ -103,18 +103,24 @@ class LatentAttention:
         kv_b_rows = slice(part.start * (d_n + d_v), part.stop * (d_n + d_v))
         kv_b_host = checkpoint.tensor(f"{prefix}.kv_b_proj.weight", kv_b_shape, kv_b_rows).reshape(local, d_n + d_v, r)
         q_rows, q_part = heads * (d_n + d_r), slice(part.start * (d_n + d_r), part.stop * (d_n + d_r))
-        # q_proj, or q_a_proj under q LoRA, then kv_a_proj_with_mqa: stacked on the host, once.
+        # q_proj, or q_a_proj under q LoRA, then kv_a_proj_with_mqa: stacked into one weight (kept
+        # quantized where the checkpoint quantizes both).
         if c.q_lora_rank is None:
             q_name, q_columns = f"{prefix}.q_proj", local * (d_n + d_r)
-            q_host = checkpoint.tensor(f"{q_name}.weight", (q_rows, hidden), q_part)
+            q_spec: tuple = (f"{q_name}.weight", (q_rows, hidden), q_part, None)
         else:
             q_name, q_columns = f"{prefix}.q_a_proj", c.q_lora_rank
-            q_host = checkpoint.tensor(f"{q_name}.weight", (q_columns, hidden))
+            q_spec = (f"{q_name}.weight", (q_columns, hidden))
         kv_a_name = f"{prefix}.kv_a_proj_with_mqa"
-        q_kv_a = np.concatenate([q_host, checkpoint.tensor(f"{kv_a_name}.weight", (r + d_r, hidden))])
+        kv_a_spec = (f"{kv_a_name}.weight", (r + d_r, hidden))
+        if checkpoint.is_quantized(q_spec[0]) != checkpoint.is_quantized(kv_a_spec[0]):
+            # One quantized, one not: a single product cannot take both; both dequantized.
+            q_kv_a = backend.weight(np.concatenate([checkpoint.tensor(*q_spec), checkpoint.tensor(*kv_a_spec)]))
+        else:
+            q_kv_a = backend.load_weight(checkpoint, q_spec, kv_a_spec)
         block = cls(
             config=replace(c, num_heads=local),
-            q_kv_a=backend.weight(q_kv_a),
+            q_kv_a=q_kv_a,
             q_columns=q_columns,
             kv_a_norm=backend.load_weight(checkpoint, (f"{prefix}.kv_a_layernorm.weight", (r,))),
             kv_b=backend.load_weight(checkpoint, (f"{prefix}.kv_b_proj.weight", kv_b_shape, kv_b_rows, None)),

@@ -80,6 +80,7 @@ def test_block_fp8_deepseek_v3_serves_mla_and_experts_quantized(tmp_path):
         moe_layer = quantized.model.layers[1]
         assert isinstance(moe_layer.feed_forward.experts.gate_up, QuantizedWeight)
         assert isinstance(moe_layer.attention.o, QuantizedWeight)
+        assert isinstance(moe_layer.attention.q_kv_a, QuantizedWeight)  # q_a_proj and kv_a_proj, stacked quantized
         for name in ("model.layers.1.self_attn.kv_b_proj.weight", "model.layers.1.mlp.experts.3.down_proj.weight"):
             codes, scale = stored[name].float(), stored[name[: -len(".weight")] + ".weight_scale_inv"]
             expanded = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: codes.shape[0], : codes.shape[1]]
