@@ -8,8 +8,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from metrale.batch import ForwardBatch
 from metrale.loading.checkpoint import Checkpoint
+
+
+def load_stacked(checkpoint: Checkpoint, backend: Any, *parts: tuple) -> Any:
+    """The weight ``parts`` (``(name, shape[, rows, columns])``) stacked along the rows as one
+    weight of ``backend``: through ``backend.load_weight``, so a checkpoint that quantizes every
+    part keeps the stack quantized; where some parts are quantized and others not (one product
+    cannot take both) every part is read dequantized and the stack is a full-precision weight."""
+    held = {checkpoint.is_quantized(part[0]) for part in parts}
+    if len(held) > 1:
+        return backend.weight(np.concatenate([checkpoint.tensor(*part) for part in parts]))
+    return backend.load_weight(checkpoint, *parts)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from metrale.cache.spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
 from metrale.errors import CacheError, ConfigError, NonFiniteStateError
 from metrale.layers.attention import load_kv_cache_scales
 from metrale.layers.experts import StackedExperts, load_stacked_experts, routed_experts
-from metrale.layers.loading import DecoderEnds
+from metrale.layers.loading import DecoderEnds, load_stacked
 from metrale.layers.lora import ends_lora, linear_with_lora, mlp_lora, new_stack, normed_projection
 from metrale.layers.lora_stacks import LoraLayout
 from metrale.layers.mlp import MlpWeights, load_mlp_weights, swiglu_mlp
@@ -85,19 +85,18 @@ class GatedAttention:
         d, hidden = c.head_dim, c.hidden_size
         heads, kv = shard.split(c.num_heads, "num_attention_heads"), shard.kv_heads(c.num_heads, c.num_kv_heads)
         local, local_kv = heads.stop - heads.start, kv.stop - kv.start
-        # Per head, q_proj holds d query rows then d gate rows: regroup them (on the host, once)
-        # so that the product gives [q | k | v] for qkv_rope_cache, then the gates.
-        q_and_gate = checkpoint.tensor(f"{prefix}.q_proj.weight", (c.num_heads * 2 * d, hidden),
-                                       slice(heads.start * 2 * d, heads.stop * 2 * d))
-        q_and_gate = q_and_gate.reshape(local, 2, d, hidden)
+        # Per head, q_proj holds d query rows then d gate rows: regrouped (each head's rows read as
+        # a part) so that the product gives [q | k | v] for qkv_rope_cache, then the gates.
+        q_shape, kv_shape = (c.num_heads * 2 * d, hidden), (c.num_kv_heads * d, hidden)
         kv_rows = slice(kv.start * d, kv.stop * d)
-        k = checkpoint.tensor(f"{prefix}.k_proj.weight", (c.num_kv_heads * d, hidden), kv_rows)
-        v = checkpoint.tensor(f"{prefix}.v_proj.weight", (c.num_kv_heads * d, hidden), kv_rows)
+        head_rows = [2 * d * (heads.start + h) for h in range(local)]
+        queries = [(f"{prefix}.q_proj.weight", q_shape, slice(row, row + d), None) for row in head_rows]
+        gates = [(f"{prefix}.q_proj.weight", q_shape, slice(row + d, row + 2 * d), None) for row in head_rows]
+        keys_values = [(f"{prefix}.{name}.weight", kv_shape, kv_rows, None) for name in ("k_proj", "v_proj")]
         k_scale, v_scale = load_kv_cache_scales(checkpoint, prefix)
         return cls(
             config=rank_config(c, shard),
-            qkv_gate=backend.weight(np.concatenate([q_and_gate[:, 0].reshape(-1, hidden), k, v,
-                                                    q_and_gate[:, 1].reshape(-1, hidden)])),
+            qkv_gate=load_stacked(checkpoint, backend, *queries, *keys_values, *gates),
             qkv_columns=(local + 2 * local_kv) * d,
             o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (hidden, c.num_heads * d), None,
                                                slice(heads.start * d, heads.stop * d))),
@@ -193,11 +192,12 @@ class GatedDeltaNet:
         qkvz_columns = 2 * local_keys * dk + 2 * local_values * dv
         return cls(
             config=rank_config(c, shard),
-            in_proj=backend.weight(np.concatenate([
-                checkpoint.tensor(f"{prefix}.in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, hidden),
-                                  slice(keys.start * group, keys.stop * group)),
-                checkpoint.tensor(f"{prefix}.in_proj_ba.weight", (2 * hv, hidden),
-                                  slice(keys.start * 2 * ratio, keys.stop * 2 * ratio))])),
+            in_proj=load_stacked(
+                checkpoint, backend,
+                (f"{prefix}.in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, hidden),
+                 slice(keys.start * group, keys.stop * group), None),
+                (f"{prefix}.in_proj_ba.weight", (2 * hv, hidden), slice(keys.start * 2 * ratio, keys.stop * 2 * ratio),
+                 None)),
             qkvz_columns=qkvz_columns,
             conv=backend.constant(conv),
             a_log=backend.constant(checkpoint.tensor(f"{prefix}.A_log", (hv,))[values]),

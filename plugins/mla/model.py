@@ -26,7 +26,7 @@ from metrale.cache.spec import CacheSpec, PagedLatentSpec
 from metrale.errors import ConfigError
 from metrale.layers.attention import load_kv_cache_scales
 from metrale.layers.experts import StackedExperts, load_stacked_experts, routed_experts
-from metrale.layers.loading import DecoderEnds
+from metrale.layers.loading import DecoderEnds, load_stacked
 from metrale.layers.lora import ends_lora, linear_with_lora, mlp_lora, new_stack, normed_projection
 from metrale.layers.lora_stacks import LoraLayout
 from metrale.layers.mlp import MlpWeights, load_mlp_weights, swiglu_mlp
@@ -113,11 +113,7 @@ class LatentAttention:
             q_spec = (f"{q_name}.weight", (q_columns, hidden))
         kv_a_name = f"{prefix}.kv_a_proj_with_mqa"
         kv_a_spec = (f"{kv_a_name}.weight", (r + d_r, hidden))
-        if checkpoint.is_quantized(q_spec[0]) != checkpoint.is_quantized(kv_a_spec[0]):
-            # One quantized, one not: a single product cannot take both; both dequantized.
-            q_kv_a = backend.weight(np.concatenate([checkpoint.tensor(*q_spec), checkpoint.tensor(*kv_a_spec)]))
-        else:
-            q_kv_a = backend.load_weight(checkpoint, q_spec, kv_a_spec)
+        q_kv_a = load_stacked(checkpoint, backend, q_spec, kv_a_spec)
         block = cls(
             config=replace(c, num_heads=local),
             q_kv_a=q_kv_a,

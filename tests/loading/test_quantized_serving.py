@@ -88,3 +88,27 @@ def test_block_fp8_deepseek_v3_serves_mla_and_experts_quantized(tmp_path):
         assert quantized.checkpoint.unconsumed() == []
         out = quantized.generate([IDS], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert len(out) == GREEDY.max_tokens
+
+
+def test_stacks_regrouped_from_several_tensors_stay_quantized():
+    """GDN's gated attention regroups q_proj's rows per head around k_proj and v_proj, its linear
+    attention stacks in_proj_qkvz and in_proj_ba, MLA stacks q_proj and kv_a_proj_with_mqa: with
+    every part quantized the stacks stay quantized, each row the quantized row it came from."""
+    from metrale.kernels.quantized import QuantizedWeight, quantize_fp8_per_channel
+
+    with LLM("tiny-gdn", device="cpu", quantization="fp8", show_progress=False) as llm:
+        checkpoint, config = llm.checkpoint, llm.model.config
+        kinds = list(config.layer_types)
+        index = kinds.index("full_attention")
+        linear_layer = llm.model.layers[next(i for i, kind in enumerate(kinds) if kind != "full_attention")]
+        qkv_gate, in_proj = llm.model.layers[index].mixer.qkv_gate, linear_layer.mixer.in_proj
+        assert isinstance(qkv_gate, QuantizedWeight) and isinstance(in_proj, QuantizedWeight)
+        prefix, d = f"model.layers.{index}.self_attn", config.head_dim
+        q_and_gate = checkpoint.stored_tensor(f"{prefix}.q_proj.weight").reshape(config.num_heads, 2, d, -1)
+        regrouped = np.concatenate([q_and_gate[:, 0].reshape(-1, config.hidden_size),
+                                    checkpoint.stored_tensor(f"{prefix}.k_proj.weight"),
+                                    checkpoint.stored_tensor(f"{prefix}.v_proj.weight"),
+                                    q_and_gate[:, 1].reshape(-1, config.hidden_size)])
+        assert np.array_equal(dequantize(qkv_gate), dequantize(quantize_fp8_per_channel(regrouped)))
+    with LLM("tiny-mla", device="cpu", quantization="fp8", show_progress=False) as llm:
+        assert isinstance(llm.model.layers[0].attention.q_kv_a, QuantizedWeight)
