@@ -51,6 +51,10 @@ _STORED_DTYPES = {
 }
 
 
+#: Tensor dtypes that hold quantized codes: read only through a quantization format.
+QUANTIZED_DTYPES = ("F8_E4M3", "F8_E8M0")
+
+
 def check_finite(values: np.ndarray, label: str) -> None:
     """Raise :class:`~metrale.errors.NonFiniteWeightError` when ``values`` hold NaN or infinity."""
     finite = np.isfinite(values)
@@ -127,7 +131,8 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(n) for n in offsets):
             raise broken(f"tensor {name!r} has data_offsets {offsets!r}; expected [begin, end], non-negative ints")
         if dtype not in _STORED_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r} (served: "
+                                  f"{', '.join(_STORED_DTYPES)})")
         begin, end = offsets
         if not begin <= end or data_start + end > size:
             raise broken(f"tensor {name!r} lies at bytes [{begin}, {end}) past the end of the data")
@@ -400,6 +405,14 @@ class Checkpoint:
             values = dequantize(self.quantized(name, shape, rows, columns))
             check_finite(values, f"{self.path}: tensor {name!r}")
             return values
+        if name in self._tensors and self._tensors[name].dtype in QUANTIZED_DTYPES:
+            from metrale.errors import UnsupportedQuantizationError
+
+            method = self.weight_format.describe() if self.weight_format is not None else "none"
+            raise UnsupportedQuantizationError(
+                f"{self.path}: tensor {name!r} is stored as {self._tensors[name].dtype} codes, which no quantization "
+                f"format of config.json (quantization method: {method}) describes; a quantized checkpoint needs its "
+                "quantization_config (served methods: compressed-tensors, fp8, gptq, awq, mxfp4)")
         return self.stored_tensor(name, shape, rows, columns)
 
     def stored_tensor(self, name: str, shape: Sequence[int] | None = None, rows: slice | None = None,

@@ -112,3 +112,25 @@ def test_stacks_regrouped_from_several_tensors_stay_quantized():
         assert np.array_equal(dequantize(qkv_gate), dequantize(quantize_fp8_per_channel(regrouped)))
     with LLM("tiny-mla", device="cpu", quantization="fp8", show_progress=False) as llm:
         assert isinstance(llm.model.layers[0].attention.q_kv_a, QuantizedWeight)
+
+
+def test_fp8_codes_without_a_quantization_config_are_refused(tmp_path):
+    """FP8 weights whose config.json lost its quantization_config: their scales would go unread and
+    the codes be taken for the weights, so the checkpoint is refused, naming the tensor."""
+    pytest.importorskip("torch")
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from metrale.testing.hf import build_hf_checkpoint
+    from metrale.testing.quantized import write_block_fp8_checkpoint
+
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    source = build_hf_checkpoint(LlamaForCausalLM, config, tmp_path / "float", seed=5)
+    folder = write_block_fp8_checkpoint(source, tmp_path / "fp8")
+    settings = json.loads((folder / "config.json").read_text())
+    del settings["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(UnsupportedQuantizationError, match=r"stored as F8_E4M3 codes.*quantization_config"):
+        LLM(folder, device="cpu", show_progress=False)
