@@ -197,7 +197,7 @@ class CudaKernels:
         out = cp.empty((rows, columns), dtype=f32)
         try:
             self._fp8_gemm.fp8(codes, weight.codes, out)
-        except KernelArgumentError:
+        except KernelArgumentError:  # no FP8 algorithm for the shape: it takes the bf16 product
             self._fp8_unserved.add(key)
             return None
         column_scales = weight.scales[:, 0]
