@@ -320,13 +320,15 @@ class CudaGraphRunner:
     """Replays ``model.forward_batch`` for decode-only batches from captured graphs (and a
     verify's rows as decode rows, :meth:`run_verify`)."""
 
-    def __init__(self, model: Any, backend: Any) -> None:
+    def __init__(self, model: Any, backend: Any, cache: Any = None) -> None:
         # The model owns its runner; the runner refers back to it weakly (no reference cycle).
         self._model = weakref.ref(model)
         self.backend = backend
-        self.block_size = model.cache.block_size
+        #: The cache the steps run over (the model's own when none is given).
+        self.cache = cache if cache is not None else model.cache
+        self.block_size = self.cache.block_size
         # A sequence holds at most every block of the cache, however long max_model_len is.
-        self.max_blocks = min(math.ceil(model.max_model_len / self.block_size), model.cache.num_blocks)
+        self.max_blocks = min(math.ceil(model.max_model_len / self.block_size), self.cache.num_blocks)
         self.buckets = context_buckets(model.max_model_len)
         self.rungs: dict[int, Rung] = {}
         #: Mixed-step graphs by (decode rung, prompt bucket).
@@ -358,7 +360,7 @@ class CudaGraphRunner:
         :func:`as_decode_rows` through :meth:`run`."""
         model = self.model
         return (self.disabled is None and getattr(model, "verifying", False)
-                and getattr(model, "verify_graph_capturable", False) and model.cache.state_slots is None
+                and getattr(model, "verify_graph_capturable", False) and self.cache.state_slots is None
                 and batch.every_row_logits and 0 < batch.num_rows <= DECODE_RUNGS[-1])
 
     def run_verify(self, batch: ForwardBatch, feed: Any = None) -> Any:

@@ -43,7 +43,7 @@ class ModelRunner:
         if getattr(self.backend, "cuda_graphs", False) and getattr(model, "graph_capturable", True):
             from metrale.runner.graphs import CudaGraphRunner
 
-            self.graphs = CudaGraphRunner(model, self.backend)
+            self.graphs = CudaGraphRunner(model, self.backend, cache)
         self.token_feed = TokenFeed(self.backend)
         #: The model's other ranks (:class:`metrale.backends.executor.RankExecutor`), sent every step
         #: before this rank runs it; None when the model runs on one rank.
