@@ -7,7 +7,9 @@ prompt GEMMs that cuBLAS runs.
 scales per block of rows and columns; optional zero points; optional act-order). Its prologue
 stages the input rows in shared memory as bf16: gathered in the weight's column order, quantized
 under the weight's activation scheme as :func:`~metrale.kernels.quantized.quantize_activations`
-does (the row or group maxima reduced by a warp each), rounded to bf16. The product follows
+does (the row or group maxima reduced by a warp each), rounded to bf16. Rows that do not fit
+shared memory (:func:`shared_stage`: 32 rows of 4,096 columns, 8 of 14,336) are staged the same way
+by ``stage_rows`` into a global workspace first, which the product reads through the L1 cache. The product follows
 :mod:`metrale.kernels.decode_gemv`'s: ``mma.sync.m16n8k16`` with 16 output columns as the M side and
 a tile of 8 rows as the N side, each lane feeding its A fragment from the 8 codes of one chunk of 8
 input columns of its two columns converted in registers: the weight stream is the codes' bytes, a
@@ -66,8 +68,6 @@ UNROLL = 4
 TILE = 16
 MAX_SHARED_BYTES = 227 * 1024
 REDUCE_BYTES = WARPS * 32 * 16
-#: Largest number of activation scales the prologue keeps (rows times groups of a row).
-MAX_ACTIVATION_SCALES = 8192
 
 INSTRUCTIONS = r"""
 #define DYNAMIC_SHARED extern __shared__ __align__(16) unsigned char dynamic_shared[]
@@ -239,28 +239,77 @@ __device__ __forceinline__ uint4 exact_chunk(const QuantizedOperand& w, size_t c
 """
 
 KERNELS = r"""
+// The activation scales of `rows` rows of x (float32 [rows, K], columns gathered through order):
+// max|values| / 448 (/ 127 for ACT_INT8_TOKEN) of each row (ACT_FP8_TOKEN, ACT_INT8_TOKEN) or of each
+// group of `group` columns (ACT_FP8_GROUP) into act_scale [rows][groups]; a warp (of `warps`, this
+// one `warp`) reduces each (row, group).
+template <int ACT>
+__device__ void activation_scales(const float* __restrict__ x, const int* __restrict__ order, int rows, int K,
+                                  int group, int groups, float* act_scale, int warp, int warps, int lane) {
+    const float limit = ACT == ACT_INT8_TOKEN ? INT8_MAX_VALUE : FP8_MAX;
+    for (int task = warp; task < rows * groups; task += warps) {
+        const int r = task / groups, j = task - r * groups;
+        float amax = 0.0f;
+        for (int k = j * group + lane; k < min(K, (j + 1) * group); k += 32)
+            amax = fmaxf(amax, fabsf(x[(size_t)r * K + (order != nullptr ? order[k] : k)]));
+        amax = warp_max(amax);
+        if (lane == 0) act_scale[task] = fmaxf(amax / limit, MIN_SCALE);
+    }
+}
+
+// Chunk c (input columns 8c .. 8c + 7) of row r as the products take it: x gathered and quantized
+// (row_scales: the row's activation scales), as bf16 values, or (F16: the exact path over quantized
+// inputs) the codes as f16, their scales applied to the products' sums.
+template <int ACT, bool F16>
+__device__ __forceinline__ uint4 staged_chunk(const float* __restrict__ x, const int* __restrict__ order,
+                                              float input_scale, const float* row_scales, int r, int c, int K,
+                                              int group) {
+    float v[8];
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const int k = 8 * c + e;
+        float value = x[(size_t)r * K + (order != nullptr ? order[k] : k)];
+        if (ACT == ACT_FP8_TENSOR) {
+            value = round_e4m3(value / input_scale) * (F16 ? 1.0f : input_scale);
+        } else if (ACT == ACT_FP8_TOKEN || ACT == ACT_FP8_GROUP) {
+            const float s = row_scales[k / group];
+            value = round_e4m3(value / s) * (F16 ? 1.0f : s);
+        } else if (ACT == ACT_INT8_TOKEN) {
+            const float s = row_scales[0];
+            value = fminf(fmaxf(rintf(value / s), -INT8_MAX_VALUE), INT8_MAX_VALUE) * (F16 ? 1.0f : s);
+        }
+        v[e] = value;
+    }
+    if (F16) return make_uint4(pack_f16(v[0], v[1]), pack_f16(v[2], v[3]), pack_f16(v[4], v[5]), pack_f16(v[6], v[7]));
+    return make_uint4(pack_bf16_pair(v[0], v[1]), pack_bf16_pair(v[2], v[3]), pack_bf16_pair(v[4], v[5]),
+                      pack_bf16_pair(v[6], v[7]));
+}
+
 // y[r, n] = dot(staged[r, :], W[n, :]) (+ bias[n]) for r < rows <= 8 * ROW_TILES, n < N. staged[r, k]
 // = bf16(quantize(x[r, order[k]])) (order null: k): ACT_NONE keeps the value, ACT_FP8_TOKEN /
 // ACT_INT8_TOKEN quantize each row with scale max|row| / 448 (/ 127), ACT_FP8_GROUP each row's
 // groups of act_group columns, ACT_FP8_TENSOR with input_scale. x: float32 [rows, K]; out: float32
 // [rows, N]; K a multiple of 32, block_columns a multiple of 8. Grid: as decode_gemv's, WARPS / SPLIT
-// column tiles of 16 a block, round after round. Dynamic shared memory: rows * ceil(K / 64) * 128
-// bytes of staged input, then rows * groups floats of activation scales, then (SPLIT > 1) the split's
-// partial products.
-template <int CODES, int ACT, int SPLIT, int ROW_TILES, bool EXACT>
+// column tiles of 16 a block, round after round. SHARED_STAGE: the prologue stages the rows in
+// dynamic shared memory, rows * ceil(K / 64) * 128 bytes of staged input, then rows * groups floats
+// of activation scales; otherwise stage_rows staged them in global memory (staged_rows,
+// staged_scales, the same layout), for rows that do not fit. Then (SPLIT > 1) the split's partial
+// products.
+template <int CODES, int ACT, int SPLIT, int ROW_TILES, bool EXACT, bool SHARED_STAGE>
 __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv(
     const float* __restrict__ x, const int* __restrict__ order, float input_scale, int act_group,
+    const uint4* __restrict__ staged_rows, const float* __restrict__ staged_scales,
     const unsigned char* __restrict__ codes, const float* __restrict__ scales, const float* __restrict__ zeros,
     int block_rows, int block_columns, int scale_columns, const float* __restrict__ bias, float* __restrict__ out,
     int rows, int K, int N) {
     DYNAMIC_SHARED;
     const QuantizedOperand w = {codes, scales, zeros, block_rows, block_columns, scale_columns};
     constexpr int GROUPS = WARPS / SPLIT;
+    constexpr bool QUANTIZED_ROWS = ACT == ACT_FP8_TOKEN || ACT == ACT_INT8_TOKEN || ACT == ACT_FP8_GROUP;
     // EXACT: the products take the weights unscaled and (quantized schemes) the inputs' codes, on f16
     // tensor cores when the inputs are quantized (bf16 otherwise); each step's sums are scaled by its
     // weight and input scales, once per step of 32 input columns.
     constexpr bool F16 = EXACT && ACT != ACT_NONE;
-    uint4* stage = reinterpret_cast<uint4*>(dynamic_shared);
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, q = lane % 4;
     const int chunks = K / 8, stride = (chunks + 7) / 8 * 8;
@@ -274,60 +323,31 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
     const int rounds = (tiles - (int)blockIdx.x * GROUPS + tile_stride - 1) / tile_stride;
     const int steps = rounds * batches;
     const uint4 zero = {0u, 0u, 0u, 0u};
-
-    // 1. The activation scales: a warp reduces each (row, group).
     const int group = ACT == ACT_FP8_GROUP ? act_group : K;
     const int groups = (K + group - 1) / group;
-    float* act_scale = reinterpret_cast<float*>(stage + rows * stride);   // [rows][groups]
-    if (ACT == ACT_FP8_TOKEN || ACT == ACT_INT8_TOKEN || ACT == ACT_FP8_GROUP) {
-        const float limit = ACT == ACT_INT8_TOKEN ? INT8_MAX_VALUE : FP8_MAX;
-        for (int task = warp; task < rows * groups; task += WARPS) {
-            const int r = task / groups, j = task - r * groups;
-            float amax = 0.0f;
-            for (int k = j * group + lane; k < min(K, (j + 1) * group); k += 32)
-                amax = fmaxf(amax, fabsf(x[(size_t)r * K + (order != nullptr ? order[k] : k)]));
-            amax = warp_max(amax);
-            if (lane == 0) act_scale[task] = fmaxf(amax / limit, MIN_SCALE);
+
+    const uint4* stage = staged_rows;
+    const float* act_scale = staged_scales;   // [rows][groups]
+    if (SHARED_STAGE) {
+        // 1. The activation scales, 2. the staged rows.
+        uint4* shared_stage = reinterpret_cast<uint4*>(dynamic_shared);
+        float* shared_scales = reinterpret_cast<float*>(shared_stage + rows * stride);
+        if (QUANTIZED_ROWS) {
+            activation_scales<ACT>(x, order, rows, K, group, groups, shared_scales, warp, WARPS, lane);
+            __syncthreads();
+        }
+        for (int i = tid; i < rows * chunks; i += THREADS) {
+            const int r = i / chunks, c = i - r * chunks;
+            shared_stage[r * stride + c] = staged_chunk<ACT, F16>(x, order, input_scale, shared_scales + r * groups,
+                                                                  r, c, K, group);
         }
         __syncthreads();
+        stage = shared_stage;
+        act_scale = shared_scales;
     }
-
-    // 2. The staged rows, as bf16.
-    for (int i = tid; i < rows * chunks; i += THREADS) {
-        const int r = i / chunks, c = i - r * chunks;
-        float v[8];
-        #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const int k = 8 * c + e;
-            float value = x[(size_t)r * K + (order != nullptr ? order[k] : k)];
-            // EXACT keeps the code (the scale applies to the products' sums), else its value.
-            if (ACT == ACT_FP8_TENSOR) {
-                value = round_e4m3(value / input_scale) * (F16 ? 1.0f : input_scale);
-            } else if (ACT == ACT_FP8_TOKEN || ACT == ACT_FP8_GROUP) {
-                const float s = act_scale[r * groups + k / group];
-                value = round_e4m3(value / s) * (F16 ? 1.0f : s);
-            } else if (ACT == ACT_INT8_TOKEN) {
-                const float s = act_scale[r * groups];
-                value = fminf(fmaxf(rintf(value / s), -INT8_MAX_VALUE), INT8_MAX_VALUE) * (F16 ? 1.0f : s);
-            }
-            v[e] = value;
-        }
-        uint4 staged;
-        if (F16) {
-            staged = make_uint4(pack_f16(v[0], v[1]), pack_f16(v[2], v[3]), pack_f16(v[4], v[5]), pack_f16(v[6], v[7]));
-        } else {
-            staged.x = (unsigned)to_bf16(v[0]) | ((unsigned)to_bf16(v[1]) << 16);
-            staged.y = (unsigned)to_bf16(v[2]) | ((unsigned)to_bf16(v[3]) << 16);
-            staged.z = (unsigned)to_bf16(v[4]) | ((unsigned)to_bf16(v[5]) << 16);
-            staged.w = (unsigned)to_bf16(v[6]) | ((unsigned)to_bf16(v[7]) << 16);
-        }
-        stage[r * stride + c] = staged;
-    }
-    __syncthreads();
 
     // 3. The products: each lane dequantizes chunk (base + 4u + q) of columns g and g + 8.
-    const int scales_at = rows * stride * 16 + ((ACT == ACT_FP8_TOKEN || ACT == ACT_INT8_TOKEN || ACT == ACT_FP8_GROUP)
-                                                 ? (rows * groups * 4 + 15) / 16 * 16 : 0);
+    const int scales_at = !SHARED_STAGE ? 0 : rows * stride * 16 + (QUANTIZED_ROWS ? (rows * groups * 4 + 15) / 16 * 16 : 0);
     float4* reduce = reinterpret_cast<float4*>(dynamic_shared + scales_at);   // [WARPS][ROW_TILES][32]
     float acc[ROW_TILES][4], sums[ROW_TILES][4];
     #pragma unroll
@@ -382,7 +402,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
                             const int r = 8 * t + 2 * q + i;
                             float input = 1.0f;
                             if (ACT == ACT_FP8_TENSOR) input = input_scale;
-                            else if (ACT == ACT_FP8_TOKEN || ACT == ACT_INT8_TOKEN || ACT == ACT_FP8_GROUP)
+                            else if (QUANTIZED_ROWS)
                                 input = r < rows ? act_scale[r * groups + k0 / group] : 0.0f;
                             acc[t][i] += sums[t][i] * upper_scale * input;
                             acc[t][i + 2] += sums[t][i + 2] * lower_scale * input;
@@ -425,6 +445,27 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
             }
         }
     }
+}
+
+// The GEMV's staged rows in global memory, for rows that do not fit its shared memory: staged
+// [rows][ceil(K / 64) * 8] chunks of 8 as the GEMV's prologue writes them, scales [rows][groups].
+// Grid: rows blocks of THREADS threads.
+template <int ACT, bool F16>
+__global__ void __launch_bounds__(THREADS) stage_rows(
+    const float* __restrict__ x, const int* __restrict__ order, float input_scale, int act_group,
+    uint4* __restrict__ staged, float* __restrict__ scales, int K) {
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, r = blockIdx.x;
+    const int chunks = K / 8, stride = (chunks + 7) / 8 * 8;
+    const int group = ACT == ACT_FP8_GROUP ? act_group : K;
+    const int groups = (K + group - 1) / group;
+    const float* row = x + (size_t)r * K;
+    float* row_scales = scales + (size_t)r * groups;
+    if (ACT == ACT_FP8_TOKEN || ACT == ACT_INT8_TOKEN || ACT == ACT_FP8_GROUP) {
+        activation_scales<ACT>(row, order, 1, K, group, groups, row_scales, warp, WARPS, lane);
+        __syncthreads();
+    }
+    for (int c = tid; c < chunks; c += THREADS)
+        staged[(size_t)r * stride + c] = staged_chunk<ACT, F16>(row, order, input_scale, row_scales, 0, c, K, group);
 }
 
 // out[r, k] = bf16(quantize(x[r, order[k]])) (order null: k), the input of a prompt product with a
@@ -526,21 +567,32 @@ def activation_groups(weight: QuantizedWeight) -> int:
     return -(-inner // weight.activation_group) if weight.activations == "fp8_group" else 1
 
 
-def shared_bytes(rows: int, weight: QuantizedWeight, split: int) -> int:
-    """Dynamic shared memory of a launch: the staged rows, the activation scales, the split's
-    partial products."""
-    staged = rows * -(-weight.shape[1] // 64) * 128
-    scales = -(-rows * activation_groups(weight) * 4 // 16) * 16
+def shared_bytes(rows: int, weight: QuantizedWeight, split: int, shared_stage: bool = True) -> int:
+    """Dynamic shared memory of a launch: the staged rows and the activation scales (when the
+    prologue stages them, ``shared_stage``), the split's partial products."""
+    staged = rows * -(-weight.shape[1] // 64) * 128 if shared_stage else 0
+    scales = -(-rows * activation_groups(weight) * 4 // 16) * 16 if shared_stage else 0
     return staged + scales + (REDUCE_BYTES * row_tiles(rows) if split > 1 else 0)
+
+
+def shared_stage(rows: int, weight: QuantizedWeight) -> bool:
+    """Whether the prologue stages the rows in shared memory (they fit beside the largest split's
+    partial products); otherwise :func:`stage_rows` stages them in a global workspace first."""
+    return shared_bytes(rows, weight, SPLITS[-1]) <= MAX_SHARED_BYTES
+
+
+def workspace_shapes(rows: int, weight: QuantizedWeight) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The shapes of the global workspace of rows that do not fit shared memory: the staged rows
+    (uint32 ``[rows, ceil(K / 64) * 32]``, chunks of 8 bf16 or f16 values) and the activation scales
+    (float32 ``[rows, groups]``)."""
+    return (rows, -(-weight.shape[1] // 64) * 32), (rows, activation_groups(weight))
 
 
 def supports(rows: int, weight: QuantizedWeight) -> bool:
     """Whether the decode GEMV serves ``rows`` rows of a product with ``weight``: at most
     :data:`MAX_ROWS` rows, the inner size a multiple of 32, column blocks of whole chunks of 8."""
     out, inner = weight.shape
-    return (0 < rows <= MAX_ROWS and inner % 32 == 0 and weight.block[1] % 8 == 0 and out > 0
-            and rows * activation_groups(weight) <= MAX_ACTIVATION_SCALES
-            and shared_bytes(rows, weight, SPLITS[-1]) <= MAX_SHARED_BYTES)
+    return 0 < rows <= MAX_ROWS and inner % 32 == 0 and weight.block[1] % 8 == 0 and out > 0
 
 
 def plan(columns: int, multiprocessors: int, split: int | None = None) -> tuple[int, int]:
@@ -561,9 +613,17 @@ def exact_path(weight: QuantizedWeight) -> bool:
     return weight.block[1] % 32 == 0 and (weight.activations != "fp8_group" or weight.activation_group % 32 == 0)
 
 
-def kernel_name(codes: str, activations: str, split: int, tiles: int, exact: bool = True) -> str:
+def kernel_name(codes: str, activations: str, split: int, tiles: int, exact: bool = True,
+                shared: bool = True) -> str:
     return (f"quantized_gemv<{CODES[codes]}, {ACTIVATIONS[activations]}, {split}, {tiles}, "
-            f"{'true' if exact else 'false'}>")
+            f"{'true' if exact else 'false'}, {'true' if shared else 'false'}>")
+
+
+def stage_rows_name(activations: str, exact: bool) -> str:
+    """The staging kernel of a launch's rows: its chunks hold f16 codes on the exact path over
+    quantized inputs, bf16 values otherwise."""
+    f16 = exact and activations != "weight_only"
+    return f"stage_rows<{ACTIVATIONS[activations]}, {'true' if f16 else 'false'}>"
 
 
 # ------------------------------------------------------------------------------ reference
@@ -646,10 +706,12 @@ def check_weight(name: str, weight: QuantizedWeight) -> None:
 
 
 def quantized_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: Any, *,
-                   bias: DeviceArray | None = None, multiprocessors: int = 132, split: int | None = None) -> DeviceArray:
+                   bias: DeviceArray | None = None, multiprocessors: int = 132, split: int | None = None,
+                   workspace: tuple[DeviceArray, DeviceArray] | None = None) -> DeviceArray:
     """``out <- quantize(x) W^T (+ bias)`` (the module docstring) on ``stream``: ``x`` float32 ``[rows,
-    K]``, ``out`` float32 ``[rows, N]``. Raises :class:`~metrale.errors.KernelArgumentError` for
-    what it does not serve (:func:`supports`)."""
+    K]``, ``out`` float32 ``[rows, N]``. Rows that do not fit shared memory (:func:`shared_stage`)
+    are staged first into ``workspace`` (the arrays of :func:`workspace_shapes`). Raises
+    :class:`~metrale.errors.KernelArgumentError` for what it does not serve (:func:`supports`)."""
     name = f"quantized_gemv ({weight.codes_format}, {weight.activations})"
     check_weight(name, weight)
     rows = x.shape[0] if getattr(x, "ndim", 0) == 2 else -1
@@ -660,19 +722,32 @@ def quantized_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, st
         check_array(name, "bias", bias, np.float32, (columns,))
     if not supports(rows, weight):
         raise KernelArgumentError(f"{name}: {rows} rows of inner size {inner}, column blocks of {weight.block[1]}, "
-                                  f"are not served (at most {MAX_ROWS} rows, the inner size a multiple of 32)")
+                                  f"are not served (1 to {MAX_ROWS} rows, the inner size a multiple of 32, "
+                                  "column blocks a multiple of 8)")
+    null = np.uint64(0)
+    order = weight.input_order if weight.input_order is not None else null
+    input_scale = np.float32(float(weight.input_scale) if weight.input_scale is not None else 1.0)
+    exact, shared = exact_path(weight), shared_stage(rows, weight)
+    staged: Any = null
+    scales: Any = null
+    if not shared:
+        if workspace is None:
+            raise KernelArgumentError(f"{name}: {rows} rows of inner size {inner} need a staging workspace")
+        staged, scales = workspace
+        staged_shape, scales_shape = workspace_shapes(rows, weight)
+        check_array(name, "workspace staged", staged, np.uint32, staged_shape)
+        check_array(name, "workspace scales", scales, np.float32, scales_shape)
+        launch(_function(stage_rows_name(weight.activations, exact)), (rows,), (THREADS,), (
+            x, order, input_scale, np.int32(weight.activation_group), staged, scales, np.int32(inner),
+        ), 0, stream, dependent=False)
     chosen, blocks = plan(columns, multiprocessors, split)
-    function = _function(kernel_name(weight.codes_format, weight.activations, chosen, row_tiles(rows),
-                                     exact_path(weight)))
-    stage = shared_bytes(rows, weight, chosen)
+    function = _function(kernel_name(weight.codes_format, weight.activations, chosen, row_tiles(rows), exact, shared))
+    stage = shared_bytes(rows, weight, chosen, shared)
     if stage > 48 * 1024:
         function.max_dynamic_shared_size_bytes = stage
-    null = np.uint64(0)
-    input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
     launch(function, (blocks,), (THREADS,), (
-        x, weight.input_order if weight.input_order is not None else null, np.float32(input_scale),
-        np.int32(weight.activation_group), *_operand(weight), bias if bias is not None else null, out,
-        np.int32(rows), np.int32(inner), np.int32(columns),
+        x, order, input_scale, np.int32(weight.activation_group), staged, scales, *_operand(weight),
+        bias if bias is not None else null, out, np.int32(rows), np.int32(inner), np.int32(columns),
     ), stage, stream, dependent=False)
     return out
 

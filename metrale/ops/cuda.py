@@ -155,9 +155,14 @@ class CudaKernels:
 
     def quantized_linear_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """Decode rows: the codes dequantized in registers, the input quantized in the prologue."""
-        out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
+        rows = x.shape[0]
+        out = cp.empty((rows, weight.shape[0]), dtype=f32)
+        workspace = None
+        if not quantized_gemv.shared_stage(rows, weight):
+            staged_shape, scales_shape = quantized_gemv.workspace_shapes(rows, weight)
+            workspace = (cp.empty(staged_shape, dtype=np.uint32), cp.empty(scales_shape, dtype=f32))
         return quantized_gemv.quantized_gemv(self.to_float32(x), weight, out, self.stream, bias=bias,
-                                             multiprocessors=decode_gemv.multiprocessor_count())
+                                             multiprocessors=decode_gemv.multiprocessor_count(), workspace=workspace)
 
     def quantized_linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """Prompt rows: FP8 inputs and weights whose scales factor out of the sums on FP8 tensor

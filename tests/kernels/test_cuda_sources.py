@@ -138,12 +138,17 @@ def test_the_decode_attention_compiles_for_every_head_size(tmp_path, head_dim):
 
 
 def test_every_quantized_gemv_instantiation_compiles(tmp_path):
-    gemv = ("const float*, const int*, float, int, const unsigned char*, const float*, const float*, int, int, int, "
-            "const float*, float*, int, int, int")
-    names = [quantized_gemv.kernel_name(codes, activations, split, tiles, exact) for codes in quantized_gemv.CODES
-             for activations in quantized_gemv.ACTIVATIONS for split in quantized_gemv.SPLITS
-             for tiles in quantized_gemv.ROW_TILES for exact in (False, True)]
+    gemv = ("const float*, const int*, float, int, const uint4*, const float*, const unsigned char*, const float*, "
+            "const float*, int, int, int, const float*, float*, int, int, int")
+    names = [quantized_gemv.kernel_name(codes, activations, split, tiles, exact, shared)
+             for codes in quantized_gemv.CODES for activations in quantized_gemv.ACTIVATIONS
+             for split in quantized_gemv.SPLITS for tiles in quantized_gemv.ROW_TILES for exact in (False, True)
+             for shared in (False, True)]
     instantiations = "".join(f"template __global__ void {name}({gemv});\n" for name in names)
+    stage_rows = "const float*, const int*, float, int, uint4*, float*, int"
+    stagers = sorted({quantized_gemv.stage_rows_name(activations, exact)
+                      for activations in quantized_gemv.ACTIVATIONS for exact in (False, True)})
+    instantiations += "".join(f"template __global__ void {name}({stage_rows});\n" for name in stagers)
     dequantize = "const unsigned char*, const float*, const float*, int, int, int, uint4*, int, int"
     instantiations += "".join(f"template __global__ void dequantize_bf16<{number}>({dequantize});\n"
                               for number in quantized_gemv.CODES.values())
@@ -154,7 +159,8 @@ def test_every_quantized_gemv_instantiation_compiles(tmp_path):
     instantiations += "".join(f"template __global__ void quantize_rows_fp8<{quantized_gemv.ACTIVATIONS[a]}>({fp8_rows});\n"
                               for a in ("fp8_token", "fp8_tensor"))
     ptx = compile_to_ptx(tmp_path, quantized_gemv.source() + instantiations, optimize=False)
-    assert len(entries(ptx)) == len(names) + len(quantized_gemv.CODES) + len(quantized_gemv.ACTIVATIONS) + 2
+    assert len(entries(ptx)) == (len(names) + len(stagers) + len(quantized_gemv.CODES)
+                                  + len(quantized_gemv.ACTIVATIONS) + 2)
 
 
 def test_every_quantized_moe_instantiation_compiles(tmp_path):

@@ -23,7 +23,8 @@ from metrale.kernels.quantized import (
     quantized_linear_reference,
 )
 
-# (codes, activations, split, row tiles, exact) instantiated in the emulated program.
+# (codes, activations, split, row tiles, exact) instantiated in the emulated program, each with
+# the rows staged in shared memory and in the global workspace.
 INSTANCES = [(*instance, exact) for instance in [
     ("fp8", "fp8_token", 1, 1), ("fp8", "fp8_token", 4, 2), ("fp8", "fp8_group", 2, 1), ("fp8", "fp8_tensor", 1, 4),
     ("fp8", "weight_only", 8, 1), ("int4", "weight_only", 1, 1), ("int4", "weight_only", 2, 4),
@@ -34,10 +35,16 @@ INSTANCES = [(*instance, exact) for instance in [
 def emulation_main() -> str:
     dispatch = "\n".join(
         f"    if (codes == {qg.CODES[c]} && act == {qg.ACTIVATIONS[a]} && split == {s} && tiles == {t} && exact == "
-        f"{int(e)}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, {{THREADS, 1, 1}}, [&] {{ quantized_gemv<{qg.CODES[c]}, "
-        f"{qg.ACTIVATIONS[a]}, {s}, {t}, {'true' if e else 'false'}>(x, order, input_scale, act_group, code_bytes, "
-        f"scales, zeros, block_rows, block_columns, scale_columns, bias, out, rows, K, N); }}); found = true; }}"
-        for c, a, s, t, e in INSTANCES)
+        f"{int(e)} && shared == {int(shared)}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, {{THREADS, 1, 1}}, [&] {{ "
+        f"{qg.kernel_name(c, a, s, t, e, shared)}(x, order, input_scale, act_group, staged_rows, staged_scales, "
+        f"code_bytes, scales, zeros, block_rows, block_columns, scale_columns, bias, out, rows, K, N); }}); "
+        f"found = true; }}"
+        for c, a, s, t, e in INSTANCES for shared in (False, True))
+    stage_rows = "\n".join(
+        f"        if (act == {qg.ACTIVATIONS[a]} && exact == {int(e)}) emu::launch({{(unsigned)rows, 1, 1}}, "
+        f"{{THREADS, 1, 1}}, [&] {{ {qg.stage_rows_name(a, e)}(x, order, input_scale, act_group, staged_rows, "
+        f"staged_scales, K); }});"
+        for a in qg.ACTIVATIONS for e in (False, True))
     staging = "\n".join(
         f"        if (act == {number}) emu::launch({{(unsigned)rows, (unsigned)groups, 1}}, {{THREADS, 1, 1}}, [&] {{ "
         f"stage_activations<{number}>(x, order, input_scale, act_group, staged, rows, K); }});"
@@ -51,8 +58,8 @@ def emulation_main() -> str:
 #include <string>
 
 int main(int argc, char** argv) {
-    if (argc != 18) emu::fail("usage: folder codes act split tiles rows K N blocks block_rows block_columns "
-                              "scale_columns act_group input_scale flags(order zeros bias) dequantize");
+    if (argc != 19) emu::fail("usage: folder codes act split tiles rows K N blocks block_rows block_columns "
+                              "scale_columns act_group input_scale flags(order zeros bias) dequantize exact shared");
     const std::string folder = argv[1];
     const int codes = std::atoi(argv[2]), act = std::atoi(argv[3]), split = std::atoi(argv[4]);
     const int tiles = std::atoi(argv[5]), rows = std::atoi(argv[6]), K = std::atoi(argv[7]), N = std::atoi(argv[8]);
@@ -60,6 +67,7 @@ int main(int argc, char** argv) {
     const int scale_columns = std::atoi(argv[12]), act_group = std::atoi(argv[13]);
     const float input_scale = std::atof(argv[14]);
     const int flags = std::atoi(argv[15]), only_dequantize = std::atoi(argv[16]), exact = std::atoi(argv[17]);
+    const int shared = std::atoi(argv[18]);
     const size_t code_count = (size_t)N * (codes == 1 || codes == 3 ? K / 2 : K);
     const unsigned char* code_bytes = read<unsigned char>(folder + "/codes", code_count);
     const size_t scale_count = (size_t)((N + block_rows - 1) / block_rows) * scale_columns;
@@ -93,6 +101,14 @@ int main(int argc, char** argv) {
         write(folder + "/staged", staged, (size_t)rows * K);
         return 0;
     }
+    uint4* staged_rows = nullptr;
+    float* staged_scales = nullptr;
+    if (!shared) {
+        const int groups = act == ACT_FP8_GROUP ? (K + act_group - 1) / act_group : 1;
+        staged_rows = allocate<uint4>((size_t)rows * ((K + 63) / 64) * 8);
+        staged_scales = allocate<float>((size_t)rows * groups);
+""" + stage_rows + r"""
+    }
     bool found = false;
 """ + dispatch + r"""
     if (!found) emu::fail("no such instance");
@@ -109,7 +125,7 @@ def emulated(tmp_path_factory):
     binary = build_emulated(folder / "quantized_gemv.cpp", source)
 
     def run(weight: QuantizedWeight, x=None, bias=None, *, split=1, blocks=2, dequantize_only=False,
-            stage_only=False, exact=None, fp8_rows=False):
+            stage_only=False, exact=None, fp8_rows=False, shared=True):
         case = folder / "case"
         case.mkdir(exist_ok=True)
         out_features, inner = weight.shape
@@ -133,7 +149,7 @@ def emulated(tmp_path_factory):
                      inner, out_features, blocks, weight.block[0], weight.block[1], weight.scales.shape[1],
                      weight.activation_group, repr(input_scale), flags,
                      3 if fp8_rows else 2 if stage_only else int(dequantize_only),
-                     int(qg.exact_path(weight) if exact is None else exact)]
+                     int(qg.exact_path(weight) if exact is None else exact), int(shared)]
         subprocess.run([str(binary), str(case), *map(str, arguments)], check=True, timeout=600)
         if fp8_rows:
             return (np.fromfile(case / "fp8", np.uint8).reshape(rows, inner),
@@ -186,14 +202,16 @@ CASES = [
 
 # Every case on the scaled-weights path; on the exact path too where its column blocks are whole
 # steps of 32 input columns (the launcher's choice, qg.exact_path).
-PATHS = [pytest.param(*case, exact, id=f"{'exact' if exact else 'scaled'}-{case[0]}-{case[1]}-{case[2]}x{case[3]}")
-         for case in CASES for exact in (True, False) if not exact or case[5][1] % 32 == 0]
+# Each with its rows staged in shared memory and in the global workspace.
+PATHS = [pytest.param(*case, exact, shared, id=f"{'exact' if exact else 'scaled'}-{'shared' if shared else 'global'}-"
+                      f"{case[0]}-{case[1]}-{case[2]}x{case[3]}")
+         for case in CASES for exact in (True, False) if not exact or case[5][1] % 32 == 0 for shared in (True, False)]
 
 
 @pytest.mark.parametrize("codes, activations, rows, inner, out, block, asymmetric, act_order, bias, split, blocks, "
-                         "exact", PATHS)
+                         "exact, shared", PATHS)
 def test_emulated_gemv_matches_the_reference(emulated, codes, activations, rows, inner, out, block, asymmetric,
-                                             act_order, bias, split, blocks, exact):
+                                             act_order, bias, split, blocks, exact, shared):
     rng = np.random.default_rng(rows * 1000 + inner)
     weight = make_weight(rng, codes, out, inner, block, activations=activations, asymmetric=asymmetric,
                          act_order=act_order)
@@ -201,7 +219,7 @@ def test_emulated_gemv_matches_the_reference(emulated, codes, activations, rows,
     x = rng.normal(size=(rows, inner)).astype(np.float32)
     x[0, :7] *= 50  # one row with a few large values: its scale differs from the others'
     bias_values = rng.normal(size=out).astype(np.float32) if bias else None
-    got = emulated(weight, x, bias_values, split=split, blocks=blocks, exact=exact)
+    got = emulated(weight, x, bias_values, split=split, blocks=blocks, exact=exact, shared=shared)
     expected = qg.quantized_gemv_reference(x, weight, bias_values, exact=exact)
     scale = np.abs(expected).max()
     assert np.abs(got - expected).max() <= 1e-5 * scale
@@ -250,6 +268,13 @@ def test_supports_and_plan():
     assert not qg.supports(33, weight) and not qg.supports(0, weight)
     odd = make_weight(np.random.default_rng(0), "int4", 16, 48, (1, 16))
     assert not qg.supports(1, odd)  # the inner size is not a multiple of 32
+    # Llama-8B's products: 32 rows of 4,096 columns (and 8 of 14,336) are staged in global memory.
+    for rows, inner, shared in [(1, 14336, True), (7, 14336, True), (8, 14336, False), (16, 4096, True),
+                                (32, 4096, False)]:
+        wide = QuantizedWeight("fp8", np.zeros((8, inner), np.uint8), np.ones((8, 1), np.float32), (1, inner),
+                               (8, inner), activations="fp8_token")
+        assert qg.supports(rows, wide) and qg.shared_stage(rows, wide) == shared
+        assert qg.workspace_shapes(rows, wide) == ((rows, inner // 2), (rows, 1))
     split, blocks = qg.plan(4096, 132)
     assert (split, blocks) == (8, 256)  # 256 tiles: even split 8 leaves 132 multiprocessors short of 8 warps each
     assert qg.plan(64, 132) == (8, 4)

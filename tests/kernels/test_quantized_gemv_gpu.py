@@ -53,13 +53,16 @@ def test_the_decode_gemv_matches_the_reference_on_llama_shapes(backend, codes, a
     from metrale.kernels import quantized_gemv as qg
 
     rng = np.random.default_rng(rows)
-    for inner, columns in LLAMA_8B[:2] if rows > 1 else LLAMA_8B:
+    for inner, columns in LLAMA_8B:
         host = host_weight(codes, inner, columns, activations, rng)
         weight = backend.quantized_weight(host)
         x = rng.normal(size=(rows, inner)).astype(np.float32)
         out = cp.full((rows, columns), np.nan, np.float32)
+        # Rows that do not fit shared memory (32 of 4,096 columns, 8 of 14,336) are staged in the workspace.
+        staged_shape, scales_shape = qg.workspace_shapes(rows, host)
+        workspace = (cp.empty(staged_shape, np.uint32), cp.empty(scales_shape, np.float32))
         qg.quantized_gemv(cp.asarray(x), weight, out, cp.cuda.get_current_stream(),
-                          multiprocessors=qg_multiprocessors())
+                          multiprocessors=qg_multiprocessors(), workspace=workspace)
         assert rel_error(cp.asnumpy(out), qg.quantized_gemv_reference(x, host)) < 1e-4
 
 
@@ -86,8 +89,9 @@ def test_the_prompt_path_stages_and_dequantizes_as_the_references(backend, codes
     dense = cp.empty((1024, 4096), np.uint16)
     qg.dequantize_bf16(weight, dense, cp.cuda.get_current_stream())
     assert np.array_equal(bf16_to_float32(cp.asnumpy(dense)), qg.dequantize_bf16_reference(host))
+    # The product of the two bf16 matrices (the scaled-weights reference), float32 sums.
     y = backend.ops.linear(cp.asarray(x), weight)
-    assert rel_error(cp.asnumpy(y), qg.quantized_gemv_reference(x, host)) < 1e-3
+    assert rel_error(cp.asnumpy(y), qg.quantized_gemv_reference(x, host, exact=False)) < 1e-4
 
 
 def test_a_graph_replays_the_decode_gemv_with_new_inputs(backend):
@@ -153,4 +157,5 @@ def test_prompt_rows_of_fp8_take_the_fp8_tensor_cores(backend, activations):
     x = rng.normal(size=(512, 4096)).astype(np.float32)
     y = cp.asnumpy(backend.ops.linear(cp.asarray(x), weight))
     assert backend.kernels._fp8_unserved == set()  # cuBLASLt served the shape in FP8
-    assert rel_error(y, quantized_linear_reference(x, host)) < 1e-4
+    # Hopper's FP8 tensor cores keep fewer mantissa bits than float32 in their partial sums.
+    assert rel_error(y, quantized_linear_reference(x, host)) < 5e-4
