@@ -63,7 +63,85 @@ def transformers_bf16_rows(path, ids, cpu):
     return np.abs(logits - cpu).max(axis=1) / np.abs(cpu).max()
 
 
-def check_against_cpu_where_routing_agrees(path, ids, what, calibrate=False, **options):
+def quantized_reference_bf16_rows(source, quantized, ids, cpu, quantization=None, device="cuda", dtype="bfloat16"):
+    """Per position, the largest logit error of a bf16 run of the same quantized math in
+    transformers against the float32 logits ``cpu`` (relative to their largest magnitude): what
+    bf16 costs the quantized reference. transformers runs the full-precision checkpoint ``source``
+    with each matrix the checkpoint ``quantized`` holds quantized (``quantization``: an online
+    method) replaced by its dequantized value, and each such product's input quantized under its
+    activation scheme (:func:`metrale.kernels.quantized.quantize_activations`). ``device`` and
+    ``dtype`` move the reference's run (float32 on the cpu: the same math as the cpu backend)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from metrale.kernels.quantized import dequantize, quantize_activations
+    from metrale.loading.checkpoint import Checkpoint
+
+    checkpoint = Checkpoint(quantized, quantization=quantization)
+    dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device).eval()
+    model.config._experts_implementation = "eager"  # the experts' products through F.linear
+    params = dict(model.named_parameters())
+    schemes = {}
+    with torch.no_grad():
+        for name in checkpoint.names():
+            if checkpoint.is_quantized(name):
+                weight = checkpoint.quantized(name)
+                target = torch_weight(params, name)
+                target.copy_(torch.from_numpy(dequantize(weight)).to(target.device, dtype))
+                schemes[target.data_ptr()] = weight
+    linear = torch.nn.functional.linear
+
+    def quantized_linear(x, weight, bias=None):
+        scheme = schemes.get(weight.data_ptr())
+        if scheme is not None and scheme.activations != "weight_only":
+            rows = x.reshape(-1, x.shape[-1]).float().cpu().numpy()
+            x = torch.from_numpy(quantize_activations(rows, scheme)).to(x.device, x.dtype).reshape(x.shape)
+        return linear(x, weight, bias)
+
+    torch.nn.functional.linear = quantized_linear
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids], device=device)).logits[0].float().cpu().numpy()
+    finally:
+        torch.nn.functional.linear = linear
+    assert schemes, f"{quantized}: no quantized matrix reached the reference"
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return np.abs(logits - cpu).max(axis=1) / np.abs(cpu).max()
+
+
+def torch_weight(params, name):
+    """The transformers parameter (or the slice of one) holding checkpoint tensor ``name``: experts
+    stored one by one in the checkpoint are slices of transformers' stacked ``gate_up_proj`` [E, 2I,
+    H] and ``down_proj`` [E, H, I]."""
+    import re
+
+    if name in params:
+        return params[name]
+    match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+    if match is None:
+        raise KeyError(f"no transformers parameter holds {name}")
+    prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
+    if kind == "down_proj":
+        return params[f"{prefix}.down_proj"][expert]
+    stacked = params[f"{prefix}.gate_up_proj"][expert]
+    half = stacked.shape[0] // 2
+    return stacked[:half] if kind == "gate_proj" else stacked[half:]
+
+
+def check_calibrated(rows, reference, what):
+    """The median and the 99th percentile of the error over all positions exceed the reference's
+    own bf16 error by at most 25 %."""
+    ours = [float(np.percentile(rows, p)) for p in (50, 99)]
+    theirs = [float(np.percentile(reference, p)) for p in (50, 99)]
+    print(f"{what}: error over all positions, median / 99th percentile: {ours[0]:.3g} / {ours[1]:.3g}; "
+          f"the reference in bf16: {theirs[0]:.3g} / {theirs[1]:.3g}")
+    assert ours[0] <= 1.25 * theirs[0] and ours[1] <= 1.25 * theirs[1], f"{what}: {ours} against {theirs}"
+
+
+def check_against_cpu_where_routing_agrees(path, ids, what, calibrate=False, source=None, **options):
     """bf16 tolerance and >= 99% top-1 agreement on the positions whose experts agree.
 
     Routing is discontinuous (docs/families.rst, "Routed experts"): where bf16 rounding flips an expert choice the
@@ -73,7 +151,10 @@ def check_against_cpu_where_routing_agrees(path, ids, what, calibrate=False, **o
     sharpens attention (its YaRN mscale multiplies the softmax scale by 1.67) and so bf16 noise.
     With ``calibrate`` the bound is instead what bf16 costs transformers on the same checkpoint:
     the median and the 99th percentile of the error over all positions may exceed those of
-    transformers' own bf16 run by at most 25 %.
+    transformers' own bf16 run by at most 25 %. With ``source`` (a quantized checkpoint, or
+    ``options`` naming an online quantization, whose full-precision weights ``source`` holds) the
+    bound is what bf16 costs the same quantized math (:func:`quantized_reference_bf16_rows`), and
+    the routing may differ wherever that noise flips a choice.
     Agreement counts those positions whose top-2 margin on the cpu exceeds 2e-2 of the largest
     logit (at least half of them): random weights leave many near-ties that bf16 flips."""
     cpu, cpu_routes = scored_with_routes(path, "cpu", ids, **options)
@@ -89,14 +170,13 @@ def check_against_cpu_where_routing_agrees(path, ids, what, calibrate=False, **o
     print(f"{what}: {int((~same_route).sum())} of {len(ids)} positions routed differently; relative error "
           f"{typical:.3g} (99th percentile) / {error:.3g} (max) where routing agrees ({rows.max():.3g} overall); "
           f"top-1 agreement {agreement:.4f} over {int(counted.sum())} positions")
+    if source is not None:
+        reference = quantized_reference_bf16_rows(source, path, ids, cpu, options.get("quantization"))
+        check_calibrated(rows, reference, what)
+        return
     assert same_route.mean() >= 0.95, f"{what}: routing differs at {int((~same_route).sum())} positions"
     if calibrate:
-        reference = transformers_bf16_rows(path, ids, cpu)
-        ours = [float(np.percentile(rows, p)) for p in (50, 99)]
-        theirs = [float(np.percentile(reference, p)) for p in (50, 99)]
-        print(f"{what}: error over all positions, median / 99th percentile: {ours[0]:.3g} / {ours[1]:.3g}; "
-              f"transformers bf16: {theirs[0]:.3g} / {theirs[1]:.3g}")
-        assert ours[0] <= 1.25 * theirs[0] and ours[1] <= 1.25 * theirs[1], f"{what}: {ours} against {theirs}"
+        check_calibrated(rows, transformers_bf16_rows(path, ids, cpu), what)
     else:
         assert typical <= 2e-2 and error <= 5e-2, f"{what}: relative error {typical:.3g} / {error:.3g}"
     assert counted.sum() >= 0.5 * len(ids) and agreement >= 0.99, f"{what}: top-1 agreement {agreement:.4f}"

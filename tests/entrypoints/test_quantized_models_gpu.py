@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_checks import check_against_cpu_where_routing_agrees, held_out_ids, load
+from gpu_checks import check_against_cpu_where_routing_agrees, check_calibrated, held_out_ids, load, quantized_reference_bf16_rows
 
 from metrale import SamplingParams
 from metrale.kernels.quantized import QuantizedWeight
@@ -14,26 +14,29 @@ from metrale.kernels.quantized import QuantizedWeight
 pytestmark = pytest.mark.gpu
 
 
-def check_dense_against_cpu(path, ids, what, **options):
-    """bf16 tolerance: at most 2e-2 of the largest logit at 99 % of positions, 5e-2 at any."""
+def check_dense_against_cpu(path, ids, what, source, **options):
+    """The quantized reference's own bf16 tolerance: the error's median and 99th percentile at most
+    25 % above those of a bf16 run of the same quantized math in transformers (``source``: the
+    full-precision checkpoint)."""
     cpu = load(path, "cpu", **options).score(ids)
     gpu_llm = load(path, "cuda", **options)
     assert isinstance(gpu_llm.model.layers[0].attention.qkv, QuantizedWeight)
     gpu = gpu_llm.score(ids)
     rows = np.abs(gpu - cpu).max(axis=1) / np.abs(cpu).max()
-    print(f"{what}: relative error {np.percentile(rows, 99):.3g} (99th percentile) / {rows.max():.3g} (max)")
-    assert np.percentile(rows, 99) <= 2e-2 and rows.max() <= 5e-2
+    check_calibrated(rows, quantized_reference_bf16_rows(source, path, ids, cpu, options.get("quantization")), what)
 
 
 def test_online_fp8_tiny_dense_matches_the_cpu_backend():
     llm = load("tiny-dense", "cpu")
-    check_dense_against_cpu(llm.checkpoint.path, held_out_ids(llm), "tiny-dense fp8", quantization="fp8")
+    check_dense_against_cpu(llm.checkpoint.path, held_out_ids(llm), "tiny-dense fp8", llm.checkpoint.path,
+                            quantization="fp8")
 
 
 @pytest.mark.parametrize("name", ["tiny-mla", "tiny-gdn"])
 def test_online_fp8_moe_families_match_the_cpu_backend(name):
     llm = load(name, "cpu")
-    check_against_cpu_where_routing_agrees(llm.checkpoint.path, held_out_ids(llm), f"{name} fp8", quantization="fp8")
+    check_against_cpu_where_routing_agrees(llm.checkpoint.path, held_out_ids(llm), f"{name} fp8",
+                                           source=llm.checkpoint.path, quantization="fp8")
 
 
 def test_block_fp8_deepseek_v3_matches_the_cpu_backend(tmp_path):
@@ -44,7 +47,7 @@ def test_block_fp8_deepseek_v3_matches_the_cpu_backend(tmp_path):
     source = build_mla_checkpoint(cls, config, tmp_path / "float", seed=30)
     folder = write_block_fp8_checkpoint(source, tmp_path / "fp8")
     ids = np.random.default_rng(3).integers(0, 128, 256).tolist()
-    check_against_cpu_where_routing_agrees(folder, ids, "deepseek-v3 block fp8")
+    check_against_cpu_where_routing_agrees(folder, ids, "deepseek-v3 block fp8", source=source)
 
 
 def test_compressed_tensors_w4a16_llama_matches_the_cpu_backend(tmp_path):
@@ -59,7 +62,7 @@ def test_compressed_tensors_w4a16_llama_matches_the_cpu_backend(tmp_path):
     source = build_hf_checkpoint(LlamaForCausalLM, config, tmp_path / "float", seed=4)
     folder = tool.write_compressed_checkpoint(source, tool.scheme("W4A16"), tmp_path / "w4a16")
     ids = np.random.default_rng(4).integers(0, 256, 300).tolist()
-    check_dense_against_cpu(folder, ids, "llama w4a16")
+    check_dense_against_cpu(folder, ids, "llama w4a16", source)
 
 
 def test_graph_replayed_quantized_decode_gives_the_eager_tokens():
@@ -94,9 +97,10 @@ def test_an_fp8_kv_cache_decodes_in_graphs_as_eagerly_and_holds_twice_the_blocks
     prompts = [[5, 9, 30, 2], list(range(40, 77))]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     eager = load("tiny-dense", "cuda", kv_cache_dtype="fp8", cuda_graphs=False).generate(prompts, params)
-    graphed_llm = load("tiny-dense", "cuda", kv_cache_dtype="fp8", memory_bytes=1 << 26)
+    # (A budget small enough that the blocks it holds, not max_model_len, bound the cache.)
+    graphed_llm = load("tiny-dense", "cuda", kv_cache_dtype="fp8", memory_bytes=1 << 22)
     assert [o.token_ids for o in eager] == [o.token_ids for o in graphed_llm.generate(prompts, params)]
-    bf16 = load("tiny-dense", "cuda", memory_bytes=1 << 26)
+    bf16 = load("tiny-dense", "cuda", memory_bytes=1 << 22)
     assert graphed_llm.cache.num_blocks >= 1.8 * bf16.cache.num_blocks  # a byte and a shared scale per value
 
 

@@ -309,7 +309,7 @@ def test_the_backend_op_serves_softcap_and_sinks_on_a_mixed_step(head_dim):
     q = 4 * rng.standard_normal((43, heads, head_dim)).astype(np.float32)
     sinks = (rng.standard_normal(heads) + 1).astype(np.float32)
     batch = type("Batch", (), dict(block_tables=cp.asarray(tables), seq_index=cp.asarray(seq_index),
-                                   positions=cp.asarray(positions), max_context=700, row_starts=np.array([0, 1, 2, 43]),
+                                   positions=cp.asarray(positions), max_context=700, row_starts=np.array([0, 1, 2, 3, 43]),
                                    extras={}))()
     backend = CudaBackend()
     with backend.activate():
