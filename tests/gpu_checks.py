@@ -84,7 +84,9 @@ def quantized_reference_bf16_rows(source, quantized, ids, cpu, quantization=None
     params = dict(model.named_parameters())
     schemes = {}
     with torch.no_grad():
-        for name in checkpoint.names():
+        # A quantized {module}.weight may be stored as other tensors of its module (codes, scales).
+        names = set(checkpoint.names()) | {stored.rsplit(".", 1)[0] + ".weight" for stored in checkpoint.names()}
+        for name in sorted(names):
             if checkpoint.is_quantized(name):
                 weight = checkpoint.quantized(name)
                 target = torch_weight(params, name)
