@@ -76,16 +76,23 @@ def float32_to_fp8_e4m3(values: np.ndarray) -> np.ndarray:
     """uint8 E4M3 bit patterns of ``values``: rounded to the nearest (ties to the even code) and
     saturated at +-448, as a quantizer that clamps before the cast does. NaN stays NaN."""
     values = np.asarray(values, dtype=np.float32)
-    positive = fp8_e4m3_table()[:127]  # codes 0..126, increasing
-    magnitude = np.minimum(np.abs(values), FP8_E4M3_MAX)
-    above = np.clip(np.searchsorted(positive, magnitude), 1, 126)
-    below = above - 1
-    to_below, to_above = magnitude - positive[below], positive[above] - magnitude
-    pick_above = (to_above < to_below) | ((to_above == to_below) & (above % 2 == 0))
-    codes = np.where(pick_above, above, below).astype(np.uint8)
-    codes = np.where(magnitude == 0, 0, codes).astype(np.uint8)
-    codes |= np.where(np.signbit(values), 0x80, 0).astype(np.uint8)
-    return np.where(np.isnan(values), np.uint8(0x7F), codes).astype(np.uint8)
+    magnitude = np.abs(values)
+    np.minimum(magnitude, np.float32(FP8_E4M3_MAX), out=magnitude)  # (NaN stays NaN)
+    bits = magnitude.view(np.uint32)
+    # Normal codes: the float32 mantissa rounded to 3 bits (ties to even; a carry moves the
+    # exponent up), the exponent rebased from float32's bias 127 to E4M3's 7.
+    rounded = (bits >> np.uint32(20)) & np.uint32(1)
+    rounded += bits
+    rounded += np.uint32(0x7FFFF)
+    rounded >>= np.uint32(20)
+    rounded -= np.uint32(120 << 3)
+    codes = rounded.astype(np.uint8)
+    # Below 2**-6 the codes are subnormal, steps of 2**-9 (a code of 8 is the smallest normal).
+    small = magnitude < np.float32(2.0**-6)
+    codes[small] = np.rint(magnitude[small] * np.float32(512.0)).astype(np.uint8)
+    codes |= (values.view(np.uint32) >> np.uint32(24)).astype(np.uint8) & np.uint8(0x80)
+    codes[np.isnan(values)] = 0x7F
+    return codes
 
 
 def round_to_fp8(values: np.ndarray) -> np.ndarray:

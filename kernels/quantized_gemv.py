@@ -769,18 +769,31 @@ def quantize_rows_fp8(x: DeviceArray, weight: QuantizedWeight, codes: DeviceArra
     name = f"quantize_rows_fp8 ({weight.activations})"
     if weight.activations not in ("fp8_token", "fp8_tensor"):
         raise KernelArgumentError(f"{name}: only per-token and per-tensor FP8 inputs are written as codes")
-    inner = weight.shape[1]
+    input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
+    return _quantize_rows(name, x, weight.shape[1], weight.activations, weight.input_order, input_scale, codes, scales,
+                          stream)
+
+
+def quantize_matrix_fp8(matrix: DeviceArray, codes: DeviceArray, scales: DeviceArray, stream: Any) -> DeviceArray:
+    """``codes`` (uint8 ``[rows, K]``) and ``scales`` (float32 ``[rows]``) <- ``matrix`` (float32 ``[rows,
+    K]``) as FP8 E4M3 with one scale a row, ``max |row| / 448``: the online quantization of a weight
+    (:func:`~metrale.kernels.quantized.quantize_fp8_per_channel`), on the device."""
+    inner = matrix.shape[1] if getattr(matrix, "ndim", 0) == 2 else -1
+    return _quantize_rows("quantize_matrix_fp8", matrix, inner, "fp8_token", None, 1.0, codes, scales, stream)
+
+
+def _quantize_rows(name: str, x: DeviceArray, inner: int, activations: str, order: Any, input_scale: float,
+                   codes: DeviceArray, scales: DeviceArray, stream: Any) -> DeviceArray:
     rows = x.shape[0] if getattr(x, "ndim", 0) == 2 else -1
     check_array(name, "x", x, np.float32, (rows, inner))
     check_array(name, "codes", codes, np.uint8, (rows, inner))
     check_array(name, "scales", scales, np.float32, (rows,))
     if rows == 0:
         return codes
-    input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
-    function = _function(f"quantize_rows_fp8<{ACTIVATIONS[weight.activations]}>")
+    function = _function(f"quantize_rows_fp8<{ACTIVATIONS[activations]}>")
     launch(function, (rows,), (THREADS,), (
-        x, weight.input_order if weight.input_order is not None else np.uint64(0), np.float32(input_scale), codes,
-        scales, np.int32(inner)), 0, stream, dependent=False)
+        x, order if order is not None else np.uint64(0), np.float32(input_scale), codes, scales, np.int32(inner)),
+        0, stream, dependent=False)
     return codes
 
 

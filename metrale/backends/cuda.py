@@ -9,7 +9,7 @@ decode steps are replayed from CUDA graphs (:mod:`metrale.runner.graphs`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -57,6 +57,8 @@ class CudaBackend(Backend):
     # ------------------------------------------------------------------------------ arrays
 
     def load_weight(self, checkpoint: Any, *parts: tuple) -> Any:
+        if self._quantizes_online(checkpoint, parts):
+            return self._online_fp8_weight(checkpoint, parts)
         quantized = checkpoint.quantized_parts(parts)
         if quantized is not None:
             return self.quantized_weight(quantized)
@@ -97,6 +99,45 @@ class CudaBackend(Backend):
                 f"{checkpoint.path}: {bad} NaN or infinite values in {' / '.join(repr(n) for n in names)}; "
                 "the checkpoint is corrupt"
             )
+
+    @staticmethod
+    def _quantizes_online(checkpoint: Any, parts: Sequence[tuple]) -> bool:
+        """Whether ``parts`` are bf16 matrices that ``quantization="fp8"`` quantizes at load: then
+        the device quantizes them (the host's conversion takes seconds a matrix of an 8B model)."""
+        weight_format = getattr(checkpoint, "weight_format", None)
+        return (getattr(weight_format, "online", False) and getattr(weight_format, "codes_format", None) == "fp8"
+                and all(checkpoint.is_quantized(part[0]) and checkpoint.info(part[0]).dtype == "BF16"
+                        for part in parts))
+
+    def _online_fp8_weight(self, checkpoint: Any, parts: Sequence[tuple]) -> Any:
+        """``parts`` stacked along the rows and quantized to FP8 on the device as
+        :func:`~metrale.kernels.quantized.quantize_fp8_per_channel` does on the host (the same codes
+        and scales): whole rows first, then a rank's columns taken, so a row's scale is the same on
+        every rank."""
+        from metrale.kernels import quantized_gemv
+        from metrale.kernels.quantized import QuantizedWeight
+
+        stacked, columns = [], None
+        for part in parts:
+            name, shape = part[0], part[1]
+            rows, columns = (tuple(part[2:]) + (None, None))[:2]
+            array = checkpoint.raw(name, shape)
+            stacked.append(array[rows if rows is not None else slice(None)])
+        host = stacked[0] if len(stacked) == 1 else np.concatenate(stacked)
+        xp = self.xp
+        with self.stream:
+            bits = xp.asarray(np.ascontiguousarray(host, dtype=np.uint16))
+            self._check_bf16_finite(bits, checkpoint, [part[0] for part in parts])
+            matrix = (bits.astype(np.uint32) << 16).view(np.float32)
+            codes = xp.empty(matrix.shape, dtype=np.uint8)
+            scales = xp.empty((matrix.shape[0],), dtype=np.float32)
+            quantized_gemv.quantize_matrix_fp8(matrix, codes, scales, self.stream)
+            del matrix, bits
+            if columns is not None:
+                codes = xp.ascontiguousarray(codes[:, columns])
+        shape = (int(codes.shape[0]), int(codes.shape[1]))
+        return QuantizedWeight("fp8", codes, scales.reshape(-1, 1), (1, shape[1]), shape, activations="fp8_token",
+                               source="online fp8")
 
     def quantized_weight(self, host: Any) -> Any:
         """A :class:`~metrale.kernels.quantized.QuantizedWeight` of host arrays with its arrays on the

@@ -113,3 +113,29 @@ def test_mla_refuses_an_fp8_kv_cache_on_the_gpu():
 
     with pytest.raises(UnsupportedQuantizationError, match="latent"):
         load("tiny-mla", "cuda", kv_cache_dtype="fp8")
+
+
+def test_online_fp8_is_quantized_on_the_device_as_on_the_host():
+    """The CUDA backend quantizes ``quantization="fp8"`` weights on the device: the same codes and
+    scales as the host's :func:`~metrale.kernels.quantized.quantize_fp8_per_channel`, fused parts
+    stacked along the rows, a rank's columns taken after the rows' scales."""
+    from metrale.backends.cuda import CudaBackend
+    from metrale.kernels.quantized import quantize_fp8_per_channel
+    from metrale.loading.checkpoint import Checkpoint
+
+    path = load("tiny-dense", "cpu").checkpoint.path
+    checkpoint = Checkpoint(path, quantization="fp8")
+    prefix = "model.layers.0.self_attn"
+    parts = [(f"{prefix}.{p}_proj.weight", checkpoint.info(f"{prefix}.{p}_proj.weight").shape) for p in "qkv"]
+    stacked = np.concatenate([checkpoint.stored_tensor(name) for name, _ in parts])
+    assert CudaBackend._quantizes_online(checkpoint, parts)  # the device's path, not the host's
+    backend = CudaBackend()
+    for columns in (None, slice(0, stacked.shape[1] // 2)):
+        got = backend.load_weight(checkpoint, *[(name, shape, None, columns) for name, shape in parts])
+        want = quantize_fp8_per_channel(stacked)
+        want_codes = want.codes if columns is None else want.codes[:, columns]
+        assert np.array_equal(backend.xp.asnumpy(got.codes), want_codes)
+        assert np.array_equal(backend.xp.asnumpy(got.scales), want.scales)
+        assert got.shape == want_codes.shape and got.block == (1, want_codes.shape[1])
+        assert got.activations == "fp8_token"
+    backend.close()

@@ -157,6 +157,8 @@ class OnlineFp8(WeightFormat):
 
     method = "fp8 (online)"
     online = True
+    #: The codes it writes (a backend may quantize on its device instead, to the same codes).
+    codes_format = "fp8"
 
     def holds(self, checkpoint: Any, name: str) -> bool:
         module = module_of(name)
