@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
+from pathlib import PurePath
 from typing import Any, Callable, Mapping
 
 from metrale.errors import ConfigError, UnknownOptionError, UnsupportedQuantizationError
@@ -200,7 +201,10 @@ class EngineConfig:
     ``expert_parallel`` spreading an MoE model's routed experts over the ranks instead of
     splitting each expert; ``quantization`` quantizes a full-precision checkpoint's linear layers
     at load (``"fp8"``, :mod:`metrale.loading.quantization`; a quantized checkpoint is read as
-    stored whatever it says). Every value is type-checked: ints only ints, the flags only True or False
+    stored whatever it says). ``revision`` (a branch, tag or commit) and ``download_dir`` (the
+    cache to use) apply when the model is a Hugging Face Hub id (:mod:`metrale.loading.hub`);
+    ``tokenizer`` takes the tokenizer and chat template from another checkpoint folder, embedded
+    model or Hub id (at ``tokenizer_revision``). Every value is type-checked: ints only ints, the flags only True or False
     (:class:`~metrale.errors.ConfigError` otherwise).
     """
 
@@ -220,6 +224,10 @@ class EngineConfig:
     expert_parallel: bool = False
     distributed_executor_backend: str = "mp"
     quantization: str | None = None
+    revision: str | None = None
+    download_dir: str | None = None
+    tokenizer: str | None = None
+    tokenizer_revision: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 
@@ -243,6 +251,12 @@ class EngineConfig:
                                                         error=ConfigError),
             "expert_parallel": lambda v: check_bool("expert_parallel", v, error=ConfigError),
         })
+        for name in ("revision", "download_dir", "tokenizer", "tokenizer_revision"):
+            value = getattr(self, name)
+            if isinstance(value, PurePath):
+                object.__setattr__(self, name, str(value))
+            elif value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{name} must be a non-empty string or None, got {value!r}")
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ConfigError(f"quantization must be a method name such as 'fp8' or None, got {self.quantization!r}")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:

@@ -160,3 +160,26 @@ class UnsupportedQuantizationError(QuantizationError, UnsupportedModelError):
     """A checkpoint's ``quantization_config`` (or a ``quantization=`` / ``kv_cache_dtype=`` option)
     names a method, number format or option the engine does not serve; the message names it and
     lists what is served. Such a checkpoint is refused, never loaded as if unquantized."""
+
+
+class HubError(CheckpointError):
+    """A Hugging Face Hub id could not be resolved to a checkpoint folder (the subclasses say why)."""
+
+
+class HubModelNotFoundError(HubError, LookupError):
+    """The Hub has no such model, or no such revision of it (a private model looks the same without
+    a token: ``HF_TOKEN``)."""
+
+
+class HubAccessError(HubError, PermissionError):
+    """The model is gated or private and the token given (``HF_TOKEN``, or none) may not read it."""
+
+
+class HubOfflineError(HubError, ConnectionError):
+    """The model is not in the local Hub cache and the Hub cannot be asked: offline mode
+    (``HF_HUB_OFFLINE=1``) or no connection."""
+
+
+class NoSafetensorsError(HubError):
+    """The model's weights are not stored as ``.safetensors`` (only ``.bin``, ``.pth`` or ``.gguf``
+    files, which the engine does not read)."""

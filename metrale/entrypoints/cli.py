@@ -33,7 +33,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="text to continue")
     parser.add_argument(
         "--model", default=DEFAULT_MODEL,
-        help=f"checkpoint folder or embedded model name (default: {DEFAULT_MODEL})",
+        help=f"checkpoint folder, embedded model name or Hugging Face Hub id (default: {DEFAULT_MODEL})",
     )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run (default: auto)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
@@ -48,10 +48,15 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
-    from metrale.entrypoints.server.main import add_kv_cache_dtype_argument, add_parallel_arguments
+    from metrale.entrypoints.server.main import (
+        add_kv_cache_dtype_argument,
+        add_model_source_arguments,
+        add_parallel_arguments,
+    )
 
     add_kv_cache_dtype_argument(parser)
     add_parallel_arguments(parser)
+    add_model_source_arguments(parser)
     parser.set_defaults(handler=_generate)
 
 
@@ -247,6 +252,9 @@ def _generate(args: argparse.Namespace) -> int:
         options["distributed_executor_backend"] = args.distributed_executor_backend
     if args.kv_cache_dtype is not None:
         options["kv_cache_dtype"] = args.kv_cache_dtype
+    for name in ("revision", "download_dir", "tokenizer", "tokenizer_revision"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     with LLM(args.model, device=args.device, show_progress=not args.no_progress,
              speculative_config=args.speculative_config, **options) as llm:
         if args.stream:

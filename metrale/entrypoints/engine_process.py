@@ -374,7 +374,8 @@ def _engine_process_main(fd: int) -> None:
         return
     try:
         conn.send(("ready", {
-            "path": str(llm.checkpoint.path), "vocab_size": llm.vocab_size, "max_model_len": llm.max_model_len,
+            "path": str(llm.checkpoint.path), "tokenizer_path": str(llm.tokenizer_path),
+            "vocab_size": llm.vocab_size, "max_model_len": llm.max_model_len,
             "eos_token_ids": list(llm.eos_token_ids), "max_num_seqs": llm.config.max_num_seqs,
             "device": llm.backend.name, "summary": engine_summary(llm),
         }))
@@ -528,7 +529,8 @@ class EngineProcess(AsyncEngineAPI):
         self.summary: dict[str, Any] = payload["summary"]
         #: The callers' side of the model: tokenizer, chat template, sampling defaults.
         self.llm = PromptFrontend(Checkpoint(Path(payload["path"])), vocab_size=payload["vocab_size"],
-                                  max_model_len=payload["max_model_len"], chat_template=chat_template)
+                                  max_model_len=payload["max_model_len"], chat_template=chat_template,
+                                  tokenizer_path=payload["tokenizer_path"])
         self.llm.eos_token_ids = list(payload["eos_token_ids"])
         self._lock = threading.Lock()
         self._active: dict[str, RemoteRequest] = {}

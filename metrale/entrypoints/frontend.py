@@ -45,18 +45,21 @@ class PromptFrontend:
     (a ``.jinja`` file or Jinja source) overrides the checkpoint's."""
 
     def __init__(self, checkpoint: Checkpoint, *, vocab_size: int, max_model_len: int,
-                 chat_template: str | Path | None = None) -> None:
+                 chat_template: str | Path | None = None, tokenizer_path: str | Path | None = None) -> None:
         from metrale.entrypoints.chat import ChatTemplate
+        from metrale.loading.checkpoint import load_tokenizer
 
         self.checkpoint = checkpoint
         self.vocab_size = int(vocab_size)
         self.max_model_len = int(max_model_len)
-        self.tokenizer = checkpoint.tokenizer()
+        #: The folder of the tokenizer and chat template (``tokenizer=``; the checkpoint's by default).
+        self.tokenizer_path = Path(tokenizer_path) if tokenizer_path is not None else checkpoint.path
+        self.tokenizer = load_tokenizer(self.tokenizer_path)
         #: The chat template (:class:`~metrale.entrypoints.chat.ChatTemplate`) that chat requests are rendered
         #: with: the ``chat_template`` option (a ``.jinja`` file or Jinja source), else the
         #: checkpoint's (``chat_template.jinja``, or ``tokenizer_config.json``'s
         #: ``chat_template``); None when there is none.
-        self.chat_template = ChatTemplate.from_checkpoint(checkpoint.path, chat_template)
+        self.chat_template = ChatTemplate.from_checkpoint(self.tokenizer_path, chat_template)
         self.eos_token_ids = checkpoint.eos_token_ids()
         self.bos_token_id = bos_token_id(checkpoint)
         #: The sampling defaults of the checkpoint's ``generation_config.json`` (see
@@ -77,7 +80,7 @@ class PromptFrontend:
         get a second one)."""
         text = check_text(text, "the text to encode")
         if self.tokenizer is None:
-            raise TokenizerMissingError(f"{self.checkpoint.path} has no tokenizer.json; pass token ids instead of {text!r}")
+            raise TokenizerMissingError(f"{self.tokenizer_path} has no tokenizer.json; pass token ids instead of {text!r}")
         ids = list(self.tokenizer.encode(text, add_special_tokens=check_bool("add_special_tokens", add_special_tokens)).ids)
         bos = self.bos_token_id
         if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
@@ -95,7 +98,7 @@ class PromptFrontend:
         if bad:
             raise TokenOutOfRangeError(f"token_ids holds token id {bad[0]}, outside [0, {self.vocab_size})")
         if self.tokenizer is None:
-            raise TokenizerMissingError(f"{self.checkpoint.path} has no tokenizer.json")
+            raise TokenizerMissingError(f"{self.tokenizer_path} has no tokenizer.json")
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ------------------------------------------------------------------------------- chat
@@ -119,7 +122,7 @@ class PromptFrontend:
         :meth:`apply_chat_template`)."""
         if self.chat_template is None:
             raise InvalidRequestError(
-                f"{self.checkpoint.path} has no chat template (tokenizer_config.json or chat_template.jinja); "
+                f"{self.tokenizer_path} has no chat template (tokenizer_config.json or chat_template.jinja); "
                 "pass chat_template= (a .jinja file or its source)")
         return self.chat_template.render(list(messages),
                                          add_generation_prompt=check_bool("add_generation_prompt", add_generation_prompt),
@@ -169,7 +172,7 @@ class PromptFrontend:
         own = copy.copy(params).with_defaults(self.sampling_defaults)
         own.check_for_model(self.vocab_size)
         if own.structured_output is not None and self.tokenizer is None:
-            raise TokenizerMissingError(f"{self.checkpoint.path} has no tokenizer.json: structured output needs one")
+            raise TokenizerMissingError(f"{self.tokenizer_path} has no tokenizer.json: structured output needs one")
         if own.stop and self.tokenizer is None:
             # Stop strings are looked for in the decoded text, which needs the tokenizer: they would never fire.
             raise TokenizerMissingError(f"stop={list(own.stop)!r}: {self.checkpoint.path} has no tokenizer.json, and stop "

@@ -51,7 +51,10 @@ class LLM(PromptFrontend):
     """A loaded model, ready to generate.
 
     ``model`` is a checkpoint folder (``config.json``, ``*.safetensors``, optionally
-    ``tokenizer.json``) or the name of an embedded checkpoint such as ``"tiny-dense"``.
+    ``tokenizer.json``), the name of an embedded checkpoint such as ``"tiny-dense"``, or a
+    Hugging Face Hub id such as ``"Qwen/Qwen3-8B"`` (from the Hub cache, downloaded when missing;
+    :mod:`metrale.loading.hub`; options ``revision``, ``download_dir``, and ``tokenizer`` /
+    ``tokenizer_revision`` for a tokenizer from elsewhere).
     ``device`` is ``"auto"`` (the GPU when a CUDA device and the ``gpu`` extra are usable, else
     the CPU), ``"cpu"`` or ``"cuda"`` (:class:`~metrale.errors.BackendUnavailableError` when no
     GPU can be used).
@@ -94,7 +97,15 @@ class LLM(PromptFrontend):
         if plugin_manager is not None and not isinstance(plugin_manager, pluggy.PluginManager):
             raise ConfigError(f"plugin_manager must be a pluggy PluginManager (get_plugin_manager()), got {plugin_manager!r}")
         self.plugin_manager = plugin_manager or get_plugin_manager(environment=environment)
-        self.checkpoint = Checkpoint(resolve_model_path(model), quantization=self.config.quantization)
+        config = self.config
+        self.checkpoint = Checkpoint(
+            resolve_model_path(model, revision=config.revision, download_dir=config.download_dir,
+                               show_progress=self.show_progress),
+            quantization=config.quantization)
+        # The folder the tokenizer and chat template come from (``tokenizer=``), None: the checkpoint's.
+        self._tokenizer_folder = None if config.tokenizer is None else resolve_model_path(
+            config.tokenizer, revision=config.tokenizer_revision, download_dir=config.download_dir,
+            show_progress=self.show_progress, tokenizer_only=True)
         self.family = resolve_family(self.plugin_manager, self.checkpoint.config)
         #: The model's other ranks (:class:`~metrale.backends.executor.RankExecutor`), None on one rank.
         self.ranks: RankExecutor | None = None
@@ -118,7 +129,8 @@ class LLM(PromptFrontend):
         with self.checkpoint.progress(f"loading {self.checkpoint.path.name}", self.show_progress):
             self.model = load_model(self.plugin_manager, self.family, self.checkpoint, self.backend, self.config)
         PromptFrontend.__init__(self, self.checkpoint, vocab_size=self.model.vocab_size,
-                                max_model_len=self.model.max_model_len, chat_template=chat_template)
+                                max_model_len=self.model.max_model_len, chat_template=chat_template,
+                                tokenizer_path=self._tokenizer_folder)
         self.forward = ModelForward(self.model, self.plugin_manager, environment)
         #: The LoRA adapter slots (:class:`~metrale.engine.lora_slots.LoraManager`), None without ``enable_lora``.
         self.lora: LoraManager | None = self._enable_lora() if self.config.enable_lora else None

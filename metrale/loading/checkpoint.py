@@ -494,12 +494,17 @@ class Checkpoint:
 
     def tokenizer(self) -> Any:
         """The ``tokenizers.Tokenizer`` of ``tokenizer.json``, or None when the folder has none."""
-        file = self.path / "tokenizer.json"
-        if not file.exists():
-            return None
-        from tokenizers import Tokenizer
+        return load_tokenizer(self.path)
 
-        try:
-            return Tokenizer.from_file(str(file))
-        except Exception as error:  # tokenizers raises a bare Exception on parse errors
-            raise CheckpointError(f"{file} cannot be loaded: {error}") from error
+
+def load_tokenizer(folder: str | Path) -> Any:
+    """The ``tokenizers.Tokenizer`` of ``folder/tokenizer.json``, or None when there is none."""
+    file = Path(folder) / "tokenizer.json"
+    if not file.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as error:  # tokenizers raises a bare Exception on parse errors
+        raise CheckpointError(f"{file} cannot be loaded: {error}") from error

@@ -8,7 +8,7 @@ from typing import Any
 
 from metrale.backends.devices import get_backend
 from metrale.config import EngineConfig, read_environment
-from metrale.errors import CheckpointError
+from metrale.errors import CheckpointError, ConfigError, HubModelNotFoundError, HubOfflineError
 from metrale.loading.checkpoint import Checkpoint
 from metrale.model.family import resolve_family
 from metrale.model.plugin_manager import get_plugin_manager
@@ -16,18 +16,42 @@ from metrale.models import embedded_model_path, embedded_models
 from metrale.ops import build_op_registry
 
 
-def resolve_model_path(model: str | Path) -> Path:
-    """A checkpoint folder: an existing path, or the name of an embedded checkpoint."""
+def resolve_model_path(model: str | Path, *, revision: str | None = None, download_dir: str | Path | None = None,
+                       show_progress: bool = True, tokenizer_only: bool = False) -> Path:
+    """A checkpoint folder: an existing path, the name of an embedded checkpoint, or a Hugging
+    Face Hub id (``ORG/NAME``) resolved from the cache or downloaded into it at ``revision``
+    (:mod:`metrale.loading.hub`; ``download_dir`` replaces the cache). ``tokenizer_only``: a
+    folder a tokenizer comes from (no weights needed). ``revision`` and ``download_dir`` apply to
+    Hub ids only (:class:`~metrale.errors.ConfigError` with a folder or an embedded name)."""
+    from metrale.loading import hub
+
     if not isinstance(model, (str, Path)) or not str(model):
-        raise CheckpointError(f"model must be a checkpoint folder or an embedded model name, got {model!r}")
+        raise CheckpointError(f"model must be a checkpoint folder, an embedded model name or a Hugging Face Hub id, "
+                              f"got {model!r}")
     path = Path(model).expanduser()
+    local = path.is_dir() or embedded_model_path(str(model)) is not None
+    if local and (revision is not None or download_dir is not None):
+        given = "revision" if revision is not None else "download_dir"
+        raise ConfigError(f"{given} applies to Hugging Face Hub ids only; {str(model)!r} is a local "
+                          f"{'folder' if path.is_dir() else 'embedded model'}")
     if path.is_dir():
         return path
     embedded = embedded_model_path(str(model))
     if embedded is not None:
         return embedded
-    reason = "is a file, not a checkpoint folder" if path.exists() else "is neither a checkpoint folder nor an embedded model"
-    raise CheckpointError(f"model {str(model)!r} {reason} (embedded: {', '.join(embedded_models()) or 'none'})")
+    if path.exists():
+        raise CheckpointError(f"model {str(model)!r} is a file, not a checkpoint folder")
+    if isinstance(model, str) and hub.looks_like_hub_id(model):
+        files = hub.TOKENIZER_FILES if tokenizer_only else hub.HUB_FILES
+        try:
+            return hub.download_model(model, revision=revision, download_dir=download_dir, show_progress=show_progress,
+                                      files=files, weights=not tokenizer_only)
+        except (HubModelNotFoundError, HubOfflineError) as error:
+            # (Perhaps a mistyped folder or embedded name rather than a Hub id.)
+            raise type(error)(f"{error}; nor is it a checkpoint folder or an embedded model "
+                              f"({', '.join(embedded_models()) or 'none'})") from None
+    raise CheckpointError(f"model {str(model)!r} is neither a checkpoint folder, an embedded model nor a Hugging Face "
+                          f"Hub id (embedded: {', '.join(embedded_models()) or 'none'})")
 
 
 def load_model(plugin_manager: Any, family: Any, checkpoint: Checkpoint, backend: Any, config: EngineConfig) -> Any:

@@ -69,6 +69,10 @@ _VALUE_OPTIONS = {
     "tensor_parallel_size": "tensor_parallel_size",
     "distributed_executor_backend": "distributed_executor_backend",
     "quantization": "quantization",
+    "revision": "revision",
+    "download_dir": "download_dir",
+    "tokenizer": "tokenizer",
+    "tokenizer_revision": "tokenizer_revision",
 }
 
 #: Engine switches (``--no-...``): flag -> :class:`~metrale.LLM` keyword set to False.
@@ -87,7 +91,8 @@ _ON_SWITCHES = {
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``metrale serve``'s arguments to ``parser`` (and return it)."""
     server = parser.add_argument_group("server")
-    parser.add_argument("model", metavar="MODEL", help="checkpoint folder or embedded model name (such as tiny-dense)")
+    parser.add_argument("model", metavar="MODEL",
+                        help="checkpoint folder, embedded model name (such as tiny-dense) or Hugging Face Hub id (ORG/NAME)")
     server.add_argument("--host", default=DEFAULT_HOST,
                         help=f"address to listen on (default: {DEFAULT_HOST}, this machine only; 0.0.0.0 for every interface)")
     server.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default: {DEFAULT_PORT})")
@@ -160,6 +165,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument("--max-lora-rank", type=int, default=None, metavar="N",
                         help="the largest adapter rank served (default: 16)")
     add_parallel_arguments(engine)
+    add_model_source_arguments(engine)
     return parser
 
 
@@ -169,6 +175,20 @@ def add_kv_cache_dtype_argument(group: Any) -> None:
                        help="how the cache stores keys, values and latents: auto, the model's dtype (float32 on the "
                        "CPU, bf16 on the GPU), or fp8 / fp8_e4m3, FP8 E4M3 with a scale per token and head, the "
                        "checkpoint's k_scale / v_scale where it has them (CPU only; default: auto)")
+
+
+def add_model_source_arguments(group: Any) -> None:
+    """Where a Hugging Face Hub model comes from (:mod:`metrale.loading.hub`), and a tokenizer from
+    elsewhere; shared with ``metrale generate``."""
+    group.add_argument("--revision", default=None, metavar="REV",
+                       help="branch, tag or commit of a Hub model (default: main)")
+    group.add_argument("--download-dir", default=None, metavar="DIR",
+                       help="the Hub cache to read and download into (default: HF_HUB_CACHE, else HF_HOME/hub)")
+    group.add_argument("--tokenizer", default=None, metavar="MODEL",
+                       help="take the tokenizer and chat template from this checkpoint folder, embedded model or Hub "
+                       "id (default: the model's)")
+    group.add_argument("--tokenizer-revision", default=None, metavar="REV",
+                       help="branch, tag or commit of a Hub --tokenizer (default: main)")
 
 
 def add_parallel_arguments(group: Any) -> None:
