@@ -94,6 +94,8 @@ class BenchOptions:
     output: Path | None = None
     #: Quantized formats timed beside bf16 (:data:`metrale.benchmarks.quantized.FORMATS`).
     quantization: tuple[str, ...] = ()
+    #: Also time the bf16 model with an FP8 KV cache (``kv_cache_dtype="fp8"``), beside the bf16 cache.
+    kv_cache_fp8: bool = False
 
 
 def _progress(total: int, description: str):
@@ -268,14 +270,17 @@ def state_bytes_per_sequence(shape: str) -> int:
     return 2 * per_layer * sum(_gdn_layers(s))
 
 
-def kv_bytes_per_token(shape: str) -> int:
+def kv_bytes_per_token(shape: str, fp8: bool = False) -> int:
+    """Cache bytes a token's keys and values take (bf16; with ``fp8``, a byte a value and a float32
+    scale a head, :mod:`metrale.kernels.kv_cache_fp8`)."""
     s = SHAPES[shape]
     if shape in MLA_SHAPES:
         return 2 * s["num_hidden_layers"] * (s["kv_lora_rank"] + s["qk_rope_head_dim"])
+    head = s["head_dim"] + 4 if fp8 else 2 * s["head_dim"]
     if shape in GDN_SHAPES:
         attention_layers = s["num_hidden_layers"] - sum(_gdn_layers(s))
-        return 2 * 2 * attention_layers * s["num_key_value_heads"] * s["head_dim"]
-    return 2 * 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * s["head_dim"]
+        return 2 * attention_layers * s["num_key_value_heads"] * head
+    return 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * head
 
 
 _START_PROBE = """
@@ -312,10 +317,10 @@ def start_times(folder: Path, cache_dir: Path) -> dict[str, float]:
 
 
 def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: float,
-                  quantization: str | None = None) -> dict[str, Any]:
+                  quantization: str | None = None, kv_cache_fp8: bool = False) -> dict[str, Any]:
     """Metrale's decode, prefill and load times on ``folder``; with ``quantization`` (a format of
     :data:`metrale.benchmarks.quantized.FORMATS`) the floor counts that format's bytes, and an online
-    format is asked for at load."""
+    format is asked for at load; with ``kv_cache_fp8`` the cache is FP8 and the floor counts its bytes."""
     import numpy as np
 
     from metrale.backends.cuda import CudaBackend
@@ -333,7 +338,7 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
 
     online = formats.FORMATS[quantization].online if quantization else None
     llm = LLM(folder, device="cuda", max_model_len=max_len, max_num_seqs=max_batch + 1, show_progress=True,
-              quantization=online)
+              quantization=online, kv_cache_dtype="fp8" if kv_cache_fp8 else "auto")
     backend = llm.backend
     assert isinstance(backend, CudaBackend)  # device="cuda" gives the CUDA backend or raises
     backend.synchronize()
@@ -364,7 +369,8 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
         weights_read = weight_bytes(shape, batch)
         if quantization:
             weights_read = formats.quantized_step_bytes(weights_read, embedding_bytes(shape), quantization)
-        bytes_read = weights_read + batch * context * kv_bytes_per_token(shape) + batch * state_bytes_per_sequence(shape)
+        bytes_read = (weights_read + batch * context * kv_bytes_per_token(shape, kv_cache_fp8)
+                      + batch * state_bytes_per_sequence(shape))
         floor = bytes_read / bandwidth
         result[f"decode_b{batch}"] = {
             "step_ms": seconds * 1e3,
@@ -519,7 +525,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
     options.workdir.mkdir(parents=True, exist_ok=True)
     hf_runs = [(label, compiled) for label, compiled in (("hf_eager", False), ("hf_compiled", True))
                if options.hf and (options.hf_compile or not compiled)]
-    stages = (len(options.shapes) * (2 + len(hf_runs) + len(options.quantization))
+    stages = (len(options.shapes) * (2 + len(hf_runs) + len(options.quantization) + int(options.kv_cache_fp8))
               + (1 if options.start_times and options.shapes else 0))
     with _progress(stages, "bench") as bar:
         for shape in options.shapes:
@@ -534,7 +540,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
                         entry[f"metrale_{name}"] = bench_quantized(shape, options, bandwidth, name)
                     except Exception as error:
                         entry[f"metrale_{name}_error"] = f"{type(error).__name__}: {error}"
-                bar.update(metrale_stages + len(hf_runs) + len(options.quantization))
+                bar.update(metrale_stages + len(hf_runs) + len(options.quantization) + int(options.kv_cache_fp8))
                 continue
             try:
                 bar.set_description(f"{shape}: writing the checkpoint")
@@ -561,6 +567,13 @@ def run(options: BenchOptions) -> dict[str, Any]:
                     entry[f"metrale_{name}"] = bench_quantized(shape, options, bandwidth, name)
                 except Exception as error:
                     entry[f"metrale_{name}_error"] = f"{type(error).__name__}: {error}"
+                bar.update()
+            if options.kv_cache_fp8:
+                bar.set_description(f"{shape}: Metrale, FP8 KV cache")
+                try:
+                    entry["metrale_kv_fp8"] = bench_fp8_cache(shape, options, bandwidth)
+                except Exception as error:
+                    entry["metrale_kv_fp8_error"] = f"{type(error).__name__}: {error}"
                 bar.update()
             for label, compiled in hf_runs:
                 bar.set_description(f"{shape}: transformers {'compiled' if compiled else 'eager'}")
@@ -602,6 +615,30 @@ def bench_quantized(shape: str, options: BenchOptions, bandwidth: float, name: s
     return result
 
 
+def bench_fp8_cache(shape: str, options: BenchOptions, bandwidth: float) -> dict[str, Any]:
+    """:func:`bench_metrale` on ``shape``'s bf16 checkpoint with an FP8 KV cache, the blocks its
+    memory holds against the bf16 cache's, and its accuracy against the bf16 cache (teacher-forced
+    logits over a prompt of ``options.context`` tokens)."""
+    import numpy as np
+
+    from metrale.benchmarks import quantized as formats
+    from metrale.entrypoints.llm import LLM
+
+    folder = options.workdir / shape
+    result = bench_metrale(shape, folder, options, bandwidth, kv_cache_fp8=True)
+    prompt = np.random.default_rng(7).integers(0, SHAPES[shape]["vocab_size"], options.context).tolist()
+    # A budget the blocks fill before max_num_seqs * max_model_len caps them (on the 8B shape at
+    # 8,192 tokens: 1,024 bf16 blocks of 16 tokens, about twice as many FP8 ones, under the cap of 4,104).
+    budget, limits = 2 << 30, {"max_model_len": options.context + 16, "max_num_seqs": 8}
+    with LLM(folder, device="cuda", show_progress=False, memory_bytes=budget, **limits) as reference:
+        reference_logits = reference.score(prompt)
+        bf16_blocks = reference.cache.num_blocks
+    with LLM(folder, device="cuda", show_progress=False, memory_bytes=budget, kv_cache_dtype="fp8", **limits) as fp8:
+        result["accuracy"] = formats.accuracy(reference_logits, fp8, prompt)
+        result["blocks_per_GiB_vs_bf16"] = fp8.cache.num_blocks / bf16_blocks
+    return result
+
+
 def table(results: dict[str, Any]) -> str:
     """The result as a plain-text table."""
     lines = [f"device: {results['device']}   copy bandwidth: {results['copy_bandwidth_TBps']:.2f} TB/s"]
@@ -610,6 +647,7 @@ def table(results: dict[str, Any]) -> str:
     for shape in results["options"]["shapes"]:
         entry = results.get(shape, {})
         engines = ["metrale"] + [f"metrale_{name}" for name in results["options"].get("quantization", ())]
+        engines += ["metrale_kv_fp8"] if results["options"].get("kv_cache_fp8") else []
         for engine in engines + ["hf_eager", "hf_compiled"]:
             data = entry.get(engine)
             if data is None:

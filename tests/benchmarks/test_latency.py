@@ -139,6 +139,9 @@ def test_hybrid_weight_and_state_accounting():
     state = 4 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3)
     assert bench.state_bytes_per_sequence("qwen3-next-small") == 2 * gdn_layers * state
     assert bench.kv_bytes_per_token("qwen3-next-small") == 2 * 2 * 3 * 2 * 256
+    # FP8: a byte a value and a float32 scale a token's head.
+    assert bench.kv_bytes_per_token("qwen3-next-small", fp8=True) == 2 * 3 * 2 * (256 + 4)
+    assert bench.kv_bytes_per_token("llama-8b", fp8=True) == 2 * 32 * 8 * (128 + 4)
     assert bench.state_bytes_per_sequence("llama-1b") == 0
 
 

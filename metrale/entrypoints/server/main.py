@@ -174,7 +174,7 @@ def add_kv_cache_dtype_argument(group: Any) -> None:
     group.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
                        help="how the cache stores keys, values and latents: auto, the model's dtype (float32 on the "
                        "CPU, bf16 on the GPU), or fp8 / fp8_e4m3, FP8 E4M3 with a scale per token and head, the "
-                       "checkpoint's k_scale / v_scale where it has them (CPU only; default: auto)")
+                       "checkpoint's k_scale / v_scale where it has them (on the GPU not for MLA's latents; default: auto)")
 
 
 def add_model_source_arguments(group: Any) -> None:
