@@ -295,3 +295,48 @@ def load_refused(path: Path, match: str, manager, *, peak_mb: float = 64, second
     assert peak < peak_mb * 2**20, f"{peak / 2**20:.0f} MB allocated before the refusal: {info.value}"
     assert elapsed < seconds, f"the refusal took {elapsed:.1f} s: {info.value}"
     return info.value
+
+
+# ----------------------------------------------------------------------- the MoE family
+# Tiny MoE checkpoints written by transformers: Qwen3-MoE (QK-norm, renormalised top-k, a dense
+# layer among the sparse ones), Qwen2-MoE (attention biases, the gated shared expert, sparse every
+# second layer) and Mixtral (its expert names, a sliding window shorter than the prompts).
+
+MOE_BASE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def moe_configs():
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    return {
+        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(
+            **MOE_BASE, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+            num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1])),
+        "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig(
+            **MOE_BASE, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=6, num_experts_per_tok=2, decoder_sparse_step=2, tie_word_embeddings=True)),
+        "mixtral": (MixtralForCausalLM, MixtralConfig(
+            **MOE_BASE, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+    }
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoints(tmp_path_factory):
+    from metrale.testing.hf import build_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("moe")
+    return {name: build_hf_checkpoint(cls, config, root / name, seed=40 + index)
+            for index, (name, (cls, config)) in enumerate(moe_configs().items())}
+
+
+@pytest.fixture(params=["qwen3_moe", "qwen2_moe", "mixtral"])
+def moe_checkpoint(request, moe_checkpoints):
+    return moe_checkpoints[request.param]

@@ -629,7 +629,8 @@ def bench_fp8_cache(shape: str, options: BenchOptions, bandwidth: float) -> dict
     prompt = np.random.default_rng(7).integers(0, SHAPES[shape]["vocab_size"], options.context).tolist()
     # A budget the blocks fill before max_num_seqs * max_model_len caps them (on the 8B shape at
     # 8,192 tokens: 1,024 bf16 blocks of 16 tokens, about twice as many FP8 ones, under the cap of 4,104).
-    budget, limits = 2 << 30, {"max_model_len": options.context + 16, "max_num_seqs": 8}
+    budget = 2 << 30
+    limits: dict[str, Any] = {"max_model_len": options.context + 16, "max_num_seqs": 8}
     with LLM(folder, device="cuda", show_progress=False, memory_bytes=budget, **limits) as reference:
         reference_logits = reference.score(prompt)
         bf16_blocks = reference.cache.num_blocks

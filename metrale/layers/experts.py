@@ -35,11 +35,19 @@ class StackedExperts:
     total: int | None = None
 
 
+#: The names of an expert's gate, up and down projections (``{prefix}.{e}.{name}.weight``).
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+#: Mixtral's names for them.
+MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
+
+
 def load_stacked_experts(
-    checkpoint: Checkpoint, backend: Any, prefix: str, count: int, hidden: int, width: int
+    checkpoint: Checkpoint, backend: Any, prefix: str, count: int, hidden: int, width: int,
+    names: tuple[str, str, str] = EXPERT_NAMES,
 ) -> StackedExperts:
-    """Read ``{prefix}.{e}.{gate,up,down}_proj`` for ``e < count`` into stacked weights (a rank's
-    part of them, :class:`StackedExperts`)."""
+    """Read ``{prefix}.{e}.{gate,up,down}_proj`` (or the gate, up and down ``names``) for ``e <
+    count`` into stacked weights (a rank's part of them, :class:`StackedExperts`)."""
+    gate_name, up_name, down_name = names
     shard = backend.shard
     if shard.sharded and shard.expert_parallel:
         held, part = shard.split(count, "n_routed_experts"), slice(None)
@@ -48,14 +56,67 @@ def load_stacked_experts(
     local = len(range(width)[part])
     gate_up = backend.load_weight(checkpoint, *[
         spec for e in range(held.start, held.stop) for spec in (
-            (f"{prefix}.{e}.gate_proj.weight", (width, hidden), part, None),
-            (f"{prefix}.{e}.up_proj.weight", (width, hidden), part, None))
+            (f"{prefix}.{e}.{gate_name}.weight", (width, hidden), part, None),
+            (f"{prefix}.{e}.{up_name}.weight", (width, hidden), part, None))
     ])
-    down = backend.load_weight(checkpoint, *[(f"{prefix}.{e}.down_proj.weight", (hidden, width), None, part)
+    down = backend.load_weight(checkpoint, *[(f"{prefix}.{e}.{down_name}.weight", (hidden, width), None, part)
                                              for e in range(held.start, held.stop)])
     views = [MlpWeights(gate_up=gate_up[2 * local * e : 2 * local * (e + 1)], down=down[hidden * e : hidden * (e + 1)])
              for e in range(held.stop - held.start)]
     return StackedExperts(gate_up, down, views, first=held.start, total=count)
+
+
+@dataclass
+class SoftmaxMoe:
+    """Softmax-routed experts, as Mixtral, Qwen2-MoE, Qwen3-MoE and Qwen3-Next have them: the
+    router ``gate [E, H]`` scores every expert, the ``top_k`` best are kept (their softmax
+    probabilities renormalised to sum to one when ``renormalise``), the chosen experts' SwiGLU
+    outputs are summed with those weights; then, where there is one, a shared expert is added,
+    through ``sigmoid(h . shared_gate)`` when it has a gate ``[1, H]`` (Qwen2-MoE, Qwen3-Next)."""
+
+    gate: Any
+    experts: StackedExperts
+    top_k: int
+    renormalise: bool
+    shared: MlpWeights | None = None
+    shared_gate: Any = None
+
+    @classmethod
+    def load(cls, checkpoint: Checkpoint, backend: Any, prefix: str, *, num_experts: int, hidden: int, width: int,
+             top_k: int, renormalise: bool, shared_width: int | None = None, shared_gate: bool = False,
+             expert_names: tuple[str, str, str] = EXPERT_NAMES) -> "SoftmaxMoe":
+        """The block at ``prefix``: ``gate``, ``experts.{e}`` (``expert_names``), and with
+        ``shared_width`` ``shared_expert`` (and with ``shared_gate`` ``shared_expert_gate``)."""
+        from metrale.layers.mlp import load_mlp_weights
+
+        return cls(
+            gate=backend.constant(checkpoint.tensor(f"{prefix}.gate.weight", (num_experts, hidden))),
+            experts=load_stacked_experts(checkpoint, backend, f"{prefix}.experts", num_experts, hidden, width,
+                                         names=expert_names),
+            top_k=top_k,
+            renormalise=renormalise,
+            shared=(load_mlp_weights(checkpoint, backend, f"{prefix}.shared_expert", hidden, shared_width)
+                    if shared_width else None),
+            shared_gate=(backend.load_weight(checkpoint, (f"{prefix}.shared_expert_gate.weight", (1, hidden)))
+                         if shared_width and shared_gate else None),
+        )
+
+    def route(self, backend: Any, h: Any) -> tuple[Any, Any]:
+        """Top-k experts ``[N, k]`` and their weights: softmax over the router logits, renormalised
+        as ``renormalise`` says, no scaling or group limit."""
+        return backend.ops.moe_route(h, self.gate, None, "greedy", 1, 1, self.top_k, self.renormalise, 1.0)
+
+    def forward(self, backend: Any, h: Any, chosen: Any, weights: Any, batch: Any = None) -> Any:
+        """The chosen experts' weighted outputs plus the shared expert's (through its gate), with
+        each row's adapter update of the shared expert when ``batch`` has adapter rows."""
+        out = routed_experts(backend, self.experts, h, chosen, weights)
+        if self.shared is None:
+            return out
+        shared = swiglu_mlp(backend, self.shared, h, batch)
+        if self.shared_gate is None:
+            return out + shared
+        # routed + shared expert * sigmoid(h . shared_gate), one gate per row.
+        return backend.ops.gated_add(out, shared, backend.ops.linear(h, self.shared_gate))
 
 
 def routed_experts(backend: Any, experts: StackedExperts, h: Any, chosen: Any, weights: Any) -> Any:

@@ -31,6 +31,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str, str], ...] = (
     ("dense", "metrale.plugins.dense.plugin", "plugin"),
     ("mla", "metrale.plugins.mla.plugin", "plugin"),
     ("gdn", "metrale.plugins.gdn.plugin", "plugin"),
+    ("moe", "metrale.plugins.moe.plugin", "plugin"),
     ("stages", "metrale.plugins.stages", ""),
     ("ngram", "metrale.plugins.ngram", ""),
     ("mtp", "metrale.plugins.mtp", ""),

@@ -25,7 +25,7 @@ from metrale.batch import ForwardBatch
 from metrale.cache.spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
 from metrale.errors import CacheError, ConfigError, NonFiniteStateError
 from metrale.layers.attention import load_kv_cache_scales
-from metrale.layers.experts import StackedExperts, load_stacked_experts, routed_experts
+from metrale.layers.experts import SoftmaxMoe
 from metrale.layers.loading import DecoderEnds, load_stacked
 from metrale.layers.lora import ends_lora, linear_with_lora, mlp_lora, new_stack, normed_projection
 from metrale.layers.lora_stacks import LoraLayout
@@ -284,44 +284,17 @@ class RowStates:
     layers: list[tuple[Any, Any, Any]]
 
 
-@dataclass
-class SparseMoe:
-    """Qwen3-Next's MoE: softmax router ``gate [E, H]``, routed experts, the shared expert and its
-    gate ``[1, H]`` (a weight of a matrix product)."""
-
-    config: GdnConfig
-    gate: Any
-    experts: StackedExperts
-    shared: MlpWeights
-    shared_gate: Any
+class SparseMoe(SoftmaxMoe):
+    """Qwen3-Next's MoE (:ref:`families-gdn-moe`): the softmax-routed experts of
+    :class:`~metrale.layers.experts.SoftmaxMoe` with the shared expert and its gate."""
 
     @classmethod
-    def load(cls, checkpoint: Checkpoint, backend: Any, prefix: str, config: GdnConfig) -> "SparseMoe":
+    def load_layer(cls, checkpoint: Checkpoint, backend: Any, prefix: str, config: GdnConfig) -> "SparseMoe":
         c = config
-        hidden = c.hidden_size
-        return cls(
-            config=c,
-            gate=backend.constant(checkpoint.tensor(f"{prefix}.gate.weight", (c.num_experts, hidden))),
-            experts=load_stacked_experts(checkpoint, backend, f"{prefix}.experts", c.num_experts, hidden,
-                                         c.moe_intermediate_size),
-            shared=load_mlp_weights(checkpoint, backend, f"{prefix}.shared_expert", hidden,
-                                    c.shared_expert_intermediate_size),
-            shared_gate=backend.load_weight(checkpoint, (f"{prefix}.shared_expert_gate.weight", (1, hidden))),
-        )
-
-    def route(self, backend: Any, h: Any) -> tuple[Any, Any]:
-        """Top-k experts ``[N, k]`` and weights: softmax over the router logits, renormalised as
-        ``norm_topk_prob`` says, no scaling or group limit (:ref:`families-gdn-moe`)."""
-        c = self.config
-        return backend.ops.moe_route(h, self.gate, None, "greedy", 1, 1, c.num_experts_per_tok, c.norm_topk_prob, 1.0)
-
-    def forward(self, backend: Any, h: Any, chosen: Any, weights: Any, batch: ForwardBatch | None = None) -> Any:
-        """The chosen experts' weighted outputs plus the shared expert's, through its gate (with
-        each row's adapter update of the shared expert when ``batch`` has adapter rows)."""
-        ops = backend.ops
-        out = routed_experts(backend, self.experts, h, chosen, weights)
-        # routed + shared expert * sigmoid(h . shared_gate), one gate per row.
-        return ops.gated_add(out, swiglu_mlp(backend, self.shared, h, batch), ops.linear(h, self.shared_gate))
+        moe = SoftmaxMoe.load(checkpoint, backend, prefix, num_experts=c.num_experts, hidden=c.hidden_size,
+                              width=c.moe_intermediate_size, top_k=c.num_experts_per_tok, renormalise=c.norm_topk_prob,
+                              shared_width=c.shared_expert_intermediate_size, shared_gate=True)
+        return cls(**vars(moe))
 
 
 @dataclass
@@ -343,7 +316,7 @@ class GdnLayer:
             post_norm=backend.load_weight(checkpoint, (f"{prefix}.post_attention_layernorm.weight", vector)),
             mixer=(GatedAttention.load(checkpoint, backend, f"{prefix}.self_attn", c) if attention
                    else GatedDeltaNet.load(checkpoint, backend, f"{prefix}.linear_attn", c)),
-            feed_forward=(SparseMoe.load(checkpoint, backend, f"{prefix}.mlp", c) if moe
+            feed_forward=(SparseMoe.load_layer(checkpoint, backend, f"{prefix}.mlp", c) if moe
                           else load_mlp_weights(checkpoint, backend, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)),
         )
 
