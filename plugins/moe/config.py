@@ -39,6 +39,8 @@ class MoeConfig:
     shared_expert_intermediate_size: int | None
     decoder_sparse_step: int
     mlp_only_layers: tuple[int, ...]
+    #: The field ``num_experts`` was read from (``num_local_experts`` for Mixtral and where given).
+    experts_field: str = "num_experts"
 
     @property
     def max_position_embeddings(self) -> int:
@@ -90,7 +92,7 @@ class MoeConfig:
             dense_layers = tuple(fields.integers("mlp_only_layers", ()))
         return cls(model_type=model_type, attention=attention, num_experts=num_experts, top_k=top_k,
                    moe_intermediate_size=width, norm_topk_prob=renormalise, shared_expert_intermediate_size=shared,
-                   decoder_sparse_step=step, mlp_only_layers=dense_layers)
+                   decoder_sparse_step=step, mlp_only_layers=dense_layers, experts_field=experts_field)
 
     def check_tensors(self, checkpoint: Checkpoint) -> None:
         """Raise :class:`~metrale.errors.CheckpointError` unless the layer count, the embeddings, the
@@ -107,11 +109,11 @@ class MoeConfig:
         sparse = [i for i in range(c.num_layers) if self.sparse(i)]
         if sparse:
             prefix = f"model.layers.{sparse[0]}.{self.moe_prefix}"
-            experts = f"num_experts={self.num_experts} hidden_size={hidden}"
+            experts = f"{self.experts_field}={self.num_experts} hidden_size={hidden}"
             checkpoint.expect_shape(f"{prefix}.gate.weight", (self.num_experts, hidden), because=experts)
             gate_name = self.expert_names[0]
             checkpoint.expect_shape(f"{prefix}.experts.0.{gate_name}.weight", (self.moe_intermediate_size, hidden),
                                     because=f"moe_intermediate_size={self.moe_intermediate_size} hidden_size={hidden}")
             if not checkpoint.has(f"{prefix}.experts.{self.num_experts - 1}.{gate_name}.weight"):
                 raise CheckpointError(f"{checkpoint.path}: {prefix} lacks expert {self.num_experts - 1} "
-                                      f"(num_experts={self.num_experts})")
+                                      f"({self.experts_field}={self.num_experts})")
