@@ -172,7 +172,14 @@ class MlaConfig:
         heads, r, d_n, d_r, d_v = c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         checkpoint.expect_count(c.num_layers, "model.layers.", because=f"num_hidden_layers={c.num_layers}",
                                 extra_ok=True)
-        # Layers past num_hidden_layers must be multi-token-prediction modules (which have eh_proj).
+        # Layers past num_hidden_layers must be multi-token-prediction modules (which have eh_proj),
+        # and a decoder layer must not be one.
+        for index in range(min(c.num_layers, max(checkpoint.layer_indices("model.layers."), default=-1) + 1)):
+            if checkpoint.has(f"model.layers.{index}.eh_proj.weight"):
+                raise CheckpointError(
+                    f"{checkpoint.path}: config.json's num_hidden_layers={c.num_layers} counts model.layers.{index} as a "
+                    "decoder layer, but it holds a multi-token-prediction module (eh_proj.weight)"
+                )
         for index in checkpoint.layer_indices("model.layers."):
             if index >= c.num_layers and (index >= c.num_layers + c.num_mtp_layers
                                           or not checkpoint.has(f"model.layers.{index}.eh_proj.weight")):

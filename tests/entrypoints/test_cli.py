@@ -45,6 +45,17 @@ def test_speculative_generation_prints_the_same_text(capsys):
     assert capsys.readouterr().out == plain
 
 
+@pytest.mark.parametrize("model", ["tiny-mla", "tiny-gdn"])
+def test_mtp_speculation_works_on_the_shipped_models(capsys, model):
+    """Their MTP modules ship with them: the command the docs give prints the greedy text."""
+    command = ["generate", "--model", model, "--max-tokens", "16", "--temperature", "0", "--no-progress", "Return the"]
+    assert main(command) == 0
+    plain = capsys.readouterr().out
+    assert main([*command[:3], "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}',
+                 *command[3:]]) == 0
+    assert capsys.readouterr().out == plain
+
+
 @pytest.mark.parametrize("value, message", [("nope", "'nope' is not JSON"), ("[3]", "is not a JSON object")])
 def test_a_speculative_config_that_is_not_a_json_object_is_a_usage_error(capsys, value, message):
     with pytest.raises(SystemExit):

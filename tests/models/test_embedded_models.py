@@ -71,7 +71,7 @@ def test_every_model_is_shipped_and_small():
         for file in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "README.md"):
             assert (folder / file).is_file(), f"{name} lacks {file}"
         size = sum(f.stat().st_size for f in folder.iterdir())
-        assert size <= 3_000_000, f"{name} takes {size} bytes"
+        assert size <= 4_000_000, f"{name} takes {size} bytes"  # (tiny-mla and tiny-gdn with their MTP modules)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -113,3 +113,18 @@ def test_a_sequence_keeps_a_bounded_number_of_states(mla_mtp_checkpoint, monkeyp
         seq.tokens.append(5)
         drafts.append(llm.model.mtp_rows.propose([seq], [3])[0])
     assert drafts[0] == drafts[1] and len(drafts[0]) == 3
+
+
+@pytest.mark.parametrize("name", ["tiny-mla", "tiny-gdn"])
+def test_the_shipped_models_carry_a_trained_mtp_module(name):
+    """``speculative_config={"method": "mtp", ...}`` works on the embedded models as installed: the
+    same greedy tokens as without speculation, and the trained module's drafts are kept often."""
+    prompts = ["def read(path):\n    with open(", "import os\nimport sys\n\n", "class Reader:\n    def __init__(self"]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    plain = LLM(name, device="cpu", show_progress=False).generate(prompts, params)
+    llm = LLM(name, device="cpu", show_progress=False, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert llm.model.mtp is not None
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    drafted = sum(o.num_draft_tokens for o in outputs)
+    assert drafted > 0 and sum(o.num_accepted_tokens for o in outputs) >= 0.15 * drafted

@@ -3,8 +3,8 @@ the field and the value, before anything sized by the config is allocated.
 
 Each case edits the config.json of a copy of the embedded ``tiny-mla`` (DeepSeek-V3: 3 layers,
 layer 0 dense and layers 1-2 MoE; hidden 128, 4 heads, q LoRA 64, latent 32, nope / rope / v head
-dims 32 / 16 / 32, 8 experts in 4 groups, top-2, expert width 64, one shared expert; one MTP layer
-declared but not stored).
+dims 32 / 16 / 32, 8 experts in 4 groups, top-2, expert width 64, one shared expert; one MTP
+layer).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def test_the_unedited_copy_loads(tmp_path, warm_plugin_manager):
     """The control of every test below: copying the checkpoint breaks nothing."""
     llm = metrale.LLM(edited_copy("tiny-mla", tmp_path / "copy"), device="cpu", show_progress=False,
                       plugin_manager=warm_plugin_manager)
-    assert llm.vocab_size == 3072 and llm.model.mtp is None
+    assert llm.vocab_size == 3072 and llm.model.mtp is not None
 
 
 @pytest.mark.parametrize(
@@ -40,8 +40,11 @@ def test_huge_dimension_is_refused_before_any_allocation(tmp_path, warm_plugin_m
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"num_hidden_layers": 4},
-         r"num_hidden_layers=4, but the checkpoint has model\.layers\.\{i\}\.\* tensors for i = 0\.\.2"),
+        ({"num_hidden_layers": 5},
+         r"num_hidden_layers=5, but the checkpoint has model\.layers\.\{i\}\.\* tensors for i = 0\.\.3"),
+        # Layer 3 is the multi-token-prediction module: not read as a decoder layer.
+        ({"num_hidden_layers": 4}, r"num_hidden_layers=4 counts model\.layers\.3 as a decoder layer, but it holds a "
+                                   r"multi-token-prediction module"),
         # Layer 2 is a decoder layer, not an MTP module (those have eh_proj): not silently dropped.
         ({"num_hidden_layers": 2}, r"num_hidden_layers=2 num_nextn_predict_layers=1 leave model\.layers\.2 neither"),
         ({"kv_lora_rank": 16},
