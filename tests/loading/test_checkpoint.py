@@ -594,13 +594,13 @@ def test_eos_token_id_that_is_not_a_token_id_is_refused(tmp_path, file, value, s
 
 def test_layer_indices_and_the_expect_helpers_read_names_and_headers_only():
     checkpoint = Checkpoint(metrale.models.embedded_model_path("tiny-mla"))
-    assert checkpoint.layer_indices() == [0, 1, 2]
+    assert checkpoint.layer_indices() == [0, 1, 2, 3]  # three decoder layers and the MTP module's
     assert checkpoint.layer_indices("model.layers.1.mlp.experts.") == list(range(8))
     assert checkpoint.layer_indices("model.layers.0.mlp.experts.") == []
-    checkpoint.expect_count(3, "model.layers.", because="num_hidden_layers=3")
-    checkpoint.expect_count(2, "model.layers.", because="num_hidden_layers=2", extra_ok=True)
-    for count, extra_ok in ((2, False), (4, True), (10**12, False)):
-        with pytest.raises(CheckpointError, match=rf"num_hidden_layers={count}, but .* for i = 0\.\.2 \(3\)"):
+    checkpoint.expect_count(4, "model.layers.", because="num_hidden_layers=4")
+    checkpoint.expect_count(3, "model.layers.", because="num_hidden_layers=3", extra_ok=True)
+    for count, extra_ok in ((3, False), (5, True), (10**12, False)):
+        with pytest.raises(CheckpointError, match=rf"num_hidden_layers={count}, but .* for i = 0\.\.3 \(4\)"):
             checkpoint.expect_count(count, "model.layers.", because=f"num_hidden_layers={count}", extra_ok=extra_ok)
     name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
     checkpoint.expect_shape(name, (48, 128), because="kv_lora_rank=32 qk_rope_head_dim=16 hidden_size=128")
