@@ -340,3 +340,43 @@ def moe_checkpoints(tmp_path_factory):
 @pytest.fixture(params=["qwen3_moe", "qwen2_moe", "mixtral"])
 def moe_checkpoint(request, moe_checkpoints):
     return moe_checkpoints[request.param]
+
+
+# Tiny random-weight Gemma-2 and Gemma-3 checkpoints written by transformers (float32, zero-centred
+# norms as Gemma stores them): prompts of 40 tokens pass their 8-token sliding windows, and the
+# soft caps are small enough to bend the random logits.
+GEMMA_BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, sliding_window=8,
+                  query_pre_attn_scalar=24)
+
+
+def gemma_configs():
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+    return {
+        "gemma2": (Gemma2ForCausalLM, Gemma2Config(
+            **GEMMA_BASE, num_hidden_layers=4, attn_logit_softcapping=3.0, final_logit_softcapping=5.0)),
+        "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(
+            **GEMMA_BASE, num_hidden_layers=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    }
+
+
+def build_gemma(name, folder, seed, dtype=None):
+    from metrale.testing.hf import build_hf_checkpoint
+
+    cls, config = gemma_configs()[name]
+    return build_hf_checkpoint(cls, config, folder, seed=seed, dtype=dtype, zero_centred_norms=True)
+
+
+@pytest.fixture(scope="session")
+def gemma_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma")
+    return {name: build_gemma(name, root / name, seed=60 + index) for index, name in enumerate(gemma_configs())}
+
+
+@pytest.fixture(params=["gemma2", "gemma3"])
+def gemma_checkpoint(request, gemma_checkpoints):
+    return gemma_checkpoints[request.param]

@@ -182,3 +182,18 @@ def check_against_cpu_where_routing_agrees(path, ids, what, calibrate=False, sou
     else:
         assert typical <= 2e-2 and error <= 5e-2, f"{what}: relative error {typical:.3g} / {error:.3g}"
     assert counted.sum() >= 0.5 * len(ids) and agreement >= 0.99, f"{what}: top-1 agreement {agreement:.4f}"
+
+
+def check_calibrated_against_cpu(path, ids, what, **options):
+    """The cuda backend's logits against the cpu backend's, per position the largest error relative
+    to the largest logit, held to what bf16 costs transformers' own run of the same checkpoint
+    (:func:`check_calibrated`); top-1 agreement where the cpu's top-2 margin is clear."""
+    cpu = load(path, "cpu", **options).score(ids)
+    gpu = load(path, "cuda", **options).score(ids)
+    scale = np.abs(cpu).max()
+    rows = np.abs(gpu - cpu).max(axis=1) / scale
+    check_calibrated(rows, transformers_bf16_rows(path, ids, cpu), what)
+    top2 = np.sort(cpu, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 2e-2 * scale
+    agreement = float((gpu.argmax(-1) == cpu.argmax(-1))[clear].mean())
+    assert clear.sum() >= 0.5 * len(ids) and agreement >= 0.99, f"{what}: top-1 agreement {agreement:.4f}"

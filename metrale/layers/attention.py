@@ -27,7 +27,9 @@ class AttentionGeometry:
     softmax (Gemma-2's ``attn_logit_softcapping``; None: off); with ``sinks`` each query head has a
     learned sink logit (``{prefix}.sinks``, GPT-OSS) in its softmax's denominator, never attended.
     Both reach the ``paged_attention`` op (:mod:`metrale.ops`), so a family with them needs no
-    attention of its own."""
+    attention of its own. ``query_scale`` replaces the logits' ``head_dim ** -0.5`` (Gemma's
+    ``query_pre_attn_scalar ** -0.5``); ``norm_offset`` is added to the q/k norm weights (1.0 for a
+    zero-centred norm, Gemma-3's ``x * (1 + w)``)."""
 
     hidden_size: int
     num_heads: int
@@ -40,6 +42,8 @@ class AttentionGeometry:
     rotary_dim: int | None = None
     softcap: float | None = None
     sinks: bool = False
+    query_scale: float | None = None
+    norm_offset: float = 0.0
 
     def __post_init__(self) -> None:
         if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, numbers.Real)
@@ -47,10 +51,15 @@ class AttentionGeometry:
             raise ConfigError(f"attention softcap must be a positive number or None, got {self.softcap!r}")
         if not isinstance(self.sinks, bool):
             raise ConfigError(f"attention sinks must be True or False, got {self.sinks!r}")
+        if self.query_scale is not None and (isinstance(self.query_scale, bool)
+                                             or not isinstance(self.query_scale, numbers.Real)
+                                             or not 0 < self.query_scale < float("inf")):
+            raise ConfigError(f"attention query_scale must be a positive number or None, got {self.query_scale!r}")
 
     @property
     def scale(self) -> float:
-        return self.head_dim**-0.5
+        """The factor of the attention logits ``q . k``."""
+        return float(self.query_scale) if self.query_scale is not None else self.head_dim**-0.5
 
 
 @dataclass
@@ -191,7 +200,9 @@ def attention_from_qkv(
     """The rest of :func:`attention_block` after the qkv projection: RoPE and the cache write,
     attention, the output projection."""
     ops, g = backend.ops, geometry
-    partial = {} if g.rotary_dim is None else {"rotary_dim": g.rotary_dim}
+    partial: dict[str, Any] = {} if g.rotary_dim is None else {"rotary_dim": g.rotary_dim}
+    if g.norm_offset:
+        partial["norm_offset"] = g.norm_offset
     q = ops.qkv_rope_cache(
         qkv, batch.positions, batch.slot_mapping, g.inv_freq, g.attention_factor, g.num_heads, g.num_kv_heads,
         g.head_dim, cache_layer.k, cache_layer.v, weights.q_norm, weights.k_norm, g.norm_eps, **partial,

@@ -95,3 +95,17 @@ def normed_swiglu_mlp(backend: Any, weights: MlpWeights, x: Any, residual: Any, 
     out, summed = backend.ops.rmsnorm_mlp(x, residual, norm_weight, eps, norm_offset, weights.gate_up, weights.down,
                                           weights.gate_up_bias, weights.down_bias)
     return backend.all_reduce(out), summed
+
+
+def geglu_mlp(backend: Any, weights: MlpWeights, h: Any, approximate: str, batch: ForwardBatch | None = None) -> Any:
+    """``down(gelu(gate(h)) * up(h))`` for ``h [N, H]`` (GeGLU; ``approximate`` ``"tanh"`` or
+    ``"none"``, torch's forms of GELU), with each row's adapter update when ``batch`` has adapter
+    rows; on a rank of a tensor-parallel group summed over the ranks."""
+    ops = backend.ops
+    if batch is not None and lora_active(batch, weights.lora_gate_up, weights.lora_down):
+        gate_up = linear_with_lora(backend, h, weights.gate_up, weights.gate_up_bias, weights.lora_gate_up, batch)
+        act = ops.gelu_and_mul(gate_up, approximate)
+        return backend.all_reduce(linear_with_lora(backend, act, weights.down, weights.down_bias, weights.lora_down,
+                                                   batch))
+    act = ops.gelu_and_mul(ops.linear(h, weights.gate_up, weights.gate_up_bias), approximate)
+    return backend.all_reduce(ops.linear(act, weights.down, weights.down_bias))
