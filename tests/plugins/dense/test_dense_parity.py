@@ -104,3 +104,32 @@ def test_transformers_4_style_rope_config(dense_checkpoints, tmp_path):
     ids = random_ids(40, 9)
     expected = hf_reference_logits(dense_checkpoints["llama"], ids)
     assert max_relative_error(load(old).score(ids), expected) <= TOLERANCE
+
+
+def test_llama3_rope_scaling_holds_far_past_the_original_context(tmp_path):
+    """Llama-3's RoPE scaling on a prompt sixteen times its original context (1,024 tokens against
+    64): the logits of every position, the cached prompt continued by decode steps, and greedy
+    tokens equal transformers'; the same model with unscaled RoPE differs there (so the scaling is
+    what is checked)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    scaling = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config = LlamaConfig(**{**BASE, "max_position_embeddings": 2048}, num_key_value_heads=2, rope_parameters=scaling)
+    path = build_hf_checkpoint(LlamaForCausalLM, config, tmp_path / "llama3-long", seed=23)
+    ids = random_ids(1024, 12)
+    llm = load(path, max_model_len=1100, block_size=16)
+    scored = llm.score(ids)
+    assert max_relative_error(scored, hf_reference_logits(path, ids)) <= TOLERANCE
+    seq = SequenceState.from_prompt(ids[:1000])
+    rows = [llm.forward.prefill(ids[:1000], seq)[0]] + [llm.forward.decode(t, seq)[0] for t in ids[1000:]]
+    assert max_relative_error(np.stack(rows), scored[999:]) <= 1e-5
+    llm.cache.release(seq)
+    greedy = llm.generate(ids[:900], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert greedy[0].token_ids == hf_greedy(path, ids[:900], 16)
+    unscaled = tmp_path / "unscaled"
+    shutil.copytree(path, unscaled)
+    data = json.loads((unscaled / "config.json").read_text())
+    data["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5}
+    (unscaled / "config.json").write_text(json.dumps(data))
+    assert max_relative_error(load(unscaled, max_model_len=1100).score(ids)[64:], scored[64:]) > 1e-3
