@@ -213,11 +213,23 @@ class MtpDrafter:
         up to its position."""
         model = self.model
         backend = model.backend
+        # The other ranks of a tensor-parallel group run the module too (its collectives meet).
+        ranks = getattr(getattr(model, "runner", None), "ranks", None)
         with backend.activate():
-            batch = backend.prepare_batch(as_decode_rows(ForwardBatch.build(segments, model.cache.block_size)))
+            built = ForwardBatch.build(segments, model.cache.block_size)
+            batch = backend.prepare_batch(as_decode_rows(built))
             if getattr(hidden, "dtype", None) != np.float32:
                 hidden = backend.ops.to_float32(hidden)
-            return model.mtp_forward(batch, hidden)
+            if ranks is None:
+                return model.mtp_forward(batch, hidden)
+            ranks.drafter_forward(built, backend.to_numpy(hidden))
+            try:
+                result = model.mtp_forward(batch, hidden)
+            except BaseException as error:
+                ranks.abandon(error)
+                raise
+            ranks.finish(backend)
+            return result
 
 
 def mtp_drafter(config: Any, model: Any) -> MtpDrafter:

@@ -380,3 +380,42 @@ def gemma_checkpoints(tmp_path_factory):
 @pytest.fixture(params=["gemma2", "gemma3"])
 def gemma_checkpoint(request, gemma_checkpoints):
     return gemma_checkpoints[request.param]
+
+
+# ----------------------------------------------------------------------- the GPT-OSS family
+# Tiny random-weight GPT-OSS checkpoints written by transformers (float32; sinks and expert biases
+# perturbed like every weight): "gpt_oss" alternates 8-token sliding windows with full layers,
+# runs YaRN (truncate false, as the released config) past a 16-token original context, and clamps
+# its SwiGLU at 0.75, where these weights reach past the clamps; "gpt_oss_mqa" has one key/value
+# head, top-1 routing, plain RoPE and layer_types of its own.
+GPT_OSS_BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                    head_dim=16, num_local_experts=4, max_position_embeddings=256, sliding_window=8)
+
+
+def gpt_oss_configs():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    yarn = {"rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 16, "rope_theta": 150000.0}
+    return {
+        "gpt_oss": (GptOssForCausalLM, GptOssConfig(
+            **GPT_OSS_BASE, num_key_value_heads=2, num_experts_per_tok=2, swiglu_limit=0.75, rope_parameters=yarn)),
+        "gpt_oss_mqa": (GptOssForCausalLM, GptOssConfig(
+            **GPT_OSS_BASE, num_key_value_heads=1, num_experts_per_tok=1, swiglu_limit=1.0,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    }
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_checkpoints(tmp_path_factory):
+    from metrale.testing.hf import build_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("gpt-oss")
+    return {name: build_hf_checkpoint(cls, config, root / name, seed=80 + index)
+            for index, (name, (cls, config)) in enumerate(gpt_oss_configs().items())}
+
+
+@pytest.fixture(params=["gpt_oss", "gpt_oss_mqa"])
+def gpt_oss_checkpoint(request, gpt_oss_checkpoints):
+    return gpt_oss_checkpoints[request.param]

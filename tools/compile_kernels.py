@@ -44,6 +44,7 @@ def kernels():
         layernorm,
         logits_process,
         moe,
+        moe_clamped,
         qkv_rope,
         rmsnorm,
         sampling,
@@ -104,6 +105,14 @@ def kernels():
         "router_logits": (moe.router_logits_kernel, (c(u64, 2), c(f32, 2), c(f32, 2))),
         "moe_gate_up": (moe.moe_gate_up_kernel, (c(u64, 2), c(u64, 2), c(i32, 2), c(u16, 2))),
         "moe_down": (moe.moe_down_kernel, (c(u64, 2), c(u64, 2), c(i32, 2), c(f32, 2), c(f32, 2))),
+        "moe_clamped_gate_up": (moe_clamped.clamped_gate_up_kernel, (
+            c(u64, 2), c(u64, 2), c(f32, 1), types.boolean, c(i32, 2), f32, f32, c(f32, 2))),
+        "moe_clamped_gate_up_mxfp4": (moe_clamped.clamped_gate_up_mxfp4_kernel, (
+            c(f32, 2), c(u32, 2), c(f32, 2), c(f32, 1), types.boolean, c(i32, 2), f32, f32, c(f32, 2))),
+        "moe_clamped_down": (moe_clamped.clamped_down_kernel, (
+            c(f32, 2), c(u64, 2), c(f32, 1), types.boolean, c(i32, 2), c(f32, 2), c(f32, 2))),
+        "moe_clamped_down_mxfp4": (moe_clamped.clamped_down_mxfp4_kernel, (
+            c(f32, 2), c(u32, 2), c(f32, 2), c(f32, 1), types.boolean, c(i32, 2), c(f32, 2), c(f32, 2))),
         "sample": (sampling.sample_kernel, (
             c(f32, 2), c(f32, 1), c(i32, 1), c(f32, 1), c(f32, 1), c(i64, 1), c(i64, 1), c(f32, 1), c(i32, 1))),
         "logit_bias": (logits_process.logit_bias_kernel, (c(f32, 2), c(i32, 1), c(i32, 1), c(f32, 1))),

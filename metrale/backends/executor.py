@@ -84,14 +84,16 @@ class WorkerSpec:
     driver_pid: int = dataclasses.field(default_factory=os.getpid)
 
 
-@dataclass(frozen=True)
+@dataclass
 class RankSequence:
     """What a worker knows of a step's sequence: its id, recurrent-state slot and block table
-    (its row of the batch's ``block_tables``, padded)."""
+    (its row of the batch's ``block_tables``, padded); for a speculative verdict, its cached
+    length before the verdict (which the verdict rewinds, as the driver's)."""
 
     seq_id: int
     state_slot: int | None
     block_table: Any
+    num_cached: int = 0
 
 
 @dataclass
@@ -102,14 +104,42 @@ class StepMessage:
 
     batch: ForwardBatch
     state_writes: list
+    #: Whether the step is a speculative verify (the model's ``verifying`` while it runs).
+    verifying: bool = False
 
     @classmethod
-    def of(cls, batch: ForwardBatch, state_writes: list) -> "StepMessage":
-        # (Stubs where the forward contract has sequences: the forward reads only these fields.)
-        segments = [Segment(RankSequence(s.seq.seq_id, s.seq.state_slot, batch.block_tables[i]),  # type: ignore[arg-type]
-                            np.asarray(s.token_ids, np.int64), s.start, s.logits)  # type: ignore[arg-type]
-                    for i, s in enumerate(batch.segments)]
-        return cls(dataclasses.replace(batch, segments=segments, extras={}), state_writes)
+    def of(cls, batch: ForwardBatch, state_writes: list, verifying: bool = False) -> "StepMessage":
+        return cls(stub_batch(batch), state_writes, verifying)
+
+
+def stub_batch(batch: ForwardBatch) -> ForwardBatch:
+    """``batch`` as a worker gets it: its sequences reduced to :class:`RankSequence` stubs (the
+    forward reads only their fields), no extras."""
+    segments = [Segment(RankSequence(s.seq.seq_id, s.seq.state_slot, batch.block_tables[i]),  # type: ignore[arg-type]
+                        np.asarray(s.token_ids, np.int64), s.start, s.logits)  # type: ignore[arg-type]
+                for i, s in enumerate(batch.segments)]
+    return dataclasses.replace(batch, segments=segments, extras={})
+
+
+@dataclass
+class VerdictMessage:
+    """A speculative verdict as the workers get it (:meth:`RankExecutor.verdict`): the verified
+    sequences as stubs with their cached lengths, each one's verified rows and kept drafts."""
+
+    seqs: list
+    rows: list
+    accepted: list
+
+
+@dataclass
+class DrafterMessage:
+    """A drafter module's forward as the workers get it (:meth:`RankExecutor.drafter_forward`):
+    the module's batch (stubs, as a step's; its rows run as decode rows of their own,
+    :func:`~metrale.runner.graphs.as_decode_rows`) and the main model's final states of its rows
+    ``[rows, H]`` float32 on the host."""
+
+    batch: ForwardBatch
+    hidden: Any
 
 
 class RankExecutor:
@@ -339,11 +369,31 @@ class RankExecutor:
     def _broken_error(self) -> RankError:
         return RankError(f"a rank of the engine failed ({self.broken}); close this LLM and build it again")
 
-    def submit(self, batch: ForwardBatch) -> None:
-        """Send every worker ``batch`` (before rank 0 runs it)."""
-        message = StepMessage.of(batch, list(self._state_writes))
+    def submit(self, batch: ForwardBatch, verifying: bool = False) -> None:
+        """Send every worker ``batch`` (before rank 0 runs it); ``verifying``: the step is a
+        speculative verify."""
+        message = StepMessage.of(batch, list(self._state_writes), verifying)
         self._state_writes.clear()
         self._send_all("step", message)
+
+    def verdict(self, seqs: list, rows: list, accepted: list) -> None:
+        """Send every worker a speculative verdict (before rank 0 applies it, so the cached
+        lengths sent are those it rewinds): a family that keeps per-row state of a verify
+        (recurrent states) keeps each sequence's kept rows on every rank."""
+        stubs = [RankSequence(seq.seq_id, seq.state_slot, None, seq.num_cached) for seq in seqs]
+        self._send_all("verdict", VerdictMessage(stubs, [int(r) for r in rows], [int(a) for a in accepted]))
+
+    def write_adapter(self, slot: int, request: Any) -> None:
+        """Have every worker write the adapter of ``request`` (a
+        :class:`~metrale.loading.lora.LoRARequest`; its folder read on each rank, so it must be
+        readable there at the same path) into adapter slot ``slot``: each rank its part."""
+        self._send_all("adapter", (int(slot), request))
+
+    def drafter_forward(self, batch: ForwardBatch, hidden: Any) -> None:
+        """Send every worker the forward of the model's drafter module over ``batch`` with the
+        final states ``hidden`` (a host array; before rank 0 runs it: the module's collectives
+        meet)."""
+        self._send_all("drafter", DrafterMessage(stub_batch(batch), np.asarray(hidden, dtype=np.float32)))
 
     def capture_graphs(self, sizes: tuple[int, ...], mixed: tuple[int, int] | None) -> None:
         """Have every worker record the decode graphs :meth:`~metrale.LLM.capture_graphs`
@@ -492,15 +542,20 @@ def worker_main(spec: WorkerSpec, rank: int) -> None:
             tag, step, payload = connection.recv()
             if tag == "close":
                 return
-            if tag not in ("step", "capture"):
+            if tag not in ("step", "capture", "verdict", "drafter", "adapter"):
                 continue  # a failed step's release, arrived after this rank finished it
             communicator.step = step
             try:
                 if tag == "capture":
                     runner.capture_graphs(*payload)
+                elif tag == "adapter":
+                    model.lora_manager.write_slot(*payload)
+                elif tag == "verdict":
+                    model.verdict(payload.seqs, payload.rows, payload.accepted, None)
+                elif tag == "drafter":
+                    _run_drafter(model, payload)
                 else:
-                    runner.cache.apply_state_writes(payload.state_writes)
-                    runner.forward(payload.batch)
+                    _run_step(model, runner, payload)
             except RankLostError:
                 if communicator.closed:
                     return
@@ -518,6 +573,49 @@ def worker_main(spec: WorkerSpec, rank: int) -> None:
         connection.close()
         if collectives is not None:
             collectives.abort()  # (a step left half done on the device must not hold the exit)
+
+
+def _enable_lora(model: Any, backend: Any, options: dict, environment: Any) -> None:
+    """A worker's adapter slots, built as rank 0 builds its own (before the cache), with the
+    manager that writes its part of each adapter rank 0 writes (``model.lora_manager``)."""
+    from metrale.config import EngineConfig
+    from metrale.engine.lora_slots import LoraManager
+
+    config = EngineConfig.from_options(options, environment)
+    with backend.activate():
+        layout = model.enable_lora(config.max_loras, config.max_lora_rank)
+    model.lora_layout = layout
+    model.lora_manager = LoraManager(backend, layout, max_lora_rank=config.max_lora_rank,
+                                     vocab_size=model.vocab_size)
+
+
+def _run_step(model: Any, runner: Any, message: StepMessage) -> None:
+    """A worker's step: what a verdict left pending folded in (as rank 0's flush stage does),
+    the driver's state-row writes applied, the forward run (as a verify when it is one, set up
+    by the model's ``begin_verify`` as rank 0's ``verify`` does)."""
+    flush = getattr(model, "flush_pending", None)
+    if flush is not None:
+        flush()
+    runner.cache.apply_state_writes(message.state_writes)
+    if message.verifying:
+        begin = getattr(model, "begin_verify", None)
+        if begin is not None:
+            begin(list(message.batch.segments))
+    model.verifying = message.verifying
+    try:
+        runner.forward(message.batch)
+    finally:
+        model.verifying = False
+
+
+def _run_drafter(model: Any, message: DrafterMessage) -> None:
+    """A worker's part of the drafter module's forward (:meth:`RankExecutor.drafter_forward`)."""
+    from metrale.runner.graphs import as_decode_rows
+
+    backend = model.backend
+    with backend.activate():
+        batch = backend.prepare_batch(as_decode_rows(message.batch))
+        model.mtp_forward(batch, backend.xp.asarray(message.hidden))
 
 
 def exit_with_parent(parent: int, interval: float = WATCH_INTERVAL) -> threading.Thread:
@@ -568,6 +666,15 @@ def _build_rank(spec: WorkerSpec, rank: int, communicator: HubCommunicator, coll
     with rank_context(shard, collectives):
         model, backend, plugin_manager, environment = load_rank_model(spec.model_path, spec.options)
     forward = ModelForward(model, plugin_manager, environment)
+    if spec.options.get("enable_lora"):
+        _enable_lora(model, backend, spec.options, environment)
+    speculative = spec.options.get("speculative_config")
+    prepare = getattr(model, "prepare_speculation", None)
+    if speculative is not None and prepare is not None:
+        # (As rank 0 does before its cache: a drafter module's cache layers are part of the plan.)
+        from metrale.speculative import SpeculativeConfig
+
+        prepare(SpeculativeConfig.from_value(speculative))
     plan = communicator.receive(0, "cache")
     cache = ModelCache(forward.cache_spec(), backend, block_size=plan["block_size"], num_blocks=plan["num_blocks"],
                        num_state_slots=plan["num_state_slots"], num_state_snapshots=plan["num_state_snapshots"],

@@ -40,8 +40,11 @@ class LoraManager:
     """
 
     def __init__(self, backend: Any, layout: LoraLayout, *, max_lora_rank: int, vocab_size: int,
-                 served_model: "Checkpoint | None" = None) -> None:
+                 served_model: "Checkpoint | None" = None, ranks: Any = None) -> None:
         self.backend = backend
+        #: The model's other ranks (:class:`~metrale.backends.executor.RankExecutor`), None on one
+        #: rank: each slot write is sent to them, and each writes its part of the adapter.
+        self.ranks = ranks
         self.layout = layout
         self.max_loras = layout.num_slots - 1
         self.max_lora_rank = max_lora_rank
@@ -151,7 +154,15 @@ class LoraManager:
         """A :class:`LoRARequest` of every adapter read, by ``lora_int_id``."""
         return [LoRARequest(a.name, a.int_id, a.path) for _, a in sorted(self._adapters.items())]
 
+    def write_slot(self, slot: int, request: LoRARequest) -> None:
+        """Write ``request``'s adapter into ``slot`` as another rank's manager did (a worker rank
+        of a tensor-parallel group: its part of the adapter; no holds are counted here)."""
+        self._write(slot, self.resolve(request))
+
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        if self.ranks is not None:
+            # (Before this rank's copies: the next step the workers run reads the slot.)
+            self.ranks.write_adapter(slot, LoRARequest(adapter.name, adapter.int_id, adapter.path))
         self._held_by.pop(slot, None)  # a torn write leaves the slot empty, never half another adapter's
         # On the engine's stream: the copies land before any forward queued after them reads the slot.
         with self.backend.activate():

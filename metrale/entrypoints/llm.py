@@ -181,9 +181,6 @@ class LLM(PromptFrontend):
         if custom_plugins:
             raise ConfigError("tensor_parallel_size > 1 loads the installed plugins (entry points) in every rank's "
                               "worker: a prepared plugin_manager cannot reach them; leave plugin_manager out")
-        if self.config.speculative_config is not None:
-            raise ConfigError("speculative decoding is not served with tensor parallelism yet; leave "
-                              "speculative_config out or use tensor_parallel_size=1")
         gpu = False
         if self.config.device != "cpu":
             reason = cuda_unavailable_reason()
@@ -205,7 +202,7 @@ class LLM(PromptFrontend):
             raise ConfigError(f"the {self.family.name} family does not serve LoRA adapters; leave enable_lora out")
         self.model.lora_layout = layout
         return LoraManager(self.backend, layout, max_lora_rank=self.config.max_lora_rank,
-                           vocab_size=self.model.vocab_size, served_model=self.checkpoint)
+                           vocab_size=self.model.vocab_size, served_model=self.checkpoint, ranks=self.ranks)
 
     def _forward_feeds_tokens(self) -> bool:
         """Whether overlap scheduling can serve this model: its family's model feeds pending

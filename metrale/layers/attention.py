@@ -81,6 +81,11 @@ class AttentionWeights:
     #: :func:`load_kv_cache_scales`); an FP8 cache quantizes with them.
     k_scale: float | None = None
     v_scale: float | None = None
+    #: On a rank of a tensor-parallel group: the rank's rows of ``q_proj`` and of ``k_proj`` /
+    #: ``v_proj`` (``o_proj``'s columns are its query rows), and those projections' whole output
+    #: sizes; None on a whole model. The adapter stacks take the same parts of an adapter.
+    shard_rows: tuple[slice, slice] | None = None
+    module_sizes: tuple[int, int] | None = None
 
 
 #: Where checkpoints store the static FP8 KV-cache scales of an attention block ``{prefix}``
@@ -151,6 +156,8 @@ def load_attention_weights(
         ),
         o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (g.hidden_size, q_rows), None, q_part)),
     )
+    if shard.sharded:
+        weights.shard_rows, weights.module_sizes = (q_part, kv_part), (q_rows, kv_rows)
     if qkv_bias:
         biases = [
             checkpoint.tensor(f"{prefix}.q_proj.bias", (q_rows,))[q_part],

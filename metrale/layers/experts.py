@@ -2,11 +2,14 @@
 
 A public building block: any MoE family may build on it. Routing itself
 differs between families (``backend.ops.moe_route`` covers softmax and sigmoid scoring).
+GPT-OSS's kind -- a router with a bias whose top-k logits are softmaxed
+(:class:`TopKRouter`), experts with biases and a clamped SwiGLU (:class:`ClampedExperts`), the
+two as one block (:class:`ClampedSwigluMoe`) -- is here too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -161,3 +164,171 @@ def grouped_on_host(backend: Any, experts: StackedExperts, h: Any, chosen: Any, 
     results *= xp.asarray(weights, dtype=xp.float32).reshape(-1)[xp.asarray(order)][:, None]
     unsorted = results[xp.asarray(np.argsort(order))]  # back to pair order n * k + s
     return unsorted.reshape(tokens, top_k, hidden).sum(axis=1)
+
+
+# ------------------------------------------------------------ experts with biases and a clamped SwiGLU
+
+
+@dataclass
+class TopKRouter:
+    """A router whose logits ``h W^T + b`` (``weight [E, H]``, ``bias [E]`` or None) are computed
+    apart, then each token's ``top_k`` largest logits chosen and weighted by their softmax over
+    those ``k`` only (GPT-OSS's router; the ``moe_topk_softmax`` op)."""
+
+    weight: Any
+    bias: Any
+    top_k: int
+
+    @classmethod
+    def load(cls, checkpoint: Checkpoint, backend: Any, prefix: str, *, num_experts: int, hidden: int, top_k: int,
+             bias: bool = True) -> "TopKRouter":
+        """``{prefix}.weight`` and (with ``bias``) ``{prefix}.bias``, held at full precision on
+        every rank whatever the checkpoint quantizes (the choice of experts is discontinuous)."""
+        weight = backend.weight(checkpoint.tensor(f"{prefix}.weight", (num_experts, hidden)))
+        offsets = backend.constant(checkpoint.tensor(f"{prefix}.bias", (num_experts,))) if bias else None
+        return cls(weight, offsets, top_k)
+
+    def route(self, backend: Any, h: Any) -> tuple[Any, Any]:
+        """Top-k experts ``[N, k]`` (descending logits) and their weights ``[N, k]`` for ``h [N, H]``."""
+        logits = backend.ops.linear(h, self.weight, self.bias)
+        return backend.ops.moe_topk_softmax(logits, self.top_k)
+
+
+@dataclass
+class ClampedExperts:
+    """Routed experts with biases and a clamped SwiGLU (GPT-OSS's), stacked as
+    :class:`StackedExperts` are (``gate_up [E 2I, H]``, each expert's gate rows then its up rows;
+    ``down [E H, I]``) with their biases stacked alike (``gate_up_bias [E 2I]``, ``down_bias [E H]``,
+    constants); the ``moe_experts_clamped`` op computes them. ``alpha`` is the sigmoid's gain,
+    ``limit`` the clamp of the gate (above) and of the up projection (both sides).
+
+    On a rank of a tensor-parallel group the rank's part: with expert parallelism its experts
+    ``first .. first + held - 1`` whole, else every expert's part of the intermediate size, the
+    down projections' bias then held by rank 0 only (None on the others), so the sum over the
+    ranks adds it once."""
+
+    gate_up: Any
+    down: Any
+    gate_up_bias: Any
+    down_bias: Any
+    alpha: float
+    limit: float
+    held: int
+    first: int = 0
+    total: int | None = None
+
+    def forward(self, backend: Any, h: Any, chosen: Any, weights: Any) -> Any:
+        """``[N, H]`` float32: ``sum_s weights[n, s] * Expert_{chosen[n, s]}(h[n])``; on a rank of a
+        tensor-parallel group the rank's part (its experts' pairs, the others weighted zero; or its
+        part of every expert), summed over the ranks."""
+        if self.total is not None and self.held != self.total:
+            xp = backend.xp
+            local = chosen - self.first
+            mine = (local >= 0) & (local < self.held)
+            chosen = xp.where(mine, local, 0).astype(chosen.dtype)
+            weights = xp.where(mine, weights, 0).astype(xp.float32)
+        out = backend.ops.moe_experts_clamped(h, chosen, weights, self.gate_up, self.down, self.alpha, self.limit,
+                                              self.gate_up_bias, self.down_bias)
+        return backend.all_reduce(out)
+
+
+def interleaved_order(count: int, width: int) -> np.ndarray:
+    """int64 ``[count * 2 width]``: the rows of ``count`` experts' gate/up projections stored
+    interleaved (row ``2 j`` gate ``j``, row ``2 j + 1`` up ``j``) in the engine's order, each
+    expert's gate rows then its up rows: ``stacked[order]`` reorders them."""
+    one = np.concatenate([np.arange(0, 2 * width, 2), np.arange(1, 2 * width, 2)])
+    return (np.arange(count)[:, None] * 2 * width + one[None, :]).reshape(-1)
+
+
+def _rows_in_order(weight: Any, order: np.ndarray) -> Any:
+    """The rows ``order`` of a host weight: a float32 matrix or a quantized one (its scales,
+    and zero points, taken per row)."""
+    if isinstance(weight, np.ndarray):
+        return np.ascontiguousarray(weight[order])
+    per_row = weight.per_row_scales()
+    return replace(per_row, codes=np.ascontiguousarray(per_row.codes[order]),
+                   scales=np.ascontiguousarray(per_row.scales[order]),
+                   zeros=None if per_row.zeros is None else np.ascontiguousarray(per_row.zeros[order]))
+
+
+def _placed(backend: Any, host: Any) -> Any:
+    """A host weight (float32 or quantized) as ``backend`` holds weights."""
+    if isinstance(host, np.ndarray):
+        return backend.weight(host)
+    upload = getattr(backend, "quantized_weight", None)  # the CPU backend computes with host arrays
+    return upload(host) if upload is not None else host
+
+
+def load_interleaved_experts(
+    checkpoint: Checkpoint, backend: Any, prefix: str, count: int, hidden: int, width: int, *, alpha: float,
+    limit: float,
+) -> ClampedExperts:
+    """GPT-OSS's stacked experts ``{prefix}.gate_up_proj`` / ``down_proj`` and their ``_bias``
+    companions as :class:`ClampedExperts` (a rank's part of them).
+
+    At full precision the stacks are stored as transformers computes with them, ``[E, in, out]``:
+    ``gate_up_proj [E, H, 2I]`` (gate and up columns interleaved: column ``2 j`` gate ``j``,
+    ``2 j + 1`` up ``j``) and ``down_proj [E, I, H]``. Stored MXFP4 they are ``[E, out, in]``
+    (:mod:`metrale.loading.quantization.mxfp4`; the gate and up rows interleaved). The biases are
+    ``gate_up_proj_bias [E, 2I]`` (interleaved) and ``down_proj_bias [E, H]``. The gate/up rows
+    and biases are put in the engine's order here (:func:`interleaved_order`)."""
+    shard = backend.shard
+    if shard.sharded and shard.expert_parallel:
+        held, part = shard.split(count, "num_local_experts"), slice(0, width)
+    else:
+        held, part = slice(0, count), shard.split(width, "intermediate_size")
+    experts, local = held.stop - held.start, part.stop - part.start
+    interleaved = slice(2 * part.start, 2 * part.stop)
+    order = interleaved_order(experts, local)
+    gate_up_name, down_name = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+    if checkpoint.is_quantized(gate_up_name):
+        stack = checkpoint.quantized(gate_up_name, (count, 2 * width, hidden), rows=interleaved)
+        gate_up = stack[held.start * 2 * local : held.stop * 2 * local]
+    else:
+        stored = checkpoint.tensor(gate_up_name, (count, hidden, 2 * width), rows=held)[:, :, interleaved]
+        gate_up = stored.transpose(0, 2, 1).reshape(experts * 2 * local, hidden)
+    if checkpoint.is_quantized(down_name):
+        stack = checkpoint.quantized(down_name, (count, hidden, width), columns=None if local == width else part)
+        down = stack[held.start * hidden : held.stop * hidden]
+    else:
+        stored = checkpoint.tensor(down_name, (count, width, hidden), rows=held)[:, part, :]
+        down = np.ascontiguousarray(stored.transpose(0, 2, 1)).reshape(experts * hidden, local)
+    gate_up_bias = checkpoint.tensor(f"{gate_up_name}_bias", (count, 2 * width), rows=held)[:, interleaved]
+    down_bias = checkpoint.tensor(f"{down_name}_bias", (count, hidden), rows=held)
+    keeps_down_bias = shard.rank == 0 or shard.expert_parallel
+    return ClampedExperts(
+        gate_up=_placed(backend, _rows_in_order(gate_up, order)),
+        down=_placed(backend, down),
+        gate_up_bias=backend.constant(gate_up_bias.reshape(-1)[order]),
+        down_bias=backend.constant(down_bias.reshape(-1)) if keeps_down_bias else None,
+        alpha=alpha, limit=limit, held=experts, first=held.start, total=count,
+    )
+
+
+@dataclass
+class ClampedSwigluMoe:
+    """GPT-OSS's MoE block: a :class:`TopKRouter` with a bias (``{prefix}.router``) choosing
+    ``top_k`` of the :class:`ClampedExperts` (``{prefix}.experts``), whose outputs are summed with
+    the router's weights."""
+
+    router: TopKRouter
+    experts: ClampedExperts
+
+    @classmethod
+    def load(cls, checkpoint: Checkpoint, backend: Any, prefix: str, *, num_experts: int, hidden: int, width: int,
+             top_k: int, alpha: float, limit: float) -> "ClampedSwigluMoe":
+        """The block at ``prefix`` (``model.layers.{i}.mlp`` in GPT-OSS)."""
+        return cls(
+            router=TopKRouter.load(checkpoint, backend, f"{prefix}.router", num_experts=num_experts, hidden=hidden,
+                                   top_k=top_k),
+            experts=load_interleaved_experts(checkpoint, backend, f"{prefix}.experts", num_experts, hidden, width,
+                                             alpha=alpha, limit=limit),
+        )
+
+    def route(self, backend: Any, h: Any) -> tuple[Any, Any]:
+        """The chosen experts ``[N, k]`` and their weights for ``h [N, H]``."""
+        return self.router.route(backend, h)
+
+    def forward(self, backend: Any, h: Any, chosen: Any, weights: Any) -> Any:
+        """The chosen experts' weighted outputs ``[N, H]`` (no adapter reaches the experts)."""
+        return self.experts.forward(backend, h, chosen, weights)

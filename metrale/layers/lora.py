@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from metrale.batch import ForwardBatch
 from metrale.errors import ConfigError
 from metrale.layers.lora_stacks import LoraStack, LoraTokenRows
@@ -73,11 +75,19 @@ def new_stack(backend: Any, owner: Any, attribute: str, names: tuple[str, ...], 
     """A :class:`~metrale.layers.lora_stacks.LoraStack` over ``owner``'s weight ``attribute`` with ``limits``
     (``max_loras``, ``max_lora_rank``) and ``layout`` (``row_maps``, ``module_rows``); ``owner``'s
     attribute becomes the stack's :attr:`~metrale.layers.lora_stacks.LoraStack.base` (the same values, now the
-    first rows of the stack's extended weight)."""
+    first rows of the stack's extended weight).
+
+    On a rank of a tensor-parallel group ``layout`` must say the rank's part (``row_maps`` of a
+    column-parallel product, ``column_map`` and ``module_in`` of a row-parallel one,
+    :class:`~metrale.layers.lora_stacks.LoraStack`; ``sharded=True`` where the projection is
+    whole on every rank): a stack that does not is refused with a
+    :class:`~metrale.errors.ConfigError`, as its family has not said how its adapters split."""
     shard = getattr(backend, "shard", None)
-    if shard is not None and shard.sharded:
-        raise ConfigError(f"LoRA adapters are not served with tensor parallelism yet (tensor_parallel_size="
-                          f"{shard.size}); leave enable_lora out or use tensor_parallel_size=1")
+    says_its_part = layout.pop("sharded", False) or "column_map" in layout or "row_maps" in layout
+    if shard is not None and shard.sharded and not says_its_part:
+        raise ConfigError(f"LoRA on {', '.join(names)} is not served with tensor parallelism (tensor_parallel_size="
+                          f"{shard.size}): this family's adapter stacks do not say their part on a rank; leave "
+                          "enable_lora out or use tensor_parallel_size=1")
     stack = LoraStack.allocate(backend, names, out_sizes, getattr(owner, attribute), **limits, **layout)
     setattr(owner, attribute, stack.base)
     return stack
@@ -88,9 +98,17 @@ def attention_lora(backend: Any, weights: Any, geometry: Any, limits: dict, pref
     ``k_proj`` / ``v_proj`` fused, ``{prefix}.o_proj``), attached to it."""
     g = geometry
     q_rows, kv_rows = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
-    weights.lora_qkv = new_stack(backend, weights, "qkv", (f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"),
-                                 (q_rows, kv_rows, kv_rows), limits)
-    weights.lora_o = new_stack(backend, weights, "o", (f"{prefix}.o_proj",), (g.hidden_size,), limits)
+    names = (f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj")
+    qkv_parts: dict[str, Any] = {}
+    o_parts: dict[str, Any] = {}
+    if weights.shard_rows is not None and weights.module_sizes is not None:
+        (q_part, kv_part), (q_size, kv_size) = weights.shard_rows, weights.module_sizes
+        qkv_parts = {"row_maps": (np.arange(q_part.start, q_part.stop), np.arange(kv_part.start, kv_part.stop),
+                                  np.arange(kv_part.start, kv_part.stop)),
+                     "module_rows": (q_size, kv_size, kv_size)}
+        o_parts = {"column_map": q_part, "module_in": q_size}
+    weights.lora_qkv = new_stack(backend, weights, "qkv", names, (q_rows, kv_rows, kv_rows), limits, **qkv_parts)
+    weights.lora_o = new_stack(backend, weights, "o", (f"{prefix}.o_proj",), (g.hidden_size,), limits, **o_parts)
     return [weights.lora_qkv, weights.lora_o]
 
 
@@ -98,9 +116,18 @@ def mlp_lora(backend: Any, weights: Any, hidden_size: int, intermediate_size: in
              prefix: str = "mlp") -> list[LoraStack]:
     """Stacks for a :class:`~metrale.layers.mlp.MlpWeights` (``{prefix}.gate_proj`` / ``up_proj``
     fused, ``{prefix}.down_proj``), attached to it."""
+    gate_up_parts: dict[str, Any] = {}
+    down_parts: dict[str, Any] = {}
+    part, whole = weights.shard_part, weights.module_size
+    if part is not None and whole is not None:
+        rows = np.arange(part.start, part.stop)
+        gate_up_parts = {"row_maps": (rows, rows), "module_rows": (whole, whole)}
+        down_parts = {"column_map": part, "module_in": whole}
+        intermediate_size = part.stop - part.start
     weights.lora_gate_up = new_stack(backend, weights, "gate_up", (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
-                                     (intermediate_size, intermediate_size), limits)
-    weights.lora_down = new_stack(backend, weights, "down", (f"{prefix}.down_proj",), (hidden_size,), limits)
+                                     (intermediate_size, intermediate_size), limits, **gate_up_parts)
+    weights.lora_down = new_stack(backend, weights, "down", (f"{prefix}.down_proj",), (hidden_size,), limits,
+                                  **down_parts)
     return [weights.lora_gate_up, weights.lora_down]
 
 

@@ -51,6 +51,12 @@ class LoraStack:
     ``q_proj``, whose query and gate rows are regrouped): ``row_maps[g]``, when given, lists the
     rows of the module's ``B`` that part ``g`` takes, and ``module_rows[g]`` the module's own
     output size; a name may then appear in several parts.
+
+    On a rank of a tensor-parallel group the stack is over the rank's part of the projection:
+    ``row_maps`` select the rank's output rows of each module's ``B`` (a column-parallel product:
+    q/k/v, gate/up), or ``column_map`` its input columns of each module's ``A`` (a row-parallel
+    product: o, down; ``module_in`` the whole input width), so the rank's update is its part of
+    the whole one, summed over the ranks with the product's own output.
     """
 
     names: tuple[str, ...]
@@ -61,11 +67,14 @@ class LoraStack:
     b: Any
     row_maps: tuple[Any, ...] = ()
     module_rows: tuple[int, ...] = ()
+    column_map: slice | None = None
+    module_in: int | None = None
 
     @classmethod
     def allocate(cls, backend: Any, names: tuple[str, ...], out_sizes: tuple[int, ...], weight: Any, *,
                  max_loras: int, max_lora_rank: int, row_maps: tuple[Any, ...] = (),
-                 module_rows: tuple[int, ...] = ()) -> "LoraStack":
+                 module_rows: tuple[int, ...] = (), column_map: slice | None = None,
+                 module_in: int | None = None) -> "LoraStack":
         """A stack over ``weight [M, in]`` (the projection's weight as the backend holds it),
         copied into the stack's extended weight."""
         if len(names) != len(out_sizes) or not names:
@@ -86,7 +95,7 @@ class LoraStack:
             extended[:rows] = weight
         return cls(tuple(names), tuple(int(s) for s in out_sizes), in_size, rank, extended,
                    backend.zeros((rows, max_loras * width), dtype),
-                   tuple(row_maps), tuple(module_rows) or tuple(int(s) for s in out_sizes))
+                   tuple(row_maps), tuple(module_rows) or tuple(int(s) for s in out_sizes), column_map, module_in)
 
     @property
     def width(self) -> int:
@@ -111,7 +120,8 @@ class LoraStack:
     @property
     def targets(self) -> dict[str, tuple[int, int]]:
         """``{name: (out, in)}`` of the projections this stack serves."""
-        return {name: (out, self.in_size) for name, out in zip(self.names, self.module_rows)}
+        columns = self.module_in if self.module_in is not None else self.in_size
+        return {name: (out, columns) for name, out in zip(self.names, self.module_rows)}
 
     def host_slot(self, modules: list["LoraModule | None"]) -> tuple[np.ndarray, np.ndarray]:
         """One slot's ``(a [G R, in], b [out, G R])`` for ``modules`` (one per projection, None
@@ -123,7 +133,8 @@ class LoraStack:
         for index, (module, out) in enumerate(zip(modules, self.out_sizes)):
             if module is not None:
                 rows = module.b if not self.row_maps or self.row_maps[index] is None else module.b[self.row_maps[index]]
-                a[index * rank : index * rank + module.rank] = module.a
+                a[index * rank : index * rank + module.rank] = (
+                    module.a if self.column_map is None else module.a[:, self.column_map])
                 b[start : start + out, index * rank : index * rank + module.rank] = module.scale * rows
             start += out
         return a, b

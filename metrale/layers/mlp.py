@@ -26,6 +26,11 @@ class MlpWeights:
     down_bias: Any = None
     lora_gate_up: Any = None
     lora_down: Any = None
+    #: On a rank of a tensor-parallel group: the rank's part of the intermediate size (rows of
+    #: ``gate_proj`` and ``up_proj``, columns of ``down_proj``) and the whole size; None on a
+    #: whole model. The adapter stacks take the same part of an adapter.
+    shard_part: slice | None = None
+    module_size: int | None = None
 
 
 def load_mlp_weights(
@@ -46,6 +51,8 @@ def load_mlp_weights(
         down=backend.load_weight(checkpoint, (f"{prefix}.down_proj.weight", (hidden_size, intermediate_size), None,
                                               part)),
     )
+    if shard.sharded:
+        weights.shard_part, weights.module_size = part, intermediate_size
     if bias:
         gate_b = checkpoint.tensor(f"{prefix}.gate_proj.bias", (intermediate_size,))[part]
         up_b = checkpoint.tensor(f"{prefix}.up_proj.bias", (intermediate_size,))[part]

@@ -314,11 +314,20 @@ class FamilyModel:
         if len(tokens) != len(seqs) or not seqs or any(len(rows) < 1 for rows in tokens):
             raise CacheError(f"verify got {len(tokens)} token lists for {len(seqs)} sequences "
                              "(each needs its input token)")
+        segments = [Segment(s, list(rows), s.num_cached, "all") for rows, s in zip(tokens, seqs)]
+        self.begin_verify(segments)
         self.verifying = True
         try:
-            return self.run_segments([Segment(s, list(rows), s.num_cached, "all") for rows, s in zip(tokens, seqs)])
+            return self.run_segments(segments)
         finally:
             self.verifying = False
+
+    def begin_verify(self, segments: list[Segment]) -> None:
+        """Called before a verify's forward over ``segments`` (each a sequence's input token and
+        its drafts) on every rank of the model -- on a worker rank of a tensor-parallel group with
+        the segments' sequences as stubs holding ``seq_id`` and ``state_slot`` only: a family
+        that keeps per-row state of a verify for :meth:`verdict` sets it up here. Nothing by
+        default."""
 
     def verdict(self, seqs: Sequence[SequenceState], rows: Sequence[int], accepted: Sequence[int],
                 stream: Any) -> bool:

@@ -192,6 +192,9 @@ class ModelForward:
                 stream: Any = None) -> None:
         """After :meth:`verify`: how many drafts each sequence kept
         (:func:`~metrale.model.hookspecs.metrale_verdict`)."""
+        ranks = getattr(getattr(self.model, "runner", None), "ranks", None)
+        if ranks is not None:
+            ranks.verdict(list(seqs), list(rows), list(accepted))  # (the lengths before this rank rewinds them)
         answered = self.hook.metrale_verdict(model=self.model, seqs=list(seqs), rows=[int(r) for r in rows],
                                              accepted=[int(a) for a in accepted], stream=stream)
         if answered is None:

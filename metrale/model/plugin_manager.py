@@ -35,6 +35,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str, str], ...] = (
     ("phi3", "metrale.plugins.phi3.plugin", "plugin"),
     ("olmo2", "metrale.plugins.olmo2.plugin", "plugin"),
     ("gemma", "metrale.plugins.gemma.plugin", "plugin"),
+    ("gpt_oss", "metrale.plugins.gpt_oss.plugin", "plugin"),
     ("stages", "metrale.plugins.stages", ""),
     ("ngram", "metrale.plugins.ngram", ""),
     ("mtp", "metrale.plugins.mtp", ""),

@@ -221,6 +221,15 @@ def moe_experts(x, experts, weights, gate_up, down):
     return _kernels("moe").experts_reference(x, experts, weights, gate_up, down)
 
 
+def moe_topk_softmax(logits, top_k):
+    return _kernels("moe_clamped").topk_softmax_reference(logits, top_k)
+
+
+def moe_experts_clamped(x, experts, weights, gate_up, down, alpha, limit, gate_up_bias=None, down_bias=None):
+    return _kernels("moe_clamped").clamped_experts_reference(x, experts, weights, gate_up, down, alpha, limit,
+                                                             gate_up_bias, down_bias)
+
+
 def _quantized_experts(x, experts, weights, gate_up, down):
     """:func:`moe_experts` over quantized stacked weights: each chosen expert's rows of ``gate_up``
     and ``down`` as a quantized product (the activations quantized as each weight says)."""
@@ -519,6 +528,25 @@ def _moe_experts_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
     return cases
 
 
+def _moe_topk_softmax_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    return [{"logits": _rows(rng, rows, experts, scale=2.0), "top_k": top_k}
+            for rows, experts, top_k in ((1, 32, 4), (5, 128, 4), (3, 8, 2))]
+
+
+def _moe_experts_clamped_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
+    cases = []
+    for rows, hidden, inter, experts, top_k, limit, biased in ((1, 64, 32, 8, 2, 7.0, True), (3, 128, 48, 16, 4, 0.5, True),
+                                                               (2, 64, 32, 4, 2, 1.0, False)):
+        chosen = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(rows)]).astype(np.int32)
+        weights = rng.random((rows, top_k)).astype(np.float32)
+        cases.append({"x": _rows(rng, rows, hidden), "experts": chosen, "weights": weights,
+                      "gate_up": _rows(rng, experts * 2 * inter, hidden, scale=0.1),
+                      "down": _rows(rng, experts * hidden, inter, scale=0.1), "alpha": 1.702, "limit": limit,
+                      "gate_up_bias": _rows(rng, experts * 2 * inter, scale=0.5) if biased else None,
+                      "down_bias": _rows(rng, experts * hidden, scale=0.5) if biased else None})
+    return cases
+
+
 def _head_linear_examples(rng: np.random.Generator) -> list[dict[str, Any]]:
     return [{"x": _rows(rng, rows, 4, 64), "weight": _rows(rng, 4 * 32, 64, scale=0.1)} for rows in (1, 3)]
 
@@ -693,6 +721,27 @@ def _declarations() -> list[tuple[Op, str]]:
              P("down", "[E * H, I]", "weight", "the experts' down projections, stacked")),
             (P("y", "[N, H]", "activation"),), moe_experts, examples=_moe_experts_examples),
          "moe"),
+        (Op("moe_topk_softmax", "The chosen experts of router logits computed apart (GPT-OSS's biased router): each "
+            "row's ``top_k`` largest logits, in descending order (ties to the smaller expert), weighted by the softmax "
+            "over those ``k`` logits only.",
+            (P("logits", "[N, E]", "activation"), P("top_k", kind="scalar")),
+            (P("experts", "[N, k]", "index"), P("weights", "[N, k]", "activation")), moe_topk_softmax,
+            examples=_moe_topk_softmax_examples),
+         "moe"),
+        (Op("moe_experts_clamped", "The chosen experts with biases and GPT-OSS's clamped SwiGLU, from stacked expert "
+            "weights, weighted and summed: per pair ``[gate | up] = gate_up_e x + gate_up_bias_e``, ``g = min(gate, "
+            "limit)``, ``act = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``y += weight * (down_e act "
+            "+ down_bias_e)``.",
+            (P("x", "[N, H]", "matmul_input"), P("experts", "[N, k]", "index"), P("weights", "[N, k]", "activation"),
+             P("gate_up", "[E * 2 I, H]", "weight", "the experts' gate and up projections, stacked (gate rows of each "
+               "expert first); MXFP4 stacks are read as stored"),
+             P("down", "[E * H, I]", "weight", "the experts' down projections, stacked; MXFP4 stacks are read as stored"),
+             P("alpha", kind="scalar", doc="the sigmoid's gain (GPT-OSS: 1.702)"),
+             P("limit", kind="scalar", doc="the clamp of gate (above) and up (both sides)"),
+             P("gate_up_bias", "[E * 2 I]", "constant", optional=True, doc="stacked as gate_up's rows (None: none)"),
+             P("down_bias", "[E * H]", "constant", optional=True, doc="stacked as down's rows (None: none)")),
+            (P("y", "[N, H]", "activation"),), moe_experts_clamped, examples=_moe_experts_clamped_examples),
+         "moe_clamped"),
         (Op("gdn_conv_update", "One token per row through a Gated DeltaNet layer's causal depthwise conv + SiLU; the "
             "rows' conv states (at ``slots``) updated in place.",
             (P("inputs", "[N, C]", "activation"), P("weight", "[C, K]", "constant"),

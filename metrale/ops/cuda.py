@@ -34,6 +34,7 @@ from metrale.kernels import (
     layernorm,
     lora,
     moe,
+    moe_clamped,
     moe_decode,
     moe_grouped,
     moe_route_decode,
@@ -45,6 +46,7 @@ from metrale.kernels import (
 )
 from metrale.kernels import head_linear as head_linear_kernels
 from metrale.kernels.linear import CublasGemm
+from metrale.kernels.quantized import QuantizedWeight
 
 f32, bf16 = np.float32, np.uint16
 
@@ -588,6 +590,44 @@ class CudaKernels:
             down, cp.empty(rows, dtype=np.int32), cp.empty(tiles, dtype=np.int32), cp.empty((rows, inter), dtype=bf16),
             cp.empty((pairs, hidden), dtype=f32), out, self.stream, tiling=tiling,
         )
+
+    def moe_topk_softmax(self, logits: Any, top_k: int) -> Any:
+        """Router logits computed apart (GPT-OSS): the routing kernel's softmax over every logit,
+        renormalised over the top k (the softmax over those k); beyond the kernel's limits of
+        experts and k, CuPy's sort."""
+        logits = cp.ascontiguousarray(logits, dtype=f32)
+        if logits.shape[1] <= moe.MAX_EXPERTS and top_k <= moe.MAX_TOP_K:
+            return self._route(logits, None, "greedy", 1, 1, top_k, True, 1.0)
+        chosen = cp.argsort(-logits, axis=1)[:, :top_k].astype(np.int32)
+        top = cp.take_along_axis(logits, chosen, axis=1)
+        shifted = cp.exp(top - top[:, :1])
+        return chosen, (shifted / shifted.sum(axis=1, keepdims=True)).astype(f32)
+
+    def moe_experts_clamped(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any, alpha: float,
+                            limit: float, gate_up_bias: Any = None, down_bias: Any = None) -> Any:
+        """GPT-OSS's experts pair by pair (:mod:`metrale.kernels.moe_clamped`): bf16 and MXFP4
+        stacks read as stored; other weight-only quantized stacks dequantized into bf16 first."""
+        gate_up, down = self._clamped_stack(gate_up), self._clamped_stack(down)
+        tokens, hidden = x.shape
+        top_k, inter = experts.shape[1], down.shape[1]
+        x = self.to_float32(x) if moe_clamped.is_plain_mxfp4(gate_up) else self.as_bf16(x)
+        act = cp.empty((tokens * top_k, inter), dtype=f32)
+        out = cp.empty((tokens, hidden), dtype=f32)
+
+        def bias(values: Any) -> Any:
+            return None if values is None else cp.ascontiguousarray(values, dtype=f32)
+
+        return moe_clamped.clamped_experts(
+            x, cp.ascontiguousarray(experts, dtype=np.int32), cp.ascontiguousarray(weights, dtype=f32), gate_up, down,
+            alpha, limit, bias(gate_up_bias), bias(down_bias), act, out, self.stream)
+
+    def _clamped_stack(self, weight: Any) -> Any:
+        """A stack as the clamped experts' kernels read it: a weight-only quantized stack other
+        than plain MXFP4 dequantized into bf16; anything else as it is."""
+        if (isinstance(weight, QuantizedWeight) and not moe_clamped.is_plain_mxfp4(weight)
+                and weight.activations == "weight_only"):
+            return self._dequantized(weight)
+        return weight
 
     # --------------------------------------------------------------------------------- GDN
 

@@ -94,7 +94,7 @@ class ModelRunner:
         batch = ForwardBatch.build(list(segments), cache.block_size)
         feed = self.token_feed.plan(batch)
         if self.ranks is not None:
-            self.ranks.submit(batch)
+            self.ranks.submit(batch, verifying=bool(getattr(self.model, "verifying", False)))
         try:
             logits = self.forward(batch, feed)
         except BaseException as error:

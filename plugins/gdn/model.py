@@ -418,16 +418,20 @@ class GdnModel(FamilyModel):
         """The derived verify, its Gated DeltaNet layers stepping row by row and keeping the
         states after every row (:class:`RowStates`); the slots end as of each sequence's last
         row, and :meth:`verdict` leaves the state of the rows kept pending."""
-        self.flush_pending()
-        first, row = {}, 0
-        for seq, rows in zip(seqs, tokens):
-            first[seq.seq_id], row = row, row + len(rows)
-        self._verify_states = RowStates(first, [])
         try:
             return super().verify(tokens, seqs, stream)
         except BaseException:
             self._verify_states = None
             raise
+
+    def begin_verify(self, segments: list[Any]) -> None:
+        """What is pending folded in, then the verify's :class:`RowStates` set up: each
+        sequence's first row."""
+        self.flush_pending()
+        first, row = {}, 0
+        for segment in segments:
+            first[segment.seq.seq_id], row = row, row + len(segment.token_ids)
+        self._verify_states = RowStates(first, [])
 
     def verdict(self, seqs: Any, rows: Any, accepted: Any, stream: Any) -> bool:
         """The derived verdict (the cached lengths rewound); a sequence that kept fewer rows than

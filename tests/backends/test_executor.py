@@ -70,6 +70,60 @@ def test_a_gdn_model_s_state_writes_reach_the_worker(gdn_checkpoint):
     assert_same(got, expected)
 
 
+SPECULATIVE_CASES = [("tiny-dense", "ngram"), ("tiny-mla", "ngram"), ("tiny-mla", "mtp"), ("tiny-gdn", "ngram"),
+                     ("tiny-gdn", "mtp")]
+
+
+@pytest.mark.parametrize("model, method", SPECULATIVE_CASES)
+def test_speculation_over_two_worker_ranks_keeps_the_greedy_tokens(model, method):
+    """Speculative decoding with tensor_parallel_size=2: the verify runs on both ranks (a
+    verify's per-row recurrent states too), the verdict reaches the worker, the MTP module runs on
+    both; the greedy tokens are those of one rank without speculation, and drafts were kept."""
+    prompt = [int(t) for t in np.random.default_rng(3).integers(5, 200, 8)] * 3
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(model, device="cpu", show_progress=False) as plain:
+        expected = plain.generate(prompt, params)[0].token_ids
+    speculative = {"method": method, "num_speculative_tokens": 2}
+    with LLM(model, device="cpu", show_progress=False, tensor_parallel_size=2, speculative_config=speculative) as llm:
+        assert llm.generate(prompt, params)[0].token_ids == expected
+        accepted = llm.engine.accepted_tokens
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("family, options", [("llama", {}), ("qwen3_moe", {"expert_parallel": True})])
+def test_lora_over_two_worker_ranks_equals_one_rank(dense_checkpoints, moe_checkpoints, tmp_path, family, options):
+    """Adapters on every attention and MLP projection (and one replacing embedding rows), two at
+    once in a batch with the base model: each rank writes its part of each adapter, and the
+    logits and greedy tokens are one rank's."""
+    from metrale import LoRARequest
+    from metrale.testing.hf import build_peft_adapter
+
+    checkpoint = {**dense_checkpoints, **moe_checkpoints}[family]
+    every = ["q_proj", "k_proj", "v_proj", "o_proj"] + (["gate_proj", "up_proj", "down_proj"] if family == "llama" else [])
+    build_peft_adapter(checkpoint, tmp_path / "a", seed=1, r=8, lora_alpha=16, target_modules=every)
+    build_peft_adapter(checkpoint, tmp_path / "b", seed=2, r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                       trainable_token_indices={"embed_tokens": [3, 5]})
+    requests = [LoRARequest("a", 1, tmp_path / "a"), LoRARequest("b", 2, tmp_path / "b"), None]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(**extra):
+        with LLM(str(checkpoint), device="cpu", show_progress=False, enable_lora=True, max_loras=2, max_lora_rank=8,
+                 **extra) as llm:
+            scores = [llm.score(PROMPT, lora_request=request) for request in requests]
+            outputs = llm.generate([PROMPT, PROMPT[2:], PROMPT[:7]], params, lora_request=requests)
+            return scores, [o.outputs[0].token_ids for o in outputs]
+
+    (scores, tokens), (expected_scores, expected_tokens) = run(tensor_parallel_size=2, **options), run()
+    assert all(max_relative_error(got, want) <= 1e-4 for got, want in zip(scores, expected_scores))
+    assert tokens == expected_tokens
+    assert max_relative_error(expected_scores[0], expected_scores[2]) > 1e-2  # the adapter changes the logits
+
+
+def test_lora_on_a_family_whose_stacks_do_not_say_their_part_is_refused_with_tensor_parallelism(gdn_checkpoint):
+    with pytest.raises(ConfigError, match="not served with tensor parallelism"):
+        LLM(str(gdn_checkpoint), device="cpu", show_progress=False, enable_lora=True, tensor_parallel_size=2)
+
+
 def test_a_lost_worker_fails_the_step_with_a_rank_error(dense_checkpoints):
     """Four ranks, rank 2's process killed: the next step raises RankError naming it (rank 0
     releases ranks 1 and 3 from the collective they wait in), later steps refuse, and close()
@@ -158,7 +212,6 @@ def test_a_broken_group_stops_the_engine_so_it_reports_itself_down(engine_kind):
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative"),
     (dict(distributed_executor_backend="mpi"), "distributed_executor_backend"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(expert_parallel=1), "expert_parallel"),
