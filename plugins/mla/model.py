@@ -72,19 +72,40 @@ class LatentAttention:
     #: The checkpoint's static FP8 scale of the cached latents: its ``k_scale`` (None: none); an
     #: FP8 cache quantizes with it.
     cache_scale: float | None = None
+    #: On a rank of a tensor-parallel group: its query heads of the ``whole_heads`` (``config``
+    #: holds its own count); None on a whole model.
+    head_part: slice | None = None
+    whole_heads: int = 0
 
     def enable_lora(self, backend: Any, limits: dict) -> list[Any]:
         """Adapter slots for ``q_proj`` / ``q_a_proj`` with ``kv_a_proj_with_mqa``, ``q_b_proj``
         and ``o_proj`` (``kv_b_proj`` is folded into the absorbed form, and refused)."""
         c = self.config
         q_name = "self_attn.q_proj" if c.q_lora_rank is None else "self_attn.q_a_proj"
+        kv_a_rows = c.kv_lora_rank + c.qk_rope_head_dim
+        head_rows = c.qk_nope_head_dim + c.qk_rope_head_dim
+        q_kv_a_parts: dict[str, Any] = {}
+        q_b_parts: dict[str, Any] = {}
+        o_parts: dict[str, Any] = {}
+        part = self.head_part
+        if part is not None:
+            # A rank's query heads: their rows of q_proj / q_b_proj, o_proj's columns of their
+            # values; the latent projections are whole on every rank.
+            q_rows = np.arange(part.start * head_rows, part.stop * head_rows)
+            whole_q = self.whole_heads * head_rows
+            first = q_rows if c.q_lora_rank is None else np.arange(self.q_columns)
+            q_kv_a_parts = {"row_maps": (first, np.arange(kv_a_rows)),
+                            "module_rows": (whole_q if c.q_lora_rank is None else self.q_columns, kv_a_rows)}
+            q_b_parts = {"row_maps": (q_rows,), "module_rows": (whole_q,)}
+            o_parts = {"column_map": slice(part.start * c.v_head_dim, part.stop * c.v_head_dim),
+                       "module_in": self.whole_heads * c.v_head_dim}
         self.lora_q_kv_a = new_stack(backend, self, "q_kv_a", (q_name, "self_attn.kv_a_proj_with_mqa"),
-                                     (self.q_columns, c.kv_lora_rank + c.qk_rope_head_dim), limits)
-        self.lora_o = new_stack(backend, self, "o", ("self_attn.o_proj",), (c.hidden_size,), limits)
+                                     (self.q_columns, kv_a_rows), limits, **q_kv_a_parts)
+        self.lora_o = new_stack(backend, self, "o", ("self_attn.o_proj",), (c.hidden_size,), limits, **o_parts)
         stacks = [self.lora_q_kv_a, self.lora_o]
         if c.q_lora_rank is not None:
-            self.lora_q_b = new_stack(backend, self, "q_b", ("self_attn.q_b_proj",),
-                                      (c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim),), limits)
+            self.lora_q_b = new_stack(backend, self, "q_b", ("self_attn.q_b_proj",), (int(self.q_b.shape[0]),), limits,
+                                      **q_b_parts)
             stacks.append(self.lora_q_b)
         return stacks
 
@@ -125,6 +146,8 @@ class LatentAttention:
             o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (hidden, heads * d_v), None,
                                                slice(part.start * d_v, part.stop * d_v))),
         )
+        if shard.sharded:
+            block.head_part, block.whole_heads = part, heads
         if c.q_lora_rank is not None:
             rank = c.q_lora_rank
             block.q_a_norm = backend.load_weight(checkpoint, (f"{prefix}.q_a_layernorm.weight", (rank,)))

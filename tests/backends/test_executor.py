@@ -90,18 +90,27 @@ def test_speculation_over_two_worker_ranks_keeps_the_greedy_tokens(model, method
     assert accepted > 0
 
 
-@pytest.mark.parametrize("family, options", [("llama", {}), ("qwen3_moe", {"expert_parallel": True})])
-def test_lora_over_two_worker_ranks_equals_one_rank(dense_checkpoints, moe_checkpoints, tmp_path, family, options):
-    """Adapters on every attention and MLP projection (and one replacing embedding rows), two at
+LORA_TARGETS = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "deepseek_v2": ["q_proj", "kv_a_proj_with_mqa", "o_proj"],
+    "deepseek_v3": ["q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj"],
+}
+
+
+@pytest.mark.parametrize("family, options", [("llama", {}), ("qwen3_moe", {"expert_parallel": True}),
+                                             ("deepseek_v2", {}), ("deepseek_v3", {"expert_parallel": True})])
+def test_lora_over_two_worker_ranks_equals_one_rank(dense_checkpoints, moe_checkpoints, mla_checkpoints, tmp_path,
+                                                    family, options):
+    """Adapters on the attention and MLP projections (and one replacing embedding rows), two at
     once in a batch with the base model: each rank writes its part of each adapter, and the
     logits and greedy tokens are one rank's."""
     from metrale import LoRARequest
     from metrale.testing.hf import build_peft_adapter
 
-    checkpoint = {**dense_checkpoints, **moe_checkpoints}[family]
-    every = ["q_proj", "k_proj", "v_proj", "o_proj"] + (["gate_proj", "up_proj", "down_proj"] if family == "llama" else [])
-    build_peft_adapter(checkpoint, tmp_path / "a", seed=1, r=8, lora_alpha=16, target_modules=every)
-    build_peft_adapter(checkpoint, tmp_path / "b", seed=2, r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+    checkpoint = {**dense_checkpoints, **moe_checkpoints, **mla_checkpoints}[family]
+    build_peft_adapter(checkpoint, tmp_path / "a", seed=1, r=8, lora_alpha=16, target_modules=LORA_TARGETS[family])
+    build_peft_adapter(checkpoint, tmp_path / "b", seed=2, r=4, lora_alpha=8, target_modules=LORA_TARGETS[family][:2],
                        trainable_token_indices={"embed_tokens": [3, 5]})
     requests = [LoRARequest("a", 1, tmp_path / "a"), LoRARequest("b", 2, tmp_path / "b"), None]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
