@@ -7,6 +7,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from metrale.batch import ForwardBatch
 from metrale.cache.spec import CacheSpec, PagedKVSpec
 from metrale.layers.attention import (
@@ -69,6 +71,9 @@ def load_phi3_attention(checkpoint: Checkpoint, backend: Any, prefix: str, geome
         o=backend.load_weight(checkpoint, (f"{prefix}.o_proj.weight", (g.hidden_size, q_rows), None, q_part)),
     )
     weights.k_scale, weights.v_scale = load_kv_cache_scales(checkpoint, prefix)
+    if shard.sharded:
+        weights.shard_rows = (q_part, slice(kv.start * d, kv.stop * d))
+        weights.module_sizes = (q_rows, kv_rows)
     return weights
 
 
@@ -79,12 +84,34 @@ def load_phi3_mlp(checkpoint: Checkpoint, backend: Any, prefix: str, hidden_size
     ``down_proj``'s columns."""
     part = backend.shard.split(intermediate_size, "intermediate_size")
     up = slice(intermediate_size + part.start, intermediate_size + part.stop)
+    sharded = backend.shard.sharded
     return MlpWeights(
         gate_up=load_fused_rows(checkpoint, backend, f"{prefix}.gate_up_proj.weight",
                                 (2 * intermediate_size, hidden_size), [part, up]),
         down=backend.load_weight(checkpoint, (f"{prefix}.down_proj.weight", (hidden_size, intermediate_size), None,
                                               part)),
+        shard_part=part if sharded else None,
+        module_size=intermediate_size if sharded else None,
     )
+
+
+def _fused_parts(attention: AttentionWeights, mlp: MlpWeights) -> tuple[dict, dict, dict, dict]:
+    """The adapter stacks' parts of a rank of a tensor-parallel group (:func:`~metrale.layers.lora.new_stack`):
+    its q, k and v rows of ``qkv_proj``'s adapter ``B`` (in the fused order), its query columns of
+    ``o_proj``'s ``A``, its gate and up rows of ``gate_up_proj``'s ``B``, its columns of
+    ``down_proj``'s ``A``; empty on a whole model."""
+    if attention.shard_rows is None or attention.module_sizes is None or mlp.shard_part is None:
+        return {}, {}, {}, {}
+    (q_part, kv_part), (q_size, kv_size) = attention.shard_rows, attention.module_sizes
+    qkv_rows = np.concatenate([np.arange(q_part.start, q_part.stop),
+                               q_size + np.arange(kv_part.start, kv_part.stop),
+                               q_size + kv_size + np.arange(kv_part.start, kv_part.stop)])
+    part, whole = mlp.shard_part, int(mlp.module_size or 0)
+    gate_up_rows = np.concatenate([np.arange(part.start, part.stop), whole + np.arange(part.start, part.stop)])
+    return ({"row_maps": (qkv_rows,), "module_rows": (q_size + 2 * kv_size,)},
+            {"column_map": q_part, "module_in": q_size},
+            {"row_maps": (gate_up_rows,), "module_rows": (2 * whole,)},
+            {"column_map": part, "module_in": whole})
 
 
 @dataclass
@@ -179,11 +206,17 @@ class Phi3Model(FamilyModel):
         for index, layer in enumerate(self.layers):
             g, attention, mlp = layer.geometry, layer.attention, layer.mlp
             qkv_rows = (g.num_heads + 2 * g.num_kv_heads) * g.head_dim
-            attention.lora_qkv = new_stack(backend, attention, "qkv", ("self_attn.qkv_proj",), (qkv_rows,), limits)
-            attention.lora_o = new_stack(backend, attention, "o", ("self_attn.o_proj",), (g.hidden_size,), limits)
-            mlp.lora_gate_up = new_stack(backend, mlp, "gate_up", ("mlp.gate_up_proj",), (2 * c.intermediate_size,),
-                                         limits)
-            mlp.lora_down = new_stack(backend, mlp, "down", ("mlp.down_proj",), (c.hidden_size,), limits)
+            width = 2 * c.intermediate_size
+            qkv_parts, o_parts, gate_up_parts, down_parts = _fused_parts(attention, mlp)
+            if mlp.shard_part is not None:
+                width = 2 * (mlp.shard_part.stop - mlp.shard_part.start)
+            attention.lora_qkv = new_stack(backend, attention, "qkv", ("self_attn.qkv_proj",), (qkv_rows,), limits,
+                                           **qkv_parts)
+            attention.lora_o = new_stack(backend, attention, "o", ("self_attn.o_proj",), (g.hidden_size,), limits,
+                                         **o_parts)
+            mlp.lora_gate_up = new_stack(backend, mlp, "gate_up", ("mlp.gate_up_proj",), (width,), limits,
+                                         **gate_up_parts)
+            mlp.lora_down = new_stack(backend, mlp, "down", ("mlp.down_proj",), (c.hidden_size,), limits, **down_parts)
             stacks += [(index, stack) for stack in (attention.lora_qkv, attention.lora_o, mlp.lora_gate_up,
                                                     mlp.lora_down)]
         return LoraLayout(stacks, ends_lora(backend, self.ends, c.hidden_size, max_loras))

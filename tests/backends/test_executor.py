@@ -95,11 +95,25 @@ LORA_TARGETS = {
     "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "deepseek_v2": ["q_proj", "kv_a_proj_with_mqa", "o_proj"],
     "deepseek_v3": ["q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj"],
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
 }
 
 
+def phi3_checkpoint(folder):
+    """A tiny Phi-3 with fused q/k/v and gate/up matrices (two KV heads, so each rank holds one)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from metrale.testing.hf import build_hf_checkpoint
+
+    config = Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return build_hf_checkpoint(Phi3ForCausalLM, config, folder, seed=9)
+
+
 @pytest.mark.parametrize("family, options", [("llama", {}), ("qwen3_moe", {"expert_parallel": True}),
-                                             ("deepseek_v2", {}), ("deepseek_v3", {"expert_parallel": True})])
+                                             ("deepseek_v2", {}), ("deepseek_v3", {"expert_parallel": True}),
+                                             ("phi3", {})])
 def test_lora_over_two_worker_ranks_equals_one_rank(dense_checkpoints, moe_checkpoints, mla_checkpoints, tmp_path,
                                                     family, options):
     """Adapters on the attention and MLP projections (and one replacing embedding rows), two at
@@ -108,7 +122,8 @@ def test_lora_over_two_worker_ranks_equals_one_rank(dense_checkpoints, moe_check
     from metrale import LoRARequest
     from metrale.testing.hf import build_peft_adapter
 
-    checkpoint = {**dense_checkpoints, **moe_checkpoints, **mla_checkpoints}[family]
+    models = {**dense_checkpoints, **moe_checkpoints, **mla_checkpoints}
+    checkpoint = phi3_checkpoint(tmp_path / "phi3") if family == "phi3" else models[family]
     build_peft_adapter(checkpoint, tmp_path / "a", seed=1, r=8, lora_alpha=16, target_modules=LORA_TARGETS[family])
     build_peft_adapter(checkpoint, tmp_path / "b", seed=2, r=4, lora_alpha=8, target_modules=LORA_TARGETS[family][:2],
                        trainable_token_indices={"embed_tokens": [3, 5]})
