@@ -2,7 +2,8 @@
 
 ``metrale generate [--model M] [--stream] PROMPT...`` generates a continuation of each prompt
 (the embedded default model when ``--model`` is not given); ``metrale plugins`` lists the
-installed plugins, the architectures each family serves and the kernels of every op;
+installed plugins, the architectures each family serves, the tool-call and reasoning parsers
+and the kernels of every op;
 ``metrale serve MODEL`` serves a model over HTTP (:mod:`metrale.entrypoints.server.main`);
 ``metrale bench`` measures prefill and decode against transformers, offline throughput, or a
 running server (:mod:`metrale.benchmarks`). ``python -m metrale`` is the same command.
@@ -309,11 +310,24 @@ def _plugins(args: argparse.Namespace) -> int:
             print(f"    model_type: {', '.join(spec.model_types)}")
         if name not in families:
             print(f"  hooks: {', '.join(hooks)}")
+        for label, names in _parser_names(manager, name):
+            print(f"  {label}: {', '.join(names)}")
     blocked = sorted(name for name, plugin in manager.list_name_plugin() if plugin is None)
     if blocked:
         print(f"blocked: {', '.join(blocked)}")
     _print_ops(manager)
     return 0
+
+
+def _parser_names(manager: Any, plugin_name: str) -> list[tuple[str, list[str]]]:
+    """The tool-call and reasoning parsers the plugin ``plugin_name`` declares, by kind."""
+    found = []
+    for label, hook in (("tool parsers", "metrale_tool_parsers"), ("reasoning parsers", "metrale_reasoning_parsers")):
+        for implementation in getattr(manager.hook, hook).get_hookimpls():
+            if implementation.plugin_name == plugin_name:
+                answer = implementation.function() or {}
+                found.append((label, sorted(answer)))
+    return found
 
 
 def _print_ops(manager: object) -> None:

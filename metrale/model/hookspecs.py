@@ -9,11 +9,13 @@ or whose minor version is newer.
 Version 1.1 added ``metrale_register_ops``; version 1.2 added speculative decoding's
 ``metrale_verify``, ``metrale_verdict`` and ``metrale_drafters``; version 1.3 passes the step's
 planned rows (``segments``) to ``metrale_decode_batch``, ``metrale_mixed_forward`` and
-``metrale_prefill_chunk``. Every 1.0, 1.1 and 1.2 plugin works unchanged: a
-:class:`~metrale.model.family.FamilyPlugin` derives the verify and the verdict, and pluggy calls an
-implementation with only the arguments it names.
+``metrale_prefill_chunk``; version 1.4 added the OpenAI server's ``metrale_tool_parsers`` and
+``metrale_reasoning_parsers``. Every 1.0 to 1.3 plugin works unchanged: a
+:class:`~metrale.model.family.FamilyPlugin` derives the verify and the verdict, pluggy calls an
+implementation with only the arguments it names, and a hook a plugin does not implement is not
+called on it.
 
-The hooks fall into five groups:
+The hooks fall into these groups:
 
 * **family registration** -- which checkpoints a family serves, how it builds a model, what cache
   it needs;
@@ -24,6 +26,8 @@ The hooks fall into five groups:
 * **speculation** -- the drafters a plugin offers (``metrale_drafters``) and the verdict after a
   verify;
 * **ops** -- ops and kernels a plugin adds to the op layer (``metrale_register_ops``);
+* **serving** -- the parsers the OpenAI server reads tool calls and reasoning with
+  (``metrale_tool_parsers``, ``metrale_reasoning_parsers``);
 * **queries** -- small questions the scheduler asks a model (``is_mla``, ``kv_block_size``...).
 
 This module imports nothing heavy: reading it must not import NumPy, CuPy or numba.
@@ -39,13 +43,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from metrale.backends.base import Backend
     from metrale.cache.spec import CacheSpec
     from metrale.config import EngineConfig
+    from metrale.entrypoints.parsers import ReasoningParser, ToolParser
     from metrale.loading.checkpoint import Checkpoint
     from metrale.model.family import FamilySpec
     from metrale.ops import PluginOps
     from metrale.sequence import ForwardStep, MixedForwardResult, PrefillSlice, Segment, SequenceState
 
 #: Version of the forward contract these specs describe, as ``"major.minor"``.
-CONTRACT_VERSION = "1.3"
+CONTRACT_VERSION = "1.4"
 
 __all__ = ["CONTRACT_VERSION", "PROJECT_NAME", "hookimpl", "hookspec"]
 
@@ -385,4 +390,33 @@ def metrale_register_ops(registry: "PluginOps") -> None:
     the op as ``backend.ops.<name>``. Declaring a name that Metrale or another plugin declared
     raises :class:`~metrale.errors.OpNameClashError` naming the op and both declarers. Returns
     None.
+    """
+
+
+# ------------------------------------------------------------------------------------ serving
+
+
+@hookspec
+def metrale_tool_parsers() -> "dict[str, type[ToolParser]]":
+    """Declare the tool-call parsers this plugin offers (contract 1.4).
+
+    Called once when the OpenAI server starts (:func:`metrale.entrypoints.parsers.tool_parsers`,
+    for ``--tool-call-parser``) and by ``metrale plugins``. Returns a mapping from a parser name
+    (``"hermes"``, ``"llama3_json"``, ...) to a subclass of
+    :class:`~metrale.entrypoints.parsers.ToolParser`, which the server instantiates per reply with
+    the request's ``tools``. A name that two plugins declare is an error
+    (:class:`~metrale.errors.PluginError`). Plugins that offer none do not implement it.
+    """
+
+
+@hookspec
+def metrale_reasoning_parsers() -> "dict[str, type[ReasoningParser]]":
+    """Declare the reasoning parsers this plugin offers (contract 1.4).
+
+    Called once when the OpenAI server starts (:func:`metrale.entrypoints.parsers.reasoning_parsers`,
+    for ``--reasoning-parser``) and by ``metrale plugins``. Returns a mapping from a parser name
+    (``"deepseek_r1"``, ``"qwen3"``, ...) to a subclass of
+    :class:`~metrale.entrypoints.parsers.ReasoningParser`, which the server instantiates per reply
+    with the request's ``chat_template_kwargs``. A name that two plugins declare is an error
+    (:class:`~metrale.errors.PluginError`). Plugins that offer none do not implement it.
     """

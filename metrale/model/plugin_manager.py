@@ -39,6 +39,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str, str], ...] = (
     ("stages", "metrale.plugins.stages", ""),
     ("ngram", "metrale.plugins.ngram", ""),
     ("mtp", "metrale.plugins.mtp", ""),
+    ("parsers", "metrale.plugins.parsers", ""),
 )
 
 

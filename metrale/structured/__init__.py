@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import json as jsonlib
 import logging
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -190,6 +191,36 @@ class StructuredOutputParams:
 
     def __hash__(self) -> int:
         return hash(self.key)
+
+
+#: What the JSON of a constraint embedded in a Lark grammar (:func:`after_prefix`) is written with
+#: unless its schema says otherwise: no whitespace between tokens, as for a plain ``json`` one.
+_COMPACT_JSON = {"whitespace_flexible": False}
+
+
+def after_prefix(params: StructuredOutputParams, prefix_rules: str) -> StructuredOutputParams:
+    """``params``' constraint applied after a prefix the grammar lets pass: a ``grammar``
+    constraint (llguidance's Lark) whose ``start`` is the rule ``reasoning_prefix``, which
+    ``prefix_rules`` define (:meth:`metrale.entrypoints.parsers.ReasoningParser.structured_output_prefix`),
+    then the constraint itself -- a JSON schema as ``%json``, a regular expression as a
+    terminal, a choice as alternatives, a grammar nested with ``%lark``. Raises
+    :class:`~metrale.errors.InvalidRequestError` when ``params`` is not a
+    :class:`StructuredOutputParams`."""
+    if not isinstance(params, StructuredOutputParams):
+        raise InvalidRequestError(f"structured output must be given as StructuredOutputParams, got {params!r}")
+    kind, text = params.key
+    if kind in ("json", "json_object"):
+        schema = jsonlib.loads(text)
+        schema = {"x-guidance": _COMPACT_JSON, **schema}
+        answer = "%json " + jsonlib.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    elif kind == "regex":
+        answer = "/" + re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", text) + "/"
+    elif kind == "choice":
+        answer = " | ".join(jsonlib.dumps(choice, ensure_ascii=False) for choice in jsonlib.loads(text))
+    else:
+        answer = "%lark {\n" + text + "\n}"
+    grammar = f"%llguidance {{}}\nstart: reasoning_prefix structured_answer\nstructured_answer: {answer}\n{prefix_rules}"
+    return StructuredOutputParams(grammar=grammar)
 
 
 class GrammarCompiler:

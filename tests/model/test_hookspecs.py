@@ -49,7 +49,7 @@ def test_stage_and_registration_specs_exist():
 def test_family_plugin_helper_implements_every_dispatch_and_query_hook():
     implemented = {name for name in dir(FamilyPlugin) if name.startswith("metrale_")}
     stage_hooks = {"metrale_flush", "metrale_stamp", "metrale_drafter", "metrale_end_graph_capture", "metrale_register_ops",
-                   "metrale_drafters"}
+                   "metrale_drafters", "metrale_tool_parsers", "metrale_reasoning_parsers"}
     assert implemented == set(SPECS) - stage_hooks
 
 

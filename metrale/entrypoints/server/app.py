@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import math
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +40,7 @@ from starlette.responses import Response
 
 from metrale._version import __version__
 from metrale.entrypoints.async_llm import AsyncEngineAPI
+from metrale.entrypoints.parsers import ReasoningParser, ToolParser
 from metrale.entrypoints.server import protocol as P
 from metrale.entrypoints.server.checks import _validation_error
 from metrale.entrypoints.server.gate import _Gate
@@ -57,9 +58,39 @@ from metrale.entrypoints.server.state import (
     _unavailable,
     logger,
 )
+from metrale.errors import ConfigError
 from metrale.loading.lora import LoRARequest
 
 # --------------------------------------------------------------------------------- the app
+
+
+def _set_parsers(state: _State, enable_auto_tool_choice: bool, tool_call_parser: Any, reasoning_parser: Any) -> None:
+    """Look the parsers up by name (ConfigError for an unknown one), or take the classes given,
+    and keep them in ``state``."""
+    from metrale.entrypoints.parsers import ReasoningParser, ToolParser, get_reasoning_parser, get_tool_parser
+
+    if not isinstance(enable_auto_tool_choice, bool):
+        raise ConfigError(f"enable_auto_tool_choice must be True or False, got {enable_auto_tool_choice!r}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ConfigError("enable_auto_tool_choice (--enable-auto-tool-choice) needs a tool_call_parser "
+                          "(--tool-call-parser NAME) to read the model's calls with")
+    manager: Any = None
+    for name, value, base, lookup in (("tool_call_parser", tool_call_parser, ToolParser, get_tool_parser),
+                                      ("reasoning_parser", reasoning_parser, ReasoningParser, get_reasoning_parser)):
+        if value is None:
+            parser = None
+        elif isinstance(value, type) and issubclass(value, base):
+            parser = value
+        elif isinstance(value, str):
+            if manager is None:
+                from metrale.model.plugin_manager import get_plugin_manager
+
+                manager = get_plugin_manager()
+            parser = lookup(value, manager)
+        else:
+            raise ConfigError(f"{name} must be a parser's name or a {base.__name__} subclass, got {value!r}")
+        setattr(state, "tool_parser" if name == "tool_call_parser" else "reasoning_parser", parser)
+    state.enable_auto_tool_choice = enable_auto_tool_choice
 
 
 def build_app(
@@ -74,6 +105,9 @@ def build_app(
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
     owns_engine: bool = True,
     lora_modules: Sequence[LoRARequest] = (),
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | type[ToolParser] | None = None,
+    reasoning_parser: str | type[ReasoningParser] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (an :class:`~metrale.AsyncLLM` or an
     :class:`~metrale.entrypoints.engine_process.EngineProcess`) as the model ``model_name``.
@@ -88,6 +122,12 @@ def build_app(
     ``lora_modules`` are the engine's LoRA adapters (a list of :class:`~metrale.loading.lora.LoRARequest`): a
     request whose ``model`` is an adapter's name runs with it; ``/v1/models`` lists them too.
     ``app.state.metrale`` holds the app's state (``begin_drain()`` starts refusing requests).
+    ``tool_call_parser`` and ``reasoning_parser`` name the parsers (plugins'
+    ``metrale_tool_parsers`` and ``metrale_reasoning_parsers``, :mod:`metrale.entrypoints.parsers`)
+    chat replies are read with, or are the parser classes themselves; ``tool_choice="auto"``
+    replies are parsed for calls only with ``enable_auto_tool_choice``, which needs a
+    ``tool_call_parser``. An unknown parser name raises
+    :class:`~metrale.errors.ConfigError` listing the available ones.
     """
     if not isinstance(engine, AsyncEngineAPI):
         raise TypeError(f"build_app() takes an AsyncLLM or an EngineProcess, got {engine!r}")
@@ -110,6 +150,7 @@ def build_app(
                    max_logprobs=max_logprobs, drain_timeout=float(drain_timeout), owns_engine=owns_engine,
                    body_timeout=float(body_timeout))
     state.lora_modules = adapters
+    _set_parsers(state, enable_auto_tool_choice, tool_call_parser, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -10,6 +10,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from metrale.entrypoints.server import protocol as P
+from metrale.entrypoints.server.replies import _template_messages
 from metrale.entrypoints.server.state import (
     _PLAIN_FIELDS,
     _STRUCTURED_KEYS,
@@ -211,14 +212,15 @@ def _sampling_options(state: _State, req: P.SamplingRequest, *, n: int, logprobs
     return options
 
 
-async def _check_structured_output(state: _State, req: P.SamplingRequest, options: dict[str, Any]) -> None:
+async def _check_structured_output(state: _State, req: P.SamplingRequest, options: dict[str, Any],
+                                   source: str | None = None) -> None:
     """Check the request's structured output off the event loop (a slow or crashing compile
-    costs only this request: :mod:`metrale.structured.sandbox`), naming the field on a 400; the
-    engine then finds it checked."""
+    costs only this request: :mod:`metrale.structured.sandbox`), naming the field on a 400
+    (``source``, else the field it came from); the engine then finds it checked."""
     structured = options.get("structured_output")
     if structured is None:
         return
-    source = _structured(req)[1] or "response_format"
+    source = source or _structured(req)[1] or "response_format"
     try:
         await state.engine.check_structured_output(structured)
     except InvalidRequestError as error:
@@ -349,9 +351,7 @@ def _chat_prompt(state: _State, req: P.ChatCompletionRequest) -> tuple[str, list
                          param="chat_template_kwargs")
     if req.given("documents"):
         kwargs["documents"] = req.documents
-    if req.given("tool_choice") and req.tool_choice not in ("none", "auto"):
-        raise P.APIError(400, "tool_choice may only be 'none' or 'auto': this server does not force or parse tool calls",
-                         param="tool_choice")
+    messages = _template_messages(messages)
     if req.continue_final_message:
         raise P.APIError(400, "continue_final_message is not supported", param="continue_final_message")
     add_generation_prompt = req.add_generation_prompt if req.add_generation_prompt is not None else True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi import Request
 from starlette.responses import Response
@@ -19,8 +19,10 @@ from metrale.entrypoints.server.checks import (
     _params_for_prompt,
     _parse,
     _sampling_options,
+    _structured,
 )
 from metrale.entrypoints.server.jobs import _Choice, _ClientGone, _collect, _EventStream, _failure, _Job
+from metrale.entrypoints.server.replies import _constrain, _Reply, _reply_format, _ReplyFormat
 from metrale.entrypoints.server.state import COMPLETION_DEFAULT_MAX_TOKENS, _error_response, _json_response, _State, _unavailable
 from metrale.errors import EngineBusyError, EngineClosedError, InvalidRequestError, MetraleError, QueueFullError
 from metrale.params import CompletionOutput, RequestOutput
@@ -127,9 +129,14 @@ class _Context:
         none are asked for or none is new)."""
         raise NotImplementedError
 
-    def delta_choice(self, index: int, delta: str, logprobs: dict | None, finish: str | None, reason: str | int | None,
-                     prompt_logprobs: list | None) -> dict:
-        """Choice ``index`` of a chunk: its new text ``delta``, logprobs and finish."""
+    def payload(self, choice: _Choice, completion: CompletionOutput, delta: str) -> Any:
+        """What a chunk of ``choice`` carries of its reply, from its new text ``delta`` and its
+        latest ``completion``: the text itself by default; None when there is nothing new."""
+        return delta or None
+
+    def delta_choice(self, choice: _Choice, index: int, payload: Any, logprobs: dict | None, finish: str | None,
+                     reason: str | int | None, prompt_logprobs: list | None) -> dict:
+        """Choice ``index`` of a chunk: its new ``payload`` (:meth:`payload`), logprobs and finish."""
         raise NotImplementedError
 
 
@@ -168,9 +175,9 @@ class _CompletionContext(_Context):
             return None
         return {key: [v for part in parts for v in part[key]] for key in parts[0]}
 
-    def delta_choice(self, index: int, delta: str, logprobs: dict | None, finish: str | None, reason: str | int | None,
-                     prompt_logprobs: list | None) -> dict:
-        return P.completion_choice(index, delta, logprobs, finish, reason, prompt_logprobs)
+    def delta_choice(self, choice: _Choice, index: int, payload: Any, logprobs: dict | None, finish: str | None,
+                     reason: str | int | None, prompt_logprobs: list | None) -> dict:
+        return P.completion_choice(index, payload or "", logprobs, finish, reason, prompt_logprobs)
 
     def echo_logprobs(self, builder: P.CompletionLogprobs, output: RequestOutput) -> dict:
         ids = output.prompt_token_ids
@@ -248,14 +255,15 @@ async def _events(job: _Job, context: _Context) -> AsyncIterator[bytes]:
                     delta = context.prefix(index) + delta
                 prompt_logprobs = context.prompt_logprobs_json(output) if first else None
                 finish = completion.finish_reason
-                if not delta and logprobs is None and finish is None and prompt_logprobs is None:
+                payload = context.payload(choice, completion, delta)
+                if payload is None and logprobs is None and finish is None and prompt_logprobs is None:
                     continue  # (then no echo piece was made either: with logprobs it is never empty)
                 choice.started = True
                 if finish is not None:
                     choice.finished = True
                     completion_tokens += len(completion.token_ids)
                 reason = P.stop_reason(completion, state.eos_token_ids, job.params[index].stop_token_ids) if finish else None
-                yield P.sse(context.chunk([context.delta_choice(choice_index, delta, logprobs, finish, reason,
+                yield P.sse(context.chunk([context.delta_choice(choice, choice_index, payload, logprobs, finish, reason,
                                                                 prompt_logprobs)]))
         if job.closed and len(job.done) < len(job.request_ids):
             return  # the client went away
@@ -280,9 +288,11 @@ async def _chat(state: _State, request: Request) -> Response:
         k = _check_logprobs_count(state, "top_logprobs", req.top_logprobs) if req.given("top_logprobs") else 0
     elif req.given("top_logprobs") and req.top_logprobs != 0:
         raise P.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    reply_format = _reply_format(state, req)
     text, ids = _chat_prompt(state, req)
     options = _sampling_options(state, req, n=n, logprobs=k, logprobs_param="top_logprobs")
-    await _check_structured_output(state, req, options)
+    source = _constrain(reply_format, options, req, _structured(req)[1])
+    await _check_structured_output(state, req, options, source)
     if req.given("max_completion_tokens"):
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -293,7 +303,8 @@ async def _chat(state: _State, request: Request) -> Response:
     job = _Job(state, "/v1/chat/completions", [(text, ids)], params, response_id, lora)
     job.submit()
     try:
-        context = _ChatContext(state, req.model, response_id, created, n, k, include_usage)
+        context = _ChatContext(state, req.model, response_id, created, n, k, include_usage,
+                               reply_format if reply_format.active else None, ids, params[0].stop)
         job.watch(request)
         if stream:
             return _EventStream(_events(job, context), job)
@@ -308,9 +319,32 @@ async def _chat(state: _State, request: Request) -> Response:
 
 
 class _ChatContext(_Context):
-    """What the chat completions responses are built from."""
+    """What the chat completions responses are built from; with a ``reply_format``
+    (:mod:`metrale.entrypoints.server.replies`), each choice's text is read into content, reasoning
+    and tool calls."""
 
     name = "chat completions"
+
+    def __init__(self, state: _State, model: str, response_id: str, created: int, n: int, k: int | None,
+                 include_usage: bool, reply_format: _ReplyFormat | None = None, prompt_token_ids: Sequence[int] = (),
+                 stops: Sequence[str] = ()) -> None:
+        super().__init__(state, model, response_id, created, n, k, include_usage)
+        self.reply_format = reply_format
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.stops = tuple(stops)
+
+    def new_reply(self) -> _Reply:
+        """The reader of one choice's reply."""
+        assert self.reply_format is not None
+        return _Reply(self.reply_format, self.state.llm.tokenizer, self.prompt_token_ids, self.stops)
+
+    def payload(self, choice: _Choice, completion: CompletionOutput, delta: str) -> Any:
+        if self.reply_format is None:
+            return delta or None
+        if choice.reply is None:
+            choice.reply = self.new_reply()
+        return choice.reply.feed(completion.text or "", completion.token_ids, completion.finish_reason,
+                                 completion.stop_reason) or None
 
     def chunk(self, choices: list[dict], used: dict | None = None) -> dict:
         return P.chat_chunk(self.id, self.created, self.model, choices, used=used, include_usage=self.include_usage)
@@ -328,9 +362,13 @@ class _ChatContext(_Context):
         entries = list(completion.logprobs or [])[choice.tokens:len(completion.token_ids)]
         return P.chat_logprobs(new_ids, entries, self.k, self.state.token_text)
 
-    def delta_choice(self, index: int, delta: str, logprobs: dict | None, finish: str | None, reason: str | int | None,
-                     prompt_logprobs: list | None) -> dict:
-        content = {"content": delta} if delta or finish is None else {}
+    def delta_choice(self, choice: _Choice, index: int, payload: Any, logprobs: dict | None, finish: str | None,
+                     reason: str | int | None, prompt_logprobs: list | None) -> dict:
+        if self.reply_format is not None:
+            if choice.reply is not None:
+                finish = choice.reply.finish_reason(finish)
+            return P.chat_delta_choice(index, payload or {}, logprobs, finish, reason)
+        content = {"content": payload or ""} if payload or finish is None else {}
         return P.chat_delta_choice(index, content, logprobs, finish, reason)
 
     def response(self, job: _Job, output: RequestOutput) -> dict:
@@ -344,7 +382,14 @@ class _ChatContext(_Context):
             if self.k is not None:
                 logprobs = P.chat_logprobs(completion.token_ids, list(completion.logprobs or []), self.k, state.token_text)
             reason = P.stop_reason(completion, state.eos_token_ids, job.params[0].stop_token_ids)
-            choices.append(P.chat_choice(completion.index, completion.text or "", logprobs, completion.finish_reason, reason))
+            if self.reply_format is None:
+                choices.append(P.chat_choice(completion.index, completion.text or "", logprobs, completion.finish_reason,
+                                             reason))
+                continue
+            reply = self.new_reply()
+            reply.feed(completion.text or "", completion.token_ids, completion.finish_reason, completion.stop_reason)
+            choices.append(P.chat_choice(completion.index, "", logprobs, reply.finish_reason(completion.finish_reason), reason,
+                                         reply.message()))
         used = P.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))
         return P.chat_response(self.id, self.created, self.model, choices, used)
 

@@ -236,5 +236,7 @@ class _Choice:
         self.started = False
         self.finished = False
         self.logprobs: P.CompletionLogprobs | None = None
+        #: The choice's reply as its tool calls and reasoning are read (a chat reply with parsers).
+        self.reply: Any = None
 
 

@@ -128,6 +128,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         f"closed and its requests aborted (default: {DEFAULT_STREAM_IDLE_TIMEOUT:g})")
     server.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE, metavar="S",
                         help=f"seconds an idle kept-alive connection stays open (default: {DEFAULT_TIMEOUT_KEEP_ALIVE:g})")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="read the tool calls of tool_choice='auto' replies with --tool-call-parser (without it "
+                        "such replies are text)")
+    server.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                        help="the model's tool-call syntax: hermes, llama3_json, mistral, deepseek_v3, openai, or a "
+                        "plugin's parser (metrale plugins lists them)")
+    server.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                        help="split replies into reasoning_content and content: deepseek_r1, qwen3, openai_gptoss, or a "
+                        "plugin's parser")
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level (default: info)")
     server.add_argument("--no-progress", action="store_true", help="hide the progress bar while the model loads")
     engine = parser.add_argument_group("engine")
@@ -291,6 +300,24 @@ def _check_server_options(args: argparse.Namespace) -> None:
         raise ConfigError(f"--lora-modules names {args.served_model_name!r}, the base model's served name")
     if args.api_key is not None and not args.api_key:
         raise ConfigError(f"--api-key must not be empty (leave it out, and {API_KEY_VARIABLE} unset, for no key)")
+    _check_parsers(args)
+
+
+def _check_parsers(args: argparse.Namespace) -> None:
+    """Refuse unknown parser names, and --enable-auto-tool-choice without a parser, before the
+    model loads."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser NAME to read the model's calls with")
+    if args.tool_call_parser is None and args.reasoning_parser is None:
+        return
+    from metrale.entrypoints.parsers import get_reasoning_parser, get_tool_parser
+    from metrale.model.plugin_manager import get_plugin_manager
+
+    manager = get_plugin_manager()
+    if args.tool_call_parser is not None:
+        get_tool_parser(args.tool_call_parser, manager)
+    if args.reasoning_parser is not None:
+        get_reasoning_parser(args.reasoning_parser, manager)
 
 
 def _is_loopback(host: str) -> bool:
@@ -669,8 +696,11 @@ def _app_options(args: argparse.Namespace) -> dict[str, Any]:
     """The :func:`~metrale.entrypoints.server.app.build_app` keywords the parsed ``args`` give (those left out
     keep their defaults)."""
     options: dict[str, Any] = {}
-    for name in ("max_body_bytes", "body_timeout", "max_n", "max_logprobs", "drain_timeout"):
+    for name in ("max_body_bytes", "body_timeout", "max_n", "max_logprobs", "drain_timeout", "tool_call_parser",
+                 "reasoning_parser"):
         value = getattr(args, name)
         if value is not None:
             options[name] = value
+    if args.enable_auto_tool_choice:
+        options["enable_auto_tool_choice"] = True
     return options

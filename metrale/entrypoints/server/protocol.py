@@ -135,6 +135,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
@@ -286,9 +287,13 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
 
 
 def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                reason: str | int | None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text, "tool_calls": []}, "logprobs": logprobs,
-            "finish_reason": finish_reason, "stop_reason": reason}
+                reason: str | int | None, message: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A chat choice: ``message`` (the assistant's, with its ``tool_calls`` and
+    ``reasoning_content``), or by default a message whose content is ``text``."""
+    if message is None:
+        message = {"role": "assistant", "content": text, "tool_calls": []}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": reason}
 
 
 def completion_response(response_id: str, created: int, model: str, choices: list[dict], used: dict) -> dict[str, Any]:

@@ -85,6 +85,12 @@ class _State:
         self.model_name = model_name
         #: The LoRA adapters requests may name, by name (:func:`~metrale.entrypoints.server.app.build_app`).
         self.lora_modules: dict[str, Any] = {}
+        #: The tool-call parser class of ``tool_choice="auto"`` (``--tool-call-parser``), or None.
+        self.tool_parser: Any = None
+        #: Whether ``tool_choice="auto"`` replies are parsed for calls (``--enable-auto-tool-choice``).
+        self.enable_auto_tool_choice = False
+        #: The reasoning parser class (``--reasoning-parser``), or None.
+        self.reasoning_parser: Any = None
         self.api_key = api_key.encode("utf-8") if api_key else None
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout

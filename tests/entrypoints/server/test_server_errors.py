@@ -19,6 +19,7 @@ from serverkit import API_KEY, MODEL, Stack, http_client, openai_client, wait_id
 COMPLETION = {"model": MODEL, "prompt": "Return the", "max_tokens": 4}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": SCHEMA}}]
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +181,41 @@ CASES = [
     ("chat_template_kwargs not an object", CH, chat(chat_template_kwargs=[1]), 400, "chat_template_kwargs"),
     ("tools not a list", CH, chat(tools={"type": "function"}), 400, "tools"),
     ("tool_choice required", CH, chat(tool_choice="required"), 400, "tool_choice"),
+    ("tool_choice naming an unknown function", CH, chat(tools=TOOLS, tool_choice={"type": "function", "function": {
+        "name": "nope"}}), 400, "tool_choice"),
+    ("tool_choice an unknown word", CH, chat(tools=TOOLS, tool_choice="always"), 400, "tool_choice"),
+    ("tool_choice a function without tools", CH, chat(tool_choice={"type": "function", "function": {"name": "f"}}), 400,
+     "tool_choice"),
+    ("tool_choice without a name", CH, chat(tools=TOOLS, tool_choice={"type": "function"}), 400, "tool_choice"),
+    ("tool_choice a number", CH, chat(tools=TOOLS, tool_choice=3), 400, "tool_choice"),
+    ("a tool without a name", CH, chat(tools=[{"type": "function", "function": {}}]), 400, "tools[0].function.name"),
+    ("a tool of another type", CH, chat(tools=[{"type": "retrieval"}]), 400, "tools[0].type"),
+    ("a tool whose function is a string", CH, chat(tools=[{"type": "function", "function": "f"}]), 400, "tools[0].function"),
+    ("tool parameters not an object", CH, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
+     400, "tools[0].function.parameters"),
+    ("two tools of one name", CH, chat(tools=TOOLS * 2), 400, "tools[1].function.name"),
+    ("too many tools", CH, chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(200)]), 400,
+     "tools"),
+    ("a forced tool with an invalid schema", CH, chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "no-such-type"}}}], tool_choice="required"), 400, "tools"),
+    ("a named tool with an unsatisfiable schema", CH, chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "integer", "minimum": 5, "maximum": 1}}}],
+        tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tools"),
+    ("a huge tool schema", CH, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100} for i in range(1500)}}}}],
+        tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tools"),
+    ("a forced tool and response_format", CH, chat(tools=TOOLS, tool_choice="required",
+                                                   response_format={"type": "json_object"}), 400, "tool_choice"),
+    ("parallel_tool_calls a string", CH, chat(tools=TOOLS, parallel_tool_calls="yes"), 400, "parallel_tool_calls"),
+    ("assistant tool_calls malformed", CH, chat(messages=[{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}]), 400, "messages[1].tool_calls[0]"),
+    ("assistant tool_calls not a list", CH, chat(messages=[{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "tool_calls": {"id": "x"}}]), 400, "messages[1].tool_calls"),
+    ("tool call arguments not JSON", CH, chat(messages=[{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "tool_calls": [{"id": "x", "type": "function", "function": {
+            "name": "f", "arguments": "{oops"}}]}]), 400, "messages[1].tool_calls[0].function.arguments"),
+    ("tool_call_id a number", CH, chat(messages=[{"role": "user", "content": "hi"}, {
+        "role": "tool", "tool_call_id": 5, "content": "41"}]), 400, "messages[1].tool_call_id"),
     ("add_generation_prompt a string", CH, chat(add_generation_prompt="no"), 400, "add_generation_prompt"),
     ("continue_final_message", CH, chat(continue_final_message=True), 400, "continue_final_message"),
 ]

@@ -352,7 +352,8 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endf
 
 
 def test_tools_and_template_kwargs_reach_the_chat_template():
-    """Tools and chat_template_kwargs are rendered by the template (tool calls are not parsed)."""
+    """Tools and chat_template_kwargs are rendered by the template (without a tool-call parser the
+    reply is text: no call is read)."""
     templated = Stack(engine_options={"chat_template": TEMPLATE})
     reference = new_llm(chat_template=TEMPLATE)
     try:
