@@ -79,11 +79,11 @@ def new_stack(backend: Any, owner: Any, attribute: str, names: tuple[str, ...], 
 
     On a rank of a tensor-parallel group ``layout`` must say the rank's part (``row_maps`` of a
     column-parallel product, ``column_map`` and ``module_in`` of a row-parallel one,
-    :class:`~metrale.layers.lora_stacks.LoraStack`; ``sharded=True`` where the projection is
-    whole on every rank): a stack that does not is refused with a
+    :class:`~metrale.layers.lora_stacks.LoraStack`) and pass ``sharded=True`` (also where the
+    projection is whole on every rank): a stack that does not is refused with a
     :class:`~metrale.errors.ConfigError`, as its family has not said how its adapters split."""
     shard = getattr(backend, "shard", None)
-    says_its_part = layout.pop("sharded", False) or "column_map" in layout or "row_maps" in layout
+    says_its_part = layout.pop("sharded", False)
     if shard is not None and shard.sharded and not says_its_part:
         raise ConfigError(f"LoRA on {', '.join(names)} is not served with tensor parallelism (tensor_parallel_size="
                           f"{shard.size}): this family's adapter stacks do not say their part on a rank; leave "
@@ -105,8 +105,8 @@ def attention_lora(backend: Any, weights: Any, geometry: Any, limits: dict, pref
         (q_part, kv_part), (q_size, kv_size) = weights.shard_rows, weights.module_sizes
         qkv_parts = {"row_maps": (np.arange(q_part.start, q_part.stop), np.arange(kv_part.start, kv_part.stop),
                                   np.arange(kv_part.start, kv_part.stop)),
-                     "module_rows": (q_size, kv_size, kv_size)}
-        o_parts = {"column_map": q_part, "module_in": q_size}
+                     "module_rows": (q_size, kv_size, kv_size), "sharded": True}
+        o_parts = {"column_map": q_part, "module_in": q_size, "sharded": True}
     weights.lora_qkv = new_stack(backend, weights, "qkv", names, (q_rows, kv_rows, kv_rows), limits, **qkv_parts)
     weights.lora_o = new_stack(backend, weights, "o", (f"{prefix}.o_proj",), (g.hidden_size,), limits, **o_parts)
     return [weights.lora_qkv, weights.lora_o]
@@ -121,8 +121,8 @@ def mlp_lora(backend: Any, weights: Any, hidden_size: int, intermediate_size: in
     part, whole = weights.shard_part, weights.module_size
     if part is not None and whole is not None:
         rows = np.arange(part.start, part.stop)
-        gate_up_parts = {"row_maps": (rows, rows), "module_rows": (whole, whole)}
-        down_parts = {"column_map": part, "module_in": whole}
+        gate_up_parts = {"row_maps": (rows, rows), "module_rows": (whole, whole), "sharded": True}
+        down_parts = {"column_map": part, "module_in": whole, "sharded": True}
         intermediate_size = part.stop - part.start
     weights.lora_gate_up = new_stack(backend, weights, "gate_up", (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
                                      (intermediate_size, intermediate_size), limits, **gate_up_parts)

@@ -60,20 +60,32 @@ class GatedAttention:
     #: The checkpoint's static FP8 scales of the cached keys and values (None: none).
     k_scale: float | None = None
     v_scale: float | None = None
+    #: On a rank of a tensor-parallel group: its query heads and its key/value heads of the
+    #: model's ``(num_heads, num_kv_heads)`` (``config`` holds its own counts); None on a whole model.
+    shard_heads: tuple[slice, slice] | None = None
+    whole_heads: tuple[int, int] = (0, 0)
 
     def enable_lora(self, backend: Any, limits: dict) -> list[Any]:
         """Adapter slots for ``q_proj`` (its query rows and its gate rows, where the fused weight
-        holds them), ``k_proj``, ``v_proj`` and ``o_proj``."""
+        holds them), ``k_proj``, ``v_proj`` and ``o_proj``; on a rank of a tensor-parallel group
+        its heads' rows of the first three and its heads' columns of ``o_proj``."""
         c = self.config
         heads, kv, d, hidden = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+        all_heads, all_kv = self.whole_heads if self.shard_heads is not None else (heads, kv)
+        head_part, kv_part = self.shard_heads if self.shard_heads is not None else (slice(0, heads), slice(0, kv))
         # q_proj's rows per head: d query rows, then d gate rows (load's regrouping).
-        per_head = np.arange(heads * 2 * d).reshape(heads, 2, d)
+        per_head = np.arange(all_heads * 2 * d).reshape(all_heads, 2, d)[head_part]
+        kv_rows = np.arange(kv_part.start * d, kv_part.stop * d)
+        sharded = self.shard_heads is not None
         self.lora_qkv_gate = new_stack(
             backend, self, "qkv_gate", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj"),
             (heads * d, kv * d, kv * d, heads * d), limits,
-            row_maps=(per_head[:, 0].reshape(-1), None, None, per_head[:, 1].reshape(-1)),
-            module_rows=(2 * heads * d, kv * d, kv * d, 2 * heads * d))
-        self.lora_o = new_stack(backend, self, "o", ("self_attn.o_proj",), (hidden,), limits)
+            row_maps=(per_head[:, 0].reshape(-1), kv_rows if sharded else None, kv_rows if sharded else None,
+                      per_head[:, 1].reshape(-1)),
+            module_rows=(2 * all_heads * d, all_kv * d, all_kv * d, 2 * all_heads * d), sharded=sharded)
+        o_parts = ({"column_map": slice(head_part.start * d, head_part.stop * d), "module_in": all_heads * d,
+                    "sharded": True} if sharded else {})
+        self.lora_o = new_stack(backend, self, "o", ("self_attn.o_proj",), (hidden,), limits, **o_parts)
         return [self.lora_qkv_gate, self.lora_o]
 
     @classmethod
@@ -95,6 +107,8 @@ class GatedAttention:
         keys_values = [(f"{prefix}.{name}.weight", kv_shape, kv_rows, None) for name in ("k_proj", "v_proj")]
         k_scale, v_scale = load_kv_cache_scales(checkpoint, prefix)
         return cls(
+            shard_heads=(heads, kv) if shard.sharded else None,
+            whole_heads=(c.num_heads, c.num_kv_heads),
             config=rank_config(c, shard),
             qkv_gate=load_stacked(checkpoint, backend, *queries, *keys_values, *gates),
             qkv_columns=(local + 2 * local_kv) * d,
@@ -160,13 +174,27 @@ class GatedDeltaNet:
     #: The adapter slots of ``in_proj`` and ``out`` when LoRA is on (:meth:`enable_lora`).
     lora_in: Any = None
     lora_out: Any = None
+    #: On a rank of a tensor-parallel group: its rows of ``in_proj_qkvz`` and ``in_proj_ba`` and
+    #: its columns of ``out_proj``, and the three whole sizes; None on a whole model.
+    shard_parts: tuple[slice, slice, slice] | None = None
+    whole_sizes: tuple[int, int, int] = (0, 0, 0)
 
     def enable_lora(self, backend: Any, limits: dict) -> list[Any]:
-        """Adapter slots for ``in_proj_qkvz`` with ``in_proj_ba``, and ``out_proj``."""
+        """Adapter slots for ``in_proj_qkvz`` with ``in_proj_ba``, and ``out_proj``; on a rank of a
+        tensor-parallel group its key heads' groups of rows of the first two and its value heads'
+        columns of ``out_proj``."""
         c = self.config
+        in_parts: dict[str, Any] = {}
+        out_parts: dict[str, Any] = {}
+        if self.shard_parts is not None:
+            (qkvz, ba, out), (all_qkvz, all_ba, all_out) = self.shard_parts, self.whole_sizes
+            in_parts = {"row_maps": (np.arange(qkvz.start, qkvz.stop), np.arange(ba.start, ba.stop)),
+                        "module_rows": (all_qkvz, all_ba), "sharded": True}
+            out_parts = {"column_map": out, "module_in": all_out, "sharded": True}
         self.lora_in = new_stack(backend, self, "in_proj", ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"),
-                                 (self.qkvz_columns, 2 * c.linear_value_heads), limits)
-        self.lora_out = new_stack(backend, self, "out", ("linear_attn.out_proj",), (c.hidden_size,), limits)
+                                 (self.qkvz_columns, 2 * c.linear_value_heads), limits, **in_parts)
+        self.lora_out = new_stack(backend, self, "out", ("linear_attn.out_proj",), (c.hidden_size,), limits,
+                                  **out_parts)
         return [self.lora_in, self.lora_out]
 
     @classmethod
@@ -191,6 +219,10 @@ class GatedDeltaNet:
                                conv[2 * hk * dk + values.start * dv : 2 * hk * dk + values.stop * dv]])
         qkvz_columns = 2 * local_keys * dk + 2 * local_values * dv
         return cls(
+            shard_parts=(slice(keys.start * group, keys.stop * group),
+                         slice(keys.start * 2 * ratio, keys.stop * 2 * ratio),
+                         slice(values.start * dv, values.stop * dv)) if shard.sharded else None,
+            whole_sizes=(2 * hk * dk + 2 * hv * dv, 2 * hv, hv * dv),
             config=rank_config(c, shard),
             in_proj=load_stacked(
                 checkpoint, backend,

@@ -95,10 +95,11 @@ class LatentAttention:
             whole_q = self.whole_heads * head_rows
             first = q_rows if c.q_lora_rank is None else np.arange(self.q_columns)
             q_kv_a_parts = {"row_maps": (first, np.arange(kv_a_rows)),
-                            "module_rows": (whole_q if c.q_lora_rank is None else self.q_columns, kv_a_rows)}
-            q_b_parts = {"row_maps": (q_rows,), "module_rows": (whole_q,)}
+                            "module_rows": (whole_q if c.q_lora_rank is None else self.q_columns, kv_a_rows),
+                            "sharded": True}
+            q_b_parts = {"row_maps": (q_rows,), "module_rows": (whole_q,), "sharded": True}
             o_parts = {"column_map": slice(part.start * c.v_head_dim, part.stop * c.v_head_dim),
-                       "module_in": self.whole_heads * c.v_head_dim}
+                       "module_in": self.whole_heads * c.v_head_dim, "sharded": True}
         self.lora_q_kv_a = new_stack(backend, self, "q_kv_a", (q_name, "self_attn.kv_a_proj_with_mqa"),
                                      (self.q_columns, kv_a_rows), limits, **q_kv_a_parts)
         self.lora_o = new_stack(backend, self, "o", ("self_attn.o_proj",), (c.hidden_size,), limits, **o_parts)

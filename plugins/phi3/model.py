@@ -108,10 +108,10 @@ def _fused_parts(attention: AttentionWeights, mlp: MlpWeights) -> tuple[dict, di
                                q_size + kv_size + np.arange(kv_part.start, kv_part.stop)])
     part, whole = mlp.shard_part, int(mlp.module_size or 0)
     gate_up_rows = np.concatenate([np.arange(part.start, part.stop), whole + np.arange(part.start, part.stop)])
-    return ({"row_maps": (qkv_rows,), "module_rows": (q_size + 2 * kv_size,)},
-            {"column_map": q_part, "module_in": q_size},
-            {"row_maps": (gate_up_rows,), "module_rows": (2 * whole,)},
-            {"column_map": part, "module_in": whole})
+    return ({"row_maps": (qkv_rows,), "module_rows": (q_size + 2 * kv_size,), "sharded": True},
+            {"column_map": q_part, "module_in": q_size, "sharded": True},
+            {"row_maps": (gate_up_rows,), "module_rows": (2 * whole,), "sharded": True},
+            {"column_map": part, "module_in": whole, "sharded": True})
 
 
 @dataclass

@@ -96,6 +96,7 @@ LORA_TARGETS = {
     "deepseek_v2": ["q_proj", "kv_a_proj_with_mqa", "o_proj"],
     "deepseek_v3": ["q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj"],
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "gdn": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"],
 }
 
 
@@ -113,16 +114,16 @@ def phi3_checkpoint(folder):
 
 @pytest.mark.parametrize("family, options", [("llama", {}), ("qwen3_moe", {"expert_parallel": True}),
                                              ("deepseek_v2", {}), ("deepseek_v3", {"expert_parallel": True}),
-                                             ("phi3", {})])
-def test_lora_over_two_worker_ranks_equals_one_rank(dense_checkpoints, moe_checkpoints, mla_checkpoints, tmp_path,
-                                                    family, options):
+                                             ("phi3", {}), ("gdn", {})])
+def test_lora_over_two_worker_ranks_equals_one_rank(dense_checkpoints, moe_checkpoints, mla_checkpoints, gdn_checkpoint,
+                                                    tmp_path, family, options):
     """Adapters on the attention and MLP projections (and one replacing embedding rows), two at
     once in a batch with the base model: each rank writes its part of each adapter, and the
     logits and greedy tokens are one rank's."""
     from metrale import LoRARequest
     from metrale.testing.hf import build_peft_adapter
 
-    models = {**dense_checkpoints, **moe_checkpoints, **mla_checkpoints}
+    models = {**dense_checkpoints, **moe_checkpoints, **mla_checkpoints, "gdn": gdn_checkpoint}
     checkpoint = phi3_checkpoint(tmp_path / "phi3") if family == "phi3" else models[family]
     build_peft_adapter(checkpoint, tmp_path / "a", seed=1, r=8, lora_alpha=16, target_modules=LORA_TARGETS[family])
     build_peft_adapter(checkpoint, tmp_path / "b", seed=2, r=4, lora_alpha=8, target_modules=LORA_TARGETS[family][:2],
@@ -143,9 +144,20 @@ def test_lora_over_two_worker_ranks_equals_one_rank(dense_checkpoints, moe_check
     assert max_relative_error(expected_scores[0], expected_scores[2]) > 1e-2  # the adapter changes the logits
 
 
-def test_lora_on_a_family_whose_stacks_do_not_say_their_part_is_refused_with_tensor_parallelism(gdn_checkpoint):
+def test_a_stack_that_does_not_say_its_part_is_refused_on_a_rank():
+    """A family's adapter stack built on a rank of a group without saying which part of the
+    projection the rank holds is refused, never built over the whole adapter."""
+    from types import SimpleNamespace
+
+    from metrale.backends.base import CpuBackend
+    from metrale.backends.parallel import Shard
+    from metrale.layers.lora import new_stack
+
+    backend = CpuBackend()
+    backend.shard = Shard(0, 2)
+    owner = SimpleNamespace(weight=np.zeros((4, 8), np.float32))
     with pytest.raises(ConfigError, match="not served with tensor parallelism"):
-        LLM(str(gdn_checkpoint), device="cpu", show_progress=False, enable_lora=True, tensor_parallel_size=2)
+        new_stack(backend, owner, "weight", ("mlp.w",), (4,), {"max_loras": 1, "max_lora_rank": 2})
 
 
 def test_a_lost_worker_fails_the_step_with_a_rank_error(dense_checkpoints):
