@@ -8,6 +8,7 @@ from metrale import _moved
 from metrale._version import __version__
 from metrale.entrypoints.async_llm import AsyncLLM
 from metrale.entrypoints.llm import LLM
+from metrale.entrypoints.prompts import TextPrompt, TokensPrompt
 from metrale.loading.lora import LoRARequest
 from metrale.model.hookspecs import CONTRACT_VERSION, hookimpl
 from metrale.params import CompletionOutput, Logprob, RequestOutput, SamplingParams
@@ -17,5 +18,5 @@ _moved.install()
 
 __all__ = [
     "LLM", "AsyncLLM", "SamplingParams", "StructuredOutputParams", "RequestOutput", "CompletionOutput", "Logprob",
-    "LoRARequest", "hookimpl", "CONTRACT_VERSION", "__version__",
+    "LoRARequest", "TextPrompt", "TokensPrompt", "hookimpl", "CONTRACT_VERSION", "__version__",
 ]

@@ -23,6 +23,7 @@ from metrale.entrypoints.engine_hold import EngineHold, EngineHolds
 from metrale.entrypoints.frontend import PromptFrontend
 from metrale.entrypoints.prompts import Prompt, split_prompts
 from metrale.entrypoints.streams import RequestStream
+from metrale.entrypoints.tokenizer import Tokenizer
 from metrale.errors import (
     AdapterError,
     BackendUnavailableError,
@@ -338,6 +339,12 @@ class LLM(PromptFrontend):
             logger.warning("the engine's bookkeeping was rebuilt after an interrupted step: %s", "; ".join(problems))
 
     # ----------------------------------------------------------------------------- tokens
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (:class:`~metrale.entrypoints.tokenizer.Tokenizer`): ``encode``,
+        ``decode``, ``apply_chat_template`` and calling it on a text, as on vLLM's
+        ``get_tokenizer()``, giving exactly the ids this engine runs."""
+        return Tokenizer(self)
 
     def chat(
         self,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, TypedDict, Union
 
 import numpy as np
 
@@ -22,6 +22,21 @@ from metrale.errors import EmptyPromptError, InvalidRequestError
 
 #: One prompt, in any accepted form.
 Prompt = Union[str, Sequence[int], Mapping[str, Any]]
+
+
+class TextPrompt(TypedDict):
+    """A prompt as text, as vLLM's ``TextPrompt``: ``{"prompt": "..."}``."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict, total=False):
+    """A prompt as token ids, as vLLM's ``TokensPrompt``: ``{"prompt_token_ids": [...]}``, with the
+    text they encode under ``prompt`` when the caller has it (the ids run; the text is the output's
+    ``prompt``)."""
+
+    prompt_token_ids: list[int]
+    prompt: str
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 

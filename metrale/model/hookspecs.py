@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from metrale.backends.base import Backend
     from metrale.cache.spec import CacheSpec
     from metrale.config import EngineConfig
-    from metrale.entrypoints.parsers import ReasoningParser, ToolParser
+    from metrale.model.parsers import ReasoningParser, ToolParser
     from metrale.loading.checkpoint import Checkpoint
     from metrale.model.family import FamilySpec
     from metrale.ops import PluginOps
@@ -403,7 +403,7 @@ def metrale_tool_parsers() -> "dict[str, type[ToolParser]]":
     Called once when the OpenAI server starts (:func:`metrale.entrypoints.parsers.tool_parsers`,
     for ``--tool-call-parser``) and by ``metrale plugins``. Returns a mapping from a parser name
     (``"hermes"``, ``"llama3_json"``, ...) to a subclass of
-    :class:`~metrale.entrypoints.parsers.ToolParser`, which the server instantiates per reply with
+    :class:`~metrale.model.parsers.ToolParser`, which the server instantiates per reply with
     the request's ``tools``. A name that two plugins declare is an error
     (:class:`~metrale.errors.PluginError`). Plugins that offer none do not implement it.
     """
@@ -416,7 +416,7 @@ def metrale_reasoning_parsers() -> "dict[str, type[ReasoningParser]]":
     Called once when the OpenAI server starts (:func:`metrale.entrypoints.parsers.reasoning_parsers`,
     for ``--reasoning-parser``) and by ``metrale plugins``. Returns a mapping from a parser name
     (``"deepseek_r1"``, ``"qwen3"``, ...) to a subclass of
-    :class:`~metrale.entrypoints.parsers.ReasoningParser`, which the server instantiates per reply
+    :class:`~metrale.model.parsers.ReasoningParser`, which the server instantiates per reply
     with the request's ``chat_template_kwargs``. A name that two plugins declare is an error
     (:class:`~metrale.errors.PluginError`). Plugins that offer none do not implement it.
     """

@@ -1,11 +1,11 @@
-"""The built-in reasoning parsers (see :class:`metrale.entrypoints.parsers.ReasoningParser` for the
+"""The built-in reasoning parsers (see :class:`metrale.model.parsers.ReasoningParser` for the
 contract every ``split`` keeps)."""
 
 from __future__ import annotations
 
 import re
 
-from metrale.entrypoints.parsers import ReasoningParser, ReasoningSplit, held_marker
+from metrale.model.parsers import ReasoningParser, ReasoningSplit, held_marker
 
 # Lark pieces of the structured-output prefixes: the thinking text runs lazily up to its end
 # marker, and a few whitespace characters may separate it from the answer.

@@ -1,5 +1,5 @@
 """The built-in tool-call parsers: each reads one family's syntax for tool calls (see
-:class:`metrale.entrypoints.parsers.ToolParser` for the contract every ``parse`` keeps)."""
+:class:`metrale.model.parsers.ToolParser` for the contract every ``parse`` keeps)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from metrale.entrypoints.parsers import CallPiece, ToolCallParse, ToolParser, held_marker, scan_json, scan_object
+from metrale.model.parsers import CallPiece, ToolCallParse, ToolParser, held_marker, scan_json, scan_object
 
 _SPACE = " \t\r\n"
 
