@@ -76,6 +76,26 @@ GDN_SHAPES: dict[str, dict[str, Any]] = {
 }
 SHAPES.update(GDN_SHAPES)
 
+#: Routed-experts shapes with dense GQA attention: the released models' widths, experts and
+#: attention, with half their layers so that a bf16 checkpoint fits the GPU machine's disk (the
+#: floors count the layers built).
+MOE_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": dict(  # Qwen3-30B-A3B, 24 of its 48 layers: 15.6 B parameters
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, tie_word_embeddings=False, rope_theta=1000000.0,
+        max_position_embeddings=40960,
+    ),
+    "gpt-oss-20b": dict(  # gpt-oss-20b in bf16, 12 of its 24 layers: 11.0 B parameters
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=12,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=128, attention_bias=True, tie_word_embeddings=False, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
+    ),
+}
+SHAPES.update(MOE_SHAPES)
+
 
 @dataclass
 class BenchOptions:
@@ -143,6 +163,15 @@ def model_config(shape: str) -> tuple[Any, Any]:
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
         return Qwen3NextConfig(**SHAPES[shape], rms_norm_eps=1e-6), Qwen3NextForCausalLM
+    if shape in MOE_SHAPES:
+        fields = {key: value for key, value in SHAPES[shape].items() if key != "model_type"}
+        if SHAPES[shape]["model_type"] == "gpt_oss":
+            from transformers import GptOssConfig, GptOssForCausalLM
+
+            return GptOssConfig(**fields, rms_norm_eps=1e-5), GptOssForCausalLM
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        return Qwen3MoeConfig(**fields, rms_norm_eps=1e-6), Qwen3MoeForCausalLM
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaConfig(**SHAPES[shape], max_position_embeddings=131072, rms_norm_eps=1e-5), LlamaForCausalLM
@@ -182,6 +211,8 @@ def weight_bytes(shape: str, batch: int | None = None) -> int:
     embeddings = v * h * (1 if s["tie_word_embeddings"] else 2)
     if shape in GDN_SHAPES:
         return _gdn_weight_bytes(s, batch)
+    if shape in MOE_SHAPES:
+        return _moe_weight_bytes(s, batch)
     if shape not in MLA_SHAPES:
         i = s["intermediate_size"]
         q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
@@ -200,6 +231,29 @@ def weight_bytes(shape: str, batch: int | None = None) -> int:
     total = layers * (attention + 2 * h) + dense * 3 * h * s["intermediate_size"] + (layers - dense) * moe_layer \
         + embeddings + h
     return int(2 * total)
+
+
+def _moe_weight_bytes(s: dict[str, Any], batch: int | None) -> int:
+    # bf16 values count 2 bytes; the float32 routers 4 (GPT-OSS's router is bf16 with a float32
+    # bias, its experts and attention carry biases, its heads a sink each).
+    h, v, layers = s["hidden_size"], s["vocab_size"], s["num_hidden_layers"]
+    gpt_oss = s["model_type"] == "gpt_oss"
+    heads, kv_heads, d = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
+    experts = s["num_local_experts"] if gpt_oss else s["num_experts"]
+    top_k = s["num_experts_per_tok"]
+    width = s["intermediate_size"] if gpt_oss else s["moe_intermediate_size"]
+    read = experts if batch is None else expected_experts(experts, top_k, batch)
+    attention = 2 * (h * (heads + 2 * kv_heads) * d + heads * d * h)
+    if gpt_oss:
+        attention += 2 * ((heads + 2 * kv_heads) * d + h) + 4 * heads
+        expert = 2 * (3 * h * width + 2 * width + h)
+        router = 2 * h * experts + 4 * experts
+    else:
+        attention += 2 * 2 * d  # q_norm, k_norm
+        expert = 2 * 3 * h * width
+        router = 4 * h * experts
+    per_layer = attention + router + expert * read + 2 * 2 * h
+    return int(layers * per_layer + 2 * v * h * (1 if s["tie_word_embeddings"] else 2) + 2 * h)
 
 
 def embedding_bytes(shape: str) -> int:
@@ -240,7 +294,7 @@ def prefill_flops(shape: str, length: int, cached: int = 0) -> float:
     s = SHAPES[shape]
     h, v = s["hidden_size"], s["vocab_size"]
     embedding_bytes = 2 * v * h * (1 if s["tie_word_embeddings"] else 2)
-    if shape in MLA_SHAPES or shape in GDN_SHAPES:
+    if shape in MLA_SHAPES or shape in GDN_SHAPES or shape in MOE_SHAPES:
         per_token = (weight_bytes(shape, 1) - embedding_bytes) / 2  # bf16 values of one token's weights
     else:
         per_token = (weight_bytes(shape) - embedding_bytes) / 2
@@ -253,6 +307,12 @@ def prefill_flops(shape: str, length: int, cached: int = 0) -> float:
         gdn = sum(_gdn_layers(s))
         attention = 4 * s["num_attention_heads"] * s["head_dim"] * (layers - gdn)
         recurrent = 4 * s["linear_num_value_heads"] * s["linear_key_head_dim"] * s["linear_value_head_dim"] * gdn * length
+    elif s.get("sliding_window"):
+        # GPT-OSS: half the layers attend over the last sliding_window positions only.
+        window = s["sliding_window"]
+        windowed = sum(min(cached + row + 1, window) for row in range(length))
+        attention = 4 * s["num_attention_heads"] * s["head_dim"] * layers / 2
+        return 2 * per_token * length + 2 * v * h + attention * (pairs + windowed)
     else:
         attention = 4 * s["num_attention_heads"] * s["head_dim"] * layers
         recurrent = 0.0
@@ -268,6 +328,18 @@ def state_bytes_per_sequence(shape: str) -> int:
     per_layer = 4 * (s["linear_num_value_heads"] * s["linear_key_head_dim"] * s["linear_value_head_dim"]
                      + channels * (s["linear_conv_kernel_dim"] - 1))
     return 2 * per_layer * sum(_gdn_layers(s))
+
+
+def kv_bytes_read(shape: str, context: int, fp8: bool = False) -> int:
+    """Cache bytes one sequence's decode step reads at ``context`` cached tokens: every layer's
+    keys and values, a sliding-window layer's over its window only (GPT-OSS's alternate layers)."""
+    s = SHAPES[shape]
+    window = s.get("sliding_window") if shape in MOE_SHAPES else None
+    if not window:
+        return context * kv_bytes_per_token(shape, fp8)
+    per_layer = kv_bytes_per_token(shape, fp8) // s["num_hidden_layers"]
+    windowed = s["num_hidden_layers"] // 2
+    return per_layer * (context * (s["num_hidden_layers"] - windowed) + min(context, window) * windowed)
 
 
 def kv_bytes_per_token(shape: str, fp8: bool = False) -> int:
@@ -369,7 +441,7 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
         weights_read = weight_bytes(shape, batch)
         if quantization:
             weights_read = formats.quantized_step_bytes(weights_read, embedding_bytes(shape), quantization)
-        bytes_read = (weights_read + batch * context * kv_bytes_per_token(shape, kv_cache_fp8)
+        bytes_read = (weights_read + batch * kv_bytes_read(shape, context, kv_cache_fp8)
                       + batch * state_bytes_per_sequence(shape))
         floor = bytes_read / bandwidth
         result[f"decode_b{batch}"] = {

@@ -89,7 +89,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         "tok/s, load and graph-capture time. Needs a CUDA device, torch and transformers.",
     )
     parser.add_argument("--shapes", default="llama-1b,llama-8b",
-                        help="comma-separated: llama-1b, llama-8b, deepseek-v2-lite, qwen3-next-small, llama-70b (only in "
+                        help="comma-separated: llama-1b, llama-8b, deepseek-v2-lite, qwen3-next-small, qwen3-30b-a3b, gpt-oss-20b, llama-70b (only in "
                         "--quantization formats, written straight in them) "
                         "(default: llama-1b,llama-8b)")
     parser.add_argument("--batch-sizes", default="1,32", help="decode batch sizes (default: 1,32)")

@@ -145,6 +145,40 @@ def test_hybrid_weight_and_state_accounting():
     assert bench.state_bytes_per_sequence("llama-1b") == 0
 
 
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_moe_shapes_weight_accounting(shape):
+    """Every weight of the routed-experts shapes against transformers' parameters (meta device):
+    bf16 values at 2 bytes; Qwen3-MoE's routers, GPT-OSS's router biases and sinks held as
+    float32 at 4. A decode step of one token reads only its chosen experts."""
+    import torch
+
+    config, model_class = bench.model_config(shape)
+    with torch.device("meta"):
+        model = model_class(config)
+    params = sum(p.numel() for p in model.parameters())
+    s = bench.SHAPES[shape]
+    if shape == "gpt-oss-20b":
+        float32 = s["num_hidden_layers"] * (s["num_local_experts"] + s["num_attention_heads"])
+        per_expert = 2 * (3 * s["hidden_size"] * s["intermediate_size"] + 2 * s["intermediate_size"] + s["hidden_size"])
+    else:
+        float32 = s["num_hidden_layers"] * s["hidden_size"] * s["num_experts"]
+        per_expert = 2 * 3 * s["hidden_size"] * s["moe_intermediate_size"]
+    experts = s.get("num_local_experts", s.get("num_experts"))
+    assert bench.weight_bytes(shape) == 2 * params + 2 * float32
+    unread = experts - s["num_experts_per_tok"]
+    assert bench.weight_bytes(shape) - bench.weight_bytes(shape, 1) == pytest.approx(
+        per_expert * s["num_hidden_layers"] * unread)
+
+
+def test_gpt_oss_sliding_layers_read_their_window_only():
+    s = bench.SHAPES["gpt-oss-20b"]
+    per_layer = 2 * s["num_key_value_heads"] * 2 * s["head_dim"]
+    layers, window = s["num_hidden_layers"], s["sliding_window"]
+    assert bench.kv_bytes_read("gpt-oss-20b", 100) == per_layer * layers * 100
+    assert bench.kv_bytes_read("gpt-oss-20b", 512) == per_layer * (layers // 2) * (512 + window)
+    assert bench.kv_bytes_read("llama-8b", 512) == 512 * bench.kv_bytes_per_token("llama-8b")
+
+
 def test_a_decode_step_reads_only_the_chosen_experts():
     assert bench.expected_experts(64, 6, 1) == pytest.approx(6.0)
     assert bench.expected_experts(64, 6, 32) == pytest.approx(64 * (1 - (58 / 64) ** 32))
