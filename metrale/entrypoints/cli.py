@@ -5,6 +5,7 @@
 installed plugins, the architectures each family serves, the tool-call and reasoning parsers
 and the kernels of every op;
 ``metrale serve MODEL`` serves a model over HTTP (:mod:`metrale.entrypoints.server.main`);
+``metrale chat`` holds a conversation with a model or a server (:mod:`metrale.entrypoints.chat_cli`);
 ``metrale bench`` measures prefill and decode against transformers, offline throughput, or a
 running server (:mod:`metrale.benchmarks`). ``python -m metrale`` is the same command.
 
@@ -89,7 +90,8 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         "tok/s, load and graph-capture time. Needs a CUDA device, torch and transformers.",
     )
     parser.add_argument("--shapes", default="llama-1b,llama-8b",
-                        help="comma-separated: llama-1b, llama-8b, deepseek-v2-lite, qwen3-next-small, qwen3-30b-a3b, gpt-oss-20b, llama-70b (only in "
+                        help="comma-separated: llama-1b, llama-8b, deepseek-v2-lite, qwen3-next-small, qwen3-30b-a3b, "
+                        "gpt-oss-20b, llama-70b (only in "
                         "--quantization formats, written straight in them) "
                         "(default: llama-1b,llama-8b)")
     parser.add_argument("--batch-sizes", default="1,32", help="decode batch sizes (default: 1,32)")
@@ -210,7 +212,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plugins(subparsers)
     _add_bench(subparsers)
     _add_serve(subparsers)
+    _add_chat(subparsers)
     return parser
+
+
+def _add_chat(subparsers: argparse._SubParsersAction) -> None:
+    from metrale.entrypoints.chat_cli import add_chat_arguments
+
+    parser = subparsers.add_parser(
+        "chat",
+        help="chat with a model, loaded here or served at a URL",
+        description="Read user turns line by line and stream each reply; the conversation so far answers the next "
+        "turn. /reset forgets it, /exit (or the end of the input) ends it. --url chats with a running "
+        "OpenAI-compatible server instead of loading a model.",
+    )
+    add_chat_arguments(parser)
+    parser.set_defaults(handler=_chat)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from metrale.entrypoints.chat_cli import run_chat
+
+    return run_chat(args)
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
