@@ -213,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(subparsers)
     _add_serve(subparsers)
     _add_chat(subparsers)
+    _add_config_file_options(parser)
     return parser
 
 
@@ -375,9 +376,127 @@ def _print_ops(manager: object) -> None:
                 print(f"      {line}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+#: The subcommands that read options from a YAML file too (``--config FILE``).
+CONFIG_FILE_COMMANDS = ("generate", "serve", "chat", "bench")
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {name: sub for action in actions for name, sub in action.choices.items()}
+
+
+def _add_config_file_options(parser: argparse.ArgumentParser) -> None:
+    for name, subparser in _subparsers(parser).items():
+        if name in CONFIG_FILE_COMMANDS:
+            subparser.add_argument(
+                "--config", default=None, metavar="FILE",
+                help="a YAML file of options, keys named as the flags (port: 8000, tensor-parallel-size: 2, or "
+                "with underscores); flags given on the command line win")
+
+
+def config_file_options(subparser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """The options of the YAML file ``path`` for ``subparser``: each key (a flag's name, dashes or
+    underscores) mapped to its destination, its value checked and converted as the flag's would
+    be. :class:`~metrale.errors.ConfigError` for a file that cannot be read, is not a mapping, or
+    names an option the command does not have or a value it refuses."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            values = yaml.safe_load(handle)
+    except OSError as error:
+        raise ConfigError(f"--config {path}: cannot read it ({error.strerror or error})") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(error, "problem", None) or type(error).__name__
+        raise ConfigError(f"--config {path}: not YAML{where}: {problem}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of option names to values, got {type(values).__name__}")
+    actions = {option.lstrip("-").replace("-", "_"): action
+               for action in subparser._actions for option in action.option_strings if option.startswith("--")}
+    positional = {action.dest: action for action in subparser._actions if not action.option_strings}
+    options: dict[str, Any] = {}
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        action = actions.get(name) or positional.get(name)
+        if action is None or name in ("config", "help"):
+            known = ", ".join(sorted(n.replace("_", "-") for n in actions if n not in ("config", "help")))
+            raise ConfigError(f"--config {path}: {key!r} is not an option of this command (its options: {known})")
+        options[action.dest] = _config_value(action, value, f"--config {path}: {key}")
+    return options
+
+
+def _config_value(action: argparse.Action, value: Any, where: str) -> Any:
+    """``value`` of a YAML file as ``action`` would read it from the command line."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} is a switch: true or false, got {value!r}")
+        return value if isinstance(action, argparse._StoreTrueAction) else not value
+    many = isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*")
+    items = value if isinstance(value, list) else [value]
+    if not many and isinstance(value, list):
+        raise ConfigError(f"{where} takes one value, got a list")
+    converted = []
+    for item in items:
+        if isinstance(item, (dict, list)) and action.type is not None and not isinstance(item, str):
+            import json
+
+            item = json.dumps(item)  # (a JSON option such as --speculative-config, written as YAML)
+        text = item if isinstance(item, str) else ("true" if item is True else "false" if item is False else str(item))
+        try:
+            result = action.type(text) if action.type is not None else text
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as error:
+            raise ConfigError(f"{where}: {error or f'bad value {item!r}'}") from None
+        if action.choices is not None and result not in action.choices:
+            raise ConfigError(f"{where}: {item!r} is not one of {', '.join(map(str, action.choices))}")
+        converted.append(result)
+    return converted if many else converted[0]
+
+
+def _config_path(argv: Sequence[str], commands: Sequence[str]) -> tuple[str, str] | None:
+    """``(command, FILE)`` when the command line names a subcommand of ``commands`` and gives it
+    ``--config FILE`` (read before the rest is parsed: the file may give required values)."""
+    command = next((token for token in argv if token in commands), None)
+    if command is None:
+        return None
+    tokens = list(argv)[list(argv).index(command) + 1:]
+    for index, token in enumerate(tokens):
+        if token == "--":
+            return None
+        if token == "--config" and index + 1 < len(tokens):
+            return command, tokens[index + 1]
+        if token.startswith("--config="):
+            return command, token.split("=", 1)[1]
+    return None
+
+
+def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line parsed, options from ``--config FILE`` filling what it does not give."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    found = _config_path(argv, CONFIG_FILE_COMMANDS)
+    if found is None:
+        return parser.parse_args(argv)
+    command, path = found
+    subparser = _subparsers(parser)[command]
+    subparser.set_defaults(**config_file_options(subparser, path))
+    for action in subparser._actions:
+        if not action.option_strings and action.dest in subparser._defaults:
+            # The file gives the positional value; the command line may still give it (and wins).
+            action.nargs = "*" if action.nargs in ("+", "*") else "?"
+            action.default = subparser._defaults[action.dest]
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_arguments(argv)
+    except ConfigError as error:
+        print(f"metrale: error: {error}", file=sys.stderr)
+        return 2
     try:
         return args.handler(args)
     except MetraleError as error:
