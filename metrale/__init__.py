@@ -11,12 +11,20 @@ from metrale.entrypoints.llm import LLM
 from metrale.entrypoints.prompts import TextPrompt, TokensPrompt
 from metrale.loading.lora import LoRARequest
 from metrale.model.hookspecs import CONTRACT_VERSION, hookimpl
-from metrale.params import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from metrale.params import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+    SamplingParams,
+)
 from metrale.structured import StructuredOutputParams
 
 _moved.install()
 
 __all__ = [
     "LLM", "AsyncLLM", "SamplingParams", "StructuredOutputParams", "RequestOutput", "CompletionOutput", "Logprob",
-    "LoRARequest", "TextPrompt", "TokensPrompt", "hookimpl", "CONTRACT_VERSION", "__version__",
+    "LoRARequest", "TextPrompt", "TokensPrompt", "EmbeddingRequestOutput", "EmbeddingOutput", "hookimpl",
+    "CONTRACT_VERSION", "__version__",
 ]

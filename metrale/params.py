@@ -376,3 +376,20 @@ class RequestOutput:
         """Tokens generated over every completion."""
         return sum(len(output.token_ids) for output in self.outputs)
 
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding: ``embedding`` the pooled vector (``hidden_size`` floats)."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of one prompt of :meth:`metrale.LLM.embed`, shaped as vLLM's:
+    ``outputs.embedding`` holds the vector."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput

@@ -40,12 +40,15 @@ from metrale.model.family import resolve_family
 from metrale.model.forward import ModelForward
 from metrale.model.plugin_manager import get_plugin_manager
 from metrale.ops import build_op_registry
-from metrale.params import RequestOutput, SamplingParams
+from metrale.params import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, SamplingParams
 from metrale.runner import ModelRunner
 from metrale.sequence import SequenceState
 from metrale.validation import check_bool
 
 logger = logging.getLogger(__name__)
+
+#: How :meth:`LLM.embed` pools a prompt's final states into one vector.
+POOLING_METHODS = ("last", "mean")
 
 
 class LLM(PromptFrontend):
@@ -637,6 +640,61 @@ class LLM(PromptFrontend):
             self.ranks.finish(self.backend)
         finally:
             self._release(hold)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], *, pooling: str = "last", normalize: bool = True,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, as vLLM's ``LLM.embed``: the final normed states of the
+        prompt's tokens (the model's last norm, before the LM head) pooled -- ``"last"`` the last
+        token's (Qwen3-Embedding and other decoder embedders), ``"mean"`` their mean -- and, with
+        ``normalize``, scaled to unit length. Prompts are those :meth:`generate` takes; each is
+        checked before any runs. Every built-in family serves it; a model whose family keeps no
+        :class:`~metrale.layers.loading.DecoderEnds` raises
+        :class:`~metrale.errors.ConfigError`, and so does tensor parallelism (not served yet)."""
+        if pooling not in POOLING_METHODS:
+            raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING_METHODS)}, got {pooling!r}")
+        normalize = check_bool("normalize", normalize)
+        ends = getattr(self.model, "ends", None)
+        if not hasattr(ends, "hidden_only"):
+            raise ConfigError(f"the {self.family.name} family's model keeps no DecoderEnds whose final states "
+                              "embeddings pool; embed() is not served for it")
+        if self.ranks is not None:
+            raise ConfigError("embed() is not served with tensor parallelism yet; use tensor_parallel_size=1")
+        hold = self._take("embed()")
+        try:
+            parsed = [self.prompt_ids(prompt, f"prompts[{index}]") for index, prompt in enumerate(split_prompts(prompts))]
+            bar = None
+            if check_bool("use_tqdm", use_tqdm) and self.show_progress and len(parsed) > 1:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(parsed), desc="embedding", unit="prompt", leave=False)
+            outputs = []
+            for index, (text, ids) in enumerate(parsed):
+                outputs.append(EmbeddingRequestOutput(str(self._requests_started + index), text, list(ids),
+                                                      EmbeddingOutput(self._embedding(ends, ids, pooling, normalize))))
+                if bar is not None:
+                    bar.update(1)
+            self._requests_started += len(parsed)
+            if bar is not None:
+                bar.close()
+            return outputs
+        finally:
+            self._release(hold)
+
+    def _embedding(self, ends: Any, ids: list[int], pooling: str, normalize: bool) -> list[float]:
+        seq = SequenceState.from_prompt(ids)
+        ends.hidden_only = True
+        try:
+            states = self.backend.to_numpy(self.forward.score(ids, seq)).astype(np.float64)
+            self.cache.release(seq)
+        except BaseException:
+            self._recover(seqs=[seq])
+            raise
+        finally:
+            ends.hidden_only = False
+        vector = states[-1] if pooling == "last" else states.mean(axis=0)
+        if normalize:
+            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        return vector.astype(np.float32).tolist()
 
     def score(self, token_ids: Sequence[int], *, lora_request: LoRARequest | None = None) -> np.ndarray:
         """Teacher-forced logits for every position of ``token_ids``: ``[len, vocab]`` float32

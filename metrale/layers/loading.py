@@ -41,6 +41,9 @@ class DecoderEnds:
     lm_head: Any
     token_rows: dict = field(default_factory=dict)
     vocab_part: slice | None = None
+    #: While True, :meth:`logits` gives each row's final normed state (float32 ``[rows, H]``)
+    #: instead of its logits: what pooling reads (:meth:`metrale.LLM.embed`).
+    hidden_only: bool = False
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, backend: Any, *, vocab_size: int, hidden_size: int,
@@ -76,6 +79,10 @@ class DecoderEnds:
         """Float32 logits ``[len(batch.logits_rows), V]``: the last residual add, the final norm
         and the LM head (the ``rmsnorm_linear`` op), on the rows that asked for logits only."""
         slots = batch.adapter_slots
+        if self.hidden_only:
+            rows = slice(None) if batch.every_row_logits else batch.logits_rows
+            normed, _ = backend.ops.rmsnorm_residual(x[rows], residual[rows], self.norm, eps, offset)
+            return backend.ops.to_float32(normed)
         if not batch.every_row_logits:
             rows = batch.logits_rows
             x, residual = x[rows], residual[rows]
