@@ -43,9 +43,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from metrale.backends.base import Backend
     from metrale.cache.spec import CacheSpec
     from metrale.config import EngineConfig
-    from metrale.model.parsers import ReasoningParser, ToolParser
     from metrale.loading.checkpoint import Checkpoint
     from metrale.model.family import FamilySpec
+    from metrale.model.parsers import ReasoningParser, ToolParser
     from metrale.ops import PluginOps
     from metrale.sequence import ForwardStep, MixedForwardResult, PrefillSlice, Segment, SequenceState
 
