@@ -447,7 +447,7 @@ def _config_value(action: argparse.Action, value: Any, where: str) -> Any:
             item = json.dumps(item)  # (a JSON option such as --speculative-config, written as YAML)
         text = item if isinstance(item, str) else ("true" if item is True else "false" if item is False else str(item))
         try:
-            result = action.type(text) if action.type is not None else text
+            result = action.type(text) if callable(action.type) else text
         except (argparse.ArgumentTypeError, TypeError, ValueError) as error:
             raise ConfigError(f"{where}: {error or f'bad value {item!r}'}") from None
         if action.choices is not None and result not in action.choices:

@@ -276,6 +276,7 @@ def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if not isinstance(name, str) or not name:
                 raise P.APIError(400, f"{where}[{number}] must be {{'id', 'type': 'function', 'function': {{'name', "
                                  f"'arguments'}}}}, got {P.clip(call)}", param=f"{where}[{number}]")
+            assert isinstance(call, dict) and isinstance(function, dict)  # (what naming the function took)
             arguments = function.get("arguments")
             if isinstance(arguments, str):
                 try:
