@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP server: :func:`build_app` makes a FastAPI app around an
 :class:`~metrale.AsyncLLM`.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and
-``GET /v1/models/{model}``), ``GET /health``, ``GET /metrics``. ``docs/serving.rst`` lists every
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
+(:mod:`metrale.entrypoints.server.responses`), Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``
+(:mod:`metrale.entrypoints.server.anthropic`), ``GET /v1/models`` (and
+``GET /v1/models/{model}``), vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``
+(:mod:`metrale.entrypoints.server.tokenization`), ``GET /health``, ``GET /metrics``. ``docs/serving.rst`` lists every
 field, status and metric.
 
 How a request runs. The handler reads the body (the :class:`~metrale.entrypoints.server.gate._Gate` middleware has already
@@ -42,10 +45,12 @@ from metrale._version import __version__
 from metrale.entrypoints.async_llm import AsyncEngineAPI
 from metrale.entrypoints.parsers import ReasoningParser, ToolParser
 from metrale.entrypoints.server import protocol as P
+from metrale.entrypoints.server.anthropic import _count_tokens, _messages
 from metrale.entrypoints.server.checks import _validation_error
 from metrale.entrypoints.server.gate import _Gate
 from metrale.entrypoints.server.handlers import _answer, _chat, _completions
 from metrale.entrypoints.server.metrics import CONTENT_TYPE
+from metrale.entrypoints.server.responses import _responses
 from metrale.entrypoints.server.state import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_DRAIN_TIMEOUT,
@@ -58,6 +63,7 @@ from metrale.entrypoints.server.state import (
     _unavailable,
     logger,
 )
+from metrale.entrypoints.server.tokenization import _detokenize, _tokenize, _tokenizer_info
 from metrale.errors import ConfigError
 from metrale.loading.lora import LoRARequest
 
@@ -200,6 +206,30 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _answer(state, request, _chat)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _answer(state, request, _responses)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await _answer(state, request, _messages)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await _answer(state, request, _count_tokens)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _answer(state, request, _tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _answer(state, request, _detokenize)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        return await _answer(state, request, _tokenizer_info)
 
     @app.get("/v1/models")
     async def models() -> Response:

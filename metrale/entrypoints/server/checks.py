@@ -260,9 +260,10 @@ def _params_for_prompt(state: _State, options: dict[str, Any], prompt_len: int, 
         raise P.APIError(400, str(error)) from None
 
 
-def _completion_prompts(state: _State, value: Any) -> list[tuple[str | None, list[int]]]:
+def _completion_prompts(state: _State, value: Any, add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
     """The prompts of a completions request: a string, a list of strings, a list of token ids
-    or a list of lists of token ids."""
+    or a list of lists of token ids; text is encoded with the tokenizer's special tokens (BOS)
+    unless ``add_special_tokens`` is False."""
     shapes = "a string, a list of strings, a list of token ids or a list of lists of token ids"
     if isinstance(value, str):
         items: list[Any] = [value]
@@ -284,7 +285,7 @@ def _completion_prompts(state: _State, value: Any) -> list[tuple[str | None, lis
         label = "prompt" if len(items) == 1 else f"prompt[{index}]"
         if isinstance(item, str):
             try:
-                ids = state.llm.encode(item)
+                ids = state.llm.encode(item, add_special_tokens=add_special_tokens)
             except InvalidRequestError as error:
                 raise P.APIError(400, f"{label}: {error}", param="prompt") from None
             text: str | None = item
@@ -342,7 +343,10 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def _chat_prompt(state: _State, req: P.ChatCompletionRequest) -> tuple[str, list[int]]:
+def _chat_text(state: _State, req: P.ChatCompletionRequest | P.TokenizeRequest) -> str:
+    """The conversation of ``req`` (its ``messages``, ``tools``, ``documents``,
+    ``chat_template_kwargs`` and ``add_generation_prompt``, checked) rendered by the chat
+    template."""
     messages = _check_messages(req.messages)
     kwargs = dict(req.chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
@@ -356,7 +360,14 @@ def _chat_prompt(state: _State, req: P.ChatCompletionRequest) -> tuple[str, list
         raise P.APIError(400, "continue_final_message is not supported", param="continue_final_message")
     add_generation_prompt = req.add_generation_prompt if req.add_generation_prompt is not None else True
     try:
-        text = state.llm.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=req.tools, **kwargs)
+        return state.llm.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=req.tools, **kwargs)
+    except InvalidRequestError as error:
+        raise P.APIError(400, str(error), param="messages") from None
+
+
+def _chat_prompt(state: _State, req: P.ChatCompletionRequest) -> tuple[str, list[int]]:
+    text = _chat_text(state, req)
+    try:
         ids = state.llm.encode(text, add_special_tokens=False)
     except InvalidRequestError as error:
         raise P.APIError(400, str(error), param="messages") from None

@@ -10,15 +10,17 @@ import hmac
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metrale.entrypoints.server import protocol as P
-from metrale.entrypoints.server.state import _endpoint, _State, _unavailable
+from metrale.entrypoints.server.anthropic_protocol import anthropic_errors, is_anthropic_path
+from metrale.entrypoints.server.state import TOKENIZER_PATHS, _endpoint, _State, _unavailable
 
 # ------------------------------------------------------------------------------- middleware
 
 
 class _Gate:
     """Pure ASGI middleware in front of every HTTP request: counts it
-    (``metrale_requests_total``), checks the API key on ``/v1`` paths, refuses new ``/v1``
-    requests while the server drains, and reads the whole body with a size limit (the declared
+    (``metrale_requests_total``), checks the API key on ``/v1`` paths and the tokenizer's
+    (``/tokenize``, ``/detokenize``, ``/tokenizer_info``), refuses new requests to them while the
+    server drains, and reads the whole body with a size limit (the declared
     ``Content-Length`` first, then the bytes actually received, so a chunked upload cannot
     pass it) and a time limit (``body_timeout``: 408, and the connection closed, for a body
     still incomplete then) before the app sees it."""
@@ -54,12 +56,14 @@ class _Gate:
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self.state
         path = scope.get("path", "")
+        if is_anthropic_path(path):
+            send = anthropic_errors(send)  # every error of these paths, the gate's included, in Anthropic's shape
         headers = _headers(scope)
-        if path == "/v1" or path.startswith("/v1/"):
+        if path == "/v1" or path.startswith("/v1/") or path in TOKENIZER_PATHS:
             if state.api_key is not None and not _authorized(headers, state.api_key):
                 await _send_error(send, P.APIError(
-                    401, "missing or wrong API key: send it as 'Authorization: Bearer KEY'", type="authentication_error",
-                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+                    401, "missing or wrong API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                    type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
                 return
             if state.draining:
                 await _send_error(send, _unavailable("the server is shutting down; it takes no new requests",

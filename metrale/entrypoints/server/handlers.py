@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
@@ -51,14 +52,19 @@ async def _completions(state: _State, request: Request) -> Response:
     stream, include_usage = _stream_flags(req)
     k = _check_logprobs_count(state, "logprobs", req.logprobs) if req.given("logprobs") else None
     echo = bool(req.echo)
-    prompts = _completion_prompts(state, req.prompt)
+    # OpenAI's prompt scoring: echo with max_tokens 0 returns the prompt (and its logprobs) alone.
+    # The engine still runs one token, which the answer leaves out.
+    prompt_only = echo and req.max_tokens == 0
+    add_special_tokens = req.add_special_tokens if req.add_special_tokens is not None else True
+    prompts = _completion_prompts(state, req.prompt, add_special_tokens)
     options = _sampling_options(state, req, n=n, logprobs=k, logprobs_param="logprobs")
     await _check_structured_output(state, req, options)
     asked_prompt_logprobs = options.get("prompt_logprobs")
     if echo and k is not None:
         options["prompt_logprobs"] = max(k, asked_prompt_logprobs or 0)
     default = state.llm.sampling_defaults.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
-    params = [_params_for_prompt(state, options, len(ids), req.max_tokens, "max_tokens", default, "prompt")
+    max_tokens = 1 if prompt_only else req.max_tokens
+    params = [_params_for_prompt(state, options, len(ids), max_tokens, "max_tokens", default, "prompt")
               for _, ids in prompts]
     response_id, created = P.new_id("cmpl"), P.now()
     job = _Job(state, "/v1/completions", prompts, params, response_id, lora)
@@ -66,7 +72,7 @@ async def _completions(state: _State, request: Request) -> Response:
     try:
         echo_texts = [text if text is not None else _decode(state, ids) for text, ids in prompts] if echo else []
         context = _CompletionContext(state, req.model, response_id, created, n, k, echo, echo_texts, asked_prompt_logprobs,
-                                     include_usage)
+                                     include_usage, prompt_only)
         job.watch(request)
         if stream:
             return _EventStream(_events(job, context), job)
@@ -123,6 +129,10 @@ class _Context:
         """The prompt logprobs a choice's first piece carries, or None."""
         return None
 
+    def shown(self, output: RequestOutput) -> RequestOutput:
+        """``output`` as the answer shows it."""
+        return output
+
     def new_logprobs(self, choice: _Choice, output: RequestOutput, completion: CompletionOutput,
                      first: bool) -> dict | None:
         """The logprobs of ``completion``'s tokens past the ``choice.tokens`` sent (None when
@@ -146,11 +156,26 @@ class _CompletionContext(_Context):
     name = "completions"
 
     def __init__(self, state: _State, model: str, response_id: str, created: int, n: int, k: int | None, echo: bool,
-                 echo_texts: list[str], prompt_logprobs: int | None, include_usage: bool) -> None:
+                 echo_texts: list[str], prompt_logprobs: int | None, include_usage: bool, prompt_only: bool = False) -> None:
         super().__init__(state, model, response_id, created, n, k, include_usage)
         self.echo = echo
         self.echo_texts = echo_texts
         self.prompt_logprobs = prompt_logprobs
+        #: ``max_tokens: 0`` with ``echo``: the answer holds the prompt alone.
+        self.prompt_only = prompt_only
+
+    def shown(self, output: RequestOutput) -> RequestOutput:
+        """``output`` without its generated token when the request asked for the prompt alone:
+        no text, no tokens, and (once finished) ``finish_reason`` ``"length"``, the 0 tokens
+        asked for; an ``error`` or ``abort`` stays."""
+        if not self.prompt_only:
+            return output
+        completions = [dataclasses.replace(completion, text="", token_ids=[], logprobs=[], cumulative_logprob=None,
+                                           finish_reason="length" if completion.finish_reason in ("stop", "length")
+                                           else completion.finish_reason,
+                                           stop_reason=None)
+                       for completion in output.outputs]
+        return dataclasses.replace(output, outputs=completions)
 
     def chunk(self, choices: list[dict], used: dict | None = None) -> dict:
         return P.completion_chunk(self.id, self.created, self.model, choices, used=used, include_usage=self.include_usage)
@@ -166,11 +191,11 @@ class _CompletionContext(_Context):
             choice.logprobs = P.CompletionLogprobs(self.k, self.state.token_text)
         parts = []
         if self.echo and first:
-            parts.append(self.echo_logprobs(choice.logprobs, output))
+            parts.append(self.echo_logprobs(choice.logprobs, output, choice.prefix))
         new_ids = completion.token_ids[choice.tokens:]
         if new_ids:
             entries = list(completion.logprobs or [])[choice.tokens:len(completion.token_ids)]
-            parts.append(choice.logprobs.piece(new_ids, entries))
+            parts.append(choice.logprobs.piece(new_ids, entries, text=choice.prefix + (completion.text or "")))
         if not parts:
             return None
         return {key: [v for part in parts for v in part[key]] for key in parts[0]}
@@ -179,10 +204,14 @@ class _CompletionContext(_Context):
                      reason: str | int | None, prompt_logprobs: list | None) -> dict:
         return P.completion_choice(index, payload or "", logprobs, finish, reason, prompt_logprobs)
 
-    def echo_logprobs(self, builder: P.CompletionLogprobs, output: RequestOutput) -> dict:
+    def echo_logprobs(self, builder: P.CompletionLogprobs, output: RequestOutput, echo_text: str) -> dict:
+        """The prompt's logprobs, placed in ``echo_text`` (the text the choice starts with); the
+        generated tokens' offsets go on from its end."""
         ids = output.prompt_token_ids
         entries = list(output.prompt_logprobs or [None] * len(ids))
-        return builder.piece(ids, entries, first_is_prompt_start=True)
+        piece = builder.piece(ids, entries, first_is_prompt_start=True, text=echo_text)
+        builder.continue_at(len(echo_text))
+        return piece
 
     def prompt_logprobs_json(self, output: RequestOutput) -> list | None:
         if self.prompt_logprobs is None or output.prompt_logprobs is None:
@@ -203,20 +232,20 @@ class _CompletionContext(_Context):
         completion_tokens = 0
         prompt_tokens = sum(len(ids) for _, ids in job.prompts)
         for index in range(len(job.prompts)):
-            output = outputs[index]
+            output = self.shown(outputs[index])
+            prefix = self.prefix(index)
             for completion in output.outputs:
                 failure = _failure(output, completion.finish_reason)
                 if failure is not None:
                     raise failure
                 completion_tokens += len(completion.token_ids)
-                text = completion.text or ""
+                text = prefix + (completion.text or "")
                 logprobs = None
                 if self.k is not None:
                     builder = P.CompletionLogprobs(self.k, state.token_text)
-                    parts = [self.echo_logprobs(builder, output)] if self.echo else []
-                    parts.append(builder.piece(completion.token_ids, list(completion.logprobs or [])))
+                    parts = [self.echo_logprobs(builder, output, prefix)] if self.echo else []
+                    parts.append(builder.piece(completion.token_ids, list(completion.logprobs or []), text=text))
                     logprobs = {key: [v for part in parts for v in part[key]] for key in parts[0]}
-                text = self.prefix(index) + text
                 reason = P.stop_reason(completion, state.eos_token_ids, job.params[index].stop_token_ids)
                 choices.append(P.completion_choice(index * self.n + completion.index, text, logprobs,
                                                    completion.finish_reason, reason, self.prompt_logprobs_json(output)))
@@ -235,6 +264,7 @@ async def _events(job: _Job, context: _Context) -> AsyncIterator[bytes]:
             yield P.sse(context.chunk([opening]))
         while (item := await job.next()) is not None:
             index, output = item
+            output = context.shown(output)
             for completion in output.outputs:
                 choice_index = index * context.n + completion.index
                 choice = sent.setdefault(choice_index, _Choice())
@@ -246,6 +276,8 @@ async def _events(job: _Job, context: _Context) -> AsyncIterator[bytes]:
                     yield P.SSE_DONE
                     return
                 first = not choice.started
+                if first:
+                    choice.prefix = context.prefix(index)
                 text = completion.text or ""
                 delta = text[choice.text:] if len(text) > choice.text else ""
                 choice.text = max(choice.text, len(text))

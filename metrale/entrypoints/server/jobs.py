@@ -236,6 +236,9 @@ class _Choice:
         self.started = False
         self.finished = False
         self.logprobs: P.CompletionLogprobs | None = None
+        #: The text the choice starts with (a completion's echoed prompt), which its logprobs'
+        #: ``text_offset`` counts in.
+        self.prefix = ""
         #: The choice's reply as its tool calls and reasoning are read (a chat reply with parsers).
         self.reply: Any = None
 

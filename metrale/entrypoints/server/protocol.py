@@ -67,6 +67,10 @@ def clip(value: Any, limit: int = 80) -> str:
 class _Model(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
+    def given(self, name: str) -> bool:
+        """Whether the request set ``name`` to something other than null."""
+        return name in self.model_fields_set and getattr(self, name) is not None
+
 
 class StreamOptions(_Model):
     include_usage: bool | None = None
@@ -115,10 +119,6 @@ class SamplingRequest(_Model):
     guided_grammar: str | None = None
     response_format: ResponseFormat | None = None
 
-    def given(self, name: str) -> bool:
-        """Whether the request set ``name`` to something other than null."""
-        return name in self.model_fields_set and getattr(self, name) is not None
-
 
 class CompletionRequest(SamplingRequest):
     prompt: Any
@@ -126,6 +126,8 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = None
     suffix: Any = None
     best_of: int | None = None
+    # vLLM's extension: whether text prompts get the tokenizer's special tokens (BOS); default true
+    add_special_tokens: bool | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -140,6 +142,29 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+
+
+class TokenizeRequest(_Model):
+    """vLLM's ``POST /tokenize`` body: a ``prompt`` (text) or ``messages`` (a conversation, rendered
+    by the chat template first), with the chat fields of chat completions."""
+
+    model: str | None = None
+    prompt: Any = None
+    messages: Any = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(_Model):
+    """vLLM's ``POST /detokenize`` body: the ``tokens`` to turn back into text."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def error_param(loc: Iterable[Any]) -> str | None:
@@ -187,10 +212,13 @@ def _ranked(entry: LogprobsDict, k: int) -> list[tuple[int, Logprob]]:
 
 class TokenText:
     """The text of single tokens, as logprobs name them (``decoded_token``, else the tokenizer's
-    decoding with special tokens, else ``"token_id:N"``)."""
+    decoding with special tokens, else ``"token_id:N"``); ``visible`` decodes tokens as a
+    completion's text holds them (special tokens left out)."""
 
-    def __init__(self, decode: Callable[[int], str] | None) -> None:
+    def __init__(self, decode: Callable[[int], str] | None,
+                 decode_visible: Callable[[Sequence[int]], str] | None = None) -> None:
         self._decode = decode
+        self._decode_visible = decode_visible
 
     def __call__(self, token: int, logprob: Logprob | None = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
@@ -202,38 +230,111 @@ class TokenText:
                 pass
         return f"token_id:{token}"
 
+    def visible(self, token_ids: Sequence[int]) -> str | None:
+        """What ``token_ids`` add to a completion's text (special tokens decode to nothing), or
+        None when that is not known (no tokenizer, or one that cannot decode them)."""
+        if self._decode_visible is None:
+            return None
+        try:
+            return self._decode_visible(token_ids)
+        except Exception:  # ids the tokenizer cannot decode
+            return None
+
+
+#: How far past a token's expected place its text is looked for in a choice's text: the decoder
+#: may drop a token's leading space when it decodes it alone (SentencePiece).
+_OFFSET_SEARCH = 16
+
+
+def _at(text: str, cursor: int, piece: str) -> bool:
+    """Whether ``text`` holds ``piece`` at ``cursor``, or the start of it up to its end (a
+    stream's text so far)."""
+    ahead = text[cursor:cursor + len(piece)]
+    return piece.startswith(ahead) and (ahead == piece or cursor + len(ahead) >= len(text))
+
 
 class CompletionLogprobs:
     """OpenAI's legacy ``logprobs`` object of one completion choice (``tokens``,
     ``token_logprobs``, ``top_logprobs``, ``text_offset``), built a piece at a time so that a
-    stream can send each chunk's part (``text_offset`` continues across chunks)."""
+    stream can send each chunk's part (``text_offset`` continues across chunks).
+
+    ``text_offset`` indexes into the choice's ``text``: ``text[text_offset[i]:]`` starts with
+    ``tokens[i]`` for every token whose string the text holds there. A special token, which the
+    text leaves out (such as a BOS), gets the offset where the text goes on; the tokens of a
+    character split across tokens (each one's string holding a replacement character) all get
+    the offset where their text together starts. ``offset`` is where the next token goes."""
 
     def __init__(self, k: int, token_text: TokenText, offset: int = 0) -> None:
         self.k = k
         self.token_text = token_text
         self.offset = offset
+        self._partial: list[int] = []  # the tokens of a character still incomplete
+
+    def continue_at(self, offset: int) -> None:
+        """Place the next tokens from ``offset`` on: their text starts there (a completion's
+        generated text after its echoed prompt)."""
+        self.offset = offset
+        self._partial.clear()
 
     def piece(self, token_ids: Sequence[int], entries: Sequence[LogprobsDict | None],
-              first_is_prompt_start: bool = False) -> dict:
+              first_is_prompt_start: bool = False, text: str | None = None) -> dict:
+        """The logprobs of ``token_ids`` (one entry each), placed in ``text``, the choice's text
+        so far (None: each token is counted by its string's length)."""
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
         top_logprobs: list[dict[str, float] | None] = []
         text_offset: list[int] = []
         for position, (token, entry) in enumerate(zip(token_ids, entries)):
             chosen = entry.get(token) if entry is not None else None
-            text = self.token_text(token, chosen)
-            tokens.append(text)
+            shown = self.token_text(token, chosen)
+            tokens.append(shown)
             if entry is None or chosen is None or (first_is_prompt_start and position == 0):
                 token_logprobs.append(None)
                 top_logprobs.append(None)
             else:
                 token_logprobs.append(_logprob_value(chosen.logprob))
                 top = {self.token_text(t, lp): _logprob_value(lp.logprob) for t, lp in _ranked(entry, self.k)}
-                top.setdefault(text, _logprob_value(chosen.logprob))
+                top.setdefault(shown, _logprob_value(chosen.logprob))
                 top_logprobs.append(top)
-            text_offset.append(self.offset)
-            self.offset += len(text)
+            text_offset.append(self._place(token, shown, text))
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+
+    def _place(self, token: int, shown: str, text: str | None) -> int:
+        """The offset of ``token`` (whose string is ``shown``) in ``text``; moves :attr:`offset`
+        past it. A stream's text may not hold the last tokens yet (it holds back what may become
+        a stop string): a token past its end is taken to be there."""
+        cursor = self.offset
+        if text is None:
+            self.offset += len(shown)
+            return cursor
+        if shown and cursor < len(text) and _at(text, cursor, shown):
+            self._partial.clear()
+            self.offset = cursor + len(shown)
+            return cursor
+        visible = self.token_text.visible([token])
+        if visible == "":
+            return cursor  # a special token: the text leaves it out
+        if visible is None:
+            visible = shown
+        if self._partial or "\ufffd" in visible:
+            # Part of a character split across tokens: placed once the tokens decode to it whole.
+            whole = self.token_text.visible([*self._partial, token]) if self._partial else visible
+            if whole is not None and "\ufffd" not in whole and _at(text, cursor, whole):
+                self._partial.clear()
+                self.offset = cursor + len(whole)
+                return cursor
+            if whole is not None and "\ufffd" in whole and len(self._partial) < 8:
+                self._partial.append(token)
+                return cursor
+            self._partial.clear()
+        if cursor >= len(text):
+            self.offset += len(visible)
+            return cursor
+        found = text.find(shown, cursor, cursor + len(shown) + _OFFSET_SEARCH) if shown else -1
+        if found >= 0:
+            self.offset = found + len(shown)
+            return found
+        return cursor
 
 
 def _chat_entry(text: str, value: float) -> dict[str, Any]:

@@ -41,7 +41,10 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 RESERVED_TEMPLATE_KWARGS = frozenset({"self", "messages", "add_generation_prompt", "tools", "documents"})
 
 #: Known paths, as the ``endpoint`` label of ``metrale_requests_total`` names them (others: ``other``).
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize",
+             "/tokenizer_info", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses")
+#: The tokenizer's paths (vLLM's, outside ``/v1``): they take the API key as ``/v1`` paths do.
+TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 #: The sampling fields of a request that map one to one onto :class:`SamplingParams`.
 _PLAIN_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
@@ -105,7 +108,10 @@ class _State:
         self.eos_token_ids = tuple(self.llm.eos_token_ids)
         tokenizer = self.llm.tokenizer
         self.token_text = P.TokenText(
-            (lambda token: tokenizer.decode([token], skip_special_tokens=False)) if tokenizer is not None else None)
+            (lambda token: tokenizer.decode([token], skip_special_tokens=False)) if tokenizer is not None else None,
+            (lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)) if tokenizer is not None else None)
+        #: ``GET /tokenizer_info``'s answer, made on its first request.
+        self.tokenizer_info: dict[str, Any] | None = None
         self.draining = False
         self.in_progress = 0
         #: The open jobs (:class:`~metrale.entrypoints.server.jobs._Job`: each adds itself and leaves when closed).

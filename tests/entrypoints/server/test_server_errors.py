@@ -60,6 +60,7 @@ def chat(**fields):
 
 _DROP = object()
 C, CH = "/v1/completions", "/v1/chat/completions"
+TOK, DETOK = "/tokenize", "/detokenize"
 
 # (case, endpoint, body: a dict sent as JSON or raw bytes, status, param)
 CASES = [
@@ -91,6 +92,10 @@ CASES = [
     ("too many prompts", C, completion(prompt=["a"] * 300), 400, "prompt"),
     ("prompt with a lone surrogate", C, b'{"model": "tiny-dense", "prompt": "a\\ud800"}', 400, "prompt"),
     ("max_tokens 0", C, completion(max_tokens=0), 400, "max_tokens"),
+    ("max_tokens 0 with echo false", C, completion(max_tokens=0, echo=False), 400, "max_tokens"),
+    ("max_tokens 0 with echo, the prompt filling the context", C, completion(prompt=[5] * 1024, max_tokens=0, echo=True),
+     400, "prompt"),
+    ("add_special_tokens a string", C, completion(add_special_tokens="no"), 400, "add_special_tokens"),
     ("max_tokens -1", C, completion(max_tokens=-1), 400, "max_tokens"),
     ("max_tokens a string", C, completion(max_tokens="5"), 400, "max_tokens"),
     ("max_tokens a float", C, completion(max_tokens=5.0), 400, "max_tokens"),
@@ -218,6 +223,142 @@ CASES = [
         "role": "tool", "tool_call_id": 5, "content": "41"}]), 400, "messages[1].tool_call_id"),
     ("add_generation_prompt a string", CH, chat(add_generation_prompt="no"), 400, "add_generation_prompt"),
     ("continue_final_message", CH, chat(continue_final_message=True), 400, "continue_final_message"),
+    ("tokenize without prompt or messages", TOK, {}, 400, "prompt"),
+    ("tokenize with prompt and messages", TOK, {"prompt": "a", "messages": CHAT["messages"]}, 400, "messages"),
+    ("tokenize a prompt of token ids", TOK, {"prompt": [1, 2]}, 400, "prompt"),
+    ("tokenize a prompt with a lone surrogate", TOK, b'{"prompt": "a\\ud800"}', 400, "prompt"),
+    ("tokenize for an unknown model", TOK, {"model": "gpt-9", "prompt": "a"}, 404, "model"),
+    ("tokenize add_special_tokens a string", TOK, {"prompt": "a", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+    ("tokenize return_token_strs a number", TOK, {"prompt": "a", "return_token_strs": 1}, 400, "return_token_strs"),
+    ("tokenize messages not a list", TOK, {"messages": "hi"}, 400, "messages"),
+    ("tokenize a message without role", TOK, {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    ("tokenize chat_template_kwargs reserved key", TOK, {"messages": CHAT["messages"], "chat_template_kwargs": {
+        "messages": []}}, 400, "chat_template_kwargs"),
+    ("tokenize a tool without a name", TOK, {"messages": CHAT["messages"], "tools": [{"type": "function", "function": {}}]},
+     400, "tools[0].function.name"),
+    ("tokenize continue_final_message", TOK, {"messages": CHAT["messages"], "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("tokenize a body not an object", TOK, b"[1]", 400, None),
+    ("detokenize without tokens", DETOK, {}, 400, "tokens"),
+    ("detokenize tokens not a list", DETOK, {"tokens": "1 2"}, 400, "tokens"),
+    ("detokenize a token id outside the vocabulary", DETOK, {"tokens": [1, 99999]}, 400, "tokens"),
+    ("detokenize a negative token id", DETOK, {"tokens": [-1]}, 400, "tokens"),
+    ("detokenize a huge token id", DETOK, {"tokens": [2**70]}, 400, "tokens"),
+    ("detokenize a token id as a string", DETOK, {"tokens": ["5"]}, 400, "tokens[0]"),
+    ("detokenize a token id as a bool", DETOK, {"tokens": [True]}, 400, "tokens[0]"),
+    ("detokenize a token id as a float", DETOK, {"tokens": [5.0]}, 400, "tokens[0]"),
+    ("detokenize for an unknown model", DETOK, {"model": "gpt-9", "tokens": [1]}, 404, "model"),
+]
+
+# ------------------------------------------------------------------- OpenAI's Responses API
+
+R = "/v1/responses"
+RESPONSE = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
+FLAT_TOOLS = [{"type": "function", "name": "lookup", "parameters": SCHEMA}]
+CALL = {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": '{"a": 1}'}
+
+
+def response(**fields):
+    body = dict(RESPONSE)
+    for name, value in fields.items():
+        if value is _DROP:
+            body.pop(name, None)
+        else:
+            body[name] = value
+    return body
+
+
+CASES += [
+    ("responses: bad JSON", R, b'{"model": "tiny-dense", "input": ', 400, None),
+    ("responses: body not an object", R, b"[1]", 400, None),
+    ("responses: unknown model", R, response(model="gpt-9"), 404, "model"),
+    ("responses: missing input", R, response(input=_DROP), 400, "input"),
+    ("responses: input a number", R, response(input=5), 400, "input"),
+    ("responses: input an object", R, response(input={"role": "user", "content": "hi"}), 400, "input"),
+    ("responses: input an empty list", R, response(input=[]), 400, "input"),
+    ("responses: input with a lone surrogate", R, b'{"model": "tiny-dense", "input": "\\udc00"}', 400, "input"),
+    ("responses: an item not an object", R, response(input=["hi"]), 400, "input[0]"),
+    ("responses: an item of an unknown type", R, response(input=[{"type": "web_search_call", "id": "ws_1"}]), 400,
+     "input[0].type"),
+    ("responses: an item without type or role", R, response(input=[{"content": "hi"}]), 400, "input[0].type"),
+    ("responses: an item_reference", R, response(input=[{"type": "item_reference", "id": "msg_1"}]), 400,
+     "input[0].type"),
+    ("responses: a message of an unknown role", R, response(input=[{"role": "tool", "content": "hi"}]), 400,
+     "input[0].role"),
+    ("responses: a message without content", R, response(input=[{"role": "user"}]), 400, "input[0].content"),
+    ("responses: content a number", R, response(input=[{"role": "user", "content": 5}]), 400, "input[0].content"),
+    ("responses: an image part", R, response(input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://example.invalid/a.png"}]}]), 400, "input[0].content[0]"),
+    ("responses: a file part", R, response(input=[{"role": "user", "content": [
+        {"type": "input_file", "file_id": "file_1"}]}]), 400, "input[0].content[0]"),
+    ("responses: chat's text part", R, response(input=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]),
+     400, "input[0].content[0]"),
+    ("responses: a function_call without a name", R, response(input=[{**CALL, "name": ""}]), 400, "input[0].name"),
+    ("responses: function_call arguments not JSON", R, response(input=[{**CALL, "arguments": "{oops"}]), 400,
+     "input[0].arguments"),
+    ("responses: function_call arguments an object", R, response(input=[{**CALL, "arguments": {"a": 1}}]), 400,
+     "input[0].arguments"),
+    ("responses: a function_call_output answering no call", R, response(input=[
+        {"type": "function_call_output", "call_id": "call_9", "output": "41"}]), 400, "input[0].call_id"),
+    ("responses: a function_call_output holding an image", R, response(input=[CALL, {
+        "type": "function_call_output", "call_id": "call_1", "output": [{"type": "input_image", "image_url": "x"}]}]),
+     400, "input[1].output[0]"),
+    ("responses: a reasoning item with bad content", R, response(input=[{"type": "reasoning", "summary": [],
+                                                                         "content": "thought"}]), 400,
+     "input[0].content"),
+    ("responses: instructions a number", R, response(instructions=5), 400, "instructions"),
+    ("responses: max_output_tokens 0", R, response(max_output_tokens=0), 400, "max_output_tokens"),
+    ("responses: max_output_tokens a string", R, response(max_output_tokens="4"), 400, "max_output_tokens"),
+    ("responses: max_output_tokens beyond the context", R, response(max_output_tokens=1_000_000), 400,
+     "max_output_tokens"),
+    ("responses: temperature -1", R, response(temperature=-1), 400, "temperature"),
+    ("responses: top_p 2", R, response(top_p=2), 400, "top_p"),
+    ("responses: stream 'yes'", R, response(stream="yes"), 400, "stream"),
+    ("responses: tools not a list", R, response(tools={"type": "function"}), 400, "tools"),
+    ("responses: a web_search tool", R, response(tools=[{"type": "web_search"}]), 400, "tools[0].type"),
+    ("responses: a tool in chat's nested shape", R, response(tools=TOOLS), 400, "tools[0].name"),
+    ("responses: tool parameters not an object", R, response(tools=[{"type": "function", "name": "f",
+                                                                     "parameters": "x"}]), 400, "tools[0].parameters"),
+    ("responses: two tools of one name", R, response(tools=FLAT_TOOLS * 2), 400, "tools[1].name"),
+    ("responses: too many tools", R, response(tools=[{"type": "function", "name": f"f{i}"} for i in range(200)]), 400,
+     "tools"),
+    ("responses: tool_choice naming an unknown function", R, response(tools=FLAT_TOOLS, tool_choice={
+        "type": "function", "name": "nope"}), 400, "tool_choice"),
+    ("responses: tool_choice in chat's nested shape", R, response(tools=FLAT_TOOLS, tool_choice={
+        "type": "function", "function": {"name": "lookup"}}), 400, "tool_choice"),
+    ("responses: tool_choice a hosted tool", R, response(tools=FLAT_TOOLS, tool_choice={"type": "file_search"}), 400,
+     "tool_choice"),
+    ("responses: tool_choice an unknown word", R, response(tools=FLAT_TOOLS, tool_choice="always"), 400, "tool_choice"),
+    ("responses: tool_choice required without tools", R, response(tool_choice="required"), 400, "tool_choice"),
+    ("responses: a forced tool with an invalid schema", R, response(tools=[{"type": "function", "name": "f", "parameters": {
+        "type": "no-such-type"}}], tool_choice="required"), 400, "tools"),
+    ("responses: a forced tool and text.format", R, response(tools=FLAT_TOOLS, tool_choice="required", text={
+        "format": {"type": "json_object"}}), 400, "tool_choice"),
+    ("responses: max_tool_calls 0", R, response(max_tool_calls=0), 400, "max_tool_calls"),
+    ("responses: text not an object", R, response(text="json"), 400, "text"),
+    ("responses: text.format of an unknown type", R, response(text={"format": {"type": "yaml"}}), 400,
+     "text.format.type"),
+    ("responses: text.format json_schema without a schema", R, response(text={"format": {
+        "type": "json_schema", "name": "x"}}), 400, "text.format.schema"),
+    ("responses: text.format json_schema without a name", R, response(text={"format": {
+        "type": "json_schema", "schema": SCHEMA}}), 400, "text.format.name"),
+    ("responses: text.format with an invalid schema", R, response(text={"format": {
+        "type": "json_schema", "name": "x", "schema": {"type": "no-such-type"}}}), 400, "text.format"),
+    ("responses: text.format and structured_outputs", R, response(text={"format": {"type": "json_object"}},
+                                                                  structured_outputs={"regex": "a+"}), 400, "text.format"),
+    ("responses: reasoning effort unknown", R, response(reasoning={"effort": "extreme"}), 400, "reasoning.effort"),
+    ("responses: reasoning not an object", R, response(reasoning="high"), 400, "reasoning"),
+    ("responses: previous_response_id (stateless)", R, response(previous_response_id="resp_1"), 400,
+     "previous_response_id"),
+    ("responses: conversation (stateless)", R, response(conversation="conv_1"), 400, "conversation"),
+    ("responses: background", R, response(background=True), 400, "background"),
+    ("responses: a stored prompt", R, response(prompt={"id": "pmpt_1"}), 400, "prompt"),
+    ("responses: truncation auto", R, response(truncation="auto"), 400, "truncation"),
+    ("responses: top_logprobs", R, response(top_logprobs=5), 400, "top_logprobs"),
+    ("responses: metadata values not strings", R, response(metadata={"k": 1}), 400, "metadata.k"),
+    ("responses: seed a string", R, response(seed="x"), 400, "seed"),
+    ("responses: chat_template_kwargs reserved key", R, response(chat_template_kwargs={"tools": []}), 400,
+     "chat_template_kwargs"),
 ]
 
 
@@ -362,6 +503,9 @@ def test_a_full_queue_gets_503_with_retry_after():
                 assert refused.headers["retry-after"] == "1"
                 with pytest.raises(openai.InternalServerError):
                     full.client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=2)
+                overloaded = full.http.post(M, json=MESSAGE)  # Anthropic's status for it
+                check_anthropic_error(overloaded, 529, "overloaded_error")
+                assert overloaded.headers["retry-after"] == "1"
         values = wait_idle(full.http)
         assert values["metrale_requests_active"] == 0 and values["metrale_kv_cache_blocks_used"] == 0
         assert full.http.post(C, json=COMPLETION).status_code == 200
@@ -378,6 +522,169 @@ def test_a_draining_server_refuses_new_requests():
         check_error(response, 503, code="service_unavailable")
         assert response.headers["retry-after"] == "1"
         assert draining.http.get("/health").status_code == 503
+        check_anthropic_error(draining.http.post(M, json=MESSAGE), 529, "overloaded_error")
         assert draining.http.get("/metrics").status_code == 200
     finally:
         draining.close()
+
+
+# ------------------------------------------------------------------ Anthropic's Messages API
+
+M, COUNT = "/v1/messages", "/v1/messages/count_tokens"
+MESSAGE = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+ANTHROPIC_TOOLS = [{"name": "lookup", "input_schema": SCHEMA}]
+
+
+def message(**fields):
+    body = dict(MESSAGE)
+    for name, value in fields.items():
+        if value is _DROP:
+            body.pop(name, None)
+        else:
+            body[name] = value
+    return body
+
+
+def turns(*content):
+    """A conversation whose user turns hold ``content`` (an assistant turn between two)."""
+    messages = [{"role": "user", "content": content[0]}]
+    for item in content[1:]:
+        messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": item}]
+    return messages
+
+
+def assistant_turn(*blocks):
+    """A conversation whose assistant turn holds ``blocks``."""
+    return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": list(blocks)},
+            {"role": "user", "content": "hi"}]
+
+
+IMAGE = {"type": "image", "source": {"type": "url", "url": "http://example.invalid/a.png"}}
+TOOL_USE = {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"a": 1}}
+
+# (case, endpoint, body: a dict sent as JSON or raw bytes, status, Anthropic's error type)
+ANTHROPIC_CASES = [
+    ("bad JSON", M, b'{"model": "tiny-dense", "max_tokens": ', 400, "invalid_request_error"),
+    ("body not an object", M, b"[1, 2]", 400, "invalid_request_error"),
+    ("empty body", COUNT, b"", 400, "invalid_request_error"),
+    ("nested too deeply", M, b'{"model": "tiny-dense", "metadata": ' + b"[" * 200 + b"]" * 200 + b"}", 400,
+     "invalid_request_error"),
+    ("unknown model", M, message(model="claude-9"), 404, "not_found_error"),
+    ("unknown model (count_tokens)", COUNT, message(model="claude-9"), 404, "not_found_error"),
+    ("model not a string", M, message(model=5), 400, "invalid_request_error"),
+    ("missing max_tokens", M, message(max_tokens=_DROP), 400, "invalid_request_error"),
+    ("max_tokens a string", M, message(max_tokens="4"), 400, "invalid_request_error"),
+    ("max_tokens 0", M, message(max_tokens=0), 400, "invalid_request_error"),
+    ("max_tokens beyond the context", M, message(max_tokens=1_000_000), 400, "invalid_request_error"),
+    ("missing messages", M, message(messages=_DROP), 400, "invalid_request_error"),
+    ("messages empty", M, message(messages=[]), 400, "invalid_request_error"),
+    ("messages not a list", COUNT, message(messages="hi"), 400, "invalid_request_error"),
+    ("message not an object", M, message(messages=["hi"]), 400, "invalid_request_error"),
+    ("a system role in messages", M, message(messages=[{"role": "system", "content": "hi"}]), 400,
+     "invalid_request_error"),
+    ("message without content", M, message(messages=[{"role": "user"}]), 400, "invalid_request_error"),
+    ("content a number", M, message(messages=turns(5)), 400, "invalid_request_error"),
+    ("content an empty list", M, message(messages=turns([])), 400, "invalid_request_error"),
+    ("a block without a type", M, message(messages=turns([{"text": "hi"}])), 400, "invalid_request_error"),
+    ("a text block without text", M, message(messages=turns([{"type": "text"}])), 400, "invalid_request_error"),
+    ("an unknown block type", M, message(messages=turns([{"type": "audio"}])), 400, "invalid_request_error"),
+    ("an image block", M, message(messages=turns([IMAGE])), 400, "invalid_request_error"),
+    ("an image block (count_tokens)", COUNT, message(messages=turns([IMAGE])), 400, "invalid_request_error"),
+    ("a document block", M, message(messages=turns([{"type": "document", "source": {"type": "text", "data": "x"}}])), 400,
+     "invalid_request_error"),
+    ("an image in a tool result", M, message(messages=turns("hi", [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                                    "content": [IMAGE]}])), 400, "invalid_request_error"),
+    ("tool_use on a user turn", M, message(messages=turns([TOOL_USE])), 400, "invalid_request_error"),
+    ("tool_result on an assistant turn", M, message(messages=assistant_turn(
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "1"})), 400, "invalid_request_error"),
+    ("tool_use input not an object", M, message(messages=assistant_turn({**TOOL_USE, "input": "a=1"})), 400,
+     "invalid_request_error"),
+    ("tool_use without an id", M, message(messages=assistant_turn({**TOOL_USE, "id": ""})), 400, "invalid_request_error"),
+    ("tool_result without tool_use_id", M, message(messages=turns([{"type": "tool_result", "content": "1"}])), 400,
+     "invalid_request_error"),
+    ("tool_result is_error a string", M, message(messages=turns([{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                                   "is_error": "yes"}])), 400, "invalid_request_error"),
+    ("a final assistant turn (prefill)", M, message(messages=[{"role": "user", "content": "hi"},
+                                                              {"role": "assistant", "content": "The"}]), 400,
+     "invalid_request_error"),
+    ("system a number", M, message(system=5), 400, "invalid_request_error"),
+    ("system holding an image", M, message(system=[IMAGE]), 400, "invalid_request_error"),
+    ("content with a lone surrogate", M, b'{"model": "tiny-dense", "max_tokens": 4, "messages": [{"role": "user", '
+     b'"content": "\\udc00"}]}', 400, "invalid_request_error"),
+    ("stop_sequences a string", M, message(stop_sequences="end"), 400, "invalid_request_error"),
+    ("stop_sequences holding an empty string", M, message(stop_sequences=[""]), 400, "invalid_request_error"),
+    ("stop_sequences of 50 strings", M, message(stop_sequences=[f"s{i}" for i in range(50)]), 400, "invalid_request_error"),
+    ("temperature -1", M, message(temperature=-1), 400, "invalid_request_error"),
+    ("temperature a word", M, message(temperature="hot"), 400, "invalid_request_error"),
+    ("top_p 2", M, message(top_p=2), 400, "invalid_request_error"),
+    ("top_k -5", M, message(top_k=-5), 400, "invalid_request_error"),
+    ("stream 'yes'", M, message(stream="yes"), 400, "invalid_request_error"),
+    ("tools not a list", M, message(tools={"name": "lookup"}), 400, "invalid_request_error"),
+    ("a tool without a name", M, message(tools=[{"input_schema": SCHEMA}]), 400, "invalid_request_error"),
+    ("a tool without input_schema", M, message(tools=[{"name": "lookup"}]), 400, "invalid_request_error"),
+    ("input_schema not of type object", M, message(tools=[{"name": "lookup", "input_schema": {"type": "no-such-type"}}]),
+     400, "invalid_request_error"),
+    ("an invalid input_schema, forced", M, message(tools=[{"name": "f", "input_schema": {
+        "type": "object", "properties": {"a": {"type": "no-such-type"}}}}], tool_choice={"type": "tool", "name": "f"}), 400,
+     "invalid_request_error"),
+    ("an unsatisfiable input_schema, forced", M, message(tools=[{"name": "f", "input_schema": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["a"]}}],
+        tool_choice={"type": "any"}), 400, "invalid_request_error"),
+    ("a server tool", M, message(tools=[{"type": "web_search_20250305", "name": "web_search"}]), 400,
+     "invalid_request_error"),
+    ("two tools of one name", M, message(tools=ANTHROPIC_TOOLS * 2), 400, "invalid_request_error"),
+    ("too many tools", COUNT, message(tools=[{"name": f"f{i}", "input_schema": SCHEMA} for i in range(200)]), 400,
+     "invalid_request_error"),
+    ("tool_choice naming an unknown tool", M, message(tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "nope"}),
+     400, "invalid_request_error"),
+    ("tool_choice tool without a name", M, message(tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool"}), 400,
+     "invalid_request_error"),
+    ("tool_choice an OpenAI word", M, message(tools=ANTHROPIC_TOOLS, tool_choice="required"), 400, "invalid_request_error"),
+    ("tool_choice any without tools", M, message(tool_choice={"type": "any"}), 400, "invalid_request_error"),
+    ("disable_parallel_tool_use a string", M, message(tools=ANTHROPIC_TOOLS, tool_choice={
+        "type": "auto", "disable_parallel_tool_use": "yes"}), 400, "invalid_request_error"),
+    ("thinking budget at max_tokens", M, message(thinking={"type": "enabled", "budget_tokens": 4}), 400,
+     "invalid_request_error"),
+    ("thinking budget a string", M, message(thinking={"type": "enabled", "budget_tokens": "16"}), 400,
+     "invalid_request_error"),
+    ("thinking of an unknown type", M, message(thinking={"type": "deep"}), 400, "invalid_request_error"),
+]
+
+
+def check_anthropic_error(response, status, error_type):
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert set(body["error"]) == {"type", "message"} and body["error"]["type"] == error_type, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "status", "error_type"), [case[1:] for case in ANTHROPIC_CASES],
+                         ids=[case[0] for case in ANTHROPIC_CASES])
+def test_bad_messages_request_gets_an_anthropic_error(stack, endpoint, body, status, error_type):
+    if isinstance(body, bytes):
+        response = stack.http.post(endpoint, content=body, headers={"content-type": "application/json"})
+    else:
+        response = stack.http.post(endpoint, json=body)
+    check_anthropic_error(response, status, error_type)
+    assert stack.http.get("/health").status_code == 200
+
+
+def test_messages_routes_sizes_and_the_anthropic_client(stack):
+    http = stack.http
+    check_anthropic_error(http.get(M), 405, "invalid_request_error")
+    check_anthropic_error(http.post(f"{M}/nope", json=MESSAGE), 404, "not_found_error")
+    big = json.dumps(message(messages=[{"role": "user", "content": "a " * 600_000}])).encode()
+    check_anthropic_error(http.post(M, content=big, headers={"content-type": "application/json"}), 413, "request_too_large")
+    # the OpenAI endpoints keep their own shape
+    check_error(http.post(CH, json=chat(max_tokens=0)), 400, "max_tokens")
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [IMAGE]}])
+    assert raised.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-9", max_tokens=4, messages=MESSAGE["messages"])
+    assert client.messages.create(model=MODEL, max_tokens=2, messages=MESSAGE["messages"]).usage.output_tokens == 2

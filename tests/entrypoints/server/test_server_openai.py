@@ -1,11 +1,13 @@
 """The OpenAI-compatible endpoints driven by the official ``openai`` client: results equal the
-Python API's (greedy and seeded), streams equal non-streamed answers, logprobs, stop strings,
-structured output, usage, /v1/models, /health and /metrics."""
+Python API's (greedy and seeded), streams equal non-streamed answers, logprobs, prompt scoring
+(``echo`` with ``max_tokens: 0``) against :meth:`metrale.LLM.score`, ``text_offset`` indexing the
+returned text, stop strings, structured output, usage, /v1/models, /health and /metrics."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
@@ -207,6 +209,120 @@ def test_echo_with_logprobs_covers_the_prompt(client):
     assert len(choice.logprobs.tokens) == prompt_tokens + answer.usage.completion_tokens
     assert choice.logprobs.token_logprobs[0] is None
     assert all(v is not None and v <= 0 for v in choice.logprobs.token_logprobs[1:])
+
+
+def log_softmax(logits):
+    """Row-wise log-softmax in float64: the reference the server's logprobs are held to."""
+    shifted = np.asarray(logits, dtype=np.float64)
+    shifted = shifted - shifted.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def streamed_choice(http, body):
+    """The text and logprobs of a streamed completion's one choice, its chunks joined."""
+    response = http.post("/v1/completions", json={**body, "stream": True})
+    assert response.status_code == 200, response.text
+    chunks = [json.loads(line[len("data: "):]) for line in response.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    choices = [chunk["choices"][0] for chunk in chunks if chunk["choices"]]
+    logprobs = {key: [v for choice in choices for v in (choice["logprobs"] or {}).get(key, [])]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    return "".join(choice["text"] for choice in choices), logprobs, choices[-1]["finish_reason"]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(client, http, reference):
+    def token_text(token):
+        return reference.tokenizer.decode([token], skip_special_tokens=False)
+
+    for prompt in (PROMPTS[2], reference.encode(PROMPTS[1], add_special_tokens=False)):
+        ids = reference.encode(prompt) if isinstance(prompt, str) else prompt
+        expected = log_softmax(reference.score(ids))
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+        [choice] = answer["choices"]
+        assert choice["text"] == (prompt if isinstance(prompt, str) else reference.decode(ids))
+        assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
+        logprobs = choice["logprobs"]
+        assert logprobs["tokens"] == [token_text(token) for token in ids]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        for position in range(1, len(ids)):
+            row, token = expected[position - 1], ids[position]
+            assert logprobs["token_logprobs"][position] == pytest.approx(row[token], abs=1e-5)
+            best = {token_text(t): row[t] for t in np.argsort(row)[::-1][:2]}
+            best.setdefault(token_text(token), row[token])
+            top = logprobs["top_logprobs"][position]
+            assert top.keys() == best.keys()
+            assert all(top[name] == pytest.approx(value, abs=1e-5) for name, value in best.items())
+        assert streamed_choice(http, body) == (choice["text"], logprobs, "length")
+    # Several prompts, and the openai client, which sends max_tokens 0 as it is.
+    answer = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=0, echo=True, logprobs=0)
+    assert [c.text for c in answer.choices] == PROMPTS[:2] and answer.usage.completion_tokens == 0
+    for choice, prompt in zip(answer.choices, PROMPTS[:2]):
+        ids = reference.encode(prompt)
+        values = log_softmax(reference.score(ids))
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+            [values[position - 1, ids[position]] for position in range(1, len(ids))], abs=1e-5)
+
+
+def check_offsets(text, logprobs):
+    """``text[text_offset[i]:]`` starts with ``tokens[i]`` for every token the text holds (not a
+    special token, not a piece of a split character, not past a stop string's cut, where the
+    offsets go on past the text's end); the offsets never go back."""
+    offsets = logprobs["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] >= 0
+    checked = 0
+    for token, offset in zip(logprobs["tokens"], offsets):
+        if token == "<|endoftext|>" or "\ufffd" in token or offset + len(token) > len(text):
+            continue
+        assert text.startswith(token, offset), (token, offset, text)
+        checked += 1
+    return checked
+
+
+def test_text_offset_indexes_into_the_returned_text(http, reference):
+    bos = reference.bos_token_id
+    twice = [bos, *reference.encode("Return the", add_special_tokens=False), bos,
+             *reference.encode(" café ☕", add_special_tokens=False)]
+    bodies = [
+        {"prompt": "Return the", "max_tokens": 0, "echo": True},
+        {"prompt": twice, "max_tokens": 6, "echo": True, "ignore_eos": True},
+        {"prompt": "Le café ☕ naïve — 日本語 ok", "max_tokens": 4, "echo": True},
+        {"prompt": "Return the", "max_tokens": 30, "guided_choice": ["café ☕ naïve — 日本語 ok"], "stop": ["ok"]},
+        {"prompt": "Return the", "max_tokens": 30, "echo": True, "guided_choice": ["café ☕ — 日本語 ok"]},
+    ]
+    for body in bodies:
+        body = {"model": MODEL, "temperature": 0, "logprobs": 1, **body}
+        answer = http.post("/v1/completions", json=body).json()
+        choice = answer["choices"][0]
+        assert check_offsets(choice["text"], choice["logprobs"]) >= 2
+        text, logprobs, _ = streamed_choice(http, body)
+        assert (text, logprobs["tokens"], logprobs["text_offset"]) == (
+            choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"])
+    # The BOS the echoed text leaves out takes no room in it.
+    answer = http.post("/v1/completions", json={"model": MODEL, "prompt": "Return the", "max_tokens": 0, "echo": True,
+                                                "logprobs": 0}).json()
+    logprobs = answer["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["<|endoftext|>", "Return", " the"] and logprobs["text_offset"] == [0, 0, 6]
+
+
+def test_add_special_tokens_on_completions(http, reference):
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 0, "echo": True, "logprobs": 0}
+    with_bos = http.post("/v1/completions", json=body).json()
+    assert with_bos["usage"]["prompt_tokens"] == len(reference.encode(PROMPTS[1]))
+    assert with_bos["choices"][0]["logprobs"]["tokens"][0] == "<|endoftext|>"
+    plain_ids = reference.encode(PROMPTS[1], add_special_tokens=False)
+    without = http.post("/v1/completions", json={**body, "add_special_tokens": False}).json()
+    by_ids = http.post("/v1/completions", json={**body, "prompt": plain_ids}).json()
+    assert without["usage"]["prompt_tokens"] == len(plain_ids)
+    assert without["choices"][0]["logprobs"] == by_ids["choices"][0]["logprobs"]
+    assert without["choices"][0]["text"] == by_ids["choices"][0]["text"] == PROMPTS[1]
+    generated = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0,
+                                                   "add_special_tokens": False}).json()
+    expected = reference.generate([plain_ids], greedy(max_tokens=8), use_tqdm=False)[0]
+    assert generated["choices"][0]["text"] == expected.text
 
 
 def test_chat_logprobs(client, reference):

@@ -49,3 +49,25 @@ def test_stop_strings_are_a_400_naming_them(served, stream):
     answer = served.post("/v1/completions", json={**body, "stream": False, "stop_token_ids": [7]})
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["prompt_tokens"] == 3
+
+
+def test_the_tokenizer_endpoints_say_there_is_none(served):
+    for method, path, body, status in (("POST", "/tokenize", {"prompt": "a"}, 400),
+                                       ("POST", "/tokenize", {"messages": [{"role": "user", "content": "a"}]}, 400),
+                                       ("POST", "/detokenize", {"tokens": [1, 2]}, 400),
+                                       ("GET", "/tokenizer_info", None, 404)):
+        response = served.request(method, path, json=body)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["code"] == "tokenizer_missing" and "tokenizer.json" in error["message"]
+
+
+def test_token_id_prompts_are_scored(served):
+    body = {"model": NAME, "prompt": [1, 2, 3, 4], "max_tokens": 0, "echo": True, "logprobs": 0}
+    answer = served.post("/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    answer = answer.json()
+    assert answer["usage"]["completion_tokens"] == 0
+    logprobs = answer["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["token_id:1", "token_id:2", "token_id:3", "token_id:4"]
+    assert logprobs["token_logprobs"][0] is None and all(v <= 0 for v in logprobs["token_logprobs"][1:])
