@@ -249,7 +249,9 @@ class _CompletionContext(_Context):
                 reason = P.stop_reason(completion, state.eos_token_ids, job.params[index].stop_token_ids)
                 choices.append(P.completion_choice(index * self.n + completion.index, text, logprobs,
                                                    completion.finish_reason, reason, self.prompt_logprobs_json(output)))
-        return P.completion_response(self.id, self.created, self.model, choices, P.usage(prompt_tokens, completion_tokens))
+        cached = sum(outputs[index].cached_tokens for index in range(len(job.prompts)))
+        return P.completion_response(self.id, self.created, self.model, choices,
+                                     P.usage(prompt_tokens, completion_tokens, cached))
 
 
 async def _events(job: _Job, context: _Context) -> AsyncIterator[bytes]:
@@ -259,11 +261,13 @@ async def _events(job: _Job, context: _Context) -> AsyncIterator[bytes]:
     state = context.state
     sent: dict[int, _Choice] = {}
     completion_tokens = 0
+    cached: dict[int, int] = {}  # prompt index -> the prompt tokens the prefix cache supplied
     try:
         for opening in context.opening():
             yield P.sse(context.chunk([opening]))
         while (item := await job.next()) is not None:
             index, output = item
+            cached[index] = output.cached_tokens
             output = context.shown(output)
             for completion in output.outputs:
                 choice_index = index * context.n + completion.index
@@ -300,7 +304,8 @@ async def _events(job: _Job, context: _Context) -> AsyncIterator[bytes]:
         if job.closed and len(job.done) < len(job.request_ids):
             return  # the client went away
         if context.include_usage:
-            yield P.sse(context.chunk([], P.usage(sum(len(ids) for _, ids in job.prompts), completion_tokens)))
+            yield P.sse(context.chunk([], P.usage(sum(len(ids) for _, ids in job.prompts), completion_tokens,
+                                                  sum(cached.values()))))
         yield P.SSE_DONE
     except Exception:
         logger.exception("a %s stream failed", context.name)
@@ -422,7 +427,7 @@ class _ChatContext(_Context):
             reply.feed(completion.text or "", completion.token_ids, completion.finish_reason, completion.stop_reason)
             choices.append(P.chat_choice(completion.index, "", logprobs, reply.finish_reason(completion.finish_reason), reason,
                                          reply.message()))
-        used = P.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))
+        used = P.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs), output.cached_tokens)
         return P.chat_response(self.id, self.created, self.model, choices, used)
 
 

@@ -241,7 +241,8 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client, http, reference):
         response = http.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
         answer = response.json()
-        assert answer["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+        assert {key: answer["usage"][key] for key in ("prompt_tokens", "completion_tokens", "total_tokens")} == {
+            "prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
         [choice] = answer["choices"]
         assert choice["text"] == (prompt if isinstance(prompt, str) else reference.decode(ids))
         assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
@@ -541,3 +542,24 @@ def test_speculation_counters_in_metrics():
         assert after["metrale_spec_decode_verify_steps_total"] > 0 and drafted > 0 and 0 <= kept <= drafted
     finally:
         own.close()
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_supplied(client, reference):
+    """A second request sharing a long prefix with the first: its usage says how many prompt
+    tokens the prefix cache gave it (whole cache blocks, less than the prompt), in chat and
+    completions, streamed and not; a first request reports 0."""
+    block = reference.cache.block_size
+    shared = " ".join(f"word{i}" for i in range(6 * block))
+    first = client.completions.create(model=MODEL, prompt=shared + " one", max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model=MODEL, prompt=shared + " two", max_tokens=2, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % block == 0 and cached < second.usage.prompt_tokens
+    streamed = client.completions.create(model=MODEL, prompt=shared + " three", max_tokens=2, temperature=0, stream=True,
+                                         stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in streamed if chunk.usage is not None][-1]
+    assert usage.prompt_tokens_details.cached_tokens == cached
+    messages = [{"role": "user", "content": shared + " four"}]
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= cached
