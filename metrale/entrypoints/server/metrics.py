@@ -28,17 +28,34 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                960.0)
 
 
+#: vLLM's name of each engine metric (``vllm:``, with a ``model_name`` label), beside Metrale's
+#: own: the dashboards written for vLLM read these. ``docs/serving.rst`` has the table.
+VLLM_ENGINE_GAUGES = {
+    "metrale_requests_running": "vllm:num_requests_running",
+    "metrale_requests_waiting": "vllm:num_requests_waiting",
+    "metrale_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
+}
+VLLM_ENGINE_COUNTERS = {
+    "metrale_preemptions": "vllm:num_preemptions",
+    "metrale_spec_decode_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "metrale_spec_decode_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+}
+
+
 class EngineCollector(Collector):
     """The engine's load, read at scrape time: ``stats`` returns an
     :class:`~metrale.engine.driver.EngineStats` (it may raise once the engine is shut down: the
-    gauges are then left out), ``active`` the requests submitted and not finished."""
+    gauges are then left out), ``active`` the requests submitted and not finished. With
+    ``model_name``, vLLM's names of the same values follow (:data:`VLLM_ENGINE_GAUGES`,
+    :data:`VLLM_ENGINE_COUNTERS`), labelled with it."""
 
-    def __init__(self, stats: Callable[[], Any], active: Callable[[], int]) -> None:
+    def __init__(self, stats: Callable[[], Any], active: Callable[[], int], model_name: str | None = None) -> None:
         self._stats = stats
         self._active = active
+        self._model_name = model_name
 
     def describe(self) -> Iterator[Metric]:
-        return iter(self._families(None, 0))
+        return iter(self._families(None, 0, self._model_name))
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -47,10 +64,10 @@ class EngineCollector(Collector):
         except Exception as error:  # the engine is shut down (its LLM closed)
             logger.debug("engine stats unavailable: %r", error)
             return iter(())
-        return iter(self._families(stats, active))
+        return iter(self._families(stats, active, self._model_name))
 
     @staticmethod
-    def _families(stats: Any, active: int) -> list[Metric]:
+    def _families(stats: Any, active: int, model_name: str | None = None) -> list[Metric]:
         def value(name: str) -> float:
             return float(getattr(stats, name)) if stats is not None else 0.0
 
@@ -86,36 +103,106 @@ class EngineCollector(Collector):
         ]
         families: list[Metric] = [GaugeMetricFamily(name, doc, value=v) for name, doc, v in gauges]
         families += [CounterMetricFamily(name, doc, value=v) for name, doc, v in counters]
+        if model_name is None:
+            return families
+        for kinds, family_class, names in ((gauges, GaugeMetricFamily, VLLM_ENGINE_GAUGES),
+                                           (counters, CounterMetricFamily, VLLM_ENGINE_COUNTERS)):
+            for name, doc, v in kinds:
+                if name in names:
+                    family = family_class(names[name], f"{doc} (vLLM's name of {name})", labels=["model_name"])
+                    family.add_metric([model_name], v)
+                    families.append(family)
         return families
 
 
-class ServerMetrics:
-    """Every metric of one app, in its own registry (see the module docstring)."""
+class _Both:
+    """A metric of Metrale's name and its vLLM twin (labelled with the model's name), updated
+    together: ``inc`` and ``observe`` reach both."""
 
-    def __init__(self, stats: Callable[[], Any], active: Callable[[], int], in_progress: Callable[[], int]) -> None:
+    def __init__(self, own: Any, vllm: Any) -> None:
+        self.own, self.vllm = own, vllm
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.own.inc(amount)
+        self.vllm.inc(amount)
+
+    def observe(self, value: float) -> None:
+        self.own.observe(value)
+        self.vllm.observe(value)
+
+
+class _FinishedBoth:
+    """``metrale_request_finish`` by endpoint and reason, with vLLM's
+    ``vllm:request_success_total`` by reason and model (its ``abort`` and ``error`` included, as
+    vLLM's finished reasons)."""
+
+    def __init__(self, own: Any, vllm: Any) -> None:
+        self.own, self.vllm = own, vllm
+
+    def labels(self, endpoint: str, finish_reason: str) -> _Both:
+        return _Both(self.own.labels(endpoint, finish_reason), self.vllm.labels(finish_reason))
+
+
+class _ModelLabelled:
+    """A labelled metric with its ``model_name`` label given: ``labels(reason)``."""
+
+    def __init__(self, metric: Any, model_name: str) -> None:
+        self.metric, self.model_name = metric, model_name
+
+    def labels(self, *values: str) -> Any:
+        return self.metric.labels(self.model_name, *values)
+
+
+class ServerMetrics:
+    """Every metric of one app, in its own registry (see the module docstring). With
+    ``model_name`` (the served model's), vLLM's names of the same metrics are kept beside
+    Metrale's, each labelled ``model_name`` (``docs/serving.rst`` lists them one to one)."""
+
+    def __init__(self, stats: Callable[[], Any], active: Callable[[], int], in_progress: Callable[[], int],
+                 model_name: str | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
         self.requests = Counter("metrale_requests", "HTTP requests answered, by endpoint and HTTP status code.",
                                 ["endpoint", "status"], registry=registry)
-        self.finished = Counter("metrale_request_finish", "Completions (choices) finished, by endpoint and finish reason "
+        self.finished: Any = Counter("metrale_request_finish", "Completions (choices) finished, by endpoint and finish reason "
                                 "(stop, length, error, abort: aborted ones include those whose client went away).",
                                 ["endpoint", "finish_reason"], registry=registry)
-        self.prompt_tokens = Counter("metrale_prompt_tokens", "Prompt tokens of the requests submitted to the engine.",
+        self.prompt_tokens: Any = Counter("metrale_prompt_tokens", "Prompt tokens of the requests submitted to the engine.",
                                      registry=registry)
-        self.generation_tokens = Counter("metrale_generation_tokens", "Tokens generated and received by the server.",
+        self.generation_tokens: Any = Counter("metrale_generation_tokens", "Tokens generated and received by the server.",
                                          registry=registry)
-        self.ttft = Histogram("metrale_time_to_first_token_seconds",
+        self.ttft: Any = Histogram("metrale_time_to_first_token_seconds",
                               "From a request's arrival to its first generated token.", buckets=TTFT_BUCKETS,
                               registry=registry)
-        self.itl = Histogram("metrale_inter_token_latency_seconds",
+        self.itl: Any = Histogram("metrale_inter_token_latency_seconds",
                              "Between consecutive generated tokens of a completion.", buckets=ITL_BUCKETS, registry=registry)
-        self.e2e = Histogram("metrale_e2e_request_latency_seconds",
+        self.e2e: Any = Histogram("metrale_e2e_request_latency_seconds",
                              "From a request's arrival to its last token (finished requests only).", buckets=E2E_BUCKETS,
                              registry=registry)
         progress = Gauge("metrale_http_requests_in_progress", "HTTP requests being answered (a stream counts until it ends).",
                          registry=registry)
         progress.set_function(lambda: float(in_progress()))
-        registry.register(EngineCollector(stats, active))
+        registry.register(EngineCollector(stats, active, model_name))
+        if model_name is None:
+            return
+        labels = {"labelnames": ["model_name"], "registry": registry}
+
+        def twin(kind: Any, name: str, doc: str, **options: Any) -> Any:
+            return kind(name, doc, **labels, **options).labels(model_name)
+
+        self.prompt_tokens = _Both(self.prompt_tokens, twin(Counter, "vllm:prompt_tokens", "Prompt tokens (vLLM's name)."))
+        self.generation_tokens = _Both(self.generation_tokens,
+                                       twin(Counter, "vllm:generation_tokens", "Generated tokens (vLLM's name)."))
+        self.ttft = _Both(self.ttft, twin(Histogram, "vllm:time_to_first_token_seconds",
+                                          "Time to the first token (vLLM's name).", buckets=TTFT_BUCKETS))
+        self.itl = _Both(self.itl, twin(Histogram, "vllm:inter_token_latency_seconds",
+                                        "Between generated tokens (vLLM's name).", buckets=ITL_BUCKETS))
+        self.e2e = _Both(self.e2e, twin(Histogram, "vllm:e2e_request_latency_seconds",
+                                        "Arrival to last token (vLLM's name).", buckets=E2E_BUCKETS))
+        success = Counter("vllm:request_success", "Finished requests by finish reason (vLLM's name).",
+                          ["model_name", "finished_reason"], registry=registry)
+        self.finished = _FinishedBoth(self.finished, _ModelLabelled(success, model_name))
+
 
     def render(self) -> bytes:
         """The metrics in the Prometheus text format."""

@@ -116,7 +116,8 @@ class _State:
         self.in_progress = 0
         #: The open jobs (:class:`~metrale.entrypoints.server.jobs._Job`: each adds itself and leaves when closed).
         self.jobs: set[Any] = set()
-        self.metrics = ServerMetrics(self.engine.stats, lambda: self.engine.num_active, lambda: self.in_progress)
+        self.metrics = ServerMetrics(self.engine.stats, lambda: self.engine.num_active, lambda: self.in_progress,
+                                     model_name=model_name)
 
     def engine_alive(self) -> bool:
         return self.engine.is_running

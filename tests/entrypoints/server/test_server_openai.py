@@ -448,6 +448,32 @@ def test_models_health_and_metrics(client, http):
     assert after["metrale_kv_cache_blocks_total"] > 0
 
 
+def test_vllm_metric_names_carry_the_model_name_and_metrale_s_values(client, http):
+    """Dashboards written for vLLM read its names, labelled with the served model's name; each
+    holds the value of Metrale's own metric."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    samples = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    model = (("model_name", MODEL),)
+    pairs = {"vllm:prompt_tokens_total": "metrale_prompt_tokens_total",
+             "vllm:generation_tokens_total": "metrale_generation_tokens_total",
+             "vllm:time_to_first_token_seconds_count": "metrale_time_to_first_token_seconds_count",
+             "vllm:e2e_request_latency_seconds_count": "metrale_e2e_request_latency_seconds_count",
+             "vllm:num_requests_running": "metrale_requests_running",
+             "vllm:kv_cache_usage_perc": "metrale_kv_cache_usage_ratio",
+             "vllm:num_preemptions_total": "metrale_preemptions_total"}
+    for vllm_name, own in pairs.items():
+        assert samples[(vllm_name, model)] == samples[(own, ())], vllm_name
+    finished = sum(value for (name, labels), value in samples.items()
+                   if name == "metrale_request_finish_total" and ("finish_reason", "length") in labels)
+    assert samples[("vllm:request_success_total", (("finished_reason", "length"), *model))] == finished > 0
+
+
 def test_health_is_503_once_the_engine_is_down():
     own = Stack()
     try:
