@@ -569,8 +569,8 @@ ANTHROPIC_CASES = [
     ("empty body", COUNT, b"", 400, "invalid_request_error"),
     ("nested too deeply", M, b'{"model": "tiny-dense", "metadata": ' + b"[" * 200 + b"]" * 200 + b"}", 400,
      "invalid_request_error"),
-    ("unknown model", M, message(model="claude-9"), 404, "not_found_error"),
-    ("unknown model (count_tokens)", COUNT, message(model="claude-9"), 404, "not_found_error"),
+    ("unknown model", M, message(model="no-such-model"), 404, "not_found_error"),
+    ("unknown model (count_tokens)", COUNT, message(model="no-such-model"), 404, "not_found_error"),
     ("model not a string", M, message(model=5), 400, "invalid_request_error"),
     ("missing max_tokens", M, message(max_tokens=_DROP), 400, "invalid_request_error"),
     ("max_tokens a string", M, message(max_tokens="4"), 400, "invalid_request_error"),
@@ -686,5 +686,5 @@ def test_messages_routes_sizes_and_the_anthropic_client(stack):
         client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [IMAGE]}])
     assert raised.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError):
-        client.messages.create(model="claude-9", max_tokens=4, messages=MESSAGE["messages"])
+        client.messages.create(model="no-such-model", max_tokens=4, messages=MESSAGE["messages"])
     assert client.messages.create(model=MODEL, max_tokens=2, messages=MESSAGE["messages"]).usage.output_tokens == 2
