@@ -296,39 +296,74 @@ def _stack_operands(op: str, name: str, weight: Any, rows: int, inner: int) -> t
     return False, (device_view(weight.view(np.uint64)),)
 
 
-def clamped_experts(x: DeviceArray, expert_ids: DeviceArray, weights: DeviceArray, gate_up: Any, down: Any,
-                    alpha: float, limit: float, gate_up_bias: DeviceArray | None, down_bias: DeviceArray | None,
-                    act: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
-    """Launch the two expert kernels: ``out [N, H]`` float32 (``act``: ``[N * k, I]`` float32
-    scratch). ``x [N, H]`` is bf16 bits for a bf16 ``gate_up`` and float32 for an MXFP4 one; each
-    stack is bf16 bits or a plain MXFP4 weight (:func:`is_plain_mxfp4`); the biases may be None."""
-    op = "moe_experts_clamped"
-    tokens, hidden = x.shape
-    top_k = expert_ids.shape[1]
-    inter = act.shape[1]
-    count = down.shape[0] // hidden if hidden else 0
+def _check_call(op: str, x: Any, expert_ids: Any, weights: Any, act: Any, out: Any, gate_up_rows: int,
+                down_rows: int, gate_up_bias: Any, down_bias: Any) -> None:
+    tokens, hidden = out.shape
     check_array(op, "experts", expert_ids, np.int32, (tokens, None))
-    check_array(op, "weights", weights, np.float32, (tokens, top_k))
-    check_array(op, "act", act, np.float32, (tokens * top_k, inter))
+    check_array(op, "weights", weights, np.float32, (tokens, expert_ids.shape[1]))
+    check_array(op, "act", act, np.float32, (tokens * expert_ids.shape[1], None))
     check_array(op, "out", out, np.float32, (tokens, hidden))
-    quantized_gate_up, gate_up_views = _stack_operands(op, "gate_up", gate_up, count * 2 * inter, hidden)
-    quantized_down, down_views = _stack_operands(op, "down", down, count * hidden, inter)
-    check_array(op, "x", x, np.float32 if quantized_gate_up else np.uint16, (tokens, hidden))
-    for name, bias, rows in (("gate_up_bias", gate_up_bias, count * 2 * inter), ("down_bias", down_bias, count * hidden)):
+    for name, bias, rows in (("gate_up_bias", gate_up_bias, gate_up_rows), ("down_bias", down_bias, down_rows)):
         if bias is not None:
             check_array(op, name, bias, np.float32, (rows,))
+
+
+def clamped_experts_bf16(x: DeviceArray, expert_ids: DeviceArray, weights: DeviceArray, gate_up: DeviceArray,
+                         down: DeviceArray, alpha: float, limit: float, gate_up_bias: DeviceArray | None,
+                         down_bias: DeviceArray | None, act: DeviceArray, out: DeviceArray,
+                         stream: object = None) -> DeviceArray:
+    """Launch the two expert kernels over bf16 stacks: ``out [N, H]`` float32 (``act``: ``[N * k,
+    I]`` float32 scratch) from ``x [N, H]`` bf16 bits; the biases may be None."""
+    op = "moe_experts_clamped"
+    tokens, hidden = out.shape
+    top_k, inter = expert_ids.shape[1], act.shape[1]
+    count = down.shape[0] // hidden if hidden else 0
+    _check_call(op, x, expert_ids, weights, act, out, count * 2 * inter, count * hidden, gate_up_bias, down_bias)
+    mxfp4_gate_up, gate_up_views = _stack_operands(op, "gate_up", gate_up, count * 2 * inter, hidden)
+    mxfp4_down, down_views = _stack_operands(op, "down", down, count * hidden, inter)
+    if mxfp4_gate_up or mxfp4_down:
+        raise KernelArgumentError(f"{op}: the bf16 kernels take bf16 stacks; an MXFP4 stack takes the MXFP4 kernels")
+    check_array(op, "x", x, np.uint16, (tokens, hidden))
     if not tokens:
         return out
     unused = out[0]  # the bias operand of a call without one, never read
     launch = numba_stream(stream)
-    x_view = device_view(x) if quantized_gate_up else device_view(x.view(np.uint64))
-    first = clamped_gate_up_mxfp4_kernel if quantized_gate_up else clamped_gate_up_kernel
-    first[(tokens * top_k, -(-inter // MOE_WARPS)), MOE_WARPS * WARP, launch](
-        x_view, *gate_up_views, device_view(gate_up_bias if gate_up_bias is not None else unused),
+    clamped_gate_up_kernel[(tokens * top_k, -(-inter // MOE_WARPS)), MOE_WARPS * WARP, launch](
+        device_view(x.view(np.uint64)), *gate_up_views,
+        device_view(gate_up_bias if gate_up_bias is not None else unused), gate_up_bias is not None,
+        device_view(expert_ids), np.float32(alpha), np.float32(limit), device_view(act),
+    )
+    clamped_down_kernel[(tokens, -(-hidden // MOE_WARPS)), MOE_WARPS * WARP, launch](
+        device_view(act), *down_views, device_view(down_bias if down_bias is not None else unused),
+        down_bias is not None, device_view(expert_ids), device_view(weights), device_view(out),
+    )
+    return out
+
+
+def clamped_experts_mxfp4(x: DeviceArray, expert_ids: DeviceArray, weights: DeviceArray, gate_up: Any, down: Any,
+                          alpha: float, limit: float, gate_up_bias: DeviceArray | None, down_bias: DeviceArray | None,
+                          act: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
+    """Launch the two expert kernels over plain MXFP4 stacks (:func:`is_plain_mxfp4`), their codes
+    decoded in registers: ``out [N, H]`` float32 from ``x [N, H]`` float32."""
+    op = "moe_experts_clamped"
+    tokens, hidden = out.shape
+    top_k, inter = expert_ids.shape[1], act.shape[1]
+    count = down.shape[0] // hidden if hidden else 0
+    _check_call(op, x, expert_ids, weights, act, out, count * 2 * inter, count * hidden, gate_up_bias, down_bias)
+    mxfp4_gate_up, gate_up_views = _stack_operands(op, "gate_up", gate_up, count * 2 * inter, hidden)
+    mxfp4_down, down_views = _stack_operands(op, "down", down, count * hidden, inter)
+    if not (mxfp4_gate_up and mxfp4_down):
+        raise KernelArgumentError(f"{op}: the MXFP4 kernels take two plain MXFP4 stacks")
+    check_array(op, "x", x, np.float32, (tokens, hidden))
+    if not tokens:
+        return out
+    unused = out[0]  # the bias operand of a call without one, never read
+    launch = numba_stream(stream)
+    clamped_gate_up_mxfp4_kernel[(tokens * top_k, -(-inter // MOE_WARPS)), MOE_WARPS * WARP, launch](
+        device_view(x), *gate_up_views, device_view(gate_up_bias if gate_up_bias is not None else unused),
         gate_up_bias is not None, device_view(expert_ids), np.float32(alpha), np.float32(limit), device_view(act),
     )
-    second = clamped_down_mxfp4_kernel if quantized_down else clamped_down_kernel
-    second[(tokens, -(-hidden // MOE_WARPS)), MOE_WARPS * WARP, launch](
+    clamped_down_mxfp4_kernel[(tokens, -(-hidden // MOE_WARPS)), MOE_WARPS * WARP, launch](
         device_view(act), *down_views, device_view(down_bias if down_bias is not None else unused),
         down_bias is not None, device_view(expert_ids), device_view(weights), device_view(out),
     )

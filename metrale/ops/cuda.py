@@ -603,29 +603,37 @@ class CudaKernels:
         shifted = cp.exp(top - top[:, :1])
         return chosen, (shifted / shifted.sum(axis=1, keepdims=True)).astype(f32)
 
-    def moe_experts_clamped(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any, alpha: float,
-                            limit: float, gate_up_bias: Any = None, down_bias: Any = None) -> Any:
-        """GPT-OSS's experts pair by pair (:mod:`metrale.kernels.moe_clamped`): bf16 and MXFP4
-        stacks read as stored; other weight-only quantized stacks dequantized into bf16 first."""
+    def moe_experts_clamped_bf16(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any, alpha: float,
+                                 limit: float, gate_up_bias: Any = None, down_bias: Any = None) -> Any:
+        """GPT-OSS's experts pair by pair over bf16 stacks (:mod:`metrale.kernels.moe_clamped`); a
+        quantized stack dequantized into bf16 first."""
         gate_up, down = self._clamped_stack(gate_up), self._clamped_stack(down)
+        act, out = self._clamped_buffers(x, experts, down)
+        return moe_clamped.clamped_experts_bf16(
+            self.as_bf16(x), cp.ascontiguousarray(experts, dtype=np.int32), cp.ascontiguousarray(weights, dtype=f32),
+            gate_up, down, alpha, limit, _f32_or_none(gate_up_bias), _f32_or_none(down_bias), act, out, self.stream)
+
+    def moe_experts_clamped_mxfp4(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any, alpha: float,
+                                  limit: float, gate_up_bias: Any = None, down_bias: Any = None) -> Any:
+        """GPT-OSS's experts pair by pair over plain MXFP4 stacks, their codes and E8M0 scales
+        decoded in registers (:mod:`metrale.kernels.moe_clamped`)."""
+        act, out = self._clamped_buffers(x, experts, down)
+        return moe_clamped.clamped_experts_mxfp4(
+            self.to_float32(x), cp.ascontiguousarray(experts, dtype=np.int32),
+            cp.ascontiguousarray(weights, dtype=f32), gate_up, down, alpha, limit, _f32_or_none(gate_up_bias),
+            _f32_or_none(down_bias), act, out, self.stream)
+
+    @staticmethod
+    def _clamped_buffers(x: Any, experts: Any, down: Any) -> tuple[Any, Any]:
+        """The expert kernels' scratch ``[N * k, I]`` and output ``[N, H]`` (float32)."""
         tokens, hidden = x.shape
-        top_k, inter = experts.shape[1], down.shape[1]
-        x = self.to_float32(x) if moe_clamped.is_plain_mxfp4(gate_up) else self.as_bf16(x)
-        act = cp.empty((tokens * top_k, inter), dtype=f32)
-        out = cp.empty((tokens, hidden), dtype=f32)
-
-        def bias(values: Any) -> Any:
-            return None if values is None else cp.ascontiguousarray(values, dtype=f32)
-
-        return moe_clamped.clamped_experts(
-            x, cp.ascontiguousarray(experts, dtype=np.int32), cp.ascontiguousarray(weights, dtype=f32), gate_up, down,
-            alpha, limit, bias(gate_up_bias), bias(down_bias), act, out, self.stream)
+        return (cp.empty((tokens * experts.shape[1], down.shape[1]), dtype=f32),
+                cp.empty((tokens, hidden), dtype=f32))
 
     def _clamped_stack(self, weight: Any) -> Any:
-        """A stack as the clamped experts' kernels read it: a weight-only quantized stack other
-        than plain MXFP4 dequantized into bf16; anything else as it is."""
-        if (isinstance(weight, QuantizedWeight) and not moe_clamped.is_plain_mxfp4(weight)
-                and weight.activations == "weight_only"):
+        """A stack as the bf16 expert kernels read it: a weight-only quantized stack dequantized
+        into bf16; anything else as it is."""
+        if isinstance(weight, QuantizedWeight) and weight.activations == "weight_only":
             return self._dequantized(weight)
         return weight
 
@@ -756,3 +764,8 @@ class CudaKernels:
     def sigmoid_gate(self, x: Any, gate: Any) -> Any:
         out = cp.empty(x.shape, dtype=bf16)
         return gated.sigmoid_gate(self.as_bf16(x), cp.ascontiguousarray(gate, dtype=f32), out, self.stream)
+
+
+def _f32_or_none(values: Any) -> Any:
+    """A bias operand as the kernels take it: contiguous float32, or None."""
+    return None if values is None else cp.ascontiguousarray(values, dtype=f32)

@@ -65,7 +65,7 @@ def test_the_reference_is_the_formula():
 
 @pytest.mark.skipif(not SIMULATED, reason="the simulator runs these; a GPU runs the op checks (-m gpu)")
 @pytest.mark.parametrize("gate_up_format, down_format, biased", [
-    ("bf16", "bf16", True), ("bf16", "bf16", False), ("mxfp4", "mxfp4", True), ("mxfp4", "bf16", False),
+    ("bf16", "bf16", True), ("bf16", "bf16", False), ("mxfp4", "mxfp4", True), ("mxfp4", "mxfp4", False),
 ])
 def test_the_kernels_match_the_reference(gate_up_format, down_format, biased):
     rng = np.random.default_rng(7)
@@ -83,5 +83,25 @@ def test_the_kernels_match_the_reference(gate_up_format, down_format, biased):
                                                      gate_up_bias, down_bias)
     act = np.zeros((TOKENS * TOP_K, INTER), np.float32)
     out = np.zeros((TOKENS, HIDDEN), np.float32)
-    moe_clamped.clamped_experts(x_in, experts, weights, gate_up, down, 1.702, 0.9, gate_up_bias, down_bias, act, out)
+    launcher = moe_clamped.clamped_experts_mxfp4 if gate_up_format == "mxfp4" else moe_clamped.clamped_experts_bf16
+    launcher(x_in, experts, weights, gate_up, down, 1.702, 0.9, gate_up_bias, down_bias, act, out)
     assert rel_error(out, expected) <= 1e-5
+
+
+@pytest.mark.skipif(not SIMULATED, reason="the simulator runs these; a GPU runs the op checks (-m gpu)")
+def test_each_launcher_refuses_the_other_s_stacks():
+    from metrale.errors import KernelArgumentError
+
+    rng = np.random.default_rng(8)
+    bf16 = bf16_stack(rng, COUNT * 2 * INTER, HIDDEN), bf16_stack(rng, COUNT * HIDDEN, INTER)
+    mxfp4 = mxfp4_stack(rng, COUNT * 2 * INTER, HIDDEN), mxfp4_stack(rng, COUNT * HIDDEN, INTER)
+    experts = np.zeros((TOKENS, TOP_K), np.int32)
+    weights = np.ones((TOKENS, TOP_K), np.float32)
+    act = np.zeros((TOKENS * TOP_K, INTER), np.float32)
+    out = np.zeros((TOKENS, HIDDEN), np.float32)
+    x = np.zeros((TOKENS, HIDDEN), np.float32)
+    with pytest.raises(KernelArgumentError, match="bf16 kernels take bf16 stacks"):
+        moe_clamped.clamped_experts_bf16(float32_to_bf16(x), experts, weights, mxfp4[0], bf16[1], 1.7, 0.9, None, None,
+                                         act, out)
+    with pytest.raises(KernelArgumentError, match="two plain MXFP4 stacks"):
+        moe_clamped.clamped_experts_mxfp4(x, experts, weights, mxfp4[0], bf16[1], 1.7, 0.9, None, None, act, out)
