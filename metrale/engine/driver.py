@@ -12,10 +12,12 @@ the groups whose output changed, and the caller delivers them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from metrale.engine.generation import RequestGroup
+from metrale.engine.timings import BucketCounts, copied, new_phase_histograms, request_phases
 
 if TYPE_CHECKING:
     from metrale.entrypoints.llm import LLM
@@ -36,7 +38,10 @@ class EngineStats:
     ``spec_verify_steps`` / ``spec_draft_tokens`` / ``spec_accepted_tokens`` the speculative
     verifies so far and the draft tokens they verified and kept; ``lora_slots_used`` /
     ``lora_slots_total`` the LoRA adapter slots running requests hold, and in all (0 / 0 without
-    LoRA), ``lora_adapters_loaded`` the slots that hold an adapter.
+    LoRA), ``lora_adapters_loaded`` the slots that hold an adapter. ``request_phases`` holds a
+    histogram per phase of the finished requests (``queue``, ``prefill``, ``decode``,
+    ``inference``: :mod:`metrale.engine.timings`), ``iteration_tokens`` one of the tokens each
+    step computed (None before the engine's first snapshot).
     """
 
     running: int = 0
@@ -55,6 +60,8 @@ class EngineStats:
     lora_slots_used: int = 0
     lora_slots_total: int = 0
     lora_adapters_loaded: int = 0
+    request_phases: dict[str, BucketCounts] = field(default_factory=dict)
+    iteration_tokens: BucketCounts | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -70,6 +77,8 @@ class EngineDriver:
         self.llm = llm
         self.groups: dict[str, RequestGroup] = {}
         self.steps = 0
+        #: The finished requests' phases (:mod:`metrale.engine.timings`).
+        self.request_phases = new_phase_histograms()
 
     def has_work(self) -> bool:
         """Whether a step would do anything."""
@@ -108,6 +117,7 @@ class EngineDriver:
         for request in group.completions:
             if request.finish_reason is None:  # never scheduled
                 request.finish_reason = "abort"
+        self._record_phases(group)
         return group
 
     def step(self) -> list[RequestGroup]:
@@ -127,15 +137,36 @@ class EngineDriver:
                         request.finish_reason, request.error = "error", f"the engine failed: {error!r}"
             changed = [r for g in self.groups.values() for r in g.completions if r.finish_reason is not None]
         self.steps += 1
+        now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
         for request in changed:
+            if len(request.seq.tokens) > request.seq.prompt_len:  # (no copy of the tokens)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                request.last_token_time = now
             group = self.groups.get(request.request_id)
             if group is not None and any(r is request for r in group.completions):
                 touched[request.request_id] = group
         for request_id, group in touched.items():
             if group.finished:
                 del self.groups[request_id]
+                self._record_phases(group)
         return list(touched.values())
+
+    def _record_phases(self, group: RequestGroup) -> None:
+        """Count a finished group's phases: from its first completion's arrival and first step
+        to the first token of any completion and the last token of all."""
+        def first(times: list[float | None]) -> float | None:
+            known = [t for t in times if t is not None]
+            return min(known) if known else None
+
+        completions = group.completions
+        last = [r.last_token_time for r in completions if r.last_token_time is not None]
+        phases = request_phases(first([r.arrival_time for r in completions]),
+                                first([r.first_scheduled_time for r in completions]),
+                                first([r.first_token_time for r in completions]), max(last) if last else None)
+        for phase, seconds in phases.items():
+            self.request_phases[phase].observe(seconds)
 
     def fail_everything(self, error: BaseException, also: Sequence[RequestGroup] = ()) -> list[RequestGroup]:
         """After an unexpected error outside a step: every admitted group (and those of
@@ -173,6 +204,8 @@ class EngineDriver:
             spec_verify_steps=engine.calls.get("verify", 0),
             spec_draft_tokens=engine.draft_tokens,
             spec_accepted_tokens=engine.accepted_tokens,
+            request_phases=copied(self.request_phases),
+            iteration_tokens=engine.iteration_tokens.copy(),
             **_lora_stats(self.llm.lora),
         )
 

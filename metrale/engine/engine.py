@@ -58,6 +58,7 @@ import numpy as np
 from metrale.cache.prefix import PrefixCache
 from metrale.engine.generation import Request, StopChecker, finishing
 from metrale.engine.scheduler import Scheduler, StepPlan
+from metrale.engine.timings import ITERATION_TOKEN_BUCKETS, BucketCounts
 from metrale.errors import CacheError, ConfigError, PluginError
 from metrale.runner.sampling import RowExtras, new_sampler
 from metrale.sequence import SequenceState
@@ -158,11 +159,15 @@ class Engine:
         self.overlapped_steps = 0
         #: What :meth:`recover` found inconsistent and rebuilt (for tests and diagnostics).
         self.repairs: list[str] = []
+        #: The tokens each launched step computed (decode rows, prompt chunks, verify rows).
+        self.iteration_tokens = BucketCounts(ITERATION_TOKEN_BUCKETS)
 
     # ------------------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
         request.arrival = next(self._arrivals)
+        if request.arrival_time is None:
+            request.arrival_time = time.monotonic()
         self.scheduler.add(request)
 
     def has_unfinished(self) -> bool:
@@ -301,6 +306,7 @@ class Engine:
                 # stages and the dispatch hook to the model runner unchanged.
                 result = self.forward.run(method, call, **arguments)
                 launched = self._launched(plan, method, result)
+                self.iteration_tokens.observe(plan.num_tokens)
             except BaseException as error:
                 # The step before the failed one is read back before the error propagates.
                 self._read_back()
@@ -393,6 +399,7 @@ class Engine:
         accepted = [accepted_count(d, tokens[start : start + len(d) + 1]) for d, start in zip(drafts, starts)]
         self.forward.verdict(seqs, rows, accepted)
         self.calls["verify"] = self.calls.get("verify", 0) + 1
+        self.iteration_tokens.observe(sum(rows))
         self.draft_tokens += sum(len(d) for d in drafts)
         self.accepted_tokens += sum(accepted)
         self.drafted_sequences += sum(1 for d in drafts if d)

@@ -92,6 +92,12 @@ class Request:
     #: (speculative decoding, :mod:`metrale.speculative`).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    #: ``time.monotonic()`` when the engine received the completion and first scheduled it, and
+    #: when its first and latest generated tokens were handed out (:mod:`metrale.engine.timings`).
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
     #: The LoRA adapter this completion runs with (:class:`~metrale.loading.lora.LoRARequest`), or None.
     lora: Any = None
     #: ``token_logprobs`` as :data:`~metrale.params.LogprobsDict`\\ s, made once per token.

@@ -35,6 +35,7 @@ tokens need more blocks than the whole cache has fails at admission.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -365,6 +366,8 @@ class Scheduler:
                 # Commit: from waiting to running in one statement.
                 self.running[len(self.running):], _ = [request], self.waiting.remove(request)
             plan.prefill.append(chunk)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             reserved += self._blocks_for(request, chunk.start + chunk.length)
             if budget is not None:
                 budget -= chunk.length

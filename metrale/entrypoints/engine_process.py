@@ -294,6 +294,7 @@ def engine_summary(llm: Any) -> dict[str, Any]:
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "kv_cache_blocks": int(cache.num_blocks),
         "block_size": int(cache.block_size),
+        "kv_cache_dtype": config.cache.kv_cache_dtype,
         "state_slots": cache.state_slots.num_slots if cache.state_slots is not None else None,
         "prefix_caching": llm.engine.prefix_cache is not None,
         "cuda_graphs": graphs_off is None,

@@ -590,17 +590,6 @@ def summary_lines(summary: dict[str, Any], served_name: str) -> list[str]:
     ]
 
 
-def _engine_summary(engine: Any) -> dict[str, Any]:
-    """An :class:`~metrale.entrypoints.engine_process.EngineProcess`'s summary, as its engine process sent
-    it, or the one of an :class:`~metrale.AsyncLLM`'s LLM."""
-    summary = getattr(engine, "summary", None)
-    if summary is not None:
-        return summary
-    from metrale.entrypoints.engine_process import engine_summary
-
-    return engine_summary(engine.llm)
-
-
 def serve(engine: Any, *, model_name: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
           log_level: str = "info", header_timeout: float = DEFAULT_HEADER_TIMEOUT,
           timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE, stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT,
@@ -616,13 +605,14 @@ def serve(engine: Any, *, model_name: str, host: str = DEFAULT_HOST, port: int =
     start-up summary (:func:`summary_lines`) first. Raises :class:`OSError` when ``host:port``
     cannot be bound."""
     from metrale.entrypoints.server.app import build_app
+    from metrale.entrypoints.server.state import engine_summary_of
 
     listening = listen_sockets(host, port) if sockets is None else list(sockets)
     try:
         app = build_app(engine, model_name=model_name, api_key=api_key, **app_options)
         server = build_server(app, log_level=log_level, header_timeout=header_timeout,
                               timeout_keep_alive=timeout_keep_alive, stream_idle_timeout=stream_idle_timeout)
-        for line in summary_lines(_engine_summary(engine), model_name):
+        for line in summary_lines(engine_summary_of(engine), model_name):
             logger.info("%s", line)
         server.run(sockets=listening)
     finally:

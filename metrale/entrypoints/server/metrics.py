@@ -12,8 +12,10 @@ import logging
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from metrale.engine.timings import ITERATION_TOKEN_BUCKETS, REQUEST_PHASES, REQUEST_TIME_BUCKETS, BucketCounts
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,17 @@ VLLM_ENGINE_COUNTERS = {
     "metrale_spec_decode_draft_tokens": "vllm:spec_decode_num_draft_tokens",
     "metrale_spec_decode_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
 }
+VLLM_ENGINE_HISTOGRAMS = {
+    **{f"metrale_request_{phase}_time_seconds": f"vllm:request_{phase}_time_seconds" for phase in REQUEST_PHASES},
+    "metrale_iteration_tokens": "vllm:iteration_tokens_total",
+}
+#: What each request phase histogram times (:mod:`metrale.engine.timings`).
+PHASE_DOCS = {
+    "queue": "From the engine receiving a request to its first scheduled step (finished requests).",
+    "prefill": "From a request's first scheduled step to its first generated token (finished requests).",
+    "decode": "From a request's first generated token to its last (finished requests).",
+    "inference": "From a request's first scheduled step to its last token (finished requests).",
+}
 
 
 class EngineCollector(Collector):
@@ -49,13 +62,15 @@ class EngineCollector(Collector):
     ``model_name``, vLLM's names of the same values follow (:data:`VLLM_ENGINE_GAUGES`,
     :data:`VLLM_ENGINE_COUNTERS`), labelled with it."""
 
-    def __init__(self, stats: Callable[[], Any], active: Callable[[], int], model_name: str | None = None) -> None:
+    def __init__(self, stats: Callable[[], Any], active: Callable[[], int], model_name: str | None = None,
+                 cache_config: Callable[[], dict[str, str] | None] | None = None) -> None:
         self._stats = stats
         self._active = active
         self._model_name = model_name
+        self._cache_config = cache_config
 
     def describe(self) -> Iterator[Metric]:
-        return iter(self._families(None, 0, self._model_name))
+        return iter(self._families(None, 0, self._model_name) + self._cache_info({}))
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -64,7 +79,24 @@ class EngineCollector(Collector):
         except Exception as error:  # the engine is shut down (its LLM closed)
             logger.debug("engine stats unavailable: %r", error)
             return iter(())
-        return iter(self._families(stats, active, self._model_name))
+        families = self._families(stats, active, self._model_name)
+        return iter(families + self._cache_info(self._cache_config() if self._cache_config is not None else None))
+
+    def _cache_info(self, config: dict[str, str] | None) -> list[Metric]:
+        """``metrale_cache_config_info`` (and vLLM's ``vllm:cache_config_info``): 1, labelled
+        with the KV cache's settings (none when they are unknown)."""
+        if config is None:
+            return []
+        names = sorted(config)
+        own = GaugeMetricFamily("metrale_cache_config_info", "The KV cache's settings, as labels (the value is 1).",
+                                labels=names)
+        own.add_metric([config[name] for name in names], 1.0)
+        if self._model_name is None:
+            return [own]
+        twin = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's settings (vLLM's name).",
+                                 labels=["model_name", *names])
+        twin.add_metric([self._model_name, *(config[name] for name in names)], 1.0)
+        return [own, twin]
 
     @staticmethod
     def _families(stats: Any, active: int, model_name: str | None = None) -> list[Metric]:
@@ -101,8 +133,16 @@ class EngineCollector(Collector):
             ("metrale_spec_decode_draft_tokens", "Draft tokens proposed and verified.", value("spec_draft_tokens")),
             ("metrale_spec_decode_accepted_tokens", "Draft tokens the target model kept.", value("spec_accepted_tokens")),
         ]
+        phases = stats.request_phases if stats is not None else {}
+        histograms = [(f"metrale_request_{phase}_time_seconds", PHASE_DOCS[phase],
+                       phases.get(phase) or BucketCounts(REQUEST_TIME_BUCKETS)) for phase in REQUEST_PHASES]
+        histograms.append(("metrale_iteration_tokens", "Tokens computed per engine step (decode rows, prompt chunks, "
+                           "verify rows).", (stats.iteration_tokens if stats is not None else None)
+                           or BucketCounts(ITERATION_TOKEN_BUCKETS)))
         families: list[Metric] = [GaugeMetricFamily(name, doc, value=v) for name, doc, v in gauges]
         families += [CounterMetricFamily(name, doc, value=v) for name, doc, v in counters]
+        families += [HistogramMetricFamily(name, doc, buckets=h.cumulative(), sum_value=h.total)
+                     for name, doc, h in histograms]
         if model_name is None:
             return families
         for kinds, family_class, names in ((gauges, GaugeMetricFamily, VLLM_ENGINE_GAUGES),
@@ -112,6 +152,11 @@ class EngineCollector(Collector):
                     family = family_class(names[name], f"{doc} (vLLM's name of {name})", labels=["model_name"])
                     family.add_metric([model_name], v)
                     families.append(family)
+        for name, doc, h in histograms:
+            twin = HistogramMetricFamily(VLLM_ENGINE_HISTOGRAMS[name], f"{doc} (vLLM's name of {name})",
+                                         labels=["model_name"])
+            twin.add_metric([model_name], h.cumulative(), sum_value=h.total)
+            families.append(twin)
         return families
 
 
@@ -156,10 +201,12 @@ class _ModelLabelled:
 class ServerMetrics:
     """Every metric of one app, in its own registry (see the module docstring). With
     ``model_name`` (the served model's), vLLM's names of the same metrics are kept beside
-    Metrale's, each labelled ``model_name`` (``docs/serving.rst`` lists them one to one)."""
+    Metrale's, each labelled ``model_name`` (``docs/serving.rst`` lists them one to one).
+    ``cache_config`` gives the KV cache's settings as the labels of ``metrale_cache_config_info``
+    (None: the metric is left out)."""
 
     def __init__(self, stats: Callable[[], Any], active: Callable[[], int], in_progress: Callable[[], int],
-                 model_name: str | None = None) -> None:
+                 model_name: str | None = None, cache_config: Callable[[], dict[str, str] | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
         self.requests = Counter("metrale_requests", "HTTP requests answered, by endpoint and HTTP status code.",
@@ -182,7 +229,7 @@ class ServerMetrics:
         progress = Gauge("metrale_http_requests_in_progress", "HTTP requests being answered (a stream counts until it ends).",
                          registry=registry)
         progress.set_function(lambda: float(in_progress()))
-        registry.register(EngineCollector(stats, active, model_name))
+        registry.register(EngineCollector(stats, active, model_name, cache_config))
         if model_name is None:
             return
         labels = {"labelnames": ["model_name"], "registry": registry}

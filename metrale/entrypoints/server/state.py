@@ -116,8 +116,9 @@ class _State:
         self.in_progress = 0
         #: The open jobs (:class:`~metrale.entrypoints.server.jobs._Job`: each adds itself and leaves when closed).
         self.jobs: set[Any] = set()
+        cache_config = cache_config_labels(engine)
         self.metrics = ServerMetrics(self.engine.stats, lambda: self.engine.num_active, lambda: self.in_progress,
-                                     model_name=model_name)
+                                     model_name=model_name, cache_config=lambda: cache_config)
 
     def engine_alive(self) -> bool:
         return self.engine.is_running
@@ -127,3 +128,27 @@ class _State:
         self.draining = True
 
 
+
+
+def engine_summary_of(engine: Any) -> dict[str, Any]:
+    """An :class:`~metrale.entrypoints.engine_process.EngineProcess`'s summary, as its engine process sent
+    it, or the one of an :class:`~metrale.AsyncLLM`'s LLM."""
+    summary = getattr(engine, "summary", None)
+    if summary is not None:
+        return summary
+    from metrale.entrypoints.engine_process import engine_summary
+
+    return engine_summary(engine.llm)
+
+
+def cache_config_labels(engine: Any) -> dict[str, str] | None:
+    """The labels of ``metrale_cache_config_info`` (vLLM's label names where vLLM has the setting),
+    read from the engine's summary once; None for an engine that gives none."""
+    try:
+        summary = engine_summary_of(engine)
+        return {"block_size": str(summary["block_size"]), "num_gpu_blocks": str(summary["kv_cache_blocks"]),
+                "cache_dtype": str(summary["kv_cache_dtype"]), "enable_prefix_caching": str(summary["prefix_caching"]),
+                "num_state_slots": str(summary["state_slots"] or 0)}
+    except Exception as error:  # (a stand-in engine of a test, say): the labels are a courtesy
+        logger.debug("no cache settings for the metrics: %r", error)
+        return None

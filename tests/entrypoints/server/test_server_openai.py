@@ -474,6 +474,54 @@ def test_vllm_metric_names_carry_the_model_name_and_metrale_s_values(client, htt
     assert samples[("vllm:request_success_total", (("finished_reason", "length"), *model))] == finished > 0
 
 
+def _samples(http):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def test_request_phases_step_sizes_and_cache_settings_in_metrics(client, http):
+    """Each finished request adds one sample to each phase histogram (queue, prefill, decode,
+    inference), the inference time is the prefill's plus the decode's, and the server's own
+    end-to-end latency covers them; each step's computed tokens are counted; the cache's settings
+    are labels. vLLM's names hold the same values."""
+    phases = ("queue", "prefill", "decode", "inference")
+    before = _samples(http)
+    prompt = "Seven violet umbrellas drift over quiet harbours at dawn"  # (no prefix cache hit)
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    after = _samples(http)
+
+    def delta(name, labels=()):
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    for phase in phases:
+        assert delta(f"metrale_request_{phase}_time_seconds_count") == 1, phase
+        assert delta(f"metrale_request_{phase}_time_seconds_sum") >= 0, phase
+    prefill, decode = delta("metrale_request_prefill_time_seconds_sum"), delta("metrale_request_decode_time_seconds_sum")
+    assert decode > 0
+    assert delta("metrale_request_inference_time_seconds_sum") == pytest.approx(prefill + decode, abs=1e-6)
+    assert delta("metrale_e2e_request_latency_seconds_sum") >= delta("metrale_request_inference_time_seconds_sum")
+    # One prompt step and four decode steps of one row each.
+    assert delta("metrale_iteration_tokens_count") == 5
+    assert delta("metrale_iteration_tokens_sum") == response.usage.prompt_tokens + 4
+    assert delta("metrale_iteration_tokens_bucket", (("le", "1.0"),)) == 4
+    model = (("model_name", MODEL),)
+    for phase in phases:
+        for suffix in ("count", "sum"):
+            own = f"metrale_request_{phase}_time_seconds_{suffix}"
+            assert after[(f"vllm:request_{phase}_time_seconds_{suffix}", model)] == after[(own, ())]
+    assert after[("vllm:iteration_tokens_total_count", model)] == after[("metrale_iteration_tokens_count", ())]
+    (labels,) = [dict(labels) for name, labels in after if name == "metrale_cache_config_info"]
+    assert labels["num_gpu_blocks"] == str(int(after[("metrale_kv_cache_blocks_total", ())]))
+    assert labels["block_size"] == "16" and labels["cache_dtype"] == "auto" and labels["enable_prefix_caching"] == "True"
+    assert after[("vllm:cache_config_info", tuple(sorted({**labels, "model_name": MODEL}.items())))] == 1.0
+
+
 def test_health_is_503_once_the_engine_is_down():
     own = Stack()
     try:
