@@ -599,6 +599,11 @@ def run(options: BenchOptions) -> dict[str, Any]:
                if options.hf and (options.hf_compile or not compiled)]
     stages = (len(options.shapes) * (2 + len(hf_runs) + len(options.quantization) + int(options.kv_cache_fp8))
               + (1 if options.start_times and options.shapes else 0))
+    def save() -> None:
+        # After every stage: a run cut short keeps what it measured.
+        if options.output is not None:
+            options.output.write_text(json.dumps(results, indent=2))
+
     with _progress(stages, "bench") as bar:
         for shape in options.shapes:
             entry: dict[str, Any] = {"weight_GB": weight_bytes(shape) / 1e9}
@@ -612,6 +617,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
                         entry[f"metrale_{name}"] = bench_quantized(shape, options, bandwidth, name)
                     except Exception as error:
                         entry[f"metrale_{name}_error"] = f"{type(error).__name__}: {error}"
+                    save()
                 bar.update(metrale_stages + len(hf_runs) + len(options.quantization) + int(options.kv_cache_fp8))
                 continue
             try:
@@ -623,6 +629,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
                 done += 1
                 bar.set_description(f"{shape}: Metrale")
                 entry["metrale"] = bench_metrale(shape, folder, options, bandwidth)
+                save()
                 bar.update()
                 done += 1
                 if metrale_stages == 3:
@@ -639,6 +646,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
                     entry[f"metrale_{name}"] = bench_quantized(shape, options, bandwidth, name)
                 except Exception as error:
                     entry[f"metrale_{name}_error"] = f"{type(error).__name__}: {error}"
+                save()
                 bar.update()
             if options.kv_cache_fp8:
                 bar.set_description(f"{shape}: Metrale, FP8 KV cache")
@@ -646,6 +654,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
                     entry["metrale_kv_fp8"] = bench_fp8_cache(shape, options, bandwidth)
                 except Exception as error:
                     entry["metrale_kv_fp8_error"] = f"{type(error).__name__}: {error}"
+                save()
                 bar.update()
             for label, compiled in hf_runs:
                 bar.set_description(f"{shape}: transformers {'compiled' if compiled else 'eager'}")
@@ -653,9 +662,9 @@ def run(options: BenchOptions) -> dict[str, Any]:
                     entry[label] = bench_hf(options.workdir / shape, options, compiled)
                 except Exception as error:
                     entry[f"{label}_error"] = f"{type(error).__name__}: {error}"
+                save()
                 bar.update()
-            if options.output is not None:
-                options.output.write_text(json.dumps(results, indent=2))
+            save()
     return results
 
 
