@@ -654,7 +654,8 @@ class EngineProcess(AsyncEngineAPI):
         params = self.llm.request_params(sampling_params if sampling_params is not None else SamplingParams())
         if params.structured_output is not None:  # a bad schema or grammar is refused here; the engine compiles it
             self.llm.grammar_compiler().check(params.structured_output)
-        if lora_request is not None and self._adapters.get(getattr(lora_request, "lora_int_id", None)) != lora_request:
+        if lora_request is not None and (not isinstance(lora_request, LoRARequest)
+                                         or self._adapters.get(lora_request.lora_int_id) != lora_request):
             raise InvalidRequestError(f"{lora_request!r} is not one of this engine's adapters (lora_modules, or "
                                       "one add_lora added): "
                                       f"{', '.join(sorted(r.lora_name for r in self._adapters.values())) or 'none'}")
