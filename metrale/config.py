@@ -1,7 +1,8 @@
 """Engine configuration.
 
-This module is the only reader of ``METRALE_*`` environment variables: everything else receives
-its settings as the dataclasses below.
+This module is the only reader of ``METRALE_*`` environment variables (and of the one vLLM
+variable Metrale honours, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): everything else receives its
+settings as the dataclasses below, or from the readers here.
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "METRALE_DECODE_MMA": "when set to 0, decode attention runs on CUDA cores where tensor cores would serve",
     "METRALE_DEPENDENT_LAUNCH": "set to 0, the CUDA C++ decode kernels launch without programmatic dependent launch",
     "METRALE_API_KEY": "the API key metrale serve requires when --api-key is not given",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "vLLM's switch: 1 or true turns on the server's LoRA load and unload endpoints",
 }
+
+#: vLLM's variable that turns on ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``.
+RUNTIME_LORA_VARIABLE = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -50,6 +55,13 @@ def environment_api_key_is_empty(env: Mapping[str, str] | None = None) -> bool:
     """Whether ``METRALE_API_KEY`` is set to the empty string (which :func:`environment_api_key`
     reads as no key, as when it is unset)."""
     return (os.environ if env is None else env).get("METRALE_API_KEY") == ""
+
+
+def environment_allows_runtime_lora_updating(env: Mapping[str, str] | None = None) -> bool:
+    """``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` of ``env`` (default: ``os.environ``), read as vLLM reads
+    it: true when it is ``1`` or ``true`` (any letter case, spaces around ignored), false for
+    anything else, unset included."""
+    return (os.environ if env is None else env).get(RUNTIME_LORA_VARIABLE, "0").strip().lower() in ("1", "true")
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:

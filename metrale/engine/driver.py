@@ -7,6 +7,11 @@ failures: a failed step fails only the requests it touched (or, when the engine'
 had to be rebuilt, every running request), and an unexpected error fails every request and
 leaves the engine idle and consistent. It never hands an output to anyone: each call returns
 the groups whose output changed, and the caller delivers them.
+
+It also adds and removes LoRA adapters while requests run (:meth:`EngineDriver.add_lora`,
+:meth:`EngineDriver.remove_lora`): an adapter removed while admitted requests use it is forgotten
+only once the last of them has finished (:meth:`EngineDriver.retire`), so no running request ever
+loses its adapter or has its slot rewritten under it.
 """
 
 from __future__ import annotations
@@ -14,10 +19,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 from metrale.engine.generation import RequestGroup
 from metrale.engine.timings import BucketCounts, copied, new_phase_histograms, request_phases
+from metrale.errors import AdapterError
 
 if TYPE_CHECKING:
     from metrale.entrypoints.llm import LLM
@@ -79,6 +85,9 @@ class EngineDriver:
         self.steps = 0
         #: The finished requests' phases (:mod:`metrale.engine.timings`).
         self.request_phases = new_phase_histograms()
+        #: The ``lora_int_id`` of each adapter :meth:`remove_lora` was asked to remove that admitted
+        #: requests still use: forgotten by :meth:`retire` once none does.
+        self.retiring: set[int] = set()
 
     def has_work(self) -> bool:
         """Whether a step would do anything."""
@@ -167,6 +176,62 @@ class EngineDriver:
                                 first([r.first_token_time for r in completions]), max(last) if last else None)
         for phase, seconds in phases.items():
             self.request_phases[phase].observe(seconds)
+
+    def add_lora(self, lora: Any) -> None:
+        """Read and check adapter ``lora`` (a :class:`~metrale.loading.lora.LoRARequest`) now, so that a
+        bad one is refused here rather than at its first request: :class:`~metrale.errors.AdapterError`
+        for one the model cannot serve (or whose ``lora_int_id`` names another adapter),
+        :class:`~metrale.errors.ConfigError` when the engine serves no LoRA."""
+        self.llm.add_lora(lora)
+        self.retiring.discard(lora.lora_int_id)
+
+    def served_loras(self) -> list[Any]:
+        """The adapters the engine holds and was not asked to remove, by ``lora_int_id``."""
+        return [lora for lora in self.llm.list_loras() if lora.lora_int_id not in self.retiring]
+
+    def find_lora(self, lora: str | int) -> Any:
+        """The served adapter (:meth:`served_loras`) of ``lora_int_id`` ``lora`` (an int) or named
+        ``lora`` (a string); :class:`~metrale.errors.AdapterError` when there is none, or several of
+        that name."""
+        served = self.served_loras()
+        if isinstance(lora, bool) or not isinstance(lora, (int, str)):
+            raise AdapterError(f"an adapter is named by its lora_name (a string) or its lora_int_id, got {lora!r}")
+        found = [r for r in served if (r.lora_int_id == lora if isinstance(lora, int) else r.lora_name == lora)]
+        if not found:
+            raise AdapterError(f"no LoRA adapter {lora!r} is loaded (loaded: "
+                               f"{', '.join(repr(r.lora_name) for r in served) or 'none'})")
+        if len(found) > 1:
+            raise AdapterError(f"{len(found)} loaded adapters are named {lora!r} (lora_int_id "
+                               f"{', '.join(str(r.lora_int_id) for r in found)}); remove one by its lora_int_id")
+        return found[0]
+
+    def remove_lora(self, lora: str | int, busy: Collection[int] = ()) -> Any:
+        """Remove the served adapter ``lora`` (:meth:`find_lora`; :class:`~metrale.errors.AdapterError`
+        when there is none): forgotten now when no admitted request uses it (nor one of ``busy``,
+        the ids of requests accepted but not admitted yet), else by :meth:`retire` once the last
+        has finished, its requests running to the end with it. Returns its
+        :class:`~metrale.loading.lora.LoRARequest`."""
+        found = self.find_lora(lora)
+        self.retiring.add(found.lora_int_id)
+        self.retire(busy)
+        return found
+
+    def retire(self, busy: Collection[int] = ()) -> None:
+        """Forget the adapters :meth:`remove_lora` was asked to remove that no admitted request
+        uses any more (nor one of ``busy``); the others wait for a later call."""
+        if not self.retiring:
+            return
+        used = set(busy)
+        for group in self.groups.values():
+            for request in group.completions:
+                if request.lora is not None:
+                    used.add(request.lora.lora_int_id)
+        for int_id in sorted(self.retiring - used):
+            try:
+                self.llm.remove_lora(int_id)
+            except AdapterError:  # a finished request's slot not released yet: a later call
+                continue
+            self.retiring.discard(int_id)
 
     def fail_everything(self, error: BaseException, also: Sequence[RequestGroup] = ()) -> list[RequestGroup]:
         """After an unexpected error outside a step: every admitted group (and those of

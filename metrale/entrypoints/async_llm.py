@@ -21,6 +21,10 @@ gets the newest output and skips the ones in between, losing nothing. An output 
 the caller has taken the one before (and always for the last), so a slow reader costs the engine
 thread nothing per token.
 
+LoRA adapters can be added and removed while requests run (:meth:`AsyncEngineAPI.add_lora`,
+:meth:`AsyncEngineAPI.remove_lora`): the engine thread reads and checks an added adapter between
+two steps, and forgets a removed one once the last request using it has finished.
+
 The :class:`~metrale.LLM` under an ``AsyncLLM`` is taken for the ``AsyncLLM``'s lifetime (its own
 ``generate`` raises :class:`~metrale.errors.EngineBusyError` meanwhile); both drive the same
 :class:`~metrale.engine.engine.Engine` class.
@@ -34,6 +38,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -41,7 +46,8 @@ from typing import Any, AsyncIterator
 from metrale.engine.driver import EngineDriver, EngineStats
 from metrale.engine.generation import RequestGroup
 from metrale.entrypoints.prompts import Prompt
-from metrale.errors import EngineClosedError, InvalidRequestError, QueueFullError
+from metrale.errors import AdapterError, ConfigError, EngineClosedError, InvalidRequestError, QueueFullError
+from metrale.loading.lora import LoRARequest
 from metrale.params import RequestOutput, SamplingParams
 from metrale.validation import check_int
 
@@ -103,7 +109,8 @@ class SubmittedRequest:
 class AsyncEngineAPI:
     """What :class:`AsyncLLM` and :class:`~metrale.entrypoints.engine_process.EngineProcess` share: the
     async iteration over a request's outputs and the ``async with`` block. A subclass provides
-    ``submit``, ``abort``, ``stats``, ``num_active``, ``is_running`` and ``shutdown``."""
+    ``submit``, ``abort``, ``stats``, ``num_active``, ``is_running``, ``shutdown``, and the LoRA
+    calls ``serves_lora``, ``list_loras``, ``add_lora`` and ``remove_lora``."""
 
     def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                request_id: str | None = None, lora_request: Any = None) -> Any:
@@ -127,6 +134,35 @@ class AsyncEngineAPI:
         raise NotImplementedError
 
     def _prepare_structured_output(self, structured_output: Any) -> None:
+        raise NotImplementedError
+
+    @property
+    def serves_lora(self) -> bool:
+        """Whether the engine serves LoRA adapters (it was built with ``enable_lora=True``)."""
+        raise NotImplementedError
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters the engine serves now (added and not removed), by ``lora_int_id``."""
+        raise NotImplementedError
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check the adapter of ``lora_request`` (a :class:`~metrale.loading.lora.LoRARequest`)
+        in the engine, between two of its steps, so that requests may name it. Raises
+        :class:`~metrale.errors.AdapterError` for an adapter the model cannot serve (no such
+        folder, no ``adapter_config.json``, a rank above ``max_lora_rank``, a projection the model
+        lacks, ...) or a ``lora_int_id`` that already names another adapter,
+        :class:`~metrale.errors.ConfigError` when the engine serves no LoRA and
+        :class:`~metrale.errors.EngineClosedError` when it is not running. Adding an adapter
+        already served under the same id, name and folder does nothing."""
+        raise NotImplementedError
+
+    async def remove_lora(self, lora: str | int) -> None:
+        """Remove the served adapter named ``lora`` (a ``lora_name``) or of ``lora_int_id``
+        ``lora`` (an int). Requests already submitted with it run to their end with it; the
+        engine forgets it (its memory and its device slot freed) once the last has finished.
+        Raises :class:`~metrale.errors.AdapterError` when no served adapter has that name or
+        id (or several have that name), :class:`~metrale.errors.EngineClosedError` when the
+        engine is not running."""
         raise NotImplementedError
 
     async def check_structured_output(self, structured_output: Any) -> None:
@@ -201,6 +237,9 @@ class AsyncLLM(AsyncEngineAPI):
         self._condition = threading.Condition()
         self._inbox: deque[SubmittedRequest] = deque()
         self._aborts: deque[str] = deque()
+        #: LoRA calls for the engine thread: ("add", LoRARequest) or ("remove", name or id), with
+        #: the future their caller awaits.
+        self._lora_calls: deque[tuple[str, Any, Future]] = deque()
         self._active: dict[str, SubmittedRequest] = {}
         #: Requests with news whose caller has not taken their previous output yet.
         self._behind: dict[str, SubmittedRequest] = {}
@@ -255,6 +294,54 @@ class AsyncLLM(AsyncEngineAPI):
             if request_id in self._active:
                 self._aborts.append(request_id)
                 self._condition.notify()
+
+    @property
+    def serves_lora(self) -> bool:
+        """Whether the engine serves LoRA adapters (``enable_lora=True``)."""
+        return self.llm.lora is not None
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters the engine holds (added, or read for a request) and was not asked to
+        remove, by ``lora_int_id``."""
+        return self._driver.served_loras()
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """See :meth:`AsyncEngineAPI.add_lora`; the adapter is read on the engine thread."""
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(f"add_lora() takes a LoRARequest, got {lora_request!r}")
+        if not self.serves_lora:
+            raise ConfigError("adding a LoRA adapter needs an engine that serves LoRA: LLM(..., enable_lora=True)")
+        await self._lora_call("add", lora_request)
+
+    async def remove_lora(self, lora: str | int) -> None:
+        """See :meth:`AsyncEngineAPI.remove_lora`."""
+        if isinstance(lora, bool) or not isinstance(lora, (str, int)):
+            raise AdapterError(f"remove_lora() takes an adapter's lora_name or lora_int_id, got {lora!r}")
+        await self._lora_call("remove", lora)
+
+    async def _lora_call(self, kind: str, argument: Any) -> Any:
+        """Hand a LoRA call to the engine thread and wait for its answer."""
+        future: Future = Future()
+        with self._condition:
+            self._check_open()
+            self._lora_calls.append((kind, argument, future))
+            self._condition.notify()
+        return await asyncio.wrap_future(future)
+
+    def _run_lora_calls(self, calls: list[tuple[str, Any, Future]]) -> None:  # on the engine thread
+        driver = self._driver
+        for kind, argument, future in calls:
+            if not future.set_running_or_notify_cancel():  # its caller stopped waiting before it ran
+                continue
+            try:
+                if kind == "add":
+                    driver.add_lora(argument)
+                else:
+                    driver.remove_lora(argument)
+            except Exception as error:
+                future.set_exception(error)
+            else:
+                future.set_result(None)
 
     def stats(self) -> EngineStats:
         """The engine's load now (any thread)."""
@@ -319,24 +406,32 @@ class AsyncLLM(AsyncEngineAPI):
         with self.llm.backend.activate():
             while True:
                 with self._condition:
-                    while not (self._inbox or self._aborts or self._stopping or driver.has_work()):
+                    while not (self._inbox or self._aborts or self._lora_calls or self._stopping or driver.has_work()):
                         self._condition.wait()
                     new, self._inbox = list(self._inbox), deque()
                     aborts, self._aborts = list(self._aborts), deque()
+                    lora_calls, self._lora_calls = list(self._lora_calls), deque()
                     stopping = self._stopping
                 try:
-                    for active in new:
-                        if not active.finished and not driver.admit(active.group):
-                            self._deliver(active)
-                    for request_id in aborts:
-                        group = driver.abort(request_id)
-                        aborted = self._active.get(request_id)
-                        if group is not None and aborted is not None and aborted.group is group:
-                            self._deliver(aborted)
+                    try:
+                        for active in new:
+                            if not active.finished and not driver.admit(active.group):
+                                self._deliver(active)
+                        for request_id in aborts:
+                            group = driver.abort(request_id)
+                            aborted = self._active.get(request_id)
+                            if group is not None and aborted is not None and aborted.group is group:
+                                self._deliver(aborted)
+                    finally:
+                        # (After the new requests: a removal waits for those submitted before it.
+                        # Always: every call taken is answered.)
+                        self._run_lora_calls(lora_calls)
                     if stopping and not driver.has_work():
+                        driver.retire()
                         return
                     if driver.has_work():
                         self._step()
+                    driver.retire()
                 except Exception as error:  # never let the thread die with callers waiting on it
                     driver.fail_everything(error, [a.group for a in self._active.values()])
                     for active in list(self._active.values()):

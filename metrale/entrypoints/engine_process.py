@@ -13,11 +13,12 @@ would be by a ``multiprocessing`` start); it stops when the callers' process goe
 What crosses between them:
 
 * to the engine: each checked request (its prompt's token ids and its
-  :class:`~metrale.SamplingParams`), aborts, and the shutdown;
+  :class:`~metrale.SamplingParams`), aborts, LoRA adapters to add or remove, and the shutdown;
 * from the engine, once per step: what each changed request gained -- its new token ids, the
   text they added, their log probabilities, how it finished -- and the engine's
   :class:`~metrale.engine.driver.EngineStats`. The callers' side adds these up, so the outputs
   it hands out are the cumulative :class:`~metrale.RequestOutput`\\ s an ``AsyncLLM`` hands out.
+  And the answer to each LoRA call (done, or the error it raised there).
 
 Requests are checked on the callers' side (:class:`~metrale.entrypoints.frontend.PromptFrontend`: the
 tokenizer, the chat template, the sampling defaults, the structured-output compiler), so a bad
@@ -25,7 +26,9 @@ request raises in :meth:`~EngineProcess.submit` and never reaches the engine (a 
 output is checked there in a sandbox process, :mod:`metrale.structured.sandbox`, and compiled by
 the engine process beside its steps). If the engine process dies, every unfinished request ends
 with ``finish_reason == "error"``; the ``EngineProcess`` then starts it again, up to
-``max_restarts`` times, or stops taking requests.
+``max_restarts`` times, or stops taking requests. A restarted engine process reads again every
+adapter served when the last one stopped (those added at run time included); one that can no
+longer be read is dropped, with a logged error.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from metrale.entrypoints.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncEng
 from metrale.entrypoints.frontend import PromptFrontend
 from metrale.entrypoints.prompts import Prompt
 from metrale.errors import (
+    AdapterError,
     ConfigError,
     EngineClosedError,
     InvalidRequestError,
@@ -82,6 +86,18 @@ _CompletionDelta = tuple[int, list[int], int, "str | None", "list[LogprobsDict] 
 # What one request gained: (request id, finished, error, cached tokens, preemptions, prompt log
 # probabilities (in its first record only), its completions' deltas).
 _Record = tuple[str, bool, "str | None", int, int, Any, list[_CompletionDelta]]
+# The answer to one LoRA call: (call id, the error it raised or None).
+_Reply = tuple[int, "BaseException | None"]
+
+
+def _sendable(error: BaseException) -> BaseException:
+    """``error``, or a :class:`~metrale.errors.MetraleError` saying what it was when it does not
+    pickle (it crosses to the callers' side)."""
+    try:
+        pickle.dumps(error)
+    except Exception:
+        return MetraleError(f"{type(error).__name__}: {error}")
+    return error
 
 
 # ------------------------------------------------------------------------ the engine process
@@ -139,6 +155,7 @@ class _EngineLoop:
                         self._record(group)
                     self._flush()
                     break
+                self._retire()
                 self._flush()
             self._abort_all()
             self._flush()
@@ -173,8 +190,30 @@ class _EngineLoop:
             group = self.driver.abort(message[1])
             if group is not None:
                 self._record(group)
+        elif kind == "add_lora":
+            self._lora_call(message[1], self.driver.add_lora, message[2])
+        elif kind == "remove_lora":
+            # Requests still compiling were accepted before the removal: they keep the adapter.
+            busy = [m[5].lora_int_id for _, m in self.compiling if m[5] is not None]
+            self._lora_call(message[1], self.driver.remove_lora, message[2], busy)
         elif kind == "shutdown":
             self.stop_at = time.monotonic() + max(float(message[1]), 0.0)
+
+    def _lora_call(self, call_id: int, method: Any, *args: Any) -> None:
+        """Run a LoRA call and send its answer at once (before the next step's records)."""
+        try:
+            method(*args)
+        except Exception as error:
+            self._flush()
+            self._send(("reply", (call_id, _sendable(error)), self.driver.stats()))
+            return
+        self._flush()
+        self._send(("reply", (call_id, None), self.driver.stats()))
+
+    def _retire(self) -> None:
+        """Forget the removed adapters no request uses any more (nor a request still compiling)."""
+        if self.driver.retiring:
+            self.driver.retire([m[5].lora_int_id for _, m in self.compiling if m[5] is not None])
 
     def _compile(self, structured: Any) -> None:
         self.llm.grammar_compiler().compile(structured)
@@ -346,14 +385,16 @@ def _cuda_graphs_off_reason(llm: Any) -> str | None:
 
 def _engine_process_main(fd: int) -> None:
     """The engine process, on the socket ``fd``: take the model and its options, load it, say
-    it is ready (or why it failed), run the loop."""
+    it is ready (or why it failed), run the loop. The adapters sent are read before it is ready:
+    a bad one fails the start (``strict``, the first start) or is dropped and reported in the
+    "ready" payload (a restart: the adapters served when the last engine process stopped)."""
     # The callers' side decides when to stop (a signal to the whole process group, as Ctrl-C
     # or a service manager sends, reaches both; the server then drains its requests first).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     try:
-        model, options, chat_template, capture_graphs, lora_modules = conn.recv()
+        model, options, chat_template, capture_graphs, lora_modules, strict = conn.recv()
     except (EOFError, OSError):
         return
     from metrale.entrypoints.llm import LLM
@@ -363,8 +404,14 @@ def _engine_process_main(fd: int) -> None:
         # Every structured output reaching this process was checked by the callers' side, in its
         # sandbox (EngineProcess.submit): compiled here directly.
         llm.isolate_grammars = False
+        dropped: list[tuple[int, str]] = []
         for lora in lora_modules:
-            llm.add_lora(lora)
+            try:
+                llm.add_lora(lora)
+            except Exception as error:
+                if strict:
+                    raise
+                dropped.append((lora.lora_int_id, str(error)))
         if capture_graphs:
             llm.capture_graphs()
     except BaseException as error:
@@ -378,7 +425,7 @@ def _engine_process_main(fd: int) -> None:
             "path": str(llm.checkpoint.path), "tokenizer_path": str(llm.tokenizer_path),
             "vocab_size": llm.vocab_size, "max_model_len": llm.max_model_len,
             "eos_token_ids": list(llm.eos_token_ids), "max_num_seqs": llm.config.max_num_seqs,
-            "device": llm.backend.name, "summary": engine_summary(llm),
+            "device": llm.backend.name, "summary": engine_summary(llm), "dropped_loras": dropped,
         }))
         _EngineLoop(llm, conn).run()
     finally:
@@ -474,6 +521,16 @@ class RemoteRequest:
         )
 
 
+def _settle(future: Future, error: BaseException | None) -> None:
+    """Give ``future`` its answer, unless its caller stopped waiting for it."""
+    if not future.set_running_or_notify_cancel():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
 def _apply_all(items: list[tuple[RemoteRequest, _Record]]) -> None:  # on the callers' event loop
     for request, record in items:
         request.apply(record)
@@ -487,7 +544,8 @@ class EngineProcess(AsyncEngineAPI):
     there; ``max_waiting_requests`` bounds the requests queued beyond the ``max_num_seqs`` that
     can run; ``capture_graphs`` records the CUDA graphs before the first request;
     ``lora_modules`` (a list of :class:`~metrale.loading.lora.LoRARequest`, with ``enable_lora=True``) are
-    the adapters requests may name, each read and checked before the engine is ready.
+    the adapters requests may name, each read and checked before the engine is ready;
+    :meth:`add_lora` and :meth:`remove_lora` change them while it runs.
     ``max_restarts`` is how many times an engine process that stops unexpectedly (killed, or
     crashed) is started again: its unfinished requests fail, new ones get
     :class:`~metrale.errors.EngineClosedError` while the model loads again (:attr:`is_running` is
@@ -518,7 +576,13 @@ class EngineProcess(AsyncEngineAPI):
                                   "a plugin_manager, say, does not cross: the engine process loads the installed "
                                   "plugins itself)") from None
         template = str(chat_template) if isinstance(chat_template, Path) else chat_template
-        self._start_message = (str(model), options, template, bool(capture_graphs), self.lora_modules)
+        self._start_options = (str(model), options, template, bool(capture_graphs))
+        #: The adapters requests may name, by ``lora_int_id``: ``lora_modules``, then those
+        #: :meth:`add_lora` added and :meth:`remove_lora` did not remove.
+        self._adapters: dict[int, LoRARequest] = {lora.lora_int_id: lora for lora in self.lora_modules}
+        #: LoRA calls sent and not answered yet: call id -> (future, kind, argument).
+        self._calls: dict[int, tuple[Future, str, Any]] = {}
+        self._next_call = 0
         self.max_restarts = check_int("max_restarts", max_restarts, minimum=0)
         #: Times the engine process was started again after it stopped unexpectedly.
         self.restarts = 0
@@ -543,14 +607,21 @@ class EngineProcess(AsyncEngineAPI):
         self._reader = threading.Thread(target=self._read, name="metrale-engine-reader", daemon=True)
         self._reader.start()
 
-    def _start_engine_process(self) -> tuple[Connection, dict[str, Any]]:
+    def _start_engine_process(self, restart: bool = False) -> tuple[Connection, dict[str, Any]]:
         """Start an engine process and wait until its model is loaded: its connection and its
         "ready" payload. Raises what loading raised there, or
-        :class:`~metrale.errors.EngineClosedError` when it exited first."""
+        :class:`~metrale.errors.EngineClosedError` when it exited first. The first start reads
+        ``lora_modules`` (a bad one fails it); a ``restart`` the adapters served now (a bad one is
+        dropped: the payload's ``dropped_loras``)."""
+        if restart:
+            with self._lock:
+                adapters = tuple(self._adapters.values())
+        else:
+            adapters = self.lora_modules
         process, conn = start_child("metrale.entrypoints.engine_process", "_engine_process_main")
         self._process: subprocess.Popen = process  # (seen by shutdown while the model loads)
         try:
-            conn.send(self._start_message)
+            conn.send((*self._start_options, adapters, not restart))
             kind, payload = conn.recv()
         except (EOFError, OSError):
             code = process.wait(10)
@@ -584,9 +655,11 @@ class EngineProcess(AsyncEngineAPI):
         params = self.llm.request_params(sampling_params if sampling_params is not None else SamplingParams())
         if params.structured_output is not None:  # a bad schema or grammar is refused here; the engine compiles it
             self.llm.grammar_compiler().check(params.structured_output)
-        if lora_request is not None and lora_request not in self.lora_modules:
-            raise InvalidRequestError(f"{lora_request!r} is not one of this engine's adapters (lora_modules): "
-                                      f"{', '.join(sorted(r.lora_name for r in self.lora_modules)) or 'none'}")
+        if lora_request is not None and (not isinstance(lora_request, LoRARequest)
+                                         or self._adapters.get(lora_request.lora_int_id) != lora_request):
+            raise InvalidRequestError(f"{lora_request!r} is not one of this engine's adapters (lora_modules, or "
+                                      "one add_lora added): "
+                                      f"{', '.join(sorted(r.lora_name for r in self._adapters.values())) or 'none'}")
         with self._lock:
             self._check_open()
             if request_id in self._active:
@@ -611,6 +684,94 @@ class EngineProcess(AsyncEngineAPI):
         with self._lock:
             if request_id in self._active and self._alive:
                 self._send(("abort", request_id))
+
+    @property
+    def serves_lora(self) -> bool:
+        """Whether the engine serves LoRA adapters (``enable_lora=True``)."""
+        return self.summary.get("lora") is not None
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters requests may name: ``lora_modules``, then those :meth:`add_lora` added and
+        :meth:`remove_lora` did not remove, by ``lora_int_id``."""
+        return [lora for _, lora in sorted(self._adapters.items())]
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """See :meth:`AsyncEngineAPI.add_lora`: the engine process reads and checks the adapter
+        between two steps; requests may name it once this returns. A restarted engine process
+        reads it again."""
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(f"add_lora() takes a LoRARequest, got {lora_request!r}")
+        if not self.serves_lora:
+            raise ConfigError("adding a LoRA adapter needs an engine that serves LoRA: enable_lora=True")
+        with self._lock:
+            known = self._adapters.get(lora_request.lora_int_id)
+            if known == lora_request:
+                return
+            if known is not None:
+                raise AdapterError(f"lora_int_id {known.lora_int_id} already names adapter {known.lora_name!r} at "
+                                   f"{known.lora_path}; give {lora_request.lora_name!r} another id")
+            future = self._call("add_lora", lora_request)
+        await asyncio.wrap_future(future)
+
+    async def remove_lora(self, lora: str | int) -> None:
+        """See :meth:`AsyncEngineAPI.remove_lora`: requests can no longer name the adapter once
+        this is called; the engine process forgets it once the requests sent before have
+        finished. While a stopped engine process is started again the adapter is only left out
+        of the new one."""
+        if isinstance(lora, bool) or not isinstance(lora, (str, int)):
+            raise AdapterError(f"remove_lora() takes an adapter's lora_name or lora_int_id, got {lora!r}")
+        with self._lock:
+            if not self._accepting:
+                raise EngineClosedError("the engine is shut down")
+            found = [r for r in self._adapters.values()
+                     if (r.lora_int_id == lora if isinstance(lora, int) else r.lora_name == lora)]
+            if not found:
+                raise AdapterError(f"no LoRA adapter {lora!r} is loaded (loaded: "
+                                   f"{', '.join(repr(r.lora_name) for r in self._adapters.values()) or 'none'})")
+            if len(found) > 1:
+                raise AdapterError(f"{len(found)} loaded adapters are named {lora!r} (lora_int_id "
+                                   f"{', '.join(str(r.lora_int_id) for r in found)}); remove one by its lora_int_id")
+            del self._adapters[found[0].lora_int_id]
+            if self._restarting or not self._alive:
+                return  # (the engine process that starts next leaves it out)
+            future = self._call("remove_lora", found[0].lora_int_id)
+        try:
+            await asyncio.wrap_future(future)
+        except EngineClosedError:  # stopped meanwhile: a restarted one leaves it out
+            pass
+        except AdapterError:  # (read for no request yet, or already forgotten there: nothing to free)
+            pass
+
+    def _call(self, kind: str, argument: Any) -> Future:  # under self._lock
+        """Send a LoRA call to the engine process; its future gets the answer."""
+        self._check_open()
+        self._next_call += 1
+        future: Future = Future()
+        self._calls[self._next_call] = (future, kind, argument)
+        try:
+            self._send((kind, self._next_call, argument))
+        except BaseException:
+            del self._calls[self._next_call]
+            raise
+        return future
+
+    def _take_reply(self, reply: _Reply) -> None:  # on the reader thread
+        call_id, error = reply
+        with self._lock:
+            call = self._calls.pop(call_id, None)
+            if call is None:
+                return
+            future, kind, argument = call
+            if error is None and kind == "add_lora":
+                self._adapters[argument.lora_int_id] = argument
+        _settle(future, error)
+
+    def _fail_calls(self, reason: str) -> None:  # on the reader thread
+        """Fail every LoRA call not answered: the engine process that took it is gone."""
+        with self._lock:
+            calls, self._calls = list(self._calls.values()), {}
+        for future, _, _ in calls:
+            _settle(future, EngineClosedError(reason))
 
     def stats(self) -> EngineStats:
         """The engine's load as of its last step (any thread)."""
@@ -688,6 +849,7 @@ class EngineProcess(AsyncEngineAPI):
             with self._lock:
                 self._alive = False
                 orphans = list(self._active)
+            self._fail_calls("the engine process stopped before it answered")
             code = self._exit_code()
             if orphans:
                 reason = "the engine process stopped" + (f" (exit code {code})" if code is not None else "")
@@ -705,6 +867,9 @@ class EngineProcess(AsyncEngineAPI):
             except (EOFError, OSError):
                 return False
             self._stats = stats
+            if kind == "reply":
+                self._take_reply(records)
+                continue
             self._dispatch(records)
             if kind == "closed":
                 return True
@@ -724,13 +889,17 @@ class EngineProcess(AsyncEngineAPI):
         self._restarting = True
         try:
             self._conn.close()
-            conn, _ = self._start_engine_process()
+            conn, payload = self._start_engine_process(restart=True)
         except BaseException as error:
             logger.error("the engine process could not be started again: %r", error)
             return False
         finally:
             self._restarting = False
         with self._lock:
+            for int_id, why in payload["dropped_loras"]:
+                lora = self._adapters.pop(int_id, None)
+                logger.error("LoRA adapter %r could not be read again by the restarted engine process; requests can "
+                             "no longer name it: %s", lora.lora_name if lora else int_id, why)
             self._conn = conn
             self._stats = EngineStats()
             self._alive = not self._stopping

@@ -151,7 +151,15 @@ def _check_regex(pattern: str, label: str) -> None:
 
 def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / ADAPTER_CONFIG
-    if not path.is_file():
+    try:
+        if not folder.is_dir():
+            what = "not a folder" if folder.exists() else "no such folder"
+            raise AdapterError(f"{folder}: {what} (an adapter is a PEFT folder holding {ADAPTER_CONFIG} and "
+                               f"{ADAPTER_WEIGHTS})")
+        found = path.is_file()
+    except OSError as error:  # a folder this process may not look into, say
+        raise AdapterError(f"{folder}: cannot be read ({error.strerror or error})") from None
+    if not found:
         raise AdapterError(f"{folder}: no {ADAPTER_CONFIG} (a PEFT adapter folder holds {ADAPTER_CONFIG} and "
                            f"{ADAPTER_WEIGHTS})")
     try:
@@ -351,7 +359,11 @@ def load_adapter(request: LoRARequest, targets: Mapping[str, tuple[int, int]], *
     folder = Path(request.lora_path)
     config = _read_config(folder)
     weights_path = folder / ADAPTER_WEIGHTS
-    if not weights_path.is_file():
+    try:
+        found = weights_path.is_file()
+    except OSError as error:
+        raise AdapterError(f"{weights_path}: cannot be read ({error.strerror or error})") from None
+    if not found:
         raise AdapterError(f"{folder}: no {ADAPTER_WEIGHTS}")
     try:
         tensors = load_file(str(weights_path))

@@ -156,3 +156,45 @@ def test_python_dash_m_metrale_is_the_command():
     from metrale._version import __version__
 
     assert __version__ in result.stdout
+
+
+@pytest.mark.parametrize("flags, allowed, lora", [
+    ([], None, False),
+    (["--enable-lora"], None, True),
+    (["--allow-runtime-lora-updating", "--enable-lora"], True, True),
+    (["--allow-runtime-lora-updating"], True, False),
+])
+def test_serve_hands_the_runtime_lora_switch_to_build_app(monkeypatch, flags, allowed, lora):
+    """``--allow-runtime-lora-updating`` reaches build_app's keyword (left out, build_app reads
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING); ``--enable-lora`` reaches the engine's options."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from metrale.entrypoints.server import app as app_module
+    from metrale.entrypoints.server import main as serve_main
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    class Engine:
+        summary = None
+
+        def shutdown(self):
+            seen["shut down"] = True
+
+    def start_engine(args, adapters):
+        seen["engine options"] = serve_main.engine_options(args)
+        return Engine()
+
+    def build_app(engine, **options):
+        seen["app options"] = options
+        raise Stop
+
+    monkeypatch.setattr(serve_main, "_start_engine", start_engine)
+    monkeypatch.setattr(app_module, "build_app", build_app)
+    with pytest.raises(Stop):
+        main(["serve", "tiny-dense", "--port", "0", *flags])
+    assert seen["app options"].get("allow_runtime_lora_updating") is allowed
+    assert seen["engine options"].get("enable_lora", False) is lora
+    assert seen["shut down"]

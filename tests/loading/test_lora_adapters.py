@@ -151,8 +151,15 @@ def test_weights_that_do_not_fit_are_refused(saved, tmp_path):
     (spoilt / "adapter_model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(AdapterError, match="not a safetensors file"):
         load(spoilt)
-    with pytest.raises(AdapterError, match="no adapter_config.json"):
+    with pytest.raises(AdapterError, match="missing: no such folder"):
         load(tmp_path / "missing")
+    with pytest.raises(AdapterError, match="adapter_model.safetensors: not a folder"):
+        load(spoilt / "adapter_model.safetensors")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AdapterError, match="empty: no adapter_config.json"):
+        load(tmp_path / "empty")
+    with pytest.raises(AdapterError, match="no such folder"):
+        load(tmp_path / "nul\x00byte")
 
 
 @pytest.mark.parametrize("changes, match", [

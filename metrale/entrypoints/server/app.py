@@ -5,8 +5,9 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/r
 (:mod:`metrale.entrypoints.server.responses`), Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``
 (:mod:`metrale.entrypoints.server.anthropic`), ``GET /v1/models`` (and
 ``GET /v1/models/{model}``), vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``
-(:mod:`metrale.entrypoints.server.tokenization`), ``GET /health``, ``GET /metrics``. ``docs/serving.rst`` lists every
-field, status and metric.
+(:mod:`metrale.entrypoints.server.tokenization`), ``GET /health``, ``GET /metrics``, and, only when turned on,
+vLLM's ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (:mod:`metrale.entrypoints.server.lora`).
+``docs/serving.rst`` lists every field, status and metric.
 
 How a request runs. The handler reads the body (the :class:`~metrale.entrypoints.server.gate._Gate` middleware has already
 checked the API key, the body's size and the time it took to arrive), checks it field by field (every bad value is a 400
@@ -42,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from metrale._version import __version__
+from metrale.config import RUNTIME_LORA_VARIABLE, environment_allows_runtime_lora_updating
 from metrale.entrypoints.async_llm import AsyncEngineAPI
 from metrale.entrypoints.parsers import ReasoningParser, ToolParser
 from metrale.entrypoints.server import protocol as P
@@ -49,6 +51,7 @@ from metrale.entrypoints.server.anthropic import _count_tokens, _messages
 from metrale.entrypoints.server.checks import _validation_error
 from metrale.entrypoints.server.gate import _Gate
 from metrale.entrypoints.server.handlers import _answer, _chat, _completions
+from metrale.entrypoints.server.lora import _load_lora_adapter, _unload_lora_adapter
 from metrale.entrypoints.server.metrics import CONTENT_TYPE
 from metrale.entrypoints.server.responses import _responses
 from metrale.entrypoints.server.state import (
@@ -114,6 +117,7 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | type[ToolParser] | None = None,
     reasoning_parser: str | type[ReasoningParser] | None = None,
+    allow_runtime_lora_updating: bool | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (an :class:`~metrale.AsyncLLM` or an
     :class:`~metrale.entrypoints.engine_process.EngineProcess`) as the model ``model_name``.
@@ -134,6 +138,12 @@ def build_app(
     replies are parsed for calls only with ``enable_auto_tool_choice``, which needs a
     ``tool_call_parser``. An unknown parser name raises
     :class:`~metrale.errors.ConfigError` listing the available ones.
+    ``allow_runtime_lora_updating`` serves vLLM's ``POST /v1/load_lora_adapter`` and
+    ``POST /v1/unload_lora_adapter`` (:mod:`metrale.entrypoints.server.lora`), which add and remove
+    adapters while the server runs (the engine must serve LoRA); None (the default) takes vLLM's
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` variable (``1`` or ``true``: on). Off, their paths are a 404
+    as any unknown path. On, any client with the API key can make the server read any folder it
+    can reach: a warning is logged.
     """
     if not isinstance(engine, AsyncEngineAPI):
         raise TypeError(f"build_app() takes an AsyncLLM or an EngineProcess, got {engine!r}")
@@ -152,11 +162,24 @@ def build_app(
     adapters = {lora.lora_name: lora for lora in lora_modules}
     if len(adapters) != len(lora_modules) or model_name in adapters:
         raise ValueError(f"lora_modules need names of their own, apart from the model's {model_name!r}")
+    if allow_runtime_lora_updating is None:
+        allow_runtime_lora_updating = environment_allows_runtime_lora_updating()
+    elif not isinstance(allow_runtime_lora_updating, bool):
+        raise ValueError(f"allow_runtime_lora_updating must be True, False or None, got {allow_runtime_lora_updating!r}")
     state = _State(engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n,
                    max_logprobs=max_logprobs, drain_timeout=float(drain_timeout), owns_engine=owns_engine,
                    body_timeout=float(body_timeout))
     state.lora_modules = adapters
+    state.allow_runtime_lora_updating = allow_runtime_lora_updating
     _set_parsers(state, enable_auto_tool_choice, tool_call_parser, reasoning_parser)
+    if allow_runtime_lora_updating:
+        logger.warning("runtime LoRA updating is on (--allow-runtime-lora-updating or %s): any client %s can load "
+                       "an adapter from any folder this server can read (POST /v1/load_lora_adapter); serve it to "
+                       "trusted clients only", RUNTIME_LORA_VARIABLE,
+                       "with the API key" if api_key is not None else "(no API key is set)")
+        if not engine.serves_lora:
+            logger.warning("runtime LoRA updating is on but the engine serves no LoRA: every load will be refused "
+                           "(start with --enable-lora)")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -230,6 +253,15 @@ def build_app(
     @app.get("/tokenizer_info")
     async def tokenizer_info(request: Request) -> Response:
         return await _answer(state, request, _tokenizer_info)
+
+    if state.allow_runtime_lora_updating:  # (off: no route, so a 404 as for any unknown path, as vLLM does)
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            return await _answer(state, request, _load_lora_adapter)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            return await _answer(state, request, _unload_lora_adapter)
 
     @app.get("/v1/models")
     async def models() -> Response:

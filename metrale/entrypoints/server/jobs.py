@@ -53,8 +53,17 @@ class _Job:
         self._single: Any = None
 
     def submit(self) -> None:
-        """Submit every prompt (all or none: a failure aborts those already submitted)."""
+        """Submit every prompt (all or none: a failure aborts those already submitted). A LoRA
+        adapter unloaded since the request was checked is a 404, as if it had not been served; one
+        replaced in place (``load_inplace``) runs as it is now."""
         state = self.state
+        if self.lora is not None:
+            # (No await from here to the engine's submit: an unload reaches the engine after it.)
+            current = state.lora_modules.get(self.lora.lora_name)
+            if current is None:
+                raise P.APIError(404, f"the model {P.clip(self.lora.lora_name)} does not exist (its LoRA adapter was "
+                                 "unloaded)", param="model", code="model_not_found")
+            self.lora = current
         state.jobs.add(self)
         try:
             for index, ((text, ids), params) in enumerate(zip(self.prompts, self.params)):

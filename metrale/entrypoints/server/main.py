@@ -137,6 +137,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     server.add_argument("--reasoning-parser", default=None, metavar="NAME",
                         help="split replies into reasoning_content and content: deepseek_r1, qwen3, openai_gptoss, or a "
                         "plugin's parser")
+    server.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load and unload LoRA "
+                        "adapters while the server runs (needs --enable-lora); any client with the API key can then "
+                        "make the server read any folder it can (default: off, unless VLLM_ALLOW_RUNTIME_LORA_UPDATING "
+                        "is 1 or true)")
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level (default: info)")
     server.add_argument("--no-progress", action="store_true", help="hide the progress bar while the model loads")
     engine = parser.add_argument_group("engine")
@@ -167,6 +172,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     engine.add_argument("--chat-template", default=None, metavar="FILE",
                         help="Jinja chat template file replacing the checkpoint's")
+    engine.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters (--lora-modules turns it on too; without adapters, for those "
+                        "loaded at run time: --allow-runtime-lora-updating)")
     engine.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
                         help="LoRA adapters (PEFT folders) a request picks by its model field; turns LoRA on")
     engine.add_argument("--max-loras", type=int, default=None, metavar="N",
@@ -258,7 +266,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     for flag, keyword in _ON_SWITCHES.items():
         if getattr(args, flag):
             options[keyword] = True
-    if args.lora_modules:
+    if args.lora_modules or args.enable_lora:
         options["enable_lora"] = True
     return options
 
@@ -693,4 +701,6 @@ def _app_options(args: argparse.Namespace) -> dict[str, Any]:
             options[name] = value
     if args.enable_auto_tool_choice:
         options["enable_auto_tool_choice"] = True
+    if args.allow_runtime_lora_updating:  # (left out: build_app reads VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+        options["allow_runtime_lora_updating"] = True
     return options

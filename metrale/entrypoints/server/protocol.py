@@ -167,6 +167,24 @@ class DetokenizeRequest(_Model):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(_Model):
+    """vLLM's ``POST /v1/load_lora_adapter`` body: the adapter's name (the ``model`` requests
+    give) and its folder on the server's machine; ``load_inplace`` replaces an adapter of that
+    name already served."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool | None = None
+
+
+class UnloadLoRAAdapterRequest(_Model):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body: the adapter's name, and optionally its id
+    (which must then be the one it is served with)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 def error_param(loc: Iterable[Any]) -> str | None:
     """A pydantic error location as OpenAI's ``param``: ``("messages", 0, "role")`` ->
     ``"messages[0].role"``."""

@@ -3,6 +3,7 @@ limits and the helpers that make responses."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -37,12 +38,17 @@ MAX_JSON_DEPTH = 64
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 #: The roles a chat message may have.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+#: The longest ``lora_name`` (characters) and ``lora_path`` (bytes, as the file system takes it)
+#: ``POST /v1/load_lora_adapter`` accepts.
+MAX_LORA_NAME = 256
+MAX_LORA_PATH = 4096
 #: ``chat_template_kwargs`` keys that would collide with the template's own arguments.
 RESERVED_TEMPLATE_KWARGS = frozenset({"self", "messages", "add_generation_prompt", "tools", "documents"})
 
 #: Known paths, as the ``endpoint`` label of ``metrale_requests_total`` names them (others: ``other``).
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize",
-             "/tokenizer_info", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses")
+             "/tokenizer_info", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/load_lora_adapter",
+             "/v1/unload_lora_adapter")
 #: The tokenizer's paths (vLLM's, outside ``/v1``): they take the API key as ``/v1`` paths do.
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
@@ -86,8 +92,17 @@ class _State:
         self.engine: Any = engine
         self.llm: PromptFrontend = engine.llm  # type: ignore[attr-defined]
         self.model_name = model_name
-        #: The LoRA adapters requests may name, by name (:func:`~metrale.entrypoints.server.app.build_app`).
+        #: The LoRA adapters requests may name, by name (:func:`~metrale.entrypoints.server.app.build_app`'s
+        #: ``lora_modules``, then those ``POST /v1/load_lora_adapter`` loads and ``/v1/unload_lora_adapter``
+        #: does not unload).
         self.lora_modules: dict[str, Any] = {}
+        #: Whether ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` are served.
+        self.allow_runtime_lora_updating = False
+        #: The ``lora_int_id`` the next loaded adapter gets (above every id given out or served).
+        self.next_lora_id = 1
+        #: Held while an adapter is loaded or unloaded: one at a time, so two loads of one name
+        #: cannot both pass the check that it is free.
+        self.lora_lock = asyncio.Lock()
         #: The tool-call parser class of ``tool_choice="auto"`` (``--tool-call-parser``), or None.
         self.tool_parser: Any = None
         #: Whether ``tool_choice="auto"`` replies are parsed for calls (``--enable-auto-tool-choice``).

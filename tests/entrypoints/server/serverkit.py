@@ -10,7 +10,7 @@ import json
 import re
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import httpx
 import openai
@@ -77,13 +77,18 @@ def openai_client(url: str, api_key: str = "unused") -> openai.OpenAI:
                          http_client=httpx.Client(trust_env=False, timeout=60))
 
 
-def new_engine(in_process: bool, max_waiting_requests: int = 1024, **options: Any) -> AsyncLLM | EngineProcess:
+def new_engine(in_process: bool, max_waiting_requests: int = 1024, lora_modules: Sequence[Any] = (),
+               **options: Any) -> AsyncLLM | EngineProcess:
     """The engine ``metrale serve`` runs (an :class:`EngineProcess`), or with ``in_process`` an
-    :class:`AsyncLLM` on a thread of this process."""
+    :class:`AsyncLLM` on a thread of this process; ``lora_modules`` (with ``enable_lora=True``) are
+    read before it serves, as ``metrale serve --lora-modules`` reads them."""
     if in_process:
-        return AsyncLLM(new_llm(**options), max_waiting_requests=max_waiting_requests)
+        llm = new_llm(**options)
+        for lora in lora_modules:
+            llm.add_lora(lora)
+        return AsyncLLM(llm, max_waiting_requests=max_waiting_requests)
     return EngineProcess(MODEL, device="cpu", show_progress=False, max_waiting_requests=max_waiting_requests,
-                         **{"max_num_seqs": 64, **options})
+                         lora_modules=lora_modules, **{"max_num_seqs": 64, **options})
 
 
 def engine_stopped(engine: AsyncLLM | EngineProcess) -> bool:
@@ -97,14 +102,15 @@ class Stack:
     """An engine (``engine_options`` for its LLM, ``max_waiting_requests``; an engine process
     unless ``in_process``), its app (``app_options`` for :func:`build_app`) and uvicorn serving
     it (``server_options`` for :func:`build_server`), with an httpx client (``http``) and an
-    openai client (``client``). ``close()`` stops all of it."""
+    openai client (``client``); ``lora_modules`` go to the engine and the app. ``close()`` stops
+    all of it."""
 
     def __init__(self, *, max_waiting_requests: int = 1024, engine_options: dict | None = None,
                  drain_timeout: float = 2.0, in_process: bool = False, server_options: dict | None = None,
-                 **app_options: Any) -> None:
-        self.engine = new_engine(in_process, max_waiting_requests, **(engine_options or {}))
+                 lora_modules: Sequence[Any] = (), **app_options: Any) -> None:
+        self.engine = new_engine(in_process, max_waiting_requests, lora_modules, **(engine_options or {}))
         try:
-            self.app = build_app(self.engine, model_name=MODEL, **app_options)
+            self.app = build_app(self.engine, model_name=MODEL, lora_modules=lora_modules, **app_options)
             self.thread = ServerThread(self.app, drain_timeout=drain_timeout, **(server_options or {})).start()
         except BaseException:
             self.engine.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -360,6 +361,94 @@ CASES += [
     ("responses: chat_template_kwargs reserved key", R, response(chat_template_kwargs={"tools": []}), 400,
      "chat_template_kwargs"),
 ]
+
+
+# ---------------------------------------------------------- vLLM's runtime LoRA endpoints
+
+LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+#: A folder that exists and holds no adapter, and a file.
+NOT_AN_ADAPTER, A_FILE = str(Path(__file__).parent), __file__
+
+# (case, endpoint, body: a dict sent as JSON or raw bytes, status, param)
+LORA_CASES = [
+    ("load: bad JSON", LOAD, b'{"lora_name": "a", "lora_path": ', 400, None),
+    ("load: body not an object", LOAD, b'["a", "/x"]', 400, None),
+    ("load: empty body", LOAD, b"", 400, None),
+    ("load: nested too deeply", LOAD, b'{"lora_name": "a", "lora_path": "/x", "x": ' + b"[" * 200 + b"]" * 200 + b"}",
+     400, None),
+    ("load: lora_name missing", LOAD, {"lora_path": NOT_AN_ADAPTER}, 400, "lora_name"),
+    ("load: lora_path missing", LOAD, {"lora_name": "a"}, 400, "lora_path"),
+    ("load: lora_name a number", LOAD, {"lora_name": 5, "lora_path": NOT_AN_ADAPTER}, 400, "lora_name"),
+    ("load: lora_name null", LOAD, {"lora_name": None, "lora_path": NOT_AN_ADAPTER}, 400, "lora_name"),
+    ("load: lora_path a list", LOAD, {"lora_name": "a", "lora_path": [NOT_AN_ADAPTER]}, 400, "lora_path"),
+    ("load: lora_path an object", LOAD, {"lora_name": "a", "lora_path": {"path": "/x"}}, 400, "lora_path"),
+    ("load: lora_name empty", LOAD, {"lora_name": "", "lora_path": NOT_AN_ADAPTER}, 400, "lora_name"),
+    ("load: lora_path empty", LOAD, {"lora_name": "a", "lora_path": ""}, 400, "lora_path"),
+    ("load: lora_name huge", LOAD, {"lora_name": "a" * 100_000, "lora_path": NOT_AN_ADAPTER}, 400, "lora_name"),
+    ("load: lora_path huge", LOAD, {"lora_name": "a", "lora_path": "/a" * 200_000}, 400, "lora_path"),
+    ("load: lora_path with NUL", LOAD, {"lora_name": "a", "lora_path": NOT_AN_ADAPTER + "\x00/x"}, 400, "lora_path"),
+    ("load: lora_name with NUL", LOAD, {"lora_name": "a\x00b", "lora_path": NOT_AN_ADAPTER}, 400, "lora_name"),
+    ("load: lora_name with a newline", LOAD, {"lora_name": "a\nb", "lora_path": NOT_AN_ADAPTER}, 400, "lora_name"),
+    ("load: lora_name with a lone surrogate", LOAD, b'{"lora_name": "\\ud800", "lora_path": "/x"}', 400, "lora_name"),
+    ("load: lora_path with a lone surrogate", LOAD, b'{"lora_name": "a", "lora_path": "/x\\udc00"}', 400, "lora_path"),
+    ("load: load_inplace a string", LOAD, {"lora_name": "a", "lora_path": NOT_AN_ADAPTER, "load_inplace": "yes"}, 400,
+     "load_inplace"),
+    ("load: load_inplace 1", LOAD, {"lora_name": "a", "lora_path": NOT_AN_ADAPTER, "load_inplace": 1}, 400,
+     "load_inplace"),
+    ("load: the base model's name", LOAD, {"lora_name": MODEL, "lora_path": NOT_AN_ADAPTER}, 400, "lora_name"),
+    ("load: a folder without an adapter", LOAD, {"lora_name": "a", "lora_path": NOT_AN_ADAPTER}, 400, "lora_path"),
+    ("load: a file, not a folder", LOAD, {"lora_name": "a", "lora_path": A_FILE}, 400, "lora_path"),
+    ("load: no such folder", LOAD, {"lora_name": "a", "lora_path": "/nonexistent/adapter"}, 400, "lora_path"),
+    ("load: a relative path out of the tree", LOAD, {"lora_name": "a", "lora_path": "../" * 40 + "etc"}, 400,
+     "lora_path"),
+    ("load: a device", LOAD, {"lora_name": "a", "lora_path": "/dev/null"}, 400, "lora_path"),
+    ("load: the root folder", LOAD, {"lora_name": "a", "lora_path": "/"}, 400, "lora_path"),
+    ("unload: bad JSON", UNLOAD, b'{"lora_name": ', 400, None),
+    ("unload: body not an object", UNLOAD, b'"a"', 400, None),
+    ("unload: lora_name missing", UNLOAD, {"lora_int_id": 1}, 400, "lora_name"),
+    ("unload: lora_name a number", UNLOAD, {"lora_name": 1}, 400, "lora_name"),
+    ("unload: lora_name empty", UNLOAD, {"lora_name": ""}, 400, "lora_name"),
+    ("unload: lora_int_id a string", UNLOAD, {"lora_name": "a", "lora_int_id": "1"}, 400, "lora_int_id"),
+    ("unload: lora_int_id a bool", UNLOAD, {"lora_name": "a", "lora_int_id": True}, 400, "lora_int_id"),
+    ("unload: lora_int_id a float", UNLOAD, {"lora_name": "a", "lora_int_id": 1.0}, 400, "lora_int_id"),
+    ("unload: an unknown name", UNLOAD, {"lora_name": "nobody"}, 404, "lora_name"),
+    ("unload: the base model", UNLOAD, {"lora_name": MODEL}, 404, "lora_name"),
+    ("unload: a huge name", UNLOAD, {"lora_name": "a" * 100_000}, 404, "lora_name"),
+    ("unload: a huge lora_int_id", UNLOAD, {"lora_name": "nobody", "lora_int_id": 2**80}, 404, "lora_name"),
+    ("unload: a name with NUL", UNLOAD, {"lora_name": "a\x00"}, 404, "lora_name"),
+]
+
+
+@pytest.fixture(scope="module")
+def lora_stack():
+    """An app serving LoRA with the runtime LoRA endpoints on (on an engine thread of this process)."""
+    stack = Stack(in_process=True, engine_options={"enable_lora": True}, allow_runtime_lora_updating=True)
+    yield stack
+    stack.close()
+
+
+@pytest.mark.parametrize(("endpoint", "body", "status", "param"), [case[1:] for case in LORA_CASES],
+                         ids=[case[0] for case in LORA_CASES])
+def test_bad_lora_load_or_unload_gets_an_openai_error(lora_stack, endpoint, body, status, param):
+    if isinstance(body, bytes):
+        response = lora_stack.http.post(endpoint, content=body, headers={"content-type": "application/json"})
+    else:
+        response = lora_stack.http.post(endpoint, json=body)
+    error = check_error(response, status, param)
+    assert error["type"] == "invalid_request_error"
+    assert len(error["message"]) < 2000  # a huge value is quoted clipped
+    assert [card["id"] for card in lora_stack.http.get("/v1/models").json()["data"]] == [MODEL]
+    assert lora_stack.http.get("/health").status_code == 200
+
+
+def test_the_lora_endpoints_take_post_only_and_are_404_when_off(lora_stack, stack):
+    check_error(lora_stack.http.get(LOAD), 405, code="method_not_allowed")
+    check_error(lora_stack.http.get(UNLOAD), 405, code="method_not_allowed")
+    if not stack.app.state.metrale.allow_runtime_lora_updating:  # (the other app follows VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+        check_error(stack.http.post(LOAD, json={"lora_name": "a", "lora_path": NOT_AN_ADAPTER}), 404, code="not_found")
+    text = lora_stack.http.get("/metrics").text
+    assert 'metrale_requests_total{endpoint="/v1/load_lora_adapter",status="400"}' in text
+    assert 'status="500"' not in text
 
 
 def check_error(response, status, param=None, code=None):
