@@ -77,9 +77,11 @@ class ModelRunner:
         cache = self.cache
         return sum(cache.blocks_needed(s.seq, s.end) for s in segments) if cache.spec.uses_blocks else 0
 
-    def run(self, segments: Sequence[Segment]) -> Any:
+    def run(self, segments: Sequence[Segment], final_states: bool = False) -> Any:
         """Reserve cache for ``segments`` (all or nothing), run them, advance each sequence's
-        cached length; returns the logits rows the segments ask for."""
+        cached length; returns the logits rows the segments ask for -- with ``final_states``,
+        those rows' final normed states (:attr:`~metrale.batch.ForwardBatch.final_states`, run
+        eagerly)."""
         cache = self.cache
         self.check(segments)
         missing = [cache.blocks_needed(s.seq, s.end) for s in segments] if cache.spec.uses_blocks else [0] * len(segments)
@@ -92,6 +94,8 @@ class ModelRunner:
             if blocks or cache.state_slots is not None:
                 cache.reserve(segment.seq, segment.end)
         batch = ForwardBatch.build(list(segments), cache.block_size)
+        if final_states:
+            batch.final_states = True
         feed = self.token_feed.plan(batch)
         if self.ranks is not None:
             self.ranks.submit(batch, verifying=bool(getattr(self.model, "verifying", False)))
@@ -113,6 +117,8 @@ class ModelRunner:
         eager; ``feed`` puts pending tokens into the rows (:class:`TokenFeed`). What a worker
         rank runs for each step the driver's runner submits (:mod:`metrale.backends.executor`)."""
         with self.backend.activate():
+            if batch.final_states:
+                return self.model.forward_batch(self.backend.prepare_batch(batch))
             if self.graphs is not None and self.graphs.accepts(batch):
                 return self.graphs.run(batch, feed)
             if self.graphs is not None and self.graphs.accepts_verify(batch):
