@@ -124,3 +124,34 @@ def test_a_prompt_too_long_for_the_cache_fails_alone():
         solo = np.asarray(llm.embed([ids])[0].outputs.embedding)
         assert np.abs(np.asarray(output.outputs.embedding) - solo).max() <= 1e-5
     assert llm.cache.allocator.num_free == llm.cache.allocator.num_blocks
+
+
+def test_pooling_defaults_read_sentence_transformers_modules(tmp_path, caplog):
+    import json
+
+    from metrale.entrypoints.frontend import pooling_defaults
+    from metrale.params import PoolingParams
+
+    def folder(name, modules, pooling=None):
+        path = tmp_path / name
+        (path / "1_Pooling").mkdir(parents=True)
+        (path / "modules.json").write_text(json.dumps([
+            {"idx": i, "name": str(i), "path": "1_Pooling" if kind == "Pooling" else "",
+             "type": f"sentence_transformers.models.{kind}"} for i, kind in enumerate(modules)]))
+        if pooling is not None:
+            (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+        return path
+
+    assert pooling_defaults(tmp_path) == PoolingParams("last", True)  # no modules.json
+    qwen3_embedding = folder("q", ["Transformer", "Pooling", "Normalize"],
+                             {"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False})
+    assert pooling_defaults(qwen3_embedding) == PoolingParams("last", True)
+    assert pooling_defaults(folder("m", ["Transformer", "Pooling"], {"pooling_mode": "mean"})) == PoolingParams("mean", False)
+    with caplog.at_level("WARNING"):
+        cls = pooling_defaults(folder("c", ["Transformer", "Pooling", "Dense", "Normalize"], {"pooling_mode_cls_token": True}))
+    assert cls == PoolingParams("last", True)
+    assert "not served" in caplog.text and "Dense" in caplog.text
+    broken = folder("b", ["Transformer", "Pooling"])  # the Pooling module's config.json is missing
+    assert pooling_defaults(broken) == PoolingParams("last", True)
+    (broken / "modules.json").write_text("{not json")
+    assert pooling_defaults(broken) == PoolingParams("last", True)
