@@ -49,6 +49,7 @@ from metrale.validation import check_bool
 
 logger = logging.getLogger(__name__)
 
+
 class LLM(PromptFrontend):
     """A loaded model, ready to generate.
 
