@@ -16,6 +16,7 @@ from metrale.params import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     Logprob,
+    PoolingParams,
     RequestOutput,
     SamplingParams,
 )
@@ -25,6 +26,6 @@ _moved.install()
 
 __all__ = [
     "LLM", "AsyncLLM", "SamplingParams", "StructuredOutputParams", "RequestOutput", "CompletionOutput", "Logprob",
-    "LoRARequest", "TextPrompt", "TokensPrompt", "EmbeddingRequestOutput", "EmbeddingOutput", "hookimpl",
+    "LoRARequest", "TextPrompt", "TokensPrompt", "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "hookimpl",
     "CONTRACT_VERSION", "__version__",
 ]

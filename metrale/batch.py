@@ -35,6 +35,9 @@ class ForwardBatch:
     (:func:`metrale.batch.adapter_route`: None, one slot, or
     :data:`~metrale.sequence.MIXED_ADAPTERS`); ``adapter_tiles``: the rows grouped by slot
     (:func:`metrale.kernels.lora_tiles.adapter_tiles`), with ``adapter_slots``, for the op ``lora_expand``.
+    ``final_states``: the rows of ``logits_rows`` return their final normed states (float32
+    ``[rows, hidden_size]``, :meth:`~metrale.layers.loading.DecoderEnds.logits`) instead of their
+    logits: a step of pooling requests' chunks, run eagerly (never from a CUDA graph).
     """
 
     segments: list[Segment]
@@ -52,6 +55,7 @@ class ForwardBatch:
     adapter_slots: np.ndarray | None = None
     adapter_route: int | str | None = None
     adapter_tiles: np.ndarray | None = None
+    final_states: bool = False
 
     @property
     def num_rows(self) -> int:

@@ -1,5 +1,6 @@
-"""User-facing request types: :class:`SamplingParams`, and the results :class:`RequestOutput`,
-:class:`CompletionOutput` and :class:`Logprob` (shaped as vLLM's)."""
+"""User-facing request types: :class:`SamplingParams` and :class:`PoolingParams`, and the results
+:class:`RequestOutput`, :class:`CompletionOutput`, :class:`Logprob`, :class:`EmbeddingRequestOutput`
+and :class:`EmbeddingOutput` (shaped as vLLM's)."""
 
 from __future__ import annotations
 
@@ -377,19 +378,60 @@ class RequestOutput:
         return sum(len(output.token_ids) for output in self.outputs)
 
 
+#: How a pooling request pools its prompt's final states into one vector: ``"last"`` the last
+#: token's, ``"mean"`` their mean.
+POOLING_METHODS = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """How to pool one prompt into an embedding (:meth:`metrale.LLM.embed`, the server's
+    ``/v1/embeddings``).
+
+    * ``pooling`` -- ``"last"`` (the last token's final normed state, as Qwen3-Embedding and
+      other decoder embedders pool) or ``"mean"`` (the mean over the prompt's tokens); None: the
+      model's default (:attr:`metrale.entrypoints.frontend.PromptFrontend.default_pooling`);
+    * ``normalize`` -- scale the vector to unit length; None: the model's default.
+
+    Bad values raise :class:`~metrale.errors.InvalidRequestError`. :meth:`resolved` fills the
+    fields left None.
+    """
+
+    pooling: str | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling is not None and (not isinstance(self.pooling, str) or self.pooling not in POOLING_METHODS):
+            raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING_METHODS)}, got {self.pooling!r}")
+        if self.normalize is not None:
+            object.__setattr__(self, "normalize", check_bool("normalize", self.normalize))
+
+    def resolved(self, default: "PoolingParams") -> "PoolingParams":
+        """These params with each field left None taken from ``default`` (``"last"`` and
+        normalized where ``default`` leaves it None too)."""
+        pooling = self.pooling if self.pooling is not None else default.pooling
+        normalize = self.normalize if self.normalize is not None else default.normalize
+        return PoolingParams(pooling or "last", True if normalize is None else normalize)
+
+
 @dataclass
 class EmbeddingOutput:
-    """One prompt's embedding: ``embedding`` the pooled vector (``hidden_size`` floats)."""
+    """One prompt's embedding: ``embedding`` the pooled vector (``hidden_size`` floats; empty
+    when its request failed or was aborted)."""
 
     embedding: list[float]
 
 
 @dataclass
 class EmbeddingRequestOutput:
-    """The result of one prompt of :meth:`metrale.LLM.embed`, shaped as vLLM's:
-    ``outputs.embedding`` holds the vector."""
+    """The result of one pooling request (:meth:`metrale.LLM.embed`,
+    :meth:`metrale.AsyncLLM.embed`), shaped as vLLM's: ``outputs.embedding`` holds the vector.
+    ``finished`` is True once it is final; ``error`` says why a request failed (its embedding
+    is then empty, as it is for an aborted one)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool = True
+    error: str | None = None

@@ -10,6 +10,12 @@ through the :class:`~metrale.model.forward.ModelForward` facade:
 * decode rows only, with speculative decoding on (``speculation``) and drafts proposed:
   ``verify``, then the ``verdict`` (:meth:`Engine._speculate`).
 
+The prompt chunks of pooling requests (:mod:`metrale.engine.pooling`: embeddings) that a plan
+holds run after that call, in one call of their own, ``final_states``; their states are read
+back and pooled at once, and a request whose last chunk ran finishes with its vector in the same
+step (such a step is read back before :meth:`Engine.step` returns, even with overlap
+scheduling). A step without pooling chunks does nothing more than before.
+
 After a chunk that does not finish its prompt, ``normalize_ssm_states`` checks the sequence's
 recurrent state. Every row that returned logits samples one token (:mod:`metrale.runner.sampling`; seeded per
 request and per generated-token index, so a request's tokens do not depend on its batch
@@ -57,6 +63,7 @@ import numpy as np
 
 from metrale.cache.prefix import PrefixCache
 from metrale.engine.generation import Request, StopChecker, finishing
+from metrale.engine.pooling import apply_states, pooling_segments
 from metrale.engine.scheduler import Scheduler, StepPlan
 from metrale.engine.timings import ITERATION_TOKEN_BUCKETS, BucketCounts
 from metrale.errors import CacheError, ConfigError, PluginError
@@ -298,15 +305,16 @@ class Engine:
             if speculated is not None:
                 self._outbox += speculated
                 self.seconds["verify"] = self.seconds.get("verify", 0.0) + time.perf_counter() - started
+                if plan.pool:
+                    self._pool(plan.pool)
                 return self._hand_out()
-        if not plan.empty:
+        if plan.decode or plan.prefill:
             try:
                 method, call, arguments = plan.call()
                 # The step's one forward call, straight from here: its segments go through the
                 # stages and the dispatch hook to the model runner unchanged.
                 result = self.forward.run(method, call, **arguments)
                 launched = self._launched(plan, method, result)
-                self.iteration_tokens.observe(plan.num_tokens)
             except BaseException as error:
                 # The step before the failed one is read back before the error propagates.
                 self._read_back()
@@ -322,7 +330,35 @@ class Engine:
         timed = launched.method if launched is not None else in_flight.method if in_flight is not None else None
         if timed is not None:
             self.seconds[timed] = self.seconds.get(timed, 0.0) + time.perf_counter() - started
+        if launched is not None or plan.pool:
+            self.iteration_tokens.observe(plan.num_tokens)
+        if plan.pool:
+            self._pool(plan.pool)
         return self._hand_out()
+
+    def _pool(self, chunks: list[Any]) -> None:
+        """Run a plan's pooling chunks (:mod:`metrale.engine.pooling`) in one ``final_states``
+        call and pool their states; the requests whose last chunk ran finish and give their cache
+        back. A call that raises fails these requests only (their cache released) and the error
+        propagates."""
+        started = time.perf_counter()
+        segments = pooling_segments(chunks)
+        try:
+            states = self.forward.final_states(segments)
+            finished = apply_states(chunks, segments, states, self.backend)
+            for chunk in chunks:
+                if not chunk.is_last:
+                    self.forward.normalize_ssm_states(chunk.request.seq)
+                    self._snapshot(chunk.request)
+                self._publish(chunk.request)
+            for request in finished:
+                self._remove(request)
+        except BaseException as error:
+            self._fail_requests([chunk.request for chunk in chunks], error)
+            raise
+        self._outbox += finished
+        self.calls["final_states"] = self.calls.get("final_states", 0) + 1
+        self.seconds["final_states"] = self.seconds.get("final_states", 0.0) + time.perf_counter() - started
 
     def _read_back(self) -> None:
         """Read the step in flight back (if any) and apply it; every request it changed or
@@ -502,9 +538,11 @@ class Engine:
         return RowExtras(key=seq.seq_id, tokens=seq.tokens, prompt_len=seq.prompt_len, mask=mask, banned=banned)
 
     def _fail_members(self, plan: StepPlan, error: BaseException) -> None:
-        """A step that raised fails every request of it (their cache released; nothing retried).
-        They reach the caller with the error, not through the outbox."""
-        members = [*plan.decode, *(chunk.request for chunk in plan.prefill)]
+        """A step that raised fails every request of its call (their cache released; nothing
+        retried). They reach the caller with the error, not through the outbox."""
+        self._fail_requests([*plan.decode, *(chunk.request for chunk in plan.prefill)], error)
+
+    def _fail_requests(self, members: list[Request], error: BaseException) -> None:
         for request in members:
             self._remove(request)
             request.seq.pending_token = None

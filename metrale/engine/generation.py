@@ -100,6 +100,15 @@ class Request:
     last_token_time: float | None = None
     #: The LoRA adapter this completion runs with (:class:`~metrale.loading.lora.LoRARequest`), or None.
     lora: Any = None
+    #: A pooling request's :class:`~metrale.params.PoolingParams` (resolved: no field None), None
+    #: for a generation request. A pooling request samples nothing: its prompt's last chunk
+    #: yields its :attr:`embedding` and finishes it (:mod:`metrale.engine.pooling`).
+    pooling: Any = None
+    #: A pooling request's pooled states so far: the float64 sum of its computed rows' final
+    #: states (mean pooling), or its last row's (last pooling); None before its first chunk.
+    pooled: Any = None
+    #: A finished pooling request's vector (float32 ``[hidden_size]``), None until then.
+    embedding: Any = None
     #: ``token_logprobs`` as :data:`~metrale.params.LogprobsDict`\\ s, made once per token.
     _logprob_dicts: list[LogprobsDict] = field(default_factory=list, repr=False)
 

@@ -15,6 +15,12 @@ Each step it takes, in this order:
 A family whose ``is_mla()`` is true gets its prompt in one chunk, alone in its step (no
 chunked, batched or mixed prefill): such steps alternate with decode steps.
 
+**Pooling requests** (:mod:`metrale.engine.pooling`) are admitted and chunked as any prompt,
+under the same budget; their chunks go to the plan's ``pool`` list, which the engine runs in a
+forward call of its own, so they do not count as the one chunk a mixed step takes (except for a
+family that takes one prompt chunk per step, where a pooling chunk is that chunk). Pooling
+requests skip the prefix-cache lookup.
+
 A step in which nothing can run and nothing fails raises :class:`~metrale.errors.SchedulerStuckError`
 (it would otherwise repeat forever).
 
@@ -41,6 +47,7 @@ from typing import Any, Callable
 
 from metrale.cache.prefix import PrefixCache
 from metrale.engine.generation import Request
+from metrale.engine.pooling import reuses_prefix
 from metrale.errors import AdapterError, SchedulerStuckError
 from metrale.sequence import ForwardStep, PrefillSlice, Segment
 
@@ -60,10 +67,13 @@ class PrefillChunk:
 
 @dataclass
 class StepPlan:
-    """What one engine step runs: decode rows and prefill chunks (rows first, then chunks)."""
+    """What one engine step runs: decode rows and prefill chunks (rows first, then chunks), and
+    the prompt chunks of pooling requests (``pool``, run by a ``final_states`` call of their own)."""
 
     decode: list[Request] = field(default_factory=list)
     prefill: list[PrefillChunk] = field(default_factory=list)
+    #: Chunks of pooling requests (:mod:`metrale.engine.pooling`): not part of :meth:`call`.
+    pool: list[PrefillChunk] = field(default_factory=list)
     #: Requests that failed while being scheduled (each with ``error`` set).
     failed: list[Request] = field(default_factory=list)
     #: Requests preempted to make room (already back in the waiting queue).
@@ -71,14 +81,15 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.pool
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(chunk.length for chunk in self.prefill)
+        return len(self.decode) + sum(chunk.length for chunk in self.prefill) + sum(chunk.length for chunk in self.pool)
 
     def call(self) -> tuple[str, ForwardStep, dict[str, Any]]:
-        """The one contract call that runs this plan: the method, the step (every row as a
+        """The one contract call that runs this plan's decode rows and prefill chunks (not its
+        ``pool``; at least one row or chunk): the method, the step (every row as a
         :class:`~metrale.sequence.Segment`, decode rows first) and the method's arguments, which
         are derived from the same rows. A decode row whose token is pending passes token 0 (the
         model runner feeds the real one on the device)."""
@@ -243,7 +254,7 @@ class Scheduler:
                 self._fail(plan, oldest, self._too_long_message(oldest, len(oldest.seq.tokens)))
         if plan.empty and not plan.failed and self.has_work:
             raise SchedulerStuckError(self._stuck_message())
-        self._last_was_prefill = bool(plan.prefill)
+        self._last_was_prefill = bool(plan.prefill or plan.pool)
         return plan
 
     def schedule_ahead(self) -> StepPlan | None:
@@ -254,7 +265,7 @@ class Scheduler:
         if not self._build(plan, ahead=True) or plan.empty:
             # Admissions made on the way stand: the next plan resumes their prompts.
             return None if not plan.failed else plan
-        self._last_was_prefill = bool(plan.prefill)
+        self._last_was_prefill = bool(plan.prefill or plan.pool)
         return plan
 
     def _stuck_message(self) -> str:
@@ -269,7 +280,7 @@ class Scheduler:
     def _build(self, plan: StepPlan, ahead: bool = False) -> bool:
         """Fill ``plan``; False when, planned ``ahead``, its decode rows would not fit (the plan
         is then left empty of rows)."""
-        plan.decode, plan.prefill = [], []
+        plan.decode, plan.prefill, plan.pool = [], [], []
         if not self._schedule_decode(plan, ahead):
             return False
         if self.one_chunk_prefill:
@@ -279,7 +290,7 @@ class Scheduler:
                 reserved = sum(self._blocks_for(r, r.seq.num_cached + 1) for r in rows)
                 plan.decode = []
                 self._schedule_prefill(plan, budget=None, max_chunks=1, reserved=reserved)
-                if not plan.prefill:
+                if not plan.prefill and not plan.pool:
                     plan.decode = rows
         else:
             budget = self.max_num_batched_tokens - len(plan.decode)
@@ -314,8 +325,8 @@ class Scheduler:
         needed = -(-num_tokens // self.block_size)
         return (
             f"request {request.request_id} needs {needed} KV blocks for {num_tokens} tokens, more than the "
-            f"cache can give it ({self.cache.num_blocks} blocks in all; raise num_blocks or memory_bytes, "
-            f"or lower max_tokens)"
+            f"cache can give it ({self.cache.num_blocks} blocks in all; raise num_blocks or memory_bytes"
+            f"{', or lower max_tokens' if request.pooling is None else ''})"
         )
 
     def _schedule_prefill(self, plan: StepPlan, budget: int | None, max_chunks: int | None,
@@ -325,7 +336,7 @@ class Scheduler:
         # Partly prefilled running requests first, then waiting ones in arrival order.
         candidates = sorted((r for r in self.running if not r.prefilled), key=lambda r: r.arrival)
         for request in candidates + list(self.waiting):
-            if max_chunks is not None and len(plan.prefill) >= max_chunks:
+            if max_chunks is not None and self._chunks_taken(plan, request) >= max_chunks:
                 return
             if budget is not None and budget <= 0:
                 return
@@ -349,7 +360,7 @@ class Scheduler:
                     if adapter_slot is None:
                         return  # every adapter slot is held by running requests of other adapters
                     request.seq.adapter_slot = adapter_slot
-                if not request.seq.block_table and self.prefix_cache is not None:
+                if not request.seq.block_table and self.prefix_cache is not None and reuses_prefix(request):
                     first = request.cached_tokens is None
                     self._lookup(request, self.prefix_cache)
                     if self.cache.num_free_blocks < reserved:
@@ -365,12 +376,20 @@ class Scheduler:
             if admitting:
                 # Commit: from waiting to running in one statement.
                 self.running[len(self.running):], _ = [request], self.waiting.remove(request)
-            plan.prefill.append(chunk)
+            (plan.prefill if request.pooling is None else plan.pool).append(chunk)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             reserved += self._blocks_for(request, chunk.start + chunk.length)
             if budget is not None:
                 budget -= chunk.length
+
+    def _chunks_taken(self, plan: StepPlan, request: Request) -> int:
+        """The chunks of ``plan`` that count against ``max_chunks`` for ``request``'s: pooling
+        chunks run in a call of their own, so they and the prefill chunks do not limit one
+        another -- except where every prompt chunk runs alone (``one_chunk_prefill``)."""
+        if self.one_chunk_prefill:
+            return len(plan.prefill) + len(plan.pool)
+        return len(plan.prefill) if request.pooling is None else 0
 
     def _lookup(self, request: Request, prefix_cache: PrefixCache) -> None:
         seq = request.seq

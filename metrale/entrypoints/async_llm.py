@@ -9,6 +9,11 @@ iterator through its event loop. Leaving the iterator early -- ``break``, an exc
 cancelled task, a disconnected HTTP client -- aborts the request at the next step: its KV blocks,
 its state slot and its sampler state are freed.
 
+Pooling requests (embeddings, :mod:`metrale.engine.pooling`) go the same way:
+:meth:`AsyncLLM.embed` (or :meth:`AsyncLLM.encode`, vLLM's name, or :meth:`AsyncLLM.submit_pooling`)
+queues one, it joins the engine's steps beside the generation requests, and its one output --
+the vector -- reaches the caller when its prompt's last chunk has run.
+
 Validation (the prompt, the sampling options, a structured output's schema) happens in the
 caller, when :meth:`AsyncLLM.generate` is called, so a bad request raises there and never reaches
 the engine. The waiting queue is bounded: with ``max_num_seqs`` requests able to run, at most
@@ -44,11 +49,10 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from metrale.engine.driver import EngineDriver, EngineStats
-from metrale.engine.generation import RequestGroup
 from metrale.entrypoints.prompts import Prompt
 from metrale.errors import AdapterError, ConfigError, EngineClosedError, InvalidRequestError, QueueFullError
 from metrale.loading.lora import LoRARequest
-from metrale.params import RequestOutput, SamplingParams
+from metrale.params import EmbeddingRequestOutput, PoolingParams, RequestOutput, SamplingParams
 from metrale.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -57,22 +61,39 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 
 
+def new_request_id(request_id: str | None) -> str:
+    """``request_id``, checked (a non-empty string), or a new one when None."""
+    if request_id is None:
+        return f"req-{uuid.uuid4().hex}"
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+    return request_id
+
+
+def refuse_pooling_adapter(lora_request: Any) -> None:
+    """Pooling requests run on the base model: an adapter is refused
+    (:class:`~metrale.errors.InvalidRequestError`)."""
+    if lora_request is not None:
+        raise InvalidRequestError(f"pooling requests (embeddings) run on the base model; a LoRA adapter "
+                                  f"({getattr(lora_request, 'lora_name', lora_request)!r}) is not served for them")
+
+
 class _OutputStream:
     """One request's newest output, handed from the engine thread to the caller's event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.latest: RequestOutput | BaseException | None = None
+        self.latest: RequestOutput | EmbeddingRequestOutput | BaseException | None = None
         self.ready = asyncio.Event()
         #: An output was handed over and the caller has not taken it yet (read by the engine
         #: thread, which then only marks the request as having more).
         self.unread = False
 
-    def push(self, item: RequestOutput | BaseException) -> None:  # on the event loop
+    def push(self, item: RequestOutput | EmbeddingRequestOutput | BaseException) -> None:  # on the event loop
         self.latest = item
         self.ready.set()
 
-    async def next(self) -> RequestOutput:
+    async def next(self) -> Any:
         await self.ready.wait()
         self.ready.clear()
         item, self.latest = self.latest, None
@@ -88,10 +109,11 @@ class _OutputStream:
 
 @dataclass
 class SubmittedRequest:
-    """A request :meth:`AsyncLLM.submit` queued: :meth:`next_output` waits for its next output
-    (the last has ``finished`` True)."""
+    """A request :meth:`AsyncLLM.submit` (or :meth:`AsyncLLM.submit_pooling`) queued:
+    :meth:`next_output` waits for its next output (the last has ``finished`` True; a pooling
+    request's one output is an :class:`~metrale.params.EmbeddingRequestOutput`)."""
 
-    group: RequestGroup
+    group: Any
     stream: _OutputStream
     finished: bool = False
     submitted: float = field(default_factory=time.monotonic)
@@ -100,20 +122,24 @@ class SubmittedRequest:
     def request_id(self) -> str:
         return self.group.request_id
 
-    async def next_output(self) -> RequestOutput:
+    async def next_output(self) -> Any:
         """The newest output not taken yet (waits for one)."""
         return await self.stream.next()
 
 
-
 class AsyncEngineAPI:
     """What :class:`AsyncLLM` and :class:`~metrale.entrypoints.engine_process.EngineProcess` share: the
-    async iteration over a request's outputs and the ``async with`` block. A subclass provides
-    ``submit``, ``abort``, ``stats``, ``num_active``, ``is_running``, ``shutdown``, and the LoRA
-    calls ``serves_lora``, ``list_loras``, ``add_lora`` and ``remove_lora``."""
+    async iteration over a request's outputs, the awaiting of a pooling request's vector and the
+    ``async with`` block. A subclass provides ``submit``, ``submit_pooling``, ``abort``,
+    ``stats``, ``num_active``, ``is_running``, ``shutdown``, and the LoRA calls ``serves_lora``,
+    ``list_loras``, ``add_lora`` and ``remove_lora``."""
 
     def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                request_id: str | None = None, lora_request: Any = None) -> Any:
+        raise NotImplementedError
+
+    def submit_pooling(self, prompt: Prompt, pooling_params: PoolingParams | None = None,
+                       request_id: str | None = None, lora_request: Any = None) -> Any:
         raise NotImplementedError
 
     def abort(self, request_id: str) -> None:
@@ -204,6 +230,54 @@ class AsyncEngineAPI:
             if not done:
                 self.abort(active.request_id)
 
+    async def encode(
+        self, prompt: Prompt, pooling_params: PoolingParams | None = None, request_id: str | None = None,
+        lora_request: Any = None,
+    ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """vLLM's name: submit one pooling request (an embedding) and iterate over its outputs --
+        one, final (``finished`` True), once its prompt has run. Arguments and errors as
+        :meth:`embed`'s; leaving the iteration early aborts the request."""
+        active = self.submit_pooling(prompt, pooling_params, request_id, lora_request)
+        done = False
+        try:
+            while not done:
+                output = await active.next_output()
+                done = output.finished
+                yield output
+        finally:
+            if not done:
+                self.abort(active.request_id)
+
+    async def embed(
+        self, prompt: Prompt, pooling_params: PoolingParams | None = None, request_id: str | None = None,
+        lora_request: Any = None,
+    ) -> EmbeddingRequestOutput:
+        """Submit one pooling request and wait for its vector: the prompt's final normed states
+        pooled as ``pooling_params`` says (:class:`~metrale.params.PoolingParams`; None or a field
+        left None: the model's default, last-token and normalized unless its
+        sentence-transformers configuration says otherwise), batched with the engine's other
+        requests. ``prompt`` and ``request_id`` are as :meth:`generate` takes them.
+
+        Returns the final :class:`~metrale.params.EmbeddingRequestOutput`; one that failed in the
+        engine (its prompt needs more cache than there is) or was aborted has an empty
+        embedding, and ``error`` when it failed. Raises
+        :class:`~metrale.errors.InvalidRequestError` for a bad prompt or params, or an adapter in
+        ``lora_request`` (pooling runs on the base model);
+        :class:`~metrale.errors.ConfigError` when the model serves no embeddings (a family
+        without :class:`~metrale.layers.loading.DecoderEnds`, tensor parallelism);
+        :class:`~metrale.errors.QueueFullError` and :class:`~metrale.errors.EngineClosedError` as
+        :meth:`generate` -- all before anything runs. Cancelling the wait aborts the request."""
+        active = self.submit_pooling(prompt, pooling_params, request_id, lora_request)
+        done = False
+        try:
+            while not done:
+                output = await active.next_output()
+                done = output.finished
+            return output
+        finally:
+            if not done:
+                self.abort(active.request_id)
+
     async def __aenter__(self) -> "AsyncEngineAPI":
         return self
 
@@ -259,15 +333,31 @@ class AsyncLLM(AsyncEngineAPI):
         :meth:`abort` it if it stops reading before the last output."""
         loop = asyncio.get_running_loop()
         llm = self.llm
-        if request_id is None:
-            request_id = f"req-{uuid.uuid4().hex}"
-        elif not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        request_id = new_request_id(request_id)
         self._check_open()
         text, ids = llm.prompt_ids(prompt, "the prompt")
         params = llm.request_params(sampling_params if sampling_params is not None else SamplingParams())
         lora = llm.lora_requests(lora_request, 1)[0]
-        group = llm.new_group(text, ids, params, request_id=request_id, lora=lora)
+        return self._queue(llm.new_group(text, ids, params, request_id=request_id, lora=lora), loop)
+
+    def submit_pooling(self, prompt: Prompt, pooling_params: PoolingParams | None = None,
+                       request_id: str | None = None, lora_request: Any = None) -> SubmittedRequest:
+        """Validate and queue a pooling request (the first half of :meth:`embed`; the same
+        errors); must be called on the event loop that will read it. Its one output comes
+        through :meth:`SubmittedRequest.next_output`; the caller must :meth:`abort` it if it stops
+        waiting before."""
+        loop = asyncio.get_running_loop()
+        llm = self.llm
+        request_id = new_request_id(request_id)
+        self._check_open()
+        text, ids = llm.prompt_ids(prompt, "the prompt")
+        params = llm.pooling_params(pooling_params)
+        refuse_pooling_adapter(lora_request)
+        return self._queue(llm.new_pooling_group(text, ids, params, request_id=request_id), loop)
+
+    def _queue(self, group: Any, loop: asyncio.AbstractEventLoop) -> SubmittedRequest:
+        """Queue a checked request group for the engine thread (within the queue's bound)."""
+        request_id = group.request_id
         with self._condition:
             self._check_open()
             if request_id in self._active:

@@ -13,11 +13,14 @@ would be by a ``multiprocessing`` start); it stops when the callers' process goe
 What crosses between them:
 
 * to the engine: each checked request (its prompt's token ids and its
-  :class:`~metrale.SamplingParams`), aborts, LoRA adapters to add or remove, and the shutdown;
+  :class:`~metrale.SamplingParams`, or for a pooling request its resolved
+  :class:`~metrale.PoolingParams`), aborts, LoRA adapters to add or remove, and the shutdown;
 * from the engine, once per step: what each changed request gained -- its new token ids, the
-  text they added, their log probabilities, how it finished -- and the engine's
-  :class:`~metrale.engine.driver.EngineStats`. The callers' side adds these up, so the outputs
-  it hands out are the cumulative :class:`~metrale.RequestOutput`\\ s an ``AsyncLLM`` hands out.
+  text they added, their log probabilities, how it finished; a pooling request's vector (float32)
+  once it finished -- and the engine's :class:`~metrale.engine.driver.EngineStats`. The callers'
+  side adds these up, so the outputs it hands out are the cumulative
+  :class:`~metrale.RequestOutput`\\ s (and the :class:`~metrale.EmbeddingRequestOutput`\\ s) an
+  ``AsyncLLM`` hands out.
   And the answer to each LoRA call (done, or the error it raised there).
 
 Requests are checked on the callers' side (:class:`~metrale.entrypoints.frontend.PromptFrontend`: the
@@ -41,7 +44,6 @@ import signal
 import subprocess
 import threading
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -52,7 +54,13 @@ import numpy as np
 from metrale.child_process import start_child
 from metrale.engine.driver import EngineDriver, EngineStats
 from metrale.engine.generation import RequestGroup, visible_text
-from metrale.entrypoints.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngineAPI
+from metrale.engine.pooling import PoolingGroup
+from metrale.entrypoints.async_llm import (
+    DEFAULT_MAX_WAITING_REQUESTS,
+    AsyncEngineAPI,
+    new_request_id,
+    refuse_pooling_adapter,
+)
 from metrale.entrypoints.frontend import PromptFrontend
 from metrale.entrypoints.prompts import Prompt
 from metrale.errors import (
@@ -66,7 +74,15 @@ from metrale.errors import (
 )
 from metrale.loading.checkpoint import Checkpoint
 from metrale.loading.lora import LoRARequest
-from metrale.params import CompletionOutput, LogprobsDict, RequestOutput, SamplingParams
+from metrale.params import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    LogprobsDict,
+    PoolingParams,
+    RequestOutput,
+    SamplingParams,
+)
 from metrale.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -84,8 +100,9 @@ SHUTDOWN_GRACE_S = 60.0
 _CompletionDelta = tuple[int, list[int], int, "str | None", "list[LogprobsDict] | None", "float | None",
                          "str | None", "str | int | None"]
 # What one request gained: (request id, finished, error, cached tokens, preemptions, prompt log
-# probabilities (in its first record only), its completions' deltas).
-_Record = tuple[str, bool, "str | None", int, int, Any, list[_CompletionDelta]]
+# probabilities (in its first record only), its completions' deltas -- for a pooling request, its
+# vector once it finished well: float32 [hidden_size], else an empty list).
+_Record = tuple[str, bool, "str | None", int, int, Any, "list[_CompletionDelta] | np.ndarray"]
 # The answer to one LoRA call: (call id, the error it raised or None).
 _Reply = tuple[int, "BaseException | None"]
 
@@ -176,7 +193,9 @@ class _EngineLoop:
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
-        if kind == "add":
+        if kind == "pool":
+            self._add_pooling(message)
+        elif kind == "add":
             structured = message[4].structured_output
             if self.compiling or (structured is not None and not self.llm.grammar_compiler().is_compiled(structured)):
                 # Compiled beside the engine's steps; admitted in arrival order once compiled.
@@ -246,6 +265,19 @@ class _EngineLoop:
         except Exception as error:  # checked by the callers' side already; fails this request only
             self.records.append((request_id, True, f"the request could not be started: {error}", 0, 0, None, []))
             return
+        self._admit(group)
+
+    def _add_pooling(self, message: tuple) -> None:
+        """Start the pooling request of a "pool" message."""
+        _, request_id, text, ids, params = message
+        try:
+            group = self.llm.new_pooling_group(text, ids, params, request_id=request_id)
+        except Exception as error:  # checked by the callers' side already; fails this request only
+            self.records.append((request_id, True, f"the request could not be started: {error}", 0, 0, None, []))
+            return
+        self._admit(group)
+
+    def _admit(self, group: Any) -> None:
         try:
             admitted = self.driver.admit(group)
         except Exception as error:
@@ -263,7 +295,13 @@ class _EngineLoop:
             if group is not None:
                 self._record(group)
 
-    def _record(self, group: RequestGroup) -> None:
+    def _record(self, group: RequestGroup | PoolingGroup) -> None:
+        if isinstance(group, PoolingGroup):
+            request = group.request
+            vector = request.embedding if request.embedding is not None and group.finished else []
+            self.records.append((group.request_id, group.finished, group.error or request.error, 0,
+                                 request.num_preemptions, None, vector))
+            return
         first_time = group.request_id not in self.sent
         sent = self.sent.setdefault(group.request_id, [_Sent() for _ in group.completions])
         done = group.finished
@@ -426,6 +464,7 @@ def _engine_process_main(fd: int) -> None:
             "vocab_size": llm.vocab_size, "max_model_len": llm.max_model_len,
             "eos_token_ids": list(llm.eos_token_ids), "max_num_seqs": llm.config.max_num_seqs,
             "device": llm.backend.name, "summary": engine_summary(llm), "dropped_loras": dropped,
+            "pooling_unavailable": llm.pooling_unavailable, "embedding_size": llm.embedding_size,
         }))
         _EngineLoop(llm, conn).run()
     finally:
@@ -531,6 +570,49 @@ def _settle(future: Future, error: BaseException | None) -> None:
         future.set_exception(error)
 
 
+class RemotePoolingRequest:
+    """A pooling request :meth:`EngineProcess.submit_pooling` sent to the engine:
+    :meth:`next_output` waits for its one output, as
+    :class:`~metrale.entrypoints.async_llm.SubmittedRequest`'s does."""
+
+    def __init__(self, request_id: str, text: str | None, ids: list[int], loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.prompt = text
+        self.prompt_token_ids = ids
+        self.embedding: list[float] = []
+        self.finished = False
+        self.error: str | None = None
+        self.num_preemptions = 0
+        self.submitted = time.monotonic()
+        self._ready = asyncio.Event()
+
+    def apply(self, record: _Record) -> None:  # on the request's event loop
+        _, finished, error, _, preemptions, _, vector = record
+        if self.finished:
+            return
+        if isinstance(vector, np.ndarray):
+            self.embedding = vector.tolist()
+        self.num_preemptions = preemptions
+        if error is not None:
+            self.error = error
+        self.finished = self.finished or finished
+        self._ready.set()
+
+    async def next_output(self) -> EmbeddingRequestOutput:
+        """The request's output once it is final (waits for it)."""
+        await self._ready.wait()
+        self._ready.clear()
+        return self.output()
+
+    def output(self) -> EmbeddingRequestOutput:
+        """The request's output so far (an empty embedding until it finished well)."""
+        return EmbeddingRequestOutput(request_id=self.request_id, prompt=self.prompt,
+                                      prompt_token_ids=self.prompt_token_ids,
+                                      outputs=EmbeddingOutput(list(self.embedding)), finished=self.finished,
+                                      error=self.error)
+
+
 def _apply_all(items: list[tuple[RemoteRequest, _Record]]) -> None:  # on the callers' event loop
     for request, record in items:
         request.apply(record)
@@ -597,8 +679,10 @@ class EngineProcess(AsyncEngineAPI):
                                   max_model_len=payload["max_model_len"], chat_template=chat_template,
                                   tokenizer_path=payload["tokenizer_path"])
         self.llm.eos_token_ids = list(payload["eos_token_ids"])
+        self.llm.pooling_unavailable = payload["pooling_unavailable"]
+        self.llm.embedding_size = payload["embedding_size"]
         self._lock = threading.Lock()
-        self._active: dict[str, RemoteRequest] = {}
+        self._active: dict[str, RemoteRequest | RemotePoolingRequest] = {}
         self._stats = EngineStats()
         self._accepting = True
         self._alive = True
@@ -646,10 +730,7 @@ class EngineProcess(AsyncEngineAPI):
         with :meth:`RemoteRequest.next_output` and must :meth:`abort` it if it stops reading
         before the last output."""
         loop = asyncio.get_running_loop()
-        if request_id is None:
-            request_id = f"req-{uuid.uuid4().hex}"
-        elif not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        request_id = new_request_id(request_id)
         self._check_open()
         text, ids = self.llm.prompt_ids(prompt, "the prompt")
         params = self.llm.request_params(sampling_params if sampling_params is not None else SamplingParams())
@@ -660,6 +741,26 @@ class EngineProcess(AsyncEngineAPI):
             raise InvalidRequestError(f"{lora_request!r} is not one of this engine's adapters (lora_modules, or "
                                       "one add_lora added): "
                                       f"{', '.join(sorted(r.lora_name for r in self._adapters.values())) or 'none'}")
+        request = RemoteRequest(request_id, text, ids, params.n, loop, lora_request)
+        return self._queue(request, ("add", request_id, text, ids, params, lora_request))
+
+    def submit_pooling(self, prompt: Prompt, pooling_params: PoolingParams | None = None,
+                       request_id: str | None = None, lora_request: Any = None) -> RemotePoolingRequest:
+        """Check and send a pooling request to the engine (the first half of :meth:`embed`; the
+        same errors); must be called on the event loop that will read it. Its one output comes
+        through :meth:`RemotePoolingRequest.next_output`; the caller must :meth:`abort` it if it
+        stops waiting before."""
+        loop = asyncio.get_running_loop()
+        request_id = new_request_id(request_id)
+        self._check_open()
+        text, ids = self.llm.prompt_ids(prompt, "the prompt")
+        params = self.llm.pooling_params(pooling_params)
+        refuse_pooling_adapter(lora_request)
+        return self._queue(RemotePoolingRequest(request_id, text, ids, loop), ("pool", request_id, text, ids, params))
+
+    def _queue(self, request: Any, message: tuple) -> Any:
+        """Send ``message``, ``request``'s, to the engine within the queue's bound."""
+        request_id = request.request_id
         with self._lock:
             self._check_open()
             if request_id in self._active:
@@ -669,9 +770,8 @@ class EngineProcess(AsyncEngineAPI):
                 raise QueueFullError(
                     f"{len(self._active)} requests are running or waiting, as many as this engine accepts (max_num_seqs="
                     f"{self.max_num_seqs} + max_waiting_requests={self.max_waiting_requests}); retry later")
-            request = RemoteRequest(request_id, text, ids, params.n, loop, lora_request)
             self._active[request_id] = request
-            self._send(("add", request_id, text, ids, params, lora_request))
+            self._send(message)
         return request
 
     def _prepare_structured_output(self, structured_output: Any) -> None:
@@ -909,7 +1009,7 @@ class EngineProcess(AsyncEngineAPI):
         return True
 
     def _dispatch(self, records: list[_Record]) -> None:
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[RemoteRequest, _Record]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[Any, _Record]]] = {}
         with self._lock:
             for record in records:
                 request = self._active.get(record[0])

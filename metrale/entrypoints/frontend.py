@@ -2,7 +2,8 @@
 options into a checked request without touching the weights.
 
 A front end holds the checkpoint's tokenizer, its chat template, its sampling defaults
-(``generation_config.json``) and a structured-output compiler, and knows the model's vocabulary
+(``generation_config.json``), its pooling defaults (sentence-transformers' ``modules.json``,
+:func:`pooling_defaults`) and a structured-output compiler, and knows the model's vocabulary
 size and context length. :class:`~metrale.LLM` is one (it adds the weights and the engine); the
 HTTP front end of an :class:`~metrale.entrypoints.engine_process.EngineProcess` is another, in a process
 that never loads a weight.
@@ -11,6 +12,8 @@ that never loads a weight.
 from __future__ import annotations
 
 import copy
+import json
+import logging
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -25,8 +28,14 @@ from metrale.errors import (
     TokenOutOfRangeError,
 )
 from metrale.loading.checkpoint import Checkpoint
-from metrale.params import SamplingParams, generation_defaults
+from metrale.params import PoolingParams, SamplingParams, generation_defaults
 from metrale.validation import check_bool
+
+logger = logging.getLogger(__name__)
+
+#: sentence-transformers' pooling modes (``1_Pooling/config.json``: a ``pooling_mode_*`` flag, or
+#: a ``pooling_mode`` name) that pooling requests serve, and how they are served.
+_SENTENCE_TRANSFORMERS_MODES = {"lasttoken": "last", "mean_tokens": "mean", "mean": "mean"}
 
 
 def bos_token_id(checkpoint: Checkpoint) -> int | None:
@@ -37,6 +46,46 @@ def bos_token_id(checkpoint: Checkpoint) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None
+
+
+def pooling_defaults(folder: Path) -> PoolingParams:
+    """How a model's embeddings pool when a request does not say: as the checkpoint's
+    sentence-transformers configuration says when ``folder`` has one (``modules.json``: its
+    ``Pooling`` module's ``config.json`` -- ``pooling_mode_lasttoken`` or
+    ``pooling_mode_mean_tokens`` -- and whether a ``Normalize`` module follows), else last-token
+    pooling, normalized (as Qwen3-Embedding and vLLM's embedding models pool). A configuration
+    that asks for what is not served (another pooling mode, a ``Dense`` projection) is logged
+    and the rest of it kept."""
+    default = PoolingParams("last", True)
+    modules_path = folder / "modules.json"
+    if not modules_path.is_file():
+        return default
+    try:
+        modules = json.loads(modules_path.read_text(encoding="utf-8"))
+        if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+            raise ValueError("not a list of modules")
+        kinds = [str(module.get("type", "")).rsplit(".", 1)[-1] for module in modules]
+        pooling = default.pooling
+        for module, kind in zip(modules, kinds):
+            if kind == "Pooling":
+                config = json.loads((folder / str(module.get("path", "")) / "config.json").read_text(encoding="utf-8"))
+                named = config.get("pooling_mode")
+                modes = [named] if isinstance(named, str) else [
+                    key.removeprefix("pooling_mode_") for key, value in config.items()
+                    if key.startswith("pooling_mode_") and value is True]
+                if len(modes) == 1 and modes[0] in _SENTENCE_TRANSFORMERS_MODES:
+                    pooling = _SENTENCE_TRANSFORMERS_MODES[modes[0]]
+                else:
+                    logger.warning("%s asks for pooling %s, which is not served (last token or mean only); "
+                                   "embeddings pool the last token unless a request says otherwise",
+                                   modules_path, modes)
+        unserved = sorted({kind for kind in kinds if kind not in ("Transformer", "Pooling", "Normalize")})
+        if unserved:
+            logger.warning("%s names modules %s, which embeddings do not run", modules_path, unserved)
+        return PoolingParams(pooling, "Normalize" in kinds)
+    except (OSError, ValueError, TypeError, AttributeError) as error:
+        logger.warning("%s could not be read (%s); embeddings pool the last token, normalized", modules_path, error)
+        return default
 
 
 class PromptFrontend:
@@ -66,6 +115,13 @@ class PromptFrontend:
         #: :func:`~metrale.params.generation_defaults`): they fill the fields a request's
         #: :class:`SamplingParams` does not set explicitly.
         self.sampling_defaults = generation_defaults(checkpoint.generation_config)
+        #: How embeddings pool when a request leaves it to the model (:func:`pooling_defaults`).
+        self.default_pooling = pooling_defaults(checkpoint.path)
+        #: Why the engine serves no pooling requests (embeddings), None when it does; the
+        #: length of its vectors (``hidden_size``), None when unknown. Set by whoever knows the
+        #: loaded model (:class:`~metrale.LLM`, an engine process's ready message).
+        self.pooling_unavailable: str | None = None
+        self.embedding_size: int | None = None
         self._grammars: Any = None
         #: Whether new structured-output constraints are checked in a worker process before they
         #: are compiled here (:mod:`metrale.structured.sandbox`); off only in a process whose requests
@@ -178,6 +234,20 @@ class PromptFrontend:
             raise TokenizerMissingError(f"stop={list(own.stop)!r}: {self.checkpoint.path} has no tokenizer.json, and stop "
                                         "strings are found in the decoded text; use stop_token_ids")
         return own
+
+    def pooling_params(self, params: Any) -> PoolingParams:
+        """A pooling request's :class:`~metrale.params.PoolingParams` (None: the model's
+        defaults) with every field left None filled from :attr:`default_pooling`; a model that
+        serves no pooling raises :class:`~metrale.errors.ConfigError`."""
+        from metrale.errors import ConfigError
+
+        if self.pooling_unavailable is not None:
+            raise ConfigError(self.pooling_unavailable)
+        if params is None:
+            params = PoolingParams()
+        elif not isinstance(params, PoolingParams):
+            raise InvalidRequestError(f"pooling params must be PoolingParams, got {params!r}")
+        return params.resolved(self.default_pooling)
 
     def grammar_compiler(self) -> Any:
         """The structured-output compiler of this model's tokenizer (made on first use)."""

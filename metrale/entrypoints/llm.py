@@ -19,6 +19,7 @@ from metrale.config import EngineConfig, read_environment
 from metrale.engine.engine import Engine
 from metrale.engine.generation import Request, RequestGroup, StopChecker, make_group, prompt_logprob_dicts
 from metrale.engine.lora_slots import LoraManager
+from metrale.engine.pooling import PoolingGroup, make_pooling_group
 from metrale.entrypoints.engine_hold import EngineHold, EngineHolds
 from metrale.entrypoints.frontend import PromptFrontend
 from metrale.entrypoints.prompts import Prompt, split_prompts
@@ -33,6 +34,7 @@ from metrale.errors import (
     EngineClosedError,
     InvalidRequestError,
 )
+from metrale.layers.loading import DecoderEnds
 from metrale.loading.checkpoint import Checkpoint
 from metrale.loading.lora import LoRARequest
 from metrale.loading.model import load_model, resolve_model_path
@@ -40,15 +42,12 @@ from metrale.model.family import resolve_family
 from metrale.model.forward import ModelForward
 from metrale.model.plugin_manager import get_plugin_manager
 from metrale.ops import build_op_registry
-from metrale.params import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, SamplingParams
+from metrale.params import EmbeddingRequestOutput, PoolingParams, RequestOutput, SamplingParams
 from metrale.runner import ModelRunner
 from metrale.sequence import SequenceState
 from metrale.validation import check_bool
 
 logger = logging.getLogger(__name__)
-
-#: How :meth:`LLM.embed` pools a prompt's final states into one vector.
-POOLING_METHODS = ("last", "mean")
 
 
 class LLM(PromptFrontend):
@@ -136,6 +135,7 @@ class LLM(PromptFrontend):
                                 max_model_len=self.model.max_model_len, chat_template=chat_template,
                                 tokenizer_path=self._tokenizer_folder)
         self.forward = ModelForward(self.model, self.plugin_manager, environment)
+        self.pooling_unavailable, self.embedding_size = self._pooling_support()
         #: The LoRA adapter slots (:class:`~metrale.engine.lora_slots.LoraManager`), None without ``enable_lora``.
         self.lora: LoraManager | None = self._enable_lora() if self.config.enable_lora else None
         if self.config.speculative_config is not None:
@@ -196,6 +196,16 @@ class LLM(PromptFrontend):
                                   self.config.distributed_executor_backend, gpu=gpu)
         communicator = self.ranks.start()
         return rank_context(Shard(0, size, self.config.expert_parallel), communicator)
+
+    def _pooling_support(self) -> tuple[str | None, int | None]:
+        """Why pooling requests (embeddings) are not served, or None; and the vectors' length."""
+        ends = getattr(self.model, "ends", None)
+        if not isinstance(ends, DecoderEnds):
+            return (f"the {self.family.name} family's model keeps no DecoderEnds whose final states embeddings "
+                    "pool; embeddings are not served for it"), None
+        if self.config.tensor_parallel_size > 1:
+            return "embeddings are not served with tensor parallelism yet; use tensor_parallel_size=1", None
+        return None, int(ends.norm.shape[0])
 
     def _enable_lora(self) -> LoraManager:
         """The adapter slots, built before the cache takes the free memory."""
@@ -462,6 +472,14 @@ class LLM(PromptFrontend):
                 request.lora, request.seq.adapter_id = lora, lora.lora_int_id
         return group
 
+    def new_pooling_group(self, text: str | None, ids: list[int], params: PoolingParams,
+                          request_id: str | None = None) -> PoolingGroup:
+        """The pooling request (:mod:`metrale.engine.pooling`) of one checked prompt, pooled as
+        ``params`` (resolved by :meth:`pooling_params`) says."""
+        index = self._requests_started
+        self._requests_started += 1
+        return make_pooling_group(str(index) if request_id is None else request_id, text, ids, params)
+
     def prompt_logprobs(self, group: RequestGroup) -> None:
         """Fill ``group.prompt_logprobs`` when its params ask for them: one teacher-forced pass
         over the prompt (its cache released at once)."""
@@ -641,60 +659,51 @@ class LLM(PromptFrontend):
         finally:
             self._release(hold)
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], *, pooling: str = "last", normalize: bool = True,
+    def embed(self, prompts: Prompt | Sequence[Prompt], *, pooling: str | None = None, normalize: bool | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, as vLLM's ``LLM.embed``: the final normed states of the
         prompt's tokens (the model's last norm, before the LM head) pooled -- ``"last"`` the last
         token's (Qwen3-Embedding and other decoder embedders), ``"mean"`` their mean -- and, with
-        ``normalize``, scaled to unit length. Prompts are those :meth:`generate` takes; each is
-        checked before any runs. Every built-in family serves it; a model whose family keeps no
-        :class:`~metrale.layers.loading.DecoderEnds` raises
+        ``normalize``, scaled to unit length. ``pooling`` and ``normalize`` left None take the
+        model's defaults (:attr:`~metrale.entrypoints.frontend.PromptFrontend.default_pooling`:
+        last-token and normalized, unless the checkpoint's sentence-transformers configuration
+        says otherwise). Prompts are those :meth:`generate` takes; each is checked before any
+        runs.
+
+        The prompts go to the engine together as pooling requests (:mod:`metrale.engine.pooling`),
+        batched and chunked as :meth:`generate` batches prompts; a prompt's vector does not
+        depend on the prompts beside it. A request that fails in the engine (its prompt needs
+        more cache than there is, its states are not finite) gets an empty embedding and its
+        ``error``; the others go on. Every built-in family serves it; a model whose family keeps
+        no :class:`~metrale.layers.loading.DecoderEnds` raises
         :class:`~metrale.errors.ConfigError`, and so does tensor parallelism (not served yet)."""
-        if pooling not in POOLING_METHODS:
-            raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING_METHODS)}, got {pooling!r}")
-        normalize = check_bool("normalize", normalize)
-        ends = getattr(self.model, "ends", None)
-        if not hasattr(ends, "hidden_only"):
-            raise ConfigError(f"the {self.family.name} family's model keeps no DecoderEnds whose final states "
-                              "embeddings pool; embed() is not served for it")
-        if self.ranks is not None:
-            raise ConfigError("embed() is not served with tensor parallelism yet; use tensor_parallel_size=1")
+        params = self.pooling_params(PoolingParams(pooling, normalize))
         hold = self._take("embed()")
         try:
-            parsed = [self.prompt_ids(prompt, f"prompts[{index}]") for index, prompt in enumerate(split_prompts(prompts))]
+            prompt_list = split_prompts(prompts)
+            parsed = [self.prompt_ids(prompt, f"prompts[{index}]") for index, prompt in enumerate(prompt_list)]
+            groups = [self.new_pooling_group(text, ids, params) for text, ids in parsed]
             bar = None
-            if check_bool("use_tqdm", use_tqdm) and self.show_progress and len(parsed) > 1:
+            if check_bool("use_tqdm", use_tqdm) and self.show_progress and len(groups) > 1:
                 from tqdm.auto import tqdm
 
-                bar = tqdm(total=len(parsed), desc="embedding", unit="prompt", leave=False)
-            outputs = []
-            for index, (text, ids) in enumerate(parsed):
-                outputs.append(EmbeddingRequestOutput(str(self._requests_started + index), text, list(ids),
-                                                      EmbeddingOutput(self._embedding(ends, ids, pooling, normalize))))
+                bar = tqdm(total=len(groups), desc="embedding", unit="prompt", leave=False)
+            try:
+                with self._engine_run(groups, hold):  # type: ignore[arg-type]
+                    while self.engine.has_unfinished():
+                        done = sum(1 for r in self.engine.step() if r.finish_reason is not None)
+                        if bar is not None and done:
+                            bar.update(done)
+            finally:
                 if bar is not None:
-                    bar.update(1)
-            self._requests_started += len(parsed)
-            if bar is not None:
-                bar.close()
-            return outputs
+                    bar.close()
+            outputs = [group.output(finished=True) for group in groups]
         finally:
             self._release(hold)
-
-    def _embedding(self, ends: Any, ids: list[int], pooling: str, normalize: bool) -> list[float]:
-        seq = SequenceState.from_prompt(ids)
-        ends.hidden_only = True
-        try:
-            states = self.backend.to_numpy(self.forward.score(ids, seq)).astype(np.float64)
-            self.cache.release(seq)
-        except BaseException:
-            self._recover(seqs=[seq])
-            raise
-        finally:
-            ends.hidden_only = False
-        vector = states[-1] if pooling == "last" else states.mean(axis=0)
-        if normalize:
-            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
-        return vector.astype(np.float32).tolist()
+        for output in outputs:
+            if output.error is not None:
+                logger.warning("request %s failed: %s", output.request_id, output.error)
+        return outputs
 
     def score(self, token_ids: Sequence[int], *, lora_request: LoRARequest | None = None) -> np.ndarray:
         """Teacher-forced logits for every position of ``token_ids``: ``[len, vocab]`` float32

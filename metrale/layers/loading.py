@@ -41,9 +41,6 @@ class DecoderEnds:
     lm_head: Any
     token_rows: dict = field(default_factory=dict)
     vocab_part: slice | None = None
-    #: While True, :meth:`logits` gives each row's final normed state (float32 ``[rows, H]``)
-    #: instead of its logits: what pooling reads (:meth:`metrale.LLM.embed`).
-    hidden_only: bool = False
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, backend: Any, *, vocab_size: int, hidden_size: int,
@@ -77,10 +74,15 @@ class DecoderEnds:
 
     def logits(self, backend: Any, x: Any, residual: Any, batch: ForwardBatch, eps: float, offset: float = 0.0) -> Any:
         """Float32 logits ``[len(batch.logits_rows), V]``: the last residual add, the final norm
-        and the LM head (the ``rmsnorm_linear`` op), on the rows that asked for logits only."""
+        and the LM head (the ``rmsnorm_linear`` op), on the rows that asked for logits only. In
+        a step of :attr:`~metrale.batch.ForwardBatch.final_states` those rows' final normed
+        states instead (float32 ``[len(batch.logits_rows), H]``): what pooling reads
+        (:mod:`metrale.engine.pooling`)."""
         slots = batch.adapter_slots
-        if self.hidden_only:
+        if batch.final_states:
             rows = slice(None) if batch.every_row_logits else batch.logits_rows
+            if not batch.every_row_logits and not len(rows):
+                return backend.xp.zeros((0, int(self.norm.shape[0])), dtype=np.float32)
             normed, _ = backend.ops.rmsnorm_residual(x[rows], residual[rows], self.norm, eps, offset)
             return backend.ops.to_float32(normed)
         if not batch.every_row_logits:

@@ -394,6 +394,20 @@ class FamilyModel:
         state outside a forward. Nothing is pending for the derived verdict."""
         return None
 
+    def final_states(self, segments: list[Segment]) -> Any:
+        """The final normed states of the rows ``segments`` ask for, ``[rows, hidden_size]``
+        float32 (:func:`~metrale.model.hookspecs.metrale_final_states`): the segments run through
+        the model runner as a step whose :attr:`~metrale.batch.ForwardBatch.final_states` is set,
+        which :meth:`~metrale.layers.loading.DecoderEnds.logits` answers with the states. A model
+        that keeps no :class:`~metrale.layers.loading.DecoderEnds` (``self.ends``) raises
+        :class:`~metrale.errors.UnsupportedModelError`."""
+        from metrale.layers.loading import DecoderEnds
+
+        if not isinstance(getattr(self, "ends", None), DecoderEnds):
+            raise UnsupportedModelError(f"{type(self).__name__} keeps no DecoderEnds (self.ends) whose final states "
+                                        "pooling reads; it serves no embeddings")
+        return self._require_runner().run(segments, final_states=True)
+
     def score(self, tokens: Sequence[int], seq: SequenceState, stream: Any) -> Any:
         start = seq.num_cached
         if start >= len(tokens):
@@ -513,6 +527,10 @@ class FamilyPlugin:
     @hookimpl
     def metrale_prefill_batch_chunk_rows(self, model, slices, stream, row_base):
         return model.prefill_batch_chunk_rows(slices, stream, row_base) if self._owns(model) else None
+
+    @hookimpl
+    def metrale_final_states(self, model, segments, stream):
+        return model.final_states(segments) if self._owns(model) else None
 
     @hookimpl
     def metrale_score(self, model, tokens, seq, stream):

@@ -21,7 +21,7 @@ import pluggy
 
 from metrale.config import EnvironmentConfig
 from metrale.errors import PluginError
-from metrale.sequence import ForwardStep, MixedForwardResult, PrefillSlice, SequenceState
+from metrale.sequence import ForwardStep, MixedForwardResult, PrefillSlice, Segment, SequenceState
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +175,18 @@ class ModelForward:
         """Teacher-forced logits for every position, ``[len(tokens), vocab]``."""
         step = ForwardStep("score", [seq], stream)
         return self.run("score", step, tokens=list(tokens), seq=seq, stream=stream)
+
+    def final_states(self, segments: Sequence[Segment], stream: Any = None) -> Any:
+        """The final normed states ``[rows, hidden_size]`` (float32) of the rows ``segments``
+        ask for (:func:`~metrale.model.hookspecs.metrale_final_states`): the pooling requests'
+        chunks of an engine step."""
+        segments = list(segments)
+        step = ForwardStep("final_states", [s.seq for s in segments], stream, segments=segments)
+        result = self.run("final_states", step, segments=segments, stream=stream)
+        if result is None:
+            raise PluginError(f"no installed plugin gives the final states of the model object "
+                              f"{type(self.model).__qualname__}")
+        return result
 
     def verify(self, tokens: Sequence[Sequence[int]], seqs: Sequence[SequenceState], stream: Any = None) -> Any:
         """A speculative verify: each sequence's input token and drafts in one forward; returns

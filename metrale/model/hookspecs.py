@@ -10,10 +10,11 @@ Version 1.1 added ``metrale_register_ops``; version 1.2 added speculative decodi
 ``metrale_verify``, ``metrale_verdict`` and ``metrale_drafters``; version 1.3 passes the step's
 planned rows (``segments``) to ``metrale_decode_batch``, ``metrale_mixed_forward`` and
 ``metrale_prefill_chunk``; version 1.4 added the OpenAI server's ``metrale_tool_parsers`` and
-``metrale_reasoning_parsers``. Every 1.0 to 1.3 plugin works unchanged: a
-:class:`~metrale.model.family.FamilyPlugin` derives the verify and the verdict, pluggy calls an
-implementation with only the arguments it names, and a hook a plugin does not implement is not
-called on it.
+``metrale_reasoning_parsers``; version 1.5 added ``metrale_final_states``, the final normed
+states that pooling requests (embeddings) read. Every 1.0 to 1.4 plugin works unchanged: a
+:class:`~metrale.model.family.FamilyPlugin` derives the verify, the verdict and the final
+states, pluggy calls an implementation with only the arguments it names, and a hook a plugin
+does not implement is not called on it.
 
 The hooks fall into these groups:
 
@@ -50,7 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from metrale.sequence import ForwardStep, MixedForwardResult, PrefillSlice, Segment, SequenceState
 
 #: Version of the forward contract these specs describe, as ``"major.minor"``.
-CONTRACT_VERSION = "1.4"
+CONTRACT_VERSION = "1.5"
 
 __all__ = ["CONTRACT_VERSION", "PROJECT_NAME", "hookimpl", "hookspec"]
 
@@ -224,6 +225,23 @@ def metrale_score(model: Any, tokens: list[int], seq: "SequenceState", stream: A
     An extension of the forward contract used by :meth:`metrale.LLM.score` and by the
     conformance kit. Called by :meth:`~metrale.model.forward.ModelForward.score` in the dispatch stage.
     Fills the cache like :func:`metrale_prefill`. Returns ``[len(tokens), vocab]`` float32.
+    """
+
+
+@hookspec(firstresult=True)
+def metrale_final_states(model: Any, segments: "list[Segment]", stream: Any) -> Any:
+    """Run ``segments`` (prompt chunks of pooling requests) and return their rows' final normed
+    states instead of logits (contract 1.5).
+
+    Called by :meth:`~metrale.model.forward.ModelForward.final_states` in the dispatch stage of an
+    engine step that holds pooling chunks (:mod:`metrale.engine.pooling`: embeddings). Each
+    :class:`~metrale.sequence.Segment` is a chunk of a sequence from its cached length on; its
+    ``logits`` field says which rows' states it wants (``"all"``, ``"last"`` or ``"none"``). Fills
+    the cache as :func:`metrale_prefill_chunk` does. Returns float32 ``[rows, hidden_size]``: the
+    state after the model's final norm (the LM head's input) of each row asked for, in order.
+    :class:`~metrale.model.family.FamilyPlugin` derives it for a model that keeps
+    :class:`~metrale.layers.loading.DecoderEnds` (every built-in family); for any other it raises
+    :class:`~metrale.errors.UnsupportedModelError`.
     """
 
 

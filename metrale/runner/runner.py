@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from metrale.batch import ForwardBatch, Segment
-from metrale.errors import CacheError, OutOfCacheBlocksError
+from metrale.errors import CacheError, ConfigError, OutOfCacheBlocksError
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +77,13 @@ class ModelRunner:
         cache = self.cache
         return sum(cache.blocks_needed(s.seq, s.end) for s in segments) if cache.spec.uses_blocks else 0
 
-    def run(self, segments: Sequence[Segment]) -> Any:
+    def run(self, segments: Sequence[Segment], final_states: bool = False) -> Any:
         """Reserve cache for ``segments`` (all or nothing), run them, advance each sequence's
-        cached length; returns the logits rows the segments ask for."""
+        cached length; returns the logits rows the segments ask for -- with ``final_states``,
+        those rows' final normed states (:attr:`~metrale.batch.ForwardBatch.final_states`, run
+        eagerly)."""
+        if final_states and self.ranks is not None:
+            raise ConfigError("final states (pooling requests, embeddings) are not served with tensor parallelism")
         cache = self.cache
         self.check(segments)
         missing = [cache.blocks_needed(s.seq, s.end) for s in segments] if cache.spec.uses_blocks else [0] * len(segments)
@@ -92,11 +96,13 @@ class ModelRunner:
             if blocks or cache.state_slots is not None:
                 cache.reserve(segment.seq, segment.end)
         batch = ForwardBatch.build(list(segments), cache.block_size)
+        if final_states:
+            batch.final_states = True
         feed = self.token_feed.plan(batch)
         if self.ranks is not None:
             self.ranks.submit(batch, verifying=bool(getattr(self.model, "verifying", False)))
         try:
-            logits = self.forward(batch, feed)
+            logits = self.forward(batch, feed) if not final_states else self.forward_states(batch)
         except BaseException as error:
             if self.ranks is not None:
                 self.ranks.abandon(error)
@@ -123,6 +129,13 @@ class ModelRunner:
             if feed is not None:
                 feed(prepared.token_ids)
             return self.model.forward_batch(prepared)
+
+    def forward_states(self, batch: ForwardBatch) -> Any:
+        """A :attr:`~metrale.batch.ForwardBatch.final_states` batch's forward, always eager: a
+        graph recorded for logits never serves it (a batch of one-token prompts has a decode
+        step's shape)."""
+        with self.backend.activate():
+            return self.model.forward_batch(self.backend.prepare_batch(batch))
 
     def capture_graphs(self, sizes: tuple[int, ...], mixed: tuple[int, int] | None = None) -> None:
         """Record the decode graphs of ``sizes`` ahead of time and, with ``mixed`` (``(decode

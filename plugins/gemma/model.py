@@ -161,7 +161,7 @@ class GemmaModel(FamilyModel):
             x, residual = layer.forward(backend, x, residual, cache_layer, batch, eps, c.activation)
         logits = self.ends.logits(backend, x, residual, batch, eps, offset=NORM_OFFSET)
         cap = c.final_logit_softcapping
-        if cap is None or self.ends.hidden_only:
+        if cap is None or batch.final_states:
             return logits
         xp = backend.xp
         return xp.tanh(logits / np.float32(cap)) * np.float32(cap)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from metrale import LLM, AsyncLLM, SamplingParams
@@ -207,4 +208,57 @@ def test_unexpected_errors_fail_their_requests_and_the_engine_goes_on(llm, solo,
     assert fine.token_ids == solo[1]
     assert hit.finish_reason == "error" and "detokenizer bug" in hit.error
     assert after.token_ids == solo[3]
+    assert llm.cache.holdings() == (0, 0) and llm.engine.check() == []
+
+
+EMBED_PROMPTS = ["The quick brown fox", [5, 9, 2, 7, 1, 3, 8, 8, 4, 6, 2, 9, 3, 3, 1, 7, 5, 2, 6, 4], [42]]
+
+
+def test_embeddings_share_the_engine_with_generation_and_equal_llm_embed(llm, solo):
+    """Pooling requests submitted while generation requests run come back with ``LLM.embed``'s
+    vectors (to batch rounding); the generation requests keep their solo tokens; a cancelled
+    wait aborts its request; bad pooling requests fail in the caller; nothing stays allocated."""
+    from metrale import PoolingParams
+    from metrale.errors import ConfigError
+
+    expected = {pooling: [o.outputs.embedding for o in llm.embed(EMBED_PROMPTS, pooling=pooling, normalize=normalize)]
+                for pooling, normalize in (("last", True), ("mean", False))}
+
+    async def body(engine):
+        generating = [asyncio.create_task(last_output(engine, p)) for p in PROMPTS[:8]]
+        await asyncio.sleep(0.02)
+        last = await asyncio.gather(*[engine.embed(p) for p in EMBED_PROMPTS])
+        mean = []
+        for prompt in EMBED_PROMPTS:
+            mean.append([o async for o in engine.encode(prompt, PoolingParams("mean", False))])
+        waiting = asyncio.create_task(engine.embed([3] * 400, request_id="cancelled"))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        for prompt, params, lora, error in [("", None, None, InvalidRequestError), ([10**6], None, None, InvalidRequestError),
+                                            ([1, 2], "mean", None, InvalidRequestError),
+                                            ([1, 2], None, "adapter", InvalidRequestError)]:
+            with pytest.raises(error):
+                await engine.embed(prompt, params, lora_request=lora)
+        llm.pooling_unavailable = "no embeddings here"
+        try:
+            with pytest.raises(ConfigError, match="no embeddings here"):
+                await engine.embed([1, 2])
+        finally:
+            llm.pooling_unavailable = None
+        tokens = [o.token_ids for o in await asyncio.gather(*generating)]
+        for _ in range(200):
+            if engine.num_active == 0:
+                break
+            await asyncio.sleep(0.01)
+        return last, mean, tokens, engine.stats()
+
+    last, mean, tokens, stats = run_with(llm, body)
+    assert tokens == solo[:8]
+    assert all(o.finished and o.error is None for o in last)
+    assert all(len(outputs) == 1 and outputs[0].finished for outputs in mean)
+    for got, want in [*zip(last, expected["last"]), *((o[0], w) for o, w in zip(mean, expected["mean"]))]:
+        assert np.abs(np.asarray(got.outputs.embedding) - np.asarray(want)).max() <= 1e-5
+    assert (stats.running, stats.waiting, stats.kv_blocks_used) == (0, 0, 0)
     assert llm.cache.holdings() == (0, 0) and llm.engine.check() == []

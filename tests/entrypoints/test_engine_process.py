@@ -149,6 +149,49 @@ def test_aborted_and_abandoned_requests_free_the_cache(engine):
     assert (stats.kv_blocks_used, stats.running, stats.waiting) == (0, 0, 0)
 
 
+def test_embeddings_come_back_from_the_engine_process_as_llm_embed_gives_them(engine):
+    """Pooling requests cross to the engine process and their vectors come back: those of
+    ``LLM.embed`` (to batch rounding), beside generation requests; aborted and bad ones as in
+    the process's own engine."""
+    from metrale import PoolingParams
+
+    prompts = ["The quick brown fox", [5, 9, 2, 7, 1, 3, 8, 8, 4, 6, 2, 9, 3, 3, 1, 7, 5, 2, 6, 4], [42]]
+    with LLM("tiny-dense", **OPTIONS) as llm:
+        expected = [o.outputs.embedding for o in llm.embed(prompts)]
+        expected_mean = [o.outputs.embedding for o in llm.embed(prompts, pooling="mean", normalize=False)]
+        size = llm.embedding_size
+    assert engine.llm.embedding_size == size and engine.llm.pooling_unavailable is None
+
+    async def body():
+        generating = asyncio.create_task(stream_of(engine, "Hello", SamplingParams(max_tokens=30, ignore_eos=True)))
+        last = await asyncio.gather(*[engine.embed(p) for p in prompts])
+        mean = []
+        for prompt in prompts:
+            mean.append([o async for o in engine.encode(prompt, PoolingParams("mean", False))][-1])
+        target = engine.submit_pooling([7] * 300, request_id="aborted")
+        engine.abort("aborted")
+        aborted = await target.next_output()
+        with pytest.raises(InvalidRequestError):
+            engine.submit_pooling("", None)
+        with pytest.raises(InvalidRequestError):
+            engine.submit_pooling([1, 2], None, lora_request="adapter")
+        generated = await generating
+        for _ in range(200):
+            if engine.stats().kv_blocks_used == 0 and engine.num_active == 0:
+                break
+            await asyncio.sleep(0.01)
+        return last, mean, aborted, generated, engine.stats()
+
+    last, mean, aborted, generated, stats = run(body)
+    for got, want in [*zip(last, expected), *zip(mean, expected_mean)]:
+        assert got.finished and got.error is None and len(got.outputs.embedding) == size
+        assert max(abs(a - b) for a, b in zip(got.outputs.embedding, want)) <= 1e-5
+    # (Aborted at once, unless its one step ran before the abort reached the engine process.)
+    assert aborted.finished and aborted.request_id == "aborted" and len(aborted.outputs.embedding) in (0, size)
+    assert generated[-1].finished and len(generated[-1].token_ids) == 30
+    assert (stats.kv_blocks_used, stats.running, stats.waiting) == (0, 0, 0)
+
+
 def test_bad_requests_fail_in_the_caller(engine):
     async def body():
         with pytest.raises(TokenOutOfRangeError):

@@ -2,8 +2,9 @@
 :class:`~metrale.AsyncLLM`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
-(:mod:`metrale.entrypoints.server.responses`), Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``
-(:mod:`metrale.entrypoints.server.anthropic`), ``GET /v1/models`` (and
+(:mod:`metrale.entrypoints.server.responses`), ``POST /v1/embeddings``
+(:mod:`metrale.entrypoints.server.embeddings`), Anthropic's ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (:mod:`metrale.entrypoints.server.anthropic`), ``GET /v1/models`` (and
 ``GET /v1/models/{model}``), vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``
 (:mod:`metrale.entrypoints.server.tokenization`), ``GET /health``, ``GET /metrics``, and, only when turned on,
 vLLM's ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (:mod:`metrale.entrypoints.server.lora`).
@@ -49,6 +50,7 @@ from metrale.entrypoints.parsers import ReasoningParser, ToolParser
 from metrale.entrypoints.server import protocol as P
 from metrale.entrypoints.server.anthropic import _count_tokens, _messages
 from metrale.entrypoints.server.checks import _validation_error
+from metrale.entrypoints.server.embeddings import _embeddings
 from metrale.entrypoints.server.gate import _Gate
 from metrale.entrypoints.server.handlers import _answer, _chat, _completions
 from metrale.entrypoints.server.lora import _load_lora_adapter, _unload_lora_adapter
@@ -233,6 +235,10 @@ def build_app(
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await _answer(state, request, _responses)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await _answer(state, request, _embeddings)
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:

@@ -260,48 +260,53 @@ def _params_for_prompt(state: _State, options: dict[str, Any], prompt_len: int, 
         raise P.APIError(400, str(error)) from None
 
 
-def _completion_prompts(state: _State, value: Any, add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
-    """The prompts of a completions request: a string, a list of strings, a list of token ids
-    or a list of lists of token ids; text is encoded with the tokenizer's special tokens (BOS)
-    unless ``add_special_tokens`` is False."""
+def _completion_prompts(state: _State, value: Any, add_special_tokens: bool = True, *, param: str = "prompt",
+                        max_prompts: int = MAX_PROMPTS, keep_last: int | None = None) -> list[tuple[str | None, list[int]]]:
+    """The prompts of a completions request (or the ``input`` of an embeddings request, its
+    field named by ``param``): a string, a list of strings, a list of token ids or a list of
+    lists of token ids, at most ``max_prompts``; text is encoded with the tokenizer's special
+    tokens (BOS) unless ``add_special_tokens`` is False. ``keep_last`` cuts each prompt to its
+    last that many tokens (vLLM's ``truncate_prompt_tokens``) before its length is checked."""
     shapes = "a string, a list of strings, a list of token ids or a list of lists of token ids"
     if isinstance(value, str):
         items: list[Any] = [value]
     elif isinstance(value, list):
         if not value:
-            raise P.APIError(400, "prompt must not be an empty list", param="prompt")
+            raise P.APIError(400, f"{param} must not be an empty list", param=param)
         if all(_is_token(v) for v in value):
             items = [value]
         elif all(isinstance(v, str) for v in value) or all(isinstance(v, list) for v in value):
             items = value
         else:
-            raise P.APIError(400, f"prompt must be {shapes}, got a list mixing {P.clip(value)}", param="prompt")
+            raise P.APIError(400, f"{param} must be {shapes}, got a list mixing {P.clip(value)}", param=param)
     else:
-        raise P.APIError(400, f"prompt must be {shapes}, got {P.clip(value)}", param="prompt")
-    if len(items) > MAX_PROMPTS:
-        raise P.APIError(400, f"prompt holds {len(items)} prompts; at most {MAX_PROMPTS} are accepted", param="prompt")
+        raise P.APIError(400, f"{param} must be {shapes}, got {P.clip(value)}", param=param)
+    if len(items) > max_prompts:
+        raise P.APIError(400, f"{param} holds {len(items)} prompts; at most {max_prompts} are accepted", param=param)
     prompts = []
     for index, item in enumerate(items):
-        label = "prompt" if len(items) == 1 else f"prompt[{index}]"
+        label = param if len(items) == 1 else f"{param}[{index}]"
         if isinstance(item, str):
             try:
                 ids = state.llm.encode(item, add_special_tokens=add_special_tokens)
             except InvalidRequestError as error:
-                raise P.APIError(400, f"{label}: {error}", param="prompt") from None
+                raise P.APIError(400, f"{label}: {error}", param=param) from None
             text: str | None = item
         else:
             if not all(_is_token(t) for t in item):
-                raise P.APIError(400, f"{label} must be a list of token ids (ints), got {P.clip(item)}", param="prompt")
+                raise P.APIError(400, f"{label} must be a list of token ids (ints), got {P.clip(item)}", param=param)
             bad = [t for t in item if not 0 <= t < state.vocab_size]
             if bad:
                 raise P.APIError(400, f"{label} holds token id {bad[0]}, outside the vocabulary [0, {state.vocab_size})",
-                                 param="prompt")
+                                 param=param)
             ids, text = list(item), None
         if not ids:
-            raise P.APIError(400, f"{label} has no tokens", param="prompt")
+            raise P.APIError(400, f"{label} has no tokens", param=param)
+        if keep_last is not None and len(ids) > keep_last:
+            ids, text = ids[-keep_last:], None  # (the text no longer matches the ids run)
         if len(ids) > state.max_model_len:
             raise P.APIError(400, f"{label} has {len(ids)} tokens, more than the model's context of {state.max_model_len}",
-                             param="prompt")
+                             param=param)
         prompts.append((text, ids))
     return prompts
 

@@ -71,7 +71,7 @@ class _Job:
                 if text is not None:
                     prompt["prompt"] = text
                 request_id = f"{self.base_id}-{index}"
-                active = state.engine.submit(prompt, params, request_id, self.lora)
+                active = self._start(prompt, params, request_id)
                 self.request_ids.append(request_id)
                 state.metrics.prompt_tokens.inc(len(ids))
                 self._taken.append(asyncio.Event())
@@ -82,6 +82,14 @@ class _Job:
         except BaseException:
             self.close()
             raise
+
+    def _start(self, prompt: Any, params: Any, request_id: str) -> Any:
+        """Submit one prompt's engine request."""
+        return self.state.engine.submit(prompt, params, request_id, self.lora)
+
+    def _per_prompt(self) -> int:
+        """The choices each prompt's engine request makes (``n``)."""
+        return self.params[0].n if self.params else 1
 
     async def _pump(self, index: int, active: Any) -> None:
         taken = self._taken[index]
@@ -182,13 +190,37 @@ class _Job:
         if self._watcher is not None:
             self._watcher.cancel()
         self.abort()
-        n = self.params[0].n if self.params else 1
+        n = self._per_prompt()
         for index in range(len(self.request_ids)):
             for j in range(n):
                 if (index, j) not in self._finished:
                     self._finished.add((index, j))
                     self.state.metrics.finished.labels(self.endpoint, "abort").inc()
         self._wake.set()
+
+
+class _PoolingJob(_Job):
+    """The pooling requests of one ``/v1/embeddings`` request (``params``: one
+    :class:`~metrale.params.PoolingParams` per prompt): a :class:`_Job` whose engine requests each
+    make one output, the vector. Counts each as finished (``stop``, ``error`` or ``abort``) and
+    its latency."""
+
+    def _start(self, prompt: Any, params: Any, request_id: str) -> Any:
+        return self.state.engine.submit_pooling(prompt, params, request_id)
+
+    def _per_prompt(self) -> int:
+        return 1
+
+    def _observe(self, index: int, output: Any) -> None:
+        if not output.finished or index in self.done:
+            return
+        self.done.add(index)
+        reason = "error" if output.error is not None else "stop" if output.outputs.embedding else "abort"
+        metrics = self.state.metrics
+        if (index, 0) not in self._finished:
+            self._finished.add((index, 0))
+            metrics.finished.labels(self.endpoint, reason).inc()
+        metrics.e2e.observe(time.monotonic() - self.arrival)
 
 
 class _ClientGone(Exception):

@@ -185,6 +185,25 @@ class UnloadLoRAAdapterRequest(_Model):
     lora_int_id: int | None = None
 
 
+class EmbeddingRequest(_Model):
+    """OpenAI's ``POST /v1/embeddings`` body, with vLLM's extensions (``truncate_prompt_tokens``,
+    ``add_special_tokens``, ``normalize``, ``embed_dtype``, ``endianness``) and the pooling choice
+    (``pooling_type``, vLLM's name of its pooler's setting)."""
+
+    model: str
+    input: Any
+    encoding_format: str | None = None
+    dimensions: int | None = None
+    user: Any = None
+    # vLLM's extensions
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool | None = None
+    normalize: bool | None = None
+    pooling_type: str | None = None
+    embed_dtype: str | None = None
+    endianness: str | None = None
+
+
 def error_param(loc: Iterable[Any]) -> str | None:
     """A pydantic error location as OpenAI's ``param``: ``("messages", 0, "role")`` ->
     ``"messages[0].role"``."""
@@ -208,6 +227,28 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+def embedding_data(index: int, vector: Sequence[float], encoding_format: str) -> dict[str, Any]:
+    """One entry of an embeddings response's ``data``: the vector as JSON numbers
+    (``"float"``), or as the base64 of its little-endian float32 bytes (``"base64"``, what
+    OpenAI's client decodes)."""
+    import base64
+
+    import numpy as np
+
+    if encoding_format == "base64":
+        embedding: Any = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    else:
+        embedding = [float(value) for value in vector]
+    return {"object": "embedding", "index": index, "embedding": embedding}
+
+
+def embedding_response(response_id: str, created: int, model: str, data: list[dict], prompt_tokens: int) -> dict[str, Any]:
+    """An embeddings response: OpenAI's ``{"object": "list", "data", "model", "usage"}``, with
+    vLLM's ``id`` and ``created``."""
+    return {"id": response_id, "object": "list", "created": created, "model": model, "data": data,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

@@ -28,6 +28,8 @@ DEFAULT_DRAIN_TIMEOUT = 10.0
 DEFAULT_BODY_TIMEOUT = 30.0
 #: The most prompts one completions request may hold.
 MAX_PROMPTS = 256
+#: The most inputs one embeddings request may hold (OpenAI's limit).
+MAX_EMBEDDING_INPUTS = 2048
 #: The most stop strings one request may give, and the longest one (characters).
 MAX_STOP = 16
 MAX_STOP_LENGTH = 256
@@ -48,7 +50,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"self", "messages", "add_generation_prompt
 #: Known paths, as the ``endpoint`` label of ``metrale_requests_total`` names them (others: ``other``).
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize",
              "/tokenizer_info", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/load_lora_adapter",
-             "/v1/unload_lora_adapter")
+             "/v1/unload_lora_adapter", "/v1/embeddings")
 #: The tokenizer's paths (vLLM's, outside ``/v1``): they take the API key as ``/v1`` paths do.
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 

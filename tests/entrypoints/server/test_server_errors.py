@@ -59,9 +59,14 @@ def chat(**fields):
     return body
 
 
+def embedding(**fields):
+    return {"model": MODEL, "input": "hi", **fields}
+
+
 _DROP = object()
 C, CH = "/v1/completions", "/v1/chat/completions"
 TOK, DETOK = "/tokenize", "/detokenize"
+E = "/v1/embeddings"
 
 # (case, endpoint, body: a dict sent as JSON or raw bytes, status, param)
 CASES = [
@@ -249,6 +254,45 @@ CASES = [
     ("detokenize a token id as a bool", DETOK, {"tokens": [True]}, 400, "tokens[0]"),
     ("detokenize a token id as a float", DETOK, {"tokens": [5.0]}, 400, "tokens[0]"),
     ("detokenize for an unknown model", DETOK, {"model": "gpt-9", "tokens": [1]}, 404, "model"),
+    ("embeddings without input", E, {"model": MODEL}, 400, "input"),
+    ("embeddings without model", E, {"input": "a"}, 400, "model"),
+    ("embeddings for an unknown model", E, {"model": "gpt-9", "input": "a"}, 404, "model"),
+    ("embeddings model not a string", E, embedding(model=7), 400, "model"),
+    ("embeddings an empty input list", E, embedding(input=[]), 400, "input"),
+    ("embeddings an empty string", E, embedding(input=""), 400, "input"),
+    ("embeddings an empty string among others", E, embedding(input=["a", ""]), 400, "input"),
+    ("embeddings an empty token list", E, embedding(input=[[]]), 400, "input"),
+    ("embeddings input null", E, embedding(input=None), 400, "input"),
+    ("embeddings input a number", E, embedding(input=5), 400, "input"),
+    ("embeddings input an object", E, embedding(input={"text": "a"}), 400, "input"),
+    ("embeddings input mixing text and ids", E, embedding(input=["a", 1]), 400, "input"),
+    ("embeddings input mixing ids and lists", E, embedding(input=[1, [2]]), 400, "input"),
+    ("embeddings input nested too deep", E, embedding(input=[[[1]]]), 400, "input"),
+    ("embeddings a token id outside the vocabulary", E, embedding(input=[1, 99999]), 400, "input"),
+    ("embeddings a negative token id", E, embedding(input=[[1], [-1]]), 400, "input"),
+    ("embeddings a token id as a bool", E, embedding(input=[True]), 400, "input"),
+    ("embeddings a token id as a float", E, embedding(input=[5.0]), 400, "input"),
+    ("embeddings a huge token id", E, embedding(input=[2**70]), 400, "input"),
+    ("embeddings a prompt longer than the context", E, embedding(input=[1] * 1025), 400, "input"),
+    ("embeddings too many inputs", E, embedding(input=["a"] * 2049), 400, "input"),
+    ("embeddings encoding_format unknown", E, embedding(encoding_format="float16"), 400, "encoding_format"),
+    ("embeddings encoding_format a number", E, embedding(encoding_format=1), 400, "encoding_format"),
+    ("embeddings dimensions not the model's", E, embedding(dimensions=64), 400, "dimensions"),
+    ("embeddings dimensions zero", E, embedding(dimensions=0), 400, "dimensions"),
+    ("embeddings dimensions a string", E, embedding(dimensions="128"), 400, "dimensions"),
+    ("embeddings pooling_type unknown", E, embedding(pooling_type="CLS"), 400, "pooling_type"),
+    ("embeddings pooling_type a list", E, embedding(pooling_type=["MEAN"]), 400, "pooling_type"),
+    ("embeddings normalize a string", E, embedding(normalize="yes"), 400, "normalize"),
+    ("embeddings truncate_prompt_tokens zero", E, embedding(truncate_prompt_tokens=0), 400, "truncate_prompt_tokens"),
+    ("embeddings truncate_prompt_tokens below -1", E, embedding(truncate_prompt_tokens=-2), 400, "truncate_prompt_tokens"),
+    ("embeddings truncate_prompt_tokens past the context", E, embedding(truncate_prompt_tokens=10**9), 400,
+     "truncate_prompt_tokens"),
+    ("embeddings truncate_prompt_tokens a float", E, embedding(truncate_prompt_tokens=5.0), 400, "truncate_prompt_tokens"),
+    ("embeddings add_special_tokens a string", E, embedding(add_special_tokens="no"), 400, "add_special_tokens"),
+    ("embeddings embed_dtype float16", E, embedding(embed_dtype="float16"), 400, "embed_dtype"),
+    ("embeddings endianness big", E, embedding(endianness="big"), 400, "endianness"),
+    ("embeddings a body not an object", E, b'["a"]', 400, None),
+    ("embeddings bad JSON", E, b'{"model": "tiny-dense", "input": [1, 2', 400, None),
 ]
 
 # ------------------------------------------------------------------- OpenAI's Responses API
@@ -505,7 +549,7 @@ def test_unknown_routes_and_wrong_methods(stack):
     http = stack.http
     for path in ("/nope", "/v1/nope", "/v2/completions"):
         check_error(http.get(path), 404, code="not_found")
-    check_error(http.post("/v1/embeddings", json={}), 404)
+    check_error(http.post("/v1/audio/speech", json={}), 404)
     wrong = http.get("/v1/completions")
     check_error(wrong, 405, code="method_not_allowed")
     assert "POST" in wrong.headers["allow"]
