@@ -8,7 +8,7 @@ settings as the dataclasses below, or from the readers here.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import PurePath
 from typing import Any, Callable, Mapping
 
@@ -82,7 +82,9 @@ class EnvironmentConfig:
     The kernel settings reach the kernels through the backend, never by a kernel reading the
     environment: ``decode_mma`` is a condition of the op registry (a kernel's ``enabled``,
     :class:`~metrale.ops.Kernel`); ``numba_launch`` and ``dependent_launch`` say how kernels
-    launch, and the CUDA backend applies them when it is built."""
+    launch, and the CUDA backend applies them when it is built. ``batch_invariant`` is no
+    variable: it is the engine's option of that name (:class:`EngineConfig`), carried here so that
+    the op registry binds the batch-invariant kernels under it like any other setting."""
 
     device: str = "auto"
     blocked_plugins: tuple[str, ...] = ()
@@ -92,6 +94,7 @@ class EnvironmentConfig:
     numba_launch: bool = False
     decode_mma: bool = True
     dependent_launch: bool = True
+    batch_invariant: bool = False
 
 
 def read_environment(env: Mapping[str, str] | None = None) -> EnvironmentConfig:
@@ -216,7 +219,10 @@ class EngineConfig:
     stored whatever it says). ``revision`` (a branch, tag or commit) and ``download_dir`` (the
     cache to use) apply when the model is a Hugging Face Hub id (:mod:`metrale.loading.hub`);
     ``tokenizer`` takes the tokenizer and chat template from another checkpoint folder, embedded
-    model or Hub id (at ``tokenizer_revision``). Every value is type-checked: ints only ints, the flags only True or False
+    model or Hub id (at ``tokenizer_revision``). ``batch_invariant`` computes every row of a step
+    from that row's inputs alone, so a prompt's logits are bitwise the same whatever else is in
+    the batch and however its prefill is chunked (the CPU backend only; docs/serving.rst,
+    "Batch-invariant mode"). Every value is type-checked: ints only ints, the flags only True or False
     (:class:`~metrale.errors.ConfigError` otherwise).
     """
 
@@ -240,6 +246,7 @@ class EngineConfig:
     download_dir: str | None = None
     tokenizer: str | None = None
     tokenizer_revision: str | None = None
+    batch_invariant: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 
@@ -262,7 +269,10 @@ class EngineConfig:
             "tensor_parallel_size": lambda v: check_int("tensor_parallel_size", v, minimum=1, maximum=MAX_RANKS,
                                                         error=ConfigError),
             "expert_parallel": lambda v: check_bool("expert_parallel", v, error=ConfigError),
+            "batch_invariant": lambda v: check_bool("batch_invariant", v, error=ConfigError),
         })
+        # The backend binds its kernels under its settings (metrale.ops.registry.Kernel.enabled).
+        object.__setattr__(self, "environment", replace(self.environment, batch_invariant=self.batch_invariant))
         for name in ("revision", "download_dir", "tokenizer", "tokenizer_revision"):
             value = getattr(self, name)
             if isinstance(value, PurePath):

@@ -41,6 +41,12 @@ class Backend:
     #: kernels under (a kernel's ``enabled``, :class:`~metrale.ops.Kernel`); None: the defaults.
     environment: Any = None
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether this backend computes every row from that row's inputs alone (the engine's
+        ``batch_invariant`` option; :mod:`metrale.kernels.batch_invariant`)."""
+        return bool(getattr(self.environment, "batch_invariant", False))
+
     def all_reduce(self, x: Any) -> Any:
         """The sum of ``x`` over the ranks (``x`` itself on one rank)."""
         return self.communicator.all_reduce(x) if self.shard.sharded else x

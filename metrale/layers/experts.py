@@ -127,9 +127,10 @@ def routed_experts(backend: Any, experts: StackedExperts, h: Any, chosen: Any, w
 
     ``backend.ops.moe_experts`` serves every batch, except CPU batches of more than
     :data:`MAX_PAIRWISE_TOKENS` tokens: the CPU reference runs pair by pair, so those sort their
-    (token, expert) pairs by expert here instead (:func:`grouped_on_host`). On a rank of a
-    tensor-parallel group each rank computes its part (its experts' pairs, the others weighted
-    zero; or its part of every expert) and the parts are summed over the ranks."""
+    (token, expert) pairs by expert here instead (:func:`grouped_on_host`), except on a
+    batch-invariant backend, where a token's result may not depend on how many share the step.
+    On a rank of a tensor-parallel group each rank computes its part (its experts' pairs, the
+    others weighted zero; or its part of every expert) and the parts are summed over the ranks."""
     held = len(experts.experts)
     if experts.total is not None and held != experts.total:
         xp = backend.xp
@@ -137,7 +138,7 @@ def routed_experts(backend: Any, experts: StackedExperts, h: Any, chosen: Any, w
         mine = (local >= 0) & (local < held)
         chosen = xp.where(mine, local, 0).astype(chosen.dtype)
         weights = xp.where(mine, weights, 0).astype(xp.float32)
-    if backend.name == "cpu" and h.shape[0] > MAX_PAIRWISE_TOKENS:
+    if backend.name == "cpu" and h.shape[0] > MAX_PAIRWISE_TOKENS and not getattr(backend, "batch_invariant", False):
         out = grouped_on_host(backend, experts, h, chosen, weights)
     else:
         out = backend.ops.moe_experts(h, chosen, weights, experts.gate_up, experts.down)

@@ -62,6 +62,9 @@ def load_model(plugin_manager: Any, family: Any, checkpoint: Checkpoint, backend
                                                        config=config)
     if model is None:
         raise CheckpointError(f"no plugin built a model for family {family.name!r}")
+    if getattr(backend, "batch_invariant", False) and not getattr(model, "batch_invariant_capable", False):
+        raise ConfigError(f"family {family.name!r} ({type(model).__name__}) does not say it runs batch-invariant "
+                          "(FamilyModel.batch_invariant_capable); run it without batch_invariant=True")
     return model
 
 

@@ -92,6 +92,12 @@ class FamilyModel:
     #: ``backend.shard`` and joins the ranks' partial results sets it True; a model of any other
     #: family is refused on a rank of a group of several.
     tensor_parallel_capable: bool = False
+    #: Whether the model runs under ``batch_invariant=True`` (:class:`~metrale.config.EngineConfig`):
+    #: a family that computes every row through ``backend.ops`` (whose kernels are then the
+    #: batch-invariant ones) and takes the same path for a row whatever else is in the step --
+    #: where its decode rows take another path than prompt rows, one of the two for every row
+    #: while ``backend.batch_invariant`` -- sets it True; the engine refuses any other.
+    batch_invariant_capable: bool = False
 
     @property
     def feeds_pending_tokens(self) -> bool:

@@ -52,8 +52,9 @@ def builtin_kernels() -> list[Kernel]:
     """Every kernel of the built-in ops that this module chooses among, in the order tried (per op:
     the conditional kernels, then the one that serves every other call). The registry adds, for
     every other op, its :class:`~metrale.ops.cuda.CudaKernels` method of the same name."""
-    return (quantized_kernels() + default_decode_kernels() + composite_kernels() + attention_kernels() + norm_kernels()
-            + activation_kernels() + head_linear_kernels() + moe_kernels() + latent_attention_kernels()
+    return (batch_invariant_kernels() + quantized_kernels() + default_decode_kernels() + composite_kernels()
+            + attention_kernels() + norm_kernels() + activation_kernels() + head_linear_kernels() + moe_kernels()
+            + latent_attention_kernels()
             + gdn_prompt_kernels())
 
 
@@ -86,6 +87,38 @@ def _aligned(array: Any) -> bool:
     from metrale.kernels import _words
 
     return _words.aligned(array)
+
+
+# ------------------------------------------------------------------------ batch-invariant mode
+
+
+def _batch_invariant(environment: Any) -> bool:
+    return bool(getattr(environment, "batch_invariant", False))
+
+
+def _invariant_kernel(name: str) -> Any:
+    def build(backend: Any) -> Any:
+        from metrale.kernels import batch_invariant
+
+        return getattr(batch_invariant, name)
+
+    return build
+
+
+#: The ops whose CPU kernels :mod:`metrale.kernels.batch_invariant` replaces under
+#: ``batch_invariant=True``: those whose reference's result for a row depends on the other rows.
+BATCH_INVARIANT_OPS = ("linear", "linear_silu", "head_linear", "moe_route", "moe_experts_clamped", "paged_attention",
+                       "gdn_conv_prompts", "gdn_prompt_rule", "lora_linear", "lora_expand")
+
+
+def batch_invariant_kernels() -> list[Kernel]:
+    """The CPU kernels of :mod:`metrale.kernels.batch_invariant`, bound (before every other kernel
+    of their ops) on a backend whose settings ask for batch invariance (the engine's
+    ``batch_invariant`` option): each computes a row from that row's inputs alone. ``paged_attention``
+    then serves decode and prompt rows alike, not through the split of :func:`attention_kernels`."""
+    return [Kernel(op, "cpu", f"metrale.kernels.batch_invariant.{op}", build=_invariant_kernel(op),
+                   enabled=_batch_invariant, condition="batch_invariant=True")
+            for op in BATCH_INVARIANT_OPS]
 
 
 # ------------------------------------------------------------------------------ composites

@@ -378,6 +378,7 @@ class GdnModel(FamilyModel):
     # Attention heads, linear key heads (with their value heads), MLP and expert widths (or the
     # experts) and the vocabulary split over the ranks.
     tensor_parallel_capable = True
+    batch_invariant_capable = True
 
     def __init__(self, config: GdnConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
         # Before anything sized by the config (RoPE table, per-layer lists, weights) is built.

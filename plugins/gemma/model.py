@@ -97,6 +97,7 @@ class GemmaModel(FamilyModel):
     mixed_graph_capturable = True
     # Heads, the intermediate size and the vocabulary split over the ranks (metrale.backends.parallel).
     tensor_parallel_capable = True
+    batch_invariant_capable = True
 
     def __init__(self, config: GemmaConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
         # Before anything sized by the config (RoPE tables, per-layer lists, weights) is built.

@@ -59,6 +59,7 @@ class GptOssModel(FamilyModel):
     # Heads (with their sinks), the experts (or their intermediate size) and the vocabulary split
     # over the ranks.
     tensor_parallel_capable = True
+    batch_invariant_capable = True
 
     def __init__(self, config: GptOssConfig, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
         # Before anything sized by the config (RoPE table, per-layer lists, weights) is built.

@@ -356,6 +356,7 @@ class MlaModel(FamilyModel):
 
     # Query heads, MLP and expert widths (or the experts) and the vocabulary split over the ranks.
     tensor_parallel_capable = True
+    batch_invariant_capable = True
 
     #: Decode rows take the absorbed form (False: the expanded form, as prompt rows; for tests).
     absorbed_decode = True
@@ -437,8 +438,11 @@ class MlaModel(FamilyModel):
                       batch: ForwardBatch) -> tuple[Any, Any]:
         """One decoder layer: ``(out, residual)`` from its input ``x + residual``."""
         ops, eps = self.backend.ops, self.config.rms_norm_eps
+        # Batch-invariant: every row in the expanded form, as a step of decode rows alone would
+        # take the absorbed one and a mixed step the expanded one.
+        absorbed = self.absorbed_decode and not self.backend.batch_invariant
         x, residual = layer.attention.forward(self.backend, self.rope, cache_layer, x, residual, layer.input_norm,
-                                              eps, batch, self.absorbed_decode, self.verifying)
+                                              eps, batch, absorbed, self.verifying)
         h, residual = ops.rmsnorm_residual(x, residual, layer.post_norm, eps)
         ffn = layer.feed_forward
         if isinstance(ffn, DeepseekMoe):

@@ -138,6 +138,7 @@ class Olmo2Model(FamilyModel):
     # Heads (the q/k norms joined over the ranks), the intermediate size and the vocabulary split
     # over the ranks (metrale.backends.parallel).
     tensor_parallel_capable = True
+    batch_invariant_capable = True
 
     def __init__(self, config: Olmo2Config, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
         # Before anything sized by the config (RoPE table, per-layer lists, weights) is built.

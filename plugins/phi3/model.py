@@ -156,6 +156,7 @@ class Phi3Model(FamilyModel):
     mixed_graph_capturable = True
     # Heads, the intermediate size and the vocabulary split over the ranks (metrale.backends.parallel).
     tensor_parallel_capable = True
+    batch_invariant_capable = True
 
     def __init__(self, config: Phi3Config, checkpoint: Checkpoint, backend: Any, max_model_len: int) -> None:
         # Before anything sized by the config (RoPE table, per-layer lists, weights) is built.
