@@ -51,6 +51,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     from metrale.entrypoints.server.main import (
+        add_batch_invariant_argument,
         add_kv_cache_dtype_argument,
         add_model_source_arguments,
         add_parallel_arguments,
@@ -58,6 +59,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
     add_kv_cache_dtype_argument(parser)
     add_parallel_arguments(parser)
+    add_batch_invariant_argument(parser)
     add_model_source_arguments(parser)
     parser.set_defaults(handler=_generate)
 
@@ -271,7 +273,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     if args.stream and len(args.prompts) != 1:
         raise ConfigError(f"--stream prints one continuation; got {len(args.prompts)} prompts")
-    options: dict[str, Any] = {"expert_parallel": True} if args.expert_parallel else {}
+    options: dict[str, Any] = {name: True for name in ("expert_parallel", "batch_invariant") if getattr(args, name)}
     if args.quantization is not None:
         options["quantization"] = args.quantization
     if args.tensor_parallel_size is not None:

@@ -386,6 +386,7 @@ def engine_summary(llm: Any) -> dict[str, Any]:
         },
         "tensor_parallel_size": config.tensor_parallel_size,
         "expert_parallel": config.expert_parallel,
+        "batch_invariant": config.batch_invariant,
     }
 
 

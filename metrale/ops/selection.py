@@ -54,8 +54,7 @@ def builtin_kernels() -> list[Kernel]:
     every other op, its :class:`~metrale.ops.cuda.CudaKernels` method of the same name."""
     return (batch_invariant_kernels() + quantized_kernels() + default_decode_kernels() + composite_kernels()
             + attention_kernels() + norm_kernels() + activation_kernels() + head_linear_kernels() + moe_kernels()
-            + latent_attention_kernels()
-            + gdn_prompt_kernels())
+            + latent_attention_kernels() + gdn_prompt_kernels())
 
 
 def _cuda_method(name: str) -> Any:

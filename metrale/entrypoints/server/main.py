@@ -85,6 +85,7 @@ _OFF_SWITCHES = {
 #: Engine switches that turn an option on: flag -> :class:`~metrale.LLM` keyword set to True.
 _ON_SWITCHES = {
     "expert_parallel": "expert_parallel",
+    "batch_invariant": "batch_invariant",
 }
 
 
@@ -182,8 +183,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument("--max-lora-rank", type=int, default=None, metavar="N",
                         help="the largest adapter rank served (default: 16)")
     add_parallel_arguments(engine)
+    add_batch_invariant_argument(engine)
     add_model_source_arguments(engine)
     return parser
+
+
+def add_batch_invariant_argument(group: Any) -> None:
+    """The ``--batch-invariant`` flag (:class:`~metrale.config.EngineConfig`), shared with ``metrale generate``."""
+    group.add_argument("--batch-invariant", action="store_true",
+                       help="compute every row from its own inputs alone: a prompt's logits are bitwise the same "
+                       "whatever else is in the batch and however its prefill is chunked (CPU backend only; slower)")
 
 
 def add_kv_cache_dtype_argument(group: Any) -> None:
@@ -595,6 +604,7 @@ def summary_lines(summary: dict[str, Any], served_name: str) -> list[str]:
         f"  LoRA: {lora_text}",
         f"  speculative decoding: {speculative_text}",
         f"  tensor parallel size: {summary['tensor_parallel_size']} (expert parallel {on_off[summary['expert_parallel']]})",
+        f"  batch invariant: {on_off[summary.get('batch_invariant', False)]}",
     ]
 
 

@@ -129,6 +129,7 @@ def test_the_server_logs_its_summary_then_listens_on_the_port_it_got(in_process)
         "  LoRA: off",
         "  speculative decoding: off",
         "  tensor parallel size: 1 (expert parallel off)",
+        "  batch invariant: off",
         "listening on http://127.0.0.1:",
     ]
     positions = [text.find(part) for part in expected]
