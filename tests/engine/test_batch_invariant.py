@@ -1,0 +1,227 @@
+"""Batch-invariant mode (``batch_invariant=True``, docs/serving.rst "Batch-invariant mode"): on the
+CPU a prompt's logits are bitwise the same alone and in a batch, with chunked prefill, prefix-cache
+hits and mixed decode + prefill steps; the default mode is not; the CUDA backend refuses it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from metrale import LLM, SamplingParams
+from metrale.backends.base import CpuBackend
+from metrale.config import EngineConfig, EnvironmentConfig
+from metrale.errors import ConfigError
+from metrale.kernels import batch_invariant
+from metrale.kernels.attention import paged_attention_reference
+from metrale.models import embedded_model_path
+
+#: Mixed lengths: one-token prompts, prompts within a block, prompts of several blocks.
+PROMPT_LENGTHS = (3, 17, 40, 9, 33, 1, 25, 12)
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+def prompts(shared_prefix: int = 0, seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    prefix = [int(t) for t in rng.integers(3, 120, size=shared_prefix)]
+    return [prefix + [int(t) for t in rng.integers(3, 120, size=n)] for n in PROMPT_LENGTHS]
+
+
+class Recorded:
+    """Every logits row the model returns, by ``(prompt, position)``, and whether a step mixed
+    decode rows with prompt rows."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.logits: dict[tuple[tuple[int, ...], int], list[np.ndarray]] = {}
+        self.mixed_steps = 0
+        model, inner = llm.model, llm.model.forward_batch
+
+        def forward_batch(batch):
+            out = inner(batch)
+            host = llm.backend.to_numpy(out)
+            starts = np.asarray(batch.row_starts)
+            lengths = np.diff(starts)
+            self.mixed_steps += bool((lengths == 1).any() and (lengths > 1).any())
+            for index, row in enumerate(np.asarray(batch.logits_rows)):
+                segment_index = int(np.searchsorted(starts, row, side="right") - 1)
+                segment = batch.segments[segment_index]
+                position = segment.start + int(row - starts[segment_index])
+                key = (tuple(segment.seq.tokens[: segment.seq.prompt_len]), position)
+                self.logits.setdefault(key, []).append(host[index].copy())
+            return out
+
+        model.forward_batch = forward_batch
+
+
+def run(path: Path, batch: list[list[int]], *, alone: bool, params: SamplingParams = GREEDY, repeat: int = 1,
+        **options) -> tuple[list[list[int]], Recorded]:
+    """The tokens of every prompt (of the last of ``repeat`` runs) and the logits recorded, run
+    one prompt after the other (``alone``) or all at once."""
+    with LLM(path, device="cpu", show_progress=False, overlap_scheduling=False, **options) as llm:
+        recorded = Recorded(llm)
+        for _ in range(repeat):
+            if alone:
+                outputs = [llm.generate([{"prompt_token_ids": p}], params)[0] for p in batch]
+            else:
+                outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+        return [list(o.outputs[0].token_ids) for o in outputs], recorded
+
+
+def differing(alone: Recorded, together: Recorded) -> list:
+    """The keys whose logits are not bitwise those of the prompt run alone."""
+    return [key for key, rows in alone.logits.items()
+            if key not in together.logits or not all(np.array_equal(rows[0], row) for row in together.logits[key])]
+
+
+@pytest.fixture
+def family_checkpoint(request):
+    name = request.param
+    if name.startswith("tiny-"):
+        return Path(embedded_model_path(name))
+    fixture, variant = name.split(":")
+    return request.getfixturevalue(fixture)[variant]
+
+
+FAMILIES = ["tiny-dense", "tiny-mla", "tiny-gdn", "moe_checkpoints:qwen3_moe", "gemma_checkpoints:gemma2",
+            "gpt_oss_checkpoints:gpt_oss"]
+
+
+@pytest.mark.parametrize("family_checkpoint", FAMILIES, indirect=True)
+def test_a_prompt_gives_the_same_bits_alone_and_in_a_batch(family_checkpoint):
+    batch = prompts()
+    tokens, alone = run(family_checkpoint, batch, alone=True, batch_invariant=True, enable_prefix_caching=False)
+    together_tokens, together = run(family_checkpoint, batch, alone=False, batch_invariant=True,
+                                    enable_prefix_caching=False)
+    assert together_tokens == tokens
+    assert not differing(alone, together)
+    # Chunked prefill (chunks of a block), with decode rows and prompt chunks in the same steps.
+    chunked_tokens, chunked = run(family_checkpoint, batch, alone=False, batch_invariant=True,
+                                  enable_prefix_caching=False, max_num_batched_tokens=16)
+    assert chunked_tokens == tokens
+    # (The scheduler runs an MLA prompt whole, alone in its step: no chunks, no mixed steps.)
+    assert chunked.mixed_steps > 0 or family_checkpoint.name == "tiny-mla"
+    assert not differing(alone, chunked)
+
+
+@pytest.mark.parametrize("family_checkpoint", ["tiny-dense", "tiny-mla", "tiny-gdn", "moe_checkpoints:qwen3_moe",
+                                               "gemma_checkpoints:gemma3"], indirect=True)
+def test_prefix_cache_hits_give_the_same_bits(family_checkpoint):
+    batch = prompts(shared_prefix=32)
+    tokens, alone = run(family_checkpoint, batch, alone=True, batch_invariant=True, enable_prefix_caching=False)
+    # The second run hits the first's cached prefixes (the shared one and each whole prompt's blocks).
+    hit_tokens, hits = run(family_checkpoint, batch, alone=False, batch_invariant=True, repeat=2,
+                           max_num_batched_tokens=24)
+    assert hit_tokens == tokens
+    assert not differing(alone, hits)
+
+
+def test_seeded_sampling_reproduces_alone_and_in_a_batch():
+    path = Path(embedded_model_path("tiny-dense"))
+    batch = prompts()
+    params = [SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=100 + i) for i in range(len(batch))]
+    with LLM(path, device="cpu", show_progress=False, batch_invariant=True) as llm:
+        alone = [llm.generate([{"prompt_token_ids": p}], [q])[0].outputs[0].token_ids for p, q in zip(batch, params)]
+        together = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params)]
+    with LLM(path, device="cpu", show_progress=False, batch_invariant=True, max_num_batched_tokens=16) as llm:
+        chunked = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params)]
+    assert [list(t) for t in together] == [list(t) for t in alone] == [list(t) for t in chunked]
+
+
+def test_the_default_mode_is_not_batch_invariant():
+    """What the option changes: without it, some logits of a prompt run alone differ in their bits
+    from the same prompt's in a batch (BLAS runs another kernel for one row than for many)."""
+    path = Path(embedded_model_path("tiny-dense"))
+    batch = prompts()
+    _, alone = run(path, batch, alone=True, enable_prefix_caching=False)
+    _, together = run(path, batch, alone=False, enable_prefix_caching=False)
+    assert differing(alone, together)
+
+
+# ------------------------------------------------------------------------------- the kernels
+
+
+@pytest.mark.parametrize("out, inner", [(48, 64), (1000, 256), (300, 77)])
+def test_a_row_of_a_blocked_product_is_that_row_alone(out, inner):
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((out, inner)).astype(np.float32)
+    x = rng.standard_normal((70, inner)).astype(np.float32)
+    single = np.stack([batch_invariant.linear(x[i : i + 1], weight)[0] for i in range(len(x))])
+    for rows in (1, 2, 7, 15, 16, 17, 33, 70):
+        for first in (0, 3):
+            assert np.array_equal(batch_invariant.linear(x[first : first + rows], weight), single[first : first + rows])
+    np.testing.assert_allclose(single, x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_row_by_row_is_the_reference_and_invariant():
+    rng = np.random.default_rng(2)
+    blocks, block_size, kv_heads, heads, dim = 12, 4, 2, 4, 8
+    k_cache = rng.standard_normal((blocks, block_size, kv_heads, dim)).astype(np.float32)
+    v_cache = rng.standard_normal((blocks, block_size, kv_heads, dim)).astype(np.float32)
+    tables = np.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], dtype=np.int32)
+    seq_index = np.array([0, 0, 0, 0, 0, 1, 1], dtype=np.int32)
+    positions = np.array([3, 4, 5, 6, 17, 0, 9], dtype=np.int32)
+    q = rng.standard_normal((len(positions), heads, dim)).astype(np.float32)
+    sinks = rng.standard_normal(heads).astype(np.float32)
+    for window, softcap, sink in ((None, None, None), (3, 20.0, sinks)):
+        rows = batch_invariant.attention_rows(q, k_cache, v_cache, tables, seq_index, positions, 0.3, window, softcap,
+                                              sink)
+        reference = paged_attention_reference(q, k_cache, v_cache, tables, seq_index, positions, 0.3, window, softcap,
+                                              sink)
+        np.testing.assert_allclose(rows, reference, rtol=1e-5, atol=1e-6)
+        for row in range(len(positions)):
+            alone = batch_invariant.attention_rows(q[row : row + 1], k_cache, v_cache, tables, seq_index[row : row + 1],
+                                                   positions[row : row + 1], 0.3, window, softcap, sink)
+            assert np.array_equal(alone[0], rows[row])
+
+
+def test_the_op_table_binds_the_invariant_kernels_under_the_setting():
+    from metrale.ops.builtin import builtin_registry
+
+    invariant, default = CpuBackend(EnvironmentConfig(batch_invariant=True)), CpuBackend(EnvironmentConfig())
+    assert invariant.ops.linear is batch_invariant.linear
+    # (The split kernel stays bound behind it, never reached: the invariant kernel has no condition.)
+    assert invariant.ops.paged_attention.kernels[0][1] is batch_invariant.paged_attention
+    assert default.ops.linear is not batch_invariant.linear
+    assert invariant.batch_invariant and not default.batch_invariant
+    serving = builtin_registry().serving("gdn_prompt_rule", "cpu", EnvironmentConfig())
+    assert serving[0] == "metrale.kernels.batch_invariant.gdn_prompt_rule [metrale] when batch_invariant=True " \
+                         "(off in this environment)"
+
+
+# ------------------------------------------------------------------------------ the option
+
+
+def test_the_option_is_type_checked_and_reaches_the_backend_settings():
+    with pytest.raises(ConfigError, match="batch_invariant"):
+        EngineConfig(batch_invariant="yes")
+    assert EngineConfig(batch_invariant=True).environment.batch_invariant
+    assert not EngineConfig().environment.batch_invariant
+
+
+def test_the_cuda_backend_refuses_it(monkeypatch):
+    from metrale.backends import devices
+
+    monkeypatch.setattr(devices, "cuda_unavailable_reason", lambda: None)
+    environment = EngineConfig(device="cuda", batch_invariant=True).environment
+    for device in ("cuda", "auto"):
+        with pytest.raises(ConfigError, match="CPU backend only"):
+            devices.get_backend(device, cuda_graphs=False, environment=environment)
+
+
+def test_a_family_that_does_not_say_it_runs_invariant_is_refused():
+    from types import SimpleNamespace
+
+    from metrale.loading.model import load_model
+    from metrale.model.family import FamilyModel
+
+    class Unsaid(FamilyModel):
+        pass
+
+    backend = CpuBackend(EnvironmentConfig(batch_invariant=True))
+    model = Unsaid(backend, vocab_size=8, max_model_len=8)
+    manager = SimpleNamespace(hook=SimpleNamespace(metrale_load_model=lambda **kwargs: model))
+    family = SimpleNamespace(name="unsaid")
+    with pytest.raises(ConfigError, match="batch_invariant_capable"):
+        load_model(manager, family, None, backend, EngineConfig(batch_invariant=True))
+    assert load_model(manager, family, None, CpuBackend(EnvironmentConfig()), EngineConfig()) is model
