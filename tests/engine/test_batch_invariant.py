@@ -175,6 +175,47 @@ def test_attention_row_by_row_is_the_reference_and_invariant():
             assert np.array_equal(alone[0], rows[row])
 
 
+def test_the_invariant_kernels_compute_their_ops():
+    from metrale.ops.builtin import builtin_registry
+    from metrale.ops.check import run_kernel_examples
+
+    registry, backend = builtin_registry(), CpuBackend(EnvironmentConfig(batch_invariant=True))
+    checked = set()
+    for kernel in registry.kernels:
+        if kernel.backend == "cpu" and kernel.enabled is not None and registry.ops[kernel.op].examples is not None:
+            count, problems = run_kernel_examples(registry, kernel, backend)
+            assert count and not problems, problems
+            checked.add(kernel.op)
+    assert {"linear", "linear_silu", "head_linear", "moe_route", "moe_experts_clamped", "lora_linear",
+            "lora_expand"} <= checked
+
+
+def test_gated_deltanet_prompts_token_by_token_are_the_chunked_form():
+    from metrale.kernels import gated_delta
+
+    rng = np.random.default_rng(3)
+    tokens, heads, dk, dv, channels, taps = 23, 2, 8, 16, 12, 4
+    starts, slots = np.array([0, 1, 11, 23], dtype=np.int32), np.array([3, 1, 2], dtype=np.int32)
+    q, k = (rng.standard_normal((tokens, heads, dk)).astype(np.float32) * 0.3 for _ in range(2))
+    v = rng.standard_normal((tokens, heads, dv)).astype(np.float32)
+    g = -np.abs(rng.standard_normal((tokens, heads))).astype(np.float32) * 0.2
+    beta = rng.uniform(0.1, 0.9, (tokens, heads)).astype(np.float32)
+    state = rng.standard_normal((4, heads, dk, dv)).astype(np.float32) * 0.1
+    inputs = rng.standard_normal((tokens, channels)).astype(np.float32)
+    weight = rng.standard_normal((channels, taps)).astype(np.float32)
+    conv = rng.standard_normal((4, channels, taps - 1)).astype(np.float32)
+    ours, theirs = state.copy(), state.copy()
+    np.testing.assert_allclose(batch_invariant.gdn_prompt_rule(q, k, v, g, beta, ours, slots, starts),
+                               gated_delta.prompt_rule_reference(q, k, v, g, beta, theirs, slots, starts),
+                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
+    ours, theirs = conv.copy(), conv.copy()
+    np.testing.assert_allclose(batch_invariant.gdn_conv_prompts(inputs, weight, ours, slots, starts),
+                               gated_delta.conv_prompts_reference(inputs, weight, theirs, slots, starts),
+                               rtol=1e-5, atol=1e-6)
+    assert np.array_equal(ours, theirs)
+
+
 def test_the_op_table_binds_the_invariant_kernels_under_the_setting():
     from metrale.ops.builtin import builtin_registry
 

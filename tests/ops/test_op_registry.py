@@ -13,6 +13,7 @@ from metrale.model.plugin_manager import get_plugin_manager
 from metrale.ops import Kernel, Op, Operand, build_op_registry
 from metrale.ops.builtin import builtin_registry
 from metrale.ops.check import assert_kernels_match, check_plugin_kernels
+from metrale.ops.selection import BATCH_INVARIANT_OPS
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -75,8 +76,12 @@ def test_every_builtin_op_has_a_reference_and_a_cuda_kernel():
                 raise AssertionError(f"{kernel.op}: {kernel.name} names no CudaKernels method") from error
     # The fused ops served by composing other ops, and the split of paged_attention's rows, have
     # no method of their own.
-    composed = {op for op in registry.ops if any(k.backend == "cpu" for k in registry.kernels_for(op, "cpu"))}
+    # (The batch-invariant CPU kernels, bound under batch_invariant=True only, are kernels of their own.)
+    composed = {op for op in registry.ops
+                if any(k.enabled is None for k in registry.kernels_for(op, "cpu"))}
     assert composed == {"rmsnorm_linear", "rmsnorm_mlp", "gdn_decode", "paged_attention"}
+    invariant = {op for op in registry.ops if any(k.enabled is not None for k in registry.kernels_for(op, "cpu"))}
+    assert invariant == set(BATCH_INVARIANT_OPS)
 
 
 def test_the_cpu_table_runs_the_references():
