@@ -580,7 +580,7 @@ def test_serve_arguments_cover_every_engine_option():
                               "--lora-modules", "sql=/a/b", "chat=/c", "--max-loras", "2", "--max-lora-rank", "32",
                               "--tensor-parallel-size", "2", "--expert-parallel", "--distributed-executor-backend", "ray",
                               "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--revision", "v1", "--download-dir",
-                              "/cache", "--tokenizer", "org/tok", "--tokenizer-revision", "v2"])
+                              "/cache", "--tokenizer", "org/tok", "--tokenizer-revision", "v2", "--batch-invariant"])
     options = engine_options(args)
     assert options == {"device": "cpu", "show_progress": False, "max_model_len": 512, "max_num_seqs": 8,
                        "max_num_batched_tokens": 256, "enable_prefix_caching": False, "seed": 3, "cuda_graphs": False,
@@ -589,7 +589,8 @@ def test_serve_arguments_cover_every_engine_option():
                        "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}, "enable_lora": True,
                        "max_loras": 2, "max_lora_rank": 32, "tensor_parallel_size": 2, "expert_parallel": True,
                        "distributed_executor_backend": "ray", "quantization": "fp8", "kv_cache_dtype": "fp8",
-                       "revision": "v1", "download_dir": "/cache", "tokenizer": "org/tok", "tokenizer_revision": "v2"}
+                       "revision": "v1", "download_dir": "/cache", "tokenizer": "org/tok", "tokenizer_revision": "v2",
+                       "batch_invariant": True}
     from metrale.entrypoints.server.main import lora_modules
 
     assert [(r.lora_name, r.lora_int_id, str(r.lora_path)) for r in lora_modules(args)] == [("sql", 1, "/a/b"),
