@@ -80,7 +80,7 @@ class DecoderEnds:
         (:mod:`metrale.engine.pooling`)."""
         slots = batch.adapter_slots
         if batch.final_states:
-            rows = slice(None) if batch.every_row_logits else batch.logits_rows
+            rows: Any = slice(None) if batch.every_row_logits else batch.logits_rows
             if not batch.every_row_logits and not len(rows):
                 return backend.xp.zeros((0, int(self.norm.shape[0])), dtype=np.float32)
             normed, _ = backend.ops.rmsnorm_residual(x[rows], residual[rows], self.norm, eps, offset)

@@ -11,6 +11,7 @@ fields and statuses.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from fastapi import Request
 from starlette.responses import Response
@@ -55,7 +56,7 @@ async def _embeddings(state: _State, request: Request) -> Response:
     try:
         job.watch(request)
         try:
-            outputs = await _collect(job)
+            outputs: dict[int, Any] = await _collect(job)  # EmbeddingRequestOutputs, one per prompt
         except _ClientGone:
             return Response(status_code=499)
         data = []

@@ -14,7 +14,7 @@ from starlette.types import Receive, Scope, Send
 
 from metrale.entrypoints.server import protocol as P
 from metrale.entrypoints.server.state import _State, _unavailable
-from metrale.params import RequestOutput, SamplingParams
+from metrale.params import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -23,14 +23,16 @@ logger = logging.getLogger(__name__)
 
 class _Job:
     """The engine requests of one HTTP request: submitted together, read together, aborted
-    together (:meth:`close`). Updates the request metrics as outputs arrive.
+    together (:meth:`close`). Updates the request metrics as outputs arrive. ``params`` holds one
+    :class:`~metrale.params.SamplingParams` per prompt (a :class:`~metrale.params.PoolingParams`
+    for :class:`_PoolingJob`).
 
     One task per engine request takes its outputs, one at a time: it takes the next only once
     :meth:`next` has handed out the one before, so a slow client holds at most one output per
     request and leaves the engine's outputs to coalesce (they are cumulative)."""
 
     def __init__(self, state: _State, endpoint: str, prompts: list[tuple[str | None, list[int]]],
-                 params: list[SamplingParams], base_id: str, lora: Any = None) -> None:
+                 params: list[Any], base_id: str, lora: Any = None) -> None:
         self.state = state
         self.lora = lora  # the LoRA adapter the requests run with, or None
         self.endpoint = endpoint
