@@ -84,10 +84,10 @@ class GemmaLayer:
         ops = backend.ops
         attended, stream = normed_attention_block(backend, self.geometry, self.attention, cache_layer, x, residual,
                                                   self.input_norm, eps, batch, norm_offset=NORM_OFFSET)
-        attended = ops.rmsnorm(attended, self.post_attention_norm, eps, NORM_OFFSET)
+        attended = ops.to_float32(ops.rmsnorm(attended, self.post_attention_norm, eps, NORM_OFFSET))
         h, stream = ops.rmsnorm_residual(attended, stream, self.pre_feedforward_norm, eps, NORM_OFFSET)
         out = geglu_mlp(backend, self.mlp, h, activation, batch)
-        return ops.rmsnorm(out, self.post_feedforward_norm, eps, NORM_OFFSET), stream
+        return ops.to_float32(ops.rmsnorm(out, self.post_feedforward_norm, eps, NORM_OFFSET)), stream
 
 
 class GemmaModel(FamilyModel):
