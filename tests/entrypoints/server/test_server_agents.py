@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-import agents
 import pytest
 from serverkit import MODEL, Stack
+
+agents = pytest.importorskip("agents")
 
 
 @pytest.fixture(scope="module")

@@ -94,5 +94,26 @@ def test_lora_on_the_gpu_scores_as_on_the_cpu(bf16_olmo2_checkpoints, tmp_path):
     for device in ("cpu", "cuda"):
         with load(path, device, enable_lora=True, max_lora_rank=8) as llm:
             scores[device] = (llm.score(ids, lora_request=request), llm.score(ids))
-    assert max_relative_error(scores["cuda"][0], scores["cpu"][0]) <= BF16_TOLERANCE
+    # The adapted logits within what bf16 costs transformers with peft's adapter on the same weights:
+    # the whole-projection q/k norms of OLMo-2 amplify the adapter's rounding beyond the fixed bound.
+    cpu = scores["cpu"][0]
+    rows = np.abs(scores["cuda"][0] - cpu).max(axis=1) / np.abs(cpu).max()
+    check_calibrated(rows, peft_bf16_rows(path, tmp_path / "adapter", ids, cpu), "olmo2 lora")
     assert max_relative_error(scores["cuda"][0], scores["cuda"][1]) > 1e-2, "the adapter left the logits as they were"
+
+
+def peft_bf16_rows(path, adapter, ids, cpu, device="cuda"):
+    """Per position, the largest logit error of transformers' bf16 run of checkpoint ``path`` with
+    peft's ``adapter`` against the float32 logits ``cpu``, relative to their largest magnitude."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
+    model = PeftModel.from_pretrained(model, str(adapter)).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=device)).logits[0].float().cpu().numpy()
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return np.abs(logits - cpu).max(axis=1) / np.abs(cpu).max()
