@@ -196,22 +196,31 @@ struct QuantizedOperand {
     int block_rows, block_columns, scale_columns;
 };
 
+// The chunk's 8 weights (code - zero) * scale as bf16 pairs, from its codes (load_codes).
 template <int CODES>
-__device__ __forceinline__ uint4 weight_chunk(const QuantizedOperand& w, size_t column, int chunk, int K, bool valid) {
+__device__ __forceinline__ uint4 scaled_chunk(const QuantizedOperand& w, size_t column, int chunk, uint2 codes,
+                                              bool valid) {
     if (!valid) return make_uint4(0u, 0u, 0u, 0u);
     const size_t at = (column / (size_t)w.block_rows) * (size_t)w.scale_columns + (size_t)(8 * chunk / w.block_columns);
     const float default_zero = CODES == CODES_INT4 ? 8.0f : CODES == CODES_INT8 ? 128.0f : 0.0f;
     const float zero = w.zeros != nullptr ? __ldg(w.zeros + at) : default_zero;
-    return dequantize_chunk<CODES>(load_codes<CODES>(w.codes, column, chunk, K), __ldg(w.scales + at), zero);
+    return dequantize_chunk<CODES>(codes, __ldg(w.scales + at), zero);
+}
+
+template <int CODES>
+__device__ __forceinline__ uint4 weight_chunk(const QuantizedOperand& w, size_t column, int chunk, int K, bool valid) {
+    if (!valid) return make_uint4(0u, 0u, 0u, 0u);
+    return scaled_chunk<CODES>(w, column, chunk, load_codes<CODES>(w.codes, column, chunk, K), true);
 }
 
 // The chunk's 8 weights without their scale, exactly, as 4 pairs for the product: F16, f16 bits (an
 // FP8 code as its value times 2**-8: the code's bits moved into f16's fields); else bf16 bits. Integer
 // codes less their zero point, FP4 and FP8 values as they are.
+// From the chunk's codes (load_codes).
 template <int CODES, bool F16>
-__device__ __forceinline__ uint4 exact_chunk(const QuantizedOperand& w, size_t column, int chunk, int K, bool valid) {
+__device__ __forceinline__ uint4 exact_chunk(const QuantizedOperand& w, size_t column, int chunk, uint2 codes,
+                                             bool valid) {
     if (!valid) return make_uint4(0u, 0u, 0u, 0u);
-    const uint2 codes = load_codes<CODES>(w.codes, column, chunk, K);
     unsigned pairs[4];
     if (CODES == CODES_FP8 && F16) {
         #pragma unroll
@@ -317,7 +326,9 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
     const int slice = (chunks / 4 + SPLIT - 1) / SPLIT * 4;
     const int part = warp % SPLIT;
     const int first_chunk = part * slice, end_chunk = min(chunks, first_chunk + slice);
-    const int batches = (slice + 4 * GEMV_UNROLL - 1) / (4 * GEMV_UNROLL);
+    // Chunks of a batch: 4 * UNROLL, twice as many for 4-bit codes (the same bytes in flight).
+    constexpr int UNROLL = CODES == CODES_INT4 || CODES == CODES_MXFP4 ? 2 * GEMV_UNROLL : GEMV_UNROLL;
+    const int batches = (slice + 4 * UNROLL - 1) / (4 * UNROLL);
     const int tile_stride = gridDim.x * GROUPS;
     const int first_tile = blockIdx.x * GROUPS + warp / SPLIT;
     const int rounds = (tiles - (int)blockIdx.x * GROUPS + tile_stride - 1) / tile_stride;
@@ -325,6 +336,32 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
     const uint4 zero = {0u, 0u, 0u, 0u};
     const int group = ACT == ACT_FP8_GROUP ? act_group : K;
     const int groups = (K + group - 1) / group;
+
+    // Batch `step` of this warp: tile first_tile + (step / batches) * tile_stride, chunks first_chunk
+    // + (step % batches) * 4 * UNROLL + 4u + q of columns g and g + 8 (their codes); on the exact path
+    // each step's weight scales too (none past the slice's end).
+    auto load = [&](int step, uint2* upper, uint2* lower, float* upper_scale, float* lower_scale) {
+        const int round = step / batches, batch = step - round * batches;
+        const int tile = first_tile + round * tile_stride;
+        const size_t column = (size_t)min(tile * 16 + g, N - 1), below = (size_t)min(tile * 16 + g + 8, N - 1);
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int step_chunk = first_chunk + batch * 4 * UNROLL + 4 * u, chunk = step_chunk + q;
+            const bool valid = tile < tiles && chunk < end_chunk;
+            upper[u] = valid ? load_codes<CODES>(w.codes, column, chunk, K) : make_uint2(0u, 0u);
+            lower[u] = valid ? load_codes<CODES>(w.codes, below, chunk, K) : make_uint2(0u, 0u);
+            upper_scale[u] = lower_scale[u] = 0.0f;
+            if (EXACT && step_chunk < end_chunk) {
+                const size_t block_column = (size_t)(8 * step_chunk / w.block_columns);
+                upper_scale[u] = __ldg(w.scales + (column / (size_t)w.block_rows) * (size_t)w.scale_columns + block_column);
+                lower_scale[u] = __ldg(w.scales + (below / (size_t)w.block_rows) * (size_t)w.scale_columns + block_column);
+            }
+        }
+    };
+
+    uint2 upper[UNROLL], lower[UNROLL];
+    float upper_scale[UNROLL], lower_scale[UNROLL];
+    if (steps > 0) load(0, upper, lower, upper_scale, lower_scale);   // in flight while the prologue runs
 
     const uint4* stage = staged_rows;
     const float* act_scale = staged_scales;   // [rows][groups]
@@ -346,7 +383,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
         act_scale = shared_scales;
     }
 
-    // 3. The products: each lane dequantizes chunk (base + 4u + q) of columns g and g + 8.
+    // 3. The products, batch after batch: each lane dequantizes chunk (base + 4u + q) of columns g
+    // and g + 8, the next batch's codes (and step scales) in flight during each.
     const int scales_at = !SHARED_STAGE ? 0 : rows * stride * 16 + (QUANTIZED_ROWS ? (rows * groups * 4 + 15) / 16 * 16 : 0);
     float4* reduce = reinterpret_cast<float4*>(dynamic_shared + scales_at);   // [WARPS][ROW_TILES][32]
     float acc[ROW_TILES][4], sums[ROW_TILES][4];
@@ -358,20 +396,23 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
     // An FP8 code in f16 is its value times 2**-8.
     const float code_factor = CODES == CODES_FP8 && F16 ? 256.0f : 1.0f;
     for (int step = 0; step < steps; ++step) {
+        uint2 next_upper[UNROLL], next_lower[UNROLL];
+        float next_upper_scale[UNROLL], next_lower_scale[UNROLL];
+        if (step + 1 < steps) load(step + 1, next_upper, next_lower, next_upper_scale, next_lower_scale);
         const int round = step / batches, batch = step - round * batches;
         const int tile = first_tile + round * tile_stride;
         const size_t column = (size_t)min(tile * 16 + g, N - 1), below = (size_t)min(tile * 16 + g + 8, N - 1);
         #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            if (first_chunk + batch * 4 * GEMV_UNROLL + 4 * u < end_chunk) {   // warp-uniform
-                const int chunk = first_chunk + batch * 4 * GEMV_UNROLL + 4 * u + q;
+        for (int u = 0; u < UNROLL; ++u) {
+            if (first_chunk + batch * 4 * UNROLL + 4 * u < end_chunk) {   // warp-uniform
+                const int chunk = first_chunk + batch * 4 * UNROLL + 4 * u + q;
                 const bool valid = tile < tiles && chunk < end_chunk;
-                const uint4 upper = EXACT ? exact_chunk<CODES, F16>(w, column, chunk, K, valid)
-                                          : weight_chunk<CODES>(w, column, chunk, K, valid);
-                const uint4 lower = EXACT ? exact_chunk<CODES, F16>(w, below, chunk, K, valid)
-                                          : weight_chunk<CODES>(w, below, chunk, K, valid);
-                const unsigned a0[4] = {upper.x, lower.x, upper.y, lower.y};
-                const unsigned a1[4] = {upper.z, lower.z, upper.w, lower.w};
+                const uint4 upper_pairs = EXACT ? exact_chunk<CODES, F16>(w, column, chunk, upper[u], valid)
+                                                : scaled_chunk<CODES>(w, column, chunk, upper[u], valid);
+                const uint4 lower_pairs = EXACT ? exact_chunk<CODES, F16>(w, below, chunk, lower[u], valid)
+                                                : scaled_chunk<CODES>(w, below, chunk, lower[u], valid);
+                const unsigned a0[4] = {upper_pairs.x, lower_pairs.x, upper_pairs.y, lower_pairs.y};
+                const unsigned a1[4] = {upper_pairs.z, lower_pairs.z, upper_pairs.w, lower_pairs.w};
                 #pragma unroll
                 for (int t = 0; t < ROW_TILES; ++t) {
                     const int row = 8 * t + g;
@@ -389,12 +430,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
                 if (EXACT) {
                     // The step's 32 input columns share their weight and input scales (blocks of
                     // whole steps): the sums, scaled, join the accumulators.
-                    const int k0 = 8 * (first_chunk + batch * 4 * GEMV_UNROLL + 4 * u);
-                    const size_t block_column = (size_t)(k0 / w.block_columns);
-                    const float upper_scale = code_factor * __ldg(
-                        w.scales + (column / (size_t)w.block_rows) * (size_t)w.scale_columns + block_column);
-                    const float lower_scale = code_factor * __ldg(
-                        w.scales + (below / (size_t)w.block_rows) * (size_t)w.scale_columns + block_column);
+                    const int k0 = 8 * (first_chunk + batch * 4 * UNROLL + 4 * u);
                     #pragma unroll
                     for (int t = 0; t < ROW_TILES; ++t) {
                         #pragma unroll
@@ -404,13 +440,20 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
                             if (ACT == ACT_FP8_TENSOR) input = input_scale;
                             else if (QUANTIZED_ROWS)
                                 input = r < rows ? act_scale[r * groups + k0 / group] : 0.0f;
-                            acc[t][i] += sums[t][i] * upper_scale * input;
-                            acc[t][i + 2] += sums[t][i + 2] * lower_scale * input;
+                            acc[t][i] += sums[t][i] * (code_factor * upper_scale[u]) * input;
+                            acc[t][i + 2] += sums[t][i + 2] * (code_factor * lower_scale[u]) * input;
                             sums[t][i] = sums[t][i + 2] = 0.0f;
                         }
                     }
                 }
             }
+        }
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            upper[u] = next_upper[u];
+            lower[u] = next_lower[u];
+            upper_scale[u] = next_upper_scale[u];
+            lower_scale[u] = next_lower_scale[u];
         }
         if (batch == batches - 1) {
             if (SPLIT > 1) {
