@@ -817,6 +817,29 @@ def quantize_rows_fp8(x: DeviceArray, weight: QuantizedWeight, codes: DeviceArra
                           stream)
 
 
+_scale_kernel: list[Any] = []
+
+
+def scale_product(out: DeviceArray, row_scales: DeviceArray, column_scales: DeviceArray, stream: Any) -> DeviceArray:
+    """``out[r, c] <- out[r, c] * row_scales[r] * column_scales[c]`` in place, in one pass: the scales
+    of an FP8 tensor-core product (float32 ``out [rows, columns]``, ``row_scales [rows]``,
+    ``column_scales [columns]``), rounded as two passes, rows first, would round them."""
+    import cupy
+
+    op = "scale_product"
+    check_array(op, "out", out, np.float32, ndim=2)
+    rows, columns = out.shape
+    check_array(op, "row_scales", row_scales, np.float32, (rows,))
+    check_array(op, "column_scales", column_scales, np.float32, (columns,))
+    if not _scale_kernel:
+        _scale_kernel.append(cupy.ElementwiseKernel(
+            "raw float32 row_scales, raw float32 column_scales, int64 columns", "float32 out",
+            "out = out * row_scales[i / columns] * column_scales[i % columns]", "metrale_scale_product"))
+    with stream:
+        _scale_kernel[0](row_scales, column_scales, np.int64(columns), out)
+    return out
+
+
 def quantize_matrix_fp8(matrix: DeviceArray, codes: DeviceArray, scales: DeviceArray, stream: Any) -> DeviceArray:
     """``codes`` (uint8 ``[rows, K]``) and ``scales`` (float32 ``[rows]``) <- ``matrix`` (float32 ``[rows,
     K]``) as FP8 E4M3 with one scale a row, ``max |row| / 448``: the online quantization of a weight

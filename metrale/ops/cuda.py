@@ -210,9 +210,7 @@ class CudaKernels:
         column_scales = weight.scales[:, 0]
         if weight.block[0] > 1:  # a scale per block of rows (per tensor: one block)
             column_scales = cp.repeat(column_scales, weight.block[0])[:columns]
-        out *= scales[:, None]
-        out *= column_scales[None, :]
-        return out
+        return quantized_gemv.scale_product(out, scales, cp.ascontiguousarray(column_scales), self.stream)
 
     def quantized_moe_experts_decode(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
         """Decode tokens: only the chosen experts' codes read, dequantized in registers."""

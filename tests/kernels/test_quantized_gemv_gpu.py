@@ -159,3 +159,19 @@ def test_prompt_rows_of_fp8_take_the_fp8_tensor_cores(backend, activations):
     assert backend.kernels._fp8_unserved == set()  # cuBLASLt served the shape in FP8
     # Hopper's FP8 tensor cores keep fewer mantissa bits than float32 in their partial sums.
     assert rel_error(y, quantized_linear_reference(x, host)) < 5e-4
+
+
+def test_scale_product_scales_rows_then_columns_in_one_pass(backend):
+    import cupy as cp
+
+    from metrale.kernels import quantized_gemv
+
+    rng = np.random.default_rng(21)
+    product = rng.normal(size=(37, 4096)).astype(np.float32) * 1e3
+    rows = rng.uniform(1e-3, 1e-1, size=37).astype(np.float32)
+    columns = rng.uniform(1e-4, 1e-2, size=4096).astype(np.float32)
+    out = cp.asarray(product)
+    quantized_gemv.scale_product(out, cp.asarray(rows), cp.asarray(columns), backend.stream)
+    backend.synchronize()
+    expected = (product * rows[:, None]).astype(np.float32) * columns[None, :]
+    assert np.array_equal(cp.asnumpy(out), expected.astype(np.float32))
