@@ -196,12 +196,28 @@ struct QuantizedOperand {
     int block_rows, block_columns, scale_columns;
 };
 
+// The scale column (and zero point column) of input column k: none for one scale column, a shift
+// for blocks of a power of two columns, else a 32-bit division (rows and columns fit an int).
+__device__ __forceinline__ int scale_column(const QuantizedOperand& w, int k) {
+    if (w.scale_columns == 1) return 0;
+    return (w.block_columns & (w.block_columns - 1)) == 0 ? k >> (__ffs(w.block_columns) - 1) : k / w.block_columns;
+}
+
+// The index of the first scale of weight row `row`.
+__device__ __forceinline__ size_t scale_row(const QuantizedOperand& w, int row) {
+    return (size_t)(row / w.block_rows) * (size_t)w.scale_columns;
+}
+
+__device__ __forceinline__ size_t scale_index(const QuantizedOperand& w, int row, int k) {
+    return scale_row(w, row) + (size_t)scale_column(w, k);
+}
+
 // The chunk's 8 weights (code - zero) * scale as bf16 pairs, from its codes (load_codes).
 template <int CODES>
 __device__ __forceinline__ uint4 scaled_chunk(const QuantizedOperand& w, size_t column, int chunk, uint2 codes,
                                               bool valid) {
     if (!valid) return make_uint4(0u, 0u, 0u, 0u);
-    const size_t at = (column / (size_t)w.block_rows) * (size_t)w.scale_columns + (size_t)(8 * chunk / w.block_columns);
+    const size_t at = scale_index(w, (int)column, 8 * chunk);
     const float default_zero = CODES == CODES_INT4 ? 8.0f : CODES == CODES_INT8 ? 128.0f : 0.0f;
     const float zero = w.zeros != nullptr ? __ldg(w.zeros + at) : default_zero;
     return dequantize_chunk<CODES>(codes, __ldg(w.scales + at), zero);
@@ -232,9 +248,8 @@ __device__ __forceinline__ uint4 exact_chunk(const QuantizedOperand& w, size_t c
     } else {
         float zero = 0.0f;
         if (CODES == CODES_INT4 || CODES == CODES_INT8) {
-            const size_t at = (column / (size_t)w.block_rows) * (size_t)w.scale_columns
-                              + (size_t)(8 * chunk / w.block_columns);
-            zero = w.zeros != nullptr ? __ldg(w.zeros + at) : (CODES == CODES_INT4 ? 8.0f : 128.0f);
+            zero = w.zeros != nullptr ? __ldg(w.zeros + scale_index(w, (int)column, 8 * chunk))
+                                      : (CODES == CODES_INT4 ? 8.0f : 128.0f);
         }
         #pragma unroll
         for (int p = 0; p < 4; ++p) {
@@ -344,6 +359,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
         const int round = step / batches, batch = step - round * batches;
         const int tile = first_tile + round * tile_stride;
         const size_t column = (size_t)min(tile * 16 + g, N - 1), below = (size_t)min(tile * 16 + g + 8, N - 1);
+        const float* upper_scales = w.scales + scale_row(w, (int)column);
+        const float* lower_scales = w.scales + scale_row(w, (int)below);
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int step_chunk = first_chunk + batch * 4 * UNROLL + 4 * u, chunk = step_chunk + q;
@@ -352,9 +369,9 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
             lower[u] = valid ? load_codes<CODES>(w.codes, below, chunk, K) : make_uint2(0u, 0u);
             upper_scale[u] = lower_scale[u] = 0.0f;
             if (EXACT && step_chunk < end_chunk) {
-                const size_t block_column = (size_t)(8 * step_chunk / w.block_columns);
-                upper_scale[u] = __ldg(w.scales + (column / (size_t)w.block_rows) * (size_t)w.scale_columns + block_column);
-                lower_scale[u] = __ldg(w.scales + (below / (size_t)w.block_rows) * (size_t)w.scale_columns + block_column);
+                const int scales_column = scale_column(w, 8 * step_chunk);
+                upper_scale[u] = __ldg(upper_scales + scales_column);
+                lower_scale[u] = __ldg(lower_scales + scales_column);
             }
         }
     };
@@ -381,6 +398,17 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
         __syncthreads();
         stage = shared_stage;
         act_scale = shared_scales;
+    }
+
+    // The rows' input scales where one serves a whole row (per token).
+    float row_input_scale[ROW_TILES][2];
+    #pragma unroll
+    for (int t = 0; t < ROW_TILES; ++t) {
+        #pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int r = 8 * t + 2 * q + i;
+            row_input_scale[t][i] = QUANTIZED_ROWS && ACT != ACT_FP8_GROUP && r < rows ? act_scale[r * groups] : 0.0f;
+        }
     }
 
     // 3. The products, batch after batch: each lane dequantizes chunk (base + 4u + q) of columns g
@@ -430,7 +458,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
                 if (EXACT) {
                     // The step's 32 input columns share their weight and input scales (blocks of
                     // whole steps): the sums, scaled, join the accumulators.
-                    const int k0 = 8 * (first_chunk + batch * 4 * UNROLL + 4 * u);
+                    const int input_group = ACT == ACT_FP8_GROUP ? 8 * (first_chunk + batch * 4 * UNROLL + 4 * u) / group : 0;
                     #pragma unroll
                     for (int t = 0; t < ROW_TILES; ++t) {
                         #pragma unroll
@@ -438,8 +466,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
                             const int r = 8 * t + 2 * q + i;
                             float input = 1.0f;
                             if (ACT == ACT_FP8_TENSOR) input = input_scale;
-                            else if (QUANTIZED_ROWS)
-                                input = r < rows ? act_scale[r * groups + k0 / group] : 0.0f;
+                            else if (ACT == ACT_FP8_GROUP) input = r < rows ? act_scale[r * groups + input_group] : 0.0f;
+                            else if (QUANTIZED_ROWS) input = row_input_scale[t][i];
                             acc[t][i] += sums[t][i] * (code_factor * upper_scale[u]) * input;
                             acc[t][i + 2] += sums[t][i + 2] * (code_factor * lower_scale[u]) * input;
                             sums[t][i] = sums[t][i + 2] = 0.0f;

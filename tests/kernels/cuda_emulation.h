@@ -179,6 +179,7 @@ inline unsigned __ballot_sync(unsigned, int predicate) {
 }
 
 inline int __popc(unsigned value) { return __builtin_popcount(value); }
+inline int __ffs(int value) { return __builtin_ffs(value); }
 
 inline unsigned shared_address(const void* pointer) {
     const auto* byte = static_cast<const unsigned char*>(pointer);

@@ -197,6 +197,7 @@ CASES = [
     ("int8", "int8_token", 4, 96, 50, (1, 96), False, False, True, 4, 1),  # W8A8
     ("int8", "weight_only", 9, 128, 17, (1, 16), True, False, False, 1, 3),  # W8A16 with zero points
     ("mxfp4", "weight_only", 6, 128, 40, (1, 32), False, False, False, 2, 2),
+    ("int4", "weight_only", 3, 288, 24, (1, 96), False, False, False, 1, 2),  # groups of 96: not a power of two
 ]
 
 
