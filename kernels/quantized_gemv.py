@@ -29,7 +29,8 @@ product, the input staged as the bf16 of its quantized value.
 products (many rows: cuBLAS on bf16 tensor cores, its time spread over the rows), and
 ``stage_activations`` their input; for FP8 weights whose scales factor out of the sums,
 ``quantize_rows_fp8`` writes the input rows' E4M3 codes and scales for a product on FP8 tensor
-cores (:meth:`metrale.kernels.linear.CublasLtGemm.fp8`) instead.
+cores (:meth:`metrale.kernels.linear.CublasLtGemm.fp8`) instead, whose unscaled product
+``scale_product`` then scales by rows and columns in one pass.
 
 :func:`quantized_gemv_reference` is the NumPy reference of what a launch computes (the staged
 input and the dequantized weight rounded to bf16, float32 accumulation); ``tests/kernels`` runs the
@@ -231,8 +232,7 @@ __device__ __forceinline__ uint4 weight_chunk(const QuantizedOperand& w, size_t 
 
 // The chunk's 8 weights without their scale, exactly, as 4 pairs for the product: F16, f16 bits (an
 // FP8 code as its value times 2**-8: the code's bits moved into f16's fields); else bf16 bits. Integer
-// codes less their zero point, FP4 and FP8 values as they are.
-// From the chunk's codes (load_codes).
+// codes less their zero point, FP4 and FP8 values as they are; from the chunk's codes (load_codes).
 template <int CODES, bool F16>
 __device__ __forceinline__ uint4 exact_chunk(const QuantizedOperand& w, size_t column, int chunk, uint2 codes,
                                              bool valid) {

@@ -199,7 +199,7 @@ def check_against_cpu_where_routing_agrees(path, ids, what, calibrate=False, sou
     logit (at least half of them): random weights leave many near-ties that bf16 flips."""
     cpu, cpu_routes = scored_with_routes(path, "cpu", ids, **options)
     gpu, gpu_routes = scored_with_routes(path, "cuda", ids, **options)
-    same_route = np.all([(a == b).all(axis=1) for a, b in zip(cpu_routes, gpu_routes)], axis=0)
+    same_route = same_routes(cpu_routes, gpu_routes)
     scale = np.abs(cpu).max()
     rows = np.abs(gpu - cpu).max(axis=1) / scale
     error = float(rows[same_route].max())
