@@ -18,6 +18,25 @@ def load(path, device, **options):
     return LLM(path, device=device, show_progress=False, **options)
 
 
+#: Top-2 margin, relative to the row's largest |logit|, below which bf16 rounding may flip a greedy pick.
+NEAR_TIE = 2e-2
+
+
+def check_tokens_part_only_at_near_ties(reference, prompts, got, want, what, margin=NEAR_TIE):
+    """Per prompt, ``got`` equals ``want`` (the greedy tokens of the LLM ``reference``), or the two
+    part first right after a near-tie of ``reference``: a top-2 margin below ``margin``."""
+    for number, (ids, ours, theirs) in enumerate(zip(prompts, got, want)):
+        index = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if index is None:
+            assert len(ours) == len(theirs), f"{what}: prompt {number} gave {len(ours)} tokens against {len(theirs)}"
+            continue
+        logits = reference.score(list(ids) + list(theirs[:index]))[-1]
+        top2 = np.sort(logits)[-2:]
+        tie = float(top2[1] - top2[0]) / float(np.abs(logits).max())
+        print(f"{what}: prompt {number} parts at token {index}, where the top-2 margin is {tie:.3g}")
+        assert tie < margin, f"{what}: prompt {number} parts at token {index} although the top-2 margin is {tie:.3g}"
+
+
 def held_out_ids(llm, count: int = 256) -> list[int]:
     """The first ``count`` token ids of the tiny checkpoints' held-out text, encoded by ``llm``."""
     sys.path.insert(0, str(TOOLS))
@@ -61,8 +80,9 @@ ROUTER_SUFFIXES = (".mlp.router", ".mlp.gate", ".block_sparse_moe.gate")
 
 
 def transformers_bf16_run(path, ids, cpu, device="cuda"):
-    """``(rows, routes)``: :func:`transformers_bf16_rows`, and per MoE layer each position's chosen
-    experts (sorted) in that bf16 run, read from the top-k of its routers' outputs."""
+    """``(rows, routes, picks)``: :func:`transformers_bf16_rows`, per MoE layer each position's chosen
+    experts (sorted) in that bf16 run, read from the top-k of its routers' outputs, and each
+    position's top-1 token in that run."""
     import json
 
     import torch
@@ -88,7 +108,7 @@ def transformers_bf16_run(path, ids, cpu, device="cuda"):
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
-    return np.abs(logits - cpu).max(axis=1) / np.abs(cpu).max(), routes
+    return np.abs(logits - cpu).max(axis=1) / np.abs(cpu).max(), routes, logits.argmax(-1)
 
 
 def quantized_reference_bf16_rows(source, quantized, ids, cpu, quantization=None, device="cuda", dtype="bfloat16"):
@@ -171,13 +191,13 @@ def torch_weight(params, name):
     return stacked[:half] if kind == "gate_proj" else stacked[half:]
 
 
-def check_calibrated(rows, reference, what):
-    """The median and the 99th percentile of the error over all positions exceed the reference's
-    own bf16 error by at most 25 %."""
-    ours = [float(np.percentile(rows, p)) for p in (50, 99)]
-    theirs = [float(np.percentile(reference, p)) for p in (50, 99)]
-    print(f"{what}: error over all positions, median / 99th percentile: {ours[0]:.3g} / {ours[1]:.3g}; "
-          f"the reference in bf16: {theirs[0]:.3g} / {theirs[1]:.3g}")
+def check_calibrated(rows, reference, what, percentiles=(50, 99)):
+    """The error's median and upper percentile (the 99th unless ``percentiles`` names another) over
+    the positions given exceed the reference's own bf16 error by at most 25 %."""
+    ours = [float(np.percentile(rows, p)) for p in percentiles]
+    theirs = [float(np.percentile(reference, p)) for p in percentiles]
+    print(f"{what}: error percentiles {percentiles}: {ours[0]:.3g} / {ours[1]:.3g} (max {float(np.max(rows)):.3g}); "
+          f"the reference in bf16: {theirs[0]:.3g} / {theirs[1]:.3g} (max {float(np.max(reference)):.3g})")
     assert ours[0] <= 1.25 * theirs[0] and ours[1] <= 1.25 * theirs[1], f"{what}: {ours} against {theirs}"
 
 
@@ -189,9 +209,9 @@ def check_against_cpu_where_routing_agrees(path, ids, what, calibrate=False, sou
     everywhere else the error must be bf16 rounding: at most 2e-2 (relative to the largest
     logit) at 99 % of those positions and 5e-2 at any, since the random DeepSeek-V3 shape
     sharpens attention (its YaRN mscale multiplies the softmax scale by 1.67) and so bf16 noise.
-    With ``calibrate`` the bound is instead what bf16 costs transformers on the same checkpoint:
-    the median and the 99th percentile of the error over all positions may exceed those of
-    transformers' own bf16 run by at most 25 %. With ``source`` (a quantized checkpoint, or
+    With ``calibrate`` the bounds are instead what bf16 costs transformers on the same checkpoint
+    (:func:`check_calibrated_routing`), and the top-1 agreement may fall short of transformers'
+    own bf16 run's by at most 2 points (and need not exceed 99 %). With ``source`` (a quantized checkpoint, or
     ``options`` naming an online quantization, whose full-precision weights ``source`` holds) the
     bound is what bf16 costs the same quantized math (:func:`quantized_reference_bf16_rows`), and
     the routing may differ wherever that noise flips a choice.
@@ -215,8 +235,10 @@ def check_against_cpu_where_routing_agrees(path, ids, what, calibrate=False, sou
         check_calibrated(rows, reference, what)
         return
     if calibrate:
-        check_calibrated_routing(path, ids, cpu, cpu_routes, rows, same_route, what)
-        assert counted.sum() >= 32 and agreement >= 0.99, f"{what}: top-1 agreement {agreement:.4f}"
+        reference_picks = check_calibrated_routing(path, ids, cpu, cpu_routes, rows, same_route, what)
+        theirs = float((reference_picks == cpu.argmax(-1))[counted].mean())
+        print(f"{what}: top-1 agreement with float32 there {agreement:.4f}; transformers' bf16 run {theirs:.4f}")
+        assert counted.sum() >= 32 and agreement >= min(0.99, theirs - 0.02), f"{what}: top-1 agreement {agreement:.4f}"
         return
     assert same_route.mean() >= 0.95, f"{what}: routing differs at {int((~same_route).sum())} positions"
     assert typical <= 2e-2 and error <= 5e-2, f"{what}: relative error {typical:.3g} / {error:.3g}"
@@ -236,16 +258,20 @@ def check_calibrated_routing(path, ids, cpu, cpu_routes, rows, same_route, what,
     often that happens is the checkpoint's (random routers leave near-ties; on some shapes
     transformers' own bf16 run flips half the positions). So: the positions routed unlike the
     float32 run may exceed transformers' own count by at most 5 % of the positions, and on the
-    positions both runs route as the float32 run does, the error's median and 99th percentile
-    exceed transformers' there by at most 25 % (:func:`check_calibrated`)."""
-    reference_rows, reference_routes = transformers_bf16_run(path, ids, cpu, device=device)
+    positions both runs route as the float32 run does, the error's median and 90th percentile
+    exceed transformers' there by at most 25 % (:func:`check_calibrated`). Not the 99th: a position
+    routed alike still attends to earlier positions whose choices flipped, so the few worst
+    positions follow how many flips each run had, which the first bound holds. Returns
+    transformers' top-1 tokens (:func:`transformers_bf16_run`)."""
+    reference_rows, reference_routes, reference_picks = transformers_bf16_run(path, ids, cpu, device=device)
     reference_same = same_routes(cpu_routes, reference_routes)
     ours, theirs = int((~same_route).sum()), int((~reference_same).sum())
     print(f"{what}: routed unlike float32 at {ours} positions; transformers' bf16 run at {theirs}")
     assert ours <= theirs + 0.05 * len(ids), f"{what}: routing differs at {ours} positions (transformers: {theirs})"
     both = same_route & reference_same
     assert both.sum() >= 0.25 * len(ids), f"{what}: only {int(both.sum())} positions routed alike by all runs"
-    check_calibrated(rows[both], reference_rows[both], what)
+    check_calibrated(rows[both], reference_rows[both], what, percentiles=(50, 90))
+    return reference_picks
 
 
 def check_calibrated_against_cpu(path, ids, what, **options):

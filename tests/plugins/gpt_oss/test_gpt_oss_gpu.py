@@ -1,14 +1,20 @@
 """The GPT-OSS family on the cuda backend against the cpu backend (``-m gpu``): logits within
 transformers' own bf16 error (bf16 experts where routing agrees; MXFP4 experts against
 transformers' bf16 run of the dequantized weights), decode steps recorded into CUDA graphs and
-giving the eager tokens. Heads of 64 dims, as the released models."""
+giving the eager tokens up to near-ties. Heads of 64 dims, as the released models."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from gpt_oss_mxfp4 import write_mxfp4_twins
-from gpu_checks import check_against_cpu_where_routing_agrees, check_calibrated, load, transformers_bf16_rows
+from gpu_checks import (
+    check_against_cpu_where_routing_agrees,
+    check_calibrated,
+    check_tokens_part_only_at_near_ties,
+    load,
+    transformers_bf16_rows,
+)
 
 from metrale import SamplingParams
 
@@ -73,9 +79,12 @@ def test_graph_replayed_decode_gives_the_eager_tokens(bf16_gpt_oss_checkpoint, m
     path = bf16_gpt_oss_checkpoint if which == "bf16" else mxfp4_gpt_oss_twins[0]
     prompts = [np.random.default_rng(n).integers(0, VOCAB, n).tolist() for n in (3, 40, 90)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    eager = load(path, "cuda", cuda_graphs=False).generate(prompts, params)
+    eager_llm = load(path, "cuda", cuda_graphs=False)
+    eager = [o.token_ids for o in eager_llm.generate(prompts, params)]
     graphed_llm = load(path, "cuda")
-    graphed = graphed_llm.generate(prompts, params)
-    assert [o.token_ids for o in eager] == [o.token_ids for o in graphed]
+    graphed = [o.token_ids for o in graphed_llm.generate(prompts, params)]
+    # A replayed step runs at its graph's shape (padded rows, the cache's block-table width), where
+    # kernels may split their sums unlike the eager step: the runs may part only at a near-tie.
+    check_tokens_part_only_at_near_ties(eager_llm, prompts, graphed, eager, f"gpt_oss {which}")
     graphs = graphed_llm.model.runner.graphs
     assert graphs is not None and graphs.disabled is None, "decode steps were not recorded into CUDA graphs"
