@@ -18,12 +18,12 @@ over a slice of the input.
 
 Where the weight's column blocks and the inputs' groups are whole steps of 32 input columns
 (:func:`exact_path`: per-channel, per-tensor, groups of 32 or more, DeepSeek's blocks), the products
-are exact: the weights enter unscaled (integer codes less their zero point, FP4 and FP8 values; an
-FP8 code's bits moved into f16's fields, its value times ``2**-8``), quantized inputs enter as their
-codes on f16 tensor cores (FP8 and INT8 codes are exact in f16), weight-only inputs as bf16, and
-each step's sums are scaled by the step's weight and input scales as they join the float32
-accumulators. Otherwise each weight is scaled into bf16 (``(code - zero) * scale``) before the
-product, the input staged as the bf16 of its quantized value.
+are exact: the weights enter unscaled (integer codes less their zero point, FP4 and FP8 values; FP8
+codes converted to f16 two at a time), quantized inputs enter as their codes on f16 tensor cores
+(FP8 and INT8 codes are exact in f16), weight-only inputs as bf16, and each step's sums are scaled
+by the step's weight and input scales as they join the float32 accumulators. Otherwise each weight
+is scaled into bf16 (``(code - zero) * scale``) before the product, the input staged as the bf16 of
+its quantized value.
 
 ``dequantize_bf16`` writes the bf16 matrix a quantized weight stands for, for the prompt
 products (many rows: cuBLAS on bf16 tensor cores, its time spread over the rows), and
@@ -109,6 +109,27 @@ __device__ __forceinline__ void mma_16x8x16_f16(float* c, const unsigned* a, con
 __device__ __forceinline__ unsigned pack_f16(float low, float high) {
     const __half2 pair = __floats2half2_rn(low, high);
     return *reinterpret_cast<const unsigned*>(&pair);
+}
+
+// Two E4M3 codes (the low byte the first) as an f16 pair in one instruction: exact, every E4M3
+// value is an f16 value (the NaN codes give NaN).
+__device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned pair) {
+    unsigned result;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(result) : "h"((unsigned short)pair));
+    return result;
+}
+
+// a * b + c of two bf16 pairs, or of two f16 pairs (round to nearest even).
+__device__ __forceinline__ unsigned fma_bf16x2(unsigned a, unsigned b, unsigned c) {
+    unsigned result;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(result) : "r"(a), "r"(b), "r"(c));
+    return result;
+}
+
+__device__ __forceinline__ unsigned fma_f16x2(unsigned a, unsigned b, unsigned c) {
+    unsigned result;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(result) : "r"(a), "r"(b), "r"(c));
+    return result;
 }
 """
 
@@ -230,20 +251,42 @@ __device__ __forceinline__ uint4 weight_chunk(const QuantizedOperand& w, size_t 
     return scaled_chunk<CODES>(w, column, chunk, load_codes<CODES>(w.codes, column, chunk, K), true);
 }
 
-// The chunk's 8 weights without their scale, exactly, as 4 pairs for the product: F16, f16 bits (an
-// FP8 code as its value times 2**-8: the code's bits moved into f16's fields); else bf16 bits. Integer
-// codes less their zero point, FP4 and FP8 values as they are; from the chunk's codes (load_codes).
+"""
+
+KERNELS = r"""
+// The chunk's 8 weights without their scale, exactly, as 4 pairs for the product (f16 with F16, else
+// bf16): integer codes less their zero point, FP4 and FP8 values as they are; from the chunk's codes
+// (load_codes). The common cases take few instructions a pair: FP8 codes converted two at a time
+// (e4m3x2_to_f16x2); integer codes with the default zero point (no zero points stored) as
+// magic-number floats, a code q in the low mantissa bits of 2**7 (bf16) or 2**10 (f16), less
+// 2**7 + zero (2**10 + zero) in one fused pair operation, exact for these small integers.
 template <int CODES, bool F16>
 __device__ __forceinline__ uint4 exact_chunk(const QuantizedOperand& w, size_t column, int chunk, uint2 codes,
                                              bool valid) {
     if (!valid) return make_uint4(0u, 0u, 0u, 0u);
     unsigned pairs[4];
     if (CODES == CODES_FP8 && F16) {
+        pairs[0] = e4m3x2_to_f16x2(codes.x);
+        pairs[1] = e4m3x2_to_f16x2(codes.x >> 16);
+        pairs[2] = e4m3x2_to_f16x2(codes.y);
+        pairs[3] = e4m3x2_to_f16x2(codes.y >> 16);
+    } else if (CODES == CODES_INT4 && !F16 && w.zeros == nullptr) {
+        // Nibbles 2p and 2p + 1 (bits 8p .. 8p + 7) into the low 4 bits of each half; 0x4300 is
+        // bf16's 128, 0xc308 its -136 (128 + the zero point 8), 0x3f80 its 1.
         #pragma unroll
         for (int p = 0; p < 4; ++p) {
-            const unsigned word = p < 2 ? codes.x : codes.y;
-            const unsigned b0 = (word >> (16 * (p & 1))) & 255u, b1 = (word >> (16 * (p & 1) + 8)) & 255u;
-            pairs[p] = ((b0 & 0x80u) << 8) | ((b0 & 0x7fu) << 7) | ((((b1 & 0x80u) << 8) | ((b1 & 0x7fu) << 7)) << 16);
+            const unsigned bits = (codes.x >> (8 * p)) & 0xffu;
+            const unsigned halves = ((bits | (bits << 12)) & 0x000f000fu) | 0x43004300u;
+            pairs[p] = fma_bf16x2(halves, 0x3f803f80u, 0xc308c308u);
+        }
+    } else if (CODES == CODES_INT8 && F16 && w.zeros == nullptr) {
+        // Bytes 2p and 2p + 1 into the low 8 bits of each half; 0x6400 is f16's 1024, 0xe480 its
+        // -1152 (1024 + the zero point 128), 0x3c00 its 1.
+        #pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const unsigned bits = ((p < 2 ? codes.x : codes.y) >> (16 * (p & 1))) & 0xffffu;
+            const unsigned halves = ((bits | (bits << 8)) & 0x00ff00ffu) | 0x64006400u;
+            pairs[p] = fma_f16x2(halves, 0x3c003c00u, 0xe480e480u);
         }
     } else {
         float zero = 0.0f;
@@ -260,24 +303,37 @@ __device__ __forceinline__ uint4 exact_chunk(const QuantizedOperand& w, size_t c
     return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
 }
 
-"""
-
-KERNELS = r"""
 // The activation scales of `rows` rows of x (float32 [rows, K], columns gathered through order):
 // max|values| / 448 (/ 127 for ACT_INT8_TOKEN) of each row (ACT_FP8_TOKEN, ACT_INT8_TOKEN) or of each
-// group of `group` columns (ACT_FP8_GROUP) into act_scale [rows][groups]; a warp (of `warps`, this
-// one `warp`) reduces each (row, group).
+// group of `group` columns (ACT_FP8_GROUP) into act_scale [rows][groups]. The block's `warps` warps
+// (this one `warp`) share the (row, group) tasks; with fewer tasks than warps each task's columns
+// are dealt among warps / tasks of them, whose maxima meet in `partial` (warps floats of shared
+// memory), so a decode row's maximum is not one warp's long walk. Every thread of the block calls it.
 template <int ACT>
 __device__ void activation_scales(const float* __restrict__ x, const int* __restrict__ order, int rows, int K,
-                                  int group, int groups, float* act_scale, int warp, int warps, int lane) {
+                                  int group, int groups, float* act_scale, float* partial, int warp, int warps,
+                                  int lane) {
     const float limit = ACT == ACT_INT8_TOKEN ? INT8_MAX_VALUE : FP8_MAX;
-    for (int task = warp; task < rows * groups; task += warps) {
+    const int tasks = rows * groups, parts = tasks < warps ? warps / tasks : 1;
+    for (int item = warp; item < tasks * parts; item += warps) {
+        const int task = item % tasks, part = item / tasks;
         const int r = task / groups, j = task - r * groups;
         float amax = 0.0f;
-        for (int k = j * group + lane; k < min(K, (j + 1) * group); k += 32)
+        for (int k = j * group + 32 * part + lane; k < min(K, (j + 1) * group); k += 32 * parts)
             amax = fmaxf(amax, fabsf(x[(size_t)r * K + (order != nullptr ? order[k] : k)]));
         amax = warp_max(amax);
-        if (lane == 0) act_scale[task] = fmaxf(amax / limit, MIN_SCALE);
+        if (lane == 0) {
+            if (parts == 1) act_scale[task] = fmaxf(amax / limit, MIN_SCALE);
+            else partial[item] = amax;
+        }
+    }
+    if (parts > 1) {
+        __syncthreads();
+        for (int task = warp * 32 + lane; task < tasks; task += warps * 32) {
+            float amax = 0.0f;
+            for (int part = 0; part < parts; ++part) amax = fmaxf(amax, partial[part * tasks + task]);
+            act_scale[task] = fmaxf(amax / limit, MIN_SCALE);
+        }
     }
 }
 
@@ -387,7 +443,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
         uint4* shared_stage = reinterpret_cast<uint4*>(dynamic_shared);
         float* shared_scales = reinterpret_cast<float*>(shared_stage + rows * stride);
         if (QUANTIZED_ROWS) {
-            activation_scales<ACT>(x, order, rows, K, group, groups, shared_scales, warp, WARPS, lane);
+            activation_scales<ACT>(x, order, rows, K, group, groups, shared_scales,
+                                   reinterpret_cast<float*>(shared_stage), warp, WARPS, lane);
             __syncthreads();
         }
         for (int i = tid; i < rows * chunks; i += THREADS) {
@@ -421,8 +478,6 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
         acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
         sums[t][0] = sums[t][1] = sums[t][2] = sums[t][3] = 0.0f;
     }
-    // An FP8 code in f16 is its value times 2**-8.
-    const float code_factor = CODES == CODES_FP8 && F16 ? 256.0f : 1.0f;
     for (int step = 0; step < steps; ++step) {
         uint2 next_upper[UNROLL], next_lower[UNROLL];
         float next_upper_scale[UNROLL], next_lower_scale[UNROLL];
@@ -468,8 +523,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
                             if (ACT == ACT_FP8_TENSOR) input = input_scale;
                             else if (ACT == ACT_FP8_GROUP) input = r < rows ? act_scale[r * groups + input_group] : 0.0f;
                             else if (QUANTIZED_ROWS) input = row_input_scale[t][i];
-                            acc[t][i] += sums[t][i] * (code_factor * upper_scale[u]) * input;
-                            acc[t][i + 2] += sums[t][i + 2] * (code_factor * lower_scale[u]) * input;
+                            acc[t][i] += sums[t][i] * upper_scale[u] * input;
+                            acc[t][i + 2] += sums[t][i + 2] * lower_scale[u] * input;
                             sums[t][i] = sums[t][i + 2] = 0.0f;
                         }
                     }
@@ -525,6 +580,7 @@ template <int ACT, bool F16>
 __global__ void __launch_bounds__(THREADS) stage_rows(
     const float* __restrict__ x, const int* __restrict__ order, float input_scale, int act_group,
     uint4* __restrict__ staged, float* __restrict__ scales, int K) {
+    __shared__ float partial[WARPS];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, r = blockIdx.x;
     const int chunks = K / 8, stride = (chunks + 7) / 8 * 8;
     const int group = ACT == ACT_FP8_GROUP ? act_group : K;
@@ -532,7 +588,7 @@ __global__ void __launch_bounds__(THREADS) stage_rows(
     const float* row = x + (size_t)r * K;
     float* row_scales = scales + (size_t)r * groups;
     if (ACT == ACT_FP8_TOKEN || ACT == ACT_INT8_TOKEN || ACT == ACT_FP8_GROUP) {
-        activation_scales<ACT>(row, order, 1, K, group, groups, row_scales, warp, WARPS, lane);
+        activation_scales<ACT>(row, order, 1, K, group, groups, row_scales, partial, warp, WARPS, lane);
         __syncthreads();
     }
     for (int c = tid; c < chunks; c += THREADS)

@@ -317,6 +317,46 @@ inline unsigned f16_round(float value) {
 
 inline unsigned pack_f16(float low, float high) { return emu::f16_round(low) | (emu::f16_round(high) << 16); }
 
+namespace emu {
+
+// The value of an E4M3 code (0x7f and 0xff are NaN).
+inline float e4m3(unsigned code) {
+    const unsigned exponent = (code >> 3) & 15u, mantissa = code & 7u;
+    float magnitude;
+    if ((code & 0x7fu) == 0x7fu) magnitude = NAN;
+    else if (exponent == 0) magnitude = std::ldexp((float)mantissa, -9);
+    else magnitude = std::ldexp((float)(mantissa | 8u), (int)exponent - 10);
+    return (code & 0x80u) ? -magnitude : magnitude;
+}
+
+}  // namespace emu
+
+// cvt.rn.f16x2.e4m3x2: the two codes of the low 16 bits (the low byte the first) as an f16 pair.
+inline unsigned e4m3x2_to_f16x2(unsigned pair) {
+    return emu::f16_round(emu::e4m3(pair & 255u)) | (emu::f16_round(emu::e4m3((pair >> 8) & 255u)) << 16);
+}
+
+// fma.rn.bf16x2 and fma.rn.f16x2: a * b + c of each half, rounded once.
+inline unsigned fma_bf16x2(unsigned a, unsigned b, unsigned c) {
+    unsigned result = 0;
+    for (int half = 0; half < 2; ++half) {
+        const double value = (double)emu::bf16_value((a >> (16 * half)) & 0xffffu) * emu::bf16_value((b >> (16 * half)) & 0xffffu)
+                             + emu::bf16_value((c >> (16 * half)) & 0xffffu);
+        result |= emu::bf16_round((float)value) << (16 * half);
+    }
+    return result;
+}
+
+inline unsigned fma_f16x2(unsigned a, unsigned b, unsigned c) {
+    unsigned result = 0;
+    for (int half = 0; half < 2; ++half) {
+        const double value = (double)emu::f16_value((a >> (16 * half)) & 0xffffu) * emu::f16_value((b >> (16 * half)) & 0xffffu)
+                             + emu::f16_value((c >> (16 * half)) & 0xffffu);
+        result |= emu::f16_round((float)value) << (16 * half);
+    }
+    return result;
+}
+
 // mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32: as mma_16x8x16 with f16 operands.
 inline void mma_16x8x16_f16(float* c, const unsigned* a, const unsigned* b) {
     auto& exchange = emu::exchange[emu::warp()];
