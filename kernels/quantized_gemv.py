@@ -65,6 +65,8 @@ ROW_TILES = (1, 2, 4)
 WARPS = 8
 THREADS = 32 * WARPS
 SPLITS = (1, 2, 4, 8)
+#: Chunks of 8 codes a lane may load at once, most first (:func:`load_chunks`).
+LOAD_CHUNKS = (4, 2, 1)
 UNROLL = 4
 TILE = 16
 MAX_SHARED_BYTES = 227 * 1024
@@ -185,6 +187,29 @@ __device__ __forceinline__ uint2 load_codes(const unsigned char* __restrict__ co
         return make_uint2(word, 0u);
     }
     return __ldg(reinterpret_cast<const uint2*>(codes + column * (size_t)K) + chunk);
+}
+
+// Chunks chunk .. chunk + LOAD - 1 of weight row `column` in one load of LOAD * 8 bytes (FP8, INT8) or
+// LOAD * 4 bytes (INT4, MXFP4), chunk a multiple of LOAD: chunk j's codes are chunk_codes<CODES, LOAD>(.., j).
+template <int CODES, int LOAD>
+__device__ __forceinline__ uint4 load_chunks(const unsigned char* __restrict__ codes, size_t column, int chunk, int K) {
+    constexpr bool NIBBLES = CODES == CODES_INT4 || CODES == CODES_MXFP4;
+    const unsigned char* row = codes + column * (size_t)(NIBBLES ? K / 2 : K);
+    constexpr int BYTES = LOAD * (NIBBLES ? 4 : 8);
+    if (BYTES == 16) return __ldg(reinterpret_cast<const uint4*>(row) + chunk / LOAD);
+    if (BYTES == 8) {
+        const uint2 pair = __ldg(reinterpret_cast<const uint2*>(row) + chunk / LOAD);
+        return make_uint4(pair.x, pair.y, 0u, 0u);
+    }
+    return make_uint4(__ldg(reinterpret_cast<const unsigned*>(row) + chunk), 0u, 0u, 0u);
+}
+
+// Chunk j of a load_chunks load, as load_codes gives a chunk.
+template <int CODES, int LOAD>
+__device__ __forceinline__ uint2 chunk_codes(uint4 loaded, int j) {
+    if (CODES == CODES_INT4 || CODES == CODES_MXFP4)
+        return make_uint2(j == 0 ? loaded.x : j == 1 ? loaded.y : j == 2 ? loaded.z : loaded.w, 0u);
+    return j == 0 ? make_uint2(loaded.x, loaded.y) : make_uint2(loaded.z, loaded.w);
 }
 
 // The chunk's 8 weights (code - zero) * scale as 4 bf16 pairs.
@@ -375,7 +400,7 @@ __device__ __forceinline__ uint4 staged_chunk(const float* __restrict__ x, const
 // of activation scales; otherwise stage_rows staged them in global memory (staged_rows,
 // staged_scales, the same layout), for rows that do not fit. Then (SPLIT > 1) the split's partial
 // products.
-template <int CODES, int ACT, int SPLIT, int ROW_TILES, bool EXACT, bool SHARED_STAGE>
+template <int CODES, int ACT, int SPLIT, int ROW_TILES, bool EXACT, bool SHARED_STAGE, int LOAD>
 __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv(
     const float* __restrict__ x, const int* __restrict__ order, float input_scale, int act_group,
     const uint4* __restrict__ staged_rows, const float* __restrict__ staged_scales,
@@ -394,7 +419,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
     const int g = lane / 4, q = lane % 4;
     const int chunks = K / 8, stride = (chunks + 7) / 8 * 8;
     const int tiles = (N + 15) / 16;
-    const int slice = (chunks / 4 + SPLIT - 1) / SPLIT * 4;
+    // A split's slices are whole groups of 4 * LOAD chunks (a load of each of the 4 lanes of a column).
+    const int slice = ((chunks + 4 * LOAD - 1) / (4 * LOAD) + SPLIT - 1) / SPLIT * 4 * LOAD;
     const int part = warp % SPLIT;
     const int first_chunk = part * slice, end_chunk = min(chunks, first_chunk + slice);
     // Chunks of a batch: 4 * UNROLL, twice as many for 4-bit codes (the same bytes in flight).
@@ -408,32 +434,34 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
     const int group = ACT == ACT_FP8_GROUP ? act_group : K;
     const int groups = (K + group - 1) / group;
 
-    // Batch `step` of this warp: tile first_tile + (step / batches) * tile_stride, chunks first_chunk
-    // + (step % batches) * 4 * UNROLL + 4u + q of columns g and g + 8 (their codes); on the exact path
-    // each step's weight scales too (none past the slice's end).
-    auto load = [&](int step, uint2* upper, uint2* lower, float* upper_scale, float* lower_scale) {
+    // Batch `step` of this warp: tile first_tile + (step / batches) * tile_stride; its chunks in LOADS
+    // groups of 4 * LOAD, group v from chunk first_chunk + (step % batches) * 4 * UNROLL + 4 * LOAD * v,
+    // of which the lane loads chunks + LOAD * q .. + LOAD - 1 of columns g and g + 8 at once; on the
+    // exact path each group's weight scales too (none past the slice's end).
+    constexpr int LOADS = UNROLL / LOAD;
+    auto load = [&](int step, uint4* upper, uint4* lower, float* upper_scale, float* lower_scale) {
         const int round = step / batches, batch = step - round * batches;
         const int tile = first_tile + round * tile_stride;
         const size_t column = (size_t)min(tile * 16 + g, N - 1), below = (size_t)min(tile * 16 + g + 8, N - 1);
         const float* upper_scales = w.scales + scale_row(w, (int)column);
         const float* lower_scales = w.scales + scale_row(w, (int)below);
         #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int step_chunk = first_chunk + batch * 4 * UNROLL + 4 * u, chunk = step_chunk + q;
+        for (int v = 0; v < LOADS; ++v) {
+            const int group_chunk = first_chunk + batch * 4 * UNROLL + 4 * LOAD * v, chunk = group_chunk + LOAD * q;
             const bool valid = tile < tiles && chunk < end_chunk;
-            upper[u] = valid ? load_codes<CODES>(w.codes, column, chunk, K) : make_uint2(0u, 0u);
-            lower[u] = valid ? load_codes<CODES>(w.codes, below, chunk, K) : make_uint2(0u, 0u);
-            upper_scale[u] = lower_scale[u] = 0.0f;
-            if (EXACT && step_chunk < end_chunk) {
-                const int scales_column = scale_column(w, 8 * step_chunk);
-                upper_scale[u] = __ldg(upper_scales + scales_column);
-                lower_scale[u] = __ldg(lower_scales + scales_column);
+            upper[v] = valid ? load_chunks<CODES, LOAD>(w.codes, column, chunk, K) : zero;
+            lower[v] = valid ? load_chunks<CODES, LOAD>(w.codes, below, chunk, K) : zero;
+            upper_scale[v] = lower_scale[v] = 0.0f;
+            if (EXACT && group_chunk < end_chunk) {
+                const int scales_column = scale_column(w, 8 * group_chunk);
+                upper_scale[v] = __ldg(upper_scales + scales_column);
+                lower_scale[v] = __ldg(lower_scales + scales_column);
             }
         }
     };
 
-    uint2 upper[UNROLL], lower[UNROLL];
-    float upper_scale[UNROLL], lower_scale[UNROLL];
+    uint4 upper[LOADS], lower[LOADS];
+    float upper_scale[LOADS], lower_scale[LOADS];
     if (steps > 0) load(0, upper, lower, upper_scale, lower_scale);   // in flight while the prologue runs
 
     const uint4* stage = staged_rows;
@@ -479,41 +507,48 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
         sums[t][0] = sums[t][1] = sums[t][2] = sums[t][3] = 0.0f;
     }
     for (int step = 0; step < steps; ++step) {
-        uint2 next_upper[UNROLL], next_lower[UNROLL];
-        float next_upper_scale[UNROLL], next_lower_scale[UNROLL];
+        uint4 next_upper[LOADS], next_lower[LOADS];
+        float next_upper_scale[LOADS], next_lower_scale[LOADS];
         if (step + 1 < steps) load(step + 1, next_upper, next_lower, next_upper_scale, next_lower_scale);
         const int round = step / batches, batch = step - round * batches;
         const int tile = first_tile + round * tile_stride;
         const size_t column = (size_t)min(tile * 16 + g, N - 1), below = (size_t)min(tile * 16 + g + 8, N - 1);
         #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (first_chunk + batch * 4 * UNROLL + 4 * u < end_chunk) {   // warp-uniform
-                const int chunk = first_chunk + batch * 4 * UNROLL + 4 * u + q;
-                const bool valid = tile < tiles && chunk < end_chunk;
-                const uint4 upper_pairs = EXACT ? exact_chunk<CODES, F16>(w, column, chunk, upper[u], valid)
-                                                : scaled_chunk<CODES>(w, column, chunk, upper[u], valid);
-                const uint4 lower_pairs = EXACT ? exact_chunk<CODES, F16>(w, below, chunk, lower[u], valid)
-                                                : scaled_chunk<CODES>(w, below, chunk, lower[u], valid);
-                const unsigned a0[4] = {upper_pairs.x, lower_pairs.x, upper_pairs.y, lower_pairs.y};
-                const unsigned a1[4] = {upper_pairs.z, lower_pairs.z, upper_pairs.w, lower_pairs.w};
+        for (int v = 0; v < LOADS; ++v) {
+            const int group_chunk = first_chunk + batch * 4 * UNROLL + 4 * LOAD * v;
+            if (group_chunk < end_chunk) {   // warp-uniform
                 #pragma unroll
-                for (int t = 0; t < ROW_TILES; ++t) {
-                    const int row = 8 * t + g;
-                    const uint4 in = row < rows && chunk < end_chunk ? stage[row * stride + chunk] : zero;
-                    const unsigned b0[2] = {in.x, in.y};
-                    const unsigned b1[2] = {in.z, in.w};
-                    if (F16) {
-                        mma_16x8x16_f16(sums[t], a0, b0);
-                        mma_16x8x16_f16(sums[t], a1, b1);
-                    } else {
-                        mma_16x8x16(EXACT ? sums[t] : acc[t], a0, b0);
-                        mma_16x8x16(EXACT ? sums[t] : acc[t], a1, b1);
+                for (int j = 0; j < LOAD; ++j) {
+                    // The lanes' chunks of one pair of products: chunk group_chunk + LOAD * q + j of each lane.
+                    const int chunk = group_chunk + LOAD * q + j;
+                    const bool valid = tile < tiles && chunk < end_chunk;
+                    const uint2 upper_codes = chunk_codes<CODES, LOAD>(upper[v], j);
+                    const uint2 lower_codes = chunk_codes<CODES, LOAD>(lower[v], j);
+                    const uint4 upper_pairs = EXACT ? exact_chunk<CODES, F16>(w, column, chunk, upper_codes, valid)
+                                                    : scaled_chunk<CODES>(w, column, chunk, upper_codes, valid);
+                    const uint4 lower_pairs = EXACT ? exact_chunk<CODES, F16>(w, below, chunk, lower_codes, valid)
+                                                    : scaled_chunk<CODES>(w, below, chunk, lower_codes, valid);
+                    const unsigned a0[4] = {upper_pairs.x, lower_pairs.x, upper_pairs.y, lower_pairs.y};
+                    const unsigned a1[4] = {upper_pairs.z, lower_pairs.z, upper_pairs.w, lower_pairs.w};
+                    #pragma unroll
+                    for (int t = 0; t < ROW_TILES; ++t) {
+                        const int row = 8 * t + g;
+                        const uint4 in = row < rows && valid ? stage[row * stride + chunk] : zero;
+                        const unsigned b0[2] = {in.x, in.y};
+                        const unsigned b1[2] = {in.z, in.w};
+                        if (F16) {
+                            mma_16x8x16_f16(sums[t], a0, b0);
+                            mma_16x8x16_f16(sums[t], a1, b1);
+                        } else {
+                            mma_16x8x16(EXACT ? sums[t] : acc[t], a0, b0);
+                            mma_16x8x16(EXACT ? sums[t] : acc[t], a1, b1);
+                        }
                     }
                 }
                 if (EXACT) {
-                    // The step's 32 input columns share their weight and input scales (blocks of
-                    // whole steps): the sums, scaled, join the accumulators.
-                    const int input_group = ACT == ACT_FP8_GROUP ? 8 * (first_chunk + batch * 4 * UNROLL + 4 * u) / group : 0;
+                    // The group's 32 * LOAD input columns share their weight and input scales (blocks
+                    // of whole groups, load_chunks' launcher choice): the sums, scaled, join the accumulators.
+                    const int input_group = ACT == ACT_FP8_GROUP ? 8 * group_chunk / group : 0;
                     #pragma unroll
                     for (int t = 0; t < ROW_TILES; ++t) {
                         #pragma unroll
@@ -523,8 +558,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
                             if (ACT == ACT_FP8_TENSOR) input = input_scale;
                             else if (ACT == ACT_FP8_GROUP) input = r < rows ? act_scale[r * groups + input_group] : 0.0f;
                             else if (QUANTIZED_ROWS) input = row_input_scale[t][i];
-                            acc[t][i] += sums[t][i] * upper_scale[u] * input;
-                            acc[t][i + 2] += sums[t][i + 2] * lower_scale[u] * input;
+                            acc[t][i] += sums[t][i] * upper_scale[v] * input;
+                            acc[t][i + 2] += sums[t][i + 2] * lower_scale[v] * input;
                             sums[t][i] = sums[t][i + 2] = 0.0f;
                         }
                     }
@@ -532,11 +567,11 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
             }
         }
         #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            upper[u] = next_upper[u];
-            lower[u] = next_lower[u];
-            upper_scale[u] = next_upper_scale[u];
-            lower_scale[u] = next_lower_scale[u];
+        for (int v = 0; v < LOADS; ++v) {
+            upper[v] = next_upper[v];
+            lower[v] = next_lower[v];
+            upper_scale[v] = next_upper_scale[v];
+            lower_scale[v] = next_lower_scale[v];
         }
         if (batch == batches - 1) {
             if (SPLIT > 1) {
@@ -740,10 +775,22 @@ def exact_path(weight: QuantizedWeight) -> bool:
     return weight.block[1] % 32 == 0 and (weight.activations != "fp8_group" or weight.activation_group % 32 == 0)
 
 
+def load_chunks(weight: QuantizedWeight, exact: bool) -> int:
+    """The chunks of 8 codes a lane loads at once (:data:`LOAD_CHUNKS`): 16 bytes (2 chunks of 8-bit
+    codes, 4 of 4-bit ones), fewer on the exact path where the scales change more often: there the
+    four lanes' loads of a column, 32 input columns a chunk each, join their sums before one weight
+    scale (and one input scale) applies, so a scale block (and an input group) must hold them."""
+    most = 4 if weight.codes_format in ("int4", "mxfp4") else 2
+    if not exact:
+        return most
+    return next(n for n in LOAD_CHUNKS if n <= most and weight.block[1] % (32 * n) == 0
+                and (weight.activations != "fp8_group" or weight.activation_group % (32 * n) == 0))
+
+
 def kernel_name(codes: str, activations: str, split: int, tiles: int, exact: bool = True,
-                shared: bool = True) -> str:
+                shared: bool = True, load: int = 1) -> str:
     return (f"quantized_gemv<{CODES[codes]}, {ACTIVATIONS[activations]}, {split}, {tiles}, "
-            f"{'true' if exact else 'false'}, {'true' if shared else 'false'}>")
+            f"{'true' if exact else 'false'}, {'true' if shared else 'false'}, {load}>")
 
 
 def stage_rows_name(activations: str, exact: bool) -> str:
@@ -868,7 +915,8 @@ def quantized_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, st
             x, order, input_scale, np.int32(weight.activation_group), staged, scales, np.int32(inner),
         ), 0, stream, dependent=False)
     chosen, blocks = plan(columns, multiprocessors, split)
-    function = _function(kernel_name(weight.codes_format, weight.activations, chosen, row_tiles(rows), exact, shared))
+    function = _function(kernel_name(weight.codes_format, weight.activations, chosen, row_tiles(rows), exact, shared,
+                                     load_chunks(weight, exact)))
     stage = shared_bytes(rows, weight, chosen, shared)
     if stage > 48 * 1024:
         function.max_dynamic_shared_size_bytes = stage

@@ -140,10 +140,11 @@ def test_the_decode_attention_compiles_for_every_head_size(tmp_path, head_dim):
 def test_every_quantized_gemv_instantiation_compiles(tmp_path):
     gemv = ("const float*, const int*, float, int, const uint4*, const float*, const unsigned char*, const float*, "
             "const float*, int, int, int, const float*, float*, int, int, int")
-    names = [quantized_gemv.kernel_name(codes, activations, split, tiles, exact, shared)
+    names = [quantized_gemv.kernel_name(codes, activations, split, tiles, exact, shared, load)
              for codes in quantized_gemv.CODES for activations in quantized_gemv.ACTIVATIONS
              for split in quantized_gemv.SPLITS for tiles in quantized_gemv.ROW_TILES for exact in (False, True)
-             for shared in (False, True)]
+             for shared in (False, True) for load in quantized_gemv.LOAD_CHUNKS
+             if load <= (4 if codes in ("int4", "mxfp4") else 2)]
     instantiations = "".join(f"template __global__ void {name}({gemv});\n" for name in names)
     stage_rows = "const float*, const int*, float, int, uint4*, float*, int"
     stagers = sorted({quantized_gemv.stage_rows_name(activations, exact)

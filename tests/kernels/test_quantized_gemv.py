@@ -32,14 +32,19 @@ INSTANCES = [(*instance, exact) for instance in [
 ] for exact in (False, True)]
 
 
+def loads(codes: str) -> tuple[int, ...]:
+    """The chunks a lane may load at once with these codes (qg.load_chunks picks one)."""
+    return tuple(n for n in qg.LOAD_CHUNKS if n <= (4 if codes in ("int4", "mxfp4") else 2))
+
+
 def emulation_main() -> str:
     dispatch = "\n".join(
         f"    if (codes == {qg.CODES[c]} && act == {qg.ACTIVATIONS[a]} && split == {s} && tiles == {t} && exact == "
-        f"{int(e)} && shared == {int(shared)}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, {{THREADS, 1, 1}}, [&] {{ "
-        f"{qg.kernel_name(c, a, s, t, e, shared)}(x, order, input_scale, act_group, staged_rows, staged_scales, "
-        f"code_bytes, scales, zeros, block_rows, block_columns, scale_columns, bias, out, rows, K, N); }}); "
-        f"found = true; }}"
-        for c, a, s, t, e in INSTANCES for shared in (False, True))
+        f"{int(e)} && shared == {int(shared)} && load == {n}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, "
+        f"{{THREADS, 1, 1}}, [&] {{ {qg.kernel_name(c, a, s, t, e, shared, n)}(x, order, input_scale, act_group, "
+        f"staged_rows, staged_scales, code_bytes, scales, zeros, block_rows, block_columns, scale_columns, bias, out, "
+        f"rows, K, N); }}); found = true; }}"
+        for c, a, s, t, e in INSTANCES for shared in (False, True) for n in loads(c))
     stage_rows = "\n".join(
         f"        if (act == {qg.ACTIVATIONS[a]} && exact == {int(e)}) emu::launch({{(unsigned)rows, 1, 1}}, "
         f"{{THREADS, 1, 1}}, [&] {{ {qg.stage_rows_name(a, e)}(x, order, input_scale, act_group, staged_rows, "
@@ -58,8 +63,9 @@ def emulation_main() -> str:
 #include <string>
 
 int main(int argc, char** argv) {
-    if (argc != 19) emu::fail("usage: folder codes act split tiles rows K N blocks block_rows block_columns "
-                              "scale_columns act_group input_scale flags(order zeros bias) dequantize exact shared");
+    if (argc != 20) emu::fail("usage: folder codes act split tiles rows K N blocks block_rows block_columns "
+                              "scale_columns act_group input_scale flags(order zeros bias) dequantize exact shared "
+                              "load");
     const std::string folder = argv[1];
     const int codes = std::atoi(argv[2]), act = std::atoi(argv[3]), split = std::atoi(argv[4]);
     const int tiles = std::atoi(argv[5]), rows = std::atoi(argv[6]), K = std::atoi(argv[7]), N = std::atoi(argv[8]);
@@ -67,7 +73,7 @@ int main(int argc, char** argv) {
     const int scale_columns = std::atoi(argv[12]), act_group = std::atoi(argv[13]);
     const float input_scale = std::atof(argv[14]);
     const int flags = std::atoi(argv[15]), only_dequantize = std::atoi(argv[16]), exact = std::atoi(argv[17]);
-    const int shared = std::atoi(argv[18]);
+    const int shared = std::atoi(argv[18]), load = std::atoi(argv[19]);
     const size_t code_count = (size_t)N * (codes == 1 || codes == 3 ? K / 2 : K);
     const unsigned char* code_bytes = read<unsigned char>(folder + "/codes", code_count);
     const size_t scale_count = (size_t)((N + block_rows - 1) / block_rows) * scale_columns;
@@ -125,7 +131,7 @@ def emulated(tmp_path_factory):
     binary = build_emulated(folder / "quantized_gemv.cpp", source)
 
     def run(weight: QuantizedWeight, x=None, bias=None, *, split=1, blocks=2, dequantize_only=False,
-            stage_only=False, exact=None, fp8_rows=False, shared=True):
+            stage_only=False, exact=None, fp8_rows=False, shared=True, load=None):
         case = folder / "case"
         case.mkdir(exist_ok=True)
         out_features, inner = weight.shape
@@ -150,6 +156,7 @@ def emulated(tmp_path_factory):
                      weight.activation_group, repr(input_scale), flags,
                      3 if fp8_rows else 2 if stage_only else int(dequantize_only),
                      int(qg.exact_path(weight) if exact is None else exact), int(shared)]
+        arguments.append(qg.load_chunks(weight, bool(arguments[-2])) if load is None else load)
         subprocess.run([str(binary), str(case), *map(str, arguments)], check=True, timeout=600)
         if fp8_rows:
             return (np.fromfile(case / "fp8", np.uint8).reshape(rows, inner),
@@ -220,13 +227,17 @@ def test_emulated_gemv_matches_the_reference(emulated, codes, activations, rows,
     x = rng.normal(size=(rows, inner)).astype(np.float32)
     x[0, :7] *= 50  # one row with a few large values: its scale differs from the others'
     bias_values = rng.normal(size=out).astype(np.float32) if bias else None
-    got = emulated(weight, x, bias_values, split=split, blocks=blocks, exact=exact, shared=shared)
     expected = qg.quantized_gemv_reference(x, weight, bias_values, exact=exact)
     scale = np.abs(expected).max()
-    assert np.abs(got - expected).max() <= 1e-5 * scale
-    # And the GPU's rounding (bf16 inputs and weights) stays within bf16's error of the exact math.
-    exact = quantized_linear_reference(x, weight, bias_values)
-    assert np.abs(got - exact).max() <= 2e-2 * np.abs(exact).max()
+    full_precision = quantized_linear_reference(x, weight, bias_values)
+    # The launcher's load width, and each narrower one (all serve the same scale blocks).
+    widths = [n for n in loads(codes) if n <= qg.load_chunks(weight, exact)]
+    assert widths[0] == qg.load_chunks(weight, exact)
+    for load in widths:
+        got = emulated(weight, x, bias_values, split=split, blocks=blocks, exact=exact, shared=shared, load=load)
+        assert np.abs(got - expected).max() <= 1e-5 * scale, load
+        # And the GPU's rounding (bf16 inputs and weights) stays within bf16's error of the exact math.
+        assert np.abs(got - full_precision).max() <= 2e-2 * np.abs(full_precision).max(), load
 
 
 @pytest.mark.parametrize("codes, block, asymmetric", [
