@@ -14,10 +14,11 @@ layer, grids sized from the shapes alone, no host synchronisation (CUDA-graph sa
 2. **gate_up**: a block multiplies one tile's rows of ``x`` (gathered through ``pair // k``) by
    :data:`BLOCK_N` / 2 gate rows of the tile's expert and the matching up rows (interleaved by
    eight, so one thread holds a column's gate and up sums) and writes ``silu(gate) * up`` as bf16
-   into ``act [tiles * BLOCK_M, I]`` (padding rows get zeros).
+   into ``act [tiles * BLOCK_M, I]`` (padding rows get zeros); for GPT-OSS's experts the sums
+   take the expert's biases first and the activation is its clamped SwiGLU.
 3. **down**: a tile's ``act`` rows times :data:`BLOCK_N` rows of the expert's ``down [H, I]``;
-   the epilogue scales by the pair's routing weight and writes float32 into ``pair_out [N * k,
-   H]`` at the pair's row.
+   the epilogue adds the expert's bias (GPT-OSS), scales by the pair's routing weight and writes
+   float32 into ``pair_out [N * k, H]`` at the pair's row.
 4. **sum**: ``out[n] = sum_s pair_out[n * k + s]``, in slot order.
 
 The products stream ``block_k``-deep slices of both operands (K-contiguous rows: ``x`` / ``act``
@@ -275,9 +276,20 @@ extern "C" __global__ void __launch_bounds__(ALIGN_THREADS) moe_align(
 // Grid: (ceil(I / (BLOCK_N / 2)), max_tiles); THREADS threads; STAGES * STAGE_ELEMENTS bf16 of
 // dynamic shared memory. x [N, H], gate_up [E * 2I, H] bf16 bits (expert e: I gate rows, then I
 // up rows); act [max_tiles * BLOCK_M, I] bf16 bits, row = the pair's padded slot.
+// GPT-OSS's activation of a gate and an up sum (metrale.kernels.moe_clamped's clamped_swiglu_reference).
+__device__ __forceinline__ float clamped_swiglu(float gate, float up, float alpha, float limit) {
+    gate = fminf(gate, limit);
+    up = fminf(fmaxf(up, -limit), limit);
+    return (up + 1.f) * gate / (1.f + expf(-alpha * gate));
+}
+
+// gate_up_bias [E * 2I] float32 or null: added to the sums. clamped: GPT-OSS's activation
+// (up clamped to +-limit, gate to at most limit, (up + 1) * gate * sigmoid(alpha * gate)) instead
+// of silu(gate) * up.
 extern "C" __global__ void __launch_bounds__(THREADS) moe_grouped_gate_up(
     const bf16_bits* __restrict__ x, const bf16_bits* __restrict__ gate_up, const int* __restrict__ sorted_pairs,
-    const int* __restrict__ tile_expert, int top_k, int hidden, int inter, bf16_bits* __restrict__ act)
+    const int* __restrict__ tile_expert, int top_k, int hidden, int inter, bf16_bits* __restrict__ act,
+    const float* __restrict__ gate_up_bias, int clamped, float alpha, float limit)
 {
     DYNAMIC_SHARED;
     const int tile = blockIdx.y;
@@ -325,10 +337,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) moe_grouped_gate_up(
             for (int j = 0; j < N_FRAGS / 2; ++j) {
                 const int column = column0 + (warp_n * (N_FRAGS / 2) + j) * 8 + (lane % 4) * 2;
                 if (column >= inter) continue;
-                const float gate0 = acc[mf][2 * j][2 * half], gate1 = acc[mf][2 * j][2 * half + 1];
-                const float up0 = acc[mf][2 * j + 1][2 * half], up1 = acc[mf][2 * j + 1][2 * half + 1];
+                float gate0 = acc[mf][2 * j][2 * half], gate1 = acc[mf][2 * j][2 * half + 1];
+                float up0 = acc[mf][2 * j + 1][2 * half], up1 = acc[mf][2 * j + 1][2 * half + 1];
+                if (gate_up_bias != nullptr) {
+                    const float* bias = gate_up_bias + (long long)expert * 2 * inter + column;
+                    gate0 += bias[0];
+                    gate1 += bias[1];
+                    up0 += bias[inter];
+                    up1 += bias[inter + 1];
+                }
                 *reinterpret_cast<unsigned*>(target + column) =
-                    pack_bf16(gate0 / (1.f + expf(-gate0)) * up0, gate1 / (1.f + expf(-gate1)) * up1);
+                    clamped ? pack_bf16(clamped_swiglu(gate0, up0, alpha, limit), clamped_swiglu(gate1, up1, alpha, limit))
+                            : pack_bf16(gate0 / (1.f + expf(-gate0)) * up0, gate1 / (1.f + expf(-gate1)) * up1);
             }
         }
     }
@@ -337,10 +357,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) moe_grouped_gate_up(
 // Grid: (ceil(H / BLOCK_N), max_tiles); THREADS threads; dynamic shared memory as gate_up.
 // act [max_tiles * BLOCK_M, I], down [E * H, I] bf16 bits; weights [N * k] float32;
 // pair_out [N * k, H] float32: row n * k + s = weights[n, s] * down_e act (padding rows skipped).
+// down_bias [E * H] float32 or null: added to the products before the routing weight scales them.
 extern "C" __global__ void __launch_bounds__(THREADS) moe_grouped_down(
     const bf16_bits* __restrict__ act, const bf16_bits* __restrict__ down, const int* __restrict__ sorted_pairs,
     const int* __restrict__ tile_expert, const float* __restrict__ weights, int hidden, int inter,
-    float* __restrict__ pair_out)
+    float* __restrict__ pair_out, const float* __restrict__ down_bias)
 {
     DYNAMIC_SHARED;
     const int tile = blockIdx.y;
@@ -383,8 +404,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) moe_grouped_down(
             for (int nf = 0; nf < N_FRAGS; ++nf) {
                 const int column = column0 + warp_n * WARP_N + nf * 8 + (lane % 4) * 2;
                 if (column >= hidden) continue;
-                *reinterpret_cast<float2*>(target + column) =
-                    make_float2(acc[mf][nf][2 * half] * weight, acc[mf][nf][2 * half + 1] * weight);
+                float low = acc[mf][nf][2 * half], high = acc[mf][nf][2 * half + 1];
+                if (down_bias != nullptr) {
+                    low += down_bias[(long long)expert * hidden + column];
+                    high += down_bias[(long long)expert * hidden + column + 1];
+                }
+                *reinterpret_cast<float2*>(target + column) = make_float2(low * weight, high * weight);
             }
         }
     }
@@ -561,14 +586,19 @@ def align(chosen: DeviceArray, num_experts: int, sorted_pairs: DeviceArray, tile
 def grouped_experts(
     x: DeviceArray, chosen: DeviceArray, weights: DeviceArray, gate_up: DeviceArray, down: DeviceArray,
     sorted_pairs: DeviceArray, tile_expert: DeviceArray, act: DeviceArray, pair_out: DeviceArray, out: DeviceArray,
-    stream: Any = None, tiling: Tiling = TILING,
+    stream: Any = None, tiling: Tiling = TILING, *, gate_up_bias: DeviceArray | None = None,
+    down_bias: DeviceArray | None = None, clamp: tuple[float, float] | None = None,
 ) -> DeviceArray:
     """The routed experts of ``x [N, H]`` (bf16 bits) as grouped products: ``out [N, H]`` float32,
     as :func:`grouped_experts_reference` (with ``act`` rounded to bf16). ``chosen [N, k]`` int32,
     ``weights [N, k]`` float32; ``gate_up [E * 2I, H]``, ``down [E * H, I]`` bf16 bits. Scratch,
     with ``T = max_tiles(N * k, E, tiling.block_m)``: ``sorted_pairs [T * block_m]`` and
     ``tile_expert [T]`` int32, ``act [T * block_m, I]`` bf16 bits, ``pair_out [N * k, H]``
-    float32. Four launches, no host synchronisation."""
+    float32. Four launches, no host synchronisation.
+
+    GPT-OSS's experts (:func:`metrale.kernels.moe_clamped.clamped_experts_reference`) take the
+    same launches: ``gate_up_bias [E * 2I]`` and ``down_bias [E * H]`` float32 added to the
+    products, and ``clamp=(alpha, limit)`` for its clamped SwiGLU in place of ``silu(gate) * up``."""
     op = "moe_grouped_experts"
     check_array(op, "x", x, np.uint16, ndim=2)
     tokens, hidden = x.shape
@@ -595,6 +625,10 @@ def grouped_experts(
     for name, array in (("x", x), ("gate_up", gate_up), ("down", down), ("act", act), ("pair_out", pair_out),
                         ("out", out)):
         _check_aligned(op, name, array)
+    if gate_up_bias is not None:
+        check_array(op, "gate_up_bias", gate_up_bias, np.float32, (num_experts * 2 * inter,))
+    if down_bias is not None:
+        check_array(op, "down_bias", down_bias, np.float32, (num_experts * hidden,))
     if not pairs:
         return out
     import contextlib
@@ -602,14 +636,19 @@ def grouped_experts(
     align(chosen, num_experts, sorted_pairs, tile_expert, tiling.block_m, stream)
     threads, shared = (tiling.threads,), tiling.shared_bytes
     with stream if stream is not None else contextlib.nullcontext():
+        null = np.uint64(0)
+        alpha, limit = clamp if clamp is not None else (0.0, 0.0)
         _kernel(tiling, "moe_grouped_gate_up")(
             (-(-inter // (tiling.block_n // 2)), tiles), threads,
-            (x, gate_up, sorted_pairs, tile_expert, np.int32(top_k), np.int32(hidden), np.int32(inter), act),
+            (x, gate_up, sorted_pairs, tile_expert, np.int32(top_k), np.int32(hidden), np.int32(inter), act,
+             gate_up_bias if gate_up_bias is not None else null, np.int32(clamp is not None), np.float32(alpha),
+             np.float32(limit)),
             shared_mem=shared,
         )
         _kernel(tiling, "moe_grouped_down")(
             (-(-hidden // tiling.block_n), tiles), threads,
-            (act, down, sorted_pairs, tile_expert, weights, np.int32(hidden), np.int32(inter), pair_out),
+            (act, down, sorted_pairs, tile_expert, weights, np.int32(hidden), np.int32(inter), pair_out,
+             down_bias if down_bias is not None else null),
             shared_mem=shared,
         )
         quads = tokens * hidden // 4

@@ -611,6 +611,26 @@ class CudaKernels:
             self.as_bf16(x), cp.ascontiguousarray(experts, dtype=np.int32), cp.ascontiguousarray(weights, dtype=f32),
             gate_up, down, alpha, limit, _f32_or_none(gate_up_bias), _f32_or_none(down_bias), act, out, self.stream)
 
+    def moe_experts_clamped_grouped(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any, alpha: float,
+                                    limit: float, gate_up_bias: Any = None, down_bias: Any = None) -> Any:
+        """GPT-OSS's experts over bf16 stacks as grouped tensor-core products, each expert's pairs
+        one product (:func:`metrale.kernels.moe_grouped.grouped_experts` with its biases and clamped
+        SwiGLU): for prompts, where pair by pair would read an expert's weights once per pair."""
+        x = self.as_bf16(x)
+        tokens, hidden = x.shape
+        top_k, inter = experts.shape[1], down.shape[1]
+        num_experts = down.shape[0] // hidden
+        pairs = tokens * top_k
+        tiling = moe_grouped.tiling_for(tokens, top_k, num_experts)
+        tiles = moe_grouped.max_tiles(pairs, num_experts, tiling.block_m)
+        rows = tiles * tiling.block_m
+        return moe_grouped.grouped_experts(
+            x, cp.ascontiguousarray(experts, dtype=np.int32), cp.ascontiguousarray(weights, dtype=f32), gate_up,
+            down, cp.empty(rows, dtype=np.int32), cp.empty(tiles, dtype=np.int32), cp.empty((rows, inter), dtype=bf16),
+            cp.empty((pairs, hidden), dtype=f32), cp.empty((tokens, hidden), dtype=f32), self.stream, tiling=tiling,
+            gate_up_bias=_f32_or_none(gate_up_bias), down_bias=_f32_or_none(down_bias), clamp=(alpha, limit),
+        )
+
     def moe_experts_clamped_mxfp4(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any, alpha: float,
                                   limit: float, gate_up_bias: Any = None, down_bias: Any = None) -> Any:
         """GPT-OSS's experts pair by pair over plain MXFP4 stacks, their codes and E8M0 scales

@@ -645,18 +645,30 @@ def moe_kernels() -> list[Kernel]:
 
 def clamped_experts_kernels() -> list[Kernel]:
     """``moe_experts_clamped`` (GPT-OSS's experts): the MXFP4 kernels where both stacks are plain
-    MXFP4 (codes decoded in registers), else the bf16 kernels (a quantized stack dequantized into
-    bf16 first)."""
+    MXFP4 (codes decoded in registers); for bf16 stacks, the grouped tensor-core kernels from
+    :data:`GROUPED_EXPERTS_MIN_TOKENS` tokens; else the bf16 kernels pair by pair (a quantized
+    stack dequantized into bf16 first)."""
 
     def mxfp4(x, experts, weights, gate_up, down, alpha, limit, gate_up_bias=None, down_bias=None):
         from metrale.kernels import moe_clamped
 
         return moe_clamped.is_plain_mxfp4(gate_up) and moe_clamped.is_plain_mxfp4(down)
 
+    def grouped(x, experts, weights, gate_up, down, alpha, limit, gate_up_bias=None, down_bias=None):
+        from metrale.kernels import moe_grouped
+
+        if getattr(gate_up, "dtype", None) != np.uint16 or getattr(down, "dtype", None) != np.uint16:
+            return False
+        hidden, inter = x.shape[1], down.shape[1]
+        return x.shape[0] >= GROUPED_EXPERTS_MIN_TOKENS and moe_grouped.supports(hidden, inter, down.shape[0] // hidden)
+
     return [
         Kernel("moe_experts_clamped", "cuda", "metrale.kernels.moe_clamped (MXFP4 codes decoded in registers)",
                build=_cuda_method("moe_experts_clamped_mxfp4"), when=mxfp4,
                condition="both stacks plain MXFP4 (scales per 32 columns, no zero points, inputs unquantized)"),
+        Kernel("moe_experts_clamped", "cuda", "metrale.kernels.moe_grouped (tensor cores, the pairs grouped by expert)",
+               build=_cuda_method("moe_experts_clamped_grouped"), when=grouped,
+               condition=f"bf16 stacks, N >= {GROUPED_EXPERTS_MIN_TOKENS}, H and I multiples of 8, E <= 1024"),
         Kernel("moe_experts_clamped", "cuda", "metrale.kernels.moe_clamped (bf16 stacks)",
                build=_cuda_method("moe_experts_clamped_bf16")),
     ]

@@ -257,11 +257,13 @@ def test_routed_experts_on_the_cpu_match_the_reference(tokens):
 EMULATION_MAIN = r"""
 
 int main(int argc, char** argv) {
-    if (argc != 9) return 2;
+    if (argc != 12) return 2;
     const std::string folder = argv[1];
     const int tokens = std::atoi(argv[2]), top_k = std::atoi(argv[3]), hidden = std::atoi(argv[4]);
     const int inter = std::atoi(argv[5]), experts = std::atoi(argv[6]), tiles = std::atoi(argv[7]);
     emu::defer_copies = std::atoi(argv[8]);
+    const int clamped = std::atoi(argv[9]);   // GPT-OSS's experts: biases and the clamped SwiGLU
+    const float alpha = std::atof(argv[10]), limit = std::atof(argv[11]);
     const int pairs = tokens * top_k;
     const size_t rows = (size_t)tiles * BLOCK_M;
     auto* x = read<unsigned short>(folder + "/x", (size_t)tokens * hidden);
@@ -269,6 +271,8 @@ int main(int argc, char** argv) {
     auto* weights = read<float>(folder + "/weights", pairs);
     auto* gate_up = read<unsigned short>(folder + "/gate_up", (size_t)experts * 2 * inter * hidden);
     auto* down = read<unsigned short>(folder + "/down", (size_t)experts * hidden * inter);
+    const float* gate_up_bias = clamped ? read<float>(folder + "/gate_up_bias", (size_t)experts * 2 * inter) : nullptr;
+    const float* down_bias = clamped ? read<float>(folder + "/down_bias", (size_t)experts * hidden) : nullptr;
     auto* sorted_pairs = allocate<int>(rows);
     auto* tile_expert = allocate<int>(tiles);
     auto* act = allocate<unsigned short>(rows * inter);
@@ -277,9 +281,11 @@ int main(int argc, char** argv) {
     emu::launch({1, 1, 1}, {ALIGN_THREADS, 1, 1},
                 [&] { moe_align(chosen, pairs, experts, BLOCK_M, tiles, sorted_pairs, tile_expert); });
     emu::launch({(unsigned)((inter + BLOCK_N / 2 - 1) / (BLOCK_N / 2)), (unsigned)tiles, 1}, {THREADS, 1, 1},
-                [&] { moe_grouped_gate_up(x, gate_up, sorted_pairs, tile_expert, top_k, hidden, inter, act); });
+                [&] { moe_grouped_gate_up(x, gate_up, sorted_pairs, tile_expert, top_k, hidden, inter, act,
+                                          gate_up_bias, clamped, alpha, limit); });
     emu::launch({(unsigned)((hidden + BLOCK_N - 1) / BLOCK_N), (unsigned)tiles, 1}, {THREADS, 1, 1},
-                [&] { moe_grouped_down(act, down, sorted_pairs, tile_expert, weights, hidden, inter, pair_out); });
+                [&] { moe_grouped_down(act, down, sorted_pairs, tile_expert, weights, hidden, inter, pair_out,
+                                       down_bias); });
     emu::launch({3, 1, 1}, {64, 1, 1}, [&] { moe_sum_pairs(pair_out, tokens, top_k, hidden, out); });
     write(folder + "/sorted_pairs", sorted_pairs, rows);
     write(folder + "/tile_expert", tile_expert, tiles);
@@ -302,17 +308,22 @@ def emulated(tmp_path_factory):
                                             moe_grouped.constants(tiling) + moe_grouped.KERNELS + EMULATION_MAIN)
         return builds[tiling]
 
-    def run(tiling, x, chosen, weights, gate_up, down, defer_copies=True):
+    def run(tiling, x, chosen, weights, gate_up, down, defer_copies=True, biases=None, clamp=None):
         tokens, hidden = x.shape
         top_k, inter = chosen.shape[1], down.shape[1]
         num_experts = down.shape[0] // hidden
         tiles = moe_grouped.max_tiles(tokens * top_k, num_experts, tiling.block_m)
         case = folder / "case"
         case.mkdir(exist_ok=True)
-        for name, array in dict(x=x, chosen=chosen, weights=weights, gate_up=gate_up, down=down).items():
+        arrays = dict(x=x, chosen=chosen, weights=weights, gate_up=gate_up, down=down)
+        if clamp is not None:
+            arrays.update(gate_up_bias=biases[0], down_bias=biases[1])
+        for name, array in arrays.items():
             np.ascontiguousarray(array).tofile(case / name)
+        alpha, limit = clamp if clamp is not None else (0.0, 0.0)
         subprocess.run([str(build(tiling)), str(case), *map(str, (tokens, top_k, hidden, inter, num_experts, tiles)),
-                        str(int(defer_copies))], check=True, timeout=600)
+                        str(int(defer_copies)), str(int(clamp is not None)), repr(alpha), repr(limit)],
+                       check=True, timeout=600)
         return SimpleNamespace(
             sorted_pairs=np.fromfile(case / "sorted_pairs", np.int32), tile_expert=np.fromfile(case / "tile_expert", np.int32),
             act=np.fromfile(case / "act", np.uint16).reshape(-1, inter),
@@ -356,5 +367,29 @@ def test_the_kernels_run_emulated_match_the_reference(emulated, tiling, shape, c
     assert np.abs(act - expected_act).max() <= 2 ** -7 * np.abs(expected_act).max()
 
     expected = moe_grouped.grouped_experts_reference(xf, chosen, weights, gate_upf, downf)
+    assert np.isfinite(got.out).all()
+    assert np.abs(got.out - expected).max() <= 1e-2 * np.abs(expected).max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape, choose", [
+    ((40, 4, 72, 40, 8), distinct),  # H, I not multiples of a tile
+    ((70, 2, 64, 24, 4), all_to_expert_0),
+])
+def test_gpt_oss_experts_run_emulated_match_the_clamped_reference(emulated, shape, choose):
+    """GPT-OSS's experts through the same launches: the biases and the clamped SwiGLU against
+    metrale.kernels.moe_clamped's reference (the activations rounded to bf16 here, float32 there)."""
+    from metrale.kernels import moe_clamped
+
+    tokens, top_k, hidden, inter, num_experts = shape
+    rng = np.random.default_rng(sum(shape) + 1)
+    x, chosen, weights, gate_up, down = experts_case(rng, tokens, top_k, hidden, inter, num_experts, choose)
+    gate_up_bias = rng.normal(0, 0.5, num_experts * 2 * inter).astype(np.float32)
+    down_bias = rng.normal(0, 0.5, num_experts * hidden).astype(np.float32)
+    alpha, limit = 1.702, 1.5  # a limit the gate and up sums cross, so both clamps act
+    got = emulated(moe_grouped.TILING, x, chosen, weights, gate_up, down, biases=(gate_up_bias, down_bias),
+                   clamp=(alpha, limit))
+    expected = moe_clamped.clamped_experts_reference(bf16_to_float32(x), chosen, weights, bf16_to_float32(gate_up),
+                                                     bf16_to_float32(down), alpha, limit, gate_up_bias, down_bias)
     assert np.isfinite(got.out).all()
     assert np.abs(got.out - expected).max() <= 1e-2 * np.abs(expected).max()

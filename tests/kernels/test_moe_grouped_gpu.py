@@ -222,3 +222,29 @@ def test_a_captured_graph_replays_with_new_routing(backend):
             got = cp.asnumpy(out)
         expected = moe_grouped.grouped_experts_reference(bf16_to_float32(x), chosen, weights, gate_up, down)
         assert rel_error(got, expected) <= 2e-2, choose.__name__
+
+
+@pytest.mark.parametrize("tokens", [8, 40, 2048])
+def test_gpt_oss_experts_through_the_op_match_the_clamped_reference(backend, tokens):
+    """GPT-OSS-20B's expert shape (H 2880, I 2880, 32 experts, top 4) through the op
+    ``moe_experts_clamped``: 8 tokens pair by pair, more through the grouped kernels with the
+    biases and the clamped SwiGLU; all against metrale.kernels.moe_clamped's reference."""
+    import cupy as cp
+
+    from metrale.kernels import moe_clamped
+
+    hidden, inter, num_experts, top_k = 2880, 2880, 32, 4
+    gate_up, down, gate_up_device, down_device = expert_weights(hidden, inter, num_experts)
+    rng = np.random.default_rng(tokens)
+    x, chosen, weights = routing(rng, tokens, hidden, top_k, num_experts, distinct)
+    gate_up_bias = rng.normal(0, 0.5, num_experts * 2 * inter).astype(np.float32)
+    down_bias = rng.normal(0, 0.5, num_experts * hidden).astype(np.float32)
+    alpha, limit = 1.702, 7.0
+    with backend.activate():
+        got = backend.ops.moe_experts_clamped(cp.asarray(x), cp.asarray(chosen), cp.asarray(weights), gate_up_device,
+                                              down_device, alpha, limit, cp.asarray(gate_up_bias),
+                                              cp.asarray(down_bias))
+        got = cp.asnumpy(got)
+    expected = moe_clamped.clamped_experts_reference(bf16_to_float32(x), chosen, weights, gate_up, down, alpha, limit,
+                                                     gate_up_bias, down_bias)
+    assert rel_error(got, expected) <= 2e-2
