@@ -282,24 +282,30 @@ def load_interleaved_experts(
     interleaved = slice(2 * part.start, 2 * part.stop)
     order = interleaved_order(experts, local)
     gate_up_name, down_name = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+    xp = backend.xp
     if checkpoint.is_quantized(gate_up_name):
         stack = checkpoint.quantized(gate_up_name, (count, 2 * width, hidden), rows=interleaved)
-        gate_up = stack[held.start * 2 * local : held.stop * 2 * local]
+        gate_up = _placed(backend, _rows_in_order(stack[held.start * 2 * local : held.stop * 2 * local], order))
     else:
-        stored = checkpoint.tensor(gate_up_name, (count, hidden, 2 * width), rows=held)[:, :, interleaved]
-        gate_up = stored.transpose(0, 2, 1).reshape(experts * 2 * local, hidden)
+        # Read as the backend holds weights, then transposed and put in order there (on the GPU:
+        # the bf16 bits uploaded as stored, no host pass over gigabytes of experts).
+        stored = backend.load_weight(checkpoint, (gate_up_name, (count, hidden, 2 * width), held))
+        gate_up = xp.ascontiguousarray(stored[:, :, interleaved].transpose(0, 2, 1))
+        gate_up = xp.ascontiguousarray(gate_up.reshape(experts * 2 * local, hidden)[xp.asarray(order)])
+        del stored
     if checkpoint.is_quantized(down_name):
         stack = checkpoint.quantized(down_name, (count, hidden, width), columns=None if local == width else part)
-        down = stack[held.start * hidden : held.stop * hidden]
+        down = _placed(backend, stack[held.start * hidden : held.stop * hidden])
     else:
-        stored = checkpoint.tensor(down_name, (count, width, hidden), rows=held)[:, part, :]
-        down = np.ascontiguousarray(stored.transpose(0, 2, 1)).reshape(experts * hidden, local)
+        stored = backend.load_weight(checkpoint, (down_name, (count, width, hidden), held))
+        down = xp.ascontiguousarray(stored[:, part, :].transpose(0, 2, 1)).reshape(experts * hidden, local)
+        del stored
     gate_up_bias = checkpoint.tensor(f"{gate_up_name}_bias", (count, 2 * width), rows=held)[:, interleaved]
     down_bias = checkpoint.tensor(f"{down_name}_bias", (count, hidden), rows=held)
     keeps_down_bias = shard.rank == 0 or shard.expert_parallel
     return ClampedExperts(
-        gate_up=_placed(backend, _rows_in_order(gate_up, order)),
-        down=_placed(backend, down),
+        gate_up=gate_up,
+        down=down,
         gate_up_bias=backend.constant(gate_up_bias.reshape(-1)[order]),
         down_bias=backend.constant(down_bias.reshape(-1)) if keeps_down_bias else None,
         alpha=alpha, limit=limit, held=experts, first=held.start, total=count,
