@@ -1,0 +1,123 @@
+"""The quantized decode GEMV (``metrale.kernels.quantized_gemv``) against the bf16 decode GEMV on
+the Llama-8B projection shapes: FP8 per channel with per-token inputs, INT4 weight-only (groups of
+128) and INT8 per channel with per-token inputs, at 1, 8 and 32 rows (bf16 at 1 row).
+
+Each kernel is recorded 20 times into a CUDA graph and the graph replayed; the microseconds per
+launch and the code bytes read per microsecond (GB/s) are printed. ``--copies N`` cycles the
+launches through N copies of each weight so that they come from memory rather than the 50 MB L2
+(with 1, the default, a weight under the L2's size is served from it after the first launch).
+``--baseline FILE`` also times another build's ``quantized_gemv.py`` (a copy of the module file,
+e.g. ``git show REV:kernels/quantized_gemv.py > /tmp/old.py``) and prints its time before this
+build's, with the largest difference of their outputs. Run from the repository root::
+
+    python3 tools/sweeps/quantized_gemv_sweep.py [--rows 1,8,32] [--copies 1] [--baseline FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from typing import Any
+
+import numpy as np
+
+#: (K, N): the 8B shape's qkv, o, gate_up and down projections.
+SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+
+
+def timed(launch: Any, copies: int, reps: int = 200) -> float:
+    """Microseconds per launch of ``launch(stream, copy)`` replayed from a graph of 20 launches."""
+    import cupy as cp
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for copy in range(min(copies, 2)):
+            launch(stream, copy)
+        stream.synchronize()
+        stream.begin_capture()
+        for i in range(20):
+            launch(stream, i % copies)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        for _ in range(reps // 20):
+            graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) * 1000 / (reps // 20 * 20)
+
+
+def host_weights(rng: np.random.Generator, columns: int, inner: int) -> list[tuple[str, float, Any]]:
+    """(label, code bytes per weight, host QuantizedWeight) of each format timed."""
+    from metrale.kernels.quantized import QuantizedWeight, pack_nibbles, quantize_fp8_per_channel
+
+    return [
+        ("fp8", 1.0, quantize_fp8_per_channel(rng.normal(size=(columns, inner)).astype(np.float32) * 0.02, "fp8_token")),
+        ("int4", 0.5, QuantizedWeight("int4", pack_nibbles(rng.integers(0, 16, size=(columns, inner), dtype=np.uint8)),
+                                      rng.uniform(1e-3, 3e-3, size=(columns, inner // 128)).astype(np.float32),
+                                      (1, 128), (columns, inner))),
+        ("int8", 1.0, QuantizedWeight("int8", rng.integers(0, 256, size=(columns, inner), dtype=np.uint8),
+                                      rng.uniform(1e-3, 3e-3, size=(columns, 1)).astype(np.float32), (1, inner),
+                                      (columns, inner), activations="int8_token")),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,8,32", help="rows of the product (default: 1,8,32)")
+    parser.add_argument("--copies", type=int, default=1, help="copies of each weight cycled through (default: 1)")
+    parser.add_argument("--baseline", default=None, metavar="FILE", help="another build's quantized_gemv.py")
+    args = parser.parse_args()
+
+    import cupy as cp
+
+    from metrale.backends.cuda import CudaBackend
+    from metrale.kernels import decode_gemv
+    from metrale.kernels import quantized_gemv as current
+
+    builds = [("this", current)]
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("quantized_gemv_baseline", args.baseline)
+        assert spec is not None and spec.loader is not None
+        baseline = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(baseline)
+        builds.insert(0, ("baseline", baseline))
+    backend = CudaBackend()
+    multiprocessors = decode_gemv.multiprocessor_count()
+    rng = np.random.default_rng(0)
+    for rows in (int(r) for r in args.rows.split(",")):
+        for inner, columns in SHAPES:
+            x = cp.asarray(rng.normal(size=(rows, inner)).astype(np.float32))
+            out = cp.empty((rows, columns), np.float32)
+            line = [f"rows={rows:2d} K={inner:5d} N={columns:5d}"]
+            if rows == 1:
+                dense = [cp.asarray(rng.integers(0, 2**16, size=(columns, inner), dtype=np.uint16) & 0x3FFF)
+                         for _ in range(args.copies)]
+                us = timed(lambda s, c, d=dense: decode_gemv.decode_gemv(decode_gemv.PLAIN_F32, x, d[c], out, s),
+                           args.copies)
+                line.append(f"bf16 {us:6.1f}us {columns * inner * 2 / us / 1e3:5.0f}GB/s")
+            for label, per_weight, host in host_weights(rng, columns, inner):
+                weights = [backend.quantized_weight(host) for _ in range(args.copies)]
+                staged_shape, scales_shape = current.workspace_shapes(rows, host)
+                workspace = (cp.empty(staged_shape, np.uint32), cp.empty(scales_shape, np.float32))
+                results = []
+                for _, module in builds:
+                    us = timed(lambda s, c, m=module, w=weights: m.quantized_gemv(x, w[c], out, s,
+                                                                                 multiprocessors=multiprocessors,
+                                                                                 workspace=workspace), args.copies)
+                    results.append((us, cp.asnumpy(out).copy()))
+                us = results[-1][0]
+                text = f"{label} {us:6.1f}us {columns * inner * per_weight / us / 1e3:5.0f}GB/s"
+                if len(results) == 2:
+                    (before, y_before), (_, y_now) = results
+                    difference = np.abs(y_before - y_now).max() / (np.abs(y_before).max() + 1e-30)
+                    text = f"{label} {before:6.1f}->{us:6.1f}us {columns * inner * per_weight / us / 1e3:5.0f}GB/s " \
+                           f"d={difference:.1e}"
+                line.append(text)
+            print("  ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
