@@ -613,9 +613,11 @@ class CudaKernels:
 
     def moe_experts_clamped_grouped(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any, alpha: float,
                                     limit: float, gate_up_bias: Any = None, down_bias: Any = None) -> Any:
-        """GPT-OSS's experts over bf16 stacks as grouped tensor-core products, each expert's pairs
+        """GPT-OSS's experts as grouped tensor-core products, each expert's pairs
         one product (:func:`metrale.kernels.moe_grouped.grouped_experts` with its biases and clamped
-        SwiGLU): for prompts, where pair by pair would read an expert's weights once per pair."""
+        SwiGLU): for prompts, where pair by pair would read an expert's weights once per pair. A
+        weight-only quantized stack (MXFP4) is dequantized into bf16 for the call."""
+        gate_up, down = self._clamped_stack(gate_up), self._clamped_stack(down)
         x = self.as_bf16(x)
         tokens, hidden = x.shape
         top_k, inter = experts.shape[1], down.shape[1]

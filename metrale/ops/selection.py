@@ -37,6 +37,12 @@ FUSED_MLP_MAX_BYTES = 128 * 1024 * 1024
 #: Batches of at least this many tokens run their routed experts through the grouped tensor-core
 #: kernels, each chosen expert's weights read once; smaller ones pair by pair.
 GROUPED_EXPERTS_MIN_TOKENS = 9
+#: Tokens from which GPT-OSS's weight-only quantized expert stacks (MXFP4) are dequantized into bf16
+#: for the grouped kernels rather than read pair by pair: a layer's whole stacks dequantized and
+#: read once (about 9x their codes' bytes: the codes read, the bf16 written and read back) cost
+#: what N * k pairs reading one expert's codes each do at N * k ~ 9 E, 72 tokens for gpt-oss's
+#: 32 experts of which 4 are chosen; twice that leaves room for the pairs' L2 hits.
+GROUPED_DEQUANTIZED_EXPERTS_MIN_TOKENS = 128
 #: Batches of up to this many rows take the router-logits kernel; larger ones a float32 cuBLAS
 #: product.
 ROUTER_KERNEL_ROWS = 64
@@ -644,10 +650,11 @@ def moe_kernels() -> list[Kernel]:
 
 
 def clamped_experts_kernels() -> list[Kernel]:
-    """``moe_experts_clamped`` (GPT-OSS's experts): the MXFP4 kernels where both stacks are plain
-    MXFP4 (codes decoded in registers); for bf16 stacks, the grouped tensor-core kernels from
-    :data:`GROUPED_EXPERTS_MIN_TOKENS` tokens; else the bf16 kernels pair by pair (a quantized
-    stack dequantized into bf16 first)."""
+    """``moe_experts_clamped`` (GPT-OSS's experts): the grouped tensor-core kernels for bf16 stacks
+    from :data:`GROUPED_EXPERTS_MIN_TOKENS` tokens and for weight-only quantized stacks (MXFP4),
+    dequantized into bf16 for the call, from :data:`GROUPED_DEQUANTIZED_EXPERTS_MIN_TOKENS`; else
+    the MXFP4 kernels where both stacks are plain MXFP4 (codes decoded in registers, pair by pair);
+    else the bf16 kernels pair by pair (a quantized stack dequantized into bf16 first)."""
 
     def mxfp4(x, experts, weights, gate_up, down, alpha, limit, gate_up_bias=None, down_bias=None):
         from metrale.kernels import moe_clamped
@@ -657,18 +664,25 @@ def clamped_experts_kernels() -> list[Kernel]:
     def grouped(x, experts, weights, gate_up, down, alpha, limit, gate_up_bias=None, down_bias=None):
         from metrale.kernels import moe_grouped
 
-        if getattr(gate_up, "dtype", None) != np.uint16 or getattr(down, "dtype", None) != np.uint16:
+        stacks = (gate_up, down)
+        if all(getattr(stack, "dtype", None) == np.uint16 for stack in stacks):
+            least = GROUPED_EXPERTS_MIN_TOKENS
+        elif all(isinstance(stack, QuantizedWeight) and stack.activations == "weight_only" for stack in stacks):
+            least = GROUPED_DEQUANTIZED_EXPERTS_MIN_TOKENS
+        else:
             return False
         hidden, inter = x.shape[1], down.shape[1]
-        return x.shape[0] >= GROUPED_EXPERTS_MIN_TOKENS and moe_grouped.supports(hidden, inter, down.shape[0] // hidden)
+        return x.shape[0] >= least and moe_grouped.supports(hidden, inter, down.shape[0] // hidden)
 
     return [
+        Kernel("moe_experts_clamped", "cuda", "metrale.kernels.moe_grouped (tensor cores, the pairs grouped by expert)",
+               build=_cuda_method("moe_experts_clamped_grouped"), when=grouped,
+               condition=f"bf16 stacks and N >= {GROUPED_EXPERTS_MIN_TOKENS}, or weight-only quantized stacks "
+               f"(dequantized for the call) and N >= {GROUPED_DEQUANTIZED_EXPERTS_MIN_TOKENS}; H and I multiples of 8, "
+               "E <= 1024"),
         Kernel("moe_experts_clamped", "cuda", "metrale.kernels.moe_clamped (MXFP4 codes decoded in registers)",
                build=_cuda_method("moe_experts_clamped_mxfp4"), when=mxfp4,
                condition="both stacks plain MXFP4 (scales per 32 columns, no zero points, inputs unquantized)"),
-        Kernel("moe_experts_clamped", "cuda", "metrale.kernels.moe_grouped (tensor cores, the pairs grouped by expert)",
-               build=_cuda_method("moe_experts_clamped_grouped"), when=grouped,
-               condition=f"bf16 stacks, N >= {GROUPED_EXPERTS_MIN_TOKENS}, H and I multiples of 8, E <= 1024"),
         Kernel("moe_experts_clamped", "cuda", "metrale.kernels.moe_clamped (bf16 stacks)",
                build=_cuda_method("moe_experts_clamped_bf16")),
     ]

@@ -325,3 +325,36 @@ def test_latent_attention_and_the_gated_delta_rule_by_geometry():
     assert "chunked" in chosen("gdn_prompt_rule", "cuda", environment, q, q, v, None, None, None, None, None)
     assert "recurrence" in chosen("gdn_prompt_rule", "cuda", environment, q[:, :, :96], q[:, :, :96], v, None, None, None,
                                   None, None)
+
+
+@pytest.mark.parametrize("stacks, tokens, chosen", [
+    ("bf16", 8, "moe_clamped (bf16 stacks)"),
+    ("bf16", 9, "moe_grouped"),
+    ("mxfp4", 127, "moe_clamped (MXFP4"),
+    ("mxfp4", 128, "moe_grouped"),
+    ("int4 act-order", 127, "moe_clamped (bf16 stacks)"),  # dequantized, pair by pair
+    ("int4 act-order", 128, "moe_grouped"),
+])
+def test_gpt_oss_experts_take_the_grouped_kernels_for_many_tokens(stacks, tokens, chosen):
+    """bf16 stacks from GROUPED_EXPERTS_MIN_TOKENS tokens, weight-only quantized stacks (dequantized
+    for the call) from GROUPED_DEQUANTIZED_EXPERTS_MIN_TOKENS; below that MXFP4 in registers and
+    other quantized stacks dequantized, pair by pair."""
+    from metrale.kernels.quantized import QuantizedWeight
+    from metrale.ops.selection import clamped_experts_kernels
+
+    hidden, inter, experts, top_k = 64, 32, 4, 2
+
+    def stack(rows, inner):
+        if stacks == "bf16":
+            return np.zeros((rows, inner), np.uint16)
+        codes = np.zeros((rows, inner // 2), np.uint8)
+        if stacks == "mxfp4":
+            return QuantizedWeight("mxfp4", codes, np.ones((rows, inner // 32), np.float32), (1, 32), (rows, inner))
+        return QuantizedWeight("int4", codes, np.ones((rows, inner // 32), np.float32), (1, 32), (rows, inner),
+                               input_order=np.arange(inner, dtype=np.int32)[::-1].copy())
+
+    arguments = (np.zeros((tokens, hidden), np.float32), np.zeros((tokens, top_k), np.int32),
+                 np.zeros((tokens, top_k), np.float32), stack(experts * 2 * inter, hidden), stack(experts * hidden, inter),
+                 1.702, 7.0)
+    first = next(k for k in clamped_experts_kernels() if k.when is None or k.when(*arguments))
+    assert chosen in first.name
