@@ -251,18 +251,34 @@ def same_routes(first, second):
     return np.all([(a == b).all(axis=1) for a, b in zip(first, second)], axis=0)
 
 
+#: Positions after a routing flip whose error is left out of the calibrated comparison: a flipped
+#: position's keys and values reach the positions after it through attention. transformers' own
+#: bf16 run of the Mixtral test checkpoint shows it: its worst positions routed alike all sit a
+#: few positions after one of its flips.
+FLIP_REACH = 16
+
+
+def after_flips(flipped, reach=FLIP_REACH):
+    """Per position, whether a position at most ``reach`` before it (itself included) flipped."""
+    near = np.zeros(len(flipped), dtype=bool)
+    for position in np.flatnonzero(flipped):
+        near[position : position + reach + 1] = True
+    return near
+
+
 def check_calibrated_routing(path, ids, cpu, cpu_routes, rows, same_route, what, device="cuda"):
     """Routing held to what bf16 does to transformers' own routing, the error to what bf16 costs it.
 
     Where bf16 rounding flips an expert choice a position's output legitimately differs, and how
     often that happens is the checkpoint's (random routers leave near-ties; on some shapes
     transformers' own bf16 run flips half the positions). So: the positions routed unlike the
-    float32 run may exceed transformers' own count by at most 5 % of the positions, and on the
-    positions both runs route as the float32 run does, the error's median and 90th percentile
-    exceed transformers' there by at most 25 % (:func:`check_calibrated`). Not the 99th: a position
-    routed alike still attends to earlier positions whose choices flipped, so the few worst
-    positions follow how many flips each run had, which the first bound holds. Returns
-    transformers' top-1 tokens (:func:`transformers_bf16_run`)."""
+    float32 run may exceed transformers' own count by at most 5 % of the positions, and the error's
+    median and 90th percentile may exceed transformers' by at most 25 % (:func:`check_calibrated`)
+    on the positions both runs route as the float32 run does and that no flip of either run
+    reaches (:data:`FLIP_REACH`): a position routed alike still attends to the flipped ones before
+    it, so near flips the error follows how many flips a run had, which the first bound holds.
+    Where flips leave fewer than a quarter of the positions unreached, all positions routed alike
+    are compared. Returns transformers' top-1 tokens (:func:`transformers_bf16_run`)."""
     reference_rows, reference_routes, reference_picks = transformers_bf16_run(path, ids, cpu, device=device)
     reference_same = same_routes(cpu_routes, reference_routes)
     ours, theirs = int((~same_route).sum()), int((~reference_same).sum())
@@ -270,7 +286,10 @@ def check_calibrated_routing(path, ids, cpu, cpu_routes, rows, same_route, what,
     assert ours <= theirs + 0.05 * len(ids), f"{what}: routing differs at {ours} positions (transformers: {theirs})"
     both = same_route & reference_same
     assert both.sum() >= 0.25 * len(ids), f"{what}: only {int(both.sum())} positions routed alike by all runs"
-    check_calibrated(rows[both], reference_rows[both], what, percentiles=(50, 90))
+    unreached = both & ~after_flips(~both)
+    compared = unreached if unreached.sum() >= 0.25 * len(ids) else both
+    print(f"{what}: {int(compared.sum())} positions compared ({int(unreached.sum())} routed alike and no flip reaches)")
+    check_calibrated(rows[compared], reference_rows[compared], what, percentiles=(50, 90))
     return reference_picks
 
 
