@@ -574,11 +574,15 @@ class CudaKernels:
     def moe_experts_grouped(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
         """Each expert's pairs as one tensor-core product, four launches whatever the routing, no
         host synchronisation: every chosen expert's weights read once."""
+        return self._grouped_experts(x, experts, weights, gate_up, down)
+
+    def _grouped_experts(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any, **epilogue: Any) -> Any:
+        """:func:`metrale.kernels.moe_grouped.grouped_experts` with its scratch sized for the batch;
+        ``epilogue``: its biases and clamp (GPT-OSS)."""
         x = self.as_bf16(x)
         tokens, hidden = x.shape
         top_k, inter = experts.shape[1], down.shape[1]
         num_experts = down.shape[0] // hidden
-        out = cp.empty((tokens, hidden), dtype=f32)
         pairs = tokens * top_k
         tiling = moe_grouped.tiling_for(tokens, top_k, num_experts)
         tiles = moe_grouped.max_tiles(pairs, num_experts, tiling.block_m)
@@ -586,7 +590,8 @@ class CudaKernels:
         return moe_grouped.grouped_experts(
             x, cp.ascontiguousarray(experts, dtype=np.int32), cp.ascontiguousarray(weights, dtype=f32), gate_up,
             down, cp.empty(rows, dtype=np.int32), cp.empty(tiles, dtype=np.int32), cp.empty((rows, inter), dtype=bf16),
-            cp.empty((pairs, hidden), dtype=f32), out, self.stream, tiling=tiling,
+            cp.empty((pairs, hidden), dtype=f32), cp.empty((tokens, hidden), dtype=f32), self.stream, tiling=tiling,
+            **epilogue,
         )
 
     def moe_topk_softmax(self, logits: Any, top_k: int) -> Any:
@@ -617,21 +622,9 @@ class CudaKernels:
         one product (:func:`metrale.kernels.moe_grouped.grouped_experts` with its biases and clamped
         SwiGLU): for prompts, where pair by pair would read an expert's weights once per pair. A
         weight-only quantized stack (MXFP4) is dequantized into bf16 for the call."""
-        gate_up, down = self._clamped_stack(gate_up), self._clamped_stack(down)
-        x = self.as_bf16(x)
-        tokens, hidden = x.shape
-        top_k, inter = experts.shape[1], down.shape[1]
-        num_experts = down.shape[0] // hidden
-        pairs = tokens * top_k
-        tiling = moe_grouped.tiling_for(tokens, top_k, num_experts)
-        tiles = moe_grouped.max_tiles(pairs, num_experts, tiling.block_m)
-        rows = tiles * tiling.block_m
-        return moe_grouped.grouped_experts(
-            x, cp.ascontiguousarray(experts, dtype=np.int32), cp.ascontiguousarray(weights, dtype=f32), gate_up,
-            down, cp.empty(rows, dtype=np.int32), cp.empty(tiles, dtype=np.int32), cp.empty((rows, inter), dtype=bf16),
-            cp.empty((pairs, hidden), dtype=f32), cp.empty((tokens, hidden), dtype=f32), self.stream, tiling=tiling,
-            gate_up_bias=_f32_or_none(gate_up_bias), down_bias=_f32_or_none(down_bias), clamp=(alpha, limit),
-        )
+        return self._grouped_experts(x, experts, weights, self._clamped_stack(gate_up), self._clamped_stack(down),
+                                     gate_up_bias=_f32_or_none(gate_up_bias), down_bias=_f32_or_none(down_bias),
+                                     clamp=(alpha, limit))
 
     def moe_experts_clamped_mxfp4(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any, alpha: float,
                                   limit: float, gate_up_bias: Any = None, down_bias: Any = None) -> Any:
