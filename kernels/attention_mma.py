@@ -11,6 +11,9 @@ gathered from the paged cache, and keeps a flash-attention online softmax in reg
   operand registers without leaving the thread;
 * the causal rule (key position <= the row's position) and the optional sliding window mask the
   scores; keys past the tile's last position are never read;
+* an optional logit soft cap, ``softcap * tanh(score / softcap)`` before the mask (Gemma-2), and
+  optional sinks, one logit per query head counted in the softmax's denominator and never attended
+  (GPT-OSS), as the reference takes them;
 * the output is written as bf16.
 
 numba exposes no tensor-core instruction, so this kernel is CUDA C++; numba's CUDA simulator
@@ -25,7 +28,7 @@ import numpy as np
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
-from metrale.kernels._tensor_cores import MMA_BF16
+from metrale.kernels._tensor_cores import MMA_BF16, STAGED_COPIES, TRANSPOSED_LOAD
 
 #: Query rows of one block (four warps of 16).
 BLOCK_ROWS = 64
@@ -33,7 +36,12 @@ THREADS = 128
 #: The (key, value) head sizes served.
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 
-SOURCE = MMA_BF16 + r"""
+INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD
+
+#: The kernel, written against :data:`INSTRUCTIONS` (the CPU tests build it against an emulation
+#: of them); ``__HEAD_DIM__``, ``__VALUE_DIM__``, ``__BLOCK_KEYS__`` and ``__SOFTCAP__`` are
+#: filled in by :func:`kernel_source`.
+KERNEL = r"""
 
 #define HEAD_DIM __HEAD_DIM__
 #define VALUE_DIM __VALUE_DIM__
@@ -48,47 +56,24 @@ SOURCE = MMA_BF16 + r"""
 // registers they would leave too few for the accumulators.
 #define QUERY_IN_SHARED (HEAD_DIM > 192)
 #define NEG_INF (__int_as_float(0xff800000))
+#define SOFTCAP __SOFTCAP__
 
 typedef unsigned short bf16_bits;
-
-__device__ __forceinline__ unsigned pack_bf16(float low, float high) {
-    __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
-    return *reinterpret_cast<unsigned*>(&pair);
-}
-
-__device__ __forceinline__ unsigned shared_address(const void* at) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(at));
-}
-
-// Four 8x8 b16 matrices; lanes 8m..8m+7 give the row addresses of matrix m.
-__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const bf16_bits* at) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(at)));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const bf16_bits* at) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(at)));
-}
-
-// 16 bytes global -> shared without passing through registers; zero-filled when !valid.
-__device__ __forceinline__ void copy_async_16(bf16_bits* to, const bf16_bits* from, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(shared_address(to)), "l"(from), "r"(valid ? 16 : 0));
-}
 
 // Grid: (tiles, query heads); THREADS threads; dynamic shared memory: the query tile (when
 // QUERY_IN_SHARED) and two stages of BLOCK_KEYS keys and values. q [N, nh, HEAD_DIM] f32;
 // k_cache [blocks, block_size, nkv, HEAD_DIM], v_cache [blocks, block_size, nkv, VALUE_DIM] bf16
 // bits; block_tables [S, max_blocks], seq_index [N], positions [N], tiles [T, 2] (first row, rows)
-// int32; out [N, nh * VALUE_DIM] bf16 bits.
+// int32; out [N, nh * VALUE_DIM] bf16 bits. With SOFTCAP, softcap > 0 caps the logits; sinks (f32
+// [nh], or null) adds exp(sinks[head]) to each row's denominator.
 extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
     const float* __restrict__ q, const bf16_bits* __restrict__ k_cache, const bf16_bits* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_index, const int* __restrict__ positions,
     const int* __restrict__ tiles, int num_heads, int num_kv_heads, int block_size, int max_blocks, float scale,
-    int sliding_window, bf16_bits* __restrict__ out)
+    int sliding_window, float softcap, const float* __restrict__ sinks, bf16_bits* __restrict__ out)
 {
-    extern __shared__ __align__(16) bf16_bits shared[];
+    DYNAMIC_SHARED;
+    bf16_bits* shared = reinterpret_cast<bf16_bits*>(dynamic_shared);
     bf16_bits* query_tile = shared;   // [BLOCK_ROWS, K_STRIDE]: staging, or for good when QUERY_IN_SHARED
     bf16_bits* stages = shared + (QUERY_IN_SHARED ? BLOCK_ROWS * K_STRIDE : 0);
 
@@ -108,10 +93,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
 
     // The query tile, scaled by scale * log2(e) (the softmax runs in base 2), as bf16.
     const float query_scale = scale * 1.4426950408889634f;
-    for (int e = threadIdx.x; e < BLOCK_ROWS * HEAD_DIM; e += THREADS) {
-        const int r = e / HEAD_DIM, d = e % HEAD_DIM;
-        const float value = r < count ? q[((long)(first + r) * num_heads + head) * HEAD_DIM + d] * query_scale : 0.f;
-        query_tile[r * K_STRIDE + d] = __bfloat16_as_ushort(__float2bfloat16_rn(value));
+    for (int e = threadIdx.x; e < BLOCK_ROWS * HEAD_DIM / 2; e += THREADS) {
+        const int r = e / (HEAD_DIM / 2), d = 2 * (e % (HEAD_DIM / 2));
+        const float* source = q + ((long)(first + r) * num_heads + head) * HEAD_DIM + d;
+        *reinterpret_cast<unsigned*>(&query_tile[r * K_STRIDE + d]) =
+            r < count ? pack_bf16(source[0] * query_scale, source[1] * query_scale) : 0u;
     }
     __syncthreads();
     // A operand of kk: matrices (rows 0-7, dims 0-7), (rows 8-15, dims 0-7), (rows 0-7, dims 8-15),
@@ -120,7 +106,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
 #if !QUERY_IN_SHARED
     unsigned query[HEAD_DIM / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) ldmatrix_x4(query[kk], query_fragment + kk * 16);
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) load_matrices(query[kk], shared_address(query_fragment + kk * 16));
     __syncthreads();   // the staging area becomes the first stage
 #endif
 
@@ -152,15 +138,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
         for (int e = threadIdx.x; e < BLOCK_KEYS * (HEAD_DIM / 8); e += THREADS) {
             const int key = e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8);
             const long long row = stage_rows[stage][key];
-            copy_async_16(&keys[key * K_STRIDE + chunk * 8], k_cache + (row < 0 ? 0 : row) * HEAD_DIM + chunk * 8, row >= 0);
+            copy_16(shared_address(&keys[key * K_STRIDE + chunk * 8]), k_cache + (row < 0 ? 0 : row) * HEAD_DIM + chunk * 8,
+                    row >= 0);
         }
         for (int e = threadIdx.x; e < BLOCK_KEYS * (VALUE_DIM / 8); e += THREADS) {
             const int key = e / (VALUE_DIM / 8), chunk = e % (VALUE_DIM / 8);
             const long long row = stage_rows[stage][key];
-            copy_async_16(&values[key * V_STRIDE + chunk * 8], v_cache + (row < 0 ? 0 : row) * VALUE_DIM + chunk * 8,
-                          row >= 0);
+            copy_16(shared_address(&values[key * V_STRIDE + chunk * 8]),
+                    v_cache + (row < 0 ? 0 : row) * VALUE_DIM + chunk * 8, row >= 0);
         }
-        asm volatile("cp.async.commit_group;\n" ::);
+        commit_copies();
     };
 
     find_rows(0, key_start);
@@ -171,9 +158,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
     for (int base = key_start; base < key_end; base += BLOCK_KEYS, stage ^= 1) {
         if (base + BLOCK_KEYS < key_end) {
             load_stage(stage ^ 1);
-            asm volatile("cp.async.wait_group 1;\n" ::);
+            wait_copies<1>();
         } else {
-            asm volatile("cp.async.wait_group 0;\n" ::);
+            wait_copies<0>();
         }
         __syncthreads();
         // This stage's rows were last read by the copies queued a step ago, before the barrier.
@@ -191,19 +178,28 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
 #if QUERY_IN_SHARED
             unsigned query_kk[4];
-            ldmatrix_x4(query_kk, query_fragment + kk * 16);
+            load_matrices(query_kk, shared_address(query_fragment + kk * 16));
 #else
             const unsigned* query_kk = query[kk];
 #endif
 #pragma unroll
             for (int nt = 0; nt < BLOCK_KEYS / 8; nt += 2) {
                 unsigned operand[4];
-                ldmatrix_x4(operand, key_fragment + nt * 8 * K_STRIDE + kk * 16);
+                load_matrices(operand, shared_address(key_fragment + nt * 8 * K_STRIDE + kk * 16));
                 mma_16x8x16(scores[nt], query_kk, operand);
                 mma_16x8x16(scores[nt + 1], query_kk, operand + 2);
             }
         }
 
+#if SOFTCAP
+        // The logits capped, in the scores' base-2 units: log2(e) softcap * tanh(score / (log2(e) softcap)).
+        const float cap = softcap * 1.4426950408889634f;
+#pragma unroll
+        for (int nt = 0; nt < BLOCK_KEYS / 8; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) scores[nt][c] = cap * tanhf(scores[nt][c] / cap);
+        }
+#endif
         // Every row of the tile sees every key of this step: no mask to apply.
         const bool all_seen = base + BLOCK_KEYS - 1 <= first_position
                               && (sliding_window <= 0 || base > key_end - 1 - sliding_window);
@@ -261,7 +257,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
 #pragma unroll
             for (int dt = 0; dt < VALUE_DIM / 8; dt += 2) {
                 unsigned operand[4];
-                ldmatrix_x4_trans(operand, value_fragment + kt * 16 * V_STRIDE + dt * 8);
+                load_matrices_transposed(operand, shared_address(value_fragment + kt * 16 * V_STRIDE + dt * 8));
                 mma_16x8x16(acc[dt], probabilities, operand);
                 mma_16x8x16(acc[dt + 1], probabilities, operand + 2);
             }
@@ -273,6 +269,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
     for (int h = 0; h < 2; ++h) {
         total[h] += __shfl_xor_sync(0xffffffff, total[h], 1);
         total[h] += __shfl_xor_sync(0xffffffff, total[h], 2);
+        // The sink's term, exp(sink) in the scale of the running maximum (base 2); a row's own key
+        // is always seen, so best is finite.
+        if (sinks != nullptr) total[h] += exp2f(sinks[head] * 1.4426950408889634f - best[h]);
     }
     const long row_width = (long)num_heads * VALUE_DIM;
 #pragma unroll
@@ -289,7 +288,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
 }
 """
 
-_kernels: dict[tuple[int, int], tuple[Any, int]] = {}
+
+_kernels: dict[tuple[int, int, bool], tuple[Any, int]] = {}
 
 
 def block_keys(head_dim: int, value_dim: int) -> int:
@@ -306,19 +306,26 @@ def shared_bytes(head_dim: int, value_dim: int) -> int:
     return 2 * (stages + query if head_dim > 192 else max(stages, query))
 
 
-def _kernel(head_dim: int, value_dim: int) -> tuple[Any, int]:
-    """The compiled kernel for the head sizes and its shared memory bytes (NVRTC, once per
-    process and geometry)."""
-    entry = _kernels.get((head_dim, value_dim))
+def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_instructions: bool = True) -> str:
+    """The kernel's CUDA C++ for the head sizes, with the logit soft cap compiled in or not, with
+    its PTX helpers, or without them for the CPU emulation, which brings its own."""
+    kernel = (KERNEL.replace("__HEAD_DIM__", str(head_dim)).replace("__VALUE_DIM__", str(value_dim))
+              .replace("__BLOCK_KEYS__", str(block_keys(head_dim, value_dim))).replace("__SOFTCAP__", str(int(softcap))))
+    return (INSTRUCTIONS if with_instructions else "") + kernel
+
+
+def _kernel(head_dim: int, value_dim: int, softcap: bool = False) -> tuple[Any, int]:
+    """The compiled kernel for the head sizes (and capped logits or not) and its shared memory
+    bytes (NVRTC, once per process and geometry)."""
+    entry = _kernels.get((head_dim, value_dim, softcap))
     if entry is None:
         import cupy
 
-        code = (SOURCE.replace("__HEAD_DIM__", str(head_dim)).replace("__VALUE_DIM__", str(value_dim))
-                .replace("__BLOCK_KEYS__", str(block_keys(head_dim, value_dim))))
+        code = kernel_source(head_dim, value_dim, softcap)
         kernel = cupy.RawModule(code=code, options=("--std=c++17", "--use_fast_math")).get_function("prefill_attention_mma")
         size = shared_bytes(head_dim, value_dim)
         kernel.max_dynamic_shared_size_bytes = size
-        entry = _kernels[(head_dim, value_dim)] = (kernel, size)
+        entry = _kernels[(head_dim, value_dim, softcap)] = (kernel, size)
     return entry
 
 
@@ -342,12 +349,14 @@ def query_tiles(row_starts: np.ndarray) -> np.ndarray:
 def prefill_attention(
     q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
     positions: DeviceArray, tiles: DeviceArray, scale: float, sliding_window: int | None, out: DeviceArray,
-    stream: Any = None,
+    stream: Any = None, softcap: float | None = None, sinks: DeviceArray | None = None,
 ) -> DeviceArray:
     """Causal attention of the rows of ``tiles`` (:func:`query_tiles`) over their sequences' paged
     K/V: ``out [N, nh * Dv]`` bf16 bits from ``q [N, nh, D]`` float32 and bf16 caches ``k_cache
     [blocks, block_size, nkv, D]``, ``v_cache [blocks, block_size, nkv, Dv]``. Every row of a tile
-    belongs to one sequence and the tile's rows have consecutive positions (prompt rows)."""
+    belongs to one sequence and the tile's rows have consecutive positions (prompt rows).
+    ``softcap`` (a positive number; None or 0 for none) caps the logits; ``sinks`` (float32 ``[nh]``, or
+    None) adds a sink logit to each head's softmax."""
     op = "prefill_attention_mma"
     check_array(op, "q", q, np.float32, ndim=3)
     rows, heads, head_dim = q.shape
@@ -363,15 +372,20 @@ def prefill_attention(
     check_array(op, "positions", positions, np.int32, (rows,))
     check_array(op, "tiles", tiles, np.int32, (None, 2))
     check_array(op, "out", out, np.uint16, (rows, heads * value_dim))
+    if softcap is not None and not softcap >= 0:
+        raise KernelArgumentError(f"{op}: softcap must be positive (or None), got {softcap}")
+    if sinks is not None:
+        check_array(op, "sinks", sinks, np.float32, (heads,))
     if not tiles.shape[0]:
         return out
     import contextlib
 
     arguments = (
         q, k_cache, v_cache, block_tables, seq_index, positions, tiles, np.int32(heads), np.int32(kv_heads),
-        np.int32(block_size), np.int32(block_tables.shape[1]), np.float32(scale), np.int32(sliding_window or 0), out,
+        np.int32(block_size), np.int32(block_tables.shape[1]), np.float32(scale), np.int32(sliding_window or 0),
+        np.float32(softcap or 0.0), sinks if sinks is not None else np.uint64(0), out,
     )
     with stream if stream is not None else contextlib.nullcontext():
-        kernel, size = _kernel(head_dim, value_dim)
+        kernel, size = _kernel(head_dim, value_dim, bool(softcap))
         kernel((int(tiles.shape[0]), heads), (THREADS,), arguments, shared_mem=size)
     return out

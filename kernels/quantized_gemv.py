@@ -7,9 +7,9 @@ prompt GEMMs that cuBLAS runs.
 scales per block of rows and columns; optional zero points; optional act-order). Its prologue
 stages the input rows in shared memory as bf16: gathered in the weight's column order, quantized
 under the weight's activation scheme as :func:`~metrale.kernels.quantized.quantize_activations`
-does (the row or group maxima reduced by a warp each), rounded to bf16. Rows that do not fit
-shared memory (:func:`shared_stage`: 32 rows of 4,096 columns, 8 of 14,336) are staged the same way
-by ``stage_rows`` into a global workspace first, which the product reads through the L1 cache. The product follows
+does (the row or group maxima reduced by a warp each), rounded to bf16. Several rows, or a row
+that does not fit shared memory (:func:`shared_stage`), are staged the same way once by
+``stage_rows`` into a global workspace first, which the product reads through the L1 cache. The product follows
 :mod:`metrale.kernels.decode_gemv`'s: ``mma.sync.m16n8k16`` with 16 output columns as the M side and
 a tile of 8 rows as the N side, each lane feeding its A fragment from the 8 codes of one chunk of 8
 input columns of its two columns converted in registers: the weight stream is the codes' bytes, a
@@ -70,6 +70,9 @@ LOAD_CHUNKS = (4, 2, 1)
 UNROLL = 4
 TILE = 16
 MAX_SHARED_BYTES = 227 * 1024
+#: The most rows the GEMV's own prologue stages when its column tiles are not split (one row
+#: otherwise; :func:`shared_stage`); more are staged once by ``stage_rows``.
+SHARED_STAGE_MAX_ROWS = 4
 REDUCE_BYTES = WARPS * 32 * 16
 
 INSTRUCTIONS = r"""
@@ -737,10 +740,16 @@ def shared_bytes(rows: int, weight: QuantizedWeight, split: int, shared_stage: b
     return staged + scales + (REDUCE_BYTES * row_tiles(rows) if split > 1 else 0)
 
 
-def shared_stage(rows: int, weight: QuantizedWeight) -> bool:
-    """Whether the prologue stages the rows in shared memory (they fit beside the largest split's
-    partial products); otherwise :func:`stage_rows` stages them in a global workspace first."""
-    return shared_bytes(rows, weight, SPLITS[-1]) <= MAX_SHARED_BYTES
+def shared_stage(rows: int, weight: QuantizedWeight, multiprocessors: int = 132, split: int | None = None) -> bool:
+    """Whether the prologue stages the rows in shared memory, where they fit beside the largest
+    split's partial products: one row, or up to :data:`SHARED_STAGE_MAX_ROWS` when the launch's
+    split (:func:`plan`) is 1. Otherwise :func:`stage_rows` stages them once in a global workspace
+    first. Every block's prologue reads and quantizes all the rows: a cost that grows with the rows
+    and is paid once per tile of columns when the tiles are split (many short blocks), once per
+    several tiles when they are not (each block then loops over its tiles with the rows at hand)."""
+    if shared_bytes(rows, weight, SPLITS[-1]) > MAX_SHARED_BYTES:
+        return False
+    return rows == 1 or (rows <= SHARED_STAGE_MAX_ROWS and plan(weight.shape[0], multiprocessors, split)[0] == 1)
 
 
 def workspace_shapes(rows: int, weight: QuantizedWeight) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -901,7 +910,7 @@ def quantized_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, st
     null = np.uint64(0)
     order = weight.input_order if weight.input_order is not None else null
     input_scale = np.float32(float(weight.input_scale) if weight.input_scale is not None else 1.0)
-    exact, shared = exact_path(weight), shared_stage(rows, weight)
+    exact, shared = exact_path(weight), shared_stage(rows, weight, multiprocessors, split)
     staged: Any = null
     scales: Any = null
     if not shared:

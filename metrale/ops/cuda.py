@@ -160,11 +160,12 @@ class CudaKernels:
         rows = x.shape[0]
         out = cp.empty((rows, weight.shape[0]), dtype=f32)
         workspace = None
-        if not quantized_gemv.shared_stage(rows, weight):
+        multiprocessors = decode_gemv.multiprocessor_count()
+        if not quantized_gemv.shared_stage(rows, weight, multiprocessors):
             staged_shape, scales_shape = quantized_gemv.workspace_shapes(rows, weight)
             workspace = (cp.empty(staged_shape, dtype=np.uint32), cp.empty(scales_shape, dtype=f32))
         return quantized_gemv.quantized_gemv(self.to_float32(x), weight, out, self.stream, bias=bias,
-                                             multiprocessors=decode_gemv.multiprocessor_count(), workspace=workspace)
+                                             multiprocessors=multiprocessors, workspace=workspace)
 
     def quantized_linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """Prompt rows: FP8 inputs and weights whose scales factor out of the sums on FP8 tensor
@@ -456,7 +457,8 @@ class CudaKernels:
         tiles = _batch_constant(batch, f"attention_mma_tiles_{first_segment}",
                                 lambda: attention_mma.query_tiles(starts[first_segment:]))
         return attention_mma.prefill_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_index,
-                                               batch.positions, tiles, scale, sliding_window, out, self.stream)
+                                               batch.positions, tiles, scale, sliding_window, out, self.stream, softcap,
+                                               None if sinks is None else cp.ascontiguousarray(sinks, dtype=f32))
 
     def paged_attention_prompt_prefill(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
                                        sliding_window: int | None, out: Any, first_segment: int,

@@ -454,7 +454,7 @@ def attention_kernels() -> list[Kernel]:
     def prompt_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, first_segment, softcap=None, sinks=None):
         from metrale.kernels import attention_mma
 
-        return _plain(softcap, sinks) and attention_mma.supports(*_geometry(q, k_cache, v_cache))
+        return attention_mma.supports(*_geometry(q, k_cache, v_cache))
 
     def prompt_cores(q, k_cache, v_cache, batch, scale, sliding_window, out, first_segment, softcap=None, sinks=None):
         from metrale.kernels import attention_prefill
@@ -493,7 +493,7 @@ def attention_kernels() -> list[Kernel]:
                build=_cuda_method("paged_attention_decode_split")),
         Kernel("paged_attention_prompt", "cuda", "metrale.kernels.attention_mma (tensor cores)",
                build=_cuda_method("paged_attention_prompt_mma"), when=prompt_mma,
-               condition="(K, V) heads of (64, 64), (128, 128), (192, 128) or (256, 256) dims; no softcap, no sinks"),
+               condition="(K, V) heads of (64, 64), (128, 128), (192, 128) or (256, 256) dims"),
         Kernel("paged_attention_prompt", "cuda", "metrale.kernels.attention_prefill (CUDA cores)",
                build=_cuda_method("paged_attention_prompt_prefill"), when=prompt_cores,
                condition="K and V heads of at most 128 dims, even; at most 32 query heads a KV head"),

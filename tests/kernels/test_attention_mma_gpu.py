@@ -1,6 +1,7 @@
 """The tensor-core prefill attention against the NumPy reference: GQA, head sizes 64, 128 and
 256, MLA's expanded form (keys of 192 dims, values of 128), block sizes 1, 16 and 32, prompt
-chunks after a cached prefix, several sequences, sliding windows, capture into a CUDA graph."""
+chunks after a cached prefix, several sequences, sliding windows, logit soft caps and sinks, capture
+into a CUDA graph."""
 
 from __future__ import annotations
 
@@ -57,6 +58,37 @@ def test_prefill_attention_matches_the_reference(heads, kv_heads, head_dim, valu
         cp.asarray(positions), cp.asarray(attention_mma.query_tiles(starts)), scale, window, out,
     )
     # bf16 queries and probabilities on top of the bf16 output.
+    assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 2e-2
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(64, 8, 64), (16, 8, 256), (32, 8, 128)])
+@pytest.mark.parametrize("softcap, with_sinks", [(3.0, False), (None, True), (3.0, True)])
+@pytest.mark.parametrize("window", [None, 100])
+def test_prefill_attention_caps_logits_and_counts_sinks_as_the_reference(heads, kv_heads, head_dim, softcap, with_sinks,
+                                                                          window):
+    import cupy as cp
+
+    rng = np.random.default_rng(heads + head_dim + (window or 0))
+    chunks = [(0, 200), (77, 64), (5, 129)]
+    q, k_cache, v_cache, tables, seq_index, positions, starts = attention_case(rng, heads, kv_heads, head_dim, 16,
+                                                                               chunks)
+    # Queries large enough that the cap bends the logits; sinks of the logits' size.
+    q *= 3.0
+    sinks = (rng.standard_normal(heads) + 2.0).astype(np.float32) if with_sinks else None
+    scale = head_dim**-0.5
+    expected = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, scale, window, softcap,
+        sinks).reshape(len(positions), -1)
+    plain = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, scale, window
+    ).reshape(len(positions), -1)
+    assert rel_error(plain, expected) > 0.1  # the cap and the sinks change the answer
+    out = cp.zeros((len(positions), heads * head_dim), dtype=np.uint16)
+    attention_mma.prefill_attention(
+        cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables), cp.asarray(seq_index),
+        cp.asarray(positions), cp.asarray(attention_mma.query_tiles(starts)), scale, window, out, softcap=softcap,
+        sinks=None if sinks is None else cp.asarray(sinks),
+    )
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 2e-2
 
 

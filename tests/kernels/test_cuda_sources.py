@@ -137,6 +137,15 @@ def test_the_decode_attention_compiles_for_every_head_size(tmp_path, head_dim):
     assert "decode_attention_mma" in entries(compile_to_ptx(tmp_path, attention_decode_mma.kernel_source(head_dim)))
 
 
+@pytest.mark.parametrize("head_dim, value_dim", [(64, 64), (192, 128), (256, 256)])
+@pytest.mark.parametrize("softcap", [False, True])
+def test_the_prompt_attention_compiles_for_every_head_size(tmp_path, head_dim, value_dim, softcap):
+    from metrale.kernels import attention_mma
+
+    code = attention_mma.kernel_source(head_dim, value_dim, softcap)
+    assert "prefill_attention_mma" in entries(compile_to_ptx(tmp_path, code, optimize=False))
+
+
 def test_every_quantized_gemv_instantiation_compiles(tmp_path):
     gemv = ("const float*, const int*, float, int, const uint4*, const float*, const unsigned char*, const float*, "
             "const float*, int, int, int, const float*, float*, int, int, int")

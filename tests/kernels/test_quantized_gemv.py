@@ -280,12 +280,16 @@ def test_supports_and_plan():
     assert not qg.supports(33, weight) and not qg.supports(0, weight)
     odd = make_weight(np.random.default_rng(0), "int4", 16, 48, (1, 16))
     assert not qg.supports(1, odd)  # the inner size is not a multiple of 32
-    # Llama-8B's products: 32 rows of 4,096 columns (and 8 of 14,336) are staged in global memory.
-    for rows, inner, shared in [(1, 14336, True), (7, 14336, True), (8, 14336, False), (16, 4096, True),
-                                (32, 4096, False)]:
-        wide = QuantizedWeight("fp8", np.zeros((8, inner), np.uint8), np.ones((8, 1), np.float32), (1, inner),
-                               (8, inner), activations="fp8_token")
-        assert qg.supports(rows, wide) and qg.shared_stage(rows, wide) == shared
+    # The GEMV's prologue stages one row where it fits shared memory, and up to four where the
+    # column tiles are not split (4,096 columns of 132 multiprocessors split 8 ways, 28,672 not);
+    # stage_rows stages the rest.
+    for rows, inner, columns, shared in [(1, 14336, 4096, True), (1, 4096, 28672, True), (1, 120000, 64, False),
+                                         (2, 4096, 4096, False), (2, 4096, 28672, True), (4, 4096, 28672, True),
+                                         (4, 14336, 4096, False), (5, 4096, 28672, False), (8, 14336, 28672, False),
+                                         (32, 4096, 28672, False)]:
+        wide = QuantizedWeight("fp8", np.zeros((columns, inner), np.uint8), np.ones((columns, 1), np.float32),
+                               (1, inner), (columns, inner), activations="fp8_token")
+        assert qg.supports(rows, wide) and qg.shared_stage(rows, wide, 132) == shared, (rows, inner, columns)
         assert qg.workspace_shapes(rows, wide) == ((rows, inner // 2), (rows, 1))
     split, blocks = qg.plan(4096, 132)
     assert (split, blocks) == (8, 256)  # 256 tiles: even split 8 leaves 132 multiprocessors short of 8 warps each

@@ -243,9 +243,8 @@ def test_softcap_and_sinks_go_to_the_kernels_that_serve_them(monkeypatch):
                         *options)
         prompt = chosen("paged_attention_prompt", "cuda", environment, q, k_cache, k_cache, batch, 0.1, None, None, 0,
                         *options)
-        assert "attention_decode_mma" in decode and ("attention_mma" in prompt) == plain
-        if not plain:
-            assert "attention_prefill" in prompt
+        # The tensor-core kernels of both kinds of rows serve soft caps and sinks.
+        assert "attention_decode_mma" in decode and prompt.startswith("metrale.kernels.attention_mma")
         # Without the tensor-core decode kernel: the per-head CUDA-core kernels.
         decode = chosen("paged_attention_decode", "cuda", EnvironmentConfig(decode_mma=False), q, k_cache, k_cache,
                         batch, 0.1, None, None, 0, *options)
@@ -254,6 +253,8 @@ def test_softcap_and_sinks_go_to_the_kernels_that_serve_them(monkeypatch):
     serving = builtin_registry().serving("paged_attention_decode", "cuda")
     assert serving[0].endswith("when an FP8 cache")  # it serves softcap and sinks too
     assert all("no softcap, no sinks" in line for line in serving[2:-1]) and " when " not in serving[-1]
+    prompt_serving = builtin_registry().serving("paged_attention_prompt", "cuda")
+    assert "attention_mma" in prompt_serving[1] and "softcap" not in prompt_serving[1]
 
 
 def test_an_fp8_cache_goes_to_the_fp8_kernels():

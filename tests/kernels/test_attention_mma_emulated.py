@@ -1,0 +1,130 @@
+"""The tensor-core prompt attention (metrale.kernels.attention_mma) without a GPU: the CUDA C++
+kernel run on the host through ``cuda_emulation.h`` (a thread per CUDA thread; ldmatrix, mma.sync,
+cp.async and the warp shuffles from the PTX ISA's layouts) against the NumPy reference: GQA, key
+and value head sizes of 64, MLA's (192, 128) and 256 (queries kept in shared memory), prompt chunks
+after a cached prefix, sliding windows, logit soft caps and sinks, copies landing late or at once."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+from emulation import build_emulated
+from kernel_helpers import bf16, rel_error
+
+from metrale.kernels import attention, attention_mma
+from metrale.loading.checkpoint import bf16_to_float32
+
+EMULATION_MAIN = r"""
+
+int main(int argc, char** argv) {
+    if (argc != 13) return 2;
+    const std::string folder = argv[1];
+    const int rows = std::atoi(argv[2]), heads = std::atoi(argv[3]), kv_heads = std::atoi(argv[4]);
+    const int blocks = std::atoi(argv[5]), block_size = std::atoi(argv[6]), max_blocks = std::atoi(argv[7]);
+    const int tiles = std::atoi(argv[8]), window = std::atoi(argv[9]);
+    const float scale = std::atof(argv[10]), softcap = std::atof(argv[11]);
+    const int flags = std::atoi(argv[12]);   // 1: sinks, 2: copies deferred to their waits
+    emu::defer_copies = (flags & 2) != 0;
+    const size_t keys = (size_t)blocks * block_size * kv_heads;
+    auto* q = read<float>(folder + "/q", (size_t)rows * heads * HEAD_DIM);
+    auto* k_cache = read<unsigned short>(folder + "/k_cache", keys * HEAD_DIM);
+    auto* v_cache = read<unsigned short>(folder + "/v_cache", keys * VALUE_DIM);
+    auto* tables = read<int>(folder + "/tables", (size_t)max_blocks * (rows + 1));
+    auto* seq_index = read<int>(folder + "/seq_index", rows);
+    auto* positions = read<int>(folder + "/positions", rows);
+    auto* tile_rows = read<int>(folder + "/tiles", (size_t)tiles * 2);
+    auto* sinks = (flags & 1) ? read<float>(folder + "/sinks", heads) : nullptr;
+    auto* out = allocate<unsigned short>((size_t)rows * heads * VALUE_DIM);
+    emu::launch({(unsigned)tiles, (unsigned)heads, 1}, {THREADS, 1, 1}, [&] {
+        prefill_attention_mma(q, k_cache, v_cache, tables, seq_index, positions, tile_rows, heads, kv_heads,
+                              block_size, max_blocks, scale, window, softcap, sinks, out);
+    });
+    write(folder + "/out", out, (size_t)rows * heads * VALUE_DIM);
+    return 0;
+}
+"""
+
+
+def prompt_case(rng, chunks, heads, kv_heads, head_dim, value_dim, block_size):
+    """Sequences whose prompt rows are ``chunks[i] = (cached, new)``: ``new`` rows at positions
+    ``cached .. cached + new - 1``, over a cache of shuffled blocks."""
+    blocks_per_seq = [-(-(cached + new) // block_size) for cached, new in chunks]
+    total_blocks = sum(blocks_per_seq) + 2
+    order = rng.permutation(np.arange(1, total_blocks))
+    tables = np.zeros((len(chunks), max(blocks_per_seq)), np.int32)
+    used = 0
+    for s, count in enumerate(blocks_per_seq):
+        tables[s, :count] = order[used : used + count]
+        used += count
+    seq_index = np.concatenate([np.full(new, s, np.int32) for s, (_, new) in enumerate(chunks)])
+    positions = np.concatenate([np.arange(cached, cached + new, dtype=np.int32) for cached, new in chunks])
+    starts = np.concatenate([[0], np.cumsum([new for _, new in chunks])]).astype(np.int32)
+    q = (2.0 * rng.standard_normal((len(positions), heads, head_dim))).astype(np.float32)
+    k_cache = bf16(rng, (total_blocks, block_size, kv_heads, head_dim))
+    v_cache = bf16(rng, (total_blocks, block_size, kv_heads, value_dim))
+    return q, k_cache, v_cache, tables, seq_index, positions, starts
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """The kernel built against the emulation per geometry and soft cap; returns a runner of one launch."""
+    folder = tmp_path_factory.mktemp("prompt_mma_emulated")
+    binaries = {}
+
+    def run(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks, defer_copies):
+        rows, heads, head_dim = q.shape
+        value_dim, kv_heads = v_cache.shape[3], k_cache.shape[2]
+        key = (head_dim, value_dim, bool(softcap))
+        if key not in binaries:
+            source = attention_mma.kernel_source(head_dim, value_dim, bool(softcap), with_instructions=False)
+            binaries[key] = build_emulated(folder / f"kernel{head_dim}_{value_dim}_{int(bool(softcap))}.cpp",
+                                           source + EMULATION_MAIN)
+        tiles = attention_mma.query_tiles(starts)
+        # The tables padded to one row more than the rows, whatever the sequences: main reads a fixed size.
+        padded = np.zeros((rows + 1, tables.shape[1]), np.int32)
+        padded[: tables.shape[0]] = tables
+        case = folder / "case"
+        case.mkdir(exist_ok=True)
+        arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, tables=padded, seq_index=seq_index, positions=positions,
+                      tiles=tiles, sinks=sinks if sinks is not None else np.zeros(heads, np.float32))
+        for name, array in arrays.items():
+            np.ascontiguousarray(array).tofile(case / name)
+        flags = (1 if sinks is not None else 0) | (2 if defer_copies else 0)
+        subprocess.run([str(binaries[key]), str(case), *map(str, (
+            rows, heads, kv_heads, k_cache.shape[0], k_cache.shape[1], tables.shape[1], len(tiles), window or 0,
+            scale, softcap or 0.0, flags))], check=True, timeout=900)
+        return bf16_to_float32(np.fromfile(case / "out", np.uint16).reshape(rows, heads * value_dim))
+
+    return run
+
+
+@pytest.mark.parametrize("head_dim, value_dim, heads, kv_heads, softcap, with_sinks, window, defer_copies", [
+    (64, 64, 4, 2, None, False, None, True),   # plain causal GQA, copies landing at their waits
+    (64, 64, 4, 2, None, True, 40, True),      # GPT-OSS: sinks and a sliding window
+    (64, 64, 4, 1, 5.0, False, None, False),   # Gemma-2: capped logits; copies landing at once
+    (64, 64, 2, 2, 5.0, True, 40, True),       # both, with a window
+    (192, 128, 2, 2, None, True, None, True),  # MLA's expanded heads
+    (256, 256, 2, 1, 5.0, True, 40, True),     # queries kept in shared memory, 32 keys a step
+])
+def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, value_dim, heads, kv_heads, softcap,
+                                                       with_sinks, window, defer_copies):
+    rng = np.random.default_rng(head_dim + heads + (window or 0))
+    # A prompt of two tiles (the second ending mid-step), and a chunk after a cached prefix.
+    q, k_cache, v_cache, tables, seq_index, positions, starts = prompt_case(
+        rng, [(0, 90), (70, 21)], heads, kv_heads, head_dim, value_dim, 16)
+    sinks = (rng.standard_normal(heads) + 2.0).astype(np.float32) if with_sinks else None
+    scale = head_dim**-0.5
+    expected = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, scale, window, softcap,
+        sinks).reshape(len(positions), -1)
+    got = emulated(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks,
+                   defer_copies)
+    # bf16 queries and probabilities on top of the bf16 output.
+    assert rel_error(got, expected) <= 2e-2
+    if softcap or with_sinks:
+        plain = attention.paged_attention_reference(
+            q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, scale, window
+        ).reshape(len(positions), -1)
+        assert rel_error(got, plain) > 0.1  # the cap and the sinks were applied
