@@ -94,7 +94,8 @@ def test_the_prompt_path_stages_and_dequantizes_as_the_references(backend, codes
     assert rel_error(cp.asnumpy(y), qg.quantized_gemv_reference(x, host, exact=False)) < 1e-4
 
 
-def test_a_graph_replays_the_decode_gemv_with_new_inputs(backend):
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_graph_replays_the_decode_gemv_with_new_inputs(backend, rows):
     import cupy as cp
 
     from metrale.kernels import quantized_gemv as qg
@@ -102,15 +103,20 @@ def test_a_graph_replays_the_decode_gemv_with_new_inputs(backend):
     rng = np.random.default_rng(9)
     host = host_weight("fp8", 4096, 4096, "fp8_token", rng)
     weight = backend.quantized_weight(host)
-    x = cp.asarray(rng.normal(size=(4, 4096)).astype(np.float32))
+    x = cp.asarray(rng.normal(size=(rows, 4096)).astype(np.float32))
+    # One row is staged by the GEMV's own prologue; 4 rows of these split column tiles by stage_rows first.
+    assert qg.shared_stage(rows, host, qg_multiprocessors()) == (rows == 1)
+    staged_shape, scales_shape = qg.workspace_shapes(rows, host)
+    workspace = (cp.empty(staged_shape, np.uint32), cp.empty(scales_shape, np.float32))
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        out = cp.empty((4, 4096), np.float32)
-        qg.quantized_gemv(x, weight, out, stream, multiprocessors=qg_multiprocessors())  # compiles before capture
+        out = cp.empty((rows, 4096), np.float32)
+        qg.quantized_gemv(x, weight, out, stream, multiprocessors=qg_multiprocessors(),
+                          workspace=workspace)  # compiles before capture
         stream.begin_capture()
-        qg.quantized_gemv(x, weight, out, stream, multiprocessors=qg_multiprocessors())
+        qg.quantized_gemv(x, weight, out, stream, multiprocessors=qg_multiprocessors(), workspace=workspace)
         graph = stream.end_capture()
-    fresh = rng.normal(size=(4, 4096)).astype(np.float32)
+    fresh = rng.normal(size=(rows, 4096)).astype(np.float32)
     x[...] = cp.asarray(fresh)
     graph.launch(stream)
     stream.synchronize()
