@@ -684,8 +684,7 @@ def bench_quantized(shape: str, options: BenchOptions, bandwidth: float, name: s
         folder = formats.write_random_quantized_checkpoint(model_config(shape), options.workdir / f"{shape}-{name}",
                                                            name)
         return bench_metrale(shape, folder, options, bandwidth, quantization=name)
-    folder = source if formats.FORMATS[name].online else formats.write_quantized_checkpoint(
-        source, options.workdir / f"{shape}-{name}", name)
+    folder, _ = formats.checkpoint_in_format(source, options.workdir, name)
     result = bench_metrale(shape, folder, options, bandwidth, quantization=name)
     prompt = np.random.default_rng(7).integers(0, SHAPES[shape]["vocab_size"], 256).tolist()
     with LLM(source, device="cuda", max_model_len=512, max_num_seqs=2, show_progress=False) as reference:

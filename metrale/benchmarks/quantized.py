@@ -245,6 +245,17 @@ def write_random_quantized_checkpoint(model: tuple[Any, Any], destination: Path,
     return destination
 
 
+def checkpoint_in_format(source: Path, workdir: Path, name: str) -> tuple[Path, str | None]:
+    """``(folder, quantization)`` to load the bf16 checkpoint ``source`` in format ``name``: the
+    folder itself with ``quantization=`` for an online format, else the checkpoint written in the
+    format under ``workdir`` (once) with None."""
+    if name not in FORMATS:
+        raise ValueError(f"unknown quantized format {name!r}; known: {', '.join(FORMATS)}")
+    if FORMATS[name].online:
+        return source, FORMATS[name].online
+    return write_quantized_checkpoint(source, workdir / f"{source.name}-{name}", name), None
+
+
 def quantized_step_bytes(bf16_bytes: int, embedding_bytes: int, name: str) -> int:
     """The bytes a decode step reads in format ``name`` when it reads ``bf16_bytes`` in bf16, of
     which ``embedding_bytes`` are the embedding and the LM head (kept at bf16); the rest counted as

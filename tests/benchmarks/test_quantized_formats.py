@@ -113,3 +113,19 @@ def test_a_checkpoint_drawn_straight_in_a_format_loads_in_shards(name, tmp_path)
     llm = LLM(folder, device="cpu", show_progress=False)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_a_shape_is_loaded_in_a_format_online_or_from_its_written_checkpoint(tmp_path, monkeypatch):
+    source = tmp_path / "llama-8b"
+    assert formats.checkpoint_in_format(source, tmp_path, "fp8") == (source, "fp8")
+    written = []
+
+    def write(source_folder, destination, name, device="cuda"):
+        written.append((source_folder, destination, name))
+        return destination
+
+    monkeypatch.setattr(formats, "write_quantized_checkpoint", write)
+    assert formats.checkpoint_in_format(source, tmp_path, "w4a16") == (tmp_path / "llama-8b-w4a16", None)
+    assert written == [(source, tmp_path / "llama-8b-w4a16", "w4a16")]
+    with pytest.raises(ValueError, match="unknown quantized format 'int3'"):
+        formats.checkpoint_in_format(source, tmp_path, "int3")

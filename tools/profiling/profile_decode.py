@@ -2,6 +2,7 @@
 op's GPU time.
 
     python tools/profiling/profile_decode.py [--shape llama-1b] [--batch 1] [--context 512] [--lora-adapters 0] [--lora-rank 16]
+        [--quantization FORMAT]
 
 Needs a CUDA device (and what ``metrale bench`` needs). Prints the whole step through
 ``ModelForward.decode_batch`` (host clock, synchronised), the same followed by the device sampler
@@ -15,7 +16,8 @@ and a table of every op of one decode forward: each call is recorded into its ow
 ``REPEATS`` times and replayed, so the figure is the op's GPU time without launch overhead.
 Ops are grouped by name and argument shapes (an op served by other ops, such as ``rmsnorm_mlp``
 by the norm and the two products, is timed as one); products also show the GB/s of their weight
-reads.
+reads. ``--quantization`` loads the shape in a format of ``metrale bench --quantization`` (online,
+or its checkpoint written from the bf16 one).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def main() -> None:
     parser.add_argument("--lora-adapters", type=int, default=0,
                         help="random rank --lora-rank LoRA adapters on every projection, the rows spread over them")
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--quantization", default=None, metavar="FORMAT",
+                        help="load the shape in this format of metrale bench --quantization (fp8, w4a16, ...)")
     args = parser.parse_args()
 
     from metrale.benchmarks.latency import build_checkpoint
@@ -59,10 +63,14 @@ def main() -> None:
 
     # qwen3-0.6b is the shape of ``metrale bench --throughput``; the others are bench's shapes.
     build = build_qwen3_checkpoint if args.shape == "qwen3-0.6b" else lambda folder: build_checkpoint(args.shape, folder)
-    folder = build(Path(args.workdir) / args.shape)
+    folder, online = build(Path(args.workdir) / args.shape), None
+    if args.quantization:
+        from metrale.benchmarks.quantized import checkpoint_in_format
+
+        folder, online = checkpoint_in_format(folder, Path(args.workdir), args.quantization)
     lora = {"enable_lora": True, "max_loras": args.lora_adapters, "max_lora_rank": args.lora_rank} if args.lora_adapters else {}
     llm = LLM(folder, device="cuda", max_model_len=args.context + 256, max_num_seqs=args.batch + 1, show_progress=False,
-              **lora)
+              quantization=online, **lora)
     backend = llm.backend
     stream = backend.stream
     rng = np.random.default_rng(0)

@@ -1,6 +1,6 @@
 """Where a prompt's prefill time goes: each op's GPU time and the gaps between ops.
 
-    python tools/profiling/profile_prefill.py [--shapes llama-1b,llama-8b] [--length 2048]
+    python tools/profiling/profile_prefill.py [--shapes llama-1b,llama-8b] [--length 2048] [--quantization FORMAT]
 
 Needs a CUDA device (and what ``metrale bench`` needs). For each shape it prints the whole
 prefill of one ``--length``-token prompt (CUDA events, as ``metrale bench`` times it), then one
@@ -10,7 +10,8 @@ when the GPU is kept busy. The time from one op's end to the next op's start is 
 "gap after OP" line: work queued outside the op table (array glue in the model code) or the GPU
 waiting for the host. The host clock of the whole call (the GPU left to finish after it) and of
 each op's calls say where the host is the bound; ``--cprofile`` adds the host functions that
-cost most in one more prefill.
+cost most in one more prefill. ``--quantization`` loads each shape in a format of ``metrale bench
+--quantization`` (online, or its checkpoint written from the bf16 one).
 """
 
 from __future__ import annotations
@@ -30,15 +31,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/timing.py 
 from timing import cuda_event_time, host_time  # noqa: E402
 
 
-def profile(shape: str, length: int, workdir: Path, cprofile: bool = False) -> None:
+def profile(shape: str, length: int, workdir: Path, cprofile: bool = False, quantization: str | None = None) -> None:
     import cupy
 
     from metrale.benchmarks.latency import build_checkpoint, prefill_flops
     from metrale.entrypoints.llm import LLM
     from metrale.sequence import SequenceState
 
-    folder = build_checkpoint(shape, workdir / shape)
-    llm = LLM(folder, device="cuda", max_model_len=length + 64, max_num_seqs=2, show_progress=False)
+    folder, online = build_checkpoint(shape, workdir / shape), None
+    if quantization:
+        from metrale.benchmarks.quantized import checkpoint_in_format
+
+        folder, online = checkpoint_in_format(folder, workdir, quantization)
+    llm = LLM(folder, device="cuda", max_model_len=length + 64, max_num_seqs=2, show_progress=False,
+              quantization=online)
     backend = llm.backend
     stream = backend.stream
     prompt = np.random.default_rng(0).integers(0, llm.vocab_size, length).tolist()
@@ -91,7 +97,8 @@ def profile(shape: str, length: int, workdir: Path, cprofile: bool = False) -> N
     gap_ms[previous_name] += cupy.cuda.get_elapsed_time(previous_stop, last)
     traced = cupy.cuda.get_elapsed_time(first, last)
     flops = prefill_flops(shape, length)
-    print(f"== {shape}: prefill of {length} tokens {whole.median * 1e3:.2f} ms ({length / whole.median:,.0f} tok/s, "
+    label = f"{shape} ({quantization})" if quantization else shape
+    print(f"== {label}: prefill of {length} tokens {whole.median * 1e3:.2f} ms ({length / whole.median:,.0f} tok/s, "
           f"{flops / whole.median / 1e12:.0f} TFLOP/s); host {host.median * 1e3:.2f} ms; traced run {traced:.2f} ms "
           f"over {len(marks)} op calls")
     rows = [(sum(v), f"{name} ({len(v)} calls, median {statistics.median(v) * 1e3:.1f} us, host {host_ms[name]:.2f} ms)")
@@ -121,9 +128,11 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--workdir", default="/tmp/metrale-bench")
     parser.add_argument("--cprofile", action="store_true", help="also the costliest host functions of one prefill")
+    parser.add_argument("--quantization", default=None, metavar="FORMAT",
+                        help="load each shape in this format of metrale bench --quantization (fp8, w4a16, ...)")
     args = parser.parse_args()
     for shape in args.shapes.split(","):
-        profile(shape, args.length, Path(args.workdir), args.cprofile)
+        profile(shape, args.length, Path(args.workdir), args.cprofile, args.quantization)
 
 
 if __name__ == "__main__":
