@@ -45,7 +45,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 #: Shapes too large for one GPU in bf16: benchmarked only in the ``--quantization`` formats, their
-#: checkpoints written straight in those formats (no bf16 checkpoint, no bf16 or transformers run).
+#: checkpoints written straight in those formats with their codes left as holes of sparse files
+#: (no bf16 checkpoint, no bf16 or transformers run, no accuracy).
 QUANTIZED_ONLY_SHAPES = ("llama-70b",)
 
 #: MLA shapes (built as DeepseekV2ForCausalLM checkpoints).
@@ -681,8 +682,10 @@ def bench_quantized(shape: str, options: BenchOptions, bandwidth: float, name: s
     if shape in QUANTIZED_ONLY_SHAPES:
         if formats.FORMATS[name].online:
             raise ValueError(f"{shape} has no bf16 checkpoint to quantize online; use a written format")
+        # Hollow: the codes are holes of sparse files, the 71 GB of FP8 codes more than a bench
+        # machine's disk may hold (the step's time does not depend on their values).
         folder = formats.write_random_quantized_checkpoint(model_config(shape), options.workdir / f"{shape}-{name}",
-                                                           name)
+                                                           name, hollow=True)
         return bench_metrale(shape, folder, options, bandwidth, quantization=name)
     folder, _ = formats.checkpoint_in_format(source, options.workdir, name)
     result = bench_metrale(shape, folder, options, bandwidth, quantization=name)

@@ -190,13 +190,49 @@ def write_quantized_checkpoint(source: Path, destination: Path, name: str, devic
     return destination
 
 
+#: safetensors' names of the torch dtypes the formats write.
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3fn": "F8_E4M3",
+                      "int8": "I8", "int32": "I32", "int64": "I64", "uint8": "U8"}
+#: The tensors of a quantized module that hold its codes (the rest: scales, shapes).
+CODE_TENSORS = ("weight", "weight_packed")
+
+
+def save_with_holes(tensors: dict[str, Any], holes: set[str], path: Path, metadata: dict[str, str]) -> None:
+    """A safetensors file of ``tensors`` (torch) in which the tensors named in ``holes`` take their
+    place in the layout but are never written: the file is sparse there, reads give zeros, and the
+    disk holds only the rest."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for tensor_name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[tensor_name] = {"dtype": SAFETENSORS_DTYPES[str(tensor.dtype).removeprefix("torch.")],
+                               "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as file:
+        file.write(len(encoded).to_bytes(8, "little") + encoded)
+        base = file.tell()
+        for tensor_name, tensor in tensors.items():
+            if tensor_name not in holes:
+                import torch
+
+                file.seek(base + header[tensor_name]["data_offsets"][0])
+                file.write(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        file.truncate(base + offset)
+
+
 def write_random_quantized_checkpoint(model: tuple[Any, Any], destination: Path, name: str,
-                                     shard_bytes: int = 5 << 30, device: str = "cuda") -> Path:
+                                     shard_bytes: int = 5 << 30, device: str = "cuda", hollow: bool = False) -> Path:
     """A random-weight checkpoint of ``model`` (``(config, model class)`` of transformers) written
     straight in format ``name``, a tensor at a time on ``device``, in shards of about ``shard_bytes``:
     for shapes whose bf16 checkpoint no GPU or disk of the benchmark holds. Each matrix is drawn as
     transformers initialises it (normal, standard deviation ``initializer_range``) and quantized as
-    :func:`write_quantized_checkpoint` quantizes; norms are ones."""
+    :func:`write_quantized_checkpoint` quantizes; norms are ones. With ``hollow`` the quantized
+    matrices' codes are holes of sparse files (:func:`save_with_holes`: zeros, no disk), their scales
+    and every other tensor written: for a shape whose quantized checkpoint the disk does not hold,
+    timed as any other (the kernels' work does not depend on the codes' values) but computing
+    nothing meaningful."""
     import torch
     from safetensors.torch import save_file
 
@@ -212,15 +248,20 @@ def write_random_quantized_checkpoint(model: tuple[Any, Any], destination: Path,
     std = getattr(config, "initializer_range", 0.02)
     index: dict[str, str] = {}
     shard: dict[str, Any] = {}
+    holes: set[str] = set()
     held = 0
 
     def flush() -> None:
         nonlocal shard, held
         if shard:
             file = f"model-{len(set(index.values())) + 1:05d}.safetensors"
-            save_file(shard, destination / file, metadata={"format": "pt"})
+            if hollow:
+                save_with_holes(shard, holes, destination / file, metadata={"format": "pt"})
+            else:
+                save_file(shard, destination / file, metadata={"format": "pt"})
             index.update({tensor_name: file for tensor_name in shard})
         shard, held = {}, 0
+        holes.clear()
 
     for tensor_name, shape in shapes.items():
         if len(shape) == 1:
@@ -229,7 +270,13 @@ def write_random_quantized_checkpoint(model: tuple[Any, Any], destination: Path,
             values = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, std, generator=generator)
             if shape[-1] % GROUP == 0 and is_quantized_matrix(tensor_name, len(shape)):
                 module = tensor_name[: -len(".weight")]
-                written = {f"{module}.{suffix}": value.cpu() for suffix, value in QUANTIZERS[name](values).items()}
+                written = {}
+                for suffix, value in QUANTIZERS[name](values).items():
+                    # A hole needs only its dtype and shape: a tensor on the meta device.
+                    hole = hollow and suffix in CODE_TENSORS
+                    written[f"{module}.{suffix}"] = torch.empty_like(value, device="meta") if hole else value.cpu()
+                    if hole:
+                        holes.add(f"{module}.{suffix}")
             else:
                 written = {tensor_name: values.cpu()}
         for written_name, value in written.items():

@@ -129,3 +129,33 @@ def test_a_shape_is_loaded_in_a_format_online_or_from_its_written_checkpoint(tmp
     assert written == [(source, tmp_path / "llama-8b-w4a16", "w4a16")]
     with pytest.raises(ValueError, match="unknown quantized format 'int3'"):
         formats.checkpoint_in_format(source, tmp_path, "int3")
+
+
+@pytest.mark.parametrize("name", ["fp8-dynamic", "w4a16"])
+def test_a_hollow_checkpoint_leaves_the_codes_as_holes_and_loads(name, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = (config, LlamaForCausalLM)
+    full = formats.write_random_quantized_checkpoint(model, tmp_path / "full", name, device="cpu")
+    hollow = formats.write_random_quantized_checkpoint(model, tmp_path / "hollow", name, device="cpu", hollow=True)
+    # The same layout (names, dtypes, shapes) as the written checkpoint, safetensors reads it.
+    from safetensors import safe_open
+
+    with safe_open(str(full / "model-00001.safetensors"), "pt") as a, \
+            safe_open(str(hollow / "model-00001.safetensors"), "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        codes = "model.layers.1.mlp.up_proj." + ("weight" if name == "fp8-dynamic" else "weight_packed")
+        scales = "model.layers.1.mlp.up_proj.weight_scale"
+        assert a.get_tensor(codes).dtype == b.get_tensor(codes).dtype
+        assert not b.get_tensor(codes).view(torch.uint8).any() and a.get_tensor(codes).view(torch.uint8).any()
+        assert torch.equal(a.get_tensor(scales), b.get_tensor(scales))
+        embedding = "model.embed_tokens.weight"
+        assert torch.equal(a.get_tensor(embedding), b.get_tensor(embedding))
+    # The codes take no disk: the files' blocks fall short of their sizes by about the codes' bytes.
+    file = hollow / "model-00001.safetensors"
+    assert file.stat().st_blocks * 512 < file.stat().st_size - 300_000
+    llm = LLM(hollow, device="cpu", show_progress=False)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
