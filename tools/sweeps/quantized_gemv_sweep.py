@@ -1,6 +1,9 @@
 """The quantized decode GEMV (``metrale.kernels.quantized_gemv``) against the bf16 decode GEMV on
 the Llama-8B projection shapes: FP8 per channel with per-token inputs, INT4 weight-only (groups of
-128) and INT8 per channel with per-token inputs, at 1, 8 and 32 rows (bf16 at 1 row).
+128) and INT8 per channel with per-token inputs, at 1, 8 and 32 rows (bf16 at 1 row). With
+``--tensor-cores``, at more than one row also bf16 through cuBLASLt (``bf16-lt``) and the FP8
+weights on FP8 tensor cores as the prompt path runs them (``fp8-tc``: the rows quantized to FP8
+codes, cuBLASLt's FP8 product, the rows and columns scaled).
 
 Each kernel is recorded 20 times into a CUDA graph and the graph replayed; the microseconds per
 launch and the code bytes read per microsecond (GB/s) are printed. ``--copies N`` cycles the
@@ -10,7 +13,7 @@ launches through N copies of each weight so that they come from memory rather th
 e.g. ``git show REV:kernels/quantized_gemv.py > /tmp/old.py``) and prints its time before this
 build's, with the largest difference of their outputs. Run from the repository root::
 
-    python3 tools/sweeps/quantized_gemv_sweep.py [--rows 1,8,32] [--copies 1] [--baseline FILE]
+    python3 tools/sweeps/quantized_gemv_sweep.py [--rows 1,8,32] [--copies 1] [--baseline FILE] [--tensor-cores]
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,32", help="rows of the product (default: 1,8,32)")
     parser.add_argument("--copies", type=int, default=1, help="copies of each weight cycled through (default: 1)")
     parser.add_argument("--baseline", default=None, metavar="FILE", help="another build's quantized_gemv.py")
+    parser.add_argument("--tensor-cores", action="store_true",
+                        help="also bf16 through cuBLASLt and FP8 on FP8 tensor cores at more than one row")
     args = parser.parse_args()
 
     import cupy as cp
@@ -76,6 +81,16 @@ def main() -> None:
     from metrale.backends.cuda import CudaBackend
     from metrale.kernels import decode_gemv
     from metrale.kernels import quantized_gemv as current
+    from metrale.kernels.bf16 import float32_to_bf16
+    from metrale.kernels.linear import CublasLtGemm
+
+    products: dict[int, Any] = {}
+
+    def lt(stream: Any) -> Any:
+        """cuBLASLt bound to the stream a timing runs on."""
+        if stream.ptr not in products:
+            products[stream.ptr] = CublasLtGemm(stream)
+        return products[stream.ptr]
 
     builds = [("this", current)]
     if args.baseline:
@@ -98,6 +113,13 @@ def main() -> None:
                 us = timed(lambda s, c, d=dense: decode_gemv.decode_gemv(decode_gemv.PLAIN_F32, x, d[c], out, s),
                            args.copies)
                 line.append(f"bf16 {us:6.1f}us {columns * inner * 2 / us / 1e3:5.0f}GB/s")
+            elif args.tensor_cores:
+                dense = [cp.asarray(rng.integers(0, 2**16, size=(columns, inner), dtype=np.uint16) & 0x3FFF)
+                         for _ in range(args.copies)]
+                x_bf16 = cp.asarray(float32_to_bf16(cp.asnumpy(x)))
+                us = timed(lambda s, c, d=dense: lt(s)(x_bf16, d[c], out), args.copies)
+                line.append(f"bf16-lt {us:6.1f}us {columns * inner * 2 / us / 1e3:5.0f}GB/s")
+                del dense
             for label, per_weight, host in host_weights(rng, columns, inner):
                 weights = [backend.quantized_weight(host) for _ in range(args.copies)]
                 staged_shape, scales_shape = current.workspace_shapes(rows, host)
@@ -116,6 +138,21 @@ def main() -> None:
                     text = f"{label} {before:6.1f}->{us:6.1f}us {columns * inner * per_weight / us / 1e3:5.0f}GB/s " \
                            f"d={difference:.1e}"
                 line.append(text)
+                if args.tensor_cores and rows > 1 and current.fp8_tensor_core_path(host):
+                    codes = cp.empty((rows, inner), np.uint8)
+                    row_scales = cp.empty((rows,), np.float32)
+                    column_scales = [cp.ascontiguousarray(w.scales[:, 0]) for w in weights]
+
+                    def fp8_product(s: Any, c: int, w: Any = weights) -> None:
+                        current.quantize_rows_fp8(x, w[c], codes, row_scales, s)
+                        lt(s).fp8(codes, w[c].codes, out)
+                        current.scale_product(out, row_scales, column_scales[c], s)
+
+                    try:
+                        us = timed(fp8_product, args.copies)
+                        line.append(f"fp8-tc {us:6.1f}us {columns * inner * per_weight / us / 1e3:5.0f}GB/s")
+                    except Exception as error:  # no FP8 algorithm for the shape, or an older GPU
+                        line.append(f"fp8-tc: {type(error).__name__}: {error}")
             print("  ".join(line), flush=True)
 
 
