@@ -1,5 +1,5 @@
 """Gated and plain activations: SiLU-and-mul (the SwiGLU gate, ``silu(gate) * up``), GELU and
-GELU-and-mul (GeGLU), and the float32 -> bf16 cast.
+GELU-and-mul (GeGLU), and the float32 <-> bf16 casts.
 
 The numba kernels serve every shape; :func:`silu_and_mul_words` is the CUDA C++ SiLU-and-mul the
 CUDA backend runs on bf16 products whose width is a multiple of 8 (a product's output at a
@@ -141,6 +141,14 @@ def to_bf16_kernel(source, out):
         out[index] = float_to_bf16(source[index])
 
 
+@jit_kernel
+def to_float32_kernel(source, out):
+    # Grid: ceil(n / threads) over the flattened arrays. source bf16 bits [n], out f32 [n].
+    index = cuda.grid(1)
+    if index < out.shape[0]:
+        out[index] = bf16_to_float(source[index])
+
+
 def silu_and_mul(gate_up: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
     """``out <- bf16(silu(gate) * up)`` for ``gate_up [N, 2I]`` float32 (:func:`silu_and_mul_kernel`)."""
     return _launch_silu_and_mul(silu_and_mul_kernel, np.float32, gate_up, out, stream)
@@ -199,6 +207,19 @@ def to_bf16(source: DeviceArray, out: DeviceArray, stream: object = None) -> Dev
     if count:
         blocks = -(-count // ELEMENTWISE_THREADS)
         to_bf16_kernel[blocks, ELEMENTWISE_THREADS, numba_stream(stream)](
+            device_view(source.reshape(count)), device_view(out.reshape(count))
+        )
+    return out
+
+
+def to_float32(source: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
+    """Widen bf16 bits ``source`` to float32 in ``out`` (same shape), exactly."""
+    check_array("to_float32", "source", source, np.uint16)
+    check_array("to_float32", "out", out, np.float32, tuple(source.shape))
+    count = int(np.prod(source.shape))
+    if count:
+        blocks = -(-count // ELEMENTWISE_THREADS)
+        to_float32_kernel[blocks, ELEMENTWISE_THREADS, numba_stream(stream)](
             device_view(source.reshape(count)), device_view(out.reshape(count))
         )
     return out

@@ -94,9 +94,12 @@ class CudaKernels:
         return self.to_bf16(x) if x.dtype == f32 else cp.ascontiguousarray(x)
 
     def to_float32(self, x: Any) -> Any:
+        """``x`` as float32 for kernels that read it: bf16 bits widened in one pass, float32 kept
+        (made contiguous; the callers only read it)."""
         if x.dtype == bf16:
-            return (x.astype(cp.uint32) << 16).view(cp.float32)
-        return cp.array(x, dtype=f32)
+            x = cp.ascontiguousarray(x)
+            return activation.to_float32(x, cp.empty(x.shape, dtype=f32), self.stream)
+        return cp.ascontiguousarray(x, dtype=f32)
 
     # ------------------------------------------------------------------------------- dense
 

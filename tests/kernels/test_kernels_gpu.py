@@ -61,7 +61,10 @@ def test_reused_device_views_follow_address_shape_and_dtype():
         out = cp.zeros((4, 256), dtype=np.uint16)
         activation.to_bf16(values, out)
         np.testing.assert_array_equal(cp.asnumpy(out), float32_to_bf16(np.full((4, 256), round_ + 1.0, np.float32)))
-        del values, out
+        widened = cp.full((4, 256), np.nan, dtype=np.float32)
+        activation.to_float32(out, widened)
+        np.testing.assert_array_equal(cp.asnumpy(widened), np.full((4, 256), round_ + 1.0, np.float32))
+        del values, out, widened
 
 
 def test_numba_kernels_launch_directly_through_cupy():

@@ -108,6 +108,9 @@ def test_silu_and_mul_and_cast():
     cast = np.zeros((3, 70), np.uint16)
     activation.to_bf16(expected, cast)
     np.testing.assert_array_equal(cast, float32_to_bf16(expected))
+    widened = np.full((3, 70), np.nan, np.float32)
+    activation.to_float32(cast, widened)
+    np.testing.assert_array_equal(widened, bf16_to_float32(cast))  # exact: bf16 is float32's upper half
 
 
 def test_silu_and_mul_of_a_bf16_product():
