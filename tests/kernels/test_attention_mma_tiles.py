@@ -37,10 +37,15 @@ def test_shared_memory_fits_one_block_of_an_h200():
     assert attention_mma.shared_bytes(64, 64) == 2 * 2 * 64 * 144
 
 
-def test_the_source_is_specialised_per_head_size():
-    for placeholder in ("__HEAD_DIM__", "__VALUE_DIM__", "__BLOCK_KEYS__"):
-        assert placeholder in attention_mma.SOURCE
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in attention_mma.SOURCE
+def test_the_source_is_specialised_per_head_size_and_soft_cap():
+    placeholders = ("__HEAD_DIM__", "__VALUE_DIM__", "__BLOCK_KEYS__", "__SOFTCAP__")
+    assert all(placeholder in attention_mma.KERNEL for placeholder in placeholders)
+    source = attention_mma.kernel_source(192, 128, softcap=True)
+    assert not any(placeholder in source for placeholder in placeholders)
+    assert "#define HEAD_DIM 192" in source and "#define VALUE_DIM 128" in source and "#define SOFTCAP 1" in source
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
+    # Without the PTX helpers, for the CPU emulation, which brings its own.
+    assert "mma.sync" not in attention_mma.kernel_source(64, 64, with_instructions=False)
 
 
 def test_unsupported_arguments_are_refused_before_any_launch():
