@@ -7,9 +7,10 @@ prompt GEMMs that cuBLAS runs.
 scales per block of rows and columns; optional zero points; optional act-order). Its prologue
 stages the input rows in shared memory as bf16: gathered in the weight's column order, quantized
 under the weight's activation scheme as :func:`~metrale.kernels.quantized.quantize_activations`
-does (the row or group maxima reduced by a warp each), rounded to bf16. Several rows, or a row
-that does not fit shared memory (:func:`shared_stage`), are staged the same way once by
-``stage_rows`` into a global workspace first, which the product reads through the L1 cache. The product follows
+does (the row or group maxima reduced by a warp each), rounded to bf16. Rows the prologue does
+not take (:func:`shared_stage`: several rows of a product whose column tiles are split, more than
+:data:`SHARED_STAGE_MAX_ROWS` of any, rows that do not fit shared memory) are staged the same way
+once by ``stage_rows`` into a global workspace first, which the product reads through the L1 cache. The product follows
 :mod:`metrale.kernels.decode_gemv`'s: ``mma.sync.m16n8k16`` with 16 output columns as the M side and
 a tile of 8 rows as the N side, each lane feeding its A fragment from the 8 codes of one chunk of 8
 input columns of its two columns converted in registers: the weight stream is the codes' bytes, a
@@ -337,8 +338,21 @@ __device__ __forceinline__ uint4 exact_chunk(const QuantizedOperand& w, size_t c
 // (this one `warp`) share the (row, group) tasks; with fewer tasks than warps each task's columns
 // are dealt among warps / tasks of them, whose maxima meet in `partial` (warps floats of shared
 // memory), so a decode row's maximum is not one warp's long walk. Every thread of the block calls it.
-template <int ACT>
-__device__ void activation_scales(const float* __restrict__ x, const int* __restrict__ order, int rows, int K,
+// The input rows as float32 or as bf16 bits (INPUT): element i, and the largest magnitude of the
+// 4 elements at 4i (a 16- or 8-byte load).
+__device__ __forceinline__ float input_value(const float* x, size_t i) { return x[i]; }
+__device__ __forceinline__ float input_value(const unsigned short* x, size_t i) { return bf16_bits(x[i]); }
+__device__ __forceinline__ float quad_amax(const float* row, int i) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(row) + i);
+    return fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+}
+__device__ __forceinline__ float quad_amax(const unsigned short* row, int i) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(row) + i);
+    return fmaxf(fmaxf(fabsf(bf16_low(v.x)), fabsf(bf16_high(v.x))), fmaxf(fabsf(bf16_low(v.y)), fabsf(bf16_high(v.y))));
+}
+
+template <int ACT, typename INPUT>
+__device__ void activation_scales(const INPUT* __restrict__ x, const int* __restrict__ order, int rows, int K,
                                   int group, int groups, float* act_scale, float* partial, int warp, int warps,
                                   int lane) {
     const float limit = ACT == ACT_INT8_TOKEN ? INT8_MAX_VALUE : FP8_MAX;
@@ -347,18 +361,15 @@ __device__ void activation_scales(const float* __restrict__ x, const int* __rest
         const int task = item % tasks, part = item / tasks;
         const int r = task / groups, j = task - r * groups;
         float amax = 0.0f;
-        if (order == nullptr && group % 4 == 0 && reinterpret_cast<size_t>(x) % 16 == 0) {
+        if (order == nullptr && group % 4 == 0 && reinterpret_cast<size_t>(x) % (4 * sizeof(INPUT)) == 0) {
             // Four columns a load, four loads in flight: the loop is the loads' latency otherwise.
-            const float4* row = reinterpret_cast<const float4*>(x + (size_t)r * K + (size_t)j * group);
+            const INPUT* row = x + (size_t)r * K + (size_t)j * group;
             const int count = (min(K, (j + 1) * group) - j * group) / 4;
             #pragma unroll 4
-            for (int i = 32 * part + lane; i < count; i += 32 * parts) {
-                const float4 v = __ldg(row + i);
-                amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-            }
+            for (int i = 32 * part + lane; i < count; i += 32 * parts) amax = fmaxf(amax, quad_amax(row, i));
         } else {
             for (int k = j * group + 32 * part + lane; k < min(K, (j + 1) * group); k += 32 * parts)
-                amax = fmaxf(amax, fabsf(x[(size_t)r * K + (order != nullptr ? order[k] : k)]));
+                amax = fmaxf(amax, fabsf(input_value(x, (size_t)r * K + (order != nullptr ? order[k] : k))));
         }
         amax = warp_max(amax);
         if (lane == 0) {
@@ -379,15 +390,15 @@ __device__ void activation_scales(const float* __restrict__ x, const int* __rest
 // Chunk c (input columns 8c .. 8c + 7) of row r as the products take it: x gathered and quantized
 // (row_scales: the row's activation scales), as bf16 values, or (F16: the exact path over quantized
 // inputs) the codes as f16, their scales applied to the products' sums.
-template <int ACT, bool F16>
-__device__ __forceinline__ uint4 staged_chunk(const float* __restrict__ x, const int* __restrict__ order,
+template <int ACT, bool F16, typename INPUT>
+__device__ __forceinline__ uint4 staged_chunk(const INPUT* __restrict__ x, const int* __restrict__ order,
                                               float input_scale, const float* row_scales, int r, int c, int K,
                                               int group) {
     float v[8];
     #pragma unroll
     for (int e = 0; e < 8; ++e) {
         const int k = 8 * c + e;
-        float value = x[(size_t)r * K + (order != nullptr ? order[k] : k)];
+        float value = input_value(x, (size_t)r * K + (order != nullptr ? order[k] : k));
         if (ACT == ACT_FP8_TENSOR) {
             value = round_e4m3(value / input_scale) * (F16 ? 1.0f : input_scale);
         } else if (ACT == ACT_FP8_TOKEN || ACT == ACT_FP8_GROUP) {
@@ -407,16 +418,17 @@ __device__ __forceinline__ uint4 staged_chunk(const float* __restrict__ x, const
 // y[r, n] = dot(staged[r, :], W[n, :]) (+ bias[n]) for r < rows <= 8 * ROW_TILES, n < N. staged[r, k]
 // = bf16(quantize(x[r, order[k]])) (order null: k): ACT_NONE keeps the value, ACT_FP8_TOKEN /
 // ACT_INT8_TOKEN quantize each row with scale max|row| / 448 (/ 127), ACT_FP8_GROUP each row's
-// groups of act_group columns, ACT_FP8_TENSOR with input_scale. x: float32 [rows, K]; out: float32
+// groups of act_group columns, ACT_FP8_TENSOR with input_scale. x: INPUT [rows, K] (float32, or
+// unsigned short: bf16 bits); out: float32
 // [rows, N]; K a multiple of 32, block_columns a multiple of 8. Grid: as decode_gemv's, WARPS / SPLIT
 // column tiles of 16 a block, round after round. SHARED_STAGE: the prologue stages the rows in
 // dynamic shared memory, rows * ceil(K / 64) * 128 bytes of staged input, then rows * groups floats
 // of activation scales; otherwise stage_rows staged them in global memory (staged_rows,
 // staged_scales, the same layout), for rows that do not fit. Then (SPLIT > 1) the split's partial
 // products.
-template <int CODES, int ACT, int SPLIT, int ROW_TILES, bool EXACT, bool SHARED_STAGE, int LOAD>
+template <int CODES, int ACT, int SPLIT, int ROW_TILES, bool EXACT, bool SHARED_STAGE, int LOAD, typename INPUT>
 __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv(
-    const float* __restrict__ x, const int* __restrict__ order, float input_scale, int act_group,
+    const INPUT* __restrict__ x, const int* __restrict__ order, float input_scale, int act_group,
     const uint4* __restrict__ staged_rows, const float* __restrict__ staged_scales,
     const unsigned char* __restrict__ codes, const float* __restrict__ scales, const float* __restrict__ zeros,
     int block_rows, int block_columns, int scale_columns, const float* __restrict__ bias, float* __restrict__ out,
@@ -625,16 +637,16 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
 // The GEMV's staged rows in global memory, for rows that do not fit its shared memory: staged
 // [rows][ceil(K / 64) * 8] chunks of 8 as the GEMV's prologue writes them, scales [rows][groups].
 // Grid: rows blocks of THREADS threads.
-template <int ACT, bool F16>
+template <int ACT, bool F16, typename INPUT>
 __global__ void __launch_bounds__(THREADS) stage_rows(
-    const float* __restrict__ x, const int* __restrict__ order, float input_scale, int act_group,
+    const INPUT* __restrict__ x, const int* __restrict__ order, float input_scale, int act_group,
     uint4* __restrict__ staged, float* __restrict__ scales, int K) {
     __shared__ float partial[WARPS];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, r = blockIdx.x;
     const int chunks = K / 8, stride = (chunks + 7) / 8 * 8;
     const int group = ACT == ACT_FP8_GROUP ? act_group : K;
     const int groups = (K + group - 1) / group;
-    const float* row = x + (size_t)r * K;
+    const INPUT* row = x + (size_t)r * K;
     float* row_scales = scales + (size_t)r * groups;
     if (ACT == ACT_FP8_TOKEN || ACT == ACT_INT8_TOKEN || ACT == ACT_FP8_GROUP) {
         activation_scales<ACT>(row, order, 1, K, group, groups, row_scales, partial, warp, WARPS, lane);
@@ -807,17 +819,22 @@ def load_chunks(weight: QuantizedWeight, exact: bool) -> int:
                 and (weight.activations != "fp8_group" or weight.activation_group % (32 * n) == 0))
 
 
+def input_type(bf16_input: bool) -> str:
+    """The kernels' ``INPUT``: the input rows as float32, or as bf16 bits."""
+    return "unsigned short" if bf16_input else "float"
+
+
 def kernel_name(codes: str, activations: str, split: int, tiles: int, exact: bool = True,
-                shared: bool = True, load: int = 1) -> str:
+                shared: bool = True, load: int = 1, bf16_input: bool = False) -> str:
     return (f"quantized_gemv<{CODES[codes]}, {ACTIVATIONS[activations]}, {split}, {tiles}, "
-            f"{'true' if exact else 'false'}, {'true' if shared else 'false'}, {load}>")
+            f"{'true' if exact else 'false'}, {'true' if shared else 'false'}, {load}, {input_type(bf16_input)}>")
 
 
-def stage_rows_name(activations: str, exact: bool) -> str:
+def stage_rows_name(activations: str, exact: bool, bf16_input: bool = False) -> str:
     """The staging kernel of a launch's rows: its chunks hold f16 codes on the exact path over
     quantized inputs, bf16 values otherwise."""
     f16 = exact and activations != "weight_only"
-    return f"stage_rows<{ACTIVATIONS[activations]}, {'true' if f16 else 'false'}>"
+    return f"stage_rows<{ACTIVATIONS[activations]}, {'true' if f16 else 'false'}, {input_type(bf16_input)}>"
 
 
 # ------------------------------------------------------------------------------ reference
@@ -902,15 +919,17 @@ def check_weight(name: str, weight: QuantizedWeight) -> None:
 def quantized_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: Any, *,
                    bias: DeviceArray | None = None, multiprocessors: int = 132, split: int | None = None,
                    workspace: tuple[DeviceArray, DeviceArray] | None = None) -> DeviceArray:
-    """``out <- quantize(x) W^T (+ bias)`` (the module docstring) on ``stream``: ``x`` float32 ``[rows,
-    K]``, ``out`` float32 ``[rows, N]``. Rows that do not fit shared memory (:func:`shared_stage`)
-    are staged first into ``workspace`` (the arrays of :func:`workspace_shapes`). Raises
+    """``out <- quantize(x) W^T (+ bias)`` (the module docstring) on ``stream``: ``x`` float32 or bf16
+    bits (uint16) ``[rows, K]``, ``out`` float32 ``[rows, N]``. Rows the prologue does not take
+    (:func:`shared_stage`) are staged first into ``workspace`` (the arrays of
+    :func:`workspace_shapes`). Raises
     :class:`~metrale.errors.KernelArgumentError` for what it does not serve (:func:`supports`)."""
     name = f"quantized_gemv ({weight.codes_format}, {weight.activations})"
     check_weight(name, weight)
     rows = x.shape[0] if getattr(x, "ndim", 0) == 2 else -1
     columns, inner = weight.shape
-    check_array(name, "x", x, np.float32, (rows, inner))
+    bf16_input = getattr(x, "dtype", None) == np.uint16
+    check_array(name, "x", x, np.uint16 if bf16_input else np.float32, (rows, inner))
     check_array(name, "out", out, np.float32, (rows, columns))
     if bias is not None:
         check_array(name, "bias", bias, np.float32, (columns,))
@@ -931,12 +950,12 @@ def quantized_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, st
         staged_shape, scales_shape = workspace_shapes(rows, weight)
         check_array(name, "workspace staged", staged, np.uint32, staged_shape)
         check_array(name, "workspace scales", scales, np.float32, scales_shape)
-        launch(_function(stage_rows_name(weight.activations, exact)), (rows,), (THREADS,), (
+        launch(_function(stage_rows_name(weight.activations, exact, bf16_input)), (rows,), (THREADS,), (
             x, order, input_scale, np.int32(weight.activation_group), staged, scales, np.int32(inner),
         ), 0, stream, dependent=False)
     chosen, blocks = plan(columns, multiprocessors, split)
     function = _function(kernel_name(weight.codes_format, weight.activations, chosen, row_tiles(rows), exact, shared,
-                                     load_chunks(weight, exact)))
+                                     load_chunks(weight, exact), bf16_input))
     stage = shared_bytes(rows, weight, chosen, shared)
     if stage > 48 * 1024:
         function.max_dynamic_shared_size_bytes = stage

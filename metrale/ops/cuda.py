@@ -159,7 +159,8 @@ class CudaKernels:
     # :func:`metrale.ops.selection.quantized_kernels` says.
 
     def quantized_linear_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        """Decode rows: the codes dequantized in registers, the input quantized in the prologue."""
+        """Decode rows: the codes dequantized in registers, the input (float32 or bf16) quantized in
+        the prologue."""
         rows = x.shape[0]
         out = cp.empty((rows, weight.shape[0]), dtype=f32)
         workspace = None
@@ -167,7 +168,9 @@ class CudaKernels:
         if not quantized_gemv.shared_stage(rows, weight, multiprocessors):
             staged_shape, scales_shape = quantized_gemv.workspace_shapes(rows, weight)
             workspace = (cp.empty(staged_shape, dtype=np.uint32), cp.empty(scales_shape, dtype=f32))
-        return quantized_gemv.quantized_gemv(self.to_float32(x), weight, out, self.stream, bias=bias,
+        # bf16 rows are read as they are (the kernel widens them), others as float32.
+        rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
+        return quantized_gemv.quantized_gemv(rows_in, weight, out, self.stream, bias=bias,
                                              multiprocessors=multiprocessors, workspace=workspace)
 
     def quantized_linear(self, x: Any, weight: Any, bias: Any = None) -> Any:

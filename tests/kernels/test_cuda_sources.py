@@ -155,10 +155,21 @@ def test_every_quantized_gemv_instantiation_compiles(tmp_path):
              for shared in (False, True) for load in quantized_gemv.LOAD_CHUNKS
              if load <= (4 if codes in ("int4", "mxfp4") else 2)]
     instantiations = "".join(f"template __global__ void {name}({gemv});\n" for name in names)
-    stage_rows = "const float*, const int*, float, int, uint4*, float*, int"
-    stagers = sorted({quantized_gemv.stage_rows_name(activations, exact)
-                      for activations in quantized_gemv.ACTIVATIONS for exact in (False, True)})
-    instantiations += "".join(f"template __global__ void {name}({stage_rows});\n" for name in stagers)
+    # With bf16 input rows: every code and scheme at one split and row tile (the input's reads are
+    # the prologue's, the same in every instance).
+    bf16_names = [quantized_gemv.kernel_name(codes, activations, 1, 1, exact, shared, 1, bf16_input=True)
+                  for codes in quantized_gemv.CODES for activations in quantized_gemv.ACTIVATIONS
+                  for exact in (False, True) for shared in (False, True)]
+    instantiations += "".join(f"template __global__ void {name}(const unsigned short*{gemv[len('const float*'):]});\n"
+                              for name in bf16_names)
+    names += bf16_names
+    stagers = []
+    for input_type, bf16_input in (("const float*", False), ("const unsigned short*", True)):
+        stage_rows = f"{input_type}, const int*, float, int, uint4*, float*, int"
+        typed = sorted({quantized_gemv.stage_rows_name(activations, exact, bf16_input)
+                        for activations in quantized_gemv.ACTIVATIONS for exact in (False, True)})
+        instantiations += "".join(f"template __global__ void {name}({stage_rows});\n" for name in typed)
+        stagers += typed
     dequantize = "const unsigned char*, const float*, const float*, int, int, int, uint4*, int, int"
     instantiations += "".join(f"template __global__ void dequantize_bf16<{number}>({dequantize});\n"
                               for number in quantized_gemv.CODES.values())

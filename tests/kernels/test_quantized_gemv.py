@@ -13,7 +13,7 @@ import pytest
 from emulation import build_emulated
 
 from metrale.kernels import quantized_gemv as qg
-from metrale.kernels.bf16 import bf16_to_float32
+from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
 from metrale.kernels.quantized import (
     QuantizedWeight,
     float32_to_fp8_e4m3,
@@ -32,6 +32,12 @@ INSTANCES = [(*instance, exact) for instance in [
 ] for exact in (False, True)]
 
 
+# Instances also built with bf16 input rows (INPUT unsigned short), each with the rows staged in
+# shared memory and in the global workspace.
+BF16_INSTANCES = [("fp8", "fp8_token", 1, 1, True), ("fp8", "fp8_group", 2, 1, True), ("int4", "weight_only", 1, 1, True),
+                  ("int8", "int8_token", 4, 1, True), ("fp8", "fp8_token", 4, 2, False)]
+
+
 def loads(codes: str) -> tuple[int, ...]:
     """The chunks a lane may load at once with these codes (qg.load_chunks picks one)."""
     return tuple(n for n in qg.LOAD_CHUNKS if n <= (4 if codes in ("int4", "mxfp4") else 2))
@@ -40,16 +46,17 @@ def loads(codes: str) -> tuple[int, ...]:
 def emulation_main() -> str:
     dispatch = "\n".join(
         f"    if (codes == {qg.CODES[c]} && act == {qg.ACTIVATIONS[a]} && split == {s} && tiles == {t} && exact == "
-        f"{int(e)} && shared == {int(shared)} && load == {n}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, "
-        f"{{THREADS, 1, 1}}, [&] {{ {qg.kernel_name(c, a, s, t, e, shared, n)}(x, order, input_scale, act_group, "
-        f"staged_rows, staged_scales, code_bytes, scales, zeros, block_rows, block_columns, scale_columns, bias, out, "
-        f"rows, K, N); }}); found = true; }}"
-        for c, a, s, t, e in INSTANCES for shared in (False, True) for n in loads(c))
+        f"{int(e)} && shared == {int(shared)} && load == {n} && bf16 == {int(b)}) {{ emu::launch({{(unsigned)blocks, "
+        f"1, 1}}, {{THREADS, 1, 1}}, [&] {{ {qg.kernel_name(c, a, s, t, e, shared, n, b)}({'x16' if b else 'x'}, "
+        f"order, input_scale, act_group, staged_rows, staged_scales, code_bytes, scales, zeros, block_rows, "
+        f"block_columns, scale_columns, bias, out, rows, K, N); }}); found = true; }}"
+        for b, instances in ((False, INSTANCES), (True, BF16_INSTANCES)) for c, a, s, t, e in instances
+        for shared in (False, True) for n in loads(c))
     stage_rows = "\n".join(
-        f"        if (act == {qg.ACTIVATIONS[a]} && exact == {int(e)}) emu::launch({{(unsigned)rows, 1, 1}}, "
-        f"{{THREADS, 1, 1}}, [&] {{ {qg.stage_rows_name(a, e)}(x, order, input_scale, act_group, staged_rows, "
-        f"staged_scales, K); }});"
-        for a in qg.ACTIVATIONS for e in (False, True))
+        f"        if (act == {qg.ACTIVATIONS[a]} && exact == {int(e)} && bf16 == {int(b)}) emu::launch("
+        f"{{(unsigned)rows, 1, 1}}, {{THREADS, 1, 1}}, [&] {{ {qg.stage_rows_name(a, e, b)}({'x16' if b else 'x'}, "
+        f"order, input_scale, act_group, staged_rows, staged_scales, K); }});"
+        for a in qg.ACTIVATIONS for e in (False, True) for b in (False, True))
     staging = "\n".join(
         f"        if (act == {number}) emu::launch({{(unsigned)rows, (unsigned)groups, 1}}, {{THREADS, 1, 1}}, [&] {{ "
         f"stage_activations<{number}>(x, order, input_scale, act_group, staged, rows, K); }});"
@@ -86,6 +93,8 @@ int main(int argc, char** argv) {
         return 0;
     }
     const float* x = read<float>(folder + "/x", (size_t)rows * K);
+    const int bf16 = (flags & 8) != 0;   // the rows also as bf16 bits, for the bf16-input instances
+    const unsigned short* x16 = bf16 ? read<unsigned short>(folder + "/x_bf16", (size_t)rows * K) : nullptr;
     const int* order = flags & 1 ? read<int>(folder + "/order", K) : nullptr;
     const float* bias = flags & 4 ? read<float>(folder + "/bias", N) : nullptr;
     float* out = allocate<float>((size_t)rows * N);
@@ -131,7 +140,7 @@ def emulated(tmp_path_factory):
     binary = build_emulated(folder / "quantized_gemv.cpp", source)
 
     def run(weight: QuantizedWeight, x=None, bias=None, *, split=1, blocks=2, dequantize_only=False,
-            stage_only=False, exact=None, fp8_rows=False, shared=True, load=None):
+            stage_only=False, exact=None, fp8_rows=False, shared=True, load=None, bf16_input=False):
         case = folder / "case"
         case.mkdir(exist_ok=True)
         out_features, inner = weight.shape
@@ -150,6 +159,9 @@ def emulated(tmp_path_factory):
         rows = 1 if x is None else x.shape[0]
         if x is not None:
             np.ascontiguousarray(x, np.float32).tofile(case / "x")
+        if bf16_input:
+            float32_to_bf16(np.ascontiguousarray(x, np.float32)).tofile(case / "x_bf16")
+            flags |= 8
         input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
         arguments = [qg.CODES[weight.codes_format], qg.ACTIVATIONS[weight.activations], split, qg.row_tiles(rows), rows,
                      inner, out_features, blocks, weight.block[0], weight.block[1], weight.scales.shape[1],
@@ -238,6 +250,30 @@ def test_emulated_gemv_matches_the_reference(emulated, codes, activations, rows,
         assert np.abs(got - expected).max() <= 1e-5 * scale, load
         # And the GPU's rounding (bf16 inputs and weights) stays within bf16's error of the exact math.
         assert np.abs(got - full_precision).max() <= 2e-2 * np.abs(full_precision).max(), load
+
+
+BF16_CASES = [pytest.param(*case, exact, shared, id=f"{'exact' if exact else 'scaled'}-{'shared' if shared else 'global'}-"
+                           f"{case[0]}-{case[1]}-{case[2]}x{case[3]}")
+              for case in CASES for exact in (True, False) for shared in (True, False)
+              if (case[0], case[1], case[9], qg.row_tiles(case[2]), exact) in BF16_INSTANCES]
+
+
+@pytest.mark.parametrize("codes, activations, rows, inner, out, block, asymmetric, act_order, bias, split, blocks, "
+                         "exact, shared", BF16_CASES)
+def test_emulated_gemv_reads_bf16_rows_as_their_float32_values(emulated, codes, activations, rows, inner, out, block,
+                                                               asymmetric, act_order, bias, split, blocks, exact,
+                                                               shared):
+    rng = np.random.default_rng(rows * 1000 + inner + 1)
+    weight = make_weight(rng, codes, out, inner, block, activations=activations, asymmetric=asymmetric,
+                         act_order=act_order)
+    x = bf16_to_float32(float32_to_bf16(rng.normal(size=(rows, inner)).astype(np.float32)))
+    x[0, :7] *= 64  # exact in bf16 too
+    bias_values = rng.normal(size=out).astype(np.float32) if bias else None
+    as_float32 = emulated(weight, x, bias_values, split=split, blocks=blocks, exact=exact, shared=shared)
+    as_bf16 = emulated(weight, x, bias_values, split=split, blocks=blocks, exact=exact, shared=shared, bf16_input=True)
+    np.testing.assert_array_equal(as_bf16, as_float32)
+    expected = qg.quantized_gemv_reference(x, weight, bias_values, exact=exact)
+    assert np.abs(as_bf16 - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
 @pytest.mark.parametrize("codes, block, asymmetric", [

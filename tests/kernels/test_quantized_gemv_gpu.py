@@ -66,6 +66,31 @@ def test_the_decode_gemv_matches_the_reference_on_llama_shapes(backend, codes, a
         assert rel_error(cp.asnumpy(out), qg.quantized_gemv_reference(x, host)) < 1e-4
 
 
+@pytest.mark.parametrize("codes, activations", [("fp8", "fp8_token"), ("int4", "weight_only"), ("int8", "int8_token")])
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_the_decode_gemv_reads_bf16_rows_as_their_float32_values(backend, codes, activations, rows):
+    import cupy as cp
+
+    from metrale.kernels import quantized_gemv as qg
+    from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
+
+    rng = np.random.default_rng(rows + 40)
+    for inner, columns in LLAMA_8B:
+        host = host_weight(codes, inner, columns, activations, rng)
+        weight = backend.quantized_weight(host)
+        bits = float32_to_bf16(rng.normal(size=(rows, inner)).astype(np.float32))
+        staged_shape, scales_shape = qg.workspace_shapes(rows, host)
+        workspace = (cp.empty(staged_shape, np.uint32), cp.empty(scales_shape, np.float32))
+        outputs = []
+        for x in (cp.asarray(bf16_to_float32(bits)), cp.asarray(bits)):
+            out = cp.full((rows, columns), np.nan, np.float32)
+            qg.quantized_gemv(x, weight, out, cp.cuda.get_current_stream(), multiprocessors=qg_multiprocessors(),
+                              workspace=workspace)
+            outputs.append(cp.asnumpy(out))
+        np.testing.assert_array_equal(outputs[1], outputs[0])
+        assert rel_error(outputs[1], qg.quantized_gemv_reference(bf16_to_float32(bits), host)) < 1e-4
+
+
 def qg_multiprocessors() -> int:
     from metrale.kernels.decode_gemv import multiprocessor_count
 
