@@ -16,8 +16,9 @@ gathered from the paged cache, and keeps a flash-attention online softmax in reg
   (GPT-OSS), as the reference takes them;
 * the output is written as bf16.
 
-numba exposes no tensor-core instruction, so this kernel is CUDA C++; numba's CUDA simulator
-cannot run it (its tests run on the GPU only).
+numba exposes no tensor-core instruction, so this kernel is CUDA C++. Its CPU tests run the kernel
+on the host with an emulation of the PTX instructions in place of ``INSTRUCTIONS``; its GPU tests
+(``-m gpu``) run it as NVRTC compiles it.
 """
 
 from __future__ import annotations

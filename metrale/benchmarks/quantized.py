@@ -201,6 +201,8 @@ def save_with_holes(tensors: dict[str, Any], holes: set[str], path: Path, metada
     """A safetensors file of ``tensors`` (torch) in which the tensors named in ``holes`` take their
     place in the layout but are never written: the file is sparse there, reads give zeros, and the
     disk holds only the rest."""
+    import torch
+
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for tensor_name, tensor in tensors.items():
@@ -215,8 +217,6 @@ def save_with_holes(tensors: dict[str, Any], holes: set[str], path: Path, metada
         base = file.tell()
         for tensor_name, tensor in tensors.items():
             if tensor_name not in holes:
-                import torch
-
                 file.seek(base + header[tensor_name]["data_offsets"][0])
                 file.write(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
         file.truncate(base + offset)
