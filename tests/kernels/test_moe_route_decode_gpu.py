@@ -50,6 +50,8 @@ def test_routings_match_the_reference(backend, name, tokens):
         unconditional = backend.kernels.moe_route(
             cp.asarray(x), cp.asarray(gate), None if bias is None else cp.asarray(bias), method, n_group, topk_group,
             top_k, renormalise, scaling)
+    # The backend's stream does not wait on the null stream's copies below, nor they on it.
+    backend.stream.synchronize()
     from metrale.kernels.moe_route_decode import route_decode_reference
 
     expected_chosen, expected_weights = route_decode_reference(bf16_to_float32(x), gate, bias, method, n_group,

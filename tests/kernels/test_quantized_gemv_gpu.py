@@ -40,6 +40,14 @@ def backend():
     backend.close()
 
 
+def uploaded(backend, host: QuantizedWeight) -> QuantizedWeight:
+    """``host`` on the device, its copies done: the backend copies on its own stream, which the
+    null stream's launches below do not wait for."""
+    weight = backend.quantized_weight(host)
+    backend.stream.synchronize()
+    return weight
+
+
 def rel_error(got: np.ndarray, expected: np.ndarray) -> float:
     return float(np.abs(got - expected).max() / np.abs(expected).max())
 
@@ -55,7 +63,7 @@ def test_the_decode_gemv_matches_the_reference_on_llama_shapes(backend, codes, a
     rng = np.random.default_rng(rows)
     for inner, columns in LLAMA_8B:
         host = host_weight(codes, inner, columns, activations, rng)
-        weight = backend.quantized_weight(host)
+        weight = uploaded(backend, host)
         x = rng.normal(size=(rows, inner)).astype(np.float32)
         out = cp.full((rows, columns), np.nan, np.float32)
         # Rows that do not fit shared memory (32 of 4,096 columns, 8 of 14,336) are staged in the workspace.
@@ -77,7 +85,7 @@ def test_the_decode_gemv_reads_bf16_rows_as_their_float32_values(backend, codes,
     rng = np.random.default_rng(rows + 40)
     for inner, columns in LLAMA_8B:
         host = host_weight(codes, inner, columns, activations, rng)
-        weight = backend.quantized_weight(host)
+        weight = uploaded(backend, host)
         bits = float32_to_bf16(rng.normal(size=(rows, inner)).astype(np.float32))
         staged_shape, scales_shape = qg.workspace_shapes(rows, host)
         workspace = (cp.empty(staged_shape, np.uint32), cp.empty(scales_shape, np.float32))
@@ -106,7 +114,7 @@ def test_the_prompt_path_stages_and_dequantizes_as_the_references(backend, codes
 
     rng = np.random.default_rng(5)
     host = host_weight(codes, 4096, 1024, activations, rng)
-    weight = backend.quantized_weight(host)
+    weight = uploaded(backend, host)
     x = rng.normal(size=(300, 4096)).astype(np.float32)
     staged = cp.empty((300, 4096), np.uint16)
     qg.stage_activations(cp.asarray(x), weight, staged, cp.cuda.get_current_stream())
@@ -127,7 +135,7 @@ def test_a_graph_replays_the_decode_gemv_with_new_inputs(backend, rows):
 
     rng = np.random.default_rng(9)
     host = host_weight("fp8", 4096, 4096, "fp8_token", rng)
-    weight = backend.quantized_weight(host)
+    weight = uploaded(backend, host)
     x = cp.asarray(rng.normal(size=(rows, 4096)).astype(np.float32))
     # One row is staged by the GEMV's own prologue; 4 rows of these split column tiles by stage_rows first.
     assert qg.shared_stage(rows, host, qg_multiprocessors()) == (rows == 1)
@@ -163,7 +171,7 @@ def test_the_decode_experts_match_the_reference_on_deepseek_lite_shapes(backend,
     chosen = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
     weights = rng.uniform(0.1, 1.0, size=(tokens, top_k)).astype(np.float32)
     out = backend.ops.moe_experts(cp.asarray(x), cp.asarray(chosen), cp.asarray(weights),
-                                  backend.quantized_weight(gate_up), backend.quantized_weight(down))
+                                  uploaded(backend, gate_up), uploaded(backend, down))
     expected = qm.quantized_decode_experts_reference(x, chosen, weights, gate_up, down)
     assert rel_error(cp.asnumpy(out), expected) < 1e-4
 
@@ -184,7 +192,7 @@ def test_prompt_rows_of_fp8_take_the_fp8_tensor_cores(backend, activations):
         host = QuantizedWeight("fp8", host.codes, host.scales, host.block, host.shape, activations="fp8_tensor",
                                input_scale=np.asarray(0.05, np.float32))
     assert qg.fp8_tensor_core_path(host)
-    weight = backend.quantized_weight(host)
+    weight = uploaded(backend, host)
     x = rng.normal(size=(512, 4096)).astype(np.float32)
     y = cp.asnumpy(backend.ops.linear(cp.asarray(x), weight))
     assert backend.kernels._fp8_unserved == set()  # cuBLASLt served the shape in FP8
