@@ -217,6 +217,8 @@ CASES = [
     ("int8", "weight_only", 9, 128, 17, (1, 16), True, False, False, 1, 3),  # W8A16 with zero points
     ("mxfp4", "weight_only", 6, 128, 40, (1, 32), False, False, False, 2, 2),
     ("int4", "weight_only", 3, 288, 24, (1, 96), False, False, False, 1, 2),  # groups of 96: not a power of two
+    ("fp8", "fp8_token", 2, 320, 300, (1, 320), False, False, True, 1, 1),  # 3 rounds of tiles, 9 steps (odd)
+    ("int4", "weight_only", 1, 384, 200, (1, 128), True, False, False, 1, 1),  # 2 rounds, zero points
 ]
 
 
