@@ -472,6 +472,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
         size_t column, below;
         const float* upper_scales;
         const float* lower_scales;
+        float upper_scale, lower_scale;   // a column's one scale (one scale column), else unused
     };
     auto enter_round = [&](Position& p, int round) {
         p.round = round;
@@ -481,6 +482,10 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
         p.below = (size_t)min(p.tile * 16 + g + 8, N - 1);
         p.upper_scales = w.scales + scale_row(w, (int)p.column);
         p.lower_scales = w.scales + scale_row(w, (int)p.below);
+        if (EXACT && w.scale_columns == 1) {
+            p.upper_scale = __ldg(p.upper_scales);
+            p.lower_scale = __ldg(p.lower_scales);
+        }
     };
     auto advance = [&](Position& p) {
         if (++p.batch == batches) enter_round(p, p.round + 1);
@@ -500,9 +505,14 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
             lower[v] = valid ? load_chunks<CODES, LOAD>(w.codes, p.below, chunk, K) : zero;
             upper_scale[v] = lower_scale[v] = 0.0f;
             if (EXACT && group_chunk < end_chunk) {
-                const int scales_column = scale_column(w, 8 * group_chunk);
-                upper_scale[v] = __ldg(p.upper_scales + scales_column);
-                lower_scale[v] = __ldg(p.lower_scales + scales_column);
+                if (w.scale_columns == 1) {   // per channel: the round's scales
+                    upper_scale[v] = p.upper_scale;
+                    lower_scale[v] = p.lower_scale;
+                } else {
+                    const int scales_column = scale_column(w, 8 * group_chunk);
+                    upper_scale[v] = __ldg(p.upper_scales + scales_column);
+                    lower_scale[v] = __ldg(p.lower_scales + scales_column);
+                }
             }
         }
     };
