@@ -173,6 +173,24 @@ class CudaKernels:
         return quantized_gemv.quantized_gemv(rows_in, weight, out, self.stream, bias=bias,
                                              multiprocessors=multiprocessors, workspace=workspace)
 
+    def fp8_linear_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """Decode rows of FP8 weights whose scales factor out of the sums (:mod:`metrale.kernels.fp8_gemv`):
+        the codes multiplied as they are, the input (float32 or bf16) quantized in the prologue."""
+        from metrale.kernels import fp8_gemv
+        from metrale.kernels._words import aligned
+
+        rows = x.shape[0]
+        out = cp.empty((rows, weight.shape[0]), dtype=f32)
+        workspace = None
+        if not fp8_gemv.shared_stage(rows, weight):
+            staged_shape, scales_shape = fp8_gemv.workspace_shapes(rows, weight)
+            workspace = (cp.empty(staged_shape, dtype=np.uint32), cp.empty(scales_shape, dtype=f32))
+        rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
+        if not aligned(rows_in):  # a view into a larger array: the kernel reads 16 bytes at a time
+            rows_in = rows_in.copy()
+        return fp8_gemv.fp8_gemv(rows_in, weight, out, self.stream, bias=bias,
+                                 multiprocessors=decode_gemv.multiprocessor_count(), workspace=workspace)
+
     def quantized_linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """Prompt rows: FP8 inputs and weights whose scales factor out of the sums on FP8 tensor
         cores (cuBLASLt), the scales applied to the product's rows and columns; otherwise the input

@@ -362,18 +362,20 @@ def test_gpt_oss_experts_take_the_grouped_kernels_for_many_tokens(stacks, tokens
 
 
 @pytest.mark.parametrize("codes, activations, rows, expected", [
-    ("fp8", "fp8_token", 1, "decode GEMV"),
-    ("fp8", "fp8_token", 7, "decode GEMV"),
+    ("fp8", "fp8_token", 1, "fp8_gemv"),
+    ("fp8", "fp8_token", 7, "fp8_gemv"),
+    ("fp8", "fp8_tensor", 3, "fp8_gemv"),
     ("fp8", "fp8_token", 8, "FP8 tensor cores"),
     ("fp8", "fp8_tensor", 32, "FP8 tensor cores"),
-    ("fp8", "fp8_group", 32, "decode GEMV"),  # block scales change along the inner size
+    ("fp8", "fp8_group", 32, "quantized_gemv (decode GEMV)"),  # block scales change along the inner size
     ("int4", "weight_only", 32, "decode GEMV"),
     ("fp8", "fp8_token", 33, "FP8 tensor cores"),
     ("int4", "weight_only", 33, "staged input"),
 ])
 def test_quantized_decode_rows_by_format_and_row_count(codes, activations, rows, expected):
     """FP8 weights whose scales factor out of the sums take FP8 tensor cores from
-    FP8_TENSOR_CORE_MIN_ROWS rows; other formats the decode GEMV up to its 32 rows."""
+    FP8_TENSOR_CORE_MIN_ROWS rows and the FP8 GEMV below; other formats the quantized decode GEMV
+    up to its 32 rows."""
     from metrale.kernels.quantized import QuantizedWeight
     from metrale.ops.selection import FP8_TENSOR_CORE_MIN_ROWS
 
