@@ -225,7 +225,8 @@ class CudaKernels:
         if self._fp8_gemm is None:
             self._fp8_gemm = CublasLtGemm(self.stream)
         codes, scales = cp.empty((rows, inner), dtype=np.uint8), cp.empty((rows,), dtype=f32)
-        quantized_gemv.quantize_rows_fp8(self.to_float32(x), weight, codes, scales, self.stream)
+        rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
+        quantized_gemv.quantize_rows_fp8(rows_in, weight, codes, scales, self.stream)
         out = cp.empty((rows, columns), dtype=f32)
         try:
             self._fp8_gemm.fp8(codes, weight.codes, out)
