@@ -192,6 +192,21 @@ class CudaKernels:
         return fp8_gemv.fp8_gemv(rows_in, weight, out, self.stream, bias=bias,
                                  multiprocessors=decode_gemv.multiprocessor_count(), workspace=workspace)
 
+    def int4_linear_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """Decode rows of 4-bit weight-only weights in groups of 128 columns or more
+        (:mod:`metrale.kernels.int4_gemv`): the codes converted in registers, the input (float32 or
+        bf16) staged as bf16 in the prologue."""
+        from metrale.kernels import int4_gemv
+
+        rows = x.shape[0]
+        out = cp.empty((rows, weight.shape[0]), dtype=f32)
+        workspace = None
+        if not int4_gemv.shared_stage(rows, weight):
+            workspace = cp.empty(int4_gemv.workspace_shape(rows, weight), dtype=np.uint32)
+        rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
+        return int4_gemv.int4_gemv(rows_in, weight, out, self.stream, bias=bias,
+                                   multiprocessors=decode_gemv.multiprocessor_count(), workspace=workspace)
+
     def quantized_linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """Prompt rows: FP8 inputs and weights whose scales factor out of the sums on FP8 tensor
         cores (cuBLASLt), the scales applied to the product's rows and columns; otherwise the input

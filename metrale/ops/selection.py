@@ -198,7 +198,8 @@ def quantized_kernels() -> list[Kernel]:
     (:mod:`metrale.kernels.quantized_gemv`), tried before every other kernel of their ops: the
     quantized decode GEMV for ``linear`` up to its rows (FP8 weights whose scales factor out from
     :data:`FP8_TENSOR_CORE_MIN_ROWS` rows on FP8 tensor cores instead, fewer rows through
-    :mod:`metrale.kernels.fp8_gemv`), the staged input with a bf16
+    :mod:`metrale.kernels.fp8_gemv`; 4-bit weight-only weights in groups of 128 columns through
+    :mod:`metrale.kernels.int4_gemv`), the staged input with a bf16
     dequantization and cuBLAS past them; ``linear_silu`` as ``linear`` then ``silu_and_mul``; ``moe_experts`` through
     the quantized decode experts up to 8 tokens, over the dequantized stacks past them.
     ``rmsnorm_linear`` and ``rmsnorm_mlp`` reach them through their composites (the fused bf16
@@ -216,6 +217,11 @@ def quantized_kernels() -> list[Kernel]:
         from metrale.kernels import fp8_gemv
 
         return _is_quantized(weight) and fp8_gemv.serves(x.shape[0], weight)
+
+    def int4_decode_rows(x: Any, weight: Any, bias: Any = None) -> bool:
+        from metrale.kernels import int4_gemv
+
+        return _is_quantized(weight) and int4_gemv.serves(x.shape[0], weight)
 
     def fp8_decode_batch(x: Any, weight: Any, bias: Any = None) -> bool:
         from metrale.kernels import quantized_gemv
@@ -249,6 +255,9 @@ def quantized_kernels() -> list[Kernel]:
                build=_cuda_method("fp8_linear_gemv"), when=fp8_decode_rows,
                condition="FP8 weights and inputs whose scales factor out of the sums, at most 32 rows, "
                "the inner size a multiple of 16"),
+        Kernel("linear", "cuda", "metrale.kernels.int4_gemv (4-bit decode GEMV, a group's sums scaled at once)",
+               build=_cuda_method("int4_linear_gemv"), when=int4_decode_rows,
+               condition="4-bit weight-only weights in groups of a multiple of 128 columns, at most 32 rows"),
         Kernel("linear", "cuda", "metrale.kernels.quantized_gemv (decode GEMV)", build=_cuda_method("quantized_linear_gemv"),
                when=decode_rows, condition="a quantized weight, at most 32 rows, the inner size a multiple of 32"),
         Kernel("linear", "cuda", "metrale.kernels.quantized_gemv (staged input, bf16 dequantization), cuBLAS GEMM",
