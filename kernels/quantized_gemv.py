@@ -288,13 +288,11 @@ KERNELS = r"""
 // (load_codes). The common cases take few instructions a pair: FP8 codes converted two at a time
 // (e4m3x2_to_f16x2); integer codes with the default zero point (no zero points stored) as
 // magic-number floats, a code q in the low mantissa bits of 2**7 (bf16) or 2**10 (f16), less
-// 2**7 + zero (2**10 + zero) in one fused pair operation, exact for these small integers. A chunk
-// past the slice or the columns (not `valid`) arrives as zero codes and meets zero inputs: the common
-// cases convert it all the same (finite values, no branch); the others give zeros without reading
-// its zero point.
+// 2**7 + zero (2**10 + zero) in one fused pair operation, exact for these small integers.
 template <int CODES, bool F16>
 __device__ __forceinline__ uint4 exact_chunk(const QuantizedOperand& w, size_t column, int chunk, uint2 codes,
                                              bool valid) {
+    if (!valid) return make_uint4(0u, 0u, 0u, 0u);
     unsigned pairs[4];
     if (CODES == CODES_FP8 && F16) {
         pairs[0] = e4m3x2_to_f16x2(codes.x);
@@ -320,7 +318,6 @@ __device__ __forceinline__ uint4 exact_chunk(const QuantizedOperand& w, size_t c
             pairs[p] = fma_f16x2(halves, 0x3c003c00u, 0xe480e480u);
         }
     } else {
-        if (!valid) return make_uint4(0u, 0u, 0u, 0u);   // its zero point may lie past the scales
         float zero = 0.0f;
         if (CODES == CODES_INT4 || CODES == CODES_INT8) {
             zero = w.zeros != nullptr ? __ldg(w.zeros + scale_index(w, (int)column, 8 * chunk))
@@ -463,67 +460,35 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
     const int group = ACT == ACT_FP8_GROUP ? act_group : K;
     const int groups = (K + group - 1) / group;
 
-    // Where a step is: batch `batch` of round `round` (step round * batches + batch) of this warp,
-    // tile first_tile + round * tile_stride, the lane's columns and their first scales. Steps advance
-    // one at a time (advance), the tile's part recomputed only when the round changes: no division
-    // in the loop.
-    struct Position {
-        int round, batch, tile;
-        size_t column, below;
-        const float* upper_scales;
-        const float* lower_scales;
-        float upper_scale, lower_scale;   // a column's one scale (one scale column), else unused
-    };
-    auto enter_round = [&](Position& p, int round) {
-        p.round = round;
-        p.batch = 0;
-        p.tile = first_tile + round * tile_stride;
-        p.column = (size_t)min(p.tile * 16 + g, N - 1);
-        p.below = (size_t)min(p.tile * 16 + g + 8, N - 1);
-        p.upper_scales = w.scales + scale_row(w, (int)p.column);
-        p.lower_scales = w.scales + scale_row(w, (int)p.below);
-        if (EXACT && w.scale_columns == 1) {
-            p.upper_scale = __ldg(p.upper_scales);
-            p.lower_scale = __ldg(p.lower_scales);
-        }
-    };
-    auto advance = [&](Position& p) {
-        if (++p.batch == batches) enter_round(p, p.round + 1);
-    };
-
-    // The batch at `p`: its chunks in LOADS groups of 4 * LOAD, group v from chunk first_chunk +
-    // batch * 4 * UNROLL + 4 * LOAD * v, of which the lane loads chunks + LOAD * q .. + LOAD - 1 of
-    // columns g and g + 8 at once; on the exact path each group's weight scales too (none past the
-    // slice's end).
+    // Batch `step` of this warp: tile first_tile + (step / batches) * tile_stride; its chunks in LOADS
+    // groups of 4 * LOAD, group v from chunk first_chunk + (step % batches) * 4 * UNROLL + 4 * LOAD * v,
+    // of which the lane loads chunks + LOAD * q .. + LOAD - 1 of columns g and g + 8 at once; on the
+    // exact path each group's weight scales too (none past the slice's end).
     constexpr int LOADS = UNROLL / LOAD;
-    auto load = [&](const Position& p, uint4* upper, uint4* lower, float* upper_scale, float* lower_scale) {
+    auto load = [&](int step, uint4* upper, uint4* lower, float* upper_scale, float* lower_scale) {
+        const int round = step / batches, batch = step - round * batches;
+        const int tile = first_tile + round * tile_stride;
+        const size_t column = (size_t)min(tile * 16 + g, N - 1), below = (size_t)min(tile * 16 + g + 8, N - 1);
+        const float* upper_scales = w.scales + scale_row(w, (int)column);
+        const float* lower_scales = w.scales + scale_row(w, (int)below);
         #pragma unroll
         for (int v = 0; v < LOADS; ++v) {
-            const int group_chunk = first_chunk + p.batch * 4 * UNROLL + 4 * LOAD * v, chunk = group_chunk + LOAD * q;
-            const bool valid = p.tile < tiles && chunk < end_chunk;
-            upper[v] = valid ? load_chunks<CODES, LOAD>(w.codes, p.column, chunk, K) : zero;
-            lower[v] = valid ? load_chunks<CODES, LOAD>(w.codes, p.below, chunk, K) : zero;
+            const int group_chunk = first_chunk + batch * 4 * UNROLL + 4 * LOAD * v, chunk = group_chunk + LOAD * q;
+            const bool valid = tile < tiles && chunk < end_chunk;
+            upper[v] = valid ? load_chunks<CODES, LOAD>(w.codes, column, chunk, K) : zero;
+            lower[v] = valid ? load_chunks<CODES, LOAD>(w.codes, below, chunk, K) : zero;
             upper_scale[v] = lower_scale[v] = 0.0f;
             if (EXACT && group_chunk < end_chunk) {
-                if (w.scale_columns == 1) {   // per channel: the round's scales
-                    upper_scale[v] = p.upper_scale;
-                    lower_scale[v] = p.lower_scale;
-                } else {
-                    const int scales_column = scale_column(w, 8 * group_chunk);
-                    upper_scale[v] = __ldg(p.upper_scales + scales_column);
-                    lower_scale[v] = __ldg(p.lower_scales + scales_column);
-                }
+                const int scales_column = scale_column(w, 8 * group_chunk);
+                upper_scale[v] = __ldg(upper_scales + scales_column);
+                lower_scale[v] = __ldg(lower_scales + scales_column);
             }
         }
     };
 
     uint4 upper[LOADS], lower[LOADS];
     float upper_scale[LOADS], lower_scale[LOADS];
-    Position now, next;
-    enter_round(now, 0);
-    next = now;
-    advance(next);
-    if (steps > 0) load(now, upper, lower, upper_scale, lower_scale);   // in flight while the prologue runs
+    if (steps > 0) load(0, upper, lower, upper_scale, lower_scale);   // in flight while the prologue runs
 
     const uint4* stage = staged_rows;
     const float* act_scale = staged_scales;   // [rows][groups]
@@ -567,111 +532,105 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) quantized_gemv
         acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
         sums[t][0] = sums[t][1] = sums[t][2] = sums[t][3] = 0.0f;
     }
-    // One step: the next batch's codes (and step scales) loaded into the other buffers, this batch's
-    // products, the tile's sums out after its last batch. The buffers swap roles each step (two steps
-    // an iteration below), so no register copies between steps.
-    auto run_step = [&](int step, const uint4* upper, const uint4* lower, const float* upper_scale,
-                        const float* lower_scale, uint4* next_upper, uint4* next_lower, float* next_upper_scale,
-                        float* next_lower_scale) {
-            if (step + 1 < steps) load(next, next_upper, next_lower, next_upper_scale, next_lower_scale);
-            const int batch = now.batch, tile = now.tile;
-            const size_t column = now.column, below = now.below;
-            #pragma unroll
-            for (int v = 0; v < LOADS; ++v) {
-                const int group_chunk = first_chunk + batch * 4 * UNROLL + 4 * LOAD * v;
-                if (group_chunk < end_chunk) {   // warp-uniform
-                    #pragma unroll
-                    for (int j = 0; j < LOAD; ++j) {
-                        // The lanes' chunks of one pair of products: chunk group_chunk + LOAD * q + j of each lane.
-                        const int chunk = group_chunk + LOAD * q + j;
-                        const bool valid = tile < tiles && chunk < end_chunk;
-                        const uint2 upper_codes = chunk_codes<CODES, LOAD>(upper[v], j);
-                        const uint2 lower_codes = chunk_codes<CODES, LOAD>(lower[v], j);
-                        const uint4 upper_pairs = EXACT ? exact_chunk<CODES, F16>(w, column, chunk, upper_codes, valid)
-                                                        : scaled_chunk<CODES>(w, column, chunk, upper_codes, valid);
-                        const uint4 lower_pairs = EXACT ? exact_chunk<CODES, F16>(w, below, chunk, lower_codes, valid)
-                                                        : scaled_chunk<CODES>(w, below, chunk, lower_codes, valid);
-                        const unsigned a0[4] = {upper_pairs.x, lower_pairs.x, upper_pairs.y, lower_pairs.y};
-                        const unsigned a1[4] = {upper_pairs.z, lower_pairs.z, upper_pairs.w, lower_pairs.w};
-                        #pragma unroll
-                        for (int t = 0; t < ROW_TILES; ++t) {
-                            const int row = 8 * t + g;
-                            const uint4 in = row < rows && valid ? stage[row * stride + chunk] : zero;
-                            const unsigned b0[2] = {in.x, in.y};
-                            const unsigned b1[2] = {in.z, in.w};
-                            if (F16) {
-                                mma_16x8x16_f16(sums[t], a0, b0);
-                                mma_16x8x16_f16(sums[t], a1, b1);
-                            } else {
-                                mma_16x8x16(EXACT ? sums[t] : acc[t], a0, b0);
-                                mma_16x8x16(EXACT ? sums[t] : acc[t], a1, b1);
-                            }
-                        }
-                    }
-                    if (EXACT) {
-                        // The group's 32 * LOAD input columns share their weight and input scales (blocks
-                        // of whole groups, load_chunks' launcher choice): the sums, scaled, join the accumulators.
-                        const int input_group = ACT == ACT_FP8_GROUP ? 8 * group_chunk / group : 0;
-                        #pragma unroll
-                        for (int t = 0; t < ROW_TILES; ++t) {
-                            #pragma unroll
-                            for (int i = 0; i < 2; ++i) {
-                                const int r = 8 * t + 2 * q + i;
-                                float input = 1.0f;
-                                if (ACT == ACT_FP8_TENSOR) input = input_scale;
-                                else if (ACT == ACT_FP8_GROUP) input = r < rows ? act_scale[r * groups + input_group] : 0.0f;
-                                else if (QUANTIZED_ROWS) input = row_input_scale[t][i];
-                                acc[t][i] += sums[t][i] * upper_scale[v] * input;
-                                acc[t][i + 2] += sums[t][i + 2] * lower_scale[v] * input;
-                                sums[t][i] = sums[t][i + 2] = 0.0f;
-                            }
-                        }
-                    }
-                }
-            }
-            if (batch == batches - 1) {
-                if (SPLIT > 1) {
+    for (int step = 0; step < steps; ++step) {
+        uint4 next_upper[LOADS], next_lower[LOADS];
+        float next_upper_scale[LOADS], next_lower_scale[LOADS];
+        if (step + 1 < steps) load(step + 1, next_upper, next_lower, next_upper_scale, next_lower_scale);
+        const int round = step / batches, batch = step - round * batches;
+        const int tile = first_tile + round * tile_stride;
+        const size_t column = (size_t)min(tile * 16 + g, N - 1), below = (size_t)min(tile * 16 + g + 8, N - 1);
+        #pragma unroll
+        for (int v = 0; v < LOADS; ++v) {
+            const int group_chunk = first_chunk + batch * 4 * UNROLL + 4 * LOAD * v;
+            if (group_chunk < end_chunk) {   // warp-uniform
+                #pragma unroll
+                for (int j = 0; j < LOAD; ++j) {
+                    // The lanes' chunks of one pair of products: chunk group_chunk + LOAD * q + j of each lane.
+                    const int chunk = group_chunk + LOAD * q + j;
+                    const bool valid = tile < tiles && chunk < end_chunk;
+                    const uint2 upper_codes = chunk_codes<CODES, LOAD>(upper[v], j);
+                    const uint2 lower_codes = chunk_codes<CODES, LOAD>(lower[v], j);
+                    const uint4 upper_pairs = EXACT ? exact_chunk<CODES, F16>(w, column, chunk, upper_codes, valid)
+                                                    : scaled_chunk<CODES>(w, column, chunk, upper_codes, valid);
+                    const uint4 lower_pairs = EXACT ? exact_chunk<CODES, F16>(w, below, chunk, lower_codes, valid)
+                                                    : scaled_chunk<CODES>(w, below, chunk, lower_codes, valid);
+                    const unsigned a0[4] = {upper_pairs.x, lower_pairs.x, upper_pairs.y, lower_pairs.y};
+                    const unsigned a1[4] = {upper_pairs.z, lower_pairs.z, upper_pairs.w, lower_pairs.w};
                     #pragma unroll
                     for (int t = 0; t < ROW_TILES; ++t) {
-                        const float4 mine = {acc[t][0], acc[t][1], acc[t][2], acc[t][3]};
-                        reduce[(warp * ROW_TILES + t) * 32 + lane] = mine;
-                    }
-                    __syncthreads();
-                    if (part == 0) {
-                        #pragma unroll
-                        for (int p = 1; p < SPLIT; ++p) {
-                            #pragma unroll
-                            for (int t = 0; t < ROW_TILES; ++t) {
-                                const float4 other = reduce[((warp + p) * ROW_TILES + t) * 32 + lane];
-                                acc[t][0] += other.x; acc[t][1] += other.y; acc[t][2] += other.z; acc[t][3] += other.w;
-                            }
+                        const int row = 8 * t + g;
+                        const uint4 in = row < rows && valid ? stage[row * stride + chunk] : zero;
+                        const unsigned b0[2] = {in.x, in.y};
+                        const unsigned b1[2] = {in.z, in.w};
+                        if (F16) {
+                            mma_16x8x16_f16(sums[t], a0, b0);
+                            mma_16x8x16_f16(sums[t], a1, b1);
+                        } else {
+                            mma_16x8x16(EXACT ? sums[t] : acc[t], a0, b0);
+                            mma_16x8x16(EXACT ? sums[t] : acc[t], a1, b1);
                         }
                     }
-                    __syncthreads();
                 }
-                #pragma unroll
-                for (int t = 0; t < ROW_TILES; ++t) {
-                    if (part == 0 && tile < tiles) {
+                if (EXACT) {
+                    // The group's 32 * LOAD input columns share their weight and input scales (blocks
+                    // of whole groups, load_chunks' launcher choice): the sums, scaled, join the accumulators.
+                    const int input_group = ACT == ACT_FP8_GROUP ? 8 * group_chunk / group : 0;
+                    #pragma unroll
+                    for (int t = 0; t < ROW_TILES; ++t) {
                         #pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const int r = 8 * t + 2 * q + (i & 1), n = tile * 16 + g + (i >= 2 ? 8 : 0);
-                            if (r < rows && n < N) out[(size_t)r * N + n] = bias != nullptr ? acc[t][i] + bias[n] : acc[t][i];
+                        for (int i = 0; i < 2; ++i) {
+                            const int r = 8 * t + 2 * q + i;
+                            float input = 1.0f;
+                            if (ACT == ACT_FP8_TENSOR) input = input_scale;
+                            else if (ACT == ACT_FP8_GROUP) input = r < rows ? act_scale[r * groups + input_group] : 0.0f;
+                            else if (QUANTIZED_ROWS) input = row_input_scale[t][i];
+                            acc[t][i] += sums[t][i] * upper_scale[v] * input;
+                            acc[t][i + 2] += sums[t][i + 2] * lower_scale[v] * input;
+                            sums[t][i] = sums[t][i + 2] = 0.0f;
                         }
                     }
-                    acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
                 }
             }
-            now = next;
-            advance(next);
-    };
-    uint4 other_upper[LOADS], other_lower[LOADS];
-    float other_upper_scale[LOADS], other_lower_scale[LOADS];
-    for (int step = 0; step < steps; step += 2) {
-        run_step(step, upper, lower, upper_scale, lower_scale, other_upper, other_lower, other_upper_scale,
-                 other_lower_scale);
-        if (step + 1 < steps)
-            run_step(step + 1, other_upper, other_lower, other_upper_scale, other_lower_scale, upper, lower, upper_scale,
-                     lower_scale);
+        }
+        #pragma unroll
+        for (int v = 0; v < LOADS; ++v) {
+            upper[v] = next_upper[v];
+            lower[v] = next_lower[v];
+            upper_scale[v] = next_upper_scale[v];
+            lower_scale[v] = next_lower_scale[v];
+        }
+        if (batch == batches - 1) {
+            if (SPLIT > 1) {
+                #pragma unroll
+                for (int t = 0; t < ROW_TILES; ++t) {
+                    const float4 mine = {acc[t][0], acc[t][1], acc[t][2], acc[t][3]};
+                    reduce[(warp * ROW_TILES + t) * 32 + lane] = mine;
+                }
+                __syncthreads();
+                if (part == 0) {
+                    #pragma unroll
+                    for (int p = 1; p < SPLIT; ++p) {
+                        #pragma unroll
+                        for (int t = 0; t < ROW_TILES; ++t) {
+                            const float4 other = reduce[((warp + p) * ROW_TILES + t) * 32 + lane];
+                            acc[t][0] += other.x; acc[t][1] += other.y; acc[t][2] += other.z; acc[t][3] += other.w;
+                        }
+                    }
+                }
+                __syncthreads();
+            }
+            #pragma unroll
+            for (int t = 0; t < ROW_TILES; ++t) {
+                if (part == 0 && tile < tiles) {
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int r = 8 * t + 2 * q + (i & 1), n = tile * 16 + g + (i >= 2 ? 8 : 0);
+                        if (r < rows && n < N) out[(size_t)r * N + n] = bias != nullptr ? acc[t][i] + bias[n] : acc[t][i];
+                    }
+                }
+                acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+            }
+        }
     }
 }
 
