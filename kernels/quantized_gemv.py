@@ -700,17 +700,17 @@ __device__ __forceinline__ unsigned e4m3_code_of(float value) {
 // codes[r, k] = E4M3 code of x[r, order[k]] / scales[r] (order null: k), the FP8 input of a prompt
 // product on FP8 tensor cores: ACT_FP8_TOKEN computes scales[r] = max|row| / 448, ACT_FP8_TENSOR
 // writes input_scale. Grid rows blocks of THREADS threads.
-template <int ACT>
+template <int ACT, typename INPUT>
 __global__ void __launch_bounds__(THREADS) quantize_rows_fp8(
-    const float* __restrict__ x, const int* __restrict__ order, float input_scale, unsigned char* __restrict__ codes,
+    const INPUT* __restrict__ x, const int* __restrict__ order, float input_scale, unsigned char* __restrict__ codes,
     float* __restrict__ scales, int K) {
     __shared__ float partial[WARPS];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, r = blockIdx.x;
-    const float* row = x + (size_t)r * K;
+    const INPUT* row = x + (size_t)r * K;
     float s = input_scale;
     if (ACT == ACT_FP8_TOKEN) {
         float amax = 0.0f;
-        for (int k = tid; k < K; k += THREADS) amax = fmaxf(amax, fabsf(row[order != nullptr ? order[k] : k]));
+        for (int k = tid; k < K; k += THREADS) amax = fmaxf(amax, fabsf(input_value(row, order != nullptr ? order[k] : k)));
         amax = warp_max(amax);
         if (lane == 0) partial[warp] = amax;
         __syncthreads();
@@ -720,7 +720,7 @@ __global__ void __launch_bounds__(THREADS) quantize_rows_fp8(
         s = fmaxf(amax / FP8_MAX, MIN_SCALE);
     }
     for (int k = tid; k < K; k += THREADS)
-        codes[(size_t)r * K + k] = (unsigned char)e4m3_code_of(round_e4m3(row[order != nullptr ? order[k] : k] / s));
+        codes[(size_t)r * K + k] = (unsigned char)e4m3_code_of(round_e4m3(input_value(row, order != nullptr ? order[k] : k) / s));
     if (tid == 0) scales[r] = s;
 }
 
@@ -978,8 +978,8 @@ def fp8_tensor_core_path(weight: QuantizedWeight) -> bool:
 
 def quantize_rows_fp8(x: DeviceArray, weight: QuantizedWeight, codes: DeviceArray, scales: DeviceArray,
                       stream: Any) -> DeviceArray:
-    """``codes`` (uint8 ``[rows, K]``) and ``scales`` (float32 ``[rows]``) <- ``x`` (float32) quantized
-    to FP8 E4M3 per row (``fp8_token``) or with the weight's static input scale (``fp8_tensor``)."""
+    """``codes`` (uint8 ``[rows, K]``) and ``scales`` (float32 ``[rows]``) <- ``x`` (float32, or bf16
+    bits: uint16) quantized to FP8 E4M3 per row (``fp8_token``) or with the weight's static input scale (``fp8_tensor``)."""
     name = f"quantize_rows_fp8 ({weight.activations})"
     if weight.activations not in ("fp8_token", "fp8_tensor"):
         raise KernelArgumentError(f"{name}: only per-token and per-tensor FP8 inputs are written as codes")
@@ -1022,12 +1022,13 @@ def quantize_matrix_fp8(matrix: DeviceArray, codes: DeviceArray, scales: DeviceA
 def _quantize_rows(name: str, x: DeviceArray, inner: int, activations: str, order: Any, input_scale: float,
                    codes: DeviceArray, scales: DeviceArray, stream: Any) -> DeviceArray:
     rows = x.shape[0] if getattr(x, "ndim", 0) == 2 else -1
-    check_array(name, "x", x, np.float32, (rows, inner))
+    bf16_input = getattr(x, "dtype", None) == np.uint16
+    check_array(name, "x", x, np.uint16 if bf16_input else np.float32, (rows, inner))
     check_array(name, "codes", codes, np.uint8, (rows, inner))
     check_array(name, "scales", scales, np.float32, (rows,))
     if rows == 0:
         return codes
-    function = _function(f"quantize_rows_fp8<{ACTIVATIONS[activations]}>")
+    function = _function(f"quantize_rows_fp8<{ACTIVATIONS[activations]}, {input_type(bf16_input)}>")
     launch(function, (rows,), (THREADS,), (
         x, order if order is not None else np.uint64(0), np.float32(input_scale), codes, scales, np.int32(inner)),
         0, stream, dependent=False)

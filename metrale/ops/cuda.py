@@ -173,6 +173,39 @@ class CudaKernels:
         return quantized_gemv.quantized_gemv(rows_in, weight, out, self.stream, bias=bias,
                                              multiprocessors=multiprocessors, workspace=workspace)
 
+    def fp8_linear_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """Decode rows of FP8 weights whose scales factor out of the sums (:mod:`metrale.kernels.fp8_gemv`):
+        the codes multiplied as they are, the input (float32 or bf16) quantized in the prologue."""
+        from metrale.kernels import fp8_gemv
+        from metrale.kernels._words import aligned
+
+        rows = x.shape[0]
+        out = cp.empty((rows, weight.shape[0]), dtype=f32)
+        workspace = None
+        if not fp8_gemv.shared_stage(rows, weight):
+            staged_shape, scales_shape = fp8_gemv.workspace_shapes(rows, weight)
+            workspace = (cp.empty(staged_shape, dtype=np.uint32), cp.empty(scales_shape, dtype=f32))
+        rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
+        if not aligned(rows_in):  # a view into a larger array: the kernel reads 16 bytes at a time
+            rows_in = rows_in.copy()
+        return fp8_gemv.fp8_gemv(rows_in, weight, out, self.stream, bias=bias,
+                                 multiprocessors=decode_gemv.multiprocessor_count(), workspace=workspace)
+
+    def int4_linear_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """Decode rows of 4-bit weight-only weights in groups of 128 columns or more
+        (:mod:`metrale.kernels.int4_gemv`): the codes converted in registers, the input (float32 or
+        bf16) staged as bf16 in the prologue."""
+        from metrale.kernels import int4_gemv
+
+        rows = x.shape[0]
+        out = cp.empty((rows, weight.shape[0]), dtype=f32)
+        workspace = None
+        if not int4_gemv.shared_stage(rows, weight):
+            workspace = cp.empty(int4_gemv.workspace_shape(rows, weight), dtype=np.uint32)
+        rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
+        return int4_gemv.int4_gemv(rows_in, weight, out, self.stream, bias=bias,
+                                   multiprocessors=decode_gemv.multiprocessor_count(), workspace=workspace)
+
     def quantized_linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """Prompt rows: FP8 inputs and weights whose scales factor out of the sums on FP8 tensor
         cores (cuBLASLt), the scales applied to the product's rows and columns; otherwise the input
@@ -207,7 +240,8 @@ class CudaKernels:
         if self._fp8_gemm is None:
             self._fp8_gemm = CublasLtGemm(self.stream)
         codes, scales = cp.empty((rows, inner), dtype=np.uint8), cp.empty((rows,), dtype=f32)
-        quantized_gemv.quantize_rows_fp8(self.to_float32(x), weight, codes, scales, self.stream)
+        rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
+        quantized_gemv.quantize_rows_fp8(rows_in, weight, codes, scales, self.stream)
         out = cp.empty((rows, columns), dtype=f32)
         try:
             self._fp8_gemm.fp8(codes, weight.codes, out)

@@ -43,6 +43,12 @@ GROUPED_EXPERTS_MIN_TOKENS = 9
 #: what N * k pairs reading one expert's codes each do at N * k ~ 9 E, 72 tokens for gpt-oss's
 #: 32 experts of which 4 are chosen; twice that leaves room for the pairs' L2 hits.
 GROUPED_DEQUANTIZED_EXPERTS_MIN_TOKENS = 128
+#: Decode batches of at least this many rows multiply FP8 weights whose scales factor out of the
+#: sums (:func:`metrale.kernels.quantized_gemv.fp8_tensor_core_path`) on FP8 tensor cores, as
+#: prompts do; fewer rows take the quantized decode GEMV. The threshold is where the tensor-core
+#: product overtook the GEMV on the Llama-8B projections (``tools/sweeps/quantized_gemv_sweep.py
+#: --tensor-cores``; the figures in docs/benchmarks.rst).
+FP8_TENSOR_CORE_MIN_ROWS = 8
 #: Batches of up to this many rows take the router-logits kernel; larger ones a float32 cuBLAS
 #: product.
 ROUTER_KERNEL_ROWS = 64
@@ -190,8 +196,11 @@ def _is_quantized(weight: Any) -> bool:
 def quantized_kernels() -> list[Kernel]:
     """The CUDA kernels of products with a :class:`~metrale.kernels.quantized.QuantizedWeight`
     (:mod:`metrale.kernels.quantized_gemv`), tried before every other kernel of their ops: the
-    quantized decode GEMV for ``linear`` up to its rows, the staged input with a bf16 dequantization
-    and cuBLAS past them; ``linear_silu`` as ``linear`` then ``silu_and_mul``; ``moe_experts`` through
+    quantized decode GEMV for ``linear`` up to its rows (FP8 weights whose scales factor out from
+    :data:`FP8_TENSOR_CORE_MIN_ROWS` rows on FP8 tensor cores instead, fewer rows through
+    :mod:`metrale.kernels.fp8_gemv`; 4-bit weight-only weights in groups of 128 columns through
+    :mod:`metrale.kernels.int4_gemv`), the staged input with a bf16
+    dequantization and cuBLAS past them; ``linear_silu`` as ``linear`` then ``silu_and_mul``; ``moe_experts`` through
     the quantized decode experts up to 8 tokens, over the dequantized stacks past them.
     ``rmsnorm_linear`` and ``rmsnorm_mlp`` reach them through their composites (the fused bf16
     decode kernels take bf16 weights only)."""
@@ -203,6 +212,22 @@ def quantized_kernels() -> list[Kernel]:
         from metrale.kernels import quantized_gemv
 
         return _is_quantized(weight) and quantized_gemv.supports(x.shape[0], weight)
+
+    def fp8_decode_rows(x: Any, weight: Any, bias: Any = None) -> bool:
+        from metrale.kernels import fp8_gemv
+
+        return _is_quantized(weight) and fp8_gemv.serves(x.shape[0], weight)
+
+    def int4_decode_rows(x: Any, weight: Any, bias: Any = None) -> bool:
+        from metrale.kernels import int4_gemv
+
+        return _is_quantized(weight) and int4_gemv.serves(x.shape[0], weight)
+
+    def fp8_decode_batch(x: Any, weight: Any, bias: Any = None) -> bool:
+        from metrale.kernels import quantized_gemv
+
+        return (_is_quantized(weight) and x.shape[0] >= FP8_TENSOR_CORE_MIN_ROWS
+                and quantized_gemv.fp8_tensor_core_path(weight))
 
     def quantized_experts(x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> bool:
         return _is_quantized(gate_up) or _is_quantized(down)
@@ -223,6 +248,16 @@ def quantized_kernels() -> list[Kernel]:
         return linear_silu
 
     return [
+        Kernel("linear", "cuda", "metrale.kernels.quantized_gemv (FP8 rows), cuBLASLt FP8 product (FP8 tensor cores)",
+               build=_cuda_method("quantized_linear"), when=fp8_decode_batch,
+               condition=f"FP8 weights and inputs whose scales factor out of the sums, N >= {FP8_TENSOR_CORE_MIN_ROWS}"),
+        Kernel("linear", "cuda", "metrale.kernels.fp8_gemv (FP8 decode GEMV, the scales applied once)",
+               build=_cuda_method("fp8_linear_gemv"), when=fp8_decode_rows,
+               condition="FP8 weights and inputs whose scales factor out of the sums, at most 32 rows, "
+               "the inner size a multiple of 16"),
+        Kernel("linear", "cuda", "metrale.kernels.int4_gemv (4-bit decode GEMV, a group's sums scaled at once)",
+               build=_cuda_method("int4_linear_gemv"), when=int4_decode_rows,
+               condition="4-bit weight-only weights in groups of a multiple of 128 columns, at most 32 rows"),
         Kernel("linear", "cuda", "metrale.kernels.quantized_gemv (decode GEMV)", build=_cuda_method("quantized_linear_gemv"),
                when=decode_rows, condition="a quantized weight, at most 32 rows, the inner size a multiple of 32"),
         Kernel("linear", "cuda", "metrale.kernels.quantized_gemv (staged input, bf16 dequantization), cuBLAS GEMM",

@@ -65,8 +65,10 @@ def test_compressed_tensors_w4a16_llama_matches_the_cpu_backend(tmp_path):
     check_dense_against_cpu(folder, ids, "llama w4a16", source)
 
 
-def test_graph_replayed_quantized_decode_gives_the_eager_tokens():
-    prompts = [[5, 9, 30, 2], list(range(40, 77))]
+@pytest.mark.parametrize("batch", [2, 10])
+def test_graph_replayed_quantized_decode_gives_the_eager_tokens(batch):
+    """Two rows take the quantized decode GEMV, ten the FP8 tensor-core product (FP8_TENSOR_CORE_MIN_ROWS)."""
+    prompts = [[5, 9, 30, 2], list(range(40, 77))] + [list(range(3 * i, 3 * i + 5 + i)) for i in range(batch - 2)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     eager = load("tiny-dense", "cuda", quantization="fp8", cuda_graphs=False).generate(prompts, params)
     graphed = load("tiny-dense", "cuda", quantization="fp8").generate(prompts, params)

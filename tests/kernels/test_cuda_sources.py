@@ -176,12 +176,45 @@ def test_every_quantized_gemv_instantiation_compiles(tmp_path):
     staging = "const float*, const int*, float, int, unsigned short*, int, int"
     instantiations += "".join(f"template __global__ void stage_activations<{number}>({staging});\n"
                               for number in quantized_gemv.ACTIVATIONS.values())
-    fp8_rows = "const float*, const int*, float, unsigned char*, float*, int"
-    instantiations += "".join(f"template __global__ void quantize_rows_fp8<{quantized_gemv.ACTIVATIONS[a]}>({fp8_rows});\n"
-                              for a in ("fp8_token", "fp8_tensor"))
+    fp8_rows = "{input}, const int*, float, unsigned char*, float*, int"
+    instantiations += "".join(f"template __global__ void quantize_rows_fp8<{quantized_gemv.ACTIVATIONS[a]}, "
+                              f"{quantized_gemv.input_type(bf16)}>"
+                              f"({fp8_rows.format(input=quantized_gemv.input_type(bf16) + ' const*')});\n"
+                              for a in ("fp8_token", "fp8_tensor") for bf16 in (False, True))
     ptx = compile_to_ptx(tmp_path, quantized_gemv.source() + instantiations, optimize=False)
     assert len(entries(ptx)) == (len(names) + len(stagers) + len(quantized_gemv.CODES)
-                                  + len(quantized_gemv.ACTIVATIONS) + 2)
+                                  + len(quantized_gemv.ACTIVATIONS) + 4)
+
+
+def test_every_fp8_gemv_instantiation_compiles(tmp_path):
+    from metrale.kernels import fp8_gemv
+
+    arguments = ("{input}, float, const uint4*, const float*, const unsigned char*, const float*, int, const float*, "
+                 "float*, int, int, int")
+    names = [(fp8_gemv.kernel_name(activations, split, tiles, shared, unroll, bf16_input),
+              arguments.format(input="const unsigned short*" if bf16_input else "const float*"))
+             for activations in fp8_gemv.ACTIVATIONS for split in quantized_gemv.SPLITS
+             for tiles in quantized_gemv.ROW_TILES for shared in (False, True) for unroll in (2, fp8_gemv.UNROLL)
+             for bf16_input in (False, True)]
+    instantiations = "".join(f"template __global__ void {name}({signature});\n" for name, signature in names)
+    ptx = compile_to_ptx(tmp_path, fp8_gemv.source() + instantiations, optimize=False)
+    assert len(entries(ptx)) == len(names)
+
+
+def test_every_int4_gemv_instantiation_compiles(tmp_path):
+    from metrale.kernels import int4_gemv
+
+    arguments = ("{input}, const int*, const uint4*, const unsigned char*, const float*, const float*, int, "
+                 "const float*, float*, int, int, int")
+    names = [(int4_gemv.kernel_name(split, tiles, shared, zeros, unroll, bf16_input),
+              arguments.format(input="const unsigned short*" if bf16_input else "const float*"))
+             for split in quantized_gemv.SPLITS for tiles in quantized_gemv.ROW_TILES for shared in (False, True)
+             for zeros in (False, True) for unroll in (2, int4_gemv.UNROLL) for bf16_input in (False, True)]
+    names += [(int4_gemv.stage_name(bf16_input), f"{'const unsigned short*' if bf16_input else 'const float*'}, "
+               "const int*, uint4*, int") for bf16_input in (False, True)]
+    instantiations = "".join(f"template __global__ void {name}({signature});\n" for name, signature in names)
+    ptx = compile_to_ptx(tmp_path, int4_gemv.source() + instantiations, optimize=False)
+    assert len(entries(ptx)) == len(names)
 
 
 def test_every_quantized_moe_instantiation_compiles(tmp_path):

@@ -101,10 +101,14 @@ int main(int argc, char** argv) {
     if (only_dequantize == 3) {
         unsigned char* fp8 = allocate<unsigned char>((size_t)rows * K);
         float* row_scales = allocate<float>(rows);
-        if (act == ACT_FP8_TOKEN) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
-            quantize_rows_fp8<ACT_FP8_TOKEN>(x, order, input_scale, fp8, row_scales, K); });
-        if (act == ACT_FP8_TENSOR) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
-            quantize_rows_fp8<ACT_FP8_TENSOR>(x, order, input_scale, fp8, row_scales, K); });
+        if (act == ACT_FP8_TOKEN && !bf16) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
+            quantize_rows_fp8<ACT_FP8_TOKEN, float>(x, order, input_scale, fp8, row_scales, K); });
+        if (act == ACT_FP8_TENSOR && !bf16) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
+            quantize_rows_fp8<ACT_FP8_TENSOR, float>(x, order, input_scale, fp8, row_scales, K); });
+        if (act == ACT_FP8_TOKEN && bf16) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
+            quantize_rows_fp8<ACT_FP8_TOKEN, unsigned short>(x16, order, input_scale, fp8, row_scales, K); });
+        if (act == ACT_FP8_TENSOR && bf16) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
+            quantize_rows_fp8<ACT_FP8_TENSOR, unsigned short>(x16, order, input_scale, fp8, row_scales, K); });
         write(folder + "/fp8", fp8, (size_t)rows * K);
         write(folder + "/row_scales", row_scales, rows);
         return 0;
@@ -217,6 +221,8 @@ CASES = [
     ("int8", "weight_only", 9, 128, 17, (1, 16), True, False, False, 1, 3),  # W8A16 with zero points
     ("mxfp4", "weight_only", 6, 128, 40, (1, 32), False, False, False, 2, 2),
     ("int4", "weight_only", 3, 288, 24, (1, 96), False, False, False, 1, 2),  # groups of 96: not a power of two
+    ("fp8", "fp8_token", 2, 320, 300, (1, 320), False, False, True, 1, 1),  # 3 rounds of tiles, 9 steps (odd)
+    ("int4", "weight_only", 1, 384, 200, (1, 128), True, False, False, 1, 1),  # 2 rounds, zero points
 ]
 
 
@@ -296,11 +302,14 @@ def test_emulated_staging_quantizes_as_the_reference(emulated, activations, act_
 
 
 @pytest.mark.parametrize("activations", ["fp8_token", "fp8_tensor"])
-def test_emulated_fp8_rows_are_the_codes_the_reference_quantizes(emulated, activations):
+@pytest.mark.parametrize("bf16_input", [False, True])
+def test_emulated_fp8_rows_are_the_codes_the_reference_quantizes(emulated, activations, bf16_input):
     rng = np.random.default_rng(13)
     weight = make_weight(rng, "fp8", 16, 256, (1, 256), activations=activations)
     x = rng.normal(size=(5, 256)).astype(np.float32) * np.array([[1.0], [300.0], [1e-3], [0.0], [2.0]], np.float32)
-    codes, scales = emulated(weight, x, fp8_rows=True)
+    if bf16_input:  # rows that bf16 holds exactly, read as bf16 bits
+        x = bf16_to_float32(float32_to_bf16(x))
+    codes, scales = emulated(weight, x, fp8_rows=True, bf16_input=bf16_input)
     expected_scales = (np.maximum(np.abs(x).max(axis=1) / 448.0, 1e-12).astype(np.float32)
                        if activations == "fp8_token" else np.full(5, 0.02, np.float32))
     assert np.array_equal(scales, expected_scales)

@@ -359,3 +359,37 @@ def test_gpt_oss_experts_take_the_grouped_kernels_for_many_tokens(stacks, tokens
                  1.702, 7.0)
     first = next(k for k in clamped_experts_kernels() if k.when is None or k.when(*arguments))
     assert chosen in first.name
+
+
+@pytest.mark.parametrize("codes, activations, rows, expected", [
+    ("fp8", "fp8_token", 1, "fp8_gemv"),
+    ("fp8", "fp8_token", 7, "fp8_gemv"),
+    ("fp8", "fp8_tensor", 3, "fp8_gemv"),
+    ("fp8", "fp8_token", 8, "FP8 tensor cores"),
+    ("fp8", "fp8_tensor", 32, "FP8 tensor cores"),
+    ("fp8", "fp8_group", 32, "quantized_gemv (decode GEMV)"),  # block scales change along the inner size
+    ("int4", "weight_only", 32, "int4_gemv"),
+    ("int4-g32", "weight_only", 4, "quantized_gemv (decode GEMV)"),  # groups under 128 columns
+    ("fp8", "fp8_token", 33, "FP8 tensor cores"),
+    ("int4", "weight_only", 33, "staged input"),
+])
+def test_quantized_decode_rows_by_format_and_row_count(codes, activations, rows, expected):
+    """FP8 weights whose scales factor out of the sums take FP8 tensor cores from
+    FP8_TENSOR_CORE_MIN_ROWS rows and the FP8 GEMV below; 4-bit weights in groups of 128 the
+    4-bit GEMV; other formats the quantized decode GEMV up to its 32 rows."""
+    from metrale.kernels.quantized import QuantizedWeight
+    from metrale.ops.selection import FP8_TENSOR_CORE_MIN_ROWS
+
+    assert FP8_TENSOR_CORE_MIN_ROWS == 8
+    out, inner = 64, 256
+    if codes == "fp8":
+        block = (128, 128) if activations == "fp8_group" else (1, inner)
+        scales = np.ones((-(-out // block[0]), -(-inner // block[1])), np.float32)
+        weight = QuantizedWeight("fp8", np.zeros((out, inner), np.uint8), scales, block, (out, inner),
+                                 activations=activations,
+                                 input_scale=np.asarray(0.1, np.float32) if activations == "fp8_tensor" else None)
+    else:
+        group = 32 if codes == "int4-g32" else 128
+        weight = QuantizedWeight("int4", np.zeros((out, inner // 2), np.uint8), np.ones((out, inner // group), np.float32),
+                                 (1, group), (out, inner))
+    assert expected in chosen("linear", "cuda", EnvironmentConfig(), np.zeros((rows, inner), np.float32), weight)

@@ -238,6 +238,12 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
         "a multiple of 32, no gate_up bias, weights of at most 128 MiB",
         "rmsnorm_residual, then linear_silu and linear (their kernels) [metrale]"]
     assert registry.serving("linear", "cuda") == [
+        "metrale.kernels.quantized_gemv (FP8 rows), cuBLASLt FP8 product (FP8 tensor cores) [metrale] when FP8 weights "
+        "and inputs whose scales factor out of the sums, N >= 8",
+        "metrale.kernels.fp8_gemv (FP8 decode GEMV, the scales applied once) [metrale] when FP8 weights and inputs "
+        "whose scales factor out of the sums, at most 32 rows, the inner size a multiple of 16",
+        "metrale.kernels.int4_gemv (4-bit decode GEMV, a group's sums scaled at once) [metrale] when 4-bit "
+        "weight-only weights in groups of a multiple of 128 columns, at most 32 rows",
         "metrale.kernels.quantized_gemv (decode GEMV) [metrale] when a quantized weight, at most 32 rows, the inner "
         "size a multiple of 32",
         "metrale.kernels.quantized_gemv (staged input, bf16 dequantization), cuBLAS GEMM [metrale] when a quantized "

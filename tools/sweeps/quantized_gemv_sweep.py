@@ -3,7 +3,9 @@ the Llama-8B projection shapes: FP8 per channel with per-token inputs, INT4 weig
 128) and INT8 per channel with per-token inputs, at 1, 8 and 32 rows (bf16 at 1 row). With
 ``--tensor-cores``, at more than one row also bf16 through cuBLASLt (``bf16-lt``) and the FP8
 weights on FP8 tensor cores as the prompt path runs them (``fp8-tc``: the rows quantized to FP8
-codes, cuBLASLt's FP8 product, the rows and columns scaled).
+codes, cuBLASLt's FP8 product, the rows and columns scaled). FP8 also through
+``metrale.kernels.fp8_gemv`` (``fp8-gemv-uN``: its loads N pieces of 64 codes ahead), INT4
+through ``metrale.kernels.int4_gemv`` (``int4-gemv-uN``).
 
 Each kernel is recorded 20 times into a CUDA graph and the graph replayed; the microseconds per
 launch and the code bytes read per microsecond (GB/s) are printed. ``--copies N`` cycles the
@@ -79,7 +81,7 @@ def main() -> None:
     import cupy as cp
 
     from metrale.backends.cuda import CudaBackend
-    from metrale.kernels import decode_gemv
+    from metrale.kernels import decode_gemv, fp8_gemv, int4_gemv
     from metrale.kernels import quantized_gemv as current
     from metrale.kernels.bf16 import float32_to_bf16
     from metrale.kernels.linear import CublasLtGemm
@@ -138,6 +140,19 @@ def main() -> None:
                     text = f"{label} {before:6.1f}->{us:6.1f}us {columns * inner * per_weight / us / 1e3:5.0f}GB/s " \
                            f"d={difference:.1e}"
                 line.append(text)
+                if fp8_gemv.serves(rows, host):
+                    for unroll in (fp8_gemv.UNROLL, 2):
+                        us = timed(lambda s, c, w=weights, u=unroll: fp8_gemv.fp8_gemv(
+                            x, w[c], out, s, multiprocessors=multiprocessors, workspace=workspace, unroll=u),
+                            args.copies)
+                        line.append(f"fp8-gemv-u{unroll} {us:6.1f}us {columns * inner * per_weight / us / 1e3:5.0f}GB/s")
+                if int4_gemv.serves(rows, host):
+                    staged = cp.empty(int4_gemv.workspace_shape(rows, host), np.uint32)
+                    for unroll in (int4_gemv.UNROLL, 2):
+                        us = timed(lambda s, c, w=weights, u=unroll: int4_gemv.int4_gemv(
+                            x, w[c], out, s, multiprocessors=multiprocessors, workspace=staged, unroll=u),
+                            args.copies)
+                        line.append(f"int4-gemv-u{unroll} {us:6.1f}us {columns * inner * per_weight / us / 1e3:5.0f}GB/s")
                 if args.tensor_cores and rows > 1 and current.fp8_tensor_core_path(host):
                     codes = cp.empty((rows, inner), np.uint8)
                     row_scales = cp.empty((rows,), np.float32)

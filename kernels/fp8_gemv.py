@@ -1,0 +1,414 @@
+"""The decode GEMV of FP8 weights whose scales factor out of the sums (CUDA C++, compiled by NVRTC
+through CuPy): ``y[r, n] = s_x[r] s_w[n] sum_k q_x[r, k] q_w[n, k] (+ bias[n])``.
+
+``W`` is a :class:`~metrale.kernels.quantized.QuantizedWeight` of FP8 E4M3 codes with one scale per
+output channel or per tensor, its inputs quantized to FP8 per token (``fp8_token``: ``s_x[r] =
+max|x[r]| / 448``) or with a static scale (``fp8_tensor``): what compressed-tensors' FP8 schemes and
+online FP8 quantization (``quantization="fp8"``) give. Both scales are constant along the inner
+size, so the products take the codes themselves and the scales apply once, to each output.
+
+The loop is lean because nothing else happens in it: each lane loads 16 consecutive codes of each
+of its two weight rows (one 16-byte load apiece), converts them to 8 f16 pairs each (one
+instruction a pair: every E4M3 value is an f16 value) and feeds four ``mma.sync.m16n8k16`` f16
+products with float32 sums; the input's 16 codes at the same inner positions, staged as f16 in
+natural order, are its B fragments (two 16-byte shared-memory loads a row tile). With 16 output
+columns as the M side and 8 input rows as the N side, a lane's A fragment takes inner positions
+``16q + 4j .. 16q + 4j + 3`` for product ``j`` (``q`` the lane's quad position): the sum is over all
+positions whichever order the products take them in, and the weights and inputs agree on it.
+No scale, zero point or bound is read per step; a warp's steps continue from one column tile to the
+next without draining its loads.
+
+The prologue quantizes the input rows (up to :data:`SHARED_STAGE_MAX_ROWS`) into shared memory:
+each block reads them with 16-byte loads, reduces each row's maximum, and writes the f16 values of
+their E4M3 codes; more rows are staged once into a global workspace by
+:mod:`metrale.kernels.quantized_gemv`'s ``stage_rows`` (the same layout), which the product reads
+through the L1 cache.
+
+:func:`fp8_gemv_reference` is the NumPy reference of a launch; ``tests/kernels`` runs the kernel on
+the host through the CUDA emulation header against it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from metrale.errors import KernelArgumentError
+from metrale.kernels import quantized_gemv as qg
+from metrale.kernels._device import DeviceArray, check_array
+from metrale.kernels._launch import launch
+from metrale.kernels._tensor_cores import MMA_BF16
+from metrale.kernels._words import HELPERS, aligned
+from metrale.kernels.quantized import QuantizedWeight, dequantize, quantize_activations
+
+#: Input schemes (template ``ACT``), numbered as :data:`metrale.kernels.quantized_gemv.ACTIVATIONS`.
+ACTIVATIONS = {name: qg.ACTIVATIONS[name] for name in ("fp8_token", "fp8_tensor")}
+MAX_ROWS = 32
+#: The most rows the prologue stages in shared memory; more are staged once by ``stage_rows``.
+SHARED_STAGE_MAX_ROWS = 4
+#: Pieces of 64 inner positions a warp loads per step (its loads for the next step in flight
+#: during each): 4 KB of codes a warp.
+UNROLL = 4
+THREADS = qg.THREADS
+WARPS = qg.WARPS
+
+KERNELS = r"""
+// 8 consecutive input values of chunk c (16-byte aligned rows): bf16 bits (one load) or float32 (two).
+__device__ __forceinline__ void load_eight(const unsigned short* __restrict__ x, size_t c, float* v) {
+    const uint4 w = __ldg(reinterpret_cast<const uint4*>(x) + c);
+    v[0] = bf16_low(w.x); v[1] = bf16_high(w.x); v[2] = bf16_low(w.y); v[3] = bf16_high(w.y);
+    v[4] = bf16_low(w.z); v[5] = bf16_high(w.z); v[6] = bf16_low(w.w); v[7] = bf16_high(w.w);
+}
+__device__ __forceinline__ void load_eight(const float* __restrict__ x, size_t c, float* v) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(x) + 2 * c);
+    const float4 b = __ldg(reinterpret_cast<const float4*>(x) + 2 * c + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+// 16 E4M3 codes (a 16-byte load) as 8 f16 pairs, pair i the codes 2i and 2i + 1.
+__device__ __forceinline__ void fp8_pairs(uint4 codes, unsigned* pairs) {
+    pairs[0] = e4m3x2_to_f16x2(codes.x); pairs[1] = e4m3x2_to_f16x2(codes.x >> 16);
+    pairs[2] = e4m3x2_to_f16x2(codes.y); pairs[3] = e4m3x2_to_f16x2(codes.y >> 16);
+    pairs[4] = e4m3x2_to_f16x2(codes.z); pairs[5] = e4m3x2_to_f16x2(codes.z >> 16);
+    pairs[6] = e4m3x2_to_f16x2(codes.w); pairs[7] = e4m3x2_to_f16x2(codes.w >> 16);
+}
+
+// y[r, n] = s_x[r] s_w[n] dot(q_x[r, :], q_w[n, :]) (+ bias[n]) for r < rows <= 8 * ROW_TILES, n < N.
+// x: INPUT [rows, K] (float32, or unsigned short: bf16 bits), rows 16-byte aligned; codes [N, K]
+// E4M3, K a multiple of 16; s_w[n] = scales[n / block_rows]; s_x[r] = max|x[r]| / 448 (at least
+// MIN_SCALE; ACT_FP8_TOKEN) or input_scale (ACT_FP8_TENSOR); q_x = the E4M3 codes of x / s_x.
+// out: float32 [rows, N]. Grid: WARPS / SPLIT column tiles of 16 a block, round after round; SPLIT
+// warps share a tile, each over a slice of whole 64-position pieces of the inner size.
+// SHARED_STAGE: the prologue stages the rows in dynamic shared memory (rows * ceil(K / 64) * 128
+// bytes of f16 codes, 64-position pieces zero-padded, then rows floats of scales, 16-byte aligned);
+// otherwise staged_rows / staged_scales hold them (stage_rows, the same layout, the padding unread).
+// Then (SPLIT > 1) the split's partial sums.
+template <int ACT, int SPLIT, int ROW_TILES, bool SHARED_STAGE, int UNROLL, typename INPUT>
+__global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
+    const INPUT* __restrict__ x, float input_scale, const uint4* __restrict__ staged_rows,
+    const float* __restrict__ staged_scales, const unsigned char* __restrict__ codes,
+    const float* __restrict__ scales, int block_rows, const float* __restrict__ bias, float* __restrict__ out,
+    int rows, int K, int N) {
+    DYNAMIC_SHARED;
+    __shared__ float partial_max[4 * WARPS];
+    constexpr int GROUPS = WARPS / SPLIT;
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int g = lane / 4, q = lane % 4;
+    const int pieces = (K + 63) / 64, stride = pieces * 8;   // stride: 16-byte chunks of a staged row
+    const int slice = (pieces + SPLIT - 1) / SPLIT, part = warp % SPLIT;
+    const int first_piece = part * slice;
+    const int own = max(0, min(pieces, first_piece + slice) - first_piece);   // this warp's pieces
+    // Byte offsets (from the lane's first code of the slice) below `limit` hold codes of this slice.
+    const int limit = min(64 * own, K - 64 * first_piece - 16 * q);
+    const int batches = (slice + UNROLL - 1) / UNROLL;   // the same for every warp of the block
+    const int tiles = (N + 15) / 16;
+    const int tile_stride = gridDim.x * GROUPS;
+    const int first_tile = blockIdx.x * GROUPS + warp / SPLIT;
+    const int rounds = (tiles - (int)blockIdx.x * GROUPS + tile_stride - 1) / tile_stride;
+    const int steps = rounds * batches;
+    const uint4 zero = {0u, 0u, 0u, 0u};
+
+    // Where a step is: batch `batch` of the warp's tile `tile`, the lane's two weight rows' codes
+    // of the slice from `upper` and `lower`.
+    struct Position {
+        int tile, batch;
+        const unsigned char* upper;
+        const unsigned char* lower;
+    };
+    auto enter_tile = [&](Position& p, int tile) {
+        p.tile = tile;
+        p.batch = 0;
+        const size_t offset = (size_t)(64 * first_piece + 16 * q);
+        p.upper = codes + (size_t)min(tile * 16 + g, N - 1) * (size_t)K + offset;
+        p.lower = codes + (size_t)min(tile * 16 + g + 8, N - 1) * (size_t)K + offset;
+    };
+    auto advance = [&](Position& p) {
+        if (++p.batch == batches) enter_tile(p, p.tile + tile_stride);
+    };
+    auto load = [&](const Position& p, uint4* upper, uint4* lower) {
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int offset = (p.batch * UNROLL + u) * 64;
+            const bool valid = p.tile < tiles && offset < limit;
+            upper[u] = valid ? __ldg(reinterpret_cast<const uint4*>(p.upper + offset)) : zero;
+            lower[u] = valid ? __ldg(reinterpret_cast<const uint4*>(p.lower + offset)) : zero;
+        }
+    };
+
+    Position now, next;
+    enter_tile(now, first_tile);
+    next = now;
+    advance(next);
+    uint4 upper[UNROLL], lower[UNROLL], other_upper[UNROLL], other_lower[UNROLL];
+    if (steps > 0) load(now, upper, lower);   // in flight while the prologue runs
+
+    const uint4* stage = staged_rows;
+    const float* row_scales = staged_scales;
+    if (SHARED_STAGE) {
+        uint4* shared_stage = reinterpret_cast<uint4*>(dynamic_shared);
+        float* shared_scales = reinterpret_cast<float*>(shared_stage + rows * stride);
+        const int chunks = K / 8;
+        if (ACT == ACT_FP8_TOKEN) {
+            for (int r = 0; r < rows; ++r) {
+                float amax = 0.0f;
+                #pragma unroll 4
+                for (int c = tid; c < chunks; c += THREADS) {
+                    float v[8];
+                    load_eight(x + (size_t)r * K, c, v);
+                    #pragma unroll
+                    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+                }
+                amax = warp_max(amax);
+                if (lane == 0) partial_max[r * WARPS + warp] = amax;
+            }
+            __syncthreads();
+            if (tid < rows) {
+                float amax = 0.0f;
+                #pragma unroll
+                for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, partial_max[tid * WARPS + w]);
+                shared_scales[tid] = fmaxf(amax / FP8_MAX, MIN_SCALE);
+            }
+            __syncthreads();
+        } else if (tid < rows) {
+            shared_scales[tid] = input_scale;
+        }
+        for (int r = 0; r < rows; ++r) {
+            const float s = ACT == ACT_FP8_TOKEN ? shared_scales[r] : input_scale;
+            #pragma unroll 2
+            for (int c = tid; c < stride; c += THREADS) {
+                uint4 staged = zero;
+                if (c < chunks) {
+                    float v[8];
+                    load_eight(x + (size_t)r * K, c, v);
+                    staged = make_uint4(pack_f16(round_e4m3(v[0] / s), round_e4m3(v[1] / s)),
+                                        pack_f16(round_e4m3(v[2] / s), round_e4m3(v[3] / s)),
+                                        pack_f16(round_e4m3(v[4] / s), round_e4m3(v[5] / s)),
+                                        pack_f16(round_e4m3(v[6] / s), round_e4m3(v[7] / s)));
+                }
+                shared_stage[r * stride + c] = staged;
+            }
+        }
+        __syncthreads();
+        stage = shared_stage;
+        row_scales = shared_scales;
+    }
+    const int reduce_at = SHARED_STAGE ? rows * stride * 16 + (rows * 4 + 15) / 16 * 16 : 0;
+    float4* reduce = reinterpret_cast<float4*>(dynamic_shared + reduce_at);   // [WARPS][ROW_TILES][32]
+
+    float acc[ROW_TILES][4];
+    #pragma unroll
+    for (int t = 0; t < ROW_TILES; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+
+    // One step: the batch's pieces (none past the warp's slice: a warp-uniform test), four products
+    // a piece and row tile; after the tile's last batch its sums, scaled, go out.
+    auto run_step = [&](const uint4* upper, const uint4* lower) {
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int index = now.batch * UNROLL + u;
+            if (index < own) {
+                unsigned a_upper[8], a_lower[8];
+                fp8_pairs(upper[u], a_upper);
+                fp8_pairs(lower[u], a_lower);
+                const bool valid = 64 * index < limit;   // the lane's inputs lie inside K
+                const int chunk = (first_piece + index) * 8 + 2 * q;
+                #pragma unroll
+                for (int t = 0; t < ROW_TILES; ++t) {
+                    const int row = 8 * t + g;
+                    uint4 in0 = zero, in1 = zero;
+                    if (valid && row < rows) {
+                        const uint4* in = stage + row * stride + chunk;
+                        in0 = in[0];
+                        in1 = in[1];
+                    }
+                    const unsigned a0[4] = {a_upper[0], a_lower[0], a_upper[1], a_lower[1]};
+                    const unsigned a1[4] = {a_upper[2], a_lower[2], a_upper[3], a_lower[3]};
+                    const unsigned a2[4] = {a_upper[4], a_lower[4], a_upper[5], a_lower[5]};
+                    const unsigned a3[4] = {a_upper[6], a_lower[6], a_upper[7], a_lower[7]};
+                    const unsigned b0[2] = {in0.x, in0.y}, b1[2] = {in0.z, in0.w};
+                    const unsigned b2[2] = {in1.x, in1.y}, b3[2] = {in1.z, in1.w};
+                    mma_16x8x16_f16(acc[t], a0, b0);
+                    mma_16x8x16_f16(acc[t], a1, b1);
+                    mma_16x8x16_f16(acc[t], a2, b2);
+                    mma_16x8x16_f16(acc[t], a3, b3);
+                }
+            }
+        }
+        if (now.batch == batches - 1) {
+            if (SPLIT > 1) {
+                #pragma unroll
+                for (int t = 0; t < ROW_TILES; ++t) {
+                    const float4 mine = {acc[t][0], acc[t][1], acc[t][2], acc[t][3]};
+                    reduce[(warp * ROW_TILES + t) * 32 + lane] = mine;
+                }
+                __syncthreads();
+                if (part == 0) {
+                    #pragma unroll
+                    for (int p = 1; p < SPLIT; ++p) {
+                        #pragma unroll
+                        for (int t = 0; t < ROW_TILES; ++t) {
+                            const float4 other = reduce[((warp + p) * ROW_TILES + t) * 32 + lane];
+                            acc[t][0] += other.x; acc[t][1] += other.y; acc[t][2] += other.z; acc[t][3] += other.w;
+                        }
+                    }
+                }
+                __syncthreads();
+            }
+            if (part == 0 && now.tile < tiles) {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int n = now.tile * 16 + g + (i >= 2 ? 8 : 0);
+                    if (n < N) {
+                        const float weight_scale = __ldg(scales + n / block_rows);
+                        const float add = bias != nullptr ? __ldg(bias + n) : 0.0f;
+                        #pragma unroll
+                        for (int t = 0; t < ROW_TILES; ++t) {
+                            const int r = 8 * t + 2 * q + (i & 1);
+                            if (r < rows) {
+                                const float input = ACT == ACT_FP8_TENSOR ? input_scale : row_scales[r];
+                                out[(size_t)r * N + n] = acc[t][i] * input * weight_scale + add;
+                            }
+                        }
+                    }
+                }
+            }
+            #pragma unroll
+            for (int t = 0; t < ROW_TILES; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+        }
+        now = next;
+        advance(next);
+    };
+    // Two steps an iteration, the buffers swapping roles: no register copies between steps.
+    for (int step = 0; step < steps; step += 2) {
+        if (step + 1 < steps) load(next, other_upper, other_lower);
+        run_step(upper, lower);
+        if (step + 1 < steps) {
+            if (step + 2 < steps) load(next, upper, lower);
+            run_step(other_upper, other_lower);
+        }
+    }
+}
+"""
+
+
+def source() -> str:
+    """The CUDA C++ source NVRTC compiles."""
+    return (qg.INSTRUCTIONS + MMA_BF16 + qg.F16_PRIMITIVES + qg.CONSTANTS + HELPERS + qg.DEVICE_FUNCTIONS + KERNELS)
+
+
+def serves(rows: int, weight: QuantizedWeight) -> bool:
+    """Whether the GEMV serves ``rows`` rows of a product with ``weight``: 1 to :data:`MAX_ROWS`
+    rows, FP8 codes with one scale per output channel (or per tensor), inputs quantized per token
+    or with a static scale, no act-order or zero points, the inner size a multiple of 16."""
+    out, inner = weight.shape
+    return (0 < rows <= MAX_ROWS and out > 0 and weight.codes_format == "fp8" and weight.activations in ACTIVATIONS
+            and weight.scales.shape[1] == 1 and weight.input_order is None and weight.zeros is None
+            and inner % 16 == 0)
+
+
+def shared_stage(rows: int, weight: QuantizedWeight) -> bool:
+    """Whether the prologue stages the rows in shared memory (up to :data:`SHARED_STAGE_MAX_ROWS`
+    that fit beside the split's partial sums); otherwise ``stage_rows`` stages them first."""
+    return rows <= SHARED_STAGE_MAX_ROWS and shared_bytes(rows, weight, qg.SPLITS[-1], True) <= qg.MAX_SHARED_BYTES
+
+
+def shared_bytes(rows: int, weight: QuantizedWeight, split: int, staged: bool) -> int:
+    """Dynamic shared memory of a launch: the staged rows and their scales (``staged``), the
+    split's partial sums."""
+    pieces = -(-weight.shape[1] // 64)
+    stage = rows * pieces * 128 + -(-rows * 4 // 16) * 16 if staged else 0
+    return stage + (qg.REDUCE_BYTES * qg.row_tiles(rows) if split > 1 else 0)
+
+
+def workspace_shapes(rows: int, weight: QuantizedWeight) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The global workspace of rows the prologue does not stage: f16 codes (uint32 ``[rows,
+    ceil(K / 64) * 32]``) and the rows' scales (float32 ``[rows, 1]``)."""
+    return qg.workspace_shapes(rows, weight)
+
+
+def input_type(bf16_input: bool) -> str:
+    return qg.input_type(bf16_input)
+
+
+def kernel_name(activations: str, split: int, tiles: int, shared: bool = True, unroll: int = UNROLL,
+                bf16_input: bool = False) -> str:
+    return (f"fp8_gemv<{ACTIVATIONS[activations]}, {split}, {tiles}, {'true' if shared else 'false'}, {unroll}, "
+            f"{input_type(bf16_input)}>")
+
+
+# ------------------------------------------------------------------------------ reference
+
+
+def fp8_gemv_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray | None = None) -> np.ndarray:
+    """float32 ``[rows, N]``: what a launch computes, from host arrays: the input quantized as
+    :func:`~metrale.kernels.quantized.quantize_activations` does, times the dequantized weight,
+    the sums exact (float64) and rounded once."""
+    staged = quantize_activations(np.asarray(x, dtype=np.float32), weight).astype(np.float64)
+    y = staged @ dequantize(weight).astype(np.float64).T
+    return (y + bias if bias is not None else y).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------- launcher
+
+_modules: dict[str, Any] = {}
+
+
+def _function(name: str) -> Any:
+    function = _modules.get(name)
+    if function is None:
+        import cupy
+
+        module = cupy.RawModule(code=source(), options=("--std=c++17",), name_expressions=(name,))
+        function = _modules[name] = module.get_function(name)
+    return function
+
+
+def fp8_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: Any, *,
+             bias: DeviceArray | None = None, multiprocessors: int = 132, split: int | None = None,
+             workspace: tuple[DeviceArray, DeviceArray] | None = None, unroll: int = UNROLL) -> DeviceArray:
+    """``out <- s_x s_w (q_x q_w^T) (+ bias)`` (the module docstring) on ``stream``: ``x`` float32 or
+    bf16 bits (uint16) ``[rows, K]``, 16-byte aligned, ``out`` float32 ``[rows, N]``. Rows the
+    prologue does not stage (:func:`shared_stage`) are staged first into ``workspace`` (the arrays
+    of :func:`workspace_shapes`). Raises :class:`~metrale.errors.KernelArgumentError` for what it
+    does not serve (:func:`serves`)."""
+    name = f"fp8_gemv ({weight.activations})"
+    qg.check_weight(name, weight)
+    rows = x.shape[0] if getattr(x, "ndim", 0) == 2 else -1
+    columns, inner = weight.shape
+    bf16_input = getattr(x, "dtype", None) == np.uint16
+    check_array(name, "x", x, np.uint16 if bf16_input else np.float32, (rows, inner))
+    check_array(name, "out", out, np.float32, (rows, columns))
+    if bias is not None:
+        check_array(name, "bias", bias, np.float32, (columns,))
+    if not serves(rows, weight):
+        raise KernelArgumentError(f"{name}: {rows} rows of a {weight.codes_format} weight with {weight.activations} "
+                                  f"inputs, scales {list(weight.scales.shape)}, inner size {inner}, are not served "
+                                  f"(1 to {MAX_ROWS} rows, FP8 per channel or per tensor, FP8 inputs, the inner "
+                                  "size a multiple of 16)")
+    if not aligned(x):
+        raise KernelArgumentError(f"{name}: x does not start at a 16-byte boundary")
+    null = np.uint64(0)
+    input_scale = np.float32(float(weight.input_scale) if weight.input_scale is not None else 1.0)
+    shared = shared_stage(rows, weight)
+    staged: Any = null
+    scales: Any = null
+    if not shared:
+        if workspace is None:
+            raise KernelArgumentError(f"{name}: {rows} rows of inner size {inner} need a staging workspace")
+        staged, scales = workspace
+        staged_shape, scales_shape = workspace_shapes(rows, weight)
+        check_array(name, "workspace staged", staged, np.uint32, staged_shape)
+        check_array(name, "workspace scales", scales, np.float32, scales_shape)
+        launch(qg._function(qg.stage_rows_name(weight.activations, True, bf16_input)), (rows,), (THREADS,), (
+            x, null, input_scale, np.int32(weight.activation_group), staged, scales, np.int32(inner),
+        ), 0, stream, dependent=False)
+    chosen, blocks = qg.plan(columns, multiprocessors, split)
+    function = _function(kernel_name(weight.activations, chosen, qg.row_tiles(rows), shared, unroll, bf16_input))
+    stage = shared_bytes(rows, weight, chosen, shared)
+    if stage > 48 * 1024:
+        function.max_dynamic_shared_size_bytes = stage
+    launch(function, (blocks,), (THREADS,), (
+        x, input_scale, staged, scales, weight.codes, weight.scales, np.int32(weight.block[0]),
+        bias if bias is not None else null, out, np.int32(rows), np.int32(inner), np.int32(columns),
+    ), stage, stream, dependent=False)
+    return out

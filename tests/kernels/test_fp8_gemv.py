@@ -1,0 +1,197 @@
+"""The FP8 decode GEMV (:mod:`metrale.kernels.fp8_gemv`) run on the host through the CUDA emulation
+header against its NumPy reference: per-token and static input scales, per-channel and per-tensor
+weight scales, one to four row tiles, rows staged in shared memory and in the global workspace,
+splits of the inner size over warps, grids smaller than the column tiles (several rounds, an odd
+count of steps), inner sizes that end inside a 64-position piece, float32 and bf16 input rows."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+from emulation import build_emulated
+
+from metrale.kernels import fp8_gemv as fg
+from metrale.kernels import quantized_gemv as qg
+from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
+from metrale.kernels.quantized import QuantizedWeight, float32_to_fp8_e4m3, quantized_linear_reference
+
+# (activations, split, row tiles, unroll) instantiated in the emulated program, each with the rows
+# staged in shared memory and in the global workspace, float32 and bf16 rows.
+INSTANCES = [("fp8_token", 1, 1, 4), ("fp8_token", 8, 1, 4), ("fp8_token", 2, 2, 4), ("fp8_tensor", 4, 1, 4),
+             ("fp8_token", 1, 4, 4), ("fp8_token", 2, 1, 2), ("fp8_tensor", 1, 2, 2)]
+
+
+def emulation_main() -> str:
+    dispatch = "\n".join(
+        f"    if (act == {fg.ACTIVATIONS[a]} && split == {s} && tiles == {t} && unroll == {u} && shared == "
+        f"{int(shared)} && bf16 == {int(b)}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, {{THREADS, 1, 1}}, [&] {{ "
+        f"{fg.kernel_name(a, s, t, shared, u, b)}({'x16' if b else 'x'}, input_scale, staged_rows, staged_scales, "
+        f"code_bytes, scales, block_rows, bias, out, rows, K, N); }}); found = true; }}"
+        for a, s, t, u in INSTANCES for shared in (False, True) for b in (False, True))
+    stage_rows = "\n".join(
+        f"        if (act == {fg.ACTIVATIONS[a]} && bf16 == {int(b)}) emu::launch({{(unsigned)rows, 1, 1}}, "
+        f"{{THREADS, 1, 1}}, [&] {{ {qg.stage_rows_name(a, True, b)}({'x16' if b else 'x'}, nullptr, input_scale, "
+        f"0, staged_rows, staged_scales, K); }});"
+        for a in fg.ACTIVATIONS for b in (False, True))
+    return r"""
+#include <string>
+
+int main(int argc, char** argv) {
+    if (argc != 14) emu::fail("usage: folder act split tiles unroll rows K N blocks block_rows input_scale flags shared");
+    const std::string folder = argv[1];
+    const int act = std::atoi(argv[2]), split = std::atoi(argv[3]), tiles = std::atoi(argv[4]);
+    const int unroll = std::atoi(argv[5]), rows = std::atoi(argv[6]), K = std::atoi(argv[7]), N = std::atoi(argv[8]);
+    const int blocks = std::atoi(argv[9]), block_rows = std::atoi(argv[10]);
+    const float input_scale = std::atof(argv[11]);
+    const int flags = std::atoi(argv[12]), shared = std::atoi(argv[13]);
+    const unsigned char* code_bytes = read<unsigned char>(folder + "/codes", (size_t)N * K);
+    const float* scales = read<float>(folder + "/scales", (size_t)(N + block_rows - 1) / block_rows);
+    const int bf16 = (flags & 2) != 0;
+    const float* x = read<float>(folder + "/x", (size_t)rows * K);
+    const unsigned short* x16 = bf16 ? read<unsigned short>(folder + "/x_bf16", (size_t)rows * K) : nullptr;
+    const float* bias = flags & 1 ? read<float>(folder + "/bias", N) : nullptr;
+    float* out = allocate<float>((size_t)rows * N);
+    uint4* staged_rows = nullptr;
+    float* staged_scales = nullptr;
+    if (!shared) {
+        staged_rows = allocate<uint4>((size_t)rows * ((K + 63) / 64) * 8);
+        // The padding past K holds what a workspace may: the GEMV must not read it.
+        for (size_t i = 0; i < (size_t)rows * ((K + 63) / 64) * 8; ++i) staged_rows[i] = {0x7e007e00u, 0x7e007e00u,
+                                                                                         0x7e007e00u, 0x7e007e00u};
+        staged_scales = allocate<float>(rows);
+""" + stage_rows + r"""
+    }
+    bool found = false;
+""" + dispatch + r"""
+    if (!found) emu::fail("no such instance");
+    write(folder + "/out", out, (size_t)rows * N);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fp8_gemv_emulated")
+    source = qg.CONSTANTS + qg.HELPERS + qg.DEVICE_FUNCTIONS + qg.KERNELS + fg.KERNELS + emulation_main()
+    binary = build_emulated(folder / "fp8_gemv.cpp", source)
+
+    def run(weight: QuantizedWeight, x, bias=None, *, split=1, blocks=2, shared=True, unroll=fg.UNROLL,
+            bf16_input=False):
+        case = folder / "case"
+        case.mkdir(exist_ok=True)
+        out_features, inner = weight.shape
+        np.ascontiguousarray(weight.codes).tofile(case / "codes")
+        np.ascontiguousarray(weight.scales[:, 0], np.float32).tofile(case / "scales")
+        np.ascontiguousarray(x, np.float32).tofile(case / "x")
+        flags = 0
+        if bias is not None:
+            np.ascontiguousarray(bias, np.float32).tofile(case / "bias")
+            flags |= 1
+        if bf16_input:
+            float32_to_bf16(np.ascontiguousarray(x, np.float32)).tofile(case / "x_bf16")
+            flags |= 2
+        rows = x.shape[0]
+        input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
+        arguments = [fg.ACTIVATIONS[weight.activations], split, qg.row_tiles(rows), unroll, rows, inner, out_features,
+                     blocks, weight.block[0], repr(input_scale), flags, int(shared)]
+        subprocess.run([str(binary), str(case), *map(str, arguments)], check=True, timeout=600)
+        return np.fromfile(case / "out", np.float32).reshape(rows, out_features)
+
+    return run
+
+
+def make_weight(rng: np.random.Generator, out: int, inner: int, activations: str, per_tensor: bool) -> QuantizedWeight:
+    block = (out, inner) if per_tensor else (1, inner)
+    scales = rng.uniform(0.01, 0.05, size=(1 if per_tensor else out, 1)).astype(np.float32)
+    stored = float32_to_fp8_e4m3(rng.normal(size=(out, inner)).astype(np.float32) * 100)
+    input_scale = np.asarray(0.02, np.float32) if activations == "fp8_tensor" else None
+    return QuantizedWeight("fp8", stored, scales, block, (out, inner), activations=activations,
+                           input_scale=input_scale)
+
+
+CASES = [
+    # activations, rows, inner, out, per tensor, bias, split, blocks, unroll
+    ("fp8_token", 1, 64, 37, False, False, 1, 2, 4),  # a partial column tile
+    ("fp8_token", 1, 1024, 300, False, True, 1, 3, 4),  # 7 rounds of 8 tiles, 4 steps each
+    ("fp8_token", 1, 4160, 48, False, False, 8, 2, 4),  # 65 pieces over 8 warps: the last slice short
+    ("fp8_token", 3, 80, 40, False, True, 8, 1, 4),  # K ends inside a piece; slices past K
+    ("fp8_token", 13, 256, 40, False, True, 2, 1, 4),  # two row tiles
+    ("fp8_tensor", 4, 208, 33, True, False, 4, 1, 4),  # one scale for the matrix, a static input scale
+    ("fp8_token", 32, 192, 50, False, True, 1, 2, 4),  # four row tiles
+    ("fp8_token", 2, 704, 200, False, False, 2, 2, 2),  # 11 pieces in slices of 6: odd steps of 2
+    ("fp8_tensor", 9, 336, 24, True, True, 1, 1, 2),
+]
+
+PATHS = [pytest.param(*case, shared, id=f"{'shared' if shared else 'global'}-{case[0]}-{case[1]}x{case[2]}x{case[3]}"
+                      f"-split{case[6]}") for case in CASES for shared in (True, False)
+         if not shared or case[1] <= fg.SHARED_STAGE_MAX_ROWS]
+
+
+@pytest.mark.parametrize("activations, rows, inner, out, per_tensor, bias, split, blocks, unroll, shared", PATHS)
+def test_emulated_fp8_gemv_matches_the_reference(emulated, activations, rows, inner, out, per_tensor, bias, split,
+                                                 blocks, unroll, shared):
+    rng = np.random.default_rng(rows * 1000 + inner)
+    weight = make_weight(rng, out, inner, activations, per_tensor)
+    x = rng.normal(size=(rows, inner)).astype(np.float32)
+    x[0, :7] *= 50  # one row with a few large values: its scale differs from the others'
+    bias_values = rng.normal(size=out).astype(np.float32) if bias else None
+    assert fg.serves(rows, weight)
+    expected = fg.fp8_gemv_reference(x, weight, bias_values)
+    got = emulated(weight, x, bias_values, split=split, blocks=blocks, shared=shared, unroll=unroll)
+    scale = np.abs(expected).max()
+    assert np.abs(got - expected).max() <= 1e-5 * scale
+    # The same product as the general quantized GEMV's exact path and the full-precision reference's.
+    assert np.abs(got - qg.quantized_gemv_reference(x, weight, bias_values, exact=True)).max() <= 1e-5 * scale
+    full_precision = quantized_linear_reference(x, weight, bias_values)
+    assert np.abs(got - full_precision).max() <= 1e-5 * np.abs(full_precision).max()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_emulated_fp8_gemv_reads_bf16_rows_as_their_float32_values(emulated, shared):
+    rng = np.random.default_rng(7)
+    weight = make_weight(rng, 70, 320, "fp8_token", False)
+    x = bf16_to_float32(float32_to_bf16(rng.normal(size=(3, 320)).astype(np.float32)))
+    x[1, 5] = 96.0  # exact in bf16
+    as_float32 = emulated(weight, x, split=8, shared=shared)
+    as_bf16 = emulated(weight, x, split=8, shared=shared, bf16_input=True)
+    np.testing.assert_array_equal(as_bf16, as_float32)
+    expected = fg.fp8_gemv_reference(x, weight)
+    assert np.abs(as_bf16 - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def test_a_zero_row_gives_zeros(emulated):
+    rng = np.random.default_rng(8)
+    weight = make_weight(rng, 16, 128, "fp8_token", False)
+    x = np.zeros((2, 128), np.float32)
+    x[1] = rng.normal(size=128)
+    got = emulated(weight, x)
+    assert np.array_equal(got[0], np.zeros(16, np.float32))
+    assert np.abs(got[1] - fg.fp8_gemv_reference(x, weight)[1]).max() <= 1e-5 * np.abs(got[1]).max()
+
+
+def test_serves():
+    rng = np.random.default_rng(0)
+    weight = make_weight(rng, 64, 256, "fp8_token", False)
+    assert fg.serves(1, weight) and fg.serves(32, weight)
+    assert not fg.serves(0, weight) and not fg.serves(33, weight)
+    assert fg.serves(2, make_weight(rng, 64, 256, "fp8_tensor", True))
+    blocks = QuantizedWeight("fp8", weight.codes, np.ones((1, 2), np.float32), (128, 128), (64, 256),
+                             activations="fp8_group")
+    assert not fg.serves(1, blocks)  # scales along the inner size do not factor out
+    weight_only = QuantizedWeight("fp8", weight.codes, weight.scales, (1, 256), (64, 256))
+    assert not fg.serves(1, weight_only)  # bf16 inputs
+    odd = make_weight(rng, 16, 40, "fp8_token", False)
+    assert not fg.serves(1, odd)  # the inner size is not a multiple of 16
+    ordered = QuantizedWeight("fp8", weight.codes, weight.scales, (1, 256), (64, 256), activations="fp8_token",
+                              input_order=np.arange(256, dtype=np.int32))
+    assert not fg.serves(1, ordered)
+    # The prologue stages up to four rows in shared memory where they fit.
+    assert fg.shared_stage(1, make_weight(rng, 16, 14336, "fp8_token", False))
+    assert fg.shared_stage(4, make_weight(rng, 16, 14336, "fp8_token", False))
+    assert not fg.shared_stage(5, weight)
+    wide = QuantizedWeight("fp8", np.zeros((16, 65536), np.uint8), np.ones((16, 1), np.float32), (1, 65536),
+                           (16, 65536), activations="fp8_token")
+    assert fg.shared_stage(1, wide) and not fg.shared_stage(2, wide)

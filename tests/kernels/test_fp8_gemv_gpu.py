@@ -1,0 +1,144 @@
+"""The FP8 decode GEMV (``metrale.kernels.fp8_gemv``) against its NumPy reference on a real GPU:
+the Llama-8B projection shapes at 1 to 32 rows (staged in shared memory and in the workspace),
+float32 and bf16 rows, per-channel and per-tensor scales, a bias, a CUDA-graph replay with new
+inputs, and the backend's ``linear`` choosing it for decode rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from metrale.kernels.quantized import QuantizedWeight, float32_to_fp8_e4m3, quantize_fp8_per_channel
+
+pytestmark = pytest.mark.gpu
+
+# (K, N): the 8B shape's qkv, o, gate_up and down projections.
+LLAMA_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from metrale.backends.cuda import CudaBackend
+
+    backend = CudaBackend()
+    yield backend
+    backend.close()
+
+
+def uploaded(backend, host: QuantizedWeight) -> QuantizedWeight:
+    """``host`` on the device, its copies done (the backend copies on its own stream)."""
+    weight = backend.quantized_weight(host)
+    backend.stream.synchronize()
+    return weight
+
+
+def multiprocessors() -> int:
+    from metrale.kernels.decode_gemv import multiprocessor_count
+
+    return multiprocessor_count()
+
+
+def rel_error(got: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.abs(got - expected).max() / np.abs(expected).max())
+
+
+def run(x, weight, host, rows, bias=None):
+    import cupy as cp
+
+    from metrale.kernels import fp8_gemv as fg
+
+    out = cp.full((rows, host.shape[0]), np.nan, np.float32)
+    staged_shape, scales_shape = fg.workspace_shapes(rows, host)
+    workspace = (cp.empty(staged_shape, np.uint32), cp.empty(scales_shape, np.float32))
+    fg.fp8_gemv(x, weight, out, cp.cuda.get_current_stream(), bias=bias, multiprocessors=multiprocessors(),
+                workspace=workspace)
+    return cp.asnumpy(out)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 32])
+@pytest.mark.parametrize("bf16_rows", [False, True])
+def test_the_fp8_gemv_matches_the_reference_on_llama_shapes(backend, rows, bf16_rows):
+    import cupy as cp
+
+    from metrale.kernels import fp8_gemv as fg
+    from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
+
+    rng = np.random.default_rng(rows)
+    for inner, columns in LLAMA_8B:
+        host = quantize_fp8_per_channel(rng.normal(size=(columns, inner)).astype(np.float32) * 0.02, "fp8_token")
+        weight = uploaded(backend, host)
+        x = rng.normal(size=(rows, inner)).astype(np.float32)
+        x[0, :5] *= 40
+        if bf16_rows:
+            bits = float32_to_bf16(x)
+            x = bf16_to_float32(bits)
+            got = run(cp.asarray(bits), weight, host, rows)
+        else:
+            got = run(cp.asarray(x), weight, host, rows)
+        assert rel_error(got, fg.fp8_gemv_reference(x, host)) < 2e-5, (inner, columns)
+
+
+def test_per_tensor_scales_a_static_input_scale_and_a_bias(backend):
+    import cupy as cp
+
+    from metrale.kernels import fp8_gemv as fg
+
+    rng = np.random.default_rng(5)
+    columns, inner = 1000, 2048  # a partial column tile
+    host = QuantizedWeight("fp8", float32_to_fp8_e4m3(rng.normal(size=(columns, inner)).astype(np.float32) * 50),
+                           np.asarray([[0.003]], np.float32), (columns, inner), (columns, inner),
+                           activations="fp8_tensor", input_scale=np.asarray(0.01, np.float32))
+    weight = uploaded(backend, host)
+    bias = rng.normal(size=columns).astype(np.float32)
+    for rows in (1, 6):
+        x = rng.normal(size=(rows, inner)).astype(np.float32)
+        got = run(cp.asarray(x), weight, host, rows, bias=cp.asarray(bias))
+        assert rel_error(got, fg.fp8_gemv_reference(x, host, bias)) < 2e-5
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_a_graph_replays_the_fp8_gemv_with_new_inputs(backend, rows):
+    import cupy as cp
+
+    from metrale.kernels import fp8_gemv as fg
+
+    rng = np.random.default_rng(9)
+    inner, columns = 4096, 6144
+    host = quantize_fp8_per_channel(rng.normal(size=(columns, inner)).astype(np.float32) * 0.02, "fp8_token")
+    weight = uploaded(backend, host)
+    x = cp.zeros((rows, inner), np.float32)
+    out = cp.zeros((rows, columns), np.float32)
+    staged_shape, scales_shape = fg.workspace_shapes(rows, host)
+    workspace = (cp.empty(staged_shape, np.uint32), cp.empty(scales_shape, np.float32))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        fg.fp8_gemv(x, weight, out, stream, multiprocessors=multiprocessors(), workspace=workspace)
+        stream.synchronize()
+        stream.begin_capture()
+        fg.fp8_gemv(x, weight, out, stream, multiprocessors=multiprocessors(), workspace=workspace)
+        graph = stream.end_capture()
+    for seed in (1, 2):
+        values = np.random.default_rng(seed).normal(size=(rows, inner)).astype(np.float32)
+        x.set(values, stream=stream)
+        graph.launch(stream)
+        stream.synchronize()
+        assert rel_error(cp.asnumpy(out), fg.fp8_gemv_reference(values, host)) < 2e-5
+
+
+def test_the_backend_takes_the_fp8_gemv_for_decode_rows(backend):
+    import cupy as cp
+
+    from metrale.kernels import fp8_gemv as fg
+    from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
+
+    rng = np.random.default_rng(11)
+    host = quantize_fp8_per_channel(rng.normal(size=(512, 1024)).astype(np.float32) * 0.02, "fp8_token")
+    weight = uploaded(backend, host)
+    bits = float32_to_bf16(rng.normal(size=(2, 1024)).astype(np.float32))
+    x = cp.asarray(bits)
+    backend.stream.synchronize()
+    got = backend.ops.linear(x, weight)
+    backend.stream.synchronize()
+    assert rel_error(cp.asnumpy(got), fg.fp8_gemv_reference(bf16_to_float32(bits), host)) < 2e-5
+    # The very sums of a direct launch (the general quantized GEMV scales every 32 columns' sums).
+    np.testing.assert_array_equal(cp.asnumpy(got), run(x, weight, host, 2))

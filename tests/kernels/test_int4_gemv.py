@@ -1,0 +1,167 @@
+"""The 4-bit weight-only decode GEMV (:mod:`metrale.kernels.int4_gemv`) run on the host through the
+CUDA emulation header against its NumPy reference: groups of 128 and 256 columns, zero points,
+act-order, one to four row tiles, rows staged in shared memory and in the global workspace,
+splits of the inner size over warps, grids smaller than the column tiles, float32 and bf16 rows."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+from emulation import build_emulated
+
+from metrale.kernels import int4_gemv as ig
+from metrale.kernels import quantized_gemv as qg
+from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
+from metrale.kernels.quantized import QuantizedWeight, pack_nibbles, quantized_linear_reference
+
+# (split, row tiles, zeros, unroll) instantiated, each with the rows staged in shared memory and in
+# the global workspace, float32 and bf16 rows.
+INSTANCES = [(1, 1, False, 4), (8, 1, False, 4), (2, 2, True, 4), (4, 1, True, 2), (1, 4, False, 4),
+             (2, 1, False, 2), (2, 1, True, 4)]
+
+
+def emulation_main() -> str:
+    dispatch = "\n".join(
+        f"    if (split == {s} && tiles == {t} && zeros_on == {int(z)} && unroll == {u} && shared == {int(shared)} "
+        f"&& bf16 == {int(b)}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, {{THREADS, 1, 1}}, [&] {{ "
+        f"{ig.kernel_name(s, t, shared, z, u, b)}({'x16' if b else 'x'}, order, staged_rows, code_bytes, scales, "
+        f"zeros, group_pieces, bias, out, rows, K, N); }}); found = true; }}"
+        for s, t, z, u in INSTANCES for shared in (False, True) for b in (False, True))
+    return r"""
+#include <string>
+
+int main(int argc, char** argv) {
+    if (argc != 12) emu::fail("usage: folder split tiles unroll rows K N blocks group flags shared");
+    const std::string folder = argv[1];
+    const int split = std::atoi(argv[2]), tiles = std::atoi(argv[3]), unroll = std::atoi(argv[4]);
+    const int rows = std::atoi(argv[5]), K = std::atoi(argv[6]), N = std::atoi(argv[7]);
+    const int blocks = std::atoi(argv[8]), group = std::atoi(argv[9]), flags = std::atoi(argv[10]);
+    const int shared = std::atoi(argv[11]);
+    const int group_pieces = group / 128, zeros_on = (flags & 2) != 0, bf16 = (flags & 4) != 0;
+    const unsigned char* code_bytes = read<unsigned char>(folder + "/codes", (size_t)N * K / 2);
+    const float* scales = read<float>(folder + "/scales", (size_t)N * (K / group));
+    const float* zeros = zeros_on ? read<float>(folder + "/zeros", (size_t)N * (K / group)) : nullptr;
+    const float* x = read<float>(folder + "/x", (size_t)rows * K);
+    const unsigned short* x16 = bf16 ? read<unsigned short>(folder + "/x_bf16", (size_t)rows * K) : nullptr;
+    const int* order = flags & 8 ? read<int>(folder + "/order", K) : nullptr;
+    const float* bias = flags & 1 ? read<float>(folder + "/bias", N) : nullptr;
+    float* out = allocate<float>((size_t)rows * N);
+    uint4* staged_rows = nullptr;
+    if (!shared) {
+        staged_rows = allocate<uint4>((size_t)rows * K / 8);
+        if (bf16) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
+            stage_int4_rows<unsigned short>(x16, order, staged_rows, K); });
+        else emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] { stage_int4_rows<float>(x, order, staged_rows, K); });
+    }
+    bool found = false;
+""" + dispatch + r"""
+    if (!found) emu::fail("no such instance");
+    write(folder + "/out", out, (size_t)rows * N);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("int4_gemv_emulated")
+    source = qg.CONSTANTS + qg.HELPERS + qg.DEVICE_FUNCTIONS + ig.KERNELS + emulation_main()
+    binary = build_emulated(folder / "int4_gemv.cpp", source)
+
+    def run(weight: QuantizedWeight, x, bias=None, *, split=1, blocks=2, shared=True, unroll=ig.UNROLL,
+            bf16_input=False):
+        case = folder / "case"
+        case.mkdir(exist_ok=True)
+        out_features, inner = weight.shape
+        np.ascontiguousarray(weight.codes).tofile(case / "codes")
+        np.ascontiguousarray(weight.scales, np.float32).tofile(case / "scales")
+        np.ascontiguousarray(x, np.float32).tofile(case / "x")
+        flags = 0
+        if bias is not None:
+            np.ascontiguousarray(bias, np.float32).tofile(case / "bias")
+            flags |= 1
+        if weight.zeros is not None:
+            np.ascontiguousarray(weight.zeros, np.float32).tofile(case / "zeros")
+            flags |= 2
+        if bf16_input:
+            float32_to_bf16(np.ascontiguousarray(x, np.float32)).tofile(case / "x_bf16")
+            flags |= 4
+        if weight.input_order is not None:
+            np.ascontiguousarray(weight.input_order, np.int32).tofile(case / "order")
+            flags |= 8
+        rows = x.shape[0]
+        arguments = [split, qg.row_tiles(rows), unroll, rows, inner, out_features, blocks, weight.block[1], flags,
+                     int(shared)]
+        subprocess.run([str(binary), str(case), *map(str, arguments)], check=True, timeout=600)
+        return np.fromfile(case / "out", np.float32).reshape(rows, out_features)
+
+    return run
+
+
+def make_weight(rng: np.random.Generator, out: int, inner: int, group: int, zeros: bool,
+                act_order: bool) -> QuantizedWeight:
+    scales = rng.uniform(0.01, 0.05, size=(out, inner // group)).astype(np.float32)
+    stored = pack_nibbles(rng.integers(0, 16, size=(out, inner), dtype=np.uint8))
+    zero_points = rng.integers(0, 16, size=scales.shape).astype(np.float32) if zeros else None
+    order = rng.permutation(inner).astype(np.int32) if act_order else None
+    return QuantizedWeight("int4", stored, scales, (1, group), (out, inner), zeros=zero_points, input_order=order)
+
+
+CASES = [
+    # rows, inner, out, group, zeros, act-order, bias, split, blocks, unroll
+    (1, 128, 37, 128, False, False, False, 1, 2, 4),  # one piece, a partial column tile
+    (1, 1024, 300, 128, False, False, True, 1, 3, 4),  # rounds of tiles
+    (1, 1152, 48, 128, False, False, False, 8, 2, 4),  # 9 pieces over 8 warps: slices past the end
+    (3, 512, 40, 256, True, False, True, 2, 1, 4),  # zero points, groups of two pieces
+    (13, 384, 40, 128, True, True, False, 2, 1, 4),  # two row tiles, act-order
+    (4, 768, 33, 256, True, False, False, 4, 1, 2),
+    (32, 256, 50, 128, False, False, True, 1, 2, 4),  # four row tiles
+    (2, 1408, 200, 128, False, True, False, 2, 2, 2),  # 11 pieces in slices of 6: odd steps of 2
+]
+
+PATHS = [pytest.param(*case, shared, id=f"{'shared' if shared else 'global'}-{case[0]}x{case[1]}x{case[2]}-g{case[3]}"
+                      f"{'-zeros' if case[4] else ''}{'-order' if case[5] else ''}-split{case[7]}")
+         for case in CASES for shared in (True, False) if not shared or case[0] <= ig.SHARED_STAGE_MAX_ROWS]
+
+
+@pytest.mark.parametrize("rows, inner, out, group, zeros, act_order, bias, split, blocks, unroll, shared", PATHS)
+def test_emulated_int4_gemv_matches_the_reference(emulated, rows, inner, out, group, zeros, act_order, bias, split,
+                                                  blocks, unroll, shared):
+    rng = np.random.default_rng(rows * 1000 + inner)
+    weight = make_weight(rng, out, inner, group, zeros, act_order)
+    x = rng.normal(size=(rows, inner)).astype(np.float32)
+    bias_values = rng.normal(size=out).astype(np.float32) if bias else None
+    assert ig.serves(rows, weight)
+    expected = ig.int4_gemv_reference(x, weight, bias_values)
+    got = emulated(weight, x, bias_values, split=split, blocks=blocks, shared=shared, unroll=unroll)
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+    # Within bf16's rounding of the input of the full-precision product.
+    full_precision = quantized_linear_reference(x, weight, bias_values)
+    assert np.abs(got - full_precision).max() <= 2e-2 * np.abs(full_precision).max()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_emulated_int4_gemv_reads_bf16_rows_as_their_float32_values(emulated, shared):
+    rng = np.random.default_rng(7)
+    weight = make_weight(rng, 70, 384, 128, True, True)
+    x = bf16_to_float32(float32_to_bf16(rng.normal(size=(3, 384)).astype(np.float32)))
+    as_float32 = emulated(weight, x, split=4, shared=shared, unroll=2)
+    as_bf16 = emulated(weight, x, split=4, shared=shared, unroll=2, bf16_input=True)
+    np.testing.assert_array_equal(as_bf16, as_float32)
+
+
+def test_serves():
+    rng = np.random.default_rng(0)
+    assert ig.serves(1, make_weight(rng, 64, 256, 128, False, False))
+    assert ig.serves(32, make_weight(rng, 64, 512, 256, True, True))
+    assert not ig.serves(33, make_weight(rng, 64, 256, 128, False, False))
+    assert not ig.serves(1, make_weight(rng, 64, 256, 64, False, False))  # a group less than 128 columns
+    per_channel = QuantizedWeight("int4", np.zeros((16, 128), np.uint8), np.ones((16, 1), np.float32), (1, 256),
+                                  (16, 256))
+    assert ig.serves(1, per_channel)  # one group of the whole row
+    int8 = QuantizedWeight("int8", np.zeros((16, 256), np.uint8), np.ones((16, 2), np.float32), (1, 128), (16, 256))
+    assert not ig.serves(1, int8)
+    assert ig.shared_stage(4, make_weight(rng, 16, 14336, 128, False, False))
+    assert not ig.shared_stage(5, make_weight(rng, 16, 256, 128, False, False))
