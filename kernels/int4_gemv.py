@@ -43,9 +43,6 @@ THREADS = qg.THREADS
 WARPS = qg.WARPS
 
 KERNELS = r"""
-__device__ __forceinline__ float input_at(const float* x, size_t i) { return x[i]; }
-__device__ __forceinline__ float input_at(const unsigned short* x, size_t i) { return bf16_bits(x[i]); }
-
 // Input columns 8c .. 8c + 7 of row r (through `order` where given) as bf16 in the order
 // 0, 4, 1, 5, 2, 6, 3, 7: four words, word j the pair (8c + j, 8c + j + 4).
 template <typename INPUT>
@@ -54,7 +51,7 @@ __device__ __forceinline__ uint4 int4_staged_chunk(const INPUT* __restrict__ x, 
     float v[8];
     const INPUT* row = x + (size_t)r * K;
     #pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = input_at(row, order != nullptr ? order[8 * c + e] : 8 * c + e);
+    for (int e = 0; e < 8; ++e) v[e] = input_value(row, order != nullptr ? order[8 * c + e] : 8 * c + e);
     return make_uint4(pack_bf16_pair(v[0], v[4]), pack_bf16_pair(v[1], v[5]), pack_bf16_pair(v[2], v[6]),
                       pack_bf16_pair(v[3], v[7]));
 }

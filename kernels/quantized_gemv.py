@@ -235,6 +235,10 @@ __device__ __forceinline__ unsigned pack_bf16_pair(float low, float high) {
     return (unsigned)to_bf16(low) | ((unsigned)to_bf16(high) << 16);
 }
 
+// Element i of input rows held as float32 or as bf16 bits.
+__device__ __forceinline__ float input_value(const float* x, size_t i) { return x[i]; }
+__device__ __forceinline__ float input_value(const unsigned short* x, size_t i) { return bf16_bits(x[i]); }
+
 __device__ __forceinline__ float warp_max(float value) {
     for (int offset = 16; offset > 0; offset /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
     return value;
@@ -338,10 +342,8 @@ __device__ __forceinline__ uint4 exact_chunk(const QuantizedOperand& w, size_t c
 // (this one `warp`) share the (row, group) tasks; with fewer tasks than warps each task's columns
 // are dealt among warps / tasks of them, whose maxima meet in `partial` (warps floats of shared
 // memory), so a decode row's maximum is not one warp's long walk. Every thread of the block calls it.
-// The input rows as float32 or as bf16 bits (INPUT): element i, and the largest magnitude of the
+// The input rows as float32 or as bf16 bits (INPUT): the largest magnitude of the
 // 4 elements at 4i (a 16- or 8-byte load).
-__device__ __forceinline__ float input_value(const float* x, size_t i) { return x[i]; }
-__device__ __forceinline__ float input_value(const unsigned short* x, size_t i) { return bf16_bits(x[i]); }
 __device__ __forceinline__ float quad_amax(const float* row, int i) {
     const float4 v = __ldg(reinterpret_cast<const float4*>(row) + i);
     return fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));

@@ -45,8 +45,8 @@ GROUPED_EXPERTS_MIN_TOKENS = 9
 GROUPED_DEQUANTIZED_EXPERTS_MIN_TOKENS = 128
 #: Decode batches of at least this many rows multiply FP8 weights whose scales factor out of the
 #: sums (:func:`metrale.kernels.quantized_gemv.fp8_tensor_core_path`) on FP8 tensor cores, as
-#: prompts do; fewer rows take the quantized decode GEMV. The threshold is where the tensor-core
-#: product overtook the GEMV on the Llama-8B projections (``tools/sweeps/quantized_gemv_sweep.py
+#: prompts do; fewer rows take :mod:`metrale.kernels.fp8_gemv`. The threshold is where the
+#: tensor-core product overtook the decode GEMVs on the Llama-8B projections (``tools/sweeps/quantized_gemv_sweep.py
 #: --tensor-cores``; the figures in docs/benchmarks.rst).
 FP8_TENSOR_CORE_MIN_ROWS = 8
 #: Batches of up to this many rows take the router-logits kernel; larger ones a float32 cuBLAS
