@@ -77,9 +77,10 @@ class CudaKernels:
         self.stream = stream
         self.gemm = CublasGemm(stream)
         # The FP8 tensor-core products of quantized weights (made at their first use), and the
-        # shapes cuBLASLt has no FP8 algorithm for.
+        # shapes cuBLASLt has no FP8 algorithm for (or none applying the scales in its epilogue).
         self._fp8_gemm: Any = None
         self._fp8_unserved: set[tuple[int, int, int]] = set()
+        self._fp8_unscaled_only: set[tuple[int, int, int]] = set()
         self._route_counter: Any = None  # the decode router's ticket (moe_route_decode), zero between launches
         self._attention_counters: list[Any] = []  # the decode attention's merge tickets, by size
 
@@ -227,9 +228,11 @@ class CudaKernels:
         return out
 
     def _fp8_product(self, x: Any, weight: Any) -> Any:
-        """``quantize(x) W^T`` on FP8 tensor cores: the rows' codes and scales, the codes' product
-        (cuBLASLt), then each row times its input scale and each column its weight scale; None
-        where cuBLASLt has no FP8 algorithm for the shape (the caller takes the bf16 product)."""
+        """``quantize(x) W^T`` on FP8 tensor cores: the rows' codes and scales, then the codes'
+        product (cuBLASLt) with each row's input scale and each column's weight scale applied in its
+        epilogue, or, where cuBLASLt has no such algorithm, the unscaled product and one scaling
+        pass; None where it has no FP8 algorithm for the shape at all (the caller takes the bf16
+        product)."""
         from metrale.errors import KernelArgumentError
         from metrale.kernels.linear import CublasLtGemm
 
@@ -242,16 +245,22 @@ class CudaKernels:
         codes, scales = cp.empty((rows, inner), dtype=np.uint8), cp.empty((rows,), dtype=f32)
         rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
         quantized_gemv.quantize_rows_fp8(rows_in, weight, codes, scales, self.stream)
+        column_scales = weight.scales[:, 0]
+        if weight.block[0] > 1:  # a scale per block of rows (per tensor: one block)
+            column_scales = cp.repeat(column_scales, weight.block[0])[:columns]
+        column_scales = cp.ascontiguousarray(column_scales)
         out = cp.empty((rows, columns), dtype=f32)
+        if key not in self._fp8_unscaled_only:
+            try:
+                return self._fp8_gemm.fp8(codes, weight.codes, out, row_scales=scales, column_scales=column_scales)
+            except KernelArgumentError:  # no algorithm with the scales in the epilogue: scaled after
+                self._fp8_unscaled_only.add(key)
         try:
             self._fp8_gemm.fp8(codes, weight.codes, out)
         except KernelArgumentError:  # no FP8 algorithm for the shape: it takes the bf16 product
             self._fp8_unserved.add(key)
             return None
-        column_scales = weight.scales[:, 0]
-        if weight.block[0] > 1:  # a scale per block of rows (per tensor: one block)
-            column_scales = cp.repeat(column_scales, weight.block[0])[:columns]
-        return quantized_gemv.scale_product(out, scales, cp.ascontiguousarray(column_scales), self.stream)
+        return quantized_gemv.scale_product(out, scales, column_scales, self.stream)
 
     def quantized_moe_experts_decode(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
         """Decode tokens: only the chosen experts' codes read, dequantized in registers."""

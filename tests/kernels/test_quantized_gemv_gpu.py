@@ -196,8 +196,44 @@ def test_prompt_rows_of_fp8_take_the_fp8_tensor_cores(backend, activations):
     x = rng.normal(size=(512, 4096)).astype(np.float32)
     y = cp.asnumpy(backend.ops.linear(cp.asarray(x), weight))
     assert backend.kernels._fp8_unserved == set()  # cuBLASLt served the shape in FP8
+    assert backend.kernels._fp8_unscaled_only == set()  # with the scales in its epilogue
     # Hopper's FP8 tensor cores keep fewer mantissa bits than float32 in their partial sums.
     assert rel_error(y, quantized_linear_reference(x, host)) < 5e-4
+
+
+def test_the_fp8_product_applies_the_scales_in_its_epilogue_as_the_scaling_pass_does(backend):
+    """cuBLASLt's outer-vector scales (a scale per row of x and per row of W, in the product's
+    epilogue) against the unscaled FP8 product and the one-pass scaling kernel; bf16 rows give the
+    float32 rows' codes."""
+    import cupy as cp
+
+    from metrale.kernels import quantized_gemv as qg
+    from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
+    from metrale.kernels.linear import CublasLtGemm
+
+    rng = np.random.default_rng(19)
+    host = quantize_fp8_per_channel(rng.normal(size=(3072, 2048)).astype(np.float32) * 0.02, "fp8_token")
+    weight = uploaded(backend, host)
+    bits = float32_to_bf16(rng.normal(size=(300, 2048)).astype(np.float32))
+    stream = backend.stream
+    codes, scales = cp.empty((300, 2048), np.uint8), cp.empty(300, np.float32)
+    qg.quantize_rows_fp8(cp.asarray(bits), weight, codes, scales, stream)
+    codes_f32, scales_f32 = cp.empty_like(codes), cp.empty_like(scales)
+    qg.quantize_rows_fp8(cp.asarray(bf16_to_float32(bits)), weight, codes_f32, scales_f32, stream)
+    column_scales = cp.ascontiguousarray(weight.scales[:, 0])
+    gemm = CublasLtGemm(stream)
+    unscaled = cp.empty((300, 3072), np.float32)
+    gemm.fp8(codes, weight.codes, unscaled)
+    qg.scale_product(unscaled, scales, column_scales, stream)
+    scaled = gemm.fp8(codes, weight.codes, cp.empty((300, 3072), np.float32), row_scales=scales,
+                      column_scales=column_scales)
+    scaled_bf16 = gemm.fp8(codes, weight.codes, cp.empty((300, 3072), np.uint16), row_scales=scales,
+                           column_scales=column_scales)
+    stream.synchronize()
+    assert cp.array_equal(codes, codes_f32) and cp.array_equal(scales, scales_f32)
+    expected = cp.asnumpy(unscaled)
+    assert rel_error(cp.asnumpy(scaled), expected) < 1e-6
+    assert rel_error(bf16_to_float32(cp.asnumpy(scaled_bf16)), expected) < 2.0**-8
 
 
 def test_scale_product_scales_rows_then_columns_in_one_pass(backend):
