@@ -16,7 +16,8 @@ columns as the M side and 8 input rows as the N side, a lane's A fragment takes 
 ``16q + 4j .. 16q + 4j + 3`` for product ``j`` (``q`` the lane's quad position): the sum is over all
 positions whichever order the products take them in, and the weights and inputs agree on it.
 No scale, zero point or bound is read per step; a warp's steps continue from one column tile to the
-next without draining its loads.
+next without draining its loads. Launched dependently (:mod:`metrale.kernels._launch`), a block
+issues its first weight loads before it waits for the kernel ahead.
 
 The prologue quantizes the input rows (up to :data:`SHARED_STAGE_MAX_ROWS`) into shared memory:
 each block reads them with 16-byte loads, reduces each row's maximum, and writes the f16 values of
@@ -37,7 +38,7 @@ import numpy as np
 from metrale.errors import KernelArgumentError
 from metrale.kernels import quantized_gemv as qg
 from metrale.kernels._device import DeviceArray, check_array
-from metrale.kernels._launch import launch
+from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
 from metrale.kernels._tensor_cores import MMA_BF16
 from metrale.kernels._words import HELPERS, aligned
 from metrale.kernels.quantized import QuantizedWeight, dequantize, quantize_activations
@@ -92,6 +93,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
     int rows, int K, int N) {
     DYNAMIC_SHARED;
     __shared__ float partial_max[4 * WARPS];
+    allow_dependents();
     constexpr int GROUPS = WARPS / SPLIT;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, q = lane % 4;
@@ -142,6 +144,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
     advance(next);
     uint4 upper[UNROLL], lower[UNROLL], other_upper[UNROLL], other_lower[UNROLL];
     if (steps > 0) load(now, upper, lower);   // in flight while the prologue runs
+    wait_for_producers();   // everything below reads or writes what other kernels touch
 
     const uint4* stage = staged_rows;
     const float* row_scales = staged_scales;
@@ -293,7 +296,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return (qg.INSTRUCTIONS + MMA_BF16 + qg.F16_PRIMITIVES + qg.CONSTANTS + HELPERS + qg.DEVICE_FUNCTIONS + KERNELS)
+    return (qg.INSTRUCTIONS + DEPENDENT_LAUNCH + MMA_BF16 + qg.F16_PRIMITIVES + qg.CONSTANTS + HELPERS + qg.DEVICE_FUNCTIONS + KERNELS)
 
 
 def serves(rows: int, weight: QuantizedWeight) -> bool:
@@ -410,5 +413,5 @@ def fp8_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: 
     launch(function, (blocks,), (THREADS,), (
         x, input_scale, staged, scales, weight.codes, weight.scales, np.int32(weight.block[0]),
         bias if bias is not None else null, out, np.int32(rows), np.int32(inner), np.int32(columns),
-    ), stage, stream, dependent=False)
+    ), stage, stream, dependent=True)
     return out

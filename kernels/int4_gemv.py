@@ -13,7 +13,8 @@ over all columns whichever order the products take them in). The 4 lanes of a ro
 columns, one group's worth: each product's sums, scaled by the group's scale, join the float32
 accumulators. The prologue stages up to :data:`SHARED_STAGE_MAX_ROWS` rows in shared memory
 (gathered through the act-order permutation if any); more are staged once into a global
-workspace by ``stage_int4_rows``.
+workspace by ``stage_int4_rows``. Launched dependently (:mod:`metrale.kernels._launch`), a block
+issues its first weight loads before it waits for the kernel ahead.
 
 :func:`int4_gemv_reference` is the NumPy reference of a launch; ``tests/kernels`` runs the kernel
 on the host through the CUDA emulation header against it.
@@ -28,7 +29,7 @@ import numpy as np
 from metrale.errors import KernelArgumentError
 from metrale.kernels import quantized_gemv as qg
 from metrale.kernels._device import DeviceArray, check_array
-from metrale.kernels._launch import launch
+from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
 from metrale.kernels._tensor_cores import MMA_BF16
 from metrale.kernels._words import HELPERS
 from metrale.kernels.quantized import QuantizedWeight
@@ -92,6 +93,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
     const unsigned char* __restrict__ codes, const float* __restrict__ scales, const float* __restrict__ zeros,
     int group_pieces, const float* __restrict__ bias, float* __restrict__ out, int rows, int K, int N) {
     DYNAMIC_SHARED;
+    allow_dependents();
     constexpr int GROUPS = WARPS / SPLIT;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, q = lane % 4;
@@ -161,6 +163,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
     float upper_scale[UNROLL], lower_scale[UNROLL], other_upper_scale[UNROLL], other_lower_scale[UNROLL];
     unsigned upper_offset[UNROLL], lower_offset[UNROLL], other_upper_offset[UNROLL], other_lower_offset[UNROLL];
     if (steps > 0) load(now, upper, lower, upper_scale, lower_scale, upper_offset, lower_offset);
+    wait_for_producers();   // everything below reads or writes what other kernels touch
 
     const uint4* stage = staged_rows;
     if (SHARED_STAGE) {
@@ -276,7 +279,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return (qg.INSTRUCTIONS + MMA_BF16 + qg.F16_PRIMITIVES + qg.CONSTANTS + HELPERS + qg.DEVICE_FUNCTIONS + KERNELS)
+    return (qg.INSTRUCTIONS + DEPENDENT_LAUNCH + MMA_BF16 + qg.F16_PRIMITIVES + qg.CONSTANTS + HELPERS + qg.DEVICE_FUNCTIONS + KERNELS)
 
 
 def serves(rows: int, weight: QuantizedWeight) -> bool:
@@ -380,5 +383,5 @@ def int4_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream:
         x, order, staged, weight.codes, weight.scales, weight.zeros if weight.zeros is not None else null,
         np.int32(weight.block[1] // 128), bias if bias is not None else null, out, np.int32(rows), np.int32(inner),
         np.int32(columns),
-    ), stage, stream, dependent=False)
+    ), stage, stream, dependent=True)
     return out

@@ -227,12 +227,24 @@ class CudaKernels:
             out += bias
         return out
 
-    def _fp8_product(self, x: Any, weight: Any) -> Any:
+    def fp8_gate_up_product(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """The gate and up projections of prompt rows (``linear_silu`` before its gate) with FP8
+        weights whose scales factor out: bf16 straight from the FP8 tensor-core product, the scales
+        applied in its epilogue, where cuBLASLt has such an algorithm; the float32 product of
+        :meth:`quantized_linear` otherwise."""
+        if bias is None:
+            out = self._fp8_product(x, weight, bf16_out=True)
+            if out is not None:
+                return out
+        return self.quantized_linear(x, weight, bias)
+
+    def _fp8_product(self, x: Any, weight: Any, bf16_out: bool = False) -> Any:
         """``quantize(x) W^T`` on FP8 tensor cores: the rows' codes and scales, then the codes'
-        product (cuBLASLt) with each row's input scale and each column's weight scale applied in its
-        epilogue, or, where cuBLASLt has no such algorithm, the unscaled product and one scaling
-        pass; None where it has no FP8 algorithm for the shape at all (the caller takes the bf16
-        product)."""
+        product (cuBLASLt), float32, each row times its input scale and each column its weight scale
+        in one pass after; or (``bf16_out``) bf16 with the scales applied in the product's epilogue
+        (cuBLASLt's outer-vector scales, which it serves for bf16 outputs), the float32 product where
+        it has no such algorithm. None where it has no FP8 algorithm for the shape at all (the
+        caller takes the bf16 product)."""
         from metrale.errors import KernelArgumentError
         from metrale.kernels.linear import CublasLtGemm
 
@@ -249,12 +261,13 @@ class CudaKernels:
         if weight.block[0] > 1:  # a scale per block of rows (per tensor: one block)
             column_scales = cp.repeat(column_scales, weight.block[0])[:columns]
         column_scales = cp.ascontiguousarray(column_scales)
-        out = cp.empty((rows, columns), dtype=f32)
-        if key not in self._fp8_unscaled_only:
+        if bf16_out and key not in self._fp8_unscaled_only:
             try:
-                return self._fp8_gemm.fp8(codes, weight.codes, out, row_scales=scales, column_scales=column_scales)
+                return self._fp8_gemm.fp8(codes, weight.codes, cp.empty((rows, columns), dtype=bf16),
+                                          row_scales=scales, column_scales=column_scales)
             except KernelArgumentError:  # no algorithm with the scales in the epilogue: scaled after
                 self._fp8_unscaled_only.add(key)
+        out = cp.empty((rows, columns), dtype=f32)
         try:
             self._fp8_gemm.fp8(codes, weight.codes, out)
         except KernelArgumentError:  # no FP8 algorithm for the shape: it takes the bf16 product

@@ -200,7 +200,8 @@ def quantized_kernels() -> list[Kernel]:
     :data:`FP8_TENSOR_CORE_MIN_ROWS` rows on FP8 tensor cores instead, fewer rows through
     :mod:`metrale.kernels.fp8_gemv`; 4-bit weight-only weights in groups of 128 columns through
     :mod:`metrale.kernels.int4_gemv`), the staged input with a bf16
-    dequantization and cuBLAS past them; ``linear_silu`` as ``linear`` then ``silu_and_mul``; ``moe_experts`` through
+    dequantization and cuBLAS past them; ``linear_silu`` as ``linear`` then ``silu_and_mul`` (FP8
+    prompt rows: their product in bf16, the scales in its epilogue); ``moe_experts`` through
     the quantized decode experts up to 8 tokens, over the dequantized stacks past them.
     ``rmsnorm_linear`` and ``rmsnorm_mlp`` reach them through their composites (the fused bf16
     decode kernels take bf16 weights only)."""
@@ -247,6 +248,17 @@ def quantized_kernels() -> list[Kernel]:
 
         return linear_silu
 
+    def fp8_prompt_gate_up(x: Any, weight: Any, bias: Any = None) -> bool:
+        return bias is None and fp8_decode_batch(x, weight)
+
+    def fp8_linear_silu(backend: Any) -> Any:
+        table, kernels = _ops_of(backend), backend.kernels
+
+        def linear_silu(x, weight, bias=None):
+            return table().silu_and_mul(kernels.fp8_gate_up_product(x, weight, bias))
+
+        return linear_silu
+
     return [
         Kernel("linear", "cuda", "metrale.kernels.quantized_gemv (FP8 rows), cuBLASLt FP8 product (FP8 tensor cores)",
                build=_cuda_method("quantized_linear"), when=fp8_decode_batch,
@@ -262,6 +274,10 @@ def quantized_kernels() -> list[Kernel]:
                when=decode_rows, condition="a quantized weight, at most 32 rows, the inner size a multiple of 32"),
         Kernel("linear", "cuda", "metrale.kernels.quantized_gemv (staged input, bf16 dequantization), cuBLAS GEMM",
                build=_cuda_method("quantized_linear"), when=quantized, condition="a quantized weight"),
+        Kernel("linear_silu", "cuda", "cuBLASLt FP8 product (bf16 out, the scales in its epilogue), then silu_and_mul",
+               build=fp8_linear_silu, when=fp8_prompt_gate_up,
+               condition=f"FP8 weights and inputs whose scales factor out of the sums, N >= {FP8_TENSOR_CORE_MIN_ROWS}, "
+               "no bias"),
         Kernel("linear_silu", "cuda", "linear, then silu_and_mul (their kernels)", build=composed_linear_silu,
                when=quantized, condition="a quantized weight"),
         Kernel("moe_experts", "cuda", "metrale.kernels.quantized_moe_decode", build=_cuda_method("quantized_moe_experts_decode"),

@@ -196,20 +196,20 @@ def test_prompt_rows_of_fp8_take_the_fp8_tensor_cores(backend, activations):
     x = rng.normal(size=(512, 4096)).astype(np.float32)
     y = cp.asnumpy(backend.ops.linear(cp.asarray(x), weight))
     assert backend.kernels._fp8_unserved == set()  # cuBLASLt served the shape in FP8
-    assert backend.kernels._fp8_unscaled_only == set()  # with the scales in its epilogue
     # Hopper's FP8 tensor cores keep fewer mantissa bits than float32 in their partial sums.
     assert rel_error(y, quantized_linear_reference(x, host)) < 5e-4
 
 
 def test_the_fp8_product_applies_the_scales_in_its_epilogue_as_the_scaling_pass_does(backend):
     """cuBLASLt's outer-vector scales (a scale per row of x and per row of W, in the product's
-    epilogue) against the unscaled FP8 product and the one-pass scaling kernel; bf16 rows give the
-    float32 rows' codes."""
+    epilogue, bf16 out) against the unscaled FP8 product and the one-pass scaling kernel; bf16 rows
+    give the float32 rows' codes; ``linear_silu`` of prompt rows takes the bf16 product."""
     import cupy as cp
 
     from metrale.kernels import quantized_gemv as qg
     from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
     from metrale.kernels.linear import CublasLtGemm
+    from metrale.kernels.quantized import quantized_linear_reference
 
     rng = np.random.default_rng(19)
     host = quantize_fp8_per_channel(rng.normal(size=(3072, 2048)).astype(np.float32) * 0.02, "fp8_token")
@@ -225,15 +225,23 @@ def test_the_fp8_product_applies_the_scales_in_its_epilogue_as_the_scaling_pass_
     unscaled = cp.empty((300, 3072), np.float32)
     gemm.fp8(codes, weight.codes, unscaled)
     qg.scale_product(unscaled, scales, column_scales, stream)
-    scaled = gemm.fp8(codes, weight.codes, cp.empty((300, 3072), np.float32), row_scales=scales,
-                      column_scales=column_scales)
     scaled_bf16 = gemm.fp8(codes, weight.codes, cp.empty((300, 3072), np.uint16), row_scales=scales,
                            column_scales=column_scales)
     stream.synchronize()
     assert cp.array_equal(codes, codes_f32) and cp.array_equal(scales, scales_f32)
     expected = cp.asnumpy(unscaled)
-    assert rel_error(cp.asnumpy(scaled), expected) < 1e-6
     assert rel_error(bf16_to_float32(cp.asnumpy(scaled_bf16)), expected) < 2.0**-8
+
+    x = bf16_to_float32(bits)
+    gated = backend.ops.linear_silu(cp.asarray(bits), weight)
+    backend.synchronize()
+    assert backend.kernels._fp8_unscaled_only == set()  # the bf16 product with its scales was served
+    gate_up = quantized_linear_reference(x, host)
+    gate, up = gate_up[:, :1536], gate_up[:, 1536:]
+    reference = gate / (1 + np.exp(-gate)) * up
+    got = cp.asnumpy(gated)
+    got = bf16_to_float32(got) if got.dtype == np.uint16 else got
+    assert rel_error(got, reference) < 2e-2
 
 
 def test_scale_product_scales_rows_then_columns_in_one_pass(backend):
