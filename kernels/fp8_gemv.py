@@ -54,6 +54,17 @@ UNROLL = 4
 THREADS = qg.THREADS
 WARPS = qg.WARPS
 
+#: The GPU's float32 -> E4M3 pair conversion (the CUDA emulation header has its own).
+FP8_PRIMITIVES = r"""
+// Two float32 values as E4M3 codes in one instruction, rounded to the nearest (ties to the even
+// code) and saturated at +-448 (satfinite; NaN stays NaN): the low byte from `low`.
+__device__ __forceinline__ unsigned e4m3x2_of(float low, float high) {
+    unsigned short pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(high), "f"(low));
+    return pair;
+}
+"""
+
 KERNELS = r"""
 // 8 consecutive input values of chunk c (16-byte aligned rows): bf16 bits (one load) or float32 (two).
 __device__ __forceinline__ void load_eight(const unsigned short* __restrict__ x, size_t c, float* v) {
@@ -143,7 +154,10 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
     next = now;
     advance(next);
     uint4 upper[UNROLL], lower[UNROLL], other_upper[UNROLL], other_lower[UNROLL];
-    if (steps > 0) load(now, upper, lower);   // in flight while the prologue runs
+    // The first two steps' codes in flight while the prologue runs; from then on two steps are
+    // always in flight, a buffer reloaded as soon as its step is done.
+    if (steps > 0) load(now, upper, lower);
+    if (steps > 1) load(next, other_upper, other_lower);
     wait_for_producers();   // everything below reads or writes what other kernels touch
 
     const uint4* stage = staged_rows;
@@ -184,10 +198,11 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
                 if (c < chunks) {
                     float v[8];
                     load_eight(x + (size_t)r * K, c, v);
-                    staged = make_uint4(pack_f16(round_e4m3(v[0] / s), round_e4m3(v[1] / s)),
-                                        pack_f16(round_e4m3(v[2] / s), round_e4m3(v[3] / s)),
-                                        pack_f16(round_e4m3(v[4] / s), round_e4m3(v[5] / s)),
-                                        pack_f16(round_e4m3(v[6] / s), round_e4m3(v[7] / s)));
+                    // Two instructions a pair: the E4M3 codes, then their f16 values.
+                    staged = make_uint4(e4m3x2_to_f16x2(e4m3x2_of(v[0] / s, v[1] / s)),
+                                        e4m3x2_to_f16x2(e4m3x2_of(v[2] / s, v[3] / s)),
+                                        e4m3x2_to_f16x2(e4m3x2_of(v[4] / s, v[5] / s)),
+                                        e4m3x2_to_f16x2(e4m3x2_of(v[6] / s, v[7] / s)));
                 }
                 shared_stage[r * stride + c] = staged;
             }
@@ -281,13 +296,14 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
         now = next;
         advance(next);
     };
-    // Two steps an iteration, the buffers swapping roles: no register copies between steps.
+    // Two steps an iteration, the buffers swapping roles: no register copies between steps. After a
+    // step `next` is two steps ahead of the one just done: its buffer's next load.
     for (int step = 0; step < steps; step += 2) {
-        if (step + 1 < steps) load(next, other_upper, other_lower);
         run_step(upper, lower);
+        if (step + 2 < steps) load(next, upper, lower);
         if (step + 1 < steps) {
-            if (step + 2 < steps) load(next, upper, lower);
             run_step(other_upper, other_lower);
+            if (step + 3 < steps) load(next, other_upper, other_lower);
         }
     }
 }
@@ -296,7 +312,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return (qg.INSTRUCTIONS + DEPENDENT_LAUNCH + MMA_BF16 + qg.F16_PRIMITIVES + qg.CONSTANTS + HELPERS + qg.DEVICE_FUNCTIONS + KERNELS)
+    return (qg.INSTRUCTIONS + DEPENDENT_LAUNCH + MMA_BF16 + qg.F16_PRIMITIVES + FP8_PRIMITIVES + qg.CONSTANTS + HELPERS
+            + qg.DEVICE_FUNCTIONS + KERNELS)
 
 
 def serves(rows: int, weight: QuantizedWeight) -> bool:

@@ -162,7 +162,12 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
     uint4 upper[UNROLL], lower[UNROLL], other_upper[UNROLL], other_lower[UNROLL];
     float upper_scale[UNROLL], lower_scale[UNROLL], other_upper_scale[UNROLL], other_lower_scale[UNROLL];
     unsigned upper_offset[UNROLL], lower_offset[UNROLL], other_upper_offset[UNROLL], other_lower_offset[UNROLL];
+    // The first two steps' codes in flight while the prologue runs; from then on two steps are
+    // always in flight, a buffer reloaded as soon as its step is done.
     if (steps > 0) load(now, upper, lower, upper_scale, lower_scale, upper_offset, lower_offset);
+    if (steps > 1)
+        load(next, other_upper, other_lower, other_upper_scale, other_lower_scale, other_upper_offset,
+             other_lower_offset);
     wait_for_producers();   // everything below reads or writes what other kernels touch
 
     const uint4* stage = staged_rows;
@@ -262,14 +267,15 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
         now = next;
         advance(next);
     };
+    // After a step `next` is two steps ahead of the one just done: its buffer's next load.
     for (int step = 0; step < steps; step += 2) {
-        if (step + 1 < steps)
-            load(next, other_upper, other_lower, other_upper_scale, other_lower_scale, other_upper_offset,
-                 other_lower_offset);
         run_step(upper, lower, upper_scale, lower_scale, upper_offset, lower_offset);
+        if (step + 2 < steps) load(next, upper, lower, upper_scale, lower_scale, upper_offset, lower_offset);
         if (step + 1 < steps) {
-            if (step + 2 < steps) load(next, upper, lower, upper_scale, lower_scale, upper_offset, lower_offset);
             run_step(other_upper, other_lower, other_upper_scale, other_lower_scale, other_upper_offset,
+                     other_lower_offset);
+            if (step + 3 < steps)
+                load(next, other_upper, other_lower, other_upper_scale, other_lower_scale, other_upper_offset,
                      other_lower_offset);
         }
     }

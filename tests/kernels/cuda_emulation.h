@@ -336,6 +336,25 @@ inline unsigned e4m3x2_to_f16x2(unsigned pair) {
     return emu::f16_round(emu::e4m3(pair & 255u)) | (emu::f16_round(emu::e4m3((pair >> 8) & 255u)) << 16);
 }
 
+// cvt.rn.satfinite.e4m3x2.f32 (with `high` as a, `low` as b): the E4M3 codes of two float32 values,
+// rounded to the nearest (ties to the even code) and saturated at +-448; the low byte from `low`.
+inline unsigned e4m3x2_of(float low, float high) {
+    auto code = [](float value) -> unsigned {
+        if (std::isnan(value)) return 0x7fu;
+        const float magnitude = std::fmin(std::fabs(value), 448.0f);
+        unsigned result;
+        if (magnitude < 0.015625f) {
+            result = (unsigned)std::nearbyint(magnitude * 512.0f);   // subnormal codes: steps of 2**-9
+        } else {
+            unsigned bits;
+            std::memcpy(&bits, &magnitude, 4);
+            result = ((bits + 0x7ffffu + ((bits >> 20) & 1u)) >> 20) - (120u << 3);
+        }
+        return result | (std::signbit(value) ? 0x80u : 0u);
+    };
+    return code(low) | (code(high) << 8);
+}
+
 // fma.rn.bf16x2 and fma.rn.f16x2: a * b + c of each half, rounded once.
 inline unsigned fma_bf16x2(unsigned a, unsigned b, unsigned c) {
     unsigned result = 0;
