@@ -54,30 +54,8 @@ UNROLL = 4
 THREADS = qg.THREADS
 WARPS = qg.WARPS
 
-#: The GPU's float32 -> E4M3 pair conversion (the CUDA emulation header has its own).
-FP8_PRIMITIVES = r"""
-// Two float32 values as E4M3 codes in one instruction, rounded to the nearest (ties to the even
-// code) and saturated at +-448 (satfinite; NaN stays NaN): the low byte from `low`.
-__device__ __forceinline__ unsigned e4m3x2_of(float low, float high) {
-    unsigned short pair;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(high), "f"(low));
-    return pair;
-}
-"""
 
 KERNELS = r"""
-// 8 consecutive input values of chunk c (16-byte aligned rows): bf16 bits (one load) or float32 (two).
-__device__ __forceinline__ void load_eight(const unsigned short* __restrict__ x, size_t c, float* v) {
-    const uint4 w = __ldg(reinterpret_cast<const uint4*>(x) + c);
-    v[0] = bf16_low(w.x); v[1] = bf16_high(w.x); v[2] = bf16_low(w.y); v[3] = bf16_high(w.y);
-    v[4] = bf16_low(w.z); v[5] = bf16_high(w.z); v[6] = bf16_low(w.w); v[7] = bf16_high(w.w);
-}
-__device__ __forceinline__ void load_eight(const float* __restrict__ x, size_t c, float* v) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(x) + 2 * c);
-    const float4 b = __ldg(reinterpret_cast<const float4*>(x) + 2 * c + 1);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-}
-
 // 16 E4M3 codes (a 16-byte load) as 8 f16 pairs, pair i the codes 2i and 2i + 1.
 __device__ __forceinline__ void fp8_pairs(uint4 codes, unsigned* pairs) {
     pairs[0] = e4m3x2_to_f16x2(codes.x); pairs[1] = e4m3x2_to_f16x2(codes.x >> 16);
@@ -312,8 +290,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return (qg.INSTRUCTIONS + DEPENDENT_LAUNCH + MMA_BF16 + qg.F16_PRIMITIVES + FP8_PRIMITIVES + qg.CONSTANTS + HELPERS
-            + qg.DEVICE_FUNCTIONS + KERNELS)
+    return (qg.INSTRUCTIONS + DEPENDENT_LAUNCH + MMA_BF16 + qg.F16_PRIMITIVES + qg.CONSTANTS + HELPERS + qg.DEVICE_FUNCTIONS
+            + KERNELS)
 
 
 def serves(rows: int, weight: QuantizedWeight) -> bool:
