@@ -285,7 +285,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return (qg.INSTRUCTIONS + DEPENDENT_LAUNCH + MMA_BF16 + qg.F16_PRIMITIVES + qg.CONSTANTS + HELPERS + qg.DEVICE_FUNCTIONS + KERNELS)
+    return (qg.INSTRUCTIONS + DEPENDENT_LAUNCH + MMA_BF16 + qg.F16_PRIMITIVES + qg.CONSTANTS + HELPERS
+            + qg.DEVICE_FUNCTIONS + KERNELS)
 
 
 def serves(rows: int, weight: QuantizedWeight) -> bool:

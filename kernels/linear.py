@@ -265,12 +265,3 @@ class CublasLtGemm:
                         self._zero.ctypes.data, out.data.ptr, c, out.data.ptr, c, results.ptr,  # type: ignore[attr-defined]
                         self.workspace.data.ptr, WORKSPACE_BYTES, self.stream.ptr)
         return out
-        try:
-            desc, a, b, c, results = self._plan(rows, inner, width, CUDA_R_32F, CUDA_R_8F_E4M3)
-        except self._lt.cuBLASLtError as error:  # the library refuses the FP8 layouts (an older GPU)
-            raise KernelArgumentError(f"{op}: cuBLASLt serves no FP8 product of {rows} x {inner} -> {width}: "
-                                      f"{error}") from error
-        self._lt.matmul(self.handle, desc, self._one.ctypes.data, weight.data.ptr, a, x.data.ptr, b,
-                        self._zero.ctypes.data, out.data.ptr, c, out.data.ptr, c, results.ptr,  # type: ignore[attr-defined]
-                        self.workspace.data.ptr, WORKSPACE_BYTES, self.stream.ptr)
-        return out

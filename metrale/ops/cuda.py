@@ -80,7 +80,9 @@ class CudaKernels:
         # shapes cuBLASLt has no FP8 algorithm for (or none applying the scales in its epilogue).
         self._fp8_gemm: Any = None
         self._fp8_unserved: set[tuple[int, int, int]] = set()
-        self._fp8_unscaled_only: set[tuple[int, int, int]] = set()
+        # (rows, inner, columns) -> the row count cuBLASLt serves with the scales in its epilogue (the
+        # rows, or the rows padded to a multiple of 16), None where it serves neither.
+        self._fp8_epilogue_rows: dict[tuple[int, int, int], int | None] = {}
         self._route_counter: Any = None  # the decode router's ticket (moe_route_decode), zero between launches
         self._attention_counters: list[Any] = []  # the decode attention's merge tickets, by size
 
@@ -254,19 +256,30 @@ class CudaKernels:
             return None
         if self._fp8_gemm is None:
             self._fp8_gemm = CublasLtGemm(self.stream)
-        codes, scales = cp.empty((rows, inner), dtype=np.uint8), cp.empty((rows,), dtype=f32)
+        epilogue = bf16_out and self._fp8_epilogue_rows.get(key, 0) is not None
+        # Rows padded to a multiple of 16 (their scales zero, their outputs dropped) where cuBLASLt
+        # has an epilogue-scaled algorithm only for such row counts.
+        padded = -(-rows // 16) * 16 if epilogue else rows
+        codes, scales = cp.empty((padded, inner), dtype=np.uint8), cp.zeros((padded,), dtype=f32)
         rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
-        quantized_gemv.quantize_rows_fp8(rows_in, weight, codes, scales, self.stream)
+        quantized_gemv.quantize_rows_fp8(rows_in, weight, codes[:rows], scales[:rows], self.stream)
         column_scales = weight.scales[:, 0]
         if weight.block[0] > 1:  # a scale per block of rows (per tensor: one block)
             column_scales = cp.repeat(column_scales, weight.block[0])[:columns]
         column_scales = cp.ascontiguousarray(column_scales)
-        if bf16_out and key not in self._fp8_unscaled_only:
-            try:
-                return self._fp8_gemm.fp8(codes, weight.codes, cp.empty((rows, columns), dtype=bf16),
-                                          row_scales=scales, column_scales=column_scales)
-            except KernelArgumentError:  # no algorithm with the scales in the epilogue: scaled after
-                self._fp8_unscaled_only.add(key)
+        if epilogue:
+            known = self._fp8_epilogue_rows.get(key)
+            for served in [known] if known else list(dict.fromkeys((rows, padded))):
+                try:
+                    product = self._fp8_gemm.fp8(codes[:served], weight.codes,
+                                                 cp.empty((served, columns), dtype=bf16),
+                                                 row_scales=scales[:served], column_scales=column_scales)
+                except KernelArgumentError:  # no algorithm with the scales in the epilogue for these rows
+                    continue
+                self._fp8_epilogue_rows[key] = served
+                return product[:rows]
+            self._fp8_epilogue_rows[key] = None  # scaled after the product
+        codes, scales = codes[:rows], scales[:rows]
         out = cp.empty((rows, columns), dtype=f32)
         try:
             self._fp8_gemm.fp8(codes, weight.codes, out)
