@@ -41,6 +41,8 @@ from metrale.kernels._device import DeviceArray, check_array
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
 from metrale.kernels._tensor_cores import MMA_BF16
 from metrale.kernels._words import HELPERS, aligned
+from metrale.kernels.activation import silu_and_mul_reference
+from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
 from metrale.kernels.quantized import QuantizedWeight, dequantize, quantize_activations
 
 #: Input schemes (template ``ACT``), numbered as :data:`metrale.kernels.quantized_gemv.ACTIVATIONS`.
@@ -68,13 +70,16 @@ __device__ __forceinline__ void fp8_pairs(uint4 codes, unsigned* pairs) {
 // x: INPUT [rows, K] (float32, or unsigned short: bf16 bits), rows 16-byte aligned; codes [N, K]
 // E4M3, K a multiple of 16; s_w[n] = scales[n / block_rows]; s_x[r] = max|x[r]| / 448 (at least
 // MIN_SCALE; ACT_FP8_TOKEN) or input_scale (ACT_FP8_TENSOR); q_x = the E4M3 codes of x / s_x.
-// out: float32 [rows, N]. Grid: WARPS / SPLIT column tiles of 16 a block, round after round; SPLIT
+// out: float32 [rows, N]; SWIGLU: codes [2N, K] (N gate rows, then N up rows), out bf16 bits [rows, N]
+// = silu(g) * u of the scaled gate and up sums, a column tile holding 8 gate rows (as the MMA's
+// rows 0-7) and their 8 up rows (rows 8-15), so a lane holds a unit's gate and up for its two rows.
+// Grid: WARPS / SPLIT column tiles of 16 a block, round after round; SPLIT
 // warps share a tile, each over a slice of whole 64-position pieces of the inner size.
 // SHARED_STAGE: the prologue stages the rows in dynamic shared memory (rows * ceil(K / 64) * 128
 // bytes of f16 codes, 64-position pieces zero-padded, then rows floats of scales, 16-byte aligned);
 // otherwise staged_rows / staged_scales hold them (stage_rows, the same layout, the padding unread).
 // Then (SPLIT > 1) the split's partial sums.
-template <int ACT, int SPLIT, int ROW_TILES, bool SHARED_STAGE, int UNROLL, typename INPUT>
+template <int ACT, int SPLIT, int ROW_TILES, bool SHARED_STAGE, int UNROLL, typename INPUT, bool SWIGLU>
 __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
     const INPUT* __restrict__ x, float input_scale, const uint4* __restrict__ staged_rows,
     const float* __restrict__ staged_scales, const unsigned char* __restrict__ codes,
@@ -93,7 +98,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
     // Byte offsets (from the lane's first code of the slice) below `limit` hold codes of this slice.
     const int limit = min(64 * own, K - 64 * first_piece - 16 * q);
     const int batches = (slice + UNROLL - 1) / UNROLL;   // the same for every warp of the block
-    const int tiles = (N + 15) / 16;
+    const int tiles = SWIGLU ? (N + 7) / 8 : (N + 15) / 16;
     const int tile_stride = gridDim.x * GROUPS;
     const int first_tile = blockIdx.x * GROUPS + warp / SPLIT;
     const int rounds = (tiles - (int)blockIdx.x * GROUPS + tile_stride - 1) / tile_stride;
@@ -111,8 +116,10 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
         p.tile = tile;
         p.batch = 0;
         const size_t offset = (size_t)(64 * first_piece + 16 * q);
-        p.upper = codes + (size_t)min(tile * 16 + g, N - 1) * (size_t)K + offset;
-        p.lower = codes + (size_t)min(tile * 16 + g + 8, N - 1) * (size_t)K + offset;
+        const int upper = SWIGLU ? min(tile * 8 + g, N - 1) : min(tile * 16 + g, N - 1);
+        const int lower = SWIGLU ? upper + N : min(tile * 16 + g + 8, N - 1);
+        p.upper = codes + (size_t)upper * (size_t)K + offset;
+        p.lower = codes + (size_t)lower * (size_t)K + offset;
     };
     auto advance = [&](Position& p) {
         if (++p.batch == batches) enter_tile(p, p.tile + tile_stride);
@@ -250,7 +257,27 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
                 }
                 __syncthreads();
             }
-            if (part == 0 && now.tile < tiles) {
+            if (SWIGLU && part == 0 && now.tile < tiles) {
+                const int unit = now.tile * 8 + g;
+                if (unit < N) {
+                    const float gate_scale = __ldg(scales + unit / block_rows);
+                    const float up_scale = __ldg(scales + (unit + N) / block_rows);
+                    #pragma unroll
+                    for (int t = 0; t < ROW_TILES; ++t) {
+                        #pragma unroll
+                        for (int i = 0; i < 2; ++i) {
+                            const int r = 8 * t + 2 * q + i;
+                            if (r < rows) {
+                                const float input = ACT == ACT_FP8_TENSOR ? input_scale : row_scales[r];
+                                const float gate = acc[t][i] * input * gate_scale;
+                                const float up = acc[t][i + 2] * input * up_scale;
+                                reinterpret_cast<unsigned short*>(out)[(size_t)r * N + unit] =
+                                    to_bf16(gate / (1.0f + expf(-gate)) * up);
+                            }
+                        }
+                    }
+                }
+            } else if (part == 0 && now.tile < tiles) {
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int n = now.tile * 16 + g + (i >= 2 ? 8 : 0);
@@ -329,21 +356,27 @@ def input_type(bf16_input: bool) -> str:
 
 
 def kernel_name(activations: str, split: int, tiles: int, shared: bool = True, unroll: int = UNROLL,
-                bf16_input: bool = False) -> str:
+                bf16_input: bool = False, swiglu: bool = False) -> str:
     return (f"fp8_gemv<{ACTIVATIONS[activations]}, {split}, {tiles}, {'true' if shared else 'false'}, {unroll}, "
-            f"{input_type(bf16_input)}>")
+            f"{input_type(bf16_input)}, {'true' if swiglu else 'false'}>")
 
 
 # ------------------------------------------------------------------------------ reference
 
 
-def fp8_gemv_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray | None = None) -> np.ndarray:
+def fp8_gemv_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray | None = None,
+                       swiglu: bool = False) -> np.ndarray:
     """float32 ``[rows, N]``: what a launch computes, from host arrays: the input quantized as
     :func:`~metrale.kernels.quantized.quantize_activations` does, times the dequantized weight,
-    the sums exact (float64) and rounded once."""
+    the sums exact (float64) and rounded once; with ``swiglu`` (a ``[2N, K]`` gate-and-up weight)
+    the bf16 values of ``silu_and_mul`` of those sums, as float32 ``[rows, N]``."""
     staged = quantize_activations(np.asarray(x, dtype=np.float32), weight).astype(np.float64)
     y = staged @ dequantize(weight).astype(np.float64).T
-    return (y + bias if bias is not None else y).astype(np.float32)
+    y = (y + bias if bias is not None else y).astype(np.float32)
+    if not swiglu:
+        return y
+    units = y.shape[1] // 2
+    return bf16_to_float32(float32_to_bf16(silu_and_mul_reference(y[:, :units], y[:, units:])))
 
 
 # ------------------------------------------------------------------------------- launcher
@@ -363,9 +396,12 @@ def _function(name: str) -> Any:
 
 def fp8_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: Any, *,
              bias: DeviceArray | None = None, multiprocessors: int = 132, split: int | None = None,
-             workspace: tuple[DeviceArray, DeviceArray] | None = None, unroll: int = UNROLL) -> DeviceArray:
+             workspace: tuple[DeviceArray, DeviceArray] | None = None, unroll: int = UNROLL,
+             swiglu: bool = False) -> DeviceArray:
     """``out <- s_x s_w (q_x q_w^T) (+ bias)`` (the module docstring) on ``stream``: ``x`` float32 or
-    bf16 bits (uint16) ``[rows, K]``, 16-byte aligned, ``out`` float32 ``[rows, N]``. Rows the
+    bf16 bits (uint16) ``[rows, K]``, 16-byte aligned, ``out`` float32 ``[rows, N]``; with ``swiglu``
+    (a gate-and-up weight ``[2N, K]``, gate rows first, no bias) ``out`` is bf16 bits ``[rows, N]``:
+    ``silu(gate) * up`` of the scaled sums, as ``silu_and_mul`` of the plain product. Rows the
     prologue does not stage (:func:`shared_stage`) are staged first into ``workspace`` (the arrays
     of :func:`workspace_shapes`). Raises :class:`~metrale.errors.KernelArgumentError` for what it
     does not serve (:func:`serves`)."""
@@ -375,7 +411,13 @@ def fp8_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: 
     columns, inner = weight.shape
     bf16_input = getattr(x, "dtype", None) == np.uint16
     check_array(name, "x", x, np.uint16 if bf16_input else np.float32, (rows, inner))
-    check_array(name, "out", out, np.float32, (rows, columns))
+    if swiglu:
+        if columns % 2 or bias is not None:
+            raise KernelArgumentError(f"{name}: the gated product takes a weight of 2N rows ({columns} given) "
+                                      "and no bias")
+        check_array(name, "out", out, np.uint16, (rows, columns // 2))
+    else:
+        check_array(name, "out", out, np.float32, (rows, columns))
     if bias is not None:
         check_array(name, "bias", bias, np.float32, (columns,))
     if not serves(rows, weight):
@@ -401,12 +443,14 @@ def fp8_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: 
             x, null, input_scale, np.int32(weight.activation_group), staged, scales, np.int32(inner),
         ), 0, stream, dependent=False)
     chosen, blocks = qg.plan(columns, multiprocessors, split)
-    function = _function(kernel_name(weight.activations, chosen, qg.row_tiles(rows), shared, unroll, bf16_input))
+    function = _function(kernel_name(weight.activations, chosen, qg.row_tiles(rows), shared, unroll, bf16_input,
+                                     swiglu))
     stage = shared_bytes(rows, weight, chosen, shared)
     if stage > 48 * 1024:
         function.max_dynamic_shared_size_bytes = stage
     launch(function, (blocks,), (THREADS,), (
         x, input_scale, staged, scales, weight.codes, weight.scales, np.int32(weight.block[0]),
-        bias if bias is not None else null, out, np.int32(rows), np.int32(inner), np.int32(columns),
+        bias if bias is not None else null, out, np.int32(rows), np.int32(inner),
+        np.int32(columns // 2 if swiglu else columns),
     ), stage, stream, dependent=True)
     return out

@@ -194,6 +194,25 @@ class CudaKernels:
         return fp8_gemv.fp8_gemv(rows_in, weight, out, self.stream, bias=bias,
                                  multiprocessors=decode_gemv.multiprocessor_count(), workspace=workspace)
 
+    def fp8_linear_silu_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """``linear_silu`` of decode rows of an FP8 gate-and-up weight in one launch of
+        :mod:`metrale.kernels.fp8_gemv`: each column tile holds a unit's gate and up rows, and the
+        gate applies to the scaled sums before they go out (bf16)."""
+        from metrale.kernels import fp8_gemv
+        from metrale.kernels._words import aligned
+
+        rows = x.shape[0]
+        out = cp.empty((rows, weight.shape[0] // 2), dtype=bf16)
+        workspace = None
+        if not fp8_gemv.shared_stage(rows, weight):
+            staged_shape, scales_shape = fp8_gemv.workspace_shapes(rows, weight)
+            workspace = (cp.empty(staged_shape, dtype=np.uint32), cp.empty(scales_shape, dtype=f32))
+        rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
+        if not aligned(rows_in):
+            rows_in = rows_in.copy()
+        return fp8_gemv.fp8_gemv(rows_in, weight, out, self.stream, multiprocessors=decode_gemv.multiprocessor_count(),
+                                 workspace=workspace, swiglu=True)
+
     def int4_linear_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """Decode rows of 4-bit weight-only weights in groups of 128 columns or more
         (:mod:`metrale.kernels.int4_gemv`): the codes converted in registers, the input (float32 or

@@ -2,7 +2,8 @@
 header against its NumPy reference: per-token and static input scales, per-channel and per-tensor
 weight scales, one to four row tiles, rows staged in shared memory and in the global workspace,
 splits of the inner size over warps, grids smaller than the column tiles (several rounds, an odd
-count of steps), inner sizes that end inside a 64-position piece, float32 and bf16 input rows."""
+count of steps), inner sizes that end inside a 64-position piece, float32 and bf16 input rows; and
+the gated form (gate and up rows in one column tile, ``silu(gate) * up`` out in bf16)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,19 @@ from metrale.kernels.quantized import QuantizedWeight, float32_to_fp8_e4m3, quan
 # staged in shared memory and in the global workspace, float32 and bf16 rows.
 INSTANCES = [("fp8_token", 1, 1, 4), ("fp8_token", 8, 1, 4), ("fp8_token", 2, 2, 4), ("fp8_tensor", 4, 1, 4),
              ("fp8_token", 1, 4, 4), ("fp8_token", 2, 1, 2), ("fp8_tensor", 1, 2, 2)]
+# The gated form's instances (also both stagings, both input types).
+SWIGLU_INSTANCES = [("fp8_token", 1, 1, 4), ("fp8_token", 8, 1, 4), ("fp8_tensor", 1, 2, 2), ("fp8_token", 1, 4, 4)]
 
 
 def emulation_main() -> str:
     dispatch = "\n".join(
         f"    if (act == {fg.ACTIVATIONS[a]} && split == {s} && tiles == {t} && unroll == {u} && shared == "
-        f"{int(shared)} && bf16 == {int(b)}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, {{THREADS, 1, 1}}, [&] {{ "
-        f"{fg.kernel_name(a, s, t, shared, u, b)}({'x16' if b else 'x'}, input_scale, staged_rows, staged_scales, "
-        f"code_bytes, scales, block_rows, bias, out, rows, K, N); }}); found = true; }}"
-        for a, s, t, u in INSTANCES for shared in (False, True) for b in (False, True))
+        f"{int(shared)} && bf16 == {int(b)} && swiglu == {int(g)}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, "
+        f"{{THREADS, 1, 1}}, [&] {{ {fg.kernel_name(a, s, t, shared, u, b, g)}({'x16' if b else 'x'}, input_scale, "
+        f"staged_rows, staged_scales, code_bytes, scales, block_rows, bias, out, rows, K, {'N / 2' if g else 'N'}); "
+        f"}}); found = true; }}"
+        for g, instances in ((False, INSTANCES), (True, SWIGLU_INSTANCES)) for a, s, t, u in instances
+        for shared in (False, True) for b in (False, True))
     stage_rows = "\n".join(
         f"        if (act == {fg.ACTIVATIONS[a]} && bf16 == {int(b)}) emu::launch({{(unsigned)rows, 1, 1}}, "
         f"{{THREADS, 1, 1}}, [&] {{ {qg.stage_rows_name(a, True, b)}({'x16' if b else 'x'}, nullptr, input_scale, "
@@ -48,7 +53,7 @@ int main(int argc, char** argv) {
     const int flags = std::atoi(argv[12]), shared = std::atoi(argv[13]);
     const unsigned char* code_bytes = read<unsigned char>(folder + "/codes", (size_t)N * K);
     const float* scales = read<float>(folder + "/scales", (size_t)(N + block_rows - 1) / block_rows);
-    const int bf16 = (flags & 2) != 0;
+    const int bf16 = (flags & 2) != 0, swiglu = (flags & 4) != 0;
     const float* x = read<float>(folder + "/x", (size_t)rows * K);
     const unsigned short* x16 = bf16 ? read<unsigned short>(folder + "/x_bf16", (size_t)rows * K) : nullptr;
     const float* bias = flags & 1 ? read<float>(folder + "/bias", N) : nullptr;
@@ -66,7 +71,7 @@ int main(int argc, char** argv) {
     bool found = false;
 """ + dispatch + r"""
     if (!found) emu::fail("no such instance");
-    write(folder + "/out", out, (size_t)rows * N);
+    write(folder + "/out", out, (size_t)rows * N);   // (the gated form's bf16 [rows, N / 2] first)
     return 0;
 }
 """
@@ -79,7 +84,7 @@ def emulated(tmp_path_factory):
     binary = build_emulated(folder / "fp8_gemv.cpp", source)
 
     def run(weight: QuantizedWeight, x, bias=None, *, split=1, blocks=2, shared=True, unroll=fg.UNROLL,
-            bf16_input=False):
+            bf16_input=False, swiglu=False):
         case = folder / "case"
         case.mkdir(exist_ok=True)
         out_features, inner = weight.shape
@@ -93,11 +98,16 @@ def emulated(tmp_path_factory):
         if bf16_input:
             float32_to_bf16(np.ascontiguousarray(x, np.float32)).tofile(case / "x_bf16")
             flags |= 2
+        if swiglu:
+            flags |= 4
         rows = x.shape[0]
         input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
         arguments = [fg.ACTIVATIONS[weight.activations], split, qg.row_tiles(rows), unroll, rows, inner, out_features,
                      blocks, weight.block[0], repr(input_scale), flags, int(shared)]
         subprocess.run([str(binary), str(case), *map(str, arguments)], check=True, timeout=600)
+        if swiglu:
+            units = out_features // 2
+            return bf16_to_float32(np.fromfile(case / "out", np.uint16, count=rows * units).reshape(rows, units))
         return np.fromfile(case / "out", np.float32).reshape(rows, out_features)
 
     return run
@@ -195,3 +205,37 @@ def test_serves():
     wide = QuantizedWeight("fp8", np.zeros((16, 65536), np.uint8), np.ones((16, 1), np.float32), (1, 65536),
                            (16, 65536), activations="fp8_token")
     assert fg.shared_stage(1, wide) and not fg.shared_stage(2, wide)
+
+
+SWIGLU_CASES = [
+    # activations, rows, inner, units, per tensor, split, blocks, unroll
+    ("fp8_token", 1, 1024, 300, False, 1, 3, 4),  # rounds of tiles; a partial last tile of 8 units
+    ("fp8_token", 2, 4160, 24, False, 8, 2, 4),  # the inner size split over 8 warps
+    ("fp8_tensor", 11, 336, 40, True, 1, 1, 2),  # two row tiles, one scale for the matrix
+    ("fp8_token", 32, 192, 17, False, 1, 2, 4),  # four row tiles
+]
+
+
+SWIGLU_PATHS = [pytest.param(*case, shared, id=f"{'shared' if shared else 'global'}-{case[0]}-{case[1]}x{case[2]}x"
+                             f"{case[3]}-split{case[5]}")
+                for case in SWIGLU_CASES for shared in (True, False) if not shared or case[1] <= fg.SHARED_STAGE_MAX_ROWS]
+
+
+@pytest.mark.parametrize("activations, rows, inner, units, per_tensor, split, blocks, unroll, shared", SWIGLU_PATHS)
+@pytest.mark.parametrize("bf16_input", [False, True])
+def test_emulated_gated_fp8_gemv_is_silu_and_mul_of_the_product(emulated, activations, rows, inner, units, per_tensor,
+                                                               split, blocks, unroll, shared, bf16_input):
+    rng = np.random.default_rng(rows * 1000 + units)
+    weight = make_weight(rng, 2 * units, inner, activations, per_tensor)
+    x = bf16_to_float32(float32_to_bf16(rng.normal(size=(rows, inner)).astype(np.float32)))
+    got = emulated(weight, x, split=split, blocks=blocks, shared=shared, unroll=unroll, bf16_input=bf16_input,
+                   swiglu=True)
+    product = fg.fp8_gemv_reference(x, weight)
+    expected = fg.fp8_gemv_reference(x, weight, swiglu=True)
+    # The bf16 values of the gate applied to the plain product: an ulp of bf16 at most apart.
+    assert np.all(np.abs(got - expected) <= 2.0**-7 * np.abs(expected) + 1e-30)
+    gate, up = product[:, :units], product[:, units:]
+    assert np.abs(got - gate / (1 + np.exp(-gate)) * up).max() <= 2.0**-7 * np.abs(got).max()
+    # The plain launch of the same weight gives the product the gate is applied to.
+    plain = emulated(weight, x, split=split, blocks=blocks, shared=shared, unroll=unroll, bf16_input=bf16_input)
+    assert np.abs(plain - product).max() <= 1e-5 * np.abs(product).max()

@@ -1,7 +1,8 @@
 """The FP8 decode GEMV (``metrale.kernels.fp8_gemv``) against its NumPy reference on a real GPU:
 the Llama-8B projection shapes at 1 to 32 rows (staged in shared memory and in the workspace),
 float32 and bf16 rows, per-channel and per-tensor scales, a bias, a CUDA-graph replay with new
-inputs, and the backend's ``linear`` choosing it for decode rows."""
+inputs, the backend's ``linear`` choosing it for decode rows, and its gated form (the 8B gate/up
+projection, ``silu_and_mul`` in the epilogue) directly and as the backend's ``linear_silu``."""
 
 from __future__ import annotations
 
@@ -142,3 +143,33 @@ def test_the_backend_takes_the_fp8_gemv_for_decode_rows(backend):
     assert rel_error(cp.asnumpy(got), fg.fp8_gemv_reference(bf16_to_float32(bits), host)) < 2e-5
     # The very sums of a direct launch (the general quantized GEMV scales every 32 columns' sums).
     np.testing.assert_array_equal(cp.asnumpy(got), run(x, weight, host, 2))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 32])
+def test_the_gated_fp8_gemv_is_silu_and_mul_of_the_product_on_the_8b_gate_up(backend, rows):
+    import cupy as cp
+
+    from metrale.kernels import fp8_gemv as fg
+    from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
+
+    rng = np.random.default_rng(rows + 40)
+    host = quantize_fp8_per_channel(rng.normal(size=(28672, 4096)).astype(np.float32) * 0.02, "fp8_token")
+    weight = uploaded(backend, host)
+    bits = float32_to_bf16(rng.normal(size=(rows, 4096)).astype(np.float32))
+    x = cp.asarray(bits)
+    out = cp.full((rows, 14336), 0x7FC0, np.uint16)
+    workspace = None
+    if not fg.shared_stage(rows, host):
+        staged_shape, scales_shape = fg.workspace_shapes(rows, host)
+        workspace = (cp.empty(staged_shape, np.uint32), cp.empty(scales_shape, np.float32))
+    fg.fp8_gemv(x, weight, out, cp.cuda.get_current_stream(), multiprocessors=multiprocessors(), workspace=workspace,
+                swiglu=True)
+    got = bf16_to_float32(cp.asnumpy(out))
+    values = bf16_to_float32(bits)
+    expected = fg.fp8_gemv_reference(values, host, swiglu=True)
+    assert not np.isnan(got).any()
+    assert rel_error(got, expected) < 2.0**-7
+    if rows < 8:  # (from 8 rows the backend takes the FP8 tensor cores)
+        gated = backend.ops.linear_silu(x, weight)
+        backend.stream.synchronize()
+        np.testing.assert_array_equal(cp.asnumpy(gated), cp.asnumpy(out))
