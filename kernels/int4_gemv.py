@@ -32,6 +32,8 @@ from metrale.kernels._device import DeviceArray, check_array
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
 from metrale.kernels._tensor_cores import MMA_BF16
 from metrale.kernels._words import HELPERS
+from metrale.kernels.activation import silu_and_mul_reference
+from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
 from metrale.kernels.quantized import QuantizedWeight
 
 MAX_ROWS = 32
@@ -82,12 +84,14 @@ __device__ __forceinline__ unsigned int4_offset(float zero) {
 // y[r, n] = sum_j scales[n, j] sum_{k in group j} bf16(x[r, order[k]]) (q[n, k] - zero[n, j]) (+ bias[n])
 // for r < rows <= 8 * ROW_TILES, n < N. codes [N, K / 2] (the even column in the low nibble);
 // scales and zeros [N, K / (128 group_pieces)] (zeros: ZEROS, else 8); K a multiple of 128.
-// x: INPUT [rows, K] (float32, or unsigned short: bf16 bits); out: float32 [rows, N]. Grid: WARPS /
+// x: INPUT [rows, K] (float32, or unsigned short: bf16 bits); out: float32 [rows, N]. SWIGLU: codes
+// [2N, K / 2] (N gate rows, then N up rows), out bf16 bits [rows, N] = silu(g) * u of the gate and up
+// sums, a column tile holding 8 gate rows (the MMA's rows 0-7) and their 8 up rows. Grid: WARPS /
 // SPLIT column tiles of 16 a block, round after round; SPLIT warps share a tile, each over a slice of
 // whole 128-column pieces. SHARED_STAGE: the prologue stages the rows in dynamic shared memory
 // (rows * K * 2 bytes); otherwise staged_rows holds them (stage_int4_rows). Then (SPLIT > 1) the
 // split's partial sums.
-template <int SPLIT, int ROW_TILES, bool SHARED_STAGE, bool ZEROS, int UNROLL, typename INPUT>
+template <int SPLIT, int ROW_TILES, bool SHARED_STAGE, bool ZEROS, int UNROLL, typename INPUT, bool SWIGLU>
 __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
     const INPUT* __restrict__ x, const int* __restrict__ order, const uint4* __restrict__ staged_rows,
     const unsigned char* __restrict__ codes, const float* __restrict__ scales, const float* __restrict__ zeros,
@@ -103,7 +107,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
     const int first_piece = part * slice;
     const int own = max(0, min(pieces, first_piece + slice) - first_piece);
     const int batches = (slice + UNROLL - 1) / UNROLL;
-    const int tiles = (N + 15) / 16;
+    const int tiles = SWIGLU ? (N + 7) / 8 : (N + 15) / 16;
     const int tile_stride = gridDim.x * GROUPS;
     const int first_tile = blockIdx.x * GROUPS + warp / SPLIT;
     const int rounds = (tiles - (int)blockIdx.x * GROUPS + tile_stride - 1) / tile_stride;
@@ -122,7 +126,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
     auto enter_tile = [&](Position& p, int tile) {
         p.tile = tile;
         p.batch = 0;
-        const size_t upper = (size_t)min(tile * 16 + g, N - 1), lower = (size_t)min(tile * 16 + g + 8, N - 1);
+        const size_t upper = (size_t)(SWIGLU ? min(tile * 8 + g, N - 1) : min(tile * 16 + g, N - 1));
+        const size_t lower = SWIGLU ? upper + N : (size_t)min(tile * 16 + g + 8, N - 1);
         const size_t offset = (size_t)(64 * first_piece + 16 * q);
         p.upper = codes + upper * (size_t)(K / 2) + offset;
         p.lower = codes + lower * (size_t)(K / 2) + offset;
@@ -247,7 +252,21 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
                 }
                 __syncthreads();
             }
-            if (part == 0 && now.tile < tiles) {
+            if (SWIGLU && part == 0 && now.tile < tiles) {
+                const int unit = now.tile * 8 + g;
+                #pragma unroll
+                for (int t = 0; t < ROW_TILES; ++t) {
+                    #pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const int r = 8 * t + 2 * q + i;
+                        if (r < rows && unit < N) {
+                            const float gate = acc[t][i], up = acc[t][i + 2];
+                            reinterpret_cast<unsigned short*>(out)[(size_t)r * N + unit] =
+                                to_bf16(gate / (1.0f + expf(-gate)) * up);
+                        }
+                    }
+                }
+            } else if (part == 0 && now.tile < tiles) {
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int n = now.tile * 16 + g + (i >= 2 ? 8 : 0);
@@ -316,9 +335,9 @@ def workspace_shape(rows: int, weight: QuantizedWeight) -> tuple[int, int]:
 
 
 def kernel_name(split: int, tiles: int, shared: bool = True, zeros: bool = False, unroll: int = UNROLL,
-                bf16_input: bool = False) -> str:
+                bf16_input: bool = False, swiglu: bool = False) -> str:
     return (f"int4_gemv<{split}, {tiles}, {'true' if shared else 'false'}, {'true' if zeros else 'false'}, {unroll}, "
-            f"{qg.input_type(bf16_input)}>")
+            f"{qg.input_type(bf16_input)}, {'true' if swiglu else 'false'}>")
 
 
 def stage_name(bf16_input: bool = False) -> str:
@@ -328,11 +347,17 @@ def stage_name(bf16_input: bool = False) -> str:
 # ------------------------------------------------------------------------------ reference
 
 
-def int4_gemv_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray | None = None) -> np.ndarray:
+def int4_gemv_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray | None = None,
+                        swiglu: bool = False) -> np.ndarray:
     """float32 ``[rows, N]``: what a launch computes, from host arrays: the input gathered in the
     weight's column order and rounded to bf16, times the dequantized weight, the sums exact
-    (float64) and rounded once."""
-    return qg.quantized_gemv_reference(x, weight, bias, exact=True)
+    (float64) and rounded once; with ``swiglu`` (a ``[2N, K]`` gate-and-up weight) the bf16 values
+    of ``silu_and_mul`` of those sums, as float32 ``[rows, N]``."""
+    y = qg.quantized_gemv_reference(x, weight, bias, exact=True)
+    if not swiglu:
+        return y
+    units = y.shape[1] // 2
+    return bf16_to_float32(float32_to_bf16(silu_and_mul_reference(y[:, :units], y[:, units:])))
 
 
 # ------------------------------------------------------------------------------- launcher
@@ -352,9 +377,11 @@ def _function(name: str) -> Any:
 
 def int4_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: Any, *,
               bias: DeviceArray | None = None, multiprocessors: int = 132, split: int | None = None,
-              workspace: DeviceArray | None = None, unroll: int = UNROLL) -> DeviceArray:
+              workspace: DeviceArray | None = None, unroll: int = UNROLL, swiglu: bool = False) -> DeviceArray:
     """``out <- x W^T (+ bias)`` (the module docstring) on ``stream``: ``x`` float32 or bf16 bits
-    (uint16) ``[rows, K]``, ``out`` float32 ``[rows, N]``. Rows the prologue does not stage
+    (uint16) ``[rows, K]``, ``out`` float32 ``[rows, N]``; with ``swiglu`` (a gate-and-up weight
+    ``[2N, K]``, gate rows first, no bias) ``out`` is bf16 bits ``[rows, N]``: ``silu(gate) * up``,
+    as ``silu_and_mul`` of the plain product. Rows the prologue does not stage
     (:func:`shared_stage`) are staged first into ``workspace`` (uint32 :func:`workspace_shape`).
     Raises :class:`~metrale.errors.KernelArgumentError` for what it does not serve (:func:`serves`)."""
     name = "int4_gemv"
@@ -363,7 +390,13 @@ def int4_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream:
     columns, inner = weight.shape
     bf16_input = getattr(x, "dtype", None) == np.uint16
     check_array(name, "x", x, np.uint16 if bf16_input else np.float32, (rows, inner))
-    check_array(name, "out", out, np.float32, (rows, columns))
+    if swiglu:
+        if columns % 2 or bias is not None:
+            raise KernelArgumentError(f"{name}: the gated product takes a weight of 2N rows ({columns} given) "
+                                      "and no bias")
+        check_array(name, "out", out, np.uint16, (rows, columns // 2))
+    else:
+        check_array(name, "out", out, np.float32, (rows, columns))
     if bias is not None:
         check_array(name, "bias", bias, np.float32, (columns,))
     if not serves(rows, weight):
@@ -382,13 +415,14 @@ def int4_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream:
         launch(_function(stage_name(bf16_input)), (rows,), (THREADS,), (x, order, staged, np.int32(inner)), 0, stream,
                dependent=False)
     chosen, blocks = qg.plan(columns, multiprocessors, split)
-    function = _function(kernel_name(chosen, qg.row_tiles(rows), shared, weight.zeros is not None, unroll, bf16_input))
+    function = _function(kernel_name(chosen, qg.row_tiles(rows), shared, weight.zeros is not None, unroll, bf16_input,
+                                     swiglu))
     stage = shared_bytes(rows, weight, chosen, shared)
     if stage > 48 * 1024:
         function.max_dynamic_shared_size_bytes = stage
     launch(function, (blocks,), (THREADS,), (
         x, order, staged, weight.codes, weight.scales, weight.zeros if weight.zeros is not None else null,
         np.int32(weight.block[1] // 128), bias if bias is not None else null, out, np.int32(rows), np.int32(inner),
-        np.int32(columns),
+        np.int32(columns // 2 if swiglu else columns),
     ), stage, stream, dependent=True)
     return out

@@ -228,6 +228,21 @@ class CudaKernels:
         return int4_gemv.int4_gemv(rows_in, weight, out, self.stream, bias=bias,
                                    multiprocessors=decode_gemv.multiprocessor_count(), workspace=workspace)
 
+    def int4_linear_silu_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """``linear_silu`` of decode rows of a 4-bit gate-and-up weight in one launch of
+        :mod:`metrale.kernels.int4_gemv`: each column tile holds a unit's gate and up rows, and the
+        gate applies to the sums before they go out (bf16)."""
+        from metrale.kernels import int4_gemv
+
+        rows = x.shape[0]
+        out = cp.empty((rows, weight.shape[0] // 2), dtype=bf16)
+        workspace = None
+        if not int4_gemv.shared_stage(rows, weight):
+            workspace = cp.empty(int4_gemv.workspace_shape(rows, weight), dtype=np.uint32)
+        rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
+        return int4_gemv.int4_gemv(rows_in, weight, out, self.stream, multiprocessors=decode_gemv.multiprocessor_count(),
+                                   workspace=workspace, swiglu=True)
+
     def quantized_linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """Prompt rows: FP8 inputs and weights whose scales factor out of the sums on FP8 tensor
         cores (cuBLASLt), the scales applied to the product's rows and columns; otherwise the input

@@ -201,8 +201,8 @@ def quantized_kernels() -> list[Kernel]:
     :mod:`metrale.kernels.fp8_gemv`; 4-bit weight-only weights in groups of 128 columns through
     :mod:`metrale.kernels.int4_gemv`), the staged input with a bf16
     dequantization and cuBLAS past them; ``linear_silu`` as ``linear`` then ``silu_and_mul`` (FP8
-    prompt rows: their product in bf16, the scales in its epilogue; FP8 decode rows: the FP8 GEMV
-    with the gate in its epilogue); ``moe_experts`` through
+    prompt rows: their product in bf16, the scales in its epilogue; FP8 and 4-bit decode rows: their
+    GEMV with the gate in its epilogue); ``moe_experts`` through
     the quantized decode experts up to 8 tokens, over the dequantized stacks past them.
     ``rmsnorm_linear`` and ``rmsnorm_mlp`` reach them through their composites (the fused bf16
     decode kernels take bf16 weights only)."""
@@ -227,6 +227,9 @@ def quantized_kernels() -> list[Kernel]:
         from metrale.kernels import int4_gemv
 
         return _is_quantized(weight) and int4_gemv.serves(x.shape[0], weight)
+
+    def int4_decode_gate_up(x: Any, weight: Any, bias: Any = None) -> bool:
+        return bias is None and weight.shape[0] % 2 == 0 and int4_decode_rows(x, weight)
 
     def fp8_decode_batch(x: Any, weight: Any, bias: Any = None) -> bool:
         from metrale.kernels import quantized_gemv
@@ -286,6 +289,9 @@ def quantized_kernels() -> list[Kernel]:
                build=_cuda_method("fp8_linear_silu_gemv"), when=fp8_decode_gate_up,
                condition="FP8 weights and inputs whose scales factor out of the sums, at most 32 rows, "
                "the inner size a multiple of 16, no bias"),
+        Kernel("linear_silu", "cuda", "metrale.kernels.int4_gemv (4-bit decode GEMV, the gate in its epilogue)",
+               build=_cuda_method("int4_linear_silu_gemv"), when=int4_decode_gate_up,
+               condition="4-bit weight-only weights in groups of a multiple of 128 columns, at most 32 rows, no bias"),
         Kernel("linear_silu", "cuda", "linear, then silu_and_mul (their kernels)", build=composed_linear_silu,
                when=quantized, condition="a quantized weight"),
         Kernel("moe_experts", "cuda", "metrale.kernels.quantized_moe_decode", build=_cuda_method("quantized_moe_experts_decode"),

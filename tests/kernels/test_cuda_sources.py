@@ -206,10 +206,11 @@ def test_every_int4_gemv_instantiation_compiles(tmp_path):
 
     arguments = ("{input}, const int*, const uint4*, const unsigned char*, const float*, const float*, int, "
                  "const float*, float*, int, int, int")
-    names = [(int4_gemv.kernel_name(split, tiles, shared, zeros, unroll, bf16_input),
+    names = [(int4_gemv.kernel_name(split, tiles, shared, zeros, unroll, bf16_input, swiglu),
               arguments.format(input="const unsigned short*" if bf16_input else "const float*"))
              for split in quantized_gemv.SPLITS for tiles in quantized_gemv.ROW_TILES for shared in (False, True)
-             for zeros in (False, True) for unroll in (2, int4_gemv.UNROLL) for bf16_input in (False, True)]
+             for zeros in (False, True) for unroll in (2, int4_gemv.UNROLL) for bf16_input in (False, True)
+             for swiglu in (False, True)]
     names += [(int4_gemv.stage_name(bf16_input), f"{'const unsigned short*' if bf16_input else 'const float*'}, "
                "const int*, uint4*, int") for bf16_input in (False, True)]
     instantiations = "".join(f"template __global__ void {name}({signature});\n" for name, signature in names)
