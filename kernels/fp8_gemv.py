@@ -21,7 +21,7 @@ issues its first weight loads before it waits for the kernel ahead.
 
 The prologue quantizes the input rows (up to :data:`SHARED_STAGE_MAX_ROWS`) into shared memory:
 each block reads them with 16-byte loads, reduces each row's maximum, and writes the f16 values of
-their E4M3 codes; more rows are staged once into a global workspace by
+their E4M3 codes (bf16 rows read once, kept in shared memory between the two); more rows are staged once into a global workspace by
 :mod:`metrale.kernels.quantized_gemv`'s ``stage_rows`` (the same layout), which the product reads
 through the L1 cache.
 
@@ -58,6 +58,12 @@ WARPS = qg.WARPS
 
 
 KERNELS = r"""
+// 8 bf16 values (16 bytes) as floats, value i from half i.
+__device__ __forceinline__ void bf16_eight(uint4 w, float* v) {
+    v[0] = bf16_low(w.x); v[1] = bf16_high(w.x); v[2] = bf16_low(w.y); v[3] = bf16_high(w.y);
+    v[4] = bf16_low(w.z); v[5] = bf16_high(w.z); v[6] = bf16_low(w.w); v[7] = bf16_high(w.w);
+}
+
 // 16 E4M3 codes (a 16-byte load) as 8 f16 pairs, pair i the codes 2i and 2i + 1.
 __device__ __forceinline__ void fp8_pairs(uint4 codes, unsigned* pairs) {
     pairs[0] = e4m3x2_to_f16x2(codes.x); pairs[1] = e4m3x2_to_f16x2(codes.x >> 16);
@@ -151,13 +157,22 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
         uint4* shared_stage = reinterpret_cast<uint4*>(dynamic_shared);
         float* shared_scales = reinterpret_cast<float*>(shared_stage + rows * stride);
         const int chunks = K / 8;
+        // bf16 rows with per-token scales are read once: the first pass keeps each chunk (8 values,
+        // 16 bytes) in the slot its codes take, the second quantizes it in place (the same thread).
+        constexpr bool ONE_PASS = ACT == ACT_FP8_TOKEN && sizeof(INPUT) == 2;
         if (ACT == ACT_FP8_TOKEN) {
             for (int r = 0; r < rows; ++r) {
                 float amax = 0.0f;
                 #pragma unroll 4
                 for (int c = tid; c < chunks; c += THREADS) {
                     float v[8];
-                    load_eight(x + (size_t)r * K, c, v);
+                    if constexpr (ONE_PASS) {
+                        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(x + (size_t)r * K) + c);
+                        shared_stage[r * stride + c] = raw;
+                        bf16_eight(raw, v);
+                    } else {
+                        load_eight(x + (size_t)r * K, c, v);
+                    }
                     #pragma unroll
                     for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
                 }
@@ -182,7 +197,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
                 uint4 staged = zero;
                 if (c < chunks) {
                     float v[8];
-                    load_eight(x + (size_t)r * K, c, v);
+                    if constexpr (ONE_PASS) bf16_eight(shared_stage[r * stride + c], v);
+                    else load_eight(x + (size_t)r * K, c, v);
                     // Two instructions a pair: the E4M3 codes, then their f16 values.
                     staged = make_uint4(e4m3x2_to_f16x2(e4m3x2_of(v[0] / s, v[1] / s)),
                                         e4m3x2_to_f16x2(e4m3x2_of(v[2] / s, v[3] / s)),
