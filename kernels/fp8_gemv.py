@@ -21,9 +21,11 @@ issues its first weight loads before it waits for the kernel ahead.
 
 The prologue quantizes the input rows (up to :data:`SHARED_STAGE_MAX_ROWS`) into shared memory:
 each block reads them with 16-byte loads, reduces each row's maximum, and writes the f16 values of
-their E4M3 codes (bf16 rows read once, kept in shared memory between the two); more rows are staged once into a global workspace by
-:mod:`metrale.kernels.quantized_gemv`'s ``stage_rows`` (the same layout), which the product reads
-through the L1 cache.
+their E4M3 codes (bf16 rows read once, kept in shared memory between the two); more rows are
+staged once into a global workspace by :mod:`metrale.kernels.quantized_gemv`'s ``stage_rows`` (the
+same layout), which the product reads through the L1 cache. The prologue can take
+``rmsnorm_residual`` in too: the sums of squares, then the norm's bf16 values into the codes' slots
+with their maximum, then the codes.
 
 :func:`fp8_gemv_reference` is the NumPy reference of a launch; ``tests/kernels`` runs the kernel on
 the host through the CUDA emulation header against it.
@@ -85,14 +87,16 @@ __device__ __forceinline__ void fp8_pairs(uint4 codes, unsigned* pairs) {
 // bytes of f16 codes, 64-position pieces zero-padded, then rows floats of scales, 16-byte aligned);
 // otherwise staged_rows / staged_scales hold them (stage_rows, the same layout, the padding unread).
 // Then (SPLIT > 1) the split's partial sums.
-template <int ACT, int SPLIT, int ROW_TILES, bool SHARED_STAGE, int UNROLL, typename INPUT, bool SWIGLU>
+template <int ACT, int SPLIT, int ROW_TILES, bool SHARED_STAGE, int UNROLL, typename INPUT, bool SWIGLU, bool NORM>
 __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
     const INPUT* __restrict__ x, float input_scale, const uint4* __restrict__ staged_rows,
     const float* __restrict__ staged_scales, const unsigned char* __restrict__ codes,
     const float* __restrict__ scales, int block_rows, const float* __restrict__ bias, float* __restrict__ out,
-    int rows, int K, int N) {
+    int rows, int K, int N, const float* __restrict__ residual, const unsigned short* __restrict__ norm_weight,
+    float eps, float norm_offset, float* __restrict__ summed) {
     DYNAMIC_SHARED;
     __shared__ float partial_max[4 * WARPS];
+    __shared__ float norm_scales[4];
     allow_dependents();
     constexpr int GROUPS = WARPS / SPLIT;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -159,8 +163,80 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
         const int chunks = K / 8;
         // bf16 rows with per-token scales are read once: the first pass keeps each chunk (8 values,
         // 16 bytes) in the slot its codes take, the second quantizes it in place (the same thread).
-        constexpr bool ONE_PASS = ACT == ACT_FP8_TOKEN && sizeof(INPUT) == 2;
-        if (ACT == ACT_FP8_TOKEN) {
+        constexpr bool ONE_PASS = NORM || (ACT == ACT_FP8_TOKEN && sizeof(INPUT) == 2);
+        if constexpr (NORM) {
+            // s = x (+ residual), float32; the bf16 values of s / rms(s) * (norm_offset + gain) into
+            // the codes' slots (block 0 writes s out), their maximum on the way.
+            const float4* in = reinterpret_cast<const float4*>(x);
+            const float4* add = reinterpret_cast<const float4*>(residual);
+            const int quads = K / 4;
+            for (int r = 0; r < rows; ++r) {
+                float squares = 0.0f;
+                for (int k = tid; k < quads; k += THREADS) {
+                    float4 v = in[(size_t)r * quads + k];
+                    if (add != nullptr) {
+                        const float4 w = add[(size_t)r * quads + k];
+                        v.x += w.x; v.y += w.y; v.z += w.z; v.w += w.w;
+                    }
+                    squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+                }
+                squares = warp_sum(squares);
+                if (lane == 0) partial_max[r * WARPS + warp] = squares;
+            }
+            __syncthreads();
+            if (tid < rows) {
+                float total = 0.0f;
+                #pragma unroll
+                for (int w = 0; w < WARPS; ++w) total += partial_max[tid * WARPS + w];
+                norm_scales[tid] = 1.0f / sqrtf(total / (float)K + eps);
+            }
+            __syncthreads();
+            const uint4* gains = reinterpret_cast<const uint4*>(norm_weight);
+            for (int r = 0; r < rows; ++r) {
+                const float n = norm_scales[r];
+                float amax = 0.0f;
+                for (int c = tid; c < chunks; c += THREADS) {
+                    const size_t i = (size_t)r * chunks + c;
+                    float4 a = in[i * 2], b = in[i * 2 + 1];
+                    if (add != nullptr) {
+                        const float4 ra = add[i * 2], rb = add[i * 2 + 1];
+                        a.x += ra.x; a.y += ra.y; a.z += ra.z; a.w += ra.w;
+                        b.x += rb.x; b.y += rb.y; b.z += rb.z; b.w += rb.w;
+                    }
+                    if (blockIdx.x == 0) {
+                        reinterpret_cast<float4*>(summed)[i * 2] = a;
+                        reinterpret_cast<float4*>(summed)[i * 2 + 1] = b;
+                    }
+                    const uint4 gain = __ldg(gains + c);
+                    uint4 normed;
+                    normed.x = (unsigned)to_bf16(a.x * n * (norm_offset + bf16_low(gain.x)))
+                               | ((unsigned)to_bf16(a.y * n * (norm_offset + bf16_high(gain.x))) << 16);
+                    normed.y = (unsigned)to_bf16(a.z * n * (norm_offset + bf16_low(gain.y)))
+                               | ((unsigned)to_bf16(a.w * n * (norm_offset + bf16_high(gain.y))) << 16);
+                    normed.z = (unsigned)to_bf16(b.x * n * (norm_offset + bf16_low(gain.z)))
+                               | ((unsigned)to_bf16(b.y * n * (norm_offset + bf16_high(gain.z))) << 16);
+                    normed.w = (unsigned)to_bf16(b.z * n * (norm_offset + bf16_low(gain.w)))
+                               | ((unsigned)to_bf16(b.w * n * (norm_offset + bf16_high(gain.w))) << 16);
+                    shared_stage[r * stride + c] = normed;
+                    float v[8];
+                    bf16_eight(normed, v);
+                    #pragma unroll
+                    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+                }
+                if (ACT == ACT_FP8_TOKEN) {
+                    amax = warp_max(amax);
+                    if (lane == 0) partial_max[r * WARPS + warp] = amax;
+                }
+            }
+            __syncthreads();   // (the sums of squares were read before the last barrier)
+            if (tid < rows) {
+                float amax = 0.0f;
+                #pragma unroll
+                for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, partial_max[tid * WARPS + w]);
+                shared_scales[tid] = ACT == ACT_FP8_TOKEN ? fmaxf(amax / FP8_MAX, MIN_SCALE) : input_scale;
+            }
+            __syncthreads();
+        } else if (ACT == ACT_FP8_TOKEN) {
             for (int r = 0; r < rows; ++r) {
                 float amax = 0.0f;
                 #pragma unroll 4
@@ -372,9 +448,9 @@ def input_type(bf16_input: bool) -> str:
 
 
 def kernel_name(activations: str, split: int, tiles: int, shared: bool = True, unroll: int = UNROLL,
-                bf16_input: bool = False, swiglu: bool = False) -> str:
+                bf16_input: bool = False, swiglu: bool = False, norm: bool = False) -> str:
     return (f"fp8_gemv<{ACTIVATIONS[activations]}, {split}, {tiles}, {'true' if shared else 'false'}, {unroll}, "
-            f"{input_type(bf16_input)}, {'true' if swiglu else 'false'}>")
+            f"{input_type(bf16_input)}, {'true' if swiglu else 'false'}, {'true' if norm else 'false'}>")
 
 
 # ------------------------------------------------------------------------------ reference
@@ -385,7 +461,8 @@ def fp8_gemv_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray 
     """float32 ``[rows, N]``: what a launch computes, from host arrays: the input quantized as
     :func:`~metrale.kernels.quantized.quantize_activations` does, times the dequantized weight,
     the sums exact (float64) and rounded once; with ``swiglu`` (a ``[2N, K]`` gate-and-up weight)
-    the bf16 values of ``silu_and_mul`` of those sums, as float32 ``[rows, N]``."""
+    the bf16 values of ``silu_and_mul`` of those sums, as float32 ``[rows, N]``. (The norm
+    prologue's input is :func:`norm_reference` of its rows.)"""
     staged = quantize_activations(np.asarray(x, dtype=np.float32), weight).astype(np.float64)
     y = staged @ dequantize(weight).astype(np.float64).T
     y = (y + bias if bias is not None else y).astype(np.float32)
@@ -393,6 +470,23 @@ def fp8_gemv_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray 
         return y
     units = y.shape[1] // 2
     return bf16_to_float32(float32_to_bf16(silu_and_mul_reference(y[:, :units], y[:, units:])))
+
+
+def norm_reference(x: np.ndarray, residual: np.ndarray | None, norm_weight: np.ndarray, eps: float,
+                   norm_offset: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """``(normed, summed)`` of the norm prologue, from float32 host arrays (``norm_weight`` holding
+    bf16 values): ``summed = x (+ residual)`` and the bf16 values of ``rmsnorm(summed)``, as the
+    unfused ``rmsnorm_residual`` gives them."""
+    from metrale.kernels.rmsnorm import rmsnorm_residual_reference
+
+    normed, summed = rmsnorm_residual_reference(np.asarray(x, np.float32), residual, norm_weight, eps, norm_offset)
+    return bf16_to_float32(float32_to_bf16(normed)), summed
+
+
+def serves_norm(rows: int, weight: QuantizedWeight) -> bool:
+    """Whether a launch can take the norm into its prologue: rows it serves that the prologue stages
+    in shared memory."""
+    return serves(rows, weight) and shared_stage(rows, weight)
 
 
 # ------------------------------------------------------------------------------- launcher
@@ -413,14 +507,18 @@ def _function(name: str) -> Any:
 def fp8_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: Any, *,
              bias: DeviceArray | None = None, multiprocessors: int = 132, split: int | None = None,
              workspace: tuple[DeviceArray, DeviceArray] | None = None, unroll: int = UNROLL,
-             swiglu: bool = False) -> DeviceArray:
+             swiglu: bool = False, residual: DeviceArray | None = None, norm_weight: DeviceArray | None = None,
+             eps: float = 1e-6, norm_offset: float = 0.0, summed: DeviceArray | None = None) -> DeviceArray:
     """``out <- s_x s_w (q_x q_w^T) (+ bias)`` (the module docstring) on ``stream``: ``x`` float32 or
     bf16 bits (uint16) ``[rows, K]``, 16-byte aligned, ``out`` float32 ``[rows, N]``; with ``swiglu``
     (a gate-and-up weight ``[2N, K]``, gate rows first, no bias) ``out`` is bf16 bits ``[rows, N]``:
-    ``silu(gate) * up`` of the scaled sums, as ``silu_and_mul`` of the plain product. Rows the
-    prologue does not stage (:func:`shared_stage`) are staged first into ``workspace`` (the arrays
-    of :func:`workspace_shapes`). Raises :class:`~metrale.errors.KernelArgumentError` for what it
-    does not serve (:func:`serves`)."""
+    ``silu(gate) * up`` of the scaled sums, as ``silu_and_mul`` of the plain product. With
+    ``norm_weight`` (bf16 bits ``[K]``, 16-byte aligned) the prologue is ``rmsnorm_residual``'s:
+    ``summed <- x (+ residual)`` (float32 ``[rows, K]`` both), the product's input the bf16 values of
+    ``rmsnorm(summed) * (norm_offset + norm_weight)`` (:func:`norm_reference`), for the rows
+    :func:`serves_norm` serves. Rows the prologue does not stage (:func:`shared_stage`) are staged
+    first into ``workspace`` (the arrays of :func:`workspace_shapes`). Raises
+    :class:`~metrale.errors.KernelArgumentError` for what it does not serve (:func:`serves`)."""
     name = f"fp8_gemv ({weight.activations})"
     qg.check_weight(name, weight)
     rows = x.shape[0] if getattr(x, "ndim", 0) == 2 else -1
@@ -444,6 +542,17 @@ def fp8_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: 
     if not aligned(x):
         raise KernelArgumentError(f"{name}: x does not start at a 16-byte boundary")
     null = np.uint64(0)
+    norm = norm_weight is not None
+    if norm:
+        if bf16_input or not serves_norm(rows, weight):
+            raise KernelArgumentError(f"{name}: the norm prologue takes float32 rows, at most "
+                                      f"{SHARED_STAGE_MAX_ROWS} that fit in shared memory ({rows} given)")
+        check_array(name, "norm_weight", norm_weight, np.uint16, (inner,))
+        check_array(name, "summed", summed, np.float32, (rows, inner))
+        if residual is not None:
+            check_array(name, "residual", residual, np.float32, (rows, inner))
+        if not (aligned(norm_weight) and aligned(summed) and (residual is None or aligned(residual))):
+            raise KernelArgumentError(f"{name}: norm_weight, summed and residual must start at 16-byte boundaries")
     input_scale = np.float32(float(weight.input_scale) if weight.input_scale is not None else 1.0)
     shared = shared_stage(rows, weight)
     staged: Any = null
@@ -460,13 +569,14 @@ def fp8_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: 
         ), 0, stream, dependent=False)
     chosen, blocks = qg.plan(columns, multiprocessors, split)
     function = _function(kernel_name(weight.activations, chosen, qg.row_tiles(rows), shared, unroll, bf16_input,
-                                     swiglu))
+                                     swiglu, norm))
     stage = shared_bytes(rows, weight, chosen, shared)
     if stage > 48 * 1024:
         function.max_dynamic_shared_size_bytes = stage
     launch(function, (blocks,), (THREADS,), (
         x, input_scale, staged, scales, weight.codes, weight.scales, np.int32(weight.block[0]),
         bias if bias is not None else null, out, np.int32(rows), np.int32(inner),
-        np.int32(columns // 2 if swiglu else columns),
+        np.int32(columns // 2 if swiglu else columns), residual if residual is not None else null,
+        norm_weight if norm else null, np.float32(eps), np.float32(norm_offset), summed if norm else null,
     ), stage, stream, dependent=True)
     return out

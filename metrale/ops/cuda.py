@@ -213,6 +213,35 @@ class CudaKernels:
         return fp8_gemv.fp8_gemv(rows_in, weight, out, self.stream, multiprocessors=decode_gemv.multiprocessor_count(),
                                  workspace=workspace, swiglu=True)
 
+    def _fp8_norm_gemv(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float, weight: Any,
+                       bias: Any, swiglu: bool) -> tuple[Any, Any]:
+        """One launch of :mod:`metrale.kernels.fp8_gemv` with ``rmsnorm_residual`` as its prologue:
+        ``(out, summed)``."""
+        from metrale.kernels import fp8_gemv
+
+        x = cp.ascontiguousarray(x, dtype=f32)
+        residual = None if residual is None else cp.ascontiguousarray(residual, dtype=f32)
+        summed = cp.empty(x.shape, dtype=f32)
+        rows, columns = x.shape[0], weight.shape[0]
+        out = cp.empty((rows, columns // 2), dtype=bf16) if swiglu else cp.empty((rows, columns), dtype=f32)
+        fp8_gemv.fp8_gemv(x, weight, out, self.stream, bias=bias, multiprocessors=decode_gemv.multiprocessor_count(),
+                          swiglu=swiglu, residual=residual, norm_weight=cp.ascontiguousarray(norm_weight), eps=eps,
+                          norm_offset=offset, summed=summed)
+        return out, summed
+
+    def fp8_rmsnorm_linear_gemv(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float, weight: Any,
+                                bias: Any = None) -> Any:
+        """``rmsnorm_linear`` of decode rows of an FP8 weight in one launch: the norm in the FP8
+        GEMV's prologue, before the rows' quantization."""
+        return self._fp8_norm_gemv(x, residual, norm_weight, eps, offset, weight, bias, swiglu=False)
+
+    def fp8_rmsnorm_mlp_gemv(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float, gate_up: Any,
+                             down: Any, gate_up_bias: Any = None, down_bias: Any = None) -> Any:
+        """``rmsnorm_mlp`` of decode rows of FP8 weights in two launches: the norm in the gated
+        gate/up GEMV's prologue, then the down GEMV reading its bf16 output."""
+        act, summed = self._fp8_norm_gemv(x, residual, norm_weight, eps, offset, gate_up, None, swiglu=True)
+        return self.fp8_linear_gemv(act, down, down_bias), summed
+
     def int4_linear_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """Decode rows of 4-bit weight-only weights in groups of 128 columns or more
         (:mod:`metrale.kernels.int4_gemv`): the codes converted in registers, the input (float32 or

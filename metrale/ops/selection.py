@@ -204,8 +204,9 @@ def quantized_kernels() -> list[Kernel]:
     prompt rows: their product in bf16, the scales in its epilogue; FP8 and 4-bit decode rows: their
     GEMV with the gate in its epilogue); ``moe_experts`` through
     the quantized decode experts up to 8 tokens, over the dequantized stacks past them.
-    ``rmsnorm_linear`` and ``rmsnorm_mlp`` reach them through their composites (the fused bf16
-    decode kernels take bf16 weights only)."""
+    ``rmsnorm_linear`` and ``rmsnorm_mlp`` of FP8 decode rows that the prologue stages in shared
+    memory take the norm into the FP8 GEMV's prologue; otherwise they reach the kernels above
+    through their composites (the fused bf16 decode kernels take bf16 weights only)."""
 
     def quantized(x: Any, weight: Any, bias: Any = None) -> bool:
         return _is_quantized(weight)
@@ -227,6 +228,21 @@ def quantized_kernels() -> list[Kernel]:
         from metrale.kernels import int4_gemv
 
         return _is_quantized(weight) and int4_gemv.serves(x.shape[0], weight)
+
+    def fp8_norm_rows(x: Any, norm_weight: Any, weight: Any) -> bool:
+        from metrale.kernels import fp8_gemv
+
+        return (_is_quantized(weight) and fp8_gemv.serves_norm(x.shape[0], weight) and x.shape[1] == weight.shape[1]
+                and getattr(norm_weight, "dtype", None) == np.uint16 and _aligned(norm_weight))
+
+    def fp8_decode_norm_linear(x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any, weight: Any,
+                               bias: Any = None) -> bool:
+        return fp8_norm_rows(x, norm_weight, weight)
+
+    def fp8_decode_norm_mlp(x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any, gate_up: Any, down: Any,
+                            gate_up_bias: Any = None, down_bias: Any = None) -> bool:
+        return (gate_up_bias is None and gate_up.shape[0] % 2 == 0 and fp8_norm_rows(x, norm_weight, gate_up)
+                and fp8_decode_rows(x, down) and down.shape[1] == gate_up.shape[0] // 2)
 
     def int4_decode_gate_up(x: Any, weight: Any, bias: Any = None) -> bool:
         return bias is None and weight.shape[0] % 2 == 0 and int4_decode_rows(x, weight)
@@ -294,6 +310,14 @@ def quantized_kernels() -> list[Kernel]:
                condition="4-bit weight-only weights in groups of a multiple of 128 columns, at most 32 rows, no bias"),
         Kernel("linear_silu", "cuda", "linear, then silu_and_mul (their kernels)", build=composed_linear_silu,
                when=quantized, condition="a quantized weight"),
+        Kernel("rmsnorm_linear", "cuda", "metrale.kernels.fp8_gemv (the norm in its prologue)",
+               build=_cuda_method("fp8_rmsnorm_linear_gemv"), when=fp8_decode_norm_linear,
+               condition="FP8 weights and inputs whose scales factor out of the sums, rows the prologue stages in "
+               "shared memory (up to 4), the inner size a multiple of 16, bf16 norm weights"),
+        Kernel("rmsnorm_mlp", "cuda", "metrale.kernels.fp8_gemv (the norm in the gated gate/up GEMV's prologue), "
+               "then the down GEMV", build=_cuda_method("fp8_rmsnorm_mlp_gemv"), when=fp8_decode_norm_mlp,
+               condition="FP8 weights and inputs whose scales factor out of the sums, rows the prologue stages in "
+               "shared memory (up to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up bias"),
         Kernel("moe_experts", "cuda", "metrale.kernels.quantized_moe_decode", build=_cuda_method("quantized_moe_experts_decode"),
                when=decode_experts, condition="quantized stacked weights, N <= 8, H and I multiples of 8, no act-order"),
         Kernel("moe_experts", "cuda", "metrale.kernels.quantized_gemv (bf16 dequantization), then the pairwise kernels",

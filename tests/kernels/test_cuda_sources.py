@@ -190,12 +190,16 @@ def test_every_fp8_gemv_instantiation_compiles(tmp_path):
     from metrale.kernels import fp8_gemv
 
     arguments = ("{input}, float, const uint4*, const float*, const unsigned char*, const float*, int, const float*, "
-                 "float*, int, int, int")
+                 "float*, int, int, int, const float*, const unsigned short*, float, float, float*")
     names = [(fp8_gemv.kernel_name(activations, split, tiles, shared, unroll, bf16_input, swiglu),
               arguments.format(input="const unsigned short*" if bf16_input else "const float*"))
              for activations in fp8_gemv.ACTIVATIONS for split in quantized_gemv.SPLITS
              for tiles in quantized_gemv.ROW_TILES for shared in (False, True) for unroll in (2, fp8_gemv.UNROLL)
              for bf16_input in (False, True) for swiglu in (False, True)]
+    # The norm prologue: float32 rows staged in shared memory (one row tile).
+    names += [(fp8_gemv.kernel_name(activations, split, 1, True, fp8_gemv.UNROLL, False, swiglu, True),
+               arguments.format(input="const float*"))
+              for activations in fp8_gemv.ACTIVATIONS for split in quantized_gemv.SPLITS for swiglu in (False, True)]
     instantiations = "".join(f"template __global__ void {name}({signature});\n" for name, signature in names)
     ptx = compile_to_ptx(tmp_path, fp8_gemv.source() + instantiations, optimize=False)
     assert len(entries(ptx)) == len(names)

@@ -24,6 +24,9 @@ INSTANCES = [("fp8_token", 1, 1, 4), ("fp8_token", 8, 1, 4), ("fp8_token", 2, 2,
              ("fp8_token", 1, 4, 4), ("fp8_token", 2, 1, 2), ("fp8_tensor", 1, 2, 2)]
 # The gated form's instances (also both stagings, both input types).
 SWIGLU_INSTANCES = [("fp8_token", 1, 1, 4), ("fp8_token", 8, 1, 4), ("fp8_tensor", 1, 2, 2), ("fp8_token", 1, 4, 4)]
+# The norm prologue's instances (activations, split, unroll, gated): float32 rows staged in shared memory.
+NORM_INSTANCES = [("fp8_token", 1, 4, False), ("fp8_token", 8, 4, False), ("fp8_token", 8, 4, True),
+                  ("fp8_tensor", 4, 4, False), ("fp8_token", 1, 4, True)]
 
 
 def emulation_main() -> str:
@@ -31,10 +34,17 @@ def emulation_main() -> str:
         f"    if (act == {fg.ACTIVATIONS[a]} && split == {s} && tiles == {t} && unroll == {u} && shared == "
         f"{int(shared)} && bf16 == {int(b)} && swiglu == {int(g)}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, "
         f"{{THREADS, 1, 1}}, [&] {{ {fg.kernel_name(a, s, t, shared, u, b, g)}({'x16' if b else 'x'}, input_scale, "
-        f"staged_rows, staged_scales, code_bytes, scales, block_rows, bias, out, rows, K, {'N / 2' if g else 'N'}); "
-        f"}}); found = true; }}"
+        f"staged_rows, staged_scales, code_bytes, scales, block_rows, bias, out, rows, K, {'N / 2' if g else 'N'}, "
+        f"nullptr, nullptr, 0.0f, 0.0f, nullptr); }}); found = true; }}"
         for g, instances in ((False, INSTANCES), (True, SWIGLU_INSTANCES)) for a, s, t, u in instances
         for shared in (False, True) for b in (False, True))
+    dispatch += "\n" + "\n".join(
+        f"    if (norm && act == {fg.ACTIVATIONS[a]} && split == {s} && unroll == {u} && swiglu == {int(g)} && shared "
+        f"&& !bf16 && tiles == 1) {{ emu::launch({{(unsigned)blocks, 1, 1}}, {{THREADS, 1, 1}}, [&] {{ "
+        f"{fg.kernel_name(a, s, 1, True, u, False, g, True)}(x, input_scale, nullptr, nullptr, code_bytes, scales, "
+        f"block_rows, nullptr, out, rows, K, {'N / 2' if g else 'N'}, residual, gains, eps, norm_offset, summed); "
+        f"}}); found = true; }}"
+        for a, s, u, g in NORM_INSTANCES)
     stage_rows = "\n".join(
         f"        if (act == {fg.ACTIVATIONS[a]} && bf16 == {int(b)}) emu::launch({{(unsigned)rows, 1, 1}}, "
         f"{{THREADS, 1, 1}}, [&] {{ {qg.stage_rows_name(a, True, b)}({'x16' if b else 'x'}, nullptr, input_scale, "
@@ -44,7 +54,8 @@ def emulation_main() -> str:
 #include <string>
 
 int main(int argc, char** argv) {
-    if (argc != 14) emu::fail("usage: folder act split tiles unroll rows K N blocks block_rows input_scale flags shared");
+    if (argc != 16) emu::fail("usage: folder act split tiles unroll rows K N blocks block_rows input_scale flags shared "
+                              "eps norm_offset");
     const std::string folder = argv[1];
     const int act = std::atoi(argv[2]), split = std::atoi(argv[3]), tiles = std::atoi(argv[4]);
     const int unroll = std::atoi(argv[5]), rows = std::atoi(argv[6]), K = std::atoi(argv[7]), N = std::atoi(argv[8]);
@@ -53,7 +64,11 @@ int main(int argc, char** argv) {
     const int flags = std::atoi(argv[12]), shared = std::atoi(argv[13]);
     const unsigned char* code_bytes = read<unsigned char>(folder + "/codes", (size_t)N * K);
     const float* scales = read<float>(folder + "/scales", (size_t)(N + block_rows - 1) / block_rows);
-    const int bf16 = (flags & 2) != 0, swiglu = (flags & 4) != 0;
+    const int bf16 = (flags & 2) != 0, swiglu = (flags & 4) != 0, norm = (flags & 8) != 0;
+    const float eps = std::atof(argv[14]), norm_offset = std::atof(argv[15]);
+    const float* residual = flags & 16 ? read<float>(folder + "/residual", (size_t)rows * K) : nullptr;
+    const unsigned short* gains = norm ? read<unsigned short>(folder + "/gains", K) : nullptr;
+    float* summed = norm ? allocate<float>((size_t)rows * K) : nullptr;
     const float* x = read<float>(folder + "/x", (size_t)rows * K);
     const unsigned short* x16 = bf16 ? read<unsigned short>(folder + "/x_bf16", (size_t)rows * K) : nullptr;
     const float* bias = flags & 1 ? read<float>(folder + "/bias", N) : nullptr;
@@ -72,6 +87,7 @@ int main(int argc, char** argv) {
 """ + dispatch + r"""
     if (!found) emu::fail("no such instance");
     write(folder + "/out", out, (size_t)rows * N);   // (the gated form's bf16 [rows, N / 2] first)
+    if (norm) write(folder + "/summed", summed, (size_t)rows * K);
     return 0;
 }
 """
@@ -84,7 +100,7 @@ def emulated(tmp_path_factory):
     binary = build_emulated(folder / "fp8_gemv.cpp", source)
 
     def run(weight: QuantizedWeight, x, bias=None, *, split=1, blocks=2, shared=True, unroll=fg.UNROLL,
-            bf16_input=False, swiglu=False):
+            bf16_input=False, swiglu=False, norm=None):
         case = folder / "case"
         case.mkdir(exist_ok=True)
         out_features, inner = weight.shape
@@ -100,11 +116,21 @@ def emulated(tmp_path_factory):
             flags |= 2
         if swiglu:
             flags |= 4
+        eps, norm_offset = 1e-6, 0.0
+        if norm is not None:  # (residual or None, bf16 gain bits, eps, offset)
+            residual, gains, eps, norm_offset = norm
+            np.ascontiguousarray(gains, np.uint16).tofile(case / "gains")
+            flags |= 8
+            if residual is not None:
+                np.ascontiguousarray(residual, np.float32).tofile(case / "residual")
+                flags |= 16
         rows = x.shape[0]
         input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
         arguments = [fg.ACTIVATIONS[weight.activations], split, qg.row_tiles(rows), unroll, rows, inner, out_features,
-                     blocks, weight.block[0], repr(input_scale), flags, int(shared)]
+                     blocks, weight.block[0], repr(input_scale), flags, int(shared), repr(eps), repr(norm_offset)]
         subprocess.run([str(binary), str(case), *map(str, arguments)], check=True, timeout=600)
+        if norm is not None:
+            run.summed = np.fromfile(case / "summed", np.float32).reshape(rows, inner)
         if swiglu:
             units = out_features // 2
             return bf16_to_float32(np.fromfile(case / "out", np.uint16, count=rows * units).reshape(rows, units))
@@ -239,3 +265,36 @@ def test_emulated_gated_fp8_gemv_is_silu_and_mul_of_the_product(emulated, activa
     # The plain launch of the same weight gives the product the gate is applied to.
     plain = emulated(weight, x, split=split, blocks=blocks, shared=shared, unroll=unroll, bf16_input=bf16_input)
     assert np.abs(plain - product).max() <= 1e-5 * np.abs(product).max()
+
+
+NORM_CASES = [
+    # activations, rows, inner, out, split, unroll, gated, residual, offset
+    ("fp8_token", 1, 1024, 300, 1, 4, False, True, 0.0),
+    ("fp8_token", 2, 4160, 48, 8, 4, False, True, 0.0),  # the inner size split over 8 warps
+    ("fp8_token", 3, 336, 40, 8, 4, True, True, 1.0),  # gated; zero-centred gains (offset 1)
+    ("fp8_tensor", 4, 208, 33, 4, 4, False, False, 0.0),  # a static input scale; no residual
+    ("fp8_token", 1, 2048, 34, 1, 4, True, False, 0.0),
+]
+
+
+@pytest.mark.parametrize("activations, rows, inner, out, split, unroll, gated, with_residual, offset", NORM_CASES)
+def test_emulated_norm_prologue_is_rmsnorm_residual_then_the_product(emulated, activations, rows, inner, out, split,
+                                                                     unroll, gated, with_residual, offset):
+    rng = np.random.default_rng(rows * 100 + inner)
+    weight = make_weight(rng, 2 * out if gated else out, inner, activations, per_tensor=activations == "fp8_tensor")
+    x = rng.normal(size=(rows, inner)).astype(np.float32)
+    x[0, :3] *= 30  # a few large values: the row's scale is theirs
+    residual = rng.normal(size=(rows, inner)).astype(np.float32) if with_residual else None
+    gains = float32_to_bf16(rng.uniform(0.5, 1.5, size=inner).astype(np.float32) - np.float32(offset))
+    eps = 1e-5
+    got = emulated(weight, x, split=split, unroll=unroll, swiglu=gated, norm=(residual, gains, eps, offset))
+    normed, summed = fg.norm_reference(x, residual, bf16_to_float32(gains), eps, offset)
+    np.testing.assert_array_equal(emulated.summed, summed)
+    expected = fg.fp8_gemv_reference(normed, weight, swiglu=gated)
+    # The rms differs from the reference's by float32 rounding: a bf16 value of the norm may round the
+    # other way, and its E4M3 code with it (a code is 2**-3 of its value apart at most).
+    assert np.abs(got - expected).max() <= 2e-2 * np.abs(expected).max()
+    # The unfused path: the same launch of the bf16 norm output the kernel computed.
+    unfused = emulated(weight, normed, split=split, unroll=unroll, swiglu=gated)
+    assert np.abs(got - unfused).max() <= 2e-2 * np.abs(unfused).max()
+    assert np.mean(got == unfused) > 0.9  # most outputs identical: the norm's values are the same bf16s

@@ -173,3 +173,31 @@ def test_the_gated_fp8_gemv_is_silu_and_mul_of_the_product_on_the_8b_gate_up(bac
         gated = backend.ops.linear_silu(x, weight)
         backend.stream.synchronize()
         np.testing.assert_array_equal(cp.asnumpy(gated), cp.asnumpy(out))
+
+
+@pytest.mark.parametrize("rows, with_residual", [(1, True), (3, False), (4, True)])
+def test_the_norm_prologue_on_the_8b_shapes_through_the_backend(backend, rows, with_residual):
+    """``rmsnorm_linear`` (qkv) and ``rmsnorm_mlp`` of FP8 weights with the norm in the FP8 GEMV's
+    prologue, against the reference of the unfused ops."""
+    import cupy as cp
+
+    from metrale.kernels import fp8_gemv as fg
+    from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
+
+    rng = np.random.default_rng(rows + 80)
+    x = rng.normal(size=(rows, 4096)).astype(np.float32)
+    residual = rng.normal(size=(rows, 4096)).astype(np.float32) if with_residual else None
+    gains = float32_to_bf16(rng.uniform(0.5, 1.5, size=4096).astype(np.float32))
+    qkv, gate_up, down = (quantize_fp8_per_channel(rng.normal(size=shape).astype(np.float32) * 0.02, "fp8_token")
+                          for shape in ((6144, 4096), (28672, 4096), (4096, 14336)))
+    device = {name: uploaded(backend, host) for name, host in (("qkv", qkv), ("gate_up", gate_up), ("down", down))}
+    normed, summed = fg.norm_reference(x, residual, bf16_to_float32(gains), 1e-5)
+    args = (cp.asarray(x), None if residual is None else cp.asarray(residual), cp.asarray(gains), 1e-5, 0.0)
+    out, got_summed = backend.ops.rmsnorm_linear(*args, device["qkv"])
+    mlp, mlp_summed = backend.ops.rmsnorm_mlp(*args, device["gate_up"], device["down"])
+    backend.stream.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(got_summed), summed)
+    np.testing.assert_array_equal(cp.asnumpy(mlp_summed), summed)
+    assert rel_error(cp.asnumpy(out), fg.fp8_gemv_reference(normed, qkv)) < 2e-2
+    act = fg.fp8_gemv_reference(normed, gate_up, swiglu=True)
+    assert rel_error(cp.asnumpy(mlp), fg.fp8_gemv_reference(act, down)) < 3e-2
