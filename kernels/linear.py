@@ -256,6 +256,7 @@ class CublasLtGemm:
             raise KernelArgumentError(f"{op}: cuBLASLt serves no FP8 product of {rows} x {inner} -> {width}: "
                                       f"{error}") from error
         if scaled:
+            assert row_scales is not None and column_scales is not None  # (checked above)
             # The scales' addresses, set for this call (host work, recorded with the call in a graph).
             for attribute, array in ((self._lt.MatmulDescAttribute.A_SCALE_POINTER, column_scales),
                                      (self._lt.MatmulDescAttribute.B_SCALE_POINTER, row_scales)):
