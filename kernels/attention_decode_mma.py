@@ -73,28 +73,32 @@ MAX_STAGES = 6
 STAGES_OVERRIDE: int | None = None
 
 
-def shared_bytes(head_dim: int, stage_count: int | None = None) -> int:
+def shared_bytes(head_dim: int, stage_count: int | None = None, fp8: bool = False) -> int:
     """Dynamic shared memory of a block: the query tile, the stages (``stage_count``, by default
-    :func:`stages`), the probabilities' two bf16 parts (all bf16)."""
+    :func:`stages`), the probabilities' two bf16 parts (all bf16); for an FP8 cache (``fp8``) one
+    bf16 stage, and the stages' codes and float32 scales."""
     stride = head_dim + 8
     count = stages(head_dim) if stage_count is None else stage_count
+    if fp8:
+        return (2 * (BLOCK_HEADS * stride + 2 * BLOCK_KEYS * stride + 2 * BLOCK_HEADS * (BLOCK_KEYS + 8))
+                + count * (2 * BLOCK_KEYS * head_dim + 2 * BLOCK_KEYS * 4))
     return 2 * (BLOCK_HEADS * stride + count * 2 * BLOCK_KEYS * stride + 2 * BLOCK_HEADS * (BLOCK_KEYS + 8))
 
 
-def blocks_per_multiprocessor(head_dim: int, stage_count: int | None = None) -> int:
+def blocks_per_multiprocessor(head_dim: int, stage_count: int | None = None, fp8: bool = False) -> int:
     """Blocks a multiprocessor holds at once (its 227 KB of shared memory decide)."""
-    return max(1, MAX_SHARED_BYTES // (shared_bytes(head_dim, stage_count) + 2048))
+    return max(1, MAX_SHARED_BYTES // (shared_bytes(head_dim, stage_count, fp8) + 2048))
 
 
 def launch_stages(rows: int, heads: int, kv_heads: int, head_dim: int, splits: int, max_context: int,
-                  multiprocessors: int = DEFAULT_MULTIPROCESSORS) -> int:
+                  multiprocessors: int = DEFAULT_MULTIPROCESSORS, fp8: bool = False) -> int:
     """Stages of a launch: :func:`stages`, or more for a launch of one split (a batch of many
     rows: each block walks all of its row's keys, one stage after another) where the grid still
     fits in one wave of resident blocks with them, so that more of a block's keys are in flight
     while it computes; at most one more than a block's steps and :data:`MAX_STAGES`
     (docs/benchmarks.rst, "decode attention, stages at one split")."""
     if STAGES_OVERRIDE is not None:
-        if not 2 <= STAGES_OVERRIDE <= MAX_STAGES or shared_bytes(head_dim, STAGES_OVERRIDE) > MAX_SHARED_BYTES:
+        if not 2 <= STAGES_OVERRIDE <= MAX_STAGES or shared_bytes(head_dim, STAGES_OVERRIDE, fp8) > MAX_SHARED_BYTES:
             raise KernelArgumentError(f"decode_attention_mma: {STAGES_OVERRIDE} stages of {head_dim} dims (2 to "
                                       f"{MAX_STAGES}, within {MAX_SHARED_BYTES} bytes of shared memory)")
         return STAGES_OVERRIDE
@@ -104,8 +108,8 @@ def launch_stages(rows: int, heads: int, kv_heads: int, head_dim: int, splits: i
     blocks = max(1, rows * kv_heads * head_blocks(heads, kv_heads))
     steps = max(1, -(-int(max_context) // BLOCK_KEYS))
     while (count < min(MAX_STAGES, steps + 1)
-           and shared_bytes(head_dim, count + 1) <= MAX_SHARED_BYTES
-           and multiprocessors * blocks_per_multiprocessor(head_dim, count + 1) >= blocks):
+           and shared_bytes(head_dim, count + 1, fp8) <= MAX_SHARED_BYTES
+           and multiprocessors * blocks_per_multiprocessor(head_dim, count + 1, fp8) >= blocks):
         count += 1
     return count
 
@@ -117,6 +121,27 @@ __device__ __forceinline__ float load_coherent(const float* address) { return __
 
 #: The PTX helpers the kernel uses (the CPU emulation of the tests replaces them).
 INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD + COHERENT_LOAD + DEPENDENT_LAUNCH
+
+#: The helpers of an FP8 cache: its codes' f16 values, theirs as float32, 4-byte copies (the scales).
+FP8_INSTRUCTIONS = r"""
+#include <cuda_fp16.h>
+
+// Two E4M3 codes (the low byte the first) as an f16 pair in one instruction: exact.
+__device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned pair) {
+    unsigned result;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(result) : "h"((unsigned short)pair));
+    return result;
+}
+
+__device__ __forceinline__ float f16_low(unsigned pair) { return __half2float(__ushort_as_half((unsigned short)pair)); }
+__device__ __forceinline__ float f16_high(unsigned pair) { return __half2float(__ushort_as_half((unsigned short)(pair >> 16))); }
+
+// 4 bytes from global to shared memory (through L1; cp.async.cg copies 16 only); zeros when !valid.
+__device__ __forceinline__ void copy_4(unsigned target, const void* source, bool valid) {
+    const int bytes = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(target), "l"(source), "r"(bytes));
+}
+"""
 
 #: The kernel, written against :data:`INSTRUCTIONS`.
 KERNEL = r"""
@@ -131,13 +156,37 @@ KERNEL = r"""
 #define PROBABILITY_PART (2 * BLOCK_HEADS * PROBABILITY_STRIDE)   // bytes from the high parts to the low
 #define STAGE_ELEMENTS (2 * BLOCK_KEYS * STRIDE)   // keys, then values
 #define NEG_INF (__int_as_float(0xff800000))
+#define RAW_STAGE_BYTES (2 * BLOCK_KEYS * HEAD_DIM)   // FP8_CACHE: a stage's key and value codes, unpadded
 
 typedef unsigned short bf16_bits;
+#if FP8_CACHE
+typedef unsigned char cache_t;   // E4M3 codes, a float32 scale per (slot, KV head) beside them
+
+// Eight E4M3 codes (a uint2) times `scale`, as eight bf16 values (a uint4): each pair's f16 values
+// (exact), then float32 products rounded once.
+__device__ __forceinline__ uint4 scaled_e4m3x8(uint2 codes, float scale) {
+    uint4 out;
+    unsigned* words = reinterpret_cast<unsigned*>(&out);
+    const unsigned pairs[4] = {codes.x & 0xffffu, codes.x >> 16, codes.y & 0xffffu, codes.y >> 16};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned h = e4m3x2_to_f16x2(pairs[i]);
+        words[i] = pack_bf16(f16_low(h) * scale, f16_high(h) * scale);
+    }
+    return out;
+}
+#else
+typedef bf16_bits cache_t;
+#endif
 
 // Grid: (rows, kv_heads * head_blocks, splits), head_blocks = ceil(group / BLOCK_HEADS); THREADS
 // threads; dynamic shared memory: the query tile [BLOCK_HEADS, STRIDE], STAGES stages of
 // [BLOCK_KEYS, STRIDE] keys and values, the probabilities' high and low parts [2, BLOCK_HEADS,
-// PROBABILITY_STRIDE], bf16.
+// PROBABILITY_STRIDE], bf16. FP8_CACHE: k_cache and v_cache hold E4M3 codes and k_scales, v_scales
+// [blocks, block_size, num_kv_heads] their scales; the stages hold the codes [2, BLOCK_KEYS,
+// HEAD_DIM] and scales [2, BLOCK_KEYS] as copied, and one tile of bf16 keys and values (code *
+// scale, rounded once) in the bf16 stage layout takes each step's, converted after it lands (so
+// the cache's bytes, half of bf16's, are what the copies read).
 // q [N, num_heads, HEAD_DIM] f32; k_cache, v_cache [blocks, block_size, num_kv_heads, HEAD_DIM]
 // bf16 bits; block_tables [S, max_blocks], seq_index [N], positions [N] int32. One split: out
 // [N, num_heads * HEAD_DIM] bf16 bits. More: out_acc [N, num_heads, splits, HEAD_DIM] f32
@@ -147,16 +196,23 @@ typedef unsigned short bf16_bits;
 // logits are capped, softcap * tanh(logit / softcap); sinks (f32 [num_heads], or null) give each
 // head's softmax one more logit, counted by split 0 as a key already seen whose value is zero.
 extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
-    const float* __restrict__ q, const bf16_bits* __restrict__ k_cache, const bf16_bits* __restrict__ v_cache,
+    const float* __restrict__ q, const cache_t* __restrict__ k_cache, const cache_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_index, const int* __restrict__ positions,
     int num_heads, int num_kv_heads, int block_size, int max_blocks, float scale, int sliding_window, float softcap,
     const float* __restrict__ sinks, float* __restrict__ out_acc, float* __restrict__ out_max,
-    float* __restrict__ out_sum, bf16_bits* __restrict__ out, int* __restrict__ counters)
+    float* __restrict__ out_sum, bf16_bits* __restrict__ out, int* __restrict__ counters,
+    const float* __restrict__ k_scales, const float* __restrict__ v_scales)
 {
     DYNAMIC_SHARED;
     bf16_bits* query_tile = reinterpret_cast<bf16_bits*>(dynamic_shared);
-    bf16_bits* stages = query_tile + BLOCK_HEADS * STRIDE;
+    bf16_bits* stages = query_tile + BLOCK_HEADS * STRIDE;   // FP8_CACHE: the one converted tile
+#if FP8_CACHE
+    bf16_bits* probabilities = stages + STAGE_ELEMENTS;   // high parts, then low parts
+    unsigned char* raw_stages = reinterpret_cast<unsigned char*>(probabilities + 2 * BLOCK_HEADS * PROBABILITY_STRIDE);
+    float* raw_scales = reinterpret_cast<float*>(raw_stages + STAGES * RAW_STAGE_BYTES);   // [STAGES][2][BLOCK_KEYS]
+#else
     bf16_bits* probabilities = stages + STAGES * STAGE_ELEMENTS;   // high parts, then low parts
+#endif
     __shared__ long long stage_rows[STAGES][BLOCK_KEYS];   // element offsets of each stage's keys (-1 past the split)
     __shared__ float warp_max[WARPS][BLOCK_HEADS];
     __shared__ float warp_total[WARPS][BLOCK_HEADS];
@@ -190,6 +246,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     // The copies of a stage; `skipped` (a key of the stage, or -1) gets none: the step's own key,
     // which the kernels ahead are still writing when the first stages are issued.
     auto load_stage = [&](int stage, int skipped) {
+#if FP8_CACHE
+        unsigned char* raw = raw_stages + stage * RAW_STAGE_BYTES;
+        for (int e = threadIdx.x; e < 2 * BLOCK_KEYS * (HEAD_DIM / 16); e += THREADS) {
+            const int half = e / (BLOCK_KEYS * (HEAD_DIM / 16));   // 0: keys, 1: values
+            const int key = (e / (HEAD_DIM / 16)) % BLOCK_KEYS, chunk = e % (HEAD_DIM / 16);
+            if (key == skipped) continue;
+            const long long offset = stage_rows[stage][key];   // in codes: bytes
+            const cache_t* source = (half ? v_cache : k_cache) + (offset < 0 ? 0 : offset) + chunk * 16;
+            copy_16(shared_address(&raw[(half * BLOCK_KEYS + key) * HEAD_DIM + chunk * 16]), source, offset >= 0);
+        }
+        // A key past the split copies scale 0 (and codes 0): its values are zeros.
+        for (int e = threadIdx.x; e < 2 * BLOCK_KEYS; e += THREADS) {
+            const int half = e / BLOCK_KEYS, key = e % BLOCK_KEYS;
+            if (key == skipped) continue;
+            const long long offset = stage_rows[stage][key];
+            const float* source = (half ? v_scales : k_scales) + (offset < 0 ? 0 : offset / HEAD_DIM);
+            copy_4(shared_address(&raw_scales[(stage * 2 + half) * BLOCK_KEYS + key]), source, offset >= 0);
+        }
+#else
         bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
         for (int e = threadIdx.x; e < 2 * BLOCK_KEYS * (HEAD_DIM / 8); e += THREADS) {
             const int half = e / (BLOCK_KEYS * (HEAD_DIM / 8));   // 0: keys, 1: values
@@ -199,6 +274,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             const bf16_bits* source = (half ? v_cache : k_cache) + (offset < 0 ? 0 : offset) + chunk * 8;
             copy_16(shared_address(&keys[(half * BLOCK_KEYS + key) * STRIDE + chunk * 8]), source, offset >= 0);
         }
+#endif
     };
 
     float best[2] = {NEG_INF, NEG_INF}, total[2] = {0.f, 0.f};
@@ -263,12 +339,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     if (own_key >= lo && own_key < hi && own_key < lo + (STAGES - 1) * BLOCK_KEYS) {
         const int own_stage = (own_key - lo) / BLOCK_KEYS, key = (own_key - lo) % BLOCK_KEYS;
         const long long offset = stage_rows[own_stage][key];
+#if FP8_CACHE
+        unsigned char* raw = raw_stages + own_stage * RAW_STAGE_BYTES;
+        for (int e = threadIdx.x; e < 2 * (HEAD_DIM / 16); e += THREADS) {
+            const int half = e / (HEAD_DIM / 16), chunk = e % (HEAD_DIM / 16);
+            const uint4 value = *reinterpret_cast<const uint4*>((half ? v_cache : k_cache) + offset + chunk * 16);
+            *reinterpret_cast<uint4*>(&raw[(half * BLOCK_KEYS + key) * HEAD_DIM + chunk * 16]) = value;
+        }
+        if (threadIdx.x < 2) {
+            raw_scales[(own_stage * 2 + threadIdx.x) * BLOCK_KEYS + key] =
+                (threadIdx.x ? v_scales : k_scales)[offset / HEAD_DIM];
+        }
+#else
         bf16_bits* keys = stages + own_stage * STAGE_ELEMENTS;
         for (int e = threadIdx.x; e < 2 * (HEAD_DIM / 8); e += THREADS) {
             const int half = e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8);
             const uint4 value = *reinterpret_cast<const uint4*>((half ? v_cache : k_cache) + offset + chunk * 8);
             *reinterpret_cast<uint4*>(&keys[(half * BLOCK_KEYS + key) * STRIDE + chunk * 8]) = value;
         }
+#endif
     }
     int stage = 0;
     for (int base = lo; base < hi; base += BLOCK_KEYS) {
@@ -280,7 +369,23 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
         if (base + (STAGES - 1) * BLOCK_KEYS < hi) load_stage(refill, -1);
         commit_copies();
         find_rows(stage, base + STAGES * BLOCK_KEYS);   // this stage's rows were last read by its copies, steps ago
+#if FP8_CACHE
+        // The step's codes times their scales into the bf16 tile (every warp is past the previous
+        // step's reads of it: the barrier above).
+        {
+            const unsigned char* raw = raw_stages + stage * RAW_STAGE_BYTES;
+            const float* raw_scale = raw_scales + stage * 2 * BLOCK_KEYS;
+            for (int e = threadIdx.x; e < 2 * BLOCK_KEYS * (HEAD_DIM / 8); e += THREADS) {
+                const int key_row = e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8);   // key_row: half * BLOCK_KEYS + key
+                const uint2 codes = *reinterpret_cast<const uint2*>(&raw[key_row * HEAD_DIM + chunk * 8]);
+                *reinterpret_cast<uint4*>(&stages[key_row * STRIDE + chunk * 8]) = scaled_e4m3x8(codes, raw_scale[key_row]);
+            }
+        }
+        __syncthreads();
+        const bf16_bits* keys = stages;
+#else
         const bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
+#endif
         const bf16_bits* values = keys + BLOCK_KEYS * STRIDE;
 
         // Scores of the warp's 16 keys: n-tiles 0 (keys warp * 16 + 0-7) and 1 (+ 8-15). B operand
@@ -500,31 +605,33 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
 
 
 def kernel_source(head_dim: int, with_instructions: bool = True, stage_count: int | None = None,
-                  softcap: bool = False) -> str:
+                  softcap: bool = False, fp8: bool = False) -> str:
     """The kernel's CUDA C++ for keys and values of ``head_dim``, ``stage_count`` stages (by
-    default :func:`stages`) and, with ``softcap``, the logits capped, with the PTX helpers, or
-    without them for the CPU emulation, which brings its own."""
+    default :func:`stages`), with ``softcap`` the logits capped, with ``fp8`` over an FP8 cache,
+    with the PTX helpers, or without them for the CPU emulation, which brings its own."""
     count = stages(head_dim) if stage_count is None else stage_count
     constants = (f"#define HEAD_DIM {head_dim}\n#define STAGES {count}\n#define MAX_SPLITS {MAX_SPLITS}\n"
-                 f"#define SOFTCAP {int(softcap)}\n")
-    return (INSTRUCTIONS if with_instructions else "") + constants + KERNEL
+                 f"#define SOFTCAP {int(softcap)}\n#define FP8_CACHE {int(fp8)}\n")
+    helpers = (INSTRUCTIONS + (FP8_INSTRUCTIONS if fp8 else "")) if with_instructions else ""
+    return helpers + constants + KERNEL
 
 
-_kernels: dict[tuple[int, int, bool], Any] = {}
+_kernels: dict[tuple[int, int, bool, bool], Any] = {}
 
 
-def _kernel(head_dim: int, stage_count: int, softcap: bool) -> Any:
-    """The compiled kernel for ``head_dim``, ``stage_count`` and capped logits or not (NVRTC, once
-    per process each)."""
-    kernel = _kernels.get((head_dim, stage_count, softcap))
+def _kernel(head_dim: int, stage_count: int, softcap: bool, fp8: bool = False) -> Any:
+    """The compiled kernel for ``head_dim``, ``stage_count``, capped logits or not and an FP8 cache
+    or not (NVRTC, once per process each)."""
+    key = (head_dim, stage_count, softcap, fp8)
+    kernel = _kernels.get(key)
     if kernel is None:
         import cupy
 
-        module = cupy.RawModule(code=kernel_source(head_dim, stage_count=stage_count, softcap=softcap),
+        module = cupy.RawModule(code=kernel_source(head_dim, stage_count=stage_count, softcap=softcap, fp8=fp8),
                                 options=("--std=c++17", "--use_fast_math"))
         kernel = module.get_function("decode_attention_mma")
-        kernel.max_dynamic_shared_size_bytes = shared_bytes(head_dim, stage_count)
-        _kernels[(head_dim, stage_count, softcap)] = kernel
+        kernel.max_dynamic_shared_size_bytes = shared_bytes(head_dim, stage_count, fp8)
+        _kernels[key] = kernel
     return kernel
 
 
@@ -542,12 +649,12 @@ def head_blocks(heads: int, kv_heads: int) -> int:
 
 
 def split_count(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int,
-                multiprocessors: int = DEFAULT_MULTIPROCESSORS) -> int:
+                multiprocessors: int = DEFAULT_MULTIPROCESSORS, fp8: bool = False) -> int:
     """Key splits per row: as many as keep the grid within one wave of resident blocks, at least
     one step of :data:`BLOCK_KEYS` keys of ``max_context`` each, at most ``MAX_SPLITS`` (the merge's
     limit)."""
     blocks = max(1, rows * kv_heads * head_blocks(heads, kv_heads))
-    resident = multiprocessors * blocks_per_multiprocessor(head_dim)
+    resident = multiprocessors * blocks_per_multiprocessor(head_dim, fp8=fp8)
     steps = max(1, -(-int(max_context) // BLOCK_KEYS))
     return max(1, min(resident // blocks, MAX_SPLITS, steps))
 
@@ -571,9 +678,10 @@ def merges_itself(heads: int, kv_heads: int, head_dim: int, splits: int) -> bool
     return splits * block_heads * head_dim * 4 <= MAX_MERGE_BYTES
 
 
-def device_split_count(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int) -> int:
+def device_split_count(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int,
+                       fp8: bool = False) -> int:
     """:func:`split_count` for the current device's multiprocessors."""
-    return split_count(rows, heads, kv_heads, head_dim, max_context, multiprocessor_count())
+    return split_count(rows, heads, kv_heads, head_dim, max_context, multiprocessor_count(), fp8)
 
 
 def _bf16(values: np.ndarray) -> np.ndarray:
@@ -644,6 +752,14 @@ def decode_attention_partials_model(
     return out_acc, out_max, out_sum
 
 
+def dequantized_cache(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float32 ``[blocks, block_size, kv_heads, d]``: an FP8 cache's rows as the kernel reads them,
+    each code's value times its row's scale rounded to bf16 (host arrays)."""
+    from metrale.kernels.quantized import fp8_e4m3_to_float32
+
+    return _bf16(fp8_e4m3_to_float32(codes) * np.asarray(scales, np.float32)[..., None])
+
+
 def decode_attention(
     q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
     positions: DeviceArray, scale: float, sliding_window: int | None, workspace: tuple, out: DeviceArray,
@@ -658,18 +774,34 @@ def decode_attention(
     them, zero between launches; launches that share them run one after another), the last split
     of each row and head block merges the splits itself and no combine kernel runs. ``softcap`` (a
     positive number, or None) caps the logits; ``sinks`` (float32 ``[heads]``, or None) adds a sink
-    logit to each head's softmax."""
+    logit to each head's softmax. ``k_cache`` and ``v_cache`` may be
+    :class:`~metrale.kernels.kv_cache_fp8.Fp8CacheArray` s on the device (E4M3 codes, a float32
+    scale per slot and head): each step's codes times their scales are rounded to bf16 in shared
+    memory and the rest is the bf16 kernel's (:func:`dequantized_cache` is the bf16 cache it then
+    reads)."""
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+
     op = "decode_attention_mma"
     check_array(op, "q", q, np.float32, ndim=3)
     rows, heads, head_dim = q.shape
-    check_array(op, "k_cache", k_cache, np.uint16, ndim=4)
+    fp8 = isinstance(k_cache, Fp8CacheArray)
+    if fp8 != isinstance(v_cache, Fp8CacheArray):
+        raise KernelArgumentError(f"{op}: the key and value caches must both be FP8 or both bf16")
+    k_scales = v_scales = None
+    if fp8:
+        k_scales, v_scales, k_cache, v_cache = k_cache.scales, v_cache.scales, k_cache.codes, v_cache.codes
+    cache_dtype = np.uint8 if fp8 else np.uint16
+    check_array(op, "k_cache", k_cache, cache_dtype, ndim=4)
     kv_heads = k_cache.shape[2]
     if not supports(heads, kv_heads, head_dim, v_cache.shape[-1]):
         raise KernelArgumentError(
             f"{op}: {heads} query heads over {kv_heads} KV heads of sizes {head_dim} / {v_cache.shape[-1]} are unsupported "
             f"(sizes {HEAD_DIMS}, whole groups)")
-    check_array(op, "k_cache", k_cache, np.uint16, (None, None, kv_heads, head_dim))
-    check_array(op, "v_cache", v_cache, np.uint16, k_cache.shape)
+    check_array(op, "k_cache", k_cache, cache_dtype, (None, None, kv_heads, head_dim))
+    check_array(op, "v_cache", v_cache, cache_dtype, k_cache.shape)
+    if fp8:
+        check_array(op, "k_cache scales", k_scales, np.float32, k_cache.shape[:3])
+        check_array(op, "v_cache scales", v_scales, np.float32, k_cache.shape[:3])
     check_array(op, "block_tables", block_tables, np.int32, ndim=2)
     check_array(op, "seq_index", seq_index, np.int32, (rows,))
     check_array(op, "positions", positions, np.int32, (rows,))
@@ -697,13 +829,13 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, seq_index, positions, np.int32(heads), np.int32(kv_heads),
         np.int32(k_cache.shape[1]), np.int32(block_tables.shape[1]), np.float32(scale), np.int32(sliding_window or 0),
         np.float32(softcap or 0.0), sinks if sinks is not None else np.uint64(0), acc, best, total, out,
-        counters if merged else np.uint64(0),
+        counters if merged else np.uint64(0), k_scales if fp8 else np.uint64(0), v_scales if fp8 else np.uint64(0),
     )
     grid = (rows, kv_heads * head_blocks(heads, kv_heads), splits)
     count = launch_stages(rows, heads, kv_heads, head_dim, splits, block_tables.shape[1] * k_cache.shape[1],
-                          multiprocessor_count())
-    launch(_kernel(head_dim, count, bool(softcap)), grid, (THREADS,), arguments, shared_bytes(head_dim, count), stream,
-           dependent=True)
+                          multiprocessor_count(), fp8)
+    launch(_kernel(head_dim, count, bool(softcap), fp8), grid, (THREADS,), arguments, shared_bytes(head_dim, count, fp8),
+           stream, dependent=True)
     if splits > 1 and not merged:
         attention_combine.combine(acc, best, total, out, stream)
     return out

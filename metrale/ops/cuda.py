@@ -539,10 +539,14 @@ class CudaKernels:
                                    sliding_window: int | None, out: Any, first_row: int, softcap: float | None = None,
                                    sinks: Any = None, merged: bool = False) -> Any:
         """The tensor-core decode kernel; with ``merged``, the last split of each row and head block
-        merges the splits (:func:`metrale.ops.selection.merged_decode_attention_kernels`)."""
+        merges the splits (:func:`metrale.ops.selection.merged_decode_attention_kernels`). The caches
+        are bf16 or :class:`~metrale.kernels.kv_cache_fp8.Fp8CacheArray` s."""
+        from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+
         rows, heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
-        splits = attention_decode_mma.device_split_count(rows, heads, kv_heads, head_dim, batch.max_context)
+        splits = attention_decode_mma.device_split_count(rows, heads, kv_heads, head_dim, batch.max_context,
+                                                         isinstance(k_cache, Fp8CacheArray))
         seq_index, positions = self._decode_rows(batch, first_row, rows)
         counters = self._merge_counters(attention_decode_mma.counter_count(rows, heads, kv_heads)) if merged else None
         return attention_decode_mma.decode_attention(

@@ -553,6 +553,10 @@ def attention_kernels() -> list[Kernel]:
     def fp8_cache(q, k_cache, *rest, **options):
         return isinstance(k_cache, Fp8CacheArray)
 
+    def fp8_decode_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row, softcap=None, sinks=None):
+        return (isinstance(k_cache, Fp8CacheArray) and isinstance(v_cache, Fp8CacheArray)
+                and decode_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row, softcap, sinks))
+
     def fp8_write(qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim,
                   k_cache, *rest, **options):
         return isinstance(k_cache, Fp8CacheArray)
@@ -564,6 +568,11 @@ def attention_kernels() -> list[Kernel]:
         Kernel("qkv_rope_cache", "cuda", "metrale.kernels.qkv_rope into rows of their own, then "
                "metrale.kernels.attention_fp8's quantized write", build=_cuda_method("qkv_rope_cache_fp8"), when=fp8_write,
                condition="an FP8 cache"),
+        Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_decode_mma (tensor cores, each step's "
+               "codes scaled into bf16 in shared memory)", build=_cuda_method("paged_attention_decode_mma"),
+               when=fp8_decode_mma, enabled=_decode_mma_enabled,
+               condition="METRALE_DECODE_MMA is not 0, an FP8 cache, K and V heads of 64, 128 or 256 dims, whole "
+               "query-head groups"),
         Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_fp8 (CUDA cores, a block per query head)",
                build=_cuda_method("paged_attention_decode_fp8"), when=fp8_cache, condition="an FP8 cache"),
         Kernel("paged_attention_prompt", "cuda", "paged_attention_decode, a row at a time (its kernels)",

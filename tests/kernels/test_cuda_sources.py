@@ -131,10 +131,12 @@ def test_every_decode_gemv_instantiation_compiles(tmp_path):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_the_decode_attention_compiles_for_every_head_size(tmp_path, head_dim):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_decode_attention_compiles_for_every_head_size(tmp_path, head_dim, fp8):
     from metrale.kernels import attention_decode_mma
 
-    assert "decode_attention_mma" in entries(compile_to_ptx(tmp_path, attention_decode_mma.kernel_source(head_dim)))
+    code = attention_decode_mma.kernel_source(head_dim, fp8=fp8)
+    assert "decode_attention_mma" in entries(compile_to_ptx(tmp_path, code))
 
 
 @pytest.mark.parametrize("head_dim, value_dim", [(64, 64), (192, 128), (256, 256)])
