@@ -48,7 +48,10 @@ from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
 from metrale.kernels.quantized import QuantizedWeight, dequantize, quantize_activations
 
 #: Input schemes (template ``ACT``), numbered as :data:`metrale.kernels.quantized_gemv.ACTIVATIONS`.
-ACTIVATIONS = {name: qg.ACTIVATIONS[name] for name in ("fp8_token", "fp8_tensor")}
+ACTIVATIONS = {name: qg.ACTIVATIONS[name] for name in ("fp8_token", "fp8_tensor", "fp8_group")}
+#: The scale blocks' size along the inner size of block-wise FP8 (``fp8_group`` inputs): weights'
+#: columns and inputs' groups alike.
+SCALE_BLOCK = 128
 MAX_ROWS = 32
 #: The most rows the prologue stages in shared memory; more are staged once by ``stage_rows``.
 SHARED_STAGE_MAX_ROWS = 4
@@ -102,7 +105,10 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, q = lane % 4;
     const int pieces = (K + 63) / 64, stride = pieces * 8;   // stride: 16-byte chunks of a staged row
-    const int slice = (pieces + SPLIT - 1) / SPLIT, part = warp % SPLIT;
+    // ACT_FP8_GROUP: slices of whole 128-position scale blocks (an even count of pieces).
+    const int slice = ACT == ACT_FP8_GROUP ? (pieces + 2 * SPLIT - 1) / (2 * SPLIT) * 2 : (pieces + SPLIT - 1) / SPLIT;
+    const int part = warp % SPLIT;
+    const int groups = (K + 127) / 128;   // ACT_FP8_GROUP: scale blocks along K (weights and inputs)
     const int first_piece = part * slice;
     const int own = max(0, min(pieces, first_piece + slice) - first_piece);   // this warp's pieces
     // Byte offsets (from the lane's first code of the slice) below `limit` hold codes of this slice.
@@ -119,6 +125,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
     // of the slice from `upper` and `lower`.
     struct Position {
         int tile, batch;
+        int upper_row, lower_row;   // the lane's two weight rows
         const unsigned char* upper;
         const unsigned char* lower;
     };
@@ -128,6 +135,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
         const size_t offset = (size_t)(64 * first_piece + 16 * q);
         const int upper = SWIGLU ? min(tile * 8 + g, N - 1) : min(tile * 16 + g, N - 1);
         const int lower = SWIGLU ? upper + N : min(tile * 16 + g + 8, N - 1);
+        p.upper_row = upper;
+        p.lower_row = lower;
         p.upper = codes + (size_t)upper * (size_t)K + offset;
         p.lower = codes + (size_t)lower * (size_t)K + offset;
     };
@@ -163,7 +172,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
         const int chunks = K / 8;
         // bf16 rows with per-token scales are read once: the first pass keeps each chunk (8 values,
         // 16 bytes) in the slot its codes take, the second quantizes it in place (the same thread).
-        constexpr bool ONE_PASS = NORM || (ACT == ACT_FP8_TOKEN && sizeof(INPUT) == 2);
+        constexpr bool ONE_PASS = NORM || ((ACT == ACT_FP8_TOKEN || ACT == ACT_FP8_GROUP) && sizeof(INPUT) == 2);
         if constexpr (NORM) {
             // s = x (+ residual), float32; the bf16 values of s / rms(s) * (norm_offset + gain) into
             // the codes' slots (block 0 writes s out), their maximum on the way.
@@ -236,6 +245,31 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
                 shared_scales[tid] = ACT == ACT_FP8_TOKEN ? fmaxf(amax / FP8_MAX, MIN_SCALE) : input_scale;
             }
             __syncthreads();
+        } else if (ACT == ACT_FP8_GROUP) {
+            // A scale per 128 positions: the 16 chunks of a group are 16 neighbouring lanes' (a
+            // loop round covers whole groups, every lane of a warp in it).
+            for (int r = 0; r < rows; ++r) {
+                for (int base = 0; base < chunks; base += THREADS) {
+                    const int c = base + tid;
+                    float amax = 0.0f;
+                    if (c < chunks) {
+                        float v[8];
+                        if constexpr (sizeof(INPUT) == 2) {
+                            const uint4 raw = __ldg(reinterpret_cast<const uint4*>(x + (size_t)r * K) + c);
+                            shared_stage[r * stride + c] = raw;
+                            bf16_eight(raw, v);
+                        } else {
+                            load_eight(x + (size_t)r * K, c, v);
+                        }
+                        #pragma unroll
+                        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+                    }
+                    #pragma unroll
+                    for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+                    if (c < chunks && c % 16 == 0) shared_scales[r * groups + c / 16] = fmaxf(amax / FP8_MAX, MIN_SCALE);
+                }
+            }
+            __syncthreads();
         } else if (ACT == ACT_FP8_TOKEN) {
             for (int r = 0; r < rows; ++r) {
                 float amax = 0.0f;
@@ -267,11 +301,12 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
             shared_scales[tid] = input_scale;
         }
         for (int r = 0; r < rows; ++r) {
-            const float s = ACT == ACT_FP8_TOKEN ? shared_scales[r] : input_scale;
+            const float row_scale = ACT == ACT_FP8_TOKEN ? shared_scales[r] : input_scale;
             #pragma unroll 2
             for (int c = tid; c < stride; c += THREADS) {
                 uint4 staged = zero;
                 if (c < chunks) {
+                    const float s = ACT == ACT_FP8_GROUP ? shared_scales[r * groups + c / 16] : row_scale;
                     float v[8];
                     if constexpr (ONE_PASS) bf16_eight(shared_stage[r * stride + c], v);
                     else load_eight(x + (size_t)r * K, c, v);
@@ -288,12 +323,18 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
         stage = shared_stage;
         row_scales = shared_scales;
     }
-    const int reduce_at = SHARED_STAGE ? rows * stride * 16 + (rows * 4 + 15) / 16 * 16 : 0;
+    const int scale_count = ACT == ACT_FP8_GROUP ? rows * groups : rows;
+    const int reduce_at = SHARED_STAGE ? rows * stride * 16 + (scale_count * 4 + 15) / 16 * 16 : 0;
     float4* reduce = reinterpret_cast<float4*>(dynamic_shared + reduce_at);   // [WARPS][ROW_TILES][32]
 
     float acc[ROW_TILES][4];
     #pragma unroll
     for (int t = 0; t < ROW_TILES; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+    // ACT_FP8_GROUP: the scaled sums of the tile's finished 128-position blocks (acc holds the
+    // current block's, unscaled).
+    float total[ACT == ACT_FP8_GROUP ? ROW_TILES : 1][4];
+    #pragma unroll
+    for (int t = 0; t < (ACT == ACT_FP8_GROUP ? ROW_TILES : 1); ++t) total[t][0] = total[t][1] = total[t][2] = total[t][3] = 0.0f;
 
     // One step: the batch's pieces (none past the warp's slice: a warp-uniform test), four products
     // a piece and row tile; after the tile's last batch its sums, scaled, go out.
@@ -327,9 +368,38 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
                     mma_16x8x16_f16(acc[t], a2, b2);
                     mma_16x8x16_f16(acc[t], a3, b3);
                 }
+                if constexpr (ACT == ACT_FP8_GROUP) {
+                    // A block's last piece: its sums times its weight and input scales join the total.
+                    const int piece = first_piece + index;
+                    if ((piece & 1) || index == own - 1) {
+                        const int block = piece / 2;
+                        const float upper_scale = __ldg(scales + (size_t)(now.upper_row / block_rows) * groups + block);
+                        const float lower_scale = __ldg(scales + (size_t)(now.lower_row / block_rows) * groups + block);
+                        #pragma unroll
+                        for (int t = 0; t < ROW_TILES; ++t) {
+                            #pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                const int r = 8 * t + 2 * q + (i & 1);
+                                const float input = r < rows ? row_scales[r * groups + block] : 0.0f;
+                                total[t][i] += acc[t][i] * ((i < 2 ? upper_scale : lower_scale) * input);
+                                acc[t][i] = 0.0f;
+                            }
+                        }
+                    }
+                }
             }
         }
         if (now.batch == batches - 1) {
+            if constexpr (ACT == ACT_FP8_GROUP) {
+                #pragma unroll
+                for (int t = 0; t < ROW_TILES; ++t) {
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        acc[t][i] = total[t][i];
+                        total[t][i] = 0.0f;
+                    }
+                }
+            }
             if (SPLIT > 1) {
                 #pragma unroll
                 for (int t = 0; t < ROW_TILES; ++t) {
@@ -352,15 +422,16 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
             if (SWIGLU && part == 0 && now.tile < tiles) {
                 const int unit = now.tile * 8 + g;
                 if (unit < N) {
-                    const float gate_scale = __ldg(scales + unit / block_rows);
-                    const float up_scale = __ldg(scales + (unit + N) / block_rows);
+                    const float gate_scale = ACT == ACT_FP8_GROUP ? 1.0f : __ldg(scales + unit / block_rows);
+                    const float up_scale = ACT == ACT_FP8_GROUP ? 1.0f : __ldg(scales + (unit + N) / block_rows);
                     #pragma unroll
                     for (int t = 0; t < ROW_TILES; ++t) {
                         #pragma unroll
                         for (int i = 0; i < 2; ++i) {
                             const int r = 8 * t + 2 * q + i;
                             if (r < rows) {
-                                const float input = ACT == ACT_FP8_TENSOR ? input_scale : row_scales[r];
+                                const float input = ACT == ACT_FP8_TENSOR ? input_scale
+                                                    : ACT == ACT_FP8_GROUP ? 1.0f : row_scales[r];
                                 const float gate = acc[t][i] * input * gate_scale;
                                 const float up = acc[t][i + 2] * input * up_scale;
                                 reinterpret_cast<unsigned short*>(out)[(size_t)r * N + unit] =
@@ -374,13 +445,14 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
                 for (int i = 0; i < 4; ++i) {
                     const int n = now.tile * 16 + g + (i >= 2 ? 8 : 0);
                     if (n < N) {
-                        const float weight_scale = __ldg(scales + n / block_rows);
+                        const float weight_scale = ACT == ACT_FP8_GROUP ? 1.0f : __ldg(scales + n / block_rows);
                         const float add = bias != nullptr ? __ldg(bias + n) : 0.0f;
                         #pragma unroll
                         for (int t = 0; t < ROW_TILES; ++t) {
                             const int r = 8 * t + 2 * q + (i & 1);
                             if (r < rows) {
-                                const float input = ACT == ACT_FP8_TENSOR ? input_scale : row_scales[r];
+                                const float input = ACT == ACT_FP8_TENSOR ? input_scale
+                                                    : ACT == ACT_FP8_GROUP ? 1.0f : row_scales[r];
                                 out[(size_t)r * N + n] = acc[t][i] * input * weight_scale + add;
                             }
                         }
@@ -415,12 +487,17 @@ def source() -> str:
 
 def serves(rows: int, weight: QuantizedWeight) -> bool:
     """Whether the GEMV serves ``rows`` rows of a product with ``weight``: 1 to :data:`MAX_ROWS`
-    rows, FP8 codes with one scale per output channel (or per tensor), inputs quantized per token
-    or with a static scale, no act-order or zero points, the inner size a multiple of 16."""
+    rows, FP8 codes with one scale per output channel (or per tensor) and inputs quantized per
+    token or with a static scale, or block-wise FP8 (weight scales per :data:`SCALE_BLOCK` columns
+    and any count of rows, inputs per group of :data:`SCALE_BLOCK`, as DeepSeek-V3 and Qwen3-FP8
+    store them); no act-order or zero points, the inner size a multiple of 16."""
     out, inner = weight.shape
+    if weight.activations == "fp8_group":
+        scales_fit = weight.block[1] == SCALE_BLOCK and weight.activation_group == SCALE_BLOCK
+    else:
+        scales_fit = weight.scales.shape[1] == 1
     return (0 < rows <= MAX_ROWS and out > 0 and weight.codes_format == "fp8" and weight.activations in ACTIVATIONS
-            and weight.scales.shape[1] == 1 and weight.input_order is None and weight.zeros is None
-            and inner % 16 == 0)
+            and scales_fit and weight.input_order is None and weight.zeros is None and inner % 16 == 0)
 
 
 def shared_stage(rows: int, weight: QuantizedWeight) -> bool:
@@ -433,7 +510,8 @@ def shared_bytes(rows: int, weight: QuantizedWeight, split: int, staged: bool) -
     """Dynamic shared memory of a launch: the staged rows and their scales (``staged``), the
     split's partial sums."""
     pieces = -(-weight.shape[1] // 64)
-    stage = rows * pieces * 128 + -(-rows * 4 // 16) * 16 if staged else 0
+    scale_count = rows * qg.activation_groups(weight)
+    stage = rows * pieces * 128 + -(-scale_count * 4 // 16) * 16 if staged else 0
     return stage + (qg.REDUCE_BYTES * qg.row_tiles(rows) if split > 1 else 0)
 
 
@@ -485,8 +563,8 @@ def norm_reference(x: np.ndarray, residual: np.ndarray | None, norm_weight: np.n
 
 def serves_norm(rows: int, weight: QuantizedWeight) -> bool:
     """Whether a launch can take the norm into its prologue: rows it serves that the prologue stages
-    in shared memory."""
-    return serves(rows, weight) and shared_stage(rows, weight)
+    in shared memory, inputs with one scale a row (or a static one)."""
+    return serves(rows, weight) and weight.activations != "fp8_group" and shared_stage(rows, weight)
 
 
 # ------------------------------------------------------------------------------- launcher

@@ -286,10 +286,10 @@ def quantized_kernels() -> list[Kernel]:
         Kernel("linear", "cuda", "metrale.kernels.quantized_gemv (FP8 rows), cuBLASLt FP8 product (FP8 tensor cores)",
                build=_cuda_method("quantized_linear"), when=fp8_decode_batch,
                condition=f"FP8 weights and inputs whose scales factor out of the sums, N >= {FP8_TENSOR_CORE_MIN_ROWS}"),
-        Kernel("linear", "cuda", "metrale.kernels.fp8_gemv (FP8 decode GEMV, the scales applied once)",
-               build=_cuda_method("fp8_linear_gemv"), when=fp8_decode_rows,
-               condition="FP8 weights and inputs whose scales factor out of the sums, at most 32 rows, "
-               "the inner size a multiple of 16"),
+        Kernel("linear", "cuda", "metrale.kernels.fp8_gemv (FP8 decode GEMV, the scales applied once a sum or a "
+               "128-column block)", build=_cuda_method("fp8_linear_gemv"), when=fp8_decode_rows,
+               condition="FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8 (blocks of "
+               "128 columns, inputs in groups of 128), at most 32 rows, the inner size a multiple of 16"),
         Kernel("linear", "cuda", "metrale.kernels.int4_gemv (4-bit decode GEMV, a group's sums scaled at once)",
                build=_cuda_method("int4_linear_gemv"), when=int4_decode_rows,
                condition="4-bit weight-only weights in groups of a multiple of 128 columns, at most 32 rows"),
@@ -303,8 +303,8 @@ def quantized_kernels() -> list[Kernel]:
                "no bias"),
         Kernel("linear_silu", "cuda", "metrale.kernels.fp8_gemv (FP8 decode GEMV, the gate in its epilogue)",
                build=_cuda_method("fp8_linear_silu_gemv"), when=fp8_decode_gate_up,
-               condition="FP8 weights and inputs whose scales factor out of the sums, at most 32 rows, "
-               "the inner size a multiple of 16, no bias"),
+               condition="FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8, at most 32 "
+               "rows, the inner size a multiple of 16, no bias"),
         Kernel("linear_silu", "cuda", "metrale.kernels.int4_gemv (4-bit decode GEMV, the gate in its epilogue)",
                build=_cuda_method("int4_linear_silu_gemv"), when=int4_decode_gate_up,
                condition="4-bit weight-only weights in groups of a multiple of 128 columns, at most 32 rows, no bias"),

@@ -21,9 +21,11 @@ from metrale.kernels.quantized import QuantizedWeight, float32_to_fp8_e4m3, quan
 # (activations, split, row tiles, unroll) instantiated in the emulated program, each with the rows
 # staged in shared memory and in the global workspace, float32 and bf16 rows.
 INSTANCES = [("fp8_token", 1, 1, 4), ("fp8_token", 8, 1, 4), ("fp8_token", 2, 2, 4), ("fp8_tensor", 4, 1, 4),
-             ("fp8_token", 1, 4, 4), ("fp8_token", 2, 1, 2), ("fp8_tensor", 1, 2, 2)]
+             ("fp8_token", 1, 4, 4), ("fp8_token", 2, 1, 2), ("fp8_tensor", 1, 2, 2), ("fp8_group", 1, 1, 4),
+             ("fp8_group", 8, 1, 4), ("fp8_group", 2, 2, 2), ("fp8_group", 1, 1, 2)]
 # The gated form's instances (also both stagings, both input types).
-SWIGLU_INSTANCES = [("fp8_token", 1, 1, 4), ("fp8_token", 8, 1, 4), ("fp8_tensor", 1, 2, 2), ("fp8_token", 1, 4, 4)]
+SWIGLU_INSTANCES = [("fp8_token", 1, 1, 4), ("fp8_token", 8, 1, 4), ("fp8_tensor", 1, 2, 2), ("fp8_token", 1, 4, 4),
+                    ("fp8_group", 1, 1, 4)]
 # The norm prologue's instances (activations, split, unroll, gated): float32 rows staged in shared memory.
 NORM_INSTANCES = [("fp8_token", 1, 4, False), ("fp8_token", 8, 4, False), ("fp8_token", 8, 4, True),
                   ("fp8_tensor", 4, 4, False), ("fp8_token", 1, 4, True)]
@@ -48,7 +50,7 @@ def emulation_main() -> str:
     stage_rows = "\n".join(
         f"        if (act == {fg.ACTIVATIONS[a]} && bf16 == {int(b)}) emu::launch({{(unsigned)rows, 1, 1}}, "
         f"{{THREADS, 1, 1}}, [&] {{ {qg.stage_rows_name(a, True, b)}({'x16' if b else 'x'}, nullptr, input_scale, "
-        f"0, staged_rows, staged_scales, K); }});"
+        f"{fg.SCALE_BLOCK}, staged_rows, staged_scales, K); }});"
         for a in fg.ACTIVATIONS for b in (False, True))
     return r"""
 #include <string>
@@ -63,7 +65,8 @@ int main(int argc, char** argv) {
     const float input_scale = std::atof(argv[11]);
     const int flags = std::atoi(argv[12]), shared = std::atoi(argv[13]);
     const unsigned char* code_bytes = read<unsigned char>(folder + "/codes", (size_t)N * K);
-    const float* scales = read<float>(folder + "/scales", (size_t)(N + block_rows - 1) / block_rows);
+    const int scale_columns = act == ACT_FP8_GROUP ? (K + 127) / 128 : 1;
+    const float* scales = read<float>(folder + "/scales", (size_t)(N + block_rows - 1) / block_rows * scale_columns);
     const int bf16 = (flags & 2) != 0, swiglu = (flags & 4) != 0, norm = (flags & 8) != 0;
     const float eps = std::atof(argv[14]), norm_offset = std::atof(argv[15]);
     const float* residual = flags & 16 ? read<float>(folder + "/residual", (size_t)rows * K) : nullptr;
@@ -80,7 +83,7 @@ int main(int argc, char** argv) {
         // The padding past K holds what a workspace may: the GEMV must not read it.
         for (size_t i = 0; i < (size_t)rows * ((K + 63) / 64) * 8; ++i) staged_rows[i] = {0x7e007e00u, 0x7e007e00u,
                                                                                          0x7e007e00u, 0x7e007e00u};
-        staged_scales = allocate<float>(rows);
+        staged_scales = allocate<float>((size_t)rows * scale_columns);
 """ + stage_rows + r"""
     }
     bool found = false;
@@ -105,7 +108,8 @@ def emulated(tmp_path_factory):
         case.mkdir(exist_ok=True)
         out_features, inner = weight.shape
         np.ascontiguousarray(weight.codes).tofile(case / "codes")
-        np.ascontiguousarray(weight.scales[:, 0], np.float32).tofile(case / "scales")
+        np.ascontiguousarray(weight.scales if weight.activations == "fp8_group" else weight.scales[:, 0],
+                             np.float32).tofile(case / "scales")
         np.ascontiguousarray(x, np.float32).tofile(case / "x")
         flags = 0
         if bias is not None:
@@ -215,8 +219,11 @@ def test_serves():
     assert not fg.serves(0, weight) and not fg.serves(33, weight)
     assert fg.serves(2, make_weight(rng, 64, 256, "fp8_tensor", True))
     blocks = QuantizedWeight("fp8", weight.codes, np.ones((1, 2), np.float32), (128, 128), (64, 256),
-                             activations="fp8_group")
-    assert not fg.serves(1, blocks)  # scales along the inner size do not factor out
+                             activations="fp8_group", activation_group=128)
+    assert fg.serves(1, blocks) and fg.serves(32, blocks)  # block-wise FP8: the sums scaled block by block
+    narrow = QuantizedWeight("fp8", weight.codes, np.ones((1, 4), np.float32), (128, 64), (64, 256),
+                             activations="fp8_group", activation_group=64)
+    assert not fg.serves(1, narrow)  # scale blocks of 64 columns
     weight_only = QuantizedWeight("fp8", weight.codes, weight.scales, (1, 256), (64, 256))
     assert not fg.serves(1, weight_only)  # bf16 inputs
     odd = make_weight(rng, 16, 40, "fp8_token", False)
@@ -298,3 +305,50 @@ def test_emulated_norm_prologue_is_rmsnorm_residual_then_the_product(emulated, a
     unfused = emulated(weight, normed, split=split, unroll=unroll, swiglu=gated)
     assert np.abs(got - unfused).max() <= 2e-2 * np.abs(unfused).max()
     assert np.mean(got == unfused) > 0.9  # most outputs identical: the norm's values are the same bf16s
+
+
+def make_block_weight(rng: np.random.Generator, out: int, inner: int, block_rows: int) -> QuantizedWeight:
+    """Block-wise FP8 as DeepSeek-V3 stores it: a scale per block of ``block_rows`` x 128, inputs
+    quantized per group of 128."""
+    scales = rng.uniform(0.01, 0.05, size=(-(-out // block_rows), -(-inner // 128))).astype(np.float32)
+    stored = float32_to_fp8_e4m3(rng.normal(size=(out, inner)).astype(np.float32) * 100)
+    return QuantizedWeight("fp8", stored, scales, (block_rows, 128), (out, inner), activations="fp8_group",
+                           activation_group=128)
+
+
+BLOCK_CASES = [
+    # rows, inner, out, block rows, split, blocks, unroll, bf16
+    (1, 1024, 300, 128, 1, 3, 4, False),  # rounds of tiles, 8 scale blocks
+    (2, 4160, 48, 128, 8, 2, 4, True),  # 32.5 scale blocks over 8 warps: the last block a lone piece
+    (3, 208, 40, 16, 1, 1, 2, False),  # 1.6 blocks; scale rows of 16
+    (13, 384, 40, 128, 2, 1, 2, True),  # two row tiles, staged once for all blocks
+    (4, 640, 33, 32, 1, 2, 2, False),  # a partial column tile; scale rows of 32
+]
+
+
+@pytest.mark.parametrize("rows, inner, out, block_rows, split, blocks, unroll, bf16_input", BLOCK_CASES)
+def test_emulated_block_fp8_gemv_matches_the_reference(emulated, rows, inner, out, block_rows, split, blocks, unroll,
+                                                       bf16_input):
+    rng = np.random.default_rng(rows * 10 + inner + out)
+    weight = make_block_weight(rng, out, inner, block_rows)
+    x = bf16_to_float32(float32_to_bf16(rng.normal(size=(rows, inner)).astype(np.float32)))
+    x[0, :5] *= 32  # one group of the first row with large values (exact in bf16): its scale is theirs alone
+    assert fg.serves(rows, weight) and not fg.serves_norm(rows, weight)
+    got = emulated(weight, x, split=split, blocks=blocks, shared=fg.shared_stage(rows, weight), unroll=unroll,
+                   bf16_input=bf16_input)
+    expected = fg.fp8_gemv_reference(x, weight)
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+    full_precision = quantized_linear_reference(x, weight)
+    assert np.abs(got - full_precision).max() <= 1e-5 * np.abs(full_precision).max()
+
+
+@pytest.mark.parametrize("rows, inner, units, block_rows, bf16_input", [
+    (1, 1024, 300, 128, True), (3, 4160, 24, 16, False), (2, 208, 40, 128, True)])
+def test_emulated_gated_block_fp8_gemv(emulated, rows, inner, units, block_rows, bf16_input):
+    """Gate and up rows in different scale blocks (the up rows N on)."""
+    rng = np.random.default_rng(rows * 10 + inner + units + 1)
+    weight = make_block_weight(rng, 2 * units, inner, block_rows)
+    x = bf16_to_float32(float32_to_bf16(rng.normal(size=(rows, inner)).astype(np.float32)))
+    got = emulated(weight, x, split=1, blocks=3, shared=True, unroll=4, bf16_input=bf16_input, swiglu=True)
+    expected = fg.fp8_gemv_reference(x, weight, swiglu=True)
+    assert np.all(np.abs(got - expected) <= 2.0**-7 * np.abs(expected) + 1e-6 * np.abs(expected).max())

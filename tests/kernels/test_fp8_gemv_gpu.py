@@ -201,3 +201,34 @@ def test_the_norm_prologue_on_the_8b_shapes_through_the_backend(backend, rows, w
     assert rel_error(cp.asnumpy(out), fg.fp8_gemv_reference(normed, qkv)) < 2e-2
     act = fg.fp8_gemv_reference(normed, gate_up, swiglu=True)
     assert rel_error(cp.asnumpy(mlp), fg.fp8_gemv_reference(act, down)) < 3e-2
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9, 32])
+def test_block_fp8_on_the_8b_shapes_and_through_the_backend(backend, rows):
+    """Block-wise FP8 (128 x 128 weight scales, inputs per group of 128, as DeepSeek-V3 and
+    Qwen3-FP8 store them): the GEMV against its reference on the 8B shapes, and the backend's
+    ``linear`` and ``linear_silu`` choosing it."""
+    import cupy as cp
+
+    from metrale.kernels import fp8_gemv as fg
+    from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
+
+    rng = np.random.default_rng(rows + 100)
+    for inner, columns in LLAMA_8B:
+        scales = rng.uniform(1e-4, 4e-4, size=(-(-columns // 128), -(-inner // 128))).astype(np.float32)
+        stored = float32_to_fp8_e4m3(rng.normal(size=(columns, inner)).astype(np.float32) * 100)
+        host = QuantizedWeight("fp8", stored, scales, (128, 128), (columns, inner), activations="fp8_group",
+                               activation_group=128)
+        weight = uploaded(backend, host)
+        bits = float32_to_bf16(rng.normal(size=(rows, inner)).astype(np.float32))
+        values = bf16_to_float32(bits)
+        got = run(cp.asarray(bits), weight, host, rows)
+        assert rel_error(got, fg.fp8_gemv_reference(values, host)) < 2e-5, (inner, columns)
+        through = backend.ops.linear(cp.asarray(bits), weight)
+        backend.stream.synchronize()
+        assert rel_error(cp.asnumpy(through), fg.fp8_gemv_reference(values, host)) < 2e-5
+        if columns == 28672:
+            gated = backend.ops.linear_silu(cp.asarray(bits), weight)
+            backend.stream.synchronize()
+            got_gated = bf16_to_float32(cp.asnumpy(gated))
+            assert rel_error(got_gated, fg.fp8_gemv_reference(values, host, swiglu=True)) < 2.0**-7

@@ -389,7 +389,9 @@ def test_gpt_oss_experts_take_the_grouped_kernels_for_many_tokens(stacks, tokens
     ("fp8", "fp8_tensor", 3, "fp8_gemv"),
     ("fp8", "fp8_token", 8, "FP8 tensor cores"),
     ("fp8", "fp8_tensor", 32, "FP8 tensor cores"),
-    ("fp8", "fp8_group", 32, "quantized_gemv (decode GEMV)"),  # block scales change along the inner size
+    ("fp8", "fp8_group", 1, "fp8_gemv"),  # block-wise FP8: the sums scaled block by block
+    ("fp8", "fp8_group", 32, "fp8_gemv"),
+    ("fp8", "fp8_group", 33, "staged input"),
     ("int4", "weight_only", 32, "int4_gemv"),
     ("int4-g32", "weight_only", 4, "quantized_gemv (decode GEMV)"),  # groups under 128 columns
     ("fp8", "fp8_token", 33, "FP8 tensor cores"),
@@ -397,8 +399,9 @@ def test_gpt_oss_experts_take_the_grouped_kernels_for_many_tokens(stacks, tokens
 ])
 def test_quantized_decode_rows_by_format_and_row_count(codes, activations, rows, expected):
     """FP8 weights whose scales factor out of the sums take FP8 tensor cores from
-    FP8_TENSOR_CORE_MIN_ROWS rows and the FP8 GEMV below; 4-bit weights in groups of 128 the
-    4-bit GEMV; other formats the quantized decode GEMV up to its 32 rows."""
+    FP8_TENSOR_CORE_MIN_ROWS rows and the FP8 GEMV below; block-wise FP8 the FP8 GEMV up to its 32
+    rows; 4-bit weights in groups of 128 the 4-bit GEMV; other formats the quantized decode GEMV up
+    to its 32 rows."""
     from metrale.kernels.quantized import QuantizedWeight
     from metrale.ops.selection import FP8_TENSOR_CORE_MIN_ROWS
 

@@ -243,8 +243,9 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
     assert registry.serving("linear", "cuda") == [
         "metrale.kernels.quantized_gemv (FP8 rows), cuBLASLt FP8 product (FP8 tensor cores) [metrale] when FP8 weights "
         "and inputs whose scales factor out of the sums, N >= 8",
-        "metrale.kernels.fp8_gemv (FP8 decode GEMV, the scales applied once) [metrale] when FP8 weights and inputs "
-        "whose scales factor out of the sums, at most 32 rows, the inner size a multiple of 16",
+        "metrale.kernels.fp8_gemv (FP8 decode GEMV, the scales applied once a sum or a 128-column block) [metrale] when "
+        "FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8 (blocks of 128 columns, inputs "
+        "in groups of 128), at most 32 rows, the inner size a multiple of 16",
         "metrale.kernels.int4_gemv (4-bit decode GEMV, a group's sums scaled at once) [metrale] when 4-bit "
         "weight-only weights in groups of a multiple of 128 columns, at most 32 rows",
         "metrale.kernels.quantized_gemv (decode GEMV) [metrale] when a quantized weight, at most 32 rows, the inner "
