@@ -553,6 +553,11 @@ def attention_kernels() -> list[Kernel]:
     def fp8_cache(q, k_cache, *rest, **options):
         return isinstance(k_cache, Fp8CacheArray)
 
+    def fp8_prompt_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, first_segment, softcap=None,
+                       sinks=None):
+        return (isinstance(k_cache, Fp8CacheArray) and isinstance(v_cache, Fp8CacheArray)
+                and prompt_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, first_segment, softcap, sinks))
+
     def fp8_decode_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row, softcap=None, sinks=None):
         return (isinstance(k_cache, Fp8CacheArray) and isinstance(v_cache, Fp8CacheArray)
                 and decode_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row, softcap, sinks))
@@ -575,6 +580,10 @@ def attention_kernels() -> list[Kernel]:
                "query-head groups"),
         Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_fp8 (CUDA cores, a block per query head)",
                build=_cuda_method("paged_attention_decode_fp8"), when=fp8_cache, condition="an FP8 cache"),
+        Kernel("paged_attention_prompt", "cuda", "metrale.kernels.attention_mma (tensor cores, each step's codes "
+               "scaled into bf16 in shared memory)", build=_cuda_method("paged_attention_prompt_mma"),
+               when=fp8_prompt_mma, condition="an FP8 cache, (K, V) head sizes (64, 64), (128, 128), (192, 128) or "
+               "(256, 256), whole query-head groups"),
         Kernel("paged_attention_prompt", "cuda", "paged_attention_decode, a row at a time (its kernels)",
                build=_prompt_rows_as_decode_rows, when=fp8_cache, condition="an FP8 cache"),
         Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_decode_mma (tensor cores)",

@@ -141,10 +141,11 @@ def test_the_decode_attention_compiles_for_every_head_size(tmp_path, head_dim, f
 
 @pytest.mark.parametrize("head_dim, value_dim", [(64, 64), (192, 128), (256, 256)])
 @pytest.mark.parametrize("softcap", [False, True])
-def test_the_prompt_attention_compiles_for_every_head_size(tmp_path, head_dim, value_dim, softcap):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_prompt_attention_compiles_for_every_head_size(tmp_path, head_dim, value_dim, softcap, fp8):
     from metrale.kernels import attention_mma
 
-    code = attention_mma.kernel_source(head_dim, value_dim, softcap)
+    code = attention_mma.kernel_source(head_dim, value_dim, softcap, fp8=fp8)
     assert "prefill_attention_mma" in entries(compile_to_ptx(tmp_path, code, optimize=False))
 
 

@@ -259,7 +259,9 @@ def test_softcap_and_sinks_go_to_the_kernels_that_serve_them(monkeypatch):
     assert "attention_decode_mma" in serving[2] and "softcap" not in serving[2]
     assert all("no softcap, no sinks" in line for line in serving[3:-1]) and " when " not in serving[-1]
     prompt_serving = builtin_registry().serving("paged_attention_prompt", "cuda")
-    assert "attention_mma" in prompt_serving[1] and "softcap" not in prompt_serving[1]
+    # An FP8 cache's tensor-core and row-at-a-time kernels, then the bf16 tensor-core one: all serve softcap and sinks.
+    assert "an FP8 cache" in prompt_serving[0] and prompt_serving[1].endswith("when an FP8 cache")
+    assert "attention_mma" in prompt_serving[2] and "softcap" not in prompt_serving[2]
 
 
 def test_an_fp8_cache_goes_to_the_fp8_kernels():
@@ -273,7 +275,12 @@ def test_an_fp8_cache_goes_to_the_fp8_kernels():
                         0, softcap, sinks)
         prompt = chosen("paged_attention_prompt", "cuda", EnvironmentConfig(), q, cache, cache, batch, 0.1, None, None,
                         0, softcap, sinks)
-        assert decode.startswith("metrale.kernels.attention_fp8") and prompt.startswith("paged_attention_decode")
+        # (q's 64 dims are the tensor-core prompt kernel's; the decode one is not served in the simulator)
+        assert decode.startswith("metrale.kernels.attention_fp8") and prompt.startswith("metrale.kernels.attention_mma")
+    odd = Fp8CacheArray(np.zeros((1, 16, 8, 96), np.uint8), np.ones((1, 16, 8), np.float32))
+    prompt = chosen("paged_attention_prompt", "cuda", EnvironmentConfig(), np.empty((4, 32, 96), np.float32), odd, odd,
+                    batch, 0.1, None, None, 0, None, None)
+    assert prompt.startswith("paged_attention_decode")  # 96 dims: the rows as decode rows
 
 
 def test_an_fp8_cache_goes_to_the_tensor_core_decode_kernel_where_it_serves_the_geometry(monkeypatch):
