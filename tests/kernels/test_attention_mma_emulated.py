@@ -146,6 +146,7 @@ def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, value
     (64, 64, 4, 2, None, False, None, True),
     (128, 128, 4, 1, 5.0, True, 40, False),
     (256, 256, 2, 1, None, False, None, True),  # queries kept in shared memory, 32 keys a step
+    (192, 128, 2, 2, None, True, None, True),  # MLA's expanded heads: keys and values of different sizes
 ])
 def test_an_fp8_cache_is_read_as_the_bf16_kernel_reads_its_dequantized_rows(
         emulated, head_dim, value_dim, heads, kv_heads, softcap, with_sinks, window, defer_copies):
