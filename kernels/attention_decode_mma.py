@@ -122,6 +122,26 @@ __device__ __forceinline__ float load_coherent(const float* address) { return __
 #: The PTX helpers the kernel uses (the CPU emulation of the tests replaces them).
 INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD + COHERENT_LOAD + DEPENDENT_LAUNCH
 
+#: Eight E4M3 codes of an FP8 cache scaled into bf16, written against :data:`FP8_INSTRUCTIONS`
+#: (part of the kernel source, with or without the instructions; the prompt kernel's too).
+FP8_CONVERSION = r"""
+#if FP8_CACHE
+// Eight E4M3 codes (a uint2) times `scale`, as eight bf16 values (a uint4): each pair's f16 values
+// (exact), then float32 products rounded once.
+__device__ __forceinline__ uint4 scaled_e4m3x8(uint2 codes, float scale) {
+    uint4 out;
+    unsigned* words = reinterpret_cast<unsigned*>(&out);
+    const unsigned pairs[4] = {codes.x & 0xffffu, codes.x >> 16, codes.y & 0xffffu, codes.y >> 16};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned h = e4m3x2_to_f16x2(pairs[i]);
+        words[i] = pack_bf16(f16_low(h) * scale, f16_high(h) * scale);
+    }
+    return out;
+}
+#endif
+"""
+
 #: The helpers of an FP8 cache: its codes' f16 values, theirs as float32, 4-byte copies (the scales).
 FP8_INSTRUCTIONS = r"""
 #include <cuda_fp16.h>
@@ -161,20 +181,6 @@ KERNEL = r"""
 typedef unsigned short bf16_bits;
 #if FP8_CACHE
 typedef unsigned char cache_t;   // E4M3 codes, a float32 scale per (slot, KV head) beside them
-
-// Eight E4M3 codes (a uint2) times `scale`, as eight bf16 values (a uint4): each pair's f16 values
-// (exact), then float32 products rounded once.
-__device__ __forceinline__ uint4 scaled_e4m3x8(uint2 codes, float scale) {
-    uint4 out;
-    unsigned* words = reinterpret_cast<unsigned*>(&out);
-    const unsigned pairs[4] = {codes.x & 0xffffu, codes.x >> 16, codes.y & 0xffffu, codes.y >> 16};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const unsigned h = e4m3x2_to_f16x2(pairs[i]);
-        words[i] = pack_bf16(f16_low(h) * scale, f16_high(h) * scale);
-    }
-    return out;
-}
 #else
 typedef bf16_bits cache_t;
 #endif
@@ -613,7 +619,7 @@ def kernel_source(head_dim: int, with_instructions: bool = True, stage_count: in
     constants = (f"#define HEAD_DIM {head_dim}\n#define STAGES {count}\n#define MAX_SPLITS {MAX_SPLITS}\n"
                  f"#define SOFTCAP {int(softcap)}\n#define FP8_CACHE {int(fp8)}\n")
     helpers = (INSTRUCTIONS + (FP8_INSTRUCTIONS if fp8 else "")) if with_instructions else ""
-    return helpers + constants + KERNEL
+    return helpers + constants + FP8_CONVERSION + KERNEL
 
 
 _kernels: dict[tuple[int, int, bool, bool], Any] = {}

@@ -41,7 +41,7 @@ INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD
 
 #: The kernel, written against :data:`INSTRUCTIONS` (the CPU tests build it against an emulation
 #: of them); ``__HEAD_DIM__``, ``__VALUE_DIM__``, ``__BLOCK_KEYS__`` and ``__SOFTCAP__`` are
-#: filled in by :func:`kernel_source`.
+#: filled in by :func:`kernel_source`, which defines ``FP8_CACHE`` before it.
 KERNEL = r"""
 
 #define HEAD_DIM __HEAD_DIM__
@@ -58,7 +58,6 @@ KERNEL = r"""
 #define QUERY_IN_SHARED (HEAD_DIM > 192)
 #define NEG_INF (__int_as_float(0xff800000))
 #define SOFTCAP __SOFTCAP__
-#define FP8_CACHE __FP8_CACHE__
 // FP8_CACHE: a stage's key and value codes, unpadded (bytes).
 #define RAW_STAGE_BYTES (BLOCK_KEYS * (HEAD_DIM + VALUE_DIM))
 // The elements before the stages' codes: the query tile and the one bf16 stage (they share their
@@ -69,19 +68,6 @@ KERNEL = r"""
 typedef unsigned short bf16_bits;
 #if FP8_CACHE
 typedef unsigned char cache_t;   // E4M3 codes, a float32 scale per (slot, KV head) beside them
-
-// Eight E4M3 codes (a uint2) times `scale`, as eight bf16 values (a uint4).
-__device__ __forceinline__ uint4 scaled_e4m3x8(uint2 codes, float scale) {
-    uint4 out;
-    unsigned* words = reinterpret_cast<unsigned*>(&out);
-    const unsigned pairs[4] = {codes.x & 0xffffu, codes.x >> 16, codes.y & 0xffffu, codes.y >> 16};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const unsigned h = e4m3x2_to_f16x2(pairs[i]);
-        words[i] = pack_bf16(f16_low(h) * scale, f16_high(h) * scale);
-    }
-    return out;
-}
 #else
 typedef bf16_bits cache_t;
 #endif
@@ -397,12 +383,13 @@ def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_ins
     """The kernel's CUDA C++ for the head sizes, with the logit soft cap compiled in or not, over
     an FP8 cache (``fp8``) or a bf16 one, with its PTX helpers, or without them for the CPU
     emulation, which brings its own."""
-    from metrale.kernels.attention_decode_mma import FP8_INSTRUCTIONS
+    from metrale.kernels.attention_decode_mma import FP8_CONVERSION, FP8_INSTRUCTIONS
 
     kernel = (KERNEL.replace("__HEAD_DIM__", str(head_dim)).replace("__VALUE_DIM__", str(value_dim))
               .replace("__BLOCK_KEYS__", str(block_keys(head_dim, value_dim))).replace("__SOFTCAP__", str(int(softcap)))
-              .replace("__FP8_CACHE__", str(int(fp8))))
-    return ((INSTRUCTIONS + (FP8_INSTRUCTIONS if fp8 else "")) if with_instructions else "") + kernel
+)
+    helpers = (INSTRUCTIONS + (FP8_INSTRUCTIONS if fp8 else "")) if with_instructions else ""
+    return helpers + f"#define FP8_CACHE {int(fp8)}\n" + FP8_CONVERSION + kernel
 
 
 def _kernel(head_dim: int, value_dim: int, softcap: bool = False, fp8: bool = False) -> tuple[Any, int]:
