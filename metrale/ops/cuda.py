@@ -218,9 +218,14 @@ class CudaKernels:
         """One launch of :mod:`metrale.kernels.fp8_gemv` with ``rmsnorm_residual`` as its prologue:
         ``(out, summed)``."""
         from metrale.kernels import fp8_gemv
+        from metrale.kernels._words import aligned
 
+        # The prologue reads 16 bytes at a time: a view starting off that boundary is copied.
         x = cp.ascontiguousarray(x, dtype=f32)
-        residual = None if residual is None else cp.ascontiguousarray(residual, dtype=f32)
+        x = x if aligned(x) else x.copy()
+        if residual is not None:
+            residual = cp.ascontiguousarray(residual, dtype=f32)
+            residual = residual if aligned(residual) else residual.copy()
         summed = cp.empty(x.shape, dtype=f32)
         rows, columns = x.shape[0], weight.shape[0]
         out = cp.empty((rows, columns // 2), dtype=bf16) if swiglu else cp.empty((rows, columns), dtype=f32)
@@ -320,10 +325,13 @@ class CudaKernels:
         if self._fp8_gemm is None:
             self._fp8_gemm = CublasLtGemm(self.stream)
         epilogue = bf16_out and self._fp8_epilogue_rows.get(key, 0) is not None
+        known = self._fp8_epilogue_rows.get(key)
         # Rows padded to a multiple of 16 (their scales zero, their outputs dropped) where cuBLASLt
-        # has an epilogue-scaled algorithm only for such row counts.
-        padded = -(-rows // 16) * 16 if epilogue else rows
-        codes, scales = cp.empty((padded, inner), dtype=np.uint8), cp.zeros((padded,), dtype=f32)
+        # has an epilogue-scaled algorithm only for such row counts (once known, only as many as it takes).
+        padded = (known or -(-rows // 16) * 16) if epilogue else rows
+        codes, scales = cp.empty((padded, inner), dtype=np.uint8), cp.empty((padded,), dtype=f32)
+        if padded > rows:
+            scales[rows:] = 0
         rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
         quantized_gemv.quantize_rows_fp8(rows_in, weight, codes[:rows], scales[:rows], self.stream)
         column_scales = weight.scales[:, 0]
@@ -331,7 +339,6 @@ class CudaKernels:
             column_scales = cp.repeat(column_scales, weight.block[0])[:columns]
         column_scales = cp.ascontiguousarray(column_scales)
         if epilogue:
-            known = self._fp8_epilogue_rows.get(key)
             for served in [known] if known else list(dict.fromkeys((rows, padded))):
                 try:
                     product = self._fp8_gemm.fp8(codes[:served], weight.codes,
