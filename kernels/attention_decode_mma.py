@@ -43,7 +43,7 @@ from metrale.errors import KernelArgumentError
 from metrale.kernels import attention_combine
 from metrale.kernels._device import SIMULATED, DeviceArray, check_array
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
-from metrale.kernels._tensor_cores import MMA_BF16, STAGED_COPIES, TRANSPOSED_LOAD
+from metrale.kernels._tensor_cores import F16_PRIMITIVES, MMA_BF16, STAGED_COPIES, TRANSPOSED_LOAD
 from metrale.kernels.attention_grouped import MAX_SPLITS
 from metrale.kernels.attention_latent_mma import multiprocessor_count
 
@@ -67,6 +67,9 @@ def stages(head_dim: int) -> int:
     return 3 if head_dim <= 128 else 2
 
 
+#: Bytes past each staged row of FP8 codes (``RAW_STRIDE`` in the kernel): a warp's reads of its
+#: value columns in four rows fall in distinct shared-memory banks.
+RAW_PADDING = 32
 #: The most stages a launch takes (:func:`launch_stages`).
 MAX_STAGES = 6
 #: A launch's stage count instead of :func:`launch_stages`'s choice (None: the choice).
@@ -76,12 +79,13 @@ STAGES_OVERRIDE: int | None = None
 def shared_bytes(head_dim: int, stage_count: int | None = None, fp8: bool = False) -> int:
     """Dynamic shared memory of a block: the query tile, the stages (``stage_count``, by default
     :func:`stages`), the probabilities' two bf16 parts (all bf16); for an FP8 cache (``fp8``) one
-    bf16 stage, and the stages' codes and float32 scales."""
+    stage of f16 values, and the stages' codes (rows padded by :data:`RAW_PADDING` bytes) and
+    float32 scales."""
     stride = head_dim + 8
     count = stages(head_dim) if stage_count is None else stage_count
     if fp8:
         return (2 * (BLOCK_HEADS * stride + 2 * BLOCK_KEYS * stride + 2 * BLOCK_HEADS * (BLOCK_KEYS + 8))
-                + count * (2 * BLOCK_KEYS * head_dim + 2 * BLOCK_KEYS * 4))
+                + count * (2 * BLOCK_KEYS * (head_dim + RAW_PADDING) + 2 * BLOCK_KEYS * 4))
     return 2 * (BLOCK_HEADS * stride + count * 2 * BLOCK_KEYS * stride + 2 * BLOCK_HEADS * (BLOCK_KEYS + 8))
 
 
@@ -122,37 +126,9 @@ __device__ __forceinline__ float load_coherent(const float* address) { return __
 #: The PTX helpers the kernel uses (the CPU emulation of the tests replaces them).
 INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD + COHERENT_LOAD + DEPENDENT_LAUNCH
 
-#: Eight E4M3 codes of an FP8 cache scaled into bf16, written against :data:`FP8_INSTRUCTIONS`
-#: (part of the kernel source, with or without the instructions; the prompt kernel's too).
-FP8_CONVERSION = r"""
-#if FP8_CACHE
-// Eight E4M3 codes (a uint2) times `scale`, as eight bf16 values (a uint4): each pair's f16 values
-// (exact), then float32 products rounded once.
-__device__ __forceinline__ uint4 scaled_e4m3x8(uint2 codes, float scale) {
-    uint4 out;
-    unsigned* words = reinterpret_cast<unsigned*>(&out);
-    const unsigned pairs[4] = {codes.x & 0xffffu, codes.x >> 16, codes.y & 0xffffu, codes.y >> 16};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const unsigned h = e4m3x2_to_f16x2(pairs[i]);
-        words[i] = pack_bf16(f16_low(h) * scale, f16_high(h) * scale);
-    }
-    return out;
-}
-#endif
-"""
-
-#: The helpers of an FP8 cache: its codes' f16 values, theirs as float32, 4-byte copies (the scales).
-FP8_INSTRUCTIONS = r"""
-#include <cuda_fp16.h>
-
-// Two E4M3 codes (the low byte the first) as an f16 pair in one instruction: exact.
-__device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned pair) {
-    unsigned result;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(result) : "h"((unsigned short)pair));
-    return result;
-}
-
+#: The helpers of an FP8 cache: the f16 tensor-core product and packing, the codes' f16 values
+#: (exact), f16 halves as float32, 4-byte copies (the scales).
+FP8_INSTRUCTIONS = F16_PRIMITIVES + r"""
 __device__ __forceinline__ float f16_low(unsigned pair) { return __half2float(__ushort_as_half((unsigned short)pair)); }
 __device__ __forceinline__ float f16_high(unsigned pair) { return __half2float(__ushort_as_half((unsigned short)(pair >> 16))); }
 
@@ -176,13 +152,25 @@ KERNEL = r"""
 #define PROBABILITY_PART (2 * BLOCK_HEADS * PROBABILITY_STRIDE)   // bytes from the high parts to the low
 #define STAGE_ELEMENTS (2 * BLOCK_KEYS * STRIDE)   // keys, then values
 #define NEG_INF (__int_as_float(0xff800000))
-#define RAW_STAGE_BYTES (2 * BLOCK_KEYS * HEAD_DIM)   // FP8_CACHE: a stage's key and value codes, unpadded
+#define RAW_STRIDE (HEAD_DIM + RAW_PADDING)   // FP8_CACHE: a staged row of codes (RAW_PADDING: see the module)
+#define RAW_STAGE_BYTES (2 * BLOCK_KEYS * RAW_STRIDE)   // FP8_CACHE: a stage's key and value codes
 
 typedef unsigned short bf16_bits;
 #if FP8_CACHE
 typedef unsigned char cache_t;   // E4M3 codes, a float32 scale per (slot, KV head) beside them
+// The operands are f16: the codes' values exactly, the queries and probabilities to 11 bits.
+#define MMA_16x8x16 mma_16x8x16_f16
+#define PACK_OPERANDS pack_f16
+
+// Eight E4M3 codes (a uint2) as eight f16 values (a uint4): exact.
+__device__ __forceinline__ uint4 e4m3x8_to_f16x8(uint2 codes) {
+    return make_uint4(e4m3x2_to_f16x2(codes.x & 0xffffu), e4m3x2_to_f16x2(codes.x >> 16),
+                      e4m3x2_to_f16x2(codes.y & 0xffffu), e4m3x2_to_f16x2(codes.y >> 16));
+}
 #else
 typedef bf16_bits cache_t;
+#define MMA_16x8x16 mma_16x8x16
+#define PACK_OPERANDS pack_bf16
 #endif
 
 // Grid: (rows, kv_heads * head_blocks, splits), head_blocks = ceil(group / BLOCK_HEADS); THREADS
@@ -190,9 +178,13 @@ typedef bf16_bits cache_t;
 // [BLOCK_KEYS, STRIDE] keys and values, the probabilities' high and low parts [2, BLOCK_HEADS,
 // PROBABILITY_STRIDE], bf16. FP8_CACHE: k_cache and v_cache hold E4M3 codes and k_scales, v_scales
 // [blocks, block_size, num_kv_heads] their scales; the stages hold the codes [2, BLOCK_KEYS,
-// HEAD_DIM] and scales [2, BLOCK_KEYS] as copied, and one tile of bf16 keys and values (code *
-// scale, rounded once) in the bf16 stage layout takes each step's, converted after it lands (so
-// the cache's bytes, half of bf16's, are what the copies read).
+// RAW_STRIDE] and scales [2, BLOCK_KEYS] as copied (so the cache's bytes, half of bf16's, are
+// what the copies read), and one tile in the bf16 stage layout takes each step's codes as f16
+// values, each warp converting the part it reads itself (its 16 keys, its value columns), so no
+// barrier waits on the conversion. The operands are f16: a score is the query times the key's
+// codes, times the key's scale after the product; a probability enters P V times its value's
+// scale over the step's largest value scale (the accumulator kept in units of that scale,
+// rescaled as the running maximum rescales it), so both parts stay within [0, 1].
 // q [N, num_heads, HEAD_DIM] f32; k_cache, v_cache [blocks, block_size, num_kv_heads, HEAD_DIM]
 // bf16 bits; block_tables [S, max_blocks], seq_index [N], positions [N] int32. One split: out
 // [N, num_heads * HEAD_DIM] bf16 bits. More: out_acc [N, num_heads, splits, HEAD_DIM] f32
@@ -211,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
 {
     DYNAMIC_SHARED;
     bf16_bits* query_tile = reinterpret_cast<bf16_bits*>(dynamic_shared);
-    bf16_bits* stages = query_tile + BLOCK_HEADS * STRIDE;   // FP8_CACHE: the one converted tile
+    bf16_bits* stages = query_tile + BLOCK_HEADS * STRIDE;   // FP8_CACHE: the one converted tile (f16)
 #if FP8_CACHE
     bf16_bits* probabilities = stages + STAGE_ELEMENTS;   // high parts, then low parts
     unsigned char* raw_stages = reinterpret_cast<unsigned char*>(probabilities + 2 * BLOCK_HEADS * PROBABILITY_STRIDE);
@@ -260,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             if (key == skipped) continue;
             const long long offset = stage_rows[stage][key];   // in codes: bytes
             const cache_t* source = (half ? v_cache : k_cache) + (offset < 0 ? 0 : offset) + chunk * 16;
-            copy_16(shared_address(&raw[(half * BLOCK_KEYS + key) * HEAD_DIM + chunk * 16]), source, offset >= 0);
+            copy_16(shared_address(&raw[(half * BLOCK_KEYS + key) * RAW_STRIDE + chunk * 16]), source, offset >= 0);
         }
         // A key past the split copies scale 0 (and codes 0): its values are zeros.
         for (int e = threadIdx.x; e < 2 * BLOCK_KEYS; e += THREADS) {
@@ -294,6 +286,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
         }
     }
     float acc[WARP_COLUMNS / 8][4];
+#if FP8_CACHE
+    float value_unit = 1.f;   // acc's unit: the current step's largest value scale
+#endif
 #pragma unroll
     for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
 
@@ -329,16 +324,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     }
     wait_for_producers();   // the queries and the step's own key and value come from the kernels ahead
 
-    // The block's queries, scaled by scale * log2(e) (the softmax runs in base 2), as bf16; zero
-    // rows past the group.
+    // The block's queries, scaled by scale * log2(e) (the softmax runs in base 2), as bf16 (f16
+    // for an FP8 cache); zero rows past the group.
     const float query_scale = scale * 1.4426950408889634f;
     const float4* query_rows = reinterpret_cast<const float4*>(q + ((long)row * num_heads + head_base) * HEAD_DIM);
     for (int e = threadIdx.x; e < BLOCK_HEADS * HEAD_DIM / 4; e += THREADS) {
         const int h = e / (HEAD_DIM / 4), d = 4 * (e % (HEAD_DIM / 4));
         const float4 value = h < block_heads ? query_rows[e] : float4{0.f, 0.f, 0.f, 0.f};
         unsigned* target = reinterpret_cast<unsigned*>(&query_tile[h * STRIDE + d]);
-        target[0] = pack_bf16(value.x * query_scale, value.y * query_scale);
-        target[1] = pack_bf16(value.z * query_scale, value.w * query_scale);
+        target[0] = PACK_OPERANDS(value.x * query_scale, value.y * query_scale);
+        target[1] = PACK_OPERANDS(value.z * query_scale, value.w * query_scale);
     }
     // The step's own key and value, if a stage issued above holds it: plain loads and stores (no
     // copy of the stage writes its place), seen by every warp after the first step's barrier.
@@ -350,7 +345,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
         for (int e = threadIdx.x; e < 2 * (HEAD_DIM / 16); e += THREADS) {
             const int half = e / (HEAD_DIM / 16), chunk = e % (HEAD_DIM / 16);
             const uint4 value = *reinterpret_cast<const uint4*>((half ? v_cache : k_cache) + offset + chunk * 16);
-            *reinterpret_cast<uint4*>(&raw[(half * BLOCK_KEYS + key) * HEAD_DIM + chunk * 16]) = value;
+            *reinterpret_cast<uint4*>(&raw[(half * BLOCK_KEYS + key) * RAW_STRIDE + chunk * 16]) = value;
         }
         if (threadIdx.x < 2) {
             raw_scales[(own_stage * 2 + threadIdx.x) * BLOCK_KEYS + key] =
@@ -376,18 +371,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
         commit_copies();
         find_rows(stage, base + STAGES * BLOCK_KEYS);   // this stage's rows were last read by its copies, steps ago
 #if FP8_CACHE
-        // The step's codes times their scales into the bf16 tile (every warp is past the previous
-        // step's reads of it: the barrier above).
-        {
-            const unsigned char* raw = raw_stages + stage * RAW_STAGE_BYTES;
-            const float* raw_scale = raw_scales + stage * 2 * BLOCK_KEYS;
-            for (int e = threadIdx.x; e < 2 * BLOCK_KEYS * (HEAD_DIM / 8); e += THREADS) {
-                const int key_row = e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8);   // key_row: half * BLOCK_KEYS + key
-                const uint2 codes = *reinterpret_cast<const uint2*>(&raw[key_row * HEAD_DIM + chunk * 8]);
-                *reinterpret_cast<uint4*>(&stages[key_row * STRIDE + chunk * 8]) = scaled_e4m3x8(codes, raw_scale[key_row]);
-            }
+        const unsigned char* raw = raw_stages + stage * RAW_STAGE_BYTES;
+        const float* key_scales = raw_scales + stage * 2 * BLOCK_KEYS;
+        const float* value_scales = key_scales + BLOCK_KEYS;
+        // The warp's 16 keys as f16 into the tile (only this warp reads them; it finished the
+        // previous step's before the barrier above).
+        for (int e = lane; e < WARP_KEYS * (HEAD_DIM / 8); e += 32) {
+            const int key = warp * WARP_KEYS + e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8);
+            const uint2 codes = *reinterpret_cast<const uint2*>(&raw[key * RAW_STRIDE + chunk * 8]);
+            *reinterpret_cast<uint4*>(&stages[key * STRIDE + chunk * 8]) = e4m3x8_to_f16x8(codes);
         }
-        __syncthreads();
+        __syncwarp();
         const bf16_bits* keys = stages;
 #else
         const bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
@@ -405,9 +399,32 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             unsigned query[4], operand[4];
             load_matrices(query, query_fragment + kk * 32);
             load_matrices(operand, key_fragment + kk * 32);
-            mma_16x8x16(scores[0], query, operand);
-            mma_16x8x16(scores[1], query, operand + 2);
+            MMA_16x8x16(scores[0], query, operand);
+            MMA_16x8x16(scores[1], query, operand + 2);
         }
+#if FP8_CACHE
+        // Each key's scale (0 past the split, whose scores are masked below).
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) scores[nt][c] *= key_scales[warp * WARP_KEYS + nt * 8 + quad * 2 + (c & 1)];
+        }
+        // The warp's value columns of every key as f16 into the tile (while other warps score),
+        // and the step's value unit, every warp's the same.
+        for (int e = lane; e < BLOCK_KEYS * (WARP_COLUMNS / 8); e += 32) {
+            const int key = e / (WARP_COLUMNS / 8), chunk = warp * (WARP_COLUMNS / 8) + e % (WARP_COLUMNS / 8);
+            const uint2 codes = *reinterpret_cast<const uint2*>(&raw[(BLOCK_KEYS + key) * RAW_STRIDE + chunk * 8]);
+            *reinterpret_cast<uint4*>(&stages[(BLOCK_KEYS + key) * STRIDE + chunk * 8]) = e4m3x8_to_f16x8(codes);
+        }
+        float step_unit = fmaxf(value_scales[lane], value_scales[lane + 32]);
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) {
+            step_unit = fmaxf(step_unit, __shfl_xor_sync(0xffffffff, step_unit, offset));
+        }
+        step_unit = step_unit > 0.f ? step_unit : 1.f;
+        const float unit_change = value_unit / step_unit, inverse_unit = 1.f / step_unit;
+        value_unit = step_unit;
+#endif
 
 #if SOFTCAP
         // The logits capped, in the scores' base-2 units: log2(e) softcap * tanh(score / (log2(e) softcap)).
@@ -448,26 +465,39 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             best[h] = new_best;
             total[h] *= rescale[h];
         }
-        // The probabilities, as bf16, into the shared tile [head, key] every warp reads.
+        // The probabilities, as bf16 (FP8_CACHE: times their values' scales over the step's
+        // unit, as f16), into the shared tile [head, key] every warp reads.
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             float p[4];
+            const int key = warp * WARP_KEYS + nt * 8 + quad * 2;
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 p[c] = exp2f(scores[nt][c] - best[c / 2]);
                 total[c / 2] += p[c];
+#if FP8_CACHE
+                p[c] *= value_scales[key + (c & 1)] * inverse_unit;
+#endif
             }
-            const int key = warp * WARP_KEYS + nt * 8 + quad * 2;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
+#if FP8_CACHE
+                const unsigned high = pack_f16(p[2 * h], p[2 * h + 1]);
+                const unsigned low = pack_f16(p[2 * h] - f16_low(high), p[2 * h + 1] - f16_high(high));
+#else
                 const unsigned high = pack_bf16(p[2 * h], p[2 * h + 1]);
                 const unsigned low = pack_bf16(p[2 * h] - __uint_as_float(high << 16),
                                                p[2 * h + 1] - __uint_as_float(high & 0xffff0000u));
+#endif
                 bf16_bits* at = &probabilities[(group + 8 * h) * PROBABILITY_STRIDE + key];
                 *reinterpret_cast<unsigned*>(at) = high;
                 *reinterpret_cast<unsigned*>(at + BLOCK_HEADS * PROBABILITY_STRIDE) = low;
             }
         }
+#if FP8_CACHE
+        rescale[0] *= unit_change;
+        rescale[1] *= unit_change;
+#endif
 #pragma unroll
         for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
             acc[dt][0] *= rescale[0]; acc[dt][1] *= rescale[0];
@@ -489,15 +519,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             for (int dt = 0; dt < WARP_COLUMNS / 8; dt += 2) {
                 unsigned operand[4];
                 load_matrices_transposed(operand, value_fragment + (kt * 16 * STRIDE + dt * 8) * 2);
-                mma_16x8x16(acc[dt], weights, operand);
-                mma_16x8x16(acc[dt + 1], weights, operand + 2);
-                mma_16x8x16(acc[dt], low_weights, operand);
-                mma_16x8x16(acc[dt + 1], low_weights, operand + 2);
+                MMA_16x8x16(acc[dt], weights, operand);
+                MMA_16x8x16(acc[dt + 1], weights, operand + 2);
+                MMA_16x8x16(acc[dt], low_weights, operand);
+                MMA_16x8x16(acc[dt + 1], low_weights, operand + 2);
             }
         }
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
     wait_copies<0>();   // no copy may land after the block has gone
+#if FP8_CACHE
+#pragma unroll
+    for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[dt][c] *= value_unit;
+    }
+#endif
 
     // The sums over the four warps' keys, and the maximum every warp shares.
 #pragma unroll
@@ -617,9 +654,9 @@ def kernel_source(head_dim: int, with_instructions: bool = True, stage_count: in
     with the PTX helpers, or without them for the CPU emulation, which brings its own."""
     count = stages(head_dim) if stage_count is None else stage_count
     constants = (f"#define HEAD_DIM {head_dim}\n#define STAGES {count}\n#define MAX_SPLITS {MAX_SPLITS}\n"
-                 f"#define SOFTCAP {int(softcap)}\n#define FP8_CACHE {int(fp8)}\n")
+                 f"#define SOFTCAP {int(softcap)}\n#define FP8_CACHE {int(fp8)}\n#define RAW_PADDING {RAW_PADDING}\n")
     helpers = (INSTRUCTIONS + (FP8_INSTRUCTIONS if fp8 else "")) if with_instructions else ""
-    return helpers + constants + FP8_CONVERSION + KERNEL
+    return helpers + constants + KERNEL
 
 
 _kernels: dict[tuple[int, int, bool, bool], Any] = {}
@@ -759,8 +796,9 @@ def decode_attention_partials_model(
 
 
 def dequantized_cache(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """float32 ``[blocks, block_size, kv_heads, d]``: an FP8 cache's rows as the kernel reads them,
-    each code's value times its row's scale rounded to bf16 (host arrays)."""
+    """float32 ``[blocks, block_size, kv_heads, d]``: an FP8 cache's rows as the prompt kernel
+    (:mod:`metrale.kernels.attention_mma`) reads them, each code's value times its row's scale
+    rounded to bf16 (host arrays)."""
     from metrale.kernels.quantized import fp8_e4m3_to_float32
 
     return _bf16(fp8_e4m3_to_float32(codes) * np.asarray(scales, np.float32)[..., None])
@@ -782,9 +820,10 @@ def decode_attention(
     positive number, or None) caps the logits; ``sinks`` (float32 ``[heads]``, or None) adds a sink
     logit to each head's softmax. ``k_cache`` and ``v_cache`` may be
     :class:`~metrale.kernels.kv_cache_fp8.Fp8CacheArray` s on the device (E4M3 codes, a float32
-    scale per slot and head): each step's codes times their scales are rounded to bf16 in shared
-    memory and the rest is the bf16 kernel's (:func:`dequantized_cache` is the bf16 cache it then
-    reads)."""
+    scale per slot and head): the products take the codes' values exactly as f16 operands, the
+    queries and probabilities as f16, and the scales in float32 (a key's on its scores, a value's
+    on its probabilities), so the result is at least as close to the float attention over the
+    codes times their scales as the bf16 kernel's over :func:`dequantized_cache`."""
     from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
 
     op = "decode_attention_mma"

@@ -378,12 +378,33 @@ def shared_bytes(head_dim: int, value_dim: int, fp8: bool = False) -> int:
     return work + (2 * keys * (head_dim + value_dim) + 2 * 2 * keys * 4 if fp8 else 0)
 
 
+#: Eight E4M3 codes of an FP8 cache scaled into bf16, written against :data:`FP8_INSTRUCTIONS`
+#: (part of the kernel source, with or without the instructions).
+FP8_CONVERSION = r"""
+#if FP8_CACHE
+// Eight E4M3 codes (a uint2) times `scale`, as eight bf16 values (a uint4): each pair's f16 values
+// (exact), then float32 products rounded once.
+__device__ __forceinline__ uint4 scaled_e4m3x8(uint2 codes, float scale) {
+    uint4 out;
+    unsigned* words = reinterpret_cast<unsigned*>(&out);
+    const unsigned pairs[4] = {codes.x & 0xffffu, codes.x >> 16, codes.y & 0xffffu, codes.y >> 16};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned h = e4m3x2_to_f16x2(pairs[i]);
+        words[i] = pack_bf16(f16_low(h) * scale, f16_high(h) * scale);
+    }
+    return out;
+}
+#endif
+"""
+
+
 def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_instructions: bool = True,
                   fp8: bool = False) -> str:
     """The kernel's CUDA C++ for the head sizes, with the logit soft cap compiled in or not, over
     an FP8 cache (``fp8``) or a bf16 one, with its PTX helpers, or without them for the CPU
     emulation, which brings its own."""
-    from metrale.kernels.attention_decode_mma import FP8_CONVERSION, FP8_INSTRUCTIONS
+    from metrale.kernels.attention_decode_mma import FP8_INSTRUCTIONS
 
     kernel = (KERNEL.replace("__HEAD_DIM__", str(head_dim)).replace("__VALUE_DIM__", str(value_dim))
               .replace("__BLOCK_KEYS__", str(block_keys(head_dim, value_dim))).replace("__SOFTCAP__", str(int(softcap)))

@@ -170,6 +170,11 @@ class CublasLtGemm:
             mode = np.array([int(lt.MatmulMatrixScale.OUTER_VEC_32F)], dtype=np.int32)
             for attribute in (lt.MatmulDescAttribute.A_SCALE_MODE, lt.MatmulDescAttribute.B_SCALE_MODE):
                 lt.matmul_desc_set_attribute(desc, attribute, mode.ctypes.data, mode.nbytes)
+            # The library refuses vector scales without addresses (CUBLAS_STATUS_INVALID_VALUE): the
+            # workspace's stands in until each call sets the scales' own.
+            placeholder = np.array([self.workspace.data.ptr], dtype=np.uint64)
+            for attribute in (lt.MatmulDescAttribute.A_SCALE_POINTER, lt.MatmulDescAttribute.B_SCALE_POINTER):
+                lt.matmul_desc_set_attribute(desc, attribute, placeholder.ctypes.data, placeholder.nbytes)
         # The layouts of CublasGemm: column-major y^T [M, N] = (W as [K, M])^T x^T ([K, N]).
         a = lt.matrix_layout_create(in_type, inner, width, inner)
         b = lt.matrix_layout_create(in_type, inner, rows, inner)

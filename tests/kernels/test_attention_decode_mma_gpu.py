@@ -324,9 +324,11 @@ def test_the_backend_op_serves_softcap_and_sinks_on_a_mixed_step(head_dim):
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (14, 2, 64), (16, 2, 256)])
 @pytest.mark.parametrize("splits", [1, "chosen"])
-def test_an_fp8_cache_reads_as_the_bf16_kernel_reads_its_dequantized_rows(heads, kv_heads, head_dim, splits):
-    """The FP8 cache's launch (codes and scales on the device) gives the bf16 launch's output over
-    ``dequantized_cache`` to the bit, and the float reference over the codes times their scales."""
+def test_an_fp8_cache_reads_closer_to_the_float_attention_than_the_bf16_kernel_its_dequantized_rows(
+        heads, kv_heads, head_dim, splits):
+    """The FP8 cache's launch (codes and scales on the device) against the float attention over
+    the codes times their scales: at least as close as the bf16 launch over ``dequantized_cache``,
+    within the bf16 output's rounding."""
     import cupy as cp
 
     from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
@@ -348,8 +350,9 @@ def test_an_fp8_cache_reads_as_the_bf16_kernel_reads_its_dequantized_rows(heads,
         attention_decode_mma.decode_attention(cp.asarray(q), k_cache, v_cache, *metadata, head_dim**-0.5, None,
                                               workspace(rows, heads, splits, head_dim), out)
         outputs.append(cp.asnumpy(out))
-    np.testing.assert_array_equal(outputs[0], outputs[1])
     exact = [fp8_e4m3_to_float32(codes) * scales[..., None] for codes, scales in host]
     expected = attention.paged_attention_reference(q, *exact, tables, seq_index, positions, head_dim**-0.5,
                                                    None).reshape(rows, -1)
-    assert rel_error(bf16_to_float32(outputs[0]), expected) <= 2e-2
+    fp8_error, bf16_error = (rel_error(bf16_to_float32(out), expected) for out in outputs)
+    assert fp8_error <= bf16_error
+    assert fp8_error <= 4e-3
