@@ -20,6 +20,13 @@ split whose grid stays resident with them, :func:`launch_stages`):
   moved greedy tokens of small random models between a captured graph's split count and an eager
   step's), and the extra products cost little in a kernel bound by its cache reads.
 
+An FP8 cache (E4M3 codes, a float32 scale per slot and KV head) is staged as its codes and
+scales, half of a bf16 cache's bytes, and each warp converts the keys and value columns it reads
+into f16 (exact: every E4M3 value is an f16 value) with no barrier of its own; the products are
+f16 (the queries and the probabilities' two parts too), a key's scale multiplies its scores and
+a value's scale its probabilities, over the step's largest value scale so they stay within
+``[0, 1]`` (the accumulator kept in units of that scale, rescaled with the running maximum).
+
 The keys of a row (those the sliding window leaves) are divided evenly between the splits of the
 grid's last axis, on the device from the row's position, so a graph captured for the longest
 context serves every shorter one. With one split a block writes the normalised bf16 output; with

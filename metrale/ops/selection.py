@@ -573,8 +573,8 @@ def attention_kernels() -> list[Kernel]:
         Kernel("qkv_rope_cache", "cuda", "metrale.kernels.qkv_rope into rows of their own, then "
                "metrale.kernels.attention_fp8's quantized write", build=_cuda_method("qkv_rope_cache_fp8"), when=fp8_write,
                condition="an FP8 cache"),
-        Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_decode_mma (tensor cores, each step's "
-               "codes scaled into bf16 in shared memory)", build=_cuda_method("paged_attention_decode_mma"),
+        Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_decode_mma (tensor cores, the codes as "
+               "f16 operands, the scales in float32)", build=_cuda_method("paged_attention_decode_mma"),
                when=fp8_decode_mma, enabled=_decode_mma_enabled,
                condition="METRALE_DECODE_MMA is not 0, an FP8 cache, K and V heads of 64, 128 or 256 dims, whole "
                "query-head groups"),
