@@ -96,6 +96,18 @@ def shared_bytes(head_dim: int, stage_count: int | None = None, fp8: bool = Fals
     return 2 * (BLOCK_HEADS * stride + count * 2 * BLOCK_KEYS * stride + 2 * BLOCK_HEADS * (BLOCK_KEYS + 8))
 
 
+def static_shared_bytes(stage_count: int) -> int:
+    """Static shared memory of a block: each stage's key offsets (8 bytes a key), the warps'
+    maxima and sums, the heads' maxima and the merge's flag."""
+    return stage_count * BLOCK_KEYS * 8 + 2 * (THREADS // 32) * BLOCK_HEADS * 4 + BLOCK_HEADS * 4 + 4
+
+
+def fits(head_dim: int, stage_count: int, fp8: bool = False) -> bool:
+    """Whether a block of ``stage_count`` stages fits the shared memory a block may take, its
+    dynamic and static parts together."""
+    return shared_bytes(head_dim, stage_count, fp8) + static_shared_bytes(stage_count) <= MAX_SHARED_BYTES
+
+
 def blocks_per_multiprocessor(head_dim: int, stage_count: int | None = None, fp8: bool = False) -> int:
     """Blocks a multiprocessor holds at once (its 227 KB of shared memory decide)."""
     return max(1, MAX_SHARED_BYTES // (shared_bytes(head_dim, stage_count, fp8) + 2048))
@@ -109,7 +121,7 @@ def launch_stages(rows: int, heads: int, kv_heads: int, head_dim: int, splits: i
     while it computes; at most one more than a block's steps and :data:`MAX_STAGES`
     (docs/benchmarks.rst, "decode attention, stages at one split")."""
     if STAGES_OVERRIDE is not None:
-        if not 2 <= STAGES_OVERRIDE <= MAX_STAGES or shared_bytes(head_dim, STAGES_OVERRIDE, fp8) > MAX_SHARED_BYTES:
+        if not 2 <= STAGES_OVERRIDE <= MAX_STAGES or not fits(head_dim, STAGES_OVERRIDE, fp8):
             raise KernelArgumentError(f"decode_attention_mma: {STAGES_OVERRIDE} stages of {head_dim} dims (2 to "
                                       f"{MAX_STAGES}, within {MAX_SHARED_BYTES} bytes of shared memory)")
         return STAGES_OVERRIDE
@@ -119,7 +131,7 @@ def launch_stages(rows: int, heads: int, kv_heads: int, head_dim: int, splits: i
     blocks = max(1, rows * kv_heads * head_blocks(heads, kv_heads))
     steps = max(1, -(-int(max_context) // BLOCK_KEYS))
     while (count < min(MAX_STAGES, steps + 1)
-           and shared_bytes(head_dim, count + 1, fp8) <= MAX_SHARED_BYTES
+           and fits(head_dim, count + 1, fp8)
            and multiprocessors * blocks_per_multiprocessor(head_dim, count + 1, fp8) >= blocks):
         count += 1
     return count
@@ -240,13 +252,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     const int lo = first_key + split * split_keys;
     const int hi = min(context, lo + split_keys);
 
+    // Threads below BLOCK_KEYS: the cache offset of key base + threadIdx.x (-1 past the split).
+    auto row_offset = [&](int base) -> long long {
+        const int position = base + threadIdx.x;
+        const long long cache_row = position < hi
+            ? (long long)table[position / block_size] * block_size + position % block_size : -1;
+        return cache_row < 0 ? -1 : (cache_row * num_kv_heads + kv_head) * HEAD_DIM;
+    };
     auto find_rows = [&](int stage, int base) {
-        if (threadIdx.x < BLOCK_KEYS) {
-            const int position = base + threadIdx.x;
-            const long long cache_row = position < hi
-                ? (long long)table[position / block_size] * block_size + position % block_size : -1;
-            stage_rows[stage][threadIdx.x] = cache_row < 0 ? -1 : (cache_row * num_kv_heads + kv_head) * HEAD_DIM;
-        }
+        if (threadIdx.x < BLOCK_KEYS) stage_rows[stage][threadIdx.x] = row_offset(base);
     };
     // The copies of a stage; `skipped` (a key of the stage, or -1) gets none: the step's own key,
     // which the kernels ahead are still writing when the first stages are issued.
@@ -368,7 +382,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
 #endif
     }
     int stage = 0;
+    // The rows of step j + STAGES are loaded from the block table at step j and stored before step
+    // j + 1's barrier (their copies are issued after it): the table's latency overlaps a step.
+    long long pending_rows = -1;
+    int pending_stage = -1;
     for (int base = lo; base < hi; base += BLOCK_KEYS) {
+        if (pending_stage >= 0 && threadIdx.x < BLOCK_KEYS) stage_rows[pending_stage][threadIdx.x] = pending_rows;
         wait_copies<STAGES - 2>();
         // This step's stage has landed for every thread; every warp is done with the previous
         // step's stage, which the next copies fill, and its rows (found a step ago) are ready.
@@ -376,7 +395,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
         const int refill = stage == 0 ? STAGES - 1 : stage - 1;
         if (base + (STAGES - 1) * BLOCK_KEYS < hi) load_stage(refill, -1);
         commit_copies();
-        find_rows(stage, base + STAGES * BLOCK_KEYS);   // this stage's rows were last read by its copies, steps ago
+        // This stage's rows were last read by its copies, steps ago.
+        if (threadIdx.x < BLOCK_KEYS) pending_rows = row_offset(base + STAGES * BLOCK_KEYS);
+        pending_stage = stage;
 #if FP8_CACHE
         const unsigned char* raw = raw_stages + stage * RAW_STAGE_BYTES;
         const float* key_scales = raw_scales + stage * 2 * BLOCK_KEYS;

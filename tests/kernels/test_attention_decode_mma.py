@@ -467,3 +467,16 @@ def test_the_fp8_cache_kernel_merges_its_splits_and_takes_less_shared_memory(emu
     mma = attention_decode_mma
     assert mma.shared_bytes(128, 3, fp8=True) < mma.shared_bytes(128, 3)
     assert mma.blocks_per_multiprocessor(128, 3, fp8=True) >= mma.blocks_per_multiprocessor(128, 3)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("head_dim", attention_decode_mma.HEAD_DIMS)
+def test_the_stages_a_launch_takes_fit_with_the_static_shared_memory(head_dim, fp8):
+    """A launch of one split over few rows takes as many stages as fit: the block's dynamic
+    shared memory and its static part (the stages' key offsets) within what a block may take."""
+    mma = attention_decode_mma
+    for rows in (1, 9, 32):
+        count = mma.launch_stages(rows, 16, 2, head_dim, 1, 1600, 132, fp8)
+        assert mma.shared_bytes(head_dim, count, fp8) + mma.static_shared_bytes(count) <= mma.MAX_SHARED_BYTES
+        if count < mma.MAX_STAGES:  # stopped by memory: one more stage would not fit
+            assert not mma.fits(head_dim, count + 1, fp8)
