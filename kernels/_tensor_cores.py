@@ -68,3 +68,52 @@ __device__ __forceinline__ void load_matrices_transposed(unsigned* fragment, uns
 }
 
 """
+
+#: The GPU's f16 tensor-core product and f16 packing (the CUDA emulation header has its own).
+F16_PRIMITIVES = r"""
+#include <cuda_fp16.h>
+
+// mma_16x8x16 with f16 operands (fragments as for bf16).
+__device__ __forceinline__ void mma_16x8x16_f16(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two float32 values as f16 bits, round to nearest even (low half first).
+__device__ __forceinline__ unsigned pack_f16(float low, float high) {
+    const __half2 pair = __floats2half2_rn(low, high);
+    return *reinterpret_cast<const unsigned*>(&pair);
+}
+
+// Two E4M3 codes (the low byte the first) as an f16 pair in one instruction: exact, every E4M3
+// value is an f16 value (the NaN codes give NaN).
+__device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned pair) {
+    unsigned result;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(result) : "h"((unsigned short)pair));
+    return result;
+}
+
+// a * b + c of two bf16 pairs, or of two f16 pairs (round to nearest even).
+__device__ __forceinline__ unsigned fma_bf16x2(unsigned a, unsigned b, unsigned c) {
+    unsigned result;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(result) : "r"(a), "r"(b), "r"(c));
+    return result;
+}
+
+// Two float32 values as E4M3 codes in one instruction, rounded to the nearest (ties to the even
+// code) and saturated at +-448 (satfinite; NaN stays NaN): the low byte from `low`.
+__device__ __forceinline__ unsigned e4m3x2_of(float low, float high) {
+    unsigned short pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(high), "f"(low));
+    return pair;
+}
+
+__device__ __forceinline__ unsigned fma_f16x2(unsigned a, unsigned b, unsigned c) {
+    unsigned result;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(result) : "r"(a), "r"(b), "r"(c));
+    return result;
+}
+"""

@@ -20,6 +20,13 @@ split whose grid stays resident with them, :func:`launch_stages`):
   moved greedy tokens of small random models between a captured graph's split count and an eager
   step's), and the extra products cost little in a kernel bound by its cache reads.
 
+An FP8 cache (E4M3 codes, a float32 scale per slot and KV head) is staged as its codes and
+scales, half of a bf16 cache's bytes, and each warp converts the keys and value columns it reads
+into f16 (exact: every E4M3 value is an f16 value) with no barrier of its own; the products are
+f16 (the queries and the probabilities' two parts too), a key's scale multiplies its scores and
+a value's scale its probabilities, over the step's largest value scale so they stay within
+``[0, 1]`` (the accumulator kept in units of that scale, rescaled with the running maximum).
+
 The keys of a row (those the sliding window leaves) are divided evenly between the splits of the
 grid's last axis, on the device from the row's position, so a graph captured for the longest
 context serves every shorter one. With one split a block writes the normalised bf16 output; with
@@ -43,7 +50,7 @@ from metrale.errors import KernelArgumentError
 from metrale.kernels import attention_combine
 from metrale.kernels._device import SIMULATED, DeviceArray, check_array
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
-from metrale.kernels._tensor_cores import MMA_BF16, STAGED_COPIES, TRANSPOSED_LOAD
+from metrale.kernels._tensor_cores import F16_PRIMITIVES, MMA_BF16, STAGED_COPIES, TRANSPOSED_LOAD
 from metrale.kernels.attention_grouped import MAX_SPLITS
 from metrale.kernels.attention_latent_mma import multiprocessor_count
 
@@ -67,34 +74,54 @@ def stages(head_dim: int) -> int:
     return 3 if head_dim <= 128 else 2
 
 
+#: Bytes past each staged row of FP8 codes (``RAW_STRIDE`` in the kernel): a warp's reads of its
+#: value columns in four rows fall in distinct shared-memory banks.
+RAW_PADDING = 32
 #: The most stages a launch takes (:func:`launch_stages`).
 MAX_STAGES = 6
 #: A launch's stage count instead of :func:`launch_stages`'s choice (None: the choice).
 STAGES_OVERRIDE: int | None = None
 
 
-def shared_bytes(head_dim: int, stage_count: int | None = None) -> int:
+def shared_bytes(head_dim: int, stage_count: int | None = None, fp8: bool = False) -> int:
     """Dynamic shared memory of a block: the query tile, the stages (``stage_count``, by default
-    :func:`stages`), the probabilities' two bf16 parts (all bf16)."""
+    :func:`stages`), the probabilities' two bf16 parts (all bf16); for an FP8 cache (``fp8``) one
+    stage of f16 values, and the stages' codes (rows padded by :data:`RAW_PADDING` bytes) and
+    float32 scales."""
     stride = head_dim + 8
     count = stages(head_dim) if stage_count is None else stage_count
+    if fp8:
+        return (2 * (BLOCK_HEADS * stride + 2 * BLOCK_KEYS * stride + 2 * BLOCK_HEADS * (BLOCK_KEYS + 8))
+                + count * (2 * BLOCK_KEYS * (head_dim + RAW_PADDING) + 2 * BLOCK_KEYS * 4))
     return 2 * (BLOCK_HEADS * stride + count * 2 * BLOCK_KEYS * stride + 2 * BLOCK_HEADS * (BLOCK_KEYS + 8))
 
 
-def blocks_per_multiprocessor(head_dim: int, stage_count: int | None = None) -> int:
+def static_shared_bytes(stage_count: int) -> int:
+    """Static shared memory of a block: each stage's key offsets (8 bytes a key), the warps'
+    maxima and sums, the heads' maxima and the merge's flag."""
+    return stage_count * BLOCK_KEYS * 8 + 2 * (THREADS // 32) * BLOCK_HEADS * 4 + BLOCK_HEADS * 4 + 4
+
+
+def fits(head_dim: int, stage_count: int, fp8: bool = False) -> bool:
+    """Whether a block of ``stage_count`` stages fits the shared memory a block may take, its
+    dynamic and static parts together."""
+    return shared_bytes(head_dim, stage_count, fp8) + static_shared_bytes(stage_count) <= MAX_SHARED_BYTES
+
+
+def blocks_per_multiprocessor(head_dim: int, stage_count: int | None = None, fp8: bool = False) -> int:
     """Blocks a multiprocessor holds at once (its 227 KB of shared memory decide)."""
-    return max(1, MAX_SHARED_BYTES // (shared_bytes(head_dim, stage_count) + 2048))
+    return max(1, MAX_SHARED_BYTES // (shared_bytes(head_dim, stage_count, fp8) + 2048))
 
 
 def launch_stages(rows: int, heads: int, kv_heads: int, head_dim: int, splits: int, max_context: int,
-                  multiprocessors: int = DEFAULT_MULTIPROCESSORS) -> int:
+                  multiprocessors: int = DEFAULT_MULTIPROCESSORS, fp8: bool = False) -> int:
     """Stages of a launch: :func:`stages`, or more for a launch of one split (a batch of many
     rows: each block walks all of its row's keys, one stage after another) where the grid still
     fits in one wave of resident blocks with them, so that more of a block's keys are in flight
     while it computes; at most one more than a block's steps and :data:`MAX_STAGES`
     (docs/benchmarks.rst, "decode attention, stages at one split")."""
     if STAGES_OVERRIDE is not None:
-        if not 2 <= STAGES_OVERRIDE <= MAX_STAGES or shared_bytes(head_dim, STAGES_OVERRIDE) > MAX_SHARED_BYTES:
+        if not 2 <= STAGES_OVERRIDE <= MAX_STAGES or not fits(head_dim, STAGES_OVERRIDE, fp8):
             raise KernelArgumentError(f"decode_attention_mma: {STAGES_OVERRIDE} stages of {head_dim} dims (2 to "
                                       f"{MAX_STAGES}, within {MAX_SHARED_BYTES} bytes of shared memory)")
         return STAGES_OVERRIDE
@@ -104,8 +131,8 @@ def launch_stages(rows: int, heads: int, kv_heads: int, head_dim: int, splits: i
     blocks = max(1, rows * kv_heads * head_blocks(heads, kv_heads))
     steps = max(1, -(-int(max_context) // BLOCK_KEYS))
     while (count < min(MAX_STAGES, steps + 1)
-           and shared_bytes(head_dim, count + 1) <= MAX_SHARED_BYTES
-           and multiprocessors * blocks_per_multiprocessor(head_dim, count + 1) >= blocks):
+           and fits(head_dim, count + 1, fp8)
+           and multiprocessors * blocks_per_multiprocessor(head_dim, count + 1, fp8) >= blocks):
         count += 1
     return count
 
@@ -117,6 +144,19 @@ __device__ __forceinline__ float load_coherent(const float* address) { return __
 
 #: The PTX helpers the kernel uses (the CPU emulation of the tests replaces them).
 INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD + COHERENT_LOAD + DEPENDENT_LAUNCH
+
+#: The helpers of an FP8 cache: the f16 tensor-core product and packing, the codes' f16 values
+#: (exact), f16 halves as float32, 4-byte copies (the scales).
+FP8_INSTRUCTIONS = F16_PRIMITIVES + r"""
+__device__ __forceinline__ float f16_low(unsigned pair) { return __half2float(__ushort_as_half((unsigned short)pair)); }
+__device__ __forceinline__ float f16_high(unsigned pair) { return __half2float(__ushort_as_half((unsigned short)(pair >> 16))); }
+
+// 4 bytes from global to shared memory (through L1; cp.async.cg copies 16 only); zeros when !valid.
+__device__ __forceinline__ void copy_4(unsigned target, const void* source, bool valid) {
+    const int bytes = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(target), "l"(source), "r"(bytes));
+}
+"""
 
 #: The kernel, written against :data:`INSTRUCTIONS`.
 KERNEL = r"""
@@ -131,13 +171,39 @@ KERNEL = r"""
 #define PROBABILITY_PART (2 * BLOCK_HEADS * PROBABILITY_STRIDE)   // bytes from the high parts to the low
 #define STAGE_ELEMENTS (2 * BLOCK_KEYS * STRIDE)   // keys, then values
 #define NEG_INF (__int_as_float(0xff800000))
+#define RAW_STRIDE (HEAD_DIM + RAW_PADDING)   // FP8_CACHE: a staged row of codes (RAW_PADDING: see the module)
+#define RAW_STAGE_BYTES (2 * BLOCK_KEYS * RAW_STRIDE)   // FP8_CACHE: a stage's key and value codes
 
 typedef unsigned short bf16_bits;
+#if FP8_CACHE
+typedef unsigned char cache_t;   // E4M3 codes, a float32 scale per (slot, KV head) beside them
+// The operands are f16: the codes' values exactly, the queries and probabilities to 11 bits.
+#define MMA_16x8x16 mma_16x8x16_f16
+#define PACK_OPERANDS pack_f16
+
+// Eight E4M3 codes (a uint2) as eight f16 values (a uint4): exact.
+__device__ __forceinline__ uint4 e4m3x8_to_f16x8(uint2 codes) {
+    return make_uint4(e4m3x2_to_f16x2(codes.x & 0xffffu), e4m3x2_to_f16x2(codes.x >> 16),
+                      e4m3x2_to_f16x2(codes.y & 0xffffu), e4m3x2_to_f16x2(codes.y >> 16));
+}
+#else
+typedef bf16_bits cache_t;
+#define MMA_16x8x16 mma_16x8x16
+#define PACK_OPERANDS pack_bf16
+#endif
 
 // Grid: (rows, kv_heads * head_blocks, splits), head_blocks = ceil(group / BLOCK_HEADS); THREADS
 // threads; dynamic shared memory: the query tile [BLOCK_HEADS, STRIDE], STAGES stages of
 // [BLOCK_KEYS, STRIDE] keys and values, the probabilities' high and low parts [2, BLOCK_HEADS,
-// PROBABILITY_STRIDE], bf16.
+// PROBABILITY_STRIDE], bf16. FP8_CACHE: k_cache and v_cache hold E4M3 codes and k_scales, v_scales
+// [blocks, block_size, num_kv_heads] their scales; the stages hold the codes [2, BLOCK_KEYS,
+// RAW_STRIDE] and scales [2, BLOCK_KEYS] as copied (so the cache's bytes, half of bf16's, are
+// what the copies read), and one tile in the bf16 stage layout takes each step's codes as f16
+// values, each warp converting the part it reads itself (its 16 keys, its value columns), so no
+// barrier waits on the conversion. The operands are f16: a score is the query times the key's
+// codes, times the key's scale after the product; a probability enters P V times its value's
+// scale over the step's largest value scale (the accumulator kept in units of that scale,
+// rescaled as the running maximum rescales it), so both parts stay within [0, 1].
 // q [N, num_heads, HEAD_DIM] f32; k_cache, v_cache [blocks, block_size, num_kv_heads, HEAD_DIM]
 // bf16 bits; block_tables [S, max_blocks], seq_index [N], positions [N] int32. One split: out
 // [N, num_heads * HEAD_DIM] bf16 bits. More: out_acc [N, num_heads, splits, HEAD_DIM] f32
@@ -147,16 +213,23 @@ typedef unsigned short bf16_bits;
 // logits are capped, softcap * tanh(logit / softcap); sinks (f32 [num_heads], or null) give each
 // head's softmax one more logit, counted by split 0 as a key already seen whose value is zero.
 extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
-    const float* __restrict__ q, const bf16_bits* __restrict__ k_cache, const bf16_bits* __restrict__ v_cache,
+    const float* __restrict__ q, const cache_t* __restrict__ k_cache, const cache_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_index, const int* __restrict__ positions,
     int num_heads, int num_kv_heads, int block_size, int max_blocks, float scale, int sliding_window, float softcap,
     const float* __restrict__ sinks, float* __restrict__ out_acc, float* __restrict__ out_max,
-    float* __restrict__ out_sum, bf16_bits* __restrict__ out, int* __restrict__ counters)
+    float* __restrict__ out_sum, bf16_bits* __restrict__ out, int* __restrict__ counters,
+    const float* __restrict__ k_scales, const float* __restrict__ v_scales)
 {
     DYNAMIC_SHARED;
     bf16_bits* query_tile = reinterpret_cast<bf16_bits*>(dynamic_shared);
-    bf16_bits* stages = query_tile + BLOCK_HEADS * STRIDE;
+    bf16_bits* stages = query_tile + BLOCK_HEADS * STRIDE;   // FP8_CACHE: the one converted tile (f16)
+#if FP8_CACHE
+    bf16_bits* probabilities = stages + STAGE_ELEMENTS;   // high parts, then low parts
+    unsigned char* raw_stages = reinterpret_cast<unsigned char*>(probabilities + 2 * BLOCK_HEADS * PROBABILITY_STRIDE);
+    float* raw_scales = reinterpret_cast<float*>(raw_stages + STAGES * RAW_STAGE_BYTES);   // [STAGES][2][BLOCK_KEYS]
+#else
     bf16_bits* probabilities = stages + STAGES * STAGE_ELEMENTS;   // high parts, then low parts
+#endif
     __shared__ long long stage_rows[STAGES][BLOCK_KEYS];   // element offsets of each stage's keys (-1 past the split)
     __shared__ float warp_max[WARPS][BLOCK_HEADS];
     __shared__ float warp_total[WARPS][BLOCK_HEADS];
@@ -179,17 +252,38 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     const int lo = first_key + split * split_keys;
     const int hi = min(context, lo + split_keys);
 
+    // Threads below BLOCK_KEYS: the cache offset of key base + threadIdx.x (-1 past the split).
+    auto row_offset = [&](int base) -> long long {
+        const int position = base + threadIdx.x;
+        const long long cache_row = position < hi
+            ? (long long)table[position / block_size] * block_size + position % block_size : -1;
+        return cache_row < 0 ? -1 : (cache_row * num_kv_heads + kv_head) * HEAD_DIM;
+    };
     auto find_rows = [&](int stage, int base) {
-        if (threadIdx.x < BLOCK_KEYS) {
-            const int position = base + threadIdx.x;
-            const long long cache_row = position < hi
-                ? (long long)table[position / block_size] * block_size + position % block_size : -1;
-            stage_rows[stage][threadIdx.x] = cache_row < 0 ? -1 : (cache_row * num_kv_heads + kv_head) * HEAD_DIM;
-        }
+        if (threadIdx.x < BLOCK_KEYS) stage_rows[stage][threadIdx.x] = row_offset(base);
     };
     // The copies of a stage; `skipped` (a key of the stage, or -1) gets none: the step's own key,
     // which the kernels ahead are still writing when the first stages are issued.
     auto load_stage = [&](int stage, int skipped) {
+#if FP8_CACHE
+        unsigned char* raw = raw_stages + stage * RAW_STAGE_BYTES;
+        for (int e = threadIdx.x; e < 2 * BLOCK_KEYS * (HEAD_DIM / 16); e += THREADS) {
+            const int half = e / (BLOCK_KEYS * (HEAD_DIM / 16));   // 0: keys, 1: values
+            const int key = (e / (HEAD_DIM / 16)) % BLOCK_KEYS, chunk = e % (HEAD_DIM / 16);
+            if (key == skipped) continue;
+            const long long offset = stage_rows[stage][key];   // in codes: bytes
+            const cache_t* source = (half ? v_cache : k_cache) + (offset < 0 ? 0 : offset) + chunk * 16;
+            copy_16(shared_address(&raw[(half * BLOCK_KEYS + key) * RAW_STRIDE + chunk * 16]), source, offset >= 0);
+        }
+        // A key past the split copies scale 0 (and codes 0): its values are zeros.
+        for (int e = threadIdx.x; e < 2 * BLOCK_KEYS; e += THREADS) {
+            const int half = e / BLOCK_KEYS, key = e % BLOCK_KEYS;
+            if (key == skipped) continue;
+            const long long offset = stage_rows[stage][key];
+            const float* source = (half ? v_scales : k_scales) + (offset < 0 ? 0 : offset / HEAD_DIM);
+            copy_4(shared_address(&raw_scales[(stage * 2 + half) * BLOCK_KEYS + key]), source, offset >= 0);
+        }
+#else
         bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
         for (int e = threadIdx.x; e < 2 * BLOCK_KEYS * (HEAD_DIM / 8); e += THREADS) {
             const int half = e / (BLOCK_KEYS * (HEAD_DIM / 8));   // 0: keys, 1: values
@@ -199,6 +293,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             const bf16_bits* source = (half ? v_cache : k_cache) + (offset < 0 ? 0 : offset) + chunk * 8;
             copy_16(shared_address(&keys[(half * BLOCK_KEYS + key) * STRIDE + chunk * 8]), source, offset >= 0);
         }
+#endif
     };
 
     float best[2] = {NEG_INF, NEG_INF}, total[2] = {0.f, 0.f};
@@ -212,6 +307,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
         }
     }
     float acc[WARP_COLUMNS / 8][4];
+#if FP8_CACHE
+    float value_unit = 1.f;   // acc's unit: the current step's largest value scale
+#endif
 #pragma unroll
     for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
 
@@ -247,31 +345,49 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     }
     wait_for_producers();   // the queries and the step's own key and value come from the kernels ahead
 
-    // The block's queries, scaled by scale * log2(e) (the softmax runs in base 2), as bf16; zero
-    // rows past the group.
+    // The block's queries, scaled by scale * log2(e) (the softmax runs in base 2), as bf16 (f16
+    // for an FP8 cache); zero rows past the group.
     const float query_scale = scale * 1.4426950408889634f;
     const float4* query_rows = reinterpret_cast<const float4*>(q + ((long)row * num_heads + head_base) * HEAD_DIM);
     for (int e = threadIdx.x; e < BLOCK_HEADS * HEAD_DIM / 4; e += THREADS) {
         const int h = e / (HEAD_DIM / 4), d = 4 * (e % (HEAD_DIM / 4));
         const float4 value = h < block_heads ? query_rows[e] : float4{0.f, 0.f, 0.f, 0.f};
         unsigned* target = reinterpret_cast<unsigned*>(&query_tile[h * STRIDE + d]);
-        target[0] = pack_bf16(value.x * query_scale, value.y * query_scale);
-        target[1] = pack_bf16(value.z * query_scale, value.w * query_scale);
+        target[0] = PACK_OPERANDS(value.x * query_scale, value.y * query_scale);
+        target[1] = PACK_OPERANDS(value.z * query_scale, value.w * query_scale);
     }
     // The step's own key and value, if a stage issued above holds it: plain loads and stores (no
     // copy of the stage writes its place), seen by every warp after the first step's barrier.
     if (own_key >= lo && own_key < hi && own_key < lo + (STAGES - 1) * BLOCK_KEYS) {
         const int own_stage = (own_key - lo) / BLOCK_KEYS, key = (own_key - lo) % BLOCK_KEYS;
         const long long offset = stage_rows[own_stage][key];
+#if FP8_CACHE
+        unsigned char* raw = raw_stages + own_stage * RAW_STAGE_BYTES;
+        for (int e = threadIdx.x; e < 2 * (HEAD_DIM / 16); e += THREADS) {
+            const int half = e / (HEAD_DIM / 16), chunk = e % (HEAD_DIM / 16);
+            const uint4 value = *reinterpret_cast<const uint4*>((half ? v_cache : k_cache) + offset + chunk * 16);
+            *reinterpret_cast<uint4*>(&raw[(half * BLOCK_KEYS + key) * RAW_STRIDE + chunk * 16]) = value;
+        }
+        if (threadIdx.x < 2) {
+            raw_scales[(own_stage * 2 + threadIdx.x) * BLOCK_KEYS + key] =
+                (threadIdx.x ? v_scales : k_scales)[offset / HEAD_DIM];
+        }
+#else
         bf16_bits* keys = stages + own_stage * STAGE_ELEMENTS;
         for (int e = threadIdx.x; e < 2 * (HEAD_DIM / 8); e += THREADS) {
             const int half = e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8);
             const uint4 value = *reinterpret_cast<const uint4*>((half ? v_cache : k_cache) + offset + chunk * 8);
             *reinterpret_cast<uint4*>(&keys[(half * BLOCK_KEYS + key) * STRIDE + chunk * 8]) = value;
         }
+#endif
     }
     int stage = 0;
+    // The rows of step j + STAGES are loaded from the block table at step j and stored before step
+    // j + 1's barrier (their copies are issued after it): the table's latency overlaps a step.
+    long long pending_rows = -1;
+    int pending_stage = -1;
     for (int base = lo; base < hi; base += BLOCK_KEYS) {
+        if (pending_stage >= 0 && threadIdx.x < BLOCK_KEYS) stage_rows[pending_stage][threadIdx.x] = pending_rows;
         wait_copies<STAGES - 2>();
         // This step's stage has landed for every thread; every warp is done with the previous
         // step's stage, which the next copies fill, and its rows (found a step ago) are ready.
@@ -279,8 +395,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
         const int refill = stage == 0 ? STAGES - 1 : stage - 1;
         if (base + (STAGES - 1) * BLOCK_KEYS < hi) load_stage(refill, -1);
         commit_copies();
-        find_rows(stage, base + STAGES * BLOCK_KEYS);   // this stage's rows were last read by its copies, steps ago
+        // This stage's rows were last read by its copies, steps ago.
+        if (threadIdx.x < BLOCK_KEYS) pending_rows = row_offset(base + STAGES * BLOCK_KEYS);
+        pending_stage = stage;
+#if FP8_CACHE
+        const unsigned char* raw = raw_stages + stage * RAW_STAGE_BYTES;
+        const float* key_scales = raw_scales + stage * 2 * BLOCK_KEYS;
+        const float* value_scales = key_scales + BLOCK_KEYS;
+        // The warp's 16 keys as f16 into the tile (only this warp reads them; it finished the
+        // previous step's before the barrier above).
+        for (int e = lane; e < WARP_KEYS * (HEAD_DIM / 8); e += 32) {
+            const int key = warp * WARP_KEYS + e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8);
+            const uint2 codes = *reinterpret_cast<const uint2*>(&raw[key * RAW_STRIDE + chunk * 8]);
+            *reinterpret_cast<uint4*>(&stages[key * STRIDE + chunk * 8]) = e4m3x8_to_f16x8(codes);
+        }
+        __syncwarp();
+        const bf16_bits* keys = stages;
+#else
         const bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
+#endif
         const bf16_bits* values = keys + BLOCK_KEYS * STRIDE;
 
         // Scores of the warp's 16 keys: n-tiles 0 (keys warp * 16 + 0-7) and 1 (+ 8-15). B operand
@@ -294,9 +427,32 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             unsigned query[4], operand[4];
             load_matrices(query, query_fragment + kk * 32);
             load_matrices(operand, key_fragment + kk * 32);
-            mma_16x8x16(scores[0], query, operand);
-            mma_16x8x16(scores[1], query, operand + 2);
+            MMA_16x8x16(scores[0], query, operand);
+            MMA_16x8x16(scores[1], query, operand + 2);
         }
+#if FP8_CACHE
+        // Each key's scale (0 past the split, whose scores are masked below).
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) scores[nt][c] *= key_scales[warp * WARP_KEYS + nt * 8 + quad * 2 + (c & 1)];
+        }
+        // The warp's value columns of every key as f16 into the tile (while other warps score),
+        // and the step's value unit, every warp's the same.
+        for (int e = lane; e < BLOCK_KEYS * (WARP_COLUMNS / 8); e += 32) {
+            const int key = e / (WARP_COLUMNS / 8), chunk = warp * (WARP_COLUMNS / 8) + e % (WARP_COLUMNS / 8);
+            const uint2 codes = *reinterpret_cast<const uint2*>(&raw[(BLOCK_KEYS + key) * RAW_STRIDE + chunk * 8]);
+            *reinterpret_cast<uint4*>(&stages[(BLOCK_KEYS + key) * STRIDE + chunk * 8]) = e4m3x8_to_f16x8(codes);
+        }
+        float step_unit = fmaxf(value_scales[lane], value_scales[lane + 32]);
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) {
+            step_unit = fmaxf(step_unit, __shfl_xor_sync(0xffffffff, step_unit, offset));
+        }
+        step_unit = step_unit > 0.f ? step_unit : 1.f;
+        const float unit_change = value_unit / step_unit, inverse_unit = 1.f / step_unit;
+        value_unit = step_unit;
+#endif
 
 #if SOFTCAP
         // The logits capped, in the scores' base-2 units: log2(e) softcap * tanh(score / (log2(e) softcap)).
@@ -337,26 +493,39 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             best[h] = new_best;
             total[h] *= rescale[h];
         }
-        // The probabilities, as bf16, into the shared tile [head, key] every warp reads.
+        // The probabilities, as bf16 (FP8_CACHE: times their values' scales over the step's
+        // unit, as f16), into the shared tile [head, key] every warp reads.
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             float p[4];
+            const int key = warp * WARP_KEYS + nt * 8 + quad * 2;
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 p[c] = exp2f(scores[nt][c] - best[c / 2]);
                 total[c / 2] += p[c];
+#if FP8_CACHE
+                p[c] *= value_scales[key + (c & 1)] * inverse_unit;
+#endif
             }
-            const int key = warp * WARP_KEYS + nt * 8 + quad * 2;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
+#if FP8_CACHE
+                const unsigned high = pack_f16(p[2 * h], p[2 * h + 1]);
+                const unsigned low = pack_f16(p[2 * h] - f16_low(high), p[2 * h + 1] - f16_high(high));
+#else
                 const unsigned high = pack_bf16(p[2 * h], p[2 * h + 1]);
                 const unsigned low = pack_bf16(p[2 * h] - __uint_as_float(high << 16),
                                                p[2 * h + 1] - __uint_as_float(high & 0xffff0000u));
+#endif
                 bf16_bits* at = &probabilities[(group + 8 * h) * PROBABILITY_STRIDE + key];
                 *reinterpret_cast<unsigned*>(at) = high;
                 *reinterpret_cast<unsigned*>(at + BLOCK_HEADS * PROBABILITY_STRIDE) = low;
             }
         }
+#if FP8_CACHE
+        rescale[0] *= unit_change;
+        rescale[1] *= unit_change;
+#endif
 #pragma unroll
         for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
             acc[dt][0] *= rescale[0]; acc[dt][1] *= rescale[0];
@@ -378,15 +547,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             for (int dt = 0; dt < WARP_COLUMNS / 8; dt += 2) {
                 unsigned operand[4];
                 load_matrices_transposed(operand, value_fragment + (kt * 16 * STRIDE + dt * 8) * 2);
-                mma_16x8x16(acc[dt], weights, operand);
-                mma_16x8x16(acc[dt + 1], weights, operand + 2);
-                mma_16x8x16(acc[dt], low_weights, operand);
-                mma_16x8x16(acc[dt + 1], low_weights, operand + 2);
+                MMA_16x8x16(acc[dt], weights, operand);
+                MMA_16x8x16(acc[dt + 1], weights, operand + 2);
+                MMA_16x8x16(acc[dt], low_weights, operand);
+                MMA_16x8x16(acc[dt + 1], low_weights, operand + 2);
             }
         }
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
     wait_copies<0>();   // no copy may land after the block has gone
+#if FP8_CACHE
+#pragma unroll
+    for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[dt][c] *= value_unit;
+    }
+#endif
 
     // The sums over the four warps' keys, and the maximum every warp shares.
 #pragma unroll
@@ -500,31 +676,33 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
 
 
 def kernel_source(head_dim: int, with_instructions: bool = True, stage_count: int | None = None,
-                  softcap: bool = False) -> str:
+                  softcap: bool = False, fp8: bool = False) -> str:
     """The kernel's CUDA C++ for keys and values of ``head_dim``, ``stage_count`` stages (by
-    default :func:`stages`) and, with ``softcap``, the logits capped, with the PTX helpers, or
-    without them for the CPU emulation, which brings its own."""
+    default :func:`stages`), with ``softcap`` the logits capped, with ``fp8`` over an FP8 cache,
+    with the PTX helpers, or without them for the CPU emulation, which brings its own."""
     count = stages(head_dim) if stage_count is None else stage_count
     constants = (f"#define HEAD_DIM {head_dim}\n#define STAGES {count}\n#define MAX_SPLITS {MAX_SPLITS}\n"
-                 f"#define SOFTCAP {int(softcap)}\n")
-    return (INSTRUCTIONS if with_instructions else "") + constants + KERNEL
+                 f"#define SOFTCAP {int(softcap)}\n#define FP8_CACHE {int(fp8)}\n#define RAW_PADDING {RAW_PADDING}\n")
+    helpers = (INSTRUCTIONS + (FP8_INSTRUCTIONS if fp8 else "")) if with_instructions else ""
+    return helpers + constants + KERNEL
 
 
-_kernels: dict[tuple[int, int, bool], Any] = {}
+_kernels: dict[tuple[int, int, bool, bool], Any] = {}
 
 
-def _kernel(head_dim: int, stage_count: int, softcap: bool) -> Any:
-    """The compiled kernel for ``head_dim``, ``stage_count`` and capped logits or not (NVRTC, once
-    per process each)."""
-    kernel = _kernels.get((head_dim, stage_count, softcap))
+def _kernel(head_dim: int, stage_count: int, softcap: bool, fp8: bool = False) -> Any:
+    """The compiled kernel for ``head_dim``, ``stage_count``, capped logits or not and an FP8 cache
+    or not (NVRTC, once per process each)."""
+    key = (head_dim, stage_count, softcap, fp8)
+    kernel = _kernels.get(key)
     if kernel is None:
         import cupy
 
-        module = cupy.RawModule(code=kernel_source(head_dim, stage_count=stage_count, softcap=softcap),
+        module = cupy.RawModule(code=kernel_source(head_dim, stage_count=stage_count, softcap=softcap, fp8=fp8),
                                 options=("--std=c++17", "--use_fast_math"))
         kernel = module.get_function("decode_attention_mma")
-        kernel.max_dynamic_shared_size_bytes = shared_bytes(head_dim, stage_count)
-        _kernels[(head_dim, stage_count, softcap)] = kernel
+        kernel.max_dynamic_shared_size_bytes = shared_bytes(head_dim, stage_count, fp8)
+        _kernels[key] = kernel
     return kernel
 
 
@@ -542,12 +720,12 @@ def head_blocks(heads: int, kv_heads: int) -> int:
 
 
 def split_count(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int,
-                multiprocessors: int = DEFAULT_MULTIPROCESSORS) -> int:
+                multiprocessors: int = DEFAULT_MULTIPROCESSORS, fp8: bool = False) -> int:
     """Key splits per row: as many as keep the grid within one wave of resident blocks, at least
     one step of :data:`BLOCK_KEYS` keys of ``max_context`` each, at most ``MAX_SPLITS`` (the merge's
     limit)."""
     blocks = max(1, rows * kv_heads * head_blocks(heads, kv_heads))
-    resident = multiprocessors * blocks_per_multiprocessor(head_dim)
+    resident = multiprocessors * blocks_per_multiprocessor(head_dim, fp8=fp8)
     steps = max(1, -(-int(max_context) // BLOCK_KEYS))
     return max(1, min(resident // blocks, MAX_SPLITS, steps))
 
@@ -571,9 +749,10 @@ def merges_itself(heads: int, kv_heads: int, head_dim: int, splits: int) -> bool
     return splits * block_heads * head_dim * 4 <= MAX_MERGE_BYTES
 
 
-def device_split_count(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int) -> int:
+def device_split_count(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int,
+                       fp8: bool = False) -> int:
     """:func:`split_count` for the current device's multiprocessors."""
-    return split_count(rows, heads, kv_heads, head_dim, max_context, multiprocessor_count())
+    return split_count(rows, heads, kv_heads, head_dim, max_context, multiprocessor_count(), fp8)
 
 
 def _bf16(values: np.ndarray) -> np.ndarray:
@@ -644,6 +823,15 @@ def decode_attention_partials_model(
     return out_acc, out_max, out_sum
 
 
+def dequantized_cache(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float32 ``[blocks, block_size, kv_heads, d]``: an FP8 cache's rows as the prompt kernel
+    (:mod:`metrale.kernels.attention_mma`) reads them, each code's value times its row's scale
+    rounded to bf16 (host arrays)."""
+    from metrale.kernels.quantized import fp8_e4m3_to_float32
+
+    return _bf16(fp8_e4m3_to_float32(codes) * np.asarray(scales, np.float32)[..., None])
+
+
 def decode_attention(
     q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
     positions: DeviceArray, scale: float, sliding_window: int | None, workspace: tuple, out: DeviceArray,
@@ -658,18 +846,35 @@ def decode_attention(
     them, zero between launches; launches that share them run one after another), the last split
     of each row and head block merges the splits itself and no combine kernel runs. ``softcap`` (a
     positive number, or None) caps the logits; ``sinks`` (float32 ``[heads]``, or None) adds a sink
-    logit to each head's softmax."""
+    logit to each head's softmax. ``k_cache`` and ``v_cache`` may be
+    :class:`~metrale.kernels.kv_cache_fp8.Fp8CacheArray` s on the device (E4M3 codes, a float32
+    scale per slot and head): the products take the codes' values exactly as f16 operands, the
+    queries and probabilities as f16, and the scales in float32 (a key's on its scores, a value's
+    on its probabilities), so the result is at least as close to the float attention over the
+    codes times their scales as the bf16 kernel's over :func:`dequantized_cache`."""
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+
     op = "decode_attention_mma"
     check_array(op, "q", q, np.float32, ndim=3)
     rows, heads, head_dim = q.shape
-    check_array(op, "k_cache", k_cache, np.uint16, ndim=4)
+    fp8 = isinstance(k_cache, Fp8CacheArray)
+    if fp8 != isinstance(v_cache, Fp8CacheArray):
+        raise KernelArgumentError(f"{op}: the key and value caches must both be FP8 or both bf16")
+    k_scales = v_scales = None
+    if fp8:
+        k_scales, v_scales, k_cache, v_cache = k_cache.scales, v_cache.scales, k_cache.codes, v_cache.codes
+    cache_dtype = np.uint8 if fp8 else np.uint16
+    check_array(op, "k_cache", k_cache, cache_dtype, ndim=4)
     kv_heads = k_cache.shape[2]
     if not supports(heads, kv_heads, head_dim, v_cache.shape[-1]):
         raise KernelArgumentError(
             f"{op}: {heads} query heads over {kv_heads} KV heads of sizes {head_dim} / {v_cache.shape[-1]} are unsupported "
             f"(sizes {HEAD_DIMS}, whole groups)")
-    check_array(op, "k_cache", k_cache, np.uint16, (None, None, kv_heads, head_dim))
-    check_array(op, "v_cache", v_cache, np.uint16, k_cache.shape)
+    check_array(op, "k_cache", k_cache, cache_dtype, (None, None, kv_heads, head_dim))
+    check_array(op, "v_cache", v_cache, cache_dtype, k_cache.shape)
+    if fp8:
+        check_array(op, "k_cache scales", k_scales, np.float32, k_cache.shape[:3])
+        check_array(op, "v_cache scales", v_scales, np.float32, k_cache.shape[:3])
     check_array(op, "block_tables", block_tables, np.int32, ndim=2)
     check_array(op, "seq_index", seq_index, np.int32, (rows,))
     check_array(op, "positions", positions, np.int32, (rows,))
@@ -697,13 +902,13 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, seq_index, positions, np.int32(heads), np.int32(kv_heads),
         np.int32(k_cache.shape[1]), np.int32(block_tables.shape[1]), np.float32(scale), np.int32(sliding_window or 0),
         np.float32(softcap or 0.0), sinks if sinks is not None else np.uint64(0), acc, best, total, out,
-        counters if merged else np.uint64(0),
+        counters if merged else np.uint64(0), k_scales if fp8 else np.uint64(0), v_scales if fp8 else np.uint64(0),
     )
     grid = (rows, kv_heads * head_blocks(heads, kv_heads), splits)
     count = launch_stages(rows, heads, kv_heads, head_dim, splits, block_tables.shape[1] * k_cache.shape[1],
-                          multiprocessor_count())
-    launch(_kernel(head_dim, count, bool(softcap)), grid, (THREADS,), arguments, shared_bytes(head_dim, count), stream,
-           dependent=True)
+                          multiprocessor_count(), fp8)
+    launch(_kernel(head_dim, count, bool(softcap), fp8), grid, (THREADS,), arguments, shared_bytes(head_dim, count, fp8),
+           stream, dependent=True)
     if splits > 1 and not merged:
         attention_combine.combine(acc, best, total, out, stream)
     return out

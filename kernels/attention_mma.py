@@ -41,7 +41,7 @@ INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD
 
 #: The kernel, written against :data:`INSTRUCTIONS` (the CPU tests build it against an emulation
 #: of them); ``__HEAD_DIM__``, ``__VALUE_DIM__``, ``__BLOCK_KEYS__`` and ``__SOFTCAP__`` are
-#: filled in by :func:`kernel_source`.
+#: filled in by :func:`kernel_source`, which defines ``FP8_CACHE`` before it.
 KERNEL = r"""
 
 #define HEAD_DIM __HEAD_DIM__
@@ -58,25 +58,44 @@ KERNEL = r"""
 #define QUERY_IN_SHARED (HEAD_DIM > 192)
 #define NEG_INF (__int_as_float(0xff800000))
 #define SOFTCAP __SOFTCAP__
+// FP8_CACHE: a stage's key and value codes, unpadded (bytes).
+#define RAW_STAGE_BYTES (BLOCK_KEYS * (HEAD_DIM + VALUE_DIM))
+// The elements before the stages' codes: the query tile and the one bf16 stage (they share their
+// space unless the queries stay in shared memory).
+#define WORK_ELEMENTS (QUERY_IN_SHARED ? BLOCK_ROWS * K_STRIDE + STAGE_ELEMENTS \
+                                       : (STAGE_ELEMENTS > BLOCK_ROWS * K_STRIDE ? STAGE_ELEMENTS : BLOCK_ROWS * K_STRIDE))
 
 typedef unsigned short bf16_bits;
+#if FP8_CACHE
+typedef unsigned char cache_t;   // E4M3 codes, a float32 scale per (slot, KV head) beside them
+#else
+typedef bf16_bits cache_t;
+#endif
 
 // Grid: (tiles, query heads); THREADS threads; dynamic shared memory: the query tile (when
 // QUERY_IN_SHARED) and two stages of BLOCK_KEYS keys and values. q [N, nh, HEAD_DIM] f32;
 // k_cache [blocks, block_size, nkv, HEAD_DIM], v_cache [blocks, block_size, nkv, VALUE_DIM] bf16
 // bits; block_tables [S, max_blocks], seq_index [N], positions [N], tiles [T, 2] (first row, rows)
 // int32; out [N, nh * VALUE_DIM] bf16 bits. With SOFTCAP, softcap > 0 caps the logits; sinks (f32
-// [nh], or null) adds exp(sinks[head]) to each row's denominator.
+// [nh], or null) adds exp(sinks[head]) to each row's denominator. FP8_CACHE: the caches hold E4M3
+// codes, k_scales and v_scales [blocks, block_size, nkv] their scales; two stages of codes and
+// scales are copied, and each step's are scaled into one bf16 stage (code * scale, rounded once)
+// that the products read.
 extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
-    const float* __restrict__ q, const bf16_bits* __restrict__ k_cache, const bf16_bits* __restrict__ v_cache,
+    const float* __restrict__ q, const cache_t* __restrict__ k_cache, const cache_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_index, const int* __restrict__ positions,
     const int* __restrict__ tiles, int num_heads, int num_kv_heads, int block_size, int max_blocks, float scale,
-    int sliding_window, float softcap, const float* __restrict__ sinks, bf16_bits* __restrict__ out)
+    int sliding_window, float softcap, const float* __restrict__ sinks, bf16_bits* __restrict__ out,
+    const float* __restrict__ k_scales, const float* __restrict__ v_scales)
 {
     DYNAMIC_SHARED;
     bf16_bits* shared = reinterpret_cast<bf16_bits*>(dynamic_shared);
     bf16_bits* query_tile = shared;   // [BLOCK_ROWS, K_STRIDE]: staging, or for good when QUERY_IN_SHARED
-    bf16_bits* stages = shared + (QUERY_IN_SHARED ? BLOCK_ROWS * K_STRIDE : 0);
+    bf16_bits* stages = shared + (QUERY_IN_SHARED ? BLOCK_ROWS * K_STRIDE : 0);   // FP8_CACHE: the one bf16 stage
+#if FP8_CACHE
+    unsigned char* raw_stages = reinterpret_cast<unsigned char*>(shared + WORK_ELEMENTS);   // [2][RAW_STAGE_BYTES]
+    float* raw_scales = reinterpret_cast<float*>(raw_stages + 2 * RAW_STAGE_BYTES);   // [2][2][BLOCK_KEYS]
+#endif
 
     const int tile = blockIdx.x, head = blockIdx.y;
     const int kv_head = head / (num_heads / num_kv_heads);
@@ -134,6 +153,29 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
     };
     // Queue the keys and values of [base, base + BLOCK_KEYS) into a stage (zeros past key_end).
     auto load_stage = [&](int stage) {
+#if FP8_CACHE
+        unsigned char* raw_keys = raw_stages + stage * RAW_STAGE_BYTES;
+        unsigned char* raw_values = raw_keys + BLOCK_KEYS * HEAD_DIM;
+        for (int e = threadIdx.x; e < BLOCK_KEYS * (HEAD_DIM / 16); e += THREADS) {
+            const int key = e / (HEAD_DIM / 16), chunk = e % (HEAD_DIM / 16);
+            const long long row = stage_rows[stage][key];
+            copy_16(shared_address(&raw_keys[key * HEAD_DIM + chunk * 16]),
+                    k_cache + (row < 0 ? 0 : row) * HEAD_DIM + chunk * 16, row >= 0);
+        }
+        for (int e = threadIdx.x; e < BLOCK_KEYS * (VALUE_DIM / 16); e += THREADS) {
+            const int key = e / (VALUE_DIM / 16), chunk = e % (VALUE_DIM / 16);
+            const long long row = stage_rows[stage][key];
+            copy_16(shared_address(&raw_values[key * VALUE_DIM + chunk * 16]),
+                    v_cache + (row < 0 ? 0 : row) * VALUE_DIM + chunk * 16, row >= 0);
+        }
+        // A key past key_end copies scale 0 (and codes 0): zeros.
+        for (int e = threadIdx.x; e < 2 * BLOCK_KEYS; e += THREADS) {
+            const int half = e / BLOCK_KEYS, key = e % BLOCK_KEYS;
+            const long long row = stage_rows[stage][key];
+            copy_4(shared_address(&raw_scales[(stage * 2 + half) * BLOCK_KEYS + key]),
+                   (half ? v_scales : k_scales) + (row < 0 ? 0 : row), row >= 0);
+        }
+#else
         bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
         bf16_bits* values = keys + BLOCK_KEYS * K_STRIDE;
         for (int e = threadIdx.x; e < BLOCK_KEYS * (HEAD_DIM / 8); e += THREADS) {
@@ -148,6 +190,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
             copy_16(shared_address(&values[key * V_STRIDE + chunk * 8]),
                     v_cache + (row < 0 ? 0 : row) * VALUE_DIM + chunk * 8, row >= 0);
         }
+#endif
         commit_copies();
     };
 
@@ -166,7 +209,32 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
         __syncthreads();
         // This stage's rows were last read by the copies queued a step ago, before the barrier.
         find_rows(stage, base + 2 * BLOCK_KEYS);
+#if FP8_CACHE
+        // The step's codes times their scales into the bf16 stage (every warp finished reading it
+        // before the previous step's closing barrier).
+        {
+            const unsigned char* raw_keys = raw_stages + stage * RAW_STAGE_BYTES;
+            const unsigned char* raw_values = raw_keys + BLOCK_KEYS * HEAD_DIM;
+            const float* key_scales = raw_scales + stage * 2 * BLOCK_KEYS;
+            bf16_bits* keys_out = stages;
+            bf16_bits* values_out = stages + BLOCK_KEYS * K_STRIDE;
+            for (int e = threadIdx.x; e < BLOCK_KEYS * (HEAD_DIM / 8); e += THREADS) {
+                const int key = e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8);
+                const uint2 codes = *reinterpret_cast<const uint2*>(&raw_keys[key * HEAD_DIM + chunk * 8]);
+                *reinterpret_cast<uint4*>(&keys_out[key * K_STRIDE + chunk * 8]) = scaled_e4m3x8(codes, key_scales[key]);
+            }
+            for (int e = threadIdx.x; e < BLOCK_KEYS * (VALUE_DIM / 8); e += THREADS) {
+                const int key = e / (VALUE_DIM / 8), chunk = e % (VALUE_DIM / 8);
+                const uint2 codes = *reinterpret_cast<const uint2*>(&raw_values[key * VALUE_DIM + chunk * 8]);
+                *reinterpret_cast<uint4*>(&values_out[key * V_STRIDE + chunk * 8]) =
+                    scaled_e4m3x8(codes, key_scales[BLOCK_KEYS + key]);
+            }
+        }
+        __syncthreads();
+        const bf16_bits* keys = stages;
+#else
         const bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
+#endif
         const bf16_bits* values = keys + BLOCK_KEYS * K_STRIDE;
 
         float scores[BLOCK_KEYS / 8][4];
@@ -290,7 +358,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
 """
 
 
-_kernels: dict[tuple[int, int, bool], tuple[Any, int]] = {}
+_kernels: dict[tuple[int, int, bool, bool], tuple[Any, int]] = {}
 
 
 def block_keys(head_dim: int, value_dim: int) -> int:
@@ -298,35 +366,66 @@ def block_keys(head_dim: int, value_dim: int) -> int:
     return 32 if max(head_dim, value_dim) > 192 else 64
 
 
-def shared_bytes(head_dim: int, value_dim: int) -> int:
+def shared_bytes(head_dim: int, value_dim: int, fp8: bool = False) -> int:
     """Dynamic shared memory of one block: two stages of keys and values (padded rows), plus the
-    query tile where it stays in shared memory (it otherwise shares the first stage's space)."""
+    query tile where it stays in shared memory (it otherwise shares the first stage's space); for
+    an FP8 cache (``fp8``) one bf16 stage, then two stages of codes and float32 scales."""
     keys = block_keys(head_dim, value_dim)
-    stages = 2 * keys * (head_dim + 8 + value_dim + 8)
+    stage = keys * (head_dim + 8 + value_dim + 8)
+    stages = stage if fp8 else 2 * stage
     query = BLOCK_ROWS * (head_dim + 8)
-    return 2 * (stages + query if head_dim > 192 else max(stages, query))
+    work = 2 * (stages + query if head_dim > 192 else max(stages, query))
+    return work + (2 * keys * (head_dim + value_dim) + 2 * 2 * keys * 4 if fp8 else 0)
 
 
-def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_instructions: bool = True) -> str:
-    """The kernel's CUDA C++ for the head sizes, with the logit soft cap compiled in or not, with
-    its PTX helpers, or without them for the CPU emulation, which brings its own."""
+#: Eight E4M3 codes of an FP8 cache scaled into bf16, written against :data:`FP8_INSTRUCTIONS`
+#: (part of the kernel source, with or without the instructions).
+FP8_CONVERSION = r"""
+#if FP8_CACHE
+// Eight E4M3 codes (a uint2) times `scale`, as eight bf16 values (a uint4): each pair's f16 values
+// (exact), then float32 products rounded once.
+__device__ __forceinline__ uint4 scaled_e4m3x8(uint2 codes, float scale) {
+    uint4 out;
+    unsigned* words = reinterpret_cast<unsigned*>(&out);
+    const unsigned pairs[4] = {codes.x & 0xffffu, codes.x >> 16, codes.y & 0xffffu, codes.y >> 16};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned h = e4m3x2_to_f16x2(pairs[i]);
+        words[i] = pack_bf16(f16_low(h) * scale, f16_high(h) * scale);
+    }
+    return out;
+}
+#endif
+"""
+
+
+def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_instructions: bool = True,
+                  fp8: bool = False) -> str:
+    """The kernel's CUDA C++ for the head sizes, with the logit soft cap compiled in or not, over
+    an FP8 cache (``fp8``) or a bf16 one, with its PTX helpers, or without them for the CPU
+    emulation, which brings its own."""
+    from metrale.kernels.attention_decode_mma import FP8_INSTRUCTIONS
+
     kernel = (KERNEL.replace("__HEAD_DIM__", str(head_dim)).replace("__VALUE_DIM__", str(value_dim))
-              .replace("__BLOCK_KEYS__", str(block_keys(head_dim, value_dim))).replace("__SOFTCAP__", str(int(softcap))))
-    return (INSTRUCTIONS if with_instructions else "") + kernel
+              .replace("__BLOCK_KEYS__", str(block_keys(head_dim, value_dim))).replace("__SOFTCAP__", str(int(softcap)))
+)
+    helpers = (INSTRUCTIONS + (FP8_INSTRUCTIONS if fp8 else "")) if with_instructions else ""
+    return helpers + f"#define FP8_CACHE {int(fp8)}\n" + FP8_CONVERSION + kernel
 
 
-def _kernel(head_dim: int, value_dim: int, softcap: bool = False) -> tuple[Any, int]:
-    """The compiled kernel for the head sizes (and capped logits or not) and its shared memory
-    bytes (NVRTC, once per process and geometry)."""
-    entry = _kernels.get((head_dim, value_dim, softcap))
+def _kernel(head_dim: int, value_dim: int, softcap: bool = False, fp8: bool = False) -> tuple[Any, int]:
+    """The compiled kernel for the head sizes (capped logits or not, an FP8 cache or not) and its
+    shared memory bytes (NVRTC, once per process and geometry)."""
+    key = (head_dim, value_dim, softcap, fp8)
+    entry = _kernels.get(key)
     if entry is None:
         import cupy
 
-        code = kernel_source(head_dim, value_dim, softcap)
+        code = kernel_source(head_dim, value_dim, softcap, fp8=fp8)
         kernel = cupy.RawModule(code=code, options=("--std=c++17", "--use_fast_math")).get_function("prefill_attention_mma")
-        size = shared_bytes(head_dim, value_dim)
+        size = shared_bytes(head_dim, value_dim, fp8)
         kernel.max_dynamic_shared_size_bytes = size
-        entry = _kernels[(head_dim, value_dim, softcap)] = (kernel, size)
+        entry = _kernels[key] = (kernel, size)
     return entry
 
 
@@ -357,13 +456,27 @@ def prefill_attention(
     [blocks, block_size, nkv, D]``, ``v_cache [blocks, block_size, nkv, Dv]``. Every row of a tile
     belongs to one sequence and the tile's rows have consecutive positions (prompt rows).
     ``softcap`` (a positive number; None or 0 for none) caps the logits; ``sinks`` (float32 ``[nh]``, or
-    None) adds a sink logit to each head's softmax."""
+    None) adds a sink logit to each head's softmax. The caches may be
+    :class:`~metrale.kernels.kv_cache_fp8.Fp8CacheArray` s on the device: each step's codes times
+    their scales are rounded to bf16 in shared memory, and the rest is the bf16 kernel's."""
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+
     op = "prefill_attention_mma"
     check_array(op, "q", q, np.float32, ndim=3)
     rows, heads, head_dim = q.shape
-    check_array(op, "k_cache", k_cache, np.uint16, (None, None, None, head_dim))
+    fp8 = isinstance(k_cache, Fp8CacheArray)
+    if fp8 != isinstance(v_cache, Fp8CacheArray):
+        raise KernelArgumentError(f"{op}: the key and value caches must both be FP8 or both bf16")
+    k_scales = v_scales = None
+    if fp8:
+        k_scales, v_scales, k_cache, v_cache = k_cache.scales, v_cache.scales, k_cache.codes, v_cache.codes
+    cache_dtype = np.uint8 if fp8 else np.uint16
+    check_array(op, "k_cache", k_cache, cache_dtype, (None, None, None, head_dim))
     blocks, block_size, kv_heads = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
-    check_array(op, "v_cache", v_cache, np.uint16, (blocks, block_size, kv_heads, None))
+    check_array(op, "v_cache", v_cache, cache_dtype, (blocks, block_size, kv_heads, None))
+    if fp8:
+        check_array(op, "k_cache scales", k_scales, np.float32, (blocks, block_size, kv_heads))
+        check_array(op, "v_cache scales", v_scales, np.float32, (blocks, block_size, kv_heads))
     value_dim = v_cache.shape[3]
     if not supports(heads, kv_heads, head_dim, value_dim):
         raise KernelArgumentError(
@@ -385,8 +498,9 @@ def prefill_attention(
         q, k_cache, v_cache, block_tables, seq_index, positions, tiles, np.int32(heads), np.int32(kv_heads),
         np.int32(block_size), np.int32(block_tables.shape[1]), np.float32(scale), np.int32(sliding_window or 0),
         np.float32(softcap or 0.0), sinks if sinks is not None else np.uint64(0), out,
+        k_scales if fp8 else np.uint64(0), v_scales if fp8 else np.uint64(0),
     )
     with stream if stream is not None else contextlib.nullcontext():
-        kernel, size = _kernel(head_dim, value_dim, bool(softcap))
+        kernel, size = _kernel(head_dim, value_dim, bool(softcap), fp8)
         kernel((int(tiles.shape[0]), heads), (THREADS,), arguments, shared_mem=size)
     return out

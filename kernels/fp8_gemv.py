@@ -16,13 +16,16 @@ columns as the M side and 8 input rows as the N side, a lane's A fragment takes 
 ``16q + 4j .. 16q + 4j + 3`` for product ``j`` (``q`` the lane's quad position): the sum is over all
 positions whichever order the products take them in, and the weights and inputs agree on it.
 No scale, zero point or bound is read per step; a warp's steps continue from one column tile to the
-next without draining its loads.
+next without draining its loads. Launched dependently (:mod:`metrale.kernels._launch`), a block
+issues its first weight loads before it waits for the kernel ahead.
 
 The prologue quantizes the input rows (up to :data:`SHARED_STAGE_MAX_ROWS`) into shared memory:
 each block reads them with 16-byte loads, reduces each row's maximum, and writes the f16 values of
-their E4M3 codes; more rows are staged once into a global workspace by
-:mod:`metrale.kernels.quantized_gemv`'s ``stage_rows`` (the same layout), which the product reads
-through the L1 cache.
+their E4M3 codes (bf16 rows read once, kept in shared memory between the two); more rows are
+staged once into a global workspace by :mod:`metrale.kernels.quantized_gemv`'s ``stage_rows`` (the
+same layout), which the product reads through the L1 cache. The prologue can take
+``rmsnorm_residual`` in too: the sums of squares, then the norm's bf16 values into the codes' slots
+with their maximum, then the codes.
 
 :func:`fp8_gemv_reference` is the NumPy reference of a launch; ``tests/kernels`` runs the kernel on
 the host through the CUDA emulation header against it.
@@ -37,13 +40,18 @@ import numpy as np
 from metrale.errors import KernelArgumentError
 from metrale.kernels import quantized_gemv as qg
 from metrale.kernels._device import DeviceArray, check_array
-from metrale.kernels._launch import launch
+from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
 from metrale.kernels._tensor_cores import MMA_BF16
 from metrale.kernels._words import HELPERS, aligned
+from metrale.kernels.activation import silu_and_mul_reference
+from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
 from metrale.kernels.quantized import QuantizedWeight, dequantize, quantize_activations
 
 #: Input schemes (template ``ACT``), numbered as :data:`metrale.kernels.quantized_gemv.ACTIVATIONS`.
-ACTIVATIONS = {name: qg.ACTIVATIONS[name] for name in ("fp8_token", "fp8_tensor")}
+ACTIVATIONS = {name: qg.ACTIVATIONS[name] for name in ("fp8_token", "fp8_tensor", "fp8_group")}
+#: The scale blocks' size along the inner size of block-wise FP8 (``fp8_group`` inputs): weights'
+#: columns and inputs' groups alike.
+SCALE_BLOCK = 128
 MAX_ROWS = 32
 #: The most rows the prologue stages in shared memory; more are staged once by ``stage_rows``.
 SHARED_STAGE_MAX_ROWS = 4
@@ -53,17 +61,12 @@ UNROLL = 4
 THREADS = qg.THREADS
 WARPS = qg.WARPS
 
+
 KERNELS = r"""
-// 8 consecutive input values of chunk c (16-byte aligned rows): bf16 bits (one load) or float32 (two).
-__device__ __forceinline__ void load_eight(const unsigned short* __restrict__ x, size_t c, float* v) {
-    const uint4 w = __ldg(reinterpret_cast<const uint4*>(x) + c);
+// 8 bf16 values (16 bytes) as floats, value i from half i.
+__device__ __forceinline__ void bf16_eight(uint4 w, float* v) {
     v[0] = bf16_low(w.x); v[1] = bf16_high(w.x); v[2] = bf16_low(w.y); v[3] = bf16_high(w.y);
     v[4] = bf16_low(w.z); v[5] = bf16_high(w.z); v[6] = bf16_low(w.w); v[7] = bf16_high(w.w);
-}
-__device__ __forceinline__ void load_eight(const float* __restrict__ x, size_t c, float* v) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(x) + 2 * c);
-    const float4 b = __ldg(reinterpret_cast<const float4*>(x) + 2 * c + 1);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
 // 16 E4M3 codes (a 16-byte load) as 8 f16 pairs, pair i the codes 2i and 2i + 1.
@@ -78,31 +81,40 @@ __device__ __forceinline__ void fp8_pairs(uint4 codes, unsigned* pairs) {
 // x: INPUT [rows, K] (float32, or unsigned short: bf16 bits), rows 16-byte aligned; codes [N, K]
 // E4M3, K a multiple of 16; s_w[n] = scales[n / block_rows]; s_x[r] = max|x[r]| / 448 (at least
 // MIN_SCALE; ACT_FP8_TOKEN) or input_scale (ACT_FP8_TENSOR); q_x = the E4M3 codes of x / s_x.
-// out: float32 [rows, N]. Grid: WARPS / SPLIT column tiles of 16 a block, round after round; SPLIT
+// out: float32 [rows, N]; SWIGLU: codes [2N, K] (N gate rows, then N up rows), out bf16 bits [rows, N]
+// = silu(g) * u of the scaled gate and up sums, a column tile holding 8 gate rows (as the MMA's
+// rows 0-7) and their 8 up rows (rows 8-15), so a lane holds a unit's gate and up for its two rows.
+// Grid: WARPS / SPLIT column tiles of 16 a block, round after round; SPLIT
 // warps share a tile, each over a slice of whole 64-position pieces of the inner size.
 // SHARED_STAGE: the prologue stages the rows in dynamic shared memory (rows * ceil(K / 64) * 128
 // bytes of f16 codes, 64-position pieces zero-padded, then rows floats of scales, 16-byte aligned);
 // otherwise staged_rows / staged_scales hold them (stage_rows, the same layout, the padding unread).
 // Then (SPLIT > 1) the split's partial sums.
-template <int ACT, int SPLIT, int ROW_TILES, bool SHARED_STAGE, int UNROLL, typename INPUT>
+template <int ACT, int SPLIT, int ROW_TILES, bool SHARED_STAGE, int UNROLL, typename INPUT, bool SWIGLU, bool NORM>
 __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
     const INPUT* __restrict__ x, float input_scale, const uint4* __restrict__ staged_rows,
     const float* __restrict__ staged_scales, const unsigned char* __restrict__ codes,
     const float* __restrict__ scales, int block_rows, const float* __restrict__ bias, float* __restrict__ out,
-    int rows, int K, int N) {
+    int rows, int K, int N, const float* __restrict__ residual, const unsigned short* __restrict__ norm_weight,
+    float eps, float norm_offset, float* __restrict__ summed) {
     DYNAMIC_SHARED;
     __shared__ float partial_max[4 * WARPS];
+    __shared__ float norm_scales[4];
+    allow_dependents();
     constexpr int GROUPS = WARPS / SPLIT;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, q = lane % 4;
     const int pieces = (K + 63) / 64, stride = pieces * 8;   // stride: 16-byte chunks of a staged row
-    const int slice = (pieces + SPLIT - 1) / SPLIT, part = warp % SPLIT;
+    // ACT_FP8_GROUP: slices of whole 128-position scale blocks (an even count of pieces).
+    const int slice = ACT == ACT_FP8_GROUP ? (pieces + 2 * SPLIT - 1) / (2 * SPLIT) * 2 : (pieces + SPLIT - 1) / SPLIT;
+    const int part = warp % SPLIT;
+    const int groups = (K + 127) / 128;   // ACT_FP8_GROUP: scale blocks along K (weights and inputs)
     const int first_piece = part * slice;
     const int own = max(0, min(pieces, first_piece + slice) - first_piece);   // this warp's pieces
     // Byte offsets (from the lane's first code of the slice) below `limit` hold codes of this slice.
     const int limit = min(64 * own, K - 64 * first_piece - 16 * q);
     const int batches = (slice + UNROLL - 1) / UNROLL;   // the same for every warp of the block
-    const int tiles = (N + 15) / 16;
+    const int tiles = SWIGLU ? (N + 7) / 8 : (N + 15) / 16;
     const int tile_stride = gridDim.x * GROUPS;
     const int first_tile = blockIdx.x * GROUPS + warp / SPLIT;
     const int rounds = (tiles - (int)blockIdx.x * GROUPS + tile_stride - 1) / tile_stride;
@@ -113,6 +125,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
     // of the slice from `upper` and `lower`.
     struct Position {
         int tile, batch;
+        int upper_row, lower_row;   // the lane's two weight rows
         const unsigned char* upper;
         const unsigned char* lower;
     };
@@ -120,8 +133,12 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
         p.tile = tile;
         p.batch = 0;
         const size_t offset = (size_t)(64 * first_piece + 16 * q);
-        p.upper = codes + (size_t)min(tile * 16 + g, N - 1) * (size_t)K + offset;
-        p.lower = codes + (size_t)min(tile * 16 + g + 8, N - 1) * (size_t)K + offset;
+        const int upper = SWIGLU ? min(tile * 8 + g, N - 1) : min(tile * 16 + g, N - 1);
+        const int lower = SWIGLU ? upper + N : min(tile * 16 + g + 8, N - 1);
+        p.upper_row = upper;
+        p.lower_row = lower;
+        p.upper = codes + (size_t)upper * (size_t)K + offset;
+        p.lower = codes + (size_t)lower * (size_t)K + offset;
     };
     auto advance = [&](Position& p) {
         if (++p.batch == batches) enter_tile(p, p.tile + tile_stride);
@@ -141,7 +158,11 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
     next = now;
     advance(next);
     uint4 upper[UNROLL], lower[UNROLL], other_upper[UNROLL], other_lower[UNROLL];
-    if (steps > 0) load(now, upper, lower);   // in flight while the prologue runs
+    // The first two steps' codes in flight while the prologue runs; from then on two steps are
+    // always in flight, a buffer reloaded as soon as its step is done.
+    if (steps > 0) load(now, upper, lower);
+    if (steps > 1) load(next, other_upper, other_lower);
+    wait_for_producers();   // everything below reads or writes what other kernels touch
 
     const uint4* stage = staged_rows;
     const float* row_scales = staged_scales;
@@ -149,13 +170,119 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
         uint4* shared_stage = reinterpret_cast<uint4*>(dynamic_shared);
         float* shared_scales = reinterpret_cast<float*>(shared_stage + rows * stride);
         const int chunks = K / 8;
-        if (ACT == ACT_FP8_TOKEN) {
+        // bf16 rows with per-token scales are read once: the first pass keeps each chunk (8 values,
+        // 16 bytes) in the slot its codes take, the second quantizes it in place (the same thread).
+        constexpr bool ONE_PASS = NORM || ((ACT == ACT_FP8_TOKEN || ACT == ACT_FP8_GROUP) && sizeof(INPUT) == 2);
+        if constexpr (NORM) {
+            // s = x (+ residual), float32; the bf16 values of s / rms(s) * (norm_offset + gain) into
+            // the codes' slots (block 0 writes s out), their maximum on the way.
+            const float4* in = reinterpret_cast<const float4*>(x);
+            const float4* add = reinterpret_cast<const float4*>(residual);
+            const int quads = K / 4;
+            for (int r = 0; r < rows; ++r) {
+                float squares = 0.0f;
+                for (int k = tid; k < quads; k += THREADS) {
+                    float4 v = in[(size_t)r * quads + k];
+                    if (add != nullptr) {
+                        const float4 w = add[(size_t)r * quads + k];
+                        v.x += w.x; v.y += w.y; v.z += w.z; v.w += w.w;
+                    }
+                    squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+                }
+                squares = warp_sum(squares);
+                if (lane == 0) partial_max[r * WARPS + warp] = squares;
+            }
+            __syncthreads();
+            if (tid < rows) {
+                float total = 0.0f;
+                #pragma unroll
+                for (int w = 0; w < WARPS; ++w) total += partial_max[tid * WARPS + w];
+                norm_scales[tid] = 1.0f / sqrtf(total / (float)K + eps);
+            }
+            __syncthreads();
+            const uint4* gains = reinterpret_cast<const uint4*>(norm_weight);
+            for (int r = 0; r < rows; ++r) {
+                const float n = norm_scales[r];
+                float amax = 0.0f;
+                for (int c = tid; c < chunks; c += THREADS) {
+                    const size_t i = (size_t)r * chunks + c;
+                    float4 a = in[i * 2], b = in[i * 2 + 1];
+                    if (add != nullptr) {
+                        const float4 ra = add[i * 2], rb = add[i * 2 + 1];
+                        a.x += ra.x; a.y += ra.y; a.z += ra.z; a.w += ra.w;
+                        b.x += rb.x; b.y += rb.y; b.z += rb.z; b.w += rb.w;
+                    }
+                    if (blockIdx.x == 0) {
+                        reinterpret_cast<float4*>(summed)[i * 2] = a;
+                        reinterpret_cast<float4*>(summed)[i * 2 + 1] = b;
+                    }
+                    const uint4 gain = __ldg(gains + c);
+                    uint4 normed;
+                    normed.x = (unsigned)to_bf16(a.x * n * (norm_offset + bf16_low(gain.x)))
+                               | ((unsigned)to_bf16(a.y * n * (norm_offset + bf16_high(gain.x))) << 16);
+                    normed.y = (unsigned)to_bf16(a.z * n * (norm_offset + bf16_low(gain.y)))
+                               | ((unsigned)to_bf16(a.w * n * (norm_offset + bf16_high(gain.y))) << 16);
+                    normed.z = (unsigned)to_bf16(b.x * n * (norm_offset + bf16_low(gain.z)))
+                               | ((unsigned)to_bf16(b.y * n * (norm_offset + bf16_high(gain.z))) << 16);
+                    normed.w = (unsigned)to_bf16(b.z * n * (norm_offset + bf16_low(gain.w)))
+                               | ((unsigned)to_bf16(b.w * n * (norm_offset + bf16_high(gain.w))) << 16);
+                    shared_stage[r * stride + c] = normed;
+                    float v[8];
+                    bf16_eight(normed, v);
+                    #pragma unroll
+                    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+                }
+                if (ACT == ACT_FP8_TOKEN) {
+                    amax = warp_max(amax);
+                    if (lane == 0) partial_max[r * WARPS + warp] = amax;
+                }
+            }
+            __syncthreads();   // (the sums of squares were read before the last barrier)
+            if (tid < rows) {
+                float amax = 0.0f;
+                #pragma unroll
+                for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, partial_max[tid * WARPS + w]);
+                shared_scales[tid] = ACT == ACT_FP8_TOKEN ? fmaxf(amax / FP8_MAX, MIN_SCALE) : input_scale;
+            }
+            __syncthreads();
+        } else if (ACT == ACT_FP8_GROUP) {
+            // A scale per 128 positions: the 16 chunks of a group are 16 neighbouring lanes' (a
+            // loop round covers whole groups, every lane of a warp in it).
+            for (int r = 0; r < rows; ++r) {
+                for (int base = 0; base < chunks; base += THREADS) {
+                    const int c = base + tid;
+                    float amax = 0.0f;
+                    if (c < chunks) {
+                        float v[8];
+                        if constexpr (sizeof(INPUT) == 2) {
+                            const uint4 raw = __ldg(reinterpret_cast<const uint4*>(x + (size_t)r * K) + c);
+                            shared_stage[r * stride + c] = raw;
+                            bf16_eight(raw, v);
+                        } else {
+                            load_eight(x + (size_t)r * K, c, v);
+                        }
+                        #pragma unroll
+                        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+                    }
+                    #pragma unroll
+                    for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+                    if (c < chunks && c % 16 == 0) shared_scales[r * groups + c / 16] = fmaxf(amax / FP8_MAX, MIN_SCALE);
+                }
+            }
+            __syncthreads();
+        } else if (ACT == ACT_FP8_TOKEN) {
             for (int r = 0; r < rows; ++r) {
                 float amax = 0.0f;
                 #pragma unroll 4
                 for (int c = tid; c < chunks; c += THREADS) {
                     float v[8];
-                    load_eight(x + (size_t)r * K, c, v);
+                    if constexpr (ONE_PASS) {
+                        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(x + (size_t)r * K) + c);
+                        shared_stage[r * stride + c] = raw;
+                        bf16_eight(raw, v);
+                    } else {
+                        load_eight(x + (size_t)r * K, c, v);
+                    }
                     #pragma unroll
                     for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
                 }
@@ -174,17 +301,20 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
             shared_scales[tid] = input_scale;
         }
         for (int r = 0; r < rows; ++r) {
-            const float s = ACT == ACT_FP8_TOKEN ? shared_scales[r] : input_scale;
+            const float row_scale = ACT == ACT_FP8_TOKEN ? shared_scales[r] : input_scale;
             #pragma unroll 2
             for (int c = tid; c < stride; c += THREADS) {
                 uint4 staged = zero;
                 if (c < chunks) {
+                    const float s = ACT == ACT_FP8_GROUP ? shared_scales[r * groups + c / 16] : row_scale;
                     float v[8];
-                    load_eight(x + (size_t)r * K, c, v);
-                    staged = make_uint4(pack_f16(round_e4m3(v[0] / s), round_e4m3(v[1] / s)),
-                                        pack_f16(round_e4m3(v[2] / s), round_e4m3(v[3] / s)),
-                                        pack_f16(round_e4m3(v[4] / s), round_e4m3(v[5] / s)),
-                                        pack_f16(round_e4m3(v[6] / s), round_e4m3(v[7] / s)));
+                    if constexpr (ONE_PASS) bf16_eight(shared_stage[r * stride + c], v);
+                    else load_eight(x + (size_t)r * K, c, v);
+                    // Two instructions a pair: the E4M3 codes, then their f16 values.
+                    staged = make_uint4(e4m3x2_to_f16x2(e4m3x2_of(v[0] / s, v[1] / s)),
+                                        e4m3x2_to_f16x2(e4m3x2_of(v[2] / s, v[3] / s)),
+                                        e4m3x2_to_f16x2(e4m3x2_of(v[4] / s, v[5] / s)),
+                                        e4m3x2_to_f16x2(e4m3x2_of(v[6] / s, v[7] / s)));
                 }
                 shared_stage[r * stride + c] = staged;
             }
@@ -193,12 +323,18 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
         stage = shared_stage;
         row_scales = shared_scales;
     }
-    const int reduce_at = SHARED_STAGE ? rows * stride * 16 + (rows * 4 + 15) / 16 * 16 : 0;
+    const int scale_count = ACT == ACT_FP8_GROUP ? rows * groups : rows;
+    const int reduce_at = SHARED_STAGE ? rows * stride * 16 + (scale_count * 4 + 15) / 16 * 16 : 0;
     float4* reduce = reinterpret_cast<float4*>(dynamic_shared + reduce_at);   // [WARPS][ROW_TILES][32]
 
     float acc[ROW_TILES][4];
     #pragma unroll
     for (int t = 0; t < ROW_TILES; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+    // ACT_FP8_GROUP: the scaled sums of the tile's finished 128-position blocks (acc holds the
+    // current block's, unscaled).
+    float total[ACT == ACT_FP8_GROUP ? ROW_TILES : 1][4];
+    #pragma unroll
+    for (int t = 0; t < (ACT == ACT_FP8_GROUP ? ROW_TILES : 1); ++t) total[t][0] = total[t][1] = total[t][2] = total[t][3] = 0.0f;
 
     // One step: the batch's pieces (none past the warp's slice: a warp-uniform test), four products
     // a piece and row tile; after the tile's last batch its sums, scaled, go out.
@@ -232,9 +368,38 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
                     mma_16x8x16_f16(acc[t], a2, b2);
                     mma_16x8x16_f16(acc[t], a3, b3);
                 }
+                if constexpr (ACT == ACT_FP8_GROUP) {
+                    // A block's last piece: its sums times its weight and input scales join the total.
+                    const int piece = first_piece + index;
+                    if ((piece & 1) || index == own - 1) {
+                        const int block = piece / 2;
+                        const float upper_scale = __ldg(scales + (size_t)(now.upper_row / block_rows) * groups + block);
+                        const float lower_scale = __ldg(scales + (size_t)(now.lower_row / block_rows) * groups + block);
+                        #pragma unroll
+                        for (int t = 0; t < ROW_TILES; ++t) {
+                            #pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                const int r = 8 * t + 2 * q + (i & 1);
+                                const float input = r < rows ? row_scales[r * groups + block] : 0.0f;
+                                total[t][i] += acc[t][i] * ((i < 2 ? upper_scale : lower_scale) * input);
+                                acc[t][i] = 0.0f;
+                            }
+                        }
+                    }
+                }
             }
         }
         if (now.batch == batches - 1) {
+            if constexpr (ACT == ACT_FP8_GROUP) {
+                #pragma unroll
+                for (int t = 0; t < ROW_TILES; ++t) {
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        acc[t][i] = total[t][i];
+                        total[t][i] = 0.0f;
+                    }
+                }
+            }
             if (SPLIT > 1) {
                 #pragma unroll
                 for (int t = 0; t < ROW_TILES; ++t) {
@@ -254,18 +419,40 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
                 }
                 __syncthreads();
             }
-            if (part == 0 && now.tile < tiles) {
+            if (SWIGLU && part == 0 && now.tile < tiles) {
+                const int unit = now.tile * 8 + g;
+                if (unit < N) {
+                    const float gate_scale = ACT == ACT_FP8_GROUP ? 1.0f : __ldg(scales + unit / block_rows);
+                    const float up_scale = ACT == ACT_FP8_GROUP ? 1.0f : __ldg(scales + (unit + N) / block_rows);
+                    #pragma unroll
+                    for (int t = 0; t < ROW_TILES; ++t) {
+                        #pragma unroll
+                        for (int i = 0; i < 2; ++i) {
+                            const int r = 8 * t + 2 * q + i;
+                            if (r < rows) {
+                                const float input = ACT == ACT_FP8_TENSOR ? input_scale
+                                                    : ACT == ACT_FP8_GROUP ? 1.0f : row_scales[r];
+                                const float gate = acc[t][i] * input * gate_scale;
+                                const float up = acc[t][i + 2] * input * up_scale;
+                                reinterpret_cast<unsigned short*>(out)[(size_t)r * N + unit] =
+                                    to_bf16(gate / (1.0f + expf(-gate)) * up);
+                            }
+                        }
+                    }
+                }
+            } else if (part == 0 && now.tile < tiles) {
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int n = now.tile * 16 + g + (i >= 2 ? 8 : 0);
                     if (n < N) {
-                        const float weight_scale = __ldg(scales + n / block_rows);
+                        const float weight_scale = ACT == ACT_FP8_GROUP ? 1.0f : __ldg(scales + n / block_rows);
                         const float add = bias != nullptr ? __ldg(bias + n) : 0.0f;
                         #pragma unroll
                         for (int t = 0; t < ROW_TILES; ++t) {
                             const int r = 8 * t + 2 * q + (i & 1);
                             if (r < rows) {
-                                const float input = ACT == ACT_FP8_TENSOR ? input_scale : row_scales[r];
+                                const float input = ACT == ACT_FP8_TENSOR ? input_scale
+                                                    : ACT == ACT_FP8_GROUP ? 1.0f : row_scales[r];
                                 out[(size_t)r * N + n] = acc[t][i] * input * weight_scale + add;
                             }
                         }
@@ -278,13 +465,14 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
         now = next;
         advance(next);
     };
-    // Two steps an iteration, the buffers swapping roles: no register copies between steps.
+    // Two steps an iteration, the buffers swapping roles: no register copies between steps. After a
+    // step `next` is two steps ahead of the one just done: its buffer's next load.
     for (int step = 0; step < steps; step += 2) {
-        if (step + 1 < steps) load(next, other_upper, other_lower);
         run_step(upper, lower);
+        if (step + 2 < steps) load(next, upper, lower);
         if (step + 1 < steps) {
-            if (step + 2 < steps) load(next, upper, lower);
             run_step(other_upper, other_lower);
+            if (step + 3 < steps) load(next, other_upper, other_lower);
         }
     }
 }
@@ -293,17 +481,23 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return (qg.INSTRUCTIONS + MMA_BF16 + qg.F16_PRIMITIVES + qg.CONSTANTS + HELPERS + qg.DEVICE_FUNCTIONS + KERNELS)
+    return (qg.INSTRUCTIONS + DEPENDENT_LAUNCH + MMA_BF16 + qg.F16_PRIMITIVES + qg.CONSTANTS + HELPERS + qg.DEVICE_FUNCTIONS
+            + KERNELS)
 
 
 def serves(rows: int, weight: QuantizedWeight) -> bool:
     """Whether the GEMV serves ``rows`` rows of a product with ``weight``: 1 to :data:`MAX_ROWS`
-    rows, FP8 codes with one scale per output channel (or per tensor), inputs quantized per token
-    or with a static scale, no act-order or zero points, the inner size a multiple of 16."""
+    rows, FP8 codes with one scale per output channel (or per tensor) and inputs quantized per
+    token or with a static scale, or block-wise FP8 (weight scales per :data:`SCALE_BLOCK` columns
+    and any count of rows, inputs per group of :data:`SCALE_BLOCK`, as DeepSeek-V3 and Qwen3-FP8
+    store them); no act-order or zero points, the inner size a multiple of 16."""
     out, inner = weight.shape
+    if weight.activations == "fp8_group":
+        scales_fit = weight.block[1] == SCALE_BLOCK and weight.activation_group == SCALE_BLOCK
+    else:
+        scales_fit = weight.scales.shape[1] == 1
     return (0 < rows <= MAX_ROWS and out > 0 and weight.codes_format == "fp8" and weight.activations in ACTIVATIONS
-            and weight.scales.shape[1] == 1 and weight.input_order is None and weight.zeros is None
-            and inner % 16 == 0)
+            and scales_fit and weight.input_order is None and weight.zeros is None and inner % 16 == 0)
 
 
 def shared_stage(rows: int, weight: QuantizedWeight) -> bool:
@@ -316,7 +510,8 @@ def shared_bytes(rows: int, weight: QuantizedWeight, split: int, staged: bool) -
     """Dynamic shared memory of a launch: the staged rows and their scales (``staged``), the
     split's partial sums."""
     pieces = -(-weight.shape[1] // 64)
-    stage = rows * pieces * 128 + -(-rows * 4 // 16) * 16 if staged else 0
+    scale_count = rows * qg.activation_groups(weight)
+    stage = rows * pieces * 128 + -(-scale_count * 4 // 16) * 16 if staged else 0
     return stage + (qg.REDUCE_BYTES * qg.row_tiles(rows) if split > 1 else 0)
 
 
@@ -331,21 +526,45 @@ def input_type(bf16_input: bool) -> str:
 
 
 def kernel_name(activations: str, split: int, tiles: int, shared: bool = True, unroll: int = UNROLL,
-                bf16_input: bool = False) -> str:
+                bf16_input: bool = False, swiglu: bool = False, norm: bool = False) -> str:
     return (f"fp8_gemv<{ACTIVATIONS[activations]}, {split}, {tiles}, {'true' if shared else 'false'}, {unroll}, "
-            f"{input_type(bf16_input)}>")
+            f"{input_type(bf16_input)}, {'true' if swiglu else 'false'}, {'true' if norm else 'false'}>")
 
 
 # ------------------------------------------------------------------------------ reference
 
 
-def fp8_gemv_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray | None = None) -> np.ndarray:
+def fp8_gemv_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray | None = None,
+                       swiglu: bool = False) -> np.ndarray:
     """float32 ``[rows, N]``: what a launch computes, from host arrays: the input quantized as
     :func:`~metrale.kernels.quantized.quantize_activations` does, times the dequantized weight,
-    the sums exact (float64) and rounded once."""
+    the sums exact (float64) and rounded once; with ``swiglu`` (a ``[2N, K]`` gate-and-up weight)
+    the bf16 values of ``silu_and_mul`` of those sums, as float32 ``[rows, N]``. (The norm
+    prologue's input is :func:`norm_reference` of its rows.)"""
     staged = quantize_activations(np.asarray(x, dtype=np.float32), weight).astype(np.float64)
     y = staged @ dequantize(weight).astype(np.float64).T
-    return (y + bias if bias is not None else y).astype(np.float32)
+    y = (y + bias if bias is not None else y).astype(np.float32)
+    if not swiglu:
+        return y
+    units = y.shape[1] // 2
+    return bf16_to_float32(float32_to_bf16(silu_and_mul_reference(y[:, :units], y[:, units:])))
+
+
+def norm_reference(x: np.ndarray, residual: np.ndarray | None, norm_weight: np.ndarray, eps: float,
+                   norm_offset: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """``(normed, summed)`` of the norm prologue, from float32 host arrays (``norm_weight`` holding
+    bf16 values): ``summed = x (+ residual)`` and the bf16 values of ``rmsnorm(summed)``, as the
+    unfused ``rmsnorm_residual`` gives them."""
+    from metrale.kernels.rmsnorm import rmsnorm_residual_reference
+
+    normed, summed = rmsnorm_residual_reference(np.asarray(x, np.float32), residual, norm_weight, eps, norm_offset)
+    return bf16_to_float32(float32_to_bf16(normed)), summed
+
+
+def serves_norm(rows: int, weight: QuantizedWeight) -> bool:
+    """Whether a launch can take the norm into its prologue: rows it serves that the prologue stages
+    in shared memory, inputs with one scale a row (or a static one)."""
+    return serves(rows, weight) and weight.activations != "fp8_group" and shared_stage(rows, weight)
 
 
 # ------------------------------------------------------------------------------- launcher
@@ -365,19 +584,32 @@ def _function(name: str) -> Any:
 
 def fp8_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: Any, *,
              bias: DeviceArray | None = None, multiprocessors: int = 132, split: int | None = None,
-             workspace: tuple[DeviceArray, DeviceArray] | None = None, unroll: int = UNROLL) -> DeviceArray:
+             workspace: tuple[DeviceArray, DeviceArray] | None = None, unroll: int = UNROLL,
+             swiglu: bool = False, residual: DeviceArray | None = None, norm_weight: DeviceArray | None = None,
+             eps: float = 1e-6, norm_offset: float = 0.0, summed: DeviceArray | None = None) -> DeviceArray:
     """``out <- s_x s_w (q_x q_w^T) (+ bias)`` (the module docstring) on ``stream``: ``x`` float32 or
-    bf16 bits (uint16) ``[rows, K]``, 16-byte aligned, ``out`` float32 ``[rows, N]``. Rows the
-    prologue does not stage (:func:`shared_stage`) are staged first into ``workspace`` (the arrays
-    of :func:`workspace_shapes`). Raises :class:`~metrale.errors.KernelArgumentError` for what it
-    does not serve (:func:`serves`)."""
+    bf16 bits (uint16) ``[rows, K]``, 16-byte aligned, ``out`` float32 ``[rows, N]``; with ``swiglu``
+    (a gate-and-up weight ``[2N, K]``, gate rows first, no bias) ``out`` is bf16 bits ``[rows, N]``:
+    ``silu(gate) * up`` of the scaled sums, as ``silu_and_mul`` of the plain product. With
+    ``norm_weight`` (bf16 bits ``[K]``, 16-byte aligned) the prologue is ``rmsnorm_residual``'s:
+    ``summed <- x (+ residual)`` (float32 ``[rows, K]`` both), the product's input the bf16 values of
+    ``rmsnorm(summed) * (norm_offset + norm_weight)`` (:func:`norm_reference`), for the rows
+    :func:`serves_norm` serves. Rows the prologue does not stage (:func:`shared_stage`) are staged
+    first into ``workspace`` (the arrays of :func:`workspace_shapes`). Raises
+    :class:`~metrale.errors.KernelArgumentError` for what it does not serve (:func:`serves`)."""
     name = f"fp8_gemv ({weight.activations})"
     qg.check_weight(name, weight)
     rows = x.shape[0] if getattr(x, "ndim", 0) == 2 else -1
     columns, inner = weight.shape
     bf16_input = getattr(x, "dtype", None) == np.uint16
     check_array(name, "x", x, np.uint16 if bf16_input else np.float32, (rows, inner))
-    check_array(name, "out", out, np.float32, (rows, columns))
+    if swiglu:
+        if columns % 2 or bias is not None:
+            raise KernelArgumentError(f"{name}: the gated product takes a weight of 2N rows ({columns} given) "
+                                      "and no bias")
+        check_array(name, "out", out, np.uint16, (rows, columns // 2))
+    else:
+        check_array(name, "out", out, np.float32, (rows, columns))
     if bias is not None:
         check_array(name, "bias", bias, np.float32, (columns,))
     if not serves(rows, weight):
@@ -388,6 +620,17 @@ def fp8_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: 
     if not aligned(x):
         raise KernelArgumentError(f"{name}: x does not start at a 16-byte boundary")
     null = np.uint64(0)
+    norm = norm_weight is not None
+    if norm:
+        if bf16_input or not serves_norm(rows, weight):
+            raise KernelArgumentError(f"{name}: the norm prologue takes float32 rows, at most "
+                                      f"{SHARED_STAGE_MAX_ROWS} that fit in shared memory ({rows} given)")
+        check_array(name, "norm_weight", norm_weight, np.uint16, (inner,))
+        check_array(name, "summed", summed, np.float32, (rows, inner))
+        if residual is not None:
+            check_array(name, "residual", residual, np.float32, (rows, inner))
+        if not (aligned(norm_weight) and aligned(summed) and (residual is None or aligned(residual))):
+            raise KernelArgumentError(f"{name}: norm_weight, summed and residual must start at 16-byte boundaries")
     input_scale = np.float32(float(weight.input_scale) if weight.input_scale is not None else 1.0)
     shared = shared_stage(rows, weight)
     staged: Any = null
@@ -403,12 +646,15 @@ def fp8_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: 
             x, null, input_scale, np.int32(weight.activation_group), staged, scales, np.int32(inner),
         ), 0, stream, dependent=False)
     chosen, blocks = qg.plan(columns, multiprocessors, split)
-    function = _function(kernel_name(weight.activations, chosen, qg.row_tiles(rows), shared, unroll, bf16_input))
+    function = _function(kernel_name(weight.activations, chosen, qg.row_tiles(rows), shared, unroll, bf16_input,
+                                     swiglu, norm))
     stage = shared_bytes(rows, weight, chosen, shared)
     if stage > 48 * 1024:
         function.max_dynamic_shared_size_bytes = stage
     launch(function, (blocks,), (THREADS,), (
         x, input_scale, staged, scales, weight.codes, weight.scales, np.int32(weight.block[0]),
-        bias if bias is not None else null, out, np.int32(rows), np.int32(inner), np.int32(columns),
-    ), stage, stream, dependent=False)
+        bias if bias is not None else null, out, np.int32(rows), np.int32(inner),
+        np.int32(columns // 2 if swiglu else columns), residual if residual is not None else null,
+        norm_weight if norm else null, np.float32(eps), np.float32(norm_offset), summed if norm else null,
+    ), stage, stream, dependent=True)
     return out

@@ -13,7 +13,8 @@ over all columns whichever order the products take them in). The 4 lanes of a ro
 columns, one group's worth: each product's sums, scaled by the group's scale, join the float32
 accumulators. The prologue stages up to :data:`SHARED_STAGE_MAX_ROWS` rows in shared memory
 (gathered through the act-order permutation if any); more are staged once into a global
-workspace by ``stage_int4_rows``.
+workspace by ``stage_int4_rows``. Launched dependently (:mod:`metrale.kernels._launch`), a block
+issues its first weight loads before it waits for the kernel ahead.
 
 :func:`int4_gemv_reference` is the NumPy reference of a launch; ``tests/kernels`` runs the kernel
 on the host through the CUDA emulation header against it.
@@ -28,9 +29,11 @@ import numpy as np
 from metrale.errors import KernelArgumentError
 from metrale.kernels import quantized_gemv as qg
 from metrale.kernels._device import DeviceArray, check_array
-from metrale.kernels._launch import launch
+from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
 from metrale.kernels._tensor_cores import MMA_BF16
 from metrale.kernels._words import HELPERS
+from metrale.kernels.activation import silu_and_mul_reference
+from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
 from metrale.kernels.quantized import QuantizedWeight
 
 MAX_ROWS = 32
@@ -81,17 +84,20 @@ __device__ __forceinline__ unsigned int4_offset(float zero) {
 // y[r, n] = sum_j scales[n, j] sum_{k in group j} bf16(x[r, order[k]]) (q[n, k] - zero[n, j]) (+ bias[n])
 // for r < rows <= 8 * ROW_TILES, n < N. codes [N, K / 2] (the even column in the low nibble);
 // scales and zeros [N, K / (128 group_pieces)] (zeros: ZEROS, else 8); K a multiple of 128.
-// x: INPUT [rows, K] (float32, or unsigned short: bf16 bits); out: float32 [rows, N]. Grid: WARPS /
+// x: INPUT [rows, K] (float32, or unsigned short: bf16 bits); out: float32 [rows, N]. SWIGLU: codes
+// [2N, K / 2] (N gate rows, then N up rows), out bf16 bits [rows, N] = silu(g) * u of the gate and up
+// sums, a column tile holding 8 gate rows (the MMA's rows 0-7) and their 8 up rows. Grid: WARPS /
 // SPLIT column tiles of 16 a block, round after round; SPLIT warps share a tile, each over a slice of
 // whole 128-column pieces. SHARED_STAGE: the prologue stages the rows in dynamic shared memory
 // (rows * K * 2 bytes); otherwise staged_rows holds them (stage_int4_rows). Then (SPLIT > 1) the
 // split's partial sums.
-template <int SPLIT, int ROW_TILES, bool SHARED_STAGE, bool ZEROS, int UNROLL, typename INPUT>
+template <int SPLIT, int ROW_TILES, bool SHARED_STAGE, bool ZEROS, int UNROLL, typename INPUT, bool SWIGLU>
 __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
     const INPUT* __restrict__ x, const int* __restrict__ order, const uint4* __restrict__ staged_rows,
     const unsigned char* __restrict__ codes, const float* __restrict__ scales, const float* __restrict__ zeros,
     int group_pieces, const float* __restrict__ bias, float* __restrict__ out, int rows, int K, int N) {
     DYNAMIC_SHARED;
+    allow_dependents();
     constexpr int GROUPS = WARPS / SPLIT;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, q = lane % 4;
@@ -101,7 +107,7 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
     const int first_piece = part * slice;
     const int own = max(0, min(pieces, first_piece + slice) - first_piece);
     const int batches = (slice + UNROLL - 1) / UNROLL;
-    const int tiles = (N + 15) / 16;
+    const int tiles = SWIGLU ? (N + 7) / 8 : (N + 15) / 16;
     const int tile_stride = gridDim.x * GROUPS;
     const int first_tile = blockIdx.x * GROUPS + warp / SPLIT;
     const int rounds = (tiles - (int)blockIdx.x * GROUPS + tile_stride - 1) / tile_stride;
@@ -120,7 +126,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
     auto enter_tile = [&](Position& p, int tile) {
         p.tile = tile;
         p.batch = 0;
-        const size_t upper = (size_t)min(tile * 16 + g, N - 1), lower = (size_t)min(tile * 16 + g + 8, N - 1);
+        const size_t upper = (size_t)(SWIGLU ? min(tile * 8 + g, N - 1) : min(tile * 16 + g, N - 1));
+        const size_t lower = SWIGLU ? upper + N : (size_t)min(tile * 16 + g + 8, N - 1);
         const size_t offset = (size_t)(64 * first_piece + 16 * q);
         p.upper = codes + upper * (size_t)(K / 2) + offset;
         p.lower = codes + lower * (size_t)(K / 2) + offset;
@@ -160,7 +167,13 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
     uint4 upper[UNROLL], lower[UNROLL], other_upper[UNROLL], other_lower[UNROLL];
     float upper_scale[UNROLL], lower_scale[UNROLL], other_upper_scale[UNROLL], other_lower_scale[UNROLL];
     unsigned upper_offset[UNROLL], lower_offset[UNROLL], other_upper_offset[UNROLL], other_lower_offset[UNROLL];
+    // The first two steps' codes in flight while the prologue runs; from then on two steps are
+    // always in flight, a buffer reloaded as soon as its step is done.
     if (steps > 0) load(now, upper, lower, upper_scale, lower_scale, upper_offset, lower_offset);
+    if (steps > 1)
+        load(next, other_upper, other_lower, other_upper_scale, other_lower_scale, other_upper_offset,
+             other_lower_offset);
+    wait_for_producers();   // everything below reads or writes what other kernels touch
 
     const uint4* stage = staged_rows;
     if (SHARED_STAGE) {
@@ -239,7 +252,21 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
                 }
                 __syncthreads();
             }
-            if (part == 0 && now.tile < tiles) {
+            if (SWIGLU && part == 0 && now.tile < tiles) {
+                const int unit = now.tile * 8 + g;
+                #pragma unroll
+                for (int t = 0; t < ROW_TILES; ++t) {
+                    #pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const int r = 8 * t + 2 * q + i;
+                        if (r < rows && unit < N) {
+                            const float gate = acc[t][i], up = acc[t][i + 2];
+                            reinterpret_cast<unsigned short*>(out)[(size_t)r * N + unit] =
+                                to_bf16(gate / (1.0f + expf(-gate)) * up);
+                        }
+                    }
+                }
+            } else if (part == 0 && now.tile < tiles) {
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int n = now.tile * 16 + g + (i >= 2 ? 8 : 0);
@@ -259,14 +286,15 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
         now = next;
         advance(next);
     };
+    // After a step `next` is two steps ahead of the one just done: its buffer's next load.
     for (int step = 0; step < steps; step += 2) {
-        if (step + 1 < steps)
-            load(next, other_upper, other_lower, other_upper_scale, other_lower_scale, other_upper_offset,
-                 other_lower_offset);
         run_step(upper, lower, upper_scale, lower_scale, upper_offset, lower_offset);
+        if (step + 2 < steps) load(next, upper, lower, upper_scale, lower_scale, upper_offset, lower_offset);
         if (step + 1 < steps) {
-            if (step + 2 < steps) load(next, upper, lower, upper_scale, lower_scale, upper_offset, lower_offset);
             run_step(other_upper, other_lower, other_upper_scale, other_lower_scale, other_upper_offset,
+                     other_lower_offset);
+            if (step + 3 < steps)
+                load(next, other_upper, other_lower, other_upper_scale, other_lower_scale, other_upper_offset,
                      other_lower_offset);
         }
     }
@@ -276,7 +304,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) int4_gemv(
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return (qg.INSTRUCTIONS + MMA_BF16 + qg.F16_PRIMITIVES + qg.CONSTANTS + HELPERS + qg.DEVICE_FUNCTIONS + KERNELS)
+    return (qg.INSTRUCTIONS + DEPENDENT_LAUNCH + MMA_BF16 + qg.F16_PRIMITIVES + qg.CONSTANTS + HELPERS
+            + qg.DEVICE_FUNCTIONS + KERNELS)
 
 
 def serves(rows: int, weight: QuantizedWeight) -> bool:
@@ -306,9 +335,9 @@ def workspace_shape(rows: int, weight: QuantizedWeight) -> tuple[int, int]:
 
 
 def kernel_name(split: int, tiles: int, shared: bool = True, zeros: bool = False, unroll: int = UNROLL,
-                bf16_input: bool = False) -> str:
+                bf16_input: bool = False, swiglu: bool = False) -> str:
     return (f"int4_gemv<{split}, {tiles}, {'true' if shared else 'false'}, {'true' if zeros else 'false'}, {unroll}, "
-            f"{qg.input_type(bf16_input)}>")
+            f"{qg.input_type(bf16_input)}, {'true' if swiglu else 'false'}>")
 
 
 def stage_name(bf16_input: bool = False) -> str:
@@ -318,11 +347,17 @@ def stage_name(bf16_input: bool = False) -> str:
 # ------------------------------------------------------------------------------ reference
 
 
-def int4_gemv_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray | None = None) -> np.ndarray:
+def int4_gemv_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray | None = None,
+                        swiglu: bool = False) -> np.ndarray:
     """float32 ``[rows, N]``: what a launch computes, from host arrays: the input gathered in the
     weight's column order and rounded to bf16, times the dequantized weight, the sums exact
-    (float64) and rounded once."""
-    return qg.quantized_gemv_reference(x, weight, bias, exact=True)
+    (float64) and rounded once; with ``swiglu`` (a ``[2N, K]`` gate-and-up weight) the bf16 values
+    of ``silu_and_mul`` of those sums, as float32 ``[rows, N]``."""
+    y = qg.quantized_gemv_reference(x, weight, bias, exact=True)
+    if not swiglu:
+        return y
+    units = y.shape[1] // 2
+    return bf16_to_float32(float32_to_bf16(silu_and_mul_reference(y[:, :units], y[:, units:])))
 
 
 # ------------------------------------------------------------------------------- launcher
@@ -342,9 +377,11 @@ def _function(name: str) -> Any:
 
 def int4_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: Any, *,
               bias: DeviceArray | None = None, multiprocessors: int = 132, split: int | None = None,
-              workspace: DeviceArray | None = None, unroll: int = UNROLL) -> DeviceArray:
+              workspace: DeviceArray | None = None, unroll: int = UNROLL, swiglu: bool = False) -> DeviceArray:
     """``out <- x W^T (+ bias)`` (the module docstring) on ``stream``: ``x`` float32 or bf16 bits
-    (uint16) ``[rows, K]``, ``out`` float32 ``[rows, N]``. Rows the prologue does not stage
+    (uint16) ``[rows, K]``, ``out`` float32 ``[rows, N]``; with ``swiglu`` (a gate-and-up weight
+    ``[2N, K]``, gate rows first, no bias) ``out`` is bf16 bits ``[rows, N]``: ``silu(gate) * up``,
+    as ``silu_and_mul`` of the plain product. Rows the prologue does not stage
     (:func:`shared_stage`) are staged first into ``workspace`` (uint32 :func:`workspace_shape`).
     Raises :class:`~metrale.errors.KernelArgumentError` for what it does not serve (:func:`serves`)."""
     name = "int4_gemv"
@@ -353,7 +390,13 @@ def int4_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream:
     columns, inner = weight.shape
     bf16_input = getattr(x, "dtype", None) == np.uint16
     check_array(name, "x", x, np.uint16 if bf16_input else np.float32, (rows, inner))
-    check_array(name, "out", out, np.float32, (rows, columns))
+    if swiglu:
+        if columns % 2 or bias is not None:
+            raise KernelArgumentError(f"{name}: the gated product takes a weight of 2N rows ({columns} given) "
+                                      "and no bias")
+        check_array(name, "out", out, np.uint16, (rows, columns // 2))
+    else:
+        check_array(name, "out", out, np.float32, (rows, columns))
     if bias is not None:
         check_array(name, "bias", bias, np.float32, (columns,))
     if not serves(rows, weight):
@@ -372,13 +415,14 @@ def int4_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream:
         launch(_function(stage_name(bf16_input)), (rows,), (THREADS,), (x, order, staged, np.int32(inner)), 0, stream,
                dependent=False)
     chosen, blocks = qg.plan(columns, multiprocessors, split)
-    function = _function(kernel_name(chosen, qg.row_tiles(rows), shared, weight.zeros is not None, unroll, bf16_input))
+    function = _function(kernel_name(chosen, qg.row_tiles(rows), shared, weight.zeros is not None, unroll, bf16_input,
+                                     swiglu))
     stage = shared_bytes(rows, weight, chosen, shared)
     if stage > 48 * 1024:
         function.max_dynamic_shared_size_bytes = stage
     launch(function, (blocks,), (THREADS,), (
         x, order, staged, weight.codes, weight.scales, weight.zeros if weight.zeros is not None else null,
         np.int32(weight.block[1] // 128), bias if bias is not None else null, out, np.int32(rows), np.int32(inner),
-        np.int32(columns),
-    ), stage, stream, dependent=False)
+        np.int32(columns // 2 if swiglu else columns),
+    ), stage, stream, dependent=True)
     return out

@@ -157,8 +157,8 @@ class CublasLtGemm:
         self._zero = np.zeros(1, dtype=np.float32)
 
     def _plan(self, rows: int, inner: int, width: int, out_type: int,
-              in_type: int = CUDA_R_16BF) -> tuple[int, int, int, int, object]:
-        key = (rows, inner, width, out_type, in_type)
+              in_type: int = CUDA_R_16BF, outer_scales: bool = False) -> tuple[int, int, int, int, object]:
+        key = (rows, inner, width, out_type, in_type, outer_scales)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
@@ -166,6 +166,15 @@ class CublasLtGemm:
         desc = lt.matmul_desc_create(CUBLAS_COMPUTE_32F, CUDA_R_32F)
         transpose = np.array([CUBLAS_OP_T], dtype=np.int32)
         lt.matmul_desc_set_attribute(desc, lt.MatmulDescAttribute.TRANSA, transpose.ctypes.data, transpose.nbytes)
+        if outer_scales:  # a scale per row of W (A's rows) and per row of x (B's columns), applied to the sums
+            mode = np.array([int(lt.MatmulMatrixScale.OUTER_VEC_32F)], dtype=np.int32)
+            for attribute in (lt.MatmulDescAttribute.A_SCALE_MODE, lt.MatmulDescAttribute.B_SCALE_MODE):
+                lt.matmul_desc_set_attribute(desc, attribute, mode.ctypes.data, mode.nbytes)
+            # The library refuses vector scales without addresses (CUBLAS_STATUS_INVALID_VALUE): the
+            # workspace's stands in until each call sets the scales' own.
+            placeholder = np.array([self.workspace.data.ptr], dtype=np.uint64)
+            for attribute in (lt.MatmulDescAttribute.A_SCALE_POINTER, lt.MatmulDescAttribute.B_SCALE_POINTER):
+                lt.matmul_desc_set_attribute(desc, attribute, placeholder.ctypes.data, placeholder.nbytes)
         # The layouts of CublasGemm: column-major y^T [M, N] = (W as [K, M])^T x^T ([K, N]).
         a = lt.matrix_layout_create(in_type, inner, width, inner)
         b = lt.matrix_layout_create(in_type, inner, rows, inner)
@@ -216,11 +225,15 @@ class CublasLtGemm:
                         self.workspace.data.ptr, WORKSPACE_BYTES, self.stream.ptr)
         return out
 
-    def fp8(self, x: DeviceArray, weight: DeviceArray, out: DeviceArray) -> DeviceArray:
-        """``x [N, K]`` and ``weight [M, K]`` FP8 E4M3 codes (uint8) -> ``out [N, M]`` float32: the
-        products of the codes' values on FP8 tensor cores, fp32 accumulation, no scale (a caller
-        scales the rows and columns after). ``K`` a multiple of 16, ``M`` of 4 (cuBLASLt's FP8
-        layouts); :class:`~metrale.errors.KernelArgumentError` where cuBLASLt has no algorithm."""
+    def fp8(self, x: DeviceArray, weight: DeviceArray, out: DeviceArray, row_scales: DeviceArray | None = None,
+            column_scales: DeviceArray | None = None) -> DeviceArray:
+        """``x [N, K]`` and ``weight [M, K]`` FP8 E4M3 codes (uint8) -> ``out [N, M]`` float32 (or bf16
+        bits, uint16, with scales): the products of the codes' values on FP8 tensor cores, fp32
+        accumulation; unscaled (a caller scales the rows and columns after), or, given float32
+        ``row_scales [N]`` and ``column_scales [M]``, each sum times its row's and column's scale in
+        the product's epilogue (cuBLASLt's outer-vector scales). ``K`` a multiple of 16, ``M`` of 4
+        (cuBLASLt's FP8 layouts); :class:`~metrale.errors.KernelArgumentError` where cuBLASLt has no
+        algorithm (an older GPU or library, for the scaled product)."""
         from metrale.errors import KernelArgumentError
 
         op = "linear (FP8)"
@@ -228,16 +241,32 @@ class CublasLtGemm:
         rows, inner = x.shape
         check_array(op, "weight", weight, np.uint8, (None, inner))
         width = weight.shape[0]
-        check_array(op, "out", out, np.float32, (rows, width))
+        scaled = row_scales is not None or column_scales is not None
+        if scaled:
+            check_array(op, "row_scales", row_scales, np.float32, (rows,))
+            check_array(op, "column_scales", column_scales, np.float32, (width,))
+        out_types = {np.dtype(np.float32): CUDA_R_32F, np.dtype(np.uint16): CUDA_R_16BF} if scaled else {
+            np.dtype(np.float32): CUDA_R_32F}
+        if out.dtype not in out_types:
+            raise KernelArgumentError(f"{op}: out has dtype {out.dtype}, expected "
+                                      f"{'float32 or uint16 (bf16)' if scaled else 'float32'}")
+        check_array(op, "out", out, out.dtype, (rows, width))
         if inner % 16 or width % 4:
             raise KernelArgumentError(f"{op}: inner size {inner} (a multiple of 16) or width {width} (of 4) not served")
         if rows == 0:
             return out
         try:
-            desc, a, b, c, results = self._plan(rows, inner, width, CUDA_R_32F, CUDA_R_8F_E4M3)
-        except self._lt.cuBLASLtError as error:  # the library refuses the FP8 layouts (an older GPU)
+            desc, a, b, c, results = self._plan(rows, inner, width, out_types[out.dtype], CUDA_R_8F_E4M3, scaled)
+        except (self._lt.cuBLASLtError, AttributeError) as error:  # an older GPU or library
             raise KernelArgumentError(f"{op}: cuBLASLt serves no FP8 product of {rows} x {inner} -> {width}: "
                                       f"{error}") from error
+        if scaled:
+            assert row_scales is not None and column_scales is not None  # (checked above)
+            # The scales' addresses, set for this call (host work, recorded with the call in a graph).
+            for attribute, array in ((self._lt.MatmulDescAttribute.A_SCALE_POINTER, column_scales),
+                                     (self._lt.MatmulDescAttribute.B_SCALE_POINTER, row_scales)):
+                pointer = np.array([array.data.ptr], dtype=np.uint64)
+                self._lt.matmul_desc_set_attribute(desc, attribute, pointer.ctypes.data, pointer.nbytes)
         self._lt.matmul(self.handle, desc, self._one.ctypes.data, weight.data.ptr, a, x.data.ptr, b,
                         self._zero.ctypes.data, out.data.ptr, c, out.data.ptr, c, results.ptr,  # type: ignore[attr-defined]
                         self.workspace.data.ptr, WORKSPACE_BYTES, self.stream.ptr)

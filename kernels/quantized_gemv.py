@@ -47,7 +47,7 @@ import numpy as np
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
 from metrale.kernels._launch import launch
-from metrale.kernels._tensor_cores import MMA_BF16
+from metrale.kernels._tensor_cores import F16_PRIMITIVES, MMA_BF16
 from metrale.kernels._words import HELPERS, aligned
 from metrale.kernels.quantized import (
     FP8_E4M3_MAX,
@@ -96,47 +96,6 @@ CONSTANTS = f"""
 #define INT8_MAX_VALUE {INT8_MAX:.1f}f
 #define MIN_SCALE {MIN_ACTIVATION_SCALE:.1e}f
 #define GEMV_UNROLL {UNROLL}
-"""
-
-#: The GPU's f16 tensor-core product and f16 packing (the CUDA emulation header has its own).
-F16_PRIMITIVES = r"""
-#include <cuda_fp16.h>
-
-// mma_16x8x16 with f16 operands (fragments as for bf16).
-__device__ __forceinline__ void mma_16x8x16_f16(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// Two float32 values as f16 bits, round to nearest even (low half first).
-__device__ __forceinline__ unsigned pack_f16(float low, float high) {
-    const __half2 pair = __floats2half2_rn(low, high);
-    return *reinterpret_cast<const unsigned*>(&pair);
-}
-
-// Two E4M3 codes (the low byte the first) as an f16 pair in one instruction: exact, every E4M3
-// value is an f16 value (the NaN codes give NaN).
-__device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned pair) {
-    unsigned result;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(result) : "h"((unsigned short)pair));
-    return result;
-}
-
-// a * b + c of two bf16 pairs, or of two f16 pairs (round to nearest even).
-__device__ __forceinline__ unsigned fma_bf16x2(unsigned a, unsigned b, unsigned c) {
-    unsigned result;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(result) : "r"(a), "r"(b), "r"(c));
-    return result;
-}
-
-__device__ __forceinline__ unsigned fma_f16x2(unsigned a, unsigned b, unsigned c) {
-    unsigned result;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(result) : "r"(a), "r"(b), "r"(c));
-    return result;
-}
 """
 
 #: The device functions every kernel of quantized weights shares (:mod:`metrale.kernels.quantized_moe_decode` too):
@@ -238,6 +197,18 @@ __device__ __forceinline__ unsigned pack_bf16_pair(float low, float high) {
 // Element i of input rows held as float32 or as bf16 bits.
 __device__ __forceinline__ float input_value(const float* x, size_t i) { return x[i]; }
 __device__ __forceinline__ float input_value(const unsigned short* x, size_t i) { return bf16_bits(x[i]); }
+
+// 8 consecutive input values of chunk c (16-byte aligned rows): bf16 bits (one load) or float32 (two).
+__device__ __forceinline__ void load_eight(const unsigned short* __restrict__ x, size_t c, float* v) {
+    const uint4 w = __ldg(reinterpret_cast<const uint4*>(x) + c);
+    v[0] = bf16_low(w.x); v[1] = bf16_high(w.x); v[2] = bf16_low(w.y); v[3] = bf16_high(w.y);
+    v[4] = bf16_low(w.z); v[5] = bf16_high(w.z); v[6] = bf16_low(w.w); v[7] = bf16_high(w.w);
+}
+__device__ __forceinline__ void load_eight(const float* __restrict__ x, size_t c, float* v) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(x) + 2 * c);
+    const float4 b = __ldg(reinterpret_cast<const float4*>(x) + 2 * c + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
 
 __device__ __forceinline__ float warp_max(float value) {
     for (int offset = 16; offset > 0; offset /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
@@ -709,10 +680,25 @@ __global__ void __launch_bounds__(THREADS) quantize_rows_fp8(
     __shared__ float partial[WARPS];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, r = blockIdx.x;
     const INPUT* row = x + (size_t)r * K;
+    unsigned char* row_codes = codes + (size_t)r * K;
+    // Rows in their own order, 16-byte aligned, codes 8-byte aligned: 8 values a load, 8 codes a store.
+    const bool chunked = order == nullptr && K % 8 == 0 && reinterpret_cast<size_t>(row) % 16 == 0
+                         && reinterpret_cast<size_t>(row_codes) % 8 == 0;
     float s = input_scale;
     if (ACT == ACT_FP8_TOKEN) {
         float amax = 0.0f;
-        for (int k = tid; k < K; k += THREADS) amax = fmaxf(amax, fabsf(input_value(row, order != nullptr ? order[k] : k)));
+        if (chunked) {
+            #pragma unroll 4
+            for (int c = tid; c < K / 8; c += THREADS) {
+                float v[8];
+                load_eight(row, c, v);
+                #pragma unroll
+                for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+            }
+        } else {
+            for (int k = tid; k < K; k += THREADS)
+                amax = fmaxf(amax, fabsf(input_value(row, order != nullptr ? order[k] : k)));
+        }
         amax = warp_max(amax);
         if (lane == 0) partial[warp] = amax;
         __syncthreads();
@@ -721,8 +707,19 @@ __global__ void __launch_bounds__(THREADS) quantize_rows_fp8(
         for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, partial[w]);
         s = fmaxf(amax / FP8_MAX, MIN_SCALE);
     }
-    for (int k = tid; k < K; k += THREADS)
-        codes[(size_t)r * K + k] = (unsigned char)e4m3_code_of(round_e4m3(input_value(row, order != nullptr ? order[k] : k) / s));
+    if (chunked) {
+        #pragma unroll 2
+        for (int c = tid; c < K / 8; c += THREADS) {
+            float v[8];
+            load_eight(row, c, v);
+            const uint2 pairs = make_uint2(e4m3x2_of(v[0] / s, v[1] / s) | (e4m3x2_of(v[2] / s, v[3] / s) << 16),
+                                           e4m3x2_of(v[4] / s, v[5] / s) | (e4m3x2_of(v[6] / s, v[7] / s) << 16));
+            reinterpret_cast<uint2*>(row_codes)[c] = pairs;
+        }
+    } else {
+        for (int k = tid; k < K; k += THREADS)
+            row_codes[k] = (unsigned char)e4m3_code_of(round_e4m3(input_value(row, order != nullptr ? order[k] : k) / s));
+    }
     if (tid == 0) scales[r] = s;
 }
 

@@ -77,9 +77,12 @@ class CudaKernels:
         self.stream = stream
         self.gemm = CublasGemm(stream)
         # The FP8 tensor-core products of quantized weights (made at their first use), and the
-        # shapes cuBLASLt has no FP8 algorithm for.
+        # shapes cuBLASLt has no FP8 algorithm for (or none applying the scales in its epilogue).
         self._fp8_gemm: Any = None
         self._fp8_unserved: set[tuple[int, int, int]] = set()
+        # (rows, inner, columns) -> the row count cuBLASLt serves with the scales in its epilogue (the
+        # rows, or the rows padded to a multiple of 16), None where it serves neither.
+        self._fp8_epilogue_rows: dict[tuple[int, int, int], int | None] = {}
         self._route_counter: Any = None  # the decode router's ticket (moe_route_decode), zero between launches
         self._attention_counters: list[Any] = []  # the decode attention's merge tickets, by size
 
@@ -191,6 +194,59 @@ class CudaKernels:
         return fp8_gemv.fp8_gemv(rows_in, weight, out, self.stream, bias=bias,
                                  multiprocessors=decode_gemv.multiprocessor_count(), workspace=workspace)
 
+    def fp8_linear_silu_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """``linear_silu`` of decode rows of an FP8 gate-and-up weight in one launch of
+        :mod:`metrale.kernels.fp8_gemv`: each column tile holds a unit's gate and up rows, and the
+        gate applies to the scaled sums before they go out (bf16)."""
+        from metrale.kernels import fp8_gemv
+        from metrale.kernels._words import aligned
+
+        rows = x.shape[0]
+        out = cp.empty((rows, weight.shape[0] // 2), dtype=bf16)
+        workspace = None
+        if not fp8_gemv.shared_stage(rows, weight):
+            staged_shape, scales_shape = fp8_gemv.workspace_shapes(rows, weight)
+            workspace = (cp.empty(staged_shape, dtype=np.uint32), cp.empty(scales_shape, dtype=f32))
+        rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
+        if not aligned(rows_in):
+            rows_in = rows_in.copy()
+        return fp8_gemv.fp8_gemv(rows_in, weight, out, self.stream, multiprocessors=decode_gemv.multiprocessor_count(),
+                                 workspace=workspace, swiglu=True)
+
+    def _fp8_norm_gemv(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float, weight: Any,
+                       bias: Any, swiglu: bool) -> tuple[Any, Any]:
+        """One launch of :mod:`metrale.kernels.fp8_gemv` with ``rmsnorm_residual`` as its prologue:
+        ``(out, summed)``."""
+        from metrale.kernels import fp8_gemv
+        from metrale.kernels._words import aligned
+
+        # The prologue reads 16 bytes at a time: a view starting off that boundary is copied.
+        x = cp.ascontiguousarray(x, dtype=f32)
+        x = x if aligned(x) else x.copy()
+        if residual is not None:
+            residual = cp.ascontiguousarray(residual, dtype=f32)
+            residual = residual if aligned(residual) else residual.copy()
+        summed = cp.empty(x.shape, dtype=f32)
+        rows, columns = x.shape[0], weight.shape[0]
+        out = cp.empty((rows, columns // 2), dtype=bf16) if swiglu else cp.empty((rows, columns), dtype=f32)
+        fp8_gemv.fp8_gemv(x, weight, out, self.stream, bias=bias, multiprocessors=decode_gemv.multiprocessor_count(),
+                          swiglu=swiglu, residual=residual, norm_weight=cp.ascontiguousarray(norm_weight), eps=eps,
+                          norm_offset=offset, summed=summed)
+        return out, summed
+
+    def fp8_rmsnorm_linear_gemv(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float, weight: Any,
+                                bias: Any = None) -> Any:
+        """``rmsnorm_linear`` of decode rows of an FP8 weight in one launch: the norm in the FP8
+        GEMV's prologue, before the rows' quantization."""
+        return self._fp8_norm_gemv(x, residual, norm_weight, eps, offset, weight, bias, swiglu=False)
+
+    def fp8_rmsnorm_mlp_gemv(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float, gate_up: Any,
+                             down: Any, gate_up_bias: Any = None, down_bias: Any = None) -> Any:
+        """``rmsnorm_mlp`` of decode rows of FP8 weights in two launches: the norm in the gated
+        gate/up GEMV's prologue, then the down GEMV reading its bf16 output."""
+        act, summed = self._fp8_norm_gemv(x, residual, norm_weight, eps, offset, gate_up, None, swiglu=True)
+        return self.fp8_linear_gemv(act, down, down_bias), summed
+
     def int4_linear_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """Decode rows of 4-bit weight-only weights in groups of 128 columns or more
         (:mod:`metrale.kernels.int4_gemv`): the codes converted in registers, the input (float32 or
@@ -205,6 +261,21 @@ class CudaKernels:
         rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
         return int4_gemv.int4_gemv(rows_in, weight, out, self.stream, bias=bias,
                                    multiprocessors=decode_gemv.multiprocessor_count(), workspace=workspace)
+
+    def int4_linear_silu_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """``linear_silu`` of decode rows of a 4-bit gate-and-up weight in one launch of
+        :mod:`metrale.kernels.int4_gemv`: each column tile holds a unit's gate and up rows, and the
+        gate applies to the sums before they go out (bf16)."""
+        from metrale.kernels import int4_gemv
+
+        rows = x.shape[0]
+        out = cp.empty((rows, weight.shape[0] // 2), dtype=bf16)
+        workspace = None
+        if not int4_gemv.shared_stage(rows, weight):
+            workspace = cp.empty(int4_gemv.workspace_shape(rows, weight), dtype=np.uint32)
+        rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
+        return int4_gemv.int4_gemv(rows_in, weight, out, self.stream, multiprocessors=decode_gemv.multiprocessor_count(),
+                                   workspace=workspace, swiglu=True)
 
     def quantized_linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """Prompt rows: FP8 inputs and weights whose scales factor out of the sums on FP8 tensor
@@ -226,10 +297,24 @@ class CudaKernels:
             out += bias
         return out
 
-    def _fp8_product(self, x: Any, weight: Any) -> Any:
-        """``quantize(x) W^T`` on FP8 tensor cores: the rows' codes and scales, the codes' product
-        (cuBLASLt), then each row times its input scale and each column its weight scale; None
-        where cuBLASLt has no FP8 algorithm for the shape (the caller takes the bf16 product)."""
+    def fp8_gate_up_product(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """The gate and up projections of prompt rows (``linear_silu`` before its gate) with FP8
+        weights whose scales factor out: bf16 straight from the FP8 tensor-core product, the scales
+        applied in its epilogue, where cuBLASLt has such an algorithm; the float32 product of
+        :meth:`quantized_linear` otherwise."""
+        if bias is None:
+            out = self._fp8_product(x, weight, bf16_out=True)
+            if out is not None:
+                return out
+        return self.quantized_linear(x, weight, bias)
+
+    def _fp8_product(self, x: Any, weight: Any, bf16_out: bool = False) -> Any:
+        """``quantize(x) W^T`` on FP8 tensor cores: the rows' codes and scales, then the codes'
+        product (cuBLASLt), float32, each row times its input scale and each column its weight scale
+        in one pass after; or (``bf16_out``) bf16 with the scales applied in the product's epilogue
+        (cuBLASLt's outer-vector scales, which it serves for bf16 outputs), the float32 product where
+        it has no such algorithm. None where it has no FP8 algorithm for the shape at all (the
+        caller takes the bf16 product)."""
         from metrale.errors import KernelArgumentError
         from metrale.kernels.linear import CublasLtGemm
 
@@ -239,19 +324,39 @@ class CudaKernels:
             return None
         if self._fp8_gemm is None:
             self._fp8_gemm = CublasLtGemm(self.stream)
-        codes, scales = cp.empty((rows, inner), dtype=np.uint8), cp.empty((rows,), dtype=f32)
+        epilogue = bf16_out and self._fp8_epilogue_rows.get(key, 0) is not None
+        known = self._fp8_epilogue_rows.get(key)
+        # Rows padded to a multiple of 16 (their scales zero, their outputs dropped) where cuBLASLt
+        # has an epilogue-scaled algorithm only for such row counts (once known, only as many as it takes).
+        padded = (known or -(-rows // 16) * 16) if epilogue else rows
+        codes, scales = cp.empty((padded, inner), dtype=np.uint8), cp.empty((padded,), dtype=f32)
+        if padded > rows:
+            scales[rows:] = 0
         rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
-        quantized_gemv.quantize_rows_fp8(rows_in, weight, codes, scales, self.stream)
+        quantized_gemv.quantize_rows_fp8(rows_in, weight, codes[:rows], scales[:rows], self.stream)
+        column_scales = weight.scales[:, 0]
+        if weight.block[0] > 1:  # a scale per block of rows (per tensor: one block)
+            column_scales = cp.repeat(column_scales, weight.block[0])[:columns]
+        column_scales = cp.ascontiguousarray(column_scales)
+        if epilogue:
+            for served in [known] if known else list(dict.fromkeys((rows, padded))):
+                try:
+                    product = self._fp8_gemm.fp8(codes[:served], weight.codes,
+                                                 cp.empty((served, columns), dtype=bf16),
+                                                 row_scales=scales[:served], column_scales=column_scales)
+                except KernelArgumentError:  # no algorithm with the scales in the epilogue for these rows
+                    continue
+                self._fp8_epilogue_rows[key] = served
+                return product[:rows]
+            self._fp8_epilogue_rows[key] = None  # scaled after the product
+        codes, scales = codes[:rows], scales[:rows]
         out = cp.empty((rows, columns), dtype=f32)
         try:
             self._fp8_gemm.fp8(codes, weight.codes, out)
         except KernelArgumentError:  # no FP8 algorithm for the shape: it takes the bf16 product
             self._fp8_unserved.add(key)
             return None
-        column_scales = weight.scales[:, 0]
-        if weight.block[0] > 1:  # a scale per block of rows (per tensor: one block)
-            column_scales = cp.repeat(column_scales, weight.block[0])[:columns]
-        return quantized_gemv.scale_product(out, scales, cp.ascontiguousarray(column_scales), self.stream)
+        return quantized_gemv.scale_product(out, scales, column_scales, self.stream)
 
     def quantized_moe_experts_decode(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
         """Decode tokens: only the chosen experts' codes read, dequantized in registers."""
@@ -441,10 +546,14 @@ class CudaKernels:
                                    sliding_window: int | None, out: Any, first_row: int, softcap: float | None = None,
                                    sinks: Any = None, merged: bool = False) -> Any:
         """The tensor-core decode kernel; with ``merged``, the last split of each row and head block
-        merges the splits (:func:`metrale.ops.selection.merged_decode_attention_kernels`)."""
+        merges the splits (:func:`metrale.ops.selection.merged_decode_attention_kernels`). The caches
+        are bf16 or :class:`~metrale.kernels.kv_cache_fp8.Fp8CacheArray` s."""
+        from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+
         rows, heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
-        splits = attention_decode_mma.device_split_count(rows, heads, kv_heads, head_dim, batch.max_context)
+        splits = attention_decode_mma.device_split_count(rows, heads, kv_heads, head_dim, batch.max_context,
+                                                         isinstance(k_cache, Fp8CacheArray))
         seq_index, positions = self._decode_rows(batch, first_row, rows)
         counters = self._merge_counters(attention_decode_mma.counter_count(rows, heads, kv_heads)) if merged else None
         return attention_decode_mma.decode_attention(

@@ -200,10 +200,13 @@ def quantized_kernels() -> list[Kernel]:
     :data:`FP8_TENSOR_CORE_MIN_ROWS` rows on FP8 tensor cores instead, fewer rows through
     :mod:`metrale.kernels.fp8_gemv`; 4-bit weight-only weights in groups of 128 columns through
     :mod:`metrale.kernels.int4_gemv`), the staged input with a bf16
-    dequantization and cuBLAS past them; ``linear_silu`` as ``linear`` then ``silu_and_mul``; ``moe_experts`` through
+    dequantization and cuBLAS past them; ``linear_silu`` as ``linear`` then ``silu_and_mul`` (FP8
+    prompt rows: their product in bf16, the scales in its epilogue; FP8 and 4-bit decode rows: their
+    GEMV with the gate in its epilogue); ``moe_experts`` through
     the quantized decode experts up to 8 tokens, over the dequantized stacks past them.
-    ``rmsnorm_linear`` and ``rmsnorm_mlp`` reach them through their composites (the fused bf16
-    decode kernels take bf16 weights only)."""
+    ``rmsnorm_linear`` and ``rmsnorm_mlp`` of FP8 decode rows that the prologue stages in shared
+    memory take the norm into the FP8 GEMV's prologue; otherwise they reach the kernels above
+    through their composites (the fused bf16 decode kernels take bf16 weights only)."""
 
     def quantized(x: Any, weight: Any, bias: Any = None) -> bool:
         return _is_quantized(weight)
@@ -218,10 +221,31 @@ def quantized_kernels() -> list[Kernel]:
 
         return _is_quantized(weight) and fp8_gemv.serves(x.shape[0], weight)
 
+    def fp8_decode_gate_up(x: Any, weight: Any, bias: Any = None) -> bool:
+        return bias is None and weight.shape[0] % 2 == 0 and fp8_decode_rows(x, weight)
+
     def int4_decode_rows(x: Any, weight: Any, bias: Any = None) -> bool:
         from metrale.kernels import int4_gemv
 
         return _is_quantized(weight) and int4_gemv.serves(x.shape[0], weight)
+
+    def fp8_norm_rows(x: Any, norm_weight: Any, weight: Any) -> bool:
+        from metrale.kernels import fp8_gemv
+
+        return (_is_quantized(weight) and fp8_gemv.serves_norm(x.shape[0], weight) and x.shape[1] == weight.shape[1]
+                and getattr(norm_weight, "dtype", None) == np.uint16 and _aligned(norm_weight))
+
+    def fp8_decode_norm_linear(x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any, weight: Any,
+                               bias: Any = None) -> bool:
+        return fp8_norm_rows(x, norm_weight, weight)
+
+    def fp8_decode_norm_mlp(x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any, gate_up: Any, down: Any,
+                            gate_up_bias: Any = None, down_bias: Any = None) -> bool:
+        return (gate_up_bias is None and gate_up.shape[0] % 2 == 0 and fp8_norm_rows(x, norm_weight, gate_up)
+                and fp8_decode_rows(x, down) and down.shape[1] == gate_up.shape[0] // 2)
+
+    def int4_decode_gate_up(x: Any, weight: Any, bias: Any = None) -> bool:
+        return bias is None and weight.shape[0] % 2 == 0 and int4_decode_rows(x, weight)
 
     def fp8_decode_batch(x: Any, weight: Any, bias: Any = None) -> bool:
         from metrale.kernels import quantized_gemv
@@ -247,14 +271,25 @@ def quantized_kernels() -> list[Kernel]:
 
         return linear_silu
 
+    def fp8_prompt_gate_up(x: Any, weight: Any, bias: Any = None) -> bool:
+        return bias is None and fp8_decode_batch(x, weight)
+
+    def fp8_linear_silu(backend: Any) -> Any:
+        table, kernels = _ops_of(backend), backend.kernels
+
+        def linear_silu(x, weight, bias=None):
+            return table().silu_and_mul(kernels.fp8_gate_up_product(x, weight, bias))
+
+        return linear_silu
+
     return [
         Kernel("linear", "cuda", "metrale.kernels.quantized_gemv (FP8 rows), cuBLASLt FP8 product (FP8 tensor cores)",
                build=_cuda_method("quantized_linear"), when=fp8_decode_batch,
                condition=f"FP8 weights and inputs whose scales factor out of the sums, N >= {FP8_TENSOR_CORE_MIN_ROWS}"),
-        Kernel("linear", "cuda", "metrale.kernels.fp8_gemv (FP8 decode GEMV, the scales applied once)",
-               build=_cuda_method("fp8_linear_gemv"), when=fp8_decode_rows,
-               condition="FP8 weights and inputs whose scales factor out of the sums, at most 32 rows, "
-               "the inner size a multiple of 16"),
+        Kernel("linear", "cuda", "metrale.kernels.fp8_gemv (FP8 decode GEMV, the scales applied once a sum or a "
+               "128-column block)", build=_cuda_method("fp8_linear_gemv"), when=fp8_decode_rows,
+               condition="FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8 (blocks of "
+               "128 columns, inputs in groups of 128), at most 32 rows, the inner size a multiple of 16"),
         Kernel("linear", "cuda", "metrale.kernels.int4_gemv (4-bit decode GEMV, a group's sums scaled at once)",
                build=_cuda_method("int4_linear_gemv"), when=int4_decode_rows,
                condition="4-bit weight-only weights in groups of a multiple of 128 columns, at most 32 rows"),
@@ -262,8 +297,27 @@ def quantized_kernels() -> list[Kernel]:
                when=decode_rows, condition="a quantized weight, at most 32 rows, the inner size a multiple of 32"),
         Kernel("linear", "cuda", "metrale.kernels.quantized_gemv (staged input, bf16 dequantization), cuBLAS GEMM",
                build=_cuda_method("quantized_linear"), when=quantized, condition="a quantized weight"),
+        Kernel("linear_silu", "cuda", "cuBLASLt FP8 product (bf16 out, the scales in its epilogue), then silu_and_mul",
+               build=fp8_linear_silu, when=fp8_prompt_gate_up,
+               condition=f"FP8 weights and inputs whose scales factor out of the sums, N >= {FP8_TENSOR_CORE_MIN_ROWS}, "
+               "no bias"),
+        Kernel("linear_silu", "cuda", "metrale.kernels.fp8_gemv (FP8 decode GEMV, the gate in its epilogue)",
+               build=_cuda_method("fp8_linear_silu_gemv"), when=fp8_decode_gate_up,
+               condition="FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8, at most 32 "
+               "rows, the inner size a multiple of 16, no bias"),
+        Kernel("linear_silu", "cuda", "metrale.kernels.int4_gemv (4-bit decode GEMV, the gate in its epilogue)",
+               build=_cuda_method("int4_linear_silu_gemv"), when=int4_decode_gate_up,
+               condition="4-bit weight-only weights in groups of a multiple of 128 columns, at most 32 rows, no bias"),
         Kernel("linear_silu", "cuda", "linear, then silu_and_mul (their kernels)", build=composed_linear_silu,
                when=quantized, condition="a quantized weight"),
+        Kernel("rmsnorm_linear", "cuda", "metrale.kernels.fp8_gemv (the norm in its prologue)",
+               build=_cuda_method("fp8_rmsnorm_linear_gemv"), when=fp8_decode_norm_linear,
+               condition="FP8 weights and inputs whose scales factor out of the sums, rows the prologue stages in "
+               "shared memory (up to 4), the inner size a multiple of 16, bf16 norm weights"),
+        Kernel("rmsnorm_mlp", "cuda", "metrale.kernels.fp8_gemv (the norm in the gated gate/up GEMV's prologue), "
+               "then the down GEMV", build=_cuda_method("fp8_rmsnorm_mlp_gemv"), when=fp8_decode_norm_mlp,
+               condition="FP8 weights and inputs whose scales factor out of the sums, rows the prologue stages in "
+               "shared memory (up to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up bias"),
         Kernel("moe_experts", "cuda", "metrale.kernels.quantized_moe_decode", build=_cuda_method("quantized_moe_experts_decode"),
                when=decode_experts, condition="quantized stacked weights, N <= 8, H and I multiples of 8, no act-order"),
         Kernel("moe_experts", "cuda", "metrale.kernels.quantized_gemv (bf16 dequantization), then the pairwise kernels",
@@ -499,6 +553,15 @@ def attention_kernels() -> list[Kernel]:
     def fp8_cache(q, k_cache, *rest, **options):
         return isinstance(k_cache, Fp8CacheArray)
 
+    def fp8_prompt_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, first_segment, softcap=None,
+                       sinks=None):
+        return (isinstance(k_cache, Fp8CacheArray) and isinstance(v_cache, Fp8CacheArray)
+                and prompt_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, first_segment, softcap, sinks))
+
+    def fp8_decode_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row, softcap=None, sinks=None):
+        return (isinstance(k_cache, Fp8CacheArray) and isinstance(v_cache, Fp8CacheArray)
+                and decode_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, first_row, softcap, sinks))
+
     def fp8_write(qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim,
                   k_cache, *rest, **options):
         return isinstance(k_cache, Fp8CacheArray)
@@ -510,8 +573,17 @@ def attention_kernels() -> list[Kernel]:
         Kernel("qkv_rope_cache", "cuda", "metrale.kernels.qkv_rope into rows of their own, then "
                "metrale.kernels.attention_fp8's quantized write", build=_cuda_method("qkv_rope_cache_fp8"), when=fp8_write,
                condition="an FP8 cache"),
+        Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_decode_mma (tensor cores, the codes as "
+               "f16 operands, the scales in float32)", build=_cuda_method("paged_attention_decode_mma"),
+               when=fp8_decode_mma, enabled=_decode_mma_enabled,
+               condition="METRALE_DECODE_MMA is not 0, an FP8 cache, K and V heads of 64, 128 or 256 dims, whole "
+               "query-head groups"),
         Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_fp8 (CUDA cores, a block per query head)",
                build=_cuda_method("paged_attention_decode_fp8"), when=fp8_cache, condition="an FP8 cache"),
+        Kernel("paged_attention_prompt", "cuda", "metrale.kernels.attention_mma (tensor cores, each step's codes "
+               "scaled into bf16 in shared memory)", build=_cuda_method("paged_attention_prompt_mma"),
+               when=fp8_prompt_mma, condition="an FP8 cache, (K, V) head sizes (64, 64), (128, 128), (192, 128) or "
+               "(256, 256), whole query-head groups"),
         Kernel("paged_attention_prompt", "cuda", "paged_attention_decode, a row at a time (its kernels)",
                build=_prompt_rows_as_decode_rows, when=fp8_cache, condition="an FP8 cache"),
         Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_decode_mma (tensor cores)",

@@ -51,15 +51,15 @@ struct Exchange { unsigned address[32]; unsigned a[32][4]; unsigned b[32][2]; fl
 std::vector<Exchange> exchange;   // what the lanes of each warp hand to a warp-wide instruction
 int defer_copies = 1;
 
-struct Copy { unsigned target; const unsigned char* source; bool valid; };
+struct Copy { unsigned target; const unsigned char* source; bool valid; unsigned bytes = 16; };
 thread_local std::deque<std::vector<Copy>> committed;   // oldest group first
 thread_local std::vector<Copy> open_group;
 
 inline void land(const Copy& copy) {
-    if (copy.target % 16 || copy.target + 16 > sizeof(dynamic_shared)) fail("cp.async target out of place");
-    if (reinterpret_cast<std::uintptr_t>(copy.source) % 16) fail("cp.async source not 16-byte aligned");
-    if (copy.valid) std::memcpy(dynamic_shared + copy.target, copy.source, 16);
-    else std::memset(dynamic_shared + copy.target, 0, 16);
+    if (copy.target % copy.bytes || copy.target + copy.bytes > sizeof(dynamic_shared)) fail("cp.async target out of place");
+    if (reinterpret_cast<std::uintptr_t>(copy.source) % copy.bytes) fail("cp.async source not aligned to its size");
+    if (copy.valid) std::memcpy(dynamic_shared + copy.target, copy.source, copy.bytes);
+    else std::memset(dynamic_shared + copy.target, 0, copy.bytes);
 }
 
 inline int lane() { return threadIdx.x % 32; }
@@ -191,6 +191,13 @@ inline unsigned shared_address(const void* pointer) {
 
 inline void copy_16(unsigned target, const void* source, bool valid) {
     const emu::Copy copy{target, static_cast<const unsigned char*>(source), valid};
+    if (emu::defer_copies) emu::open_group.push_back(copy);
+    else emu::land(copy);
+}
+
+// cp.async.ca of 4 bytes (zeros when !valid), in the same groups as copy_16.
+inline void copy_4(unsigned target, const void* source, bool valid) {
+    const emu::Copy copy{target, static_cast<const unsigned char*>(source), valid, 4};
     if (emu::defer_copies) emu::open_group.push_back(copy);
     else emu::land(copy);
 }
@@ -334,6 +341,29 @@ inline float e4m3(unsigned code) {
 // cvt.rn.f16x2.e4m3x2: the two codes of the low 16 bits (the low byte the first) as an f16 pair.
 inline unsigned e4m3x2_to_f16x2(unsigned pair) {
     return emu::f16_round(emu::e4m3(pair & 255u)) | (emu::f16_round(emu::e4m3((pair >> 8) & 255u)) << 16);
+}
+
+// The float32 values of an f16 pair's halves.
+inline float f16_low(unsigned pair) { return emu::f16_value(pair & 0xffffu); }
+inline float f16_high(unsigned pair) { return emu::f16_value(pair >> 16); }
+
+// cvt.rn.satfinite.e4m3x2.f32 (with `high` as a, `low` as b): the E4M3 codes of two float32 values,
+// rounded to the nearest (ties to the even code) and saturated at +-448; the low byte from `low`.
+inline unsigned e4m3x2_of(float low, float high) {
+    auto code = [](float value) -> unsigned {
+        if (std::isnan(value)) return 0x7fu;
+        const float magnitude = std::fmin(std::fabs(value), 448.0f);
+        unsigned result;
+        if (magnitude < 0.015625f) {
+            result = (unsigned)std::nearbyint(magnitude * 512.0f);   // subnormal codes: steps of 2**-9
+        } else {
+            unsigned bits;
+            std::memcpy(&bits, &magnitude, 4);
+            result = ((bits + 0x7ffffu + ((bits >> 20) & 1u)) >> 20) - (120u << 3);
+        }
+        return result | (std::signbit(value) ? 0x80u : 0u);
+    };
+    return code(low) | (code(high) << 8);
 }
 
 // fma.rn.bf16x2 and fma.rn.f16x2: a * b + c of each half, rounded once.

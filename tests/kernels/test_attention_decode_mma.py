@@ -146,8 +146,15 @@ int main(int argc, char** argv) {
     const bool with_sinks = std::atoi(argv[14]);
     const size_t cache = (size_t)blocks * block_size * kv_heads * HEAD_DIM;
     auto* q = read<float>(folder + "/q", (size_t)rows * heads * HEAD_DIM);
-    auto* k_cache = read<unsigned short>(folder + "/k_cache", cache);
-    auto* v_cache = read<unsigned short>(folder + "/v_cache", cache);
+    auto* k_cache = read<cache_t>(folder + "/k_cache", cache);
+    auto* v_cache = read<cache_t>(folder + "/v_cache", cache);
+#if FP8_CACHE
+    auto* k_scales = read<float>(folder + "/k_scales", cache / HEAD_DIM);
+    auto* v_scales = read<float>(folder + "/v_scales", cache / HEAD_DIM);
+#else
+    const float* k_scales = nullptr;
+    const float* v_scales = nullptr;
+#endif
     auto* tables = read<int>(folder + "/tables", (size_t)rows * max_blocks);
     auto* seq_index = read<int>(folder + "/seq_index", rows);
     auto* positions = read<int>(folder + "/positions", rows);
@@ -163,7 +170,8 @@ int main(int argc, char** argv) {
     for (int launch = 0; launch < (launches ? launches : 1); ++launch) {
         emu::launch({(unsigned)rows, (unsigned)(kv_heads * head_blocks), (unsigned)splits}, {THREADS, 1, 1}, [&] {
             decode_attention_mma(q, k_cache, v_cache, tables, seq_index, positions, heads, kv_heads, block_size,
-                                 max_blocks, scale, window, softcap, sinks, out_acc, out_max, out_sum, out, counters);
+                                 max_blocks, scale, window, softcap, sinks, out_acc, out_max, out_sum, out, counters,
+                                 k_scales, v_scales);
         });
     }
     int unreset = 0;
@@ -182,19 +190,21 @@ int main(int argc, char** argv) {
 def emulated(tmp_path_factory):
     """The kernel built against the emulation per head size; returns a runner of one launch."""
     folder = tmp_path_factory.mktemp("decode_mma_emulated")
-    binaries: dict[tuple[int, int | None, bool], Path] = {}
+    binaries: dict[tuple[int, int | None, bool, bool], Path] = {}
 
-    def build(head_dim, stage_count, softcap):
-        if (head_dim, stage_count, softcap) not in binaries:
-            binaries[(head_dim, stage_count, softcap)] = build_emulated(
-                folder / f"kernel{head_dim}_{stage_count}_{int(softcap)}.cpp",
+    def build(head_dim, stage_count, softcap, fp8):
+        key = (head_dim, stage_count, softcap, fp8)
+        if key not in binaries:
+            binaries[key] = build_emulated(
+                folder / f"kernel{head_dim}_{stage_count}_{int(softcap)}_{int(fp8)}.cpp",
                 attention_decode_mma.kernel_source(head_dim, with_instructions=False, stage_count=stage_count,
-                                                   softcap=softcap)
+                                                   softcap=softcap, fp8=fp8)
                 + EMULATION_MAIN)
-        return binaries[(head_dim, stage_count, softcap)]
+        return binaries[key]
 
     def run(q, k_cache, v_cache, tables, seq_index, positions, window, splits, defer_copies=True, launches=0,
-            stage_count=None, softcap=None, sinks=None):
+            stage_count=None, softcap=None, sinks=None, scales=None):
+        """``scales``: the FP8 caches' ``(k_scales, v_scales)``, ``k_cache`` and ``v_cache`` their codes."""
         rows, heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         case = folder / "case"
@@ -202,9 +212,11 @@ def emulated(tmp_path_factory):
         arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, tables=tables, seq_index=seq_index, positions=positions)
         if sinks is not None:
             arrays["sinks"] = np.asarray(sinks, np.float32)
+        if scales is not None:
+            arrays["k_scales"], arrays["v_scales"] = (np.asarray(a, np.float32) for a in scales)
         for name, array in arrays.items():
             np.ascontiguousarray(array).tofile(case / name)
-        subprocess.run([str(build(head_dim, stage_count, bool(softcap))), str(case), *map(str, (
+        subprocess.run([str(build(head_dim, stage_count, bool(softcap), scales is not None)), str(case), *map(str, (
             rows, heads, kv_heads, k_cache.shape[0], k_cache.shape[1], tables.shape[1], splits, window, SCALE,
             int(defer_copies), launches, softcap or 0.0, int(sinks is not None)))], check=True, timeout=600)
         return (np.fromfile(case / "out_acc", np.float32).reshape(rows, heads, splits, head_dim),
@@ -356,3 +368,115 @@ def test_which_launches_merge_their_own_splits():
     assert attention_decode_mma.merges_itself(32, 8, 64, 12)
     assert attention_decode_mma.merges_itself(32, 8, 128, 16)
     assert not attention_decode_mma.merges_itself(16, 2, 256, 16)
+
+
+# ------------------------------------------------------------------------------ FP8 cache
+
+
+def fp8_case(rng, contexts, heads, kv_heads, head_dim, block_size):
+    """:func:`decode_case` with its caches quantized as an FP8 cache writes rows: ``(q, (k_codes,
+    k_scales), (v_codes, v_scales), tables, seq_index, positions)``; some rows all zero (scale 1)."""
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+
+    q, k_cache, v_cache, tables, seq_index, positions = decode_case(rng, contexts, heads, kv_heads, head_dim, block_size)
+    caches = []
+    # Rows of different magnitudes (so scales differ), the keys' within a range that keeps the
+    # logits' bf16 rounding (the kernel's, as a bf16 cache's) small against the float reference.
+    for bits, spread in ((k_cache, 2.0), (v_cache, 10.0)):
+        rows = bf16_to_float32(bits) * rng.uniform(1 / spread, spread, size=bits.shape[:3] + (1,)).astype(np.float32)
+        rows[0, 0] = 0.0
+        cache = Fp8CacheArray.zeros(rows.shape)
+        caches.append(cache.quantize(rows))
+    return q, caches[0], caches[1], tables, seq_index, positions
+
+
+def exact_split_partials(q, k_values, v_values, tables, seq_index, positions, window, splits):
+    """Each split's log-sum-exp of its logits (natural units) and normalised output, in float64
+    over the float caches ``[blocks, block_size, kv_heads, d]``: ``(lse [N, heads, splits], out
+    [N, heads, splits, d])``, ``-inf`` and zeros for a split without keys."""
+    rows, heads, head_dim = q.shape
+    block_size, kv_heads = k_values.shape[1], k_values.shape[2]
+    lse = np.full((rows, heads, splits), -np.inf)
+    out = np.zeros((rows, heads, splits, head_dim))
+    for row in range(rows):
+        for split in range(splits):
+            lo, hi = attention_decode_mma.split_range(int(positions[row]), split, splits, window or None)
+            if lo >= hi:
+                continue
+            places = [(tables[seq_index[row], j // block_size], j % block_size) for j in range(lo, hi)]
+            for head in range(heads):
+                kv = head // (heads // kv_heads)
+                keys = np.stack([k_values[b, o, kv] for b, o in places]).astype(np.float64)
+                values = np.stack([v_values[b, o, kv] for b, o in places]).astype(np.float64)
+                logits = keys @ q[row, head].astype(np.float64) * SCALE
+                top = logits.max()
+                weights = np.exp(logits - top)
+                lse[row, head, split] = top + np.log(weights.sum())
+                out[row, head, split] = weights @ values / weights.sum()
+    return lse, out
+
+
+@pytest.mark.parametrize("contexts, heads, kv_heads, head_dim, block_size, window, splits, defer_copies, stage_count", [
+    ((1, 200), 4, 2, 64, 16, 0, 2, True, None),
+    ((63, 64, 300), 8, 2, 128, 1, 0, 3, True, None),  # one-token blocks; the three-stage ring wraps
+    ((65, 200), 2, 2, 64, 16, 70, 2, False, None),  # a window; copies land at once
+    ((150,), 20, 1, 128, 32, 0, 2, True, None),  # two head blocks of one KV head
+    ((130,), 2, 1, 256, 16, 0, 2, True, None),  # 256 dims: two stages
+    ((65, 20), 8, 2, 64, 16, 0, 12, True, None),  # the own key in splits that do not hold it
+    ((1, 100, 257, 700), 8, 2, 64, 16, 0, 2, True, 5),  # five stages
+])
+def test_the_fp8_cache_kernel_run_emulated_is_as_close_to_the_float_attention_as_the_bf16_kernel(
+        emulated, contexts, heads, kv_heads, head_dim, block_size, window, splits, defer_copies, stage_count):
+    """Each split's partials against float64 attention over the codes times their scales (the
+    cache as it reads back): its log-sum-exp and normalised output; and the merged output at least
+    as close as the bf16 kernel's over :func:`dequantized_cache` (the FP8 kernel puts the scales
+    on the scores and probabilities in float32, its operands f16)."""
+    from metrale.kernels.quantized import fp8_e4m3_to_float32
+
+    rng = np.random.default_rng(sum(contexts) + heads + splits + 1)
+    q, (k_codes, k_scales), (v_codes, v_scales), tables, seq_index, positions = fp8_case(
+        rng, contexts, heads, kv_heads, head_dim, block_size)
+    out_acc, out_max, out_sum, _ = emulated(q, k_codes, v_codes, tables, seq_index, positions, window, splits,
+                                            defer_copies, stage_count=stage_count, scales=(k_scales, v_scales))
+    exact_k = fp8_e4m3_to_float32(k_codes) * k_scales[..., None]
+    exact_v = fp8_e4m3_to_float32(v_codes) * v_scales[..., None]
+    want_lse, want_out = exact_split_partials(q, exact_k, exact_v, tables, seq_index, positions, window, splits)
+    used = out_sum > 0
+    np.testing.assert_array_equal(used, np.isfinite(want_lse))  # exactly the splits with keys have weight
+    np.testing.assert_allclose(out_max[used] + np.log(out_sum[used]), want_lse[used], rtol=0, atol=3e-3)
+    assert rel_error(out_acc[used] / out_sum[used][:, None], want_out[used]) <= 1e-3
+
+    reference = attention.paged_attention_reference(q, exact_k, exact_v, tables, seq_index, positions, SCALE,
+                                                    window or None)
+    k_values = attention_decode_mma.dequantized_cache(k_codes, k_scales)
+    v_values = attention_decode_mma.dequantized_cache(v_codes, v_scales)
+    bf16_run = emulated(q, float32_to_bf16(k_values), float32_to_bf16(v_values), tables, seq_index, positions, window,
+                        splits, defer_copies, stage_count=stage_count)
+    fp8_error = rel_error(combine_partials_model(out_acc, out_max, out_sum), reference)
+    assert fp8_error <= rel_error(combine_partials_model(*bf16_run[:3]), reference)
+    assert fp8_error <= 1e-3
+
+
+def test_the_fp8_cache_kernel_merges_its_splits_and_takes_less_shared_memory(emulated):
+    rng = np.random.default_rng(23)
+    q, (k_codes, k_scales), (v_codes, v_scales), tables, seq_index, positions = fp8_case(rng, (1, 200, 64), 8, 2, 128,
+                                                                                        16)
+    *partials, out = emulated(q, k_codes, v_codes, tables, seq_index, positions, 0, 3, launches=2,
+                              scales=(k_scales, v_scales))
+    np.testing.assert_array_equal(out, float32_to_bf16(combine_partials_model(*partials)))
+    mma = attention_decode_mma
+    assert mma.shared_bytes(128, 3, fp8=True) < mma.shared_bytes(128, 3)
+    assert mma.blocks_per_multiprocessor(128, 3, fp8=True) >= mma.blocks_per_multiprocessor(128, 3)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("head_dim", attention_decode_mma.HEAD_DIMS)
+def test_the_stages_a_launch_takes_fit_with_the_static_shared_memory(head_dim, fp8):
+    """A launch of one split over few rows takes as many stages as fit: the block's dynamic
+    shared memory and its static part (the stages' key offsets) within what a block may take."""
+    mma = attention_decode_mma
+    for rows in (1, 9, 32):
+        count = mma.launch_stages(rows, 16, 2, head_dim, 1, 1600, 132, fp8)
+        assert mma.shared_bytes(head_dim, count, fp8) + mma.static_shared_bytes(count) <= mma.MAX_SHARED_BYTES
+        if count < mma.MAX_STAGES:  # stopped by memory: one more stage would not fit
+            assert not mma.fits(head_dim, count + 1, fp8)

@@ -320,3 +320,39 @@ def test_the_backend_op_serves_softcap_and_sinks_on_a_mixed_step(head_dim):
                                                positions, head_dim**-0.5, None, 20.0, sinks).reshape(43, -1)
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), want) <= 1e-2
     backend.close()
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (14, 2, 64), (16, 2, 256)])
+@pytest.mark.parametrize("splits", [1, "chosen"])
+def test_an_fp8_cache_reads_closer_to_the_float_attention_than_the_bf16_kernel_its_dequantized_rows(
+        heads, kv_heads, head_dim, splits):
+    """The FP8 cache's launch (codes and scales on the device) against the float attention over
+    the codes times their scales: at least as close as the bf16 launch over ``dequantized_cache``,
+    within the bf16 output's rounding."""
+    import cupy as cp
+
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+    from metrale.kernels.quantized import fp8_e4m3_to_float32
+    from metrale.loading.checkpoint import float32_to_bf16
+
+    rng = np.random.default_rng(heads + head_dim)
+    rows, max_context = 9, 1500
+    q, k_bits, v_bits, tables, seq_index, positions = decode_case(rng, rows, heads, kv_heads, head_dim, max_context, 16)
+    host = [Fp8CacheArray.zeros(k_bits.shape).quantize(bf16_to_float32(bits)) for bits in (k_bits, v_bits)]
+    device = [Fp8CacheArray(cp.asarray(codes), cp.asarray(scales)) for codes, scales in host]
+    dequantized = [cp.asarray(float32_to_bf16(attention_decode_mma.dequantized_cache(*pair))) for pair in host]
+    if splits == "chosen":
+        splits = attention_decode_mma.device_split_count(rows, heads, kv_heads, head_dim, 4096, fp8=True)
+    metadata = [cp.asarray(a) for a in (tables, seq_index, positions)]
+    outputs = []
+    for k_cache, v_cache in (device, dequantized):
+        out = cp.full((rows, heads * head_dim), 0xFFFF, dtype=np.uint16)
+        attention_decode_mma.decode_attention(cp.asarray(q), k_cache, v_cache, *metadata, head_dim**-0.5, None,
+                                              workspace(rows, heads, splits, head_dim), out)
+        outputs.append(cp.asnumpy(out))
+    exact = [fp8_e4m3_to_float32(codes) * scales[..., None] for codes, scales in host]
+    expected = attention.paged_attention_reference(q, *exact, tables, seq_index, positions, head_dim**-0.5,
+                                                   None).reshape(rows, -1)
+    fp8_error, bf16_error = (rel_error(bf16_to_float32(out), expected) for out in outputs)
+    assert fp8_error <= bf16_error
+    assert fp8_error <= 4e-3

@@ -29,8 +29,15 @@ int main(int argc, char** argv) {
     emu::defer_copies = (flags & 2) != 0;
     const size_t keys = (size_t)blocks * block_size * kv_heads;
     auto* q = read<float>(folder + "/q", (size_t)rows * heads * HEAD_DIM);
-    auto* k_cache = read<unsigned short>(folder + "/k_cache", keys * HEAD_DIM);
-    auto* v_cache = read<unsigned short>(folder + "/v_cache", keys * VALUE_DIM);
+    auto* k_cache = read<cache_t>(folder + "/k_cache", keys * HEAD_DIM);
+    auto* v_cache = read<cache_t>(folder + "/v_cache", keys * VALUE_DIM);
+#if FP8_CACHE
+    auto* k_scales = read<float>(folder + "/k_scales", keys);
+    auto* v_scales = read<float>(folder + "/v_scales", keys);
+#else
+    const float* k_scales = nullptr;
+    const float* v_scales = nullptr;
+#endif
     auto* tables = read<int>(folder + "/tables", (size_t)max_blocks * (rows + 1));
     auto* seq_index = read<int>(folder + "/seq_index", rows);
     auto* positions = read<int>(folder + "/positions", rows);
@@ -39,7 +46,7 @@ int main(int argc, char** argv) {
     auto* out = allocate<unsigned short>((size_t)rows * heads * VALUE_DIM);
     emu::launch({(unsigned)tiles, (unsigned)heads, 1}, {THREADS, 1, 1}, [&] {
         prefill_attention_mma(q, k_cache, v_cache, tables, seq_index, positions, tile_rows, heads, kv_heads,
-                              block_size, max_blocks, scale, window, softcap, sinks, out);
+                              block_size, max_blocks, scale, window, softcap, sinks, out, k_scales, v_scales);
     });
     write(folder + "/out", out, (size_t)rows * heads * VALUE_DIM);
     return 0;
@@ -73,13 +80,16 @@ def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("prompt_mma_emulated")
     binaries = {}
 
-    def run(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks, defer_copies):
+    def run(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks, defer_copies,
+            scales=None):
+        """``scales``: the FP8 caches' ``(k_scales, v_scales)``, ``k_cache`` and ``v_cache`` their codes."""
         rows, heads, head_dim = q.shape
         value_dim, kv_heads = v_cache.shape[3], k_cache.shape[2]
-        key = (head_dim, value_dim, bool(softcap))
+        fp8 = scales is not None
+        key = (head_dim, value_dim, bool(softcap), fp8)
         if key not in binaries:
-            source = attention_mma.kernel_source(head_dim, value_dim, bool(softcap), with_instructions=False)
-            binaries[key] = build_emulated(folder / f"kernel{head_dim}_{value_dim}_{int(bool(softcap))}.cpp",
+            source = attention_mma.kernel_source(head_dim, value_dim, bool(softcap), with_instructions=False, fp8=fp8)
+            binaries[key] = build_emulated(folder / f"kernel{head_dim}_{value_dim}_{int(bool(softcap))}_{int(fp8)}.cpp",
                                            source + EMULATION_MAIN)
         tiles = attention_mma.query_tiles(starts)
         # The tables padded to one row more than the rows, whatever the sequences: main reads a fixed size.
@@ -89,6 +99,8 @@ def emulated(tmp_path_factory):
         case.mkdir(exist_ok=True)
         arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, tables=padded, seq_index=seq_index, positions=positions,
                       tiles=tiles, sinks=sinks if sinks is not None else np.zeros(heads, np.float32))
+        if fp8:
+            arrays["k_scales"], arrays["v_scales"] = (np.asarray(a, np.float32) for a in scales)
         for name, array in arrays.items():
             np.ascontiguousarray(array).tofile(case / name)
         flags = (1 if sinks is not None else 0) | (2 if defer_copies else 0)
@@ -128,3 +140,38 @@ def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, value
             q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, scale, window
         ).reshape(len(positions), -1)
         assert rel_error(got, plain) > 0.1  # the cap and the sinks were applied
+
+
+@pytest.mark.parametrize("head_dim, value_dim, heads, kv_heads, softcap, with_sinks, window, defer_copies", [
+    (64, 64, 4, 2, None, False, None, True),
+    (128, 128, 4, 1, 5.0, True, 40, False),
+    (256, 256, 2, 1, None, False, None, True),  # queries kept in shared memory, 32 keys a step
+    (192, 128, 2, 2, None, True, None, True),  # MLA's expanded heads: keys and values of different sizes
+])
+def test_an_fp8_cache_is_read_as_the_bf16_kernel_reads_its_dequantized_rows(
+        emulated, head_dim, value_dim, heads, kv_heads, softcap, with_sinks, window, defer_copies):
+    from metrale.kernels.attention_decode_mma import dequantized_cache
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+    from metrale.kernels.quantized import fp8_e4m3_to_float32
+    from metrale.loading.checkpoint import float32_to_bf16
+
+    rng = np.random.default_rng(head_dim + heads + 5)
+    q, k_bits, v_bits, tables, seq_index, positions, starts = prompt_case(
+        rng, [(0, 90), (70, 21)], heads, kv_heads, head_dim, value_dim, 16)
+    (k_codes, k_scales), (v_codes, v_scales) = (
+        Fp8CacheArray.zeros(bits.shape).quantize(bf16_to_float32(bits) * rng.uniform(0.5, 2.0, bits.shape[:3] + (1,)))
+        for bits in (k_bits, v_bits))
+    sinks = (rng.standard_normal(heads) + 2.0).astype(np.float32) if with_sinks else None
+    scale = head_dim**-0.5
+    got = emulated(q, k_codes, v_codes, tables, seq_index, positions, starts, scale, window, softcap, sinks,
+                   defer_copies, scales=(k_scales, v_scales))
+    # The bf16 kernel over the dequantized rows: the same output to the bit.
+    k_values, v_values = dequantized_cache(k_codes, k_scales), dequantized_cache(v_codes, v_scales)
+    bf16_run = emulated(q, float32_to_bf16(k_values), float32_to_bf16(v_values), tables, seq_index, positions, starts,
+                        scale, window, softcap, sinks, defer_copies)
+    np.testing.assert_array_equal(got, bf16_run)
+    exact_k = fp8_e4m3_to_float32(k_codes) * k_scales[..., None]
+    exact_v = fp8_e4m3_to_float32(v_codes) * v_scales[..., None]
+    expected = attention.paged_attention_reference(q, exact_k, exact_v, tables, seq_index, positions, scale, window,
+                                                   softcap, sinks).reshape(len(positions), -1)
+    assert rel_error(got, expected) <= 2e-2

@@ -129,3 +129,36 @@ def test_prefill_attention_replays_in_a_cuda_graph():
     graph.launch(stream)
     stream.synchronize()
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 2e-2
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, value_dim", [(32, 8, 128, 128), (14, 2, 64, 64),
+                                                                  (16, 2, 256, 256), (16, 16, 192, 128)])
+def test_an_fp8_cache_reads_as_the_bf16_kernel_reads_its_dequantized_rows(heads, kv_heads, head_dim, value_dim):
+    """Prompt rows over an FP8 cache (codes and scales on the device): the bf16 launch's output over
+    the dequantized rows to the bit, and the float reference over the codes times their scales."""
+    import cupy as cp
+
+    from metrale.kernels.attention_decode_mma import dequantized_cache
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+    from metrale.kernels.quantized import fp8_e4m3_to_float32
+    from metrale.loading.checkpoint import float32_to_bf16
+
+    rng = np.random.default_rng(heads + head_dim + 3)
+    chunks = [(0, 200), (77, 64), (300, 1)]
+    q, k_bits, v_bits, tables, seq_index, positions, starts = attention_case(rng, heads, kv_heads, head_dim, 16, chunks,
+                                                                             value_dim)
+    host = [Fp8CacheArray.zeros(bits.shape).quantize(bf16_to_float32(bits)) for bits in (k_bits, v_bits)]
+    device = [Fp8CacheArray(cp.asarray(codes), cp.asarray(scales)) for codes, scales in host]
+    dequantized = [cp.asarray(float32_to_bf16(dequantized_cache(*pair))) for pair in host]
+    scale = head_dim**-0.5
+    metadata = [cp.asarray(a) for a in (tables, seq_index, positions, attention_mma.query_tiles(starts))]
+    outputs = []
+    for k_cache, v_cache in (device, dequantized):
+        out = cp.zeros((len(positions), heads * value_dim), dtype=np.uint16)
+        attention_mma.prefill_attention(cp.asarray(q), k_cache, v_cache, *metadata, scale, None, out)
+        outputs.append(cp.asnumpy(out))
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    exact = [fp8_e4m3_to_float32(codes) * scales[..., None] for codes, scales in host]
+    expected = attention.paged_attention_reference(q, *exact, tables, seq_index, positions, scale,
+                                                   None).reshape(len(positions), -1)
+    assert rel_error(bf16_to_float32(outputs[0]), expected) <= 2e-2

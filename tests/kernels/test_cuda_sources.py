@@ -131,18 +131,21 @@ def test_every_decode_gemv_instantiation_compiles(tmp_path):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_the_decode_attention_compiles_for_every_head_size(tmp_path, head_dim):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_decode_attention_compiles_for_every_head_size(tmp_path, head_dim, fp8):
     from metrale.kernels import attention_decode_mma
 
-    assert "decode_attention_mma" in entries(compile_to_ptx(tmp_path, attention_decode_mma.kernel_source(head_dim)))
+    code = attention_decode_mma.kernel_source(head_dim, fp8=fp8)
+    assert "decode_attention_mma" in entries(compile_to_ptx(tmp_path, code))
 
 
 @pytest.mark.parametrize("head_dim, value_dim", [(64, 64), (192, 128), (256, 256)])
 @pytest.mark.parametrize("softcap", [False, True])
-def test_the_prompt_attention_compiles_for_every_head_size(tmp_path, head_dim, value_dim, softcap):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_prompt_attention_compiles_for_every_head_size(tmp_path, head_dim, value_dim, softcap, fp8):
     from metrale.kernels import attention_mma
 
-    code = attention_mma.kernel_source(head_dim, value_dim, softcap)
+    code = attention_mma.kernel_source(head_dim, value_dim, softcap, fp8=fp8)
     assert "prefill_attention_mma" in entries(compile_to_ptx(tmp_path, code, optimize=False))
 
 
@@ -190,12 +193,16 @@ def test_every_fp8_gemv_instantiation_compiles(tmp_path):
     from metrale.kernels import fp8_gemv
 
     arguments = ("{input}, float, const uint4*, const float*, const unsigned char*, const float*, int, const float*, "
-                 "float*, int, int, int")
-    names = [(fp8_gemv.kernel_name(activations, split, tiles, shared, unroll, bf16_input),
+                 "float*, int, int, int, const float*, const unsigned short*, float, float, float*")
+    names = [(fp8_gemv.kernel_name(activations, split, tiles, shared, unroll, bf16_input, swiglu),
               arguments.format(input="const unsigned short*" if bf16_input else "const float*"))
              for activations in fp8_gemv.ACTIVATIONS for split in quantized_gemv.SPLITS
              for tiles in quantized_gemv.ROW_TILES for shared in (False, True) for unroll in (2, fp8_gemv.UNROLL)
-             for bf16_input in (False, True)]
+             for bf16_input in (False, True) for swiglu in (False, True)]
+    # The norm prologue: float32 rows staged in shared memory (one row tile).
+    names += [(fp8_gemv.kernel_name(activations, split, 1, True, fp8_gemv.UNROLL, False, swiglu, True),
+               arguments.format(input="const float*"))
+              for activations in ("fp8_token", "fp8_tensor") for split in quantized_gemv.SPLITS for swiglu in (False, True)]
     instantiations = "".join(f"template __global__ void {name}({signature});\n" for name, signature in names)
     ptx = compile_to_ptx(tmp_path, fp8_gemv.source() + instantiations, optimize=False)
     assert len(entries(ptx)) == len(names)
@@ -206,10 +213,11 @@ def test_every_int4_gemv_instantiation_compiles(tmp_path):
 
     arguments = ("{input}, const int*, const uint4*, const unsigned char*, const float*, const float*, int, "
                  "const float*, float*, int, int, int")
-    names = [(int4_gemv.kernel_name(split, tiles, shared, zeros, unroll, bf16_input),
+    names = [(int4_gemv.kernel_name(split, tiles, shared, zeros, unroll, bf16_input, swiglu),
               arguments.format(input="const unsigned short*" if bf16_input else "const float*"))
              for split in quantized_gemv.SPLITS for tiles in quantized_gemv.ROW_TILES for shared in (False, True)
-             for zeros in (False, True) for unroll in (2, int4_gemv.UNROLL) for bf16_input in (False, True)]
+             for zeros in (False, True) for unroll in (2, int4_gemv.UNROLL) for bf16_input in (False, True)
+             for swiglu in (False, True)]
     names += [(int4_gemv.stage_name(bf16_input), f"{'const unsigned short*' if bf16_input else 'const float*'}, "
                "const int*, uint4*, int") for bf16_input in (False, True)]
     instantiations = "".join(f"template __global__ void {name}({signature});\n" for name, signature in names)

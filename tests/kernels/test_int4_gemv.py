@@ -1,7 +1,8 @@
 """The 4-bit weight-only decode GEMV (:mod:`metrale.kernels.int4_gemv`) run on the host through the
 CUDA emulation header against its NumPy reference: groups of 128 and 256 columns, zero points,
 act-order, one to four row tiles, rows staged in shared memory and in the global workspace,
-splits of the inner size over warps, grids smaller than the column tiles, float32 and bf16 rows."""
+splits of the inner size over warps, grids smaller than the column tiles, float32 and bf16 rows;
+and the gated form (gate and up rows in one column tile, ``silu(gate) * up`` out in bf16)."""
 
 from __future__ import annotations
 
@@ -20,15 +21,18 @@ from metrale.kernels.quantized import QuantizedWeight, pack_nibbles, quantized_l
 # the global workspace, float32 and bf16 rows.
 INSTANCES = [(1, 1, False, 4), (8, 1, False, 4), (2, 2, True, 4), (4, 1, True, 2), (1, 4, False, 4),
              (2, 1, False, 2), (2, 1, True, 4)]
+# The gated form's instances (also both stagings, both input types).
+SWIGLU_INSTANCES = [(1, 1, False, 4), (8, 1, False, 4), (2, 2, True, 4), (1, 4, False, 4)]
 
 
 def emulation_main() -> str:
     dispatch = "\n".join(
         f"    if (split == {s} && tiles == {t} && zeros_on == {int(z)} && unroll == {u} && shared == {int(shared)} "
-        f"&& bf16 == {int(b)}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, {{THREADS, 1, 1}}, [&] {{ "
-        f"{ig.kernel_name(s, t, shared, z, u, b)}({'x16' if b else 'x'}, order, staged_rows, code_bytes, scales, "
-        f"zeros, group_pieces, bias, out, rows, K, N); }}); found = true; }}"
-        for s, t, z, u in INSTANCES for shared in (False, True) for b in (False, True))
+        f"&& bf16 == {int(b)} && swiglu == {int(g)}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, {{THREADS, 1, 1}}, "
+        f"[&] {{ {ig.kernel_name(s, t, shared, z, u, b, g)}({'x16' if b else 'x'}, order, staged_rows, code_bytes, "
+        f"scales, zeros, group_pieces, bias, out, rows, K, {'N / 2' if g else 'N'}); }}); found = true; }}"
+        for g, instances in ((False, INSTANCES), (True, SWIGLU_INSTANCES)) for s, t, z, u in instances
+        for shared in (False, True) for b in (False, True))
     return r"""
 #include <string>
 
@@ -40,6 +44,7 @@ int main(int argc, char** argv) {
     const int blocks = std::atoi(argv[8]), group = std::atoi(argv[9]), flags = std::atoi(argv[10]);
     const int shared = std::atoi(argv[11]);
     const int group_pieces = group / 128, zeros_on = (flags & 2) != 0, bf16 = (flags & 4) != 0;
+    const int swiglu = (flags & 16) != 0;
     const unsigned char* code_bytes = read<unsigned char>(folder + "/codes", (size_t)N * K / 2);
     const float* scales = read<float>(folder + "/scales", (size_t)N * (K / group));
     const float* zeros = zeros_on ? read<float>(folder + "/zeros", (size_t)N * (K / group)) : nullptr;
@@ -58,7 +63,7 @@ int main(int argc, char** argv) {
     bool found = false;
 """ + dispatch + r"""
     if (!found) emu::fail("no such instance");
-    write(folder + "/out", out, (size_t)rows * N);
+    write(folder + "/out", out, (size_t)rows * N);   // (the gated form's bf16 [rows, N / 2] first)
     return 0;
 }
 """
@@ -71,7 +76,7 @@ def emulated(tmp_path_factory):
     binary = build_emulated(folder / "int4_gemv.cpp", source)
 
     def run(weight: QuantizedWeight, x, bias=None, *, split=1, blocks=2, shared=True, unroll=ig.UNROLL,
-            bf16_input=False):
+            bf16_input=False, swiglu=False):
         case = folder / "case"
         case.mkdir(exist_ok=True)
         out_features, inner = weight.shape
@@ -91,10 +96,15 @@ def emulated(tmp_path_factory):
         if weight.input_order is not None:
             np.ascontiguousarray(weight.input_order, np.int32).tofile(case / "order")
             flags |= 8
+        if swiglu:
+            flags |= 16
         rows = x.shape[0]
         arguments = [split, qg.row_tiles(rows), unroll, rows, inner, out_features, blocks, weight.block[1], flags,
                      int(shared)]
         subprocess.run([str(binary), str(case), *map(str, arguments)], check=True, timeout=600)
+        if swiglu:
+            units = out_features // 2
+            return bf16_to_float32(np.fromfile(case / "out", np.uint16, count=rows * units).reshape(rows, units))
         return np.fromfile(case / "out", np.float32).reshape(rows, out_features)
 
     return run
@@ -165,3 +175,35 @@ def test_serves():
     assert not ig.serves(1, int8)
     assert ig.shared_stage(4, make_weight(rng, 16, 14336, 128, False, False))
     assert not ig.shared_stage(5, make_weight(rng, 16, 256, 128, False, False))
+
+
+SWIGLU_CASES = [
+    # rows, inner, units, group, zeros, act-order, split, blocks, unroll
+    (1, 1024, 300, 128, False, False, 1, 3, 4),  # rounds of tiles; a partial last tile of 8 units
+    (2, 1152, 24, 128, False, False, 8, 2, 4),  # the inner size split over 8 warps
+    (11, 512, 40, 256, True, True, 2, 1, 4),  # two row tiles, zero points, act-order
+    (32, 256, 17, 128, False, False, 1, 2, 4),  # four row tiles
+]
+
+SWIGLU_PATHS = [pytest.param(*case, shared, id=f"{'shared' if shared else 'global'}-{case[0]}x{case[1]}x{case[2]}"
+                             f"-split{case[6]}")
+                for case in SWIGLU_CASES for shared in (True, False) if not shared or case[0] <= ig.SHARED_STAGE_MAX_ROWS]
+
+
+@pytest.mark.parametrize("rows, inner, units, group, zeros, act_order, split, blocks, unroll, shared", SWIGLU_PATHS)
+@pytest.mark.parametrize("bf16_input", [False, True])
+def test_emulated_gated_int4_gemv_is_silu_and_mul_of_the_product(emulated, rows, inner, units, group, zeros, act_order,
+                                                                split, blocks, unroll, shared, bf16_input):
+    rng = np.random.default_rng(rows * 1000 + units)
+    weight = make_weight(rng, 2 * units, inner, group, zeros, act_order)
+    x = bf16_to_float32(float32_to_bf16(rng.normal(size=(rows, inner)).astype(np.float32)))
+    got = emulated(weight, x, split=split, blocks=blocks, shared=shared, unroll=unroll, bf16_input=bf16_input,
+                   swiglu=True)
+    product = ig.int4_gemv_reference(x, weight)
+    expected = ig.int4_gemv_reference(x, weight, swiglu=True)
+    # The bf16 values of the gate applied to the plain product: an ulp of bf16 at most apart.
+    assert np.all(np.abs(got - expected) <= 2.0**-7 * np.abs(expected) + 1e-30)
+    gate, up = product[:, :units], product[:, units:]
+    assert np.abs(got - gate / (1 + np.exp(-gate)) * up).max() <= 2.0**-7 * np.abs(got).max()
+    plain = emulated(weight, x, split=split, blocks=blocks, shared=shared, unroll=unroll, bf16_input=bf16_input)
+    assert np.abs(plain - product).max() <= 1e-5 * np.abs(product).max()

@@ -1,7 +1,8 @@
 """The 4-bit weight-only decode GEMV (``metrale.kernels.int4_gemv``) against its NumPy reference on a
 real GPU: the Llama-8B projection shapes at 1 to 32 rows (staged in shared memory and in the
-workspace), zero points and act-order, float32 and bf16 rows, and a CUDA-graph replay with new
-inputs."""
+workspace), zero points and act-order, float32 and bf16 rows, a CUDA-graph replay with new
+inputs, and the gated form (the 8B gate/up projection, ``silu_and_mul`` in the epilogue) directly and
+as the backend's ``linear_silu``."""
 
 from __future__ import annotations
 
@@ -97,3 +98,29 @@ def test_bf16_rows_and_a_graph_replay(backend, rows):
         graph.launch(stream)
         stream.synchronize()
         assert rel_error(cp.asnumpy(out), ig.int4_gemv_reference(bf16_to_float32(bits), host)) < 2e-5
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 32])
+def test_the_gated_int4_gemv_is_silu_and_mul_of_the_product_on_the_8b_gate_up(backend, rows):
+    import cupy as cp
+
+    from metrale.kernels import int4_gemv as ig
+    from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
+    from metrale.kernels.decode_gemv import multiprocessor_count
+
+    rng = np.random.default_rng(rows + 60)
+    host = host_weight(rng, 28672, 4096, zeros=rows % 2 == 1)
+    weight = uploaded(backend, host)
+    bits = float32_to_bf16(rng.normal(size=(rows, 4096)).astype(np.float32))
+    x = cp.asarray(bits)
+    out = cp.full((rows, 14336), 0x7FC0, np.uint16)
+    workspace = None if ig.shared_stage(rows, host) else cp.empty(ig.workspace_shape(rows, host), np.uint32)
+    ig.int4_gemv(x, weight, out, cp.cuda.get_current_stream(), multiprocessors=multiprocessor_count(),
+                 workspace=workspace, swiglu=True)
+    got = bf16_to_float32(cp.asnumpy(out))
+    expected = ig.int4_gemv_reference(bf16_to_float32(bits), host, swiglu=True)
+    assert not np.isnan(got).any()
+    assert rel_error(got, expected) < 2.0**-7
+    gated = backend.ops.linear_silu(x, weight)
+    backend.stream.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(gated), cp.asnumpy(out))

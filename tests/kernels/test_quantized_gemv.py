@@ -303,10 +303,11 @@ def test_emulated_staging_quantizes_as_the_reference(emulated, activations, act_
 
 @pytest.mark.parametrize("activations", ["fp8_token", "fp8_tensor"])
 @pytest.mark.parametrize("bf16_input", [False, True])
-def test_emulated_fp8_rows_are_the_codes_the_reference_quantizes(emulated, activations, bf16_input):
+@pytest.mark.parametrize("inner", [256, 260])  # 8 values a load, and one value a thread (rows of 260)
+def test_emulated_fp8_rows_are_the_codes_the_reference_quantizes(emulated, activations, bf16_input, inner):
     rng = np.random.default_rng(13)
-    weight = make_weight(rng, "fp8", 16, 256, (1, 256), activations=activations)
-    x = rng.normal(size=(5, 256)).astype(np.float32) * np.array([[1.0], [300.0], [1e-3], [0.0], [2.0]], np.float32)
+    weight = make_weight(rng, "fp8", 16, inner, (1, inner), activations=activations)
+    x = rng.normal(size=(5, inner)).astype(np.float32) * np.array([[1.0], [300.0], [1e-3], [0.0], [2.0]], np.float32)
     if bf16_input:  # rows that bf16 holds exactly, read as bf16 bits
         x = bf16_to_float32(float32_to_bf16(x))
     codes, scales = emulated(weight, x, fp8_rows=True, bf16_input=bf16_input)

@@ -200,6 +200,55 @@ def test_prompt_rows_of_fp8_take_the_fp8_tensor_cores(backend, activations):
     assert rel_error(y, quantized_linear_reference(x, host)) < 5e-4
 
 
+def test_the_fp8_product_applies_the_scales_in_its_epilogue_as_the_scaling_pass_does(backend):
+    """cuBLASLt's outer-vector scales (a scale per row of x and per row of W, in the product's
+    epilogue, bf16 out) against the unscaled FP8 product and the one-pass scaling kernel; bf16 rows
+    give the float32 rows' codes; ``linear_silu`` of prompt rows takes the bf16 product, at a row
+    count the library serves as it is and at one it serves only padded to a multiple of 16."""
+    import cupy as cp
+
+    from metrale.kernels import quantized_gemv as qg
+    from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
+    from metrale.kernels.linear import CublasLtGemm
+    from metrale.kernels.quantized import quantized_linear_reference
+
+    rng = np.random.default_rng(19)
+    host = quantize_fp8_per_channel(rng.normal(size=(3072, 2048)).astype(np.float32) * 0.02, "fp8_token")
+    weight = uploaded(backend, host)
+    rows = 2048
+    bits = float32_to_bf16(rng.normal(size=(rows, 2048)).astype(np.float32))
+    stream = backend.stream
+    codes, scales = cp.empty((rows, 2048), np.uint8), cp.empty(rows, np.float32)
+    qg.quantize_rows_fp8(cp.asarray(bits), weight, codes, scales, stream)
+    codes_f32, scales_f32 = cp.empty_like(codes), cp.empty_like(scales)
+    qg.quantize_rows_fp8(cp.asarray(bf16_to_float32(bits)), weight, codes_f32, scales_f32, stream)
+    column_scales = cp.ascontiguousarray(weight.scales[:, 0])
+    gemm = CublasLtGemm(stream)
+    unscaled = cp.empty((rows, 3072), np.float32)
+    gemm.fp8(codes, weight.codes, unscaled)
+    qg.scale_product(unscaled, scales, column_scales, stream)
+    scaled_bf16 = gemm.fp8(codes, weight.codes, cp.empty((rows, 3072), np.uint16), row_scales=scales,
+                           column_scales=column_scales)
+    stream.synchronize()
+    assert cp.array_equal(codes, codes_f32) and cp.array_equal(scales, scales_f32)
+    expected = cp.asnumpy(unscaled)
+    assert rel_error(bf16_to_float32(cp.asnumpy(scaled_bf16)), expected) < 2.0**-8
+
+    for count in (rows, 300, 37):
+        x = bf16_to_float32(bits[:count])
+        gated = backend.ops.linear_silu(cp.asarray(bits[:count]), weight)
+        backend.synchronize()
+        # the bf16 product with its scales was served, for 300 and 37 rows padded to 304 and 48
+        assert backend.kernels._fp8_epilogue_rows[(count, 2048, 3072)] in (count, -(-count // 16) * 16)
+        gate_up = quantized_linear_reference(x, host)
+        gate, up = gate_up[:, :1536], gate_up[:, 1536:]
+        reference = gate / (1 + np.exp(-gate)) * up
+        got = cp.asnumpy(gated)
+        assert got.shape == reference.shape
+        got = bf16_to_float32(got) if got.dtype == np.uint16 else got
+        assert rel_error(got, reference) < 2e-2
+
+
 def test_scale_product_scales_rows_then_columns_in_one_pass(backend):
     import cupy as cp
 

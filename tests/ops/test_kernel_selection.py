@@ -74,10 +74,12 @@ def test_a_kernel_a_setting_turns_off_is_not_bound_and_says_so():
 
 
 def test_metrale_decode_mma_reaches_the_tensor_core_decode_kernel_as_a_setting():
-    (kernel,) = [k for k in builtin_registry().kernels_for("paged_attention_decode", "cuda") if "decode_mma" in k.name]
-    assert kernel.condition.startswith("METRALE_DECODE_MMA is not 0")
-    assert kernel.enabled(read_environment({}))
-    assert not kernel.enabled(read_environment({"METRALE_DECODE_MMA": "0"}))
+    kernels = [k for k in builtin_registry().kernels_for("paged_attention_decode", "cuda") if "decode_mma" in k.name]
+    assert len(kernels) == 2  # an FP8 cache's and a bf16 cache's
+    for kernel in kernels:
+        assert kernel.condition.startswith("METRALE_DECODE_MMA is not 0")
+        assert kernel.enabled(read_environment({}))
+        assert not kernel.enabled(read_environment({"METRALE_DECODE_MMA": "0"}))
 
 
 def test_no_kernel_module_reads_the_environment():
@@ -251,10 +253,15 @@ def test_softcap_and_sinks_go_to_the_kernels_that_serve_them(monkeypatch):
         cores = launchers_decode_choice(32, 8, 64, 64, 4, 512, decode_mma=False) if plain else "attention "
         assert decode.startswith(f"metrale.kernels.{cores}")
     serving = builtin_registry().serving("paged_attention_decode", "cuda")
-    assert serving[0].endswith("when an FP8 cache")  # it serves softcap and sinks too
-    assert all("no softcap, no sinks" in line for line in serving[2:-1]) and " when " not in serving[-1]
+    # An FP8 cache's kernels serve softcap and sinks too: the tensor-core one, the CUDA-core one past it.
+    assert "an FP8 cache, K and V heads of 64, 128 or 256 dims" in serving[0]
+    assert serving[1].endswith("when an FP8 cache")
+    assert "attention_decode_mma" in serving[2] and "softcap" not in serving[2]
+    assert all("no softcap, no sinks" in line for line in serving[3:-1]) and " when " not in serving[-1]
     prompt_serving = builtin_registry().serving("paged_attention_prompt", "cuda")
-    assert "attention_mma" in prompt_serving[1] and "softcap" not in prompt_serving[1]
+    # An FP8 cache's tensor-core and row-at-a-time kernels, then the bf16 tensor-core one: all serve softcap and sinks.
+    assert "an FP8 cache" in prompt_serving[0] and prompt_serving[1].endswith("when an FP8 cache")
+    assert "attention_mma" in prompt_serving[2] and "softcap" not in prompt_serving[2]
 
 
 def test_an_fp8_cache_goes_to_the_fp8_kernels():
@@ -268,7 +275,29 @@ def test_an_fp8_cache_goes_to_the_fp8_kernels():
                         0, softcap, sinks)
         prompt = chosen("paged_attention_prompt", "cuda", EnvironmentConfig(), q, cache, cache, batch, 0.1, None, None,
                         0, softcap, sinks)
-        assert decode.startswith("metrale.kernels.attention_fp8") and prompt.startswith("paged_attention_decode")
+        # (q's 64 dims are the tensor-core prompt kernel's; the decode one is not served in the simulator)
+        assert decode.startswith("metrale.kernels.attention_fp8") and prompt.startswith("metrale.kernels.attention_mma")
+    odd = Fp8CacheArray(np.zeros((1, 16, 8, 96), np.uint8), np.ones((1, 16, 8), np.float32))
+    prompt = chosen("paged_attention_prompt", "cuda", EnvironmentConfig(), np.empty((4, 32, 96), np.float32), odd, odd,
+                    batch, 0.1, None, None, 0, None, None)
+    assert prompt.startswith("paged_attention_decode")  # 96 dims: the rows as decode rows
+
+
+def test_an_fp8_cache_goes_to_the_tensor_core_decode_kernel_where_it_serves_the_geometry(monkeypatch):
+    from metrale.kernels import attention_decode_mma
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+
+    monkeypatch.setattr(attention_decode_mma, "SIMULATED", False)
+    batch = SimpleNamespace(max_context=512)
+    for head_dim, expected in ((128, "metrale.kernels.attention_decode_mma"), (96, "metrale.kernels.attention_fp8")):
+        q = np.empty((4, 32, head_dim), np.float32)
+        cache = Fp8CacheArray(np.zeros((1, 16, 8, head_dim), np.uint8), np.ones((1, 16, 8), np.float32))
+        decode = chosen("paged_attention_decode", "cuda", EnvironmentConfig(), q, cache, cache, batch, 0.1, None, None,
+                        0, 30.0, None)
+        assert decode.startswith(expected), head_dim
+        off = chosen("paged_attention_decode", "cuda", EnvironmentConfig(decode_mma=False), q, cache, cache, batch, 0.1,
+                     None, None, 0, None, None)
+        assert off.startswith("metrale.kernels.attention_fp8")
     qkv = np.empty((4, (32 + 16) * 64), np.float32)
     write = chosen("qkv_rope_cache", "cuda", EnvironmentConfig(), qkv, None, None, None, 1.0, 32, 8, 64, cache, cache)
     assert "attention_fp8" in write
@@ -367,7 +396,9 @@ def test_gpt_oss_experts_take_the_grouped_kernels_for_many_tokens(stacks, tokens
     ("fp8", "fp8_tensor", 3, "fp8_gemv"),
     ("fp8", "fp8_token", 8, "FP8 tensor cores"),
     ("fp8", "fp8_tensor", 32, "FP8 tensor cores"),
-    ("fp8", "fp8_group", 32, "quantized_gemv (decode GEMV)"),  # block scales change along the inner size
+    ("fp8", "fp8_group", 1, "fp8_gemv"),  # block-wise FP8: the sums scaled block by block
+    ("fp8", "fp8_group", 32, "fp8_gemv"),
+    ("fp8", "fp8_group", 33, "staged input"),
     ("int4", "weight_only", 32, "int4_gemv"),
     ("int4-g32", "weight_only", 4, "quantized_gemv (decode GEMV)"),  # groups under 128 columns
     ("fp8", "fp8_token", 33, "FP8 tensor cores"),
@@ -375,8 +406,9 @@ def test_gpt_oss_experts_take_the_grouped_kernels_for_many_tokens(stacks, tokens
 ])
 def test_quantized_decode_rows_by_format_and_row_count(codes, activations, rows, expected):
     """FP8 weights whose scales factor out of the sums take FP8 tensor cores from
-    FP8_TENSOR_CORE_MIN_ROWS rows and the FP8 GEMV below; 4-bit weights in groups of 128 the
-    4-bit GEMV; other formats the quantized decode GEMV up to its 32 rows."""
+    FP8_TENSOR_CORE_MIN_ROWS rows and the FP8 GEMV below; block-wise FP8 the FP8 GEMV up to its 32
+    rows; 4-bit weights in groups of 128 the 4-bit GEMV; other formats the quantized decode GEMV up
+    to its 32 rows."""
     from metrale.kernels.quantized import QuantizedWeight
     from metrale.ops.selection import FP8_TENSOR_CORE_MIN_ROWS
 

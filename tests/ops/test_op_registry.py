@@ -234,14 +234,18 @@ def test_a_failing_registration_names_the_plugin():
 def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones():
     registry = builtin_registry()
     assert registry.serving("rmsnorm_mlp", "cuda") == [
+        "metrale.kernels.fp8_gemv (the norm in the gated gate/up GEMV's prologue), then the down GEMV [metrale] when "
+        "FP8 weights and inputs whose scales factor out of the sums, rows the prologue stages in shared memory (up "
+        "to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up bias",
         "metrale.kernels.decode_gemv (the norm and the gate fused) [metrale] when N <= 1, bf16 weights, inner sizes "
         "a multiple of 32, no gate_up bias, weights of at most 128 MiB",
         "rmsnorm_residual, then linear_silu and linear (their kernels) [metrale]"]
     assert registry.serving("linear", "cuda") == [
         "metrale.kernels.quantized_gemv (FP8 rows), cuBLASLt FP8 product (FP8 tensor cores) [metrale] when FP8 weights "
         "and inputs whose scales factor out of the sums, N >= 8",
-        "metrale.kernels.fp8_gemv (FP8 decode GEMV, the scales applied once) [metrale] when FP8 weights and inputs "
-        "whose scales factor out of the sums, at most 32 rows, the inner size a multiple of 16",
+        "metrale.kernels.fp8_gemv (FP8 decode GEMV, the scales applied once a sum or a 128-column block) [metrale] when "
+        "FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8 (blocks of 128 columns, inputs "
+        "in groups of 128), at most 32 rows, the inner size a multiple of 16",
         "metrale.kernels.int4_gemv (4-bit decode GEMV, a group's sums scaled at once) [metrale] when 4-bit "
         "weight-only weights in groups of a multiple of 128 columns, at most 32 rows",
         "metrale.kernels.quantized_gemv (decode GEMV) [metrale] when a quantized weight, at most 32 rows, the inner "
@@ -252,7 +256,9 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
         "inner sizes a multiple of 32, contiguous float32 rows",
         "metrale.kernels.decode_gemv [metrale] when N <= 8, bf16 weights, inner sizes a multiple of 32",
         "cuBLAS GEMM (metrale.kernels.linear) [metrale]"]
-    assert registry.serving("rmsnorm_linear", "cuda")[0].startswith(
+    assert registry.serving("rmsnorm_linear", "cuda")[0].startswith("metrale.kernels.fp8_gemv (the norm in its "
+                                                                     "prologue) [metrale] when FP8 weights")
+    assert registry.serving("rmsnorm_linear", "cuda")[1].startswith(
         "metrale.kernels.decode_gemv (the norm fused) [metrale] when N <= 2")
     assert registry.serving("moe_experts", "cuda")[0].startswith("metrale.kernels.quantized_moe_decode [metrale] when "
                                                                  "quantized stacked weights, N <= 8")
