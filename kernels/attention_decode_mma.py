@@ -21,11 +21,14 @@ split whose grid stays resident with them, :func:`launch_stages`):
   step's), and the extra products cost little in a kernel bound by its cache reads.
 
 An FP8 cache (E4M3 codes, a float32 scale per slot and KV head) is staged as its codes and
-scales, half of a bf16 cache's bytes, and each warp converts the keys and value columns it reads
-into f16 (exact: every E4M3 value is an f16 value) with no barrier of its own; the products are
-f16 (the queries and the probabilities' two parts too), a key's scale multiplies its scores and
-a value's scale its probabilities, over the step's largest value scale so they stay within
-``[0, 1]`` (the accumulator kept in units of that scale, rescaled with the running maximum).
+scales, half of a bf16 cache's bytes, and the warps divide a step's keys for both products: each
+converts its 16 keys and their values into f16 (exact: every E4M3 value is an f16 value), scores
+them, keeps its own online softmax and multiplies its probabilities, straight from the scores'
+registers, by its values for every column; the four warps' softmaxes and accumulators merge once
+after the last step, so a step has one barrier instead of three. The products are f16 (the
+queries and the probabilities' two parts too), a key's scale multiplies its scores and a value's
+scale its probabilities, over the warp's step's largest value scale so they stay within ``[0,
+1]`` (the accumulator kept in units of that scale, rescaled with the running maximum).
 
 The keys of a row (those the sliding window leaves) are divided evenly between the splits of the
 grid's last axis, on the device from the row's position, so a graph captured for the longest
@@ -74,9 +77,6 @@ def stages(head_dim: int) -> int:
     return 3 if head_dim <= 128 else 2
 
 
-#: Bytes past each staged row of FP8 codes (``RAW_STRIDE`` in the kernel): a warp's reads of its
-#: value columns in four rows fall in distinct shared-memory banks.
-RAW_PADDING = 32
 #: The most stages a launch takes (:func:`launch_stages`).
 MAX_STAGES = 6
 #: A launch's stage count instead of :func:`launch_stages`'s choice (None: the choice).
@@ -85,14 +85,13 @@ STAGES_OVERRIDE: int | None = None
 
 def shared_bytes(head_dim: int, stage_count: int | None = None, fp8: bool = False) -> int:
     """Dynamic shared memory of a block: the query tile, the stages (``stage_count``, by default
-    :func:`stages`), the probabilities' two bf16 parts (all bf16); for an FP8 cache (``fp8``) one
-    stage of f16 values, and the stages' codes (rows padded by :data:`RAW_PADDING` bytes) and
-    float32 scales."""
+    :func:`stages`), the probabilities' two bf16 parts (all bf16); for an FP8 cache (``fp8``) the
+    query tile, one stage of f16 values, and the stages' codes and float32 scales."""
     stride = head_dim + 8
     count = stages(head_dim) if stage_count is None else stage_count
     if fp8:
-        return (2 * (BLOCK_HEADS * stride + 2 * BLOCK_KEYS * stride + 2 * BLOCK_HEADS * (BLOCK_KEYS + 8))
-                + count * (2 * BLOCK_KEYS * (head_dim + RAW_PADDING) + 2 * BLOCK_KEYS * 4))
+        return (2 * (BLOCK_HEADS * stride + 2 * BLOCK_KEYS * stride)
+                + count * (2 * BLOCK_KEYS * head_dim + 2 * BLOCK_KEYS * 4))
     return 2 * (BLOCK_HEADS * stride + count * 2 * BLOCK_KEYS * stride + 2 * BLOCK_HEADS * (BLOCK_KEYS + 8))
 
 
@@ -171,7 +170,7 @@ KERNEL = r"""
 #define PROBABILITY_PART (2 * BLOCK_HEADS * PROBABILITY_STRIDE)   // bytes from the high parts to the low
 #define STAGE_ELEMENTS (2 * BLOCK_KEYS * STRIDE)   // keys, then values
 #define NEG_INF (__int_as_float(0xff800000))
-#define RAW_STRIDE (HEAD_DIM + RAW_PADDING)   // FP8_CACHE: a staged row of codes (RAW_PADDING: see the module)
+#define RAW_STRIDE HEAD_DIM   // FP8_CACHE: a staged row of codes
 #define RAW_STAGE_BYTES (2 * BLOCK_KEYS * RAW_STRIDE)   // FP8_CACHE: a stage's key and value codes
 
 typedef unsigned short bf16_bits;
@@ -199,11 +198,14 @@ typedef bf16_bits cache_t;
 // [blocks, block_size, num_kv_heads] their scales; the stages hold the codes [2, BLOCK_KEYS,
 // RAW_STRIDE] and scales [2, BLOCK_KEYS] as copied (so the cache's bytes, half of bf16's, are
 // what the copies read), and one tile in the bf16 stage layout takes each step's codes as f16
-// values, each warp converting the part it reads itself (its 16 keys, its value columns), so no
-// barrier waits on the conversion. The operands are f16: a score is the query times the key's
-// codes, times the key's scale after the product; a probability enters P V times its value's
-// scale over the step's largest value scale (the accumulator kept in units of that scale,
-// rescaled as the running maximum rescales it), so both parts stay within [0, 1].
+// values; no probabilities pass through shared memory. Each warp takes its 16 keys of a step
+// through both products on its own -- it converts their keys and values, scores them, keeps its
+// own online softmax, and multiplies its probabilities (from the scores' registers) by their
+// values for every column -- so a step has one barrier (the stage ring's); the warps' softmaxes
+// merge after the loop. The operands are f16: a score is the query times the key's codes, times
+// the key's scale after the product; a probability enters P V times its value's scale over the
+// warp's step's largest value scale (the accumulator kept in units of that scale, rescaled as the
+// running maximum rescales it), so both parts stay within [0, 1].
 // q [N, num_heads, HEAD_DIM] f32; k_cache, v_cache [blocks, block_size, num_kv_heads, HEAD_DIM]
 // bf16 bits; block_tables [S, max_blocks], seq_index [N], positions [N] int32. One split: out
 // [N, num_heads * HEAD_DIM] bf16 bits. More: out_acc [N, num_heads, splits, HEAD_DIM] f32
@@ -224,9 +226,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     bf16_bits* query_tile = reinterpret_cast<bf16_bits*>(dynamic_shared);
     bf16_bits* stages = query_tile + BLOCK_HEADS * STRIDE;   // FP8_CACHE: the one converted tile (f16)
 #if FP8_CACHE
-    bf16_bits* probabilities = stages + STAGE_ELEMENTS;   // high parts, then low parts
-    unsigned char* raw_stages = reinterpret_cast<unsigned char*>(probabilities + 2 * BLOCK_HEADS * PROBABILITY_STRIDE);
+    unsigned char* raw_stages = reinterpret_cast<unsigned char*>(stages + STAGE_ELEMENTS);
     float* raw_scales = reinterpret_cast<float*>(raw_stages + STAGES * RAW_STAGE_BYTES);   // [STAGES][2][BLOCK_KEYS]
+    // After the loop the warps' accumulators pass through the stages' codes.
+    static_assert(WARPS * BLOCK_HEADS * HEAD_DIM * 4 <= 2 * RAW_STAGE_BYTES, "the merge fits two stages");
 #else
     bf16_bits* probabilities = stages + STAGES * STAGE_ELEMENTS;   // high parts, then low parts
 #endif
@@ -306,20 +309,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             total[h] = warp == 0 && quad == 0 ? 1.f : 0.f;
         }
     }
-    float acc[WARP_COLUMNS / 8][4];
 #if FP8_CACHE
-    float value_unit = 1.f;   // acc's unit: the current step's largest value scale
+    float acc[HEAD_DIM / 8][4];   // the products of the warp's own keys, every value column
+    float value_unit = 1.f;   // acc's unit: the warp's latest step's largest value scale
+#else
+    float acc[WARP_COLUMNS / 8][4];
 #endif
 #pragma unroll
-    for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
+    for (int dt = 0; dt < (int)(sizeof(acc) / sizeof(acc[0])); ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
 
     // A operand of the kk-th 16 dims: matrices (heads 0-7, dims 0-7), (heads 8-15, dims 0-7),
     // (heads 0-7, dims 8-15), (heads 8-15, dims 8-15).
     const unsigned query_fragment =
         shared_address(&query_tile[((matrix & 1) * 8 + matrix_row) * STRIDE + (matrix >> 1) * 8]);
+#if !FP8_CACHE
     // A operand of the kt-th 16 keys' probabilities, the same way (the low parts PROBABILITY_PART bytes on).
     const unsigned probability_fragment =
         shared_address(&probabilities[((matrix & 1) * 8 + matrix_row) * PROBABILITY_STRIDE + (matrix >> 1) * 8]);
+#endif
 
     // Step j's keys go to stage j % STAGES. The rows of steps 0 .. STAGES - 1 first, the copies of
     // steps 0 .. STAGES - 2 then; at step j the copies of step j + STAGES - 1 are issued and the
@@ -402,10 +409,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
         const unsigned char* raw = raw_stages + stage * RAW_STAGE_BYTES;
         const float* key_scales = raw_scales + stage * 2 * BLOCK_KEYS;
         const float* value_scales = key_scales + BLOCK_KEYS;
-        // The warp's 16 keys as f16 into the tile (only this warp reads them; it finished the
-        // previous step's before the barrier above).
-        for (int e = lane; e < WARP_KEYS * (HEAD_DIM / 8); e += 32) {
-            const int key = warp * WARP_KEYS + e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8);
+        // The warp's 16 keys and their values as f16 into its rows of the tile (only this warp
+        // reads them; it finished the previous step's before the barrier above).
+        for (int e = lane; e < 2 * WARP_KEYS * (HEAD_DIM / 8); e += 32) {
+            const int half = e / (WARP_KEYS * (HEAD_DIM / 8));   // 0: keys, 1: values
+            const int key = half * BLOCK_KEYS + warp * WARP_KEYS + (e / (HEAD_DIM / 8)) % WARP_KEYS;
+            const int chunk = e % (HEAD_DIM / 8);
             const uint2 codes = *reinterpret_cast<const uint2*>(&raw[key * RAW_STRIDE + chunk * 8]);
             *reinterpret_cast<uint4*>(&stages[key * STRIDE + chunk * 8]) = e4m3x8_to_f16x8(codes);
         }
@@ -437,21 +446,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
 #pragma unroll
             for (int c = 0; c < 4; ++c) scores[nt][c] *= key_scales[warp * WARP_KEYS + nt * 8 + quad * 2 + (c & 1)];
         }
-        // The warp's value columns of every key as f16 into the tile (while other warps score),
-        // and the step's value unit, every warp's the same.
-        for (int e = lane; e < BLOCK_KEYS * (WARP_COLUMNS / 8); e += 32) {
-            const int key = e / (WARP_COLUMNS / 8), chunk = warp * (WARP_COLUMNS / 8) + e % (WARP_COLUMNS / 8);
-            const uint2 codes = *reinterpret_cast<const uint2*>(&raw[(BLOCK_KEYS + key) * RAW_STRIDE + chunk * 8]);
-            *reinterpret_cast<uint4*>(&stages[(BLOCK_KEYS + key) * STRIDE + chunk * 8]) = e4m3x8_to_f16x8(codes);
-        }
-        float step_unit = fmaxf(value_scales[lane], value_scales[lane + 32]);
-#pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) {
-            step_unit = fmaxf(step_unit, __shfl_xor_sync(0xffffffff, step_unit, offset));
-        }
-        step_unit = step_unit > 0.f ? step_unit : 1.f;
-        const float unit_change = value_unit / step_unit, inverse_unit = 1.f / step_unit;
-        value_unit = step_unit;
 #endif
 
 #if SOFTCAP
@@ -478,6 +472,66 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             local[h] = fmaxf(local[h], __shfl_xor_sync(0xffffffff, local[h], 1));
             local[h] = fmaxf(local[h], __shfl_xor_sync(0xffffffff, local[h], 2));
         }
+#if FP8_CACHE
+        // The warp's own softmax over its keys (the warps merge theirs after the loop): a warp
+        // whose keys of the step are all past the split, and that has seen none, keeps zeros.
+        float rescale[2], shift[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float new_best = fmaxf(best[h], local[h]);
+            shift[h] = new_best == NEG_INF ? 0.f : new_best;
+            rescale[h] = exp2f(best[h] - shift[h]);   // 0 at the warp's first keys (best = -inf)
+            best[h] = new_best;
+            total[h] *= rescale[h];
+        }
+        // The step's value unit of the warp: the largest value scale of its 16 keys.
+        const int first = warp * WARP_KEYS + quad * 2;   // this thread's keys: first, + 1, + 8, + 9
+        float step_unit = fmaxf(fmaxf(value_scales[first], value_scales[first + 1]),
+                                fmaxf(value_scales[first + 8], value_scales[first + 9]));
+        step_unit = fmaxf(step_unit, __shfl_xor_sync(0xffffffff, step_unit, 1));
+        step_unit = fmaxf(step_unit, __shfl_xor_sync(0xffffffff, step_unit, 2));
+        step_unit = step_unit > 0.f ? step_unit : 1.f;
+        const float unit_change = value_unit / step_unit, inverse_unit = 1.f / step_unit;
+        value_unit = step_unit;
+        // The probabilities times their values' scales over the unit, two f16 parts, straight
+        // from the scores' registers into the A operand of P V (keys k 2q, 2q + 1 of n-tile 0 and
+        // 8 + 2q, 9 + 2q of n-tile 1: the accumulator's layout is the operand's).
+        unsigned weights[4], low_weights[4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            float p[4];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                p[c] = exp2f(scores[nt][c] - shift[c / 2]);
+                total[c / 2] += p[c];
+                p[c] *= value_scales[first + nt * 8 + (c & 1)] * inverse_unit;
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned high = pack_f16(p[2 * h], p[2 * h + 1]);
+                weights[2 * nt + h] = high;
+                low_weights[2 * nt + h] = pack_f16(p[2 * h] - f16_low(high), p[2 * h + 1] - f16_high(high));
+            }
+        }
+#pragma unroll
+        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+            acc[dt][0] *= rescale[0] * unit_change; acc[dt][1] *= rescale[0] * unit_change;
+            acc[dt][2] *= rescale[1] * unit_change; acc[dt][3] *= rescale[1] * unit_change;
+        }
+        // B operand of value tiles dt, dt + 1 (transposed loads) of the warp's 16 keys: matrices
+        // (keys 0-7, columns of dt), (keys 8-15, dt), (keys 0-7, dt + 1), (keys 8-15, dt + 1).
+        const unsigned value_fragment = shared_address(
+            &values[(warp * WARP_KEYS + (matrix & 1) * 8 + matrix_row) * STRIDE + (matrix >> 1) * 8]);
+#pragma unroll
+        for (int dt = 0; dt < HEAD_DIM / 8; dt += 2) {
+            unsigned operand[4];
+            load_matrices_transposed(operand, value_fragment + dt * 8 * 2);
+            MMA_16x8x16(acc[dt], weights, operand);
+            MMA_16x8x16(acc[dt + 1], weights, operand + 2);
+            MMA_16x8x16(acc[dt], low_weights, operand);
+            MMA_16x8x16(acc[dt + 1], low_weights, operand + 2);
+        }
+#else
         if (quad == 0) {
             warp_max[warp][group] = local[0];
             warp_max[warp][group + 8] = local[1];
@@ -493,39 +547,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             best[h] = new_best;
             total[h] *= rescale[h];
         }
-        // The probabilities, as bf16 (FP8_CACHE: times their values' scales over the step's
-        // unit, as f16), into the shared tile [head, key] every warp reads.
+        // The probabilities, as bf16, into the shared tile [head, key] every warp reads.
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             float p[4];
-            const int key = warp * WARP_KEYS + nt * 8 + quad * 2;
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 p[c] = exp2f(scores[nt][c] - best[c / 2]);
                 total[c / 2] += p[c];
-#if FP8_CACHE
-                p[c] *= value_scales[key + (c & 1)] * inverse_unit;
-#endif
             }
+            const int key = warp * WARP_KEYS + nt * 8 + quad * 2;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-#if FP8_CACHE
-                const unsigned high = pack_f16(p[2 * h], p[2 * h + 1]);
-                const unsigned low = pack_f16(p[2 * h] - f16_low(high), p[2 * h + 1] - f16_high(high));
-#else
                 const unsigned high = pack_bf16(p[2 * h], p[2 * h + 1]);
                 const unsigned low = pack_bf16(p[2 * h] - __uint_as_float(high << 16),
                                                p[2 * h + 1] - __uint_as_float(high & 0xffff0000u));
-#endif
                 bf16_bits* at = &probabilities[(group + 8 * h) * PROBABILITY_STRIDE + key];
                 *reinterpret_cast<unsigned*>(at) = high;
                 *reinterpret_cast<unsigned*>(at + BLOCK_HEADS * PROBABILITY_STRIDE) = low;
             }
         }
-#if FP8_CACHE
-        rescale[0] *= unit_change;
-        rescale[1] *= unit_change;
-#endif
 #pragma unroll
         for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
             acc[dt][0] *= rescale[0]; acc[dt][1] *= rescale[0];
@@ -553,15 +594,51 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
                 MMA_16x8x16(acc[dt + 1], low_weights, operand + 2);
             }
         }
+#endif
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
     wait_copies<0>();   // no copy may land after the block has gone
 #if FP8_CACHE
+    // The warps' softmaxes merged: each head's maximum over the warps, each warp's sums and
+    // accumulators (times its unit) rescaled to it, the accumulators summed in warp order through
+    // the stages' memory into the layout the bf16 kernel ends with (a warp a quarter of the columns).
+    if (quad == 0) {
+        warp_max[warp][group] = best[0];
+        warp_max[warp][group + 8] = best[1];
+    }
+    __syncthreads();   // every warp is past its last reads of the stages, and the maxima are in
+    float* partial = reinterpret_cast<float*>(raw_stages);   // [WARPS][BLOCK_HEADS][HEAD_DIM]
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float top = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_max[w][group + 8 * h]);
+        const float weight = top == NEG_INF ? 0.f : exp2f(best[h] - top);
+        best[h] = top;
+        total[h] *= weight;
+        const float factor = weight * value_unit;
+        float* target = partial + (warp * BLOCK_HEADS + group + 8 * h) * HEAD_DIM + quad * 2;
+#pragma unroll
+        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+            *reinterpret_cast<float2*>(target + dt * 8) = make_float2(acc[dt][2 * h] * factor, acc[dt][2 * h + 1] * factor);
+        }
+    }
+    __syncthreads();
+    float merged[WARP_COLUMNS / 8][4];
 #pragma unroll
     for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[dt][c] *= value_unit;
+        for (int c = 0; c < 4; ++c) {
+            const int column = warp * WARP_COLUMNS + dt * 8 + quad * 2 + (c & 1), head = group + 8 * (c / 2);
+            float sum = 0.f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) sum += partial[(w * BLOCK_HEADS + head) * HEAD_DIM + column];
+            merged[dt][c] = sum;
+        }
     }
+#define OUTPUT_ACC merged
+#else
+#define OUTPUT_ACC acc
 #endif
 
     // The sums over the four warps' keys, and the maximum every warp shares.
@@ -595,7 +672,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
 #pragma unroll
             for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
                 const int column = warp * WARP_COLUMNS + dt * 8 + quad * 2;
-                target[column / 2] = pack_bf16(acc[dt][2 * h] * inverse, acc[dt][2 * h + 1] * inverse);
+                target[column / 2] = pack_bf16(OUTPUT_ACC[dt][2 * h] * inverse, OUTPUT_ACC[dt][2 * h + 1] * inverse);
             }
         }
         return;
@@ -608,7 +685,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
 #pragma unroll
         for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
             const int column = warp * WARP_COLUMNS + dt * 8 + quad * 2;
-            *reinterpret_cast<float2*>(&out_acc[head_row * HEAD_DIM + column]) = make_float2(acc[dt][2 * h], acc[dt][2 * h + 1]);
+            *reinterpret_cast<float2*>(&out_acc[head_row * HEAD_DIM + column]) =
+                make_float2(OUTPUT_ACC[dt][2 * h], OUTPUT_ACC[dt][2 * h + 1]);
         }
     }
     if (threadIdx.x < block_heads) {
@@ -682,7 +760,7 @@ def kernel_source(head_dim: int, with_instructions: bool = True, stage_count: in
     with the PTX helpers, or without them for the CPU emulation, which brings its own."""
     count = stages(head_dim) if stage_count is None else stage_count
     constants = (f"#define HEAD_DIM {head_dim}\n#define STAGES {count}\n#define MAX_SPLITS {MAX_SPLITS}\n"
-                 f"#define SOFTCAP {int(softcap)}\n#define FP8_CACHE {int(fp8)}\n#define RAW_PADDING {RAW_PADDING}\n")
+                 f"#define SOFTCAP {int(softcap)}\n#define FP8_CACHE {int(fp8)}\n")
     helpers = (INSTRUCTIONS + (FP8_INSTRUCTIONS if fp8 else "")) if with_instructions else ""
     return helpers + constants + KERNEL
 

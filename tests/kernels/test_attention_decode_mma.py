@@ -457,6 +457,32 @@ def test_the_fp8_cache_kernel_run_emulated_is_as_close_to_the_float_attention_as
     assert fp8_error <= 1e-3
 
 
+@pytest.mark.parametrize("splits, launches", [(1, 0), (3, 0), (3, 2)])
+@pytest.mark.parametrize("softcap, with_sinks", [(3.0, False), (None, True), (3.0, True)])
+def test_the_fp8_cache_kernel_caps_logits_and_counts_sinks_emulated(emulated, softcap, with_sinks, splits, launches):
+    """The FP8 cache's warps each keep a softmax of their own keys: a sink counted once (by split 0)
+    across the warps' merge and the splits', capped logits, against the float reference over the
+    codes times their scales."""
+    from metrale.kernels.quantized import fp8_e4m3_to_float32
+
+    rng = np.random.default_rng(29 + splits)
+    q, (k_codes, k_scales), (v_codes, v_scales), tables, seq_index, positions = fp8_case(
+        rng, (1, 70, 200), 20, 1, 64, 16)
+    q *= 4
+    sinks = rng.standard_normal(20).astype(np.float32) + 1.0 if with_sinks else None
+    out_acc, out_max, out_sum, out = emulated(q, k_codes, v_codes, tables, seq_index, positions, 0, splits,
+                                              launches=launches, softcap=softcap, sinks=sinks,
+                                              scales=(k_scales, v_scales))
+    exact_k = fp8_e4m3_to_float32(k_codes) * k_scales[..., None]
+    exact_v = fp8_e4m3_to_float32(v_codes) * v_scales[..., None]
+    reference = attention.paged_attention_reference(q, exact_k, exact_v, tables, seq_index, positions, SCALE, None,
+                                                    softcap, sinks)
+    if splits == 1 or launches:
+        assert rel_error(bf16_to_float32(out), reference) <= 5e-3
+    if splits > 1:
+        assert rel_error(combine_partials_model(out_acc, out_max, out_sum), reference) <= 1e-3
+
+
 def test_the_fp8_cache_kernel_merges_its_splits_and_takes_less_shared_memory(emulated):
     rng = np.random.default_rng(23)
     q, (k_codes, k_scales), (v_codes, v_scales), tables, seq_index, positions = fp8_case(rng, (1, 200, 64), 8, 2, 128,

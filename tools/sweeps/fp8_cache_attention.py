@@ -1,6 +1,6 @@
 """GPU time of the tensor-core decode attention over a bf16 cache and over an FP8 cache.
 
-    python tools/sweeps/fp8_cache_attention.py [--cases 32x8192,8x4096,64x2048] [--parts]
+    python tools/sweeps/fp8_cache_attention.py [--cases 32x8192,8x4096,64x2048] [--parts] [--row-reads]
 
 For each case (rows x context, every row at that context, blocks of 16 tokens shuffled) prints
 the microseconds a launch of :func:`metrale.kernels.attention_decode_mma.decode_attention` takes
@@ -8,7 +8,9 @@ the microseconds a launch of :func:`metrale.kernels.attention_decode_mma.decode_
 scale per slot and KV head), with the launcher's split and stage counts. ``--parts`` also times
 the FP8 kernel of the first case with parts of its source taken out -- the scales' copies, the
 codes' copies, the codes' conversion, the probabilities' low part -- to show where a step's time
-goes (those kernels compute wrong results; they are never served).
+goes (those kernels compute wrong results; they are never served). ``--row-reads`` also times
+plain reads of 512 MB as rows of 64 to 256 bytes at the strides a KV head's rows lie at in the
+paged cache (8 heads a slot), against contiguous reads.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ PARTS = [
          "offset >= 0);", "")]),
     ("without the code conversion", [("= e4m3x8_to_f16x8(codes);", "= make_uint4(codes.x, codes.y, codes.x, codes.y);")]),
     ("without the probabilities' low part", [
-        ("MMA_16x8x16(acc[dt], low_weights, operand);\n                MMA_16x8x16(acc[dt + 1], low_weights, operand + 2);",
-         "")]),
+        ("            MMA_16x8x16(acc[dt], low_weights, operand);\n"
+         "            MMA_16x8x16(acc[dt + 1], low_weights, operand + 2);\n", "")]),
 ]
 
 
@@ -39,6 +41,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--parts", action="store_true", help="the FP8 kernel of the first case with parts taken out")
+    parser.add_argument("--row-reads", action="store_true", help="plain reads of rows at the cache's strides")
     args = parser.parse_args()
 
     import cupy as cp
@@ -122,6 +125,38 @@ def main() -> None:
         finally:
             mma.KERNEL = original
             mma._kernels.clear()
+
+    if args.row_reads:
+        row_reads(cp, timed)
+
+
+#: Rows of R bytes read every S bytes, summed so the reads are kept.
+ROW_READS = r"""
+extern "C" __global__ void read_rows(const uint4* __restrict__ base, int row_words, long long stride_words,
+                                     long long rows, unsigned* out) {
+    unsigned acc = 0;
+    const long long total = rows * row_words;
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total; e += (long long)gridDim.x * blockDim.x) {
+        const long long row = e / row_words;
+        const int word = e % row_words;
+        const uint4 v = __ldcs(base + row * stride_words + word);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u) out[0] = acc;
+}
+"""
+
+
+def row_reads(cp, timed) -> None:
+    """GB/s of reading 512 MB as rows of R bytes every S bytes (a 2 GB buffer)."""
+    kernel = cp.RawKernel(ROW_READS, "read_rows")
+    buffer = cp.zeros(2 << 30, cp.uint8)
+    out = cp.zeros(1, cp.uint32)
+    for row_bytes, stride_bytes in [(128, 128), (128, 1024), (256, 2048), (256, 256), (64, 512)]:
+        rows = min((512 << 20) // row_bytes, buffer.nbytes // stride_bytes)
+        arguments = (buffer, cp.int32(row_bytes // 16), cp.int64(stride_bytes // 16), cp.int64(rows), out)
+        millis = timed(lambda: kernel((132 * 16,), (256,), arguments), repeats=10) / 1000
+        print(f"rows of {row_bytes:4} B every {stride_bytes:5} B: {rows * row_bytes / millis / 1e6:7.0f} GB/s")
 
 
 if __name__ == "__main__":
