@@ -213,10 +213,12 @@ def test_every_int4_gemv_instantiation_compiles(tmp_path):
 
     arguments = ("{input}, const int*, const uint4*, const unsigned char*, const float*, const float*, int, "
                  "const float*, float*, int, int, int")
-    names = [(int4_gemv.kernel_name(split, tiles, shared, zeros, unroll, bf16_input, swiglu),
+    tilings = sorted({(1, 2), (1, int4_gemv.UNROLL)} | set(int4_gemv.UNROLL_BY_WEIGHT_TILES.items()))
+    assert {int4_gemv.warp_tiling(rows) for rows in range(1, int4_gemv.MAX_ROWS + 1)} <= set(tilings)
+    names = [(int4_gemv.kernel_name(split, tiles, shared, zeros, unroll, bf16_input, swiglu, weight_tiles),
               arguments.format(input="const unsigned short*" if bf16_input else "const float*"))
              for split in quantized_gemv.SPLITS for tiles in quantized_gemv.ROW_TILES for shared in (False, True)
-             for zeros in (False, True) for unroll in (2, int4_gemv.UNROLL) for bf16_input in (False, True)
+             for zeros in (False, True) for weight_tiles, unroll in tilings for bf16_input in (False, True)
              for swiglu in (False, True)]
     names += [(int4_gemv.stage_name(bf16_input), f"{'const unsigned short*' if bf16_input else 'const float*'}, "
                "const int*, uint4*, int") for bf16_input in (False, True)]

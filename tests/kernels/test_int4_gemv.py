@@ -17,32 +17,36 @@ from metrale.kernels import quantized_gemv as qg
 from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
 from metrale.kernels.quantized import QuantizedWeight, pack_nibbles, quantized_linear_reference
 
-# (split, row tiles, zeros, unroll) instantiated, each with the rows staged in shared memory and in
-# the global workspace, float32 and bf16 rows.
-INSTANCES = [(1, 1, False, 4), (8, 1, False, 4), (2, 2, True, 4), (4, 1, True, 2), (1, 4, False, 4),
-             (2, 1, False, 2), (2, 1, True, 4)]
-# The gated form's instances (also both stagings, both input types).
-SWIGLU_INSTANCES = [(1, 1, False, 4), (8, 1, False, 4), (2, 2, True, 4), (1, 4, False, 4)]
+# (split, row tiles, zeros, unroll, weight tiles) instantiated, each with the rows staged in shared
+# memory and in the global workspace, float32 and bf16 rows.
+INSTANCES = [(1, 1, False, 4, 1), (8, 1, False, 4, 1), (2, 2, True, 4, 1), (4, 1, True, 2, 1), (1, 4, False, 4, 1),
+             (2, 1, False, 2, 1), (2, 1, True, 4, 1), (1, 4, False, 1, 4), (4, 4, True, 1, 4), (2, 2, False, 2, 2),
+             (1, 1, True, 2, 2)]
+# The gated form's instances (also both stagings, both input types; their plain forms too).
+SWIGLU_INSTANCES = [(1, 1, False, 4, 1), (8, 1, False, 4, 1), (2, 2, True, 4, 1), (1, 4, False, 4, 1),
+                    (2, 4, False, 1, 4), (1, 2, True, 2, 2)]
 
 
 def emulation_main() -> str:
     dispatch = "\n".join(
         f"    if (split == {s} && tiles == {t} && zeros_on == {int(z)} && unroll == {u} && shared == {int(shared)} "
-        f"&& bf16 == {int(b)} && swiglu == {int(g)}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, {{THREADS, 1, 1}}, "
-        f"[&] {{ {ig.kernel_name(s, t, shared, z, u, b, g)}({'x16' if b else 'x'}, order, staged_rows, code_bytes, "
-        f"scales, zeros, group_pieces, bias, out, rows, K, {'N / 2' if g else 'N'}); }}); found = true; }}"
-        for g, instances in ((False, INSTANCES), (True, SWIGLU_INSTANCES)) for s, t, z, u in instances
+        f"&& bf16 == {int(b)} && swiglu == {int(g)} && weight_tiles == {m}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, "
+        f"{{THREADS, 1, 1}}, [&] {{ {ig.kernel_name(s, t, shared, z, u, b, g, m)}({'x16' if b else 'x'}, order, "
+        f"staged_rows, code_bytes, scales, zeros, group_pieces, bias, out, rows, K, {'N / 2' if g else 'N'}); }}); "
+        f"found = true; }}"
+        for g, instances in ((False, sorted(set(INSTANCES + SWIGLU_INSTANCES))), (True, SWIGLU_INSTANCES))
+        for s, t, z, u, m in instances
         for shared in (False, True) for b in (False, True))
     return r"""
 #include <string>
 
 int main(int argc, char** argv) {
-    if (argc != 12) emu::fail("usage: folder split tiles unroll rows K N blocks group flags shared");
+    if (argc != 13) emu::fail("usage: folder split tiles unroll rows K N blocks group flags shared weight_tiles");
     const std::string folder = argv[1];
     const int split = std::atoi(argv[2]), tiles = std::atoi(argv[3]), unroll = std::atoi(argv[4]);
     const int rows = std::atoi(argv[5]), K = std::atoi(argv[6]), N = std::atoi(argv[7]);
     const int blocks = std::atoi(argv[8]), group = std::atoi(argv[9]), flags = std::atoi(argv[10]);
-    const int shared = std::atoi(argv[11]);
+    const int shared = std::atoi(argv[11]), weight_tiles = std::atoi(argv[12]);
     const int group_pieces = group / 128, zeros_on = (flags & 2) != 0, bf16 = (flags & 4) != 0;
     const int swiglu = (flags & 16) != 0;
     const unsigned char* code_bytes = read<unsigned char>(folder + "/codes", (size_t)N * K / 2);
@@ -76,7 +80,7 @@ def emulated(tmp_path_factory):
     binary = build_emulated(folder / "int4_gemv.cpp", source)
 
     def run(weight: QuantizedWeight, x, bias=None, *, split=1, blocks=2, shared=True, unroll=ig.UNROLL,
-            bf16_input=False, swiglu=False):
+            bf16_input=False, swiglu=False, weight_tiles=1):
         case = folder / "case"
         case.mkdir(exist_ok=True)
         out_features, inner = weight.shape
@@ -100,7 +104,7 @@ def emulated(tmp_path_factory):
             flags |= 16
         rows = x.shape[0]
         arguments = [split, qg.row_tiles(rows), unroll, rows, inner, out_features, blocks, weight.block[1], flags,
-                     int(shared)]
+                     int(shared), weight_tiles]
         subprocess.run([str(binary), str(case), *map(str, arguments)], check=True, timeout=600)
         if swiglu:
             units = out_features // 2
@@ -120,32 +124,38 @@ def make_weight(rng: np.random.Generator, out: int, inner: int, group: int, zero
 
 
 CASES = [
-    # rows, inner, out, group, zeros, act-order, bias, split, blocks, unroll
-    (1, 128, 37, 128, False, False, False, 1, 2, 4),  # one piece, a partial column tile
-    (1, 1024, 300, 128, False, False, True, 1, 3, 4),  # rounds of tiles
-    (1, 1152, 48, 128, False, False, False, 8, 2, 4),  # 9 pieces over 8 warps: slices past the end
-    (3, 512, 40, 256, True, False, True, 2, 1, 4),  # zero points, groups of two pieces
-    (13, 384, 40, 128, True, True, False, 2, 1, 4),  # two row tiles, act-order
-    (4, 768, 33, 256, True, False, False, 4, 1, 2),
-    (32, 256, 50, 128, False, False, True, 1, 2, 4),  # four row tiles
-    (2, 1408, 200, 128, False, True, False, 2, 2, 2),  # 11 pieces in slices of 6: odd steps of 2
+    # rows, inner, out, group, zeros, act-order, bias, split, blocks, unroll, weight tiles
+    (1, 128, 37, 128, False, False, False, 1, 2, 4, 1),  # one piece, a partial column tile
+    (1, 1024, 300, 128, False, False, True, 1, 3, 4, 1),  # rounds of tiles
+    (1, 1152, 48, 128, False, False, False, 8, 2, 4, 1),  # 9 pieces over 8 warps: slices past the end
+    (3, 512, 40, 256, True, False, True, 2, 1, 4, 1),  # zero points, groups of two pieces
+    (13, 384, 40, 128, True, True, False, 2, 1, 4, 1),  # two row tiles, act-order
+    (4, 768, 33, 256, True, False, False, 4, 1, 2, 1),
+    (32, 256, 50, 128, False, False, True, 1, 2, 4, 1),  # four row tiles
+    (2, 1408, 200, 128, False, True, False, 2, 2, 2, 1),  # 11 pieces in slices of 6: odd steps of 2
+    (32, 512, 200, 128, False, False, True, 1, 2, 1, 4),  # 4 column tiles a warp: 13 tiles, a partial warp tile
+    (27, 1152, 72, 128, True, True, False, 4, 1, 1, 4),  # a warp tile past the last column tile, a split
+    (16, 640, 100, 128, False, False, False, 2, 2, 2, 2),  # 2 column tiles a warp, odd steps
+    (3, 512, 90, 256, True, False, True, 1, 2, 2, 2),  # one row tile, 2 column tiles a warp
 ]
 
 PATHS = [pytest.param(*case, shared, id=f"{'shared' if shared else 'global'}-{case[0]}x{case[1]}x{case[2]}-g{case[3]}"
-                      f"{'-zeros' if case[4] else ''}{'-order' if case[5] else ''}-split{case[7]}")
+                      f"{'-zeros' if case[4] else ''}{'-order' if case[5] else ''}-split{case[7]}-m{case[10]}")
          for case in CASES for shared in (True, False) if not shared or case[0] <= ig.SHARED_STAGE_MAX_ROWS]
 
 
-@pytest.mark.parametrize("rows, inner, out, group, zeros, act_order, bias, split, blocks, unroll, shared", PATHS)
+@pytest.mark.parametrize("rows, inner, out, group, zeros, act_order, bias, split, blocks, unroll, weight_tiles, shared",
+                         PATHS)
 def test_emulated_int4_gemv_matches_the_reference(emulated, rows, inner, out, group, zeros, act_order, bias, split,
-                                                  blocks, unroll, shared):
+                                                  blocks, unroll, weight_tiles, shared):
     rng = np.random.default_rng(rows * 1000 + inner)
     weight = make_weight(rng, out, inner, group, zeros, act_order)
     x = rng.normal(size=(rows, inner)).astype(np.float32)
     bias_values = rng.normal(size=out).astype(np.float32) if bias else None
     assert ig.serves(rows, weight)
     expected = ig.int4_gemv_reference(x, weight, bias_values)
-    got = emulated(weight, x, bias_values, split=split, blocks=blocks, shared=shared, unroll=unroll)
+    got = emulated(weight, x, bias_values, split=split, blocks=blocks, shared=shared, unroll=unroll,
+                   weight_tiles=weight_tiles)
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
     # Within bf16's rounding of the input of the full-precision product.
     full_precision = quantized_linear_reference(x, weight, bias_values)
@@ -178,32 +188,37 @@ def test_serves():
 
 
 SWIGLU_CASES = [
-    # rows, inner, units, group, zeros, act-order, split, blocks, unroll
-    (1, 1024, 300, 128, False, False, 1, 3, 4),  # rounds of tiles; a partial last tile of 8 units
-    (2, 1152, 24, 128, False, False, 8, 2, 4),  # the inner size split over 8 warps
-    (11, 512, 40, 256, True, True, 2, 1, 4),  # two row tiles, zero points, act-order
-    (32, 256, 17, 128, False, False, 1, 2, 4),  # four row tiles
+    # rows, inner, units, group, zeros, act-order, split, blocks, unroll, weight tiles
+    (1, 1024, 300, 128, False, False, 1, 3, 4, 1),  # rounds of tiles; a partial last tile of 8 units
+    (2, 1152, 24, 128, False, False, 8, 2, 4, 1),  # the inner size split over 8 warps
+    (11, 512, 40, 256, True, True, 2, 1, 4, 1),  # two row tiles, zero points, act-order
+    (32, 256, 17, 128, False, False, 1, 2, 4, 1),  # four row tiles
+    (32, 640, 44, 128, False, False, 2, 1, 1, 4),  # 4 column tiles a warp, a partial warp tile
+    (12, 512, 52, 128, True, False, 1, 2, 2, 2),  # 2 column tiles a warp, zero points
 ]
 
 SWIGLU_PATHS = [pytest.param(*case, shared, id=f"{'shared' if shared else 'global'}-{case[0]}x{case[1]}x{case[2]}"
-                             f"-split{case[6]}")
+                             f"-split{case[6]}-m{case[9]}")
                 for case in SWIGLU_CASES for shared in (True, False) if not shared or case[0] <= ig.SHARED_STAGE_MAX_ROWS]
 
 
-@pytest.mark.parametrize("rows, inner, units, group, zeros, act_order, split, blocks, unroll, shared", SWIGLU_PATHS)
+@pytest.mark.parametrize("rows, inner, units, group, zeros, act_order, split, blocks, unroll, weight_tiles, shared",
+                         SWIGLU_PATHS)
 @pytest.mark.parametrize("bf16_input", [False, True])
 def test_emulated_gated_int4_gemv_is_silu_and_mul_of_the_product(emulated, rows, inner, units, group, zeros, act_order,
-                                                                split, blocks, unroll, shared, bf16_input):
+                                                                split, blocks, unroll, weight_tiles, shared,
+                                                                bf16_input):
     rng = np.random.default_rng(rows * 1000 + units)
     weight = make_weight(rng, 2 * units, inner, group, zeros, act_order)
     x = bf16_to_float32(float32_to_bf16(rng.normal(size=(rows, inner)).astype(np.float32)))
     got = emulated(weight, x, split=split, blocks=blocks, shared=shared, unroll=unroll, bf16_input=bf16_input,
-                   swiglu=True)
+                   swiglu=True, weight_tiles=weight_tiles)
     product = ig.int4_gemv_reference(x, weight)
     expected = ig.int4_gemv_reference(x, weight, swiglu=True)
     # The bf16 values of the gate applied to the plain product: an ulp of bf16 at most apart.
     assert np.all(np.abs(got - expected) <= 2.0**-7 * np.abs(expected) + 1e-30)
     gate, up = product[:, :units], product[:, units:]
     assert np.abs(got - gate / (1 + np.exp(-gate)) * up).max() <= 2.0**-7 * np.abs(got).max()
-    plain = emulated(weight, x, split=split, blocks=blocks, shared=shared, unroll=unroll, bf16_input=bf16_input)
+    plain = emulated(weight, x, split=split, blocks=blocks, shared=shared, unroll=unroll, bf16_input=bf16_input,
+                     weight_tiles=weight_tiles)
     assert np.abs(plain - product).max() <= 1e-5 * np.abs(product).max()

@@ -5,7 +5,8 @@ the Llama-8B projection shapes: FP8 per channel with per-token inputs, INT4 weig
 weights on FP8 tensor cores as the prompt path runs them (``fp8-tc``: the rows quantized to FP8
 codes, cuBLASLt's FP8 product, the rows and columns scaled). FP8 also through
 ``metrale.kernels.fp8_gemv`` (``fp8-gemv-uN``: its loads N pieces of 64 codes ahead), INT4
-through ``metrale.kernels.int4_gemv`` (``int4-gemv-uN``).
+through ``metrale.kernels.int4_gemv`` (``int4-gemv-mM-uN``: M column tiles of 16 a warp, N pieces
+of 128 codes a step; ``*`` marks the launcher's default).
 
 Each kernel is recorded 20 times into a CUDA graph and the graph replayed; the microseconds per
 launch and the code bytes read per microsecond (GB/s) are printed. ``--copies N`` cycles the
@@ -28,6 +29,8 @@ import numpy as np
 
 #: (K, N): the 8B shape's qkv, o, gate_up and down projections.
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+#: (column tiles a warp takes at once, pieces it loads a step) of the 4-bit GEMV timed.
+INT4_TILINGS = [(1, 4), (1, 2), (2, 2), (2, 1), (4, 1)]
 
 
 def timed(launch: Any, copies: int, reps: int = 200) -> float:
@@ -148,11 +151,14 @@ def main() -> None:
                         line.append(f"fp8-gemv-u{unroll} {us:6.1f}us {columns * inner * per_weight / us / 1e3:5.0f}GB/s")
                 if int4_gemv.serves(rows, host):
                     staged = cp.empty(int4_gemv.workspace_shape(rows, host), np.uint32)
-                    for unroll in (int4_gemv.UNROLL, 2):
-                        us = timed(lambda s, c, w=weights, u=unroll: int4_gemv.int4_gemv(
-                            x, w[c], out, s, multiprocessors=multiprocessors, workspace=staged, unroll=u),
-                            args.copies)
-                        line.append(f"int4-gemv-u{unroll} {us:6.1f}us {columns * inner * per_weight / us / 1e3:5.0f}GB/s")
+                    chosen = int4_gemv.warp_tiling(rows)
+                    for tiles, unroll in INT4_TILINGS:
+                        us = timed(lambda s, c, w=weights, m=tiles, u=unroll: int4_gemv.int4_gemv(
+                            x, w[c], out, s, multiprocessors=multiprocessors, workspace=staged, unroll=u,
+                            weight_tiles=m), args.copies)
+                        mark = "*" if (tiles, unroll) == chosen else ""
+                        line.append(f"int4-gemv-m{tiles}-u{unroll}{mark} {us:6.1f}us "
+                                    f"{columns * inner * per_weight / us / 1e3:5.0f}GB/s")
                 if args.tensor_cores and rows > 1 and current.fp8_tensor_core_path(host):
                     codes = cp.empty((rows, inner), np.uint8)
                     row_scales = cp.empty((rows,), np.float32)
