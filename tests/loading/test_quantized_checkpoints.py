@@ -322,3 +322,38 @@ def test_misaligned_parts_are_refused(llama_compressed, block_fp8):
         if aligned_only:
             with pytest.raises(QuantizationError, match="does not fall on the quantization blocks"):
                 checkpoint.quantized("model.layers.0.mlp.down_proj.weight", columns=slice(0, 96))
+
+
+# ------------------------------------------------------------------ packed words read as they are
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_words_are_taken_byte_for_byte_as_the_unpacked_codes(bits):
+    from metrale.kernels.quantized import pack_nibbles
+    from metrale.loading.quantization.compressed_tensors import _bytes_are_codes, _code_bytes, _unpack_rows
+
+    rng = np.random.default_rng(bits)
+    rows, columns = 12, 80
+    words = rng.integers(0, 2**32, size=(rows, columns * bits // 32), dtype=np.uint64).astype(np.uint32).view(np.int32)
+    unpacked = _unpack_rows(words, bits, columns)
+    assert _bytes_are_codes(words, bits, rows, columns, None)
+    expected = pack_nibbles(unpacked) if bits == 4 else unpacked
+    np.testing.assert_array_equal(_code_bytes(words, bits, columns), expected)
+    # Column parts on whole bytes only; other shapes are unpacked.
+    assert _bytes_are_codes(words, bits, rows, columns, slice(16, 48))
+    assert _bytes_are_codes(words, bits, rows, columns, slice(3, 48)) == (bits == 8)
+    assert not _bytes_are_codes(words, bits, rows + 1, columns, None)
+    assert not _bytes_are_codes(words[:, :-1], bits, rows, columns, None)
+
+
+def test_a_weight_read_by_parts_matches_the_whole(llama_compressed):
+    scheme, _, folder = llama_compressed
+    checkpoint = Checkpoint(folder)
+    name = "model.layers.0.mlp.down_proj.weight"  # [128, 256]
+    whole = checkpoint.quantized(name)
+    for columns in (None, slice(128, 256), slice(0, 128)):
+        for rows in ((None,) if scheme == "FP8_BLOCK" else (None, slice(32, 96))):  # blocks of 128 rows
+            part = checkpoint.quantized(name, rows=rows, columns=columns)
+            assert part.shape == (len(range(*(rows or slice(None)).indices(128))),
+                                  len(range(*(columns or slice(None)).indices(256))))
+            np.testing.assert_array_equal(dequantize(part), dequantize(whole)[rows or slice(None)][:, columns or slice(None)])

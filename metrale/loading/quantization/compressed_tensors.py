@@ -177,9 +177,16 @@ class CompressedTensorsFormat(WeightFormat):
         assert scheme is not None
         out, inner = self.shape(checkpoint, name)
         per_row, per_column = _block(scheme, out, inner)
+        g_idx_name = f"{module}.weight_g_idx"
+        # The stored bytes already as the kernels take them (8-bit codes, or pack_nibbles' bytes).
+        as_stored = False
         if scheme.storage == "pack-quantized":
-            codes = _unpack_rows(checkpoint.raw(f"{module}.weight_packed"), scheme.bits, inner)
+            words = checkpoint.raw(f"{module}.weight_packed")
             offset = 1 << (scheme.bits - 1)  # the packer stored q + 2**(bits-1)
+            if _bytes_are_codes(words, scheme.bits, out, inner, columns) and not checkpoint.has_stored(g_idx_name):
+                codes, as_stored = _code_bytes(words, scheme.bits, inner), True
+            else:
+                codes = _unpack_rows(words, scheme.bits, inner)
         else:
             info = checkpoint.info(name)
             raw = np.asarray(checkpoint.raw(name))
@@ -193,7 +200,8 @@ class CompressedTensorsFormat(WeightFormat):
                     raise UnsupportedQuantizationError(f"{checkpoint.path}: {name} is {info.dtype}; integer weights "
                                                        "are served as I8")
                 codes, offset = (raw.astype(np.int16) + 128).astype(np.uint8), 128
-        check_shape(name, codes.shape, (out, inner), "the unpacked weight")
+        if not as_stored:
+            check_shape(name, codes.shape, (out, inner), "the unpacked weight")
         scale_name = f"{module}.weight_scale"
         scales = float_tensor(checkpoint, scale_name)
         if per_row == out and per_column == inner:
@@ -212,7 +220,6 @@ class CompressedTensorsFormat(WeightFormat):
             if np.any(zero != 0):
                 zeros = (zero + (offset if scheme.kind == "int" else 0)).astype(np.float32)
         order = None
-        g_idx_name = f"{module}.weight_g_idx"
         if checkpoint.has_stored(g_idx_name):
             g_idx = np.asarray(checkpoint.raw(g_idx_name)).astype(np.int64).reshape(-1)
             codes, scales, zeros, order = act_order_columns(g_idx, codes, scales, zeros, per_column, name)
@@ -220,12 +227,18 @@ class CompressedTensorsFormat(WeightFormat):
         column_blocks = block_part(columns, inner, per_column, "columns", name) if per_column < inner else None
         if order is not None and columns is not None:
             raise UnsupportedQuantizationError(f"{name}: act-order (g_idx) weights are not split by columns over ranks")
-        codes = sliced(codes, rows, columns)
         scales = sliced(scales, row_blocks, column_blocks)
         zeros = None if zeros is None else sliced(zeros, row_blocks, column_blocks)
-        shape = codes.shape
-        if scheme.kind == "int" and scheme.bits == 4:
-            codes = pack_nibbles(codes)
+        if as_stored:
+            first, last, _ = (columns or slice(None)).indices(inner)
+            per_byte = 8 // scheme.bits
+            codes = sliced(codes, rows, None if columns is None else slice(first // per_byte, -(-last // per_byte)))
+            shape = (codes.shape[0], last - first)
+        else:
+            codes = sliced(codes, rows, columns)
+            shape = codes.shape
+            if scheme.kind == "int" and scheme.bits == 4:
+                codes = pack_nibbles(codes)
         codes_format = "fp8" if scheme.kind == "float" else f"int{scheme.bits}"
         input_scale = None
         if scheme.activations == "fp8_tensor":
@@ -258,6 +271,28 @@ def _block(scheme: Scheme, out: int, inner: int) -> tuple[int, int]:
     if scheme.block_structure is None:
         raise UnsupportedQuantizationError("a block strategy needs a block_structure")
     return scheme.block_structure
+
+
+def _bytes_are_codes(words: Any, bits: int, rows: int, columns: int, part: slice | None) -> bool:
+    """Whether the little-endian bytes of ``pack-quantized`` words (``[rows, ceil(columns /
+    (32 / bits))]``, values from bit 0) are the codes as the kernels take them: 8-bit codes one a
+    byte, 4-bit ones two a byte with the even column in the low nibble (:func:`pack_nibbles`), a
+    column range ``part`` on whole bytes."""
+    per_word = 32 // bits
+    if bits not in (4, 8) or tuple(np.shape(words)) != (rows, -(-columns // per_word)):
+        return False
+    if bits == 4 and columns % 2:
+        return False  # the last byte's high nibble is the packer's padding
+    if part is None or bits == 8:
+        return True
+    first, last, step = part.indices(columns)
+    return step == 1 and first % 2 == 0 and (last % 2 == 0 or last == columns)
+
+
+def _code_bytes(words: Any, bits: int, columns: int) -> np.ndarray:
+    """uint8 ``[rows, ceil(columns bits / 8)]``: the bytes of :func:`_bytes_are_codes`' words."""
+    stored = np.ascontiguousarray(words).view(np.uint8).reshape(np.shape(words)[0], -1)
+    return stored[:, : -(-columns * bits // 8)]
 
 
 def _unpack_rows(words: np.ndarray, bits: int, columns: int) -> np.ndarray:

@@ -101,6 +101,17 @@ def _unpack_words(words: np.ndarray, bits: int) -> np.ndarray:
     return ((words[..., None] >> shifts) & np.uint32((1 << bits) - 1)).astype(np.uint8)
 
 
+def _words_are_codes(bits: int, inner: int, columns: slice | None) -> bool:
+    """Whether GPTQ words packed along the inner size (``inner`` a whole number of words), read
+    a row's words at a time, are byte for byte the kernels' codes, a column range on whole bytes."""
+    if bits not in (4, 8) or inner % (32 // bits):
+        return False
+    if columns is None or bits == 8:
+        return columns is None or columns.step in (None, 1)
+    first, last, step = columns.indices(inner)
+    return step == 1 and first % 2 == 0 and last % 2 == 0
+
+
 def _zero_points(zeros: np.ndarray, bits: int) -> np.ndarray | None:
     """float32 zero points, or None when each is the implied ``2**(bits - 1)``."""
     if np.all(zeros == 1 << (bits - 1)):
@@ -124,11 +135,27 @@ class _GroupedIntegerFormat(WeightFormat):
 
     def _finish(self, checkpoint: Any, name: str, scheme: IntegerScheme, codes: np.ndarray, scales: np.ndarray,
                 zeros: np.ndarray | None, g_idx: np.ndarray | None, inner: int, rows: slice | None,
-                columns: slice | None, source: str) -> QuantizedWeight:
+                columns: slice | None, source: str, as_stored: bool = False) -> QuantizedWeight:
         """The weight of ``codes`` uint8 ``[rows, in]`` and ``scales`` / ``zeros`` float32
         ``[rows, groups]`` (the rows already taken), its columns sorted by group (``g_idx``, None
-        when already in order) and taken."""
+        when already in order) and taken. ``as_stored``: ``codes`` are already the kernels' bytes
+        (8-bit codes, or :func:`pack_nibbles`' bytes), in group order, ``columns`` on whole bytes."""
         group = scheme.group_size if scheme.group_size > 0 else inner
+        if as_stored:
+            per_byte = 8 // scheme.bits
+            first, last, _ = (columns or slice(None)).indices(inner)
+            if columns is not None:
+                column_blocks = block_part(columns, inner, group, "columns", name) if group < inner else None
+                codes = codes[:, first // per_byte : -(-last // per_byte)]
+                scales = sliced(scales, None, column_blocks)
+                zeros = None if zeros is None else sliced(zeros, None, column_blocks)
+            module = name[: -len(".weight")]
+            checkpoint.skip([f"{module}.{companion}" for companion in ("qweight", "qzeros", "scales", "g_idx")])
+            return QuantizedWeight(
+                f"int{scheme.bits}", np.ascontiguousarray(codes), np.ascontiguousarray(scales, np.float32),
+                (1, min(group, last - first) if last > first else group), (codes.shape[0], last - first),
+                zeros=None if zeros is None else np.ascontiguousarray(zeros, np.float32),
+                activations="weight_only", source=source)
         order = None
         if g_idx is not None:
             if columns is not None:
@@ -222,15 +249,22 @@ class GptqFormat(_GroupedIntegerFormat):
                 g_idx = None  # columns already in group order
         # Only the rank's rows (output columns of the stored tensors) are unpacked.
         row_part = rows if rows is not None else slice(None)
-        # [in / per_word, rows] words -> [in, rows] values -> [rows, in]
-        codes = _unpack_words(qweight[:, row_part], bits).transpose(0, 2, 1).reshape(-1, qweight[:, row_part].shape[1])
-        codes = np.ascontiguousarray(codes[:inner].T)
+        as_stored = g_idx is None and _words_are_codes(bits, inner, columns)
+        if as_stored:
+            # [in / per_word, rows] words -> [rows, in / per_word] words, whose little-endian bytes
+            # are the codes (8-bit) or pack_nibbles' bytes (4-bit: value k of a word from bit 4k).
+            codes = np.ascontiguousarray(qweight[:, row_part].T).view(np.uint8)
+        else:
+            # [in / per_word, rows] words -> [in, rows] values -> [rows, in]
+            codes = _unpack_words(qweight[:, row_part], bits).transpose(0, 2, 1).reshape(-1,
+                                                                                          qweight[:, row_part].shape[1])
+            codes = np.ascontiguousarray(codes[:inner].T)
         stored_zeros = _unpack_words(qzeros, bits).reshape(groups, -1)[:, :out][:, row_part].astype(np.int32)
         zeros = _zero_points((stored_zeros + self.zero_offset).T, bits)
         scales = np.ascontiguousarray(scales[:, row_part].T)
         return self._finish(checkpoint, name, scheme, codes, scales, zeros, g_idx, inner, rows, columns,
                             f"gptq {self.checkpoint_format} (int{bits}, group {scheme.group_size}"
-                            f"{', act-order' if g_idx is not None else ''})")
+                            f"{', act-order' if g_idx is not None else ''})", as_stored=as_stored)
 
     def describe(self) -> str:
         return f"GPTQ ({self.checkpoint_format}, {self.scheme.bits}-bit, group {self.scheme.group_size})"
