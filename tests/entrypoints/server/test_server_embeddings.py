@@ -79,8 +79,12 @@ def test_every_input_shape_and_encoding_gives_llm_embed_and_transformers(stack, 
         assert all(item.object == "embedding" for item in answer.data)
     for index, (want, ids) in enumerate(zip(expected, texts_ids)):
         from_base64 = np.frombuffer(base64.b64decode(raw.data[index].embedding), dtype="<f4")
-        # The wire carries float32: float and base64 give the same numbers, bit for bit.
-        assert floats.data[index].embedding == decoded.data[index].embedding == from_base64.tolist()
+        # The wire carries float32 values in both encodings.
+        assert all(float(np.float32(value)) == value for value in floats.data[index].embedding)
+        # Each request computes its vectors anew (a later one may hit the prefix cache, which sums
+        # in another order), so the three requests agree to float32 rounding, not bit for bit.
+        assert close(decoded.data[index].embedding, floats.data[index].embedding, 1e-6)
+        assert close(from_base64, floats.data[index].embedding, 1e-6)
         assert close(floats.data[index].embedding, want)
         assert close(floats.data[index].embedding, transformers_vector(hf_model, ids))
     one = client.embeddings.create(model=MODEL, input=TEXTS[0], encoding_format="float")
