@@ -13,7 +13,7 @@ over all columns whichever order the products take them in). The 4 lanes of a ro
 columns, one group's worth: each product's sums, scaled by the group's scale, join the float32
 accumulators. With more than 8 rows a warp takes two column tiles of 16 at once
 (:func:`warp_tiling`), so that each 16-byte word of the staged rows it loads feeds the products of
-both: the loads of the rows, not the codes, bound a warp of 16 weight rows at 32 input rows.
+both (over one tile of 16 weight rows, a warp at 32 input rows loads 8 bytes of them a code byte).
 The prologue stages up to :data:`SHARED_STAGE_MAX_ROWS` rows in shared memory
 (gathered through the act-order permutation if any); more are staged once into a global
 workspace by ``stage_int4_rows``. Launched dependently (:mod:`metrale.kernels._launch`), a block
@@ -460,6 +460,12 @@ def int4_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream:
         raise KernelArgumentError(f"{name}: {rows} rows of a {weight.codes_format} weight ({weight.activations}) in "
                                   f"blocks {weight.block}, inner size {inner}, are not served (1 to {MAX_ROWS} rows, "
                                   "4-bit weight-only codes in groups of a multiple of 128 columns)")
+    default_tiles, default_unroll = warp_tiling(rows)
+    weight_tiles = weight_tiles or default_tiles
+    unroll = unroll or default_unroll
+    if weight_tiles not in WEIGHT_TILES or unroll < 1:
+        raise KernelArgumentError(f"{name}: weight_tiles must be one of {WEIGHT_TILES} ({weight_tiles} given) and "
+                                  f"unroll positive ({unroll} given)")
     null = np.uint64(0)
     order = weight.input_order if weight.input_order is not None else null
     shared = shared_stage(rows, weight)
@@ -471,12 +477,6 @@ def int4_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream:
         staged = workspace
         launch(_function(stage_name(bf16_input)), (rows,), (THREADS,), (x, order, staged, np.int32(inner)), 0, stream,
                dependent=False)
-    default_tiles, default_unroll = warp_tiling(rows)
-    weight_tiles = weight_tiles or default_tiles
-    unroll = unroll or default_unroll
-    if weight_tiles not in WEIGHT_TILES or unroll < 1:
-        raise KernelArgumentError(f"{name}: weight_tiles must be one of {WEIGHT_TILES} ({weight_tiles} given) and "
-                                  f"unroll positive ({unroll} given)")
     warp_tiles = -(-(-(-columns // qg.TILE)) // weight_tiles)
     chosen, blocks = qg.plan(warp_tiles * qg.TILE, multiprocessors, split)
     function = _function(kernel_name(chosen, qg.row_tiles(rows), shared, weight.zeros is not None, unroll, bf16_input,

@@ -328,18 +328,22 @@ def test_misaligned_parts_are_refused(llama_compressed, block_fp8):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_packed_words_are_taken_byte_for_byte_as_the_unpacked_codes(bits):
-    from metrale.kernels.quantized import pack_nibbles
-    from metrale.loading.quantization.compressed_tensors import _bytes_are_codes, _code_bytes, _unpack_rows
+def test_packed_words_are_taken_byte_for_byte_as_the_kernels_codes(bits):
+    """Words packed from random values (value k of a word at bit k * bits) give, byte for byte,
+    the codes the kernels take: 8-bit values one a byte, 4-bit ones two a byte with the even
+    column in the low nibble; column parts off whole bytes are not taken as they are."""
+    from metrale.loading.quantization.compressed_tensors import _bytes_are_codes, _code_bytes
 
     rng = np.random.default_rng(bits)
-    rows, columns = 12, 80
-    words = rng.integers(0, 2**32, size=(rows, columns * bits // 32), dtype=np.uint64).astype(np.uint32).view(np.int32)
-    unpacked = _unpack_rows(words, bits, columns)
+    rows, columns, per_word = 12, 80, 32 // bits
+    values = rng.integers(0, 1 << bits, size=(rows, columns)).astype(np.uint64)
+    words = np.zeros((rows, columns // per_word), np.uint64)
+    for k in range(per_word):
+        words |= values[:, k::per_word] << np.uint64(k * bits)
+    words = words.astype(np.uint32).view(np.int32)
+    expected = (values[:, 0::2] | values[:, 1::2] << np.uint64(4)) if bits == 4 else values
     assert _bytes_are_codes(words, bits, rows, columns, None)
-    expected = pack_nibbles(unpacked) if bits == 4 else unpacked
-    np.testing.assert_array_equal(_code_bytes(words, bits, columns), expected)
-    # Column parts on whole bytes only; other shapes are unpacked.
+    np.testing.assert_array_equal(_code_bytes(words, bits, columns), expected.astype(np.uint8))
     assert _bytes_are_codes(words, bits, rows, columns, slice(16, 48))
     assert _bytes_are_codes(words, bits, rows, columns, slice(3, 48)) == (bits == 8)
     assert not _bytes_are_codes(words, bits, rows + 1, columns, None)

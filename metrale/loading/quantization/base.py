@@ -97,6 +97,26 @@ def sliced(array: np.ndarray, rows: slice | None, columns: slice | None) -> np.n
     return array if columns is None else array[:, columns]
 
 
+def on_whole_bytes(bits: int, columns: int, part: slice | None) -> bool:
+    """Whether ``bits``-bit codes of rows of ``columns`` (a whole number of bytes), packed from
+    bit 0 of each byte, split at ``part`` (a column range, None: all) on whole bytes."""
+    if bits not in (4, 8) or columns * bits % 8:
+        return False
+    if part is None:
+        return True
+    first, last, step = part.indices(columns)
+    return step == 1 and first * bits % 8 == 0 and last * bits % 8 == 0
+
+
+def byte_columns(codes: np.ndarray, bits: int, columns: int, part: slice | None) -> tuple[np.ndarray, int]:
+    """``(bytes, count)``: the byte columns of packed ``codes`` holding the column range ``part``
+    of ``columns`` (on whole bytes, :func:`on_whole_bytes`), and how many columns that is."""
+    first, last, _ = (part or slice(None)).indices(columns)
+    if part is not None:
+        codes = codes[:, first * bits // 8 : last * bits // 8]
+    return codes, last - first
+
+
 def block_part(part: slice | None, size: int, per: int, what: str, name: str) -> slice | None:
     """The blocks of ``per`` that the element range ``part`` of ``size`` covers, refused unless
     the range starts on a block edge and ends on one (or at the end)."""

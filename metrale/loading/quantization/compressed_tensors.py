@@ -33,11 +33,13 @@ from metrale.loading.quantization.base import (
     WeightFormat,
     act_order_columns,
     block_part,
+    byte_columns,
     check_scales_stored,
     check_shape,
     float_tensor,
     matches,
     module_of,
+    on_whole_bytes,
     register_format,
     sliced,
 )
@@ -230,10 +232,8 @@ class CompressedTensorsFormat(WeightFormat):
         scales = sliced(scales, row_blocks, column_blocks)
         zeros = None if zeros is None else sliced(zeros, row_blocks, column_blocks)
         if as_stored:
-            first, last, _ = (columns or slice(None)).indices(inner)
-            per_byte = 8 // scheme.bits
-            codes = sliced(codes, rows, None if columns is None else slice(first // per_byte, -(-last // per_byte)))
-            shape = (codes.shape[0], last - first)
+            codes, count = byte_columns(sliced(codes, rows, None), scheme.bits, inner, columns)
+            shape = (codes.shape[0], count)
         else:
             codes = sliced(codes, rows, columns)
             shape = codes.shape
@@ -278,15 +278,7 @@ def _bytes_are_codes(words: Any, bits: int, rows: int, columns: int, part: slice
     (32 / bits))]``, values from bit 0) are the codes as the kernels take them: 8-bit codes one a
     byte, 4-bit ones two a byte with the even column in the low nibble (:func:`pack_nibbles`), a
     column range ``part`` on whole bytes."""
-    per_word = 32 // bits
-    if bits not in (4, 8) or tuple(np.shape(words)) != (rows, -(-columns // per_word)):
-        return False
-    if bits == 4 and columns % 2:
-        return False  # the last byte's high nibble is the packer's padding
-    if part is None or bits == 8:
-        return True
-    first, last, step = part.indices(columns)
-    return step == 1 and first % 2 == 0 and (last % 2 == 0 or last == columns)
+    return tuple(np.shape(words)) == (rows, -(-columns // (32 // bits))) and on_whole_bytes(bits, columns, part)
 
 
 def _code_bytes(words: Any, bits: int, columns: int) -> np.ndarray:

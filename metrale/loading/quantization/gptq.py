@@ -45,10 +45,12 @@ from metrale.loading.quantization.base import (
     WeightFormat,
     act_order_columns,
     block_part,
+    byte_columns,
     check_shape,
     float_tensor,
     matches,
     module_of,
+    on_whole_bytes,
     register_format,
     sliced,
 )
@@ -101,17 +103,6 @@ def _unpack_words(words: np.ndarray, bits: int) -> np.ndarray:
     return ((words[..., None] >> shifts) & np.uint32((1 << bits) - 1)).astype(np.uint8)
 
 
-def _words_are_codes(bits: int, inner: int, columns: slice | None) -> bool:
-    """Whether GPTQ words packed along the inner size (``inner`` a whole number of words), read
-    a row's words at a time, are byte for byte the kernels' codes, a column range on whole bytes."""
-    if bits not in (4, 8) or inner % (32 // bits):
-        return False
-    if columns is None or bits == 8:
-        return columns is None or columns.step in (None, 1)
-    first, last, step = columns.indices(inner)
-    return step == 1 and first % 2 == 0 and last % 2 == 0
-
-
 def _zero_points(zeros: np.ndarray, bits: int) -> np.ndarray | None:
     """float32 zero points, or None when each is the implied ``2**(bits - 1)``."""
     if np.all(zeros == 1 << (bits - 1)):
@@ -142,18 +133,16 @@ class _GroupedIntegerFormat(WeightFormat):
         (8-bit codes, or :func:`pack_nibbles`' bytes), in group order, ``columns`` on whole bytes."""
         group = scheme.group_size if scheme.group_size > 0 else inner
         if as_stored:
-            per_byte = 8 // scheme.bits
-            first, last, _ = (columns or slice(None)).indices(inner)
             if columns is not None:
                 column_blocks = block_part(columns, inner, group, "columns", name) if group < inner else None
-                codes = codes[:, first // per_byte : -(-last // per_byte)]
                 scales = sliced(scales, None, column_blocks)
                 zeros = None if zeros is None else sliced(zeros, None, column_blocks)
+            codes, count = byte_columns(codes, scheme.bits, inner, columns)
             module = name[: -len(".weight")]
             checkpoint.skip([f"{module}.{companion}" for companion in ("qweight", "qzeros", "scales", "g_idx")])
             return QuantizedWeight(
                 f"int{scheme.bits}", np.ascontiguousarray(codes), np.ascontiguousarray(scales, np.float32),
-                (1, min(group, last - first) if last > first else group), (codes.shape[0], last - first),
+                (1, min(group, count) if count else group), (codes.shape[0], count),
                 zeros=None if zeros is None else np.ascontiguousarray(zeros, np.float32),
                 activations="weight_only", source=source)
         order = None
@@ -249,7 +238,7 @@ class GptqFormat(_GroupedIntegerFormat):
                 g_idx = None  # columns already in group order
         # Only the rank's rows (output columns of the stored tensors) are unpacked.
         row_part = rows if rows is not None else slice(None)
-        as_stored = g_idx is None and _words_are_codes(bits, inner, columns)
+        as_stored = g_idx is None and inner % (32 // bits) == 0 and on_whole_bytes(bits, inner, columns)
         if as_stored:
             # [in / per_word, rows] words -> [rows, in / per_word] words, whose little-endian bytes
             # are the codes (8-bit) or pack_nibbles' bytes (4-bit: value k of a word from bit 4k).
