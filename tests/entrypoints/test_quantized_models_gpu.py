@@ -110,11 +110,23 @@ def test_an_fp8_kv_cache_decodes_in_graphs_as_eagerly_and_holds_twice_the_blocks
     assert graphed_llm.cache.num_blocks >= ratio * bf16.cache.num_blocks - 2
 
 
-def test_mla_refuses_an_fp8_kv_cache_on_the_gpu():
-    from metrale.errors import UnsupportedQuantizationError
+def test_an_fp8_latent_cache_matches_the_cpu_backends_and_decodes_in_graphs_as_eagerly():
+    """MLA's latents in FP8 on the GPU (rows quantized after the bf16 cache-write kernel, the
+    CUDA-core latent attention over the codes, prompt rows over the gathered dequantized rows)
+    against the CPU's FP8 cache; greedy tokens replayed from graphs as eagerly; the latent layers'
+    cache arrays hold codes and a scale a slot."""
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
 
-    with pytest.raises(UnsupportedQuantizationError, match="latent"):
-        load("tiny-mla", "cuda", kv_cache_dtype="fp8")
+    llm = load("tiny-mla", "cpu")
+    check_against_cpu_where_routing_agrees(llm.checkpoint.path, held_out_ids(llm), "tiny-mla fp8 cache",
+                                           kv_cache_dtype="fp8")
+    prompts = [[5, 9, 30, 2], list(range(40, 77))]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    eager = load("tiny-mla", "cuda", kv_cache_dtype="fp8", cuda_graphs=False).generate(prompts, params)
+    graphed = load("tiny-mla", "cuda", kv_cache_dtype="fp8")
+    assert [o.token_ids for o in eager] == [o.token_ids for o in graphed.generate(prompts, params)]
+    latents = [layer.latent for layer in graphed.cache.layers if hasattr(layer, "latent")]
+    assert latents and all(isinstance(latent, Fp8CacheArray) and latent.codes.dtype == np.uint8 for latent in latents)
 
 
 def test_online_fp8_is_quantized_on_the_device_as_on_the_host():
