@@ -345,10 +345,11 @@ def kv_bytes_read(shape: str, context: int, fp8: bool = False) -> int:
 
 def kv_bytes_per_token(shape: str, fp8: bool = False) -> int:
     """Cache bytes a token's keys and values take (bf16; with ``fp8``, a byte a value and a float32
-    scale a head, :mod:`metrale.kernels.kv_cache_fp8`)."""
+    scale a head, or a latent row, :mod:`metrale.kernels.kv_cache_fp8`)."""
     s = SHAPES[shape]
-    if shape in MLA_SHAPES:
-        return 2 * s["num_hidden_layers"] * (s["kv_lora_rank"] + s["qk_rope_head_dim"])
+    if shape in MLA_SHAPES:  # one latent row a token and layer (FP8: its codes and one scale)
+        width = s["kv_lora_rank"] + s["qk_rope_head_dim"]
+        return s["num_hidden_layers"] * (width + 4 if fp8 else 2 * width)
     head = s["head_dim"] + 4 if fp8 else 2 * s["head_dim"]
     if shape in GDN_SHAPES:
         attention_layers = s["num_hidden_layers"] - sum(_gdn_layers(s))

@@ -796,14 +796,13 @@ def clamped_experts_kernels() -> list[Kernel]:
 
 
 def latent_attention_kernels() -> list[Kernel]:
-    """``latent_attention``: tensor cores for DeepSeek's geometry over a bf16 cache, CUDA cores for
-    any other geometry and for an FP8 cache; ``latent_cache_write`` into an FP8 cache."""
+    """``latent_attention``: tensor cores for DeepSeek's geometry (over a bf16 or an FP8 cache),
+    CUDA cores for any other geometry; ``latent_cache_write`` into an FP8 cache."""
 
     def mma(q, latent, batch, value_dim, scale):
         from metrale.kernels import attention_latent_mma
 
-        return not isinstance(latent, Fp8CacheArray) and attention_latent_mma.supports(q.shape[1], q.shape[2],
-                                                                                       value_dim)
+        return attention_latent_mma.supports(q.shape[1], q.shape[2], value_dim)
 
     def fp8_write(kv_a, norm_weight, eps, positions, inv_freq, attention_factor, interleaved, slot_mapping, latent):
         return isinstance(latent, Fp8CacheArray)
@@ -811,7 +810,9 @@ def latent_attention_kernels() -> list[Kernel]:
     return [
         Kernel("latent_attention", "cuda", "metrale.kernels.attention_latent_mma (tensor cores)",
                build=_cuda_method("latent_attention_mma"), when=mma,
-               condition="a bf16 cache, heads a multiple of 16, rows of 512 + 64 values, values of 512"),
+               condition="heads a multiple of 16, rows of 512 + 64 values, values of 512 (over an FP8 cache "
+                         "the codes converted to bf16 a step at a time, each key's scale on its scores and "
+                         "probabilities)"),
         Kernel("latent_attention", "cuda", "metrale.kernels.attention_latent (CUDA cores; over an FP8 cache the "
                "codes as exact bf16 values, each key's scale on its scores and probabilities)",
                build=_cuda_method("latent_attention")),
