@@ -712,9 +712,13 @@ def bench_fp8_cache(shape: str, options: BenchOptions, bandwidth: float) -> dict
     result = bench_metrale(shape, folder, options, bandwidth, kv_cache_fp8=True)
     prompt = np.random.default_rng(7).integers(0, SHAPES[shape]["vocab_size"], options.context).tolist()
     # A budget the blocks fill before max_num_seqs * max_model_len caps them (on the 8B shape at
-    # 8,192 tokens: 1,024 bf16 blocks of 16 tokens, about twice as many FP8 ones, under the cap of 4,104).
+    # 8,192 tokens: 1,024 bf16 blocks of 16 tokens, about twice as many FP8 ones, under the cap of
+    # 4,104). A compact cache (MLA's latent rows) takes more sequences to reach that cap; a shape
+    # with recurrent state keeps 8 (its state slots come out of the same budget).
     budget = 2 << 30
-    limits: dict[str, Any] = {"max_model_len": options.context + 16, "max_num_seqs": 8}
+    tokens = options.context + 16
+    sequences = 8 if state_bytes_per_sequence(shape) else max(8, -(-5 * budget // (2 * kv_bytes_per_token(shape) * tokens)))
+    limits: dict[str, Any] = {"max_model_len": tokens, "max_num_seqs": sequences}
     with LLM(folder, device="cuda", show_progress=False, memory_bytes=budget, **limits) as reference:
         reference_logits = reference.score(prompt)
         bf16_blocks = reference.cache.num_blocks

@@ -138,7 +138,7 @@ def test_an_fp8_latent_cache_matches_the_cpu_backends_and_decodes_in_graphs_as_e
 
 def test_an_fp8_latent_cache_of_deepseeks_geometry_takes_the_tensor_cores(tmp_path, monkeypatch):
     """A DeepSeek-V2 checkpoint of DeepSeek's attention geometry (16 heads, latent rows of 512 + 64
-    values) with an FP8 latent cache: decode steps take the tensor-core kernel over the codes, and
+    values; dense MLPs) with an FP8 latent cache: decode steps take the tensor-core kernel over the codes, and
     the logits match the CPU's FP8 cache."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
@@ -148,7 +148,7 @@ def test_an_fp8_latent_cache_of_deepseeks_geometry_takes_the_tensor_cores(tmp_pa
 
     fields = {**MLA_BASE, **MLA_FIELDS, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 16,
               "num_key_value_heads": 16, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32,
-              "v_head_dim": 32}
+              "v_head_dim": 32, "first_k_dense_replace": 2}  # no routed experts: no routing flips
     config = DeepseekV2Config(**fields, q_lora_rank=None, n_shared_experts=1, topk_method="greedy")
     path = build_mla_checkpoint(DeepseekV2ForCausalLM, config, tmp_path / "deepseek", seed=41)
     launches = []
