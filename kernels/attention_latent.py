@@ -35,9 +35,10 @@ launched dependently, reading the stacked projection's views through their strid
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, uint16, uint32, uint64
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import (
@@ -54,6 +55,7 @@ from metrale.kernels._device import (
     jit_kernel,
     numba_stream,
 )
+from metrale.kernels.attention_fp8 import e4m3_value
 from metrale.kernels.attention_grouped import (
     COMBINE_THREADS,
     FULL_MASK,
@@ -61,7 +63,7 @@ from metrale.kernels.attention_grouped import (
     grouped_combine_kernel,
     subgroup_sum,
 )
-from metrale.kernels.kv_cache_fp8 import cache_rows, write_cache_rows
+from metrale.kernels.kv_cache_fp8 import cache_rows, is_fp8_cache, write_cache_rows
 from metrale.kernels.qkv_rope import rope_reference
 from metrale.kernels.rmsnorm import rmsnorm_reference
 
@@ -331,10 +333,22 @@ else:
                 stats[0, head] = new
 
 
+@cuda.jit(device=True)
+def fp8_latent_pair(codes):
+    """The bf16 pair word of two E4M3 codes' values (uint16, the even column in the low byte):
+    exact, bf16 holding every E4M3 value."""
+    low = e4m3_value(codes & uint16(0xFF))
+    high = e4m3_value(codes >> uint16(8))
+    return uint32(float_to_bf16(low)) | (uint32(float_to_bf16(high)) << uint32(16))
+
+
 @jit_kernel
-def latent_attention_kernel(q, latent_words, block_tables, seq_index, positions, scale, value_words,
-                            out_acc, out_max, out_sum):
-    # q [N, nh, width] f32; latent_words [blocks, block_size, width / 2] uint32 (bf16 pairs);
+def latent_attention_kernel(q, latent_words, code_pairs, latent_scales, fp8, block_tables, seq_index, positions,
+                            scale, value_words, out_acc, out_max, out_sum):
+    # q [N, nh, width] f32; latent_words [blocks, block_size, width / 2] uint32 (bf16 pairs); or,
+    # fp8 set, code_pairs [blocks, block_size, width / 2] uint16 (E4M3 pairs) with latent_scales
+    # [blocks, block_size] f32 (the other operand a placeholder): the codes staged as their exact
+    # bf16 values, each key's scale applied to its scores and to its probabilities in float32.
     # block_tables [S, max_blocks] int32; seq_index, positions [N] int32; value_words = r / 2.
     # out_acc [N, nh, splits, r] f32 (exp-weighted latents), out_max / out_sum [N, nh, splits].
     row = cuda.blockIdx.x
@@ -345,9 +359,11 @@ def latent_attention_kernel(q, latent_words, block_tables, seq_index, positions,
     warp = tid // WARP
     lane = tid % WARP
     heads = q.shape[1]
-    row_words = latent_words.shape[2]
-    block_size = latent_words.shape[1]
+    row_words = code_pairs.shape[2] if fp8 else latent_words.shape[2]
+    block_size = code_pairs.shape[1] if fp8 else latent_words.shape[1]
     keys = cuda.shared.array((CHUNK, ROW_STRIDE), uint32)
+    key_scales = cuda.shared.array(CHUNK, float32)  # 1 over a bf16 cache
+    staged_scales = cuda.local.array(CHUNK, float32)
     query = cuda.shared.array((HEADS, MAX_ROW_WORDS), uint64)  # scaled float pairs
     scores = cuda.shared.array((HEADS, CHUNK), float32)
     weights = cuda.shared.array((CHUNK, HEADS), float32)
@@ -400,16 +416,25 @@ def latent_attention_kernel(q, latent_words, block_tables, seq_index, positions,
             block = 0
             if k < count:
                 block = block_tables[seq, table_index]
+            staged_scales[k] = float32(1.0)
+            if fp8 and k < count and tid == 0:
+                staged_scales[k] = latent_scales[block, offset]
             for i in range(LOADS_PER_KEY):
                 word = tid + i * THREADS
                 staged[k * LOADS_PER_KEY + i] = uint32(0)
                 if k < count and word < row_words:
-                    staged[k * LOADS_PER_KEY + i] = latent_words[block, offset, word]
+                    if fp8:
+                        staged[k * LOADS_PER_KEY + i] = fp8_latent_pair(code_pairs[block, offset, word])
+                    else:
+                        staged[k * LOADS_PER_KEY + i] = latent_words[block, offset, word]
             offset += 1
             if offset == block_size:
                 offset = 0
                 table_index += 1
         cuda.syncthreads()  # the previous chunk's readers are done
+        if tid == 0:
+            for k in range(CHUNK):
+                key_scales[k] = staged_scales[k]
         for k in range(CHUNK):
             for i in range(LOADS_PER_KEY):
                 word = tid + i * THREADS
@@ -445,10 +470,12 @@ def latent_attention_kernel(q, latent_words, block_tables, seq_index, positions,
         s10 = subgroup_sum(scratch, tid, lane, s10, TILES_PER_WARP)
         s11 = subgroup_sum(scratch, tid, lane, s11, TILES_PER_WARP)
         if sub == 0:
-            scores[h0, k0] = s00 if k0 < count else float32(NEGATIVE_INFINITY)
-            scores[h0, k0 + 1] = s01 if k0 + 1 < count else float32(NEGATIVE_INFINITY)
-            scores[h0 + 1, k0] = s10 if k0 < count else float32(NEGATIVE_INFINITY)
-            scores[h0 + 1, k0 + 1] = s11 if k0 + 1 < count else float32(NEGATIVE_INFINITY)
+            scale_a = key_scales[k0]
+            scale_b = key_scales[k0 + 1]
+            scores[h0, k0] = s00 * scale_a if k0 < count else float32(NEGATIVE_INFINITY)
+            scores[h0, k0 + 1] = s01 * scale_b if k0 + 1 < count else float32(NEGATIVE_INFINITY)
+            scores[h0 + 1, k0] = s10 * scale_a if k0 < count else float32(NEGATIVE_INFINITY)
+            scores[h0 + 1, k0 + 1] = s11 * scale_b if k0 + 1 < count else float32(NEGATIVE_INFINITY)
         cuda.syncthreads()
         chunk_softmax(scores, weights, stats, tid, lane)
         cuda.syncthreads()
@@ -460,8 +487,9 @@ def latent_attention_kernel(q, latent_words, block_tables, seq_index, positions,
                 acc[2 * h + 1] *= correction
             for k in range(count):
                 bits = keys[k, tid]
-                low = low_half(bits)
-                high = high_half(bits)
+                key_scale = key_scales[k]
+                low = low_half(bits) * key_scale
+                high = high_half(bits) * key_scale
                 for h in range(HEADS):
                     weight = weights[k, h]
                     acc[2 * h] += weight * low
@@ -484,12 +512,19 @@ def latent_attention(
 ) -> DeviceArray:
     """Launch :func:`latent_attention_kernel` and the split merge: bf16 bits ``out [N, heads * r]``.
 
-    ``latent`` is the bf16 cache ``[blocks, block_size, width]`` (uint16); ``value_dim`` = r.
+    ``latent`` is the bf16 cache ``[blocks, block_size, width]`` (uint16), or an FP8 one
+    (:class:`~metrale.kernels.kv_cache_fp8.Fp8CacheArray`: codes of that shape, a scale a slot)
+    whose rows the kernel reads as ``code * scale`` rounded to bf16; ``value_dim`` = r.
     """
     op = "latent_attention"
     check_array(op, "q", q, np.float32, ndim=3)
     rows, heads, width = q.shape
-    check_array(op, "latent", latent, np.uint16, (None, None, width))
+    fp8 = is_fp8_cache(latent)
+    if fp8:
+        check_array(op, "latent codes", latent.codes, np.uint8, (None, None, width))
+        check_array(op, "latent scales", latent.scales, np.float32, latent.codes.shape[:2])
+    else:
+        check_array(op, "latent", latent, np.uint16, (None, None, width))
     check_array(op, "out", out, np.uint16, (rows, heads * value_dim))
     if (width % 2 or value_dim % 2 or width // 2 > MAX_ROW_WORDS or value_dim > width
             or value_dim > 2 * THREADS):
@@ -503,12 +538,15 @@ def latent_attention(
     out_acc = cupy.empty((rows, heads, splits, value_dim), dtype=np.float32)
     out_max = cupy.empty((rows, heads, splits), dtype=np.float32)
     out_sum = cupy.empty((rows, heads, splits), dtype=np.float32)
-    words = latent.view(np.uint32)
+    placeholder_words, placeholder_pairs, placeholder_scales = _placeholders()
+    words = placeholder_words if fp8 else latent.view(np.uint32)
+    pairs = latent.codes.view(np.uint16) if fp8 else placeholder_pairs
+    scales = latent.scales if fp8 else placeholder_scales
     launch_stream = numba_stream(stream)
     latent_attention_kernel[(rows, head_groups(heads), splits), THREADS, launch_stream](
-        device_view(q), device_view(words), device_view(block_tables), device_view(seq_index),
-        device_view(positions), np.float32(scale), np.int32(value_dim // 2), device_view(out_acc),
-        device_view(out_max), device_view(out_sum),
+        device_view(q), device_view(words), device_view(pairs), device_view(scales), np.int32(fp8),
+        device_view(block_tables), device_view(seq_index), device_view(positions), np.float32(scale),
+        np.int32(value_dim // 2), device_view(out_acc), device_view(out_max), device_view(out_sum),
     )
     grouped_combine_kernel[(rows, heads, -(-value_dim // COMBINE_THREADS)), COMBINE_THREADS, launch_stream](
         device_view(out_acc), device_view(out_max), device_view(out_sum), device_view(out),
@@ -516,9 +554,24 @@ def latent_attention(
     return out
 
 
+_PLACEHOLDERS: dict[int, tuple[Any, Any, Any]] = {}
+
+
+def _placeholders() -> tuple[Any, Any, Any]:
+    """The current GPU's one-element stand-ins for the cache arrays a launch does not read: bf16
+    pair words, E4M3 pairs, scales."""
+    import cupy
+
+    device = cupy.cuda.Device().id
+    held = _PLACEHOLDERS.get(device)
+    if held is None:
+        held = _PLACEHOLDERS[device] = (cupy.zeros((1, 1, 1), np.uint32), cupy.zeros((1, 1, 1), np.uint16),
+                                        cupy.ones((1, 1), np.float32))
+    return held
+
+
 # ------------------------------------------------------------------------------ CUDA C++ kernels
 
-from typing import Any  # noqa: E402
 
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch  # noqa: E402
 

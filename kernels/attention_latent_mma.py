@@ -17,6 +17,11 @@ memory 64 at a time (``cp.async``, two stages, gathered from the paged cache):
   owns 128 of the 512 output columns (16 n-tiles, 64 float32 accumulators a thread) for all
   64 keys of the step.
 
+An FP8 cache (:class:`~metrale.kernels.kv_cache_fp8.Fp8CacheArray`: E4M3 codes, a float32
+scale per slot) is staged as its codes, half the bytes, and each step converts them into one bf16
+tile (exactly: every E4M3 value is a bf16 value) that both products read as above; a key's scale
+multiplies its scores and its probabilities, whose sums stay unscaled.
+
 Each block writes its unnormalised partial ``O``, running maximum (natural-log units) and sum;
 :func:`metrale.kernels.attention_combine.combine` merges the splits into bf16 ``[rows, heads *
 512]`` (both kernels launch dependently), the contract of
@@ -37,8 +42,9 @@ from metrale.errors import KernelArgumentError
 from metrale.kernels import attention_combine
 from metrale.kernels._device import DeviceArray, check_array
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch
-from metrale.kernels._tensor_cores import MMA_BF16, STAGED_COPIES, TRANSPOSED_LOAD
+from metrale.kernels._tensor_cores import F16_PRIMITIVES, MMA_BF16, STAGED_COPIES, TRANSPOSED_LOAD
 from metrale.kernels.attention_grouped import MAX_SPLITS
+from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
 
 #: Heads of one block: the M dimension of the products.
 BLOCK_HEADS = 16
@@ -56,11 +62,17 @@ ROW_STRIDE = WIDTH + 8
 PROBABILITY_STRIDE = BLOCK_KEYS + 8
 #: Dynamic shared memory of a block: the query tile, two stages of latent rows, the probabilities.
 SHARED_BYTES = 2 * (BLOCK_HEADS * ROW_STRIDE + 2 * BLOCK_KEYS * ROW_STRIDE + BLOCK_HEADS * PROBABILITY_STRIDE)
+#: Over an FP8 cache: the query tile, one tile of converted keys, the probabilities (bf16), then
+#: two stages of codes.
+FP8_SHARED_BYTES = (2 * (BLOCK_HEADS * ROW_STRIDE + BLOCK_KEYS * ROW_STRIDE + BLOCK_HEADS * PROBABILITY_STRIDE)
+                    + 2 * BLOCK_KEYS * WIDTH)
 
 #: The PTX instructions the kernel uses (``cp.async``, ``ldmatrix``, ``mma.sync``), the bf16
 #: packing and the dynamic shared memory, each behind a small function or macro (the CPU
 #: emulation of the tests replaces this part).
 INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD + DEPENDENT_LAUNCH
+#: And over an FP8 cache: the bf16 pair product that restores the codes' exponents.
+FP8_INSTRUCTIONS = F16_PRIMITIVES
 
 #: The kernel, written against :data:`INSTRUCTIONS`.
 KERNEL = r"""
@@ -75,18 +87,43 @@ KERNEL = r"""
 #define ROW_STRIDE (WIDTH + 8)
 #define PROBABILITY_STRIDE (BLOCK_KEYS + 8)
 #define NEG_INF (__int_as_float(0xff800000))
+#define KEY_TILES (FP8_CACHE ? 1 : 2)   // bf16 tiles of keys: the two stages, or the one converted tile
 
 typedef unsigned short bf16_bits;
+#if FP8_CACHE
+typedef unsigned char cache_t;   // E4M3 codes, a float32 scale per slot beside them
+#else
+typedef bf16_bits cache_t;
+#endif
+#define CHUNK_VALUES (16 / (int)sizeof(cache_t))   // values of one 16-byte copy
+
+#if FP8_CACHE
+// Four E4M3 codes (the low byte the first) as two bf16 pairs, exactly: each code's sign and low
+// seven bits placed as a bf16's are the value times 2^-120 (E4M3's exponent bias is 7, bf16's 127;
+// its subnormals land on bf16 subnormals), and one bf16 product by 2^120 restores it.
+__device__ __forceinline__ void e4m3x4_to_bf16x4(unsigned codes, unsigned* pairs) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const unsigned spread = __byte_perm(codes, 0u, half ? 0x4342u : 0x4140u);   // codes in bits 0-7, 16-23
+        const unsigned shifted = ((spread << 8) & 0x80008000u) | ((spread << 4) & 0x07f007f0u);
+        pairs[half] = fma_bf16x2(shifted, 0x7b807b80u, 0x80008000u);   // * 2^120 + (-0)
+    }
+}
+#endif
 
 // Grid: (rows, heads / BLOCK_HEADS, splits); THREADS threads; dynamic shared memory: the query
 // tile [BLOCK_HEADS, ROW_STRIDE], two stages [BLOCK_KEYS, ROW_STRIDE] and the probabilities
-// [BLOCK_HEADS, PROBABILITY_STRIDE], all bf16. q [N, heads, WIDTH] f32; latent [blocks,
-// block_size, WIDTH] bf16 bits; block_tables [S, max_blocks], seq_index [N], positions [N] int32;
+// [BLOCK_HEADS, PROBABILITY_STRIDE], all bf16 (FP8_CACHE: one bf16 tile of keys instead of the
+// two stages, which hold codes [BLOCK_KEYS, WIDTH] after the probabilities). q [N, heads, WIDTH]
+// f32; latent [blocks, block_size, WIDTH] bf16 bits (FP8_CACHE: E4M3 codes, and latent_scales
+// [blocks, block_size] f32, a row's value code * scale); block_tables [S, max_blocks], seq_index
+// [N], positions [N] int32;
 // split z takes keys [z * split_keys, (z + 1) * split_keys) of its row (split_keys a multiple of
 // BLOCK_KEYS). out_acc [N, heads, splits, VALUE_DIM] f32 (unnormalised), out_max (natural-log
 // units) and out_sum [N, heads, splits] f32.
 extern "C" __global__ void __launch_bounds__(THREADS) latent_attention_mma(
-    const float* __restrict__ q, const bf16_bits* __restrict__ latent, const int* __restrict__ block_tables,
+    const float* __restrict__ q, const cache_t* __restrict__ latent, const float* __restrict__ latent_scales,
+    const int* __restrict__ block_tables,
     const int* __restrict__ seq_index, const int* __restrict__ positions, int num_heads, int block_size,
     int max_blocks, int split_keys, float scale, float* __restrict__ out_acc, float* __restrict__ out_max,
     float* __restrict__ out_sum)
@@ -94,8 +131,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) latent_attention_mma(
     DYNAMIC_SHARED;
     bf16_bits* query_tile = reinterpret_cast<bf16_bits*>(dynamic_shared);
     bf16_bits* stages = query_tile + BLOCK_HEADS * ROW_STRIDE;
-    bf16_bits* probabilities = stages + 2 * BLOCK_KEYS * ROW_STRIDE;
+    bf16_bits* probabilities = stages + KEY_TILES * BLOCK_KEYS * ROW_STRIDE;
     __shared__ long long stage_rows[2][BLOCK_KEYS];   // cache rows of each stage's keys (-1 past the split)
+#if FP8_CACHE
+    cache_t* code_stages = reinterpret_cast<cache_t*>(probabilities + BLOCK_HEADS * PROBABILITY_STRIDE);
+    __shared__ float stage_scales[2][BLOCK_KEYS];   // each stage's keys' scales (0 past the split)
+    __shared__ float key_scales[BLOCK_KEYS];        // the converted tile's
+#endif
     __shared__ float warp_max[WARPS][BLOCK_HEADS];
     __shared__ float warp_total[WARPS][BLOCK_HEADS];
     __shared__ float head_best[BLOCK_HEADS];
@@ -125,17 +167,27 @@ extern "C" __global__ void __launch_bounds__(THREADS) latent_attention_mma(
     auto find_rows = [&](int stage, int base) {
         if (threadIdx.x < BLOCK_KEYS) {
             const int position = base + threadIdx.x;
-            stage_rows[stage][threadIdx.x] = position < hi
+            const long long cache_row = position < hi
                 ? (long long)table[position / block_size] * block_size + position % block_size : -1;
+            stage_rows[stage][threadIdx.x] = cache_row;
+#if FP8_CACHE
+            stage_scales[stage][threadIdx.x] = cache_row < 0 ? 0.f : latent_scales[cache_row];
+#endif
         }
     };
     auto load_stage = [&](int stage) {
-        bf16_bits* keys = stages + stage * BLOCK_KEYS * ROW_STRIDE;
-        for (int e = threadIdx.x; e < BLOCK_KEYS * (WIDTH / 8); e += THREADS) {
-            const int key = e / (WIDTH / 8), chunk = e % (WIDTH / 8);
+#if FP8_CACHE
+        cache_t* keys = code_stages + stage * BLOCK_KEYS * WIDTH;
+        const int stride = WIDTH;
+#else
+        cache_t* keys = stages + stage * BLOCK_KEYS * ROW_STRIDE;
+        const int stride = ROW_STRIDE;
+#endif
+        for (int e = threadIdx.x; e < BLOCK_KEYS * (WIDTH / CHUNK_VALUES); e += THREADS) {
+            const int key = e / (WIDTH / CHUNK_VALUES), chunk = e % (WIDTH / CHUNK_VALUES);
             const long long cache_row = stage_rows[stage][key];
-            copy_16(shared_address(&keys[key * ROW_STRIDE + chunk * 8]),
-                    latent + (cache_row < 0 ? 0 : cache_row) * WIDTH + chunk * 8, cache_row >= 0);
+            copy_16(shared_address(&keys[key * stride + chunk * CHUNK_VALUES]),
+                    latent + (cache_row < 0 ? 0 : cache_row) * WIDTH + chunk * CHUNK_VALUES, cache_row >= 0);
         }
         commit_copies();
     };
@@ -164,8 +216,31 @@ extern "C" __global__ void __launch_bounds__(THREADS) latent_attention_mma(
         // rows (found a step ago) are ready.
         __syncthreads();
         if (base + BLOCK_KEYS < hi) load_stage(stage ^ 1);
+#if FP8_CACHE
+        // The stage's codes into the bf16 tile (keys past the split were copied as zeros), its
+        // scales beside it; the stage's rows and scales are then free for the step after next.
+        if (threadIdx.x < BLOCK_KEYS) key_scales[threadIdx.x] = stage_scales[stage][threadIdx.x];
+        const cache_t* codes = code_stages + stage * BLOCK_KEYS * WIDTH;
+        for (int e = threadIdx.x; e < BLOCK_KEYS * (WIDTH / 16); e += THREADS) {
+            const int key = e / (WIDTH / 16), chunk = e % (WIDTH / 16);
+            const uint4 word = *reinterpret_cast<const uint4*>(&codes[key * WIDTH + chunk * 16]);
+            uint4 converted[2];
+            unsigned* pairs = reinterpret_cast<unsigned*>(converted);
+            e4m3x4_to_bf16x4(word.x, pairs);
+            e4m3x4_to_bf16x4(word.y, pairs + 2);
+            e4m3x4_to_bf16x4(word.z, pairs + 4);
+            e4m3x4_to_bf16x4(word.w, pairs + 6);
+            uint4* target = reinterpret_cast<uint4*>(&stages[key * ROW_STRIDE + chunk * 16]);
+            target[0] = converted[0];
+            target[1] = converted[1];
+        }
+        find_rows(stage, base + 2 * BLOCK_KEYS);   // after this thread's read of the stage's scales
+        __syncthreads();   // the tile and its scales
+        const bf16_bits* keys = stages;
+#else
         find_rows(stage, base + 2 * BLOCK_KEYS);   // this stage's rows were last read by its copies, before the barrier
         const bf16_bits* keys = stages + stage * BLOCK_KEYS * ROW_STRIDE;
+#endif
 
         // Scores of the warp's 16 keys: n-tiles 0 (keys warp * 16 + 0-7) and 1 (+ 8-15). B operand
         // of the kk-th 16 dims: matrices (keys of tile 0, dims 0-7), (tile 0, dims 8-15), (tile 1,
@@ -188,6 +263,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) latent_attention_mma(
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
+#if FP8_CACHE
+                scores[nt][c] *= key_scales[warp * WARP_KEYS + nt * 8 + quad * 2 + (c & 1)];
+#endif
                 if (base + warp * WARP_KEYS + nt * 8 + quad * 2 + (c & 1) >= hi) scores[nt][c] = NEG_INF;
                 local[c / 2] = fmaxf(local[c / 2], scores[nt][c]);
             }
@@ -222,6 +300,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) latent_attention_mma(
                 total[c / 2] += p[c];
             }
             const int key = warp * WARP_KEYS + nt * 8 + quad * 2;
+#if FP8_CACHE
+            // P V over the codes: each key's scale on its probabilities (their sums stay unscaled).
+            const float low_scale = key_scales[key], high_scale = key_scales[key + 1];
+            p[0] *= low_scale; p[1] *= high_scale; p[2] *= low_scale; p[3] *= high_scale;
+#endif
             *reinterpret_cast<unsigned*>(&probabilities[group * PROBABILITY_STRIDE + key]) = pack_bf16(p[0], p[1]);
             *reinterpret_cast<unsigned*>(&probabilities[(group + 8) * PROBABILITY_STRIDE + key]) = pack_bf16(p[2], p[3]);
         }
@@ -285,21 +368,32 @@ extern "C" __global__ void __launch_bounds__(THREADS) latent_attention_mma(
 }
 """
 
-SOURCE = INSTRUCTIONS + KERNEL
 
-_kernel_cache: list[Any] = []
+
+def kernel_source(fp8: bool = False, with_instructions: bool = True) -> str:
+    """The kernel's CUDA C++ over a bf16 cache or an FP8 one; without its PTX helpers (for the
+    CPU emulation, whose header has its own) when ``with_instructions`` is false."""
+    helpers = (INSTRUCTIONS + (FP8_INSTRUCTIONS if fp8 else "")) if with_instructions else ""
+    return helpers + f"#define FP8_CACHE {int(fp8)}\n" + KERNEL
+
+
+SOURCE = kernel_source()
+
+_kernels: dict[bool, Any] = {}
 _multiprocessors: dict[int, int] = {}
 
 
-def _kernel() -> Any:
-    """The compiled kernel (NVRTC, once per process)."""
-    if not _kernel_cache:
+def _kernel(fp8: bool = False) -> Any:
+    """The compiled kernel over a bf16 or an FP8 cache (NVRTC, once per process each)."""
+    kernel = _kernels.get(fp8)
+    if kernel is None:
         import cupy
 
-        kernel = cupy.RawModule(code=SOURCE, options=("--std=c++17", "--use_fast_math")).get_function("latent_attention_mma")
-        kernel.max_dynamic_shared_size_bytes = SHARED_BYTES
-        _kernel_cache.append(kernel)
-    return _kernel_cache[0]
+        module = cupy.RawModule(code=kernel_source(fp8), options=("--std=c++17", "--use_fast_math"))
+        kernel = module.get_function("latent_attention_mma")
+        kernel.max_dynamic_shared_size_bytes = FP8_SHARED_BYTES if fp8 else SHARED_BYTES
+        _kernels[fp8] = kernel
+    return kernel
 
 
 def supports(heads: int, width: int, value_dim: int) -> bool:
@@ -332,7 +426,7 @@ def _bf16(values: np.ndarray) -> np.ndarray:
 
 def latent_attention_partials_model(
     q: np.ndarray, latent: np.ndarray, block_tables: np.ndarray, seq_index: np.ndarray, positions: np.ndarray,
-    scale: float, splits: int, keys_per_split: int,
+    scale: float, splits: int, keys_per_split: int, latent_scales: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The kernel's per-split results in NumPy: ``(out_acc [N, heads, splits, VALUE_DIM], out_max,
     out_sum [N, heads, splits])`` float32, as the blocks write them. Queries are scaled by ``scale
@@ -340,7 +434,9 @@ def latent_attention_partials_model(
     keys_per_split)`` of its row in steps of :data:`BLOCK_KEYS`; an online softmax in base 2 whose
     probabilities enter ``P V`` as bf16 (their sums stay float32); ``out_max`` in natural-log units
     (``-inf`` and a zero sum for a split without keys). ``latent`` holds float32 values
-    (bf16-exact) ``[blocks, block_size, WIDTH]``."""
+    (bf16-exact) ``[blocks, block_size, WIDTH]``; with ``latent_scales [blocks, block_size]`` (an
+    FP8 cache) ``latent`` holds its codes' values and each key's scale multiplies its scores (in
+    float32) and its probabilities (before their bf16 rounding; the sums stay unscaled)."""
     rows, heads, _ = q.shape
     block_size = latent.shape[1]
     out_acc = np.zeros((rows, heads, splits, VALUE_DIM), np.float32)
@@ -356,15 +452,17 @@ def latent_attention_partials_model(
             total = np.zeros(heads, np.float32)
             acc = np.zeros((heads, VALUE_DIM), np.float32)
             for base in range(lo, hi, BLOCK_KEYS):
-                keys = np.stack([latent[table[j // block_size], j % block_size]
-                                 for j in range(base, min(hi, base + BLOCK_KEYS))]).astype(np.float32)
-                scores = queries @ keys.T
+                steps = range(base, min(hi, base + BLOCK_KEYS))
+                keys = np.stack([latent[table[j // block_size], j % block_size] for j in steps]).astype(np.float32)
+                key_scales = (np.ones(len(keys), np.float32) if latent_scales is None else
+                              np.array([latent_scales[table[j // block_size], j % block_size] for j in steps], np.float32))
+                scores = (queries @ keys.T) * key_scales
                 new_best = np.maximum(best, scores.max(axis=1))
                 rescale = np.exp2(best - new_best)
                 best = new_best
                 p = np.exp2(scores - best[:, None])
                 total = total * rescale + p.sum(axis=1, dtype=np.float32)
-                acc = acc * rescale[:, None] + _bf16(p) @ keys[:, :VALUE_DIM]
+                acc = acc * rescale[:, None] + _bf16(p * key_scales) @ keys[:, :VALUE_DIM]
             out_acc[row, :, split] = acc
             out_max[row, :, split] = best * np.float32(math.log(2.0))
             out_sum[row, :, split] = total
@@ -386,12 +484,12 @@ def combine_partials_model(out_acc: np.ndarray, out_max: np.ndarray, out_sum: np
 
 def latent_attention_model(
     q: np.ndarray, latent: np.ndarray, block_tables: np.ndarray, seq_index: np.ndarray, positions: np.ndarray,
-    scale: float, splits: int, keys_per_split: int,
+    scale: float, splits: int, keys_per_split: int, latent_scales: np.ndarray | None = None,
 ) -> np.ndarray:
     """The kernel's algorithm end to end in NumPy: :func:`latent_attention_partials_model` merged by
     :func:`combine_partials_model`, float32 ``[N, heads, VALUE_DIM]``."""
     return combine_partials_model(*latent_attention_partials_model(
-        q, latent, block_tables, seq_index, positions, scale, splits, keys_per_split))
+        q, latent, block_tables, seq_index, positions, scale, splits, keys_per_split, latent_scales))
 
 
 def multiprocessor_count() -> int:
@@ -411,8 +509,10 @@ def latent_attention(
 ) -> DeviceArray:
     """The tensor-core launcher of :func:`metrale.kernels.attention_latent.latent_attention` (same
     arguments and result): bf16 bits ``out [N, heads * value_dim]`` from float32 ``q [N, heads,
-    576]`` over the bf16 latent cache ``[blocks, block_size, 576]``; only geometries that
-    :func:`supports` accepts."""
+    576]`` over the bf16 latent cache ``[blocks, block_size, 576]`` (uint16) or an FP8 one
+    (:class:`~metrale.kernels.kv_cache_fp8.Fp8CacheArray`: E4M3 codes of that shape, a float32
+    scale a slot; each key's scale multiplies its scores and its probabilities); only geometries
+    that :func:`supports` accepts."""
     op = "latent_attention_mma"
     check_array(op, "q", q, np.float32, ndim=3)
     rows, heads, width = q.shape
@@ -420,7 +520,12 @@ def latent_attention(
         raise KernelArgumentError(
             f"{op}: {heads} heads of latent width {width} and value dim {value_dim} are unsupported "
             f"(heads a multiple of {BLOCK_HEADS}, width {WIDTH}, value dim {VALUE_DIM})")
-    check_array(op, "latent", latent, np.uint16, (None, None, width))
+    fp8 = isinstance(latent, Fp8CacheArray)
+    if fp8:
+        check_array(op, "latent codes", latent.codes, np.uint8, (None, None, width))
+        check_array(op, "latent scales", latent.scales, np.float32, tuple(latent.codes.shape[:2]))
+    else:
+        check_array(op, "latent", latent, np.uint16, (None, None, width))
     check_array(op, "block_tables", block_tables, np.int32, ndim=2)
     check_array(op, "seq_index", seq_index, np.int32, (rows,))
     check_array(op, "positions", positions, np.int32, (rows,))
@@ -435,10 +540,13 @@ def latent_attention(
         out_acc = cupy.empty((rows, heads, splits, value_dim), dtype=np.float32)
         out_max = cupy.empty((rows, heads, splits), dtype=np.float32)
         out_sum = cupy.empty((rows, heads, splits), dtype=np.float32)
+        # (Over a bf16 cache the scales' argument is unread: the rows stand in for it.)
         arguments = (
-            q, latent, block_tables, seq_index, positions, np.int32(heads), np.int32(latent.shape[1]),
-            np.int32(block_tables.shape[1]), np.int32(keys), np.float32(scale), out_acc, out_max, out_sum,
+            q, latent.codes if fp8 else latent, latent.scales if fp8 else latent, block_tables, seq_index, positions,
+            np.int32(heads), np.int32(latent.shape[1]), np.int32(block_tables.shape[1]), np.int32(keys),
+            np.float32(scale), out_acc, out_max, out_sum,
         )
-    launch(_kernel(), (rows, heads // BLOCK_HEADS, splits), (THREADS,), arguments, SHARED_BYTES, stream, dependent=True)
+    launch(_kernel(fp8), (rows, heads // BLOCK_HEADS, splits), (THREADS,), arguments,
+           FP8_SHARED_BYTES if fp8 else SHARED_BYTES, stream, dependent=True)
     attention_combine.combine(out_acc, out_max, out_sum, out, stream)
     return out

@@ -10,7 +10,9 @@ with the slot, a block shared by a prefix-cache hit or copied with its sequence 
 scales, and a row's value never depends on which other rows were written.
 
 The ``*_reference`` functions of the attention ops accept one wherever they accept a float cache
-(:func:`cache_rows`, :func:`write_cache_rows`); the CUDA kernels do not read it.
+(:func:`cache_rows`, :func:`write_cache_rows`); on the GPU the FP8 attention kernels read its codes
+and scales (:mod:`metrale.kernels.attention_fp8`, :mod:`metrale.kernels.attention_decode_mma`,
+:mod:`metrale.kernels.attention_latent`), and :func:`cache_rows` gathers and dequantizes rows there too.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from metrale.kernels.quantized import FP8_E4M3_MAX, float32_to_fp8_e4m3, fp8_e4m3_to_float32
+from metrale.kernels.quantized import FP8_E4M3_MAX, float32_to_fp8_e4m3, fp8_e4m3_table, fp8_e4m3_to_float32
 
 #: Names of the cache dtypes the engine's ``kv_cache_dtype`` option accepts for an FP8 E4M3 cache.
 FP8_E4M3_NAMES = ("fp8", "fp8_e4m3")
@@ -75,12 +77,14 @@ class Fp8CacheArray:
         self.scales.reshape(flat, *self.shape[2:-1])[slots[kept]] = scales
 
     def rows(self, slots: np.ndarray) -> np.ndarray:
-        """float32 ``[N, *shape[2:]]``: the dequantized rows at the flat slots ``slots [N]``."""
-        slots = np.asarray(slots, dtype=np.int64)
+        """float32 ``[N, *shape[2:]]``: the dequantized rows at the flat slots ``slots [N]`` (in the
+        cache's array module: a GPU cache takes device slots and gives device rows)."""
+        if isinstance(self.codes, np.ndarray):
+            slots = np.asarray(slots, dtype=np.int64)
         flat = self.shape[0] * self.shape[1]
         codes = self.codes.reshape(flat, *self.shape[2:])[slots]
         scales = self.scales.reshape(flat, *self.shape[2:-1])[slots]
-        return fp8_e4m3_to_float32(codes) * scales[..., None]
+        return _decoded(codes) * scales[..., None]
 
     def blocks(self, block_ids: np.ndarray) -> np.ndarray:
         """float32 ``[n, block, *shape[2:]]``: the dequantized blocks ``block_ids [n]``."""
@@ -89,7 +93,23 @@ class Fp8CacheArray:
 
     def dequantize(self) -> np.ndarray:
         """The whole cache as float32, ``shape``."""
-        return fp8_e4m3_to_float32(self.codes) * self.scales[..., None]
+        return _decoded(self.codes) * self.scales[..., None]
+
+
+def _decoded(codes: Any) -> Any:
+    """float32 values of E4M3 codes in their own array module (NumPy, or CuPy on the GPU)."""
+    if isinstance(codes, np.ndarray):
+        return fp8_e4m3_to_float32(codes)
+    import cupy
+
+    table = _DEVICE_TABLES.get(cupy.cuda.Device().id)
+    if table is None:
+        table = _DEVICE_TABLES[cupy.cuda.Device().id] = cupy.asarray(fp8_e4m3_table())
+    return table[codes]
+
+
+#: The E4M3 value table on each GPU that has decoded codes (:func:`_decoded`).
+_DEVICE_TABLES: dict[int, Any] = {}
 
 
 def is_fp8_cache(cache: Any) -> bool:

@@ -148,7 +148,7 @@ class CacheConfig:
     ``kv_cache_dtype`` is how keys, values and latents are stored: ``"auto"`` (the backend's cache
     dtype: float32 on the CPU, bf16 on the GPU) or ``"fp8"`` / ``"fp8_e4m3"`` (FP8 E4M3 codes with a
     float32 scale per token and head, the checkpoint's static ``k_scale`` / ``v_scale`` where it
-    has them; CPU only); any other value raises
+    has them); any other value raises
     :class:`~metrale.errors.UnsupportedQuantizationError`.
     """
 

@@ -306,3 +306,40 @@ def check_calibrated_against_cpu(path, ids, what, **options):
     clear = (top2[:, 1] - top2[:, 0]) > 2e-2 * scale
     agreement = float((gpu.argmax(-1) == cpu.argmax(-1))[clear].mean())
     assert clear.sum() >= 0.5 * len(ids) and agreement >= 0.99, f"{what}: top-1 agreement {agreement:.4f}"
+
+
+def check_fp8_cache_against_cpu(path, ids, what):
+    """An FP8 KV cache on the GPU against the CPU's, where routing agrees: within bf16's bounds
+    (2e-2 at the 99th percentile, 5e-2 at most, relative to the largest logit), or within 25 % more
+    than what rounding the cached rows to bf16 before they are quantized costs the CPU's own FP8
+    run. The GPU quantizes rows that bf16 kernels computed, the CPU their float32 values; a value
+    near the midpoint of two E4M3 codes (2^-4 apart, relative) takes either code after bf16's
+    2^-9, so the cache turns bf16 noise into code-sized steps, more of them the wider a row (an MLA
+    latent row is 576 values under one scale). Returns the bound on any position's error."""
+    from metrale.kernels import kv_cache_fp8
+    from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
+
+    cpu, cpu_routes = scored_with_routes(path, "cpu", ids, kv_cache_dtype="fp8")
+    gpu, gpu_routes = scored_with_routes(path, "cuda", ids, kv_cache_dtype="fp8")
+    quantize = kv_cache_fp8.Fp8CacheArray.quantize
+
+    def quantize_rounded(cache, rows):
+        return quantize(cache, bf16_to_float32(float32_to_bf16(np.asarray(rows, dtype=np.float32))))
+
+    kv_cache_fp8.Fp8CacheArray.quantize = quantize_rounded
+    try:
+        rounded, rounded_routes = scored_with_routes(path, "cpu", ids, kv_cache_dtype="fp8")
+    finally:
+        kv_cache_fp8.Fp8CacheArray.quantize = quantize
+    scale = np.abs(cpu).max()
+    # (A model without routed experts records no routes: every position agrees.)
+    agree = np.broadcast_to(same_routes(cpu_routes, gpu_routes) & same_routes(cpu_routes, rounded_routes), (len(ids),))
+    ours = np.abs(gpu - cpu).max(axis=1)[agree] / scale
+    theirs = np.abs(rounded - cpu).max(axis=1)[agree] / scale
+    bounds = max(2e-2, 1.25 * float(np.percentile(theirs, 99))), max(5e-2, 1.25 * float(theirs.max()))
+    print(f"{what}: {int((~agree).sum())} of {len(ids)} positions routed differently; relative error "
+          f"{np.percentile(ours, 99):.3g} (99th percentile) / {ours.max():.3g} (max); the CPU's with rows rounded "
+          f"to bf16 before quantization: {np.percentile(theirs, 99):.3g} / {theirs.max():.3g}")
+    assert agree.mean() >= 0.95, f"{what}: routing differs at {int((~agree).sum())} positions"
+    assert np.percentile(ours, 99) <= bounds[0] and ours.max() <= bounds[1], f"{what}: {ours.max():.3g} against {bounds}"
+    return bounds[1]

@@ -345,10 +345,11 @@ def kv_bytes_read(shape: str, context: int, fp8: bool = False) -> int:
 
 def kv_bytes_per_token(shape: str, fp8: bool = False) -> int:
     """Cache bytes a token's keys and values take (bf16; with ``fp8``, a byte a value and a float32
-    scale a head, :mod:`metrale.kernels.kv_cache_fp8`)."""
+    scale a head, or a latent row, :mod:`metrale.kernels.kv_cache_fp8`)."""
     s = SHAPES[shape]
-    if shape in MLA_SHAPES:
-        return 2 * s["num_hidden_layers"] * (s["kv_lora_rank"] + s["qk_rope_head_dim"])
+    if shape in MLA_SHAPES:  # one latent row a token and layer (FP8: its codes and one scale)
+        width = s["kv_lora_rank"] + s["qk_rope_head_dim"]
+        return s["num_hidden_layers"] * (width + 4 if fp8 else 2 * width)
     head = s["head_dim"] + 4 if fp8 else 2 * s["head_dim"]
     if shape in GDN_SHAPES:
         attention_layers = s["num_hidden_layers"] - sum(_gdn_layers(s))
@@ -711,9 +712,13 @@ def bench_fp8_cache(shape: str, options: BenchOptions, bandwidth: float) -> dict
     result = bench_metrale(shape, folder, options, bandwidth, kv_cache_fp8=True)
     prompt = np.random.default_rng(7).integers(0, SHAPES[shape]["vocab_size"], options.context).tolist()
     # A budget the blocks fill before max_num_seqs * max_model_len caps them (on the 8B shape at
-    # 8,192 tokens: 1,024 bf16 blocks of 16 tokens, about twice as many FP8 ones, under the cap of 4,104).
+    # 8,192 tokens: 1,024 bf16 blocks of 16 tokens, about twice as many FP8 ones, under the cap of
+    # 4,104). A compact cache (MLA's latent rows) takes more sequences to reach that cap; a shape
+    # with recurrent state keeps 8 (its state slots come out of the same budget).
     budget = 2 << 30
-    limits: dict[str, Any] = {"max_model_len": options.context + 16, "max_num_seqs": 8}
+    tokens = options.context + 16
+    sequences = 8 if state_bytes_per_sequence(shape) else max(8, -(-5 * budget // (2 * kv_bytes_per_token(shape) * tokens)))
+    limits: dict[str, Any] = {"max_model_len": tokens, "max_num_seqs": sequences}
     with LLM(folder, device="cuda", show_progress=False, memory_bytes=budget, **limits) as reference:
         reference_logits = reference.score(prompt)
         bf16_blocks = reference.cache.num_blocks

@@ -8,8 +8,8 @@ Layouts (``nb`` = usable blocks + 1 dummy, ``bs`` = block size, ``ns`` = state s
 
 The paged arrays hold the backend's ``cache_dtype`` (float32 on the CPU, bf16 bits on the GPU),
 or with ``kv_cache_dtype="fp8"`` FP8 E4M3 codes and one float32 scale per token slot and head
-(:class:`~metrale.kernels.kv_cache_fp8.Fp8CacheArray`, CPU only): the ops that write and read
-the cache quantize and dequantize it.
+(:class:`~metrale.kernels.kv_cache_fp8.Fp8CacheArray`): the ops that write and read the cache
+quantize and dequantize it.
 
 Buffers are allocated once and never move (captured CUDA graphs read them by address).
 """
@@ -27,7 +27,7 @@ import numpy as np
 from metrale.cache.blocks import DUMMY_BLOCK, BlockAllocator
 from metrale.cache.spec import CacheSpec, PagedKVSpec, PagedLatentSpec, RecurrentStateSpec
 from metrale.config import check_kv_cache_dtype
-from metrale.errors import CacheError, ConfigError, UnsupportedQuantizationError
+from metrale.errors import CacheError, ConfigError
 from metrale.kernels.kv_cache_fp8 import FP8_E4M3_NAMES, Fp8CacheArray, cache_rows
 from metrale.sequence import SequenceState
 
@@ -48,17 +48,6 @@ def cache_itemsizes(backend: Any, kv_cache_dtype: str = "auto") -> tuple[int, in
     if not is_fp8_kv_cache(kv_cache_dtype):
         return np.dtype(backend.cache_dtype).itemsize, 0
     return 1, FP8_SCALE_BYTES
-
-
-def check_fp8_layers(spec: CacheSpec, backend: Any, kv_cache_dtype: str) -> None:
-    """Raise :class:`~metrale.errors.UnsupportedQuantizationError` for an FP8 cache of latent
-    layers (MLA's) on the GPU, whose latent attention kernels read bf16 latents only; keys and
-    values (the dense family, GDN's attention layers) are served on both backends."""
-    if is_fp8_kv_cache(kv_cache_dtype) and getattr(backend, "name", None) != "cpu" and any(
-            isinstance(layer, PagedLatentSpec) for layer in spec.layers):
-        raise UnsupportedQuantizationError(
-            f"kv_cache_dtype={kv_cache_dtype!r} with latent (MLA) cache layers is served on the CPU backend; on the "
-            f"{backend.name} backend use kv_cache_dtype='auto' for this model")
 
 
 @dataclass
@@ -345,7 +334,6 @@ class ModelCache:
     ) -> None:
         spec.validate()
         cache_itemsizes(backend, kv_cache_dtype)
-        check_fp8_layers(spec, backend, kv_cache_dtype)
         self.spec = spec
         self.backend = backend
         self.block_size = block_size

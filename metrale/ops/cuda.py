@@ -646,6 +646,21 @@ class CudaKernels:
         attention_latent.latent_cache_write_words(kv_a, norm_weight, eps, positions, inv_freq, attention_factor,
                                                   interleaved, slot_mapping, latent, self.stream)
 
+    def latent_cache_write_fp8(self, kv_a: Any, norm_weight: Any, eps: float, positions: Any, inv_freq: Any,
+                               attention_factor: float, interleaved: bool, slot_mapping: Any, latent: Any) -> None:
+        """Into an FP8 latent cache: the rows written by the bf16 kernel into rows of their own (a
+        slot per row), then quantized into the cache's slots (a scale a row)."""
+        from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+
+        rows, width = kv_a.shape[0], latent.shape[2]
+        staged = cp.empty((rows, 1, width), dtype=bf16)
+        self.latent_cache_write(kv_a, norm_weight, eps, positions, inv_freq, attention_factor, interleaved,
+                                cp.arange(rows, dtype=np.int32), staged)
+        blocks, block_size = latent.shape[:2]
+        as_one_head = Fp8CacheArray(latent.codes.reshape(blocks, block_size, 1, width),
+                                    latent.scales.reshape(blocks, block_size, 1), latent.static_scale)
+        attention_fp8.write_fp8_rows(staged.reshape(rows, 1, width), slot_mapping, as_one_head, self.stream)
+
     @staticmethod
     def _per_head_out(x: Any, weight: Any) -> Any:
         rows, heads = x.shape[0], x.shape[1]

@@ -796,19 +796,29 @@ def clamped_experts_kernels() -> list[Kernel]:
 
 
 def latent_attention_kernels() -> list[Kernel]:
-    """``latent_attention``: tensor cores for DeepSeek's geometry, CUDA cores for any other."""
+    """``latent_attention``: tensor cores for DeepSeek's geometry (over a bf16 or an FP8 cache),
+    CUDA cores for any other geometry; ``latent_cache_write`` into an FP8 cache."""
 
     def mma(q, latent, batch, value_dim, scale):
         from metrale.kernels import attention_latent_mma
 
         return attention_latent_mma.supports(q.shape[1], q.shape[2], value_dim)
 
+    def fp8_write(kv_a, norm_weight, eps, positions, inv_freq, attention_factor, interleaved, slot_mapping, latent):
+        return isinstance(latent, Fp8CacheArray)
+
     return [
         Kernel("latent_attention", "cuda", "metrale.kernels.attention_latent_mma (tensor cores)",
                build=_cuda_method("latent_attention_mma"), when=mma,
-               condition="heads a multiple of 16, rows of 512 + 64 values, values of 512"),
-        Kernel("latent_attention", "cuda", "metrale.kernels.attention_latent (CUDA cores)",
+               condition="heads a multiple of 16, rows of 512 + 64 values, values of 512 (over an FP8 cache "
+                         "the codes converted to bf16 a step at a time, each key's scale on its scores and "
+                         "probabilities)"),
+        Kernel("latent_attention", "cuda", "metrale.kernels.attention_latent (CUDA cores; over an FP8 cache the "
+               "codes as exact bf16 values, each key's scale on its scores and probabilities)",
                build=_cuda_method("latent_attention")),
+        Kernel("latent_cache_write", "cuda", "metrale.kernels.attention_latent into rows of their own, then "
+               "metrale.kernels.attention_fp8's quantized write", build=_cuda_method("latent_cache_write_fp8"),
+               when=fp8_write, condition="an FP8 cache"),
     ]
 
 

@@ -219,6 +219,8 @@ class LatentAttention:
         cached = cache_layer.rows(slots)  # [K, r + d_r] (dequantized from an FP8 cache)
         expanded = ops.to_bf16(ops.linear(xp.ascontiguousarray(cached[:, :r]), self.kv_b))
         expanded = expanded.reshape(len(slots), heads, d_n + c.v_head_dim)
+        if cached.dtype != expanded.dtype:  # float32 rows of an FP8 cache beside a bf16 product
+            cached = ops.to_bf16(cached)
         keys = xp.empty((len(slots), heads, d_n + c.qk_rope_head_dim), dtype=expanded.dtype)
         keys[:, :, :d_n] = expanded[:, :, :d_n]
         keys[:, :, d_n:] = cached[:, None, r:]

@@ -142,6 +142,9 @@ def test_hybrid_weight_and_state_accounting():
     # FP8: a byte a value and a float32 scale a token's head.
     assert bench.kv_bytes_per_token("qwen3-next-small", fp8=True) == 2 * 3 * 2 * (256 + 4)
     assert bench.kv_bytes_per_token("llama-8b", fp8=True) == 2 * 32 * 8 * (128 + 4)
+    # MLA: one latent row of 512 + 64 values a layer (FP8: its codes and one scale).
+    assert bench.kv_bytes_per_token("deepseek-v2-lite") == 27 * 2 * 576
+    assert bench.kv_bytes_per_token("deepseek-v2-lite", fp8=True) == 27 * (576 + 4)
     assert bench.state_bytes_per_sequence("llama-1b") == 0
 
 

@@ -134,31 +134,26 @@ def test_kv_cache_dtypes_served_reach_the_cache_config(value):
     assert config.cache.kv_cache_dtype == value
 
 
-def test_an_fp8_latent_cache_on_the_gpu_is_refused_before_anything_is_allocated():
-    """Keys and values are served in FP8 on the GPU; MLA's latents are not (its latent attention
-    kernels read bf16), refused before any array is allocated."""
+def test_an_fp8_cache_on_the_gpu_holds_codes_and_scales_for_every_paged_layer():
+    """Keys, values and MLA's latents are all served in FP8 on the GPU: codes of a byte and a
+    float32 scale a slot (and head), the scales starting at 1."""
 
     class FakeCudaBackend:
         name = "cuda"
         cache_dtype = np.uint16
-        allocated: list = []
 
         def zeros(self, shape, dtype):
-            self.allocated.append((shape, dtype))
             return np.zeros(shape, dtype)
 
     backend = FakeCudaBackend()
     assert cache_itemsizes(backend, "auto") == (2, 0)
     assert cache_itemsizes(backend, "fp8") == (1, 4)
-    with pytest.raises(UnsupportedQuantizationError, match="latent"):
-        ModelCache(CacheSpec((PagedKVSpec(1, 4), PagedLatentSpec(8))), backend, block_size=4, num_blocks=2,
-                   num_state_slots=1, kv_cache_dtype="fp8")
-    assert backend.allocated == []
-    cache = ModelCache(CacheSpec((PagedKVSpec(1, 4),)), backend, block_size=4, num_blocks=2, num_state_slots=1,
-                       kv_cache_dtype="fp8")
-    keys = cache.layers[0].k
-    assert isinstance(keys, Fp8CacheArray) and keys.codes.dtype == np.uint8 and np.all(keys.scales == 1.0)
-    assert ((3, 4, 1, 4), np.uint8) in backend.allocated  # in the backend's arrays
+    cache = ModelCache(CacheSpec((PagedKVSpec(1, 4), PagedLatentSpec(8))), backend, block_size=4, num_blocks=2,
+                       num_state_slots=1, kv_cache_dtype="fp8")
+    keys, latent = cache.layers[0].k, cache.layers[1].latent
+    for array, scales_shape in ((keys, (3, 4, 1)), (latent, (3, 4))):
+        assert isinstance(array, Fp8CacheArray) and array.codes.dtype == np.uint8
+        assert array.scales.shape == scales_shape and np.all(array.scales == 1.0)
 
 
 def test_static_scales_of_a_spec_are_checked():

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_checks import check_against_cpu_where_routing_agrees, check_calibrated, held_out_ids, load, quantized_reference_bf16_rows
+from gpu_checks import (
+    check_against_cpu_where_routing_agrees,
+    check_calibrated,
+    check_fp8_cache_against_cpu,
+    check_tokens_part_only_at_near_ties,
+    held_out_ids,
+    load,
+    quantized_reference_bf16_rows,
+)
 
 from metrale import SamplingParams
 from metrale.kernels.quantized import QuantizedWeight
@@ -110,11 +118,54 @@ def test_an_fp8_kv_cache_decodes_in_graphs_as_eagerly_and_holds_twice_the_blocks
     assert graphed_llm.cache.num_blocks >= ratio * bf16.cache.num_blocks - 2
 
 
-def test_mla_refuses_an_fp8_kv_cache_on_the_gpu():
-    from metrale.errors import UnsupportedQuantizationError
+def test_an_fp8_latent_cache_matches_the_cpu_backends_and_decodes_in_graphs_as_eagerly():
+    """MLA's latents in FP8 on the GPU (rows quantized after the bf16 cache-write kernel, the
+    CUDA-core latent attention over the codes, prompt rows over the gathered dequantized rows)
+    against the CPU's FP8 cache; greedy tokens replayed from graphs as eagerly; the latent layers'
+    cache arrays hold codes and a scale a slot."""
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
 
-    with pytest.raises(UnsupportedQuantizationError, match="latent"):
-        load("tiny-mla", "cuda", kv_cache_dtype="fp8")
+    llm = load("tiny-mla", "cpu")
+    check_fp8_cache_against_cpu(llm.checkpoint.path, held_out_ids(llm), "tiny-mla fp8 cache")
+    prompts = [[5, 9, 30, 2], list(range(40, 77))]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    eager = load("tiny-mla", "cuda", kv_cache_dtype="fp8", cuda_graphs=False).generate(prompts, params)
+    graphed = load("tiny-mla", "cuda", kv_cache_dtype="fp8")
+    assert [o.token_ids for o in eager] == [o.token_ids for o in graphed.generate(prompts, params)]
+    latents = [layer.latent for layer in graphed.cache.layers if hasattr(layer, "latent")]
+    assert latents and all(isinstance(latent, Fp8CacheArray) and latent.codes.dtype == np.uint8 for latent in latents)
+
+
+def test_an_fp8_latent_cache_of_deepseeks_geometry_takes_the_tensor_cores(tmp_path, monkeypatch):
+    """A DeepSeek-V2 checkpoint of DeepSeek's attention geometry (16 heads, latent rows of 512 + 64
+    values; dense MLPs) with an FP8 latent cache: decode steps take the tensor-core kernel over the codes, and
+    the logits match the CPU's FP8 cache."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from conftest import MLA_BASE, MLA_FIELDS, build_mla_checkpoint
+    from metrale.kernels import attention_latent_mma
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+
+    fields = {**MLA_BASE, **MLA_FIELDS, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 16,
+              "num_key_value_heads": 16, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32,
+              "v_head_dim": 32, "first_k_dense_replace": 2}  # no routed experts: no routing flips
+    config = DeepseekV2Config(**fields, q_lora_rank=None, n_shared_experts=1, topk_method="greedy")
+    path = build_mla_checkpoint(DeepseekV2ForCausalLM, config, tmp_path / "deepseek", seed=41)
+    launches = []
+    launch = attention_latent_mma.latent_attention
+    monkeypatch.setattr(attention_latent_mma, "latent_attention",
+                        lambda q, latent, *a, **k: launches.append(type(latent)) or launch(q, latent, *a, **k))
+    ids = np.random.default_rng(5).integers(0, 128, 256).tolist()
+    bound = check_fp8_cache_against_cpu(path, ids, "deepseek-v2 geometry fp8 cache")
+    # Decode steps: greedy tokens as the CPU's, or parting at a top-2 margin within twice the
+    # logits' error bound (the two logits may move by it in opposite directions).
+    prompts = [ids[:40], ids[100:107]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    cpu = load(path, "cpu", kv_cache_dtype="fp8")
+    want = [o.token_ids for o in cpu.generate(prompts, params)]
+    got = [o.token_ids for o in load(path, "cuda", kv_cache_dtype="fp8", cuda_graphs=False).generate(prompts, params)]
+    assert Fp8CacheArray in launches
+    check_tokens_part_only_at_near_ties(cpu, prompts, got, want, "deepseek-v2 geometry fp8 cache", margin=2 * bound)
 
 
 def test_online_fp8_is_quantized_on_the_device_as_on_the_host():

@@ -343,6 +343,14 @@ inline unsigned e4m3x2_to_f16x2(unsigned pair) {
     return emu::f16_round(emu::e4m3(pair & 255u)) | (emu::f16_round(emu::e4m3((pair >> 8) & 255u)) << 16);
 }
 
+// __byte_perm(x, y, s): byte i of the result is byte (s >> 4i) & 7 of the eight bytes y:x (x's the low four).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned selector) {
+    const unsigned long long bytes = ((unsigned long long)y << 32) | x;
+    unsigned result = 0;
+    for (int i = 0; i < 4; ++i) result |= (unsigned)((bytes >> (8 * ((selector >> (4 * i)) & 7u))) & 255u) << (8 * i);
+    return result;
+}
+
 // The float32 values of an f16 pair's halves.
 inline float f16_low(unsigned pair) { return emu::f16_value(pair & 0xffffu); }
 inline float f16_high(unsigned pair) { return emu::f16_value(pair >> 16); }

@@ -115,15 +115,18 @@ def test_wrong_arguments_are_refused_before_any_launch():
 EMULATION_MAIN = r"""
 
 int main(int argc, char** argv) {
-    if (argc != 11) return 2;
+    if (argc != 12) return 2;
     const std::string folder = argv[1];
     const int rows = std::atoi(argv[2]), heads = std::atoi(argv[3]), blocks = std::atoi(argv[4]);
     const int block_size = std::atoi(argv[5]), max_blocks = std::atoi(argv[6]), splits = std::atoi(argv[7]);
     const int split_keys = std::atoi(argv[8]);
     const float scale = std::atof(argv[9]);
     emu::defer_copies = std::atoi(argv[10]);
+    const bool fp8 = std::atoi(argv[11]);   // must match FP8_CACHE
+    if (fp8 != (bool)FP8_CACHE) return 3;
     auto* q = read<float>(folder + "/q", (size_t)rows * heads * WIDTH);
-    auto* latent = read<unsigned short>(folder + "/latent", (size_t)blocks * block_size * WIDTH);
+    auto* latent = read<cache_t>(folder + "/latent", (size_t)blocks * block_size * WIDTH);
+    auto* latent_scales = read<float>(folder + "/scales", (size_t)blocks * block_size);
     auto* tables = read<int>(folder + "/tables", (size_t)rows * max_blocks);
     auto* seq_index = read<int>(folder + "/seq_index", rows);
     auto* positions = read<int>(folder + "/positions", rows);
@@ -132,8 +135,8 @@ int main(int argc, char** argv) {
     auto* out_max = allocate<float>(partials);
     auto* out_sum = allocate<float>(partials);
     emu::launch({(unsigned)rows, (unsigned)(heads / BLOCK_HEADS), (unsigned)splits}, {THREADS, 1, 1}, [&] {
-        latent_attention_mma(q, latent, tables, seq_index, positions, heads, block_size, max_blocks, split_keys, scale,
-                             out_acc, out_max, out_sum);
+        latent_attention_mma(q, latent, latent_scales, tables, seq_index, positions, heads, block_size, max_blocks,
+                             split_keys, scale, out_acc, out_max, out_sum);
     });
     write(folder + "/out_acc", out_acc, partials * VALUE_DIM);
     write(folder + "/out_max", out_max, partials);
@@ -145,18 +148,28 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    """The kernel built against the emulation; returns a runner of one launch."""
+    """The kernel built against the emulation (over a bf16 cache, and over an FP8 one); returns a
+    runner of one launch (``scales`` given: ``latent`` holds E4M3 codes)."""
     folder = tmp_path_factory.mktemp("latent_mma_emulated")
-    binary = build_emulated(folder / "kernel.cpp", attention_latent_mma.KERNEL + EMULATION_MAIN)
+    binaries = {}
 
-    def run(q, latent, tables, seq_index, positions, splits, keys, defer_copies=True):
+    def run(q, latent, tables, seq_index, positions, splits, keys, defer_copies=True, scales=None):
+        fp8 = scales is not None
+        if fp8 not in binaries:
+            binaries[fp8] = build_emulated(folder / f"kernel_{int(fp8)}.cpp",
+                                           attention_latent_mma.kernel_source(fp8, with_instructions=False)
+                                           + EMULATION_MAIN)
         rows, heads, _ = q.shape
         case = folder / "case"
         case.mkdir(exist_ok=True)
-        for name, array in dict(q=q, latent=latent, tables=tables, seq_index=seq_index, positions=positions).items():
+        if scales is None:
+            scales = np.ones(latent.shape[:2], np.float32)  # unread over a bf16 cache
+        for name, array in dict(q=q, latent=latent, scales=scales, tables=tables, seq_index=seq_index,
+                                positions=positions).items():
             np.ascontiguousarray(array).tofile(case / name)
-        subprocess.run([str(binary), str(case), *map(str, (rows, heads, latent.shape[0], latent.shape[1], tables.shape[1],
-                                                           splits, keys, SCALE, int(defer_copies)))],
+        subprocess.run([str(binaries[fp8]), str(case), *map(str, (rows, heads, latent.shape[0], latent.shape[1],
+                                                                  tables.shape[1], splits, keys, SCALE,
+                                                                  int(defer_copies), int(fp8)))],
                        check=True, timeout=600)
         return (np.fromfile(case / "out_acc", np.float32).reshape(rows, heads, splits, VALUE_DIM),
                 np.fromfile(case / "out_max", np.float32).reshape(rows, heads, splits),
@@ -187,4 +200,46 @@ def test_the_kernel_run_emulated_matches_its_model(emulated, contexts, splits, d
     assert not out_acc[~used].any(), "a split without keys writes zeros"
     merged = attention_latent_mma.combine_partials_model(out_acc, out_max, out_sum)
     reference = attention_latent.latent_attention_reference(q, latent_f32, tables, seq_index, positions, VALUE_DIM, SCALE)
+    assert rel_error(merged, reference) <= 1e-2
+
+
+def fp8_latent_case(rng, contexts, heads, block_size):
+    """:func:`latent_case` with its rows in an FP8 cache (a scale a slot), and every finite E4M3
+    code (subnormals and both zeros included) planted in the first block's rows, under their own
+    scales."""
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+
+    q, latent, tables, seq_index, positions = latent_case(rng, contexts, heads, block_size)
+    cache = Fp8CacheArray.zeros(latent.shape)
+    codes, scales = cache.quantize(bf16_to_float32(latent))
+    finite = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    first = tables[0, 0]
+    planted = np.resize(finite, block_size * WIDTH).reshape(block_size, WIDTH)
+    codes[first] = planted
+    return q, codes, scales, tables, seq_index, positions
+
+
+@pytest.mark.parametrize("contexts, splits, defer_copies", [
+    ((1, 200), 1, True),
+    ((65, 130), 2, False),
+])
+def test_the_kernel_over_an_fp8_cache_run_emulated_matches_its_model(emulated, contexts, splits, defer_copies):
+    from metrale.kernels.quantized import fp8_e4m3_to_float32
+
+    rng = np.random.default_rng(11 + sum(contexts))
+    q, codes, scales, tables, seq_index, positions = fp8_latent_case(rng, contexts, 16, 16)
+    keys = attention_latent_mma.split_keys(max(contexts), splits)
+    out_acc, out_max, out_sum = emulated(q, codes, tables, seq_index, positions, splits, keys, defer_copies, scales)
+    values = fp8_e4m3_to_float32(codes)
+    want_acc, want_max, want_sum = attention_latent_mma.latent_attention_partials_model(
+        q, values, tables, seq_index, positions, SCALE, splits, keys, scales)
+    used = want_sum > 0
+    np.testing.assert_array_equal(out_sum > 0, used)
+    np.testing.assert_allclose(out_max[used], want_max[used], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out_sum[used], want_sum[used], rtol=2e-3)
+    assert rel_error(out_acc, want_acc) <= 2e-3
+    merged = attention_latent_mma.combine_partials_model(out_acc, out_max, out_sum)
+    dequantized = values * scales[..., None]
+    reference = attention_latent.latent_attention_reference(q, dequantized, tables, seq_index, positions, VALUE_DIM,
+                                                            SCALE)
     assert rel_error(merged, reference) <= 1e-2

@@ -113,3 +113,60 @@ def test_the_backend_op_takes_the_tensor_cores_for_deepseek_heads(monkeypatch):
     backend.synchronize()
     assert calls
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected_output(q, latent, tables, seq_index, positions)) <= 1e-2
+
+
+@pytest.mark.parametrize("rows, max_context", [(1, 2048), (32, 512)])
+def test_latent_attention_over_an_fp8_cache_matches_the_reference(rows, max_context):
+    """The CUDA-core kernel over an FP8 latent cache (each row's codes and scale, as the cache
+    write stores them) against the reference over the dequantized cache, at DeepSeek's sizes."""
+    import cupy as cp
+
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+
+    rng = np.random.default_rng(rows + max_context)
+    q, latent, tables, seq_index, positions = latent_case(rng, rows, 16, max_context, 16)
+    values = bf16_to_float32(latent) * rng.uniform(0.05, 20.0, latent.shape[:2] + (1,)).astype(np.float32)
+    host = Fp8CacheArray.zeros(latent.shape)
+    host.write(np.arange(latent.shape[0] * latent.shape[1]), values.reshape(-1, WIDTH))
+    expected = attention_latent.latent_attention_reference(
+        q, host, tables, seq_index, positions, VALUE_DIM, SCALE).reshape(rows, -1)
+    device = Fp8CacheArray(cp.asarray(host.codes), cp.asarray(host.scales))
+    out = cp.full((rows, 16 * VALUE_DIM), 0xFFFF, dtype=np.uint16)
+    attention_latent.latent_attention(cp.asarray(q), device, *(cp.asarray(a) for a in (tables, seq_index, positions)),
+                                      VALUE_DIM, SCALE, max_context, out)
+    got = bf16_to_float32(cp.asnumpy(out))
+    assert not np.isnan(got).any()
+    assert rel_error(got, expected) <= 1e-2
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("rows, max_context, block_size", [(1, 2048, 16), (32, 512, 64), (5, 700, 16)])
+def test_the_tensor_cores_over_an_fp8_cache_match_the_reference(heads, rows, max_context, block_size):
+    """The tensor-core kernel over an FP8 latent cache (rows of differing scales, and every finite
+    E4M3 code, subnormals included, in one block) against the reference over the dequantized
+    cache and against the CUDA-core kernel over the same codes."""
+    import cupy as cp
+
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+
+    rng = np.random.default_rng(heads + rows + max_context)
+    q, latent, tables, seq_index, positions = latent_case(rng, rows, heads, max_context, block_size)
+    # (Row scales within 4x of each other: with 0.05 to 20 the kernel's own NumPy model, its bf16
+    # roundings of the queries and probabilities, is already 3e-2 from the reference.)
+    values = bf16_to_float32(latent) * rng.uniform(0.5, 2.0, latent.shape[:2] + (1,)).astype(np.float32)
+    host = Fp8CacheArray.zeros(latent.shape)
+    host.write(np.arange(latent.shape[0] * latent.shape[1]), values.reshape(-1, WIDTH))
+    finite = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    host.codes[tables[seq_index[-1], 0]] = np.resize(finite, (block_size, WIDTH))  # the longest row's first block
+    expected = attention_latent.latent_attention_reference(
+        q, host, tables, seq_index, positions, VALUE_DIM, SCALE).reshape(rows, -1)
+    device = Fp8CacheArray(cp.asarray(host.codes), cp.asarray(host.scales))
+    arguments = [cp.asarray(a) for a in (tables, seq_index, positions)]
+    out = cp.full((rows, heads * VALUE_DIM), 0xFFFF, dtype=np.uint16)
+    attention_latent_mma.latent_attention(cp.asarray(q), device, *arguments, VALUE_DIM, SCALE, max_context, out)
+    got = bf16_to_float32(cp.asnumpy(out))
+    assert not np.isnan(got).any()
+    assert rel_error(got, expected) <= 1e-2
+    cores = cp.zeros_like(out)
+    attention_latent.latent_attention(cp.asarray(q), device, *arguments, VALUE_DIM, SCALE, max_context, cores)
+    assert rel_error(got, bf16_to_float32(cp.asnumpy(cores))) <= 1.5e-2

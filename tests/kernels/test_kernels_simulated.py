@@ -511,17 +511,25 @@ def test_attention_launchers_refuse_bad_options():
         attention.decode_attention(*arguments, softcap=-1.0)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_latent_attention_matches_the_reference(splits):
+@pytest.mark.parametrize("splits, fp8", [(1, False), (3, False), (3, True)])
+def test_latent_attention_matches_the_reference(splits, fp8):
     """Absorbed MLA decode attention: three rows of two sequences (one block table each, blocks
     shuffled), ten heads (two head groups, the second partly empty), a latent of 40 values with 32
-    value dims, and contexts that span several key chunks and end inside one."""
+    value dims, and contexts that span several key chunks and end inside one; over a bf16 cache
+    and an FP8 one (each row's codes and scale)."""
     from metrale.kernels import attention_grouped, attention_latent
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
 
     rng = np.random.default_rng(31)
     heads, width, value_dim, block_size = 10, 40, 32, 4
-    latent_bits = float32_to_bf16(rng.standard_normal((21, block_size, width)).astype(np.float32))
+    rows = rng.standard_normal((21, block_size, width)).astype(np.float32) * rng.uniform(0.1, 10, (21, block_size, 1))
+    latent_bits = float32_to_bf16(rows.astype(np.float32))
     latent = bf16_to_float32(latent_bits)
+    words, pairs, scales = latent_bits.view(np.uint32), np.zeros((1, 1, 1), np.uint16), np.ones((1, 1), np.float32)
+    if fp8:
+        latent = Fp8CacheArray.zeros((21, block_size, width))
+        latent.write(np.arange(21 * block_size), rows.reshape(-1, width))
+        words, pairs, scales = np.zeros((1, 1, 1), np.uint32), latent.codes.view(np.uint16), latent.scales
     tables = (1 + rng.permutation(20)).astype(np.int32).reshape(2, 10)
     seq_index = np.array([0, 1, 1], np.int32)
     positions = np.array([2 * attention_latent.CHUNK + 5, 2, attention_latent.CHUNK + 3], np.int32)
@@ -533,8 +541,8 @@ def test_latent_attention_matches_the_reference(splits):
     out_sum = np.zeros((3, heads, splits), np.float32)
     groups = attention_latent.head_groups(heads)
     attention_latent.latent_attention_kernel[(3, groups, splits), attention_latent.THREADS](
-        q, latent_bits.view(np.uint32), tables, seq_index, positions, np.float32(scale), np.int32(value_dim // 2),
-        out_acc, out_max, out_sum,
+        q, words, pairs, scales, np.int32(fp8), tables, seq_index, positions, np.float32(scale),
+        np.int32(value_dim // 2), out_acc, out_max, out_sum,
     )
     out = np.zeros((3, heads * value_dim), np.uint16)
     dim_blocks = -(-value_dim // attention_grouped.COMBINE_THREADS)  # wide values spread over the grid
