@@ -76,7 +76,8 @@ def kernels():
         "paged_attention_staged_d128": (attention_staged.staged_kernel(32), attention_arguments),
         "paged_attention_grouped_d128": (attention_grouped.grouped_kernel(32), attention_arguments),
         "latent_attention": (attention_latent.latent_attention_kernel, (
-            c(f32, 3), c(u32, 3), c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4), c(f32, 3), c(f32, 3))),
+            c(f32, 3), c(u32, 3), c(u16, 3), c(f32, 2), i32, c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4),
+            c(f32, 3), c(f32, 3))),
         "latent_cache_write": (attention_latent.latent_cache_write_kernel, (
             c(f32, 2), c(u16, 1), f32, c(i32, 1), c(f32, 1), f32, i32, c(i32, 1), c(u16, 3))),
         "grouped_combine": (attention_grouped.grouped_combine_kernel, (c(f32, 4), c(f32, 3), c(f32, 3), c(u16, 2))),
