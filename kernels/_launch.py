@@ -106,6 +106,8 @@ _SCALARS = {np.float32: ctypes.c_float, np.int32: ctypes.c_int32, np.uint32: cty
 def kernel_argument(value: Any) -> Any:
     """The ctypes value a kernel parameter takes: a device array's address, or a NumPy scalar as
     its C type. Raises :class:`~metrale.errors.KernelArgumentError` for anything else."""
+    if isinstance(value, ctypes.Structure):   # a parameter passed by value (a tensor map)
+        return value
     data = getattr(value, "data", None)
     pointer = getattr(data, "ptr", None)
     if pointer is not None:
@@ -152,10 +154,14 @@ def _base_name(kernel: Any) -> str | None:
 
 def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int, stream: Any,
            dependent: bool) -> None:
-    """Launch CuPy ``kernel`` (a ``RawKernel``) on ``stream`` (a CuPy stream, or None for the
+    """Launch CuPy ``kernel`` (a ``RawKernel``, or a function of a module loaded by
+    :func:`metrale.kernels._compile.compile_module`) on ``stream`` (a CuPy stream, or None for the
     current one); dependently (see the module docstring) when ``dependent`` and
-    :func:`dependent_launch_available`."""
-    if not (dependent and dependent_launch_available()) or _base_name(kernel) in INDEPENDENT:
+    :func:`dependent_launch_available`. Arguments passed by value as ctypes structures (tensor
+    maps) or a module's function always take the driver's launch."""
+    by_driver = not hasattr(kernel, "kernel") or any(isinstance(arg, ctypes.Structure) for arg in args)
+    dependent = dependent and dependent_launch_available() and _base_name(kernel) not in INDEPENDENT
+    if not dependent and not by_driver:
         with stream if stream is not None else contextlib.nullcontext():
             kernel(grid, block, args, shared_mem=shared_mem)
         return
@@ -169,7 +175,9 @@ def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
     attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
     stream_pointer = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
-    config = LaunchConfig(*grid, *block, shared_mem, stream_pointer or None, ctypes.pointer(attribute), 1)
-    status = _launch_function()(ctypes.byref(config), kernel.kernel.ptr, ctypes.addressof(pointers), None)
+    config = LaunchConfig(*grid, *block, shared_mem, stream_pointer or None, ctypes.pointer(attribute),
+                          1 if dependent else 0)
+    function = kernel.kernel.ptr if hasattr(kernel, "kernel") else kernel.ptr
+    status = _launch_function()(ctypes.byref(config), function, ctypes.addressof(pointers), None)
     if status:
         raise cupy.cuda.driver.CUDADriverError(status)

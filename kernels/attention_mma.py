@@ -435,13 +435,13 @@ def supports(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:
     return (head_dim, value_dim) in HEAD_DIMS and kv_heads > 0 and heads % kv_heads == 0
 
 
-def query_tiles(row_starts: np.ndarray) -> np.ndarray:
-    """``[T, 2]`` int32 (first row, row count) tiles of at most :data:`BLOCK_ROWS` rows within each
-    segment ``row_starts[s]:row_starts[s + 1]``."""
+def query_tiles(row_starts: np.ndarray, rows: int = BLOCK_ROWS) -> np.ndarray:
+    """``[T, 2]`` int32 (first row, row count) tiles of at most ``rows`` rows (this kernel's
+    :data:`BLOCK_ROWS`) within each segment ``row_starts[s]:row_starts[s + 1]``."""
     tiles = [
-        (first, min(BLOCK_ROWS, int(end) - first))
+        (first, min(rows, int(end) - first))
         for start, end in zip(row_starts[:-1], row_starts[1:])
-        for first in range(int(start), int(end), BLOCK_ROWS)
+        for first in range(int(start), int(end), rows)
     ]
     return np.asarray(tiles, dtype=np.int32).reshape(-1, 2)
 

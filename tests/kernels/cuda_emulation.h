@@ -44,12 +44,13 @@ namespace emu {
     std::abort();
 }
 
-alignas(16) unsigned char dynamic_shared[256 * 1024];
+alignas(1024) unsigned char dynamic_shared[256 * 1024];
 std::barrier<>* block_barrier = nullptr;
 std::vector<std::barrier<>*> warp_barriers;
 struct Exchange { unsigned address[32]; unsigned a[32][4]; unsigned b[32][2]; float c[32][4]; };
 std::vector<Exchange> exchange;   // what the lanes of each warp hand to a warp-wide instruction
 int defer_copies = 1;
+void block_started();   // resets the Hopper features' per-block state (below)
 
 struct Copy { unsigned target; const unsigned char* source; bool valid; unsigned bytes = 16; };
 thread_local std::deque<std::vector<Copy>> committed;   // oldest group first
@@ -94,6 +95,7 @@ void launch(dim3 grid, dim3 block, Kernel kernel) {
             std::vector<std::barrier<>*> per_warp;
             for (int w = 0; w < warps; ++w) per_warp.push_back(new std::barrier<>(std::min(32, threads - 32 * w)));
             warp_barriers = per_warp;
+            block_started();
             exchange.assign(warps, Exchange{});
             std::memset(dynamic_shared, 0xff, sizeof(dynamic_shared));   // NaN in bf16 and float32: an unwritten read shows
             std::vector<std::thread> pool;
@@ -453,4 +455,255 @@ template <typename T> T* read(const std::string& path, size_t count) {
 }
 template <typename T> void write(const std::string& path, const T* data, size_t count) {
     std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data), count * sizeof(T));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Hopper (sm_90a): mbarriers, TMA tensor loads, named barriers and wgmma, as
+// metrale.kernels.attention_hopper's INSTRUCTIONS name them.
+//
+// mbarriers live in dynamic shared memory and are tracked here by their offset: a phase completes
+// when its pending arrivals and its expected transaction bytes both reach zero. A tensor load
+// copies its box at once (zeros outside the tensor), in the 128-byte swizzle if its map asks for
+// it, and completes its bytes on the barrier it names. A wgmma runs when all 128 threads of the
+// warpgroup have issued it, reading its shared operands through their descriptors (start address,
+// leading and stride byte offsets, 128-byte swizzle) and its register operands from the
+// fragment layouts of the PTX ISA; the fences, commits and waits around it have nothing to order.
+#include <chrono>
+#include <map>
+#include <mutex>
+
+#define __grid_constant__
+
+// The emulation's tensor map: what cuTensorMapEncodeTiled records of a tiled map of up to three
+// dimensions (element counts, byte strides of dimensions 1 and 2, the box, the swizzle).
+struct TensorMap {
+    const unsigned char* base;
+    unsigned long long dims[3];
+    unsigned long long strides[3];   // bytes; strides[0] is the element size
+    unsigned box[3];
+    int swizzle_128;
+};
+
+namespace emu {
+
+struct Mbarrier { int expected = 0, pending = 0; long long bytes = 0; unsigned phase = 0; };
+std::mutex hopper_mutex;
+std::map<unsigned, Mbarrier> mbarriers;
+std::map<int, std::pair<int, std::barrier<>*>> named_barriers;   // id -> (threads, barrier)
+std::vector<std::barrier<>*> warpgroup_barriers;
+struct GroupExchange {
+    unsigned long long descriptor_a[128], descriptor_b[128];
+    unsigned a[128][4];
+};
+std::vector<GroupExchange> group_exchange;
+
+void block_started() {
+    std::lock_guard<std::mutex> lock(hopper_mutex);
+    mbarriers.clear();
+    for (auto& entry : named_barriers) delete entry.second.second;
+    named_barriers.clear();
+    for (auto* barrier : warpgroup_barriers) delete barrier;
+    warpgroup_barriers.clear();
+    const int groups = static_cast<int>(blockDim.x) / 128;
+    for (int g = 0; g < groups; ++g) warpgroup_barriers.push_back(new std::barrier<>(128));
+    group_exchange.assign(groups, GroupExchange{});
+}
+
+// The 128-byte swizzle of a shared-memory byte offset: its 16-byte chunk within 128 bytes XORed
+// with its 128-byte row within 1024 (Swizzle<3, 4, 3>).
+inline unsigned swizzled(unsigned offset) { return offset ^ (((offset >> 7) & 7u) << 4); }
+
+inline void complete(Mbarrier& barrier) {
+    if (barrier.pending < 0 || barrier.bytes < 0) fail("mbarrier over-arrived");
+    if (barrier.pending == 0 && barrier.bytes == 0) {
+        barrier.phase += 1;
+        barrier.pending = barrier.expected;
+    }
+}
+
+inline Mbarrier& mbarrier_at(unsigned address) {
+    auto found = mbarriers.find(address);
+    if (found == mbarriers.end()) fail("mbarrier used before its init");
+    return found->second;
+}
+
+inline float shared_bf16(unsigned offset) {
+    unsigned short bits;
+    std::memcpy(&bits, dynamic_shared + offset, 2);
+    return bf16_value(bits);
+}
+
+// Element (row, k) of a K-major operand (rows of 128 bytes, groups of 8 rows `stride` bytes apart).
+inline float k_major(unsigned long long descriptor, int row, int k) {
+    const unsigned start = static_cast<unsigned>(descriptor & 0x3fffu) << 4;
+    const unsigned stride = static_cast<unsigned>((descriptor >> 32) & 0x3fffu) << 4;
+    return shared_bf16(swizzled(start + (row % 8) * 128 + (row / 8) * stride + 2 * k));
+}
+
+// Element (k, column) of an MN-major operand: 64 columns a 128-byte row, 8 rows of k 128 bytes
+// apart, groups of 8 k `stride` bytes apart, groups of 64 columns `leading` bytes apart.
+inline float mn_major(unsigned long long descriptor, int k, int column) {
+    const unsigned start = static_cast<unsigned>(descriptor & 0x3fffu) << 4;
+    const unsigned leading = static_cast<unsigned>((descriptor >> 16) & 0x3fffu) << 4;
+    const unsigned stride = static_cast<unsigned>((descriptor >> 32) & 0x3fffu) << 4;
+    return shared_bf16(swizzled(start + 2 * (column % 64) + (column / 64) * leading + (k % 8) * 128 + (k / 8) * stride));
+}
+
+inline void check_descriptor(unsigned long long descriptor) {
+    if ((descriptor >> 62) != 1) fail("wgmma descriptor without the 128-byte swizzle");
+    if ((descriptor >> 49) & 7u) fail("wgmma descriptor with a base offset");
+}
+
+// D (64 x N, this thread's N / 2 accumulators) += A (64 x 16) B (16 x N): A's element (row, k) from
+// `a_of`, B's (k, column) from `b_of`.
+template <int N, typename AOf, typename BOf>
+inline void warpgroup_product(float* d, int accumulate, AOf a_of, BOf b_of) {
+    const int t = threadIdx.x % 128, w = t / 32, g = (t % 32) / 4, q = t % 4;
+    for (int j = 0; j < N / 8; ++j) {
+        for (int i = 0; i < 4; ++i) {
+            const int row = 16 * w + g + 8 * (i / 2), column = 8 * j + 2 * q + (i & 1);
+            float sum = accumulate ? d[4 * j + i] : 0.0f;
+            for (int k = 0; k < 16; ++k) sum += a_of(row, k) * b_of(k, column);
+            d[4 * j + i] = sum;
+        }
+    }
+}
+
+}  // namespace emu
+
+inline void barrier_init(unsigned address, unsigned count) {
+    std::lock_guard<std::mutex> lock(emu::hopper_mutex);
+    if (address % 8) emu::fail("mbarrier not 8-byte aligned");
+    emu::Mbarrier barrier;
+    barrier.expected = barrier.pending = static_cast<int>(count);
+    emu::mbarriers[address] = barrier;
+}
+inline void barrier_init_fence() {}
+
+inline void barrier_arrive(unsigned address) {
+    std::lock_guard<std::mutex> lock(emu::hopper_mutex);
+    auto& barrier = emu::mbarrier_at(address);
+    barrier.pending -= 1;
+    emu::complete(barrier);
+}
+
+// mbarrier.arrive.expect_tx: `bytes` more to come from tensor loads, and this thread's arrival.
+inline void barrier_expect_bytes(unsigned address, unsigned bytes) {
+    std::lock_guard<std::mutex> lock(emu::hopper_mutex);
+    auto& barrier = emu::mbarrier_at(address);
+    barrier.bytes += bytes;
+    barrier.pending -= 1;
+    emu::complete(barrier);
+}
+
+// Returns once the phase of parity `parity` has completed (the barrier's phase count moved past it).
+inline void barrier_wait(unsigned address, unsigned parity) {
+    const auto started = std::chrono::steady_clock::now();
+    for (;;) {
+        {
+            std::lock_guard<std::mutex> lock(emu::hopper_mutex);
+            if ((emu::mbarrier_at(address).phase & 1u) != (parity & 1u)) return;
+        }
+        if (std::chrono::steady_clock::now() - started > std::chrono::seconds(60)) emu::fail("mbarrier wait never ends");
+        std::this_thread::yield();
+    }
+}
+
+// cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.
+inline void tensor_load_3d(unsigned target, const TensorMap& map, int c0, int c1, int c2, unsigned barrier) {
+    if (target % (map.swizzle_128 ? 1024 : 128)) emu::fail("tensor load target not aligned");
+    const unsigned element = static_cast<unsigned>(map.strides[0]);
+    if (map.swizzle_128 && map.box[0] * element != 128) emu::fail("a 128-byte swizzle needs 128-byte box rows");
+    unsigned offset = target;
+    for (unsigned z = 0; z < map.box[2]; ++z) {
+        for (unsigned y = 0; y < map.box[1]; ++y) {
+            for (unsigned x = 0; x < map.box[0]; ++x, offset += element) {
+                const long long coordinates[3] = {(long long)c0 + x, (long long)c1 + y, (long long)c2 + z};
+                bool inside = true;
+                for (int d = 0; d < 3; ++d) inside = inside && coordinates[d] >= 0 && coordinates[d] < (long long)map.dims[d];
+                unsigned char* destination = emu::dynamic_shared + (map.swizzle_128 ? emu::swizzled(offset) : offset);
+                if (destination + element > emu::dynamic_shared + sizeof(emu::dynamic_shared)) emu::fail("tensor load past shared memory");
+                if (inside) {
+                    std::memcpy(destination, map.base + coordinates[0] * element + coordinates[1] * map.strides[1]
+                                + coordinates[2] * map.strides[2], element);
+                } else {
+                    std::memset(destination, 0, element);
+                }
+            }
+        }
+    }
+    std::lock_guard<std::mutex> lock(emu::hopper_mutex);
+    auto& mbarrier = emu::mbarrier_at(barrier);
+    mbarrier.bytes -= static_cast<long long>(offset - target);
+    emu::complete(mbarrier);
+}
+
+// bar.sync id, threads.
+inline void named_barrier(int id, int threads) {
+    std::barrier<>* barrier;
+    {
+        std::lock_guard<std::mutex> lock(emu::hopper_mutex);
+        auto found = emu::named_barriers.find(id);
+        if (found == emu::named_barriers.end()) {
+            found = emu::named_barriers.emplace(id, std::make_pair(threads, new std::barrier<>(threads))).first;
+        }
+        if (found->second.first != threads) emu::fail("a named barrier used with two thread counts");
+        barrier = found->second.second;
+    }
+    barrier->arrive_and_wait();
+}
+
+inline void async_proxy_fence() {}
+inline void wgmma_fence() {}
+inline void wgmma_commit() {}
+template <int pending> inline void wgmma_wait() {}
+template <int count> inline void fence_operands(float (&)[count]) {}
+template <int registers> inline void registers_increase() {}
+template <int registers> inline void registers_decrease() {}
+
+// wgmma.mma_async.m64nNk16.f32.bf16.bf16, both operands in shared memory and K-major.
+template <int N>
+inline void wgmma_ss(float (&d)[N / 2], unsigned long long descriptor_a, unsigned long long descriptor_b, int accumulate) {
+    const int group = threadIdx.x / 128, t = threadIdx.x % 128;
+    auto& exchange = emu::group_exchange[group];
+    exchange.descriptor_a[t] = descriptor_a;
+    exchange.descriptor_b[t] = descriptor_b;
+    emu::warpgroup_barriers[group]->arrive_and_wait();
+    for (int l = 0; l < 128; ++l) {
+        if (exchange.descriptor_a[l] != descriptor_a || exchange.descriptor_b[l] != descriptor_b) {
+            emu::fail("wgmma descriptors differ across the warpgroup");
+        }
+    }
+    emu::check_descriptor(descriptor_a);
+    emu::check_descriptor(descriptor_b);
+    emu::warpgroup_product<N>(d, accumulate, [&](int row, int k) { return emu::k_major(descriptor_a, row, k); },
+                              [&](int k, int column) { return emu::k_major(descriptor_b, column, k); });
+    emu::warpgroup_barriers[group]->arrive_and_wait();
+}
+
+// wgmma.mma_async.m64nNk16.f32.bf16.bf16, A from registers (the m16n8k16 A fragment of each warp's
+// 16 rows), B in shared memory and MN-major (imm-trans-b 1).
+template <int N>
+inline void wgmma_rs_mn(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long descriptor_b, int accumulate) {
+    const int group = threadIdx.x / 128, t = threadIdx.x % 128;
+    auto& exchange = emu::group_exchange[group];
+    for (int i = 0; i < 4; ++i) exchange.a[t][i] = a[i];
+    exchange.descriptor_b[t] = descriptor_b;
+    emu::warpgroup_barriers[group]->arrive_and_wait();
+    for (int l = 0; l < 128; ++l) {
+        if (exchange.descriptor_b[l] != descriptor_b) emu::fail("wgmma descriptors differ across the warpgroup");
+    }
+    emu::check_descriptor(descriptor_b);
+    float A[64][16];
+    for (int l = 0; l < 128; ++l) {
+        const int w = l / 32, g = (l % 32) / 4, q = l % 4;
+        for (int i = 0; i < 8; ++i) {
+            const unsigned word = exchange.a[l][i / 2];
+            const int row = 16 * w + g + ((i / 2) % 2 ? 8 : 0), k = 2 * q + (i & 1) + (i >= 4 ? 8 : 0);
+            A[row][k] = emu::bf16_value(i % 2 ? word >> 16 : word);
+        }
+    }
+    emu::warpgroup_product<N>(d, accumulate, [&](int row, int k) { return A[row][k]; },
+                              [&](int k, int column) { return emu::mn_major(descriptor_b, k, column); });
+    emu::warpgroup_barriers[group]->arrive_and_wait();
 }

@@ -1,0 +1,598 @@
+"""Prompt attention over the paged cache on Hopper's warpgroup tensor cores (``wgmma``, sm_90a;
+CUDA C++ compiled by NVRTC).
+
+The NumPy reference is :func:`metrale.kernels.attention.paged_attention_reference`. A block of
+three warpgroups owns one query head and a tile of up to :data:`TILE_ROWS` consecutive rows of one
+sequence, and the warpgroups specialise:
+
+* the producer (warpgroup 0, one thread issuing) copies each step's :data:`BLOCK_KEYS` keys and
+  values from the paged cache into shared memory with TMA tensor loads (``cp.async.bulk.tensor``),
+  a page's rows a load, through one tensor map per cache (:func:`tensor_map`); the copies land in
+  the 128-byte swizzle the products read, their bytes counted on an mbarrier per stage ("full"),
+  two stages in flight; pages past the tile's last key are asked for outside the tensor, which
+  lands zeros;
+* two consumers (warpgroups 1 and 2, 64 rows each) stage their query rows once (scaled, as bf16,
+  swizzled), then per step wait for the keys, run ``S = Q K^T`` as ``wgmma.m64n128k16`` products
+  with both operands in shared memory, release the keys (an "empty" mbarrier the producer waits
+  on before it refills the stage), run the masked online softmax in registers, and ``O += P V``
+  as ``wgmma.m64nDk16`` with the probabilities as the A operand straight from the scores'
+  registers and the values read N-major from shared memory, then release the values.
+
+The causal rule, sliding windows, the logit soft cap and sinks are the reference's, as in
+:mod:`metrale.kernels.attention_mma`, whose prompt tiles (a cached prefix plus the chunk) this
+kernel takes the same way. The producer gives up registers (``setmaxnreg``) for the consumers'
+accumulators. Head sizes of 64 and 128 over bf16 caches whose pages hold a power of two of at
+least 8 rows are served (:func:`supports`); other geometries and FP8 caches take
+:mod:`metrale.kernels.attention_mma`.
+
+Every PTX instruction sits behind a small function (:data:`INSTRUCTIONS`) so that the CPU tests
+run the kernel on the host through an emulation of them (mbarrier phases, tensor loads with the
+swizzle, the ``wgmma`` operand layouts of the PTX ISA).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from metrale.errors import KernelArgumentError
+from metrale.kernels._device import DeviceArray, check_array
+
+#: Query rows of one block (two consumer warpgroups of 64).
+TILE_ROWS = 128
+#: Keys a step (the N of the score product).
+BLOCK_KEYS = 128
+THREADS = 384
+#: The head sizes served (keys and values alike).
+HEAD_DIMS = (64, 128)
+#: Registers a thread after ``setmaxnreg``: the producer's and the consumers' (128 * 40 + 256 *
+#: 232 fit the multiprocessor's 64k).
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
+
+
+def _register_list(first: int, count: int) -> str:
+    return ", ".join(f"%{first + i}" for i in range(count))
+
+
+def _wgmma_functions(widths: tuple[int, ...]) -> str:
+    """The ``wgmma_ss<N>`` and ``wgmma_rs_mn<N>`` specialisations for each N of ``widths``."""
+    parts = [
+        "template <int N> __device__ void wgmma_ss(float (&d)[N / 2], unsigned long long a, unsigned long long b, "
+        "int accumulate);",
+        "template <int N> __device__ void wgmma_rs_mn(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b, "
+        "int accumulate);",
+    ]
+    for n in widths:
+        count = n // 2
+        outputs = ", ".join(f'"+f"(d[{i}])' for i in range(count))
+        parts.append(f"""
+// D (64 x {n}) += A B, A (64 x 16) and B (16 x {n}) in shared memory, both K-major.
+template <> __device__ __forceinline__ void wgmma_ss<{n}>(float (&d)[{count}], unsigned long long a,
+                                                         unsigned long long b, int accumulate) {{
+    asm volatile(
+        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{count + 2}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{_register_list(0, count)}}}, %{count}, %{count + 1}, "
+        "p, 1, 1, 0, 0;\\n}}\\n"
+        : {outputs}
+        : "l"(a), "l"(b), "r"(accumulate));
+}}
+// D (64 x {n}) += A B, A from registers (each warp's 16 rows as mma.sync's A fragment), B (16 x {n})
+// in shared memory, MN-major.
+template <> __device__ __forceinline__ void wgmma_rs_mn<{n}>(float (&d)[{count}], const unsigned (&a)[4],
+                                                            unsigned long long b, int accumulate) {{
+    asm volatile(
+        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{count + 5}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{_register_list(0, count)}}}, "
+        "{{%{count}, %{count + 1}, %{count + 2}, %{count + 3}}}, %{count + 4}, p, 1, 1, 1;\\n}}\\n"
+        : {outputs}
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}}""")
+    return "\n".join(parts) + "\n"
+
+
+#: The PTX behind the kernel's helpers (the CPU tests replace them with their emulation).
+INSTRUCTIONS = r"""
+#define DYNAMIC_SHARED extern __shared__ __align__(1024) unsigned char dynamic_shared[]
+// A CUtensorMap (cuTensorMapEncodeTiled's 128 opaque bytes), passed as a __grid_constant__ parameter.
+struct __align__(64) TensorMap { unsigned long long opaque[16]; };
+
+__device__ __forceinline__ unsigned shared_address(const void* pointer) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(pointer));
+}
+// Two float32 values as a bf16 pair, round to nearest even (low half first).
+__device__ __forceinline__ unsigned pack_bf16(float low, float high) {
+    unsigned pair;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(high), "f"(low));
+    return pair;
+}
+__device__ __forceinline__ void barrier_init(unsigned address, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(address), "r"(count) : "memory");
+}
+// The barriers' initialisation made visible to the async proxy (the tensor loads) before use.
+__device__ __forceinline__ void barrier_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void barrier_arrive(unsigned address) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(address) : "memory");
+}
+// This thread's arrival, and `bytes` more that tensor loads will complete on the barrier.
+__device__ __forceinline__ void barrier_expect_bytes(unsigned address, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(address), "r"(bytes) : "memory");
+}
+// Returns once the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void barrier_wait(unsigned address, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nwait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n}\n" ::"r"(address), "r"(parity) : "memory");
+}
+// The box of `map` at coordinates (c0, c1, c2) into shared memory at `target`, its bytes
+// completed on `barrier`; coordinates outside the tensor land zeros.
+__device__ __forceinline__ void tensor_load_3d(unsigned target, const TensorMap& map, int c0, int c1, int c2,
+                                               unsigned barrier) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+        ::"r"(target), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(barrier)
+        : "memory");
+}
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// Shared-memory writes of this thread made visible to the async proxy (wgmma's operand reads).
+__device__ __forceinline__ void async_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int pending> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(pending) : "memory");
+}
+// Keeps the compiler from moving reads or writes of the accumulators across a wgmma's wait.
+template <int count> __device__ __forceinline__ void fence_operands(float (&d)[count]) {
+#pragma unroll
+    for (int i = 0; i < count; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int registers> __device__ __forceinline__ void registers_increase() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(registers));
+}
+template <int registers> __device__ __forceinline__ void registers_decrease() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(registers));
+}
+""" + _wgmma_functions((64, 128))
+
+#: The kernel, written against :data:`INSTRUCTIONS`; ``__HEAD_DIM__`` and ``__SOFTCAP__`` are filled
+#: in by :func:`kernel_source`.
+KERNEL = r"""
+#define HEAD_DIM __HEAD_DIM__
+#define SOFTCAP __SOFTCAP__
+#define TILE_ROWS 128
+#define BLOCK_KEYS 128
+#define THREADS 384
+#define STAGES 2
+#define NEG_INF (__int_as_float(0xff800000))
+// Shared memory from a 1024-byte boundary (the swizzle's period): the query tile, then STAGES
+// stages of keys, then of values, each as HEAD_DIM / 64 panels of 64 columns (128-byte rows,
+// swizzled), then the mbarriers.
+#define PANELS (HEAD_DIM / 64)
+#define Q_PANEL_BYTES (TILE_ROWS * 128)
+#define KV_PANEL_BYTES (BLOCK_KEYS * 128)
+#define STAGE_BYTES (PANELS * KV_PANEL_BYTES)
+#define Q_OFFSET 0
+#define K_OFFSET (PANELS * Q_PANEL_BYTES)
+#define V_OFFSET (K_OFFSET + STAGES * STAGE_BYTES)
+#define BARRIER_OFFSET (V_OFFSET + STAGES * STAGE_BYTES)
+#define SHARED_BYTES (BARRIER_OFFSET + 8 * 4 * STAGES + 1024)
+
+typedef unsigned short bf16_bits;
+
+// The 128-byte swizzle of an offset from a 1024-byte boundary: its 16-byte chunk within its
+// 128-byte row XORed with the row's place among 8 (what TMA writes and wgmma reads).
+__device__ __forceinline__ unsigned swizzle_128(unsigned offset) { return offset ^ (((offset >> 7) & 7u) << 4); }
+
+// A wgmma shared-memory operand: start address, leading and stride byte offsets, 128-byte swizzle.
+__device__ __forceinline__ unsigned long long matrix_descriptor(unsigned address, unsigned leading, unsigned stride) {
+    return (unsigned long long)((address & 0x3ffffu) >> 4) | ((unsigned long long)((leading & 0x3ffffu) >> 4) << 16)
+           | ((unsigned long long)((stride & 0x3ffffu) >> 4) << 32) | (1ull << 62);
+}
+
+// Grid: (tiles, query heads); THREADS threads; SHARED_BYTES of dynamic shared memory. k_map and
+// v_map: tensor maps of the caches [blocks * block_size, nkv, HEAD_DIM] bf16 with boxes of
+// (64, 1, min(block_size, BLOCK_KEYS)) and the 128-byte swizzle. q [N, nh, HEAD_DIM] f32;
+// block_tables [S, max_blocks], seq_index [N], positions [N], tiles [T, 2] (first row, rows) int32;
+// out [N, nh * HEAD_DIM] bf16 bits. softcap > 0 caps the logits (with SOFTCAP); sinks (f32 [nh],
+// or null) adds exp(sinks[head]) to each row's denominator.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma(
+    const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, const float* __restrict__ q,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_index, const int* __restrict__ positions,
+    const int* __restrict__ tiles, int num_heads, int num_kv_heads, int block_size, int max_blocks, int total_slots,
+    float scale, int sliding_window, float softcap, const float* __restrict__ sinks, bf16_bits* __restrict__ out)
+{
+    DYNAMIC_SHARED;
+    const unsigned raw = shared_address(dynamic_shared);
+    const unsigned base = (raw + 1023u) & ~1023u;
+    unsigned char* shared = dynamic_shared + (base - raw);
+    const unsigned barriers = base + BARRIER_OFFSET;
+    // Per stage: keys landed, values landed (the producer's), keys free, values free (the consumers').
+    auto keys_full = [&](int stage) { return barriers + 8u * stage; };
+    auto values_full = [&](int stage) { return barriers + 8u * (STAGES + stage); };
+    auto keys_free = [&](int stage) { return barriers + 8u * (2 * STAGES + stage); };
+    auto values_free = [&](int stage) { return barriers + 8u * (3 * STAGES + stage); };
+
+    const int tile = blockIdx.x, head = blockIdx.y;
+    const int kv_head = head / (num_heads / num_kv_heads);
+    const int first = tiles[2 * tile], count = tiles[2 * tile + 1];
+    const int* table = block_tables + (long)seq_index[first] * max_blocks;
+    const int first_position = positions[first];
+    const int key_end = positions[first + count - 1] + 1;
+    int key_start = 0;
+    if (sliding_window > 0) {
+        key_start = first_position - sliding_window + 1;
+        key_start = key_start < 0 ? 0 : key_start / BLOCK_KEYS * BLOCK_KEYS;
+    }
+    const int steps = (key_end - key_start + BLOCK_KEYS - 1) / BLOCK_KEYS;
+
+    if (threadIdx.x == 0) {
+        for (int stage = 0; stage < STAGES; ++stage) {
+            barrier_init(keys_full(stage), 1);
+            barrier_init(values_full(stage), 1);
+            barrier_init(keys_free(stage), 256);
+            barrier_init(values_free(stage), 256);
+        }
+        barrier_init_fence();
+    }
+    __syncthreads();
+
+    const int group = threadIdx.x / 128;
+    if (group == 0) {
+        // The producer: one thread issues every tensor load.
+        registers_decrease<__PRODUCER_REGISTERS__>();
+        if (threadIdx.x == 0) {
+            const int box_rows = block_size < BLOCK_KEYS ? block_size : BLOCK_KEYS;
+            for (int step = 0; step < steps; ++step) {
+                const int stage = step % STAGES;
+                const unsigned round = step / STAGES;
+                const int step_base = key_start + step * BLOCK_KEYS;
+                for (int half = 0; half < 2; ++half) {
+                    barrier_wait(half ? values_free(stage) : keys_free(stage), (round & 1u) ^ 1u);
+                    const unsigned landed = half ? values_full(stage) : keys_full(stage);
+                    barrier_expect_bytes(landed, STAGE_BYTES);
+                    const unsigned target = base + (half ? V_OFFSET : K_OFFSET) + stage * STAGE_BYTES;
+                    for (int r = 0; r < BLOCK_KEYS; r += box_rows) {
+                        const int position = step_base + r;
+                        // Rows past the tile's last key: outside the tensor, zeros.
+                        const int slot = position < key_end
+                            ? table[position / block_size] * block_size + position % block_size : total_slots;
+                        for (int panel = 0; panel < PANELS; ++panel) {
+                            tensor_load_3d(target + panel * KV_PANEL_BYTES + r * 128, half ? v_map : k_map, panel * 64,
+                                           kv_head, slot, landed);
+                        }
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    // A consumer: rows 64 * consumer .. of the tile; this thread's two rows row0 and row1.
+    registers_increase<__CONSUMER_REGISTERS__>();
+    const int consumer = group - 1, t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+    const int quad = lane % 4;
+    const int row0 = 64 * consumer + 16 * warp + lane / 4, row1 = row0 + 8;
+    const int position0 = row0 < count ? positions[first + row0] : -1;
+    const int position1 = row1 < count ? positions[first + row1] : -1;
+    const int own_rows = count - 64 * consumer;   // rows of this warpgroup (<= 0: none)
+    const int last_position = own_rows > 0 ? positions[first + 64 * consumer + (own_rows < 64 ? own_rows : 64) - 1] : -1;
+
+    // The query rows, scaled by scale * log2(e) (the softmax runs in base 2), as bf16, 8 columns a store.
+    const float query_scale = scale * 1.4426950408889634f;
+    for (int e = t; e < 64 * HEAD_DIM / 8; e += 128) {
+        const int r = e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8), row = 64 * consumer + r;
+        uint4 value = make_uint4(0u, 0u, 0u, 0u);
+        if (row < count) {
+            const float* source = q + ((long)(first + row) * num_heads + head) * HEAD_DIM + chunk * 8;
+            value = make_uint4(pack_bf16(source[0] * query_scale, source[1] * query_scale),
+                               pack_bf16(source[2] * query_scale, source[3] * query_scale),
+                               pack_bf16(source[4] * query_scale, source[5] * query_scale),
+                               pack_bf16(source[6] * query_scale, source[7] * query_scale));
+        }
+        const unsigned offset = Q_OFFSET + (chunk / 8) * Q_PANEL_BYTES + row * 128 + (chunk % 8) * 16;
+        *reinterpret_cast<uint4*>(shared + swizzle_128(offset)) = value;
+    }
+    async_proxy_fence();
+    named_barrier(1 + consumer, 128);
+
+    float best[2] = {NEG_INF, NEG_INF}, total[2] = {0.f, 0.f};
+    float acc[HEAD_DIM / 2];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 2; ++i) acc[i] = 0.f;
+
+    for (int step = 0; step < steps; ++step) {
+        const int stage = step % STAGES;
+        const unsigned round = step / STAGES;
+        const int step_base = key_start + step * BLOCK_KEYS;
+        // Whether any row of this warpgroup sees a key of the step (uniform over the warpgroup).
+        const bool active = step_base <= last_position;
+        float scores[BLOCK_KEYS / 2];
+        barrier_wait(keys_full(stage), round & 1u);
+        if (active) {
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                const unsigned long long a = matrix_descriptor(
+                    base + Q_OFFSET + (kk / 4) * Q_PANEL_BYTES + 64 * consumer * 128 + (kk % 4) * 32, 16, 1024);
+                const unsigned long long b = matrix_descriptor(
+                    base + K_OFFSET + stage * STAGE_BYTES + (kk / 4) * KV_PANEL_BYTES + (kk % 4) * 32, 16, 1024);
+                wgmma_ss<BLOCK_KEYS>(scores, a, b, kk > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operands(scores);
+        }
+        barrier_arrive(keys_free(stage));
+
+        unsigned probabilities[BLOCK_KEYS / 16][4];
+        if (active) {
+#if SOFTCAP
+            // The logits capped, in the scores' base-2 units: log2(e) softcap * tanh(score / (log2(e) softcap)).
+            const float cap = softcap * 1.4426950408889634f;
+#pragma unroll
+            for (int i = 0; i < BLOCK_KEYS / 2; ++i) scores[i] = cap * tanhf(scores[i] / cap);
+#endif
+            // scores[4j + c]: row row0 (c < 2) or row1, key step_base + 8j + 2 quad + (c & 1).
+            const bool all_seen = step_base + BLOCK_KEYS - 1 <= first_position
+                                  && (sliding_window <= 0 || step_base > key_end - 1 - sliding_window);
+            float new_best[2] = {best[0], best[1]};
+#pragma unroll
+            for (int i = 0; i < BLOCK_KEYS / 2; ++i) {
+                const int half = (i % 4) / 2;
+                if (!all_seen) {
+                    const int position = half ? position1 : position0;
+                    const int key = step_base + 8 * (i / 4) + 2 * quad + (i & 1);
+                    const bool seen = key <= position && (sliding_window <= 0 || key > position - sliding_window);
+                    if (!seen) scores[i] = NEG_INF;
+                }
+                new_best[half] = fmaxf(new_best[half], scores[i]);
+            }
+            float rescale[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                new_best[h] = fmaxf(new_best[h], __shfl_xor_sync(0xffffffff, new_best[h], 1));
+                new_best[h] = fmaxf(new_best[h], __shfl_xor_sync(0xffffffff, new_best[h], 2));
+                rescale[h] = new_best[h] == NEG_INF ? 1.f : exp2f(best[h] - new_best[h]);
+                best[h] = new_best[h];
+                total[h] *= rescale[h];
+            }
+#pragma unroll
+            for (int i = 0; i < BLOCK_KEYS / 2; ++i) {
+                const int h = (i % 4) / 2;
+                const float p = best[h] == NEG_INF ? 0.f : exp2f(scores[i] - best[h]);
+                scores[i] = p;
+                total[h] += p;
+            }
+#pragma unroll
+            for (int i = 0; i < HEAD_DIM / 2; ++i) acc[i] *= rescale[(i % 4) / 2];
+            // Keys 16kt .. 16kt + 15 (score tiles 2kt and 2kt + 1) as the A fragment of the value product.
+#pragma unroll
+            for (int kt = 0; kt < BLOCK_KEYS / 16; ++kt) {
+                probabilities[kt][0] = pack_bf16(scores[8 * kt + 0], scores[8 * kt + 1]);
+                probabilities[kt][1] = pack_bf16(scores[8 * kt + 2], scores[8 * kt + 3]);
+                probabilities[kt][2] = pack_bf16(scores[8 * kt + 4], scores[8 * kt + 5]);
+                probabilities[kt][3] = pack_bf16(scores[8 * kt + 6], scores[8 * kt + 7]);
+            }
+        }
+
+        barrier_wait(values_full(stage), round & 1u);
+        if (active) {
+            wgmma_fence();
+#pragma unroll
+            for (int kt = 0; kt < BLOCK_KEYS / 16; ++kt) {
+                // Keys 16kt .. of the stage's values: 8 keys 128 bytes apart, groups of 8 keys 1024
+                // apart, panels of 64 columns KV_PANEL_BYTES apart.
+                const unsigned long long b = matrix_descriptor(
+                    base + V_OFFSET + stage * STAGE_BYTES + kt * 16 * 128, KV_PANEL_BYTES, 1024);
+                wgmma_rs_mn<HEAD_DIM>(acc, probabilities[kt], b, 1);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operands(acc);
+        }
+        barrier_arrive(values_free(stage));
+    }
+
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        total[h] += __shfl_xor_sync(0xffffffff, total[h], 1);
+        total[h] += __shfl_xor_sync(0xffffffff, total[h], 2);
+        // The sink's term, exp(sink) in the scale of the running maximum (base 2); a row's own key
+        // is always seen, so best is finite for every row of the tile.
+        if (sinks != nullptr && best[h] != NEG_INF) total[h] += exp2f(sinks[head] * 1.4426950408889634f - best[h]);
+    }
+    const long row_width = (long)num_heads * HEAD_DIM;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = h ? row1 : row0;
+        if (row >= count) continue;
+        const float inverse = total[h] > 0.f ? 1.f / total[h] : 0.f;
+        unsigned* target = reinterpret_cast<unsigned*>(out + (first + row) * row_width + head * HEAD_DIM);
+#pragma unroll
+        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+            target[(dt * 8 + quad * 2) / 2] = pack_bf16(acc[4 * dt + 2 * h] * inverse, acc[4 * dt + 2 * h + 1] * inverse);
+        }
+    }
+}
+"""
+
+
+def shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of one block: the query tile, two stages of keys and of values (bf16),
+    the mbarriers, and up to 1024 bytes to reach the swizzle's boundary."""
+    panels = head_dim // 64
+    return panels * TILE_ROWS * 128 + 2 * 2 * panels * BLOCK_KEYS * 128 + 8 * 4 * 2 + 1024
+
+
+def kernel_source(head_dim: int, softcap: bool = False, with_instructions: bool = True) -> str:
+    """The kernel's CUDA C++ for the head size, with the logit soft cap compiled in or not, with
+    its PTX helpers, or without them for the CPU emulation, which brings its own."""
+    kernel = (KERNEL.replace("__HEAD_DIM__", str(head_dim)).replace("__SOFTCAP__", str(int(softcap)))
+              .replace("__PRODUCER_REGISTERS__", str(PRODUCER_REGISTERS))
+              .replace("__CONSUMER_REGISTERS__", str(CONSUMER_REGISTERS)))
+    return (INSTRUCTIONS if with_instructions else "") + kernel
+
+
+def supports(heads: int, kv_heads: int, head_dim: int, value_dim: int, block_size: int) -> bool:
+    """Whether this kernel serves the geometry: GQA with equal key and value head sizes of 64 or
+    128, and pages of a power of two of at least 8 rows (a page's rows are one tensor load, or a
+    step's 128 rows one of a page's)."""
+    return (head_dim == value_dim and head_dim in HEAD_DIMS and kv_heads > 0 and heads % kv_heads == 0
+            and block_size >= 8 and block_size & (block_size - 1) == 0)
+
+
+def box_rows(block_size: int) -> int:
+    """Rows of one tensor load: a page's, or a step's where a page holds more."""
+    return min(block_size, BLOCK_KEYS)
+
+
+# ----------------------------------------------------------------------------------- tensor maps
+
+#: CUtensorMapDataType, CUtensorMapSwizzle and friends (cuda.h).
+_UINT16 = 1
+_INTERLEAVE_NONE = 0
+_SWIZZLE_128B = 3
+_L2_PROMOTION_256B = 3
+_OOB_FILL_ZEROS = 0
+
+
+class TensorMapBytes(ctypes.Structure):
+    """A ``CUtensorMap``: 128 opaque bytes, 64-byte aligned, passed to the kernel by value."""
+
+    _pack_ = 8
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+_encode: list[Any] = []
+
+
+def _encode_function() -> Any:
+    if not _encode:
+        function = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+        function.restype = ctypes.c_int
+        _encode.append(function)
+    return _encode[0]
+
+
+def tensor_map(cache: DeviceArray) -> TensorMapBytes:
+    """The tensor map of a bf16 cache ``[blocks, block_size, nkv, D]`` (its bits as uint16) that
+    the kernel's loads read: three dimensions (D, nkv, blocks * block_size), boxes of 64 columns of
+    one KV head and :func:`box_rows` slots, the 128-byte swizzle, zeros outside."""
+    blocks, block_size, kv_heads, head_dim = cache.shape
+    dims = (ctypes.c_uint64 * 3)(head_dim, kv_heads, blocks * block_size)
+    strides = (ctypes.c_uint64 * 2)(head_dim * 2, kv_heads * head_dim * 2)
+    box = (ctypes.c_uint32 * 3)(64, 1, box_rows(block_size))
+    element_strides = (ctypes.c_uint32 * 3)(1, 1, 1)
+    result = TensorMapBytes()
+    status = _encode_function()(
+        ctypes.byref(result), _UINT16, 3, ctypes.c_void_p(int(cache.data.ptr)), dims, strides, box, element_strides,
+        _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
+    if status:
+        raise KernelArgumentError(f"prefill_attention_wgmma: cuTensorMapEncodeTiled failed ({status}) for a cache of "
+                                  f"shape {list(cache.shape)}")
+    return result
+
+
+# ---------------------------------------------------------------------------------------- launch
+
+_kernels: dict[tuple[int, bool], Any] = {}
+_maps: dict[tuple[int, tuple[int, ...]], TensorMapBytes] = {}
+
+
+def _kernel(head_dim: int, softcap: bool) -> Any:
+    """The compiled kernel for the head size (capped logits or not): NVRTC for sm_90a, once per
+    process and geometry."""
+    key = (head_dim, softcap)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        from metrale.kernels._compile import compile_module
+
+        from cupy.cuda import driver
+
+        kernel = compile_module(kernel_source(head_dim, softcap), "sm_90a").get_function("prefill_attention_wgmma")
+        driver.funcSetAttribute(kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                shared_bytes(head_dim))
+        _kernels[key] = kernel
+    return kernel
+
+
+def _cached_map(cache: DeviceArray) -> TensorMapBytes:
+    key = (int(cache.data.ptr), tuple(cache.shape))
+    entry = _maps.get(key)
+    if entry is None:
+        entry = _maps[key] = tensor_map(cache)
+    return entry
+
+
+def available() -> bool:
+    """Whether the current device runs sm_90a code (compute capability 9.0)."""
+    import cupy
+
+    return str(cupy.cuda.Device().compute_capability) == "90"
+
+
+def prefill_attention(
+    q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
+    positions: DeviceArray, tiles: DeviceArray, scale: float, sliding_window: int | None, out: DeviceArray,
+    stream: Any = None, softcap: float | None = None, sinks: DeviceArray | None = None,
+) -> DeviceArray:
+    """Causal attention of the rows of ``tiles`` (:func:`query_tiles`, :data:`TILE_ROWS` rows a
+    tile) over their sequences' paged K/V: ``out [N, nh * D]`` bf16 bits from ``q [N, nh, D]``
+    float32 and bf16 caches ``k_cache``, ``v_cache [blocks, block_size, nkv, D]``, as
+    :func:`metrale.kernels.attention_mma.prefill_attention` takes them. Raises
+    :class:`~metrale.errors.KernelArgumentError` for what :func:`supports` refuses."""
+    from metrale.kernels._launch import launch
+
+    op = "prefill_attention_wgmma"
+    check_array(op, "q", q, np.float32, ndim=3)
+    rows, heads, head_dim = q.shape
+    check_array(op, "k_cache", k_cache, np.uint16, (None, None, None, head_dim))
+    blocks, block_size, kv_heads = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    check_array(op, "v_cache", v_cache, np.uint16, (blocks, block_size, kv_heads, None))
+    if not supports(heads, kv_heads, head_dim, v_cache.shape[3], block_size):
+        raise KernelArgumentError(
+            f"{op}: {heads} heads over {kv_heads} KV heads of sizes {head_dim} (keys) and {v_cache.shape[3]} (values) "
+            f"in pages of {block_size} rows are unsupported")
+    if blocks * block_size >= 2**31:
+        raise KernelArgumentError(f"{op}: a cache of {blocks * block_size} slots exceeds the tensor maps' int32 rows")
+    check_array(op, "block_tables", block_tables, np.int32, ndim=2)
+    check_array(op, "seq_index", seq_index, np.int32, (rows,))
+    check_array(op, "positions", positions, np.int32, (rows,))
+    check_array(op, "tiles", tiles, np.int32, (None, 2))
+    check_array(op, "out", out, np.uint16, (rows, heads * head_dim))
+    if softcap is not None and not softcap >= 0:
+        raise KernelArgumentError(f"{op}: softcap must be positive (or None), got {softcap}")
+    if sinks is not None:
+        check_array(op, "sinks", sinks, np.float32, (heads,))
+    if not tiles.shape[0]:
+        return out
+    kernel = _kernel(head_dim, bool(softcap))
+    arguments = (
+        _cached_map(k_cache), _cached_map(v_cache), q, block_tables, seq_index, positions, tiles, np.int32(heads),
+        np.int32(kv_heads), np.int32(block_size), np.int32(block_tables.shape[1]), np.int32(blocks * block_size),
+        np.float32(scale), np.int32(sliding_window or 0), np.float32(softcap or 0.0),
+        sinks if sinks is not None else np.uint64(0), out,
+    )
+    launch(kernel, (int(tiles.shape[0]), heads), (THREADS,), arguments, shared_bytes(head_dim), stream,
+           dependent=False)
+    return out
+
+
+def query_tiles(row_starts: np.ndarray) -> np.ndarray:
+    """``[T, 2]`` int32 (first row, row count) tiles of at most :data:`TILE_ROWS` rows within each
+    segment ``row_starts[s]:row_starts[s + 1]``."""
+    from metrale.kernels.attention_mma import query_tiles as tiles_of
+
+    return tiles_of(row_starts, TILE_ROWS)
+
+
+def attention_flops(lengths: list[int], heads: int, head_dim: int) -> float:
+    """Multiply-adds times two of causal attention over prompts of ``lengths`` (both products, the
+    keys each row sees), the count the sweeps divide by time."""
+    return float(sum(4 * heads * head_dim * n * (n + 1) / 2 for n in lengths))
+
