@@ -5,14 +5,14 @@ The NumPy reference is :func:`metrale.kernels.attention.paged_attention_referenc
 three warpgroups owns one query head and a tile of up to :data:`TILE_ROWS` consecutive rows of one
 sequence, and the warpgroups specialise:
 
-* the producer (warpgroup 0, one thread issuing) copies each step's :data:`BLOCK_KEYS` keys and
-  values from the paged cache into shared memory with TMA tensor loads (``cp.async.bulk.tensor``),
+* the producer (warpgroup 0, one thread issuing) copies each step's keys and values (128, or 64
+  for heads of 256 dims: :func:`block_keys`) from the paged cache into shared memory with TMA tensor loads (``cp.async.bulk.tensor``),
   a page's rows a load, through one tensor map per cache (:func:`tensor_map`); the copies land in
   the 128-byte swizzle the products read, their bytes counted on an mbarrier per stage ("full"),
   two stages in flight; pages past the tile's last key are asked for outside the tensor, which
   lands zeros;
 * two consumers (warpgroups 1 and 2, 64 rows each) stage their query rows once (scaled, as bf16,
-  swizzled), then per step wait for the keys, run ``S = Q K^T`` as ``wgmma.m64n128k16`` products
+  swizzled), then per step wait for the keys, run ``S = Q K^T`` as ``wgmma.m64nNk16`` products (N the step's keys)
   with both operands in shared memory, release the keys (an "empty" mbarrier the producer waits
   on before it refills the stage), run the masked online softmax in registers, and ``O += P V``
   as ``wgmma.m64nDk16`` with the probabilities as the A operand straight from the scores'
@@ -21,9 +21,9 @@ sequence, and the warpgroups specialise:
 The causal rule, sliding windows, the logit soft cap and sinks are the reference's, as in
 :mod:`metrale.kernels.attention_mma`, whose prompt tiles (a cached prefix plus the chunk) this
 kernel takes the same way. The producer gives up registers (``setmaxnreg``) for the consumers'
-accumulators. Head sizes of 64 and 128 over bf16 caches whose pages hold a power of two of at
-least 8 rows are served (:func:`supports`); other geometries and FP8 caches take
-:mod:`metrale.kernels.attention_mma`.
+accumulators. (Key, value) head sizes of (64, 64), (128, 128), (256, 256) and MLA's expanded
+(192, 128) over bf16 caches whose pages hold a power of two of at least 8 rows are served
+(:func:`supports`); other geometries and FP8 caches take :mod:`metrale.kernels.attention_mma`.
 
 Every PTX instruction sits behind a small function (:data:`INSTRUCTIONS`) so that the CPU tests
 run the kernel on the host through an emulation of them (mbarrier phases, tensor loads with the
@@ -42,11 +42,9 @@ from metrale.kernels._device import DeviceArray, check_array
 
 #: Query rows of one block (two consumer warpgroups of 64).
 TILE_ROWS = 128
-#: Keys a step (the N of the score product).
-BLOCK_KEYS = 128
 THREADS = 384
-#: The head sizes served (keys and values alike).
-HEAD_DIMS = (64, 128)
+#: The (key, value) head sizes served.
+HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 #: Registers a thread after ``setmaxnreg``: the producer's and the consumers' (128 * 40 + 256 *
 #: 232 fit the multiprocessor's 64k).
 PRODUCER_REGISTERS = 40
@@ -157,30 +155,32 @@ template <int registers> __device__ __forceinline__ void registers_increase() {
 template <int registers> __device__ __forceinline__ void registers_decrease() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(registers));
 }
-""" + _wgmma_functions((64, 128))
+""" + _wgmma_functions((64, 128, 256))
 
 #: The kernel, written against :data:`INSTRUCTIONS`; ``__HEAD_DIM__`` and ``__SOFTCAP__`` are filled
 #: in by :func:`kernel_source`.
 KERNEL = r"""
 #define HEAD_DIM __HEAD_DIM__
+#define VALUE_DIM __VALUE_DIM__
+#define BLOCK_KEYS __BLOCK_KEYS__
 #define SOFTCAP __SOFTCAP__
 #define TILE_ROWS 128
-#define BLOCK_KEYS 128
 #define THREADS 384
 #define STAGES 2
 #define NEG_INF (__int_as_float(0xff800000))
 // Shared memory from a 1024-byte boundary (the swizzle's period): the query tile, then STAGES
-// stages of keys, then of values, each as HEAD_DIM / 64 panels of 64 columns (128-byte rows,
-// swizzled), then the mbarriers.
-#define PANELS (HEAD_DIM / 64)
+// stages of keys, then of values, each as panels of 64 columns (128-byte rows, swizzled), then
+// the mbarriers.
+#define K_PANELS (HEAD_DIM / 64)
+#define V_PANELS (VALUE_DIM / 64)
 #define Q_PANEL_BYTES (TILE_ROWS * 128)
 #define KV_PANEL_BYTES (BLOCK_KEYS * 128)
-#define STAGE_BYTES (PANELS * KV_PANEL_BYTES)
+#define K_STAGE_BYTES (K_PANELS * KV_PANEL_BYTES)
+#define V_STAGE_BYTES (V_PANELS * KV_PANEL_BYTES)
 #define Q_OFFSET 0
-#define K_OFFSET (PANELS * Q_PANEL_BYTES)
-#define V_OFFSET (K_OFFSET + STAGES * STAGE_BYTES)
-#define BARRIER_OFFSET (V_OFFSET + STAGES * STAGE_BYTES)
-#define SHARED_BYTES (BARRIER_OFFSET + 8 * 4 * STAGES + 1024)
+#define K_OFFSET (K_PANELS * Q_PANEL_BYTES)
+#define V_OFFSET (K_OFFSET + STAGES * K_STAGE_BYTES)
+#define BARRIER_OFFSET (V_OFFSET + STAGES * V_STAGE_BYTES)
 
 typedef unsigned short bf16_bits;
 
@@ -194,11 +194,12 @@ __device__ __forceinline__ unsigned long long matrix_descriptor(unsigned address
            | ((unsigned long long)((stride & 0x3ffffu) >> 4) << 32) | (1ull << 62);
 }
 
-// Grid: (tiles, query heads); THREADS threads; SHARED_BYTES of dynamic shared memory. k_map and
-// v_map: tensor maps of the caches [blocks * block_size, nkv, HEAD_DIM] bf16 with boxes of
-// (64, 1, min(block_size, BLOCK_KEYS)) and the 128-byte swizzle. q [N, nh, HEAD_DIM] f32;
-// block_tables [S, max_blocks], seq_index [N], positions [N], tiles [T, 2] (first row, rows) int32;
-// out [N, nh * HEAD_DIM] bf16 bits. softcap > 0 caps the logits (with SOFTCAP); sinks (f32 [nh],
+// Grid: (tiles, query heads); THREADS threads; dynamic shared memory: BARRIER_OFFSET, the
+// barriers' 8 * 4 * STAGES bytes and 1024 to reach a boundary. k_map and v_map: tensor maps of
+// the caches [blocks * block_size, nkv, HEAD_DIM or VALUE_DIM] bf16 with boxes of (64, 1,
+// min(block_size, BLOCK_KEYS)) and the 128-byte swizzle. q [N, nh, HEAD_DIM] f32; block_tables
+// [S, max_blocks], seq_index [N], positions [N], tiles [T, 2] (first row, rows) int32; out
+// [N, nh * VALUE_DIM] bf16 bits. softcap > 0 caps the logits (with SOFTCAP); sinks (f32 [nh],
 // or null) adds exp(sinks[head]) to each row's denominator.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma(
     const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, const float* __restrict__ q,
@@ -254,14 +255,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
                 for (int half = 0; half < 2; ++half) {
                     barrier_wait(half ? values_free(stage) : keys_free(stage), (round & 1u) ^ 1u);
                     const unsigned landed = half ? values_full(stage) : keys_full(stage);
-                    barrier_expect_bytes(landed, STAGE_BYTES);
-                    const unsigned target = base + (half ? V_OFFSET : K_OFFSET) + stage * STAGE_BYTES;
+                    barrier_expect_bytes(landed, half ? V_STAGE_BYTES : K_STAGE_BYTES);
+                    const unsigned target = base + (half ? V_OFFSET + stage * V_STAGE_BYTES : K_OFFSET + stage * K_STAGE_BYTES);
                     for (int r = 0; r < BLOCK_KEYS; r += box_rows) {
                         const int position = step_base + r;
                         // Rows past the tile's last key: outside the tensor, zeros.
                         const int slot = position < key_end
                             ? table[position / block_size] * block_size + position % block_size : total_slots;
-                        for (int panel = 0; panel < PANELS; ++panel) {
+                        for (int panel = 0; panel < (half ? V_PANELS : K_PANELS); ++panel) {
                             tensor_load_3d(target + panel * KV_PANEL_BYTES + r * 128, half ? v_map : k_map, panel * 64,
                                            kv_head, slot, landed);
                         }
@@ -301,9 +302,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
     named_barrier(1 + consumer, 128);
 
     float best[2] = {NEG_INF, NEG_INF}, total[2] = {0.f, 0.f};
-    float acc[HEAD_DIM / 2];
+    float acc[VALUE_DIM / 2];
 #pragma unroll
-    for (int i = 0; i < HEAD_DIM / 2; ++i) acc[i] = 0.f;
+    for (int i = 0; i < VALUE_DIM / 2; ++i) acc[i] = 0.f;
 
     for (int step = 0; step < steps; ++step) {
         const int stage = step % STAGES;
@@ -320,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
                 const unsigned long long a = matrix_descriptor(
                     base + Q_OFFSET + (kk / 4) * Q_PANEL_BYTES + 64 * consumer * 128 + (kk % 4) * 32, 16, 1024);
                 const unsigned long long b = matrix_descriptor(
-                    base + K_OFFSET + stage * STAGE_BYTES + (kk / 4) * KV_PANEL_BYTES + (kk % 4) * 32, 16, 1024);
+                    base + K_OFFSET + stage * K_STAGE_BYTES + (kk / 4) * KV_PANEL_BYTES + (kk % 4) * 32, 16, 1024);
                 wgmma_ss<BLOCK_KEYS>(scores, a, b, kk > 0);
             }
             wgmma_commit();
@@ -369,7 +370,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
                 total[h] += p;
             }
 #pragma unroll
-            for (int i = 0; i < HEAD_DIM / 2; ++i) acc[i] *= rescale[(i % 4) / 2];
+            for (int i = 0; i < VALUE_DIM / 2; ++i) acc[i] *= rescale[(i % 4) / 2];
             // Keys 16kt .. 16kt + 15 (score tiles 2kt and 2kt + 1) as the A fragment of the value product.
 #pragma unroll
             for (int kt = 0; kt < BLOCK_KEYS / 16; ++kt) {
@@ -388,8 +389,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
                 // Keys 16kt .. of the stage's values: 8 keys 128 bytes apart, groups of 8 keys 1024
                 // apart, panels of 64 columns KV_PANEL_BYTES apart.
                 const unsigned long long b = matrix_descriptor(
-                    base + V_OFFSET + stage * STAGE_BYTES + kt * 16 * 128, KV_PANEL_BYTES, 1024);
-                wgmma_rs_mn<HEAD_DIM>(acc, probabilities[kt], b, 1);
+                    base + V_OFFSET + stage * V_STAGE_BYTES + kt * 16 * 128, KV_PANEL_BYTES, 1024);
+                wgmma_rs_mn<VALUE_DIM>(acc, probabilities[kt], b, 1);
             }
             wgmma_commit();
             wgmma_wait<0>();
@@ -406,15 +407,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
         // is always seen, so best is finite for every row of the tile.
         if (sinks != nullptr && best[h] != NEG_INF) total[h] += exp2f(sinks[head] * 1.4426950408889634f - best[h]);
     }
-    const long row_width = (long)num_heads * HEAD_DIM;
+    const long row_width = (long)num_heads * VALUE_DIM;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int row = h ? row1 : row0;
         if (row >= count) continue;
         const float inverse = total[h] > 0.f ? 1.f / total[h] : 0.f;
-        unsigned* target = reinterpret_cast<unsigned*>(out + (first + row) * row_width + head * HEAD_DIM);
+        unsigned* target = reinterpret_cast<unsigned*>(out + (first + row) * row_width + head * VALUE_DIM);
 #pragma unroll
-        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+        for (int dt = 0; dt < VALUE_DIM / 8; ++dt) {
             target[(dt * 8 + quad * 2) / 2] = pack_bf16(acc[4 * dt + 2 * h] * inverse, acc[4 * dt + 2 * h + 1] * inverse);
         }
     }
@@ -422,33 +423,41 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
 """
 
 
-def shared_bytes(head_dim: int) -> int:
+def block_keys(head_dim: int, value_dim: int) -> int:
+    """Keys a step: 128, or 64 for heads of 256 dims (the accumulators of 256 value columns leave
+    registers for 64 scores a thread, not 128)."""
+    return 64 if max(head_dim, value_dim) > 192 else 128
+
+
+def shared_bytes(head_dim: int, value_dim: int) -> int:
     """Dynamic shared memory of one block: the query tile, two stages of keys and of values (bf16),
     the mbarriers, and up to 1024 bytes to reach the swizzle's boundary."""
-    panels = head_dim // 64
-    return panels * TILE_ROWS * 128 + 2 * 2 * panels * BLOCK_KEYS * 128 + 8 * 4 * 2 + 1024
+    keys = block_keys(head_dim, value_dim)
+    return (head_dim // 64) * TILE_ROWS * 128 + 2 * (head_dim + value_dim) // 64 * keys * 128 + 8 * 4 * 2 + 1024
 
 
-def kernel_source(head_dim: int, softcap: bool = False, with_instructions: bool = True) -> str:
-    """The kernel's CUDA C++ for the head size, with the logit soft cap compiled in or not, with
-    its PTX helpers, or without them for the CPU emulation, which brings its own."""
-    kernel = (KERNEL.replace("__HEAD_DIM__", str(head_dim)).replace("__SOFTCAP__", str(int(softcap)))
+def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_instructions: bool = True) -> str:
+    """The kernel's CUDA C++ for the key and value head sizes, with the logit soft cap compiled in
+    or not, with its PTX helpers, or without them for the CPU emulation, which brings its own."""
+    kernel = (KERNEL.replace("__HEAD_DIM__", str(head_dim)).replace("__VALUE_DIM__", str(value_dim))
+              .replace("__BLOCK_KEYS__", str(block_keys(head_dim, value_dim)))
+              .replace("__SOFTCAP__", str(int(softcap)))
               .replace("__PRODUCER_REGISTERS__", str(PRODUCER_REGISTERS))
               .replace("__CONSUMER_REGISTERS__", str(CONSUMER_REGISTERS)))
     return (INSTRUCTIONS if with_instructions else "") + kernel
 
 
 def supports(heads: int, kv_heads: int, head_dim: int, value_dim: int, block_size: int) -> bool:
-    """Whether this kernel serves the geometry: GQA with equal key and value head sizes of 64 or
-    128, and pages of a power of two of at least 8 rows (a page's rows are one tensor load, or a
-    step's 128 rows one of a page's)."""
-    return (head_dim == value_dim and head_dim in HEAD_DIMS and kv_heads > 0 and heads % kv_heads == 0
+    """Whether this kernel serves the geometry: GQA with (key, value) head sizes of (64, 64),
+    (128, 128), (192, 128) or (256, 256), and pages of a power of two of at least 8 rows (a page's
+    rows are one tensor load, or a step's rows one of a page's)."""
+    return ((head_dim, value_dim) in HEAD_DIMS and kv_heads > 0 and heads % kv_heads == 0
             and block_size >= 8 and block_size & (block_size - 1) == 0)
 
 
-def box_rows(block_size: int) -> int:
+def box_rows(block_size: int, head_dim: int, value_dim: int) -> int:
     """Rows of one tensor load: a page's, or a step's where a page holds more."""
-    return min(block_size, BLOCK_KEYS)
+    return min(block_size, block_keys(head_dim, value_dim))
 
 
 # ----------------------------------------------------------------------------------- tensor maps
@@ -479,14 +488,14 @@ def _encode_function() -> Any:
     return _encode[0]
 
 
-def tensor_map(cache: DeviceArray) -> TensorMapBytes:
+def tensor_map(cache: DeviceArray, rows: int) -> TensorMapBytes:
     """The tensor map of a bf16 cache ``[blocks, block_size, nkv, D]`` (its bits as uint16) that
     the kernel's loads read: three dimensions (D, nkv, blocks * block_size), boxes of 64 columns of
-    one KV head and :func:`box_rows` slots, the 128-byte swizzle, zeros outside."""
+    one KV head and ``rows`` slots (:func:`box_rows`), the 128-byte swizzle, zeros outside."""
     blocks, block_size, kv_heads, head_dim = cache.shape
     dims = (ctypes.c_uint64 * 3)(head_dim, kv_heads, blocks * block_size)
     strides = (ctypes.c_uint64 * 2)(head_dim * 2, kv_heads * head_dim * 2)
-    box = (ctypes.c_uint32 * 3)(64, 1, box_rows(block_size))
+    box = (ctypes.c_uint32 * 3)(64, 1, rows)
     element_strides = (ctypes.c_uint32 * 3)(1, 1, 1)
     result = TensorMapBytes()
     status = _encode_function()(
@@ -500,32 +509,33 @@ def tensor_map(cache: DeviceArray) -> TensorMapBytes:
 
 # ---------------------------------------------------------------------------------------- launch
 
-_kernels: dict[tuple[int, bool], Any] = {}
-_maps: dict[tuple[int, tuple[int, ...]], TensorMapBytes] = {}
+_kernels: dict[tuple[int, int, bool], Any] = {}
+_maps: dict[tuple[int, tuple[int, ...], int], TensorMapBytes] = {}
 
 
-def _kernel(head_dim: int, softcap: bool) -> Any:
-    """The compiled kernel for the head size (capped logits or not): NVRTC for sm_90a, once per
+def _kernel(head_dim: int, value_dim: int, softcap: bool) -> Any:
+    """The compiled kernel for the head sizes (capped logits or not): NVRTC for sm_90a, once per
     process and geometry."""
-    key = (head_dim, softcap)
+    key = (head_dim, value_dim, softcap)
     kernel = _kernels.get(key)
     if kernel is None:
         from metrale.kernels._compile import compile_module
 
         from cupy.cuda import driver
 
-        kernel = compile_module(kernel_source(head_dim, softcap), "sm_90a").get_function("prefill_attention_wgmma")
+        kernel = compile_module(kernel_source(head_dim, value_dim, softcap), "sm_90a").get_function(
+            "prefill_attention_wgmma")
         driver.funcSetAttribute(kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                shared_bytes(head_dim))
+                                shared_bytes(head_dim, value_dim))
         _kernels[key] = kernel
     return kernel
 
 
-def _cached_map(cache: DeviceArray) -> TensorMapBytes:
-    key = (int(cache.data.ptr), tuple(cache.shape))
+def _cached_map(cache: DeviceArray, rows: int) -> TensorMapBytes:
+    key = (int(cache.data.ptr), tuple(cache.shape), rows)
     entry = _maps.get(key)
     if entry is None:
-        entry = _maps[key] = tensor_map(cache)
+        entry = _maps[key] = tensor_map(cache, rows)
     return entry
 
 
@@ -542,10 +552,10 @@ def prefill_attention(
     stream: Any = None, softcap: float | None = None, sinks: DeviceArray | None = None,
 ) -> DeviceArray:
     """Causal attention of the rows of ``tiles`` (:func:`query_tiles`, :data:`TILE_ROWS` rows a
-    tile) over their sequences' paged K/V: ``out [N, nh * D]`` bf16 bits from ``q [N, nh, D]``
-    float32 and bf16 caches ``k_cache``, ``v_cache [blocks, block_size, nkv, D]``, as
-    :func:`metrale.kernels.attention_mma.prefill_attention` takes them. Raises
-    :class:`~metrale.errors.KernelArgumentError` for what :func:`supports` refuses."""
+    tile) over their sequences' paged K/V: ``out [N, nh * Dv]`` bf16 bits from ``q [N, nh, D]``
+    float32 and bf16 caches ``k_cache [blocks, block_size, nkv, D]``, ``v_cache [blocks,
+    block_size, nkv, Dv]``, as :func:`metrale.kernels.attention_mma.prefill_attention` takes them.
+    Raises :class:`~metrale.errors.KernelArgumentError` for what :func:`supports` refuses."""
     from metrale.kernels._launch import launch
 
     op = "prefill_attention_wgmma"
@@ -554,9 +564,10 @@ def prefill_attention(
     check_array(op, "k_cache", k_cache, np.uint16, (None, None, None, head_dim))
     blocks, block_size, kv_heads = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
     check_array(op, "v_cache", v_cache, np.uint16, (blocks, block_size, kv_heads, None))
-    if not supports(heads, kv_heads, head_dim, v_cache.shape[3], block_size):
+    value_dim = v_cache.shape[3]
+    if not supports(heads, kv_heads, head_dim, value_dim, block_size):
         raise KernelArgumentError(
-            f"{op}: {heads} heads over {kv_heads} KV heads of sizes {head_dim} (keys) and {v_cache.shape[3]} (values) "
+            f"{op}: {heads} heads over {kv_heads} KV heads of sizes {head_dim} (keys) and {value_dim} (values) "
             f"in pages of {block_size} rows are unsupported")
     if blocks * block_size >= 2**31:
         raise KernelArgumentError(f"{op}: a cache of {blocks * block_size} slots exceeds the tensor maps' int32 rows")
@@ -564,21 +575,22 @@ def prefill_attention(
     check_array(op, "seq_index", seq_index, np.int32, (rows,))
     check_array(op, "positions", positions, np.int32, (rows,))
     check_array(op, "tiles", tiles, np.int32, (None, 2))
-    check_array(op, "out", out, np.uint16, (rows, heads * head_dim))
+    check_array(op, "out", out, np.uint16, (rows, heads * value_dim))
     if softcap is not None and not softcap >= 0:
         raise KernelArgumentError(f"{op}: softcap must be positive (or None), got {softcap}")
     if sinks is not None:
         check_array(op, "sinks", sinks, np.float32, (heads,))
     if not tiles.shape[0]:
         return out
-    kernel = _kernel(head_dim, bool(softcap))
+    kernel = _kernel(head_dim, value_dim, bool(softcap))
+    rows_a_load = box_rows(block_size, head_dim, value_dim)
     arguments = (
-        _cached_map(k_cache), _cached_map(v_cache), q, block_tables, seq_index, positions, tiles, np.int32(heads),
+        _cached_map(k_cache, rows_a_load), _cached_map(v_cache, rows_a_load), q, block_tables, seq_index, positions, tiles, np.int32(heads),
         np.int32(kv_heads), np.int32(block_size), np.int32(block_tables.shape[1]), np.int32(blocks * block_size),
         np.float32(scale), np.int32(sliding_window or 0), np.float32(softcap or 0.0),
         sinks if sinks is not None else np.uint64(0), out,
     )
-    launch(kernel, (int(tiles.shape[0]), heads), (THREADS,), arguments, shared_bytes(head_dim), stream,
+    launch(kernel, (int(tiles.shape[0]), heads), (THREADS,), arguments, shared_bytes(head_dim, value_dim), stream,
            dependent=False)
     return out
 

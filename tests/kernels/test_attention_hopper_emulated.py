@@ -20,11 +20,11 @@ from metrale.loading.checkpoint import bf16_to_float32
 
 EMULATION_MAIN = r"""
 
-TensorMap cache_map(const unsigned short* cache, int slots, int kv_heads, int block_size) {
+TensorMap cache_map(const unsigned short* cache, int dim, int slots, int kv_heads, int block_size) {
     TensorMap map{};
     map.base = reinterpret_cast<const unsigned char*>(cache);
-    map.dims[0] = HEAD_DIM; map.dims[1] = kv_heads; map.dims[2] = slots;
-    map.strides[0] = 2; map.strides[1] = 2 * HEAD_DIM; map.strides[2] = 2ull * HEAD_DIM * kv_heads;
+    map.dims[0] = dim; map.dims[1] = kv_heads; map.dims[2] = slots;
+    map.strides[0] = 2; map.strides[1] = 2 * dim; map.strides[2] = 2ull * dim * kv_heads;
     map.box[0] = 64; map.box[1] = 1; map.box[2] = block_size < BLOCK_KEYS ? block_size : BLOCK_KEYS;
     map.swizzle_128 = 1;
     return map;
@@ -41,21 +41,21 @@ int main(int argc, char** argv) {
     const size_t keys = (size_t)blocks * block_size * kv_heads;
     auto* q = read<float>(folder + "/q", (size_t)rows * heads * HEAD_DIM);
     auto* k_cache = read<unsigned short>(folder + "/k_cache", keys * HEAD_DIM);
-    auto* v_cache = read<unsigned short>(folder + "/v_cache", keys * HEAD_DIM);
+    auto* v_cache = read<unsigned short>(folder + "/v_cache", keys * VALUE_DIM);
     auto* tables = read<int>(folder + "/tables", (size_t)max_blocks * (rows + 1));
     auto* seq_index = read<int>(folder + "/seq_index", rows);
     auto* positions = read<int>(folder + "/positions", rows);
     auto* tile_rows = read<int>(folder + "/tiles", (size_t)tiles * 2);
     auto* sinks = with_sinks ? read<float>(folder + "/sinks", heads) : nullptr;
-    auto* out = allocate<unsigned short>((size_t)rows * heads * HEAD_DIM);
+    auto* out = allocate<unsigned short>((size_t)rows * heads * VALUE_DIM);
     const int slots = blocks * block_size;
-    const TensorMap k_map = cache_map(k_cache, slots, kv_heads, block_size);
-    const TensorMap v_map = cache_map(v_cache, slots, kv_heads, block_size);
+    const TensorMap k_map = cache_map(k_cache, HEAD_DIM, slots, kv_heads, block_size);
+    const TensorMap v_map = cache_map(v_cache, VALUE_DIM, slots, kv_heads, block_size);
     emu::launch({(unsigned)tiles, (unsigned)heads, 1}, {THREADS, 1, 1}, [&] {
         prefill_attention_wgmma(k_map, v_map, q, tables, seq_index, positions, tile_rows, heads, kv_heads, block_size,
                                 max_blocks, slots, scale, window, softcap, sinks, out);
     });
-    write(folder + "/out", out, (size_t)rows * heads * HEAD_DIM);
+    write(folder + "/out", out, (size_t)rows * heads * VALUE_DIM);
     return 0;
 }
 """
@@ -63,17 +63,17 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    """The kernel built against the emulation per head size and soft cap; returns a runner of one launch."""
+    """The kernel built against the emulation per head sizes and soft cap; returns a runner of one launch."""
     folder = tmp_path_factory.mktemp("prompt_hopper_emulated")
     binaries = {}
 
     def run(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks):
         rows, heads, head_dim = q.shape
-        kv_heads = k_cache.shape[2]
-        key = (head_dim, bool(softcap))
+        kv_heads, value_dim = k_cache.shape[2], v_cache.shape[3]
+        key = (head_dim, value_dim, bool(softcap))
         if key not in binaries:
-            source = attention_hopper.kernel_source(head_dim, bool(softcap), with_instructions=False)
-            binaries[key] = build_emulated(folder / f"kernel{head_dim}_{int(bool(softcap))}.cpp",
+            source = attention_hopper.kernel_source(head_dim, value_dim, bool(softcap), with_instructions=False)
+            binaries[key] = build_emulated(folder / f"kernel{head_dim}_{value_dim}_{int(bool(softcap))}.cpp",
                                            source + EMULATION_MAIN)
         tiles = attention_hopper.query_tiles(starts)
         padded = np.zeros((rows + 1, tables.shape[1]), np.int32)
@@ -87,26 +87,28 @@ def emulated(tmp_path_factory):
         subprocess.run([str(binaries[key]), str(case), *map(str, (
             rows, heads, kv_heads, k_cache.shape[0], k_cache.shape[1], tables.shape[1], len(tiles), window or 0,
             scale, softcap or 0.0, int(sinks is not None)))], check=True, timeout=900)
-        return bf16_to_float32(np.fromfile(case / "out", np.uint16).reshape(rows, heads * head_dim))
+        return bf16_to_float32(np.fromfile(case / "out", np.uint16).reshape(rows, heads * value_dim))
 
     return run
 
 
-@pytest.mark.parametrize("head_dim, heads, kv_heads, block_size, softcap, with_sinks, window", [
-    (64, 4, 2, 16, None, False, None),    # causal GQA, pages of 16 rows (8 loads a step)
-    (128, 2, 1, 16, None, False, None),   # two panels of 64 columns a row
-    (64, 2, 2, 256, 5.0, True, None),     # pages larger than a step (a step is part of one); cap and sinks
-    (128, 2, 2, 8, None, True, 150),      # pages of 8 rows; a sliding window skipping whole steps
-    (64, 4, 1, 32, 5.0, False, 40),       # a window inside a step
+@pytest.mark.parametrize("head_dim, value_dim, heads, kv_heads, block_size, softcap, with_sinks, window", [
+    (64, 64, 4, 2, 16, None, False, None),     # causal GQA, pages of 16 rows (8 loads a step)
+    (128, 128, 2, 1, 16, None, False, None),   # two panels of 64 columns a row
+    (64, 64, 2, 2, 256, 5.0, True, None),      # pages larger than a step (a step is part of one); cap and sinks
+    (128, 128, 2, 2, 8, None, True, 150),      # pages of 8 rows; a sliding window skipping whole steps
+    (64, 64, 4, 1, 32, 5.0, False, 40),        # a window inside a step
+    (192, 128, 2, 2, 16, None, False, None),   # MLA's expanded heads: three key panels, two value panels
+    (256, 256, 2, 1, 16, 5.0, True, 40),       # 64 keys a step, four panels, 256 value columns a product
 ])
-def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, heads, kv_heads, block_size, softcap,
-                                                       with_sinks, window):
+def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, value_dim, heads, kv_heads, block_size,
+                                                       softcap, with_sinks, window):
     rng = np.random.default_rng(head_dim + heads + block_size + (window or 0))
     # A prompt of two tiles (the second ending mid-step, its second warpgroup with rows), keys over
     # three steps (both stages, one of them twice), and a short chunk after a cached prefix (the
     # second warpgroup without rows).
     q, k_cache, v_cache, tables, seq_index, positions, starts = prompt_case(
-        rng, [(0, 200), (300, 40)], heads, kv_heads, head_dim, head_dim, block_size)
+        rng, [(0, 200), (300, 40)], heads, kv_heads, head_dim, value_dim, block_size)
     sinks = (rng.standard_normal(heads) + 2.0).astype(np.float32) if with_sinks else None
     scale = head_dim**-0.5
     expected = attention.paged_attention_reference(
@@ -125,10 +127,12 @@ def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, heads
 @pytest.mark.parametrize("heads, kv_heads, head_dim, value_dim, block_size, served", [
     (8, 2, 128, 128, 16, True),
     (8, 8, 64, 64, 256, True),
+    (8, 2, 256, 256, 16, True),
+    (8, 8, 192, 128, 16, True),    # MLA's expanded heads
     (8, 2, 128, 128, 4, False),    # pages of fewer than 8 rows
     (8, 2, 128, 128, 24, False),   # pages not a power of two
-    (8, 2, 256, 256, 16, False),   # head size 256
-    (8, 2, 192, 128, 16, False),   # MLA's expanded heads
+    (8, 2, 96, 96, 16, False),     # a head size not served
+    (8, 2, 128, 64, 16, False),    # keys and values of sizes not served together
     (6, 4, 128, 128, 16, False),   # heads not a multiple of the KV heads
 ])
 def test_supported_geometries(heads, kv_heads, head_dim, value_dim, block_size, served):
