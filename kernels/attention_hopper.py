@@ -602,9 +602,3 @@ def query_tiles(row_starts: np.ndarray) -> np.ndarray:
 
     return tiles_of(row_starts, TILE_ROWS)
 
-
-def attention_flops(lengths: list[int], heads: int, head_dim: int) -> float:
-    """Multiply-adds times two of causal attention over prompts of ``lengths`` (both products, the
-    keys each row sees), the count the sweeps divide by time."""
-    return float(sum(4 * heads * head_dim * n * (n + 1) / 2 for n in lengths))
-

@@ -137,3 +137,18 @@ def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, value
 ])
 def test_supported_geometries(heads, kv_heads, head_dim, value_dim, block_size, served):
     assert attention_hopper.supports(heads, kv_heads, head_dim, value_dim, block_size) is served
+
+
+def test_unsupported_geometries_are_refused_before_any_launch():
+    from metrale.errors import KernelArgumentError
+
+    rng = np.random.default_rng(1)
+    q, k_cache, v_cache, tables, seq_index, positions, starts = prompt_case(rng, [(0, 20)], 8, 2, 128, 128, 4)
+    tiles = attention_hopper.query_tiles(starts)
+    out = np.zeros((len(positions), 8 * 128), np.uint16)
+    with pytest.raises(KernelArgumentError, match="pages of 4 rows"):
+        attention_hopper.prefill_attention(q, k_cache, v_cache, tables, seq_index, positions, tiles, 0.1, None, out)
+    with pytest.raises(KernelArgumentError, match="softcap"):
+        q16, k16, v16, tables16, seq16, positions16, starts16 = prompt_case(rng, [(0, 20)], 8, 2, 128, 128, 16)
+        attention_hopper.prefill_attention(q16, k16, v16, tables16, seq16, positions16,
+                                           attention_hopper.query_tiles(starts16), 0.1, None, out, softcap=-1.0)

@@ -66,10 +66,10 @@ def cuda_headers() -> str | None:
     return None
 
 
-def compile_with_nvrtc(library: ctypes.CDLL, code: str, optimize: bool = True) -> str:
+def compile_with_nvrtc(library: ctypes.CDLL, code: str, optimize: bool = True, arch: str = "90") -> str:
     program = ctypes.c_void_p()
     assert library.nvrtcCreateProgram(ctypes.byref(program), code.encode(), b"kernels.cu", 0, None, None) == 0
-    options = [b"--std=c++17", b"-arch=compute_90"] + ([] if optimize else [b"-G"])
+    options = [b"--std=c++17", f"-arch=compute_{arch}".encode()] + ([] if optimize else [b"-G"])
     headers = cuda_headers()
     if headers is not None:
         options.append(f"-I{headers}".encode())
@@ -88,19 +88,20 @@ def compile_with_nvrtc(library: ctypes.CDLL, code: str, optimize: bool = True) -
         library.nvrtcDestroyProgram(ctypes.byref(program))
 
 
-def compile_to_ptx(tmp_path, code: str, optimize: bool = True) -> str:
-    """PTX of ``code`` for compute capability 9.0; without ``optimize``, unoptimized device code
-    (a check that it compiles, a third of the time)."""
+def compile_to_ptx(tmp_path, code: str, optimize: bool = True, arch: str = "90") -> str:
+    """PTX of ``code`` for compute capability 9.0 (``arch`` "90a": with Hopper's
+    architecture-specific instructions); without ``optimize``, unoptimized device code (a check
+    that it compiles, a third of the time)."""
     library = nvrtc_library()
     if library is not None:
-        return compile_with_nvrtc(library, code, optimize)
+        return compile_with_nvrtc(library, code, optimize, arch)
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("neither NVRTC nor nvcc to compile the CUDA sources")
     source = tmp_path / "kernels.cu"
     source.write_text(code)
     ptx = tmp_path / "kernels.ptx"
-    result = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-ptx", str(source), "-o", str(ptx)]
+    result = subprocess.run([nvcc, f"-arch=sm_{arch}", "-std=c++17", "-ptx", str(source), "-o", str(ptx)]
                             + ([] if optimize else ["-G"]), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     return ptx.read_text()
@@ -154,6 +155,17 @@ def test_the_prompt_attention_compiles_for_every_head_size(tmp_path, head_dim, v
 
     code = attention_mma.kernel_source(head_dim, value_dim, softcap, fp8=fp8)
     assert "prefill_attention_mma" in entries(compile_to_ptx(tmp_path, code, optimize=False))
+
+
+@pytest.mark.parametrize("head_dim, value_dim", [(64, 64), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("softcap", [False, True])
+def test_the_hopper_prompt_attention_compiles_for_sm_90a(tmp_path, head_dim, value_dim, softcap):
+    from metrale.kernels import attention_hopper
+
+    code = attention_hopper.kernel_source(head_dim, value_dim, softcap)
+    ptx = compile_to_ptx(tmp_path, code, arch="90a")
+    assert "prefill_attention_wgmma" in entries(ptx)
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.3d" in ptx and "setmaxnreg" in ptx
 
 
 def test_every_quantized_gemv_instantiation_compiles(tmp_path):
