@@ -14,7 +14,7 @@ from metrale.errors import KernelArgumentError
 _modules: dict[tuple[str, str, tuple[str, ...]], Any] = {}
 
 
-def compile_module(source: str, arch: str, options: tuple[str, ...] = ("--std=c++17",)) -> Any:
+def compile_module(source: str, arch: str, options: tuple[str, ...] = ("--std=c++17", "--use_fast_math")) -> Any:
     """``source`` compiled by NVRTC for ``arch`` (``sm_90a``) and loaded: a
     :class:`cupy.cuda.function.Module` (once per process, source, architecture and options).
     Raises :class:`~metrale.errors.KernelArgumentError` with NVRTC's log if it does not compile.

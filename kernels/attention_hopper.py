@@ -137,6 +137,10 @@ __device__ __forceinline__ void tensor_load_3d(unsigned target, const TensorMap&
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// This thread's arrival at a named barrier that other threads wait at (bar.sync), without waiting.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 // Shared-memory writes of this thread made visible to the async proxy (wgmma's operand reads).
 __device__ __forceinline__ void async_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -164,6 +168,9 @@ KERNEL = r"""
 #define VALUE_DIM __VALUE_DIM__
 #define BLOCK_KEYS __BLOCK_KEYS__
 #define SOFTCAP __SOFTCAP__
+// The consumers take turns at issuing their products (each one's softmax then runs while the
+// other's products do): a turn a product, WG 0 first.
+#define PINGPONG __PINGPONG__
 #define TILE_ROWS 128
 #define THREADS 384
 #define STAGES 2
@@ -218,7 +225,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
     auto keys_free = [&](int stage) { return barriers + 8u * (2 * STAGES + stage); };
     auto values_free = [&](int stage) { return barriers + 8u * (3 * STAGES + stage); };
 
-    const int tile = blockIdx.x, head = blockIdx.y;
+    // The last tiles first: a sequence's later rows see more keys, and the shorter tiles then fill in.
+    const int tile = gridDim.x - 1 - blockIdx.x, head = blockIdx.y;
     const int kv_head = head / (num_heads / num_kv_heads);
     const int first = tiles[2 * tile], count = tiles[2 * tile + 1];
     const int* table = block_tables + (long)seq_index[first] * max_blocks;
@@ -300,6 +308,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
     }
     async_proxy_fence();
     named_barrier(1 + consumer, 128);
+    // Turns: named barrier 3 + c of 256 threads, where consumer c waits (128) for the other's
+    // arrival (128). Consumer 1 gives consumer 0 the first turn; the turns alternate from there,
+    // and consumer 1 gives up none after its last product (it would have no taker).
+    const int my_turn = 3 + consumer, their_turn = 3 + (1 - consumer);
+    if (PINGPONG && consumer == 1) named_barrier_arrive(their_turn, 256);
 
     float best[2] = {NEG_INF, NEG_INF}, total[2] = {0.f, 0.f};
     float acc[VALUE_DIM / 2];
@@ -314,6 +327,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
         const bool active = step_base <= last_position;
         float scores[BLOCK_KEYS / 2];
         barrier_wait(keys_full(stage), round & 1u);
+        if (PINGPONG) named_barrier(my_turn, 256);
         if (active) {
             wgmma_fence();
 #pragma unroll
@@ -325,6 +339,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
                 wgmma_ss<BLOCK_KEYS>(scores, a, b, kk > 0);
             }
             wgmma_commit();
+        }
+        if (PINGPONG) named_barrier_arrive(their_turn, 256);
+        if (active) {
             wgmma_wait<0>();
             fence_operands(scores);
         }
@@ -382,6 +399,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
         }
 
         barrier_wait(values_full(stage), round & 1u);
+        if (PINGPONG) named_barrier(my_turn, 256);
         if (active) {
             wgmma_fence();
 #pragma unroll
@@ -393,6 +411,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
                 wgmma_rs_mn<VALUE_DIM>(acc, probabilities[kt], b, 1);
             }
             wgmma_commit();
+        }
+        if (PINGPONG && !(consumer == 1 && step == steps - 1)) named_barrier_arrive(their_turn, 256);
+        if (active) {
             wgmma_wait<0>();
             fence_operands(acc);
         }
@@ -436,12 +457,14 @@ def shared_bytes(head_dim: int, value_dim: int) -> int:
     return (head_dim // 64) * TILE_ROWS * 128 + 2 * (head_dim + value_dim) // 64 * keys * 128 + 8 * 4 * 2 + 1024
 
 
-def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_instructions: bool = True) -> str:
+def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_instructions: bool = True,
+                  pingpong: bool = True) -> str:
     """The kernel's CUDA C++ for the key and value head sizes, with the logit soft cap compiled in
-    or not, with its PTX helpers, or without them for the CPU emulation, which brings its own."""
+    or not, the consumers taking turns at their products (``pingpong``) or not, with its PTX
+    helpers, or without them for the CPU emulation, which brings its own."""
     kernel = (KERNEL.replace("__HEAD_DIM__", str(head_dim)).replace("__VALUE_DIM__", str(value_dim))
               .replace("__BLOCK_KEYS__", str(block_keys(head_dim, value_dim)))
-              .replace("__SOFTCAP__", str(int(softcap)))
+              .replace("__SOFTCAP__", str(int(softcap))).replace("__PINGPONG__", str(int(pingpong)))
               .replace("__PRODUCER_REGISTERS__", str(PRODUCER_REGISTERS))
               .replace("__CONSUMER_REGISTERS__", str(CONSUMER_REGISTERS)))
     return (INSTRUCTIONS if with_instructions else "") + kernel

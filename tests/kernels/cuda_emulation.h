@@ -653,6 +653,21 @@ inline void named_barrier(int id, int threads) {
     barrier->arrive_and_wait();
 }
 
+// bar.arrive id, threads: this thread's arrival, not waiting for the barrier's phase to complete.
+inline void named_barrier_arrive(int id, int threads) {
+    std::barrier<>* barrier;
+    {
+        std::lock_guard<std::mutex> lock(emu::hopper_mutex);
+        auto found = emu::named_barriers.find(id);
+        if (found == emu::named_barriers.end()) {
+            found = emu::named_barriers.emplace(id, std::make_pair(threads, new std::barrier<>(threads))).first;
+        }
+        if (found->second.first != threads) emu::fail("a named barrier used with two thread counts");
+        barrier = found->second.second;
+    }
+    (void)barrier->arrive();
+}
+
 inline void async_proxy_fence() {}
 inline void wgmma_fence() {}
 inline void wgmma_commit() {}

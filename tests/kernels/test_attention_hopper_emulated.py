@@ -67,13 +67,14 @@ def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("prompt_hopper_emulated")
     binaries = {}
 
-    def run(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks):
+    def run(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks, pingpong=True):
         rows, heads, head_dim = q.shape
         kv_heads, value_dim = k_cache.shape[2], v_cache.shape[3]
-        key = (head_dim, value_dim, bool(softcap))
+        key = (head_dim, value_dim, bool(softcap), pingpong)
         if key not in binaries:
-            source = attention_hopper.kernel_source(head_dim, value_dim, bool(softcap), with_instructions=False)
-            binaries[key] = build_emulated(folder / f"kernel{head_dim}_{value_dim}_{int(bool(softcap))}.cpp",
+            source = attention_hopper.kernel_source(head_dim, value_dim, bool(softcap), with_instructions=False,
+                                                    pingpong=pingpong)
+            binaries[key] = build_emulated(folder / "kernel{}_{}_{}_{}.cpp".format(*map(int, key)),
                                            source + EMULATION_MAIN)
         tiles = attention_hopper.query_tiles(starts)
         padded = np.zeros((rows + 1, tables.shape[1]), np.int32)
@@ -92,17 +93,18 @@ def emulated(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("head_dim, value_dim, heads, kv_heads, block_size, softcap, with_sinks, window", [
-    (64, 64, 4, 2, 16, None, False, None),     # causal GQA, pages of 16 rows (8 loads a step)
-    (128, 128, 2, 1, 16, None, False, None),   # two panels of 64 columns a row
-    (64, 64, 2, 2, 256, 5.0, True, None),      # pages larger than a step (a step is part of one); cap and sinks
-    (128, 128, 2, 2, 8, None, True, 150),      # pages of 8 rows; a sliding window skipping whole steps
-    (64, 64, 4, 1, 32, 5.0, False, 40),        # a window inside a step
-    (192, 128, 2, 2, 16, None, False, None),   # MLA's expanded heads: three key panels, two value panels
-    (256, 256, 2, 1, 16, 5.0, True, 40),       # 64 keys a step, four panels, 256 value columns a product
+@pytest.mark.parametrize("head_dim, value_dim, heads, kv_heads, block_size, softcap, with_sinks, window, pingpong", [
+    (64, 64, 4, 2, 16, None, False, None, True),     # causal GQA, pages of 16 rows (8 loads a step)
+    (128, 128, 2, 1, 16, None, False, None, True),   # two panels of 64 columns a row
+    (128, 128, 2, 1, 16, None, False, None, False),  # the consumers not taking turns
+    (64, 64, 2, 2, 256, 5.0, True, None, True),      # pages larger than a step (a step is part of one); cap, sinks
+    (128, 128, 2, 2, 8, None, True, 150, True),      # pages of 8 rows; a sliding window skipping whole steps
+    (64, 64, 4, 1, 32, 5.0, False, 40, False),       # a window inside a step
+    (192, 128, 2, 2, 16, None, False, None, True),   # MLA's expanded heads: three key panels, two value panels
+    (256, 256, 2, 1, 16, 5.0, True, 40, True),       # 64 keys a step, four panels, 256 value columns a product
 ])
 def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, value_dim, heads, kv_heads, block_size,
-                                                       softcap, with_sinks, window):
+                                                       softcap, with_sinks, window, pingpong):
     rng = np.random.default_rng(head_dim + heads + block_size + (window or 0))
     # A prompt of two tiles (the second ending mid-step, its second warpgroup with rows), keys over
     # three steps (both stages, one of them twice), and a short chunk after a cached prefix (the
@@ -114,7 +116,7 @@ def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, value
     expected = attention.paged_attention_reference(
         q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, scale, window, softcap,
         sinks).reshape(len(positions), -1)
-    got = emulated(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks)
+    got = emulated(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks, pingpong)
     # bf16 queries and probabilities on top of the bf16 output.
     assert rel_error(got, expected) <= 2e-2
     if softcap or with_sinks or window:
