@@ -6,17 +6,19 @@ three warpgroups owns one query head and a tile of up to :data:`TILE_ROWS` conse
 sequence, and the warpgroups specialise:
 
 * the producer (warpgroup 0, one thread issuing) copies each step's keys and values (128, or 64
-  for heads of 256 dims: :func:`block_keys`) from the paged cache into shared memory with TMA tensor loads (``cp.async.bulk.tensor``),
-  a page's rows a load, through one tensor map per cache (:func:`tensor_map`); the copies land in
-  the 128-byte swizzle the products read, their bytes counted on an mbarrier per stage ("full"),
-  two stages in flight; pages past the tile's last key are asked for outside the tensor, which
-  lands zeros;
+  for heads of 256 dims: :func:`block_keys`) from the paged cache into shared memory with TMA
+  tensor loads (``cp.async.bulk.tensor``), a page's rows a load, through one tensor map per cache
+  (:func:`tensor_map`); the copies land in the 128-byte swizzle the products read, their bytes
+  counted on an mbarrier per stage ("full"), two stages in flight; pages past the tile's last key
+  are asked for outside the tensor, which lands zeros;
 * two consumers (warpgroups 1 and 2, 64 rows each) stage their query rows once (scaled, as bf16,
-  swizzled), then per step wait for the keys, run ``S = Q K^T`` as ``wgmma.m64nNk16`` products (N the step's keys)
-  with both operands in shared memory, release the keys (an "empty" mbarrier the producer waits
-  on before it refills the stage), run the masked online softmax in registers, and ``O += P V``
-  as ``wgmma.m64nDk16`` with the probabilities as the A operand straight from the scores'
-  registers and the values read N-major from shared memory, then release the values.
+  swizzled), then per step wait for the keys, run ``S = Q K^T`` as ``wgmma.m64nNk16`` products
+  (N the step's keys) with both operands in shared memory, release the keys (an "empty" mbarrier
+  the producer waits on before it refills the stage), run the masked online softmax in
+  registers, and ``O += P V`` as ``wgmma.m64nDk16`` with the probabilities as the A operand
+  straight from the scores' registers and the values read N-major from shared memory, then
+  release the values. The two take turns at issuing their products (named barriers,
+  :data:`PINGPONG`), so that one's softmax runs while the other's products do.
 
 The causal rule, sliding windows, the logit soft cap and sinks are the reference's, as in
 :mod:`metrale.kernels.attention_mma`, whose prompt tiles (a cached prefix plus the chunk) this
@@ -49,6 +51,9 @@ HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 #: 232 fit the multiprocessor's 64k).
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
+#: Whether the consumers take turns at their products (read at each compilation; the sweep
+#: ``tools/sweeps/prompt_attention_sweep.py`` times both).
+PINGPONG = True
 
 
 def _register_list(first: int, count: int) -> str:
@@ -532,21 +537,21 @@ def tensor_map(cache: DeviceArray, rows: int) -> TensorMapBytes:
 
 # ---------------------------------------------------------------------------------------- launch
 
-_kernels: dict[tuple[int, int, bool], Any] = {}
+_kernels: dict[tuple[int, int, bool, bool], Any] = {}
 _maps: dict[tuple[int, tuple[int, ...], int], TensorMapBytes] = {}
 
 
 def _kernel(head_dim: int, value_dim: int, softcap: bool) -> Any:
     """The compiled kernel for the head sizes (capped logits or not): NVRTC for sm_90a, once per
     process and geometry."""
-    key = (head_dim, value_dim, softcap)
+    key = (head_dim, value_dim, softcap, PINGPONG)
     kernel = _kernels.get(key)
     if kernel is None:
-        from metrale.kernels._compile import compile_module
-
         from cupy.cuda import driver
 
-        kernel = compile_module(kernel_source(head_dim, value_dim, softcap), "sm_90a").get_function(
+        from metrale.kernels._compile import compile_module
+
+        kernel = compile_module(kernel_source(head_dim, value_dim, softcap, pingpong=PINGPONG), "sm_90a").get_function(
             "prefill_attention_wgmma")
         driver.funcSetAttribute(kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                 shared_bytes(head_dim, value_dim))
@@ -608,9 +613,9 @@ def prefill_attention(
     kernel = _kernel(head_dim, value_dim, bool(softcap))
     rows_a_load = box_rows(block_size, head_dim, value_dim)
     arguments = (
-        _cached_map(k_cache, rows_a_load), _cached_map(v_cache, rows_a_load), q, block_tables, seq_index, positions, tiles, np.int32(heads),
-        np.int32(kv_heads), np.int32(block_size), np.int32(block_tables.shape[1]), np.int32(blocks * block_size),
-        np.float32(scale), np.int32(sliding_window or 0), np.float32(softcap or 0.0),
+        _cached_map(k_cache, rows_a_load), _cached_map(v_cache, rows_a_load), q, block_tables, seq_index, positions,
+        tiles, np.int32(heads), np.int32(kv_heads), np.int32(block_size), np.int32(block_tables.shape[1]),
+        np.int32(blocks * block_size), np.float32(scale), np.int32(sliding_window or 0), np.float32(softcap or 0.0),
         sinks if sinks is not None else np.uint64(0), out,
     )
     launch(kernel, (int(tiles.shape[0]), heads), (THREADS,), arguments, shared_bytes(head_dim, value_dim), stream,

@@ -3,9 +3,10 @@ and TMA) against the ``mma.sync`` kernel (``metrale.kernels.attention_mma``) and
 installed, torch's ``scaled_dot_product_attention`` (FlashAttention inside) on the same prompt.
 
 Prints, per geometry, prompt length and cached prefix, the microseconds of each (CUDA events, the
-median of several runs), their TFLOP/s (4 * d flops per visible (row, key) pair and head, d the
-mean of the key and value sizes) and the largest difference between the two Metrale kernels'
-outputs (bf16). Run from the repository root on an sm_90 GPU::
+median of several runs; the warpgroup kernel with its consumers taking turns at their products
+and without, ``attention_hopper.PINGPONG``), their TFLOP/s (4 * d flops per visible (row, key)
+pair and head, d the mean of the key and value sizes) and the largest difference between the two
+Metrale kernels' outputs (bf16). Run from the repository root on an sm_90 GPU::
 
     python3 tools/sweeps/prompt_attention_sweep.py [--lengths 512,2048,8192,32768] [--prefix 0] \\
         [--geometries 32x8x128,32x8x64,16x16x192x128,8x4x256] [--block-size 16]
@@ -47,8 +48,9 @@ def main() -> None:
             print("(torch is not installed: no scaled_dot_product_attention column)")
     stream = cp.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(0)
-    print(f"{'heads':>9} {'d/dv':>8} {'rows':>6} {'prefix':>6} {'wgmma us':>9} {'TFLOP/s':>8} {'mma us':>9} "
-          f"{'TFLOP/s':>8} {'sdpa us':>9} {'TFLOP/s':>8} {'max diff':>9}")
+    columns = ("wgmma", "no-turns", "mma", "sdpa")
+    print(f"{'heads':>9} {'d/dv':>8} {'rows':>6} {'prefix':>6} "
+          + " ".join(f"{name + ' us':>11} {'TFLOP/s':>8}" for name in columns) + f" {'max diff':>9}")
     geometries = [tuple(int(part) for part in geometry.split("x")) for geometry in args.geometries.split(",")]
     block_size = args.block_size
     for heads, kv_heads, head_dim, *value in geometries:
@@ -73,8 +75,11 @@ def main() -> None:
                 if attention_hopper.supports(heads, kv_heads, head_dim, value_dim, block_size):
                     out = outputs["wgmma"] = cp.zeros((rows, heads * value_dim), dtype=np.uint16)
                     tiles = cp.asarray(attention_hopper.query_tiles(starts))
-                    times["wgmma"] = cuda_event_time(lambda: attention_hopper.prefill_attention(
-                        q, k_cache, v_cache, table, seq_index, positions, tiles, scale, None, out, stream), stream)
+                    for name, turns in (("wgmma", True), ("no-turns", False)):
+                        attention_hopper.PINGPONG = turns
+                        times[name] = cuda_event_time(lambda: attention_hopper.prefill_attention(
+                            q, k_cache, v_cache, table, seq_index, positions, tiles, scale, None, out, stream), stream)
+                    attention_hopper.PINGPONG = True
                 out_mma = outputs["mma"] = cp.zeros((rows, heads * value_dim), dtype=np.uint16)
                 mma_tiles = cp.asarray(attention_mma.query_tiles(starts))
                 times["mma"] = cuda_event_time(lambda: attention_mma.prefill_attention(
@@ -82,10 +87,10 @@ def main() -> None:
             if torch is not None and args.prefix == 0:
                 times["sdpa"] = sdpa_time(torch, q, k_cache, v_cache, table, rows, heads, kv_heads, scale)
             line = f"{heads:>4}/{kv_heads:<4} {head_dim:4d}/{value_dim:<3d} {rows:6d} {args.prefix:6d}"
-            for name in ("wgmma", "mma", "sdpa"):
+            for name in columns:
                 timed = times.get(name)
-                line += (f" {timed.median_us:9.1f} {flops / timed.median / 1e12:8.1f}" if timed is not None
-                         else f" {'-':>9} {'-':>8}")
+                line += (f" {timed.median_us:11.1f} {flops / timed.median / 1e12:8.1f}" if timed is not None
+                         else f" {'-':>11} {'-':>8}")
             if "wgmma" in outputs:
                 difference = np.abs(bf16_to_float32(cp.asnumpy(outputs["wgmma"]))
                                     - bf16_to_float32(cp.asnumpy(outputs["mma"]))).max()
@@ -97,7 +102,6 @@ def sdpa_time(torch, q, k_cache, v_cache, table, rows, heads, kv_heads, scale):
     """torch's causal scaled_dot_product_attention over the same rows in bf16 ([1, heads, rows, d],
     the keys and values gathered from the pages once, outside the timing)."""
     import cupy as cp
-
     from timing import cuda_event_time
 
     slots = cp.asarray(table)[0]
