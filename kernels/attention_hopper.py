@@ -18,7 +18,9 @@ sequence, and the warpgroups specialise:
   registers, and ``O += P V`` as ``wgmma.m64nDk16`` with the probabilities as the A operand
   straight from the scores' registers and the values read N-major from shared memory, then
   release the values. The two take turns at issuing their products (named barriers,
-  :data:`PINGPONG`), so that one's softmax runs while the other's products do.
+  :data:`PINGPONG`), so that one's softmax runs while the other's products do; and each issues a
+  step's score product together with the previous step's value product (:data:`OVERLAP`), its
+  softmax of the one running while the other's product does.
 
 The causal rule, sliding windows, the logit soft cap and sinks are the reference's, as in
 :mod:`metrale.kernels.attention_mma`, whose prompt tiles (a cached prefix plus the chunk) this
@@ -51,9 +53,11 @@ HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 #: 232 fit the multiprocessor's 64k).
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
-#: Whether the consumers take turns at their products (read at each compilation; the sweep
-#: ``tools/sweeps/prompt_attention_sweep.py`` times both).
+#: Whether the consumers take turns at their products, and whether each issues a step's score
+#: product with the previous step's value product (read at each compilation; the sweep
+#: ``tools/sweeps/prompt_attention_sweep.py`` times each combination).
 PINGPONG = True
+OVERLAP = True
 
 
 def _register_list(first: int, count: int) -> str:
@@ -176,6 +180,10 @@ KERNEL = r"""
 // The consumers take turns at issuing their products (each one's softmax then runs while the
 // other's products do): a turn a product, WG 0 first.
 #define PINGPONG __PINGPONG__
+// Each consumer issues a step's score product with the previous step's value product, and runs
+// the one's softmax while the other's runs (two products in flight, the probabilities of the
+// previous step kept in registers meanwhile).
+#define OVERLAP __OVERLAP__
 #define TILE_ROWS 128
 #define THREADS 384
 #define STAGES 2
@@ -255,7 +263,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
     }
     __syncthreads();
 
-    const int group = threadIdx.x / 128;
+    // The warpgroup, as a value the compiler knows to be the same across each warp (a shuffle's
+    // result): the products below must not sit under a branch it takes for divergent.
+    const int group = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
     if (group == 0) {
         // The producer: one thread issues every tensor load.
         registers_decrease<__PRODUCER_REGISTERS__>();
@@ -293,8 +303,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
     const int row0 = 64 * consumer + 16 * warp + lane / 4, row1 = row0 + 8;
     const int position0 = row0 < count ? positions[first + row0] : -1;
     const int position1 = row1 < count ? positions[first + row1] : -1;
-    const int own_rows = count - 64 * consumer;   // rows of this warpgroup (<= 0: none)
-    const int last_position = own_rows > 0 ? positions[first + 64 * consumer + (own_rows < 64 ? own_rows : 64) - 1] : -1;
 
     // The query rows, scaled by scale * log2(e) (the softmax runs in base 2), as bf16, 8 columns a store.
     const float query_scale = scale * 1.4426950408889634f;
@@ -315,7 +323,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
     named_barrier(1 + consumer, 128);
     // Turns: named barrier 3 + c of 256 threads, where consumer c waits (128) for the other's
     // arrival (128). Consumer 1 gives consumer 0 the first turn; the turns alternate from there,
-    // and consumer 1 gives up none after its last product (it would have no taker).
+    // and consumer 1 passes none on after its last (it would have no taker).
     const int my_turn = 3 + consumer, their_turn = 3 + (1 - consumer);
     if (PINGPONG && consumer == 1) named_barrier_arrive(their_turn, 256);
 
@@ -323,107 +331,172 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
     float acc[VALUE_DIM / 2];
 #pragma unroll
     for (int i = 0; i < VALUE_DIM / 2; ++i) acc[i] = 0.f;
+    float scores[BLOCK_KEYS / 2];
+    unsigned probabilities[BLOCK_KEYS / 16][4];
+    int turns_taken = 0;
+    const int turns = OVERLAP ? steps + 1 : 2 * steps;
+    // A turn at issuing products: wait for it, and after issue pass it on (the last of consumer 1 has no taker).
+    auto take_turn = [&]() {
+        if (PINGPONG) named_barrier(my_turn, 256);
+    };
+    auto pass_turn = [&]() {
+        ++turns_taken;
+        if (PINGPONG && !(consumer == 1 && turns_taken == turns)) named_barrier_arrive(their_turn, 256);
+    };
+    // S = Q K^T of the step's keys into scores (issued and committed, not waited for).
+    auto issue_scores = [&](int step) {
+        const int stage = step % STAGES;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            const unsigned long long a = matrix_descriptor(
+                base + Q_OFFSET + (kk / 4) * Q_PANEL_BYTES + 64 * consumer * 128 + (kk % 4) * 32, 16, 1024);
+            const unsigned long long b = matrix_descriptor(
+                base + K_OFFSET + stage * K_STAGE_BYTES + (kk / 4) * KV_PANEL_BYTES + (kk % 4) * 32, 16, 1024);
+            wgmma_ss<BLOCK_KEYS>(scores, a, b, kk > 0);
+        }
+        wgmma_commit();
+    };
+    // O += P V of the step's values (issued and committed, not waited for).
+    auto issue_values = [&](int step) {
+        const int stage = step % STAGES;
+#pragma unroll
+        for (int kt = 0; kt < BLOCK_KEYS / 16; ++kt) {
+            // Keys 16kt .. of the stage's values: 8 keys 128 bytes apart, groups of 8 keys 1024
+            // apart, panels of 64 columns KV_PANEL_BYTES apart.
+            const unsigned long long b = matrix_descriptor(
+                base + V_OFFSET + stage * V_STAGE_BYTES + kt * 16 * 128, KV_PANEL_BYTES, 1024);
+            wgmma_rs_mn<VALUE_DIM>(acc, probabilities[kt], b, 1);
+        }
+        wgmma_commit();
+    };
+    // The step's scores capped and masked, the running maxima and sums moved on, the scores turned
+    // into probabilities (float32, in place); returns each row's factor for the accumulators.
+    auto softmax = [&](int step, float* rescale) {
+        const int step_base = key_start + step * BLOCK_KEYS;
+#if SOFTCAP
+        // The logits capped, in the scores' base-2 units: log2(e) softcap * tanh(score / (log2(e) softcap)).
+        const float cap = softcap * 1.4426950408889634f;
+#pragma unroll
+        for (int i = 0; i < BLOCK_KEYS / 2; ++i) scores[i] = cap * tanhf(scores[i] / cap);
+#endif
+        // scores[4j + c]: row row0 (c < 2) or row1, key step_base + 8j + 2 quad + (c & 1).
+        const bool all_seen = step_base + BLOCK_KEYS - 1 <= first_position
+                              && (sliding_window <= 0 || step_base > key_end - 1 - sliding_window);
+        float new_best[2] = {best[0], best[1]};
+#pragma unroll
+        for (int i = 0; i < BLOCK_KEYS / 2; ++i) {
+            const int half = (i % 4) / 2;
+            if (!all_seen) {
+                const int position = half ? position1 : position0;
+                const int key = step_base + 8 * (i / 4) + 2 * quad + (i & 1);
+                const bool seen = key <= position && (sliding_window <= 0 || key > position - sliding_window);
+                if (!seen) scores[i] = NEG_INF;
+            }
+            new_best[half] = fmaxf(new_best[half], scores[i]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            new_best[h] = fmaxf(new_best[h], __shfl_xor_sync(0xffffffff, new_best[h], 1));
+            new_best[h] = fmaxf(new_best[h], __shfl_xor_sync(0xffffffff, new_best[h], 2));
+            rescale[h] = new_best[h] == NEG_INF ? 1.f : exp2f(best[h] - new_best[h]);
+            best[h] = new_best[h];
+            total[h] *= rescale[h];
+        }
+#pragma unroll
+        for (int i = 0; i < BLOCK_KEYS / 2; ++i) {
+            const int h = (i % 4) / 2;
+            const float p = best[h] == NEG_INF ? 0.f : exp2f(scores[i] - best[h]);
+            scores[i] = p;
+            total[h] += p;
+        }
+    };
+    auto rescale_accumulators = [&](const float* rescale) {
+#pragma unroll
+        for (int i = 0; i < VALUE_DIM / 2; ++i) acc[i] *= rescale[(i % 4) / 2];
+    };
+    // Keys 16kt .. 16kt + 15 (score tiles 2kt and 2kt + 1) as the A fragment of the value product.
+    auto pack_probabilities = [&]() {
+#pragma unroll
+        for (int kt = 0; kt < BLOCK_KEYS / 16; ++kt) {
+            probabilities[kt][0] = pack_bf16(scores[8 * kt + 0], scores[8 * kt + 1]);
+            probabilities[kt][1] = pack_bf16(scores[8 * kt + 2], scores[8 * kt + 3]);
+            probabilities[kt][2] = pack_bf16(scores[8 * kt + 4], scores[8 * kt + 5]);
+            probabilities[kt][3] = pack_bf16(scores[8 * kt + 6], scores[8 * kt + 7]);
+        }
+    };
+    auto parity = [&](int step) { return (unsigned)(step / STAGES) & 1u; };
 
+#if OVERLAP
+    // Each turn issues the next step's scores and the previous step's values together: the
+    // softmax of the one runs while the other's product does. (Every step's products run in every
+    // consumer, also where none of its rows sees a key of the step: a product under a branch the
+    // compiler cannot prove uniform over the warpgroup is serialized.)
+    barrier_wait(keys_full(0), parity(0));
+    take_turn();
+    wgmma_fence();
+    issue_scores(0);
+    pass_turn();
+    wgmma_wait<0>();
+    fence_operands(scores);
+    barrier_arrive(keys_free(0));
+    {
+        float rescale[2];
+        softmax(0, rescale);
+        pack_probabilities();
+    }
+    for (int step = 1; step < steps; ++step) {
+        barrier_wait(keys_full(step % STAGES), parity(step));
+        barrier_wait(values_full((step - 1) % STAGES), parity(step - 1));
+        take_turn();
+        wgmma_fence();
+        issue_scores(step);
+        issue_values(step - 1);
+        pass_turn();
+        // The groups complete in order: with one left in flight, the scores have landed.
+        wgmma_wait<1>();
+        fence_operands(scores);
+        barrier_arrive(keys_free(step % STAGES));
+        float rescale[2];
+        softmax(step, rescale);
+        wgmma_wait<0>();
+        fence_operands(acc);
+        barrier_arrive(values_free((step - 1) % STAGES));
+        rescale_accumulators(rescale);
+        pack_probabilities();
+    }
+    barrier_wait(values_full((steps - 1) % STAGES), parity(steps - 1));
+    take_turn();
+    wgmma_fence();
+    issue_values(steps - 1);
+    pass_turn();
+    wgmma_wait<0>();
+    fence_operands(acc);
+    barrier_arrive(values_free((steps - 1) % STAGES));
+#else
     for (int step = 0; step < steps; ++step) {
         const int stage = step % STAGES;
-        const unsigned round = step / STAGES;
-        const int step_base = key_start + step * BLOCK_KEYS;
-        // Whether any row of this warpgroup sees a key of the step (uniform over the warpgroup).
-        const bool active = step_base <= last_position;
-        float scores[BLOCK_KEYS / 2];
-        barrier_wait(keys_full(stage), round & 1u);
-        if (PINGPONG) named_barrier(my_turn, 256);
-        if (active) {
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                const unsigned long long a = matrix_descriptor(
-                    base + Q_OFFSET + (kk / 4) * Q_PANEL_BYTES + 64 * consumer * 128 + (kk % 4) * 32, 16, 1024);
-                const unsigned long long b = matrix_descriptor(
-                    base + K_OFFSET + stage * K_STAGE_BYTES + (kk / 4) * KV_PANEL_BYTES + (kk % 4) * 32, 16, 1024);
-                wgmma_ss<BLOCK_KEYS>(scores, a, b, kk > 0);
-            }
-            wgmma_commit();
-        }
-        if (PINGPONG) named_barrier_arrive(their_turn, 256);
-        if (active) {
-            wgmma_wait<0>();
-            fence_operands(scores);
-        }
+        barrier_wait(keys_full(stage), parity(step));
+        take_turn();
+        wgmma_fence();
+        issue_scores(step);
+        pass_turn();
+        wgmma_wait<0>();
+        fence_operands(scores);
         barrier_arrive(keys_free(stage));
-
-        unsigned probabilities[BLOCK_KEYS / 16][4];
-        if (active) {
-#if SOFTCAP
-            // The logits capped, in the scores' base-2 units: log2(e) softcap * tanh(score / (log2(e) softcap)).
-            const float cap = softcap * 1.4426950408889634f;
-#pragma unroll
-            for (int i = 0; i < BLOCK_KEYS / 2; ++i) scores[i] = cap * tanhf(scores[i] / cap);
-#endif
-            // scores[4j + c]: row row0 (c < 2) or row1, key step_base + 8j + 2 quad + (c & 1).
-            const bool all_seen = step_base + BLOCK_KEYS - 1 <= first_position
-                                  && (sliding_window <= 0 || step_base > key_end - 1 - sliding_window);
-            float new_best[2] = {best[0], best[1]};
-#pragma unroll
-            for (int i = 0; i < BLOCK_KEYS / 2; ++i) {
-                const int half = (i % 4) / 2;
-                if (!all_seen) {
-                    const int position = half ? position1 : position0;
-                    const int key = step_base + 8 * (i / 4) + 2 * quad + (i & 1);
-                    const bool seen = key <= position && (sliding_window <= 0 || key > position - sliding_window);
-                    if (!seen) scores[i] = NEG_INF;
-                }
-                new_best[half] = fmaxf(new_best[half], scores[i]);
-            }
-            float rescale[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                new_best[h] = fmaxf(new_best[h], __shfl_xor_sync(0xffffffff, new_best[h], 1));
-                new_best[h] = fmaxf(new_best[h], __shfl_xor_sync(0xffffffff, new_best[h], 2));
-                rescale[h] = new_best[h] == NEG_INF ? 1.f : exp2f(best[h] - new_best[h]);
-                best[h] = new_best[h];
-                total[h] *= rescale[h];
-            }
-#pragma unroll
-            for (int i = 0; i < BLOCK_KEYS / 2; ++i) {
-                const int h = (i % 4) / 2;
-                const float p = best[h] == NEG_INF ? 0.f : exp2f(scores[i] - best[h]);
-                scores[i] = p;
-                total[h] += p;
-            }
-#pragma unroll
-            for (int i = 0; i < VALUE_DIM / 2; ++i) acc[i] *= rescale[(i % 4) / 2];
-            // Keys 16kt .. 16kt + 15 (score tiles 2kt and 2kt + 1) as the A fragment of the value product.
-#pragma unroll
-            for (int kt = 0; kt < BLOCK_KEYS / 16; ++kt) {
-                probabilities[kt][0] = pack_bf16(scores[8 * kt + 0], scores[8 * kt + 1]);
-                probabilities[kt][1] = pack_bf16(scores[8 * kt + 2], scores[8 * kt + 3]);
-                probabilities[kt][2] = pack_bf16(scores[8 * kt + 4], scores[8 * kt + 5]);
-                probabilities[kt][3] = pack_bf16(scores[8 * kt + 6], scores[8 * kt + 7]);
-            }
-        }
-
-        barrier_wait(values_full(stage), round & 1u);
-        if (PINGPONG) named_barrier(my_turn, 256);
-        if (active) {
-            wgmma_fence();
-#pragma unroll
-            for (int kt = 0; kt < BLOCK_KEYS / 16; ++kt) {
-                // Keys 16kt .. of the stage's values: 8 keys 128 bytes apart, groups of 8 keys 1024
-                // apart, panels of 64 columns KV_PANEL_BYTES apart.
-                const unsigned long long b = matrix_descriptor(
-                    base + V_OFFSET + stage * V_STAGE_BYTES + kt * 16 * 128, KV_PANEL_BYTES, 1024);
-                wgmma_rs_mn<VALUE_DIM>(acc, probabilities[kt], b, 1);
-            }
-            wgmma_commit();
-        }
-        if (PINGPONG && !(consumer == 1 && step == steps - 1)) named_barrier_arrive(their_turn, 256);
-        if (active) {
-            wgmma_wait<0>();
-            fence_operands(acc);
-        }
+        float rescale[2];
+        softmax(step, rescale);
+        rescale_accumulators(rescale);
+        pack_probabilities();
+        barrier_wait(values_full(stage), parity(step));
+        take_turn();
+        wgmma_fence();
+        issue_values(step);
+        pass_turn();
+        wgmma_wait<0>();
+        fence_operands(acc);
         barrier_arrive(values_free(stage));
     }
+#endif
 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -463,13 +536,15 @@ def shared_bytes(head_dim: int, value_dim: int) -> int:
 
 
 def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_instructions: bool = True,
-                  pingpong: bool = True) -> str:
+                  pingpong: bool = True, overlap: bool = False) -> str:
     """The kernel's CUDA C++ for the key and value head sizes, with the logit soft cap compiled in
-    or not, the consumers taking turns at their products (``pingpong``) or not, with its PTX
-    helpers, or without them for the CPU emulation, which brings its own."""
+    or not, the consumers taking turns at their products (``pingpong``) or not, each consumer's
+    softmax under its own products (``overlap``) or not, with its PTX helpers, or without them for
+    the CPU emulation, which brings its own."""
     kernel = (KERNEL.replace("__HEAD_DIM__", str(head_dim)).replace("__VALUE_DIM__", str(value_dim))
               .replace("__BLOCK_KEYS__", str(block_keys(head_dim, value_dim)))
               .replace("__SOFTCAP__", str(int(softcap))).replace("__PINGPONG__", str(int(pingpong)))
+              .replace("__OVERLAP__", str(int(overlap)))
               .replace("__PRODUCER_REGISTERS__", str(PRODUCER_REGISTERS))
               .replace("__CONSUMER_REGISTERS__", str(CONSUMER_REGISTERS)))
     return (INSTRUCTIONS if with_instructions else "") + kernel
@@ -537,22 +612,22 @@ def tensor_map(cache: DeviceArray, rows: int) -> TensorMapBytes:
 
 # ---------------------------------------------------------------------------------------- launch
 
-_kernels: dict[tuple[int, int, bool, bool], Any] = {}
+_kernels: dict[tuple[int, int, bool, bool, bool], Any] = {}
 _maps: dict[tuple[int, tuple[int, ...], int], TensorMapBytes] = {}
 
 
 def _kernel(head_dim: int, value_dim: int, softcap: bool) -> Any:
     """The compiled kernel for the head sizes (capped logits or not): NVRTC for sm_90a, once per
     process and geometry."""
-    key = (head_dim, value_dim, softcap, PINGPONG)
+    key = (head_dim, value_dim, softcap, PINGPONG, OVERLAP)
     kernel = _kernels.get(key)
     if kernel is None:
         from cupy.cuda import driver
 
         from metrale.kernels._compile import compile_module
 
-        kernel = compile_module(kernel_source(head_dim, value_dim, softcap, pingpong=PINGPONG), "sm_90a").get_function(
-            "prefill_attention_wgmma")
+        source = kernel_source(head_dim, value_dim, softcap, pingpong=PINGPONG, overlap=OVERLAP)
+        kernel = compile_module(source, "sm_90a").get_function("prefill_attention_wgmma")
         driver.funcSetAttribute(kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                 shared_bytes(head_dim, value_dim))
         _kernels[key] = kernel

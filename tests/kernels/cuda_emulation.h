@@ -167,6 +167,17 @@ inline float __shfl_xor_sync(unsigned, float value, int mask) {
     return result;
 }
 
+// __shfl_sync over the whole warp: every lane gets lane `source`'s value.
+inline int __shfl_sync(unsigned, int value, int source) {
+    auto& exchange = emu::exchange[emu::warp()];
+    auto* barrier = emu::warp_barriers[emu::warp()];
+    exchange.address[emu::lane()] = static_cast<unsigned>(value);
+    barrier->arrive_and_wait();
+    const int result = static_cast<int>(exchange.address[source]);
+    barrier->arrive_and_wait();
+    return result;
+}
+
 // __ballot_sync over the whole warp: bit t set where lane t's predicate holds.
 inline unsigned __ballot_sync(unsigned, int predicate) {
     auto& exchange = emu::exchange[emu::warp()];

@@ -18,6 +18,10 @@ from test_attention_mma_emulated import prompt_case
 from metrale.kernels import attention, attention_hopper
 from metrale.loading.checkpoint import bf16_to_float32
 
+#: The kernel's forms: the consumers taking turns at their products, each one's softmax under its
+#: own products (attention_hopper.PINGPONG, attention_hopper.OVERLAP).
+VARIANTS = {"turns-overlap": (True, True), "turns": (True, False), "overlap": (False, True), "plain": (False, False)}
+
 EMULATION_MAIN = r"""
 
 TensorMap cache_map(const unsigned short* cache, int dim, int slots, int kv_heads, int block_size) {
@@ -67,14 +71,15 @@ def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("prompt_hopper_emulated")
     binaries = {}
 
-    def run(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks, pingpong=True):
+    def run(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks, pingpong=True,
+            overlap=True):
         rows, heads, head_dim = q.shape
         kv_heads, value_dim = k_cache.shape[2], v_cache.shape[3]
-        key = (head_dim, value_dim, bool(softcap), pingpong)
+        key = (head_dim, value_dim, bool(softcap), pingpong, overlap)
         if key not in binaries:
             source = attention_hopper.kernel_source(head_dim, value_dim, bool(softcap), with_instructions=False,
-                                                    pingpong=pingpong)
-            binaries[key] = build_emulated(folder / "kernel{}_{}_{}_{}.cpp".format(*map(int, key)),
+                                                    pingpong=pingpong, overlap=overlap)
+            binaries[key] = build_emulated(folder / "kernel{}_{}_{}_{}_{}.cpp".format(*map(int, key)),
                                            source + EMULATION_MAIN)
         tiles = attention_hopper.query_tiles(starts)
         padded = np.zeros((rows + 1, tables.shape[1]), np.int32)
@@ -93,18 +98,22 @@ def emulated(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("head_dim, value_dim, heads, kv_heads, block_size, softcap, with_sinks, window, pingpong", [
-    (64, 64, 4, 2, 16, None, False, None, True),     # causal GQA, pages of 16 rows (8 loads a step)
-    (128, 128, 2, 1, 16, None, False, None, True),   # two panels of 64 columns a row
-    (128, 128, 2, 1, 16, None, False, None, False),  # the consumers not taking turns
-    (64, 64, 2, 2, 256, 5.0, True, None, True),      # pages larger than a step (a step is part of one); cap, sinks
-    (128, 128, 2, 2, 8, None, True, 150, True),      # pages of 8 rows; a sliding window skipping whole steps
-    (64, 64, 4, 1, 32, 5.0, False, 40, False),       # a window inside a step
-    (192, 128, 2, 2, 16, None, False, None, True),   # MLA's expanded heads: three key panels, two value panels
-    (256, 256, 2, 1, 16, 5.0, True, 40, True),       # 64 keys a step, four panels, 256 value columns a product
+@pytest.mark.parametrize("head_dim, value_dim, heads, kv_heads, block_size, softcap, with_sinks, window, variant", [
+    (64, 64, 4, 2, 16, None, False, None, "turns-overlap"),   # causal GQA, pages of 16 rows (8 loads a step)
+    (128, 128, 2, 1, 16, None, False, None, "turns-overlap"),  # two panels of 64 columns a row
+    (64, 64, 2, 2, 256, 5.0, True, None, "turns-overlap"),    # pages larger than a step; cap and sinks
+    (128, 128, 2, 2, 8, None, True, 150, "turns-overlap"),    # pages of 8 rows; a window skipping whole steps
+    (64, 64, 4, 1, 32, 5.0, False, 40, "turns-overlap"),      # a window inside a step
+    (192, 128, 2, 2, 16, None, False, None, "turns-overlap"),  # MLA's expanded heads: 3 key panels, 2 value panels
+    (256, 256, 2, 1, 16, 5.0, True, 40, "turns-overlap"),     # 64 keys a step, four panels, 256 value columns
+    (128, 128, 2, 2, 8, None, True, 150, "turns"),            # the consumers taking turns, no overlap
+    (256, 256, 2, 1, 16, 5.0, True, 40, "turns"),
+    (128, 128, 2, 2, 8, None, True, 150, "overlap"),          # overlap without turns
+    (64, 64, 4, 1, 32, 5.0, False, 40, "plain"),              # neither
 ])
 def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, value_dim, heads, kv_heads, block_size,
-                                                       softcap, with_sinks, window, pingpong):
+                                                       softcap, with_sinks, window, variant):
+    pingpong, overlap = VARIANTS[variant]
     rng = np.random.default_rng(head_dim + heads + block_size + (window or 0))
     # A prompt of two tiles (the second ending mid-step, its second warpgroup with rows), keys over
     # three steps (both stages, one of them twice), and a short chunk after a cached prefix (the
@@ -116,7 +125,8 @@ def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, value
     expected = attention.paged_attention_reference(
         q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, scale, window, softcap,
         sinks).reshape(len(positions), -1)
-    got = emulated(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks, pingpong)
+    got = emulated(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks, pingpong,
+                   overlap)
     # bf16 queries and probabilities on top of the bf16 output.
     assert rel_error(got, expected) <= 2e-2
     if softcap or with_sinks or window:
@@ -154,3 +164,34 @@ def test_unsupported_geometries_are_refused_before_any_launch():
         q16, k16, v16, tables16, seq16, positions16, starts16 = prompt_case(rng, [(0, 20)], 8, 2, 128, 128, 16)
         attention_hopper.prefill_attention(q16, k16, v16, tables16, seq16, positions16,
                                            attention_hopper.query_tiles(starts16), 0.1, None, out, softcap=-1.0)
+
+
+@pytest.mark.parametrize("head_dim, value_dim", attention_hopper.HEAD_DIMS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ptxas_neither_spills_nor_serializes_the_products(head_dim, value_dim, variant):
+    """The sm_90a build as the GPU gets it, through ptxas: no register spills, and no products
+    serialized (ptxas serializes wgmma under a branch it takes for divergent, at a large cost)."""
+    from test_cuda_sources import nvrtc_library
+
+    library = nvrtc_library()
+    if library is None:
+        pytest.skip("no NVRTC library to compile the kernel with")
+    import ctypes
+
+    pingpong, overlap = VARIANTS[variant]
+    code = attention_hopper.kernel_source(head_dim, value_dim, True, pingpong=pingpong, overlap=overlap)
+    program = ctypes.c_void_p()
+    assert library.nvrtcCreateProgram(ctypes.byref(program), code.encode(), b"kernel.cu", 0, None, None) == 0
+    options = [b"--std=c++17", b"--use_fast_math", b"--gpu-architecture=sm_90a", b"--ptxas-options=-v"]
+    try:
+        status = library.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+        size = ctypes.c_size_t()
+        library.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        library.nvrtcGetProgramLog(program, log)
+    finally:
+        library.nvrtcDestroyProgram(ctypes.byref(program))
+    text = log.value.decode(errors="replace")
+    assert status == 0, text[-4000:]
+    assert "0 bytes spill stores, 0 bytes spill loads" in text, text
+    assert "Potential Performance Loss" not in text, text

@@ -3,8 +3,9 @@ and TMA) against the ``mma.sync`` kernel (``metrale.kernels.attention_mma``) and
 installed, torch's ``scaled_dot_product_attention`` (FlashAttention inside) on the same prompt.
 
 Prints, per geometry, prompt length and cached prefix, the microseconds of each (CUDA events, the
-median of several runs; the warpgroup kernel with its consumers taking turns at their products
-and without, ``attention_hopper.PINGPONG``), their TFLOP/s (4 * d flops per visible (row, key)
+median of several runs; the warpgroup kernel with and without its consumers taking turns at
+their products, ``attention_hopper.PINGPONG``, and with and without each consumer's softmax
+under its own products, ``attention_hopper.OVERLAP``), their TFLOP/s (4 * d flops per visible (row, key)
 pair and head, d the mean of the key and value sizes) and the largest difference between the two
 Metrale kernels' outputs (bf16). Run from the repository root on an sm_90 GPU::
 
@@ -48,7 +49,8 @@ def main() -> None:
             print("(torch is not installed: no scaled_dot_product_attention column)")
     stream = cp.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(0)
-    columns = ("wgmma", "no-turns", "mma", "sdpa")
+    variants = {"wgmma": (True, True), "turns": (True, False), "overlap": (False, True), "plain": (False, False)}
+    columns = (*variants, "mma", "sdpa")
     print(f"{'heads':>9} {'d/dv':>8} {'rows':>6} {'prefix':>6} "
           + " ".join(f"{name + ' us':>11} {'TFLOP/s':>8}" for name in columns) + f" {'max diff':>9}")
     geometries = [tuple(int(part) for part in geometry.split("x")) for geometry in args.geometries.split(",")]
@@ -75,11 +77,11 @@ def main() -> None:
                 if attention_hopper.supports(heads, kv_heads, head_dim, value_dim, block_size):
                     out = outputs["wgmma"] = cp.zeros((rows, heads * value_dim), dtype=np.uint16)
                     tiles = cp.asarray(attention_hopper.query_tiles(starts))
-                    for name, turns in (("wgmma", True), ("no-turns", False)):
-                        attention_hopper.PINGPONG = turns
+                    for name, (turns, overlap) in variants.items():
+                        attention_hopper.PINGPONG, attention_hopper.OVERLAP = turns, overlap
                         times[name] = cuda_event_time(lambda: attention_hopper.prefill_attention(
                             q, k_cache, v_cache, table, seq_index, positions, tiles, scale, None, out, stream), stream)
-                    attention_hopper.PINGPONG = True
+                    attention_hopper.PINGPONG, attention_hopper.OVERLAP = variants["wgmma"]
                 out_mma = outputs["mma"] = cp.zeros((rows, heads * value_dim), dtype=np.uint16)
                 mma_tiles = cp.asarray(attention_mma.query_tiles(starts))
                 times["mma"] = cuda_event_time(lambda: attention_mma.prefill_attention(
