@@ -609,6 +609,19 @@ class CudaKernels:
                                                batch.positions, tiles, scale, sliding_window, out, self.stream, softcap,
                                                None if sinks is None else cp.ascontiguousarray(sinks, dtype=f32))
 
+    def paged_attention_prompt_wgmma(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
+                                     sliding_window: int | None, out: Any, first_segment: int,
+                                     softcap: float | None = None, sinks: Any = None) -> Any:
+        """The Hopper prompt attention (:mod:`metrale.kernels.attention_hopper`): tiles of 128 rows."""
+        from metrale.kernels import attention_hopper
+
+        starts = batch.row_starts
+        tiles = _batch_constant(batch, f"attention_hopper_tiles_{first_segment}",
+                                lambda: attention_hopper.query_tiles(starts[first_segment:]))
+        return attention_hopper.prefill_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_index,
+                                                  batch.positions, tiles, scale, sliding_window, out, self.stream,
+                                                  softcap, None if sinks is None else cp.ascontiguousarray(sinks, dtype=f32))
+
     def paged_attention_prompt_prefill(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
                                        sliding_window: int | None, out: Any, first_segment: int,
                                        softcap: float | None = None, sinks: Any = None) -> Any:

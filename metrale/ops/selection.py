@@ -638,6 +638,29 @@ def merged_decode_attention_kernels() -> list[Kernel]:
                    "32 KiB of partials a block")]
 
 
+def hopper_prompt_attention_kernels() -> list[Kernel]:
+    """The warp-specialised prompt attention on ``wgmma`` with TMA loads
+    (:mod:`metrale.kernels.attention_hopper`) as a kernel of ``paged_attention_prompt`` on
+    compute capability 9.0 devices, for bf16 caches of the geometries it serves. Not registered by
+    default: a registry may add it (``tools/sweeps/prompt_attention_sweep.py`` times the kernel
+    beside the ``mma.sync`` one; ``tests/kernels/test_attention_hopper_gpu.py`` runs a model
+    through it)."""
+
+    def hopper(q, k_cache, v_cache, batch, scale, sliding_window, out, first_segment, softcap=None, sinks=None):
+        from metrale.kernels import attention_hopper
+
+        if isinstance(k_cache, Fp8CacheArray) or isinstance(v_cache, Fp8CacheArray):
+            return False
+        heads, kv_heads, head_dim, value_dim = _geometry(q, k_cache, v_cache)
+        return (attention_hopper.supports(heads, kv_heads, head_dim, value_dim, k_cache.shape[1])
+                and attention_hopper.available())
+
+    return [Kernel("paged_attention_prompt", "cuda", "metrale.kernels.attention_hopper (wgmma, TMA loads, "
+                   "warp-specialised)", build=_cuda_method("paged_attention_prompt_wgmma"), when=hopper,
+                   condition="a compute capability 9.0 device, a bf16 cache in pages of a power of two of at least 8 "
+                   "rows, (K, V) heads of (64, 64), (128, 128), (192, 128) or (256, 256) dims")]
+
+
 # -------------------------------------------------------------------------- norms, activations
 
 

@@ -119,3 +119,46 @@ def test_prefill_attention_replays_in_a_cuda_graph():
     stream.synchronize()
     assert rel_error(bf16_to_float32(cp.asnumpy(out)), expected) <= 2e-2
 
+
+
+def test_a_model_through_the_registry_gives_the_default_kernels_logits(tmp_path):
+    """A Llama of 128-dim heads with the kernel registered (``hopper_prompt_attention_kernels``):
+    it serves the model's prompts, whose logits agree with the default registry's (the mma.sync
+    kernel) within bf16 rounding, and greedy continuations agree but for near ties."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from metrale import LLM, SamplingParams, hookimpl
+    from metrale.model.plugin_manager import get_plugin_manager
+    from metrale.ops.selection import hopper_prompt_attention_kernels
+    from metrale.testing.hf import build_hf_checkpoint
+
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048)
+    folder = build_hf_checkpoint(LlamaForCausalLM, config, tmp_path / "llama", seed=0, dtype=torch.bfloat16)
+
+    class HopperAttention:
+        METRALE_CONTRACT_VERSION = "1.1"
+
+        @hookimpl
+        def metrale_register_ops(self, registry):
+            for kernel in hopper_prompt_attention_kernels():
+                registry.add_kernel(kernel)
+
+    prompts = [np.random.default_rng(n).integers(0, 512, n).tolist() for n in (700, 300, 9)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    logits, tokens = {}, {}
+    for hopper in (False, True):
+        manager = get_plugin_manager()
+        if hopper:
+            manager.register(HopperAttention(), name="hopper-attention")
+        llm = LLM(folder, device="cuda", show_progress=False, max_model_len=2048, plugin_manager=manager)
+        assert ("attention_hopper" in llm.backend.ops.paged_attention_prompt.kernels[0][0].name) == hopper
+        logits[hopper] = llm.score(prompts[0])
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        llm.close()
+        assert all(o.error is None and len(o.token_ids) == 16 for o in outputs)
+        tokens[hopper] = [o.token_ids for o in outputs]
+    assert rel_error(logits[True], logits[False]) <= 2e-2
+    pairs = [(a, b) for hopper, plain in zip(tokens[True], tokens[False]) for a, b in zip(hopper, plain)]
+    assert sum(a == b for a, b in pairs) >= 0.9 * len(pairs)
