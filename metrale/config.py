@@ -27,6 +27,7 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "METRALE_DECODE_MMA": "when set to 0, decode attention runs on CUDA cores where tensor cores would serve",
     "METRALE_DEPENDENT_LAUNCH": "set to 0, the CUDA C++ decode kernels launch without programmatic dependent launch",
     "METRALE_API_KEY": "the API key metrale serve requires when --api-key is not given",
+    "METRALE_KERNEL_CACHE": "the folder of compiled sm_90a kernels (default $XDG_CACHE_HOME/metrale/kernels)",
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "vLLM's switch: 1 or true turns on the server's LoRA load and unload endpoints",
 }
 
