@@ -11,7 +11,8 @@ sequence, and the warpgroups specialise:
   (:func:`tensor_map`); the copies land in the 128-byte swizzle the products read, their bytes
   counted on an mbarrier per stage ("full"), two stages in flight; pages past the tile's last key
   are asked for outside the tensor, which lands zeros;
-* two consumers (warpgroups 1 and 2, 64 rows each) stage their query rows once (scaled, as bf16,
+* two consumers (warpgroups 1 and 2, 64 rows each: alternate groups of 8 rows, so that they share
+  a causal tile's diagonal) stage their query rows once (scaled, as bf16,
   swizzled), then per step wait for the keys, run ``S = Q K^T`` as ``wgmma.m64nNk16`` products
   (N the step's keys) with both operands in shared memory, release the keys (an "empty" mbarrier
   the producer waits on before it refills the stage), run the masked online softmax in
@@ -296,18 +297,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
         return;
     }
 
-    // A consumer: rows 64 * consumer .. of the tile; this thread's two rows row0 and row1.
+    // A consumer: the tile's groups of 8 rows 2j + consumer (j = 0 .. 7), so that the two share
+    // the keys of a causal tile's diagonal and both have rows in a tile of more than 8; its j-th
+    // group is its warp j / 2's rows (j % 2) * 8 .. + 7, and this thread's two rows are row0 and row1.
     registers_increase<__CONSUMER_REGISTERS__>();
     const int consumer = group - 1, t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
     const int quad = lane % 4;
-    const int row0 = 64 * consumer + 16 * warp + lane / 4, row1 = row0 + 8;
+    const int row0 = 32 * warp + 8 * consumer + lane / 4, row1 = row0 + 16;
     const int position0 = row0 < count ? positions[first + row0] : -1;
     const int position1 = row1 < count ? positions[first + row1] : -1;
 
     // The query rows, scaled by scale * log2(e) (the softmax runs in base 2), as bf16, 8 columns a store.
     const float query_scale = scale * 1.4426950408889634f;
     for (int e = t; e < 64 * HEAD_DIM / 8; e += 128) {
-        const int r = e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8), row = 64 * consumer + r;
+        const int r = e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8), row = 8 * (2 * (r / 8) + consumer) + r % 8;
         uint4 value = make_uint4(0u, 0u, 0u, 0u);
         if (row < count) {
             const float* source = q + ((long)(first + row) * num_heads + head) * HEAD_DIM + chunk * 8;
@@ -348,8 +351,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
         const int stage = step % STAGES;
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            // This consumer's groups of 8 rows, 2048 bytes apart.
             const unsigned long long a = matrix_descriptor(
-                base + Q_OFFSET + (kk / 4) * Q_PANEL_BYTES + 64 * consumer * 128 + (kk % 4) * 32, 16, 1024);
+                base + Q_OFFSET + (kk / 4) * Q_PANEL_BYTES + consumer * 1024 + (kk % 4) * 32, 16, 2048);
             const unsigned long long b = matrix_descriptor(
                 base + K_OFFSET + stage * K_STAGE_BYTES + (kk / 4) * KV_PANEL_BYTES + (kk % 4) * 32, 16, 1024);
             wgmma_ss<BLOCK_KEYS>(scores, a, b, kk > 0);

@@ -115,11 +115,11 @@ def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, value
                                                        softcap, with_sinks, window, variant):
     pingpong, overlap = VARIANTS[variant]
     rng = np.random.default_rng(head_dim + heads + block_size + (window or 0))
-    # A prompt of two tiles (the second ending mid-step, its second warpgroup with rows), keys over
-    # three steps (both stages, one of them twice), and a short chunk after a cached prefix (the
-    # second warpgroup without rows).
+    # A prompt of two tiles (the second ending mid-step), keys over three steps (both stages, one
+    # of them twice), a chunk of 40 rows after a cached prefix, and one of 5 (rows in the first
+    # consumer's groups only).
     q, k_cache, v_cache, tables, seq_index, positions, starts = prompt_case(
-        rng, [(0, 200), (300, 40)], heads, kv_heads, head_dim, value_dim, block_size)
+        rng, [(0, 200), (300, 40), (60, 5)], heads, kv_heads, head_dim, value_dim, block_size)
     sinks = (rng.standard_normal(heads) + 2.0).astype(np.float32) if with_sinks else None
     scale = head_dim**-0.5
     expected = attention.paged_attention_reference(
