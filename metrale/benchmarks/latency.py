@@ -287,6 +287,18 @@ def _gdn_weight_bytes(s: dict[str, Any], batch: int | None) -> int:
     return int(sum(per_layer) + 2 * v * h * (1 if s["tie_word_embeddings"] else 2) + 2 * h)
 
 
+#: The prompt lengths of ``metrale bench --prefill-sweep``, and the chunk after a cached prefix it
+#: also times (cached, new).
+PREFILL_SWEEP_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
+PREFILL_SWEEP_CHUNK = (8192, 512)
+
+
+def prefill_repeats(length: int) -> int:
+    """Timed prefills of a prompt of ``length`` tokens: 5, 3 past 16,384 tokens, 2 past 65,536
+    (a 131,072-token prefill of an 8B shape takes seconds)."""
+    return 5 if length <= 16384 else 3 if length <= 65536 else 2
+
+
 def prefill_flops(shape: str, length: int, cached: int = 0) -> float:
     """Floating-point operations of a prefill of ``length`` prompt tokens after ``cached`` ones:
     two per multiply-add of every weight a token uses (the routed experts it chooses, not the
@@ -407,6 +419,10 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
     chunk_end = sum(options.prefix_chunk) if options.prefix_chunk else 0
     max_len = max(options.context + options.decode_steps + 16, max(options.prefill_lengths, default=0) + 16,
                   chunk_end + 16)
+    # No longer than the checkpoint's positions (a prompt as long as they are still fits).
+    positions = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
+    if positions:
+        max_len = min(max_len, max(int(positions), options.context + options.decode_steps + 16))
     started = time.perf_counter()
     from metrale.benchmarks import quantized as formats
 
@@ -472,7 +488,7 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
             llm.forward.prefill(prompt, seq)
             llm.cache.release(seq)
 
-        seconds = _cuda_time(prefill, repeats=5, warmup=1, stream=backend.stream)
+        seconds = _cuda_time(prefill, repeats=prefill_repeats(length), warmup=1, stream=backend.stream)
         result[f"prefill_{length}"] = {"ms": seconds * 1e3, "tok_s": length / seconds,
                                        "TFLOPs": prefill_flops(shape, length) / seconds / 1e12}
     if options.prefix_chunk:
@@ -572,16 +588,18 @@ def bench_hf(folder: Path, options: BenchOptions, compile_model: bool) -> dict[s
         seconds = (total - first) / options.hf_decode_tokens
         result[f"decode_b{batch}"] = {"step_ms": seconds * 1e3, "tok_s": batch / seconds}
     # Prefill is timed for eager only: generate compiles just the one-token decoding forward.
+    # The last position's logits only, as Metrale's prefill and transformers' own generate make them.
     for length in options.prefill_lengths if not compile_model else ():
         ids = torch.randint(0, vocab, (1, length), generator=generator).cuda()
+        repeats = max(1, prefill_repeats(length) - 2)
         with torch.no_grad():
-            model(ids)
+            model(ids, logits_to_keep=1)
             torch.cuda.synchronize()
             started = time.perf_counter()
-            for _ in range(3):
-                model(ids)
+            for _ in range(repeats):
+                model(ids, logits_to_keep=1)
             torch.cuda.synchronize()
-        seconds = (time.perf_counter() - started) / 3
+        seconds = (time.perf_counter() - started) / repeats
         result[f"prefill_{length}"] = {"ms": seconds * 1e3, "tok_s": length / seconds}
     model = None  # (a closure shares the variable: clearing it frees the weights before empty_cache)
     torch.cuda.empty_cache()

@@ -101,8 +101,8 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--decode-steps", type=int, default=64, help="timed decode steps (default: 64)")
     parser.add_argument("--prefill-lengths", default="512,2048", help="prompt lengths timed for prefill (default: 512,2048)")
     parser.add_argument("--prefill-sweep", action="store_true",
-                        help="time prefill at 512, 1024, 2048, 4096 and 8192 tokens and a 512-token chunk after 8192 "
-                        "cached ones (overrides --prefill-lengths and --prefix-chunk)")
+                        help="time prefill at 512, 1024, 2048, 4096, 8192, 16384, 32768 and 131072 tokens and a "
+                        "512-token chunk after 8192 cached ones (overrides --prefill-lengths and --prefix-chunk)")
     parser.add_argument("--prefix-chunk", default="", metavar="CACHED,NEW",
                         help="also time a chunk of NEW prompt tokens after CACHED ones, e.g. 8192,512")
     parser.add_argument("--quantization", default="", metavar="FORMATS",
@@ -159,7 +159,9 @@ def _bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch-sizes and --prefill-lengths take comma-separated ints: {error}") from None
     prefix_chunk = None
     if args.prefill_sweep:
-        prefill_lengths, prefix_chunk = (512, 1024, 2048, 4096, 8192), (8192, 512)
+        from metrale.benchmarks.latency import PREFILL_SWEEP_CHUNK, PREFILL_SWEEP_LENGTHS
+
+        prefill_lengths, prefix_chunk = PREFILL_SWEEP_LENGTHS, PREFILL_SWEEP_CHUNK
     elif args.prefix_chunk:
         try:
             cached, new = (int(n) for n in args.prefix_chunk.split(","))
