@@ -51,6 +51,7 @@ struct Exchange { unsigned address[32]; unsigned a[32][4]; unsigned b[32][2]; fl
 std::vector<Exchange> exchange;   // what the lanes of each warp hand to a warp-wide instruction
 int defer_copies = 1;
 void block_started();   // resets the Hopper features' per-block state (below)
+bool wgmma_all_waited();   // whether this thread has no wgmma in flight (below)
 
 struct Copy { unsigned target; const unsigned char* source; bool valid; unsigned bytes = 16; };
 thread_local std::deque<std::vector<Copy>> committed;   // oldest group first
@@ -109,6 +110,7 @@ void launch(dim3 grid, dim3 block, Kernel kernel) {
                     open_group.clear();
                     kernel();
                     if (!open_group.empty()) fail("copies issued but never committed");
+                    if (!wgmma_all_waited()) fail("wgmma products issued and never waited for");
                     for (const auto& group : committed) {
                         if (!group.empty()) fail("copies still in flight when the thread ends");
                     }
@@ -482,6 +484,7 @@ template <typename T> void write(const std::string& path, const T* data, size_t 
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <type_traits>
 
 #define __grid_constant__
 
@@ -680,9 +683,115 @@ inline void named_barrier_arrive(int id, int threads) {
 }
 
 inline void async_proxy_fence() {}
+namespace emu {
+
+// A wgmma as issued: it runs when a wait needs its group, reading its shared operands then, its
+// registers as they were at issue (a change to them while it is in flight fails the run).
+struct WgmmaOp {
+    int n = 0;
+    bool a_in_registers = false;
+    float* d = nullptr;
+    std::vector<float> d_at_issue;
+    const unsigned* a = nullptr;
+    unsigned a_at_issue[4] = {};
+    unsigned long long descriptor_a = 0, descriptor_b = 0;
+    int accumulate = 0;
+};
+thread_local std::vector<WgmmaOp> open_wgmma;
+thread_local std::deque<std::vector<WgmmaOp>> committed_wgmma;   // oldest group first
+
+bool wgmma_all_waited() { return open_wgmma.empty() && committed_wgmma.empty(); }
+
+inline void wgmma_issue(WgmmaOp op, float* d, int n) {
+    op.d = d;
+    op.n = n;
+    op.d_at_issue.assign(d, d + n / 2);
+    open_wgmma.push_back(std::move(op));
+}
+
+// One product, with the warpgroup: its operands gathered from the 128 threads' issues.
+inline void wgmma_run(const WgmmaOp& op) {
+    const int group = threadIdx.x / 128, t = threadIdx.x % 128;
+    auto& exchange = group_exchange[group];
+    exchange.descriptor_a[t] = op.descriptor_a;
+    exchange.descriptor_b[t] = op.descriptor_b;
+    for (int i = 0; i < 4; ++i) exchange.a[t][i] = op.a_at_issue[i];
+    warpgroup_barriers[group]->arrive_and_wait();
+    for (int l = 0; l < 128; ++l) {
+        if (exchange.descriptor_a[l] != op.descriptor_a || exchange.descriptor_b[l] != op.descriptor_b) {
+            fail("wgmma descriptors differ across the warpgroup");
+        }
+    }
+    check_descriptor(op.descriptor_b);
+    if (op.a_in_registers) {
+        float A[64][16];
+        for (int l = 0; l < 128; ++l) {
+            const int w = l / 32, g = (l % 32) / 4, q = l % 4;
+            for (int i = 0; i < 8; ++i) {
+                const unsigned word = exchange.a[l][i / 2];
+                const int row = 16 * w + g + ((i / 2) % 2 ? 8 : 0), k = 2 * q + (i & 1) + (i >= 4 ? 8 : 0);
+                A[row][k] = bf16_value(i % 2 ? word >> 16 : word);
+            }
+        }
+        auto product = [&](auto n_constant) {
+            warpgroup_product<decltype(n_constant)::value>(op.d, op.accumulate, [&](int row, int k) { return A[row][k]; },
+                [&](int k, int column) { return mn_major(op.descriptor_b, k, column); });
+        };
+        switch (op.n) {
+            case 64: product(std::integral_constant<int, 64>{}); break;
+            case 128: product(std::integral_constant<int, 128>{}); break;
+            case 256: product(std::integral_constant<int, 256>{}); break;
+            default: fail("wgmma width not emulated");
+        }
+    } else {
+        check_descriptor(op.descriptor_a);
+        auto product = [&](auto n_constant) {
+            warpgroup_product<decltype(n_constant)::value>(op.d, op.accumulate,
+                [&](int row, int k) { return k_major(op.descriptor_a, row, k); },
+                [&](int k, int column) { return k_major(op.descriptor_b, column, k); });
+        };
+        switch (op.n) {
+            case 64: product(std::integral_constant<int, 64>{}); break;
+            case 128: product(std::integral_constant<int, 128>{}); break;
+            case 256: product(std::integral_constant<int, 256>{}); break;
+            default: fail("wgmma width not emulated");
+        }
+    }
+    warpgroup_barriers[group]->arrive_and_wait();
+}
+
+// A committed group's products in their order: each first product of an accumulator array finds
+// it as it was at issue, each register operand as it was at issue.
+inline void wgmma_run_group(const std::vector<WgmmaOp>& ops) {
+    std::vector<const float*> touched;
+    for (const auto& op : ops) {
+        if (std::find(touched.begin(), touched.end(), op.d) == touched.end()) {
+            if (!std::equal(op.d_at_issue.begin(), op.d_at_issue.end(), op.d)) {
+                fail("wgmma accumulators changed while the product was in flight");
+            }
+            touched.push_back(op.d);
+        }
+        if (op.a_in_registers && !std::equal(op.a_at_issue, op.a_at_issue + 4, op.a)) {
+            fail("wgmma register operand changed while the product was in flight");
+        }
+        wgmma_run(op);
+    }
+}
+
+}  // namespace emu
+
 inline void wgmma_fence() {}
-inline void wgmma_commit() {}
-template <int pending> inline void wgmma_wait() {}
+inline void wgmma_commit() {
+    emu::committed_wgmma.push_back(std::move(emu::open_wgmma));
+    emu::open_wgmma.clear();
+}
+// wgmma.wait_group: the groups older than the `pending` newest run now (a warpgroup-wide wait).
+template <int pending> inline void wgmma_wait() {
+    while (static_cast<int>(emu::committed_wgmma.size()) > pending) {
+        emu::wgmma_run_group(emu::committed_wgmma.front());
+        emu::committed_wgmma.pop_front();
+    }
+}
 template <int count> inline void fence_operands(float (&)[count]) {}
 template <int registers> inline void registers_increase() {}
 template <int registers> inline void registers_decrease() {}
@@ -690,46 +799,22 @@ template <int registers> inline void registers_decrease() {}
 // wgmma.mma_async.m64nNk16.f32.bf16.bf16, both operands in shared memory and K-major.
 template <int N>
 inline void wgmma_ss(float (&d)[N / 2], unsigned long long descriptor_a, unsigned long long descriptor_b, int accumulate) {
-    const int group = threadIdx.x / 128, t = threadIdx.x % 128;
-    auto& exchange = emu::group_exchange[group];
-    exchange.descriptor_a[t] = descriptor_a;
-    exchange.descriptor_b[t] = descriptor_b;
-    emu::warpgroup_barriers[group]->arrive_and_wait();
-    for (int l = 0; l < 128; ++l) {
-        if (exchange.descriptor_a[l] != descriptor_a || exchange.descriptor_b[l] != descriptor_b) {
-            emu::fail("wgmma descriptors differ across the warpgroup");
-        }
-    }
-    emu::check_descriptor(descriptor_a);
-    emu::check_descriptor(descriptor_b);
-    emu::warpgroup_product<N>(d, accumulate, [&](int row, int k) { return emu::k_major(descriptor_a, row, k); },
-                              [&](int k, int column) { return emu::k_major(descriptor_b, column, k); });
-    emu::warpgroup_barriers[group]->arrive_and_wait();
+    emu::WgmmaOp op;
+    op.descriptor_a = descriptor_a;
+    op.descriptor_b = descriptor_b;
+    op.accumulate = accumulate;
+    emu::wgmma_issue(std::move(op), d, N);
 }
 
 // wgmma.mma_async.m64nNk16.f32.bf16.bf16, A from registers (the m16n8k16 A fragment of each warp's
 // 16 rows), B in shared memory and MN-major (imm-trans-b 1).
 template <int N>
 inline void wgmma_rs_mn(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long descriptor_b, int accumulate) {
-    const int group = threadIdx.x / 128, t = threadIdx.x % 128;
-    auto& exchange = emu::group_exchange[group];
-    for (int i = 0; i < 4; ++i) exchange.a[t][i] = a[i];
-    exchange.descriptor_b[t] = descriptor_b;
-    emu::warpgroup_barriers[group]->arrive_and_wait();
-    for (int l = 0; l < 128; ++l) {
-        if (exchange.descriptor_b[l] != descriptor_b) emu::fail("wgmma descriptors differ across the warpgroup");
-    }
-    emu::check_descriptor(descriptor_b);
-    float A[64][16];
-    for (int l = 0; l < 128; ++l) {
-        const int w = l / 32, g = (l % 32) / 4, q = l % 4;
-        for (int i = 0; i < 8; ++i) {
-            const unsigned word = exchange.a[l][i / 2];
-            const int row = 16 * w + g + ((i / 2) % 2 ? 8 : 0), k = 2 * q + (i & 1) + (i >= 4 ? 8 : 0);
-            A[row][k] = emu::bf16_value(i % 2 ? word >> 16 : word);
-        }
-    }
-    emu::warpgroup_product<N>(d, accumulate, [&](int row, int k) { return A[row][k]; },
-                              [&](int k, int column) { return emu::mn_major(descriptor_b, k, column); });
-    emu::warpgroup_barriers[group]->arrive_and_wait();
+    emu::WgmmaOp op;
+    op.a_in_registers = true;
+    op.a = a;
+    for (int i = 0; i < 4; ++i) op.a_at_issue[i] = a[i];
+    op.descriptor_b = descriptor_b;
+    op.accumulate = accumulate;
+    emu::wgmma_issue(std::move(op), d, N);
 }
