@@ -477,10 +477,12 @@ template <typename T> void write(const std::string& path, const T* data, size_t 
 // mbarriers live in dynamic shared memory and are tracked here by their offset: a phase completes
 // when its pending arrivals and its expected transaction bytes both reach zero. A tensor load
 // copies its box at once (zeros outside the tensor), in the 128-byte swizzle if its map asks for
-// it, and completes its bytes on the barrier it names. A wgmma runs when all 128 threads of the
-// warpgroup have issued it, reading its shared operands through their descriptors (start address,
-// leading and stride byte offsets, 128-byte swizzle) and its register operands from the
-// fragment layouts of the PTX ISA; the fences, commits and waits around it have nothing to order.
+// it, and completes its bytes on the barrier it names. A wgmma is recorded at issue and runs when a
+// wait (wgmma.wait_group, warpgroup-wide) needs its committed group: its shared operands read
+// then, through their descriptors (start address, leading and stride byte offsets, 128-byte
+// swizzle), its register operands from the fragment layouts of the PTX ISA; accumulators or
+// register operands that change between the issue and that wait fail the run, as does a thread
+// that ends with products in flight.
 #include <chrono>
 #include <map>
 #include <mutex>
