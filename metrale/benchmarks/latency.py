@@ -422,7 +422,12 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
     # No longer than the checkpoint's positions (a prompt as long as they are still fits).
     positions = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
     if positions:
-        max_len = min(max_len, max(int(positions), options.context + options.decode_steps + 16))
+        longest = max([*options.prefill_lengths, chunk_end, options.context + options.decode_steps])
+        if longest > int(positions):
+            from metrale.errors import ConfigError
+
+            raise ConfigError(f"{shape}: {longest} tokens exceed the checkpoint's {positions} positions")
+        max_len = min(max_len, int(positions))
     started = time.perf_counter()
     from metrale.benchmarks import quantized as formats
 
