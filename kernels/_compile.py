@@ -5,7 +5,7 @@ architecture-specific target ``sm_90a``. The source is compiled to a cubin by NV
 through ctypes: CuPy's ``getCUBIN`` drops the cubin's last byte) and loaded as a CuPy module,
 whose functions launch through :func:`metrale.kernels._launch.launch`.
 
-Cubins are kept on disk (:func:`cache_dir`), keyed by the source, the architecture, the options
+Cubins are kept on disk (:data:`CACHE_DIR`), keyed by the source, the architecture, the options
 and NVRTC's version, so that a later process loads them instead of compiling again."""
 
 from __future__ import annotations
@@ -29,13 +29,11 @@ NVRTC_NAMES = ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so")
 DEFAULT_OPTIONS = ("--std=c++17", "--use_fast_math")
 
 
-def cache_dir() -> Path:
-    """Where compiled cubins are kept: ``METRALE_KERNEL_CACHE`` if set, else
-    ``$XDG_CACHE_HOME/metrale/kernels`` (``~/.cache/metrale/kernels``); read at each compilation."""
-    configured = os.environ.get("METRALE_KERNEL_CACHE")
-    if configured:
-        return Path(configured).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "metrale" / "kernels"
+#: Where compiled cubins are kept between processes, or None for nowhere (read at each
+#: compilation). The CUDA backend sets it from its settings (``METRALE_KERNEL_CACHE``, by default
+#: ``$XDG_CACHE_HOME/metrale/kernels``, :class:`~metrale.config.EnvironmentConfig`); nothing
+#: here reads the environment.
+CACHE_DIR: Path | None = None
 
 
 def nvrtc_library() -> ctypes.CDLL:
@@ -99,10 +97,13 @@ def _compile(source: str, arch: str, options: tuple[str, ...]) -> bytes:
 def compile_cubin(source: str, arch: str, options: tuple[str, ...] = DEFAULT_OPTIONS, *,
                   cache: Path | None = None) -> bytes:
     """The cubin NVRTC compiles ``source`` into for ``arch`` (``sm_90a``), from the on-disk cache
-    (``cache``, default :func:`cache_dir`) where an earlier compilation left it. Raises
-    :class:`~metrale.errors.KernelArgumentError` with NVRTC's log if it does not compile. A cache
-    that cannot be read or written is passed over (the cubin is then compiled, and not kept)."""
-    folder = cache if cache is not None else cache_dir()
+    (``cache``, default :data:`CACHE_DIR`; none when both are None) where an earlier compilation
+    left it. Raises :class:`~metrale.errors.KernelArgumentError` with NVRTC's log if it does not
+    compile. A cache that cannot be read or written is passed over (the cubin is then compiled,
+    and not kept)."""
+    folder = cache if cache is not None else CACHE_DIR
+    if folder is None:
+        return _compile(source, arch, options)
     key = hashlib.sha256("\0".join((source, arch, *options, "nvrtc %d.%d" % nvrtc_version())).encode()).hexdigest()
     path = folder / f"{key}.cubin"
     try:

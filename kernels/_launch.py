@@ -157,9 +157,9 @@ def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
     """Launch CuPy ``kernel`` (a ``RawKernel``, or a function of a module loaded by
     :func:`metrale.kernels._compile.compile_module`) on ``stream`` (a CuPy stream, or None for the
     current one); dependently (see the module docstring) when ``dependent`` and
-    :func:`dependent_launch_available`. Arguments passed by value as ctypes structures (tensor
-    maps) or a module's function always take the driver's launch."""
-    by_driver = not hasattr(kernel, "kernel") or any(isinstance(arg, ctypes.Structure) for arg in args)
+    :func:`dependent_launch_available`. A launch with arguments passed by value as ctypes
+    structures (tensor maps) always takes the driver's launch (CuPy's takes none)."""
+    by_driver = any(isinstance(arg, ctypes.Structure) for arg in args)
     dependent = dependent and dependent_launch_available() and _base_name(kernel) not in INDEPENDENT
     if not dependent and not by_driver:
         with stream if stream is not None else contextlib.nullcontext():

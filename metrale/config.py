@@ -83,7 +83,8 @@ class EnvironmentConfig:
     The kernel settings reach the kernels through the backend, never by a kernel reading the
     environment: ``decode_mma`` is a condition of the op registry (a kernel's ``enabled``,
     :class:`~metrale.ops.Kernel`); ``numba_launch`` and ``dependent_launch`` say how kernels
-    launch, and the CUDA backend applies them when it is built. ``batch_invariant`` is no
+    launch, and the CUDA backend applies them when it is built, as it applies ``kernel_cache``
+    (where compiled ``sm_90a`` kernels are kept). ``batch_invariant`` is no
     variable: it is the engine's option of that name (:class:`EngineConfig`), carried here so that
     the op registry binds the batch-invariant kernels under it like any other setting."""
 
@@ -96,6 +97,7 @@ class EnvironmentConfig:
     decode_mma: bool = True
     dependent_launch: bool = True
     batch_invariant: bool = False
+    kernel_cache: str | None = None
 
 
 def read_environment(env: Mapping[str, str] | None = None) -> EnvironmentConfig:
@@ -116,7 +118,19 @@ def read_environment(env: Mapping[str, str] | None = None) -> EnvironmentConfig:
         numba_launch=_flag(env, "METRALE_NUMBA_LAUNCH"),
         decode_mma=_flag(env, "METRALE_DECODE_MMA", default=True),
         dependent_launch=_flag(env, "METRALE_DEPENDENT_LAUNCH", default=True),
+        kernel_cache=kernel_cache_folder(env),
     )
+
+
+def kernel_cache_folder(env: Mapping[str, str] | None = None) -> str:
+    """Where kernels compiled for ``sm_90a`` are kept between processes: ``METRALE_KERNEL_CACHE``
+    of ``env`` (default: ``os.environ``) if set, else ``$XDG_CACHE_HOME/metrale/kernels``
+    (``~/.cache/metrale/kernels``), the user's folder expanded."""
+    env = os.environ if env is None else env
+    configured = env.get("METRALE_KERNEL_CACHE", "").strip()
+    if configured:
+        return os.path.expanduser(configured)
+    return os.path.join(os.path.expanduser(env.get("XDG_CACHE_HOME") or "~/.cache"), "metrale", "kernels")
 
 
 #: The values the ``kv_cache_dtype`` option takes: ``"auto"`` (the backend's cache dtype) or an

@@ -9,6 +9,7 @@ decode steps are replayed from CUDA graphs (:mod:`metrale.runner.graphs`).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -27,7 +28,7 @@ class CudaBackend(Backend):
         import cupy
 
         from metrale.config import read_environment
-        from metrale.kernels import _device, _launch
+        from metrale.kernels import _compile, _device, _launch
         from metrale.ops.builtin import builtin_registry
         from metrale.ops.cuda import CudaKernels
 
@@ -37,6 +38,8 @@ class CudaBackend(Backend):
         # How kernels launch, not which: process-wide settings of the kernel modules.
         _device.DIRECT_LAUNCH = not self.environment.numba_launch
         _launch.ENABLED = self.environment.dependent_launch
+        if self.environment.kernel_cache is not None:
+            _compile.CACHE_DIR = Path(self.environment.kernel_cache)
         self.xp = cupy
         self.device = cupy.cuda.Device(device_id)
         self.device.use()

@@ -59,9 +59,21 @@ def test_a_damaged_entry_is_compiled_again(nvrtc, tmp_path):
     assert entry.read_bytes() == first
 
 
-def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("METRALE_KERNEL_CACHE", str(tmp_path / "kernels"))
-    assert _compile.cache_dir() == tmp_path / "kernels"
-    monkeypatch.delenv("METRALE_KERNEL_CACHE")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert _compile.cache_dir() == tmp_path / "xdg" / "metrale" / "kernels"
+def test_the_cache_folder_follows_the_environment(tmp_path):
+    from metrale.config import kernel_cache_folder, read_environment
+
+    assert kernel_cache_folder({"METRALE_KERNEL_CACHE": str(tmp_path / "kernels")}) == str(tmp_path / "kernels")
+    assert kernel_cache_folder({"XDG_CACHE_HOME": str(tmp_path / "xdg")}) == str(tmp_path / "xdg" / "metrale" / "kernels")
+    assert kernel_cache_folder({"HOME": str(tmp_path)}).endswith("/.cache/metrale/kernels")
+    assert read_environment({"METRALE_KERNEL_CACHE": "/k"}).kernel_cache == "/k"
+
+
+def test_without_a_cache_folder_nothing_is_kept(nvrtc, tmp_path, monkeypatch):
+    monkeypatch.setattr(_compile, "CACHE_DIR", None)
+    monkeypatch.chdir(tmp_path)
+    cubin = _compile.compile_cubin('extern "C" __global__ void noop() {}', "sm_90a")
+    assert cubin[:4] == b"\x7fELF"
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setattr(_compile, "CACHE_DIR", tmp_path / "kept")
+    _compile.compile_cubin('extern "C" __global__ void noop() {}', "sm_90a")
+    assert len(list((tmp_path / "kept").glob("*.cubin"))) == 1
