@@ -540,7 +540,7 @@ def shared_bytes(head_dim: int, value_dim: int) -> int:
 
 
 def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_instructions: bool = True,
-                  pingpong: bool = True, overlap: bool = False) -> str:
+                  pingpong: bool = True, overlap: bool = True) -> str:
     """The kernel's CUDA C++ for the key and value head sizes, with the logit soft cap compiled in
     or not, the consumers taking turns at their products (``pingpong``) or not, each consumer's
     softmax under its own products (``overlap``) or not, with its PTX helpers, or without them for
@@ -578,7 +578,8 @@ _OOB_FILL_ZEROS = 0
 
 
 class TensorMapBytes(ctypes.Structure):
-    """A ``CUtensorMap``: 128 opaque bytes, 64-byte aligned, passed to the kernel by value."""
+    """A ``CUtensorMap``: 128 opaque bytes, passed to the kernel by value (the kernel's parameter
+    is 64-byte aligned; the launch copies the bytes, whatever this copy's alignment)."""
 
     _pack_ = 8
     _fields_ = [("opaque", ctypes.c_uint64 * 16)]

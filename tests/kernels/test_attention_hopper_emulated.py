@@ -1,9 +1,11 @@
 """The Hopper prompt attention (metrale.kernels.attention_hopper) without a GPU: the CUDA C++
 kernel run on the host through ``cuda_emulation.h`` (a thread per CUDA thread; mbarrier phases,
 TMA tensor loads in the 128-byte swizzle, named barriers and ``wgmma`` with the PTX ISA's operand
-layouts) against the NumPy reference: GQA, head sizes of 64 and 128, pages smaller and larger than
-a step, a prompt chunk after a cached prefix, several steps through both stages, sliding windows,
-logit soft caps and sinks."""
+layouts, each product run at the wait that needs it) against the NumPy reference: GQA, (key,
+value) head sizes of (64, 64), (128, 128), (192, 128) and (256, 256), pages smaller and larger than
+a step, prompt chunks after a cached prefix, several steps through both stages, sliding windows,
+logit soft caps and sinks, in each form of the consumer loop; the refusals before any launch; and
+the sm_90a build through ptxas, which must neither spill nor serialize the products."""
 
 from __future__ import annotations
 
