@@ -5,9 +5,9 @@ The NumPy reference is :func:`metrale.kernels.attention.paged_attention_referenc
 three warpgroups owns one query head and a tile of up to :data:`TILE_ROWS` consecutive rows of one
 sequence, and the warpgroups specialise:
 
-* the producer (warpgroup 0, one thread issuing) copies each step's keys and values (128, or 64
-  for heads of 256 dims: :func:`block_keys`) from the paged cache into shared memory with TMA
-  tensor loads (``cp.async.bulk.tensor``), a page's rows a load, through one tensor map per cache
+* the producer (warpgroup 0; its first warp issues, a lane a load) copies each step's keys and
+  values (128, or 64 for heads of 256 dims: :func:`block_keys`) from the paged cache into shared
+  memory with TMA tensor loads (``cp.async.bulk.tensor``), a page's rows a load, through one tensor map per cache
   (:func:`tensor_map`); the copies land in the 128-byte swizzle the products read, their bytes
   counted on an mbarrier per stage ("full"), two stages in flight; pages past the tile's last key
   are asked for outside the tensor, which lands zeros;
@@ -268,27 +268,36 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
     // result): the products below must not sit under a branch it takes for divergent.
     const int group = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
     if (group == 0) {
-        // The producer: one thread issues every tensor load.
         registers_decrease<__PRODUCER_REGISTERS__>();
-        if (threadIdx.x == 0) {
+        // The producer: its first warp issues the tensor loads, a lane a box. A step's boxes are
+        // BLOCK_KEYS / box_rows pages (or one page's rows) times the panels; lane g < pages reads the
+        // block table for page g of the step before the stage is free, so the table's latency hides
+        // under the wait and no lane waits on another's lookup.
+        if (threadIdx.x < 32) {
+            const int lane = threadIdx.x;
             const int box_rows = block_size < BLOCK_KEYS ? block_size : BLOCK_KEYS;
+            const int pages = BLOCK_KEYS / box_rows;
             for (int step = 0; step < steps; ++step) {
                 const int stage = step % STAGES;
                 const unsigned round = step / STAGES;
-                const int step_base = key_start + step * BLOCK_KEYS;
+                const int position = key_start + step * BLOCK_KEYS + (lane < pages ? lane : 0) * box_rows;
+                // Rows past the tile's last key: outside the tensor, zeros.
+                const int slot = position < key_end ? table[position / block_size] * block_size + position % block_size
+                                                    : total_slots;
                 for (int half = 0; half < 2; ++half) {
-                    barrier_wait(half ? values_free(stage) : keys_free(stage), (round & 1u) ^ 1u);
+                    const int panels = half ? V_PANELS : K_PANELS;
                     const unsigned landed = half ? values_full(stage) : keys_full(stage);
-                    barrier_expect_bytes(landed, half ? V_STAGE_BYTES : K_STAGE_BYTES);
                     const unsigned target = base + (half ? V_OFFSET + stage * V_STAGE_BYTES : K_OFFSET + stage * K_STAGE_BYTES);
-                    for (int r = 0; r < BLOCK_KEYS; r += box_rows) {
-                        const int position = step_base + r;
-                        // Rows past the tile's last key: outside the tensor, zeros.
-                        const int slot = position < key_end
-                            ? table[position / block_size] * block_size + position % block_size : total_slots;
-                        for (int panel = 0; panel < (half ? V_PANELS : K_PANELS); ++panel) {
-                            tensor_load_3d(target + panel * KV_PANEL_BYTES + r * 128, half ? v_map : k_map, panel * 64,
-                                           kv_head, slot, landed);
+                    barrier_wait(half ? values_free(stage) : keys_free(stage), (round & 1u) ^ 1u);
+                    if (lane == 0) barrier_expect_bytes(landed, half ? V_STAGE_BYTES : K_STAGE_BYTES);
+                    __syncwarp();
+                    for (int first_box = 0; first_box < pages * panels; first_box += 32) {
+                        const int box = first_box + lane;
+                        const int page = box / panels, panel = box % panels;
+                        const int page_slot = __shfl_sync(0xffffffffu, slot, page < pages ? page : 0);
+                        if (box < pages * panels) {
+                            tensor_load_3d(target + panel * KV_PANEL_BYTES + page * box_rows * 128, half ? v_map : k_map,
+                                           panel * 64, kv_head, page_slot, landed);
                         }
                     }
                 }

@@ -52,6 +52,12 @@ std::vector<Exchange> exchange;   // what the lanes of each warp hand to a warp-
 int defer_copies = 1;
 void block_started();   // resets the Hopper features' per-block state (below)
 bool wgmma_all_waited();   // whether this thread has no wgmma in flight (below)
+// setmaxnreg: each thread starts with what ptxas gives a block of blockDim threads and one block
+// an SM (__launch_bounds__(threads, 1): the register file shared out, a multiple of 8); what a
+// warpgroup's .dec releases goes to its block's pool, from which an .inc takes or waits.
+thread_local int thread_registers = 0;
+int register_pool = 0;
+inline int launch_registers(int threads) { return std::min(255, 65536 / threads) / 8 * 8; }
 
 struct Copy { unsigned target; const unsigned char* source; bool valid; unsigned bytes = 16; };
 thread_local std::deque<std::vector<Copy>> committed;   // oldest group first
@@ -103,6 +109,7 @@ void launch(dim3 grid, dim3 block, Kernel kernel) {
             for (int t = 0; t < threads; ++t) {
                 pool.emplace_back([=] {
                     threadIdx.x = t;
+                    thread_registers = launch_registers(threads);
                     blockIdx.x = bx;
                     blockIdx.y = by;
                     blockIdx.z = bz;
@@ -169,7 +176,7 @@ inline float __shfl_xor_sync(unsigned, float value, int mask) {
     return result;
 }
 
-// __shfl_sync over the whole warp: every lane gets lane `source`'s value.
+// __shfl_sync over the whole warp: each lane gets the value of the lane it names as `source`.
 inline int __shfl_sync(unsigned, int value, int source) {
     auto& exchange = emu::exchange[emu::warp()];
     auto* barrier = emu::warp_barriers[emu::warp()];
@@ -515,6 +522,7 @@ std::vector<GroupExchange> group_exchange;
 
 void block_started() {
     std::lock_guard<std::mutex> lock(hopper_mutex);
+    register_pool = 0;
     mbarriers.clear();
     for (auto& entry : named_barriers) delete entry.second.second;
     named_barriers.clear();
@@ -795,8 +803,35 @@ template <int pending> inline void wgmma_wait() {
     }
 }
 template <int count> inline void fence_operands(float (&)[count]) {}
-template <int registers> inline void registers_increase() {}
-template <int registers> inline void registers_decrease() {}
+// setmaxnreg.inc: waits until the block's pool holds the registers this thread asks for.
+template <int registers> inline void registers_increase() {
+    static_assert(registers % 8 == 0 && registers >= 24 && registers <= 256, "setmaxnreg takes 24 .. 256, a multiple of 8");
+    if (registers < emu::thread_registers) emu::fail("setmaxnreg.inc below the thread's registers");
+    const int wanted = registers - emu::thread_registers;
+    const auto started = std::chrono::steady_clock::now();
+    for (;;) {
+        {
+            std::lock_guard<std::mutex> lock(emu::hopper_mutex);
+            if (emu::register_pool >= wanted) {
+                emu::register_pool -= wanted;
+                emu::thread_registers = registers;
+                return;
+            }
+        }
+        if (std::chrono::steady_clock::now() - started > std::chrono::seconds(60)) {
+            emu::fail("setmaxnreg.inc never gets its registers (no warpgroup released them with .dec)");
+        }
+        std::this_thread::yield();
+    }
+}
+// setmaxnreg.dec: this thread's registers above `registers` go to the block's pool.
+template <int registers> inline void registers_decrease() {
+    static_assert(registers % 8 == 0 && registers >= 24 && registers <= 256, "setmaxnreg takes 24 .. 256, a multiple of 8");
+    if (registers > emu::thread_registers) emu::fail("setmaxnreg.dec above the thread's registers");
+    std::lock_guard<std::mutex> lock(emu::hopper_mutex);
+    emu::register_pool += emu::thread_registers - registers;
+    emu::thread_registers = registers;
+}
 
 // wgmma.mma_async.m64nNk16.f32.bf16.bf16, both operands in shared memory and K-major.
 template <int N>
