@@ -123,8 +123,9 @@ def test_prefill_attention_replays_in_a_cuda_graph():
 
 def test_a_model_through_the_registry_gives_the_default_kernels_logits(tmp_path):
     """A Llama of 128-dim heads with the kernel registered (``hopper_prompt_attention_kernels``):
-    it serves the model's prompts, whose logits agree with the default registry's (the mma.sync
-    kernel) within bf16 rounding, and greedy continuations agree but for near ties."""
+    it serves the model's prompts, whose logits are as close to transformers' float32 forward of the
+    same checkpoint as the default registry's (the mma.sync kernel) are, and greedy continuations
+    agree but for near ties."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -159,6 +160,11 @@ def test_a_model_through_the_registry_gives_the_default_kernels_logits(tmp_path)
         llm.close()
         assert all(o.error is None and len(o.token_ids) == 16 for o in outputs)
         tokens[hopper] = [o.token_ids for o in outputs]
-    assert rel_error(logits[True], logits[False]) <= 2e-2
+    reference = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompts[0]])).logits[0].numpy()
+    errors = {hopper: rel_error(logits[hopper], expected) for hopper in logits}
+    # Both kernels round the queries and probabilities to bf16; neither may stray further from float32.
+    assert errors[True] <= 1.25 * errors[False] + 1e-3, errors
     pairs = [(a, b) for hopper, plain in zip(tokens[True], tokens[False]) for a, b in zip(hopper, plain)]
     assert sum(a == b for a, b in pairs) >= 0.9 * len(pairs)
