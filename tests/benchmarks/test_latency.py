@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -234,3 +235,30 @@ def test_the_steady_loop_step_skips_prefill_and_ragged_steps():
     assert bench.steady_step_seconds(starts, 32) == pytest.approx(1.0)
     assert bench.steady_step_seconds(starts, 32, minimum=10) is None
     assert bench.steady_step_seconds(starts[:4], 32) is None
+
+
+def test_the_cold_start_probe_empties_every_compilation_cache_first(tmp_path, monkeypatch):
+    """The cold start runs with numba's, the sm_90a cubins' and CuPy's caches moved under the
+    probe's folder and emptied; the cached start reuses what the cold one left."""
+    import subprocess
+
+    caches = tmp_path / "caches"
+    (caches / "numba").mkdir(parents=True)
+    (caches / "numba" / "left-over.nbi").write_text("stale")
+    runs = []
+
+    def probe(command, env, **_):
+        runs.append((env, sorted(p.relative_to(caches).as_posix() for p in caches.rglob("*")) if caches.exists() else []))
+        for variable in ("NUMBA_CACHE_DIR", "METRALE_KERNEL_CACHE", "CUPY_CACHE_DIR"):
+            Path(env[variable]).mkdir(parents=True, exist_ok=True)
+            (Path(env[variable]) / "entry").write_text("compiled")
+        return subprocess.CompletedProcess(command, 0, stdout="1.5 4.0\n" if len(runs) == 1 else "0.5 1.0\n")
+
+    monkeypatch.setattr(subprocess, "run", probe)
+    times = bench.start_times(tmp_path / "model", caches)
+    assert times == {"cold_start_s": 4.0, "cold_load_s": 1.5, "cached_start_s": 1.0, "cached_load_s": 0.5}
+    (cold_env, cold_seen), (cached_env, cached_seen) = runs
+    assert cold_seen == []
+    assert {Path(cold_env[v]).parent for v in ("NUMBA_CACHE_DIR", "METRALE_KERNEL_CACHE", "CUPY_CACHE_DIR")} == {caches}
+    assert len({cold_env[v] for v in ("NUMBA_CACHE_DIR", "METRALE_KERNEL_CACHE", "CUPY_CACHE_DIR")}) == 3
+    assert cached_env == cold_env and len(cached_seen) == 6
