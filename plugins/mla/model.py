@@ -39,6 +39,9 @@ from metrale.plugins.mla.config import MlaConfig
 LATENT_NORM_EPS = 1e-6
 
 IGNORED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)
+#: Rows of a page of the prompt rows' expanded keys and values: a power of two of at least 8, so
+#: that every prompt attention kernel serves them (the Hopper kernel loads a page a tensor copy).
+EXPANDED_PAGE_ROWS = 16
 
 
 
@@ -207,9 +210,11 @@ class LatentAttention:
         backend's paged attention over them.
 
         The expanded keys ``[K, n_h, d_n + d_r]`` (the rope key shared by every head) and values
-        ``[K, n_h, d_v]`` of all segments lie one after the other (``K`` = the sum of the
-        segments' ends); seen as a cache of one-token blocks, segment ``s``'s block table lists
-        its own keys' rows."""
+        ``[K, n_h, d_v]`` of all segments lie one after the other, each segment's rows padded to
+        whole pages of :data:`EXPANDED_PAGE_ROWS` (``K`` = the sum of the padded ends; a padding
+        row repeats the segment's last key, which no query sees there); seen as a cache of such
+        pages, segment ``s``'s block table lists its own pages, so that the prompt attention
+        kernels that need pages of several rows (the Hopper one) serve it too."""
         ops, c, xp = backend.ops, self.config, backend.xp
         heads, d_n, r = c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank
         # q with its last d_r dims rotated (the query op with q's own nope part).
@@ -225,26 +230,30 @@ class LatentAttention:
         keys[:, :, :d_n] = expanded[:, :, :d_n]
         keys[:, :, d_n:] = cached[:, None, r:]
         values = xp.ascontiguousarray(expanded[:, :, d_n:])
-        out = ops.paged_attention(rotated, keys[:, None], values[:, None], view, rope.scale, None)
+        pages = len(slots) // EXPANDED_PAGE_ROWS
+        out = ops.paged_attention(rotated, keys.reshape(pages, EXPANDED_PAGE_ROWS, heads, keys.shape[2]),
+                                  values.reshape(pages, EXPANDED_PAGE_ROWS, heads, c.v_head_dim), view, rope.scale, None)
         return backend.all_reduce(linear_with_lora(backend, out, self.o, self.o_bias, self.lora_o, batch))
 
     @staticmethod
     def _expanded_layout(backend: Any, batch: ForwardBatch, block_size: int) -> tuple[Any, ForwardBatch]:
-        """The cache slots of every segment's keys ``[K]`` (device) and ``batch`` with block tables
-        over the expanded keys; made once per batch, shared by the layers."""
+        """The cache slots of every segment's keys ``[K]`` (device), each segment's padded to whole
+        pages of :data:`EXPANDED_PAGE_ROWS` with its last key's slot, and ``batch`` with block
+        tables over those pages; made once per batch, shared by the layers."""
         layout = batch.extras.get("mla_expanded_layout")
         if layout is None:
             xp = backend.xp
             ends = [segment.end for segment in batch.segments]
-            key_starts = np.concatenate([[0], np.cumsum(ends)]).astype(np.int64)
+            page_counts = [-(-end // EXPANDED_PAGE_ROWS) for end in ends]
+            first_pages = np.concatenate([[0], np.cumsum(page_counts)]).astype(np.int64)
             slots = np.concatenate([
-                np.asarray(segment.seq.block_table, dtype=np.int64)[np.arange(end) // block_size] * block_size
-                + np.arange(end) % block_size
-                for segment, end in zip(batch.segments, ends)
+                np.asarray(segment.seq.block_table, dtype=np.int64)[rows // block_size] * block_size + rows % block_size
+                for segment, end, count in zip(batch.segments, ends, page_counts)
+                for rows in [np.minimum(np.arange(count * EXPANDED_PAGE_ROWS), end - 1)]
             ])
-            width = max(ends)
-            tables = np.where(np.arange(width)[None, :] < np.asarray(ends)[:, None],
-                              key_starts[:-1, None] + np.arange(width)[None, :], 0).astype(np.int32)
+            width = max(page_counts)
+            tables = np.where(np.arange(width)[None, :] < np.asarray(page_counts)[:, None],
+                              first_pages[:-1, None] + np.arange(width)[None, :], 0).astype(np.int32)
             layout = batch.extras["mla_expanded_layout"] = (xp.asarray(slots), replace(batch, block_tables=xp.asarray(tables)))
         return layout
 
