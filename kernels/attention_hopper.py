@@ -18,10 +18,11 @@ sequence, and the warpgroups specialise:
   the producer waits on before it refills the stage), run the masked online softmax in
   registers, and ``O += P V`` as ``wgmma.m64nDk16`` with the probabilities as the A operand
   straight from the scores' registers and the values read N-major from shared memory, then
-  release the values. The two take turns at issuing their products (named barriers,
-  :data:`PINGPONG`), so that one's softmax runs while the other's products do; and each issues a
-  step's score product together with the previous step's value product (:data:`OVERLAP`), its
-  softmax of the one running while the other's product does.
+  release the values. Each issues a step's score product together with the previous step's value
+  product (:data:`OVERLAP`, the default), its softmax of the one running while the other's product
+  does. The two may also take turns at issuing their products (named barriers, :data:`PINGPONG`,
+  off by default: the turns cost 4-10 % where the pages are large enough for the producer to
+  keep up).
 
 The causal rule, sliding windows, the logit soft cap and sinks are the reference's, as in
 :mod:`metrale.kernels.attention_mma`, whose prompt tiles (a cached prefix plus the chunk) this
@@ -57,7 +58,7 @@ CONSUMER_REGISTERS = 232
 #: Whether the consumers take turns at their products, and whether each issues a step's score
 #: product with the previous step's value product (read at each compilation; the sweep
 #: ``tools/sweeps/prompt_attention_sweep.py`` times each combination).
-PINGPONG = True
+PINGPONG = False
 OVERLAP = True
 
 
@@ -549,7 +550,7 @@ def shared_bytes(head_dim: int, value_dim: int) -> int:
 
 
 def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_instructions: bool = True,
-                  pingpong: bool = True, overlap: bool = True) -> str:
+                  pingpong: bool = False, overlap: bool = True) -> str:
     """The kernel's CUDA C++ for the key and value head sizes, with the logit soft cap compiled in
     or not, the consumers taking turns at their products (``pingpong``) or not, each consumer's
     softmax under its own products (``overlap``) or not, with its PTX helpers, or without them for

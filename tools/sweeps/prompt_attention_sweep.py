@@ -77,11 +77,12 @@ def main() -> None:
                 if attention_hopper.supports(heads, kv_heads, head_dim, value_dim, block_size):
                     out = outputs["wgmma"] = cp.zeros((rows, heads * value_dim), dtype=np.uint16)
                     tiles = cp.asarray(attention_hopper.query_tiles(starts))
+                    defaults = attention_hopper.PINGPONG, attention_hopper.OVERLAP
                     for name, (turns, overlap) in variants.items():
                         attention_hopper.PINGPONG, attention_hopper.OVERLAP = turns, overlap
                         times[name] = cuda_event_time(lambda: attention_hopper.prefill_attention(
                             q, k_cache, v_cache, table, seq_index, positions, tiles, scale, None, out, stream), stream)
-                    attention_hopper.PINGPONG, attention_hopper.OVERLAP = variants["wgmma"]
+                    attention_hopper.PINGPONG, attention_hopper.OVERLAP = defaults
                 out_mma = outputs["mma"] = cp.zeros((rows, heads * value_dim), dtype=np.uint16)
                 mma_tiles = cp.asarray(attention_mma.query_tiles(starts))
                 times["mma"] = cuda_event_time(lambda: attention_mma.prefill_attention(
