@@ -53,7 +53,10 @@ class RopeParameters:
         (:meth:`uses_long_factors`) and is required for that type; the other types ignore it."""
         d = self.rotary_dim
         exponents = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
-        base = (np.float32(self.theta) ** exponents).astype(np.float32)
+        # theta ** (2i / d) in float64, rounded once to float32: transformers' own values, to the
+        # bit (a float32 power is off by an ulp or two, which turns a 128k-th position's angle
+        # by ~0.01 radians).
+        base = (np.float64(self.theta) ** exponents.astype(np.float64)).astype(np.float32)
         if self.rope_type == LONGROPE:
             if max_model_len is None:
                 raise ConfigError("longrope RoPE chooses its factors by the longest sequence served: pass "

@@ -46,9 +46,10 @@ def test_rmsnorm_residual(backend, rows, hidden, add, offset):
     assert rel_error(got, expected) <= 1e-2
 
 
-@pytest.mark.parametrize("rows, heads, kv_heads, head_dim, rotary, norm", [
-    (1, 32, 8, 64, 64, False), (8, 32, 8, 128, 128, False), (2, 16, 2, 256, 64, True)])
-def test_qkv_rope_cache(backend, rows, heads, kv_heads, head_dim, rotary, norm):
+@pytest.mark.parametrize("rows, heads, kv_heads, head_dim, rotary, norm, first_position", [
+    (1, 32, 8, 64, 64, False, 0), (8, 32, 8, 128, 128, False, 0), (2, 16, 2, 256, 64, True, 0),
+    (8, 32, 8, 128, 128, False, 123072)])  # a 128k context's last positions: angles past 10^5 radians
+def test_qkv_rope_cache(backend, rows, heads, kv_heads, head_dim, rotary, norm, first_position):
     import cupy as cp
 
     from metrale.kernels import qkv_rope
@@ -56,7 +57,7 @@ def test_qkv_rope_cache(backend, rows, heads, kv_heads, head_dim, rotary, norm):
     rng = np.random.default_rng(rows + head_dim)
     blocks, block_size = 8, 16
     qkv = (2 * rng.standard_normal((rows, (heads + 2 * kv_heads) * head_dim))).astype(np.float32)
-    positions = rng.integers(0, 8000, rows).astype(np.int32)
+    positions = (first_position + rng.integers(0, 8000, rows)).astype(np.int32)
     slots = rng.permutation(blocks * block_size)[:rows].astype(np.int32)
     inv_freq = (1.0 / 10000 ** (np.arange(rotary // 2, dtype=np.float32) / (rotary // 2))).astype(np.float32)
     q_norm, k_norm = (bf16(rng, (head_dim,), 0.5), bf16(rng, (head_dim,), 0.5)) if norm else (None, None)

@@ -67,19 +67,21 @@ def emulated(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("rows, nh, nkv, d, rotary, has_norm, interleaved, offset", [
-    (1, 32, 8, 64, 64, False, False, 0.0),  # Llama-1B's heads
-    (3, 4, 2, 128, 128, True, False, 0.0),  # a Qwen3-style q/k norm
-    (2, 6, 2, 256, 64, True, False, 1.0),  # partial rotary (Qwen3-Next), a zero-centred norm
-    (2, 2, 1, 48, 48, False, True, 0.0),  # interleaved pairs
+@pytest.mark.parametrize("rows, nh, nkv, d, rotary, has_norm, interleaved, offset, first_position", [
+    (1, 32, 8, 64, 64, False, False, 0.0, 0),  # Llama-1B's heads
+    (3, 4, 2, 128, 128, True, False, 0.0, 0),  # a Qwen3-style q/k norm
+    (2, 6, 2, 256, 64, True, False, 1.0, 0),  # partial rotary (Qwen3-Next), a zero-centred norm
+    (2, 2, 1, 48, 48, False, True, 0.0, 0),  # interleaved pairs
+    (4, 4, 2, 128, 128, False, False, 0.0, 127072),  # a 128k context's last positions: angles past 10^5 radians
 ])
-def test_the_kernel_matches_the_reference(emulated, rows, nh, nkv, d, rotary, has_norm, interleaved, offset):
+def test_the_kernel_matches_the_reference(emulated, rows, nh, nkv, d, rotary, has_norm, interleaved, offset,
+                                          first_position):
     rng = np.random.default_rng(rows + d + rotary)
     blocks, block_size = 4, 8
     half = rotary // 2
     arrays = dict(
         qkv=(2 * rng.standard_normal((rows, (nh + 2 * nkv) * d))).astype(np.float32),
-        positions=rng.integers(0, 4000, rows).astype(np.int32),
+        positions=(first_position + rng.integers(0, 4000, rows)).astype(np.int32),
         slots=rng.permutation(blocks * block_size)[:rows].astype(np.int32),
         inv_freq=(1.0 / 10000 ** (np.arange(half, dtype=np.float32) / half)).astype(np.float32),
         q_norm=float32_to_bf16((0.5 * rng.standard_normal(d)).astype(np.float32)),

@@ -388,3 +388,37 @@ def test_legacy_gpt_neox_rope_keys_mean_what_transformers_makes_of_them(legacy):
     ours = rope_parameters(legacy, head_dim)
     assert ours.rotary_dim == int(head_dim * legacy["rotary_pct"])
     np.testing.assert_allclose(ours.inverse_frequencies(), expected.numpy(), rtol=RTOL)
+
+
+def test_llama3_rotation_at_128k_positions_matches_transformers():
+    """Llama-3.1's scaled RoPE applied at positions up to 131,071 (angles past 10^5 radians in
+    the fastest pair): Metrale's rotation of q and k, from its own inverse frequencies, against
+    transformers' ``LlamaRotaryEmbedding`` and ``apply_rotary_pos_emb`` in float32."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    head_dim, heads, max_positions = 128, 4, 131072
+    config = {"max_position_embeddings": max_positions, "rope_parameters": dict(LLAMA3)}
+    hf = LlamaConfig(hidden_size=head_dim * heads, num_attention_heads=heads, head_dim=head_dim, **copy.deepcopy(config))
+    positions = np.array([0, 1, 8191, 8192, 32767, 65536, 100003, 131070, 131071], dtype=np.int64)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((len(positions), heads, head_dim)).astype(np.float32)
+    k = rng.standard_normal((len(positions), heads, head_dim)).astype(np.float32)
+    rotary = LlamaRotaryEmbedding(hf)
+    cos, sin = rotary(torch.from_numpy(q), torch.from_numpy(positions)[None])
+    # transformers' layout: [batch, heads, rows, d].
+    expected_q, expected_k = (t[0].transpose(0, 1).numpy() for t in apply_rotary_pos_emb(
+        torch.from_numpy(q).transpose(0, 1)[None], torch.from_numpy(k).transpose(0, 1)[None], cos, sin))
+    params = rope_parameters(copy.deepcopy(config), head_dim)
+    inv_freq, factor = params.inverse_frequencies(), params.attention_factor()
+    for ours, expected in ((rope_reference(q, positions, inv_freq, factor), expected_q),
+                           (rope_reference(k, positions, inv_freq, factor), expected_k)):
+        # float32 cos / sin of the same float32 angles: a few units of the last place.
+        assert np.abs(ours - expected).max() <= 1e-5 * np.abs(expected).max()
+    # The fastest pair turns through ~1.3e5 radians by the last position: the check is not vacuous.
+    assert float(positions[-1] * inv_freq[0]) > 1e5
+    plain = rope_reference(q, positions, rope_parameters(
+        {"max_position_embeddings": max_positions, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+        head_dim).inverse_frequencies())
+    assert np.abs(plain - expected_q).max() > 0.1 * np.abs(expected_q).max()  # the llama3 scaling matters there
