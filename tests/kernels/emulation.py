@@ -4,8 +4,12 @@ C++ compiler into a program that runs one case from files."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,16 +21,34 @@ def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("clang++")
 
 
+#: Built programs, by the hash of what went into them: the test processes of one run (and later
+#: runs) build each program once.
+BUILD_CACHE = Path(tempfile.gettempdir()) / f"metrale-emulated-{os.getuid()}"
+
+
 def build_emulated(source: Path, code: str) -> Path:
-    """Compile ``code`` (kernels and a ``main``) after the emulation header into the program
-    next to ``source``; skips the test where the host has no C++20 compiler."""
-    if compiler() is None:
+    """Compile ``code`` (kernels and a ``main``) after the emulation header into a program (kept
+    in :data:`BUILD_CACHE` by the hash of the header, the code, the compiler and its flags; the
+    source is written to ``source`` for a reader); skips the test where the host has no C++20
+    compiler."""
+    cxx = compiler()
+    if cxx is None:
         pytest.skip("no C++ compiler to build the emulated kernel")
-    source.write_text(f'#include "{EMULATION_HEADER}"\n' + code)
-    binary = source.with_suffix("")
-    result = subprocess.run([compiler(), "-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas", "-Wno-narrowing",
-                             str(source), "-o", str(binary)], capture_output=True, text=True)
-    if result.returncode and "barrier: No such file" in result.stderr:
-        pytest.skip("the C++ compiler lacks C++20's <barrier>")
-    assert result.returncode == 0, result.stderr[-4000:]
+    text = f'#include "{EMULATION_HEADER}"\n' + code
+    source.write_text(text)
+    flags = ["-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas", "-Wno-narrowing"]
+    key = hashlib.sha256("\0".join([EMULATION_HEADER.read_text(), text, cxx, *flags]).encode()).hexdigest()[:32]
+    BUILD_CACHE.mkdir(exist_ok=True)
+    binary = BUILD_CACHE / key
+    with open(BUILD_CACHE / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another test process building the same program: wait for it
+        if not binary.exists():
+            building = BUILD_CACHE / f"{key}.{os.getpid()}.cpp"
+            building.write_text(text)
+            result = subprocess.run([cxx, *flags, str(building), "-o", f"{building}.out"], capture_output=True, text=True)
+            building.unlink()
+            if result.returncode and "barrier: No such file" in result.stderr:
+                pytest.skip("the C++ compiler lacks C++20's <barrier>")
+            assert result.returncode == 0, result.stderr[-4000:]
+            os.replace(f"{building}.out", binary)
     return binary
