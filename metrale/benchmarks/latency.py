@@ -110,6 +110,7 @@ class BenchOptions:
     hf: bool = True
     hf_compile: bool = False
     hf_decode_tokens: int = 32
+    #: Each shape's cold (every compilation cache empty) and cached start (:func:`start_times`).
     start_times: bool = True
     workdir: Path = Path("/tmp/metrale-bench")
     output: Path | None = None
@@ -628,8 +629,8 @@ def run(options: BenchOptions) -> dict[str, Any]:
     options.workdir.mkdir(parents=True, exist_ok=True)
     hf_runs = [(label, compiled) for label, compiled in (("hf_eager", False), ("hf_compiled", True))
                if options.hf and (options.hf_compile or not compiled)]
-    stages = (len(options.shapes) * (2 + len(hf_runs) + len(options.quantization) + int(options.kv_cache_fp8))
-              + (1 if options.start_times and options.shapes else 0))
+    stages = len(options.shapes) * (2 + int(options.start_times) + len(hf_runs) + len(options.quantization)
+                                    + int(options.kv_cache_fp8))
     def save() -> None:
         # After every stage: a run cut short keeps what it measured.
         if options.output is not None:
@@ -639,7 +640,8 @@ def run(options: BenchOptions) -> dict[str, Any]:
         for shape in options.shapes:
             entry: dict[str, Any] = {"weight_GB": weight_bytes(shape) / 1e9}
             results[shape] = entry
-            metrale_stages = 2 + (1 if shape == options.shapes[0] and options.start_times else 0)
+            # Every shape's start times: each family compiles kernels of its own.
+            metrale_stages = 2 + int(options.start_times)
             done = 0
             if shape in QUANTIZED_ONLY_SHAPES:
                 for name in options.quantization:

@@ -75,15 +75,15 @@ def test_every_stage_runs_and_failures_are_reported(stand_ins):
         ("metrale", "llama-8b"), ("hf", "llama-8b", False), ("hf", "llama-8b", True),
     ]
     one, eight = results["llama-1b"], results["llama-8b"]
-    assert one["metrale"]["cold_start_s"] == 9.0  # start times only for the first shape
-    assert "cold_start_s" not in eight.get("metrale", {})
+    assert one["metrale"]["cold_start_s"] == 9.0
+    assert "cold_start_s" not in eight.get("metrale", {})  # its Metrale run failed before the probe
     assert eight["metrale_error"] == "RuntimeError: out of memory"
     assert one["hf_compiled_error"] == "RuntimeError: torch.compile failed"
     assert json.loads(output.read_text())["llama-8b"]["hf_eager"] == {"decode_b1": {"tok_s": 10.0}}
-    # Two shapes x (checkpoint, Metrale, eager, compiled) + the start times; the failed shape's
-    # skipped stages are still counted, so the bar ends full.
+    # Two shapes x (checkpoint, Metrale, start times, eager, compiled); the failed shape's skipped
+    # stages are still counted, so the bar ends full.
     (bar,) = bars
-    assert bar.total == 9 and bar.n == 9
+    assert bar.total == 10 and bar.n == 10
     assert "llama-8b: transformers compiled" in bar.descriptions
     # The table renders what was measured and names what failed.
     rows = bench.table(results).splitlines()
@@ -93,6 +93,19 @@ def test_every_stage_runs_and_failures_are_reported(stand_ins):
     assert [row.split() for row in rows if "vs" in row.split()] == [
         ["llama-1b", "vs", "hf_eager", "decode_b1", "10.0x"]
     ]
+
+
+def test_every_shape_gets_its_start_times(stand_ins, monkeypatch):
+    """Each family compiles kernels of its own: the cold and cached starts are probed per shape,
+    each from empty caches."""
+    tmp_path, calls, bars = stand_ins
+    probed = []
+    monkeypatch.setattr(bench, "start_times", lambda folder, cache: probed.append(folder.name) or {"cold_start_s": 7.0})
+    options = bench.BenchOptions(shapes=("llama-1b", "qwen3-next-small"), hf=False, workdir=tmp_path / "work")
+    results = bench.run(options)
+    assert probed == ["llama-1b", "qwen3-next-small"]
+    assert all(results[shape]["metrale"]["cold_start_s"] == 7.0 for shape in probed)
+    assert bars[0].total == bars[0].n == 6
 
 
 def test_without_transformers_only_metrale_runs(stand_ins):
