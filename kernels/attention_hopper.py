@@ -7,8 +7,8 @@ sequence, and the warpgroups specialise:
 
 * the producer (warpgroup 0; its first warp issues, a lane a load) copies each step's keys and
   values (128, or 64 for heads of 256 dims: :func:`block_keys`) from the paged cache into shared
-  memory with TMA tensor loads (``cp.async.bulk.tensor``), a page's rows a load, through one tensor map per cache
-  (:func:`tensor_map`); the copies land in the 128-byte swizzle the products read, their bytes
+  memory with TMA tensor loads (``cp.async.bulk.tensor``), a page's rows a load, through one
+  tensor map per cache (:func:`tensor_map`); the copies land in the 128-byte swizzle the products read, their bytes
   counted on an mbarrier per stage ("full"), two stages in flight; pages past the tile's last key
   are asked for outside the tensor, which lands zeros;
 * two consumers (warpgroups 1 and 2, 64 rows each: alternate groups of 8 rows, so that they share
@@ -21,8 +21,7 @@ sequence, and the warpgroups specialise:
   release the values. Each issues a step's score product together with the previous step's value
   product (:data:`OVERLAP`, the default), its softmax of the one running while the other's product
   does. The two may also take turns at issuing their products (named barriers, :data:`PINGPONG`,
-  off by default: the turns cost 4-10 % where the pages are large enough for the producer to
-  keep up).
+  off by default: the slower form where it was measured, ``docs/notes/prefill.rst``).
 
 The causal rule, sliding windows, the logit soft cap and sinks are the reference's, as in
 :mod:`metrale.kernels.attention_mma`, whose prompt tiles (a cached prefix plus the chunk) this

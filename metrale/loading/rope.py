@@ -54,8 +54,8 @@ class RopeParameters:
         d = self.rotary_dim
         exponents = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
         # theta ** (2i / d) in float64, rounded once to float32: transformers' own values, to the
-        # bit (a float32 power is off by an ulp or two, which turns a 128k-th position's angle
-        # by ~0.01 radians).
+        # bit. A float32 power can be an ulp or two off, and each angle, position * inv_freq,
+        # carries that error times the position.
         base = (np.float64(self.theta) ** exponents.astype(np.float64)).astype(np.float32)
         if self.rope_type == LONGROPE:
             if max_model_len is None:
