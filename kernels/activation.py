@@ -238,15 +238,15 @@ KERNEL = r"""
 #define SILU_WORD_THREADS 128
 
 // out[n, c] = bf16(silu(gate[n, c]) * up[n, c]) with gate = gate_up[n, :I], up = gate_up[n, I:].
-// Grid (ceil(I / (8 * SILU_WORD_THREADS)), N) blocks of SILU_WORD_THREADS threads, a 16-byte word
+// Grid (N, ceil(I / (8 * SILU_WORD_THREADS))) blocks of SILU_WORD_THREADS threads, a 16-byte word
 // (8 values) a thread; gate_up bf16 bits [N, 2I], out bf16 bits [N, I], I a multiple of 8, both
 // 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(SILU_WORD_THREADS) silu_and_mul_words(
     const uint4* __restrict__ gate_up, uint4* __restrict__ out, int width) {
     wait_for_producers();   // the product comes from the kernel ahead
     allow_dependents();     // after the wait: see metrale.kernels._launch
-    const int words = width / 8, row = blockIdx.y;
-    const int word = blockIdx.x * SILU_WORD_THREADS + threadIdx.x;
+    const int words = width / 8, row = blockIdx.x;  // rows on x: y and z stop at 65,535
+    const int word = blockIdx.y * SILU_WORD_THREADS + threadIdx.x;
     if (word >= words) return;
     const uint4 gate = gate_up[(size_t)row * 2 * words + word], up = gate_up[(size_t)row * 2 * words + words + word];
     uint4 value;
@@ -298,6 +298,6 @@ def silu_and_mul_words(gate_up: DeviceArray, out: DeviceArray, stream: object = 
                              .get_function("silu_and_mul_words"))
     width = double // 2
     if rows and width:
-        launch(_word_kernels[0], (-(-width // (8 * WORD_THREADS)), rows), (WORD_THREADS,),
+        launch(_word_kernels[0], (rows, -(-width // (8 * WORD_THREADS))), (WORD_THREADS,),
                (gate_up, out, np.int32(width)), 0, stream, dependent=True)
     return out

@@ -618,6 +618,16 @@ def bench_hf(folder: Path, options: BenchOptions, compile_model: bool) -> dict[s
     return result
 
 
+def failure(error: BaseException) -> str:
+    """How a measurement failed, for the results: the error's type and message, and where it was
+    raised (the innermost frame: a launch's or a kernel's arguments are usually the story)."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+    return f"{type(error).__name__}: {error}{where}"
+
+
 def run(options: BenchOptions) -> dict[str, Any]:
     import cupy
 
@@ -649,7 +659,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
                     try:
                         entry[f"metrale_{name}"] = bench_quantized(shape, options, bandwidth, name)
                     except Exception as error:
-                        entry[f"metrale_{name}_error"] = f"{type(error).__name__}: {error}"
+                        entry[f"metrale_{name}_error"] = failure(error)
                     save()
                 bar.update(metrale_stages + len(hf_runs) + len(options.quantization) + int(options.kv_cache_fp8))
                 continue
@@ -671,14 +681,14 @@ def run(options: BenchOptions) -> dict[str, Any]:
                     bar.update()
                     done += 1
             except Exception as error:  # report and go on with the other measurements
-                entry["metrale_error"] = f"{type(error).__name__}: {error}"
+                entry["metrale_error"] = failure(error)
                 bar.update(metrale_stages - done)  # the skipped stages, so the bar still ends full
             for name in options.quantization:
                 bar.set_description(f"{shape}: Metrale {name}")
                 try:
                     entry[f"metrale_{name}"] = bench_quantized(shape, options, bandwidth, name)
                 except Exception as error:
-                    entry[f"metrale_{name}_error"] = f"{type(error).__name__}: {error}"
+                    entry[f"metrale_{name}_error"] = failure(error)
                 save()
                 bar.update()
             if options.kv_cache_fp8:
@@ -686,7 +696,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
                 try:
                     entry["metrale_kv_fp8"] = bench_fp8_cache(shape, options, bandwidth)
                 except Exception as error:
-                    entry["metrale_kv_fp8_error"] = f"{type(error).__name__}: {error}"
+                    entry["metrale_kv_fp8_error"] = failure(error)
                 save()
                 bar.update()
             for label, compiled in hf_runs:
@@ -694,7 +704,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
                 try:
                     entry[label] = bench_hf(options.workdir / shape, options, compiled)
                 except Exception as error:
-                    entry[f"{label}_error"] = f"{type(error).__name__}: {error}"
+                    entry[f"{label}_error"] = failure(error)
                 save()
                 bar.update()
             save()

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from metrale.benchmarks.latency import failure
+
 QWEN3_06B: dict[str, Any] = dict(  # Qwen3-0.6B
     vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
     num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -167,12 +169,12 @@ def run(options: ThroughputOptions) -> dict[str, Any]:
     try:
         results["metrale"] = bench_metrale(folder, options, prompts, lengths)
     except Exception as error:  # report and go on with the baseline
-        results["metrale_error"] = f"{type(error).__name__}: {error}"
+        results["metrale_error"] = failure(error)
     if options.hf:
         try:
             results["hf_continuous_batching"] = bench_hf(folder, options, prompts, lengths)
         except Exception as error:
-            results["hf_continuous_batching_error"] = f"{type(error).__name__}: {error}"
+            results["hf_continuous_batching_error"] = failure(error)
     if options.output is not None:
         options.output.write_text(json.dumps(results, indent=2))
     return results

@@ -182,7 +182,8 @@ def test_attention_combine(backend, rows, heads, splits, value_dim):
     assert rel_error(got, combine_partials_model(acc, best, total)) <= 1e-2
 
 
-@pytest.mark.parametrize("rows, width", [(32, 8192), (5, 1408), (1, 40)])
+# 70,000 rows: more than a grid's y dimension holds (a 128k prompt's MLP).
+@pytest.mark.parametrize("rows, width", [(32, 8192), (5, 1408), (1, 40), (70_000, 64)])
 def test_silu_and_mul_words(backend, rows, width):
     import cupy as cp
 

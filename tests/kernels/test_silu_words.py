@@ -25,7 +25,7 @@ int main(int argc, char** argv) {
     const uint4* gate_up = reinterpret_cast<const uint4*>(read<unsigned short>(folder + "/gate_up", (size_t)rows * 2 * width));
     unsigned short* out = allocate<unsigned short>((size_t)rows * width);
     const unsigned blocks = (width + 8 * SILU_WORD_THREADS - 1) / (8 * SILU_WORD_THREADS);
-    emu::launch({blocks, (unsigned)rows, 1}, {SILU_WORD_THREADS, 1, 1},
+    emu::launch({(unsigned)rows, blocks, 1}, {SILU_WORD_THREADS, 1, 1},
                 [&] { silu_and_mul_words(gate_up, reinterpret_cast<uint4*>(out), width); });
     write(folder + "/out", out, (size_t)rows * width);
     return 0;
