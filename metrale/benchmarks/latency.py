@@ -525,7 +525,20 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
         result[f"prefill_{new}_after_{cached}"] = {"ms": seconds * 1e3, "tok_s": new / seconds,
                                                    "TFLOPs": prefill_flops(shape, new, cached) / seconds / 1e12}
     llm.close()  # frees the device memory before the next benchmark runs
+    release_device_pools()
     return result
+
+
+def release_device_pools() -> None:
+    """Give the blocks CuPy's memory pools keep for reuse back to the driver, so the next
+    measurement (transformers' among them) has the whole device."""
+    import gc
+
+    import cupy
+
+    gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
 
 
 def engine_loop_seconds(llm: Any, batch: int, context: int, steps: int, rng: Any) -> float | None:
@@ -604,13 +617,19 @@ def bench_hf(folder: Path, options: BenchOptions, compile_model: bool) -> dict[s
     for length in options.prefill_lengths if not compile_model else ():
         ids = torch.randint(0, vocab, (1, length), generator=generator).cuda()
         repeats = max(1, prefill_repeats(length) - 2)
-        with torch.no_grad():
-            model(ids, logits_to_keep=1)
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            for _ in range(repeats):
+        try:
+            with torch.no_grad():
                 model(ids, logits_to_keep=1)
-            torch.cuda.synchronize()
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                for _ in range(repeats):
+                    model(ids, logits_to_keep=1)
+                torch.cuda.synchronize()
+        except torch.OutOfMemoryError as error:  # one length too long for the device: the others still count
+            result[f"prefill_{length}_error"] = failure(error)
+            ids = None
+            torch.cuda.empty_cache()
+            continue
         seconds = (time.perf_counter() - started) / repeats
         result[f"prefill_{length}"] = {"ms": seconds * 1e3, "tok_s": length / seconds}
     model = None  # (a closure shares the variable: clearing it frees the weights before empty_cache)
@@ -788,6 +807,9 @@ def table(results: dict[str, Any]) -> str:
                 if key == "accuracy":
                     lines.append(f"{shape:10} {engine:12} {'logit error':14} {value['logit_error']:12.4f}")
                     lines.append(f"{shape:10} {engine:12} {'greedy agree':14} {value['greedy_agreement']:12.4f}")
+                    continue
+                if isinstance(value, str):  # a measurement that failed (``prefill_131072_error``)
+                    lines.append(f"{shape:10} {engine:12} {key:14} {value[:60]}")
                     continue
                 if not isinstance(value, dict):
                     lines.append(f"{shape:10} {engine:12} {key:14} {value:12.2f}")

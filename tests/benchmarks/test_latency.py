@@ -77,8 +77,10 @@ def test_every_stage_runs_and_failures_are_reported(stand_ins):
     one, eight = results["llama-1b"], results["llama-8b"]
     assert one["metrale"]["cold_start_s"] == 9.0
     assert "cold_start_s" not in eight.get("metrale", {})  # its Metrale run failed before the probe
-    assert eight["metrale_error"] == "RuntimeError: out of memory"
-    assert one["hf_compiled_error"] == "RuntimeError: torch.compile failed"
+    # Each failure says where it was raised (here: the stand-ins above).
+    assert eight["metrale_error"].startswith("RuntimeError: out of memory (at test_latency.py:")
+    assert eight["metrale_error"].endswith(", in metrale)")
+    assert one["hf_compiled_error"].startswith("RuntimeError: torch.compile failed (at test_latency.py:")
     assert json.loads(output.read_text())["llama-8b"]["hf_eager"] == {"decode_b1": {"tok_s": 10.0}}
     # Two shapes x (checkpoint, Metrale, start times, eager, compiled); the failed shape's skipped
     # stages are still counted, so the bar ends full.
@@ -93,6 +95,17 @@ def test_every_stage_runs_and_failures_are_reported(stand_ins):
     assert [row.split() for row in rows if "vs" in row.split()] == [
         ["llama-1b", "vs", "hf_eager", "decode_b1", "10.0x"]
     ]
+
+
+def test_a_length_that_failed_is_named_in_the_table_beside_those_measured():
+    results = {"device": "Test GPU", "copy_bandwidth_TBps": 4.0, "options": {"shapes": ["llama-8b"]}, "llama-8b": {
+        "metrale": {"prefill_512": {"tok_s": 300.0}},
+        "hf_eager": {"prefill_512": {"tok_s": 100.0},
+                     "prefill_131072_error": "OutOfMemoryError: CUDA out of memory (at latency.py:1, in bench_hf)"}}}
+    rows = [row.split() for row in bench.table(results).splitlines()]
+    assert ["llama-8b", "hf_eager", "prefill_512", "tok/s", "100.0"] in rows
+    assert any(row[:4] == ["llama-8b", "hf_eager", "prefill_131072_error", "OutOfMemoryError:"] for row in rows)
+    assert ["llama-8b", "vs", "hf_eager", "prefill_512", "3.0x"] in rows
 
 
 def test_every_shape_gets_its_start_times(stand_ins, monkeypatch):

@@ -218,10 +218,13 @@ def test_the_fp8_product_applies_the_scales_in_its_epilogue_as_the_scaling_pass_
     rows = 2048
     bits = float32_to_bf16(rng.normal(size=(rows, 2048)).astype(np.float32))
     stream = backend.stream
+    # The inputs held until the stream is synchronised: the kernels run on the backend's stream,
+    # and a temporary's memory freed at once could be overwritten by the next upload meanwhile.
+    bits_device, floats_device = cp.asarray(bits), cp.asarray(bf16_to_float32(bits))
     codes, scales = cp.empty((rows, 2048), np.uint8), cp.empty(rows, np.float32)
-    qg.quantize_rows_fp8(cp.asarray(bits), weight, codes, scales, stream)
+    qg.quantize_rows_fp8(bits_device, weight, codes, scales, stream)
     codes_f32, scales_f32 = cp.empty_like(codes), cp.empty_like(scales)
-    qg.quantize_rows_fp8(cp.asarray(bf16_to_float32(bits)), weight, codes_f32, scales_f32, stream)
+    qg.quantize_rows_fp8(floats_device, weight, codes_f32, scales_f32, stream)
     column_scales = cp.ascontiguousarray(weight.scales[:, 0])
     gemm = CublasLtGemm(stream)
     unscaled = cp.empty((rows, 3072), np.float32)
