@@ -657,10 +657,14 @@ def _cached_map(cache: DeviceArray, rows: int) -> TensorMapBytes:
 
 
 def available() -> bool:
-    """Whether the current device runs sm_90a code (compute capability 9.0)."""
-    import cupy
+    """Whether the current device runs sm_90a code (compute capability 9.0); False where there is
+    no CUDA device (or no CuPy) to ask."""
+    try:
+        import cupy
 
-    return str(cupy.cuda.Device().compute_capability) == "90"
+        return str(cupy.cuda.Device().compute_capability) == "90"
+    except Exception:  # no CuPy, no driver, no device: nothing here runs sm_90a code
+        return False
 
 
 def prefill_attention(

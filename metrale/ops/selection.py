@@ -65,8 +65,8 @@ def builtin_kernels() -> list[Kernel]:
     the conditional kernels, then the one that serves every other call). The registry adds, for
     every other op, its :class:`~metrale.ops.cuda.CudaKernels` method of the same name."""
     return (batch_invariant_kernels() + quantized_kernels() + default_decode_kernels() + composite_kernels()
-            + attention_kernels() + norm_kernels() + activation_kernels() + head_linear_kernels() + moe_kernels()
-            + latent_attention_kernels() + gdn_prompt_kernels())
+            + hopper_prompt_attention_kernels() + attention_kernels() + norm_kernels() + activation_kernels()
+            + head_linear_kernels() + moe_kernels() + latent_attention_kernels() + gdn_prompt_kernels())
 
 
 def _cuda_method(name: str) -> Any:
@@ -641,10 +641,8 @@ def merged_decode_attention_kernels() -> list[Kernel]:
 def hopper_prompt_attention_kernels() -> list[Kernel]:
     """The warp-specialised prompt attention on ``wgmma`` with TMA loads
     (:mod:`metrale.kernels.attention_hopper`) as a kernel of ``paged_attention_prompt`` on
-    compute capability 9.0 devices, for bf16 caches of the geometries it serves. Not registered by
-    default: a registry may add it (``tools/sweeps/prompt_attention_sweep.py`` times the kernel
-    beside the ``mma.sync`` one; ``tests/kernels/test_attention_hopper_gpu.py`` runs a model
-    through it)."""
+    compute capability 9.0 devices, for bf16 caches of the geometries it serves, tried before the
+    ``mma.sync`` kernel (``tools/sweeps/prompt_attention_sweep.py`` times both)."""
 
     def hopper(q, k_cache, v_cache, batch, scale, sliding_window, out, first_segment, softcap=None, sinks=None):
         from metrale.kernels import attention_hopper

@@ -121,38 +121,39 @@ def test_prefill_attention_replays_in_a_cuda_graph():
 
 
 
-def test_a_model_through_the_registry_gives_the_default_kernels_logits(tmp_path):
-    """A Llama of 128-dim heads with the kernel registered (``hopper_prompt_attention_kernels``):
-    it serves the model's prompts, whose logits are as close to transformers' float32 forward of the
-    same checkpoint as the default registry's (the mma.sync kernel) are, and greedy continuations
-    agree but for near ties."""
+def test_a_model_through_the_registry_gives_the_mma_kernels_logits(tmp_path):
+    """A Llama of 128-dim heads: the default registry serves its prompts with this kernel, whose
+    logits are as close to transformers' float32 forward of the same checkpoint as those of a
+    registry that puts the mma.sync kernel first (a plugin) are, and greedy continuations agree but
+    for near ties."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from metrale import LLM, SamplingParams, hookimpl
     from metrale.model.plugin_manager import get_plugin_manager
-    from metrale.ops.selection import hopper_prompt_attention_kernels
+    from metrale.ops.selection import attention_kernels
     from metrale.testing.hf import build_hf_checkpoint
 
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048)
     folder = build_hf_checkpoint(LlamaForCausalLM, config, tmp_path / "llama", seed=0, dtype=torch.bfloat16)
 
-    class HopperAttention:
+    class MmaAttentionFirst:
         METRALE_CONTRACT_VERSION = "1.1"
 
         @hookimpl
         def metrale_register_ops(self, registry):
-            for kernel in hopper_prompt_attention_kernels():
-                registry.add_kernel(kernel)
+            for kernel in attention_kernels():
+                if kernel.op == "paged_attention_prompt" and kernel.name == "metrale.kernels.attention_mma (tensor cores)":
+                    registry.add_kernel(kernel)
 
     prompts = [np.random.default_rng(n).integers(0, 512, n).tolist() for n in (700, 300, 9)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     logits, tokens = {}, {}
     for hopper in (False, True):
         manager = get_plugin_manager()
-        if hopper:
-            manager.register(HopperAttention(), name="hopper-attention")
+        if not hopper:
+            manager.register(MmaAttentionFirst(), name="mma-attention-first")
         llm = LLM(folder, device="cuda", show_progress=False, max_model_len=2048, plugin_manager=manager)
         assert ("attention_hopper" in llm.backend.ops.paged_attention_prompt.kernels[0][0].name) == hopper
         logits[hopper] = llm.score(prompts[0])

@@ -259,9 +259,38 @@ def test_softcap_and_sinks_go_to_the_kernels_that_serve_them(monkeypatch):
     assert "attention_decode_mma" in serving[2] and "softcap" not in serving[2]
     assert all("no softcap, no sinks" in line for line in serving[3:-1]) and " when " not in serving[-1]
     prompt_serving = builtin_registry().serving("paged_attention_prompt", "cuda")
-    # An FP8 cache's tensor-core and row-at-a-time kernels, then the bf16 tensor-core one: all serve softcap and sinks.
-    assert "an FP8 cache" in prompt_serving[0] and prompt_serving[1].endswith("when an FP8 cache")
-    assert "attention_mma" in prompt_serving[2] and "softcap" not in prompt_serving[2]
+    # The Hopper kernel (bf16 caches), an FP8 cache's tensor-core and row-at-a-time kernels, then the
+    # bf16 tensor-core one: all serve softcap and sinks.
+    assert "attention_hopper" in prompt_serving[0] and "softcap" not in prompt_serving[0]
+    assert "an FP8 cache" in prompt_serving[1] and prompt_serving[2].endswith("when an FP8 cache")
+    assert "attention_mma" in prompt_serving[3] and "softcap" not in prompt_serving[3]
+
+
+def test_prompt_rows_on_compute_capability_9_take_the_hopper_kernel_where_it_serves(monkeypatch):
+    from metrale.kernels import attention_hopper
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+
+    batch = SimpleNamespace(max_context=512)
+    q = np.empty((4, 32, 128), np.float32)
+
+    def prompt(k_cache, v_cache, query=q, softcap=None, sinks=None):
+        return chosen("paged_attention_prompt", "cuda", EnvironmentConfig(), query, k_cache, v_cache, batch, 0.1, None,
+                      None, 0, softcap, sinks)
+
+    cache = np.empty((4, 16, 8, 128), np.uint16)
+    assert not attention_hopper.available()  # no device here: the mma.sync kernel
+    assert prompt(cache, cache).startswith("metrale.kernels.attention_mma")
+    monkeypatch.setattr(attention_hopper, "available", lambda: True)
+    assert prompt(cache, cache).startswith("metrale.kernels.attention_hopper")
+    assert prompt(cache, cache, softcap=30.0, sinks=np.zeros(32, np.float32)).startswith(
+        "metrale.kernels.attention_hopper")
+    # Pages of 4 rows, heads of 96 dims, an FP8 cache: the other kernels.
+    small_pages = np.empty((4, 4, 8, 128), np.uint16)
+    assert prompt(small_pages, small_pages).startswith("metrale.kernels.attention_mma")
+    odd = np.empty((4, 16, 8, 96), np.uint16)
+    assert not prompt(odd, odd, query=np.empty((4, 32, 96), np.float32)).startswith("metrale.kernels.attention_hopper")
+    fp8 = Fp8CacheArray(np.zeros((4, 16, 8, 128), np.uint8), np.ones((4, 16, 8), np.float32))
+    assert prompt(fp8, fp8).startswith("metrale.kernels.attention_mma (tensor cores, each step's codes")
 
 
 def test_an_fp8_cache_goes_to_the_fp8_kernels():
