@@ -37,14 +37,15 @@ def emulation_main() -> str:
         f"{int(shared)} && bf16 == {int(b)} && swiglu == {int(g)}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, "
         f"{{THREADS, 1, 1}}, [&] {{ {fg.kernel_name(a, s, t, shared, u, b, g)}({'x16' if b else 'x'}, input_scale, "
         f"staged_rows, staged_scales, code_bytes, scales, block_rows, bias, out, rows, K, {'N / 2' if g else 'N'}, "
-        f"nullptr, nullptr, 0.0f, 0.0f, nullptr); }}); found = true; }}"
+        f"nullptr, nullptr, 0.0f, 0.0f, nullptr, nullptr, 1); }}); found = true; }}"
         for g, instances in ((False, INSTANCES), (True, SWIGLU_INSTANCES)) for a, s, t, u in instances
         for shared in (False, True) for b in (False, True))
     dispatch += "\n" + "\n".join(
         f"    if (norm && act == {fg.ACTIVATIONS[a]} && split == {s} && unroll == {u} && swiglu == {int(g)} && shared "
         f"&& !bf16 && tiles == 1) {{ emu::launch({{(unsigned)blocks, 1, 1}}, {{THREADS, 1, 1}}, [&] {{ "
         f"{fg.kernel_name(a, s, 1, True, u, False, g, True)}(x, input_scale, nullptr, nullptr, code_bytes, scales, "
-        f"block_rows, nullptr, out, rows, K, {'N / 2' if g else 'N'}, residual, gains, eps, norm_offset, summed); "
+        f"block_rows, nullptr, out, rows, K, {'N / 2' if g else 'N'}, residual, gains, eps, norm_offset, summed, "
+        f"nullptr, 1); "
         f"}}); found = true; }}"
         for a, s, u, g in NORM_INSTANCES)
     stage_rows = "\n".join(
