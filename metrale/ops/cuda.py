@@ -362,13 +362,14 @@ class CudaKernels:
         """Decode tokens over FP8 stacks: the FP8 decode GEMV a routed pair a grid row (only the
         chosen experts' codes read, multiplied as they are), then each token's pairs summed."""
         from metrale.kernels import fp8_gemv
+        from metrale.kernels._words import aligned
 
         tokens, top_k = experts.shape
         act = cp.empty((tokens * top_k, down.shape[1]), dtype=bf16)
         partial = cp.empty((tokens * top_k, x.shape[1]), dtype=f32)
         out = cp.empty((tokens, x.shape[1]), dtype=f32)
-        rows = self.to_float32(x)
-        if rows.base is not None:  # a view: the kernel reads 16-byte rows from its start
+        rows = cp.ascontiguousarray(self.to_float32(x))
+        if not aligned(rows):  # a view into a larger array: the kernel reads 16 bytes at a time
             rows = rows.copy()
         return fp8_gemv.fp8_decode_experts(
             rows, cp.ascontiguousarray(experts, dtype=np.int32), cp.ascontiguousarray(weights, dtype=f32), gate_up,
