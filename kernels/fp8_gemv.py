@@ -224,44 +224,60 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
             }
             __syncthreads();
             const uint4* gains = reinterpret_cast<const uint4*>(norm_weight);
+            // Chunk c (8 values) of row r normed into its codes' slot; returns their largest magnitude.
+            auto stage_normed = [&](int r, int c, float n) -> float {
+                const size_t i = (size_t)r * chunks + c;
+                float4 a = in[i * 2], b = in[i * 2 + 1];
+                if (add != nullptr) {
+                    const float4 ra = add[i * 2], rb = add[i * 2 + 1];
+                    a.x += ra.x; a.y += ra.y; a.z += ra.z; a.w += ra.w;
+                    b.x += rb.x; b.y += rb.y; b.z += rb.z; b.w += rb.w;
+                }
+                if (blockIdx.x == 0 && blockIdx.y == 0) {
+                    reinterpret_cast<float4*>(summed)[i * 2] = a;
+                    reinterpret_cast<float4*>(summed)[i * 2 + 1] = b;
+                }
+                const uint4 gain = __ldg(gains + c);
+                uint4 normed;
+                normed.x = (unsigned)to_bf16(a.x * n * (norm_offset + bf16_low(gain.x)))
+                           | ((unsigned)to_bf16(a.y * n * (norm_offset + bf16_high(gain.x))) << 16);
+                normed.y = (unsigned)to_bf16(a.z * n * (norm_offset + bf16_low(gain.y)))
+                           | ((unsigned)to_bf16(a.w * n * (norm_offset + bf16_high(gain.y))) << 16);
+                normed.z = (unsigned)to_bf16(b.x * n * (norm_offset + bf16_low(gain.z)))
+                           | ((unsigned)to_bf16(b.y * n * (norm_offset + bf16_high(gain.z))) << 16);
+                normed.w = (unsigned)to_bf16(b.z * n * (norm_offset + bf16_low(gain.w)))
+                           | ((unsigned)to_bf16(b.w * n * (norm_offset + bf16_high(gain.w))) << 16);
+                shared_stage[r * stride + c] = normed;
+                float v[8];
+                bf16_eight(normed, v);
+                float amax = 0.0f;
+                #pragma unroll
+                for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+                return amax;
+            };
             for (int r = 0; r < rows; ++r) {
                 const float n = norm_scales[r];
-                float amax = 0.0f;
-                for (int c = tid; c < chunks; c += THREADS) {
-                    const size_t i = (size_t)r * chunks + c;
-                    float4 a = in[i * 2], b = in[i * 2 + 1];
-                    if (add != nullptr) {
-                        const float4 ra = add[i * 2], rb = add[i * 2 + 1];
-                        a.x += ra.x; a.y += ra.y; a.z += ra.z; a.w += ra.w;
-                        b.x += rb.x; b.y += rb.y; b.z += rb.z; b.w += rb.w;
+                if constexpr (ACT == ACT_FP8_GROUP) {
+                    // A scale per 128 positions, as for unnormed rows below: every lane runs each
+                    // round, and a group's 16 chunks are 16 neighbouring lanes'.
+                    for (int base = 0; base < chunks; base += THREADS) {
+                        const int c = base + tid;
+                        float amax = c < chunks ? stage_normed(r, c, n) : 0.0f;
+                        #pragma unroll
+                        for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+                        if (c < chunks && c % 16 == 0) shared_scales[r * groups + c / 16] = fmaxf(amax / FP8_MAX, MIN_SCALE);
                     }
-                    if (blockIdx.x == 0) {
-                        reinterpret_cast<float4*>(summed)[i * 2] = a;
-                        reinterpret_cast<float4*>(summed)[i * 2 + 1] = b;
+                } else {
+                    float amax = 0.0f;
+                    for (int c = tid; c < chunks; c += THREADS) amax = fmaxf(amax, stage_normed(r, c, n));
+                    if (ACT == ACT_FP8_TOKEN) {
+                        amax = warp_max(amax);
+                        if (lane == 0) partial_max[r * WARPS + warp] = amax;
                     }
-                    const uint4 gain = __ldg(gains + c);
-                    uint4 normed;
-                    normed.x = (unsigned)to_bf16(a.x * n * (norm_offset + bf16_low(gain.x)))
-                               | ((unsigned)to_bf16(a.y * n * (norm_offset + bf16_high(gain.x))) << 16);
-                    normed.y = (unsigned)to_bf16(a.z * n * (norm_offset + bf16_low(gain.y)))
-                               | ((unsigned)to_bf16(a.w * n * (norm_offset + bf16_high(gain.y))) << 16);
-                    normed.z = (unsigned)to_bf16(b.x * n * (norm_offset + bf16_low(gain.z)))
-                               | ((unsigned)to_bf16(b.y * n * (norm_offset + bf16_high(gain.z))) << 16);
-                    normed.w = (unsigned)to_bf16(b.z * n * (norm_offset + bf16_low(gain.w)))
-                               | ((unsigned)to_bf16(b.w * n * (norm_offset + bf16_high(gain.w))) << 16);
-                    shared_stage[r * stride + c] = normed;
-                    float v[8];
-                    bf16_eight(normed, v);
-                    #pragma unroll
-                    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
-                }
-                if (ACT == ACT_FP8_TOKEN) {
-                    amax = warp_max(amax);
-                    if (lane == 0) partial_max[r * WARPS + warp] = amax;
                 }
             }
             __syncthreads();   // (the sums of squares were read before the last barrier)
-            if (tid < rows) {
+            if (ACT != ACT_FP8_GROUP && tid < rows) {
                 float amax = 0.0f;
                 #pragma unroll
                 for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, partial_max[tid * WARPS + w]);
@@ -601,8 +617,8 @@ def norm_reference(x: np.ndarray, residual: np.ndarray | None, norm_weight: np.n
 
 def serves_norm(rows: int, weight: QuantizedWeight) -> bool:
     """Whether a launch can take the norm into its prologue: rows it serves that the prologue stages
-    in shared memory, inputs with one scale a row (or a static one)."""
-    return serves(rows, weight) and weight.activations != "fp8_group" and shared_stage(rows, weight)
+    in shared memory (with one scale a row, a static one, or one per group of 128)."""
+    return serves(rows, weight) and shared_stage(rows, weight)
 
 
 # ------------------------------------------------------------------------------- launcher
