@@ -264,7 +264,8 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
                         const int c = base + tid;
                         float amax = c < chunks ? stage_normed(r, c, n) : 0.0f;
                         #pragma unroll
-                        for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+                        for (int offset = 8; offset > 0; offset /= 2)
+                            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
                         if (c < chunks && c % 16 == 0) shared_scales[r * groups + c / 16] = fmaxf(amax / FP8_MAX, MIN_SCALE);
                     }
                 } else {

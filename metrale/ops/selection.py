@@ -321,12 +321,13 @@ def quantized_kernels() -> list[Kernel]:
                when=quantized, condition="a quantized weight"),
         Kernel("rmsnorm_linear", "cuda", "metrale.kernels.fp8_gemv (the norm in its prologue)",
                build=_cuda_method("fp8_rmsnorm_linear_gemv"), when=fp8_decode_norm_linear,
-               condition="FP8 weights and inputs whose scales factor out of the sums, rows the prologue stages in "
-               "shared memory (up to 4), the inner size a multiple of 16, bf16 norm weights"),
+               condition="FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8, rows the "
+               "prologue stages in shared memory (up to 4), the inner size a multiple of 16, bf16 norm weights"),
         Kernel("rmsnorm_mlp", "cuda", "metrale.kernels.fp8_gemv (the norm in the gated gate/up GEMV's prologue), "
                "then the down GEMV", build=_cuda_method("fp8_rmsnorm_mlp_gemv"), when=fp8_decode_norm_mlp,
-               condition="FP8 weights and inputs whose scales factor out of the sums, rows the prologue stages in "
-               "shared memory (up to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up bias"),
+               condition="FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8, rows the "
+               "prologue stages in shared memory (up to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up "
+               "bias"),
         Kernel("moe_experts", "cuda", "metrale.kernels.fp8_gemv (a routed pair a grid row, the codes multiplied as "
                "they are), then each token's pairs summed", build=_cuda_method("fp8_moe_experts_decode"),
                when=fp8_decode_experts,

@@ -235,8 +235,8 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
     registry = builtin_registry()
     assert registry.serving("rmsnorm_mlp", "cuda") == [
         "metrale.kernels.fp8_gemv (the norm in the gated gate/up GEMV's prologue), then the down GEMV [metrale] when "
-        "FP8 weights and inputs whose scales factor out of the sums, rows the prologue stages in shared memory (up "
-        "to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up bias",
+        "FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8, rows the prologue stages in "
+        "shared memory (up to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up bias",
         "metrale.kernels.decode_gemv (the norm and the gate fused) [metrale] when N <= 1, bf16 weights, inner sizes "
         "a multiple of 32, no gate_up bias, weights of at most 128 MiB",
         "rmsnorm_residual, then linear_silu and linear (their kernels) [metrale]"]
