@@ -100,7 +100,8 @@ typedef bf16_bits cache_t;
 #if FP8_CACHE
 // Four E4M3 codes (the low byte the first) as two bf16 pairs, exactly: each code's sign and low
 // seven bits placed as a bf16's are the value times 2^-120 (E4M3's exponent bias is 7, bf16's 127;
-// its subnormals land on bf16 subnormals), and one bf16 product by 2^120 restores it.
+// its subnormals land on bf16 subnormals), and one bf16 product by 2^120 restores it. (The NaN
+// codes 0x7f and 0xff read as +-480; the cache's writes saturate, and write them only for NaN rows.)
 __device__ __forceinline__ void e4m3x4_to_bf16x4(unsigned codes, unsigned* pairs) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {

@@ -27,8 +27,16 @@ same layout), which the product reads through the L1 cache. The prologue can tak
 ``rmsnorm_residual`` in too: the sums of squares, then the norm's bf16 values into the codes' slots
 with their maximum, then the codes.
 
-:func:`fp8_gemv_reference` is the NumPy reference of a launch; ``tests/kernels`` runs the kernel on
-the host through the CUDA emulation header against it.
+The routed-expert form (:func:`fp8_decode_experts`) serves a MoE layer's decode rows over FP8
+stacks of experts: a grid row per routed pair (token, slot), whose blocks find the pair's expert on
+the device and run the one-row GEMV over that expert's rows of the stack -- the gated form for
+gate and up into a bf16 scratch row, then the down product into a float32 one -- and a last kernel
+weighs each token's pairs and sums them. Only the chosen experts' codes are read, at the GEMV's
+rate.
+
+:func:`fp8_gemv_reference` is the NumPy reference of a launch (:func:`fp8_decode_experts_reference`
+of the routed form); ``tests/kernels`` runs the kernels on the host through the CUDA emulation
+header against them.
 """
 
 from __future__ import annotations
@@ -90,17 +98,32 @@ __device__ __forceinline__ void fp8_pairs(uint4 codes, unsigned* pairs) {
 // bytes of f16 codes, 64-position pieces zero-padded, then rows floats of scales, 16-byte aligned);
 // otherwise staged_rows / staged_scales hold them (stage_rows, the same layout, the padding unread).
 // Then (SPLIT > 1) the split's partial sums.
-template <int ACT, int SPLIT, int ROW_TILES, bool SHARED_STAGE, int UNROLL, typename INPUT, bool SWIGLU, bool NORM>
+// EXPERTS: one routed pair a grid row (blockIdx.y), rows == 1: the pair's input row is x's row
+// pair / pairs_per_row, its weight expert experts[pair]'s rows of a stack of experts' weights
+// ([E * N, K], or [E * 2N, K] gate and up rows per expert; their scales stacked the same way), its
+// output row out's row pair.
+template <int ACT, int SPLIT, int ROW_TILES, bool SHARED_STAGE, int UNROLL, typename INPUT, bool SWIGLU, bool NORM,
+          bool EXPERTS>
 __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
     const INPUT* __restrict__ x, float input_scale, const uint4* __restrict__ staged_rows,
     const float* __restrict__ staged_scales, const unsigned char* __restrict__ codes,
     const float* __restrict__ scales, int block_rows, const float* __restrict__ bias, float* __restrict__ out,
     int rows, int K, int N, const float* __restrict__ residual, const unsigned short* __restrict__ norm_weight,
-    float eps, float norm_offset, float* __restrict__ summed) {
+    float eps, float norm_offset, float* __restrict__ summed, const int* __restrict__ experts, int pairs_per_row) {
     DYNAMIC_SHARED;
     __shared__ float partial_max[4 * WARPS];
     __shared__ float norm_scales[4];
     allow_dependents();
+    if constexpr (EXPERTS) {
+        // The chosen expert comes from the kernel ahead: nothing is loaded before it is known.
+        wait_for_producers();
+        const int pair = blockIdx.y, expert = experts[pair];
+        const size_t weight_rows = SWIGLU ? 2 * (size_t)N : (size_t)N;
+        x += (size_t)(pair / pairs_per_row) * K;
+        codes += (size_t)expert * weight_rows * K;
+        scales += (size_t)expert * (weight_rows / block_rows) * (ACT == ACT_FP8_GROUP ? (K + 127) / 128 : 1);
+        out = reinterpret_cast<float*>(reinterpret_cast<char*>(out) + (size_t)pair * N * (SWIGLU ? 2 : 4));
+    }
     constexpr int GROUPS = WARPS / SPLIT;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, q = lane % 4;
@@ -201,44 +224,61 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
             }
             __syncthreads();
             const uint4* gains = reinterpret_cast<const uint4*>(norm_weight);
+            // Chunk c (8 values) of row r normed into its codes' slot; returns their largest magnitude.
+            auto stage_normed = [&](int r, int c, float n) -> float {
+                const size_t i = (size_t)r * chunks + c;
+                float4 a = in[i * 2], b = in[i * 2 + 1];
+                if (add != nullptr) {
+                    const float4 ra = add[i * 2], rb = add[i * 2 + 1];
+                    a.x += ra.x; a.y += ra.y; a.z += ra.z; a.w += ra.w;
+                    b.x += rb.x; b.y += rb.y; b.z += rb.z; b.w += rb.w;
+                }
+                if (blockIdx.x == 0 && blockIdx.y == 0) {
+                    reinterpret_cast<float4*>(summed)[i * 2] = a;
+                    reinterpret_cast<float4*>(summed)[i * 2 + 1] = b;
+                }
+                const uint4 gain = __ldg(gains + c);
+                uint4 normed;
+                normed.x = (unsigned)to_bf16(a.x * n * (norm_offset + bf16_low(gain.x)))
+                           | ((unsigned)to_bf16(a.y * n * (norm_offset + bf16_high(gain.x))) << 16);
+                normed.y = (unsigned)to_bf16(a.z * n * (norm_offset + bf16_low(gain.y)))
+                           | ((unsigned)to_bf16(a.w * n * (norm_offset + bf16_high(gain.y))) << 16);
+                normed.z = (unsigned)to_bf16(b.x * n * (norm_offset + bf16_low(gain.z)))
+                           | ((unsigned)to_bf16(b.y * n * (norm_offset + bf16_high(gain.z))) << 16);
+                normed.w = (unsigned)to_bf16(b.z * n * (norm_offset + bf16_low(gain.w)))
+                           | ((unsigned)to_bf16(b.w * n * (norm_offset + bf16_high(gain.w))) << 16);
+                shared_stage[r * stride + c] = normed;
+                float v[8];
+                bf16_eight(normed, v);
+                float amax = 0.0f;
+                #pragma unroll
+                for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+                return amax;
+            };
             for (int r = 0; r < rows; ++r) {
                 const float n = norm_scales[r];
-                float amax = 0.0f;
-                for (int c = tid; c < chunks; c += THREADS) {
-                    const size_t i = (size_t)r * chunks + c;
-                    float4 a = in[i * 2], b = in[i * 2 + 1];
-                    if (add != nullptr) {
-                        const float4 ra = add[i * 2], rb = add[i * 2 + 1];
-                        a.x += ra.x; a.y += ra.y; a.z += ra.z; a.w += ra.w;
-                        b.x += rb.x; b.y += rb.y; b.z += rb.z; b.w += rb.w;
+                if constexpr (ACT == ACT_FP8_GROUP) {
+                    // A scale per 128 positions, as for unnormed rows below: every lane runs each
+                    // round, and a group's 16 chunks are 16 neighbouring lanes'.
+                    for (int base = 0; base < chunks; base += THREADS) {
+                        const int c = base + tid;
+                        float amax = c < chunks ? stage_normed(r, c, n) : 0.0f;
+                        #pragma unroll
+                        for (int offset = 8; offset > 0; offset /= 2)
+                            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+                        if (c < chunks && c % 16 == 0) shared_scales[r * groups + c / 16] = fmaxf(amax / FP8_MAX, MIN_SCALE);
                     }
-                    if (blockIdx.x == 0) {
-                        reinterpret_cast<float4*>(summed)[i * 2] = a;
-                        reinterpret_cast<float4*>(summed)[i * 2 + 1] = b;
+                } else {
+                    float amax = 0.0f;
+                    for (int c = tid; c < chunks; c += THREADS) amax = fmaxf(amax, stage_normed(r, c, n));
+                    if (ACT == ACT_FP8_TOKEN) {
+                        amax = warp_max(amax);
+                        if (lane == 0) partial_max[r * WARPS + warp] = amax;
                     }
-                    const uint4 gain = __ldg(gains + c);
-                    uint4 normed;
-                    normed.x = (unsigned)to_bf16(a.x * n * (norm_offset + bf16_low(gain.x)))
-                               | ((unsigned)to_bf16(a.y * n * (norm_offset + bf16_high(gain.x))) << 16);
-                    normed.y = (unsigned)to_bf16(a.z * n * (norm_offset + bf16_low(gain.y)))
-                               | ((unsigned)to_bf16(a.w * n * (norm_offset + bf16_high(gain.y))) << 16);
-                    normed.z = (unsigned)to_bf16(b.x * n * (norm_offset + bf16_low(gain.z)))
-                               | ((unsigned)to_bf16(b.y * n * (norm_offset + bf16_high(gain.z))) << 16);
-                    normed.w = (unsigned)to_bf16(b.z * n * (norm_offset + bf16_low(gain.w)))
-                               | ((unsigned)to_bf16(b.w * n * (norm_offset + bf16_high(gain.w))) << 16);
-                    shared_stage[r * stride + c] = normed;
-                    float v[8];
-                    bf16_eight(normed, v);
-                    #pragma unroll
-                    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
-                }
-                if (ACT == ACT_FP8_TOKEN) {
-                    amax = warp_max(amax);
-                    if (lane == 0) partial_max[r * WARPS + warp] = amax;
                 }
             }
             __syncthreads();   // (the sums of squares were read before the last barrier)
-            if (tid < rows) {
+            if (ACT != ACT_FP8_GROUP && tid < rows) {
                 float amax = 0.0f;
                 #pragma unroll
                 for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, partial_max[tid * WARPS + w]);
@@ -476,6 +516,20 @@ __global__ void __launch_bounds__(THREADS, ROW_TILES > 1 ? 1 : 2) fp8_gemv(
         }
     }
 }
+
+// out[t, n] = sum_s weights[t, s] * partial[t * top_k + s, n]: the routed pairs' products of a
+// token weighed and summed. Grid (ceil(H / THREADS), tokens).
+extern "C" __global__ void __launch_bounds__(THREADS) expert_slot_sum(
+    const float* __restrict__ partial, const float* __restrict__ weights, float* __restrict__ out, int top_k, int H) {
+    allow_dependents();
+    wait_for_producers();
+    const int token = blockIdx.y, n = blockIdx.x * THREADS + threadIdx.x;
+    if (n >= H) return;
+    float total = 0.0f;
+    for (int slot = 0; slot < top_k; ++slot)
+        total += weights[token * top_k + slot] * partial[(size_t)(token * top_k + slot) * H + n];
+    out[(size_t)token * H + n] = total;
+}
 """
 
 
@@ -526,9 +580,10 @@ def input_type(bf16_input: bool) -> str:
 
 
 def kernel_name(activations: str, split: int, tiles: int, shared: bool = True, unroll: int = UNROLL,
-                bf16_input: bool = False, swiglu: bool = False, norm: bool = False) -> str:
+                bf16_input: bool = False, swiglu: bool = False, norm: bool = False, experts: bool = False) -> str:
     return (f"fp8_gemv<{ACTIVATIONS[activations]}, {split}, {tiles}, {'true' if shared else 'false'}, {unroll}, "
-            f"{input_type(bf16_input)}, {'true' if swiglu else 'false'}, {'true' if norm else 'false'}>")
+            f"{input_type(bf16_input)}, {'true' if swiglu else 'false'}, {'true' if norm else 'false'}, "
+            f"{'true' if experts else 'false'}>")
 
 
 # ------------------------------------------------------------------------------ reference
@@ -563,8 +618,8 @@ def norm_reference(x: np.ndarray, residual: np.ndarray | None, norm_weight: np.n
 
 def serves_norm(rows: int, weight: QuantizedWeight) -> bool:
     """Whether a launch can take the norm into its prologue: rows it serves that the prologue stages
-    in shared memory, inputs with one scale a row (or a static one)."""
-    return serves(rows, weight) and weight.activations != "fp8_group" and shared_stage(rows, weight)
+    in shared memory (with one scale a row, a static one, or one per group of 128)."""
+    return serves(rows, weight) and shared_stage(rows, weight)
 
 
 # ------------------------------------------------------------------------------- launcher
@@ -655,6 +710,129 @@ def fp8_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: 
         x, input_scale, staged, scales, weight.codes, weight.scales, np.int32(weight.block[0]),
         bias if bias is not None else null, out, np.int32(rows), np.int32(inner),
         np.int32(columns // 2 if swiglu else columns), residual if residual is not None else null,
-        norm_weight if norm else null, np.float32(eps), np.float32(norm_offset), summed if norm else null,
+        norm_weight if norm else null, np.float32(eps), np.float32(norm_offset), summed if norm else null, null,
+        np.int32(1),
     ), stage, stream, dependent=True)
     return out
+
+
+# ------------------------------------------------------------------------ routed experts
+
+#: The most decode tokens the routed-expert form serves. Each routed pair reads its expert's codes
+#: (two tokens that chose one expert read it twice), so it suits the few rows of a decode step.
+MAX_EXPERT_TOKENS = 8
+
+
+def _stacks_experts(weight: QuantizedWeight, rows: int) -> bool:
+    """Whether each expert's ``rows`` rows of a stacked weight take whole scale blocks (or one
+    scale the whole stack)."""
+    block_rows = weight.block[0]
+    return rows % block_rows == 0 or block_rows >= weight.shape[0]
+
+
+def serves_experts(tokens: int, top_k: int, gate_up: QuantizedWeight, down: QuantizedWeight) -> bool:
+    """Whether :func:`fp8_decode_experts` serves ``tokens`` decode rows of ``top_k`` routed experts
+    each over the stacks ``gate_up [E * 2I, H]`` and ``down [E * H, I]``: 1 to
+    :data:`MAX_EXPERT_TOKENS` tokens, both stacks weights the GEMV serves (:func:`serves`), each
+    expert's rows whole scale blocks, ``H`` and ``I`` multiples of 16."""
+    hidden, inter = gate_up.shape[1], down.shape[1]
+    experts = down.shape[0] // hidden if hidden else 0
+    return (0 < tokens <= MAX_EXPERT_TOKENS and top_k > 0 and experts > 0 and inter % 16 == 0 and hidden % 16 == 0
+            and gate_up.shape == (experts * 2 * inter, hidden) and down.shape == (experts * hidden, inter)
+            and serves(1, gate_up) and serves(1, down)
+            and _stacks_experts(gate_up, 2 * inter) and _stacks_experts(down, hidden))
+
+
+def fp8_decode_experts_reference(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, gate_up: QuantizedWeight,
+                                 down: QuantizedWeight) -> np.ndarray:
+    """float32 ``[N, H]``: what :func:`fp8_decode_experts` computes, from host arrays. Each pair's
+    ``silu(gate) * up`` (:func:`fp8_gemv_reference` of its token's row over its expert's rows,
+    bf16), then its down product (its row quantized as ``down``'s inputs are), weighed by the
+    pair's routing weight and summed per token in float32."""
+    tokens, top_k = experts.shape
+    hidden, inter = gate_up.shape[1], down.shape[1]
+    out = np.zeros((tokens, hidden), np.float32)
+    for t in range(tokens):
+        for s in range(top_k):
+            e = int(experts[t, s])
+            act = fp8_gemv_reference(x[t : t + 1], _expert_rows(gate_up, e, 2 * inter), swiglu=True)
+            out[t] += np.float32(weights[t, s]) * fp8_gemv_reference(act, _expert_rows(down, e, hidden))[0]
+    return out
+
+
+def _expert_rows(weight: QuantizedWeight, expert: int, rows: int) -> QuantizedWeight:
+    """Expert ``expert``'s ``rows`` rows of a stacked weight (host arrays), with their scales."""
+    from dataclasses import replace
+
+    block_rows = weight.block[0]
+    first = expert * rows
+    if block_rows >= weight.shape[0]:
+        scales = weight.scales
+        block = (rows, weight.block[1])
+    else:
+        scales = weight.scales[first // block_rows : (first + rows) // block_rows]
+        block = weight.block
+    return replace(weight, codes=weight.codes[first : first + rows], scales=scales, shape=(rows, weight.shape[1]),
+                   block=block)
+
+
+def fp8_decode_experts(x: DeviceArray, experts: DeviceArray, weights: DeviceArray, gate_up: QuantizedWeight,
+                       down: QuantizedWeight, act: DeviceArray, partial: DeviceArray, out: DeviceArray, stream: Any,
+                       *, multiprocessors: int = 132) -> DeviceArray:
+    """Routed experts of decode rows over FP8 stacks, only the chosen experts' codes read: ``out
+    [N, H]`` float32 from float32 ``x [N, H]`` (16-byte aligned rows), int32 ``experts [N, k]``,
+    float32 ``weights [N, k]``, ``gate_up [E * 2I, H]`` (each expert's I gate rows, then its I up
+    rows) and ``down [E * H, I]``. Three launches: the gated GEMV a routed pair a grid row into
+    ``act [N * k, I]`` (bf16 scratch), the down GEMV the same way into ``partial [N * k, H]``
+    (float32 scratch), then each token's pairs weighed and summed
+    (:func:`fp8_decode_experts_reference`). Raises :class:`~metrale.errors.KernelArgumentError` for
+    what :func:`serves_experts` refuses, before any launch."""
+    op = "fp8_decode_experts"
+    qg.check_weight(op, gate_up)
+    qg.check_weight(op, down)
+    check_array(op, "x", x, np.float32, ndim=2)
+    tokens, hidden = x.shape
+    check_array(op, "experts", experts, np.int32, (tokens, None))
+    top_k = experts.shape[1]
+    check_array(op, "weights", weights, np.float32, (tokens, top_k))
+    inter = down.shape[1]
+    if not serves_experts(tokens, top_k, gate_up, down):
+        raise KernelArgumentError(
+            f"{op}: {tokens} tokens of {top_k} experts over gate_up {list(gate_up.shape)} and down "
+            f"{list(down.shape)} ({gate_up.activations} / {down.activations} inputs) are not served (1 to "
+            f"{MAX_EXPERT_TOKENS} tokens, FP8 stacks of E experts of hidden size H and width I, multiples of 16, "
+            "each expert's rows whole scale blocks)")
+    pairs = tokens * top_k
+    check_array(op, "act", act, np.uint16, (pairs, inter))
+    check_array(op, "partial", partial, np.float32, (pairs, hidden))
+    check_array(op, "out", out, np.float32, (tokens, hidden))
+    if not (aligned(x) and aligned(act)):
+        raise KernelArgumentError(f"{op}: x and act must start at 16-byte boundaries")
+    null = np.uint64(0)
+    share = max(1, multiprocessors // pairs)
+    for weight, rows, columns, target, gated, per_row in ((gate_up, x, 2 * inter, act, True, top_k),
+                                                           (down, act, hidden, partial, False, 1)):
+        chosen, blocks = qg.plan(columns, share)
+        function = _function(kernel_name(weight.activations, chosen, 1, True, UNROLL, not gated, gated, False, True))
+        stage = shared_bytes(1, weight, chosen, True)
+        if stage > 48 * 1024:
+            function.max_dynamic_shared_size_bytes = stage
+        input_scale = np.float32(float(weight.input_scale) if weight.input_scale is not None else 1.0)
+        launch(function, (blocks, pairs), (THREADS,), (
+            rows, input_scale, null, null, weight.codes, weight.scales, np.int32(weight.block[0]), null, target,
+            np.int32(1), np.int32(weight.shape[1]), np.int32(columns // 2 if gated else columns), null, null,
+            np.float32(0.0), np.float32(0.0), null, experts, np.int32(per_row),
+        ), stage, stream, dependent=True)
+    launch(_slot_sum(), (-(-hidden // THREADS), tokens), (THREADS,), (partial, weights, out, np.int32(top_k),
+                                                                     np.int32(hidden)), 0, stream, dependent=True)
+    return out
+
+
+def _slot_sum() -> Any:
+    function = _modules.get("expert_slot_sum")
+    if function is None:
+        import cupy
+
+        module = cupy.RawModule(code=source(), options=("--std=c++17",))
+        function = _modules["expert_slot_sum"] = module.get_function("expert_slot_sum")
+    return function

@@ -358,6 +358,23 @@ class CudaKernels:
             return None
         return quantized_gemv.scale_product(out, scales, column_scales, self.stream)
 
+    def fp8_moe_experts_decode(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
+        """Decode tokens over FP8 stacks: the FP8 decode GEMV a routed pair a grid row (only the
+        chosen experts' codes read, multiplied as they are), then each token's pairs summed."""
+        from metrale.kernels import fp8_gemv
+        from metrale.kernels._words import aligned
+
+        tokens, top_k = experts.shape
+        act = cp.empty((tokens * top_k, down.shape[1]), dtype=bf16)
+        partial = cp.empty((tokens * top_k, x.shape[1]), dtype=f32)
+        out = cp.empty((tokens, x.shape[1]), dtype=f32)
+        rows = cp.ascontiguousarray(self.to_float32(x))
+        if not aligned(rows):  # a view into a larger array: the kernel reads 16 bytes at a time
+            rows = rows.copy()
+        return fp8_gemv.fp8_decode_experts(
+            rows, cp.ascontiguousarray(experts, dtype=np.int32), cp.ascontiguousarray(weights, dtype=f32), gate_up,
+            down, act, partial, out, self.stream, multiprocessors=decode_gemv.multiprocessor_count())
+
     def quantized_moe_experts_decode(self, x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> Any:
         """Decode tokens: only the chosen experts' codes read, dequantized in registers."""
         tokens, top_k = experts.shape

@@ -202,11 +202,14 @@ def quantized_kernels() -> list[Kernel]:
     :mod:`metrale.kernels.int4_gemv`), the staged input with a bf16
     dequantization and cuBLAS past them; ``linear_silu`` as ``linear`` then ``silu_and_mul`` (FP8
     prompt rows: their product in bf16, the scales in its epilogue; FP8 and 4-bit decode rows: their
-    GEMV with the gate in its epilogue); ``moe_experts`` through
-    the quantized decode experts up to 8 tokens, over the dequantized stacks past them.
+    GEMV with the gate in its epilogue); ``moe_experts`` of FP8 stacks through the FP8 decode
+    GEMV a routed pair at a time up to 8 tokens, of others through the quantized decode experts up
+    to 8 tokens, over the dequantized stacks past them.
     ``rmsnorm_linear`` and ``rmsnorm_mlp`` of FP8 decode rows that the prologue stages in shared
     memory take the norm into the FP8 GEMV's prologue; otherwise they reach the kernels above
     through their composites (the fused bf16 decode kernels take bf16 weights only)."""
+
+    from metrale.kernels.fp8_gemv import MAX_EXPERT_TOKENS as FP8_EXPERT_TOKENS
 
     def quantized(x: Any, weight: Any, bias: Any = None) -> bool:
         return _is_quantized(weight)
@@ -255,6 +258,12 @@ def quantized_kernels() -> list[Kernel]:
 
     def quantized_experts(x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> bool:
         return _is_quantized(gate_up) or _is_quantized(down)
+
+    def fp8_decode_experts(x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> bool:
+        from metrale.kernels import fp8_gemv
+
+        return (isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
+                and fp8_gemv.serves_experts(x.shape[0], experts.shape[1], gate_up, down))
 
     def decode_experts(x: Any, experts: Any, weights: Any, gate_up: Any, down: Any) -> bool:
         from metrale.kernels import quantized_moe_decode
@@ -312,12 +321,18 @@ def quantized_kernels() -> list[Kernel]:
                when=quantized, condition="a quantized weight"),
         Kernel("rmsnorm_linear", "cuda", "metrale.kernels.fp8_gemv (the norm in its prologue)",
                build=_cuda_method("fp8_rmsnorm_linear_gemv"), when=fp8_decode_norm_linear,
-               condition="FP8 weights and inputs whose scales factor out of the sums, rows the prologue stages in "
-               "shared memory (up to 4), the inner size a multiple of 16, bf16 norm weights"),
+               condition="FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8, rows the "
+               "prologue stages in shared memory (up to 4), the inner size a multiple of 16, bf16 norm weights"),
         Kernel("rmsnorm_mlp", "cuda", "metrale.kernels.fp8_gemv (the norm in the gated gate/up GEMV's prologue), "
                "then the down GEMV", build=_cuda_method("fp8_rmsnorm_mlp_gemv"), when=fp8_decode_norm_mlp,
-               condition="FP8 weights and inputs whose scales factor out of the sums, rows the prologue stages in "
-               "shared memory (up to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up bias"),
+               condition="FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8, rows the "
+               "prologue stages in shared memory (up to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up "
+               "bias"),
+        Kernel("moe_experts", "cuda", "metrale.kernels.fp8_gemv (a routed pair a grid row, the codes multiplied as "
+               "they are), then each token's pairs summed", build=_cuda_method("fp8_moe_experts_decode"),
+               when=fp8_decode_experts,
+               condition=f"FP8 stacked weights the FP8 decode GEMV serves, N <= {FP8_EXPERT_TOKENS}, H and I multiples "
+               "of 16, each expert's rows whole scale blocks"),
         Kernel("moe_experts", "cuda", "metrale.kernels.quantized_moe_decode", build=_cuda_method("quantized_moe_experts_decode"),
                when=decode_experts, condition="quantized stacked weights, N <= 8, H and I multiples of 8, no act-order"),
         Kernel("moe_experts", "cuda", "metrale.kernels.quantized_gemv (bf16 dequantization), then the pairwise kernels",

@@ -212,7 +212,7 @@ def test_every_fp8_gemv_instantiation_compiles(tmp_path):
     from metrale.kernels import fp8_gemv
 
     arguments = ("{input}, float, const uint4*, const float*, const unsigned char*, const float*, int, const float*, "
-                 "float*, int, int, int, const float*, const unsigned short*, float, float, float*")
+                 "float*, int, int, int, const float*, const unsigned short*, float, float, float*, const int*, int")
     names = [(fp8_gemv.kernel_name(activations, split, tiles, shared, unroll, bf16_input, swiglu),
               arguments.format(input="const unsigned short*" if bf16_input else "const float*"))
              for activations in fp8_gemv.ACTIVATIONS for split in quantized_gemv.SPLITS
@@ -222,9 +222,14 @@ def test_every_fp8_gemv_instantiation_compiles(tmp_path):
     names += [(fp8_gemv.kernel_name(activations, split, 1, True, fp8_gemv.UNROLL, False, swiglu, True),
                arguments.format(input="const float*"))
               for activations in ("fp8_token", "fp8_tensor") for split in quantized_gemv.SPLITS for swiglu in (False, True)]
+    # The routed-expert form: one row, staged in shared memory; float32 rows into the gated product,
+    # bf16 rows into the down product.
+    names += [(fp8_gemv.kernel_name(activations, split, 1, True, fp8_gemv.UNROLL, not swiglu, swiglu, False, True),
+               arguments.format(input="const float*" if swiglu else "const unsigned short*"))
+              for activations in fp8_gemv.ACTIVATIONS for split in quantized_gemv.SPLITS for swiglu in (False, True)]
     instantiations = "".join(f"template __global__ void {name}({signature});\n" for name, signature in names)
     ptx = compile_to_ptx(tmp_path, fp8_gemv.source() + instantiations, optimize=False)
-    assert len(entries(ptx)) == len(names)
+    assert len(entries(ptx)) == len(names) + 1  # and expert_slot_sum
 
 
 def test_every_int4_gemv_instantiation_compiles(tmp_path):

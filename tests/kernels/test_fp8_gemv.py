@@ -25,10 +25,11 @@ INSTANCES = [("fp8_token", 1, 1, 4), ("fp8_token", 8, 1, 4), ("fp8_token", 2, 2,
              ("fp8_group", 8, 1, 4), ("fp8_group", 2, 2, 2), ("fp8_group", 1, 1, 2)]
 # The gated form's instances (also both stagings, both input types).
 SWIGLU_INSTANCES = [("fp8_token", 1, 1, 4), ("fp8_token", 8, 1, 4), ("fp8_tensor", 1, 2, 2), ("fp8_token", 1, 4, 4),
-                    ("fp8_group", 1, 1, 4)]
+                    ("fp8_group", 1, 1, 4), ("fp8_group", 8, 1, 4)]
 # The norm prologue's instances (activations, split, unroll, gated): float32 rows staged in shared memory.
 NORM_INSTANCES = [("fp8_token", 1, 4, False), ("fp8_token", 8, 4, False), ("fp8_token", 8, 4, True),
-                  ("fp8_tensor", 4, 4, False), ("fp8_token", 1, 4, True)]
+                  ("fp8_tensor", 4, 4, False), ("fp8_token", 1, 4, True), ("fp8_group", 1, 4, False),
+                  ("fp8_group", 8, 4, True)]
 
 
 def emulation_main() -> str:
@@ -37,14 +38,15 @@ def emulation_main() -> str:
         f"{int(shared)} && bf16 == {int(b)} && swiglu == {int(g)}) {{ emu::launch({{(unsigned)blocks, 1, 1}}, "
         f"{{THREADS, 1, 1}}, [&] {{ {fg.kernel_name(a, s, t, shared, u, b, g)}({'x16' if b else 'x'}, input_scale, "
         f"staged_rows, staged_scales, code_bytes, scales, block_rows, bias, out, rows, K, {'N / 2' if g else 'N'}, "
-        f"nullptr, nullptr, 0.0f, 0.0f, nullptr); }}); found = true; }}"
+        f"nullptr, nullptr, 0.0f, 0.0f, nullptr, nullptr, 1); }}); found = true; }}"
         for g, instances in ((False, INSTANCES), (True, SWIGLU_INSTANCES)) for a, s, t, u in instances
         for shared in (False, True) for b in (False, True))
     dispatch += "\n" + "\n".join(
         f"    if (norm && act == {fg.ACTIVATIONS[a]} && split == {s} && unroll == {u} && swiglu == {int(g)} && shared "
         f"&& !bf16 && tiles == 1) {{ emu::launch({{(unsigned)blocks, 1, 1}}, {{THREADS, 1, 1}}, [&] {{ "
         f"{fg.kernel_name(a, s, 1, True, u, False, g, True)}(x, input_scale, nullptr, nullptr, code_bytes, scales, "
-        f"block_rows, nullptr, out, rows, K, {'N / 2' if g else 'N'}, residual, gains, eps, norm_offset, summed); "
+        f"block_rows, nullptr, out, rows, K, {'N / 2' if g else 'N'}, residual, gains, eps, norm_offset, summed, "
+        f"nullptr, 1); "
         f"}}); found = true; }}"
         for a, s, u, g in NORM_INSTANCES)
     stage_rows = "\n".join(
@@ -281,6 +283,9 @@ NORM_CASES = [
     ("fp8_token", 3, 336, 40, 8, 4, True, True, 1.0),  # gated; zero-centred gains (offset 1)
     ("fp8_tensor", 4, 208, 33, 4, 4, False, False, 0.0),  # a static input scale; no residual
     ("fp8_token", 1, 2048, 34, 1, 4, True, False, 0.0),
+    # Block-wise FP8: a scale per group of 128 normed values (a partial last group; two rows)
+    ("fp8_group", 1, 2048, 300, 1, 4, False, True, 0.0),
+    ("fp8_group", 2, 1088, 40, 8, 4, True, True, 1.0),
 ]
 
 
@@ -288,9 +293,12 @@ NORM_CASES = [
 def test_emulated_norm_prologue_is_rmsnorm_residual_then_the_product(emulated, activations, rows, inner, out, split,
                                                                      unroll, gated, with_residual, offset):
     rng = np.random.default_rng(rows * 100 + inner)
-    weight = make_weight(rng, 2 * out if gated else out, inner, activations, per_tensor=activations == "fp8_tensor")
+    if activations == "fp8_group":
+        weight = make_block_weight(rng, 2 * out if gated else out, inner, 128)
+    else:
+        weight = make_weight(rng, 2 * out if gated else out, inner, activations, per_tensor=activations == "fp8_tensor")
     x = rng.normal(size=(rows, inner)).astype(np.float32)
-    x[0, :3] *= 30  # a few large values: the row's scale is theirs
+    x[0, :3] *= 30  # a few large values: the row's (or their group's) scale is theirs
     residual = rng.normal(size=(rows, inner)).astype(np.float32) if with_residual else None
     gains = float32_to_bf16(rng.uniform(0.5, 1.5, size=inner).astype(np.float32) - np.float32(offset))
     eps = 1e-5
@@ -333,7 +341,8 @@ def test_emulated_block_fp8_gemv_matches_the_reference(emulated, rows, inner, ou
     weight = make_block_weight(rng, out, inner, block_rows)
     x = bf16_to_float32(float32_to_bf16(rng.normal(size=(rows, inner)).astype(np.float32)))
     x[0, :5] *= 32  # one group of the first row with large values (exact in bf16): its scale is theirs alone
-    assert fg.serves(rows, weight) and not fg.serves_norm(rows, weight)
+    # (The norm prologue takes block-wise inputs too, for the rows it stages in shared memory.)
+    assert fg.serves(rows, weight) and fg.serves_norm(rows, weight) == fg.shared_stage(rows, weight)
     got = emulated(weight, x, split=split, blocks=blocks, shared=fg.shared_stage(rows, weight), unroll=unroll,
                    bf16_input=bf16_input)
     expected = fg.fp8_gemv_reference(x, weight)

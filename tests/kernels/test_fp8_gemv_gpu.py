@@ -176,9 +176,11 @@ def test_the_gated_fp8_gemv_is_silu_and_mul_of_the_product_on_the_8b_gate_up(bac
 
 
 @pytest.mark.parametrize("rows, with_residual", [(1, True), (3, False), (4, True)])
-def test_the_norm_prologue_on_the_8b_shapes_through_the_backend(backend, rows, with_residual):
+@pytest.mark.parametrize("block", [False, True])
+def test_the_norm_prologue_on_the_8b_shapes_through_the_backend(backend, rows, with_residual, block):
     """``rmsnorm_linear`` (qkv) and ``rmsnorm_mlp`` of FP8 weights with the norm in the FP8 GEMV's
-    prologue, against the reference of the unfused ops."""
+    prologue, against the reference of the unfused ops: per-channel weights with per-token inputs,
+    and block-wise FP8 (a scale per group of 128 normed values)."""
     import cupy as cp
 
     from metrale.kernels import fp8_gemv as fg
@@ -188,8 +190,16 @@ def test_the_norm_prologue_on_the_8b_shapes_through_the_backend(backend, rows, w
     x = rng.normal(size=(rows, 4096)).astype(np.float32)
     residual = rng.normal(size=(rows, 4096)).astype(np.float32) if with_residual else None
     gains = float32_to_bf16(rng.uniform(0.5, 1.5, size=4096).astype(np.float32))
-    qkv, gate_up, down = (quantize_fp8_per_channel(rng.normal(size=shape).astype(np.float32) * 0.02, "fp8_token")
-                          for shape in ((6144, 4096), (28672, 4096), (4096, 14336)))
+
+    def weight(shape):
+        if not block:
+            return quantize_fp8_per_channel(rng.normal(size=shape).astype(np.float32) * 0.02, "fp8_token")
+        scales = rng.uniform(1e-4, 3e-4, size=(shape[0] // 128, shape[1] // 128)).astype(np.float32)
+        return QuantizedWeight("fp8", float32_to_fp8_e4m3(rng.normal(size=shape).astype(np.float32) * 100), scales,
+                               (128, 128), shape, activations="fp8_group")
+
+    qkv, gate_up, down = (weight(shape) for shape in ((6144, 4096), (28672, 4096), (4096, 14336)))
+    assert all(fg.serves_norm(rows, w) for w in (qkv, gate_up))
     device = {name: uploaded(backend, host) for name, host in (("qkv", qkv), ("gate_up", gate_up), ("down", down))}
     normed, summed = fg.norm_reference(x, residual, bf16_to_float32(gains), 1e-5)
     args = (cp.asarray(x), None if residual is None else cp.asarray(residual), cp.asarray(gains), 1e-5, 0.0)

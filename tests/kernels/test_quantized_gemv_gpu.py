@@ -172,6 +172,15 @@ def test_the_decode_experts_match_the_reference_on_deepseek_lite_shapes(backend,
     weights = rng.uniform(0.1, 1.0, size=(tokens, top_k)).astype(np.float32)
     out = backend.ops.moe_experts(cp.asarray(x), cp.asarray(chosen), cp.asarray(weights),
                                   uploaded(backend, gate_up), uploaded(backend, down))
+    if codes == "fp8":
+        # The FP8 GEMV's routed form: the codes' exact products. Its gated values may round to the
+        # other bf16 neighbour, and a down input then to the neighbouring FP8 code.
+        from metrale.kernels import fp8_gemv as fg
+
+        assert fg.serves_experts(tokens, top_k, gate_up, down)
+        expected = fg.fp8_decode_experts_reference(x, chosen, weights, gate_up, down)
+        assert rel_error(cp.asnumpy(out), expected) < 2e-3
+        return
     expected = qm.quantized_decode_experts_reference(x, chosen, weights, gate_up, down)
     assert rel_error(cp.asnumpy(out), expected) < 1e-4
 
@@ -266,3 +275,48 @@ def test_scale_product_scales_rows_then_columns_in_one_pass(backend):
     backend.synchronize()
     expected = (product * rows[:, None]).astype(np.float32) * columns[None, :]
     assert np.array_equal(cp.asnumpy(out), expected.astype(np.float32))
+
+
+def test_the_fp8_routed_experts_replay_in_a_cuda_graph_with_new_choices(backend):
+    """The FP8 routed-expert GEMV captured once: new inputs and new expert choices in the same
+    buffers give the reference's result for them on replay (each pair finds its expert on the
+    device)."""
+    import cupy as cp
+
+    from metrale.kernels import fp8_gemv as fg
+
+    rng = np.random.default_rng(23)
+    experts, hidden, inter, top_k, tokens = 16, 2048, 1408, 6, 2
+    gate_up = host_weight("fp8", hidden, experts * 2 * inter, "fp8_group", rng)
+    down = host_weight("fp8", inter, experts * hidden, "fp8_group", rng)
+    device_gate_up, device_down = uploaded(backend, gate_up), uploaded(backend, down)
+
+    def case():
+        x = rng.normal(size=(tokens, hidden)).astype(np.float32)
+        chosen = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+        return x, chosen, rng.uniform(0.1, 1.0, size=(tokens, top_k)).astype(np.float32)
+
+    x, chosen, weights = case()
+    arrays = [cp.asarray(a) for a in (x, chosen, weights)]
+    act = cp.empty((tokens * top_k, inter), dtype=np.uint16)
+    partial = cp.empty((tokens * top_k, hidden), dtype=np.float32)
+    out = cp.zeros((tokens, hidden), dtype=np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def run():
+        fg.fp8_decode_experts(*arrays, device_gate_up, device_down, act, partial, out, stream,
+                              multiprocessors=qg_multiprocessors())
+
+    run()  # compiled outside the capture
+    stream.synchronize()
+    with stream:
+        stream.begin_capture()
+        run()
+        graph = stream.end_capture()
+    for _ in range(2):
+        x, chosen, weights = case()
+        for target, value in zip(arrays, (x, chosen, weights)):
+            target.set(value, stream=stream)
+        graph.launch(stream)
+        stream.synchronize()
+        assert rel_error(cp.asnumpy(out), fg.fp8_decode_experts_reference(x, chosen, weights, gate_up, down)) < 2e-3

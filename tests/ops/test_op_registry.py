@@ -235,8 +235,8 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
     registry = builtin_registry()
     assert registry.serving("rmsnorm_mlp", "cuda") == [
         "metrale.kernels.fp8_gemv (the norm in the gated gate/up GEMV's prologue), then the down GEMV [metrale] when "
-        "FP8 weights and inputs whose scales factor out of the sums, rows the prologue stages in shared memory (up "
-        "to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up bias",
+        "FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8, rows the prologue stages in "
+        "shared memory (up to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up bias",
         "metrale.kernels.decode_gemv (the norm and the gate fused) [metrale] when N <= 1, bf16 weights, inner sizes "
         "a multiple of 32, no gate_up bias, weights of at most 128 MiB",
         "rmsnorm_residual, then linear_silu and linear (their kernels) [metrale]"]
@@ -260,10 +260,13 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
                                                                      "prologue) [metrale] when FP8 weights")
     assert registry.serving("rmsnorm_linear", "cuda")[1].startswith(
         "metrale.kernels.decode_gemv (the norm fused) [metrale] when N <= 2")
-    assert registry.serving("moe_experts", "cuda")[0].startswith("metrale.kernels.quantized_moe_decode [metrale] when "
+    assert registry.serving("moe_experts", "cuda")[0].startswith("metrale.kernels.fp8_gemv (a routed pair a grid "
+                                                                 "row")
+    assert "when FP8 stacked weights" in registry.serving("moe_experts", "cuda")[0]
+    assert registry.serving("moe_experts", "cuda")[1].startswith("metrale.kernels.quantized_moe_decode [metrale] when "
                                                                  "quantized stacked weights, N <= 8")
-    assert registry.serving("moe_experts", "cuda")[1].endswith("when quantized stacked weights")
-    assert registry.serving("moe_experts", "cuda")[2].startswith("metrale.kernels.moe_decode [metrale] when N <= 8")
+    assert registry.serving("moe_experts", "cuda")[2].endswith("when quantized stacked weights")
+    assert registry.serving("moe_experts", "cuda")[3].startswith("metrale.kernels.moe_decode [metrale] when N <= 8")
     assert registry.serving("gdn_decode", "cuda")[0].startswith("metrale.kernels.gdn_decode [metrale] when")
     for op in ("linear", "rmsnorm_linear", "rmsnorm_mlp", "moe_experts", "gdn_decode"):
         assert registry.kernels_for(op, "cuda")[-1].when is None  # what serves every other call
