@@ -1,19 +1,31 @@
-// The CUDA features of metrale.kernels.moe_grouped emulated on the host, so that its kernels run
-// (slowly) without a GPU: one std::thread per CUDA thread, the blocks of a launch one after
-// another. ldmatrix and mma.sync follow the fragment layouts of the PTX ISA; cp.async copies are
-// queued per thread and land only when cp.async.wait_group requires them (or at once, with
-// emu::defer_copies = 0), so a missing wait reads stale shared memory. Included in place of the
-// module's INSTRUCTIONS (metrale.kernels.moe_grouped, metrale.kernels.attention_latent_mma).
+// The CUDA features of metrale.kernels' CUDA C++ kernels emulated on the host, so that they run
+// (slowly) without a GPU. Each CUDA thread of a block is a fiber (ucontext) with its own stack, all
+// on one host thread, the blocks of a launch one after another; a fiber runs until it must wait (a
+// barrier, a warp-wide instruction, an mbarrier phase, setmaxnreg's registers) and the fibers
+// waiting are resumed in a shuffled order, so that a result depending on the order of threads
+// between two barriers shows. When every thread of a block waits and nothing can change any more,
+// the run fails saying what each waits for (where a GPU would hang). ldmatrix and mma.sync follow
+// the fragment layouts of the PTX ISA; cp.async copies are queued per thread and land only when
+// cp.async.wait_group requires them (or at once, with emu::defer_copies = 0), so a missing wait
+// reads stale shared memory.
 #pragma once
+#include <ucontext.h>
+
 #include <algorithm>
-#include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <thread>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
 #include <vector>
 
 #define __global__
@@ -34,7 +46,7 @@ inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return
 using std::max;
 using std::min;
 
-thread_local dim3 threadIdx, blockIdx;
+dim3 threadIdx, blockIdx;   // the running fiber's (swapped in and out with it)
 dim3 blockDim, gridDim;
 
 namespace emu {
@@ -44,24 +56,73 @@ namespace emu {
     std::abort();
 }
 
+// Fibers: one per CUDA thread of the running block.
+struct Fiber {
+    ucontext_t context;
+    bool finished = false;
+    const char* waiting_for = nullptr;   // set while the fiber waits, what for
+};
+std::vector<Fiber> fibers;
+std::vector<std::unique_ptr<char[]>> fiber_stacks;
+constexpr size_t FIBER_STACK_BYTES = 1 << 18;
+int current_fiber = -1;
+ucontext_t scheduler_context;
+unsigned long long changes = 0;   // counts every change a waiting fiber could be waiting for
+
+// Back to the scheduler until it resumes this fiber, which waits for `what`.
+inline void suspend(const char* what) {
+    fibers[current_fiber].waiting_for = what;
+    swapcontext(&fibers[current_fiber].context, &scheduler_context);
+    fibers[current_fiber].waiting_for = nullptr;
+}
+
+// Suspends until `ready()` holds.
+template <typename Ready> inline void wait_until(Ready ready, const char* what) {
+    if (ready()) return;
+    do suspend(what); while (!ready());
+    ++changes;   // moving on is a change for the deadlock check
+}
+
+// A barrier of `expected` arrivals a phase (std::barrier's arrive and arrive_and_wait, for fibers).
+struct Barrier {
+    int expected, arrived = 0;
+    unsigned phase = 0;
+    explicit Barrier(int count) : expected(count) {}
+    unsigned arrive() {
+        const unsigned mine = phase;
+        ++changes;
+        if (++arrived == expected) {
+            arrived = 0;
+            ++phase;
+        }
+        return mine;
+    }
+    void arrive_and_wait() {
+        const unsigned mine = arrive();
+        wait_until([&] { return phase != mine; }, "a barrier some threads of the block or warp never reach");
+    }
+};
+
 alignas(1024) unsigned char dynamic_shared[256 * 1024];
-std::barrier<>* block_barrier = nullptr;
-std::vector<std::barrier<>*> warp_barriers;
+Barrier* block_barrier = nullptr;
+std::vector<Barrier*> warp_barriers;
 struct Exchange { unsigned address[32]; unsigned a[32][4]; unsigned b[32][2]; float c[32][4]; };
 std::vector<Exchange> exchange;   // what the lanes of each warp hand to a warp-wide instruction
 int defer_copies = 1;
 void block_started();   // resets the Hopper features' per-block state (below)
 bool wgmma_all_waited();   // whether this thread has no wgmma in flight (below)
+void exchange_thread_state(int fiber);   // swaps the per-thread globals with a fiber's (below)
+void start_thread_states(int threads);   // each fiber's first thread state (below)
 // setmaxnreg: each thread starts with what ptxas gives a block of blockDim threads and one block
 // an SM (__launch_bounds__(threads, 1): the register file shared out, a multiple of 8); what a
 // warpgroup's .dec releases goes to its block's pool, from which an .inc takes or waits.
-thread_local int thread_registers = 0;
+int thread_registers = 0;
 int register_pool = 0;
 inline int launch_registers(int threads) { return std::min(255, 65536 / threads) / 8 * 8; }
 
 struct Copy { unsigned target; const unsigned char* source; bool valid; unsigned bytes = 16; };
-thread_local std::deque<std::vector<Copy>> committed;   // oldest group first
-thread_local std::vector<Copy> open_group;
+std::deque<std::vector<Copy>> committed;   // oldest group first
+std::vector<Copy> open_group;
 
 inline void land(const Copy& copy) {
     if (copy.target % copy.bytes || copy.target + copy.bytes > sizeof(dynamic_shared)) fail("cp.async target out of place");
@@ -87,6 +148,32 @@ inline unsigned bf16_round(float value) {
     return (word + 0x7fffu + ((word >> 16) & 1u)) >> 16;
 }
 
+const std::function<void()>* fiber_body = nullptr;
+
+inline void fiber_main() {
+    (*fiber_body)();
+    if (!open_group.empty()) fail("copies issued but never committed");
+    if (!wgmma_all_waited()) fail("wgmma products issued and never waited for");
+    for (const auto& group : committed) {
+        if (!group.empty()) fail("copies still in flight when the thread ends");
+    }
+    fibers[current_fiber].finished = true;
+    ++changes;
+    swapcontext(&fibers[current_fiber].context, &scheduler_context);
+}
+
+// Every thread of the block waits and a whole round of resuming them changed nothing: on a GPU,
+// a hang. Says what the threads wait for.
+[[noreturn]] inline void deadlock() {
+    std::set<std::string> reasons;
+    for (const auto& fiber : fibers) {
+        if (!fiber.finished && fiber.waiting_for != nullptr) reasons.insert(fiber.waiting_for);
+    }
+    std::string what = "every thread of the block waits and nothing can change:";
+    for (const auto& reason : reasons) what += " [" + reason + "]";
+    fail(what.c_str());
+}
+
 // kernel() on every thread of every block of grid x block (x only), one block at a time.
 template <typename Kernel>
 void launch(dim3 grid, dim3 block, Kernel kernel) {
@@ -94,36 +181,52 @@ void launch(dim3 grid, dim3 block, Kernel kernel) {
     blockDim = block;
     const int threads = static_cast<int>(block.x);
     const int warps = (threads + 31) / 32;
+    const std::function<void()> body = kernel;
+    fiber_body = &body;
+    while (static_cast<int>(fiber_stacks.size()) < threads) fiber_stacks.emplace_back(new char[FIBER_STACK_BYTES]);
+    std::mt19937 order_random(12345);
+    std::vector<int> order(threads);
     for (unsigned bz = 0; bz < grid.z; ++bz) {
     for (unsigned by = 0; by < grid.y; ++by) {
         for (unsigned bx = 0; bx < grid.x; ++bx) {
-            std::barrier<> barrier(threads);
+            Barrier barrier(threads);
             block_barrier = &barrier;
-            std::vector<std::barrier<>*> per_warp;
-            for (int w = 0; w < warps; ++w) per_warp.push_back(new std::barrier<>(std::min(32, threads - 32 * w)));
+            std::vector<Barrier*> per_warp;
+            for (int w = 0; w < warps; ++w) per_warp.push_back(new Barrier(std::min(32, threads - 32 * w)));
             warp_barriers = per_warp;
             block_started();
             exchange.assign(warps, Exchange{});
             std::memset(dynamic_shared, 0xff, sizeof(dynamic_shared));   // NaN in bf16 and float32: an unwritten read shows
-            std::vector<std::thread> pool;
+            blockIdx.x = bx;
+            blockIdx.y = by;
+            blockIdx.z = bz;
+            start_thread_states(threads);
+            fibers.assign(threads, Fiber{});
             for (int t = 0; t < threads; ++t) {
-                pool.emplace_back([=] {
-                    threadIdx.x = t;
-                    thread_registers = launch_registers(threads);
-                    blockIdx.x = bx;
-                    blockIdx.y = by;
-                    blockIdx.z = bz;
-                    committed.clear();
-                    open_group.clear();
-                    kernel();
-                    if (!open_group.empty()) fail("copies issued but never committed");
-                    if (!wgmma_all_waited()) fail("wgmma products issued and never waited for");
-                    for (const auto& group : committed) {
-                        if (!group.empty()) fail("copies still in flight when the thread ends");
-                    }
-                });
+                getcontext(&fibers[t].context);
+                fibers[t].context.uc_stack.ss_sp = fiber_stacks[t].get();
+                fibers[t].context.uc_stack.ss_size = FIBER_STACK_BYTES;
+                fibers[t].context.uc_link = nullptr;
+                makecontext(&fibers[t].context, fiber_main, 0);
+                order[t] = t;
             }
-            for (auto& thread : pool) thread.join();
+            int finished = 0;
+            while (finished < threads) {
+                std::shuffle(order.begin(), order.end(), order_random);
+                const unsigned long long changes_before = changes;
+                bool all_waiting = true;
+                for (int t : order) {
+                    if (fibers[t].finished) continue;
+                    current_fiber = t;
+                    exchange_thread_state(t);
+                    swapcontext(&scheduler_context, &fibers[t].context);
+                    exchange_thread_state(t);
+                    current_fiber = -1;
+                    if (fibers[t].finished) ++finished;
+                    else if (fibers[t].waiting_for == nullptr) all_waiting = false;
+                }
+                if (finished < threads && all_waiting && changes == changes_before) deadlock();
+            }
             for (auto* barrier_of_warp : per_warp) delete barrier_of_warp;
         }
     }
@@ -512,8 +615,8 @@ namespace emu {
 struct Mbarrier { int expected = 0, pending = 0; long long bytes = 0; unsigned phase = 0; };
 std::mutex hopper_mutex;
 std::map<unsigned, Mbarrier> mbarriers;
-std::map<int, std::pair<int, std::barrier<>*>> named_barriers;   // id -> (threads, barrier)
-std::vector<std::barrier<>*> warpgroup_barriers;
+std::map<int, std::pair<int, Barrier*>> named_barriers;   // id -> (threads, barrier)
+std::vector<Barrier*> warpgroup_barriers;
 struct GroupExchange {
     unsigned long long descriptor_a[128], descriptor_b[128];
     unsigned a[128][4];
@@ -529,7 +632,7 @@ void block_started() {
     for (auto* barrier : warpgroup_barriers) delete barrier;
     warpgroup_barriers.clear();
     const int groups = static_cast<int>(blockDim.x) / 128;
-    for (int g = 0; g < groups; ++g) warpgroup_barriers.push_back(new std::barrier<>(128));
+    for (int g = 0; g < groups; ++g) warpgroup_barriers.push_back(new Barrier(128));
     group_exchange.assign(groups, GroupExchange{});
 }
 
@@ -538,6 +641,7 @@ void block_started() {
 inline unsigned swizzled(unsigned offset) { return offset ^ (((offset >> 7) & 7u) << 4); }
 
 inline void complete(Mbarrier& barrier) {
+    ++changes;   // called after every arrival and every load's bytes
     if (barrier.pending < 0 || barrier.bytes < 0) fail("mbarrier over-arrived");
     if (barrier.pending == 0 && barrier.bytes == 0) {
         barrier.phase += 1;
@@ -601,6 +705,7 @@ inline void barrier_init(unsigned address, unsigned count) {
     emu::Mbarrier barrier;
     barrier.expected = barrier.pending = static_cast<int>(count);
     emu::mbarriers[address] = barrier;
+    ++emu::changes;
 }
 inline void barrier_init_fence() {}
 
@@ -626,10 +731,13 @@ inline void barrier_wait(unsigned address, unsigned parity) {
     for (;;) {
         {
             std::lock_guard<std::mutex> lock(emu::hopper_mutex);
-            if ((emu::mbarrier_at(address).phase & 1u) != (parity & 1u)) return;
+            if ((emu::mbarrier_at(address).phase & 1u) != (parity & 1u)) {
+                ++emu::changes;
+                return;
+            }
         }
         if (std::chrono::steady_clock::now() - started > std::chrono::seconds(60)) emu::fail("mbarrier wait never ends");
-        std::this_thread::yield();
+        emu::suspend("an mbarrier phase that never completes");
     }
 }
 
@@ -664,12 +772,12 @@ inline void tensor_load_3d(unsigned target, const TensorMap& map, int c0, int c1
 
 // bar.sync id, threads.
 inline void named_barrier(int id, int threads) {
-    std::barrier<>* barrier;
+    emu::Barrier* barrier;
     {
         std::lock_guard<std::mutex> lock(emu::hopper_mutex);
         auto found = emu::named_barriers.find(id);
         if (found == emu::named_barriers.end()) {
-            found = emu::named_barriers.emplace(id, std::make_pair(threads, new std::barrier<>(threads))).first;
+            found = emu::named_barriers.emplace(id, std::make_pair(threads, new emu::Barrier(threads))).first;
         }
         if (found->second.first != threads) emu::fail("a named barrier used with two thread counts");
         barrier = found->second.second;
@@ -679,12 +787,12 @@ inline void named_barrier(int id, int threads) {
 
 // bar.arrive id, threads: this thread's arrival, not waiting for the barrier's phase to complete.
 inline void named_barrier_arrive(int id, int threads) {
-    std::barrier<>* barrier;
+    emu::Barrier* barrier;
     {
         std::lock_guard<std::mutex> lock(emu::hopper_mutex);
         auto found = emu::named_barriers.find(id);
         if (found == emu::named_barriers.end()) {
-            found = emu::named_barriers.emplace(id, std::make_pair(threads, new std::barrier<>(threads))).first;
+            found = emu::named_barriers.emplace(id, std::make_pair(threads, new emu::Barrier(threads))).first;
         }
         if (found->second.first != threads) emu::fail("a named barrier used with two thread counts");
         barrier = found->second.second;
@@ -707,8 +815,8 @@ struct WgmmaOp {
     unsigned long long descriptor_a = 0, descriptor_b = 0;
     int accumulate = 0;
 };
-thread_local std::vector<WgmmaOp> open_wgmma;
-thread_local std::deque<std::vector<WgmmaOp>> committed_wgmma;   // oldest group first
+std::vector<WgmmaOp> open_wgmma;
+std::deque<std::vector<WgmmaOp>> committed_wgmma;   // oldest group first
 
 bool wgmma_all_waited() { return open_wgmma.empty() && committed_wgmma.empty(); }
 
@@ -815,13 +923,14 @@ template <int registers> inline void registers_increase() {
             if (emu::register_pool >= wanted) {
                 emu::register_pool -= wanted;
                 emu::thread_registers = registers;
+                ++emu::changes;
                 return;
             }
         }
         if (std::chrono::steady_clock::now() - started > std::chrono::seconds(60)) {
             emu::fail("setmaxnreg.inc never gets its registers (no warpgroup released them with .dec)");
         }
-        std::this_thread::yield();
+        emu::suspend("setmaxnreg.inc's registers, which no warpgroup released with .dec");
     }
 }
 // setmaxnreg.dec: this thread's registers above `registers` go to the block's pool.
@@ -831,6 +940,7 @@ template <int registers> inline void registers_decrease() {
     std::lock_guard<std::mutex> lock(emu::hopper_mutex);
     emu::register_pool += emu::thread_registers - registers;
     emu::thread_registers = registers;
+    ++emu::changes;
 }
 
 // wgmma.mma_async.m64nNk16.f32.bf16.bf16, both operands in shared memory and K-major.
@@ -855,3 +965,39 @@ inline void wgmma_rs_mn(float (&d)[N / 2], const unsigned (&a)[4], unsigned long
     op.accumulate = accumulate;
     emu::wgmma_issue(std::move(op), d, N);
 }
+
+namespace emu {
+
+// The per-thread globals of a fiber while it is not running (swapped with the globals as it is
+// resumed and again as it suspends: O(1) for the queues).
+struct ThreadState {
+    dim3 thread_index, block_index;
+    int registers = 0;
+    std::deque<std::vector<Copy>> committed;
+    std::vector<Copy> open_group;
+    std::vector<WgmmaOp> open_wgmma;
+    std::deque<std::vector<WgmmaOp>> committed_wgmma;
+};
+std::vector<ThreadState> thread_states;
+
+void start_thread_states(int threads) {
+    thread_states.assign(threads, ThreadState{});
+    for (int t = 0; t < threads; ++t) {
+        thread_states[t].thread_index.x = t;
+        thread_states[t].block_index = blockIdx;
+        thread_states[t].registers = launch_registers(threads);
+    }
+}
+
+void exchange_thread_state(int fiber) {
+    ThreadState& state = thread_states[fiber];
+    std::swap(threadIdx, state.thread_index);
+    std::swap(blockIdx, state.block_index);
+    std::swap(thread_registers, state.registers);
+    std::swap(committed, state.committed);
+    std::swap(open_group, state.open_group);
+    std::swap(open_wgmma, state.open_wgmma);
+    std::swap(committed_wgmma, state.committed_wgmma);
+}
+
+}  // namespace emu
