@@ -175,3 +175,38 @@ def test_an_fp8_cache_is_read_as_the_bf16_kernel_reads_its_dequantized_rows(
     expected = attention.paged_attention_reference(q, exact_k, exact_v, tables, seq_index, positions, scale, window,
                                                    softcap, sinks).reshape(len(positions), -1)
     assert rel_error(got, expected) <= 2e-2
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_row_gives_the_same_bits_whatever_segment_and_chunk_it_is_computed_in(emulated, window):
+    """What batch-invariant attention relies on: a query row's output bits are the same computed
+    in a whole prompt, in a chunk after a cached prefix, alone as a one-row segment (a decode row),
+    and beside another sequence's rows -- the keys are stepped through from the same positions and
+    the keys past a row add exact zeros."""
+    rng = np.random.default_rng(5)
+    heads, kv_heads, dim, block_size = 4, 2, 64, 16
+    q, k_cache, v_cache, tables, _, _, _ = prompt_case(rng, [(0, 90), (0, 37)], heads, kv_heads, dim, dim, block_size)
+    # Sequence 0's queries by position; sequence 1's rows are the neighbours.
+    queries = {position: q[position] for position in range(90)}
+    neighbours = q[90:]
+    scale = dim**-0.5
+
+    def run(segments):
+        """segments: (sequence, first position, rows); returns each row's output by (sequence, position)."""
+        rows_q, seq_index, positions, starts = [], [], [], [0]
+        for sequence, first, count in segments:
+            for position in range(first, first + count):
+                rows_q.append(queries[position] if sequence == 0 else neighbours[position])
+                seq_index.append(sequence)
+                positions.append(position)
+            starts.append(starts[-1] + count)
+        out = emulated(np.stack(rows_q), k_cache, v_cache, tables, np.array(seq_index, np.int32),
+                       np.array(positions, np.int32), np.array(starts, np.int32), scale, window, None, None, True)
+        return {(s, p): out[i] for i, (s, p) in enumerate(zip(seq_index, positions))}
+
+    whole = run([(0, 0, 90)])
+    for segments in ([(0, 40, 50)], [(1, 0, 37), (0, 70, 20)], [(0, 89, 1), (1, 0, 37)], [(0, 63, 1), (0, 64, 1)],
+                     [(1, 30, 7), (0, 5, 1), (0, 6, 60)]):
+        for (sequence, position), row in run(segments).items():
+            if sequence == 0:
+                assert np.array_equal(row.view(np.uint32), whole[(0, position)].view(np.uint32)), (segments, position)
