@@ -1,7 +1,7 @@
 """The tensor-core decode attention (metrale.kernels.attention_decode_mma) without a GPU: the NumPy
 model of the kernel's steps against the float64 reference, the key ranges of the splits, the split
 choice, the launcher's checks, and the CUDA C++ kernel itself run on the host through
-``cuda_emulation.h`` (a thread per CUDA thread; ldmatrix, mma.sync, cp.async and the warp shuffles
+``cuda_emulation.h`` (a fiber per CUDA thread; ldmatrix, mma.sync, cp.async and the warp shuffles
 from the PTX ISA's layouts) against the model."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The Hopper prompt attention (metrale.kernels.attention_hopper) without a GPU: the CUDA C++
-kernel run on the host through ``cuda_emulation.h`` (a thread per CUDA thread; mbarrier phases,
+kernel run on the host through ``cuda_emulation.h`` (a fiber per CUDA thread; mbarrier phases,
 TMA tensor loads in the 128-byte swizzle, named barriers and ``wgmma`` with the PTX ISA's operand
 layouts, each product run at the wait that needs it) against the NumPy reference: GQA, (key,
 value) head sizes of (64, 64), (128, 128), (192, 128) and (256, 256), pages smaller and larger than

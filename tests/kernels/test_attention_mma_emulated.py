@@ -1,5 +1,5 @@
 """The tensor-core prompt attention (metrale.kernels.attention_mma) without a GPU: the CUDA C++
-kernel run on the host through ``cuda_emulation.h`` (a thread per CUDA thread; ldmatrix, mma.sync,
+kernel run on the host through ``cuda_emulation.h`` (a fiber per CUDA thread; ldmatrix, mma.sync,
 cp.async and the warp shuffles from the PTX ISA's layouts) against the NumPy reference: GQA, key
 and value head sizes of 64, MLA's (192, 128) and 256 (queries kept in shared memory), prompt chunks
 after a cached prefix, sliding windows, logit soft caps and sinks, copies landing late or at once."""
