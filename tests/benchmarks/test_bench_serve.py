@@ -257,7 +257,9 @@ def test_requests_leave_on_the_poisson_schedule_and_all_at_once_at_inf():
     finite, at_once = server.timed[:16], server.timed[16:]
     expected = bench_serve.arrival_times(16, 40.0, seed=0)
     observed = [t - finite[0][0] for t, _ in finite]
-    assert max(abs(o - e) for o, e in zip(observed, expected)) < 0.05
+    # None leaves early; a busy machine may start one late, not by much (the schedule spans ~0.4 s).
+    assert all(o >= e - 0.01 for o, e in zip(observed, expected)), (observed, expected)
+    assert max(o - e for o, e in zip(observed, expected)) < 0.25
     assert at_once[-1][0] - at_once[0][0] < 0.05
     assert result["runs"][1]["max_in_flight"] == 16
     assert result["config"]["rates"] == [40.0, "inf"]

@@ -48,7 +48,8 @@ def test_run_reports_both_engines_and_a_failing_baseline(monkeypatch, tmp_path):
 
     monkeypatch.setattr(bench_throughput, "bench_hf", broken)
     results = bench_throughput.run(options)
-    assert results["hf_continuous_batching_error"] == "RuntimeError: no paged attention"
+    error = results["hf_continuous_batching_error"]
+    assert error.startswith("RuntimeError: no paged attention (at test_throughput.py:") and error.endswith(", in broken)")
     assert "error: RuntimeError: no paged attention" in bench_throughput.table(results)
 
 
