@@ -260,8 +260,9 @@ def test_requests_leave_on_the_poisson_schedule_and_all_at_once_at_inf():
     # None leaves early; a busy machine may start one late, not by much (the schedule spans ~0.4 s).
     assert all(o >= e - 0.01 for o, e in zip(observed, expected)), (observed, expected)
     assert max(o - e for o, e in zip(observed, expected)) < 0.25
-    assert at_once[-1][0] - at_once[0][0] < 0.05
+    # At an infinite rate all 16 are in flight together (started within a busy machine's delay).
     assert result["runs"][1]["max_in_flight"] == 16
+    assert at_once[-1][0] - at_once[0][0] < 0.25
     assert result["config"]["rates"] == [40.0, "inf"]
     assert result["runs"][0]["duration_s"] >= expected[-1]
 
