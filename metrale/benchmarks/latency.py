@@ -530,8 +530,9 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
 
 
 def release_device_pools() -> None:
-    """Give the blocks CuPy's memory pools keep for reuse back to the driver, so the next
-    measurement (transformers' among them) has the whole device."""
+    """After an engine closed (which empties its backend's pool): collect the garbage cycles that
+    may still hold device arrays, then give every block CuPy's pools keep (pinned ones too) back to
+    the driver, so that the next measurement (transformers' among them) has the device."""
     import gc
 
     import cupy
