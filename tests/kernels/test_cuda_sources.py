@@ -260,3 +260,15 @@ def test_every_quantized_moe_instantiation_compiles(tmp_path):
                              f"template __global__ void quantized_moe_down<{c}, {a}>({down});\n" for c, a in pairs)
     ptx = compile_to_ptx(tmp_path, quantized_moe_decode.source() + instantiations, optimize=False)
     assert len(entries(ptx)) == 2 * len(pairs)
+
+
+def test_the_batch_invariant_linear_compiles(tmp_path):
+    from metrale.kernels import linear_invariant
+
+    partial = "const unsigned short*, const unsigned short*, float*, int, int, int, int"
+    total = "const float*, const float*, void*, int, int, int"
+    code = (linear_invariant.source()
+            + "".join(f"template __global__ void invariant_linear_partial<{t}>({partial});\n" for t in (1, 4))
+            + "".join(f"template __global__ void invariant_linear_sum<{b}>({total});\n" for b in ("true", "false")))
+    ptx = compile_to_ptx(tmp_path, code)
+    assert len(entries(ptx)) == 4 and "mma.sync.aligned.m16n8k16" in ptx
