@@ -126,10 +126,91 @@ def batch_invariant_kernels() -> list[Kernel]:
     """The CPU kernels of :mod:`metrale.kernels.batch_invariant`, bound (before every other kernel
     of their ops) on a backend whose settings ask for batch invariance (the engine's
     ``batch_invariant`` option): each computes a row from that row's inputs alone. ``paged_attention``
-    then serves decode and prompt rows alike, not through the split of :func:`attention_kernels`."""
+    then serves decode and prompt rows alike, not through the split of :func:`attention_kernels`.
+    Then the CUDA kernels of the same mode (:func:`cuda_batch_invariant_kernels`)."""
     return [Kernel(op, "cpu", f"metrale.kernels.batch_invariant.{op}", build=_invariant_kernel(op),
                    enabled=_batch_invariant, condition="batch_invariant=True")
-            for op in BATCH_INVARIANT_OPS]
+            for op in BATCH_INVARIANT_OPS] + cuda_batch_invariant_kernels()
+
+
+def _invariant_attention(backend: Any) -> Any:
+    kernels = backend.kernels
+
+    def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, softcap=None, sinks=None):
+        import cupy
+
+        out = cupy.empty((q.shape[0], q.shape[1] * v_cache.shape[3]), dtype=np.uint16)
+        return kernels.paged_attention_prompt_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, 0, softcap,
+                                                  sinks)
+
+    return paged_attention
+
+
+def _refused_under_batch_invariance(op: str, what: str) -> Any:
+    def build(backend: Any) -> Any:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            from metrale.errors import ConfigError
+
+            raise ConfigError(f"batch_invariant=True on the GPU serves {op} for {what} only")
+
+        return refuse
+
+    return build
+
+
+def cuda_batch_invariant_kernels() -> list[Kernel]:
+    """The CUDA kernels bound under ``batch_invariant=True``: the products through
+    :mod:`metrale.kernels.linear_invariant` (one kernel for every row count, K summed in one order,
+    split from the weight's shape alone), the fused norm-and-product and gated products through
+    their composites (the fused decode kernels sum otherwise than the prompts' products), and
+    attention of decode and prompt rows alike through the tensor-core prompt kernel
+    (:mod:`metrale.kernels.attention_mma`), which steps through a row's keys from the same
+    positions whatever segment or chunk the row is in. What these do not serve (quantized
+    weights, an FP8 cache, other geometries) is refused with a typed error rather than served
+    by a kernel whose sums depend on the batch."""
+
+    def bf16_product(x: Any, weight: Any, bias: Any = None) -> bool:
+        from metrale.kernels import linear_invariant
+
+        return (not _is_quantized(weight) and getattr(weight, "dtype", None) == np.uint16 and weight.ndim == 2
+                and linear_invariant.supports(weight.shape[1]))
+
+    def bf16_cache(q, k_cache, v_cache, batch, scale, sliding_window, softcap=None, sinks=None) -> bool:
+        from metrale.kernels import attention_mma
+
+        return not isinstance(k_cache, Fp8CacheArray) and attention_mma.supports(*_geometry(q, k_cache, v_cache))
+
+    condition = "batch_invariant=True"
+    return [
+        Kernel("linear", "cuda", "metrale.kernels.linear_invariant", build=_cuda_method("invariant_linear"),
+               when=bf16_product, enabled=_batch_invariant,
+               condition=condition + ", bf16 weights, the inner size a multiple of 16"),
+        Kernel("linear", "cuda", "refused", build=_refused_under_batch_invariance(
+            "linear", "bf16 weights whose inner size is a multiple of 16"), enabled=_batch_invariant,
+               condition=condition + ", any other weight"),
+        Kernel("linear_silu", "cuda", "linear, then silu_and_mul (their kernels)",
+               build=_composed_linear_silu, enabled=_batch_invariant, condition=condition),
+        Kernel("rmsnorm_linear", "cuda", "rmsnorm_residual, then linear (their kernels)",
+               build=_composed_rmsnorm_linear, enabled=_batch_invariant, condition=condition),
+        Kernel("rmsnorm_mlp", "cuda", "rmsnorm_residual, then linear_silu and linear (their kernels)",
+               build=_composed_rmsnorm_mlp, enabled=_batch_invariant, condition=condition),
+        Kernel("paged_attention", "cuda", "metrale.kernels.attention_mma for decode and prompt rows alike",
+               build=_invariant_attention, when=bf16_cache, enabled=_batch_invariant,
+               condition=condition + ", a bf16 cache, (K, V) head sizes (64, 64), (128, 128), (192, 128) or (256, 256)"),
+        Kernel("paged_attention", "cuda", "refused", build=_refused_under_batch_invariance(
+            "paged_attention", "a bf16 cache of the tensor-core prompt kernel's head sizes"), enabled=_batch_invariant,
+               condition=condition + ", any other cache or geometry"),
+    ]
+
+
+def _composed_linear_silu(backend: Any) -> Any:
+    table = _ops_of(backend)
+
+    def linear_silu(x, weight, bias=None):
+        ops = table()
+        return ops.silu_and_mul(ops.linear(x, weight, bias))
+
+    return linear_silu
 
 
 # ------------------------------------------------------------------------------ composites

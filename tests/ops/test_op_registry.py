@@ -234,6 +234,7 @@ def test_a_failing_registration_names_the_plugin():
 def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones():
     registry = builtin_registry()
     assert registry.serving("rmsnorm_mlp", "cuda") == [
+        "rmsnorm_residual, then linear_silu and linear (their kernels) [metrale] when batch_invariant=True",
         "metrale.kernels.fp8_gemv (the norm in the gated gate/up GEMV's prologue), then the down GEMV [metrale] when "
         "FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8, rows the prologue stages in "
         "shared memory (up to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up bias",
@@ -241,6 +242,9 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
         "a multiple of 32, no gate_up bias, weights of at most 128 MiB",
         "rmsnorm_residual, then linear_silu and linear (their kernels) [metrale]"]
     assert registry.serving("linear", "cuda") == [
+        "metrale.kernels.linear_invariant [metrale] when batch_invariant=True, bf16 weights, the inner size a "
+        "multiple of 16",
+        "refused [metrale] when batch_invariant=True, any other weight",
         "metrale.kernels.quantized_gemv (FP8 rows), cuBLASLt FP8 product (FP8 tensor cores) [metrale] when FP8 weights "
         "and inputs whose scales factor out of the sums, N >= 8",
         "metrale.kernels.fp8_gemv (FP8 decode GEMV, the scales applied once a sum or a 128-column block) [metrale] when "
@@ -256,9 +260,9 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
         "inner sizes a multiple of 32, contiguous float32 rows",
         "metrale.kernels.decode_gemv [metrale] when N <= 8, bf16 weights, inner sizes a multiple of 32",
         "cuBLAS GEMM (metrale.kernels.linear) [metrale]"]
-    assert registry.serving("rmsnorm_linear", "cuda")[0].startswith("metrale.kernels.fp8_gemv (the norm in its "
+    assert registry.serving("rmsnorm_linear", "cuda")[1].startswith("metrale.kernels.fp8_gemv (the norm in its "
                                                                      "prologue) [metrale] when FP8 weights")
-    assert registry.serving("rmsnorm_linear", "cuda")[1].startswith(
+    assert registry.serving("rmsnorm_linear", "cuda")[2].startswith(
         "metrale.kernels.decode_gemv (the norm fused) [metrale] when N <= 2")
     assert registry.serving("moe_experts", "cuda")[0].startswith("metrale.kernels.fp8_gemv (a routed pair a grid "
                                                                  "row")
