@@ -64,6 +64,11 @@ class Backend:
         :class:`~metrale.kernels.quantized.QuantizedWeight`, which the matrix-product ops take."""
         raise NotImplementedError
 
+    def finish_loading(self) -> None:
+        """Drop what only loading weights needed (on the GPU, the page-locked staging buffers of
+        :meth:`load_weight`); called once a model is loaded (a later :meth:`load_weight` makes
+        them again)."""
+
     def constant(self, host: np.ndarray) -> Any:
         """A float32 array (biases, RoPE frequencies) on this backend."""
         raise NotImplementedError

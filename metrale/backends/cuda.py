@@ -55,6 +55,8 @@ class CudaBackend(Backend):
         self.graph_pool = cupy.cuda.MemoryPool()
         self.cuda_graphs = cuda_graphs
         self._count_nonfinite_bf16: Any = None
+        #: The staging ring of :meth:`load_weight` while a model loads (:meth:`finish_loading` drops it).
+        self._reader: Any = None
         self.ops = builtin_registry().table(self)
 
     # ------------------------------------------------------------------------------ arrays
@@ -65,6 +67,9 @@ class CudaBackend(Backend):
         quantized = checkpoint.quantized_parts(parts)
         if quantized is not None:
             return self.quantized_weight(quantized)
+        staged = self._staged_bf16_weight(checkpoint, parts)
+        if staged is not None:
+            return staged
         arrays, raw_names = [], []
         for part in parts:
             name, shape = part[0], part[1]
@@ -82,6 +87,65 @@ class CudaBackend(Backend):
         if raw_names:
             self._check_bf16_finite(weight, checkpoint, raw_names)
         return weight
+
+    def _staged_bf16_weight(self, checkpoint: Any, parts: Sequence[tuple]) -> Any:
+        """``parts`` (bf16, whole or runs of rows) read from their files straight into one device
+        array through the pinned staging ring (:mod:`metrale.loading.staged_read`), then checked
+        for NaN and infinity on the device; None where a part needs the host (another dtype, a
+        rank's columns, rows with a step) or the parts do not stack."""
+        from metrale.loading.staged_read import ByteRange
+
+        rows_of_parts, trailing = [], None
+        for part in parts:
+            rows, columns = (tuple(part[2:]) + (None, None))[:2]
+            info = checkpoint.info(part[0])
+            if (info.dtype != "BF16" or columns is not None or not info.shape
+                    or (rows is not None and (not isinstance(rows, slice) or rows.step not in (None, 1)))):
+                return None
+            if trailing is not None and info.shape[1:] != trailing:
+                return None
+            trailing = info.shape[1:]
+            rows_of_parts.append(len(range(*rows.indices(info.shape[0]))) if rows is not None else info.shape[0])
+        assert trailing is not None  # load_weight takes at least one part
+        ranges, target = [], 0
+        for part in parts:
+            rows = (tuple(part[2:]) + (None,))[0]
+            found = checkpoint.stored_bytes(part[0], part[1], rows)
+            assert found is not None  # rows are a plain slice (checked above)
+            file, first, size = found
+            ranges.append(ByteRange(file, first, size, target))
+            target += size
+        with self.stream:
+            weight = self.xp.empty((sum(rows_of_parts), *trailing), dtype=np.uint16)
+        destination, runtime = weight.data.ptr, self.xp.cuda.runtime
+        stream = self.stream
+
+        def copy(piece: ByteRange, filled: np.ndarray) -> Any:
+            runtime.memcpyAsync(destination + piece.target, filled.ctypes.data, piece.size,
+                                runtime.memcpyHostToDevice, stream.ptr)
+            done = self.xp.cuda.Event(block=False, disable_timing=True)
+            done.record(stream)
+            return done
+
+        self._weight_reader().read(ranges, copy)
+        self._check_bf16_finite(weight, checkpoint, [part[0] for part in parts])  # waits for the copies
+        return weight
+
+    def _weight_reader(self) -> Any:
+        if self._reader is None:
+            import cupyx
+
+            from metrale.loading.staged_read import CHUNK_BYTES, READ_WORKERS, StagedReader
+
+            buffers = [cupyx.empty_pinned((CHUNK_BYTES,), dtype=np.uint8) for _ in range(2 * READ_WORKERS)]
+            self._reader = StagedReader(buffers, lambda done: done.synchronize(), READ_WORKERS)
+        return self._reader
+
+    def finish_loading(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+            self.xp.get_default_pinned_memory_pool().free_all_blocks()
 
     def _check_bf16_finite(self, weight: Any, checkpoint: Any, names: list[str]) -> None:
         """Refuse a bf16 weight holding NaN or infinity (all exponent bits set: ``bits & 0x7F80 ==
@@ -189,6 +253,7 @@ class CudaBackend(Backend):
     def close(self) -> None:
         """Give every unused block of the memory pools back to the device (call once the models,
         caches and samplers of this backend are dropped)."""
+        self.finish_loading()
         self.stream.synchronize()
         self.graph_pool.free_all_blocks()
         self.xp.get_default_memory_pool().free_all_blocks()

@@ -370,6 +370,34 @@ class Checkpoint:
         """The stored array (bf16 as ``uint16``), checked against ``shape`` when given. Its values
         are not checked: a caller that uses them unconverted checks them (the CUDA backend does,
         on the device, after the upload)."""
+        info = self._checked_info(name, shape)
+        stored = np.dtype(_STORED_DTYPES[info.dtype])
+        mapped = self._maps.get(info.file)
+        if mapped is None:
+            mapped = self._maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
+        array = mapped[info.begin : info.end].view(stored).reshape(info.shape)
+        self._mark_read(name)
+        return array
+
+    def stored_bytes(self, name: str, shape: Sequence[int] | None = None,
+                     rows: slice | None = None) -> tuple[Path, int, int] | None:
+        """``(file, first byte, byte count)`` of tensor ``name`` as stored, or of ``rows`` of it (a
+        slice of its first dimension), checked against ``shape`` like :meth:`raw` and counted as
+        read; None, reading nothing, when ``rows`` is not one run of consecutive rows."""
+        info = self._checked_info(name, shape)
+        first, size = info.begin, info.end - info.begin
+        if rows is not None:
+            if not info.shape:
+                raise CheckpointError(f"{self.path}: tensor {name!r} is a scalar; it has no rows to take")
+            start, stop, step = rows.indices(info.shape[0])
+            if step != 1:
+                return None
+            row_bytes = size // info.shape[0] if info.shape[0] else 0
+            first, size = first + start * row_bytes, max(stop - start, 0) * row_bytes
+        self._mark_read(name)
+        return info.file, first, size
+
+    def _checked_info(self, name: str, shape: Sequence[int] | None) -> TensorInfo:
         info = self.info(name)
         if shape is not None and tuple(shape) != info.shape:
             raise CheckpointError(
@@ -379,14 +407,12 @@ class Checkpoint:
         count = int(np.prod(info.shape, dtype=np.int64))
         if info.end - info.begin != count * stored.itemsize:
             raise CheckpointError(f"{self.path}: tensor {name!r} has a byte range that does not match its shape")
-        mapped = self._maps.get(info.file)
-        if mapped is None:
-            mapped = self._maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
-        array = mapped[info.begin : info.end].view(stored).reshape(info.shape)
+        return info
+
+    def _mark_read(self, name: str) -> None:
         self._consumed.add(name)
         if self._progress is not None:
             self._progress.update(1)
-        return array
 
     def tensor(self, name: str, shape: Sequence[int] | None = None, rows: slice | None = None,
                columns: slice | None = None) -> np.ndarray:

@@ -58,8 +58,13 @@ def load_model(plugin_manager: Any, family: Any, checkpoint: Checkpoint, backend
     """The model a plugin builds for ``family`` from ``checkpoint`` on ``backend`` (this rank's
     part of it, :mod:`metrale.backends.parallel`)."""
     with backend.activate():
-        model = plugin_manager.hook.metrale_load_model(family=family, checkpoint=checkpoint, backend=backend,
-                                                       config=config)
+        try:
+            model = plugin_manager.hook.metrale_load_model(family=family, checkpoint=checkpoint, backend=backend,
+                                                           config=config)
+        finally:
+            finish = getattr(backend, "finish_loading", None)  # a backend not built on Backend has none
+            if finish is not None:
+                finish()
     if model is None:
         raise CheckpointError(f"no plugin built a model for family {family.name!r}")
     if getattr(backend, "batch_invariant", False) and not getattr(model, "batch_invariant_capable", False):
