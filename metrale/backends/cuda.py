@@ -54,7 +54,6 @@ class CudaBackend(Backend):
         #: from the default pool instead.
         self.graph_pool = cupy.cuda.MemoryPool()
         self.cuda_graphs = cuda_graphs
-        self._count_nonfinite_bf16: Any = None
         #: The staging ring of :meth:`load_weight` while a model loads (:meth:`finish_loading` drops it).
         self._reader: Any = None
         self.ops = builtin_registry().table(self)
@@ -148,17 +147,15 @@ class CudaBackend(Backend):
             self.xp.get_default_pinned_memory_pool().free_all_blocks()
 
     def _check_bf16_finite(self, weight: Any, checkpoint: Any, names: list[str]) -> None:
-        """Refuse a bf16 weight holding NaN or infinity (all exponent bits set: ``bits & 0x7F80 ==
-        0x7F80``), counted on the device after the upload: one reduction and one read of the count
-        per weight."""
-        if self._count_nonfinite_bf16 is None:
-            self._count_nonfinite_bf16 = self.xp.ReductionKernel(
-                # (CuPy renames parameters inside the expression text: no hex literals here.)
-                "uint16 bits", "int64 count", "(bits & 32640) == 32640 ? 1 : 0", "a + b", "count = a", "0",
-                "count_nonfinite_bf16",
-            )
+        """Refuse a bf16 weight holding NaN or infinity (all exponent bits set), counted on the
+        device after the upload (:mod:`metrale.kernels.weight_check`): one small kernel and one read
+        of the count per weight."""
+        from metrale.kernels import weight_check
+
         with self.stream:
-            bad = int(self._count_nonfinite_bf16(weight))
+            found = self.xp.zeros((1,), dtype=np.uint64)
+            weight_check.add_nonfinite_count(self.xp.ascontiguousarray(weight), found, self.stream)
+            bad = int(found.get(stream=self.stream)[0])
         if bad:
             from metrale.errors import NonFiniteWeightError
 

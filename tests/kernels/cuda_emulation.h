@@ -246,6 +246,9 @@ inline void __threadfence() {}
 
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_barriers[emu::warp()]->arrive_and_wait(); }
 inline int atomicAdd(int* address, int value) { return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST); }
+inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long value) {
+    return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+}
 
 inline float __int_as_float(int bits) {
     float value;
@@ -286,6 +289,18 @@ inline int __shfl_sync(unsigned, int value, int source) {
     exchange.address[emu::lane()] = static_cast<unsigned>(value);
     barrier->arrive_and_wait();
     const int result = static_cast<int>(exchange.address[source]);
+    barrier->arrive_and_wait();
+    return result;
+}
+
+// __shfl_down_sync over the whole warp: lane t gets the value of lane t + delta, its own past lane 31.
+inline unsigned __shfl_down_sync(unsigned, unsigned value, int delta) {
+    auto& exchange = emu::exchange[emu::warp()];
+    auto* barrier = emu::warp_barriers[emu::warp()];
+    const int t = emu::lane();
+    exchange.address[t] = value;
+    barrier->arrive_and_wait();
+    const unsigned result = t + delta < 32 ? exchange.address[t + delta] : value;
     barrier->arrive_and_wait();
     return result;
 }

@@ -34,6 +34,7 @@ from metrale.kernels import (
     quantized_gemv,
     quantized_moe_decode,
     rmsnorm,
+    weight_check,
 )
 
 
@@ -112,7 +113,7 @@ def entries(ptx: str) -> set[str]:
 
 
 @pytest.mark.parametrize("module", [activation, attention_combine, attention_latent, gdn_decode, greedy_sample, head_linear, lora,
-                                    moe_decode, moe_grouped, moe_route_decode, qkv_rope, rmsnorm],
+                                    moe_decode, moe_grouped, moe_route_decode, qkv_rope, rmsnorm, weight_check],
                          ids=lambda m: m.__name__.split(".")[-1])
 def test_every_kernel_name_is_an_entry(tmp_path, module):
     assert set(module.KERNEL_NAMES) <= entries(compile_to_ptx(tmp_path, module.source()))
