@@ -35,7 +35,7 @@ from metrale.kernels._tensor_cores import MMA_BF16, STAGED_COPIES, TRANSPOSED_LO
 BLOCK_ROWS = 64
 THREADS = 128
 #: The (key, value) head sizes served.
-HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
+HEAD_DIMS = ((32, 32), (64, 64), (128, 128), (192, 128), (256, 256))
 
 INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD
 
@@ -430,8 +430,8 @@ def _kernel(head_dim: int, value_dim: int, softcap: bool = False, fp8: bool = Fa
 
 
 def supports(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:
-    """Whether this kernel serves the geometry: GQA with (key, value) head sizes of (64, 64),
-    (128, 128), (192, 128) (MLA's expanded form) or (256, 256)."""
+    """Whether this kernel serves the geometry: GQA with (key, value) head sizes of (32, 32),
+    (64, 64), (128, 128), (192, 128) (MLA's expanded form) or (256, 256)."""
     return (head_dim, value_dim) in HEAD_DIMS and kv_heads > 0 and heads % kv_heads == 0
 
 

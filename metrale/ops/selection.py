@@ -122,6 +122,15 @@ BATCH_INVARIANT_OPS = ("linear", "linear_silu", "head_linear", "moe_route", "moe
                        "gdn_conv_prompts", "gdn_prompt_rule", "lora_linear", "lora_expand")
 
 
+
+def _prompt_mma_sizes() -> str:
+    """The (key, value) head sizes of the tensor-core prompt attention, as the conditions name them."""
+    from metrale.kernels.attention_mma import HEAD_DIMS
+
+    named = [f"({k}, {v})" for k, v in HEAD_DIMS]
+    return ", ".join(named[:-1]) + " or " + named[-1]
+
+
 def batch_invariant_kernels() -> list[Kernel]:
     """The CPU kernels of :mod:`metrale.kernels.batch_invariant`, bound (before every other kernel
     of their ops) on a backend whose settings ask for batch invariance (the engine's
@@ -196,7 +205,7 @@ def cuda_batch_invariant_kernels() -> list[Kernel]:
                build=_composed_rmsnorm_mlp, enabled=_batch_invariant, condition=condition),
         Kernel("paged_attention", "cuda", "metrale.kernels.attention_mma for decode and prompt rows alike",
                build=_invariant_attention, when=bf16_cache, enabled=_batch_invariant,
-               condition=condition + ", a bf16 cache, (K, V) head sizes (64, 64), (128, 128), (192, 128) or (256, 256)"),
+               condition=condition + f", a bf16 cache, (K, V) head sizes {_prompt_mma_sizes()}"),
         Kernel("paged_attention", "cuda", "refused", build=_refused_under_batch_invariance(
             "paged_attention", "a bf16 cache of the tensor-core prompt kernel's head sizes"), enabled=_batch_invariant,
                condition=condition + ", any other cache or geometry"),
@@ -678,8 +687,8 @@ def attention_kernels() -> list[Kernel]:
                build=_cuda_method("paged_attention_decode_fp8"), when=fp8_cache, condition="an FP8 cache"),
         Kernel("paged_attention_prompt", "cuda", "metrale.kernels.attention_mma (tensor cores, each step's codes "
                "scaled into bf16 in shared memory)", build=_cuda_method("paged_attention_prompt_mma"),
-               when=fp8_prompt_mma, condition="an FP8 cache, (K, V) head sizes (64, 64), (128, 128), (192, 128) or "
-               "(256, 256), whole query-head groups"),
+               when=fp8_prompt_mma, condition=f"an FP8 cache, (K, V) head sizes {_prompt_mma_sizes()}, whole query-head "
+               "groups"),
         Kernel("paged_attention_prompt", "cuda", "paged_attention_decode, a row at a time (its kernels)",
                build=_prompt_rows_as_decode_rows, when=fp8_cache, condition="an FP8 cache"),
         Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_decode_mma (tensor cores)",
@@ -696,7 +705,7 @@ def attention_kernels() -> list[Kernel]:
                build=_cuda_method("paged_attention_decode_split")),
         Kernel("paged_attention_prompt", "cuda", "metrale.kernels.attention_mma (tensor cores)",
                build=_cuda_method("paged_attention_prompt_mma"), when=prompt_mma,
-               condition="(K, V) heads of (64, 64), (128, 128), (192, 128) or (256, 256) dims"),
+               condition=f"(K, V) heads of {_prompt_mma_sizes()} dims"),
         Kernel("paged_attention_prompt", "cuda", "metrale.kernels.attention_prefill (CUDA cores)",
                build=_cuda_method("paged_attention_prompt_prefill"), when=prompt_cores,
                condition="K and V heads of at most 128 dims, even; at most 32 query heads a KV head"),

@@ -114,6 +114,7 @@ def emulated(tmp_path_factory):
 
 @pytest.mark.parametrize("head_dim, value_dim, heads, kv_heads, softcap, with_sinks, window, defer_copies", [
     (64, 64, 4, 2, None, False, None, True),   # plain causal GQA, copies landing at their waits
+    (32, 32, 4, 2, None, False, None, True),   # 32 dims (small models)
     (64, 64, 4, 2, None, True, 40, True),      # GPT-OSS: sinks and a sliding window
     (64, 64, 4, 1, 5.0, False, None, False),   # Gemma-2: capped logits; copies landing at once
     (64, 64, 2, 2, 5.0, True, 40, True),       # both, with a window

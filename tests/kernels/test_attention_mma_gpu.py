@@ -37,6 +37,7 @@ def attention_case(rng, heads, kv_heads, head_dim, block_size, chunks, value_dim
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, value_dim", [
     (32, 8, 128, 128), (32, 8, 64, 64), (16, 16, 128, 128), (14, 2, 64, 64), (16, 2, 256, 256), (16, 16, 192, 128),
+    (4, 2, 32, 32),
 ])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("window", [None, 100])
