@@ -199,6 +199,9 @@ class Rung:
     graphs: dict[tuple[int, bool], Any] = field(default_factory=dict)  # by (context bucket, lora)
     outputs: dict[tuple[int, bool], Any] = field(default_factory=dict)  # the logits buffer of each graph
     step_outputs: dict[tuple[int, bool], dict[str, Any]] = field(default_factory=dict)  # the model's, each graph's
+    #: The batch each graph was recorded with: what the ops made once for it (``extras``: the
+    #: attention's tile lists) lives on device memory the graph reads at every replay.
+    recorded_batches: dict[tuple[int, bool], ForwardBatch] = field(default_factory=dict)
     uploaded: Any = None  # event recorded after the last host-to-device copy of ``host``
 
     def bucket_batch(self, bucket: int, width: int, lora: bool = False) -> ForwardBatch:
@@ -587,10 +590,12 @@ class CudaGraphRunner:
     def _record_decode(self, rung: Rung, bucket: int, lora: bool = False) -> Any:
         """Record ``rung``'s graph of ``bucket`` (the adapters' with ``lora``), unless graphs are
         turned off meanwhile; the eager run's logits."""
-        graph, output, eager, outputs = self._record(rung.bucket_batch(bucket, self.table_width(bucket), lora))
+        batch = rung.bucket_batch(bucket, self.table_width(bucket), lora)
+        graph, output, eager, outputs = self._record(batch)
         if graph is not None:
             key = (bucket, lora)
             rung.graphs[key], rung.outputs[key], rung.step_outputs[key] = graph, output, outputs
+            rung.recorded_batches[key] = batch
         return eager
 
     def _record(self, batch: ForwardBatch, mixed: bool = False) -> tuple[Any, Any, Any, dict[str, Any]]:

@@ -45,6 +45,8 @@ class Recorded:
             self.mixed_steps += bool((lengths == 1).any() and (lengths > 1).any())
             for index, row in enumerate(np.asarray(batch.logits_rows)):
                 segment_index = int(np.searchsorted(starts, row, side="right") - 1)
+                if segment_index >= len(batch.segments):
+                    continue  # a padding row of a captured shape
                 segment = batch.segments[segment_index]
                 position = segment.start + int(row - starts[segment_index])
                 key = (tuple(segment.seq.tokens[: segment.seq.prompt_len]), position)
