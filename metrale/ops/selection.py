@@ -361,15 +361,6 @@ def quantized_kernels() -> list[Kernel]:
         return (_is_quantized(gate_up) and _is_quantized(down)
                 and quantized_moe_decode.supports(x.shape[0], experts.shape[1], gate_up, down))
 
-    def composed_linear_silu(backend: Any) -> Any:
-        table = _ops_of(backend)
-
-        def linear_silu(x, weight, bias=None):
-            ops = table()
-            return ops.silu_and_mul(ops.linear(x, weight, bias))
-
-        return linear_silu
-
     def fp8_prompt_gate_up(x: Any, weight: Any, bias: Any = None) -> bool:
         return bias is None and fp8_decode_batch(x, weight)
 
@@ -407,7 +398,7 @@ def quantized_kernels() -> list[Kernel]:
         Kernel("linear_silu", "cuda", "metrale.kernels.int4_gemv (4-bit decode GEMV, the gate in its epilogue)",
                build=_cuda_method("int4_linear_silu_gemv"), when=int4_decode_gate_up,
                condition="4-bit weight-only weights in groups of a multiple of 128 columns, at most 32 rows, no bias"),
-        Kernel("linear_silu", "cuda", "linear, then silu_and_mul (their kernels)", build=composed_linear_silu,
+        Kernel("linear_silu", "cuda", "linear, then silu_and_mul (their kernels)", build=_composed_linear_silu,
                when=quantized, condition="a quantized weight"),
         Kernel("rmsnorm_linear", "cuda", "metrale.kernels.fp8_gemv (the norm in its prologue)",
                build=_cuda_method("fp8_rmsnorm_linear_gemv"), when=fp8_decode_norm_linear,
