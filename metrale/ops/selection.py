@@ -122,7 +122,6 @@ BATCH_INVARIANT_OPS = ("linear", "linear_silu", "head_linear", "moe_route", "moe
                        "gdn_conv_prompts", "gdn_prompt_rule", "lora_linear", "lora_expand")
 
 
-
 def _prompt_mma_sizes() -> str:
     """The (key, value) head sizes of the tensor-core prompt attention, as the conditions name them."""
     from metrale.kernels.attention_mma import HEAD_DIMS
