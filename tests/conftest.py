@@ -10,9 +10,18 @@ import pytest
 
 
 def pytest_configure(config):
-    """Kernels run under numba's CUDA simulator unless the run selects GPU tests (-m gpu)."""
+    """Kernels run under numba's CUDA simulator unless the run selects GPU tests (-m gpu). The
+    host's matrix libraries run one thread a test process (unless the environment says otherwise):
+    the tests' products are small, and with a process per core (``-n auto``) their own thread
+    pools only contend for the cores (several times slower)."""
     if "gpu" in (config.getoption("markexpr") or "").replace("not gpu", ""):
         return
+    # NumPy's BLAS is loaded by now (the plugins import it): limited where it runs; torch's
+    # thread pool takes OMP_NUM_THREADS when torch is first imported.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=int(os.environ["OMP_NUM_THREADS"]))
     if "numba" in sys.modules and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         raise pytest.UsageError("numba was imported before the CUDA simulator could be enabled")
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"

@@ -67,10 +67,15 @@ def cuda_headers() -> str | None:
     return None
 
 
-def compile_with_nvrtc(library: ctypes.CDLL, code: str, optimize: bool = True, arch: str = "90") -> str:
+def compile_with_nvrtc(library: ctypes.CDLL, code: str, optimize: bool = True, arch: str = "90",
+                       front_end_only: bool = False) -> str:
+    """PTX of ``code``; with ``front_end_only``, NVVM IR instead (``-dlto``: every template
+    instantiated and checked, no code generated) and an empty string."""
     program = ctypes.c_void_p()
     assert library.nvrtcCreateProgram(ctypes.byref(program), code.encode(), b"kernels.cu", 0, None, None) == 0
     options = [b"--std=c++17", f"-arch=compute_{arch}".encode()] + ([] if optimize else [b"-G"])
+    if front_end_only:
+        options = [b"--std=c++17", f"-arch=compute_{arch}".encode(), b"-dlto"]
     headers = cuda_headers()
     if headers is not None:
         options.append(f"-I{headers}".encode())
@@ -81,6 +86,8 @@ def compile_with_nvrtc(library: ctypes.CDLL, code: str, optimize: bool = True, a
         log = ctypes.create_string_buffer(size.value)
         library.nvrtcGetProgramLog(program, log)
         assert result == 0, log.value.decode(errors="replace")[-4000:]
+        if front_end_only:
+            return ""
         library.nvrtcGetPTXSize(program, ctypes.byref(size))
         ptx = ctypes.create_string_buffer(size.value)
         library.nvrtcGetPTX(program, ptx)
@@ -112,6 +119,27 @@ def entries(ptx: str) -> set[str]:
     return set(re.findall(r"\.entry\s+([A-Za-z_][A-Za-z0-9_]*)\s*\(", ptx))
 
 
+#: Instantiations of a list that also go through code generation (unoptimized PTX), spread over it.
+PTX_SAMPLE = 8
+
+
+def check_instantiations(tmp_path, source: str, lines: list[str], plain_entries: int = 0) -> None:
+    """Every explicit instantiation of ``lines`` compiles: all of them through NVRTC's front end
+    (instantiated and type-checked into NVVM IR; an instantiation of a template that does not
+    exist, or with arguments it cannot take, fails there), and :data:`PTX_SAMPLE` of them spread
+    over the list through code generation to unoptimized PTX, which must hold an entry for each
+    of them and for the ``plain_entries`` kernels of ``source`` that are no template. Where no
+    NVRTC is loadable, all of them to PTX with nvcc."""
+    assert len(set(lines)) == len(lines), "an instantiation is listed twice"
+    library = nvrtc_library()
+    if library is None:
+        assert len(entries(compile_to_ptx(tmp_path, source + "".join(lines), optimize=False))) == len(lines) + plain_entries
+        return
+    compile_with_nvrtc(library, source + "".join(lines), front_end_only=True)
+    sample = lines[:: max(1, len(lines) // PTX_SAMPLE)]
+    assert len(entries(compile_with_nvrtc(library, source + "".join(sample), optimize=False))) == len(sample) + plain_entries
+
+
 @pytest.mark.parametrize("module", [activation, attention_combine, attention_latent, gdn_decode, greedy_sample, head_linear, lora,
                                     moe_decode, moe_grouped, moe_route_decode, qkv_rope, rmsnorm, weight_check],
                          ids=lambda m: m.__name__.split(".")[-1])
@@ -125,11 +153,9 @@ def test_every_decode_gemv_instantiation_compiles(tmp_path):
     names = [decode_gemv.kernel_name(mode, bf16_out, split, unroll, tiles) for mode in decode_gemv.MODES
              for bf16_out in (False, True) for split in decode_gemv.SPLITS for unroll in decode_gemv.UNROLLS
              for tiles in decode_gemv.ROW_TILES]
-    instantiations = "".join(f"template __global__ void {name}({signature});\n" for name in names)
-    # (Every combination of the template arguments must instantiate: a front-end check, for which
-    # unoptimized PTX is enough. The optimized build is the GPU's, at the kernels' first launch.)
-    ptx = compile_to_ptx(tmp_path, decode_gemv.source() + instantiations, optimize=False)
-    assert len(entries(ptx)) == len(names)
+    # (Every combination of the template arguments must instantiate: a front-end check. The
+    # optimized build is the GPU's, at the kernels' first launch.)
+    check_instantiations(tmp_path, decode_gemv.source(), [f"template __global__ void {name}({signature});\n" for name in names])
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -204,9 +230,9 @@ def test_every_quantized_gemv_instantiation_compiles(tmp_path):
                               f"{quantized_gemv.input_type(bf16)}>"
                               f"({fp8_rows.format(input=quantized_gemv.input_type(bf16) + ' const*')});\n"
                               for a in ("fp8_token", "fp8_tensor") for bf16 in (False, True))
-    ptx = compile_to_ptx(tmp_path, quantized_gemv.source() + instantiations, optimize=False)
-    assert len(entries(ptx)) == (len(names) + len(stagers) + len(quantized_gemv.CODES)
-                                  + len(quantized_gemv.ACTIVATIONS) + 4)
+    lines = instantiations.splitlines(keepends=True)
+    assert len(lines) == len(names) + len(stagers) + len(quantized_gemv.CODES) + len(quantized_gemv.ACTIVATIONS) + 4
+    check_instantiations(tmp_path, quantized_gemv.source(), lines)
 
 
 def test_every_fp8_gemv_instantiation_compiles(tmp_path):
@@ -228,9 +254,9 @@ def test_every_fp8_gemv_instantiation_compiles(tmp_path):
     names += [(fp8_gemv.kernel_name(activations, split, 1, True, fp8_gemv.UNROLL, not swiglu, swiglu, False, True),
                arguments.format(input="const float*" if swiglu else "const unsigned short*"))
               for activations in fp8_gemv.ACTIVATIONS for split in quantized_gemv.SPLITS for swiglu in (False, True)]
-    instantiations = "".join(f"template __global__ void {name}({signature});\n" for name, signature in names)
-    ptx = compile_to_ptx(tmp_path, fp8_gemv.source() + instantiations, optimize=False)
-    assert len(entries(ptx)) == len(names) + 1  # and expert_slot_sum
+    check_instantiations(tmp_path, fp8_gemv.source(),
+                         [f"template __global__ void {name}({signature});\n" for name, signature in names],
+                         plain_entries=1)  # expert_slot_sum
 
 
 def test_every_int4_gemv_instantiation_compiles(tmp_path):
@@ -247,9 +273,8 @@ def test_every_int4_gemv_instantiation_compiles(tmp_path):
              for swiglu in (False, True)]
     names += [(int4_gemv.stage_name(bf16_input), f"{'const unsigned short*' if bf16_input else 'const float*'}, "
                "const int*, uint4*, int") for bf16_input in (False, True)]
-    instantiations = "".join(f"template __global__ void {name}({signature});\n" for name, signature in names)
-    ptx = compile_to_ptx(tmp_path, int4_gemv.source() + instantiations, optimize=False)
-    assert len(entries(ptx)) == len(names)
+    check_instantiations(tmp_path, int4_gemv.source(),
+                         [f"template __global__ void {name}({signature});\n" for name, signature in names])
 
 
 def test_every_quantized_moe_instantiation_compiles(tmp_path):
@@ -257,10 +282,9 @@ def test_every_quantized_moe_instantiation_compiles(tmp_path):
     gate_up = f"const float*, const int*, {weight}, unsigned short*, int, int, int"
     down = f"const unsigned short*, const int*, const float*, {weight}, float*, int, int, int"
     pairs = [(codes, act) for codes in quantized_gemv.CODES.values() for act in quantized_gemv.ACTIVATIONS.values()]
-    instantiations = "".join(f"template __global__ void quantized_moe_gate_up<{c}, {a}>({gate_up});\n"
-                             f"template __global__ void quantized_moe_down<{c}, {a}>({down});\n" for c, a in pairs)
-    ptx = compile_to_ptx(tmp_path, quantized_moe_decode.source() + instantiations, optimize=False)
-    assert len(entries(ptx)) == 2 * len(pairs)
+    lines = [line for c, a in pairs for line in (f"template __global__ void quantized_moe_gate_up<{c}, {a}>({gate_up});\n",
+                                                   f"template __global__ void quantized_moe_down<{c}, {a}>({down});\n")]
+    check_instantiations(tmp_path, quantized_moe_decode.source(), lines)
 
 
 def test_the_batch_invariant_linear_compiles(tmp_path):
