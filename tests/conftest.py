@@ -19,9 +19,11 @@ def pytest_configure(config):
     # NumPy's BLAS is loaded by now (the plugins import it): limited where it runs; torch's
     # thread pool takes OMP_NUM_THREADS when torch is first imported.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from threadpoolctl import threadpool_limits
+    threads = os.environ["OMP_NUM_THREADS"].split(",")[0].strip()
+    if threads.isdigit() and int(threads) > 0:
+        from threadpoolctl import threadpool_limits
 
-    threadpool_limits(limits=int(os.environ["OMP_NUM_THREADS"]))
+        threadpool_limits(limits=int(threads))
     if "numba" in sys.modules and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         raise pytest.UsageError("numba was imported before the CUDA simulator could be enabled")
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
