@@ -214,6 +214,12 @@ __device__ __forceinline__ unsigned long long matrix_descriptor(unsigned address
     return (unsigned long long)((address & 0x3ffffu) >> 4) | ((unsigned long long)((leading & 0x3ffffu) >> 4) << 16)
            | ((unsigned long long)((stride & 0x3ffffu) >> 4) << 32) | (1ull << 62);
 }
+// The descriptor of a matrix `bytes` (a multiple of 16) past the one described: the address field
+// (bits 0-13, the address / 16) moved on by one addition. Shared addresses stay below 2^18, so the
+// field never carries into the next.
+__device__ __forceinline__ unsigned long long descriptor_plus(unsigned long long descriptor, unsigned bytes) {
+    return descriptor + (bytes >> 4);
+}
 
 // Grid: (tiles, query heads); THREADS threads; dynamic shared memory: BARRIER_OFFSET, the
 // barriers' 8 * 4 * STAGES bytes and 1024 to reach a boundary. k_map and v_map: tensor maps of
@@ -355,16 +361,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
         ++turns_taken;
         if (PINGPONG && !(consumer == 1 && turns_taken == turns)) named_barrier_arrive(their_turn, 256);
     };
+    const unsigned long long queries = matrix_descriptor(base + Q_OFFSET + consumer * 1024, 16, 2048);
     // S = Q K^T of the step's keys into scores (issued and committed, not waited for).
     auto issue_scores = [&](int step) {
         const int stage = step % STAGES;
+        // Each product's descriptors are the step's first ones moved on by a constant (one
+        // addition each rather than the fields packed again).
+        const unsigned long long keys = matrix_descriptor(base + K_OFFSET + stage * K_STAGE_BYTES, 16, 1024);
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
             // This consumer's groups of 8 rows, 2048 bytes apart.
-            const unsigned long long a = matrix_descriptor(
-                base + Q_OFFSET + (kk / 4) * Q_PANEL_BYTES + consumer * 1024 + (kk % 4) * 32, 16, 2048);
-            const unsigned long long b = matrix_descriptor(
-                base + K_OFFSET + stage * K_STAGE_BYTES + (kk / 4) * KV_PANEL_BYTES + (kk % 4) * 32, 16, 1024);
+            const unsigned long long a = descriptor_plus(queries, (kk / 4) * Q_PANEL_BYTES + (kk % 4) * 32);
+            const unsigned long long b = descriptor_plus(keys, (kk / 4) * KV_PANEL_BYTES + (kk % 4) * 32);
             wgmma_ss<BLOCK_KEYS>(scores, a, b, kk > 0);
         }
         wgmma_commit();
@@ -372,14 +380,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
     // O += P V of the step's values (issued and committed, not waited for).
     auto issue_values = [&](int step) {
         const int stage = step % STAGES;
+        // Keys 16kt .. of the stage's values: 8 keys 128 bytes apart, groups of 8 keys 1024
+        // apart, panels of 64 columns KV_PANEL_BYTES apart.
+        const unsigned long long values = matrix_descriptor(base + V_OFFSET + stage * V_STAGE_BYTES, KV_PANEL_BYTES, 1024);
 #pragma unroll
-        for (int kt = 0; kt < BLOCK_KEYS / 16; ++kt) {
-            // Keys 16kt .. of the stage's values: 8 keys 128 bytes apart, groups of 8 keys 1024
-            // apart, panels of 64 columns KV_PANEL_BYTES apart.
-            const unsigned long long b = matrix_descriptor(
-                base + V_OFFSET + stage * V_STAGE_BYTES + kt * 16 * 128, KV_PANEL_BYTES, 1024);
-            wgmma_rs_mn<VALUE_DIM>(acc, probabilities[kt], b, 1);
-        }
+        for (int kt = 0; kt < BLOCK_KEYS / 16; ++kt)
+            wgmma_rs_mn<VALUE_DIM>(acc, probabilities[kt], descriptor_plus(values, kt * 16 * 128), 1);
         wgmma_commit();
     };
     // The step's scores capped and masked, the running maxima and sums moved on, the scores turned
@@ -395,30 +401,37 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
         // scores[4j + c]: row row0 (c < 2) or row1, key step_base + 8j + 2 quad + (c & 1).
         const bool all_seen = step_base + BLOCK_KEYS - 1 <= first_position
                               && (sliding_window <= 0 || step_base > key_end - 1 - sliding_window);
-        float new_best[2] = {best[0], best[1]};
+        // The mask is tested once for the step, outside the loops over its scores: most steps of a
+        // long prompt see every key, and a test per score costs a branch per pair of them.
+        if (!all_seen) {
 #pragma unroll
-        for (int i = 0; i < BLOCK_KEYS / 2; ++i) {
-            const int half = (i % 4) / 2;
-            if (!all_seen) {
-                const int position = half ? position1 : position0;
+            for (int i = 0; i < BLOCK_KEYS / 2; ++i) {
+                const int position = (i % 4) / 2 ? position1 : position0;
                 const int key = step_base + 8 * (i / 4) + 2 * quad + (i & 1);
                 const bool seen = key <= position && (sliding_window <= 0 || key > position - sliding_window);
                 if (!seen) scores[i] = NEG_INF;
             }
-            new_best[half] = fmaxf(new_best[half], scores[i]);
         }
+        float new_best[2] = {best[0], best[1]};
+#pragma unroll
+        for (int i = 0; i < BLOCK_KEYS / 2; ++i) new_best[(i % 4) / 2] = fmaxf(new_best[(i % 4) / 2], scores[i]);
+        // Each row's exponentials are taken against its maximum, or against 0 while the row has
+        // seen no key (every score then -inf, each probability exp2(-inf) = 0): one test a row
+        // rather than one a score.
+        float base[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             new_best[h] = fmaxf(new_best[h], __shfl_xor_sync(0xffffffff, new_best[h], 1));
             new_best[h] = fmaxf(new_best[h], __shfl_xor_sync(0xffffffff, new_best[h], 2));
             rescale[h] = new_best[h] == NEG_INF ? 1.f : exp2f(best[h] - new_best[h]);
             best[h] = new_best[h];
+            base[h] = new_best[h] == NEG_INF ? 0.f : new_best[h];
             total[h] *= rescale[h];
         }
 #pragma unroll
         for (int i = 0; i < BLOCK_KEYS / 2; ++i) {
             const int h = (i % 4) / 2;
-            const float p = best[h] == NEG_INF ? 0.f : exp2f(scores[i] - best[h]);
+            const float p = exp2f(scores[i] - base[h]);
             scores[i] = p;
             total[h] += p;
         }
