@@ -45,15 +45,19 @@ import numpy as np
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
 
-#: Query rows of one block (two consumer warpgroups of 64).
+#: Query rows of a block of two consumer warpgroups of 64 (the default; :func:`tile_rows`).
 TILE_ROWS = 128
 THREADS = 384
 #: The (key, value) head sizes served.
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
-#: Registers a thread after ``setmaxnreg``: the producer's and the consumers' (128 * 40 + 256 *
-#: 232 fit the multiprocessor's 64k).
-PRODUCER_REGISTERS = 40
-CONSUMER_REGISTERS = 232
+#: Registers a thread after ``setmaxnreg``, the producer's and each consumer's, by the number of
+#: consumer warpgroups: 128 * 40 + 256 * 232 and 128 * 24 + 384 * 160 fit the multiprocessor's 64k.
+REGISTERS = {2: (40, 232), 3: (24, 160)}
+#: (Key, value) head sizes whose blocks take three consumer warpgroups (192 rows) rather than two:
+#: small heads, whose steps' products are short against their softmax, keep the tensor cores
+#: busier with a third warpgroup's products in flight (read at each compilation; the sweep times
+#: both).
+THREE_CONSUMER_HEAD_DIMS: frozenset[tuple[int, int]] = frozenset({(64, 64)})
 #: Whether the consumers take turns at their products, and whether each issues a step's score
 #: product with the previous step's value product (read at each compilation; the sweep
 #: ``tools/sweeps/prompt_attention_sweep.py`` times each combination).
@@ -185,8 +189,10 @@ KERNEL = r"""
 // the one's softmax while the other's runs (two products in flight, the probabilities of the
 // previous step kept in registers meanwhile).
 #define OVERLAP __OVERLAP__
-#define TILE_ROWS 128
-#define THREADS 384
+// Consumer warpgroups of 64 rows each (2 or 3), after the producer's.
+#define CONSUMERS __CONSUMERS__
+#define TILE_ROWS (64 * CONSUMERS)
+#define THREADS (128 * (CONSUMERS + 1))
 #define STAGES 2
 #define NEG_INF (__int_as_float(0xff800000))
 // Shared memory from a 1024-byte boundary (the swizzle's period): the query tile, then STAGES
@@ -263,8 +269,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
         for (int stage = 0; stage < STAGES; ++stage) {
             barrier_init(keys_full(stage), 1);
             barrier_init(values_full(stage), 1);
-            barrier_init(keys_free(stage), 256);
-            barrier_init(values_free(stage), 256);
+            barrier_init(keys_free(stage), 128 * CONSUMERS);
+            barrier_init(values_free(stage), 128 * CONSUMERS);
         }
         barrier_init_fence();
     }
@@ -312,20 +318,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
         return;
     }
 
-    // A consumer: the tile's groups of 8 rows 2j + consumer (j = 0 .. 7), so that the two share
-    // the keys of a causal tile's diagonal and both have rows in a tile of more than 8; its j-th
-    // group is its warp j / 2's rows (j % 2) * 8 .. + 7, and this thread's two rows are row0 and row1.
+    // A consumer: the tile's groups of 8 rows CONSUMERS j + consumer (j = 0 .. 7), so that the
+    // consumers share the keys of a causal tile's diagonal and all have rows in a tile of more
+    // than 8 per consumer; its j-th group is its warp j / 2's rows (j % 2) * 8 .. + 7, and this
+    // thread's two rows are row0 and row1.
     registers_increase<__CONSUMER_REGISTERS__>();
     const int consumer = group - 1, t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
     const int quad = lane % 4;
-    const int row0 = 32 * warp + 8 * consumer + lane / 4, row1 = row0 + 16;
+    const int row0 = 8 * (CONSUMERS * 2 * warp + consumer) + lane / 4, row1 = row0 + 8 * CONSUMERS;
     const int position0 = row0 < count ? positions[first + row0] : -1;
     const int position1 = row1 < count ? positions[first + row1] : -1;
 
     // The query rows, scaled by scale * log2(e) (the softmax runs in base 2), as bf16, 8 columns a store.
     const float query_scale = scale * 1.4426950408889634f;
     for (int e = t; e < 64 * HEAD_DIM / 8; e += 128) {
-        const int r = e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8), row = 8 * (2 * (r / 8) + consumer) + r % 8;
+        const int r = e / (HEAD_DIM / 8), chunk = e % (HEAD_DIM / 8), row = 8 * (CONSUMERS * (r / 8) + consumer) + r % 8;
         uint4 value = make_uint4(0u, 0u, 0u, 0u);
         if (row < count) {
             const float* source = q + ((long)(first + row) * num_heads + head) * HEAD_DIM + chunk * 8;
@@ -339,10 +346,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
     }
     async_proxy_fence();
     named_barrier(1 + consumer, 128);
-    // Turns: named barrier 3 + c of 256 threads, where consumer c waits (128) for the other's
-    // arrival (128). Consumer 1 gives consumer 0 the first turn; the turns alternate from there,
-    // and consumer 1 passes none on after its last (it would have no taker).
-    const int my_turn = 3 + consumer, their_turn = 3 + (1 - consumer);
+    // Turns (two consumers only): named barrier 1 + CONSUMERS + c of 256 threads, where consumer c
+    // waits (128) for the other's arrival (128). Consumer 1 gives consumer 0 the first turn; the
+    // turns alternate from there, and consumer 1 passes none on after its last (it would have no taker).
+    const int my_turn = 1 + CONSUMERS + consumer, their_turn = 1 + CONSUMERS + (1 - consumer);
     if (PINGPONG && consumer == 1) named_barrier_arrive(their_turn, 256);
 
     float best[2] = {NEG_INF, NEG_INF}, total[2] = {0.f, 0.f};
@@ -361,7 +368,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
         ++turns_taken;
         if (PINGPONG && !(consumer == 1 && turns_taken == turns)) named_barrier_arrive(their_turn, 256);
     };
-    const unsigned long long queries = matrix_descriptor(base + Q_OFFSET + consumer * 1024, 16, 2048);
+    // This consumer's groups of 8 rows, CONSUMERS * 1024 bytes apart.
+    const unsigned long long queries = matrix_descriptor(base + Q_OFFSET + consumer * 1024, 16, CONSUMERS * 1024);
     // S = Q K^T of the step's keys into scores (issued and committed, not waited for).
     auto issue_scores = [&](int step) {
         const int stage = step % STAGES;
@@ -370,7 +378,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
         const unsigned long long keys = matrix_descriptor(base + K_OFFSET + stage * K_STAGE_BYTES, 16, 1024);
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            // This consumer's groups of 8 rows, 2048 bytes apart.
             const unsigned long long a = descriptor_plus(queries, (kk / 4) * Q_PANEL_BYTES + (kk % 4) * 32);
             const unsigned long long b = descriptor_plus(keys, (kk / 4) * KV_PANEL_BYTES + (kk % 4) * 32);
             wgmma_ss<BLOCK_KEYS>(scores, a, b, kk > 0);
@@ -554,25 +561,44 @@ def block_keys(head_dim: int, value_dim: int) -> int:
     return 64 if max(head_dim, value_dim) > 192 else 128
 
 
-def shared_bytes(head_dim: int, value_dim: int) -> int:
+def consumer_groups(head_dim: int, value_dim: int) -> int:
+    """Consumer warpgroups of a block for the head sizes: 3 for :data:`THREE_CONSUMER_HEAD_DIMS`,
+    else 2."""
+    return 3 if (head_dim, value_dim) in THREE_CONSUMER_HEAD_DIMS else 2
+
+
+def tile_rows(head_dim: int, value_dim: int) -> int:
+    """Query rows of a block for the head sizes (64 a consumer warpgroup): the most a tile of
+    :func:`query_tiles` may hold for :func:`prefill_attention` at these sizes."""
+    return 64 * consumer_groups(head_dim, value_dim)
+
+
+def shared_bytes(head_dim: int, value_dim: int, consumers: int | None = None) -> int:
     """Dynamic shared memory of one block: the query tile, two stages of keys and of values (bf16),
     the mbarriers, and up to 1024 bytes to reach the swizzle's boundary."""
     keys = block_keys(head_dim, value_dim)
-    return (head_dim // 64) * TILE_ROWS * 128 + 2 * (head_dim + value_dim) // 64 * keys * 128 + 8 * 4 * 2 + 1024
+    rows = 64 * (consumers or consumer_groups(head_dim, value_dim))
+    return (head_dim // 64) * rows * 128 + 2 * (head_dim + value_dim) // 64 * keys * 128 + 8 * 4 * 2 + 1024
 
 
 def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_instructions: bool = True,
-                  pingpong: bool = False, overlap: bool = True) -> str:
+                  pingpong: bool = False, overlap: bool = True, consumers: int = 2) -> str:
     """The kernel's CUDA C++ for the key and value head sizes, with the logit soft cap compiled in
-    or not, the consumers taking turns at their products (``pingpong``) or not, each consumer's
-    softmax under its own products (``overlap``) or not, with its PTX helpers, or without them for
-    the CPU emulation, which brings its own."""
+    or not, ``consumers`` (2 or 3) consumer warpgroups, the two consumers taking turns at their
+    products (``pingpong``, two consumers only) or not, each consumer's softmax under its own
+    products (``overlap``) or not, with its PTX helpers, or without them for the CPU emulation,
+    which brings its own."""
+    if consumers not in REGISTERS:
+        raise ValueError(f"consumers must be one of {sorted(REGISTERS)}, got {consumers}")
+    if pingpong and consumers != 2:
+        raise ValueError("the consumers take turns only when there are two")
+    producer_registers, consumer_registers = REGISTERS[consumers]
     kernel = (KERNEL.replace("__HEAD_DIM__", str(head_dim)).replace("__VALUE_DIM__", str(value_dim))
               .replace("__BLOCK_KEYS__", str(block_keys(head_dim, value_dim)))
               .replace("__SOFTCAP__", str(int(softcap))).replace("__PINGPONG__", str(int(pingpong)))
-              .replace("__OVERLAP__", str(int(overlap)))
-              .replace("__PRODUCER_REGISTERS__", str(PRODUCER_REGISTERS))
-              .replace("__CONSUMER_REGISTERS__", str(CONSUMER_REGISTERS)))
+              .replace("__OVERLAP__", str(int(overlap))).replace("__CONSUMERS__", str(consumers))
+              .replace("__PRODUCER_REGISTERS__", str(producer_registers))
+              .replace("__CONSUMER_REGISTERS__", str(consumer_registers)))
     return (INSTRUCTIONS if with_instructions else "") + kernel
 
 
@@ -646,17 +672,19 @@ _maps: dict[tuple[int, tuple[int, ...], int], TensorMapBytes] = {}
 def _kernel(head_dim: int, value_dim: int, softcap: bool) -> Any:
     """The compiled kernel for the head sizes (capped logits or not): NVRTC for sm_90a, once per
     process and geometry."""
-    key = (head_dim, value_dim, softcap, PINGPONG, OVERLAP)
+    consumers = consumer_groups(head_dim, value_dim)
+    pingpong = PINGPONG and consumers == 2
+    key = (head_dim, value_dim, softcap, pingpong, OVERLAP, consumers)
     kernel = _kernels.get(key)
     if kernel is None:
         from cupy.cuda import driver
 
         from metrale.kernels._compile import compile_module
 
-        source = kernel_source(head_dim, value_dim, softcap, pingpong=PINGPONG, overlap=OVERLAP)
+        source = kernel_source(head_dim, value_dim, softcap, pingpong=pingpong, overlap=OVERLAP, consumers=consumers)
         kernel = compile_module(source, "sm_90a").get_function("prefill_attention_wgmma")
         driver.funcSetAttribute(kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                shared_bytes(head_dim, value_dim))
+                                shared_bytes(head_dim, value_dim, consumers))
         _kernels[key] = kernel
     return kernel
 
@@ -685,8 +713,8 @@ def prefill_attention(
     positions: DeviceArray, tiles: DeviceArray, scale: float, sliding_window: int | None, out: DeviceArray,
     stream: Any = None, softcap: float | None = None, sinks: DeviceArray | None = None,
 ) -> DeviceArray:
-    """Causal attention of the rows of ``tiles`` (:func:`query_tiles`, :data:`TILE_ROWS` rows a
-    tile) over their sequences' paged K/V: ``out [N, nh * Dv]`` bf16 bits from ``q [N, nh, D]``
+    """Causal attention of the rows of ``tiles`` (:func:`query_tiles` of the same head sizes, at
+    most :func:`tile_rows` rows a tile) over their sequences' paged K/V: ``out [N, nh * Dv]`` bf16 bits from ``q [N, nh, D]``
     float32 and bf16 caches ``k_cache [blocks, block_size, nkv, D]``, ``v_cache [blocks,
     block_size, nkv, Dv]``, as :func:`metrale.kernels.attention_mma.prefill_attention` takes them.
     Raises :class:`~metrale.errors.KernelArgumentError` for what :func:`supports` refuses."""
@@ -724,15 +752,17 @@ def prefill_attention(
         np.int32(blocks * block_size), np.float32(scale), np.int32(sliding_window or 0), np.float32(softcap or 0.0),
         sinks if sinks is not None else np.uint64(0), out,
     )
-    launch(kernel, (int(tiles.shape[0]), heads), (THREADS,), arguments, shared_bytes(head_dim, value_dim), stream,
-           dependent=False)
+    consumers = consumer_groups(head_dim, value_dim)
+    launch(kernel, (int(tiles.shape[0]), heads), (128 * (consumers + 1),), arguments,
+           shared_bytes(head_dim, value_dim, consumers), stream, dependent=False)
     return out
 
 
-def query_tiles(row_starts: np.ndarray) -> np.ndarray:
-    """``[T, 2]`` int32 (first row, row count) tiles of at most :data:`TILE_ROWS` rows within each
-    segment ``row_starts[s]:row_starts[s + 1]``."""
+def query_tiles(row_starts: np.ndarray, head_dim: int = 128, value_dim: int | None = None) -> np.ndarray:
+    """``[T, 2]`` int32 (first row, row count) tiles of at most :func:`tile_rows` rows of the head
+    sizes (``value_dim`` defaults to ``head_dim``) within each segment ``row_starts[s]:row_starts[s +
+    1]``: the tiles :func:`prefill_attention` takes at those sizes (a tile of more rows than its
+    sizes' blocks hold would leave the rest unwritten)."""
     from metrale.kernels.attention_mma import query_tiles as tiles_of
 
-    return tiles_of(row_starts, TILE_ROWS)
-
+    return tiles_of(row_starts, tile_rows(head_dim, head_dim if value_dim is None else value_dim))

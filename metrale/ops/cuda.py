@@ -640,12 +640,14 @@ class CudaKernels:
     def paged_attention_prompt_wgmma(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
                                      sliding_window: int | None, out: Any, first_segment: int,
                                      softcap: float | None = None, sinks: Any = None) -> Any:
-        """The Hopper prompt attention (:mod:`metrale.kernels.attention_hopper`): tiles of 128 rows."""
+        """The Hopper prompt attention (:mod:`metrale.kernels.attention_hopper`): tiles of its blocks'
+        rows at these head sizes (128 or 192)."""
         from metrale.kernels import attention_hopper
 
         starts = batch.row_starts
-        tiles = _batch_constant(batch, f"attention_hopper_tiles_{first_segment}",
-                                lambda: attention_hopper.query_tiles(starts[first_segment:]))
+        head_dim, value_dim = q.shape[2], v_cache.shape[3]
+        tiles = _batch_constant(batch, f"attention_hopper_tiles_{first_segment}_{head_dim}_{value_dim}",
+                                lambda: attention_hopper.query_tiles(starts[first_segment:], head_dim, value_dim))
         return attention_hopper.prefill_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_index,
                                                   batch.positions, tiles, scale, sliding_window, out, self.stream,
                                                   softcap, None if sinks is None else cp.ascontiguousarray(sinks, dtype=f32))

@@ -17,7 +17,7 @@ from emulation import build_emulated
 from kernel_helpers import rel_error
 from test_attention_mma_emulated import prompt_case
 
-from metrale.kernels import attention, attention_hopper
+from metrale.kernels import attention, attention_hopper, attention_mma
 from metrale.loading.checkpoint import bf16_to_float32
 
 #: The kernel's forms: the consumers taking turns at their products, each one's softmax under its
@@ -74,16 +74,17 @@ def emulated(tmp_path_factory):
     binaries = {}
 
     def run(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks, pingpong=True,
-            overlap=True):
+            overlap=True, consumers=2):
         rows, heads, head_dim = q.shape
         kv_heads, value_dim = k_cache.shape[2], v_cache.shape[3]
-        key = (head_dim, value_dim, bool(softcap), pingpong, overlap)
+        key = (head_dim, value_dim, bool(softcap), pingpong, overlap, consumers)
         if key not in binaries:
             source = attention_hopper.kernel_source(head_dim, value_dim, bool(softcap), with_instructions=False,
-                                                    pingpong=pingpong, overlap=overlap)
-            binaries[key] = build_emulated(folder / "kernel{}_{}_{}_{}_{}.cpp".format(*map(int, key)),
+                                                    pingpong=pingpong, overlap=overlap, consumers=consumers)
+            binaries[key] = build_emulated(folder / "kernel{}_{}_{}_{}_{}_{}.cpp".format(*map(int, key)),
                                            source + EMULATION_MAIN)
-        tiles = attention_hopper.query_tiles(starts)
+        # Tiles that fill the form's blocks (64 rows a consumer warpgroup).
+        tiles = attention_mma.query_tiles(starts, 64 * consumers)
         padded = np.zeros((rows + 1, tables.shape[1]), np.int32)
         padded[: tables.shape[0]] = tables
         case = folder / "case"
@@ -112,10 +113,17 @@ def emulated(tmp_path_factory):
     (256, 256, 2, 1, 16, 5.0, True, 40, "turns"),
     (128, 128, 2, 2, 8, None, True, 150, "overlap"),          # overlap without turns
     (64, 64, 4, 1, 32, 5.0, False, 40, "plain"),              # neither
+    # Three consumer warpgroups (tiles of 192 rows: the first prompt's 200 rows are a full tile
+    # and one of 8, in the first consumer's groups only).
+    (64, 64, 4, 2, 16, None, False, None, "3-overlap"),
+    (64, 64, 2, 2, 256, 5.0, True, None, "3-overlap"),
+    (64, 64, 4, 1, 32, 5.0, False, 40, "3-plain"),
+    (64, 64, 2, 2, 8, None, True, 150, "3-overlap"),
 ])
 def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, value_dim, heads, kv_heads, block_size,
                                                        softcap, with_sinks, window, variant):
-    pingpong, overlap = VARIANTS[variant]
+    consumers = 3 if variant.startswith("3-") else 2
+    pingpong, overlap = VARIANTS[variant.removeprefix("3-")]
     rng = np.random.default_rng(head_dim + heads + block_size + (window or 0))
     # A prompt of two tiles (the second ending mid-step), keys over three steps (both stages, one
     # of them twice), a chunk of 40 rows after a cached prefix, and one of 5 (rows in the first
@@ -128,7 +136,7 @@ def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, value
         q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, scale, window, softcap,
         sinks).reshape(len(positions), -1)
     got = emulated(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks, pingpong,
-                   overlap)
+                   overlap, consumers)
     # bf16 queries and probabilities on top of the bf16 output.
     assert rel_error(got, expected) <= 2e-2
     if softcap or with_sinks or window:
@@ -168,11 +176,8 @@ def test_unsupported_geometries_are_refused_before_any_launch():
                                            attention_hopper.query_tiles(starts16), 0.1, None, out, softcap=-1.0)
 
 
-@pytest.mark.parametrize("head_dim, value_dim", attention_hopper.HEAD_DIMS)
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_ptxas_neither_spills_nor_serializes_the_products(head_dim, value_dim, variant):
-    """The sm_90a build as the GPU gets it, through ptxas: no register spills, and no products
-    serialized (ptxas serializes wgmma under a branch it takes for divergent, at a large cost)."""
+def ptxas_log(code: str) -> str:
+    """The sm_90a build's ptxas report (``-v``) of the kernel's source; asserts it compiled."""
     from test_cuda_sources import nvrtc_library
 
     library = nvrtc_library()
@@ -180,8 +185,6 @@ def test_ptxas_neither_spills_nor_serializes_the_products(head_dim, value_dim, v
         pytest.skip("no NVRTC library to compile the kernel with")
     import ctypes
 
-    pingpong, overlap = VARIANTS[variant]
-    code = attention_hopper.kernel_source(head_dim, value_dim, True, pingpong=pingpong, overlap=overlap)
     program = ctypes.c_void_p()
     assert library.nvrtcCreateProgram(ctypes.byref(program), code.encode(), b"kernel.cu", 0, None, None) == 0
     options = [b"--std=c++17", b"--use_fast_math", b"--gpu-architecture=sm_90a", b"--ptxas-options=-v"]
@@ -195,5 +198,42 @@ def test_ptxas_neither_spills_nor_serializes_the_products(head_dim, value_dim, v
         library.nvrtcDestroyProgram(ctypes.byref(program))
     text = log.value.decode(errors="replace")
     assert status == 0, text[-4000:]
+    return text
+
+
+@pytest.mark.parametrize("head_dim, value_dim", attention_hopper.HEAD_DIMS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ptxas_neither_spills_nor_serializes_the_products(head_dim, value_dim, variant):
+    """The sm_90a build as the GPU gets it, through ptxas: no register spills, and no products
+    serialized (ptxas serializes wgmma under a branch it takes for divergent, at a large cost)."""
+    pingpong, overlap = VARIANTS[variant]
+    text = ptxas_log(attention_hopper.kernel_source(head_dim, value_dim, True, pingpong=pingpong, overlap=overlap))
     assert "0 bytes spill stores, 0 bytes spill loads" in text, text
     assert "Potential Performance Loss" not in text, text
+
+
+@pytest.mark.parametrize("head_dims", sorted(attention_hopper.THREE_CONSUMER_HEAD_DIMS))
+@pytest.mark.parametrize("softcap", [False, True])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_ptxas_three_consumers_fit_their_registers(head_dims, softcap, overlap):
+    """The three-consumer form of the head sizes that take it: the consumers' 160 registers hold
+    the step without spilling, and no product is serialized."""
+    text = ptxas_log(attention_hopper.kernel_source(*head_dims, softcap, overlap=overlap, consumers=3))
+    assert "0 bytes spill stores, 0 bytes spill loads" in text, text
+    assert "Potential Performance Loss" not in text, text
+
+
+def test_three_consumers_are_refused_the_turns():
+    with pytest.raises(ValueError, match="two"):
+        attention_hopper.kernel_source(64, 64, pingpong=True, consumers=3)
+    with pytest.raises(ValueError, match="consumers"):
+        attention_hopper.kernel_source(64, 64, consumers=4)
+
+
+def test_query_tiles_fill_the_blocks_of_the_head_sizes():
+    starts = np.array([0, 400, 401])
+    for head_dims, rows in (((64, 64), 192), ((128, 128), 128), ((192, 128), 128), ((256, 256), 128)):
+        assert attention_hopper.tile_rows(*head_dims) == rows
+        tiles = attention_hopper.query_tiles(starts, *head_dims)
+        assert tiles[:, 1].max() == rows
+        assert tiles[:, 1].sum() == 401

@@ -30,7 +30,8 @@ def run(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window
     out = cp.zeros((len(positions), q.shape[1] * v_cache.shape[3]), dtype=np.uint16)
     attention_hopper.prefill_attention(
         cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables), cp.asarray(seq_index),
-        cp.asarray(positions), cp.asarray(attention_hopper.query_tiles(starts)), scale, window, out, stream,
+        cp.asarray(positions), cp.asarray(attention_hopper.query_tiles(starts, q.shape[2], v_cache.shape[3])), scale,
+        window, out, stream,
         softcap=softcap, sinks=None if sinks is None else cp.asarray(sinks))
     return bf16_to_float32(cp.asnumpy(out))
 
@@ -105,7 +106,7 @@ def test_prefill_attention_replays_in_a_cuda_graph():
         q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, 0.1
     ).reshape(len(positions), -1)
     arguments = [cp.asarray(a) for a in (q, k_cache, v_cache, tables, seq_index, positions,
-                                         attention_hopper.query_tiles(starts))]
+                                         attention_hopper.query_tiles(starts, 192, 128))]
     out = cp.zeros((len(positions), 16 * 128), dtype=np.uint16)
     stream = cp.cuda.Stream(non_blocking=True)
     attention_hopper.prefill_attention(*arguments, 0.1, None, out, stream)  # compiled outside the capture

@@ -49,7 +49,10 @@ def main() -> None:
             print("(torch is not installed: no scaled_dot_product_attention column)")
     stream = cp.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(0)
-    variants = {"both": (True, True), "turns": (True, False), "overlap": (False, True), "plain": (False, False)}
+    # (turns, overlap, three consumer warpgroups); the three-consumer forms only for the head sizes
+    # whose registers hold them (attention_hopper.THREE_CONSUMER_HEAD_DIMS).
+    variants = {"both": (True, True, False), "turns": (True, False, False), "overlap": (False, True, False),
+                "plain": (False, False, False), "3wg": (False, True, True), "3wg plain": (False, False, True)}
     columns = (*variants, "mma", "sdpa")
     print(f"{'heads':>9} {'d/dv':>8} {'rows':>6} {'prefix':>6} "
           + " ".join(f"{name + ' us':>11} {'TFLOP/s':>8}" for name in columns) + f" {'max diff':>9}")
@@ -76,14 +79,19 @@ def main() -> None:
             with stream:
                 if attention_hopper.supports(heads, kv_heads, head_dim, value_dim, block_size):
                     out = outputs["wgmma"] = cp.zeros((rows, heads * value_dim), dtype=np.uint16)
-                    tiles = cp.asarray(attention_hopper.query_tiles(starts))
-                    defaults = attention_hopper.PINGPONG, attention_hopper.OVERLAP
-                    for name, (turns, overlap) in variants.items():
+                    defaults = attention_hopper.PINGPONG, attention_hopper.OVERLAP, attention_hopper.THREE_CONSUMER_HEAD_DIMS
+                    for name, (turns, overlap, three) in variants.items():
+                        if three and (head_dim, value_dim) not in defaults[2]:
+                            continue
                         attention_hopper.PINGPONG, attention_hopper.OVERLAP = turns, overlap
+                        attention_hopper.THREE_CONSUMER_HEAD_DIMS = frozenset({(head_dim, value_dim)} if three else ())
+                        tiles = cp.asarray(attention_hopper.query_tiles(starts, head_dim, value_dim))
                         times[name] = cuda_event_time(lambda: attention_hopper.prefill_attention(
                             q, k_cache, v_cache, table, seq_index, positions, tiles, scale, None, out, stream), stream)
-                    attention_hopper.PINGPONG, attention_hopper.OVERLAP = defaults
+                    (attention_hopper.PINGPONG, attention_hopper.OVERLAP,
+                     attention_hopper.THREE_CONSUMER_HEAD_DIMS) = defaults
                     # The output compared below: the default form's.
+                    tiles = cp.asarray(attention_hopper.query_tiles(starts, head_dim, value_dim))
                     attention_hopper.prefill_attention(q, k_cache, v_cache, table, seq_index, positions, tiles, scale,
                                                        None, out, stream)
                 out_mma = outputs["mma"] = cp.zeros((rows, heads * value_dim), dtype=np.uint16)
