@@ -2,8 +2,9 @@
 CUDA C++ compiled by NVRTC).
 
 The NumPy reference is :func:`metrale.kernels.attention.paged_attention_reference`. A block of
-three warpgroups owns one query head and a tile of up to :data:`TILE_ROWS` consecutive rows of one
-sequence, and the warpgroups specialise:
+three warpgroups (four for heads of 64 dims: :func:`consumer_groups`) owns one query head and a
+tile of up to :func:`tile_rows` consecutive rows of one sequence (128, or 192 with four), and the
+warpgroups specialise:
 
 * the producer (warpgroup 0; its first warp issues, a lane a load) copies each step's keys and
   values (128, or 64 for heads of 256 dims: :func:`block_keys`) from the paged cache into shared
@@ -11,17 +12,19 @@ sequence, and the warpgroups specialise:
   tensor map per cache (:func:`tensor_map`); the copies land in the 128-byte swizzle the products read, their bytes
   counted on an mbarrier per stage ("full"), two stages in flight; pages past the tile's last key
   are asked for outside the tensor, which lands zeros;
-* two consumers (warpgroups 1 and 2, 64 rows each: alternate groups of 8 rows, so that they share
-  a causal tile's diagonal) stage their query rows once (scaled, as bf16,
+* two consumers (warpgroups 1 and 2; three for heads of 64 dims, whose steps' products are short
+  against their softmax; 64 rows each: alternate groups of 8 rows, so that they share a causal
+  tile's diagonal) stage their query rows once (scaled, as bf16,
   swizzled), then per step wait for the keys, run ``S = Q K^T`` as ``wgmma.m64nNk16`` products
   (N the step's keys) with both operands in shared memory, release the keys (an "empty" mbarrier
   the producer waits on before it refills the stage), run the masked online softmax in
-  registers, and ``O += P V`` as ``wgmma.m64nDk16`` with the probabilities as the A operand
+  registers (the mask tested once a step, each row's exponentials taken against a finite base), and ``O += P V`` as ``wgmma.m64nDk16`` with the probabilities as the A operand
   straight from the scores' registers and the values read N-major from shared memory, then
   release the values. Each issues a step's score product together with the previous step's value
   product (:data:`OVERLAP`, the default), its softmax of the one running while the other's product
-  does. The two may also take turns at issuing their products (named barriers, :data:`PINGPONG`,
-  off by default: the slower form where it was measured, ``docs/notes/prefill.rst``).
+  does. Two consumers may also take turns at issuing their products (named barriers,
+  :data:`PINGPONG`, off by default: the slower form where it was measured,
+  ``docs/notes/prefill.rst``).
 
 The causal rule, sliding windows, the logit soft cap and sinks are the reference's, as in
 :mod:`metrale.kernels.attention_mma`, whose prompt tiles (a cached prefix plus the chunk) this
