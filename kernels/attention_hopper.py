@@ -14,17 +14,17 @@ warpgroups specialise:
   are asked for outside the tensor, which lands zeros;
 * two consumers (warpgroups 1 and 2; three for heads of 64 dims, whose steps' products are short
   against their softmax; 64 rows each: alternate groups of 8 rows, so that they share a causal
-  tile's diagonal) stage their query rows once (scaled, as bf16,
-  swizzled), then per step wait for the keys, run ``S = Q K^T`` as ``wgmma.m64nNk16`` products
-  (N the step's keys) with both operands in shared memory, release the keys (an "empty" mbarrier
-  the producer waits on before it refills the stage), run the masked online softmax in
-  registers (the mask tested once a step, each row's exponentials taken against a finite base), and ``O += P V`` as ``wgmma.m64nDk16`` with the probabilities as the A operand
-  straight from the scores' registers and the values read N-major from shared memory, then
-  release the values. Each issues a step's score product together with the previous step's value
-  product (:data:`OVERLAP`, the default), its softmax of the one running while the other's product
-  does. Two consumers may also take turns at issuing their products (named barriers,
-  :data:`PINGPONG`, off by default: the slower form where it was measured,
-  ``docs/notes/prefill.rst``).
+  tile's diagonal) stage their query rows once (scaled, as bf16, swizzled), then per step wait for
+  the keys, run ``S = Q K^T`` as ``wgmma.m64nNk16`` products (N the step's keys) with both
+  operands in shared memory, release the keys (an "empty" mbarrier the producer waits on before
+  it refills the stage), run the masked online softmax in registers (the mask tested once a step,
+  each row's exponentials taken against a finite base), and ``O += P V`` as ``wgmma.m64nDk16``
+  with the probabilities as the A operand straight from the scores' registers and the values read
+  N-major from shared memory, then release the values. Each issues a step's score product
+  together with the previous step's value product (:data:`OVERLAP`, the default), its softmax of
+  the one running while the other's product does. Two consumers may also take turns at issuing
+  their products (named barriers, :data:`PINGPONG`, off by default: the slower form where it was
+  measured, ``docs/notes/prefill.rst``).
 
 The causal rule, sliding windows, the logit soft cap and sinks are the reference's, as in
 :mod:`metrale.kernels.attention_mma`, whose prompt tiles (a cached prefix plus the chunk) this
@@ -61,6 +61,8 @@ REGISTERS = {2: (40, 232), 3: (24, 160)}
 #: busier with a third warpgroup's products in flight (read at each compilation; the sweep times
 #: both).
 THREE_CONSUMER_HEAD_DIMS: frozenset[tuple[int, int]] = frozenset({(64, 64)})
+#: The head sizes whose three-consumer form fits its registers (steps of 64 keys past 64 dims).
+THREE_CONSUMER_FORMS = ((64, 64), (128, 128))
 #: Whether the consumers take turns at their products, and whether each issues a step's score
 #: product with the previous step's value product (read at each compilation; the sweep
 #: ``tools/sweeps/prompt_attention_sweep.py`` times each combination).
@@ -558,16 +560,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
 """
 
 
-def block_keys(head_dim: int, value_dim: int) -> int:
+def block_keys(head_dim: int, value_dim: int, consumers: int | None = None) -> int:
     """Keys a step: 128, or 64 for heads of 256 dims (the accumulators of 256 value columns leave
-    registers for 64 scores a thread, not 128)."""
-    return 64 if max(head_dim, value_dim) > 192 else 128
+    registers for 64 scores a thread, not 128) and for heads of more than 64 dims with three
+    consumers (160 registers a thread)."""
+    consumers = consumers or consumer_groups(head_dim, value_dim)
+    return 64 if max(head_dim, value_dim) > (64 if consumers == 3 else 192) else 128
 
 
 def consumer_groups(head_dim: int, value_dim: int) -> int:
     """Consumer warpgroups of a block for the head sizes: 3 for :data:`THREE_CONSUMER_HEAD_DIMS`,
     else 2."""
-    return 3 if (head_dim, value_dim) in THREE_CONSUMER_HEAD_DIMS else 2
+    served = (head_dim, value_dim) in THREE_CONSUMER_HEAD_DIMS and (head_dim, value_dim) in THREE_CONSUMER_FORMS
+    return 3 if served else 2
 
 
 def tile_rows(head_dim: int, value_dim: int) -> int:
@@ -579,8 +584,9 @@ def tile_rows(head_dim: int, value_dim: int) -> int:
 def shared_bytes(head_dim: int, value_dim: int, consumers: int | None = None) -> int:
     """Dynamic shared memory of one block: the query tile, two stages of keys and of values (bf16),
     the mbarriers, and up to 1024 bytes to reach the swizzle's boundary."""
-    keys = block_keys(head_dim, value_dim)
-    rows = 64 * (consumers or consumer_groups(head_dim, value_dim))
+    consumers = consumers or consumer_groups(head_dim, value_dim)
+    keys = block_keys(head_dim, value_dim, consumers)
+    rows = 64 * consumers
     return (head_dim // 64) * rows * 128 + 2 * (head_dim + value_dim) // 64 * keys * 128 + 8 * 4 * 2 + 1024
 
 
@@ -595,9 +601,11 @@ def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_ins
         raise ValueError(f"consumers must be one of {sorted(REGISTERS)}, got {consumers}")
     if pingpong and consumers != 2:
         raise ValueError("the consumers take turns only when there are two")
+    if consumers == 3 and (head_dim, value_dim) not in THREE_CONSUMER_FORMS:
+        raise ValueError(f"three consumers serve head sizes {THREE_CONSUMER_FORMS}, not {(head_dim, value_dim)}")
     producer_registers, consumer_registers = REGISTERS[consumers]
     kernel = (KERNEL.replace("__HEAD_DIM__", str(head_dim)).replace("__VALUE_DIM__", str(value_dim))
-              .replace("__BLOCK_KEYS__", str(block_keys(head_dim, value_dim)))
+              .replace("__BLOCK_KEYS__", str(block_keys(head_dim, value_dim, consumers)))
               .replace("__SOFTCAP__", str(int(softcap))).replace("__PINGPONG__", str(int(pingpong)))
               .replace("__OVERLAP__", str(int(overlap))).replace("__CONSUMERS__", str(consumers))
               .replace("__PRODUCER_REGISTERS__", str(producer_registers))

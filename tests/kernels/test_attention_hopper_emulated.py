@@ -119,6 +119,8 @@ def emulated(tmp_path_factory):
     (64, 64, 2, 2, 256, 5.0, True, None, "3-overlap"),
     (64, 64, 4, 1, 32, 5.0, False, 40, "3-plain"),
     (64, 64, 2, 2, 8, None, True, 150, "3-overlap"),
+    (128, 128, 4, 2, 16, 5.0, True, 40, "3-overlap"),         # steps of 64 keys past 64 dims
+    (128, 128, 2, 2, 256, None, False, None, "3-plain"),
 ])
 def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, value_dim, heads, kv_heads, block_size,
                                                        softcap, with_sinks, window, variant):
@@ -212,12 +214,12 @@ def test_ptxas_neither_spills_nor_serializes_the_products(head_dim, value_dim, v
     assert "Potential Performance Loss" not in text, text
 
 
-@pytest.mark.parametrize("head_dims", sorted(attention_hopper.THREE_CONSUMER_HEAD_DIMS))
+@pytest.mark.parametrize("head_dims", attention_hopper.THREE_CONSUMER_FORMS)
 @pytest.mark.parametrize("softcap", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_ptxas_three_consumers_fit_their_registers(head_dims, softcap, overlap):
-    """The three-consumer form of the head sizes that take it: the consumers' 160 registers hold
-    the step without spilling, and no product is serialized."""
+    """The three-consumer forms: the consumers' 160 registers hold the step without spilling, and
+    no product is serialized."""
     text = ptxas_log(attention_hopper.kernel_source(*head_dims, softcap, overlap=overlap, consumers=3))
     assert "0 bytes spill stores, 0 bytes spill loads" in text, text
     assert "Potential Performance Loss" not in text, text
@@ -228,6 +230,8 @@ def test_three_consumers_are_refused_the_turns():
         attention_hopper.kernel_source(64, 64, pingpong=True, consumers=3)
     with pytest.raises(ValueError, match="consumers"):
         attention_hopper.kernel_source(64, 64, consumers=4)
+    with pytest.raises(ValueError, match="three consumers"):
+        attention_hopper.kernel_source(256, 256, consumers=3)
 
 
 def test_query_tiles_fill_the_blocks_of_the_head_sizes():

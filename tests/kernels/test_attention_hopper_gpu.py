@@ -54,6 +54,25 @@ def test_prefill_attention_matches_the_reference(heads, kv_heads, head_dim, valu
     assert rel_error(run(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window), expected) <= 2e-2
 
 
+@pytest.mark.parametrize("head_dims", attention_hopper.THREE_CONSUMER_FORMS)
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("block_size, window", [(16, None), (256, 100)])
+def test_both_consumer_counts_match_the_reference(monkeypatch, head_dims, consumers, block_size, window):
+    """The forms of two and three consumer warpgroups (tiles of 128 and 192 rows), whichever the
+    head sizes take by default."""
+    monkeypatch.setattr(attention_hopper, "THREE_CONSUMER_HEAD_DIMS", frozenset({head_dims} if consumers == 3 else ()))
+    assert attention_hopper.tile_rows(*head_dims) == 64 * consumers
+    rng = np.random.default_rng(consumers + block_size)
+    chunks = [(0, 400), (77, 64), (300, 1), (5, 193)]
+    q, k_cache, v_cache, tables, seq_index, positions, starts = attention_case(
+        rng, 16, 4, head_dims[0], block_size, chunks, head_dims[1])
+    scale = head_dims[0] ** -0.5
+    expected = attention.paged_attention_reference(
+        q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, scale, window
+    ).reshape(len(positions), -1)
+    assert rel_error(run(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window), expected) <= 2e-2
+
+
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(64, 8, 64), (16, 8, 256), (32, 8, 128)])
 @pytest.mark.parametrize("softcap, with_sinks", [(3.0, False), (None, True), (3.0, True)])
 @pytest.mark.parametrize("window", [None, 100])

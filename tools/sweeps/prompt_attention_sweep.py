@@ -50,7 +50,7 @@ def main() -> None:
     stream = cp.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(0)
     # (turns, overlap, three consumer warpgroups); the three-consumer forms only for the head sizes
-    # whose registers hold them (attention_hopper.THREE_CONSUMER_HEAD_DIMS).
+    # whose registers hold them (attention_hopper.THREE_CONSUMER_FORMS).
     variants = {"both": (True, True, False), "turns": (True, False, False), "overlap": (False, True, False),
                 "plain": (False, False, False), "3wg": (False, True, True), "3wg plain": (False, False, True)}
     columns = (*variants, "mma", "sdpa")
@@ -81,7 +81,7 @@ def main() -> None:
                     out = outputs["wgmma"] = cp.zeros((rows, heads * value_dim), dtype=np.uint16)
                     defaults = attention_hopper.PINGPONG, attention_hopper.OVERLAP, attention_hopper.THREE_CONSUMER_HEAD_DIMS
                     for name, (turns, overlap, three) in variants.items():
-                        if three and (head_dim, value_dim) not in defaults[2]:
+                        if three and (head_dim, value_dim) not in attention_hopper.THREE_CONSUMER_FORMS:
                             continue
                         attention_hopper.PINGPONG, attention_hopper.OVERLAP = turns, overlap
                         attention_hopper.THREE_CONSUMER_HEAD_DIMS = frozenset({(head_dim, value_dim)} if three else ())
