@@ -676,7 +676,7 @@ def tensor_map(cache: DeviceArray, rows: int) -> TensorMapBytes:
 
 # ---------------------------------------------------------------------------------------- launch
 
-_kernels: dict[tuple[int, int, bool, bool, bool], Any] = {}
+_kernels: dict[tuple[int, int, bool, bool, bool, int], Any] = {}
 _maps: dict[tuple[int, tuple[int, ...], int], TensorMapBytes] = {}
 
 
