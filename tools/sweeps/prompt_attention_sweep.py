@@ -5,7 +5,8 @@ installed, torch's ``scaled_dot_product_attention`` (FlashAttention inside) on t
 Prints, per geometry, prompt length and cached prefix, the microseconds of each (CUDA events, the
 median of several runs; the warpgroup kernel with and without its consumers taking turns at
 their products, ``attention_hopper.PINGPONG``, and with and without each consumer's softmax
-under its own products, ``attention_hopper.OVERLAP``), their TFLOP/s (4 * d flops per visible (row, key)
+under its own products, ``attention_hopper.OVERLAP``, and with three consumer warpgroups,
+"3wg", for the head sizes of ``attention_hopper.THREE_CONSUMER_FORMS``), their TFLOP/s (4 * d flops per visible (row, key)
 pair and head, d the mean of the key and value sizes) and the largest difference between the two
 Metrale kernels' outputs (bf16). Run from the repository root on an sm_90 GPU::
 
