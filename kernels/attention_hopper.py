@@ -48,9 +48,6 @@ import numpy as np
 from metrale.errors import KernelArgumentError
 from metrale.kernels._device import DeviceArray, check_array
 
-#: Query rows of a block of two consumer warpgroups of 64 (the default; :func:`tile_rows`).
-TILE_ROWS = 128
-THREADS = 384
 #: The (key, value) head sizes served.
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 #: Registers a thread after ``setmaxnreg``, the producer's and each consumer's, by the number of
@@ -63,9 +60,9 @@ REGISTERS = {2: (40, 232), 3: (24, 160)}
 THREE_CONSUMER_HEAD_DIMS: frozenset[tuple[int, int]] = frozenset({(64, 64)})
 #: The head sizes whose three-consumer form fits its registers (steps of 64 keys past 64 dims).
 THREE_CONSUMER_FORMS = ((64, 64), (128, 128))
-#: Whether the consumers take turns at their products, and whether each issues a step's score
-#: product with the previous step's value product (read at each compilation; the sweep
-#: ``tools/sweeps/prompt_attention_sweep.py`` times each combination).
+#: Whether the consumers take turns at their products (blocks of two consumers only), and whether
+#: each issues a step's score product with the previous step's value product (read at each
+#: compilation; the sweep ``tools/sweeps/prompt_attention_sweep.py`` times each combination).
 PINGPONG = False
 OVERLAP = True
 
@@ -725,8 +722,8 @@ def prefill_attention(
     stream: Any = None, softcap: float | None = None, sinks: DeviceArray | None = None,
 ) -> DeviceArray:
     """Causal attention of the rows of ``tiles`` (:func:`query_tiles` of the same head sizes, at
-    most :func:`tile_rows` rows a tile) over their sequences' paged K/V: ``out [N, nh * Dv]`` bf16 bits from ``q [N, nh, D]``
-    float32 and bf16 caches ``k_cache [blocks, block_size, nkv, D]``, ``v_cache [blocks,
+    most :func:`tile_rows` rows a tile) over their sequences' paged K/V: ``out [N, nh * Dv]`` bf16
+    bits from ``q [N, nh, D]`` float32 and bf16 caches ``k_cache [blocks, block_size, nkv, D]``, ``v_cache [blocks,
     block_size, nkv, Dv]``, as :func:`metrale.kernels.attention_mma.prefill_attention` takes them.
     Raises :class:`~metrale.errors.KernelArgumentError` for what :func:`supports` refuses."""
     from metrale.kernels._launch import launch
@@ -764,7 +761,8 @@ def prefill_attention(
         sinks if sinks is not None else np.uint64(0), out,
     )
     consumers = consumer_groups(head_dim, value_dim)
-    launch(kernel, (int(tiles.shape[0]), heads), (128 * (consumers + 1),), arguments,
+    threads = 128 * (consumers + 1)  # the producer's warpgroup and the consumers'
+    launch(kernel, (int(tiles.shape[0]), heads), (threads,), arguments,
            shared_bytes(head_dim, value_dim, consumers), stream, dependent=False)
     return out
 
