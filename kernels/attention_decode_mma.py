@@ -63,7 +63,7 @@ BLOCK_HEADS = 16
 BLOCK_KEYS = 64
 THREADS = 128
 #: The head sizes served (keys and values of the same size).
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (32, 64, 128, 256)
 #: Multiprocessors the split count aims to fill when the device cannot be asked (an H200's).
 DEFAULT_MULTIPROCESSORS = 132
 #: Dynamic shared memory a block may take.
@@ -576,7 +576,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
 
         // B operand of value tiles dt, dt + 1 of the warp's columns (transposed loads): matrices
         // (keys 0-7, columns of dt), (keys 8-15, dt), (keys 0-7, dt + 1), (keys 8-15, dt + 1) of
-        // the kt-th 16 keys.
+        // the kt-th 16 keys. A warp of one tile (32 dims) loads the same four matrices, the last
+        // two from its neighbour's columns (the last warp's from the rows' padding), unused.
         const unsigned value_fragment = shared_address(
             &values[((matrix & 1) * 8 + matrix_row) * STRIDE + warp * WARP_COLUMNS + (matrix >> 1) * 8]);
 #pragma unroll
@@ -589,9 +590,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
                 unsigned operand[4];
                 load_matrices_transposed(operand, value_fragment + (kt * 16 * STRIDE + dt * 8) * 2);
                 MMA_16x8x16(acc[dt], weights, operand);
-                MMA_16x8x16(acc[dt + 1], weights, operand + 2);
                 MMA_16x8x16(acc[dt], low_weights, operand);
+#if WARP_COLUMNS >= 16
+                MMA_16x8x16(acc[dt + 1], weights, operand + 2);
                 MMA_16x8x16(acc[dt + 1], low_weights, operand + 2);
+#endif
             }
         }
 #endif

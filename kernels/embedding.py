@@ -1,8 +1,44 @@
-"""Embedding gather: ``out[t] = weight[ids[t]]``."""
+"""Embedding gather: ``out[t] = weight[ids[t]]``, a bf16 table widened to float32 (CUDA C++,
+compiled by NVRTC through CuPy).
+
+A few lines with no header, so a fresh install's first prompt waits a fraction of a second for
+it. ``tests/kernels`` runs it on the host through the CUDA emulation header and on the GPU
+(``-m gpu``).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+
+from metrale.errors import KernelArgumentError
+from metrale.kernels._device import DeviceArray, check_array
+
+EMBEDDING_THREADS = 128
+
+KERNEL = r"""
+// Grid: (N rows, ceil(H / (4 * 128))); 128 threads, four columns each (bf16 bits from uint16
+// pairs where the row allows). weight [V, H] bf16 bits, ids [N] int32, out [N, H] float32.
+extern "C" __global__ void __launch_bounds__(128)
+embedding_bf16(const unsigned short* __restrict__ weight, const int* __restrict__ ids, float* __restrict__ out, int hidden) {
+    const long long row = blockIdx.x;
+    const unsigned short* __restrict__ source = weight + (long long)ids[row] * hidden;
+    float* __restrict__ target = out + row * hidden;
+    const int first = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
+#pragma unroll
+    for (int c = first; c < first + 4; ++c) {
+        if (c < hidden) target[c] = __uint_as_float((unsigned)source[c] << 16);
+    }
+}
+"""
+
+KERNEL_NAMES = ("embedding_bf16",)
+
+
+def source() -> str:
+    """The CUDA C++ source NVRTC compiles."""
+    return KERNEL
 
 
 def embedding_reference(weight: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -10,34 +46,37 @@ def embedding_reference(weight: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return np.asarray(weight[np.asarray(ids, dtype=np.int64)], dtype=np.float32)
 
 
-# ------------------------------------------------------------------------------ CUDA kernel
-
-from numba import cuda  # noqa: E402
-
-from metrale.kernels._device import SIMULATED, DeviceArray, bf16_to_float, check_array, device_view, jit_kernel, numba_stream  # noqa: E402
-
-EMBEDDING_THREADS = 16 if SIMULATED else 128
+def grid(rows: int, hidden: int) -> tuple[int, int]:
+    """The launch's grid for ``rows`` ids of ``hidden`` columns."""
+    return rows, max(1, -(-hidden // (4 * EMBEDDING_THREADS)))
 
 
-@jit_kernel
-def embedding_kernel(weight, ids, out):
-    # Grid: (N rows, ceil(H / threads)); one thread per output element.
-    # weight [V, H] bf16 bits (uint16), ids [N] int32, out [N, H] float32.
-    row = cuda.blockIdx.x
-    column = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
-    if column < out.shape[1]:
-        out[row, column] = bf16_to_float(weight[ids[row], column])
+_kernels: list[Any] = []
 
 
-def embedding(weight: DeviceArray, ids: DeviceArray, out: DeviceArray, stream: object = None) -> DeviceArray:
-    """Gather rows of a bf16 ``weight [V, H]`` into float32 ``out [N, H]``."""
-    check_array("embedding", "weight", weight, np.uint16, ndim=2)
+def _kernel() -> Any:
+    if not _kernels:
+        import cupy
+
+        _kernels.append(cupy.RawModule(code=source(), options=("--std=c++17",)).get_function(KERNEL_NAMES[0]))
+    return _kernels[0]
+
+
+def embedding(weight: DeviceArray, ids: DeviceArray, out: DeviceArray, stream: Any = None) -> DeviceArray:
+    """Gather rows of a bf16 ``weight [V, H]`` (``uint16`` bits) into float32 ``out [N, H]`` on
+    ``stream`` (a CuPy stream; None: the current one). ``ids`` must lie in ``[0, V)``: they are
+    not checked on the device. Raises :class:`~metrale.errors.KernelArgumentError` for arrays of
+    other dtypes, shapes or layouts, or host arrays."""
+    op = "embedding"
+    check_array(op, "weight", weight, np.uint16, ndim=2)
     rows, hidden = ids.shape[0], weight.shape[1]
-    check_array("embedding", "ids", ids, np.int32, (rows,))
-    check_array("embedding", "out", out, np.float32, (rows, hidden))
-    if rows:
-        grid = (rows, -(-hidden // EMBEDDING_THREADS))
-        embedding_kernel[grid, EMBEDDING_THREADS, numba_stream(stream)](
-            device_view(weight), device_view(ids), device_view(out)
-        )
+    check_array(op, "ids", ids, np.int32, (rows,))
+    check_array(op, "out", out, np.float32, (rows, hidden))
+    if any(isinstance(array, np.ndarray) for array in (weight, ids, out)):
+        raise KernelArgumentError(f"{op}: the arrays must be on the device (CuPy arrays), not host arrays")
+    if rows and hidden:
+        import contextlib
+
+        with stream if stream is not None else contextlib.nullcontext():
+            _kernel()(grid(rows, hidden), (EMBEDDING_THREADS,), (weight, ids, out, np.int32(hidden)))
     return out

@@ -14,6 +14,11 @@ Semantics (shared by the reference and the kernel), per row with logits ``l``:
 
 ``u`` comes from :func:`request_uniform` (a SplitMix64 hash of the request's seed and step), so a
 seed fixes the tokens on the device.
+
+The kernel is CUDA C++ compiled by NVRTC through CuPy (a few hundred lines with no header: the
+first sampled token of a fresh install waits a fraction of a second for it). ``tests/kernels``
+runs it on the host through the CUDA emulation header against :func:`sample_reference`, and on
+the GPU (``-m gpu``).
 """
 
 from __future__ import annotations
@@ -80,255 +85,294 @@ def sample_reference(
 
 # ------------------------------------------------------------------------------ CUDA kernel
 
-import math  # noqa: E402
+from metrale.errors import KernelArgumentError  # noqa: E402
+from metrale.kernels._device import DeviceArray, check_array  # noqa: E402
 
-from numba import cuda, float32, int32, int64, uint64  # noqa: E402
-
-from metrale.kernels._device import (  # noqa: E402
-    SIMULATED,
-    DeviceArray,
-    block_max,
-    block_sum,
-    check_array,
-    device_view,
-    float_to_bits,
-    jit_kernel,
-    numba_stream,
-)
-
-SAMPLE_THREADS = 16 if SIMULATED else 512
+SAMPLE_THREADS = 512
 RADIX_BITS = 4
 RADIX_BUCKETS = 1 << RADIX_BITS
 
+CONSTANTS = f"""
+#define SAMPLE_THREADS {SAMPLE_THREADS}
+#define RADIX_BITS {RADIX_BITS}
+#define RADIX_BUCKETS {RADIX_BUCKETS}
+"""
 
-@cuda.jit(device=True)
-def _order_key(value):
-    # float32 -> int64 whose order matches the float order.
-    bits = int64(float_to_bits(value))
-    if bits >= 2147483648:
-        return -(bits - 2147483648) - 1
-    return bits
+KERNEL = r"""
+#define SAMPLE_WARPS (SAMPLE_THREADS / 32)
+#define NEG_INF (__int_as_float(0xff800000))
+#define POS_INF (__int_as_float(0x7f800000))
+
+// A float's order key: an integer whose order is the floats' order (-0 just below +0).
+__device__ __forceinline__ long long order_key(float value) {
+    const long long bits = (long long)__float_as_uint(value);
+    return bits >= 2147483648LL ? -(bits - 2147483648LL) - 1 : bits;
+}
+
+// The uniform draw in [0, 1) of a request's step: SplitMix64 of (seed * FNV prime) ^ step, 24 bits.
+__device__ __forceinline__ float request_uniform(long long seed, long long step) {
+    const unsigned long long x = ((unsigned long long)seed * 0x100000001B3ull ^ (unsigned long long)step)
+                                 + 0x9E3779B97F4A7C15ull;
+    unsigned long long z = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(z >> 40) / 16777216.f;
+}
+
+// Sum and maximum over the block, every thread getting it; `partial` holds SAMPLE_WARPS values.
+__device__ float block_sum(float* partial, float value) {
+    for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = value;
+    __syncthreads();
+    float total = partial[0];
+    for (int w = 1; w < SAMPLE_WARPS; ++w) total += partial[w];
+    __syncthreads();
+    return total;
+}
+
+__device__ float block_max(float* partial, float value) {
+    for (int offset = 16; offset > 0; offset >>= 1) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = value;
+    __syncthreads();
+    float best = partial[0];
+    for (int w = 1; w < SAMPLE_WARPS; ++w) best = fmaxf(best, partial[w]);
+    __syncthreads();
+    return best;
+}
+
+// Adds one scaled value to the bucket of the bracket [lo, lo + RADIX_BUCKETS << shift) it falls in.
+__device__ __forceinline__ void radix_add(float* histogram, float s, bool valid, long long lo, int shift, float scaled_max,
+                                          bool by_mass) {
+    if (!valid) return;
+    const long long offset = order_key(s) - lo;
+    if (offset < 0) return;
+    const long long bucket = offset >> shift;
+    if (bucket < RADIX_BUCKETS) histogram[bucket] += by_mass ? expf(s - scaled_max) : 1.f;
+}
+
+// The largest order key t >= start whose measure -- count, or mass exp(s - max) -- over the
+// scaled values with key >= t reaches target (the measure over keys >= start must reach it).
+// Radix search: a pass splits the bracket [lo, lo + 2^32 >> 4 * pass) into RADIX_BUCKETS buckets
+// and keeps the highest bucket whose measure, plus all above it, reaches the target; eight passes
+// of 4 bits pin the key exactly. Only values inside the bracket are weighed (the measure above it
+// is carried); each thread reads four values at a time. `bucket_partial` holds [SAMPLE_WARPS]
+// [RADIX_BUCKETS] values and `bucket_totals` RADIX_BUCKETS.
+__device__ long long threshold_key(const float* __restrict__ row, int vocab, float inv_temp, float scaled_max, long long start,
+                                   float target, bool by_mass, float* bucket_partial, float* bucket_totals) {
+    const int tid = threadIdx.x, last = vocab - 1;
+    long long lo = start;
+    float above = 0.f;
+    for (int shift = 32 - RADIX_BITS; shift >= 0; shift -= RADIX_BITS) {
+        float histogram[RADIX_BUCKETS];
+        for (int j = 0; j < RADIX_BUCKETS; ++j) histogram[j] = 0.f;
+        for (int base = tid; base < vocab; base += 4 * SAMPLE_THREADS) {
+            const int i1 = base + SAMPLE_THREADS, i2 = base + 2 * SAMPLE_THREADS, i3 = base + 3 * SAMPLE_THREADS;
+            const float v0 = row[base] * inv_temp, v1 = row[min(i1, last)] * inv_temp;
+            const float v2 = row[min(i2, last)] * inv_temp, v3 = row[min(i3, last)] * inv_temp;
+            radix_add(histogram, v0, true, lo, shift, scaled_max, by_mass);
+            radix_add(histogram, v1, i1 < vocab, lo, shift, scaled_max, by_mass);
+            radix_add(histogram, v2, i2 < vocab, lo, shift, scaled_max, by_mass);
+            radix_add(histogram, v3, i3 < vocab, lo, shift, scaled_max, by_mass);
+        }
+        // The buckets' totals: each warp's by shuffles, then the warps' in warp order by one
+        // thread a bucket, read by every thread (so all of them choose the same bucket).
+        for (int j = 0; j < RADIX_BUCKETS; ++j) {
+            float value = histogram[j];
+            for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+            if (tid % 32 == 0) bucket_partial[(tid / 32) * RADIX_BUCKETS + j] = value;
+        }
+        __syncthreads();
+        if (tid < RADIX_BUCKETS) {
+            float total = 0.f;
+            for (int w = 0; w < SAMPLE_WARPS; ++w) total += bucket_partial[w * RADIX_BUCKETS + tid];
+            bucket_totals[tid] = total;
+        }
+        __syncthreads();
+        // Bucket 0 is the fallback: its cumulative measure reached the target in the previous
+        // pass, up to rounding.
+        float running = above;
+        int chosen = 0;
+        for (int j = RADIX_BUCKETS - 1; j > 0; --j) {
+            if (running + bucket_totals[j] >= target) {
+                chosen = j;
+                break;
+            }
+            running += bucket_totals[j];
+        }
+        __syncthreads();   // every thread has read the totals before the next pass writes them
+        lo += (long long)chosen << shift;
+        above = running;
+    }
+    return lo;
+}
+
+// Grid: one block of SAMPLE_THREADS per row. logits [rows, vocab] float32; temperature, top_p,
+// log_min_p, uniforms [rows] float32; top_k [rows] int32; seeds, steps [rows] int64; out_tokens
+// [rows] int32. Thresholds come from a radix search over the order keys of the scaled values
+// (exact); the token from the per-thread masses of contiguous chunks, in vocabulary order.
+// uniforms[row] < 0 draws u from (seeds[row], steps[row]).
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_tokens(
+    const float* __restrict__ logits, int vocab, const float* __restrict__ temperature, const int* __restrict__ top_k,
+    const float* __restrict__ top_p, const float* __restrict__ log_min_p, const long long* __restrict__ seeds,
+    const long long* __restrict__ steps, const float* __restrict__ uniforms, int* __restrict__ out_tokens)
+{
+    __shared__ float partial[SAMPLE_WARPS];
+    __shared__ int partial_index[SAMPLE_WARPS];
+    __shared__ float bucket_partial[SAMPLE_WARPS * RADIX_BUCKETS];
+    __shared__ float bucket_totals[RADIX_BUCKETS];
+    __shared__ float chunk_mass[SAMPLE_THREADS];
+    __shared__ int owner_thread;
+    __shared__ float owner_running;
+    const int row = blockIdx.x, tid = threadIdx.x, last = vocab - 1;
+    const float* __restrict__ values = logits + (long long)row * vocab;
+    const float temp = temperature[row];
+    // The row's largest value and the first index holding it. Each thread reads four values at
+    // a time (loads past the row clamped to its last value and ignored), indices rising within
+    // a thread, so the first of equal values is kept; a NaN or +inf marks the thread broken.
+    float local_best = NEG_INF;
+    int local_index = vocab;
+    bool broken = false;
+    for (int base = tid; base < vocab; base += 4 * SAMPLE_THREADS) {
+        const int i1 = base + SAMPLE_THREADS, i2 = base + 2 * SAMPLE_THREADS, i3 = base + 3 * SAMPLE_THREADS;
+        const float v0 = values[base], v1 = values[min(i1, last)], v2 = values[min(i2, last)], v3 = values[min(i3, last)];
+        if (!(v0 < POS_INF && v1 < POS_INF && v2 < POS_INF && v3 < POS_INF)) broken = true;
+        if (v0 > local_best) { local_best = v0; local_index = base; }
+        if (i1 < vocab && v1 > local_best) { local_best = v1; local_index = i1; }
+        if (i2 < vocab && v2 > local_best) { local_best = v2; local_index = i2; }
+        if (i3 < vocab && v3 > local_best) { local_best = v3; local_index = i3; }
+    }
+    if (broken) local_best = POS_INF;
+    // +inf: some thread saw a NaN or +inf; -inf: every logit is -inf. No distribution: token -1.
+    const float best = block_max(partial, local_best);
+    if (!(best < POS_INF && best > NEG_INF)) {
+        if (tid == 0) out_tokens[row] = -1;
+        return;
+    }
+    if (temp == 0.f) {
+        // Greedy: the smallest index holding the maximum.
+        int index = local_best == best ? local_index : vocab;
+        for (int offset = 16; offset > 0; offset >>= 1) index = min(index, __shfl_sync(0xffffffffu, index, (tid % 32) ^ offset));
+        if (tid % 32 == 0) partial_index[tid / 32] = index;
+        __syncthreads();
+        if (tid == 0) {
+            for (int w = 1; w < SAMPLE_WARPS; ++w) index = min(index, partial_index[w]);
+            out_tokens[row] = index;
+        }
+        return;
+    }
+    const float inv_temp = 1.f / temp;
+    const float scaled_max = best * inv_temp;
+    // Top-k: the largest key t with count(key >= t) >= k.
+    long long k_key = -2147483648LL;
+    const int k = top_k[row];
+    if (0 < k && k < vocab) {
+        k_key = threshold_key(values, vocab, inv_temp, scaled_max, k_key, (float)k, false, bucket_partial, bucket_totals);
+    }
+    // Min-p: the tokens within log_min_p of the largest scaled logit (both bounds are lower bounds).
+    const float lmp = log_min_p[row];
+    if (lmp > NEG_INF) k_key = max(k_key, order_key(scaled_max + lmp));
+    float mass = 0.f;
+    for (int i = tid; i < vocab; i += SAMPLE_THREADS) {
+        const float s = values[i] * inv_temp;
+        if (order_key(s) >= k_key) mass += expf(s - scaled_max);
+    }
+    float total = block_sum(partial, mass);
+    long long threshold = k_key;
+    const float p = top_p[row];
+    if (p < 1.f) {
+        threshold = threshold_key(values, vocab, inv_temp, scaled_max, k_key, p * total, true, bucket_partial, bucket_totals);
+        float kept = 0.f;
+        for (int i = tid; i < vocab; i += SAMPLE_THREADS) {
+            const float s = values[i] * inv_temp;
+            if (order_key(s) >= threshold) kept += expf(s - scaled_max);
+        }
+        total = block_sum(partial, kept);
+    }
+    float u = uniforms[row];
+    if (u < 0.f) u = request_uniform(seeds[row], steps[row]);
+    const float target = u * total;
+    // Each thread owns a contiguous chunk; thread 0 finds the chunk holding the target, its owner
+    // the token in it.
+    const int chunk = (vocab + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
+    const int start = tid * chunk, stop = min(start + chunk, vocab);
+    float own = 0.f;
+    for (int i = start; i < stop; ++i) {
+        const float s = values[i] * inv_temp;
+        if (order_key(s) >= threshold) own += expf(s - scaled_max);
+    }
+    chunk_mass[tid] = own;
+    __syncthreads();
+    if (tid == 0) {
+        float running = 0.f;
+        int owner = -1, last_nonempty = 0;
+        for (int t = 0; t < SAMPLE_THREADS; ++t) {
+            if (chunk_mass[t] > 0.f) {
+                last_nonempty = t;
+                if (running + chunk_mass[t] > target) {
+                    owner = t;
+                    break;
+                }
+                running += chunk_mass[t];
+            }
+        }
+        if (owner < 0) {   // rounding left the target past the last mass: the last kept token
+            owner = last_nonempty;
+            running -= chunk_mass[owner];
+        }
+        owner_thread = owner;
+        owner_running = running;
+    }
+    __syncthreads();
+    if (tid == owner_thread) {
+        float running = owner_running;
+        int choice = -1, last_kept = -1;
+        for (int i = start; i < stop; ++i) {
+            const float s = values[i] * inv_temp;
+            if (order_key(s) >= threshold) {
+                const float weight = expf(s - scaled_max);
+                if (weight > 0.f) last_kept = i;
+                running += weight;
+                if (running > target) {
+                    choice = i;
+                    break;
+                }
+            }
+        }
+        out_tokens[row] = choice >= 0 ? choice : last_kept;
+    }
+}
+"""
+
+KERNEL_NAMES = ("sample_tokens",)
 
 
-@cuda.jit(device=True)
-def _uniform(seed, step):
-    x = (uint64(seed) * uint64(0x100000001B3)) ^ uint64(step)
-    x = x + uint64(0x9E3779B97F4A7C15)
-    z = (x ^ (x >> uint64(30))) * uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> uint64(27))) * uint64(0x94D049BB133111EB)
-    z = z ^ (z >> uint64(31))
-    return float32(z >> uint64(40)) / float32(16777216.0)
+def source() -> str:
+    """The CUDA C++ source NVRTC compiles."""
+    return CONSTANTS + KERNEL
 
 
-
-@cuda.jit(device=True)
-def _radix_add(hist, s, valid, lo, shift, scaled_max, by_mass):
-    # Adds one scaled value to the bucket of the bracket [lo, lo + RADIX_BUCKETS << shift) it falls in.
-    if valid:
-        offset = _order_key(s) - lo
-        if offset >= 0:
-            bucket = offset >> shift
-            if bucket < RADIX_BUCKETS:
-                if by_mass:
-                    hist[bucket] += math.exp(s - scaled_max)
-                else:
-                    hist[bucket] += float32(1.0)
+_kernels: list[Any] = []
 
 
-@cuda.jit(device=True)
-def _threshold_key(logits, row, inv_temp, scaled_max, start, target, by_mass, partial, hist, tid):
-    # The largest order key t >= start whose measure -- count, or mass exp(s - max) -- over the
-    # scaled values with key >= t reaches target (the measure over keys >= start must reach it).
-    # Radix search: a pass splits the bracket [lo, lo + 2^32 >> 4 * pass) into RADIX_BUCKETS
-    # buckets and keeps the highest bucket whose measure, plus all above it, reaches the target;
-    # eight passes of 4 bits pin the key exactly. Only values inside the bracket are weighed
-    # (the measure above it is carried), and each thread reads four values at a time.
-    vocab = logits.shape[1]
-    last = vocab - 1
-    lo = int64(start)
-    above = float32(0.0)
-    shift = int64(32 - RADIX_BITS)
-    while shift >= 0:
-        for j in range(RADIX_BUCKETS):
-            hist[j] = float32(0.0)
-        for base in range(tid, vocab, 4 * SAMPLE_THREADS):
-            i1 = base + SAMPLE_THREADS
-            i2 = base + 2 * SAMPLE_THREADS
-            i3 = base + 3 * SAMPLE_THREADS
-            v0 = logits[row, base] * inv_temp
-            v1 = logits[row, min(i1, last)] * inv_temp
-            v2 = logits[row, min(i2, last)] * inv_temp
-            v3 = logits[row, min(i3, last)] * inv_temp
-            _radix_add(hist, v0, True, lo, shift, scaled_max, by_mass)
-            _radix_add(hist, v1, i1 < vocab, lo, shift, scaled_max, by_mass)
-            _radix_add(hist, v2, i2 < vocab, lo, shift, scaled_max, by_mass)
-            _radix_add(hist, v3, i3 < vocab, lo, shift, scaled_max, by_mass)
-        # Every thread takes part in every block_sum; bucket 0 is the fallback (its cumulative
-        # measure reached the target in the previous pass, up to rounding).
-        running = above
-        chosen = int64(-1)
-        for j in range(RADIX_BUCKETS - 1, -1, -1):
-            bucket_total = block_sum(partial, tid, hist[j], SAMPLE_THREADS)
-            if chosen < 0:
-                if running + bucket_total >= target or j == 0:
-                    chosen = j
-                else:
-                    running += bucket_total
-        lo += chosen << shift
-        above = running
-        shift -= RADIX_BITS
-    return lo
+def _kernel() -> Any:
+    if not _kernels:
+        import cupy
 
-
-@jit_kernel
-def sample_kernel(logits, temperature, top_k, top_p, log_min_p, seeds, steps, uniforms, out_tokens):
-    # Grid: one block of SAMPLE_THREADS per row. Thresholds are found by a radix search over the
-    # order keys of the float32 values (exact: eight passes of 4 bits); the token by a block
-    # scan of per-thread chunk masses in vocabulary order. uniforms[row] < 0 draws u from
-    # (seeds[row], steps[row]).
-    row = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    vocab = logits.shape[1]
-    partial = cuda.shared.array(SAMPLE_THREADS, float32)
-    chunk_mass = cuda.shared.array(SAMPLE_THREADS, float32)
-    found = cuda.shared.array(2, int64)
-    temp = temperature[row]
-    # Greedy: block argmax, smallest index on ties. Each thread reads its values four at a time
-    # (loads past the row clamped to its last value and ignored), so four loads are in flight
-    # instead of one per dependent compare; within a thread indices still rise, so the first of
-    # equal values is kept.
-    local_best = float32(-math.inf)
-    local_index = int64(vocab)
-    last = vocab - 1
-    # Whether this thread saw a NaN or +inf (clamped loads re-read a valid value: harmless).
-    broken = False
-    for base in range(tid, vocab, 4 * SAMPLE_THREADS):
-        i1 = base + SAMPLE_THREADS
-        i2 = base + 2 * SAMPLE_THREADS
-        i3 = base + 3 * SAMPLE_THREADS
-        v0 = logits[row, base]
-        v1 = logits[row, min(i1, last)]
-        v2 = logits[row, min(i2, last)]
-        v3 = logits[row, min(i3, last)]
-        if not (v0 < math.inf and v1 < math.inf and v2 < math.inf and v3 < math.inf):
-            broken = True
-        if v0 > local_best:
-            local_best = v0
-            local_index = base
-        if i1 < vocab and v1 > local_best:
-            local_best = v1
-            local_index = i1
-        if i2 < vocab and v2 > local_best:
-            local_best = v2
-            local_index = i2
-        if i3 < vocab and v3 > local_best:
-            local_best = v3
-            local_index = i3
-    if broken:
-        local_best = float32(math.inf)
-    # +inf here means some thread saw a NaN or +inf; -inf that every logit is -inf.
-    best = block_max(partial, tid, local_best, SAMPLE_THREADS)
-    if not (best < math.inf and best > -math.inf):
-        if tid == 0:
-            out_tokens[row] = int32(-1)
-        return
-    if temp == 0.0:
-        if tid == 0:
-            found[0] = vocab
-        cuda.syncthreads()
-        if local_best == best:
-            cuda.atomic.min(found, 0, local_index)
-        cuda.syncthreads()
-        if tid == 0:
-            out_tokens[row] = int32(found[0])
-        return
-    inv_temp = float32(1.0) / temp
-    scaled_max = best * inv_temp
-    hist = cuda.local.array(RADIX_BUCKETS, float32)
-    # Top-k threshold: the largest key t with count(key >= t) >= k.
-    k_key = int64(-2147483648)
-    k = top_k[row]
-    if 0 < k < vocab:
-        k_key = _threshold_key(logits, row, inv_temp, scaled_max, k_key, float32(k), False, partial, hist, tid)
-    # Min-p: the tokens within log_min_p of the largest scaled logit (both bounds are lower bounds).
-    lmp = log_min_p[row]
-    if lmp > -math.inf:
-        k_key = max(k_key, _order_key(scaled_max + lmp))
-    # Total kept mass.
-    mass = float32(0.0)
-    for i in range(tid, vocab, SAMPLE_THREADS):
-        s = logits[row, i] * inv_temp
-        if _order_key(s) >= k_key:
-            mass += math.exp(s - scaled_max)
-    total = block_sum(partial, tid, mass, SAMPLE_THREADS)
-    threshold = k_key
-    p = top_p[row]
-    if p < 1.0:
-        threshold = _threshold_key(logits, row, inv_temp, scaled_max, k_key, p * total, True, partial, hist, tid)
-        kept = float32(0.0)
-        for i in range(tid, vocab, SAMPLE_THREADS):
-            s = logits[row, i] * inv_temp
-            if _order_key(s) >= threshold:
-                kept += math.exp(s - scaled_max)
-        total = block_sum(partial, tid, kept, SAMPLE_THREADS)
-    u = uniforms[row]
-    if u < 0.0:
-        u = _uniform(seeds[row], steps[row])
-    target = u * total
-    # Each thread owns a contiguous chunk; thread 0 finds the chunk holding the target.
-    chunk = (vocab + SAMPLE_THREADS - 1) // SAMPLE_THREADS
-    start = tid * chunk
-    stop = min(start + chunk, vocab)
-    own = float32(0.0)
-    for i in range(start, stop):
-        s = logits[row, i] * inv_temp
-        if _order_key(s) >= threshold:
-            own += math.exp(s - scaled_max)
-    chunk_mass[tid] = own
-    cuda.syncthreads()
-    if tid == 0:
-        running = float32(0.0)
-        owner = int64(-1)
-        last_nonempty = int64(0)
-        for t in range(SAMPLE_THREADS):
-            if chunk_mass[t] > 0.0:
-                last_nonempty = t
-                if owner < 0 and running + chunk_mass[t] > target:
-                    owner = t
-                    break
-                running += chunk_mass[t]
-        if owner < 0:
-            owner = last_nonempty
-            running -= chunk_mass[owner]
-        found[0] = owner
-        partial[0] = running
-    cuda.syncthreads()
-    if tid == found[0]:
-        running = partial[0]
-        choice = int64(-1)
-        last_kept = int64(-1)
-        for i in range(start, stop):
-            s = logits[row, i] * inv_temp
-            if _order_key(s) >= threshold:
-                weight = math.exp(s - scaled_max)
-                if weight > 0.0:
-                    last_kept = i
-                running += weight
-                if running > target:
-                    choice = i
-                    break
-        out_tokens[row] = int32(choice if choice >= 0 else last_kept)
+        _kernels.append(cupy.RawModule(code=source(), options=("--std=c++17",)).get_function(KERNEL_NAMES[0]))
+    return _kernels[0]
 
 
 def sample(
     logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, top_p: DeviceArray, seeds: DeviceArray, steps: DeviceArray,
-    uniforms: DeviceArray, out_tokens: DeviceArray, stream: object = None, log_min_p: DeviceArray = None,
+    uniforms: DeviceArray, out_tokens: DeviceArray, stream: Any = None, log_min_p: DeviceArray = None,
 ) -> DeviceArray:
-    """CUDA launcher: one token per row of ``logits [R, V]`` into ``out_tokens [R]`` int32
-    (``log_min_p`` None: no min-p)."""
+    """CUDA launcher: one token per row of ``logits [R, V]`` (CuPy arrays) into ``out_tokens [R]``
+    int32 on ``stream`` (a CuPy stream or a raw handle; None: the current one); ``log_min_p`` None: no min-p.
+    Raises :class:`~metrale.errors.KernelArgumentError` for arrays of other dtypes, shapes or
+    layouts, or host arrays."""
     op = "sample"
     check_array(op, "logits", logits, np.float32, ndim=2)
-    rows = logits.shape[0]
+    rows, vocab = logits.shape
     check_array(op, "temperature", temperature, np.float32, (rows,))
     check_array(op, "top_k", top_k, np.int32, (rows,))
     check_array(op, "top_p", top_p, np.float32, (rows,))
@@ -336,20 +380,24 @@ def sample(
     check_array(op, "steps", steps, np.int64, (rows,))
     check_array(op, "uniforms", uniforms, np.float32, (rows,))
     check_array(op, "out_tokens", out_tokens, np.int32, (rows,))
-    if log_min_p is None:  # no min-p: an array of -inf where the logits are
-        if isinstance(logits, np.ndarray):
-            log_min_p = np.full(rows, -np.inf, np.float32)
-        else:
-            import cupy
+    if log_min_p is not None:
+        check_array(op, "log_min_p", log_min_p, np.float32, (rows,))
+    arrays = (logits, temperature, top_k, top_p, seeds, steps, uniforms, out_tokens, log_min_p)
+    if any(isinstance(array, np.ndarray) for array in arrays):
+        raise KernelArgumentError(f"{op}: the arrays must be on the device (CuPy arrays), not host arrays")
+    if not rows:
+        return out_tokens
+    if vocab >= 2**31:
+        raise KernelArgumentError(f"{op}: rows of {vocab} values are not served (fewer than 2**31)")
+    import contextlib
 
-            # Written on the launch's stream, so the kernel reads it after it is filled.
-            on: Any = cupy.cuda.ExternalStream(stream) if isinstance(stream, int) and stream else stream
-            with on if on is not None else cupy.cuda.get_current_stream():
-                log_min_p = cupy.full(rows, -np.inf, np.float32)
-    check_array(op, "log_min_p", log_min_p, np.float32, (rows,))
-    if rows:
-        sample_kernel[rows, SAMPLE_THREADS, numba_stream(stream)](
-            device_view(logits), device_view(temperature), device_view(top_k), device_view(top_p), device_view(log_min_p),
-            device_view(seeds), device_view(steps), device_view(uniforms), device_view(out_tokens),
-        )
+    import cupy
+
+    if isinstance(stream, int):  # a raw stream handle
+        stream = cupy.cuda.ExternalStream(stream) if stream else None
+    with stream if stream is not None else contextlib.nullcontext():
+        if log_min_p is None:  # no min-p: -inf for every row, written on the launch's stream
+            log_min_p = cupy.full(rows, -np.inf, np.float32)
+        _kernel()((rows,), (SAMPLE_THREADS,), (logits, np.int32(vocab), temperature, top_k, top_p, log_min_p, seeds,
+                                               steps, uniforms, out_tokens))
     return out_tokens

@@ -37,7 +37,6 @@ def kernels():
         attention_latent,
         attention_prefill,
         attention_staged,
-        embedding,
         gated,
         gated_delta,
         head_linear,
@@ -47,7 +46,6 @@ def kernels():
         moe_clamped,
         qkv_rope,
         rmsnorm,
-        sampling,
         token_mask,
     )
 
@@ -55,7 +53,6 @@ def kernels():
         c(f32, 3), c(u64, 2), c(u64, 2), i32, i32, c(i32, 2), c(i32, 1), c(i32, 1), f32, i32, c(f32, 4),
         c(f32, 3), c(f32, 3), c(u16, 2))
     return {
-        "embedding": (embedding.embedding_kernel, (c(u16, 2), c(i32, 1), c(f32, 2))),
         "rmsnorm_residual": (rmsnorm.rmsnorm_residual_kernel, (c(f32, 2), c(f32, 2), c(u16, 1), f32, f32, i32, c(u16, 2))),
         "layernorm_residual": (layernorm.layernorm_residual_kernel, (
             c(f32, 2), c(f32, 2), c(u16, 1), c(f32, 1), i32, f32, i32, c(u16, 2))),
@@ -114,8 +111,6 @@ def kernels():
             c(f32, 2), c(u64, 2), c(f32, 1), types.boolean, c(i32, 2), c(f32, 2), c(f32, 2))),
         "moe_clamped_down_mxfp4": (moe_clamped.clamped_down_mxfp4_kernel, (
             c(f32, 2), c(u32, 2), c(f32, 2), c(f32, 1), types.boolean, c(i32, 2), c(f32, 2), c(f32, 2))),
-        "sample": (sampling.sample_kernel, (
-            c(f32, 2), c(f32, 1), c(i32, 1), c(f32, 1), c(f32, 1), c(i64, 1), c(i64, 1), c(f32, 1), c(i32, 1))),
         "logit_bias": (logits_process.logit_bias_kernel, (c(f32, 2), c(i32, 1), c(i32, 1), c(f32, 1))),
         "penalties": (logits_process.penalty_kernel, (c(f32, 2), c(i32, 1), c(i32, 2), c(f32, 1), c(f32, 1), c(f32, 1))),
         "count_tokens": (logits_process.count_tokens_kernel, (c(i32, 2), c(i32, 1), c(i32, 1))),

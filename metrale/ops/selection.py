@@ -671,7 +671,7 @@ def attention_kernels() -> list[Kernel]:
         Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_decode_mma (tensor cores, the codes as "
                "f16 operands, the scales in float32)", build=_cuda_method("paged_attention_decode_mma"),
                when=fp8_decode_mma, enabled=_decode_mma_enabled,
-               condition="METRALE_DECODE_MMA is not 0, an FP8 cache, K and V heads of 64, 128 or 256 dims, whole "
+               condition="METRALE_DECODE_MMA is not 0, an FP8 cache, K and V heads of 32, 64, 128 or 256 dims, whole "
                "query-head groups"),
         Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_fp8 (CUDA cores, a block per query head)",
                build=_cuda_method("paged_attention_decode_fp8"), when=fp8_cache, condition="an FP8 cache"),
@@ -683,7 +683,7 @@ def attention_kernels() -> list[Kernel]:
                build=_prompt_rows_as_decode_rows, when=fp8_cache, condition="an FP8 cache"),
         Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_decode_mma (tensor cores)",
                build=_cuda_method("paged_attention_decode_mma"), when=decode_mma, enabled=_decode_mma_enabled,
-               condition="METRALE_DECODE_MMA is not 0, K and V heads of 64, 128 or 256 dims, whole query-head groups"),
+               condition="METRALE_DECODE_MMA is not 0, K and V heads of 32, 64, 128 or 256 dims, whole query-head groups"),
         Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_staged (CUDA cores, keys staged in shared "
                "memory)", build=_cuda_method("paged_attention_decode_staged"), when=staged,
                condition=f"K and V heads of 16 to 128 dims, a power of two; a block's share of the keys times d <= "

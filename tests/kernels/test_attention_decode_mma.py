@@ -109,7 +109,7 @@ def test_supported_geometries():
     if attention_decode_mma.SIMULATED:
         assert not supports(32, 8, 128, 128)  # the simulator runs the CUDA-core kernels
         return
-    assert supports(32, 8, 128, 128) and supports(16, 2, 256, 256) and supports(8, 8, 64, 64)
+    assert supports(32, 8, 128, 128) and supports(16, 2, 256, 256) and supports(8, 8, 64, 64) and supports(4, 2, 32, 32)
     assert not supports(32, 8, 192, 128)
     assert not supports(32, 8, 96, 96)
     assert not supports(30, 8, 128, 128)
@@ -233,6 +233,8 @@ def emulated(tmp_path_factory):
     ((65, 200), 2, 2, 64, 16, 70, 2, False, None),  # a window; copies land at once
     ((150,), 20, 1, 64, 32, 0, 2, True, None),  # two head blocks of one KV head, the second of four heads
     ((130,), 2, 1, 256, 16, 0, 2, True, None),  # 256 dims: two stages
+    ((1, 200), 4, 2, 32, 16, 0, 2, True, None),  # 32 dims: a warp owns one value tile
+    ((150,), 20, 1, 32, 32, 40, 3, False, None),
     # Short rows under many splits (a graph captured for a longer context): the own key lies in
     # the first stage of splits that do not hold it, past their last key.
     ((65, 20), 8, 2, 64, 16, 0, 12, True, None),
@@ -304,6 +306,7 @@ def test_the_kernel_caps_logits_and_counts_sinks_emulated(emulated, softcap, wit
     ((1, 200, 64), 8, 2, 64, 16, 0, 3),  # splits past the short rows' keys weigh nothing
     ((150,), 20, 1, 64, 32, 0, 2),  # two head blocks of one KV head, the second of four heads
     ((65, 200), 2, 2, 64, 16, 70, 4),  # a window
+    ((70, 200), 8, 2, 32, 16, 0, 3),  # 32 dims
 ])
 def test_the_last_split_merges_the_splits_itself(emulated, contexts, heads, kv_heads, head_dim, block_size, window,
                                                  splits):
@@ -424,6 +427,7 @@ def exact_split_partials(q, k_values, v_values, tables, seq_index, positions, wi
     ((130,), 2, 1, 256, 16, 0, 2, True, None),  # 256 dims: two stages
     ((65, 20), 8, 2, 64, 16, 0, 12, True, None),  # the own key in splits that do not hold it
     ((1, 100, 257, 700), 8, 2, 64, 16, 0, 2, True, 5),  # five stages
+    ((70, 200), 4, 2, 32, 16, 0, 2, True, None),  # 32 dims
 ])
 def test_the_fp8_cache_kernel_run_emulated_is_as_close_to_the_float_attention_as_the_bf16_kernel(
         emulated, contexts, heads, kv_heads, head_dim, block_size, window, splits, defer_copies, stage_count):

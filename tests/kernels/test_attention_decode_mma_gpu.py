@@ -55,7 +55,7 @@ def workspace(rows, heads, splits, head_dim):
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [
-    (32, 8, 128), (16, 8, 128), (14, 2, 64), (8, 8, 64), (40, 2, 128), (16, 2, 256),
+    (32, 8, 128), (16, 8, 128), (14, 2, 64), (8, 8, 64), (40, 2, 128), (16, 2, 256), (4, 2, 32),
 ])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("window", [None, 100])

@@ -23,6 +23,7 @@ from metrale.kernels import (
     attention_combine,
     attention_latent,
     decode_gemv,
+    embedding,
     gdn_decode,
     greedy_sample,
     head_linear,
@@ -34,6 +35,7 @@ from metrale.kernels import (
     quantized_gemv,
     quantized_moe_decode,
     rmsnorm,
+    sampling,
     weight_check,
 )
 
@@ -140,8 +142,9 @@ def check_instantiations(tmp_path, source: str, lines: list[str], plain_entries:
     assert len(entries(compile_with_nvrtc(library, source + "".join(sample), optimize=False))) == len(sample) + plain_entries
 
 
-@pytest.mark.parametrize("module", [activation, attention_combine, attention_latent, gdn_decode, greedy_sample, head_linear, lora,
-                                    moe_decode, moe_grouped, moe_route_decode, qkv_rope, rmsnorm, weight_check],
+@pytest.mark.parametrize("module", [activation, attention_combine, attention_latent, embedding, gdn_decode, greedy_sample,
+                                    head_linear, lora, moe_decode, moe_grouped, moe_route_decode, qkv_rope, rmsnorm, sampling,
+                                    weight_check],
                          ids=lambda m: m.__name__.split(".")[-1])
 def test_every_kernel_name_is_an_entry(tmp_path, module):
     assert set(module.KERNEL_NAMES) <= entries(compile_to_ptx(tmp_path, module.source()))
@@ -158,7 +161,7 @@ def test_every_decode_gemv_instantiation_compiles(tmp_path):
     check_instantiations(tmp_path, decode_gemv.source(), [f"template __global__ void {name}({signature});\n" for name in names])
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_the_decode_attention_compiles_for_every_head_size(tmp_path, head_dim, fp8):
     from metrale.kernels import attention_decode_mma

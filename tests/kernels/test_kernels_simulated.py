@@ -11,7 +11,7 @@ import pytest
 from numba import cuda
 
 from metrale.errors import KernelArgumentError
-from metrale.kernels import activation, attention, embedding, rmsnorm, token_feed
+from metrale.kernels import activation, attention, rmsnorm, token_feed
 from metrale.kernels import qkv_rope as rope
 from metrale.kernels._device import bf16_to_float, float_to_bf16
 from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
@@ -52,15 +52,6 @@ def test_bf16_conversions_match_the_host_helpers():
     round_trip[2, 32](values, bits, widened)
     np.testing.assert_array_equal(bits, float32_to_bf16(values))
     np.testing.assert_array_equal(widened, bf16_to_float32(bits))
-
-
-def test_embedding_gathers_rows():
-    rng = np.random.default_rng(1)
-    weight = float32_to_bf16(rng.standard_normal((11, 37)).astype(np.float32))
-    ids = np.array([3, 0, 10, 3], np.int32)
-    out = np.full((4, 37), np.nan, np.float32)
-    embedding.embedding(weight, ids, out)
-    np.testing.assert_array_equal(out, embedding.embedding_reference(bf16_to_float32(weight), ids))
 
 
 def test_fed_tokens_come_from_the_sampled_ones_and_never_go_negative():
@@ -279,139 +270,8 @@ def test_launchers_name_bad_shapes():
     with pytest.raises(KernelArgumentError, match=r"out has shape \[2, 5\], expected \[2, 4\]"):
         rmsnorm.rmsnorm_residual(np.zeros((2, 4), np.float32), np.zeros((2, 4), np.float32),
                                  np.zeros(4, np.uint16), 1e-6, 0.0, True, np.zeros((2, 5), np.uint16))
-    with pytest.raises(KernelArgumentError, match="ids has dtype int64, expected int32"):
-        embedding.embedding(np.zeros((4, 3), np.uint16), np.zeros(2, np.int64), np.zeros((2, 3), np.float32))
     with pytest.raises(KernelArgumentError, match="not C-contiguous"):
         activation.to_bf16(np.zeros((4, 6), np.float32)[:, ::2], np.zeros((4, 3), np.uint16))
-
-
-def test_request_uniform_matches_the_kernel_hash():
-    from metrale.kernels import sampling
-
-    logits = np.zeros((4, 7), np.float32) + np.arange(7, dtype=np.float32)  # distinct, equal-ish weights
-    seeds = np.array([0, 1, 2**40 + 5, 123456789], np.int64)
-    steps = np.array([0, 3, 17, 2**33], np.int64)
-    out = np.zeros(4, np.int32)
-    ones = np.ones(4, np.float32)
-    sampling.sample(logits, ones, np.zeros(4, np.int32), ones, seeds, steps, np.full(4, -1, np.float32), out)
-    uniforms = np.array([sampling.request_uniform(int(s), int(t)) for s, t in zip(seeds, steps)], np.float32)
-    expected = sampling.sample_reference(logits, ones, np.zeros(4, np.int32), ones, uniforms)
-    np.testing.assert_array_equal(out, expected)
-
-
-def test_greedy_sampling_takes_the_first_of_equal_maxima():
-    from metrale.kernels import sampling
-
-    rng = np.random.default_rng(12)
-    vocab = 150  # not a multiple of the loads a thread issues per round
-    logits = rng.standard_normal((5, vocab)).astype(np.float32)
-    for row, places in enumerate([[3, 77], [149], [0, 64, 128], [40, 41, 149], [17]]):
-        logits[row, places] = 9.0  # ties: the smallest index wins, as np.argmax picks it
-    zeros = np.zeros(5, np.float32)
-    out = np.full(5, -1, np.int32)
-    sampling.sample(logits, zeros, np.zeros(5, np.int32), np.ones(5, np.float32), np.zeros(5, np.int64),
-                    np.zeros(5, np.int64), np.full(5, -1.0, np.float32), out)
-    assert out.tolist() == np.argmax(logits, axis=1).tolist() == [3, 149, 0, 40, 17]
-
-
-def test_sampling_gives_minus_one_for_rows_without_a_distribution():
-    """NaN or +inf anywhere in a row, or every logit -inf: token -1 (greedy and sampled), and the
-    other rows are unaffected."""
-    from metrale.kernels import sampling
-
-    rng = np.random.default_rng(11)
-    logits = rng.normal(size=(8, 37)).astype(np.float32)
-    logits[1, 30] = np.nan
-    logits[2, 0] = np.inf
-    logits[3, :] = -np.inf
-    logits[5, 36] = np.nan  # the last element: a clamped load in the kernel
-    logits[6, :5] = -np.inf  # some -inf values are fine
-    temperature = np.array([0.0, 0.0, 0.8, 0.0, 0.8, 0.8, 0.0, 0.8], np.float32)
-    top_k = np.array([0, 0, 5, 0, 3, 0, 0, 0], np.int32)
-    top_p = np.array([1.0, 1.0, 1.0, 0.9, 0.8, 1.0, 1.0, 0.7], np.float32)
-    uniforms = rng.random(8).astype(np.float32)
-    expected = sampling.sample_reference(logits, temperature, top_k, top_p, uniforms)
-    assert expected.tolist()[1:4] == [-1, -1, -1] and expected[5] == -1
-    assert (expected[[0, 4, 6, 7]] >= 0).all() and expected[6] >= 5
-    out = np.zeros(8, np.int32)
-    zeros = np.zeros(8, np.int64)
-    sampling.sample(logits, temperature, top_k, top_p, zeros, zeros, uniforms, out)
-    np.testing.assert_array_equal(out, expected)
-
-
-def test_sampling_picks_the_token_whose_interval_holds_u():
-    """u at the middle of token j's CDF interval (read off the reference) must give token j."""
-    from metrale.kernels import sampling
-
-    rng = np.random.default_rng(8)
-    vocab = 37
-    cases = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (0.9, 9, 0.8), (2.0, 1, 1.0)]
-    logits = (2 * rng.standard_normal((len(cases), vocab))).astype(np.float32)
-    temperature = np.array([c[0] for c in cases], np.float32)
-    top_k = np.array([c[1] for c in cases], np.int32)
-    top_p = np.array([c[2] for c in cases], np.float32)
-    grid = (np.arange(400, dtype=np.float32) + 0.5) / 400
-    uniforms = np.zeros(len(cases), np.float32)
-    for row in range(len(cases)):
-        one = slice(row, row + 1)
-        picks = np.array([sampling.sample_reference(logits[one], temperature[one], top_k[one], top_p[one],
-                                                    np.array([u], np.float32))[0] for u in grid])
-        token = picks[rng.integers(len(picks))]
-        inside = np.nonzero(picks == token)[0]  # the grid points of token's interval (contiguous)
-        uniforms[row] = grid[(inside[0] + inside[-1]) // 2]
-    expected = sampling.sample_reference(logits, temperature, top_k, top_p, uniforms)
-    out = np.full(len(cases), -1, np.int32)
-    zeros = np.zeros(len(cases), np.int64)
-    sampling.sample(logits, temperature, top_k, top_p, zeros, zeros, uniforms, out)
-    np.testing.assert_array_equal(out, expected)
-    assert out[0] == np.argmax(logits[0])
-    assert logits[2, out[2]] / np.float32(0.7) >= np.sort(logits[2] / np.float32(0.7))[-5]
-    assert logits[5, out[5]] == logits[5].max()  # top_k = 1
-
-
-def temperature_of(cases):
-    return np.array([c[0] for c in cases], np.float32)
-
-
-def test_sampling_thresholds_with_ties_match_the_reference():
-    """Top-k and top-p thresholds from the radix search: logits on a coarse grid (many ties, at
-    the thresholds too), negative and positive values, a vocabulary that is no multiple of the
-    values a thread reads per round; u at the middle of a kept token's interval."""
-    from metrale.kernels import sampling
-
-    rng = np.random.default_rng(21)
-    vocab = 203
-    cases = [(1.0, 3, 1.0), (0.8, 17, 1.0), (1.0, 0, 0.3), (1.5, 0, 0.95), (1.0, 40, 0.5), (0.6, 2, 0.9),
-             (1.0, 202, 0.99), (2.5, 0, 0.05)]
-    logits = (np.round(rng.standard_normal((len(cases), vocab)) * 2) / 2 - 1.0).astype(np.float32)
-    # Rows at temperature 1 get a cluster of 40 values one ulp apart on top (top-k and top-p cut
-    # inside it, so every bit of the threshold key matters), some of them repeated.
-    cluster = np.float32(2.0) + np.arange(40, dtype=np.float32) * np.spacing(np.float32(2.0))
-    cluster[::7] = cluster[1::7][: len(cluster[::7])]
-    for row in np.nonzero(temperature_of(cases) == 1.0)[0]:
-        logits[row, rng.permutation(vocab)[:40]] = cluster
-    temperature = np.array([c[0] for c in cases], np.float32)
-    top_k = np.array([c[1] for c in cases], np.int32)
-    top_p = np.array([c[2] for c in cases], np.float32)
-    grid = (np.arange(300, dtype=np.float32) + 0.5) / 300
-    uniforms = np.zeros(len(cases), np.float32)
-    for row in range(len(cases)):
-        one = slice(row, row + 1)
-        picks = np.array([sampling.sample_reference(logits[one], temperature[one], top_k[one], top_p[one],
-                                                    np.array([u], np.float32))[0] for u in grid])
-        token = picks[rng.integers(len(picks))]
-        inside = np.nonzero(picks == token)[0]
-        uniforms[row] = grid[(inside[0] + inside[-1]) // 2]
-    expected = sampling.sample_reference(logits, temperature, top_k, top_p, uniforms)
-    out = np.full(len(cases), -1, np.int32)
-    zeros = np.zeros(len(cases), np.int64)
-    sampling.sample(logits, temperature, top_k, top_p, zeros, zeros, uniforms, out)
-    np.testing.assert_array_equal(out, expected)
-    # The kept sets themselves: with u just below 1 the draw lands on the last kept token.
-    last = np.full(len(cases), np.float32(1.0) - np.float32(2.0**-24), np.float32)
-    out_last = np.full(len(cases), -1, np.int32)
-    sampling.sample(logits, temperature, top_k, top_p, zeros, zeros, last, out_last)
-    np.testing.assert_array_equal(out_last, sampling.sample_reference(logits, temperature, top_k, top_p, last))
 
 
 @pytest.mark.parametrize("window, kv_heads", [(None, 2), (3, 2), (None, 1), (6, 4)])

@@ -1,6 +1,6 @@
-"""The logits-processing, token-counting and logprobs kernels, and min-p in the sampling kernel,
-against their NumPy references under numba's CUDA simulator (tiny shapes, vocabularies that are
-no multiple of the thread counts)."""
+"""The logits-processing, token-counting and logprobs kernels against their NumPy references
+under numba's CUDA simulator (tiny shapes, vocabularies that are no multiple of the thread
+counts)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 
 from metrale.errors import KernelArgumentError
 from metrale.kernels import logits_process as lp
-from metrale.kernels import sampling
 
 pytestmark = [
     pytest.mark.skipif(not __import__("metrale.kernels._device", fromlist=["SIMULATED"]).SIMULATED,
@@ -80,26 +79,6 @@ def test_top_logprobs_match_the_reference_with_ties():
     lse = np.log(np.exp(logits[0].astype(np.float64)).sum())
     assert values[0, 0] == pytest.approx(logits[0, 3] - lse, abs=1e-5)
     assert ids[0, 1:5].tolist() == np.lexsort((np.arange(vocab), -logits[0]))[:4].tolist()
-
-
-def test_min_p_in_the_sampling_kernel_matches_the_reference():
-    rng = np.random.default_rng(3)
-    rows, vocab = 6, 97
-    logits = (2 * rng.standard_normal((rows, vocab))).astype(np.float32)
-    temperature = np.array([1.0, 0.7, 1.3, 1.0, 2.0, 1.0], np.float32)
-    top_k = np.array([0, 0, 10, 0, 0, 3], np.int32)
-    top_p = np.array([1.0, 0.9, 1.0, 1.0, 0.8, 1.0], np.float32)
-    log_min_p = np.log(np.array([0.1, 0.05, 0.3, 1.0, 0.01, 0.5], np.float32)).astype(np.float32)
-    for u in (0.0, 0.37, 0.999):
-        uniforms = np.full(rows, u, np.float32)
-        expected = sampling.sample_reference(logits, temperature, top_k, top_p, uniforms, log_min_p)
-        out = np.full(rows, -2, np.int32)
-        zeros = np.zeros(rows, np.int64)
-        sampling.sample(logits, temperature, top_k, top_p, zeros, zeros, uniforms, out, log_min_p=log_min_p)
-        np.testing.assert_array_equal(out, expected)
-        assert out[3] == np.argmax(logits[3])  # min_p 1 keeps only the most likely
-        scaled = logits[0] / temperature[0]
-        assert scaled[out[0]] >= scaled.max() + np.log(np.float32(0.1)) - 1e-6
 
 
 def test_launchers_check_their_arrays():

@@ -254,7 +254,7 @@ def test_softcap_and_sinks_go_to_the_kernels_that_serve_them(monkeypatch):
         assert decode.startswith(f"metrale.kernels.{cores}")
     serving = builtin_registry().serving("paged_attention_decode", "cuda")
     # An FP8 cache's kernels serve softcap and sinks too: the tensor-core one, the CUDA-core one past it.
-    assert "an FP8 cache, K and V heads of 64, 128 or 256 dims" in serving[0]
+    assert "an FP8 cache, K and V heads of 32, 64, 128 or 256 dims" in serving[0]
     assert serving[1].endswith("when an FP8 cache")
     assert "attention_decode_mma" in serving[2] and "softcap" not in serving[2]
     assert all("no softcap, no sinks" in line for line in serving[3:-1]) and " when " not in serving[-1]
