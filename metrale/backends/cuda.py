@@ -126,17 +126,22 @@ class CudaBackend(Backend):
             done.record(stream)
             return done
 
-        self._weight_reader().read(ranges, copy)
+        self._weight_reader(checkpoint).read(ranges, copy)
         self._check_bf16_finite(weight, checkpoint, [part[0] for part in parts])  # waits for the copies
         return weight
 
-    def _weight_reader(self) -> Any:
+    def _weight_reader(self, checkpoint: Any) -> Any:
+        """The loading's staged reader, made at its first weight: a ring of ``2 * READ_WORKERS``
+        pinned chunks, or fewer where the whole checkpoint fits in fewer (a small model's start
+        does not wait for page-locking memory it would never fill)."""
         if self._reader is None:
             import cupyx
 
             from metrale.loading.staged_read import CHUNK_BYTES, READ_WORKERS, StagedReader
 
-            buffers = [cupyx.empty_pinned((CHUNK_BYTES,), dtype=np.uint8) for _ in range(2 * READ_WORKERS)]
+            stored = sum(info.end - info.begin for info in map(checkpoint.info, checkpoint.names()))
+            count = max(1, min(2 * READ_WORKERS, -(-stored // CHUNK_BYTES)))
+            buffers = [cupyx.empty_pinned((CHUNK_BYTES,), dtype=np.uint8) for _ in range(count)]
             self._reader = StagedReader(buffers, lambda done: done.synchronize(), READ_WORKERS)
         return self._reader
 
