@@ -18,14 +18,27 @@ from metrale.kernels._device import DeviceArray, check_array
 EMBEDDING_THREADS = 128
 
 KERNEL = r"""
-// Grid: (N rows, ceil(H / (4 * 128))); 128 threads, four columns each (bf16 bits from uint16
-// pairs where the row allows). weight [V, H] bf16 bits, ids [N] int32, out [N, H] float32.
+// Grid: (N rows, ceil(H / (4 * 128))); 128 threads, four columns each: one 8-byte load and one
+// 16-byte store where H is a multiple of 4 (the rows then aligned), else four of each.
+// weight [V, H] bf16 bits, ids [N] int32, out [N, H] float32.
 extern "C" __global__ void __launch_bounds__(128)
 embedding_bf16(const unsigned short* __restrict__ weight, const int* __restrict__ ids, float* __restrict__ out, int hidden) {
     const long long row = blockIdx.x;
     const unsigned short* __restrict__ source = weight + (long long)ids[row] * hidden;
     float* __restrict__ target = out + row * hidden;
     const int first = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
+    if (hidden % 4 == 0) {
+        if (first < hidden) {
+            const uint2 bits = *reinterpret_cast<const uint2*>(source + first);
+            float4 values;
+            values.x = __uint_as_float(bits.x << 16);
+            values.y = __uint_as_float(bits.x & 0xffff0000u);
+            values.z = __uint_as_float(bits.y << 16);
+            values.w = __uint_as_float(bits.y & 0xffff0000u);
+            *reinterpret_cast<float4*>(target + first) = values;
+        }
+        return;
+    }
 #pragma unroll
     for (int c = first; c < first + 4; ++c) {
         if (c < hidden) target[c] = __uint_as_float((unsigned)source[c] << 16);

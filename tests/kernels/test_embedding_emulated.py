@@ -51,7 +51,7 @@ def emulated(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("hidden", [1, 37, 512, 1030])
+@pytest.mark.parametrize("hidden", [1, 6, 37, 512, 1030, 1032])
 def test_emulated_gather_matches_the_reference(emulated, hidden):
     rng = np.random.default_rng(hidden)
     weight = float32_to_bf16(rng.standard_normal((11, hidden)).astype(np.float32))
