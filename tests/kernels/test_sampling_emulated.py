@@ -73,6 +73,12 @@ def emulated_full_block(tmp_path_factory):
     return build(tmp_path_factory.mktemp("sampling_emulated_full"), sampling.SAMPLE_THREADS)
 
 
+def parameters(cases):
+    """(temperature, top_k, top_p) arrays of ``(temperature, top_k, top_p)`` rows."""
+    return (np.array([c[0] for c in cases], np.float32), np.array([c[1] for c in cases], np.int32),
+            np.array([c[2] for c in cases], np.float32))
+
+
 def interval_middles(logits, temperature, top_k, top_p, rng, points, log_min_p=None):
     """Per row, a uniform at the middle of a randomly chosen token's interval, read off the
     reference on a grid of ``points`` uniforms."""
@@ -146,9 +152,7 @@ def test_the_token_is_the_one_whose_interval_holds_u(emulated):
     vocab = 37
     cases = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (0.9, 9, 0.8), (2.0, 1, 1.0)]
     logits = (2 * rng.standard_normal((len(cases), vocab))).astype(np.float32)
-    temperature = np.array([c[0] for c in cases], np.float32)
-    top_k = np.array([c[1] for c in cases], np.int32)
-    top_p = np.array([c[2] for c in cases], np.float32)
+    temperature, top_k, top_p = parameters(cases)
     uniforms = interval_middles(logits, temperature, top_k, top_p, rng, 400)
     zeros = np.zeros(len(cases), np.int64)
     out = emulated(logits, temperature, top_k, top_p, zeros, zeros, uniforms)
@@ -168,15 +172,13 @@ def test_thresholds_among_ties_match_the_reference(emulated):
     cases = [(1.0, 3, 1.0), (0.8, 17, 1.0), (1.0, 0, 0.3), (1.5, 0, 0.95), (1.0, 40, 0.5), (0.6, 2, 0.9),
              (1.0, 602, 0.99), (2.5, 0, 0.05)]
     logits = (np.round(rng.standard_normal((len(cases), vocab)) * 2) / 2 - 1.0).astype(np.float32)
-    temperature = np.array([c[0] for c in cases], np.float32)
+    temperature, top_k, top_p = parameters(cases)
     # Rows at temperature 1 get a cluster of 40 values one ulp apart on top (top-k and top-p cut
     # inside it, so every bit of the threshold key matters), some of them repeated.
     cluster = np.float32(2.0) + np.arange(40, dtype=np.float32) * np.spacing(np.float32(2.0))
     cluster[::7] = cluster[1::7][: len(cluster[::7])]
     for row in np.nonzero(temperature == 1.0)[0]:
         logits[row, rng.permutation(vocab)[:40]] = cluster
-    top_k = np.array([c[1] for c in cases], np.int32)
-    top_p = np.array([c[2] for c in cases], np.float32)
     uniforms = interval_middles(logits, temperature, top_k, top_p, rng, 300)
     zeros = np.zeros(len(cases), np.int64)
     out = emulated(logits, temperature, top_k, top_p, zeros, zeros, uniforms)
