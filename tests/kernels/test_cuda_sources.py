@@ -36,6 +36,7 @@ from metrale.kernels import (
     quantized_moe_decode,
     rmsnorm,
     sampling,
+    token_feed,
     weight_check,
 )
 
@@ -144,7 +145,7 @@ def check_instantiations(tmp_path, source: str, lines: list[str], plain_entries:
 
 @pytest.mark.parametrize("module", [activation, attention_combine, attention_latent, embedding, gdn_decode, greedy_sample,
                                     head_linear, lora, moe_decode, moe_grouped, moe_route_decode, qkv_rope, rmsnorm, sampling,
-                                    weight_check],
+                                    token_feed, weight_check],
                          ids=lambda m: m.__name__.split(".")[-1])
 def test_every_kernel_name_is_an_entry(tmp_path, module):
     assert set(module.KERNEL_NAMES) <= entries(compile_to_ptx(tmp_path, module.source()))

@@ -11,7 +11,7 @@ import pytest
 from numba import cuda
 
 from metrale.errors import KernelArgumentError
-from metrale.kernels import activation, attention, rmsnorm, token_feed
+from metrale.kernels import activation, attention, rmsnorm
 from metrale.kernels import qkv_rope as rope
 from metrale.kernels._device import bf16_to_float, float_to_bf16
 from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
@@ -52,24 +52,6 @@ def test_bf16_conversions_match_the_host_helpers():
     round_trip[2, 32](values, bits, widened)
     np.testing.assert_array_equal(bits, float32_to_bf16(values))
     np.testing.assert_array_equal(widened, bf16_to_float32(bits))
-
-
-def test_fed_tokens_come_from_the_sampled_ones_and_never_go_negative():
-    rng = np.random.default_rng(4)
-    source = rng.integers(0, 500, 40).astype(np.int32)
-    source[[5, 17]] = -1
-    rows = rng.permutation(70)[:37].astype(np.int32)  # more rows than a block of the simulator
-    indices = rng.integers(0, 40, 37).astype(np.int32)
-    indices[:2] = [5, 17]
-    token_ids = rng.integers(0, 500, 70).astype(np.int32)
-    expected = token_feed.feed_tokens_reference(token_ids.copy(), source, rows, indices)
-    assert (expected[rows[:2]] == 0).all() and expected.min() >= 0
-    untouched = np.setdiff1d(np.arange(70), rows)
-    np.testing.assert_array_equal(expected[untouched], token_ids[untouched])
-    got = token_feed.feed_tokens(token_ids, source, rows, indices)
-    np.testing.assert_array_equal(got, expected)
-    with pytest.raises(KernelArgumentError, match="rows"):
-        token_feed.feed_tokens(token_ids, source, rows.astype(np.int64), indices)
 
 
 # Hidden 45 runs past the values a thread keeps in registers; 20 leaves some of them unused.
