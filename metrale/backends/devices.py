@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import logging
 from typing import Any
 
@@ -30,9 +31,12 @@ def cuda_unavailable_reason() -> str | None:
         return "no CUDA device is available"
     try:
         import cupy  # noqa: F401
-        import nvmath.bindings.cublas  # noqa: F401
     except ImportError as error:
         return f"the gpu extra is not installed ({error}); pip install 'metrale[gpu]'"
+    # nvmath is imported where cuBLAS is first used (its package imports every library it binds:
+    # most of a second); here only whether it is installed.
+    if importlib.util.find_spec("nvmath") is None:
+        return "the gpu extra is not installed (no module named 'nvmath'); pip install 'metrale[gpu]'"
     return None
 
 

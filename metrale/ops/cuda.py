@@ -76,7 +76,7 @@ class CudaKernels:
 
     def __init__(self, stream: Any) -> None:
         self.stream = stream
-        self.gemm = CublasGemm(stream)
+        self._gemm: Any = None
         # The FP8 tensor-core products of quantized weights (made at their first use), and the
         # shapes cuBLASLt has no FP8 algorithm for (or none applying the scales in its epilogue).
         self._fp8_gemm: Any = None
@@ -86,6 +86,21 @@ class CudaKernels:
         self._fp8_epilogue_rows: dict[tuple[int, int, int], int | None] = {}
         self._route_counter: Any = None  # the decode router's ticket (moe_route_decode), zero between launches
         self._attention_counters: list[Any] = []  # the decode attention's merge tickets, by size
+
+    @property
+    def gemm(self) -> Any:
+        """The cuBLAS products (:class:`~metrale.kernels.linear.CublasGemm`) on the stream, made at
+        the first product that needs them: loading cuBLAS and its bindings costs a fresh process
+        most of a second, and a small model's decode-sized products (the GEMV kernels) never do.
+        The first use is always an eager launch (a step runs eagerly before its graph is
+        recorded), never inside a capture."""
+        if self._gemm is None:
+            self._gemm = CublasGemm(self.stream)
+        return self._gemm
+
+    @gemm.setter
+    def gemm(self, gemm: Any) -> None:
+        self._gemm = gemm
 
     # ------------------------------------------------------------------------- conversions
 
