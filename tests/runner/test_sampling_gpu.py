@@ -148,14 +148,31 @@ def test_structured_output_parses_on_the_gpu(tiny_gpu):
         assert set(value) == {"name", "kind"} and value["kind"] in ("cat", "dog")
 
 
+def agree_but_for_near_ties(got: list[int], want: list[int], want_logprobs, tolerance: float) -> bool:
+    """Whether greedy tokens ``got`` are ``want``, or part from it only where ``want``'s two most
+    likely tokens were within ``tolerance`` of each other and ``got`` took the other one (the same
+    request in another batch rounds its bf16 sums differently; after that token the two
+    continuations may part)."""
+    for position, (token, wanted) in enumerate(zip(got, want)):
+        if token != wanted:
+            alternatives = want_logprobs[position]
+            if token not in alternatives:
+                return False
+            return alternatives[wanted].logprob - alternatives[token].logprob <= tolerance
+    return len(got) == len(want)
+
+
 def test_the_async_engine_serves_concurrent_requests_as_generate_does():
     from metrale.entrypoints.async_llm import AsyncLLM
 
     llm = LLM("tiny-dense", device="cuda", show_progress=False, max_num_seqs=64)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, 3000, int(n)).tolist() for n in rng.integers(2, 200, 48)]
-    params = [SamplingParams(max_tokens=int(m), temperature=0.0, ignore_eos=True) for m in rng.integers(4, 40, 48)]
-    expected = [[o.token_ids] for o in llm.generate(prompts, params)]
+    # The two most likely tokens at each position: the batches differ between the two runs, so a
+    # near-tie may round either way (no batch-invariant mode asked for).
+    params = [SamplingParams(max_tokens=int(m), temperature=0.0, ignore_eos=True, logprobs=2)
+              for m in rng.integers(4, 40, 48)]
+    expected = [(o.token_ids, o.logprobs) for o in (r.outputs[0] for r in llm.generate(prompts, params))]
 
     async def run():
         async with AsyncLLM(llm) as engine:
@@ -163,11 +180,14 @@ def test_the_async_engine_serves_concurrent_requests_as_generate_does():
                 last = None
                 async for output in engine.generate(prompt, p):
                     last = output
-                return [last.token_ids]
+                return last.token_ids
             results = await asyncio.gather(*(one(prompt, p) for prompt, p in zip(prompts, params)))
             stats = engine.stats()
             return results, stats
 
     results, stats = asyncio.run(run())
-    assert results == expected
+    parted = [index for index, (got, (want, logprobs)) in enumerate(zip(results, expected)) if got != want]
+    assert all(agree_but_for_near_ties(results[index], *expected[index], tolerance=0.1) for index in parted), parted
+    # Near-ties are rare: most requests give exactly generate's tokens.
+    assert len(parted) <= 2, parted
     assert stats.running == stats.waiting == stats.kv_blocks_used == 0
