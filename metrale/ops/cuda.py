@@ -98,10 +98,6 @@ class CudaKernels:
             self._gemm = CublasGemm(self.stream)
         return self._gemm
 
-    @gemm.setter
-    def gemm(self, gemm: Any) -> None:
-        self._gemm = gemm
-
     # ------------------------------------------------------------------------- conversions
 
     def to_bf16(self, x: Any) -> Any:
