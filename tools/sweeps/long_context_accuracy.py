@@ -30,7 +30,9 @@ def metrale_logits(folder: Path, prompt: list[int]):
     from metrale.entrypoints.llm import LLM
     from metrale.sequence import SequenceState
 
-    with LLM(folder, device="cuda", max_model_len=len(prompt) + 16, max_num_seqs=1, show_progress=False) as llm:
+    # Only the prompt's forward runs (no token is generated): a context of its length is enough,
+    # and a 131,072-token prompt fits a checkpoint of that many positions.
+    with LLM(folder, device="cuda", max_model_len=len(prompt), max_num_seqs=1, show_progress=False) as llm:
         seq = SequenceState.from_prompt(prompt)
         started = time.perf_counter()
         logits = llm.backend.to_numpy(llm.forward.prefill(prompt, seq))
