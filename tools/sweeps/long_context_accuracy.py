@@ -41,12 +41,41 @@ def metrale_logits(folder: Path, prompt: list[int]):
     return np.asarray(logits, dtype=np.float32).reshape(-1), seconds
 
 
+#: The float32 forward's attention: PyTorch's memory-efficient SDPA kernel over the key and value
+#: heads repeated for their query heads, causal, no mask built. At 131,072 tokens transformers' own
+#: SDPA path in float32 falls back to the math kernel (grouped heads), whose scores alone take 64 GiB.
+FLOAT32_ATTENTION = "metrale_float32_efficient"
+
+
+def efficient_float32_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION if query.is_cuda else SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_float32_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(FLOAT32_ATTENTION, efficient_float32_attention)
+    AttentionMaskInterface.register(FLOAT32_ATTENTION, lambda *args, **kwargs: None)  # causal in the kernel
+
+
 def transformers_logits(folder: Path, prompt: list[int], dtype_name: str):
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, dtype_name)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to("cuda").eval()
+    attention = "sdpa"
+    if dtype == torch.float32:
+        register_float32_attention()
+        attention = FLOAT32_ATTENTION
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attention).to("cuda").eval()
     ids = torch.tensor([prompt], device="cuda")
     with torch.no_grad():
         started = time.perf_counter()
