@@ -66,6 +66,16 @@ def register_float32_attention() -> None:
     AttentionMaskInterface.register(FLOAT32_ATTENTION, lambda *args, **kwargs: None)  # causal in the kernel
 
 
+def chunk_mlps(model, tokens: int = 8192) -> None:
+    """Each MLP of ``model`` over ``tokens`` tokens at a time (a token's output is its own): the
+    float32 activations of a 131,072-token prompt then fit beside the 8B shape's weights."""
+    import torch
+
+    for layer in model.model.layers:
+        whole = layer.mlp.forward
+        layer.mlp.forward = lambda x, whole=whole: torch.cat([whole(part) for part in x.split(tokens, dim=1)], dim=1)
+
+
 def transformers_logits(folder: Path, prompt: list[int], dtype_name: str):
     import torch
     from transformers import AutoModelForCausalLM
@@ -76,9 +86,8 @@ def transformers_logits(folder: Path, prompt: list[int], dtype_name: str):
         register_float32_attention()
         attention = FLOAT32_ATTENTION
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attention).to("cuda").eval()
-    if dtype == torch.float32:  # each MLP over 8,192 tokens at a time: its float32 activations fit beside the weights
-        for layer in model.model.layers:
-            layer.mlp.forward = lambda x, whole=layer.mlp.forward: torch.cat([whole(part) for part in x.split(8192, 1)], 1)
+    if dtype == torch.float32:
+        chunk_mlps(model)
     ids = torch.tensor([prompt], device="cuda")
     with torch.no_grad():
         started = time.perf_counter()
