@@ -236,8 +236,9 @@ class EngineConfig:
     ``tokenizer`` takes the tokenizer and chat template from another checkpoint folder, embedded
     model or Hub id (at ``tokenizer_revision``). ``batch_invariant`` computes every row of a step
     from that row's inputs alone, so a prompt's logits are bitwise the same whatever else is in
-    the batch and however its prefill is chunked (the CPU backend only; docs/serving.rst,
-    "Batch-invariant mode"). Every value is type-checked: ints only ints, the flags only True or False
+    the batch and however its prefill is chunked (on the GPU, for bf16 weights and caches and
+    families without MoE, MLA, Gated DeltaNet or LoRA layers; docs/serving.rst, "Batch-invariant
+    mode"). Every value is type-checked: ints only ints, the flags only True or False
     (:class:`~metrale.errors.ConfigError` otherwise).
     """
 

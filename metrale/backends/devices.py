@@ -74,9 +74,6 @@ def _new_backend(device: str, **options: Any) -> Backend:
     if device not in ("auto", "cuda"):
         raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     reason = cuda_unavailable_reason()
-    if reason is None and getattr(options.get("environment"), "batch_invariant", False):
-        raise ConfigError("batch_invariant=True is served on the CPU backend only for now: the CUDA kernels split "
-                          "their reductions by batch size; use device='cpu'")
     if reason is None:
         from metrale.backends.cuda import CudaBackend
 

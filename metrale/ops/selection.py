@@ -166,6 +166,13 @@ def _refused_under_batch_invariance(op: str, what: str) -> Any:
     return build
 
 
+#: The ops whose GPU kernels take another order of sums for a row in another batch and that have
+#: no batch-invariant GPU kernel yet: under ``batch_invariant=True`` on the GPU they are refused
+#: (a model calling them fails to load with a typed error) rather than served variantly.
+CUDA_BATCH_VARIANT_OPS = ("head_linear", "moe_route", "moe_experts", "moe_experts_clamped", "gdn_conv_prompts",
+                          "gdn_prompt_rule", "latent_attention", "lora_linear", "lora_expand")
+
+
 def cuda_batch_invariant_kernels() -> list[Kernel]:
     """The CUDA kernels bound under ``batch_invariant=True``: the products through
     :mod:`metrale.kernels.linear_invariant` (one kernel for every row count, K summed in one order,
@@ -189,7 +196,11 @@ def cuda_batch_invariant_kernels() -> list[Kernel]:
         return not isinstance(k_cache, Fp8CacheArray) and attention_mma.supports(*_geometry(q, k_cache, v_cache))
 
     condition = "batch_invariant=True"
-    return [
+    refused = [Kernel(op, "cuda", "refused", build=_refused_under_batch_invariance(op, "no call yet: its GPU kernels "
+                                                                                     "sum otherwise for other batches"),
+                      enabled=_batch_invariant, condition=condition)
+               for op in CUDA_BATCH_VARIANT_OPS]
+    return refused + [
         Kernel("linear", "cuda", "metrale.kernels.linear_invariant", build=_cuda_method("invariant_linear"),
                when=bf16_product, enabled=_batch_invariant,
                condition=condition + ", bf16 weights, the inner size a multiple of 16"),

@@ -60,7 +60,8 @@ def run(path: Path, batch: list[list[int]], *, alone: bool, params: SamplingPara
         **options) -> tuple[list[list[int]], Recorded]:
     """The tokens of every prompt (of the last of ``repeat`` runs) and the logits recorded, run
     one prompt after the other (``alone``) or all at once."""
-    with LLM(path, device="cpu", show_progress=False, overlap_scheduling=False, **options) as llm:
+    options.setdefault("device", "cpu")
+    with LLM(path, show_progress=False, overlap_scheduling=False, **options) as llm:
         recorded = Recorded(llm)
         for _ in range(repeat):
             if alone:
@@ -242,14 +243,26 @@ def test_the_option_is_type_checked_and_reaches_the_backend_settings():
     assert not EngineConfig().environment.batch_invariant
 
 
-def test_the_cuda_backend_refuses_it(monkeypatch):
-    from metrale.backends import devices
+def test_on_the_gpu_ops_without_an_invariant_kernel_are_refused_and_the_others_bound():
+    """The GPU's kernels under batch_invariant=True: the ops whose kernels sum otherwise in other
+    batches are refused with a typed error (a model calling them fails to load), the products and
+    attention bound to the invariant kernels, the fused decode ops to their composites."""
+    from metrale.ops.builtin import builtin_registry
+    from metrale.ops.selection import CUDA_BATCH_VARIANT_OPS
 
-    monkeypatch.setattr(devices, "cuda_unavailable_reason", lambda: None)
-    environment = EngineConfig(device="cuda", batch_invariant=True).environment
-    for device in ("cuda", "auto"):
-        with pytest.raises(ConfigError, match="CPU backend only"):
-            devices.get_backend(device, cuda_graphs=False, environment=environment)
+    registry = builtin_registry()
+    invariant = EnvironmentConfig(batch_invariant=True)
+    for op in CUDA_BATCH_VARIANT_OPS:
+        first = registry.kernels_for(op, "cuda")[0]
+        assert first.name == "refused" and first.enabled(invariant) and not first.enabled(EnvironmentConfig())
+        with pytest.raises(ConfigError, match=f"batch_invariant=True on the GPU serves {op} for no call"):
+            first.build(None)()
+    firsts = {op: next(kernel for kernel in registry.kernels_for(op, "cuda") if kernel.enabled(invariant))
+              for op in ("linear", "linear_silu", "rmsnorm_linear", "rmsnorm_mlp", "paged_attention")}
+    assert firsts["linear"].name == "metrale.kernels.linear_invariant"
+    assert firsts["paged_attention"].name.startswith("metrale.kernels.attention_mma for decode and prompt rows")
+    for op in ("linear_silu", "rmsnorm_linear", "rmsnorm_mlp"):
+        assert firsts[op].name.endswith("(their kernels)") and "batch_invariant=True" in firsts[op].condition
 
 
 def test_a_family_that_does_not_say_it_runs_invariant_is_refused():

@@ -264,13 +264,13 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
                                                                      "prologue) [metrale] when FP8 weights")
     assert registry.serving("rmsnorm_linear", "cuda")[2].startswith(
         "metrale.kernels.decode_gemv (the norm fused) [metrale] when N <= 2")
-    assert registry.serving("moe_experts", "cuda")[0].startswith("metrale.kernels.fp8_gemv (a routed pair a grid "
-                                                                 "row")
-    assert "when FP8 stacked weights" in registry.serving("moe_experts", "cuda")[0]
-    assert registry.serving("moe_experts", "cuda")[1].startswith("metrale.kernels.quantized_moe_decode [metrale] when "
-                                                                 "quantized stacked weights, N <= 8")
-    assert registry.serving("moe_experts", "cuda")[2].endswith("when quantized stacked weights")
-    assert registry.serving("moe_experts", "cuda")[3].startswith("metrale.kernels.moe_decode [metrale] when N <= 8")
+    experts = registry.serving("moe_experts", "cuda")
+    assert experts[0] == "refused [metrale] when batch_invariant=True"
+    assert experts[1].startswith("metrale.kernels.fp8_gemv (a routed pair a grid row")
+    assert "when FP8 stacked weights" in experts[1]
+    assert experts[2].startswith("metrale.kernels.quantized_moe_decode [metrale] when quantized stacked weights, N <= 8")
+    assert experts[3].endswith("when quantized stacked weights")
+    assert experts[4].startswith("metrale.kernels.moe_decode [metrale] when N <= 8")
     assert registry.serving("gdn_decode", "cuda")[0].startswith("metrale.kernels.gdn_decode [metrale] when")
     for op in ("linear", "rmsnorm_linear", "rmsnorm_mlp", "moe_experts", "gdn_decode"):
         assert registry.kernels_for(op, "cuda")[-1].when is None  # what serves every other call

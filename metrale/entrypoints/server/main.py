@@ -192,7 +192,8 @@ def add_batch_invariant_argument(group: Any) -> None:
     """The ``--batch-invariant`` flag (:class:`~metrale.config.EngineConfig`), shared with ``metrale generate``."""
     group.add_argument("--batch-invariant", action="store_true",
                        help="compute every row from its own inputs alone: a prompt's logits are bitwise the same "
-                       "whatever else is in the batch and however its prefill is chunked (CPU backend only; slower)")
+                       "whatever else is in the batch and however its prefill is chunked (slower; on the GPU, bf16 weights "
+                       "and caches, no MoE, MLA, Gated DeltaNet or LoRA layers)")
 
 
 def add_kv_cache_dtype_argument(group: Any) -> None:
