@@ -118,6 +118,9 @@ class BenchOptions:
     quantization: tuple[str, ...] = ()
     #: Also time the bf16 model with an FP8 KV cache (``kv_cache_dtype="fp8"``), beside the bf16 cache.
     kv_cache_fp8: bool = False
+    #: Also time the model in batch-invariant mode (``batch_invariant=True``), beside the default, and
+    #: check that its greedy tokens are the same alone and batched (:func:`bench_batch_invariant`).
+    batch_invariant: bool = False
 
 
 def _progress(total: int, description: str):
@@ -410,10 +413,12 @@ def start_times(folder: Path, cache_dir: Path) -> dict[str, float]:
 
 
 def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: float,
-                  quantization: str | None = None, kv_cache_fp8: bool = False) -> dict[str, Any]:
+                  quantization: str | None = None, kv_cache_fp8: bool = False,
+                  batch_invariant: bool = False) -> dict[str, Any]:
     """Metrale's decode, prefill and load times on ``folder``; with ``quantization`` (a format of
     :data:`metrale.benchmarks.quantized.FORMATS`) the floor counts that format's bytes, and an online
-    format is asked for at load; with ``kv_cache_fp8`` the cache is FP8 and the floor counts its bytes."""
+    format is asked for at load; with ``kv_cache_fp8`` the cache is FP8 and the floor counts its bytes;
+    with ``batch_invariant`` the model runs in batch-invariant mode."""
     import numpy as np
 
     from metrale.backends.cuda import CudaBackend
@@ -440,7 +445,7 @@ def bench_metrale(shape: str, folder: Path, options: BenchOptions, bandwidth: fl
 
     online = formats.FORMATS[quantization].online if quantization else None
     llm = LLM(folder, device="cuda", max_model_len=max_len, max_num_seqs=max_batch + 1, show_progress=True,
-              quantization=online, kv_cache_dtype="fp8" if kv_cache_fp8 else "auto")
+              quantization=online, kv_cache_dtype="fp8" if kv_cache_fp8 else "auto", batch_invariant=batch_invariant)
     backend = llm.backend
     assert isinstance(backend, CudaBackend)  # device="cuda" gives the CUDA backend or raises
     backend.synchronize()
@@ -659,8 +664,9 @@ def run(options: BenchOptions) -> dict[str, Any]:
     options.workdir.mkdir(parents=True, exist_ok=True)
     hf_runs = [(label, compiled) for label, compiled in (("hf_eager", False), ("hf_compiled", True))
                if options.hf and (options.hf_compile or not compiled)]
+    extra_runs = int(options.kv_cache_fp8) + int(options.batch_invariant)
     stages = len(options.shapes) * (2 + int(options.start_times) + len(hf_runs) + len(options.quantization)
-                                    + int(options.kv_cache_fp8))
+                                    + extra_runs)
     def save() -> None:
         # After every stage: a run cut short keeps what it measured.
         if options.output is not None:
@@ -681,7 +687,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
                     except Exception as error:
                         entry[f"metrale_{name}_error"] = failure(error)
                     save()
-                bar.update(metrale_stages + len(hf_runs) + len(options.quantization) + int(options.kv_cache_fp8))
+                bar.update(metrale_stages + len(hf_runs) + len(options.quantization) + extra_runs)
                 continue
             try:
                 bar.set_description(f"{shape}: writing the checkpoint")
@@ -717,6 +723,14 @@ def run(options: BenchOptions) -> dict[str, Any]:
                     entry["metrale_kv_fp8"] = bench_fp8_cache(shape, options, bandwidth)
                 except Exception as error:
                     entry["metrale_kv_fp8_error"] = failure(error)
+                save()
+                bar.update()
+            if options.batch_invariant:
+                bar.set_description(f"{shape}: Metrale, batch-invariant")
+                try:
+                    entry["metrale_batch_invariant"] = bench_batch_invariant(shape, options, bandwidth)
+                except Exception as error:
+                    entry["metrale_batch_invariant_error"] = failure(error)
                 save()
                 bar.update()
             for label, compiled in hf_runs:
@@ -789,6 +803,35 @@ def bench_fp8_cache(shape: str, options: BenchOptions, bandwidth: float) -> dict
     return result
 
 
+#: Prompts and greedy tokens of :func:`bench_batch_invariant`'s check.
+INVARIANCE_PROMPTS = 32
+INVARIANCE_TOKENS = 16
+
+
+def bench_batch_invariant(shape: str, options: BenchOptions, bandwidth: float) -> dict[str, Any]:
+    """:func:`bench_metrale` on ``shape``'s bf16 checkpoint in batch-invariant mode, and the check
+    the mode exists for: :data:`INVARIANCE_PROMPTS` prompts (random lengths of 16 to 512 tokens)
+    decoded greedily for :data:`INVARIANCE_TOKENS` tokens each alone and all together; ``identical``
+    counts the prompts whose tokens agree (``of`` the prompts)."""
+    import numpy as np
+
+    from metrale.entrypoints.llm import LLM
+    from metrale.params import SamplingParams
+
+    folder = options.workdir / shape
+    result = bench_metrale(shape, folder, options, bandwidth, batch_invariant=True)
+    rng = np.random.default_rng(11)
+    vocab = SHAPES[shape]["vocab_size"]
+    prompts = [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(16, 513, INVARIANCE_PROMPTS)]
+    greedy = SamplingParams(max_tokens=INVARIANCE_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(folder, device="cuda", show_progress=False, batch_invariant=True, max_model_len=1024,
+             max_num_seqs=INVARIANCE_PROMPTS) as llm:
+        alone = [llm.generate([prompt], greedy, use_tqdm=False)[0].token_ids for prompt in prompts]
+        together = [output.token_ids for output in llm.generate(prompts, greedy, use_tqdm=False)]
+    result["invariance"] = {"identical": sum(a == b for a, b in zip(alone, together)), "of": len(prompts)}
+    return result
+
+
 def table(results: dict[str, Any]) -> str:
     """The result as a plain-text table."""
     lines = [f"device: {results['device']}   copy bandwidth: {results['copy_bandwidth_TBps']:.2f} TB/s"]
@@ -798,6 +841,7 @@ def table(results: dict[str, Any]) -> str:
         entry = results.get(shape, {})
         engines = ["metrale"] + [f"metrale_{name}" for name in results["options"].get("quantization", ())]
         engines += ["metrale_kv_fp8"] if results["options"].get("kv_cache_fp8") else []
+        engines += ["metrale_batch_invariant"] if results["options"].get("batch_invariant") else []
         for engine in engines + ["hf_eager", "hf_compiled"]:
             data = entry.get(engine)
             if data is None:
@@ -808,6 +852,9 @@ def table(results: dict[str, Any]) -> str:
                 if key == "accuracy":
                     lines.append(f"{shape:10} {engine:12} {'logit error':14} {value['logit_error']:12.4f}")
                     lines.append(f"{shape:10} {engine:12} {'greedy agree':14} {value['greedy_agreement']:12.4f}")
+                    continue
+                if key == "invariance":
+                    lines.append(f"{shape:10} {engine:12} {'identical':14} {value['identical']:>8} of {value['of']}")
                     continue
                 if isinstance(value, str):  # a measurement that failed (``prefill_131072_error``)
                     lines.append(f"{shape:10} {engine:12} {key:14} {value[:60]}")

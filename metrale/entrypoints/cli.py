@@ -112,6 +112,9 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-fp8", action="store_true",
                         help="also time each shape's bf16 model with an FP8 KV cache (decode at --context), with its "
                         "blocks per byte and accuracy against the bf16 cache")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="also time each shape in batch-invariant mode beside the default, with a check that 32 "
+                        "prompts give the same greedy tokens alone and batched")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--hf-compile", action="store_true", help="also time transformers with a static cache and torch.compile")
     parser.add_argument("--no-start-times", action="store_true", help="skip the cold and cached start-time probes")
@@ -196,6 +199,7 @@ def _bench(args: argparse.Namespace) -> int:
         shapes=shapes, batch_sizes=batch_sizes, context=args.context, decode_steps=args.decode_steps,
         prefill_lengths=prefill_lengths, prefix_chunk=prefix_chunk, hf=not args.no_hf, hf_compile=args.hf_compile,
         start_times=not args.no_start_times, quantization=quantization, kv_cache_fp8=args.kv_cache_fp8,
+        batch_invariant=args.batch_invariant,
         workdir=Path(args.workdir), output=Path(args.output),
     )
     results = run(options)

@@ -130,6 +130,60 @@ def test_without_transformers_only_metrale_runs(stand_ins):
     assert bars[0].total == bars[0].n == 2
 
 
+def test_batch_invariant_mode_is_timed_beside_the_default(stand_ins, monkeypatch):
+    tmp_path, calls, bars = stand_ins
+    monkeypatch.setattr(bench, "bench_batch_invariant", lambda shape, options, bandwidth: calls.append(
+        ("invariant", shape)) or {"decode_b1": {"tok_s": 80.0}, "invariance": {"identical": 32, "of": 32}})
+    options = bench.BenchOptions(shapes=("llama-1b",), hf=False, start_times=False, batch_invariant=True,
+                                 workdir=tmp_path / "work")
+    results = bench.run(options)
+    assert calls == [("metrale", "llama-1b"), ("invariant", "llama-1b")]
+    assert bars[0].total == bars[0].n == 3
+    rows = [row.split() for row in bench.table(results).splitlines()]
+    assert ["llama-1b", "metrale_batch_invariant", "identical", "32", "of", "32"] in rows
+    # Its decode against the default's (80 against 100 tok/s).
+    assert ["llama-1b", "batch_invariant", "vs", "bf16", "decode_b1", "0.8x"] in rows
+
+
+def test_the_invariance_check_counts_prompts_whose_tokens_differ_when_batched(tmp_path, monkeypatch):
+    """bench_batch_invariant runs the mode it measures, and counts a prompt as identical only when
+    its greedy tokens alone and in the batch of all prompts agree (here a stand-in engine whose
+    batched tokens differ for prompts of even length)."""
+    import metrale.entrypoints.llm as llm_module
+
+    made, timed = [], []
+
+    class Output:
+        def __init__(self, token_ids):
+            self.token_ids = token_ids
+
+    class FakeLLM:
+        def __init__(self, folder, **options):
+            made.append(options)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def generate(self, prompts, params, use_tqdm=True):
+            assert params.temperature == 0.0 and params.max_tokens == bench.INVARIANCE_TOKENS
+            return [Output([len(p) % 7 + (len(prompts) > 1 and len(p) % 2 == 0)] * params.max_tokens)
+                    for p in prompts]
+
+    monkeypatch.setattr(llm_module, "LLM", FakeLLM)
+    monkeypatch.setattr(bench, "bench_metrale", lambda *args, **options: timed.append(options) or {})
+    result = bench.bench_batch_invariant("llama-1b", bench.BenchOptions(workdir=tmp_path), 4.0e12)
+    assert timed == [{"batch_invariant": True}]
+    assert [options["batch_invariant"] for options in made] == [True]
+    import numpy as np
+
+    lengths = np.random.default_rng(11).integers(16, 513, bench.INVARIANCE_PROMPTS)
+    assert result["invariance"] == {"identical": int(np.sum(lengths % 2 == 1)), "of": bench.INVARIANCE_PROMPTS}
+    assert 0 < result["invariance"]["identical"] < bench.INVARIANCE_PROMPTS
+
+
 def test_weight_accounting_matches_the_models_parameters():
     """Every bf16 weight, counted against transformers' own parameter count (meta device)."""
     import torch
