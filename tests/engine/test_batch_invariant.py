@@ -28,6 +28,11 @@ def prompts(shared_prefix: int = 0, seed: int = 1) -> list[list[int]]:
     return [prefix + [int(t) for t in rng.integers(3, 120, size=n)] for n in PROMPT_LENGTHS]
 
 
+def on_host(array) -> np.ndarray:
+    """A batch's index array on the host (on the GPU the prepared batch holds CuPy arrays)."""
+    return np.asarray(array.get() if hasattr(array, "get") else array)
+
+
 class Recorded:
     """Every logits row the model returns, by ``(prompt, position)``, and whether a step mixed
     decode rows with prompt rows."""
@@ -40,10 +45,10 @@ class Recorded:
         def forward_batch(batch):
             out = inner(batch)
             host = llm.backend.to_numpy(out)
-            starts = np.asarray(batch.row_starts)
+            starts = on_host(batch.row_starts)
             lengths = np.diff(starts)
             self.mixed_steps += bool((lengths == 1).any() and (lengths > 1).any())
-            for index, row in enumerate(np.asarray(batch.logits_rows)):
+            for index, row in enumerate(on_host(batch.logits_rows)):
                 segment_index = int(np.searchsorted(starts, row, side="right") - 1)
                 if segment_index >= len(batch.segments):
                     continue  # a padding row of a captured shape
