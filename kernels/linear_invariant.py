@@ -9,9 +9,10 @@ reductions for other ``M``, so a row's sums take another order):
 * one kernel for every ``M``; a block computes :data:`BLOCK_COLUMNS` columns of ``16 * row_tiles``
   rows, ``row_tiles`` (1 or 4) chosen from ``M`` -- which rows share a block never changes how an
   element is summed;
-* each element's sum runs over ``K`` in steps of 16 in increasing order, each step one
-  ``m16n8k16`` product accumulated in float32 (the tensor cores compute an element of it from that
-  element's row and column alone);
+* each element's sum runs over ``K`` in steps of 32 in increasing order, each step two
+  ``m16n8k16`` products of sixteen of its k (:func:`step_groups`: a thread loads 16 contiguous
+  bytes of a row or column for both) accumulated in float32 (the tensor cores compute an element
+  of a product from that element's row and column alone);
 * ``K`` is split into :func:`split_count` ranges chosen from ``N`` and ``K`` only (enough blocks to
   read the weights at full bandwidth for one row); each range's float32 partial sum is written
   apart, and a second kernel adds the ranges in their order, then the bias, and rounds once.
@@ -42,10 +43,36 @@ TARGET_BLOCKS = 264
 MIN_SPLIT_ELEMENTS = 512
 
 KERNEL = r"""
-// partial[s, m, n] = sum over k in split s's range, in steps of 16 in order, of x[m, k] w[n, k]
-// (float32, one m16n8k16 product a step). Grid (ceil(N / 64), ceil(M / (16 * ROW_TILES)), splits),
-// 128 threads: warp w takes columns 16w .. 16w + 15 of the block's 64, every row tile. Fragments
-// are read straight from global memory (x and w rows K-contiguous, K a multiple of 16).
+#define UNROLL 4
+
+// The products of one step of 32 k (k0 .. k0 + 31): thread (g, q) holds 16 bytes of each of its
+// rows and columns, k0 + 8q .. k0 + 8q + 7; the step is two m16n8k16 products, the first over
+// k0 + 8q + {0..3} for every q (each thread's words .x, .y), the second over k0 + 8q + {4..7}
+// (.z, .w): the fragments' k pairs (2q, 2q + 8) of A and B name the same k, so each product
+// sums sixteen terms x[m, k] w[n, k] of the step.
+template <int ROW_TILES>
+__device__ __forceinline__ void step_products(float (&c)[ROW_TILES][2][4], const uint4 (&a)[ROW_TILES][2],
+                                              const uint4 (&b)[2]) {
+#pragma unroll
+    for (int r = 0; r < ROW_TILES; ++r) {
+        const unsigned first[4] = {a[r][0].x, a[r][1].x, a[r][0].y, a[r][1].y};
+        const unsigned second[4] = {a[r][0].z, a[r][1].z, a[r][0].w, a[r][1].w};
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const unsigned b_first[2] = {b[j].x, b[j].y}, b_second[2] = {b[j].z, b[j].w};
+            mma_16x8x16(c[r][j], first, b_first);
+            mma_16x8x16(c[r][j], second, b_second);
+        }
+    }
+}
+
+// partial[s, m, n] = the sum over split s's range of K of x[m, k] w[n, k]: its steps of 32 in
+// increasing order, two products each (step_products), accumulated in float32, then a last step
+// of 16 where the range ends 16 past a multiple of 32 (one product, k0 + 2q and k0 + 2q + 8).
+// Grid (ceil(N / 64), ceil(M / (16 * ROW_TILES)), splits), 128 threads: warp w takes columns
+// 16w .. 16w + 15 of the block's 64, every row tile. Fragments come straight from global memory
+// (x and w rows K-contiguous, K a multiple of 16), UNROLL steps' loads issued before their
+// products.
 template <int ROW_TILES>
 __global__ void __launch_bounds__(128) invariant_linear_partial(
     const unsigned short* __restrict__ x, const unsigned short* __restrict__ w, float* __restrict__ partial,
@@ -54,34 +81,92 @@ __global__ void __launch_bounds__(128) invariant_linear_partial(
     const int row_base = blockIdx.y * 16 * ROW_TILES, column_base = blockIdx.x * 64 + warp * 16;
     const int k_begin = blockIdx.z * split_elements, k_end = min(K, k_begin + split_elements);
     float c[ROW_TILES][2][4];
+#pragma unroll
     for (int r = 0; r < ROW_TILES; ++r)
+#pragma unroll
         for (int j = 0; j < 2; ++j)
+#pragma unroll
             for (int i = 0; i < 4; ++i) c[r][j][i] = 0.0f;
-    const unsigned* x_words = reinterpret_cast<const unsigned*>(x);
-    const unsigned* w_words = reinterpret_cast<const unsigned*>(w);
-    const int words = K / 2;
-    for (int k = k_begin; k < k_end; k += 16) {
-        const int word = k / 2 + q;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    const unsigned short* columns[2];
+    bool column_inside[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int column = column_base + 8 * j + g;
+        column_inside[j] = column < N;
+        columns[j] = w + (size_t)(column_inside[j] ? column : 0) * K + 8 * q;
+    }
+    const unsigned short* rows[ROW_TILES][2];
+    bool row_inside[ROW_TILES][2];
+#pragma unroll
+    for (int r = 0; r < ROW_TILES; ++r) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row_base + 16 * r + 8 * h + g;
+            row_inside[r][h] = row < M;
+            rows[r][h] = x + (size_t)(row_inside[r][h] ? row : 0) * K + 8 * q;
+        }
+    }
+    const int whole_end = k_begin + (k_end - k_begin) / 32 * 32;
+    int k = k_begin;
+    for (; k + 32 * UNROLL <= whole_end; k += 32 * UNROLL) {
+        uint4 b[UNROLL][2];
+        uint4 a[UNROLL][ROW_TILES][2];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                b[u][j] = column_inside[j] ? *reinterpret_cast<const uint4*>(columns[j] + k + 32 * u) : zero;
+#pragma unroll
+            for (int r = 0; r < ROW_TILES; ++r)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    a[u][r][h] = row_inside[r][h] ? *reinterpret_cast<const uint4*>(rows[r][h] + k + 32 * u) : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) step_products<ROW_TILES>(c, a[u], b[u]);
+    }
+    for (; k < whole_end; k += 32) {
+        uint4 b[2];
+        uint4 a[ROW_TILES][2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) b[j] = column_inside[j] ? *reinterpret_cast<const uint4*>(columns[j] + k) : zero;
+#pragma unroll
+        for (int r = 0; r < ROW_TILES; ++r)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                a[r][h] = row_inside[r][h] ? *reinterpret_cast<const uint4*>(rows[r][h] + k) : zero;
+        step_products<ROW_TILES>(c, a, b);
+    }
+    if (k < k_end) {   // the range's last 16: one product in the plain layout
+        const unsigned* x_words = reinterpret_cast<const unsigned*>(x);
+        const unsigned* w_words = reinterpret_cast<const unsigned*>(w);
+        const int words = K / 2, word = k / 2 + q;
         unsigned b[2][2];
+#pragma unroll
         for (int j = 0; j < 2; ++j) {
             const int column = column_base + 8 * j + g;
-            const bool inside = column < N;
-            b[j][0] = inside ? w_words[(size_t)column * words + word] : 0u;
-            b[j][1] = inside ? w_words[(size_t)column * words + word + 4] : 0u;
+            b[j][0] = column_inside[j] ? w_words[(size_t)column * words + word] : 0u;
+            b[j][1] = column_inside[j] ? w_words[(size_t)column * words + word + 4] : 0u;
         }
+#pragma unroll
         for (int r = 0; r < ROW_TILES; ++r) {
             const int row = row_base + 16 * r + g;
             unsigned a[4];
-            a[0] = row < M ? x_words[(size_t)row * words + word] : 0u;
-            a[1] = row + 8 < M ? x_words[(size_t)(row + 8) * words + word] : 0u;
-            a[2] = row < M ? x_words[(size_t)row * words + word + 4] : 0u;
-            a[3] = row + 8 < M ? x_words[(size_t)(row + 8) * words + word + 4] : 0u;
+            a[0] = row_inside[r][0] ? x_words[(size_t)row * words + word] : 0u;
+            a[1] = row_inside[r][1] ? x_words[(size_t)(row + 8) * words + word] : 0u;
+            a[2] = row_inside[r][0] ? x_words[(size_t)row * words + word + 4] : 0u;
+            a[3] = row_inside[r][1] ? x_words[(size_t)(row + 8) * words + word + 4] : 0u;
+#pragma unroll
             for (int j = 0; j < 2; ++j) mma_16x8x16(c[r][j], a, b[j]);
         }
     }
     float* out = partial + (size_t)blockIdx.z * M * N;
+#pragma unroll
     for (int r = 0; r < ROW_TILES; ++r) {
+#pragma unroll
         for (int j = 0; j < 2; ++j) {
+#pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int row = row_base + 16 * r + g + (i >= 2 ? 8 : 0);
                 const int column = column_base + 8 * j + 2 * q + (i & 1);
@@ -124,9 +209,10 @@ def split_count(n: int, k: int) -> int:
 
 
 def split_elements(n: int, k: int) -> int:
-    """The length of each of K's ranges (a multiple of 16; the last range may be shorter)."""
+    """The length of each of K's ranges (a multiple of 32; the last range may be shorter, and end
+    16 past one)."""
     per_split = -(-k // split_count(n, k))
-    return -(-per_split // 16) * 16
+    return -(-per_split // 32) * 32
 
 
 def row_tiles(m: int) -> int:
@@ -135,11 +221,27 @@ def row_tiles(m: int) -> int:
     return 1 if m <= 16 else 4
 
 
+def step_groups(start: int, stop: int) -> list[np.ndarray]:
+    """The k of each product of a range ``[start, stop)``, in the order the kernel adds them:
+    per step of 32 (``k0``), ``k0 + 8q + {0..3}`` then ``k0 + 8q + {4..7}`` over ``q = 0..3``;
+    a last 16 (``stop - start`` 16 past a multiple of 32) as one product."""
+    groups = []
+    k = start
+    quads = 8 * np.arange(4)[:, None]
+    while k + 32 <= stop:
+        groups += [(k + quads + np.arange(4)).ravel(), (k + quads + 4 + np.arange(4)).ravel()]
+        k += 32
+    if k < stop:
+        groups.append(np.arange(k, stop))
+    return groups
+
+
 def invariant_linear_reference(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """float32 ``[M, N]``: the kernel's order of sums -- each 16-term step's products summed in
-    float64 and rounded to float32 (the tensor cores' exact products, one rounding a step; the
-    hardware rounds within a step in its own way, so this is the order, not the bits), the steps
-    added in order in float32 per range, the ranges in order, then the bias."""
+    """float32 ``[M, N]``: the kernel's order of sums -- each product's sixteen terms
+    (:func:`step_groups`) summed in float64 and rounded to float32 (the tensor cores' exact
+    products, one rounding a product; the hardware rounds within a product in its own way, so this
+    is the order, not the bits), the products added in order in float32 per range, the ranges in
+    order, then the bias."""
     x = np.asarray(x, dtype=np.float32)
     weight = np.asarray(weight, dtype=np.float32)
     m, k = x.shape
@@ -148,8 +250,8 @@ def invariant_linear_reference(x: np.ndarray, weight: np.ndarray, bias: np.ndarr
     total = np.zeros((m, n), dtype=np.float32)
     for start in range(0, k, length):
         partial = np.zeros((m, n), dtype=np.float32)
-        for step in range(start, min(k, start + length), 16):
-            products = x[:, step:step + 16].astype(np.float64) @ weight[:, step:step + 16].astype(np.float64).T
+        for group in step_groups(start, min(k, start + length)):
+            products = x[:, group].astype(np.float64) @ weight[:, group].astype(np.float64).T
             partial = (partial + products.astype(np.float32)).astype(np.float32)
         total = partial if start == 0 else (total + partial).astype(np.float32)
     if bias is not None:

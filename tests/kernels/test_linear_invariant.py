@@ -69,7 +69,8 @@ def bf16_bits(rng, shape, scale=1.0):
     return float32_to_bf16((rng.standard_normal(shape) * scale).astype(np.float32))
 
 
-@pytest.mark.parametrize("m, n, k, with_bias", [(1, 72, 64, False), (5, 130, 1056, True), (37, 64, 48, False)])
+@pytest.mark.parametrize("m, n, k, with_bias", [(1, 72, 64, False), (5, 130, 1056, True), (37, 64, 48, False),
+                                                (3, 70, 400, True), (17, 8, 16, False)])
 def test_the_kernel_run_emulated_matches_the_reference(emulated, m, n, k, with_bias):
     rng = np.random.default_rng(m * 1000 + n + k)
     x, w = bf16_bits(rng, (m, k)), bf16_bits(rng, (n, k), 0.1)
@@ -101,10 +102,19 @@ def test_a_row_gives_the_same_bits_alone_and_among_other_rows(emulated):
 def test_the_splits_come_from_the_weight_alone():
     for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (64, 48)):
         splits, length = li.split_count(n, k), li.split_elements(n, k)
-        assert splits >= 1 and length % 16 == 0 and (splits - 1) * length < k <= splits * length
-        assert splits == 1 or length >= li.MIN_SPLIT_ELEMENTS - 15
+        assert splits >= 1 and length % 32 == 0 and (splits - 1) * length < k <= splits * length
+        assert splits == 1 or length >= li.MIN_SPLIT_ELEMENTS - 31
     # One row of the 8B shape's projections: enough blocks to read the weights in parallel.
     assert -(-4096 // li.BLOCK_COLUMNS) * li.split_count(4096, 4096) >= li.TARGET_BLOCKS
+
+
+def test_the_products_cover_every_k_once_in_steps():
+    for start, stop in ((0, 64), (32, 160), (0, 48), (64, 80)):
+        groups = li.step_groups(start, stop)
+        assert all(len(group) == 16 for group in groups)
+        assert sorted(np.concatenate(groups).tolist()) == list(range(start, stop))
+    assert li.step_groups(0, 32)[0].tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]
+    assert li.step_groups(0, 48)[-1].tolist() == list(range(32, 48))
 
 
 def test_the_launcher_refuses_what_the_kernel_cannot_take():
