@@ -173,12 +173,15 @@ class CudaKernels:
     def invariant_linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """The batch-invariant product (:mod:`metrale.kernels.linear_invariant`): float32 out, each
         row's bits the same whatever the rows beside it; bound under ``batch_invariant=True``."""
+        from metrale.kernels._words import aligned
+
         x = self.as_bf16(x)
-        rows, width, inner = x.shape[0], weight.shape[0], x.shape[1]
-        out = cp.empty((rows, width), dtype=f32)
-        partial = cp.empty((linear_invariant.split_count(width, inner), rows, width), dtype=f32)
-        return linear_invariant.invariant_linear(x, cp.ascontiguousarray(weight), out, partial, self.stream,
-                                                 None if bias is None else cp.ascontiguousarray(bias, dtype=f32))
+        if not aligned(x):  # a view into a larger array: the kernels read 16 bytes at a time
+            x = x.copy()
+        out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
+        return linear_invariant.invariant_linear(x, cp.ascontiguousarray(weight), out, self.stream,
+                                                 None if bias is None else cp.ascontiguousarray(bias, dtype=f32),
+                                                 multiprocessors=decode_gemv.multiprocessor_count())
 
     # Products with a quantized weight (:mod:`metrale.kernels.quantized_gemv`), bound where
     # :func:`metrale.ops.selection.quantized_kernels` says.

@@ -175,8 +175,9 @@ CUDA_BATCH_VARIANT_OPS = ("head_linear", "moe_route", "moe_experts", "moe_expert
 
 def cuda_batch_invariant_kernels() -> list[Kernel]:
     """The CUDA kernels bound under ``batch_invariant=True``: the products through
-    :mod:`metrale.kernels.linear_invariant` (one kernel for every row count, K summed in one order,
-    split from the weight's shape alone), the fused norm-and-product and gated products through
+    :mod:`metrale.kernels.linear_invariant` (decode rows through the decode kernel's plain product,
+    more rows through a tiled kernel summing in exactly its order; K split from the weight's shape
+    and the device alone), the fused norm-and-product and gated products through
     their composites (the fused decode kernels sum otherwise than the prompts' products), and
     attention of decode and prompt rows alike through the tensor-core prompt kernel
     (:mod:`metrale.kernels.attention_mma`), which steps through a row's keys from the same
@@ -203,9 +204,9 @@ def cuda_batch_invariant_kernels() -> list[Kernel]:
     return refused + [
         Kernel("linear", "cuda", "metrale.kernels.linear_invariant", build=_cuda_method("invariant_linear"),
                when=bf16_product, enabled=_batch_invariant,
-               condition=condition + ", bf16 weights, the inner size a multiple of 16"),
+               condition=condition + ", bf16 weights, the inner size a multiple of 32"),
         Kernel("linear", "cuda", "refused", build=_refused_under_batch_invariance(
-            "linear", "bf16 weights whose inner size is a multiple of 16"), enabled=_batch_invariant,
+            "linear", "bf16 weights whose inner size is a multiple of 32"), enabled=_batch_invariant,
                condition=condition + ", any other weight"),
         Kernel("linear_silu", "cuda", "linear, then silu_and_mul (their kernels)",
                build=_composed_linear_silu, enabled=_batch_invariant, condition=condition),

@@ -16,6 +16,7 @@ from metrale.errors import ConfigError
 from metrale.kernels import batch_invariant
 from metrale.kernels.attention import paged_attention_reference
 from metrale.models import embedded_model_path
+from metrale.ops.plugin_kernels import capturing
 
 #: Mixed lengths: one-token prompts, prompts within a block, prompts of several blocks.
 PROMPT_LENGTHS = (3, 17, 40, 9, 33, 1, 25, 12)
@@ -34,8 +35,8 @@ def on_host(array) -> np.ndarray:
 
 
 class Recorded:
-    """Every logits row the model returns, by ``(prompt, position)``, and whether a step mixed
-    decode rows with prompt rows."""
+    """Every logits row the model returns eagerly, by ``(prompt, position)``, and whether a step
+    mixed decode rows with prompt rows."""
 
     def __init__(self, llm: LLM) -> None:
         self.logits: dict[tuple[tuple[int, ...], int], list[np.ndarray]] = {}
@@ -44,6 +45,8 @@ class Recorded:
 
         def forward_batch(batch):
             out = inner(batch)
+            if capturing(llm.backend):
+                return out  # a graph's capture: nothing may be read back (its replays are not recorded either)
             host = llm.backend.to_numpy(out)
             starts = on_host(batch.row_starts)
             lengths = np.diff(starts)

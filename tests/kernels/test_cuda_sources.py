@@ -294,10 +294,8 @@ def test_every_quantized_moe_instantiation_compiles(tmp_path):
 def test_the_batch_invariant_linear_compiles(tmp_path):
     from metrale.kernels import linear_invariant
 
-    partial = "const unsigned short*, const unsigned short*, float*, int, int, int, int"
-    total = "const float*, const float*, void*, int, int, int"
+    signature = "const unsigned short*, const unsigned short*, const float*, float*, int, int, int, int"
     code = (linear_invariant.source()
-            + "".join(f"template __global__ void invariant_linear_partial<{t}>({partial});\n" for t in (1, 4))
-            + "".join(f"template __global__ void invariant_linear_sum<{b}>({total});\n" for b in ("true", "false")))
+            + "".join(f"template __global__ void invariant_linear_tiled<{b}>({signature});\n" for b in ("true", "false")))
     ptx = compile_to_ptx(tmp_path, code)
-    assert len(entries(ptx)) == 4 and "mma.sync.aligned.m16n8k16" in ptx
+    assert len(entries(ptx)) == 2 and "mma.sync.aligned.m16n8k16" in ptx and "cp.async" in ptx

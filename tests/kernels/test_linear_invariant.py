@@ -1,6 +1,8 @@
-"""The batch-invariant linear kernel (:mod:`metrale.kernels.linear_invariant`) run on the host
-through the CUDA emulation: against the reference, and a row's bits alone, among other rows, at
-every position of a block and past the decode tile's 16 rows."""
+"""The batch-invariant linear product (:mod:`metrale.kernels.linear_invariant`) run on the host
+through the CUDA emulation: the tiled kernel against the reference of its order, and bit for bit
+against the decode kernel (:mod:`metrale.kernels.decode_gemv`) that takes the same rows when there
+are few of them -- for every split of ``K``, a last stage of one step, and rows at every position
+of a block."""
 
 from __future__ import annotations
 
@@ -11,33 +13,49 @@ import pytest
 from emulation import build_emulated
 
 from metrale.errors import KernelArgumentError
+from metrale.kernels import decode_gemv as dg
 from metrale.kernels import linear_invariant as li
 from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 
 EMULATION_MAIN = r"""
 #include <string>
 
+template <int SPLIT, int TILES>
+void decode(const unsigned short* x, const unsigned short* w, const float* bias, float* out, int M, int N, int K,
+            int blocks) {
+    emu::launch({(unsigned)blocks, 1, 1}, {THREADS, 1, 1}, [&] {
+        decode_gemv<MODE_PLAIN, false, SPLIT, 4, TILES>(x, nullptr, nullptr, 0.0f, 0.0f, nullptr,
+                                                       reinterpret_cast<const uint4*>(w), bias, out, M, K, N);
+    });
+}
+
+template <int SPLIT>
+void decode_rows(const unsigned short* x, const unsigned short* w, const float* bias, float* out, int M, int N,
+                 int K, int blocks) {
+    if (M > 16) decode<SPLIT, 4>(x, w, bias, out, M, N, K, blocks);
+    else if (M > 8) decode<SPLIT, 2>(x, w, bias, out, M, N, K, blocks);
+    else decode<SPLIT, 1>(x, w, bias, out, M, N, K, blocks);
+}
+
 int main(int argc, char** argv) {
-    if (argc != 7) emu::fail("usage: folder M N K splits has_bias");
-    const std::string folder = argv[1];
-    const int M = std::atoi(argv[2]), N = std::atoi(argv[3]), K = std::atoi(argv[4]), splits = std::atoi(argv[5]);
-    const int has_bias = std::atoi(argv[6]);
+    if (argc != 9) emu::fail("usage: folder kernel M N K split has_bias blocks");
+    const std::string folder = argv[1], kernel = argv[2];
+    const int M = std::atoi(argv[3]), N = std::atoi(argv[4]), K = std::atoi(argv[5]), split = std::atoi(argv[6]);
+    const int has_bias = std::atoi(argv[7]), blocks = std::atoi(argv[8]);
     const unsigned short* x = read<unsigned short>(folder + "/x", (size_t)M * K);
     const unsigned short* w = read<unsigned short>(folder + "/w", (size_t)N * K);
     const float* bias = has_bias ? read<float>(folder + "/bias", (size_t)N) : nullptr;
-    float* partial = allocate<float>((size_t)splits * M * N);
     float* out = allocate<float>((size_t)M * N);
-    const int split_elements = std::atoi(std::getenv("SPLIT_ELEMENTS"));
-    const unsigned columns = (N + 63) / 64;
-    if (M <= 16) {
-        emu::launch({columns, (unsigned)((M + 15) / 16), (unsigned)splits}, {128, 1, 1},
-                    [&] { invariant_linear_partial<1>(x, w, partial, M, N, K, split_elements); });
-    } else {
-        emu::launch({columns, (unsigned)((M + 63) / 64), (unsigned)splits}, {128, 1, 1},
-                    [&] { invariant_linear_partial<4>(x, w, partial, M, N, K, split_elements); });
-    }
-    emu::launch({(unsigned)((M * N + 255) / 256), 1, 1}, {256, 1, 1},
-                [&] { invariant_linear_sum<false>(partial, bias, out, M, N, splits); });
+    if (kernel == "tiled") {
+        const int slice_steps = (K / 32 + split - 1) / split;
+        emu::launch({(unsigned)((N + 127) / 128), (unsigned)((M + 127) / 128), 1}, {256, 1, 1}, [&] {
+            if (split > 1) invariant_linear_tiled<true>(x, w, bias, out, M, N, K, slice_steps);
+            else invariant_linear_tiled<false>(x, w, bias, out, M, N, K, slice_steps);
+        });
+    } else if (split == 1) decode_rows<1>(x, w, bias, out, M, N, K, blocks);
+    else if (split == 2) decode_rows<2>(x, w, bias, out, M, N, K, blocks);
+    else if (split == 4) decode_rows<4>(x, w, bias, out, M, N, K, blocks);
+    else decode_rows<8>(x, w, bias, out, M, N, K, blocks);
     write(folder + "/out", out, (size_t)M * N);
     return 0;
 }
@@ -46,10 +64,12 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
+    """``run(kernel, x_bits, w_bits, bias, split)``: the tiled kernel (``"tiled"``) or the decode
+    kernel's plain product (``"decode"``, at most 32 rows) with ``split`` slices of ``K``."""
     folder = tmp_path_factory.mktemp("linear_invariant_emulated")
-    binary = build_emulated(folder / "linear.cpp", li.KERNEL + EMULATION_MAIN)
+    binary = build_emulated(folder / "linear.cpp", dg.CONSTANTS + dg.HELPERS + dg.KERNELS + li.KERNEL + EMULATION_MAIN)
 
-    def run(x_bits, w_bits, bias=None):
+    def run(kernel, x_bits, w_bits, bias=None, split=1):
         (m, k), n = x_bits.shape, w_bits.shape[0]
         case = folder / "case"
         case.mkdir(exist_ok=True)
@@ -57,9 +77,9 @@ def emulated(tmp_path_factory):
         w_bits.astype(np.uint16).tofile(case / "w")
         if bias is not None:
             bias.astype(np.float32).tofile(case / "bias")
-        subprocess.run([str(binary), str(case), str(m), str(n), str(k), str(li.split_count(n, k)),
-                        str(int(bias is not None))], check=True, timeout=600,
-                       env={"SPLIT_ELEMENTS": str(li.split_elements(n, k))})
+        blocks = dg.plan(m, k, n, dg.PLAIN, 4, split)[1]
+        subprocess.run([str(binary), str(case), kernel, str(m), str(n), str(k), str(split), str(int(bias is not None)),
+                        str(blocks)], check=True, timeout=600)
         return np.fromfile(case / "out", dtype=np.float32).reshape(m, n)
 
     return run
@@ -69,59 +89,64 @@ def bf16_bits(rng, shape, scale=1.0):
     return float32_to_bf16((rng.standard_normal(shape) * scale).astype(np.float32))
 
 
-@pytest.mark.parametrize("m, n, k, with_bias", [(1, 72, 64, False), (5, 130, 1056, True), (37, 64, 48, False),
-                                                (3, 70, 400, True), (17, 8, 16, False)])
-def test_the_kernel_run_emulated_matches_the_reference(emulated, m, n, k, with_bias):
+# Row and column tiles with padding, K of an odd number of steps (a last stage of one step),
+# slices of unequal lengths (1056: 33 steps in slices of 9, 9, 9, 6) and a split with an empty slice
+# (96 in 4: slices of 1, 1, 1 and none).
+@pytest.mark.parametrize("m, n, k, split, with_bias", [(40, 130, 1056, 4, True), (33, 72, 64, 1, False),
+                                                       (129, 16, 96, 4, False), (40, 40, 256, 8, True)])
+def test_the_tiled_kernel_run_emulated_matches_the_reference(emulated, m, n, k, split, with_bias):
     rng = np.random.default_rng(m * 1000 + n + k)
     x, w = bf16_bits(rng, (m, k)), bf16_bits(rng, (n, k), 0.1)
     bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
-    got = emulated(x, w, bias)
-    expected = li.invariant_linear_reference(bf16_to_float32(x), bf16_to_float32(w), bias)
+    got = emulated("tiled", x, w, bias, split)
+    expected = li.invariant_linear_reference(bf16_to_float32(x), bf16_to_float32(w), bias, split=split)
     exact = bf16_to_float32(x).astype(np.float64) @ bf16_to_float32(w).astype(np.float64).T + (0 if bias is None else bias)
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(exact).max()
     assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max()
 
 
-def test_a_row_gives_the_same_bits_alone_and_among_other_rows(emulated):
-    """K split in ranges (1056 over 130 columns), a decode tile (1 and 9 rows) and the prompts'
-    tiles (40 rows: the row at several positions of its block)."""
-    rng = np.random.default_rng(7)
+@pytest.mark.parametrize("split", [1, 4, 8])
+def test_rows_the_decode_kernel_takes_give_its_bits_in_the_tiled_kernel(emulated, split):
+    """1, 9 and 32 rows through the decode kernel; the same rows at the start, the middle and the
+    end of 40 through the tiled kernel."""
+    rng = np.random.default_rng(split)
     n, k = 130, 1056
-    assert li.split_count(n, k) > 1
     w = bf16_bits(rng, (n, k), 0.1)
     bias = rng.standard_normal(n).astype(np.float32)
-    row = bf16_bits(rng, (1, k))
-    alone = emulated(row, w, bias)
-    for m, position in ((9, 4), (40, 0), (40, 21), (40, 39)):
-        others = bf16_bits(rng, (m, k), 3.0)
-        others[position] = row[0]
-        batch = emulated(others, w, bias)
-        assert np.array_equal(batch[position].view(np.uint32), alone[0].view(np.uint32)), (m, position)
+    rows = bf16_bits(rng, (40, k), 3.0)
+    tiled = emulated("tiled", rows, w, bias, split)
+    for m in (1, 9, 32):
+        decoded = emulated("decode", rows[:m], w, bias, split)
+        assert np.array_equal(decoded.view(np.uint32), tiled[:m].view(np.uint32)), m
+    moved = np.roll(rows, 21, axis=0)  # row 0 at position 21, row 19 at 40 - 1
+    assert np.array_equal(emulated("tiled", moved, w, bias, split).view(np.uint32),
+                          np.roll(tiled, 21, axis=0).view(np.uint32))
 
 
-def test_the_splits_come_from_the_weight_alone():
-    for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (64, 48)):
-        splits, length = li.split_count(n, k), li.split_elements(n, k)
-        assert splits >= 1 and length % 32 == 0 and (splits - 1) * length < k <= splits * length
-        assert splits == 1 or length >= li.MIN_SPLIT_ELEMENTS - 31
-    # One row of the 8B shape's projections: enough blocks to read the weights in parallel.
-    assert -(-4096 // li.BLOCK_COLUMNS) * li.split_count(4096, 4096) >= li.TARGET_BLOCKS
+def test_the_split_is_the_decode_kernels_and_comes_from_the_weight_and_the_device():
+    for columns in (37, 4096, 6144, 28672, 128256):
+        for multiprocessors in (4, 132):
+            split = li.split_of(columns, multiprocessors)
+            assert split == dg.plan(1, 4096, columns, dg.PLAIN, multiprocessors)[0]
+            assert all(dg.plan(rows, 4096, columns, dg.PLAIN, multiprocessors)[0] == split for rows in (2, 17, 32))
+    assert li.split_steps(1056, 4) == 9 and li.split_steps(96, 4) == 1 and li.split_steps(4096, 8) == 16
 
 
 def test_the_products_cover_every_k_once_in_steps():
-    for start, stop in ((0, 64), (32, 160), (0, 48), (64, 80)):
+    for start, stop in ((0, 64), (32, 160)):
         groups = li.step_groups(start, stop)
         assert all(len(group) == 16 for group in groups)
         assert sorted(np.concatenate(groups).tolist()) == list(range(start, stop))
     assert li.step_groups(0, 32)[0].tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]
-    assert li.step_groups(0, 48)[-1].tolist() == list(range(32, 48))
 
 
-def test_the_launcher_refuses_what_the_kernel_cannot_take():
-    x = np.zeros((2, 24), np.uint16)
-    with pytest.raises(KernelArgumentError, match="multiple of 16"):
-        li.invariant_linear(x, np.zeros((8, 24), np.uint16), np.zeros((2, 8), np.uint16),
-                            np.zeros((1, 2, 8), np.float32), None)
+def test_the_launcher_refuses_what_the_kernels_cannot_take():
+    with pytest.raises(KernelArgumentError, match="multiple of 32"):
+        li.invariant_linear(np.zeros((2, 48), np.uint16), np.zeros((8, 48), np.uint16), np.zeros((2, 8), np.float32),
+                            None, multiprocessors=4)
     with pytest.raises(KernelArgumentError, match="weight has shape"):
-        li.invariant_linear(np.zeros((2, 32), np.uint16), np.zeros((8, 16), np.uint16), np.zeros((2, 8), np.uint16),
-                            np.zeros((1, 2, 8), np.float32), None)
+        li.invariant_linear(np.zeros((2, 32), np.uint16), np.zeros((8, 16), np.uint16), np.zeros((2, 8), np.float32),
+                            None, multiprocessors=4)
+    with pytest.raises(KernelArgumentError, match="out"):
+        li.invariant_linear(np.zeros((2, 32), np.uint16), np.zeros((8, 32), np.uint16), np.zeros((2, 8), np.uint16),
+                            None, multiprocessors=4)

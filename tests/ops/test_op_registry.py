@@ -243,7 +243,7 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
         "rmsnorm_residual, then linear_silu and linear (their kernels) [metrale]"]
     assert registry.serving("linear", "cuda") == [
         "metrale.kernels.linear_invariant [metrale] when batch_invariant=True, bf16 weights, the inner size a "
-        "multiple of 16",
+        "multiple of 32",
         "refused [metrale] when batch_invariant=True, any other weight",
         "metrale.kernels.quantized_gemv (FP8 rows), cuBLASLt FP8 product (FP8 tensor cores) [metrale] when FP8 weights "
         "and inputs whose scales factor out of the sums, N >= 8",
