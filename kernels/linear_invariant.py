@@ -125,7 +125,8 @@ __global__ void __launch_bounds__(TILED_THREADS, 1) invariant_linear_tiled(
         wait_copies<TILED_STAGES - 2>();
         __syncthreads();   // the stage has landed for every thread; the slot refilled next is read by none
         const int next = stage + TILED_STAGES - 1;
-        if (next < stages) tiled_copy_stage(shared, next % TILED_STAGES, w, x, column_base, row_base, next * 32 * TILED_STAGE_STEPS, M, N, K);
+        if (next < stages)
+            tiled_copy_stage(shared, next % TILED_STAGES, w, x, column_base, row_base, next * 32 * TILED_STAGE_STEPS, M, N, K);
         commit_copies();
         const uint4* weights = shared + (stage % TILED_STAGES) * TILED_STAGE_CHUNKS;
         const uint4* rows = weights + TILED_STAGE_STEPS * TILED_COLUMNS * 4;
