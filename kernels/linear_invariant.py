@@ -2,12 +2,13 @@
 of rows: the linear layers' product under ``batch_invariant=True`` on the GPU (CUDA C++ with
 ``mma.sync``, compiled by NVRTC through CuPy).
 
-``y [M, N] = x [M, K] @ W [N, K]^T (+ bias)``, bf16 in, float32 sums and out. Rows a decode
-kernel takes (:func:`metrale.kernels.decode_gemv.supports`) go through
+``y [M, N] = x [M, K] @ W [N, K]^T (+ bias)``, bf16 in, float32 sums and out. Under the mode,
+rows the decode kernel takes (:func:`metrale.kernels.decode_gemv.supports`) go through
 :func:`metrale.kernels.decode_gemv.decode_gemv` as it is (its plain prologue, at the speed the
-default mode decodes with); more rows go through this module's tiled kernel, which sums every
-element in exactly the decode kernel's order, so a row's bits never depend on which of the two
-took it nor on the rows beside it:
+default mode decodes with; :func:`metrale.ops.selection.cuda_batch_invariant_kernels` binds both);
+more rows go through this module's tiled kernel, which sums every element in exactly the decode
+kernel's order, so a row's bits never depend on which of the two took it nor on the rows beside
+it:
 
 * the same ``m16n8k16`` products with the same operands: sixteen weight columns as the product's
   rows (A), eight of ``x``'s rows as its columns (B), each element of a product computed by the
@@ -266,10 +267,10 @@ def _function(fold: bool) -> Any:
 
 def invariant_linear(x: DeviceArray, weight: DeviceArray, out: DeviceArray, stream: Any,
                      bias: DeviceArray | None = None, *, multiprocessors: int | None = None) -> DeviceArray:
-    """``out [M, N] <- x [M, K] @ weight [N, K]^T (+ bias)``: x and weight bf16 bits (uint16), out
-    and bias float32; every row's result the same whatever ``M`` -- rows the decode kernel takes
-    through it, more through the tiled kernel in the same order. ``multiprocessors`` (the
-    device's, by default) fixes the decode kernel's split of ``K``."""
+    """``out [M, N] <- x [M, K] @ weight [N, K]^T (+ bias)`` through the tiled kernel: x and weight
+    bf16 bits (uint16), out and bias float32; every element summed in the order of
+    :func:`metrale.kernels.decode_gemv.decode_gemv`'s plain product with the split
+    :func:`split_of` gives for ``multiprocessors`` (the device's, by default), whatever ``M``."""
     op = "invariant_linear"
     check_array(op, "x", x, np.uint16, ndim=2)
     m, k = x.shape
@@ -287,11 +288,7 @@ def invariant_linear(x: DeviceArray, weight: DeviceArray, out: DeviceArray, stre
             raise KernelArgumentError(f"{op}: {name} must be contiguous and start at a 16-byte boundary")
     if m == 0 or n == 0:
         return out
-    if multiprocessors is None:
-        multiprocessors = decode_gemv.multiprocessor_count()
-    split = split_of(n, multiprocessors)
-    if decode_gemv.supports(m, k, decode_gemv.PLAIN):
-        return decode_gemv.decode_gemv(decode_gemv.PLAIN, x, weight, out, stream, bias=bias, split=split)
+    split = split_of(n, decode_gemv.multiprocessor_count() if multiprocessors is None else multiprocessors)
     launch(_function(split > 1), (-(-n // BLOCK_COLUMNS), -(-m // BLOCK_ROWS)), (THREADS,),
            (x, weight, bias if bias is not None else np.uint64(0), out, np.int32(m), np.int32(n), np.int32(k),
             np.int32(split_steps(k, split))), SHARED_BYTES, stream, dependent=False)

@@ -170,18 +170,30 @@ class CudaKernels:
             out += bias
         return out
 
-    def invariant_linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        """The batch-invariant product (:mod:`metrale.kernels.linear_invariant`): float32 out, each
-        row's bits the same whatever the rows beside it; bound under ``batch_invariant=True``."""
+    def _invariant_arguments(self, x: Any, weight: Any, bias: Any) -> tuple[Any, Any, Any, Any]:
+        """``(x, weight, bias, out)`` of a batch-invariant product: x as bf16 bits starting at a
+        16-byte boundary (the kernels read 16 bytes at a time), the float32 output."""
         from metrale.kernels._words import aligned
 
         x = self.as_bf16(x)
-        if not aligned(x):  # a view into a larger array: the kernels read 16 bytes at a time
-            x = x.copy()
-        out = cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
-        return linear_invariant.invariant_linear(x, cp.ascontiguousarray(weight), out, self.stream,
-                                                 None if bias is None else cp.ascontiguousarray(bias, dtype=f32),
+        x = x if aligned(x) else x.copy()
+        bias = None if bias is None else cp.ascontiguousarray(bias, dtype=f32)
+        return x, cp.ascontiguousarray(weight), bias, cp.empty((x.shape[0], weight.shape[0]), dtype=f32)
+
+    def invariant_linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """The batch-invariant product's tiled kernel (:mod:`metrale.kernels.linear_invariant`):
+        float32 out, each element summed in the decode GEMV's order; bound under
+        ``batch_invariant=True`` for the rows the decode GEMV does not take."""
+        x, weight, bias, out = self._invariant_arguments(x, weight, bias)
+        return linear_invariant.invariant_linear(x, weight, out, self.stream, bias,
                                                  multiprocessors=decode_gemv.multiprocessor_count())
+
+    def invariant_linear_decode_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """Decode rows of the batch-invariant product: the decode GEMV's plain product with the
+        split the tiled kernel follows (:func:`metrale.kernels.linear_invariant.split_of`)."""
+        x, weight, bias, out = self._invariant_arguments(x, weight, bias)
+        split = linear_invariant.split_of(weight.shape[0], decode_gemv.multiprocessor_count())
+        return decode_gemv.decode_gemv(decode_gemv.PLAIN, x, weight, out, self.stream, bias=bias, split=split)
 
     # Products with a quantized weight (:mod:`metrale.kernels.quantized_gemv`), bound where
     # :func:`metrale.ops.selection.quantized_kernels` says.

@@ -201,9 +201,17 @@ def cuda_batch_invariant_kernels() -> list[Kernel]:
                                                                                      "sum otherwise for other batches"),
                       enabled=_batch_invariant, condition=condition)
                for op in CUDA_BATCH_VARIANT_OPS]
+    def bf16_decode_rows(x: Any, weight: Any, bias: Any = None) -> bool:
+        from metrale.kernels import decode_gemv
+
+        return bf16_product(x, weight, bias) and decode_gemv.supports(x.shape[0], weight.shape[1], decode_gemv.PLAIN)
+
     return refused + [
-        Kernel("linear", "cuda", "metrale.kernels.linear_invariant", build=_cuda_method("invariant_linear"),
-               when=bf16_product, enabled=_batch_invariant,
+        Kernel("linear", "cuda", "metrale.kernels.decode_gemv (plain, the batch-invariant order)",
+               build=_cuda_method("invariant_linear_decode_gemv"), when=bf16_decode_rows, enabled=_batch_invariant,
+               condition=condition + ", bf16 weights, the inner size a multiple of 32, rows the decode kernel stages"),
+        Kernel("linear", "cuda", "metrale.kernels.linear_invariant (tiled, the decode kernel's order)",
+               build=_cuda_method("invariant_linear"), when=bf16_product, enabled=_batch_invariant,
                condition=condition + ", bf16 weights, the inner size a multiple of 32"),
         Kernel("linear", "cuda", "refused", build=_refused_under_batch_invariance(
             "linear", "bf16 weights whose inner size is a multiple of 32"), enabled=_batch_invariant,

@@ -267,7 +267,10 @@ def test_on_the_gpu_ops_without_an_invariant_kernel_are_refused_and_the_others_b
             first.build(None)()
     firsts = {op: next(kernel for kernel in registry.kernels_for(op, "cuda") if kernel.enabled(invariant))
               for op in ("linear", "linear_silu", "rmsnorm_linear", "rmsnorm_mlp", "paged_attention")}
-    assert firsts["linear"].name == "metrale.kernels.linear_invariant"
+    assert firsts["linear"].name == "metrale.kernels.decode_gemv (plain, the batch-invariant order)"
+    products = [kernel.name for kernel in registry.kernels_for("linear", "cuda")
+                if kernel.enabled is not None and kernel.enabled(invariant)]
+    assert products[1] == "metrale.kernels.linear_invariant (tiled, the decode kernel's order)"
     assert firsts["paged_attention"].name.startswith("metrale.kernels.attention_mma for decode and prompt rows")
     for op in ("linear_silu", "rmsnorm_linear", "rmsnorm_mlp"):
         assert firsts[op].name.endswith("(their kernels)") and "batch_invariant=True" in firsts[op].condition

@@ -1,7 +1,7 @@
-"""The batch-invariant linear product (:mod:`metrale.kernels.linear_invariant`) on the GPU: a row's
-bits alone, in decode batches (the decode kernel) and among up to 300 rows (the tiled kernel), on
-the 8B shape's projections and the LM head; every one of 32 rows the same through both kernels; the
-values against the float64 product."""
+"""The batch-invariant linear product on the GPU (:mod:`metrale.kernels.linear_invariant`'s tiled
+kernel and the decode GEMV that takes decode rows in its place): a row's bits alone and among up to
+300 rows, and every row of a decode batch through the decode GEMV bit for bit as through the tiled
+kernel, on the 8B shape's projections and the LM head; the values against the float64 product."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 pytestmark = pytest.mark.gpu
 
 
-def product(x, w, bias=None):
+def tiled(x, w, bias=None):
     import cupy as cp
 
     from metrale.kernels import linear_invariant as li
@@ -24,22 +24,42 @@ def product(x, w, bias=None):
     return cp.asnumpy(out)
 
 
+def decoded(x, w, bias=None):
+    """The decode GEMV's plain product with the split the tiled kernel follows."""
+    import cupy as cp
+
+    from metrale.kernels import decode_gemv as dg
+    from metrale.kernels import linear_invariant as li
+
+    out = cp.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+    dg.decode_gemv(dg.PLAIN, x, w, out, None, bias=bias, split=li.split_of(w.shape[0], dg.multiprocessor_count()))
+    cp.cuda.get_current_stream().synchronize()
+    return cp.asnumpy(out)
+
+
+def same_bits(a, b):
+    return np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
 def test_a_row_gives_the_same_bits_alone_and_in_batches_of_every_size(n, k):
     import cupy as cp
 
+    from metrale.kernels import decode_gemv as dg
+
     rng = np.random.default_rng(n + k)
     w = cp.asarray(float32_to_bf16((rng.standard_normal((n, k)) * 0.02).astype(np.float32)))
     rows = float32_to_bf16(rng.standard_normal((300, k)).astype(np.float32))
-    alone = product(cp.asarray(rows[:1]), w)
-    for m in (2, 7, 16, 17, 32, 33, 64, 129, 300):
-        batch = product(cp.asarray(rows[:m]), w)
-        assert np.array_equal(batch[0].view(np.uint32), alone[0].view(np.uint32)), m
-    # Every row of a decode batch (the decode kernel, where it takes them) as in the 300 (the tiled kernel).
-    for m in (8, 32):
-        assert np.array_equal(product(cp.asarray(rows[:m]), w).view(np.uint32), batch[:m].view(np.uint32)), m
+    batch = tiled(cp.asarray(rows), w)
+    for m in (1, 2, 7, 16, 17, 33, 64, 129):
+        assert same_bits(tiled(cp.asarray(rows[:m]), w), batch[:m]), m
     shuffled = np.random.default_rng(1).permutation(300)
-    assert np.array_equal(product(cp.asarray(rows[shuffled]), w).view(np.uint32), batch[shuffled].view(np.uint32))
+    assert same_bits(tiled(cp.asarray(rows[shuffled]), w), batch[shuffled])
+    # Decode batches through the decode GEMV, as many rows as it stages at this inner size.
+    for m in (1, 8, 32):
+        if dg.supports(m, k, dg.PLAIN):
+            assert same_bits(decoded(cp.asarray(rows[:m]), w), batch[:m]), m
+    assert dg.supports(1, k, dg.PLAIN)
 
 
 @pytest.mark.parametrize("m", [1, 33, 300])
@@ -51,6 +71,8 @@ def test_the_product_matches_float64(m):
     x = float32_to_bf16(rng.standard_normal((m, k)).astype(np.float32))
     w = float32_to_bf16((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
     bias = rng.standard_normal(n).astype(np.float32)
-    got = product(cp.asarray(x), cp.asarray(w), cp.asarray(bias))
+    got = tiled(cp.asarray(x), cp.asarray(w), cp.asarray(bias))
     exact = bf16_to_float32(x).astype(np.float64) @ bf16_to_float32(w).astype(np.float64).T + bias
     assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max()
+    if m <= 32:
+        assert same_bits(decoded(cp.asarray(x), cp.asarray(w), cp.asarray(bias)), got)

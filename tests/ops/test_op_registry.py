@@ -242,8 +242,10 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
         "a multiple of 32, no gate_up bias, weights of at most 128 MiB",
         "rmsnorm_residual, then linear_silu and linear (their kernels) [metrale]"]
     assert registry.serving("linear", "cuda") == [
-        "metrale.kernels.linear_invariant [metrale] when batch_invariant=True, bf16 weights, the inner size a "
-        "multiple of 32",
+        "metrale.kernels.decode_gemv (plain, the batch-invariant order) [metrale] when batch_invariant=True, bf16 "
+        "weights, the inner size a multiple of 32, rows the decode kernel stages",
+        "metrale.kernels.linear_invariant (tiled, the decode kernel's order) [metrale] when batch_invariant=True, "
+        "bf16 weights, the inner size a multiple of 32",
         "refused [metrale] when batch_invariant=True, any other weight",
         "metrale.kernels.quantized_gemv (FP8 rows), cuBLASLt FP8 product (FP8 tensor cores) [metrale] when FP8 weights "
         "and inputs whose scales factor out of the sums, N >= 8",
