@@ -45,101 +45,128 @@ from metrale.kernels._launch import launch
 from metrale.kernels._tensor_cores import MMA_BF16, STAGED_COPIES
 from metrale.kernels._words import aligned
 
-#: Weight columns and rows of ``x`` a block computes; k a stage holds; stages in flight.
-BLOCK_COLUMNS = 128
-BLOCK_ROWS = 128
+#: The two tilings of the kernel: ``(warps along the columns, warps along the rows, 16-column
+#: tiles a warp, 8-row tiles a warp)``. NARROW (64 columns by 32 rows a block) is for few rows:
+#: each block sums one slice of K (the grid's third dimension), its float32 partial sums written
+#: apart and added in the slices' order by a second kernel, so that a decode batch's blocks cover
+#: the GPU; WIDE (128 columns by 64 rows) is for prompts: a block sums every slice itself, adding
+#: each to the total as it ends.
+NARROW = (4, 1, 1, 4)
+WIDE = (4, 2, 2, 4)
+#: The most rows the narrow tiling takes (two blocks of rows).
+NARROW_ROWS = 64
 STAGE_K = 64
 STAGES = 3
-THREADS = 256
-#: Dynamic shared memory of a block: every stage's weight and row tiles.
-SHARED_BYTES = STAGES * (BLOCK_COLUMNS + BLOCK_ROWS) * STAGE_K * 2
+SUM_THREADS = 256
+
+
+def tile_shape(tiling: tuple[int, int, int, int]) -> tuple[int, int, int]:
+    """``(columns, rows, threads)`` of a block of ``tiling``."""
+    warps_n, warps_m, column_tiles, row_tiles = tiling
+    return warps_n * 16 * column_tiles, warps_m * 8 * row_tiles, 32 * warps_n * warps_m
+
+
+def shared_bytes(tiling: tuple[int, int, int, int]) -> int:
+    """Dynamic shared memory of a block of ``tiling``: every stage's weight and row tiles."""
+    columns, rows, _ = tile_shape(tiling)
+    return STAGES * (columns + rows) * STAGE_K * 2
 
 
 KERNEL = r"""
-#define TILED_COLUMNS 128
-#define TILED_ROWS 128
-#define TILED_STAGE_STEPS 2      // 32-k steps a stage
-#define TILED_STAGES 3
-#define TILED_THREADS 256
+#define INVARIANT_STAGE_STEPS 2      // 32-k steps a stage
+#define INVARIANT_STAGES 3
 
-// Shared memory of a stage: the weight tile [TILED_STAGE_STEPS][TILED_COLUMNS][4 chunks], then the row
-// tile [TILED_STAGE_STEPS][TILED_ROWS][4 chunks]; a chunk is 16 bytes, 8 k.
-#define TILED_STAGE_CHUNKS (TILED_STAGE_STEPS * (TILED_COLUMNS + TILED_ROWS) * 4)
-
-// Copy stage `stage_k` (k stage_k .. stage_k + 63) of the block's weight columns and rows into
-// shared stage `slot`: thread i copies chunks i, i + TILED_THREADS, ... of each tile, chunk c being
-// step c / (4 * lines), line (c / 4) % lines, chunk c % 4 of that line's step; lines past N or M
-// and steps past K are zeros.
-__device__ __forceinline__ void tiled_copy_stage(uint4* shared, int slot, const unsigned short* __restrict__ w,
-                                           const unsigned short* __restrict__ x, int column_base, int row_base,
-                                           int stage_k, int M, int N, int K) {
-    uint4* weights = shared + slot * TILED_STAGE_CHUNKS;
-    uint4* rows = weights + TILED_STAGE_STEPS * TILED_COLUMNS * 4;
+// Copy stage `stage` of the block's steps (k of steps first_step + 2 stage and the next) into
+// shared slot `slot`: the weight tile [2 steps][COLUMNS lines][4 chunks], then the row tile
+// [2 steps][ROWS lines][4 chunks], a chunk 16 bytes (8 k); chunk c of a tile is step c / (4 lines),
+// line (c / 4) % lines, chunk c % 4 (consecutive threads: 64 contiguous bytes of a line). Lines
+// past N or M and steps from end_step on are zeros.
+template <int COLUMNS, int ROWS, int BLOCK_THREADS>
+__device__ __forceinline__ void invariant_copy_stage(uint4* shared, int slot, const unsigned short* __restrict__ w,
+                                                     const unsigned short* __restrict__ x, int column_base,
+                                                     int row_base, int first_step, int end_step, int M, int N, int K) {
+    uint4* weights = shared + slot * INVARIANT_STAGE_STEPS * (COLUMNS + ROWS) * 4;
+    uint4* rows = weights + INVARIANT_STAGE_STEPS * COLUMNS * 4;
 #pragma unroll
-    for (int i = threadIdx.x; i < TILED_STAGE_STEPS * TILED_COLUMNS * 4; i += TILED_THREADS) {
-        const int step = i / (4 * TILED_COLUMNS), line = (i / 4) % TILED_COLUMNS, chunk = i % 4;
-        const int column = column_base + line, k = stage_k + 32 * step + 8 * chunk;
-        const bool valid = column < N && k < K;
-        copy_16(shared_address(weights + i), w + (valid ? (size_t)column * K + k : 0), valid);
+    for (int i = threadIdx.x; i < INVARIANT_STAGE_STEPS * COLUMNS * 4; i += BLOCK_THREADS) {
+        const int step = first_step + i / (4 * COLUMNS), line = (i / 4) % COLUMNS, chunk = i % 4;
+        const int column = column_base + line;
+        const bool valid = column < N && step < end_step;
+        copy_16(shared_address(weights + i), w + (valid ? (size_t)column * K + 32 * step + 8 * chunk : 0), valid);
     }
 #pragma unroll
-    for (int i = threadIdx.x; i < TILED_STAGE_STEPS * TILED_ROWS * 4; i += TILED_THREADS) {
-        const int step = i / (4 * TILED_ROWS), line = (i / 4) % TILED_ROWS, chunk = i % 4;
-        const int row = row_base + line, k = stage_k + 32 * step + 8 * chunk;
-        const bool valid = row < M && k < K;
-        copy_16(shared_address(rows + i), x + (valid ? (size_t)row * K + k : 0), valid);
+    for (int i = threadIdx.x; i < INVARIANT_STAGE_STEPS * ROWS * 4; i += BLOCK_THREADS) {
+        const int step = first_step + i / (4 * ROWS), line = (i / 4) % ROWS, chunk = i % 4;
+        const int row = row_base + line;
+        const bool valid = row < M && step < end_step;
+        copy_16(shared_address(rows + i), x + (valid ? (size_t)row * K + 32 * step + 8 * chunk : 0), valid);
     }
 }
 
-// out[m, n] = sum over the slices of K in order of (the slice's products from zero, in order)
-// (+ bias[n]), float32. x: bf16 bits [M, K]; w: bf16 bits [N, K]; K a multiple of 32; slices of
-// `slice_steps` steps of 32 k. Grid (ceil(N / 128), ceil(M / 128)), TILED_THREADS threads; warp w takes
-// columns 64 (w % 2) .. + 63 and rows 32 (w / 2) .. + 31 of the block. FOLD: more than one slice.
-template <bool FOLD>
-__global__ void __launch_bounds__(TILED_THREADS, 1) invariant_linear_tiled(
+// The products of x [M, K] and w [N, K] (bf16 bits, K a multiple of 32) in the decode GEMV's
+// order: per element, each slice of `slice_steps` steps of 32 k summed from zero in increasing
+// order, two m16n8k16 products a step (16 weight columns the product's rows, 8 of x's rows its
+// columns; lane (g, q) holds k0 + 8q .. k0 + 8q + 7 of its column or row: the first product its
+// words .x .y, the second .z .w). Warp w takes column tiles (w % WARPS_N) * COLUMN_TILES .. and row
+// tiles (w / WARPS_N) * ROW_TILES .. of the block.
+// SLICED: grid (ceil(N / COLUMNS), ceil(M / ROWS), slices); block z sums slice z alone and writes
+// its sums to out + z * M * N (float32 [slices, M, N], no bias). Otherwise grid (ceil(N / COLUMNS),
+// ceil(M / ROWS)); the block sums every slice, adds each to the total as it ends (FOLD: more than
+// one slice) and writes out [M, N] float32 = total (+ bias[n]).
+template <int WARPS_N, int WARPS_M, int COLUMN_TILES, int ROW_TILES, bool SLICED, bool FOLD>
+__global__ void __launch_bounds__(32 * WARPS_N * WARPS_M) invariant_linear_tiled(
     const unsigned short* __restrict__ x, const unsigned short* __restrict__ w, const float* __restrict__ bias,
     float* __restrict__ out, int M, int N, int K, int slice_steps) {
+    constexpr int BLOCK_THREADS = 32 * WARPS_N * WARPS_M;
+    constexpr int COLUMNS = WARPS_N * 16 * COLUMN_TILES, ROWS = WARPS_M * 8 * ROW_TILES;
+    constexpr int STAGE_CHUNKS = INVARIANT_STAGE_STEPS * (COLUMNS + ROWS) * 4;
     DYNAMIC_SHARED;
     uint4* shared = reinterpret_cast<uint4*>(dynamic_shared);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
-    const int column_base = blockIdx.x * TILED_COLUMNS, row_base = blockIdx.y * TILED_ROWS;
-    const int warp_columns = 64 * (warp % 2), warp_rows = 32 * (warp / 2);
-    const int steps = K / 32, stages = (steps + TILED_STAGE_STEPS - 1) / TILED_STAGE_STEPS;
+    const int column_base = blockIdx.x * COLUMNS, row_base = blockIdx.y * ROWS;
+    const int warp_columns = 16 * COLUMN_TILES * (warp % WARPS_N), warp_rows = 8 * ROW_TILES * (warp / WARPS_N);
+    const int steps = K / 32;
+    const int first_step = SLICED ? min(steps, (int)blockIdx.z * slice_steps) : 0;
+    const int end_step = SLICED ? min(steps, first_step + slice_steps) : steps;
+    const int stages = (end_step - first_step + INVARIANT_STAGE_STEPS - 1) / INVARIANT_STAGE_STEPS;
 
-    // acc[n tile][row tile]: c0, c1 (column g, rows 2q, 2q + 1), c2, c3 (column g + 8).
-    float acc[4][4][4];
-    float total[FOLD ? 4 : 1][FOLD ? 4 : 1][4];
+    // acc[column tile][row tile]: c0, c1 (column g, rows 2q, 2q + 1), c2, c3 (column g + 8).
+    float acc[COLUMN_TILES][ROW_TILES][4];
+    float total[FOLD ? COLUMN_TILES : 1][FOLD ? ROW_TILES : 1][4];
     bool folded = false;
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
+    for (int a = 0; a < COLUMN_TILES; ++a)
 #pragma unroll
-        for (int b = 0; b < 4; ++b)
+        for (int b = 0; b < ROW_TILES; ++b)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[a][b][i] = 0.0f;
 
 #pragma unroll
-    for (int s = 0; s < TILED_STAGES - 1; ++s) {
-        if (s < stages) tiled_copy_stage(shared, s, w, x, column_base, row_base, s * 32 * TILED_STAGE_STEPS, M, N, K);
+    for (int s = 0; s < INVARIANT_STAGES - 1; ++s) {
+        if (s < stages)
+            invariant_copy_stage<COLUMNS, ROWS, BLOCK_THREADS>(shared, s, w, x, column_base, row_base,
+                                                         first_step + s * INVARIANT_STAGE_STEPS, end_step, M, N, K);
         commit_copies();
     }
     for (int stage = 0; stage < stages; ++stage) {
-        wait_copies<TILED_STAGES - 2>();
+        wait_copies<INVARIANT_STAGES - 2>();
         __syncthreads();   // the stage has landed for every thread; the slot refilled next is read by none
-        const int next = stage + TILED_STAGES - 1;
+        const int next = stage + INVARIANT_STAGES - 1;
         if (next < stages)
-            tiled_copy_stage(shared, next % TILED_STAGES, w, x, column_base, row_base, next * 32 * TILED_STAGE_STEPS, M, N, K);
+            invariant_copy_stage<COLUMNS, ROWS, BLOCK_THREADS>(shared, next % INVARIANT_STAGES, w, x, column_base, row_base,
+                                                         first_step + next * INVARIANT_STAGE_STEPS, end_step, M, N, K);
         commit_copies();
-        const uint4* weights = shared + (stage % TILED_STAGES) * TILED_STAGE_CHUNKS;
-        const uint4* rows = weights + TILED_STAGE_STEPS * TILED_COLUMNS * 4;
+        const uint4* weights = shared + (stage % INVARIANT_STAGES) * STAGE_CHUNKS;
+        const uint4* rows = weights + INVARIANT_STAGE_STEPS * COLUMNS * 4;
 #pragma unroll
-        for (int j = 0; j < TILED_STAGE_STEPS; ++j) {
-            const int step = stage * TILED_STAGE_STEPS + j;
-            if (step >= steps) break;   // block-uniform
+        for (int j = 0; j < INVARIANT_STAGE_STEPS; ++j) {
+            const int step = first_step + stage * INVARIANT_STAGE_STEPS + j;
+            if (step >= end_step) break;   // block-uniform
             if (FOLD && step > 0 && step % slice_steps == 0) {   // a slice ends: add its sums in order
 #pragma unroll
-                for (int a = 0; a < 4; ++a)
+                for (int a = 0; a < COLUMN_TILES; ++a)
 #pragma unroll
-                    for (int b = 0; b < 4; ++b)
+                    for (int b = 0; b < ROW_TILES; ++b)
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             float& sum = total[FOLD ? a : 0][FOLD ? b : 0][i];
@@ -148,20 +175,20 @@ __global__ void __launch_bounds__(TILED_THREADS, 1) invariant_linear_tiled(
                         }
                 folded = true;
             }
-            uint4 upper[4], lower[4], in[4];
+            uint4 upper[COLUMN_TILES], lower[COLUMN_TILES], in[ROW_TILES];
 #pragma unroll
-            for (int a = 0; a < 4; ++a) {
-                upper[a] = weights[(j * TILED_COLUMNS + warp_columns + 16 * a + g) * 4 + q];
-                lower[a] = weights[(j * TILED_COLUMNS + warp_columns + 16 * a + g + 8) * 4 + q];
+            for (int a = 0; a < COLUMN_TILES; ++a) {
+                upper[a] = weights[(j * COLUMNS + warp_columns + 16 * a + g) * 4 + q];
+                lower[a] = weights[(j * COLUMNS + warp_columns + 16 * a + g + 8) * 4 + q];
             }
 #pragma unroll
-            for (int b = 0; b < 4; ++b) in[b] = rows[(j * TILED_ROWS + warp_rows + 8 * b + g) * 4 + q];
+            for (int b = 0; b < ROW_TILES; ++b) in[b] = rows[(j * ROWS + warp_rows + 8 * b + g) * 4 + q];
 #pragma unroll
-            for (int a = 0; a < 4; ++a) {
+            for (int a = 0; a < COLUMN_TILES; ++a) {
                 const unsigned a0[4] = {upper[a].x, lower[a].x, upper[a].y, lower[a].y};
                 const unsigned a1[4] = {upper[a].z, lower[a].z, upper[a].w, lower[a].w};
 #pragma unroll
-                for (int b = 0; b < 4; ++b) {
+                for (int b = 0; b < ROW_TILES; ++b) {
                     const unsigned b0[2] = {in[b].x, in[b].y};
                     mma_16x8x16(acc[a][b], a0, b0);
                     const unsigned b1[2] = {in[b].z, in[b].w};
@@ -172,10 +199,11 @@ __global__ void __launch_bounds__(TILED_THREADS, 1) invariant_linear_tiled(
     }
     wait_copies<0>();
 
+    float* target = SLICED ? out + (size_t)blockIdx.z * M * N : out;
 #pragma unroll
-    for (int a = 0; a < 4; ++a) {
+    for (int a = 0; a < COLUMN_TILES; ++a) {
 #pragma unroll
-        for (int b = 0; b < 4; ++b) {
+        for (int b = 0; b < ROW_TILES; ++b) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int column = column_base + warp_columns + 16 * a + g + (i >= 2 ? 8 : 0);
@@ -183,12 +211,24 @@ __global__ void __launch_bounds__(TILED_THREADS, 1) invariant_linear_tiled(
                 if (row < M && column < N) {
                     float value = acc[a][b][i];
                     if (FOLD && folded) value = total[FOLD ? a : 0][FOLD ? b : 0][i] + value;
-                    if (bias != nullptr) value += bias[column];
-                    out[(size_t)row * N + column] = value;
+                    if (!SLICED && bias != nullptr) value += bias[column];
+                    target[(size_t)row * N + column] = value;
                 }
             }
         }
     }
+}
+
+// out[m, n] = partial[0, m, n] + partial[1, m, n] + ... in order (+ bias[n]): the decode GEMV's
+// sum of its warps' slices. A thread an element.
+__global__ void invariant_linear_sum(const float* __restrict__ partial, const float* __restrict__ bias,
+                                     float* __restrict__ out, int M, int N, int slices) {
+    const size_t index = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (index >= (size_t)M * N) return;
+    float sum = partial[index];
+    for (int s = 1; s < slices; ++s) sum += partial[(size_t)s * M * N + index];
+    if (bias != nullptr) sum += bias[index % N];
+    out[index] = sum;
 }
 """
 
@@ -250,27 +290,42 @@ def source() -> str:
     return MMA_BF16 + STAGED_COPIES + KERNEL
 
 
+def kernel_name(tiling: tuple[int, int, int, int], sliced: bool, fold: bool) -> str:
+    """The C++ name of one instantiation of ``invariant_linear_tiled``."""
+    flags = ", ".join("true" if flag else "false" for flag in (sliced, fold))
+    return f"invariant_linear_tiled<{', '.join(map(str, tiling))}, {flags}>"
+
+
+#: The instantiations the launcher takes: the narrow tiling sliced, the wide one with and without
+#: folding slices.
+INSTANTIATIONS = (kernel_name(NARROW, True, False), kernel_name(WIDE, False, True), kernel_name(WIDE, False, False))
+
 _module: list[Any] = []
 
 
-def _function(fold: bool) -> Any:
+def _function(name: str) -> Any:
     if not _module:
         import cupy
 
         _module.append(cupy.RawModule(code=source(), options=("--std=c++17",),
-                                      name_expressions=[f"invariant_linear_tiled<{b}>" for b in ("true", "false")]))
-    function = _module[0].get_function(f"invariant_linear_tiled<{'true' if fold else 'false'}>")
-    if function.max_dynamic_shared_size_bytes < SHARED_BYTES:
-        function.max_dynamic_shared_size_bytes = SHARED_BYTES
-    return function
+                                      name_expressions=[*INSTANTIATIONS, "invariant_linear_sum"]))
+    return _module[0].get_function(name)
+
+
+def partial_shape(rows: int, columns: int, multiprocessors: int) -> tuple[int, int, int] | None:
+    """The float32 workspace ``[slices, rows, columns]`` a product of ``rows`` rows needs (the
+    narrow tiling's slices' sums), None where it needs none."""
+    return (split_of(columns, multiprocessors), rows, columns) if 0 < rows <= NARROW_ROWS else None
 
 
 def invariant_linear(x: DeviceArray, weight: DeviceArray, out: DeviceArray, stream: Any,
-                     bias: DeviceArray | None = None, *, multiprocessors: int | None = None) -> DeviceArray:
+                     bias: DeviceArray | None = None, *, partial: DeviceArray | None = None,
+                     multiprocessors: int | None = None) -> DeviceArray:
     """``out [M, N] <- x [M, K] @ weight [N, K]^T (+ bias)`` through the tiled kernel: x and weight
     bf16 bits (uint16), out and bias float32; every element summed in the order of
     :func:`metrale.kernels.decode_gemv.decode_gemv`'s plain product with the split
-    :func:`split_of` gives for ``multiprocessors`` (the device's, by default), whatever ``M``."""
+    :func:`split_of` gives for ``multiprocessors`` (the device's, by default), whatever ``M``.
+    ``partial``: float32 of :func:`partial_shape` where that is not None."""
     op = "invariant_linear"
     check_array(op, "x", x, np.uint16, ndim=2)
     m, k = x.shape
@@ -286,10 +341,25 @@ def invariant_linear(x: DeviceArray, weight: DeviceArray, out: DeviceArray, stre
     for name, array in (("x", x), ("weight", weight), ("out", out)):
         if not array.flags.c_contiguous or not aligned(array):
             raise KernelArgumentError(f"{op}: {name} must be contiguous and start at a 16-byte boundary")
+    multiprocessors = decode_gemv.multiprocessor_count() if multiprocessors is None else multiprocessors
+    workspace = partial_shape(m, n, multiprocessors)
+    if workspace is not None and (partial is None or tuple(partial.shape) != workspace):
+        raise KernelArgumentError(f"{op}: {m} rows need a float32 partial workspace of shape {list(workspace)}")
     if m == 0 or n == 0:
         return out
-    split = split_of(n, decode_gemv.multiprocessor_count() if multiprocessors is None else multiprocessors)
-    launch(_function(split > 1), (-(-n // BLOCK_COLUMNS), -(-m // BLOCK_ROWS)), (THREADS,),
-           (x, weight, bias if bias is not None else np.uint64(0), out, np.int32(m), np.int32(n), np.int32(k),
-            np.int32(split_steps(k, split))), SHARED_BYTES, stream, dependent=False)
+    split = split_of(n, multiprocessors)
+    sliced = workspace is not None
+    tiling = NARROW if sliced else WIDE
+    columns, rows, threads = tile_shape(tiling)
+    function = _function(kernel_name(tiling, sliced, not sliced and split > 1))
+    if function.max_dynamic_shared_size_bytes < shared_bytes(tiling):
+        function.max_dynamic_shared_size_bytes = shared_bytes(tiling)
+    null = np.uint64(0)
+    launch(function, (-(-n // columns), -(-m // rows), split if sliced else 1), (threads,),
+           (x, weight, null if sliced or bias is None else bias, partial if sliced else out, np.int32(m), np.int32(n),
+            np.int32(k), np.int32(split_steps(k, split))), shared_bytes(tiling), stream, dependent=False)
+    if sliced:
+        launch(_function("invariant_linear_sum"), (-(-(m * n) // SUM_THREADS),), (SUM_THREADS,),
+               (partial, null if bias is None else bias, out, np.int32(m), np.int32(n), np.int32(split)), 0, stream,
+               dependent=False)
     return out

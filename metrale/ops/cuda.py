@@ -185,8 +185,10 @@ class CudaKernels:
         float32 out, each element summed in the decode GEMV's order; bound under
         ``batch_invariant=True`` for the rows the decode GEMV does not take."""
         x, weight, bias, out = self._invariant_arguments(x, weight, bias)
-        return linear_invariant.invariant_linear(x, weight, out, self.stream, bias,
-                                                 multiprocessors=decode_gemv.multiprocessor_count())
+        multiprocessors = decode_gemv.multiprocessor_count()
+        shape = linear_invariant.partial_shape(x.shape[0], weight.shape[0], multiprocessors)
+        return linear_invariant.invariant_linear(x, weight, out, self.stream, bias, multiprocessors=multiprocessors,
+                                                 partial=None if shape is None else cp.empty(shape, dtype=f32))
 
     def invariant_linear_decode_gemv(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """Decode rows of the batch-invariant product: the decode GEMV's plain product with the

@@ -46,12 +46,19 @@ int main(int argc, char** argv) {
     const unsigned short* w = read<unsigned short>(folder + "/w", (size_t)N * K);
     const float* bias = has_bias ? read<float>(folder + "/bias", (size_t)N) : nullptr;
     float* out = allocate<float>((size_t)M * N);
-    if (kernel == "tiled") {
-        const int slice_steps = (K / 32 + split - 1) / split;
-        emu::launch({(unsigned)((N + 127) / 128), (unsigned)((M + 127) / 128), 1}, {256, 1, 1}, [&] {
-            if (split > 1) invariant_linear_tiled<true>(x, w, bias, out, M, N, K, slice_steps);
-            else invariant_linear_tiled<false>(x, w, bias, out, M, N, K, slice_steps);
+    const int slice_steps = (K / 32 + split - 1) / split;
+    if (kernel == "wide") {
+        emu::launch({(unsigned)((N + 63) / 64), (unsigned)((M + 63) / 64), 1}, {256, 1, 1}, [&] {
+            if (split > 1) invariant_linear_tiled<4, 2, 2, 4, false, true>(x, w, bias, out, M, N, K, slice_steps);
+            else invariant_linear_tiled<4, 2, 2, 4, false, false>(x, w, bias, out, M, N, K, slice_steps);
         });
+    } else if (kernel == "narrow") {
+        float* partial = allocate<float>((size_t)split * M * N);
+        emu::launch({(unsigned)((N + 63) / 64), (unsigned)((M + 31) / 32), (unsigned)split}, {128, 1, 1}, [&] {
+            invariant_linear_tiled<4, 1, 1, 4, true, false>(x, w, nullptr, partial, M, N, K, slice_steps);
+        });
+        emu::launch({(unsigned)((M * N + 255) / 256), 1, 1}, {256, 1, 1},
+                    [&] { invariant_linear_sum(partial, bias, out, M, N, split); });
     } else if (split == 1) decode_rows<1>(x, w, bias, out, M, N, K, blocks);
     else if (split == 2) decode_rows<2>(x, w, bias, out, M, N, K, blocks);
     else if (split == 4) decode_rows<4>(x, w, bias, out, M, N, K, blocks);
@@ -64,8 +71,9 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    """``run(kernel, x_bits, w_bits, bias, split)``: the tiled kernel (``"tiled"``) or the decode
-    kernel's plain product (``"decode"``, at most 32 rows) with ``split`` slices of ``K``."""
+    """``run(kernel, x_bits, w_bits, bias, split)``: the tiled kernel in its wide tiling (``"wide"``)
+    or its narrow one (``"narrow"``, with the sum of the slices), or the decode kernel's plain
+    product (``"decode"``, at most 32 rows), with ``split`` slices of ``K``."""
     folder = tmp_path_factory.mktemp("linear_invariant_emulated")
     binary = build_emulated(folder / "linear.cpp", dg.CONSTANTS + dg.HELPERS + dg.KERNELS + li.KERNEL + EMULATION_MAIN)
 
@@ -90,15 +98,16 @@ def bf16_bits(rng, shape, scale=1.0):
 
 
 # Row and column tiles with padding, K of an odd number of steps (a last stage of one step),
-# slices of unequal lengths (1056: 33 steps in slices of 9, 9, 9, 6) and a split with an empty slice
-# (96 in 4: slices of 1, 1, 1 and none).
+# slices of unequal lengths (1056: 33 steps in slices of 9, 9, 9, 6) and a split with empty slices
+# (96 in 4: slices of 1, 1, 1 and none), in both tilings.
+@pytest.mark.parametrize("kernel", ["wide", "narrow"])
 @pytest.mark.parametrize("m, n, k, split, with_bias", [(40, 130, 1056, 4, True), (33, 72, 64, 1, False),
-                                                       (129, 16, 96, 4, False), (40, 40, 256, 8, True)])
-def test_the_tiled_kernel_run_emulated_matches_the_reference(emulated, m, n, k, split, with_bias):
+                                                       (70, 16, 96, 4, False), (9, 40, 256, 8, True)])
+def test_the_tiled_kernel_run_emulated_matches_the_reference(emulated, kernel, m, n, k, split, with_bias):
     rng = np.random.default_rng(m * 1000 + n + k)
     x, w = bf16_bits(rng, (m, k)), bf16_bits(rng, (n, k), 0.1)
     bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
-    got = emulated("tiled", x, w, bias, split)
+    got = emulated(kernel, x, w, bias, split)
     expected = li.invariant_linear_reference(bf16_to_float32(x), bf16_to_float32(w), bias, split=split)
     exact = bf16_to_float32(x).astype(np.float64) @ bf16_to_float32(w).astype(np.float64).T + (0 if bias is None else bias)
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(exact).max()
@@ -106,21 +115,22 @@ def test_the_tiled_kernel_run_emulated_matches_the_reference(emulated, m, n, k, 
 
 
 @pytest.mark.parametrize("split", [1, 4, 8])
-def test_rows_the_decode_kernel_takes_give_its_bits_in_the_tiled_kernel(emulated, split):
-    """1, 9 and 32 rows through the decode kernel; the same rows at the start, the middle and the
-    end of 40 through the tiled kernel."""
+def test_rows_give_the_same_bits_through_the_decode_kernel_and_both_tilings(emulated, split):
+    """1, 9 and 32 rows through the decode kernel and the narrow tiling; the same rows at the
+    start, the middle and the end of 70 through the wide one."""
     rng = np.random.default_rng(split)
     n, k = 130, 1056
     w = bf16_bits(rng, (n, k), 0.1)
     bias = rng.standard_normal(n).astype(np.float32)
-    rows = bf16_bits(rng, (40, k), 3.0)
-    tiled = emulated("tiled", rows, w, bias, split)
+    rows = bf16_bits(rng, (70, k), 3.0)
+    wide = emulated("wide", rows, w, bias, split)
     for m in (1, 9, 32):
-        decoded = emulated("decode", rows[:m], w, bias, split)
-        assert np.array_equal(decoded.view(np.uint32), tiled[:m].view(np.uint32)), m
-    moved = np.roll(rows, 21, axis=0)  # row 0 at position 21, row 19 at 40 - 1
-    assert np.array_equal(emulated("tiled", moved, w, bias, split).view(np.uint32),
-                          np.roll(tiled, 21, axis=0).view(np.uint32))
+        for kernel in ("decode", "narrow"):
+            got = emulated(kernel, rows[:m], w, bias, split)
+            assert np.array_equal(got.view(np.uint32), wide[:m].view(np.uint32)), (kernel, m)
+    moved = np.roll(rows, 21, axis=0)  # row 0 at position 21, row 48 at 70 - 1
+    assert np.array_equal(emulated("wide", moved, w, bias, split).view(np.uint32),
+                          np.roll(wide, 21, axis=0).view(np.uint32))
 
 
 def test_the_split_is_the_decode_kernels_and_comes_from_the_weight_and_the_device():
@@ -141,12 +151,12 @@ def test_the_products_cover_every_k_once_in_steps():
 
 
 def test_the_launcher_refuses_what_the_kernels_cannot_take():
-    with pytest.raises(KernelArgumentError, match="multiple of 32"):
-        li.invariant_linear(np.zeros((2, 48), np.uint16), np.zeros((8, 48), np.uint16), np.zeros((2, 8), np.float32),
-                            None, multiprocessors=4)
-    with pytest.raises(KernelArgumentError, match="weight has shape"):
-        li.invariant_linear(np.zeros((2, 32), np.uint16), np.zeros((8, 16), np.uint16), np.zeros((2, 8), np.float32),
-                            None, multiprocessors=4)
-    with pytest.raises(KernelArgumentError, match="out"):
-        li.invariant_linear(np.zeros((2, 32), np.uint16), np.zeros((8, 32), np.uint16), np.zeros((2, 8), np.uint16),
-                            None, multiprocessors=4)
+    def refused(match, x, w, out, **options):
+        with pytest.raises(KernelArgumentError, match=match):
+            li.invariant_linear(x, w, out, None, multiprocessors=4, **options)
+
+    refused("multiple of 32", np.zeros((2, 48), np.uint16), np.zeros((8, 48), np.uint16), np.zeros((2, 8), np.float32))
+    refused("weight has shape", np.zeros((2, 32), np.uint16), np.zeros((8, 16), np.uint16), np.zeros((2, 8), np.float32))
+    refused("out", np.zeros((2, 32), np.uint16), np.zeros((8, 32), np.uint16), np.zeros((2, 8), np.uint16))
+    refused("partial workspace", np.zeros((2, 32), np.uint16), np.zeros((8, 32), np.uint16), np.zeros((2, 8), np.float32))
+    assert li.partial_shape(2, 8, 4) == (li.split_of(8, 4), 2, 8) and li.partial_shape(li.NARROW_ROWS + 1, 8, 4) is None
