@@ -1,0 +1,71 @@
+"""The batch-invariant product (:mod:`metrale.kernels.linear_invariant` and the decode GEMV that
+takes decode rows under the mode) beside cuBLAS on the Llama-8B shape's projections and LM head:
+milliseconds a call, the weights' GB/s and TFLOP/s, by row count.
+
+    python3 tools/sweeps/invariant_linear_sweep.py [--rows 1,32,64,512,2048]
+
+Needs a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+#: (N, K) of the 8B shape's q/k/v, o, gate/up and down projections and its LM head.
+SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import cupy as cp
+    import numpy as np
+
+    from metrale.kernels import decode_gemv as dg
+    from metrale.kernels import linear_invariant as li
+    from metrale.kernels.linear import CublasGemm
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,32,64,512,2048", help="row counts, comma-separated")
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args(argv)
+    stream = cp.cuda.Stream(non_blocking=True)
+    gemm = CublasGemm(stream)
+    rng = np.random.default_rng(0)
+    multiprocessors = dg.multiprocessor_count()
+
+    def bits(shape):
+        return cp.asarray((rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
+
+    def timed(call) -> float:
+        with stream:
+            for _ in range(3):
+                call()
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            for _ in range(args.repeats):
+                call()
+            end.record(stream)
+            end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) / args.repeats
+
+    for n, k in SHAPES:
+        weight = bits((n, k))
+        for m in (int(r) for r in args.rows.split(",")):
+            x = bits((m, k))
+            out = cp.empty((m, n), np.float32)
+            shape = li.partial_shape(m, n, multiprocessors)
+            partial = None if shape is None else cp.empty(shape, np.float32)
+            tiled = timed(lambda: li.invariant_linear(x, weight, out, stream, partial=partial,
+                                                      multiprocessors=multiprocessors))
+            blas = timed(lambda: gemm(x, weight, out))
+            if dg.supports(m, k, dg.PLAIN):
+                split = li.split_of(n, multiprocessors)
+                decoded = timed(lambda: dg.decode_gemv(dg.PLAIN, x, weight, out, stream, split=split))
+                print(f"   decode GEMV M={m}: {decoded:.4f} ms ({n * k * 2 / (decoded * 1e-3) / 1e9:.0f} GB/s)")
+            print(f"N={n:6d} K={k:5d} M={m:4d}: invariant {tiled:.4f} ms ({n * k * 2 / (tiled * 1e-3) / 1e9:.0f} GB/s, "
+                  f"{2 * m * n * k / (tiled * 1e-3) / 1e12:.0f} TFLOP/s), cuBLAS {blas:.4f} ms, ratio {tiled / blas:.2f}",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
