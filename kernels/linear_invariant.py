@@ -22,10 +22,12 @@ it:
   a slice; each slice's products accumulate from zero in increasing order, and the slices' sums
   are added in order (the decode kernel adds its warps' slices so) before the bias.
 
-The tiled kernel: blocks of 128 weight columns by 128 rows, 8 warps of 64 columns by 32 rows,
-stages of 64 k copied into shared memory with ``cp.async`` (three in flight), each 32-k step of a
-column or row kept as 64 contiguous bytes so that a quarter-warp's fragment loads read 128
-contiguous bytes.
+The tiled kernel: blocks of warps, each warp a few tiles of 16 weight columns by 8 rows, stages
+of 64 k copied into shared memory with ``cp.async``, each 32-k step of a column or row kept as 64
+contiguous bytes so that a quarter-warp's fragment loads read 128 contiguous bytes. Two tilings
+(:data:`NARROW`, :data:`WIDE`): few rows take blocks of one slice of ``K`` each, their sums added
+in order by a second kernel (:func:`partial_shape`'s workspace), so that a decode batch still
+spreads over the GPU; prompts take larger blocks that sum every slice themselves.
 
 :func:`invariant_linear_reference` is the NumPy model of that order (float32 sums of 16-term
 products, the slices added in order); the emulated tests compare the tiled kernel with it and
@@ -46,35 +48,33 @@ from metrale.kernels._tensor_cores import MMA_BF16, STAGED_COPIES
 from metrale.kernels._words import aligned
 
 #: The two tilings of the kernel: ``(warps along the columns, warps along the rows, 16-column
-#: tiles a warp, 8-row tiles a warp)``. NARROW (64 columns by 32 rows a block) is for few rows:
-#: each block sums one slice of K (the grid's third dimension), its float32 partial sums written
-#: apart and added in the slices' order by a second kernel, so that a decode batch's blocks cover
-#: the GPU; WIDE (128 columns by 64 rows) is for prompts: a block sums every slice itself, adding
-#: each to the total as it ends.
-NARROW = (4, 1, 1, 4)
-WIDE = (4, 2, 2, 4)
+#: tiles a warp, 8-row tiles a warp, stages in shared memory)``. NARROW (64 columns by 32 rows a
+#: block) is for few rows: each block sums one slice of K (the grid's third dimension), its
+#: float32 partial sums written apart and added in the slices' order by a second kernel, so that a
+#: decode batch's blocks cover the GPU; WIDE (128 columns by 64 rows) is for prompts: a block sums
+#: every slice itself, adding each to the total as it ends.
+NARROW = (4, 1, 1, 4, 3)
+WIDE = (4, 2, 2, 4, 3)
 #: The most rows the narrow tiling takes (two blocks of rows).
 NARROW_ROWS = 64
 STAGE_K = 64
-STAGES = 3
 SUM_THREADS = 256
 
 
-def tile_shape(tiling: tuple[int, int, int, int]) -> tuple[int, int, int]:
+def tile_shape(tiling: tuple[int, ...]) -> tuple[int, int, int]:
     """``(columns, rows, threads)`` of a block of ``tiling``."""
-    warps_n, warps_m, column_tiles, row_tiles = tiling
+    warps_n, warps_m, column_tiles, row_tiles, _ = tiling
     return warps_n * 16 * column_tiles, warps_m * 8 * row_tiles, 32 * warps_n * warps_m
 
 
-def shared_bytes(tiling: tuple[int, int, int, int]) -> int:
+def shared_bytes(tiling: tuple[int, ...]) -> int:
     """Dynamic shared memory of a block of ``tiling``: every stage's weight and row tiles."""
     columns, rows, _ = tile_shape(tiling)
-    return STAGES * (columns + rows) * STAGE_K * 2
+    return tiling[4] * (columns + rows) * STAGE_K * 2
 
 
 KERNEL = r"""
 #define INVARIANT_STAGE_STEPS 2      // 32-k steps a stage
-#define INVARIANT_STAGES 3
 
 // Copy stage `stage` of the block's steps (k of steps first_step + 2 stage and the next) into
 // shared slot `slot`: the weight tile [2 steps][COLUMNS lines][4 chunks], then the row tile
@@ -108,12 +108,12 @@ __device__ __forceinline__ void invariant_copy_stage(uint4* shared, int slot, co
 // order, two m16n8k16 products a step (16 weight columns the product's rows, 8 of x's rows its
 // columns; lane (g, q) holds k0 + 8q .. k0 + 8q + 7 of its column or row: the first product its
 // words .x .y, the second .z .w). Warp w takes column tiles (w % WARPS_N) * COLUMN_TILES .. and row
-// tiles (w / WARPS_N) * ROW_TILES .. of the block.
+// tiles (w / WARPS_N) * ROW_TILES .. of the block; STAGES stages of 64 k in flight.
 // SLICED: grid (ceil(N / COLUMNS), ceil(M / ROWS), slices); block z sums slice z alone and writes
 // its sums to out + z * M * N (float32 [slices, M, N], no bias). Otherwise grid (ceil(N / COLUMNS),
 // ceil(M / ROWS)); the block sums every slice, adds each to the total as it ends (FOLD: more than
 // one slice) and writes out [M, N] float32 = total (+ bias[n]).
-template <int WARPS_N, int WARPS_M, int COLUMN_TILES, int ROW_TILES, bool SLICED, bool FOLD>
+template <int WARPS_N, int WARPS_M, int COLUMN_TILES, int ROW_TILES, int STAGES, bool SLICED, bool FOLD>
 __global__ void __launch_bounds__(32 * WARPS_N * WARPS_M) invariant_linear_tiled(
     const unsigned short* __restrict__ x, const unsigned short* __restrict__ w, const float* __restrict__ bias,
     float* __restrict__ out, int M, int N, int K, int slice_steps) {
@@ -142,21 +142,21 @@ __global__ void __launch_bounds__(32 * WARPS_N * WARPS_M) invariant_linear_tiled
             for (int i = 0; i < 4; ++i) acc[a][b][i] = 0.0f;
 
 #pragma unroll
-    for (int s = 0; s < INVARIANT_STAGES - 1; ++s) {
+    for (int s = 0; s < STAGES - 1; ++s) {
         if (s < stages)
             invariant_copy_stage<COLUMNS, ROWS, BLOCK_THREADS>(shared, s, w, x, column_base, row_base,
                                                          first_step + s * INVARIANT_STAGE_STEPS, end_step, M, N, K);
         commit_copies();
     }
     for (int stage = 0; stage < stages; ++stage) {
-        wait_copies<INVARIANT_STAGES - 2>();
+        wait_copies<STAGES - 2>();
         __syncthreads();   // the stage has landed for every thread; the slot refilled next is read by none
-        const int next = stage + INVARIANT_STAGES - 1;
+        const int next = stage + STAGES - 1;
         if (next < stages)
-            invariant_copy_stage<COLUMNS, ROWS, BLOCK_THREADS>(shared, next % INVARIANT_STAGES, w, x, column_base, row_base,
+            invariant_copy_stage<COLUMNS, ROWS, BLOCK_THREADS>(shared, next % STAGES, w, x, column_base, row_base,
                                                          first_step + next * INVARIANT_STAGE_STEPS, end_step, M, N, K);
         commit_copies();
-        const uint4* weights = shared + (stage % INVARIANT_STAGES) * STAGE_CHUNKS;
+        const uint4* weights = shared + (stage % STAGES) * STAGE_CHUNKS;
         const uint4* rows = weights + INVARIANT_STAGE_STEPS * COLUMNS * 4;
 #pragma unroll
         for (int j = 0; j < INVARIANT_STAGE_STEPS; ++j) {
@@ -290,7 +290,7 @@ def source() -> str:
     return MMA_BF16 + STAGED_COPIES + KERNEL
 
 
-def kernel_name(tiling: tuple[int, int, int, int], sliced: bool, fold: bool) -> str:
+def kernel_name(tiling: tuple[int, ...], sliced: bool, fold: bool) -> str:
     """The C++ name of one instantiation of ``invariant_linear_tiled``."""
     flags = ", ".join("true" if flag else "false" for flag in (sliced, fold))
     return f"invariant_linear_tiled<{', '.join(map(str, tiling))}, {flags}>"
@@ -300,16 +300,29 @@ def kernel_name(tiling: tuple[int, int, int, int], sliced: bool, fold: bool) -> 
 #: folding slices.
 INSTANTIATIONS = (kernel_name(NARROW, True, False), kernel_name(WIDE, False, True), kernel_name(WIDE, False, False))
 
-_module: list[Any] = []
+_modules: dict[str, Any] = {}
 
 
 def _function(name: str) -> Any:
-    if not _module:
+    """The compiled function ``name``: the launcher's instantiations and the sum in one module,
+    another tiling's in a module of its own."""
+    key = name if name not in (*INSTANTIATIONS, "invariant_linear_sum") else ""
+    if key not in _modules:
         import cupy
 
-        _module.append(cupy.RawModule(code=source(), options=("--std=c++17",),
-                                      name_expressions=[*INSTANTIATIONS, "invariant_linear_sum"]))
-    return _module[0].get_function(name)
+        names = [name] if key else [*INSTANTIATIONS, "invariant_linear_sum"]
+        _modules[key] = cupy.RawModule(code=source(), options=("--std=c++17",), name_expressions=names)
+    return _modules[key].get_function(name)
+
+
+def check_tiling(tiling: tuple[int, ...]) -> None:
+    """Raise :class:`~metrale.errors.KernelArgumentError` for a tiling the kernel cannot take: five
+    positive integers, at most 1,024 threads a block, at least two stages, the stages within the
+    227 KiB of shared memory a block may have."""
+    if (len(tiling) != 5 or not all(isinstance(value, int) and value > 0 for value in tiling) or tiling[4] < 2
+            or tile_shape(tiling)[2] > 1024 or shared_bytes(tiling) > 227 * 1024):
+        raise KernelArgumentError(f"invariant_linear: tiling {tiling!r} is not (warps along the columns, warps along "
+                                  "the rows, column tiles, row tiles, stages >= 2) within 1,024 threads and 227 KiB")
 
 
 def partial_shape(rows: int, columns: int, multiprocessors: int) -> tuple[int, int, int] | None:
@@ -320,12 +333,13 @@ def partial_shape(rows: int, columns: int, multiprocessors: int) -> tuple[int, i
 
 def invariant_linear(x: DeviceArray, weight: DeviceArray, out: DeviceArray, stream: Any,
                      bias: DeviceArray | None = None, *, partial: DeviceArray | None = None,
-                     multiprocessors: int | None = None) -> DeviceArray:
+                     multiprocessors: int | None = None, tiling: tuple[int, ...] | None = None) -> DeviceArray:
     """``out [M, N] <- x [M, K] @ weight [N, K]^T (+ bias)`` through the tiled kernel: x and weight
     bf16 bits (uint16), out and bias float32; every element summed in the order of
     :func:`metrale.kernels.decode_gemv.decode_gemv`'s plain product with the split
     :func:`split_of` gives for ``multiprocessors`` (the device's, by default), whatever ``M``.
-    ``partial``: float32 of :func:`partial_shape` where that is not None."""
+    ``partial``: float32 of :func:`partial_shape` where that is not None. ``tiling`` replaces
+    :data:`NARROW` or :data:`WIDE` (for sweeps: every tiling sums in the same order)."""
     op = "invariant_linear"
     check_array(op, "x", x, np.uint16, ndim=2)
     m, k = x.shape
@@ -349,7 +363,8 @@ def invariant_linear(x: DeviceArray, weight: DeviceArray, out: DeviceArray, stre
         return out
     split = split_of(n, multiprocessors)
     sliced = workspace is not None
-    tiling = NARROW if sliced else WIDE
+    tiling = tiling if tiling is not None else NARROW if sliced else WIDE
+    check_tiling(tiling)
     columns, rows, threads = tile_shape(tiling)
     function = _function(kernel_name(tiling, sliced, not sliced and split > 1))
     if function.max_dynamic_shared_size_bytes < shared_bytes(tiling):

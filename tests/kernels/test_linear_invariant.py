@@ -49,13 +49,25 @@ int main(int argc, char** argv) {
     const int slice_steps = (K / 32 + split - 1) / split;
     if (kernel == "wide") {
         emu::launch({(unsigned)((N + 63) / 64), (unsigned)((M + 63) / 64), 1}, {256, 1, 1}, [&] {
-            if (split > 1) invariant_linear_tiled<4, 2, 2, 4, false, true>(x, w, bias, out, M, N, K, slice_steps);
-            else invariant_linear_tiled<4, 2, 2, 4, false, false>(x, w, bias, out, M, N, K, slice_steps);
+            if (split > 1) invariant_linear_tiled<4, 2, 2, 4, 3, false, true>(x, w, bias, out, M, N, K, slice_steps);
+            else invariant_linear_tiled<4, 2, 2, 4, 3, false, false>(x, w, bias, out, M, N, K, slice_steps);
         });
+    } else if (kernel == "wide-other") {   // 2 x 2 warps of 64 columns by 16 rows, two stages
+        emu::launch({(unsigned)((N + 127) / 128), (unsigned)((M + 31) / 32), 1}, {128, 1, 1}, [&] {
+            if (split > 1) invariant_linear_tiled<2, 2, 4, 2, 2, false, true>(x, w, bias, out, M, N, K, slice_steps);
+            else invariant_linear_tiled<2, 2, 4, 2, 2, false, false>(x, w, bias, out, M, N, K, slice_steps);
+        });
+    } else if (kernel == "narrow-other") {   // 2 warps of 32 columns by 32 rows, four stages
+        float* partial = allocate<float>((size_t)split * M * N);
+        emu::launch({(unsigned)((N + 63) / 64), (unsigned)((M + 31) / 32), (unsigned)split}, {64, 1, 1}, [&] {
+            invariant_linear_tiled<2, 1, 2, 4, 4, true, false>(x, w, nullptr, partial, M, N, K, slice_steps);
+        });
+        emu::launch({(unsigned)((M * N + 255) / 256), 1, 1}, {256, 1, 1},
+                    [&] { invariant_linear_sum(partial, bias, out, M, N, split); });
     } else if (kernel == "narrow") {
         float* partial = allocate<float>((size_t)split * M * N);
         emu::launch({(unsigned)((N + 63) / 64), (unsigned)((M + 31) / 32), (unsigned)split}, {128, 1, 1}, [&] {
-            invariant_linear_tiled<4, 1, 1, 4, true, false>(x, w, nullptr, partial, M, N, K, slice_steps);
+            invariant_linear_tiled<4, 1, 1, 4, 3, true, false>(x, w, nullptr, partial, M, N, K, slice_steps);
         });
         emu::launch({(unsigned)((M * N + 255) / 256), 1, 1}, {256, 1, 1},
                     [&] { invariant_linear_sum(partial, bias, out, M, N, split); });
@@ -116,8 +128,8 @@ def test_the_tiled_kernel_run_emulated_matches_the_reference(emulated, kernel, m
 
 @pytest.mark.parametrize("split", [1, 4, 8])
 def test_rows_give_the_same_bits_through_the_decode_kernel_and_both_tilings(emulated, split):
-    """1, 9 and 32 rows through the decode kernel and the narrow tiling; the same rows at the
-    start, the middle and the end of 70 through the wide one."""
+    """1, 9 and 32 rows through the decode kernel and two narrow tilings; the same rows at the
+    start, the middle and the end of 70 through two wide ones."""
     rng = np.random.default_rng(split)
     n, k = 130, 1056
     w = bf16_bits(rng, (n, k), 0.1)
@@ -125,9 +137,10 @@ def test_rows_give_the_same_bits_through_the_decode_kernel_and_both_tilings(emul
     rows = bf16_bits(rng, (70, k), 3.0)
     wide = emulated("wide", rows, w, bias, split)
     for m in (1, 9, 32):
-        for kernel in ("decode", "narrow"):
+        for kernel in ("decode", "narrow", "narrow-other"):
             got = emulated(kernel, rows[:m], w, bias, split)
             assert np.array_equal(got.view(np.uint32), wide[:m].view(np.uint32)), (kernel, m)
+    assert np.array_equal(emulated("wide-other", rows, w, bias, split).view(np.uint32), wide.view(np.uint32))
     moved = np.roll(rows, 21, axis=0)  # row 0 at position 21, row 48 at 70 - 1
     assert np.array_equal(emulated("wide", moved, w, bias, split).view(np.uint32),
                           np.roll(wide, 21, axis=0).view(np.uint32))
@@ -160,3 +173,6 @@ def test_the_launcher_refuses_what_the_kernels_cannot_take():
     refused("out", np.zeros((2, 32), np.uint16), np.zeros((8, 32), np.uint16), np.zeros((2, 8), np.uint16))
     refused("partial workspace", np.zeros((2, 32), np.uint16), np.zeros((8, 32), np.uint16), np.zeros((2, 8), np.float32))
     assert li.partial_shape(2, 8, 4) == (li.split_of(8, 4), 2, 8) and li.partial_shape(li.NARROW_ROWS + 1, 8, 4) is None
+    x, w, out = np.zeros((80, 32), np.uint16), np.zeros((8, 32), np.uint16), np.zeros((80, 8), np.float32)
+    for tiling in ((4, 2, 2, 4), (4, 2, 2, 4, 1), (32, 2, 1, 1, 3), (4, 2, 8, 16, 4), (4, 2, 2.0, 4, 3)):
+        refused("tiling", x, w, out, tiling=tiling)

@@ -2,7 +2,12 @@
 takes decode rows under the mode) beside cuBLAS on the Llama-8B shape's projections and LM head:
 milliseconds a call, the weights' GB/s and TFLOP/s, by row count.
 
-    python3 tools/sweeps/invariant_linear_sweep.py [--rows 1,32,64,512,2048]
+    python3 tools/sweeps/invariant_linear_sweep.py [--rows 1,32,64,512,2048] [--tilings 8,1,1,4,4 2,4,4,4,3]
+
+``--tilings`` times other tilings of the tiled kernel beside the launcher's (each
+``warps_n,warps_m,column_tiles,row_tiles,stages``; every tiling sums in the same order, so any
+may replace :data:`~metrale.kernels.linear_invariant.NARROW` or
+:data:`~metrale.kernels.linear_invariant.WIDE`).
 
 Needs a CUDA device.
 """
@@ -26,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,32,64,512,2048", help="row counts, comma-separated")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--tilings", nargs="*", default=[], help="other tilings to time, e.g. 8,1,1,4,4")
     args = parser.parse_args(argv)
     stream = cp.cuda.Stream(non_blocking=True)
     gemm = CublasGemm(stream)
@@ -56,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
             partial = None if shape is None else cp.empty(shape, np.float32)
             tiled = timed(lambda: li.invariant_linear(x, weight, out, stream, partial=partial,
                                                       multiprocessors=multiprocessors))
+            for text in args.tilings:
+                tiling = tuple(int(value) for value in text.split(","))
+                other = timed(lambda: li.invariant_linear(x, weight, out, stream, partial=partial,
+                                                          multiprocessors=multiprocessors, tiling=tiling))
+                print(f"   tiling {text} M={m}: {other:.4f} ms ({n * k * 2 / (other * 1e-3) / 1e9:.0f} GB/s, "
+                      f"{2 * m * n * k / (other * 1e-3) / 1e12:.0f} TFLOP/s)")
             blas = timed(lambda: gemm(x, weight, out))
             if dg.supports(m, k, dg.PLAIN):
                 split = li.split_of(n, multiprocessors)
