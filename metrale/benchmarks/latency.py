@@ -20,6 +20,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -709,38 +710,28 @@ def run(options: BenchOptions) -> dict[str, Any]:
             except Exception as error:  # report and go on with the other measurements
                 entry["metrale_error"] = failure(error)
                 bar.update(metrale_stages - done)  # the skipped stages, so the bar still ends full
+
+            def measure(description: str, key: str, run: Callable[[], Any]) -> None:
+                """One more measurement of the shape: its result under ``key`` (``key_error`` if
+                it fails, the others going on), saved, the bar a stage on."""
+                bar.set_description(f"{shape}: {description}")
+                try:
+                    entry[key] = run()
+                except Exception as error:
+                    entry[f"{key}_error"] = failure(error)
+                save()
+                bar.update()
+
             for name in options.quantization:
-                bar.set_description(f"{shape}: Metrale {name}")
-                try:
-                    entry[f"metrale_{name}"] = bench_quantized(shape, options, bandwidth, name)
-                except Exception as error:
-                    entry[f"metrale_{name}_error"] = failure(error)
-                save()
-                bar.update()
+                measure(f"Metrale {name}", f"metrale_{name}", partial(bench_quantized, shape, options, bandwidth, name))
             if options.kv_cache_fp8:
-                bar.set_description(f"{shape}: Metrale, FP8 KV cache")
-                try:
-                    entry["metrale_kv_fp8"] = bench_fp8_cache(shape, options, bandwidth)
-                except Exception as error:
-                    entry["metrale_kv_fp8_error"] = failure(error)
-                save()
-                bar.update()
+                measure("Metrale, FP8 KV cache", "metrale_kv_fp8", lambda: bench_fp8_cache(shape, options, bandwidth))
             if options.batch_invariant:
-                bar.set_description(f"{shape}: Metrale, batch-invariant")
-                try:
-                    entry["metrale_batch_invariant"] = bench_batch_invariant(shape, options, bandwidth)
-                except Exception as error:
-                    entry["metrale_batch_invariant_error"] = failure(error)
-                save()
-                bar.update()
+                measure("Metrale, batch-invariant", "metrale_batch_invariant",
+                        lambda: bench_batch_invariant(shape, options, bandwidth))
             for label, compiled in hf_runs:
-                bar.set_description(f"{shape}: transformers {'compiled' if compiled else 'eager'}")
-                try:
-                    entry[label] = bench_hf(options.workdir / shape, options, compiled)
-                except Exception as error:
-                    entry[f"{label}_error"] = failure(error)
-                save()
-                bar.update()
+                measure(f"transformers {'compiled' if compiled else 'eager'}", label,
+                        partial(bench_hf, options.workdir / shape, options, compiled))
             save()
     return results
 
