@@ -136,6 +136,7 @@ def test_penalties_logprobs_and_n_with_overlap_on_and_off(tiny_gpu):
 
 
 def test_structured_output_parses_on_the_gpu(tiny_gpu):
+    pytest.importorskip("llguidance")  # the structured extra
     from metrale.structured import StructuredOutputParams
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
