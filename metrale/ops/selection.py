@@ -201,6 +201,7 @@ def cuda_batch_invariant_kernels() -> list[Kernel]:
                                                                                      "sum otherwise for other batches"),
                       enabled=_batch_invariant, condition=condition)
                for op in CUDA_BATCH_VARIANT_OPS]
+
     def bf16_decode_rows(x: Any, weight: Any, bias: Any = None) -> bool:
         from metrale.kernels import decode_gemv
 

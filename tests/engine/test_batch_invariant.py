@@ -1,6 +1,8 @@
 """Batch-invariant mode (``batch_invariant=True``, docs/serving.rst "Batch-invariant mode"): on the
 CPU a prompt's logits are bitwise the same alone and in a batch, with chunked prefill, prefix-cache
-hits and mixed decode + prefill steps; the default mode is not; the CUDA backend refuses it."""
+hits and mixed decode + prefill steps; the default mode is not; on the GPU the ops without an invariant
+kernel are refused and the others bound to their invariant kernels (tests/engine/test_batch_invariant_gpu.py
+runs them)."""
 
 from __future__ import annotations
 
