@@ -6,11 +6,11 @@ the call or on how many there are. The engine binds them under ``batch_invariant
 Why the NumPy references are not invariant as they stand:
 
 * a matrix product ``x @ W^T`` goes to BLAS, which takes another kernel (a GEMV, or other edge
-  tiles) and so another order of the inner sums for one row than for many. Here every product is
-  computed in blocks of :data:`ROW_BLOCK` rows, the last block padded with zero rows: each BLAS call
-  has the same shape, strides and dtype whatever the batch, so it runs the same kernel, and a row's
-  sums do not depend on the rows beside it (the rows of one block are computed alike: the block is
-  a multiple of the register tiles of the BLAS kernels);
+  tiles) and so another order of the inner sums for one row than for many, and within one call
+  computes rows at different positions of its register tiles differently (the tiles' sizes
+  depend on the CPU OpenBLAS or MKL detects). Here every row of a product is a BLAS call of its
+  own, of the same shape (one row by the matrix) whatever the batch: a row's sums are the same
+  kernel's over that row alone;
 * attention over a sequence's rows at once masks the keys past each row with padding, and the
   length of the softmax sum (NumPy's pairwise summation) and of the value product then follows the
   longest row. Here each query row attends over exactly its own keys;
@@ -36,9 +36,6 @@ from metrale.kernels.moe import route_reference
 from metrale.kernels.moe_clamped import _rows_product, clamped_swiglu_reference
 from metrale.kernels.quantized import QuantizedWeight, dequantize, quantize_activations
 
-#: Rows per BLAS call: a multiple of the row tiles of OpenBLAS's and MKL's float32 GEMM kernels.
-ROW_BLOCK = 16
-
 
 def _as_float32(x: Any) -> np.ndarray:
     x = np.asarray(x)
@@ -47,30 +44,28 @@ def _as_float32(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float32)
 
 
-def row_blocks_product(x: np.ndarray, matrix_t: np.ndarray) -> np.ndarray:
-    """``x [N, in] @ matrix_t [in, out]`` float32, in blocks of :data:`ROW_BLOCK` rows (zero rows
-    pad the last): row ``i`` of the result depends on ``x[i]`` alone."""
+def rows_product(x: np.ndarray, matrix_t: np.ndarray) -> np.ndarray:
+    """``x [N, in] @ matrix_t [in, out]`` float32, each row a product of its own (a stack of
+    ``[1, in] @ [in, out]`` products, the same call for every row): row ``i`` of the result
+    depends on ``x[i]`` alone."""
     x = _as_float32(x)
-    rows = x.shape[0]
-    padded = np.zeros((-(-rows // ROW_BLOCK) * ROW_BLOCK, x.shape[1]), dtype=np.float32)
-    padded[:rows] = x
     matrix_t = np.asarray(matrix_t, dtype=np.float32)
-    out = np.empty((padded.shape[0], matrix_t.shape[1]), dtype=np.float32)
-    for start in range(0, padded.shape[0], ROW_BLOCK):
-        np.matmul(padded[start : start + ROW_BLOCK], matrix_t, out=out[start : start + ROW_BLOCK])
-    return out[:rows]
+    out = np.empty((x.shape[0], 1, matrix_t.shape[1]), dtype=np.float32)
+    if x.shape[0]:
+        np.matmul(np.ascontiguousarray(x)[:, None, :], matrix_t, out=out)
+    return out[:, 0]
 
 
 def linear(x: np.ndarray, weight: Any, bias: np.ndarray | None = None) -> np.ndarray:
-    """``linear``: ``x W^T + b`` by :func:`row_blocks_product`; a quantized weight's input is
+    """``linear``: ``x W^T + b`` by :func:`rows_product`; a quantized weight's input is
     quantized per row (or by its static scale) first, as the reference does."""
     x = _as_float32(x)
     if isinstance(weight, QuantizedWeight):
         if weight.input_order is not None:
             x = x[:, np.asarray(weight.input_order)]
-        y = row_blocks_product(quantize_activations(x, weight), dequantize(weight, stored_order=True).T)
+        y = rows_product(quantize_activations(x, weight), dequantize(weight, stored_order=True).T)
     else:
-        y = row_blocks_product(x, np.asarray(weight, dtype=np.float32).T)
+        y = rows_product(x, np.asarray(weight, dtype=np.float32).T)
     if bias is not None:
         y = y + np.asarray(bias, dtype=np.float32)
     return y.astype(np.float32, copy=False)
@@ -84,20 +79,20 @@ def linear_silu(x: np.ndarray, weight: Any, bias: np.ndarray | None = None) -> n
 
 
 def head_linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """``head_linear``: ``[N, heads, out]``, each head's product by :func:`row_blocks_product`."""
+    """``head_linear``: ``[N, heads, out]``, each head's product by :func:`rows_product`."""
     x = _as_float32(x)
     heads = x.shape[1]
     w = _as_float32(weight).reshape(heads, -1, x.shape[2])
     out = np.empty((x.shape[0], heads, w.shape[1]), dtype=np.float32)
     for head in range(heads):
-        out[:, head] = row_blocks_product(np.ascontiguousarray(x[:, head]), w[head].T)
+        out[:, head] = rows_product(np.ascontiguousarray(x[:, head]), w[head].T)
     return out
 
 
 def moe_route(x, gate, bias, method, n_group, topk_group, top_k, renormalise, scaling):
-    """``moe_route``: the router logits by :func:`row_blocks_product`, then the reference's choice
+    """``moe_route``: the router logits by :func:`rows_product`, then the reference's choice
     (row by row already)."""
-    logits = row_blocks_product(x, np.asarray(gate, dtype=np.float32).T)
+    logits = rows_product(x, np.asarray(gate, dtype=np.float32).T)
     return route_reference(logits, bias, method, n_group, topk_group, top_k, renormalise, scaling)
 
 
@@ -180,7 +175,7 @@ def gdn_prompt_rule(q, k, v, g, beta, state, slots, starts):
 
 
 def lora_linear(y, x, a, b, slots, route=None):
-    """``lora_linear`` with both products by :func:`row_blocks_product` over each slot's rows."""
+    """``lora_linear`` with both products by :func:`rows_product` over each slot's rows."""
     if isinstance(route, int) and not np.isin(slots, (0, route)).all():
         raise ValueError(f"lora_linear: route {route} but rows of other slots")
     x, a, b = _as_float32(x), _as_float32(a), _as_float32(b)
@@ -189,13 +184,13 @@ def lora_linear(y, x, a, b, slots, route=None):
         if slot == 0:
             continue
         rows = np.nonzero(slots == slot)[0]
-        shrunk = row_blocks_product(x[rows], a[slot - 1].T)
-        y[rows] += row_blocks_product(shrunk, b[:, (slot - 1) * width : slot * width].T)
+        shrunk = rows_product(x[rows], a[slot - 1].T)
+        y[rows] += rows_product(shrunk, b[:, (slot - 1) * width : slot * width].T)
     return y
 
 
 def lora_expand(ext, b, slots, tiles, width, bias=None, swiglu=False):
-    """``lora_expand`` with the update's product by :func:`row_blocks_product` over each slot's rows."""
+    """``lora_expand`` with the update's product by :func:`rows_product` over each slot's rows."""
     check_adapter_tiles("lora_expand", slots, tiles)
     out = b.shape[0]
     ext, b = _as_float32(ext), _as_float32(b)
@@ -207,7 +202,7 @@ def lora_expand(ext, b, slots, tiles, width, bias=None, swiglu=False):
             continue
         rows = np.nonzero(slots == slot)[0]
         columns = slice(out + (slot - 1) * width, out + slot * width)
-        y[rows] += row_blocks_product(ext[rows][:, columns], b[:, (slot - 1) * width : slot * width].T)
+        y[rows] += rows_product(ext[rows][:, columns], b[:, (slot - 1) * width : slot * width].T)
     if not swiglu:
         return y
     half = y.shape[1] // 2
