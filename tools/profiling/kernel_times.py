@@ -1,7 +1,7 @@
 """Every kernel of one decode step's CUDA graph, timed by Nsight Compute: the kernels in graph
 order with their GPU time and DRAM bytes, then grouped by kernel name.
 
-    python3 tools/profiling/kernel_times.py [--shape llama-1b] [--batch 1] [--context 512] [--ncu PATH]
+    python3 tools/profiling/kernel_times.py [--shape llama-1b] [--batch 1] [--context 512] [--batch-invariant] [--ncu PATH]
 
 Needs a CUDA device, ``ncu`` (Nsight Compute; ``--ncu`` or on ``PATH``, else
 ``/usr/local/cuda/bin/ncu``) and what ``metrale bench`` needs. The tool runs itself under ``ncu``
@@ -86,7 +86,8 @@ def profiled_step(args: argparse.Namespace) -> None:
     from metrale.sequence import SequenceState
 
     folder = build_checkpoint(args.shape, Path(args.workdir) / args.shape)
-    llm = LLM(folder, device="cuda", max_model_len=args.context + 256, max_num_seqs=args.batch + 1, show_progress=False)
+    llm = LLM(folder, device="cuda", max_model_len=args.context + 256, max_num_seqs=args.batch + 1, show_progress=False,
+              batch_invariant=args.batch_invariant)
     rng = np.random.default_rng(0)
     seqs = [SequenceState.from_prompt(rng.integers(0, llm.vocab_size, args.context).tolist()) for _ in range(args.batch)]
     for seq in seqs:
@@ -111,6 +112,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--workdir", default="/tmp/metrale-bench")
+    parser.add_argument("--batch-invariant", action="store_true", help="the step of batch_invariant=True")
     parser.add_argument("--ncu", default=None, help="the Nsight Compute command line tool")
     parser.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)  # the run under ncu
     args = parser.parse_args()
@@ -126,12 +128,13 @@ def main() -> None:
                    "--cache-control", "none", "--clock-control", "none", "--csv", "--print-units", "base",
                    "--log-file", str(log), sys.executable, os.path.abspath(__file__), "--profiled",
                    "--shape", args.shape, "--batch", str(args.batch), "--context", str(args.context),
-                   "--workdir", args.workdir]
+                   "--workdir", args.workdir, *(["--batch-invariant"] if args.batch_invariant else [])]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode or not log.exists():
             sys.exit(f"kernel_times: ncu failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         kernels = parse_report(log.read_text())
-    print(f"shape {args.shape} batch {args.batch} context {args.context}: one decode graph replay, each kernel "
+    mode = ", batch_invariant=True" if args.batch_invariant else ""
+    print(f"shape {args.shape} batch {args.batch} context {args.context}{mode}: one decode graph replay, each kernel "
           "profiled on its own (ncu --graph-profiling node)")
     report(kernels)
 
