@@ -5,8 +5,9 @@ dynamic Llama checkpoints written by compressed-tensors itself.
 
 Where inputs are quantized, two float32 implementations round an input differently wherever it
 lies within their float32 difference of a rounding boundary (one code apart); later layers then
-attend to the changed position. Those checkpoints have one layer, and at most 5 % of the positions
-may differ by such a step."""
+attend to the changed position. Those checkpoints have one layer (the embedded dense model a few),
+and at most 5 % of the positions may differ by such a step: which inputs lie that close depends on
+the float32 orders of the BLAS kernels the machine's CPU gets."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def check_against_transformers(source, quantized, ids, what, flips=False, **opti
 def test_online_fp8_dense_matches_transformers_running_the_same_math():
     llm = load("tiny-dense", "cpu")
     path = llm.checkpoint.path
-    check_against_transformers(path, path, held_out_ids(llm, 96), "tiny-dense fp8", quantization="fp8")
+    check_against_transformers(path, path, held_out_ids(llm, 96), "tiny-dense fp8", flips=True, quantization="fp8")
 
 
 @pytest.mark.parametrize("preset", ["W4A16", "W8A8", "FP8_DYNAMIC"])
