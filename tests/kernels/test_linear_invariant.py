@@ -47,10 +47,13 @@ int main(int argc, char** argv) {
     const float* bias = has_bias ? read<float>(folder + "/bias", (size_t)N) : nullptr;
     float* out = allocate<float>((size_t)M * N);
     const int slice_steps = (K / 32 + split - 1) / split;
-    if (kernel == "wide") {
-        emu::launch({(unsigned)((N + 63) / 64), (unsigned)((M + 63) / 64), 1}, {256, 1, 1}, [&] {
-            if (split > 1) invariant_linear_tiled<4, 2, 2, 4, 3, false, true>(x, w, bias, out, M, N, K, slice_steps);
-            else invariant_linear_tiled<4, 2, 2, 4, 3, false, false>(x, w, bias, out, M, N, K, slice_steps);
+    if (kernel == "wide" && split > 1) {   // as the launcher: the folded tiling, 2 x 2 warps of 64 columns by 32 rows
+        emu::launch({(unsigned)((N + 127) / 128), (unsigned)((M + 63) / 64), 1}, {128, 1, 1}, [&] {
+            invariant_linear_tiled<2, 2, 4, 4, 3, false, true>(x, w, bias, out, M, N, K, slice_steps);
+        });
+    } else if (kernel == "wide") {
+        emu::launch({(unsigned)((N + 127) / 128), (unsigned)((M + 63) / 64), 1}, {256, 1, 1}, [&] {
+            invariant_linear_tiled<4, 2, 2, 4, 3, false, false>(x, w, bias, out, M, N, K, slice_steps);
         });
     } else if (kernel == "wide-other") {   // 2 x 2 warps of 64 columns by 16 rows, two stages
         emu::launch({(unsigned)((N + 127) / 128), (unsigned)((M + 31) / 32), 1}, {128, 1, 1}, [&] {
