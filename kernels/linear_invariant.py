@@ -24,10 +24,12 @@ it:
 
 The tiled kernel: blocks of warps, each warp a few tiles of 16 weight columns by 8 rows, stages
 of 64 k copied into shared memory with ``cp.async``, each 32-k step of a column or row kept as 64
-contiguous bytes so that a quarter-warp's fragment loads read 128 contiguous bytes. Two tilings
-(:data:`NARROW`, :data:`WIDE`): few rows take blocks of one slice of ``K`` each, their sums added
+contiguous bytes so that a quarter-warp's fragment loads read 128 contiguous bytes. Three tilings
+(:data:`NARROW`, :data:`WIDE`, :data:`FOLDED`): few rows take blocks of one slice of ``K`` each, their sums added
 in order by a second kernel (:func:`partial_shape`'s workspace), so that a decode batch still
-spreads over the GPU; prompts take larger blocks that sum every slice themselves.
+spreads over the GPU -- a ``K`` of one slice (wide weights) straight into the output, with no
+workspace and no second kernel; prompts take larger blocks that sum every slice themselves (the
+wide tiling for a ``K`` of one slice, the folded one for several).
 
 :func:`invariant_linear_reference` is the NumPy model of that order (float32 sums of 16-term
 products, the slices added in order); the emulated tests compare the tiled kernel with it and
@@ -51,10 +53,15 @@ from metrale.kernels._words import aligned
 #: tiles a warp, 8-row tiles a warp, stages in shared memory)``. NARROW (64 columns by 32 rows a
 #: block) is for few rows: each block sums one slice of K (the grid's third dimension), its
 #: float32 partial sums written apart and added in the slices' order by a second kernel, so that a
-#: decode batch's blocks cover the GPU; WIDE (128 columns by 64 rows) is for prompts: a block sums
-#: every slice itself, adding each to the total as it ends.
+#: decode batch's blocks cover the GPU (a ``K`` of one slice goes straight to the output); WIDE
+#: (128 columns by 64 rows) is for prompts: a block sums every slice itself, adding each to the
+#: total as it ends.
 NARROW = (4, 1, 1, 4, 3)
 WIDE = (4, 2, 2, 4, 3)
+#: The tiling of prompts whose ``K`` has several slices (128 columns by 64 rows, four warps of 64
+#: columns by 32 rows): a block keeps a total beside each slice's sums, and fewer, larger warp
+#: tiles read fewer fragments from shared memory a product than :data:`WIDE`'s.
+FOLDED = (2, 2, 4, 4, 3)
 #: The most rows the narrow tiling takes (two blocks of rows).
 NARROW_ROWS = 64
 STAGE_K = 64
@@ -296,9 +303,10 @@ def kernel_name(tiling: tuple[int, ...], sliced: bool, fold: bool) -> str:
     return f"invariant_linear_tiled<{', '.join(map(str, tiling))}, {flags}>"
 
 
-#: The instantiations the launcher takes: the narrow tiling sliced, the wide one with and without
-#: folding slices.
-INSTANTIATIONS = (kernel_name(NARROW, True, False), kernel_name(WIDE, False, True), kernel_name(WIDE, False, False))
+#: The instantiations the launcher takes: the narrow tiling sliced and whole (a ``K`` of one slice,
+#: written straight to the output), the folded one and the wide one (a ``K`` of one slice).
+INSTANTIATIONS = (kernel_name(NARROW, True, False), kernel_name(NARROW, False, False),
+                  kernel_name(FOLDED, False, True), kernel_name(WIDE, False, False))
 
 _modules: dict[str, Any] = {}
 
@@ -327,8 +335,10 @@ def check_tiling(tiling: tuple[int, ...]) -> None:
 
 def partial_shape(rows: int, columns: int, multiprocessors: int) -> tuple[int, int, int] | None:
     """The float32 workspace ``[slices, rows, columns]`` a product of ``rows`` rows needs (the
-    narrow tiling's slices' sums), None where it needs none."""
-    return (split_of(columns, multiprocessors), rows, columns) if 0 < rows <= NARROW_ROWS else None
+    narrow tiling's slices' sums), None where it needs none (more rows than the narrow tiling takes,
+    or a ``K`` of one slice, whose sums go straight to the output)."""
+    split = split_of(columns, multiprocessors)
+    return (split, rows, columns) if 0 < rows <= NARROW_ROWS and split > 1 else None
 
 
 def invariant_linear(x: DeviceArray, weight: DeviceArray, out: DeviceArray, stream: Any,
@@ -339,7 +349,7 @@ def invariant_linear(x: DeviceArray, weight: DeviceArray, out: DeviceArray, stre
     :func:`metrale.kernels.decode_gemv.decode_gemv`'s plain product with the split
     :func:`split_of` gives for ``multiprocessors`` (the device's, by default), whatever ``M``.
     ``partial``: float32 of :func:`partial_shape` where that is not None. ``tiling`` replaces
-    :data:`NARROW` or :data:`WIDE` (for sweeps: every tiling sums in the same order)."""
+    :data:`NARROW`, :data:`WIDE` or :data:`FOLDED` (for sweeps: every tiling sums in the same order)."""
     op = "invariant_linear"
     check_array(op, "x", x, np.uint16, ndim=2)
     m, k = x.shape
@@ -363,7 +373,7 @@ def invariant_linear(x: DeviceArray, weight: DeviceArray, out: DeviceArray, stre
         return out
     split = split_of(n, multiprocessors)
     sliced = workspace is not None
-    tiling = tiling if tiling is not None else NARROW if sliced else WIDE
+    tiling = tiling if tiling is not None else NARROW if m <= NARROW_ROWS else FOLDED if split > 1 else WIDE
     check_tiling(tiling)
     columns, rows, threads = tile_shape(tiling)
     function = _function(kernel_name(tiling, sliced, not sliced and split > 1))

@@ -47,10 +47,13 @@ int main(int argc, char** argv) {
     const float* bias = has_bias ? read<float>(folder + "/bias", (size_t)N) : nullptr;
     float* out = allocate<float>((size_t)M * N);
     const int slice_steps = (K / 32 + split - 1) / split;
-    if (kernel == "wide") {
-        emu::launch({(unsigned)((N + 63) / 64), (unsigned)((M + 63) / 64), 1}, {256, 1, 1}, [&] {
-            if (split > 1) invariant_linear_tiled<4, 2, 2, 4, 3, false, true>(x, w, bias, out, M, N, K, slice_steps);
-            else invariant_linear_tiled<4, 2, 2, 4, 3, false, false>(x, w, bias, out, M, N, K, slice_steps);
+    if (kernel == "wide" && split > 1) {   // as the launcher: the folded tiling, 2 x 2 warps of 64 columns by 32 rows
+        emu::launch({(unsigned)((N + 127) / 128), (unsigned)((M + 63) / 64), 1}, {128, 1, 1}, [&] {
+            invariant_linear_tiled<2, 2, 4, 4, 3, false, true>(x, w, bias, out, M, N, K, slice_steps);
+        });
+    } else if (kernel == "wide") {
+        emu::launch({(unsigned)((N + 127) / 128), (unsigned)((M + 63) / 64), 1}, {256, 1, 1}, [&] {
+            invariant_linear_tiled<4, 2, 2, 4, 3, false, false>(x, w, bias, out, M, N, K, slice_steps);
         });
     } else if (kernel == "wide-other") {   // 2 x 2 warps of 64 columns by 16 rows, two stages
         emu::launch({(unsigned)((N + 127) / 128), (unsigned)((M + 31) / 32), 1}, {128, 1, 1}, [&] {
@@ -64,6 +67,10 @@ int main(int argc, char** argv) {
         });
         emu::launch({(unsigned)((M * N + 255) / 256), 1, 1}, {256, 1, 1},
                     [&] { invariant_linear_sum(partial, bias, out, M, N, split); });
+    } else if (kernel == "narrow" && split == 1) {   // as the launcher: one slice straight to the output
+        emu::launch({(unsigned)((N + 63) / 64), (unsigned)((M + 31) / 32), 1}, {128, 1, 1}, [&] {
+            invariant_linear_tiled<4, 1, 1, 4, 3, false, false>(x, w, bias, out, M, N, K, slice_steps);
+        });
     } else if (kernel == "narrow") {
         float* partial = allocate<float>((size_t)split * M * N);
         emu::launch({(unsigned)((N + 63) / 64), (unsigned)((M + 31) / 32), (unsigned)split}, {128, 1, 1}, [&] {
@@ -84,7 +91,8 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     """``run(kernel, x_bits, w_bits, bias, split)``: the tiled kernel in its wide tiling (``"wide"``)
-    or its narrow one (``"narrow"``, with the sum of the slices), or the decode kernel's plain
+    or its narrow one (``"narrow"``, with the sum of the slices, or straight to the output for one
+    slice, as the launcher runs them), or the decode kernel's plain
     product (``"decode"``, at most 32 rows), with ``split`` slices of ``K``."""
     folder = tmp_path_factory.mktemp("linear_invariant_emulated")
     binary = build_emulated(folder / "linear.cpp", dg.CONSTANTS + dg.HELPERS + dg.KERNELS + li.KERNEL + EMULATION_MAIN)
@@ -172,7 +180,9 @@ def test_the_launcher_refuses_what_the_kernels_cannot_take():
     refused("weight has shape", np.zeros((2, 32), np.uint16), np.zeros((8, 16), np.uint16), np.zeros((2, 8), np.float32))
     refused("out", np.zeros((2, 32), np.uint16), np.zeros((8, 32), np.uint16), np.zeros((2, 8), np.uint16))
     refused("partial workspace", np.zeros((2, 32), np.uint16), np.zeros((8, 32), np.uint16), np.zeros((2, 8), np.float32))
+    assert li.split_of(8, 4) > 1 and li.split_of(128256, 4) == 1
     assert li.partial_shape(2, 8, 4) == (li.split_of(8, 4), 2, 8) and li.partial_shape(li.NARROW_ROWS + 1, 8, 4) is None
+    assert li.partial_shape(2, 128256, 4) is None  # one slice: the narrow tiling writes the output itself
     x, w, out = np.zeros((80, 32), np.uint16), np.zeros((8, 32), np.uint16), np.zeros((80, 8), np.float32)
     for tiling in ((4, 2, 2, 4), (4, 2, 2, 4, 1), (32, 2, 1, 1, 3), (4, 2, 8, 16, 4), (4, 2, 2.0, 4, 3)):
         refused("tiling", x, w, out, tiling=tiling)
