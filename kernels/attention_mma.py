@@ -16,6 +16,13 @@ gathered from the paged cache, and keeps a flash-attention online softmax in reg
   (GPT-OSS), as the reference takes them;
 * the output is written as bf16.
 
+Decode rows (:func:`decode_rows_attention`) take the same kernel compiled with its tile's rows
+taken by one row's query heads of a KV head (all at the row's position) instead of one head's
+consecutive rows: the row's keys are read once for the group, and every output is computed as the
+prompt form computes the same query row (its products' rows are independent of the tile's other
+rows, the keys are stepped through in the same steps, and steps a row does not see add exact
+zeros), so a row gives the same bits through either -- what the batch-invariant mode needs.
+
 numba exposes no tensor-core instruction, so this kernel is CUDA C++. Its CPU tests run the kernel
 on the host with an emulation of the PTX instructions in place of ``INSTRUCTIONS``; its GPU tests
 (``-m gpu``) run it as NVRTC compiles it.
@@ -97,17 +104,37 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
     float* raw_scales = reinterpret_cast<float*>(raw_stages + 2 * RAW_STAGE_BYTES);   // [2][2][BLOCK_KEYS]
 #endif
 
-    const int tile = blockIdx.x, head = blockIdx.y;
-    const int kv_head = head / (num_heads / num_kv_heads);
-    const int first = tiles[2 * tile], count = tiles[2 * tile + 1];
+    const int tile = blockIdx.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int group = lane / 4, quad = lane % 4;
     const int row0 = warp * 16 + group, row1 = row0 + 8;   // this thread's two rows in the tile
-    const int* table = block_tables + (long)seq_index[first] * max_blocks;
-    const int first_position = positions[first];
+#if HEAD_ROWS
+    // The tile's rows are query heads of one KV head, all of one row (a decode row) of q: heads
+    // first_head + r. Grid (rows, KV heads x chunks of BLOCK_ROWS heads).
+    const int group_size = num_heads / num_kv_heads, chunks = (group_size + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    const int kv_head = blockIdx.y / chunks, chunk = blockIdx.y % chunks;
+    const int first_head = kv_head * group_size + chunk * BLOCK_ROWS;
+    const int first = tiles[2 * tile];
+    const int count = min(group_size - chunk * BLOCK_ROWS, BLOCK_ROWS);
+    const int key_end = positions[first] + 1;
+    const int position0 = row0 < count ? positions[first] : -1;
+    const int position1 = row1 < count ? positions[first] : -1;
+#define QUERY_ROW(r) (first)
+#define ROW_HEAD(r) (first_head + (r))
+#else
+    const int head = blockIdx.y;
+    const int kv_head = head / (num_heads / num_kv_heads);
+    const int first = tiles[2 * tile], count = tiles[2 * tile + 1];
     const int key_end = positions[first + count - 1] + 1;
     const int position0 = row0 < count ? positions[first + row0] : -1;
     const int position1 = row1 < count ? positions[first + row1] : -1;
+#define QUERY_ROW(r) (first + (r))
+#define ROW_HEAD(r) (head)
+#endif
+    // A warp with no row of the tile only copies (the products of its rows would all be masked).
+    const bool idle = HEAD_ROWS && warp * 16 >= count;
+    const int* table = block_tables + (long)seq_index[first] * max_blocks;
+    const int first_position = positions[first];
     // ldmatrix: this lane addresses row (lane % 8) of matrix (lane / 8).
     const int matrix = lane / 8, matrix_row = lane % 8;
 
@@ -115,7 +142,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
     const float query_scale = scale * 1.4426950408889634f;
     for (int e = threadIdx.x; e < BLOCK_ROWS * HEAD_DIM / 2; e += THREADS) {
         const int r = e / (HEAD_DIM / 2), d = 2 * (e % (HEAD_DIM / 2));
-        const float* source = q + ((long)(first + r) * num_heads + head) * HEAD_DIM + d;
+        const float* source = q + ((long)QUERY_ROW(r) * num_heads + ROW_HEAD(r)) * HEAD_DIM + d;
         *reinterpret_cast<unsigned*>(&query_tile[r * K_STRIDE + d]) =
             r < count ? pack_bf16(source[0] * query_scale, source[1] * query_scale) : 0u;
     }
@@ -236,6 +263,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
         const bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
 #endif
         const bf16_bits* values = keys + BLOCK_KEYS * K_STRIDE;
+        if (idle) {
+            __syncthreads();   // the closing barrier of the step below
+            continue;
+        }
 
         float scores[BLOCK_KEYS / 8][4];
 #pragma unroll
@@ -340,7 +371,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
         total[h] += __shfl_xor_sync(0xffffffff, total[h], 2);
         // The sink's term, exp(sink) in the scale of the running maximum (base 2); a row's own key
         // is always seen, so best is finite.
-        if (sinks != nullptr) total[h] += exp2f(sinks[head] * 1.4426950408889634f - best[h]);
+        if (sinks != nullptr) {
+            const int row = h ? row1 : row0;
+            total[h] += exp2f(sinks[row < count ? ROW_HEAD(row) : ROW_HEAD(0)] * 1.4426950408889634f - best[h]);
+        }
     }
     const long row_width = (long)num_heads * VALUE_DIM;
 #pragma unroll
@@ -348,7 +382,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
         const int row = h ? row1 : row0;
         if (row >= count) continue;
         const float inverse = total[h] > 0.f ? 1.f / total[h] : 0.f;
-        unsigned* target = reinterpret_cast<unsigned*>(out + (first + row) * row_width + head * VALUE_DIM);
+        unsigned* target = reinterpret_cast<unsigned*>(out + QUERY_ROW(row) * row_width + ROW_HEAD(row) * VALUE_DIM);
 #pragma unroll
         for (int dt = 0; dt < VALUE_DIM / 8; ++dt) {
             target[(dt * 8 + quad * 2) / 2] = pack_bf16(acc[dt][2 * h] * inverse, acc[dt][2 * h + 1] * inverse);
@@ -358,7 +392,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_mma(
 """
 
 
-_kernels: dict[tuple[int, int, bool, bool], tuple[Any, int]] = {}
+_kernels: dict[tuple[int, int, bool, bool, bool], tuple[Any, int]] = {}
 
 
 def block_keys(head_dim: int, value_dim: int) -> int:
@@ -400,28 +434,31 @@ __device__ __forceinline__ uint4 scaled_e4m3x8(uint2 codes, float scale) {
 
 
 def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_instructions: bool = True,
-                  fp8: bool = False) -> str:
+                  fp8: bool = False, head_rows: bool = False) -> str:
     """The kernel's CUDA C++ for the head sizes, with the logit soft cap compiled in or not, over
     an FP8 cache (``fp8``) or a bf16 one, with its PTX helpers, or without them for the CPU
-    emulation, which brings its own."""
+    emulation, which brings its own; ``head_rows``: the decode rows' form (a tile's rows are one
+    row's query heads of a KV head, :func:`decode_rows_attention`)."""
     from metrale.kernels.attention_decode_mma import FP8_INSTRUCTIONS
 
     kernel = (KERNEL.replace("__HEAD_DIM__", str(head_dim)).replace("__VALUE_DIM__", str(value_dim))
               .replace("__BLOCK_KEYS__", str(block_keys(head_dim, value_dim))).replace("__SOFTCAP__", str(int(softcap)))
 )
     helpers = (INSTRUCTIONS + (FP8_INSTRUCTIONS if fp8 else "")) if with_instructions else ""
-    return helpers + f"#define FP8_CACHE {int(fp8)}\n" + FP8_CONVERSION + kernel
+    return helpers + f"#define FP8_CACHE {int(fp8)}\n#define HEAD_ROWS {int(head_rows)}\n" + FP8_CONVERSION + kernel
 
 
-def _kernel(head_dim: int, value_dim: int, softcap: bool = False, fp8: bool = False) -> tuple[Any, int]:
-    """The compiled kernel for the head sizes (capped logits or not, an FP8 cache or not) and its
-    shared memory bytes (NVRTC, once per process and geometry)."""
-    key = (head_dim, value_dim, softcap, fp8)
+def _kernel(head_dim: int, value_dim: int, softcap: bool = False, fp8: bool = False,
+            head_rows: bool = False) -> tuple[Any, int]:
+    """The compiled kernel for the head sizes (capped logits or not, an FP8 cache or not, the
+    decode rows' form or the prompts') and its shared memory bytes (NVRTC, once per process and
+    geometry)."""
+    key = (head_dim, value_dim, softcap, fp8, head_rows)
     entry = _kernels.get(key)
     if entry is None:
         import cupy
 
-        code = kernel_source(head_dim, value_dim, softcap, fp8=fp8)
+        code = kernel_source(head_dim, value_dim, softcap, fp8=fp8, head_rows=head_rows)
         kernel = cupy.RawModule(code=code, options=("--std=c++17", "--use_fast_math")).get_function("prefill_attention_mma")
         size = shared_bytes(head_dim, value_dim, fp8)
         kernel.max_dynamic_shared_size_bytes = size
@@ -459,9 +496,37 @@ def prefill_attention(
     None) adds a sink logit to each head's softmax. The caches may be
     :class:`~metrale.kernels.kv_cache_fp8.Fp8CacheArray` s on the device: each step's codes times
     their scales are rounded to bf16 in shared memory, and the rest is the bf16 kernel's."""
+    return _attention("prefill_attention_mma", q, k_cache, v_cache, block_tables, seq_index, positions, tiles, scale,
+                      sliding_window, out, stream, softcap, sinks, head_rows=False)
+
+
+def decode_rows(rows: int) -> np.ndarray:
+    """The ``[rows, 2]`` int32 tiles of :func:`decode_rows_attention`: ``(row, 1)`` each."""
+    return np.stack([np.arange(rows, dtype=np.int32), np.ones(rows, np.int32)], axis=1).reshape(-1, 2)
+
+
+def decode_rows_attention(
+    q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
+    positions: DeviceArray, tiles: DeviceArray, scale: float, sliding_window: int | None, out: DeviceArray,
+    stream: Any = None, softcap: float | None = None, sinks: DeviceArray | None = None,
+) -> DeviceArray:
+    """The same attention for rows that are each a sequence's next position (decode rows:
+    ``tiles`` of :func:`decode_rows`, a row each), with a block's tile rows taken by one row's
+    query heads of a KV head instead of one head's rows: each row's keys are read once for its
+    group of query heads, not once per head. Every output is computed as
+    :func:`prefill_attention` computes the same query row -- the same products, from the same
+    fragment positions, over the same steps of keys -- so a row gives the same bits through
+    either (the batch-invariant mode's decode rows)."""
+    return _attention("decode_rows_attention_mma", q, k_cache, v_cache, block_tables, seq_index, positions, tiles,
+                      scale, sliding_window, out, stream, softcap, sinks, head_rows=True)
+
+
+def _attention(op: str, q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray,
+               seq_index: DeviceArray, positions: DeviceArray, tiles: DeviceArray, scale: float,
+               sliding_window: int | None, out: DeviceArray, stream: Any, softcap: float | None,
+               sinks: DeviceArray | None, *, head_rows: bool) -> DeviceArray:
     from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
 
-    op = "prefill_attention_mma"
     check_array(op, "q", q, np.float32, ndim=3)
     rows, heads, head_dim = q.shape
     fp8 = isinstance(k_cache, Fp8CacheArray)
@@ -500,7 +565,8 @@ def prefill_attention(
         np.float32(softcap or 0.0), sinks if sinks is not None else np.uint64(0), out,
         k_scales if fp8 else np.uint64(0), v_scales if fp8 else np.uint64(0),
     )
+    columns = kv_heads * -(-(heads // kv_heads) // BLOCK_ROWS) if head_rows else heads
     with stream if stream is not None else contextlib.nullcontext():
-        kernel, size = _kernel(head_dim, value_dim, bool(softcap), fp8)
-        kernel((int(tiles.shape[0]), heads), (THREADS,), arguments, shared_mem=size)
+        kernel, size = _kernel(head_dim, value_dim, bool(softcap), fp8, head_rows)
+        kernel((int(tiles.shape[0]), columns), (THREADS,), arguments, shared_mem=size)
     return out

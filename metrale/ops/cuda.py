@@ -665,6 +665,17 @@ class CudaKernels:
                                                batch.positions, tiles, scale, sliding_window, out, self.stream, softcap,
                                                None if sinks is None else cp.ascontiguousarray(sinks, dtype=f32))
 
+    def paged_attention_decode_rows_mma(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
+                                        sliding_window: int | None, out: Any, rows: int,
+                                        softcap: float | None = None, sinks: Any = None) -> Any:
+        """The first ``rows`` rows (one-row segments: decode rows) through
+        :func:`metrale.kernels.attention_mma.decode_rows_attention`, each row's query heads of a KV
+        head together, every row computed as the prompt form computes it."""
+        tiles = _batch_constant(batch, f"attention_mma_decode_rows_{rows}", lambda: attention_mma.decode_rows(rows))
+        return attention_mma.decode_rows_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_index,
+                                                   batch.positions, tiles, scale, sliding_window, out, self.stream,
+                                                   softcap, None if sinks is None else cp.ascontiguousarray(sinks, dtype=f32))
+
     def paged_attention_prompt_wgmma(self, q: Any, k_cache: Any, v_cache: Any, batch: Any, scale: float,
                                      sliding_window: int | None, out: Any, first_segment: int,
                                      softcap: float | None = None, sinks: Any = None) -> Any:

@@ -147,9 +147,17 @@ def _invariant_attention(backend: Any) -> Any:
     def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, softcap=None, sinks=None):
         import cupy
 
+        # The leading one-row segments (decode rows) in the kernel's decode rows' form, the rest in
+        # its prompt form: a row gives the same bits through either.
         out = cupy.empty((q.shape[0], q.shape[1] * v_cache.shape[3]), dtype=np.uint16)
-        return kernels.paged_attention_prompt_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, 0, softcap,
-                                                  sinks)
+        single, segments = leading_single_rows(batch.row_starts), len(batch.row_starts) - 1
+        if single:
+            kernels.paged_attention_decode_rows_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, single,
+                                                    softcap, sinks)
+        if single < segments:
+            kernels.paged_attention_prompt_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, single, softcap,
+                                               sinks)
+        return out
 
     return paged_attention
 
@@ -179,9 +187,10 @@ def cuda_batch_invariant_kernels() -> list[Kernel]:
     more rows through a tiled kernel summing in exactly its order; K split from the weight's shape
     and the device alone), the fused norm-and-product and gated products through
     their composites (the fused decode kernels sum otherwise than the prompts' products), and
-    attention of decode and prompt rows alike through the tensor-core prompt kernel
-    (:mod:`metrale.kernels.attention_mma`), which steps through a row's keys from the same
-    positions whatever segment or chunk the row is in. What these do not serve (quantized
+    attention through the tensor-core prompt kernel (:mod:`metrale.kernels.attention_mma`), which
+    steps through a row's keys from the same positions whatever segment or chunk the row is in --
+    decode rows in its decode rows' form (a row's query heads of a KV head together), which
+    computes every row as the prompt form does. What these do not serve (quantized
     weights, an FP8 cache, other geometries) is refused with a typed error rather than served
     by a kernel whose sums depend on the batch."""
 
@@ -223,7 +232,8 @@ def cuda_batch_invariant_kernels() -> list[Kernel]:
                build=_composed_rmsnorm_linear, enabled=_batch_invariant, condition=condition),
         Kernel("rmsnorm_mlp", "cuda", "rmsnorm_residual, then linear_silu and linear (their kernels)",
                build=_composed_rmsnorm_mlp, enabled=_batch_invariant, condition=condition),
-        Kernel("paged_attention", "cuda", "metrale.kernels.attention_mma for decode and prompt rows alike",
+        Kernel("paged_attention", "cuda", "metrale.kernels.attention_mma (decode rows in its decode rows' form, "
+               "prompt rows in its prompt form: a row's bits the same through either)",
                build=_invariant_attention, when=bf16_cache, enabled=_batch_invariant,
                condition=condition + f", a bf16 cache, (K, V) head sizes {_prompt_mma_sizes()}"),
         Kernel("paged_attention", "cuda", "refused", build=_refused_under_batch_invariance(

@@ -274,7 +274,7 @@ def test_on_the_gpu_ops_without_an_invariant_kernel_are_refused_and_the_others_b
     products = [kernel.name for kernel in registry.kernels_for("linear", "cuda")
                 if kernel.enabled is not None and kernel.enabled(invariant)]
     assert products[1] == "metrale.kernels.linear_invariant (tiled, the decode kernel's order)"
-    assert firsts["paged_attention"].name.startswith("metrale.kernels.attention_mma for decode and prompt rows")
+    assert firsts["paged_attention"].name.startswith("metrale.kernels.attention_mma (decode rows in its decode rows' form")
     for op in ("linear_silu", "rmsnorm_linear", "rmsnorm_mlp"):
         assert firsts[op].name.endswith("(their kernels)") and "batch_invariant=True" in firsts[op].condition
 

@@ -44,7 +44,12 @@ int main(int argc, char** argv) {
     auto* tile_rows = read<int>(folder + "/tiles", (size_t)tiles * 2);
     auto* sinks = (flags & 1) ? read<float>(folder + "/sinks", heads) : nullptr;
     auto* out = allocate<unsigned short>((size_t)rows * heads * VALUE_DIM);
-    emu::launch({(unsigned)tiles, (unsigned)heads, 1}, {THREADS, 1, 1}, [&] {
+#if HEAD_ROWS
+    const unsigned columns = (unsigned)(kv_heads * ((heads / kv_heads + BLOCK_ROWS - 1) / BLOCK_ROWS));
+#else
+    const unsigned columns = (unsigned)heads;
+#endif
+    emu::launch({(unsigned)tiles, columns, 1}, {THREADS, 1, 1}, [&] {
         prefill_attention_mma(q, k_cache, v_cache, tables, seq_index, positions, tile_rows, heads, kv_heads,
                               block_size, max_blocks, scale, window, softcap, sinks, out, k_scales, v_scales);
     });
@@ -81,17 +86,20 @@ def emulated(tmp_path_factory):
     binaries = {}
 
     def run(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks, defer_copies,
-            scales=None):
-        """``scales``: the FP8 caches' ``(k_scales, v_scales)``, ``k_cache`` and ``v_cache`` their codes."""
+            scales=None, head_rows=False):
+        """``scales``: the FP8 caches' ``(k_scales, v_scales)``, ``k_cache`` and ``v_cache`` their codes;
+        ``head_rows``: the decode rows' form, every row a segment of its own."""
         rows, heads, head_dim = q.shape
         value_dim, kv_heads = v_cache.shape[3], k_cache.shape[2]
         fp8 = scales is not None
-        key = (head_dim, value_dim, bool(softcap), fp8)
+        key = (head_dim, value_dim, bool(softcap), fp8, head_rows)
         if key not in binaries:
-            source = attention_mma.kernel_source(head_dim, value_dim, bool(softcap), with_instructions=False, fp8=fp8)
-            binaries[key] = build_emulated(folder / f"kernel{head_dim}_{value_dim}_{int(bool(softcap))}_{int(fp8)}.cpp",
-                                           source + EMULATION_MAIN)
-        tiles = attention_mma.query_tiles(starts)
+            source = attention_mma.kernel_source(head_dim, value_dim, bool(softcap), with_instructions=False, fp8=fp8,
+                                                 head_rows=head_rows)
+            binaries[key] = build_emulated(
+                folder / f"kernel{head_dim}_{value_dim}_{int(bool(softcap))}_{int(fp8)}_{int(head_rows)}.cpp",
+                source + EMULATION_MAIN)
+        tiles = attention_mma.decode_rows(rows) if head_rows else attention_mma.query_tiles(starts)
         # The tables padded to one row more than the rows, whatever the sequences: main reads a fixed size.
         padded = np.zeros((rows + 1, tables.shape[1]), np.int32)
         padded[: tables.shape[0]] = tables
@@ -211,3 +219,27 @@ def test_a_row_gives_the_same_bits_whatever_segment_and_chunk_it_is_computed_in(
         for (sequence, position), row in run(segments).items():
             if sequence == 0:
                 assert np.array_equal(row.view(np.uint32), whole[(0, position)].view(np.uint32)), (segments, position)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, softcap, with_sinks, window", [
+    (8, 2, 64, None, False, None),   # four query heads a KV head (Llama's grouping)
+    (4, 4, 64, 5.0, True, 40),       # one head a KV head; capped logits, sinks, a sliding window
+    (130, 2, 32, None, True, None),  # 65 heads a KV head: two tiles of heads, the second of one
+    (2, 1, 256, None, False, 40),    # queries kept in shared memory, 32 keys a step
+])
+def test_decode_rows_give_the_prompt_forms_bits(emulated, heads, kv_heads, dim, softcap, with_sinks, window):
+    """Each query row through the decode rows' form (its heads of a KV head as a tile's rows) gives
+    the bits the prompt form gives the same row inside a whole prompt, whatever rows are beside it."""
+    rng = np.random.default_rng(heads + dim)
+    q, k_cache, v_cache, tables, seq_index, positions, starts = prompt_case(
+        rng, [(0, 90), (0, 37)], heads, kv_heads, dim, dim, 16)
+    sinks = (rng.standard_normal(heads) + 2.0).astype(np.float32) if with_sinks else None
+    scale = dim**-0.5
+    prompts = emulated(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks, True)
+    picked = np.array([89, 0, 63, 90 + 36, 64, 90, 17], np.int32)  # rows of both sequences, in any order
+    decoded = emulated(q[picked], k_cache, v_cache, tables, seq_index[picked], positions[picked],
+                       np.arange(len(picked) + 1, dtype=np.int32), scale, window, softcap, sinks, True, head_rows=True)
+    assert np.array_equal(decoded.view(np.uint32), prompts[picked].view(np.uint32))
+    alone = emulated(q[picked[:1]], k_cache, v_cache, tables, seq_index[picked[:1]], positions[picked[:1]],
+                     np.arange(2, dtype=np.int32), scale, window, softcap, sinks, False, head_rows=True)
+    assert np.array_equal(alone.view(np.uint32), prompts[picked[:1]].view(np.uint32))

@@ -181,10 +181,11 @@ def test_the_latent_attention_compiles_over_either_cache(tmp_path, fp8):
 @pytest.mark.parametrize("head_dim, value_dim", [(32, 32), (64, 64), (192, 128), (256, 256)])
 @pytest.mark.parametrize("softcap", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_the_prompt_attention_compiles_for_every_head_size(tmp_path, head_dim, value_dim, softcap, fp8):
+@pytest.mark.parametrize("head_rows", [False, True])
+def test_the_prompt_attention_compiles_for_every_head_size(tmp_path, head_dim, value_dim, softcap, fp8, head_rows):
     from metrale.kernels import attention_mma
 
-    code = attention_mma.kernel_source(head_dim, value_dim, softcap, fp8=fp8)
+    code = attention_mma.kernel_source(head_dim, value_dim, softcap, fp8=fp8, head_rows=head_rows)
     assert "prefill_attention_mma" in entries(compile_to_ptx(tmp_path, code, optimize=False))
 
 
