@@ -163,3 +163,38 @@ def test_an_fp8_cache_reads_as_the_bf16_kernel_reads_its_dequantized_rows(heads,
     expected = attention.paged_attention_reference(q, *exact, tables, seq_index, positions, scale,
                                                    None).reshape(len(positions), -1)
     assert rel_error(bf16_to_float32(outputs[0]), expected) <= 2e-2
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, value_dim", [
+    (32, 8, 128, 128), (14, 2, 64, 64), (16, 16, 192, 128), (16, 2, 256, 256), (80, 1, 64, 64),
+])
+@pytest.mark.parametrize("softcap, with_sinks, window", [(None, False, None), (30.0, True, 100)])
+def test_decode_rows_give_the_prompt_forms_bits(heads, kv_heads, head_dim, value_dim, softcap, with_sinks, window):
+    """Rows of several sequences through the decode rows' form (a row's query heads of a KV head as
+    one tile; 80 heads over one KV head: two tiles of heads) give, bit for bit, what the prompt form
+    gives the same rows inside their prompts."""
+    import cupy as cp
+
+    rng = np.random.default_rng(heads + head_dim)
+    q, k_cache, v_cache, tables, seq_index, positions, starts = attention_case(
+        rng, heads, kv_heads, head_dim, 16, [(0, 300), (0, 70)], value_dim)
+    sinks = (rng.standard_normal(heads) + 2.0).astype(np.float32) if with_sinks else None
+    scale = head_dim**-0.5
+    device = [cp.asarray(array) for array in (k_cache, v_cache, tables)]
+
+    def run(function, rows, tiles):
+        out = cp.zeros((len(rows), heads * value_dim), dtype=np.uint16)
+        function(cp.asarray(q[rows]), *device, cp.asarray(seq_index[rows]), cp.asarray(positions[rows]),
+                 cp.asarray(tiles), scale, window, out, softcap=softcap,
+                 sinks=None if sinks is None else cp.asarray(sinks))
+        return cp.asnumpy(out)
+
+    everything = np.arange(len(positions))
+    prompts = run(attention_mma.prefill_attention, everything, attention_mma.query_tiles(starts))
+    picked = np.array([299, 0, 63, 300 + 69, 64, 300, 171, 128], np.int32)
+    decoded = run(attention_mma.decode_rows_attention, picked, attention_mma.decode_rows(len(picked)))
+    assert np.array_equal(decoded, prompts[picked])
+    expected = attention.paged_attention_reference(
+        q[picked], bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index[picked], positions[picked],
+        scale, window, softcap, sinks).reshape(len(picked), -1)
+    assert rel_error(bf16_to_float32(decoded), expected) <= 2e-2
