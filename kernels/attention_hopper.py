@@ -65,6 +65,13 @@ THREE_CONSUMER_FORMS = ((64, 64), (128, 128))
 #: compilation; the sweep ``tools/sweeps/prompt_attention_sweep.py`` times each combination).
 PINGPONG = False
 OVERLAP = True
+#: Whether the grid's fastest dimension is the query heads, (heads, tiles), so that every head's
+#: last tile is dispatched before any head's earlier ones: the blocks start longest first across
+#: the whole grid and the short ones fill the last wave (with (tiles, heads), only within a head).
+#: Read at each compilation and launch; the sweep times both.
+HEADS_INNER = True
+#: The most tiles one launch takes with :data:`HEADS_INNER` (a grid's second dimension).
+MAX_TILES = 65535
 
 
 def _register_list(first: int, count: int) -> str:
@@ -191,6 +198,8 @@ KERNEL = r"""
 // the one's softmax while the other's runs (two products in flight, the probabilities of the
 // previous step kept in registers meanwhile).
 #define OVERLAP __OVERLAP__
+// The grid is (heads, tiles) rather than (tiles, heads).
+#define HEADS_INNER __HEADS_INNER__
 // Consumer warpgroups of 64 rows each (2 or 3), after the producer's.
 #define CONSUMERS __CONSUMERS__
 #define TILE_ROWS (64 * CONSUMERS)
@@ -229,7 +238,8 @@ __device__ __forceinline__ unsigned long long descriptor_plus(unsigned long long
     return descriptor + (bytes >> 4);
 }
 
-// Grid: (tiles, query heads); THREADS threads; dynamic shared memory: BARRIER_OFFSET, the
+// Grid: (query heads, tiles) with HEADS_INNER, else (tiles, query heads); THREADS threads; dynamic
+// shared memory: BARRIER_OFFSET, the
 // barriers' 8 * 4 * STAGES bytes and 1024 to reach a boundary. k_map and v_map: tensor maps of
 // the caches [blocks * block_size, nkv, HEAD_DIM or VALUE_DIM] bf16 with boxes of (64, 1,
 // min(block_size, BLOCK_KEYS)) and the 128-byte swizzle. q [N, nh, HEAD_DIM] f32; block_tables
@@ -254,7 +264,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) prefill_attention_wgmma
     auto values_free = [&](int stage) { return barriers + 8u * (3 * STAGES + stage); };
 
     // The last tiles first: a sequence's later rows see more keys, and the shorter tiles then fill in.
+#if HEADS_INNER
+    const int tile = gridDim.y - 1 - blockIdx.y, head = blockIdx.x;
+#else
     const int tile = gridDim.x - 1 - blockIdx.x, head = blockIdx.y;
+#endif
     const int kv_head = head / (num_heads / num_kv_heads);
     const int first = tiles[2 * tile], count = tiles[2 * tile + 1];
     const int* table = block_tables + (long)seq_index[first] * max_blocks;
@@ -588,12 +602,13 @@ def shared_bytes(head_dim: int, value_dim: int, consumers: int | None = None) ->
 
 
 def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_instructions: bool = True,
-                  pingpong: bool = False, overlap: bool = True, consumers: int = 2) -> str:
+                  pingpong: bool = False, overlap: bool = True, consumers: int = 2, heads_inner: bool = True) -> str:
     """The kernel's CUDA C++ for the key and value head sizes, with the logit soft cap compiled in
     or not, ``consumers`` (2 or 3) consumer warpgroups, the two consumers taking turns at their
     products (``pingpong``, two consumers only) or not, each consumer's softmax under its own
-    products (``overlap``) or not, with its PTX helpers, or without them for the CPU emulation,
-    which brings its own."""
+    products (``overlap``) or not, a grid of (heads, tiles) (``heads_inner``, :data:`HEADS_INNER`)
+    or of (tiles, heads), with its PTX helpers, or without them for the CPU emulation, which
+    brings its own."""
     if consumers not in REGISTERS:
         raise ValueError(f"consumers must be one of {sorted(REGISTERS)}, got {consumers}")
     if pingpong and consumers != 2:
@@ -605,6 +620,7 @@ def kernel_source(head_dim: int, value_dim: int, softcap: bool = False, with_ins
               .replace("__BLOCK_KEYS__", str(block_keys(head_dim, value_dim, consumers)))
               .replace("__SOFTCAP__", str(int(softcap))).replace("__PINGPONG__", str(int(pingpong)))
               .replace("__OVERLAP__", str(int(overlap))).replace("__CONSUMERS__", str(consumers))
+              .replace("__HEADS_INNER__", str(int(heads_inner)))
               .replace("__PRODUCER_REGISTERS__", str(producer_registers))
               .replace("__CONSUMER_REGISTERS__", str(consumer_registers)))
     return (INSTRUCTIONS if with_instructions else "") + kernel
@@ -673,7 +689,7 @@ def tensor_map(cache: DeviceArray, rows: int) -> TensorMapBytes:
 
 # ---------------------------------------------------------------------------------------- launch
 
-_kernels: dict[tuple[int, int, bool, bool, bool, int], Any] = {}
+_kernels: dict[tuple[int, int, bool, bool, bool, int, bool], Any] = {}
 _maps: dict[tuple[int, tuple[int, ...], int], TensorMapBytes] = {}
 
 
@@ -682,14 +698,15 @@ def _kernel(head_dim: int, value_dim: int, softcap: bool) -> Any:
     process and geometry."""
     consumers = consumer_groups(head_dim, value_dim)
     pingpong = PINGPONG and consumers == 2
-    key = (head_dim, value_dim, softcap, pingpong, OVERLAP, consumers)
+    key = (head_dim, value_dim, softcap, pingpong, OVERLAP, consumers, HEADS_INNER)
     kernel = _kernels.get(key)
     if kernel is None:
         from cupy.cuda import driver
 
         from metrale.kernels._compile import compile_module
 
-        source = kernel_source(head_dim, value_dim, softcap, pingpong=pingpong, overlap=OVERLAP, consumers=consumers)
+        source = kernel_source(head_dim, value_dim, softcap, pingpong=pingpong, overlap=OVERLAP, consumers=consumers,
+                               heads_inner=HEADS_INNER)
         kernel = compile_module(source, "sm_90a").get_function("prefill_attention_wgmma")
         driver.funcSetAttribute(kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                 shared_bytes(head_dim, value_dim, consumers))
@@ -752,6 +769,8 @@ def prefill_attention(
         check_array(op, "sinks", sinks, np.float32, (heads,))
     if not tiles.shape[0]:
         return out
+    if HEADS_INNER and tiles.shape[0] > MAX_TILES:
+        raise KernelArgumentError(f"{op}: {tiles.shape[0]} tiles exceed the grid's {MAX_TILES} (its second dimension)")
     kernel = _kernel(head_dim, value_dim, bool(softcap))
     rows_a_load = box_rows(block_size, head_dim, value_dim)
     arguments = (
@@ -762,7 +781,8 @@ def prefill_attention(
     )
     consumers = consumer_groups(head_dim, value_dim)
     threads = 128 * (consumers + 1)  # the producer's warpgroup and the consumers'
-    launch(kernel, (int(tiles.shape[0]), heads), (threads,), arguments,
+    grid = (heads, int(tiles.shape[0])) if HEADS_INNER else (int(tiles.shape[0]), heads)
+    launch(kernel, grid, (threads,), arguments,
            shared_bytes(head_dim, value_dim, consumers), stream, dependent=False)
     return out
 

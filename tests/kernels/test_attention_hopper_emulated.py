@@ -57,7 +57,12 @@ int main(int argc, char** argv) {
     const int slots = blocks * block_size;
     const TensorMap k_map = cache_map(k_cache, HEAD_DIM, slots, kv_heads, block_size);
     const TensorMap v_map = cache_map(v_cache, VALUE_DIM, slots, kv_heads, block_size);
-    emu::launch({(unsigned)tiles, (unsigned)heads, 1}, {THREADS, 1, 1}, [&] {
+#if HEADS_INNER
+    const dim3 grid{(unsigned)heads, (unsigned)tiles, 1};
+#else
+    const dim3 grid{(unsigned)tiles, (unsigned)heads, 1};
+#endif
+    emu::launch(grid, {THREADS, 1, 1}, [&] {
         prefill_attention_wgmma(k_map, v_map, q, tables, seq_index, positions, tile_rows, heads, kv_heads, block_size,
                                 max_blocks, slots, scale, window, softcap, sinks, out);
     });
@@ -74,14 +79,15 @@ def emulated(tmp_path_factory):
     binaries = {}
 
     def run(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks, pingpong=True,
-            overlap=True, consumers=2):
+            overlap=True, consumers=2, heads_inner=True):
         rows, heads, head_dim = q.shape
         kv_heads, value_dim = k_cache.shape[2], v_cache.shape[3]
-        key = (head_dim, value_dim, bool(softcap), pingpong, overlap, consumers)
+        key = (head_dim, value_dim, bool(softcap), pingpong, overlap, consumers, heads_inner)
         if key not in binaries:
             source = attention_hopper.kernel_source(head_dim, value_dim, bool(softcap), with_instructions=False,
-                                                    pingpong=pingpong, overlap=overlap, consumers=consumers)
-            binaries[key] = build_emulated(folder / "kernel{}_{}_{}_{}_{}_{}.cpp".format(*map(int, key)),
+                                                    pingpong=pingpong, overlap=overlap, consumers=consumers,
+                                                    heads_inner=heads_inner)
+            binaries[key] = build_emulated(folder / "kernel{}_{}_{}_{}_{}_{}_{}.cpp".format(*map(int, key)),
                                            source + EMULATION_MAIN)
         # Tiles that fill the form's blocks (64 rows a consumer warpgroup).
         tiles = attention_mma.query_tiles(starts, 64 * consumers)
@@ -121,9 +127,13 @@ def emulated(tmp_path_factory):
     (64, 64, 2, 2, 8, None, True, 150, "3-overlap"),
     (128, 128, 4, 2, 16, 5.0, True, 40, "3-overlap"),         # steps of 64 keys past 64 dims
     (128, 128, 2, 2, 256, None, False, None, "3-plain"),
+    # The grid as (tiles, heads), its tiles the fastest dimension, rather than (heads, tiles).
+    (128, 128, 4, 2, 16, None, True, None, "overlap:tiles-inner"),
+    (64, 64, 4, 1, 32, 5.0, False, 40, "3-overlap:tiles-inner"),
 ])
 def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, value_dim, heads, kv_heads, block_size,
                                                        softcap, with_sinks, window, variant):
+    variant, _, grid_order = variant.partition(":")
     consumers = 3 if variant.startswith("3-") else 2
     pingpong, overlap = VARIANTS[variant.removeprefix("3-")]
     rng = np.random.default_rng(head_dim + heads + block_size + (window or 0))
@@ -138,7 +148,7 @@ def test_the_kernel_run_emulated_matches_the_reference(emulated, head_dim, value
         q, bf16_to_float32(k_cache), bf16_to_float32(v_cache), tables, seq_index, positions, scale, window, softcap,
         sinks).reshape(len(positions), -1)
     got = emulated(q, k_cache, v_cache, tables, seq_index, positions, starts, scale, window, softcap, sinks, pingpong,
-                   overlap, consumers)
+                   overlap, consumers, heads_inner=grid_order != "tiles-inner")
     # bf16 queries and probabilities on top of the bf16 output.
     assert rel_error(got, expected) <= 2e-2
     if softcap or with_sinks or window:

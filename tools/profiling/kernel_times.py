@@ -1,7 +1,8 @@
 """Every kernel of one decode step's CUDA graph, timed by Nsight Compute: the kernels in graph
 order with their GPU time and DRAM bytes, then grouped by kernel name.
 
-    python3 tools/profiling/kernel_times.py [--shape llama-1b] [--batch 1] [--context 512] [--batch-invariant] [--ncu PATH]
+    python3 tools/profiling/kernel_times.py [--shape llama-1b] [--batch 1] [--context 512] [--batch-invariant] \
+        [--quantization FORMAT] [--ncu PATH]
 
 Needs a CUDA device, ``ncu`` (Nsight Compute; ``--ncu`` or on ``PATH``, else
 ``/usr/local/cuda/bin/ncu``) and what ``metrale bench`` needs. The tool runs itself under ``ncu``
@@ -10,7 +11,9 @@ with profiling off, builds the shape's random-weight checkpoint, prefills ``batc
 replay of the decode graph (``--graph-profiling node``: each kernel node is profiled on its own,
 so the times are the kernels' own, without the overlap dependent launches give inside the graph;
 caches and clocks are left as they run, ``--cache-control none --clock-control none``, so a
-kernel finds in L2 what the kernels before it left there, as in the graph). Where
+kernel finds in L2 what the kernels before it left there, as in the graph). ``--quantization``
+loads the shape in a format of ``metrale bench --quantization`` (online, or its checkpoint written
+from the bf16 one). Where
 :mod:`profile_decode` times ops, this times the kernels that serve them: its achieved GB/s is
 measured (DRAM bytes over time), not counted from the arguments.
 """
@@ -85,9 +88,13 @@ def profiled_step(args: argparse.Namespace) -> None:
     from metrale.entrypoints.llm import LLM
     from metrale.sequence import SequenceState
 
-    folder = build_checkpoint(args.shape, Path(args.workdir) / args.shape)
+    folder, online = build_checkpoint(args.shape, Path(args.workdir) / args.shape), None
+    if args.quantization:
+        from metrale.benchmarks.quantized import checkpoint_in_format
+
+        folder, online = checkpoint_in_format(folder, Path(args.workdir), args.quantization)
     llm = LLM(folder, device="cuda", max_model_len=args.context + 256, max_num_seqs=args.batch + 1, show_progress=False,
-              batch_invariant=args.batch_invariant)
+              batch_invariant=args.batch_invariant, quantization=online)
     rng = np.random.default_rng(0)
     seqs = [SequenceState.from_prompt(rng.integers(0, llm.vocab_size, args.context).tolist()) for _ in range(args.batch)]
     for seq in seqs:
@@ -113,6 +120,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--workdir", default="/tmp/metrale-bench")
     parser.add_argument("--batch-invariant", action="store_true", help="the step of batch_invariant=True")
+    parser.add_argument("--quantization", default=None, metavar="FORMAT",
+                        help="a format of metrale bench --quantization (fp8, w4a16, ...)")
     parser.add_argument("--ncu", default=None, help="the Nsight Compute command line tool")
     parser.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)  # the run under ncu
     args = parser.parse_args()
@@ -128,12 +137,14 @@ def main() -> None:
                    "--cache-control", "none", "--clock-control", "none", "--csv", "--print-units", "base",
                    "--log-file", str(log), sys.executable, os.path.abspath(__file__), "--profiled",
                    "--shape", args.shape, "--batch", str(args.batch), "--context", str(args.context),
-                   "--workdir", args.workdir, *(["--batch-invariant"] if args.batch_invariant else [])]
+                   "--workdir", args.workdir, *(["--batch-invariant"] if args.batch_invariant else []),
+                   *(["--quantization", args.quantization] if args.quantization else [])]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode or not log.exists():
             sys.exit(f"kernel_times: ncu failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         kernels = parse_report(log.read_text())
-    mode = ", batch_invariant=True" if args.batch_invariant else ""
+    mode = (", batch_invariant=True" if args.batch_invariant else "") + (
+        f", {args.quantization}" if args.quantization else "")
     print(f"shape {args.shape} batch {args.batch} context {args.context}{mode}: one decode graph replay, each kernel "
           "profiled on its own (ncu --graph-profiling node)")
     report(kernels)

@@ -6,7 +6,8 @@ Prints, per geometry, prompt length and cached prefix, the microseconds of each 
 median of several runs; the warpgroup kernel with and without its consumers taking turns at
 their products, ``attention_hopper.PINGPONG``, and with and without each consumer's softmax
 under its own products, ``attention_hopper.OVERLAP``, and with three consumer warpgroups,
-"3wg", for the head sizes of ``attention_hopper.THREE_CONSUMER_FORMS``), their TFLOP/s (4 * d flops per visible (row, key)
+"3wg", for the head sizes of ``attention_hopper.THREE_CONSUMER_FORMS``; "ti": with the grid's
+tiles, not its heads, the fastest dimension, ``attention_hopper.HEADS_INNER``), their TFLOP/s (4 * d flops per visible (row, key)
 pair and head, d the mean of the key and value sizes) and the largest difference between the two
 Metrale kernels' outputs (bf16). Run from the repository root on an sm_90 GPU::
 
@@ -52,8 +53,11 @@ def main() -> None:
     rng = np.random.default_rng(0)
     # (turns, overlap, three consumer warpgroups); the three-consumer forms only for the head sizes
     # whose registers hold them (attention_hopper.THREE_CONSUMER_FORMS).
-    variants = {"both": (True, True, False), "turns": (True, False, False), "overlap": (False, True, False),
-                "plain": (False, False, False), "3wg": (False, True, True), "3wg plain": (False, False, True)}
+    # "ti": the grid as (tiles, heads) rather than (heads, tiles) (attention_hopper.HEADS_INNER).
+    variants = {"both": (True, True, False, True), "turns": (True, False, False, True),
+                "overlap": (False, True, False, True), "overlap ti": (False, True, False, False),
+                "plain": (False, False, False, True), "3wg": (False, True, True, True),
+                "3wg ti": (False, True, True, False), "3wg plain": (False, False, True, True)}
     columns = (*variants, "mma", "sdpa")
     print(f"{'heads':>9} {'d/dv':>8} {'rows':>6} {'prefix':>6} "
           + " ".join(f"{name + ' us':>11} {'TFLOP/s':>8}" for name in columns) + f" {'max diff':>9}")
@@ -80,17 +84,19 @@ def main() -> None:
             with stream:
                 if attention_hopper.supports(heads, kv_heads, head_dim, value_dim, block_size):
                     out = outputs["wgmma"] = cp.zeros((rows, heads * value_dim), dtype=np.uint16)
-                    defaults = attention_hopper.PINGPONG, attention_hopper.OVERLAP, attention_hopper.THREE_CONSUMER_HEAD_DIMS
-                    for name, (turns, overlap, three) in variants.items():
+                    defaults = (attention_hopper.PINGPONG, attention_hopper.OVERLAP,
+                                attention_hopper.THREE_CONSUMER_HEAD_DIMS, attention_hopper.HEADS_INNER)
+                    for name, (turns, overlap, three, heads_inner) in variants.items():
                         if three and (head_dim, value_dim) not in attention_hopper.THREE_CONSUMER_FORMS:
                             continue
                         attention_hopper.PINGPONG, attention_hopper.OVERLAP = turns, overlap
+                        attention_hopper.HEADS_INNER = heads_inner
                         attention_hopper.THREE_CONSUMER_HEAD_DIMS = frozenset({(head_dim, value_dim)} if three else ())
                         tiles = cp.asarray(attention_hopper.query_tiles(starts, head_dim, value_dim))
                         times[name] = cuda_event_time(lambda: attention_hopper.prefill_attention(
                             q, k_cache, v_cache, table, seq_index, positions, tiles, scale, None, out, stream), stream)
                     (attention_hopper.PINGPONG, attention_hopper.OVERLAP,
-                     attention_hopper.THREE_CONSUMER_HEAD_DIMS) = defaults
+                     attention_hopper.THREE_CONSUMER_HEAD_DIMS, attention_hopper.HEADS_INNER) = defaults
                     # The output compared below: the default form's.
                     tiles = cp.asarray(attention_hopper.query_tiles(starts, head_dim, value_dim))
                     attention_hopper.prefill_attention(q, k_cache, v_cache, table, seq_index, positions, tiles, scale,
