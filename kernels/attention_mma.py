@@ -505,6 +505,13 @@ def decode_rows(rows: int) -> np.ndarray:
     return np.stack([np.arange(rows, dtype=np.int32), np.ones(rows, np.int32)], axis=1).reshape(-1, 2)
 
 
+def decode_rows_blocks(rows: int, heads: int, kv_heads: int) -> int:
+    """Blocks of a :func:`decode_rows_attention` launch over ``rows`` decode rows: per row, each
+    KV head's query heads in tiles of :data:`BLOCK_ROWS` rows (:func:`prefill_attention` takes the
+    same rows in ``rows * heads`` blocks)."""
+    return rows * kv_heads * -(-(heads // kv_heads) // BLOCK_ROWS)
+
+
 def decode_rows_attention(
     q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, block_tables: DeviceArray, seq_index: DeviceArray,
     positions: DeviceArray, tiles: DeviceArray, scale: float, sliding_window: int | None, out: DeviceArray,
@@ -565,7 +572,7 @@ def _attention(op: str, q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArr
         np.float32(softcap or 0.0), sinks if sinks is not None else np.uint64(0), out,
         k_scales if fp8 else np.uint64(0), v_scales if fp8 else np.uint64(0),
     )
-    columns = kv_heads * -(-(heads // kv_heads) // BLOCK_ROWS) if head_rows else heads
+    columns = decode_rows_blocks(1, heads, kv_heads) if head_rows else heads
     with stream if stream is not None else contextlib.nullcontext():
         kernel, size = _kernel(head_dim, value_dim, bool(softcap), fp8, head_rows)
         kernel((int(tiles.shape[0]), columns), (THREADS,), arguments, shared_mem=size)

@@ -141,16 +141,30 @@ def batch_invariant_kernels() -> list[Kernel]:
             for op in BATCH_INVARIANT_OPS] + cuda_batch_invariant_kernels()
 
 
+#: The fewest blocks the batch-invariant attention's decode rows' form must get for decode rows to
+#: take it rather than the prompt form (None: the device's multiprocessors). Either form gives a
+#: row the same bits; the prompt form spreads few rows over more blocks.
+INVARIANT_DECODE_ROWS_MIN_BLOCKS: int | None = None
+
+
 def _invariant_attention(backend: Any) -> Any:
     kernels = backend.kernels
 
     def paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, softcap=None, sinks=None):
         import cupy
 
+        from metrale.kernels.attention_mma import decode_rows_blocks
+        from metrale.kernels.decode_gemv import multiprocessor_count
+
         # The leading one-row segments (decode rows) in the kernel's decode rows' form, the rest in
-        # its prompt form: a row gives the same bits through either.
+        # its prompt form: a row gives the same bits through either. Decode rows too few for the
+        # decode rows' form to give every multiprocessor a block take the prompt form too (a
+        # block a row and query head, where the other takes a row's query heads of a KV head).
         out = cupy.empty((q.shape[0], q.shape[1] * v_cache.shape[3]), dtype=np.uint16)
         single, segments = leading_single_rows(batch.row_starts), len(batch.row_starts) - 1
+        fewest = INVARIANT_DECODE_ROWS_MIN_BLOCKS or multiprocessor_count()
+        if single and decode_rows_blocks(single, q.shape[1], k_cache.shape[2]) < fewest:
+            single = 0
         if single:
             kernels.paged_attention_decode_rows_mma(q, k_cache, v_cache, batch, scale, sliding_window, out, single,
                                                     softcap, sinks)
@@ -232,8 +246,9 @@ def cuda_batch_invariant_kernels() -> list[Kernel]:
                build=_composed_rmsnorm_linear, enabled=_batch_invariant, condition=condition),
         Kernel("rmsnorm_mlp", "cuda", "rmsnorm_residual, then linear_silu and linear (their kernels)",
                build=_composed_rmsnorm_mlp, enabled=_batch_invariant, condition=condition),
-        Kernel("paged_attention", "cuda", "metrale.kernels.attention_mma (decode rows in its decode rows' form, "
-               "prompt rows in its prompt form: a row's bits the same through either)",
+        Kernel("paged_attention", "cuda", "metrale.kernels.attention_mma (decode rows in its decode rows' form "
+               "where they give it a block a multiprocessor, prompt rows and fewer decode rows in its prompt form: a "
+               "row's bits the same through either)",
                build=_invariant_attention, when=bf16_cache, enabled=_batch_invariant,
                condition=condition + f", a bf16 cache, (K, V) head sizes {_prompt_mma_sizes()}"),
         Kernel("paged_attention", "cuda", "refused", build=_refused_under_batch_invariance(

@@ -41,7 +41,15 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
-def test_32_prompts_give_the_same_bits_alone_and_together_chunked_or_not(checkpoints, name):
+@pytest.mark.parametrize("decode_rows_min_blocks", [None, 16])
+def test_32_prompts_give_the_same_bits_alone_and_together_chunked_or_not(checkpoints, name, decode_rows_min_blocks,
+                                                                          monkeypatch):
+    # These checkpoints' 2 KV heads give the decode rows' form 64 blocks at 32 rows, fewer than a
+    # device's multiprocessors: every decode row takes the prompt form. With 16 the rows alone
+    # (2 blocks) still do, the rows together take the decode rows' form.
+    from metrale.ops import selection
+
+    monkeypatch.setattr(selection, "INVARIANT_DECODE_ROWS_MIN_BLOCKS", decode_rows_min_blocks)
     batch = prompts()
     # Eager steps, so every step's logits pass through the recording forward (a replayed graph's
     # do not); the decode graphs' tokens are checked on their own.
