@@ -3,14 +3,10 @@ order, a missing metric as zero) and the tables it prints."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
-import sys
-from pathlib import Path
 
 import pytest
-
-TOOLS = Path(__file__).resolve().parents[2] / "tools" / "profiling"
+from tool_module import load_tool
 
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
@@ -23,11 +19,7 @@ def row(kernel_id, name, metric, unit, value, grid="(132, 1, 1)"):
 
 @pytest.fixture(scope="module")
 def kernel_times():
-    spec = importlib.util.spec_from_file_location("metrale_tools_kernel_times", TOOLS / "kernel_times.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("profiling/kernel_times.py", "metrale_tools_kernel_times")
 
 
 def test_the_report_is_read_in_launch_order_with_units_scaled(kernel_times):

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "profiling" / "profile_decode.py"
+from tool_module import load_tool
 
 
 @pytest.fixture(scope="module")
 def profile_decode():
-    spec = importlib.util.spec_from_file_location("metrale_tools_profile_decode", SCRIPT)  # (it finds tools/timing.py itself)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("profiling/profile_decode.py", "metrale_tools_profile_decode")
 
 
 def bits(*shape):

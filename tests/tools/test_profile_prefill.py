@@ -3,22 +3,13 @@ time, and only the outermost calls leave gaps between them."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "profiling" / "profile_prefill.py"
+from tool_module import load_tool
 
 
 @pytest.fixture(scope="module")
 def profile_prefill():
-    spec = importlib.util.spec_from_file_location("metrale_tools_profile_prefill", SCRIPT)  # (it finds tools/timing.py itself)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("profiling/profile_prefill.py", "metrale_tools_profile_prefill")
 
 
 def test_nested_calls_are_charged_to_their_op_and_leave_no_gap(profile_prefill):
