@@ -186,6 +186,10 @@ def test_unsupported_geometries_are_refused_before_any_launch():
         q16, k16, v16, tables16, seq16, positions16, starts16 = prompt_case(rng, [(0, 20)], 8, 2, 128, 128, 16)
         attention_hopper.prefill_attention(q16, k16, v16, tables16, seq16, positions16,
                                            attention_hopper.query_tiles(starts16), 0.1, None, out, softcap=-1.0)
+    # More tiles than the grid's second dimension takes (every row a tile of its own here).
+    many = np.repeat(attention_hopper.query_tiles(starts16)[:1], attention_hopper.MAX_TILES + 1, axis=0)
+    with pytest.raises(KernelArgumentError, match="tiles exceed the grid"):
+        attention_hopper.prefill_attention(q16, k16, v16, tables16, seq16, positions16, many, 0.1, None, out)
 
 
 def ptxas_log(code: str) -> str:
