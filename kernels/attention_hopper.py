@@ -239,10 +239,9 @@ __device__ __forceinline__ unsigned long long descriptor_plus(unsigned long long
 }
 
 // Grid: (query heads, tiles) with HEADS_INNER, else (tiles, query heads); THREADS threads; dynamic
-// shared memory: BARRIER_OFFSET, the
-// barriers' 8 * 4 * STAGES bytes and 1024 to reach a boundary. k_map and v_map: tensor maps of
-// the caches [blocks * block_size, nkv, HEAD_DIM or VALUE_DIM] bf16 with boxes of (64, 1,
-// min(block_size, BLOCK_KEYS)) and the 128-byte swizzle. q [N, nh, HEAD_DIM] f32; block_tables
+// shared memory: BARRIER_OFFSET, the barriers' 8 * 4 * STAGES bytes and 1024 to reach a boundary.
+// k_map and v_map: tensor maps of the caches [blocks * block_size, nkv, HEAD_DIM or VALUE_DIM]
+// bf16 with boxes of (64, 1, min(block_size, BLOCK_KEYS)) and the 128-byte swizzle. q [N, nh, HEAD_DIM] f32; block_tables
 // [S, max_blocks], seq_index [N], positions [N], tiles [T, 2] (first row, rows) int32; out
 // [N, nh * VALUE_DIM] bf16 bits. softcap > 0 caps the logits (with SOFTCAP); sinks (f32 [nh],
 // or null) adds exp(sinks[head]) to each row's denominator.
