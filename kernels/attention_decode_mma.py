@@ -21,14 +21,18 @@ split whose grid stays resident with them, :func:`launch_stages`):
   step's), and the extra products cost little in a kernel bound by its cache reads.
 
 An FP8 cache (E4M3 codes, a float32 scale per slot and KV head) is staged as its codes and
-scales, half of a bf16 cache's bytes, and the warps divide a step's keys for both products: each
-converts its 16 keys and their values into f16 (exact: every E4M3 value is an f16 value), scores
-them, keeps its own online softmax and multiplies its probabilities, straight from the scores'
-registers, by its values for every column; the four warps' softmaxes and accumulators merge once
-after the last step, so a step has one barrier instead of three. The products are f16 (the
-queries and the probabilities' two parts too), a key's scale multiplies its scores and a value's
-scale its probabilities, over the warp's step's largest value scale so they stay within ``[0,
-1]`` (the accumulator kept in units of that scale, rescaled with the running maximum).
+scales, half of a bf16 cache's bytes, and its products are transposed: the keys, then the value
+dims, are the M dimension and the query heads the N dimension, in tiles of 8 (:func:`head_tiles`),
+so a group of 4 query heads fills half of a product's rows where it would fill a quarter of 16.
+The warps divide a step's keys for both products: each loads its 16 keys' and values' codes as
+fragments (``ldmatrix`` of byte pairs, the values' transposed), converts them in registers into
+f16 (exact: every E4M3 value is an f16 value), scores them, keeps its own online softmax and
+multiplies its values by its probabilities (turned into the B operand by ``movmatrix``) for every
+column; the four warps' softmaxes and accumulators merge once after the last step, so a step has
+one barrier instead of three. The products are f16 (the queries and the probabilities' two parts
+too), a key's scale multiplies its scores and a value's scale its probabilities, over the warp's
+step's largest value scale so they stay within ``[0, 1]`` (the accumulator kept in units of that
+scale, rescaled with the running maximum).
 
 The keys of a row (those the sliding window leaves) are divided evenly between the splits of the
 grid's last axis, on the device from the row's position, so a graph captured for the longest
@@ -86,12 +90,11 @@ STAGES_OVERRIDE: int | None = None
 def shared_bytes(head_dim: int, stage_count: int | None = None, fp8: bool = False) -> int:
     """Dynamic shared memory of a block: the query tile, the stages (``stage_count``, by default
     :func:`stages`), the probabilities' two bf16 parts (all bf16); for an FP8 cache (``fp8``) the
-    query tile, one stage of f16 values, and the stages' codes and float32 scales."""
+    query tile and the stages' codes (rows padded by 16 bytes) and float32 scales."""
     stride = head_dim + 8
     count = stages(head_dim) if stage_count is None else stage_count
     if fp8:
-        return (2 * (BLOCK_HEADS * stride + 2 * BLOCK_KEYS * stride)
-                + count * (2 * BLOCK_KEYS * head_dim + 2 * BLOCK_KEYS * 4))
+        return 2 * BLOCK_HEADS * stride + count * (2 * BLOCK_KEYS * (head_dim + 16) + 2 * BLOCK_KEYS * 4)
     return 2 * (BLOCK_HEADS * stride + count * 2 * BLOCK_KEYS * stride + 2 * BLOCK_HEADS * (BLOCK_KEYS + 8))
 
 
@@ -145,8 +148,15 @@ __device__ __forceinline__ float load_coherent(const float* address) { return __
 INSTRUCTIONS = MMA_BF16 + STAGED_COPIES + TRANSPOSED_LOAD + COHERENT_LOAD + DEPENDENT_LAUNCH
 
 #: The helpers of an FP8 cache: the f16 tensor-core product and packing, the codes' f16 values
-#: (exact), f16 halves as float32, 4-byte copies (the scales).
+#: (exact), f16 halves as float32, 4-byte copies (the scales), an 8x8 matrix's transpose.
 FP8_INSTRUCTIONS = F16_PRIMITIVES + r"""
+// An 8x8 matrix of 16-bit values across the warp, lane t holding row t / 4, columns 2 (t % 4) and
+// 2 (t % 4) + 1 (the low half the first): the same lane's part of its transpose.
+__device__ __forceinline__ unsigned transpose_matrix(unsigned fragment) {
+    unsigned result;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(result) : "r"(fragment));
+    return result;
+}
 __device__ __forceinline__ float f16_low(unsigned pair) { return __half2float(__ushort_as_half((unsigned short)pair)); }
 __device__ __forceinline__ float f16_high(unsigned pair) { return __half2float(__ushort_as_half((unsigned short)(pair >> 16))); }
 
@@ -170,7 +180,7 @@ KERNEL = r"""
 #define PROBABILITY_PART (2 * BLOCK_HEADS * PROBABILITY_STRIDE)   // bytes from the high parts to the low
 #define STAGE_ELEMENTS (2 * BLOCK_KEYS * STRIDE)   // keys, then values
 #define NEG_INF (__int_as_float(0xff800000))
-#define RAW_STRIDE HEAD_DIM   // FP8_CACHE: a staged row of codes
+#define RAW_STRIDE (HEAD_DIM + 16)   // FP8_CACHE: a staged row of codes, padded as STRIDE is
 #define RAW_STAGE_BYTES (2 * BLOCK_KEYS * RAW_STRIDE)   // FP8_CACHE: a stage's key and value codes
 
 typedef unsigned short bf16_bits;
@@ -179,12 +189,6 @@ typedef unsigned char cache_t;   // E4M3 codes, a float32 scale per (slot, KV he
 // The operands are f16: the codes' values exactly, the queries and probabilities to 11 bits.
 #define MMA_16x8x16 mma_16x8x16_f16
 #define PACK_OPERANDS pack_f16
-
-// Eight E4M3 codes (a uint2) as eight f16 values (a uint4): exact.
-__device__ __forceinline__ uint4 e4m3x8_to_f16x8(uint2 codes) {
-    return make_uint4(e4m3x2_to_f16x2(codes.x & 0xffffu), e4m3x2_to_f16x2(codes.x >> 16),
-                      e4m3x2_to_f16x2(codes.y & 0xffffu), e4m3x2_to_f16x2(codes.y >> 16));
-}
 #else
 typedef bf16_bits cache_t;
 #define MMA_16x8x16 mma_16x8x16
@@ -197,15 +201,18 @@ typedef bf16_bits cache_t;
 // PROBABILITY_STRIDE], bf16. FP8_CACHE: k_cache and v_cache hold E4M3 codes and k_scales, v_scales
 // [blocks, block_size, num_kv_heads] their scales; the stages hold the codes [2, BLOCK_KEYS,
 // RAW_STRIDE] and scales [2, BLOCK_KEYS] as copied (so the cache's bytes, half of bf16's, are
-// what the copies read), and one tile in the bf16 stage layout takes each step's codes as f16
-// values; no probabilities pass through shared memory. Each warp takes its 16 keys of a step
-// through both products on its own -- it converts their keys and values, scores them, keeps its
-// own online softmax, and multiplies its probabilities (from the scores' registers) by their
-// values for every column -- so a step has one barrier (the stage ring's); the warps' softmaxes
-// merge after the loop. The operands are f16: a score is the query times the key's codes, times
-// the key's scale after the product; a probability enters P V times its value's scale over the
-// warp's step's largest value scale (the accumulator kept in units of that scale, rescaled as the
-// running maximum rescales it), so both parts stay within [0, 1].
+// what the copies read) and the query tile f16 values, each 16 dims in the order the key
+// fragments take them; no probabilities pass through shared memory. Each warp takes its 16 keys
+// of a step through both products on its own, transposed so that the keys and then the value
+// dims are the M dimension and HEAD_TILES tiles of 8 heads the N dimension (a group of up to 8
+// heads fills half a tile, not a quarter): it loads the codes as fragments (ldmatrix of byte
+// pairs), converts them in registers, scores its keys, keeps its own online softmax, and
+// multiplies its values by its probabilities for every column -- so a step has one barrier (the
+// stage ring's); the warps' softmaxes merge after the loop. The operands are f16: a score is the
+// query times the key's codes, times the key's scale after the product; a probability enters P V
+// times its value's scale over the warp's step's largest value scale (the accumulator kept in
+// units of that scale, rescaled as the running maximum rescales it), so both parts stay within
+// [0, 1].
 // q [N, num_heads, HEAD_DIM] f32; k_cache, v_cache [blocks, block_size, num_kv_heads, HEAD_DIM]
 // bf16 bits; block_tables [S, max_blocks], seq_index [N], positions [N] int32. One split: out
 // [N, num_heads * HEAD_DIM] bf16 bits. More: out_acc [N, num_heads, splits, HEAD_DIM] f32
@@ -224,9 +231,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
 {
     DYNAMIC_SHARED;
     bf16_bits* query_tile = reinterpret_cast<bf16_bits*>(dynamic_shared);
-    bf16_bits* stages = query_tile + BLOCK_HEADS * STRIDE;   // FP8_CACHE: the one converted tile (f16)
+    bf16_bits* stages = query_tile + BLOCK_HEADS * STRIDE;
 #if FP8_CACHE
-    unsigned char* raw_stages = reinterpret_cast<unsigned char*>(stages + STAGE_ELEMENTS);
+    unsigned char* raw_stages = reinterpret_cast<unsigned char*>(stages);
     float* raw_scales = reinterpret_cast<float*>(raw_stages + STAGES * RAW_STAGE_BYTES);   // [STAGES][2][BLOCK_KEYS]
     // After the loop the warps' accumulators pass through the stages' codes.
     static_assert(WARPS * BLOCK_HEADS * HEAD_DIM * 4 <= 2 * RAW_STAGE_BYTES, "the merge fits two stages");
@@ -299,6 +306,32 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
 #endif
     };
 
+#if FP8_CACHE
+    // Lane (g, q) keeps the softmax of heads 8 nt + 2q and 2q + 1 over the warp's keys; the
+    // accumulator O^T [dims, heads]: acc[mt][nt] rows g (dim 16 mt + 2g) and g + 8 (dim 2g + 1).
+    float best[HEAD_TILES][2], total[HEAD_TILES][2];
+#pragma unroll
+    for (int nt = 0; nt < HEAD_TILES; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int head = nt * 8 + quad * 2 + e;
+            const bool sink = sinks != nullptr && split == 0 && head < block_heads;
+            // The sink: every lane starts its heads' maximum there; one lane a head counts its 1.
+            best[nt][e] = sink ? sinks[head_base + head] * 1.4426950408889634f : NEG_INF;
+            total[nt][e] = sink && warp == 0 && group == 0 ? 1.f : 0.f;
+        }
+    }
+    float acc[HEAD_DIM / 16][HEAD_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < HEAD_DIM / 16; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < HEAD_TILES; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+    }
+    float value_unit = 1.f;   // acc's unit: the warp's latest step's largest value scale
+    // B operand of the 16-dim steps s and s + 1 for heads 0-7: matrices (heads, positions 16s +
+    // 0-7), (16s + 8-15), (16 (s + 1) + 0-7), (16 (s + 1) + 8-15).
+    const unsigned query_fragment = shared_address(&query_tile[matrix_row * STRIDE + matrix * 8]);
+#else
     float best[2] = {NEG_INF, NEG_INF}, total[2] = {0.f, 0.f};
     if (sinks != nullptr && split == 0) {
         // The sink: every thread starts its heads' maximum there; one thread a head counts its 1.
@@ -309,12 +342,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             total[h] = warp == 0 && quad == 0 ? 1.f : 0.f;
         }
     }
-#if FP8_CACHE
-    float acc[HEAD_DIM / 8][4];   // the products of the warp's own keys, every value column
-    float value_unit = 1.f;   // acc's unit: the warp's latest step's largest value scale
-#else
     float acc[WARP_COLUMNS / 8][4];
-#endif
 #pragma unroll
     for (int dt = 0; dt < (int)(sizeof(acc) / sizeof(acc[0])); ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
 
@@ -322,7 +350,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     // (heads 0-7, dims 8-15), (heads 8-15, dims 8-15).
     const unsigned query_fragment =
         shared_address(&query_tile[((matrix & 1) * 8 + matrix_row) * STRIDE + (matrix >> 1) * 8]);
-#if !FP8_CACHE
     // A operand of the kt-th 16 keys' probabilities, the same way (the low parts PROBABILITY_PART bytes on).
     const unsigned probability_fragment =
         shared_address(&probabilities[((matrix & 1) * 8 + matrix_row) * PROBABILITY_STRIDE + (matrix >> 1) * 8]);
@@ -359,9 +386,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     for (int e = threadIdx.x; e < BLOCK_HEADS * HEAD_DIM / 4; e += THREADS) {
         const int h = e / (HEAD_DIM / 4), d = 4 * (e % (HEAD_DIM / 4));
         const float4 value = h < block_heads ? query_rows[e] : float4{0.f, 0.f, 0.f, 0.f};
-        unsigned* target = reinterpret_cast<unsigned*>(&query_tile[h * STRIDE + d]);
-        target[0] = PACK_OPERANDS(value.x * query_scale, value.y * query_scale);
-        target[1] = PACK_OPERANDS(value.z * query_scale, value.w * query_scale);
+#if FP8_CACHE
+        // Dims 16s + 4j .. + 3 at the positions 16s + 2j, + 1 and 16s + 2j + 8, + 9 (a key fragment's
+        // k positions 2q, 2q + 1, 2q + 8, 2q + 9 for lane q's four codes).
+        const int first = (d & ~15) + (d & 15) / 2, second = first + 8;
+#else
+        const int first = d, second = d + 2;
+#endif
+        unsigned* target = reinterpret_cast<unsigned*>(&query_tile[h * STRIDE]);
+        target[first / 2] = PACK_OPERANDS(value.x * query_scale, value.y * query_scale);
+        target[second / 2] = PACK_OPERANDS(value.z * query_scale, value.w * query_scale);
     }
     // The step's own key and value, if a stage issued above holds it: plain loads and stores (no
     // copy of the stage writes its place), seen by every warp after the first step's barrier.
@@ -409,20 +443,133 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
         const unsigned char* raw = raw_stages + stage * RAW_STAGE_BYTES;
         const float* key_scales = raw_scales + stage * 2 * BLOCK_KEYS;
         const float* value_scales = key_scales + BLOCK_KEYS;
-        // The warp's 16 keys and their values as f16 into its rows of the tile (only this warp
-        // reads them; it finished the previous step's before the barrier above).
-        for (int e = lane; e < 2 * WARP_KEYS * (HEAD_DIM / 8); e += 32) {
-            const int half = e / (WARP_KEYS * (HEAD_DIM / 8));   // 0: keys, 1: values
-            const int key = half * BLOCK_KEYS + warp * WARP_KEYS + (e / (HEAD_DIM / 8)) % WARP_KEYS;
-            const int chunk = e % (HEAD_DIM / 8);
-            const uint2 codes = *reinterpret_cast<const uint2*>(&raw[key * RAW_STRIDE + chunk * 8]);
-            *reinterpret_cast<uint4*>(&stages[key * STRIDE + chunk * 8]) = e4m3x8_to_f16x8(codes);
+        const int warp_key = warp * WARP_KEYS;   // the warp's 16 keys of the step
+        const unsigned warp_codes =
+            shared_address(&raw[(warp_key + (matrix & 1) * 8 + matrix_row) * RAW_STRIDE + (matrix >> 1) * 16]);
+
+        // S^T = K Q^T, the warp's keys as M and each tile of 8 heads as N. A operand of the dims
+        // 16s .. 16s + 15: ldmatrix of the codes as byte pairs, matrices (keys 0-7, dims of s),
+        // (keys 8-15, s), (keys 0-7, s + 1), (keys 8-15, s + 1); lane (g, q) gets key g's codes
+        // 16s + 4q .. 16s + 4q + 3, the k positions 2q, 2q + 1, 2q + 8, 2q + 9 (the query tile holds its
+        // dims in that order).
+        float scores[HEAD_TILES][4];
+#pragma unroll
+        for (int nt = 0; nt < HEAD_TILES; ++nt) scores[nt][0] = scores[nt][1] = scores[nt][2] = scores[nt][3] = 0.f;
+#pragma unroll
+        for (int s = 0; s < HEAD_DIM / 16; s += 2) {
+            unsigned codes[4];
+            load_matrices(codes, warp_codes + s * 16);
+            unsigned queries[HEAD_TILES][4];
+#pragma unroll
+            for (int nt = 0; nt < HEAD_TILES; ++nt) load_matrices(queries[nt], query_fragment + (nt * 8 * STRIDE + s * 16) * 2);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const unsigned operand[4] = {
+                    e4m3x2_to_f16x2(codes[2 * half] & 0xffffu), e4m3x2_to_f16x2(codes[2 * half + 1] & 0xffffu),
+                    e4m3x2_to_f16x2(codes[2 * half] >> 16), e4m3x2_to_f16x2(codes[2 * half + 1] >> 16)};
+#pragma unroll
+                for (int nt = 0; nt < HEAD_TILES; ++nt) MMA_16x8x16(scores[nt], operand, queries[nt] + 2 * half);
+            }
         }
-        __syncwarp();
-        const bf16_bits* keys = stages;
+        // A lane's scores: keys g (c 0, 1) and g + 8 (c 2, 3), heads 8 nt + 2q + (c & 1); each key's
+        // scale on them (0 past the split, whose scores are masked below).
+        const float key_scale[2] = {key_scales[warp_key + group], key_scales[warp_key + group + 8]};
+        const float value_scale[2] = {value_scales[warp_key + group], value_scales[warp_key + group + 8]};
+#pragma unroll
+        for (int nt = 0; nt < HEAD_TILES; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) scores[nt][c] *= key_scale[c / 2];
+        }
+#if SOFTCAP
+        const float cap = softcap * 1.4426950408889634f;
+#pragma unroll
+        for (int nt = 0; nt < HEAD_TILES; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) scores[nt][c] = cap * tanhf(scores[nt][c] / cap);
+        }
+#endif
+        // The warp's own softmax over its keys (the warps merge theirs after the loop): a warp
+        // whose keys of the step are all past the split, and that has seen none, keeps zeros.
+        float rescale[HEAD_TILES][2], shift[HEAD_TILES][2];
+#pragma unroll
+        for (int nt = 0; nt < HEAD_TILES; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                if (base + warp_key + group + 8 * (c / 2) >= hi) scores[nt][c] = NEG_INF;
+            }
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float local = fmaxf(scores[nt][e], scores[nt][e + 2]);
+                local = fmaxf(local, __shfl_xor_sync(0xffffffff, local, 4));
+                local = fmaxf(local, __shfl_xor_sync(0xffffffff, local, 8));
+                local = fmaxf(local, __shfl_xor_sync(0xffffffff, local, 16));
+                const float new_best = fmaxf(best[nt][e], local);
+                shift[nt][e] = new_best == NEG_INF ? 0.f : new_best;
+                rescale[nt][e] = exp2f(best[nt][e] - shift[nt][e]);   // 0 at the warp's first keys (best = -inf)
+                best[nt][e] = new_best;
+                total[nt][e] *= rescale[nt][e];
+            }
+        }
+        // The step's value unit of the warp: the largest value scale of its 16 keys.
+        float step_unit = fmaxf(value_scale[0], value_scale[1]);
+        step_unit = fmaxf(step_unit, __shfl_xor_sync(0xffffffff, step_unit, 4));
+        step_unit = fmaxf(step_unit, __shfl_xor_sync(0xffffffff, step_unit, 8));
+        step_unit = fmaxf(step_unit, __shfl_xor_sync(0xffffffff, step_unit, 16));
+        step_unit = step_unit > 0.f ? step_unit : 1.f;
+        const float unit_change = value_unit / step_unit, inverse_unit = 1.f / step_unit;
+        value_unit = step_unit;
+        // P^T, the probabilities times their values' scales over the unit, in two f16 parts: a
+        // lane's pair (key g or g + 8; heads 2q, 2q + 1) is its row of an 8x8 matrix [keys, heads],
+        // whose transpose (movmatrix) gives the lane (head g; keys 2q, 2q + 1): the B operand of P V.
+        unsigned weights[HEAD_TILES][2], low_weights[HEAD_TILES][2];
+#pragma unroll
+        for (int nt = 0; nt < HEAD_TILES; ++nt) {
+            float p[4];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                p[c] = exp2f(scores[nt][c] - shift[nt][c & 1]);
+                total[nt][c & 1] += p[c];
+                p[c] *= value_scale[c / 2] * inverse_unit;
+            }
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const unsigned high = pack_f16(p[2 * k], p[2 * k + 1]);
+                weights[nt][k] = transpose_matrix(high);
+                low_weights[nt][k] = transpose_matrix(pack_f16(p[2 * k] - f16_low(high), p[2 * k + 1] - f16_high(high)));
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < HEAD_DIM / 16; ++mt) {
+#pragma unroll
+            for (int nt = 0; nt < HEAD_TILES; ++nt) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[mt][nt][c] *= rescale[nt][c & 1] * unit_change;
+            }
+        }
+        // O^T += V^T P^T, the value dims as M: transposed ldmatrix of the codes as byte pairs,
+        // matrices (keys 0-7, dims of mt), (keys 8-15, mt), (keys 0-7, mt + 1), (keys 8-15, mt + 1);
+        // lane (g, q) gets keys 2q and 2q + 1 of dims 16 mt + 2g and 2g + 1, which one byte
+        // permutation makes the rows g (dim 2g) and g + 8 (dim 2g + 1) of the A operand.
+        const unsigned value_codes = warp_codes + BLOCK_KEYS * RAW_STRIDE;
+#pragma unroll
+        for (int mt = 0; mt < HEAD_DIM / 16; mt += 2) {
+            unsigned codes[4];
+            load_matrices_transposed(codes, value_codes + mt * 16);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const unsigned first = __byte_perm(codes[2 * half], 0, 0x3120);   // keys 2q, 2q + 1
+                const unsigned second = __byte_perm(codes[2 * half + 1], 0, 0x3120);   // keys 2q + 8, 2q + 9
+                const unsigned operand[4] = {e4m3x2_to_f16x2(first & 0xffffu), e4m3x2_to_f16x2(first >> 16),
+                                             e4m3x2_to_f16x2(second & 0xffffu), e4m3x2_to_f16x2(second >> 16)};
+#pragma unroll
+                for (int nt = 0; nt < HEAD_TILES; ++nt) {
+                    MMA_16x8x16(acc[mt + half][nt], operand, weights[nt]);
+                    MMA_16x8x16(acc[mt + half][nt], operand, low_weights[nt]);
+                }
+            }
+        }
 #else
         const bf16_bits* keys = stages + stage * STAGE_ELEMENTS;
-#endif
         const bf16_bits* values = keys + BLOCK_KEYS * STRIDE;
 
         // Scores of the warp's 16 keys: n-tiles 0 (keys warp * 16 + 0-7) and 1 (+ 8-15). B operand
@@ -439,14 +586,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             MMA_16x8x16(scores[0], query, operand);
             MMA_16x8x16(scores[1], query, operand + 2);
         }
-#if FP8_CACHE
-        // Each key's scale (0 past the split, whose scores are masked below).
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) scores[nt][c] *= key_scales[warp * WARP_KEYS + nt * 8 + quad * 2 + (c & 1)];
-        }
-#endif
 
 #if SOFTCAP
         // The logits capped, in the scores' base-2 units: log2(e) softcap * tanh(score / (log2(e) softcap)).
@@ -472,66 +611,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
             local[h] = fmaxf(local[h], __shfl_xor_sync(0xffffffff, local[h], 1));
             local[h] = fmaxf(local[h], __shfl_xor_sync(0xffffffff, local[h], 2));
         }
-#if FP8_CACHE
-        // The warp's own softmax over its keys (the warps merge theirs after the loop): a warp
-        // whose keys of the step are all past the split, and that has seen none, keeps zeros.
-        float rescale[2], shift[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float new_best = fmaxf(best[h], local[h]);
-            shift[h] = new_best == NEG_INF ? 0.f : new_best;
-            rescale[h] = exp2f(best[h] - shift[h]);   // 0 at the warp's first keys (best = -inf)
-            best[h] = new_best;
-            total[h] *= rescale[h];
-        }
-        // The step's value unit of the warp: the largest value scale of its 16 keys.
-        const int first = warp * WARP_KEYS + quad * 2;   // this thread's keys: first, + 1, + 8, + 9
-        float step_unit = fmaxf(fmaxf(value_scales[first], value_scales[first + 1]),
-                                fmaxf(value_scales[first + 8], value_scales[first + 9]));
-        step_unit = fmaxf(step_unit, __shfl_xor_sync(0xffffffff, step_unit, 1));
-        step_unit = fmaxf(step_unit, __shfl_xor_sync(0xffffffff, step_unit, 2));
-        step_unit = step_unit > 0.f ? step_unit : 1.f;
-        const float unit_change = value_unit / step_unit, inverse_unit = 1.f / step_unit;
-        value_unit = step_unit;
-        // The probabilities times their values' scales over the unit, two f16 parts, straight
-        // from the scores' registers into the A operand of P V (keys k 2q, 2q + 1 of n-tile 0 and
-        // 8 + 2q, 9 + 2q of n-tile 1: the accumulator's layout is the operand's).
-        unsigned weights[4], low_weights[4];
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            float p[4];
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                p[c] = exp2f(scores[nt][c] - shift[c / 2]);
-                total[c / 2] += p[c];
-                p[c] *= value_scales[first + nt * 8 + (c & 1)] * inverse_unit;
-            }
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const unsigned high = pack_f16(p[2 * h], p[2 * h + 1]);
-                weights[2 * nt + h] = high;
-                low_weights[2 * nt + h] = pack_f16(p[2 * h] - f16_low(high), p[2 * h + 1] - f16_high(high));
-            }
-        }
-#pragma unroll
-        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-            acc[dt][0] *= rescale[0] * unit_change; acc[dt][1] *= rescale[0] * unit_change;
-            acc[dt][2] *= rescale[1] * unit_change; acc[dt][3] *= rescale[1] * unit_change;
-        }
-        // B operand of value tiles dt, dt + 1 (transposed loads) of the warp's 16 keys: matrices
-        // (keys 0-7, columns of dt), (keys 8-15, dt), (keys 0-7, dt + 1), (keys 8-15, dt + 1).
-        const unsigned value_fragment = shared_address(
-            &values[(warp * WARP_KEYS + (matrix & 1) * 8 + matrix_row) * STRIDE + (matrix >> 1) * 8]);
-#pragma unroll
-        for (int dt = 0; dt < HEAD_DIM / 8; dt += 2) {
-            unsigned operand[4];
-            load_matrices_transposed(operand, value_fragment + dt * 8 * 2);
-            MMA_16x8x16(acc[dt], weights, operand);
-            MMA_16x8x16(acc[dt + 1], weights, operand + 2);
-            MMA_16x8x16(acc[dt], low_weights, operand);
-            MMA_16x8x16(acc[dt + 1], low_weights, operand + 2);
-        }
-#else
         if (quad == 0) {
             warp_max[warp][group] = local[0];
             warp_max[warp][group + 8] = local[1];
@@ -603,59 +682,90 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     wait_copies<0>();   // no copy may land after the block has gone
 #if FP8_CACHE
     // The warps' softmaxes merged: each head's maximum over the warps, each warp's sums and
-    // accumulators (times its unit) rescaled to it, the accumulators summed in warp order through
-    // the stages' memory into the layout the bf16 kernel ends with (a warp a quarter of the columns).
-    if (quad == 0) {
-        warp_max[warp][group] = best[0];
-        warp_max[warp][group + 8] = best[1];
+    // accumulators (times its unit) rescaled to it and summed in warp order through the stages'
+    // memory, into the layout the bf16 kernel ends with (a warp a quarter of the columns; lane
+    // (g, q) heads g and g + 8), its sums and maxima too.
+#pragma unroll
+    for (int nt = 0; nt < HEAD_TILES; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            total[nt][e] += __shfl_xor_sync(0xffffffff, total[nt][e], 4);
+            total[nt][e] += __shfl_xor_sync(0xffffffff, total[nt][e], 8);
+            total[nt][e] += __shfl_xor_sync(0xffffffff, total[nt][e], 16);
+            if (group == 0) warp_max[warp][nt * 8 + quad * 2 + e] = best[nt][e];
+        }
     }
     __syncthreads();   // every warp is past its last reads of the stages, and the maxima are in
     float* partial = reinterpret_cast<float*>(raw_stages);   // [WARPS][BLOCK_HEADS][HEAD_DIM]
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float top = NEG_INF;
+    for (int nt = 0; nt < HEAD_TILES; ++nt) {
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_max[w][group + 8 * h]);
-        const float weight = top == NEG_INF ? 0.f : exp2f(best[h] - top);
-        best[h] = top;
-        total[h] *= weight;
-        const float factor = weight * value_unit;
-        float* target = partial + (warp * BLOCK_HEADS + group + 8 * h) * HEAD_DIM + quad * 2;
+        for (int e = 0; e < 2; ++e) {
+            const int head = nt * 8 + quad * 2 + e;
+            float top = NEG_INF;
 #pragma unroll
-        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-            *reinterpret_cast<float2*>(target + dt * 8) = make_float2(acc[dt][2 * h] * factor, acc[dt][2 * h + 1] * factor);
+            for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_max[w][head]);
+            const float weight = top == NEG_INF ? 0.f : exp2f(best[nt][e] - top);
+            const float factor = weight * value_unit;
+            if (group == 0) warp_total[warp][head] = total[nt][e] * weight;
+            float* target = partial + (warp * BLOCK_HEADS + head) * HEAD_DIM + 2 * group;
+#pragma unroll
+            for (int mt = 0; mt < HEAD_DIM / 16; ++mt) {
+                *reinterpret_cast<float2*>(target + mt * 16) = make_float2(acc[mt][nt][e] * factor, acc[mt][nt][e + 2] * factor);
+            }
         }
     }
     __syncthreads();
     float merged[WARP_COLUMNS / 8][4];
+    float head_sums[2];
 #pragma unroll
-    for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
+    for (int h = 0; h < 2; ++h) {
+        const int head = group + 8 * h;
+        const bool present = head < HEAD_TILES * 8;
+        float top = NEG_INF, sum = 0.f;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int column = warp * WARP_COLUMNS + dt * 8 + quad * 2 + (c & 1), head = group + 8 * (c / 2);
-            float sum = 0.f;
+        for (int w = 0; w < WARPS; ++w) {
+            top = present ? fmaxf(top, warp_max[w][head]) : NEG_INF;
+            sum += present ? warp_total[w][head] : 0.f;
+        }
+        best[0][h] = top;
+        head_sums[h] = sum;
 #pragma unroll
-            for (int w = 0; w < WARPS; ++w) sum += partial[(w * BLOCK_HEADS + head) * HEAD_DIM + column];
-            merged[dt][c] = sum;
+        for (int dt = 0; dt < WARP_COLUMNS / 8; ++dt) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int column = warp * WARP_COLUMNS + dt * 8 + quad * 2 + c;
+                float value = 0.f;
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w) value += present ? partial[(w * BLOCK_HEADS + head) * HEAD_DIM + column] : 0.f;
+                merged[dt][2 * h + c] = value;
+            }
         }
     }
+    __syncthreads();   // the sums read before the lines below write theirs
+    // As the bf16 kernel's lanes hold them: one lane a head its sum (the shuffles below add the rest).
+    float head_totals[2] = {warp == 0 && quad == 0 ? head_sums[0] : 0.f, warp == 0 && quad == 0 ? head_sums[1] : 0.f};
 #define OUTPUT_ACC merged
+#define OUTPUT_BEST best[0]
+#define OUTPUT_TOTAL head_totals
 #else
 #define OUTPUT_ACC acc
+#define OUTPUT_BEST best
+#define OUTPUT_TOTAL total
 #endif
 
     // The sums over the four warps' keys, and the maximum every warp shares.
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        total[h] += __shfl_xor_sync(0xffffffff, total[h], 1);
-        total[h] += __shfl_xor_sync(0xffffffff, total[h], 2);
+        OUTPUT_TOTAL[h] += __shfl_xor_sync(0xffffffff, OUTPUT_TOTAL[h], 1);
+        OUTPUT_TOTAL[h] += __shfl_xor_sync(0xffffffff, OUTPUT_TOTAL[h], 2);
     }
     if (quad == 0) {
-        warp_total[warp][group] = total[0];
-        warp_total[warp][group + 8] = total[1];
+        warp_total[warp][group] = OUTPUT_TOTAL[0];
+        warp_total[warp][group + 8] = OUTPUT_TOTAL[1];
         if (warp == 0) {
-            head_best[group] = best[0];
-            head_best[group + 8] = best[1];
+            head_best[group] = OUTPUT_BEST[0];
+            head_best[group + 8] = OUTPUT_BEST[1];
         }
     }
     __syncthreads();
@@ -757,29 +867,31 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
 
 
 def kernel_source(head_dim: int, with_instructions: bool = True, stage_count: int | None = None,
-                  softcap: bool = False, fp8: bool = False) -> str:
+                  softcap: bool = False, fp8: bool = False, head_tiles: int = 2) -> str:
     """The kernel's CUDA C++ for keys and values of ``head_dim``, ``stage_count`` stages (by
-    default :func:`stages`), with ``softcap`` the logits capped, with ``fp8`` over an FP8 cache,
-    with the PTX helpers, or without them for the CPU emulation, which brings its own."""
+    default :func:`stages`), with ``softcap`` the logits capped, with ``fp8`` over an FP8 cache
+    (whose blocks take ``head_tiles`` tiles of 8 query heads, :func:`head_tiles`), with the PTX
+    helpers, or without them for the CPU emulation, which brings its own."""
     count = stages(head_dim) if stage_count is None else stage_count
     constants = (f"#define HEAD_DIM {head_dim}\n#define STAGES {count}\n#define MAX_SPLITS {MAX_SPLITS}\n"
-                 f"#define SOFTCAP {int(softcap)}\n#define FP8_CACHE {int(fp8)}\n")
+                 f"#define SOFTCAP {int(softcap)}\n#define FP8_CACHE {int(fp8)}\n#define HEAD_TILES {head_tiles}\n")
     helpers = (INSTRUCTIONS + (FP8_INSTRUCTIONS if fp8 else "")) if with_instructions else ""
     return helpers + constants + KERNEL
 
 
-_kernels: dict[tuple[int, int, bool, bool], Any] = {}
+_kernels: dict[tuple[int, int, bool, bool, int], Any] = {}
 
 
-def _kernel(head_dim: int, stage_count: int, softcap: bool, fp8: bool = False) -> Any:
-    """The compiled kernel for ``head_dim``, ``stage_count``, capped logits or not and an FP8 cache
-    or not (NVRTC, once per process each)."""
-    key = (head_dim, stage_count, softcap, fp8)
+def _kernel(head_dim: int, stage_count: int, softcap: bool, fp8: bool = False, tiles: int = 2) -> Any:
+    """The compiled kernel for ``head_dim``, ``stage_count``, capped logits or not, an FP8 cache or
+    not and ``tiles`` tiles of 8 heads (an FP8 cache's; NVRTC, once per process each)."""
+    key = (head_dim, stage_count, softcap, fp8, tiles if fp8 else 2)
     kernel = _kernels.get(key)
     if kernel is None:
         import cupy
 
-        module = cupy.RawModule(code=kernel_source(head_dim, stage_count=stage_count, softcap=softcap, fp8=fp8),
+        module = cupy.RawModule(code=kernel_source(head_dim, stage_count=stage_count, softcap=softcap, fp8=fp8,
+                                                   head_tiles=key[4]),
                                 options=("--std=c++17", "--use_fast_math"))
         kernel = module.get_function("decode_attention_mma")
         kernel.max_dynamic_shared_size_bytes = shared_bytes(head_dim, stage_count, fp8)
@@ -798,6 +910,12 @@ def supports(heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:
 def head_blocks(heads: int, kv_heads: int) -> int:
     """Blocks along the grid's second axis per KV head: its query heads in groups of 16."""
     return -(-(heads // kv_heads) // BLOCK_HEADS)
+
+
+def head_tiles(heads: int, kv_heads: int) -> int:
+    """Tiles of 8 query heads a block of the FP8 cache's form takes (the N dimension of its
+    products): one for groups of up to 8 heads, two above."""
+    return 1 if heads // kv_heads <= 8 else 2
 
 
 def split_count(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int,
@@ -988,8 +1106,8 @@ def decode_attention(
     grid = (rows, kv_heads * head_blocks(heads, kv_heads), splits)
     count = launch_stages(rows, heads, kv_heads, head_dim, splits, block_tables.shape[1] * k_cache.shape[1],
                           multiprocessor_count(), fp8)
-    launch(_kernel(head_dim, count, bool(softcap), fp8), grid, (THREADS,), arguments, shared_bytes(head_dim, count, fp8),
-           stream, dependent=True)
+    kernel = _kernel(head_dim, count, bool(softcap), fp8, head_tiles(heads, kv_heads))
+    launch(kernel, grid, (THREADS,), arguments, shared_bytes(head_dim, count, fp8), stream, dependent=True)
     if splits > 1 and not merged:
         attention_combine.combine(acc, best, total, out, stream)
     return out

@@ -388,6 +388,22 @@ inline void load_matrices_transposed(unsigned* fragment, unsigned address) {
     barrier->arrive_and_wait();
 }
 
+// movmatrix.sync.aligned.m8n8.trans.b16: lane t holds row t / 4, columns 2 (t % 4) (low half) and
+// 2 (t % 4) + 1 of an 8x8 matrix; it gets row t / 4 of the transpose, i.e. column t / 4, rows
+// 2 (t % 4) and 2 (t % 4) + 1.
+inline unsigned transpose_matrix(unsigned fragment) {
+    auto& exchange = emu::exchange[emu::warp()];
+    auto* barrier = emu::warp_barriers[emu::warp()];
+    const int t = emu::lane();
+    exchange.address[t] = fragment;
+    barrier->arrive_and_wait();
+    const int column = t / 4, shift = 16 * (column % 2);
+    const unsigned low = (exchange.address[(2 * (t % 4)) * 4 + column / 2] >> shift) & 0xffffu;
+    const unsigned high = (exchange.address[(2 * (t % 4) + 1) * 4 + column / 2] >> shift) & 0xffffu;
+    barrier->arrive_and_wait();
+    return low | high << 16;
+}
+
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, g = lane / 4, q = lane % 4: A element i
 // (register i / 2, half i % 2) at row g (i in 0, 1, 4, 5) or g + 8, column 2 q + (i & 1) (+ 8
 // for i >= 4); B element i at row (k) 2 q + (i & 1) (+ 8 for i >= 2), column g; C element i at

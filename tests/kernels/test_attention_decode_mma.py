@@ -190,15 +190,15 @@ int main(int argc, char** argv) {
 def emulated(tmp_path_factory):
     """The kernel built against the emulation per head size; returns a runner of one launch."""
     folder = tmp_path_factory.mktemp("decode_mma_emulated")
-    binaries: dict[tuple[int, int | None, bool, bool], Path] = {}
+    binaries: dict[tuple[int, int | None, bool, bool, int], Path] = {}
 
-    def build(head_dim, stage_count, softcap, fp8):
-        key = (head_dim, stage_count, softcap, fp8)
+    def build(head_dim, stage_count, softcap, fp8, tiles):
+        key = (head_dim, stage_count, softcap, fp8, tiles)
         if key not in binaries:
             binaries[key] = build_emulated(
-                folder / f"kernel{head_dim}_{stage_count}_{int(softcap)}_{int(fp8)}.cpp",
+                folder / f"kernel{head_dim}_{stage_count}_{int(softcap)}_{int(fp8)}_{tiles}.cpp",
                 attention_decode_mma.kernel_source(head_dim, with_instructions=False, stage_count=stage_count,
-                                                   softcap=softcap, fp8=fp8)
+                                                   softcap=softcap, fp8=fp8, head_tiles=tiles)
                 + EMULATION_MAIN)
         return binaries[key]
 
@@ -216,7 +216,9 @@ def emulated(tmp_path_factory):
             arrays["k_scales"], arrays["v_scales"] = (np.asarray(a, np.float32) for a in scales)
         for name, array in arrays.items():
             np.ascontiguousarray(array).tofile(case / name)
-        subprocess.run([str(build(head_dim, stage_count, bool(softcap), scales is not None)), str(case), *map(str, (
+        fp8 = scales is not None
+        tiles = attention_decode_mma.head_tiles(heads, kv_heads) if fp8 else 2
+        subprocess.run([str(build(head_dim, stage_count, bool(softcap), fp8, tiles)), str(case), *map(str, (
             rows, heads, kv_heads, k_cache.shape[0], k_cache.shape[1], tables.shape[1], splits, window, SCALE,
             int(defer_copies), launches, softcap or 0.0, int(sinks is not None)))], check=True, timeout=600)
         return (np.fromfile(case / "out_acc", np.float32).reshape(rows, heads, splits, head_dim),

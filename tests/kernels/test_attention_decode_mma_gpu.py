@@ -322,7 +322,10 @@ def test_the_backend_op_serves_softcap_and_sinks_on_a_mixed_step(head_dim):
     backend.close()
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (14, 2, 64), (16, 2, 256)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [
+    (32, 8, 128), (14, 2, 64), (16, 2, 256),
+    (40, 2, 128),  # groups of 20 heads: two tiles of 8 a block, two blocks a KV head
+])
 @pytest.mark.parametrize("splits", [1, "chosen"])
 def test_an_fp8_cache_reads_closer_to_the_float_attention_than_the_bf16_kernel_its_dequantized_rows(
         heads, kv_heads, head_dim, splits):

@@ -27,10 +27,15 @@ PARTS = [
     ("without the codes' copies", [
         ("            copy_16(shared_address(&raw[(half * BLOCK_KEYS + key) * RAW_STRIDE + chunk * 16]), source, "
          "offset >= 0);", "")]),
-    ("without the code conversion", [("= e4m3x8_to_f16x8(codes);", "= make_uint4(codes.x, codes.y, codes.x, codes.y);")]),
+    ("without the code conversion", [
+        ("                    e4m3x2_to_f16x2(codes[2 * half] & 0xffffu), e4m3x2_to_f16x2(codes[2 * half + 1] & 0xffffu),\n"
+         "                    e4m3x2_to_f16x2(codes[2 * half] >> 16), e4m3x2_to_f16x2(codes[2 * half + 1] >> 16)};",
+         "codes[2 * half], codes[2 * half + 1], codes[2 * half], codes[2 * half + 1]};"),
+        ("{e4m3x2_to_f16x2(first & 0xffffu), e4m3x2_to_f16x2(first >> 16),\n"
+         "                                             e4m3x2_to_f16x2(second & 0xffffu), e4m3x2_to_f16x2(second >> 16)};",
+         "{first, first, second, second};")]),
     ("without the probabilities' low part", [
-        ("            MMA_16x8x16(acc[dt], low_weights, operand);\n"
-         "            MMA_16x8x16(acc[dt + 1], low_weights, operand + 2);\n", "")]),
+        ("                    MMA_16x8x16(acc[mt + half][nt], operand, low_weights[nt]);\n", "")]),
 ]
 
 
