@@ -194,6 +194,17 @@ typedef bf16_bits cache_t;
 #define MMA_16x8x16 mma_16x8x16
 #define PACK_OPERANDS pack_bf16
 #endif
+#if FP8_CACHE
+// Each warp finds the rows of, copies, waits for and reads only its own 16 keys of a step, so the
+// warps of a block never wait for each other inside the loop.
+#define ROW_FINDER (lane < WARP_KEYS)
+#define ROW_KEY (warp * WARP_KEYS + lane)
+#define STAGE_BARRIER() __syncwarp()
+#else
+#define ROW_FINDER (threadIdx.x < BLOCK_KEYS)
+#define ROW_KEY ((int)threadIdx.x)
+#define STAGE_BARRIER() __syncthreads()
+#endif
 
 // Grid: (rows, kv_heads * head_blocks, splits), head_blocks = ceil(group / BLOCK_HEADS); THREADS
 // threads; dynamic shared memory: the query tile [BLOCK_HEADS, STRIDE], STAGES stages of
@@ -262,32 +273,32 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     const int lo = first_key + split * split_keys;
     const int hi = min(context, lo + split_keys);
 
-    // Threads below BLOCK_KEYS: the cache offset of key base + threadIdx.x (-1 past the split).
+    // ROW_FINDER threads: the cache offset of key base + ROW_KEY (-1 past the split).
     auto row_offset = [&](int base) -> long long {
-        const int position = base + threadIdx.x;
+        const int position = base + ROW_KEY;
         const long long cache_row = position < hi
             ? (long long)table[position / block_size] * block_size + position % block_size : -1;
         return cache_row < 0 ? -1 : (cache_row * num_kv_heads + kv_head) * HEAD_DIM;
     };
     auto find_rows = [&](int stage, int base) {
-        if (threadIdx.x < BLOCK_KEYS) stage_rows[stage][threadIdx.x] = row_offset(base);
+        if (ROW_FINDER) stage_rows[stage][ROW_KEY] = row_offset(base);
     };
     // The copies of a stage; `skipped` (a key of the stage, or -1) gets none: the step's own key,
     // which the kernels ahead are still writing when the first stages are issued.
     auto load_stage = [&](int stage, int skipped) {
 #if FP8_CACHE
         unsigned char* raw = raw_stages + stage * RAW_STAGE_BYTES;
-        for (int e = threadIdx.x; e < 2 * BLOCK_KEYS * (HEAD_DIM / 16); e += THREADS) {
-            const int half = e / (BLOCK_KEYS * (HEAD_DIM / 16));   // 0: keys, 1: values
-            const int key = (e / (HEAD_DIM / 16)) % BLOCK_KEYS, chunk = e % (HEAD_DIM / 16);
+        for (int e = lane; e < 2 * WARP_KEYS * (HEAD_DIM / 16); e += 32) {   // the warp's keys
+            const int half = e / (WARP_KEYS * (HEAD_DIM / 16));   // 0: keys, 1: values
+            const int key = warp * WARP_KEYS + (e / (HEAD_DIM / 16)) % WARP_KEYS, chunk = e % (HEAD_DIM / 16);
             if (key == skipped) continue;
             const long long offset = stage_rows[stage][key];   // in codes: bytes
             const cache_t* source = (half ? v_cache : k_cache) + (offset < 0 ? 0 : offset) + chunk * 16;
             copy_16(shared_address(&raw[(half * BLOCK_KEYS + key) * RAW_STRIDE + chunk * 16]), source, offset >= 0);
         }
         // A key past the split copies scale 0 (and codes 0): its values are zeros.
-        for (int e = threadIdx.x; e < 2 * BLOCK_KEYS; e += THREADS) {
-            const int half = e / BLOCK_KEYS, key = e % BLOCK_KEYS;
+        for (int e = lane; e < 2 * WARP_KEYS; e += 32) {
+            const int half = e / WARP_KEYS, key = warp * WARP_KEYS + e % WARP_KEYS;
             if (key == skipped) continue;
             const long long offset = stage_rows[stage][key];
             const float* source = (half ? v_scales : k_scales) + (offset < 0 ? 0 : offset / HEAD_DIM);
@@ -365,7 +376,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
     // kernel ahead writes) left out.
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) find_rows(s, lo + s * BLOCK_KEYS);
-    __syncthreads();   // the first stages' rows
+    STAGE_BARRIER();   // the first stages' rows
     // Only the split that holds the own key skips its copy: in another split the key is past `hi`,
     // and its zero-filled copy keeps the stage's value row finite (a probability of 0 times
     // whatever shared memory held there could be NaN).
@@ -398,20 +409,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
         target[second / 2] = PACK_OPERANDS(value.z * query_scale, value.w * query_scale);
     }
     // The step's own key and value, if a stage issued above holds it: plain loads and stores (no
-    // copy of the stage writes its place), seen by every warp after the first step's barrier.
+    // copy of the stage writes its place), seen by the warps that read it after the first step's barrier.
     if (own_key >= lo && own_key < hi && own_key < lo + (STAGES - 1) * BLOCK_KEYS) {
         const int own_stage = (own_key - lo) / BLOCK_KEYS, key = (own_key - lo) % BLOCK_KEYS;
         const long long offset = stage_rows[own_stage][key];
 #if FP8_CACHE
         unsigned char* raw = raw_stages + own_stage * RAW_STAGE_BYTES;
-        for (int e = threadIdx.x; e < 2 * (HEAD_DIM / 16); e += THREADS) {
+        for (int e = lane; warp == key / WARP_KEYS && e < 2 * (HEAD_DIM / 16); e += 32) {   // the key's warp
             const int half = e / (HEAD_DIM / 16), chunk = e % (HEAD_DIM / 16);
             const uint4 value = *reinterpret_cast<const uint4*>((half ? v_cache : k_cache) + offset + chunk * 16);
             *reinterpret_cast<uint4*>(&raw[(half * BLOCK_KEYS + key) * RAW_STRIDE + chunk * 16]) = value;
         }
-        if (threadIdx.x < 2) {
-            raw_scales[(own_stage * 2 + threadIdx.x) * BLOCK_KEYS + key] =
-                (threadIdx.x ? v_scales : k_scales)[offset / HEAD_DIM];
+        if (warp == key / WARP_KEYS && lane < 2) {
+            raw_scales[(own_stage * 2 + lane) * BLOCK_KEYS + key] = (lane ? v_scales : k_scales)[offset / HEAD_DIM];
         }
 #else
         bf16_bits* keys = stages + own_stage * STAGE_ELEMENTS;
@@ -422,22 +432,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention_mma(
         }
 #endif
     }
+#if FP8_CACHE
+    __syncthreads();   // the query tile (the loop's barriers are the warps' own)
+#endif
     int stage = 0;
     // The rows of step j + STAGES are loaded from the block table at step j and stored before step
     // j + 1's barrier (their copies are issued after it): the table's latency overlaps a step.
     long long pending_rows = -1;
     int pending_stage = -1;
     for (int base = lo; base < hi; base += BLOCK_KEYS) {
-        if (pending_stage >= 0 && threadIdx.x < BLOCK_KEYS) stage_rows[pending_stage][threadIdx.x] = pending_rows;
+        if (pending_stage >= 0 && ROW_FINDER) stage_rows[pending_stage][ROW_KEY] = pending_rows;
         wait_copies<STAGES - 2>();
-        // This step's stage has landed for every thread; every warp is done with the previous
-        // step's stage, which the next copies fill, and its rows (found a step ago) are ready.
-        __syncthreads();
+        // This step's stage has landed for every thread (of the warp, for an FP8 cache); every
+        // warp (the warp) is done with the previous step's stage, which the next copies fill, and
+        // its rows (found a step ago) are ready.
+        STAGE_BARRIER();
         const int refill = stage == 0 ? STAGES - 1 : stage - 1;
         if (base + (STAGES - 1) * BLOCK_KEYS < hi) load_stage(refill, -1);
         commit_copies();
         // This stage's rows were last read by its copies, steps ago.
-        if (threadIdx.x < BLOCK_KEYS) pending_rows = row_offset(base + STAGES * BLOCK_KEYS);
+        if (ROW_FINDER) pending_rows = row_offset(base + STAGES * BLOCK_KEYS);
         pending_stage = stage;
 #if FP8_CACHE
         const unsigned char* raw = raw_stages + stage * RAW_STAGE_BYTES;
