@@ -719,8 +719,9 @@ def fp8_gemv(x: DeviceArray, weight: QuantizedWeight, out: DeviceArray, stream: 
 # ------------------------------------------------------------------------ routed experts
 
 #: The most decode tokens the routed-expert form serves. Each routed pair reads its expert's codes
-#: (two tokens that chose one expert read it twice), so it suits the few rows of a decode step.
-MAX_EXPERT_TOKENS = 8
+#: (two tokens that chose one expert read it twice), where past it every expert's stack is
+#: dequantized into bf16 each step (its codes read, twice their bytes written and read again).
+MAX_EXPERT_TOKENS = 32
 
 
 def _stacks_experts(weight: QuantizedWeight, rows: int) -> bool:

@@ -156,8 +156,10 @@ def test_a_graph_replays_the_decode_gemv_with_new_inputs(backend, rows):
     assert rel_error(cp.asnumpy(out), qg.quantized_gemv_reference(fresh, host)) < 1e-4
 
 
-@pytest.mark.parametrize("codes, activations", [("fp8", "fp8_group"), ("int4", "weight_only")])
-@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("codes, activations, tokens", [
+    ("fp8", "fp8_group", 1), ("fp8", "fp8_group", 8), ("fp8", "fp8_group", 32),
+    ("int4", "weight_only", 1), ("int4", "weight_only", 8),
+])
 def test_the_decode_experts_match_the_reference_on_deepseek_lite_shapes(backend, codes, activations, tokens):
     import cupy as cp
 
