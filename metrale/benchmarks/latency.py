@@ -863,7 +863,7 @@ def table(results: dict[str, Any]) -> str:
                     " " * 8 if tflops is None else f"{tflops:8.1f}",
                 ]
                 lines.append(f"{shape:10} {engine:12} {key + ' tok/s':14} {rate:12.1f} {' '.join(columns)}".rstrip())
-        lines += [f"{shape:10} {label:12} {key:14} {ratio:11.1f}x" for label, key, ratio in speedups(entry)]
+        lines += [f"{shape:10} {label:12} {key:14} {ratio:11.2f}x" for label, key, ratio in speedups(entry)]
     return "\n".join(lines)
 
 

@@ -209,7 +209,7 @@ def table(results: dict[str, Any]) -> str:
                      f"{data['output_tokens']:14d}")
     ours, theirs = results.get("metrale"), results.get("hf_continuous_batching")
     if ours and theirs:
-        lines.append(f"{'Metrale / transformers':24} {ours['output_tok_s'] / theirs['output_tok_s']:12.1f}x")
+        lines.append(f"{'Metrale / transformers':24} {ours['output_tok_s'] / theirs['output_tok_s']:12.2f}x")
     if ours and ours.get("step_shares"):
         if ours.get("overlap"):
             lines += ["", f"overlap scheduling: {ours['overlapped_steps']} of {sum(ours['steps'].values())} steps queued "

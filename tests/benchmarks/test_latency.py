@@ -93,7 +93,7 @@ def test_every_stage_runs_and_failures_are_reported(stand_ins):
     assert any(row.split()[:2] == ["llama-8b", "metrale"] and "out of memory" in row for row in rows)
     # Metrale against transformers, per metric both measured (100 against 10 tok/s).
     assert [row.split() for row in rows if "vs" in row.split()] == [
-        ["llama-1b", "vs", "hf_eager", "decode_b1", "10.0x"]
+        ["llama-1b", "vs", "hf_eager", "decode_b1", "10.00x"]
     ]
 
 
@@ -105,7 +105,7 @@ def test_a_length_that_failed_is_named_in_the_table_beside_those_measured():
     rows = [row.split() for row in bench.table(results).splitlines()]
     assert ["llama-8b", "hf_eager", "prefill_512", "tok/s", "100.0"] in rows
     assert any(row[:4] == ["llama-8b", "hf_eager", "prefill_131072_error", "OutOfMemoryError:"] for row in rows)
-    assert ["llama-8b", "vs", "hf_eager", "prefill_512", "3.0x"] in rows
+    assert ["llama-8b", "vs", "hf_eager", "prefill_512", "3.00x"] in rows
 
 
 def test_every_shape_gets_its_start_times(stand_ins, monkeypatch):
@@ -142,7 +142,7 @@ def test_batch_invariant_mode_is_timed_beside_the_default(stand_ins, monkeypatch
     rows = [row.split() for row in bench.table(results).splitlines()]
     assert ["llama-1b", "metrale_batch_invariant", "identical", "32", "of", "32"] in rows
     # Its decode against the default's (80 against 100 tok/s).
-    assert ["llama-1b", "batch_invariant", "vs", "bf16", "decode_b1", "0.8x"] in rows
+    assert ["llama-1b", "batch_invariant", "vs", "bf16", "decode_b1", "0.80x"] in rows
 
 
 def test_the_invariance_check_counts_prompts_whose_tokens_differ_when_batched(tmp_path, monkeypatch):

@@ -41,7 +41,7 @@ def test_run_reports_both_engines_and_a_failing_baseline(monkeypatch, tmp_path):
     assert seen["metrale"] == seen["hf"] and seen["metrale"][0] == 8  # the same workload for both
     assert json.loads(output.read_text())["metrale"]["output_tokens"] == seen["metrale"][1]
     text = bench_throughput.table(results)
-    assert "4.0x" in text and "hf_continuous_batching" in text
+    assert "4.00x" in text and "hf_continuous_batching" in text
 
     def broken(*args):
         raise RuntimeError("no paged attention")
