@@ -24,12 +24,13 @@ An FP8 cache (E4M3 codes, a float32 scale per slot and KV head) is staged as its
 scales, half of a bf16 cache's bytes, and its products are transposed: the keys, then the value
 dims, are the M dimension and the query heads the N dimension, in tiles of 8 (:func:`head_tiles`),
 so a group of 4 query heads fills half of a product's rows where it would fill a quarter of 16.
-The warps divide a step's keys for both products: each loads its 16 keys' and values' codes as
-fragments (``ldmatrix`` of byte pairs, the values' transposed), converts them in registers into
-f16 (exact: every E4M3 value is an f16 value), scores them, keeps its own online softmax and
-multiplies its values by its probabilities (turned into the B operand by ``movmatrix``) for every
-column; the four warps' softmaxes and accumulators merge once after the last step, so a step has
-one barrier instead of three. The products are f16 (the queries and the probabilities' two parts
+The warps divide a step's keys for both products: each copies its own 16 keys' and values' codes
+and scales into the stage and waits for them alone, loads the codes as fragments (``ldmatrix`` of
+byte pairs, the values' transposed), converts them in registers into f16 (exact: every E4M3 value
+is an f16 value), scores them, keeps its own online softmax and multiplies its values by its
+probabilities (turned into the B operand by ``movmatrix``) for every column; the four warps'
+softmaxes and accumulators merge once after the last step, so the loop has no barrier across the
+block. The products are f16 (the queries and the probabilities' two parts
 too), a key's scale multiplies its scores and a value's scale its probabilities, over the warp's
 step's largest value scale so they stay within ``[0, 1]`` (the accumulator kept in units of that
 scale, rescaled with the running maximum).
@@ -218,8 +219,9 @@ typedef bf16_bits cache_t;
 // dims are the M dimension and HEAD_TILES tiles of 8 heads the N dimension (a group of up to 8
 // heads fills half a tile, not a quarter): it loads the codes as fragments (ldmatrix of byte
 // pairs), converts them in registers, scores its keys, keeps its own online softmax, and
-// multiplies its values by its probabilities for every column -- so a step has one barrier (the
-// stage ring's); the warps' softmaxes merge after the loop. The operands are f16: a score is the
+// multiplies its values by its probabilities for every column -- and copies and waits for its own
+// keys of each stage (STAGE_BARRIER a warp's), so the warps never wait for each other in the
+// loop; their softmaxes merge after it. The operands are f16: a score is the
 // query times the key's codes, times the key's scale after the product; a probability enters P V
 // times its value's scale over the warp's step's largest value scale (the accumulator kept in
 // units of that scale, rescaled as the running maximum rescales it), so both parts stay within
