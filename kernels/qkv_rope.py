@@ -271,6 +271,7 @@ def qkv_rope_cache(
 from typing import Any  # noqa: E402
 
 from metrale.kernels._launch import DEPENDENT_LAUNCH, launch  # noqa: E402
+from metrale.kernels._tensor_cores import F16_PRIMITIVES  # noqa: E402
 
 #: Heads (a warp each) of a block of :func:`qkv_rope_cache_words`.
 WORD_HEADS = 4
@@ -287,18 +288,28 @@ __device__ __forceinline__ unsigned short rope_to_bf16(float value) {
     return (unsigned short)((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
 }
 
+#define ROPE_FP8_MAX_DIM 512
+
 // Grid (N, ceil((num_heads + num_kv_heads) / ROPE_WORD_HEADS)); 32 * ROPE_WORD_HEADS threads, a
 // warp a head: query heads (to q_out [N, nh, d] float32), then KV heads (K normed, rotated and
 // stored, V stored, as bf16 bits at slot_mapping[n] of the paged caches [blocks, block_size, nkv,
 // d]). qkv [N, (nh + 2 nkv) d] float32. The norm (has_norm) covers the head's d dims; RoPE its
 // first 2 * half: pairs (i, i + half), or (2i, 2i + 1) when interleaved, cos and sin of fp32(p) *
 // inv_freq[i] times attention_factor; the dims past them pass through.
-extern "C" __global__ void __launch_bounds__(32 * ROPE_WORD_HEADS) qkv_rope_cache_words(
+// FP8: the caches hold E4M3 codes (unsigned char) and k_scales, v_scales [blocks, block_size, nkv]
+// float32 beside them. A K or V row's bf16 values (as above) are staged in shared memory (d at most
+// ROPE_FP8_MAX_DIM), then quantized as an FP8 cache write quantizes bf16 rows: scale = max|row| /
+// 448 (at least the smallest normal float32; 1 for a row of zeros), or the cache's static scale
+// when positive (k_static, v_static), each code the E4M3 value nearest value / scale (ties to the
+// even code, saturating at 448).
+template <bool FP8, typename cache_word>
+__device__ __forceinline__ void qkv_rope_cache_body(
     const float* __restrict__ qkv, const int* __restrict__ positions, const int* __restrict__ slot_mapping,
     const float* __restrict__ inv_freq, float attention_factor, const unsigned short* __restrict__ q_norm,
     const unsigned short* __restrict__ k_norm, float eps, float norm_offset, int has_norm, int interleaved,
     int num_heads, int num_kv_heads, int head_dim, int half, int block_size, float* __restrict__ q_out,
-    unsigned short* __restrict__ k_cache, unsigned short* __restrict__ v_cache) {
+    cache_word* __restrict__ k_cache, cache_word* __restrict__ v_cache, float* __restrict__ k_scales,
+    float* __restrict__ v_scales, float k_static, float v_static, float (*staged)[ROPE_FP8_MAX_DIM]) {
     allow_dependents();
     wait_for_producers();   // qkv comes from the projection ahead
     const int row = blockIdx.x, lane = threadIdx.x % 32;
@@ -322,6 +333,12 @@ extern "C" __global__ void __launch_bounds__(32 * ROPE_WORD_HEADS) qkv_rope_cach
     const size_t cache_row = query ? 0 : ((size_t)slot * num_kv_heads + kv_head) * head_dim;
     float* q_row = q_out + ((size_t)row * num_heads + head) * head_dim;
     const float position = (float)positions[row];
+    // A key or value of the head at dim i, as bf16 (FP8: its bf16 value staged for the quantization).
+    auto store = [&](int part, int i, float value) {
+        const unsigned short bits = rope_to_bf16(value);
+        if constexpr (FP8) staged[part][i] = rope_bf16_value(bits);
+        else (part ? v_cache : k_cache)[cache_row + i] = bits;
+    };
     for (int i = lane; i < half; i += 32) {
         const int first = interleaved ? 2 * i : i, second = interleaved ? 2 * i + 1 : i + half;
         float a = source[first], b = source[second];
@@ -336,32 +353,92 @@ extern "C" __global__ void __launch_bounds__(32 * ROPE_WORD_HEADS) qkv_rope_cach
             q_row[first] = rotated_first;
             q_row[second] = rotated_second;
         } else {
-            k_cache[cache_row + first] = rope_to_bf16(rotated_first);
-            k_cache[cache_row + second] = rope_to_bf16(rotated_second);
+            store(0, first, rotated_first);
+            store(0, second, rotated_second);
         }
     }
     for (int i = 2 * half + lane; i < head_dim; i += 32) {   // past the rotary dims
         float value = source[i];
         if (has_norm) value = value * scale * (norm_offset + rope_bf16_value(norm[i]));
         if (query) q_row[i] = value;
-        else k_cache[cache_row + i] = rope_to_bf16(value);
+        else store(0, i, value);
     }
-    if (!query) {
-        const float* values = row_values + (size_t)(num_heads + num_kv_heads + kv_head) * head_dim;
-        for (int i = lane; i < head_dim; i += 32) v_cache[cache_row + i] = rope_to_bf16(values[i]);
+    if (query) return;
+    const float* values = row_values + (size_t)(num_heads + num_kv_heads + kv_head) * head_dim;
+    for (int i = lane; i < head_dim; i += 32) store(1, i, values[i]);
+    if constexpr (FP8) {
+        __syncwarp();   // the row's values staged by every lane
+        // Cache slot s's scale: element s of [blocks * block_size, nkv] after the head.
+        const size_t scale_at = (size_t)slot * num_kv_heads + kv_head;
+#pragma unroll
+        for (int part = 0; part < 2; ++part) {
+            const float* row_values_staged = staged[part];
+            float amax = 0.0f;
+            for (int i = lane; i < head_dim; i += 32) amax = fmaxf(amax, fabsf(row_values_staged[i]));
+            for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+            const float fixed = part ? v_static : k_static;
+            const float scale = fixed > 0.0f ? fixed
+                : amax > 0.0f ? fmaxf(amax / 448.0f, 1.17549435e-38f) : 1.0f;
+            cache_word* target = (part ? v_cache : k_cache) + cache_row;
+            for (int i = 2 * lane; i < head_dim; i += 64) {
+                const unsigned pair = e4m3x2_of(row_values_staged[i] / scale, row_values_staged[i + 1] / scale);
+                target[i] = (cache_word)(pair & 0xffu);
+                target[i + 1] = (cache_word)(pair >> 8);
+            }
+            if (lane == 0) (part ? v_scales : k_scales)[scale_at] = scale;
+        }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * ROPE_WORD_HEADS) qkv_rope_cache_words(
+    const float* __restrict__ qkv, const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+    const float* __restrict__ inv_freq, float attention_factor, const unsigned short* __restrict__ q_norm,
+    const unsigned short* __restrict__ k_norm, float eps, float norm_offset, int has_norm, int interleaved,
+    int num_heads, int num_kv_heads, int head_dim, int half, int block_size, float* __restrict__ q_out,
+    unsigned short* __restrict__ k_cache, unsigned short* __restrict__ v_cache) {
+    qkv_rope_cache_body<false>(qkv, positions, slot_mapping, inv_freq, attention_factor, q_norm, k_norm, eps,
+                               norm_offset, has_norm, interleaved, num_heads, num_kv_heads, head_dim, half, block_size,
+                               q_out, k_cache, v_cache, nullptr, nullptr, 0.0f, 0.0f, nullptr);
+}
+
+// The same into an FP8 cache (above): codes and their scales.
+extern "C" __global__ void __launch_bounds__(32 * ROPE_WORD_HEADS) qkv_rope_cache_fp8_words(
+    const float* __restrict__ qkv, const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+    const float* __restrict__ inv_freq, float attention_factor, const unsigned short* __restrict__ q_norm,
+    const unsigned short* __restrict__ k_norm, float eps, float norm_offset, int has_norm, int interleaved,
+    int num_heads, int num_kv_heads, int head_dim, int half, int block_size, float* __restrict__ q_out,
+    unsigned char* __restrict__ k_cache, unsigned char* __restrict__ v_cache, float* __restrict__ k_scales,
+    float* __restrict__ v_scales, float k_static, float v_static) {
+    __shared__ float staged[ROPE_WORD_HEADS][2][ROPE_FP8_MAX_DIM];
+    qkv_rope_cache_body<true>(qkv, positions, slot_mapping, inv_freq, attention_factor, q_norm, k_norm, eps,
+                              norm_offset, has_norm, interleaved, num_heads, num_kv_heads, head_dim, half, block_size,
+                              q_out, k_cache, v_cache, k_scales, v_scales, k_static, v_static,
+                              staged[threadIdx.x / 32]);
 }
 """
 
-KERNEL_NAMES = ("qkv_rope_cache_words",)
+KERNEL_NAMES = ("qkv_rope_cache_words", "qkv_rope_cache_fp8_words")
+#: The largest head size the FP8 form serves (its rows staged in shared memory).
+FP8_MAX_HEAD_DIM = 512
 
 
 def source() -> str:
     """The CUDA C++ source NVRTC compiles."""
-    return DEPENDENT_LAUNCH + KERNEL
+    return DEPENDENT_LAUNCH + F16_PRIMITIVES + KERNEL
 
 
-_word_kernels: list[Any] = []
+_word_kernels: dict[str, Any] = {}
+
+
+def _word_kernel(name: str) -> Any:
+    """The compiled kernel ``name`` of :data:`KERNEL_NAMES` (NVRTC, once per process)."""
+    if name not in _word_kernels:
+        import cupy
+
+        module = cupy.RawModule(code=source(), options=("--std=c++17",))
+        for kernel_name in KERNEL_NAMES:
+            _word_kernels[kernel_name] = module.get_function(kernel_name)
+    return _word_kernels[name]
 
 
 def qkv_rope_cache_words(
@@ -388,14 +465,57 @@ def qkv_rope_cache_words(
         check_array(op, "k_norm", k_norm, np.uint16, (head_dim,))
     else:
         q_norm = k_norm = v_cache.reshape(-1)[:head_dim]  # never read
-    if not _word_kernels:
-        import cupy
-
-        _word_kernels.append(cupy.RawModule(code=source(), options=("--std=c++17",)).get_function("qkv_rope_cache_words"))
     if rows:
-        launch(_word_kernels[0], (rows, -(-(num_heads + num_kv_heads) // WORD_HEADS)), (32 * WORD_HEADS,), (
+        launch(_word_kernel("qkv_rope_cache_words"), (rows, -(-(num_heads + num_kv_heads) // WORD_HEADS)), (32 * WORD_HEADS,), (
             qkv, positions, slot_mapping, inv_freq, np.float32(attention_factor), q_norm, k_norm, np.float32(eps),
             np.float32(norm_offset), np.int32(has_norm), np.int32(bool(interleaved)), np.int32(num_heads),
             np.int32(num_kv_heads), np.int32(head_dim), np.int32(rotary // 2), np.int32(k_cache.shape[1]), q_out,
             k_cache, v_cache), 0, stream, dependent=True)
+    return q_out
+
+
+def qkv_rope_cache_fp8_words(
+    qkv: DeviceArray, positions: DeviceArray, slot_mapping: DeviceArray, inv_freq: DeviceArray, attention_factor: float,
+    num_heads: int, num_kv_heads: int, head_dim: int, k_cache: Any, v_cache: Any, q_out: DeviceArray,
+    q_norm: DeviceArray = None, k_norm: DeviceArray = None, eps: float = 1e-6, norm_offset: float = 0.0,
+    interleaved: bool = False, stream: object = None, *, rotary_dim: int | None = None,
+) -> DeviceArray:
+    """:func:`qkv_rope_cache_words` into FP8 caches (:class:`~metrale.kernels.kv_cache_fp8.Fp8CacheArray`
+    on the device, ``[blocks, block_size, nkv, d]`` codes): each key and value row rounded to bf16
+    as the bf16 kernel stores it, then quantized in the same kernel as
+    :func:`metrale.kernels.attention_fp8.write_fp8_rows` quantizes bf16 rows (a scale a row from its
+    largest magnitude, or the cache's static scale); heads of at most :data:`FP8_MAX_HEAD_DIM`."""
+    from metrale.kernels.kv_cache_fp8 import Fp8CacheArray
+
+    op = "qkv_rope_cache"
+    if not (isinstance(k_cache, Fp8CacheArray) and isinstance(v_cache, Fp8CacheArray)):
+        raise KernelArgumentError(f"{op}: the FP8 form takes FP8 key and value caches")
+    if not 0 < head_dim <= FP8_MAX_HEAD_DIM or head_dim % 2:
+        raise KernelArgumentError(f"{op}: heads of {head_dim} dims into an FP8 cache (even, at most {FP8_MAX_HEAD_DIM})")
+    rows = qkv.shape[0]
+    check_array(op, "qkv", qkv, np.float32, (rows, (num_heads + 2 * num_kv_heads) * head_dim))
+    check_array(op, "positions", positions, np.int32, (rows,))
+    check_array(op, "slot_mapping", slot_mapping, np.int32, (rows,))
+    check_array(op, "inv_freq", inv_freq, np.float32, ndim=1)
+    rotary = checked_rotary_dim(op, rotary_dim, inv_freq, head_dim)
+    check_array(op, "k_cache", k_cache.codes, np.uint8, (None, None, num_kv_heads, head_dim))
+    check_array(op, "v_cache", v_cache.codes, np.uint8, tuple(k_cache.codes.shape))
+    check_array(op, "k_cache scales", k_cache.scales, np.float32, tuple(k_cache.codes.shape[:3]))
+    check_array(op, "v_cache scales", v_cache.scales, np.float32, tuple(k_cache.codes.shape[:3]))
+    check_array(op, "q_out", q_out, np.float32, (rows, num_heads, head_dim))
+    has_norm = q_norm is not None
+    if has_norm:
+        check_array(op, "q_norm", q_norm, np.uint16, (head_dim,))
+        check_array(op, "k_norm", k_norm, np.uint16, (head_dim,))
+    else:
+        q_norm = k_norm = inv_freq  # never read
+    if rows:
+        launch(_word_kernel("qkv_rope_cache_fp8_words"), (rows, -(-(num_heads + num_kv_heads) // WORD_HEADS)),
+               (32 * WORD_HEADS,), (
+            qkv, positions, slot_mapping, inv_freq, np.float32(attention_factor), q_norm, k_norm, np.float32(eps),
+            np.float32(norm_offset), np.int32(has_norm), np.int32(bool(interleaved)), np.int32(num_heads),
+            np.int32(num_kv_heads), np.int32(head_dim), np.int32(rotary // 2), np.int32(k_cache.codes.shape[1]),
+            q_out, k_cache.codes, v_cache.codes, k_cache.scales, v_cache.scales,
+            np.float32(k_cache.static_scale or 0.0), np.float32(v_cache.static_scale or 0.0)), 0, stream,
+               dependent=True)
     return q_out

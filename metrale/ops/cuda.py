@@ -542,8 +542,21 @@ class CudaKernels:
                            num_heads: int, num_kv_heads: int, head_dim: int, k_cache: Any, v_cache: Any,
                            q_norm: Any = None, k_norm: Any = None, eps: float = 1e-6, norm_offset: float = 0.0,
                            interleaved: bool = False, rotary_dim: int | None = None) -> Any:
-        """Into an FP8 cache: the rotated keys and the values written by the bf16 kernel into rows
-        of their own (a slot per row), then quantized into the cache's slots."""
+        """Into an FP8 cache: the rotated keys and the values rounded to bf16 and quantized into the
+        cache's slots by the same kernel."""
+        q = cp.empty((qkv.shape[0], num_heads, head_dim), dtype=f32)
+        return qkv_rope.qkv_rope_cache_fp8_words(
+            qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim, k_cache,
+            v_cache, q, q_norm, k_norm, eps, norm_offset, interleaved, self.stream, rotary_dim=rotary_dim,
+        )
+
+    def qkv_rope_cache_fp8_rows(self, qkv: Any, positions: Any, slot_mapping: Any, inv_freq: Any,
+                                attention_factor: float, num_heads: int, num_kv_heads: int, head_dim: int, k_cache: Any,
+                                v_cache: Any, q_norm: Any = None, k_norm: Any = None, eps: float = 1e-6,
+                                norm_offset: float = 0.0, interleaved: bool = False,
+                                rotary_dim: int | None = None) -> Any:
+        """Into an FP8 cache of any head size: the rotated keys and the values written by the bf16
+        kernel into rows of their own (a slot per row), then quantized into the cache's slots."""
         rows = qkv.shape[0]
         q = cp.empty((rows, num_heads, head_dim), dtype=f32)
         keys = cp.empty((rows, 1, num_kv_heads, head_dim), dtype=bf16)

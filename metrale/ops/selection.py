@@ -707,13 +707,23 @@ def attention_kernels() -> list[Kernel]:
                   k_cache, *rest, **options):
         return isinstance(k_cache, Fp8CacheArray)
 
+    def fp8_write_fused(qkv, positions, slot_mapping, inv_freq, attention_factor, num_heads, num_kv_heads, head_dim,
+                        k_cache, *rest, **options):
+        from metrale.kernels import qkv_rope
+
+        return (isinstance(k_cache, Fp8CacheArray) and head_dim % 2 == 0
+                and 0 < head_dim <= qkv_rope.FP8_MAX_HEAD_DIM)
+
     split = ("paged_attention_decode for the leading one-row segments, paged_attention_prompt for the rest "
              "(their kernels)")
     return [
         *(Kernel("paged_attention", device, split, build=_split_paged_attention) for device in ("cpu", "cuda")),
+        Kernel("qkv_rope_cache", "cuda", "metrale.kernels.qkv_rope (each key and value row quantized as it is "
+               "written)", build=_cuda_method("qkv_rope_cache_fp8"), when=fp8_write_fused,
+               condition="an FP8 cache, heads of an even size up to 512"),
         Kernel("qkv_rope_cache", "cuda", "metrale.kernels.qkv_rope into rows of their own, then "
-               "metrale.kernels.attention_fp8's quantized write", build=_cuda_method("qkv_rope_cache_fp8"), when=fp8_write,
-               condition="an FP8 cache"),
+               "metrale.kernels.attention_fp8's quantized write", build=_cuda_method("qkv_rope_cache_fp8_rows"),
+               when=fp8_write, condition="an FP8 cache"),
         Kernel("paged_attention_decode", "cuda", "metrale.kernels.attention_decode_mma (tensor cores, the codes as "
                "f16 operands, the scales in float32)", build=_cuda_method("paged_attention_decode_mma"),
                when=fp8_decode_mma, enabled=_decode_mma_enabled,

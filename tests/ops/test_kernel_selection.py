@@ -329,7 +329,11 @@ def test_an_fp8_cache_goes_to_the_tensor_core_decode_kernel_where_it_serves_the_
         assert off.startswith("metrale.kernels.attention_fp8")
     qkv = np.empty((4, (32 + 16) * 64), np.float32)
     write = chosen("qkv_rope_cache", "cuda", EnvironmentConfig(), qkv, None, None, None, 1.0, 32, 8, 64, cache, cache)
-    assert "attention_fp8" in write
+    assert write.startswith("metrale.kernels.qkv_rope (each key and value row quantized")  # one kernel
+    wide = Fp8CacheArray(np.zeros((1, 16, 1, 640), np.uint8), np.ones((1, 16, 1), np.float32))
+    wide_write = chosen("qkv_rope_cache", "cuda", EnvironmentConfig(), np.empty((4, 3 * 640), np.float32), None, None,
+                        None, 1.0, 1, 1, 640, wide, wide)
+    assert "attention_fp8" in wide_write  # heads past the fused form's limit: the rows, then the quantized write
     plain = chosen("qkv_rope_cache", "cuda", EnvironmentConfig(), qkv, None, None, None, 1.0, 32, 8, 64,
                    np.empty((1, 16, 8, 64), np.uint16), np.empty((1, 16, 8, 64), np.uint16))
     assert plain == "metrale.kernels.qkv_rope"
