@@ -736,6 +736,40 @@ __global__ void dequantize_bf16(const unsigned char* __restrict__ codes, const f
         out[i] = weight_chunk<CODES>(w, column, chunk, K, true);
     }
 }
+
+__device__ __forceinline__ bool quads_of(const float* out, const float* column_scales, int columns) {
+    return columns % 4 == 0 && reinterpret_cast<size_t>(out) % 16 == 0 && reinterpret_cast<size_t>(column_scales) % 16 == 0;
+}
+
+// out[r, c] = out[r, c] * row_scales[r] * column_scales[c] (the product rounded after each factor),
+// in place: the scales of an FP8 tensor-core product. Threads over a row's columns, 4 at a time where
+// every row and the column scales start on 16 bytes (columns a multiple of 4), one at a time otherwise
+// (the launch sizes the grid for each); blocks over the rows in a grid-stride loop (gridDim.y rows at
+// once), no division per element.
+extern "C" __global__ void __launch_bounds__(THREADS) scale_product(
+    float* __restrict__ out, const float* __restrict__ row_scales, const float* __restrict__ column_scales, int rows,
+    int columns) {
+    const int t = blockIdx.x * THREADS + threadIdx.x;
+    if (quads_of(out, column_scales, columns)) {
+        if (t >= columns / 4) return;
+        const float4 c = reinterpret_cast<const float4*>(column_scales)[t];
+        #pragma unroll 4
+        for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+            const float s = row_scales[r];
+            float4* at = reinterpret_cast<float4*>(out + (size_t)r * columns) + t;
+            float4 v = *at;
+            v.x = v.x * s * c.x; v.y = v.y * s * c.y; v.z = v.z * s * c.z; v.w = v.w * s * c.w;
+            *at = v;
+        }
+    } else {
+        if (t >= columns) return;
+        const float c = column_scales[t];
+        for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+            float* at = out + (size_t)r * columns + t;
+            *at = *at * row_scales[r] * c;
+        }
+    }
+}
 """
 
 
@@ -987,26 +1021,26 @@ def quantize_rows_fp8(x: DeviceArray, weight: QuantizedWeight, codes: DeviceArra
                           stream)
 
 
-_scale_kernel: list[Any] = []
+#: Rows of a ``scale_product`` launch's grid (each block takes every such row in turn).
+SCALE_GRID_ROWS = 1024
 
 
 def scale_product(out: DeviceArray, row_scales: DeviceArray, column_scales: DeviceArray, stream: Any) -> DeviceArray:
     """``out[r, c] <- out[r, c] * row_scales[r] * column_scales[c]`` in place, in one pass: the scales
     of an FP8 tensor-core product (float32 ``out [rows, columns]``, ``row_scales [rows]``,
     ``column_scales [columns]``), rounded as two passes, rows first, would round them."""
-    import cupy
-
     op = "scale_product"
     check_array(op, "out", out, np.float32, ndim=2)
     rows, columns = out.shape
     check_array(op, "row_scales", row_scales, np.float32, (rows,))
     check_array(op, "column_scales", column_scales, np.float32, (columns,))
-    if not _scale_kernel:
-        _scale_kernel.append(cupy.ElementwiseKernel(
-            "raw float32 row_scales, raw float32 column_scales, int64 columns", "float32 out",
-            "out = out * row_scales[i / columns] * column_scales[i % columns]", "metrale_scale_product"))
-    with stream:
-        _scale_kernel[0](row_scales, column_scales, np.int64(columns), out)
+    if rows == 0 or columns == 0:
+        return out
+    quads = columns % 4 == 0 and aligned(out) and aligned(column_scales)   # as the kernel's quads_of decides
+    threads_wide = columns // 4 if quads else columns
+    grid = (-(-threads_wide // THREADS), min(rows, SCALE_GRID_ROWS))
+    launch(_function("scale_product"), grid, (THREADS,),
+           (out, row_scales, column_scales, np.int32(rows), np.int32(columns)), 0, stream, dependent=False)
     return out
 
 

@@ -81,6 +81,16 @@ int main(int argc, char** argv) {
     const float input_scale = std::atof(argv[14]);
     const int flags = std::atoi(argv[15]), only_dequantize = std::atoi(argv[16]), exact = std::atoi(argv[17]);
     const int shared = std::atoi(argv[18]), load = std::atoi(argv[19]);
+    if (only_dequantize == 4) {   // scale_product of x [rows, K] in place, gridDim.y = blocks
+        float* product = read<float>(folder + "/x", (size_t)rows * K);
+        const float* row_scales = read<float>(folder + "/row_scales_in", rows);
+        const float* column_scales = read<float>(folder + "/column_scales", K);
+        const unsigned wide = K % 4 == 0 ? K / 4 : K;
+        emu::launch({(wide + THREADS - 1) / THREADS, (unsigned)blocks, 1}, {THREADS, 1, 1}, [&] {
+            scale_product(product, row_scales, column_scales, rows, K); });
+        write(folder + "/out", product, (size_t)rows * K);
+        return 0;
+    }
     const size_t code_count = (size_t)N * (codes == 1 || codes == 3 ? K / 2 : K);
     const unsigned char* code_bytes = read<unsigned char>(folder + "/codes", code_count);
     const size_t scale_count = (size_t)((N + block_rows - 1) / block_rows) * scale_columns;
@@ -183,6 +193,7 @@ def emulated(tmp_path_factory):
             return bf16_to_float32(np.fromfile(case / "dense", np.uint16).reshape(out_features, inner))
         return np.fromfile(case / "out", np.float32).reshape(rows, out_features)
 
+    run.binary, run.folder = binary, folder  # type: ignore[attr-defined]
     return run
 
 
@@ -318,6 +329,27 @@ def test_emulated_fp8_rows_are_the_codes_the_reference_quantizes(emulated, activ
     # The codes times the rows' scales are the inputs the reference's product takes.
     restored = fp8_e4m3_table()[codes] * scales[:, None]
     assert np.array_equal(restored, quantize_activations(x, weight))
+
+
+@pytest.mark.parametrize("rows, columns, grid_rows", [(7, 64, 3), (5, 67, 2), (3, 8, 8)])
+def test_emulated_scale_product_scales_rows_then_columns(emulated, rows, columns, grid_rows):
+    """Quads of columns and single columns (an odd width); fewer, and more, grid rows than rows."""
+    rng = np.random.default_rng(rows * columns)
+    product = rng.normal(size=(rows, columns)).astype(np.float32) * 1e3
+    row_scales = rng.uniform(1e-3, 1e-1, size=rows).astype(np.float32)
+    column_scales = rng.uniform(1e-4, 1e-2, size=columns).astype(np.float32)
+    case = emulated.folder / "scale_case"
+    case.mkdir(exist_ok=True)
+    product.tofile(case / "x")
+    row_scales.tofile(case / "row_scales_in")
+    column_scales.tofile(case / "column_scales")
+    # (codes act split tiles rows K N blocks block_rows block_columns scale_columns act_group input_scale
+    # flags mode exact shared load): mode 4 is scale_product, blocks its grid's rows.
+    arguments = [0, 0, 1, 1, rows, columns, 0, grid_rows, 1, 1, 1, 128, "1.0", 0, 4, 0, 1, 1]
+    subprocess.run([str(emulated.binary), str(case), *map(str, arguments)], check=True, timeout=600)
+    got = np.fromfile(case / "out", np.float32).reshape(rows, columns)
+    expected = (product * row_scales[:, None]).astype(np.float32) * column_scales[None, :]
+    assert np.array_equal(got, expected)
 
 
 def test_supports_and_plan():

@@ -263,19 +263,21 @@ def test_the_fp8_product_applies_the_scales_in_its_epilogue_as_the_scaling_pass_
         assert rel_error(got, reference) < 2e-2
 
 
-def test_scale_product_scales_rows_then_columns_in_one_pass(backend):
+@pytest.mark.parametrize("rows, columns, offset", [(37, 4096, 0), (5, 4099, 0), (2500, 64, 0), (9, 4096, 1)])
+def test_scale_product_scales_rows_then_columns_in_one_pass(backend, rows, columns, offset):
+    """Vector rows, odd widths, more rows than the grid has, column scales off a 16-byte boundary."""
     import cupy as cp
 
     from metrale.kernels import quantized_gemv
 
     rng = np.random.default_rng(21)
-    product = rng.normal(size=(37, 4096)).astype(np.float32) * 1e3
-    rows = rng.uniform(1e-3, 1e-1, size=37).astype(np.float32)
-    columns = rng.uniform(1e-4, 1e-2, size=4096).astype(np.float32)
+    product = rng.normal(size=(rows, columns)).astype(np.float32) * 1e3
+    row_scales = rng.uniform(1e-3, 1e-1, size=rows).astype(np.float32)
+    column_scales = rng.uniform(1e-4, 1e-2, size=columns + offset).astype(np.float32)
     out = cp.asarray(product)
-    quantized_gemv.scale_product(out, cp.asarray(rows), cp.asarray(columns), backend.stream)
+    quantized_gemv.scale_product(out, cp.asarray(row_scales), cp.asarray(column_scales)[offset:], backend.stream)
     backend.synchronize()
-    expected = (product * rows[:, None]).astype(np.float32) * columns[None, :]
+    expected = (product * row_scales[:, None]).astype(np.float32) * column_scales[None, offset:]
     assert np.array_equal(cp.asnumpy(out), expected.astype(np.float32))
 
 
