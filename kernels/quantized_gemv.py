@@ -723,6 +723,56 @@ __global__ void __launch_bounds__(THREADS) quantize_rows_fp8(
     if (tid == 0) scales[r] = s;
 }
 
+// codes[r, c] = E4M3 code of a[r, c] / scales[r], a = bf16(silu(gate) * up) of a product's bf16 rows
+// gate_up [rows, 2 * width] (gate = its first width values, up the rest), rounded as silu_and_mul rounds
+// it: silu_and_mul then quantize_rows_fp8 of its bf16 rows (the same codes and scales, ACT_FP8_TOKEN's
+// scales[r] = max|a[r]| / 448, ACT_FP8_TENSOR's input_scale) in one pass, the activations kept in
+// dynamic shared memory (width * 2 bytes). Grid rows blocks of THREADS threads; width a multiple of 8,
+// gate_up 16-byte aligned, codes 8-byte aligned.
+template <int ACT>
+__global__ void __launch_bounds__(THREADS) silu_and_mul_fp8_rows(
+    const uint4* __restrict__ gate_up, float input_scale, unsigned char* __restrict__ codes,
+    float* __restrict__ scales, int width) {
+    DYNAMIC_SHARED;
+    uint4* activations = reinterpret_cast<uint4*>(dynamic_shared);   // [width / 8]: the row's bf16 values, 8 a word
+    __shared__ float partial[WARPS];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, r = blockIdx.x, words = width / 8;
+    const uint4* gate = gate_up + (size_t)r * 2 * words;
+    float amax = 0.0f;
+    #pragma unroll 2
+    for (int c = tid; c < words; c += THREADS) {
+        const uint4 g = __ldg(gate + c), u = __ldg(gate + words + c);
+        const uint4 a = make_uint4(silu_mul_pair(g.x, u.x), silu_mul_pair(g.y, u.y), silu_mul_pair(g.z, u.z),
+                                   silu_mul_pair(g.w, u.w));
+        activations[c] = a;
+        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(bf16_low(a.x)), fabsf(bf16_high(a.x))),
+                                 fmaxf(fabsf(bf16_low(a.y)), fabsf(bf16_high(a.y)))));
+        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(bf16_low(a.z)), fabsf(bf16_high(a.z))),
+                                 fmaxf(fabsf(bf16_low(a.w)), fabsf(bf16_high(a.w)))));
+    }
+    float s = input_scale;
+    if (ACT == ACT_FP8_TOKEN) {
+        amax = warp_max(amax);
+        if (lane == 0) partial[warp] = amax;
+    }
+    __syncthreads();   // (also: every word staged before any is read below)
+    if (ACT == ACT_FP8_TOKEN) {
+        amax = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, partial[w]);
+        s = fmaxf(amax / FP8_MAX, MIN_SCALE);
+    }
+    uint2* row_codes = reinterpret_cast<uint2*>(codes + (size_t)r * width);
+    for (int c = tid; c < words; c += THREADS) {
+        const uint4 a = activations[c];
+        const float v[8] = {bf16_low(a.x), bf16_high(a.x), bf16_low(a.y), bf16_high(a.y),
+                            bf16_low(a.z), bf16_high(a.z), bf16_low(a.w), bf16_high(a.w)};
+        row_codes[c] = make_uint2(e4m3x2_of(v[0] / s, v[1] / s) | (e4m3x2_of(v[2] / s, v[3] / s) << 16),
+                                  e4m3x2_of(v[4] / s, v[5] / s) | (e4m3x2_of(v[6] / s, v[7] / s) << 16));
+    }
+    if (tid == 0) scales[r] = s;
+}
+
 // out[n, k] = bf16((code - zero) * scale) of every weight, a thread per chunk of 8 (K a multiple of 8).
 template <int CODES>
 __global__ void dequantize_bf16(const unsigned char* __restrict__ codes, const float* __restrict__ scales,
@@ -1019,6 +1069,46 @@ def quantize_rows_fp8(x: DeviceArray, weight: QuantizedWeight, codes: DeviceArra
     input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
     return _quantize_rows(name, x, weight.shape[1], weight.activations, weight.input_order, input_scale, codes, scales,
                           stream)
+
+
+def silu_and_mul_fp8_rows(gate_up: DeviceArray, weight: QuantizedWeight, codes: DeviceArray, scales: DeviceArray,
+                          stream: Any) -> DeviceArray:
+    """``codes`` (uint8 ``[rows, I]``) and ``scales`` (float32 ``[rows]``) <- the FP8 input of the
+    product with ``weight`` (``[N, I]``, per-token or per-tensor FP8 inputs) of ``silu_and_mul(gate_up)``
+    (bf16 bits ``[rows, 2 I]``), without the bf16 activations in between: the codes and scales
+    :func:`~metrale.kernels.activation.silu_and_mul_words` then :func:`quantize_rows_fp8` give."""
+    name = f"silu_and_mul_fp8_rows ({weight.activations})"
+    if weight.activations not in ("fp8_token", "fp8_tensor"):
+        raise KernelArgumentError(f"{name}: only per-token and per-tensor FP8 inputs are written as codes")
+    check_array(name, "gate_up", gate_up, np.uint16, ndim=2)
+    rows, double = gate_up.shape
+    width = weight.shape[1]
+    check_array(name, "gate_up", gate_up, np.uint16, (rows, 2 * width))
+    check_array(name, "codes", codes, np.uint8, (rows, width))
+    check_array(name, "scales", scales, np.float32, (rows,))
+    if not serves_silu_fp8_rows(gate_up, weight) or not aligned(codes):
+        raise KernelArgumentError(f"{name}: takes a 16-byte aligned gate_up whose halves are multiples of 8 values "
+                                  f"(at most {MAX_SHARED_BYTES // 2} of them) and 16-byte aligned codes")
+    if rows == 0:
+        return codes
+    input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
+    function = _function(f"silu_and_mul_fp8_rows<{ACTIVATIONS[weight.activations]}>")
+    shared = width * 2
+    if shared > 48 * 1024:
+        function.max_dynamic_shared_size_bytes = shared
+    launch(function, (rows,), (THREADS,), (gate_up, np.float32(input_scale), codes, scales, np.int32(width)), shared,
+           stream, dependent=False)
+    return codes
+
+
+def serves_silu_fp8_rows(gate_up: Any, weight: QuantizedWeight) -> bool:
+    """Whether :func:`silu_and_mul_fp8_rows` takes ``gate_up`` into the product with ``weight``: per-token or
+    per-tensor FP8 inputs of an inner size that is a multiple of 8 whose bf16 row fits shared memory,
+    the rows 16-byte aligned bf16 bits."""
+    width = weight.shape[1]
+    return (weight.activations in ("fp8_token", "fp8_tensor") and weight.input_order is None and width % 8 == 0
+            and width * 2 <= MAX_SHARED_BYTES and getattr(gate_up, "dtype", None) == np.uint16
+            and tuple(gate_up.shape[1:]) == (2 * width,) and aligned(gate_up))
 
 
 #: Rows of a ``scale_product`` launch's grid (each block takes every such row in turn).

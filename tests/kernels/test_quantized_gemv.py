@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from emulation import build_emulated
 
+from metrale.kernels import activation
 from metrale.kernels import quantized_gemv as qg
+from metrale.kernels.activation import silu_and_mul_reference
 from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
 from metrale.kernels.quantized import (
     QuantizedWeight,
@@ -81,6 +83,31 @@ int main(int argc, char** argv) {
     const float input_scale = std::atof(argv[14]);
     const int flags = std::atoi(argv[15]), only_dequantize = std::atoi(argv[16]), exact = std::atoi(argv[17]);
     const int shared = std::atoi(argv[18]), load = std::atoi(argv[19]);
+    if (only_dequantize == 5) {   // silu_and_mul_fp8_rows of gate_up_bf16 [rows, 2K]
+        const unsigned short* gate_up = read<unsigned short>(folder + "/gate_up_bf16", (size_t)rows * 2 * K);
+        unsigned char* fp8 = allocate<unsigned char>((size_t)rows * K);
+        float* row_scales = allocate<float>(rows);
+        const uint4* words = reinterpret_cast<const uint4*>(gate_up);
+        if (act == ACT_FP8_TOKEN) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
+            silu_and_mul_fp8_rows<ACT_FP8_TOKEN>(words, input_scale, fp8, row_scales, K); });
+        if (act == ACT_FP8_TENSOR) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
+            silu_and_mul_fp8_rows<ACT_FP8_TENSOR>(words, input_scale, fp8, row_scales, K); });
+        // The unfused path: silu_and_mul_words, then quantize_rows_fp8 of its bf16 rows.
+        unsigned short* gated = allocate<unsigned short>((size_t)rows * K);
+        unsigned char* unfused = allocate<unsigned char>((size_t)rows * K);
+        float* unfused_scales = allocate<float>(rows);
+        emu::launch({(unsigned)rows, (unsigned)((K / 8 + 127) / 128), 1}, {128, 1, 1}, [&] {
+            silu_and_mul_words(words, reinterpret_cast<uint4*>(gated), K); });
+        if (act == ACT_FP8_TOKEN) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
+            quantize_rows_fp8<ACT_FP8_TOKEN, unsigned short>(gated, nullptr, input_scale, unfused, unfused_scales, K); });
+        if (act == ACT_FP8_TENSOR) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
+            quantize_rows_fp8<ACT_FP8_TENSOR, unsigned short>(gated, nullptr, input_scale, unfused, unfused_scales, K); });
+        write(folder + "/fp8", fp8, (size_t)rows * K);
+        write(folder + "/row_scales", row_scales, rows);
+        write(folder + "/fp8_unfused", unfused, (size_t)rows * K);
+        write(folder + "/row_scales_unfused", unfused_scales, rows);
+        return 0;
+    }
     if (only_dequantize == 4) {   // scale_product of x [rows, K] in place, gridDim.y = blocks
         float* product = read<float>(folder + "/x", (size_t)rows * K);
         const float* row_scales = read<float>(folder + "/row_scales_in", rows);
@@ -150,7 +177,7 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("quantized_gemv_emulated")
-    source = qg.CONSTANTS + qg.HELPERS + qg.DEVICE_FUNCTIONS + qg.KERNELS + emulation_main()
+    source = qg.CONSTANTS + qg.HELPERS + qg.DEVICE_FUNCTIONS + qg.KERNELS + activation.KERNEL + emulation_main()
     binary = build_emulated(folder / "quantized_gemv.cpp", source)
 
     def run(weight: QuantizedWeight, x=None, bias=None, *, split=1, blocks=2, dequantize_only=False,
@@ -329,6 +356,39 @@ def test_emulated_fp8_rows_are_the_codes_the_reference_quantizes(emulated, activ
     # The codes times the rows' scales are the inputs the reference's product takes.
     restored = fp8_e4m3_table()[codes] * scales[:, None]
     assert np.array_equal(restored, quantize_activations(x, weight))
+
+
+@pytest.mark.parametrize("activations", ["fp8_token", "fp8_tensor"])
+@pytest.mark.parametrize("width", [8, 1032])
+def test_emulated_silu_and_mul_fp8_rows_are_silu_and_mul_then_its_rows_codes(emulated, activations, width):
+    """The fused kernel's codes and scales are those of silu_and_mul's bf16 rows quantized as
+    quantize_rows_fp8 quantizes them (the unfused path), rows of very different magnitudes (enough of
+    them that each position of a word holds some row's largest value)."""
+    rows = 64
+    rng = np.random.default_rng(width)
+    magnitudes = np.resize(np.array([1.0, 30.0, 1e-3, 0.0, 4.0], np.float32), (rows, 1))
+    gate_up = float32_to_bf16(rng.normal(size=(rows, 2 * width)).astype(np.float32) * magnitudes)
+    weight = make_weight(rng, "fp8", 16, width, (1, width), activations=activations)
+    case = emulated.folder / "silu_case"
+    case.mkdir(exist_ok=True)
+    gate_up.tofile(case / "gate_up_bf16")
+    input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
+    arguments = [0, qg.ACTIVATIONS[activations], 1, 1, rows, width, 0, 1, 1, 1, 1, 128, repr(input_scale), 0, 5, 0, 1, 1]
+    subprocess.run([str(emulated.binary), str(case), *map(str, arguments)], check=True, timeout=600)
+    codes = np.fromfile(case / "fp8", np.uint8).reshape(rows, width)
+    scales = np.fromfile(case / "row_scales", np.float32)
+    # Bit for bit the unfused kernels' codes and scales (run in the same program).
+    assert np.array_equal(codes, np.fromfile(case / "fp8_unfused", np.uint8).reshape(rows, width))
+    assert np.array_equal(scales, np.fromfile(case / "row_scales_unfused", np.float32))
+    # And the reference's quantized activations, up to the rare last-bit difference of the host's exp.
+    values = bf16_to_float32(gate_up)
+    act = bf16_to_float32(float32_to_bf16(silu_and_mul_reference(values[:, :width], values[:, width:])))
+    expected = quantize_activations(act, weight)
+    restored = fp8_e4m3_table()[codes] * scales[:, None]
+    assert np.mean(restored != expected) < 1e-3
+    assert np.allclose(restored, expected, rtol=0.07, atol=0)
+    if activations == "fp8_token":
+        assert np.allclose(scales, np.maximum(np.abs(act).max(axis=1) / 448.0, 1e-12), rtol=1e-2, atol=0)
 
 
 @pytest.mark.parametrize("rows, columns, grid_rows", [(7, 64, 3), (5, 67, 2), (3, 8, 8)])
