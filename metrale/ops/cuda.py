@@ -354,30 +354,74 @@ class CudaKernels:
         (cuBLASLt's outer-vector scales, which it serves for bf16 outputs), the float32 product where
         it has no such algorithm. None where it has no FP8 algorithm for the shape at all (the
         caller takes the bf16 product)."""
-        from metrale.errors import KernelArgumentError
-        from metrale.kernels.linear import CublasLtGemm
+        rows, inner = x.shape[0], weight.shape[1]
+        padded = self._fp8_rows_planned(rows, weight, bf16_out)
+        if padded is None:
+            return None
+        codes, scales = self._fp8_codes_buffers(rows, padded, inner)
+        rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
+        quantized_gemv.quantize_rows_fp8(rows_in, weight, codes[:rows], scales[:rows], self.stream)
+        return self._fp8_codes_product(codes, scales, rows, weight, bf16_out)
 
-        rows, (columns, inner) = x.shape[0], weight.shape
+    def fp8_silu_product(self, gate_up: Any, weight: Any, bias: Any = None) -> Any:
+        """``linear(silu_and_mul(gate_up), weight, bias)`` of a bf16 gate/up product's prompt rows
+        and FP8 weights whose scales factor out: the activation's FP8 codes and scales written in one
+        pass over ``gate_up`` (:func:`~metrale.kernels.quantized_gemv.silu_and_mul_fp8_rows`, no
+        bf16 activation in between), then the codes' product as :meth:`quantized_linear` takes it.
+        None where that pass does not serve them (nothing launched) or cuBLASLt has no FP8 algorithm
+        for the shape (the caller takes the unfused ops)."""
+        rows = gate_up.shape[0]
+        if not quantized_gemv.serves_silu_fp8_rows(gate_up, weight):
+            return None
+        padded = self._fp8_rows_planned(rows, weight, False)
+        if padded is None:
+            return None
+        codes, scales = self._fp8_codes_buffers(rows, padded, weight.shape[1])
+        quantized_gemv.silu_and_mul_fp8_rows(gate_up, weight, codes[:rows], scales[:rows], self.stream)
+        out = self._fp8_codes_product(codes, scales, rows, weight, False)
+        if out is None or bias is None:
+            return out
+        return out + bias
+
+    def _fp8_rows_planned(self, rows: int, weight: Any, bf16_out: bool) -> int | None:
+        """The rows an FP8 product of ``rows`` rows takes (padded to a multiple of 16 where
+        cuBLASLt has an epilogue-scaled algorithm only for such counts, once known only as many as
+        it takes), or None where cuBLASLt has no FP8 algorithm for the shape (known from an earlier
+        call)."""
+        columns, inner = weight.shape
         key = (rows, inner, columns)
         if key in self._fp8_unserved:
             return None
-        if self._fp8_gemm is None:
-            self._fp8_gemm = CublasLtGemm(self.stream)
-        epilogue = bf16_out and self._fp8_epilogue_rows.get(key, 0) is not None
         known = self._fp8_epilogue_rows.get(key)
-        # Rows padded to a multiple of 16 (their scales zero, their outputs dropped) where cuBLASLt
-        # has an epilogue-scaled algorithm only for such row counts (once known, only as many as it takes).
-        padded = (known or -(-rows // 16) * 16) if epilogue else rows
+        epilogue = bf16_out and self._fp8_epilogue_rows.get(key, 0) is not None
+        return (known or -(-rows // 16) * 16) if epilogue else rows
+
+    @staticmethod
+    def _fp8_codes_buffers(rows: int, padded: int, inner: int) -> tuple[Any, Any]:
+        """Codes ``[padded, inner]`` and scales ``[padded]`` of FP8 input rows, the padding's scales
+        zero (their outputs are dropped)."""
         codes, scales = cp.empty((padded, inner), dtype=np.uint8), cp.empty((padded,), dtype=f32)
         if padded > rows:
             scales[rows:] = 0
-        rows_in = cp.ascontiguousarray(x) if x.dtype == bf16 else self.to_float32(x)
-        quantized_gemv.quantize_rows_fp8(rows_in, weight, codes[:rows], scales[:rows], self.stream)
+        return codes, scales
+
+    def _fp8_codes_product(self, codes: Any, scales: Any, rows: int, weight: Any, bf16_out: bool) -> Any:
+        """The product of ``rows`` rows of FP8 codes and their scales (``codes``/``scales`` padded as
+        :meth:`_fp8_rows_planned` planned) with ``weight``, as :meth:`_fp8_product` describes."""
+        from metrale.errors import KernelArgumentError
+        from metrale.kernels.linear import CublasLtGemm
+
+        columns, inner = weight.shape
+        key = (rows, inner, columns)
+        if self._fp8_gemm is None:
+            self._fp8_gemm = CublasLtGemm(self.stream)
+        padded = codes.shape[0]
+        known = self._fp8_epilogue_rows.get(key)
         column_scales = weight.scales[:, 0]
         if weight.block[0] > 1:  # a scale per block of rows (per tensor: one block)
             column_scales = cp.repeat(column_scales, weight.block[0])[:columns]
         column_scales = cp.ascontiguousarray(column_scales)
-        if epilogue:
+        if bf16_out and self._fp8_epilogue_rows.get(key, 0) is not None:
             for served in [known] if known else list(dict.fromkeys((rows, padded))):
                 try:
                     product = self._fp8_gemm.fp8(codes[:served], weight.codes,

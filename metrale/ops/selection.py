@@ -341,8 +341,10 @@ def quantized_kernels() -> list[Kernel]:
     GEMV a routed pair at a time up to 8 tokens, of others through the quantized decode experts up
     to 8 tokens, over the dequantized stacks past them.
     ``rmsnorm_linear`` and ``rmsnorm_mlp`` of FP8 decode rows that the prologue stages in shared
-    memory take the norm into the FP8 GEMV's prologue; otherwise they reach the kernels above
-    through their composites (the fused bf16 decode kernels take bf16 weights only)."""
+    memory take the norm into the FP8 GEMV's prologue; ``rmsnorm_mlp`` of FP8 prompt rows writes the
+    down product's FP8 input rows straight from the gate/up product (the SwiGLU gate and the rows'
+    quantization in one pass); otherwise they reach the kernels above through their composites (the
+    fused bf16 decode kernels take bf16 weights only)."""
 
     from metrale.kernels.fp8_gemv import MAX_EXPERT_TOKENS as FP8_EXPERT_TOKENS
 
@@ -409,6 +411,25 @@ def quantized_kernels() -> list[Kernel]:
     def fp8_prompt_gate_up(x: Any, weight: Any, bias: Any = None) -> bool:
         return bias is None and fp8_decode_batch(x, weight)
 
+    def fp8_prompt_norm_mlp(x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any, gate_up: Any, down: Any,
+                            gate_up_bias: Any = None, down_bias: Any = None) -> bool:
+        return (gate_up_bias is None and gate_up.shape[0] == 2 * down.shape[1] and fp8_decode_batch(x, gate_up)
+                and fp8_decode_batch(x, down))
+
+    def fp8_rmsnorm_mlp(backend: Any) -> Any:
+        table, kernels = _ops_of(backend), backend.kernels
+
+        def rmsnorm_mlp(x, residual, norm_weight, eps, offset, gate_up, down, gate_up_bias=None, down_bias=None):
+            ops = table()
+            normed, summed = ops.rmsnorm_residual(x, residual, norm_weight, eps, offset)
+            gated = kernels.fp8_gate_up_product(normed, gate_up)
+            out = kernels.fp8_silu_product(gated, down, down_bias) if gated.dtype == np.uint16 else None
+            if out is None:  # the unfused ops
+                out = ops.linear(ops.silu_and_mul(gated), down, down_bias)
+            return out, summed
+
+        return rmsnorm_mlp
+
     def fp8_linear_silu(backend: Any) -> Any:
         table, kernels = _ops_of(backend), backend.kernels
 
@@ -454,6 +475,11 @@ def quantized_kernels() -> list[Kernel]:
                condition="FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8, rows the "
                "prologue stages in shared memory (up to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up "
                "bias"),
+        Kernel("rmsnorm_mlp", "cuda", "rmsnorm_residual, the cuBLASLt FP8 gate/up product (bf16 out, the scales in "
+               "its epilogue), metrale.kernels.quantized_gemv (the SwiGLU gate and the down product's FP8 input rows in "
+               "one pass), the cuBLASLt FP8 down product", build=fp8_rmsnorm_mlp, when=fp8_prompt_norm_mlp,
+               condition=f"FP8 weights and inputs whose scales factor out of the sums, N >= {FP8_TENSOR_CORE_MIN_ROWS}, "
+               "no gate_up bias"),
         Kernel("moe_experts", "cuda", "metrale.kernels.fp8_gemv (a routed pair a grid row, the codes multiplied as "
                "they are), then each token's pairs summed", build=_cuda_method("fp8_moe_experts_decode"),
                when=fp8_decode_experts,

@@ -263,6 +263,60 @@ def test_the_fp8_product_applies_the_scales_in_its_epilogue_as_the_scaling_pass_
         assert rel_error(got, reference) < 2e-2
 
 
+@pytest.mark.parametrize("activations", ["fp8_token", "fp8_tensor"])
+@pytest.mark.parametrize("rows, width", [(300, 14336), (37, 28672), (8, 8)])
+def test_silu_and_mul_fp8_rows_writes_the_codes_of_silu_and_mul_then_quantize_rows(backend, activations, rows, width):
+    """The fused pass against the two kernels it replaces, bit for bit; 28,672 values a row take
+    more than 48 KB of shared memory."""
+    import cupy as cp
+
+    from metrale.kernels import activation
+    from metrale.kernels import quantized_gemv as qg
+    from metrale.kernels.bf16 import float32_to_bf16
+
+    rng = np.random.default_rng(width)
+    weight = uploaded(backend, host_weight("fp8", width, 16, "fp8_token", rng))
+    if activations == "fp8_tensor":
+        weight = QuantizedWeight("fp8", weight.codes, weight.scales, weight.block, weight.shape, activations="fp8_tensor",
+                                 input_scale=np.float32(0.05))
+    gate_up = cp.asarray(float32_to_bf16(rng.normal(size=(rows, 2 * width)).astype(np.float32)
+                                         * rng.uniform(1e-3, 30, size=(rows, 1)).astype(np.float32)))
+    stream = backend.stream
+    codes, scales = cp.empty((rows, width), np.uint8), cp.empty(rows, np.float32)
+    qg.silu_and_mul_fp8_rows(gate_up, weight, codes, scales, stream)
+    act = activation.silu_and_mul_words(gate_up, cp.empty((rows, width), np.uint16), stream)
+    expected_codes, expected_scales = cp.empty_like(codes), cp.empty_like(scales)
+    qg.quantize_rows_fp8(act, weight, expected_codes, expected_scales, stream)
+    stream.synchronize()
+    assert cp.array_equal(scales, expected_scales)
+    assert cp.array_equal(codes, expected_codes)
+
+
+@pytest.mark.parametrize("rows", [2048, 300])
+def test_the_fp8_prompt_mlp_gives_the_unfused_ops_bits(backend, rows, monkeypatch):
+    """``rmsnorm_mlp`` of FP8 prompt rows (the gate and the down product's input rows in one pass)
+    against its parts through the op table: the same bits."""
+    import cupy as cp
+
+    fused = []
+    product = backend.kernels.fp8_silu_product
+    monkeypatch.setattr(backend.kernels, "fp8_silu_product", lambda *a, **k: fused.append(product(*a, **k)) or fused[-1])
+    rng = np.random.default_rng(rows)
+    gate_up = uploaded(backend, host_weight("fp8", 2048, 2 * 5632, "fp8_token", rng))
+    down = uploaded(backend, host_weight("fp8", 5632, 2048, "fp8_token", rng))
+    norm = backend.weight(rng.uniform(0.5, 1.5, size=2048).astype(np.float32))
+    x = cp.asarray(rng.normal(size=(rows, 2048)).astype(np.float32))
+    residual = cp.asarray(rng.normal(size=(rows, 2048)).astype(np.float32))
+    ops = backend.ops
+    out, summed = ops.rmsnorm_mlp(x, residual, norm, 1e-5, 0.0, gate_up, down)
+    assert len(fused) == 1 and fused[0] is not None   # the fused pass served it
+    normed, expected_summed = ops.rmsnorm_residual(x, residual, norm, 1e-5, 0.0)
+    expected = ops.linear(ops.linear_silu(normed, gate_up), down)
+    backend.synchronize()
+    assert cp.array_equal(summed, expected_summed)
+    assert out.dtype == np.float32 and cp.array_equal(out, expected)
+
+
 @pytest.mark.parametrize("rows, columns, offset", [(37, 4096, 0), (5, 4099, 0), (2500, 64, 0), (9, 4096, 1)])
 def test_scale_product_scales_rows_then_columns_in_one_pass(backend, rows, columns, offset):
     """Vector rows, odd widths, more rows than the grid has, column scales off a 16-byte boundary."""

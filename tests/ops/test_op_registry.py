@@ -238,6 +238,10 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
         "metrale.kernels.fp8_gemv (the norm in the gated gate/up GEMV's prologue), then the down GEMV [metrale] when "
         "FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8, rows the prologue stages in "
         "shared memory (up to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up bias",
+        "rmsnorm_residual, the cuBLASLt FP8 gate/up product (bf16 out, the scales in its epilogue), "
+        "metrale.kernels.quantized_gemv (the SwiGLU gate and the down product's FP8 input rows in one pass), the "
+        "cuBLASLt FP8 down product [metrale] when FP8 weights and inputs whose scales factor out of the sums, N >= 8, "
+        "no gate_up bias",
         "metrale.kernels.decode_gemv (the norm and the gate fused) [metrale] when N <= 1, bf16 weights, inner sizes "
         "a multiple of 32, no gate_up bias, weights of at most 128 MiB",
         "rmsnorm_residual, then linear_silu and linear (their kernels) [metrale]"]
