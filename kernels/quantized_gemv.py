@@ -31,7 +31,9 @@ products (many rows: cuBLAS on bf16 tensor cores, its time spread over the rows)
 ``stage_activations`` their input; for FP8 weights whose scales factor out of the sums,
 ``quantize_rows_fp8`` writes the input rows' E4M3 codes and scales for a product on FP8 tensor
 cores (:meth:`metrale.kernels.linear.CublasLtGemm.fp8`) instead, whose unscaled product
-``scale_product`` then scales by rows and columns in one pass.
+``scale_product`` then scales by rows and columns in one pass; ``silu_and_mul_fp8_rows`` writes
+those codes and scales for the down projection straight from a bf16 gate/up product (the SwiGLU
+gate on the way).
 
 :func:`quantized_gemv_reference` is the NumPy reference of what a launch computes (the staged
 input and the dequantized weight rounded to bf16, float32 accumulation); ``tests/kernels`` runs the
