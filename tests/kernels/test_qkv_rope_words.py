@@ -14,22 +14,29 @@ from emulation import build_emulated
 from metrale.kernels import qkv_rope
 from metrale.loading.checkpoint import bf16_to_float32, float32_to_bf16
 
-EMULATION_MAIN = r"""
-#include <string>
-
-int main(int argc, char** argv) {
-    if (argc != 14) emu::fail("usage: folder rows nh nkv d half blocks block_size has_norm interleaved factor eps offset");
+# The emulation programs' arguments 1-13 and the inputs both forms read.
+ARGUMENTS = r"""
     const std::string folder = argv[1];
     const int rows = std::atoi(argv[2]), nh = std::atoi(argv[3]), nkv = std::atoi(argv[4]), d = std::atoi(argv[5]);
     const int half = std::atoi(argv[6]), blocks = std::atoi(argv[7]), block_size = std::atoi(argv[8]);
     const int has_norm = std::atoi(argv[9]), interleaved = std::atoi(argv[10]);
     const float factor = std::atof(argv[11]), eps = std::atof(argv[12]), offset = std::atof(argv[13]);
+"""
+INPUTS = r"""
     float* qkv = read<float>(folder + "/qkv", (size_t)rows * (nh + 2 * nkv) * d);
     int* positions = read<int>(folder + "/positions", rows);
     int* slots = read<int>(folder + "/slots", rows);
     float* inv_freq = read<float>(folder + "/inv_freq", half);
     unsigned short* q_norm = read<unsigned short>(folder + "/q_norm", d);
     unsigned short* k_norm = read<unsigned short>(folder + "/k_norm", d);
+"""
+
+EMULATION_MAIN = r"""
+#include <string>
+
+int main(int argc, char** argv) {
+    if (argc != 14) emu::fail("usage: folder rows nh nkv d half blocks block_size has_norm interleaved factor eps offset");
+""" + ARGUMENTS + INPUTS + r"""
     const size_t cache = (size_t)blocks * block_size * nkv * d;
     unsigned short* k_cache = read<unsigned short>(folder + "/k_cache", cache);
     unsigned short* v_cache = read<unsigned short>(folder + "/v_cache", cache);
@@ -123,19 +130,8 @@ EMULATION_FP8_MAIN = r"""
 int main(int argc, char** argv) {
     if (argc != 16) emu::fail("usage: folder rows nh nkv d half blocks block_size has_norm interleaved factor eps offset "
                               "k_static v_static");
-    const std::string folder = argv[1];
-    const int rows = std::atoi(argv[2]), nh = std::atoi(argv[3]), nkv = std::atoi(argv[4]), d = std::atoi(argv[5]);
-    const int half = std::atoi(argv[6]), blocks = std::atoi(argv[7]), block_size = std::atoi(argv[8]);
-    const int has_norm = std::atoi(argv[9]), interleaved = std::atoi(argv[10]);
-    const float factor = std::atof(argv[11]), eps = std::atof(argv[12]), offset = std::atof(argv[13]);
-    const float k_static = std::atof(argv[14]), v_static = std::atof(argv[15]);
-    float* qkv = read<float>(folder + "/qkv", (size_t)rows * (nh + 2 * nkv) * d);
-    int* positions = read<int>(folder + "/positions", rows);
-    int* slots = read<int>(folder + "/slots", rows);
-    float* inv_freq = read<float>(folder + "/inv_freq", half);
-    unsigned short* q_norm = read<unsigned short>(folder + "/q_norm", d);
-    unsigned short* k_norm = read<unsigned short>(folder + "/k_norm", d);
-    const size_t cache = (size_t)blocks * block_size * nkv * d, slots_count = (size_t)blocks * block_size * nkv;
+""" + ARGUMENTS + r"""    const float k_static = std::atof(argv[14]), v_static = std::atof(argv[15]);
+""" + INPUTS + r"""    const size_t slots_count = (size_t)blocks * block_size * nkv, cache = slots_count * d;
     unsigned short* k_cache = allocate<unsigned short>(cache);
     unsigned short* v_cache = allocate<unsigned short>(cache);
     unsigned char* k_codes = allocate<unsigned char>(cache);
