@@ -4,7 +4,10 @@
   column its weight scale) against the same arithmetic as a CuPy elementwise kernel (an index
   divided and taken modulo the width for every element);
 * the down projection's FP8 input rows written from the bf16 gate/up product in one pass
-  (``silu_and_mul_fp8_rows``) against ``silu_and_mul_words`` then ``quantize_rows_fp8``.
+  (``silu_and_mul_fp8_rows``) against ``silu_and_mul_words`` then ``quantize_rows_fp8``;
+* a float32 FP8 product of the q/k/v, o and down shapes two ways: cuBLASLt's float32 product, then
+  the scaling pass (what the prompt path serves), against its bf16 product with the scales in the
+  epilogue, then widened to float32 (one more rounding, to bf16).
 
 Each is recorded 20 times into a CUDA graph and the graph replayed; microseconds a launch and the
 bytes read and written per microsecond are printed. Run from the repository root::
@@ -94,7 +97,52 @@ def main() -> None:
         moved = rows * INTERMEDIATE * 5  # 4 bytes of gate/up read and a code written a value
         print(f"down input rows {rows} x {INTERMEDIATE}: silu_and_mul then quantize_rows_fp8 {before:7.1f} us, "
               f"silu_and_mul_fp8_rows {now:7.1f} us ({moved / now / 1e3:5.0f} GB/s)", flush=True)
+        float32_products(rows, rng, timed)
     backend.close()
+
+
+#: (K, N) of the float32 FP8 products of the 8B shape's prompt (q/k/v, o, down).
+FLOAT32_PRODUCTS = [(4096, 6144), (4096, 4096), (14336, 4096)]
+
+
+def float32_products(rows: int, rng: np.random.Generator, timed: Any) -> None:
+    """The float32 product of FP8 codes scaled after it against the bf16 product scaled in its
+    epilogue and widened (the rows' quantization, the same in both, not timed)."""
+    import cupy as cp
+
+    from metrale.kernels import activation
+    from metrale.kernels import quantized_gemv as qg
+    from metrale.kernels.linear import CublasLtGemm
+
+    for inner, columns in FLOAT32_PRODUCTS:
+        codes = cp.asarray(rng.integers(0, 0x7E, size=(rows, inner), dtype=np.uint8))
+        weights = [cp.asarray(rng.integers(0, 0x7E, size=(columns, inner), dtype=np.uint8)) for _ in range(2)]
+        row_scales = cp.random.uniform(0.1, 1, rows, dtype=cp.float32)
+        column_scales = cp.random.uniform(0.1, 1, columns, dtype=cp.float32)
+        out = cp.empty((rows, columns), np.float32)
+        out_bf16 = cp.empty((rows, columns), np.uint16)
+        gemms: dict[Any, Any] = {}
+
+        def gemm(s: Any) -> Any:
+            if s not in gemms:
+                gemms[s] = CublasLtGemm(s)
+            return gemms[s]
+
+        def scaled_after(s: Any, c: int) -> None:
+            gemm(s).fp8(codes, weights[c], out)
+            qg.scale_product(out, row_scales, column_scales, s)
+
+        def epilogue_widened(s: Any, c: int) -> None:
+            gemm(s).fp8(codes, weights[c], out_bf16, row_scales=row_scales, column_scales=column_scales)
+            activation.to_float32(out_bf16, out, s)
+
+        try:
+            before, now = timed(scaled_after, 2), timed(epilogue_widened, 2)
+        except Exception as error:  # no FP8 (or no epilogue-scaled) algorithm on this GPU
+            print(f"float32 product {rows} x {inner} x {columns}: {type(error).__name__}: {error}", flush=True)
+            continue
+        print(f"float32 product {rows} x {inner} x {columns}: scaled after {before:7.1f} us, bf16 epilogue then "
+              f"widened {now:7.1f} us", flush=True)
 
 
 if __name__ == "__main__":
