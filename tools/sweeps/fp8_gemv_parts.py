@@ -11,7 +11,9 @@ taken out (:data:`PARTS`: the norm's first pass, the input's quantization, the c
 the split's reduction barriers), to show what each costs (those kernels compute wrong results and
 are never served). Each kernel is launched 20 times in a CUDA graph, dependently as the engine
 launches them, cycling through ``--copies`` copies of the weight so that it comes from memory
-rather than the L2 cache. Run from the repository root.
+rather than the L2 cache. Each projection is also timed at every split of a column tile over
+warps the kernel has (the launcher picks the smallest that gives each multiprocessor a block's
+worth of warps). Run from the repository root.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def main() -> None:
 
     from metrale.backends.cuda import CudaBackend
     from metrale.kernels import decode_gemv, fp8_gemv
+    from metrale.kernels import quantized_gemv as qg
     from metrale.kernels.bf16 import float32_to_bf16
     from metrale.kernels.quantized import quantize_fp8_per_channel
 
@@ -93,8 +96,8 @@ def main() -> None:
         norm_arguments: dict[str, Any] = dict(residual=residual, norm_weight=gain, summed=summed) if norm else {}
 
         def launch_fp8(s: Any, c: int, weights: list = fp8, kw: dict = norm_arguments, xs: Any = x, o: Any = out,
-                       g: bool = gated) -> None:
-            fp8_gemv.fp8_gemv(xs, weights[c], o, s, multiprocessors=multiprocessors, swiglu=g, **kw)
+                       g: bool = gated, split: int | None = None) -> None:
+            fp8_gemv.fp8_gemv(xs, weights[c], o, s, multiprocessors=multiprocessors, swiglu=g, split=split, **kw)
 
         mode = {(True, True): decode_gemv.RMSNORM_SWIGLU, (True, False): decode_gemv.RMSNORM,
                 (False, True): decode_gemv.PLAIN_SWIGLU, (False, False): decode_gemv.PLAIN}[(norm, gated)]
@@ -109,6 +112,12 @@ def main() -> None:
         print(f"{name:8} {inner:5} x {columns:5} {'norm ' if norm else '     '}fp8 {fp8_us:6.1f} us "
               f"({megabytes / fp8_us:5.2f} TB/s of codes)  bf16 {bf16_us:6.1f} us ({2 * megabytes / bf16_us:5.2f} TB/s)",
               flush=True)
+        chosen = qg.plan(columns, multiprocessors)[0]
+        splits = []
+        for split in qg.SPLITS:
+            us = timed(lambda s, c, k=split: launch_fp8(s, c, split=k), args.copies)
+            splits.append(f"{split}{'*' if split == chosen else ''} {us:6.1f}")
+        print(f"{'':8} fp8 by split (warps a column tile; * the launcher's): " + "  ".join(splits) + " us", flush=True)
     original = fp8_gemv.KERNELS
     try:
         for part, edits in PARTS:
