@@ -275,9 +275,13 @@ from metrale.kernels._tensor_cores import F16_PRIMITIVES  # noqa: E402
 
 #: Heads (a warp each) of a block of :func:`qkv_rope_cache_words`.
 WORD_HEADS = 4
+#: The largest head size the FP8 form serves (its rows staged in shared memory).
+FP8_MAX_HEAD_DIM = 512
 
-KERNEL = r"""
-#define ROPE_WORD_HEADS 4
+KERNEL = f"""
+#define ROPE_WORD_HEADS {WORD_HEADS}
+#define ROPE_FP8_MAX_DIM {FP8_MAX_HEAD_DIM}
+""" + r"""
 
 __device__ __forceinline__ float rope_bf16_value(unsigned short bits) { return __uint_as_float((unsigned)bits << 16); }
 
@@ -287,8 +291,6 @@ __device__ __forceinline__ unsigned short rope_to_bf16(float value) {
     if ((word & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (unsigned short)((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
 }
-
-#define ROPE_FP8_MAX_DIM 512
 
 // Grid (N, ceil((num_heads + num_kv_heads) / ROPE_WORD_HEADS)); 32 * ROPE_WORD_HEADS threads, a
 // warp a head: query heads (to q_out [N, nh, d] float32), then KV heads (K normed, rotated and
@@ -418,8 +420,6 @@ extern "C" __global__ void __launch_bounds__(32 * ROPE_WORD_HEADS) qkv_rope_cach
 """
 
 KERNEL_NAMES = ("qkv_rope_cache_words", "qkv_rope_cache_fp8_words")
-#: The largest head size the FP8 form serves (its rows staged in shared memory).
-FP8_MAX_HEAD_DIM = 512
 
 
 def source() -> str:

@@ -730,7 +730,7 @@ __global__ void __launch_bounds__(THREADS) quantize_rows_fp8(
 // it: silu_and_mul then quantize_rows_fp8 of its bf16 rows (the same codes and scales, ACT_FP8_TOKEN's
 // scales[r] = max|a[r]| / 448, ACT_FP8_TENSOR's input_scale) in one pass, the activations kept in
 // dynamic shared memory (width * 2 bytes). Grid rows blocks of THREADS threads; width a multiple of 8,
-// gate_up 16-byte aligned, codes 8-byte aligned.
+// gate_up and codes 16-byte aligned.
 template <int ACT>
 __global__ void __launch_bounds__(THREADS) silu_and_mul_fp8_rows(
     const uint4* __restrict__ gate_up, float input_scale, unsigned char* __restrict__ codes,
@@ -1073,6 +1073,11 @@ def quantize_rows_fp8(x: DeviceArray, weight: QuantizedWeight, codes: DeviceArra
                           stream)
 
 
+#: The widest activation row :func:`silu_and_mul_fp8_rows` keeps in shared memory (bf16, beside the
+#: block's float per warp).
+SILU_FP8_MAX_WIDTH = (MAX_SHARED_BYTES - 4 * WARPS) // 16 * 8
+
+
 def silu_and_mul_fp8_rows(gate_up: DeviceArray, weight: QuantizedWeight, codes: DeviceArray, scales: DeviceArray,
                           stream: Any) -> DeviceArray:
     """``codes`` (uint8 ``[rows, I]``) and ``scales`` (float32 ``[rows]``) <- the FP8 input of the
@@ -1082,15 +1087,13 @@ def silu_and_mul_fp8_rows(gate_up: DeviceArray, weight: QuantizedWeight, codes: 
     name = f"silu_and_mul_fp8_rows ({weight.activations})"
     if weight.activations not in ("fp8_token", "fp8_tensor"):
         raise KernelArgumentError(f"{name}: only per-token and per-tensor FP8 inputs are written as codes")
-    check_array(name, "gate_up", gate_up, np.uint16, ndim=2)
-    rows, double = gate_up.shape
-    width = weight.shape[1]
+    rows, width = (gate_up.shape[0] if getattr(gate_up, "ndim", 0) == 2 else -1), weight.shape[1]
     check_array(name, "gate_up", gate_up, np.uint16, (rows, 2 * width))
     check_array(name, "codes", codes, np.uint8, (rows, width))
     check_array(name, "scales", scales, np.float32, (rows,))
     if not serves_silu_fp8_rows(gate_up, weight) or not aligned(codes):
         raise KernelArgumentError(f"{name}: takes a 16-byte aligned gate_up whose halves are multiples of 8 values "
-                                  f"(at most {MAX_SHARED_BYTES // 2} of them) and 16-byte aligned codes")
+                                  f"(at most {SILU_FP8_MAX_WIDTH} of them) and 16-byte aligned codes")
     if rows == 0:
         return codes
     input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
@@ -1109,7 +1112,7 @@ def serves_silu_fp8_rows(gate_up: Any, weight: QuantizedWeight) -> bool:
     the rows 16-byte aligned bf16 bits."""
     width = weight.shape[1]
     return (weight.activations in ("fp8_token", "fp8_tensor") and weight.input_order is None and width % 8 == 0
-            and width * 2 <= MAX_SHARED_BYTES and getattr(gate_up, "dtype", None) == np.uint16
+            and width <= SILU_FP8_MAX_WIDTH and getattr(gate_up, "dtype", None) == np.uint16
             and tuple(gate_up.shape[1:]) == (2 * width,) and aligned(gate_up))
 
 
