@@ -8,7 +8,8 @@ transformers and compressed-tensors).
   the tool's ``quantization_config``;
 * :func:`tool_dequantized_weights` is the tool's own decompression of the stored tensors;
 * :func:`tool_fake_quantized_model` is transformers running the tool's fake-quantized forward
-  (weights and inputs quantized and dequantized as the scheme says);
+  (weights and inputs quantized and dequantized as the scheme says; static input scales from
+  :func:`calibrated_input_scales`);
 * :func:`write_block_fp8_checkpoint` writes Hugging Face's block-wise ``quant_method: "fp8"``
   format (``weight_scale_inv`` per block), quantized with torch's ``float8_e4m3fn``.
 """
@@ -81,9 +82,12 @@ def _read_tensors(folder: Path) -> dict[str, Any]:
 
 
 def write_compressed_checkpoint(source: str | Path, chosen: Any, destination: str | Path,
-                                ignore: Sequence[str] = ("lm_head",)) -> Path:
+                                ignore: Sequence[str] = ("lm_head",),
+                                input_scales: dict[str, float] | None = None) -> Path:
     """The full-precision checkpoint folder ``source`` quantized under the compressed-tensors
-    scheme ``chosen`` (:func:`scheme`), written to ``destination`` as llm-compressor writes it."""
+    scheme ``chosen`` (:func:`scheme`), written to ``destination`` as llm-compressor writes it.
+    Static input schemes take each module's ``input_scale`` from ``input_scales`` (module name ->
+    scale, as calibration leaves them: :func:`calibrated_input_scales`)."""
     import torch
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.format import infer_module_format
@@ -101,11 +105,15 @@ def write_compressed_checkpoint(source: str | Path, chosen: Any, destination: st
         if not is_linear_weight(name, tensor.ndim, ignore):
             written[name] = tensor.contiguous()
             continue
+        module = name[: -len(".weight")]
         scale, zero_point = weight_qparams(tensor, chosen.weights)
         state = {"weight": tensor.float(), "weight_scale": scale, "weight_zero_point": zero_point}
-        module = name[: -len(".weight")]
         for key, value in compressor.compress(state, chosen).items():
             written[f"{module}.{key}"] = value.contiguous()
+        if chosen.input_activations is not None and not chosen.input_activations.dynamic:
+            if input_scales is None or module not in input_scales:
+                raise KeyError(f"{module}: a static input scheme needs the module's input scale")
+            written[f"{module}.input_scale"] = torch.tensor([input_scales[module]], dtype=torch.float32)
     save_file(written, destination / "model.safetensors", metadata={"format": "pt"})
     for file in source.iterdir():
         if file.is_file() and not file.name.endswith(".safetensors") and not file.name.endswith(".index.json"):
@@ -164,10 +172,36 @@ def write_dequantized_checkpoint(folder: str | Path, full_precision: str | Path,
     return destination
 
 
-def tool_fake_quantized_model(full_precision: str | Path, chosen: Any, ignore: Sequence[str] = ("lm_head",)) -> Any:
+def calibrated_input_scales(full_precision: str | Path, token_ids: Sequence[int], ignore: Sequence[str] = ("lm_head",),
+                            code_max: float = 448.0) -> dict[str, float]:
+    """Module name -> static input scale of every linear layer of ``full_precision`` (but
+    ``ignore``): the largest magnitude of its input over a float32 forward of ``token_ids``, over
+    ``code_max`` (E4M3's largest code by default), as a min-max calibration leaves them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(full_precision), dtype=torch.float32).eval()
+    largest: dict[str, float] = {}
+
+    def record(name: str) -> Any:
+        def hook(_: Any, inputs: Any) -> None:
+            largest[name] = max(largest.get(name, 0.0), float(inputs[0].abs().max()))
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name not in ignore:
+            module.register_forward_pre_hook(record(name))
+    with torch.no_grad():
+        model(torch.tensor([list(token_ids)]))
+    return {name: value / code_max for name, value in largest.items()}
+
+
+def tool_fake_quantized_model(full_precision: str | Path, chosen: Any, ignore: Sequence[str] = ("lm_head",),
+                              input_scales: dict[str, float] | None = None) -> Any:
     """transformers' float32 model of ``full_precision`` run by compressed-tensors' fake-quantized
     forward under ``chosen`` (status frozen: every targeted layer quantizes and dequantizes its
-    weight with the :func:`weight_qparams` scales, and its input as the scheme says)."""
+    weight with the :func:`weight_qparams` scales, and its input as the scheme says: static input
+    schemes with ``input_scales``, as :func:`write_compressed_checkpoint` takes them)."""
     import torch
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
     from transformers import AutoModelForCausalLM
@@ -177,13 +211,18 @@ def tool_fake_quantized_model(full_precision: str | Path, chosen: Any, ignore: S
                                 quantization_status=QuantizationStatus.FROZEN)
     apply_quantization_config(model, config, show_progress=False)
     with torch.no_grad():
-        for _, module in model.named_modules():
+        for name, module in model.named_modules():
             if getattr(module, "quantization_scheme", None) is None:
                 continue
             scale, zero_point = weight_qparams(module.weight.data, module.quantization_scheme.weights)
             module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
             if hasattr(module, "weight_zero_point"):
                 module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
+            inputs = module.quantization_scheme.input_activations
+            if inputs is not None and not inputs.dynamic:
+                if input_scales is None or name not in input_scales:
+                    raise KeyError(f"{name}: a static input scheme needs the module's input scale")
+                module.input_scale.data.fill_(input_scales[name])
     return model
 
 

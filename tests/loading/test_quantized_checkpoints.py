@@ -27,7 +27,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 from metrale.entrypoints.llm import LLM  # noqa: E402
-from metrale.errors import QuantizationError, UnsupportedQuantizationError  # noqa: E402
+from metrale.errors import CheckpointError, QuantizationError, UnsupportedQuantizationError  # noqa: E402
 from metrale.kernels.quantized import QuantizedWeight, dequantize  # noqa: E402
 from metrale.loading.checkpoint import Checkpoint  # noqa: E402
 from metrale.params import SamplingParams  # noqa: E402
@@ -248,6 +248,38 @@ def test_block_fp8_weights_logits_and_greedy(block_fp8, llama_full_precision, tm
         error = relative(llm.score(PROMPT), reference(torch.tensor([PROMPT])).logits[0].numpy())
     assert error <= LOGIT_TOLERANCE, f"block FP8 logits relative error {error:.3g}"
     assert metrale_greedy(llm, PROMPT) == torch_greedy(reference, PROMPT)
+
+
+def test_static_fp8_inputs_and_tensor_scales_equal_the_tools_forward(llama_full_precision, tmp_path):
+    """compressed-tensors' FP8 preset: one weight scale a tensor and static per-tensor input scales
+    (``input_scale``, from a min-max calibration pass); the logits are the tool's own forward with
+    those scales, and a checkpoint missing them is refused."""
+    chosen = tool.scheme("FP8")
+    assert chosen.weights.strategy == "tensor" and not chosen.input_activations.dynamic
+    calibration = [7, 200, 41, 3, 99, 18, 250, 64]
+    scales = tool.calibrated_input_scales(llama_full_precision, calibration)
+    assert len(scales) == 14
+    folder = tool.write_compressed_checkpoint(llama_full_precision, chosen, tmp_path / "fp8", input_scales=scales)
+    assert assert_weights_match_tool(folder) == 14
+    reference = tool.tool_fake_quantized_model(llama_full_precision, chosen, input_scales=scales)
+    llm = LLM(folder, device="cpu", show_progress=False)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0].numpy()
+        unquantized_inputs = tool.tool_fake_quantized_model(
+            llama_full_precision, chosen.model_copy(update={"input_activations": None}))(
+            torch.tensor([PROMPT])).logits[0].numpy()
+    ours = llm.score(PROMPT)
+    error = relative(ours, expected)
+    assert error <= LOGIT_TOLERANCE, f"static FP8 logits relative error {error:.3g}"
+    assert relative(ours, unquantized_inputs) > 10 * LOGIT_TOLERANCE   # the input scales are applied
+    assert metrale_greedy(llm, PROMPT) == torch_greedy(reference, PROMPT)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.input_scale"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="input_scale"):
+        LLM(folder, device="cpu", show_progress=False)
 
 
 # ----------------------------------------------------------------- online FP8 and refusals
