@@ -49,6 +49,9 @@ LLAMA_SCHEMES = {
     "W4A16_ASYM": ("W4A16_ASYM", {}),
     "W8A16": ("W8A16", {}),
     "W8A8": ("W8A8", {}),
+    "W8A16_ASYM": ("W8A16", {"symmetric": False}),
+    "W4A16_CHANNEL": ("W4A16", {"strategy": "channel", "group_size": None}),
+    "W4A16_g32": ("W4A16", {"group_size": 32}),
 }
 #: Weight-only schemes on DeepSeek-V2 (MLA, shared and routed experts); groups of 16 columns
 #: divide every input width of the tiny model (128, 48, 32).
