@@ -285,6 +285,52 @@ def test_static_fp8_inputs_and_tensor_scales_equal_the_tools_forward(llama_full_
         LLM(folder, device="cpu", show_progress=False)
 
 
+def test_block_fp8_qwen3_moe_experts_equal_the_quantized_reference(tmp_path):
+    """Qwen3-MoE in Hugging Face's block FP8 (as Qwen3-*-FP8 ship): attention and every expert's
+    projections quantized in 128 x 128 blocks, their inputs per token and group of 128. The
+    reference is transformers with the weights dequantized from the stored codes and every
+    product's input quantized that way (its experts are one fused module, so their products are
+    taken in the reference's own loop over the experts)."""
+    import types
+
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                            max_position_embeddings=64, norm_topk_prob=True)
+    full = build_hf_checkpoint(Qwen3MoeForCausalLM, config, tmp_path / "float", seed=3)
+    folder = tool.write_block_fp8_checkpoint(full, tmp_path / "fp8")
+    weights = torch_block_dequantized(folder)
+    assert len(weights) == 2 * (4 + 3 * 4)   # q, k, v, o and each expert's gate, up, down
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(tool.write_dequantized_checkpoint(folder, full, tmp_path / "deq", weights)), dtype=torch.float32).eval()
+    for module_name, module in reference.named_modules():
+        if isinstance(module, torch.nn.Linear) and module_name != "lm_head" and not module_name.endswith("mlp.gate"):
+            module.register_forward_pre_hook(lambda _, args: (fp8_group_input(args[0]),))
+
+    def experts_with_quantized_inputs(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.num_experts):
+            tokens, slots = torch.where(top_k_index == expert)
+            if tokens.numel():
+                gate, up = torch.nn.functional.linear(fp8_group_input(hidden_states[tokens]),
+                                                      self.gate_up_proj[expert]).chunk(2, dim=-1)
+                down = torch.nn.functional.linear(fp8_group_input(self.act_fn(gate) * up), self.down_proj[expert])
+                out.index_add_(0, tokens, down * top_k_weights[tokens, slots, None])
+        return out
+
+    for layer in reference.model.layers:
+        layer.mlp.experts.forward = types.MethodType(experts_with_quantized_inputs, layer.mlp.experts)
+    llm = LLM(folder, device="cpu", show_progress=False)
+    assert isinstance(llm.model.layers[0].feed_forward.experts.gate_up, QuantizedWeight)
+    assert llm.checkpoint.unconsumed() == []
+    with torch.no_grad():
+        error = relative(llm.score(PROMPT), reference(torch.tensor([PROMPT])).logits[0].numpy())
+    assert error <= LOGIT_TOLERANCE, f"Qwen3-MoE block FP8 logits relative error {error:.3g}"
+    assert metrale_greedy(llm, PROMPT) == torch_greedy(reference, PROMPT)
+
+
 # ----------------------------------------------------------------- online FP8 and refusals
 
 def test_online_fp8_quantizes_every_linear_layer(llama_full_precision):
