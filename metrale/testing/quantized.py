@@ -81,13 +81,34 @@ def _read_tensors(folder: Path) -> dict[str, Any]:
     return tensors
 
 
+def groups_of(chosen: Any) -> list[Any]:
+    """The schemes of ``chosen``: one scheme (its ``targets`` ``["Linear"]`` from :func:`scheme`), or
+    several (each with targets of its own: ``"re:"`` patterns or module names), one config group each."""
+    return list(chosen) if isinstance(chosen, (list, tuple)) else [chosen]
+
+
+def scheme_of(module: str, schemes: Sequence[Any]) -> Any:
+    """The first of ``schemes`` whose ``targets`` take the linear layer ``module`` (``"Linear"``, a
+    ``"re:"`` pattern matching the whole name, or the name itself), or None."""
+    import re
+
+    for chosen in schemes:
+        for target in chosen.targets:
+            if (target == "Linear" or target == module
+                    or (target.startswith("re:") and re.fullmatch(target[3:], module) is not None)):
+                return chosen
+    return None
+
+
 def write_compressed_checkpoint(source: str | Path, chosen: Any, destination: str | Path,
                                 ignore: Sequence[str] = ("lm_head",),
                                 input_scales: dict[str, float] | None = None) -> Path:
     """The full-precision checkpoint folder ``source`` quantized under the compressed-tensors
-    scheme ``chosen`` (:func:`scheme`), written to ``destination`` as llm-compressor writes it.
-    Static input schemes take each module's ``input_scale`` from ``input_scales`` (module name ->
-    scale, as calibration leaves them: :func:`calibrated_input_scales`)."""
+    scheme ``chosen`` (:func:`scheme`; or several, each its own config group, :func:`groups_of`),
+    written to ``destination`` as llm-compressor writes it (schemes of several formats: each group
+    names its own, the config ``mixed-precision``). Static input schemes take each module's
+    ``input_scale`` from ``input_scales`` (module name -> scale, as calibration leaves them:
+    :func:`calibrated_input_scales`)."""
     import torch
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.format import infer_module_format
@@ -96,18 +117,19 @@ def write_compressed_checkpoint(source: str | Path, chosen: Any, destination: st
 
     source, destination = Path(source), Path(destination)
     destination.mkdir(parents=True, exist_ok=True)
-    chosen = chosen.model_copy(deep=True)
-    storage = infer_module_format(torch.nn.Linear, chosen)
-    chosen.format = storage.value
-    compressor = BaseCompressor.get_value_from_registry(storage.value)
+    schemes = [chosen.model_copy(deep=True) for chosen in groups_of(chosen)]
+    for chosen in schemes:
+        chosen.format = infer_module_format(torch.nn.Linear, chosen).value
     written: dict[str, Any] = {}
     for name, tensor in _read_tensors(source).items():
-        if not is_linear_weight(name, tensor.ndim, ignore):
+        module = name[: -len(".weight")]
+        chosen = scheme_of(module, schemes) if is_linear_weight(name, tensor.ndim, ignore) else None
+        if chosen is None:
             written[name] = tensor.contiguous()
             continue
-        module = name[: -len(".weight")]
         scale, zero_point = weight_qparams(tensor, chosen.weights)
         state = {"weight": tensor.float(), "weight_scale": scale, "weight_zero_point": zero_point}
+        compressor = BaseCompressor.get_value_from_registry(chosen.format)
         for key, value in compressor.compress(state, chosen).items():
             written[f"{module}.{key}"] = value.contiguous()
         if chosen.input_activations is not None and not chosen.input_activations.dynamic:
@@ -119,7 +141,9 @@ def write_compressed_checkpoint(source: str | Path, chosen: Any, destination: st
         if file.is_file() and not file.name.endswith(".safetensors") and not file.name.endswith(".index.json"):
             shutil.copy(file, destination / file.name)
     config = json.loads((source / "config.json").read_text())
-    quantization = QuantizationConfig(config_groups={"group_0": chosen}, ignore=list(ignore), format=storage.value,
+    formats = {chosen.format for chosen in schemes}
+    quantization = QuantizationConfig(config_groups={f"group_{i}": chosen for i, chosen in enumerate(schemes)},
+                                      ignore=list(ignore), format=formats.pop() if len(formats) == 1 else "mixed-precision",
                                       quantization_status=QuantizationStatus.COMPRESSED)
     config["quantization_config"] = quantization.to_dict()
     (destination / "config.json").write_text(json.dumps(config, indent=2))
@@ -128,15 +152,15 @@ def write_compressed_checkpoint(source: str | Path, chosen: Any, destination: st
 
 def tool_dequantized_weights(folder: str | Path) -> dict[str, Any]:
     """``{module}.weight`` -> float32 tensor for every quantized module of the compressed-tensors
-    checkpoint ``folder``, decompressed from the stored tensors by the tool's own compressor."""
+    checkpoint ``folder``, decompressed from the stored tensors by the tool's own compressor (each
+    module's config group's)."""
     import torch
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
 
     folder = Path(folder)
     config = QuantizationConfig.model_validate(json.loads((folder / "config.json").read_text())["quantization_config"])
-    (chosen,) = config.config_groups.values()
-    compressor = BaseCompressor.get_value_from_registry(chosen.format or config.format)
+    schemes = list(config.config_groups.values())
     modules: dict[str, dict[str, Any]] = {}
     for name, tensor in _read_tensors(folder).items():
         module, _, local = name.rpartition(".")
@@ -145,6 +169,10 @@ def tool_dequantized_weights(folder: str | Path) -> dict[str, Any]:
     tensors = _read_tensors(folder)
     weights = {}
     for module, state in modules.items():
+        chosen = scheme_of(module, schemes)
+        if chosen is None:
+            raise KeyError(f"{folder}: {module} has quantized tensors but no config group takes it")
+        compressor = BaseCompressor.get_value_from_registry(chosen.format or config.format)
         if f"{module}.weight" in tensors:
             state["weight"] = tensors[f"{module}.weight"]
         weights[f"{module}.weight"] = compressor.decompress(state, chosen)["weight"].to(torch.float32)
@@ -199,16 +227,17 @@ def calibrated_input_scales(full_precision: str | Path, token_ids: Sequence[int]
 def tool_fake_quantized_model(full_precision: str | Path, chosen: Any, ignore: Sequence[str] = ("lm_head",),
                               input_scales: dict[str, float] | None = None) -> Any:
     """transformers' float32 model of ``full_precision`` run by compressed-tensors' fake-quantized
-    forward under ``chosen`` (status frozen: every targeted layer quantizes and dequantizes its
-    weight with the :func:`weight_qparams` scales, and its input as the scheme says: static input
-    schemes with ``input_scales``, as :func:`write_compressed_checkpoint` takes them)."""
+    forward under ``chosen`` (one scheme or several, :func:`groups_of`; status frozen: every
+    targeted layer quantizes and dequantizes its weight with the :func:`weight_qparams` scales,
+    and its input as the scheme says: static input schemes with ``input_scales``, as
+    :func:`write_compressed_checkpoint` takes them)."""
     import torch
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(full_precision), dtype=torch.float32).eval()
-    config = QuantizationConfig(config_groups={"group_0": chosen}, ignore=list(ignore),
-                                quantization_status=QuantizationStatus.FROZEN)
+    config = QuantizationConfig(config_groups={f"group_{i}": group for i, group in enumerate(groups_of(chosen))},
+                                ignore=list(ignore), quantization_status=QuantizationStatus.FROZEN)
     apply_quantization_config(model, config, show_progress=False)
     with torch.no_grad():
         for name, module in model.named_modules():

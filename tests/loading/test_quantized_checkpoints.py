@@ -285,6 +285,29 @@ def test_static_fp8_inputs_and_tensor_scales_equal_the_tools_forward(llama_full_
         LLM(folder, device="cpu", show_progress=False)
 
 
+def test_mixed_precision_groups_equal_the_tools_forward(llama_full_precision, tmp_path):
+    """A recipe of two config groups in two formats (``format: mixed-precision``): FP8 with dynamic
+    per-token inputs on the attention's projections (float-quantized), W4A16 on the MLP's
+    (pack-quantized), matched by ``re:`` targets. Each weight is its group's decompression, and the
+    logits are the tool's own forward under both groups."""
+    attention = tool.scheme("FP8_DYNAMIC").model_copy(update={"targets": ["re:.*self_attn\\..*"]})
+    mlp = tool.scheme("W4A16").model_copy(update={"targets": ["re:.*mlp\\..*"]})
+    folder = tool.write_compressed_checkpoint(llama_full_precision, [attention, mlp], tmp_path / "mixed")
+    quantization = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert quantization["format"] == "mixed-precision"
+    assert {group["format"] for group in quantization["config_groups"].values()} == {"float-quantized", "pack-quantized"}
+    assert assert_weights_match_tool(folder) == 14
+    checkpoint = Checkpoint(folder)
+    assert checkpoint.quantized("model.layers.0.self_attn.o_proj.weight").codes_format == "fp8"
+    assert checkpoint.quantized("model.layers.0.mlp.down_proj.weight").codes_format == "int4"
+    reference = tool.tool_fake_quantized_model(llama_full_precision, [attention, mlp])
+    llm = LLM(folder, device="cpu", show_progress=False)
+    with torch.no_grad():
+        error = relative(llm.score(PROMPT), reference(torch.tensor([PROMPT])).logits[0].numpy())
+    assert error <= LOGIT_TOLERANCE, f"mixed-precision logits relative error {error:.3g}"
+    assert metrale_greedy(llm, PROMPT) == torch_greedy(reference, PROMPT)
+
+
 def test_block_fp8_qwen3_moe_experts_equal_the_quantized_reference(tmp_path):
     """Qwen3-MoE in Hugging Face's block FP8 (as Qwen3-*-FP8 ship): attention and every expert's
     projections quantized in 128 x 128 blocks, their inputs per token and group of 128. The
