@@ -88,15 +88,13 @@ def groups_of(chosen: Any) -> list[Any]:
 
 
 def scheme_of(module: str, schemes: Sequence[Any]) -> Any:
-    """The first of ``schemes`` whose ``targets`` take the linear layer ``module`` (``"Linear"``, a
-    ``"re:"`` pattern matching the whole name, or the name itself), or None."""
-    import re
+    """The first of ``schemes`` whose ``targets`` take the linear layer ``module`` (``"Linear"``, or
+    a name or ``"re:"`` pattern as compressed-tensors' own ``match_name`` matches them), or None."""
+    from compressed_tensors.utils.match import match_name
 
     for chosen in schemes:
-        for target in chosen.targets:
-            if (target == "Linear" or target == module
-                    or (target.startswith("re:") and re.fullmatch(target[3:], module) is not None)):
-                return chosen
+        if any(target == "Linear" or match_name(module, target) for target in chosen.targets):
+            return chosen
     return None
 
 
