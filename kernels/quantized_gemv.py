@@ -77,6 +77,8 @@ MAX_SHARED_BYTES = 227 * 1024
 #: otherwise; :func:`shared_stage`); more are staged once by ``stage_rows``.
 SHARED_STAGE_MAX_ROWS = 4
 REDUCE_BYTES = WARPS * 32 * 16
+#: float4 words of a row each thread of ``rmsnorm_fp8_rows`` keeps in registers.
+NORM_FP8_QUADS = 8
 
 INSTRUCTIONS = r"""
 #define DYNAMIC_SHARED extern __shared__ __align__(16) unsigned char dynamic_shared[]
@@ -98,6 +100,7 @@ CONSTANTS = f"""
 #define INT8_MAX_VALUE {INT8_MAX:.1f}f
 #define MIN_SCALE {MIN_ACTIVATION_SCALE:.1e}f
 #define GEMV_UNROLL {UNROLL}
+#define NORM_FP8_QUADS {NORM_FP8_QUADS}
 """
 
 #: The device functions every kernel of quantized weights shares (:mod:`metrale.kernels.quantized_moe_decode` too):
@@ -775,6 +778,93 @@ __global__ void __launch_bounds__(THREADS) silu_and_mul_fp8_rows(
     if (tid == 0) scales[r] = s;
 }
 
+// residual[r, :] <- x[r, :] (+ residual[r, :]) (float32); codes[r, k] = E4M3 code of a[r, k] / scales[r],
+// a = bf16(residual[r, :] * inv * (offset + weight)), inv = 1 / sqrt(mean(residual[r, :]^2) + eps): the
+// norm of rmsnorm_residual_words (the same sums in the same order) and then quantize_rows_fp8 of its
+// bf16 rows (ACT_FP8_TOKEN's scales[r] = max|a[r]| / 448, ACT_FP8_TENSOR's input_scale) in one pass, the
+// row kept in registers, no bf16 rows written. Grid rows blocks of THREADS threads; x, residual
+// float32 [rows, hidden], weight bf16 bits [hidden], codes [rows, hidden] 4-byte aligned; hidden a
+// multiple of 4 and at most THREADS * NORM_FP8_QUADS * 4.
+template <int ACT>
+__global__ void __launch_bounds__(THREADS) rmsnorm_fp8_rows(
+    const float* __restrict__ x, float* __restrict__ residual, const unsigned short* __restrict__ weight, float eps,
+    float offset, int add_residual, float input_scale, unsigned char* __restrict__ codes, float* __restrict__ scales,
+    int hidden) {
+    __shared__ float partial[WARPS];
+    const int r = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32, quads = hidden / 4;
+    const float4* in = reinterpret_cast<const float4*>(x) + (size_t)r * quads;
+    float4* sums = reinterpret_cast<float4*>(residual) + (size_t)r * quads;
+    float4 kept[NORM_FP8_QUADS];
+    float squares = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < NORM_FP8_QUADS; ++j) {
+        const int quad = tid + j * THREADS;
+        if (quad < quads) {
+            float4 value = in[quad];
+            if (add_residual) {
+                const float4 other = sums[quad];
+                value.x += other.x; value.y += other.y; value.z += other.z; value.w += other.w;
+            }
+            kept[j] = value;
+        }
+    }
+    #pragma unroll
+    for (int j = 0; j < NORM_FP8_QUADS; ++j) {
+        const int quad = tid + j * THREADS;
+        if (quad < quads) {
+            const float4 value = kept[j];
+            sums[quad] = value;
+            squares += value.x * value.x + value.y * value.y + value.z * value.z + value.w * value.w;
+        }
+    }
+    squares = warp_sum(squares);
+    if (lane == 0) partial[warp] = squares;
+    __syncthreads();
+    float total = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) total += partial[w];
+    const float inv = 1.0f / sqrtf(total / (float)hidden + eps);
+    // The normed values, rounded to bf16 as the norm writes them, in place of the sums.
+    const uint2* gains = reinterpret_cast<const uint2*>(weight);
+    float amax = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < NORM_FP8_QUADS; ++j) {
+        const int quad = tid + j * THREADS;
+        if (quad < quads) {
+            const float4 value = kept[j];
+            const uint2 gain = __ldg(gains + quad);
+            float4 normed;
+            normed.x = bf16_low(to_bf16(value.x * inv * (offset + bf16_low(gain.x))));
+            normed.y = bf16_low(to_bf16(value.y * inv * (offset + bf16_high(gain.x))));
+            normed.z = bf16_low(to_bf16(value.z * inv * (offset + bf16_low(gain.y))));
+            normed.w = bf16_low(to_bf16(value.w * inv * (offset + bf16_high(gain.y))));
+            kept[j] = normed;
+            amax = fmaxf(amax, fmaxf(fmaxf(fabsf(normed.x), fabsf(normed.y)), fmaxf(fabsf(normed.z), fabsf(normed.w))));
+        }
+    }
+    float s = input_scale;
+    if (ACT == ACT_FP8_TOKEN) {
+        amax = warp_max(amax);
+        __syncthreads();   // every warp has read the sums of squares
+        if (lane == 0) partial[warp] = amax;
+        __syncthreads();
+        amax = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, partial[w]);
+        s = fmaxf(amax / FP8_MAX, MIN_SCALE);
+    }
+    unsigned* row_codes = reinterpret_cast<unsigned*>(codes + (size_t)r * hidden);
+    #pragma unroll
+    for (int j = 0; j < NORM_FP8_QUADS; ++j) {
+        const int quad = tid + j * THREADS;
+        if (quad < quads) {
+            const float4 v = kept[j];
+            row_codes[quad] = e4m3x2_of(v.x / s, v.y / s) | (e4m3x2_of(v.z / s, v.w / s) << 16);
+        }
+    }
+    if (tid == 0) scales[r] = s;
+}
+
 // out[n, k] = bf16((code - zero) * scale) of every weight, a thread per chunk of 8 (K a multiple of 8).
 template <int CODES>
 __global__ void dequantize_bf16(const unsigned char* __restrict__ codes, const float* __restrict__ scales,
@@ -1114,6 +1204,51 @@ def serves_silu_fp8_rows(gate_up: Any, weight: QuantizedWeight) -> bool:
     return (weight.activations in ("fp8_token", "fp8_tensor") and weight.input_order is None and width % 8 == 0
             and width <= SILU_FP8_MAX_WIDTH and getattr(gate_up, "dtype", None) == np.uint16
             and tuple(gate_up.shape[1:]) == (2 * width,) and aligned(gate_up))
+
+
+#: The widest row :func:`rmsnorm_fp8_rows` takes (each thread keeps :data:`NORM_FP8_QUADS` float4 words of it).
+NORM_FP8_MAX_WIDTH = THREADS * NORM_FP8_QUADS * 4
+
+
+def rmsnorm_fp8_rows(x: DeviceArray, residual: DeviceArray, norm_weight: DeviceArray, eps: float, offset: float,
+                     add_residual: bool, weight: QuantizedWeight, codes: DeviceArray, scales: DeviceArray,
+                     stream: Any) -> DeviceArray:
+    """``residual`` (float32 ``[rows, H]``) <- ``x`` (+ ``residual`` where ``add_residual``), in place,
+    and ``codes`` (uint8 ``[rows, H]``) and ``scales`` (float32 ``[rows]``) <- the FP8 input of the
+    product with ``weight`` (``[N, H]``, per-token or per-tensor FP8 inputs) of that sum's RMSNorm
+    (``norm_weight`` bf16 bits ``[H]``, gains ``offset + weight``), without the bf16 normed rows in
+    between: the sums, codes and scales :func:`~metrale.kernels.rmsnorm.rmsnorm_residual_words` then
+    :func:`quantize_rows_fp8` give."""
+    name = f"rmsnorm_fp8_rows ({weight.activations})"
+    if weight.activations not in ("fp8_token", "fp8_tensor"):
+        raise KernelArgumentError(f"{name}: only per-token and per-tensor FP8 inputs are written as codes")
+    rows, hidden = (x.shape[0], weight.shape[1]) if getattr(x, "ndim", 0) == 2 else (-1, weight.shape[1])
+    check_array(name, "x", x, np.float32, (rows, hidden))
+    check_array(name, "residual", residual, np.float32, (rows, hidden))
+    check_array(name, "norm_weight", norm_weight, np.uint16, (hidden,))
+    check_array(name, "codes", codes, np.uint8, (rows, hidden))
+    check_array(name, "scales", scales, np.float32, (rows,))
+    if not serves_rmsnorm_fp8_rows(x, norm_weight, weight) or not aligned(residual) or not aligned(codes):
+        raise KernelArgumentError(f"{name}: takes 16-byte aligned rows of a multiple of 4 values (at most "
+                                  f"{NORM_FP8_MAX_WIDTH}), norm weights and codes")
+    if rows == 0:
+        return codes
+    input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
+    launch(_function(f"rmsnorm_fp8_rows<{ACTIVATIONS[weight.activations]}>"), (rows,), (THREADS,), (
+        x, residual, norm_weight, np.float32(eps), np.float32(offset), np.int32(bool(add_residual)),
+        np.float32(input_scale), codes, scales, np.int32(hidden)), 0, stream, dependent=False)
+    return codes
+
+
+def serves_rmsnorm_fp8_rows(x: Any, norm_weight: Any, weight: QuantizedWeight) -> bool:
+    """Whether :func:`rmsnorm_fp8_rows` takes the norm of ``x`` into the product with ``weight``:
+    per-token or per-tensor FP8 inputs in the weight's own column order, float32 rows of a multiple
+    of 4 values (at most :data:`NORM_FP8_MAX_WIDTH`), bf16 norm weights, 16-byte aligned."""
+    width = weight.shape[1]
+    return (weight.activations in ("fp8_token", "fp8_tensor") and weight.input_order is None and width % 4 == 0
+            and 0 < width <= NORM_FP8_MAX_WIDTH and getattr(x, "dtype", None) == np.float32
+            and getattr(x, "ndim", 0) == 2 and x.shape[1] == width and aligned(x)
+            and getattr(norm_weight, "dtype", None) == np.uint16 and aligned(norm_weight))
 
 
 #: Rows of a ``scale_product`` launch's grid (each block takes every such row in turn).

@@ -123,13 +123,13 @@ class CudaKernels:
         return embedding.embedding(weight, ids, out, self.stream)
 
     @staticmethod
-    def _norm_arguments(x: Any, residual: Any) -> tuple[Any, Any, bool, Any]:
+    def _norm_arguments(x: Any, residual: Any, normed: bool = True) -> tuple[Any, Any, bool, Any]:
         """``(x, residual, add, out)`` of a residual norm: contiguous inputs (without a residual, a
-        buffer for the sum), the bf16 output."""
+        buffer for the sum), the bf16 output (None without ``normed``)."""
         x = cp.ascontiguousarray(x)
         add = residual is not None
         residual = cp.ascontiguousarray(residual) if add else cp.empty_like(x)
-        return x, residual, add, cp.empty(x.shape, dtype=bf16)
+        return x, residual, add, cp.empty(x.shape, dtype=bf16) if normed else None
 
     def rmsnorm_residual(self, x: Any, residual: Any, weight: Any, eps: float, offset: float = 0.0) -> Any:
         x, residual, add, out = self._norm_arguments(x, residual)
@@ -382,6 +382,28 @@ class CudaKernels:
         if out is None or bias is None:
             return out
         return out + bias
+
+    def fp8_norm_product(self, x: Any, residual: Any, norm_weight: Any, eps: float, offset: float, weight: Any,
+                         bf16_out: bool = False) -> tuple[Any, Any] | None:
+        """``(product, summed)`` of ``linear(rmsnorm(s), weight)`` with ``s = x + residual`` (``x`` with
+        ``residual`` None) for prompt rows and FP8 weights whose scales factor out: the norm written
+        straight as the product's FP8 input rows (:func:`~metrale.kernels.quantized_gemv.rmsnorm_fp8_rows`,
+        no bf16 normed rows in between), then the codes' product as :meth:`_fp8_product` takes it
+        (``bf16_out`` as there). ``product`` is None where cuBLASLt turned out to have no FP8 algorithm
+        for the shape (``summed`` holds the sum: the caller norms it again without a residual and takes
+        the unfused ops). None where the fused kernel does not serve them (nothing launched)."""
+        x = cp.ascontiguousarray(x)
+        if not quantized_gemv.serves_rmsnorm_fp8_rows(x, norm_weight, weight):
+            return None
+        rows = x.shape[0]
+        padded = self._fp8_rows_planned(rows, weight, bf16_out)
+        if padded is None:
+            return None
+        x, summed, add, _ = self._norm_arguments(x, residual, normed=False)
+        codes, scales = self._fp8_codes_buffers(rows, padded, weight.shape[1])
+        quantized_gemv.rmsnorm_fp8_rows(x, summed, norm_weight, eps, offset, add, weight, codes[:rows], scales[:rows],
+                                        self.stream)
+        return self._fp8_codes_product(codes, scales, rows, weight, bf16_out), summed
 
     def _fp8_rows_planned(self, rows: int, weight: Any, bf16_out: bool) -> int | None:
         """The rows an FP8 product of ``rows`` rows takes (padded to a multiple of 16 where

@@ -341,12 +341,14 @@ def quantized_kernels() -> list[Kernel]:
     GEMV a routed pair at a time up to 8 tokens, of others through the quantized decode experts up
     to 8 tokens, over the dequantized stacks past them.
     ``rmsnorm_linear`` and ``rmsnorm_mlp`` of FP8 decode rows that the prologue stages in shared
-    memory take the norm into the FP8 GEMV's prologue; ``rmsnorm_mlp`` of FP8 prompt rows writes the
-    down product's FP8 input rows straight from the gate/up product (the SwiGLU gate and the rows'
-    quantization in one pass); otherwise they reach the kernels above through their composites (the
+    memory take the norm into the FP8 GEMV's prologue; of FP8 prompt rows they write the norm
+    straight as the FP8 input rows of the (gate/up) product, and ``rmsnorm_mlp`` the down product's
+    FP8 input rows straight from the gate/up product (the SwiGLU gate and the rows' quantization in
+    one pass); otherwise they reach the kernels above through their composites (the
     fused bf16 decode kernels take bf16 weights only)."""
 
     from metrale.kernels.fp8_gemv import MAX_EXPERT_TOKENS as FP8_EXPERT_TOKENS
+    from metrale.kernels.quantized_gemv import NORM_FP8_MAX_WIDTH
 
     def quantized(x: Any, weight: Any, bias: Any = None) -> bool:
         return _is_quantized(weight)
@@ -416,13 +418,44 @@ def quantized_kernels() -> list[Kernel]:
         return (gate_up_bias is None and gate_up.shape[0] == 2 * down.shape[1] and fp8_decode_batch(x, gate_up)
                 and fp8_decode_batch(x, down))
 
+    def fp8_prompt_norm_linear(x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any, weight: Any,
+                               bias: Any = None) -> bool:
+        from metrale.kernels import quantized_gemv
+
+        return fp8_decode_batch(x, weight) and quantized_gemv.serves_rmsnorm_fp8_rows(x, norm_weight, weight)
+
+    def fp8_norm_then(ops: Any, kernels: Any, x: Any, residual: Any, norm_weight: Any, eps: Any, offset: Any,
+                      weight: Any, bf16_out: bool, product: Any) -> tuple[Any, Any]:
+        """``(linear(rmsnorm(s), weight), s)``: the norm written as the product's FP8 rows where
+        ``fp8_norm_product`` serves them, else (or where cuBLASLt has no FP8 algorithm, after the
+        sum) the norm's op, then ``product`` of its rows."""
+        fused = kernels.fp8_norm_product(x, residual, norm_weight, eps, offset, weight, bf16_out)
+        if fused is not None and fused[0] is not None:
+            return fused
+        if fused is not None:  # the sum is made: its norm alone
+            normed, summed = ops.rmsnorm_residual(fused[1], None, norm_weight, eps, offset)
+        else:
+            normed, summed = ops.rmsnorm_residual(x, residual, norm_weight, eps, offset)
+        return product(normed), summed
+
+    def fp8_rmsnorm_linear(backend: Any) -> Any:
+        table, kernels = _ops_of(backend), backend.kernels
+
+        def rmsnorm_linear(x, residual, norm_weight, eps, offset, weight, bias=None):
+            ops = table()
+            out, summed = fp8_norm_then(ops, kernels, x, residual, norm_weight, eps, offset, weight, False,
+                                        lambda normed: ops.linear(normed, weight))
+            return (out if bias is None else out + bias), summed
+
+        return rmsnorm_linear
+
     def fp8_rmsnorm_mlp(backend: Any) -> Any:
         table, kernels = _ops_of(backend), backend.kernels
 
         def rmsnorm_mlp(x, residual, norm_weight, eps, offset, gate_up, down, gate_up_bias=None, down_bias=None):
             ops = table()
-            normed, summed = ops.rmsnorm_residual(x, residual, norm_weight, eps, offset)
-            gated = kernels.fp8_gate_up_product(normed, gate_up)
+            gated, summed = fp8_norm_then(ops, kernels, x, residual, norm_weight, eps, offset, gate_up, True,
+                                          lambda normed: kernels.fp8_gate_up_product(normed, gate_up))
             out = kernels.fp8_silu_product(gated, down, down_bias) if gated.dtype == np.uint16 else None
             if out is None:  # the unfused ops
                 out = ops.linear(ops.silu_and_mul(gated), down, down_bias)
@@ -470,14 +503,20 @@ def quantized_kernels() -> list[Kernel]:
                build=_cuda_method("fp8_rmsnorm_linear_gemv"), when=fp8_decode_norm_linear,
                condition="FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8, rows the "
                "prologue stages in shared memory (up to 4), the inner size a multiple of 16, bf16 norm weights"),
+        Kernel("rmsnorm_linear", "cuda", "metrale.kernels.quantized_gemv (the norm written as the product's FP8 "
+               "input rows), the cuBLASLt FP8 product", build=fp8_rmsnorm_linear, when=fp8_prompt_norm_linear,
+               condition=f"FP8 weights and inputs whose scales factor out of the sums, N >= {FP8_TENSOR_CORE_MIN_ROWS}, "
+               f"float32 rows of a multiple of 4 values (at most {NORM_FP8_MAX_WIDTH:,}), bf16 norm weights"),
         Kernel("rmsnorm_mlp", "cuda", "metrale.kernels.fp8_gemv (the norm in the gated gate/up GEMV's prologue), "
                "then the down GEMV", build=_cuda_method("fp8_rmsnorm_mlp_gemv"), when=fp8_decode_norm_mlp,
                condition="FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8, rows the "
                "prologue stages in shared memory (up to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up "
                "bias"),
-        Kernel("rmsnorm_mlp", "cuda", "rmsnorm_residual, the cuBLASLt FP8 gate/up product (bf16 out, the scales in "
-               "its epilogue), metrale.kernels.quantized_gemv (the SwiGLU gate and the down product's FP8 input rows in "
-               "one pass), the cuBLASLt FP8 down product", build=fp8_rmsnorm_mlp, when=fp8_prompt_norm_mlp,
+        Kernel("rmsnorm_mlp", "cuda", "metrale.kernels.quantized_gemv (the norm written as the gate/up product's "
+               "FP8 input rows where it serves them; rmsnorm_residual otherwise), the cuBLASLt FP8 gate/up product (bf16 "
+               "out, the scales in its epilogue), metrale.kernels.quantized_gemv (the SwiGLU gate and the down product's "
+               "FP8 input rows in one pass), the cuBLASLt FP8 down product", build=fp8_rmsnorm_mlp,
+               when=fp8_prompt_norm_mlp,
                condition=f"FP8 weights and inputs whose scales factor out of the sums, N >= {FP8_TENSOR_CORE_MIN_ROWS}, "
                "no gate_up bias"),
         Kernel("moe_experts", "cuda", "metrale.kernels.fp8_gemv (a routed pair a grid row, the codes multiplied as "

@@ -235,8 +235,14 @@ def test_every_quantized_gemv_instantiation_compiles(tmp_path):
                               f"{quantized_gemv.input_type(bf16)}>"
                               f"({fp8_rows.format(input=quantized_gemv.input_type(bf16) + ' const*')});\n"
                               for a in ("fp8_token", "fp8_tensor") for bf16 in (False, True))
+    silu_rows = "const uint4*, float, unsigned char*, float*, int"
+    norm_rows = "const float*, float*, const unsigned short*, float, float, int, float, unsigned char*, float*, int"
+    instantiations += "".join(f"template __global__ void {kernel}<{quantized_gemv.ACTIVATIONS[a]}>({signature});\n"
+                              for kernel, signature in (("silu_and_mul_fp8_rows", silu_rows),
+                                                        ("rmsnorm_fp8_rows", norm_rows))
+                              for a in ("fp8_token", "fp8_tensor"))
     lines = instantiations.splitlines(keepends=True)
-    assert len(lines) == len(names) + len(stagers) + len(quantized_gemv.CODES) + len(quantized_gemv.ACTIVATIONS) + 4
+    assert len(lines) == len(names) + len(stagers) + len(quantized_gemv.CODES) + len(quantized_gemv.ACTIVATIONS) + 8
     check_instantiations(tmp_path, quantized_gemv.source(), lines, plain_entries=1)   # scale_product
 
 

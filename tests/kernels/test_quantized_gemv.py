@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from emulation import build_emulated
 
-from metrale.kernels import activation
+from metrale.kernels import activation, rmsnorm
 from metrale.kernels import quantized_gemv as qg
 from metrale.kernels.activation import silu_and_mul_reference
 from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
@@ -108,6 +108,38 @@ int main(int argc, char** argv) {
         write(folder + "/row_scales_unfused", unfused_scales, rows);
         return 0;
     }
+    if (only_dequantize == 6) {   // rmsnorm_fp8_rows of x and residual [rows, K] (flags & 16: add the residual)
+        const float* x = read<float>(folder + "/x", (size_t)rows * K);
+        float* residual = read<float>(folder + "/residual", (size_t)rows * K);
+        float* residual_unfused = read<float>(folder + "/residual", (size_t)rows * K);
+        const unsigned short* gains = read<unsigned short>(folder + "/norm_weight", K);
+        const float* norm = read<float>(folder + "/norm_params", 2);   // eps, offset
+        const int add = (flags & 16) != 0;
+        unsigned char* fp8 = allocate<unsigned char>((size_t)rows * K);
+        float* row_scales = allocate<float>(rows);
+        if (act == ACT_FP8_TOKEN) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
+            rmsnorm_fp8_rows<ACT_FP8_TOKEN>(x, residual, gains, norm[0], norm[1], add, input_scale, fp8, row_scales, K); });
+        if (act == ACT_FP8_TENSOR) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
+            rmsnorm_fp8_rows<ACT_FP8_TENSOR>(x, residual, gains, norm[0], norm[1], add, input_scale, fp8, row_scales, K); });
+        // The unfused path: rmsnorm_residual_words, then quantize_rows_fp8 of its bf16 rows.
+        unsigned short* normed = allocate<unsigned short>((size_t)rows * K);
+        unsigned char* unfused = allocate<unsigned char>((size_t)rows * K);
+        float* unfused_scales = allocate<float>(rows);
+        emu::launch({(unsigned)rows, 1, 1}, {NORM_WORD_THREADS, 1, 1}, [&] {
+            rmsnorm_residual_words(x, residual_unfused, gains, norm[0], norm[1], add, normed, K); });
+        if (act == ACT_FP8_TOKEN) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
+            quantize_rows_fp8<ACT_FP8_TOKEN, unsigned short>(normed, nullptr, input_scale, unfused, unfused_scales, K); });
+        if (act == ACT_FP8_TENSOR) emu::launch({(unsigned)rows, 1, 1}, {THREADS, 1, 1}, [&] {
+            quantize_rows_fp8<ACT_FP8_TENSOR, unsigned short>(normed, nullptr, input_scale, unfused, unfused_scales, K); });
+        write(folder + "/fp8", fp8, (size_t)rows * K);
+        write(folder + "/row_scales", row_scales, rows);
+        write(folder + "/summed", residual, (size_t)rows * K);
+        write(folder + "/fp8_unfused", unfused, (size_t)rows * K);
+        write(folder + "/row_scales_unfused", unfused_scales, rows);
+        write(folder + "/summed_unfused", residual_unfused, (size_t)rows * K);
+        write(folder + "/normed_unfused", normed, (size_t)rows * K);
+        return 0;
+    }
     if (only_dequantize == 4) {   // scale_product of x [rows, K] in place, gridDim.y = blocks
         float* product = read<float>(folder + "/x", (size_t)rows * K);
         const float* row_scales = read<float>(folder + "/row_scales_in", rows);
@@ -177,7 +209,8 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("quantized_gemv_emulated")
-    source = qg.CONSTANTS + qg.HELPERS + qg.DEVICE_FUNCTIONS + qg.KERNELS + activation.KERNEL + emulation_main()
+    source = (qg.CONSTANTS + qg.HELPERS + qg.DEVICE_FUNCTIONS + qg.KERNELS + activation.KERNEL + rmsnorm.KERNEL
+              + emulation_main())
     binary = build_emulated(folder / "quantized_gemv.cpp", source)
 
     def run(weight: QuantizedWeight, x=None, bias=None, *, split=1, blocks=2, dequantize_only=False,
@@ -389,6 +422,48 @@ def test_emulated_silu_and_mul_fp8_rows_are_silu_and_mul_then_its_rows_codes(emu
     assert np.allclose(restored, expected, rtol=0.07, atol=0)
     if activations == "fp8_token":
         assert np.allclose(scales, np.maximum(np.abs(act).max(axis=1) / 448.0, 1e-12), rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("activations", ["fp8_token", "fp8_tensor"])
+@pytest.mark.parametrize("width, add_residual, offset", [(4, True, 0.0), (1028, True, 1.0), (8192, False, 0.0)])
+def test_emulated_rmsnorm_fp8_rows_are_the_norm_then_its_rows_codes(emulated, activations, width, add_residual, offset):
+    """The fused kernel's sums, codes and scales are those of rmsnorm_residual_words then
+    quantize_rows_fp8 of its bf16 rows (the unfused path, bit for bit), rows of very different
+    magnitudes, widths from one float4 word to the widest it keeps; and the reference's."""
+    rows = 40
+    rng = np.random.default_rng(width)
+    magnitudes = np.resize(np.array([1.0, 30.0, 1e-3, 0.0, 4.0], np.float32), (rows, 1))
+    x = (rng.normal(size=(rows, width)) * magnitudes).astype(np.float32)
+    residual = (rng.normal(size=(rows, width)) * magnitudes).astype(np.float32)
+    norm_weight = float32_to_bf16(rng.uniform(-1.5, 1.5, size=width).astype(np.float32))
+    eps = 1e-5
+    weight = make_weight(rng, "fp8", 16, width, (1, width), activations=activations)
+    case = emulated.folder / "norm_case"
+    case.mkdir(exist_ok=True)
+    x.tofile(case / "x")
+    residual.tofile(case / "residual")
+    norm_weight.tofile(case / "norm_weight")
+    np.array([eps, offset], np.float32).tofile(case / "norm_params")
+    input_scale = float(weight.input_scale) if weight.input_scale is not None else 1.0
+    # (codes act split tiles rows K N blocks block_rows block_columns scale_columns act_group input_scale
+    # flags mode exact shared load): mode 6 is rmsnorm_fp8_rows, flags 16 adds the residual.
+    arguments = [0, qg.ACTIVATIONS[activations], 1, 1, rows, width, 0, 1, 1, 1, 1, 128, repr(input_scale),
+                 16 if add_residual else 0, 6, 0, 1, 1]
+    subprocess.run([str(emulated.binary), str(case), *map(str, arguments)], check=True, timeout=600)
+    codes = np.fromfile(case / "fp8", np.uint8).reshape(rows, width)
+    scales = np.fromfile(case / "row_scales", np.float32)
+    summed = np.fromfile(case / "summed", np.float32).reshape(rows, width)
+    assert np.array_equal(codes, np.fromfile(case / "fp8_unfused", np.uint8).reshape(rows, width))
+    assert np.array_equal(scales, np.fromfile(case / "row_scales_unfused", np.float32))
+    assert np.array_equal(summed, np.fromfile(case / "summed_unfused", np.float32).reshape(rows, width))
+    # And the references: the sum, the norm's bf16 rows (to their last bit), their quantized values.
+    assert np.array_equal(summed, x + residual if add_residual else x)
+    normed, _ = rmsnorm.rmsnorm_residual_reference(x, residual if add_residual else None,
+                                                   bf16_to_float32(norm_weight), eps, offset)
+    got_normed = bf16_to_float32(np.fromfile(case / "normed_unfused", np.uint16).reshape(rows, width))
+    assert np.allclose(got_normed, normed, rtol=2 ** -7, atol=0)
+    expected = quantize_activations(got_normed, weight)
+    assert np.array_equal(fp8_e4m3_table()[codes] * scales[:, None], expected)
 
 
 @pytest.mark.parametrize("rows, columns, grid_rows", [(7, 64, 3), (5, 67, 2), (3, 8, 8)])

@@ -318,6 +318,74 @@ def test_the_fp8_prompt_mlp_gives_the_unfused_ops_bits(backend, rows, monkeypatc
     assert out.dtype == np.float32 and cp.array_equal(out, expected)
 
 
+@pytest.mark.parametrize("activations", ["fp8_token", "fp8_tensor"])
+@pytest.mark.parametrize("rows, width, add_residual", [(2048, 4096, True), (37, 8192, True), (9, 4, False)])
+def test_rmsnorm_fp8_rows_writes_the_sums_and_codes_of_the_norm_then_quantize_rows(backend, activations, rows, width,
+                                                                                  add_residual):
+    """The fused pass against the two kernels it replaces, bit for bit: the sums (in place), codes
+    and scales."""
+    import cupy as cp
+
+    from metrale.kernels import quantized_gemv as qg
+    from metrale.kernels import rmsnorm
+    from metrale.kernels.bf16 import float32_to_bf16
+
+    rng = np.random.default_rng(width + rows)
+    weight = uploaded(backend, host_weight("fp8", width, 16, "fp8_token", rng))
+    if activations == "fp8_tensor":
+        weight = QuantizedWeight("fp8", weight.codes, weight.scales, weight.block, weight.shape, activations="fp8_tensor",
+                                 input_scale=np.float32(0.05))
+    magnitudes = rng.uniform(1e-3, 30, size=(rows, 1)).astype(np.float32)
+    x = cp.asarray(rng.normal(size=(rows, width)).astype(np.float32) * magnitudes)
+    residual = cp.asarray(rng.normal(size=(rows, width)).astype(np.float32) * magnitudes)
+    gains = cp.asarray(float32_to_bf16(rng.uniform(-1.5, 1.5, size=width).astype(np.float32)))
+    stream = backend.stream
+    summed, codes, scales = residual.copy(), cp.empty((rows, width), np.uint8), cp.empty(rows, np.float32)
+    qg.rmsnorm_fp8_rows(x, summed, gains, 1e-5, 0.0, add_residual, weight, codes, scales, stream)
+    expected_summed, normed = residual.copy(), cp.empty((rows, width), np.uint16)
+    rmsnorm.rmsnorm_residual_words(x, expected_summed, gains, 1e-5, 0.0, add_residual, normed, stream)
+    expected_codes, expected_scales = cp.empty_like(codes), cp.empty_like(scales)
+    qg.quantize_rows_fp8(normed, weight, expected_codes, expected_scales, stream)
+    stream.synchronize()
+    assert cp.array_equal(summed, expected_summed)
+    assert cp.array_equal(scales, expected_scales)
+    assert cp.array_equal(codes, expected_codes)
+
+
+@pytest.mark.parametrize("rows, bias, cublas_has_algorithm", [(2048, False, True), (300, True, True),
+                                                             (64, False, False)])
+def test_the_fp8_prompt_norm_linear_gives_the_unfused_ops_bits(backend, rows, bias, cublas_has_algorithm, monkeypatch):
+    """``rmsnorm_linear`` of FP8 prompt rows (the norm written as the product's FP8 rows) against its
+    parts through the op table: the same bits; where cuBLASLt turns out to have no FP8 algorithm
+    after the norm ran, the sum is normed again (not added twice) and the unfused ops serve it (the
+    bf16 product of the dequantized weight, as ``linear`` takes it then)."""
+    import cupy as cp
+
+    fused = []
+    product = backend.kernels.fp8_norm_product
+    monkeypatch.setattr(backend.kernels, "fp8_norm_product",
+                        lambda *a, **k: fused.append(product(*a, **k)) or fused[-1])
+    if not cublas_has_algorithm:
+        codes_product = backend.kernels._fp8_codes_product
+        monkeypatch.setattr(backend.kernels, "_fp8_codes_product",
+                            lambda codes, *a, **k: None if codes.shape[0] >= rows else codes_product(codes, *a, **k))
+    rng = np.random.default_rng(rows)
+    weight = uploaded(backend, host_weight("fp8", 2048, 3072, "fp8_token", rng))
+    norm = backend.weight(rng.uniform(0.5, 1.5, size=2048).astype(np.float32))
+    bias_values = backend.constant(rng.normal(size=3072).astype(np.float32)) if bias else None
+    x = cp.asarray(rng.normal(size=(rows, 2048)).astype(np.float32))
+    residual = cp.asarray(rng.normal(size=(rows, 2048)).astype(np.float32))
+    ops = backend.ops
+    out, summed = ops.rmsnorm_linear(x.copy(), residual.copy(), norm, 1e-5, 0.0, weight, bias_values)
+    assert len(fused) == 1 and fused[0] is not None and (fused[0][0] is not None) == cublas_has_algorithm
+    normed, expected_summed = ops.rmsnorm_residual(x.copy(), residual.copy(), norm, 1e-5, 0.0)
+    backend.synchronize()
+    assert cp.array_equal(summed, expected_summed)
+    expected = ops.linear(normed, weight, bias_values)   # (without an algorithm: the bf16 product, as the op's)
+    backend.synchronize()
+    assert out.dtype == np.float32 and cp.array_equal(out, expected)
+
+
 @pytest.mark.parametrize("rows, columns, offset", [(37, 4096, 0), (5, 4099, 0), (2500, 64, 0), (9, 4096, 1)])
 def test_scale_product_scales_rows_then_columns_in_one_pass(backend, rows, columns, offset):
     """Vector rows, odd widths, more rows than the grid has, column scales off a 16-byte boundary."""

@@ -5,6 +5,8 @@
   divided and taken modulo the width for every element);
 * the down projection's FP8 input rows written from the bf16 gate/up product in one pass
   (``silu_and_mul_fp8_rows``) against ``silu_and_mul_words`` then ``quantize_rows_fp8``;
+* the q/k/v and gate/up products' FP8 input rows written by the norm (``rmsnorm_fp8_rows``)
+  against ``rmsnorm_residual_words`` then ``quantize_rows_fp8``;
 * a float32 FP8 product of the q/k/v, o and down shapes two ways: cuBLASLt's float32 product, then
   the scaling pass (what the prompt path serves), against its bf16 product with the scales in the
   epilogue, then widened to float32 (one more rounding, to bf16).
@@ -26,6 +28,8 @@ import numpy as np
 PRODUCT_WIDTHS = (6144, 4096)
 #: The 8B shape's intermediate size (the gate/up product is twice as wide).
 INTERMEDIATE = 14336
+#: The 8B shape's hidden size (the norms' rows).
+HIDDEN = 4096
 
 
 def elementwise_scaling() -> Any:
@@ -97,8 +101,38 @@ def main() -> None:
         moved = rows * INTERMEDIATE * 5  # 4 bytes of gate/up read and a code written a value
         print(f"down input rows {rows} x {INTERMEDIATE}: silu_and_mul then quantize_rows_fp8 {before:7.1f} us, "
               f"silu_and_mul_fp8_rows {now:7.1f} us ({moved / now / 1e3:5.0f} GB/s)", flush=True)
+        norm_rows(rows, backend, rng, timed)
         float32_products(rows, rng, timed)
     backend.close()
+
+
+def norm_rows(rows: int, backend: Any, rng: np.random.Generator, timed: Any) -> None:
+    """The q/k/v and gate/up products' FP8 input rows written by the norm (``rmsnorm_fp8_rows``)
+    against ``rmsnorm_residual_words`` then ``quantize_rows_fp8`` of its bf16 rows."""
+    import cupy as cp
+
+    from metrale.kernels import quantized_gemv as qg
+    from metrale.kernels import rmsnorm
+
+    weight = backend.quantized_weight(down_input_weight(HIDDEN, rng))
+    gains = backend.weight(rng.uniform(0.5, 1.5, size=HIDDEN).astype(np.float32))
+    backend.stream.synchronize()
+    xs = [cp.random.standard_normal((rows, HIDDEN), dtype=cp.float32) for _ in range(2)]
+    residual = cp.random.standard_normal((rows, HIDDEN), dtype=cp.float32)
+    normed = cp.empty((rows, HIDDEN), np.uint16)
+    codes, scales = cp.empty((rows, HIDDEN), np.uint8), cp.empty(rows, np.float32)
+
+    def unfused(s: Any, c: int) -> None:
+        rmsnorm.rmsnorm_residual_words(xs[c], residual, gains, 1e-5, 0.0, True, normed, s)
+        qg.quantize_rows_fp8(normed, weight, codes, scales, s)
+
+    def fused(s: Any, c: int) -> None:
+        qg.rmsnorm_fp8_rows(xs[c], residual, gains, 1e-5, 0.0, True, weight, codes, scales, s)
+
+    before, now = timed(unfused, 2), timed(fused, 2)
+    moved = rows * HIDDEN * 13  # x and the residual read, the sum written, a code written a value
+    print(f"norm input rows {rows} x {HIDDEN}: rmsnorm_residual_words then quantize_rows_fp8 {before:7.1f} us, "
+          f"rmsnorm_fp8_rows {now:7.1f} us ({moved / now / 1e3:5.0f} GB/s)", flush=True)
 
 
 #: (K, N) of the float32 FP8 products of the 8B shape's prompt (q/k/v, o, down).
