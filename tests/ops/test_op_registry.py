@@ -238,7 +238,8 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
         "metrale.kernels.fp8_gemv (the norm in the gated gate/up GEMV's prologue), then the down GEMV [metrale] when "
         "FP8 weights and inputs whose scales factor out of the sums, or block-wise FP8, rows the prologue stages in "
         "shared memory (up to 4), inner sizes multiples of 16, bf16 norm weights, no gate_up bias",
-        "rmsnorm_residual, the cuBLASLt FP8 gate/up product (bf16 out, the scales in its epilogue), "
+        "metrale.kernels.quantized_gemv (the norm written as the gate/up product's FP8 input rows where it serves "
+        "them; rmsnorm_residual otherwise), the cuBLASLt FP8 gate/up product (bf16 out, the scales in its epilogue), "
         "metrale.kernels.quantized_gemv (the SwiGLU gate and the down product's FP8 input rows in one pass), the "
         "cuBLASLt FP8 down product [metrale] when FP8 weights and inputs whose scales factor out of the sums, N >= 8, "
         "no gate_up bias",
@@ -269,6 +270,9 @@ def test_the_decode_kernels_bound_by_default_come_before_the_unconditional_ones(
     assert registry.serving("rmsnorm_linear", "cuda")[1].startswith("metrale.kernels.fp8_gemv (the norm in its "
                                                                      "prologue) [metrale] when FP8 weights")
     assert registry.serving("rmsnorm_linear", "cuda")[2].startswith(
+        "metrale.kernels.quantized_gemv (the norm written as the product's FP8 input rows), the cuBLASLt FP8 product "
+        "[metrale] when FP8 weights and inputs whose scales factor out of the sums, N >= 8")
+    assert registry.serving("rmsnorm_linear", "cuda")[3].startswith(
         "metrale.kernels.decode_gemv (the norm fused) [metrale] when N <= 2")
     experts = registry.serving("moe_experts", "cuda")
     assert experts[0] == "refused [metrale] when batch_invariant=True"
