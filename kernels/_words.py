@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-#: The bf16 conversions, the 8-wide bf16 dot product and the warp sum the decode kernels share
-#: (:mod:`metrale.kernels.moe_decode`, :mod:`metrale.kernels.gdn_decode` too).
+#: The bf16 conversions, the 8-wide bf16 dot product, the warp sum and a norm's first pass the
+#: decode kernels share (:mod:`metrale.kernels.moe_decode`, :mod:`metrale.kernels.gdn_decode` too).
 HELPERS = r"""
 __device__ __forceinline__ float bf16_low(unsigned word) { return __uint_as_float(word << 16); }
 __device__ __forceinline__ float bf16_high(unsigned word) { return __uint_as_float(word & 0xffff0000u); }
@@ -35,6 +35,38 @@ __device__ __forceinline__ float dot8(const uint4 w, const uint4 x) {
 __device__ __forceinline__ float warp_sum(float value) {
     for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
     return value;
+}
+
+// The first pass of a norm over a row kept in registers: kept[j] <- in[quad] (+ sums[quad] where
+// add_residual), written back to sums[quad], for quad = tid + j * threads < quads; returns this
+// thread's sum of the squares, its quads in order (rmsnorm_residual_words and rmsnorm_fp8_rows: the
+// same sums in the same order).
+template <int QUADS>
+__device__ __forceinline__ float residual_row_sums(const float4* __restrict__ in, float4* __restrict__ sums,
+                                                   int add_residual, int quads, int tid, int threads, float4* kept) {
+#pragma unroll
+    for (int j = 0; j < QUADS; ++j) {
+        const int quad = tid + j * threads;
+        if (quad < quads) {
+            float4 value = in[quad];
+            if (add_residual) {
+                const float4 other = sums[quad];
+                value.x += other.x; value.y += other.y; value.z += other.z; value.w += other.w;
+            }
+            kept[j] = value;
+        }
+    }
+    float squares = 0.0f;
+#pragma unroll
+    for (int j = 0; j < QUADS; ++j) {
+        const int quad = tid + j * threads;
+        if (quad < quads) {
+            const float4 value = kept[j];
+            sums[quad] = value;
+            squares += value.x * value.x + value.y * value.y + value.z * value.z + value.w * value.w;
+        }
+    }
+    return squares;
 }
 
 // bf16(silu(g) * u) for the two bf16 values of each word.

@@ -795,28 +795,7 @@ __global__ void __launch_bounds__(THREADS) rmsnorm_fp8_rows(
     const float4* in = reinterpret_cast<const float4*>(x) + (size_t)r * quads;
     float4* sums = reinterpret_cast<float4*>(residual) + (size_t)r * quads;
     float4 kept[NORM_FP8_QUADS];
-    float squares = 0.0f;
-    #pragma unroll
-    for (int j = 0; j < NORM_FP8_QUADS; ++j) {
-        const int quad = tid + j * THREADS;
-        if (quad < quads) {
-            float4 value = in[quad];
-            if (add_residual) {
-                const float4 other = sums[quad];
-                value.x += other.x; value.y += other.y; value.z += other.z; value.w += other.w;
-            }
-            kept[j] = value;
-        }
-    }
-    #pragma unroll
-    for (int j = 0; j < NORM_FP8_QUADS; ++j) {
-        const int quad = tid + j * THREADS;
-        if (quad < quads) {
-            const float4 value = kept[j];
-            sums[quad] = value;
-            squares += value.x * value.x + value.y * value.y + value.z * value.z + value.w * value.w;
-        }
-    }
+    float squares = residual_row_sums<NORM_FP8_QUADS>(in, sums, add_residual, quads, tid, THREADS, kept);
     squares = warp_sum(squares);
     if (lane == 0) partial[warp] = squares;
     __syncthreads();

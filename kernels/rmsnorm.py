@@ -153,28 +153,7 @@ extern "C" __global__ void __launch_bounds__(NORM_WORD_THREADS) rmsnorm_residual
     const float4* in = reinterpret_cast<const float4*>(x) + (size_t)row * quads;
     float4* sums = reinterpret_cast<float4*>(residual) + (size_t)row * quads;
     float4 kept[NORM_WORD_QUADS];
-    float squares = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NORM_WORD_QUADS; ++j) {
-        const int quad = tid + j * NORM_WORD_THREADS;
-        if (quad < quads) {
-            float4 value = in[quad];
-            if (add_residual) {
-                const float4 other = sums[quad];
-                value.x += other.x; value.y += other.y; value.z += other.z; value.w += other.w;
-            }
-            kept[j] = value;
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < NORM_WORD_QUADS; ++j) {
-        const int quad = tid + j * NORM_WORD_THREADS;
-        if (quad < quads) {
-            const float4 value = kept[j];
-            sums[quad] = value;
-            squares += value.x * value.x + value.y * value.y + value.z * value.z + value.w * value.w;
-        }
-    }
+    float squares = residual_row_sums<NORM_WORD_QUADS>(in, sums, add_residual, quads, tid, NORM_WORD_THREADS, kept);
     squares = warp_sum(squares);
     if (tid % 32 == 0) partial[tid / 32] = squares;
     __syncthreads();
