@@ -781,7 +781,7 @@ def fp8_decode_experts(x: DeviceArray, experts: DeviceArray, weights: DeviceArra
                        down: QuantizedWeight, act: DeviceArray, partial: DeviceArray, out: DeviceArray, stream: Any,
                        *, multiprocessors: int = 132) -> DeviceArray:
     """Routed experts of decode rows over FP8 stacks, only the chosen experts' codes read: ``out
-    [N, H]`` float32 from float32 ``x [N, H]`` (16-byte aligned rows), int32 ``experts [N, k]``,
+    [N, H]`` float32 from ``x [N, H]`` float32 or bf16 bits (uint16; 16-byte aligned rows), int32 ``experts [N, k]``,
     float32 ``weights [N, k]``, ``gate_up [E * 2I, H]`` (each expert's I gate rows, then its I up
     rows) and ``down [E * H, I]``. Three launches: the gated GEMV a routed pair a grid row into
     ``act [N * k, I]`` (bf16 scratch), the down GEMV the same way into ``partial [N * k, H]``
@@ -791,7 +791,8 @@ def fp8_decode_experts(x: DeviceArray, experts: DeviceArray, weights: DeviceArra
     op = "fp8_decode_experts"
     qg.check_weight(op, gate_up)
     qg.check_weight(op, down)
-    check_array(op, "x", x, np.float32, ndim=2)
+    bf16_rows = getattr(x, "dtype", None) == np.uint16
+    check_array(op, "x", x, np.uint16 if bf16_rows else np.float32, ndim=2)
     tokens, hidden = x.shape
     check_array(op, "experts", experts, np.int32, (tokens, None))
     top_k = experts.shape[1]
@@ -814,7 +815,8 @@ def fp8_decode_experts(x: DeviceArray, experts: DeviceArray, weights: DeviceArra
     for weight, rows, columns, target, gated, per_row in ((gate_up, x, 2 * inter, act, True, top_k),
                                                            (down, act, hidden, partial, False, 1)):
         chosen, blocks = qg.plan(columns, share)
-        function = _function(kernel_name(weight.activations, chosen, 1, True, UNROLL, not gated, gated, False, True))
+        bf16_input = bf16_rows if gated else True   # the down product reads the gated product's bf16 act
+        function = _function(kernel_name(weight.activations, chosen, 1, True, UNROLL, bf16_input, gated, False, True))
         stage = shared_bytes(1, weight, chosen, True)
         if stage > 48 * 1024:
             function.max_dynamic_shared_size_bytes = stage

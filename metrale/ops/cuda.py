@@ -473,7 +473,8 @@ class CudaKernels:
         act = cp.empty((tokens * top_k, down.shape[1]), dtype=bf16)
         partial = cp.empty((tokens * top_k, x.shape[1]), dtype=f32)
         out = cp.empty((tokens, x.shape[1]), dtype=f32)
-        rows = cp.ascontiguousarray(self.to_float32(x))
+        # bf16 rows (a norm's output) are read as they are, others as float32.
+        rows = cp.ascontiguousarray(x) if x.dtype == bf16 else cp.ascontiguousarray(self.to_float32(x))
         if not aligned(rows):  # a view into a larger array: the kernel reads 16 bytes at a time
             rows = rows.copy()
         return fp8_gemv.fp8_decode_experts(

@@ -260,11 +260,12 @@ def test_every_fp8_gemv_instantiation_compiles(tmp_path):
     names += [(fp8_gemv.kernel_name(activations, split, 1, True, fp8_gemv.UNROLL, False, swiglu, True),
                arguments.format(input="const float*"))
               for activations in ("fp8_token", "fp8_tensor") for split in quantized_gemv.SPLITS for swiglu in (False, True)]
-    # The routed-expert form: one row, staged in shared memory; float32 rows into the gated product,
-    # bf16 rows into the down product.
-    names += [(fp8_gemv.kernel_name(activations, split, 1, True, fp8_gemv.UNROLL, not swiglu, swiglu, False, True),
-               arguments.format(input="const float*" if swiglu else "const unsigned short*"))
-              for activations in fp8_gemv.ACTIVATIONS for split in quantized_gemv.SPLITS for swiglu in (False, True)]
+    # The routed-expert form: one row, staged in shared memory; float32 or bf16 rows into the gated
+    # product, bf16 rows into the down product.
+    names += [(fp8_gemv.kernel_name(activations, split, 1, True, fp8_gemv.UNROLL, bf16_input, swiglu, False, True),
+               arguments.format(input="const unsigned short*" if bf16_input else "const float*"))
+              for activations in fp8_gemv.ACTIVATIONS for split in quantized_gemv.SPLITS
+              for swiglu, bf16_input in ((True, False), (True, True), (False, True))]
     check_instantiations(tmp_path, fp8_gemv.source(),
                          [f"template __global__ void {name}({signature});\n" for name, signature in names],
                          plain_entries=1)  # expert_slot_sum

@@ -15,7 +15,7 @@ from emulation import build_emulated
 from metrale.errors import KernelArgumentError
 from metrale.kernels import fp8_gemv as fg
 from metrale.kernels import quantized_gemv as qg
-from metrale.kernels.bf16 import bf16_to_float32
+from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
 from metrale.kernels.quantized import QuantizedWeight, float32_to_fp8_e4m3
 from metrale.kernels.quantized_moe_decode import quantized_decode_experts_reference
 
@@ -23,25 +23,30 @@ ACTIVATIONS = ("fp8_group", "fp8_token")
 
 
 def emulation_main() -> str:
+    # The gated product from float32 or bf16 rows (x, x16), the down product from the bf16 act.
     dispatch = "\n".join(
-        f"    if (act_kind == {fg.ACTIVATIONS[a]} && split == {s} && gated == {int(g)}) {{ emu::launch({{(unsigned)blocks, "
-        f"(unsigned)pairs, 1}}, {{THREADS, 1, 1}}, [&] {{ {fg.kernel_name(a, s, 1, True, fg.UNROLL, not g, g, False, True)}"
-        f"({'x' if g else 'act'}, 1.0f, nullptr, nullptr, codes, scales, block_rows, nullptr, "
+        f"    if (act_kind == {fg.ACTIVATIONS[a]} && split == {s} && gated == {int(g)} && bf16 == {int(b)}) {{ "
+        f"emu::launch({{(unsigned)blocks, (unsigned)pairs, 1}}, {{THREADS, 1, 1}}, [&] {{ "
+        f"{fg.kernel_name(a, s, 1, True, fg.UNROLL, b or not g, g, False, True)}"
+        f"({('x16' if b else 'x') if g else 'act'}, 1.0f, nullptr, nullptr, codes, scales, block_rows, nullptr, "
         f"{'reinterpret_cast<float*>(act)' if g else 'partial'}, 1, K, columns, nullptr, nullptr, 0.0f, 0.0f, nullptr, "
         f"experts, {'top_k' if g else '1'}); }}); found = true; }}"
-        for a in ACTIVATIONS for s in qg.SPLITS for g in (True, False))
+        for a in ACTIVATIONS for s in qg.SPLITS for g in (True, False) for b in ((False, True) if g else (False,)))
     return r"""
 #include <string>
 
 int main(int argc, char** argv) {
-    if (argc != 13) emu::fail("usage: folder act tokens top_k H I E gate_split gate_blocks down_split down_blocks block_rows");
+    if (argc != 14) emu::fail("usage: folder act tokens top_k H I E gate_split gate_blocks down_split down_blocks block_rows "
+                              "bf16_rows");
     const std::string folder = argv[1];
     const int act_kind = std::atoi(argv[2]), tokens = std::atoi(argv[3]), top_k = std::atoi(argv[4]);
     const int H = std::atoi(argv[5]), I = std::atoi(argv[6]), E = std::atoi(argv[7]);
     const int splits[2] = {std::atoi(argv[8]), std::atoi(argv[10])}, grid[2] = {std::atoi(argv[9]), std::atoi(argv[11])};
     const int block_rows_of[2] = {std::atoi(argv[12]), std::atoi(argv[12])};
     const int pairs = tokens * top_k;
+    const int bf16_rows = std::atoi(argv[13]);   // the gated product reads x as bf16 bits (x16)
     const float* x = read<float>(folder + "/x", (size_t)tokens * H);
+    const unsigned short* x16 = bf16_rows ? read<unsigned short>(folder + "/x_bf16", (size_t)tokens * H) : nullptr;
     const int* experts = read<int>(folder + "/experts", pairs);
     const float* weights = read<float>(folder + "/weights", pairs);
     unsigned short* act = allocate<unsigned short>((size_t)pairs * I);
@@ -55,6 +60,7 @@ int main(int argc, char** argv) {
         const unsigned char* codes = read<unsigned char>(folder + "/" + name + "_codes", (size_t)rows * K);
         const float* scales = read<float>(folder + "/" + name + "_scales", (size_t)scale_rows * scale_columns);
         const int split = splits[gated ? 0 : 1], blocks = grid[gated ? 0 : 1], block_rows = block_rows_of[0];
+        const int bf16 = gated ? bf16_rows : 0;
         bool found = false;
 """ + dispatch + r"""
         if (!found) emu::fail("no such instance");
@@ -75,12 +81,15 @@ def emulated(tmp_path_factory):
     source = qg.CONSTANTS + qg.HELPERS + qg.DEVICE_FUNCTIONS + qg.KERNELS + fg.KERNELS + emulation_main()
     binary = build_emulated(folder / "fp8_experts.cpp", source)
 
-    def run(x, experts, weights, gate_up: QuantizedWeight, down: QuantizedWeight, multiprocessors: int):
+    def run(x, experts, weights, gate_up: QuantizedWeight, down: QuantizedWeight, multiprocessors: int,
+            bf16_rows: bool = False):
         case = folder / "case"
         case.mkdir(exist_ok=True)
         tokens, top_k = experts.shape
         hidden, inter = x.shape[1], down.shape[1]
         np.ascontiguousarray(x, np.float32).tofile(case / "x")
+        if bf16_rows:  # x as bf16 bits (the caller's x holds bf16 values)
+            float32_to_bf16(np.ascontiguousarray(x, np.float32)).tofile(case / "x_bf16")
         np.ascontiguousarray(experts, np.int32).tofile(case / "experts")
         np.ascontiguousarray(weights, np.float32).tofile(case / "weights")
         for name, weight in (("gate_up", gate_up), ("down", down)):
@@ -90,7 +99,7 @@ def emulated(tmp_path_factory):
         gate_split, gate_blocks = qg.plan(2 * inter, share)
         down_split, down_blocks = qg.plan(hidden, share)
         arguments = [fg.ACTIVATIONS[gate_up.activations], tokens, top_k, hidden, inter, down.shape[0] // hidden,
-                     gate_split, gate_blocks, down_split, down_blocks, gate_up.block[0]]
+                     gate_split, gate_blocks, down_split, down_blocks, gate_up.block[0], int(bf16_rows)]
         subprocess.run([str(binary), str(case), *map(str, arguments)], check=True, timeout=600)
         act = bf16_to_float32(np.fromfile(case / "act", np.uint16).reshape(tokens * top_k, inter))
         return np.fromfile(case / "out", np.float32).reshape(tokens, hidden), act
@@ -145,6 +154,22 @@ def test_emulated_experts_match_the_reference(emulated, activations, tokens, top
     # value) when they are quantized again, so the two agree to a few parts in a hundred.
     general = quantized_decode_experts_reference(x, chosen, weights, gate_up, down)
     assert np.abs(got - general).max() <= 5e-2 * np.abs(general).max()
+
+
+@pytest.mark.parametrize("activations, tokens, top_k, hidden, inter, experts, multiprocessors", CASES[:2] + CASES[3:])
+def test_emulated_experts_read_bf16_rows_as_their_float32_values(emulated, activations, tokens, top_k, hidden, inter,
+                                                                 experts, multiprocessors):
+    """The gated product from bf16 rows (a norm's output as it comes) gives the float32 rows' bits."""
+    rng = np.random.default_rng(tokens * 10 + inter)
+    gate_up = stacked_weight(rng, experts, 2 * inter, hidden, activations)
+    down = stacked_weight(rng, experts, hidden, inter, activations)
+    x = bf16_to_float32(float32_to_bf16(rng.normal(size=(tokens, hidden)).astype(np.float32)))
+    chosen = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, size=(tokens, top_k)).astype(np.float32)
+    from_floats, act_floats = emulated(x, chosen, weights, gate_up, down, multiprocessors)
+    from_bits, act_bits = emulated(x, chosen, weights, gate_up, down, multiprocessors, bf16_rows=True)
+    assert np.array_equal(act_bits, act_floats)
+    assert np.array_equal(from_bits, from_floats)
 
 
 def test_what_the_expert_form_serves():

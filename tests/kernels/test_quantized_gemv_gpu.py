@@ -187,6 +187,26 @@ def test_the_decode_experts_match_the_reference_on_deepseek_lite_shapes(backend,
     assert rel_error(cp.asnumpy(out), expected) < 1e-4
 
 
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_the_fp8_routed_experts_read_bf16_rows_as_their_float32_values(backend, tokens):
+    """``moe_experts`` of bf16 rows (a norm's output, not widened first) gives the float32 rows' bits."""
+    import cupy as cp
+
+    from metrale.kernels.bf16 import bf16_to_float32, float32_to_bf16
+
+    rng = np.random.default_rng(tokens + 5)
+    experts, hidden, inter, top_k = 16, 2048, 1408, 6
+    gate_up = uploaded(backend, host_weight("fp8", hidden, experts * 2 * inter, "fp8_group", rng))
+    down = uploaded(backend, host_weight("fp8", inter, experts * hidden, "fp8_group", rng))
+    bits = float32_to_bf16(rng.normal(size=(tokens, hidden)).astype(np.float32))
+    chosen = cp.asarray(np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32))
+    weights = cp.asarray(rng.uniform(0.1, 1.0, size=(tokens, top_k)).astype(np.float32))
+    from_bits = backend.ops.moe_experts(cp.asarray(bits), chosen, weights, gate_up, down)
+    from_floats = backend.ops.moe_experts(cp.asarray(bf16_to_float32(bits)), chosen, weights, gate_up, down)
+    backend.synchronize()
+    assert cp.array_equal(from_bits, from_floats)
+
+
 @pytest.mark.parametrize("activations", ["fp8_token", "fp8_tensor"])
 def test_prompt_rows_of_fp8_take_the_fp8_tensor_cores(backend, activations):
     """Per-channel FP8 weights and FP8 inputs: the codes' product on FP8 tensor cores (cuBLASLt),
