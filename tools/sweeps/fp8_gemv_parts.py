@@ -85,7 +85,9 @@ def main() -> None:
         host = rng.normal(size=(columns, inner)).astype(np.float32) * 0.02
         fp8 = [backend.quantized_weight(quantize_fp8_per_channel(host, "fp8_token")) for _ in range(args.copies)]
         bf16 = [cp.asarray(float32_to_bf16(host)) for _ in range(args.copies)]
-        x = cp.asarray(rng.normal(size=(1, inner)).astype(np.float32))
+        x_host = rng.normal(size=(1, inner)).astype(np.float32)
+        x = cp.asarray(x_host)
+        x_bf16 = cp.asarray(float32_to_bf16(x_host))  # the bf16 kernel's plain modes read bf16 rows
         residual = cp.asarray(rng.normal(size=(1, inner)).astype(np.float32))
         gain = cp.asarray(float32_to_bf16(rng.uniform(0.5, 1.5, size=inner).astype(np.float32)))
         summed = cp.empty((1, inner), np.float32)
@@ -102,7 +104,7 @@ def main() -> None:
         mode = {(True, True): decode_gemv.RMSNORM_SWIGLU, (True, False): decode_gemv.RMSNORM,
                 (False, True): decode_gemv.PLAIN_SWIGLU, (False, False): decode_gemv.PLAIN}[(norm, gated)]
 
-        def launch_bf16(s: Any, c: int, weights: list = bf16, kw: dict = norm_arguments, xs: Any = x,
+        def launch_bf16(s: Any, c: int, weights: list = bf16, kw: dict = norm_arguments, xs: Any = x if norm else x_bf16,
                         o: Any = out_bf16, m: int = mode) -> None:
             decode_gemv.decode_gemv(m, xs, weights[c], o, s, **kw)
 
