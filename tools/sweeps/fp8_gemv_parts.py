@@ -13,7 +13,7 @@ are never served). Each kernel is launched 20 times in a CUDA graph, dependently
 launches them, cycling through ``--copies`` copies of the weight so that it comes from memory
 rather than the L2 cache. Each projection is also timed at every split of a column tile over
 warps the kernel has (the launcher picks the smallest that gives each multiprocessor a block's
-worth of warps). Run from the repository root.
+worth of warps), and at each step length (:data:`UNROLLS`). Run from the repository root.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ import numpy as np
 #: (name, K, N, norm prologue, gated): the 8B shape's projections as the decode step launches them.
 PROJECTIONS = [("qkv", 4096, 6144, True, False), ("o", 4096, 4096, False, False),
                ("gate_up", 4096, 28672, True, True), ("down", 14336, 4096, False, False)]
+
+#: Pieces of 64 inner positions a warp's step loads, each timed (the kernel's template UNROLL).
+UNROLLS = (2, 4, 8)
 
 #: Parts of the FP8 GEMV's source taken out: (name, [(text, replacement)]).
 PARTS = [
@@ -98,8 +101,9 @@ def main() -> None:
         norm_arguments: dict[str, Any] = dict(residual=residual, norm_weight=gain, summed=summed) if norm else {}
 
         def launch_fp8(s: Any, c: int, weights: list = fp8, kw: dict = norm_arguments, xs: Any = x, o: Any = out,
-                       g: bool = gated, split: int | None = None) -> None:
-            fp8_gemv.fp8_gemv(xs, weights[c], o, s, multiprocessors=multiprocessors, swiglu=g, split=split, **kw)
+                       g: bool = gated, split: int | None = None, unroll: int = fp8_gemv.UNROLL) -> None:
+            fp8_gemv.fp8_gemv(xs, weights[c], o, s, multiprocessors=multiprocessors, swiglu=g, split=split,
+                              unroll=unroll, **kw)
 
         mode = {(True, True): decode_gemv.RMSNORM_SWIGLU, (True, False): decode_gemv.RMSNORM,
                 (False, True): decode_gemv.PLAIN_SWIGLU, (False, False): decode_gemv.PLAIN}[(norm, gated)]
@@ -120,6 +124,12 @@ def main() -> None:
             us = timed(lambda s, c, k=split: launch_fp8(s, c, split=k), args.copies)
             splits.append(f"{split}{'*' if split == chosen else ''} {us:6.1f}")
         print(f"{'':8} fp8 by split (warps a column tile; * the launcher's): " + "  ".join(splits) + " us", flush=True)
+        unrolls = []
+        for unroll in UNROLLS:
+            us = timed(lambda s, c, k=unroll: launch_fp8(s, c, unroll=k), args.copies)
+            unrolls.append(f"{unroll}{'*' if unroll == fp8_gemv.UNROLL else ''} {us:6.1f}")
+        print(f"{'':8} fp8 by unroll (64-position pieces a warp loads a step): " + "  ".join(unrolls) + " us",
+              flush=True)
     original = fp8_gemv.KERNELS
     try:
         for part, edits in PARTS:
