@@ -490,6 +490,8 @@ def test_the_lora_endpoints_take_post_only_and_are_404_when_off(lora_stack, stac
     check_error(lora_stack.http.get(UNLOAD), 405, code="method_not_allowed")
     if not stack.app.state.metrale.allow_runtime_lora_updating:  # (the other app follows VLLM_ALLOW_RUNTIME_LORA_UPDATING)
         check_error(stack.http.post(LOAD, json={"lora_name": "a", "lora_path": NOT_AN_ADAPTER}), 404, code="not_found")
+    # A refused load of its own: the counter's line does not hang on other tests having run first.
+    check_error(lora_stack.http.post(LOAD, json={"lora_path": NOT_AN_ADAPTER}), 400, "lora_name")
     text = lora_stack.http.get("/metrics").text
     assert 'metrale_requests_total{endpoint="/v1/load_lora_adapter",status="400"}' in text
     assert 'status="500"' not in text
