@@ -308,6 +308,29 @@ def test_mixed_precision_groups_equal_the_tools_forward(llama_full_precision, tm
     assert metrale_greedy(llm, PROMPT) == torch_greedy(reference, PROMPT)
 
 
+@pytest.mark.parametrize("preset", ["W4A16", "FP8_DYNAMIC"])
+def test_a_quantized_lm_head_is_served_as_the_checkpoint_stores_it(preset, llama_full_precision, tmp_path):
+    """A recipe that ignores nothing quantizes the LM head too: it loads as the tool's
+    decompression, and the logits are the tool's forward with the head quantized (not the
+    full-precision head's)."""
+    chosen = tool.scheme(preset)
+    folder = tool.write_compressed_checkpoint(llama_full_precision, chosen, tmp_path / preset, ignore=())
+    assert assert_weights_match_tool(folder) == 15
+    head = Checkpoint(folder).quantized("lm_head.weight")
+    assert head is not None and head.codes_format == ("int4" if preset == "W4A16" else "fp8")
+    reference = tool.tool_fake_quantized_model(llama_full_precision, chosen, ignore=())
+    full_precision_head = tool.tool_fake_quantized_model(llama_full_precision, chosen)
+    llm = LLM(folder, device="cpu", show_progress=False)
+    ours = llm.score(PROMPT)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0].numpy()
+        unquantized = full_precision_head(torch.tensor([PROMPT])).logits[0].numpy()
+    error = relative(ours, expected)
+    assert error <= LOGIT_TOLERANCE, f"{preset} with a quantized LM head: logits relative error {error:.3g}"
+    assert relative(ours, unquantized) > 10 * LOGIT_TOLERANCE
+    assert metrale_greedy(llm, PROMPT) == torch_greedy(reference, PROMPT)
+
+
 def test_block_fp8_qwen3_moe_experts_equal_the_quantized_reference(tmp_path):
     """Qwen3-MoE in Hugging Face's block FP8 (as Qwen3-*-FP8 ship): attention and every expert's
     projections quantized in 128 x 128 blocks, their inputs per token and group of 128. The
